@@ -1,0 +1,51 @@
+"""graphquant: fine-grained FP8 / MXFP8 / NVFP4 for any PyTorch model, through torch.compile.
+
+    model = graphquant.compile(model, recipe)
+"""
+
+import torch  # noqa: F401  (the native extension links against torch's libraries)
+
+from graphquant import factories, zoo
+from graphquant.compiler import compile
+from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
+from graphquant.plan import Plan, PlanError
+from graphquant.quantizers import (
+    DelayedScalingRequest,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+    Quantizer,
+    Representation,
+    parse_spec,
+)
+from graphquant.recipes import CustomRecipe
+from graphquant.roles import QuantizerRole
+
+__all__ = [
+    "CustomRecipe",
+    "DelayedScalingRequest",
+    "Float8BlockQuantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8DelayedScalingQuantizer",
+    "Float8RowwiseQuantizer",
+    "HybridQuantizer",
+    "IdentityQuantizer",
+    "MXFP8Quantizer",
+    "NVFP4Quantizer",
+    "Plan",
+    "PlanError",
+    "QuantizeContext",
+    "Quantizer",
+    "QuantizerRole",
+    "Representation",
+    "compile",
+    "factories",
+    "parse_spec",
+    "zoo",
+]

@@ -1,0 +1,153 @@
+"""graphquant.compile: torch.compile with graphquant's passes in front of the real backend."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import fx
+
+from graphquant.passes.find_gemms import find_gemms
+from graphquant.passes.rewrite import rewrite
+from graphquant.plan import Plan, Planner
+from graphquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, NVFP4Quantizer, Quantizer
+from graphquant.recipes import CustomRecipe
+from graphquant.roles import QuantizerRole
+
+MODES = (None, "training", "inference")
+
+
+class GraphquantBackend:
+    """A torch.compile backend: find GEMMs, plan, rewrite, then hand the graph to ``inner``.
+
+    It owns what outlives one graph: the planner (so the factory is asked once per slot across
+    recompiles), the delayed-scaling state of each slot, and the stochastic-rounding step counter.
+    """
+
+    def __init__(
+        self,
+        recipe: CustomRecipe,
+        *,
+        inner: Union[str, Callable] = "inductor",
+        strict: bool = False,
+        mode: Optional[str] = None,
+        seed: int = 0,
+        dump_dir: Optional[str] = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.planner = Planner(recipe, strict=strict)
+        self.inner = inner
+        self.mode = mode
+        self.seed = seed
+        self.dump_dir = dump_dir
+        self.plans: list[Plan] = []
+        self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
+        self.rng: Optional[torch.Tensor] = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the latest compiled graph."""
+        if not self.plans:
+            raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
+        return self.plans[-1]
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = copy_dynamo_graph(gm)
+        sites = find_gemms(gm, example_inputs)
+        skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        training = self.mode != "inference" and torch.is_grad_enabled()
+        plan = self.planner.plan(sites, device, training=training, skipped=skipped)
+        self.plans.append(plan)
+        if not sites:
+            warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
+        keys = rewrite(gm, plan, lambda role: self._delayed(plan, role), needs_rng=self._needs_rng(plan))
+        extra = [self._state(key, plan, device) for key in keys]
+        if self.dump_dir:
+            from graphquant.dump import dump_graph
+
+            dump_graph(self.dump_dir, gm, plan)
+        compiled = self._inner()(gm, [*example_inputs, *extra])
+        rng = self.rng if "rng" in keys else None
+
+        def run(*args: Any) -> Any:
+            if rng is not None:
+                with torch.no_grad():
+                    rng[1] += 1
+            return compiled(*args, *extra)
+
+        return run
+
+    def _inner(self) -> Callable:
+        if callable(self.inner):
+            return self.inner
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx
+        return torch._dynamo.lookup_backend(self.inner)
+
+    @staticmethod
+    def _delayed(plan: Plan, role: QuantizerRole) -> bool:
+        return isinstance(plan.quantizer(role), Float8DelayedScalingQuantizer)
+
+    @staticmethod
+    def _needs_rng(plan: Plan) -> bool:
+        def stochastic(q: Quantizer) -> bool:
+            if isinstance(q, HybridQuantizer):
+                return stochastic(q.rowwise_quantizer) or stochastic(q.columnwise_quantizer)
+            return isinstance(q, NVFP4Quantizer) and q.stochastic_rounding
+
+        return any(stochastic(q) for _, q in plan.slots)
+
+    def _state(self, key: str, plan: Plan, device: torch.device) -> torch.Tensor:
+        if key == "rng":
+            if self.rng is None:
+                self.rng = torch.tensor([self.seed, 0], dtype=torch.int64, device=device)
+            return self.rng
+        role = next(r for r, _ in plan.slots if str(r) == key)
+        if role not in self.delayed_state:
+            scale, history = plan.quantizer(role).initial_state(device)
+            self.delayed_state[role] = torch.cat([scale, history])
+        return self.delayed_state[role]
+
+
+def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a Dynamo graph that keeps what AOTAutograd reads from it (Dynamo reads the original)."""
+    graph = copy.deepcopy(gm.graph)
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for old_node, new_node in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
+        new_node._dynamo_source = getattr(old_node, "_dynamo_source", None)
+    return new
+
+
+def compile(
+    model: Union[torch.nn.Module, Callable],
+    recipe: CustomRecipe,
+    *,
+    backend: Union[str, Callable] = "inductor",
+    strict: bool = False,
+    mode: Optional[str] = None,
+    seed: int = 0,
+    dump_dir: Optional[str] = None,
+    **torch_compile_kwargs: Any,
+) -> Any:
+    """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
+
+    backend: what compiles the rewritten graph ("inductor", "aot_eager", or any backend).
+    strict: make every GEMM that is not native on this device an error.
+    mode: "inference" makes no backward representations even with grad enabled; None decides
+        per call from torch.is_grad_enabled().
+    seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible.
+    dump_dir: write each captured graph, its rewritten form and its plan there.
+    """
+    gq_backend = GraphquantBackend(recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir)
+    compiled = torch.compile(model, backend=gq_backend, **torch_compile_kwargs)
+    compiled.__dict__["graphquant"] = gq_backend
+    return compiled

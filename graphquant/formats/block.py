@@ -1,0 +1,41 @@
+"""Blockwise FP8: one float32 scale per (rows, cols) block of a 2-D tensor, edges partial."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphquant.formats.fp8 import cast_to_fp8, scale_from_amax
+
+
+def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x zero-padded to whole blocks, viewed as (row blocks, rows, col blocks, cols)."""
+    rows, cols = block
+    m, k = x.shape
+    padded = F.pad(x, (0, -k % cols, 0, -m % rows))
+    return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def quantize(
+    x: torch.Tensor, fp8_dtype: str, *, block: tuple[int, int], epsilon: float, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data fp8 (M, K), scale_inv float32 (ceil(M/rows), ceil(K/cols))).
+
+    Per block: amax = max |fp32(x)| over the elements that exist (the zero padding cannot raise
+    it; a NaN propagates), scale = scale_from_amax (TE's current-scaling rule), data =
+    cast_to_fp8(fp32(x) * scale) with one fp32 product, scale_inv = reciprocal(scale).
+    """
+    m, k = x.shape
+    blocks = _blocks(x.float(), block)
+    scale = scale_from_amax(blocks.abs().amax(dim=(1, 3)), fp8_dtype, epsilon=epsilon, pow2=pow2)
+    n_rows, rows, n_cols, cols = blocks.shape
+    scaled = (blocks * scale[:, None, :, None]).reshape(n_rows * rows, n_cols * cols)
+    data = cast_to_fp8(scaled[:m, :k], fp8_dtype).contiguous()
+    return data, torch.reciprocal(scale)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int]) -> torch.Tensor:
+    """fp32(data) * its block's scale_inv, one fp32 product per element (float32 (M, K))."""
+    m, k = data.shape
+    expanded = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return data.float() * expanded[:m, :k]

@@ -1,0 +1,212 @@
+"""The autograd formula of a quantized GEMM, and the functions a rewritten graph calls.
+
+For y = x @ w^T (batched over groups when ``batch`` > 1):
+
+    fprop  y  = x.rowwise          @ w.rowwise^T
+    dgrad  dx = grad_output.rowwise @ w.columnwise^T
+    wgrad  dw = grad_output.columnwise @ x.columnwise^T
+
+Only the representations a pass needs are made: no columnwise ones when nothing needs a gradient
+(inference), and backward keeps the quantized columnwise representations, never the
+high-precision originals, unless the recipe holds that direction in high precision (Identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from graphquant.ops.einsum import plan_einsum
+from graphquant.ops.library import quantizer_of
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8DelayedScalingQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    Quantizer,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One direction of one quantized tensor as the ops carry it."""
+
+    tensors: list[torch.Tensor]
+    spec: str
+    direction: str
+    shape: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """The tensors a slot's quantize may need: delayed-scaling state and the random stream."""
+
+    delayed: Optional[torch.Tensor]  # float32 [scale, amax_history...]
+    rng: Optional[torch.Tensor]  # int64 [seed, step]
+    stream: int
+
+
+def quantize_tensor(x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
+    """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources."""
+    made: dict[str, Operand] = {}
+    for direction in (ROWWISE, COLUMNWISE):
+        wanted = direction in directions
+        feeds_columnwise = (
+            direction == ROWWISE
+            and COLUMNWISE in directions
+            and isinstance(quantizer, HybridQuantizer)
+            and quantizer.columnwise_source == "rowwise_dequantized"
+        )
+        if not (wanted or feeds_columnwise):
+            continue
+        source = x
+        if direction == COLUMNWISE and feeds_columnwise_of(quantizer):
+            row = made[ROWWISE]
+            source = torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype)
+        child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
+        made[direction] = _quantize_direction(source, child, direction, state)
+    return {d: made[d] for d in directions}
+
+
+def feeds_columnwise_of(quantizer: Quantizer) -> bool:
+    return isinstance(quantizer, HybridQuantizer) and quantizer.columnwise_source == "rowwise_dequantized"
+
+
+def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, state: SlotState) -> Operand:
+    shape = (x.shape[0], x.shape[1])
+    if isinstance(quantizer, IdentityQuantizer):
+        data = x if quantizer.dtype is None else x.to(quantizer.dtype)
+        empty = x.new_empty(0, dtype=torch.float32)
+        return Operand([data, empty, empty], quantizer.spec, direction, shape)
+    scale = state.delayed[:1] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
+    tensors = torch.ops.graphquant.quantize(x, quantizer.spec, direction, scale, state.rng, state.stream)
+    return Operand(list(tensors), quantizer.spec, direction, shape)
+
+
+def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
+    """Roll the slot's amax history with this call's amax and store the next scale, in place."""
+    if not isinstance(quantizer, Float8DelayedScalingQuantizer) or not operands:
+        return
+    amax = next(iter(operands.values())).tensors[2]
+    with torch.no_grad():
+        scale, history = quantizer.update(state.delayed[:1], state.delayed[1:], amax)
+        state.delayed.copy_(torch.cat([scale, history]))
+
+
+def _gemm(a: Operand, b: Operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.graphquant.gemm(
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What the autograd formula needs to know about one GEMM call: its formats and its state."""
+
+    name: str
+    x: Quantizer
+    w: Quantizer
+    grad_output: Quantizer
+    batch: int
+
+
+class QuantizedGemm(torch.autograd.Function):
+    """y (batch, m, n) = x (batch*m, k) @ w (batch*n, k)^T, per group, in the site's formats."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_delayed, w_delayed, g_delayed, rng, site: Site, streams: tuple[int, int, int]):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_state = SlotState(x_delayed, rng, streams[0])
+        w_state = SlotState(w_delayed, rng, streams[1])
+        xq = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
+        wq = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
+        update_delayed_scaling(site.x, x_state, xq)
+        update_delayed_scaling(site.w, w_state, wq)
+        out_dtype = torch.promote_types(x.dtype, w.dtype)
+        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype)
+
+        kept = [xq[COLUMNWISE]] if need_dw else []
+        kept += [wq[COLUMNWISE]] if need_dx else []
+        ctx.kept = [(op.spec, op.direction, op.shape) for op in kept]
+        ctx.save_for_backward(*[t for op in kept for t in op.tensors], g_delayed, rng)
+        ctx.site, ctx.stream = site, streams[2]
+        ctx.dtypes = (x.dtype, w.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        *flat, g_delayed, rng = ctx.saved_tensors
+        kept = [Operand(flat[3 * i : 3 * i + 3], *meta) for i, meta in enumerate(ctx.kept)]
+        x_col = kept.pop(0) if need_dw else None
+        w_col = kept.pop(0) if need_dx else None
+        site = ctx.site
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        g_state = SlotState(g_delayed, rng, ctx.stream)
+        directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
+        gq = quantize_tensor(dy2d, site.grad_output, directions, g_state)
+        update_delayed_scaling(site.grad_output, g_state, gq)
+        dx = dw = None
+        if need_dx:
+            dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0]).reshape(-1, w_col.shape[1])
+        if need_dw:
+            dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1]).reshape(-1, x_col.shape[1])
+        return dx, dw, None, None, None, None, None, None
+
+
+def _product(x2d, w2d, batch, *, name, input, weight, grad_output, states, rng, streams):
+    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch)
+    return QuantizedGemm.apply(x2d, w2d, *states, rng, site, streams)
+
+
+def quantized_linear(
+    x, w, bias=None, *, name, call, input, weight, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)
+):
+    """F.linear(x, w, bias) with input, weight and grad_output in the formats named."""
+    y = _product(
+        x.reshape(-1, x.shape[-1]), w, 1, name=name, input=input, weight=weight, grad_output=grad_output,
+        states=states, rng=rng, streams=streams,
+    )
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias
+
+
+def quantized_matmul(a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)):
+    """a @ b (matmul, mm, bmm) with a as input and b as other; b is quantized as b^T (n, k)."""
+    k = a.shape[-1]
+    if b.dim() == 2:
+        y = _product(
+            a.reshape(-1, k), b.t(), 1, name=name, input=input, weight=other, grad_output=grad_output,
+            states=states, rng=rng, streams=streams,
+        )
+        return y.reshape(*a.shape[:-1], b.shape[-1])
+    batch_shape = a.shape[:-2]
+    y = _product(
+        a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, input=input,
+        weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams,
+    )
+    return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
+
+
+def quantized_addmm(c, a, b, *, beta=1, alpha=1, **site):
+    """beta * c + alpha * (a @ b) (addmm, baddbmm), the product quantized."""
+    product = quantized_matmul(a, b, **site)
+    product = product if alpha == 1 else alpha * product
+    return product + (c if beta == 1 else beta * c)
+
+
+def quantized_einsum(equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)):
+    """A two-operand einsum that is one batched product, quantized like quantized_matmul."""
+    plan = plan_einsum(equation, tuple(a.shape), tuple(b.shape))
+    batch, m, k = plan.x_shape
+    x = a.permute(plan.a_perm).reshape(batch * m, k)
+    w = b.permute(plan.b_perm).reshape(-1, k)
+    y = _product(
+        x, w, batch, name=name, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
+        streams=streams,
+    )
+    return y.reshape(plan.y_shape).permute(plan.out_perm)

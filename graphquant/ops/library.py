@@ -1,0 +1,117 @@
+"""graphquant's custom ops (torch.library, namespace ``graphquant``).
+
+A representation crosses the op boundary as three tensors (data, scale, amax; empty where absent)
+plus its quantizer spec, direction and logical shape, all visible as op arguments in a graph.
+The ops are not differentiable themselves: ``graphquant.ops.gemm_site`` composes them into the
+autograd formula of a GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from graphquant import backends, kernels
+from graphquant.quantizers import QuantizeContext, Quantizer, Representation, parse_spec
+
+
+@functools.lru_cache(maxsize=None)
+def quantizer_of(spec: str) -> Quantizer:
+    return parse_spec(spec)
+
+
+def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype) -> Representation:
+    """The Representation behind the op-level tensors of one direction."""
+    quantizer = quantizer_of(spec)
+    data, scale, amax = tensors
+    return Representation(
+        quantizer=quantizer,
+        direction=direction,
+        data=data,
+        scale=scale if scale.numel() else None,
+        amax=amax if amax.numel() else None,
+        shape=(int(shape[0]), int(shape[1])),
+        transposed=quantizer.transposed(direction),
+        dtype=dtype,
+        hadamard=quantizer.hadamard(direction),
+    )
+
+
+# Random streams per step: a step's quantize calls use offsets step * STREAMS_PER_STEP + stream.
+STREAMS_PER_STEP = 1 << 16
+
+
+def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream: int) -> QuantizeContext:
+    seed, step = rng.tolist() if rng is not None else (0, 0)
+    return QuantizeContext(scale=scale, seed=int(seed), offset=int(step) * STREAMS_PER_STEP + stream)
+
+
+@torch.library.custom_op("graphquant::quantize", mutates_args=())
+def quantize(
+    x: torch.Tensor,
+    spec: str,
+    direction: str,
+    scale: Optional[torch.Tensor],
+    rng: Optional[torch.Tensor],
+    rng_stream: int,
+) -> list[torch.Tensor]:
+    """One direction of ``x`` (2-D) in the format ``spec``: [data, scale, amax].
+
+    scale: the slot's current scale (delayed scaling). rng: int64 [seed, step] and rng_stream
+    pick the stochastic-rounding stream, so every step and slot draws its own numbers.
+    """
+    rep = kernels.quantize(quantizer_of(spec), x, direction, _context(scale, rng, rng_stream))
+    return [t.clone() if t is x else t for t in rep.tensors()]
+
+
+@quantize.register_fake
+def _(x, spec, direction, scale, rng, rng_stream):
+    rep = kernels.reference_quantize(quantizer_of(spec), x, direction, QuantizeContext(scale=scale))
+    return [torch.empty_like(t) for t in rep.tensors()]
+
+
+@torch.library.custom_op("graphquant::dequantize", mutates_args=())
+def dequantize(
+    tensors: list[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The logical (rows, cols) values of one representation, as ``dtype``."""
+    rep = unflatten(tensors, spec, direction, shape, dtype)
+    values = kernels.dequantize(rep)
+    return (values.t() if rep.transposed else values).contiguous()
+
+
+@dequantize.register_fake
+def _(tensors, spec, direction, shape, dtype):
+    return tensors[0].new_empty(tuple(shape), dtype=dtype)
+
+
+@torch.library.custom_op("graphquant::gemm", mutates_args=())
+def gemm(
+    a: list[torch.Tensor],
+    a_spec: str,
+    a_direction: str,
+    a_shape: Sequence[int],
+    b: list[torch.Tensor],
+    b_spec: str,
+    b_direction: str,
+    b_shape: Sequence[int],
+    batch: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """out[g] = A[g] @ B[g]^T for each of ``batch`` groups, both operands reduced over their K.
+
+    A rowwise operand splits its rows into groups; a columnwise operand (a wgrad or dgrad
+    operand, reduced over the logical rows) splits its reduction dim. Returns (batch, m, n).
+    """
+    rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
+    rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
+    return backends.gemm(rep_a, rep_b, batch, out_dtype)
+
+
+@gemm.register_fake
+def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype):
+    m = backends.output_rows(a_direction, a_shape, batch)
+    n = backends.output_rows(b_direction, b_shape, batch)
+    return a[0].new_empty((batch, m, n), dtype=out_dtype)

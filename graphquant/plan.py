@@ -1,0 +1,231 @@
+"""The plan: which quantizer each slot uses and how each GEMM of each site will run.
+
+Plans are values: printing one gives a table, ``to_json`` a document. ``Planner`` builds them; it
+calls the recipe's factory once per slot and keeps the answers, so a recompile (new shapes, new
+dtype) re-uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from typing import Optional, Sequence
+
+import torch
+from tabulate import tabulate
+
+from graphquant import backends
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    DelayedScalingRequest,
+    HybridQuantizer,
+    Quantizer,
+)
+from graphquant.recipes import CustomRecipe
+from graphquant.roles import QuantizerRole
+from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
+
+# (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
+GEMMS = (
+    ("fprop", (0, ROWWISE), (1, ROWWISE)),
+    ("dgrad", (2, ROWWISE), (1, COLUMNWISE)),
+    ("wgrad", (2, COLUMNWISE), (0, COLUMNWISE)),
+)
+
+
+class PlanError(ValueError):
+    """The recipe cannot run this model as asked; the message says where and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM of one site: its operands' formats and how it runs."""
+
+    site: str
+    module_type: str
+    gemm: str
+    a: str  # "grad_output.rowwise"
+    a_format: str
+    b: str
+    b_format: str
+    bucket: str
+    backend: str
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every slot's quantizer and every GEMM's classification for one compiled graph."""
+
+    device: str
+    slots: tuple[tuple[QuantizerRole, Quantizer], ...]
+    gemms: tuple[GemmPlan, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def quantizer(self, role: QuantizerRole) -> Quantizer:
+        return dict(self.slots)[role]
+
+    def rows(self) -> list[list[str]]:
+        return [
+            [g.site, g.module_type, g.gemm, f"{g.a}: {g.a_format}", f"{g.b}: {g.b_format}", g.backend, g.bucket, g.reason]
+            for g in self.gemms
+        ]
+
+    def __str__(self) -> str:
+        headers = ["site", "module_type", "gemm", "operand a", "operand b", "backend", "bucket", "why"]
+        text = tabulate(self.rows(), headers=headers, tablefmt="simple")
+        if self.skipped:
+            text += "\n\nnot quantized:\n" + "\n".join(f"  {what}: {why}" for what, why in self.skipped)
+        return text
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "device": self.device,
+                "slots": [{"role": dataclasses.asdict(r), "quantizer": q.spec} for r, q in self.slots],
+                "gemms": [dataclasses.asdict(g) for g in self.gemms],
+                "skipped": [{"node": what, "reason": why} for what, why in self.skipped],
+            },
+            indent=2,
+        )
+
+
+def direction_format(quantizer: Quantizer, direction: str) -> str:
+    """The spec of the quantizer that makes ``direction``, with a hybrid's source where it matters."""
+    if not isinstance(quantizer, HybridQuantizer):
+        return quantizer.spec
+    child = quantizer.child(direction).spec
+    if direction == COLUMNWISE and quantizer.columnwise_source == "rowwise_dequantized":
+        return f"{child} of rowwise_dequantized"
+    return child
+
+
+def direction_quantizer(quantizer: Quantizer, direction: str) -> Quantizer:
+    return quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
+
+
+class Planner:
+    """Asks the recipe's factory once per slot and turns GEMM sites into a validated Plan."""
+
+    def __init__(self, recipe: CustomRecipe, *, strict: bool = False) -> None:
+        if not isinstance(recipe, CustomRecipe):
+            raise TypeError(f"graphquant needs a CustomRecipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.strict = strict
+        self.factory_calls = 0
+        self._quantizers: dict[QuantizerRole, Quantizer] = {}
+        self._request: Optional[DelayedScalingRequest] = None
+
+    def quantizer(self, role: QuantizerRole) -> Quantizer:
+        """The slot's quantizer: the factory's answer for ``role``, checked, asked for only once."""
+        if role not in self._quantizers:
+            self._quantizers[role] = self._ask(role)
+        return self._quantizers[role]
+
+    def _ask(self, role: QuantizerRole) -> Quantizer:
+        self.factory_calls += 1
+        try:
+            answer = self.recipe.qfactory(role)
+        except Exception as error:
+            raise PlanError(f"the recipe's factory raised for role {role}: {type(error).__name__}: {error}") from error
+        if answer is None:
+            raise PlanError(
+                f"the recipe's factory returned None for role {role}; return IdentityQuantizer() to keep "
+                "this slot in high precision, and end the factory with a default for every other role"
+            )
+        if isinstance(answer, DelayedScalingRequest):
+            if self._request is not None and answer != self._request:
+                field = next(f.name for f in dataclasses.fields(answer) if getattr(answer, f.name) != getattr(self._request, f.name))
+                raise PlanError(
+                    f"the factory returned a DelayedScalingRequest for role {role} whose {field} differs from an "
+                    f"earlier one ({getattr(answer, field)!r} vs {getattr(self._request, field)!r}); every "
+                    "request in a recipe must be equal"
+                )
+            self._request = answer
+            return answer.resolve(role.tensor_type)
+        if not isinstance(answer, Quantizer):
+            raise PlanError(
+                f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "
+                "graphquant Quantizer (or a DelayedScalingRequest)"
+            )
+        return answer
+
+    def plan(self, sites: Sequence[GemmSite], device: torch.device, *, training: bool, skipped=()) -> Plan:
+        slots: dict[QuantizerRole, Quantizer] = {}
+        gemms = []
+        for site in sites:
+            roles = site.roles()
+            quantizers = [self.quantizer(role) for role in roles]
+            slots.update(zip(roles, quantizers))
+            self._check_shapes(site, quantizers, training)
+            for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
+                qa, qb = direction_quantizer(quantizers[ia], da), direction_quantizer(quantizers[ib], db)
+                selection = backends.select(qa, da, qb, db, device)
+                entry = GemmPlan(
+                    site=site.label,
+                    module_type=site.module_type,
+                    gemm=gemm,
+                    a=f"{roles[ia].tensor_type}.{da}",
+                    a_format=direction_format(quantizers[ia], da),
+                    b=f"{roles[ib].tensor_type}.{db}",
+                    b_format=direction_format(quantizers[ib], db),
+                    bucket=selection.bucket,
+                    backend=selection.backend,
+                    reason=selection.reason,
+                )
+                self._check_bucket(entry)
+                gemms.append(entry)
+        plan = Plan(device=str(device), slots=tuple(slots.items()), gemms=tuple(gemms), skipped=tuple(skipped))
+        self._warn_unmatched_names(plan)
+        return plan
+
+    def _check_bucket(self, g: GemmPlan) -> None:
+        if g.bucket == backends.REJECTED or (self.strict and g.bucket != backends.NATIVE):
+            accepted = "a native pair for this device" if g.bucket != backends.REJECTED else "a compatible pair"
+            raise PlanError(
+                f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: "
+                f"{g.bucket}{' under strict=True' if g.bucket != backends.REJECTED else ''}: {g.reason or 'not native'}. "
+                f"Change the factory so this GEMM gets {accepted}"
+            )
+
+    def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
+        """Each tensor the site quantizes must tile the block of every direction it is made in."""
+        batch, m, k = site.x_shape
+        _, n, _ = site.w_shape
+        rows = lambda r: None if r is None or batch is None else batch * r  # noqa: E731
+        shapes = ((rows(m), k), (rows(n), k), (rows(m), n))
+        for role_type, quantizer, shape in zip(TENSOR_TYPES[site.module_type], quantizers, shapes):
+            if role_type == "grad_output" and not training:
+                continue
+            directions = (ROWWISE, COLUMNWISE) if training else (ROWWISE,)
+            for direction in directions:
+                if None in shape:
+                    continue
+                try:
+                    quantizer.check_shape(shape, direction)
+                    self._check_groups(quantizer, direction, site, shape)
+                except ValueError as error:
+                    raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}") from None
+
+    @staticmethod
+    def _check_groups(quantizer: Quantizer, direction: str, site: GemmSite, shape: tuple[int, int]) -> None:
+        """Blocks along the rows of a batched operand must not straddle two batch entries."""
+        batch = site.x_shape[0]
+        block_rows = direction_quantizer(quantizer, direction).block(direction)[0]
+        if batch and batch > 1 and block_rows > 1 and (shape[0] // batch) % block_rows:
+            raise ValueError(
+                f"{quantizer}: {direction} blocks span {block_rows} rows but each of the {batch} batch entries "
+                f"has {shape[0] // batch} rows; use a row count per entry that is a multiple of {block_rows}"
+            )
+
+    def _warn_unmatched_names(self, plan: Plan) -> None:
+        names = {role.name for role, _ in plan.slots}
+        for expected in self.recipe.expected_names:
+            if not any(name == expected or name.startswith(expected + ".") for name in names):
+                warnings.warn(
+                    f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph has that "
+                    f"name; the names it has are: {', '.join(sorted(names)) or 'none'}",
+                    stacklevel=2,
+                )

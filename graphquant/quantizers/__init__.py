@@ -1,0 +1,41 @@
+"""Quantizers: frozen, hashable, printable descriptions of a format (see base.py for the contract)."""
+
+from graphquant.quantizers.base import (
+    COLUMNWISE,
+    ROWWISE,
+    QuantizeContext,
+    QuantizedTensor,
+    Quantizer,
+    Representation,
+    parse_spec,
+)
+from graphquant.quantizers.block import Float8BlockQuantizer
+from graphquant.quantizers.float8 import (
+    DelayedScalingRequest,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+)
+from graphquant.quantizers.hybrid import HybridQuantizer
+from graphquant.quantizers.identity import IdentityQuantizer
+from graphquant.quantizers.mxfp8 import MXFP8Quantizer
+from graphquant.quantizers.nvfp4 import NVFP4Quantizer
+from graphquant.quantizers.rowwise import Float8RowwiseQuantizer
+
+__all__ = [
+    "COLUMNWISE",
+    "ROWWISE",
+    "DelayedScalingRequest",
+    "Float8BlockQuantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8DelayedScalingQuantizer",
+    "Float8RowwiseQuantizer",
+    "HybridQuantizer",
+    "IdentityQuantizer",
+    "MXFP8Quantizer",
+    "NVFP4Quantizer",
+    "QuantizeContext",
+    "QuantizedTensor",
+    "Quantizer",
+    "Representation",
+    "parse_spec",
+]

@@ -1,0 +1,251 @@
+"""The Quantizer value object and the Representation it produces.
+
+A quantizer is a frozen, hashable, printable description of a format. It carries no usage flags
+and no state: the compiler decides per GEMM direction which representations to make, and stateful
+numerics (delayed scaling, stochastic rounding) receive their state through ``QuantizeContext``.
+
+Every quantizer works on 2-D tensors (rows = flattened leading dims, cols = the reduction dim of
+the GEMM that consumes the rowwise representation) and makes
+
+- a *rowwise* representation, blocked along the last dim, consumed as a GEMM operand as it is;
+- a *columnwise* representation, blocked along the first dim, consumed for the transposed use.
+  Where a Hopper GEMM needs it (per-tensor FP8, FP8 block, NVFP4), its data is stored transposed.
+
+``str(quantizer)`` is its spec: a stable, readable string that names every non-default field
+(it appears in plans and graph dumps) and that ``parse_spec`` turns back into an equal quantizer.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import torch
+
+ROWWISE = "rowwise"
+COLUMNWISE = "columnwise"
+
+_REGISTRY: dict[str, type["Quantizer"]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeContext:
+    """State a quantize call may need but that does not belong to the format's value.
+
+    scale: the current FP8 scale of a delayed-scaling slot (float32, one element).
+    seed, offset: the counter-based random stream of stochastic rounding. The same seed and
+        offset give the same bits on every device.
+    """
+
+    scale: Optional[torch.Tensor] = None
+    seed: int = 0
+    offset: int = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Representation:
+    """One direction of a quantized tensor, laid out as the GEMM consumes it.
+
+    data: the encoded values (FP8, packed E2M1 in uint8, or the high-precision tensor).
+    scale: decode scales (float32 per tensor or per block, uint8 E8M0, or float8_e4m3fn), or None.
+    amax: the FP32 amax the encoding used (per tensor, or per row for row-scaled NVFP4), or None.
+    shape: the logical (rows, cols) of the source tensor.
+    transposed: data holds the transpose of the logical tensor (shape[1], shape[0]).
+    hadamard: a random Hadamard transform was applied along the blocked dimension.
+    dtype: the nominal high-precision dtype (what dequantize returns by default).
+    """
+
+    quantizer: "Quantizer"
+    direction: str
+    data: torch.Tensor
+    scale: Optional[torch.Tensor]
+    amax: Optional[torch.Tensor]
+    shape: tuple[int, int]
+    transposed: bool
+    dtype: torch.dtype
+    hadamard: bool = False
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The values this representation stands for, in stored orientation, as ``dtype``."""
+        return self.quantizer.dequantize(self).to(dtype or self.dtype)
+
+    def gemm_operand(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The dequantized values with the reduction dim last, as a TN GEMM reads them.
+
+        A rowwise representation reduces over its columns; a columnwise one over its rows.
+        """
+        values = self.dequantize(dtype)
+        wants_transposed = self.direction == COLUMNWISE
+        return values if self.transposed == wants_transposed else values.t()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """data, scale and amax as a fixed-length list (empty tensors for absent parts)."""
+        empty = self.data.new_empty(0, dtype=torch.float32)
+        return [self.data, empty if self.scale is None else self.scale, empty if self.amax is None else self.amax]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """The representations a quantize call made; a direction not asked for is None."""
+
+    rowwise: Optional[Representation]
+    columnwise: Optional[Representation]
+
+    def get(self, direction: str) -> Representation:
+        rep = self.rowwise if direction == ROWWISE else self.columnwise
+        if rep is None:
+            raise RuntimeError(
+                f"the {direction} representation was requested but not made; "
+                f"quantize with {direction}=True"
+            )
+        return rep
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The rowwise values if present, else the columnwise ones, in the logical orientation."""
+        rep = self.rowwise or self.columnwise
+        values = rep.dequantize(dtype)
+        return values.t() if rep.transposed else values
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """Base of every quantizer, built in or user-defined.
+
+    To plug in a format of your own: subclass with ``@dataclasses.dataclass(frozen=True)``, give it
+    a unique ``tag`` (registration happens on subclassing), and implement ``quantize_rowwise``,
+    ``quantize_columnwise`` and ``dequantize``. Fields must be plain values (str, int, float, bool)
+    so the spec round-trips. The planner runs any GEMM with a user-defined operand in the emulated
+    bucket (dequantize both operands, high-precision GEMM).
+    """
+
+    tag: ClassVar[str] = ""
+    # Spec fields shown even at their default, because a reader needs them (e.g. the FP8 dtype).
+    always_shown: ClassVar[tuple[str, ...]] = ()
+    # False when quantizing the same tensor twice may give different bits (state or randomness).
+    requantization_safe: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.tag:
+            raise TypeError(f"{cls.__name__} needs a class attribute tag = '<short name>' for its spec")
+        if cls.tag in _REGISTRY and _REGISTRY[cls.tag].__qualname__ != cls.__qualname__:
+            raise TypeError(f"quantizer tag {cls.tag!r} is taken by {_REGISTRY[cls.tag].__qualname__}")
+        _REGISTRY[cls.tag] = cls
+
+    # -- what subclasses implement -------------------------------------------------------------
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        raise NotImplementedError(f"{type(self).__name__} does not implement quantize_rowwise")
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        raise NotImplementedError(f"{type(self).__name__} does not implement quantize_columnwise")
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement dequantize")
+
+    def block(self, direction: str) -> tuple[int, int]:
+        """The (rows, cols) each scale covers for ``direction``; (0, 0) means one per tensor."""
+        return (0, 0)
+
+    def check_shape(self, shape: tuple[int, int], direction: str) -> None:
+        """Raise ValueError if a (rows, cols) tensor cannot be quantized for ``direction``."""
+
+    def transposed(self, direction: str) -> bool:
+        """Whether ``direction``'s data is stored transposed (as Hopper's TN GEMM reads it)."""
+        return False
+
+    def hadamard(self, direction: str) -> bool:
+        """Whether ``direction``'s values went through a random Hadamard transform."""
+        return False
+
+    # -- common behaviour ----------------------------------------------------------------------
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        ctx: Optional[QuantizeContext] = None,
+    ) -> QuantizedTensor:
+        """Quantize ``x`` (flattened to 2-D over its leading dims) in the directions asked for."""
+        x2d = as_matrix(x, self)
+        ctx = ctx or QuantizeContext()
+        for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+            if wanted:
+                self.check_shape(tuple(x2d.shape), direction)
+        return QuantizedTensor(
+            rowwise=self.quantize_rowwise(x2d, ctx) if rowwise else None,
+            columnwise=self.quantize_columnwise(x2d, ctx) if columnwise else None,
+        )
+
+    def __str__(self) -> str:
+        return self.spec
+
+    @property
+    def spec(self) -> str:
+        """``tag(field=value, ...)`` naming the fields that differ from their defaults."""
+        args = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in self.always_shown or value != field.default:
+                args.append(f"{field.name}={_spec_value(value)}")
+        return f"{self.tag}({', '.join(args)})"
+
+
+def _spec_value(value: Any) -> str:
+    if isinstance(value, Quantizer):
+        return value.spec
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, str) and value.isidentifier() and value not in ("True", "False", "None"):
+        return value
+    return repr(value)
+
+
+def parse_spec(spec: str) -> Quantizer:
+    """The quantizer whose ``str`` is ``spec`` (the inverse of ``Quantizer.spec``)."""
+    try:
+        tree = ast.parse(spec, mode="eval").body
+    except SyntaxError as error:
+        raise ValueError(f"not a quantizer spec: {spec!r} ({error.msg})") from None
+    return _build(tree, spec)
+
+
+def _build(node: ast.AST, spec: str) -> Any:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+        cls = _REGISTRY.get(node.func.id)
+        if cls is None:
+            known = ", ".join(sorted(_REGISTRY))
+            raise ValueError(f"unknown quantizer tag {node.func.id!r} in spec {spec!r}; known: {known}")
+        kwargs = {kw.arg: _build(kw.value, spec) for kw in node.keywords}
+        return cls(**{name: _field_value(cls, name, value) for name, value in kwargs.items()})
+    if isinstance(node, ast.Name):
+        return node.id
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ValueError(f"cannot read {ast.unparse(node)!r} in quantizer spec {spec!r}") from None
+
+
+def _field_value(cls: type, name: str, value: Any) -> Any:
+    """Spec text gives dtypes as bare names; turn them back into torch dtypes where a field wants one."""
+    field = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+    if field is not None and "dtype" in str(field.type) and "torch" in str(field.type) and isinstance(value, str):
+        return getattr(torch, value)
+    return value
+
+
+def as_matrix(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
+    """``x`` flattened to 2-D over its leading dims; rejects what no format can encode."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{quantizer} quantizes tensors, got {type(x).__name__}")
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise TypeError(
+            f"{quantizer} quantizes float16, bfloat16 or float32 tensors, got {x.dtype}; "
+            "cast the tensor first or keep this slot in high precision with IdentityQuantizer()"
+        )
+    if x.dim() < 1:
+        raise ValueError(f"{quantizer} needs a tensor with at least one dimension, got a scalar")
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x

@@ -1,0 +1,168 @@
+"""Per-tensor FP8: current scaling, delayed scaling, and the delayed-scaling request form."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from graphquant.formats import fp8, per_tensor
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+
+FP8_FORMATS = tuple(fp8.FP8_DTYPES)
+
+
+def check_fp8_dtype(owner: object, fp8_dtype: str) -> None:
+    if fp8_dtype not in fp8.FP8_DTYPES:
+        raise ValueError(f"{type(owner).__name__}: fp8_dtype must be one of {FP8_FORMATS}, got {fp8_dtype!r}")
+
+
+class _PerTensorFloat8(Quantizer):
+    """Shared layout of per-tensor FP8: one scale, columnwise is the exact transpose."""
+
+    tag = "_fp8_per_tensor"  # abstract; never in a spec
+
+    def _encode(self, x: torch.Tensor, scale: torch.Tensor, direction: str) -> Representation:
+        transposed = self.transposed(direction)
+        data = per_tensor.quantize(x, scale, self.fp8_dtype, transpose=transposed)
+        return Representation(
+            quantizer=self,
+            direction=direction,
+            data=data,
+            scale=torch.reciprocal(scale),
+            amax=fp8.tensor_amax(x),
+            shape=tuple(x.shape),
+            transposed=transposed,
+            dtype=x.dtype,
+        )
+
+    def transposed(self, direction: str) -> bool:
+        return direction == COLUMNWISE
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        return per_tensor.dequantize(rep.data, rep.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScalingQuantizer(_PerTensorFloat8):
+    """FP8 with one scale computed from this tensor's amax (``fp8_max / amax``) at every call.
+
+    amax_epsilon floors the amax; force_pow_2_scales rounds the scale down to a power of two.
+    with_amax_reduction all-reduces the amax (MAX) over the recipe's process group first.
+    """
+
+    tag = "fp8_current"
+    always_shown = ("fp8_dtype",)
+
+    fp8_dtype: str = "e4m3"
+    force_pow_2_scales: bool = False
+    amax_epsilon: float = 0.0
+    with_amax_reduction: bool = False
+
+    def __post_init__(self) -> None:
+        check_fp8_dtype(self, self.fp8_dtype)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8.scale_from_amax(
+            fp8.tensor_amax(x), self.fp8_dtype, epsilon=self.amax_epsilon, pow2=self.force_pow_2_scales
+        )
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, self.scale(x), ROWWISE)
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, self.scale(x), COLUMNWISE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8DelayedScalingQuantizer(_PerTensorFloat8):
+    """FP8 whose scale comes from the amax history of earlier steps (TE's DelayedScaling).
+
+    Quantizing uses the slot's current scale (``QuantizeContext.scale``) and reports this
+    tensor's amax; ``per_tensor.delayed_scaling_update`` then rolls the history and computes the
+    next scale: ``(fp8_max / amax) / 2**margin`` with amax the history's max ("max") or its
+    newest entry ("most_recent"). The state lives in tensors owned by the compiled module.
+    """
+
+    tag = "fp8_delayed"
+    always_shown = ("fp8_dtype",)
+    requantization_safe = False
+
+    fp8_dtype: str = "e4m3"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        check_fp8_dtype(self, self.fp8_dtype)
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be at least 1, got {self.amax_history_len}")
+
+    def _scale(self, ctx: QuantizeContext) -> torch.Tensor:
+        if ctx.scale is None:
+            raise ValueError(
+                f"{self} quantizes with the slot's current scale: pass QuantizeContext(scale=...) "
+                "(graphquant.compile keeps that state for you)"
+            )
+        return ctx.scale
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, self._scale(ctx), ROWWISE)
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, self._scale(ctx), COLUMNWISE)
+
+    def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""
+        return (
+            torch.ones(1, dtype=torch.float32, device=device),
+            torch.zeros(self.amax_history_len, dtype=torch.float32, device=device),
+        )
+
+    def update(
+        self, scale: torch.Tensor, amax_history: torch.Tensor, amax: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (scale, amax_history) after a step that saw ``amax``."""
+        return per_tensor.delayed_scaling_update(
+            scale,
+            amax_history,
+            amax,
+            fp8_dtype=self.fp8_dtype,
+            margin=self.margin,
+            algo=self.amax_compute_algo,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingRequest:
+    """A factory's way to ask for delayed scaling without choosing the FP8 dtype (TE's request form).
+
+    fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other) and E5M2 to
+    grad_output; "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
+    """
+
+    fp8_format: str = "HYBRID"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fp8_format not in ("HYBRID", "E4M3"):
+            raise ValueError(f"DelayedScalingRequest.fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
+
+    def resolve(self, tensor_type: str) -> Float8DelayedScalingQuantizer:
+        backward = tensor_type == "grad_output"
+        return Float8DelayedScalingQuantizer(
+            fp8_dtype="e5m2" if backward and self.fp8_format == "HYBRID" else "e4m3",
+            margin=self.margin,
+            amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo,
+            reduce_amax=self.reduce_amax,
+        )

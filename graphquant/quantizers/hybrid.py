@@ -1,0 +1,100 @@
+"""HybridQuantizer: a different quantizer for each direction of one tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.float8 import DelayedScalingRequest, Float8DelayedScalingQuantizer
+
+COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")
+
+# Children already owned by a hybrid, by identity: a factory must build fresh children for each
+# hybrid, as TransformerEngine requires, so that per-child state can never be shared by accident.
+_OWNED_CHILDREN: "weakref.WeakValueDictionary[int, Quantizer]" = weakref.WeakValueDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridQuantizer(Quantizer):
+    """Rowwise representation from one quantizer, columnwise from another.
+
+    columnwise_source "original" quantizes both directions from the original tensor;
+    "rowwise_dequantized" feeds the columnwise quantizer the dequantized rowwise values (so
+    backward sees the forward's quantization error; use it for inputs and weights, not gradients).
+    """
+
+    tag = "hybrid"
+    always_shown = ("rowwise_quantizer", "columnwise_quantizer", "columnwise_source")
+
+    rowwise_quantizer: Quantizer
+    columnwise_quantizer: Quantizer
+    columnwise_source: str = "original"
+
+    def __post_init__(self) -> None:
+        for field in ("rowwise_quantizer", "columnwise_quantizer"):
+            child = getattr(self, field)
+            if isinstance(child, (DelayedScalingRequest, Float8DelayedScalingQuantizer)):
+                raise TypeError(
+                    f"HybridQuantizer.{field}: delayed scaling inside a hybrid is not supported; "
+                    "use Float8CurrentScalingQuantizer, or return the delayed quantizer for the whole slot"
+                )
+            if not isinstance(child, Quantizer):
+                raise TypeError(f"HybridQuantizer.{field} must be a Quantizer, got {type(child).__name__}")
+            if isinstance(child, HybridQuantizer):
+                raise TypeError(f"HybridQuantizer.{field} cannot itself be a HybridQuantizer")
+        if self.rowwise_quantizer is self.columnwise_quantizer:
+            raise ValueError(
+                "HybridQuantizer got the same quantizer instance for both directions; "
+                "build a separate child for each (e.g. call the factory twice)"
+            )
+        if self.columnwise_source not in COLUMNWISE_SOURCES:
+            raise ValueError(
+                f"HybridQuantizer.columnwise_source must be one of {COLUMNWISE_SOURCES}, got {self.columnwise_source!r}"
+            )
+        for child in (self.rowwise_quantizer, self.columnwise_quantizer):
+            if _OWNED_CHILDREN.get(id(child)) is child:
+                raise ValueError(
+                    f"the child quantizer {child} already belongs to another HybridQuantizer; "
+                    "build fresh children for every hybrid"
+                )
+        for child in (self.rowwise_quantizer, self.columnwise_quantizer):
+            _OWNED_CHILDREN[id(child)] = child
+
+    @property
+    def requantization_safe(self) -> bool:  # type: ignore[override]
+        return self.rowwise_quantizer.requantization_safe and self.columnwise_quantizer.requantization_safe
+
+    def child(self, direction: str) -> Quantizer:
+        return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
+
+    def block(self, direction: str) -> tuple[int, int]:
+        return self.child(direction).block(direction)
+
+    def transposed(self, direction: str) -> bool:
+        return self.child(direction).transposed(direction)
+
+    def hadamard(self, direction: str) -> bool:
+        return self.child(direction).hadamard(direction)
+
+    def check_shape(self, shape: tuple[int, int], direction: str) -> None:
+        if direction == COLUMNWISE and self.columnwise_source == "rowwise_dequantized":
+            self.rowwise_quantizer.check_shape(shape, ROWWISE)
+        self.child(direction).check_shape(shape, direction)
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self.rowwise_quantizer.quantize_rowwise(x, ctx)
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self.columnwise_quantizer.quantize_columnwise(self.columnwise_input(x, ctx), ctx)
+
+    def columnwise_input(self, x: torch.Tensor, ctx: QuantizeContext) -> torch.Tensor:
+        """What the columnwise child quantizes: x itself, or x through the rowwise child and back."""
+        if self.columnwise_source == "original":
+            return x
+        return self.rowwise_quantizer.quantize_rowwise(x, ctx).dequantize(x.dtype)
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        return rep.quantizer.dequantize(rep)

@@ -1,0 +1,48 @@
+"""IdentityQuantizer: keep the slot in high precision."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentityQuantizer(Quantizer):
+    """High precision: the tensor itself (detached), optionally held in ``dtype``.
+
+    One buffer serves both directions; a GEMM reads it transposed where it needs to.
+    """
+
+    tag = "identity"
+
+    dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not (self.dtype.is_floating_point and self.dtype.itemsize >= 2):
+            raise ValueError(f"IdentityQuantizer.dtype must be float16, bfloat16 or float32, got {self.dtype}")
+
+    def _hold(self, x: torch.Tensor, direction: str) -> Representation:
+        data = x.detach()
+        return Representation(
+            quantizer=self,
+            direction=direction,
+            data=data if self.dtype is None else data.to(self.dtype),
+            scale=None,
+            amax=None,
+            shape=tuple(x.shape),
+            transposed=False,
+            dtype=x.dtype,
+        )
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._hold(x, ROWWISE)
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._hold(x, COLUMNWISE)
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        return rep.data

@@ -1,0 +1,101 @@
+"""NVFP4: E2M1 elements, an E4M3 scale per 16 elements, and an FP32 global amax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from graphquant.formats import nvfp4
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+
+BLOCK_LEN = nvfp4.BLOCK_LEN
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 with TransformerEngine's two-level scale.
+
+    with_2d_quantization: 16x16 tiles share one scale (the default for weights), so the
+        columnwise codes are the transpose of the rowwise ones.
+    with_rht / with_post_rht_amax: a random Hadamard transform on the columnwise side only
+        (16-element chunks along the token dim), with the global amax taken after it. Both
+        wgrad operands must carry the same transform; the planner checks this.
+    stochastic_rounding: round to one of the two neighbouring E2M1 values with probability given
+        by proximity, from a counter-based stream (seed, offset), so runs are reproducible.
+    row_scaled_nvfp4: one global amax per row on the rowwise side (for forward activations).
+    Columnwise data is stored transposed and packed: [cols, rows / 2].
+    """
+
+    tag = "nvfp4"
+
+    with_rht: bool = False
+    with_post_rht_amax: bool = False
+    with_2d_quantization: bool = False
+    stochastic_rounding: bool = False
+    row_scaled_nvfp4: bool = False
+    with_random_sign_mask: bool = True
+    with_amax_reduction: bool = False
+
+    def __post_init__(self) -> None:
+        if self.with_rht != self.with_post_rht_amax:
+            raise ValueError(
+                f"{self}: with_post_rht_amax must equal with_rht (the columnwise global amax is taken "
+                "after the Hadamard transform exactly when there is one)"
+            )
+
+    @property
+    def requantization_safe(self) -> bool:  # type: ignore[override]
+        return not self.stochastic_rounding
+
+    def block(self, direction: str) -> tuple[int, int]:
+        if self.with_2d_quantization:
+            return (BLOCK_LEN, BLOCK_LEN)
+        return (1, BLOCK_LEN) if direction == ROWWISE else (BLOCK_LEN, 1)
+
+    def hadamard(self, direction: str) -> bool:
+        return self.with_rht and direction == COLUMNWISE
+
+    def check_shape(self, shape: tuple[int, int], direction: str) -> None:
+        dim = 1 if direction == ROWWISE else 0
+        if shape[dim] % BLOCK_LEN:
+            raise ValueError(
+                f"{self}: the {direction} representation has 16-element blocks along dim {dim}, so dim "
+                f"{dim} of the {shape[0]}x{shape[1]} tensor must be a multiple of {BLOCK_LEN} "
+                f"(got {shape[dim]}); NVFP4 does not pad"
+            )
+
+    def _encode(self, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
+        columnwise = direction == COLUMNWISE
+        source = x.t() if columnwise else x
+        if self.hadamard(direction):
+            source = nvfp4.hadamard_transform(source, random_sign_mask=self.with_random_sign_mask)
+        data, scale, amax = nvfp4.quantize(
+            source,
+            tile_rows=BLOCK_LEN if self.with_2d_quantization else 1,
+            row_scaled=self.row_scaled_nvfp4 and not columnwise,
+            rng=(ctx.seed, ctx.offset, int(columnwise)) if self.stochastic_rounding else None,
+        )
+        return Representation(
+            quantizer=self,
+            direction=direction,
+            data=data,
+            scale=scale,
+            amax=amax,
+            shape=tuple(x.shape),
+            transposed=self.transposed(direction),
+            dtype=x.dtype,
+            hadamard=self.hadamard(direction),
+        )
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, ROWWISE, ctx)
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, COLUMNWISE, ctx)
+
+    def transposed(self, direction: str) -> bool:
+        return direction == COLUMNWISE
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        return nvfp4.dequantize(rep.data, rep.scale, rep.amax)

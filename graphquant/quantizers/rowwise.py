@@ -1,0 +1,66 @@
+"""FP8 with one FP32 scale per row (rowwise) or per column (columnwise): torchao's "rowwise"."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from graphquant.formats import block
+from graphquant.quantizers.base import COLUMNWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.float8 import check_fp8_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseQuantizer(Quantizer):
+    """Per-row FP8: each row of the GEMM operand has its own scale along the whole reduction dim.
+
+    The rowwise representation scales each row; the columnwise one each column, stored
+    transposed, so it too scales each row of the operand its GEMM reads. The scale rule is
+    current scaling's, per row; force_pow_2_scales (the torchao default) rounds it down.
+    """
+
+    tag = "fp8_rowwise"
+    always_shown = ("fp8_dtype",)
+
+    fp8_dtype: str = "e4m3"
+    force_pow_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_fp8_dtype(self, self.fp8_dtype)
+
+    def block(self, direction: str) -> tuple[int, int]:
+        return (-1, 1) if direction == COLUMNWISE else (1, -1)
+
+    def transposed(self, direction: str) -> bool:
+        return direction == COLUMNWISE
+
+    def _encode(self, x: torch.Tensor, direction: str) -> Representation:
+        source = x.t() if self.transposed(direction) else x
+        data, scale_inv = block.quantize(
+            source,
+            self.fp8_dtype,
+            block=(1, source.shape[1]),
+            epsilon=self.amax_epsilon,
+            pow2=self.force_pow_2_scales,
+        )
+        return Representation(
+            quantizer=self,
+            direction=direction,
+            data=data,
+            scale=scale_inv,
+            amax=None,
+            shape=tuple(x.shape),
+            transposed=self.transposed(direction),
+            dtype=x.dtype,
+        )
+
+    def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, "rowwise")
+
+    def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
+        return self._encode(x, COLUMNWISE)
+
+    def dequantize(self, rep: Representation) -> torch.Tensor:
+        return block.dequantize(rep.data, rep.scale, block=(1, rep.data.shape[1]))

@@ -1,0 +1,28 @@
+"""QuantizerRole: which slot a quantizer serves (the owning module's kind, the tensor, the module)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizerRole:
+    """A slot's identity, handed to the recipe's factory.
+
+    Empty fields mean "no signal", not "no role". Treat the strings as selectors that may grow:
+    dispatch on ``module_type`` first, refine by ``tensor_type``, and end a factory with a total
+    default.
+
+    module_type: ``"linear"``, ``"grouped_linear"``, ``"matmul"`` (or ``"dpa"`` later).
+    tensor_type: ``"input"``, ``"weight"``, ``"grad_output"`` for linears; ``"input"``, ``"other"``,
+        ``"grad_output"`` for matmuls.
+    name: the owner's fully qualified name as ``model.named_modules()`` spells it.
+    """
+
+    module_type: str = ""
+    tensor_type: str = ""
+    name: str = ""
+
+    def __str__(self) -> str:
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return "|".join(fields) if fields else "QuantizerRole()"

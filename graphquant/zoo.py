@@ -1,0 +1,210 @@
+"""Recipe zoo: factories that mix formats per role and direction.
+
+The first seven are TransformerEngine's zoo (illustrative, not validated by TE either); then a
+DeepSeek-style blockwise recipe and three torchao-equivalent FP8 recipes. Every factory builds
+fresh quantizers per call, accepts role=None, and is module level so recipes pickle. "linear"
+below means module_type "linear" or "grouped_linear".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphquant.factories import GEMM_MODULES, is_gradient, mxfp8_factory, nvfp4_factory
+from graphquant.quantizers import (
+    DelayedScalingRequest,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
+from graphquant.recipes import CustomRecipe
+from graphquant.roles import QuantizerRole
+
+
+def _tensor_type(role: Optional[QuantizerRole], module_types: tuple[str, ...] = GEMM_MODULES) -> str:
+    """The role's tensor_type if it belongs to one of ``module_types``, else ""."""
+    return role.tensor_type if role is not None and role.module_type in module_types else ""
+
+
+def _plain_nvfp4(row_scaled: bool = False) -> NVFP4Quantizer:
+    return NVFP4Quantizer(row_scaled_nvfp4=row_scaled)
+
+
+def high_precision_fwd_mxfp8_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """BF16 fprop, MXFP8 dgrad and wgrad.
+
+    linear grad_output: MXFP8 both directions. Every other role: rowwise Identity (fprop in high
+    precision), columnwise MXFP8 from the original tensor.
+    """
+    if _tensor_type(role) == "grad_output":
+        return MXFP8Quantizer()
+    return HybridQuantizer(
+        rowwise_quantizer=IdentityQuantizer(), columnwise_quantizer=MXFP8Quantizer(), columnwise_source="original"
+    )
+
+
+def mxfp8_fwd_nvfp4_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """MXFP8 fprop, NVFP4 dgrad and wgrad.
+
+    input: rowwise MXFP8 (fprop), columnwise NVFP4 with RHT (wgrad), from the original.
+    weight: rowwise MXFP8 (fprop), columnwise plain NVFP4 (dgrad) from the dequantized MXFP8.
+    grad_output: nvfp4_factory (rowwise plain for dgrad; columnwise RHT + stochastic rounding).
+    Other roles: MXFP8.
+    """
+    tensor_type = _tensor_type(role)
+    if tensor_type == "input":
+        return HybridQuantizer(
+            rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=nvfp4_factory(role), columnwise_source="original"
+        )
+    if tensor_type == "weight":
+        return HybridQuantizer(
+            rowwise_quantizer=MXFP8Quantizer(),
+            columnwise_quantizer=_plain_nvfp4(),
+            columnwise_source="rowwise_dequantized",
+        )
+    if tensor_type == "grad_output":
+        return nvfp4_factory(role)
+    return MXFP8Quantizer()
+
+
+def nvfp4_1d_weight_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """NVFP4 with 1x16 weight blocks instead of 16x16 tiles.
+
+    weight: plain NVFP4 rowwise, and the columnwise NVFP4 quantized again from the dequantized
+    rowwise (double quantization of W^T). Everything else: nvfp4_factory.
+    """
+    if _tensor_type(role) == "weight":
+        return HybridQuantizer(
+            rowwise_quantizer=_plain_nvfp4(), columnwise_quantizer=_plain_nvfp4(), columnwise_source="rowwise_dequantized"
+        )
+    return nvfp4_factory(role)
+
+
+def mxfp8_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """MXFP8 fprop; dgrad and wgrad in high precision on the values the forward used.
+
+    input, weight: rowwise MXFP8, columnwise Identity of the dequantized MXFP8.
+    grad_output: Identity. Other roles: MXFP8.
+    """
+    tensor_type = _tensor_type(role)
+    if tensor_type in ("input", "weight"):
+        return HybridQuantizer(
+            rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=IdentityQuantizer(), columnwise_source="rowwise_dequantized"
+        )
+    if tensor_type == "grad_output":
+        return IdentityQuantizer()
+    return MXFP8Quantizer()
+
+
+def nvfp4_row_scaled_fwd_mxfp8_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """Row-scaled NVFP4 fprop and MXFP8 backward for MoE experts (grouped_linear only).
+
+    grouped_linear input: rowwise row-scaled NVFP4, columnwise MXFP8 of the dequantized rowwise.
+    grouped_linear weight: rowwise plain NVFP4, columnwise MXFP8 of the dequantized rowwise.
+    grouped_linear grad_output, plain linear and every other role: MXFP8.
+    """
+    tensor_type = _tensor_type(role, ("grouped_linear",))
+    if tensor_type in ("input", "weight"):
+        return HybridQuantizer(
+            rowwise_quantizer=_plain_nvfp4(row_scaled=tensor_type == "input"),
+            columnwise_quantizer=MXFP8Quantizer(),
+            columnwise_source="rowwise_dequantized",
+        )
+    return MXFP8Quantizer()
+
+
+def nvfp4_row_scaled_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """Row-scaled NVFP4 fprop; backward in high precision on the values the forward used.
+
+    input: rowwise row-scaled NVFP4, columnwise Identity of the dequantized rowwise.
+    weight: rowwise plain NVFP4, columnwise Identity of the dequantized rowwise.
+    grad_output: Identity. Other roles: plain NVFP4.
+    """
+    tensor_type = _tensor_type(role)
+    if tensor_type in ("input", "weight"):
+        return HybridQuantizer(
+            rowwise_quantizer=_plain_nvfp4(row_scaled=tensor_type == "input"),
+            columnwise_quantizer=IdentityQuantizer(),
+            columnwise_source="rowwise_dequantized",
+        )
+    if tensor_type == "grad_output":
+        return IdentityQuantizer()
+    return _plain_nvfp4()
+
+
+def nvfp4_linear_fp8_dpa_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
+    """NVFP4 linears with FP8 attention (TE's validated combination).
+
+    dpa s and dp: delayed scaling (history 1, most recent). Other dpa roles and the
+    dpa_output / dpa_grad_input hint roles: FP8 current scaling, E5M2 for do, dp, dqkv and
+    dpa_grad_input, E4M3 otherwise. Everything else: nvfp4_factory. graphquant does not quantize
+    attention yet, so on today's graphs only the linear assignments take effect.
+    """
+    name = role.name if role is not None else ""
+    is_hint = name.endswith(("dpa_output", "dpa_grad_input"))
+    if role is not None and role.module_type == "dpa" and role.tensor_type in ("s", "dp"):
+        return DelayedScalingRequest(fp8_format="HYBRID", amax_history_len=1, amax_compute_algo="most_recent")
+    if (role is not None and role.module_type == "dpa") or is_hint:
+        backward = role.tensor_type in ("do", "dp", "dqkv") or name.endswith("dpa_grad_input")
+        return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if backward else "e4m3")
+    return nvfp4_factory(role)
+
+
+def deepseek_blockwise_factory(role: Optional[QuantizerRole]) -> Float8BlockQuantizer:
+    """DeepSeek-V3 blockwise FP8: E4M3 1x128 blocks for activations and gradients, 128x128 tiles
+    for linear weights, FP32 (not power-of-two) scales."""
+    dim = 2 if _tensor_type(role) == "weight" else 1
+    return Float8BlockQuantizer(fp8_dtype="e4m3", block_scaling_dim=dim, force_pow_2_scales=False)
+
+
+def tensorwise_factory(role: Optional[QuantizerRole]) -> Float8CurrentScalingQuantizer:
+    """torchao "tensorwise": dynamic per-tensor FP8, E4M3 input and weight, E5M2 grad_output."""
+    return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if is_gradient(role) else "e4m3")
+
+
+def rowwise_factory(role: Optional[QuantizerRole]) -> Float8RowwiseQuantizer:
+    """torchao "rowwise": per-row E4M3 scales on every operand of fprop, dgrad and wgrad,
+    rounded down to powers of two."""
+    return Float8RowwiseQuantizer(fp8_dtype="e4m3")
+
+
+def rowwise_with_gw_hp_factory(role: Optional[QuantizerRole]) -> Quantizer:
+    """torchao "rowwise_with_gw_hp": rowwise E4M3 fprop and dgrad, wgrad in high precision.
+
+    weight: rowwise FP8 both directions (fprop, dgrad). input and grad_output: rowwise FP8 for
+    the GEMM they feed rowwise, columnwise Identity (the original) for wgrad.
+    """
+    if _tensor_type(role, ("linear", "grouped_linear", "matmul")) == "weight":
+        return Float8RowwiseQuantizer(fp8_dtype="e4m3")
+    return HybridQuantizer(
+        rowwise_quantizer=Float8RowwiseQuantizer(fp8_dtype="e4m3"),
+        columnwise_quantizer=IdentityQuantizer(),
+        columnwise_source="original",
+    )
+
+
+FACTORIES = {
+    "high_precision_fwd_mxfp8_bwd": high_precision_fwd_mxfp8_bwd_factory,
+    "mxfp8_fwd_nvfp4_bwd": mxfp8_fwd_nvfp4_bwd_factory,
+    "nvfp4_1d_weight": nvfp4_1d_weight_factory,
+    "mxfp8_fwd_high_precision_bwd": mxfp8_fwd_high_precision_bwd_factory,
+    "nvfp4_row_scaled_fwd_mxfp8_bwd": nvfp4_row_scaled_fwd_mxfp8_bwd_factory,
+    "nvfp4_row_scaled_fwd_high_precision_bwd": nvfp4_row_scaled_fwd_high_precision_bwd_factory,
+    "nvfp4_linear_fp8_dpa": nvfp4_linear_fp8_dpa_factory,
+    "deepseek_blockwise": deepseek_blockwise_factory,
+    "tensorwise": tensorwise_factory,
+    "rowwise": rowwise_factory,
+    "rowwise_with_gw_hp": rowwise_with_gw_hp_factory,
+}
+
+
+def recipe(name: str) -> CustomRecipe:
+    """The zoo recipe called ``name`` (see FACTORIES), e.g. recipe("tensorwise")."""
+    if name not in FACTORIES:
+        raise ValueError(f"unknown zoo recipe {name!r}; known: {', '.join(FACTORIES)}")
+    return CustomRecipe(FACTORIES[name])

@@ -1,0 +1,221 @@
+"""Pass 1 (annotate): find every GEMM in a Dynamo graph and give it a site and its roles.
+
+Expects: a GraphModule captured by Dynamo (torch IR), nodes carrying ``example_value`` and, for
+code inside modules, ``nn_module_stack``.
+Guarantees: every node that computes a matrix product graphquant can quantize carries
+``node.meta["graphquant_site"]`` (a GemmSite); the graph itself is unchanged. Products it cannot
+quantize (a 1-D operand, batch dims that broadcast) carry ``"graphquant_skip"`` with the reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+import re
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from graphquant.roles import QuantizerRole
+
+# Graph targets by form. A form says how the site's operands map onto y = x @ w^T.
+LINEAR = "linear"  # F.linear(x, weight, bias)
+MATMUL = "matmul"  # a @ b: matmul, mm, bmm, operator.matmul
+ADDMM = "addmm"  # beta * c + alpha * (a @ b): addmm, baddbmm
+EINSUM = "einsum"  # einsum with two operands that reduces to a batched matmul
+
+_FUNCTIONS = {
+    F.linear: LINEAR,
+    torch.matmul: MATMUL,
+    torch.mm: MATMUL,
+    torch.bmm: MATMUL,
+    operator.matmul: MATMUL,
+    torch.addmm: ADDMM,
+    torch.baddbmm: ADDMM,
+    torch.einsum: EINSUM,
+}
+_METHODS = {"matmul": MATMUL, "mm": MATMUL, "bmm": MATMUL, "__matmul__": MATMUL, "addmm": ADDMM, "baddbmm": ADDMM}
+
+TENSOR_TYPES = {"linear": ("input", "weight", "grad_output"), "matmul": ("input", "other", "grad_output")}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSite:
+    """One GEMM call in the graph: what it is, who owns it, and the shapes it multiplies.
+
+    x_shape is (batch, m, k) and w_shape (batch, n, k) of y[b] = x[b] @ w[b]^T, with batch 1 for
+    a linear; dims that are symbolic (dynamic shapes) are None.
+    """
+
+    form: str
+    module_type: str
+    name: str
+    call: int
+    batched: bool
+    x_shape: tuple[Optional[int], Optional[int], Optional[int]]
+    w_shape: tuple[Optional[int], Optional[int], Optional[int]]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.call}"
+
+    def role(self, tensor_type: str) -> QuantizerRole:
+        return QuantizerRole(self.module_type, tensor_type, self.name)
+
+    def roles(self) -> tuple[QuantizerRole, ...]:
+        return tuple(self.role(t) for t in TENSOR_TYPES[self.module_type])
+
+
+def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[GemmSite]:
+    """Annotate and return the GEMM sites of ``gm`` in graph order."""
+    parameters = _parameter_nodes(gm, example_inputs)
+    functional_index: dict[tuple[str, int, str], int] = collections.Counter()
+    sites = []
+    for node in gm.graph.nodes:
+        form = _form(node)
+        if form is None:
+            continue
+        operands = _operands(node, form)
+        if operands is None:
+            node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
+            continue
+        a, b, w_is_transposed = operands
+        shapes = _shapes(node, form, a, b, w_is_transposed)
+        if isinstance(shapes, str):
+            node.meta["graphquant_skip"] = shapes
+            continue
+        x_shape, w_shape, batched = shapes
+        is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
+        owner, call, module_is_linear = _owner(node)
+        if is_linear and module_is_linear:
+            name = owner
+        else:
+            kind = "linear" if is_linear else "matmul"
+            key = (owner, call, kind)
+            name = ".".join(p for p in (owner, kind, str(functional_index[key])) if p)
+            functional_index[key] += 1
+        site = GemmSite(
+            form=form,
+            module_type="linear" if is_linear else "matmul",
+            name=name,
+            call=call,
+            batched=batched,
+            x_shape=x_shape,
+            w_shape=w_shape,
+        )
+        node.meta["graphquant_site"] = site
+        sites.append(site)
+    return sites
+
+
+def _form(node: fx.Node) -> Optional[str]:
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def _operands(node: fx.Node, form: str) -> Optional[tuple[fx.Node, fx.Node, bool]]:
+    """(x, w-or-b, whether w is b transposed) as graph nodes."""
+    args = list(node.args)
+    if form == LINEAR:
+        return args[0], node.kwargs.get("weight", args[1] if len(args) > 1 else None), False
+    if form == MATMUL:
+        return args[0], node.kwargs.get("other", args[1] if len(args) > 1 else node.kwargs.get("mat2")), True
+    if form == ADDMM:
+        return args[1], args[2], True
+    if form == EINSUM:
+        operands = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else [])
+        if len(operands) != 2 or not isinstance(args[0], str):
+            return None
+        return operands[0], operands[1], True
+    return None
+
+
+def _value(node: object) -> Optional[torch.Tensor]:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _static(size: object) -> Optional[int]:
+    return size if isinstance(size, int) else None
+
+
+def _prod(sizes: Sequence[object]) -> Optional[int]:
+    total = 1
+    for size in sizes:
+        if not isinstance(size, int):
+            return None
+        total *= size
+    return total
+
+
+def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: bool):
+    """(x_shape, w_shape, batched) for y = x @ w^T, or the reason the product is not quantized."""
+    va, vb = _value(a), _value(b)
+    if va is None or vb is None:
+        return "operand shapes unknown"
+    if form == EINSUM:
+        from graphquant.ops.einsum import plan_einsum
+
+        spec = plan_einsum(node.args[0], tuple(va.shape), tuple(vb.shape))
+        if spec is None:
+            return f"einsum {node.args[0]!r} is not a single (batched) matrix product"
+        return spec.x_shape, spec.w_shape, spec.x_shape[0] != 1
+    if va.dim() < 2 or vb.dim() < 2:
+        return "a 1-D operand (matrix-vector product)"
+    k = va.shape[-1]
+    if vb.dim() == 2:
+        n = vb.shape[-1] if w_is_transposed else vb.shape[0]
+        return (1, _static(_prod(va.shape[:-1])), _static(k)), (1, _static(n), _static(k)), False
+    if tuple(va.shape[:-2]) != tuple(vb.shape[:-2]):
+        return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast"
+    batch = _static(_prod(va.shape[:-2]))
+    n = vb.shape[-1]
+    return (batch, _static(va.shape[-2]), _static(k)), (batch, _static(n), _static(k)), True
+
+
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def fqn_from_stack_path(path: str) -> str:
+    """Dynamo's module path ("L['self'].layers[0].fc1" or "L['self'].layers.0.fc1") as named_modules spells it."""
+    path = _ROOT_PREFIX.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    path = path.replace("._orig_mod", "").removeprefix("_orig_mod.")
+    return path.strip(".")
+
+
+def _owner(node: fx.Node) -> tuple[str, int, bool]:
+    """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", 0, False
+    key, (path, module_type) = list(stack.items())[-1]
+    call = int(key.rsplit("@", 1)[1]) if "@" in str(key) else 0
+    is_linear = isinstance(module_type, type) and issubclass(module_type, torch.nn.Linear)
+    return fqn_from_stack_path(path), call, is_linear
+
+
+def _parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:
+    """Graph nodes that are module parameters (lifted placeholders, or get_attr of a Parameter)."""
+    parameters = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.nn.Parameter):
+            parameters.add(node)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(_get_attr(gm, node.target), torch.nn.Parameter):
+            parameters.add(node)
+    return parameters
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> object:
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value

@@ -1,0 +1,92 @@
+"""Pass 3 (convert): replace every annotated GEMM with graphquant's quantized functions.
+
+Expects: nodes annotated by find_gemms and a Plan for them (every slot has a quantizer).
+Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site whose keyword
+arguments name the site and spell out the format of input, weight/other and grad_output; slot
+state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
+of the returned names. Nothing else in the graph changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import fx
+
+from graphquant.ops import gemm_site
+from graphquant.passes.find_gemms import ADDMM, EINSUM, LINEAR, TENSOR_TYPES, GemmSite
+from graphquant.plan import Plan
+from graphquant.roles import QuantizerRole
+
+_TARGETS = {
+    LINEAR: gemm_site.quantized_linear,
+    ADDMM: gemm_site.quantized_addmm,
+    EINSUM: gemm_site.quantized_einsum,
+}
+
+
+def rewrite(
+    gm: fx.GraphModule,
+    plan: Plan,
+    needs_delayed_state: Callable[[QuantizerRole], bool],
+    needs_rng: bool,
+) -> list[str]:
+    """Rewrite ``gm`` in place; returns the names of the state placeholders it appended
+    ("rng", or the str of a delayed-scaling role)."""
+    graph = gm.graph
+    extra: dict[str, fx.Node] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+    def placeholder(key: str) -> fx.Node:
+        nonlocal last_placeholder
+        if key not in extra:
+            with graph.inserting_after(last_placeholder):
+                node = graph.placeholder(f"graphquant_state_{len(extra)}")
+            node._dynamo_source = None  # not from user code: the compiled wrapper supplies it
+            node.meta["graphquant_state"] = key
+            extra[key] = last_placeholder = node
+        return extra[key]
+
+    sites = [n for n in graph.nodes if "graphquant_site" in n.meta]
+    for index, node in enumerate(sites):
+        site: GemmSite = node.meta["graphquant_site"]
+        roles = site.roles()
+        formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
+        states = tuple(placeholder(str(r)) if needs_delayed_state(r) else None for r in roles)
+        kwargs = dict(
+            name=site.name,
+            call=site.call,
+            **formats,
+            states=states,
+            rng=placeholder("rng") if needs_rng else None,
+            streams=tuple(3 * index + i for i in range(3)),
+        )
+        args, form_kwargs = _arguments(node, site)
+        with graph.inserting_before(node):
+            replacement = graph.call_function(
+                _TARGETS.get(site.form, gemm_site.quantized_matmul), args, {**form_kwargs, **kwargs}
+            )
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return list(extra)
+
+
+def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
+    """The operands of ``node`` in the order its gemm_site function takes them."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if site.form == LINEAR:
+        weight = kwargs.pop("weight", None) or args[1]
+        bias: Optional[object] = kwargs.pop("bias", args[2] if len(args) > 2 else None)
+        return (args[0], weight, bias), {}
+    if site.form == ADDMM:
+        beta = kwargs.pop("beta", 1)
+        alpha = kwargs.pop("alpha", 1)
+        return tuple(args[:3]), {"beta": beta, "alpha": alpha}
+    if site.form == EINSUM:
+        operands = args[1:] if len(args) > 2 else list(args[1])
+        return (args[0], *operands), {}
+    other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+    return (args[0], other), {}

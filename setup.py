@@ -1,0 +1,39 @@
+"""Builds graphquant._C: the pybind11 binding module, with the CUDA kernels where CUDA exists.
+
+The CUDA part is compiled only when a CUDA toolkit and a CUDA build of torch are both present;
+otherwise the module carries the host-side code alone and graphquant runs the reference numerics.
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def cuda_arch_flags() -> list[str]:
+    """sm_90a for Hopper's own instructions, and sm_100a where this nvcc knows it."""
+    flags = ["-gencode=arch=compute_90a,code=sm_90a"]
+    if int(torch.version.cuda.split(".")[0]) >= 13 or torch.version.cuda >= "12.8":
+        flags.append("-gencode=arch=compute_100a,code=sm_100a")
+    return flags
+
+
+def extension():
+    host_sources = sorted(glob.glob("csrc/*.cpp"))
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("GRAPHQUANT_NO_CUDA") != "1"
+    if not with_cuda:
+        return CppExtension("graphquant._C", host_sources, extra_compile_args={"cxx": ["-O2"]})
+    return CUDAExtension(
+        "graphquant._C",
+        host_sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        define_macros=[("GRAPHQUANT_WITH_CUDA", "1")],
+        extra_compile_args={
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "--use_fast_math=false", "-std=c++17", "--expt-relaxed-constexpr", *cuda_arch_flags()],
+        },
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
