@@ -149,7 +149,7 @@ def _block_view(t: torch.Tensor, axis: int) -> torch.Tensor:
     return t.reshape(m, k // 32, 32) if axis == 1 else t.reshape(m // 32, 32, k).transpose(1, 2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     fmt=st.sampled_from(FORMATS),
@@ -182,7 +182,7 @@ def test_roundtrip_error_bound(seed, fmt, axis, lo, width, ties):
     assert (err <= bound).all()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**31), fmt=st.sampled_from(FORMATS), axis=st.sampled_from([0, 1]), lo=st.integers(-60, 60))
 def test_requantizing_dequantized_values(seed, fmt, axis, lo):
     """Re-quantizing x^ gives the same values always, and the same bits unless a block's largest

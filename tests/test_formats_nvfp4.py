@@ -160,7 +160,8 @@ def test_row_scaled_uses_per_row_amax():
     assert amax.shape == (4,) and torch.equal(amax, x.abs().amax(1))
     for r in range(4):
         p, s, a = nvfp4.quantize(x[r : r + 1], tile_rows=1, row_scaled=False, rng=None)
-        assert torch.equal(packed[r : r + 1], p) and torch.equal(scales[r : r + 1].view(torch.uint8), s.view(torch.uint8))
+        assert torch.equal(packed[r : r + 1], p)
+        assert torch.equal(scales[r : r + 1].view(torch.uint8), s.view(torch.uint8))
         assert a.item() == amax[r].item()
     deq = nvfp4.dequantize(packed, scales, amax)
     for r in range(4):
@@ -175,7 +176,7 @@ def test_tile_rows_must_be_1_or_16():
 
 # -- round-trip error bound --------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     lo=st.integers(-40, 20),

@@ -31,12 +31,9 @@ _GOLDEN = 0x9E3779B9
 _HASH_IV = 0x6A09E667
 
 
-def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a / b as one correctly rounded fp32 division (tensor / tensor, never a * (1 / b))."""
-    return torch.div(a, b)
-
-
 def _const(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as an fp32 tensor shaped like ``like``: a tensor operand, so that ``c / t`` is one
+    correctly rounded division (torch computes ``python_float / t`` as reciprocal(t) * c)."""
     return torch.full_like(like, value, dtype=torch.float32)
 
 
@@ -190,15 +187,15 @@ def quantize(
     absx = xf.abs()
     vec_max = _tile_amax(absx, tile_rows)
     amax = absx.amax(1) if row_scaled else absx.amax()
-    s_enc = torch.minimum(_div(_const(E4M3_MAX * E2M1_MAX, amax), amax), _const(FLT_MAX, amax))
+    s_enc = torch.minimum(torch.div(_const(E4M3_MAX * E2M1_MAX, amax), amax), _const(FLT_MAX, amax))
     s_enc = torch.where((s_enc == 0) | (amax == 0), _const(1.0, amax), s_enc)
-    s_dec = _div(_const(1.0, s_enc), s_enc)
+    s_dec = torch.div(_const(1.0, s_enc), s_enc)
     mult = s_enc * _const(1.0 / 6.0, s_enc)  # fp32(1/6) = 0x3E2AAAAB
     if row_scaled:
         mult, s_dec = mult[:, None], s_dec[:, None]
     scales = (vec_max * mult).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     denom = scales.float() * s_dec
-    encode = torch.minimum(_div(_const(1.0, denom), denom), _const(FLT_MAX, denom))
+    encode = torch.minimum(torch.div(_const(1.0, denom), denom), _const(FLT_MAX, denom))
     scaled = (xf.reshape(rows, cols // BLOCK_LEN, BLOCK_LEN) * encode.unsqueeze(-1)).reshape(rows, cols)
     rand = None if rng is None else random_bits(*rng, (rows, cols), device=x.device)
     codes = round_to_e2m1(scaled, rand)
@@ -216,7 +213,7 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -
     values = e2m1_values(unpack(packed))
     rows, cols = values.shape
     amax = amax.float()
-    global_dec = _div(amax, _const(E4M3_MAX * E2M1_MAX, amax))
+    global_dec = torch.div(amax, _const(E4M3_MAX * E2M1_MAX, amax))
     if amax.dim() == 1:
         global_dec = global_dec[:, None, None]
     blocks = values.reshape(rows, cols // BLOCK_LEN, BLOCK_LEN) * scales.float().unsqueeze(-1)
