@@ -10,9 +10,16 @@ import torch
 from torch import fx
 
 from graphquant.passes.find_gemms import find_gemms
-from graphquant.passes.rewrite import rewrite
+from graphquant.ops import gemm_site
+from graphquant.passes.rewrite import WeightKey, rewrite
 from graphquant.plan import Plan, Planner
-from graphquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, NVFP4Quantizer, Quantizer
+from graphquant.quantizers import (
+    Float8DelayedScalingQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
@@ -46,6 +53,7 @@ class GraphquantBackend:
         self.plans: list[Plan] = []
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None
+        self.weight_cache = WeightCache()
 
     @property
     def plan(self) -> Plan:
@@ -64,20 +72,27 @@ class GraphquantBackend:
         self.plans.append(plan)
         if not sites:
             warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
-        keys = rewrite(gm, plan, lambda role: self._delayed(plan, role), needs_rng=self._needs_rng(plan))
-        extra = [self._state(key, plan, device) for key in keys]
+        placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        keys = rewrite(
+            gm,
+            plan,
+            lambda role: self._delayed(plan, role),
+            needs_rng=self._needs_rng(plan),
+            cache_weight=lambda role: not training and not self._delayed(plan, role) and not _is_identity_rowwise(plan.quantizer(role)),
+        )
+        providers = [self._provider(key, plan, device, placeholders) for key in keys]
         if self.dump_dir:
             from graphquant.dump import dump_graph
 
             dump_graph(self.dump_dir, gm, plan)
-        compiled = self._inner()(gm, [*example_inputs, *extra])
+        compiled = self._inner()(gm, [*example_inputs, *(p(example_inputs) for p in providers)])
         rng = self.rng if "rng" in keys else None
 
         def run(*args: Any) -> Any:
             if rng is not None:
                 with torch.no_grad():
                     rng[1] += 1
-            return compiled(*args, *extra)
+            return compiled(*args, *(p(args) for p in providers))
 
         return run
 
@@ -103,16 +118,49 @@ class GraphquantBackend:
 
         return any(stochastic(q) for _, q in plan.slots)
 
-    def _state(self, key: str, plan: Plan, device: torch.device) -> torch.Tensor:
+    def _provider(self, key: object, plan: Plan, device: torch.device, placeholders: list[str]) -> Callable:
+        """How the compiled wrapper obtains the extra argument ``key`` from a call's arguments."""
+        if isinstance(key, WeightKey):
+            index = placeholders.index(key.placeholder)
+            return lambda args: self.weight_cache.get(args[index], key.spec)[key.part]
         if key == "rng":
             if self.rng is None:
                 self.rng = torch.tensor([self.seed, 0], dtype=torch.int64, device=device)
-            return self.rng
+            rng = self.rng
+            return lambda args: rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
             scale, history = plan.quantizer(role).initial_state(device)
             self.delayed_state[role] = torch.cat([scale, history])
-        return self.delayed_state[role]
+        state = self.delayed_state[role]
+        return lambda args: state
+
+
+def _is_identity_rowwise(quantizer: Quantizer) -> bool:
+    return isinstance(gemm_site.rowwise_quantizer(quantizer), IdentityQuantizer)
+
+
+class WeightCache:
+    """Rowwise representations of weights for inference, remade only when a weight changes.
+
+    A weight's version counter moves on every in-place update (an optimizer step, load_state_dict),
+    so (identity, data pointer, version, spec) names one quantization of one weight value.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], tuple[tuple[int, int], list[torch.Tensor]]] = {}
+        self.quantizations = 0
+
+    def get(self, weight: torch.Tensor, spec: str) -> list[torch.Tensor]:
+        key = (id(weight), spec)
+        version = (weight.data_ptr(), weight._version)
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != version:
+            with torch.no_grad():
+                entry = (version, gemm_site.quantize_weight_rowwise(weight, spec))
+            self._entries[key] = entry
+            self.quantizations += 1
+        return entry[1]
 
 
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:

@@ -4,12 +4,15 @@ Expects: nodes annotated by find_gemms and a Plan for them (every slot has a qua
 Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site whose keyword
 arguments name the site and spell out the format of input, weight/other and grad_output; slot
 state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
-of the returned names. Nothing else in the graph changes.
+of the returned keys. With ``cache_weights`` (inference), a linear whose weight is a graph input
+takes the weight's rowwise representation as three more placeholders, keyed
+``WeightKey(placeholder name, weight spec, part)``, so the caller can make it once per weight
+version. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from torch import fx
 
@@ -17,6 +20,14 @@ from graphquant.ops import gemm_site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, LINEAR, TENSOR_TYPES, GemmSite
 from graphquant.plan import Plan
 from graphquant.roles import QuantizerRole
+
+class WeightKey(NamedTuple):
+    """An extra placeholder holding part ``part`` (data, scale, amax) of a cached weight."""
+
+    placeholder: str
+    spec: str
+    part: int
+
 
 _TARGETS = {
     LINEAR: gemm_site.quantized_linear,
@@ -30,14 +41,15 @@ def rewrite(
     plan: Plan,
     needs_delayed_state: Callable[[QuantizerRole], bool],
     needs_rng: bool,
-) -> list[str]:
-    """Rewrite ``gm`` in place; returns the names of the state placeholders it appended
-    ("rng", or the str of a delayed-scaling role)."""
+    cache_weight: Callable[[QuantizerRole], bool] = lambda role: False,
+) -> list[object]:
+    """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng", the str
+    of a delayed-scaling role, or a WeightKey."""
     graph = gm.graph
-    extra: dict[str, fx.Node] = {}
+    extra: dict[object, fx.Node] = {}
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
 
-    def placeholder(key: str) -> fx.Node:
+    def placeholder(key: object) -> fx.Node:
         nonlocal last_placeholder
         if key not in extra:
             with graph.inserting_after(last_placeholder):
@@ -62,6 +74,9 @@ def rewrite(
             streams=tuple(3 * index + i for i in range(3)),
         )
         args, form_kwargs = _arguments(node, site)
+        weight = args[1] if site.form == LINEAR else None
+        if isinstance(weight, fx.Node) and weight.op == "placeholder" and cache_weight(roles[1]):
+            kwargs["weight_rowwise"] = tuple(placeholder(WeightKey(weight.name, formats["weight"], i)) for i in range(3))
         with graph.inserting_before(node):
             replacement = graph.call_function(
                 _TARGETS.get(site.form, gemm_site.quantized_matmul), args, {**form_kwargs, **kwargs}

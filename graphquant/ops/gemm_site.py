@@ -164,15 +164,54 @@ def _product(x2d, w2d, batch, *, name, input, weight, grad_output, states, rng, 
 
 
 def quantized_linear(
-    x, w, bias=None, *, name, call, input, weight, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)
+    x,
+    w,
+    bias=None,
+    *,
+    name,
+    call,
+    input,
+    weight,
+    grad_output,
+    states=(None, None, None),
+    rng=None,
+    streams=(0, 1, 2),
+    weight_rowwise=None,
 ):
-    """F.linear(x, w, bias) with input, weight and grad_output in the formats named."""
-    y = _product(
-        x.reshape(-1, x.shape[-1]), w, 1, name=name, input=input, weight=weight, grad_output=grad_output,
-        states=states, rng=rng, streams=streams,
-    )
+    """F.linear(x, w, bias) with input, weight and grad_output in the formats named.
+
+    weight_rowwise: the weight's rowwise representation, already made (inference keeps one per
+    weight version); then no autograd formula is needed and the weight is not quantized here.
+    """
+    x2d = x.reshape(-1, x.shape[-1])
+    if weight_rowwise is None:
+        y = _product(
+            x2d, w, 1, name=name, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
+            streams=streams,
+        )
+    else:
+        y = _inference_product(x2d, w, weight_rowwise, input=input, weight=weight, state=SlotState(states[0], rng, streams[0]))
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
+
+
+def _inference_product(x2d, w, weight_rowwise, *, input, weight, state):
+    x_quantizer = quantizer_of(input)
+    xq = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
+    update_delayed_scaling(x_quantizer, state, xq)
+    w_operand = Operand(list(weight_rowwise), rowwise_quantizer(quantizer_of(weight)).spec, ROWWISE, (w.shape[0], w.shape[1]))
+    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype))
+
+
+def rowwise_quantizer(quantizer: Quantizer) -> Quantizer:
+    """The quantizer that makes ``quantizer``'s rowwise representation."""
+    return quantizer.rowwise_quantizer if isinstance(quantizer, HybridQuantizer) else quantizer
+
+
+def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
+    """A weight's rowwise representation, made outside any graph (for the inference cache)."""
+    quantizer = rowwise_quantizer(quantizer_of(weight))
+    return _quantize_direction(w.detach(), quantizer, ROWWISE, SlotState(None, None, 0)).tensors
 
 
 def quantized_matmul(a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)):
