@@ -1,44 +1,39 @@
 """GEMM backends: how a pair of representations is multiplied on this device.
 
-The emulated backend dequantizes both operands exactly and multiplies them in float32; it runs
-every pair the planner admits, on any device, and is what CPU always uses.
+``select`` classifies an operand pair (each operand given as the quantizer that makes its
+direction) into native / emulated / rejected and names the backend; the planner shows that
+choice and ``gemm`` runs exactly it. Native backends are cuBLASLt through torch._scaled_mm
+(graphquant.scaled_mm). The emulated backend dequantizes both operands exactly and multiplies
+them in high precision; it runs every pair the planner admits, on any device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from graphquant.quantizers import ROWWISE, IdentityQuantizer, Quantizer, Representation
-
-
-def output_rows(direction: str, shape: Sequence[int], batch: int) -> int:
-    """Rows an operand contributes to each group's output (its non-reduced extent)."""
-    return int(shape[0]) // batch if direction == ROWWISE else int(shape[1])
-
-
-def grouped_operand(rep: Representation, batch: int) -> torch.Tensor:
-    """(batch, rows, K): a rowwise operand groups its rows, a columnwise one its reduction dim."""
-    values = rep.gemm_operand(torch.float32)
-    rows, k = values.shape
-    if rep.direction == ROWWISE:
-        return values.reshape(batch, rows // batch, k)
-    return values.reshape(rows, batch, k // batch).permute(1, 0, 2)
-
-
-def emulated_gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.bmm(grouped_operand(a, batch), grouped_operand(b, batch).transpose(1, 2)).to(out_dtype)
-
-
-def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return emulated_gemm(a, b, batch, out_dtype)
-
+from graphquant import emulation, scaled_mm
+from graphquant.quantizers import (
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+    Representation,
+)
 
 NATIVE = "native"
 EMULATED = "emulated"
 REJECTED = "rejected"
+
+HIGH_PRECISION = "high-precision matmul"
+EMULATION = "dequantize + high-precision matmul"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +45,62 @@ class Selection:
     reason: str = ""
 
 
-def select(a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device) -> Selection:
-    """Classify the operand pair (each the quantizer that makes that direction) for ``device``."""
+PER_TENSOR = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
+
+# Native FP8 GEMMs on Hopper and later: (backend name, test on the operand pair, dims multiple).
+_HOPPER_FP8: tuple[tuple[str, Callable[[Quantizer, str, Quantizer, str], bool], int], ...] = (
+    (
+        scaled_mm.TENSORWISE,
+        lambda a, da, b, db: isinstance(a, PER_TENSOR)
+        and isinstance(b, PER_TENSOR)
+        and not (a.fp8_dtype == b.fp8_dtype == "e5m2"),
+        16,
+    ),
+    (
+        scaled_mm.ROWWISE_SCALED,
+        lambda a, da, b, db: isinstance(a, Float8RowwiseQuantizer)
+        and isinstance(b, Float8RowwiseQuantizer)
+        and a.fp8_dtype == b.fp8_dtype == "e4m3",
+        16,
+    ),
+    (
+        scaled_mm.BLOCKWISE,
+        lambda a, da, b, db: isinstance(a, Float8BlockQuantizer)
+        and isinstance(b, Float8BlockQuantizer)
+        and a.block_scaling_dim == 1
+        and a.fp8_dtype == b.fp8_dtype == "e4m3",
+        128,
+    ),
+)
+
+_BLACKWELL_BLOCK_SCALED = (
+    (
+        scaled_mm.MXFP8,
+        lambda a, da, b, db: isinstance(a, MXFP8Quantizer) and isinstance(b, MXFP8Quantizer) and a.fp8_dtype == b.fp8_dtype == "e4m3",
+        128,
+    ),
+    (
+        scaled_mm.NVFP4,
+        lambda a, da, b, db: isinstance(a, NVFP4Quantizer)
+        and isinstance(b, NVFP4Quantizer)
+        and not (a.row_scaled_nvfp4 and da == ROWWISE)
+        and not (b.row_scaled_nvfp4 and db == ROWWISE),
+        128,
+    ),
+)
+
+
+def select(
+    a: Quantizer,
+    a_direction: str,
+    b: Quantizer,
+    b_direction: str,
+    device: torch.device,
+    dims: Optional[tuple[Optional[int], Optional[int], Optional[int]]] = None,
+    batch: Optional[int] = 1,
+) -> Selection:
+    """Classify the pair for ``device``; ``dims`` is (m, n, k) of each group's out[m, n] = A @ B^T
+    (None where unknown), ``batch`` the number of groups."""
     if a.hadamard(a_direction) != b.hadamard(b_direction):
         with_rht = a if a.hadamard(a_direction) else b
         return Selection(
@@ -62,13 +111,40 @@ def select(a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, devic
             "grad_output) or neither",
         )
     if isinstance(a, IdentityQuantizer) and isinstance(b, IdentityQuantizer):
-        return Selection(NATIVE, "high-precision matmul")
-    return Selection(EMULATED, "dequantize + fp32 matmul", _why_emulated(a, b, device))
-
-
-def _why_emulated(a: Quantizer, b: Quantizer, device: torch.device) -> str:
+        return Selection(NATIVE, HIGH_PRECISION)
     if device.type != "cuda":
-        return f"no low-precision GEMM on {device.type}"
+        return Selection(EMULATED, EMULATION, f"no low-precision GEMM on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    candidates = _HOPPER_FP8 if capability >= (9, 0) else ()
+    candidates += _BLACKWELL_BLOCK_SCALED if capability >= (10, 0) else ()
+    for backend, fits, multiple in candidates:
+        if fits(a, a_direction, b, b_direction):
+            if batch != 1:
+                return Selection(EMULATED, EMULATION, f"{backend} multiplies one matrix pair, not a batch of {batch}")
+            if dims is not None and any(d is not None and d % multiple for d in dims):
+                return Selection(
+                    EMULATED, EMULATION, f"{backend} needs m, n, k multiples of {multiple}; got {dims}"
+                )
+            return Selection(NATIVE, backend)
     if type(a) is not type(b):
-        return f"no GEMM multiplies {a.tag} by {b.tag}"
-    return f"no native {a.tag} GEMM on this device"
+        return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")
+    return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{capability[0]}{capability[1]}")
+
+
+def output_rows(direction: str, shape: Sequence[int], batch: int) -> int:
+    """Rows an operand contributes to each group's output (its non-reduced extent)."""
+    return int(shape[0]) // batch if direction == ROWWISE else int(shape[1])
+
+
+def gemm_dims(a: Representation, b: Representation, batch: int) -> tuple[int, int, int]:
+    """(m, n, k) of each group's product."""
+    k = a.shape[1] if a.direction == ROWWISE else a.shape[0] // batch
+    return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), k
+
+
+def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """(batch, m, n): out[g] = A[g] @ B[g]^T on the backend ``select`` names for this pair."""
+    selection = select(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch)
+    if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
+        return scaled_mm.run(selection.backend, a, b, out_dtype).unsqueeze(0)
+    return emulation.gemm(a, b, batch, out_dtype)

@@ -160,9 +160,12 @@ class Planner:
             quantizers = [self.quantizer(role) for role in roles]
             slots.update(zip(roles, quantizers))
             self._check_shapes(site, quantizers, training)
+            batch, m, k = site.x_shape
+            n = site.w_shape[1]
+            dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = direction_quantizer(quantizers[ia], da), direction_quantizer(quantizers[ib], db)
-                selection = backends.select(qa, da, qb, db, device)
+                selection = backends.select(qa, da, qb, db, device, dims[gemm], batch)
                 entry = GemmPlan(
                     site=site.label,
                     module_type=site.module_type,

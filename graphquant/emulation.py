@@ -1,0 +1,95 @@
+"""Exact emulation of a low-precision GEMM: dequantize, multiply in high precision, rescale.
+
+Per-tensor and per-row factors (an FP8 tensor scale, NVFP4's global amax, per-row FP8 scales)
+are taken out of the operands and applied to the product, as the hardware GEMM applies alpha.
+What stays in the operands (FP8 codes, MXFP8 and power-of-two-scaled values, NVFP4 q * s) is then
+exact in bfloat16, so on a GPU the product runs as a bf16 GEMM with fp32 accumulation and is
+exact up to that accumulation. Anything not exact in bf16 is multiplied in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphquant.formats import nvfp4
+from graphquant.quantizers import (
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Representation,
+)
+
+NVFP4_GLOBAL = 6.0 * 448.0
+
+
+def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(values, factor) with values * factor = the dequantized stored-orientation values.
+
+    factor is None, a scalar, or a (rows, 1) column over the stored rows.
+    """
+    q = rep.quantizer
+    if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
+        return rep.data, rep.scale.reshape(())
+    if isinstance(q, Float8RowwiseQuantizer):
+        return rep.data, rep.scale.reshape(-1, 1)
+    if isinstance(q, NVFP4Quantizer):
+        codes = nvfp4.e2m1_values(nvfp4.unpack(rep.data))
+        scales = rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
+        factor = torch.div(rep.amax, NVFP4_GLOBAL)
+        return codes * scales, factor.reshape(-1, 1) if factor.dim() else factor
+    return rep.dequantize(torch.float32), None
+
+
+def exact_in_bf16(rep: Representation) -> bool:
+    """Whether ``factored(rep)``'s values are bf16 numbers (so a bf16 GEMM loses nothing)."""
+    q = rep.quantizer
+    if isinstance(q, IdentityQuantizer):
+        return rep.data.dtype == torch.bfloat16
+    if isinstance(q, Float8BlockQuantizer):
+        return q.force_pow_2_scales
+    return isinstance(
+        q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+    )
+
+
+def _grouped(values: torch.Tensor, rep: Representation, batch: int) -> torch.Tensor:
+    """(batch, rows, K) of the operand with its reduction dim last (see backends.gemm)."""
+    if rep.transposed != (rep.direction != ROWWISE):
+        values = values.t()
+    rows, k = values.shape
+    if rep.direction == ROWWISE:
+        return values.reshape(batch, rows // batch, k)
+    return values.reshape(rows, batch, k // batch).permute(1, 0, 2)
+
+
+def _grouped_factor(factor: Optional[torch.Tensor], rep: Representation, batch: int) -> Optional[torch.Tensor]:
+    """The factor shaped to broadcast over (batch, rows, 1) of the grouped operand."""
+    if factor is None or factor.dim() == 0:
+        return factor
+    if rep.transposed != (rep.direction != ROWWISE):
+        raise ValueError(f"{rep.quantizer}: a per-row factor must lie along the operand's rows")
+    return factor.reshape(batch, -1, 1) if rep.direction == ROWWISE else factor.reshape(1, -1, 1)
+
+
+def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """(batch, m, n) = A @ B^T per group, exact up to fp32 accumulation."""
+    on_gpu = a.data.is_cuda
+    dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
+    (va, fa), (vb, fb) = factored(a), factored(b)
+    product = torch.bmm(_grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype).transpose(1, 2))
+    if fa is None and fb is None:
+        return product.to(out_dtype)
+    product = product.float()
+    fa, fb = _grouped_factor(fa, a, batch), _grouped_factor(fb, b, batch)
+    if fa is not None:
+        product = product * fa
+    if fb is not None:
+        product = product * (fb if fb.dim() == 0 else fb.transpose(1, 2))
+    return product.to(out_dtype)

@@ -1,0 +1,68 @@
+"""Native low-precision GEMMs through torch._scaled_mm (cuBLASLt).
+
+Every operand arrives with its reduction dim last, as the representations store it for Hopper's
+TN GEMM; the second operand is passed transposed (a column-major view), and scales are laid out
+as cuBLASLt wants them for each scaling mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphquant.quantizers import ROWWISE, Representation
+
+TENSORWISE = "cublaslt fp8 tensorwise"
+ROWWISE_SCALED = "cublaslt fp8 rowwise"
+BLOCKWISE = "cublaslt fp8 blockwise"
+MXFP8 = "cublaslt mxfp8 (sm100)"
+NVFP4 = "cublaslt nvfp4 (sm100)"
+
+
+def k_last(rep: Representation) -> torch.Tensor:
+    """The stored data with the reduction dim last (rowwise as is; columnwise stored transposed)."""
+    if rep.transposed != (rep.direction != ROWWISE):
+        raise ValueError(f"{rep.quantizer} {rep.direction}: data is not stored with the reduction dim last")
+    return rep.data
+
+
+def outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same (outer, k_blocks) scale with the outer dim contiguous, as 1x128 scaling wants."""
+    return scale.t().contiguous().t()
+
+
+def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales (rows, cols) in cuBLAS's block-scaled layout for sm100 (flattened).
+
+    The matrix is padded to whole 128x4 tiles; inside a tile, scale (r, c) goes to byte
+    (r % 32) * 16 + (r // 32) * 4 + c, and tiles are laid out row-tile-major.
+    """
+    rows, cols = scale.shape
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded = scale.new_zeros(padded_rows, padded_cols)
+    padded[:rows, :cols] = scale
+    tiles = padded.reshape(padded_rows // 128, 4, 32, padded_cols // 4, 4)  # (tile r, r // 32, r % 32, tile c, c)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
+
+
+def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> torch.Tensor:
+    """out (m, n) = A @ B^T on ``backend`` (as named by graphquant.backends.select)."""
+    data_a, data_b = k_last(a), k_last(b).t()
+    if backend == TENSORWISE:
+        return torch._scaled_mm(data_a, data_b, a.scale.reshape(()), b.scale.reshape(()), out_dtype=out_dtype)
+    if backend == ROWWISE_SCALED:
+        out = torch._scaled_mm(data_a, data_b, a.scale.reshape(-1, 1), b.scale.reshape(1, -1), out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    if backend == BLOCKWISE:
+        scale_b = b.scale.t() if b.quantizer.block_scaling_dim == 2 else b.scale.t().contiguous()
+        return torch._scaled_mm(data_a, data_b, outer_major(a.scale), scale_b, out_dtype=out_dtype)
+    if backend == MXFP8:
+        scale_a = swizzled_block_scales(a.scale).view(torch.float8_e8m0fnu)
+        scale_b = swizzled_block_scales(b.scale).view(torch.float8_e8m0fnu)
+        return torch._scaled_mm(data_a, data_b, scale_a, scale_b, out_dtype=out_dtype)
+    if backend == NVFP4:
+        packed_a, packed_b = data_a.view(torch.float4_e2m1fn_x2), data_b.view(torch.float4_e2m1fn_x2)
+        scale_a, scale_b = swizzled_block_scales(a.scale), swizzled_block_scales(b.scale)
+        out = torch._scaled_mm(packed_a, packed_b, scale_a, scale_b, out_dtype=torch.float32)
+        alpha = torch.div(a.amax, 6.0 * 448.0) * torch.div(b.amax, 6.0 * 448.0)
+        return (out * alpha).to(out_dtype)
+    raise ValueError(f"unknown native backend {backend!r}")
