@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -64,6 +65,7 @@ class GraphquantBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
+        captured = gm.code if self.dump_dir else ""
         sites = find_gemms(gm, example_inputs)
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -84,7 +86,7 @@ class GraphquantBackend:
         if self.dump_dir:
             from graphquant.dump import dump_graph
 
-            dump_graph(self.dump_dir, gm, plan)
+            dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *(p(example_inputs) for p in providers)])
         rng = self.rng if "rng" in keys else None
 
@@ -193,8 +195,11 @@ def compile(
     mode: "inference" makes no backward representations even with grad enabled; None decides
         per call from torch.is_grad_enabled().
     seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible.
-    dump_dir: write each captured graph, its rewritten form and its plan there.
+    dump_dir: write each captured graph, its rewritten form and its plan there (default: the
+        environment variable GRAPHQUANT_DUMP, if set).
     """
+    if dump_dir is None:
+        dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None
     gq_backend = GraphquantBackend(recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir)
     compiled = torch.compile(model, backend=gq_backend, **torch_compile_kwargs)
     compiled.__dict__["graphquant"] = gq_backend

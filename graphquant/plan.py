@@ -7,7 +7,9 @@ dtype) re-uses them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import difflib
 import json
 import warnings
 from typing import Optional, Sequence
@@ -21,7 +23,9 @@ from graphquant.quantizers import (
     ROWWISE,
     DelayedScalingRequest,
     HybridQuantizer,
+    IdentityQuantizer,
     Quantizer,
+    parse_spec,
 )
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
@@ -73,9 +77,16 @@ class Plan:
             for g in self.gemms
         ]
 
+    def summary(self) -> str:
+        """One line: how many sites and GEMMs, and how many of them fall in each bucket."""
+        buckets = collections.Counter(g.bucket for g in self.gemms)
+        counts = ", ".join(f"{buckets[b]} {b}" for b in (backends.NATIVE, backends.EMULATED, backends.REJECTED) if buckets[b])
+        sites = len({g.site for g in self.gemms})
+        return f"graphquant plan on {self.device}: {sites} GEMM sites, {len(self.gemms)} GEMMs ({counts or 'none'})"
+
     def __str__(self) -> str:
         headers = ["site", "module_type", "gemm", "operand a", "operand b", "backend", "bucket", "why"]
-        text = tabulate(self.rows(), headers=headers, tablefmt="simple")
+        text = self.summary() + "\n\n" + tabulate(self.rows(), headers=headers, tablefmt="simple")
         if self.skipped:
             text += "\n\nnot quantized:\n" + "\n".join(f"  {what}: {why}" for what, why in self.skipped)
         return text
@@ -89,6 +100,28 @@ class Plan:
                 "skipped": [{"node": what, "reason": why} for what, why in self.skipped],
             },
             indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """The plan ``to_json`` wrote (quantizers come back from their specs)."""
+        doc = json.loads(text)
+        return cls(
+            device=doc["device"],
+            slots=tuple((QuantizerRole(**s["role"]), parse_spec(s["quantizer"])) for s in doc["slots"]),
+            gemms=tuple(GemmPlan(**g) for g in doc["gemms"]),
+            skipped=tuple((s["node"], s["reason"]) for s in doc["skipped"]),
+        )
+
+    @classmethod
+    def combine(cls, plans: Sequence["Plan"]) -> "Plan":
+        """One plan for a model that compiled into several graphs (graph breaks), in graph order."""
+        slots = {role: q for plan in plans for role, q in plan.slots}
+        return cls(
+            device=plans[0].device,
+            slots=tuple(slots.items()),
+            gemms=tuple(g for plan in plans for g in plan.gemms),
+            skipped=tuple(s for plan in plans for s in plan.skipped),
         )
 
 
@@ -155,6 +188,7 @@ class Planner:
     def plan(self, sites: Sequence[GemmSite], device: torch.device, *, training: bool, skipped=()) -> Plan:
         slots: dict[QuantizerRole, Quantizer] = {}
         gemms = []
+        operand_quantizers: set[Quantizer] = set()
         for site in sites:
             roles = site.roles()
             quantizers = [self.quantizer(role) for role in roles]
@@ -165,6 +199,7 @@ class Planner:
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = direction_quantizer(quantizers[ia], da), direction_quantizer(quantizers[ib], db)
+                operand_quantizers.update((qa, qb))
                 selection = backends.select(qa, da, qb, db, device, dims[gemm], batch)
                 entry = GemmPlan(
                     site=site.label,
@@ -182,6 +217,13 @@ class Planner:
                 gemms.append(entry)
         plan = Plan(device=str(device), slots=tuple(slots.items()), gemms=tuple(gemms), skipped=tuple(skipped))
         self._warn_unmatched_names(plan)
+        if gemms and all(isinstance(q, IdentityQuantizer) for q in operand_quantizers):
+            warnings.warn(
+                f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
+                "IdentityQuantizer (high precision); check the conditions in the recipe's factory (module_type, "
+                "tensor_type, name); graphquant.explain(model, recipe, *inputs) prints what each slot got",
+                stacklevel=2,
+            )
         return plan
 
     def _check_bucket(self, g: GemmPlan) -> None:
@@ -224,11 +266,14 @@ class Planner:
             )
 
     def _warn_unmatched_names(self, plan: Plan) -> None:
-        names = {role.name for role, _ in plan.slots}
+        """A name filter that matches nothing fails silently inside the factory; say so here."""
+        names = sorted({role.name for role, _ in plan.slots})
         for expected in self.recipe.expected_names:
             if not any(name == expected or name.startswith(expected + ".") for name in names):
+                close = " or ".join(map(repr, difflib.get_close_matches(expected, names, n=3)))
+                listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
                 warnings.warn(
-                    f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph has that "
-                    f"name; the names it has are: {', '.join(sorted(names)) or 'none'}",
+                    f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph belongs to "
+                    f"it{f'; did you mean {close}?' if close else ''} (its GEMMs belong to: {listed or 'none'})",
                     stacklevel=2,
                 )

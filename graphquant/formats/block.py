@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphquant.formats.fp8 import cast_to_fp8, scale_from_amax
+from graphquant.formats.fp8 import cast_to_fp8, scales
 
 
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -27,11 +27,11 @@ def quantize(
     """
     m, k = x.shape
     blocks = _blocks(x.float(), block)
-    scale = scale_from_amax(blocks.abs().amax(dim=(1, 3)), fp8_dtype, epsilon=epsilon, pow2=pow2)
+    scale, scale_inv = scales(blocks.abs().amax(dim=(1, 3)).float(), fp8_dtype, epsilon, pow2)
     n_rows, rows, n_cols, cols = blocks.shape
     scaled = (blocks * scale[:, None, :, None]).reshape(n_rows * rows, n_cols * cols)
     data = cast_to_fp8(scaled[:m, :k], fp8_dtype).contiguous()
-    return data, torch.reciprocal(scale)
+    return data, scale_inv
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int]) -> torch.Tensor:

@@ -63,3 +63,20 @@ def scale_from_amax(
     if pow2:
         scale = (scale.view(torch.int32) & _SIGN_EXPONENT_MASK).view(torch.float32)
     return scale
+
+
+@torch.library.custom_op("graphquant::fp8_scales", mutates_args=())
+def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise.
+
+    An op of its own so that a graph compiler fusing the quantize around it can neither
+    approximate nor reassociate these divisions: the rest of a quantize (amax, multiply, clamp,
+    cast) is exact in any order and fuses freely with its neighbours.
+    """
+    scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
+    return scale, torch.reciprocal(scale)
+
+
+@scales.register_fake
+def _(amax, fp8_dtype, epsilon, pow2):
+    return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)

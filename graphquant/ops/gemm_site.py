@@ -13,9 +13,10 @@ high-precision originals, unless the recipe holds that direction in high precisi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -27,6 +28,7 @@ from graphquant.quantizers import (
     Float8DelayedScalingQuantizer,
     HybridQuantizer,
     IdentityQuantizer,
+    QuantizeContext,
     Quantizer,
 )
 
@@ -82,6 +84,9 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
         data = x if quantizer.dtype is None else x.to(quantizer.dtype)
         empty = x.new_empty(0, dtype=torch.float32)
         return Operand([data, empty, empty], quantizer.spec, direction, shape)
+    if quantizer.traceable:
+        quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
+        return Operand(quantize(x, QuantizeContext()).tensors(), quantizer.spec, direction, shape)
     scale = state.delayed[:1] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
     tensors = torch.ops.graphquant.quantize(x, quantizer.spec, direction, scale, state.rng, state.stream)
     return Operand(list(tensors), quantizer.spec, direction, shape)
@@ -112,6 +117,33 @@ class Site:
     w: Quantizer
     grad_output: Quantizer
     batch: int
+    call: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.call}"
+
+
+# graphquant.numerics listens here: while ``recording(fn)`` is active, each GEMM calls
+# fn(site, gemm, a, a_operand, b, b_operand, out) with the high-precision 2-D tensors that entered
+# the quantizers, the Operands the GEMM read, and its result. Only eager execution reports real
+# tensors, so numerics runs the rewritten graph eagerly. Inactive, a GEMM pays one global read.
+_recorder: Optional[Callable[..., None]] = None
+
+
+@contextlib.contextmanager
+def recording(recorder: Callable[..., None]) -> Iterator[None]:
+    global _recorder
+    previous, _recorder = _recorder, recorder
+    try:
+        yield
+    finally:
+        _recorder = previous
+
+
+def _record(site, gemm, a, a_operand, b, b_operand, out) -> None:
+    if _recorder is not None and a is not None and b is not None:
+        _recorder(site, gemm, a, a_operand, b, b_operand, out)
 
 
 class QuantizedGemm(torch.autograd.Function):
@@ -135,6 +167,8 @@ class QuantizedGemm(torch.autograd.Function):
         ctx.save_for_backward(*[t for op in kept for t in op.tensors], g_delayed, rng)
         ctx.site, ctx.stream = site, streams[2]
         ctx.dtypes = (x.dtype, w.dtype)
+        ctx.originals = (x, w) if _recorder is not None else (None, None)
+        _record(site, "fprop", x, xq[ROWWISE], w, wq[ROWWISE], y)
         return y
 
     @staticmethod
@@ -145,6 +179,7 @@ class QuantizedGemm(torch.autograd.Function):
         x_col = kept.pop(0) if need_dw else None
         w_col = kept.pop(0) if need_dx else None
         site = ctx.site
+        x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
         g_state = SlotState(g_delayed, rng, ctx.stream)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
@@ -153,13 +188,15 @@ class QuantizedGemm(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0]).reshape(-1, w_col.shape[1])
+            _record(site, "dgrad", dy2d, gq[ROWWISE], w, w_col, dx)
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1]).reshape(-1, x_col.shape[1])
+            _record(site, "wgrad", dy2d, gq[COLUMNWISE], x, x_col, dw)
         return dx, dw, None, None, None, None, None, None
 
 
-def _product(x2d, w2d, batch, *, name, input, weight, grad_output, states, rng, streams):
-    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch)
+def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams):
+    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call)
     return QuantizedGemm.apply(x2d, w2d, *states, rng, site, streams)
 
 
@@ -186,7 +223,7 @@ def quantized_linear(
     x2d = x.reshape(-1, x.shape[-1])
     if weight_rowwise is None:
         y = _product(
-            x2d, w, 1, name=name, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
+            x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
             streams=streams,
         )
     else:
@@ -219,13 +256,13 @@ def quantized_matmul(a, b, *, name, call, input, other, grad_output, states=(Non
     k = a.shape[-1]
     if b.dim() == 2:
         y = _product(
-            a.reshape(-1, k), b.t(), 1, name=name, input=input, weight=other, grad_output=grad_output,
+            a.reshape(-1, k), b.t(), 1, name=name, call=call, input=input, weight=other, grad_output=grad_output,
             states=states, rng=rng, streams=streams,
         )
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
     y = _product(
-        a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, input=input,
+        a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, call=call, input=input,
         weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams,
     )
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
@@ -245,7 +282,7 @@ def quantized_einsum(equation, a, b, *, name, call, input, other, grad_output, s
     x = a.permute(plan.a_perm).reshape(batch * m, k)
     w = b.permute(plan.b_perm).reshape(-1, k)
     y = _product(
-        x, w, batch, name=name, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
+        x, w, batch, name=name, call=call, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
         streams=streams,
     )
     return y.reshape(plan.y_shape).permute(plan.out_perm)

@@ -124,6 +124,9 @@ class Quantizer:
     always_shown: ClassVar[tuple[str, ...]] = ()
     # False when quantizing the same tensor twice may give different bits (state or randomness).
     requantization_safe: ClassVar[bool] = True
+    # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours
+    # without changing a bit (exact ops only; divisions isolated in custom ops).
+    traceable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -23,14 +23,15 @@ class _PerTensorFloat8(Quantizer):
 
     tag = "_fp8_per_tensor"  # abstract; never in a spec
 
-    def _encode(self, x: torch.Tensor, scale: torch.Tensor, direction: str) -> Representation:
+    def _encode(self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], direction: str) -> Representation:
+        scale, scale_inv = scales
         transposed = self.transposed(direction)
         data = per_tensor.quantize(x, scale, self.fp8_dtype, transpose=transposed)
         return Representation(
             quantizer=self,
             direction=direction,
             data=data,
-            scale=torch.reciprocal(scale),
+            scale=scale_inv,
             amax=fp8.tensor_amax(x),
             shape=tuple(x.shape),
             transposed=transposed,
@@ -53,6 +54,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     """
 
     tag = "fp8_current"
+    traceable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"
@@ -63,16 +65,15 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def __post_init__(self) -> None:
         check_fp8_dtype(self, self.fp8_dtype)
 
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8.scale_from_amax(
-            fp8.tensor_amax(x), self.fp8_dtype, epsilon=self.amax_epsilon, pow2=self.force_pow_2_scales
-        )
+    def scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) from this tensor's amax."""
+        return fp8.scales(fp8.tensor_amax(x), self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scale(x), ROWWISE)
+        return self._encode(x, self.scales(x), ROWWISE)
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scale(x), COLUMNWISE)
+        return self._encode(x, self.scales(x), COLUMNWISE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,19 +105,19 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be at least 1, got {self.amax_history_len}")
 
-    def _scale(self, ctx: QuantizeContext) -> torch.Tensor:
+    def _scales(self, ctx: QuantizeContext) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx.scale is None:
             raise ValueError(
                 f"{self} quantizes with the slot's current scale: pass QuantizeContext(scale=...) "
                 "(graphquant.compile keeps that state for you)"
             )
-        return ctx.scale
+        return ctx.scale, torch.reciprocal(ctx.scale)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self._scale(ctx), ROWWISE)
+        return self._encode(x, self._scales(ctx), ROWWISE)
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self._scale(ctx), COLUMNWISE)
+        return self._encode(x, self._scales(ctx), COLUMNWISE)
 
     def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""

@@ -21,6 +21,7 @@ class Float8RowwiseQuantizer(Quantizer):
     """
 
     tag = "fp8_rowwise"
+    traceable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"

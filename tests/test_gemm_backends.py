@@ -1,0 +1,106 @@
+"""GEMM backends: each backend's product equals the float64 product of the dequantized operands.
+
+The GPU cases run every native cuBLASLt path and the emulated path in fprop, dgrad and wgrad
+layouts; the CPU cases pin the block-scale swizzle of the sm100 paths and the planner's choices.
+"""
+
+import pytest
+import torch
+
+from graphquant import backends, emulation, scaled_mm
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8RowwiseQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+)
+
+# (name, quantizer of A's direction, quantizer of B's direction, expected backend on sm90)
+PAIRS = [
+    ("tensorwise e4m3", Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3"), scaled_mm.TENSORWISE),
+    ("tensorwise e5m2 x e4m3", Float8CurrentScalingQuantizer("e5m2"), Float8CurrentScalingQuantizer("e4m3"), scaled_mm.TENSORWISE),
+    ("rowwise", Float8RowwiseQuantizer(), Float8RowwiseQuantizer(), scaled_mm.ROWWISE_SCALED),
+    ("block 1x128 x 128x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2), scaled_mm.BLOCKWISE),
+    ("block 1x128 x 1x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=1), scaled_mm.BLOCKWISE),
+    ("mxfp8", MXFP8Quantizer(), MXFP8Quantizer(), backends.EMULATION),
+    ("nvfp4", NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True), backends.EMULATION),
+    ("mxfp8 x nvfp4", MXFP8Quantizer(), NVFP4Quantizer(), backends.EMULATION),
+    ("identity x mxfp8", IdentityQuantizer(), MXFP8Quantizer(), backends.EMULATION),
+]
+
+# (GEMM, direction of A, direction of B): A and B reduce over the dim their direction blocks.
+LAYOUTS = [("fprop", ROWWISE, ROWWISE), ("dgrad", ROWWISE, COLUMNWISE), ("wgrad", COLUMNWISE, COLUMNWISE)]
+
+
+def _operand(quantizer, direction, rows, k, device):
+    """A representation whose GEMM operand is (rows, k): columnwise ones come from a (k, rows) source."""
+    source = torch.randn(rows, k) if direction == ROWWISE else torch.randn(k, rows)
+    source = (source * torch.rand(source.shape[0], 1) * 4).to(torch.bfloat16).to(device)
+    qt = quantizer(source, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE, ctx=QuantizeContext())
+    return qt.get(direction)
+
+
+def _reference(a, b):
+    return a.gemm_operand(torch.float64) @ b.gemm_operand(torch.float64).t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
+@pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
+def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db):
+    torch.manual_seed(0)
+    m, n, k = 256, 384, 512
+    a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
+    selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k))
+    assert selection.backend == expected
+    out = backends.gemm(a, b, 1, torch.float32)[0].double()
+    ref = _reference(a, b)
+    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
+    # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
+    # |err| <= k * 2^-24 * sum|a||b|. FP8 tensor cores on Hopper accumulate in a narrower register
+    # between promotions (cuBLAS's split accumulator), which bounds them by 2^-13 per term instead.
+    # The rowwise path returns bf16 (2^-9 relative rounding of the result).
+    bound = magnitude * (2.0**-13 if selection.bucket == backends.NATIVE else k * 2.0**-24)
+    if expected == scaled_mm.ROWWISE_SCALED:
+        bound = bound + ref.abs() * 2.0**-8
+    excess = ((out - ref).abs() - bound).max().item()
+    assert excess <= 0, f"{name} {gemm}: error exceeds the bound by {excess}"
+
+
+def test_swizzled_block_scales_places_each_scale_in_its_tile():
+    rows, cols = 200, 6  # partial tiles in both dims
+    scale = torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols)
+    flat = scaled_mm.swizzled_block_scales(scale)
+    assert flat.numel() == 256 * 8
+    for r, c in [(0, 0), (31, 3), (32, 0), (127, 3), (128, 4), (199, 5), (77, 2)]:
+        tile = (r // 128) * (8 // 4) + c // 4
+        offset = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        assert flat[offset] == scale[r, c]
+    assert torch.equal(flat.sort().values[-rows * cols :], scale.flatten().sort().values)
+
+
+def test_planner_choices_on_cpu_are_emulated_except_high_precision():
+    cpu = torch.device("cpu")
+    assert backends.select(IdentityQuantizer(), ROWWISE, IdentityQuantizer(), ROWWISE, cpu).bucket == backends.NATIVE
+    selection = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), ROWWISE, cpu)
+    assert (selection.bucket, selection.reason) == (backends.EMULATED, "no low-precision GEMM on cpu")
+    rht = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+    assert backends.select(rht, COLUMNWISE, NVFP4Quantizer(), COLUMNWISE, cpu).bucket == backends.REJECTED
+
+
+@pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
+@pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
+def test_emulation_matches_float64_reference_on_cpu(name, qa, qb, expected, gemm, da, db):
+    torch.manual_seed(0)
+    m, n, k = 64, 96, 128
+    a, b = _operand(qa, da, m, k, "cpu"), _operand(qb, db, n, k, "cpu")
+    out = emulation.gemm(a, b, 1, torch.float32)[0].double()
+    ref = _reference(a, b)
+    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
+    # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
+    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
