@@ -147,6 +147,9 @@ class Planner:
             raise TypeError(f"graphquant needs a CustomRecipe, got {type(recipe).__name__}")
         self.recipe = recipe
         self.strict = strict
+        # graphquant.explain turns this off, so that rejected GEMMs (and, under strict, non-native
+        # ones) stay in the plan with their reasons instead of failing the compile.
+        self.fail_on_bucket = True
         self.factory_calls = 0
         self._quantizers: dict[QuantizerRole, Quantizer] = {}
         self._request: Optional[DelayedScalingRequest] = None
@@ -227,6 +230,8 @@ class Planner:
         return plan
 
     def _check_bucket(self, g: GemmPlan) -> None:
+        if not self.fail_on_bucket:
+            return
         if g.bucket == backends.REJECTED or (self.strict and g.bucket != backends.NATIVE):
             accepted = "a native pair for this device" if g.bucket != backends.REJECTED else "a compatible pair"
             raise PlanError(
