@@ -7,7 +7,9 @@ import torch  # noqa: F401  (the native extension links against torch's librarie
 
 from graphquant import factories, zoo
 from graphquant.compiler import compile
+from graphquant.explainer import explain
 from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
+from graphquant.numerics_report import numerics
 from graphquant.plan import Plan, PlanError
 from graphquant.quantizers import (
     DelayedScalingRequest,
@@ -45,7 +47,9 @@ __all__ = [
     "QuantizerRole",
     "Representation",
     "compile",
+    "explain",
     "factories",
+    "numerics",
     "parse_spec",
     "zoo",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -43,6 +44,7 @@ class GraphquantBackend:
         mode: Optional[str] = None,
         seed: int = 0,
         dump_dir: Optional[str] = None,
+        inductor_options: Optional[dict] = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -51,6 +53,7 @@ class GraphquantBackend:
         self.mode = mode
         self.seed = seed
         self.dump_dir = dump_dir
+        self.inductor_options = inductor_options or {}
         self.plans: list[Plan] = []
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None
@@ -104,7 +107,7 @@ class GraphquantBackend:
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx
+            return functools.partial(compile_fx, config_patches=self.inductor_options)
         return torch._dynamo.lookup_backend(self.inner)
 
     @staticmethod
@@ -186,6 +189,8 @@ def compile(
     mode: Optional[str] = None,
     seed: int = 0,
     dump_dir: Optional[str] = None,
+    compile_mode: Optional[str] = None,
+    options: Optional[dict] = None,
     **torch_compile_kwargs: Any,
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.

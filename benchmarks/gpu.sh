@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
+# (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [train ARGS...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests gemm quantize train)
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
+for i in "${!steps[@]}"; do
+  case "${steps[$i]}" in
+    build) /usr/bin/time -f "build: %e s" python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; tail -3 "$OUT/build.log"
+           python3 -c "import graphquant, graphquant._C as C; print('cuda kernels built:', C.cuda_built)" ;;
+    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
+    quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
+    train) python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"; break ;;
+  esac
+done

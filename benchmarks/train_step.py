@@ -1,0 +1,158 @@
+"""One training step (forward + backward) of Llama-3-8B-shaped models under every recipe.
+
+    python benchmarks/train_step.py [--models ffn,decoder] [--configs ...] [--rounds 3]
+
+Prints one table: ms per step (median over rounds that alternate the configurations),
+effective TFLOP/s, speedup over the best of bf16 eager and bf16 torch.compile, peak GPU memory,
+and the distance to the FP8-GEMM-only bound (the step's linear GEMMs at raw torch._scaled_mm
+speed measured in this run, plus the measured bf16 attention kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import time_ms  # noqa: E402
+from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  # noqa: E402
+
+import graphquant  # noqa: E402
+from graphquant import recipes, zoo  # noqa: E402
+
+BATCH, SEQ, DIM = 8, 2048, 4096
+
+GRAPHQUANT = {
+    "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
+    "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
+    "graphquant rowwise_with_gw_hp": lambda: zoo.recipe("rowwise_with_gw_hp"),
+    "graphquant mxfp8": recipes.mxfp8_block_scaling,
+    "graphquant mxfp8_fwd_nvfp4_bwd": lambda: zoo.recipe("mxfp8_fwd_nvfp4_bwd"),
+}
+TORCHAO = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def build(config: str, model: torch.nn.Module, compile_mode: str | None):
+    model = copy.deepcopy(model)
+    if config == "bf16 eager":
+        return model
+    if config == "bf16 torch.compile":
+        return torch.compile(model, mode=compile_mode)
+    if config in GRAPHQUANT:
+        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=compile_mode)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    name = config.removeprefix("torchao ")
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(name))
+    return torch.compile(model, mode=compile_mode)
+
+
+def configs(requested: list[str] | None) -> list[str]:
+    names = ["bf16 eager", "bf16 torch.compile", *GRAPHQUANT]
+    try:
+        import torchao.float8  # noqa: F401
+
+        names += [f"torchao {n}" for n in TORCHAO]
+    except ImportError:
+        print("torchao is not importable: its rows are left out", file=sys.stderr)
+    return [n for n in names if requested is None or n in requested]
+
+
+def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: int, compile_mode: str | None) -> list[list]:
+    x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    built, peaks, samples = {}, {}, {n: [] for n in names}
+    for name in names:
+        model = build(name, base, compile_mode)
+
+        def step(model=model):
+            x.grad = None
+            for p in model.parameters():
+                p.grad = None
+            model(x).backward(grad)
+
+        built[name] = step
+        step(); step()  # compile and warm up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append(time_ms(built[name], warmup=1, reps=5))
+    ms = {n: statistics.median(v) for n, v in samples.items()}
+
+    tokens = BATCH * SEQ
+    shapes = linear_gemm_shapes(base, tokens)
+    flops = sum(2 * m * n * k for m, n, k in shapes) + attention_flops(base, BATCH, SEQ)
+    bound = fp8_gemm_bound(shapes) + sdpa_ms(base, x)
+    baseline = min(ms.get("bf16 eager", float("inf")), ms.get("bf16 torch.compile", float("inf")))
+    rows = [[model_name, "FP8-GEMM-only bound", f"{bound:.1f}", f"{flops / bound / 1e9:.0f}", f"{baseline / bound:.2f}x", "", "1.00"]]
+    for name in names:
+        rows.append([
+            model_name, name, f"{ms[name]:.1f}", f"{flops / ms[name] / 1e9:.0f}", f"{baseline / ms[name]:.2f}x",
+            f"{peaks[name]:.2f}", f"{ms[name] / bound:.2f}",
+        ])
+    return rows
+
+
+def fp8_gemm_bound(shapes: list[tuple[int, int, int]]) -> float:
+    """ms of the step's linear GEMMs run as raw tensorwise torch._scaled_mm, shape by shape."""
+    total, one = 0.0, torch.ones((), device="cuda")
+    for (m, n, k) in sorted(set(shapes)):
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        total += shapes.count((m, n, k)) * time_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
+    return total
+
+
+def sdpa_ms(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """ms of forward + backward of the model's attention kernels alone, in bf16."""
+    from models import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        return 0.0
+    att = layers[0]
+    shape = (BATCH, att.heads, SEQ, att.head_dim)
+    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = (BATCH, att.kv_heads, SEQ, att.head_dim)
+    k = torch.randn(kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(g)
+
+    return len(layers) * time_ms(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="ffn,decoder")
+    parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
+    args = parser.parse_args()
+    names = configs(args.configs.split(",") if args.configs else None)
+    torch.manual_seed(0)
+    rows = []
+    for model_name in args.models.split(","):
+        base = (FFNStack() if model_name == "ffn" else DecoderLayer()).to("cuda", torch.bfloat16)
+        rows += measure(model_name, base, names, args.rounds, args.compile_mode)
+        del base
+        torch.cuda.empty_cache()
+    headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]
+    print(tabulate(rows, headers=headers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""graphquant.explain: the plan graphquant makes for a model, before any training step."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from graphquant import compiler
+from graphquant.plan import Plan, PlanError
+from graphquant.recipes import CustomRecipe
+
+# explain and numerics compile afresh on every call. Isolated (torch >= 2.13), those compiles do
+# not use up the recompile limit that every torch.compile of the same forward shares.
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+def run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """An inner backend that runs the rewritten graph as plain Python, so real tensors reach
+    graphquant.ops.gemm_site and no compiler time is spent."""
+    return gm.forward
+
+
+def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], compile_kwargs: dict) -> tuple[Any, Any]:
+    """(compiled model, output) after one forward of ``model`` under graphquant, run eagerly.
+
+    Rejected GEMMs stay in the plan instead of failing the compile; a plan error (a shape a
+    format cannot tile, a factory that raised) comes out as itself, not wrapped by Dynamo.
+    """
+    compiled = compiler.compile(model, recipe, backend=run_eagerly, **{**_ISOLATED, **compile_kwargs})
+    compiled.graphquant.planner.fail_on_bucket = False
+    try:
+        output = compiled(*example_inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        if isinstance(error.inner_exception, PlanError):
+            raise error.inner_exception from None
+        raise
+    if not compiled.graphquant.plans:
+        raise RuntimeError(
+            "torch.compile sent no graph to graphquant (is the model compiled already, or under torch.compiler.disable?)"
+        )
+    return compiled, output
+
+
+def explain(model: Any, recipe: CustomRecipe, *example_inputs: Any, **compile_kwargs: Any) -> Plan:
+    """The plan of every GEMM of ``model`` under ``recipe``: fprop, dgrad and wgrad per site.
+
+    Runs one forward on ``example_inputs`` with grad enabled and no backward; the model is not
+    changed (though a module that updates state in forward, like BatchNorm in train mode, does
+    so once). compile_kwargs are graphquant.compile's (strict, mode, dump_dir, ...) and
+    torch.compile's; mode="inference" gives the inference plan (fprop only). A model that
+    compiles into several graphs (graph breaks) gets one plan, in graph order.
+    """
+    with torch.enable_grad():
+        compiled, _ = run_once(model, recipe, example_inputs, compile_kwargs)
+    return Plan.combine(compiled.graphquant.plans)

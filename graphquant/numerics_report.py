@@ -1,0 +1,188 @@
+"""graphquant.numerics: how far each quantized GEMM lands from the high-precision GEMM.
+
+One forward and backward run the rewritten graph eagerly while graphquant.ops.gemm_site records
+every GEMM. For each site and GEMM (fprop, dgrad, wgrad) the report gives the SQNR of the
+quantized result against the same GEMM on the high-precision operands that entered the
+quantizers, and per operand what its format did: the amax, the values that underflow to zero
+and the values that saturate. Sorted worst first, so the sensitive layers stand at the top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from tabulate import tabulate
+
+from graphquant.explainer import run_once
+from graphquant.formats import nvfp4
+from graphquant.ops import gemm_site
+from graphquant.ops.library import unflatten
+from graphquant.plan import Plan
+from graphquant.quantizers import IdentityQuantizer, NVFP4Quantizer, Representation
+from graphquant.recipes import CustomRecipe
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandStats:
+    """One operand of one GEMM and what its format did to it (fractions of all its values)."""
+
+    operand: str  # "grad_output.columnwise"
+    format: str
+    amax: float  # max |value| in high precision
+    underflow: float  # nonzero in high precision, zero after quantization
+    saturated: float  # clipped at the largest magnitude the format (and its scale) can hold
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmNumerics:
+    site: str
+    module_type: str
+    gemm: str
+    sqnr_db: float  # inf when the quantized GEMM is exact
+    a: OperandStats
+    b: OperandStats
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsReport:
+    """Every recorded GEMM, worst SQNR first (NaN counts as worst)."""
+
+    gemms: tuple[GemmNumerics, ...]
+
+    def __str__(self) -> str:
+        rows = []
+        for g in self.gemms:
+            for first, op in ((True, g.a), (False, g.b)):
+                lead = [g.site, g.gemm, f"{g.sqnr_db:.1f}"] if first else ["", "", ""]
+                rows.append(lead + [op.operand, op.format, f"{op.amax:.4g}", _percent(op.underflow), _percent(op.saturated)])
+        headers = ["site", "gemm", "SQNR dB", "operand", "format", "amax", "underflow", "saturated"]
+        return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+    def to_json(self) -> str:
+        """JSON with SQNR as a number, or the string "inf" / "nan" where it is not finite."""
+        gemms = [dataclasses.asdict(g) | {"sqnr_db": _json_number(g.sqnr_db)} for g in self.gemms]
+        return json.dumps({"gemms": gemms}, indent=2)
+
+
+def numerics(
+    model: Any,
+    recipe: CustomRecipe,
+    *example_inputs: Any,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    **compile_kwargs: Any,
+) -> NumericsReport:
+    """Run ``model`` forward and backward once under ``recipe`` and report every GEMM's numerics.
+
+    loss_fn turns the model's output into the scalar to differentiate (default: output.sum()).
+    Gradients are taken with torch.autograd.grad, so no parameter's .grad changes. compile_kwargs
+    are graphquant.compile's and torch.compile's, as for graphquant.explain.
+    """
+    recorder = _Recorder()
+    with torch.enable_grad(), gemm_site.recording(recorder):
+        compiled, output = run_once(model, recipe, example_inputs, compile_kwargs)
+        if loss_fn is None and not isinstance(output, torch.Tensor):
+            raise TypeError(f"the model returned a {type(output).__name__}; pass loss_fn=... that makes it a scalar")
+        loss = loss_fn(output) if loss_fn is not None else output.sum()
+        parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
+        leaves = [t for t in (*parameters, *example_inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if leaves:
+            torch.autograd.grad(loss, leaves, allow_unused=True)
+    return recorder.report(Plan.combine(compiled.graphquant.plans))
+
+
+@dataclasses.dataclass
+class _Counts:
+    """Running sums for one operand of one GEMM (a site run several times adds up)."""
+
+    amax: float = 0.0
+    values: int = 0
+    underflow: int = 0
+    saturated: int = 0
+
+    def add(self, x: torch.Tensor, operand: gemm_site.Operand) -> None:
+        rep = unflatten(operand.tensors, operand.spec, operand.direction, operand.shape, x.dtype)
+        quantized = rep.dequantize(torch.float32)  # as stored (transposed where the format stores it so)
+        source = (x.t() if rep.transposed else x).float()
+        if rep.hadamard:  # compare with what the format encoded: the transformed values
+            source = nvfp4.hadamard_transform(source, random_sign_mask=rep.quantizer.with_random_sign_mask)
+        self.amax = max(self.amax, x.abs().max().item() if x.numel() else 0.0)
+        self.values += x.numel()
+        self.underflow += int(((source != 0) & (quantized == 0)).sum())
+        at_max = _at_format_max(rep)
+        if at_max is not None:
+            # Beyond fp32 rounding of the scale: the value was clipped, not rounded.
+            self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
+
+    def stats(self, operand: str, format: str) -> OperandStats:
+        return OperandStats(operand, format, self.amax, self.underflow / max(self.values, 1), self.saturated / max(self.values, 1))
+
+
+class _Recorder:
+    """The gemm_site recorder: per (site, gemm), the result's signal and error energy and both
+    operands' counts. It keeps numbers only, never the tensors."""
+
+    def __init__(self) -> None:
+        self.energy: dict[tuple[str, str], list[float]] = {}
+        self.counts: dict[tuple[str, str], tuple[_Counts, _Counts]] = {}
+
+    @torch.no_grad()
+    def __call__(self, site, gemm, a, a_operand, b, b_operand, out) -> None:
+        key = (site.label, gemm)
+        reference = _high_precision_gemm(a, a_operand, b, b_operand, site.batch, out.dtype).double()
+        energy = self.energy.setdefault(key, [0.0, 0.0])
+        energy[0] += reference.square().sum().item()
+        energy[1] += (out.double().reshape(reference.shape) - reference).square().sum().item()
+        counts = self.counts.setdefault(key, (_Counts(), _Counts()))
+        counts[0].add(a, a_operand)
+        counts[1].add(b, b_operand)
+
+    def report(self, plan: Plan) -> NumericsReport:
+        planned = {(g.site, g.gemm): g for g in plan.gemms}
+        gemms = []
+        for key, (signal, noise) in self.energy.items():
+            g = planned[key]
+            a, b = self.counts[key]
+            sqnr = _sqnr_db(signal, noise)
+            gemms.append(GemmNumerics(g.site, g.module_type, g.gemm, sqnr, a.stats(g.a, g.a_format), b.stats(g.b, g.b_format)))
+        gemms.sort(key=lambda g: (not math.isnan(g.sqnr_db), g.sqnr_db))
+        return NumericsReport(tuple(gemms))
+
+
+def _high_precision_gemm(a, a_operand, b, b_operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """The same GEMM (same directions, grouping and output dtype) on the unquantized operands."""
+    state = gemm_site.SlotState(None, None, 0)
+    hp_a = gemm_site.quantize_tensor(a, IdentityQuantizer(), (a_operand.direction,), state)[a_operand.direction]
+    hp_b = gemm_site.quantize_tensor(b, IdentityQuantizer(), (b_operand.direction,), state)[b_operand.direction]
+    return torch.ops.graphquant.gemm(
+        hp_a.tensors, hp_a.spec, hp_a.direction, hp_a.shape, hp_b.tensors, hp_b.spec, hp_b.direction, hp_b.shape,
+        batch, out_dtype,
+    )
+
+
+def _at_format_max(rep: Representation) -> Optional[torch.Tensor]:
+    """Where the stored code is the format's largest magnitude (FP8 and NVFP4); None for others."""
+    if rep.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return rep.data.float().abs() == torch.finfo(rep.data.dtype).max
+    if isinstance(rep.quantizer, NVFP4Quantizer):
+        return (nvfp4.unpack(rep.data) & 0x7) == 0x7  # the E2M1 code of 6.0
+    return None
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise): inf when the quantized GEMM is exact, NaN where a value was NaN."""
+    if noise == 0:
+        return math.inf
+    ratio = signal / noise
+    return 10 * math.log10(ratio) if ratio > 0 else (math.nan if math.isnan(ratio) else -math.inf)
+
+
+def _percent(fraction: float) -> str:
+    return "0" if fraction == 0 else f"{100 * fraction:.2g}%"
+
+
+def _json_number(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
