@@ -8,18 +8,20 @@ from typing import Callable
 import torch
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls, each timed with CUDA events."""
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
+    """Median milliseconds of one call of ``fn`` over ``reps`` samples, each sample ``inner``
+    back-to-back calls between two CUDA events (so host overhead overlaps the GPU, as in a model)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
 

@@ -9,6 +9,11 @@ from graphquant import factories, zoo
 from graphquant.compiler import compile
 from graphquant.explainer import explain
 from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
+
+try:  # the one-launch CUDA kernel of graphquant::fp8_scales, where Triton exists
+    from graphquant import triton_scales as _triton_scales  # noqa: F401
+except ImportError:
+    pass
 from graphquant.numerics_report import numerics
 from graphquant.plan import Plan, PlanError
 from graphquant.quantizers import (

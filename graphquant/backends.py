@@ -10,6 +10,7 @@ them in high precision; it runs every pair the planner admits, on any device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -90,6 +91,7 @@ _BLACKWELL_BLOCK_SCALED = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def select(
     a: Quantizer,
     a_direction: str,

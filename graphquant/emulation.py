@@ -28,6 +28,11 @@ from graphquant.quantizers import (
 
 NVFP4_GLOBAL = 6.0 * 448.0
 
+try:
+    from graphquant import triton_dequantize
+except ImportError:  # no Triton: dequantize with the reference's torch ops
+    triton_dequantize = None
+
 
 def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(values, factor) with values * factor = the dequantized stored-orientation values.
@@ -39,11 +44,16 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
         return rep.data, rep.scale.reshape(())
     if isinstance(q, Float8RowwiseQuantizer):
         return rep.data, rep.scale.reshape(-1, 1)
+    fast = triton_dequantize if rep.data.is_cuda else None
     if isinstance(q, NVFP4Quantizer):
-        codes = nvfp4.e2m1_values(nvfp4.unpack(rep.data))
-        scales = rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
+        if fast is not None:
+            values = fast.nvfp4_block_values(rep.data, rep.scale)
+        else:
+            values = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
         factor = torch.div(rep.amax, NVFP4_GLOBAL)
-        return codes * scales, factor.reshape(-1, 1) if factor.dim() else factor
+        return values, factor.reshape(-1, 1) if factor.dim() else factor
+    if isinstance(q, MXFP8Quantizer) and fast is not None:
+        return fast.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE), None
     return rep.dequantize(torch.float32), None
 
 
@@ -83,7 +93,11 @@ def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtyp
     on_gpu = a.data.is_cuda
     dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     (va, fa), (vb, fb) = factored(a), factored(b)
-    product = torch.bmm(_grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype).transpose(1, 2))
+    left, right = _grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype).transpose(1, 2)
+    if fa is None and fb is None and dtype == out_dtype:
+        return torch.bmm(left, right)  # fp32 accumulation, one rounding to out_dtype
+    # bf16 operands, fp32 result: the product is rounded once, after the factors, to out_dtype.
+    product = torch.bmm(left, right, out_dtype=torch.float32) if dtype != torch.float32 else torch.bmm(left, right)
     if fa is None and fb is None:
         return product.to(out_dtype)
     product = product.float()

@@ -62,10 +62,11 @@ def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db)
     ref = _reference(a, b)
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
-    # |err| <= k * 2^-24 * sum|a||b|. FP8 tensor cores on Hopper accumulate in a narrower register
-    # between promotions (cuBLAS's split accumulator), which bounds them by 2^-13 per term instead.
+    # |err| <= k * 2^-24 * sum|a||b|. Hopper's FP8 tensor cores keep about 14 mantissa bits in the
+    # accumulator within one MMA k-step (32 products) before cuBLAS promotes the partial sum to
+    # fp32, so each term can carry up to 32 * 2^-14 = 2^-9 of relative error there.
     # The rowwise path returns bf16 (2^-9 relative rounding of the result).
-    bound = magnitude * (2.0**-13 if selection.bucket == backends.NATIVE else k * 2.0**-24)
+    bound = magnitude * (2.0**-9 if selection.bucket == backends.NATIVE else k * 2.0**-24)
     if expected == scaled_mm.ROWWISE_SCALED:
         bound = bound + ref.abs() * 2.0**-8
     excess = ((out - ref).abs() - bound).max().item()

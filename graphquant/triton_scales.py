@@ -1,0 +1,44 @@
+"""The CUDA kernel of graphquant::fp8_scales: TE's scale rule in one Triton launch.
+
+The op's reference (graphquant.formats.fp8.scales) is a dozen tiny torch ops; on a GPU inside a
+training step that is a dozen launches per quantize. This kernel computes the same bits in one:
+both divisions use div_rn (IEEE round-to-nearest), and every other step is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphquant.formats import fp8
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, n, fp8_max, epsilon, flt_max, POW2: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    amax = tl.load(amax_ptr + offsets, mask=mask, other=1.0)
+    amax = tl.where(amax < epsilon, epsilon, amax)
+    scale = tl.math.div_rn(tl.full(amax.shape, fp8_max, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), flt_max, scale)
+    scale = tl.where(scale != scale, 1.0, scale)
+    scale = tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & -0x800000).to(tl.float32, bitcast=True)
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(inverse_ptr + offsets, inverse, mask=mask)
+
+
+@fp8.scales.register_kernel("cuda")
+def _(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = amax.to(torch.float32).contiguous()
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    n = amax.numel()
+    _scales_kernel[(triton.cdiv(n, _BLOCK),)](
+        amax, scale, inverse, n, fp8.fp8_max(fp8_dtype), epsilon, fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
+    )
+    return scale, inverse

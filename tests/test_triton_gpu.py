@@ -1,0 +1,47 @@
+"""The Triton kernels behind fp8_scales and the emulated GEMM's dequantization, bit for bit."""
+
+import pytest
+import torch
+
+from graphquant.formats import fp8, mxfp8, nvfp4
+from graphquant.quantizers import COLUMNWISE, ROWWISE, MXFP8Quantizer, NVFP4Quantizer
+
+pytestmark = pytest.mark.gpu
+
+SPECIAL = [0.0, float("inf"), float("nan"), 1e-45, 1e-40, 3e38, 448.0, 1.0]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("epsilon", [0.0, 1e-12])
+def test_fp8_scales_kernel_matches_reference(fmt, pow2, epsilon):
+    torch.manual_seed(0)
+    amax = torch.cat([torch.tensor(SPECIAL), torch.rand(5000) * 10.0 ** torch.randint(-30, 30, (5000,))])
+    cpu_scale, cpu_inverse = fp8.scales(amax, fmt, epsilon, pow2)
+    gpu_scale, gpu_inverse = fp8.scales(amax.cuda(), fmt, epsilon, pow2)
+    assert torch.equal(gpu_scale.cpu().view(torch.int32), cpu_scale.view(torch.int32))
+    assert torch.equal(gpu_inverse.cpu().view(torch.int32), cpu_inverse.view(torch.int32))
+
+
+@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
+def test_mxfp8_dequantize_kernel_matches_reference(direction):
+    from graphquant import triton_dequantize
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda") * torch.logspace(-20, 20, 512, device="cuda")
+    x[3, :32] = 0.0
+    rep = MXFP8Quantizer()(x, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction)
+    values = triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=direction == ROWWISE)
+    reference = mxfp8.dequantize(rep.data, rep.scale, axis=1 if direction == ROWWISE else 0)
+    assert torch.equal(values.float(), reference)  # exact: the reference is bf16-representable
+
+
+def test_nvfp4_block_values_kernel_matches_reference():
+    from graphquant import triton_dequantize
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    rep = NVFP4Quantizer()(x, rowwise=True, columnwise=False).rowwise
+    values = triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
+    reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
+    assert torch.equal(values.float(), reference)
