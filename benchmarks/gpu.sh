@@ -9,6 +9,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# Without the editable install (the build step), passes/ is importable as graphquant.passes by a link.
+[ -e graphquant/passes ] || ln -s ../passes graphquant/passes
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests gemm quantize train)
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 for i in "${!steps[@]}"; do

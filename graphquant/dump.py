@@ -27,8 +27,8 @@ def dump_graph(dump_dir: str, captured: str, gm: fx.GraphModule, plan: Plan) -> 
     prefix = _claim(dump_dir)
     number = os.path.basename(prefix).removeprefix("graph_")
     files = {
-        "captured.py": f"# graphquant graph {number}: as Dynamo captured it\n{captured}",
-        "rewritten.py": f"# graphquant graph {number}: rewritten, GEMMs quantized\n{gm.code}",
+        "captured.py": f"# graphquant graph {number}: as Dynamo captured it\n{_tidy(captured)}",
+        "rewritten.py": f"# graphquant graph {number}: rewritten, GEMMs quantized\n{_tidy(gm.code)}",
         "plan.txt": f"{plan}\n",
         "plan.json": plan.to_json() + "\n",
     }
@@ -36,6 +36,11 @@ def dump_graph(dump_dir: str, captured: str, gm: fx.GraphModule, plan: Plan) -> 
         with open(f"{prefix}_{suffix}", "w") as f:
             f.write(text)
     return prefix
+
+
+def _tidy(code: str) -> str:
+    """Graph code without the blank lines around it and the spaces FX leaves at line ends."""
+    return "\n".join(line.rstrip() for line in code.strip().splitlines()) + "\n"
 
 
 def _claim(dump_dir: str) -> str:

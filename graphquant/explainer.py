@@ -13,8 +13,12 @@ from graphquant.plan import Plan, PlanError
 from graphquant.recipes import CustomRecipe
 
 # explain and numerics compile afresh on every call. Isolated (torch >= 2.13), those compiles do
-# not use up the recompile limit that every torch.compile of the same forward shares.
-_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+# not use up the recompile limit that every torch.compile of the same forward shares. Static
+# shapes, unless asked otherwise, so the planner checks every shape whatever earlier compiles of
+# the same code saw (Dynamo would otherwise make a dim that changed symbolic, and unchecked).
+_DEFAULTS = {"dynamic": False} | (
+    {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+)
 
 
 def run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -29,7 +33,7 @@ def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], co
     Rejected GEMMs stay in the plan instead of failing the compile; a plan error (a shape a
     format cannot tile, a factory that raised) comes out as itself, not wrapped by Dynamo.
     """
-    compiled = compiler.compile(model, recipe, backend=run_eagerly, **{**_ISOLATED, **compile_kwargs})
+    compiled = compiler.compile(model, recipe, backend=run_eagerly, **(_DEFAULTS | compile_kwargs))
     compiled.graphquant.planner.fail_on_bucket = False
     try:
         output = compiled(*example_inputs)
@@ -39,7 +43,8 @@ def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], co
         raise
     if not compiled.graphquant.plans:
         raise RuntimeError(
-            "torch.compile sent no graph to graphquant (is the model compiled already, or under torch.compiler.disable?)"
+            "torch.compile sent graphquant no graph: Dynamo captured nothing of this forward (torch.compiler.disable, "
+            "or the recompile limit reached?)"
         )
     return compiled, output
 

@@ -60,7 +60,8 @@ class NumericsReport:
                 lead = [g.site, g.gemm, f"{g.sqnr_db:.1f}"] if first else ["", "", ""]
                 rows.append(lead + [op.operand, op.format, f"{op.amax:.4g}", _percent(op.underflow), _percent(op.saturated)])
         headers = ["site", "gemm", "SQNR dB", "operand", "format", "amax", "underflow", "saturated"]
-        return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+        table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+        return "\n".join(line.rstrip() for line in table.splitlines())
 
     def to_json(self) -> str:
         """JSON with SQNR as a number, or the string "inf" / "nan" where it is not finite."""

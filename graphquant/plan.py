@@ -86,7 +86,8 @@ class Plan:
 
     def __str__(self) -> str:
         headers = ["site", "module_type", "gemm", "operand a", "operand b", "backend", "bucket", "why"]
-        text = self.summary() + "\n\n" + tabulate(self.rows(), headers=headers, tablefmt="simple")
+        table = tabulate(self.rows(), headers=headers, tablefmt="simple")
+        text = self.summary() + "\n\n" + "\n".join(line.rstrip() for line in table.splitlines())
         if self.skipped:
             text += "\n\nnot quantized:\n" + "\n".join(f"  {what}: {why}" for what, why in self.skipped)
         return text
@@ -280,5 +281,5 @@ class Planner:
                 warnings.warn(
                     f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph belongs to "
                     f"it{f'; did you mean {close}?' if close else ''} (its GEMMs belong to: {listed or 'none'})",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
