@@ -1,18 +1,45 @@
 """Where quantize and dequantize run: the native extension when it has a kernel, else the reference.
 
-The op layer calls only ``quantize`` and ``dequantize`` here, so native kernels plug in without
-touching the passes or the ops. A kernel is used only for a CUDA tensor and a format the
-extension implements; everything else runs ``graphquant.formats`` (the numerics contract).
+The op layer calls only the functions here, so native kernels plug in without touching the
+passes or the ops. A kernel is used only for a CUDA tensor (2-D, bf16/fp16/fp32, not empty) and
+a format the extension implements; everything else runs ``graphquant.formats`` (the numerics
+contract), and the native results are bit-identical to it (tests/test_kernels_gpu.py).
+
+Native formats: per-tensor FP8 (current and delayed scaling), FP8 block (1x128 / 128x128), FP8
+rowwise, MXFP8 and NVFP4 (1x16 / 16x16, RHT, stochastic rounding, row-scaled), in either
+direction or both in one pass; a HybridQuantizer's two children fused into one pass (either
+columnwise source); the bias gradient fused into the quantize; grouped (MoE) quantize.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.formats import nvfp4
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+    Quantizer,
+    Representation,
+)
+
+# Format codes of the native tile program (csrc/cuda/params.h).
+_PER_TENSOR, _BLOCK, _ROW_SCALED, _MX, _NV = 1, 2, 3, 4, 5
+_FP8 = {"e4m3": 0, "e5m2": 1}
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_DEQUANT_SCALED, _DEQUANT_MX, _DEQUANT_NV = 0, 1, 2
+_M32 = 0xFFFFFFFF
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,6 +52,126 @@ def native() -> Optional[Any]:
     return _C if getattr(_C, "cuda_built", False) else None
 
 
+def _extension(t: torch.Tensor) -> Optional[Any]:
+    """The extension, if it takes this tensor (the CPU test build, marked ``emulated``, takes CPU ones)."""
+    ext = native()
+    if ext is None or not (t.is_cuda or getattr(ext, "emulated", False)):
+        return None
+    return ext
+
+
+def sr_key(seed: int, offset: int, stream: int) -> int:
+    """The key of ``nvfp4.random_bits(seed, offset, stream, ...)``: the kernels hash indices with it."""
+    key = nvfp4._HASH_IV
+    for word in (seed & _M32, (seed >> 32) & _M32, offset & _M32, (offset >> 32) & _M32, stream & _M32):
+        key = nvfp4._fmix32(key ^ word)
+    return key
+
+
+class _Encoder(NamedTuple):
+    config: list  # [format, fp8, epsilon, pow2, two_d, rht, sign_mask, sr, row_scaled, key]
+    scale: Optional[torch.Tensor]  # delayed scaling's current scale
+
+
+def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor) -> Optional[_Encoder]:
+    """The native encoder of ``quantizer``'s ``direction``, or None where there is none."""
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+        pow2 = int(quantizer.force_pow_2_scales)
+        return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, 0, 0, 0, 0, 0, 0], None)
+    if isinstance(quantizer, Float8DelayedScalingQuantizer):
+        scale = ctx.scale
+        if scale is None or scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
+            return None  # the reference raises the error, or handles the odd scale
+        return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], scale.contiguous())
+    if isinstance(quantizer, (Float8BlockQuantizer, Float8RowwiseQuantizer)):
+        fmt = _BLOCK if isinstance(quantizer, Float8BlockQuantizer) else _ROW_SCALED
+        two_d = int(fmt == _BLOCK and quantizer.block_scaling_dim == 2)
+        pow2 = int(quantizer.force_pow_2_scales)
+        return _Encoder([fmt, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, two_d, 0, 0, 0, 0, 0], None)
+    if isinstance(quantizer, MXFP8Quantizer):
+        return _Encoder([_MX, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], None)
+    if isinstance(quantizer, NVFP4Quantizer):
+        columnwise = direction == COLUMNWISE
+        key = sr_key(ctx.seed, ctx.offset, int(columnwise)) if quantizer.stochastic_rounding else 0
+        return _Encoder(
+            [
+                _NV, 0, 0, 0,
+                int(quantizer.with_2d_quantization),
+                int(quantizer.hadamard(direction)),
+                int(quantizer.with_random_sign_mask),
+                int(quantizer.stochastic_rounding),
+                int(quantizer.row_scaled_nvfp4 and not columnwise),
+                key,
+            ],
+            None,
+        )
+    return None
+
+
+def _representation(quantizer, direction, x, data, scale, amax) -> Representation:
+    return Representation(
+        quantizer=quantizer,
+        direction=direction,
+        data=data,
+        scale=scale,
+        amax=amax,
+        shape=tuple(x.shape),
+        transposed=quantizer.transposed(direction),
+        dtype=x.dtype,
+        hadamard=quantizer.hadamard(direction),
+    )
+
+
+class _Native(NamedTuple):
+    rowwise: Optional[Representation]
+    columnwise: Optional[Representation]
+    dbias: Optional[torch.Tensor]
+
+
+def _run(
+    quantizer: Quantizer,
+    x: torch.Tensor,
+    ctx: QuantizeContext,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    dbias: bool = False,
+    group_sizes: Optional[torch.Tensor] = None,
+) -> Optional[_Native]:
+    """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing."""
+    ext = _extension(x)
+    if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
+        return None
+    if isinstance(quantizer, HybridQuantizer):
+        row_q, col_q = quantizer.rowwise_quantizer, quantizer.columnwise_quantizer
+        dq_source = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
+    else:
+        row_q = col_q = quantizer
+        dq_source = False
+    row = _encoder(row_q, ROWWISE, ctx, x) if rowwise or dq_source else None
+    col = _encoder(col_q, COLUMNWISE, ctx, x) if columnwise else None
+    if ((rowwise or dq_source) and row is None) or (columnwise and col is None):
+        return None
+    if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
+        return None  # delayed scaling has one scale for the whole tensor
+    out = ext.quantize(
+        x,
+        row.config if row else [],
+        col.config if col else [],
+        dq_source,
+        rowwise,
+        row.scale if row else None,
+        col.scale if col else None,
+        group_sizes,
+        dbias,
+    )
+    return _Native(
+        _representation(row_q, ROWWISE, x, *out[0:3]) if rowwise else None,
+        _representation(col_q, COLUMNWISE, x, *out[3:6]) if columnwise else None,
+        out[6],
+    )
+
+
 def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
     if direction == ROWWISE:
         return quantizer.quantize_rowwise(x, ctx)
@@ -33,9 +180,154 @@ def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ct
 
 def quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
     quantizer.check_shape(tuple(x.shape), direction)
-    return reference_quantize(quantizer, x, direction, ctx)
+    rowwise = direction == ROWWISE
+    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=not rowwise)
+    if native_reps is None:
+        return reference_quantize(quantizer, x, direction, ctx)
+    return native_reps.rowwise if rowwise else native_reps.columnwise
+
+
+def quantize_hybrid(quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext) -> tuple[Representation, Representation]:
+    """(rowwise, columnwise) of ``x`` from one read of it: a HybridQuantizer's two children (either
+    columnwise source), or both directions of a plain quantizer.
+
+    Equal to ``(quantize(q, x, ROWWISE, ctx), quantize(q, x, COLUMNWISE, ctx))``.
+    """
+    for direction in (ROWWISE, COLUMNWISE):
+        quantizer.check_shape(tuple(x.shape), direction)
+    native_reps = _run(quantizer, x, ctx, rowwise=True, columnwise=True)
+    if native_reps is None:
+        return reference_quantize(quantizer, x, ROWWISE, ctx), reference_quantize(quantizer, x, COLUMNWISE, ctx)
+    return native_reps.rowwise, native_reps.columnwise
+
+
+def reference_dbias(x: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a linear whose grad_output is ``x`` (2-D): column sums, fp32 accumulated."""
+    return x.float().sum(0).to(x.dtype)
+
+
+def quantize_dbias(
+    quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext, *, rowwise: bool = True, columnwise: bool = True
+) -> tuple[Optional[Representation], Optional[Representation], torch.Tensor]:
+    """(rowwise, columnwise, dbias): grad_output quantized for dgrad and wgrad, and its column sums
+    (the bias gradient, fp32 accumulated in a fixed order, in x's dtype), from one read of x."""
+    for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+        if wanted:
+            quantizer.check_shape(tuple(x.shape), direction)
+    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=True)
+    if native_reps is None:
+        return (
+            reference_quantize(quantizer, x, ROWWISE, ctx) if rowwise else None,
+            reference_quantize(quantizer, x, COLUMNWISE, ctx) if columnwise else None,
+            reference_dbias(x),
+        )
+    return native_reps.rowwise, native_reps.columnwise, native_reps.dbias
+
+
+def grouped_quantize(
+    quantizer: Quantizer, x: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
+) -> Representation:
+    """One representation of ``x`` whose row groups (MoE experts, sizes on the device, summing to
+    x's rows) are each quantized as if alone: ``reference_grouped_quantize`` says how they combine.
+
+    Group sizes must be multiples of 128 for the native path (every tile in one group, like TE's
+    quantization_alignment); it reads them on the device and never waits for them.
+    """
+    quantizer.check_shape(tuple(x.shape), direction)
+    rowwise = direction == ROWWISE
+    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=not rowwise, group_sizes=group_sizes)
+    if native_reps is None:
+        return reference_grouped_quantize(quantizer, x, group_sizes, direction, ctx)
+    return native_reps.rowwise if rowwise else native_reps.columnwise
+
+
+def reference_grouped_quantize(
+    quantizer: Quantizer, x: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
+) -> Representation:
+    """Each group quantized alone by the reference (same ctx), the parts combined: data and block
+    scales concatenated along the split dim (columns where the data is transposed), per-tensor
+    scales and amaxes (and a columnwise FP8 rowwise's per-column scales) stacked, one per group."""
+    bounds = [0] + torch.cumsum(group_sizes.cpu().long(), 0).tolist()
+    parts = [reference_quantize(quantizer, x[a:b], direction, ctx) for a, b in zip(bounds, bounds[1:])]
+    first = parts[0]
+    split_dim = 1 if first.transposed else 0
+    child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
+
+    def combine(tensors: list, stacked: bool) -> Optional[torch.Tensor]:
+        if tensors[0] is None:
+            return None
+        if stacked or tensors[0].dim() == 0:
+            return torch.stack(tensors)
+        return torch.cat(tensors, dim=split_dim if tensors[0] is not first.amax else 0)
+
+    stacked_scale = isinstance(child, Float8RowwiseQuantizer) and direction == COLUMNWISE
+    return Representation(
+        quantizer=first.quantizer,
+        direction=direction,
+        data=torch.cat([p.data for p in parts], dim=split_dim),
+        scale=combine([p.scale for p in parts], stacked_scale),
+        amax=combine([p.amax for p in parts], False),
+        shape=tuple(x.shape),
+        transposed=first.transposed,
+        dtype=x.dtype,
+        hadamard=first.hadamard,
+    )
+
+
+# -- dequantize --------------------------------------------------------------------------------
+
+
+def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: bool) -> Optional[torch.Tensor]:
+    ext = _extension(rep.data)
+    if ext is None or dtype not in _DTYPES or rep.data.dim() != 2 or rep.data.numel() == 0:
+        return None
+    q = rep.quantizer
+    rows, cols = rep.data.shape
+    fp8 = _FP8.get(getattr(q, "fp8_dtype", "e4m3"))
+    kind, block_rows, block_cols, scale_ld, axis = _DEQUANT_SCALED, 1, 1, 0, 1
+    amax = None
+    if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
+        if rep.scale.numel() != 1:
+            return None
+        block_rows, block_cols = rows, cols
+    elif isinstance(q, Float8BlockQuantizer):
+        block_rows, block_cols, scale_ld = (1 if q.block_scaling_dim == 1 else 128), 128, rep.scale.shape[1]
+    elif isinstance(q, Float8RowwiseQuantizer):
+        block_rows, block_cols, scale_ld = 1, cols, 1
+    elif isinstance(q, MXFP8Quantizer):
+        kind, axis = _DEQUANT_MX, 1 if rep.direction == ROWWISE else 0
+    elif isinstance(q, NVFP4Quantizer):
+        kind, fp8 = _DEQUANT_NV, 0
+        amax = rep.amax if with_global else None
+        if amax is not None and amax.numel() not in (1, rows):
+            return None
+    else:
+        return None
+    return ext.dequantize(
+        rep.data.contiguous(), rep.scale.contiguous(), amax, kind, fp8, block_rows, block_cols, scale_ld, axis, _DTYPES[dtype]
+    )
 
 
 def dequantize(rep: Representation) -> torch.Tensor:
     """Stored-orientation values in the representation's nominal dtype."""
-    return rep.dequantize()
+    values = _native_dequantize(rep, rep.dtype, with_global=True)
+    return rep.dequantize() if values is None else values
+
+
+def dequantize_for_gemm(rep: Representation, dtype: torch.dtype = torch.bfloat16, *, with_global: bool = True) -> torch.Tensor:
+    """Stored-orientation values of ``rep`` as ``dtype``, for a high-precision GEMM.
+
+    with_global=False (NVFP4 only) leaves out the global factor amax / 2688: the values are the
+    E2M1 codes times their E4M3 block scales, exact in bf16, and the GEMM applies
+    alpha = amax_a * amax_b / 2688**2 to the product.
+    """
+    if not with_global and not isinstance(rep.quantizer, NVFP4Quantizer):
+        raise ValueError(f"with_global=False is for NVFP4 representations, not {rep.quantizer}")
+    values = _native_dequantize(rep, dtype, with_global)
+    if values is not None:
+        return values
+    if with_global:
+        return rep.dequantize(dtype)
+    rows, cols = rep.data.shape[0], rep.data.shape[1] * 2
+    codes = nvfp4.e2m1_values(nvfp4.unpack(rep.data)).reshape(rows, cols // nvfp4.BLOCK_LEN, nvfp4.BLOCK_LEN)
+    return (codes * rep.scale.float().unsqueeze(-1)).reshape(rows, cols).to(dtype)

@@ -47,6 +47,7 @@ def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, n, cols, BLOCK: tl.constexpr):
 
 def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> torch.Tensor:
     """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``."""
+    data, scale = data.contiguous(), scale.contiguous()
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     n = data.numel()
     _mxfp8_kernel[(triton.cdiv(n, _BLOCK),)](data, scale, out, n, data.shape[1], ROWWISE=rowwise, BLOCK=_BLOCK)
@@ -55,6 +56,7 @@ def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> t
 
 def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 q * s of NVFP4 ``packed`` codes with E4M3 block ``scale`` (no global factor)."""
+    packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((rows, cols), dtype=torch.bfloat16, device=packed.device)
     n = rows * cols

@@ -1,8 +1,8 @@
-"""The CUDA kernel of graphquant::fp8_scales: TE's scale rule in one Triton launch.
+"""CUDA kernels of the exact scale ops (graphquant::fp8_scales, graphquant::e8m0_from_amax).
 
-The op's reference (graphquant.formats.fp8.scales) is a dozen tiny torch ops; on a GPU inside a
-training step that is a dozen launches per quantize. This kernel computes the same bits in one:
-both divisions use div_rn (IEEE round-to-nearest), and every other step is exact.
+Their references (graphquant.formats) are a dozen tiny torch ops each; on a GPU inside a training
+step that is a dozen launches per quantize. These kernels compute the same bits in one launch:
+divisions use div_rn (IEEE round-to-nearest), and every other step is exact.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.formats import fp8
+from graphquant.formats import fp8, mxfp8
 
 _BLOCK = 1024
 
@@ -42,3 +42,27 @@ def _(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[t
         amax, scale, inverse, n, fp8.fp8_max(fp8_dtype), epsilon, fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
     )
     return scale, inverse
+
+
+@triton.jit
+def _e8m0_kernel(amax_ptr, out_ptr, n, fp8_max, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
+    v = tl.math.div_rn(amax, tl.full(amax.shape, fp8_max, tl.float32))
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    exponent, mantissa = bits >> 23, bits & 0x7FFFFF
+    normal = tl.minimum(exponent + (mantissa != 0).to(tl.int32), 254)
+    subnormal = (mantissa > 0x400000).to(tl.int32)
+    biased = tl.where(exponent == 0, subnormal, normal)
+    biased = tl.where(bits > 0x7F800000, 255, biased)
+    tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
+
+
+@mxfp8.e8m0_from_amax.register_kernel("cuda")
+def _(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
+    flat = amax.to(torch.float32).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
+    n = flat.numel()
+    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](flat, out, n, fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+    return out

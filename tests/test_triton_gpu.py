@@ -45,3 +45,20 @@ def test_nvfp4_block_values_kernel_matches_reference():
     values = triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
     reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
     assert torch.equal(values.float(), reference)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_e8m0_kernel_matches_reference(fmt):
+    torch.manual_seed(0)
+    amax = torch.cat([torch.tensor(SPECIAL), torch.rand(5000) * 10.0 ** torch.randint(-44, 38, (5000,))])
+    assert torch.equal(mxfp8.e8m0_from_amax(amax.cuda(), fmt).cpu(), mxfp8.e8m0_from_amax(amax, fmt))
+
+
+def test_columnwise_nvfp4_dequantize_kernel_reads_noncontiguous_inputs():
+    from graphquant import triton_dequantize
+
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    rep = NVFP4Quantizer(with_2d_quantization=True)(x, rowwise=False, columnwise=True).columnwise
+    values = triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
+    reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
+    assert torch.equal(values.float(), reference)

@@ -23,6 +23,7 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+@torch.library.custom_op("graphquant::e8m0_from_amax", mutates_args=())
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     """Biased E8M0 exponent (uint8) of the decode scale for blocks with this fp32 ``amax``.
 
@@ -44,6 +45,13 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     biased = torch.where(exponent == 0, subnormal, normal)
     biased = torch.where(bits > 0x7F800000, 255, biased)
     return biased.to(torch.uint8)
+
+
+# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
+# approximate the division; everything around it is exact in any order.
+@e8m0_from_amax.register_fake
+def _(amax, fp8_dtype):
+    return torch.empty_like(amax, dtype=torch.uint8)
 
 
 def encode_multiplier(biased: torch.Tensor) -> torch.Tensor:

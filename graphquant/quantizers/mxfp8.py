@@ -24,6 +24,7 @@ class MXFP8Quantizer(Quantizer):
     """
 
     tag = "mxfp8"
+    traceable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"

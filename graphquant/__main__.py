@@ -1,0 +1,102 @@
+"""The command line: print the plan (or the numerics report) of a model you name.
+
+    python -m graphquant explain MODULE:ATTR --recipe NAME [--input-shape 4,128,512 ...]
+    python -m graphquant numerics MODULE:ATTR --recipe NAME [--input-shape 4,128,512 ...]
+
+MODULE:ATTR is importable from the current directory: a model, or a function of no arguments
+that returns a model or (model, example_inputs). NAME is a zoo recipe (graphquant.zoo.FACTORIES),
+a preset of graphquant.recipes (e.g. mxfp8_block_scaling), or MODULE:ATTR naming a CustomRecipe
+or a factory(role). Each --input-shape adds one random example input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+
+from graphquant import recipes, zoo
+from graphquant.explainer import explain
+from graphquant.numerics_report import numerics
+from graphquant.recipes import CustomRecipe
+
+PRESETS = {
+    name: preset
+    for name, preset in vars(recipes).items()
+    if inspect.isfunction(preset) and preset.__module__ == recipes.__name__
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m graphquant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command, what in (("explain", "print the plan table"), ("numerics", "print the per-GEMM numerics report")):
+        sub = commands.add_parser(command, help=what, description=f"{what} of a model under a recipe")
+        sub.add_argument("model", help="MODULE:ATTR: a model, or a function returning a model or (model, example_inputs)")
+        sub.add_argument("--recipe", required=True, help="a zoo name, a graphquant.recipes preset, or MODULE:ATTR")
+        sub.add_argument("--input-shape", action="append", type=_shape, default=[], help="e.g. 4,128,512; repeat per input")
+        sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="of the random inputs")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    try:
+        model, inputs = load_model(args.model)
+        recipe = load_recipe(args.recipe)
+        if args.input_shape:
+            inputs = tuple(torch.randn(shape, dtype=getattr(torch, args.dtype)) for shape in args.input_shape)
+        if not inputs:
+            raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
+        result = (explain if args.command == "explain" else numerics)(model, recipe, *inputs)
+    except ValueError as error:  # PlanError included
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """(model, example inputs, possibly empty) from MODULE:ATTR."""
+    target = _load(spec)
+    if isinstance(target, torch.nn.Module):
+        return target, ()
+    made = target()
+    return (made[0], tuple(made[1])) if isinstance(made, tuple) else (made, ())
+
+
+def load_recipe(name: str) -> CustomRecipe:
+    """A zoo recipe, a preset, or MODULE:ATTR naming a CustomRecipe or a factory(role)."""
+    if name in zoo.FACTORIES:
+        return zoo.recipe(name)
+    if name in PRESETS:
+        return PRESETS[name]()
+    if ":" in name:
+        target = _load(name)
+        return target if isinstance(target, CustomRecipe) else CustomRecipe(target)
+    raise ValueError(f"unknown recipe {name!r}; known: {', '.join([*zoo.FACTORIES, *PRESETS])}, or MODULE:ATTR")
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"{spec!r} is not MODULE:ATTR")
+    try:
+        target: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot load {spec}: {error}") from None
+    return target
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(size) for size in text.split(","))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
