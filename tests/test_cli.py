@@ -1,0 +1,71 @@
+"""python -m graphquant explain / numerics on models named MODULE:ATTR."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphquant.__main__ import load_recipe, main
+from graphquant.plan import Plan
+from graphquant.recipes import CustomRecipe
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_cli(*args):
+    """The command line in a fresh process, run from the tests directory (where the models live)."""
+    return subprocess.run(
+        [sys.executable, "-m", "graphquant", *args], cwd=TESTS, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_explain_prints_the_plan_table():
+    result = run_cli("explain", "explain_models:mlp", "--recipe", "tensorwise", "--input-shape", "32,64")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (6 emulated)"
+    assert [line.split()[:3] for line in lines[4:]] == [
+        [site, "linear", gemm] for site in ("fc1#0", "fc2#0") for gemm in ("fprop", "dgrad", "wgrad")
+    ]
+
+
+def test_a_bad_recipe_name_fails_with_the_known_names():
+    result = run_cli("explain", "explain_models:mlp", "--recipe", "fp8_everything", "--input-shape", "32,64")
+    assert result.returncode == 1
+    assert "unknown recipe 'fp8_everything'" in result.stderr and "mxfp8_fwd_nvfp4_bwd" in result.stderr
+
+
+@pytest.fixture
+def in_tests_dir(monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+
+
+def test_a_model_object_a_preset_and_json(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:MODEL", "--recipe", "mxfp8_block_scaling", "--input-shape", "32,64", "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert {g.a_format for g in plan.gemms} == {"mxfp8(fp8_dtype=e4m3)"}
+
+
+def test_a_factory_that_brings_its_inputs_and_a_factory_recipe(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:attention_with_inputs", "--recipe", "graphquant.factories:current_scaling_factory"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul.1#0" in out and "fp8_current(fp8_dtype=e5m2)" in out
+
+
+def test_numerics_prints_the_report(in_tests_dir, capsys):
+    assert main(["numerics", "explain_models:mlp", "--recipe", "rowwise", "--input-shape", "32,64", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:4] == ["site", "gemm", "SQNR", "dB"]
+
+
+def test_inputs_are_required_and_names_must_resolve(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:mlp", "--recipe", "tensorwise"]) == 1
+    assert main(["explain", "explain_models:nothing", "--recipe", "tensorwise", "--input-shape", "4,64"]) == 1
+    err = capsys.readouterr().err
+    assert "give --input-shape" in err and "cannot load explain_models:nothing" in err
+
+
+def test_recipe_names():
+    assert isinstance(load_recipe("nvfp4_block_scaling"), CustomRecipe)
+    assert load_recipe("deepseek_blockwise").qfactory.__name__ == "deepseek_blockwise_factory"
+    assert load_recipe("graphquant.zoo:rowwise_factory").qfactory.__name__ == "rowwise_factory"

@@ -1,0 +1,139 @@
+"""Graph dumps, and golden tests that pin the rewritten graph and the plan table of two small
+models: any change to either is a reviewed diff (EXPECTTEST_ACCEPT=1 rewrites the goldens)."""
+
+import json
+import os
+import re
+import tempfile
+from unittest import mock
+
+import expecttest
+import torch
+
+import graphquant
+from graphquant import zoo
+from graphquant.plan import Plan
+
+from explain_models import MLP, TinyAttention
+
+FILES = ("captured.py", "plan.json", "plan.txt", "rewritten.py")
+
+
+def dump(model, recipe, *inputs, **kwargs):
+    """{file name: text} of the dumps that one compile and one forward write."""
+    with tempfile.TemporaryDirectory() as tmp:
+        graphquant.compile(model, recipe, backend="eager", dump_dir=tmp, **kwargs)(*inputs)
+        return {name: open(os.path.join(tmp, name)).read() for name in sorted(os.listdir(tmp))}
+
+
+def body(code):
+    """The graph code after the dump's header line."""
+    return code.split("\n", 1)[1]
+
+
+class TestGoldens(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()  # static, fresh graphs: the goldens must not depend on test order
+
+    def test_mlp(self):
+        files = dump(MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), torch.randn(32, 64), dynamic=False)
+        self.assertExpectedInline(body(files["graph_000_rewritten.py"]), """\
+def forward(self, L_self_modules_fc1_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_fc1_parameters_bias_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor, L_self_modules_fc2_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_fc2_parameters_bias_ : torch.nn.parameter.Parameter, graphquant_state_0):
+    l_self_modules_fc1_parameters_weight_ = L_self_modules_fc1_parameters_weight_
+    l_self_modules_fc1_parameters_bias_ = L_self_modules_fc1_parameters_bias_
+    l_x_ = L_x_
+    l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
+    l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
+    quantized_linear = graphquant_ops_gemm_site_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, name = 'fc1', call = 0, input = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output = 'nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', states = (None, None, None), rng = graphquant_state_0, streams = (0, 1, 2));  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
+    relu = torch.nn.functional.relu(quantized_linear);  quantized_linear = None
+    quantized_linear_1 = graphquant_ops_gemm_site_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, name = 'fc2', call = 0, input = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output = 'nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', states = (None, None, None), rng = graphquant_state_0, streams = (3, 4, 5));  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
+    return (quantized_linear_1,)
+""")
+        self.assertExpectedInline(files["graph_000_plan.txt"], """\
+graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (6 emulated)
+
+site    module_type    gemm    operand a                                                                                        operand b                                                        backend                             bucket    why
+------  -------------  ------  -----------------------------------------------------------------------------------------------  ---------------------------------------------------------------  ----------------------------------  --------  ----------------------------
+fc1#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc1#0   linear         dgrad   grad_output.rowwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)     weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc1#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)  input.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc2#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc2#0   linear         dgrad   grad_output.rowwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)     weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc2#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)  input.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+""")
+
+    def test_tiny_attention(self):
+        files = dump(TinyAttention(), zoo.recipe("tensorwise"), torch.randn(2, 32, 32), dynamic=False)
+        self.assertExpectedInline(body(files["graph_000_rewritten.py"]), """\
+def forward(self, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
+    l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
+    l_x_ = L_x_
+    quantized_linear = graphquant_ops_gemm_site_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, name = 'qkv', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', weight = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (0, 1, 2));  l_x_ = l_self_modules_qkv_parameters_weight_ = None
+    chunk = quantized_linear.chunk(3, dim = -1);  quantized_linear = None
+    q = chunk[0]
+    k = chunk[1]
+    v = chunk[2];  chunk = None
+    transpose = k.transpose(-2, -1);  k = None
+    quantized_matmul = graphquant_ops_gemm_site_quantized_matmul(q, transpose, name = 'matmul.0', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', other = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (3, 4, 5));  q = transpose = None
+    mul = quantized_matmul * 0.1767766952966369;  quantized_matmul = None
+    weights = torch.softmax(mul, dim = -1);  mul = None
+    quantized_matmul_1 = graphquant_ops_gemm_site_quantized_matmul(weights, v, name = 'matmul.1', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', other = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (6, 7, 8));  weights = v = None
+    return (quantized_matmul_1,)
+""")
+        self.assertExpectedInline(files["graph_000_plan.txt"], """\
+graphquant plan on cpu: 3 GEMM sites, 9 GEMMs (9 emulated)
+
+site        module_type    gemm    operand a                                            operand b                                       backend                             bucket    why
+----------  -------------  ------  ---------------------------------------------------  ----------------------------------------------  ----------------------------------  --------  ----------------------------
+qkv#0       linear         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           weight.rowwise: fp8_current(fp8_dtype=e4m3)     dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+qkv#0       linear         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     weight.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+qkv#0       linear         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)      dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)      dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+""")
+
+
+class TestDumps(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_captured_graph_is_the_graph_before_rewrite(self):
+        files = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)
+        captured, rewritten = files["graph_000_captured.py"], files["graph_000_rewritten.py"]
+        self.assertEqual(captured.count("torch._C._nn.linear("), 2)
+        self.assertNotIn("gemm_site", captured)
+        self.assertEqual(rewritten.count("graphquant_ops_gemm_site_quantized_linear("), 2)
+        self.assertNotIn("torch._C._nn.linear(", rewritten)
+        self.assertIn("input = 'fp8_current(fp8_dtype=e4m3)'", rewritten)
+
+    def test_environment_variable_and_recompiles_get_their_own_files(self):
+        with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"GRAPHQUANT_DUMP": tmp}):
+            compiled = graphquant.compile(MLP(), zoo.recipe("tensorwise"), backend="eager")
+            compiled(torch.randn(32, 64))
+            compiled(torch.randn(16, 64))  # a new shape: a recompile, a second graph
+            names = sorted(os.listdir(tmp))
+            self.assertEqual(names, [f"graph_{i:03d}_{f}" for i in range(2) for f in FILES])
+            plan = Plan.from_json(open(os.path.join(tmp, "graph_001_plan.json")).read())
+            self.assertEqual(plan, compiled.graphquant.plans[1])
+            self.assertEqual(open(os.path.join(tmp, "graph_001_plan.txt")).read(), f"{plan}\n")
+
+    def test_a_second_model_in_the_same_directory_does_not_overwrite(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in (MLP(), TinyAttention()):
+                graphquant.compile(model, zoo.recipe("tensorwise"), backend="eager", dump_dir=tmp)(
+                    torch.randn(2, 32, 64 if isinstance(model, MLP) else 32)
+                )
+            plans = [json.load(open(os.path.join(tmp, f"graph_{i:03d}_plan.json"))) for i in range(2)]
+            self.assertEqual([p["gemms"][0]["site"] for p in plans], ["fc1#0", "qkv#0"])
+
+    def test_dumps_are_deterministic_and_free_of_addresses(self):
+        first = dump(MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), torch.randn(32, 64), dynamic=False)
+        torch._dynamo.reset()
+        second = dump(MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), torch.randn(32, 64), dynamic=False)
+        self.assertEqual(first, second)
+        for text in first.values():
+            self.assertIsNone(re.search(r"0x[0-9a-f]{6,}", text))

@@ -1,0 +1,171 @@
+"""graphquant.explain: the training plan without a training step, its table and JSON, and the
+warnings a recipe that silently does nothing deserves."""
+
+import inspect
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graphquant
+from graphquant import factories, zoo
+from graphquant.plan import Plan
+from graphquant.quantizers import HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
+
+from explain_models import MLP, TinyAttention
+
+
+def x_mlp():
+    return torch.randn(32, 64)
+
+
+def test_training_plan_lists_three_gemms_per_site_without_running_backward():
+    model = MLP()
+    plan = graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp())
+    assert [(g.site, g.gemm) for g in plan.gemms] == [
+        (site, gemm) for site in ("fc1#0", "fc2#0") for gemm in ("fprop", "dgrad", "wgrad")
+    ]
+    assert {g.module_type for g in plan.gemms} == {"linear"}
+    wgrad = next(g for g in plan.gemms if g.site == "fc2#0" and g.gemm == "wgrad")
+    assert (wgrad.a, wgrad.a_format) == ("grad_output.columnwise", "fp8_current(fp8_dtype=e5m2)")
+    assert (wgrad.b, wgrad.b_format) == ("input.columnwise", "fp8_current(fp8_dtype=e4m3)")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_plan_prints_as_a_table_with_a_summary_line():
+    text = str(graphquant.explain(MLP(), zoo.recipe("mxfp8_fwd_high_precision_bwd"), x_mlp()))
+    lines = text.splitlines()
+    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (4 native, 2 emulated)"
+    assert lines[2].split() == ["site", "module_type", "gemm", "operand", "a", "operand", "b", "backend", "bucket", "why"]
+    assert "input.columnwise: identity() of rowwise_dequantized" in text
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_matmul_sites_are_named_by_owner_and_index():
+    plan = graphquant.explain(TinyAttention(), zoo.recipe("tensorwise"), torch.randn(2, 32, 32))
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["qkv#0", "matmul.0#0", "matmul.1#0"]
+    assert [g.b for g in plan.gemms if g.site == "matmul.0#0"] == ["other.rowwise", "other.columnwise", "input.columnwise"]
+
+
+def test_explain_matches_the_plan_a_compiled_model_makes():
+    model, recipe = MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd")
+    compiled = graphquant.compile(model, recipe, backend="aot_eager")
+    compiled(x_mlp()).sum().backward()
+    assert graphquant.explain(model, recipe, x_mlp()) == compiled.graphquant.plan
+
+
+def test_inference_mode_plans_fprop_only():
+    plan = graphquant.explain(MLP(), zoo.recipe("tensorwise"), x_mlp(), mode="inference")
+    assert [g.gemm for g in plan.gemms] == ["fprop", "fprop"]
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8_fwd_nvfp4_bwd", "mxfp8_fwd_high_precision_bwd", "deepseek_blockwise"])
+def test_json_round_trips(recipe):
+    plan = graphquant.explain(MLP(), zoo.recipe(recipe), torch.randn(128, 64))
+    assert Plan.from_json(plan.to_json()) == plan
+    assert json.loads(plan.to_json())["gemms"][0]["site"] == "fc1#0"
+
+
+def test_json_round_trips_identity_dtypes_and_skipped_products():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.fc(x) @ torch.ones(32)  # a matrix-vector product: skipped
+
+    recipe = graphquant.CustomRecipe(lambda role: IdentityQuantizer(dtype=torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = graphquant.explain(Model(), recipe, torch.randn(32, 32))
+    assert plan.skipped and "1-D operand" in plan.skipped[0][1] and "not quantized:" in str(plan)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_graph_breaks_give_one_plan_in_graph_order():
+    class Broken(MLP):
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            torch._dynamo.graph_break()
+            return self.fc2(h)
+
+    plan = graphquant.explain(Broken(), zoo.recipe("tensorwise"), x_mlp())
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["fc1#0", "fc2#0"]
+
+
+def rht_on_grad_output_only(role):
+    """wgrad multiplies grad_output through a Hadamard transform by input without one: rejected."""
+    if role.tensor_type == "grad_output":
+        return NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+    return MXFP8Quantizer()
+
+
+def test_rejected_gemms_are_shown_with_their_reason_instead_of_failing():
+    plan = graphquant.explain(MLP(), graphquant.CustomRecipe(rht_on_grad_output_only), x_mlp())
+    rejected = [g for g in plan.gemms if g.bucket == "rejected"]
+    assert [(g.site, g.gemm) for g in rejected] == [("fc1#0", "wgrad"), ("fc2#0", "wgrad")]
+    assert "Hadamard" in rejected[0].reason
+    assert "2 rejected" in plan.summary()
+    compiled = graphquant.compile(MLP(), graphquant.CustomRecipe(rht_on_grad_output_only), backend="aot_eager")
+    with pytest.raises(Exception, match="Hadamard"):
+        compiled(x_mlp())
+
+
+def test_plan_errors_surface_as_themselves():
+    with pytest.raises(graphquant.PlanError, match="multiple of 32"):
+        graphquant.explain(MLP(), graphquant.recipes.mxfp8_block_scaling(), torch.randn(4, 64))
+
+
+def graphquant_warnings(run):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "graphquant" in w.filename]
+
+
+def test_a_recipe_that_quantizes_nothing_warns():
+    recipe = graphquant.CustomRecipe(factories.high_precision_factory)
+    messages = graphquant_warnings(lambda: graphquant.explain(MLP(), recipe, x_mlp()))
+    assert any("quantizes no GEMM" in m for m in messages)
+
+
+def test_one_quantizer_for_every_role_is_fine():
+    recipe = graphquant.CustomRecipe(factories.mxfp8_factory)
+    assert graphquant_warnings(lambda: graphquant.explain(MLP(), recipe, x_mlp())) == []
+
+
+def test_a_backward_only_recipe_does_not_warn_in_training():
+    recipe = zoo.recipe("high_precision_fwd_mxfp8_bwd")
+    assert graphquant_warnings(lambda: graphquant.explain(MLP(), recipe, x_mlp())) == []
+
+
+def test_expected_names_that_match_no_module_warn_with_suggestions():
+    def factory(role):
+        if role.name in ("fc3", "lm_head"):
+            return HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=IdentityQuantizer())
+        return MXFP8Quantizer()
+
+    recipe = graphquant.CustomRecipe(factory, expected_names=("fc3", "lm_head", "fc1"))
+    messages = graphquant_warnings(lambda: graphquant.explain(MLP(), recipe, x_mlp()))
+    assert len(messages) == 2
+    assert "'fc3'" in messages[0] and "did you mean 'fc2' or 'fc1'?" in messages[0]
+    assert "'lm_head'" in messages[1] and "did you mean" not in messages[1] and "fc1, fc2" in messages[1]
+
+
+def test_expected_names_match_whole_modules_and_their_children():
+    model = nn.Sequential(MLP(), MLP(d_in=32))
+    recipe = graphquant.CustomRecipe(factories.mxfp8_factory, expected_names=("0", "1.fc2"))
+    assert graphquant_warnings(lambda: graphquant.explain(model, recipe, x_mlp())) == []
+
+
+@pytest.mark.skipif(
+    "isolate_recompiles" not in inspect.signature(torch.compile).parameters,
+    reason="torch.compile(isolate_recompiles=...) arrived in torch 2.13",
+)
+def test_repeated_explains_do_not_use_up_the_recompile_limit():
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        model = nn.Sequential(nn.Linear(64, 32))
+        assert len(graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp()).gemms) == 3

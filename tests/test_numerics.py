@@ -1,0 +1,124 @@
+"""graphquant.numerics: per-GEMM SQNR against the high-precision GEMM, and per-operand stats."""
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import graphquant
+from graphquant import factories, recipes, zoo
+from graphquant.ops import gemm_site
+from graphquant.quantizers import Float8CurrentScalingQuantizer
+
+from explain_models import MLP, TinyAttention
+
+
+def sqnr_db(reference, quantized):
+    return 10 * math.log10(reference.double().square().sum() / (quantized - reference).double().square().sum())
+
+
+def by_key(report):
+    return {(g.site, g.gemm): g for g in report.gemms}
+
+
+def test_sqnr_is_that_of_the_quantized_gemm_against_the_high_precision_one():
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(32, 64)
+    report = by_key(graphquant.numerics(model, zoo.recipe("tensorwise"), x))
+
+    e4m3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")
+    w1, w2 = model.fc1.weight.detach(), model.fc2.weight.detach()
+    fprop = sqnr_db(x @ w1.T, e4m3(x).dequantize() @ e4m3(w1).dequantize().T)
+    assert report["fc1#0", "fprop"].sqnr_db == pytest.approx(fprop, abs=1e-3)
+    ones = torch.ones(32, 32)  # grad_output of fc2 under output.sum(): exact in E5M2
+    dgrad = sqnr_db(ones @ w2, ones @ e4m3(w2).dequantize())
+    assert report["fc2#0", "dgrad"].sqnr_db == pytest.approx(dgrad, abs=1e-3)
+
+
+def test_every_gemm_that_ran_is_reported_worst_first():
+    x = torch.randn(32, 64)
+    report = graphquant.numerics(MLP(), zoo.recipe("tensorwise"), x)
+    assert ("fc1#0", "dgrad") not in by_key(report)  # x needs no gradient, so no dgrad ran
+    assert len(report.gemms) == 5
+    assert [g.sqnr_db for g in report.gemms] == sorted(g.sqnr_db for g in report.gemms)
+    assert all(20 < g.sqnr_db < 60 for g in report.gemms)
+
+    report = graphquant.numerics(MLP(), zoo.recipe("tensorwise"), x.requires_grad_())
+    assert len(report.gemms) == 6
+
+
+def test_matmul_sites_and_repeated_calls_each_get_their_rows():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.fc(x)))
+
+    report = by_key(graphquant.numerics(Twice(), zoo.recipe("tensorwise"), torch.randn(32, 32)))
+    assert {("fc#0", "fprop"), ("fc#1", "fprop"), ("fc#0", "wgrad"), ("fc#1", "wgrad")} <= set(report)
+
+    report = by_key(graphquant.numerics(TinyAttention(), zoo.recipe("tensorwise"), torch.randn(2, 32, 32)))
+    assert report["matmul.0#0", "fprop"].b.operand == "other.rowwise"
+    assert report["matmul.1#0", "wgrad"].a.format == "fp8_current(fp8_dtype=e5m2)"
+
+
+def test_underflow_saturation_and_amax_of_an_operand():
+    x = torch.rand(32, 64) + 0.5  # nothing near E4M3's limits but what comes next
+    x[0, :8] = 1e-5  # below half the smallest E4M3 subnormal at delayed scaling's first scale (1)
+    x[1, :4] = 1000.0  # beyond E4M3's 448
+    report = by_key(graphquant.numerics(MLP(), recipes.delayed_scaling(), x))
+    stats = report["fc1#0", "fprop"].a
+    assert (stats.operand, stats.format) == ("input.rowwise", "fp8_delayed(fp8_dtype=e4m3)")
+    assert stats.amax == 1000.0
+    assert stats.underflow == 8 / x.numel()
+    assert stats.saturated == 4 / x.numel()
+    assert report["fc1#0", "wgrad"].b.saturated == 4 / x.numel()  # the columnwise copy clips too
+
+
+def test_hadamard_operands_are_judged_against_the_transformed_values():
+    # Each 16-token chunk of a column holds one 1.0: its Hadamard transform is 16 values of equal
+    # magnitude, which NVFP4 holds exactly. Judged against x itself the 1.0 would look clipped.
+    x = torch.zeros(32, 64)
+    x[::16] = 1.0
+    report = by_key(graphquant.numerics(MLP(), recipes.nvfp4_block_scaling(), x))
+    stats = report["fc1#0", "wgrad"].b
+    assert stats.format == "nvfp4(with_rht=True, with_post_rht_amax=True)"
+    assert (stats.underflow, stats.saturated) == (0, 0)
+
+
+def test_exact_formats_give_infinite_sqnr():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recipe quantizes nothing, and says so
+        report = graphquant.numerics(MLP(), graphquant.CustomRecipe(factories.high_precision_factory), torch.randn(32, 64))
+    assert all(g.sqnr_db == math.inf for g in report.gemms)
+    assert {g["sqnr_db"] for g in json.loads(report.to_json())["gemms"]} == {"inf"}
+
+
+def test_report_prints_two_lines_per_gemm_and_renders_json():
+    report = graphquant.numerics(MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), torch.randn(32, 64))
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["site", "gemm", "SQNR", "dB", "operand", "format", "amax", "underflow", "saturated"]
+    assert len(lines) == 2 + 2 * len(report.gemms)
+    first = json.loads(report.to_json())["gemms"][0]
+    assert set(first) == {"site", "module_type", "gemm", "sqnr_db", "a", "b"}
+    assert set(first["a"]) == {"operand", "format", "amax", "underflow", "saturated"}
+
+
+def test_loss_fn_gradients_and_the_recorder_are_left_as_they_were():
+    class TwoOutputs(MLP):
+        def forward(self, x):
+            y = super().forward(x)
+            return y, y * 2
+
+    model = TwoOutputs()
+    with pytest.raises(TypeError, match="loss_fn"):
+        graphquant.numerics(model, zoo.recipe("tensorwise"), torch.randn(32, 64))
+    report = graphquant.numerics(model, zoo.recipe("tensorwise"), torch.randn(32, 64), loss_fn=lambda out: out[1].sum())
+    assert len(report.gemms) == 5
+    assert all(p.grad is None for p in model.parameters())
+    assert gemm_site._recorder is None
