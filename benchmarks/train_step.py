@@ -29,6 +29,7 @@ BATCH, SEQ, DIM = 8, 2048, 4096
 
 GRAPHQUANT = {
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
+    "graphquant tensorwise (cudagraphs)": lambda: zoo.recipe("tensorwise"),
     "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
     "graphquant rowwise_with_gw_hp": lambda: zoo.recipe("rowwise_with_gw_hp"),
     "graphquant mxfp8": recipes.mxfp8_block_scaling,
@@ -44,7 +45,8 @@ def build(config: str, model: torch.nn.Module, compile_mode: str | None):
     if config == "bf16 torch.compile":
         return torch.compile(model, mode=compile_mode)
     if config in GRAPHQUANT:
-        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=compile_mode)
+        mode = "reduce-overhead" if config.endswith("(cudagraphs)") else compile_mode
+        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=mode)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     name = config.removeprefix("torchao ")
@@ -63,7 +65,18 @@ def configs(requested: list[str] | None) -> list[str]:
     return [n for n in names if requested is None or n in requested]
 
 
-def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: int, compile_mode: str | None) -> list[list]:
+def profile(name: str, step) -> None:
+    """Print the 15 CUDA kernels that take the most time in one step of ``name``."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: top CUDA kernels of one step", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=90), file=sys.stderr)
+
+
+def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: int, compile_mode: str | None, profiled: list[str]) -> list[list]:
     x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     built, peaks, samples = {}, {}, {n: [] for n in names}
@@ -84,6 +97,8 @@ def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: in
         step()
         torch.cuda.synchronize()
         peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        if name in profiled:
+            profile(name, step)
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
     for _ in range(rounds):
         for name in names:
@@ -141,13 +156,14 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
+    parser.add_argument("--profile", default="", help="comma-separated configs whose kernels to list")
     args = parser.parse_args()
     names = configs(args.configs.split(",") if args.configs else None)
     torch.manual_seed(0)
     rows = []
     for model_name in args.models.split(","):
         base = (FFNStack() if model_name == "ffn" else DecoderLayer()).to("cuda", torch.bfloat16)
-        rows += measure(model_name, base, names, args.rounds, args.compile_mode)
+        rows += measure(model_name, base, names, args.rounds, args.compile_mode, args.profile.split(","))
         del base
         torch.cuda.empty_cache()
     headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]
