@@ -127,6 +127,9 @@ def select(
                 return Selection(
                     EMULATED, EMULATION, f"{backend} needs m, n, k multiples of {multiple}; got {dims}"
                 )
+            fprop = a_direction == b_direction == ROWWISE
+            if fprop and backend in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED):
+                backend += scaled_mm.FAST_ACCUMULATION
             return Selection(NATIVE, backend)
     if type(a) is not type(b):
         return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")

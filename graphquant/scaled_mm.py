@@ -13,6 +13,9 @@ from graphquant.quantizers import ROWWISE, Representation
 
 TENSORWISE = "cublaslt fp8 tensorwise"
 ROWWISE_SCALED = "cublaslt fp8 rowwise"
+# TE's and torchao's default for per-tensor and per-row FP8 fprop: the tensor cores' own
+# accumulator throughout (faster); dgrad and wgrad promote partial sums to fp32 (split accumulator).
+FAST_ACCUMULATION = " (fast accumulation)"
 BLOCKWISE = "cublaslt fp8 blockwise"
 MXFP8 = "cublaslt mxfp8 (sm100)"
 NVFP4 = "cublaslt nvfp4 (sm100)"
@@ -47,10 +50,16 @@ def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
 def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> torch.Tensor:
     """out (m, n) = A @ B^T on ``backend`` (as named by graphquant.backends.select)."""
     data_a, data_b = k_last(a), k_last(b).t()
+    fast = backend.endswith(FAST_ACCUMULATION)
+    backend = backend.removesuffix(FAST_ACCUMULATION)
     if backend == TENSORWISE:
-        return torch._scaled_mm(data_a, data_b, a.scale.reshape(()), b.scale.reshape(()), out_dtype=out_dtype)
+        return torch._scaled_mm(
+            data_a, data_b, a.scale.reshape(()), b.scale.reshape(()), out_dtype=out_dtype, use_fast_accum=fast
+        )
     if backend == ROWWISE_SCALED:
-        out = torch._scaled_mm(data_a, data_b, a.scale.reshape(-1, 1), b.scale.reshape(1, -1), out_dtype=torch.bfloat16)
+        out = torch._scaled_mm(
+            data_a, data_b, a.scale.reshape(-1, 1), b.scale.reshape(1, -1), out_dtype=torch.bfloat16, use_fast_accum=fast
+        )
         return out.to(out_dtype)
     if backend == BLOCKWISE:
         scale_b = b.scale.t() if b.quantizer.block_scaling_dim == 2 else b.scale.t().contiguous()
