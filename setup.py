@@ -27,11 +27,13 @@ def extension():
         return CppExtension("graphquant._C", host_sources, extra_compile_args={"cxx": ["-O2"]})
     return CUDAExtension(
         "graphquant._C",
-        host_sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        host_sources + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")),
         define_macros=[("GRAPHQUANT_WITH_CUDA", "1")],
         extra_compile_args={
             "cxx": ["-O3"],
-            "nvcc": ["-O3", "--use_fast_math=false", "-std=c++17", "--expt-relaxed-constexpr", *cuda_arch_flags()],
+            # The kernels are bit-identical to graphquant/formats only with IEEE division, fp32
+            # subnormals kept and no a*b+c contracted into one FMA rounding.
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-prec-div=true", "-ftz=false", "-fmad=false", *cuda_arch_flags()],
         },
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -26,6 +27,11 @@ from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
 MODES = (None, "training", "inference")
+
+# Every graphquant.compile brings its own backend, and Dynamo counts each against the recompile
+# limit that all compiles of one forward share; past it the model would silently run eagerly,
+# unquantized. Isolated compiles (torch >= 2.13) each keep their own count.
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
 class GraphquantBackend:
@@ -206,6 +212,6 @@ def compile(
     if dump_dir is None:
         dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None
     gq_backend = GraphquantBackend(recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir)
-    compiled = torch.compile(model, backend=gq_backend, **torch_compile_kwargs)
+    compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     compiled.__dict__["graphquant"] = gq_backend
     return compiled

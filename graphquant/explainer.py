@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -12,13 +11,10 @@ from graphquant import compiler
 from graphquant.plan import Plan, PlanError
 from graphquant.recipes import CustomRecipe
 
-# explain and numerics compile afresh on every call. Isolated (torch >= 2.13), those compiles do
-# not use up the recompile limit that every torch.compile of the same forward shares. Static
-# shapes, unless asked otherwise, so the planner checks every shape whatever earlier compiles of
-# the same code saw (Dynamo would otherwise make a dim that changed symbolic, and unchecked).
-_DEFAULTS = {"dynamic": False} | (
-    {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-)
+# Static shapes, unless asked otherwise, so the planner checks every shape whatever earlier
+# compiles of the same code saw (Dynamo would otherwise make a dim that changed symbolic, and
+# unchecked).
+_DEFAULTS = {"dynamic": False}
 
 
 def run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

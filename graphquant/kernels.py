@@ -248,7 +248,8 @@ def reference_grouped_quantize(
     scales concatenated along the split dim (columns where the data is transposed), per-tensor
     scales and amaxes (and a columnwise FP8 rowwise's per-column scales) stacked, one per group."""
     bounds = [0] + torch.cumsum(group_sizes.cpu().long(), 0).tolist()
-    parts = [reference_quantize(quantizer, x[a:b], direction, ctx) for a, b in zip(bounds, bounds[1:])]
+    encode = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
+    parts = [encode(x[a:b], ctx) for a, b in zip(bounds, bounds[1:])]
     first = parts[0]
     split_dim = 1 if first.transposed else 0
     child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
