@@ -99,6 +99,10 @@ def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: in
         peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
         if name in profiled:
             profile(name, step)
+        if name.endswith("(cudagraphs)"):
+            from torch._dynamo.utils import counters
+
+            print(f"  cudagraph skips so far: {counters['inductor']['cudagraph_skips']}", file=sys.stderr)
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
     for _ in range(rounds):
         for name in names:

@@ -1,17 +1,22 @@
-"""CUDA kernels of the exact scale ops (graphquant::fp8_scales, graphquant::e8m0_from_amax).
+"""CUDA kernels of the exact scale ops (graphquant.formats.fp8.scales, mxfp8.e8m0_from_amax).
 
-Their references (graphquant.formats) are a dozen tiny torch ops each; on a GPU inside a training
-step that is a dozen launches per quantize. These kernels compute the same bits in one launch:
-divisions use div_rn (IEEE round-to-nearest), and every other step is exact.
+Their references are a dozen tiny torch ops each; on a GPU inside a training step that is a dozen
+launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
+(IEEE round-to-nearest), and every other step is exact. They launch through
+torch.library.wrap_triton, so a compiled graph calls them directly, like its own kernels.
+Importing this module makes the formats use them for CUDA tensors.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
-from graphquant.formats import fp8, mxfp8
+from graphquant.formats import fp8
 
 _BLOCK = 1024
 
@@ -33,17 +38,6 @@ def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, n, fp8_max, epsilon, flt_ma
     tl.store(inverse_ptr + offsets, inverse, mask=mask)
 
 
-@fp8.scales.register_kernel("cuda")
-def _(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = amax.to(torch.float32).contiguous()
-    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
-    n = amax.numel()
-    _scales_kernel[(triton.cdiv(n, _BLOCK),)](
-        amax, scale, inverse, n, fp8.fp8_max(fp8_dtype), epsilon, fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
-    )
-    return scale, inverse
-
-
 @triton.jit
 def _e8m0_kernel(amax_ptr, out_ptr, n, fp8_max, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -59,10 +53,22 @@ def _e8m0_kernel(amax_ptr, out_ptr, n, fp8_max, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
 
 
-@mxfp8.e8m0_from_amax.register_kernel("cuda")
-def _(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
-    flat = amax.to(torch.float32).contiguous()
-    out = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
-    n = flat.numel()
-    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](flat, out, n, fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = amax.to(torch.float32).contiguous()
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    n = amax.numel()
+    wrap_triton(_scales_kernel)[(triton.cdiv(n, _BLOCK),)](
+        amax, scale, inverse, n, fp8.fp8_max(fp8_dtype), epsilon, fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
+    )
+    return scale, inverse
+
+
+def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
+    amax = amax.to(torch.float32).contiguous()
+    out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)
+    n = amax.numel()
+    wrap_triton(_e8m0_kernel)[(triton.cdiv(n, _BLOCK),)](amax, out, n, fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
     return out
+
+
+fp8.SCALE_KERNELS = sys.modules[__name__]

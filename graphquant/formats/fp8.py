@@ -65,18 +65,28 @@ def scale_from_amax(
     return scale
 
 
-@torch.library.custom_op("graphquant::fp8_scales", mutates_args=())
 def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise.
-
-    An op of its own so that a graph compiler fusing the quantize around it can neither
-    approximate nor reassociate these divisions: the rest of a quantize (amax, multiply, clamp,
-    cast) is exact in any order and fuses freely with its neighbours.
+    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, as an op a graph compiler
+    cannot approximate or reassociate: the rest of a quantize (amax, multiply, clamp, cast) is
+    exact in any order and fuses freely with its neighbours. On CUDA it is one Triton launch
+    (graphquant.triton_scales, bit-identical) that a compiled graph calls directly.
     """
+    if amax.is_cuda and SCALE_KERNELS is not None:
+        return SCALE_KERNELS.fp8_scales(amax, fp8_dtype, epsilon, pow2)
+    return scales_op(amax, fp8_dtype, epsilon, pow2)
+
+
+# Set by graphquant.triton_scales when Triton exists.
+SCALE_KERNELS = None
+
+
+@torch.library.custom_op("graphquant::fp8_scales", mutates_args=())
+def scales_op(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of ``scales`` as one op."""
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
     return scale, torch.reciprocal(scale)
 
 
-@scales.register_fake
+@scales_op.register_fake
 def _(amax, fp8_dtype, epsilon, pow2):
     return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from graphquant.formats import fp8
 from graphquant.formats.fp8 import cast_to_fp8, fp8_max
 
 BLOCK_LEN = 32
@@ -23,8 +24,15 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-@torch.library.custom_op("graphquant::e8m0_from_amax", mutates_args=())
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
+    """``e8m0_from_amax_op``, as one Triton launch on CUDA (bit-identical, see graphquant.fp8.scales)."""
+    if amax.is_cuda and fp8.SCALE_KERNELS is not None:
+        return fp8.SCALE_KERNELS.e8m0_from_amax(amax, fp8_dtype)
+    return e8m0_from_amax_op(amax, fp8_dtype)
+
+
+@torch.library.custom_op("graphquant::e8m0_from_amax", mutates_args=())
+def e8m0_from_amax_op(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     """Biased E8M0 exponent (uint8) of the decode scale for blocks with this fp32 ``amax``.
 
     v = amax / fp8_max (one fp32 division, RNE), then v is rounded *up* to a power of two 2^e
@@ -49,7 +57,7 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
 
 # An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
 # approximate the division; everything around it is exact in any order.
-@e8m0_from_amax.register_fake
+@e8m0_from_amax_op.register_fake
 def _(amax, fp8_dtype):
     return torch.empty_like(amax, dtype=torch.uint8)
 
