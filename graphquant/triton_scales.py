@@ -19,16 +19,21 @@ from torch.library import wrap_triton
 from graphquant.formats import fp8
 
 _BLOCK = 1024
+# Scalars are compile-time constants: passed as runtime arguments, a compiled graph hands them
+# over as fp64 and would promote the arithmetic.
 
 
 @triton.jit
-def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, n, fp8_max, epsilon, flt_max, POW2: tl.constexpr, BLOCK: tl.constexpr):
+def _scales_kernel(
+    amax_ptr, scale_ptr, inverse_ptr, n, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr, FLT_MAX: tl.constexpr,
+    POW2: tl.constexpr, BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     amax = tl.load(amax_ptr + offsets, mask=mask, other=1.0)
-    amax = tl.where(amax < epsilon, epsilon, amax)
-    scale = tl.math.div_rn(tl.full(amax.shape, fp8_max, tl.float32), amax)
-    scale = tl.where(scale == float("inf"), flt_max, scale)
+    amax = tl.where(amax < EPSILON, EPSILON, amax)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), tl.full(scale.shape, FLT_MAX, tl.float32), scale)
     scale = tl.where(scale != scale, 1.0, scale)
     scale = tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
     if POW2:
@@ -39,11 +44,11 @@ def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, n, fp8_max, epsilon, flt_ma
 
 
 @triton.jit
-def _e8m0_kernel(amax_ptr, out_ptr, n, fp8_max, BLOCK: tl.constexpr):
+def _e8m0_kernel(amax_ptr, out_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
-    v = tl.math.div_rn(amax, tl.full(amax.shape, fp8_max, tl.float32))
+    v = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     exponent, mantissa = bits >> 23, bits & 0x7FFFFF
     normal = tl.minimum(exponent + (mantissa != 0).to(tl.int32), 254)
@@ -58,7 +63,7 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
     n = amax.numel()
     wrap_triton(_scales_kernel)[(triton.cdiv(n, _BLOCK),)](
-        amax, scale, inverse, n, fp8.fp8_max(fp8_dtype), epsilon, fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
+        amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), FLT_MAX=fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
     )
     return scale, inverse
 
@@ -67,7 +72,7 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     amax = amax.to(torch.float32).contiguous()
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)
     n = amax.numel()
-    wrap_triton(_e8m0_kernel)[(triton.cdiv(n, _BLOCK),)](amax, out, n, fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+    wrap_triton(_e8m0_kernel)[(triton.cdiv(n, _BLOCK),)](amax, out, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
     return out
 
 
