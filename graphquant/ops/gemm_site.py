@@ -21,8 +21,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from graphquant.ops.einsum import plan_einsum
-from graphquant import backends, scaled_mm
-from graphquant.ops.library import quantizer_of, unflatten
+from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -104,19 +103,6 @@ def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dic
 
 
 def _gemm(a: Operand, b: Operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """(batch, m, n) = A @ B^T per group.
-
-    A native cuBLASLt product of two traceable formats is emitted as torch._scaled_mm itself, so
-    the compiled graph calls it directly (as it would any aten op) rather than through a Python
-    op; every other pair goes through graphquant::gemm.
-    """
-    rep_a = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
-    rep_b = unflatten(b.tensors, b.spec, b.direction, b.shape, out_dtype)
-    if rep_a.quantizer.traceable and rep_b.quantizer.traceable:
-        dims = backends.gemm_dims(rep_a, rep_b, batch)
-        selection = backends.select(rep_a.quantizer, a.direction, rep_b.quantizer, b.direction, rep_a.data.device, dims, batch)
-        if selection.bucket == backends.NATIVE and selection.backend != backends.HIGH_PRECISION:
-            return scaled_mm.run(selection.backend, rep_a, rep_b, out_dtype).unsqueeze(0)
     return torch.ops.graphquant.gemm(
         a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype
     )
