@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from graphquant.factories import GEMM_MODULES, is_gradient, mxfp8_factory, nvfp4_factory
+from graphquant.factories import GEMM_MODULES, is_gradient, nvfp4_factory
 from graphquant.quantizers import (
     DelayedScalingRequest,
     Float8BlockQuantizer,

@@ -24,18 +24,9 @@ def quantizer_of(spec: str) -> Quantizer:
 
 def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype) -> Representation:
     """The Representation behind the op-level tensors of one direction."""
-    quantizer = quantizer_of(spec)
     data, scale, amax = tensors
-    return Representation(
-        quantizer=quantizer,
-        direction=direction,
-        data=data,
-        scale=scale if scale.numel() else None,
-        amax=amax if amax.numel() else None,
-        shape=(int(shape[0]), int(shape[1])),
-        transposed=quantizer.transposed(direction),
-        dtype=dtype,
-        hadamard=quantizer.hadamard(direction),
+    return quantizer_of(spec).representation(
+        direction, shape, dtype, data, scale if scale.numel() else None, amax if amax.numel() else None
     )
 
 

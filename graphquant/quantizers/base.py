@@ -162,6 +162,29 @@ class Quantizer:
         """Whether ``direction``'s values went through a random Hadamard transform."""
         return False
 
+    def representation(
+        self,
+        direction: str,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        data: torch.Tensor,
+        scale: Optional[torch.Tensor] = None,
+        amax: Optional[torch.Tensor] = None,
+    ) -> Representation:
+        """A representation of a ``shape`` tensor of ``dtype`` made by this quantizer; the layout
+        (transposed, hadamard) follows from the quantizer and the direction."""
+        return Representation(
+            quantizer=self,
+            direction=direction,
+            data=data,
+            scale=scale,
+            amax=amax,
+            shape=(int(shape[0]), int(shape[1])),
+            transposed=self.transposed(direction),
+            dtype=dtype,
+            hadamard=self.hadamard(direction),
+        )
+
     # -- common behaviour ----------------------------------------------------------------------
 
     def __call__(

@@ -53,16 +53,7 @@ class Float8BlockQuantizer(Quantizer):
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
         )
-        return Representation(
-            quantizer=self,
-            direction=direction,
-            data=data,
-            scale=scale_inv,
-            amax=None,
-            shape=tuple(x.shape),
-            transposed=transposed,
-            dtype=x.dtype,
-        )
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE)

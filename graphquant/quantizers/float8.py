@@ -27,16 +27,7 @@ class _PerTensorFloat8(Quantizer):
         scale, scale_inv = scales
         transposed = self.transposed(direction)
         data = per_tensor.quantize(x, scale, self.fp8_dtype, transpose=transposed)
-        return Representation(
-            quantizer=self,
-            direction=direction,
-            data=data,
-            scale=scale_inv,
-            amax=fp8.tensor_amax(x),
-            shape=tuple(x.shape),
-            transposed=transposed,
-            dtype=x.dtype,
-        )
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv, fp8.tensor_amax(x))
 
     def transposed(self, direction: str) -> bool:
         return direction == COLUMNWISE

@@ -27,16 +27,7 @@ class IdentityQuantizer(Quantizer):
 
     def _hold(self, x: torch.Tensor, direction: str) -> Representation:
         data = x.detach()
-        return Representation(
-            quantizer=self,
-            direction=direction,
-            data=data if self.dtype is None else data.to(self.dtype),
-            scale=None,
-            amax=None,
-            shape=tuple(x.shape),
-            transposed=False,
-            dtype=x.dtype,
-        )
+        return self.representation(direction, x.shape, x.dtype, data if self.dtype is None else data.to(self.dtype))
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._hold(x, ROWWISE)

@@ -47,16 +47,7 @@ class MXFP8Quantizer(Quantizer):
     def _encode(self, x: torch.Tensor, direction: str) -> Representation:
         axis = 1 if direction == ROWWISE else 0
         data, scale = mxfp8.quantize(x, self.fp8_dtype, axis=axis)
-        return Representation(
-            quantizer=self,
-            direction=direction,
-            data=data,
-            scale=scale,
-            amax=None,
-            shape=tuple(x.shape),
-            transposed=False,
-            dtype=x.dtype,
-        )
+        return self.representation(direction, x.shape, x.dtype, data, scale)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE)

@@ -76,17 +76,7 @@ class NVFP4Quantizer(Quantizer):
             row_scaled=self.row_scaled_nvfp4 and not columnwise,
             rng=(ctx.seed, ctx.offset, int(columnwise)) if self.stochastic_rounding else None,
         )
-        return Representation(
-            quantizer=self,
-            direction=direction,
-            data=data,
-            scale=scale,
-            amax=amax,
-            shape=tuple(x.shape),
-            transposed=self.transposed(direction),
-            dtype=x.dtype,
-            hadamard=self.hadamard(direction),
-        )
+        return self.representation(direction, x.shape, x.dtype, data, scale, amax)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE, ctx)
