@@ -1,0 +1,317 @@
+// Element and block numerics shared by every kernel, written once for device and host.
+//
+// Each function is the scalar form of a step in graphquant/formats/*.py, in the same order and
+// with the same IEEE fp32 operations, so a kernel is bit-identical to the reference as long as it
+// is built without fast-math, without flush-to-zero and without FMA contraction (setup.py).
+// The functions are __host__ __device__ so that tests can run the same code on the CPU.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
+
+#if defined(__CUDACC__)
+#define GQ_HD __host__ __device__ __forceinline__
+#else
+#define GQ_HD inline
+#endif
+
+namespace gq {
+
+#if defined(__CUDACC__)
+using Vec16 = uint4;
+using Vec8 = uint2;
+#else
+struct alignas(16) Vec16 { uint32_t x, y, z, w; };
+struct alignas(8) Vec8 { uint32_t x, y; };
+#endif
+
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+
+GQ_HD uint32_t f2u(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+GQ_HD float u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+GQ_HD bool is_nan(float f) { return (f2u(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+GQ_HD bool is_inf(float f) { return (f2u(f) & 0x7FFFFFFFu) == 0x7F800000u; }
+
+// |f| as bits: for non-negative floats the unsigned order is the float order, and every NaN is
+// above +inf, so max over these bits is an amax that propagates NaN like torch's amax.
+GQ_HD uint32_t abs_bits(float f) { return f2u(f) & 0x7FFFFFFFu; }
+GQ_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// torch.clamp: NaN passes through.
+GQ_HD float clamp_nan(float v, float lo, float hi) {
+  if (is_nan(v)) return v;
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// torch.minimum: a NaN operand wins.
+GQ_HD float min_nan(float a, float b) {
+  if (is_nan(a)) return a;
+  if (is_nan(b)) return b;
+  return a < b ? a : b;
+}
+
+// -- input element types (the tile stores raw bits; conversions are torch's own) ----------------
+
+struct InBF16 {
+  using S = uint16_t;
+  GQ_HD static float to_float(S b) { return u2f(uint32_t(b) << 16); }
+  GQ_HD static S from_float(float f) { return c10::BFloat16(f).x; }
+};
+
+struct InF16 {
+  using S = uint16_t;
+  GQ_HD static float to_float(S b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+  GQ_HD static S from_float(float f) { return c10::Half(f).x; }
+};
+
+struct InF32 {
+  using S = float;
+  GQ_HD static float to_float(S f) { return f; }
+  GQ_HD static S from_float(float f) { return f; }
+};
+
+// -- FP8 (formats/fp8.py) ------------------------------------------------------------------------
+
+enum Fp8Kind { kE4M3 = 0, kE5M2 = 1 };
+
+GQ_HD float fp8_max(int kind) { return kind == kE4M3 ? 448.0f : 57344.0f; }
+
+// cast_to_fp8 of a pair: clamp to +-max (NaN stays), then round to nearest even; the low byte
+// holds `lo`. The GPU uses the conversion instruction, which agrees with torch's conversion on
+// every non-NaN input; a NaN gets torch's encoding (0x7F with the input's sign) explicitly.
+GQ_HD uint16_t fp8_encode2(float lo, float hi, int kind) {
+  const float limit = fp8_max(kind);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const float2 ab = make_float2(fminf(fmaxf(lo, -limit), limit), fminf(fmaxf(hi, -limit), limit));
+  uint16_t r = __nv_cvt_float2_to_fp8x2(ab, __NV_SATFINITE, kind == kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  if (is_nan(lo)) r = uint16_t((r & 0xFF00u) | 0x7Fu | ((f2u(lo) >> 24) & 0x80u));
+  if (is_nan(hi)) r = uint16_t((r & 0x00FFu) | ((0x7Fu | ((f2u(hi) >> 24) & 0x80u)) << 8));
+  return r;
+#else
+  const float a = clamp_nan(lo, -limit, limit), b = clamp_nan(hi, -limit, limit);
+  const uint8_t qa = kind == kE4M3 ? c10::Float8_e4m3fn(a).x : c10::Float8_e5m2(a).x;
+  const uint8_t qb = kind == kE4M3 ? c10::Float8_e4m3fn(b).x : c10::Float8_e5m2(b).x;
+  return uint16_t(qa | (qb << 8));
+#endif
+}
+
+// cast_to_fp8(v * scale) for 16 values.
+GQ_HD void fp8_encode16(const float v[16], float scale, int kind, uint8_t q[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const uint16_t pair = fp8_encode2(v[i] * scale, v[i + 1] * scale, kind);
+    q[i] = uint8_t(pair);
+    q[i + 1] = uint8_t(pair >> 8);
+  }
+}
+
+// Exact: every FP8 value is a half; the GPU converts through f16 with one instruction.
+GQ_HD float fp8_decode(uint8_t b, int kind) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(b, kind == kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x));
+  return f;
+#else
+  return kind == kE4M3 ? static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()))
+                       : static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
+#endif
+}
+
+// scale_from_amax (TE's compute_scale_from_amax).
+GQ_HD float scale_from_amax(float amax, int kind, float epsilon, bool pow2) {
+  const float a = amax < epsilon ? epsilon : amax;
+  float scale = fp8_max(kind) / a;
+  if (is_inf(scale)) scale = kFltMax;
+  if (is_nan(scale)) scale = 1.0f;
+  if (a == 0.0f || is_inf(a)) scale = 1.0f;
+  if (pow2) scale = u2f(f2u(scale) & 0xFF800000u);
+  return scale;
+}
+
+// -- MXFP8 (formats/mxfp8.py) --------------------------------------------------------------------
+
+GQ_HD uint8_t e8m0_from_amax(float amax, int kind) {
+  const uint32_t bits = f2u(amax / fp8_max(kind)) & 0x7FFFFFFFu;
+  if (bits > 0x7F800000u) return 255;
+  const uint32_t exponent = bits >> 23, mantissa = bits & 0x7FFFFFu;
+  if (exponent == 0) return mantissa > 0x400000u ? 1 : 0;
+  const uint32_t biased = exponent + (mantissa != 0);
+  return biased > 254 ? 254 : uint8_t(biased);
+}
+
+GQ_HD float mx_encode_multiplier(uint8_t biased) {
+  if (biased == 0) return 1.0f;
+  if (biased == 255) return u2f(0x7FC00000u);
+  if (biased == 254) return u2f(0x00400000u);
+  return u2f(uint32_t(254 - biased) << 23);
+}
+
+GQ_HD float mx_decode_scale(uint8_t biased) {
+  if (biased == 0) return u2f(0x00400000u);
+  if (biased == 255) return u2f(0x7FC00000u);
+  return u2f(uint32_t(biased) << 23);
+}
+
+// -- NVFP4 (formats/nvfp4.py) --------------------------------------------------------------------
+
+struct NvGlobal {
+  float mult;   // S_enc * fp32(1/6)
+  float s_dec;  // 1 / S_enc
+  float g_dec;  // amax / 2688, the dequantize factor
+};
+
+GQ_HD NvGlobal nv_global(float amax) {
+  float s_enc = min_nan(2688.0f / amax, kFltMax);
+  if (s_enc == 0.0f || amax == 0.0f) s_enc = 1.0f;
+  return {s_enc * u2f(0x3E2AAAABu), 1.0f / s_enc, amax / 2688.0f};
+}
+
+GQ_HD uint8_t nv_block_scale(float vec_max, float mult) {
+  return c10::Float8_e4m3fn(clamp_nan(vec_max * mult, -448.0f, 448.0f)).x;
+}
+
+GQ_HD float e4m3_value(uint8_t b) { return fp8_decode(b, kE4M3); }
+
+// min(1 / (fp32(s) * S_dec), FLT_MAX)
+GQ_HD float nv_encode_factor(uint8_t scale, float s_dec) {
+  const float denom = e4m3_value(scale) * s_dec;
+  return min_nan(1.0f / denom, kFltMax);
+}
+
+GQ_HD uint8_t e2m1_sign(float v) { return uint8_t((f2u(v) >> 31) << 3); }
+
+GQ_HD uint8_t e2m1_nearest(float v) {
+  if (is_nan(v)) return 0x7;
+  const float a = min_nan(u2f(abs_bits(v)), 6.0f);
+  const int index = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return uint8_t(index) | e2m1_sign(v);
+}
+
+// The grid value of magnitude index i (0, .5, 1, 1.5, 2, 3, 4, 6), without a lookup table.
+GQ_HD float e2m1_magnitude(int i) { return i < 4 ? 0.5f * float(i) : (i < 7 ? float(i - 2) : 6.0f); }
+
+// Stochastic rounding: up iff u * (hi - lo) < a - lo, u = (rand >> 8) * 2^-24; all three exact.
+GQ_HD uint8_t e2m1_stochastic(float v, uint32_t rand) {
+  if (is_nan(v)) return 0x7;
+  const float a = min_nan(u2f(abs_bits(v)), 6.0f);
+  const int lo_index = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) + (a >= 6.0f);
+  const float lo = e2m1_magnitude(lo_index);
+  const float gap = lo_index < 4 ? 0.5f : (lo_index < 6 ? 1.0f : (lo_index == 6 ? 2.0f : 0.0f));
+  const float u = float(rand >> 8) * 5.9604644775390625e-08f;  // 2^-24
+  return uint8_t(lo_index + (u * gap < a - lo)) | e2m1_sign(v);
+}
+
+GQ_HD float e2m1_value(uint8_t code) {
+  const float m = e2m1_magnitude(code & 0x7);
+  return (code & 0x8) ? -m : m;
+}
+
+// -- random bits (nvfp4.random_bits): splitmix32 keyed by (seed, offset, stream) ----------------
+
+GQ_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+GQ_HD uint32_t random_bits(uint32_t key, uint64_t index) {
+  return fmix32(fmix32(key ^ uint32_t(index >> 32)) + uint32_t(index) * 0x9E3779B9u);
+}
+
+// -- random Hadamard transform of one 16-element chunk (nvfp4.hadamard_transform) ---------------
+
+constexpr uint32_t kRhtNegative = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 8) | (1u << 12) | (1u << 13) | (1u << 15);
+
+GQ_HD void hadamard16(float y[16], bool sign_mask) {
+  if (sign_mask) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) y[j] = y[j] * ((kRhtNegative >> j) & 1 ? -1.0f : 1.0f);
+  }
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if ((j & h) == 0) {
+        const float a = y[j], b = y[j + h];
+        y[j] = a + b;
+        y[j + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) y[j] = y[j] * 0.25f;
+}
+
+// -- atomics and block reductions, with a sequential meaning on the host ------------------------
+
+GQ_HD void atomic_umax(uint32_t* address, uint32_t value) {
+#if defined(__CUDA_ARCH__)
+  atomicMax(address, value);
+#else
+  if (value > *address) *address = value;
+#endif
+}
+
+// Max of `value` over the calling threads into a shared word; every lane of each warp must call.
+GQ_HD void block_umax(uint32_t* shared, uint32_t value) {
+#if defined(__CUDA_ARCH__)
+  value = __reduce_max_sync(0xFFFFFFFFu, value);
+  if ((threadIdx.x & 31) == 0) atomicMax(shared, value);
+#else
+  if (value > *shared) *shared = value;
+#endif
+}
+
+GQ_HD Vec16 pack16(const uint8_t q[16]) {
+  Vec16 v;
+  v.x = q[0] | (q[1] << 8) | (q[2] << 16) | (uint32_t(q[3]) << 24);
+  v.y = q[4] | (q[5] << 8) | (q[6] << 16) | (uint32_t(q[7]) << 24);
+  v.z = q[8] | (q[9] << 8) | (q[10] << 16) | (uint32_t(q[11]) << 24);
+  v.w = q[12] | (q[13] << 8) | (q[14] << 16) | (uint32_t(q[15]) << 24);
+  return v;
+}
+
+// 16 E2M1 codes -> 8 bytes, element 2k in the low nibble (nvfp4.pack).
+GQ_HD Vec8 pack_e2m1(const uint8_t c[16]) {
+  Vec8 v;
+  v.x = v.y = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v.x |= uint32_t(c[2 * k] | (c[2 * k + 1] << 4)) << (8 * k);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v.y |= uint32_t(c[8 + 2 * k] | (c[8 + 2 * k + 1] << 4)) << (8 * k);
+  return v;
+}
+
+
+}  // namespace gq

@@ -1,0 +1,91 @@
+// Plain-data parameters of the kernels and the host-side launch functions (no torch, no CUDA
+// types), shared by the kernels, the ATen glue in register.cpp and the CPU test build.
+#pragma once
+
+#include <cstdint>
+
+namespace gq {
+
+// Formats of one direction of the tile kernel (matches graphquant/kernels.py).
+enum Format { kNone = 0, kPerTensor = 1, kBlock = 2, kRowScaled = 3, kMX = 4, kNV = 5, kNumFormats = 6 };
+enum InDtype { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+// One direction's encoder: its options, the scales it reads and the outputs it writes.
+struct Encoder {
+  int fp8 = 0;         // Fp8Kind
+  float epsilon = 0;   // FP8 block: amax floor
+  int pow2 = 0;        // FP8 block: power-of-two scales
+  int two_d = 0;       // FP8 block 128x128, NVFP4 16x16
+  int sr = 0;          // NVFP4 stochastic rounding
+  int row_scaled = 0;  // NVFP4 rowwise: one global amax per row
+  uint32_t key = 0;    // NVFP4 stochastic rounding: the stream's key
+  const float* scale = nullptr;      // per-tensor: per group; row-scaled FP8: per row or column
+  const float* scale_inv = nullptr;  // the same, inverted (for the dequantized source)
+  const uint32_t* amax = nullptr;    // NVFP4: the global amax per group, or per row (float bits)
+  uint8_t* data = nullptr;
+  void* scales = nullptr;  // block scales: float, E8M0 bytes or E4M3 bytes
+};
+
+// Amax accumulators (float bits, max-reduced); null when not wanted.
+struct Accumulators {
+  uint32_t* row_global = nullptr;  // max |x| per group
+  uint32_t* rows = nullptr;        // max |x| per row
+  uint32_t* col_global = nullptr;  // max |source| per group, after the column transform
+  uint32_t* cols = nullptr;        // max |source| per column
+};
+
+struct TileParams {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0;
+  int vec_load = 0;       // rows of x are 16-byte aligned: load 16 bytes at a time
+  int main = 1;           // 0: a pre-pass that only accumulates amaxes
+  int dq_source = 0;      // the column side reads the dequantized rowwise values
+  int col_rht = 0;        // column chunks go through the random Hadamard transform
+  int col_sign_mask = 0;  // ... with the random sign mask
+  Encoder row, col;
+  Accumulators acc;
+  const int64_t* group_start = nullptr;  // G + 1 prefix sums of the group sizes (null: one group)
+  int G = 1;
+  float* dbias_partial = nullptr;  // (row tiles, K) column sums of x per tile, or null
+};
+
+struct FinalizeParams {
+  const uint32_t* amax = nullptr;
+  float* scale = nullptr;
+  float* scale_inv = nullptr;
+  int64_t n = 0;
+  int fp8 = 0;
+  float epsilon = 0;
+  int pow2 = 0;
+};
+
+struct DbiasParams {
+  const float* partial = nullptr;
+  void* out = nullptr;
+  int64_t tiles = 0, K = 0;
+  int dtype = 0;  // InDtype
+};
+
+enum DequantKind { kDequantScaled = 0, kDequantMX = 1, kDequantNV = 2 };
+
+struct DequantParams {
+  int kind = 0;
+  int fp8 = 0;
+  const uint8_t* data = nullptr;
+  const void* scales = nullptr;
+  const uint32_t* amax = nullptr;  // NVFP4 (float bits), or null for q * s only
+  int64_t rows = 0, cols = 0;      // stored shape in elements
+  int64_t block_rows = 1, block_cols = 1, scale_ld = 0;  // FP8 with float scales
+  int mx_axis = 1;
+  int nv_row_amax = 0;
+  void* out = nullptr;
+  int out_dtype = 0;  // InDtype
+};
+
+// Host entry points (register.cpp calls these; the CUDA build and the CPU test build define them).
+void launch_tile(int dtype, int row_format, int col_format, const TileParams& p, void* stream);
+void launch_finalize(const FinalizeParams& p, void* stream);
+void launch_dbias(const DbiasParams& p, void* stream);
+void launch_dequantize(const DequantParams& p, void* stream);
+
+}  // namespace gq

@@ -1,0 +1,374 @@
+// graphquant._C's kernel entry points: allocate the outputs, run the passes a quantize needs
+// (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction) on the current
+// stream, and hand the tensors back to graphquant/kernels.py, which wraps them into
+// Representations. Nothing here waits for the device.
+//
+// Built with the CUDA kernels, or with GRAPHQUANT_EMULATE against a CPU build of the same
+// programs (tests/emulation), where the launchers run the kernels thread by thread.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "params.h"
+
+#ifndef GRAPHQUANT_EMULATE
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace gq {
+namespace {
+
+// Encoder configuration from Python: [format, fp8, epsilon, pow2, two_d, rht, sign_mask, sr,
+// row_scaled, key] (kernels.py builds it).
+struct Config {
+  int format = kNone;
+  int rht = 0, sign_mask = 0;
+  Encoder enc;
+};
+
+Config parse(const std::vector<double>& cfg) {
+  Config c;
+  if (cfg.empty()) return c;
+  TORCH_CHECK(cfg.size() == 10, "graphquant: encoder config needs 10 entries");
+  c.format = int(cfg[0]);
+  c.enc.fp8 = int(cfg[1]);
+  c.enc.epsilon = float(cfg[2]);
+  c.enc.pow2 = int(cfg[3]);
+  c.enc.two_d = int(cfg[4]);
+  c.rht = int(cfg[5]);
+  c.sign_mask = int(cfg[6]);
+  c.enc.sr = int(cfg[7]);
+  c.enc.row_scaled = int(cfg[8]);
+  c.enc.key = uint32_t(cfg[9]);
+  return c;
+}
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    case at::kFloat: return kF32;
+    default: TORCH_CHECK(false, "graphquant kernels take bfloat16, float16 or float32, got ", t);
+  }
+}
+
+at::ScalarType fp8_dtype(int fp8) { return fp8 == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
+
+void* stream_of(const at::Tensor& x) {
+#ifdef GRAPHQUANT_EMULATE
+  (void)x;
+  return nullptr;
+#else
+  return c10::cuda::getCurrentCUDAStream(x.device().index()).stream();  // = at::cuda::getCurrentCUDAStream
+#endif
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+uint32_t* bits(const at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr()); }
+
+// Slices of one zero-initialised fp32 buffer that the passes max-reduce into (one fill launch).
+struct AmaxArena {
+  std::vector<std::pair<at::Tensor*, int64_t>> wanted;
+  void want(at::Tensor* slot, int64_t n) { wanted.emplace_back(slot, n); }
+  void allocate(const at::TensorOptions& options) {
+    int64_t total = 0;
+    for (auto& w : wanted) total += w.second;
+    if (total == 0) return;
+    at::Tensor buffer = at::zeros({total}, options.dtype(at::kFloat));
+    int64_t offset = 0;
+    for (auto& w : wanted) {
+      *w.first = buffer.narrow(0, offset, w.second);
+      offset += w.second;
+    }
+  }
+};
+
+struct ScaledOutputs {
+  at::Tensor scale, scale_inv;
+};
+
+ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
+  ScaledOutputs out{at::empty_like(amax), at::empty_like(amax)};
+  FinalizeParams f;
+  f.amax = bits(amax);
+  f.scale = out.scale.data_ptr<float>();
+  f.scale_inv = out.scale_inv.data_ptr<float>();
+  f.n = amax.numel();
+  f.fp8 = e.fp8;
+  f.epsilon = e.epsilon;
+  f.pow2 = e.pow2;
+  launch_finalize(f, stream);
+  return out;
+}
+
+// One direction's outputs: data, scale, amax (undefined where absent).
+struct Outputs {
+  at::Tensor data, scale, amax;
+};
+
+// The per-group (or per-row/column) amax a direction needs before its cast, and where it lives.
+struct Needs {
+  at::Tensor pre;      // filled by a pre-pass
+  at::Tensor during;   // filled by the main pass (delayed scaling reports this tensor's amax)
+};
+
+std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<double>& row_cfg,
+                                 const std::vector<double>& col_cfg, bool dq_source, bool row_output,
+                                 const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
+                                 const c10::optional<at::Tensor>& group_sizes, bool want_dbias) {
+  TORCH_CHECK(input.dim() == 2, "graphquant.quantize takes a 2-D tensor");
+#ifndef GRAPHQUANT_EMULATE
+  const c10::cuda::CUDAGuard guard(input.device());
+#endif
+  const at::Tensor x = input.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(cdiv(M, 128) < 65536, "graphquant.quantize: at most 65535 * 128 rows, got ", M);
+  const int dtype = dtype_code(x.scalar_type());
+  const auto opts = x.options();
+  void* stream = stream_of(x);
+  Config row = parse(row_cfg), col = parse(col_cfg);
+
+  TileParams p;
+  p.x = x.data_ptr();
+  p.M = M;
+  p.K = K;
+  p.vec_load = (K * int64_t(x.element_size())) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  p.dq_source = dq_source;
+  p.col_rht = col.format == kNV && col.rht;
+  p.col_sign_mask = col.sign_mask;
+
+  const bool grouped = group_sizes.has_value();
+  at::Tensor group_start;
+  if (grouped) {
+    TORCH_CHECK(group_sizes->dim() == 1 && group_sizes->numel() > 0, "graphquant.grouped_quantize: group_sizes must be a non-empty 1-D tensor");
+    const at::Tensor sizes = group_sizes->to(opts.dtype(at::kLong));
+    group_start = at::cat({at::zeros({1}, sizes.options()), sizes.cumsum(0)});
+    p.group_start = group_start.data_ptr<int64_t>();
+    p.G = int(sizes.numel());
+  }
+  const int64_t G = p.G;
+  // Per-tensor scales and amaxes are 0-dim, or one per group.
+  auto per_tensor = [&](const at::Tensor& t) { return grouped ? t : t.reshape({}); };
+
+  Outputs out_r, out_c;
+  Needs need_r, need_c;
+  // Scratch the launches read: held until every launch is queued, so the allocator cannot hand
+  // its memory to a later output of this call.
+  std::vector<at::Tensor> keep_alive;
+  AmaxArena arena;
+  const bool row_delayed = row.format == kPerTensor && row_scale.has_value();
+  const bool col_delayed = col.format == kPerTensor && col_scale.has_value();
+  if (row.format == kPerTensor) arena.want(row_delayed ? &need_r.during : &need_r.pre, G);
+  if (row.format == kRowScaled) arena.want(&need_r.pre, M);
+  if (row.format == kNV) arena.want(&need_r.pre, row.enc.row_scaled ? M : G);
+  if (col.format == kPerTensor) arena.want(col_delayed ? &need_c.during : &need_c.pre, G);
+  if (col.format == kRowScaled) arena.want(&need_c.pre, G * K);
+  if (col.format == kNV) arena.want(&need_c.pre, G);
+  arena.allocate(opts);
+
+  // Outputs and amax accumulators of each direction.
+  Accumulators pre_row, pre_col, during;
+  if (row.format != kNone && row_output) {
+    const bool nv = row.format == kNV;
+    out_r.data = at::empty({M, nv ? K / 2 : K}, opts.dtype(nv ? at::kByte : fp8_dtype(row.enc.fp8)));
+    row.enc.data = static_cast<uint8_t*>(out_r.data.data_ptr());
+  }
+  switch (row.format) {
+    case kPerTensor:
+      if (row_delayed) {
+        row.enc.scale = row_scale->data_ptr<float>();
+        out_r.scale = at::reciprocal(*row_scale);
+        row.enc.scale_inv = out_r.scale.data_ptr<float>();
+        during.row_global = bits(need_r.during);
+        out_r.amax = need_r.during.reshape({});
+      } else {
+        pre_row.row_global = bits(need_r.pre);
+        out_r.amax = per_tensor(need_r.pre);
+      }
+      break;
+    case kBlock:
+      out_r.scale = at::empty({row.enc.two_d ? cdiv(M, 128) : M, cdiv(K, 128)}, opts.dtype(at::kFloat));
+      break;
+    case kRowScaled:
+      pre_row.rows = bits(need_r.pre);
+      break;
+    case kMX:
+      out_r.scale = at::empty({M, K / 32}, opts.dtype(at::kByte));
+      break;
+    case kNV:
+      out_r.scale = at::empty({M, K / 16}, opts.dtype(at::kFloat8_e4m3fn));
+      if (row.enc.row_scaled) pre_row.rows = bits(need_r.pre); else pre_row.row_global = bits(need_r.pre);
+      row.enc.amax = bits(need_r.pre);
+      out_r.amax = row.enc.row_scaled ? need_r.pre : per_tensor(need_r.pre);
+      break;
+    default:
+      break;
+  }
+  if (out_r.scale.defined() && row.format != kPerTensor) row.enc.scales = out_r.scale.data_ptr();
+
+  if (col.format != kNone) {
+    const bool nv = col.format == kNV, mx = col.format == kMX;
+    const std::vector<int64_t> shape = mx ? std::vector<int64_t>{M, K} : std::vector<int64_t>{K, nv ? M / 2 : M};
+    out_c.data = at::empty(shape, opts.dtype(nv ? at::kByte : fp8_dtype(col.enc.fp8)));
+    col.enc.data = static_cast<uint8_t*>(out_c.data.data_ptr());
+  }
+  switch (col.format) {
+    case kPerTensor:
+      if (col_delayed) {
+        col.enc.scale = col_scale->data_ptr<float>();
+        out_c.scale = at::reciprocal(*col_scale);
+        col.enc.scale_inv = out_c.scale.data_ptr<float>();
+        during.col_global = bits(need_c.during);
+        out_c.amax = need_c.during.reshape({});
+      } else {
+        pre_col.col_global = bits(need_c.pre);
+        out_c.amax = per_tensor(need_c.pre);
+      }
+      break;
+    case kBlock:
+      out_c.scale = at::empty({col.enc.two_d ? cdiv(K, 128) : K, cdiv(M, 128)}, opts.dtype(at::kFloat));
+      col.enc.scales = out_c.scale.data_ptr();
+      break;
+    case kRowScaled:
+      pre_col.cols = bits(need_c.pre);
+      break;
+    case kMX:
+      out_c.scale = at::empty({M / 32, K}, opts.dtype(at::kByte));
+      col.enc.scales = out_c.scale.data_ptr();
+      break;
+    case kNV:
+      out_c.scale = at::empty({K, M / 16}, opts.dtype(at::kFloat8_e4m3fn));
+      col.enc.scales = out_c.scale.data_ptr();
+      pre_col.col_global = bits(need_c.pre);
+      col.enc.amax = bits(need_c.pre);
+      out_c.amax = per_tensor(need_c.pre);
+      break;
+    default:
+      break;
+  }
+
+  // Scales from pre-pass amaxes, once those exist.
+  auto finalize_row = [&] {
+    if (row.format == kPerTensor && !row_delayed) {
+      ScaledOutputs s = finalize(need_r.pre, row.enc, stream);
+      row.enc.scale = s.scale.data_ptr<float>();
+      row.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_r.scale = per_tensor(s.scale_inv);
+      keep_alive.push_back(s.scale);
+    } else if (row.format == kRowScaled) {
+      ScaledOutputs s = finalize(need_r.pre, row.enc, stream);
+      row.enc.scale = s.scale.data_ptr<float>();
+      row.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_r.scale = s.scale_inv.view({M, 1});
+      keep_alive.push_back(s.scale);
+    }
+  };
+  auto finalize_col = [&] {
+    if ((col.format == kPerTensor && !col_delayed) || col.format == kRowScaled) {
+      ScaledOutputs s = finalize(need_c.pre, col.enc, stream);
+      col.enc.scale = s.scale.data_ptr<float>();
+      col.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_c.scale = col.format == kRowScaled ? (grouped ? s.scale_inv.view({G, K, 1}) : s.scale_inv.view({K, 1}))
+                                             : per_tensor(s.scale_inv);
+      keep_alive.push_back(s.scale);
+    }
+  };
+  auto any = [](const Accumulators& a) { return a.row_global || a.rows || a.col_global || a.cols; };
+
+  // Pre-passes: the amaxes of x for both sides at once; for a dequantized source, the column
+  // side's amaxes come from a second pass that runs the rowwise encoder without writing.
+  if (!dq_source) {
+    if (any(pre_row) || any(pre_col)) {
+      TileParams q = p;
+      q.main = 0;
+      q.acc = {pre_row.row_global, pre_row.rows, pre_col.col_global, pre_col.cols};
+      launch_tile(dtype, kNone, kNone, q, stream);
+    }
+    finalize_row();
+    finalize_col();
+  } else {
+    if (any(pre_row)) {
+      TileParams q = p;
+      q.main = 0;
+      q.acc = pre_row;
+      launch_tile(dtype, kNone, kNone, q, stream);
+    }
+    finalize_row();
+    if (any(pre_col)) {
+      TileParams q = p;
+      q.main = 0;
+      q.row = row.enc;
+      q.acc = pre_col;
+      launch_tile(dtype, row.format, kNone, q, stream);
+    }
+    finalize_col();
+  }
+
+  at::Tensor partial, dbias;
+  TileParams q = p;
+  q.main = 1;
+  q.row = row.enc;
+  q.col = col.enc;
+  q.acc = during;
+  if (want_dbias) {
+    partial = at::empty({cdiv(M, 128), K}, opts.dtype(at::kFloat));
+    q.dbias_partial = partial.data_ptr<float>();
+  }
+  launch_tile(dtype, row.format, col.format, q, stream);
+  if (want_dbias) {
+    dbias = at::empty({K}, opts);
+    DbiasParams d;
+    d.partial = partial.data_ptr<float>();
+    d.out = dbias.data_ptr();
+    d.tiles = cdiv(M, 128);
+    d.K = K;
+    d.dtype = dtype;
+    launch_dbias(d, stream);
+  }
+  return {out_r.data, out_r.scale, out_r.amax, out_c.data, out_c.scale, out_c.amax, dbias};
+}
+
+at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c10::optional<at::Tensor>& amax,
+                      int64_t kind, int64_t fp8, int64_t block_rows, int64_t block_cols, int64_t scale_ld,
+                      int64_t mx_axis, int64_t out_dtype) {
+#ifndef GRAPHQUANT_EMULATE
+  const c10::cuda::CUDAGuard guard(data.device());
+#endif
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && scales.is_contiguous(), "graphquant.dequantize: bad layout");
+  static const at::ScalarType kOut[] = {at::kBFloat16, at::kHalf, at::kFloat};
+  DequantParams p;
+  p.kind = int(kind);
+  p.fp8 = int(fp8);
+  p.data = static_cast<const uint8_t*>(data.data_ptr());
+  p.scales = scales.data_ptr();
+  p.rows = data.size(0);
+  p.cols = kind == kDequantNV ? data.size(1) * 2 : data.size(1);
+  p.block_rows = block_rows;
+  p.block_cols = block_cols;
+  p.scale_ld = scale_ld;
+  p.mx_axis = int(mx_axis);
+  at::Tensor amax_f;
+  if (amax.has_value()) {
+    amax_f = amax->to(at::kFloat).contiguous();
+    p.amax = bits(amax_f);
+    p.nv_row_amax = amax_f.dim() == 1;
+  }
+  at::Tensor out = at::empty({p.rows, p.cols}, data.options().dtype(kOut[out_dtype]));
+  p.out = out.data_ptr();
+  p.out_dtype = int(out_dtype);
+  launch_dequantize(p, stream_of(data));
+  return out;
+}
+
+}  // namespace
+}  // namespace gq
+
+void register_cuda_kernels(pybind11::module_& m) {
+  m.def("quantize", &gq::quantize, "Quantize a 2-D tensor: rowwise and/or columnwise, fused (see kernels.py)",
+        pybind11::arg("x"), pybind11::arg("row_cfg"), pybind11::arg("col_cfg"), pybind11::arg("dq_source"),
+        pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
+        pybind11::arg("group_sizes"), pybind11::arg("dbias"));
+  m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see kernels.py)");
+}

@@ -1,0 +1,459 @@
+// The quantize tile program: one CTA reads a 128x128 tile of x into shared memory once and writes
+// the rowwise representation in one format and the columnwise one in another (or the same, or
+// none), accumulating whatever amaxes the launch asks for.
+//
+// Every format's blocks (16, 32, 128 along a row or a column, 16x16, 128x128) nest inside the
+// tile, so a tile needs no data from its neighbours; what spans tiles (a per-tensor, per-row or
+// per-column amax) comes from a pre-pass of this same program with main = 0.
+//
+// The program is a sequence of phases separated by block barriers. Within a phase a thread reads
+// only what earlier phases wrote and writes only its own chunks, so running the phases thread by
+// thread on the CPU (tests/emulation) computes exactly what the GPU does.
+//
+// Thread mapping (256 threads, 16-element chunks, 4 per thread and direction):
+//   row chunk    rc = k*256 + tid: tile row rc/8, columns 16*(rc%8) .. +15 (8 lanes cover a row,
+//                so rowwise output is written 128 contiguous bytes per row);
+//   column chunk cc = k*256 + tid: tile column cc%128, rows 16*(cc/128) .. +15 (a warp covers
+//                32 adjacent columns, so shared-memory reads are conflict-free); column outputs
+//                are staged in shared memory and written out row by row.
+#pragma once
+
+#include "common.cuh"
+#include "params.h"
+#if defined(__CUDACC__)
+#include <atomic>
+
+#include "launch.cuh"
+#endif
+
+namespace gq {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kChunks = kTile * kTile / 16 / kThreads;  // chunks per thread and direction
+constexpr int kStagePitch = 144;                        // bytes; 16-byte aligned, spreads banks
+
+// Shared memory of one CTA; the column-side staging exists only with a columnwise encoder, so
+// rowwise-only launches fit more CTAs on a multiprocessor.
+template <class In, bool kColumns>
+struct TileSmem {
+  alignas(16) typename In::S tile[kTile][kTile];
+  uint32_t camax_r[kTile][8];  // amax of each row chunk [row][col/16]
+  union {
+    float dsum[8][kTile];        // column sums of each 16-row chunk of x (dbias; used first)
+    uint32_t camax_c[8][kTile];  // amax of each column chunk, after the column transform [row/16][col]
+  };
+  uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
+  uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
+  uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
+  alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
+};
+
+struct TileCoords {
+  int64_t row0, col0, tile_row;
+  int g;                 // the group this tile's rows belong to
+  int64_t gstart, gsize;
+};
+
+GQ_HD TileCoords tile_coords(const TileParams& p, int64_t bx, int64_t by) {
+  TileCoords t;
+  t.row0 = by * kTile;
+  t.col0 = bx * kTile;
+  t.tile_row = by;
+  t.g = 0;
+  t.gstart = 0;
+  t.gsize = p.M;
+  if (p.group_start) {  // the last group starting at or before row0 (skips empty groups)
+    int lo = 0, hi = p.G - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.group_start[mid] <= t.row0) lo = mid; else hi = mid - 1;
+    }
+    t.g = lo;
+    t.gstart = p.group_start[lo];
+    t.gsize = p.group_start[lo + 1] - t.gstart;
+  }
+  return t;
+}
+
+template <class In, class Smem>
+GQ_HD void read_row_chunk(const Smem& s, int r, int j, float v[16]) {
+  using S = typename In::S;
+  const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile[r][16 * j]);
+#pragma unroll
+  for (int w = 0; w < int(sizeof(S)); ++w) {  // 16 elements are sizeof(S) 16-byte words
+    const Vec16 q = src[w];
+    const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (sizeof(S) == 2) {
+        v[8 * w + 2 * k] = In::to_float(S(u[k] & 0xFFFFu));
+        v[8 * w + 2 * k + 1] = In::to_float(S(u[k] >> 16));
+      } else {
+        v[4 * w + k] = u2f(u[k]);
+      }
+    }
+  }
+}
+
+template <class In, class Smem>
+GQ_HD void read_col_chunk(const Smem& s, int c, int i, float v[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) v[e] = In::to_float(s.tile[16 * i + e][c]);
+}
+
+GQ_HD uint32_t chunk_amax(const float v[16]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) m = umax(m, abs_bits(v[e]));
+  return m;
+}
+
+// Up to 16 bytes to global memory: one 16-byte store when whole and aligned.
+GQ_HD void store16(uint8_t* dst, const uint8_t q[16], int64_t valid, bool aligned) {
+  if (valid >= 16 && aligned) {
+    *reinterpret_cast<Vec16*>(dst) = pack16(q);
+    return;
+  }
+  for (int e = 0; e < 16 && e < valid; ++e) dst[e] = q[e];
+}
+
+GQ_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The factor an FP8 chunk is multiplied by, and the one its values decode with.
+struct Fp8Scale {
+  float scale, scale_inv;
+};
+
+template <class In, int R, int C>
+struct TileProgram {
+  using Smem = TileSmem<In, C != kNone>;
+  static constexpr bool kRowBlocks = R == kBlock || R == kMX || R == kNV;
+  static constexpr bool kColBlocks = C == kBlock || C == kMX || C == kNV;
+
+  template <class Runner>
+  GQ_HD static void run(const Runner& phase, const TileParams& p, int64_t bx, int64_t by, Smem& s) {
+    const TileCoords t = tile_coords(p, bx, by);
+    const bool col_acc = p.acc.col_global || p.acc.cols;
+    const bool dbias = p.dbias_partial != nullptr;
+    const bool row_stats = kRowBlocks || p.acc.row_global || p.acc.rows;
+    const bool tile_r = (R == kBlock && p.row.two_d) || p.acc.row_global;
+    const bool t16r = R == kNV && p.row.two_d;
+    const bool col_encode = C != kNone && p.main;
+    // The rowwise values are dequantized into the tile when the column side reads them next.
+    const bool dq = R != kNone && p.dq_source && (col_encode || col_acc);
+    const bool row_encode = R != kNone && (p.main || dq);
+    const bool col_stats = (kColBlocks && col_encode) || col_acc;
+    const bool tile_c = (C == kBlock && p.col.two_d && col_encode) || p.acc.col_global;
+    const bool t16c = C == kNV && p.col.two_d && col_encode;
+
+    phase([&](int tid) { load_tile(p, t, s, tid); });
+    if (row_stats || dbias) phase([&](int tid) { row_chunk_stats(p, s, tid, row_stats, tile_r, dbias); });
+    if (t16r || p.acc.rows || p.acc.row_global || dbias) phase([&](int tid) { row_reduce(p, t, s, tid, t16r, dbias); });
+    if constexpr (R != kNone) {
+      if (row_encode) phase([&](int tid) { encode_rows(p, t, s, tid, dq); });
+    }
+    if (col_stats) {
+      phase([&](int tid) { col_chunk_stats(p, s, tid, tile_c); });
+      if (t16c || col_acc) phase([&](int tid) { col_reduce(p, t, s, tid, t16c); });
+    }
+    if constexpr (C != kNone) {
+      if (col_encode) {
+        phase([&](int tid) { encode_cols(p, t, s, tid); });
+        phase([&](int tid) { write_stage(p, t, s, tid); });
+      }
+    }
+  }
+
+  GQ_HD static void load_tile(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
+    using S = typename In::S;
+    constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
+    constexpr int kPerRow = kTile / kPer;       // pieces per tile row
+    constexpr int kPieces = kTile * kPerRow / kThreads;
+    if (tid == 0) s.tile_r = s.tile_c = 0;
+    const S* x = static_cast<const S*>(p.x);
+    if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
+      Vec16 buf[kPieces];
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        const int64_t gr = t.row0 + r, gc = t.col0 + c;
+        buf[k] = Vec16{0, 0, 0, 0};
+        if (gr < p.M && gc < p.K) buf[k] = *reinterpret_cast<const Vec16*>(x + gr * p.K + gc);
+      }
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        *reinterpret_cast<Vec16*>(&s.tile[r][c]) = buf[k];
+      }
+    } else {
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        const int64_t gr = t.row0 + r;
+        for (int e = 0; e < kPer; ++e) {
+          const int64_t gc = t.col0 + c + e;
+          s.tile[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
+        }
+      }
+    }
+  }
+
+  GQ_HD static void row_chunk_stats(const TileParams& p, Smem& s, int tid, bool stats, bool tile_r, bool dbias) {
+    if (stats) {
+      uint32_t tile_max = 0;
+      for (int k = 0; k < kChunks; ++k) {
+        const int rc = k * kThreads + tid, r = rc >> 3, j = rc & 7;
+        float v[16];
+        read_row_chunk<In>(s, r, j, v);
+        const uint32_t m = chunk_amax(v);
+        s.camax_r[r][j] = m;
+        tile_max = umax(tile_max, m);
+      }
+      if (tile_r) block_umax(&s.tile_r, tile_max);
+    }
+    if (dbias) {  // from x, before a dequantized source overwrites the tile
+      for (int k = 0; k < kChunks; ++k) {
+        const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
+        float sum = 0.0f;
+        for (int e = 0; e < 16; ++e) sum += In::to_float(s.tile[16 * i + e][c]);
+        s.dsum[i][c] = sum;
+      }
+    }
+  }
+
+  GQ_HD static void row_reduce(const TileParams& p, const TileCoords& t, Smem& s, int tid, bool t16r, bool dbias) {
+    if (t16r && tid < 64) {
+      const int a = tid >> 3, j = tid & 7;
+      uint32_t m = 0;
+      for (int r = 0; r < 16; ++r) m = umax(m, s.camax_r[16 * a + r][j]);
+      s.t16r[a][j] = m;
+    }
+    if (p.acc.rows && tid < kTile && t.row0 + tid < p.M) {
+      uint32_t m = 0;
+      for (int j = 0; j < 8; ++j) m = umax(m, s.camax_r[tid][j]);
+      atomic_umax(&p.acc.rows[t.row0 + tid], m);
+    }
+    if (p.acc.row_global && tid == 0) atomic_umax(&p.acc.row_global[t.g], s.tile_r);
+    if (dbias && tid < kTile && t.col0 + tid < p.K) {
+      float sum = 0.0f;
+      for (int i = 0; i < 8; ++i) sum += s.dsum[i][tid];
+      p.dbias_partial[t.tile_row * p.K + t.col0 + tid] = sum;
+    }
+  }
+
+  // Scale of an FP8 chunk of the row side (a, b) = (r, j) or the column side (c, i); writes the
+  // block's scale where this chunk is the block's designated writer.
+  template <int F, bool kRowSide>
+  GQ_HD static Fp8Scale fp8_scale(const TileParams& p, const TileCoords& t, const Smem& s, const Encoder& e,
+                                  int a, int b, int64_t gr, int64_t gc, bool write) {
+    if constexpr (F == kPerTensor) {
+      return {e.scale[t.g], e.scale_inv[t.g]};
+    } else if constexpr (F == kRowScaled) {
+      const int64_t n = kRowSide ? gr : t.g * p.K + gc;
+      return {e.scale[n], e.scale_inv[n]};
+    } else if constexpr (F == kBlock) {
+      uint32_t m = kRowSide ? s.tile_r : s.tile_c;
+      if (!e.two_d) {
+        m = 0;
+        for (int k = 0; k < 8; ++k) m = umax(m, kRowSide ? s.camax_r[a][k] : s.camax_c[k][a]);
+      }
+      const float scale = scale_from_amax(u2f(m), e.fp8, e.epsilon, e.pow2);
+      const float scale_inv = 1.0f / scale;
+      // Row side: scales (M or row tiles, col tiles); column side: (K or col tiles, row tiles).
+      if (write && b == 0 && (!e.two_d || a == 0)) {
+        float* out = static_cast<float*>(e.scales);
+        if (kRowSide) out[(e.two_d ? t.tile_row : gr) * cdiv(p.K, kTile) + t.col0 / kTile] = scale_inv;
+        else out[(e.two_d ? t.col0 / kTile : gc) * cdiv(p.M, kTile) + t.tile_row] = scale_inv;
+      }
+      return {scale, scale_inv};
+    } else {  // MXFP8: chunks b and b^1 form a 32-element block
+      const uint32_t m = kRowSide ? umax(s.camax_r[a][b & ~1], s.camax_r[a][b | 1])
+                                  : umax(s.camax_c[b & ~1][a], s.camax_c[b | 1][a]);
+      const uint8_t biased = e8m0_from_amax(u2f(m), e.fp8);
+      if (write && (b & 1) == 0) {
+        uint8_t* out = static_cast<uint8_t*>(e.scales);
+        if (kRowSide) out[gr * (p.K / 32) + gc / 32] = biased;
+        else out[(gr / 32) * p.K + gc] = biased;
+      }
+      return {mx_encode_multiplier(biased), mx_decode_scale(biased)};
+    }
+  }
+
+  // NVFP4 codes of one chunk; returns the block's E4M3 scale and sets the dequantize factor.
+  GQ_HD static uint8_t nv_encode(const Encoder& e, uint32_t vec_max, uint32_t global_amax, const float v[16],
+                                 uint64_t rand_index, uint8_t code[16], float* dq_factor) {
+    const NvGlobal gl = nv_global(u2f(global_amax));
+    const uint8_t scale = nv_block_scale(u2f(vec_max), gl.mult);
+    const float encode = nv_encode_factor(scale, gl.s_dec);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float y = v[i] * encode;
+      code[i] = e.sr ? e2m1_stochastic(y, random_bits(e.key, rand_index + i)) : e2m1_nearest(y);
+    }
+    dq_factor[0] = e4m3_value(scale);
+    dq_factor[1] = gl.g_dec;
+    return scale;
+  }
+
+  GQ_HD static void encode_rows(const TileParams& p, const TileCoords& t, Smem& s, int tid, bool dq) {
+    const Encoder& e = p.row;
+    const bool write = p.main && e.data != nullptr;
+    for (int k = 0; k < kChunks; ++k) {
+      const int rc = k * kThreads + tid, r = rc >> 3, j = rc & 7;
+      const int64_t gr = t.row0 + r, gc = t.col0 + 16 * j;
+      if (gr >= p.M || gc >= p.K) continue;
+      float v[16], d[16];
+      read_row_chunk<In>(s, r, j, v);
+      if constexpr (R == kNV) {
+        uint8_t code[16];
+        float f[2];
+        const uint32_t vec_max = e.two_d ? s.t16r[r >> 4][j] : s.camax_r[r][j];
+        const uint32_t global_amax = e.amax[e.row_scaled ? gr : t.g];
+        const uint64_t index = uint64_t(gr - t.gstart) * uint64_t(p.K) + uint64_t(gc);
+        const uint8_t scale = nv_encode(e, vec_max, global_amax, v, index, code, f);
+        if (write) {
+          *reinterpret_cast<Vec8*>(e.data + gr * (p.K / 2) + gc / 2) = pack_e2m1(code);
+          static_cast<uint8_t*>(e.scales)[gr * (p.K / 16) + gc / 16] = scale;
+        }
+        if (dq) for (int i = 0; i < 16; ++i) d[i] = (e2m1_value(code[i]) * f[0]) * f[1];
+      } else {
+        const Fp8Scale sc = fp8_scale<R, true>(p, t, s, e, r, j, gr, gc, write);
+        uint8_t q[16];
+        fp8_encode16(v, sc.scale, e.fp8, q);
+        if (write) store16(e.data + gr * p.K + gc, q, p.K - gc, (p.K & 15) == 0);
+        if (dq) for (int i = 0; i < 16; ++i) d[i] = fp8_decode(q[i], e.fp8) * sc.scale_inv;
+      }
+      if (dq) {  // Representation.dequantize(x.dtype): fp32 values rounded to the input dtype
+        for (int i = 0; i < 16 && gc + i < p.K; ++i) s.tile[r][16 * j + i] = In::from_float(d[i]);
+      }
+    }
+  }
+
+  GQ_HD static void col_chunk_stats(const TileParams& p, Smem& s, int tid, bool tile_c) {
+    uint32_t tile_max = 0;
+    for (int k = 0; k < kChunks; ++k) {
+      const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
+      float v[16];
+      read_col_chunk<In>(s, c, i, v);
+      if (p.col_rht) hadamard16(v, p.col_sign_mask);
+      const uint32_t m = chunk_amax(v);
+      s.camax_c[i][c] = m;
+      tile_max = umax(tile_max, m);
+    }
+    if (tile_c) block_umax(&s.tile_c, tile_max);
+  }
+
+  GQ_HD static void col_reduce(const TileParams& p, const TileCoords& t, Smem& s, int tid, bool t16c) {
+    if (t16c && tid < 64) {
+      const int i = tid >> 3, b = tid & 7;
+      uint32_t m = 0;
+      for (int c = 0; c < 16; ++c) m = umax(m, s.camax_c[i][16 * b + c]);
+      s.t16c[i][b] = m;
+    }
+    if (p.acc.cols && tid < kTile && t.col0 + tid < p.K) {
+      uint32_t m = 0;
+      for (int i = 0; i < 8; ++i) m = umax(m, s.camax_c[i][tid]);
+      atomic_umax(&p.acc.cols[t.g * p.K + t.col0 + tid], m);
+    }
+    if (p.acc.col_global && tid == 0) atomic_umax(&p.acc.col_global[t.g], s.tile_c);
+  }
+
+  GQ_HD static void encode_cols(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
+    const Encoder& e = p.col;
+    for (int k = 0; k < kChunks; ++k) {
+      const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
+      const int64_t gc = t.col0 + c, gr = t.row0 + 16 * i;
+      if (gc >= p.K || gr >= p.M) continue;
+      float v[16];
+      read_col_chunk<In>(s, c, i, v);
+      if constexpr (C == kNV) {
+        if (p.col_rht) hadamard16(v, p.col_sign_mask);
+        uint8_t code[16];
+        float f[2];
+        const uint32_t vec_max = e.two_d ? s.t16c[i][c >> 4] : s.camax_c[i][c];
+        // The source is x^T (K, M): element (gc, gr) of group g has index gc * Mg + (gr - start).
+        const uint64_t index = uint64_t(gc) * uint64_t(t.gsize) + uint64_t(gr - t.gstart);
+        const uint8_t scale = nv_encode(e, vec_max, e.amax[t.g], v, index, code, f);
+        *reinterpret_cast<Vec8*>(&s.stage[c][8 * i]) = pack_e2m1(code);
+        static_cast<uint8_t*>(e.scales)[gc * (p.M / 16) + gr / 16] = scale;
+      } else {
+        const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
+        uint8_t q[16];
+        fp8_encode16(v, sc.scale, e.fp8, q);
+        if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
+          for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
+        } else {  // transposed: row c of the stage holds this column's bytes
+          *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
+        }
+      }
+    }
+  }
+
+  GQ_HD static void write_stage(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
+    int64_t bytes, ld, dst_row, dst_byte, valid_rows, valid_bytes;
+    if constexpr (C == kMX) {
+      bytes = kTile, ld = p.K, dst_row = t.row0, dst_byte = t.col0, valid_rows = p.M - t.row0, valid_bytes = p.K - t.col0;
+    } else if constexpr (C == kNV) {
+      bytes = kTile / 2, ld = p.M / 2, dst_row = t.col0, dst_byte = t.row0 / 2;
+      valid_rows = p.K - t.col0, valid_bytes = (p.M - t.row0) / 2;
+    } else {
+      bytes = kTile, ld = p.M, dst_row = t.col0, dst_byte = t.row0, valid_rows = p.K - t.col0, valid_bytes = p.M - t.row0;
+    }
+    const int per_row = int(bytes / 16);
+    for (int piece = tid; piece < kTile * per_row; piece += kThreads) {
+      const int row = piece / per_row, b = (piece % per_row) * 16;
+      if (row >= valid_rows || b >= valid_bytes) continue;
+      uint8_t* dst = p.col.data + (dst_row + row) * ld + dst_byte + b;
+      const uint8_t* src = &s.stage[row][b];
+      if (b + 16 <= valid_bytes && (ld & 15) == 0) {
+        *reinterpret_cast<Vec16*>(dst) = *reinterpret_cast<const Vec16*>(src);
+      } else {
+        for (int n = 0; n < 16 && b + n < valid_bytes; ++n) dst[n] = src[n];
+      }
+    }
+  }
+};
+
+#if defined(__CUDACC__)
+struct DeviceRunner {
+  template <class F>
+  __device__ void operator()(F&& f) const {
+    f(int(threadIdx.x));
+    __syncthreads();
+  }
+};
+
+template <class In, int R, int C>
+__global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  using Program = TileProgram<In, R, C>;
+  Program::run(DeviceRunner{}, p, blockIdx.x, blockIdx.y, *reinterpret_cast<typename Program::Smem*>(smem));
+}
+
+template <class In, int R, int C>
+void launch_tile_t(const TileParams& p, void* stream) {
+  constexpr int smem = sizeof(typename TileProgram<In, R, C>::Smem);
+  // Once per device (the attribute is the current device's), and never again: a call during a
+  // CUDA-graph capture would be an error.
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (!(configured.load() >> device & 1)) {
+    cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    configured.fetch_or(uint64_t(1) << device);
+  }
+  const dim3 grid(unsigned(cdiv(p.K, kTile)), unsigned(cdiv(p.M, kTile)));
+  tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  check_launch("quantize");
+}
+
+#define GQ_INSTANTIATE_ROW(In, R)                                                      \
+  template void launch_tile_t<In, R, kNone>(const TileParams&, void*);                 \
+  template void launch_tile_t<In, R, kPerTensor>(const TileParams&, void*);            \
+  template void launch_tile_t<In, R, kBlock>(const TileParams&, void*);                \
+  template void launch_tile_t<In, R, kRowScaled>(const TileParams&, void*);            \
+  template void launch_tile_t<In, R, kMX>(const TileParams&, void*);                   \
+  template void launch_tile_t<In, R, kNV>(const TileParams&, void*);
+#endif
+
+}  // namespace gq

@@ -1,0 +1,297 @@
+"""Native quantize kernels (csrc/cuda) against the reference numerics, bit for bit.
+
+Every test takes the ``backend`` fixture: here the CUDA build on a GPU (marked ``gpu``);
+tests/test_kernels_emulated.py runs the same tests on the CPU build of the same kernels. Inputs
+are fresh random tensors of several shapes (partial tiles and blocks included) and dtypes, with
+zeros, subnormals, huge values, infinities and NaNs mixed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from graphquant import kernels
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SHAPES = ((256, 384), (200, 136), (96, 160), (48, 80), (130, 33), (1, 16))
+VALUES = ("normal", "special", "special_finite")
+
+# Factories, so that every test (and every hybrid) gets fresh quantizer instances.
+QUANTIZERS = {
+    "fp8_current_e4m3": lambda: Float8CurrentScalingQuantizer(),
+    "fp8_current_e5m2_pow2_eps": lambda: Float8CurrentScalingQuantizer(fp8_dtype="e5m2", force_pow_2_scales=True, amax_epsilon=1e-3),
+    "fp8_block_1d": lambda: Float8BlockQuantizer(block_scaling_dim=1),
+    "fp8_block_2d_e5m2": lambda: Float8BlockQuantizer(fp8_dtype="e5m2", block_scaling_dim=2, force_pow_2_scales=False),
+    "fp8_rowwise": lambda: Float8RowwiseQuantizer(),
+    "fp8_rowwise_nopow2": lambda: Float8RowwiseQuantizer(fp8_dtype="e5m2", force_pow_2_scales=False),
+    "mxfp8_e4m3": lambda: MXFP8Quantizer(),
+    "mxfp8_e5m2": lambda: MXFP8Quantizer(fp8_dtype="e5m2"),
+    "nvfp4": lambda: NVFP4Quantizer(),
+    "nvfp4_2d": lambda: NVFP4Quantizer(with_2d_quantization=True),
+    "nvfp4_rht_sr_rowscaled": lambda: NVFP4Quantizer(
+        with_rht=True, with_post_rht_amax=True, stochastic_rounding=True, row_scaled_nvfp4=True
+    ),
+    "nvfp4_rht_nosign_2d_sr": lambda: NVFP4Quantizer(
+        with_rht=True, with_post_rht_amax=True, with_random_sign_mask=False, with_2d_quantization=True, stochastic_rounding=True
+    ),
+}
+# One of each format for the hybrid pairs.
+HYBRID_CHILDREN = ("fp8_current_e4m3", "fp8_block_1d", "fp8_block_2d_e5m2", "fp8_rowwise", "mxfp8_e4m3", "nvfp4_rht_sr_rowscaled", "nvfp4_2d")
+
+
+# The references, kept before forbid_reference replaces kernels' fallbacks.
+REFERENCE = kernels.reference_quantize
+REFERENCE_GROUPED = kernels.reference_grouped_quantize
+
+
+def forbid_reference(monkeypatch):
+    """Make kernels' fallback to the reference an error, so every test here runs a native kernel."""
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("kernels fell back to the reference numerics: no native kernel ran")
+
+    monkeypatch.setattr(kernels, "reference_quantize", fallback)
+    monkeypatch.setattr(kernels, "reference_grouped_quantize", fallback)
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request, monkeypatch):
+    """The device whose tensors the native kernels take."""
+    assert kernels.native() is not None, "graphquant._C was built without its CUDA kernels"
+    forbid_reference(monkeypatch)
+    return request.param
+
+
+def make_input(shape, dtype, values, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 7, (shape[0], 1), generator=g).float())
+    if values.startswith("special"):
+        flat = x.view(-1)
+        n = flat.numel()
+        picks = torch.randperm(n, generator=g)
+        tiny = torch.finfo(dtype).tiny
+        big = torch.finfo(dtype).max
+        specials = [0.0, -0.0, tiny / 4, -tiny / 8, tiny, big, -big / 3, float("inf"), float("-inf")]
+        if values == "special":  # a NaN poisons per-tensor scales; "special_finite" keeps them usable
+            specials += [float("nan"), -float("nan")]
+        for k, v in enumerate(specials):
+            flat[picks[k::64][: max(1, n // 200)]] = v
+        if shape[0] > 2:
+            x[1] = 0.0  # a whole zero row
+            x[2] = tiny / 2  # a row of subnormals
+    return x.to(dtype).to(device)
+
+
+def supported(quantizer, shape, direction) -> bool:
+    try:
+        quantizer.check_shape(shape, direction)
+    except ValueError:
+        return False
+    return True
+
+
+def assert_same(native, reference, what=""):
+    """Bit-identical tensors (NaN payloads aside), same shape and dtype; or both None."""
+    if reference is None:
+        assert native is None, what
+        return
+    assert native is not None, what
+    assert native.shape == reference.shape and native.dtype == reference.dtype, (
+        f"{what}: {native.shape} {native.dtype} vs {reference.shape} {reference.dtype}"
+    )
+    on_gpu = native.is_cuda
+    native, reference = native.cpu(), reference.cpu()
+    if native.dtype.is_floating_point and (native.dtype.itemsize > 1 or not on_gpu):
+        # NaN payloads and signs are not part of the contract (a CPU propagates an operand's NaN
+        # where a GPU makes a canonical one); FP8 NaNs must match exactly on the GPU.
+        both_nan = torch.isnan(native.float()) & torch.isnan(reference.float())
+    else:
+        both_nan = torch.zeros(native.shape, dtype=torch.bool)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[native.dtype.itemsize]
+    native, reference = native.view(ints).masked_fill(both_nan, 0), reference.view(ints).masked_fill(both_nan, 0)
+    mismatch = (native != reference).nonzero()
+    assert mismatch.numel() == 0, f"{what}: {mismatch.shape[0]} of {native.numel()} differ, first at {mismatch[:4].tolist()}"
+
+
+def assert_same_rep(native, reference, what=""):
+    for field in ("data", "scale", "amax"):
+        assert_same(getattr(native, field), getattr(reference, field), f"{what} {field}")
+    for field in ("direction", "shape", "transposed", "dtype", "hadamard", "quantizer"):
+        assert getattr(native, field) == getattr(reference, field), f"{what} {field}"
+
+
+CTX = QuantizeContext(seed=1234, offset=(7 << 32) + 99)
+
+
+@pytest.mark.parametrize("values", VALUES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_quantize_matches_reference(backend, name, direction, dtype, values):
+    quantizer = QUANTIZERS[name]()
+    for n, shape in enumerate(SHAPES):
+        if not supported(quantizer, shape, direction):
+            continue
+        x = make_input(shape, dtype, values, backend, seed=n)
+        native = kernels.quantize(quantizer, x, direction, CTX)
+        assert_same_rep(native, REFERENCE(quantizer, x, direction, CTX), f"{name} {shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_both_directions_in_one_pass(backend, name, dtype):
+    quantizer = QUANTIZERS[name]()
+    x = make_input((256, 384), dtype, "special", backend)
+    rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
+    assert_same_rep(rowwise, REFERENCE(quantizer, x, ROWWISE, CTX), "rowwise")
+    assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, CTX), "columnwise")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8_dtype", ("e4m3", "e5m2"))
+def test_delayed_scaling(backend, fp8_dtype, dtype):
+    quantizer = Float8DelayedScalingQuantizer(fp8_dtype=fp8_dtype)
+    for n, shape in enumerate(SHAPES):
+        x = make_input(shape, dtype, "special", backend, seed=n)
+        ctx = QuantizeContext(scale=torch.tensor([3.0 / (n + 1)], device=backend))
+        for direction in (ROWWISE, COLUMNWISE):
+            native = kernels.quantize(quantizer, x, direction, ctx)
+            assert_same_rep(native, REFERENCE(quantizer, x, direction, ctx), f"{shape} {direction}")
+        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, ctx)
+        assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, ctx), f"{shape} both")
+
+
+@pytest.mark.parametrize("source", ("original", "rowwise_dequantized"))
+@pytest.mark.parametrize("row_name, col_name", itertools.product(HYBRID_CHILDREN, HYBRID_CHILDREN))
+def test_hybrid_matches_unfused(backend, row_name, col_name, source):
+    """One fused pass equals the two children run separately, from either columnwise source."""
+    shape = (256, 384)
+    dtypes = DTYPES if (row_name, col_name) == ("mxfp8_e4m3", "nvfp4_2d") else (torch.bfloat16,)
+    for n, dtype in enumerate(dtypes):
+        quantizer = HybridQuantizer(QUANTIZERS[row_name](), QUANTIZERS[col_name](), source)
+        x = make_input(shape, dtype, "special" if n == 0 else "normal", backend, seed=n)
+        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
+        assert_same_rep(rowwise, quantizer.quantize_rowwise(x, CTX), "rowwise")
+        assert_same_rep(columnwise, quantizer.quantize_columnwise(x, CTX), "columnwise")
+        assert_same_rep(kernels.quantize(quantizer, x, COLUMNWISE, CTX), columnwise, "columnwise alone")
+
+
+@pytest.mark.parametrize("shape", ((256, 384), (200, 136), (130, 33)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ("fp8_current_e4m3", "fp8_block_1d", "fp8_rowwise", "mxfp8_e5m2", "nvfp4_rht_sr_rowscaled"))
+def test_quantize_dbias(backend, name, dtype, shape):
+    quantizer = HybridQuantizer(QUANTIZERS[name](), QUANTIZERS["fp8_block_2d_e5m2"]())
+    directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, shape, d)]
+    x = make_input(shape, dtype, "normal", backend)
+    wanted = dict(rowwise=ROWWISE in directions, columnwise=COLUMNWISE in directions)
+    rowwise, columnwise, dbias = kernels.quantize_dbias(quantizer, x, CTX, **wanted)
+    for direction, rep in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+        if direction in directions:
+            assert_same_rep(rep, REFERENCE(quantizer, x, direction, CTX), direction)
+    assert dbias.dtype == dtype and dbias.shape == (shape[1],)
+    exact = x.double().sum(0).cpu()
+    # fp32 accumulation of M terms, then one rounding to the output dtype.
+    bound = shape[0] * 2.0**-24 * x.double().abs().sum(0).cpu() + exact.abs() * torch.finfo(dtype).eps
+    assert ((dbias.double().cpu() - exact).abs() <= bound).all()
+    assert torch.equal(kernels.quantize_dbias(quantizer, x, CTX, **wanted)[2], dbias), "dbias is deterministic"
+
+
+GROUPED = (
+    "fp8_current_e4m3", "fp8_block_1d", "fp8_block_2d_e5m2", "fp8_rowwise", "mxfp8_e4m3", "nvfp4", "nvfp4_rht_sr_rowscaled", "nvfp4_2d",
+)
+
+
+@pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
+@pytest.mark.parametrize("name", GROUPED)
+def test_grouped_quantize(backend, name, direction):
+    quantizer = QUANTIZERS[name]()
+    # Empty groups only where the per-group reference can quantize an empty slice.
+    allows_empty = name.startswith(("fp8_current", "fp8_block", "mxfp8")) or (name == "fp8_rowwise" and direction == ROWWISE)
+    sizes = [256, 0, 128, 384] if allows_empty else [256, 128, 384]
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
+    for n, dtype in enumerate(DTYPES):
+        x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
+        native = kernels.grouped_quantize(quantizer, x, group_sizes, direction, CTX)
+        reference = REFERENCE_GROUPED(quantizer, x, group_sizes, direction, CTX)
+        assert_same_rep(native, reference, str(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_dequantize_matches_reference(backend, name, direction, dtype):
+    quantizer = QUANTIZERS[name]()
+    for n, shape in enumerate(SHAPES):
+        if not supported(quantizer, shape, direction):
+            continue
+        x = make_input(shape, dtype, "special", backend, seed=n)
+        rep = REFERENCE(quantizer, x, direction, CTX)
+        assert kernels._native_dequantize(rep, dtype, True) is not None, "no native dequantize"
+        assert_same(kernels.dequantize(rep), rep.dequantize(), f"{shape}")
+        assert_same(kernels.dequantize_for_gemm(rep, torch.float32), rep.dequantize(torch.float32), f"{shape} fp32")
+        if isinstance(quantizer, NVFP4Quantizer):
+            from graphquant.formats import nvfp4
+
+            codes = nvfp4.e2m1_values(nvfp4.unpack(rep.data))
+            unscaled = codes * rep.scale.float().repeat_interleave(16, dim=1)
+            assert_same(kernels.dequantize_for_gemm(rep, with_global=False), unscaled.to(torch.bfloat16), "q * s")
+
+
+def test_stochastic_rounding_reproducible_and_unbiased(backend):
+    quantizer = NVFP4Quantizer(stochastic_rounding=True)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(256, 256, generator=g) * 4 - 2).to(backend)
+    ctx = QuantizeContext(seed=11, offset=5)
+    first = kernels.quantize(quantizer, x, ROWWISE, ctx)
+    assert torch.equal(first.data, kernels.quantize(quantizer, x, ROWWISE, ctx).data), "same seed, same bits"
+    other = kernels.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=6))
+    assert not torch.equal(first.data, other.data), "another offset draws other bits"
+    draws = 64
+    mean = sum(
+        kernels.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=k)).dequantize(torch.float64)
+        for k in range(draws)
+    ) / draws
+    nearest = NVFP4Quantizer().quantize_rowwise(x, ctx).dequantize(torch.float64)
+    error_sr, error_rn = (mean - x.double()).mean().abs().item(), (nearest - x.double()).abs().mean().item()
+    assert error_sr < error_rn / 8, f"mean error {error_sr} vs round-to-nearest {error_rn}"
+
+
+@pytest.mark.gpu
+def test_no_host_synchronisation_and_current_stream():
+    """The hot path never waits for the device, and runs on the caller's stream."""
+    assert kernels.native() is not None
+    x = make_input((512, 640), torch.bfloat16, "normal", "cuda")
+    hybrid = HybridQuantizer(NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), Float8CurrentScalingQuantizer(), "rowwise_dequantized")
+    expected = kernels.quantize_hybrid(hybrid, x, CTX)
+    group_sizes = torch.tensor([256, 256], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            got = kernels.quantize_hybrid(hybrid, x, CTX)
+            grouped = kernels.grouped_quantize(
+                Float8CurrentScalingQuantizer(), x, group_sizes, COLUMNWISE, CTX
+            )
+            dbias = kernels.quantize_dbias(MXFP8Quantizer(), x, CTX)[2]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for a, b in zip(got, expected):
+        assert_same_rep(a, b)
+    assert grouped.scale.shape == (2,) and dbias.shape == (640,)
