@@ -54,13 +54,14 @@ def quantize(
     pick the stochastic-rounding stream, so every step and slot draws its own numbers.
     """
     rep = kernels.quantize(quantizer_of(spec), x, direction, _context(scale, rng, rng_stream))
-    return [t.clone() if t is x else t for t in rep.tensors()]
+    # Contiguous whatever made them (kernel or reference), as the fake promises.
+    return [t.clone() if t is x else t.contiguous() for t in rep.tensors()]
 
 
 @quantize.register_fake
 def _(x, spec, direction, scale, rng, rng_stream):
     rep = kernels.reference_quantize(quantizer_of(spec), x, direction, QuantizeContext(scale=scale))
-    return [torch.empty_like(t) for t in rep.tensors()]
+    return [t.new_empty(t.shape) for t in rep.tensors()]
 
 
 @torch.library.custom_op("graphquant::dequantize", mutates_args=())
