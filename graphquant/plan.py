@@ -43,6 +43,10 @@ class PlanError(ValueError):
     """The recipe cannot run this model as asked; the message says where and what to change."""
 
 
+class FactoryTypeError(PlanError, TypeError):
+    """The recipe's factory returned something that is not a quantizer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """One GEMM of one site: its operands' formats and how it runs."""
@@ -183,7 +187,7 @@ class Planner:
             self._request = answer
             return answer.resolve(role.tensor_type)
         if not isinstance(answer, Quantizer):
-            raise PlanError(
+            raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "
                 "graphquant Quantizer (or a DelayedScalingRequest)"
             )

@@ -251,8 +251,14 @@ def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
     return _quantize_direction(w.detach(), quantizer, ROWWISE, SlotState(None, None, 0)).tensors
 
 
-def quantized_matmul(a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)):
-    """a @ b (matmul, mm, bmm) with a as input and b as other; b is quantized as b^T (n, k)."""
+def quantized_matmul(
+    a, b, *, name, call, input, grad_output, other=None, weight=None, states=(None, None, None), rng=None, streams=(0, 1, 2)
+):
+    """a @ b (matmul, mm, bmm) with a as input and b as other; b is quantized as b^T (n, k).
+
+    A product whose b is a Parameter is a linear site: its format then comes as ``weight``.
+    """
+    other = weight if other is None else other
     k = a.shape[-1]
     if b.dim() == 2:
         y = _product(

@@ -81,8 +81,10 @@ class Representation:
 
     def tensors(self) -> list[torch.Tensor]:
         """data, scale and amax as a fixed-length list (empty tensors for absent parts)."""
-        empty = self.data.new_empty(0, dtype=torch.float32)
-        return [self.data, empty if self.scale is None else self.scale, empty if self.amax is None else self.amax]
+        def part(t: Optional[torch.Tensor]) -> torch.Tensor:
+            return self.data.new_empty(0, dtype=torch.float32) if t is None else t
+
+        return [self.data, part(self.scale), part(self.amax)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,209 @@
+"""Quantizers, roles and recipes as values: specs, hashing, hybrid semantics, errors, plug-ins."""
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+
+import graphquant
+from graphquant import factories, zoo
+from graphquant.formats import mxfp8
+from graphquant.plan import FactoryTypeError, Planner
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    DelayedScalingRequest,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+    Quantizer,
+    Representation,
+    parse_spec,
+)
+from graphquant.roles import QuantizerRole
+
+QUANTIZERS = [
+    Float8CurrentScalingQuantizer("e5m2", force_pow_2_scales=True, amax_epsilon=1e-12),
+    Float8DelayedScalingQuantizer("e4m3", margin=1, amax_history_len=16, amax_compute_algo="most_recent"),
+    Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
+    Float8RowwiseQuantizer("e4m3"),
+    MXFP8Quantizer("e5m2"),
+    NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True, with_random_sign_mask=False),
+    IdentityQuantizer(dtype=torch.bfloat16),
+    IdentityQuantizer(),
+]
+
+
+def test_role_is_a_frozen_printable_value():
+    role = QuantizerRole("linear", "weight", "layers.0.fc1")
+    assert str(role) == "module_type=linear|tensor_type=weight|name=layers.0.fc1"
+    assert str(QuantizerRole()) == "QuantizerRole()"
+    assert str(QuantizerRole(tensor_type="input")) == "tensor_type=input"
+    assert role == QuantizerRole("linear", "weight", "layers.0.fc1") and len({role, QuantizerRole("linear", "weight", "layers.0.fc1")}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        role.name = "other"
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS, ids=str)
+def test_spec_round_trips_and_values_hash(quantizer):
+    again = parse_spec(str(quantizer))
+    assert again == quantizer and hash(again) == hash(quantizer) and str(again) == str(quantizer)
+    assert pickle.loads(pickle.dumps(quantizer)) == quantizer
+
+
+def test_hybrid_spec_round_trips_and_shows_both_children():
+    hybrid = HybridQuantizer(
+        rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=NVFP4Quantizer(), columnwise_source="rowwise_dequantized"
+    )
+    assert str(hybrid) == (
+        "hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), "
+        "columnwise_source=rowwise_dequantized)"
+    )
+    assert parse_spec(str(hybrid)) == hybrid
+
+
+def test_parse_spec_names_what_it_knows():
+    with pytest.raises(ValueError, match="unknown quantizer tag 'fp16'.*mxfp8"):
+        parse_spec("fp16()")
+
+
+def test_hybrid_directions_use_their_own_children():
+    x = torch.randn(64, 96)
+    hybrid = HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=Float8BlockQuantizer(block_scaling_dim=1))
+    qt = hybrid(x)
+    assert qt.rowwise.quantizer == MXFP8Quantizer() and qt.columnwise.quantizer == Float8BlockQuantizer(block_scaling_dim=1)
+    assert torch.equal(qt.rowwise.data.view(torch.uint8), MXFP8Quantizer()(x, columnwise=False).rowwise.data.view(torch.uint8))
+    direct = Float8BlockQuantizer(block_scaling_dim=1)(x, rowwise=False).columnwise
+    assert torch.equal(qt.columnwise.data.view(torch.uint8), direct.data.view(torch.uint8))
+
+
+def test_rowwise_dequantized_feeds_the_columnwise_child_the_dequantized_rowwise_values():
+    x = torch.randn(64, 96) * 3
+    hybrid = HybridQuantizer(
+        rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=IdentityQuantizer(), columnwise_source="rowwise_dequantized"
+    )
+    columnwise = hybrid(x, rowwise=False).columnwise.data
+    expected = mxfp8.dequantize(*mxfp8.quantize(x, "e4m3", axis=1), axis=1)
+    assert torch.equal(columnwise, expected)
+    original = HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=IdentityQuantizer())
+    assert torch.equal(original(x, rowwise=False).columnwise.data, x)
+
+
+def test_usage_flags_gate_the_children():
+    x = torch.randn(32, 64)
+    hybrid = HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=NVFP4Quantizer())
+    assert hybrid(x, rowwise=True, columnwise=False).columnwise is None
+    assert hybrid(x, rowwise=False, columnwise=True).rowwise is None
+    with pytest.raises(RuntimeError, match="columnwise representation was requested but not made"):
+        hybrid(x, columnwise=False).get(COLUMNWISE)
+
+
+def test_hybrid_rejects_shared_children_bad_sources_and_delayed_scaling():
+    child = MXFP8Quantizer()
+    with pytest.raises(ValueError, match="same quantizer instance for both directions"):
+        HybridQuantizer(rowwise_quantizer=child, columnwise_quantizer=child)
+    HybridQuantizer(rowwise_quantizer=child, columnwise_quantizer=MXFP8Quantizer())
+    with pytest.raises(ValueError, match="already belongs to another HybridQuantizer"):
+        HybridQuantizer(rowwise_quantizer=child, columnwise_quantizer=IdentityQuantizer())
+    with pytest.raises(ValueError, match="columnwise_source must be one of"):
+        HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=MXFP8Quantizer(), columnwise_source="transposed")
+    with pytest.raises(TypeError, match="delayed scaling inside a hybrid"):
+        HybridQuantizer(rowwise_quantizer=DelayedScalingRequest(), columnwise_quantizer=MXFP8Quantizer())
+    with pytest.raises(TypeError, match="must be a Quantizer, got str"):
+        HybridQuantizer(rowwise_quantizer="mxfp8", columnwise_quantizer=MXFP8Quantizer())
+
+
+def test_quantizers_reject_what_no_format_encodes():
+    with pytest.raises(TypeError, match="quantizes float16, bfloat16 or float32 tensors, got torch.int32"):
+        MXFP8Quantizer()(torch.ones(32, 32, dtype=torch.int32))
+    with pytest.raises(TypeError, match="complex"):
+        MXFP8Quantizer()(torch.ones(32, 32, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="dim 1 of the 32x48 tensor must be a multiple of 32"):
+        MXFP8Quantizer()(torch.ones(32, 48), columnwise=False)
+    with pytest.raises(ValueError, match="fp8_dtype must be one of"):
+        MXFP8Quantizer("e3m4")
+
+
+def test_factory_answers_are_checked_and_name_the_role():
+    role = QuantizerRole("linear", "weight", "fc1")
+    with pytest.raises(ValueError, match="returned None for role module_type=linear.*IdentityQuantizer"):
+        Planner(graphquant.CustomRecipe(lambda r: None)).quantizer(role)
+    with pytest.raises(FactoryTypeError, match="returned a str for role module_type=linear.*name=fc1"):
+        Planner(graphquant.CustomRecipe(lambda r: "mxfp8")).quantizer(role)
+    assert isinstance(FactoryTypeError("x"), TypeError)
+
+
+def test_delayed_scaling_requests_resolve_by_role_and_must_agree():
+    planner = Planner(graphquant.recipes.delayed_scaling())
+    assert planner.quantizer(QuantizerRole("linear", "grad_output", "a")).fp8_dtype == "e5m2"
+    assert planner.quantizer(QuantizerRole("linear", "input", "a")).fp8_dtype == "e4m3"
+
+    def disagreeing(role):
+        return DelayedScalingRequest(margin=1 if role.tensor_type == "weight" else 0)
+
+    planner = Planner(graphquant.CustomRecipe(disagreeing))
+    planner.quantizer(QuantizerRole("linear", "input", "a"))
+    with pytest.raises(ValueError, match="margin differs"):
+        planner.quantizer(QuantizerRole("linear", "weight", "a"))
+
+
+def test_recipes_from_module_level_factories_pickle():
+    for recipe in (graphquant.recipes.delayed_scaling(margin=2), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), graphquant.CustomRecipe(factories.nvfp4_factory)):
+        again = pickle.loads(pickle.dumps(recipe))
+        role = QuantizerRole("linear", "input", "x")
+        assert again.qfactory(role) == recipe.qfactory(role)
+
+
+@pytest.mark.parametrize("name", sorted(zoo.FACTORIES))
+def test_every_zoo_factory_is_total_and_documented(name):
+    factory = zoo.FACTORIES[name]
+    assert factory.__doc__ and len(factory.__doc__) > 40
+    for role in [None, QuantizerRole(), *(QuantizerRole(m, t, "x") for m in ("linear", "grouped_linear", "matmul", "dpa") for t in ("input", "weight", "other", "grad_output", "s", "dp"))]:
+        assert isinstance(factory(role), (Quantizer, DelayedScalingRequest))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundToBF16(Quantizer):
+    """A user-defined format for the plug-in test: values rounded to bfloat16, held in fp32."""
+
+    tag = "test_round_to_bf16"
+
+    def quantize_rowwise(self, x, ctx):
+        return self.representation(ROWWISE, x.shape, x.dtype, x.to(torch.bfloat16).float())
+
+    def quantize_columnwise(self, x, ctx):
+        return self.representation(COLUMNWISE, x.shape, x.dtype, x.to(torch.bfloat16).float())
+
+    def dequantize(self, rep: Representation):
+        return rep.data
+
+
+def user_factory(role):
+    return RoundToBF16()
+
+
+def test_a_user_defined_quantizer_plugs_into_compile():
+    assert parse_spec(str(RoundToBF16())) == RoundToBF16()
+    model = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64, requires_grad=True)
+    compiled = graphquant.compile(model, graphquant.CustomRecipe(user_factory), backend="aot_eager")
+    y = compiled(x)
+    expected = x.detach().bfloat16().float() @ model.weight.detach().bfloat16().float().t() + model.bias.detach()
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-5)
+    y.sum().backward()
+    assert {g.bucket for g in compiled.graphquant.plan.gemms} == {"emulated"}
+    assert x.grad is not None
+
+
+def test_quantize_context_carries_the_delayed_scale():
+    with pytest.raises(ValueError, match="QuantizeContext\\(scale=...\\)"):
+        Float8DelayedScalingQuantizer()(torch.randn(4, 4))
+    qt = Float8DelayedScalingQuantizer()(torch.randn(4, 4), ctx=QuantizeContext(scale=torch.tensor([2.0])))
+    assert qt.rowwise.scale.item() == 0.5
