@@ -138,7 +138,7 @@ def select(
 
 def output_rows(direction: str, shape: Sequence[int], batch: int) -> int:
     """Rows an operand contributes to each group's output (its non-reduced extent)."""
-    return int(shape[0]) // batch if direction == ROWWISE else int(shape[1])
+    return shape[0] // batch if direction == ROWWISE else shape[1]
 
 
 def gemm_dims(a: Representation, b: Representation, batch: int) -> tuple[int, int, int]:

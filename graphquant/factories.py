@@ -64,7 +64,14 @@ def mxfp8_factory(role: Optional[QuantizerRole]) -> MXFP8Quantizer:
 
 def nvfp4_factory(role: Optional[QuantizerRole]) -> NVFP4Quantizer:
     """NVFP4 as TE's recipe sets it: weights 16x16 tiles without RHT; grad_output 1x16 with RHT and
-    stochastic rounding; every other slot 1x16 with RHT (applied to the columnwise side only)."""
+    stochastic rounding; every other slot 1x16 with RHT (applied to the columnwise side only).
+
+    The right operand of an activation x activation matmul (``other``, graphquant's own role)
+    feeds dgrad with its columnwise side, opposite grad_output's rowwise one, so like a weight it
+    gets no transform there: 1x16 blocks, no RHT.
+    """
     if is_weight(role):
         return NVFP4Quantizer(with_2d_quantization=True)
+    if role is not None and role.module_type == "matmul" and role.tensor_type == "other":
+        return NVFP4Quantizer()
     return NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=is_gradient(role))

@@ -70,11 +70,29 @@ class GemmSite:
 
 
 def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[GemmSite]:
-    """Annotate and return the GEMM sites of ``gm`` in graph order."""
-    parameters = _parameter_nodes(gm, example_inputs)
-    functional_index: dict[tuple[str, int, str], int] = collections.Counter()
-    sites = []
+    """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included."""
+    sites: list[GemmSite] = []
+    _find(gm, _parameter_nodes(gm, example_inputs), collections.Counter(), sites)
+    return sites
+
+
+def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
+    """The subgraph a higher-order op calls on its other arguments, for the ops whose GEMMs are
+    sites like any other (torch.utils.checkpoint's tag_activation_checkpoint); else None."""
+    if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
+        body = node.args[0]
+        if isinstance(body, fx.Node) and body.op == "get_attr":
+            return getattr(gm, body.target)
+    return None
+
+
+def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite]) -> None:
     for node in gm.graph.nodes:
+        body = body_of(gm, node)
+        if body is not None:
+            inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
+            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites)
+            continue
         form = _form(node)
         if form is None:
             continue
@@ -108,7 +126,6 @@ def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[Gem
         )
         node.meta["graphquant_site"] = site
         sites.append(site)
-    return sites
 
 
 def _form(node: fx.Node) -> Optional[str]:
@@ -158,6 +175,8 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
     va, vb = _value(a), _value(b)
     if va is None or vb is None:
         return "operand shapes unknown"
+    if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
+        return f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
     if form == EINSUM:
         from graphquant.ops.einsum import plan_einsum
 
@@ -178,11 +197,14 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
     return (batch, _static(va.shape[-2]), _static(k)), (batch, _static(n), _static(k)), True
 
 
-_ROOT_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+# The compiled root: L['self'], L['fn'], or L['args'][0] where a decorator wraps forward(*args)
+# (HuggingFace models): the root module is then the first positional argument.
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[0\])?\.?")
 
 
 def fqn_from_stack_path(path: str) -> str:
-    """Dynamo's module path ("L['self'].layers[0].fc1" or "L['self'].layers.0.fc1") as named_modules spells it."""
+    """Dynamo's module path ("L['self'].layers[0].fc1", "L['self'].layers.0.fc1" or "L['args'][0].layers.0.fc1")
+    as named_modules spells it."""
     path = _ROOT_PREFIX.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)

@@ -12,12 +12,13 @@ version. Nothing else in the graph changes.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, NamedTuple, Optional
 
 from torch import fx
 
 from graphquant.ops import gemm_site
-from graphquant.passes.find_gemms import ADDMM, EINSUM, LINEAR, TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import ADDMM, EINSUM, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.plan import Plan
 from graphquant.roles import QuantizerRole
 
@@ -44,7 +45,12 @@ def rewrite(
     cache_weight: Callable[[QuantizerRole], bool] = lambda role: False,
 ) -> list[object]:
     """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng", the str
-    of a delayed-scaling role, or a WeightKey."""
+    of a delayed-scaling role, or a WeightKey.
+
+    Sites inside a body (find_gemms.body_of: activation checkpointing) are rewritten in the body;
+    the state they need enters the body as extra arguments of the higher-order op, and their
+    weights are quantized in the body, never cached.
+    """
     graph = gm.graph
     extra: dict[object, fx.Node] = {}
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -59,24 +65,37 @@ def rewrite(
             extra[key] = last_placeholder = node
         return extra[key]
 
-    sites = [n for n in graph.nodes if "graphquant_site" in n.meta]
-    for index, node in enumerate(sites):
+    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, cache_weight, itertools.count())
+    return list(extra)
+
+
+def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight, counter) -> None:
+    """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        body = body_of(gm, node)
+        if body is not None:
+            _rewrite_sites(body, plan, _body_state(body, node, state), needs_delayed_state, needs_rng, lambda role: False, counter)
+            continue
+        if "graphquant_site" not in node.meta:
+            continue
         site: GemmSite = node.meta["graphquant_site"]
+        index = next(counter)
         roles = site.roles()
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
-        states = tuple(placeholder(str(r)) if needs_delayed_state(r) else None for r in roles)
+        states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(
             name=site.name,
             call=site.call,
             **formats,
             states=states,
-            rng=placeholder("rng") if needs_rng else None,
+            rng=state("rng") if needs_rng else None,
             streams=tuple(3 * index + i for i in range(3)),
         )
         args, form_kwargs = _arguments(node, site)
         weight = args[1] if site.form == LINEAR else None
         if isinstance(weight, fx.Node) and weight.op == "placeholder" and cache_weight(roles[1]):
-            kwargs["weight_rowwise"] = tuple(placeholder(WeightKey(weight.name, formats["weight"], i)) for i in range(3))
+            kwargs["weight_rowwise"] = tuple(state(WeightKey(weight.name, formats["weight"], i)) for i in range(3))
         with graph.inserting_before(node):
             replacement = graph.call_function(
                 _TARGETS.get(site.form, gemm_site.quantized_matmul), args, {**form_kwargs, **kwargs}
@@ -86,7 +105,24 @@ def rewrite(
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    return list(extra)
+
+
+def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[object], fx.Node]) -> Callable[[object], fx.Node]:
+    """``state`` for a body: each state becomes one more placeholder of the body and one more
+    argument of the higher-order op ``call`` that passes the outer graph's node for it."""
+    nodes: dict[object, fx.Node] = {}
+
+    def state(key: object) -> fx.Node:
+        if key not in nodes:
+            outer = outer_state(key)
+            last = list(body.graph.find_nodes(op="placeholder"))[-1]
+            with body.graph.inserting_after(last):
+                nodes[key] = body.graph.placeholder(f"graphquant_state_{len(nodes)}")
+            nodes[key].meta.update({k: v for k, v in outer.meta.items() if k in ("example_value", "val")})
+            call.args = (*call.args, outer)
+        return nodes[key]
+
+    return state
 
 
 def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:

@@ -87,7 +87,9 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
         return Operand(quantize(x, QuantizeContext()).tensors(), quantizer.spec, direction, shape)
-    scale = state.delayed[:1] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
+    # A copy, not a view of the state: the forward updates the state in place, and a backward that
+    # recomputes this quantize must see the scale the forward used.
+    scale = state.delayed[:1].clone() if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
     tensors = torch.ops.graphquant.quantize(x, quantizer.spec, direction, scale, state.rng, state.stream)
     return Operand(list(tensors), quantizer.spec, direction, shape)
 
@@ -234,6 +236,7 @@ def quantized_linear(
 
 def _inference_product(x2d, w, weight_rowwise, *, input, weight, state):
     x_quantizer = quantizer_of(input)
+    x2d = x2d.detach()  # inference: nothing flows back through this product, even with grad enabled
     xq = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
     update_delayed_scaling(x_quantizer, state, xq)
     w_operand = Operand(list(weight_rowwise), rowwise_quantizer(quantizer_of(weight)).spec, ROWWISE, (w.shape[0], w.shape[1]))

@@ -181,7 +181,7 @@ class Quantizer:
             data=data,
             scale=scale,
             amax=amax,
-            shape=(int(shape[0]), int(shape[1])),
+            shape=(shape[0], shape[1]),
             transposed=self.transposed(direction),
             dtype=dtype,
             hadamard=self.hadamard(direction),

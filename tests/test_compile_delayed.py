@@ -1,0 +1,131 @@
+"""Delayed scaling: the slot state updates inside the compiled graph, step after step.
+
+The reference keeps its own state per slot and applies TE's rule itself
+(reference.delayed_update: history[0] = amax; amax_used = max(history) or history[0];
+scale = fp8_max / amax_used / 2^margin; roll the history and zero slot 0), after each quantize
+of the slot; a step's quantize uses the scale left by the previous step. Inputs and upstream
+gradients change scale from step to step, so every scale is different and wrong ones show.
+"""
+
+import copy
+import itertools
+
+import models
+import pytest
+import torch
+from reference import (  # noqa: F401
+    GemmTape,
+    Reference,
+    assert_same_results,
+    forward_backward,
+    fresh_dynamo,
+)
+
+import graphquant
+from graphquant import recipes
+from graphquant.quantizers import Float8DelayedScalingQuantizer
+
+
+def step_input(step):
+    return torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step)) * (1.0 + step)
+
+
+@pytest.mark.parametrize("algo, history", [("max", 3), ("most_recent", 2)])
+def test_delayed_state_updates_in_graph_and_matches_eager_rule(algo, history):
+    recipe = recipes.delayed_scaling(amax_history_len=history, amax_compute_algo=algo, margin=1)
+    model = models.seeded(models.MLP())
+    ref_model = copy.deepcopy(model)
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    reference = Reference(ref_model, recipe, tape=tape)
+    state = compiled.graphquant.delayed_state
+    scales_seen = []
+    for step in range(4):
+        tape.clear()
+        x = step_input(step)
+        actual = forward_backward(compiled, model, x, grad_seed=step)
+        expected = forward_backward(reference, ref_model, x, grad_seed=step)
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"step {step}: ")
+
+        assert set(state) == set(reference.delayed)
+        for role, tensor in state.items():
+            quantizer = compiled.graphquant.plan.quantizer(role)
+            assert isinstance(quantizer, Float8DelayedScalingQuantizer)
+            assert quantizer.fp8_dtype == ("e5m2" if role.tensor_type == "grad_output" else "e4m3")
+            scale, amax_history = reference.delayed[role]
+            assert tensor.shape == (1 + history,)
+            assert torch.equal(tensor[:1], scale), (step, str(role), tensor.tolist(), scale.tolist())
+            assert torch.equal(tensor[1:], amax_history), (step, str(role), tensor.tolist(), amax_history.tolist())
+        scales_seen.append({str(r): t[0].item() for r, t in state.items()})
+    # fc1's input grows every step, so its scale moves every step (grad_output slots: below)
+    fc1_input = "module_type=linear|tensor_type=input|name=fc1"
+    for before, after in itertools.pairwise(scales_seen):
+        assert before[fc1_input] != after[fc1_input], (before, after)
+    assert len(compiled.graphquant.plans) == 1  # one graph: the state is updated inside it
+    assert {r.tensor_type for r in state} == {"input", "weight", "grad_output"}
+
+
+def check_states(compiled, reference, step, roles=None):
+    state = compiled.graphquant.delayed_state
+    roles = set(state) if roles is None else roles
+    for role in roles:
+        tensor = state[role]
+        scale, amax_history = reference.delayed[role]
+        assert torch.equal(tensor[:1], scale), (step, str(role), tensor.tolist(), scale.tolist())
+        assert torch.equal(tensor[1:], amax_history), (step, str(role), tensor.tolist(), amax_history.tolist())
+
+
+def test_forward_slots_update_across_steps():
+    """Forward only (no backward, grad enabled): the input and weight slots of both linears roll
+    their histories and scales, and the outputs follow the reference step by step."""
+    recipe = recipes.delayed_scaling(amax_history_len=3)
+    model = models.seeded(models.MLP())
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    reference = Reference(copy.deepcopy(model), recipe, tape=tape)
+    for step in range(4):
+        tape.clear()
+        x = step_input(step)
+        y = compiled(x)
+        y_ref = reference(x)
+        tape.assert_all_taken()
+        assert_same_results({"output": y.detach()}, {"output": y_ref.detach()}, what=f"step {step}: ")
+        forward_roles = {r for r in compiled.graphquant.delayed_state if r.tensor_type != "grad_output"}
+        assert len(forward_roles) == 4
+        check_states(compiled, reference, step, forward_roles)
+    assert len(compiled.graphquant.plans) == 1
+
+
+def test_grad_output_slot_updates_across_steps():
+    """A single linear whose input needs no gradient: backward quantizes only grad_output (for
+    wgrad), which is the upstream gradient itself; its slot follows the rule step by step."""
+    recipe = recipes.delayed_scaling(amax_history_len=2, amax_compute_algo="max")
+    model = models.seeded(torch.nn.Linear(64, 64))
+    compiled = graphquant.compile(model, recipe, backend="aot_eager", fullgraph=True)
+    reference = Reference(copy.deepcopy(model), recipe)
+    g_role = None
+    for step in range(4):
+        x = step_input(step)
+        compiled(x).backward(torch.full((2, 32, 64), 0.5 * (step + 1)))
+        reference(x).backward(torch.full((2, 32, 64), 0.5 * (step + 1)))
+        g_role = next(r for r in compiled.graphquant.delayed_state if r.tensor_type == "grad_output")
+        check_states(compiled, reference, step, {g_role})
+        # |dy| grows every step, so the history's max is this step's amax
+        assert compiled.graphquant.delayed_state[g_role][0].item() == pytest.approx(57344.0 / (0.5 * (step + 1)), rel=1e-6)
+
+
+def test_delayed_scaling_first_step_uses_scale_one():
+    """A fresh slot quantizes with scale 1 (TE's initial state). Inputs of size ~1e-6 are then
+    below E4M3's smallest subnormal (2^-9) and quantize to zero, so every token's output is the
+    same function of the biases; the second step's scale (448 / amax / 2^margin) resolves them."""
+    model = models.seeded(models.MLP())
+    compiled = graphquant.compile(model, recipes.delayed_scaling(amax_history_len=4), backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0)) * 1e-6
+    with torch.no_grad():
+        first = compiled(x).reshape(-1, 64)
+        second = compiled(x).reshape(-1, 64)
+    assert torch.equal(first, first[:1].expand_as(first))
+    assert not torch.equal(second, second[:1].expand_as(second))
+    role = next(r for r in compiled.graphquant.delayed_state if r.name == "fc1" and r.tensor_type == "input")
+    assert compiled.graphquant.delayed_state[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)

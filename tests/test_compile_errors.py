@@ -1,0 +1,219 @@
+"""Bad input: each case gives a clear error or a documented, tested behaviour.
+
+graphquant's backend runs inside torch.compile, so a PlanError reaches the caller wrapped in
+Dynamo's BackendCompilerFailed, whose message includes the PlanError's; ``plan_error`` digs it out.
+"""
+
+import copy
+import warnings
+
+import models
+import pytest
+import torch
+from reference import (  # noqa: F401
+    GemmTape,
+    Reference,
+    assert_same_results,
+    forward_backward,
+    fresh_dynamo,
+)
+
+import graphquant
+from graphquant import CustomRecipe, PlanError, factories, recipes
+from graphquant.quantizers import (
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+
+
+def x3(batch=2, seq=32, dim=64):
+    return torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(0))
+
+
+def plan_error(model, recipe, x, **kwargs) -> PlanError:
+    """Compile and run one training step, which must fail with a PlanError; return it."""
+    compiled = graphquant.compile(model, recipe, backend="aot_eager", **kwargs)
+    with pytest.raises(Exception) as info:
+        compiled(x.clone().requires_grad_()).sum().backward()
+    error = info.value
+    while error is not None and not isinstance(error, PlanError):
+        error = error.__cause__ or error.__context__
+    assert error is not None, f"expected a PlanError, got {info.value!r}"
+    assert str(error) in str(info.value)  # what the user sees includes it
+    return error
+
+
+def test_model_without_gemm_warns_and_runs_unchanged():
+    model = models.seeded(models.NoGemm())
+    x = x3()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="no GEMM"):
+        y = compiled(x)
+    assert torch.equal(y, model(x))
+    assert compiled.graphquant.plan.gemms == ()
+    assert compiled.graphquant.planner.factory_calls == 0
+
+
+def failing_factory(role):
+    if role.name == "fc2" and role.tensor_type == "weight":
+        raise RuntimeError("no format for this one")
+    return factories.mxfp8_factory(role)
+
+
+def test_factory_that_raises_names_the_role():
+    error = plan_error(models.MLP(), CustomRecipe(failing_factory), x3())
+    assert "name=fc2" in str(error) and "tensor_type=weight" in str(error)
+    assert "RuntimeError: no format for this one" in str(error)
+    assert isinstance(error.__cause__, RuntimeError)
+
+
+def none_factory(role):
+    return None if role.name == "fc2" else factories.mxfp8_factory(role)
+
+
+def test_factory_returning_none_advises_identity():
+    error = plan_error(models.MLP(), CustomRecipe(none_factory), x3())
+    assert isinstance(error, ValueError)
+    assert "None" in str(error) and "name=fc2" in str(error)
+    assert "IdentityQuantizer()" in str(error)
+
+
+def string_factory(role):
+    return "mxfp8" if role.tensor_type == "grad_output" else factories.mxfp8_factory(role)
+
+
+def test_factory_returning_a_non_quantizer_names_role_and_type():
+    error = plan_error(models.MLP(), CustomRecipe(string_factory), x3())
+    assert isinstance(error, TypeError)
+    assert "tensor_type=grad_output" in str(error) and "name=fc1" in str(error)
+    assert "returned a str" in str(error)
+
+
+@pytest.mark.parametrize(
+    "d_in, seq, tensor, dim, size",
+    [
+        (48, 32, "input", "dim 1", "64x48"),  # K = 48: rowwise 1x32 blocks along K
+        (64, 24, "input", "dim 0", "48x64"),  # 2 x 24 tokens: columnwise 32x1 blocks along tokens
+    ],
+)
+def test_dims_that_do_not_tile_name_module_tensor_and_dim(d_in, seq, tensor, dim, size):
+    error = plan_error(models.MLP(d_in=d_in), recipes.mxfp8_block_scaling(), x3(seq=seq, dim=d_in))
+    message = str(error)
+    assert message.startswith("fc1#0 (linear) input:"), message
+    assert f"{tensor}:" in message and dim in message and size in message and "multiple of 32" in message
+
+
+def unmatched_rht_factory(role):
+    """wgrad operands under different Hadamard transforms: input columnwise NVFP4 with RHT,
+    grad_output columnwise NVFP4 without."""
+    if role.tensor_type == "input":
+        return NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+    return NVFP4Quantizer()
+
+
+def test_rejected_gemm_names_module_gemm_and_both_formats():
+    error = plan_error(models.MLP(), CustomRecipe(unmatched_rht_factory), x3())
+    message = str(error)
+    assert message.startswith("fc1#0 (linear) wgrad:"), message
+    assert "grad_output.columnwise is nvfp4()" in message
+    assert "input.columnwise is nvfp4(with_rht=True, with_post_rht_amax=True)" in message
+    assert "rejected" in message and "Hadamard" in message
+    assert "both operands" in message  # what would be accepted
+
+
+def rht_everywhere_but_weights(role):
+    """Every non-weight slot NVFP4 with RHT, a matmul's ``other`` included."""
+    if factories.is_weight(role):
+        return NVFP4Quantizer(with_2d_quantization=True)
+    return NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+
+
+def test_rht_on_one_dgrad_operand_is_rejected():
+    """The dgrad of attention's q @ k^T pairs grad_output.rowwise (no RHT) with other.columnwise:
+    RHT on the latter alone would give a wrong product, so the compile fails naming the GEMM."""
+    error = plan_error(models.DecoderBlock(attention="matmul"), CustomRecipe(rht_everywhere_but_weights), x3())
+    message = str(error)
+    assert message.startswith("attn.matmul.0#0 (matmul) dgrad:"), message
+    assert "grad_output.rowwise" in message and "other.columnwise" in message and "Hadamard" in message
+
+
+def test_nvfp4_preset_runs_activation_matmuls():
+    """nvfp4_factory gives a matmul's ``other`` no RHT, so attention written with matmul plans cleanly."""
+    compiled = graphquant.compile(models.DecoderBlock(attention="matmul"), recipes.nvfp4_block_scaling(), backend="aot_eager")
+    compiled(x3().requires_grad_()).sum().backward()
+    assert "rejected" not in {g.bucket for g in compiled.graphquant.plan.gemms}
+
+
+def test_strict_makes_emulated_gemms_errors():
+    error = plan_error(models.MLP(), recipes.mxfp8_block_scaling(), x3(), strict=True)
+    message = str(error)
+    assert message.startswith("fc1#0 (linear) fprop:") and "strict=True" in message and "emulated" in message
+    # without strict the same model runs, every GEMM emulated on this CPU
+    torch._dynamo.reset()
+    compiled = graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(x3())
+    assert {g.bucket for g in compiled.graphquant.plan.gemms} == {"emulated"}
+
+
+def test_strict_accepts_an_all_native_plan():
+    """All-Identity GEMMs are native everywhere, so strict=True compiles them."""
+    compiled = graphquant.compile(
+        models.MLP(), CustomRecipe(factories.high_precision_factory), backend="aot_eager", strict=True
+    )
+    with pytest.warns(UserWarning):  # graphquant notes that the recipe quantizes nothing
+        compiled(x3())
+    assert {g.bucket for g in compiled.graphquant.plan.gemms} == {"native"}
+
+
+def test_integer_operands_are_not_quantized():
+    """An integer matmul cannot be quantized (no format encodes int64, IdentityQuantizer holds
+    floats only). Documented behaviour, as for other products graphquant cannot quantize
+    (find_gemms: a 1-D operand, broadcast batch dims): the product is left as it is, listed in
+    the plan as not quantized, and the factory is not asked about it."""
+    a = torch.randint(1000, 2000, (32, 64), generator=torch.Generator().manual_seed(0))
+    b = torch.randint(1000, 2000, (64, 32), generator=torch.Generator().manual_seed(1))
+    compiled = graphquant.compile(models.IntegerGemm(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = compiled(a, b)
+    unchanged = torch.equal(y, a @ b)
+    assert unchanged, f"the integer product was quantized: it changed by up to {(y - a @ b).abs().max().item()}"
+    assert compiled.graphquant.plan.gemms == (), compiled.graphquant.plan
+    assert len(compiled.graphquant.plan.skipped) == 1
+    assert "int64" in compiled.graphquant.plan.skipped[0][1]
+    assert compiled.graphquant.planner.factory_calls == 0
+    assert any("no GEMM" in str(w.message) for w in caught)
+
+
+def test_quantizers_refuse_integer_tensors():
+    with pytest.raises(TypeError, match="int64"):
+        MXFP8Quantizer()(torch.ones(32, 32, dtype=torch.int64))
+
+
+def test_two_recipes_on_one_model_keep_their_own():
+    """graphquant.compile(model, r1) and graphquant.compile(model, r2) give two modules that share
+    the parameters and each keep their own recipe: Dynamo keys its cache on the backend, so
+    calling one after the other never runs the other's graph (nor recompiles either)."""
+    model = models.seeded(models.MLP())
+    ref_models = {name: copy.deepcopy(model) for name in ("mxfp8", "current")}
+    x = x3()
+    tapes = {name: GemmTape() for name in ref_models}
+    compiled = {
+        "mxfp8": graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tapes["mxfp8"].backend),
+        "current": graphquant.compile(model, recipes.current_scaling(), backend=tapes["current"].backend),
+    }
+    references = {
+        "mxfp8": Reference(ref_models["mxfp8"], recipes.mxfp8_block_scaling(), tape=tapes["mxfp8"]),
+        "current": Reference(ref_models["current"], recipes.current_scaling(), tape=tapes["current"]),
+    }
+    outputs = {}
+    for name in ("mxfp8", "current", "mxfp8"):
+        tapes[name].clear()
+        actual = forward_backward(compiled[name], model, x)
+        expected = forward_backward(references[name], ref_models[name], x)
+        tapes[name].assert_all_taken()
+        assert_same_results(actual, expected, what=f"{name}: ")
+        outputs.setdefault(name, actual["output"])
+    assert not torch.equal(outputs["mxfp8"], outputs["current"])
+    assert [len(c.graphquant.plans) for c in compiled.values()] == [1, 1]
+    assert compiled["mxfp8"].graphquant.plan.slots[0][1] == MXFP8Quantizer()

@@ -1,0 +1,114 @@
+"""Backward keeps the quantized columnwise representations, not high-precision copies.
+
+Both runs use an aot_autograd inner backend with the min-cut partitioner (aot_eager's) that
+records, at run time, the tensors the backward graph receives from the forward: everything but
+the tangents. A saved tensor that shares storage with a parameter or a user input costs nothing
+(it is alive anyway); the others are the activations backward keeps.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from reference import GemmTape, Reference, fresh_dynamo  # noqa: F401  (autouse fixture)
+
+import graphquant
+from graphquant import recipes
+
+
+def saved_activations(saved, alive):
+    """The saved tensors that do not share storage with ``alive`` (parameters, inputs)."""
+    alive_storage = {t.untyped_storage().data_ptr() for t in alive}
+    return [t for t in saved if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive_storage]
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def same_values(a, b):
+    """The same multiset of values (layouts differ: transposes, views, batch-flattened)."""
+    return a.numel() == b.numel() and a.dtype == b.dtype and torch.equal(a.flatten().sort().values, b.flatten().sort().values)
+
+
+def high_precision(tensors):
+    return [t for t in tensors if t.is_floating_point() and t.dtype.itemsize >= 2]
+
+
+def train_step(compiled, model, x):
+    xg = x.clone().requires_grad_()
+    y = compiled(xg)
+    y.backward(torch.ones_like(y))
+    return [*model.parameters(), xg]
+
+
+def linear_inputs(model, x):
+    """The input of every nn.Linear of an eager run, by module name."""
+    inputs = {}
+    hooks = [
+        module.register_forward_pre_hook(lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach()))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
+# model, the GEMM sites whose activation operand a non-GEMM backward needs in high precision
+# anyway, and whether backward must keep FP8 data (where no cheap recomputation exists).
+CASES = {
+    # fc1's input is RMSNorm's output (RMSNorm's backward needs its input and rsqrt); fc2's input
+    # is GELU's output (GELU's backward needs fc1's output). The partitioner may recompute both
+    # and their quantization in the backward rather than keep FP8 copies: cheaper still.
+    "norm_mlp": (models.NormMLP, set(), False),
+    # softmax's backward needs its output, the probabilities x values matmul's input. q, k, v
+    # (GEMM outputs feeding the attention matmuls) are kept as FP8.
+    "decoder": (models.DecoderBlock, {"attn.matmul.1#0"}, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_keeps_quantized_representations(name):
+    make_model, needed_anyway, keeps_fp8 = CASES[name]
+    model = models.seeded(make_model())
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+
+    plain_tape = GemmTape()  # records saved tensors of a graph without graphquant ops, too
+    plain_model = copy.deepcopy(model)
+    plain_alive = train_step(torch.compile(plain_model, backend=plain_tape.backend), plain_model, x)
+    plain_act = saved_activations(plain_tape.saved, plain_alive)
+    torch._dynamo.reset()
+
+    tape = GemmTape()
+    gq_model = copy.deepcopy(model)
+    gq_alive = train_step(graphquant.compile(gq_model, recipes.mxfp8_block_scaling(), backend=tape.backend, fullgraph=True), gq_model, x)
+    gq_act = saved_activations(tape.saved, gq_alive)
+    layout = [(tuple(t.shape), t.dtype) for t in gq_act]
+
+    # backward keeps less than the high-precision run ...
+    assert nbytes(gq_act) < nbytes(plain_act), (nbytes(gq_act), nbytes(plain_act), layout)
+    # ... the quantized representations where it keeps a GEMM operand ...
+    assert any(t.dtype == torch.float8_e4m3fn for t in gq_act) == keeps_fp8, layout
+
+    # ... and no high-precision copy of a GEMM's activation operand, unless a non-GEMM op's
+    # backward needs that value too. The teacher-forced reference reproduces the compiled
+    # forward bit for bit, so its GEMM operands are the compiled model's.
+    reference = Reference(copy.deepcopy(model), recipes.mxfp8_block_scaling(), tape=tape)
+    reference(x)
+    params = list(model.parameters())
+    kept = set()
+    for label, x2d, w2d in reference.operands:
+        for operand in (x2d, w2d):
+            if any(operand.shape == p.shape and torch.equal(operand, p) for p in params):
+                continue  # a weight: alive anyway
+            if any(same_values(t, operand) for t in high_precision(gq_act)):
+                kept.add(label)
+    assert kept == needed_anyway, layout
+
+    # the same check finds linears' inputs among what the high-precision run keeps (it can fail)
+    inputs = linear_inputs(copy.deepcopy(model), x)
+    plain_kept = {n for n, value in inputs.items() if any(same_values(t, value) for t in high_precision(plain_act))}
+    assert plain_kept, [(tuple(t.shape), t.dtype) for t in plain_act]

@@ -1,0 +1,261 @@
+"""Slots, roles and names: what graphquant.compile asks the factory, and what it calls each GEMM.
+
+Expected names are spelled out by hand from models.py (named_modules() spelling; functional
+GEMMs as "<owner>.<linear|matmul>.<i>") and are also checked against the independent eager
+reference (tests/reference.py), which finds GEMMs with a TorchFunctionMode and module hooks.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
+    GemmTape,
+    Reference,
+    assert_same_results,
+    forward_backward,
+    fresh_dynamo,
+)
+
+import graphquant
+from graphquant import CustomRecipe, factories, recipes
+
+
+class CountingFactory:
+    """A factory that records every role it is asked about."""
+
+    def __init__(self, inner=factories.mxfp8_factory):
+        self.inner = inner
+        self.roles = []
+
+    def __call__(self, role):
+        self.roles.append(role)
+        return self.inner(role)
+
+
+def x3(batch=2, seq=32, dim=64):
+    return torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(batch))
+
+
+def train_step(compiled, x):
+    compiled(x.clone().requires_grad_()).sum().backward()
+
+
+def sites_of(plan):
+    """(name, call, module_type) of each GEMM site of a plan, in graph order."""
+    seen = []
+    for g in plan.gemms:
+        name, call = g.site.rsplit("#", 1)
+        entry = (name, int(call), g.module_type)
+        if entry not in seen:
+            seen.append(entry)
+    return seen
+
+
+# -- the factory is asked once per slot ------------------------------------------------------------
+
+def test_factory_called_once_per_slot_then_never_again():
+    factory = CountingFactory()
+    model = models.seeded(models.SharedLinear())
+    compiled = graphquant.compile(model, CustomRecipe(factory), backend="aot_eager", fullgraph=True)
+    train_step(compiled, x3())
+    # fc (called twice, one name) and out: 2 names x (input, weight, grad_output)
+    expected = {(t, n) for n in ("fc", "out") for t in ("input", "weight", "grad_output")}
+    assert len(factory.roles) == 6
+    assert {(r.tensor_type, r.name) for r in factory.roles} == expected
+    assert all(r.module_type == "linear" for r in factory.roles)
+    assert len(set(factory.roles)) == len(factory.roles)  # never the same slot twice
+    assert compiled.graphquant.planner.factory_calls == 6
+
+    train_step(compiled, x3())  # same shapes: no recompile, no factory call
+    assert len(compiled.graphquant.plans) == 1
+    with torch.no_grad():  # grad mode is guarded: a new (inference) graph, same slots
+        compiled(x3())
+    train_step(compiled, x3(batch=4))  # new batch size: recompile
+    assert len(compiled.graphquant.plans) >= 2
+    assert len(factory.roles) == 6
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_recompile_reuses_the_plan(dynamic):
+    """A new batch size (a recompile with dynamic=False; a symbolic batch with dynamic=True) and a
+    no_grad call ask the factory nothing new; each batch size computes the reference's numbers."""
+    factory = CountingFactory()
+    model = models.seeded(models.MLP())
+    ref_model = copy.deepcopy(model)
+    tape = GemmTape()
+    compiled = graphquant.compile(model, CustomRecipe(factory), backend=tape.backend, dynamic=dynamic, fullgraph=True)
+    reference = Reference(ref_model, CustomRecipe(CountingFactory()), tape=tape)
+    for batch in (2, 4):
+        tape.clear()
+        actual = forward_backward(compiled, model, x3(batch=batch))
+        expected = forward_backward(reference, ref_model, x3(batch=batch))
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"batch {batch}: ")
+    with torch.no_grad():
+        compiled(x3(batch=4))
+    # fc1, fc2: 3 roles each
+    assert len(factory.roles) == 6 == len(set(factory.roles)) == reference.factory_calls
+    assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
+
+
+def test_dynamic_batch_is_one_graph():
+    """dynamic=True: several batch sizes run through one captured graph (no recompile)."""
+    model = torch.nn.Linear(64, 64)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch in (2, 4):
+        train_step(compiled, x3(batch=batch))
+    assert len(compiled.graphquant.plans) == 1, (
+        f"{len(compiled.graphquant.plans)} graphs for 2 batch sizes under dynamic=True: something in "
+        "graphquant's graph specializes the batch size"
+    )
+
+
+# -- names and roles; one graph, no graph breaks -------------------------------------------------------
+
+MODELS = {
+    "decoder_matmul": lambda: models.DecoderBlock(attention="matmul"),
+    "decoder_sdpa": lambda: models.DecoderBlock(attention="sdpa"),
+    "decoder_einsum": lambda: models.DecoderBlock(attention="einsum"),
+    "tiny_lm": lambda: models.TinyLM(attention=("matmul", "sdpa")),
+    "mlp_stack": lambda: models.MLPStack(),
+    "shared": lambda: models.SharedLinear(),
+    "functional": lambda: models.Wrapped(models.FunctionalGemms()),
+}
+
+
+def model_input(name):
+    if name == "tiny_lm":
+        return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    return x3()
+
+
+class CountingBackend:
+    """An inner backend that counts the graphs graphquant hands it."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+L, M = "linear", "matmul"
+DECODER_SITES = [
+    ("attn.q_proj", 0, L), ("attn.k_proj", 0, L), ("attn.v_proj", 0, L),
+    ("attn.matmul.0", 0, M), ("attn.matmul.1", 0, M), ("attn.o_proj", 0, L),
+    ("mlp.gate_proj", 0, L), ("mlp.up_proj", 0, L), ("mlp.down_proj", 0, L),
+]  # fmt: skip
+
+
+def prefixed(prefix, sites):
+    return [(f"{prefix}.{n}", c, t) for n, c, t in sites]
+
+
+EXPECTED_SITES = {
+    "mlp_stack": [
+        ("layers.0.mlp.fc1", 0, L), ("layers.0.mlp.fc2", 0, L),
+        ("layers.1.mlp.fc1", 0, L), ("layers.1.mlp.fc2", 0, L),
+    ],
+    "shared": [("fc", 0, L), ("fc", 1, L), ("out", 0, L)],
+    "decoder_matmul": DECODER_SITES,
+    "decoder_einsum": DECODER_SITES,  # "bhqd,bhkd->bhqk" and "bhqk,bhkd->bhqd" are matmuls
+    "decoder_sdpa": [s for s in DECODER_SITES if s[2] == L],  # SDPA is left alone
+    "tiny_lm": prefixed("layers.0", DECODER_SITES) + prefixed("layers.1", [s for s in DECODER_SITES if s[2] == L])
+    + [("lm_head", 0, L)],  # tied to embed.weight: still the lm_head module's GEMM
+    "functional": [
+        ("block.linear.0", 0, L),  # F.linear with the module's own Parameter
+        ("block.matmul.0", 0, M),  # torch.mm of two activations
+        ("block.matmul.1", 0, M),  # addmm
+        ("block.matmul.2", 0, M),  # baddbmm
+        ("block.matmul.3", 0, M),  # einsum "bsd,bed->bse"
+        ("block.matmul.4", 0, M),  # einsum "bse,bed->bsd"
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:the recipe quantizes no GEMM")
+@pytest.mark.parametrize("name", sorted(EXPECTED_SITES))
+def test_site_names_roles_and_one_graph(name):
+    """fullgraph=True, one graph handed to the inner backend, and the sites, roles and GEMM
+    operands the design prescribes. (The names do not depend on the formats: this uses the
+    all-Identity recipe, the cheapest to trace; test_compile_numerics compiles these models with
+    real formats, also with fullgraph=True.)"""
+    model = models.seeded(MODELS[name]())
+    x = model_input(name)
+    factory = CountingFactory(factories.high_precision_factory)
+    counter = CountingBackend()
+    compiled = graphquant.compile(model, CustomRecipe(factory), backend=counter, fullgraph=True)
+    compiled(x.clone().requires_grad_(x.is_floating_point())).sum().backward()
+    assert counter.graphs == 1
+    assert len(compiled.graphquant.plans) == 1
+    assert all(p.grad is not None for p in model.parameters())
+    plan = compiled.graphquant.plan
+    assert sites_of(plan) == EXPECTED_SITES[name]
+
+    # every name is a module of named_modules(), or one plus a functional suffix
+    module_names = dict(model.named_modules())
+    for site_name, _, module_type in EXPECTED_SITES[name]:
+        owner = site_name if site_name in module_names else site_name.rsplit(".", 2)[0]
+        assert owner in module_names, site_name
+
+    # slots: one per (name, tensor type), with the design's tensor types; each asked for once
+    tensor_types = {L: ("input", "weight", "grad_output"), M: ("input", "other", "grad_output")}
+    expected_roles = {(t, n, tt) for n, _, t in EXPECTED_SITES[name] for tt in tensor_types[t]}
+    assert {(r.module_type, r.name, r.tensor_type) for r, _ in plan.slots} == expected_roles
+    assert sorted(map(str, factory.roles)) == sorted(map(str, {r for r, _ in plan.slots}))
+
+    # each site has fprop, dgrad and wgrad with the design's operands
+    for site_name, call, _ in EXPECTED_SITES[name]:
+        rows = [(g.gemm, g.a, g.b) for g in plan.gemms if g.site == f"{site_name}#{call}"]
+        w = "weight" if (site_name, call, L) in EXPECTED_SITES[name] else "other"
+        assert rows == [
+            ("fprop", "input.rowwise", f"{w}.rowwise"),
+            ("dgrad", "grad_output.rowwise", f"{w}.columnwise"),
+            ("wgrad", "grad_output.columnwise", "input.columnwise"),
+        ], rows
+
+    # the independent eager reference finds the same sites in the same order
+    reference = Reference(copy.deepcopy(model), CustomRecipe(factories.mxfp8_factory))
+    reference(x)
+    assert reference.sites == EXPECTED_SITES[name]
+
+
+def test_matmul_with_a_parameter_is_a_linear():
+    """mm / matmul whose right operand is a 2-D Parameter is a linear (weight = its transpose)."""
+
+    class ParamMatmul(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Parameter(torch.randn(64, 32) / 8)
+
+        def forward(self, x):
+            return torch.relu(x @ self.proj) @ self.proj.t()  # the second operand is not a Parameter
+
+    model = models.Wrapped(ParamMatmul())
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    compiled(x3()).sum().backward()
+    assert sites_of(compiled.graphquant.plan) == [("block.linear.0", 0, L), ("block.matmul.0", 0, M)]
+
+
+def test_not_quantized_products_are_listed():
+    """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
+
+    class MatVec(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+            self.v = torch.nn.Parameter(torch.randn(64))
+
+        def forward(self, x):
+            return torch.matmul(self.fc(x), self.v)
+
+    compiled = graphquant.compile(MatVec(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    x = x3()
+    y = compiled(x)
+    assert sites_of(compiled.graphquant.plan) == [("fc", 0, L)]
+    assert len(compiled.graphquant.plan.skipped) == 1
+    assert "1-D" in compiled.graphquant.plan.skipped[0][1]
+    assert y.shape == (2, 32)
