@@ -29,6 +29,7 @@ from graphquant.quantizers import (
 )
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
+from graphquant.ops import grouped
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
@@ -202,6 +203,7 @@ class Planner:
             quantizers = [self.quantizer(role) for role in roles]
             slots.update(zip(roles, quantizers))
             self._check_shapes(site, quantizers, training)
+            self._check_grouped(site, quantizers)
             batch, m, k = site.x_shape
             n = site.w_shape[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
@@ -209,6 +211,8 @@ class Planner:
                 qa, qb = direction_quantizer(quantizers[ia], da), direction_quantizer(quantizers[ib], db)
                 operand_quantizers.update((qa, qb))
                 selection = backends.select(qa, da, qb, db, device, dims[gemm], batch)
+                if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
+                    selection = backends.Selection(backends.EMULATED, backends.EMULATION, "no native grouped GEMM yet")
                 entry = GemmPlan(
                     site=site.label,
                     module_type=site.module_type,
@@ -263,6 +267,16 @@ class Planner:
                     self._check_groups(quantizer, direction, site, shape)
                 except ValueError as error:
                     raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}") from None
+
+    @staticmethod
+    def _check_grouped(site: GemmSite, quantizers: list[Quantizer]) -> None:
+        """A grouped site runs only the formats whose per-group layout graphquant.ops.grouped knows."""
+        if site.module_type != "grouped_linear":
+            return
+        for role_type, quantizer in zip(TENSOR_TYPES[site.module_type], quantizers):
+            reason = grouped.unsupported(quantizer)
+            if reason:
+                raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {reason}")
 
     @staticmethod
     def _check_groups(quantizer: Quantizer, direction: str, site: GemmSite, shape: tuple[int, int]) -> None:

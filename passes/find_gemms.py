@@ -5,6 +5,11 @@ code inside modules, ``nn_module_stack``.
 Guarantees: every node that computes a matrix product graphquant can quantize carries
 ``node.meta["graphquant_site"]`` (a GemmSite); the graph itself is unchanged. Products it cannot
 quantize (a 1-D operand, batch dims that broadcast) carry ``"graphquant_skip"`` with the reason.
+
+torch._grouped_mm in its MoE form (x (T, K), w (E, K, N), offs) is a ``grouped_linear`` site
+whatever w is (a parameter, a view of one, or an activation): the design gives _grouped_mm one
+module_type, and its roles (input, weight, grad_output) fit every MoE expert layer. Its name is
+the owner's plus ``grouped_linear.<i>``, as for other functional GEMMs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ LINEAR = "linear"  # F.linear(x, weight, bias)
 MATMUL = "matmul"  # a @ b: matmul, mm, bmm, operator.matmul
 ADDMM = "addmm"  # beta * c + alpha * (a @ b): addmm, baddbmm
 EINSUM = "einsum"  # einsum with two operands that reduces to a batched matmul
+GROUPED = "grouped"  # torch._grouped_mm(x, w, offs): one x @ w[g] per row group of x
 
 _FUNCTIONS = {
     F.linear: LINEAR,
@@ -37,9 +43,15 @@ _FUNCTIONS = {
     torch.baddbmm: ADDMM,
     torch.einsum: EINSUM,
 }
+if hasattr(torch, "_grouped_mm"):
+    _FUNCTIONS[torch._grouped_mm] = GROUPED
 _METHODS = {"matmul": MATMUL, "mm": MATMUL, "bmm": MATMUL, "__matmul__": MATMUL, "addmm": ADDMM, "baddbmm": ADDMM}
 
-TENSOR_TYPES = {"linear": ("input", "weight", "grad_output"), "matmul": ("input", "other", "grad_output")}
+TENSOR_TYPES = {
+    "linear": ("input", "weight", "grad_output"),
+    "grouped_linear": ("input", "weight", "grad_output"),
+    "matmul": ("input", "other", "grad_output"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +59,8 @@ class GemmSite:
     """One GEMM call in the graph: what it is, who owns it, and the shapes it multiplies.
 
     x_shape is (batch, m, k) and w_shape (batch, n, k) of y[b] = x[b] @ w[b]^T, with batch 1 for
-    a linear; dims that are symbolic (dynamic shapes) are None.
+    a linear; dims that are symbolic (dynamic shapes) are None. A grouped site has x_shape
+    (1, T, K) with its rows split among the experts at run time, and w_shape (E, N, K).
     """
 
     form: str
@@ -96,6 +109,9 @@ def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collec
         form = _form(node)
         if form is None:
             continue
+        if form == GROUPED:
+            _find_grouped(node, functional_index, sites)
+            continue
         operands = _operands(node, form)
         if operands is None:
             node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
@@ -126,6 +142,29 @@ def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collec
         )
         node.meta["graphquant_site"] = site
         sites.append(site)
+
+
+def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite]) -> None:
+    """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped."""
+    args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
+    va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
+    if va is None or vb is None or va.dim() != 2 or vb.dim() != 3 or args.get("offs") is None:
+        node.meta["graphquant_skip"] = "torch._grouped_mm: only x (T, K) with w (E, K, N) and offs is quantized"
+        return
+    if args.get("bias") is not None or args.get("out_dtype") not in (None, va.dtype):
+        node.meta["graphquant_skip"] = "torch._grouped_mm with bias or out_dtype is not quantized"
+        return
+    if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
+        node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
+        return
+    owner, call, _ = _owner(node)
+    key = (owner, call, "grouped_linear")
+    name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
+    functional_index[key] += 1
+    experts, k, n = (_static(d) for d in vb.shape)
+    site = GemmSite(GROUPED, "grouped_linear", name, call, False, (1, _static(va.shape[0]), k), (experts, n, k))
+    node.meta["graphquant_site"] = site
+    sites.append(site)
 
 
 def _form(node: fx.Node) -> Optional[str]:
