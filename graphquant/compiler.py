@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from graphquant.passes.find_gemms import find_gemms
+from graphquant import distributed
 from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
 from graphquant.plan import Plan, Planner
@@ -90,6 +91,7 @@ class GraphquantBackend:
             lambda role: self._delayed(plan, role),
             needs_rng=self._needs_rng(plan),
             cache_weight=lambda role: not training and not self._delayed(plan, role) and not _is_identity_rowwise(plan.quantizer(role)),
+            amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
         )
         providers = [self._provider(key, plan, device, placeholders) for key in keys]
         if self.dump_dir:

@@ -1,7 +1,8 @@
 """Pass 3 (convert): replace every annotated GEMM with graphquant's quantized functions.
 
 Expects: nodes annotated by find_gemms and a Plan for them (every slot has a quantizer).
-Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site whose keyword
+Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site (graphquant.ops.grouped
+for torch._grouped_mm) whose keyword
 arguments name the site and spell out the format of input, weight/other and grad_output; slot
 state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
 of the returned keys. With ``cache_weights`` (inference), a linear whose weight is a graph input
@@ -17,9 +18,9 @@ from typing import Callable, NamedTuple, Optional
 
 from torch import fx
 
-from graphquant.ops import gemm_site
-from graphquant.passes.find_gemms import ADDMM, EINSUM, LINEAR, TENSOR_TYPES, GemmSite, body_of
-from graphquant.plan import Plan
+from graphquant.ops import gemm_site, grouped
+from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
+from graphquant.plan import Plan, PlanError
 from graphquant.roles import QuantizerRole
 
 class WeightKey(NamedTuple):
@@ -34,6 +35,7 @@ _TARGETS = {
     LINEAR: gemm_site.quantized_linear,
     ADDMM: gemm_site.quantized_addmm,
     EINSUM: gemm_site.quantized_einsum,
+    GROUPED: grouped.quantized_grouped_mm,
 }
 
 
@@ -43,13 +45,15 @@ def rewrite(
     needs_delayed_state: Callable[[QuantizerRole], bool],
     needs_rng: bool,
     cache_weight: Callable[[QuantizerRole], bool] = lambda role: False,
+    amax_group: Optional[str] = None,
 ) -> list[object]:
     """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng", the str
     of a delayed-scaling role, or a WeightKey.
 
     Sites inside a body (find_gemms.body_of: activation checkpointing) are rewritten in the body;
     the state they need enters the body as extra arguments of the higher-order op, and their
-    weights are quantized in the body, never cached.
+    weights are quantized in the body, never cached. ``amax_group``, where given, names the process
+    group of amax reductions (graphquant.distributed) in every call.
     """
     graph = gm.graph
     extra: dict[object, fx.Node] = {}
@@ -65,17 +69,18 @@ def rewrite(
             extra[key] = last_placeholder = node
         return extra[key]
 
-    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, cache_weight, itertools.count())
+    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, cache_weight, itertools.count(), amax_group)
     return list(extra)
 
 
-def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight, counter) -> None:
+def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight, counter, amax_group) -> None:
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
     for node in list(graph.nodes):
         body = body_of(gm, node)
         if body is not None:
-            _rewrite_sites(body, plan, _body_state(body, node, state), needs_delayed_state, needs_rng, lambda role: False, counter)
+            body_state = _body_state(body, node, state)
+            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, lambda role: False, counter, amax_group)
             continue
         if "graphquant_site" not in node.meta:
             continue
@@ -92,6 +97,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight
             rng=state("rng") if needs_rng else None,
             streams=tuple(3 * index + i for i in range(3)),
         )
+        if amax_group is not None and site.form != GROUPED:
+            kwargs["amax_group"] = amax_group
         args, form_kwargs = _arguments(node, site)
         weight = args[1] if site.form == LINEAR else None
         if isinstance(weight, fx.Node) and weight.op == "placeholder" and cache_weight(roles[1]):
@@ -113,6 +120,12 @@ def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[obje
     nodes: dict[object, fx.Node] = {}
 
     def state(key: object) -> fx.Node:
+        if isinstance(key, str) and key != "rng":
+            raise PlanError(
+                f"{key} uses delayed scaling inside torch.utils.checkpoint: the recompute in backward would quantize "
+                "with the scale this step's forward already updated. Give the checkpointed modules a stateless "
+                "quantizer (current scaling, MXFP8, blockwise) in the recipe's factory, or checkpoint other modules"
+            )
         if key not in nodes:
             outer = outer_state(key)
             last = list(body.graph.find_nodes(op="placeholder"))[-1]
@@ -136,6 +149,9 @@ def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
         beta = kwargs.pop("beta", 1)
         alpha = kwargs.pop("alpha", 1)
         return tuple(args[:3]), {"beta": beta, "alpha": alpha}
+    if site.form == GROUPED:
+        named = dict(zip(("mat_a", "mat_b", "offs"), args)) | kwargs
+        return (named["mat_a"], named["mat_b"], named["offs"]), {}
     if site.form == EINSUM:
         operands = args[1:] if len(args) > 2 else list(args[1])
         return (args[0], *operands), {}

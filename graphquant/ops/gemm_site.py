@@ -50,6 +50,7 @@ class SlotState:
     delayed: Optional[torch.Tensor]  # float32 [scale, amax_history...]
     rng: Optional[torch.Tensor]  # int64 [seed, step]
     stream: int
+    amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
 
 def quantize_tensor(x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
@@ -86,7 +87,7 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
         return Operand([data, empty, empty], quantizer.spec, direction, shape)
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
-        return Operand(quantize(x, QuantizeContext()).tensors(), quantizer.spec, direction, shape)
+        return Operand(quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors(), quantizer.spec, direction, shape)
     # A copy, not a view of the state: the forward updates the state in place, and a backward that
     # recomputes this quantize must see the scale the forward used.
     scale = state.delayed[:1].clone() if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
@@ -99,6 +100,10 @@ def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dic
     if not isinstance(quantizer, Float8DelayedScalingQuantizer) or not operands:
         return
     amax = next(iter(operands.values())).tensors[2]
+    if quantizer.reduce_amax and state.amax_group is not None:
+        from graphquant.distributed import all_reduce_amax
+
+        amax = all_reduce_amax(amax, state.amax_group)
     with torch.no_grad():
         scale, history = quantizer.update(state.delayed[:1], state.delayed[1:], amax)
         state.delayed.copy_(torch.cat([scale, history]))
@@ -120,6 +125,7 @@ class Site:
     grad_output: Quantizer
     batch: int
     call: int = 0
+    amax_group: Optional[str] = None
 
     @property
     def label(self) -> str:
@@ -154,8 +160,8 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_delayed, w_delayed, g_delayed, rng, site: Site, streams: tuple[int, int, int]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_state = SlotState(x_delayed, rng, streams[0])
-        w_state = SlotState(w_delayed, rng, streams[1])
+        x_state = SlotState(x_delayed, rng, streams[0], site.amax_group)
+        w_state = SlotState(w_delayed, rng, streams[1], site.amax_group)
         xq = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
         wq = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
         update_delayed_scaling(site.x, x_state, xq)
@@ -183,7 +189,7 @@ class QuantizedGemm(torch.autograd.Function):
         site = ctx.site
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
-        g_state = SlotState(g_delayed, rng, ctx.stream)
+        g_state = SlotState(g_delayed, rng, ctx.stream, site.amax_group)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         gq = quantize_tensor(dy2d, site.grad_output, directions, g_state)
         update_delayed_scaling(site.grad_output, g_state, gq)
@@ -197,8 +203,8 @@ class QuantizedGemm(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
-def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams):
-    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call)
+def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None):
+    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group)
     return QuantizedGemm.apply(x2d, w2d, *states, rng, site, streams)
 
 
@@ -216,6 +222,7 @@ def quantized_linear(
     rng=None,
     streams=(0, 1, 2),
     weight_rowwise=None,
+    amax_group=None,
 ):
     """F.linear(x, w, bias) with input, weight and grad_output in the formats named.
 
@@ -226,10 +233,11 @@ def quantized_linear(
     if weight_rowwise is None:
         y = _product(
             x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
-            streams=streams,
+            streams=streams, amax_group=amax_group,
         )
     else:
-        y = _inference_product(x2d, w, weight_rowwise, input=input, weight=weight, state=SlotState(states[0], rng, streams[0]))
+        state = SlotState(states[0], rng, streams[0], amax_group)
+        y = _inference_product(x2d, w, weight_rowwise, input=input, weight=weight, state=state)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
@@ -255,7 +263,8 @@ def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
 
 
 def quantized_matmul(
-    a, b, *, name, call, input, grad_output, other=None, weight=None, states=(None, None, None), rng=None, streams=(0, 1, 2)
+    a, b, *, name, call, input, grad_output, other=None, weight=None, states=(None, None, None), rng=None, streams=(0, 1, 2),
+    amax_group=None,
 ):
     """a @ b (matmul, mm, bmm) with a as input and b as other; b is quantized as b^T (n, k).
 
@@ -266,13 +275,13 @@ def quantized_matmul(
     if b.dim() == 2:
         y = _product(
             a.reshape(-1, k), b.t(), 1, name=name, call=call, input=input, weight=other, grad_output=grad_output,
-            states=states, rng=rng, streams=streams,
+            states=states, rng=rng, streams=streams, amax_group=amax_group,
         )
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
     y = _product(
         a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, call=call, input=input,
-        weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams,
+        weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams, amax_group=amax_group,
     )
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
@@ -284,7 +293,9 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, **site):
     return product + (c if beta == 1 else beta * c)
 
 
-def quantized_einsum(equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2)):
+def quantized_einsum(
+    equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2), amax_group=None
+):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul."""
     plan = plan_einsum(equation, tuple(a.shape), tuple(b.shape))
     batch, m, k = plan.x_shape
@@ -292,6 +303,6 @@ def quantized_einsum(equation, a, b, *, name, call, input, other, grad_output, s
     w = b.permute(plan.b_perm).reshape(-1, k)
     y = _product(
         x, w, batch, name=name, call=call, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
-        streams=streams,
+        streams=streams, amax_group=amax_group,
     )
     return y.reshape(plan.y_shape).permute(plan.out_perm)

@@ -36,11 +36,14 @@ class QuantizeContext:
     scale: the current FP8 scale of a delayed-scaling slot (float32, one element).
     seed, offset: the counter-based random stream of stochastic rounding. The same seed and
         offset give the same bits on every device.
+    amax_group: the name of the process group over which a quantizer that asks for it
+        (with_amax_reduction) all-reduces its amax (graphquant.distributed); None: no reduction.
     """
 
     scale: Optional[torch.Tensor] = None
     seed: int = 0
     offset: int = 0
+    amax_group: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -56,15 +56,21 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def __post_init__(self) -> None:
         check_fp8_dtype(self, self.fp8_dtype)
 
-    def scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv) from this tensor's amax."""
-        return fp8.scales(fp8.tensor_amax(x), self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+    def scales(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) from this tensor's amax, the MAX over ``ctx.amax_group`` with
+        with_amax_reduction (every rank then gets the same scale)."""
+        amax = fp8.tensor_amax(x)
+        if self.with_amax_reduction and ctx is not None and ctx.amax_group is not None:
+            from graphquant.distributed import all_reduce_amax
+
+            amax = all_reduce_amax(amax, ctx.amax_group)
+        return fp8.scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scales(x), ROWWISE)
+        return self._encode(x, self.scales(x, ctx), ROWWISE)
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scales(x), COLUMNWISE)
+        return self._encode(x, self.scales(x, ctx), COLUMNWISE)
 
 
 @dataclasses.dataclass(frozen=True)
