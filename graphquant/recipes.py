@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 from typing import Callable, Optional, Union
 
 from graphquant import factories
@@ -35,6 +36,14 @@ class CustomRecipe:
             raise ValueError("CustomRecipe requires a callable qfactory(role) -> Quantizer")
 
     def __getstate__(self) -> dict:
+        factory = self.qfactory.func if isinstance(self.qfactory, functools.partial) else self.qfactory
+        qualname = getattr(factory, "__qualname__", "")
+        if "<lambda>" in qualname or "<locals>" in qualname:
+            raise pickle.PicklingError(
+                f"this CustomRecipe's factory {qualname} is a lambda or a function defined inside another one, which "
+                "pickle cannot store; define the factory at module level (or use a functools.partial of one) to pickle "
+                "the recipe (torch.multiprocessing.spawn, checkpoints)"
+            )
         # Process groups do not pickle; a restored recipe reduces over nothing until given a group.
         return {**self.__dict__, "amax_reduction_group": None}
 

@@ -1,0 +1,381 @@
+"""graphquant inside the tools people train with: activation checkpointing, DDP, FSDP2, amax
+reduction over a process group, checkpoints (state_dict) and pickled recipes.
+
+The distributed tests run two CPU processes on gloo (torch.multiprocessing.spawn, a free port, a
+time limit); one spawn runs every distributed scenario and saves each rank's results, and the
+tests below check them against single-process runs.
+"""
+
+import copy
+import dataclasses
+import functools
+import os
+import pickle
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
+
+import graphquant
+from graphquant import factories, recipes
+from graphquant.formats import fp8
+from graphquant.ops import gemm_site
+
+import models
+from reference import ORDER_SLACK, GemmTape, assert_same_results, forward_backward, fresh_dynamo  # noqa: F401
+
+def x3(batch=2, seq=32, dim=64, seed=7):
+    return torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(seed))
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+
+
+class CountingFactory:
+    """A factory that records every call (module level, so the recipe still pickles)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def __call__(self, role):
+        self.calls.append(role)
+        return self.inner(role)
+
+
+class CheckpointedPair(torch.nn.Module):
+    """first (checkpointed unless mode is None) then second; both models.MLP (fc1, fc2)."""
+
+    def __init__(self, mode=None):
+        super().__init__()
+        self.first, self.second = models.MLP(), models.MLP()
+        self.mode = mode  # None: no checkpoint; False / True: use_reentrant
+
+    def forward(self, x):
+        x = self.first(x) if self.mode is None else checkpoint(self.first, x, use_reentrant=self.mode)
+        return self.second(x)
+
+
+SITES = ["first.fc1#0", "first.fc2#0", "second.fc1#0", "second.fc2#0"]
+
+
+def run_steps(mode, factory, backend, steps=2):
+    """(results of the last of ``steps`` forward+backward steps, compiled model, GEMMs run per step)."""
+    torch._dynamo.reset()
+    model = models.seeded(CheckpointedPair(mode), 0)
+    tape = GemmTape() if backend == "tape" else None
+    compiled = graphquant.compile(model, graphquant.CustomRecipe(factory), backend=tape.backend if tape else backend)
+    gemms = []
+    for _ in range(steps):
+        if tape:
+            tape.clear()
+        results = forward_backward(compiled, model, x3())
+        gemms.append(len(tape.entries) if tape else None)
+    return results, compiled, gemms
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_gemms_are_quantized_with_the_same_gradients(recipe, use_reentrant):
+    """Dynamo turns torch.utils.checkpoint (either flavour) into a tag_activation_checkpoint body;
+    its GEMMs are sites like any other, the gradients are those of the same model without
+    checkpointing (NVFP4: the same stochastic-rounding streams too), the backward recomputes the
+    checkpointed forward GEMMs, and the factory is asked once per slot, never by the recompute."""
+    inner = {"mxfp8": factories.mxfp8_factory, "nvfp4": factories.nvfp4_factory}[recipe]
+    plain_factory, checkpointed_factory = CountingFactory(inner), CountingFactory(inner)
+    expected, plain, plain_gemms = run_steps(None, plain_factory, "tape")
+    actual, compiled, gemms = run_steps(use_reentrant, checkpointed_factory, "tape")
+
+    assert_same_results(actual, expected, what="checkpointed: ")
+    assert [g.site for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"] == SITES
+    assert all(g.bucket == "emulated" for g in compiled.graphquant.plan.gemms)
+    assert plain_gemms == [12, 12] and all(g > 12 for g in gemms), (plain_gemms, gemms)  # recomputed fprops
+    assert len(checkpointed_factory.calls) == len(set(checkpointed_factory.calls)) == 12  # 4 sites x 3 roles
+    assert set(checkpointed_factory.calls) == set(plain_factory.calls)
+
+
+def test_checkpointing_with_inductor():
+    """Under Inductor too, checkpointing changes no gradient. (The reference is Inductor without
+    checkpointing: against aot_eager, Inductor's fused GELU backward can move a value across an
+    MXFP8 rounding boundary and part the gradients by one quantization step.)"""
+    expected, _, _ = run_steps(None, factories.mxfp8_factory, "inductor", steps=1)
+    actual, compiled, _ = run_steps(False, factories.mxfp8_factory, "inductor", steps=1)
+    assert_same_results(actual, expected, what="inductor: ")
+    assert [g.site for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"] == SITES
+
+
+def test_delayed_scaling_inside_a_checkpoint_is_refused():
+    """The recompute would quantize with the scale the forward already updated (a silent wrong
+    gradient); graphquant says so instead."""
+    model = CheckpointedPair(False)
+    compiled = graphquant.compile(model, recipes.delayed_scaling(), backend="aot_eager")
+    with pytest.raises(Exception, match="delayed scaling inside torch.utils.checkpoint"):
+        compiled(x3())
+
+
+# -- DDP, FSDP2 and amax reduction in two processes ---------------------------------------------
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stack():
+    """models.MLPStack at 4 MB of weights: DDP's first bucket is 1 MB, so DDP with 1 MB buckets
+    splits it into several."""
+    return models.seeded(models.MLPStack(dim=256, hidden=1024), 0)
+
+
+def stack_input():
+    return x3(batch=4, dim=256)
+
+
+def halves(x):
+    return [x[r * (x.shape[0] // WORLD) : (r + 1) * (x.shape[0] // WORLD)] for r in range(WORLD)]
+
+
+def identity_linear():
+    """Linear(64, 64) with the identity as weight: y is exactly the dequantized input (the weight
+    quantizes exactly in per-tensor FP8), so y shows which scale the input was quantized with."""
+    lin = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(64))
+    return lin
+
+
+def reducing_current_factory(role):
+    return graphquant.Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if factories.is_gradient(role) else "e4m3", with_amax_reduction=True)
+
+
+def distributed_worker(rank, port, out, delayed_recipe):
+    """Every distributed scenario on one rank; results go to out/rank<rank>.pt.
+
+    ``delayed_recipe`` reached this process through pickle (spawn pickles its arguments)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    results = {}
+    x = halves(stack_input())[rank]
+
+    # DDP: 1 MB buckets, so DDPOptimizer splits the graph and graphquant sees several graphs.
+    model = stack()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1)
+    compiled = graphquant.compile(ddp, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(x).square().mean().backward()
+    results["ddp"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    results["ddp_graphs"] = len(compiled.graphquant.plans)
+    results["ddp_sites"] = [g.site for p in compiled.graphquant.plans for g in p.gemms if g.gemm == "fprop"]
+
+    # FSDP2: every block and the root sharded; the compiled forward sees the unsharded weights.
+    torch._dynamo.reset()
+    model = stack()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(x).square().mean().backward()
+    results["fsdp"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    # Current scaling with the amax all-reduced over the recipe's group: rank 1's input is 100x
+    # rank 0's. Eagerly (gemm_site.recording sees the scales), then aot_eager and Inductor.
+    x_amax = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 99 * rank)
+    results["x_amax"] = x_amax
+    for group in (dist.group.WORLD, None):
+        recipe = graphquant.CustomRecipe(reducing_current_factory, amax_reduction_group=group)
+        tag = "reduced" if group is not None else "local"
+        torch._dynamo.reset()
+        scales = []
+        with gemm_site.recording(lambda site, gemm, a, a_op, b, b_op, y: scales.append(a_op.tensors[1].clone())):
+            graphquant.compile(identity_linear(), recipe, backend=graphquant.explainer.run_eagerly)(x_amax)
+        results[f"eager_scale_{tag}"] = scales[0]
+        for backend in ("aot_eager", "inductor") if group is not None else ("aot_eager",):
+            torch._dynamo.reset()
+            results[f"{backend}_{tag}"] = graphquant.compile(identity_linear(), recipe, backend=backend)(x_amax).detach()
+
+    # Delayed scaling: after two steps each slot's scale and amax history, with and without a group.
+    for group in (dist.group.WORLD, None):
+        torch._dynamo.reset()
+        recipe = dataclasses.replace(delayed_recipe, amax_reduction_group=group)
+        model = models.seeded(models.MLP(), 0)
+        compiled = graphquant.compile(model, recipe, backend="aot_eager")
+        for _ in range(2):
+            compiled(x3(seed=rank) * (1 + 9 * rank)).square().mean().backward()
+        tag = "reduced" if group is not None else "local"
+        results[f"delayed_{tag}"] = {str(role): state.clone() for role, state in compiled.graphquant.delayed_state.items()}
+
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    """The results of both ranks (spawned once for the module)."""
+    out = tempfile.mkdtemp(prefix="graphquant_dist_")
+    recipe = recipes.delayed_scaling(amax_history_len=4)
+    context = mp.spawn(distributed_worker, args=(free_port(), out, recipe), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the two-process run did not finish within {SPAWN_TIMEOUT_S} s")
+    return [torch.load(os.path.join(out, f"rank{rank}.pt")) for rank in range(WORLD)]
+
+
+def single_process_grads():
+    """The gradients DDP and FSDP2 must give: the mean of both ranks' losses in one process."""
+    torch._dynamo.reset()
+    model = stack()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    loss = sum(compiled(h).square().mean() for h in halves(stack_input())) / WORLD
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_gradients_equal_a_single_process_run(distributed, kind):
+    expected = single_process_grads()
+    for rank, results in enumerate(distributed):
+        assert_same_results(results[kind], expected, what=f"{kind} rank {rank}: ")
+
+
+def test_ddp_split_graphs_keep_their_sites(distributed):
+    """DDPOptimizer compiled several graphs; together they hold every GEMM once, under the
+    wrapped model's names (Dynamo traces DDP's inner module), so one recipe serves both."""
+    results = distributed[0]
+    assert results["ddp_graphs"] > 1
+    assert sorted(results["ddp_sites"]) == sorted(f"layers.{i}.mlp.fc{j}#0" for i in range(2) for j in (1, 2))
+
+
+def expected_identity_output(x, amax):
+    """What identity_linear gives for x quantized to E4M3 with the scale of ``amax``."""
+    scale, scale_inv = fp8.scales(amax, "e4m3", 0.0, False)
+    return fp8.cast_to_fp8(x.float() * scale, "e4m3").float() * scale_inv
+
+
+def test_current_scaling_reduces_the_amax_over_the_recipes_group(distributed):
+    """With_amax_reduction and a group: both ranks quantize with the scale of the larger amax,
+    eagerly, in aot_eager graphs and in Inductor graphs. Without a group each keeps its own."""
+    global_amax = torch.stack([r["x_amax"].abs().amax() for r in distributed]).amax()
+    eager_scales = [r["eager_scale_reduced"] for r in distributed]
+    assert torch.equal(eager_scales[0], eager_scales[1])
+    assert torch.equal(eager_scales[0].reshape(()), fp8.scales(global_amax, "e4m3", 0.0, False)[1])
+    local_scales = [r["eager_scale_local"] for r in distributed]
+    assert not torch.equal(local_scales[0], local_scales[1])
+    for rank, results in enumerate(distributed):
+        x = results["x_amax"]
+        reduced = expected_identity_output(x, global_amax)
+        local = expected_identity_output(x, x.abs().amax())
+        tolerance = dict(rtol=1e-6, atol=1e-6 * x.abs().max().item())
+        for backend in ("aot_eager", "inductor"):
+            torch.testing.assert_close(results[f"{backend}_reduced"], reduced, **tolerance, msg=f"rank {rank} {backend}")
+        torch.testing.assert_close(results["aot_eager_local"], local, **tolerance)
+    assert not torch.allclose(distributed[0]["aot_eager_reduced"], distributed[0]["aot_eager_local"])
+
+
+def test_delayed_scaling_reduces_the_amax_over_the_recipes_group(distributed):
+    """Delayed scaling (reduce_amax, the default): after two steps on different data the ranks
+    hold the same scale and amax history in every slot; without a group they differ."""
+    reduced = [r["delayed_reduced"] for r in distributed]
+    local = [r["delayed_local"] for r in distributed]
+    assert reduced[0].keys() == reduced[1].keys() and len(reduced[0]) == 6
+    assert all(torch.equal(reduced[0][k], reduced[1][k]) for k in reduced[0])
+    assert all(reduced[0][k][1:].amax() > 0 for k in reduced[0])  # amaxes were recorded
+    assert not all(torch.equal(local[0][k], local[1][k]) for k in local[0])
+
+
+# -- checkpoints and pickling ------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_and_load_without_graphquant(tmp_path):
+    """A compiled model's state_dict holds the high-precision parameters only (graphquant adds
+    nothing to it); saved and loaded, it gives a plain model the eager outputs and a freshly
+    compiled one the compiled outputs."""
+    model = models.seeded(models.MLPStack(), 0)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled(x3()).square().mean().backward()
+    optimizer.step()
+
+    state = compiled.state_dict()
+    plain_keys = set(models.MLPStack().state_dict())
+    assert set(state) == {f"_orig_mod.{k}" for k in plain_keys}  # torch.compile's wrapper prefix, nothing more
+    assert set(model.state_dict()) == plain_keys
+    assert all(v.dtype == torch.float32 for v in state.values())
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+
+    plain = models.MLPStack()
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    x = x3(seed=9)
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))
+
+    fresh = models.MLPStack()
+    fresh_compiled = graphquant.compile(fresh, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    fresh_compiled.load_state_dict(state)
+    assert torch.equal(fresh_compiled(x), compiled(x))
+    assert not torch.allclose(compiled(x), plain(x))  # the compiled model really quantizes
+
+
+def test_inference_weight_cache_follows_load_state_dict():
+    """Inference keeps each weight's quantized form per weight version; load_state_dict bumps the
+    versions, so the next call uses the new weights."""
+    model = models.seeded(models.MLPStack(), 0)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    x = x3()
+    with torch.no_grad():
+        before = compiled(x)
+        other = models.seeded(models.MLPStack(), 1)
+        compiled.load_state_dict({f"_orig_mod.{k}": v for k, v in other.state_dict().items()})
+        after = compiled(x)
+        torch._dynamo.reset()
+        expected = graphquant.compile(other, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")(x)
+    assert torch.equal(after, expected)
+    assert not torch.equal(before, after)
+    assert compiled.graphquant.weight_cache.quantizations == 8  # 4 weights, quantized again after the load
+
+
+def local_factory_recipe():
+    def factory(role):
+        return graphquant.IdentityQuantizer()
+
+    return graphquant.CustomRecipe(factory)
+
+
+def test_recipes_pickle_and_lambdas_say_why_not():
+    """Recipes from module-level factories (presets, zoo, partials, a callable instance) pickle
+    and plan the same; the process group is dropped; a lambda or local factory raises an error
+    that says what to do."""
+    import torch.distributed as dist
+
+    candidates = [
+        recipes.delayed_scaling(margin=1),
+        graphquant.zoo.recipe("mxfp8_fwd_nvfp4_bwd"),
+        graphquant.CustomRecipe(functools.partial(factories.delayed_scaling_factory, amax_history_len=16)),
+        graphquant.CustomRecipe(CountingFactory(factories.mxfp8_factory), expected_names=("fc1",)),
+    ]
+    role = graphquant.QuantizerRole("linear", "grad_output", "fc1")
+    for recipe in candidates:
+        again = pickle.loads(pickle.dumps(recipe))
+        assert again.qfactory(role) == recipe.qfactory(role)
+        assert again.expected_names == recipe.expected_names
+    grouped = dataclasses.replace(recipes.current_scaling(), amax_reduction_group=dist.group.WORLD)
+    assert pickle.loads(pickle.dumps(grouped)).amax_reduction_group is None
+    for bad in (graphquant.CustomRecipe(lambda role: graphquant.IdentityQuantizer()), local_factory_recipe()):
+        with pytest.raises(pickle.PicklingError, match="define the factory at module level"):
+            pickle.dumps(bad)

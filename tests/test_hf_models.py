@@ -1,0 +1,172 @@
+"""HuggingFace transformers models nobody here wrote, built from a config with random weights.
+
+Each compiles with graphquant in one graph (fullgraph=True: plain torch.compile captures each of
+these in one graph too), trains two steps whose outputs and gradients match the eager reference
+of the same recipe (tests/reference.py: every GEMM re-derived and quantized with
+graphquant.quantizers, teacher-forced by the compiled GEMM results), and names its sites as
+``model.named_modules()`` does. Llama also generates under torch.inference_mode.
+
+Models are tiny (hidden 64, 2 layers, vocabulary 256). Dropout is off (GPT-2's default is 0.1),
+so the compiled and reference runs see the same values.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import graphquant  # noqa: E402
+from graphquant import factories, recipes  # noqa: E402
+
+from reference import (  # noqa: E402,F401  (fresh_dynamo is an autouse fixture)
+    GemmTape,
+    Reference,
+    assert_same_results,
+    forward_backward,
+    fresh_dynamo,
+)
+
+VOCAB = 256
+
+
+def mxfp8_except_routers_factory(role):
+    """MXFP8 everywhere except MoE routers, which stay in high precision (as TE keeps them): a
+    router's few output rows (one per expert) cannot tile MXFP8's 32-row columnwise blocks."""
+    if role is not None and role.name.endswith((".gate.linear.0", ".shared_expert_gate")):
+        return graphquant.IdentityQuantizer()
+    return factories.mxfp8_factory(role)
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0, eos_token_id=None,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=128, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def mixtral():
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def vit():
+    config = transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32, patch_size=8,
+        num_channels=3, num_labels=32, attn_implementation="sdpa",
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def token_ids(batch=2, seq=32, seed=1):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def images(batch=2, seed=1):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+# name: (model, recipe, input, how to call it, sites that must be in the plan (module_type)).
+# ViT runs per-tensor current scaling: its 2 x 17 tokens do not tile MXFP8's 32-row blocks.
+CASES = {
+    "llama": (llama, lambda: graphquant.CustomRecipe(mxfp8_except_routers_factory), token_ids, lambda m, x: m(x).logits, {
+        "model.layers.0.self_attn.q_proj": "linear", "model.layers.1.mlp.down_proj": "linear", "lm_head": "linear",
+    }),
+    "gpt2": (gpt2, lambda: graphquant.CustomRecipe(mxfp8_except_routers_factory), token_ids, lambda m, x: m(x).logits, {
+        # Conv1D computes torch.addmm(bias, x, weight) with weight a Parameter: a linear, named as
+        # a functional GEMM of its owner.
+        "transformer.h.0.attn.c_attn.linear.0": "linear", "transformer.h.1.mlp.c_proj.linear.0": "linear", "lm_head": "linear",
+    }),
+    "mixtral": (mixtral, lambda: graphquant.CustomRecipe(mxfp8_except_routers_factory), token_ids, lambda m, x: m(x).logits, {
+        "model.layers.0.self_attn.o_proj": "linear", "model.layers.0.mlp.gate.linear.0": "linear", "lm_head": "linear",
+    }),
+    "vit": (vit, recipes.current_scaling, images, lambda m, x: m(pixel_values=x).logits, {
+        "vit.layers.0.attention.q_proj": "linear", "vit.layers.1.mlp.fc2": "linear", "classifier": "linear",
+    }),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_trains_like_the_eager_reference(name):
+    make_model, make_recipe, make_input, call, expected_sites = CASES[name]
+    torch.manual_seed(0)
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    recipe = make_recipe()
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    reference = Reference(ref_model, recipe, tape=tape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = make_input()
+    before = copy.deepcopy(model.state_dict())
+    for step in range(2):
+        tape.clear()
+        actual = forward_backward(lambda t: call(compiled, t), model, x)
+        expected = forward_backward(lambda t: call(reference, t), ref_model, x)
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"{name} step {step}: ")
+        optimizer.step()
+        ref_model.load_state_dict(model.state_dict())  # the reference follows the compiled model's training
+
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "the optimizer changed nothing"
+    assert len(compiled.graphquant.plans) == 1
+    plan = compiled.graphquant.plan
+    planned = {g.site.rsplit("#", 1)[0]: g.module_type for g in plan.gemms}
+    assert planned == {site_name: kind for site_name, _, kind in reference.sites}
+    assert {k: planned.get(k) for k in expected_sites} == expected_sites
+    named = {n for n, _ in model.named_modules()}
+    assert all(site.rsplit(".linear.", 1)[0] in named for site in planned), sorted(set(planned) - named)
+    assert all(g.bucket == "emulated" for g in plan.gemms if "identity" not in g.a_format), plan
+
+
+def test_mixtral_router_stays_high_precision_and_experts_are_not_sites():
+    """The factory keeps the router in high precision. transformers runs the experts through its
+    own custom op (transformers::grouped_mm_fallback on CPU, float32), which no graph pass can
+    see into: those products stay in high precision and are not listed as sites."""
+    torch.manual_seed(0)
+    compiled = graphquant.compile(mixtral(), graphquant.CustomRecipe(mxfp8_except_routers_factory), backend="aot_eager", fullgraph=True)
+    compiled(token_ids())
+    formats = {(g.site, g.gemm): (g.a_format, g.b_format) for g in compiled.graphquant.plan.gemms}
+    assert formats[("model.layers.0.mlp.gate.linear.0#0", "fprop")] == ("identity()", "identity()")
+    assert formats[("model.layers.0.self_attn.q_proj#0", "fprop")] == ("mxfp8(fp8_dtype=e4m3)", "mxfp8(fp8_dtype=e4m3)")
+    assert not any("experts" in site for site, _ in formats)
+
+
+def test_llama_generates_under_inference_mode():
+    """generate() with the compiled forward under torch.inference_mode: every plan is an
+    inference plan (fprop only, quantized), each weight is quantized once for all decode steps
+    (the inference weight cache), and the first step's scores are the eager reference's logits."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    ref_model = copy.deepcopy(model)
+    recipe = recipes.mxfp8_block_scaling()
+    model.forward = graphquant.compile(model.forward, recipe, backend="aot_eager")
+    prompt = token_ids(batch=2, seq=16)
+    with torch.inference_mode():
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        expected = Reference(ref_model, recipe)(prompt).logits[:, -1]
+    assert out.sequences.shape == (2, 22)
+    assert torch.equal(out.sequences[:, :16], prompt)
+    backend = model.forward.graphquant
+    assert len(backend.plans) >= 2  # the prompt, then the decode steps
+    for plan in backend.plans:
+        assert {g.gemm for g in plan.gemms} == {"fprop"}
+        assert all(g.a_format == "mxfp8(fp8_dtype=e4m3)" for g in plan.gemms)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert backend.weight_cache.quantizations == linears
+    torch.testing.assert_close(out.scores[0], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
