@@ -6,7 +6,6 @@ time limit); one spawn runs every distributed scenario and saves each rank's res
 tests below check them against single-process runs.
 """
 
-import copy
 import dataclasses
 import functools
 import os
@@ -26,7 +25,7 @@ from graphquant.formats import fp8
 from graphquant.ops import gemm_site
 
 import models
-from reference import ORDER_SLACK, GemmTape, assert_same_results, forward_backward, fresh_dynamo  # noqa: F401
+from reference import GemmTape, assert_same_results, forward_backward, fresh_dynamo  # noqa: F401  (fresh_dynamo: autouse)
 
 def x3(batch=2, seq=32, dim=64, seed=7):
     return torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(seed))

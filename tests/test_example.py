@@ -26,7 +26,7 @@ def example():
 
 def test_short_run_trains_and_reports(example, capsys, tmp_path):
     plot = tmp_path / "loss.png"
-    code = example.main(["--steps", "20", "--log-every", "5", "--plot", str(plot)])
+    code = example.main(["--steps", "20", "--log-every", "5", "--plot", str(plot), "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "graphquant plan on cpu: 15 GEMM sites, 45 GEMMs" in out
