@@ -18,6 +18,7 @@ from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
 from graphquant.plan import Plan, Planner
 from graphquant.quantizers import (
+    ROWWISE,
     Float8DelayedScalingQuantizer,
     HybridQuantizer,
     IdentityQuantizer,
@@ -150,7 +151,7 @@ class GraphquantBackend:
 
 
 def _is_identity_rowwise(quantizer: Quantizer) -> bool:
-    return isinstance(gemm_site.rowwise_quantizer(quantizer), IdentityQuantizer)
+    return isinstance(quantizer.child(ROWWISE), IdentityQuantizer)
 
 
 class WeightCache:

@@ -108,20 +108,6 @@ def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torc
     return None
 
 
-def _representation(quantizer, direction, x, data, scale, amax) -> Representation:
-    return Representation(
-        quantizer=quantizer,
-        direction=direction,
-        data=data,
-        scale=scale,
-        amax=amax,
-        shape=tuple(x.shape),
-        transposed=quantizer.transposed(direction),
-        dtype=x.dtype,
-        hadamard=quantizer.hadamard(direction),
-    )
-
-
 class _Native(NamedTuple):
     rowwise: Optional[Representation]
     columnwise: Optional[Representation]
@@ -166,8 +152,8 @@ def _run(
         dbias,
     )
     return _Native(
-        _representation(row_q, ROWWISE, x, *out[0:3]) if rowwise else None,
-        _representation(col_q, COLUMNWISE, x, *out[3:6]) if columnwise else None,
+        row_q.representation(ROWWISE, x.shape, x.dtype, *out[0:3]) if rowwise else None,
+        col_q.representation(COLUMNWISE, x.shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
     )
 
@@ -252,7 +238,7 @@ def reference_grouped_quantize(
     parts = [encode(x[a:b], ctx) for a, b in zip(bounds, bounds[1:])]
     first = parts[0]
     split_dim = 1 if first.transposed else 0
-    child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
+    child = quantizer.child(direction)
 
     def combine(tensors: list, stacked: bool) -> Optional[torch.Tensor]:
         if tensors[0] is None:
@@ -262,16 +248,13 @@ def reference_grouped_quantize(
         return torch.cat(tensors, dim=split_dim if tensors[0] is not first.amax else 0)
 
     stacked_scale = isinstance(child, Float8RowwiseQuantizer) and direction == COLUMNWISE
-    return Representation(
-        quantizer=first.quantizer,
-        direction=direction,
-        data=torch.cat([p.data for p in parts], dim=split_dim),
-        scale=combine([p.scale for p in parts], stacked_scale),
-        amax=combine([p.amax for p in parts], False),
-        shape=tuple(x.shape),
-        transposed=first.transposed,
-        dtype=x.dtype,
-        hadamard=first.hadamard,
+    return first.quantizer.representation(
+        direction,
+        x.shape,
+        x.dtype,
+        torch.cat([p.data for p in parts], dim=split_dim),
+        combine([p.scale for p in parts], stacked_scale),
+        combine([p.amax for p in parts], False),
     )
 
 

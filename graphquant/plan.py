@@ -141,10 +141,6 @@ def direction_format(quantizer: Quantizer, direction: str) -> str:
     return child
 
 
-def direction_quantizer(quantizer: Quantizer, direction: str) -> Quantizer:
-    return quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
-
-
 class Planner:
     """Asks the recipe's factory once per slot and turns GEMM sites into a validated Plan."""
 
@@ -208,7 +204,7 @@ class Planner:
             n = site.w_shape[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
-                qa, qb = direction_quantizer(quantizers[ia], da), direction_quantizer(quantizers[ib], db)
+                qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 selection = backends.select(qa, da, qb, db, device, dims[gemm], batch)
                 if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
@@ -282,7 +278,7 @@ class Planner:
     def _check_groups(quantizer: Quantizer, direction: str, site: GemmSite, shape: tuple[int, int]) -> None:
         """Blocks along the rows of a batched operand must not straddle two batch entries."""
         batch = site.x_shape[0]
-        block_rows = direction_quantizer(quantizer, direction).block(direction)[0]
+        block_rows = quantizer.child(direction).block(direction)[0]
         if batch and batch > 1 and block_rows > 1 and (shape[0] // batch) % block_rows:
             raise ValueError(
                 f"{quantizer}: {direction} blocks span {block_rows} rows but each of the {batch} batch entries "

@@ -27,7 +27,6 @@ from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
     HybridQuantizer,
-    IdentityQuantizer,
     QuantizeContext,
     Quantizer,
 )
@@ -53,26 +52,34 @@ class SlotState:
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
 
+def hybrid_directions(
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    directions: tuple[str, ...],
+    encode: Callable[[torch.Tensor, Quantizer, str], Operand],
+    rowwise_values: Callable[[Operand], torch.Tensor],
+) -> dict[str, Operand]:
+    """The representations of ``x`` in ``directions``: each made by ``encode(source, child,
+    direction)``, the columnwise source being x or, for a rowwise_dequantized hybrid,
+    ``rowwise_values`` of the rowwise representation (made for it even when not wanted)."""
+    made: dict[str, Operand] = {}
+    from_rowwise = COLUMNWISE in directions and feeds_columnwise_of(quantizer)
+    for direction in (ROWWISE, COLUMNWISE):
+        if direction in directions or (direction == ROWWISE and from_rowwise):
+            source = rowwise_values(made[ROWWISE]) if direction == COLUMNWISE and from_rowwise else x
+            made[direction] = encode(source, quantizer.child(direction), direction)
+    return {d: made[d] for d in directions}
+
+
 def quantize_tensor(x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
     """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources."""
-    made: dict[str, Operand] = {}
-    for direction in (ROWWISE, COLUMNWISE):
-        wanted = direction in directions
-        feeds_columnwise = (
-            direction == ROWWISE
-            and COLUMNWISE in directions
-            and isinstance(quantizer, HybridQuantizer)
-            and quantizer.columnwise_source == "rowwise_dequantized"
-        )
-        if not (wanted or feeds_columnwise):
-            continue
-        source = x
-        if direction == COLUMNWISE and feeds_columnwise_of(quantizer):
-            row = made[ROWWISE]
-            source = torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype)
-        child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
-        made[direction] = _quantize_direction(source, child, direction, state)
-    return {d: made[d] for d in directions}
+    return hybrid_directions(
+        x,
+        quantizer,
+        directions,
+        lambda source, child, direction: _quantize_direction(source, child, direction, state),
+        lambda row: torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype),
+    )
 
 
 def feeds_columnwise_of(quantizer: Quantizer) -> bool:
@@ -81,10 +88,6 @@ def feeds_columnwise_of(quantizer: Quantizer) -> bool:
 
 def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, state: SlotState) -> Operand:
     shape = (x.shape[0], x.shape[1])
-    if isinstance(quantizer, IdentityQuantizer):
-        data = x if quantizer.dtype is None else x.to(quantizer.dtype)
-        empty = x.new_empty(0, dtype=torch.float32)
-        return Operand([data, empty, empty], quantizer.spec, direction, shape)
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
         return Operand(quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors(), quantizer.spec, direction, shape)
@@ -247,18 +250,13 @@ def _inference_product(x2d, w, weight_rowwise, *, input, weight, state):
     x2d = x2d.detach()  # inference: nothing flows back through this product, even with grad enabled
     xq = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
     update_delayed_scaling(x_quantizer, state, xq)
-    w_operand = Operand(list(weight_rowwise), rowwise_quantizer(quantizer_of(weight)).spec, ROWWISE, (w.shape[0], w.shape[1]))
+    w_operand = Operand(list(weight_rowwise), quantizer_of(weight).child(ROWWISE).spec, ROWWISE, (w.shape[0], w.shape[1]))
     return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype))
-
-
-def rowwise_quantizer(quantizer: Quantizer) -> Quantizer:
-    """The quantizer that makes ``quantizer``'s rowwise representation."""
-    return quantizer.rowwise_quantizer if isinstance(quantizer, HybridQuantizer) else quantizer
 
 
 def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
     """A weight's rowwise representation, made outside any graph (for the inference cache)."""
-    quantizer = rowwise_quantizer(quantizer_of(weight))
+    quantizer = quantizer_of(weight).child(ROWWISE)
     return _quantize_direction(w.detach(), quantizer, ROWWISE, SlotState(None, None, 0)).tensors
 
 

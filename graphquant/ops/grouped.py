@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
-from graphquant.ops.gemm_site import Operand, Site, feeds_columnwise_of
+from graphquant.ops.gemm_site import Operand, Site, hybrid_directions
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -168,21 +168,16 @@ def _(a, a_spec, a_direction, a_shape, a_offs, b, b_spec, b_direction, b_shape, 
 
 
 def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], site: str) -> dict[str, Operand]:
-    """The grouped representations of ``x`` in ``directions``, honouring hybrid children and sources
-    (gemm_site.quantize_tensor, per group)."""
-    made: dict[str, Operand] = {}
-    feeds = COLUMNWISE in directions and feeds_columnwise_of(quantizer)
-    for direction in (ROWWISE, COLUMNWISE):
-        if direction not in directions and not (direction == ROWWISE and feeds):
-            continue
-        source = x
-        if direction == COLUMNWISE and feeds:
-            row = made[ROWWISE]
-            source = torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, offs, x.dtype)
-        child = quantizer.child(direction) if isinstance(quantizer, HybridQuantizer) else quantizer
+    """The grouped representations of ``x`` in ``directions``, honouring hybrid children and sources."""
+
+    def encode(source: torch.Tensor, child: Quantizer, direction: str) -> Operand:
         tensors = torch.ops.graphquant.grouped_quantize(source, offs, child.spec, direction, site)
-        made[direction] = Operand(list(tensors), child.spec, direction, (x.shape[0], x.shape[1]))
-    return {d: made[d] for d in directions}
+        return Operand(list(tensors), child.spec, direction, (x.shape[0], x.shape[1]))
+
+    def rowwise_values(row: Operand) -> torch.Tensor:
+        return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, offs, x.dtype)
+
+    return hybrid_directions(x, quantizer, directions, encode, rowwise_values)
 
 
 def _gemm(a: Operand, a_offs: torch.Tensor, b: Operand, b_offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

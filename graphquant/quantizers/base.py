@@ -159,6 +159,10 @@ class Quantizer:
     def check_shape(self, shape: tuple[int, int], direction: str) -> None:
         """Raise ValueError if a (rows, cols) tensor cannot be quantized for ``direction``."""
 
+    def child(self, direction: str) -> "Quantizer":
+        """The quantizer that makes ``direction``: itself (a HybridQuantizer names one per direction)."""
+        return self
+
     def transposed(self, direction: str) -> bool:
         """Whether ``direction``'s data is stored transposed (as Hopper's TN GEMM reads it)."""
         return False

@@ -18,6 +18,7 @@ class IdentityQuantizer(Quantizer):
     """
 
     tag = "identity"
+    traceable = True
 
     dtype: Optional[torch.dtype] = None
 
