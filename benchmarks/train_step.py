@@ -66,14 +66,37 @@ def configs(requested: list[str] | None) -> list[str]:
 
 
 def profile(name: str, step) -> None:
-    """Print the 15 CUDA kernels that take the most time in one step of ``name``."""
+    """Print the 15 CUDA kernels that take the most time in one step of ``name``, then where the
+    GPU sat idle: the largest gaps between kernels, each with the kernels around it and whether
+    the next kernel's launch came late (host-bound) or was queued in time (something else)."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     print(f"--- {name}: top CUDA kernels of one step", file=sys.stderr)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=90), file=sys.stderr)
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    busy = sum(e["dur"] for e in device)
+    span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
+    gaps = []
+    for before, after in zip(device, device[1:]):
+        gap = after["ts"] - (before["ts"] + before["dur"])
+        launched = launches.get(after["args"].get("correlation"))
+        late = launched is not None and launched > before["ts"] + before["dur"]
+        gaps.append((gap, late, before["name"][:60], after["name"][:60]))
+    host = sum(g for g, late, *_ in gaps if g > 0 and late)
+    print(f"--- {name}: device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; idle {(span - busy) / 1e3:.2f} ms, "
+          f"{host / 1e3:.2f} ms of it waiting for a late launch", file=sys.stderr)
+    rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:12]]
+    print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
 
 
 def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: int, compile_mode: str | None, profiled: list[str]) -> list[list]:

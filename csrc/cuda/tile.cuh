@@ -134,6 +134,13 @@ struct TileProgram {
   template <class Runner>
   GQ_HD static void run(const Runner& phase, const TileParams& p, int64_t bx, int64_t by, Smem& s) {
     const TileCoords t = tile_coords(p, bx, by);
+    phase([&](int tid) { load_tile(p, t, s, tid); });
+    process(phase, p, t, s);
+  }
+
+  // Every phase after the tile is in shared memory.
+  template <class Runner>
+  GQ_HD static void process(const Runner& phase, const TileParams& p, const TileCoords& t, Smem& s) {
     const bool col_acc = p.acc.col_global || p.acc.cols;
     const bool dbias = p.dbias_partial != nullptr;
     const bool row_stats = kRowBlocks || p.acc.row_global || p.acc.rows;
@@ -147,7 +154,6 @@ struct TileProgram {
     const bool tile_c = (C == kBlock && p.col.two_d && col_encode) || p.acc.col_global;
     const bool t16c = C == kNV && p.col.two_d && col_encode;
 
-    phase([&](int tid) { load_tile(p, t, s, tid); });
     if (row_stats || dbias) phase([&](int tid) { row_chunk_stats(p, s, tid, row_stats, tile_r, dbias); });
     if (t16r || p.acc.rows || p.acc.row_global || dbias) phase([&](int tid) { row_reduce(p, t, s, tid, t16r, dbias); });
     if constexpr (R != kNone) {
@@ -165,35 +171,52 @@ struct TileProgram {
     }
   }
 
+  using S = typename In::S;
+  static constexpr int kPer = 16 / sizeof(S);   // elements per 16-byte piece
+  static constexpr int kPerRow = kTile / kPer;  // pieces per tile row
+  static constexpr int kPieces = kTile * kPerRow / kThreads;
+
+  // The 16-byte pieces of a tile one thread loads (rows of x 16-byte aligned), held in registers
+  // so that a persistent CTA can have the next tile in flight while it works on this one.
+  struct Pieces {
+    Vec16 v[kPieces];
+  };
+
+  GQ_HD static void fetch(const TileParams& p, const TileCoords& t, Pieces& f, int tid) {
+    const S* x = static_cast<const S*>(p.x);
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {  // K is a multiple of kPer, so a piece is all in or all out
+      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+      const int64_t gr = t.row0 + r, gc = t.col0 + c;
+      f.v[k] = Vec16{0, 0, 0, 0};
+      if (gr < p.M && gc < p.K) f.v[k] = *reinterpret_cast<const Vec16*>(x + gr * p.K + gc);
+    }
+  }
+
+  GQ_HD static void place(const Pieces& f, Smem& s, int tid) {
+    if (tid == 0) s.tile_r = s.tile_c = 0;
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+      *reinterpret_cast<Vec16*>(&s.tile[r][c]) = f.v[k];
+    }
+  }
+
   GQ_HD static void load_tile(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
-    using S = typename In::S;
-    constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
-    constexpr int kPerRow = kTile / kPer;       // pieces per tile row
-    constexpr int kPieces = kTile * kPerRow / kThreads;
+    if (p.vec_load) {
+      Pieces f;
+      fetch(p, t, f, tid);
+      place(f, s, tid);
+      return;
+    }
     if (tid == 0) s.tile_r = s.tile_c = 0;
     const S* x = static_cast<const S*>(p.x);
-    if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
-      Vec16 buf[kPieces];
-#pragma unroll
-      for (int k = 0; k < kPieces; ++k) {
-        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-        const int64_t gr = t.row0 + r, gc = t.col0 + c;
-        buf[k] = Vec16{0, 0, 0, 0};
-        if (gr < p.M && gc < p.K) buf[k] = *reinterpret_cast<const Vec16*>(x + gr * p.K + gc);
-      }
-#pragma unroll
-      for (int k = 0; k < kPieces; ++k) {
-        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-        *reinterpret_cast<Vec16*>(&s.tile[r][c]) = buf[k];
-      }
-    } else {
-      for (int k = 0; k < kPieces; ++k) {
-        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-        const int64_t gr = t.row0 + r;
-        for (int e = 0; e < kPer; ++e) {
-          const int64_t gc = t.col0 + c + e;
-          s.tile[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
-        }
+    for (int k = 0; k < kPieces; ++k) {
+      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+      const int64_t gr = t.row0 + r;
+      for (int e = 0; e < kPer; ++e) {
+        const int64_t gc = t.col0 + c + e;
+        s.tile[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
       }
     }
   }
@@ -423,26 +446,56 @@ struct DeviceRunner {
   }
 };
 
+// Persistent: each CTA walks tiles gridDim.x apart and, where rows are 16-byte aligned, loads
+// the next tile into registers while the phases of this one run, so reading x overlaps the
+// arithmetic and the stores instead of alternating with them.
 template <class In, int R, int C>
-__global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
+__global__ void __launch_bounds__(kThreads, 2) tile_kernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Program = TileProgram<In, R, C>;
-  Program::run(DeviceRunner{}, p, blockIdx.x, blockIdx.y, *reinterpret_cast<typename Program::Smem*>(smem));
+  auto& s = *reinterpret_cast<typename Program::Smem*>(smem);
+  const int tid = int(threadIdx.x);
+  const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
+  const auto coords = [&](int64_t tile) { return tile_coords(p, tile % tiles_x, tile / tiles_x); };
+  typename Program::Pieces next;
+  if (p.vec_load && blockIdx.x < tiles) Program::fetch(p, coords(blockIdx.x), next, tid);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const TileCoords t = coords(tile);
+    if (p.vec_load) {
+      Program::place(next, s, tid);
+      __syncthreads();
+      if (tile + gridDim.x < tiles) Program::fetch(p, coords(tile + gridDim.x), next, tid);
+    } else {
+      DeviceRunner{}([&](int i) { Program::load_tile(p, t, s, i); });
+    }
+    Program::process(DeviceRunner{}, p, t, s);
+    __syncthreads();  // the tile and the stage are free for the next one
+  }
 }
+
+// Per device (the attributes are the current device's), set once and never again: a call during
+// a CUDA-graph capture would be an error.
+struct TileLaunch {
+  std::atomic<int> ctas{0};  // resident CTAs on the whole device; 0 until configured
+};
 
 template <class In, int R, int C>
 void launch_tile_t(const TileParams& p, void* stream) {
   constexpr int smem = sizeof(typename TileProgram<In, R, C>::Smem);
-  // Once per device (the attribute is the current device's), and never again: a call during a
-  // CUDA-graph capture would be an error.
-  static std::atomic<uint64_t> configured{0};
+  static TileLaunch configured[64];
   int device = 0;
   cudaGetDevice(&device);
-  if (!(configured.load() >> device & 1)) {
+  TileLaunch& config = configured[device];
+  if (config.ctas.load() == 0) {
     cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    configured.fetch_or(uint64_t(1) << device);
+    int per_sm = 0, sms = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    config.ctas.store(per_sm > 0 && sms > 0 ? per_sm * sms : 1);
   }
-  const dim3 grid(unsigned(cdiv(p.K, kTile)), unsigned(cdiv(p.M, kTile)));
+  const int64_t tiles = cdiv(p.K, kTile) * cdiv(p.M, kTile);
+  if (tiles == 0) return;
+  const unsigned grid = unsigned(tiles < config.ctas.load() ? tiles : config.ctas.load());
   tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
 }
