@@ -66,9 +66,9 @@ def configs(requested: list[str] | None) -> list[str]:
 
 
 def profile(name: str, step) -> None:
-    """Print the 15 CUDA kernels that take the most time in one step of ``name``, then where the
-    GPU sat idle: the largest gaps between kernels, each with the kernels around it and whether
-    the next kernel's launch came late (host-bound) or was queued in time (something else)."""
+    """Print the CUDA kernels of one step of ``name`` by total time, then where the GPU sat idle:
+    the largest gaps between kernels, the kernels around each, and whether the next kernel's
+    launch came late (host-bound) or was queued in time (something else)."""
     import json
     import tempfile
 
@@ -77,13 +77,17 @@ def profile(name: str, step) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(f"--- {name}: top CUDA kernels of one step", file=sys.stderr)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=90), file=sys.stderr)
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    totals: dict[str, list[float]] = {}
+    for e in device:
+        totals.setdefault(e["name"], []).append(e["dur"])
+    rows = sorted(([sum(d) / 1e3, len(d), n[:110]] for n, d in totals.items()), reverse=True)
+    print(f"--- {name}: CUDA kernels of one step", file=sys.stderr)
+    print(tabulate(rows[:30], headers=["ms", "calls", "kernel"], floatfmt=".3f"), file=sys.stderr)
     busy = sum(e["dur"] for e in device)
     span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
     gaps = []
@@ -95,7 +99,7 @@ def profile(name: str, step) -> None:
     host = sum(g for g, late, *_ in gaps if g > 0 and late)
     print(f"--- {name}: device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; idle {(span - busy) / 1e3:.2f} ms, "
           f"{host / 1e3:.2f} ms of it waiting for a late launch", file=sys.stderr)
-    rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:12]]
+    rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:6]]
     print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
 
 

@@ -7,6 +7,7 @@
 
 #ifdef GRAPHQUANT_WITH_CUDA
 void register_cuda_kernels(pybind11::module_& m);
+void register_blaslt_gemm(pybind11::module_& m);
 #endif
 
 PYBIND11_MODULE(_C, m) {
@@ -14,6 +15,7 @@ PYBIND11_MODULE(_C, m) {
 #ifdef GRAPHQUANT_WITH_CUDA
   m.attr("cuda_built") = true;
   register_cuda_kernels(m);
+  register_blaslt_gemm(m);
 #else
   m.attr("cuda_built") = false;
 #endif

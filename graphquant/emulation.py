@@ -4,7 +4,8 @@ Per-tensor and per-row factors (an FP8 tensor scale, NVFP4's global amax, per-ro
 are taken out of the operands and applied to the product, as the hardware GEMM applies alpha.
 What stays in the operands (FP8 codes, MXFP8 and power-of-two-scaled values, NVFP4 q * s) is then
 exact in bfloat16, so on a GPU the product runs as a bf16 GEMM with fp32 accumulation and is
-exact up to that accumulation. Anything not exact in bf16 is multiplied in fp32.
+exact up to that accumulation; scalar factors then run as that GEMM's alpha, in cuBLASLt's
+epilogue (graphquant._C.bf16_gemm). Anything not exact in bf16 is multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from graphquant import kernels
 from graphquant.formats import nvfp4
 from graphquant.quantizers import (
     ROWWISE,
@@ -88,16 +90,47 @@ def _grouped_factor(factor: Optional[torch.Tensor], rep: Representation, batch: 
     return factor.reshape(batch, -1, 1) if rep.direction == ROWWISE else factor.reshape(1, -1, 1)
 
 
+def _scalar_alpha(fa: Optional[torch.Tensor], fb: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The product's one factor, on the device, where each factor is a scalar or absent (not both)."""
+    factors = [f for f in (fa, fb) if f is not None]
+    if not factors or any(f.dim() for f in factors):
+        return None
+    return (factors[0] * factors[1] if len(factors) == 2 else factors[0]).float()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether cuBLASLt's 16-byte-aligned kernels take t as it lies: each matrix row- or column-major,
+    its address and its other strides multiples of 16 bytes (of bf16)."""
+    strides = t.stride()
+    return t.data_ptr() % 16 == 0 and 1 in strides[1:] and all(s % 8 == 0 for s in strides if s != 1)
+
+
+def _epilogue_gemm(
+    left: torch.Tensor, right: torch.Tensor, alpha: Optional[torch.Tensor], out_dtype: torch.dtype
+) -> Optional[torch.Tensor]:
+    """alpha * left @ right^T with alpha applied by cuBLASLt's epilogue (no pass over an fp32
+    product, one rounding), or None where the extension or its aligned kernels do not take it."""
+    ext = kernels.native()
+    if ext is None or alpha is None or left.dtype != torch.bfloat16:
+        return None
+    if right.shape[1] % 8 or not (_aligned(left) and _aligned(right)):
+        return None
+    return ext.bf16_gemm(left, right, alpha, out_dtype)
+
+
 def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
     """(batch, m, n) = A @ B^T per group, exact up to fp32 accumulation."""
     on_gpu = a.data.is_cuda
     dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     (va, fa), (vb, fb) = factored(a), factored(b)
-    left, right = _grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype).transpose(1, 2)
+    left, right = _grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype)
     if fa is None and fb is None and dtype == out_dtype:
-        return torch.bmm(left, right)  # fp32 accumulation, one rounding to out_dtype
+        return torch.bmm(left, right.mT)  # fp32 accumulation, one rounding to out_dtype
+    out = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype)
+    if out is not None:
+        return out
     # bf16 operands, fp32 result: the product is rounded once, after the factors, to out_dtype.
-    product = torch.bmm(left, right, out_dtype=torch.float32) if dtype != torch.float32 else torch.bmm(left, right)
+    product = torch.bmm(left, right.mT, out_dtype=torch.float32) if dtype != torch.float32 else torch.bmm(left, right.mT)
     if fa is None and fb is None:
         return product.to(out_dtype)
     product = product.float()

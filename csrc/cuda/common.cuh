@@ -122,8 +122,33 @@ GQ_HD uint16_t fp8_encode2(float lo, float hi, int kind) {
 #endif
 }
 
-// cast_to_fp8(v * scale) for 16 values.
-GQ_HD void fp8_encode16(const float v[16], float scale, int kind, uint8_t q[16]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// The conversion alone, for pairs that are not NaN: SATFINITE rounds to nearest even and takes
+// anything past +-max (inf included) to +-max, which is what clamping first and rounding gives.
+template <__nv_fp8_interpretation_t kKind>
+__device__ __forceinline__ void fp8_convert16(const float v[16], float scale, uint8_t q[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(v[i] * scale, v[i + 1] * scale), __NV_SATFINITE, kKind);
+    q[i] = uint8_t(pair);
+    q[i + 1] = uint8_t(pair >> 8);
+  }
+}
+#endif
+
+// cast_to_fp8(v * scale) for 16 values whose |v| is at most `amax_bits` (fp32 bits). A product
+// can be NaN only when some v is NaN or the scale is not a positive finite number; otherwise the
+// GPU takes the plain conversion, which needs neither the clamp nor the NaN sign fix.
+GQ_HD void fp8_encode16(const float v[16], float scale, int kind, uint8_t q[16], uint32_t amax_bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (amax_bits <= 0x7F800000u && scale > 0.0f && scale <= kFltMax) {
+    if (kind == kE4M3) fp8_convert16<__NV_E4M3>(v, scale, q);
+    else fp8_convert16<__NV_E5M2>(v, scale, q);
+    return;
+  }
+#else
+  (void)amax_bits;
+#endif
 #pragma unroll
   for (int i = 0; i < 16; i += 2) {
     const uint16_t pair = fp8_encode2(v[i] * scale, v[i + 1] * scale, kind);

@@ -109,6 +109,37 @@ GQ_HD uint32_t chunk_amax(const float v[16]) {
   return m;
 }
 
+// Two unsigned 16-bit maxima at once.
+GQ_HD uint32_t umax_halves(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  return umax(a & 0xFFFFu, b & 0xFFFFu) | (umax(a >> 16, b >> 16) << 16);
+#endif
+}
+
+// chunk_amax of a row chunk, from the stored bits: |x|'s bits order bf16 and f16 values as their
+// magnitudes do (NaN above inf), so two elements compare at once and only the maximum converts.
+template <class In, class Smem>
+GQ_HD uint32_t row_chunk_amax(const Smem& s, int r, int j) {
+  using S = typename In::S;
+  if constexpr (sizeof(S) == 2) {
+    const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile[r][16 * j]);
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const Vec16 q = src[w];
+      m = umax_halves(m, umax_halves(q.x & 0x7FFF7FFFu, q.y & 0x7FFF7FFFu));
+      m = umax_halves(m, umax_halves(q.z & 0x7FFF7FFFu, q.w & 0x7FFF7FFFu));
+    }
+    return abs_bits(In::to_float(S(umax(m & 0xFFFFu, m >> 16))));
+  } else {
+    float v[16];
+    read_row_chunk<In>(s, r, j, v);
+    return chunk_amax(v);
+  }
+}
+
 // Up to 16 bytes to global memory: one 16-byte store when whole and aligned.
 GQ_HD void store16(uint8_t* dst, const uint8_t q[16], int64_t valid, bool aligned) {
   if (valid >= 16 && aligned) {
@@ -128,19 +159,13 @@ struct Fp8Scale {
 template <class In, int R, int C>
 struct TileProgram {
   using Smem = TileSmem<In, C != kNone>;
+  using S = typename In::S;
   static constexpr bool kRowBlocks = R == kBlock || R == kMX || R == kNV;
   static constexpr bool kColBlocks = C == kBlock || C == kMX || C == kNV;
 
   template <class Runner>
   GQ_HD static void run(const Runner& phase, const TileParams& p, int64_t bx, int64_t by, Smem& s) {
     const TileCoords t = tile_coords(p, bx, by);
-    phase([&](int tid) { load_tile(p, t, s, tid); });
-    process(phase, p, t, s);
-  }
-
-  // Every phase after the tile is in shared memory.
-  template <class Runner>
-  GQ_HD static void process(const Runner& phase, const TileParams& p, const TileCoords& t, Smem& s) {
     const bool col_acc = p.acc.col_global || p.acc.cols;
     const bool dbias = p.dbias_partial != nullptr;
     const bool row_stats = kRowBlocks || p.acc.row_global || p.acc.rows;
@@ -154,6 +179,7 @@ struct TileProgram {
     const bool tile_c = (C == kBlock && p.col.two_d && col_encode) || p.acc.col_global;
     const bool t16c = C == kNV && p.col.two_d && col_encode;
 
+    phase([&](int tid) { load_tile(p, t, s, tid); });
     if (row_stats || dbias) phase([&](int tid) { row_chunk_stats(p, s, tid, row_stats, tile_r, dbias); });
     if (t16r || p.acc.rows || p.acc.row_global || dbias) phase([&](int tid) { row_reduce(p, t, s, tid, t16r, dbias); });
     if constexpr (R != kNone) {
@@ -171,52 +197,34 @@ struct TileProgram {
     }
   }
 
-  using S = typename In::S;
-  static constexpr int kPer = 16 / sizeof(S);   // elements per 16-byte piece
-  static constexpr int kPerRow = kTile / kPer;  // pieces per tile row
-  static constexpr int kPieces = kTile * kPerRow / kThreads;
-
-  // The 16-byte pieces of a tile one thread loads (rows of x 16-byte aligned), held in registers
-  // so that a persistent CTA can have the next tile in flight while it works on this one.
-  struct Pieces {
-    Vec16 v[kPieces];
-  };
-
-  GQ_HD static void fetch(const TileParams& p, const TileCoords& t, Pieces& f, int tid) {
-    const S* x = static_cast<const S*>(p.x);
-#pragma unroll
-    for (int k = 0; k < kPieces; ++k) {  // K is a multiple of kPer, so a piece is all in or all out
-      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-      const int64_t gr = t.row0 + r, gc = t.col0 + c;
-      f.v[k] = Vec16{0, 0, 0, 0};
-      if (gr < p.M && gc < p.K) f.v[k] = *reinterpret_cast<const Vec16*>(x + gr * p.K + gc);
-    }
-  }
-
-  GQ_HD static void place(const Pieces& f, Smem& s, int tid) {
-    if (tid == 0) s.tile_r = s.tile_c = 0;
-#pragma unroll
-    for (int k = 0; k < kPieces; ++k) {
-      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-      *reinterpret_cast<Vec16*>(&s.tile[r][c]) = f.v[k];
-    }
-  }
-
   GQ_HD static void load_tile(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
-    if (p.vec_load) {
-      Pieces f;
-      fetch(p, t, f, tid);
-      place(f, s, tid);
-      return;
-    }
+    constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
+    constexpr int kPerRow = kTile / kPer;       // pieces per tile row
+    constexpr int kPieces = kTile * kPerRow / kThreads;
     if (tid == 0) s.tile_r = s.tile_c = 0;
     const S* x = static_cast<const S*>(p.x);
-    for (int k = 0; k < kPieces; ++k) {
-      const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-      const int64_t gr = t.row0 + r;
-      for (int e = 0; e < kPer; ++e) {
-        const int64_t gc = t.col0 + c + e;
-        s.tile[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
+    if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
+      Vec16 buf[kPieces];
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        const int64_t gr = t.row0 + r, gc = t.col0 + c;
+        buf[k] = Vec16{0, 0, 0, 0};
+        if (gr < p.M && gc < p.K) buf[k] = *reinterpret_cast<const Vec16*>(x + gr * p.K + gc);
+      }
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        *reinterpret_cast<Vec16*>(&s.tile[r][c]) = buf[k];
+      }
+    } else {
+      for (int k = 0; k < kPieces; ++k) {
+        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
+        const int64_t gr = t.row0 + r;
+        for (int e = 0; e < kPer; ++e) {
+          const int64_t gc = t.col0 + c + e;
+          s.tile[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
+        }
       }
     }
   }
@@ -226,9 +234,7 @@ struct TileProgram {
       uint32_t tile_max = 0;
       for (int k = 0; k < kChunks; ++k) {
         const int rc = k * kThreads + tid, r = rc >> 3, j = rc & 7;
-        float v[16];
-        read_row_chunk<In>(s, r, j, v);
-        const uint32_t m = chunk_amax(v);
+        const uint32_t m = row_chunk_amax<In>(s, r, j);
         s.camax_r[r][j] = m;
         tile_max = umax(tile_max, m);
       }
@@ -342,7 +348,7 @@ struct TileProgram {
       } else {
         const Fp8Scale sc = fp8_scale<R, true>(p, t, s, e, r, j, gr, gc, write);
         uint8_t q[16];
-        fp8_encode16(v, sc.scale, e.fp8, q);
+        fp8_encode16(v, sc.scale, e.fp8, q, kRowBlocks ? s.camax_r[r][j] : chunk_amax(v));
         if (write) store16(e.data + gr * p.K + gc, q, p.K - gc, (p.K & 15) == 0);
         if (dq) for (int i = 0; i < 16; ++i) d[i] = fp8_decode(q[i], e.fp8) * sc.scale_inv;
       }
@@ -352,14 +358,28 @@ struct TileProgram {
     }
   }
 
+  // chunk_amax of a column chunk after the column transform; without one, from the stored bits
+  // as in row_chunk_amax.
+  GQ_HD static uint32_t col_chunk_amax(const TileParams& p, const Smem& s, int c, int i) {
+    if constexpr (sizeof(S) == 2) {
+      if (!p.col_rht) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) m = umax(m, s.tile[16 * i + e][c] & 0x7FFFu);
+        return abs_bits(In::to_float(S(m)));
+      }
+    }
+    float v[16];
+    read_col_chunk<In>(s, c, i, v);
+    if (p.col_rht) hadamard16(v, p.col_sign_mask);
+    return chunk_amax(v);
+  }
+
   GQ_HD static void col_chunk_stats(const TileParams& p, Smem& s, int tid, bool tile_c) {
     uint32_t tile_max = 0;
     for (int k = 0; k < kChunks; ++k) {
       const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
-      float v[16];
-      read_col_chunk<In>(s, c, i, v);
-      if (p.col_rht) hadamard16(v, p.col_sign_mask);
-      const uint32_t m = chunk_amax(v);
+      const uint32_t m = col_chunk_amax(p, s, c, i);
       s.camax_c[i][c] = m;
       tile_max = umax(tile_max, m);
     }
@@ -402,7 +422,7 @@ struct TileProgram {
       } else {
         const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
         uint8_t q[16];
-        fp8_encode16(v, sc.scale, e.fp8, q);
+        fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
         if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
           for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
         } else {  // transposed: row c of the stage holds this column's bytes
@@ -446,56 +466,26 @@ struct DeviceRunner {
   }
 };
 
-// Persistent: each CTA walks tiles gridDim.x apart and, where rows are 16-byte aligned, loads
-// the next tile into registers while the phases of this one run, so reading x overlaps the
-// arithmetic and the stores instead of alternating with them.
 template <class In, int R, int C>
-__global__ void __launch_bounds__(kThreads, 2) tile_kernel(const TileParams p) {
+__global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Program = TileProgram<In, R, C>;
-  auto& s = *reinterpret_cast<typename Program::Smem*>(smem);
-  const int tid = int(threadIdx.x);
-  const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
-  const auto coords = [&](int64_t tile) { return tile_coords(p, tile % tiles_x, tile / tiles_x); };
-  typename Program::Pieces next;
-  if (p.vec_load && blockIdx.x < tiles) Program::fetch(p, coords(blockIdx.x), next, tid);
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TileCoords t = coords(tile);
-    if (p.vec_load) {
-      Program::place(next, s, tid);
-      __syncthreads();
-      if (tile + gridDim.x < tiles) Program::fetch(p, coords(tile + gridDim.x), next, tid);
-    } else {
-      DeviceRunner{}([&](int i) { Program::load_tile(p, t, s, i); });
-    }
-    Program::process(DeviceRunner{}, p, t, s);
-    __syncthreads();  // the tile and the stage are free for the next one
-  }
+  Program::run(DeviceRunner{}, p, blockIdx.x, blockIdx.y, *reinterpret_cast<typename Program::Smem*>(smem));
 }
-
-// Per device (the attributes are the current device's), set once and never again: a call during
-// a CUDA-graph capture would be an error.
-struct TileLaunch {
-  std::atomic<int> ctas{0};  // resident CTAs on the whole device; 0 until configured
-};
 
 template <class In, int R, int C>
 void launch_tile_t(const TileParams& p, void* stream) {
   constexpr int smem = sizeof(typename TileProgram<In, R, C>::Smem);
-  static TileLaunch configured[64];
+  // Once per device (the attribute is the current device's), and never again: a call during a
+  // CUDA-graph capture would be an error.
+  static std::atomic<uint64_t> configured{0};
   int device = 0;
   cudaGetDevice(&device);
-  TileLaunch& config = configured[device];
-  if (config.ctas.load() == 0) {
+  if (!(configured.load() >> device & 1)) {
     cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    int per_sm = 0, sms = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    config.ctas.store(per_sm > 0 && sms > 0 ? per_sm * sms : 1);
+    configured.fetch_or(uint64_t(1) << device);
   }
-  const int64_t tiles = cdiv(p.K, kTile) * cdiv(p.M, kTile);
-  if (tiles == 0) return;
-  const unsigned grid = unsigned(tiles < config.ctas.load() ? tiles : config.ctas.load());
+  const dim3 grid(unsigned(cdiv(p.K, kTile)), unsigned(cdiv(p.M, kTile)));
   tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
 }
