@@ -12,45 +12,57 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048
+# Programs cover BLOCK_ROWS x BLOCK_COLS elements in 2-D, so no index needs a division by a
+# runtime width (64-bit divisions per element cost more than the bytes they move).
+BLOCK_ROWS, BLOCK_COLS = 16, 256
 
 
 @triton.jit
-def _mxfp8_kernel(data_ptr, scale_ptr, out_ptr, n, cols, ROWWISE: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    row, col = offsets // cols, offsets % cols
+def _mxfp8_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, ROWWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (row < rows) & (col < cols)
+    row64 = row.to(tl.int64)
     if ROWWISE:
-        scale_index = row * (cols // 32) + col // 32
+        scale_index = row64 * (cols // 32) + col // 32
     else:
-        scale_index = (row // 32) * cols + col
+        scale_index = (row // 32).to(tl.int64) * cols + col
     biased = tl.load(scale_ptr + scale_index, mask=mask, other=127).to(tl.int32)
     scale = tl.where(biased == 0, 0x00400000, biased << 23).to(tl.float32, bitcast=True)
     scale = tl.where(biased == 255, float("nan"), scale)
+    offsets = row64 * cols + col
     values = tl.load(data_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale
     tl.store(out_ptr + offsets, values.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, n, cols, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    row, col = offsets // cols, offsets % cols
-    byte = tl.load(packed_ptr + row * (cols // 2) + col // 2, mask=mask, other=0).to(tl.int32)
-    code = tl.where(col % 2 == 0, byte & 0xF, byte >> 4)
+def _e2m1_value(code):
     exponent, mantissa = (code >> 1) & 3, code & 1
     magnitude = tl.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * (1 << (exponent - 1)).to(tl.float32))
-    value = tl.where(code >= 8, -magnitude, magnitude)
-    scale = tl.load(scale_ptr + row * (cols // 16) + col // 16, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (value * scale).to(tl.bfloat16), mask=mask)
+    return tl.where(code >= 8, -magnitude, magnitude)
+
+
+@triton.jit
+def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows."""
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    byte = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
+    mask = (row < rows) & (byte < cols // 2)
+    row64 = row.to(tl.int64)
+    packed = tl.load(packed_ptr + row64 * (cols // 2) + byte, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + row64 * (cols // 16) + byte // 8, mask=mask, other=0.0).to(tl.float32)
+    values = tl.interleave(_e2m1_value(packed & 0xF) * scale, _e2m1_value(packed >> 4) * scale)
+    col = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)[None, :]
+    tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=(row < rows) & (col < cols))
 
 
 def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> torch.Tensor:
     """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``."""
     data, scale = data.contiguous(), scale.contiguous()
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
-    n = data.numel()
-    _mxfp8_kernel[(triton.cdiv(n, _BLOCK),)](data, scale, out, n, data.shape[1], ROWWISE=rowwise, BLOCK=_BLOCK)
+    rows, cols = data.shape
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _mxfp8_kernel[grid](data, scale, out, rows, cols, ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
     return out
 
 
@@ -59,6 +71,6 @@ def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((rows, cols), dtype=torch.bfloat16, device=packed.device)
-    n = rows * cols
-    _nvfp4_kernel[(triton.cdiv(n, _BLOCK),)](packed, scale, out, n, cols, BLOCK=_BLOCK)
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols // 2, BLOCK_COLS // 2))
+    _nvfp4_kernel[grid](packed, scale, out, rows, cols, BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2)
     return out

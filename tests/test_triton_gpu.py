@@ -24,12 +24,17 @@ def test_fp8_scales_kernel_matches_reference(fmt, pow2, epsilon):
     assert torch.equal(gpu_inverse.cpu().view(torch.int32), cpu_inverse.view(torch.int32))
 
 
+# Whole programs, and partial ones in both dims (the kernels cover 16 x 256 elements each).
+SHAPES = [(256, 512), (96, 544)]
+
+
 @pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
-def test_mxfp8_dequantize_kernel_matches_reference(direction):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mxfp8_dequantize_kernel_matches_reference(direction, shape):
     from graphquant import triton_dequantize
 
     torch.manual_seed(0)
-    x = torch.randn(256, 512, device="cuda") * torch.logspace(-20, 20, 512, device="cuda")
+    x = torch.randn(*shape, device="cuda") * torch.logspace(-20, 20, shape[1], device="cuda")
     x[3, :32] = 0.0
     rep = MXFP8Quantizer()(x, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction)
     values = triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=direction == ROWWISE)
@@ -37,11 +42,12 @@ def test_mxfp8_dequantize_kernel_matches_reference(direction):
     assert torch.equal(values.float(), reference)  # exact: the reference is bf16-representable
 
 
-def test_nvfp4_block_values_kernel_matches_reference():
+@pytest.mark.parametrize("shape", [(128, 256), (40, 272)])
+def test_nvfp4_block_values_kernel_matches_reference(shape):
     from graphquant import triton_dequantize
 
     torch.manual_seed(0)
-    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     rep = NVFP4Quantizer()(x, rowwise=True, columnwise=False).rowwise
     values = triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
     reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)

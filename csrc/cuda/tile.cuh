@@ -96,10 +96,22 @@ GQ_HD void read_row_chunk(const Smem& s, int r, int j, float v[16]) {
   }
 }
 
+// The column chunks (c, i) and (c + 1, i), c even: one shared-memory read brings an element of
+// both columns, so a warp reads 128 contiguous bytes of a tile row at a time.
 template <class In, class Smem>
-GQ_HD void read_col_chunk(const Smem& s, int c, int i, float v[16]) {
+GQ_HD void read_col_pair(const Smem& s, int c, int i, float v[2][16]) {
+  using S = typename In::S;
 #pragma unroll
-  for (int e = 0; e < 16; ++e) v[e] = In::to_float(s.tile[16 * i + e][c]);
+  for (int e = 0; e < 16; ++e) {
+    if constexpr (sizeof(S) == 2) {
+      const uint32_t u = *reinterpret_cast<const uint32_t*>(&s.tile[16 * i + e][c]);
+      v[0][e] = In::to_float(S(u & 0xFFFFu));
+      v[1][e] = In::to_float(S(u >> 16));
+    } else {
+      v[0][e] = s.tile[16 * i + e][c];
+      v[1][e] = s.tile[16 * i + e][c + 1];
+    }
+  }
 }
 
 GQ_HD uint32_t chunk_amax(const float v[16]) {
@@ -358,30 +370,47 @@ struct TileProgram {
     }
   }
 
-  // chunk_amax of a column chunk after the column transform; without one, from the stored bits
+  // Column chunks go in pairs (read_col_pair): pass k of a thread takes columns c and c + 1 of
+  // row block i.
+  static constexpr int kPairs = kChunks / 2;
+  GQ_HD static void col_pair(int k, int tid, int& c, int& i) {
+    const int pc = k * kThreads + tid;
+    c = 2 * (pc & (kTile / 2 - 1));
+    i = pc / (kTile / 2);
+  }
+
+  // chunk_amax of a column pair after the column transform; without one, from the stored bits
   // as in row_chunk_amax.
-  GQ_HD static uint32_t col_chunk_amax(const TileParams& p, const Smem& s, int c, int i) {
+  GQ_HD static void col_pair_amax(const TileParams& p, const Smem& s, int c, int i, uint32_t m[2]) {
     if constexpr (sizeof(S) == 2) {
       if (!p.col_rht) {
-        uint32_t m = 0;
+        uint32_t both = 0;
 #pragma unroll
-        for (int e = 0; e < 16; ++e) m = umax(m, s.tile[16 * i + e][c] & 0x7FFFu);
-        return abs_bits(In::to_float(S(m)));
+        for (int e = 0; e < 16; ++e) both = umax_halves(both, *reinterpret_cast<const uint32_t*>(&s.tile[16 * i + e][c]) & 0x7FFF7FFFu);
+        m[0] = abs_bits(In::to_float(S(both & 0xFFFFu)));
+        m[1] = abs_bits(In::to_float(S(both >> 16)));
+        return;
       }
     }
-    float v[16];
-    read_col_chunk<In>(s, c, i, v);
-    if (p.col_rht) hadamard16(v, p.col_sign_mask);
-    return chunk_amax(v);
+    float v[2][16];
+    read_col_pair<In>(s, c, i, v);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (p.col_rht) hadamard16(v[h], p.col_sign_mask);
+      m[h] = chunk_amax(v[h]);
+    }
   }
 
   GQ_HD static void col_chunk_stats(const TileParams& p, Smem& s, int tid, bool tile_c) {
     uint32_t tile_max = 0;
-    for (int k = 0; k < kChunks; ++k) {
-      const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
-      const uint32_t m = col_chunk_amax(p, s, c, i);
-      s.camax_c[i][c] = m;
-      tile_max = umax(tile_max, m);
+    for (int k = 0; k < kPairs; ++k) {
+      int c, i;
+      col_pair(k, tid, c, i);
+      uint32_t m[2];
+      col_pair_amax(p, s, c, i, m);
+      s.camax_c[i][c] = m[0];
+      s.camax_c[i][c + 1] = m[1];
+      tile_max = umax(tile_max, umax(m[0], m[1]));
     }
     if (tile_c) block_umax(&s.tile_c, tile_max);
   }
@@ -402,32 +431,41 @@ struct TileProgram {
   }
 
   GQ_HD static void encode_cols(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
+    for (int k = 0; k < kPairs; ++k) {
+      int c, i;
+      col_pair(k, tid, c, i);
+      const int64_t gr = t.row0 + 16 * i;
+      if (gr >= p.M) continue;
+      float v[2][16];
+      read_col_pair<In>(s, c, i, v);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (t.col0 + c + h < p.K) encode_col_chunk(p, t, s, c + h, i, gr, v[h]);
+      }
+    }
+  }
+
+  GQ_HD static void encode_col_chunk(const TileParams& p, const TileCoords& t, Smem& s, int c, int i, int64_t gr, float v[16]) {
     const Encoder& e = p.col;
-    for (int k = 0; k < kChunks; ++k) {
-      const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
-      const int64_t gc = t.col0 + c, gr = t.row0 + 16 * i;
-      if (gc >= p.K || gr >= p.M) continue;
-      float v[16];
-      read_col_chunk<In>(s, c, i, v);
-      if constexpr (C == kNV) {
-        if (p.col_rht) hadamard16(v, p.col_sign_mask);
-        uint8_t code[16];
-        float f[2];
-        const uint32_t vec_max = e.two_d ? s.t16c[i][c >> 4] : s.camax_c[i][c];
-        // The source is x^T (K, M): element (gc, gr) of group g has index gc * Mg + (gr - start).
-        const uint64_t index = uint64_t(gc) * uint64_t(t.gsize) + uint64_t(gr - t.gstart);
-        const uint8_t scale = nv_encode(e, vec_max, e.amax[t.g], v, index, code, f);
-        *reinterpret_cast<Vec8*>(&s.stage[c][8 * i]) = pack_e2m1(code);
-        static_cast<uint8_t*>(e.scales)[gc * (p.M / 16) + gr / 16] = scale;
-      } else {
-        const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
-        uint8_t q[16];
-        fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
-        if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
-          for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
-        } else {  // transposed: row c of the stage holds this column's bytes
-          *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
-        }
+    const int64_t gc = t.col0 + c;
+    if constexpr (C == kNV) {
+      if (p.col_rht) hadamard16(v, p.col_sign_mask);
+      uint8_t code[16];
+      float f[2];
+      const uint32_t vec_max = e.two_d ? s.t16c[i][c >> 4] : s.camax_c[i][c];
+      // The source is x^T (K, M): element (gc, gr) of group g has index gc * Mg + (gr - start).
+      const uint64_t index = uint64_t(gc) * uint64_t(t.gsize) + uint64_t(gr - t.gstart);
+      const uint8_t scale = nv_encode(e, vec_max, e.amax[t.g], v, index, code, f);
+      *reinterpret_cast<Vec8*>(&s.stage[c][8 * i]) = pack_e2m1(code);
+      static_cast<uint8_t*>(e.scales)[gc * (p.M / 16) + gr / 16] = scale;
+    } else {
+      const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
+      uint8_t q[16];
+      fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
+      if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
+        for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
+      } else {  // transposed: row c of the stage holds this column's bytes
+        *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
       }
     }
   }
