@@ -2,25 +2,21 @@
 
 Their references are a dozen tiny torch ops each; on a GPU inside a training step that is a dozen
 launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
-(IEEE round-to-nearest), and every other step is exact. They launch through
-torch.library.wrap_triton, so a compiled graph calls them directly, like its own kernels.
-Importing this module makes the formats use them for CUDA tensors.
+(IEEE round-to-nearest), and every other step is exact. Importing this module registers them as
+the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_from_amax
+(functional ops, so compiled graphs deduplicate them; wrap_triton's mutating launches were not).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from graphquant.formats import fp8
+from graphquant.formats import fp8, mxfp8
 
 _BLOCK = 1024
-# Scalars are compile-time constants: passed as runtime arguments, a compiled graph hands them
-# over as fp64 and would promote the arithmetic.
+# Scalars are compile-time constants, so the arithmetic stays fp32.
 
 
 @triton.jit
@@ -58,22 +54,21 @@ def _e8m0_kernel(amax_ptr, out_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
 
 
+@fp8.scales_op.register_kernel("cuda")
 def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
     n = amax.numel()
-    wrap_triton(_scales_kernel)[(triton.cdiv(n, _BLOCK),)](
+    _scales_kernel[(triton.cdiv(n, _BLOCK),)](
         amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), FLT_MAX=fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
     )
     return scale, inverse
 
 
+@mxfp8.e8m0_from_amax_op.register_kernel("cuda")
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     amax = amax.to(torch.float32).contiguous()
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)
     n = amax.numel()
-    wrap_triton(_e8m0_kernel)[(triton.cdiv(n, _BLOCK),)](amax, out, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](amax, out, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
     return out
-
-
-fp8.SCALE_KERNELS = sys.modules[__name__]

@@ -68,16 +68,12 @@ def scale_from_amax(
 def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, as an op a graph compiler
     cannot approximate or reassociate: the rest of a quantize (amax, multiply, clamp, cast) is
-    exact in any order and fuses freely with its neighbours. On CUDA it is one Triton launch
-    (graphquant.triton_scales, bit-identical) that a compiled graph calls directly.
+    exact in any order and fuses freely with its neighbours. The op is functional, so a graph
+    that quantizes one tensor for several GEMMs computes its scale once (common-subexpression
+    elimination) and writes one copy of each representation. On CUDA it is one Triton launch
+    (graphquant.triton_scales, bit-identical).
     """
-    if amax.is_cuda and SCALE_KERNELS is not None:
-        return SCALE_KERNELS.fp8_scales(amax, fp8_dtype, epsilon, pow2)
     return scales_op(amax, fp8_dtype, epsilon, pow2)
-
-
-# Set by graphquant.triton_scales when Triton exists.
-SCALE_KERNELS = None
 
 
 @torch.library.custom_op("graphquant::fp8_scales", mutates_args=())

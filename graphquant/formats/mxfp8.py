@@ -25,9 +25,7 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
-    """``e8m0_from_amax_op``, as one Triton launch on CUDA (bit-identical, see graphquant.fp8.scales)."""
-    if amax.is_cuda and fp8.SCALE_KERNELS is not None:
-        return fp8.SCALE_KERNELS.e8m0_from_amax(amax, fp8_dtype)
+    """``e8m0_from_amax_op``: functional, one Triton launch on CUDA (see graphquant.fp8.scales)."""
     return e8m0_from_amax_op(amax, fp8_dtype)
 
 
