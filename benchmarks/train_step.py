@@ -30,6 +30,7 @@ BATCH, SEQ, DIM = 8, 2048, 4096
 GRAPHQUANT = {
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
     "graphquant tensorwise (cudagraphs)": lambda: zoo.recipe("tensorwise"),
+    "graphquant tensorwise (recompute)": lambda: zoo.recipe("tensorwise"),
     "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
     "graphquant rowwise_with_gw_hp": lambda: zoo.recipe("rowwise_with_gw_hp"),
     "graphquant mxfp8": recipes.mxfp8_block_scaling,
@@ -117,7 +118,10 @@ def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: in
             model(x).backward(grad)
 
         built[name] = step
-        step(); step()  # compile and warm up
+        # experiment: let the partitioner recompute quantized activations in backward
+        recompute = name.endswith("(recompute)")
+        with torch._functorch.config.patch(ban_recompute_materialized_backward=not recompute):
+            step(); step()  # compile and warm up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

@@ -211,10 +211,19 @@ def compile(
     seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible.
     dump_dir: write each captured graph, its rewritten form and its plan there (default: the
         environment variable GRAPHQUANT_DUMP, if set).
+    compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend
+        (e.g. compile_mode="reduce-overhead" for CUDA graphs).
     """
     if dump_dir is None:
         dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None
-    gq_backend = GraphquantBackend(recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir)
+    from torch._inductor import list_mode_options
+
+    inductor_options = {**list_mode_options(compile_mode), **(options or {})}
+    if inductor_options and backend != "inductor":
+        raise ValueError(f"compile_mode and options configure Inductor; backend {backend!r} takes neither")
+    gq_backend = GraphquantBackend(
+        recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir, inductor_options=inductor_options
+    )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     compiled.__dict__["graphquant"] = gq_backend
     return compiled

@@ -217,3 +217,15 @@ def test_two_recipes_on_one_model_keep_their_own():
     assert not torch.equal(outputs["mxfp8"], outputs["current"])
     assert [len(c.graphquant.plans) for c in compiled.values()] == [1, 1]
     assert compiled["mxfp8"].graphquant.plan.slots[0][1] == MXFP8Quantizer()
+
+
+def test_compile_mode_and_options_reach_inductor():
+    model = models.MLP()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), compile_mode="reduce-overhead", options={"max_autotune": True})
+    patches = compiled.graphquant._inner().keywords["config_patches"]
+    assert patches == {"triton.cudagraphs": True, "max_autotune": True}
+
+
+def test_inductor_options_with_another_backend_are_an_error():
+    with pytest.raises(ValueError, match="configure Inductor"):
+        graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), backend="aot_eager", compile_mode="reduce-overhead")
