@@ -218,7 +218,7 @@ def compile(
         dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None
     from torch._inductor import list_mode_options
 
-    inductor_options = {**list_mode_options(compile_mode), **(options or {})}
+    inductor_options = {**(list_mode_options(compile_mode) if compile_mode else {}), **(options or {})}
     if inductor_options and backend != "inductor":
         raise ValueError(f"compile_mode and options configure Inductor; backend {backend!r} takes neither")
     gq_backend = GraphquantBackend(

@@ -47,31 +47,34 @@ def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
 
 
-def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> torch.Tensor:
-    """out (m, n) = A @ B^T on ``backend`` (as named by graphquant.backends.select)."""
+def arguments(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> tuple[tuple, dict]:
+    """torch._scaled_mm's (args, kwargs) for out (m, n) = A @ B^T on ``backend``: the operands,
+    and the scales in the layout that scaling mode wants."""
     data_a, data_b = k_last(a), k_last(b).t()
     fast = backend.endswith(FAST_ACCUMULATION)
     backend = backend.removesuffix(FAST_ACCUMULATION)
     if backend == TENSORWISE:
-        return torch._scaled_mm(
-            data_a, data_b, a.scale.reshape(()), b.scale.reshape(()), out_dtype=out_dtype, use_fast_accum=fast
-        )
-    if backend == ROWWISE_SCALED:
-        out = torch._scaled_mm(
-            data_a, data_b, a.scale.reshape(-1, 1), b.scale.reshape(1, -1), out_dtype=torch.bfloat16, use_fast_accum=fast
-        )
-        return out.to(out_dtype)
-    if backend == BLOCKWISE:
+        scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
+    elif backend == ROWWISE_SCALED:  # cuBLASLt's rowwise scaling writes bf16 only
+        scale_a, scale_b, out_dtype = a.scale.reshape(-1, 1), b.scale.reshape(1, -1), torch.bfloat16
+    elif backend == BLOCKWISE:
+        scale_a = outer_major(a.scale)
         scale_b = b.scale.t() if b.quantizer.block_scaling_dim == 2 else b.scale.t().contiguous()
-        return torch._scaled_mm(data_a, data_b, outer_major(a.scale), scale_b, out_dtype=out_dtype)
-    if backend == MXFP8:
+    elif backend == MXFP8:
         scale_a = swizzled_block_scales(a.scale).view(torch.float8_e8m0fnu)
         scale_b = swizzled_block_scales(b.scale).view(torch.float8_e8m0fnu)
-        return torch._scaled_mm(data_a, data_b, scale_a, scale_b, out_dtype=out_dtype)
+    elif backend == NVFP4:  # the global scales are applied to the fp32 product (run)
+        data_a, data_b = data_a.view(torch.float4_e2m1fn_x2), data_b.view(torch.float4_e2m1fn_x2)
+        scale_a, scale_b, out_dtype = swizzled_block_scales(a.scale), swizzled_block_scales(b.scale), torch.float32
+    else:
+        raise ValueError(f"unknown native backend {backend!r}")
+    return (data_a, data_b, scale_a, scale_b), dict(out_dtype=out_dtype, use_fast_accum=fast)
+
+
+def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> torch.Tensor:
+    """out (m, n) = A @ B^T on ``backend`` (as named by graphquant.backends.select)."""
+    args, kwargs = arguments(backend, a, b, out_dtype)
+    out = torch._scaled_mm(*args, **kwargs)
     if backend == NVFP4:
-        packed_a, packed_b = data_a.view(torch.float4_e2m1fn_x2), data_b.view(torch.float4_e2m1fn_x2)
-        scale_a, scale_b = swizzled_block_scales(a.scale), swizzled_block_scales(b.scale)
-        out = torch._scaled_mm(packed_a, packed_b, scale_a, scale_b, out_dtype=torch.float32)
-        alpha = torch.div(a.amax, 6.0 * 448.0) * torch.div(b.amax, 6.0 * 448.0)
-        return (out * alpha).to(out_dtype)
-    raise ValueError(f"unknown native backend {backend!r}")
+        out = out * (torch.div(a.amax, 6.0 * 448.0) * torch.div(b.amax, 6.0 * 448.0))
+    return out.to(out_dtype)

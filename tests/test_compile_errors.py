@@ -224,6 +224,8 @@ def test_compile_mode_and_options_reach_inductor():
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), compile_mode="reduce-overhead", options={"max_autotune": True})
     patches = compiled.graphquant._inner().keywords["config_patches"]
     assert patches == {"triton.cudagraphs": True, "max_autotune": True}
+    default = graphquant.compile(model, recipes.mxfp8_block_scaling())
+    assert default.graphquant._inner().keywords["config_patches"] == {}
 
 
 def test_inductor_options_with_another_backend_are_an_error():
