@@ -30,7 +30,6 @@ BATCH, SEQ, DIM = 8, 2048, 4096
 GRAPHQUANT = {
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
     "graphquant tensorwise (cudagraphs)": lambda: zoo.recipe("tensorwise"),
-    "graphquant tensorwise (recompute)": lambda: zoo.recipe("tensorwise"),
     "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
     "graphquant rowwise_with_gw_hp": lambda: zoo.recipe("rowwise_with_gw_hp"),
     "graphquant mxfp8": recipes.mxfp8_block_scaling,
@@ -98,8 +97,10 @@ def profile(name: str, step) -> None:
         late = launched is not None and launched > before["ts"] + before["dur"]
         gaps.append((gap, late, before["name"][:60], after["name"][:60]))
     host = sum(g for g, late, *_ in gaps if g > 0 and late)
+    began = min(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
     print(f"--- {name}: device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; idle {(span - busy) / 1e3:.2f} ms, "
-          f"{host / 1e3:.2f} ms of it waiting for a late launch", file=sys.stderr)
+          f"{host / 1e3:.2f} ms of it waiting for a late launch; the first kernel began "
+          f"{(device[0]['ts'] - began) / 1e3:.2f} ms after the step's first host op", file=sys.stderr)
     rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:6]]
     print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
 
@@ -118,10 +119,7 @@ def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: in
             model(x).backward(grad)
 
         built[name] = step
-        # experiment: let the partitioner recompute quantized activations in backward
-        recompute = name.endswith("(recompute)")
-        with torch._functorch.config.patch(ban_recompute_materialized_backward=not recompute):
-            step(); step()  # compile and warm up
+        step(); step()  # compile and warm up
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
