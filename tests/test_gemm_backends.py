@@ -89,6 +89,16 @@ def test_swizzled_block_scales_places_each_scale_in_its_tile():
     assert torch.equal(flat.sort().values[-rows * cols :], scale.flatten().sort().values)
 
 
+@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
+def test_1x128_scales_need_no_relayout_for_the_blockwise_gemm(direction):
+    """1x128 scales are made outer-dim-major, so the GEMM call passes them as they are."""
+    a = _operand(Float8BlockQuantizer(block_scaling_dim=1), direction, 256, 384, "cpu")
+    b = _operand(Float8BlockQuantizer(block_scaling_dim=1), direction, 128, 384, "cpu")
+    args, _ = scaled_mm.arguments(scaled_mm.BLOCKWISE, a, b, torch.bfloat16)
+    assert args[2].data_ptr() == a.scale.data_ptr() and args[2].stride() == (1, 256)
+    assert args[3].data_ptr() == b.scale.data_ptr() and args[3].stride() == (128, 1)
+
+
 def test_planner_choices_on_cpu_are_emulated_except_high_precision():
     cpu = torch.device("cpu")
     assert backends.select(IdentityQuantizer(), ROWWISE, IdentityQuantizer(), ROWWISE, cpu).bucket == backends.NATIVE
