@@ -13,11 +13,9 @@
 // Thread mapping (256 threads, 16-element chunks, 4 per thread and direction):
 //   row chunk    rc = k*256 + tid: tile row rc/8, columns 16*(rc%8) .. +15 (8 lanes cover a row,
 //                so rowwise output is written 128 contiguous bytes per row);
-//   column pairs pc = k*256 + tid (k < 2): tile columns 2*(pc%64) and the next, rows
-//                16*(pc/64) .. +15 (a warp reads 128 contiguous bytes of a tile row at a time).
-//                A transposed column chunk is 16 (FP8) or 8 (NVFP4) contiguous output bytes and
-//                is stored directly; MXFP8's columnwise output keeps the (M, K) layout, so its
-//                chunks are staged in shared memory and written out row by row.
+//   column chunk cc = k*256 + tid: tile column cc%128, rows 16*(cc/128) .. +15 (a warp covers
+//                32 adjacent columns, so shared-memory reads are conflict-free); column outputs
+//                are staged in shared memory and written out row by row.
 #pragma once
 
 #include "common.cuh"
@@ -35,9 +33,9 @@ constexpr int kThreads = 256;
 constexpr int kChunks = kTile * kTile / 16 / kThreads;  // chunks per thread and direction
 constexpr int kStagePitch = 144;                        // bytes; 16-byte aligned, spreads banks
 
-// Shared memory of one CTA; the stage exists only for MXFP8 columns, so other launches fit more
-// CTAs on a multiprocessor.
-template <class In, bool kStage>
+// Shared memory of one CTA; the column-side staging exists only with a columnwise encoder, so
+// rowwise-only launches fit more CTAs on a multiprocessor.
+template <class In, bool kColumns>
 struct TileSmem {
   alignas(16) typename In::S tile[kTile][kTile];
   uint32_t camax_r[kTile][8];  // amax of each row chunk [row][col/16]
@@ -48,7 +46,7 @@ struct TileSmem {
   uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
   uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
   uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
-  alignas(16) uint8_t stage[kStage ? kTile : 1][kStagePitch];  // MXFP8 column-side output
+  alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
 };
 
 struct TileCoords {
@@ -172,7 +170,7 @@ struct Fp8Scale {
 
 template <class In, int R, int C>
 struct TileProgram {
-  using Smem = TileSmem<In, C == kMX>;
+  using Smem = TileSmem<In, C != kNone>;
   using S = typename In::S;
   static constexpr bool kRowBlocks = R == kBlock || R == kMX || R == kNV;
   static constexpr bool kColBlocks = C == kBlock || C == kMX || C == kNV;
@@ -206,7 +204,7 @@ struct TileProgram {
     if constexpr (C != kNone) {
       if (col_encode) {
         phase([&](int tid) { encode_cols(p, t, s, tid); });
-        if constexpr (C == kMX) phase([&](int tid) { write_stage(p, t, s, tid); });
+        phase([&](int tid) { write_stage(p, t, s, tid); });
       }
     }
   }
@@ -458,7 +456,7 @@ struct TileProgram {
       // The source is x^T (K, M): element (gc, gr) of group g has index gc * Mg + (gr - start).
       const uint64_t index = uint64_t(gc) * uint64_t(t.gsize) + uint64_t(gr - t.gstart);
       const uint8_t scale = nv_encode(e, vec_max, e.amax[t.g], v, index, code, f);
-      *reinterpret_cast<Vec8*>(e.data + gc * (p.M / 2) + gr / 2) = pack_e2m1(code);
+      *reinterpret_cast<Vec8*>(&s.stage[c][8 * i]) = pack_e2m1(code);
       static_cast<uint8_t*>(e.scales)[gc * (p.M / 16) + gr / 16] = scale;
     } else {
       const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
@@ -466,22 +464,29 @@ struct TileProgram {
       fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
       if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
         for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
-      } else {  // transposed: row gc of the output, bytes gr .. gr + 15
-        store16(e.data + gc * p.M + gr, q, p.M - gr, (p.M & 15) == 0);
+      } else {  // transposed: row c of the stage holds this column's bytes
+        *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
       }
     }
   }
 
-  // MXFP8 columns: the stage holds the tile's (M, K)-layout bytes.
   GQ_HD static void write_stage(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
-    const int64_t valid_rows = p.M - t.row0, valid_bytes = p.K - t.col0;
-    constexpr int kPerRow = kTile / 16;
-    for (int piece = tid; piece < kTile * kPerRow; piece += kThreads) {
-      const int row = piece / kPerRow, b = (piece % kPerRow) * 16;
+    int64_t bytes, ld, dst_row, dst_byte, valid_rows, valid_bytes;
+    if constexpr (C == kMX) {
+      bytes = kTile, ld = p.K, dst_row = t.row0, dst_byte = t.col0, valid_rows = p.M - t.row0, valid_bytes = p.K - t.col0;
+    } else if constexpr (C == kNV) {
+      bytes = kTile / 2, ld = p.M / 2, dst_row = t.col0, dst_byte = t.row0 / 2;
+      valid_rows = p.K - t.col0, valid_bytes = (p.M - t.row0) / 2;
+    } else {
+      bytes = kTile, ld = p.M, dst_row = t.col0, dst_byte = t.row0, valid_rows = p.K - t.col0, valid_bytes = p.M - t.row0;
+    }
+    const int per_row = int(bytes / 16);
+    for (int piece = tid; piece < kTile * per_row; piece += kThreads) {
+      const int row = piece / per_row, b = (piece % per_row) * 16;
       if (row >= valid_rows || b >= valid_bytes) continue;
-      uint8_t* dst = p.col.data + (t.row0 + row) * p.K + t.col0 + b;
+      uint8_t* dst = p.col.data + (dst_row + row) * ld + dst_byte + b;
       const uint8_t* src = &s.stage[row][b];
-      if (b + 16 <= valid_bytes && (p.K & 15) == 0) {
+      if (b + 16 <= valid_bytes && (ld & 15) == 0) {
         *reinterpret_cast<Vec16*>(dst) = *reinterpret_cast<const Vec16*>(src);
       } else {
         for (int n = 0; n < 16 && b + n < valid_bytes; ++n) dst[n] = src[n];
