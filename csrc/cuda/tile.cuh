@@ -13,9 +13,10 @@
 // Thread mapping (256 threads, 16-element chunks, 4 per thread and direction):
 //   row chunk    rc = k*256 + tid: tile row rc/8, columns 16*(rc%8) .. +15 (8 lanes cover a row,
 //                so rowwise output is written 128 contiguous bytes per row);
-//   column chunk cc = k*256 + tid: tile column cc%128, rows 16*(cc/128) .. +15 (a warp covers
-//                32 adjacent columns, so shared-memory reads are conflict-free); column outputs
-//                are staged in shared memory and written out row by row.
+//   column pairs pc = k*256 + tid (k < 2): tile columns 2*(pc%64) and the next, rows
+//                16*(pc/64) .. +15 (a warp reads 128 contiguous bytes of a tile row at a time);
+//                column outputs are staged in shared memory and written out row by row (storing
+//                a transposed chunk straight to global memory measured slower: half sectors).
 #pragma once
 
 #include "common.cuh"
