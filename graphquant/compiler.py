@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import fx
 
-from graphquant.passes.find_gemms import find_gemms
+from graphquant.passes.find_gemms import find_gemms, parameter_path
 from graphquant import distributed
 from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
@@ -53,6 +53,7 @@ class GraphquantBackend:
         seed: int = 0,
         dump_dir: Optional[str] = None,
         inductor_options: Optional[dict] = None,
+        root: Optional[torch.nn.Module] = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -62,6 +63,7 @@ class GraphquantBackend:
         self.seed = seed
         self.dump_dir = dump_dir
         self.inductor_options = inductor_options or {}
+        self.root = root
         self.plans: list[Plan] = []
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None
@@ -77,7 +79,7 @@ class GraphquantBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
-        sites = find_gemms(gm, example_inputs)
+        sites = find_gemms(gm, example_inputs, self._frame(gm, example_inputs))
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
@@ -109,6 +111,32 @@ class GraphquantBackend:
             return compiled(*args, *(p(args) for p in providers))
 
         return run
+
+    def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+        """The qualified name of the submodule whose code this graph was traced from ("" for the
+        model itself), found by matching a lifted parameter's source with its name in the model."""
+        if self.root is None:
+            return ""
+        names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
+        for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            grapharg = node.meta.get("grapharg")
+            if not isinstance(value, torch.nn.Parameter) or id(value) not in names or grapharg is None:
+                continue
+            source = grapharg.source.name
+            relative, absolute = parameter_path(source() if callable(source) else source), names[id(value)]
+            if absolute == relative or not absolute.endswith("." + relative):
+                return ""
+            frame = absolute[: -len(relative) - 1]
+            kind = type(self.root.get_submodule(frame)).__name__
+            warnings.warn(
+                f"graphquant: a graph break inside {frame} ({kind}) made Dynamo compile that module's code on its "
+                f"own; its GEMM sites are named after {frame}, but Dynamo may run this graph for other {kind} "
+                "modules too, which then share these sites' formats and delayed-scaling state. Remove the graph "
+                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is).",
+                stacklevel=2,
+            )
+            return frame
+        return ""
 
     def _inner(self) -> Callable:
         if callable(self.inner):
@@ -222,7 +250,14 @@ def compile(
     if inductor_options and backend != "inductor":
         raise ValueError(f"compile_mode and options configure Inductor; backend {backend!r} takes neither")
     gq_backend = GraphquantBackend(
-        recipe, inner=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir, inductor_options=inductor_options
+        recipe,
+        inner=backend,
+        strict=strict,
+        mode=mode,
+        seed=seed,
+        dump_dir=dump_dir,
+        inductor_options=inductor_options,
+        root=model if isinstance(model, torch.nn.Module) else None,
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     compiled.__dict__["graphquant"] = gq_backend

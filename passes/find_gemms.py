@@ -82,11 +82,22 @@ class GemmSite:
         return tuple(self.role(t) for t in TENSOR_TYPES[self.module_type])
 
 
-def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[GemmSite]:
-    """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included."""
+def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object], frame: str = "") -> list[GemmSite]:
+    """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included.
+
+    frame: the qualified name of the module whose code ``gm`` was traced from, where that is not
+    the compiled model (Dynamo compiles a submodule's code on its own after a graph break inside
+    it); site names then still count from the model's root.
+    """
     sites: list[GemmSite] = []
-    _find(gm, _parameter_nodes(gm, example_inputs), collections.Counter(), sites)
+    _find(gm, _parameter_nodes(gm, example_inputs), collections.Counter(), sites, frame)
     return sites
+
+
+def parameter_path(source: str) -> str:
+    """A lifted parameter's Dynamo source ("L['self']._modules['fc1']._parameters['weight']") as
+    named_parameters spells it relative to the frame's module ("fc1.weight")."""
+    return re.sub(r"(^|\.)_(modules|parameters)(?=\.)", "", fqn_from_stack_path(source)).strip(".")
 
 
 def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
@@ -99,18 +110,20 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
     return None
 
 
-def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite]) -> None:
+def _find(
+    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: str
+) -> None:
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
-            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites)
+            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites, frame)
             continue
         form = _form(node)
         if form is None:
             continue
         if form == GROUPED:
-            _find_grouped(node, functional_index, sites)
+            _find_grouped(node, functional_index, sites, frame)
             continue
         operands = _operands(node, form)
         if operands is None:
@@ -123,7 +136,7 @@ def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collec
             continue
         x_shape, w_shape, batched = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        owner, call, module_is_linear = _owner(node)
+        owner, call, module_is_linear = _owner(node, frame)
         if is_linear and module_is_linear:
             name = owner
         else:
@@ -144,7 +157,7 @@ def _find(gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collec
         sites.append(site)
 
 
-def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite]) -> None:
+def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite], frame: str) -> None:
     """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped."""
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
     va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
@@ -157,7 +170,7 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
         node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
         return
-    owner, call, _ = _owner(node)
+    owner, call, _ = _owner(node, frame)
     key = (owner, call, "grouped_linear")
     name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
     functional_index[key] += 1
@@ -251,15 +264,15 @@ def fqn_from_stack_path(path: str) -> str:
     return path.strip(".")
 
 
-def _owner(node: fx.Node) -> tuple[str, int, bool]:
+def _owner(node: fx.Node, frame: str) -> tuple[str, int, bool]:
     """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return "", 0, False
+        return frame, 0, False
     key, (path, module_type) = list(stack.items())[-1]
     call = int(key.rsplit("@", 1)[1]) if "@" in str(key) else 0
     is_linear = isinstance(module_type, type) and issubclass(module_type, torch.nn.Linear)
-    return fqn_from_stack_path(path), call, is_linear
+    return ".".join(p for p in (frame, fqn_from_stack_path(path)) if p), call, is_linear
 
 
 def _parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:

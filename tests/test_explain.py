@@ -96,6 +96,33 @@ def test_graph_breaks_give_one_plan_in_graph_order():
     assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["fc1#0", "fc2#0"]
 
 
+def test_graph_break_inside_a_submodule_keeps_names_from_the_root_and_warns():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            torch._dynamo.graph_break()
+            return self.fc2(h)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with pytest.warns(UserWarning, match=r"graph break inside layers\.0 \(Block\).*share these sites"):
+        plan = graphquant.explain(Stack(), zoo.recipe("tensorwise"), torch.randn(16, 32))
+    # Dynamo compiles the code after the break once and runs it for both blocks: one site.
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0"]
+
+
 def rht_on_grad_output_only(role):
     """wgrad multiplies grad_output through a Hadamard transform by input without one: rejected."""
     if role.tensor_type == "grad_output":
