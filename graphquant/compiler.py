@@ -66,7 +66,8 @@ class GraphquantBackend:
         self.root = root
         self.plans: list[Plan] = []
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
-        self.rng: Optional[torch.Tensor] = None
+        self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
+        self.rng_step: Optional[torch.Tensor] = None
         self.weight_cache = WeightCache()
 
     @property
@@ -102,12 +103,12 @@ class GraphquantBackend:
 
             dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *(p(example_inputs) for p in providers)])
-        rng = self.rng if "rng" in keys else None
+        stochastic = "rng" in keys
 
         def run(*args: Any) -> Any:
-            if rng is not None:
+            if stochastic:  # a new tensor, not an in-place step: a pending backward keeps its own
                 with torch.no_grad():
-                    rng[1] += 1
+                    self.rng = self.rng + self.rng_step
             return compiled(*args, *(p(args) for p in providers))
 
         return run
@@ -168,8 +169,8 @@ class GraphquantBackend:
         if key == "rng":
             if self.rng is None:
                 self.rng = torch.tensor([self.seed, 0], dtype=torch.int64, device=device)
-            rng = self.rng
-            return lambda args: rng
+                self.rng_step = torch.tensor([0, 1], dtype=torch.int64, device=device)  # made once: no copy per call
+            return lambda args: self.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
             scale, history = plan.quantizer(role).initial_state(device)

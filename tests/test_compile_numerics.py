@@ -165,6 +165,28 @@ def test_stochastic_rounding_streams_follow_the_step_counter():
         forward_backward(wrong_seed, wrong_seed.model, x)
 
 
+def test_backward_uses_the_stochastic_rounding_step_of_its_forward():
+    """Two forwards, then one backward through both (two micro-batches' losses summed): each
+    backward quantizes grad_output with its own forward's step, so the gradients equal those of
+    the same two steps run forward-backward one after the other."""
+
+    def run(together):
+        torch._dynamo.reset()
+        model = models.seeded(models.MLP(), 5)
+        compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend="aot_eager")
+        first, second = x3(seed=1), x3(seed=2)
+        if together:
+            (compiled(first).sum() + compiled(second).sum()).backward()
+        else:
+            compiled(first).sum().backward()
+            compiled(second).sum().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    together, one_by_one = run(together=True), run(together=False)
+    for name, grad in one_by_one.items():
+        assert torch.equal(together[name], grad), name
+
+
 def test_same_seed_is_bit_for_bit_reproducible():
     """Two compiles with the same seed give the same bits (SR included); the test above shows a
     different seed gives different ones."""
