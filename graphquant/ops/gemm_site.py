@@ -98,6 +98,26 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
     return Operand(list(tensors), quantizer.spec, direction, shape)
 
 
+def save_columnwise(ctx, x_col: Optional[Operand], w_col: Optional[Operand], *others: Optional[torch.Tensor]) -> None:
+    """Save what a backward needs: the columnwise operands that exist (x's for wgrad, w's for
+    dgrad), then ``others``; ``saved_columnwise`` gives them back."""
+    kept = [op for op in (x_col, w_col) if op is not None]
+    ctx.kept = [(x_col is not None, w_col is not None), [(len(op.tensors), op.spec, op.direction, op.shape) for op in kept]]
+    ctx.save_for_backward(*[t for op in kept for t in op.tensors], *others)
+
+
+def saved_columnwise(ctx) -> tuple[Optional[Operand], Optional[Operand], list[Optional[torch.Tensor]]]:
+    """(x's columnwise operand or None, w's or None, the others) as ``save_columnwise`` saved them."""
+    (has_x, has_w), metas = ctx.kept
+    saved, start, kept = list(ctx.saved_tensors), 0, []
+    for count, *meta in metas:
+        kept.append(Operand(saved[start : start + count], *meta))
+        start += count
+    x_col = kept.pop(0) if has_x else None
+    w_col = kept.pop(0) if has_w else None
+    return x_col, w_col, saved[start:]
+
+
 def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
     """Roll the slot's amax history with this call's amax and store the next scale, in place."""
     if not isinstance(quantizer, Float8DelayedScalingQuantizer) or not operands:
@@ -172,10 +192,7 @@ class QuantizedGemm(torch.autograd.Function):
         out_dtype = torch.promote_types(x.dtype, w.dtype)
         y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype)
 
-        kept = [xq[COLUMNWISE]] if need_dw else []
-        kept += [wq[COLUMNWISE]] if need_dx else []
-        ctx.kept = [(op.spec, op.direction, op.shape) for op in kept]
-        ctx.save_for_backward(*[t for op in kept for t in op.tensors], g_delayed, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
         ctx.site, ctx.stream = site, streams[2]
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.originals = (x, w) if _recorder is not None else (None, None)
@@ -185,10 +202,7 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        *flat, g_delayed, rng = ctx.saved_tensors
-        kept = [Operand(flat[3 * i : 3 * i + 3], *meta) for i, meta in enumerate(ctx.kept)]
-        x_col = kept.pop(0) if need_dw else None
-        w_col = kept.pop(0) if need_dx else None
+        x_col, w_col, (g_delayed, rng) = saved_columnwise(ctx)
         site = ctx.site
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])

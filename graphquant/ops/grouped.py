@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
-from graphquant.ops.gemm_site import Operand, Site, hybrid_directions
+from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -199,19 +199,14 @@ class QuantizedGroupedMM(torch.autograd.Function):
         wq = quantize_grouped(w2d, w_offs, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), site.label)
         y = _gemm(xq[ROWWISE], offs, wq[ROWWISE], w_offs, torch.promote_types(x.dtype, w.dtype))
 
-        kept = ([xq[COLUMNWISE]] if need_dw else []) + ([wq[COLUMNWISE]] if need_dx else [])
-        ctx.kept = [(op.spec, op.direction, op.shape) for op in kept]
-        ctx.save_for_backward(*[t for op in kept for t in op.tensors], offs, w_offs)
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), offs, w_offs)
         ctx.site, ctx.dtypes = site, (x.dtype, w.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        *flat, offs, w_offs = ctx.saved_tensors
-        kept = [Operand(flat[3 * i : 3 * i + 3], *meta) for i, meta in enumerate(ctx.kept)]
-        x_col = kept.pop(0) if need_dw else None
-        w_col = kept.pop(0) if need_dx else None
+        x_col, w_col, (offs, w_offs) = saved_columnwise(ctx)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         gq = quantize_grouped(dy.contiguous(), offs, ctx.site.grad_output, directions, ctx.site.label)
         dx = _gemm(gq[ROWWISE], offs, w_col, w_offs, ctx.dtypes[0]) if need_dx else None
