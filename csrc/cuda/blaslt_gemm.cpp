@@ -1,23 +1,29 @@
-// graphquant._C.bf16_gemm: out[i] = alpha * (a[i] @ b[i]^T) through cuBLASLt, with bf16 operands,
-// fp32 accumulation and alpha read from the device by the epilogue, so the product is rounded
-// once, after alpha. The emulated low-precision GEMM (graphquant/emulation.py) applies its
-// per-tensor factors this way instead of in extra passes over an fp32 product, and without
-// waiting for the device (it can be captured in a CUDA graph).
+// graphquant._C.bf16_gemm: out[i] = alpha * (a[i] @ b[i]^T) (+ bias) through cuBLASLt, with bf16
+// operands, fp32 accumulation, and alpha read from the device and the optional bias (one vector
+// along out's last dim, the same for every batch) added by the epilogue in fp32, so the result is
+// rounded once to out_dtype, after alpha and the bias. The emulated low-precision GEMM
+// (graphquant/emulation.py) applies its per-tensor factors this way instead of in extra passes
+// over an fp32 product, and without waiting for the device (it can be captured in a CUDA graph).
 //
 // CUDA only: the CPU emulation of the kernels (tests/emulation) does not build this file.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 
 namespace gq {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // what cuBLAS takes on Hopper
+// The first 256 bytes of that allocation hold beta (a float32 zero), the rest is cuBLASLt's.
+constexpr size_t kBetaBytes = 256;
 
 // A cuBLASLt descriptor, destroyed with its scope.
 template <typename T, cublasStatus_t (*Destroy)(T)>
@@ -71,7 +77,26 @@ uint32_t alignment(const at::Tensor& t) {
   return a;
 }
 
-at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& alpha, at::ScalarType out_dtype) {
+// The bias as cuBLASLt's epilogue reads it: bias of d_dtype (the type of its D, which the BIAS
+// epilogue of bf16 kernels takes for the bias vector unless told otherwise), converted from bf16
+// or fp16 where out is fp32 or fp16 (exactly: both are subsets of fp32).
+at::Tensor checked_bias(const at::Tensor& bias, const at::Tensor& a, int64_t n, at::ScalarType out_dtype,
+                        at::ScalarType d_dtype) {
+  TORCH_CHECK(bias.device() == a.device(), "graphquant.bf16_gemm: the bias must be on the operands' device (", a.device(),
+              "), got ", bias.device());
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n, "graphquant.bf16_gemm: the bias must be 1-D of length n = b.shape[1] = ",
+              n, " (out's last dim), got shape ", bias.sizes());
+  TORCH_CHECK(bias.scalar_type() == at::kBFloat16 || bias.scalar_type() == out_dtype, "graphquant.bf16_gemm: a bias of ",
+              bias.scalar_type(), " with out_dtype ", out_dtype, "; accepted are bfloat16 and out_dtype (", out_dtype, ")");
+  TORCH_CHECK(bias.is_contiguous(), "graphquant.bf16_gemm: the bias must be contiguous, got stride ", bias.strides());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(bias.data_ptr()) % 16 == 0,
+              "graphquant.bf16_gemm: the bias must start at a 16-byte-aligned address, got one ",
+              reinterpret_cast<uintptr_t>(bias.data_ptr()) % 16, " bytes past it (a fresh tensor or .clone() is aligned)");
+  return bias.scalar_type() == d_dtype ? bias : bias.to(d_dtype);
+}
+
+at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& alpha, at::ScalarType out_dtype,
+                     const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(a_in.dim() == 3 && b_in.dim() == 3 && a_in.size(0) == b_in.size(0) && a_in.size(2) == b_in.size(2),
               "graphquant.bf16_gemm takes a (batch, m, k) and b (batch, n, k), got ", a_in.sizes(), " and ", b_in.sizes());
   TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 && b_in.scalar_type() == at::kBFloat16,
@@ -82,13 +107,17 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.bf16_gemm writes bfloat16, float16 or float32, not ", out_dtype);
   const c10::cuda::CUDAGuard guard(a_in.device());
+  // cuBLASLt writes bf16 or fp32 from bf16 operands; its epilogue computes alpha * acc (+ bias) in
+  // fp32 either way, so an fp16 result is that fp32 value rounded once to fp16.
+  const at::ScalarType d_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
+  const at::Tensor bias = bias_in.has_value() ? checked_bias(*bias_in, a_in, b_in.size(1), out_dtype, d_dtype) : at::Tensor();
   const at::Tensor a = row_major(a_in) || col_major(a_in) ? a_in : a_in.contiguous();
   const at::Tensor b = row_major(b_in) || col_major(b_in) ? b_in : b_in.contiguous();
-  // cuBLASLt writes bf16 or fp32 from bf16 operands; its epilogue computes alpha * acc in fp32
-  // either way, so an fp16 result is that fp32 value rounded once to fp16.
-  const at::ScalarType d_dtype = out_dtype == at::kHalf ? at::kFloat : out_dtype;
   at::Tensor out = at::empty({a.size(0), a.size(1), b.size(1)}, a.options().dtype(d_dtype));
-  if (out.numel() == 0 || a.size(2) == 0) return out.zero_().to(out_dtype);
+  if (out.numel() == 0 || a.size(2) == 0) {  // alpha * (an empty sum) + bias
+    if (bias.defined()) return out.copy_(bias.expand_as(out)).to(out_dtype);
+    return out.zero_().to(out_dtype);
+  }
 
   // Row-major out (m, n) is column-major out^T (n x m) = B (n x k) @ A^T (k x m): cuBLAS's A is
   // our b, its B our a.
@@ -98,6 +127,16 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
   set(desc.raw, CUBLASLT_MATMUL_DESC_TRANSA, row_major(b) ? CUBLAS_OP_T : CUBLAS_OP_N);
   set(desc.raw, CUBLASLT_MATMUL_DESC_TRANSB, row_major(a) ? CUBLAS_OP_N : CUBLAS_OP_T);
   set(desc.raw, CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE);
+  if (bias.defined()) {
+    // The BIAS epilogue adds a vector as long as cuBLAS's D has rows, to each of its columns: D is
+    // out^T (n x m), so bias[j] goes to out[i, j] for every row i. Its batch stride is 0, so every
+    // batch gets the same bias. The heuristic reads the bias pointer for its alignment, so it is
+    // set before the query.
+    set(desc.raw, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set(desc.raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.const_data_ptr());
+    set(desc.raw, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(d_type));
+    set(desc.raw, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, int64_t(0));
+  }
   Layout b_layout, a_layout, d_layout;
   describe(b_layout, b, CUDA_R_16BF);
   describe(a_layout, a, CUDA_R_16BF);
@@ -105,11 +144,14 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
 
   Preference preference;
   TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.raw));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kWorkspaceBytes));
+  set(preference.raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kWorkspaceBytes - kBetaBytes));
   set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(b));
   set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(a));
   set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(out));
   set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(out));
+  // No cache of our own for the heuristic: cuBLASLt keeps one (cublasLtHeuristicsCacheGetCapacity,
+  // CUBLASLT_HEURISTICS_CACHE_CAPACITY), and a key of ours would have to repeat everything the query
+  // reads, the bias pointer's alignment included.
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cublasLtMatmulHeuristicResult_t heuristic = {};
   int found = 0;
@@ -117,15 +159,19 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
                                                                d_layout.raw, preference.raw, 1, &heuristic, &found);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "graphquant.bf16_gemm: cuBLASLt has no algorithm (",
               at::cuda::blas::_cublasGetErrorEnum(status), ") for a ", a.sizes(), " strides ", a.strides(), " and b ",
-              b.sizes(), " strides ", b.strides(), " to ", d_dtype);
+              b.sizes(), " strides ", b.strides(), " to ", d_dtype,
+              bias.defined() ? " with a bias in the epilogue" : "");
 
-  // With device pointers, beta is read from the device too; zero, so out is not read.
-  const at::Tensor beta = at::zeros({1}, alpha.options());
+  // Beta, at the start of the workspace's allocation: with device pointers beta is read from the
+  // device too; zero, so out is not read. One allocation from the caching allocator, one memset.
   const at::Tensor workspace = at::empty({int64_t(kWorkspaceBytes)}, a.options().dtype(at::kByte));
+  void* const beta = workspace.data_ptr();
+  void* const cublas_workspace = static_cast<char*>(workspace.data_ptr()) + kBetaBytes;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(beta, 0, sizeof(float), stream));
   TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc.raw, alpha.data_ptr(), b.data_ptr(), b_layout.raw, a.data_ptr(),
-                                      a_layout.raw, beta.data_ptr(), out.data_ptr(), d_layout.raw, out.data_ptr(),
-                                      d_layout.raw, &heuristic.algo, workspace.data_ptr(), kWorkspaceBytes,
-                                      at::cuda::getCurrentCUDAStream()));
+                                      a_layout.raw, beta, out.data_ptr(), d_layout.raw, out.data_ptr(), d_layout.raw,
+                                      &heuristic.algo, cublas_workspace, kWorkspaceBytes - kBetaBytes, stream));
   return out.to(out_dtype);
 }
 
@@ -134,7 +180,10 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
 
 void register_blaslt_gemm(pybind11::module_& m) {
   m.def("bf16_gemm", &gq::bf16_gemm,
-        "out[i] = alpha * (a[i] @ b[i]^T): bf16 a (batch, m, k) and b (batch, n, k), alpha a float32 device "
-        "scalar applied in cuBLASLt's epilogue, fp32 accumulation, one rounding to out_dtype",
-        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"), pybind11::arg("out_dtype"));
+        "out[i] = alpha * (a[i] @ b[i]^T) + bias: bf16 a (batch, m, k) and b (batch, n, k), alpha a float32 "
+        "device scalar and bias (optional: None, or n values of bfloat16 or out_dtype, contiguous, 16-byte "
+        "aligned, on a's device; the same for every batch) applied in cuBLASLt's epilogue, fp32 "
+        "accumulation and epilogue, one rounding to out_dtype (bfloat16, float16 or float32)",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"), pybind11::arg("out_dtype"),
+        pybind11::arg("bias") = pybind11::none());
 }
