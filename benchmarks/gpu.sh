@@ -25,6 +25,10 @@ for i in "${!steps[@]}"; do
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
            python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1 > "$OUT/ncu.txt" 2>&1
          grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Registers|Duration|L1/TEX Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.txt" | head -60 ;;
-    train) python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"; break ;;
+    train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
+           nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &
+           python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"
+           kill $!; sort -t, -k2 -n "$OUT/clocks.csv" | awk -F, '{c[NR]=$2} END {print "SM clock (MHz) over the run: min", c[1], "median", c[int(NR/2)+1], "max", c[NR]}'
+           break ;;
   esac
 done

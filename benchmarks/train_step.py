@@ -2,9 +2,9 @@
 
     python benchmarks/train_step.py [--models ffn,decoder] [--configs ...] [--rounds 3]
 
-Prints one table: ms per step (median over rounds that alternate the configurations),
-effective TFLOP/s, speedup over the best of bf16 eager and bf16 torch.compile, peak GPU memory,
-and the distance to the FP8-GEMM-only bound (the step's linear GEMMs at raw torch._scaled_mm
+Prints one table: ms per step (median over rounds that alternate the configurations, each sample
+``--steps`` steps back to back), effective TFLOP/s, speedup over the best of bf16 eager and bf16
+torch.compile, peak GPU memory, and the distance to the FP8-GEMM-only bound (the step's linear GEMMs at raw torch._scaled_mm
 speed measured in this run, plus the measured bf16 attention kernels).
 """
 
@@ -105,7 +105,9 @@ def profile(name: str, step) -> None:
     print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
 
 
-def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: int, compile_mode: str | None, profiled: list[str]) -> list[list]:
+def measure(
+    model_name: str, base: torch.nn.Module, names: list[str], rounds: int, steps: int, compile_mode: str | None, profiled: list[str]
+) -> list[list]:
     x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     built, peaks, samples = {}, {}, {n: [] for n in names}
@@ -135,7 +137,7 @@ def measure(model_name: str, base: torch.nn.Module, names: list[str], rounds: in
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
     for _ in range(rounds):
         for name in names:
-            samples[name].append(time_ms(built[name], warmup=1, reps=5))
+            samples[name].append(time_ms(built[name], warmup=1, reps=5, inner=steps))
     ms = {n: statistics.median(v) for n, v in samples.items()}
 
     tokens = BATCH * SEQ
@@ -188,6 +190,11 @@ def main() -> None:
     parser.add_argument("--models", default="ffn,decoder")
     parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=4,
+        help="steps per timed sample, run back to back as a training loop runs them (the host prepares a "
+        "step while the GPU runs the previous one; 1 also times the GPU waiting for the step's first launch)",
+    )
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
     parser.add_argument("--profile", default="", help="comma-separated configs whose kernels to list")
     args = parser.parse_args()
@@ -196,7 +203,7 @@ def main() -> None:
     rows = []
     for model_name in args.models.split(","):
         base = (FFNStack() if model_name == "ffn" else DecoderLayer()).to("cuda", torch.bfloat16)
-        rows += measure(model_name, base, names, args.rounds, args.compile_mode, args.profile.split(","))
+        rows += measure(model_name, base, names, args.rounds, args.steps, args.compile_mode, args.profile.split(","))
         del base
         torch.cuda.empty_cache()
     headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]

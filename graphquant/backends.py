@@ -147,9 +147,18 @@ def gemm_dims(a: Representation, b: Representation, batch: int) -> tuple[int, in
     return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), k
 
 
-def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """(batch, m, n): out[g] = A[g] @ B[g]^T on the backend ``select`` names for this pair."""
+def gemm(
+    a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on the backend ``select``
+    names for this pair; every backend adds the bias before rounding to out_dtype."""
+    n = output_rows(b.direction, b.shape, batch)
+    if bias is not None and (batch != 1 or bias.shape != (n,)):
+        raise ValueError(
+            f"a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
+            f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
+        )
     selection = select(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch)
     if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
-        return scaled_mm.run(selection.backend, a, b, out_dtype).unsqueeze(0)
-    return emulation.gemm(a, b, batch, out_dtype)
+        return scaled_mm.run(selection.backend, a, b, out_dtype, bias).unsqueeze(0)
+    return emulation.gemm(a, b, batch, out_dtype, bias)

@@ -106,32 +106,39 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _epilogue_gemm(
-    left: torch.Tensor, right: torch.Tensor, alpha: Optional[torch.Tensor], out_dtype: torch.dtype
+    left: torch.Tensor, right: torch.Tensor, alpha: Optional[torch.Tensor], out_dtype: torch.dtype, bias: Optional[torch.Tensor]
 ) -> Optional[torch.Tensor]:
-    """alpha * left @ right^T with alpha applied by cuBLASLt's epilogue (no pass over an fp32
-    product, one rounding), or None where the extension or its aligned kernels do not take it."""
+    """alpha * left @ right^T (+ bias) with alpha and the bias applied by cuBLASLt's epilogue (no
+    pass over an fp32 product, one rounding), or None where the extension or its aligned kernels
+    do not take it."""
     ext = kernels.native()
     if ext is None or alpha is None or left.dtype != torch.bfloat16:
         return None
     if right.shape[1] % 8 or not (_aligned(left) and _aligned(right)):
         return None
-    return ext.bf16_gemm(left, right, alpha, out_dtype)
+    if bias is not None and not (bias.dtype in (torch.bfloat16, out_dtype) and bias.is_contiguous() and bias.data_ptr() % 16 == 0):
+        return None
+    return ext.bf16_gemm(left, right, alpha, out_dtype, bias)
 
 
-def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """(batch, m, n) = A @ B^T per group, exact up to fp32 accumulation."""
+def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(batch, m, n) = A @ B^T (+ bias) per group, exact up to fp32 accumulation; the bias is added
+    to the fp32 product before its one rounding to out_dtype."""
     on_gpu = a.data.is_cuda
     dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     (va, fa), (vb, fb) = factored(a), factored(b)
     left, right = _grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype)
-    if fa is None and fb is None and dtype == out_dtype:
-        return torch.bmm(left, right.mT)  # fp32 accumulation, one rounding to out_dtype
-    out = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype)
+    if fa is None and fb is None and dtype == out_dtype:  # fp32 accumulation, one rounding to out_dtype
+        if bias is None:
+            return torch.bmm(left, right.mT)
+        if bias.dtype == out_dtype:  # the bias in the same GEMM's epilogue (batch is 1 with a bias)
+            return torch.addmm(bias, left[0], right[0].t()).unsqueeze(0)
+    out = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype, bias)
     if out is not None:
         return out
-    # bf16 operands, fp32 result: the product is rounded once, after the factors, to out_dtype.
+    # bf16 operands, fp32 result: the product is rounded once, after the factors and the bias, to out_dtype.
     product = torch.bmm(left, right.mT, out_dtype=torch.float32) if dtype != torch.float32 else torch.bmm(left, right.mT)
-    if fa is None and fb is None:
+    if fa is None and fb is None and bias is None:
         return product.to(out_dtype)
     product = product.float()
     fa, fb = _grouped_factor(fa, a, batch), _grouped_factor(fb, b, batch)
@@ -139,4 +146,6 @@ def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtyp
         product = product * fa
     if fb is not None:
         product = product * (fb if fb.dim() == 0 else fb.transpose(1, 2))
+    if bias is not None:
+        product = product + bias.float()
     return product.to(out_dtype)

@@ -108,7 +108,9 @@ def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torc
     return None
 
 
-class _Native(NamedTuple):
+class Quantized(NamedTuple):
+    """What one quantize pass made: the wanted directions and the column sums (dbias)."""
+
     rowwise: Optional[Representation]
     columnwise: Optional[Representation]
     dbias: Optional[torch.Tensor]
@@ -123,7 +125,7 @@ def _run(
     columnwise: bool,
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
-) -> Optional[_Native]:
+) -> Optional[Quantized]:
     """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing."""
     ext = _extension(x)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
@@ -151,7 +153,7 @@ def _run(
         group_sizes,
         dbias,
     )
-    return _Native(
+    return Quantized(
         row_q.representation(ROWWISE, x.shape, x.dtype, *out[0:3]) if rowwise else None,
         col_q.representation(COLUMNWISE, x.shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
@@ -165,12 +167,9 @@ def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ct
 
 
 def quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
-    quantizer.check_shape(tuple(x.shape), direction)
-    rowwise = direction == ROWWISE
-    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=not rowwise)
-    if native_reps is None:
-        return reference_quantize(quantizer, x, direction, ctx)
-    return native_reps.rowwise if rowwise else native_reps.columnwise
+    """One direction of ``x``."""
+    made = quantize_pass(quantizer, x, ctx, rowwise=direction == ROWWISE, columnwise=direction != ROWWISE)
+    return made.rowwise if direction == ROWWISE else made.columnwise
 
 
 def quantize_hybrid(quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext) -> tuple[Representation, Representation]:
@@ -179,12 +178,8 @@ def quantize_hybrid(quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext)
 
     Equal to ``(quantize(q, x, ROWWISE, ctx), quantize(q, x, COLUMNWISE, ctx))``.
     """
-    for direction in (ROWWISE, COLUMNWISE):
-        quantizer.check_shape(tuple(x.shape), direction)
-    native_reps = _run(quantizer, x, ctx, rowwise=True, columnwise=True)
-    if native_reps is None:
-        return reference_quantize(quantizer, x, ROWWISE, ctx), reference_quantize(quantizer, x, COLUMNWISE, ctx)
-    return native_reps.rowwise, native_reps.columnwise
+    made = quantize_pass(quantizer, x, ctx)
+    return made.rowwise, made.columnwise
 
 
 def reference_dbias(x: torch.Tensor) -> torch.Tensor:
@@ -192,22 +187,23 @@ def reference_dbias(x: torch.Tensor) -> torch.Tensor:
     return x.float().sum(0).to(x.dtype)
 
 
-def quantize_dbias(
-    quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext, *, rowwise: bool = True, columnwise: bool = True
-) -> tuple[Optional[Representation], Optional[Representation], torch.Tensor]:
-    """(rowwise, columnwise, dbias): grad_output quantized for dgrad and wgrad, and its column sums
-    (the bias gradient, fp32 accumulated in a fixed order, in x's dtype), from one read of x."""
+def quantize_pass(
+    quantizer: Quantizer, x: torch.Tensor, ctx: QuantizeContext, *, rowwise: bool = True, columnwise: bool = True, dbias: bool = False
+) -> Quantized:
+    """The wanted directions of ``x`` and, with ``dbias``, its column sums (the bias gradient of a
+    linear whose grad_output is x, fp32 accumulated in a fixed order, in x's dtype): one read of x
+    where a kernel makes them all, else the reference."""
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.check_shape(tuple(x.shape), direction)
-    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=True)
-    if native_reps is None:
-        return (
-            reference_quantize(quantizer, x, ROWWISE, ctx) if rowwise else None,
-            reference_quantize(quantizer, x, COLUMNWISE, ctx) if columnwise else None,
-            reference_dbias(x),
-        )
-    return native_reps.rowwise, native_reps.columnwise, native_reps.dbias
+    made = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
+    if made is not None:
+        return made
+    return Quantized(
+        reference_quantize(quantizer, x, ROWWISE, ctx) if rowwise else None,
+        reference_quantize(quantizer, x, COLUMNWISE, ctx) if columnwise else None,
+        reference_dbias(x) if dbias else None,
+    )
 
 
 def grouped_quantize(

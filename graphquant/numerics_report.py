@@ -156,8 +156,8 @@ class _Recorder:
 def _high_precision_gemm(a, a_operand, b, b_operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The same GEMM (same directions, grouping and output dtype) on the unquantized operands."""
     state = gemm_site.SlotState(None, None, 0)
-    hp_a = gemm_site.quantize_tensor(a, IdentityQuantizer(), (a_operand.direction,), state)[a_operand.direction]
-    hp_b = gemm_site.quantize_tensor(b, IdentityQuantizer(), (b_operand.direction,), state)[b_operand.direction]
+    hp_a = gemm_site.quantize_tensor(a, IdentityQuantizer(), (a_operand.direction,), state)[0][a_operand.direction]
+    hp_b = gemm_site.quantize_tensor(b, IdentityQuantizer(), (b_operand.direction,), state)[0][b_operand.direction]
     return torch.ops.graphquant.gemm(
         hp_a.tensors, hp_a.spec, hp_a.direction, hp_a.shape, hp_b.tensors, hp_b.spec, hp_b.direction, hp_b.shape,
         batch, out_dtype,

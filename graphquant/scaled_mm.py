@@ -7,6 +7,8 @@ as cuBLASLt wants them for each scaling mode.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from graphquant.quantizers import ROWWISE, Representation
@@ -71,10 +73,18 @@ def arguments(backend: str, a: Representation, b: Representation, out_dtype: tor
     return (data_a, data_b, scale_a, scale_b), dict(out_dtype=out_dtype, use_fast_accum=fast)
 
 
-def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> torch.Tensor:
-    """out (m, n) = A @ B^T on ``backend`` (as named by graphquant.backends.select)."""
+def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out (m, n) = A @ B^T (+ bias) on ``backend`` (as named by graphquant.backends.select).
+
+    The bias goes into cuBLASLt's epilogue where the call writes bf16 or fp16 and the bias has
+    that dtype; otherwise it is added to the fp32 product, which is then rounded once.
+    """
     args, kwargs = arguments(backend, a, b, out_dtype)
+    if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32:
+        return torch._scaled_mm(*args, bias=bias, **kwargs).to(out_dtype)
     out = torch._scaled_mm(*args, **kwargs)
     if backend == NVFP4:
         out = out * (torch.div(a.amax, 6.0 * 448.0) * torch.div(b.amax, 6.0 * 448.0))
+    if bias is not None:
+        out = out.float() + bias.float()
     return out.to(out_dtype)

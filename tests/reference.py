@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -139,16 +139,20 @@ class RefSite:
         return out
 
 
-def _gemm64(a: torch.Tensor, b: torch.Tensor, what: str, site: RefSite) -> torch.Tensor:
-    """a (g, m, k) @ b (g, k, n) in float64.
+def _gemm64(a: torch.Tensor, b: torch.Tensor, what: str, site: RefSite, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a (g, m, k) @ b (g, k, n) (+ bias) in float64.
 
-    Logs the GEMM's fp32 bound (K + 4) 2^-24 sum_k |a_k||b_k| per output (see ``gemm_bound``).
+    Logs the GEMM's fp32 bound (K + 4) 2^-24 sum_k |a_k||b_k| per output (see ``gemm_bound``),
+    plus one rounding of the result where the GEMM adds a bias before rounding.
     With a tape (teacher forcing), checks that the compiled model ran a GEMM whose result lies
     within that bound of this one, and returns the compiled result, so that what follows sees
     exactly the values the compiled model saw.
     """
     exact = torch.bmm(a, b)
     bound = gemm_bound(a, b)
+    if bias is not None:
+        exact = exact + bias.double()
+        bound = bound + EPS32 * exact.abs()
     ref = site.reference
     ref.gemm_log.append((site.name, site.call, what, a.shape[-1], bound.max().item()))
     if ref.tape is None:
@@ -253,13 +257,13 @@ class RefGemm(torch.autograd.Function):
     """y (g, m, n) = x (g*m, k) @ w (g*n, k)^T per group g, through the site's formats."""
 
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, w2d: torch.Tensor, site: RefSite):
+    def forward(ctx, x2d: torch.Tensor, w2d: torch.Tensor, bias: Optional[torch.Tensor], site: RefSite):
         g = site.batch
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq = site.quantize(0, x2d, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,))
         wq = site.quantize(1, w2d, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,))
         m, k, n = x2d.shape[0] // g, x2d.shape[1], w2d.shape[0] // g
-        y = _gemm64(xq[ROWWISE].view(g, m, k), wq[ROWWISE].view(g, n, k).transpose(1, 2), "fprop", site)
+        y = _gemm64(xq[ROWWISE].view(g, m, k), wq[ROWWISE].view(g, n, k).transpose(1, 2), "fprop", site, bias)
         site.reference.operands.append((f"{site.name}#{site.call}", x2d.detach(), w2d.detach()))
         ctx.site, ctx.shapes, ctx.dtypes = site, (g, m, k, n), (x2d.dtype, w2d.dtype)
         ctx.save_for_backward(xq.get(COLUMNWISE), wq.get(COLUMNWISE))
@@ -269,9 +273,10 @@ class RefGemm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x_col, w_col = ctx.saved_tensors
         site, (g, m, k, n) = ctx.site, ctx.shapes
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw, need_dbias = ctx.needs_input_grad[:3]
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         gq = site.quantize(2, dy.reshape(g * m, n), directions)
+        dbias = dy.reshape(g * m, n).float().sum(0).to(dy.dtype) if need_dbias else None
         dx = dw = None
         if need_dx:
             dx = _gemm64(gq[ROWWISE].view(g, m, n), w_col.view(g, n, k), "dgrad", site)
@@ -279,7 +284,7 @@ class RefGemm(torch.autograd.Function):
         if need_dw:
             dw = _gemm64(gq[COLUMNWISE].view(g, m, n).transpose(1, 2), x_col.view(g, m, k), "wgrad", site)
             dw = dw.reshape(g * n, k).to(ctx.dtypes[1])
-        return dx, dw, None
+        return dx, dw, dbias, None
 
 
 # -- finding GEMMs in eager code ---------------------------------------------------------------
@@ -419,9 +424,8 @@ class Reference:
             x, w = args[0], kwargs.pop("weight", None) if len(args) < 2 else args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             k = x.shape[-1]
-            y = RefGemm.apply(x.reshape(-1, k), w, self._site("linear", 1))
-            y = y.reshape(*x.shape[:-1], w.shape[0])
-            return y if bias is None else y + bias
+            y = RefGemm.apply(x.reshape(-1, k), w, bias, self._site("linear", 1))  # the bias inside, as graphquant adds it
+            return y.reshape(*x.shape[:-1], w.shape[0])
         if func in _MATMUL:
             return self._matmul(args[0], args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2")))
         if func in _ADDMM:
@@ -442,7 +446,7 @@ class Reference:
                 return NotImplemented
             x = a.permute(layout["a_perm"]).reshape(layout["g"] * layout["m"], layout["k"])
             w = b.permute(layout["b_perm"]).reshape(layout["g"] * layout["n"], layout["k"])
-            y = RefGemm.apply(x, w, self._site("matmul", layout["g"]))
+            y = RefGemm.apply(x, w, None, self._site("matmul", layout["g"]))
             return y.reshape(layout["y_shape"]).permute(layout["out_perm"])
         return NotImplemented
 
@@ -452,13 +456,13 @@ class Reference:
         k = a.shape[-1]
         if b.dim() == 2:
             kind = "linear" if isinstance(b, nn.Parameter) else "matmul"
-            y = RefGemm.apply(a.reshape(-1, k), b.t(), self._site(kind, 1))
+            y = RefGemm.apply(a.reshape(-1, k), b.t(), None, self._site(kind, 1))
             return y.reshape(*a.shape[:-1], b.shape[-1])
         if tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
             return torch.matmul(a, b)  # broadcast batch dims are not quantized
         batch = a.shape[:-2]
         g = math.prod(batch)
-        y = RefGemm.apply(a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), self._site("matmul", g))
+        y = RefGemm.apply(a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), None, self._site("matmul", g))
         return y.reshape(*batch, a.shape[-2], b.shape[-1])
 
 

@@ -119,3 +119,36 @@ def test_emulation_matches_float64_reference_on_cpu(name, qa, qb, expected, gemm
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
     assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
+def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
+    """A linear's bias goes into the GEMM (cuBLASLt's epilogue where the call allows): bf16 out of
+    the fp32 product plus the bias, rounded once, within the accumulation bound of the reference."""
+    torch.manual_seed(0)
+    m, n, k = 256, 384, 512
+    a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
+    bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
+    out = backends.gemm(a, b, 1, torch.bfloat16, bias)[0].double()
+    ref = _reference(a, b) + bias.double()
+    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
+    # fast accumulation (k 2^-14 per unit of sum|a||b|, the loosest of the backends) plus the one bf16 rounding.
+    bound = magnitude * k * 2.0**-14 + ref.abs() * 2.0**-8
+    excess = ((out - ref).abs() - bound).max().item()
+    assert excess <= 0, f"{name}: error exceeds the bound by {excess}"
+
+
+@pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
+def test_emulated_bias_is_added_before_the_one_rounding_on_cpu(name, qa, qb, expected):
+    torch.manual_seed(0)
+    a, b = _operand(qa, ROWWISE, 64, 128, "cpu"), _operand(qb, ROWWISE, 96, 128, "cpu")
+    bias = torch.randn(96) * 64
+    product = emulation.gemm(a, b, 1, torch.float32)
+    assert torch.equal(emulation.gemm(a, b, 1, torch.bfloat16, bias), (product + bias).to(torch.bfloat16))
+
+
+def test_a_bias_must_be_one_vector_over_the_outputs():
+    a, b = _operand(MXFP8Quantizer(), ROWWISE, 64, 128, "cpu"), _operand(MXFP8Quantizer(), ROWWISE, 96, 128, "cpu")
+    with pytest.raises(ValueError, match=r"shape \(96,\) of its output's last dim.*got a bias of shape \(64,\) for 1 group"):
+        backends.gemm(a, b, 1, torch.float32, torch.zeros(64))

@@ -199,7 +199,7 @@ def test_quantize_dbias(backend, name, dtype, shape):
     directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, shape, d)]
     x = make_input(shape, dtype, "normal", backend)
     wanted = dict(rowwise=ROWWISE in directions, columnwise=COLUMNWISE in directions)
-    rowwise, columnwise, dbias = kernels.quantize_dbias(quantizer, x, CTX, **wanted)
+    rowwise, columnwise, dbias = kernels.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)
     for direction, rep in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if direction in directions:
             assert_same_rep(rep, REFERENCE(quantizer, x, direction, CTX), direction)
@@ -208,7 +208,7 @@ def test_quantize_dbias(backend, name, dtype, shape):
     # fp32 accumulation of M terms, then one rounding to the output dtype.
     bound = shape[0] * 2.0**-24 * x.double().abs().sum(0).cpu() + exact.abs() * torch.finfo(dtype).eps
     assert ((dbias.double().cpu() - exact).abs() <= bound).all()
-    assert torch.equal(kernels.quantize_dbias(quantizer, x, CTX, **wanted)[2], dbias), "dbias is deterministic"
+    assert torch.equal(kernels.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)[2], dbias), "dbias is deterministic"
 
 
 GROUPED = (
@@ -288,7 +288,7 @@ def test_no_host_synchronisation_and_current_stream():
             grouped = kernels.grouped_quantize(
                 Float8CurrentScalingQuantizer(), x, group_sizes, COLUMNWISE, CTX
             )
-            dbias = kernels.quantize_dbias(MXFP8Quantizer(), x, CTX)[2]
+            dbias = kernels.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 import graphquant  # noqa: F401  (registers the ops)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphquant.ops import gemm_site
 from graphquant.ops.gemm_site import SlotState, _quantize_direction
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -11,6 +14,7 @@ from graphquant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8DelayedScalingQuantizer,
+    HybridQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
 )
@@ -24,18 +28,23 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
-@pytest.mark.parametrize("quantizer", SPECS, ids=str)
-def test_quantize_op(quantizer, direction):
+@pytest.mark.parametrize("rowwise,columnwise,dbias", [(True, False, False), (False, True, False), (True, True, True)])
+@pytest.mark.parametrize("quantizer", SPECS + [HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(), "rowwise_dequantized")], ids=str)
+def test_quantize_op(quantizer, rowwise, columnwise, dbias):
     x = torch.randn(64, 96, dtype=torch.bfloat16)
     rng = torch.tensor([7, 3])
-    torch.library.opcheck(torch.ops.graphquant.quantize.default, (x, quantizer.spec, direction, None, rng, 1))
+    args = (x, quantizer.spec, rowwise, columnwise, None, rng, 1, dbias)
+    torch.library.opcheck(torch.ops.graphquant.quantize.default, args)
+    out = torch.ops.graphquant.quantize(*args)
+    assert len(out) == 3 * (rowwise + columnwise) + dbias
+    if dbias:
+        assert torch.equal(out[-1], x.float().sum(0).to(x.dtype))
 
 
 def test_quantize_op_with_delayed_scale():
     x = torch.randn(32, 48)
     quantizer = Float8DelayedScalingQuantizer("e4m3", amax_history_len=4)
-    args = (x, quantizer.spec, COLUMNWISE, torch.tensor([2.0]), None, 0)
+    args = (x, quantizer.spec, False, True, torch.tensor([2.0]), None, 0)
     torch.library.opcheck(torch.ops.graphquant.quantize.default, args)
 
 
@@ -73,3 +82,30 @@ def test_scale_ops():
     amax = torch.tensor([0.0, 1.0, 448.0, float("inf"), float("nan"), 3e-40])
     torch.library.opcheck(torch.ops.graphquant.fp8_scales.default, (amax, "e4m3", 0.0, True))
     torch.library.opcheck(torch.ops.graphquant.e8m0_from_amax.default, (amax, "e5m2"))
+
+
+class _OpCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_linear_bias_is_added_in_the_gemm_and_its_gradient_made_by_the_grad_output_quantize():
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True), torch.randn(32, requires_grad=True)
+    formats = dict(name="fc", call=0, input=MXFP8Quantizer().spec, weight=MXFP8Quantizer().spec, grad_output=NVFP4Quantizer().spec, rng=torch.tensor([1, 2]))
+    dy = torch.randn(64, 32)
+    with _OpCalls() as mode:
+        y = gemm_site.quantized_linear(x, w, bias, **formats)
+        y.backward(dy)
+    assert torch.equal(y, gemm_site.quantized_linear(x, w, None, **formats) + bias)  # fp32: the sum rounds once either way
+    assert torch.equal(bias.grad, dy.sum(0))
+    gemms = [args for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
+    assert gemms[0][-1] is bias, "the forward GEMM takes the bias"
+    quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
+    # NVFP4 is made by a kernel: grad_output's two directions and the bias gradient in one call.
+    assert [(q[2], q[3], q[-1]) for q in quantizes if q[0] is not x and q[0] is not w] == [(True, True, True)]

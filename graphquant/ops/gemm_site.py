@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from graphquant import kernels
 from graphquant.ops.einsum import plan_einsum
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
@@ -71,15 +72,46 @@ def hybrid_directions(
     return {d: made[d] for d in directions}
 
 
-def quantize_tensor(x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
-    """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources."""
-    return hybrid_directions(
+def quantize_tensor(
+    x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, *, dbias: bool = False
+) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
+    """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources,
+    and with ``dbias`` x's column sums (the bias gradient of a linear whose grad_output is x).
+
+    Formats a kernel makes (not traceable) take one graphquant::quantize call for everything;
+    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours.
+    """
+    shape = (x.shape[0], x.shape[1])
+    if directions and _one_pass(quantizer, directions):
+        wanted = [(d, d in directions) for d in (ROWWISE, COLUMNWISE)]
+        tensors = torch.ops.graphquant.quantize(x, quantizer.spec, *(w for _, w in wanted), _delayed_scale(quantizer, state), state.rng, state.stream, dbias)
+        made = [d for d, w in wanted if w]
+        operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}
+        return operands, tensors[-1] if dbias else None
+    operands = hybrid_directions(
         x,
         quantizer,
         directions,
         lambda source, child, direction: _quantize_direction(source, child, direction, state),
         lambda row: torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype),
     )
+    return operands, kernels.reference_dbias(x) if dbias else None
+
+
+def _one_pass(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
+    """Whether no format the directions need is traceable (so one kernel call makes them all)."""
+    needed = set(directions) | ({ROWWISE} if COLUMNWISE in directions and feeds_columnwise_of(quantizer) else set())
+    return not any(quantizer.child(d).traceable for d in needed)
+
+
+def _delayed_scale(quantizer: Quantizer, state: SlotState) -> Optional[torch.Tensor]:
+    """The slot's current scale where a delayed-scaling format reads it.
+
+    A copy, not a view of the state: the forward updates the state in place, and a backward that
+    recomputes this quantize must see the scale the forward used.
+    """
+    delayed = any(isinstance(quantizer.child(d), Float8DelayedScalingQuantizer) for d in (ROWWISE, COLUMNWISE))
+    return state.delayed[:1].clone() if delayed else None
 
 
 def feeds_columnwise_of(quantizer: Quantizer) -> bool:
@@ -91,10 +123,8 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
         return Operand(quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors(), quantizer.spec, direction, shape)
-    # A copy, not a view of the state: the forward updates the state in place, and a backward that
-    # recomputes this quantize must see the scale the forward used.
-    scale = state.delayed[:1].clone() if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
-    tensors = torch.ops.graphquant.quantize(x, quantizer.spec, direction, scale, state.rng, state.stream)
+    rowwise = direction == ROWWISE
+    tensors = torch.ops.graphquant.quantize(x, quantizer.spec, rowwise, not rowwise, _delayed_scale(quantizer, state), state.rng, state.stream)
     return Operand(list(tensors), quantizer.spec, direction, shape)
 
 
@@ -132,9 +162,9 @@ def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dic
         state.delayed.copy_(torch.cat([scale, history]))
 
 
-def _gemm(a: Operand, b: Operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
+def _gemm(a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.ops.graphquant.gemm(
-        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias
     )
 
 
@@ -178,37 +208,40 @@ def _record(site, gemm, a, a_operand, b, b_operand, out) -> None:
 
 
 class QuantizedGemm(torch.autograd.Function):
-    """y (batch, m, n) = x (batch*m, k) @ w (batch*n, k)^T, per group, in the site's formats."""
+    """y (batch, m, n) = x (batch*m, k) @ w (batch*n, k)^T (+ bias, one group), per group, in the
+    site's formats; the bias is added in the GEMM, and its gradient comes from grad_output's quantize."""
 
     @staticmethod
-    def forward(ctx, x, w, x_delayed, w_delayed, g_delayed, rng, site: Site, streams: tuple[int, int, int]):
+    def forward(ctx, x, w, bias, x_delayed, w_delayed, g_delayed, rng, site: Site, streams: tuple[int, int, int]):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_state = SlotState(x_delayed, rng, streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, streams[1], site.amax_group)
-        xq = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
-        wq = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
+        xq, _ = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
+        wq, _ = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
         update_delayed_scaling(site.x, x_state, xq)
         update_delayed_scaling(site.w, w_state, wq)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
-        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype)
+        # graphquant.numerics measures the GEMM alone: while it records, the bias is added after.
+        fused = bias if _recorder is None else None
+        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, fused)
 
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
         ctx.site, ctx.stream = site, streams[2]
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.originals = (x, w) if _recorder is not None else (None, None)
         _record(site, "fprop", x, xq[ROWWISE], w, wq[ROWWISE], y)
-        return y
+        return y if bias is None or fused is not None else y + bias
 
     @staticmethod
     def backward(ctx, dy):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw, need_dbias = ctx.needs_input_grad[:3]
         x_col, w_col, (g_delayed, rng) = saved_columnwise(ctx)
         site = ctx.site
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
         g_state = SlotState(g_delayed, rng, ctx.stream, site.amax_group)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
-        gq = quantize_tensor(dy2d, site.grad_output, directions, g_state)
+        gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias)
         update_delayed_scaling(site.grad_output, g_state, gq)
         dx = dw = None
         if need_dx:
@@ -217,12 +250,12 @@ class QuantizedGemm(torch.autograd.Function):
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1]).reshape(-1, x_col.shape[1])
             _record(site, "wgrad", dy2d, gq[COLUMNWISE], x, x_col, dw)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None
 
 
-def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None):
+def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None, bias=None):
     site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group)
-    return QuantizedGemm.apply(x2d, w2d, *states, rng, site, streams)
+    return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, streams)
 
 
 def quantized_linear(
@@ -250,22 +283,22 @@ def quantized_linear(
     if weight_rowwise is None:
         y = _product(
             x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
-            streams=streams, amax_group=amax_group,
+            streams=streams, amax_group=amax_group, bias=bias,
         )
     else:
         state = SlotState(states[0], rng, streams[0], amax_group)
-        y = _inference_product(x2d, w, weight_rowwise, input=input, weight=weight, state=state)
-    y = y.reshape(*x.shape[:-1], w.shape[0])
-    return y if bias is None else y + bias
+        y = _inference_product(x2d, w, weight_rowwise, bias, input=input, weight=weight, state=state)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _inference_product(x2d, w, weight_rowwise, *, input, weight, state):
+def _inference_product(x2d, w, weight_rowwise, bias, *, input, weight, state):
     x_quantizer = quantizer_of(input)
     x2d = x2d.detach()  # inference: nothing flows back through this product, even with grad enabled
-    xq = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
+    xq, _ = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
     update_delayed_scaling(x_quantizer, state, xq)
     w_operand = Operand(list(weight_rowwise), quantizer_of(weight).child(ROWWISE).spec, ROWWISE, (w.shape[0], w.shape[1]))
-    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype))
+    bias = None if bias is None else bias.detach()
+    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype), bias)
 
 
 def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:

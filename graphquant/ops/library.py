@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
-from graphquant.quantizers import QuantizeContext, Quantizer, Representation, parse_spec
+from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, parse_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,25 +43,35 @@ def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream:
 def quantize(
     x: torch.Tensor,
     spec: str,
-    direction: str,
+    rowwise: bool,
+    columnwise: bool,
     scale: Optional[torch.Tensor],
     rng: Optional[torch.Tensor],
     rng_stream: int,
+    dbias: bool = False,
 ) -> list[torch.Tensor]:
-    """One direction of ``x`` (2-D) in the format ``spec``: [data, scale, amax].
+    """``x`` (2-D) in the format ``spec``, in one pass over x where a kernel makes it all:
+    [data, scale, amax] of the rowwise representation if wanted, then of the columnwise one (a
+    HybridQuantizer's spec gives each direction its child's format), then, with ``dbias``, x's
+    column sums (the bias gradient of a linear whose grad_output is x).
 
     scale: the slot's current scale (delayed scaling). rng: int64 [seed, step] and rng_stream
     pick the stochastic-rounding stream, so every step and slot draws its own numbers.
     """
-    rep = kernels.quantize(quantizer_of(spec), x, direction, _context(scale, rng, rng_stream))
+    made = kernels.quantize_pass(
+        quantizer_of(spec), x, _context(scale, rng, rng_stream), rowwise=rowwise, columnwise=columnwise, dbias=dbias
+    )
+    tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
     # Contiguous whatever made them (kernel or reference), as the fake promises.
-    return [t.clone() if t is x else t.contiguous() for t in rep.tensors()]
+    return [t.clone() if t is x else t.contiguous() for t in tensors + ([made.dbias] if dbias else [])]
 
 
 @quantize.register_fake
-def _(x, spec, direction, scale, rng, rng_stream):
-    rep = kernels.reference_quantize(quantizer_of(spec), x, direction, QuantizeContext(scale=scale))
-    return [t.new_empty(t.shape) for t in rep.tensors()]
+def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False):
+    quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
+    directions = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]
+    tensors = [t for d in directions for t in kernels.reference_quantize(quantizer, x, d, ctx).tensors()]
+    return [t.new_empty(t.shape) for t in tensors] + ([x.new_empty(x.shape[1:])] if dbias else [])
 
 
 @torch.library.custom_op("graphquant::dequantize", mutates_args=())
@@ -91,19 +101,21 @@ def gemm(
     b_shape: Sequence[int],
     batch: int,
     out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """out[g] = A[g] @ B[g]^T for each of ``batch`` groups, both operands reduced over their K.
+    """out[g] = A[g] @ B[g]^T (+ bias) for each of ``batch`` groups, both operands reduced over their K.
 
     A rowwise operand splits its rows into groups; a columnwise operand (a wgrad or dgrad
     operand, reduced over the logical rows) splits its reduction dim. Returns (batch, m, n).
+    bias (n,), one group only: added to the fp32 product before its one rounding to out_dtype.
     """
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
-    return backends.gemm(rep_a, rep_b, batch, out_dtype)
+    return backends.gemm(rep_a, rep_b, batch, out_dtype, bias)
 
 
 @gemm.register_fake
-def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype):
+def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype, bias=None):
     m = backends.output_rows(a_direction, a_shape, batch)
     n = backends.output_rows(b_direction, b_shape, batch)
     return a[0].new_empty((batch, m, n), dtype=out_dtype)
