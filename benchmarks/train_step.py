@@ -105,6 +105,29 @@ def profile(name: str, step) -> None:
     print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
 
 
+def saved_for_backward(name: str, step, existing: list[torch.Tensor]) -> None:
+    """Print what one step's forward keeps for its backward (distinct storages, by dtype and shape,
+    leaving out ``existing`` ones such as parameters): the activation memory a recipe adds or
+    saves against bf16."""
+    seen, sizes = {t.untyped_storage().data_ptr() for t in existing}, {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            key = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            count, nbytes = sizes.get(key, (0, 0))
+            sizes[key] = (count + 1, nbytes + storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    torch.cuda.synchronize()
+    rows = sorted(([nbytes / 2**20, count, dtype, shape] for (dtype, shape), (count, nbytes) in sizes.items()), reverse=True)
+    print(f"--- {name}: saved for backward, {sum(r[0] for r in rows) / 1024:.2f} GiB in {sum(r[1] for r in rows)} storages", file=sys.stderr)
+    print(tabulate(rows[:20], headers=["MiB", "count", "dtype", "shape"], floatfmt=".0f"), file=sys.stderr)
+
+
 def measure(
     model_name: str, base: torch.nn.Module, names: list[str], rounds: int, steps: int, compile_mode: str | None, profiled: list[str]
 ) -> list[list]:
@@ -130,6 +153,7 @@ def measure(
         peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
         if name in profiled:
             profile(name, step)
+            saved_for_backward(name, step, [x, *model.parameters()])
         if name.endswith("(cudagraphs)"):
             from torch._dynamo.utils import counters
 
@@ -196,7 +220,7 @@ def main() -> None:
         "step while the GPU runs the previous one; 1 also times the GPU waiting for the step's first launch)",
     )
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
-    parser.add_argument("--profile", default="", help="comma-separated configs whose kernels to list")
+    parser.add_argument("--profile", default="", help="comma-separated configs whose kernels and saved tensors to list")
     args = parser.parse_args()
     names = configs(args.configs.split(",") if args.configs else None)
     torch.manual_seed(0)
