@@ -6,6 +6,7 @@
 // The functions are __host__ __device__ so that tests can run the same code on the CPU.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -231,27 +232,37 @@ GQ_HD float nv_encode_factor(uint8_t scale, float s_dec) {
   return min_nan(1.0f / denom, kFltMax);
 }
 
-GQ_HD uint8_t e2m1_sign(float v) { return uint8_t((f2u(v) >> 31) << 3); }
+// 0x8 for a negative value, -0 included, and 0 for NaN (which gets +6's code 0x7): as unsigned
+// bits, the negative floats that are not NaN run from 0x80000000 (-0) to 0xFF800000 (-inf).
+GQ_HD uint8_t e2m1_sign(float v) { return f2u(v) - 0x80000000u <= 0x7F800000u ? 0x8 : 0x0; }
 
-GQ_HD uint8_t e2m1_nearest(float v) {
-  if (is_nan(v)) return 0x7;
-  const float a = min_nan(u2f(abs_bits(v)), 6.0f);
-  const int index = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return uint8_t(index) | e2m1_sign(v);
-}
+// min(|v|, 6), and 6 for every NaN (the comparison fails; a host fminf keeps a signaling NaN).
+GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
 
 // The grid value of magnitude index i (0, .5, 1, 1.5, 2, 3, 4, 6), without a lookup table.
 GQ_HD float e2m1_magnitude(int i) { return i < 4 ? 0.5f * float(i) : (i < 7 ? float(i - 2) : 6.0f); }
 
-// Stochastic rounding: up iff u * (hi - lo) < a - lo, u = (rand >> 8) * 2^-24; all three exact.
+// Round to nearest even in one fp32 addition, of a = e2m1_clamp(v).
+// Around a the grid step is 2^(E-128), E = max(exponent field of a, 127): 0.5 below 2, then 1, then
+// 2. M = 2^23 * step has the step as its ulp, so a + M rounds a to the grid with ties to even; M also
+// carries 2(E-127) steps in its mantissa (the codes below 2^(E-127)), so the sum's mantissa is the
+// code, whose parity is the rounded mantissa's: ties go to the even code.
+GQ_HD uint8_t e2m1_nearest(float v) {
+  const float a = e2m1_clamp(v);
+  const uint32_t e = umax(f2u(a) >> 23, 127u);
+  const float m = u2f(((e + 22) << 23) + 2 * (e - 127));
+  return uint8_t((f2u(a + m) & 0x7u) | e2m1_sign(v));
+}
+
+// Stochastic rounding: up iff u * (hi - lo) < a - lo with u = (rand >> 8) * 2^-24, i.e. the code is
+// ceil(pos - u) for a's position pos on the grid (index of lo plus the fraction of the gap: 2.5 ->
+// 4.5). With p = ceil(2^24 pos) that is ceil((p - (rand >> 8)) / 2^24), exact in uint32. From 1 up a
+// gap is half a binade, so p = 4 (bits(a) - bits(0.5)); below 1, p = ceil(2^25 a) (the conversion is
+// exact, and rounding up changes nothing for the integer rand >> 8).
 GQ_HD uint8_t e2m1_stochastic(float v, uint32_t rand) {
-  if (is_nan(v)) return 0x7;
-  const float a = min_nan(u2f(abs_bits(v)), 6.0f);
-  const int lo_index = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) + (a >= 6.0f);
-  const float lo = e2m1_magnitude(lo_index);
-  const float gap = lo_index < 4 ? 0.5f : (lo_index < 6 ? 1.0f : (lo_index == 6 ? 2.0f : 0.0f));
-  const float u = float(rand >> 8) * 5.9604644775390625e-08f;  // 2^-24
-  return uint8_t(lo_index + (u * gap < a - lo)) | e2m1_sign(v);
+  const float a = e2m1_clamp(v);
+  const uint32_t p = a >= 1.0f ? (f2u(a) - 0x3F000000u) << 2 : uint32_t(ceilf(a * 33554432.0f));  // 2^25
+  return uint8_t(((p + (~rand >> 8)) >> 24) | e2m1_sign(v));
 }
 
 GQ_HD float e2m1_value(uint8_t code) {
