@@ -39,12 +39,7 @@ constexpr int kStagePitch = 144;                        // bytes; 16-byte aligne
 template <class In, bool kColumns>
 struct TileSmem {
   alignas(16) typename In::S tile[kTile][kTile];
-  // camax_r is last read by encode_rows and the stage first written by encode_cols, a later
-  // phase, so they share bytes: the 4 KB a 2-byte input needs to fit kCtasPerSm CTAs.
-  union {
-    uint32_t camax_r[kTile][8];                                      // amax of each row chunk [row][col/16]
-    alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
-  };
+  uint32_t camax_r[kTile][8];  // amax of each row chunk [row][col/16]
   union {
     float dsum[8][kTile];        // column sums of each 16-row chunk of x (dbias; used first)
     uint32_t camax_c[8][kTile];  // amax of each column chunk, after the column transform [row/16][col]
@@ -52,15 +47,8 @@ struct TileSmem {
   uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
   uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
   uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
+  alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
 };
-
-// CTAs per multiprocessor that a 2-byte input's tile program in both directions is laid out for:
-// an H100/H200 multiprocessor's 228 KB of shared memory, 1 KB of it reserved per CTA;
-// tile_kernel asks the same of registers (64 a thread).
-constexpr int kCtasPerSm = 4;
-static_assert(kCtasPerSm * (sizeof(TileSmem<InBF16, true>) + 1024) <= 228 * 1024 &&
-                  kCtasPerSm * (sizeof(TileSmem<InF16, true>) + 1024) <= 228 * 1024,
-              "a bf16/f16 tile no longer fits kCtasPerSm CTAs per multiprocessor");
 
 struct TileCoords {
   int64_t row0, col0, tile_row;
@@ -517,12 +505,8 @@ struct DeviceRunner {
   }
 };
 
-// 2-byte inputs in both directions ask ptxas for kCtasPerSm CTAs (at most 64 registers; NVFP4
-// both ways took 66 without it, which fits 3). Elsewhere 0, no minimum: any minimum made ptxas
-// use more registers for no CTA gained (rowwise-only ones 48 -> up to 64, losing their 5th).
 template <class In, int R, int C>
-__global__ void __launch_bounds__(kThreads, sizeof(typename In::S) == 2 && C != kNone ? kCtasPerSm : 0)
-    tile_kernel(const TileParams p) {
+__global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   using Program = TileProgram<In, R, C>;
   Program::run(DeviceRunner{}, p, blockIdx.x, blockIdx.y, *reinterpret_cast<typename Program::Smem*>(smem));
