@@ -6,6 +6,7 @@ otherwise the module carries the host-side code alone and graphquant runs the re
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -20,11 +21,17 @@ def cuda_arch_flags() -> list[str]:
     return flags
 
 
+# The process already runs the shared libstdc++ (torch links it); some toolchains ship only
+# libstdc++.a, and a second, static copy inside the extension crashed when an error message
+# formatted a number (seen on the H200 machine's /opt/gcc). Link the shared one by name.
+LINK_ARGS = ["-Wl,--push-state,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--pop-state"] if sys.platform == "linux" else []
+
+
 def extension():
     host_sources = sorted(glob.glob("csrc/*.cpp"))
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("GRAPHQUANT_NO_CUDA") != "1"
     if not with_cuda:
-        return CppExtension("graphquant._C", host_sources, extra_compile_args={"cxx": ["-O2"]})
+        return CppExtension("graphquant._C", host_sources, extra_compile_args={"cxx": ["-O2"]}, extra_link_args=LINK_ARGS)
     return CUDAExtension(
         "graphquant._C",
         host_sources + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")),
@@ -35,6 +42,7 @@ def extension():
             # subnormals kept and no a*b+c contracted into one FMA rounding.
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-prec-div=true", "-ftz=false", "-fmad=false", *cuda_arch_flags()],
         },
+        extra_link_args=LINK_ARGS,
     )
 
 
