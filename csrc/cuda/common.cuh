@@ -281,8 +281,16 @@ GQ_HD uint32_t fmix32(uint32_t h) {
   return h;
 }
 
+// The hash takes the 64-bit index in halves: random_stream(key, index >> 32) is shared by every index
+// with the same high half, so a caller drawing consecutive indices (nv_encode: 16 per chunk) computes
+// it once and only random_bits_at(stream, uint32_t(index)) per element. random_bits is the composition
+// (the one definition of the hash).
+GQ_HD uint32_t random_stream(uint32_t key, uint32_t index_hi) { return fmix32(key ^ index_hi); }
+
+GQ_HD uint32_t random_bits_at(uint32_t stream, uint32_t index_lo) { return fmix32(stream + index_lo * 0x9E3779B9u); }
+
 GQ_HD uint32_t random_bits(uint32_t key, uint64_t index) {
-  return fmix32(fmix32(key ^ uint32_t(index >> 32)) + uint32_t(index) * 0x9E3779B9u);
+  return random_bits_at(random_stream(key, uint32_t(index >> 32)), uint32_t(index));
 }
 
 // -- random Hadamard transform of one 16-element chunk (nvfp4.hadamard_transform) ---------------

@@ -327,10 +327,16 @@ struct TileProgram {
     const NvGlobal gl = nv_global(u2f(global_amax));
     const uint8_t scale = nv_block_scale(u2f(vec_max), gl.mult);
     const float encode = nv_encode_factor(scale, gl.s_dec);
+    // random_bits(e.key, rand_index + i) with its per-chunk half hoisted: the 16 indices share the high
+    // word, except that those past a wrap of the low word (lo + i < lo) take the next one.
+    const uint32_t lo = uint32_t(rand_index), hi = uint32_t(rand_index >> 32);
+    const uint32_t stream = e.sr ? random_stream(e.key, hi) : 0;
+    const uint32_t stream_next = e.sr ? random_stream(e.key, hi + 1) : 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float y = v[i] * encode;
-      code[i] = e.sr ? e2m1_stochastic(y, random_bits(e.key, rand_index + i)) : e2m1_nearest(y);
+      const uint32_t lo_i = lo + uint32_t(i);
+      code[i] = e.sr ? e2m1_stochastic(y, random_bits_at(lo_i < lo ? stream_next : stream, lo_i)) : e2m1_nearest(y);
     }
     dq_factor[0] = e4m3_value(scale);
     dq_factor[1] = gl.g_dec;
