@@ -62,8 +62,20 @@ def quantize(
         quantizer_of(spec), x, _context(scale, rng, rng_stream), rowwise=rowwise, columnwise=columnwise, dbias=dbias
     )
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
-    # Contiguous whatever made them (kernel or reference), as the fake promises.
-    return [t.clone() if t is x else t.contiguous() for t in tensors + ([made.dbias] if dbias else [])]
+    return _distinct_contiguous(tensors + ([made.dbias] if dbias else []), x)
+
+
+def _distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` contiguous, as the fake promises, and none sharing memory with x or an earlier
+    one (a custom op's outputs may not alias; both directions of NVFP4 share one global amax)."""
+    seen, out = {x.untyped_storage().data_ptr()}, []
+    for t in tensors:
+        t = t.contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
 
 
 @quantize.register_fake
