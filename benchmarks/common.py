@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Callable
 
@@ -29,7 +30,15 @@ def alternate(fns: dict[str, Callable[[], object]], *, rounds: int = 3, **kwargs
     """Median over ``rounds`` of each function's time, the functions taking turns every round so
     that drift on a shared GPU touches them all alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(time_ms(fn, **kwargs))
+    for r in range(rounds):
+        for name in turns(list(fns), r):
+            samples[name].append(time_ms(fns[name], **kwargs))
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def turns(names: list[str], round_index: int) -> list[str]:
+    """The order of one round: shuffled with the round's own seed, so that no configuration always
+    runs after the same one (a GPU that a power-hungry predecessor has throttled runs slower)."""
+    order = list(names)
+    random.Random(round_index).shuffle(order)
+    return order

@@ -57,7 +57,7 @@ def main() -> None:
                 args, kwargs = scaled_mm.arguments(selection.backend, ra, rb, torch.bfloat16)
                 raw_of[name] = f"raw torch._scaled_mm, {name}"
                 fns[raw_of[name]] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
-        times = alternate(fns, rounds=3, inner=10)
+        times = alternate(fns, rounds=5, inner=10)
         bf16 = times["bf16 torch.mm"]
         for name, ms in times.items():
             fmt = name.removeprefix("graphquant ")

@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import time_ms  # noqa: E402
+from common import time_ms, turns  # noqa: E402
 from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  # noqa: E402
 
 import graphquant  # noqa: E402
@@ -159,8 +159,8 @@ def measure(
 
             print(f"  cudagraph skips so far: {counters['inductor']['cudagraph_skips']}", file=sys.stderr)
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
-    for _ in range(rounds):
-        for name in names:
+    for r in range(rounds):
+        for name in turns(names, r):
             samples[name].append(time_ms(built[name], warmup=1, reps=5, inner=steps))
     ms = {n: statistics.median(v) for n, v in samples.items()}
 
