@@ -83,9 +83,11 @@ def quantize_tensor(
     """
     shape = (x.shape[0], x.shape[1])
     if directions and _one_pass(quantizer, directions):
-        wanted = [(d, d in directions) for d in (ROWWISE, COLUMNWISE)]
-        tensors = torch.ops.graphquant.quantize(x, quantizer.spec, *(w for _, w in wanted), _delayed_scale(quantizer, state), state.rng, state.stream, dbias)
-        made = [d for d, w in wanted if w]
+        rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
+        tensors = torch.ops.graphquant.quantize(
+            x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), state.rng, state.stream, dbias
+        )
+        made = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]  # the op's order
         operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}
         return operands, tensors[-1] if dbias else None
     operands = hybrid_directions(
@@ -124,7 +126,9 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
         return Operand(quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors(), quantizer.spec, direction, shape)
     rowwise = direction == ROWWISE
-    tensors = torch.ops.graphquant.quantize(x, quantizer.spec, rowwise, not rowwise, _delayed_scale(quantizer, state), state.rng, state.stream)
+    tensors = torch.ops.graphquant.quantize(
+        x, quantizer.spec, rowwise, not rowwise, _delayed_scale(quantizer, state), state.rng, state.stream
+    )
     return Operand(list(tensors), quantizer.spec, direction, shape)
 
 
