@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,4 +23,6 @@ def extension():
         extra_include_paths=[os.path.join(REPO, "csrc/cuda")],
         # IEEE fp32 as on the GPU: no a*b+c contraction (the kernels build with -fmad=false).
         extra_cflags=["-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-DGRAPHQUANT_EMULATE"],
+        # The shared libstdc++, as setup.py links it (a toolchain with only libstdc++.a crashes on messages with numbers).
+        extra_ldflags=["-Wl,--push-state,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--pop-state"] if sys.platform == "linux" else [],
     )
