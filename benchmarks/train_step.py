@@ -128,8 +128,57 @@ def saved_for_backward(name: str, step, existing: list[torch.Tensor]) -> None:
     print(tabulate(rows[:20], headers=["MiB", "count", "dtype", "shape"], floatfmt=".0f"), file=sys.stderr)
 
 
+def memory_at_peak(name: str, step, keep: str | None) -> None:
+    """Print what is live at one step's allocation peak, grouped by the source line that allocated
+    it (for compiled graphs, the line of Inductor's generated code), and with ``keep`` write the
+    allocator trace and those generated files there, to read offline."""
+    import linecache
+    import os
+    import pickle
+    import shutil
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+
+    def site(event) -> tuple[str, int, str]:
+        frames = [f for f in event["frames"] if "/torch/" not in f["filename"]] or event["frames"] or [{"filename": "?", "line": 0, "name": "?"}]
+        return frames[0]["filename"], frames[0]["line"], frames[0]["name"]
+
+    sites: dict[tuple[str, int, str], list[int]] = {}
+    for event in at_peak.values():
+        sites.setdefault(site(event), []).append(event["size"])
+    rows = sorted(
+        ([sum(sizes) / 2**20, len(sizes), f"{os.path.basename(f)}:{line} {fn}", linecache.getline(f, line).strip()[:100]]
+         for (f, line, fn), sizes in sites.items()),
+        reverse=True,
+    )
+    print(f"--- {name}: {peak / 2**30:.2f} GiB allocated during the step at its peak, by allocating line", file=sys.stderr)
+    print(tabulate(rows[:25], headers=["MiB", "blocks", "where", "line"], floatfmt=".0f"), file=sys.stderr)
+    if keep:
+        folder = os.path.join(keep, name.replace(" ", "_"))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "trace.pkl"), "wb") as f:
+            pickle.dump({"trace": trace, "peak": peak}, f)
+        for f in {f for f, _, _ in sites if os.path.exists(f) and "torchinductor" in f}:
+            shutil.copy(f, folder)
+
+
 def measure(
-    model_name: str, base: torch.nn.Module, names: list[str], rounds: int, steps: int, compile_mode: str | None, profiled: list[str]
+    model_name: str, base: torch.nn.Module, names: list[str], rounds: int, steps: int, compile_mode: str | None,
+    profiled: list[str], memory: list[str], keep: str | None,
 ) -> list[list]:
     x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -154,6 +203,8 @@ def measure(
         if name in profiled:
             profile(name, step)
             saved_for_backward(name, step, [x, *model.parameters()])
+        if name in memory:
+            memory_at_peak(f"{model_name} {name}", step, keep)
         if name.endswith("(cudagraphs)"):
             from torch._dynamo.utils import counters
 
@@ -221,13 +272,16 @@ def main() -> None:
     )
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
     parser.add_argument("--profile", default="", help="comma-separated configs whose kernels and saved tensors to list")
+    parser.add_argument("--memory", default="", help="comma-separated configs whose live memory at the peak to list")
+    parser.add_argument("--memory-dir", default=None, help="where --memory also writes the allocator trace and generated code")
     args = parser.parse_args()
     names = configs(args.configs.split(",") if args.configs else None)
     torch.manual_seed(0)
     rows = []
     for model_name in args.models.split(","):
         base = (FFNStack() if model_name == "ffn" else DecoderLayer()).to("cuda", torch.bfloat16)
-        rows += measure(model_name, base, names, args.rounds, args.steps, args.compile_mode, args.profile.split(","))
+        rows += measure(model_name, base, names, args.rounds, args.steps, args.compile_mode, args.profile.split(","),
+                        args.memory.split(","), args.memory_dir)
         del base
         torch.cuda.empty_cache()
     headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]
