@@ -42,6 +42,8 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
     factor is None, a scalar, or a (rows, 1) column over the stored rows.
     """
     q = rep.quantizer
+    if isinstance(q, IdentityQuantizer):  # the values themselves: no copy
+        return rep.data, None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
         return rep.data, rep.scale.reshape(())
     if isinstance(q, Float8RowwiseQuantizer):

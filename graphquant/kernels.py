@@ -92,7 +92,8 @@ def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torc
         return _Encoder([_MX, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], None)
     if isinstance(quantizer, NVFP4Quantizer):
         columnwise = direction == COLUMNWISE
-        key = sr_key(ctx.seed, ctx.offset, int(columnwise)) if quantizer.stochastic_rounding else 0
+        host_key = quantizer.stochastic_rounding and _device_rng(ctx, x) is None
+        key = sr_key(*ctx.random_stream(), int(columnwise)) if host_key else 0
         return _Encoder(
             [
                 _NV, 0, 0, 0,
@@ -106,6 +107,14 @@ def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torc
             None,
         )
     return None
+
+
+def _device_rng(ctx: QuantizeContext, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """ctx.rng where the kernels can read it themselves (int64 [seed, step] beside x), else None."""
+    rng = ctx.rng
+    if rng is None or rng.dtype != torch.int64 or rng.numel() != 2 or rng.device != x.device:
+        return None
+    return rng.contiguous()
 
 
 class Quantized(NamedTuple):
@@ -152,6 +161,8 @@ def _run(
         col.scale if col else None,
         group_sizes,
         dbias,
+        _device_rng(ctx, x),
+        ctx.offset,
     )
     return Quantized(
         row_q.representation(ROWWISE, x.shape, x.dtype, *out[0:3]) if rowwise else None,

@@ -141,9 +141,7 @@ def test_stochastic_rounding_streams_follow_the_step_counter():
     uses offset = step * STREAMS_PER_STEP + 3 * gemm + tensor, with step 1 then 2. The two steps'
     gradients differ (same input, same weights: only the random stream changed), and a reference
     with another seed fails, so SR is really exercised."""
-    from graphquant.ops import library
-
-    assert library.STREAMS_PER_STEP == STREAMS_PER_STEP
+    assert graphquant.quantizers.STREAMS_PER_STEP == STREAMS_PER_STEP
     model, compiled, ref_model, reference, tape, make_input = compiled_and_reference("nvfp4", "mlp", init_seed=1)
     x = make_input()
     steps = []

@@ -25,6 +25,7 @@ from graphquant.quantizers import (
     MXFP8Quantizer,
     NVFP4Quantizer,
     QuantizeContext,
+    STREAMS_PER_STEP,
 )
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -271,6 +272,21 @@ def test_stochastic_rounding_reproducible_and_unbiased(backend):
     assert error_sr < error_rn / 8, f"mean error {error_sr} vs round-to-nearest {error_rn}"
 
 
+@pytest.mark.parametrize("name", ("nvfp4_rht_sr_rowscaled", "nvfp4_rht_nosign_2d_sr"))
+def test_stochastic_rounding_key_made_on_the_device(backend, name):
+    """A compiled model's [seed, step] stays on the device: the kernels make the key from it there,
+    bit-identical to the host's key for seed and offset = step * STREAMS_PER_STEP + stream (a
+    64-bit seed and a step past 2^16 use every word of the hash)."""
+    quantizer = QUANTIZERS[name]()
+    x = make_input((256, 384), torch.bfloat16, "normal", backend)
+    seed, step, stream = -(5 << 40) - 3, 70001, 12
+    rng = torch.tensor([seed, step], dtype=torch.int64, device=backend)
+    on_device = kernels.quantize_hybrid(quantizer, x, QuantizeContext(rng=rng, offset=stream))
+    host = QuantizeContext(seed=seed, offset=step * STREAMS_PER_STEP + stream)
+    for direction, rep in zip((ROWWISE, COLUMNWISE), on_device):
+        assert_same_rep(rep, REFERENCE(quantizer, x, direction, host), direction)
+
+
 @pytest.mark.gpu
 def test_no_host_synchronisation_and_current_stream():
     """The hot path never waits for the device, and runs on the caller's stream."""
@@ -279,6 +295,7 @@ def test_no_host_synchronisation_and_current_stream():
     hybrid = HybridQuantizer(NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), Float8CurrentScalingQuantizer(), "rowwise_dequantized")
     expected = kernels.quantize_hybrid(hybrid, x, CTX)
     group_sizes = torch.tensor([256, 256], device="cuda")
+    stochastic, rng = QUANTIZERS["nvfp4_rht_sr_rowscaled"](), torch.tensor([5, 9], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     torch.cuda.set_sync_debug_mode("error")
@@ -289,6 +306,8 @@ def test_no_host_synchronisation_and_current_stream():
                 Float8CurrentScalingQuantizer(), x, group_sizes, COLUMNWISE, CTX
             )
             dbias = kernels.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
+            # as a compiled model calls it: stochastic rounding's [seed, step] stays on the device
+            torch.ops.graphquant.quantize(x, stochastic.spec, True, True, None, rng, 3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -281,6 +281,17 @@ GQ_HD uint32_t fmix32(uint32_t h) {
   return h;
 }
 
+// The key of a stream (kernels.sr_key): the hash of (seed, offset, stream) in 32-bit words.
+constexpr uint64_t kStreamsPerStep = 1ull << 16;  // graphquant.quantizers.STREAMS_PER_STEP
+
+GQ_HD uint32_t sr_key(uint64_t seed, uint64_t offset, uint32_t stream) {
+  const uint32_t words[5] = {uint32_t(seed), uint32_t(seed >> 32), uint32_t(offset), uint32_t(offset >> 32), stream};
+  uint32_t key = 0x6A09E667u;  // nvfp4._HASH_IV
+#pragma unroll
+  for (int i = 0; i < 5; ++i) key = fmix32(key ^ words[i]);
+  return key;
+}
+
 // The hash takes the 64-bit index in halves: random_stream(key, index >> 32) is shared by every index
 // with the same high half, so a caller drawing consecutive indices (nv_encode: 16 per chunk) computes
 // it once and only random_bits_at(stream, uint32_t(index)) per element. random_bits is the composition

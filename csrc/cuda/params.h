@@ -18,7 +18,10 @@ struct Encoder {
   int two_d = 0;       // FP8 block 128x128, NVFP4 16x16
   int sr = 0;          // NVFP4 stochastic rounding
   int row_scaled = 0;  // NVFP4 rowwise: one global amax per row
-  uint32_t key = 0;    // NVFP4 stochastic rounding: the stream's key
+  uint32_t key = 0;    // NVFP4 stochastic rounding: the stream's key, unless rng is given
+  const int64_t* rng = nullptr;  // ... or [seed, step] on the device, the key made from it there
+  int64_t rng_offset = 0;        //     with offset step * kStreamsPerStep + rng_offset
+  int key_stream = 0;            //     and stream 0 (rowwise) or 1 (columnwise)
   const float* scale = nullptr;      // per-tensor: per group; row-scaled FP8: per row or column
   const float* scale_inv = nullptr;  // the same, inverted (for the dequantized source)
   const uint32_t* amax = nullptr;    // NVFP4: the global amax per group, or per row (float bits)

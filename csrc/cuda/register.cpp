@@ -117,7 +117,8 @@ struct Needs {
 std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<double>& row_cfg,
                                  const std::vector<double>& col_cfg, bool dq_source, bool row_output,
                                  const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
-                                 const c10::optional<at::Tensor>& group_sizes, bool want_dbias) {
+                                 const c10::optional<at::Tensor>& group_sizes, bool want_dbias,
+                                 const c10::optional<at::Tensor>& rng, int64_t rng_offset) {
   TORCH_CHECK(input.dim() == 2, "graphquant.quantize takes a 2-D tensor");
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(input.device());
@@ -129,6 +130,14 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
   const auto opts = x.options();
   void* stream = stream_of(x);
   Config row = parse(row_cfg), col = parse(col_cfg);
+  col.enc.key_stream = 1;
+  if (rng.has_value()) {  // stochastic rounding's [seed, step], read by the kernels where it lies
+    TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous() && rng->device() == x.device(),
+                "graphquant.quantize: rng must be a contiguous int64 [seed, step] on the input's device, got ",
+                rng->scalar_type(), " of ", rng->numel(), " elements on ", rng->device());
+    row.enc.rng = col.enc.rng = rng->data_ptr<int64_t>();
+    row.enc.rng_offset = col.enc.rng_offset = rng_offset;
+  }
 
   TileParams p;
   p.x = x.data_ptr();
@@ -369,6 +378,7 @@ void register_cuda_kernels(pybind11::module_& m) {
   m.def("quantize", &gq::quantize, "Quantize a 2-D tensor: rowwise and/or columnwise, fused (see kernels.py)",
         pybind11::arg("x"), pybind11::arg("row_cfg"), pybind11::arg("col_cfg"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
-        pybind11::arg("group_sizes"), pybind11::arg("dbias"));
+        pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
+        pybind11::arg("rng_offset") = 0);
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see kernels.py)");
 }

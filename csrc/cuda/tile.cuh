@@ -321,8 +321,15 @@ struct TileProgram {
     }
   }
 
+  // The stochastic-rounding key of an encoder: made here from the device's [seed, step] where the
+  // call passed them (so the host never reads them), else the host's.
+  GQ_HD static uint32_t sr_key_of(const Encoder& e) {
+    if (!e.sr || !e.rng) return e.key;
+    return sr_key(uint64_t(e.rng[0]), uint64_t(e.rng[1]) * kStreamsPerStep + uint64_t(e.rng_offset), uint32_t(e.key_stream));
+  }
+
   // NVFP4 codes of one chunk; returns the block's E4M3 scale and sets the dequantize factor.
-  GQ_HD static uint8_t nv_encode(const Encoder& e, uint32_t vec_max, uint32_t global_amax, const float v[16],
+  GQ_HD static uint8_t nv_encode(const Encoder& e, uint32_t key, uint32_t vec_max, uint32_t global_amax, const float v[16],
                                  uint64_t rand_index, uint8_t code[16], float* dq_factor) {
     const NvGlobal gl = nv_global(u2f(global_amax));
     const uint8_t scale = nv_block_scale(u2f(vec_max), gl.mult);
@@ -330,8 +337,8 @@ struct TileProgram {
     // random_bits(e.key, rand_index + i) with its per-chunk half hoisted: the 16 indices share the high
     // word, except that those past a wrap of the low word (lo + i < lo) take the next one.
     const uint32_t lo = uint32_t(rand_index), hi = uint32_t(rand_index >> 32);
-    const uint32_t stream = e.sr ? random_stream(e.key, hi) : 0;
-    const uint32_t stream_next = e.sr ? random_stream(e.key, hi + 1) : 0;
+    const uint32_t stream = e.sr ? random_stream(key, hi) : 0;
+    const uint32_t stream_next = e.sr ? random_stream(key, hi + 1) : 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float y = v[i] * encode;
@@ -346,6 +353,7 @@ struct TileProgram {
   GQ_HD static void encode_rows(const TileParams& p, const TileCoords& t, Smem& s, int tid, bool dq) {
     const Encoder& e = p.row;
     const bool write = p.main && e.data != nullptr;
+    const uint32_t key = R == kNV ? sr_key_of(e) : 0;
     for (int k = 0; k < kChunks; ++k) {
       const int rc = k * kThreads + tid, r = rc >> 3, j = rc & 7;
       const int64_t gr = t.row0 + r, gc = t.col0 + 16 * j;
@@ -358,7 +366,7 @@ struct TileProgram {
         const uint32_t vec_max = e.two_d ? s.t16r[r >> 4][j] : s.camax_r[r][j];
         const uint32_t global_amax = e.amax[e.row_scaled ? gr : t.g];
         const uint64_t index = uint64_t(gr - t.gstart) * uint64_t(p.K) + uint64_t(gc);
-        const uint8_t scale = nv_encode(e, vec_max, global_amax, v, index, code, f);
+        const uint8_t scale = nv_encode(e, key, vec_max, global_amax, v, index, code, f);
         if (write) {
           *reinterpret_cast<Vec8*>(e.data + gr * (p.K / 2) + gc / 2) = pack_e2m1(code);
           static_cast<uint8_t*>(e.scales)[gr * (p.K / 16) + gc / 16] = scale;
@@ -438,6 +446,7 @@ struct TileProgram {
   }
 
   GQ_HD static void encode_cols(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
+    const uint32_t key = C == kNV ? sr_key_of(p.col) : 0;
     for (int k = 0; k < kPairs; ++k) {
       int c, i;
       col_pair(k, tid, c, i);
@@ -447,12 +456,13 @@ struct TileProgram {
       read_col_pair<In>(s, c, i, v);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (t.col0 + c + h < p.K) encode_col_chunk(p, t, s, c + h, i, gr, v[h]);
+        if (t.col0 + c + h < p.K) encode_col_chunk(p, t, s, c + h, i, gr, v[h], key);
       }
     }
   }
 
-  GQ_HD static void encode_col_chunk(const TileParams& p, const TileCoords& t, Smem& s, int c, int i, int64_t gr, float v[16]) {
+  GQ_HD static void encode_col_chunk(const TileParams& p, const TileCoords& t, Smem& s, int c, int i, int64_t gr, float v[16],
+                                     uint32_t key) {
     const Encoder& e = p.col;
     const int64_t gc = t.col0 + c;
     if constexpr (C == kNV) {
@@ -462,7 +472,7 @@ struct TileProgram {
       const uint32_t vec_max = e.two_d ? s.t16c[i][c >> 4] : s.camax_c[i][c];
       // The source is x^T (K, M): element (gc, gr) of group g has index gc * Mg + (gr - start).
       const uint64_t index = uint64_t(gc) * uint64_t(t.gsize) + uint64_t(gr - t.gstart);
-      const uint8_t scale = nv_encode(e, vec_max, e.amax[t.g], v, index, code, f);
+      const uint8_t scale = nv_encode(e, key, vec_max, e.amax[t.g], v, index, code, f);
       *reinterpret_cast<Vec8*>(&s.stage[c][8 * i]) = pack_e2m1(code);
       static_cast<uint8_t*>(e.scales)[gc * (p.M / 16) + gr / 16] = scale;
     } else {

@@ -94,15 +94,17 @@ def _block_dim(axis: int) -> int:
 def quantize(x: torch.Tensor, fp8_dtype: str, *, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-encode a 2-D tensor: blocks of 32 along ``axis`` (1: 1x32 rows, 0: 32x1 columns).
 
-    Block amax = max |x.float()| (NaN if the block holds a NaN); biased = e8m0_from_amax(amax);
+    Block amax = max |x.float()| (NaN if the block holds a NaN; taken in x's dtype, which is exact
+    and keeps a compiler from holding an fp32 copy of x between the amax and the cast);
+    biased = e8m0_from_amax(amax);
     data = cast_to_fp8(x.float() * encode_multiplier(biased)) (one exact or RNE fp32 multiply,
     then RNE saturating cast). Data keeps x's (M, K) layout; scales are uint8 of shape
     (M, K/32) for axis=1 and (M/32, K) for axis=0. The blocked dim must be a multiple of 32.
     """
-    blocks = _blocked(x.float(), axis)
+    blocks = _blocked(x, axis)
     dim = _block_dim(axis)
-    biased = e8m0_from_amax(blocks.abs().amax(dim), fp8_dtype)
-    scaled = blocks * encode_multiplier(biased).unsqueeze(dim)
+    biased = e8m0_from_amax(blocks.abs().amax(dim).float(), fp8_dtype)
+    scaled = blocks.float() * encode_multiplier(biased).unsqueeze(dim)
     return cast_to_fp8(scaled, fp8_dtype).reshape(x.shape), biased
 
 

@@ -30,13 +30,10 @@ def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape:
     )
 
 
-# Random streams per step: a step's quantize calls use offsets step * STREAMS_PER_STEP + stream.
-STREAMS_PER_STEP = 1 << 16
-
-
 def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream: int) -> QuantizeContext:
-    seed, step = rng.tolist() if rng is not None else (0, 0)
-    return QuantizeContext(scale=scale, seed=int(seed), offset=int(step) * STREAMS_PER_STEP + stream)
+    """The context of stream ``stream`` of the step that ``rng`` (int64 [seed, step]) holds; the
+    kernels read rng on the device, so the hot path never waits for it."""
+    return QuantizeContext(scale=scale, rng=rng, offset=stream)
 
 
 @torch.library.custom_op("graphquant::quantize", mutates_args=())

@@ -3,6 +3,7 @@
 from graphquant.quantizers.base import (
     COLUMNWISE,
     ROWWISE,
+    STREAMS_PER_STEP,
     QuantizeContext,
     QuantizedTensor,
     Quantizer,
@@ -24,6 +25,7 @@ from graphquant.quantizers.rowwise import Float8RowwiseQuantizer
 __all__ = [
     "COLUMNWISE",
     "ROWWISE",
+    "STREAMS_PER_STEP",
     "DelayedScalingRequest",
     "Float8BlockQuantizer",
     "Float8CurrentScalingQuantizer",

@@ -29,6 +29,11 @@ COLUMNWISE = "columnwise"
 _REGISTRY: dict[str, type["Quantizer"]] = {}
 
 
+# Random streams per step: with a step counter, a quantize call's stream offset is
+# step * STREAMS_PER_STEP + its stream within the step.
+STREAMS_PER_STEP = 1 << 16
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizeContext:
     """State a quantize call may need but that does not belong to the format's value.
@@ -36,6 +41,8 @@ class QuantizeContext:
     scale: the current FP8 scale of a delayed-scaling slot (float32, one element).
     seed, offset: the counter-based random stream of stochastic rounding. The same seed and
         offset give the same bits on every device.
+    rng: int64 [seed, step], as a compiled model keeps it on the device; when given it replaces
+        seed, and offset counts within the step (see random_stream).
     amax_group: the name of the process group over which a quantizer that asks for it
         (with_amax_reduction) all-reduces its amax (graphquant.distributed); None: no reduction.
     """
@@ -44,6 +51,15 @@ class QuantizeContext:
     seed: int = 0
     offset: int = 0
     amax_group: Optional[str] = None
+    rng: Optional[torch.Tensor] = None
+
+    def random_stream(self) -> tuple[int, int]:
+        """(seed, offset) of stochastic rounding: with ``rng``, (rng[0], rng[1] * STREAMS_PER_STEP +
+        offset), read on the host (a device sync; the native kernels read rng where it lies)."""
+        if self.rng is None:
+            return self.seed, self.offset
+        seed, step = self.rng.tolist()
+        return int(seed), int(step) * STREAMS_PER_STEP + self.offset
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

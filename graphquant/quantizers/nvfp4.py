@@ -74,7 +74,7 @@ class NVFP4Quantizer(Quantizer):
             source,
             tile_rows=BLOCK_LEN if self.with_2d_quantization else 1,
             row_scaled=self.row_scaled_nvfp4 and not columnwise,
-            rng=(ctx.seed, ctx.offset, int(columnwise)) if self.stochastic_rounding else None,
+            rng=(*ctx.random_stream(), int(columnwise)) if self.stochastic_rounding else None,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale, amax)
 
