@@ -1,9 +1,9 @@
-"""CUDA kernels of the exact scale ops (graphquant.formats.fp8.scales, mxfp8.e8m0_from_amax).
+"""CUDA kernels of the exact scale ops (graphquant.formats.fp8.scales, mxfp8.e8m0_scales).
 
 Their references are a dozen tiny torch ops each; on a GPU inside a training step that is a dozen
 launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
 (IEEE round-to-nearest), and every other step is exact. Importing this module registers them as
-the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_from_amax
+the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_scales
 (functional ops, so compiled graphs deduplicate them; wrap_triton's mutating launches were not).
 """
 
@@ -40,7 +40,7 @@ def _scales_kernel(
 
 
 @triton.jit
-def _e8m0_kernel(amax_ptr, out_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
@@ -52,6 +52,11 @@ def _e8m0_kernel(amax_ptr, out_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexp
     biased = tl.where(exponent == 0, subnormal, normal)
     biased = tl.where(bits > 0x7F800000, 255, biased)
     tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
+    # mxfp8.encode_multiplier: 2^(127 - biased) from bits; 0 -> 1.0, 254 -> 2^-127, 255 -> NaN
+    multiplier = tl.where(biased == 254, 0x00400000, (254 - biased) << 23)
+    multiplier = tl.where(biased == 0, 0x3F800000, multiplier)
+    multiplier = tl.where(biased == 255, 0x7FC00000, multiplier)
+    tl.store(multiplier_ptr + offsets, multiplier.to(tl.float32, bitcast=True), mask=mask)
 
 
 @fp8.scales_op.register_kernel("cuda")
@@ -65,10 +70,11 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     return scale, inverse
 
 
-@mxfp8.e8m0_from_amax_op.register_kernel("cuda")
-def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
+@mxfp8.e8m0_scales_op.register_kernel("cuda")
+def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)
+    multiplier = torch.empty_like(amax)
     n = amax.numel()
-    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](amax, out, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
-    return out
+    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](amax, out, multiplier, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+    return out, multiplier

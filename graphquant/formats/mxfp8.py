@@ -24,13 +24,31 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``e8m0_scales_op``: functional, one Triton launch on CUDA (see graphquant.fp8.scales)."""
+    return e8m0_scales_op(amax, fp8_dtype)
+
+
+@torch.library.custom_op("graphquant::e8m0_scales", mutates_args=())
+def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``.
+
+    The multiplier is an output, so the cast that applies it is one multiply: built from the
+    bits inside the cast, its integer chain made the cast of a long producer (a SwiGLU backward)
+    exceed Inductor's inlining limit, which then stored the fp32 product in memory.
+    """
+    biased = e8m0_from_amax(amax, fp8_dtype)
+    return biased, encode_multiplier(biased)
+
+
+# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
+# approximate the division; everything around it is exact in any order.
+@e8m0_scales_op.register_fake
+def _(amax, fp8_dtype):
+    return torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax, dtype=torch.float32)
+
+
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
-    """``e8m0_from_amax_op``: functional, one Triton launch on CUDA (see graphquant.fp8.scales)."""
-    return e8m0_from_amax_op(amax, fp8_dtype)
-
-
-@torch.library.custom_op("graphquant::e8m0_from_amax", mutates_args=())
-def e8m0_from_amax_op(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     """Biased E8M0 exponent (uint8) of the decode scale for blocks with this fp32 ``amax``.
 
     v = amax / fp8_max (one fp32 division, RNE), then v is rounded *up* to a power of two 2^e
@@ -51,13 +69,6 @@ def e8m0_from_amax_op(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     biased = torch.where(exponent == 0, subnormal, normal)
     biased = torch.where(bits > 0x7F800000, 255, biased)
     return biased.to(torch.uint8)
-
-
-# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
-# approximate the division; everything around it is exact in any order.
-@e8m0_from_amax_op.register_fake
-def _(amax, fp8_dtype):
-    return torch.empty_like(amax, dtype=torch.uint8)
 
 
 def encode_multiplier(biased: torch.Tensor) -> torch.Tensor:
@@ -103,8 +114,8 @@ def quantize(x: torch.Tensor, fp8_dtype: str, *, axis: int) -> tuple[torch.Tenso
     """
     blocks = _blocked(x, axis)
     dim = _block_dim(axis)
-    biased = e8m0_from_amax(blocks.abs().amax(dim).float(), fp8_dtype)
-    scaled = blocks.float() * encode_multiplier(biased).unsqueeze(dim)
+    biased, multiplier = e8m0_scales(blocks.abs().amax(dim).float(), fp8_dtype)
+    scaled = blocks.float() * multiplier.unsqueeze(dim)
     return cast_to_fp8(scaled, fp8_dtype).reshape(x.shape), biased
 
 
