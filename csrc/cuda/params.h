@@ -50,7 +50,6 @@ struct TileParams {
   const int64_t* group_start = nullptr;  // G + 1 prefix sums of the group sizes (null: one group)
   int G = 1;
   float* dbias_partial = nullptr;  // (row tiles, K) column sums of x per tile, or null
-  int64_t prefetch_ahead = 0;      // with vec_load: each CTA pulls into L2 the tile of the CTA this many later
 };
 
 struct FinalizeParams {

@@ -192,10 +192,7 @@ struct TileProgram {
     const bool tile_c = (C == kBlock && p.col.two_d && col_encode) || p.acc.col_global;
     const bool t16c = C == kNV && p.col.two_d && col_encode;
 
-    phase([&](int tid) {
-      if (p.prefetch_ahead) prefetch_later_tile(p, bx, by, tid);
-      load_tile(p, t, s, tid);
-    });
+    phase([&](int tid) { load_tile(p, t, s, tid); });
     if (row_stats || dbias) phase([&](int tid) { row_chunk_stats(p, s, tid, row_stats, tile_r, dbias); });
     if (t16r || p.acc.rows || p.acc.row_global || dbias) phase([&](int tid) { row_reduce(p, t, s, tid, t16r, dbias); });
     if constexpr (R != kNone) {
@@ -211,24 +208,6 @@ struct TileProgram {
         phase([&](int tid) { write_stage(p, t, s, tid); });
       }
     }
-  }
-
-  // Pull the tile that the CTA p.prefetch_ahead launches later will load into L2, one 128-byte
-  // line per thread and pass: the resident CTAs' loads otherwise all wait on DRAM latency at once,
-  // leaving DRAM half idle (ncu: 58% DRAM, 63% SM throughput), while a prefetch costs no registers
-  // or shared memory. A no-op on the host.
-  GQ_HD static void prefetch_later_tile(const TileParams& p, int64_t bx, int64_t by, int tid) {
-#if defined(__CUDA_ARCH__)
-    const int64_t tiles_x = cdiv(p.K, kTile);
-    const int64_t later = by * tiles_x + bx + p.prefetch_ahead;
-    const int64_t row0 = later / tiles_x * kTile, col0 = later % tiles_x * kTile;
-    constexpr int kLinesPerRow = kTile * int(sizeof(S)) / 128;
-    const char* x = static_cast<const char*>(p.x);
-    for (int line = tid; line < kTile * kLinesPerRow; line += kThreads) {
-      const int64_t gr = row0 + line / kLinesPerRow, gc = col0 + (line % kLinesPerRow) * (128 / int(sizeof(S)));
-      if (gr < p.M && gc < p.K) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + (gr * p.K + gc) * int64_t(sizeof(S))));
-    }
-#endif
   }
 
   GQ_HD static void load_tile(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
@@ -557,19 +536,12 @@ void launch_tile_t(const TileParams& p, void* stream) {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
   cudaGetDevice(&device);
-  static std::atomic<int64_t> resident[64];  // CTAs resident at once, per device
   if (!(configured.load() >> device & 1)) {
     cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    int per_sm = 0, sms = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    resident[device % 64] = int64_t(per_sm) * sms;
     configured.fetch_or(uint64_t(1) << device);
   }
   const dim3 grid(unsigned(cdiv(p.K, kTile)), unsigned(cdiv(p.M, kTile)));
-  TileParams q = p;
-  q.prefetch_ahead = p.vec_load ? resident[device % 64].load() : 0;  // the CTA that takes this one's place
-  tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(q);
+  tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
 }
 
