@@ -178,7 +178,7 @@ def test_delayed_scaling(backend, fp8_dtype, dtype):
 
 
 @pytest.mark.parametrize("source", ("original", "rowwise_dequantized"))
-@pytest.mark.parametrize("row_name, col_name", itertools.product(HYBRID_CHILDREN, HYBRID_CHILDREN))
+@pytest.mark.parametrize("row_name, col_name", list(itertools.product(HYBRID_CHILDREN, HYBRID_CHILDREN)))
 def test_hybrid_matches_unfused(backend, row_name, col_name, source):
     """One fused pass equals the two children run separately, from either columnwise source."""
     shape = (256, 384)
