@@ -7,6 +7,7 @@ the tangents. A saved tensor that shares storage with a parameter or a user inpu
 """
 
 import copy
+import re
 
 import models
 import pytest
@@ -112,3 +113,24 @@ def test_backward_keeps_quantized_representations(name):
     inputs = linear_inputs(copy.deepcopy(model), x)
     plain_kept = {n for n, value in inputs.items() if any(same_values(t, value) for t in high_precision(plain_act))}
     assert plain_kept, [(tuple(t.shape), t.dtype) for t in plain_act]
+
+
+def test_traced_mxfp8_quantize_keeps_no_float32_copy_of_its_input():
+    """A traced MXFP8 quantize reads its bf16 input twice (block amax, then the cast after the
+    scale op). Inductor must not store an fp32 copy of that input (or of the scaled values) in
+    between: on the H200 such buffers cost a decoder layer 1.3 GiB of peak memory. They came from
+    the amax being taken after the fp32 upcast, and from an integer chain in the cast that pushed
+    a long producer (a SwiGLU backward) past Inductor's inlining limit. The generated code
+    (forward and backward, with the GPU's realize thresholds) allocates no fp32 buffer in the
+    blocked shape of a quantized tensor. (FP8 1x128 blocks share the amax fix, but torch 2.13's
+    CPU code generator fails on their SwiGLU backward, so only the GPU runs them.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    model = models.seeded(models.SwiGLU(dim=256, hidden=512)).to(torch.bfloat16)
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), fullgraph=True)
+    with torch._inductor.config.patch(realize_opcount_threshold=30, realize_acc_reads_threshold=8):
+        _, code = run_and_get_code(lambda: compiled(x).sum().backward())
+    blocked_fp32 = re.compile(r"empty_strided_\w+\(\((\d+), (\d+), (\d+)\), [^)]*\), torch\.float32\)")
+    copies = [m.group(0) for source in code for m in blocked_fp32.finditer(source) if "32" in m.groups()[1:]]
+    assert len(code) == 2 and not copies, copies

@@ -109,6 +109,18 @@ def test_planner_choices_on_cpu_are_emulated_except_high_precision():
 
 
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
+def test_high_precision_gemm_takes_identity_operands_as_they_are(gemm, da, db):
+    """An Identity x Identity GEMM (e.g. rowwise_with_gw_hp's wgrad) multiplies the stored tensors:
+    no fp32 (or any) copy of a token-sized operand, and the product torch.mm gives."""
+    a, b = (_operand(IdentityQuantizer(), d, rows, 96, "cpu") for d, rows in ((da, 64), (db, 48)))
+    for rep in (a, b):
+        values, factor = emulation.factored(rep)
+        assert values is rep.data and factor is None
+    expected = a.gemm_operand(torch.bfloat16) @ b.gemm_operand(torch.bfloat16).t()
+    assert torch.equal(backends.gemm(a, b, 1, torch.bfloat16)[0], expected)
+
+
+@pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
 def test_emulation_matches_float64_reference_on_cpu(name, qa, qb, expected, gemm, da, db):
     torch.manual_seed(0)
