@@ -262,4 +262,26 @@ def compile(
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     compiled.__dict__["graphquant"] = gq_backend
+    if isinstance(compiled, torch.nn.Module):
+        _warn_if_first_call_runs_eagerly(compiled, gq_backend)
     return compiled
+
+
+def _warn_if_first_call_runs_eagerly(compiled: torch.nn.Module, backend: GraphquantBackend) -> None:
+    """After the first call, warn if Dynamo ran the model without handing graphquant a graph: then
+    nothing in it was quantized. Without isolated compiles (torch < 2.13), the ninth compiled model
+    of a process whose forward Dynamo wraps (a torch.nn container such as nn.Sequential) hits the
+    recompile limit that all their compiles share, and runs eagerly with only Dynamo's log line."""
+
+    def check(module: torch.nn.Module, args: Any, output: Any) -> None:
+        handle.remove()
+        if not backend.plans:
+            warnings.warn(
+                f"graphquant: torch.compile ran {type(compiled._orig_mod).__name__} without capturing a graph, so "
+                "nothing in it is quantized. The likely cause is Dynamo's recompile limit, which every compiled "
+                "nn.Sequential-like model of a process shares before torch 2.13: raise "
+                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason).",
+                stacklevel=2,
+            )
+
+    handle = compiled.register_forward_hook(check)

@@ -231,3 +231,21 @@ def test_compile_mode_and_options_reach_inductor():
 def test_inductor_options_with_another_backend_are_an_error():
     with pytest.raises(ValueError, match="configure Inductor"):
         graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), backend="aot_eager", compile_mode="reduce-overhead")
+
+
+def test_a_model_that_dynamo_runs_eagerly_warns_that_nothing_is_quantized():
+    """Dynamo falls back to eager past its recompile limit (before torch 2.13 the ninth compiled
+    nn.Sequential of a process does): the first call says that nothing was quantized, once."""
+    model = models.seeded(models.MLP())
+    with torch._dynamo.config.patch(recompile_limit=0):
+        compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+        with pytest.warns(UserWarning, match="nothing in it is quantized"):
+            y = compiled(x3())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compiled(x3())
+    assert torch.equal(y, model(x3())) and compiled.graphquant.plans == []
+    quantized = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantized(x3())
