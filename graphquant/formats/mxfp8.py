@@ -29,6 +29,8 @@ def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch
     return e8m0_scales_op(amax, fp8_dtype)
 
 
+# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
+# approximate the division; everything around it is exact in any order.
 @torch.library.custom_op("graphquant::e8m0_scales", mutates_args=())
 def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``.
@@ -41,8 +43,6 @@ def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, to
     return biased, encode_multiplier(biased)
 
 
-# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
-# approximate the division; everything around it is exact in any order.
 @e8m0_scales_op.register_fake
 def _(amax, fp8_dtype):
     return torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax, dtype=torch.float32)
