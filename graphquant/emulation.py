@@ -28,8 +28,6 @@ from graphquant.quantizers import (
     Representation,
 )
 
-NVFP4_GLOBAL = 6.0 * 448.0
-
 try:
     from graphquant import triton_dequantize
 except ImportError:  # no Triton: dequantize with the reference's torch ops
@@ -54,7 +52,7 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
             values = fast.nvfp4_block_values(rep.data, rep.scale)
         else:
             values = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
-        factor = torch.div(rep.amax, NVFP4_GLOBAL)
+        factor = nvfp4.global_decode(rep.amax)
         return values, factor.reshape(-1, 1) if factor.dim() else factor
     if isinstance(q, MXFP8Quantizer) and fast is not None:
         return fast.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE), None

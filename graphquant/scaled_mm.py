@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.formats import nvfp4
 from graphquant.quantizers import ROWWISE, Representation
 
 TENSORWISE = "cublaslt fp8 tensorwise"
@@ -84,7 +85,7 @@ def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dty
         return torch._scaled_mm(*args, bias=bias, **kwargs).to(out_dtype)
     out = torch._scaled_mm(*args, **kwargs)
     if backend == NVFP4:
-        out = out * (torch.div(a.amax, 6.0 * 448.0) * torch.div(b.amax, 6.0 * 448.0))
+        out = out * (nvfp4.global_decode(a.amax) * nvfp4.global_decode(b.amax))
     if bias is not None:
         out = out.float() + bias.float()
     return out.to(out_dtype)

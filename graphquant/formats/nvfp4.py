@@ -202,6 +202,13 @@ def quantize(
     return pack(codes), scales, amax
 
 
+def global_decode(amax: torch.Tensor) -> torch.Tensor:
+    """The global decode factor amax / (448 * 6), one correctly rounded fp32 division (a divisor
+    given as a Python float may become a multiply by its reciprocal on the GPU)."""
+    amax = amax.float()
+    return torch.div(amax, _const(E4M3_MAX * E2M1_MAX, amax))
+
+
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """float32 (R, C): (e2m1 * fp32(s)) * (amax / 2688), per block, amax per row if (R,).
 
@@ -212,8 +219,7 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -
     """
     values = e2m1_values(unpack(packed))
     rows, cols = values.shape
-    amax = amax.float()
-    global_dec = torch.div(amax, _const(E4M3_MAX * E2M1_MAX, amax))
+    global_dec = global_decode(amax)
     if amax.dim() == 1:
         global_dec = global_dec[:, None, None]
     blocks = values.reshape(rows, cols // BLOCK_LEN, BLOCK_LEN) * scales.float().unsqueeze(-1)
