@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import time_ms, turns  # noqa: E402
+from common import alternate, time_ms  # noqa: E402
 from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  # noqa: E402
 
 import graphquant  # noqa: E402
@@ -182,7 +181,7 @@ def measure(
 ) -> list[list]:
     x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    built, peaks, samples = {}, {}, {n: [] for n in names}
+    built, peaks = {}, {}
     for name in names:
         model = build(name, base, compile_mode)
 
@@ -210,10 +209,7 @@ def measure(
 
             print(f"  cudagraph skips so far: {counters['inductor']['cudagraph_skips']}", file=sys.stderr)
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
-    for r in range(rounds):
-        for name in turns(names, r):
-            samples[name].append(time_ms(built[name], warmup=1, reps=5, inner=steps))
-    ms = {n: statistics.median(v) for n, v in samples.items()}
+    ms = alternate(built, rounds=rounds, warmup=1, reps=5, inner=steps)
 
     tokens = BATCH * SEQ
     shapes = linear_gemm_shapes(base, tokens)

@@ -73,8 +73,11 @@ class _Encoder(NamedTuple):
     scale: Optional[torch.Tensor]  # delayed scaling's current scale
 
 
-def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor) -> Optional[_Encoder]:
-    """The native encoder of ``quantizer``'s ``direction``, or None where there is none."""
+def _encoder(
+    quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor, device_rng: Optional[torch.Tensor]
+) -> Optional[_Encoder]:
+    """The native encoder of ``quantizer``'s ``direction``, or None where there is none; with
+    ``device_rng`` the kernels make the stochastic-rounding key themselves."""
     if isinstance(quantizer, Float8CurrentScalingQuantizer):
         pow2 = int(quantizer.force_pow_2_scales)
         return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, 0, 0, 0, 0, 0, 0], None)
@@ -92,7 +95,7 @@ def _encoder(quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torc
         return _Encoder([_MX, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], None)
     if isinstance(quantizer, NVFP4Quantizer):
         columnwise = direction == COLUMNWISE
-        host_key = quantizer.stochastic_rounding and _device_rng(ctx, x) is None
+        host_key = quantizer.stochastic_rounding and device_rng is None
         key = sr_key(*ctx.random_stream(), int(columnwise)) if host_key else 0
         return _Encoder(
             [
@@ -145,8 +148,9 @@ def _run(
     else:
         row_q = col_q = quantizer
         dq_source = False
-    row = _encoder(row_q, ROWWISE, ctx, x) if rowwise or dq_source else None
-    col = _encoder(col_q, COLUMNWISE, ctx, x) if columnwise else None
+    rng = _device_rng(ctx, x)
+    row = _encoder(row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
+    col = _encoder(col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
     if ((rowwise or dq_source) and row is None) or (columnwise and col is None):
         return None
     if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
@@ -161,7 +165,7 @@ def _run(
         col.scale if col else None,
         group_sizes,
         dbias,
-        _device_rng(ctx, x),
+        rng,
         ctx.offset,
     )
     return Quantized(

@@ -81,15 +81,8 @@ def quantize_tensor(
     Formats a kernel makes (not traceable) take one graphquant::quantize call for everything;
     traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours.
     """
-    shape = (x.shape[0], x.shape[1])
     if directions and _one_pass(quantizer, directions):
-        rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
-        tensors = torch.ops.graphquant.quantize(
-            x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), state.rng, state.stream, dbias
-        )
-        made = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]  # the op's order
-        operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}
-        return operands, tensors[-1] if dbias else None
+        return _quantize_op(x, quantizer, directions, state, dbias)
     operands = hybrid_directions(
         x,
         quantizer,
@@ -98,6 +91,20 @@ def quantize_tensor(
         lambda row: torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype),
     )
     return operands, kernels.reference_dbias(x) if dbias else None
+
+
+def _quantize_op(
+    x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, dbias: bool = False
+) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
+    """``directions`` of x (and with ``dbias`` its column sums) from one graphquant::quantize call."""
+    shape = (x.shape[0], x.shape[1])
+    rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
+    tensors = torch.ops.graphquant.quantize(
+        x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), state.rng, state.stream, dbias
+    )
+    made = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]  # the op's order
+    operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}
+    return operands, tensors[-1] if dbias else None
 
 
 def _one_pass(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
@@ -121,15 +128,11 @@ def feeds_columnwise_of(quantizer: Quantizer) -> bool:
 
 
 def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, state: SlotState) -> Operand:
-    shape = (x.shape[0], x.shape[1])
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
-        return Operand(quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors(), quantizer.spec, direction, shape)
-    rowwise = direction == ROWWISE
-    tensors = torch.ops.graphquant.quantize(
-        x, quantizer.spec, rowwise, not rowwise, _delayed_scale(quantizer, state), state.rng, state.stream
-    )
-    return Operand(list(tensors), quantizer.spec, direction, shape)
+        tensors = quantize(x, QuantizeContext(amax_group=state.amax_group)).tensors()
+        return Operand(tensors, quantizer.spec, direction, (x.shape[0], x.shape[1]))
+    return _quantize_op(x, quantizer, (direction,), state)[0][direction]
 
 
 def save_columnwise(ctx, x_col: Optional[Operand], w_col: Optional[Operand], *others: Optional[torch.Tensor]) -> None:
