@@ -34,11 +34,13 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 0-dim tensor; NaN propagates, an empty tensor gives 0.
 
     Taken in x's own dtype and then widened: abs and max are exact and rounding to fp32 is
-    monotonic, so this equals max(|x.float()|).
+    monotonic, so this equals max(|x.float()|). Row maxima first: traced, Inductor makes that a
+    row reduction fused into x's producer, which ran 4-10% faster on the H200 than the split
+    reduction it makes of a flat one (benchmarks/NOTES.md); max is exact in any order.
     """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.abs().amax().to(torch.float32)
+    return x.abs().amax(-1).amax().to(torch.float32)
 
 
 def scale_from_amax(

@@ -19,11 +19,14 @@ struct HostRunner {
   }
 };
 
+// Persistent programs on a few CTAs, so that each runs several tiles through both of its buffers;
+// the others a CTA a tile, as launched.
 template <class In, int R, int C>
 void emulate_tile(const TileParams& p) {
-  auto smem = std::make_unique<typename TileProgram<In, R, C>::Smem>();
-  for (int64_t by = 0; by < cdiv(p.M, kTile); ++by)
-    for (int64_t bx = 0; bx < cdiv(p.K, kTile); ++bx) TileProgram<In, R, C>::run(HostRunner{}, p, bx, by, *smem);
+  using Program = TileProgram<In, R, C>;
+  auto smem = std::make_unique<typename Program::Smem>();
+  const int64_t ctas = Program::kPersistent ? 3 : cdiv(p.K, kTile) * cdiv(p.M, kTile);
+  for (int64_t cta = 0; cta < ctas; ++cta) Program::run_tiles(HostRunner{}, p, cta, ctas, *smem);
 }
 
 template <class In, int R>
