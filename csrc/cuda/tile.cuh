@@ -2,11 +2,11 @@
 // the rowwise representation in one format and the columnwise one in another (or the same, or
 // none), accumulating whatever amaxes the launch asks for.
 //
-// Launches without a stage (below) are persistent: as many CTAs as fit at once, each taking every
-// grid-th tile and fetching its next tile into a second buffer while the current one computes (on
-// the H200, MXFP8 rowwise 74% -> 83% of copy bandwidth at 16384x14336). With a stage, two buffers
-// cost a third of the resident CTAs and measured slower, and so did NVFP4 (its registers), so
-// those launch a CTA a tile.
+// Launches without a column side (rowwise-only, amax pre-passes) are persistent: as many CTAs as
+// fit at once, each taking every grid-th tile and fetching its next tile into a second buffer while
+// the current one computes (on the H200, MXFP8 rowwise 74% -> 83% of copy bandwidth at
+// 16384x14336). The column side's stage leaves room for one buffer only (two cost a third of the
+// resident CTAs and measured slower), and NVFP4's registers the same, so those launch a CTA a tile.
 //
 // Every format's blocks (16, 32, 128 along a row or a column, 16x16, 128x128) nest inside the
 // tile, so a tile needs no data from its neighbours; what spans tiles (a per-tensor, per-row or
@@ -23,8 +23,6 @@
 //                16*(pc/64) .. +15 (a warp reads 128 contiguous bytes of a tile row at a time);
 //                column outputs are staged in shared memory and written out row by row (storing
 //                a transposed chunk straight to global memory measured slower: half sectors).
-//                MXFP8 keeps x's layout, so its codes take their elements' places in the tile
-//                instead of a stage (the first byte of each).
 #pragma once
 
 #include "common.cuh"
@@ -43,9 +41,9 @@ constexpr int kThreads = 256;
 constexpr int kChunks = kTile * kTile / 16 / kThreads;  // chunks per thread and direction
 constexpr int kStagePitch = 144;                        // bytes; 16-byte aligned, spreads banks
 
-// Shared memory of one CTA; the column-side stage exists only where a column encoder needs it, so
-// the other launches fit more CTAs (or buffers) on a multiprocessor.
-template <class In, bool kStage, int kBuffers>
+// Shared memory of one CTA; the column-side staging exists only with a columnwise encoder, so
+// rowwise-only launches fit more CTAs on a multiprocessor.
+template <class In, bool kColumns, int kBuffers>
 struct TileSmem {
   using Tile = typename In::S[kTile][kTile];
   alignas(16) Tile tiles[kBuffers];  // the tile the phases read (and the next one, loading)
@@ -60,7 +58,7 @@ struct TileSmem {
   uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
   uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
   uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
-  alignas(16) uint8_t stage[kStage ? kTile : 1][kStagePitch];  // column-side output, transposed
+  alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
 };
 
 struct TileCoords {
@@ -184,9 +182,8 @@ struct Fp8Scale {
 
 template <class In, int R, int C>
 struct TileProgram {
-  static constexpr bool kStage = C != kNone && C != kMX;
-  static constexpr bool kPersistent = !kStage && R != kNV;
-  using Smem = TileSmem<In, kStage, kPersistent ? 2 : 1>;
+  static constexpr bool kPersistent = C == kNone && R != kNV;
+  using Smem = TileSmem<In, C != kNone, kPersistent ? 2 : 1>;
   using S = typename In::S;
   static constexpr bool kRowBlocks = R == kBlock || R == kMX || R == kNV;
   static constexpr bool kColBlocks = C == kBlock || C == kMX || C == kNV;
@@ -532,8 +529,8 @@ struct TileProgram {
       const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
       uint8_t q[16];
       fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
-      if constexpr (C == kMX) {  // x's layout: each code takes its element's place (its first byte)
-        for (int n = 0; n < 16; ++n) *reinterpret_cast<uint8_t*>(&s.tile()[16 * i + n][c]) = q[n];
+      if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
+        for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
       } else {  // transposed: row c of the stage holds this column's bytes
         *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
       }
@@ -555,36 +552,12 @@ struct TileProgram {
       const int row = piece / per_row, b = (piece % per_row) * 16;
       if (row >= valid_rows || b >= valid_bytes) continue;
       uint8_t* dst = p.col.data + (dst_row + row) * ld + dst_byte + b;
-      const Vec16 staged = staged16(s, row, b);
+      const uint8_t* src = &s.stage[row][b];
       if (b + 16 <= valid_bytes && (ld & 15) == 0) {
-        *reinterpret_cast<Vec16*>(dst) = staged;
+        *reinterpret_cast<Vec16*>(dst) = *reinterpret_cast<const Vec16*>(src);
       } else {
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(&staged);
         for (int n = 0; n < 16 && b + n < valid_bytes; ++n) dst[n] = src[n];
       }
-    }
-  }
-
-  // Bytes b .. b + 15 of row `row` of the column-side output: from the stage, or for MXFP8 the
-  // first byte of each of 16 tile elements.
-  GQ_HD static Vec16 staged16(const Smem& s, int row, int b) {
-    if constexpr (C == kMX) {
-      constexpr int kPerWord = 4 / sizeof(S);  // elements per 32-bit word
-      const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile()[row][b]);
-      uint8_t q[16];
-#pragma unroll
-      for (int w = 0; w < int(sizeof(S)); ++w) {  // 16 elements are sizeof(S) 16-byte words
-        const Vec16 v = src[w];
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-#pragma unroll
-          for (int h = 0; h < kPerWord; ++h) q[(4 * w + k) * kPerWord + h] = uint8_t(u[k] >> (32 / kPerWord * h));
-        }
-      }
-      return pack16(q);
-    } else {
-      return *reinterpret_cast<const Vec16*>(&s.stage[row][b]);
     }
   }
 };
