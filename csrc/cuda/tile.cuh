@@ -47,9 +47,9 @@ template <class In, bool kColumns, int kBuffers>
 struct TileSmem {
   using Tile = typename In::S[kTile][kTile];
   alignas(16) Tile tiles[kBuffers];  // the tile the phases read (and the next one, loading)
-  int current;                 // which of tiles the phases read
-  GQ_HD Tile& tile() { return tiles[current]; }
-  GQ_HD const Tile& tile() const { return tiles[current]; }
+  int current;                 // which of tiles the phases read (one buffer: the first, statically)
+  GQ_HD Tile& tile() { return tiles[kBuffers == 1 ? 0 : current]; }
+  GQ_HD const Tile& tile() const { return tiles[kBuffers == 1 ? 0 : current]; }
   uint32_t camax_r[kTile][8];  // amax of each row chunk [row][col/16]
   union {
     float dsum[8][kTile];        // column sums of each 16-row chunk of x (dbias; used first)
@@ -191,16 +191,17 @@ struct TileProgram {
   // Tiles cta, cta + ctas, ... of the launch (row-major over the tile grid). A persistent
   // program fetches each into the other buffer while the one before it computes, so a CTA always
   // has loads in flight (ncu: CTAs of a tile each waited on DRAM together, 58% of it used);
-  // the others run one tile per CTA (ctas = tiles).
+  // the others run one tile per CTA (ctas = tiles), fetched and awaited in one phase.
   template <class Runner>
   GQ_HD static void run_tiles(const Runner& phase, const TileParams& p, int64_t cta, int64_t ctas, Smem& s) {
     const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
     if (cta >= tiles) return;
-    phase([&](int tid) { fetch(p, cta, tiles_x, s.tiles[0], tid); });
+    if (kPersistent) phase([&](int tid) { fetch(p, cta, tiles_x, s.tiles[0], tid); });
     int buffer = 0;
     for (int64_t tile = cta; tile < tiles; tile += ctas, buffer ^= 1) {
       const bool next = kPersistent && tile + ctas < tiles;
       phase([&](int tid) {
+        if (!kPersistent) fetch(p, tile, tiles_x, s.tiles[0], tid);
         if (next) fetch(p, tile + ctas, tiles_x, s.tiles[buffer ^ 1], tid);
         await_fetch(next);
         if (tid == 0) {
