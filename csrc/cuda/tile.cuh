@@ -191,25 +191,34 @@ struct TileProgram {
   // Tiles cta, cta + ctas, ... of the launch (row-major over the tile grid). A persistent
   // program fetches each into the other buffer while the one before it computes, so a CTA always
   // has loads in flight (ncu: CTAs of a tile each waited on DRAM together, 58% of it used);
-  // the others run one tile per CTA (ctas = tiles), fetched and awaited in one phase.
+  // the others run tile `cta` alone (ctas = tiles), in straight-line code: the loop's state
+  // alive across the phases cost them up to twice their registers.
   template <class Runner>
   GQ_HD static void run_tiles(const Runner& phase, const TileParams& p, int64_t cta, int64_t ctas, Smem& s) {
     const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
     if (cta >= tiles) return;
-    if (kPersistent) phase([&](int tid) { fetch(p, cta, tiles_x, s.tiles[0], tid); });
-    int buffer = 0;
-    for (int64_t tile = cta; tile < tiles; tile += ctas, buffer ^= 1) {
-      const bool next = kPersistent && tile + ctas < tiles;
+    if constexpr (!kPersistent) {
       phase([&](int tid) {
-        if (!kPersistent) fetch(p, tile, tiles_x, s.tiles[0], tid);
-        if (next) fetch(p, tile + ctas, tiles_x, s.tiles[buffer ^ 1], tid);
-        await_fetch(next);
-        if (tid == 0) {
-          s.current = buffer;
-          s.tile_r = s.tile_c = 0;
-        }
+        fetch(p, cta, tiles_x, s.tiles[0], tid);
+        await_fetch(false);
+        if (tid == 0) s.tile_r = s.tile_c = 0;
       });
-      run(phase, p, tile % tiles_x, tile / tiles_x, s);
+      run(phase, p, cta % tiles_x, cta / tiles_x, s);
+    } else {
+      phase([&](int tid) { fetch(p, cta, tiles_x, s.tiles[0], tid); });
+      int buffer = 0;
+      for (int64_t tile = cta; tile < tiles; tile += ctas, buffer ^= 1) {
+        const bool next = tile + ctas < tiles;
+        phase([&](int tid) {
+          if (next) fetch(p, tile + ctas, tiles_x, s.tiles[buffer ^ 1], tid);
+          await_fetch(next);
+          if (tid == 0) {
+            s.current = buffer;
+            s.tile_r = s.tile_c = 0;
+          }
+        });
+        run(phase, p, tile % tiles_x, tile / tiles_x, s);
+      }
     }
   }
 
