@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [ncu] [train ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [ncu] [train ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise quantize kernels.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,6 +21,7 @@ for i in "${!steps[@]}"; do
     tests) python3 -m pytest -q -m gpu ${GQ_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
+    inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
     ncu) ncu --clock-control none --kernel-name-base mangled -k "regex:InBF16ELi4ELi[04]E" --launch-count 2 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
            python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1 > "$OUT/ncu.txt" 2>&1

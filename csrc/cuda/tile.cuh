@@ -42,7 +42,7 @@ constexpr int kChunks = kTile * kTile / 16 / kThreads;  // chunks per thread and
 constexpr int kStagePitch = 144;                        // bytes; 16-byte aligned, spreads banks
 
 // Shared memory of one CTA; the column-side staging exists only with a columnwise encoder, so
-// rowwise-only launches fit more CTAs on a multiprocessor.
+// rowwise-only launches have room for a second tile buffer.
 template <class In, bool kColumns, int kBuffers>
 struct TileSmem {
   using Tile = typename In::S[kTile][kTile];
