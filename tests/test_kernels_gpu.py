@@ -163,6 +163,22 @@ def test_both_directions_in_one_pass(backend, name, dtype):
     assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, CTX), "columnwise")
 
 
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_persistent_ctas_take_several_tiles(backend, name):
+    """Rowwise-only launches run as many CTAs as fit, each taking every grid-th tile through its
+    two tile buffers: with a thousand tiles (a few hundred CTAs fit on an H200) each CTA takes
+    several, aligned rows and not (K = 4100 is fetched element by element)."""
+    if backend == "cpu":
+        pytest.skip("the emulation runs every shape on three persistent CTAs already")
+    quantizer = QUANTIZERS[name]()
+    for n, shape in enumerate(((4096, 4096), (2048, 4100))):
+        if not supported(quantizer, shape, ROWWISE):
+            continue
+        x = make_input(shape, torch.bfloat16, "special", backend, seed=n)
+        native = kernels.quantize(quantizer, x, ROWWISE, CTX)
+        assert_same_rep(native, REFERENCE(quantizer, x, ROWWISE, CTX), f"{name} {shape}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fp8_dtype", ("e4m3", "e5m2"))
 def test_delayed_scaling(backend, fp8_dtype, dtype):
