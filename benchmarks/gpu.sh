@@ -2,7 +2,8 @@
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
 #   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [ncu] [train ARGS...]
-# ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise quantize kernels.
+# ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise quantize kernels (with shared-
+# memory bank conflicts and scheduler statistics, the open question of the column side).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,9 +24,10 @@ for i in "${!steps[@]}"; do
     quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
     inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
     ncu) ncu --clock-control none --kernel-name-base mangled -k "regex:InBF16ELi4ELi[04]E" --launch-count 2 \
-           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+           --section Occupancy --section WarpStateStats --section SchedulerStats \
            python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1 > "$OUT/ncu.txt" 2>&1
-         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Registers|Duration|L1/TEX Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.txt" | head -60 ;;
+         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Registers|Duration|L1/TEX Hit|Mem Busy|Max Bandwidth|Bank|Eligible|Issued Warp" "$OUT/ncu.txt" | head -80 ;;
     train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &
            python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"
