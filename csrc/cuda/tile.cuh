@@ -595,20 +595,22 @@ void launch_tile_t(const TileParams& p, void* stream) {
   // Once per device (the attribute is the current device's), and never again: a call during a
   // CUDA-graph capture would be an error.
   static std::atomic<uint64_t> configured{0};
-  static std::atomic<int64_t> resident[64];  // CTAs resident at once, per device
+  static std::atomic<int64_t> resident[64];  // persistent: CTAs resident at once, per device
   int device = 0;
   cudaGetDevice(&device);
   if (!(configured.load() >> device & 1)) {
     cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    int per_sm = 0, sms = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    resident[device % 64] = std::max<int64_t>(1, int64_t(per_sm) * sms);
+    if constexpr (Program::kPersistent) {
+      int per_sm = 0, sms = 0;
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      resident[device % 64] = std::max<int64_t>(1, int64_t(per_sm) * sms);
+    }
     configured.fetch_or(uint64_t(1) << device);
   }
-  const int64_t tiles = cdiv(p.K, kTile) * cdiv(p.M, kTile);
-  const unsigned grid = unsigned(Program::kPersistent ? std::min(tiles, resident[device % 64].load()) : tiles);
-  tile_kernel<In, R, C><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  int64_t grid = cdiv(p.K, kTile) * cdiv(p.M, kTile);  // a CTA a tile, or as many as are resident
+  if constexpr (Program::kPersistent) grid = std::min(grid, resident[device % 64].load());
+  tile_kernel<In, R, C><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
 }
 
