@@ -23,11 +23,15 @@ for i in "${!steps[@]}"; do
     gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
     inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
-    ncu) ncu --clock-control none --kernel-name-base mangled -k "regex:InBF16ELi4ELi[04]E" --launch-count 2 \
-           --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-           --section Occupancy --section WarpStateStats --section SchedulerStats \
-           python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1 > "$OUT/ncu.txt" 2>&1
-         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Registers|Duration|L1/TEX Hit|Mem Busy|Max Bandwidth|Bank|Eligible|Issued Warp" "$OUT/ncu.txt" | head -80 ;;
+    ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E; do  # MXFP8 rowwise, then both (first launch of each)
+           ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \
+             --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+             --section Occupancy --section WarpStateStats --section SchedulerStats \
+             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+             python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1
+         done > "$OUT/ncu.txt" 2>&1
+         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict" "$OUT/ncu.txt" | head -80
+         awk '/tile_kernel/ {print} /issue_stalled/ && $NF + 0 > 0.2 {print "   ", $1, $NF}' "$OUT/ncu.txt" ;;
     train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &
            python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"
