@@ -41,24 +41,6 @@ constexpr int kThreads = 256;
 constexpr int kChunks = kTile * kTile / 16 / kThreads;  // chunks per thread and direction
 constexpr int kStagePitch = 144;                        // bytes; 16-byte aligned, spreads banks
 
-// Where column c of a tile row lies in shared memory. The 8 threads of a quarter warp read the 8
-// row chunks of a tile row (16 elements, 2 or 4 16-byte words each) a word at a time: in place,
-// those words, 32 or 64 bytes apart, would fall on the same banks 2 (bf16, f16) or 4 (f32) ways
-// (ncu: 45% of the MXFP8 rowwise kernel's shared-load wavefronts were such conflicts). Word w of
-// chunk j is stored at w ^ word_swizzle(j) instead, which puts the 8 on different banks; words
-// stay whole, so a column pair (read_col_pair) stays in one word and a warp's column reads still
-// cover 128 contiguous bytes.
-template <class S>
-GQ_HD int word_swizzle(int j) {
-  constexpr int kWords = sizeof(S);  // 16-byte words in a chunk of 16 elements
-  return (j * kWords / 8) % kWords;
-}
-
-template <class S>
-GQ_HD int tile_column(int c) {
-  return c ^ (word_swizzle<S>(c >> 4) * (16 / int(sizeof(S))));
-}
-
 // Shared memory of one CTA; the column-side staging exists only with a columnwise encoder, so
 // rowwise-only launches have room for a second tile buffer.
 template <class In, bool kColumns, int kBuffers>
@@ -68,8 +50,6 @@ struct TileSmem {
   int current;                 // which of tiles the phases read (one buffer: the first, statically)
   GQ_HD Tile& tile() { return tiles[kBuffers == 1 ? 0 : current]; }
   GQ_HD const Tile& tile() const { return tiles[kBuffers == 1 ? 0 : current]; }
-  GQ_HD typename In::S& at(int r, int c) { return tile()[r][tile_column<typename In::S>(c)]; }
-  GQ_HD const typename In::S& at(int r, int c) const { return tile()[r][tile_column<typename In::S>(c)]; }
   uint32_t camax_r[kTile][8];  // amax of each row chunk [row][col/16]
   union {
     float dsum[8][kTile];        // column sums of each 16-row chunk of x (dbias; used first)
@@ -114,7 +94,7 @@ GQ_HD void read_row_chunk(const Smem& s, int r, int j, float v[16]) {
   const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile()[r][16 * j]);
 #pragma unroll
   for (int w = 0; w < int(sizeof(S)); ++w) {  // 16 elements are sizeof(S) 16-byte words
-    const Vec16 q = src[w ^ word_swizzle<S>(j)];
+    const Vec16 q = src[w];
     const uint32_t u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -136,12 +116,12 @@ GQ_HD void read_col_pair(const Smem& s, int c, int i, float v[2][16]) {
 #pragma unroll
   for (int e = 0; e < 16; ++e) {
     if constexpr (sizeof(S) == 2) {
-      const uint32_t u = *reinterpret_cast<const uint32_t*>(&s.at(16 * i + e, c));
+      const uint32_t u = *reinterpret_cast<const uint32_t*>(&s.tile()[16 * i + e][c]);
       v[0][e] = In::to_float(S(u & 0xFFFFu));
       v[1][e] = In::to_float(S(u >> 16));
     } else {
-      v[0][e] = s.at(16 * i + e, c);
-      v[1][e] = s.at(16 * i + e, c + 1);
+      v[0][e] = s.tile()[16 * i + e][c];
+      v[1][e] = s.tile()[16 * i + e][c + 1];
     }
   }
 }
@@ -172,7 +152,7 @@ GQ_HD uint32_t row_chunk_amax(const Smem& s, int r, int j) {
     uint32_t m = 0;
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
-      const Vec16 q = src[w ^ word_swizzle<S>(j)];
+      const Vec16 q = src[w];
       m = umax_halves(m, umax_halves(q.x & 0x7FFF7FFFu, q.y & 0x7FFF7FFFu));
       m = umax_halves(m, umax_halves(q.z & 0x7FFF7FFFu, q.w & 0x7FFF7FFFu));
     }
@@ -291,10 +271,10 @@ struct TileProgram {
         const int64_t gr = row0 + r, gc = col0 + c;
         const bool in = gr < p.M && gc < p.K;
 #if defined(__CUDA_ARCH__)
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r][tile_column<S>(c)]));
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r][c]));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(in ? x + gr * p.K + gc : x), "r"(in ? 16 : 0));
 #else
-        *reinterpret_cast<Vec16*>(&dst[r][tile_column<S>(c)]) = in ? *reinterpret_cast<const Vec16*>(x + gr * p.K + gc) : Vec16{0, 0, 0, 0};
+        *reinterpret_cast<Vec16*>(&dst[r][c]) = in ? *reinterpret_cast<const Vec16*>(x + gr * p.K + gc) : Vec16{0, 0, 0, 0};
 #endif
       }
 #if defined(__CUDA_ARCH__)
@@ -306,7 +286,7 @@ struct TileProgram {
         const int64_t gr = row0 + r;
         for (int e = 0; e < kPer; ++e) {
           const int64_t gc = col0 + c + e;
-          dst[r][tile_column<S>(c + e)] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
+          dst[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
         }
       }
     }
@@ -337,7 +317,7 @@ struct TileProgram {
       for (int k = 0; k < kChunks; ++k) {
         const int cc = k * kThreads + tid, c = cc & (kTile - 1), i = cc >> 7;
         float sum = 0.0f;
-        for (int e = 0; e < 16; ++e) sum += In::to_float(s.at(16 * i + e, c));
+        for (int e = 0; e < 16; ++e) sum += In::to_float(s.tile()[16 * i + e][c]);
         s.dsum[i][c] = sum;
       }
     }
@@ -460,7 +440,7 @@ struct TileProgram {
         if (dq) for (int i = 0; i < 16; ++i) d[i] = fp8_decode(q[i], e.fp8) * sc.scale_inv;
       }
       if (dq) {  // Representation.dequantize(x.dtype): fp32 values rounded to the input dtype
-        for (int i = 0; i < 16 && gc + i < p.K; ++i) s.at(r, 16 * j + i) = In::from_float(d[i]);
+        for (int i = 0; i < 16 && gc + i < p.K; ++i) s.tile()[r][16 * j + i] = In::from_float(d[i]);
       }
     }
   }
@@ -481,7 +461,7 @@ struct TileProgram {
       if (!p.col_rht) {
         uint32_t both = 0;
 #pragma unroll
-        for (int e = 0; e < 16; ++e) both = umax_halves(both, *reinterpret_cast<const uint32_t*>(&s.at(16 * i + e, c)) & 0x7FFF7FFFu);
+        for (int e = 0; e < 16; ++e) both = umax_halves(both, *reinterpret_cast<const uint32_t*>(&s.tile()[16 * i + e][c]) & 0x7FFF7FFFu);
         m[0] = abs_bits(In::to_float(S(both & 0xFFFFu)));
         m[1] = abs_bits(In::to_float(S(both >> 16)));
         return;
