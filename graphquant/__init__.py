@@ -10,8 +10,9 @@ from graphquant.compiler import compile
 from graphquant.explainer import explain
 from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
 
-try:  # the one-launch CUDA kernel of graphquant::fp8_scales, where Triton exists
+try:  # the CUDA kernels of graphquant::fp8_scales and graphquant::transposed, where Triton exists
     from graphquant import triton_scales as _triton_scales  # noqa: F401
+    from graphquant import triton_transpose as _triton_transpose  # noqa: F401
 except ImportError:
     pass
 from graphquant.numerics_report import numerics

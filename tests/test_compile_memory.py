@@ -134,3 +134,23 @@ def test_traced_mxfp8_quantize_keeps_no_float32_copy_of_its_input():
     blocked_fp32 = re.compile(r"empty_strided_\w+\(\((\d+), (\d+), (\d+)\), [^)]*\), torch\.float32\)")
     copies = [m.group(0) for source in code for m in blocked_fp32.finditer(source) if "32" in m.groups()[1:]]
     assert len(code) == 2 and not copies, copies
+
+
+def test_gradient_transposes_come_from_their_rowwise_copies():
+    """Per-tensor FP8 gradients: the columnwise (transposed) copy is made from the rowwise copy by
+    graphquant::transposed. Traced together, Inductor wrote both copies in one kernel that read
+    the gradient's inputs (a SwiGLU backward's gate, up and dh), so all four copies of dgate and
+    dup were alive with those inputs: a decoder layer's peak on the H200. Now the kernel that
+    reads them writes the rowwise copies only, and each transpose reads the buffer its dgrad GEMM
+    reads."""
+    from torch._inductor.utils import run_and_get_code
+
+    from graphquant import zoo
+
+    model = models.seeded(models.SwiGLU(dim=256, hidden=512)).to(torch.bfloat16)
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    compiled = graphquant.compile(model, zoo.recipe("tensorwise"), fullgraph=True)
+    _, (forward, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    dgrad_reads = re.findall(r"graphquant\.gemm\.default\(\[(\w+), \w+, \w+\], 'fp8_current\(fp8_dtype=e5m2\)', 'rowwise'", backward)
+    transposed = re.findall(r"graphquant\.transposed\.default\((\w+)\)", backward)
+    assert len(dgrad_reads) == 3 and sorted(dgrad_reads) == sorted(transposed), (dgrad_reads, transposed)

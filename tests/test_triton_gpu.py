@@ -25,6 +25,17 @@ def test_fp8_scales_kernel_matches_reference(fmt, pow2, epsilon):
     assert torch.equal(gpu_inverse.cpu().view(torch.int32), cpu_inverse.view(torch.int32))
 
 
+@pytest.mark.parametrize("shape", [(256, 512), (100, 70), (1, 33)])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transposed_kernel_is_the_transpose(shape, dtype):
+    from graphquant.ops import library
+
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(dtype)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("graphquant::transposed", "CUDA")
+    out = library.transposed(data)
+    assert out.is_contiguous() and torch.equal(out.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+
+
 # Whole programs, and partial ones in both dims (the kernels cover 16 x 256 elements each).
 SHAPES = [(256, 512), (96, 544)]
 

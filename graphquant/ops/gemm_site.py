@@ -127,6 +127,13 @@ def feeds_columnwise_of(quantizer: Quantizer) -> bool:
     return isinstance(quantizer, HybridQuantizer) and quantizer.columnwise_source == "rowwise_dequantized"
 
 
+def transposed_operand(rowwise: Operand) -> Operand:
+    """The columnwise operand of a quantizer whose ``columnwise_is_rowwise_transposed``, from its
+    rowwise one."""
+    data, scale_inv, amax = rowwise.tensors
+    return Operand([torch.ops.graphquant.transposed(data), scale_inv, amax], rowwise.spec, COLUMNWISE, rowwise.shape)
+
+
 def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, state: SlotState) -> Operand:
     if quantizer.traceable:
         quantize = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
@@ -247,8 +254,14 @@ class QuantizedGemm(torch.autograd.Function):
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
         g_state = SlotState(g_delayed, rng, ctx.stream, site.amax_group)
-        directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
+        # Where the columnwise copy is the rowwise bits transposed, an op makes it from them:
+        # traced together, Inductor wrote both copies in one kernel while grad_output's inputs (a
+        # SwiGLU's gate, up and dh) were still alive, a decoder's memory peak.
+        late = need_dx and need_dw and site.grad_output.columnwise_is_rowwise_transposed()
+        directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw and not late else ())
         gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias)
+        if late:
+            gq[COLUMNWISE] = transposed_operand(gq[ROWWISE])
         update_delayed_scaling(site.grad_output, g_state, gq)
         dx = dw = None
         if need_dx:

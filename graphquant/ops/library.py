@@ -83,6 +83,18 @@ def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False):
     return [t.new_empty(t.shape) for t in tensors] + ([x.new_empty(x.shape[1:])] if dbias else [])
 
 
+@torch.library.custom_op("graphquant::transposed", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def transposed(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of 2-D ``data`` (the columnwise copy of a per-tensor FP8
+    representation, from its rowwise bits)."""
+    return data.t().contiguous()
+
+
+@transposed.register_fake
+def _(data):
+    return data.new_empty((data.shape[1], data.shape[0]))
+
+
 @torch.library.custom_op("graphquant::dequantize", mutates_args=())
 def dequantize(
     tensors: list[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype

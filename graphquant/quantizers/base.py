@@ -187,6 +187,11 @@ class Quantizer:
         """Whether ``direction``'s values went through a random Hadamard transform."""
         return False
 
+    def columnwise_is_rowwise_transposed(self) -> bool:
+        """Whether the columnwise representation is the rowwise one with its data transposed, so
+        that a graph can make it from the rowwise copy instead of from x."""
+        return False
+
     def representation(
         self,
         direction: str,

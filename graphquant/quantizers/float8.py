@@ -32,6 +32,9 @@ class _PerTensorFloat8(Quantizer):
     def transposed(self, direction: str) -> bool:
         return direction == COLUMNWISE
 
+    def columnwise_is_rowwise_transposed(self) -> bool:
+        return True
+
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return per_tensor.dequantize(rep.data, rep.scale)
 

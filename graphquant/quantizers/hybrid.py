@@ -79,6 +79,13 @@ class HybridQuantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.child(direction).hadamard(direction)
 
+    def columnwise_is_rowwise_transposed(self) -> bool:
+        return (
+            self.columnwise_source == "original"
+            and self.rowwise_quantizer == self.columnwise_quantizer
+            and self.rowwise_quantizer.columnwise_is_rowwise_transposed()
+        )
+
     def check_shape(self, shape: tuple[int, int], direction: str) -> None:
         if direction == COLUMNWISE and self.columnwise_source == "rowwise_dequantized":
             self.rowwise_quantizer.check_shape(shape, ROWWISE)
