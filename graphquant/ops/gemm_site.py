@@ -28,6 +28,7 @@ from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
     HybridQuantizer,
+    IdentityQuantizer,
     QuantizeContext,
     Quantizer,
 )
@@ -73,15 +74,27 @@ def hybrid_directions(
 
 
 def quantize_tensor(
-    x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, *, dbias: bool = False
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    directions: tuple[str, ...],
+    state: SlotState,
+    *,
+    dbias: bool = False,
+    gradient: bool = False,
 ) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
     """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources,
     and with ``dbias`` x's column sums (the bias gradient of a linear whose grad_output is x).
 
     Formats a kernel makes (not traceable) take one graphquant::quantize call for everything;
-    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours.
+    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours. A
+    ``gradient`` whose directions scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and
+    32x1, rows and columns) takes the one call too: traced, each direction is an Inductor reduction
+    of its own that recomputes the gradient's producer (a SwiGLU backward's three inputs read three
+    times, 2.5 ms per block of the FFN benchmark), where the kernel reads each tile once. Forward
+    operands stay traced even then, so that the partitioner may recompute their columnwise copies
+    in backward from what it keeps anyway rather than keep them.
     """
-    if directions and _one_pass(quantizer, directions):
+    if directions and (_untraceable(quantizer, directions) or (gradient and _blockings_differ(quantizer, directions))):
         return _quantize_op(x, quantizer, directions, state, dbias)
     operands = hybrid_directions(
         x,
@@ -107,10 +120,20 @@ def _quantize_op(
     return operands, tensors[-1] if dbias else None
 
 
-def _one_pass(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
+def _made_directions(quantizer: Quantizer, directions: tuple[str, ...]) -> set[str]:
+    """``directions`` and the rowwise one a rowwise_dequantized columnwise is made from."""
+    return set(directions) | ({ROWWISE} if COLUMNWISE in directions and feeds_columnwise_of(quantizer) else set())
+
+
+def _untraceable(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
     """Whether no format the directions need is traceable (so one kernel call makes them all)."""
-    needed = set(directions) | ({ROWWISE} if COLUMNWISE in directions and feeds_columnwise_of(quantizer) else set())
-    return not any(quantizer.child(d).traceable for d in needed)
+    return not any(quantizer.child(d).traceable for d in _made_directions(quantizer, directions))
+
+
+def _blockings_differ(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
+    """Whether two of the directions' scales cover different blocks (Identity has none)."""
+    made = _made_directions(quantizer, directions)
+    return len({quantizer.block(d) for d in made if not isinstance(quantizer.child(d), IdentityQuantizer)}) > 1
 
 
 def _delayed_scale(quantizer: Quantizer, state: SlotState) -> Optional[torch.Tensor]:
@@ -259,7 +282,7 @@ class QuantizedGemm(torch.autograd.Function):
         # SwiGLU's gate, up and dh) were still alive, a decoder's memory peak.
         late = need_dx and need_dw and site.grad_output.columnwise_is_rowwise_transposed()
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw and not late else ())
-        gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias)
+        gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias, gradient=True)
         if late:
             gq[COLUMNWISE] = transposed_operand(gq[ROWWISE])
         update_delayed_scaling(site.grad_output, g_state, gq)
