@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphquant.ops import gemm_site
 from graphquant.ops.gemm_site import SlotState, _quantize_direction
 from graphquant.quantizers import (
-    COLUMNWISE,
     ROWWISE,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from graphquant.formats import fp8
 from graphquant.formats.fp8 import cast_to_fp8, fp8_max
 
 BLOCK_LEN = 32
