@@ -30,6 +30,7 @@
 #if defined(__CUDACC__)
 #include <algorithm>
 #include <atomic>
+#include <climits>
 
 #include "launch.cuh"
 #endif
@@ -198,28 +199,40 @@ struct TileProgram {
     const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
     if (cta >= tiles) return;
     if constexpr (!kPersistent) {
+      const TilePosition at = position(cta, tiles_x);
       phase([&](int tid) {
-        fetch(p, cta, tiles_x, s.tiles[0], tid);
+        fetch(p, at, s.tiles[0], tid);
         await_fetch(false);
         if (tid == 0) s.tile_r = s.tile_c = 0;
       });
-      run(phase, p, cta % tiles_x, cta / tiles_x, s);
+      run(phase, p, at.bx, at.by, s);
     } else {
-      phase([&](int tid) { fetch(p, cta, tiles_x, s.tiles[0], tid); });
+      phase([&](int tid) { fetch(p, position(cta, tiles_x), s.tiles[0], tid); });
       int buffer = 0;
       for (int64_t tile = cta; tile < tiles; tile += ctas, buffer ^= 1) {
         const bool next = tile + ctas < tiles;
         phase([&](int tid) {
-          if (next) fetch(p, tile + ctas, tiles_x, s.tiles[buffer ^ 1], tid);
+          if (next) fetch(p, position(tile + ctas, tiles_x), s.tiles[buffer ^ 1], tid);
           await_fetch(next);
           if (tid == 0) {
             s.current = buffer;
             s.tile_r = s.tile_c = 0;
           }
         });
-        run(phase, p, tile % tiles_x, tile / tiles_x, s);
+        const TilePosition at = position(tile, tiles_x);
+        run(phase, p, at.bx, at.by, s);
       }
     }
+  }
+
+  // Where tile `tile` of a row-major grid `tiles_x` tiles wide is. In 32 bits: a 64-bit division
+  // is a long software routine on the GPU, and a grid has fewer than 2^31 tiles (launch_tile_t).
+  struct TilePosition {
+    int64_t bx, by;
+  };
+  GQ_HD static TilePosition position(int64_t tile, int64_t tiles_x) {
+    const uint32_t by = uint32_t(tile) / uint32_t(tiles_x);
+    return {int64_t(uint32_t(tile) - by * uint32_t(tiles_x)), int64_t(by)};
   }
 
   // One tile, already in s.tile().
@@ -256,37 +269,43 @@ struct TileProgram {
     }
   }
 
-  // Tile `tile` of x into dst, zero past the edges: 16-byte pieces copied asynchronously on the
-  // device (await_fetch waits for them), element by element where rows are not 16-byte aligned.
-  GQ_HD static void fetch(const TileParams& p, int64_t tile, int64_t tiles_x, typename Smem::Tile& dst, int tid) {
+  // The tile at `at` of x into dst, zero past the edges: 16-byte pieces copied asynchronously on
+  // the device (await_fetch waits for them), element by element where rows are not 16-byte
+  // aligned. A thread's pieces lie in one column of pieces, kRows rows apart, so one offset and
+  // one bounds check of the column serve them all (the fetch was a third of a rowwise kernel's
+  // instructions, each piece's 64-bit address and bounds computed afresh).
+  GQ_HD static void fetch(const TileParams& p, TilePosition at, typename Smem::Tile& dst, int tid) {
     constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
     constexpr int kPerRow = kTile / kPer;       // pieces per tile row
-    constexpr int kPieces = kTile * kPerRow / kThreads;
-    const int64_t row0 = tile / tiles_x * kTile, col0 = tile % tiles_x * kTile;
+    constexpr int kRows = kThreads / kPerRow;   // tile rows between a thread's pieces
+    static_assert(kThreads % kPerRow == 0, "a thread's pieces share a column");
+    const int r0 = tid / kPerRow, c = tid % kPerRow * kPer;
+    const int64_t gr0 = at.by * kTile + r0, gc = at.bx * kTile + c;
+    const int64_t rows_in = p.M - gr0;  // piece k is inside when k * kRows < rows_in
     const S* x = static_cast<const S*>(p.x);
+    const S* first = x + (gr0 * p.K + gc);
+    const int64_t step = int64_t(kRows) * p.K;
     if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
-#pragma unroll
-      for (int k = 0; k < kPieces; ++k) {
-        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-        const int64_t gr = row0 + r, gc = col0 + c;
-        const bool in = gr < p.M && gc < p.K;
+      const bool col_in = gc < p.K;
+      const S* src = first;
+#pragma unroll 1  // unrolled, the pieces' addresses were all made first: up to 80 registers
+      for (int k = 0; k < kTile / kRows; ++k, src += step) {
+        const bool in = col_in && k * kRows < rows_in;
 #if defined(__CUDA_ARCH__)
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r][c]));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(in ? x + gr * p.K + gc : x), "r"(in ? 16 : 0));
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r0 + k * kRows][c]));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(in ? src : x), "r"(in ? 16 : 0));
 #else
-        *reinterpret_cast<Vec16*>(&dst[r][c]) = in ? *reinterpret_cast<const Vec16*>(x + gr * p.K + gc) : Vec16{0, 0, 0, 0};
+        *reinterpret_cast<Vec16*>(&dst[r0 + k * kRows][c]) = in ? *reinterpret_cast<const Vec16*>(src) : Vec16{0, 0, 0, 0};
 #endif
       }
 #if defined(__CUDA_ARCH__)
       asm volatile("cp.async.commit_group;\n" ::);
 #endif
     } else {
-      for (int k = 0; k < kPieces; ++k) {
-        const int piece = k * kThreads + tid, r = piece / kPerRow, c = (piece % kPerRow) * kPer;
-        const int64_t gr = row0 + r;
+      for (int k = 0; k < kTile / kRows; ++k) {
         for (int e = 0; e < kPer; ++e) {
-          const int64_t gc = col0 + c + e;
-          dst[r][c + e] = (gr < p.M && gc < p.K) ? x[gr * p.K + gc] : S(0);
+          const bool in = gc + e < p.K && k * kRows < rows_in;
+          dst[r0 + k * kRows][c + e] = in ? first[k * step + e] : S(0);
         }
       }
     }
@@ -609,6 +628,10 @@ void launch_tile_t(const TileParams& p, void* stream) {
     configured.fetch_or(uint64_t(1) << device);
   }
   int64_t grid = cdiv(p.K, kTile) * cdiv(p.M, kTile);  // a CTA a tile, or as many as are resident
+  if (grid > INT32_MAX) {  // TileProgram::position counts tiles in 32 bits
+    throw std::invalid_argument("graphquant quantize: a " + std::to_string(p.M) + "x" + std::to_string(p.K) +
+                                " input has more than 2^31 - 1 tiles of 128x128");
+  }
   if constexpr (Program::kPersistent) grid = std::min(grid, resident[device % 64].load());
   tile_kernel<In, R, C><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
