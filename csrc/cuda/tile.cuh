@@ -288,7 +288,7 @@ struct TileProgram {
     if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
       const bool col_in = gc < p.K;
       const S* src = first;
-#pragma unroll 1  // unrolled, the pieces' addresses were all made first: up to 80 registers
+#pragma unroll
       for (int k = 0; k < kTile / kRows; ++k, src += step) {
         const bool in = col_in && k * kRows < rows_in;
 #if defined(__CUDA_ARCH__)
