@@ -62,9 +62,9 @@ def linear_inputs(model, x):
 # anyway, and whether backward must keep FP8 data (where no cheap recomputation exists).
 CASES = {
     # fc1's input is RMSNorm's output (RMSNorm's backward needs its input and rsqrt); fc2's input
-    # is GELU's output (GELU's backward needs fc1's output). The partitioner may recompute both
-    # and their quantization in the backward rather than keep FP8 copies: cheaper still.
-    "norm_mlp": (models.NormMLP, set(), False),
+    # is GELU's output (GELU's backward needs fc1's output). MXFP8's two directions come from one
+    # kernel call, which the partitioner does not recompute: backward keeps their FP8 copies.
+    "norm_mlp": (models.NormMLP, set(), True),
     # softmax's backward needs its output, the probabilities x values matmul's input. q, k, v
     # (GEMM outputs feeding the attention matmuls) are kept as FP8.
     "decoder": (models.DecoderBlock, {"attn.matmul.1#0"}, True),

@@ -74,27 +74,20 @@ def hybrid_directions(
 
 
 def quantize_tensor(
-    x: torch.Tensor,
-    quantizer: Quantizer,
-    directions: tuple[str, ...],
-    state: SlotState,
-    *,
-    dbias: bool = False,
-    gradient: bool = False,
+    x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, *, dbias: bool = False
 ) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
     """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources,
     and with ``dbias`` x's column sums (the bias gradient of a linear whose grad_output is x).
 
     Formats a kernel makes (not traceable) take one graphquant::quantize call for everything;
-    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours. A
-    ``gradient`` whose directions scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and
-    32x1, rows and columns) takes the one call too: traced, each direction is an Inductor reduction
-    of its own that recomputes the gradient's producer (a SwiGLU backward's three inputs read three
-    times, 2.5 ms per block of the FFN benchmark), where the kernel reads each tile once. Forward
-    operands stay traced even then, so that the partitioner may recompute their columnwise copies
-    in backward from what it keeps anyway rather than keep them.
+    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours, unless
+    their directions scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and 32x1, rows and
+    columns). Traced, each of those directions is an Inductor reduction of its own that recomputes
+    x's producer (a SwiGLU backward's three inputs read three times: 2.5 ms per block of the FFN
+    benchmark), and a forward's columnwise copy is recomputed in backward from the values it came
+    from, alive at the backward's peak; the kernel reads each tile once for both directions.
     """
-    if directions and (_untraceable(quantizer, directions) or (gradient and _blockings_differ(quantizer, directions))):
+    if directions and (_untraceable(quantizer, directions) or _blockings_differ(quantizer, directions)):
         return _quantize_op(x, quantizer, directions, state, dbias)
     operands = hybrid_directions(
         x,
@@ -282,7 +275,7 @@ class QuantizedGemm(torch.autograd.Function):
         # SwiGLU's gate, up and dh) were still alive, a decoder's memory peak.
         late = need_dx and need_dw and site.grad_output.columnwise_is_rowwise_transposed()
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw and not late else ())
-        gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias, gradient=True)
+        gq, dbias = quantize_tensor(dy2d, site.grad_output, directions, g_state, dbias=need_dbias)
         if late:
             gq[COLUMNWISE] = transposed_operand(gq[ROWWISE])
         update_delayed_scaling(site.grad_output, g_state, gq)
