@@ -74,20 +74,28 @@ def hybrid_directions(
 
 
 def quantize_tensor(
-    x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, *, dbias: bool = False
+    x: torch.Tensor,
+    quantizer: Quantizer,
+    directions: tuple[str, ...],
+    state: SlotState,
+    *,
+    dbias: bool = False,
+    one_read: bool = True,
 ) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
     """The representations of 2-D ``x`` in ``directions``, honouring hybrid children and sources,
     and with ``dbias`` x's column sums (the bias gradient of a linear whose grad_output is x).
 
     Formats a kernel makes (not traceable) take one graphquant::quantize call for everything;
-    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours, unless
-    their directions scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and 32x1, rows and
-    columns). Traced, each of those directions is an Inductor reduction of its own that recomputes
-    x's producer (a SwiGLU backward's three inputs read three times: 2.5 ms per block of the FFN
-    benchmark), and a forward's columnwise copy is recomputed in backward from the values it came
-    from, alive at the backward's peak; the kernel reads each tile once for both directions.
+    traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours. With
+    ``one_read``, directions that scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and
+    32x1, rows and columns) take the one call too: traced, each is an Inductor reduction of its own
+    that recomputes x's producer (a SwiGLU backward's three inputs read three times: 2.5 ms per
+    block of the FFN benchmark), and a forward's columnwise copy is recomputed in backward from the
+    values it came from, alive at the backward's peak; the kernel reads each tile once for both.
+    A linear's weight is quantized without it: traced, its copies are recomputed in backward from
+    the parameter, which lives anyway, instead of being kept from forward to backward.
     """
-    if directions and (_untraceable(quantizer, directions) or _blockings_differ(quantizer, directions)):
+    if directions and (_untraceable(quantizer, directions) or (one_read and _blockings_differ(quantizer, directions))):
         return _quantize_op(x, quantizer, directions, state, dbias)
     operands = hybrid_directions(
         x,
@@ -247,7 +255,7 @@ class QuantizedGemm(torch.autograd.Function):
         x_state = SlotState(x_delayed, rng, streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, streams[1], site.amax_group)
         xq, _ = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
-        wq, _ = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
+        wq, _ = quantize_tensor(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state, one_read=False)
         update_delayed_scaling(site.x, x_state, xq)
         update_delayed_scaling(site.w, w_state, wq)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
