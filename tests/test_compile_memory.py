@@ -115,6 +115,19 @@ def test_backward_keeps_quantized_representations(name):
     assert plain_kept, [(tuple(t.shape), t.dtype) for t in plain_act]
 
 
+def test_slots_that_quantize_one_input_alike_keep_one_copy():
+    """q, k and v read one input, as gate and up do: MXFP8 quantizes each in one kernel call, and
+    backward keeps the columnwise copies. The calls of one input are equal (no random stream
+    where no quantizer draws random numbers), so the graph keeps one of them and its copy."""
+    model = models.seeded(models.DecoderBlock(attention="sdpa"))
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    tape = GemmTape()
+    alive = train_step(graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tape.backend, fullgraph=True), model, x)
+    fp8 = [t for t in saved_activations(tape.saved, alive) if t.dtype == torch.float8_e4m3fn]
+    copies = [(tuple(a.shape), i, j) for i, a in enumerate(fp8) for j, b in enumerate(fp8[:i]) if a.shape == b.shape and torch.equal(a, b)]
+    assert fp8 and not copies, copies
+
+
 def test_traced_mxfp8_quantize_keeps_no_float32_copy_of_its_input():
     """A traced MXFP8 quantize reads its bf16 input twice (block amax, then the cast after the
     scale op). Inductor must not store an fp32 copy of that input (or of the scaled values) in

@@ -110,11 +110,16 @@ def quantize_tensor(
 def _quantize_op(
     x: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState, dbias: bool = False
 ) -> tuple[dict[str, Operand], Optional[torch.Tensor]]:
-    """``directions`` of x (and with ``dbias`` its column sums) from one graphquant::quantize call."""
+    """``directions`` of x (and with ``dbias`` its column sums) from one graphquant::quantize call.
+
+    Only a quantizer that draws random numbers gets the slot's stream: the calls of slots that
+    quantize one tensor alike (q, k and v of one input) are then equal, and the graph keeps one.
+    """
     shape = (x.shape[0], x.shape[1])
     rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
+    rng, stream = (None, 0) if quantizer.requantization_safe else (state.rng, state.stream)
     tensors = torch.ops.graphquant.quantize(
-        x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), state.rng, state.stream, dbias
+        x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), rng, stream, dbias
     )
     made = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]  # the op's order
     operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}
