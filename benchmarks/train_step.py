@@ -142,36 +142,44 @@ def memory_at_peak(name: str, step, keep: str | None) -> None:
     torch.cuda.synchronize()
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    live, total, peak, at_peak = {}, 0, 0, {}
+    live, total, peak, at_peak, last = {}, 0, 0, {}, None
     for event in trace:
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
+                peak, at_peak, last = total, dict(live), event
         elif event["action"] == "free_completed" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
 
-    def site(event) -> tuple[str, int, str]:
-        frames = [f for f in event["frames"] if "/torch/" not in f["filename"]] or event["frames"] or [{"filename": "?", "line": 0, "name": "?"}]
-        return frames[0]["filename"], frames[0]["line"], frames[0]["name"]
+    def site(event) -> tuple[str, int, str, str]:
+        """The allocating line outside torch, and the line of Inductor's generated code that led
+        there (which op of the graph allocated it, where the allocating line is a library's)."""
+        unknown = {"filename": "?", "line": 0, "name": "?"}
+        frames = [f for f in event["frames"] if "/torch/" not in f["filename"]] or event["frames"] or [unknown]
+        graph = next((f for f in frames if "torchinductor" in f["filename"]), None)
+        caller = f"{os.path.basename(graph['filename'])[:8]}:{graph['line']}" if graph and graph is not frames[0] else ""
+        return frames[0]["filename"], frames[0]["line"], frames[0]["name"], caller
 
-    sites: dict[tuple[str, int, str], list[int]] = {}
+    sites: dict[tuple[str, int, str, str], list[int]] = {}
     for event in at_peak.values():
         sites.setdefault(site(event), []).append(event["size"])
     rows = sorted(
-        ([sum(sizes) / 2**20, len(sizes), f"{os.path.basename(f)}:{line} {fn}", linecache.getline(f, line).strip()[:100]]
-         for (f, line, fn), sizes in sites.items()),
+        ([sum(sizes) / 2**20, len(sizes), f"{os.path.basename(f)}:{line} {fn}", caller, linecache.getline(f, line).strip()[:100]]
+         for (f, line, fn, caller), sizes in sites.items()),
         reverse=True,
     )
     print(f"--- {name}: {peak / 2**30:.2f} GiB allocated during the step at its peak, by allocating line", file=sys.stderr)
-    print(tabulate(rows[:25], headers=["MiB", "blocks", "where", "line"], floatfmt=".0f"), file=sys.stderr)
+    print(tabulate(rows[:40], headers=["MiB", "blocks", "where", "from graph line", "line"], floatfmt=".0f"), file=sys.stderr)
+    f, line, fn, caller = site(last)
+    print(f"    the peak's last allocation: {last['size'] / 2**20:.0f} MiB at {os.path.basename(f)}:{line} {caller}", file=sys.stderr)
     if keep:
         folder = os.path.join(keep, name.replace(" ", "_"))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "trace.pkl"), "wb") as f:
             pickle.dump({"trace": trace, "peak": peak}, f)
-        for f in {f for f, _, _ in sites if os.path.exists(f) and "torchinductor" in f}:
+        generated = {f["filename"] for event in at_peak.values() for f in event["frames"] if "torchinductor" in f["filename"]}
+        for f in {f for f in generated if os.path.exists(f)}:
             shutil.copy(f, folder)
 
 
