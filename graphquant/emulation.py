@@ -10,6 +10,7 @@ epilogue (graphquant._C.bf16_gemm). Anything not exact in bf16 is multiplied in 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -121,9 +122,69 @@ def _epilogue_gemm(
     return ext.bf16_gemm(left, right, alpha, out_dtype, bias)
 
 
-def gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+# The most elements of an MXFP8 or NVFP4 operand dequantized at once (64 MiB of bf16): a larger
+# one is multiplied in slices of its rows. Whole, a SwiGLU's hidden activation dequantized for a
+# wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak.
+SLICE_ELEMENTS = 32 << 20
+
+
+def _sliceable(rep: Representation) -> bool:
+    """Whether rep's scales lie along its GEMM rows or its reduction alone, so that a run of GEMM
+    rows is a representation of its own: MXFP8 and NVFP4, whose dequantized copies are new memory."""
+    return isinstance(rep.quantizer, (MXFP8Quantizer, NVFP4Quantizer))
+
+
+def gemm_rows(rep: Representation) -> int:
+    """The rows rep contributes to a one-group product (its extent that is not reduced)."""
+    return rep.shape[0] if rep.direction == ROWWISE else rep.shape[1]
+
+
+def rows_of(rep: Representation, start: int, stop: int) -> Representation:
+    """GEMM rows [start, stop) of an MXFP8 or NVFP4 operand. Its data, scales (one row or column
+    of scales per row or column of data) and per-row amax are cut along the same stored dim:
+    stored rows where the GEMM reads rows of the stored data, stored columns where it reads them
+    transposed (MXFP8's columnwise side keeps x's layout)."""
+    along_stored_rows = rep.transposed == (rep.direction != ROWWISE)
+
+    def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None or t.dim() == 0:
+            return t
+        return t[start:stop] if along_stored_rows or t.dim() == 1 else t[:, start:stop]
+
+    rows, cols = rep.shape
+    shape = (stop - start, cols) if rep.direction == ROWWISE else (rows, stop - start)
+    return dataclasses.replace(rep, data=cut(rep.data), scale=cut(rep.scale), amax=cut(rep.amax), shape=shape)
+
+
+def gemm(
+    a: Representation,
+    b: Representation,
+    batch: int,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    slice_elements: int = SLICE_ELEMENTS,
+) -> torch.Tensor:
     """(batch, m, n) = A @ B^T (+ bias) per group, exact up to fp32 accumulation; the bias is added
-    to the fp32 product before its one rounding to out_dtype."""
+    to the fp32 product before its one rounding to out_dtype. The larger of two one-group MXFP8 or
+    NVFP4 operands, if over ``slice_elements``, is dequantized and multiplied a slice of its rows
+    at a time (each output element is still one product, so the slices change no bit of it)."""
+    k = a.shape[1] if a.direction == ROWWISE else a.shape[0]
+    big = max((r for r in (a, b) if batch == 1 and _sliceable(r)), key=gemm_rows, default=None)
+    if big is None or gemm_rows(big) * k <= 2 * slice_elements:
+        return _gemm(a, b, batch, out_dtype, bias)
+    step = max(128, slice_elements // k // 128 * 128)
+    m, n = gemm_rows(a), gemm_rows(b)
+    out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
+    for start in range(0, gemm_rows(big), step):
+        stop = min(start + step, gemm_rows(big))
+        if big is a:
+            out[:, start:stop] = _gemm(rows_of(a, start, stop), b, 1, out_dtype, bias)
+        else:
+            out[:, :, start:stop] = _gemm(a, rows_of(b, start, stop), 1, out_dtype, None if bias is None else bias[start:stop])
+    return out
+
+
+def _gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
     on_gpu = a.data.is_cuda
     dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     (va, fa), (vb, fb) = factored(a), factored(b)

@@ -162,3 +162,55 @@ def test_a_bias_must_be_one_vector_over_the_outputs():
     a, b = _operand(MXFP8Quantizer(), ROWWISE, 64, 128, "cpu"), _operand(MXFP8Quantizer(), ROWWISE, 96, 128, "cpu")
     with pytest.raises(ValueError, match=r"shape \(96,\) of its output's last dim.*got a bias of shape \(64,\) for 1 group"):
         backends.gemm(a, b, 1, torch.float32, torch.zeros(64))
+
+
+SLICED = [p for p in PAIRS if isinstance(p[1], (MXFP8Quantizer, NVFP4Quantizer)) or isinstance(p[2], (MXFP8Quantizer, NVFP4Quantizer))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _gemm_orientation(rep):
+    """rep's factored values with the reduction dim last, and its factor (None, scalar or per row)."""
+    values, factor = emulation.factored(rep)
+    return (values if rep.transposed == (rep.direction != ROWWISE) else values.t()), factor
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
+@pytest.mark.parametrize(
+    "quantizer", [MXFP8Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True), NVFP4Quantizer(row_scaled_nvfp4=True)],
+    ids=["mxfp8", "nvfp4", "nvfp4 2d", "nvfp4 row-scaled"],
+)
+def test_rows_of_an_operand_are_its_rows(quantizer, direction, device):
+    """A run of GEMM rows cut from an MXFP8 or NVFP4 operand (data, scales, per-row amax) holds
+    exactly those rows of the whole operand's values and factor."""
+    torch.manual_seed(0)
+    rep = _operand(quantizer, direction, 320, 256, device)
+    values, factor = _gemm_orientation(rep)
+    for start, stop in [(0, 128), (128, 256), (256, 320), (96, 100)]:
+        part, part_factor = _gemm_orientation(emulation.rows_of(rep, start, stop))
+        assert torch.equal(part, values[start:stop])
+        if factor is None or factor.dim() == 0:
+            assert (part_factor is None) == (factor is None) and (factor is None or torch.equal(part_factor, factor))
+        else:
+            assert torch.equal(part_factor, factor[start:stop])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
+@pytest.mark.parametrize("name,qa,qb,expected", SLICED, ids=[p[0] for p in SLICED])
+def test_emulated_gemm_in_slices_of_the_larger_operand(name, qa, qb, expected, gemm, da, db, device, monkeypatch):
+    """Over ``slice_elements``, the larger MXFP8/NVFP4 operand is dequantized a slice of rows at a
+    time: the product (and its bias) is the one of the whole operands, within fp32 accumulation."""
+    torch.manual_seed(0)
+    m, n, k = 384, 256, 128
+    a, b = _operand(qa, da, m, k, device), _operand(qb, db, n, k, device)
+    bias = (torch.randn(n) * 64).to(device)
+    cuts = []
+    rows_of = emulation.rows_of
+    monkeypatch.setattr(emulation, "rows_of", lambda rep, start, stop: cuts.append((rep, start, stop)) or rows_of(rep, start, stop))
+    out = emulation.gemm(a, b, 1, torch.float32, bias, slice_elements=128 * k // 2)[0].double()
+    big, rows = (a, m) if isinstance(qa, (MXFP8Quantizer, NVFP4Quantizer)) else (b, n)
+    assert [(rep is big, start, stop) for rep, start, stop in cuts] == [(True, s, s + 128) for s in range(0, rows, 128)]
+    ref = _reference(a, b) + bias.double()
+    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
+    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24 + ref.abs() * 2.0**-24).all()
