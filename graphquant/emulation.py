@@ -167,38 +167,59 @@ def gemm(
     """(batch, m, n) = A @ B^T (+ bias) per group, exact up to fp32 accumulation; the bias is added
     to the fp32 product before its one rounding to out_dtype. The larger of two one-group MXFP8 or
     NVFP4 operands, if over ``slice_elements``, is dequantized and multiplied a slice of its rows
-    at a time (each output element is still one product, so the slices change no bit of it)."""
+    at a time against the other, dequantized once (each output element is still one product)."""
+    dtype = torch.bfloat16 if a.data.is_cuda and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     k = a.shape[1] if a.direction == ROWWISE else a.shape[0]
     big = max((r for r in (a, b) if batch == 1 and _sliceable(r)), key=gemm_rows, default=None)
-    if big is None or gemm_rows(big) * k <= 2 * slice_elements:
-        return _gemm(a, b, batch, out_dtype, bias)
+    if big is None or gemm_rows(big) * k <= slice_elements:
+        return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)
-    m, n = gemm_rows(a), gemm_rows(b)
-    out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
+    other = _operand(b if big is a else a, 1, dtype)
+    out = torch.empty((1, gemm_rows(a), gemm_rows(b)), dtype=out_dtype, device=a.data.device)
     for start in range(0, gemm_rows(big), step):
         stop = min(start + step, gemm_rows(big))
+        part = _operand(rows_of(big, start, stop), 1, dtype)
         if big is a:
-            out[:, start:stop] = _gemm(rows_of(a, start, stop), b, 1, out_dtype, bias)
+            _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])
         else:
-            out[:, :, start:stop] = _gemm(a, rows_of(b, start, stop), 1, out_dtype, None if bias is None else bias[start:stop])
+            _product(other, part, a, b, 1, out_dtype, None if bias is None else bias[start:stop], out=out[:, :, start:stop])
     return out
 
 
-def _gemm(a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    on_gpu = a.data.is_cuda
-    dtype = torch.bfloat16 if on_gpu and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
-    (va, fa), (vb, fb) = factored(a), factored(b)
-    left, right = _grouped(va, a, batch).to(dtype), _grouped(vb, b, batch).to(dtype)
-    if fa is None and fb is None and dtype == out_dtype:  # fp32 accumulation, one rounding to out_dtype
+def _operand(rep: Representation, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(values as (batch, rows, K) in ``dtype``, factor) of one GEMM operand."""
+    values, factor = factored(rep)
+    return _grouped(values, rep, batch).to(dtype), factor
+
+
+def _product(
+    left_operand: tuple[torch.Tensor, Optional[torch.Tensor]],
+    right_operand: tuple[torch.Tensor, Optional[torch.Tensor]],
+    a: Representation,
+    b: Representation,
+    batch: int,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """left @ right^T times their factors (+ bias), rounded once to out_dtype; into ``out`` if given."""
+    (left, fa), (right, fb) = left_operand, right_operand
+    result = None
+    if fa is None and fb is None and left.dtype == out_dtype:  # fp32 accumulation, one rounding to out_dtype
         if bias is None:
-            return torch.bmm(left, right.mT)
+            return torch.bmm(left, right.mT, out=out)
         if bias.dtype == out_dtype:  # the bias in the same GEMM's epilogue (batch is 1 with a bias)
-            return torch.addmm(bias, left[0], right[0].t()).unsqueeze(0)
-    out = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype, bias)
-    if out is not None:
-        return out
-    # bf16 operands, fp32 result: the product is rounded once, after the factors and the bias, to out_dtype.
-    product = torch.bmm(left, right.mT, out_dtype=torch.float32) if dtype != torch.float32 else torch.bmm(left, right.mT)
+            result = torch.addmm(bias, left[0], right[0].t()).unsqueeze(0)
+    if result is None:
+        result = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype, bias)
+    if result is None:
+        result = _factored_product(left, fa, right, fb, a, b, batch, out_dtype, bias)
+    return result if out is None else out.copy_(result)
+
+
+def _factored_product(left, fa, right, fb, a: Representation, b: Representation, batch: int, out_dtype, bias) -> torch.Tensor:
+    """The product in fp32, then the factors and the bias, rounded once to out_dtype."""
+    product = torch.bmm(left, right.mT, out_dtype=torch.float32) if left.dtype != torch.float32 else torch.bmm(left, right.mT)
     if fa is None and fb is None and bias is None:
         return product.to(out_dtype)
     product = product.float()

@@ -196,21 +196,24 @@ def test_rows_of_an_operand_are_its_rows(quantizer, direction, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype,rounding", [(torch.float32, 2.0**-24), (torch.bfloat16, 2.0**-8)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
 @pytest.mark.parametrize("name,qa,qb,expected", SLICED, ids=[p[0] for p in SLICED])
-def test_emulated_gemm_in_slices_of_the_larger_operand(name, qa, qb, expected, gemm, da, db, device, monkeypatch):
+def test_emulated_gemm_in_slices_of_the_larger_operand(name, qa, qb, expected, gemm, da, db, with_bias, out_dtype, rounding, device, monkeypatch):
     """Over ``slice_elements``, the larger MXFP8/NVFP4 operand is dequantized a slice of rows at a
     time: the product (and its bias) is the one of the whole operands, within fp32 accumulation."""
     torch.manual_seed(0)
     m, n, k = 384, 256, 128
     a, b = _operand(qa, da, m, k, device), _operand(qb, db, n, k, device)
-    bias = (torch.randn(n) * 64).to(device)
+    bias = (torch.randn(n) * 64).to(device, out_dtype) if with_bias else None
     cuts = []
     rows_of = emulation.rows_of
     monkeypatch.setattr(emulation, "rows_of", lambda rep, start, stop: cuts.append((rep, start, stop)) or rows_of(rep, start, stop))
-    out = emulation.gemm(a, b, 1, torch.float32, bias, slice_elements=128 * k // 2)[0].double()
+    out = emulation.gemm(a, b, 1, out_dtype, bias, slice_elements=128 * k // 2)[0].double()
     big, rows = (a, m) if isinstance(qa, (MXFP8Quantizer, NVFP4Quantizer)) else (b, n)
     assert [(rep is big, start, stop) for rep, start, stop in cuts] == [(True, s, s + 128) for s in range(0, rows, 128)]
-    ref = _reference(a, b) + bias.double()
+    ref = _reference(a, b) + (bias.double() if with_bias else 0)
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
-    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24 + ref.abs() * 2.0**-24).all()
+    # fp32 accumulation, one rounding per factor, and the one rounding to out_dtype
+    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24 + ref.abs() * rounding).all()
