@@ -122,10 +122,10 @@ def _epilogue_gemm(
     return ext.bf16_gemm(left, right, alpha, out_dtype, bias)
 
 
-# The most elements of an MXFP8 or NVFP4 operand dequantized at once (64 MiB of bf16): a larger
+# The most elements of an MXFP8 or NVFP4 operand dequantized at once (32 MiB of bf16): a larger
 # one is multiplied in slices of its rows. Whole, a SwiGLU's hidden activation dequantized for a
 # wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak.
-SLICE_ELEMENTS = 32 << 20
+SLICE_ELEMENTS = 16 << 20
 
 
 def _sliceable(rep: Representation) -> bool:
@@ -183,6 +183,7 @@ def gemm(
             _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])
         else:
             _product(other, part, a, b, 1, out_dtype, None if bias is None else bias[start:stop], out=out[:, :, start:stop])
+        del part  # before the next slice is dequantized, so that two are never alive at once
     return out
 
 
