@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -27,6 +27,8 @@ from graphquant.quantizers import (
     NVFP4Quantizer,
     Quantizer,
     Representation,
+    gemm_dims,
+    output_rows,
 )
 
 NATIVE = "native"
@@ -134,17 +136,6 @@ def select(
     if type(a) is not type(b):
         return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")
     return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{capability[0]}{capability[1]}")
-
-
-def output_rows(direction: str, shape: Sequence[int], batch: int) -> int:
-    """Rows an operand contributes to each group's output (its non-reduced extent)."""
-    return shape[0] // batch if direction == ROWWISE else shape[1]
-
-
-def gemm_dims(a: Representation, b: Representation, batch: int) -> tuple[int, int, int]:
-    """(m, n, k) of each group's product."""
-    k = a.shape[1] if a.direction == ROWWISE else a.shape[0] // batch
-    return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), k
 
 
 def gemm(

@@ -27,6 +27,8 @@ from graphquant.quantizers import (
     MXFP8Quantizer,
     NVFP4Quantizer,
     Representation,
+    gemm_dims,
+    output_rows,
 )
 
 try:
@@ -134,11 +136,6 @@ def _sliceable(rep: Representation) -> bool:
     return isinstance(rep.quantizer, (MXFP8Quantizer, NVFP4Quantizer))
 
 
-def gemm_rows(rep: Representation) -> int:
-    """The rows rep contributes to a one-group product (its extent that is not reduced)."""
-    return rep.shape[0] if rep.direction == ROWWISE else rep.shape[1]
-
-
 def rows_of(rep: Representation, start: int, stop: int) -> Representation:
     """GEMM rows [start, stop) of an MXFP8 or NVFP4 operand. Its data, scales (one row or column
     of scales per row or column of data) and per-row amax are cut along the same stored dim:
@@ -169,15 +166,16 @@ def gemm(
     NVFP4 operands, if over ``slice_elements``, is dequantized and multiplied a slice of its rows
     at a time against the other, dequantized once (each output element is still one product)."""
     dtype = torch.bfloat16 if a.data.is_cuda and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
-    k = a.shape[1] if a.direction == ROWWISE else a.shape[0]
-    big = max((r for r in (a, b) if batch == 1 and _sliceable(r)), key=gemm_rows, default=None)
-    if big is None or gemm_rows(big) * k <= slice_elements:
+    m, n, k = gemm_dims(a, b, batch)
+    big = max((r for r in (a, b) if batch == 1 and _sliceable(r)), key=lambda r: output_rows(r.direction, r.shape), default=None)
+    rows = 0 if big is None else output_rows(big.direction, big.shape)
+    if rows * k <= slice_elements:
         return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)
     other = _operand(b if big is a else a, 1, dtype)
-    out = torch.empty((1, gemm_rows(a), gemm_rows(b)), dtype=out_dtype, device=a.data.device)
-    for start in range(0, gemm_rows(big), step):
-        stop = min(start + step, gemm_rows(big))
+    out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
         part = _operand(rows_of(big, start, stop), 1, dtype)
         if big is a:
             _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
-from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, parse_spec
+from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, output_rows, parse_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,6 +137,6 @@ def gemm(
 
 @gemm.register_fake
 def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype, bias=None):
-    m = backends.output_rows(a_direction, a_shape, batch)
-    n = backends.output_rows(b_direction, b_shape, batch)
+    m = output_rows(a_direction, a_shape, batch)
+    n = output_rows(b_direction, b_shape, batch)
     return a[0].new_empty((batch, m, n), dtype=out_dtype)

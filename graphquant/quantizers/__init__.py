@@ -8,6 +8,8 @@ from graphquant.quantizers.base import (
     QuantizedTensor,
     Quantizer,
     Representation,
+    gemm_dims,
+    output_rows,
     parse_spec,
 )
 from graphquant.quantizers.block import Float8BlockQuantizer
@@ -39,5 +41,7 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "Representation",
+    "gemm_dims",
+    "output_rows",
     "parse_spec",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
@@ -104,6 +104,18 @@ class Representation:
             return self.data.new_empty(0, dtype=torch.float32) if t is None else t
 
         return [self.data, part(self.scale), part(self.amax)]
+
+
+def output_rows(direction: str, shape: Sequence[int], batch: int = 1) -> int:
+    """Rows an operand of logical ``shape`` contributes to each group's product (its extent that
+    is not reduced): a rowwise one reduces over its columns, a columnwise one over its rows."""
+    return shape[0] // batch if direction == ROWWISE else shape[1]
+
+
+def gemm_dims(a: Representation, b: Representation, batch: int = 1) -> tuple[int, int, int]:
+    """(m, n, k) of each group's product A @ B^T."""
+    k = a.shape[1] if a.direction == ROWWISE else a.shape[0] // batch
+    return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), k
 
 
 @dataclasses.dataclass(frozen=True)
