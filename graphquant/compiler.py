@@ -20,9 +20,7 @@ from graphquant.plan import Plan, Planner
 from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
-    HybridQuantizer,
     IdentityQuantizer,
-    NVFP4Quantizer,
     Quantizer,
 )
 from graphquant.recipes import CustomRecipe
@@ -154,12 +152,7 @@ class GraphquantBackend:
 
     @staticmethod
     def _needs_rng(plan: Plan) -> bool:
-        def stochastic(q: Quantizer) -> bool:
-            if isinstance(q, HybridQuantizer):
-                return stochastic(q.rowwise_quantizer) or stochastic(q.columnwise_quantizer)
-            return isinstance(q, NVFP4Quantizer) and q.stochastic_rounding
-
-        return any(stochastic(q) for _, q in plan.slots)
+        return any(q.stochastic for _, q in plan.slots)
 
     def _provider(self, key: object, plan: Plan, device: torch.device, placeholders: list[str]) -> Callable:
         """How the compiled wrapper obtains the extra argument ``key`` from a call's arguments."""

@@ -28,7 +28,6 @@ from graphquant.quantizers import (
     NVFP4Quantizer,
     Representation,
     gemm_dims,
-    output_rows,
 )
 
 try:
@@ -167,8 +166,8 @@ def gemm(
     at a time against the other, dequantized once (each output element is still one product)."""
     dtype = torch.bfloat16 if a.data.is_cuda and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
     m, n, k = gemm_dims(a, b, batch)
-    big = max((r for r in (a, b) if batch == 1 and _sliceable(r)), key=lambda r: output_rows(r.direction, r.shape), default=None)
-    rows = 0 if big is None else output_rows(big.direction, big.shape)
+    sliceable = [(rows, rep) for rows, rep in ((m, a), (n, b)) if batch == 1 and _sliceable(rep)]
+    rows, big = max(sliceable, key=lambda candidate: candidate[0], default=(0, None))
     if rows * k <= slice_elements:
         return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)

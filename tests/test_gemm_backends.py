@@ -169,9 +169,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _gemm_orientation(rep):
-    """rep's factored values with the reduction dim last, and its factor (None, scalar or per row)."""
-    values, factor = emulation.factored(rep)
-    return (values if rep.transposed == (rep.direction != ROWWISE) else values.t()), factor
+    """rep's factored values as the emulated GEMM multiplies them (reduction dim last), and its
+    factor (None, scalar or per row)."""
+    values, factor = emulation._operand(rep, 1, torch.float32)
+    return values[0], factor
 
 
 @pytest.mark.parametrize("device", DEVICES)

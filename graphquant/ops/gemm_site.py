@@ -117,7 +117,7 @@ def _quantize_op(
     """
     shape = (x.shape[0], x.shape[1])
     rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
-    rng, stream = (None, 0) if quantizer.requantization_safe else (state.rng, state.stream)
+    rng, stream = (state.rng, state.stream) if quantizer.stochastic else (None, 0)
     tensors = torch.ops.graphquant.quantize(
         x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), rng, stream, dbias
     )

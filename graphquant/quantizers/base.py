@@ -157,6 +157,8 @@ class Quantizer:
     always_shown: ClassVar[tuple[str, ...]] = ()
     # False when quantizing the same tensor twice may give different bits (state or randomness).
     requantization_safe: ClassVar[bool] = True
+    # True when quantizing draws random numbers (stochastic rounding), so a call needs its stream.
+    stochastic: ClassVar[bool] = False
     # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours
     # without changing a bit (exact ops only; divisions isolated in custom ops).
     traceable: ClassVar[bool] = False

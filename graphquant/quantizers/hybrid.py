@@ -67,6 +67,10 @@ class HybridQuantizer(Quantizer):
     def requantization_safe(self) -> bool:  # type: ignore[override]
         return self.rowwise_quantizer.requantization_safe and self.columnwise_quantizer.requantization_safe
 
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.rowwise_quantizer.stochastic or self.columnwise_quantizer.stochastic
+
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
 

@@ -48,6 +48,10 @@ class NVFP4Quantizer(Quantizer):
     def requantization_safe(self) -> bool:  # type: ignore[override]
         return not self.stochastic_rounding
 
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.stochastic_rounding
+
     def block(self, direction: str) -> tuple[int, int]:
         if self.with_2d_quantization:
             return (BLOCK_LEN, BLOCK_LEN)
