@@ -136,3 +136,17 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
     made = [((128, 128), True, True), ((128, 64), True, True)]  # x, grad_output
     assert [(tuple(q[0].shape), q[2], q[3]) for q in quantizes] == (made if one_call else [])
+
+
+def test_backward_runs_wgrad_before_dgrad():
+    """wgrad first, so that its input operand (a down projection's h, or h's FP8 copy) is freed
+    before dgrad's output, often as large, is allocated."""
+    torch.manual_seed(0)
+    x, w = torch.randn(128, 96, requires_grad=True), torch.randn(64, 96, requires_grad=True)
+    spec = Float8CurrentScalingQuantizer().spec
+    y = gemm_site.quantized_linear(x, w, None, name="fc", call=0, input=spec, weight=spec, grad_output=spec)
+    with _OpCalls() as mode:
+        y.backward(torch.randn(128, 64))
+    products = [tuple(args[3]) + tuple(args[7]) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
+    # (a's logical shape, b's): wgrad reads grad_output (128, 64) and x (128, 96); dgrad grad_output and w (64, 96)
+    assert products == [(128, 64, 128, 96), (128, 64, 64, 96)]

@@ -293,12 +293,14 @@ class QuantizedGemm(torch.autograd.Function):
             gq[COLUMNWISE] = transposed_operand(gq[ROWWISE])
         update_delayed_scaling(site.grad_output, g_state, gq)
         dx = dw = None
-        if need_dx:
-            dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0]).reshape(-1, w_col.shape[1])
-            _record(site, "dgrad", dy2d, gq[ROWWISE], w, w_col, dx)
+        # wgrad first: its input operand (a SwiGLU's h, or h's FP8 copy) is then freed before
+        # dgrad's output (as large, for a down projection) is allocated.
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1]).reshape(-1, x_col.shape[1])
             _record(site, "wgrad", dy2d, gq[COLUMNWISE], x, x_col, dw)
+        if need_dx:
+            dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0]).reshape(-1, w_col.shape[1])
+            _record(site, "dgrad", dy2d, gq[ROWWISE], w, w_col, dx)
         return dx, dw, dbias, None, None, None, None, None, None
 
 
