@@ -41,24 +41,35 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
 
     factor is None, a scalar, or a (rows, 1) column over the stored rows.
     """
+    return _values(rep), _factor(rep)
+
+
+def _factor(rep: Representation) -> Optional[torch.Tensor]:
+    """factored's factor: per-tensor and per-row factors, which the product takes as alpha."""
     q = rep.quantizer
-    if isinstance(q, IdentityQuantizer):  # the values themselves: no copy
-        return rep.data, None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
-        return rep.data, rep.scale.reshape(())
+        return rep.scale.reshape(())
     if isinstance(q, Float8RowwiseQuantizer):
-        return rep.data, rep.scale.reshape(-1, 1)
+        return rep.scale.reshape(-1, 1)
+    if isinstance(q, NVFP4Quantizer):
+        factor = nvfp4.global_decode(rep.amax)
+        return factor.reshape(-1, 1) if factor.dim() else factor
+    return None
+
+
+def _values(rep: Representation) -> torch.Tensor:
+    """factored's values: the stored codes, times the block scales where the format has them."""
+    q = rep.quantizer
+    if isinstance(q, (IdentityQuantizer, Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8RowwiseQuantizer)):
+        return rep.data  # the values themselves or the FP8 codes: no copy
     fast = triton_dequantize if rep.data.is_cuda else None
     if isinstance(q, NVFP4Quantizer):
         if fast is not None:
-            values = fast.nvfp4_block_values(rep.data, rep.scale)
-        else:
-            values = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
-        factor = nvfp4.global_decode(rep.amax)
-        return values, factor.reshape(-1, 1) if factor.dim() else factor
+            return fast.nvfp4_block_values(rep.data, rep.scale)
+        return nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
     if isinstance(q, MXFP8Quantizer) and fast is not None:
-        return fast.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE), None
-    return rep.dequantize(torch.float32), None
+        return fast.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE)
+    return rep.dequantize(torch.float32)
 
 
 def exact_in_bf16(rep: Representation) -> bool:
@@ -108,11 +119,17 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _epilogue_gemm(
-    left: torch.Tensor, right: torch.Tensor, alpha: Optional[torch.Tensor], out_dtype: torch.dtype, bias: Optional[torch.Tensor]
+    left: torch.Tensor,
+    right: torch.Tensor,
+    alpha: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    out: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """alpha * left @ right^T (+ bias) with alpha and the bias applied by cuBLASLt's epilogue (no
-    pass over an fp32 product, one rounding), or None where the extension or its aligned kernels
-    do not take it."""
+    pass over an fp32 product, one rounding), written into ``out`` where cuBLASLt can write it
+    (out_dtype, rows of 16-byte-aligned elements), or None where the extension or its aligned
+    kernels do not take it."""
     ext = kernels.native()
     if ext is None or alpha is None or left.dtype != torch.bfloat16:
         return None
@@ -120,7 +137,9 @@ def _epilogue_gemm(
         return None
     if bias is not None and not (bias.dtype in (torch.bfloat16, out_dtype) and bias.is_contiguous() and bias.data_ptr() % 16 == 0):
         return None
-    return ext.bf16_gemm(left, right, alpha, out_dtype, bias)
+    if out is not None and not (out.dtype == out_dtype != torch.float16 and _aligned(out) and out.stride(-1) == 1):
+        out = None
+    return ext.bf16_gemm(left, right, alpha, out_dtype, bias, out)
 
 
 # The most elements of an MXFP8 or NVFP4 operand dequantized at once (32 MiB of bf16): a larger
@@ -172,10 +191,15 @@ def gemm(
         return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)
     other = _operand(b if big is a else a, 1, dtype)
+    # The big operand's factor once for all slices; two scalars as one alpha, multiplied once.
+    factor = _factor(big)
+    if other[1] is not None and other[1].dim() == 0 and factor is not None and factor.dim() == 0:
+        other, factor = (other[0], None), _scalar_alpha(factor, other[1])
     out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        part = _operand(rows_of(big, start, stop), 1, dtype)
+        part_factor = factor if factor is None or factor.dim() == 0 else factor[start:stop]
+        part = (_grouped(_values(rows_of(big, start, stop)), big, 1).to(dtype), part_factor)
         if big is a:
             _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])
         else:
@@ -209,10 +233,10 @@ def _product(
         if bias.dtype == out_dtype:  # the bias in the same GEMM's epilogue (batch is 1 with a bias)
             result = torch.addmm(bias, left[0], right[0].t()).unsqueeze(0)
     if result is None:
-        result = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype, bias)
+        result = _epilogue_gemm(left, right, _scalar_alpha(fa, fb), out_dtype, bias, out)
     if result is None:
         result = _factored_product(left, fa, right, fb, a, b, batch, out_dtype, bias)
-    return result if out is None else out.copy_(result)
+    return result if out is None or result is out else out.copy_(result)
 
 
 def _factored_product(left, fa, right, fb, a: Representation, b: Representation, batch: int, out_dtype, bias) -> torch.Tensor:

@@ -19,15 +19,20 @@ BLOCK_ROWS, BLOCK_COLS = 16, 256
 
 @triton.jit
 def _mxfp8_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, ROWWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Each program loads its scales once (a row of BLOCK_C / 32 per row, or the one row of
+    BLOCK_C its 16 rows share) and broadcasts them, instead of a load per element."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < cols)
     row64 = row.to(tl.int64)
     if ROWWISE:
-        scale_index = row64 * (cols // 32) + col // 32
-    else:
-        scale_index = (row // 32).to(tl.int64) * cols + col
-    biased = tl.load(scale_ptr + scale_index, mask=mask, other=127).to(tl.int32)
+        block = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)[None, :]
+        biased = tl.load(scale_ptr + row64 * (cols // 32) + block, mask=(row < rows) & (block < cols // 32), other=127)
+        biased = tl.reshape(tl.broadcast_to(biased[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    else:  # BLOCK_R divides 32: a program's rows share one row of scales
+        scale_row = (tl.program_id(0) * BLOCK_R // 32).to(tl.int64)
+        biased = tl.load(scale_ptr + scale_row * cols + col, mask=col < cols, other=127)
+    biased = biased.to(tl.int32)
     scale = tl.where(biased == 0, 0x00400000, biased << 23).to(tl.float32, bitcast=True)
     scale = tl.where(biased == 255, float("nan"), scale)
     offsets = row64 * cols + col
@@ -36,22 +41,26 @@ def _mxfp8_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, ROWWISE: tl.constexp
 
 
 @triton.jit
-def _e2m1_value(code):
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    magnitude = tl.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * (1 << (exponent - 1)).to(tl.float32))
-    return tl.where(code >= 8, -magnitude, magnitude)
+def _e2m1_value_over_2_14(code):
+    """An E2M1 code's value times 2^-14: its sign, exponent and mantissa bits placed in an fp16
+    (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly; the conversion is exact."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows."""
+    """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows, loading
+    their BLOCK_B / 8 block scales a row once and broadcasting them."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     byte = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
-    mask = (row < rows) & (byte < cols // 2)
+    block = tl.program_id(1) * (BLOCK_B // 8) + tl.arange(0, BLOCK_B // 8)[None, :]
     row64 = row.to(tl.int64)
-    packed = tl.load(packed_ptr + row64 * (cols // 2) + byte, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr + row64 * (cols // 16) + byte // 8, mask=mask, other=0.0).to(tl.float32)
-    values = tl.interleave(_e2m1_value(packed & 0xF) * scale, _e2m1_value(packed >> 4) * scale)
+    packed = tl.load(packed_ptr + row64 * (cols // 2) + byte, mask=(row < rows) & (byte < cols // 2), other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + row64 * (cols // 16) + block, mask=(row < rows) & (block < cols // 16), other=0.0)
+    scale = scale.to(tl.float32) * 16384.0  # undoes the 2^-14 of the decoded codes, exactly
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_B // 8, 8)), (BLOCK_R, BLOCK_B))
+    values = tl.interleave(_e2m1_value_over_2_14(packed & 0xF) * scale, _e2m1_value_over_2_14(packed >> 4) * scale)
     col = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)[None, :]
     tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=(row < rows) & (col < cols))
 

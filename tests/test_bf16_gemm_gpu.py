@@ -231,6 +231,45 @@ def test_bf16_gemm_rejects_a_bad_bias(make_bias, out_dtype, message):
         _ext().bf16_gemm(a, b, alpha, out_dtype, make_bias())
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_writes_into_a_slice_of_out(out_dtype, with_bias):
+    """Into out[:, rows] and out[:, :, cols] of a larger product (its row stride, not n): the
+    values of a fresh result, and nothing outside the slice touched."""
+    torch.manual_seed(0)
+    ext = _ext()
+    a = torch.randn(2, 64, 128, device="cuda").to(torch.bfloat16)
+    b = torch.randn(2, 48, 128, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(48, device="cuda").to(torch.bfloat16) if with_bias else None
+    alpha = torch.tensor(0.37, device="cuda")
+    expected = ext.bf16_gemm(a, b, alpha, out_dtype, bias)
+    for rows, cols in [(slice(16, 80), slice(0, 48)), (slice(0, 64), slice(24, 72))]:
+        whole = torch.full((2, 96, 80), 7.0, dtype=out_dtype, device="cuda")
+        target = whole[:, rows, cols]
+        assert ext.bf16_gemm(a, b, alpha, out_dtype, bias, out=target).data_ptr() == target.data_ptr()
+        assert torch.equal(target, expected)
+        outside = torch.ones_like(whole, dtype=torch.bool)
+        outside[:, rows, cols] = False
+        assert (whole[outside] == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    "make_out,out_dtype,message",
+    [
+        (_zeros(2, 32, 48, dtype=torch.float32), torch.bfloat16, r"out must be of out_dtype \(BFloat16\).*got Float"),
+        (_zeros(2, 32, 48, dtype=torch.float16), torch.float16, r"out must be of out_dtype \(Half\), and bfloat16 or float32"),
+        (_zeros(2, 32, 40), torch.bfloat16, r"out must be \(batch, m, n\) = \(2, 32, 48\).*got shape \[2, 32, 40\]"),
+        (lambda: _zeros(2, 48, 32)().mT, torch.bfloat16, r"each matrix stored row by row, got shape \[2, 32, 48\] strides \[1536, 1, 32\]"),
+        (_zeros(2, 32, 48, device="cpu"), torch.bfloat16, r"on cuda:\d+ with each matrix stored row by row.* on cpu"),
+    ],
+    ids=["fp32 for bf16 out", "fp16", "wrong n", "column-major", "on the cpu"],
+)
+def test_bf16_gemm_rejects_a_bad_out(make_out, out_dtype, message):
+    a, b, alpha = _bias_case()
+    with pytest.raises(RuntimeError, match=message):
+        _ext().bf16_gemm(a, b, alpha, out_dtype, out=make_out())
+
+
 def _rowwise(quantizer, rows, k):
     source = (torch.randn(rows, k) * torch.rand(rows, 1) * 4).to(torch.bfloat16).cuda()
     return quantizer(source, rowwise=True, columnwise=False, ctx=QuantizeContext()).get(ROWWISE)

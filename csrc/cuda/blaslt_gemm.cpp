@@ -95,8 +95,23 @@ at::Tensor checked_bias(const at::Tensor& bias, const at::Tensor& a, int64_t n, 
   return bias.scalar_type() == d_dtype ? bias : bias.to(d_dtype);
 }
 
+// The caller's out (a slice of a larger product, so that it needs no copy), checked, or a new one.
+at::Tensor output(const std::optional<at::Tensor>& out, const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype,
+                  at::ScalarType d_dtype) {
+  if (!out.has_value()) return at::empty({a.size(0), a.size(1), b.size(1)}, a.options().dtype(d_dtype));
+  TORCH_CHECK(out->scalar_type() == d_dtype && d_dtype == out_dtype, "graphquant.bf16_gemm: out must be of out_dtype (",
+              out_dtype, "), and bfloat16 or float32 (float16 results are rounded from a float32 product), got ",
+              out->scalar_type());
+  TORCH_CHECK(out->device() == a.device() && out->dim() == 3 && out->size(0) == a.size(0) && out->size(1) == a.size(1) &&
+                  out->size(2) == b.size(1) && row_major(*out),
+              "graphquant.bf16_gemm: out must be (batch, m, n) = (", a.size(0), ", ", a.size(1), ", ", b.size(1),
+              ") on ", a.device(), " with each matrix stored row by row, got shape ", out->sizes(), " strides ",
+              out->strides(), " on ", out->device());
+  return *out;
+}
+
 at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& alpha, at::ScalarType out_dtype,
-                     const std::optional<at::Tensor>& bias_in) {
+                     const std::optional<at::Tensor>& bias_in, const std::optional<at::Tensor>& out_in) {
   TORCH_CHECK(a_in.dim() == 3 && b_in.dim() == 3 && a_in.size(0) == b_in.size(0) && a_in.size(2) == b_in.size(2),
               "graphquant.bf16_gemm takes a (batch, m, k) and b (batch, n, k), got ", a_in.sizes(), " and ", b_in.sizes());
   TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 && b_in.scalar_type() == at::kBFloat16,
@@ -113,7 +128,7 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
   const at::Tensor bias = bias_in.has_value() ? checked_bias(*bias_in, a_in, b_in.size(1), out_dtype, d_dtype) : at::Tensor();
   const at::Tensor a = row_major(a_in) || col_major(a_in) ? a_in : a_in.contiguous();
   const at::Tensor b = row_major(b_in) || col_major(b_in) ? b_in : b_in.contiguous();
-  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(1)}, a.options().dtype(d_dtype));
+  at::Tensor out = output(out_in, a, b, out_dtype, d_dtype);
   if (out.numel() == 0 || a.size(2) == 0) {  // alpha * (an empty sum) + bias
     if (bias.defined()) return out.copy_(bias.expand_as(out)).to(out_dtype);
     return out.zero_().to(out_dtype);
@@ -183,7 +198,8 @@ void register_blaslt_gemm(pybind11::module_& m) {
         "out[i] = alpha * (a[i] @ b[i]^T) + bias: bf16 a (batch, m, k) and b (batch, n, k), alpha a float32 "
         "device scalar and bias (optional: None, or n values of bfloat16 or out_dtype, contiguous, 16-byte "
         "aligned, on a's device; the same for every batch) applied in cuBLASLt's epilogue, fp32 "
-        "accumulation and epilogue, one rounding to out_dtype (bfloat16, float16 or float32)",
+        "accumulation and epilogue, one rounding to out_dtype (bfloat16, float16 or float32); written into out "
+        "(optional: (batch, m, n) of out_dtype, bfloat16 or float32, row-major matrices) if given",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"), pybind11::arg("out_dtype"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("out") = pybind11::none());
 }
