@@ -198,8 +198,8 @@ def gemm(
     out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        part_factor = factor if factor is None or factor.dim() == 0 else factor[start:stop]
-        part = (_grouped(_values(rows_of(big, start, stop)), big, 1).to(dtype), part_factor)
+        piece = rows_of(big, start, stop)
+        part = (_grouped(_values(piece), piece, 1).to(dtype), factor if factor is None or factor.dim() == 0 else factor[start:stop])
         if big is a:
             _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])
         else:

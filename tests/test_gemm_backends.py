@@ -165,6 +165,8 @@ def test_a_bias_must_be_one_vector_over_the_outputs():
 
 
 SLICED = [p for p in PAIRS if isinstance(p[1], (MXFP8Quantizer, NVFP4Quantizer)) or isinstance(p[2], (MXFP8Quantizer, NVFP4Quantizer))]
+# A per-row factor (row-scaled NVFP4's amax per row) is cut with the slice it scales.
+SLICED.append(("nvfp4 row-scaled x mxfp8", NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), backends.EMULATION))
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
