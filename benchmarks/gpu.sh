@@ -2,8 +2,8 @@
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
 #   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [ncu] [train ARGS...]
-# ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise quantize kernels (with shared-
-# memory bank conflicts and scheduler statistics, the open question of the column side).
+# ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise and NVFP4 rowwise+columnwise quantize kernels (with shared-
+# memory bank conflicts, scheduler statistics and pipe utilization, the open question of the column side).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,15 +23,16 @@ for i in "${!steps[@]}"; do
     gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
     inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
-    ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E; do  # MXFP8 rowwise, then both (first launch of each)
+    ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E InBF16ELi5ELi5E; do  # MXFP8 rowwise, both; NVFP4 both (first launch of each)
            ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \
              --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
              --section Occupancy --section WarpStateStats --section SchedulerStats \
-             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+             --section ComputeWorkloadAnalysis --section InstructionStats \
+             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
              python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1
          done > "$OUT/ncu.txt" 2>&1
-         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict" "$OUT/ncu.txt" | head -80
-         awk '/tile_kernel/ {print} /issue_stalled/ && $NF + 0 > 0.2 {print "   ", $1, $NF}' "$OUT/ncu.txt" ;;
+         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict|Executed Ipc|Issue Slots|pipe" "$OUT/ncu.txt" | head -100
+         awk '/tile_kernel/ {print} /issue_stalled/ && $NF + 0 > 0.2 {print "   ", $1, $NF} /inst_executed_pipe/ && $NF + 0 > 5 {print "   ", $1, $NF}' "$OUT/ncu.txt" ;;
     train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &
            python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"
