@@ -2,8 +2,9 @@
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
 #   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [ncu] [train ARGS...]
-# ncu: hardware counters of the MXFP8 rowwise and rowwise+columnwise and NVFP4 rowwise+columnwise quantize kernels (with shared-
-# memory bank conflicts, scheduler statistics and pipe utilization, the open question of the column side).
+# ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
+# quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
+# utilization: what limits the column side is the open question).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
