@@ -299,3 +299,21 @@ def test_emulated_gemm_applies_scalar_factors_in_the_epilogue(batch, n, qb, nati
     # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
     bound = (va.abs() @ vb.abs().mT) * (k + 3) * 2.0**-24
     assert ((out - va @ vb.mT).abs() <= bound).all()
+
+
+def test_sliced_emulated_gemm_writes_each_slice_in_place(monkeypatch):
+    """Over ``slice_elements``, each slice's product goes straight into its rows of the output
+    (bf16_gemm's out, no copy), and the operands' global factors make one alpha for every slice."""
+    torch.manual_seed(0)
+    m, n, k = 512, 96, 256
+    a, b = _rowwise(NVFP4Quantizer(), m, k), _rowwise(NVFP4Quantizer(), n, k)
+    ext, calls = _ext(), []
+    bf16_gemm = ext.bf16_gemm
+    monkeypatch.setattr(ext, "bf16_gemm", lambda *args: calls.append(args) or bf16_gemm(*args))
+    out = emulation.gemm(a, b, 1, torch.bfloat16, slice_elements=128 * k)
+    assert [args[5].data_ptr() for args in calls] == [out[:, start:].data_ptr() for start in range(0, m, 128)]
+    assert len({args[2].data_ptr() for args in calls}) == 1
+    va, vb = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
+    ref = va @ vb.t()
+    bound = (va.abs() @ vb.abs().t()) * (k + 3) * 2.0**-24 + ref.abs() * 2.0**-8
+    assert ((out[0].double() - ref).abs() <= bound).all()
