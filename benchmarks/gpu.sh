@@ -32,7 +32,7 @@ for i in "${!steps[@]}"; do
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
              python3 benchmarks/quantize.py --shapes 16384x4096 --reps 1
          done > "$OUT/ncu.txt" 2>&1
-         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict|Executed Ipc|Issue Slots|pipe" "$OUT/ncu.txt" | head -100
+         grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict|Executed Ipc|Issue Slots" "$OUT/ncu.txt" | head -80
          awk '/tile_kernel/ {print} /issue_stalled/ && $NF + 0 > 0.2 {print "   ", $1, $NF} /inst_executed_pipe/ && $NF + 0 > 5 {print "   ", $1, $NF}' "$OUT/ncu.txt" ;;
     train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &

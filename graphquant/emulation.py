@@ -86,7 +86,7 @@ def exact_in_bf16(rep: Representation) -> bool:
 
 def _grouped(values: torch.Tensor, rep: Representation, batch: int) -> torch.Tensor:
     """(batch, rows, K) of the operand with its reduction dim last (see backends.gemm)."""
-    if rep.transposed != (rep.direction != ROWWISE):
+    if not rep.stored_k_last:
         values = values.t()
     rows, k = values.shape
     if rep.direction == ROWWISE:
@@ -98,7 +98,7 @@ def _grouped_factor(factor: Optional[torch.Tensor], rep: Representation, batch: 
     """The factor shaped to broadcast over (batch, rows, 1) of the grouped operand."""
     if factor is None or factor.dim() == 0:
         return factor
-    if rep.transposed != (rep.direction != ROWWISE):
+    if not rep.stored_k_last:
         raise ValueError(f"{rep.quantizer}: a per-row factor must lie along the operand's rows")
     return factor.reshape(batch, -1, 1) if rep.direction == ROWWISE else factor.reshape(1, -1, 1)
 
@@ -159,12 +159,10 @@ def rows_of(rep: Representation, start: int, stop: int) -> Representation:
     of scales per row or column of data) and per-row amax are cut along the same stored dim:
     stored rows where the GEMM reads rows of the stored data, stored columns where it reads them
     transposed (MXFP8's columnwise side keeps x's layout)."""
-    along_stored_rows = rep.transposed == (rep.direction != ROWWISE)
-
     def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None or t.dim() == 0:
             return t
-        return t[start:stop] if along_stored_rows or t.dim() == 1 else t[:, start:stop]
+        return t[start:stop] if rep.stored_k_last or t.dim() == 1 else t[:, start:stop]
 
     rows, cols = rep.shape
     shape = (stop - start, cols) if rep.direction == ROWWISE else (rows, stop - start)
@@ -191,10 +189,11 @@ def gemm(
         return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)
     other = _operand(b if big is a else a, 1, dtype)
-    # The big operand's factor once for all slices; two scalars as one alpha, multiplied once.
+    # The big operand's factor once for all slices; scalar factors as one alpha, multiplied once.
     factor = _factor(big)
-    if other[1] is not None and other[1].dim() == 0 and factor is not None and factor.dim() == 0:
-        other, factor = (other[0], None), _scalar_alpha(factor, other[1])
+    alpha = _scalar_alpha(factor, other[1])
+    if alpha is not None:
+        other, factor = (other[0], None), alpha
     out = torch.empty((1, m, n), dtype=out_dtype, device=a.data.device)
     for start in range(0, rows, step):
         stop = min(start + step, rows)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from graphquant.formats import nvfp4
-from graphquant.quantizers import ROWWISE, Representation
+from graphquant.quantizers import Representation
 
 TENSORWISE = "cublaslt fp8 tensorwise"
 ROWWISE_SCALED = "cublaslt fp8 rowwise"
@@ -26,7 +26,7 @@ NVFP4 = "cublaslt nvfp4 (sm100)"
 
 def k_last(rep: Representation) -> torch.Tensor:
     """The stored data with the reduction dim last (rowwise as is; columnwise stored transposed)."""
-    if rep.transposed != (rep.direction != ROWWISE):
+    if not rep.stored_k_last:
         raise ValueError(f"{rep.quantizer} {rep.direction}: data is not stored with the reduction dim last")
     return rep.data
 

@@ -89,14 +89,17 @@ class Representation:
         """The values this representation stands for, in stored orientation, as ``dtype``."""
         return self.quantizer.dequantize(self).to(dtype or self.dtype)
 
-    def gemm_operand(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The dequantized values with the reduction dim last, as a TN GEMM reads them.
+    @property
+    def stored_k_last(self) -> bool:
+        """Whether the stored data has the GEMM's reduction dim last, so that its stored rows are
+        the GEMM's rows: a rowwise representation reduces over its columns, a columnwise one over
+        its rows, so this holds for rowwise data as is and columnwise data stored transposed."""
+        return self.transposed == (self.direction == COLUMNWISE)
 
-        A rowwise representation reduces over its columns; a columnwise one over its rows.
-        """
+    def gemm_operand(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The dequantized values with the reduction dim last, as a TN GEMM reads them."""
         values = self.dequantize(dtype)
-        wants_transposed = self.direction == COLUMNWISE
-        return values if self.transposed == wants_transposed else values.t()
+        return values if self.stored_k_last else values.t()
 
     def tensors(self) -> list[torch.Tensor]:
         """data, scale and amax as a fixed-length list (empty tensors for absent parts)."""
