@@ -415,14 +415,19 @@ struct TileProgram {
     const float encode = nv_encode_factor(scale, gl.s_dec);
     // random_bits(e.key, rand_index + i) with its per-chunk half hoisted: the 16 indices share the high
     // word, except that those past a wrap of the low word (lo + i < lo) take the next one.
-    const uint32_t lo = uint32_t(rand_index), hi = uint32_t(rand_index >> 32);
-    const uint32_t stream = e.sr ? random_stream(key, hi) : 0;
-    const uint32_t stream_next = e.sr ? random_stream(key, hi + 1) : 0;
+    // One branch for the chunk, not one an element: each rounding's 16 steps are then contiguous code
+    // (ncu: the both-directions NVFP4 kernel stalled on instruction fetch).
+    if (e.sr) {
+      const uint32_t lo = uint32_t(rand_index), hi = uint32_t(rand_index >> 32);
+      const uint32_t stream = random_stream(key, hi), stream_next = random_stream(key, hi + 1);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float y = v[i] * encode;
-      const uint32_t lo_i = lo + uint32_t(i);
-      code[i] = e.sr ? e2m1_stochastic(y, random_bits_at(lo_i < lo ? stream_next : stream, lo_i)) : e2m1_nearest(y);
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t lo_i = lo + uint32_t(i);
+        code[i] = e2m1_stochastic(v[i] * encode, random_bits_at(lo_i < lo ? stream_next : stream, lo_i));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) code[i] = e2m1_nearest(v[i] * encode);
     }
     dq_factor[0] = e4m3_value(scale);
     dq_factor[1] = gl.g_dec;
