@@ -7,6 +7,9 @@ import statistics
 from typing import Callable
 
 import torch
+from tabulate import tabulate
+
+from graphquant import scaled_mm
 
 
 def time_ms(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
@@ -42,3 +45,11 @@ def turns(names: list[str], round_index: int) -> list[str]:
     order = list(names)
     random.Random(round_index).shuffle(order)
     return order
+
+
+def print_algorithm_choices() -> None:
+    """The cuBLASLt algorithms graphquant chose for the shapes this run multiplied, and their gain."""
+    choices = scaled_mm.algorithm_choices()
+    if choices:
+        print("\ncuBLASLt algorithms chosen (first = the heuristic's first choice, torch._scaled_mm's):")
+        print(tabulate(choices, headers=scaled_mm.ALGORITHM_FIELDS, floatfmt=".1f"))

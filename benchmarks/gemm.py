@@ -5,7 +5,9 @@
 For each shape (m, n, k) of out = A @ B^T, every row is measured in the same run, alternating
 over rounds; graphquant's rows include everything its gemm op does per call (scale layout,
 dequantization for the emulated formats), on operands quantized beforehand. Each native format
-is also timed as the raw torch._scaled_mm call it makes, on the same operands.
+is also timed as the raw torch._scaled_mm call of the same GEMM, on the same operands (for
+per-tensor FP8, graphquant's own cuBLASLt call with the algorithm it timed; the table after the
+rows lists those choices).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate  # noqa: E402
+from common import alternate, print_algorithm_choices  # noqa: E402
 
 from graphquant import backends, scaled_mm  # noqa: E402
 from graphquant.quantizers import (  # noqa: E402
@@ -65,6 +67,7 @@ def main() -> None:
             versus_raw = f"{ms / times[raw_of[fmt]]:.3f}" if fmt in raw_of and name.startswith("graphquant") else ""
             rows.append([f"{m}x{n}x{k}", name, backend, f"{ms:.3f}", f"{2 * m * n * k / ms / 1e9:.0f}", f"{ms / bf16:.2f}", versus_raw])
     print(tabulate(rows, headers=["m x n x k", "GEMM", "backend", "ms", "TFLOP/s", "time / bf16", "time / its raw _scaled_mm"]))
+    print_algorithm_choices()
 
 
 if __name__ == "__main__":

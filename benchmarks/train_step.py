@@ -18,7 +18,7 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate, time_ms  # noqa: E402
+from common import alternate, print_algorithm_choices, time_ms  # noqa: E402
 from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  # noqa: E402
 
 import graphquant  # noqa: E402
@@ -294,6 +294,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]
     print(tabulate(rows, headers=headers))
+    print_algorithm_choices()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 
 #ifdef GRAPHQUANT_WITH_CUDA
 void register_cuda_kernels(pybind11::module_& m);
-void register_blaslt_gemm(pybind11::module_& m);
+void register_bf16_gemm(pybind11::module_& m);
+void register_fp8_gemm(pybind11::module_& m);
 #endif
 
 PYBIND11_MODULE(_C, m) {
@@ -15,7 +16,8 @@ PYBIND11_MODULE(_C, m) {
 #ifdef GRAPHQUANT_WITH_CUDA
   m.attr("cuda_built") = true;
   register_cuda_kernels(m);
-  register_blaslt_gemm(m);
+  register_bf16_gemm(m);
+  register_fp8_gemm(m);
 #else
   m.attr("cuda_built") = false;
 #endif

@@ -1,4 +1,6 @@
-"""Native low-precision GEMMs through torch._scaled_mm (cuBLASLt).
+"""Native low-precision GEMMs through cuBLASLt: torch._scaled_mm, and for per-tensor FP8 our own
+call of the same GEMM (graphquant._C.fp8_gemm), which runs the fastest of cuBLASLt's algorithms
+that write the bits of the heuristic's first choice (torch._scaled_mm's).
 
 Every operand arrives with its reduction dim last, as the representations store it for Hopper's
 TN GEMM; the second operand is passed transposed (a column-major view), and scales are laid out
@@ -11,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from graphquant import kernels
 from graphquant.formats import nvfp4
 from graphquant.quantizers import Representation
 
@@ -81,11 +84,31 @@ def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dty
     that dtype; otherwise it is added to the fp32 product, which is then rounded once.
     """
     args, kwargs = arguments(backend, a, b, out_dtype)
-    if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32:
-        return torch._scaled_mm(*args, bias=bias, **kwargs).to(out_dtype)
-    out = torch._scaled_mm(*args, **kwargs)
+    epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
+    ext = kernels.native()
+    if ext is not None and backend.removesuffix(FAST_ACCUMULATION) == TENSORWISE:
+        data_a, data_b, scale_a, scale_b = args
+        out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
+    else:
+        out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
+    if epilogue_bias is not None:
+        return out.to(out_dtype)
     if backend == NVFP4:
         out = out * (nvfp4.global_decode(a.amax) * nvfp4.global_decode(b.amax))
     if bias is not None:
         out = out.float() + bias.float()
     return out.to(out_dtype)
+
+
+ALGORITHM_FIELDS = ("GEMM", "candidates", "bit-identical", "chosen", "first us", "chosen us", "tile", "stages", "cluster")
+
+
+def algorithm_choices() -> list[tuple]:
+    """The cuBLASLt algorithm graphquant's own GEMM calls (fp8_gemm, bf16_gemm) chose for each shape
+    this process has run, as ALGORITHM_FIELDS: the candidates cuBLASLt offered, how many of them
+    wrote the heuristic's first's bits, the index chosen, and the microseconds of the first and the
+    chosen (0 where the shape was too small to time); cuBLASLt's tile, stages and cluster shape ids.
+    Empty without the CUDA kernels."""
+    ext = kernels.native()
+    return [] if ext is None else sorted(ext.gemm_algorithms())
+

@@ -4,54 +4,27 @@
 // rounded once to out_dtype, after alpha and the bias. The emulated low-precision GEMM
 // (graphquant/emulation.py) applies its per-tensor factors this way instead of in extra passes
 // over an fp32 product, and without waiting for the device (it can be captured in a CUDA graph).
+// The algorithm is blaslt::matmul's choice (blaslt.h).
 //
 // CUDA only: the CPU emulation of the kernels (tests/emulation) does not build this file.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/Exceptions.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cublasLt.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <sstream>
+
+#include "blaslt.h"
 
 namespace gq {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // what cuBLAS takes on Hopper
-// The first 256 bytes of that allocation hold beta (a float32 zero), the rest is cuBLASLt's.
-constexpr size_t kBetaBytes = 256;
-
-// A cuBLASLt descriptor, destroyed with its scope.
-template <typename T, cublasStatus_t (*Destroy)(T)>
-struct Owned {
-  T raw = nullptr;
-  Owned() = default;
-  Owned(const Owned&) = delete;
-  Owned& operator=(const Owned&) = delete;
-  ~Owned() {
-    if (raw) Destroy(raw);
-  }
-};
-using MatmulDesc = Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
-using Layout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
-using Preference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
-
-template <typename V>
-void set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, V value) {
-  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
-}
-template <typename V>
-void set(cublasLtMatrixLayout_t d, cublasLtMatrixLayoutAttribute_t attr, V value) {
-  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutSetAttribute(d, attr, &value, sizeof(value)));
-}
-template <typename V>
-void set(cublasLtMatmulPreference_t d, cublasLtMatmulPreferenceAttributes_t attr, V value) {
-  TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d, attr, &value, sizeof(value)));
-}
+using blaslt::Layout;
+using blaslt::MatmulDesc;
+using blaslt::set;
 
 // Whether each (rows, cols) matrix of x (batch, rows, cols) is stored row by row.
 bool row_major(const at::Tensor& x) { return x.stride(2) == 1 && x.stride(1) >= std::max<int64_t>(x.size(2), 1); }
@@ -66,15 +39,6 @@ void describe(Layout& layout, const at::Tensor& x, cudaDataType_t type) {
                                                   rm ? x.stride(1) : x.stride(2)));
   set(layout.raw, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, int32_t(x.size(0)));
   set(layout.raw, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, int64_t(x.stride(0)));
-}
-
-// The largest power of two (up to 256) dividing t's address: unless told, cuBLASLt assumes 256
-// and may pick kernels that an offset view does not fit.
-uint32_t alignment(const at::Tensor& t) {
-  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
-  uint32_t a = 1;
-  while (a < 256 && address % (2 * a) == 0) a *= 2;
-  return a;
 }
 
 // The bias as cuBLASLt's epilogue reads it: bias of d_dtype (the type of its D, which the BIAS
@@ -157,43 +121,37 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
   describe(a_layout, a, CUDA_R_16BF);
   describe(d_layout, out, d_type);
 
-  Preference preference;
-  TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference.raw));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kWorkspaceBytes - kBetaBytes));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(b));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(a));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(out));
-  set(preference.raw, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(out));
-  // No cache of our own for the heuristic: cuBLASLt keeps one (cublasLtHeuristicsCacheGetCapacity,
-  // CUBLASLT_HEURISTICS_CACHE_CAPACITY), and a key of ours would have to repeat everything the query
-  // reads, the bias pointer's alignment included.
-  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.raw, b_layout.raw, a_layout.raw, d_layout.raw,
-                                                               d_layout.raw, preference.raw, 1, &heuristic, &found);
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, "graphquant.bf16_gemm: cuBLASLt has no algorithm (",
-              at::cuda::blas::_cublasGetErrorEnum(status), ") for a ", a.sizes(), " strides ", a.strides(), " and b ",
-              b.sizes(), " strides ", b.strides(), " to ", d_dtype,
-              bias.defined() ? " with a bias in the epilogue" : "");
-
-  // Beta, at the start of the workspace's allocation: with device pointers beta is read from the
-  // device too; zero, so out is not read. One allocation from the caching allocator, one memset.
-  const at::Tensor workspace = at::empty({int64_t(kWorkspaceBytes)}, a.options().dtype(at::kByte));
-  void* const beta = workspace.data_ptr();
-  void* const cublas_workspace = static_cast<char*>(workspace.data_ptr()) + kBetaBytes;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(beta, 0, sizeof(float), stream));
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc.raw, alpha.data_ptr(), b.data_ptr(), b_layout.raw, a.data_ptr(),
-                                      a_layout.raw, beta, out.data_ptr(), d_layout.raw, out.data_ptr(), d_layout.raw,
-                                      &heuristic.algo, cublas_workspace, kWorkspaceBytes - kBetaBytes, stream));
+  // With device pointers beta is read from the device too: zero, so out is not read.
+  const at::Tensor beta = at::zeros({1}, a.options().dtype(at::kFloat));
+  blaslt::Problem p;
+  p.desc = desc.raw;
+  p.a = b_layout.raw;
+  p.b = a_layout.raw;
+  p.d = d_layout.raw;
+  p.a_data = b.const_data_ptr();
+  p.b_data = a.const_data_ptr();
+  p.alpha = alpha.const_data_ptr();
+  p.beta = beta.const_data_ptr();
+  p.out = out;
+  p.align_a = blaslt::alignment(b);
+  p.align_b = blaslt::alignment(a);
+  p.key = {0 /* bf16_gemm */, a.size(0), a.size(1), b.size(1), a.size(2), a.stride(0), a.stride(1), a.stride(2),
+           b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), int64_t(d_type), bias.defined() ? int64_t(blaslt::alignment(bias)) : 0};
+  p.flops = 2.0 * double(a.size(0)) * double(a.size(1)) * double(b.size(1)) * double(a.size(2));
+  p.describe = [&] {
+    std::ostringstream s;
+    s << "bf16_gemm " << a.size(0) << " x (" << a.size(1) << " x " << a.size(2) << ") @ (" << b.size(1) << " x "
+      << b.size(2) << ")^T -> " << (d_dtype == at::kFloat ? "fp32" : "bf16") << (bias.defined() ? ", bias" : "");
+    return s.str();
+  };
+  blaslt::matmul(p);
   return out.to(out_dtype);
 }
 
 }  // namespace
 }  // namespace gq
 
-void register_blaslt_gemm(pybind11::module_& m) {
+void register_bf16_gemm(pybind11::module_& m) {
   m.def("bf16_gemm", &gq::bf16_gemm,
         "out[i] = alpha * (a[i] @ b[i]^T) + bias: bf16 a (batch, m, k) and b (batch, n, k), alpha a float32 "
         "device scalar and bias (optional: None, or n values of bfloat16 or out_dtype, contiguous, 16-byte "
