@@ -26,10 +26,10 @@ constexpr uint64_t kMaxWorkspaceBytes = uint64_t(32) << 20;  // what cuBLAS take
 constexpr double kTunedFlops = 2.0 * double(int64_t(1) << 33);
 // Shapes timed per process: past this (dynamic shapes), new shapes take the heuristic's first.
 constexpr size_t kMaxTuned = 256;
-// Before timing, the first runs for kHeatMs: under sustained FP8 GEMMs the H200 settles below its
-// boost clock (the power limit) within ~100 ms, and the candidates rank differently there than at
-// boost (gate/up's best at boost was 3.5% faster than the first, under load 13%); a training step
-// meets the loaded clock. Then kRounds round-robin windows of about kWindowMs per candidate.
+// Before timing, the first runs for kHeatMs: sustained FP8 GEMMs hold the H200 below its boost
+// clock (the power limit), a training step runs at that clock, and the candidates rank differently
+// there (FFN gate/up on the H200: the best at boost 3.5% faster than the first, after the heat 7%,
+// in a seconds-long round robin 13%). Then kRounds round-robin windows of ~kWindowMs a candidate.
 constexpr float kHeatMs = 150, kWindowMs = 5;
 constexpr int kRounds = 3;
 
