@@ -5,7 +5,9 @@
 Prints one table: ms per step (median over rounds that alternate the configurations, each sample
 ``--steps`` steps back to back), effective TFLOP/s, speedup over the best of bf16 eager and bf16
 torch.compile, peak GPU memory, and the distance to the FP8-GEMM-only bound (the step's linear GEMMs at raw torch._scaled_mm
-speed measured in this run, plus the measured bf16 attention kernels).
+speed measured in this run, plus the measured bf16 attention kernels). Asked for by name,
+"bf16 torch.compile", "graphquant tensorwise" and "torchao tensorwise" also run with Inductor's
+coordinate-descent tuning (the name with " (coordinate descent)"), beside their defaults.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 import torch
 from tabulate import tabulate
+from torch._inductor import list_mode_options
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, print_algorithm_choices, time_ms  # noqa: E402
@@ -35,22 +38,30 @@ GRAPHQUANT = {
     "graphquant mxfp8_fwd_nvfp4_bwd": lambda: zoo.recipe("mxfp8_fwd_nvfp4_bwd"),
 }
 TORCHAO = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# A compiled config's name with this suffix compiles with Inductor's coordinate-descent tuning:
+# measured only when asked for by name, side by side with the default.
+COORDINATE_DESCENT = " (coordinate descent)"
+OPT_IN = [f"{name}{COORDINATE_DESCENT}" for name in ("bf16 torch.compile", "graphquant tensorwise", "torchao tensorwise")]
 
 
 def build(config: str, model: torch.nn.Module, compile_mode: str | None):
     model = copy.deepcopy(model)
     if config == "bf16 eager":
         return model
+    # torch.compile takes a mode or options, not both: the mode's options, then ours.
+    options = {**(list_mode_options(compile_mode) if compile_mode else {})}
+    if config.endswith(COORDINATE_DESCENT):
+        config, options["coordinate_descent_tuning"] = config.removesuffix(COORDINATE_DESCENT), True
     if config == "bf16 torch.compile":
-        return torch.compile(model, mode=compile_mode)
+        return torch.compile(model, options=options)
     if config in GRAPHQUANT:
-        mode = "reduce-overhead" if config.endswith("(cudagraphs)") else compile_mode
-        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=mode)
+        mode = "reduce-overhead" if config.endswith("(cudagraphs)") else None
+        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=mode, options=options)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     name = config.removeprefix("torchao ")
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(name))
-    return torch.compile(model, mode=compile_mode)
+    return torch.compile(model, options=options)
 
 
 def configs(requested: list[str] | None) -> list[str]:
@@ -61,6 +72,7 @@ def configs(requested: list[str] | None) -> list[str]:
         names += [f"torchao {n}" for n in TORCHAO]
     except ImportError:
         print("torchao is not importable: its rows are left out", file=sys.stderr)
+    names += [n for n in OPT_IN if requested is not None and n in requested]
     return [n for n in names if requested is None or n in requested]
 
 
