@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import random
 import statistics
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from tabulate import tabulate
@@ -12,30 +14,69 @@ from tabulate import tabulate
 from graphquant import scaled_mm
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
+@functools.lru_cache(maxsize=None)
+def _nvml_device(index: int) -> Optional[tuple[ctypes.CDLL, ctypes.c_void_p]]:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle = ctypes.c_void_p()
+        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+            return None
+        return nvml, handle
+    except OSError:
+        return None
+
+
+def gpu_energy_j() -> Optional[float]:
+    """The current GPU's energy counter in joules (NVML's total since the driver loaded), or None
+    where NVML cannot read it. FP8 training steps run at the H200's 700 W limit, so their time
+    follows their energy: joules per step say where a step's time goes."""
+    device = _nvml_device(torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
+    if device is None:
+        return None
+    nvml, handle = device
+    millijoules = ctypes.c_ulonglong()
+    if nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(millijoules)) != 0:
+        return None
+    return millijoules.value / 1000
+
+
+def time_ms(
+    fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1, joules: Optional[list[float]] = None
+) -> float:
     """Median milliseconds of one call of ``fn`` over ``reps`` samples, each sample ``inner``
-    back-to-back calls between two CUDA events (so host overhead overlaps the GPU, as in a model)."""
+    back-to-back calls between two CUDA events (so host overhead overlaps the GPU, as in a model).
+    ``joules``, if given, receives each sample's GPU energy per call where NVML can read it."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before = gpu_energy_j() if joules is not None else None
         start.record()
         for _ in range(inner):
             fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / inner)
+        after = gpu_energy_j() if before is not None else None
+        if after is not None:
+            joules.append((after - before) / inner)
     return statistics.median(times)
 
 
-def alternate(fns: dict[str, Callable[[], object]], *, rounds: int = 3, **kwargs) -> dict[str, float]:
+def alternate(
+    fns: dict[str, Callable[[], object]], *, rounds: int = 3, joules: Optional[dict[str, float]] = None, **kwargs
+) -> dict[str, float]:
     """Median over ``rounds`` of each function's time, the functions taking turns every round so
-    that drift on a shared GPU touches them all alike."""
+    that drift on a shared GPU touches them all alike. ``joules``, if given, receives each
+    function's median GPU energy per call, where NVML can read it."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    energy: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in turns(list(fns), r):
-            samples[name].append(time_ms(fns[name], **kwargs))
+            samples[name].append(time_ms(fns[name], joules=energy[name] if joules is not None else None, **kwargs))
+    if joules is not None:
+        joules.update({name: statistics.median(values) for name, values in energy.items() if values})
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -5,7 +5,9 @@
 Prints one table: ms per step (median over rounds that alternate the configurations, each sample
 ``--steps`` steps back to back), effective TFLOP/s, speedup over the best of bf16 eager and bf16
 torch.compile, peak GPU memory, and the distance to the FP8-GEMM-only bound (the step's linear GEMMs at raw torch._scaled_mm
-speed measured in this run, plus the measured bf16 attention kernels). Asked for by name,
+speed measured in this run, plus the measured bf16 attention kernels), and the GPU energy per
+step with the average power over the timed samples (NVML's energy counter; FP8 steps run at the
+power limit, so their time follows their energy). Asked for by name,
 "bf16 torch.compile", "graphquant tensorwise" and "torchao tensorwise" also run with Inductor's
 coordinate-descent tuning (the name with " (coordinate descent)"), beside their defaults.
 """
@@ -229,18 +231,20 @@ def measure(
 
             print(f"  cudagraph skips so far: {counters['inductor']['cudagraph_skips']}", file=sys.stderr)
         print(f"  built {model_name} / {name}", file=sys.stderr, flush=True)
-    ms = alternate(built, rounds=rounds, warmup=1, reps=5, inner=steps)
+    joules: dict[str, float] = {}
+    ms = alternate(built, rounds=rounds, warmup=1, reps=5, inner=steps, joules=joules)
 
     tokens = BATCH * SEQ
     shapes = linear_gemm_shapes(base, tokens)
     flops = sum(2 * m * n * k for m, n, k in shapes) + attention_flops(base, BATCH, SEQ)
     bound = fp8_gemm_bound(shapes) + sdpa_ms(base, x)
     baseline = min(ms.get("bf16 eager", float("inf")), ms.get("bf16 torch.compile", float("inf")))
-    rows = [[model_name, "FP8-GEMM-only bound", f"{bound:.1f}", f"{flops / bound / 1e9:.0f}", f"{baseline / bound:.2f}x", "", "1.00"]]
+    rows = [[model_name, "FP8-GEMM-only bound", f"{bound:.1f}", f"{flops / bound / 1e9:.0f}", f"{baseline / bound:.2f}x", "", "1.00", "", ""]]
     for name in names:
+        energy = [f"{joules[name]:.1f}", f"{joules[name] / ms[name] * 1000:.0f}"] if name in joules else ["", ""]
         rows.append([
             model_name, name, f"{ms[name]:.1f}", f"{flops / ms[name] / 1e9:.0f}", f"{baseline / ms[name]:.2f}x",
-            f"{peaks[name]:.2f}", f"{ms[name] / bound:.2f}",
+            f"{peaks[name]:.2f}", f"{ms[name] / bound:.2f}", *energy,
         ])
     return rows
 
@@ -304,7 +308,7 @@ def main() -> None:
                         args.memory.split(","), args.memory_dir)
         del base
         torch.cuda.empty_cache()
-    headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound"]
+    headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound", "J/step", "W"]
     print(tabulate(rows, headers=headers))
     print_algorithm_choices()
 
