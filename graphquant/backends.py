@@ -3,8 +3,9 @@
 ``select`` classifies an operand pair (each operand given as the quantizer that makes its
 direction) into native / emulated / rejected and names the backend; the planner shows that
 choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (graphquant.scaled_mm: through
-torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm choice). The emulated backend dequantizes both operands exactly and multiplies
-them in high precision; it runs every pair the planner admits, on any device.
+torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
+choice). The emulated backend dequantizes both operands exactly and multiplies them in high
+precision; it runs every pair the planner admits, on any device.
 """
 
 from __future__ import annotations
