@@ -123,18 +123,8 @@ at::Tensor bf16_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::T
 
   // With device pointers beta is read from the device too: zero, so out is not read.
   const at::Tensor beta = at::zeros({1}, a.options().dtype(at::kFloat));
-  blaslt::Problem p;
-  p.desc = desc.raw;
-  p.a = b_layout.raw;
-  p.b = a_layout.raw;
-  p.d = d_layout.raw;
-  p.a_data = b.const_data_ptr();
-  p.b_data = a.const_data_ptr();
-  p.alpha = alpha.const_data_ptr();
-  p.beta = beta.const_data_ptr();
-  p.out = out;
-  p.align_a = blaslt::alignment(b);
-  p.align_b = blaslt::alignment(a);
+  blaslt::Problem p(desc.raw, a, a_layout.raw, b, b_layout.raw, out, d_layout.raw, alpha.const_data_ptr(),
+                    beta.const_data_ptr());
   p.key = {0 /* bf16_gemm */, a.size(0), a.size(1), b.size(1), a.size(2), a.stride(0), a.stride(1), a.stride(2),
            b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), int64_t(d_type), bias.defined() ? int64_t(blaslt::alignment(bias)) : 0};
   p.flops = 2.0 * double(a.size(0)) * double(a.size(1)) * double(b.size(1)) * double(a.size(2));

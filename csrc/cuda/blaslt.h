@@ -46,18 +46,24 @@ void set(cublasLtMatrixLayout_t d, cublasLtMatrixLayoutAttribute_t attr, V value
 // and may pick kernels that an offset view does not fit.
 uint32_t alignment(const at::Tensor& t);
 
-// One GEMM as cuBLASLt sees it: D = alpha * op(A) op(B) + beta * D, beta zero (C is D).
+// One GEMM, row-major out (m, n) = alpha * (a @ b^T) (beta zero), with its cuBLASLt descriptor and
+// layouts. cuBLAS, column-major, computes it as out^T = b @ a^T: its A is our b, its B our a, and
+// matmul passes them so.
 struct Problem {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  const void* a_data = nullptr;
-  const void* b_data = nullptr;
-  const void* alpha = nullptr;  // host or device, as desc's pointer mode says
-  const void* beta = nullptr;
-  at::Tensor out;  // D: written, and digested to compare algorithms bit for bit
-  uint32_t align_a = 256, align_b = 256;
-  // Everything the heuristic reads besides the alignments and the device (matmul adds those):
-  // the choice is cached under it.
+  Problem(cublasLtMatmulDesc_t desc, const at::Tensor& a, cublasLtMatrixLayout_t a_layout, const at::Tensor& b,
+          cublasLtMatrixLayout_t b_layout, const at::Tensor& out, cublasLtMatrixLayout_t out_layout, const void* alpha,
+          const void* beta)
+      : desc(desc), a_layout(a_layout), b_layout(b_layout), out_layout(out_layout), a(a), b(b), out(out), alpha(alpha),
+        beta(beta) {}
+
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a_layout, b_layout, out_layout;
+  at::Tensor a, b;
+  at::Tensor out;     // written, and digested to compare algorithms bit for bit
+  const void* alpha;  // host or device, as desc's pointer mode says
+  const void* beta;
+  // Everything the heuristic reads besides the pointers' alignments and the device (matmul adds
+  // those): the choice is cached under it.
   std::vector<int64_t> key;
   double flops = 0;
   std::function<std::string()> describe;  // the GEMM in words, for errors and the choices table

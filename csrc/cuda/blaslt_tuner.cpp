@@ -66,16 +66,17 @@ std::vector<cublasLtMatmulHeuristicResult_t> candidates(cublasLtHandle_t handle,
   const auto pref = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value) {
     TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.raw, attr, &value, sizeof(value)));
   };
-  const uint32_t align_d = alignment(p.out);
+  const uint32_t align_out = alignment(p.out);
   pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kMaxWorkspaceBytes);
-  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_a);
-  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_b);
-  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
-  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(p.b));  // cuBLAS's A is our b
+  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(p.a));
+  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_out);
+  pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_out);
   std::vector<cublasLtMatmulHeuristicResult_t> found(kCandidates);
   int count = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, preference.raw,
-                                                               kCandidates, found.data(), &count);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.b_layout, p.a_layout, p.out_layout,
+                                                               p.out_layout, preference.raw, kCandidates, found.data(),
+                                                               &count);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS && count > 0, "graphquant: cuBLASLt has no algorithm (",
               at::cuda::blas::_cublasGetErrorEnum(status), ") for ", p.describe());
   found.resize(count);
@@ -85,8 +86,8 @@ std::vector<cublasLtMatmulHeuristicResult_t> candidates(cublasLtHandle_t handle,
 cublasStatus_t launch(cublasLtHandle_t handle, const Problem& p, const cublasLtMatmulAlgo_t& algo, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream) {
   void* const out = p.out.data_ptr();
-  return cublasLtMatmul(handle, p.desc, p.alpha, p.a_data, p.a, p.b_data, p.b, p.beta, out, p.d, out, p.d, &algo,
-                        workspace, workspace_bytes, stream);
+  return cublasLtMatmul(handle, p.desc, p.alpha, p.b.const_data_ptr(), p.b_layout, p.a.const_data_ptr(), p.a_layout,
+                        p.beta, out, p.out_layout, out, p.out_layout, &algo, workspace, workspace_bytes, stream);
 }
 
 Choice described(const Problem& p, const cublasLtMatmulAlgo_t& algo, int64_t found, int64_t agreeing, int64_t chosen,
@@ -181,7 +182,7 @@ void matmul(const Problem& p) {
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   std::vector<int64_t> key = p.key;
-  key.insert(key.end(), {int64_t(p.out.get_device()), p.align_a, p.align_b, alignment(p.out)});
+  key.insert(key.end(), {int64_t(p.out.get_device()), alignment(p.a), alignment(p.b), alignment(p.out)});
   std::optional<Entry> entry;
   bool may_time = false;
   {

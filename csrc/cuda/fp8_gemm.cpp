@@ -87,18 +87,7 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&d_layout.raw, d_type, n, m, n));
 
   const float alpha = 1.0f, beta = 0.0f;
-  blaslt::Problem p;
-  p.desc = desc.raw;
-  p.a = b_layout.raw;
-  p.b = a_layout.raw;
-  p.d = d_layout.raw;
-  p.a_data = b.const_data_ptr();
-  p.b_data = a.const_data_ptr();
-  p.alpha = &alpha;
-  p.beta = &beta;
-  p.out = out;
-  p.align_a = blaslt::alignment(b);
-  p.align_b = blaslt::alignment(a);
+  blaslt::Problem p(desc.raw, a, a_layout.raw, b, b_layout.raw, out, d_layout.raw, &alpha, &beta);
   p.key = {1 /* fp8_gemm */, m, n, k, a.stride(0), b.stride(0), int64_t(fp8_type(a)), int64_t(fp8_type(b)),
            int64_t(d_type), fast_accum, bias.has_value() ? int64_t(blaslt::alignment(*bias)) : 0};
   p.flops = 2.0 * double(m) * double(n) * double(k);
