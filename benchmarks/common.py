@@ -15,22 +15,24 @@ from graphquant import scaled_mm
 
 
 @functools.lru_cache(maxsize=None)
-def _nvml_device(index: int) -> Optional[tuple[ctypes.CDLL, ctypes.c_void_p]]:
+def _nvml_device(cuda_index: int) -> Optional[tuple[ctypes.CDLL, ctypes.c_void_p]]:
+    """NVML and its handle of CUDA device ``cuda_index``, or None where either is missing."""
     try:
+        index = torch.cuda._get_nvml_device_index(cuda_index)  # CUDA_VISIBLE_DEVICES taken into account
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        handle = ctypes.c_void_p()
-        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
-            return None
-        return nvml, handle
-    except OSError:
+    except (AttributeError, OSError, RuntimeError):
         return None
+    handle = ctypes.c_void_p()
+    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+        return None
+    return nvml, handle
 
 
 def gpu_energy_j() -> Optional[float]:
     """The current GPU's energy counter in joules (NVML's total since the driver loaded), or None
     where NVML cannot read it. FP8 training steps run at the H200's 700 W limit, so their time
     follows their energy: joules per step say where a step's time goes."""
-    device = _nvml_device(torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
+    device = _nvml_device(torch.cuda.current_device())
     if device is None:
         return None
     nvml, handle = device
