@@ -7,6 +7,10 @@ are timed; the choice is listed, kept for later calls, and skipped inside a CUDA
 arguments are refused with what would be accepted.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -121,6 +125,25 @@ def test_all_zero_output_is_not_taken_as_agreement():
     a = _fp8(m, k, E4M3)
     assert torch.equal(_ext().fp8_gemm(a, b, one, one, torch.bfloat16, False), _scaled_mm(a, b, one, one, torch.bfloat16, False))
     assert len(scaled_mm.algorithm_choices()) == before + 1
+
+
+def test_timing_turned_off_takes_the_heuristics_first():
+    """GRAPHQUANT_GEMM_TUNING=0 (read once per process, so in a fresh one): a shape large enough to
+    be timed is listed with nothing timed, chosen index 0, and the same bits."""
+    program = """
+import torch
+from graphquant import kernels, scaled_mm
+a = (torch.randn(2048, 2048, device="cuda") * 4).to(torch.float8_e4m3fn)
+b = torch.randn(2048, 2048, device="cuda").to(torch.float8_e4m3fn)
+one = torch.tensor(1.0, device="cuda")
+out = kernels.native().fp8_gemm(a, b, one, one, torch.bfloat16, True)
+assert torch.equal(out, torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True))
+(choice,) = [dict(zip(scaled_mm.ALGORITHM_FIELDS, c)) for c in scaled_mm.algorithm_choices()]
+assert choice["chosen"] == 0 and choice["chosen us"] == choice["first us"] == 0, choice
+"""
+    env = {**os.environ, "GRAPHQUANT_GEMM_TUNING": "0"}
+    result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
 
 
 def test_fp8_gemm_refuses_bad_arguments():

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -32,6 +33,16 @@ constexpr size_t kMaxTuned = 256;
 // in a seconds-long round robin 13%). Then kRounds round-robin windows of ~kWindowMs a candidate.
 constexpr float kHeatMs = 150, kWindowMs = 5;
 constexpr int kRounds = 3;
+
+// GRAPHQUANT_GEMM_TUNING=0 turns the timing off: every shape takes the heuristic's first (the same
+// bits), without the ~0.3 s that timing costs a new shape once (serving many distinct shapes).
+bool timing_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("GRAPHQUANT_GEMM_TUNING");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return enabled;
+}
 
 struct Entry {
   cublasLtMatmulAlgo_t algo;
@@ -195,7 +206,7 @@ void matmul(const Problem& p) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     const bool outside_graph = capture == cudaStreamCaptureStatusNone;  // no timing inside a CUDA graph
-    const bool timing = outside_graph && may_time && found.size() > 1 && p.flops >= kTunedFlops;
+    const bool timing = outside_graph && may_time && timing_enabled() && found.size() > 1 && p.flops >= kTunedFlops;
     const std::optional<Entry> tuned = timing ? tune(handle, p, found, stream) : std::nullopt;
     entry = tuned ? *tuned
                   : Entry{found[0].algo, found[0].workspaceSize,
