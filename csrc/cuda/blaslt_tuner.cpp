@@ -25,8 +25,9 @@ constexpr uint64_t kMaxWorkspaceBytes = uint64_t(32) << 20;  // what cuBLAS take
 // Below this many flops (~15 us on an H200) a GEMM takes the heuristic's first: timing would cost
 // more than it could save.
 constexpr double kTunedFlops = 2.0 * double(int64_t(1) << 33);
-// Shapes timed per process: past this (dynamic shapes), new shapes take the heuristic's first.
-constexpr size_t kMaxTuned = 256;
+// Shapes timed per process (a training step has a few dozen): past this (dynamic shapes), new
+// shapes take the heuristic's first, so timing costs at most ~20 s in all.
+constexpr size_t kMaxTuned = 64;
 // Before timing, the first runs for kHeatMs: sustained FP8 GEMMs hold the H200 below its boost
 // clock (the power limit), a training step runs at that clock, and the candidates rank differently
 // there (FFN gate/up on the H200: the best at boost 3.5% faster than the first, after the heat 7%,
