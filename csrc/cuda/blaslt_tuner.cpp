@@ -45,10 +45,15 @@ bool timing_enabled() {
   return enabled;
 }
 
-struct Entry {
+// What a call needs to run the chosen algorithm (copied out of the cache on every call).
+struct Chosen {
   cublasLtMatmulAlgo_t algo;
   size_t workspace_bytes;
-  Choice choice;
+};
+
+struct Entry {
+  Chosen chosen;
+  Choice choice;  // for the choices table only
 };
 
 std::mutex mutex;
@@ -176,7 +181,7 @@ std::optional<Entry> tune(cublasLtHandle_t handle, const Problem& p,
   }
   const size_t best = std::min_element(median.begin(), median.end()) - median.begin();
   const auto& algo = found[agreeing[best]].algo;
-  return Entry{algo, found[agreeing[best]].workspaceSize,
+  return Entry{{algo, found[agreeing[best]].workspaceSize},
                described(p, algo, int64_t(found.size()), int64_t(agreeing.size()), int64_t(agreeing[best]),
                          1000 * median[0], 1000 * median[best])};
 }
@@ -195,32 +200,33 @@ void matmul(const Problem& p) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   std::vector<int64_t> key = p.key;
   key.insert(key.end(), {int64_t(p.out.get_device()), alignment(p.a), alignment(p.b), alignment(p.out)});
-  std::optional<Entry> entry;
+  std::optional<Chosen> chosen;
   bool may_time = false;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (const auto it = cache.find(key); it != cache.end()) entry = it->second;
+    if (const auto it = cache.find(key); it != cache.end()) chosen = it->second.chosen;
     may_time = tuned_count < kMaxTuned;
   }
-  if (!entry) {
+  if (!chosen) {
     const auto found = candidates(handle, p);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     const bool outside_graph = capture == cudaStreamCaptureStatusNone;  // no timing inside a CUDA graph
     const bool timing = outside_graph && may_time && timing_enabled() && found.size() > 1 && p.flops >= kTunedFlops;
     const std::optional<Entry> tuned = timing ? tune(handle, p, found, stream) : std::nullopt;
-    entry = tuned ? *tuned
-                  : Entry{found[0].algo, found[0].workspaceSize,
-                          described(p, found[0].algo, int64_t(found.size()), 1, 0, 0, 0)};
+    const Entry entry = tuned ? *tuned
+                              : Entry{{found[0].algo, found[0].workspaceSize},
+                                      described(p, found[0].algo, int64_t(found.size()), 1, 0, 0, 0)};
     if (outside_graph && timing == tuned.has_value()) {  // not where tune() declined (all-zero output)
       std::lock_guard<std::mutex> lock(mutex);
       tuned_count += tuned.has_value();
-      cache.emplace(std::move(key), *entry);
+      cache.emplace(std::move(key), entry);
     }
     if (tuned) return;  // tune() left out written by the chosen algorithm
+    chosen = entry.chosen;
   }
-  const at::Tensor workspace = at::empty({int64_t(entry->workspace_bytes)}, p.out.options().dtype(at::kByte));
-  TORCH_CUDABLAS_CHECK(launch(handle, p, entry->algo, workspace.data_ptr(), entry->workspace_bytes, stream));
+  const at::Tensor workspace = at::empty({int64_t(chosen->workspace_bytes)}, p.out.options().dtype(at::kByte));
+  TORCH_CUDABLAS_CHECK(launch(handle, p, chosen->algo, workspace.data_ptr(), chosen->workspace_bytes, stream));
 }
 
 std::vector<Choice> choices() {
