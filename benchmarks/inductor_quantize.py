@@ -1,72 +1,75 @@
-"""How fast Inductor runs the per-tensor FP8 quantize that graphquant traces into a SwiGLU FFN.
+"""How fast Inductor takes the per-tensor amax that graphquant traces into a SwiGLU FFN, by the
+shape the reduction is written in.
 
-Current scaling needs two passes over a tensor that Inductor fuses into its producer: an amax
-reduction, then the cast (rowwise and transposed copies). This prints both for the FFN's largest
-tensors (16384x14336 bf16): h = silu(gate) * up in the forward, and its two gradients in the
-backward, with the amax taken flat (``x.abs().amax()``, a split reduction) or by rows first
-(``graphquant.formats.fp8.tensor_amax``), under Inductor's default kernel configs and under its
-coordinate-descent tuning. GB/s counts the bytes each kernel must move.
+Current scaling needs an amax pass over each quantized tensor before its cast; traced, Inductor
+fuses it into the tensor's producer. max is exact in any order, so the reduction may be written in
+any shape: flat (``x.abs().amax()``, a split reduction), by rows (``amax(-1)`` first), or over
+the flat tensor cut into chunks of a fixed length (a persistent reduction where the chunk is
+short). This times each for the FFN's quantized tensors: h = silu(gate) * up in the forward
+(16384x14336) and its two gradients in the backward (graphquant's ``fp8.tensor_amax`` takes
+these rows in chunks of 512).
+GB/s counts the bytes each amax must read. (A weight's amax, ~30 us, is too short to time
+this way: a compiled call's host work, ~60 us, outlasts it.)
 
-    python benchmarks/inductor_quantize.py
+    python benchmarks/inductor_quantize.py [--coordinate-descent]
 """
+
+import argparse
 
 import torch
 import torch.nn.functional as F
-from common import time_ms
+from common import alternate, time_ms
 from tabulate import tabulate
 
-from graphquant.formats import fp8
+M, HIDDEN = 16384, 14336
+CHUNKS = (512, 1024, 2048, 4096)
 
-M, N = 16384, 14336
-TILE_BYTES = M * N * 2  # one bf16 (M, N) tensor
+
+def flat(x):
+    return x.abs().amax().float()
+
+
+def rows(x):
+    return x.abs().amax(-1).amax().float()
+
+
+def chunks_of(length):
+    return lambda x: x.abs().reshape(-1, length).amax(-1).amax().float()
 
 
 def swiglu_grads(dh, gate, up):
     return torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)
 
 
-def flat_amax(x):
-    return x.abs().amax().float()
-
-
-def forward_amax(amax):
-    return lambda gate, up: amax(F.silu(gate) * up)
-
-
-def backward_amax(amax):
-    return lambda dh, gate, up: tuple(amax(g) for g in swiglu_grads(dh, gate, up))
-
-
-def backward_cast(dh, gate, up, scale):
-    """Both gradients as E5M2, rowwise and transposed: the four copies their GEMMs read."""
-    copies = []
-    for g in swiglu_grads(dh, gate, up):
-        data = fp8.cast_to_fp8(g.float() * scale, "e5m2")
-        copies += [data, data.t().contiguous()]
-    return copies
+PRODUCERS = {
+    # name: (the tensors an amax reads, given an amax function, and the shapes of its inputs)
+    "h = silu(gate) * up": (lambda amax: lambda gate, up: amax(F.silu(gate) * up), [(M, HIDDEN)] * 2),
+    "SwiGLU gradients": (lambda amax: lambda dh, gate, up: [amax(g) for g in swiglu_grads(dh, gate, up)], [(M, HIDDEN)] * 3),
+}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--coordinate-descent", action="store_true", help="compile with Inductor's coordinate-descent tuning")
+    args = parser.parse_args()
+    options = {"coordinate_descent_tuning": True} if args.coordinate_descent else {}
+    amaxes = {"flat": flat, "rows": rows, **{f"chunks of {n}": chunks_of(n) for n in CHUNKS}}
     g = torch.Generator(device="cuda").manual_seed(0)
-    dh, gate, up = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    scale = torch.tensor(3.0, device="cuda")
-    cases = [
-        ("forward amax, flat", forward_amax(flat_amax), (gate, up), 2 * TILE_BYTES),
-        ("forward amax, rows first", forward_amax(fp8.tensor_amax), (gate, up), 2 * TILE_BYTES),
-        ("backward amax, flat", backward_amax(flat_amax), (dh, gate, up), 3 * TILE_BYTES),
-        ("backward amax, rows first", backward_amax(fp8.tensor_amax), (dh, gate, up), 3 * TILE_BYTES),
-        ("backward cast, 4 copies", backward_cast, (dh, gate, up, scale), 3 * TILE_BYTES + 2 * TILE_BYTES),
-    ]
-    copy_us = time_ms(lambda: dh.clone()) * 1e3
-    rows = [["device-to-device copy", "eager", copy_us, 2 * TILE_BYTES / copy_us / 1e3]]
-    for configs, options in (("default", {}), ("coordinate descent", {"coordinate_descent_tuning": True})):
-        for name, fn, args, nbytes in cases:
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, options=options)
-            us = time_ms(lambda: compiled(*args)) * 1e3
-            rows.append([name, configs, us, nbytes / us / 1e3])
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(tabulate(rows, headers=["kernel", "Inductor configs", "us", "GB/s"], floatfmt=".1f"))
+    rows_out = []
+    probe = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    copy_us = time_ms(lambda: probe.clone()) * 1e3
+    rows_out.append(["device-to-device copy", "", copy_us, probe.numel() * 4 / copy_us / 1e3])
+    for producer, (make, shapes) in PRODUCERS.items():
+        inputs = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes]
+        torch._dynamo.reset()  # each producer's variants share code objects: static shapes, own cache
+        compiled = {name: torch.compile(make(amax), dynamic=False, options=options) for name, amax in amaxes.items()}
+        fns = {name: lambda fn=fn: fn(*inputs) for name, fn in compiled.items()}
+        nbytes = sum(x.numel() * x.element_size() for x in inputs)
+        for name, ms in alternate(fns, rounds=3).items():
+            rows_out.append([producer, name, ms * 1e3, nbytes / ms / 1e6])
+    configs = "coordinate-descent" if args.coordinate_descent else "default"
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, Inductor {configs} configs")
+    print(tabulate(rows_out, headers=["amax of", "reduction", "us", "GB/s"], floatfmt=".1f"))
 
 
 if __name__ == "__main__":

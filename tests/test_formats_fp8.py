@@ -130,6 +130,17 @@ def test_tensor_amax():
     assert empty.dtype == torch.float32 and empty.shape == () and empty.item() == 0.0
 
 
+@pytest.mark.parametrize("columns", [4096, 5120, 5000])  # whole rows, chunks, rows that chunks would not tile
+def test_tensor_amax_of_long_rows(columns):
+    x = torch.randn(3, columns, generator=torch.Generator().manual_seed(columns)).to(torch.bfloat16)
+    x[2, columns - 1] = -7.5
+    assert fp8.tensor_amax(x).item() == 7.5 == x.float().abs().max().item()
+    x[1, 100] = NAN
+    assert torch.isnan(fp8.tensor_amax(x))
+    transposed = x[:, :4096].t()  # not contiguous
+    assert torch.isnan(fp8.tensor_amax(transposed))
+
+
 @pytest.mark.parametrize(
     "fmt, amax, kwargs, expected",
     [

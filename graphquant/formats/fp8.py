@@ -30,17 +30,28 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     return torch.clamp(x, -limit, limit).to(FP8_DTYPES[fp8_dtype])
 
 
+_LOOPED_ROW = 4096  # elements; Inductor loops over longer rows
+_CHUNK = 512
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 0-dim tensor; NaN propagates, an empty tensor gives 0.
 
     Taken in x's own dtype and then widened: abs and max are exact and rounding to fp32 is
-    monotonic, so this equals max(|x.float()|). Row maxima first: traced, Inductor makes that a
-    row reduction fused into x's producer, which ran 4-10% faster on the H200 than the split
-    reduction it makes of a flat one (benchmarks/NOTES.md); max is exact in any order.
+    monotonic, so this equals max(|x.float()|). max is exact in any order, so the reduction takes
+    the shape Inductor runs fastest when traced into x's producer (benchmarks/inductor_quantize.py
+    on the H200): row maxima first, not a split reduction of the flat tensor (4-10% faster); a row
+    longer than ``_LOOPED_ROW`` elements, which Inductor would loop over, in chunks of ``_CHUNK``
+    (a SwiGLU's h 8-13% faster, its gradients 4%). Shorter rows stay whole, so a norm's output
+    takes its amax in the norm's own row kernel.
     """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.abs().amax(-1).amax().to(torch.float32)
+    magnitudes = x.abs()
+    if x.dim() > 1 and x.shape[-1] > _LOOPED_ROW and x.shape[-1] % _CHUNK == 0:
+        magnitudes = magnitudes.reshape(-1, _CHUNK)
+    return magnitudes.amax(-1).amax().to(torch.float32)
+
 
 
 def scale_from_amax(
