@@ -50,6 +50,7 @@ def time_ms(
     ``joules``, if given, receives each sample's GPU energy per call where NVML can read it."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()  # the warmup's energy is not the first sample's
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,14 +72,16 @@ def alternate(
 ) -> dict[str, float]:
     """Median over ``rounds`` of each function's time, the functions taking turns every round so
     that drift on a shared GPU touches them all alike. ``joules``, if given, receives each
-    function's median GPU energy per call, where NVML can read it."""
+    function's mean GPU energy per call, where NVML can read it: the mean, because NVML's counter
+    advances in steps, so one sample sees a whole number of them (a median over samples shorter
+    than a few steps put the H200's power at up to 926 W against its 700 W limit)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     energy: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in turns(list(fns), r):
             samples[name].append(time_ms(fns[name], joules=energy[name] if joules is not None else None, **kwargs))
     if joules is not None:
-        joules.update({name: statistics.median(values) for name, values in energy.items() if values})
+        joules.update({name: statistics.fmean(values) for name, values in energy.items() if values})
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
