@@ -240,13 +240,17 @@ def measure(
     flops = sum(2 * m * n * k for m, n, k in shapes) + attention_flops(base, BATCH, SEQ)
     bound = fp8_gemm_bound(shapes) + sdpa_ms(base, x)
     baseline = min(ms.get("bf16 eager", float("inf")), ms.get("bf16 torch.compile", float("inf")))
-    rows = [[model_name, "FP8-GEMM-only bound", f"{bound:.1f}", f"{flops / bound / 1e9:.0f}", f"{baseline / bound:.2f}x", "", "1.00", "", ""]]
+
+    def speedup(ms_step: float) -> str:  # blank where no bf16 config ran
+        return f"{baseline / ms_step:.2f}x" if baseline < float("inf") else ""
+
+    rows = [[model_name, "FP8-GEMM-only bound", f"{bound:.1f}", f"{flops / bound / 1e9:.0f}", speedup(bound), "", "1.00", "", ""]]
     for name in names:
         energy = [f"{joules[name]:.1f}", f"{joules[name] / ms[name] * 1000:.0f}"] if name in joules else ["", ""]
         # A CUDA graph's memory is its private pool, allocated at capture: a replay allocates nothing.
         peak = "" if name.endswith("(cudagraphs)") else f"{peaks[name]:.2f}"
         rows.append([
-            model_name, name, f"{ms[name]:.1f}", f"{flops / ms[name] / 1e9:.0f}", f"{baseline / ms[name]:.2f}x",
+            model_name, name, f"{ms[name]:.1f}", f"{flops / ms[name] / 1e9:.0f}", speedup(ms[name]),
             peak, f"{ms[name] / bound:.2f}", *energy,
         ])
     return rows
