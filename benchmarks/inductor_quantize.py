@@ -7,9 +7,10 @@ any shape: flat (``x.abs().amax()``, a split reduction), by rows (``amax(-1)`` f
 the flat tensor cut into chunks of a fixed length (a persistent reduction where the chunk is
 short). This times each for the FFN's quantized tensors: h = silu(gate) * up in the forward
 (16384x14336) and its two gradients in the backward (graphquant's ``fp8.tensor_amax`` takes
-these rows in chunks of 512).
-GB/s counts the bytes each amax must read. (A weight's amax, ~30 us, is too short to time
-this way: a compiled call's host work, ~60 us, outlasts it.)
+these rows in chunks of 512); the RMSNorm output, whose row reduction the amax can join, and a
+plain sum (16384x4096, as the down projection's grad_output); and eight 14336x4096 weights in one
+call (one weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is 5
+calls back to back. GB/s counts the bytes each amax must read.
 
     python benchmarks/inductor_quantize.py [--coordinate-descent]
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from common import alternate, time_ms
 from tabulate import tabulate
 
-M, HIDDEN = 16384, 14336
+M, DIM, HIDDEN = 16384, 4096, 14336
 CHUNKS = (512, 1024, 2048, 4096)
 
 
@@ -41,10 +42,19 @@ def swiglu_grads(dh, gate, up):
     return torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)
 
 
+def rms_norm(x, weight):
+    """benchmarks/models.RMSNorm's forward."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    return normed.to(x.dtype) * weight
+
+
 PRODUCERS = {
     # name: (the tensors an amax reads, given an amax function, and the shapes of its inputs)
     "h = silu(gate) * up": (lambda amax: lambda gate, up: amax(F.silu(gate) * up), [(M, HIDDEN)] * 2),
     "SwiGLU gradients": (lambda amax: lambda dh, gate, up: [amax(g) for g in swiglu_grads(dh, gate, up)], [(M, HIDDEN)] * 3),
+    "RMSNorm output": (lambda amax: lambda x, weight: amax(rms_norm(x, weight)), [(M, DIM), (DIM,)]),
+    "a + b": (lambda amax: lambda a, b: amax(a + b), [(M, DIM)] * 2),
+    "8 weights 14336x4096": (lambda amax: lambda *weights: [amax(w) for w in weights], [(HIDDEN, DIM)] * 8),
 }
 
 
@@ -65,7 +75,7 @@ def main() -> None:
         compiled = {name: torch.compile(make(amax), dynamic=False, options=options) for name, amax in amaxes.items()}
         fns = {name: lambda fn=fn: fn(*inputs) for name, fn in compiled.items()}
         nbytes = sum(x.numel() * x.element_size() for x in inputs)
-        for name, ms in alternate(fns, rounds=3).items():
+        for name, ms in alternate(fns, rounds=3, inner=5).items():
             rows_out.append([producer, name, ms * 1e3, nbytes / ms / 1e6])
     configs = "coordinate-descent" if args.coordinate_descent else "default"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, Inductor {configs} configs")
