@@ -10,13 +10,16 @@ step with the average power over the timed samples (NVML's energy counter; FP8 s
 power limit, so their time follows their energy). Asked for by name,
 "bf16 torch.compile", "graphquant tensorwise" and "torchao tensorwise" also run with Inductor's
 coordinate-descent tuning (the name with " (coordinate descent)"), beside their defaults; its
-tuning takes about two minutes per FFN config on the H200 (tenth session).
+tuning takes about two minutes per FFN config on the H200 (tenth session). "graphquant
+tensorwise" and "torchao tensorwise" also run with fast accumulation in dgrad and wgrad (the name
+with " (fast accumulation everywhere)"), a user's choice in both libraries, not their default.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -44,7 +47,11 @@ TORCHAO = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # A compiled config's name with this suffix compiles with Inductor's coordinate-descent tuning:
 # measured only when asked for by name, side by side with the default.
 COORDINATE_DESCENT = " (coordinate descent)"
+# With this suffix, dgrad and wgrad accumulate in the tensor cores' accumulator too (fprop does by
+# default, in both libraries): CustomRecipe.fast_accumulation, torchao's Float8GemmConfig.
+FAST_EVERYWHERE = " (fast accumulation everywhere)"
 OPT_IN = [f"{name}{COORDINATE_DESCENT}" for name in ("bf16 torch.compile", "graphquant tensorwise", "torchao tensorwise")]
+OPT_IN += [f"{name}{FAST_EVERYWHERE}" for name in ("graphquant tensorwise", "torchao tensorwise")]
 
 
 def build(config: str, model: torch.nn.Module, compile_mode: str | None):
@@ -55,15 +62,22 @@ def build(config: str, model: torch.nn.Module, compile_mode: str | None):
     options = {**(list_mode_options(compile_mode) if compile_mode else {})}
     if config.endswith(COORDINATE_DESCENT):
         config, options["coordinate_descent_tuning"] = config.removesuffix(COORDINATE_DESCENT), True
+    fast_everywhere, config = config.endswith(FAST_EVERYWHERE), config.removesuffix(FAST_EVERYWHERE)
     if config == "bf16 torch.compile":
         return torch.compile(model, options=options)
     if config in GRAPHQUANT:
         mode = "reduce-overhead" if config.endswith("(cudagraphs)") else None
-        return graphquant.compile(model, GRAPHQUANT[config](), compile_mode=mode, options=options)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        recipe = GRAPHQUANT[config]()
+        if fast_everywhere:
+            recipe = dataclasses.replace(recipe, fast_accumulation=recipes.GEMM_NAMES)
+        return graphquant.compile(model, recipe, compile_mode=mode, options=options)
+    from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
-    name = config.removeprefix("torchao ")
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(name))
+    ao_config = Float8LinearConfig.from_recipe_name(config.removeprefix("torchao "))
+    if fast_everywhere:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        ao_config = dataclasses.replace(ao_config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    convert_to_float8_training(model, config=ao_config)
     return torch.compile(model, options=options)
 
 
@@ -75,7 +89,8 @@ def configs(requested: list[str] | None) -> list[str]:
         names += [f"torchao {n}" for n in TORCHAO]
     except ImportError:
         print("torchao is not importable: its rows are left out", file=sys.stderr)
-    names += [n for n in OPT_IN if requested is not None and n in requested]
+    # An opt-in variant runs where its base config does.
+    names += [n for n in OPT_IN if requested is not None and n in requested and n.split(" (")[0] in names]
     return [n for n in names if requested is None or n in requested]
 
 

@@ -103,9 +103,12 @@ def select(
     device: torch.device,
     dims: Optional[tuple[Optional[int], Optional[int], Optional[int]]] = None,
     batch: Optional[int] = 1,
+    fast_accumulation: bool = False,
 ) -> Selection:
     """Classify the pair for ``device``; ``dims`` is (m, n, k) of each group's out[m, n] = A @ B^T
-    (None where unknown), ``batch`` the number of groups."""
+    (None where unknown), ``batch`` the number of groups. ``fast_accumulation``: the recipe lets
+    this GEMM sum in the tensor cores' accumulator (CustomRecipe.fast_accumulation), which the
+    per-tensor and per-row FP8 GEMMs then do."""
     if a.hadamard(a_direction) != b.hadamard(b_direction):
         with_rht = a if a.hadamard(a_direction) else b
         return Selection(
@@ -130,8 +133,7 @@ def select(
                 return Selection(
                     EMULATED, EMULATION, f"{backend} needs m, n, k multiples of {multiple}; got {dims}"
                 )
-            fprop = a_direction == b_direction == ROWWISE
-            if fprop and backend in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED):
+            if fast_accumulation and backend in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED):
                 backend += scaled_mm.FAST_ACCUMULATION
             return Selection(NATIVE, backend)
     if type(a) is not type(b):
@@ -140,7 +142,12 @@ def select(
 
 
 def gemm(
-    a: Representation, b: Representation, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+    a: Representation,
+    b: Representation,
+    batch: int,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on the backend ``select``
     names for this pair; every backend adds the bias before rounding to out_dtype."""
@@ -150,7 +157,9 @@ def gemm(
             f"a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
             f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
         )
-    selection = select(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch)
+    selection = select(
+        a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch, fast_accumulation
+    )
     if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
         return scaled_mm.run(selection.backend, a, b, out_dtype, bias).unsqueeze(0)
     return emulation.gemm(a, b, batch, out_dtype, bias)

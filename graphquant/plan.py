@@ -27,7 +27,7 @@ from graphquant.quantizers import (
     Quantizer,
     parse_spec,
 )
-from graphquant.recipes import CustomRecipe
+from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
 from graphquant.ops import grouped
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
@@ -72,6 +72,7 @@ class Plan:
     slots: tuple[tuple[QuantizerRole, Quantizer], ...]
     gemms: tuple[GemmPlan, ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION  # the recipe's (CustomRecipe)
 
     def quantizer(self, role: QuantizerRole) -> Quantizer:
         return dict(self.slots)[role]
@@ -104,6 +105,7 @@ class Plan:
                 "slots": [{"role": dataclasses.asdict(r), "quantizer": q.spec} for r, q in self.slots],
                 "gemms": [dataclasses.asdict(g) for g in self.gemms],
                 "skipped": [{"node": what, "reason": why} for what, why in self.skipped],
+                "fast_accumulation": list(self.fast_accumulation),
             },
             indent=2,
         )
@@ -117,6 +119,7 @@ class Plan:
             slots=tuple((QuantizerRole(**s["role"]), parse_spec(s["quantizer"])) for s in doc["slots"]),
             gemms=tuple(GemmPlan(**g) for g in doc["gemms"]),
             skipped=tuple((s["node"], s["reason"]) for s in doc["skipped"]),
+            fast_accumulation=tuple(doc.get("fast_accumulation", DEFAULT_FAST_ACCUMULATION)),  # older dumps lack it
         )
 
     @classmethod
@@ -128,6 +131,7 @@ class Plan:
             slots=tuple(slots.items()),
             gemms=tuple(g for plan in plans for g in plan.gemms),
             skipped=tuple(s for plan in plans for s in plan.skipped),
+            fast_accumulation=plans[0].fast_accumulation,
         )
 
 
@@ -206,7 +210,8 @@ class Planner:
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
-                selection = backends.select(qa, da, qb, db, device, dims[gemm], batch)
+                fast = gemm in self.recipe.fast_accumulation
+                selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
                     selection = backends.Selection(backends.EMULATED, backends.EMULATION, "no native grouped GEMM yet")
                 entry = GemmPlan(
@@ -223,7 +228,13 @@ class Planner:
                 )
                 self._check_bucket(entry)
                 gemms.append(entry)
-        plan = Plan(device=str(device), slots=tuple(slots.items()), gemms=tuple(gemms), skipped=tuple(skipped))
+        plan = Plan(
+            device=str(device),
+            slots=tuple(slots.items()),
+            gemms=tuple(gemms),
+            skipped=tuple(skipped),
+            fast_accumulation=self.recipe.fast_accumulation,
+        )
         self._warn_unmatched_names(plan)
         if gemms and all(isinstance(q, IdentityQuantizer) for q in operand_quantizers):
             warnings.warn(

@@ -13,6 +13,9 @@ from graphquant.roles import QuantizerRole
 
 QuantizerFactory = Callable[[Optional[QuantizerRole]], Union[Quantizer, DelayedScalingRequest]]
 
+GEMM_NAMES = ("fprop", "dgrad", "wgrad")
+DEFAULT_FAST_ACCUMULATION = ("fprop",)  # TE's and torchao's
+
 
 @dataclasses.dataclass(frozen=True)
 class CustomRecipe:
@@ -25,15 +28,25 @@ class CustomRecipe:
         matches no GEMM of the compiled model (a filter that silently matches nothing).
     amax_reduction_group: the process group over which per-tensor scaling all-reduces its amax
         (quantizers with with_amax_reduction / reduce_amax); None means no reduction.
+    fast_accumulation: the GEMMs (of "fprop", "dgrad", "wgrad") whose per-tensor and per-row FP8
+        products sum in the tensor cores' own accumulator, never promoted to fp32: faster, and
+        looser (TE's use_split_accumulator=False, torchao's use_fast_accum); the default, fprop
+        only, is TE's and torchao's. FP8 block GEMMs always promote (cuBLAS requires it).
     """
 
     qfactory: QuantizerFactory
     expected_names: tuple[str, ...] = ()
     amax_reduction_group: object = dataclasses.field(default=None, compare=False)
+    fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION
 
     def __post_init__(self) -> None:
         if self.qfactory is None or not callable(self.qfactory):
             raise ValueError("CustomRecipe requires a callable qfactory(role) -> Quantizer")
+        if not isinstance(self.fast_accumulation, tuple) or not set(self.fast_accumulation) <= set(GEMM_NAMES):
+            raise ValueError(
+                f"CustomRecipe's fast_accumulation must be a tuple of GEMM names from {GEMM_NAMES}; "
+                f"got {self.fast_accumulation!r}"
+            )
 
     def __getstate__(self) -> dict:
         factory = self.qfactory.func if isinstance(self.qfactory, functools.partial) else self.qfactory

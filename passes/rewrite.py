@@ -21,6 +21,7 @@ from torch import fx
 from graphquant.ops import gemm_site, grouped
 from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.plan import Plan, PlanError
+from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.roles import QuantizerRole
 
 class WeightKey(NamedTuple):
@@ -99,6 +100,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight
         )
         if amax_group is not None and site.form != GROUPED:
             kwargs["amax_group"] = amax_group
+        if plan.fast_accumulation != DEFAULT_FAST_ACCUMULATION:
+            kwargs["fast_accumulation"] = plan.fast_accumulation
         args, form_kwargs = _arguments(node, site)
         weight = args[1] if site.form == LINEAR else None
         if isinstance(weight, fx.Node) and weight.op == "placeholder" and cache_weight(roles[1]):

@@ -1,6 +1,7 @@
 """Graph dumps, and golden tests that pin the rewritten graph and the plan table of two small
 models: any change to either is a reviewed diff (EXPECTTEST_ACCEPT=1 rewrites the goldens)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -109,6 +110,17 @@ class TestDumps(expecttest.TestCase):
         self.assertEqual(rewritten.count("graphquant_ops_gemm_site_quantized_linear("), 2)
         self.assertNotIn("torch._C._nn.linear(", rewritten)
         self.assertIn("input = 'fp8_current(fp8_dtype=e4m3)'", rewritten)
+
+    def test_a_recipes_fast_accumulation_is_in_every_call_and_the_plan(self):
+        everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
+        files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
+        self.assertEqual(files["graph_000_rewritten.py"].count("fast_accumulation = ('fprop', 'dgrad', 'wgrad')"), 2)
+        plan = Plan.from_json(files["graph_000_plan.json"])
+        self.assertEqual(plan.fast_accumulation, ("fprop", "dgrad", "wgrad"))
+        torch._dynamo.reset()
+        default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only: not spelled out
+        self.assertNotIn("fast_accumulation", default["graph_000_rewritten.py"])
+        self.assertEqual(Plan.from_json(default["graph_000_plan.json"]).fast_accumulation, ("fprop",))
 
     def test_environment_variable_and_recompiles_get_their_own_files(self):
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"GRAPHQUANT_DUMP": tmp}):

@@ -51,24 +51,25 @@ def _reference(a, b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
-def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db):
+def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation):
     torch.manual_seed(0)
     m, n, k = 256, 384, 512
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
-    selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k))
+    selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.endswith(scaled_mm.FAST_ACCUMULATION)
     assert selection.backend.removesuffix(scaled_mm.FAST_ACCUMULATION) == expected
-    assert fast == (gemm == "fprop" and expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED))
-    out = backends.gemm(a, b, 1, torch.float32)[0].double()
+    assert fast == (fast_accumulation and expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED))
+    out = backends.gemm(a, b, 1, torch.float32, None, fast_accumulation)[0].double()
     ref = _reference(a, b)
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
     # |err| <= k * 2^-24 * sum|a||b|. Hopper's FP8 tensor cores keep about 14 mantissa bits in the
     # accumulator within one MMA k-step (32 products) before cuBLAS promotes the partial sum to
     # fp32, so each term can carry up to 32 * 2^-14 = 2^-9 of relative error there.
-    # With fast accumulation (fprop) nothing is promoted: up to k * 2^-14 per unit of sum|a||b|.
+    # With fast accumulation nothing is promoted: up to k * 2^-14 per unit of sum|a||b|.
     # The rowwise path returns bf16 (2^-9 relative rounding of the result).
     native_bound = k * 2.0**-14 if fast else 2.0**-9
     bound = magnitude * (native_bound if selection.bucket == backends.NATIVE else k * 2.0**-24)
@@ -98,6 +99,22 @@ def test_1x128_scales_need_no_relayout_for_the_blockwise_gemm(direction):
     args, _ = scaled_mm.arguments(scaled_mm.BLOCKWISE, a, b, torch.bfloat16)
     assert args[2].data_ptr() == a.scale.data_ptr() and args[2].stride() == (1, 256)
     assert args[3].data_ptr() == b.scale.data_ptr() and args[3].stride() == (128, 1)
+
+
+@pytest.mark.parametrize("fast_accumulation", [False, True])
+def test_fast_accumulation_is_the_callers_choice_for_per_tensor_and_per_row_fp8(monkeypatch, fast_accumulation):
+    """On a Hopper (capability faked), any GEMM direction takes fast accumulation exactly when asked,
+    except FP8 block GEMMs, which cuBLAS always promotes."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backends.select.cache_clear()
+    try:
+        for _, qa, qb, expected in PAIRS:
+            for _, da, db in LAYOUTS:
+                backend = backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512), 1, fast_accumulation).backend
+                may = expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED)
+                assert backend == expected + (scaled_mm.FAST_ACCUMULATION if fast_accumulation and may else "")
+    finally:
+        backends.select.cache_clear()
 
 
 def test_planner_choices_on_cpu_are_emulated_except_high_precision():

@@ -107,7 +107,8 @@ def test_linear_bias_is_added_in_the_gemm_and_its_gradient_made_by_the_grad_outp
     assert torch.equal(y, gemm_site.quantized_linear(x, w, None, **formats) + bias)  # fp32: the sum rounds once either way
     assert torch.equal(bias.grad, dy.sum(0))
     gemms = [args for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
-    assert gemms[0][-1] is bias, "the forward GEMM takes the bias"
+    bias_index = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments].index("bias")
+    assert gemms[0][bias_index] is bias, "the forward GEMM takes the bias"
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
     # NVFP4 is made by a kernel: grad_output's two directions and the bias gradient in one call.
     assert [(q[2], q[3], q[-1]) for q in quantizes if q[0].shape == dy.shape] == [(True, True, True)]
@@ -150,3 +151,17 @@ def test_backward_runs_wgrad_before_dgrad():
     products = [tuple(args[3]) + tuple(args[7]) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
     # (a's logical shape, b's): wgrad reads grad_output (128, 64) and x (128, 96); dgrad grad_output and w (64, 96)
     assert products == [(128, 64, 128, 96), (128, 64, 64, 96)]
+
+
+def test_each_gemm_gets_the_recipes_fast_accumulation():
+    """fprop, wgrad and dgrad (the backward runs wgrad first) each pass their own flag to the GEMM op."""
+    x, w = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True)
+    spec = Float8CurrentScalingQuantizer().spec
+    formats = dict(name="fc", call=0, input=spec, weight=spec, grad_output=spec)
+    fast_index = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments].index("fast_accumulation")
+    for fast_accumulation, expected in [(("fprop",), [True, False, False]), (("dgrad", "wgrad"), [False, True, True])]:
+        with _OpCalls() as mode:
+            gemm_site.quantized_linear(x, w, None, fast_accumulation=fast_accumulation, **formats).sum().backward()
+        # The dispatcher drops trailing arguments that equal their defaults (False here).
+        flags = [len(args) > fast_index and args[fast_index] for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
+        assert flags == expected, fast_accumulation

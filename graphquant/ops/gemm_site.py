@@ -32,6 +32,7 @@ from graphquant.quantizers import (
     QuantizeContext,
     Quantizer,
 )
+from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +206,11 @@ def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dic
         state.delayed.copy_(torch.cat([scale, history]))
 
 
-def _gemm(a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _gemm(
+    a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast: bool = False
+) -> torch.Tensor:
     return torch.ops.graphquant.gemm(
-        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias, fast
     )
 
 
@@ -222,10 +225,15 @@ class Site:
     batch: int
     call: int = 0
     amax_group: Optional[str] = None
+    fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION  # CustomRecipe.fast_accumulation
 
     @property
     def label(self) -> str:
         return f"{self.name}#{self.call}"
+
+    def fast(self, gemm: str) -> bool:
+        """Whether ``gemm`` ("fprop", "dgrad", "wgrad") may sum in the tensor cores' accumulator."""
+        return gemm in self.fast_accumulation
 
 
 # graphquant.numerics listens here: while ``recording(fn)`` is active, each GEMM calls
@@ -266,7 +274,7 @@ class QuantizedGemm(torch.autograd.Function):
         out_dtype = torch.promote_types(x.dtype, w.dtype)
         # graphquant.numerics measures the GEMM alone: while it records, the bias is added after.
         fused = bias if _recorder is None else None
-        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, fused)
+        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, fused, site.fast("fprop"))
 
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
         ctx.site, ctx.stream = site, streams[2]
@@ -296,16 +304,23 @@ class QuantizedGemm(torch.autograd.Function):
         # wgrad first: its input operand (a SwiGLU's h, or h's FP8 copy) is then freed before
         # dgrad's output (as large, for a down projection) is allocated.
         if need_dw:
-            dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1]).reshape(-1, x_col.shape[1])
+            dw = _gemm(gq[COLUMNWISE], x_col, site.batch, ctx.dtypes[1], fast=site.fast("wgrad"))
+            dw = dw.reshape(-1, x_col.shape[1])
             _record(site, "wgrad", dy2d, gq[COLUMNWISE], x, x_col, dw)
         if need_dx:
-            dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0]).reshape(-1, w_col.shape[1])
+            dx = _gemm(gq[ROWWISE], w_col, site.batch, ctx.dtypes[0], fast=site.fast("dgrad"))
+            dx = dx.reshape(-1, w_col.shape[1])
             _record(site, "dgrad", dy2d, gq[ROWWISE], w, w_col, dx)
         return dx, dw, dbias, None, None, None, None, None, None
 
 
-def _product(x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None, bias=None):
-    site = Site(name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group)
+def _product(
+    x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None, bias=None,
+    fast_accumulation=DEFAULT_FAST_ACCUMULATION,
+):
+    site = Site(
+        name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group, fast_accumulation
+    )
     return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, streams)
 
 
@@ -324,32 +339,35 @@ def quantized_linear(
     streams=(0, 1, 2),
     weight_rowwise=None,
     amax_group=None,
+    fast_accumulation=DEFAULT_FAST_ACCUMULATION,
 ):
     """F.linear(x, w, bias) with input, weight and grad_output in the formats named.
 
     weight_rowwise: the weight's rowwise representation, already made (inference keeps one per
     weight version); then no autograd formula is needed and the weight is not quantized here.
+    fast_accumulation: the GEMMs that may sum in the tensor cores' accumulator (the recipe's).
     """
     x2d = x.reshape(-1, x.shape[-1])
     if weight_rowwise is None:
         y = _product(
             x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
-            streams=streams, amax_group=amax_group, bias=bias,
+            streams=streams, amax_group=amax_group, bias=bias, fast_accumulation=fast_accumulation,
         )
     else:
         state = SlotState(states[0], rng, streams[0], amax_group)
-        y = _inference_product(x2d, w, weight_rowwise, bias, input=input, weight=weight, state=state)
+        fast = "fprop" in fast_accumulation
+        y = _inference_product(x2d, w, weight_rowwise, bias, input=input, weight=weight, state=state, fast=fast)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _inference_product(x2d, w, weight_rowwise, bias, *, input, weight, state):
+def _inference_product(x2d, w, weight_rowwise, bias, *, input, weight, state, fast):
     x_quantizer = quantizer_of(input)
     x2d = x2d.detach()  # inference: nothing flows back through this product, even with grad enabled
     xq, _ = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
     update_delayed_scaling(x_quantizer, state, xq)
     w_operand = Operand(list(weight_rowwise), quantizer_of(weight).child(ROWWISE).spec, ROWWISE, (w.shape[0], w.shape[1]))
     bias = None if bias is None else bias.detach()
-    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype), bias)
+    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype), bias, fast)
 
 
 def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
@@ -360,7 +378,7 @@ def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
 
 def quantized_matmul(
     a, b, *, name, call, input, grad_output, other=None, weight=None, states=(None, None, None), rng=None, streams=(0, 1, 2),
-    amax_group=None,
+    amax_group=None, fast_accumulation=DEFAULT_FAST_ACCUMULATION,
 ):
     """a @ b (matmul, mm, bmm) with a as input and b as other; b is quantized as b^T (n, k).
 
@@ -371,13 +389,14 @@ def quantized_matmul(
     if b.dim() == 2:
         y = _product(
             a.reshape(-1, k), b.t(), 1, name=name, call=call, input=input, weight=other, grad_output=grad_output,
-            states=states, rng=rng, streams=streams, amax_group=amax_group,
+            states=states, rng=rng, streams=streams, amax_group=amax_group, fast_accumulation=fast_accumulation,
         )
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
     y = _product(
         a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, call=call, input=input,
         weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams, amax_group=amax_group,
+        fast_accumulation=fast_accumulation,
     )
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
@@ -390,7 +409,8 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, **site):
 
 
 def quantized_einsum(
-    equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2), amax_group=None
+    equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2), amax_group=None,
+    fast_accumulation=DEFAULT_FAST_ACCUMULATION,
 ):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul."""
     plan = plan_einsum(equation, tuple(a.shape), tuple(b.shape))
@@ -399,6 +419,6 @@ def quantized_einsum(
     w = b.permute(plan.b_perm).reshape(-1, k)
     y = _product(
         x, w, batch, name=name, call=call, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
-        streams=streams, amax_group=amax_group,
+        streams=streams, amax_group=amax_group, fast_accumulation=fast_accumulation,
     )
     return y.reshape(plan.y_shape).permute(plan.out_perm)
