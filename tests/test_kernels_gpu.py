@@ -9,6 +9,10 @@ zeros, subnormals, huge values, infinities and NaNs mixed in.
 from __future__ import annotations
 
 import itertools
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,14 +157,59 @@ def test_quantize_matches_reference(backend, name, direction, dtype, values):
         assert_same_rep(native, REFERENCE(quantizer, x, direction, CTX), f"{name} {shape}")
 
 
+# Both directions: whole 128x128 tiles (on the GPU, 8-bit pairs from 2-byte inputs take the
+# register tile program there) and partial ones (the generic tile program).
+BOTH_SHAPES = ((256, 384), (640, 1152), (200, 136))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_both_directions_in_one_pass(backend, name, dtype):
     quantizer = QUANTIZERS[name]()
-    x = make_input((256, 384), dtype, "special", backend)
-    rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
-    assert_same_rep(rowwise, REFERENCE(quantizer, x, ROWWISE, CTX), "rowwise")
-    assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, CTX), "columnwise")
+    for n, shape in enumerate(BOTH_SHAPES):
+        if not (supported(quantizer, shape, ROWWISE) and supported(quantizer, shape, COLUMNWISE)):
+            continue
+        x = make_input(shape, dtype, "special" if n != 1 else "normal", backend, seed=n)
+        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
+        assert_same_rep(rowwise, REFERENCE(quantizer, x, ROWWISE, CTX), f"rowwise {shape}")
+        assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, CTX), f"columnwise {shape}")
+
+
+def test_register_tile_program_turned_off_gives_the_same_bits(backend, tmp_path):
+    """GRAPHQUANT_REGISTER_TILE=0 (read once per process, so in a fresh one) sends the whole-tile
+    launches of 8-bit formats to the generic tile program: the same bits as this process's, for
+    every format and pair the register program takes, one direction or both, special values
+    included."""
+    if backend == "cpu":
+        pytest.skip("the CPU build has the generic tile program only")
+    names = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_block_1d", "fp8_block_2d_e5m2", "mxfp8_e4m3", "mxfp8_e5m2")
+    program = f"""
+import sys, torch
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+from test_kernels_gpu import CTX, QUANTIZERS, make_input
+from graphquant import kernels
+from graphquant.quantizers import HybridQuantizer
+out = {{}}
+for n, (row, col) in enumerate((r, c) for r in {names!r} for c in {names!r}):
+    for dtype in (torch.bfloat16, torch.float16):
+        x = make_input((384, 256), dtype, ("special", "special_finite", "normal")[n % 3], "cuda", seed=n)
+        hybrid = HybridQuantizer(QUANTIZERS[row](), QUANTIZERS[col]())
+        reps = [*kernels.quantize_hybrid(hybrid, x, CTX), *(kernels.quantize(hybrid, x, d, CTX) for d in ("rowwise", "columnwise"))]
+        out[row, col, str(dtype)] = [t.cpu() for rep in reps for t in (rep.data, rep.scale, rep.amax) if t is not None]
+torch.save(out, sys.argv[1])
+"""
+    results = []
+    for value in ("1", "0"):
+        path = tmp_path / f"tile{value}.pt"
+        env = {**os.environ, "GRAPHQUANT_REGISTER_TILE": value}
+        result = subprocess.run([sys.executable, "-c", program, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        results.append(torch.load(path))
+    register, generic = results
+    assert register.keys() == generic.keys()
+    for key in register:
+        for a, b in zip(register[key], generic[key]):
+            assert_same(a, b, str(key))
 
 
 @pytest.mark.parametrize("name", QUANTIZERS)

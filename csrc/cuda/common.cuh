@@ -65,6 +65,15 @@ GQ_HD bool is_inf(float f) { return (f2u(f) & 0x7FFFFFFFu) == 0x7F800000u; }
 GQ_HD uint32_t abs_bits(float f) { return f2u(f) & 0x7FFFFFFFu; }
 GQ_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
+// Two unsigned 16-bit maxima at once.
+GQ_HD uint32_t umax_halves(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  return umax(a & 0xFFFFu, b & 0xFFFFu) | (umax(a >> 16, b >> 16) << 16);
+#endif
+}
+
 // torch.clamp: NaN passes through.
 GQ_HD float clamp_nan(float v, float lo, float hi) {
   if (is_nan(v)) return v;

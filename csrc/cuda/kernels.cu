@@ -5,6 +5,7 @@
 #include "finish.cuh"
 #include "launch.cuh"
 #include "params.h"
+#include "register_tile.cuh"
 
 namespace gq {
 
@@ -55,6 +56,7 @@ cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream);
 }  // namespace
 
 void launch_tile(int dtype, int row_format, int col_format, const TileParams& p, void* stream) {
+  if (launch_register_tile(dtype, row_format, col_format, p, stream)) return;
   const TileLauncher launch = dtype == kBF16  ? tile_launcher<InBF16>(row_format, col_format)
                               : dtype == kF16 ? tile_launcher<InF16>(row_format, col_format)
                                               : tile_launcher<InF32>(row_format, col_format);

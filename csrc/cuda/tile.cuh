@@ -134,15 +134,6 @@ GQ_HD uint32_t chunk_amax(const float v[16]) {
   return m;
 }
 
-// Two unsigned 16-bit maxima at once.
-GQ_HD uint32_t umax_halves(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __vmaxu2(a, b);
-#else
-  return umax(a & 0xFFFFu, b & 0xFFFFu) | (umax(a >> 16, b >> 16) << 16);
-#endif
-}
-
 // chunk_amax of a row chunk, from the stored bits: |x|'s bits order bf16 and f16 values as their
 // magnitudes do (NaN above inf), so two elements compare at once and only the maximum converts.
 template <class In, class Smem>
