@@ -38,7 +38,6 @@ struct Smem {
   uint32_t rowamax[kTile][4];  // per row, each 32-column block's amax (fp32 bits)
   float rowmult[kTile][4];     // the rowwise encode factor per row and 32-column block (1x128: [row][0])
   float colmult[4][kTile];     // the columnwise one per 32-row block and column (128x1: [0][column])
-  uint32_t tile_amax;          // fp32 bits
   // Transposed columnwise bytes: row c holds column c; its 8-byte slot s lies at s ^ (c / 8 % 16),
   // so the 16 lanes storing one column each of a half warp hit 16 different slots (banks).
   alignas(16) uint8_t stage[C == kPerTensor || C == kBlock ? kTile : 1][kTile];
@@ -158,7 +157,6 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     for (int offset = 16; offset > 0; offset >>= 1) m = umax_halves(m, __shfl_xor_sync(kWarp, m, offset));
     const uint32_t amax = amax_bits<In>(fold(m));
     if (lane == 0) {
-      s.tile_amax = amax;
       if (p.acc.row_global) atomic_umax(p.acc.row_global, amax);
       if (p.acc.col_global) atomic_umax(p.acc.col_global, amax);
       if (row_2d) {
