@@ -1,6 +1,7 @@
 // Device kernels and launchers for the small programs (finalize, dbias, dequantize) and the
-// dispatch from runtime (dtype, rowwise format, columnwise format) to the tile instantiations,
-// which live in tile_<dtype>.cu so that they compile in parallel (only declared here).
+// dispatch from runtime (dtype, rowwise format, columnwise format) to the register tile program
+// where it takes the launch, else to the tile instantiations, which live in tile_<dtype>.cu so
+// that they compile in parallel (only declared here).
 #include "dequantize.cuh"
 #include "finish.cuh"
 #include "launch.cuh"
