@@ -55,10 +55,13 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const int r = slot_of(row_format), c = slot_of(col_format);
   const bool whole_tiles = p.M > 0 && p.K > 0 && p.M % register_tile::kTile == 0 && p.K % register_tile::kTile == 0 &&
                            (p.M / register_tile::kTile) * (p.K / register_tile::kTile) <= INT32_MAX;
-  const bool plain = p.main && !p.dq_source && !p.col_rht && p.vec_load && p.group_start == nullptr &&
-                     p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
-                     (row_format == kNone || p.row.data != nullptr) && (col_format == kNone || p.col.data != nullptr);
-  if (!enabled() || r < 0 || c < 0 || (r == 3 && c == 3) || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !plain) return false;
+  // None of what only the generic program does: dequantized sources, transforms, groups, dbias,
+  // per-row or per-column amaxes, unaligned rows, pre-passes, directions without an output.
+  const bool options = p.main && !p.dq_source && !p.col_rht && p.vec_load && p.group_start == nullptr &&
+                       p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
+                       (row_format == kNone || p.row.data != nullptr) && (col_format == kNone || p.col.data != nullptr);
+  const bool formats = r >= 0 && c >= 0 && !(row_format == kNone && col_format == kNone);
+  if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;
   const Launcher launch = dtype == kBF16 ? launcher<InBF16>(r, c) : launcher<InF16>(r, c);
   launch(p, stream);
   check_launch("quantize");
