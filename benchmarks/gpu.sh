@@ -22,7 +22,8 @@ for i in "${!steps[@]}"; do
            python3 -c "import graphquant, graphquant._C as C; print('cuda kernels built:', C.cuda_built)" ;;
     tests) python3 -m pytest -q -m gpu ${GQ_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
-    quantize) [ -f benchmarks/quantize.py ] && python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize.txt" ;;
+    quantize) # GRAPHQUANT_REGISTER_TILE=0 (the generic tile program alone) writes its own table
+              python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize${GRAPHQUANT_REGISTER_TILE+_register_tile_$GRAPHQUANT_REGISTER_TILE}.txt" ;;
     inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
     ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E InBF16ELi5ELi5E; do  # MXFP8 rowwise, both; NVFP4 both (first launch of each)
            ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \
