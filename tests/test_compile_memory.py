@@ -167,3 +167,19 @@ def test_gradient_transposes_come_from_their_rowwise_copies():
     dgrad_reads = re.findall(r"graphquant\.gemm\.default\(\[(\w+), \w+, \w+\], 'fp8_current\(fp8_dtype=e5m2\)', 'rowwise'", backward)
     transposed = re.findall(r"graphquant\.transposed\.default\((\w+)\)", backward)
     assert len(dgrad_reads) == 3 and sorted(dgrad_reads) == sorted(transposed), (dgrad_reads, transposed)
+
+
+def test_per_tensor_weights_columnwise_copies_are_recomputed_from_the_parameters():
+    """A per-tensor weight's amax and rowwise copy come from one graphquant::quantize call, and its
+    columnwise copy is traced from that amax: backward recomputes that copy from the parameter,
+    which lives anyway, and keeps no FP8 copy of any weight (a decoder layer's memory peak on the
+    H200 would rise above bf16's with them)."""
+    from graphquant import zoo
+
+    model = models.seeded(models.SwiGLU(dim=256, hidden=512))
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
+    tape = GemmTape()
+    alive = train_step(graphquant.compile(model, zoo.recipe("tensorwise"), backend=tape.backend, fullgraph=True), model, x)
+    weight_shapes = {shape for p in model.parameters() if p.dim() == 2 for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
+    kept = [(tuple(t.shape), t.dtype) for t in saved_activations(tape.saved, alive) if t.dtype.itemsize == 1]
+    assert kept and not [k for k in kept if k[0] in weight_shapes], kept

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphquant.ops import gemm_site
 from graphquant.ops.gemm_site import SlotState, _quantize_direction
 from graphquant.quantizers import (
+    COLUMNWISE,
     ROWWISE,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -16,6 +17,7 @@ from graphquant.quantizers import (
     HybridQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
+    QuantizeContext,
 )
 
 SPECS = [
@@ -136,7 +138,28 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
         gemm_site.quantized_linear(x, w, None, **formats).backward(torch.randn(128, 64))
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
     made = [((128, 128), True, True), ((128, 64), True, True)]  # x, grad_output
-    assert [(tuple(q[0].shape), q[2], q[3]) for q in quantizes] == (made if one_call else [])
+    weight = [((64, 128), True, False)] if isinstance(quantizer, Float8CurrentScalingQuantizer) else []  # quantize_weight
+    assert [(tuple(q[0].shape), q[2], q[3]) for q in quantizes] == (made if one_call else []) + weight
+
+
+@pytest.mark.parametrize("quantizer", [Float8CurrentScalingQuantizer(), Float8CurrentScalingQuantizer("e5m2", True, 1e-3)])
+def test_per_tensor_weight_takes_its_amax_and_rowwise_copy_from_one_call(quantizer):
+    """A parameter's traced amax and cast fuse with nothing, so a per-tensor current-scaling
+    weight's amax and rowwise copy come from one graphquant::quantize call; its columnwise copy
+    is traced from that amax (the backward recomputes it from the parameter). Both equal the
+    quantizer's own representations, bit for bit."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) * torch.exp2(torch.randint(-8, 9, (64, 1)).float())
+    state = SlotState(None, None, 1)
+    with _OpCalls() as mode:
+        operands = gemm_site.quantize_weight(w, quantizer, (ROWWISE, COLUMNWISE), state)
+    quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
+    assert [(q[2], q[3]) for q in quantizes] == [(True, False)]
+    ctx = QuantizeContext()
+    for direction, reference in ((ROWWISE, quantizer.quantize_rowwise(w, ctx)), (COLUMNWISE, quantizer.quantize_columnwise(w, ctx))):
+        for made, expected in zip(operands[direction].tensors, reference.tensors()):
+            assert made.dtype == expected.dtype and made.shape == expected.shape, direction
+            assert torch.equal(made.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), direction  # bits
 
 
 def test_backward_runs_wgrad_before_dgrad():

@@ -23,11 +23,13 @@ class _PerTensorFloat8(Quantizer):
 
     tag = "_fp8_per_tensor"  # abstract; never in a spec
 
-    def _encode(self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], direction: str) -> Representation:
+    def _encode(
+        self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], direction: str, amax: torch.Tensor
+    ) -> Representation:
         scale, scale_inv = scales
         transposed = self.transposed(direction)
         data = per_tensor.quantize(x, scale, self.fp8_dtype, transpose=transposed)
-        return self.representation(direction, x.shape, x.dtype, data, scale_inv, fp8.tensor_amax(x))
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv, amax)
 
     def transposed(self, direction: str) -> bool:
         return direction == COLUMNWISE
@@ -59,21 +61,33 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def __post_init__(self) -> None:
         check_fp8_dtype(self, self.fp8_dtype)
 
-    def scales(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv) from this tensor's amax, the MAX over ``ctx.amax_group`` with
-        with_amax_reduction (every rank then gets the same scale)."""
+    def amax(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> torch.Tensor:
+        """This tensor's amax, the MAX over ``ctx.amax_group`` with with_amax_reduction (every rank
+        then gets the same scale)."""
         amax = fp8.tensor_amax(x)
         if self.with_amax_reduction and ctx is not None and ctx.amax_group is not None:
             from graphquant.distributed import all_reduce_amax
 
             amax = all_reduce_amax(amax, ctx.amax_group)
+        return amax
+
+    def scales(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) from ``amax(x, ctx)``."""
+        return self._scales_from(self.amax(x, ctx))
+
+    def _scales_from(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8.scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scales(x, ctx), ROWWISE)
+        return self.quantize_from_amax(x, self.amax(x, ctx), ROWWISE)
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self.scales(x, ctx), COLUMNWISE)
+        return self.quantize_from_amax(x, self.amax(x, ctx), COLUMNWISE)
+
+    def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
+        """x in ``direction`` with its amax already taken (by the kernel that made the other
+        direction): the scale follows from it, and x is read once more for the cast alone."""
+        return self._encode(x, self._scales_from(amax), direction, amax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +128,10 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
         return ctx.scale, torch.reciprocal(ctx.scale)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self._scales(ctx), ROWWISE)
+        return self._encode(x, self._scales(ctx), ROWWISE, fp8.tensor_amax(x))
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
-        return self._encode(x, self._scales(ctx), COLUMNWISE)
+        return self._encode(x, self._scales(ctx), COLUMNWISE, fp8.tensor_amax(x))
 
     def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""
