@@ -188,3 +188,19 @@ def test_each_gemm_gets_the_recipes_fast_accumulation():
         # The dispatcher drops trailing arguments that equal their defaults (False here).
         flags = [len(args) > fast_index and args[fast_index] for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
         assert flags == expected, fast_accumulation
+
+
+def test_only_a_contiguous_weight_takes_the_one_call():
+    """quantize_weight's one call is for a linear's (n, k) weight: an activation as a product's
+    other operand (attention's k) keeps its traced amax, fused into its producer, and a weight
+    used as x @ w (a transposed view) stays traced rather than be copied first."""
+    torch.manual_seed(0)
+    spec = Float8CurrentScalingQuantizer().spec
+    a, b = torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 64, 32, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    formats = dict(name="mm", call=0, input=spec, grad_output=spec, rng=torch.tensor([1, 2]))
+    for kwargs in (dict(other=spec), dict(weight=spec)):
+        with _OpCalls() as mode:
+            rhs = b if "other" in kwargs else w
+            gemm_site.quantized_matmul(a, rhs, **formats, **kwargs).sum().backward()
+        assert not [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default], kwargs

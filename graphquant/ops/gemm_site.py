@@ -117,7 +117,8 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
     TB/s (an 8B FFN's w1: 64.5 us amax, 56 us cast) where the kernels run near copy bandwidth. Its
     columnwise copy stays traced, from that amax.
     """
-    if not (isinstance(quantizer, Float8CurrentScalingQuantizer) and not quantizer.with_amax_reduction):
+    per_tensor = isinstance(quantizer, Float8CurrentScalingQuantizer) and not quantizer.with_amax_reduction
+    if not (per_tensor and w.is_contiguous()):  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)
     if COLUMNWISE in directions:
@@ -245,6 +246,7 @@ class Site:
     call: int = 0
     amax_group: Optional[str] = None
     fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION  # CustomRecipe.fast_accumulation
+    w_is_parameter: bool = False  # w is a linear's weight (quantize_weight), not an activation
 
     @property
     def label(self) -> str:
@@ -287,7 +289,11 @@ class QuantizedGemm(torch.autograd.Function):
         x_state = SlotState(x_delayed, rng, streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, streams[1], site.amax_group)
         xq, _ = quantize_tensor(x, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
-        wq = quantize_weight(w, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), w_state)
+        w_directions = (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)
+        if site.w_is_parameter:
+            wq = quantize_weight(w, site.w, w_directions, w_state)
+        else:
+            wq, _ = quantize_tensor(w, site.w, w_directions, w_state, one_read=False)
         update_delayed_scaling(site.x, x_state, xq)
         update_delayed_scaling(site.w, w_state, wq)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
@@ -335,10 +341,11 @@ class QuantizedGemm(torch.autograd.Function):
 
 def _product(
     x2d, w2d, batch, *, name, call, input, weight, grad_output, states, rng, streams, amax_group=None, bias=None,
-    fast_accumulation=DEFAULT_FAST_ACCUMULATION,
+    fast_accumulation=DEFAULT_FAST_ACCUMULATION, w_is_parameter=False,
 ):
     site = Site(
-        name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group, fast_accumulation
+        name, quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output), batch, call, amax_group, fast_accumulation,
+        w_is_parameter,
     )
     return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, streams)
 
@@ -370,7 +377,7 @@ def quantized_linear(
     if weight_rowwise is None:
         y = _product(
             x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
-            streams=streams, amax_group=amax_group, bias=bias, fast_accumulation=fast_accumulation,
+            streams=streams, amax_group=amax_group, bias=bias, fast_accumulation=fast_accumulation, w_is_parameter=True,
         )
     else:
         state = SlotState(states[0], rng, streams[0], amax_group)
@@ -403,19 +410,20 @@ def quantized_matmul(
 
     A product whose b is a Parameter is a linear site: its format then comes as ``weight``.
     """
-    other = weight if other is None else other
+    parameter, other = other is None, weight if other is None else other
     k = a.shape[-1]
     if b.dim() == 2:
         y = _product(
             a.reshape(-1, k), b.t(), 1, name=name, call=call, input=input, weight=other, grad_output=grad_output,
             states=states, rng=rng, streams=streams, amax_group=amax_group, fast_accumulation=fast_accumulation,
+            w_is_parameter=parameter,
         )
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
     y = _product(
         a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), name=name, call=call, input=input,
         weight=other, grad_output=grad_output, states=states, rng=rng, streams=streams, amax_group=amax_group,
-        fast_accumulation=fast_accumulation,
+        fast_accumulation=fast_accumulation, w_is_parameter=parameter,
     )
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
