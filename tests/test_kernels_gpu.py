@@ -48,6 +48,7 @@ QUANTIZERS = {
     "mxfp8_e5m2": lambda: MXFP8Quantizer(fp8_dtype="e5m2"),
     "nvfp4": lambda: NVFP4Quantizer(),
     "nvfp4_2d": lambda: NVFP4Quantizer(with_2d_quantization=True),
+    "nvfp4_sr": lambda: NVFP4Quantizer(stochastic_rounding=True),
     "nvfp4_rht_sr_rowscaled": lambda: NVFP4Quantizer(
         with_rht=True, with_post_rht_amax=True, stochastic_rounding=True, row_scaled_nvfp4=True
     ),
@@ -157,8 +158,8 @@ def test_quantize_matches_reference(backend, name, direction, dtype, values):
         assert_same_rep(native, REFERENCE(quantizer, x, direction, CTX), f"{name} {shape}")
 
 
-# Both directions: whole 128x128 tiles (on the GPU, 8-bit pairs from 2-byte inputs take the
-# register tile program there) and partial ones (the generic tile program).
+# Both directions: whole 128x128 tiles (on the GPU, 2-byte inputs take the register tile program
+# there, but for NVFP4's transform and per-row amaxes) and partial ones (the generic tile program).
 BOTH_SHAPES = ((256, 384), (640, 1152), (200, 136))
 
 
@@ -177,12 +178,13 @@ def test_both_directions_in_one_pass(backend, name, dtype):
 
 def test_register_tile_program_turned_off_gives_the_same_bits(backend, tmp_path):
     """GRAPHQUANT_REGISTER_TILE=0 (read once per process, so in a fresh one) sends the whole-tile
-    launches of 8-bit formats to the generic tile program: the same bits as this process's, for
-    every format and pair the register program takes, one direction or both, special values
+    launches that the register program takes to the generic tile program: the same bits as this
+    process's, for every format and pair it takes, one direction or both, special values
     included."""
     if backend == "cpu":
         pytest.skip("the CPU build has the generic tile program only")
-    names = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_block_1d", "fp8_block_2d_e5m2", "mxfp8_e4m3", "mxfp8_e5m2")
+    names = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_block_1d", "fp8_block_2d_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
+             "nvfp4", "nvfp4_2d", "nvfp4_sr")
     program = f"""
 import sys, torch
 sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
@@ -337,7 +339,7 @@ def test_stochastic_rounding_reproducible_and_unbiased(backend):
     assert error_sr < error_rn / 8, f"mean error {error_sr} vs round-to-nearest {error_rn}"
 
 
-@pytest.mark.parametrize("name", ("nvfp4_rht_sr_rowscaled", "nvfp4_rht_nosign_2d_sr"))
+@pytest.mark.parametrize("name", ("nvfp4_sr", "nvfp4_rht_sr_rowscaled", "nvfp4_rht_nosign_2d_sr"))
 def test_stochastic_rounding_key_made_on_the_device(backend, name):
     """A compiled model's [seed, step] stays on the device: the kernels make the key from it there,
     bit-identical to the host's key for seed and offset = step * STREAMS_PER_STEP + stream (a

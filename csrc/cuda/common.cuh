@@ -15,6 +15,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include "params.h"
+
 #if defined(__CUDACC__)
 #include <cuda_fp8.h>
 #endif
@@ -311,6 +313,13 @@ GQ_HD uint32_t random_bits_at(uint32_t stream, uint32_t index_lo) { return fmix3
 
 GQ_HD uint32_t random_bits(uint32_t key, uint64_t index) {
   return random_bits_at(random_stream(key, uint32_t(index >> 32)), uint32_t(index));
+}
+
+// The stochastic-rounding key of an encoder: made here from the device's [seed, step] where the
+// call passed them (so the host never reads them), else the host's.
+GQ_HD uint32_t sr_key_of(const Encoder& e) {
+  if (!e.sr || !e.rng) return e.key;
+  return sr_key(uint64_t(e.rng[0]), uint64_t(e.rng[1]) * kStreamsPerStep + uint64_t(e.rng_offset), uint32_t(e.key_stream));
 }
 
 // -- random Hadamard transform of one 16-element chunk (nvfp4.hadamard_transform) ---------------

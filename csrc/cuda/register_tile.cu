@@ -1,5 +1,5 @@
-// The register tile program's instantiations (2-byte inputs, each direction's 8-bit format or
-// none) and the test of whether it takes a launch.
+// The register tile program's instantiations (2-byte inputs, each direction's format or none)
+// and the test of whether it takes a launch.
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -16,7 +16,7 @@ using Launcher = void (*)(const TileParams&, void*);
 // The formats the program encodes (a direction may be none), in the order of the tables below;
 // -1: not one of them.
 int slot_of(int format) {
-  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNone ? 3 : -1;
+  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : -1;
 }
 
 template <class In, int R, int C>
@@ -26,8 +26,8 @@ constexpr Launcher launcher_of() {
 }
 
 template <class In, int R>
-constexpr Launcher kLaunchers[4] = {launcher_of<In, R, kPerTensor>(), launcher_of<In, R, kBlock>(), launcher_of<In, R, kMX>(),
-                                    launcher_of<In, R, kNone>()};
+constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor>(), launcher_of<In, R, kBlock>(), launcher_of<In, R, kMX>(),
+                                    launcher_of<In, R, kNV>(), launcher_of<In, R, kNone>()};
 
 template <class In>
 Launcher launcher(int row_slot, int col_slot) {
@@ -35,6 +35,7 @@ Launcher launcher(int row_slot, int col_slot) {
     case 0: return kLaunchers<In, kPerTensor>[col_slot];
     case 1: return kLaunchers<In, kBlock>[col_slot];
     case 2: return kLaunchers<In, kMX>[col_slot];
+    case 3: return kLaunchers<In, kNV>[col_slot];
     default: return kLaunchers<In, kNone>[col_slot];
   }
 }
@@ -56,9 +57,12 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const bool whole_tiles = p.M > 0 && p.K > 0 && p.M % register_tile::kTile == 0 && p.K % register_tile::kTile == 0 &&
                            (p.M / register_tile::kTile) * (p.K / register_tile::kTile) <= INT32_MAX;
   // None of what only the generic program does: dequantized sources, transforms, groups, dbias,
-  // per-row or per-column amaxes, unaligned rows, pre-passes, directions without an output.
+  // per-row or per-column amaxes, unaligned rows, pre-passes, directions without an output, and
+  // random bits whose index passes 2^32 (which would take a second stream).
+  const bool stochastic = (row_format == kNV && p.row.sr) || (col_format == kNV && p.col.sr);
   const bool options = p.main && !p.dq_source && !p.col_rht && p.vec_load && p.group_start == nullptr &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
+                       !(row_format == kNV && p.row.row_scaled) && !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr) && (col_format == kNone || p.col.data != nullptr);
   const bool formats = r >= 0 && c >= 0 && !(row_format == kNone && col_format == kNone);
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;

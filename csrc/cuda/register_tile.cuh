@@ -1,5 +1,6 @@
-// The register tile program: one or both directions of 8-bit formats (per-tensor FP8, FP8 blocks
-// of 1x128 or 128x128, MXFP8) for a 2-byte input whose 128x128 tiles are all whole.
+// The register tile program: one or both directions of the formats training quantizes most
+// (per-tensor FP8, FP8 blocks of 1x128 or 128x128, MXFP8, and NVFP4 in 1x16 or 16x16 blocks,
+// rounded to nearest or stochastically) for a 2-byte input whose 128x128 tiles are all whole.
 //
 // The generic tile program (tile.cuh) serves every format, edge and option from a shared-memory
 // tile that each phase reads again; ncu found it bound by the ALU pipe, not by memory, and its
@@ -7,11 +8,13 @@
 // each thread keeps an 8x8 block of the tile in registers as loaded (16-byte loads, whole rows a
 // warp), takes the row side's amaxes by warp shuffles and the column side's from the packed
 // halves of its registers, and only the block scales (computed once per block, not once per
-// chunk) and the transposed column bytes pass through shared memory.
+// chunk) and the transposed column bytes pass through shared memory. NVFP4's random Hadamard
+// transform, its per-row amaxes and stochastic rounding past 2^32 elements stay generic.
 //
 // Thread mapping (256 threads, 8 warps): lane l of warp w holds rows 16w + 8(l/16) .. +7 and
-// columns 8(l%16) .. +7 of the tile, so the 16 lanes of a half warp cover a tile row's 256 bytes
-// and a 32-element MXFP8 row block lies in 4 neighbouring lanes.
+// columns 8(l%16) .. +7 of the tile, so the 16 lanes of a half warp cover a tile row's 256 bytes,
+// a 32-element MXFP8 row block lies in 4 neighbouring lanes, a 16-element NVFP4 one in 2, and an
+// NVFP4 column block's 16 rows in lanes l and l ^ 16.
 //
 // On the H200 (benchmarks/NOTES.md rows 55-57): both directions at 73-87% of copy bandwidth (the
 // generic program 62-66%), one direction at 80-92%. Neither a persistent form that copies its next
@@ -38,15 +41,27 @@ constexpr int kTile = 128, kThreads = 256;
 constexpr uint32_t kMagnitudes = 0x7FFF7FFFu;  // |x| of two 2-byte floats in a word
 constexpr unsigned kWarp = 0xFFFFFFFFu;
 
-template <int C>
+template <int F>
+constexpr bool kEightBit = F == kPerTensor || F == kBlock || F == kMX;
+// The blocks of a tile row (or column) whose amaxes and factors a side keeps: 16 elements long for
+// NVFP4, else 32 (MXFP8's, and four per FP8 1x128 block).
+template <int F>
+constexpr int kBlocks = F == kNV ? 8 : 4;
+// Columnwise outputs transposed to (K, M), through the stage; MXFP8 keeps x's (M, K) layout.
+template <int F>
+constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV;
+
+template <int R, int C>
 struct Smem {
-  uint32_t colpart[8][64];     // per warp, each column's amax over its 16 rows: two columns a word (input bits)
-  uint32_t rowamax[kTile][4];  // per row, each 32-column block's amax (fp32 bits)
-  float rowmult[kTile][4];     // the rowwise encode factor per row and 32-column block (1x128: [row][0])
-  float colmult[4][kTile];     // the columnwise one per 32-row block and column (128x1: [0][column])
-  // Transposed columnwise bytes: row c holds column c; its 8-byte slot s lies at s ^ (c / 8 % 16),
-  // so the 16 lanes storing one column each of a half warp hit 16 different slots (banks).
-  alignas(16) uint8_t stage[C == kPerTensor || C == kBlock ? kTile : 1][kTile];
+  uint32_t colpart[8][64];             // per warp, each column's amax over its 16 rows: two columns a word (input bits)
+  uint32_t rowamax[kTile][kBlocks<R>];  // per row, each block's amax (fp32 bits)
+  float rowmult[kTile][kBlocks<R>];     // the rowwise encode factor per row and block (1x128: [row][0])
+  float colmult[kBlocks<C>][kTile];     // the columnwise one per block and column (128x1: [0][column])
+  uint32_t square[8][8];                // NVFP4 16x16 blocks' amaxes [row / 16][column / 16]
+  // Transposed columnwise output: row c holds column c, 128 bytes (FP8) or 64 (NVFP4). FP8's 8-byte
+  // slot s lies at s ^ (c / 8 % 16), NVFP4's 4-byte one likewise, so that the lanes of a half warp,
+  // storing one column each, hit different banks.
+  alignas(16) uint8_t stage[kStaged<C> ? kTile : 1][C == kNV ? kTile / 2 : kTile];
 };
 
 __device__ __forceinline__ uint32_t fold(uint32_t halves) { return umax(halves & 0xFFFFu, halves >> 16); }
@@ -95,6 +110,38 @@ __device__ __forceinline__ float mx_factor(const Encoder& e, uint32_t amax, uint
   return mx_encode_multiplier(biased);
 }
 
+// Four NVFP4 blocks' E4M3 scales as one word (the first in the low byte) and their encode factors.
+__device__ __forceinline__ uint32_t nv_factors(const NvGlobal& g, const uint32_t amax[4], float factor[4]) {
+  uint32_t bytes = 0;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const uint8_t scale = nv_block_scale(u2f(amax[b]), g.mult);
+    factor[b] = nv_encode_factor(scale, g.s_dec);
+    bytes |= uint32_t(scale) << (8 * b);
+  }
+  return bytes;
+}
+
+// The E2M1 code of y: to nearest even, or stochastically with the bits of `index` in `stream`.
+template <bool kStochastic>
+__device__ __forceinline__ uint32_t e2m1_code(float y, uint32_t stream, uint32_t index) {
+  if constexpr (kStochastic) return e2m1_stochastic(y, random_bits_at(stream, index));
+  else return e2m1_nearest(y);
+}
+
+// f(std::true_type) or f(std::false_type) as `on` says; a flag that cannot be on (kAsk false)
+// takes the false form only, so code that a launch never runs is not generated.
+template <bool kAsk, class F>
+__device__ __forceinline__ void with_flag(bool on, F&& f) {
+  if constexpr (kAsk) {
+    if (on) {
+      f(std::true_type{});
+      return;
+    }
+  }
+  f(std::false_type{});
+}
+
 // Tile `cta` of the launch, in bands of kBand tile rows taken column by column: the 4-byte block
 // scales of neighbouring tiles (a column's 128x1 scales lie along tile rows, a row's 1x128 ones
 // along tile columns) then share 32-byte sectors written by CTAs that run together.
@@ -111,14 +158,15 @@ __device__ __forceinline__ TilePlace place(uint32_t cta, uint32_t tiles_x, uint3
 
 template <class In, int R, int C>
 __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TileParams p) {
-  __shared__ Smem<C> s;
+  __shared__ Smem<R, C> s;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t tiles_x = uint32_t(p.K / kTile), tiles_y = uint32_t(p.M / kTile);
   const TilePlace at = place(blockIdx.x, tiles_x, tiles_y);
   const uint32_t by = at.by;
   const int64_t row0 = int64_t(by) * kTile, col0 = int64_t(at.bx) * kTile;
   const int r0 = 16 * warp + 8 * (lane >> 4), c0 = 8 * (lane & 15);
-  const bool row_2d = R == kBlock && p.row.two_d, col_2d = C == kBlock && p.col.two_d;
+  const bool row_2d = R == kBlock && p.row.two_d, col_2d = C == kBlock && p.col.two_d;  // 128x128 blocks
+  const bool row_16 = R == kNV && p.row.two_d, col_16 = C == kNV && p.col.two_d;        // 16x16 blocks
   const bool tile_wanted = row_2d || col_2d || p.acc.row_global || p.acc.col_global;
 
   uint4 d[8];
@@ -138,17 +186,23 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
 #pragma unroll
   for (int j = 0; j < 4; ++j) cm[j] = umax_halves(cm[j], __shfl_xor_sync(kWarp, cm[j], 16));
   if (lane < 16) *reinterpret_cast<uint4*>(&s.colpart[warp][4 * lane]) = make_uint4(cm[0], cm[1], cm[2], cm[3]);
+  if (row_16 || col_16) {  // a 16x16 block: the warp's 16 rows of two lanes' columns
+    uint32_t m = umax_halves(umax_halves(cm[0], cm[1]), umax_halves(cm[2], cm[3]));
+    m = umax_halves(m, __shfl_xor_sync(kWarp, m, 1));
+    if (lane < 16 && (lane & 1) == 0) s.square[warp][lane >> 1] = amax_bits<In>(fold(m));
+  }
 
-  // Row amaxes of the 32-column blocks: four lanes hold one.
-  if constexpr (R == kMX || R == kBlock) {
-    if (!row_2d) {
+  // Row amaxes of the row side's blocks: four lanes hold a 32-column one, two a 16-column one.
+  if constexpr (R == kMX || R == kBlock || R == kNV) {
+    constexpr int kLanes = kTile / kBlocks<R> / 8;
+    if (!row_2d && !row_16) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         uint32_t m = umax_halves(umax_halves(d[k].x & kMagnitudes, d[k].y & kMagnitudes),
                                  umax_halves(d[k].z & kMagnitudes, d[k].w & kMagnitudes));
-        m = umax_halves(m, __shfl_xor_sync(kWarp, m, 1));
-        m = umax_halves(m, __shfl_xor_sync(kWarp, m, 2));
-        if ((lane & 3) == 0) s.rowamax[r0 + k][(lane & 15) >> 2] = amax_bits<In>(fold(m));
+#pragma unroll
+        for (int offset = 1; offset < kLanes; offset <<= 1) m = umax_halves(m, __shfl_xor_sync(kWarp, m, offset));
+        if ((lane & (kLanes - 1)) == 0) s.rowamax[r0 + k][(lane & 15) / kLanes] = amax_bits<In>(fold(m));
       }
     }
   }
@@ -189,6 +243,14 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       s.rowmult[tid][0] = block_factor(er, m, out);
     }
   }
+  if constexpr (R == kNV) {  // a thread a row and half its blocks: four scales in one store
+    const int r = tid >> 1, b0 = 4 * (tid & 1);
+    uint32_t amax[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) amax[b] = row_16 ? s.square[r >> 4][b0 + b] : s.rowamax[r][b0 + b];
+    uint8_t* out = static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 16) + col0 / 16 + b0;
+    *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(er.amax[0])), amax, &s.rowmult[r][b0]);
+  }
   if constexpr (C == kMX) {
 #pragma unroll
     for (int q = tid; q < kTile * 4; q += kThreads) {
@@ -206,36 +268,83 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       float* out = static_cast<float*>(ec.scales) + (col0 + c) * (p.M / kTile) + by;
       s.colmult[0][c] = block_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out);
     }
+  } else if constexpr (C == kNV) {  // a thread a column and half its blocks
+    const int c = tid >> 1, w0 = 4 * (tid & 1), shift = 16 * (c & 1);
+    uint32_t amax[4];
+    float factor[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) amax[b] = col_16 ? s.square[w0 + b][c >> 4] : amax_bits<In>((s.colpart[w0 + b][c >> 1] >> shift) & 0xFFFFu);
+    uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + c) * (p.M / 16) + row0 / 16 + w0;
+    *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(ec.amax[0])), amax, factor);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) s.colmult[w0 + b][c] = factor[b];
   }
   __syncthreads();
 
-  // Each row once: its rowwise bytes to their place in (M, K), its columnwise bytes with each
-  // column's own factor. One branch for the thread: the conversion alone where no product can be
-  // NaN (NaN in x, or a factor that is not a positive finite number), else the careful encode.
+  // Each row once: its rowwise bytes (or codes) to their place in (M, K), its columnwise ones with
+  // each column's own factor. One branch for the thread: for 8-bit formats the conversion alone
+  // where no product can be NaN (NaN in x, or a factor that is not a positive finite number), else
+  // the careful encode; for NVFP4, the rounding.
   float fr[8], fc[8];
   bool plain = finite;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    fr[i] = R == kMX ? s.rowmult[r0 + i][c0 >> 5] : R == kBlock ? s.rowmult[row_2d ? 0 : r0 + i][0] : R == kPerTensor ? er.scale[0] : 1.0f;
-    fc[i] = C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i] : C == kPerTensor ? ec.scale[0] : 1.0f;
-    plain = plain && usable(fr[i]) && usable(fc[i]);
+    fr[i] = R == kNV ? s.rowmult[r0 + i][c0 >> 4] : R == kMX ? s.rowmult[r0 + i][c0 >> 5] : R == kBlock ? s.rowmult[row_2d ? 0 : r0 + i][0] : R == kPerTensor ? er.scale[0] : 1.0f;
+    fc[i] = C == kNV ? s.colmult[warp][c0 + i] : C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i] : C == kPerTensor ? ec.scale[0] : 1.0f;
+    if constexpr (kEightBit<R>) plain = plain && usable(fr[i]);
+    if constexpr (kEightBit<C>) plain = plain && usable(fc[i]);
   }
-  uint2 q[8];
-  auto encode = [&](auto plain_type) {
+  // Stochastic rounding's bits: element (r, c) of x draws index r * K + c rowwise and c * M + r
+  // columnwise (x^T's), all below 2^32 here, so one stream (index_hi = 0) serves the launch.
+  const uint32_t row_stream = R == kNV && er.sr ? random_stream(sr_key_of(er), 0) : 0;
+  const uint32_t col_stream = C == kNV && ec.sr ? random_stream(sr_key_of(ec), 0) : 0;
+  const uint32_t row_index = uint32_t((row0 + r0) * p.K + col0 + c0), col_index = uint32_t((col0 + c0) * p.M + row0 + r0);
+  uint2 q[8];       // 8-bit columnwise: each of the thread's rows, 8 bytes
+  uint32_t nq[8] = {};  // NVFP4 columnwise: each of the thread's columns, 8 codes
+  auto encode = [&](auto plain_type, auto row_sr_type, auto col_sr_type) {
     constexpr bool kPlain = decltype(plain_type)::value;
+    [[maybe_unused]] constexpr bool kRowSR = decltype(row_sr_type)::value, kColSR = decltype(col_sr_type)::value;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       float v[8], f[8];
       unpack8<In>(d[k], v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) f[i] = fr[k];
-      if constexpr (R != kNone) *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = encode8<kPlain>(v, f, er.fp8);
-      if constexpr (C != kNone) q[k] = encode8<kPlain>(v, fc, ec.fp8);
+      if constexpr (kEightBit<R>) *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = encode8<kPlain>(v, f, er.fp8);
+      if constexpr (R == kNV) {  // nvfp4.pack: element 2i in the low nibble of byte i
+        uint32_t codes = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) codes |= e2m1_code<kRowSR>(v[i] * f[i], row_stream, row_index + uint32_t(k * p.K) + i) << (4 * i);
+        *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = codes;
+      }
+      if constexpr (kEightBit<C>) q[k] = encode8<kPlain>(v, fc, ec.fp8);
+      if constexpr (C == kNV) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t code = e2m1_code<kColSR>(v[i] * fc[i], col_stream, col_index + uint32_t(i * p.M) + k);
+          nq[i] |= code << (4 * k);
+        }
+      }
     }
   };
-  if (plain) encode(std::true_type{});
-  else encode(std::false_type{});
-  if constexpr (C == kMX) {  // MXFP8 keeps x's (M, K) layout
+  with_flag<kEightBit<R> || kEightBit<C>>(plain, [&](auto kPlain) {
+    with_flag<R == kNV>(er.sr, [&](auto kRowSR) { with_flag<C == kNV>(ec.sr, [&](auto kColSR) { encode(kPlain, kRowSR, kColSR); }); });
+  });
+  if constexpr (C == kNV) {  // (K, M / 2): the thread's 4 bytes of each of its columns into the stage, then whole rows out
+    uint32_t* stage = reinterpret_cast<uint32_t*>(&s.stage[0][0]);
+    const int slot = (2 * warp + (lane >> 4)) ^ (lane & 15);  // word 2w + l / 16 of a row, at word ^ (c / 8 % 16)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) stage[(c0 + i) * 16 + slot] = nq[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // 16 bytes of row c: its logical words 4g .. 4g + 3, found permuted in word group g ^ key / 4
+      const int piece = tid + kThreads * i, c = piece >> 2, g = piece & 3, key = (c >> 3) & 15;
+      uint4 w = *reinterpret_cast<const uint4*>(&stage[c * 16 + 4 * (g ^ (key >> 2))]);
+      if (key & 1) w = make_uint4(w.y, w.x, w.w, w.z);
+      if (key & 2) w = make_uint4(w.z, w.w, w.x, w.y);
+      *reinterpret_cast<uint4*>(ec.data + (col0 + c) * (p.M / 2) + row0 / 2 + 16 * g) = w;
+    }
+  } else if constexpr (C == kMX) {  // MXFP8 keeps x's (M, K) layout
 #pragma unroll
     for (int k = 0; k < 8; ++k) *reinterpret_cast<uint2*>(ec.data + (row0 + r0 + k) * p.K + col0 + c0) = q[k];
   } else if constexpr (C != kNone) {  // (K, M): this thread's 8x8 bytes transposed into the stage, then whole rows out

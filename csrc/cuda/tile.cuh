@@ -393,13 +393,6 @@ struct TileProgram {
     }
   }
 
-  // The stochastic-rounding key of an encoder: made here from the device's [seed, step] where the
-  // call passed them (so the host never reads them), else the host's.
-  GQ_HD static uint32_t sr_key_of(const Encoder& e) {
-    if (!e.sr || !e.rng) return e.key;
-    return sr_key(uint64_t(e.rng[0]), uint64_t(e.rng[1]) * kStreamsPerStep + uint64_t(e.rng_offset), uint32_t(e.key_stream));
-  }
-
   // NVFP4 codes of one chunk; returns the block's E4M3 scale and sets the dequantize factor.
   GQ_HD static uint8_t nv_encode(const Encoder& e, uint32_t key, uint32_t vec_max, uint32_t global_amax, const float v[16],
                                  uint64_t rand_index, uint8_t code[16], float* dq_factor) {
