@@ -43,12 +43,14 @@ FORMATS = {
     "mxfp8 (e4m3)": lambda: MXFP8Quantizer(),
     "nvfp4 1x16": lambda: NVFP4Quantizer(),
     "nvfp4 16x16": lambda: NVFP4Quantizer(with_2d_quantization=True),
+    "nvfp4 sr": lambda: NVFP4Quantizer(stochastic_rounding=True),
     "nvfp4 rht+sr": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True),
 }
 HYBRIDS = {
     "mxfp8 -> fp8 block 1x128": lambda: HybridQuantizer(MXFP8Quantizer(), Float8BlockQuantizer(block_scaling_dim=1)),
     "fp8 block 1x128 -> mxfp8": lambda: HybridQuantizer(Float8BlockQuantizer(block_scaling_dim=1), MXFP8Quantizer()),
     "fp8 current -> mxfp8": lambda: HybridQuantizer(Float8CurrentScalingQuantizer(), MXFP8Quantizer()),
+    "mxfp8 -> nvfp4 sr": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(stochastic_rounding=True)),
     "mxfp8 -> nvfp4 rht+sr": lambda: HybridQuantizer(
         MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)
     ),
