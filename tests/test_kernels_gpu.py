@@ -214,6 +214,20 @@ torch.save(out, sys.argv[1])
             assert_same(a, b, str(key))
 
 
+@pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
+def test_block_1x128_scales_lie_outer_dim_major(backend, direction):
+    """1x128 (128x1) block scales lie outer-dim-major, as the spec and the reference store them:
+    a tile's scales are one contiguous run, and they cross an op boundary without a copy."""
+    quantizer = QUANTIZERS["fp8_block_1d"]()
+    x = make_input((256, 384), torch.bfloat16, "normal", backend)
+    native = kernels.quantize(quantizer, x, direction, CTX)
+    reference = REFERENCE(quantizer, x, direction, CTX)
+    assert native.scale.stride() == reference.scale.stride() == (1, native.scale.shape[0])
+    stored = native.tensors()[1]
+    assert stored.is_contiguous() and stored.data_ptr() == native.scale.data_ptr()
+    assert_same_rep(quantizer.stored_representation(direction, native.shape, native.dtype, native.tensors()), reference, direction)
+
+
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_persistent_ctas_take_several_tiles(backend, name):
     """Rowwise-only launches run as many CTAs as fit, each taking every grid-th tile through its

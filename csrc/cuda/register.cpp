@@ -198,7 +198,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       }
       break;
     case kBlock:
-      out_r.scale = at::empty({row.enc.two_d ? cdiv(M, 128) : M, cdiv(K, 128)}, opts.dtype(at::kFloat));
+      // 1x128 scales lie outer-dim-major, (K / 128, M) in memory (the spec's layout, and the
+      // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered words.
+      out_r.scale = row.enc.two_d ? at::empty({cdiv(M, 128), cdiv(K, 128)}, opts.dtype(at::kFloat))
+                                  : at::empty({cdiv(K, 128), M}, opts.dtype(at::kFloat)).t();
       break;
     case kRowScaled:
       pre_row.rows = bits(need_r.pre);
@@ -237,7 +240,8 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       }
       break;
     case kBlock:
-      out_c.scale = at::empty({col.enc.two_d ? cdiv(K, 128) : K, cdiv(M, 128)}, opts.dtype(at::kFloat));
+      out_c.scale = col.enc.two_d ? at::empty({cdiv(K, 128), cdiv(M, 128)}, opts.dtype(at::kFloat))
+                                  : at::empty({cdiv(M, 128), K}, opts.dtype(at::kFloat)).t();  // outer-dim-major, as rowwise
       col.enc.scales = out_c.scale.data_ptr();
       break;
     case kRowScaled:

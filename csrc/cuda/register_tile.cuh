@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   } else if constexpr (R == kBlock) {
     if (!row_2d && tid < kTile) {
       const uint32_t m = umax(umax(s.rowamax[tid][0], s.rowamax[tid][1]), umax(s.rowamax[tid][2], s.rowamax[tid][3]));
-      float* out = static_cast<float*>(er.scales) + (row0 + tid) * tiles_x + col0 / kTile;
+      float* out = static_cast<float*>(er.scales) + (col0 / kTile) * p.M + row0 + tid;  // outer-dim-major
       s.rowmult[tid][0] = block_factor(er, m, out);
     }
   }
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       uint32_t m = 0;
 #pragma unroll
       for (int w = 0; w < 8; ++w) m = umax_halves(m, s.colpart[w][c >> 1]);
-      float* out = static_cast<float*>(ec.scales) + (col0 + c) * (p.M / kTile) + by;
+      float* out = static_cast<float*>(ec.scales) + int64_t(by) * p.K + col0 + c;  // outer-dim-major
       s.colmult[0][c] = block_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out);
     }
   } else if constexpr (C == kNV) {  // a thread a column and half its blocks

@@ -373,11 +373,12 @@ struct TileProgram {
       }
       const float scale = scale_from_amax(u2f(m), e.fp8, e.epsilon, e.pow2);
       const float scale_inv = 1.0f / scale;
-      // Row side: scales (M or row tiles, col tiles); column side: (K or col tiles, row tiles).
+      // 128x128: row side (row tiles, col tiles), column side (col tiles, row tiles); 1x128 and
+      // 128x1 outer-dim-major: row side (col tiles, M), column side (row tiles, K).
       if (write && b == 0 && (!e.two_d || a == 0)) {
         float* out = static_cast<float*>(e.scales);
-        if (kRowSide) out[(e.two_d ? t.tile_row : gr) * cdiv(p.K, kTile) + t.col0 / kTile] = scale_inv;
-        else out[(e.two_d ? t.col0 / kTile : gc) * cdiv(p.M, kTile) + t.tile_row] = scale_inv;
+        if (kRowSide) out[e.two_d ? t.tile_row * cdiv(p.K, kTile) + t.col0 / kTile : (t.col0 / kTile) * p.M + gr] = scale_inv;
+        else out[e.two_d ? (t.col0 / kTile) * cdiv(p.M, kTile) + t.tile_row : t.tile_row * p.K + gc] = scale_inv;
       }
       return {scale, scale_inv};
     } else {  // MXFP8: chunks b and b^1 form a 32-element block

@@ -67,7 +67,7 @@ def _bounds(offs: torch.Tensor, rows: int, site: str) -> list[int]:
 def _part(tensors: Sequence[torch.Tensor], spec: str, direction: str, cols: int, dtype: torch.dtype, bounds: list[int], g: int) -> Representation:
     """Group g of a grouped representation, as the representation of that group alone."""
     quantizer = quantizer_of(spec)
-    data, scale, amax = tensors
+    whole = quantizer.stored_representation(direction, (bounds[-1], cols), dtype, tensors)
     a, b = bounds[g], bounds[g + 1]
     transposed = quantizer.transposed(direction)
     block_rows = quantizer.block(direction)[0]
@@ -75,12 +75,12 @@ def _part(tensors: Sequence[torch.Tensor], spec: str, direction: str, cols: int,
     def rows_of(t: torch.Tensor, per_row: int) -> torch.Tensor:
         return t[:, a // per_row : b // per_row] if transposed and t.dim() == 2 else t[a // per_row : b // per_row]
 
-    def scales(t: torch.Tensor) -> Optional[torch.Tensor]:
-        if not t.numel():
+    def scales(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
             return None
         return t[g : g + 1] if block_rows == 0 else rows_of(t, block_rows)
 
-    return quantizer.representation(direction, (b - a, cols), dtype, rows_of(data, 1), scales(scale), scales(amax))
+    return quantizer.representation(direction, (b - a, cols), dtype, rows_of(whole.data, 1), scales(whole.scale), scales(whole.amax))
 
 
 @torch.library.custom_op("graphquant::grouped_quantize", mutates_args=())

@@ -24,10 +24,7 @@ def quantizer_of(spec: str) -> Quantizer:
 
 def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype) -> Representation:
     """The Representation behind the op-level tensors of one direction."""
-    data, scale, amax = tensors
-    return quantizer_of(spec).representation(
-        direction, shape, dtype, data, scale if scale.numel() else None, amax if amax.numel() else None
-    )
+    return quantizer_of(spec).stored_representation(direction, (shape[0], shape[1]), dtype, tensors)
 
 
 def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream: int) -> QuantizeContext:

@@ -102,11 +102,15 @@ class Representation:
         return values if self.stored_k_last else values.t()
 
     def tensors(self) -> list[torch.Tensor]:
-        """data, scale and amax as a fixed-length list (empty tensors for absent parts)."""
+        """data, scale and amax as a fixed-length list (empty tensors for absent parts), as they
+        are stored: an outer-dim-major scale as its transpose, so that it crosses an op boundary
+        (which makes every tensor contiguous) without a copy. ``Quantizer.stored_representation``
+        inverts this."""
         def part(t: Optional[torch.Tensor]) -> torch.Tensor:
             return self.data.new_empty(0, dtype=torch.float32) if t is None else t
 
-        return [self.data, part(self.scale), part(self.amax)]
+        scale = self.scale.t() if self.scale is not None and self.quantizer.scale_outer_major(self.direction) else self.scale
+        return [self.data, part(scale), part(self.amax)]
 
 
 def output_rows(direction: str, shape: Sequence[int], batch: int = 1) -> int:
@@ -204,6 +208,11 @@ class Quantizer:
         """Whether ``direction``'s values went through a random Hadamard transform."""
         return False
 
+    def scale_outer_major(self, direction: str) -> bool:
+        """Whether ``direction``'s (rows, blocks) scale lies with its rows contiguous, as the
+        spec stores 1x128 block scales (Representation.tensors gives such a scale transposed)."""
+        return False
+
     def columnwise_is_rowwise_transposed(self) -> bool:
         """Whether the columnwise representation is the rowwise one with its data transposed, so
         that a graph can make it from the rowwise copy instead of from x."""
@@ -231,6 +240,17 @@ class Quantizer:
             dtype=dtype,
             hadamard=self.hadamard(direction),
         )
+
+    def stored_representation(
+        self, direction: str, shape: tuple[int, int], dtype: torch.dtype, tensors: Sequence[torch.Tensor]
+    ) -> Representation:
+        """The representation behind ``Representation.tensors()``: data, scale and amax, empty
+        where absent, an outer-dim-major scale transposed."""
+        data, scale, amax = tensors
+        scale = scale if scale.numel() else None
+        if scale is not None and self.scale_outer_major(direction):
+            scale = scale.t()
+        return self.representation(direction, shape, dtype, data, scale, amax if amax.numel() else None)
 
     # -- common behaviour ----------------------------------------------------------------------
 

@@ -64,6 +64,9 @@ class Float8BlockQuantizer(Quantizer):
     def transposed(self, direction: str) -> bool:
         return direction == COLUMNWISE
 
+    def scale_outer_major(self, direction: str) -> bool:
+        return self.block_scaling_dim == 1
+
     def dequantize(self, rep: Representation) -> torch.Tensor:
         rows = 1 if self.block_scaling_dim == 1 else BLOCK_LEN
         return block.dequantize(rep.data, rep.scale, block=(rows, BLOCK_LEN))

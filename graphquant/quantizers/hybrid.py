@@ -83,6 +83,9 @@ class HybridQuantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.child(direction).hadamard(direction)
 
+    def scale_outer_major(self, direction: str) -> bool:
+        return self.child(direction).scale_outer_major(direction)
+
     def columnwise_is_rowwise_transposed(self) -> bool:
         return (
             self.columnwise_source == "original"
