@@ -16,11 +16,13 @@
 // a 32-element MXFP8 row block lies in 4 neighbouring lanes, a 16-element NVFP4 one in 2, and an
 // NVFP4 column block's 16 rows in lanes l and l ^ 16.
 //
-// On the H200 (benchmarks/NOTES.md rows 55-57): both directions at 73-87% of copy bandwidth (the
-// generic program 62-66%), one direction at 80-92%. Neither a persistent form that copies its next
-// tile into shared memory while the current one computes (slower, the both-directions launches
-// most) nor conversions into formats fixed at compile time (a fifth fewer instructions on the hot
-// path, no faster) helped: the program is no longer bound by issuing instructions.
+// On the H200 (benchmarks/NOTES.md rows 55-60): 8-bit formats at 81-87% of copy bandwidth for both
+// directions (the generic program 62-69%), 82-93% for one; NVFP4 at 55-60% and 70-80% (the generic
+// 42-45% and 57-68%). Neither a persistent form that copies its next tile into shared memory while
+// the current one computes (slower, the both-directions launches most) nor conversions into
+// formats fixed at compile time (a fifth fewer instructions on the hot path, no faster) helped the
+// 8-bit formats: they are no longer bound by issuing instructions. What did: scales written as
+// contiguous runs (row 60: FP8 1x128 both directions 74% -> 85%).
 #pragma once
 
 #include <type_traits>
@@ -142,9 +144,10 @@ __device__ __forceinline__ void with_flag(bool on, F&& f) {
   f(std::false_type{});
 }
 
-// Tile `cta` of the launch, in bands of kBand tile rows taken column by column: the 4-byte block
-// scales of neighbouring tiles (a column's 128x1 scales lie along tile rows, a row's 1x128 ones
-// along tile columns) then share 32-byte sectors written by CTAs that run together.
+// Tile `cta` of the launch, in bands of kBand tile rows taken column by column: the few scale
+// bytes a row or column gets from one tile (MXFP8's and NVFP4's rowwise scales lie along tile
+// columns, NVFP4's columnwise ones along tile rows) then share 32-byte sectors written by CTAs
+// that run together.
 constexpr uint32_t kBand = 8;
 struct TilePlace {
   uint32_t bx, by;
