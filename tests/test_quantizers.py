@@ -58,6 +58,26 @@ def test_spec_round_trips_and_values_hash(quantizer):
     assert pickle.loads(pickle.dumps(quantizer)) == quantizer
 
 
+@pytest.mark.parametrize("quantizer", QUANTIZERS, ids=str)
+def test_stored_tensors_round_trip_without_copies(quantizer):
+    """Representation.tensors() is what crosses an op boundary (where every tensor is made
+    contiguous): each part is stored contiguous, so nothing is copied there, and
+    stored_representation gives back the same representation (1x128 scales transposed there and
+    back, their logical (rows, blocks) shape kept)."""
+    x = torch.randn(256, 384)
+    ctx = QuantizeContext(seed=3, offset=1, scale=torch.tensor([2.0]))
+    for direction in (ROWWISE, COLUMNWISE):
+        rep = quantizer.quantize_rowwise(x, ctx) if direction == ROWWISE else quantizer.quantize_columnwise(x, ctx)
+        stored = rep.tensors()
+        assert all(t.is_contiguous() for t in stored), f"{direction}: {[t.stride() for t in stored]}"
+        again = quantizer.stored_representation(direction, rep.shape, rep.dtype, stored)
+        for part in ("data", "scale", "amax"):
+            a, b = getattr(rep, part), getattr(again, part)
+            assert (a is None) == (b is None), part
+            if a is not None:
+                assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr(), f"{direction} {part}"
+
+
 def test_hybrid_spec_round_trips_and_shows_both_children():
     hybrid = HybridQuantizer(
         rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=NVFP4Quantizer(), columnwise_source="rowwise_dequantized"
