@@ -71,13 +71,6 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             amax = all_reduce_amax(amax, ctx.amax_group)
         return amax
 
-    def scales(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv) from ``amax(x, ctx)``."""
-        return self._scales_from(self.amax(x, ctx))
-
-    def _scales_from(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fp8.scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
-
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self.quantize_from_amax(x, self.amax(x, ctx), ROWWISE)
 
@@ -87,7 +80,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
         direction): the scale follows from it, and x is read once more for the cast alone."""
-        return self._encode(x, self._scales_from(amax), direction, amax)
+        scales = fp8.scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        return self._encode(x, scales, direction, amax)
 
 
 @dataclasses.dataclass(frozen=True)
