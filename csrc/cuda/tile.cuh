@@ -1,8 +1,8 @@
 // The quantize tile program: a CTA reads a 128x128 tile of x into shared memory once and writes
 // the rowwise representation in one format and the columnwise one in another (or the same, or
 // none), accumulating whatever amaxes the launch asks for. It serves every format, edge and
-// option; the 8-bit formats of 2-byte inputs in whole tiles go to the leaner register tile
-// program (register_tile.cuh) instead.
+// option; 2-byte inputs in whole tiles go to the leaner register tile program (register_tile.cuh)
+// instead, except for what only this program does (register_tile.cu says what).
 //
 // Launches without a column side (rowwise-only, amax pre-passes) are persistent: as many CTAs as
 // fit at once, each taking every grid-th tile and fetching its next tile into a second buffer while
