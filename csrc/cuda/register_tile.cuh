@@ -8,8 +8,9 @@
 // each thread keeps an 8x8 block of the tile in registers as loaded (16-byte loads, whole rows a
 // warp), takes the row side's amaxes by warp shuffles and the column side's from the packed
 // halves of its registers, and only the block scales (computed once per block, not once per
-// chunk) and the transposed column bytes pass through shared memory. NVFP4's random Hadamard
-// transform, its per-row amaxes and stochastic rounding past 2^32 elements stay generic.
+// chunk) and the transposed column bytes pass through shared memory. NVFP4's columns take the
+// random Hadamard transform here in 1x16 blocks, a chunk's rows split between two lanes; its
+// 16x16 blocks with the transform, per-row amaxes and random indices past 2^32 stay generic.
 //
 // Thread mapping (256 threads, 8 warps): lane l of warp w holds rows 16w + 8(l/16) .. +7 and
 // columns 8(l%16) .. +7 of the tile, so the 16 lanes of a half warp cover a tile row's 256 bytes,
@@ -60,6 +61,7 @@ struct Smem {
   float rowmult[kTile][kBlocks<R>];     // the rowwise encode factor per row and block (1x128: [row][0])
   float colmult[kBlocks<C>][kTile];     // the columnwise one per block and column (128x1: [0][column])
   uint32_t square[8][8];                // NVFP4 16x16 blocks' amaxes [row / 16][column / 16]
+  alignas(8) uint8_t colscale[C == kNV ? kTile : 1][8];  // NVFP4 after the transform: each column's 8 block scales
   // Transposed columnwise output: row c holds column c, 128 bytes (FP8) or 64 (NVFP4). FP8's 8-byte
   // slot s lies at s ^ (c / 8 % 16), NVFP4's 4-byte one likewise, so that the lanes of a half warp,
   // storing one column each, hit different banks.
@@ -129,6 +131,39 @@ template <bool kStochastic>
 __device__ __forceinline__ uint32_t e2m1_code(float y, uint32_t stream, uint32_t index) {
   if constexpr (kStochastic) return e2m1_stochastic(y, random_bits_at(stream, index));
   else return e2m1_nearest(y);
+}
+
+// One column's value in row k of the thread's block: half (i % 2) of word i / 2 of d[k].
+template <class In>
+__device__ __forceinline__ float column_value(const uint4& row, int i) {
+  const uint32_t word = i < 2 ? (i == 0 ? row.x : row.y) : (i == 2 ? row.z : row.w);
+  return In::to_float(typename In::S((i & 1) ? word >> 16 : word & 0xFFFFu));
+}
+
+// nvfp4.hadamard_transform of a 16-row column chunk whose rows 8h .. 8h + 7 this lane holds and
+// lane ^ 16 the others: hadamard16's steps in its order, the last one (rows j and j + 8) across
+// the two lanes.
+__device__ __forceinline__ void hadamard_halves(float y[8], int h, bool sign_mask) {
+  if (sign_mask) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) y[k] = y[k] * (((kRhtNegative >> (8 * h + k)) & 1) ? -1.0f : 1.0f);
+  }
+#pragma unroll
+  for (int step = 1; step < 8; step <<= 1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if ((j & step) == 0) {
+        const float a = y[j], b = y[j + step];
+        y[j] = a + b;
+        y[j + step] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float other = __shfl_xor_sync(kWarp, y[k], 16);
+    y[k] = (h == 0 ? y[k] + other : other - y[k]) * 0.25f;
+  }
 }
 
 // f(std::true_type) or f(std::false_type) as `on` says; a flag that cannot be on (kAsk false)
@@ -271,16 +306,18 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       float* out = static_cast<float*>(ec.scales) + int64_t(by) * p.K + col0 + c;  // outer-dim-major
       s.colmult[0][c] = block_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out);
     }
-  } else if constexpr (C == kNV) {  // a thread a column and half its blocks
-    const int c = tid >> 1, w0 = 4 * (tid & 1), shift = 16 * (c & 1);
-    uint32_t amax[4];
-    float factor[4];
+  } else if constexpr (C == kNV) {
+    if (!p.col_rht) {  // a thread a column and half its blocks (after a transform, the encode finds them)
+      const int c = tid >> 1, w0 = 4 * (tid & 1), shift = 16 * (c & 1);
+      uint32_t amax[4];
+      float factor[4];
 #pragma unroll
-    for (int b = 0; b < 4; ++b) amax[b] = col_16 ? s.square[w0 + b][c >> 4] : amax_bits<In>((s.colpart[w0 + b][c >> 1] >> shift) & 0xFFFFu);
-    uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + c) * (p.M / 16) + row0 / 16 + w0;
-    *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(ec.amax[0])), amax, factor);
+      for (int b = 0; b < 4; ++b) amax[b] = col_16 ? s.square[w0 + b][c >> 4] : amax_bits<In>((s.colpart[w0 + b][c >> 1] >> shift) & 0xFFFFu);
+      uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + c) * (p.M / 16) + row0 / 16 + w0;
+      *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(ec.amax[0])), amax, factor);
 #pragma unroll
-    for (int b = 0; b < 4; ++b) s.colmult[w0 + b][c] = factor[b];
+      for (int b = 0; b < 4; ++b) s.colmult[w0 + b][c] = factor[b];
+    }
   }
   __syncthreads();
 
@@ -304,9 +341,10 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   const uint32_t row_index = uint32_t((row0 + r0) * p.K + col0 + c0), col_index = uint32_t((col0 + c0) * p.M + row0 + r0);
   uint2 q[8];       // 8-bit columnwise: each of the thread's rows, 8 bytes
   uint32_t nq[8] = {};  // NVFP4 columnwise: each of the thread's columns, 8 codes
-  auto encode = [&](auto plain_type, auto row_sr_type, auto col_sr_type) {
-    constexpr bool kPlain = decltype(plain_type)::value;
+  auto encode = [&](auto plain_type, auto row_sr_type, auto col_sr_type, auto col_rht_type) {
+    [[maybe_unused]] constexpr bool kPlain = decltype(plain_type)::value;
     [[maybe_unused]] constexpr bool kRowSR = decltype(row_sr_type)::value, kColSR = decltype(col_sr_type)::value;
+    constexpr bool kColRHT = decltype(col_rht_type)::value;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       float v[8], f[8];
@@ -321,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
         *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = codes;
       }
       if constexpr (kEightBit<C>) q[k] = encode8<kPlain>(v, fc, ec.fp8);
-      if constexpr (C == kNV) {
+      if constexpr (C == kNV && !kColRHT) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const uint32_t code = e2m1_code<kColSR>(v[i] * fc[i], col_stream, col_index + uint32_t(i * p.M) + k);
@@ -329,9 +367,33 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
         }
       }
     }
+    if constexpr (kColRHT) {  // column by column: each 1x16 block is one transformed chunk in lanes l and l ^ 16
+      const int h = lane >> 4;
+      const NvGlobal g = nv_global(u2f(ec.amax[0]));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float y[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y[k] = column_value<In>(d[k], i);
+        hadamard_halves(y, h, p.col_sign_mask);
+        uint32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m = umax(m, abs_bits(y[k]));
+        m = umax(m, __shfl_xor_sync(kWarp, m, 16));
+        const uint8_t scale = nv_block_scale(u2f(m), g.mult);
+        const float factor = nv_encode_factor(scale, g.s_dec);
+        if (h == 0) s.colscale[c0 + i][warp] = scale;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) nq[i] |= e2m1_code<kColSR>(y[k] * factor, col_stream, col_index + uint32_t(i * p.M) + k) << (4 * k);
+      }
+    }
   };
   with_flag<kEightBit<R> || kEightBit<C>>(plain, [&](auto kPlain) {
-    with_flag<R == kNV>(er.sr, [&](auto kRowSR) { with_flag<C == kNV>(ec.sr, [&](auto kColSR) { encode(kPlain, kRowSR, kColSR); }); });
+    with_flag<R == kNV>(er.sr, [&](auto kRowSR) {
+      with_flag<C == kNV>(ec.sr, [&](auto kColSR) {
+        with_flag<C == kNV>(p.col_rht, [&](auto kColRHT) { encode(kPlain, kRowSR, kColSR, kColRHT); });
+      });
+    });
   });
   if constexpr (C == kNV) {  // (K, M / 2): the thread's 4 bytes of each of its columns into the stage, then whole rows out
     uint32_t* stage = reinterpret_cast<uint32_t*>(&s.stage[0][0]);
@@ -346,6 +408,10 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       if (key & 1) w = make_uint4(w.y, w.x, w.w, w.z);
       if (key & 2) w = make_uint4(w.z, w.w, w.x, w.y);
       *reinterpret_cast<uint4*>(ec.data + (col0 + c) * (p.M / 2) + row0 / 2 + 16 * g) = w;
+    }
+    if (p.col_rht && tid < kTile) {  // the scales the encode found, a column's 8 in one store
+      uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + tid) * (p.M / 16) + row0 / 16;
+      *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&s.colscale[tid][0]);
     }
   } else if constexpr (C == kMX) {  // MXFP8 keeps x's (M, K) layout
 #pragma unroll
