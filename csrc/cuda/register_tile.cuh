@@ -133,10 +133,11 @@ __device__ __forceinline__ uint32_t e2m1_code(float y, uint32_t stream, uint32_t
   else return e2m1_nearest(y);
 }
 
-// One column's value in row k of the thread's block: half (i % 2) of word i / 2 of d[k].
+// Column i's value in one row of the thread's block: half i % 2 of word i / 2.
 template <class In>
 __device__ __forceinline__ float column_value(const uint4& row, int i) {
-  const uint32_t word = i < 2 ? (i == 0 ? row.x : row.y) : (i == 2 ? row.z : row.w);
+  const int j = i >> 1;
+  const uint32_t word = j < 2 ? (j == 0 ? row.x : row.y) : (j == 2 ? row.z : row.w);
   return In::to_float(typename In::S((i & 1) ? word >> 16 : word & 0xFFFFu));
 }
 
