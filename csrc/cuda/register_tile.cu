@@ -1,5 +1,5 @@
-// The register tile program's instantiations (2-byte inputs, each direction's format or none)
-// and the test of whether it takes a launch.
+// Whether the register tile program takes a launch; its kernels are instantiated in
+// register_tile_<dtype>.cu, so that the two compile in parallel (only declared here).
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -9,36 +9,14 @@
 
 namespace gq {
 
+namespace register_tile {
+extern template Launcher launcher<InBF16>(int, int);
+extern template Launcher launcher<InF16>(int, int);
+}  // namespace register_tile
+
 namespace {
 
-using Launcher = void (*)(const TileParams&, void*);
-
-// The formats the program encodes (a direction may be none), in the order of the tables below;
-// -1: not one of them.
-int slot_of(int format) {
-  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : -1;
-}
-
-template <class In, int R, int C>
-constexpr Launcher launcher_of() {
-  if constexpr (R == kNone && C == kNone) return nullptr;  // nothing to encode: never launched
-  else return &register_tile::launch<In, R, C>;
-}
-
-template <class In, int R>
-constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor>(), launcher_of<In, R, kBlock>(), launcher_of<In, R, kMX>(),
-                                    launcher_of<In, R, kNV>(), launcher_of<In, R, kNone>()};
-
-template <class In>
-Launcher launcher(int row_slot, int col_slot) {
-  switch (row_slot) {
-    case 0: return kLaunchers<In, kPerTensor>[col_slot];
-    case 1: return kLaunchers<In, kBlock>[col_slot];
-    case 2: return kLaunchers<In, kMX>[col_slot];
-    case 3: return kLaunchers<In, kNV>[col_slot];
-    default: return kLaunchers<In, kNone>[col_slot];
-  }
-}
+using register_tile::slot_of;
 
 // GRAPHQUANT_REGISTER_TILE=0 sends every launch to the generic tile program (the same bits): to
 // compare the two (benchmarks/quantize.py), or to rule this program out.
@@ -67,7 +45,7 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
                        (row_format == kNone || p.row.data != nullptr) && (col_format == kNone || p.col.data != nullptr);
   const bool formats = r >= 0 && c >= 0 && !(row_format == kNone && col_format == kNone);
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;
-  const Launcher launch = dtype == kBF16 ? launcher<InBF16>(r, c) : launcher<InF16>(r, c);
+  const register_tile::Launcher launch = dtype == kBF16 ? register_tile::launcher<InBF16>(r, c) : register_tile::launcher<InF16>(r, c);
   launch(p, stream);
   check_launch("quantize");
   return true;

@@ -446,6 +446,35 @@ void launch(const TileParams& p, void* stream) {
   register_tile_kernel<In, R, C><<<unsigned(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
 }
 
+using Launcher = void (*)(const TileParams&, void*);
+
+// The formats the program encodes (a direction may be none), in the order of the tables below;
+// -1: not one of them.
+constexpr int slot_of(int format) {
+  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : -1;
+}
+
+template <class In, int R, int C>
+constexpr Launcher launcher_of() {
+  if constexpr (R == kNone && C == kNone) return nullptr;  // nothing to encode: never launched
+  else return &launch<In, R, C>;
+}
+
+template <class In, int R>
+constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor>(), launcher_of<In, R, kBlock>(), launcher_of<In, R, kMX>(),
+                                    launcher_of<In, R, kNV>(), launcher_of<In, R, kNone>()};
+
+template <class In>
+Launcher launcher(int row_slot, int col_slot) {
+  switch (row_slot) {
+    case 0: return kLaunchers<In, kPerTensor>[col_slot];
+    case 1: return kLaunchers<In, kBlock>[col_slot];
+    case 2: return kLaunchers<In, kMX>[col_slot];
+    case 3: return kLaunchers<In, kNV>[col_slot];
+    default: return kLaunchers<In, kNone>[col_slot];
+  }
+}
+
 }  // namespace register_tile
 #endif
 
