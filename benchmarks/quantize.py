@@ -54,6 +54,7 @@ HYBRIDS = {
     "mxfp8 -> nvfp4 rht+sr": lambda: HybridQuantizer(
         MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)
     ),
+    "mxfp8 -> nvfp4 (dequantized)": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(), "rowwise_dequantized"),
     "nvfp4 -> mxfp8 (dequantized)": lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), "rowwise_dequantized"),
     "nvfp4 row-scaled -> mxfp8 (dequantized)": lambda: HybridQuantizer(
         NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized"

@@ -181,8 +181,8 @@ def test_both_directions_in_one_pass(backend, name, dtype):
 def test_register_tile_program_turned_off_gives_the_same_bits(backend, tmp_path):
     """GRAPHQUANT_REGISTER_TILE=0 (read once per process, so in a fresh one) sends the whole-tile
     launches that the register program takes to the generic tile program: the same bits as this
-    process's, for every format and pair it takes, one direction or both, special values
-    included."""
+    process's, for every format and pair it takes, one direction or both, from either columnwise
+    source, special values included."""
     if backend == "cpu":
         pytest.skip("the CPU build has the generic tile program only")
     names = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_block_1d", "fp8_block_2d_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
@@ -197,9 +197,10 @@ out = {{}}
 for n, (row, col) in enumerate((r, c) for r in {names!r} for c in {names!r}):
     for dtype in (torch.bfloat16, torch.float16):
         x = make_input((384, 256), dtype, ("special", "special_finite", "normal")[n % 3], "cuda", seed=n)
-        hybrid = HybridQuantizer(QUANTIZERS[row](), QUANTIZERS[col]())
-        reps = [*kernels.quantize_hybrid(hybrid, x, CTX), *(kernels.quantize(hybrid, x, d, CTX) for d in ("rowwise", "columnwise"))]
-        out[row, col, str(dtype)] = [t.cpu() for rep in reps for t in (rep.data, rep.scale, rep.amax) if t is not None]
+        for source in ("original", "rowwise_dequantized"):
+            hybrid = HybridQuantizer(QUANTIZERS[row](), QUANTIZERS[col](), source)
+            reps = [*kernels.quantize_hybrid(hybrid, x, CTX), *(kernels.quantize(hybrid, x, d, CTX) for d in ("rowwise", "columnwise"))]
+            out[row, col, str(dtype), source] = [t.cpu() for rep in reps for t in (rep.data, rep.scale, rep.amax) if t is not None]
 torch.save(out, sys.argv[1])
 """
     results = []

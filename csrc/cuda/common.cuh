@@ -250,8 +250,16 @@ GQ_HD uint8_t e2m1_sign(float v) { return f2u(v) - 0x80000000u <= 0x7F800000u ? 
 // min(|v|, 6), and 6 for every NaN (the comparison fails; a host fminf keeps a signaling NaN).
 GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
 
-// The grid value of magnitude index i (0, .5, 1, 1.5, 2, 3, 4, 6), without a lookup table.
-GQ_HD float e2m1_magnitude(int i) { return i < 4 ? 0.5f * float(i) : (i < 7 ? float(i - 2) : 6.0f); }
+// The grid value of magnitude index i (0, .5, 1, 1.5, 2, 3, 4, 6). On the GPU twice it is byte i
+// of 0x0C08060403020100, one byte permute: ptxas made the selects a table in local memory, whose
+// stack frame and spills cost the register tile program's dequantized sources (NOTES row 62).
+GQ_HD float e2m1_magnitude(int i) {
+#if defined(__CUDA_ARCH__)
+  return 0.5f * float(__byte_perm(0x03020100u, 0x0C080604u, unsigned(i)));
+#else
+  return i < 4 ? 0.5f * float(i) : (i < 7 ? float(i - 2) : 6.0f);
+#endif
+}
 
 // Round to nearest even in one fp32 addition, of a = e2m1_clamp(v).
 // Around a the grid step is 2^(E-128), E = max(exponent field of a, 127): 0.5 below 2, then 1, then

@@ -1,5 +1,5 @@
 // Whether the register tile program takes a launch; its kernels are instantiated in
-// register_tile_<dtype>.cu, so that the two compile in parallel (only declared here).
+// register_tile_<dtype>[_dequantized].cu, so that they compile in parallel (only declared here).
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -10,8 +10,10 @@
 namespace gq {
 
 namespace register_tile {
-extern template Launcher launcher<InBF16>(int, int);
-extern template Launcher launcher<InF16>(int, int);
+extern template Launcher launcher<InBF16, false>(int, int);
+extern template Launcher launcher<InF16, false>(int, int);
+extern template Launcher launcher<InBF16, true>(int, int);
+extern template Launcher launcher<InF16, true>(int, int);
 }  // namespace register_tile
 
 namespace {
@@ -34,18 +36,22 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const int r = slot_of(row_format), c = slot_of(col_format);
   const bool whole_tiles = p.M > 0 && p.K > 0 && p.M % register_tile::kTile == 0 && p.K % register_tile::kTile == 0 &&
                            (p.M / register_tile::kTile) * (p.K / register_tile::kTile) <= INT32_MAX;
-  // None of what only the generic program does: dequantized sources, transforms of 16x16 blocks, groups, dbias,
-  // per-row or per-column amaxes, unaligned rows, pre-passes, directions without an output, and
-  // random bits whose index passes 2^32 (which would take a second stream).
+  // None of what only the generic program does: transforms of 16x16 blocks, groups, dbias, per-row or
+  // per-column amaxes, unaligned rows, pre-passes, directions without an output (a dequantized
+  // source's rowwise one included), and random bits whose index passes 2^32 (which would take a
+  // second stream).
   const bool stochastic = (row_format == kNV && p.row.sr) || (col_format == kNV && p.col.sr);
   const bool transform_here = col_format == kNV && !p.col.two_d && p.acc.col_global == nullptr;  // a 1x16 chunk in two lanes
-  const bool options = p.main && !p.dq_source && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr &&
+  const bool options = p.main && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
                        !(row_format == kNV && p.row.row_scaled) && !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr) && (col_format == kNone || p.col.data != nullptr);
-  const bool formats = r >= 0 && c >= 0 && !(row_format == kNone && col_format == kNone);
+  const bool formats = r >= 0 && c >= 0;  // none and none: no kernel (launcher gives null)
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;
-  const register_tile::Launcher launch = dtype == kBF16 ? register_tile::launcher<InBF16>(r, c) : register_tile::launcher<InF16>(r, c);
+  const bool dq = p.dq_source;
+  const register_tile::Launcher launch = dtype == kBF16 ? (dq ? register_tile::launcher<InBF16, true>(r, c) : register_tile::launcher<InBF16, false>(r, c))
+                                                        : (dq ? register_tile::launcher<InF16, true>(r, c) : register_tile::launcher<InF16, false>(r, c));
+  if (launch == nullptr) return false;
   launch(p, stream);
   check_launch("quantize");
   return true;

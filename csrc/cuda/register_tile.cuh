@@ -10,7 +10,10 @@
 // halves of its registers, and only the block scales (computed once per block, not once per
 // chunk) and the transposed column bytes pass through shared memory. NVFP4's columns take the
 // random Hadamard transform here in 1x16 blocks, a chunk's rows split between two lanes; its
-// 16x16 blocks with the transform, per-row amaxes and random indices past 2^32 stay generic.
+// 16x16 blocks with the transform, per-row amaxes and random indices past 2^32 stay generic. A
+// rowwise_dequantized source replaces the registers by the dequantized rowwise values after the
+// row side's encode, and the column side takes its statistics again from them (kernels of their
+// own, kDq).
 //
 // Thread mapping (256 threads, 8 warps): lane l of warp w holds rows 16w + 8(l/16) .. +7 and
 // columns 8(l%16) .. +7 of the tile, so the 16 lanes of a half warp cover a tile row's 256 bytes,
@@ -53,12 +56,17 @@ constexpr int kBlocks = F == kNV ? 8 : 4;
 // Columnwise outputs transposed to (K, M), through the stage; MXFP8 keeps x's (M, K) layout.
 template <int F>
 constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV;
-
+// Pairs whose column side may read the dequantized rowwise values (a rowwise_dequantized source):
+// such launches have kernels of their own (kDq), so that the others keep their registers.
 template <int R, int C>
+constexpr bool kDequantizable = R != kNone && C != kNone;
+
+template <int R, int C, bool kDq>
 struct Smem {
   uint32_t colpart[8][64];             // per warp, each column's amax over its 16 rows: two columns a word (input bits)
   uint32_t rowamax[kTile][kBlocks<R>];  // per row, each block's amax (fp32 bits)
   float rowmult[kTile][kBlocks<R>];     // the rowwise encode factor per row and block (1x128: [row][0])
+  float rowdec[kDq ? kTile : 1][kBlocks<R>];  // ... and its decode factor, for a dequantized source
   float colmult[kBlocks<C>][kTile];     // the columnwise one per block and column (128x1: [0][column])
   uint32_t square[8][8];                // NVFP4 16x16 blocks' amaxes [row / 16][column / 16]
   alignas(8) uint8_t colscale[C == kNV ? kTile : 1][8];  // NVFP4 after the transform: each column's 8 block scales
@@ -101,29 +109,56 @@ __device__ __forceinline__ uint2 encode8(const float v[8], const float f[8], int
 
 __device__ __forceinline__ bool usable(float factor) { return factor > 0.0f && factor <= kFltMax; }
 
-// The block scale of an FP8 block with this amax: its encode factor, its decode factor stored.
-__device__ __forceinline__ float block_factor(const Encoder& e, uint32_t amax, float* stored) {
+// What a block's scale multiplies by to encode, and to decode (NVFP4: the block's part of it).
+struct Factor {
+  float encode, decode;
+};
+
+// The block scale of an FP8 block with this amax; its decode factor is what is stored.
+__device__ __forceinline__ Factor block_factor(const Encoder& e, uint32_t amax, float* stored) {
   const float scale = scale_from_amax(u2f(amax), e.fp8, e.epsilon, e.pow2);
   *stored = 1.0f / scale;
-  return scale;
+  return {scale, 1.0f / scale};
 }
 
-__device__ __forceinline__ float mx_factor(const Encoder& e, uint32_t amax, uint8_t* stored) {
+__device__ __forceinline__ Factor mx_factor(const Encoder& e, uint32_t amax, uint8_t* stored) {
   const uint8_t biased = e8m0_from_amax(u2f(amax), e.fp8);
   *stored = biased;
-  return mx_encode_multiplier(biased);
+  return {mx_encode_multiplier(biased), mx_decode_scale(biased)};
 }
 
-// Four NVFP4 blocks' E4M3 scales as one word (the first in the low byte) and their encode factors.
-__device__ __forceinline__ uint32_t nv_factors(const NvGlobal& g, const uint32_t amax[4], float factor[4]) {
+// Four NVFP4 blocks' E4M3 scales as one word (the first in the low byte) and their factors.
+__device__ __forceinline__ uint32_t nv_factors(const NvGlobal& g, const uint32_t amax[4], Factor factor[4]) {
   uint32_t bytes = 0;
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
     const uint8_t scale = nv_block_scale(u2f(amax[b]), g.mult);
-    factor[b] = nv_encode_factor(scale, g.s_dec);
+    factor[b] = {nv_encode_factor(scale, g.s_dec), e4m3_value(scale)};
     bytes |= uint32_t(scale) << (8 * b);
   }
   return bytes;
+}
+
+// One row's eight rowwise bytes (NVFP4: codes, in .x) decoded as Representation.dequantize does,
+// fp32 products rounded to x's dtype (8-bit: byte * dec; NVFP4: (value * dec) * g_dec), packed
+// as x's words.
+template <class In, int R>
+__device__ __forceinline__ uint4 dequantized(uint2 stored, float dec, float g_dec, int kind) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t half[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * i + h;
+      float value;
+      if constexpr (R == kNV) value = (e2m1_value((stored.x >> (4 * e)) & 0xFu) * dec) * g_dec;
+      else value = fp8_decode(uint8_t((e < 4 ? stored.x : stored.y) >> (8 * (e & 3))), kind) * dec;
+      half[h] = In::from_float(value);
+    }
+    w[i] = half[0] | (half[1] << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The E2M1 code of y: to nearest even, or stochastically with the bits of `index` in `stream`.
@@ -195,9 +230,9 @@ __device__ __forceinline__ TilePlace place(uint32_t cta, uint32_t tiles_x, uint3
   return {bx, band * kBand + (in_band - bx * rows)};
 }
 
-template <class In, int R, int C>
+template <class In, int R, int C, bool kDq>
 __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TileParams p) {
-  __shared__ Smem<R, C> s;
+  __shared__ Smem<R, C, kDq> s;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t tiles_x = uint32_t(p.K / kTile), tiles_y = uint32_t(p.M / kTile);
   const TilePlace at = place(blockIdx.x, tiles_x, tiles_y);
@@ -206,30 +241,35 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   const int r0 = 16 * warp + 8 * (lane >> 4), c0 = 8 * (lane & 15);
   const bool row_2d = R == kBlock && p.row.two_d, col_2d = C == kBlock && p.col.two_d;  // 128x128 blocks
   const bool row_16 = R == kNV && p.row.two_d, col_16 = C == kNV && p.col.two_d;        // 16x16 blocks
-  const bool tile_wanted = row_2d || col_2d || p.acc.row_global || p.acc.col_global;
+  const Encoder &er = p.row, &ec = p.col;
 
   uint4 d[8];
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + (row0 + r0) * p.K + col0 + c0;
 #pragma unroll
   for (int k = 0; k < 8; ++k) d[k] = __ldcs(reinterpret_cast<const uint4*>(x + k * p.K));
 
-  // Column amaxes over the thread's 8 rows, then the warp's 16; they also bound the thread's values.
-  uint32_t cm[4] = {0, 0, 0, 0};
+  // Column amaxes of d over the thread's 8 rows, then the warp's 16 (and the 16x16 blocks'); says
+  // whether the thread's values are all finite.
+  auto column_stats = [&] {
+    uint32_t cm[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint32_t u[4] = {d[k].x, d[k].y, d[k].z, d[k].w};
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t u[4] = {d[k].x, d[k].y, d[k].z, d[k].w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cm[j] = umax_halves(cm[j], u[j] & kMagnitudes);
-  }
-  const bool finite = amax_bits<In>(fold(umax_halves(umax_halves(cm[0], cm[1]), umax_halves(cm[2], cm[3])))) <= 0x7F800000u;
+      for (int j = 0; j < 4; ++j) cm[j] = umax_halves(cm[j], u[j] & kMagnitudes);
+    }
+    const bool finite = amax_bits<In>(fold(umax_halves(umax_halves(cm[0], cm[1]), umax_halves(cm[2], cm[3])))) <= 0x7F800000u;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) cm[j] = umax_halves(cm[j], __shfl_xor_sync(kWarp, cm[j], 16));
-  if (lane < 16) *reinterpret_cast<uint4*>(&s.colpart[warp][4 * lane]) = make_uint4(cm[0], cm[1], cm[2], cm[3]);
-  if (row_16 || col_16) {  // a 16x16 block: the warp's 16 rows of two lanes' columns
-    uint32_t m = umax_halves(umax_halves(cm[0], cm[1]), umax_halves(cm[2], cm[3]));
-    m = umax_halves(m, __shfl_xor_sync(kWarp, m, 1));
-    if (lane < 16 && (lane & 1) == 0) s.square[warp][lane >> 1] = amax_bits<In>(fold(m));
-  }
+    for (int j = 0; j < 4; ++j) cm[j] = umax_halves(cm[j], __shfl_xor_sync(kWarp, cm[j], 16));
+    if (lane < 16) *reinterpret_cast<uint4*>(&s.colpart[warp][4 * lane]) = make_uint4(cm[0], cm[1], cm[2], cm[3]);
+    if (row_16 || col_16) {  // a 16x16 block: the warp's 16 rows of two lanes' columns
+      uint32_t m = umax_halves(umax_halves(cm[0], cm[1]), umax_halves(cm[2], cm[3]));
+      m = umax_halves(m, __shfl_xor_sync(kWarp, m, 1));
+      if (lane < 16 && (lane & 1) == 0) s.square[warp][lane >> 1] = amax_bits<In>(fold(m));
+    }
+    return finite;
+  };
+  bool finite = column_stats();
 
   // Row amaxes of the row side's blocks: four lanes hold a 32-column one, two a 16-column one.
   if constexpr (R == kMX || R == kBlock || R == kNV) {
@@ -247,118 +287,166 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   }
   __syncthreads();
 
-  // The block scales, once per block: written out, and their encode factors kept for the encode.
-  const Encoder &er = p.row, &ec = p.col;
-  if (tile_wanted && warp == 7) {
+  // The block scales, once per block: written out, and their factors kept for the encode (and,
+  // rowwise, for a dequantized source).
+  auto keep_row = [&](int r, int b, Factor f) {
+    s.rowmult[r][b] = f.encode;
+    if constexpr (kDq) s.rowdec[r][b] = f.decode;
+  };
+  // The whole tile's amax (from colpart) where a side wants it: 128x128 blocks, delayed scaling.
+  auto tile_amax = [&](bool row_side, bool col_side) {
+    const bool rows = row_side && (row_2d || p.acc.row_global), cols = col_side && (col_2d || p.acc.col_global);
+    if (!(rows || cols) || warp != 7) return;
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) m = umax_halves(m, s.colpart[i >> 1][32 * (i & 1) + lane]);
     for (int offset = 16; offset > 0; offset >>= 1) m = umax_halves(m, __shfl_xor_sync(kWarp, m, offset));
     const uint32_t amax = amax_bits<In>(fold(m));
-    if (lane == 0) {
-      if (p.acc.row_global) atomic_umax(p.acc.row_global, amax);
-      if (p.acc.col_global) atomic_umax(p.acc.col_global, amax);
-      if (row_2d) {
-        float* out = static_cast<float*>(er.scales);
-        s.rowmult[0][0] = block_factor(er, amax, &out[int64_t(by) * tiles_x + col0 / kTile]);
+    if (lane != 0) return;
+    if (rows && p.acc.row_global) atomic_umax(p.acc.row_global, amax);
+    if (cols && p.acc.col_global) atomic_umax(p.acc.col_global, amax);
+    if (rows && row_2d) keep_row(0, 0, block_factor(er, amax, static_cast<float*>(er.scales) + int64_t(by) * tiles_x + col0 / kTile));
+    if (cols && col_2d) s.colmult[0][0] = block_factor(ec, amax, static_cast<float*>(ec.scales) + (col0 / kTile) * (p.M / kTile) + by).encode;
+  };
+  auto row_scales = [&] {
+    if constexpr (R == kMX) {
+#pragma unroll
+      for (int q = tid; q < kTile * 4; q += kThreads) {
+        const int r = q >> 2, b = q & 3;
+        keep_row(r, b, mx_factor(er, s.rowamax[r][b], static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 32) + col0 / 32 + b));
       }
-      if (col_2d) {
-        float* out = static_cast<float*>(ec.scales);
-        s.colmult[0][0] = block_factor(ec, amax, &out[(col0 / kTile) * (p.M / kTile) + by]);
+    } else if constexpr (R == kBlock) {
+      if (!row_2d && tid < kTile) {
+        const uint32_t m = umax(umax(s.rowamax[tid][0], s.rowamax[tid][1]), umax(s.rowamax[tid][2], s.rowamax[tid][3]));
+        keep_row(tid, 0, block_factor(er, m, static_cast<float*>(er.scales) + (col0 / kTile) * p.M + row0 + tid));  // outer-dim-major
       }
-    }
-  }
-  if constexpr (R == kMX) {
-#pragma unroll
-    for (int q = tid; q < kTile * 4; q += kThreads) {
-      const int r = q >> 2, b = q & 3;
-      uint8_t* out = static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 32) + col0 / 32 + b;
-      s.rowmult[r][b] = mx_factor(er, s.rowamax[r][b], out);
-    }
-  } else if constexpr (R == kBlock) {
-    if (!row_2d && tid < kTile) {
-      const uint32_t m = umax(umax(s.rowamax[tid][0], s.rowamax[tid][1]), umax(s.rowamax[tid][2], s.rowamax[tid][3]));
-      float* out = static_cast<float*>(er.scales) + (col0 / kTile) * p.M + row0 + tid;  // outer-dim-major
-      s.rowmult[tid][0] = block_factor(er, m, out);
-    }
-  }
-  if constexpr (R == kNV) {  // a thread a row and half its blocks: four scales in one store
-    const int r = tid >> 1, b0 = 4 * (tid & 1);
-    uint32_t amax[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) amax[b] = row_16 ? s.square[r >> 4][b0 + b] : s.rowamax[r][b0 + b];
-    uint8_t* out = static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 16) + col0 / 16 + b0;
-    *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(er.amax[0])), amax, &s.rowmult[r][b0]);
-  }
-  if constexpr (C == kMX) {
-#pragma unroll
-    for (int q = tid; q < kTile * 4; q += kThreads) {
-      const int b = q >> 7, c = q & (kTile - 1), shift = 16 * (c & 1);
-      const uint32_t m = umax_halves(s.colpart[2 * b][c >> 1], s.colpart[2 * b + 1][c >> 1]);
-      uint8_t* out = static_cast<uint8_t*>(ec.scales) + (row0 / 32 + b) * p.K + col0 + c;
-      s.colmult[b][c] = mx_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out);
-    }
-  } else if constexpr (C == kBlock) {
-    if (!col_2d && tid >= kThreads - kTile) {
-      const int c = tid - (kThreads - kTile), shift = 16 * (c & 1);
-      uint32_t m = 0;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) m = umax_halves(m, s.colpart[w][c >> 1]);
-      float* out = static_cast<float*>(ec.scales) + int64_t(by) * p.K + col0 + c;  // outer-dim-major
-      s.colmult[0][c] = block_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out);
-    }
-  } else if constexpr (C == kNV) {
-    if (!p.col_rht) {  // a thread a column and half its blocks (after a transform, the encode finds them)
-      const int c = tid >> 1, w0 = 4 * (tid & 1), shift = 16 * (c & 1);
+    } else if constexpr (R == kNV) {  // a thread a row and half its blocks: four scales in one store
+      const int r = tid >> 1, b0 = 4 * (tid & 1);
       uint32_t amax[4];
-      float factor[4];
+      Factor f[4];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) amax[b] = col_16 ? s.square[w0 + b][c >> 4] : amax_bits<In>((s.colpart[w0 + b][c >> 1] >> shift) & 0xFFFFu);
-      uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + c) * (p.M / 16) + row0 / 16 + w0;
-      *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(ec.amax[0])), amax, factor);
+      for (int b = 0; b < 4; ++b) amax[b] = row_16 ? s.square[r >> 4][b0 + b] : s.rowamax[r][b0 + b];
+      uint8_t* out = static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 16) + col0 / 16 + b0;
+      *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(er.amax[0])), amax, f);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) s.colmult[w0 + b][c] = factor[b];
+      for (int b = 0; b < 4; ++b) keep_row(r, b0 + b, f[b]);
     }
-  }
+  };
+  auto column_scales = [&] {
+    if constexpr (C == kMX) {
+#pragma unroll
+      for (int q = tid; q < kTile * 4; q += kThreads) {
+        const int b = q >> 7, c = q & (kTile - 1), shift = 16 * (c & 1);
+        const uint32_t m = umax_halves(s.colpart[2 * b][c >> 1], s.colpart[2 * b + 1][c >> 1]);
+        uint8_t* out = static_cast<uint8_t*>(ec.scales) + (row0 / 32 + b) * p.K + col0 + c;
+        s.colmult[b][c] = mx_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out).encode;
+      }
+    } else if constexpr (C == kBlock) {
+      if (!col_2d && tid >= kThreads - kTile) {
+        const int c = tid - (kThreads - kTile), shift = 16 * (c & 1);
+        uint32_t m = 0;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) m = umax_halves(m, s.colpart[w][c >> 1]);
+        float* out = static_cast<float*>(ec.scales) + int64_t(by) * p.K + col0 + c;  // outer-dim-major
+        s.colmult[0][c] = block_factor(ec, amax_bits<In>((m >> shift) & 0xFFFFu), out).encode;
+      }
+    } else if constexpr (C == kNV) {
+      if (!p.col_rht) {  // a thread a column and half its blocks (after a transform, the encode finds them)
+        const int c = tid >> 1, w0 = 4 * (tid & 1), shift = 16 * (c & 1);
+        uint32_t amax[4];
+        Factor f[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) amax[b] = col_16 ? s.square[w0 + b][c >> 4] : amax_bits<In>((s.colpart[w0 + b][c >> 1] >> shift) & 0xFFFFu);
+        uint8_t* out = static_cast<uint8_t*>(ec.scales) + (col0 + c) * (p.M / 16) + row0 / 16 + w0;
+        *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(ec.amax[0])), amax, f);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) s.colmult[w0 + b][c] = f[b].encode;
+      }
+    }
+  };
+  tile_amax(true, !kDq);
+  row_scales();
+  if constexpr (!kDq) column_scales();
   __syncthreads();
 
-  // Each row once: its rowwise bytes (or codes) to their place in (M, K), its columnwise ones with
-  // each column's own factor. One branch for the thread: for 8-bit formats the conversion alone
-  // where no product can be NaN (NaN in x, or a factor that is not a positive finite number), else
-  // the careful encode; for NVFP4, the rounding.
-  float fr[8], fc[8];
-  bool plain = finite;
+  // Row k of the thread's block, rowwise, to its place in (M, K): the conversion alone where
+  // kPlain (no product can be NaN: none in x, and every factor a positive finite number), else
+  // the careful encode; NVFP4's rounding to nearest or stochastic. Gives the bytes (NVFP4: the
+  // eight codes in .x) for a dequantized source.
+  float fr[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 8; ++i)
     fr[i] = R == kNV ? s.rowmult[r0 + i][c0 >> 4] : R == kMX ? s.rowmult[r0 + i][c0 >> 5] : R == kBlock ? s.rowmult[row_2d ? 0 : r0 + i][0] : R == kPerTensor ? er.scale[0] : 1.0f;
-    fc[i] = C == kNV ? s.colmult[warp][c0 + i] : C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i] : C == kPerTensor ? ec.scale[0] : 1.0f;
-    if constexpr (kEightBit<R>) plain = plain && usable(fr[i]);
-    if constexpr (kEightBit<C>) plain = plain && usable(fc[i]);
-  }
   // Stochastic rounding's bits: element (r, c) of x draws index r * K + c rowwise and c * M + r
   // columnwise (x^T's), all below 2^32 here, so one stream (index_hi = 0) serves the launch.
   const uint32_t row_stream = R == kNV && er.sr ? random_stream(sr_key_of(er), 0) : 0;
+  const uint32_t row_index = uint32_t((row0 + r0) * p.K + col0 + c0);
+  auto encode_row = [&](int k, const float v[8], auto plain_type, auto row_sr_type) {
+    [[maybe_unused]] constexpr bool kPlain = decltype(plain_type)::value, kRowSR = decltype(row_sr_type)::value;
+    uint2 out = make_uint2(0, 0);
+    if constexpr (kEightBit<R>) {
+      float f[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = fr[k];
+      out = encode8<kPlain>(v, f, er.fp8);
+      *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = out;
+    } else if constexpr (R == kNV) {  // nvfp4.pack: element 2i in the low nibble of byte i
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out.x |= e2m1_code<kRowSR>(v[i] * fr[k], row_stream, row_index + uint32_t(k * p.K) + i) << (4 * i);
+      *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = out.x;
+    }
+    return out;
+  };
+  bool row_plain = finite;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) row_plain = row_plain && (!kEightBit<R> || usable(fr[i]));
+
+  // A dequantized source: the rowwise values, decoded and rounded to x's dtype as
+  // Representation.dequantize gives them, replace x in the registers; the column side's
+  // statistics and scales are then taken again, from them.
+  if constexpr (kDq) {
+    const float g_dec = R == kNV ? nv_global(u2f(er.amax[0])).g_dec : 1.0f;
+    with_flag<kEightBit<R>>(row_plain, [&](auto kPlain) {
+      with_flag<R == kNV>(er.sr, [&](auto kRowSR) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
+                          : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[0];
+          float v[8];
+          unpack8<In>(d[k], v);
+          d[k] = dequantized<In, R>(encode_row(k, v, kPlain, kRowSR), dec, g_dec, er.fp8);
+        }
+      });
+    });
+    finite = column_stats();
+    __syncthreads();
+    tile_amax(false, true);
+    column_scales();
+    __syncthreads();
+  }
+
+  // Each row once: its rowwise bytes (unless a dequantized source took them), its columnwise ones
+  // with each column's own factor, under the same rule for kPlain.
+  float fc[8];
+  bool plain = finite;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    fc[i] = C == kNV ? s.colmult[warp][c0 + i] : C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i] : C == kPerTensor ? ec.scale[0] : 1.0f;
+    if constexpr (kEightBit<C>) plain = plain && usable(fc[i]);
+  }
+  if constexpr (!kDq) plain = plain && row_plain;
   const uint32_t col_stream = C == kNV && ec.sr ? random_stream(sr_key_of(ec), 0) : 0;
-  const uint32_t row_index = uint32_t((row0 + r0) * p.K + col0 + c0), col_index = uint32_t((col0 + c0) * p.M + row0 + r0);
+  const uint32_t col_index = uint32_t((col0 + c0) * p.M + row0 + r0);
   uint2 q[8];       // 8-bit columnwise: each of the thread's rows, 8 bytes
   uint32_t nq[8] = {};  // NVFP4 columnwise: each of the thread's columns, 8 codes
   auto encode = [&](auto plain_type, auto row_sr_type, auto col_sr_type, auto col_rht_type) {
-    [[maybe_unused]] constexpr bool kPlain = decltype(plain_type)::value;
-    [[maybe_unused]] constexpr bool kRowSR = decltype(row_sr_type)::value, kColSR = decltype(col_sr_type)::value;
+    [[maybe_unused]] constexpr bool kPlain = decltype(plain_type)::value, kColSR = decltype(col_sr_type)::value;
     constexpr bool kColRHT = decltype(col_rht_type)::value;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      float v[8], f[8];
+      float v[8];
       unpack8<In>(d[k], v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = fr[k];
-      if constexpr (kEightBit<R>) *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = encode8<kPlain>(v, f, er.fp8);
-      if constexpr (R == kNV) {  // nvfp4.pack: element 2i in the low nibble of byte i
-        uint32_t codes = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) codes |= e2m1_code<kRowSR>(v[i] * f[i], row_stream, row_index + uint32_t(k * p.K) + i) << (4 * i);
-        *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = codes;
-      }
+      if constexpr (!kDq) encode_row(k, v, plain_type, row_sr_type);
       if constexpr (kEightBit<C>) q[k] = encode8<kPlain>(v, fc, ec.fp8);
       if constexpr (C == kNV && !kColRHT) {
 #pragma unroll
@@ -390,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     }
   };
   with_flag<kEightBit<R> || kEightBit<C>>(plain, [&](auto kPlain) {
-    with_flag<R == kNV>(er.sr, [&](auto kRowSR) {
+    with_flag<R == kNV && !kDq>(er.sr, [&](auto kRowSR) {
       with_flag<C == kNV>(ec.sr, [&](auto kColSR) {
         with_flag<C == kNV>(p.col_rht, [&](auto kColRHT) { encode(kPlain, kRowSR, kColSR, kColRHT); });
       });
@@ -440,10 +528,10 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   }
 }
 
-template <class In, int R, int C>
+template <class In, int R, int C, bool kDq>
 void launch(const TileParams& p, void* stream) {
   const int64_t tiles = (p.M / kTile) * (p.K / kTile);
-  register_tile_kernel<In, R, C><<<unsigned(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  register_tile_kernel<In, R, C, kDq><<<unsigned(tiles), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
 }
 
 using Launcher = void (*)(const TileParams&, void*);
@@ -454,24 +542,26 @@ constexpr int slot_of(int format) {
   return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : -1;
 }
 
-template <class In, int R, int C>
+template <class In, int R, int C, bool kDq>
 constexpr Launcher launcher_of() {
-  if constexpr (R == kNone && C == kNone) return nullptr;  // nothing to encode: never launched
-  else return &launch<In, R, C>;
+  if constexpr ((R == kNone && C == kNone) || (kDq && !kDequantizable<R, C>)) return nullptr;  // never launched
+  else return &launch<In, R, C, kDq>;
 }
 
-template <class In, int R>
-constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor>(), launcher_of<In, R, kBlock>(), launcher_of<In, R, kMX>(),
-                                    launcher_of<In, R, kNV>(), launcher_of<In, R, kNone>()};
+template <class In, int R, bool kDq>
+constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor, kDq>(), launcher_of<In, R, kBlock, kDq>(),
+                                    launcher_of<In, R, kMX, kDq>(), launcher_of<In, R, kNV, kDq>(), launcher_of<In, R, kNone, kDq>()};
 
-template <class In>
+// The kernel of a (row slot, column slot) pair, null where none is: instantiated per input dtype
+// and source in register_tile_<dtype>[_dequantized].cu, so that the four compile in parallel.
+template <class In, bool kDq>
 Launcher launcher(int row_slot, int col_slot) {
   switch (row_slot) {
-    case 0: return kLaunchers<In, kPerTensor>[col_slot];
-    case 1: return kLaunchers<In, kBlock>[col_slot];
-    case 2: return kLaunchers<In, kMX>[col_slot];
-    case 3: return kLaunchers<In, kNV>[col_slot];
-    default: return kLaunchers<In, kNone>[col_slot];
+    case 0: return kLaunchers<In, kPerTensor, kDq>[col_slot];
+    case 1: return kLaunchers<In, kBlock, kDq>[col_slot];
+    case 2: return kLaunchers<In, kMX, kDq>[col_slot];
+    case 3: return kLaunchers<In, kNV, kDq>[col_slot];
+    default: return kLaunchers<In, kNone, kDq>[col_slot];
   }
 }
 

@@ -2,5 +2,5 @@
 #include "register_tile.cuh"
 
 namespace gq::register_tile {
-template Launcher launcher<InBF16>(int, int);
+template Launcher launcher<InBF16, false>(int, int);
 }  // namespace gq::register_tile

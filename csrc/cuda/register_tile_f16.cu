@@ -2,5 +2,5 @@
 #include "register_tile.cuh"
 
 namespace gq::register_tile {
-template Launcher launcher<InF16>(int, int);
+template Launcher launcher<InF16, false>(int, int);
 }  // namespace gq::register_tile

@@ -1,0 +1,7 @@
+// Register tile program instantiations for f16 inputs whose column side reads the dequantized
+// rowwise values: every pair with both sides.
+#include "register_tile.cuh"
+
+namespace gq::register_tile {
+template Launcher launcher<InF16, true>(int, int);
+}  // namespace gq::register_tile
