@@ -57,9 +57,14 @@ constexpr int kBlocks = F == kNV ? 8 : 4;
 template <int F>
 constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV;
 // Pairs whose column side may read the dequantized rowwise values (a rowwise_dequantized source):
-// such launches have kernels of their own (kDq), so that the others keep their registers.
+// such launches have kernels of their own (kDq), so that the others keep their registers. With
+// no column format, the kernel is the amax pre-pass of such a source (per-tensor FP8 or NVFP4
+// columns): it encodes the rows without storing them and max-reduces the dequantized values
+// (rounded to nearest: stochastically rounded rows take the generic program's pre-pass).
 template <int R, int C>
-constexpr bool kDequantizable = R != kNone && C != kNone;
+constexpr bool kDequantizable = R != kNone;
+template <int R, int C, bool kDq>
+constexpr bool kAmaxPass = kDq && C == kNone;
 
 template <int R, int C, bool kDq>
 struct Smem {
@@ -389,11 +394,11 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
 #pragma unroll
       for (int i = 0; i < 8; ++i) f[i] = fr[k];
       out = encode8<kPlain>(v, f, er.fp8);
-      *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = out;
+      if constexpr (!kAmaxPass<R, C, kDq>) *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = out;
     } else if constexpr (R == kNV) {  // nvfp4.pack: element 2i in the low nibble of byte i
 #pragma unroll
       for (int i = 0; i < 8; ++i) out.x |= e2m1_code<kRowSR>(v[i] * fr[k], row_stream, row_index + uint32_t(k * p.K) + i) << (4 * i);
-      *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = out.x;
+      if constexpr (!kAmaxPass<R, C, kDq>) *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = out.x;
     }
     return out;
   };
@@ -407,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   if constexpr (kDq) {
     const float g_dec = R == kNV ? nv_global(u2f(er.amax[0])).g_dec : 1.0f;
     with_flag<kEightBit<R>>(row_plain, [&](auto kPlain) {
-      with_flag<R == kNV>(er.sr, [&](auto kRowSR) {
+      with_flag<R == kNV && !kAmaxPass<R, C, kDq>>(er.sr, [&](auto kRowSR) {  // the amax pass: no stochastic rows (196 B spills)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
@@ -421,6 +426,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     finite = column_stats();
     __syncthreads();
     tile_amax(false, true);
+    if constexpr (kAmaxPass<R, C, kDq>) return;
     column_scales();
     __syncthreads();
   }
