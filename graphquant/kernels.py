@@ -279,16 +279,17 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     q = rep.quantizer
     rows, cols = rep.data.shape
     fp8 = _FP8.get(getattr(q, "fp8_dtype", "e4m3"))
-    kind, block_rows, block_cols, scale_ld, axis = _DEQUANT_SCALED, 1, 1, 0, 1
+    kind, block_rows, block_cols, axis = _DEQUANT_SCALED, 1, 1, 1
+    scale_strides = (0, 0) if rep.scale.dim() == 0 else (rep.scale.stride(0), rep.scale.stride(-1))
     amax = None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
         if rep.scale.numel() != 1:
             return None
         block_rows, block_cols = rows, cols
     elif isinstance(q, Float8BlockQuantizer):
-        block_rows, block_cols, scale_ld = (1 if q.block_scaling_dim == 1 else 128), 128, rep.scale.shape[1]
+        block_rows, block_cols = (1 if q.block_scaling_dim == 1 else 128), 128
     elif isinstance(q, Float8RowwiseQuantizer):
-        block_rows, block_cols, scale_ld = 1, cols, 1
+        block_rows, block_cols = 1, cols
     elif isinstance(q, MXFP8Quantizer):
         kind, axis = _DEQUANT_MX, 1 if rep.direction == ROWWISE else 0
     elif isinstance(q, NVFP4Quantizer):
@@ -298,8 +299,9 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
             return None
     else:
         return None
+    scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()  # float scales go by their strides
     return ext.dequantize(
-        rep.data.contiguous(), rep.scale.contiguous(), amax, kind, fp8, block_rows, block_cols, scale_ld, axis, _DTYPES[dtype]
+        rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, axis, _DTYPES[dtype]
     )
 
 

@@ -59,7 +59,7 @@ GQ_HD void dequantize_chunk(const DequantParams& p, int64_t chunk) {
         const uint8_t* s = static_cast<const uint8_t*>(p.scales);
         scale = mx_decode_scale(p.mx_axis == 1 ? s[r * (p.cols / 32) + c / 32] : s[(r / 32) * p.cols + c]);
       } else {
-        scale = static_cast<const float*>(p.scales)[(r / p.block_rows) * p.scale_ld + c / p.block_cols];
+        scale = static_cast<const float*>(p.scales)[(r / p.block_rows) * p.scale_row_stride + (c / p.block_cols) * p.scale_col_stride];
       }
       v[i] = fp8_decode(q[i], p.fp8) * scale;
     }

@@ -344,12 +344,15 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
 }
 
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c10::optional<at::Tensor>& amax,
-                      int64_t kind, int64_t fp8, int64_t block_rows, int64_t block_cols, int64_t scale_ld,
+                      int64_t kind, int64_t fp8, int64_t block_rows, int64_t block_cols,
+                      int64_t scale_row_stride, int64_t scale_col_stride,
                       int64_t mx_axis, int64_t out_dtype) {
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(data.device());
 #endif
-  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && scales.is_contiguous(), "graphquant.dequantize: bad layout");
+  // FP8 float scales are read through their strides (1x128 ones lie outer-dim-major), the others whole.
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && (kind == kDequantScaled || scales.is_contiguous()),
+              "graphquant.dequantize: bad layout");
   static const at::ScalarType kOut[] = {at::kBFloat16, at::kHalf, at::kFloat};
   DequantParams p;
   p.kind = int(kind);
@@ -360,7 +363,8 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c1
   p.cols = kind == kDequantNV ? data.size(1) * 2 : data.size(1);
   p.block_rows = block_rows;
   p.block_cols = block_cols;
-  p.scale_ld = scale_ld;
+  p.scale_row_stride = scale_row_stride;
+  p.scale_col_stride = scale_col_stride;
   p.mx_axis = int(mx_axis);
   at::Tensor amax_f;
   if (amax.has_value()) {
