@@ -51,6 +51,7 @@ QUANTIZERS = {
     "nvfp4_sr": lambda: NVFP4Quantizer(stochastic_rounding=True),
     "nvfp4_rht_sr": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True),
     "nvfp4_rht_nosign": lambda: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_random_sign_mask=False),
+    "nvfp4_rowscaled": lambda: NVFP4Quantizer(row_scaled_nvfp4=True),
     "nvfp4_rht_sr_rowscaled": lambda: NVFP4Quantizer(
         with_rht=True, with_post_rht_amax=True, stochastic_rounding=True, row_scaled_nvfp4=True
     ),
@@ -186,7 +187,7 @@ def test_register_tile_program_turned_off_gives_the_same_bits(backend, tmp_path)
     if backend == "cpu":
         pytest.skip("the CPU build has the generic tile program only")
     names = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_block_1d", "fp8_block_2d_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
-             "nvfp4", "nvfp4_2d", "nvfp4_sr", "nvfp4_rht_sr", "nvfp4_rht_nosign")
+             "nvfp4", "nvfp4_2d", "nvfp4_sr", "nvfp4_rht_sr", "nvfp4_rht_nosign", "nvfp4_rowscaled", "nvfp4_rht_sr_rowscaled")
     program = f"""
 import sys, torch
 sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})

@@ -48,7 +48,7 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
                             : p.main;
   const bool options = pass && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
-                       !(row_format == kNV && p.row.row_scaled) && !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
+                       !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr || dq_amax) && (col_format == kNone || p.col.data != nullptr);
   const bool formats = r >= 0 && c >= 0;  // none and none: no kernel (launcher gives null)
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;

@@ -10,7 +10,8 @@
 // halves of its registers, and only the block scales (computed once per block, not once per
 // chunk) and the transposed column bytes pass through shared memory. NVFP4's columns take the
 // random Hadamard transform here in 1x16 blocks, a chunk's rows split between two lanes; its
-// 16x16 blocks with the transform, per-row amaxes and random indices past 2^32 stay generic. A
+// 16x16 blocks with the transform and random indices past 2^32 stay generic, and so does
+// row-scaled NVFP4's per-row amax pass (its encode runs here). A
 // rowwise_dequantized source replaces the registers by the dequantized rowwise values after the
 // row side's encode, and the column side takes its statistics again from them (kernels of their
 // own, kDq).
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
 #pragma unroll
       for (int b = 0; b < 4; ++b) amax[b] = row_16 ? s.square[r >> 4][b0 + b] : s.rowamax[r][b0 + b];
       uint8_t* out = static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 16) + col0 / 16 + b0;
-      *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(er.amax[0])), amax, f);
+      *reinterpret_cast<uint32_t*>(out) = nv_factors(nv_global(u2f(er.amax[er.row_scaled ? row0 + r : 0])), amax, f);
 #pragma unroll
       for (int b = 0; b < 4; ++b) keep_row(r, b0 + b, f[b]);
     }
@@ -410,13 +411,13 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   // Representation.dequantize gives them, replace x in the registers; the column side's
   // statistics and scales are then taken again, from them.
   if constexpr (kDq) {
-    const float g_dec = R == kNV ? nv_global(u2f(er.amax[0])).g_dec : 1.0f;
     with_flag<kEightBit<R>>(row_plain, [&](auto kPlain) {
       with_flag<R == kNV && !kAmaxPass<R, C, kDq>>(er.sr, [&](auto kRowSR) {  // the amax pass: no stochastic rows (196 B spills)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
                           : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[0];
+          const float g_dec = R == kNV ? nv_global(u2f(er.amax[er.row_scaled ? row0 + r0 + k : 0])).g_dec : 1.0f;
           float v[8];
           unpack8<In>(d[k], v);
           d[k] = dequantized<In, R>(encode_row(k, v, kPlain, kRowSR), dec, g_dec, er.fp8);
