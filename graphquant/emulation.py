@@ -142,10 +142,11 @@ def _epilogue_gemm(
     return ext.bf16_gemm(left, right, alpha, out_dtype, bias, out)
 
 
-# The most elements of an MXFP8 or NVFP4 operand dequantized at once (32 MiB of bf16): a larger
+# The most elements of an MXFP8 or NVFP4 operand dequantized at once (64 MiB of bf16): a larger
 # one is multiplied in slices of its rows. Whole, a SwiGLU's hidden activation dequantized for a
-# wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak.
-SLICE_ELEMENTS = 16 << 20
+# wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak; in slices of half this size
+# the decoder's emulated steps were bound by the host's launches (two per slice; NOTES row 64).
+SLICE_ELEMENTS = 32 << 20
 
 
 def _sliceable(rep: Representation) -> bool:
