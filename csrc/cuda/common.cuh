@@ -334,15 +334,19 @@ GQ_HD uint32_t sr_key_of(const Encoder& e) {
 
 constexpr uint32_t kRhtNegative = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 8) | (1u << 12) | (1u << 13) | (1u << 15);
 
-GQ_HD void hadamard16(float y[16], bool sign_mask) {
+// The chunk's elements first .. first + N - 1 in y, their signs flipped by the random sign mask,
+// then hadamard16's butterflies of strides 1 .. N / 2 in its order (all of them for N = 16; the
+// register program's half chunks take the last one across lanes).
+template <int N>
+GQ_HD void hadamard_steps(float y[N], int first, bool sign_mask) {
   if (sign_mask) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) y[j] = y[j] * ((kRhtNegative >> j) & 1 ? -1.0f : 1.0f);
+    for (int j = 0; j < N; ++j) y[j] = y[j] * ((kRhtNegative >> (first + j)) & 1 ? -1.0f : 1.0f);
   }
 #pragma unroll
-  for (int h = 1; h < 16; h <<= 1) {
+  for (int h = 1; h < N; h <<= 1) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < N; ++j) {
       if ((j & h) == 0) {
         const float a = y[j], b = y[j + h];
         y[j] = a + b;
@@ -350,6 +354,10 @@ GQ_HD void hadamard16(float y[16], bool sign_mask) {
       }
     }
   }
+}
+
+GQ_HD void hadamard16(float y[16], bool sign_mask) {
+  hadamard_steps<16>(y, 0, sign_mask);
 #pragma unroll
   for (int j = 0; j < 16; ++j) y[j] = y[j] * 0.25f;
 }

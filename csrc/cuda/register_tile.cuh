@@ -186,21 +186,7 @@ __device__ __forceinline__ float column_value(const uint4& row, int i) {
 // lane ^ 16 the others: hadamard16's steps in its order, the last one (rows j and j + 8) across
 // the two lanes.
 __device__ __forceinline__ void hadamard_halves(float y[8], int h, bool sign_mask) {
-  if (sign_mask) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) y[k] = y[k] * (((kRhtNegative >> (8 * h + k)) & 1) ? -1.0f : 1.0f);
-  }
-#pragma unroll
-  for (int step = 1; step < 8; step <<= 1) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if ((j & step) == 0) {
-        const float a = y[j], b = y[j + step];
-        y[j] = a + b;
-        y[j + step] = a - b;
-      }
-    }
-  }
+  hadamard_steps<8>(y, 8 * h, sign_mask);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float other = __shfl_xor_sync(kWarp, y[k], 16);
