@@ -57,13 +57,11 @@ constexpr int kBlocks = F == kNV ? 8 : 4;
 // Columnwise outputs transposed to (K, M), through the stage; MXFP8 keeps x's (M, K) layout.
 template <int F>
 constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV;
-// Pairs whose column side may read the dequantized rowwise values (a rowwise_dequantized source):
-// such launches have kernels of their own (kDq), so that the others keep their registers. With
-// no column format, the kernel is the amax pre-pass of such a source (per-tensor FP8 or NVFP4
+// A column side that reads the dequantized rowwise values (a rowwise_dequantized source, kDq)
+// has kernels of its own, one for each row format, so that the others keep their registers. With
+// no column format, such a kernel is the amax pre-pass of the source (per-tensor FP8 or NVFP4
 // columns): it encodes the rows without storing them and max-reduces the dequantized values
 // (rounded to nearest: stochastically rounded rows take the generic program's pre-pass).
-template <int R, int C>
-constexpr bool kDequantizable = R != kNone;
 template <int R, int C, bool kDq>
 constexpr bool kAmaxPass = kDq && C == kNone;
 
@@ -537,7 +535,7 @@ constexpr int slot_of(int format) {
 
 template <class In, int R, int C, bool kDq>
 constexpr Launcher launcher_of() {
-  if constexpr ((R == kNone && C == kNone) || (kDq && !kDequantizable<R, C>)) return nullptr;  // never launched
+  if constexpr (R == kNone && (C == kNone || kDq)) return nullptr;  // nothing to encode, or nothing to dequantize
   else return &launch<In, R, C, kDq>;
 }
 
