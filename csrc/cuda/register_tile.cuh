@@ -121,8 +121,9 @@ struct Factor {
 // The block scale of an FP8 block with this amax; its decode factor is what is stored.
 __device__ __forceinline__ Factor block_factor(const Encoder& e, uint32_t amax, float* stored) {
   const float scale = scale_from_amax(u2f(amax), e.fp8, e.epsilon, e.pow2);
-  *stored = 1.0f / scale;
-  return {scale, 1.0f / scale};
+  const float decode = 1.0f / scale;
+  *stored = decode;
+  return {scale, decode};
 }
 
 __device__ __forceinline__ Factor mx_factor(const Encoder& e, uint32_t amax, uint8_t* stored) {
