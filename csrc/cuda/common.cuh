@@ -266,12 +266,22 @@ GQ_HD float e2m1_magnitude(int i) {
 // 2. M = 2^23 * step has the step as its ulp, so a + M rounds a to the grid with ties to even; M also
 // carries 2(E-127) steps in its mantissa (the codes below 2^(E-127)), so the sum's mantissa is the
 // code, whose parity is the rounded mantissa's: ties go to the even code.
-GQ_HD uint8_t e2m1_nearest(float v) {
+// Also gives the grid value the code stands for, sign included: the sum minus M, exact (both are
+// multiples of the step), where decoding the code again would take five instructions.
+struct E2m1Rounded {
+  uint8_t code;
+  float value;  // e2m1_value(code)
+};
+GQ_HD E2m1Rounded e2m1_round_nearest(float v) {
   const float a = e2m1_clamp(v);
   const uint32_t e = umax(f2u(a) >> 23, 127u);
   const float m = u2f(((e + 22) << 23) + 2 * (e - 127));
-  return uint8_t((f2u(a + m) & 0x7u) | e2m1_sign(v));
+  const float sum = a + m;
+  const uint8_t sign = e2m1_sign(v);
+  return {uint8_t((f2u(sum) & 0x7u) | sign), u2f(f2u(sum - m) | (uint32_t(sign) << 28))};
 }
+
+GQ_HD uint8_t e2m1_nearest(float v) { return e2m1_round_nearest(v).code; }
 
 // Stochastic rounding: up iff u * (hi - lo) < a - lo with u = (rand >> 8) * 2^-24, i.e. the code is
 // ceil(pos - u) for a's position pos on the grid (index of lo plus the fraction of the gap: 2.5 ->

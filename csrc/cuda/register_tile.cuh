@@ -144,11 +144,11 @@ __device__ __forceinline__ uint32_t nv_factors(const NvGlobal& g, const uint32_t
   return bytes;
 }
 
-// One row's eight rowwise bytes (NVFP4: codes, in .x) decoded as Representation.dequantize does,
-// fp32 products rounded to x's dtype (8-bit: byte * dec; NVFP4: (value * dec) * g_dec), packed
-// as x's words.
+// One row's eight rowwise values dequantized as Representation.dequantize does, fp32 products
+// rounded to x's dtype and packed as x's words: 8-bit, byte * dec of the stored bytes; NVFP4,
+// (grid value * dec) * g_dec of the grid values its codes stand for.
 template <class In, int R>
-__device__ __forceinline__ uint4 dequantized(uint2 stored, float dec, float g_dec, int kind) {
+__device__ __forceinline__ uint4 dequantized(uint2 stored, const float grid[8], float dec, float g_dec, int kind) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -157,7 +157,7 @@ __device__ __forceinline__ uint4 dequantized(uint2 stored, float dec, float g_de
     for (int h = 0; h < 2; ++h) {
       const int e = 2 * i + h;
       float value;
-      if constexpr (R == kNV) value = (e2m1_value((stored.x >> (4 * e)) & 0xFu) * dec) * g_dec;
+      if constexpr (R == kNV) value = (grid[e] * dec) * g_dec;
       else value = fp8_decode(uint8_t((e < 4 ? stored.x : stored.y) >> (8 * (e & 3))), kind) * dec;
       half[h] = In::from_float(value);
     }
@@ -166,11 +166,20 @@ __device__ __forceinline__ uint4 dequantized(uint2 stored, float dec, float g_de
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The E2M1 code of y: to nearest even, or stochastically with the bits of `index` in `stream`.
+// The E2M1 code of y: to nearest even, or stochastically with the bits of `index` in `stream`;
+// where `grid` is given, the grid value the code stands for too (rounded to nearest, from the
+// rounding itself).
 template <bool kStochastic>
-__device__ __forceinline__ uint32_t e2m1_code(float y, uint32_t stream, uint32_t index) {
-  if constexpr (kStochastic) return e2m1_stochastic(y, random_bits_at(stream, index));
-  else return e2m1_nearest(y);
+__device__ __forceinline__ uint32_t e2m1_code(float y, uint32_t stream, uint32_t index, float* grid = nullptr) {
+  if constexpr (kStochastic) {
+    const uint8_t code = e2m1_stochastic(y, random_bits_at(stream, index));
+    if (grid) *grid = e2m1_value(code);
+    return code;
+  } else {
+    const E2m1Rounded rounded = e2m1_round_nearest(y);
+    if (grid) *grid = rounded.value;
+    return rounded.code;
+  }
 }
 
 // Column i's value in one row of the thread's block: half i % 2 of word i / 2.
@@ -363,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   // Row k of the thread's block, rowwise, to its place in (M, K): the conversion alone where
   // kPlain (no product can be NaN: none in x, and every factor a positive finite number), else
   // the careful encode; NVFP4's rounding to nearest or stochastic. Gives the bytes (NVFP4: the
-  // eight codes in .x) for a dequantized source.
+  // eight codes in .x, and their grid values in `grid`) for a dequantized source.
   float fr[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
@@ -372,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   // columnwise (x^T's), all below 2^32 here, so one stream (index_hi = 0) serves the launch.
   const uint32_t row_stream = R == kNV && er.sr ? random_stream(sr_key_of(er), 0) : 0;
   const uint32_t row_index = uint32_t((row0 + r0) * p.K + col0 + c0);
-  auto encode_row = [&](int k, const float v[8], auto plain_type, auto row_sr_type) {
+  auto encode_row = [&](int k, const float v[8], auto plain_type, auto row_sr_type, float grid[8]) {
     [[maybe_unused]] constexpr bool kPlain = decltype(plain_type)::value, kRowSR = decltype(row_sr_type)::value;
     uint2 out = make_uint2(0, 0);
     if constexpr (kEightBit<R>) {
@@ -383,7 +392,9 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
       if constexpr (!kAmaxPass<R, C, kDq>) *reinterpret_cast<uint2*>(er.data + (row0 + r0 + k) * p.K + col0 + c0) = out;
     } else if constexpr (R == kNV) {  // nvfp4.pack: element 2i in the low nibble of byte i
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out.x |= e2m1_code<kRowSR>(v[i] * fr[k], row_stream, row_index + uint32_t(k * p.K) + i) << (4 * i);
+      for (int i = 0; i < 8; ++i) {
+        out.x |= e2m1_code<kRowSR>(v[i] * fr[k], row_stream, row_index + uint32_t(k * p.K) + i, kDq ? &grid[i] : nullptr) << (4 * i);
+      }
       if constexpr (!kAmaxPass<R, C, kDq>) *reinterpret_cast<uint32_t*>(er.data + (row0 + r0 + k) * (p.K / 2) + (col0 + c0) / 2) = out.x;
     }
     return out;
@@ -403,9 +414,9 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
                           : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[0];
           const float g_dec = R == kNV ? nv_global(u2f(er.amax[er.row_scaled ? row0 + r0 + k : 0])).g_dec : 1.0f;
-          float v[8];
+          float v[8], grid[8];
           unpack8<In>(d[k], v);
-          d[k] = dequantized<In, R>(encode_row(k, v, kPlain, kRowSR), dec, g_dec, er.fp8);
+          d[k] = dequantized<In, R>(encode_row(k, v, kPlain, kRowSR, grid), grid, dec, g_dec, er.fp8);
         }
       });
     });
@@ -438,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     for (int k = 0; k < 8; ++k) {
       float v[8];
       unpack8<In>(d[k], v);
-      if constexpr (!kDq) encode_row(k, v, plain_type, row_sr_type);
+      if constexpr (!kDq) encode_row(k, v, plain_type, row_sr_type, nullptr);
       if constexpr (kEightBit<C>) q[k] = encode8<kPlain>(v, fc, ec.fp8);
       if constexpr (C == kNV && !kColRHT) {
 #pragma unroll
