@@ -55,7 +55,10 @@ OPT_IN += [f"{name}{FAST_EVERYWHERE}" for name in ("graphquant tensorwise", "tor
 # host's launches leave the step, which matters where they outlast the GPU's work (the emulated
 # recipes' many small launches on the decoder). Tensorwise's is in the default list.
 CUDAGRAPHS = " (cudagraphs)"
-OPT_IN += [f"{name}{CUDAGRAPHS}" for name in ("bf16 torch.compile", "graphquant mxfp8", "graphquant mxfp8_fwd_nvfp4_bwd")]
+OPT_IN += [
+    f"{name}{CUDAGRAPHS}"
+    for name in ("bf16 torch.compile", "graphquant mxfp8", "graphquant mxfp8_fwd_nvfp4_bwd", "torchao tensorwise")
+]
 
 
 def build(config: str, model: torch.nn.Module, compile_mode: str | None):
@@ -100,14 +103,26 @@ def configs(requested: list[str] | None) -> list[str]:
 
 
 def profile(name: str, step) -> None:
-    """Print the CUDA kernels of one step of ``name`` by total time, then where the GPU sat idle:
+    """Print how long the host takes to issue one step against the GPU's time for it, the CUDA
+    kernels of one step of ``name`` by total time, then where the GPU sat idle:
     the largest gaps between kernels, the kernels around each, and whether the next kernel's
     launch came late (host-bound) or was queued in time (something else)."""
     import json
     import tempfile
+    import time
 
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
+    host, whole = [], []
+    for _ in range(5):  # without the profiler, whose own host work would make any step look host-bound
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        whole.append(time.perf_counter() - start)
+    print(f"--- {name}: the host returns from one step after {sorted(host)[2] * 1e3:.2f} ms, the GPU finishes it "
+          f"after {sorted(whole)[2] * 1e3:.2f} ms (medians of 5, no profiler)", file=sys.stderr)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
