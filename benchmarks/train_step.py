@@ -107,7 +107,9 @@ def profile(name: str, step) -> None:
     kernels of one step of ``name`` by total time, then where the GPU sat idle:
     the largest gaps between kernels, the kernels around each, and whether the next kernel's
     launch came late (host-bound) or was queued in time (something else)."""
+    import cProfile
     import json
+    import pstats
     import tempfile
     import time
 
@@ -123,6 +125,11 @@ def profile(name: str, step) -> None:
         whole.append(time.perf_counter() - start)
     print(f"--- {name}: the host returns from one step after {sorted(host)[2] * 1e3:.2f} ms, the GPU finishes it "
           f"after {sorted(whole)[2] * 1e3:.2f} ms (medians of 5, no profiler)", file=sys.stderr)
+    with cProfile.Profile() as python_profile:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: the host's functions by own time (cProfile, one step)", file=sys.stderr)
+    pstats.Stats(python_profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()

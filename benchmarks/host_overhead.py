@@ -1,0 +1,92 @@
+"""Host microseconds per call of the ops a per-tensor FP8 linear runs, layer by layer.
+
+    python benchmarks/host_overhead.py
+
+A compiled graph calls graphquant's custom ops; each call passes through torch.library's
+dispatch, graphquant's Python (representations, backend selection) and the native launch. On a
+model whose GPU work per step is short, those host microseconds become the step time (the
+decoder of train_step.py: the host took 16-19 ms to issue a step that torchao's graph issued
+in 7). Every row times ``calls`` back-to-back calls on tensors small enough that the GPU never
+holds the host back; rows of one op go from the full op down to its bare launch, and the torch
+calls that do the same work in torchao's graph stand beside them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tabulate import tabulate
+
+from graphquant import backends, kernels
+from graphquant.formats import fp8
+from graphquant.quantizers import ROWWISE, Float8CurrentScalingQuantizer, QuantizeContext
+
+M, N, K = 256, 512, 512
+
+
+def host_us(fn, calls: int = 500) -> float:
+    """Median over 5 samples of the host's microseconds per call (the GPU drained before each)."""
+    for _ in range(20):
+        fn()
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return sorted(samples)[2]
+
+
+@torch.library.custom_op("gqbench::clone", mutates_args=())
+def clone_op(x: torch.Tensor) -> torch.Tensor:
+    """The cheapest custom op: torch.library's own cost per call."""
+    return x.clone()
+
+
+@clone_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def main() -> None:
+    quantizer = Float8CurrentScalingQuantizer("e4m3")
+    spec = quantizer.spec
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    ctx = QuantizeContext()
+    a = kernels.quantize_pass(quantizer, x, ctx, columnwise=False).rowwise
+    b = kernels.quantize_pass(quantizer, w, ctx, columnwise=False).rowwise
+    ext = kernels.native()
+    amax = x.abs().amax().float()
+    fp8_max = fp8.fp8_max("e4m3")
+
+    def gemm_op():
+        return torch.ops.graphquant.gemm(
+            list(a.tensors()), spec, ROWWISE, (M, K), list(b.tensors()), spec, ROWWISE, (N, K), 1, torch.bfloat16, None, True
+        )
+
+    rows = [
+        ("custom op floor", "gqbench::clone", lambda: clone_op(x)),
+        ("custom op floor", "Tensor.clone", lambda: x.clone()),
+        ("gemm", "graphquant::gemm", gemm_op),
+        ("gemm", "backends.gemm", lambda: backends.gemm(a, b, 1, torch.bfloat16, None, True)),
+        ("gemm", "backends.select", lambda: backends.select(quantizer, ROWWISE, quantizer, ROWWISE, x.device, (M, N, K), 1, True)),
+        ("gemm", "_C.fp8_gemm", lambda: ext.fp8_gemm(a.data, b.data, a.scale.reshape(()), b.scale.reshape(()), torch.bfloat16, True, None)),
+        ("gemm", "torch._scaled_mm", lambda: torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.bfloat16, use_fast_accum=True)),
+        ("quantize", "graphquant::quantize", lambda: torch.ops.graphquant.quantize(w, spec, True, True, None, None, 0)),
+        ("quantize", "kernels.quantize_pass", lambda: kernels.quantize_pass(quantizer, w, ctx)),
+        ("scales", "graphquant::fp8_scales", lambda: torch.ops.graphquant.fp8_scales(amax, "e4m3", 0.0, False)),
+        ("scales", "torch ops (torchao's)", lambda: fp8_max / torch.clamp(amax, min=1e-12)),
+        ("transpose", "graphquant::transposed", lambda: torch.ops.graphquant.transposed(a.data)),
+        ("transpose", "Tensor.t().contiguous()", lambda: a.data.t().contiguous()),
+    ]
+    table = [(op, path, f"{host_us(fn):.1f}") for op, path, fn in rows]
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; tensors {M}x{K} and {N}x{K}")
+    print(tabulate(table, headers=["op", "called as", "host us / call"]))
+
+
+if __name__ == "__main__":
+    main()
