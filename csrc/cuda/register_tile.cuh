@@ -407,13 +407,15 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   // Representation.dequantize gives them, replace x in the registers; the column side's
   // statistics and scales are then taken again, from them.
   if constexpr (kDq) {
+    // NVFP4's global decode factor: the tensor's, or each row's where rows are scaled alone.
+    const float tensor_g_dec = R == kNV ? nv_global(u2f(er.amax[0])).g_dec : 1.0f;
     with_flag<kEightBit<R>>(row_plain, [&](auto kPlain) {
       with_flag<R == kNV && !kAmaxPass<R, C, kDq>>(er.sr, [&](auto kRowSR) {  // the amax pass: no stochastic rows (196 B spills)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
                           : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[0];
-          const float g_dec = R == kNV ? nv_global(u2f(er.amax[er.row_scaled ? row0 + r0 + k : 0])).g_dec : 1.0f;
+          const float g_dec = R == kNV && er.row_scaled ? nv_global(u2f(er.amax[row0 + r0 + k])).g_dec : tensor_g_dec;
           float v[8], grid[8];
           unpack8<In>(d[k], v);
           d[k] = dequantized<In, R>(encode_row(k, v, kPlain, kRowSR, grid), grid, dec, g_dec, er.fp8);
