@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.formats import fp8, mxfp8
+from graphquant.formats import fp8
+from graphquant.ops import registry
 
 _BLOCK = 1024
 # Scalars are compile-time constants, so the arithmetic stays fp32.
@@ -59,7 +60,7 @@ def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BL
     tl.store(multiplier_ptr + offsets, multiplier.to(tl.float32, bitcast=True), mask=mask)
 
 
-@fp8.scales_op.register_kernel("cuda")
+@registry.cuda_kernel("fp8_scales")
 def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
@@ -70,7 +71,7 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     return scale, inverse
 
 
-@mxfp8.e8m0_scales_op.register_kernel("cuda")
+@registry.cuda_kernel("e8m0_scales")
 def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)

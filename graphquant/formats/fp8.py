@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from graphquant.ops import registry
+
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
@@ -89,13 +91,13 @@ def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tu
     return scales_op(amax, fp8_dtype, epsilon, pow2)
 
 
-@torch.library.custom_op("graphquant::fp8_scales", mutates_args=())
+@registry.op("fp8_scales")
 def scales_op(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference of ``scales`` as one op."""
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
     return scale, torch.reciprocal(scale)
 
 
-@scales_op.register_fake
+@registry.fake("fp8_scales")
 def _(amax, fp8_dtype, epsilon, pow2):
     return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)

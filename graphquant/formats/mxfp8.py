@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from graphquant.formats.fp8 import cast_to_fp8, fp8_max
+from graphquant.ops import registry
 
 BLOCK_LEN = 32
 
@@ -30,7 +31,7 @@ def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch
 
 # An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
 # approximate the division; everything around it is exact in any order.
-@torch.library.custom_op("graphquant::e8m0_scales", mutates_args=())
+@registry.op("e8m0_scales")
 def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``.
 
@@ -42,7 +43,7 @@ def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, to
     return biased, encode_multiplier(biased)
 
 
-@e8m0_scales_op.register_fake
+@registry.fake("e8m0_scales")
 def _(amax, fp8_dtype):
     return torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax, dtype=torch.float32)
 

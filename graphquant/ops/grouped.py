@@ -26,6 +26,7 @@ import torch
 
 from graphquant import backends, kernels
 from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
+from graphquant.ops import registry
 from graphquant.ops.library import quantizer_of
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.quantizers import (
@@ -83,7 +84,7 @@ def _part(tensors: Sequence[torch.Tensor], spec: str, direction: str, cols: int,
     return quantizer.representation(direction, (b - a, cols), dtype, rows_of(whole.data, 1), scales(whole.scale), scales(whole.amax))
 
 
-@torch.library.custom_op("graphquant::grouped_quantize", mutates_args=())
+@registry.op("grouped_quantize")
 def grouped_quantize(x: torch.Tensor, offs: torch.Tensor, spec: str, direction: str, site: str) -> list[torch.Tensor]:
     """One direction of ``x`` (2-D) with each row group (ends ``offs``) quantized alone: [data, scale, amax].
 
@@ -102,7 +103,7 @@ def grouped_quantize(x: torch.Tensor, offs: torch.Tensor, spec: str, direction: 
     return [t.clone() if t is x else t.contiguous() for t in rep.tensors()]
 
 
-@grouped_quantize.register_fake
+@registry.fake("grouped_quantize")
 def _(x, offs, spec, direction, site):
     quantizer = quantizer_of(spec)
     whole = kernels.reference_quantize(quantizer, x, direction, QuantizeContext()).tensors()
@@ -113,7 +114,7 @@ def _(x, offs, spec, direction, site):
     ]
 
 
-@torch.library.custom_op("graphquant::grouped_dequantize", mutates_args=())
+@registry.op("grouped_dequantize")
 def grouped_dequantize(
     tensors: list[torch.Tensor], spec: str, direction: str, shape: Sequence[int], offs: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -127,12 +128,12 @@ def grouped_dequantize(
     return torch.cat(parts).to(dtype).contiguous()
 
 
-@grouped_dequantize.register_fake
+@registry.fake("grouped_dequantize")
 def _(tensors, spec, direction, shape, offs, dtype):
     return tensors[0].new_empty(tuple(shape), dtype=dtype)
 
 
-@torch.library.custom_op("graphquant::grouped_gemm", mutates_args=())
+@registry.op("grouped_gemm")
 def grouped_gemm(
     a: list[torch.Tensor],
     a_spec: str,
@@ -161,7 +162,7 @@ def grouped_gemm(
     return torch.cat(outs) if a_direction == ROWWISE else torch.stack(outs)
 
 
-@grouped_gemm.register_fake
+@registry.fake("grouped_gemm")
 def _(a, a_spec, a_direction, a_shape, a_offs, b, b_spec, b_direction, b_shape, b_offs, out_dtype, fast_accumulation=False):
     groups = b_offs.shape[0]
     n = b_shape[0] // groups if b_direction == ROWWISE else b_shape[1]

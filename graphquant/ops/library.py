@@ -1,4 +1,4 @@
-"""graphquant's custom ops (torch.library, namespace ``graphquant``).
+"""graphquant's custom ops (torch.library, namespace ``graphquant``; see graphquant.ops.registry).
 
 A representation crosses the op boundary as three tensors (data, scale, amax; empty where absent)
 plus its quantizer spec, direction and logical shape, all visible as op arguments in a graph.
@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
+from graphquant.ops import registry
 from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, output_rows, parse_spec
 
 
@@ -33,7 +34,7 @@ def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream:
     return QuantizeContext(scale=scale, rng=rng, offset=stream)
 
 
-@torch.library.custom_op("graphquant::quantize", mutates_args=())
+@registry.op("quantize")
 def quantize(
     x: torch.Tensor,
     spec: str,
@@ -72,7 +73,7 @@ def _distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[t
     return out
 
 
-@quantize.register_fake
+@registry.fake("quantize")
 def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False):
     quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
     directions = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]
@@ -80,19 +81,19 @@ def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False):
     return [t.new_empty(t.shape) for t in tensors] + ([x.new_empty(x.shape[1:])] if dbias else [])
 
 
-@torch.library.custom_op("graphquant::transposed", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+@registry.op("transposed", tags=(torch.Tag.flexible_layout,))
 def transposed(data: torch.Tensor) -> torch.Tensor:
     """The contiguous transpose of 2-D ``data`` (the columnwise copy of a per-tensor FP8
     representation, from its rowwise bits)."""
     return data.t().contiguous()
 
 
-@transposed.register_fake
+@registry.fake("transposed")
 def _(data):
     return data.new_empty((data.shape[1], data.shape[0]))
 
 
-@torch.library.custom_op("graphquant::dequantize", mutates_args=())
+@registry.op("dequantize")
 def dequantize(
     tensors: list[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -102,12 +103,12 @@ def dequantize(
     return (values.t() if rep.transposed else values).contiguous()
 
 
-@dequantize.register_fake
+@registry.fake("dequantize")
 def _(tensors, spec, direction, shape, dtype):
     return tensors[0].new_empty(tuple(shape), dtype=dtype)
 
 
-@torch.library.custom_op("graphquant::gemm", mutates_args=())
+@registry.op("gemm")
 def gemm(
     a: list[torch.Tensor],
     a_spec: str,
@@ -134,7 +135,7 @@ def gemm(
     return backends.gemm(rep_a, rep_b, batch, out_dtype, bias, fast_accumulation)
 
 
-@gemm.register_fake
+@registry.fake("gemm")
 def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype, bias=None, fast_accumulation=False):
     m = output_rows(a_direction, a_shape, batch)
     n = output_rows(b_direction, b_shape, batch)

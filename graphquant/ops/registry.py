@@ -1,0 +1,46 @@
+"""How graphquant's ops are registered: torch.library's dispatcher API, not torch.library.custom_op.
+
+custom_op wraps every call in Python layers (autograd, a redispatch, output alias checks): about
+25 us a call on the H200 machine's host for a one-tensor op, ~50 us for the gemm op's arguments
+(benchmarks/host_overhead.py), in a decoder step of ~50 calls. graphquant's ops are not
+differentiable (graphquant.ops.gemm_site composes them into a GEMM's autograd formula), so the
+dispatcher's own autograd fallback (C++) serves their Autograd key, and a call costs the
+dispatcher's conversion of its arguments and the kernel's own Python.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LIBRARY = torch.library.Library("graphquant", "DEF")
+
+
+def op(name: str, *, tags: tuple[torch.Tag, ...] = ()) -> Callable[[Callable], torch._ops.OpOverloadPacket]:
+    """Define graphquant::``name`` with the schema of the decorated function's annotations (no
+    argument mutated) and the function as its kernel on every device; gives the op. Tagged
+    pt2-compliant, as custom_op tags its ops: they trace through torch.compile."""
+
+    def define(fn: Callable) -> torch._ops.OpOverloadPacket:
+        schema = name + torch.library.infer_schema(fn, mutates_args=())
+        LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
+        LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.graphquant, name)
+
+    return define
+
+
+def fake(name: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as graphquant::``name``'s fake (shapes and dtypes only)."""
+    return torch.library.register_fake(f"graphquant::{name}", lib=LIBRARY)
+
+
+def cuda_kernel(name: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as graphquant::``name``'s kernel for CUDA tensors."""
+
+    def register(fn: Callable) -> Callable:
+        LIBRARY.impl(name, fn, "CUDA")
+        return fn
+
+    return register
