@@ -88,6 +88,18 @@ def test_scale_ops():
     torch.library.opcheck(torch.ops.graphquant.e8m0_scales.default, (amax[~amax.isnan()], "e5m2"))
 
 
+def test_an_op_on_tensors_that_require_grad_records_nothing_and_its_backward_warns():
+    """The ops are not differentiable (gemm_site composes them): called directly in grad mode, the
+    reference's torch ops inside must not build a graph, and a backward through one warns."""
+    x = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
+    data, scale, amax = torch.ops.graphquant.quantize(x, Float8BlockQuantizer(block_scaling_dim=1).spec, True, False, None, None, 0)
+    assert scale.grad_fn is None or "CppFunction" in type(scale.grad_fn).__name__  # the fallback's node, not the reference's
+    transposed = torch.ops.graphquant.transposed(x)
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        (transposed.float().sum() + x.float().sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # x's own term only
+
+
 class _OpCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -5,16 +5,34 @@ H200 machine's host, graphquant::gemm took 121 us a call that way and takes 70 u
 of graphquant's Python under it (benchmarks/host_overhead.py); a decoder step makes ~50 calls.
 graphquant's ops are not differentiable (graphquant.ops.gemm_site composes them into a GEMM's
 autograd formula), so the dispatcher's own autograd fallback (C++) serves their Autograd key, and
-a call costs the dispatcher's conversion of its arguments and the kernel's own Python.
+a call costs the dispatcher's conversion of its arguments and the kernel's own Python. Called
+directly on tensors that require grad, an op records nothing through its internals, and a
+backward through it gets PyTorch's warning that the op has no autograd kernel, and no gradient.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 LIBRARY = torch.library.Library("graphquant", "DEF")
+
+
+def _untracked(fn: Callable) -> Callable:
+    """``fn`` run without autograd recording: the fallback runs a kernel with grad mode as the
+    caller had it, so the torch ops inside (the reference numerics) would otherwise build a
+    graph through it. In graphquant's compiled graphs grad mode is off and this costs one check."""
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return kernel
 
 
 def op(name: str, *, tags: tuple[torch.Tag, ...] = ()) -> Callable[[Callable], torch._ops.OpOverloadPacket]:
@@ -25,7 +43,7 @@ def op(name: str, *, tags: tuple[torch.Tag, ...] = ()) -> Callable[[Callable], t
     def define(fn: Callable) -> torch._ops.OpOverloadPacket:
         schema = name + torch.library.infer_schema(fn, mutates_args=())
         LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
-        LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        LIBRARY.impl(name, _untracked(fn), "CompositeExplicitAutograd")
         return getattr(torch.ops.graphquant, name)
 
     return define
@@ -40,7 +58,7 @@ def cuda_kernel(name: str) -> Callable[[Callable], Callable]:
     """Register the decorated function as graphquant::``name``'s kernel for CUDA tensors."""
 
     def register(fn: Callable) -> Callable:
-        LIBRARY.impl(name, fn, "CUDA")
+        LIBRARY.impl(name, _untracked(fn), "CUDA")
         return fn
 
     return register
