@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import torch
 
 from graphquant import backends, kernels
-from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops import registry
+from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops.library import quantizer_of
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.quantizers import (
