@@ -53,6 +53,8 @@ def _(x):
 
 
 def main() -> None:
+    if kernels.native() is None:
+        raise SystemExit("graphquant._C has no CUDA kernels: build it first (pip install --no-build-isolation -e .)")
     quantizer = Float8CurrentScalingQuantizer("e4m3")
     spec = quantizer.spec
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
