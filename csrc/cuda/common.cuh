@@ -67,17 +67,6 @@ GQ_HD bool is_inf(float f) { return (f2u(f) & 0x7FFFFFFFu) == 0x7F800000u; }
 GQ_HD uint32_t abs_bits(float f) { return f2u(f) & 0x7FFFFFFFu; }
 GQ_HD uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-// (a & ~mask) | (b & mask): on the GPU one LOP3, which ptxas did not find for E2M1's code.
-GQ_HD uint32_t bit_select(uint32_t a, uint32_t b, uint32_t mask) {
-#if defined(__CUDA_ARCH__)
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(d) : "r"(a), "r"(b), "r"(mask));  // 0xD8: (0xF0 & ~0xAA) | (0xCC & 0xAA)
-  return d;
-#else
-  return (a & ~mask) | (b & mask);
-#endif
-}
-
 // Two unsigned 16-bit maxima at once.
 GQ_HD uint32_t umax_halves(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -268,8 +257,9 @@ GQ_HD uint32_t e2m1_signed(float product) {
 #endif
 }
 
-// The code of magnitude index i (0..7) under that sign: bit 3 from the sign's top four bits.
-GQ_HD uint8_t e2m1_code_of(uint32_t signed_bits, uint32_t i) { return uint8_t(bit_select(signed_bits >> 28, i, 0x7u)); }
+// The code of magnitude index i (0..7, the low bits of i) under that sign: bit 3 from the sign's
+// top four bits (a shift and one LOP3).
+GQ_HD uint32_t e2m1_code_of(uint32_t signed_bits, uint32_t i) { return ((signed_bits >> 28) & ~0x7u) | (i & 0x7u); }
 
 // min(|v|, 6), and 6 for every NaN (the comparison fails; a host fminf keeps a signaling NaN).
 GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
@@ -302,7 +292,7 @@ GQ_HD E2m1Rounded e2m1_round_nearest(float v) {
   const float m = u2f(((e + 22) << 23) + 2 * (e - 127));
   const float sum = a + m;
   const uint32_t sign = e2m1_signed(v);
-  return {e2m1_code_of(sign, f2u(sum)), u2f(bit_select(f2u(sum - m), sign, 0x80000000u))};
+  return {uint8_t(e2m1_code_of(sign, f2u(sum))), u2f(f2u(sum - m) | (sign & 0x80000000u))};
 }
 
 GQ_HD uint8_t e2m1_nearest(float v) { return e2m1_round_nearest(v).code; }
@@ -315,7 +305,7 @@ GQ_HD uint8_t e2m1_nearest(float v) { return e2m1_round_nearest(v).code; }
 GQ_HD uint8_t e2m1_stochastic(float v, uint32_t rand) {
   const float a = e2m1_clamp(v);
   const uint32_t p = a >= 1.0f ? (f2u(a) - 0x3F000000u) << 2 : uint32_t(ceilf(a * 33554432.0f));  // 2^25
-  return e2m1_code_of(e2m1_signed(v), (p + (~rand >> 8)) >> 24);
+  return uint8_t(e2m1_code_of(e2m1_signed(v), (p + (~rand >> 8)) >> 24));
 }
 
 GQ_HD float e2m1_value(uint8_t code) {
