@@ -258,8 +258,18 @@ GQ_HD uint32_t e2m1_signed(float product) {
 }
 
 // The code of magnitude index i (0..7, the low bits of i) under that sign: bit 3 from the sign's
-// top four bits (a shift and one LOP3).
-GQ_HD uint32_t e2m1_code_of(uint32_t signed_bits, uint32_t i) { return ((signed_bits >> 28) & ~0x7u) | (i & 0x7u); }
+// top four bits. On the GPU a shift and one LOP3 (a bit select, which ptxas does not find once it
+// has turned ~0x7 into 0x8), the code then declared below 16 so that packing needs no mask.
+GQ_HD uint32_t e2m1_code_of(uint32_t signed_bits, uint32_t i) {
+#if defined(__CUDA_ARCH__)
+  uint32_t code;
+  asm("lop3.b32 %0, %1, %2, 7, 0xD8;" : "=r"(code) : "r"(signed_bits >> 28), "r"(i));  // (a & ~c) | (b & c)
+  __builtin_assume(code < 16u);
+  return code;
+#else
+  return ((signed_bits >> 28) & ~0x7u) | (i & 0x7u);
+#endif
+}
 
 // min(|v|, 6), and 6 for every NaN (the comparison fails; a host fminf keeps a signaling NaN).
 GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
