@@ -243,9 +243,33 @@ GQ_HD float nv_encode_factor(uint8_t scale, float s_dec) {
   return min_nan(1.0f / denom, kFltMax);
 }
 
-// 0x8 for a negative value, -0 included, and 0 for NaN (which gets +6's code 0x7): as unsigned
-// bits, the negative floats that are not NaN run from 0x80000000 (-0) to 0xFF800000 (-inf).
-GQ_HD uint8_t e2m1_sign(float v) { return f2u(v) - 0x80000000u <= 0x7F800000u ? 0x8 : 0x0; }
+// The sign of the E2M1 code of a product the kernel computed: bit 31 set for a negative value, -0
+// included, and clear for NaN (which gets +6's code 0x7), the other bits those of the product. On
+// the GPU a NaN product is the canonical 0x7FFFFFFF (CUDA's single-precision operations return
+// that one quiet NaN), so the product's own bits serve, where a test takes two instructions more;
+// the host, whose NaNs keep their signs, tests: the negative floats that are not NaN run from
+// 0x80000000 (-0) to 0xFF800000 (-inf).
+GQ_HD uint32_t e2m1_signed(float product) {
+#if defined(__CUDA_ARCH__)
+  return f2u(product);
+#else
+  return f2u(product) - 0x80000000u <= 0x7F800000u ? f2u(product) : f2u(product) & 0x7FFFFFFFu;
+#endif
+}
+
+// The code of magnitude index i (0..7, the low bits of i) under that sign: bit 3 from the sign's
+// top four bits. On the GPU a shift and one LOP3 (a bit select, which ptxas does not find once it
+// has turned ~0x7 into 0x8), the code then declared below 16 so that packing needs no mask.
+GQ_HD uint32_t e2m1_code_of(uint32_t signed_bits, uint32_t i) {
+#if defined(__CUDA_ARCH__)
+  uint32_t code;
+  asm("lop3.b32 %0, %1, %2, 7, 0xD8;" : "=r"(code) : "r"(signed_bits >> 28), "r"(i));  // (a & ~c) | (b & c)
+  __builtin_assume(code < 16u);
+  return code;
+#else
+  return ((signed_bits >> 28) & ~0x7u) | (i & 0x7u);
+#endif
+}
 
 // min(|v|, 6), and 6 for every NaN (the comparison fails; a host fminf keeps a signaling NaN).
 GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
@@ -261,7 +285,7 @@ GQ_HD float e2m1_magnitude(int i) {
 #endif
 }
 
-// Round to nearest even in one fp32 addition, of a = e2m1_clamp(v).
+// Round to nearest even in one fp32 addition, of a = e2m1_clamp(v), v a product the kernel computed.
 // Around a the grid step is 2^(E-128), E = max(exponent field of a, 127): 0.5 below 2, then 1, then
 // 2. M = 2^23 * step has the step as its ulp, so a + M rounds a to the grid with ties to even; M also
 // carries 2(E-127) steps in its mantissa (the codes below 2^(E-127)), so the sum's mantissa is the
@@ -277,8 +301,8 @@ GQ_HD E2m1Rounded e2m1_round_nearest(float v) {
   const uint32_t e = umax(f2u(a) >> 23, 127u);
   const float m = u2f(((e + 22) << 23) + 2 * (e - 127));
   const float sum = a + m;
-  const uint8_t sign = e2m1_sign(v);
-  return {uint8_t((f2u(sum) & 0x7u) | sign), u2f(f2u(sum - m) | (uint32_t(sign) << 28))};
+  const uint32_t sign = e2m1_signed(v);
+  return {uint8_t(e2m1_code_of(sign, f2u(sum))), u2f(f2u(sum - m) | (sign & 0x80000000u))};
 }
 
 GQ_HD uint8_t e2m1_nearest(float v) { return e2m1_round_nearest(v).code; }
@@ -291,7 +315,7 @@ GQ_HD uint8_t e2m1_nearest(float v) { return e2m1_round_nearest(v).code; }
 GQ_HD uint8_t e2m1_stochastic(float v, uint32_t rand) {
   const float a = e2m1_clamp(v);
   const uint32_t p = a >= 1.0f ? (f2u(a) - 0x3F000000u) << 2 : uint32_t(ceilf(a * 33554432.0f));  // 2^25
-  return uint8_t(((p + (~rand >> 8)) >> 24) | e2m1_sign(v));
+  return uint8_t(e2m1_code_of(e2m1_signed(v), (p + (~rand >> 8)) >> 24));
 }
 
 GQ_HD float e2m1_value(uint8_t code) {
