@@ -26,28 +26,11 @@ GQ_HD void store_values(const DequantParams& p, int64_t r, int64_t c0, const flo
   for (int i = 0; i < 16 && c0 + i < p.cols; ++i) dst[i] = Out::from_float(v[i]);
 }
 
-// Chunks of 16 elements go in tiles of 32 rows by 16 chunks, row by row inside a tile: a warp
-// reads two rows' 256 contiguous bytes, and the 32 rows of a tile read each outer-dim-major scale
-// sector (32 rows' scales of one block, 1x32 or 1x128) whole, where chunks taken row by row
-// across the matrix each read a sector for one byte or word of it.
-constexpr int64_t kDequantTileRows = 32, kDequantTileChunks = 16;
-
-GQ_HD int64_t dequantize_tiles_across(const DequantParams& p) {
-  return ((p.cols + 15) / 16 + kDequantTileChunks - 1) / kDequantTileChunks;
-}
-
-// How many chunk indices a launch covers (whole tiles; those past the matrix do nothing).
-GQ_HD int64_t dequantize_chunks(const DequantParams& p) {
-  return (p.rows + kDequantTileRows - 1) / kDequantTileRows * dequantize_tiles_across(p) * kDequantTileRows * kDequantTileChunks;
-}
-
 template <class Out>
 GQ_HD void dequantize_chunk(const DequantParams& p, int64_t chunk) {
-  const int64_t tile = chunk / (kDequantTileRows * kDequantTileChunks), in_tile = chunk % (kDequantTileRows * kDequantTileChunks);
-  const int64_t across = dequantize_tiles_across(p);
-  const int64_t r = (tile / across) * kDequantTileRows + in_tile / kDequantTileChunks;
-  const int64_t c0 = ((tile % across) * kDequantTileChunks + in_tile % kDequantTileChunks) * 16;
-  if (r >= p.rows || c0 >= p.cols) return;
+  const int64_t per_row = (p.cols + 15) / 16;
+  const int64_t r = chunk / per_row, c0 = (chunk % per_row) * 16;
+  if (r >= p.rows) return;
   float v[16];
   if (p.kind == kDequantNV) {  // (e2m1 * fp32(s)) * (amax / 2688); cols is a multiple of 16
     const Vec8 w = *reinterpret_cast<const Vec8*>(p.data + r * (p.cols / 2) + c0 / 2);

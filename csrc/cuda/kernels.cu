@@ -80,7 +80,7 @@ void launch_dbias(const DbiasParams& p, void* stream) {
 }
 
 void launch_dequantize(const DequantParams& p, void* stream) {
-  const int64_t chunks = dequantize_chunks(p);
+  const int64_t chunks = p.rows * ((p.cols + 15) / 16);
   if (chunks <= 0) return;
   const unsigned blocks = blocks_for(chunks);
   if (p.out_dtype == kBF16) dequantize_kernel<InBF16><<<blocks, kBlockThreads, 0, as_stream(stream)>>>(p);
