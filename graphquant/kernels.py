@@ -280,7 +280,6 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     rows, cols = rep.data.shape
     fp8 = _FP8.get(getattr(q, "fp8_dtype", "e4m3"))
     kind, block_rows, block_cols = _DEQUANT_SCALED, 1, 1
-    scale_strides = (0, 0) if rep.scale.dim() == 0 else (rep.scale.stride(0), rep.scale.stride(-1))
     amax = None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
         if rep.scale.numel() != 1:
@@ -299,7 +298,10 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
             return None
     else:
         return None
-    scale = rep.scale.contiguous() if kind == _DEQUANT_NV else rep.scale  # FP8 and MXFP8 scales go by their strides
+    # FP8 scales go by their strides; MXFP8's (bytes) are made row-major first: read through
+    # outer-dim-major strides, a chunk's scale byte cost a sector of its own (the copy is 1/32 of x).
+    scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()
+    scale_strides = (0, 0) if scale.dim() == 0 else (scale.stride(0), scale.stride(-1))
     return ext.dequantize(rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, _DTYPES[dtype])
 
 

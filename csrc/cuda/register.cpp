@@ -350,8 +350,7 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c1
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(data.device());
 #endif
-  // FP8 and MXFP8 scales are read through their strides (1x128 and 1x32 ones lie outer-dim-major),
-  // NVFP4's whole.
+  // FP8 and MXFP8 scales are read through their strides (1x128 ones lie outer-dim-major), NVFP4's whole.
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && (kind != kDequantNV || scales.is_contiguous()),
               "graphquant.dequantize: bad layout");
   static const at::ScalarType kOut[] = {at::kBFloat16, at::kHalf, at::kFloat};
