@@ -279,8 +279,7 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     q = rep.quantizer
     rows, cols = rep.data.shape
     fp8 = _FP8.get(getattr(q, "fp8_dtype", "e4m3"))
-    kind, block_rows, block_cols, axis = _DEQUANT_SCALED, 1, 1, 1
-    scale_strides = (0, 0) if rep.scale.dim() == 0 else (rep.scale.stride(0), rep.scale.stride(-1))
+    kind, block_rows, block_cols = _DEQUANT_SCALED, 1, 1
     amax = None
     if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
         if rep.scale.numel() != 1:
@@ -291,7 +290,7 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     elif isinstance(q, Float8RowwiseQuantizer):
         block_rows, block_cols = 1, cols
     elif isinstance(q, MXFP8Quantizer):
-        kind, axis = _DEQUANT_MX, 1 if rep.direction == ROWWISE else 0
+        kind, (block_rows, block_cols) = _DEQUANT_MX, q.block(rep.direction)
     elif isinstance(q, NVFP4Quantizer):
         kind, fp8 = _DEQUANT_NV, 0
         amax = rep.amax if with_global else None
@@ -299,10 +298,11 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
             return None
     else:
         return None
-    scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()  # float scales go by their strides
-    return ext.dequantize(
-        rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, axis, _DTYPES[dtype]
-    )
+    # FP8 scales go by their strides; MXFP8's (bytes) are made row-major first: read through
+    # outer-dim-major strides, a chunk's scale byte cost a sector of its own (the copy is 1/32 of x).
+    scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()
+    scale_strides = (0, 0) if scale.dim() == 0 else (scale.stride(0), scale.stride(-1))
+    return ext.dequantize(rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, _DTYPES[dtype])
 
 
 def dequantize(rep: Representation) -> torch.Tensor:

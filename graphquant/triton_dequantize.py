@@ -18,20 +18,25 @@ BLOCK_ROWS, BLOCK_COLS = 16, 256
 
 
 @triton.jit
-def _mxfp8_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, ROWWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _mxfp8_kernel(
+    data_ptr, scale_ptr, out_ptr, rows, cols, scale_row_stride, scale_col_stride,
+    ROWWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
     """Each program loads its scales once (a row of BLOCK_C / 32 per row, or the one row of
-    BLOCK_C its 16 rows share) and broadcasts them, instead of a load per element."""
+    BLOCK_C its 16 rows share), through their strides (rowwise ones lie outer-dim-major), and
+    broadcasts them, instead of a load per element."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < cols)
     row64 = row.to(tl.int64)
     if ROWWISE:
         block = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)[None, :]
-        biased = tl.load(scale_ptr + row64 * (cols // 32) + block, mask=(row < rows) & (block < cols // 32), other=127)
+        at = row64 * scale_row_stride + block.to(tl.int64) * scale_col_stride
+        biased = tl.load(scale_ptr + at, mask=(row < rows) & (block < cols // 32), other=127)
         biased = tl.reshape(tl.broadcast_to(biased[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
     else:  # BLOCK_R divides 32: a program's rows share one row of scales
         scale_row = (tl.program_id(0) * BLOCK_R // 32).to(tl.int64)
-        biased = tl.load(scale_ptr + scale_row * cols + col, mask=col < cols, other=127)
+        biased = tl.load(scale_ptr + scale_row * scale_row_stride + col * scale_col_stride, mask=col < cols, other=127)
     biased = biased.to(tl.int32)
     scale = tl.where(biased == 0, 0x00400000, biased << 23).to(tl.float32, bitcast=True)
     scale = tl.where(biased == 255, float("nan"), scale)
@@ -67,11 +72,13 @@ def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.conste
 
 def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> torch.Tensor:
     """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``."""
-    data, scale = data.contiguous(), scale.contiguous()
+    data = data.contiguous()
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     rows, cols = data.shape
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
-    _mxfp8_kernel[grid](data, scale, out, rows, cols, ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    _mxfp8_kernel[grid](
+        data, scale, out, rows, cols, *scale.stride(), ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS
+    )
     return out
 
 

@@ -218,11 +218,13 @@ torch.save(out, sys.argv[1])
             assert_same(a, b, str(key))
 
 
-@pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
-def test_block_1x128_scales_lie_outer_dim_major(backend, direction):
-    """1x128 (128x1) block scales lie outer-dim-major, as the spec and the reference store them:
-    a tile's scales are one contiguous run, and they cross an op boundary without a copy."""
-    quantizer = QUANTIZERS["fp8_block_1d"]()
+@pytest.mark.parametrize("name, direction", (("fp8_block_1d", ROWWISE), ("fp8_block_1d", COLUMNWISE), ("mxfp8_e4m3", ROWWISE)))
+def test_1d_block_scales_across_the_reduction_lie_outer_dim_major(backend, name, direction):
+    """1x128 (128x1) block scales and MXFP8's 1x32 ones lie outer-dim-major, as the spec stores
+    1x128's and the reference both: a tile's scales are contiguous runs, and they cross an op
+    boundary without a copy."""
+    quantizer = QUANTIZERS[name]()
+    assert quantizer.scale_outer_major(direction)
     x = make_input((256, 384), torch.bfloat16, "normal", backend)
     native = kernels.quantize(quantizer, x, direction, CTX)
     reference = REFERENCE(quantizer, x, direction, CTX)

@@ -52,15 +52,15 @@ GQ_HD void dequantize_chunk(const DequantParams& p, int64_t chunk) {
     } else {
       for (int i = 0; i < 16 && c0 + i < p.cols; ++i) q[i] = src[i];
     }
+    // Blocks are 1 column wide (MXFP8's 32x1) or a multiple of 16 (or the whole row), so a chunk
+    // has one scale or one a column; the divisions (64-bit, by runtime values) stay per chunk.
+    const int64_t row_at = (r / p.block_rows) * p.scale_row_stride;
+    const int64_t chunk_at = row_at + (c0 / p.block_cols) * p.scale_col_stride;
     for (int i = 0; i < 16; ++i) {
       const int64_t c = c0 + i < p.cols ? c0 + i : p.cols - 1;  // keep scale reads in bounds
-      float scale;
-      if (p.kind == kDequantMX) {
-        const uint8_t* s = static_cast<const uint8_t*>(p.scales);
-        scale = mx_decode_scale(p.mx_axis == 1 ? s[r * (p.cols / 32) + c / 32] : s[(r / 32) * p.cols + c]);
-      } else {
-        scale = static_cast<const float*>(p.scales)[(r / p.block_rows) * p.scale_row_stride + (c / p.block_cols) * p.scale_col_stride];
-      }
+      const int64_t at = p.block_cols == 1 ? row_at + c * p.scale_col_stride : chunk_at;
+      const float scale = p.kind == kDequantMX ? mx_decode_scale(static_cast<const uint8_t*>(p.scales)[at])
+                                               : static_cast<const float*>(p.scales)[at];
       v[i] = fp8_decode(q[i], p.fp8) * scale;
     }
   }

@@ -199,15 +199,16 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       break;
     case kBlock:
       // 1x128 scales lie outer-dim-major, (K / 128, M) in memory (the spec's layout, and the
-      // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered words.
+      // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered
+      // words. MXFP8's 1x32 scales too (four runs a tile, not 128 scattered 4-byte pieces).
       out_r.scale = row.enc.two_d ? at::empty({cdiv(M, 128), cdiv(K, 128)}, opts.dtype(at::kFloat))
                                   : at::empty({cdiv(K, 128), M}, opts.dtype(at::kFloat)).t();
       break;
     case kRowScaled:
       pre_row.rows = bits(need_r.pre);
       break;
-    case kMX:
-      out_r.scale = at::empty({M, K / 32}, opts.dtype(at::kByte));
+    case kMX:  // outer-dim-major, (K / 32, M) in memory, as 1x128's
+      out_r.scale = at::empty({K / 32, M}, opts.dtype(at::kByte)).t();
       break;
     case kNV:
       out_r.scale = at::empty({M, K / 16}, opts.dtype(at::kFloat8_e4m3fn));
@@ -345,13 +346,12 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
 
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c10::optional<at::Tensor>& amax,
                       int64_t kind, int64_t fp8, int64_t block_rows, int64_t block_cols,
-                      int64_t scale_row_stride, int64_t scale_col_stride,
-                      int64_t mx_axis, int64_t out_dtype) {
+                      int64_t scale_row_stride, int64_t scale_col_stride, int64_t out_dtype) {
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(data.device());
 #endif
-  // FP8 float scales are read through their strides (1x128 ones lie outer-dim-major), the others whole.
-  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && (kind == kDequantScaled || scales.is_contiguous()),
+  // FP8 and MXFP8 scales are read through their strides (1x128 ones lie outer-dim-major), NVFP4's whole.
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && (kind != kDequantNV || scales.is_contiguous()),
               "graphquant.dequantize: bad layout");
   static const at::ScalarType kOut[] = {at::kBFloat16, at::kHalf, at::kFloat};
   DequantParams p;
@@ -365,7 +365,6 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c1
   p.block_cols = block_cols;
   p.scale_row_stride = scale_row_stride;
   p.scale_col_stride = scale_col_stride;
-  p.mx_axis = int(mx_axis);
   at::Tensor amax_f;
   if (amax.has_value()) {
     amax_f = amax->to(at::kFloat).contiguous();

@@ -311,9 +311,9 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   auto row_scales = [&] {
     if constexpr (R == kMX) {
 #pragma unroll
-      for (int q = tid; q < kTile * 4; q += kThreads) {
-        const int r = q >> 2, b = q & 3;
-        keep_row(r, b, mx_factor(er, s.rowamax[r][b], static_cast<uint8_t*>(er.scales) + (row0 + r) * (p.K / 32) + col0 / 32 + b));
+      for (int q = tid; q < kTile * 4; q += kThreads) {  // outer-dim-major: a warp writes 32 consecutive bytes
+        const int r = q % kTile, b = q / kTile;
+        keep_row(r, b, mx_factor(er, s.rowamax[r][b], static_cast<uint8_t*>(er.scales) + int64_t(col0 / 32 + b) * p.M + row0 + r));
       }
     } else if constexpr (R == kBlock) {
       if (!row_2d && tid < kTile) {

@@ -387,7 +387,7 @@ struct TileProgram {
       const uint8_t biased = e8m0_from_amax(u2f(m), e.fp8);
       if (write && (b & 1) == 0) {
         uint8_t* out = static_cast<uint8_t*>(e.scales);
-        if (kRowSide) out[gr * (p.K / 32) + gc / 32] = biased;
+        if (kRowSide) out[(gc / 32) * p.M + gr] = biased;  // outer-dim-major, as 1x128
         else out[(gr / 32) * p.K + gc] = biased;
       }
       return {mx_encode_multiplier(biased), mx_decode_scale(biased)};

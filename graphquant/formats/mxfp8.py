@@ -110,11 +110,17 @@ def quantize(x: torch.Tensor, fp8_dtype: str, *, axis: int) -> tuple[torch.Tenso
     biased = e8m0_from_amax(amax);
     data = cast_to_fp8(x.float() * encode_multiplier(biased)) (one exact or RNE fp32 multiply,
     then RNE saturating cast). Data keeps x's (M, K) layout; scales are uint8 of shape
-    (M, K/32) for axis=1 and (M/32, K) for axis=0. The blocked dim must be a multiple of 32.
+    (M, K/32) for axis=1 and (M/32, K) for axis=0, both with their outer dim (M, K) contiguous:
+    a 1x32 scale is stored as its transpose, so that the scales of a run of rows are one run in
+    memory (as the spec stores 1x128 block scales). The blocked dim must be a multiple of 32.
     """
     blocks = _blocked(x, axis)
     dim = _block_dim(axis)
-    biased, multiplier = e8m0_scales(blocks.abs().amax(dim).float(), fp8_dtype)
+    amax = blocks.abs().amax(dim).float()
+    if axis == 1:
+        biased, multiplier = (s.t() for s in e8m0_scales(amax.t().contiguous(), fp8_dtype))
+    else:
+        biased, multiplier = e8m0_scales(amax, fp8_dtype)
     scaled = blocks.float() * multiplier.unsqueeze(dim)
     return cast_to_fp8(scaled, fp8_dtype).reshape(x.shape), biased
 

@@ -19,8 +19,9 @@ class MXFP8Quantizer(Quantizer):
 
     Rowwise: 1x32 blocks along the row; columnwise: 32x1 blocks along the column, from the same
     source, so the two directions are different numbers. Columnwise data keeps the logical
-    (not transposed) layout. Scales are rounded up to a power of two, so nothing clips. The
-    blocked dimension must be a multiple of 32.
+    (not transposed) layout. Scales are rounded up to a power of two, so nothing clips; rowwise
+    ones lie outer-dim-major (a (M, K/32) view of (K/32, M) memory). The blocked dimension must
+    be a multiple of 32.
     """
 
     tag = "mxfp8"
@@ -54,6 +55,9 @@ class MXFP8Quantizer(Quantizer):
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, COLUMNWISE)
+
+    def scale_outer_major(self, direction: str) -> bool:
+        return direction == ROWWISE
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return mxfp8.dequantize(rep.data, rep.scale, axis=1 if rep.direction == ROWWISE else 0)
