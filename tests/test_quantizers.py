@@ -62,8 +62,8 @@ def test_spec_round_trips_and_values_hash(quantizer):
 def test_stored_tensors_round_trip_without_copies(quantizer):
     """Representation.tensors() is what crosses an op boundary (where every tensor is made
     contiguous): each part is stored contiguous, so nothing is copied there, and
-    stored_representation gives back the same representation (1x128 scales transposed there and
-    back, their logical (rows, blocks) shape kept)."""
+    stored_representation gives back the same representation (outer-dim-major scales, 1x128 and
+    MXFP8's 1x32, transposed there and back, their logical (rows, blocks) shape kept)."""
     x = torch.randn(256, 384)
     ctx = QuantizeContext(seed=3, offset=1, scale=torch.tensor([2.0]))
     for direction in (ROWWISE, COLUMNWISE):

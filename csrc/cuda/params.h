@@ -79,7 +79,7 @@ struct DequantParams {
   const uint32_t* amax = nullptr;  // NVFP4 (float bits), or null for q * s only
   int64_t rows = 0, cols = 0;      // stored shape in elements
   int64_t block_rows = 1, block_cols = 1;               // FP8 and MXFP8: the block,
-  int64_t scale_row_stride = 0, scale_col_stride = 0;  // and the scales' strides (1x128, 1x32: outer-dim-major)
+  int64_t scale_row_stride = 0, scale_col_stride = 0;  // and the scales' strides (1x128: outer-dim-major)
   int nv_row_amax = 0;
   void* out = nullptr;
   int out_dtype = 0;  // InDtype

@@ -199,15 +199,14 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       break;
     case kBlock:
       // 1x128 scales lie outer-dim-major, (K / 128, M) in memory (the spec's layout, and the
-      // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered
-      // words. MXFP8's 1x32 scales too (four runs a tile, not 128 scattered 4-byte pieces).
+      // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered words.
       out_r.scale = row.enc.two_d ? at::empty({cdiv(M, 128), cdiv(K, 128)}, opts.dtype(at::kFloat))
                                   : at::empty({cdiv(K, 128), M}, opts.dtype(at::kFloat)).t();
       break;
     case kRowScaled:
       pre_row.rows = bits(need_r.pre);
       break;
-    case kMX:  // outer-dim-major, (K / 32, M) in memory, as 1x128's
+    case kMX:  // outer-dim-major, (K / 32, M) in memory, as 1x128's: four runs a tile, not 128 scattered pieces
       out_r.scale = at::empty({K / 32, M}, opts.dtype(at::kByte)).t();
       break;
     case kNV:

@@ -210,7 +210,8 @@ class Quantizer:
 
     def scale_outer_major(self, direction: str) -> bool:
         """Whether ``direction``'s (rows, blocks) scale lies with its rows contiguous, as the
-        spec stores 1x128 block scales (Representation.tensors gives such a scale transposed)."""
+        spec stores 1x128 block scales and graphquant MXFP8's 1x32 ones (Representation.tensors
+        gives such a scale transposed)."""
         return False
 
     def columnwise_is_rowwise_transposed(self) -> bool:
