@@ -20,6 +20,7 @@ from reference import (  # noqa: F401
 
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes
+from graphquant.passes.saturating_cast import SaturatingCast
 from graphquant.quantizers import (
     MXFP8Quantizer,
     NVFP4Quantizer,
@@ -223,9 +224,10 @@ def test_compile_mode_and_options_reach_inductor():
     model = models.MLP()
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), compile_mode="reduce-overhead", options={"max_autotune": True})
     patches = compiled.graphquant._inner().keywords["config_patches"]
+    assert isinstance(patches.pop("post_grad_custom_post_pass"), SaturatingCast)
     assert patches == {"triton.cudagraphs": True, "max_autotune": True}
     default = graphquant.compile(model, recipes.mxfp8_block_scaling())
-    assert default.graphquant._inner().keywords["config_patches"] == {}
+    assert list(default.graphquant._inner().keywords["config_patches"]) == ["post_grad_custom_post_pass"]
 
 
 def test_inductor_options_with_another_backend_are_an_error():
