@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [host] [ncu] [train ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [ncu] [train ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: what limits the column side is the open question).
@@ -25,6 +25,7 @@ for i in "${!steps[@]}"; do
     quantize) # GRAPHQUANT_REGISTER_TILE=0 (the generic tile program alone) writes its own table
               python3 benchmarks/quantize.py 2>&1 | tee "$OUT/quantize${GRAPHQUANT_REGISTER_TILE+_register_tile_$GRAPHQUANT_REGISTER_TILE}.txt" ;;
     inductor) python3 benchmarks/inductor_quantize.py 2>&1 | tee "$OUT/inductor_quantize.txt" ;;
+    cast) python3 benchmarks/saturating_cast.py 2>&1 | tee "$OUT/saturating_cast.txt" ;;
     host) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E InBF16ELi5ELi5E; do  # MXFP8 rowwise, both; NVFP4 both (first launch of each)
            ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \

@@ -4,9 +4,10 @@ The reference casts as ``clamp(x, -max, max).to(fp8)`` (formats.fp8.cast_to_fp8)
 own conversion overflows (e5m2 to inf, e4m3fn to NaN). On CUDA devices of compute capability 8.9
 and later, Inductor's Triton code converts float32 to FP8 with PTX's ``cvt.rn.satfinite`` (the only
 form PTX has for FP8): beyond +-max, infinities included, it gives +-max and NaN stays NaN, which
-is what the clamp does. The clamp costs Triton eight instructions an element (a NaN-propagating
-max and min) in kernels that the H200's power cap makes compute-bound: a SwiGLU gradient's cast
-between FP8 GEMMs measured 634 us with it and 463 us without (benchmarks/NOTES.md, row 71).
+is what the clamp does. The clamp costs Triton a NaN-propagating max and min (compare, NaN test
+and select, twice) an element, in kernels that the H200's power cap makes compute-bound: the
+SwiGLU gradients' casts between FP8 GEMMs take 620 us with it and 458 us without
+(benchmarks/saturating_cast.py; benchmarks/NOTES.md, row 71).
 
 Expects: a post-grad ATen graph (the graph Inductor lowers), nodes carrying ``meta["val"]``.
 Guarantees: every ``prims.convert_element_type(clamp(x, -max, max), fp8)`` whose x is float32 on a
