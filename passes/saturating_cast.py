@@ -42,8 +42,10 @@ def _unclamped(node: fx.Node, limit: float) -> Optional[fx.Node]:
     if node.target == aten.clamp.default and tuple(node.args[1:]) == (-limit, limit):
         return node.args[0]
     bounds = {aten.clamp_min.default: -limit, aten.clamp_max.default: limit}
+    if node.target not in bounds or node.args[1] != bounds[node.target]:
+        return None
     inner = node.args[0]
-    if bounds.get(node.target) != node.args[1] or not isinstance(inner, fx.Node) or inner.op != "call_function":
+    if not isinstance(inner, fx.Node) or inner.op != "call_function":
         return None
     other = aten.clamp_max.default if node.target == aten.clamp_min.default else aten.clamp_min.default
     if inner.target == other and inner.args[1] == bounds[other]:

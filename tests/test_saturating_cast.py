@@ -60,8 +60,9 @@ def test_mxfp8_traced_cast_too():
         lambda x: torch.clamp(x.float(), -448.0, 448.0).to(torch.float8_e5m2),  # e4m3's limit, e5m2's cast
         lambda x: torch.clamp(x, -448.0, 448.0).to(torch.float8_e4m3fn),  # a bfloat16 source: another cvt
         lambda x: torch.clamp(x.float(), min=-448.0).to(torch.float8_e4m3fn),  # one side only
+        lambda x: x.float().neg().to(torch.float8_e4m3fn),  # no clamp at all
     ],
-    ids=["other limit", "other format", "bfloat16 source", "one side"],
+    ids=["other limit", "other format", "bfloat16 source", "one side", "no clamp"],
 )
 def test_other_clamps_stay(fn):
     graph = post_grad_graph(fn, torch.randn(8, 8, dtype=torch.bfloat16))
