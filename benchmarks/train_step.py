@@ -149,7 +149,7 @@ def profile(name: str, step) -> None:
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
-    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     device = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in launches),
         key=lambda e: e["ts"],
