@@ -67,6 +67,51 @@ def time_ms(
     return statistics.median(times)
 
 
+def fp8_gemm_heat(gemms: int = 6) -> Callable[[], None]:
+    """A function that runs ``gemms`` 16384x14336x4096 FP8 GEMMs: between them the H200 sits at its
+    700 W limit with the SM clock near 1.4 GHz, as in a training step, where a kernel whose
+    instructions took less time than its bytes at boost clock may no longer (NOTES row 71)."""
+    a = torch.randn(16384, 4096, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(14336, 4096, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+
+    def heat() -> None:
+        for _ in range(gemms):
+            torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+
+    return heat
+
+
+def time_us_once(fn: Callable[[], object], heat: Optional[Callable[[], None]]) -> float:
+    """Microseconds of one call of ``fn``: alone on the GPU after an idle pause (``heat`` None, the
+    boost clock), or between two calls of ``heat`` (the clock a training step runs at)."""
+    if heat is None:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)
+    else:
+        heat()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    if heat is not None:
+        heat()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def idle_and_capped_us(fns: dict, rounds: int = 5) -> dict:
+    """(idle, between FP8 GEMMs) median microseconds of each function, over ``rounds`` turns each;
+    all idle samples first: two milliseconds after a GEMM the clock is still capped."""
+    heat = fp8_gemm_heat()
+    samples: dict = {key: [] for key in fns}
+    for warm in (None, heat):
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                samples[key].append(time_us_once(fn, warm))
+    return {key: (statistics.median(s[:rounds]), statistics.median(s[rounds:])) for key, s in samples.items()}
+
+
 def alternate(
     fns: dict[str, Callable[[], object]], *, rounds: int = 3, joules: Optional[dict[str, float]] = None, **kwargs
 ) -> dict[str, float]:

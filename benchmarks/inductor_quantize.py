@@ -9,8 +9,9 @@ short). This times each for the FFN's quantized tensors: h = silu(gate) * up in 
 (16384x14336) and its two gradients in the backward (graphquant's ``fp8.tensor_amax`` takes
 these rows in chunks of 512); the RMSNorm output, whose row reduction the amax can join, and a
 plain sum (16384x4096, as the down projection's grad_output); and eight 14336x4096 weights in one
-call (one weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is 5
-calls back to back. GB/s counts the bytes each amax must read.
+call (one weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is one
+call, timed after an idle pause (boost clock) and between FP8 GEMMs (the power-capped clock of a
+training step). GB/s counts the bytes each amax must read, at the capped clock.
 
     python benchmarks/inductor_quantize.py [--coordinate-descent]
 """
@@ -19,11 +20,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import alternate, time_ms
+from common import idle_and_capped_us, time_ms
 from tabulate import tabulate
 
 M, DIM, HIDDEN = 16384, 4096, 14336
-CHUNKS = (512, 1024, 2048, 4096)
+CHUNKS = (128, 256, 512, 1024, 4096)
 
 
 def flat(x):
@@ -68,18 +69,20 @@ def main() -> None:
     rows_out = []
     probe = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
     copy_us = time_ms(lambda: probe.clone()) * 1e3
-    rows_out.append(["device-to-device copy", "", copy_us, probe.numel() * 4 / copy_us / 1e3])
+    rows_out.append(["device-to-device copy", "", copy_us, "", probe.numel() * 4 / copy_us / 1e3])
     for producer, (make, shapes) in PRODUCERS.items():
         inputs = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes]
         torch._dynamo.reset()  # each producer's variants share code objects: static shapes, own cache
         compiled = {name: torch.compile(make(amax), dynamic=False, options=options) for name, amax in amaxes.items()}
         fns = {name: lambda fn=fn: fn(*inputs) for name, fn in compiled.items()}
+        for fn in fns.values():
+            fn()
         nbytes = sum(x.numel() * x.element_size() for x in inputs)
-        for name, ms in alternate(fns, rounds=3, inner=5).items():
-            rows_out.append([producer, name, ms * 1e3, nbytes / ms / 1e6])
+        for name, (idle, capped) in idle_and_capped_us(fns).items():
+            rows_out.append([producer, name, idle, capped, nbytes / capped / 1e3])
     configs = "coordinate-descent" if args.coordinate_descent else "default"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, Inductor {configs} configs")
-    print(tabulate(rows_out, headers=["amax of", "reduction", "us", "GB/s"], floatfmt=".1f"))
+    print(tabulate(rows_out, headers=["amax of", "reduction", "idle us", "between GEMMs us", "GB/s"], floatfmt=".1f"))
 
 
 if __name__ == "__main__":

@@ -11,17 +11,16 @@ time than its bytes at boost may no longer.
     python benchmarks/saturating_cast.py
 """
 
-import statistics
-
 import torch
 import torch.nn.functional as F
+from common import idle_and_capped_us
 from tabulate import tabulate
 
 from graphquant.formats import per_tensor
 from graphquant.passes.saturating_cast import SaturatingCast
 
 M, DIM, HIDDEN = 16384, 4096, 14336
-ROUNDS, GEMMS = 5, 6
+ROUNDS = 5
 
 
 def h_cast(dh, gate, up, scale):
@@ -34,35 +33,10 @@ def gradient_casts(dh, gate, up, scale):
     return [per_tensor.quantize(g, scale, "e5m2", transpose=False) for g in grads]
 
 
-def timed(fn, heat):
-    """Microseconds of one call of ``fn``, alone on the GPU or between ``heat`` calls."""
-    if heat is None:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)
-    else:
-        heat()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    if heat is not None:
-        heat()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3
-
-
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     dh, gate, up = (torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     scale = torch.tensor(100.0, device="cuda")
-    a = torch.randn(M, DIM, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(HIDDEN, DIM, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-
-    def heat():
-        for _ in range(GEMMS):
-            torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
-
     variants = {}
     for name, producer in (("h = silu(gate) * up, rowwise and transposed", h_cast), ("SwiGLU gradients", gradient_casts)):
         for label, options in (("clamp (torch.compile)", {}), ("no clamp (Pass 4)", {"post_grad_custom_post_pass": SaturatingCast()})):
@@ -70,14 +44,9 @@ def main() -> None:
             compiled = torch.compile(producer, dynamic=False, options=options)
             compiled(dh, gate, up, scale)
             variants[(name, label)] = lambda compiled=compiled: compiled(dh, gate, up, scale)
-    samples = {key: [] for key in variants}
-    for warm in (None, heat):  # all idle samples first: two milliseconds after a GEMM the clock is still capped
-        for _ in range(ROUNDS):
-            for key, fn in variants.items():
-                samples[key].append(timed(fn, warm))
-    rows = [[*key, statistics.median(s[:ROUNDS]), statistics.median(s[ROUNDS:])] for key, s in samples.items()]
+    rows = [[*key, idle, capped] for key, (idle, capped) in idle_and_capped_us(variants, ROUNDS).items()]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {M}x{HIDDEN} bf16, medians of {ROUNDS}")
-    print(tabulate(rows, headers=["cast of", "compiled with", "idle (us)", f"between {GEMMS} FP8 GEMMs (us)"], floatfmt=".1f"))
+    print(tabulate(rows, headers=["cast of", "compiled with", "idle (us)", "between 6 FP8 GEMMs (us)"], floatfmt=".1f"))
 
 
 if __name__ == "__main__":
