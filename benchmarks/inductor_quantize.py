@@ -39,6 +39,13 @@ def chunks_of(length):
     return lambda x: x.abs().reshape(-1, length).amax(-1).amax().float()
 
 
+def magnitude_bits_chunks_of(length):
+    """The amax as an integer max of float32 bit patterns with the sign cleared (one integer max an
+    element, NaN still the largest), rounded to x's dtype after the max: rounding is monotonic, so
+    that equals the max of x's rounded values, which Inductor keeps unrounded where it fuses x."""
+    return lambda x: (x.float().view(torch.int32) & 0x7FFFFFFF).reshape(-1, length).amax(-1).amax().view(torch.float32).to(x.dtype).float()
+
+
 def swiglu_grads(dh, gate, up):
     return torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)
 
@@ -65,6 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     options = {"coordinate_descent_tuning": True} if args.coordinate_descent else {}
     amaxes = {"flat": flat, "rows": rows, **{f"chunks of {n}": chunks_of(n) for n in CHUNKS}}
+    amaxes.update({f"bits, chunks of {n}": magnitude_bits_chunks_of(n) for n in (512, 1024)})
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     probe = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -141,6 +141,38 @@ def test_tensor_amax_of_long_rows(columns):
     assert torch.isnan(fp8.tensor_amax(transposed))
 
 
+def test_amax_rounding_to_bfloat16_is_torchs():
+    """Every exponent, ties both ways, the largest finite values, subnormals, inf and NaNs."""
+    exponents = torch.arange(256, dtype=torch.int32) << 23
+    mantissas = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0x17FFF, 0x18000, 0x7FFFFF], dtype=torch.int32)
+    edges = (exponents[:, None] | mantissas[None, :]).flatten()
+    random = torch.randint(0, 2**31 - 1, (1 << 16,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    bits = torch.cat([edges, random])
+    rounded = fp8._rounded_to_bfloat16(bits).view(torch.float32)
+    expected = bits.view(torch.float32).to(torch.bfloat16).float()
+    assert torch.equal(rounded.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(rounded[finite].view(torch.int32), expected[finite].view(torch.int32))
+
+
+def _fused_amax(a, b):
+    return fp8.tensor_amax(a * b)  # one rounding in eager: a product of two 16-bit floats is exact in fp32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("columns", [1024, 8192])  # whole rows, chunks
+def test_compiled_amax_of_a_fused_producer_is_eagers(device, dtype, columns):
+    """Inductor keeps a fused producer's values unrounded: the max must still be of the rounded
+    values. Random inputs make the largest product fall between two values of x's dtype almost surely."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_fused_amax, dynamic=False)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        a, b = (torch.randn(64, columns, generator=g).to(dtype).to(device) * 3 for _ in range(2))
+        assert torch.equal(compiled(a, b), _fused_amax(a, b)), seed
+
+
 @pytest.mark.parametrize(
     "fmt, amax, kwargs, expected",
     [

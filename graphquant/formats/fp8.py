@@ -34,26 +34,50 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
 
 _LOOPED_ROW = 4096  # elements; Inductor loops over longer rows
 _CHUNK = 512
+_MAGNITUDE_BITS = 0x7FFFFFFF  # an fp32's bits without its sign
+_INF_BITS = 0x7F800000  # +inf; every larger magnitude pattern is a NaN
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max(|x|) as a float32 0-dim tensor; NaN propagates, an empty tensor gives 0.
 
-    Taken in x's own dtype and then widened: abs and max are exact and rounding to fp32 is
-    monotonic, so this equals max(|x.float()|). max is exact in any order, so the reduction takes
-    the shape Inductor runs fastest when traced into x's producer (benchmarks/inductor_quantize.py
-    on the H200): row maxima first, not a split reduction of the flat tensor (4-10% faster); a row
-    longer than ``_LOOPED_ROW`` elements, which Inductor would loop over, in chunks of ``_CHUNK``
-    (a SwiGLU's h 8-13% faster, its gradients 4%). Shorter rows stay whole, so a norm's output
-    takes its amax in the norm's own row kernel.
+    Taken as an integer max of x's float32 bit patterns with the sign cleared: those order as the
+    magnitudes do, NaN above infinity, so the max is exact, and on the GPU it is one integer
+    instruction an element where a float max that propagates NaN takes three or four (a SwiGLU
+    backward's amax between FP8 GEMMs 496 -> 441 us, NOTES row 73). Where Inductor fuses a bf16 x
+    into its producer it keeps x's values unrounded in float32, so the max is rounded to bf16
+    after the reduction, in integers, which Inductor cannot elide: rounding is monotonic, so that
+    is the max of the rounded values, as eager computes it. fp16 keeps a float max in its own
+    dtype (exact too), whose partial maxima Inductor stores, and so rounds, as fp16.
     """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    magnitudes = x.abs()
-    if x.dim() > 1 and x.shape[-1] > _LOOPED_ROW and x.shape[-1] % _CHUNK == 0:
-        magnitudes = magnitudes.reshape(-1, _CHUNK)
-    return magnitudes.amax(-1).amax().to(torch.float32)
+    if x.dtype == torch.float16:
+        return _max_of_all(x.abs()).to(torch.float32)
+    bits = _max_of_all(x.float().view(torch.int32) & _MAGNITUDE_BITS)
+    if x.dtype == torch.bfloat16:
+        bits = _rounded_to_bfloat16(bits)
+    return bits.view(torch.float32)
 
+
+def _max_of_all(t: torch.Tensor) -> torch.Tensor:
+    """The max of all of ``t`` in the shape Inductor runs fastest when traced into t's producer
+    (benchmarks/inductor_quantize.py on the H200; max is exact in any order): row maxima first,
+    not a split reduction of the flat tensor (4-10% faster); a row longer than ``_LOOPED_ROW``
+    elements, which Inductor would loop over, in chunks of ``_CHUNK`` (a SwiGLU's h 8-13% faster,
+    its gradients 4%). Shorter rows stay whole, so a norm's output takes its amax in the norm's
+    own row kernel."""
+    if t.dim() > 1 and t.shape[-1] > _LOOPED_ROW and t.shape[-1] % _CHUNK == 0:
+        t = t.reshape(-1, _CHUNK)
+    return t.amax(-1).amax()
+
+
+def _rounded_to_bfloat16(bits: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 bit patterns rounded to bf16 (to nearest, ties to even: torch's rule),
+    as float32 bit patterns; NaN stays NaN."""
+    finite = torch.clamp_max(bits, _INF_BITS)  # a NaN's pattern plus the bias would overflow
+    rounded = (finite + (0x7FFF + ((finite >> 16) & 1))) & -0x10000
+    return torch.where(bits > _INF_BITS, bits, rounded)
 
 
 def scale_from_amax(
