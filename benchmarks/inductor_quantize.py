@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from common import idle_and_capped_us, time_ms
 from tabulate import tabulate
 
+from graphquant.formats import fp8
+
 M, DIM, HIDDEN = 16384, 4096, 14336
 CHUNKS = (128, 256, 512, 1024, 4096)
 
@@ -73,6 +75,8 @@ def main() -> None:
     options = {"coordinate_descent_tuning": True} if args.coordinate_descent else {}
     amaxes = {"flat": flat, "rows": rows, **{f"chunks of {n}": chunks_of(n) for n in CHUNKS}}
     amaxes.update({f"bits, chunks of {n}": magnitude_bits_chunks_of(n) for n in (512, 1024)})
+    amaxes["graphquant's fp8.tensor_amax"] = fp8.tensor_amax
+    torch._dynamo.config.recompile_limit = 4 * len(amaxes)  # the variants share their producer's code object
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     probe = torch.randn(M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
