@@ -56,6 +56,7 @@ OPT_IN += [f"{name}{FAST_EVERYWHERE}" for name in ("graphquant tensorwise", "tor
 # recipes' many small launches on the decoder). Tensorwise's is in the default list.
 CUDAGRAPHS = " (cudagraphs)"
 HEAT_STEPS = 8  # steps queued ahead of a profiled one
+PROFILED_STEP = "profiled step"
 OPT_IN += [
     f"{name}{CUDAGRAPHS}"
     for name in ("bf16 torch.compile", "graphquant mxfp8", "graphquant mxfp8_fwd_nvfp4_bwd", "torchao tensorwise")
@@ -139,17 +140,25 @@ def profile(name: str, step) -> None:
     print(f"--- {name}: the host's functions by own time (cProfile, one step)", file=sys.stderr)
     pstats.Stats(python_profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     # Steps queued back to back hold the GPU at its power limit (SM clock 1.3-1.5 GHz, NOTES row
-    # 71), where a step after a pause would run its first tens of ms at boost: the profiled step
-    # runs behind HEAT_STEPS of them, and only the kernels it launched are counted.
-    for _ in range(HEAT_STEPS):
-        step()
+    # 71), where a step after a pause runs its first tens of ms at boost: the profiled step runs
+    # behind HEAT_STEPS of them, queued inside the profile (starting one waits for the GPU), and
+    # only the kernels launched within its annotation are counted.
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(HEAT_STEPS):
+            step()
+        with torch.profiler.record_function(PROFILED_STEP):
+            step()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
-    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    (mark,) = [e for e in events if e.get("name") == PROFILED_STEP and e.get("cat") == "user_annotation"]
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]
+    }
     device = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in launches),
         key=lambda e: e["ts"],
