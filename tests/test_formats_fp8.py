@@ -130,7 +130,7 @@ def test_tensor_amax():
     assert empty.dtype == torch.float32 and empty.shape == () and empty.item() == 0.0
 
 
-@pytest.mark.parametrize("columns", [4096, 5120, 5000])  # whole rows, chunks, rows that chunks would not tile
+@pytest.mark.parametrize("columns", [4096, 5120, 4608, 5000])  # whole rows, chunks of 1024, of 512, rows no chunk tiles
 def test_tensor_amax_of_long_rows(columns):
     x = torch.randn(3, columns, generator=torch.Generator().manual_seed(columns)).to(torch.bfloat16)
     x[2, columns - 1] = -7.5
@@ -161,7 +161,7 @@ def _fused_amax(a, b):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("columns", [1024, 8192])  # whole rows, chunks
+@pytest.mark.parametrize("columns", [1024, 8192, 4608])  # whole rows, chunks of 1024, of 512
 def test_compiled_amax_of_a_fused_producer_is_eagers(device, dtype, columns):
     """Inductor keeps a fused producer's values unrounded: the max must still be of the rounded
     values. Random inputs make the largest product fall between two values of x's dtype almost surely."""
