@@ -5,12 +5,13 @@ Current scaling needs an amax pass over each quantized tensor before its cast; t
 fuses it into the tensor's producer. max is exact in any order, so the reduction may be written in
 any shape: flat (``x.abs().amax()``, a split reduction), by rows (``amax(-1)`` first), or over
 the flat tensor cut into chunks of a fixed length (a persistent reduction where the chunk is
-short). This times each for the FFN's quantized tensors: h = silu(gate) * up in the forward
-(16384x14336) and its two gradients in the backward (graphquant's ``fp8.tensor_amax`` takes
-these rows in chunks of 512); the RMSNorm output, whose row reduction the amax can join, and a
-plain sum (16384x4096, as the down projection's grad_output); and eight 14336x4096 weights in one
-call (one weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is one
-call, timed after an idle pause (boost clock) and between FP8 GEMMs (the power-capped clock of a
+short), and as an integer max of the magnitudes' float32 bit patterns. This times each for the
+FFN's quantized tensors: h = silu(gate) * up in the forward (16384x14336) and its two gradients
+in the backward (graphquant's ``fp8.tensor_amax``, timed too, takes these rows in chunks of 1024
+as bit patterns); the RMSNorm output, whose row reduction the amax can join, and a plain sum
+(16384x4096, as the down projection's grad_output); and eight 14336x4096 weights in one call (one
+weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is one call,
+timed after an idle pause (boost clock) and between FP8 GEMMs (the power-capped clock of a
 training step). GB/s counts the bytes each amax must read, at the capped clock.
 
     python benchmarks/inductor_quantize.py [--coordinate-descent]
