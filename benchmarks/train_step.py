@@ -106,9 +106,9 @@ def configs(requested: list[str] | None) -> list[str]:
 
 def profile(name: str, step) -> None:
     """Print how long the host takes to issue one step against the GPU's time for it, the CUDA
-    kernels of one step of ``name`` by total time (at the clock of back-to-back steps), then where the GPU sat idle:
-    the largest gaps between kernels, the kernels around each, and whether the next kernel's
-    launch came late (host-bound) or was queued in time (something else)."""
+    kernels of one step of ``name`` by total time (at the clock of back-to-back steps), then where
+    the GPU sat idle: the largest gaps between kernels, the kernels around each, and whether the
+    next kernel's launch came late (host-bound) or was queued in time (something else)."""
     import cProfile
     import json
     import pstats

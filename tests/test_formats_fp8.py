@@ -148,7 +148,7 @@ def test_amax_rounding_to_bfloat16_is_torchs():
     edges = (exponents[:, None] | mantissas[None, :]).flatten()
     random = torch.randint(0, 2**31 - 1, (1 << 16,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     bits = torch.cat([edges, random])
-    rounded = fp8._rounded_to_bfloat16(bits).view(torch.float32)
+    rounded = fp8.rounded_to_bfloat16(bits).view(torch.float32)
     expected = bits.view(torch.float32).to(torch.bfloat16).float()
     assert torch.equal(rounded.isnan(), expected.isnan())
     finite = ~expected.isnan()

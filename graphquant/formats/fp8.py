@@ -54,10 +54,15 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     if x.dtype == torch.float16:
         return _max_of_all(x.abs()).to(torch.float32)
-    bits = _max_of_all(x.float().view(torch.int32) & _MAGNITUDE_BITS)
+    bits = _max_of_all(magnitude_bits(x))
     if x.dtype == torch.bfloat16:
-        bits = _rounded_to_bfloat16(bits)
+        bits = rounded_to_bfloat16(bits)
     return bits.view(torch.float32)
+
+
+def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
+    """|x|'s float32 bit patterns as int32, ordered as the magnitudes are (NaN above infinity)."""
+    return x.float().view(torch.int32) & _MAGNITUDE_BITS
 
 
 def _max_of_all(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +80,7 @@ def _max_of_all(t: torch.Tensor) -> torch.Tensor:
     return t.amax(-1).amax()
 
 
-def _rounded_to_bfloat16(bits: torch.Tensor) -> torch.Tensor:
+def rounded_to_bfloat16(bits: torch.Tensor) -> torch.Tensor:
     """Non-negative float32 bit patterns rounded to bf16 (to nearest, ties to even: torch's rule),
     as float32 bit patterns; NaN stays NaN."""
     finite = torch.clamp_max(bits, _INF_BITS)  # a NaN's pattern plus the bias would overflow
