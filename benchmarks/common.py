@@ -30,7 +30,7 @@ def _nvml_device(cuda_index: int) -> Optional[tuple[ctypes.CDLL, ctypes.c_void_p
 
 def gpu_energy_j() -> Optional[float]:
     """The current GPU's energy counter in joules (NVML's total since the driver loaded), or None
-    where NVML cannot read it. FP8 training steps run at the H200's 700 W limit, so their time
+    where NVML cannot read it. FP8 training steps run at the GPU's power limit, so their time
     follows their energy: joules per step say where a step's time goes."""
     device = _nvml_device(torch.cuda.current_device())
     if device is None:
@@ -68,9 +68,9 @@ def time_ms(
 
 
 def fp8_gemm_heat(gemms: int = 6) -> Callable[[], None]:
-    """A function that runs ``gemms`` 16384x14336x4096 FP8 GEMMs: between them the H200 sits at its
-    700 W limit with the SM clock near 1.4 GHz, as in a training step, where a kernel whose
-    instructions took less time than its bytes at boost clock may no longer (NOTES row 71)."""
+    """A function that runs ``gemms`` 16384x14336x4096 FP8 GEMMs: between them the GPU sits at its
+    power limit with the SM clock capped, as in a training step, where a kernel whose instructions
+    took less time than its bytes at boost clock may no longer."""
     a = torch.randn(16384, 4096, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(14336, 4096, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
@@ -118,8 +118,8 @@ def alternate(
     """Median over ``rounds`` of each function's time, the functions taking turns every round so
     that drift on a shared GPU touches them all alike. ``joules``, if given, receives each
     function's mean GPU energy per call, where NVML can read it: the mean, because NVML's counter
-    advances in steps, so one sample sees a whole number of them (a median over samples shorter
-    than a few steps put the H200's power at up to 926 W against its 700 W limit)."""
+    advances in steps, so one sample sees a whole number of them, and a median over samples only a
+    few steps long would keep the more frequent count."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     energy: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [ncu] [train ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
-# utilization: what limits the column side is the open question).
+# utilization: whether a kernel is bound by memory or by issuing instructions).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

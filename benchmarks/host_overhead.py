@@ -4,9 +4,8 @@
 
 A compiled graph calls graphquant's custom ops; each call passes through torch.library's
 dispatch, graphquant's Python (representations, backend selection) and the native launch. On a
-model whose GPU work per step is short, those host microseconds become the step time (the
-decoder of train_step.py: the host took 16-19 ms to issue a step while the ops were
-torch.library.custom_op's, 11 ms since, torchao's graph 6-7 ms; the GPU needs 23). Every row
+model whose GPU work per step is short, those host microseconds become the step time
+(``train_step.py --profile`` compares a step's host time with its GPU time). Every row
 times ``calls`` back-to-back calls on tensors small enough that the GPU never
 holds the host back; rows of one op go from the full op down to its bare launch, and the torch
 calls that do the same work in torchao's graph stand beside them.
@@ -41,8 +40,8 @@ def host_us(fn, calls: int = 500) -> float:
     return sorted(samples)[2]
 
 
-# The cheapest op both ways torch.library registers one: torch.library.custom_op (graphquant's ops
-# before graphquant.ops.registry) and the dispatcher API (graphquant's ops now).
+# The cheapest op both ways torch.library registers one: torch.library.custom_op (Python wrappers
+# around every call) and the dispatcher API (as graphquant.ops.registry registers graphquant's ops).
 @torch.library.custom_op("gqbench::clone", mutates_args=())
 def clone_op(x: torch.Tensor) -> torch.Tensor:
     return x.clone()

@@ -10,7 +10,7 @@ FFN's quantized tensors: h = silu(gate) * up in the forward (16384x14336) and it
 in the backward (graphquant's ``fp8.tensor_amax``, timed too, takes these rows in chunks of 1024
 as bit patterns); the RMSNorm output, whose row reduction the amax can join, and a plain sum
 (16384x4096, as the down projection's grad_output); and eight 14336x4096 weights in one call (one
-weight's amax, ~40-60 us, is shorter than a compiled call's host work). Each sample is one call,
+weight's amax alone is shorter than a compiled call's host work). Each sample is one call,
 timed after an idle pause (boost clock) and between FP8 GEMMs (the power-capped clock of a
 training step). GB/s counts the bytes each amax must read, at the capped clock.
 

@@ -5,8 +5,8 @@ The reference casts as clamp(x, -max, max).to(fp8); on CUDA sm_89+ graphquant's 
 times a SwiGLU FFN's traced casts (h = silu(gate) * up with its transposed copy; the SwiGLU
 backward's two gradients) at 16384x14336 bf16, compiled with the pass and without, two ways:
 after an idle pause (boost clock) and between FP8 GEMMs as a training step runs them, where the
-H200 sits at its 700 W limit with the SM clock near 1.4 GHz: a kernel whose instructions took less
-time than its bytes at boost may no longer.
+GPU sits at its power limit with the SM clock capped: a kernel whose instructions took less time
+than its bytes at boost may no longer.
 
     python benchmarks/saturating_cast.py
 """

@@ -10,9 +10,9 @@ step with the average power over the timed samples (NVML's energy counter; FP8 s
 power limit, so their time follows their energy). Asked for by name,
 "bf16 torch.compile", "graphquant tensorwise" and "torchao tensorwise" also run with Inductor's
 coordinate-descent tuning (the name with " (coordinate descent)"), beside their defaults; its
-tuning takes about two minutes per FFN config on the H200 (tenth session). "graphquant
-tensorwise" and "torchao tensorwise" also run with fast accumulation in dgrad and wgrad (the name
-with " (fast accumulation everywhere)"), a user's choice in both libraries, not their default.
+tuning adds minutes of compile time per config. "graphquant tensorwise" and "torchao tensorwise"
+also run with fast accumulation in dgrad and wgrad (the name with " (fast accumulation
+everywhere)"), a user's choice in both libraries, not their default.
 """
 
 from __future__ import annotations
@@ -139,10 +139,10 @@ def profile(name: str, step) -> None:
         torch.cuda.synchronize()
     print(f"--- {name}: the host's functions by own time (cProfile, one step)", file=sys.stderr)
     pstats.Stats(python_profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    # Steps queued back to back hold the GPU at its power limit (SM clock 1.3-1.5 GHz, NOTES row
-    # 71), where a step after a pause runs its first tens of ms at boost: the profiled step runs
-    # behind HEAT_STEPS of them, queued inside the profile (starting one waits for the GPU), and
-    # only the kernels launched within its annotation are counted.
+    # Steps queued back to back hold the GPU at its power limit (a capped SM clock), where a step
+    # after a pause runs its first tens of ms at boost: the profiled step runs behind HEAT_STEPS of
+    # them, queued inside the profile (starting one waits for the GPU), and only the kernels
+    # launched within its annotation are counted.
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(HEAT_STEPS):
             step()
@@ -369,8 +369,8 @@ def main() -> None:
     args = parser.parse_args()
     names = configs(args.configs.split(",") if args.configs else None)
     # Every compiled model adds an entry to the cache of one shared Dynamo frame (a module call's
-    # wrapper); past the default 8 the next model silently runs eager, so later configs measured
-    # eager speed (a run of both models hit it at the ninth config).
+    # wrapper); past the default 8 the next model silently runs eager, so later configs would
+    # measure eager speed.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(names))
     torch.manual_seed(0)
     rows = []

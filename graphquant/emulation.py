@@ -144,8 +144,8 @@ def _epilogue_gemm(
 
 # The most elements of an MXFP8 or NVFP4 operand dequantized at once (64 MiB of bf16): a larger
 # one is multiplied in slices of its rows. Whole, a SwiGLU's hidden activation dequantized for a
-# wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak; in slices of half this size
-# the decoder's emulated steps were bound by the host's launches (two per slice; NOTES row 64).
+# wgrad (448 MiB at 16384x14336) sat at a decoder layer's memory peak; smaller slices mean more
+# launches (two per slice), which can leave a short step waiting on the host.
 SLICE_ELEMENTS = 32 << 20
 
 

@@ -299,8 +299,8 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     else:
         return None
     # FP8 scales go by their strides; MXFP8's (a byte per 32 elements) are made row-major first:
-    # read through outer-dim-major strides, one byte a chunk from rows far apart, they made the
-    # kernel 1.2x slower on an H200, more than the copy costs.
+    # read through outer-dim-major strides, one byte a chunk from rows far apart, they would slow
+    # the kernel by more than the copy costs.
     scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()
     scale_strides = (0, 0) if scale.dim() == 0 else (scale.stride(0), scale.stride(-1))
     return ext.dequantize(rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, _DTYPES[dtype])

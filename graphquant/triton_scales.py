@@ -4,7 +4,8 @@ Their references are a dozen tiny torch ops each; on a GPU inside a training ste
 launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
 (IEEE round-to-nearest), and every other step is exact. Importing this module registers them as
 the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_scales
-(functional ops, so compiled graphs deduplicate them; wrap_triton's mutating launches were not).
+(functional ops, so compiled graphs deduplicate them, which they cannot do for wrap_triton's
+mutating launches).
 """
 
 from __future__ import annotations

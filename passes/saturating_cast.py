@@ -5,9 +5,8 @@ own conversion overflows (e5m2 to inf, e4m3fn to NaN). On CUDA devices of comput
 and later, Inductor's Triton code converts float32 to FP8 with PTX's ``cvt.rn.satfinite`` (the only
 form PTX has for FP8): beyond +-max, infinities included, it gives +-max and NaN stays NaN, which
 is what the clamp does. The clamp costs Triton a NaN-propagating max and min (compare, NaN test
-and select, twice) an element, in kernels that the H200's power cap makes compute-bound: the
-SwiGLU gradients' casts between FP8 GEMMs take 620 us with it and 458 us without
-(benchmarks/saturating_cast.py; benchmarks/NOTES.md, row 71).
+and select, twice) an element, in kernels that the GPU's power cap makes compute-bound, such as
+a SwiGLU's gradient casts between FP8 GEMMs (benchmarks/saturating_cast.py times them).
 
 Expects: a post-grad ATen graph (the graph Inductor lowers), nodes carrying ``meta["val"]``.
 Guarantees: every ``prims.convert_element_type(clamp(x, -max, max), fp8)`` whose x is float32 on a

@@ -1,11 +1,11 @@
 // The cuBLASLt algorithm choice behind graphquant's GEMMs (blaslt.h).
 //
-// cuBLASLt's heuristic ranks its kernels by a model of the device; on the H200, under the power
-// limit that FP8 GEMMs run into, its first choice for a training step's shapes was up to 13%
-// slower than another of its own candidates (benchmarks/NOTES.md). Timing them once per shape
-// finds the faster one. Kernels without split-K give each output element the same sum in the same
-// order, so they agree bit for bit; a candidate is kept only if its output's digest equals the
-// heuristic's first's, so results never depend on the timings.
+// cuBLASLt's heuristic ranks its kernels by a model of the device, which does not know the power
+// limit that sustained FP8 GEMMs run into, so its first choice for a shape is not always the
+// fastest of its own candidates. Timing them once per shape finds the faster one. Kernels without
+// split-K give each output element the same sum in the same order, so they agree bit for bit; a
+// candidate is kept only if its output's digest equals the heuristic's first's, so results never
+// depend on the timings.
 #include "blaslt.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -22,21 +22,21 @@ namespace {
 
 constexpr int kCandidates = 16;
 constexpr uint64_t kMaxWorkspaceBytes = uint64_t(32) << 20;  // what cuBLAS takes on Hopper
-// Below this many flops (~15 us on an H200) a GEMM takes the heuristic's first: timing would cost
-// more than it could save.
+// Below this many flops a GEMM takes the heuristic's first: timing so short a GEMM would cost more
+// than it could save.
 constexpr double kTunedFlops = 2.0 * double(int64_t(1) << 33);
 // Shapes timed per process (a training step has a few dozen): past this (dynamic shapes), new
-// shapes take the heuristic's first, so timing costs at most ~20 s in all.
+// shapes take the heuristic's first, so the time spent timing stays bounded.
 constexpr size_t kMaxTuned = 64;
-// Before timing, the first runs for kHeatMs: sustained FP8 GEMMs hold the H200 below its boost
+// Before timing, the first runs for kHeatMs: sustained FP8 GEMMs hold the GPU below its boost
 // clock (the power limit), a training step runs at that clock, and the candidates rank differently
-// there (FFN gate/up on the H200: the best at boost 3.5% faster than the first, after the heat 7%,
-// in a seconds-long round robin 13%). Then kRounds round-robin windows of ~kWindowMs a candidate.
+// there than at boost. Then kRounds round-robin windows of ~kWindowMs a candidate.
 constexpr float kHeatMs = 150, kWindowMs = 5;
 constexpr int kRounds = 3;
 
 // GRAPHQUANT_GEMM_TUNING=0 turns the timing off: every shape takes the heuristic's first (the same
-// bits), without the ~0.3 s that timing costs a new shape once (serving many distinct shapes).
+// bits), without the heat and round robin that timing costs a new shape once (serving many
+// distinct shapes).
 bool timing_enabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("GRAPHQUANT_GEMM_TUNING");

@@ -275,8 +275,8 @@ GQ_HD uint32_t e2m1_code_of(uint32_t signed_bits, uint32_t i) {
 GQ_HD float e2m1_clamp(float v) { return fabsf(v) < 6.0f ? fabsf(v) : 6.0f; }
 
 // The grid value of magnitude index i (0, .5, 1, 1.5, 2, 3, 4, 6). On the GPU twice it is byte i
-// of 0x0C08060403020100, one byte permute: ptxas made the selects a table in local memory, whose
-// stack frame and spills cost the register tile program's dequantized sources (NOTES row 62).
+// of 0x0C08060403020100, one byte permute: ptxas makes the selects a table in local memory, whose
+// stack frame and spills would burden the register tile program's dequantized sources.
 GQ_HD float e2m1_magnitude(int i) {
 #if defined(__CUDA_ARCH__)
   return 0.5f * float(__byte_perm(0x03020100u, 0x0C080604u, unsigned(i)));

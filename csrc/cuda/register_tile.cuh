@@ -3,8 +3,8 @@
 // rounded to nearest or stochastically) for a 2-byte input whose 128x128 tiles are all whole.
 //
 // The generic tile program (tile.cuh) serves every format, edge and option from a shared-memory
-// tile that each phase reads again; ncu found it bound by the ALU pipe, not by memory, and its
-// both-directions launches at 62-68% of copy bandwidth against 78-86% for one direction. Here
+// tile that each phase reads again, which leaves it bound by the ALU pipe rather than by memory,
+// its both-directions launches most of all. Here
 // each thread keeps an 8x8 block of the tile in registers as loaded (16-byte loads, whole rows a
 // warp), takes the row side's amaxes by warp shuffles and the column side's from the packed
 // halves of its registers, and only the block scales (computed once per block, not once per
@@ -21,13 +21,10 @@
 // a 32-element MXFP8 row block lies in 4 neighbouring lanes, a 16-element NVFP4 one in 2, and an
 // NVFP4 column block's 16 rows in lanes l and l ^ 16.
 //
-// On the H200 (benchmarks/NOTES.md rows 55-60): 8-bit formats at 81-87% of copy bandwidth for both
-// directions (the generic program 62-69%), 82-93% for one; NVFP4 at 55-60% and 70-80% (the generic
-// 42-45% and 57-68%). Neither a persistent form that copies its next tile into shared memory while
-// the current one computes (slower, the both-directions launches most) nor conversions into
-// formats fixed at compile time (a fifth fewer instructions on the hot path, no faster) helped the
-// 8-bit formats: they are no longer bound by issuing instructions. What did: scales written as
-// contiguous runs (row 60: FP8 1x128 both directions 74% -> 85%).
+// The 8-bit formats are not bound by issuing instructions here, so neither fewer instructions
+// (conversions into formats fixed at compile time) nor a persistent form that copies its next tile
+// into shared memory while the current one computes makes them faster; their stores count, so
+// scales are written as contiguous runs rather than scattered words.
 #pragma once
 
 #include <type_traits>
@@ -410,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     // NVFP4's global decode factor: the tensor's, or each row's where rows are scaled alone.
     const float tensor_g_dec = R == kNV ? nv_global(u2f(er.amax[0])).g_dec : 1.0f;
     with_flag<kEightBit<R>>(row_plain, [&](auto kPlain) {
-      with_flag<R == kNV && !kAmaxPass<R, C, kDq>>(er.sr, [&](auto kRowSR) {  // the amax pass: no stochastic rows (196 B spills)
+      with_flag<R == kNV && !kAmaxPass<R, C, kDq>>(er.sr, [&](auto kRowSR) {  // the amax pass: no stochastic rows (they would spill)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]

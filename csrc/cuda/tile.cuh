@@ -6,9 +6,9 @@
 //
 // Launches without a column side (rowwise-only, amax pre-passes) are persistent: as many CTAs as
 // fit at once, each taking every grid-th tile and fetching its next tile into a second buffer while
-// the current one computes (on the H200, MXFP8 rowwise 74% -> 83% of copy bandwidth at
-// 16384x14336). The column side's stage leaves room for one buffer only (two cost a third of the
-// resident CTAs and measured slower), and NVFP4's registers the same, so those launch a CTA a tile.
+// the current one computes, so that loads are always in flight. The column side's stage leaves room
+// for one buffer only (two would cost a third of the resident CTAs, more than the overlap gains),
+// and NVFP4's registers the same, so those launch a CTA a tile.
 //
 // Every format's blocks (16, 32, 128 along a row or a column, 16x16, 128x128) nest inside the
 // tile, so a tile needs no data from its neighbours; what spans tiles (a per-tensor, per-row or
@@ -24,7 +24,7 @@
 //   column pairs pc = k*256 + tid (k < 2): tile columns 2*(pc%64) and the next, rows
 //                16*(pc/64) .. +15 (a warp reads 128 contiguous bytes of a tile row at a time);
 //                column outputs are staged in shared memory and written out row by row (storing
-//                a transposed chunk straight to global memory measured slower: half sectors).
+//                a transposed chunk straight to global memory would write half sectors).
 #pragma once
 
 #include "common.cuh"
@@ -184,9 +184,9 @@ struct TileProgram {
 
   // Tiles cta, cta + ctas, ... of the launch (row-major over the tile grid). A persistent
   // program fetches each into the other buffer while the one before it computes, so a CTA always
-  // has loads in flight (ncu: CTAs of a tile each waited on DRAM together, 58% of it used);
+  // has loads in flight (CTAs of one tile each would wait on DRAM together and leave it underused);
   // the others run tile `cta` alone (ctas = tiles), in straight-line code: the loop's state
-  // alive across the phases cost them up to twice their registers.
+  // alive across the phases would cost them up to twice their registers.
   template <class Runner>
   GQ_HD static void run_tiles(const Runner& phase, const TileParams& p, int64_t cta, int64_t ctas, Smem& s) {
     const int64_t tiles_x = cdiv(p.K, kTile), tiles = tiles_x * cdiv(p.M, kTile);
@@ -265,8 +265,8 @@ struct TileProgram {
   // The tile at `at` of x into dst, zero past the edges: 16-byte pieces copied asynchronously on
   // the device (await_fetch waits for them), element by element where rows are not 16-byte
   // aligned. A thread's pieces lie in one column of pieces, kRows rows apart, so one offset and
-  // one bounds check of the column serve them all (the fetch was a third of a rowwise kernel's
-  // instructions, each piece's 64-bit address and bounds computed afresh).
+  // one bounds check of the column serve them all (each piece's 64-bit address and bounds computed
+  // afresh would make the fetch a large share of a rowwise kernel's instructions).
   GQ_HD static void fetch(const TileParams& p, TilePosition at, typename Smem::Tile& dst, int tid) {
     constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
     constexpr int kPerRow = kTile / kPer;       // pieces per tile row
@@ -403,7 +403,7 @@ struct TileProgram {
     // random_bits(e.key, rand_index + i) with its per-chunk half hoisted: the 16 indices share the high
     // word, except that those past a wrap of the low word (lo + i < lo) take the next one.
     // One branch for the chunk, not one an element: each rounding's 16 steps are then contiguous code
-    // (ncu: the both-directions NVFP4 kernel stalled on instruction fetch).
+    // (the large NVFP4 kernels otherwise stall on instruction fetch).
     if (e.sr) {
       const uint32_t lo = uint32_t(rand_index), hi = uint32_t(rand_index >> 32);
       const uint32_t stream = random_stream(key, hi), stream_next = random_stream(key, hi + 1);

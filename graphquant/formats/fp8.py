@@ -43,8 +43,8 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
     Taken as an integer max of x's float32 bit patterns with the sign cleared: those order as the
     magnitudes do, NaN above infinity, so the max is exact, and on the GPU it is one integer
-    instruction an element where a float max that propagates NaN takes three or four (a SwiGLU
-    backward's amax between FP8 GEMMs 491 -> 428 us, NOTES row 73). Where Inductor fuses a bf16 x
+    instruction an element where a float max that propagates NaN takes three or four, which counts
+    in amax passes that the GPU's power cap makes compute-bound. Where Inductor fuses a bf16 x
     into its producer it keeps x's values unrounded in float32, so the max is rounded to bf16
     after the reduction, in integers, which Inductor cannot elide: rounding is monotonic, so that
     is the max of the rounded values, as eager computes it. fp16 keeps a float max in its own
@@ -67,12 +67,11 @@ def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _max_of_all(t: torch.Tensor) -> torch.Tensor:
     """The max of all of ``t`` in the shape Inductor runs fastest when traced into t's producer
-    (benchmarks/inductor_quantize.py on the H200; max is exact in any order): row maxima first,
-    not a split reduction of the flat tensor (4-10% faster); a row longer than ``_LOOPED_ROW``
-    elements, which Inductor would loop over, in chunks (between FP8 GEMMs a SwiGLU's h 10% and
-    its gradients 8% faster than by whole rows; chunks of 1024 3% faster than of 512 with the
-    integer max, NOTES row 73). Shorter rows stay whole, so a norm's output takes its amax in the
-    norm's own row kernel."""
+    (max is exact in any order; benchmarks/inductor_quantize.py times the shapes): row maxima
+    first, which Inductor fuses into the producer's row loop, not a split reduction of the flat
+    tensor; a row longer than ``_LOOPED_ROW`` elements, which Inductor would loop over, in chunks
+    short enough for a persistent reduction. Shorter rows stay whole, so a norm's output takes its
+    amax in the norm's own row kernel."""
     if t.dim() > 1 and t.shape[-1] > _LOOPED_ROW:
         chunk = next((c for c in _CHUNKS if t.shape[-1] % c == 0), None)
         if chunk is not None:

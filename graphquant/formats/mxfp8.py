@@ -36,8 +36,8 @@ def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, to
     """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``.
 
     The multiplier is an output, so the cast that applies it is one multiply: built from the
-    bits inside the cast, its integer chain made the cast of a long producer (a SwiGLU backward)
-    exceed Inductor's inlining limit, which then stored the fp32 product in memory.
+    bits inside the cast, its integer chain can push the cast of a long producer (a SwiGLU
+    backward) past Inductor's inlining limit, which then stores the fp32 product in memory.
     """
     biased = e8m0_from_amax(amax, fp8_dtype)
     return biased, encode_multiplier(biased)

@@ -91,9 +91,9 @@ def quantize_tensor(
     traceable ones are traced, so Inductor fuses them (and the sums) with their neighbours. With
     ``one_read``, directions that scale over different blocks (1x128 and 128x1, MXFP8's 1x32 and
     32x1, rows and columns) take the one call too: traced, each is an Inductor reduction of its own
-    that recomputes x's producer (a SwiGLU backward's three inputs read three times: 2.5 ms per
-    block of the FFN benchmark), and a forward's columnwise copy is recomputed in backward from the
-    values it came from, alive at the backward's peak; the kernel reads each tile once for both.
+    that recomputes x's producer (a SwiGLU backward's three inputs read three times), and a
+    forward's columnwise copy is recomputed in backward from the values it came from, alive at the
+    backward's peak; the kernel reads each tile once for both.
     A linear's weight is quantized without it (``quantize_weight``).
     """
     if directions and (_untraceable(quantizer, directions) or (one_read and _blockings_differ(quantizer, directions))):
@@ -113,9 +113,9 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
     is recomputed from the parameter (which lives anyway) instead of kept from forward to backward.
 
     Per-tensor current scaling takes its amax and rowwise copy from one graphquant::quantize call
-    instead: traced, a parameter's amax and cast fuse with nothing, and Inductor ran them at 1.8-3
-    TB/s (an 8B FFN's w1: 64.5 us amax, 56 us cast) where the kernels run near copy bandwidth. Its
-    columnwise copy stays traced, from that amax.
+    instead: traced, a parameter's amax and cast fuse with nothing, and as Inductor kernels of
+    their own they run well below the native kernels' bandwidth. Its columnwise copy stays traced,
+    from that amax.
     """
     per_tensor = isinstance(quantizer, Float8CurrentScalingQuantizer) and not quantizer.with_amax_reduction
     if not (per_tensor and w.is_contiguous()):  # a transposed view would be copied first

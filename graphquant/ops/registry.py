@@ -1,8 +1,7 @@
 """How graphquant's ops are registered: torch.library's dispatcher API, not torch.library.custom_op.
 
-custom_op wraps every call in Python layers (autograd, a redispatch, output alias checks). On the
-H200 machine's host, graphquant::gemm took 121 us a call that way and takes 70 us now, over 41 us
-of graphquant's Python under it (benchmarks/host_overhead.py); a decoder step makes ~50 calls.
+custom_op wraps every call in Python layers (autograd, a redispatch, output alias checks), host
+time that a model of short GPU steps pays on every op call (benchmarks/host_overhead.py).
 graphquant's ops are not differentiable (graphquant.ops.gemm_site composes them into a GEMM's
 autograd formula), so the dispatcher's own autograd fallback (C++) serves their Autograd key, and
 a call costs the dispatcher's conversion of its arguments and the kernel's own Python. Called
