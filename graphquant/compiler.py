@@ -7,7 +7,7 @@ import functools
 import inspect
 import os
 import warnings
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import fx
@@ -38,7 +38,8 @@ class GraphquantBackend:
     """A torch.compile backend: find GEMMs, plan, rewrite, then hand the graph to ``inner``.
 
     It owns what outlives one graph: the planner (so the factory is asked once per slot across
-    recompiles), the delayed-scaling state of each slot, and the stochastic-rounding step counter.
+    recompiles), the delayed-scaling state of each slot, and the stochastic-rounding step counter;
+    ``state_dict`` / ``load_state_dict`` carry the last two across a checkpoint.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class GraphquantBackend:
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
+        self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.weight_cache = WeightCache()
 
     @property
@@ -74,6 +76,63 @@ class GraphquantBackend:
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's
+        float32 [scale, amax_history...] under its role's string, and the stochastic-rounding int64
+        [seed, step] under "rng" (entries loaded for slots not planned yet included). Save it beside
+        the model's own state_dict, which stays the plain weights."""
+        state = {key: value.clone() for key, value in self.waiting.items()}
+        state.update({key: value.detach().clone() for key, value in self._live_state().items()})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from a ``state_dict()``. An entry whose slot no graph has planned yet (all of them
+        before the model's first call) waits for it; after the first call, every planned slot needs
+        its entry and every entry a slot (planned, or loaded before and still waiting)."""
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
+        live = self._live_state()
+        unexpected = sorted(state.keys() - live.keys() - self.waiting.keys())
+        missing = sorted(live.keys() - state.keys())
+        if self.plans and (unexpected or missing):
+            raise KeyError(
+                f"graphquant state does not match the slots of this model's plan: unexpected {unexpected}, missing "
+                f"{missing}; the plan's slots: {sorted(live)}. Load the state before the model's first call (each slot "
+                "then takes its entry when it is planned), into a model compiled with the recipe it was saved under"
+            )
+        restored = {key: self._restored(key, state[key], like) for key, like in live.items()}
+        waiting = {key: value.detach().clone() for key, value in state.items() if key not in live}
+        if "rng" in waiting:  # a wrong seed fails here, not at the first call
+            self._restored("rng", waiting["rng"], torch.tensor([self.seed, 0]))
+        self.waiting = waiting
+        roles = {str(role): role for role in self.delayed_state}
+        for key, value in restored.items():
+            if key == "rng":
+                self.rng = value  # a new tensor: a pending backward keeps the step of its forward
+            else:
+                self.delayed_state[roles[key]].copy_(value)
+
+    def _live_state(self) -> dict[str, torch.Tensor]:
+        """The state of the slots planned so far, keyed as in ``state_dict``."""
+        live = {str(role): tensor for role, tensor in self.delayed_state.items()}
+        return live | ({"rng": self.rng} if self.rng is not None else {})
+
+    def _restored(self, key: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A copy of the loaded ``value`` for the slot whose state looks like ``like``, on its device."""
+        if value.shape != like.shape or value.dtype != like.dtype:
+            raise ValueError(
+                f"graphquant state {key!r} is {value.dtype} of shape {tuple(value.shape)}, but this model keeps "
+                f"{like.dtype} of shape {tuple(like.shape)} there (a delayed-scaling slot: [scale, amax_history...]; "
+                "rng: [seed, step]): was it saved under another recipe?"
+            )
+        if key == "rng" and int(value[0]) != self.seed:
+            raise ValueError(
+                f"graphquant state 'rng' continues the stochastic-rounding streams of seed {int(value[0])}, but this "
+                f"model was compiled with seed={self.seed}: compile with seed={int(value[0])} to resume that run"
+            )
+        return value.to(device=like.device, copy=True)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
@@ -168,15 +227,20 @@ class GraphquantBackend:
             return lambda args: self.weight_cache.get(args[index], key.spec)[key.part]
         if key == "rng":
             if self.rng is None:
-                self.rng = torch.tensor([self.seed, 0], dtype=torch.int64, device=device)
+                self.rng = self._initial(key, torch.tensor([self.seed, 0], dtype=torch.int64, device=device))
                 self.rng_step = torch.tensor([0, 1], dtype=torch.int64, device=device)  # made once: no copy per call
             return lambda args: self.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
             scale, history = plan.quantizer(role).initial_state(device)
-            self.delayed_state[role] = torch.cat([scale, history])
+            self.delayed_state[role] = self._initial(key, torch.cat([scale, history]))
         state = self.delayed_state[role]
         return lambda args: state
+
+    def _initial(self, key: str, fresh: torch.Tensor) -> torch.Tensor:
+        """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
+        loaded = self.waiting.pop(key, None)
+        return fresh if loaded is None else self._restored(key, loaded, fresh)
 
 
 def _is_identity_rowwise(quantizer: Quantizer) -> bool:

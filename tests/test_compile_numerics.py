@@ -185,6 +185,42 @@ def test_backward_uses_the_stochastic_rounding_step_of_its_forward():
         assert torch.equal(together[name], grad), name
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_interleaved_backwards_use_the_step_of_their_own_forward(backend):
+    """Forward A, forward B, backward A, backward B (a pipeline schedule's order): each backward
+    rounds grad_output with its own forward's step, so both gradients equal those of forward A,
+    backward A, forward B, backward B bit for bit. A's input at B's step gives other gradients
+    (NVFP4's forward has no SR: only the step differs), so a backward that took the step of
+    another forward would show."""
+
+    def run(first, second, interleaved):
+        torch._dynamo.reset()
+        model = models.seeded(models.MLP(), 5)
+        compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend=backend)
+        grads = []
+
+        def backward(y):
+            y.sum().backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+
+        if interleaved:
+            y_first, y_second = compiled(first), compiled(second)
+            backward(y_first)
+            backward(y_second)
+        else:
+            backward(compiled(first))
+            backward(compiled(second))
+        return grads
+
+    a, b = x3(seed=1), x3(seed=2)
+    interleaved, one_after_another, a_second = run(a, b, True), run(a, b, False), run(b, a, False)[1]
+    for step, (actual, expected) in enumerate(zip(interleaved, one_after_another), start=1):
+        for name, grad in expected.items():
+            assert torch.equal(actual[name], grad), (step, name)
+    assert not torch.equal(a_second["fc1.weight"], one_after_another[0]["fc1.weight"])
+
+
 def test_same_seed_is_bit_for_bit_reproducible():
     """Two compiles with the same seed give the same bits (SR included); the test above shows a
     different seed gives different ones."""

@@ -301,6 +301,8 @@ class QuantizedGemm(torch.autograd.Function):
         fused = bias if _recorder is None else None
         y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, fused, site.fast("fprop"))
 
+        # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
+        # out), so keeping it gives the backward its forward's step in whatever order backwards run.
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
         ctx.site, ctx.stream = site, streams[2]
         ctx.dtypes = (x.dtype, w.dtype)

@@ -1,0 +1,153 @@
+"""Resume: a run stopped at a checkpoint and continued from it with a fresh model, optimizer and
+compile continues bit for bit as the uninterrupted run, delayed-scaling histories and the
+stochastic-rounding step included (``compiled.graphquant.state_dict()``, saved beside the
+model's own state_dict, which stays the plain weights).
+"""
+
+import models
+import pytest
+import torch
+from reference import fresh_dynamo  # noqa: F401  (autouse)
+
+import graphquant
+from graphquant import recipes
+
+RECIPES = {
+    "delayed_scaling": lambda seed=0: (recipes.delayed_scaling(amax_history_len=4), seed),
+    "nvfp4_stochastic_rounding": lambda seed=0: (recipes.nvfp4_block_scaling(), seed),
+}
+
+
+def batch(step):
+    """Inputs whose scale changes every step, so a delayed-scaling history that restarts shows."""
+    return torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step)) * (1.0 + step)
+
+
+def start(model, recipe_name, seed=0):
+    torch._dynamo.reset()
+    recipe, seed = RECIPES[recipe_name](seed)
+    compiled = graphquant.compile(model, recipe, backend="aot_eager", seed=seed)
+    return compiled, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(compiled, optimizer, steps):
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = compiled(batch(step)).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_resumed_run_continues_bit_for_bit(recipe_name, tmp_path):
+    """Train 3 steps, checkpoint, train 3 more; a fresh model, optimizer and compile loaded from the
+    checkpoint (torch.load(weights_only=True)) before its first call gives the same 3 losses and
+    weights, bit for bit. Resumed without graphquant's state it does not, so the state matters."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, recipe_name)
+    train(compiled, optimizer, range(3))
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "graphquant": compiled.graphquant.state_dict()}
+    torch.save(checkpoint, tmp_path / "checkpoint.pt")
+    expected_losses = train(compiled, optimizer, range(3, 6))
+
+    def resume(with_graphquant_state):
+        saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+        resumed_model = models.MLP()
+        resumed_model.load_state_dict(saved["model"])  # the weights alone load into a plain model
+        resumed, resumed_optimizer = start(resumed_model, recipe_name)
+        resumed_optimizer.load_state_dict(saved["optimizer"])
+        if with_graphquant_state:
+            resumed.graphquant.load_state_dict(saved["graphquant"])
+            # entries wait for their slots, and a checkpoint taken now would keep them
+            assert same_state(resumed.graphquant.state_dict(), saved["graphquant"])
+        return train(resumed, resumed_optimizer, range(3, 6)), resumed_model
+
+    losses, resumed_model = resume(with_graphquant_state=True)
+    assert torch.equal(losses, expected_losses), (losses, expected_losses)
+    for name, value in model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[name], value), name
+
+    restarted_losses, _ = resume(with_graphquant_state=False)
+    assert not torch.equal(restarted_losses, expected_losses)
+
+
+def test_state_dict_holds_each_delayed_slot_and_the_step():
+    """Keys are the slots' role strings and "rng"; values are copies, taken now."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(2))
+    state = compiled.graphquant.state_dict()
+    assert set(state) == {str(role) for role in compiled.graphquant.delayed_state}
+    assert len(state) == 6  # fc1 and fc2: input, weight, grad_output
+    role = next(r for r in compiled.graphquant.delayed_state if str(r) == "module_type=linear|tensor_type=input|name=fc1")
+    assert torch.equal(state[str(role)], compiled.graphquant.delayed_state[role])
+    train(compiled, optimizer, range(2, 3))
+    assert not torch.equal(state[str(role)], compiled.graphquant.delayed_state[role])  # a copy, not the live state
+
+    sr_model = models.seeded(models.MLP(), 0)
+    sr, sr_optimizer = start(sr_model, "nvfp4_stochastic_rounding", seed=7)
+    train(sr, sr_optimizer, range(2))
+    assert sr.graphquant.state_dict().keys() == {"rng"}
+    assert sr.graphquant.state_dict()["rng"].tolist() == [7, 2]  # seed 7, two steps taken
+
+
+def test_loading_into_a_model_that_ran_replaces_its_state():
+    """After the first call a loaded state is copied into the live slots: the next steps continue
+    from it, and a checkpoint taken right away gives it back."""
+    source = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(source, "delayed_scaling")
+    train(compiled, optimizer, range(3))
+    saved = compiled.graphquant.state_dict()
+
+    target_model = models.seeded(models.MLP(), 0)
+    target, target_optimizer = start(target_model, "delayed_scaling")
+    train(target, target_optimizer, range(1))
+    target.graphquant.load_state_dict(saved)
+    assert same_state(target.graphquant.state_dict(), saved)
+
+
+def test_loaded_state_that_does_not_match_the_plan_fails_naming_the_keys():
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(1))
+    state = compiled.graphquant.state_dict()
+    fc1_input = "module_type=linear|tensor_type=input|name=fc1"
+
+    renamed = dict(state)
+    renamed["module_type=linear|tensor_type=input|name=layers.0.fc1"] = renamed.pop(fc1_input)
+    with pytest.raises(KeyError) as error:
+        compiled.graphquant.load_state_dict(renamed)
+    message = str(error.value)
+    assert "unexpected ['module_type=linear|tensor_type=input|name=layers.0.fc1']" in message
+    assert f"missing ['{fc1_input}']" in message
+    assert "module_type=linear|tensor_type=weight|name=fc2" in message  # the plan's slots are listed
+
+    longer = dict(state, **{fc1_input: torch.zeros(9)})  # a history of 8 instead of 4
+    with pytest.raises(ValueError, match=r"'module_type=linear\|tensor_type=input\|name=fc1' is torch.float32 of shape \(9,\), but this model keeps torch.float32 of shape \(5,\)"):
+        compiled.graphquant.load_state_dict(longer)
+    with pytest.raises(TypeError, match="must be a tensor, got float"):
+        compiled.graphquant.load_state_dict(dict(state, **{fc1_input: 1.0}))
+    assert torch.equal(compiled.graphquant.state_dict()[fc1_input], state[fc1_input])  # nothing half-loaded
+
+
+def test_state_for_a_slot_of_another_shape_fails_when_the_slot_is_planned():
+    """Before the first call the slots are unknown; an entry that does not fit fails at the plan."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    compiled.graphquant.load_state_dict({"module_type=linear|tensor_type=input|name=fc1": torch.ones(3)})
+    with pytest.raises(Exception, match="was it saved under another recipe"):
+        train(compiled, optimizer, range(1))
+
+
+def test_stochastic_rounding_state_of_another_seed_fails():
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "nvfp4_stochastic_rounding", seed=3)
+    with pytest.raises(ValueError, match="streams of seed 0, but this model was compiled with seed=3"):
+        compiled.graphquant.load_state_dict({"rng": torch.tensor([0, 5])})
