@@ -16,7 +16,7 @@ from graphquant.passes.find_gemms import find_gemms, parameter_path
 from graphquant import distributed
 from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
-from graphquant.plan import Plan, Planner
+from graphquant.plan import Plan, PlanError, Planner
 from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
@@ -76,6 +76,15 @@ class GraphquantBackend:
         return self.plans[-1]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """The compiled graph, or where its plan fails, a graph that raises the PlanError when run:
+        raised here, Dynamo would wrap it in BackendCompilerFailed (its message on the second line)
+        or, under suppress_errors, run the model eagerly and unquantized."""
+        try:
+            return self._compile(gm, example_inputs)
+        except PlanError as error:
+            return _raising(error)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
         sites = find_gemms(gm, example_inputs, self._frame(gm, example_inputs))
@@ -177,6 +186,13 @@ class GraphquantBackend:
             self.delayed_state[role] = torch.cat([scale, history])
         state = self.delayed_state[role]
         return lambda args: state
+
+
+def _raising(error: Exception) -> Callable:
+    def run(*args: Any) -> Any:
+        raise error.with_traceback(None)
+
+    return run
 
 
 def _is_identity_rowwise(quantizer: Quantizer) -> bool:
