@@ -287,7 +287,7 @@ class Planner:
         straddle two batch entries."""
         quantizer.check_shape(shape, direction)
         block_rows = quantizer.child(direction).block(direction)[0]
-        if batch > 1 and block_rows > 1 and (shape[0] // batch) % block_rows:
+        if block_rows > 1 and batch > 1 and (shape[0] // batch) % block_rows:
             raise ValueError(
                 f"{quantizer}: {direction} blocks span {block_rows} rows but each of the {batch} batch entries "
                 f"has {shape[0] // batch} rows; use a row count per entry that is a multiple of {block_rows}"
