@@ -96,13 +96,23 @@ class GraphquantBackend:
         if not sites:
             warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
         placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        amax_group = distributed.group_name(self.planner.recipe.amax_reduction_group)
+
+        def cache_weight(role: QuantizerRole) -> bool:
+            """Whether inference keeps the weight's rowwise copy, made outside the graph, across calls:
+            not one that follows a delayed scale, one that is the weight itself (Identity), or one
+            whose amax is all-reduced (each rank's weight can differ: tensor-parallel shards)."""
+            quantizer = plan.quantizer(role)
+            reduced = amax_group is not None and quantizer.reduces_amax
+            return not (training or self._delayed(plan, role) or _is_identity_rowwise(quantizer) or reduced)
+
         keys = rewrite(
             gm,
             plan,
             lambda role: self._delayed(plan, role),
             needs_rng=self._needs_rng(plan),
-            cache_weight=lambda role: not training and not self._delayed(plan, role) and not _is_identity_rowwise(plan.quantizer(role)),
-            amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
+            cache_weight=cache_weight,
+            amax_group=amax_group,
         )
         providers = [self._provider(key, plan, device, placeholders) for key in keys]
         if self.dump_dir:

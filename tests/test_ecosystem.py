@@ -228,6 +228,14 @@ def distributed_worker(rank, port, out, delayed_recipe):
             y.square().sum().backward()
         results[f"nvfp4_{name}"] = (y.detach(), x.grad)
     results["nvfp4_amaxes"] = amaxes
+    # A weight that differs between ranks (rank 1's is 100x rank 0's): inference, which keeps each
+    # weight's quantized copy across calls, must encode it with the all-reduced amax as training does.
+    for mode in ("training", "inference"):
+        torch._dynamo.reset()
+        linear = identity_linear()
+        with torch.no_grad():
+            linear.weight.mul_(1 + 99 * rank)
+        results[f"nvfp4_{mode}_weight"] = graphquant.compile(linear, nvfp4_recipe, backend="aot_eager", mode=mode)(x_amax).detach()
 
     # Delayed scaling: after two steps each slot's scale and amax history, with and without a group.
     for group in (dist.group.WORLD, None):
@@ -334,6 +342,14 @@ def test_nvfp4_reduces_its_global_amaxes_over_the_recipes_group(distributed):
             y, dx = results[f"nvfp4_{backend}"]
             torch.testing.assert_close(y, expected_y, rtol=1e-6, atol=0, msg=f"rank {rank} {backend}")
             torch.testing.assert_close(dx, eager_dx, rtol=1e-6, atol=1e-6 * eager_dx.abs().max().item(), msg=f"rank {rank} {backend}")
+
+
+def test_nvfp4_inference_reduces_the_weight_amax_as_training_does(distributed):
+    """Inference does not keep a reducing weight's quantized copy outside the graph: made there, its
+    amax would be this rank's alone (rank 0's identity weight quantizes to exact ones, not to the
+    coarser values of the larger amax that training encodes it with)."""
+    for rank, results in enumerate(distributed):
+        assert torch.equal(results["nvfp4_inference_weight"], results["nvfp4_training_weight"]), f"rank {rank}"
 
 
 def test_delayed_scaling_reduces_the_amax_over_the_recipes_group(distributed):
