@@ -16,7 +16,7 @@ from graphquant.passes.find_gemms import find_gemms, parameter_path
 from graphquant import distributed
 from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
-from graphquant.plan import Plan, Planner
+from graphquant.plan import Plan, PlanError, Planner
 from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
@@ -135,6 +135,15 @@ class GraphquantBackend:
         return value.to(device=like.device, copy=True)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """The compiled graph, or where its plan fails, a graph that raises the PlanError when run:
+        raised here, Dynamo would wrap it in BackendCompilerFailed (its message on the second line)
+        or, under suppress_errors, run the model eagerly and unquantized."""
+        try:
+            return self._compile(gm, example_inputs)
+        except PlanError as error:
+            return _raising(error)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
         sites = find_gemms(gm, example_inputs, self._frame(gm, example_inputs))
@@ -146,13 +155,23 @@ class GraphquantBackend:
         if not sites:
             warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
         placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        amax_group = distributed.group_name(self.planner.recipe.amax_reduction_group)
+
+        def cache_weight(role: QuantizerRole) -> bool:
+            """Whether inference keeps the weight's rowwise copy, made outside the graph, across calls:
+            not one that follows a delayed scale, one that is the weight itself (Identity), or one
+            whose amax is all-reduced (each rank's weight can differ: tensor-parallel shards)."""
+            quantizer = plan.quantizer(role)
+            reduced = amax_group is not None and quantizer.reduces_amax
+            return not (training or self._delayed(plan, role) or _is_identity_rowwise(quantizer) or reduced)
+
         keys = rewrite(
             gm,
             plan,
             lambda role: self._delayed(plan, role),
             needs_rng=self._needs_rng(plan),
-            cache_weight=lambda role: not training and not self._delayed(plan, role) and not _is_identity_rowwise(plan.quantizer(role)),
-            amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
+            cache_weight=cache_weight,
+            amax_group=amax_group,
         )
         providers = [self._provider(key, plan, device, placeholders) for key in keys]
         if self.dump_dir:
@@ -241,6 +260,13 @@ class GraphquantBackend:
         """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
         loaded = self.waiting.pop(key, None)
         return fresh if loaded is None else self._restored(key, loaded, fresh)
+
+
+def _raising(error: Exception) -> Callable:
+    def run(*args: Any) -> Any:
+        raise error.with_traceback(None)
+
+    return run
 
 
 def _is_identity_rowwise(quantizer: Quantizer) -> bool:

@@ -2,9 +2,10 @@
 
 A recipe names the process group (CustomRecipe(amax_reduction_group=...)); graphquant.compile
 writes its name into every quantized GEMM call of the graph, and a quantizer that asks for the
-reduction (Float8CurrentScalingQuantizer(with_amax_reduction=True), delayed scaling with
-reduce_amax) takes the MAX of its amax over that group before it computes a scale. The
-reduction is a functional collective, so torch.compile traces it into the graph like any op.
+reduction (Float8CurrentScalingQuantizer or NVFP4Quantizer with with_amax_reduction=True,
+delayed scaling with reduce_amax) takes the MAX of its amax over that group before it computes a
+scale. The reduction is a functional collective: torch.compile traces it into the graph like any
+op, or, for a format that a graphquant::quantize call makes (NVFP4), the op runs it.
 """
 
 from __future__ import annotations

@@ -78,6 +78,8 @@ def _encoder(
 ) -> Optional[_Encoder]:
     """The native encoder of ``quantizer``'s ``direction``, or None where there is none; with
     ``device_rng`` the kernels make the stochastic-rounding key themselves."""
+    if quantizer.reduces_amax and ctx.amax_group is not None:
+        return None  # a kernel encodes with the amax it takes of x in the same pass: none to all-reduce first
     if isinstance(quantizer, Float8CurrentScalingQuantizer):
         pow2 = int(quantizer.force_pow_2_scales)
         return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, 0, 0, 0, 0, 0, 0], None)

@@ -257,23 +257,41 @@ class Planner:
             )
 
     def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
-        """Each tensor the site quantizes must tile the block of every direction it is made in."""
-        batch, m, k = site.x_shape
-        _, n, _ = site.w_shape
-        rows = lambda r: None if r is None or batch is None else batch * r  # noqa: E731
-        shapes = ((rows(m), k), (rows(n), k), (rows(m), n))
+        """Each tensor the site quantizes must tile the block of every direction it is made in.
+
+        Dynamic sizes are checked as symbols: each test on one becomes a guard of the compiled
+        graph, so a later size that fails it recompiles the graph and fails here.
+        """
+        batch, m, k = site.x_sizes
+        _, n, _ = site.w_sizes
+        shapes = ((batch * m, k), (batch * n, k), (batch * m, n))
         for role_type, quantizer, shape in zip(TENSOR_TYPES[site.module_type], quantizers, shapes):
             if role_type == "grad_output" and not training:
                 continue
             directions = (ROWWISE, COLUMNWISE) if training else (ROWWISE,)
             for direction in directions:
-                if None in shape:
-                    continue
                 try:
-                    quantizer.check_shape(shape, direction)
-                    self._check_groups(quantizer, direction, site, shape)
-                except ValueError as error:
-                    raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}") from None
+                    self._check_tiling(quantizer, direction, batch, shape)
+                except ValueError:
+                    # Once more on this call's sizes, so that the message names them; int() also
+                    # keeps the failing graph to these sizes alone.
+                    try:
+                        self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
+                    except ValueError as error:
+                        raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}") from None
+                    raise
+
+    @staticmethod
+    def _check_tiling(quantizer: Quantizer, direction: str, batch: int, shape: tuple[int, int]) -> None:
+        """The format's own shape rule, and blocks along the rows of a batched operand must not
+        straddle two batch entries."""
+        quantizer.check_shape(shape, direction)
+        block_rows = quantizer.child(direction).block(direction)[0]
+        if block_rows > 1 and batch > 1 and (shape[0] // batch) % block_rows:
+            raise ValueError(
+                f"{quantizer}: {direction} blocks span {block_rows} rows but each of the {batch} batch entries "
+                f"has {shape[0] // batch} rows; use a row count per entry that is a multiple of {block_rows}"
+            )
 
     @staticmethod
     def _check_grouped(site: GemmSite, quantizers: list[Quantizer]) -> None:
@@ -284,17 +302,6 @@ class Planner:
             reason = grouped.unsupported(quantizer)
             if reason:
                 raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {reason}")
-
-    @staticmethod
-    def _check_groups(quantizer: Quantizer, direction: str, site: GemmSite, shape: tuple[int, int]) -> None:
-        """Blocks along the rows of a batched operand must not straddle two batch entries."""
-        batch = site.x_shape[0]
-        block_rows = quantizer.child(direction).block(direction)[0]
-        if batch and batch > 1 and block_rows > 1 and (shape[0] // batch) % block_rows:
-            raise ValueError(
-                f"{quantizer}: {direction} blocks span {block_rows} rows but each of the {batch} batch entries "
-                f"has {shape[0] // batch} rows; use a row count per entry that is a multiple of {block_rows}"
-            )
 
     def _warn_unmatched_names(self, plan: Plan) -> None:
         """A name filter that matches nothing fails silently inside the factory; say so here."""

@@ -26,8 +26,9 @@ class CustomRecipe:
 
     expected_names: module names the factory singles out; graphquant warns when one of them
         matches no GEMM of the compiled model (a filter that silently matches nothing).
-    amax_reduction_group: the process group over which per-tensor scaling all-reduces its amax
-        (quantizers with with_amax_reduction / reduce_amax); None means no reduction.
+    amax_reduction_group: the process group over which per-tensor scaling (FP8, and NVFP4's global
+        amax) all-reduces its amax (quantizers with with_amax_reduction / reduce_amax); None means
+        no reduction.
     fast_accumulation: the GEMMs (of "fprop", "dgrad", "wgrad") whose per-tensor and per-row FP8
         products sum in the tensor cores' own accumulator, never promoted to fp32: faster, and
         looser (TE's use_split_accumulator=False, torchao's use_fast_accum); the default, fprop

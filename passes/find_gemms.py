@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import operator
 import re
 from typing import Optional, Sequence
@@ -61,6 +62,8 @@ class GemmSite:
     x_shape is (batch, m, k) and w_shape (batch, n, k) of y[b] = x[b] @ w[b]^T, with batch 1 for
     a linear; dims that are symbolic (dynamic shapes) are None. A grouped site has x_shape
     (1, T, K) with its rows split among the experts at run time, and w_shape (E, N, K).
+    x_sizes and w_sizes are the same shapes with each symbolic dim as its torch.SymInt: checked
+    through them, a dynamic size's check becomes a guard of the compiled graph.
     """
 
     form: str
@@ -70,6 +73,8 @@ class GemmSite:
     batched: bool
     x_shape: tuple[Optional[int], Optional[int], Optional[int]]
     w_shape: tuple[Optional[int], Optional[int], Optional[int]]
+    x_sizes: tuple = dataclasses.field(compare=False, repr=False)
+    w_sizes: tuple = dataclasses.field(compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -134,7 +139,7 @@ def _find(
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
             continue
-        x_shape, w_shape, batched = shapes
+        x_sizes, w_sizes, batched = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
         owner, call, module_is_linear = _owner(node, frame)
         if is_linear and module_is_linear:
@@ -150,8 +155,10 @@ def _find(
             name=name,
             call=call,
             batched=batched,
-            x_shape=x_shape,
-            w_shape=w_shape,
+            x_shape=_static_shape(x_sizes),
+            w_shape=_static_shape(w_sizes),
+            x_sizes=x_sizes,
+            w_sizes=w_sizes,
         )
         node.meta["graphquant_site"] = site
         sites.append(site)
@@ -174,8 +181,9 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     key = (owner, call, "grouped_linear")
     name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
     functional_index[key] += 1
-    experts, k, n = (_static(d) for d in vb.shape)
-    site = GemmSite(GROUPED, "grouped_linear", name, call, False, (1, _static(va.shape[0]), k), (experts, n, k))
+    experts, k, n = vb.shape
+    x_sizes, w_sizes = (1, va.shape[0], k), (experts, n, k)
+    site = GemmSite(GROUPED, "grouped_linear", name, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
     node.meta["graphquant_site"] = site
     sites.append(site)
 
@@ -209,21 +217,13 @@ def _value(node: object) -> Optional[torch.Tensor]:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def _static(size: object) -> Optional[int]:
-    return size if isinstance(size, int) else None
-
-
-def _prod(sizes: Sequence[object]) -> Optional[int]:
-    total = 1
-    for size in sizes:
-        if not isinstance(size, int):
-            return None
-        total *= size
-    return total
+def _static_shape(sizes: Sequence[object]) -> tuple[Optional[int], ...]:
+    """``sizes`` with each symbolic one (a torch.SymInt) as None."""
+    return tuple(size if isinstance(size, int) else None for size in sizes)
 
 
 def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: bool):
-    """(x_shape, w_shape, batched) for y = x @ w^T, or the reason the product is not quantized."""
+    """(x_sizes, w_sizes, batched) for y = x @ w^T, or the reason the product is not quantized."""
     va, vb = _value(a), _value(b)
     if va is None or vb is None:
         return "operand shapes unknown"
@@ -241,12 +241,11 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
     k = va.shape[-1]
     if vb.dim() == 2:
         n = vb.shape[-1] if w_is_transposed else vb.shape[0]
-        return (1, _static(_prod(va.shape[:-1])), _static(k)), (1, _static(n), _static(k)), False
+        return (1, math.prod(va.shape[:-1]), k), (1, n, k), False
     if tuple(va.shape[:-2]) != tuple(vb.shape[:-2]):
         return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast"
-    batch = _static(_prod(va.shape[:-2]))
-    n = vb.shape[-1]
-    return (batch, _static(va.shape[-2]), _static(k)), (batch, _static(n), _static(k)), True
+    batch = math.prod(va.shape[:-2])
+    return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True
 
 
 # The compiled root: L['self'], L['fn'], or L['args'][0] where a decorator wraps forward(*args)

@@ -6,6 +6,7 @@ time limit); one spawn runs every distributed scenario and saves each rank's res
 tests below check them against single-process runs.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import graphquant
 from graphquant import factories, recipes
-from graphquant.formats import fp8
+from graphquant.formats import fp8, nvfp4
 from graphquant.ops import gemm_site
 
 import models
@@ -155,6 +156,14 @@ def reducing_current_factory(role):
     return graphquant.Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if factories.is_gradient(role) else "e4m3", with_amax_reduction=True)
 
 
+def reducing_nvfp4_factory(role):
+    """NVFP4 as its recipe sets it (2-D weights; RHT on the columnwise side of input and
+    grad_output), with every global amax all-reduced."""
+    if factories.is_weight(role):
+        return graphquant.NVFP4Quantizer(with_2d_quantization=True, with_amax_reduction=True)
+    return graphquant.NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_amax_reduction=True)
+
+
 def distributed_worker(rank, port, out, delayed_recipe):
     """Every distributed scenario on one rank; results go to out/rank<rank>.pt.
 
@@ -204,6 +213,29 @@ def distributed_worker(rank, port, out, delayed_recipe):
         for backend in ("aot_eager", "inductor") if group is not None else ("aot_eager",):
             torch._dynamo.reset()
             results[f"{backend}_{tag}"] = graphquant.compile(identity_linear(), recipe, backend=backend)(x_amax).detach()
+
+    # NVFP4 with its global amaxes all-reduced over the recipe's group (the same inputs): a training
+    # step eagerly, where gemm_site.recording sees each GEMM operand's amax, then in aot_eager and
+    # Inductor graphs.
+    nvfp4_recipe = graphquant.CustomRecipe(reducing_nvfp4_factory, amax_reduction_group=dist.group.WORLD)
+    amaxes = {}
+    record = lambda site, gemm, a, a_op, b, b_op, y: amaxes.update({gemm: (a_op.tensors[2].clone(), b_op.tensors[2].clone())})  # noqa: E731
+    for name, backend in (("eager", graphquant.explainer.run_eagerly), ("aot_eager", "aot_eager"), ("inductor", "inductor")):
+        torch._dynamo.reset()
+        x = x_amax.clone().requires_grad_()
+        with gemm_site.recording(record) if name == "eager" else contextlib.nullcontext():
+            y = graphquant.compile(identity_linear(), nvfp4_recipe, backend=backend)(x)
+            y.square().sum().backward()
+        results[f"nvfp4_{name}"] = (y.detach(), x.grad)
+    results["nvfp4_amaxes"] = amaxes
+    # A weight that differs between ranks (rank 1's is 100x rank 0's): inference, which keeps each
+    # weight's quantized copy across calls, must encode it with the all-reduced amax as training does.
+    for mode in ("training", "inference"):
+        torch._dynamo.reset()
+        linear = identity_linear()
+        with torch.no_grad():
+            linear.weight.mul_(1 + 99 * rank)
+        results[f"nvfp4_{mode}_weight"] = graphquant.compile(linear, nvfp4_recipe, backend="aot_eager", mode=mode)(x_amax).detach()
 
     # Delayed scaling: after two steps each slot's scale and amax history, with and without a group.
     for group in (dist.group.WORLD, None):
@@ -285,6 +317,39 @@ def test_current_scaling_reduces_the_amax_over_the_recipes_group(distributed):
             torch.testing.assert_close(results[f"{backend}_reduced"], reduced, **tolerance, msg=f"rank {rank} {backend}")
         torch.testing.assert_close(results["aot_eager_local"], local, **tolerance)
     assert not torch.allclose(distributed[0]["aot_eager_reduced"], distributed[0]["aot_eager_local"])
+
+
+def test_nvfp4_reduces_its_global_amaxes_over_the_recipes_group(distributed):
+    """NVFP4 with_amax_reduction and a group: in each GEMM of a training step both ranks encode each
+    operand with one global amax, the larger of theirs (fprop's input: max |x| over both ranks;
+    wgrad's, columnwise: max |H x^T| over both, after the Hadamard transform); aot_eager and
+    Inductor graphs quantize with it too."""
+    xs = [r["x_amax"] for r in distributed]
+    amaxes = [r["nvfp4_amaxes"] for r in distributed]
+    assert amaxes[0].keys() == {"fprop", "dgrad", "wgrad"}
+    for gemm, operands in amaxes[0].items():
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(operands, amaxes[1][gemm])), gemm
+    global_amax = torch.stack([x.abs().amax() for x in xs]).amax()
+    assert torch.equal(amaxes[0]["fprop"][0], global_amax)
+    after_rht = [nvfp4.hadamard_transform(x.t(), random_sign_mask=True).abs().amax() for x in xs]
+    assert torch.equal(amaxes[0]["wgrad"][1], torch.stack(after_rht).amax())
+    for rank, results in enumerate(distributed):
+        x = results["x_amax"]
+        # identity_linear's weight is exact in NVFP4 too, so y shows the input's quantization.
+        expected_y = nvfp4.dequantize(*nvfp4.quantize(x, tile_rows=1, row_scaled=False, rng=None, amax=global_amax))
+        _, eager_dx = results["nvfp4_eager"]
+        for backend in ("eager", "aot_eager", "inductor"):
+            y, dx = results[f"nvfp4_{backend}"]
+            torch.testing.assert_close(y, expected_y, rtol=1e-6, atol=0, msg=f"rank {rank} {backend}")
+            torch.testing.assert_close(dx, eager_dx, rtol=1e-6, atol=1e-6 * eager_dx.abs().max().item(), msg=f"rank {rank} {backend}")
+
+
+def test_nvfp4_inference_reduces_the_weight_amax_as_training_does(distributed):
+    """Inference does not keep a reducing weight's quantized copy outside the graph: made there, its
+    amax would be this rank's alone (rank 0's identity weight quantizes to exact ones, not to the
+    coarser values of the larger amax that training encodes it with)."""
+    for rank, results in enumerate(distributed):
+        assert torch.equal(results["nvfp4_inference_weight"], results["nvfp4_training_weight"]), f"rank {rank}"
 
 
 def test_delayed_scaling_reduces_the_amax_over_the_recipes_group(distributed):

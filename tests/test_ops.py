@@ -6,6 +6,8 @@ import torch
 import graphquant  # noqa: F401  (registers the ops)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphquant import distributed, kernels
+from graphquant.formats import nvfp4
 from graphquant.ops import gemm_site
 from graphquant.ops.gemm_site import SlotState, _quantize_direction
 from graphquant.quantizers import (
@@ -42,6 +44,48 @@ def test_quantize_op(quantizer, rowwise, columnwise, dbias, device):
     assert len(out) == 3 * (rowwise + columnwise) + dbias
     if dbias:
         assert torch.equal(out[-1], x.float().sum(0).to(x.dtype))
+
+
+class _NoKernels:
+    """An extension that takes CPU tensors and must not be asked to quantize."""
+
+    emulated = True
+
+    def quantize(self, *args):
+        raise AssertionError("a kernel quantized a tensor whose amax must be all-reduced first")
+
+
+@pytest.mark.parametrize(
+    "quantizer",
+    [
+        NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_amax_reduction=True),
+        HybridQuantizer(Float8CurrentScalingQuantizer(with_amax_reduction=True), MXFP8Quantizer()),
+    ],
+    ids=str,
+)
+def test_quantize_op_all_reduces_the_amax_of_formats_that_ask(quantizer, monkeypatch):
+    """Given a process group, graphquant::quantize all-reduces each reducing direction's amax and
+    encodes with the result, never through a kernel (they encode with the amax they take of x in
+    the same pass); the all-reduce is faked as another rank having seen 4x larger values."""
+    groups = []
+
+    def all_reduce_amax(amax, group):
+        groups.append(group)
+        return amax * 4
+
+    monkeypatch.setattr(distributed, "all_reduce_amax", all_reduce_amax)
+    monkeypatch.setattr(kernels, "native", lambda: _NoKernels())
+    x = torch.randn(64, 96)
+    out = torch.ops.graphquant.quantize(x, quantizer.spec, True, True, None, None, 0, False, "world")
+    assert groups and set(groups) == {"world"}
+    expected = quantizer(x, ctx=QuantizeContext(amax_group="world"))
+    for made, rep in zip((out[:3], out[3:]), (expected.rowwise, expected.columnwise)):
+        assert all(torch.equal(_bits(m), _bits(e)) for m, e in zip(made, rep.tensors())), rep.direction
+    rowwise_amax = x.abs().amax()
+    assert torch.equal(out[2], 4 * rowwise_amax)  # the rowwise direction encoded with the reduced amax
+    if isinstance(quantizer, NVFP4Quantizer):
+        after_rht = nvfp4.hadamard_transform(x.t(), random_sign_mask=True).abs().amax()
+        assert torch.equal(out[5], 4 * after_rht)
 
 
 def test_quantize_op_with_delayed_scale():

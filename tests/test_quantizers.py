@@ -149,6 +149,8 @@ def test_quantizers_reject_what_no_format_encodes():
         MXFP8Quantizer()(torch.ones(32, 48), columnwise=False)
     with pytest.raises(ValueError, match="fp8_dtype must be one of"):
         MXFP8Quantizer("e3m4")
+    with pytest.raises(ValueError, match="row_scaled_nvfp4 gives each row .* no global amax to all-reduce"):
+        NVFP4Quantizer(row_scaled_nvfp4=True, with_amax_reduction=True)
 
 
 def test_factory_answers_are_checked_and_name_the_role():

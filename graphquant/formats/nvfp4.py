@@ -163,14 +163,24 @@ def _tile_amax(absx: torch.Tensor, tile_rows: int) -> torch.Tensor:
     return tiles.repeat_interleave(BLOCK_LEN, dim=0)[:rows]
 
 
+def global_amax(x: torch.Tensor, *, row_scaled: bool = False) -> torch.Tensor:
+    """max |x| in fp32: 0-dim, or (R,) one per row when row_scaled."""
+    absx = x.float().abs()
+    return absx.amax(1) if row_scaled else absx.amax()
+
+
 def quantize(
     x: torch.Tensor,
     *,
     tile_rows: int,
     row_scaled: bool,
     rng: Optional[tuple[int, int, int]],
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode a 2-D tensor with 1x16 blocks along C (or 16x16 tiles when tile_rows=16).
+
+    amax: the global amax to encode with (fp32, shaped as ``global_amax`` gives it), where it is
+    not x's own: all-reduced over processes, it is at least x's, so the scales stay in range.
 
     Returns (packed uint8 (R, C/2), scales float8_e4m3fn (R, C/16), global amax float32: 0-dim,
     or (R,) when row_scaled). Exactly TE's order (spec section 11), all fp32:
@@ -186,7 +196,7 @@ def quantize(
     rows, cols = xf.shape
     absx = xf.abs()
     vec_max = _tile_amax(absx, tile_rows)
-    amax = absx.amax(1) if row_scaled else absx.amax()
+    amax = global_amax(xf, row_scaled=row_scaled) if amax is None else amax
     s_enc = torch.minimum(torch.div(_const(E4M3_MAX * E2M1_MAX, amax), amax), _const(FLT_MAX, amax))
     s_enc = torch.where((s_enc == 0) | (amax == 0), _const(1.0, amax), s_enc)
     s_dec = torch.div(_const(1.0, s_enc), s_enc)

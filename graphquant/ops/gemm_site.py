@@ -135,12 +135,14 @@ def _quantize_op(
 
     Only a quantizer that draws random numbers gets the slot's stream: the calls of slots that
     quantize one tensor alike (q, k and v of one input) are then equal, and the graph keeps one.
+    Only one that reduces its amax gets the process group.
     """
     shape = (x.shape[0], x.shape[1])
     rowwise, columnwise = ROWWISE in directions, COLUMNWISE in directions
     rng, stream = (state.rng, state.stream) if quantizer.stochastic else (None, 0)
+    amax_group = state.amax_group if quantizer.reduces_amax else None
     tensors = torch.ops.graphquant.quantize(
-        x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), rng, stream, dbias
+        x, quantizer.spec, rowwise, columnwise, _delayed_scale(quantizer, state), rng, stream, dbias, amax_group
     )
     made = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]  # the op's order
     operands = {d: Operand(list(tensors[3 * i : 3 * i + 3]), quantizer.child(d).spec, d, shape) for i, d in enumerate(made)}

@@ -49,7 +49,7 @@ def unsupported(quantizer: Quantizer) -> Optional[str]:
     """Why ``quantizer`` cannot quantize a grouped_linear slot yet, or None if it can."""
     children = (quantizer.rowwise_quantizer, quantizer.columnwise_quantizer) if isinstance(quantizer, HybridQuantizer) else (quantizer,)
     for child in children:
-        if getattr(child, "with_amax_reduction", False):
+        if child.reduces_amax:
             return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
         if not isinstance(child, SUPPORTED):
             names = ", ".join(t.__name__ for t in SUPPORTED)

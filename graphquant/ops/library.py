@@ -28,10 +28,12 @@ def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape:
     return quantizer_of(spec).stored_representation(direction, (shape[0], shape[1]), dtype, tensors)
 
 
-def _context(scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream: int) -> QuantizeContext:
+def _context(
+    scale: Optional[torch.Tensor], rng: Optional[torch.Tensor], stream: int, amax_group: Optional[str]
+) -> QuantizeContext:
     """The context of stream ``stream`` of the step that ``rng`` (int64 [seed, step]) holds; the
     kernels read rng on the device, so the hot path never waits for it."""
-    return QuantizeContext(scale=scale, rng=rng, offset=stream)
+    return QuantizeContext(scale=scale, rng=rng, offset=stream, amax_group=amax_group)
 
 
 @registry.op("quantize")
@@ -44,6 +46,7 @@ def quantize(
     rng: Optional[torch.Tensor],
     rng_stream: int,
     dbias: bool = False,
+    amax_group: Optional[str] = None,
 ) -> list[torch.Tensor]:
     """``x`` (2-D) in the format ``spec``, in one pass over x where a kernel makes it all:
     [data, scale, amax] of the rowwise representation if wanted, then of the columnwise one (a
@@ -52,10 +55,11 @@ def quantize(
 
     scale: the slot's current scale (delayed scaling). rng: int64 [seed, step] and rng_stream
     pick the stochastic-rounding stream, so every step and slot draws its own numbers.
+    amax_group: the process group over which a format that asks for it (with_amax_reduction)
+    all-reduces its amax, inside this op (graphquant.distributed).
     """
-    made = kernels.quantize_pass(
-        quantizer_of(spec), x, _context(scale, rng, rng_stream), rowwise=rowwise, columnwise=columnwise, dbias=dbias
-    )
+    ctx = _context(scale, rng, rng_stream, amax_group)
+    made = kernels.quantize_pass(quantizer_of(spec), x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
     return _distinct_contiguous(tensors + ([made.dbias] if dbias else []), x)
 
@@ -74,7 +78,7 @@ def _distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[t
 
 
 @registry.fake("quantize")
-def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False):
+def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False, amax_group=None):
     quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
     directions = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]
     tensors = [t for d in directions for t in kernels.reference_quantize(quantizer, x, d, ctx).tensors()]

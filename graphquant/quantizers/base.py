@@ -61,6 +61,15 @@ class QuantizeContext:
         seed, step = self.rng.tolist()
         return int(seed), int(step) * STREAMS_PER_STEP + self.offset
 
+    def reduced_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """``amax``, all-reduced (MAX) over ``amax_group`` where there is one, so that every rank
+        encodes with the same scale."""
+        if self.amax_group is None:
+            return amax
+        from graphquant.distributed import all_reduce_amax
+
+        return all_reduce_amax(amax, self.amax_group)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Representation:
@@ -166,6 +175,8 @@ class Quantizer:
     requantization_safe: ClassVar[bool] = True
     # True when quantizing draws random numbers (stochastic rounding), so a call needs its stream.
     stochastic: ClassVar[bool] = False
+    # True when quantizing all-reduces its amax over QuantizeContext.amax_group (with_amax_reduction).
+    reduces_amax: ClassVar[bool] = False
     # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours
     # without changing a bit (exact ops only; divisions isolated in custom ops).
     traceable: ClassVar[bool] = False

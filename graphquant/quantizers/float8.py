@@ -61,15 +61,15 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def __post_init__(self) -> None:
         check_fp8_dtype(self, self.fp8_dtype)
 
+    @property
+    def reduces_amax(self) -> bool:  # type: ignore[override]
+        return self.with_amax_reduction
+
     def amax(self, x: torch.Tensor, ctx: Optional[QuantizeContext] = None) -> torch.Tensor:
         """This tensor's amax, the MAX over ``ctx.amax_group`` with with_amax_reduction (every rank
         then gets the same scale)."""
         amax = fp8.tensor_amax(x)
-        if self.with_amax_reduction and ctx is not None and ctx.amax_group is not None:
-            from graphquant.distributed import all_reduce_amax
-
-            amax = all_reduce_amax(amax, ctx.amax_group)
-        return amax
+        return ctx.reduced_amax(amax) if self.with_amax_reduction and ctx is not None else amax
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self.quantize_from_amax(x, self.amax(x, ctx), ROWWISE)

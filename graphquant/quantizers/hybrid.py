@@ -71,6 +71,10 @@ class HybridQuantizer(Quantizer):
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.rowwise_quantizer.stochastic or self.columnwise_quantizer.stochastic
 
+    @property
+    def reduces_amax(self) -> bool:  # type: ignore[override]
+        return self.rowwise_quantizer.reduces_amax or self.columnwise_quantizer.reduces_amax
+
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
 

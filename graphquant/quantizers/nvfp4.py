@@ -24,6 +24,8 @@ class NVFP4Quantizer(Quantizer):
     stochastic_rounding: round to one of the two neighbouring E2M1 values with probability given
         by proximity, from a counter-based stream (seed, offset), so runs are reproducible.
     row_scaled_nvfp4: one global amax per row on the rowwise side (for forward activations).
+    with_amax_reduction: each direction's global amax is all-reduced (MAX) over the recipe's
+        process group (CustomRecipe.amax_reduction_group) before the scales are made from it.
     Columnwise data is stored transposed and packed: [cols, rows / 2].
     """
 
@@ -43,6 +45,12 @@ class NVFP4Quantizer(Quantizer):
                 f"{self}: with_post_rht_amax must equal with_rht (the columnwise global amax is taken "
                 "after the Hadamard transform exactly when there is one)"
             )
+        if self.row_scaled_nvfp4 and self.with_amax_reduction:
+            raise ValueError(
+                f"{self}: row_scaled_nvfp4 gives each row (token) an amax of its own, and rows on different ranks "
+                "are different tokens, so there is no global amax to all-reduce; drop with_amax_reduction, or use a "
+                "HybridQuantizer whose rowwise child is row-scaled and whose columnwise child reduces its amax"
+            )
 
     @property
     def requantization_safe(self) -> bool:  # type: ignore[override]
@@ -51,6 +59,10 @@ class NVFP4Quantizer(Quantizer):
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.stochastic_rounding
+
+    @property
+    def reduces_amax(self) -> bool:  # type: ignore[override]
+        return self.with_amax_reduction
 
     def block(self, direction: str) -> tuple[int, int]:
         if self.with_2d_quantization:
@@ -79,6 +91,7 @@ class NVFP4Quantizer(Quantizer):
             tile_rows=BLOCK_LEN if self.with_2d_quantization else 1,
             row_scaled=self.row_scaled_nvfp4 and not columnwise,
             rng=(*ctx.random_stream(), int(columnwise)) if self.stochastic_rounding else None,
+            amax=ctx.reduced_amax(nvfp4.global_amax(source)) if self.with_amax_reduction else None,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale, amax)
 
