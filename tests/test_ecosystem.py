@@ -228,8 +228,8 @@ def distributed_worker(rank, port, out, delayed_recipe):
             y.square().sum().backward()
         results[f"nvfp4_{name}"] = (y.detach(), x.grad)
     results["nvfp4_amaxes"] = amaxes
-    # A weight that differs between ranks (rank 1's is 100x rank 0's): inference, which keeps each
-    # weight's quantized copy across calls, must encode it with the all-reduced amax as training does.
+    # A weight that differs between ranks (rank 1's is 100x rank 0's): inference must encode it with
+    # the all-reduced amax as training does.
     for mode in ("training", "inference"):
         torch._dynamo.reset()
         linear = identity_linear()
