@@ -149,7 +149,7 @@ def _live_cpu_tensor_bytes():
     for obj in gc.get_objects():
         if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
             storage = obj.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
