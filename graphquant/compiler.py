@@ -14,15 +14,9 @@ from torch import fx
 
 from graphquant.passes.find_gemms import find_gemms, parameter_path
 from graphquant import distributed
-from graphquant.ops import gemm_site
-from graphquant.passes.rewrite import WeightKey, rewrite
+from graphquant.passes.rewrite import rewrite
 from graphquant.plan import Plan, PlanError, Planner
-from graphquant.quantizers import (
-    ROWWISE,
-    Float8DelayedScalingQuantizer,
-    IdentityQuantizer,
-    Quantizer,
-)
+from graphquant.quantizers import Float8DelayedScalingQuantizer
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
@@ -68,7 +62,6 @@ class GraphquantBackend:
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
-        self.weight_cache = WeightCache()
 
     @property
     def plan(self) -> Plan:
@@ -154,38 +147,27 @@ class GraphquantBackend:
         self.plans.append(plan)
         if not sites:
             warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
-        placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-        amax_group = distributed.group_name(self.planner.recipe.amax_reduction_group)
-
-        def cache_weight(role: QuantizerRole) -> bool:
-            """Whether inference keeps the weight's rowwise copy, made outside the graph, across calls:
-            not one that follows a delayed scale, one that is the weight itself (Identity), or one
-            whose amax is all-reduced (each rank's weight can differ: tensor-parallel shards)."""
-            quantizer = plan.quantizer(role)
-            reduced = amax_group is not None and quantizer.reduces_amax
-            return not (training or self._delayed(plan, role) or _is_identity_rowwise(quantizer) or reduced)
-
         keys = rewrite(
             gm,
             plan,
             lambda role: self._delayed(plan, role),
             needs_rng=self._needs_rng(plan),
-            cache_weight=cache_weight,
-            amax_group=amax_group,
+            inference=not training,
+            amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
         )
-        providers = [self._provider(key, plan, device, placeholders) for key in keys]
+        providers = [self._provider(key, plan, device) for key in keys]
         if self.dump_dir:
             from graphquant.dump import dump_graph
 
             dump_graph(self.dump_dir, captured, gm, plan)
-        compiled = self._inner()(gm, [*example_inputs, *(p(example_inputs) for p in providers)])
+        compiled = self._inner()(gm, [*example_inputs, *(p() for p in providers)])
         stochastic = "rng" in keys
 
         def run(*args: Any) -> Any:
             if stochastic:  # a new tensor, not an in-place step: a pending backward keeps its own
                 with torch.no_grad():
                     self.rng = self.rng + self.rng_step
-            return compiled(*args, *(p(args) for p in providers))
+            return compiled(*args, *(p() for p in providers))
 
         return run
 
@@ -239,22 +221,19 @@ class GraphquantBackend:
     def _needs_rng(plan: Plan) -> bool:
         return any(q.stochastic for _, q in plan.slots)
 
-    def _provider(self, key: object, plan: Plan, device: torch.device, placeholders: list[str]) -> Callable:
-        """How the compiled wrapper obtains the extra argument ``key`` from a call's arguments."""
-        if isinstance(key, WeightKey):
-            index = placeholders.index(key.placeholder)
-            return lambda args: self.weight_cache.get(args[index], key.spec)[key.part]
+    def _provider(self, key: object, plan: Plan, device: torch.device) -> Callable[[], torch.Tensor]:
+        """How the compiled wrapper obtains the extra argument ``key`` at each call."""
         if key == "rng":
             if self.rng is None:
                 self.rng = self._initial(key, torch.tensor([self.seed, 0], dtype=torch.int64, device=device))
                 self.rng_step = torch.tensor([0, 1], dtype=torch.int64, device=device)  # made once: no copy per call
-            return lambda args: self.rng
+            return lambda: self.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
             scale, history = plan.quantizer(role).initial_state(device)
             self.delayed_state[role] = self._initial(key, torch.cat([scale, history]))
         state = self.delayed_state[role]
-        return lambda args: state
+        return lambda: state
 
     def _initial(self, key: str, fresh: torch.Tensor) -> torch.Tensor:
         """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
@@ -267,33 +246,6 @@ def _raising(error: Exception) -> Callable:
         raise error.with_traceback(None)
 
     return run
-
-
-def _is_identity_rowwise(quantizer: Quantizer) -> bool:
-    return isinstance(quantizer.child(ROWWISE), IdentityQuantizer)
-
-
-class WeightCache:
-    """Rowwise representations of weights for inference, remade only when a weight changes.
-
-    A weight's version counter moves on every in-place update (an optimizer step, load_state_dict),
-    so (identity, data pointer, version, spec) names one quantization of one weight value.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, str], tuple[tuple[int, int], list[torch.Tensor]]] = {}
-        self.quantizations = 0
-
-    def get(self, weight: torch.Tensor, spec: str) -> list[torch.Tensor]:
-        key = (id(weight), spec)
-        version = (weight.data_ptr(), weight._version)
-        entry = self._entries.get(key)
-        if entry is None or entry[0] != version:
-            with torch.no_grad():
-                entry = (version, gemm_site.quantize_weight_rowwise(weight, spec))
-            self._entries[key] = entry
-            self.quantizations += 1
-        return entry[1]
 
 
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:

@@ -5,16 +5,14 @@ Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site (gr
 for torch._grouped_mm) whose keyword
 arguments name the site and spell out the format of input, weight/other and grad_output; slot
 state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
-of the returned keys. With ``cache_weights`` (inference), a linear whose weight is a graph input
-takes the weight's rowwise representation as three more placeholders, keyed
-``WeightKey(placeholder name, weight spec, part)``, so the caller can make it once per weight
-version. Nothing else in the graph changes.
+of the returned keys. In an inference graph, each linear runs the inference formula (fprop alone,
+its weight quantized from its current value on every call). Nothing else in the graph changes.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 from torch import fx
 
@@ -23,14 +21,6 @@ from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_
 from graphquant.plan import Plan, PlanError
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.roles import QuantizerRole
-
-class WeightKey(NamedTuple):
-    """An extra placeholder holding part ``part`` (data, scale, amax) of a cached weight."""
-
-    placeholder: str
-    spec: str
-    part: int
-
 
 _TARGETS = {
     LINEAR: gemm_site.quantized_linear,
@@ -45,15 +35,16 @@ def rewrite(
     plan: Plan,
     needs_delayed_state: Callable[[QuantizerRole], bool],
     needs_rng: bool,
-    cache_weight: Callable[[QuantizerRole], bool] = lambda role: False,
+    inference: bool = False,
     amax_group: Optional[str] = None,
 ) -> list[object]:
-    """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng", the str
-    of a delayed-scaling role, or a WeightKey.
+    """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng" or the str
+    of a delayed-scaling role.
 
-    Sites inside a body (find_gemms.body_of: activation checkpointing) are rewritten in the body;
-    the state they need enters the body as extra arguments of the higher-order op, and their
-    weights are quantized in the body, never cached. ``amax_group``, where given, names the process
+    ``inference``: the graph never runs backward (torch.no_grad or mode="inference"). Sites inside
+    a body (find_gemms.body_of: activation checkpointing) are rewritten in the body, with the
+    training formula; the state they need enters the body as extra arguments of the higher-order
+    op. ``amax_group``, where given, names the process
     group of amax reductions (graphquant.distributed) in every call.
     """
     graph = gm.graph
@@ -70,18 +61,18 @@ def rewrite(
             extra[key] = last_placeholder = node
         return extra[key]
 
-    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, cache_weight, itertools.count(), amax_group)
+    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, inference, itertools.count(), amax_group)
     return list(extra)
 
 
-def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight, counter, amax_group) -> None:
+def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group) -> None:
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
     for node in list(graph.nodes):
         body = body_of(gm, node)
         if body is not None:
             body_state = _body_state(body, node, state)
-            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, lambda role: False, counter, amax_group)
+            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, False, counter, amax_group)
             continue
         if "graphquant_site" not in node.meta:
             continue
@@ -103,9 +94,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, cache_weight
         if plan.fast_accumulation != DEFAULT_FAST_ACCUMULATION:
             kwargs["fast_accumulation"] = plan.fast_accumulation
         args, form_kwargs = _arguments(node, site)
-        weight = args[1] if site.form == LINEAR else None
-        if isinstance(weight, fx.Node) and weight.op == "placeholder" and cache_weight(roles[1]):
-            kwargs["weight_rowwise"] = tuple(state(WeightKey(weight.name, formats["weight"], i)) for i in range(3))
+        if inference and site.form == LINEAR:
+            kwargs["inference"] = True
         with graph.inserting_before(node):
             replacement = graph.call_function(
                 _TARGETS.get(site.form, gemm_site.quantized_matmul), args, {**form_kwargs, **kwargs}

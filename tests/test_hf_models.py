@@ -149,8 +149,8 @@ def test_mixtral_router_stays_high_precision_and_experts_are_not_sites():
 
 def test_llama_generates_under_inference_mode():
     """generate() with the compiled forward under torch.inference_mode: every plan is an
-    inference plan (fprop only, quantized), each weight is quantized once for all decode steps
-    (the inference weight cache), and the first step's scores are the eager reference's logits."""
+    inference plan (fprop only, quantized), and the first step's scores are the eager reference's
+    logits."""
     torch.manual_seed(0)
     model = llama().eval()
     ref_model = copy.deepcopy(model)
@@ -167,6 +167,4 @@ def test_llama_generates_under_inference_mode():
     for plan in backend.plans:
         assert {g.gemm for g in plan.gemms} == {"fprop"}
         assert all(g.a_format == "mxfp8(fp8_dtype=e4m3)" for g in plan.gemms)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert backend.weight_cache.quantizations == linears
     torch.testing.assert_close(out.scores[0], expected, rtol=0, atol=1e-5 * expected.abs().max().item())

@@ -367,43 +367,46 @@ def quantized_linear(
     states=(None, None, None),
     rng=None,
     streams=(0, 1, 2),
-    weight_rowwise=None,
+    inference=False,
     amax_group=None,
     fast_accumulation=DEFAULT_FAST_ACCUMULATION,
 ):
     """F.linear(x, w, bias) with input, weight and grad_output in the formats named.
 
-    weight_rowwise: the weight's rowwise representation, already made (inference keeps one per
-    weight version); then no autograd formula is needed and the weight is not quantized here.
+    inference: the graph never runs backward, so no autograd formula is needed (``_inference_product``).
     fast_accumulation: the GEMMs that may sum in the tensor cores' accumulator (the recipe's).
     """
     x2d = x.reshape(-1, x.shape[-1])
-    if weight_rowwise is None:
+    if inference:
+        y = _inference_product(
+            x2d, w, bias, input=input, weight=weight, states=states, rng=rng, streams=streams, amax_group=amax_group,
+            fast="fprop" in fast_accumulation,
+        )
+    else:
         y = _product(
             x2d, w, 1, name=name, call=call, input=input, weight=weight, grad_output=grad_output, states=states, rng=rng,
             streams=streams, amax_group=amax_group, bias=bias, fast_accumulation=fast_accumulation, w_is_parameter=True,
         )
-    else:
-        state = SlotState(states[0], rng, streams[0], amax_group)
-        fast = "fprop" in fast_accumulation
-        y = _inference_product(x2d, w, weight_rowwise, bias, input=input, weight=weight, state=state, fast=fast)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _inference_product(x2d, w, weight_rowwise, bias, *, input, weight, state, fast):
-    x_quantizer = quantizer_of(input)
-    x2d = x2d.detach()  # inference: nothing flows back through this product, even with grad enabled
-    xq, _ = quantize_tensor(x2d, x_quantizer, (ROWWISE,), state)
-    update_delayed_scaling(x_quantizer, state, xq)
-    w_operand = Operand(list(weight_rowwise), quantizer_of(weight).child(ROWWISE).spec, ROWWISE, (w.shape[0], w.shape[1]))
+def _inference_product(x2d, w, bias, *, input, weight, states, rng, streams, amax_group, fast):
+    """fprop alone, nothing kept for a backward: x and w quantized rowwise only.
+
+    The weight is quantized from its value at this call, never kept from an earlier one: PyTorch
+    has no cheap sign that a tensor's memory was written (writes through ``.data`` move no version
+    counter; fused and foreach optimizer steps on CUDA move neither the version counter nor a
+    copy-on-write mark), so a kept copy could outlive the values it was made from.
+    """
+    x_quantizer, w_quantizer = quantizer_of(input), quantizer_of(weight)
+    x_state = SlotState(states[0], rng, streams[0], amax_group)
+    w_state = SlotState(states[1], rng, streams[1], amax_group)
+    xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
+    wq = quantize_weight(w.detach(), w_quantizer, (ROWWISE,), w_state)
+    update_delayed_scaling(x_quantizer, x_state, xq)
+    update_delayed_scaling(w_quantizer, w_state, wq)
     bias = None if bias is None else bias.detach()
-    return _gemm(xq[ROWWISE], w_operand, 1, torch.promote_types(x2d.dtype, w.dtype), bias, fast)
-
-
-def quantize_weight_rowwise(w: torch.Tensor, weight: str) -> list[torch.Tensor]:
-    """A weight's rowwise representation, made outside any graph (for the inference cache)."""
-    quantizer = quantizer_of(weight).child(ROWWISE)
-    return _quantize_direction(w.detach(), quantizer, ROWWISE, SlotState(None, None, 0)).tensors
+    return _gemm(xq[ROWWISE], wq[ROWWISE], 1, torch.promote_types(x2d.dtype, w.dtype), bias, fast)
 
 
 def quantized_matmul(
