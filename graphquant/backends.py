@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -51,47 +51,66 @@ class Selection:
 
 PER_TENSOR = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
 
-# Native FP8 GEMMs on Hopper and later: (backend name, test on the operand pair, dims multiple).
-_HOPPER_FP8: tuple[tuple[str, Callable[[Quantizer, str, Quantizer, str], bool], int], ...] = (
-    (
+
+class NativeGemm(NamedTuple):
+    """A native GEMM: its backend name, the operand pairs it takes, the multiple every one of m, n
+    and k must be, and the compute capabilities torch._scaled_mm runs it on."""
+
+    backend: str
+    fits: Callable[[Quantizer, str, Quantizer, str], bool]
+    multiple: int
+    runs_on: Callable[[tuple[int, int]], bool]
+
+
+# torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on; DeepSeek-style block scales
+# on sm90 alone; the block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
+NATIVE_GEMMS = (
+    NativeGemm(
         scaled_mm.TENSORWISE,
         lambda a, da, b, db: isinstance(a, PER_TENSOR)
         and isinstance(b, PER_TENSOR)
         and not (a.fp8_dtype == b.fp8_dtype == "e5m2"),
         16,
+        lambda sm: sm >= (9, 0),
     ),
-    (
+    NativeGemm(
         scaled_mm.ROWWISE_SCALED,
         lambda a, da, b, db: isinstance(a, Float8RowwiseQuantizer)
         and isinstance(b, Float8RowwiseQuantizer)
         and a.fp8_dtype == b.fp8_dtype == "e4m3",
         16,
+        lambda sm: sm >= (9, 0),
     ),
-    (
+    NativeGemm(
         scaled_mm.BLOCKWISE,
         lambda a, da, b, db: isinstance(a, Float8BlockQuantizer)
         and isinstance(b, Float8BlockQuantizer)
         and a.block_scaling_dim == 1
         and a.fp8_dtype == b.fp8_dtype == "e4m3",
         128,
+        lambda sm: sm[0] == 9,
     ),
-)
-
-_BLACKWELL_BLOCK_SCALED = (
-    (
+    NativeGemm(
         scaled_mm.MXFP8,
         lambda a, da, b, db: isinstance(a, MXFP8Quantizer) and isinstance(b, MXFP8Quantizer) and a.fp8_dtype == b.fp8_dtype == "e4m3",
         128,
+        lambda sm: sm >= (10, 0),
     ),
-    (
+    NativeGemm(
         scaled_mm.NVFP4,
         lambda a, da, b, db: isinstance(a, NVFP4Quantizer)
         and isinstance(b, NVFP4Quantizer)
         and not (a.row_scaled_nvfp4 and da == ROWWISE)
         and not (b.row_scaled_nvfp4 and db == ROWWISE),
         128,
+        lambda sm: sm >= (10, 0),
     ),
 )
+
+
+def capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """The compute capability whose low-precision GEMMs run on ``device``; None where none do."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,13 +139,11 @@ def select(
         )
     if isinstance(a, IdentityQuantizer) and isinstance(b, IdentityQuantizer):
         return Selection(NATIVE, HIGH_PRECISION)
-    if device.type != "cuda":
+    sm = capability(device)
+    if sm is None:
         return Selection(EMULATED, EMULATION, f"no low-precision GEMM on {device.type}")
-    capability = torch.cuda.get_device_capability(device)
-    candidates = _HOPPER_FP8 if capability >= (9, 0) else ()
-    candidates += _BLACKWELL_BLOCK_SCALED if capability >= (10, 0) else ()
-    for backend, fits, multiple in candidates:
-        if fits(a, a_direction, b, b_direction):
+    for backend, fits, multiple, runs_on in NATIVE_GEMMS:
+        if runs_on(sm) and fits(a, a_direction, b, b_direction):
             if batch != 1:
                 return Selection(EMULATED, EMULATION, f"{backend} multiplies one matrix pair, not a batch of {batch}")
             if dims is not None and any(d is not None and d % multiple for d in dims):
@@ -138,7 +155,7 @@ def select(
             return Selection(NATIVE, backend)
     if type(a) is not type(b):
         return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")
-    return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{capability[0]}{capability[1]}")
+    return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
 
 
 def gemm(

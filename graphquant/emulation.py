@@ -1,7 +1,8 @@
 """Exact emulation of a low-precision GEMM: dequantize, multiply in high precision, rescale.
 
 Per-tensor and per-row factors (an FP8 tensor scale, NVFP4's global amax, per-row FP8 scales)
-are taken out of the operands and applied to the product, as the hardware GEMM applies alpha.
+are taken out of the operands, multiplied together and applied to the product once, as the
+hardware GEMM applies alpha.
 What stays in the operands (FP8 codes, MXFP8 and power-of-two-scaled values, NVFP4 q * s) is then
 exact in bfloat16, so on a GPU the product runs as a bf16 GEMM with fp32 accumulation and is
 exact up to that accumulation; scalar factors then run as that GEMM's alpha, in cuBLASLt's
@@ -109,6 +110,18 @@ def _scalar_alpha(fa: Optional[torch.Tensor], fb: Optional[torch.Tensor]) -> Opt
     if not factors or any(f.dim() for f in factors):
         return None
     return (factors[0] * factors[1] if len(factors) == 2 else factors[0]).float()
+
+
+def _joint_factor(fa, fb, a: Representation, b: Representation, batch: int) -> Optional[torch.Tensor]:
+    """A's and B's factors multiplied together (fp32), to broadcast over the (batch, m, n) product:
+    one factor applied once, as a GPU GEMM's alpha (fa * fb) is, so that no intermediate overflows
+    where the result does not (a scale near 1e33 times a product of codes would)."""
+    fa, fb = _grouped_factor(fa, a, batch), _grouped_factor(fb, b, batch)
+    if fb is not None and fb.dim():
+        fb = fb.transpose(1, 2)
+    if fa is None or fb is None:
+        return fb if fa is None else fa
+    return fa * fb
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -245,11 +258,9 @@ def _factored_product(left, fa, right, fb, a: Representation, b: Representation,
     if fa is None and fb is None and bias is None:
         return product.to(out_dtype)
     product = product.float()
-    fa, fb = _grouped_factor(fa, a, batch), _grouped_factor(fb, b, batch)
-    if fa is not None:
-        product = product * fa
-    if fb is not None:
-        product = product * (fb if fb.dim() == 0 else fb.transpose(1, 2))
+    factor = _joint_factor(fa, fb, a, b, batch)
+    if factor is not None:
+        product = product * factor
     if bias is not None:
         product = product + bias.float()
     return product.to(out_dtype)

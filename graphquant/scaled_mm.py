@@ -27,11 +27,13 @@ MXFP8 = "cublaslt mxfp8 (sm100)"
 NVFP4 = "cublaslt nvfp4 (sm100)"
 
 
-def k_last(rep: Representation) -> torch.Tensor:
-    """The stored data with the reduction dim last (rowwise as is; columnwise stored transposed)."""
-    if not rep.stored_k_last:
-        raise ValueError(f"{rep.quantizer} {rep.direction}: data is not stored with the reduction dim last")
-    return rep.data
+def k_last(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The stored data and scale with the reduction dim last: as they are where stored so
+    (rowwise data, columnwise data stored transposed), else their contiguous transposes, whose
+    blocks then lie along the rows as a rowwise representation's do."""
+    if rep.stored_k_last:
+        return rep.data, rep.scale
+    return torch.ops.graphquant.transposed(rep.data), rep.scale.t()
 
 
 def outer_major(scale: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,8 @@ def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
 def arguments(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> tuple[tuple, dict]:
     """torch._scaled_mm's (args, kwargs) for out (m, n) = A @ B^T on ``backend``: the operands,
     and the scales in the layout that scaling mode wants."""
-    data_a, data_b = k_last(a), k_last(b).t()
+    (data_a, k_scale_a), (data_b, k_scale_b) = k_last(a), k_last(b)
+    data_b = data_b.t()
     fast = backend.endswith(FAST_ACCUMULATION)
     backend = backend.removesuffix(FAST_ACCUMULATION)
     if backend == TENSORWISE:
@@ -67,8 +70,8 @@ def arguments(backend: str, a: Representation, b: Representation, out_dtype: tor
         scale_a = outer_major(a.scale)
         scale_b = b.scale.t() if b.quantizer.block_scaling_dim == 2 else b.scale.t().contiguous()
     elif backend == MXFP8:
-        scale_a = swizzled_block_scales(a.scale).view(torch.float8_e8m0fnu)
-        scale_b = swizzled_block_scales(b.scale).view(torch.float8_e8m0fnu)
+        scale_a = swizzled_block_scales(k_scale_a).view(torch.float8_e8m0fnu)
+        scale_b = swizzled_block_scales(k_scale_b).view(torch.float8_e8m0fnu)
     elif backend == NVFP4:  # the global scales are applied to the fp32 product (run)
         data_a, data_b = data_a.view(torch.float4_e2m1fn_x2), data_b.view(torch.float4_e2m1fn_x2)
         scale_a, scale_b, out_dtype = swizzled_block_scales(a.scale), swizzled_block_scales(b.scale), torch.float32

@@ -296,3 +296,22 @@ def test_inductor_matches_aot_eager_and_reference(recipe_name, model_name):
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         actual = forward_backward(inductor, inductor_model, x)
     assert_same_results(actual, eager_graph, slack=INDUCTOR_SLACK, what="inductor: ")
+
+
+def test_tensorwise_linear_of_huge_inputs_is_the_product_by_hand():
+    """Inputs near 1e36 give a finite output: the emulated GEMM multiplies the product of the FP8
+    codes by one factor, the two scales' product (fp32), as cuBLASLt's alpha does; applied one
+    after the other, the input's scale (~2e33) took the product of the codes past fp32's range.
+    The codes are multiples of 16 below 2^9, so their sums are exact in fp32 in any order."""
+    x = torch.tensor([[(i * 7 + j * 3) % 9 - 4 for j in range(32)] for i in range(4)], dtype=torch.float32) * 0.25e36
+    linear = torch.nn.Linear(32, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[(i * 5 + j) % 9 - 4 for j in range(32)] for i in range(16)]) * 2.0**-6)
+    out = graphquant.compile(linear, zoo.recipe("tensorwise"), backend="aot_eager", fullgraph=True)(x)
+
+    quantizer = zoo.tensorwise_factory(None)
+    qx, qw = (quantizer(t.detach(), columnwise=False).rowwise for t in (x, linear.weight))
+    codes = (qx.data.double() @ qw.data.double().t()).float()
+    expected = codes * (qx.scale * qw.scale)
+    assert torch.isfinite(expected).all() and expected.abs().max() > 1e35
+    assert torch.equal(out, expected)

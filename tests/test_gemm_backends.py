@@ -38,10 +38,11 @@ PAIRS = [
 LAYOUTS = [("fprop", ROWWISE, ROWWISE), ("dgrad", ROWWISE, COLUMNWISE), ("wgrad", COLUMNWISE, COLUMNWISE)]
 
 
-def _operand(quantizer, direction, rows, k, device):
-    """A representation whose GEMM operand is (rows, k): columnwise ones come from a (k, rows) source."""
+def _operand(quantizer, direction, rows, k, device, amplitude=4.0):
+    """A representation whose GEMM operand is (rows, k): columnwise ones come from a (k, rows)
+    source, of values up to about ``amplitude``."""
     source = torch.randn(rows, k) if direction == ROWWISE else torch.randn(k, rows)
-    source = (source * torch.rand(source.shape[0], 1) * 4).to(torch.bfloat16).to(device)
+    source = (source * torch.rand(source.shape[0], 1) * amplitude).to(torch.bfloat16).to(device)
     qt = quantizer(source, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE, ctx=QuantizeContext())
     return qt.get(direction)
 
@@ -145,6 +146,31 @@ def test_emulation_matches_float64_reference_on_cpu(name, qa, qb, expected, gemm
     ref = _reference(a, b)
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
+    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
+
+
+# Pairs whose per-tensor or per-row factors the emulated product takes out of the operands.
+FACTORED = [
+    ("tensorwise e4m3", Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
+    ("rowwise", Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
+    ("nvfp4", NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
+    ("nvfp4 row-scaled x nvfp4", NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer()),
+]
+
+
+@pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
+@pytest.mark.parametrize("name,qa,qb", FACTORED, ids=[p[0] for p in FACTORED])
+def test_emulated_factors_meet_before_the_product_on_cpu(name, qa, qb, gemm, da, db):
+    """A near 1e36 and B near 1e-3: A's factor (~1e33) times the product of A's and B's values
+    overflows fp32, the product times both factors does not; the emulation multiplies the two
+    factors first (as the GPU's alpha), so the result is finite and within the usual bound."""
+    torch.manual_seed(0)
+    m, n, k = 64, 96, 128
+    a, b = _operand(qa, da, m, k, "cpu", 1e36), _operand(qb, db, n, k, "cpu", 1e-3)
+    out = emulation.gemm(a, b, 1, torch.float32)[0].double()
+    ref = _reference(a, b)
+    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
+    assert torch.isfinite(out).all()
     assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
 
 

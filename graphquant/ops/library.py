@@ -87,8 +87,9 @@ def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False, amax_gr
 
 @registry.op("transposed", tags=(torch.Tag.flexible_layout,))
 def transposed(data: torch.Tensor) -> torch.Tensor:
-    """The contiguous transpose of 2-D ``data`` (the columnwise copy of a per-tensor FP8
-    representation, from its rowwise bits)."""
+    """The contiguous transpose of 2-D ``data``: the columnwise copy of a per-tensor FP8
+    representation from its rowwise bits, and MXFP8 columnwise data as torch._scaled_mm takes it
+    (graphquant.scaled_mm)."""
     return data.t().contiguous()
 
 
