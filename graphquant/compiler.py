@@ -6,17 +6,17 @@ import copy
 import functools
 import inspect
 import os
-import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import fx
+from torch._dynamo.eval_frame import OptimizedModule
 
 from graphquant.passes.find_gemms import find_gemms, parameter_path
-from graphquant import distributed
+from graphquant import distributed, user_stack
 from graphquant.ops import gemm_site
 from graphquant.passes.rewrite import WeightKey, rewrite
-from graphquant.plan import Plan, Planner
+from graphquant.plan import Plan, PlanError, Planner
 from graphquant.quantizers import (
     ROWWISE,
     Float8DelayedScalingQuantizer,
@@ -144,7 +144,14 @@ class GraphquantBackend:
         plan = self.planner.plan(sites, device, training=training, skipped=skipped)
         self.plans.append(plan)
         if not sites:
-            warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
+            user_stack.warn("graphquant found no GEMM in this graph; it runs unchanged")
+        elif self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
+            user_stack.warn(
+                "graphquant.compile(..., mode='inference') makes no backward, but this call runs with grad enabled on "
+                "tensors that require grad: no gradient flows through its GEMMs (backward() fails, or leaves their "
+                "operands without .grad). Call the model under torch.no_grad() or torch.inference_mode(), or compile "
+                "with mode=None (or 'training') to train it."
+            )
         placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         keys = rewrite(
             gm,
@@ -186,12 +193,11 @@ class GraphquantBackend:
                 return ""
             frame = absolute[: -len(relative) - 1]
             kind = type(self.root.get_submodule(frame)).__name__
-            warnings.warn(
+            user_stack.warn(
                 f"graphquant: a graph break inside {frame} ({kind}) made Dynamo compile that module's code on its "
                 f"own; its GEMM sites are named after {frame}, but Dynamo may run this graph for other {kind} "
                 "modules too, which then share these sites' formats and delayed-scaling state. Remove the graph "
-                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is).",
-                stacklevel=2,
+                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is)."
             )
             return frame
         return ""
@@ -297,6 +303,11 @@ def compile(
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
 
+    The first call compiles; then ``model.graphquant.plan`` is the plan of the latest compiled
+    graph (print it for the table: each GEMM's formats, backend and bucket) and
+    ``model.graphquant.plans`` lists every graph's. ``graphquant.explain`` gives the plan without
+    a training step. A recipe the model cannot run raises graphquant.PlanError on that first call.
+
     backend: what compiles the rewritten graph ("inductor", "aot_eager", or any backend).
     strict: make every GEMM that is not native on this device an error.
     mode: "inference" makes no backward representations even with grad enabled; None decides
@@ -325,10 +336,48 @@ def compile(
         root=model if isinstance(model, torch.nn.Module) else None,
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
+    if isinstance(compiled, OptimizedModule):
+        compiled.__class__ = CompiledModule
+    else:
+        compiled = _raising_plan_errors(compiled)
     compiled.__dict__["graphquant"] = gq_backend
     if isinstance(compiled, torch.nn.Module):
         _warn_if_first_call_runs_eagerly(compiled, gq_backend)
     return compiled
+
+
+class CompiledModule(OptimizedModule):
+    """torch.compile's module, whose calls raise graphquant's PlanError as itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_raising_plan_errors(super().__call__, args, kwargs)
+
+
+def _raising_plan_errors(compiled: Callable) -> Callable:
+    """A compiled function, whose calls raise graphquant's PlanError as itself."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _call_raising_plan_errors(compiled, args, kwargs)
+
+    return call
+
+
+def _call_raising_plan_errors(call: Callable, args: tuple, kwargs: dict) -> Any:
+    """``call(*args, **kwargs)``, with a PlanError that Dynamo wrapped in BackendCompilerFailed
+    (as it wraps whatever a backend raises, under PyTorch's "report a bug" advice) raised as
+    itself, so that ``except graphquant.PlanError`` catches it; its traceback starts at
+    graphquant's backend, below the Dynamo frames that lead there."""
+    try:
+        return call(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as failure:
+        error = failure.inner_exception
+        if not isinstance(error, PlanError):
+            raise
+    frames = error.__traceback__
+    while frames is not None and not frames.tb_frame.f_globals.get("__name__", "").startswith("graphquant."):
+        frames = frames.tb_next
+    raise error.with_traceback(frames or error.__traceback__)
 
 
 def _warn_if_first_call_runs_eagerly(compiled: torch.nn.Module, backend: GraphquantBackend) -> None:
@@ -340,12 +389,11 @@ def _warn_if_first_call_runs_eagerly(compiled: torch.nn.Module, backend: Graphqu
     def check(module: torch.nn.Module, args: Any, output: Any) -> None:
         handle.remove()
         if not backend.plans:
-            warnings.warn(
+            user_stack.warn(
                 f"graphquant: torch.compile ran {type(compiled._orig_mod).__name__} without capturing a graph, so "
                 "nothing in it is quantized. The likely cause is Dynamo's recompile limit, which every compiled "
                 "nn.Sequential-like model of a process shares before torch 2.13: raise "
-                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason).",
-                stacklevel=2,
+                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason)."
             )
 
     handle = compiled.register_forward_hook(check)
