@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -46,8 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             inputs = tuple(torch.randn(shape, dtype=getattr(torch, args.dtype)) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
-        check_inputs(args.model, model, inputs)
-        result = (explain if args.command == "explain" else numerics)(model, recipe, *inputs)
+        result = run(explain if args.command == "explain" else numerics, args.model, model, recipe, inputs)
     except (ValueError, TypeError) as error:  # PlanError included
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -55,16 +55,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def check_inputs(spec: str, model: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
-    """A ValueError naming the inputs' shapes and the model's own error if the model, run eagerly
-    without grad, fails on ``inputs`` (under torch.compile the same mistake is a long Dynamo trace)."""
+def run(command: Callable, spec: str, model: torch.nn.Module, recipe: CustomRecipe, inputs: tuple[Any, ...]) -> Any:
+    """``command(model, recipe, *inputs)``. Where it fails and so does the model run eagerly (a
+    mistake in the inputs, which under torch.compile surfaces as a long Dynamo trace), a ValueError
+    that names the inputs' shapes and the model's own error."""
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)  # it logs such a mistake with a traceback before Dynamo raises it
     try:
-        with torch.no_grad():
-            model(*inputs)
-    except Exception as error:
-        shapes = ", ".join("x".join(map(str, x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs)
-        first_line = next(iter(str(error).strip().splitlines()), "")
-        raise ValueError(f"{spec} fails on inputs of shape {shapes}: {type(error).__name__}: {first_line}") from None
+        return command(model, recipe, *inputs)
+    except (ValueError, TypeError):  # graphquant's, which say what to change
+        raise
+    except Exception:
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        except Exception as error:
+            shapes = ", ".join("x".join(map(str, x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs)
+            first_line = next(iter(str(error).strip().splitlines()), "")
+            raise ValueError(
+                f"{spec} fails on inputs of shape {shapes}, without graphquant too: {type(error).__name__}: {first_line}"
+            ) from None
+        raise
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:

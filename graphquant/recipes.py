@@ -166,6 +166,8 @@ def _meant(recipe: object) -> str:
         zoo_name = next((name for name, factory in zoo.FACTORIES.items() if factory is recipe), None)
         if zoo_name is not None:
             return f"a zoo factory: call zoo.recipe({zoo_name!r}) (or CustomRecipe({recipe.__name__}))"
+        if recipe in PRESETS.values():
+            return f"a preset, which makes one: call it, {_call_name(recipe)}()"
         if accepts(recipe, 1):
             return f"if it is a factory(role) that returns a quantizer, make it a recipe: CustomRecipe({_call_name(recipe)})"
         if accepts(recipe, 0):
@@ -181,7 +183,7 @@ def _name(value: Any) -> str:
         return f"the function {value.__module__}.{value.__qualname__}"
     if isinstance(value, (str, Quantizer)):
         return f"the {type(value).__name__} {str(value)!r}"
-    return f"a {type(value).__name__}"
+    return f"{value!r}, of type {type(value).__name__}"
 
 
 def _call_name(fn: Callable) -> str:
