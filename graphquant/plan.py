@@ -51,7 +51,7 @@ class FactoryTypeError(PlanError, TypeError):
 class GemmPlan:
     """One GEMM of one site: its operands' formats and how it runs."""
 
-    site: str
+    site: str  # "layers.0.fc1#1": the owner's name (the roles' name) and which of its calls
     module_type: str
     gemm: str
     a: str  # "grad_output.rowwise"
