@@ -17,8 +17,9 @@ CPU every low-precision GEMM is emulated exactly (dequantize, then a float32 GEM
 are those of the formats. The default (300 steps, MXFP8 forward with a high-precision backward)
 takes about a minute on two idle CPU cores, most of it compiling; recipes with NVFP4 take several
 times longer there (their stochastic rounding and Hadamard transforms run as reference code).
-On CPU, float8_block_scaling and deepseek_blockwise need --backend aot_eager: Inductor's C++ code
-generation fails on their backward (an AssertionError in try_loop_split, a PyTorch bug).
+Where Inductor's C++ code generation fails on a recipe's graphs on CPU (seen with the FP8 block
+recipes on some torch builds; torch 2.13 compiles them all), --backend aot_eager runs the same
+numerics without it.
 
 It checks its result and exits 1 if a check fails:
   * the loss falls: both runs end (the last row of the table) below FALL_TO x ln 256;

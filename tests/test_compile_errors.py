@@ -92,7 +92,10 @@ def test_model_without_gemm_warns_at_the_users_call_and_runs_unchanged():
         (CustomRecipe, "make one: CustomRecipe(factory)"),
         (3, "recipes.NAME() (a preset), zoo.recipe(NAME) or CustomRecipe(factory)"),
     ],
-    ids=repr,
+    ids=[
+        "uncalled_preset", "bare_factory", "zoo_factory", "zoo_recipe_function", "preset_name", "zoo_name",
+        "spec_string", "unknown_name", "quantizer_class", "quantizer", "recipe_class", "number",
+    ],
 )
 def test_a_recipe_of_the_wrong_type_says_which_call_was_meant(recipe, meant):
     with pytest.raises(TypeError, match=r"graphquant needs a CustomRecipe, got .*" + re.escape(meant)):
@@ -126,6 +129,11 @@ def test_inference_mode_under_grad_warns_at_the_call_that_no_gradient_will_flow(
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         compiled(x3())
+
+
+def test_numerics_refuses_inference_mode_and_says_what_to_read_instead():
+    with pytest.raises(ValueError, match=r"mode='inference' makes no backward: leave mode out; the fprop rows"):
+        graphquant.numerics(models.MLP(), recipes.mxfp8_block_scaling(), x3(), mode="inference")
 
 
 def failing_factory(role):
