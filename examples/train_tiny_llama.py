@@ -229,6 +229,19 @@ def verdict(last_row: tuple[int, float, float], names: tuple[str, str], margin: 
     return failures
 
 
+def not_judged(steps: int, log_every: int) -> str:
+    """Why the checks do not judge a run of ``steps`` ("" when they do): its last table row begins
+    before step JUDGED_FROM."""
+    begins = (steps - 1) // log_every * log_every
+    if begins >= JUDGED_FROM:
+        return ""
+    advice = f"--log-every {steps - JUDGED_FROM} or less" if steps > JUDGED_FROM else f"more than {JUDGED_FROM} steps"
+    return (
+        f"the last row averages steps {begins + 1}-{steps}, but the checks judge only a last row that begins at step "
+        f"{JUDGED_FROM} or later, past the first steep fall of the loss: run with {advice}"
+    )
+
+
 def loss_table(rows: list[tuple[int, float, float]], names: tuple[str, str]) -> str:
     from tabulate import tabulate
 
@@ -260,7 +273,7 @@ def save_plot(path: pathlib.Path, steps: list[int], curves: dict[str, list[float
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"a zoo name ({', '.join(zoo.FACTORIES)}) or a preset ({', '.join(PRESETS)})")
-    parser.add_argument("--steps", type=int, default=300, help="training steps of each run (see JUDGED_FROM for the fewest the checks judge)")
+    parser.add_argument("--steps", type=int, default=300, help=f"training steps of each run (judged if the loss table's last row begins at step {JUDGED_FROM} or later)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence")
     parser.add_argument("--dim", type=int, default=128, help="model width (heads of 32)")
@@ -337,13 +350,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot:
         saved = save_plot(pathlib.Path(args.plot), list(range(1, args.steps + 1)), losses, f"tiny Llama: {args.recipe} and {names[0]}")
         print(f"plot: {saved.resolve()}" if saved else "plot: matplotlib is not installed (pip install matplotlib), no PNG written")
-    last_begins = ([0, *ends])[-2]
-    if last_begins < JUDGED_FROM:
-        advice = f"--log-every {args.steps - JUDGED_FROM} or less" if args.steps > JUDGED_FROM else f"more than {JUDGED_FROM} steps"
-        print(
-            f"not judged: the last row averages steps {last_begins + 1}-{args.steps}, but the checks judge only a last row "
-            f"that begins at step {JUDGED_FROM} or later, past the first steep fall of the loss: run with {advice}"
-        )
+    too_short = not_judged(args.steps, args.log_every)
+    if too_short:
+        print(f"not judged: {too_short}")
         return 0
     failures = verdict(rows[-1], names, args.margin, config.vocab)
     for failure in failures:
