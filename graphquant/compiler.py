@@ -337,7 +337,7 @@ def compile(
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     if isinstance(compiled, OptimizedModule):
-        compiled.__class__ = CompiledModule
+        object.__setattr__(compiled, "__class__", CompiledModule)  # not forwarded to the wrapped module
     else:
         compiled = _raising_plan_errors(compiled)
     compiled.__dict__["graphquant"] = gq_backend
