@@ -3,9 +3,11 @@
     model = graphquant.compile(model, recipe)
 """
 
+from importlib import metadata as _metadata
+
 import torch  # noqa: F401  (the native extension links against torch's libraries)
 
-from graphquant import factories, zoo
+from graphquant import factories, recipes, zoo
 from graphquant.compiler import compile
 from graphquant.explainer import explain
 from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
@@ -35,6 +37,11 @@ from graphquant.quantizers import (
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
+try:  # pyproject.toml's version, as the installed package records it
+    __version__ = _metadata.version("graphquant")
+except _metadata.PackageNotFoundError:  # a source tree on the path, never installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "CustomRecipe",
     "DelayedScalingRequest",
@@ -57,5 +64,6 @@ __all__ = [
     "factories",
     "numerics",
     "parse_spec",
+    "recipes",
     "zoo",
 ]

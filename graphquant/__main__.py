@@ -5,17 +5,18 @@
 
 MODULE:ATTR is importable from the current directory: a model, or a function of no arguments
 that returns a model or (model, example_inputs). NAME is a zoo recipe (graphquant.zoo.FACTORIES),
-a preset of graphquant.recipes (e.g. mxfp8_block_scaling), or MODULE:ATTR naming a CustomRecipe
-or a factory(role). Each --input-shape adds one random example input.
+a preset of graphquant.recipes (e.g. mxfp8_block_scaling), or MODULE:ATTR naming a CustomRecipe,
+a function of no arguments that returns one, or a factory(role). Each --input-shape adds one
+random example input.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
+import logging
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -23,12 +24,6 @@ from graphquant import recipes, zoo
 from graphquant.explainer import explain
 from graphquant.numerics_report import numerics
 from graphquant.recipes import CustomRecipe
-
-PRESETS = {
-    name: preset
-    for name, preset in vars(recipes).items()
-    if inspect.isfunction(preset) and preset.__module__ == recipes.__name__
-}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -52,12 +47,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             inputs = tuple(torch.randn(shape, dtype=getattr(torch, args.dtype)) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
-        result = (explain if args.command == "explain" else numerics)(model, recipe, *inputs)
-    except ValueError as error:  # PlanError included
+        result = run(explain if args.command == "explain" else numerics, args.model, model, recipe, inputs)
+    except (ValueError, TypeError) as error:  # PlanError included
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(result.to_json() if args.json else result)
     return 0
+
+
+def run(command: Callable, spec: str, model: torch.nn.Module, recipe: CustomRecipe, inputs: tuple[Any, ...]) -> Any:
+    """``command(model, recipe, *inputs)``. Where it fails and so does the model run eagerly (a
+    mistake in the inputs, which under torch.compile surfaces as a long Dynamo trace), a ValueError
+    that names the inputs' shapes and the model's own error."""
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)  # it logs such a mistake with a traceback before Dynamo raises it
+    try:
+        return command(model, recipe, *inputs)
+    except (ValueError, TypeError):  # graphquant's, which say what to change
+        raise
+    except Exception:
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        except Exception as error:
+            shapes = ", ".join("x".join(map(str, x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs)
+            first_line = next(iter(str(error).strip().splitlines()), "")
+            raise ValueError(
+                f"{spec} fails on inputs of shape {shapes}, without graphquant too: {type(error).__name__}: {first_line}"
+            ) from None
+        raise
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
@@ -70,15 +91,21 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
 
 
 def load_recipe(name: str) -> CustomRecipe:
-    """A zoo recipe, a preset, or MODULE:ATTR naming a CustomRecipe or a factory(role)."""
+    """A zoo recipe, a preset, or MODULE:ATTR naming a CustomRecipe, a function of no arguments
+    that returns one, or a factory(role)."""
     if name in zoo.FACTORIES:
         return zoo.recipe(name)
-    if name in PRESETS:
-        return PRESETS[name]()
+    if name in recipes.PRESETS:
+        return recipes.PRESETS[name]()
     if ":" in name:
         target = _load(name)
-        return target if isinstance(target, CustomRecipe) else CustomRecipe(target)
-    raise ValueError(f"unknown recipe {name!r}; known: {', '.join([*zoo.FACTORIES, *PRESETS])}, or MODULE:ATTR")
+        if callable(target) and not isinstance(target, (type, CustomRecipe)):
+            if recipes.accepts(target, 1):
+                target = CustomRecipe(target)
+            elif recipes.accepts(target, 0):
+                target = target()
+        return recipes.require(target)
+    raise ValueError(f"unknown recipe {name!r}; known: {', '.join([*zoo.FACTORIES, *recipes.PRESETS])}, or MODULE:ATTR")
 
 
 def _load(spec: str) -> Any:

@@ -6,14 +6,13 @@ import copy
 import functools
 import inspect
 import os
-import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import fx
 
 from graphquant.passes.find_gemms import find_gemms, parameter_path
-from graphquant import distributed
+from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
 from graphquant.plan import Plan, PlanError, Planner
 from graphquant.quantizers import Float8DelayedScalingQuantizer
@@ -146,7 +145,14 @@ class GraphquantBackend:
         plan = self.planner.plan(sites, device, training=training, skipped=skipped)
         self.plans.append(plan)
         if not sites:
-            warnings.warn("graphquant found no GEMM in this graph; it runs unchanged", stacklevel=2)
+            user_stack.warn("graphquant found no GEMM in this graph; it runs unchanged")
+        elif self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
+            user_stack.warn(
+                "graphquant.compile(..., mode='inference') makes no backward, but this call runs with grad enabled on "
+                "tensors that require grad: no gradient flows through its GEMMs (backward() fails, or leaves their "
+                "operands without .grad). Call the model under torch.no_grad() or torch.inference_mode(), or compile "
+                "with mode=None (or 'training') to train it."
+            )
         keys = rewrite(
             gm,
             plan,
@@ -187,12 +193,11 @@ class GraphquantBackend:
                 return ""
             frame = absolute[: -len(relative) - 1]
             kind = type(self.root.get_submodule(frame)).__name__
-            warnings.warn(
+            user_stack.warn(
                 f"graphquant: a graph break inside {frame} ({kind}) made Dynamo compile that module's code on its "
                 f"own; its GEMM sites are named after {frame}, but Dynamo may run this graph for other {kind} "
                 "modules too, which then share these sites' formats and delayed-scaling state. Remove the graph "
-                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is).",
-                stacklevel=2,
+                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is)."
             )
             return frame
         return ""
@@ -275,6 +280,11 @@ def compile(
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
 
+    The first call compiles; then ``model.graphquant.plan`` is the plan of the latest compiled
+    graph (print it for the table: each GEMM's formats, backend and bucket) and
+    ``model.graphquant.plans`` lists every graph's. ``graphquant.explain`` gives the plan without
+    a training step. A recipe the model cannot run raises graphquant.PlanError on that first call.
+
     backend: what compiles the rewritten graph ("inductor", "aot_eager", or any backend).
     strict: make every GEMM that is not native on this device an error.
     mode: "inference" makes no backward representations even with grad enabled; None decides
@@ -318,12 +328,11 @@ def _warn_if_first_call_runs_eagerly(compiled: torch.nn.Module, backend: Graphqu
     def check(module: torch.nn.Module, args: Any, output: Any) -> None:
         handle.remove()
         if not backend.plans:
-            warnings.warn(
+            user_stack.warn(
                 f"graphquant: torch.compile ran {type(compiled._orig_mod).__name__} without capturing a graph, so "
                 "nothing in it is quantized. The likely cause is Dynamo's recompile limit, which every compiled "
                 "nn.Sequential-like model of a process shares before torch 2.13: raise "
-                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason).",
-                stacklevel=2,
+                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason)."
             )
 
     handle = compiled.register_forward_hook(check)

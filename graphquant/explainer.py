@@ -26,7 +26,7 @@ def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], co
     """(compiled model, output) after one forward of ``model`` under graphquant, run eagerly.
 
     Rejected GEMMs stay in the plan instead of failing the compile; a plan error (a shape a
-    format cannot tile, a factory that raised) comes out as itself, not wrapped by Dynamo.
+    format cannot tile, a factory that raised) fails it.
     """
     compiled = compiler.compile(model, recipe, backend=run_eagerly, **(_DEFAULTS | compile_kwargs))
     compiled.graphquant.planner.fail_on_bucket = False
@@ -45,9 +45,10 @@ def explain(model: Any, recipe: CustomRecipe, *example_inputs: Any, **compile_kw
     Runs one forward on ``example_inputs`` with grad enabled and no backward; the model is not
     changed (though a module that updates state in forward, like BatchNorm in train mode, does
     so once). compile_kwargs are graphquant.compile's (strict, mode, dump_dir, ...) and
-    torch.compile's; mode="inference" gives the inference plan (fprop only). A model that
-    compiles into several graphs (graph breaks) gets one plan, in graph order.
+    torch.compile's; mode="inference" gives the inference plan (fprop only, from a forward
+    without grad, as inference runs). strict=True shows every GEMM it would reject. A model
+    that compiles into several graphs (graph breaks) gets one plan, in graph order.
     """
-    with torch.enable_grad():
+    with torch.set_grad_enabled(compile_kwargs.get("mode") != "inference"):
         compiled, _ = run_once(model, recipe, example_inputs, compile_kwargs)
     return Plan.combine(compiled.graphquant.plans)

@@ -80,8 +80,15 @@ def numerics(
 
     loss_fn turns the model's output into the scalar to differentiate (default: output.sum()).
     Gradients are taken with torch.autograd.grad, so no parameter's .grad changes. compile_kwargs
-    are graphquant.compile's and torch.compile's, as for graphquant.explain.
+    are graphquant.compile's and torch.compile's, as for graphquant.explain, but for
+    mode="inference" (no backward to measure).
     """
+    if compile_kwargs.get("mode") == "inference":
+        raise ValueError(
+            "graphquant.numerics measures fprop, dgrad and wgrad from one forward and backward, and mode='inference' "
+            "makes no backward: leave mode out; the fprop rows are the inference GEMMs' numerics too (inference "
+            "quantizes each operand as training's fprop does)"
+        )
     recorder = _Recorder()
     with torch.enable_grad(), gemm_site.recording(recorder):
         compiled, output = run_once(model, recipe, example_inputs, compile_kwargs)

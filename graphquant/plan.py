@@ -11,13 +11,12 @@ import collections
 import dataclasses
 import difflib
 import json
-import warnings
 from typing import Optional, Sequence
 
 import torch
 from tabulate import tabulate
 
-from graphquant import backends
+from graphquant import backends, recipes, user_stack
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -52,7 +51,7 @@ class FactoryTypeError(PlanError, TypeError):
 class GemmPlan:
     """One GEMM of one site: its operands' formats and how it runs."""
 
-    site: str
+    site: str  # "layers.0.fc1#1": the owner's name (the roles' name) and which of its calls
     module_type: str
     gemm: str
     a: str  # "grad_output.rowwise"
@@ -145,16 +144,25 @@ def direction_format(quantizer: Quantizer, direction: str) -> str:
     return child
 
 
+def _meant_quantizer(answer: object) -> str:
+    """What a factory that returned ``answer`` most likely meant to return, as advice ("" if unknown)."""
+    if isinstance(answer, str):
+        return f": to build one from its spec string, return graphquant.parse_spec({answer!r})"
+    if isinstance(answer, type) and issubclass(answer, Quantizer):
+        return f": return an instance, {answer.__name__}(...), not the class"
+    if isinstance(answer, CustomRecipe):
+        return ": it returned a whole recipe; pass that recipe to graphquant itself, not a factory that makes it"
+    return ""
+
+
 class Planner:
     """Asks the recipe's factory once per slot and turns GEMM sites into a validated Plan."""
 
     def __init__(self, recipe: CustomRecipe, *, strict: bool = False) -> None:
-        if not isinstance(recipe, CustomRecipe):
-            raise TypeError(f"graphquant needs a CustomRecipe, got {type(recipe).__name__}")
-        self.recipe = recipe
+        self.recipe = recipes.require(recipe)
         self.strict = strict
-        # graphquant.explain turns this off, so that rejected GEMMs (and, under strict, non-native
-        # ones) stay in the plan with their reasons instead of failing the compile.
+        # graphquant.explain turns this off, so that rejected GEMMs (under strict, every emulated
+        # one) stay in the plan with their reasons instead of failing the compile.
         self.fail_on_bucket = True
         self.factory_calls = 0
         self._quantizers: dict[QuantizerRole, Quantizer] = {}
@@ -190,7 +198,7 @@ class Planner:
         if not isinstance(answer, Quantizer):
             raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "
-                "graphquant Quantizer (or a DelayedScalingRequest)"
+                f"graphquant Quantizer (or a DelayedScalingRequest){_meant_quantizer(answer)}"
             )
         return answer
 
@@ -214,6 +222,13 @@ class Planner:
                 selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
                     selection = backends.Selection(backends.EMULATED, backends.EMULATION, "no native grouped GEMM yet")
+                if self.strict and selection.bucket == backends.EMULATED:
+                    selection = backends.Selection(
+                        backends.REJECTED,
+                        "none",
+                        f"strict=True rejects emulated GEMMs ({selection.reason}); give this GEMM a pair with a "
+                        f"native GEMM on {device.type}, or compile without strict",
+                    )
                 entry = GemmPlan(
                     site=site.label,
                     module_type=site.module_type,
@@ -237,24 +252,16 @@ class Planner:
         )
         self._warn_unmatched_names(plan)
         if gemms and all(isinstance(q, IdentityQuantizer) for q in operand_quantizers):
-            warnings.warn(
+            user_stack.warn(
                 f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
                 "IdentityQuantizer (high precision); check the conditions in the recipe's factory (module_type, "
-                "tensor_type, name); graphquant.explain(model, recipe, *inputs) prints what each slot got",
-                stacklevel=2,
+                "tensor_type, name); graphquant.explain(model, recipe, *inputs) prints what each slot got"
             )
         return plan
 
     def _check_bucket(self, g: GemmPlan) -> None:
-        if not self.fail_on_bucket:
-            return
-        if g.bucket == backends.REJECTED or (self.strict and g.bucket != backends.NATIVE):
-            accepted = "a native pair for this device" if g.bucket != backends.REJECTED else "a compatible pair"
-            raise PlanError(
-                f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: "
-                f"{g.bucket}{' under strict=True' if g.bucket != backends.REJECTED else ''}: {g.reason or 'not native'}. "
-                f"Change the factory so this GEMM gets {accepted}"
-            )
+        if self.fail_on_bucket and g.bucket == backends.REJECTED:
+            raise PlanError(f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: rejected: {g.reason}")
 
     def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
         """Each tensor the site quantizes must tile the block of every direction it is made in.
@@ -310,8 +317,7 @@ class Planner:
             if not any(name == expected or name.startswith(expected + ".") for name in names):
                 close = " or ".join(map(repr, difflib.get_close_matches(expected, names, n=3)))
                 listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-                warnings.warn(
+                user_stack.warn(
                     f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph belongs to "
-                    f"it{f'; did you mean {close}?' if close else ''} (its GEMMs belong to: {listed or 'none'})",
-                    stacklevel=3,
+                    f"it{f'; did you mean {close}?' if close else ''} (its GEMMs belong to: {listed or 'none'})"
                 )

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import pickle
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from graphquant import factories
-from graphquant.quantizers import DelayedScalingRequest, Quantizer
+from graphquant.quantizers import DelayedScalingRequest, Quantizer, parse_spec
 from graphquant.roles import QuantizerRole
 
 QuantizerFactory = Callable[[Optional[QuantizerRole]], Union[Quantizer, DelayedScalingRequest]]
@@ -43,6 +44,9 @@ class CustomRecipe:
     def __post_init__(self) -> None:
         if self.qfactory is None or not callable(self.qfactory):
             raise ValueError("CustomRecipe requires a callable qfactory(role) -> Quantizer")
+        if not accepts(self.qfactory, 1):
+            advice = f"; if it makes a recipe, call it instead: {_call_name(self.qfactory)}()" if accepts(self.qfactory, 0) else ""
+            raise ValueError(f"CustomRecipe's qfactory is called with one argument, the role, which {_name(self.qfactory)} does not take{advice}")
         if not isinstance(self.fast_accumulation, tuple) or not set(self.fast_accumulation) <= set(GEMM_NAMES):
             raise ValueError(
                 f"CustomRecipe's fast_accumulation must be a tuple of GEMM names from {GEMM_NAMES}; "
@@ -95,3 +99,95 @@ def float8_block_scaling() -> CustomRecipe:
 def nvfp4_block_scaling() -> CustomRecipe:
     """TE's NVFP4BlockScaling: 2D weights; RHT on the wgrad side; stochastic rounding for gradients."""
     return CustomRecipe(factories.nvfp4_factory)
+
+
+PRESETS = {
+    "delayed_scaling": delayed_scaling,
+    "current_scaling": current_scaling,
+    "mxfp8_block_scaling": mxfp8_block_scaling,
+    "float8_block_scaling": float8_block_scaling,
+    "nvfp4_block_scaling": nvfp4_block_scaling,
+}
+
+
+def require(recipe: object) -> CustomRecipe:
+    """``recipe`` itself if it is a CustomRecipe; else a TypeError that says which call was meant."""
+    if isinstance(recipe, CustomRecipe):
+        return recipe
+    raise TypeError(f"graphquant needs a CustomRecipe, got {_name(recipe)}; {_meant(recipe)}")
+
+
+def accepts(fn: Callable, count: int) -> bool:
+    """Whether ``fn`` can be called with ``count`` positional arguments (True where Python cannot tell)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*[None] * count)
+    except TypeError:
+        return False
+    return True
+
+
+def _meant(recipe: object) -> str:
+    """The call that makes the CustomRecipe the user most likely meant by ``recipe``."""
+    from graphquant import zoo  # the zoo builds on this module
+
+    make = "recipes.NAME() (a preset), zoo.recipe(NAME) or CustomRecipe(factory) make one"
+    if isinstance(recipe, str):
+        if recipe in PRESETS:
+            return f"a preset's name: call recipes.{recipe}()"
+        if recipe in zoo.FACTORIES:
+            return f"a zoo recipe's name: call zoo.recipe({recipe!r})"
+        try:
+            spec = parse_spec(recipe)
+        except ValueError:
+            spec = None
+        if isinstance(spec, Quantizer):
+            return (
+                "that is one quantizer's spec, and a recipe picks a quantizer for every slot: CustomRecipe(factory) "
+                f"with a factory(role) that returns graphquant.parse_spec({recipe!r}) for the slots that want it"
+            )
+        return f"{make}; preset names: {', '.join(PRESETS)}; zoo names: {', '.join(zoo.FACTORIES)}"
+    if isinstance(recipe, type):
+        if issubclass(recipe, CustomRecipe):
+            return "make one: CustomRecipe(factory), with a factory(role) that returns a quantizer"
+        if issubclass(recipe, Quantizer):
+            return (
+                f"a recipe picks a quantizer for every slot: CustomRecipe(factory) with a factory(role) that returns "
+                f"{recipe.__name__}(...) (graphquant.factories has one per format)"
+            )
+        return make
+    if isinstance(recipe, Quantizer):
+        return "a recipe picks a quantizer for every slot: CustomRecipe(factory) with a factory(role) that returns it"
+    if recipe is zoo.recipe:
+        return f"call it with a zoo name: zoo.recipe(NAME), NAME one of {', '.join(zoo.FACTORIES)}"
+    if callable(recipe):
+        zoo_name = next((name for name, factory in zoo.FACTORIES.items() if factory is recipe), None)
+        if zoo_name is not None:
+            return f"a zoo factory: call zoo.recipe({zoo_name!r}) (or CustomRecipe({recipe.__name__}))"
+        if recipe in PRESETS.values():
+            return f"a preset, which makes one: call it, {_call_name(recipe)}()"
+        if accepts(recipe, 1):
+            return f"if it is a factory(role) that returns a quantizer, make it a recipe: CustomRecipe({_call_name(recipe)})"
+        if accepts(recipe, 0):
+            return f"if it makes a recipe, call it: {_call_name(recipe)}()"
+    return make
+
+
+def _name(value: Any) -> str:
+    """``value`` as an error message names it: a function or class by its qualified name."""
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value):
+        return f"the function {value.__module__}.{value.__qualname__}"
+    if isinstance(value, (str, Quantizer)):
+        return f"the {type(value).__name__} {str(value)!r}"
+    return f"{value!r}, of type {type(value).__name__}"
+
+
+def _call_name(fn: Callable) -> str:
+    """How user code would spell ``fn``: recipes.x for a preset, else its own name."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"recipes.{name}" if getattr(fn, "__module__", None) == __name__ else name

@@ -8,6 +8,7 @@ below means module_type "linear" or "grouped_linear".
 
 from __future__ import annotations
 
+import difflib
 from typing import Optional
 
 from graphquant.factories import GEMM_MODULES, is_gradient, nvfp4_factory
@@ -22,6 +23,7 @@ from graphquant.quantizers import (
     NVFP4Quantizer,
     Quantizer,
 )
+from graphquant import recipes
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
@@ -205,6 +207,10 @@ FACTORIES = {
 
 def recipe(name: str) -> CustomRecipe:
     """The zoo recipe called ``name`` (see FACTORIES), e.g. recipe("tensorwise")."""
+    if name in recipes.PRESETS:
+        raise ValueError(f"{name!r} is not in the zoo but a preset of graphquant.recipes: call recipes.{name}()")
     if name not in FACTORIES:
-        raise ValueError(f"unknown zoo recipe {name!r}; known: {', '.join(FACTORIES)}")
+        close = difflib.get_close_matches(name, [*FACTORIES, *recipes.PRESETS], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown zoo recipe {name!r}; {hint}known: {', '.join(FACTORIES)} (and the presets of graphquant.recipes: {', '.join(recipes.PRESETS)})")
     return CustomRecipe(FACTORIES[name])

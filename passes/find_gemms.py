@@ -78,6 +78,8 @@ class GemmSite:
 
     @property
     def label(self) -> str:
+        """The site's name in plans, dumps and errors: the owner's name and the call index,
+        "fc1#0", since a module called twice in one forward is one role but two sites."""
         return f"{self.name}#{self.call}"
 
     def role(self, tensor_type: str) -> QuantizerRole:

@@ -36,6 +36,15 @@ def test_a_bad_recipe_name_fails_with_the_known_names():
     assert "unknown recipe 'fp8_everything'" in result.stderr and "mxfp8_fwd_nvfp4_bwd" in result.stderr
 
 
+def test_inputs_the_model_cannot_take_fail_in_one_line_naming_their_shape():
+    result = run_cli("explain", "explain_models:mlp", "--recipe", "tensorwise", "--input-shape", "4,10")
+    assert result.returncode == 1
+    assert result.stderr == (
+        "error: explain_models:mlp fails on inputs of shape 4x10, without graphquant too: "
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x10 and 64x128)\n"
+    )
+
+
 @pytest.fixture
 def in_tests_dir(monkeypatch):
     monkeypatch.syspath_prepend(TESTS)
@@ -69,3 +78,10 @@ def test_recipe_names():
     assert isinstance(load_recipe("nvfp4_block_scaling"), CustomRecipe)
     assert load_recipe("deepseek_blockwise").qfactory.__name__ == "deepseek_blockwise_factory"
     assert load_recipe("graphquant.zoo:rowwise_factory").qfactory.__name__ == "rowwise_factory"
+    assert load_recipe("graphquant.recipes:mxfp8_block_scaling").qfactory.__name__ == "mxfp8_factory"  # a preset, called
+
+
+def test_a_recipe_of_the_wrong_type_fails_in_one_line(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:mlp", "--recipe", "graphquant:MXFP8Quantizer", "--input-shape", "32,64"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: graphquant needs a CustomRecipe, got the class") and err.count("\n") == 1, err

@@ -5,6 +5,9 @@ as itself (raised inside the backend, Dynamo would wrap it in BackendCompilerFai
 """
 
 import copy
+import pathlib
+import re
+import traceback
 import warnings
 
 import models
@@ -19,7 +22,7 @@ from reference import (  # noqa: F401
 )
 
 import graphquant
-from graphquant import CustomRecipe, PlanError, factories, recipes
+from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
 from graphquant.passes.saturating_cast import SaturatingCast
 from graphquant.quantizers import (
     MXFP8Quantizer,
@@ -39,15 +42,98 @@ def plan_error(model, recipe, x, **kwargs) -> PlanError:
     return info.value
 
 
-def test_model_without_gemm_warns_and_runs_unchanged():
+def gemm(a, b):
+    return a @ b
+
+
+@pytest.mark.parametrize("what", ["module", "function"])
+def test_a_plan_error_is_raised_as_itself_from_the_call_that_compiles(what):
+    """Not as Dynamo's BackendCompilerFailed under PyTorch's advice to report a bug: ``except
+    PlanError`` catches it, and its traceback leads from this call to graphquant's compiled graph."""
+    if what == "module":
+        compiled, args = graphquant.compile(models.MLP(d_in=48), recipes.mxfp8_block_scaling(), backend="aot_eager"), (x3(dim=48),)
+        site = "fc1#0 (linear)"
+    else:
+        compiled, args = graphquant.compile(gemm, recipes.mxfp8_block_scaling(), backend="aot_eager"), (x3(dim=48), torch.randn(48, 32))
+        site = "matmul.0#0 (matmul)"
+    with pytest.raises(PlanError, match=re.escape(site) + r" input: .*dim 1 of the 64x48 tensor must be a multiple of 32") as info:
+        compiled(*args)
+    shown = "".join(traceback.format_exception(info.value))
+    assert "BackendCompilerFailed" not in shown and "report" not in shown and "TORCHDYNAMO" not in shown, shown
+    frames = [frame.filename for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert frames[0] == __file__ and "graphquant" in pathlib.PurePath(frames[-1]).parts, frames
+
+
+def test_model_without_gemm_warns_at_the_users_call_and_runs_unchanged():
     model = models.seeded(models.NoGemm())
     x = x3()
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="no GEMM"):
+    with pytest.warns(UserWarning, match="no GEMM") as record:
         y = compiled(x)
+    assert [w.filename for w in record] == [__file__]  # this line, not a frame inside torch.compile
     assert torch.equal(y, model(x))
     assert compiled.graphquant.plan.gemms == ()
     assert compiled.graphquant.planner.factory_calls == 0
+
+
+@pytest.mark.parametrize(
+    "recipe, meant",
+    [
+        (recipes.mxfp8_block_scaling, "a preset, which makes one: call it, recipes.mxfp8_block_scaling()"),
+        (factories.mxfp8_factory, "make it a recipe: CustomRecipe(mxfp8_factory)"),
+        (zoo.tensorwise_factory, "zoo.recipe('tensorwise')"),
+        (zoo.recipe, "zoo.recipe(NAME)"),
+        ("mxfp8_block_scaling", "call recipes.mxfp8_block_scaling()"),
+        ("tensorwise", "call zoo.recipe('tensorwise')"),
+        ("mxfp8(fp8_dtype=e4m3)", "returns graphquant.parse_spec('mxfp8(fp8_dtype=e4m3)')"),
+        ("fp8_everything", "preset names: delayed_scaling,"),
+        (MXFP8Quantizer, "a factory(role) that returns MXFP8Quantizer(...)"),
+        (MXFP8Quantizer(), "a factory(role) that returns it"),
+        (CustomRecipe, "make one: CustomRecipe(factory)"),
+        (3, "recipes.NAME() (a preset), zoo.recipe(NAME) or CustomRecipe(factory)"),
+    ],
+    ids=[
+        "uncalled_preset", "bare_factory", "zoo_factory", "zoo_recipe_function", "preset_name", "zoo_name",
+        "spec_string", "unknown_name", "quantizer_class", "quantizer", "recipe_class", "number",
+    ],
+)
+def test_a_recipe_of_the_wrong_type_says_which_call_was_meant(recipe, meant):
+    with pytest.raises(TypeError, match=r"graphquant needs a CustomRecipe, got .*" + re.escape(meant)):
+        graphquant.compile(models.MLP(), recipe)
+
+
+@pytest.mark.parametrize("entry", [graphquant.explain, graphquant.numerics])
+def test_explain_and_numerics_say_the_same(entry):
+    with pytest.raises(TypeError, match=re.escape("call it, recipes.current_scaling()")):
+        entry(models.MLP(), recipes.current_scaling, x3())
+
+
+def test_a_preset_given_as_a_factory_and_a_preset_name_given_to_the_zoo_point_at_the_preset():
+    with pytest.raises(ValueError, match=re.escape("does not take; if it makes a recipe, call it instead: recipes.mxfp8_block_scaling()")):
+        CustomRecipe(recipes.mxfp8_block_scaling)
+    with pytest.raises(ValueError, match=re.escape("a preset of graphquant.recipes: call recipes.mxfp8_block_scaling()")):
+        zoo.recipe("mxfp8_block_scaling")
+    with pytest.raises(ValueError, match="unknown zoo recipe 'tensorwize'; did you mean 'tensorwise'"):
+        zoo.recipe("tensorwize")
+
+
+def test_inference_mode_under_grad_warns_at_the_call_that_no_gradient_will_flow():
+    """mode="inference" makes no backward: a call with grad enabled on parameters that require it
+    would return outputs whose backward fails with torch's generic message, so graphquant says so
+    on that call (not an error: evaluating with grad mode on is a common, harmless oversight)."""
+    compiled = graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    with pytest.warns(UserWarning, match=r"mode='inference'\) makes no backward.*torch.no_grad\(\).*mode=None") as record:
+        y = compiled(x3())
+    assert not y.requires_grad
+    assert [w.filename for w in record] == [__file__]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(x3())
+
+
+def test_numerics_refuses_inference_mode_and_says_what_to_read_instead():
+    with pytest.raises(ValueError, match=r"mode='inference' makes no backward: leave mode out; the fprop rows"):
+        graphquant.numerics(models.MLP(), recipes.mxfp8_block_scaling(), x3(), mode="inference")
 
 
 def failing_factory(role):
@@ -83,6 +169,7 @@ def test_factory_returning_a_non_quantizer_names_role_and_type():
     assert isinstance(error, TypeError)
     assert "tensor_type=grad_output" in str(error) and "name=fc1" in str(error)
     assert "returned a str" in str(error)
+    assert "to build one from its spec string, return graphquant.parse_spec('mxfp8')" in str(error)
 
 
 @pytest.mark.parametrize(

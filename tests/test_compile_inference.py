@@ -85,6 +85,7 @@ def test_no_grad_plans_fprop_only_and_makes_no_columnwise(recipe_name):
     assert torch.equal(y, actual["output"])
 
 
+@pytest.mark.filterwarnings("ignore:graphquant.compile.*mode='inference'.*makes no backward")
 @pytest.mark.parametrize("how", ["no_grad", "inference_mode", "mode"])
 def test_each_call_uses_the_weights_as_they_are(how):
     """torch.no_grad, torch.inference_mode, or mode="inference" with grad enabled."""

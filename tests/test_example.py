@@ -56,6 +56,16 @@ def test_the_checks_can_fail(example):
     assert len(no_fall) == 2 and all("did not fall" in f for f in no_fall)
 
 
+def test_runs_too_short_to_judge_say_so_instead_of_failing(example):
+    """--steps 5 ends before the loss has left ln 256 behind: not judged (exit 0), with what to change."""
+    assert example.not_judged(5, 25) == (
+        "the last row averages steps 1-5, but the checks judge only a last row that begins at step 15 or later, "
+        "past the first steep fall of the loss: run with more than 15 steps"
+    )
+    assert example.not_judged(20, 25).endswith("run with --log-every 5 or less")
+    assert example.not_judged(20, 5) == example.not_judged(300, 25) == example.not_judged(26, 25) == ""
+
+
 def test_every_recipe_name_is_accepted(example):
     from graphquant import zoo
 

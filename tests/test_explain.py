@@ -141,16 +141,34 @@ def test_rejected_gemms_are_shown_with_their_reason_instead_of_failing():
         compiled(x_mlp())
 
 
+def test_strict_shows_every_gemm_it_would_reject():
+    """On a device without native low-precision GEMMs (this CPU), strict=True rejects every
+    quantized GEMM: explain lists them all with the reason, where compile fails on the first."""
+    recipe = zoo.recipe("mxfp8_fwd_high_precision_bwd")  # fprop in MXFP8, dgrad and wgrad in high precision
+    plan = graphquant.explain(MLP(), recipe, x_mlp(), strict=True)
+    assert {(g.gemm, g.bucket) for g in plan.gemms} == {("fprop", "rejected"), ("dgrad", "native"), ("wgrad", "native")}
+    assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (4 native, 2 rejected)"
+    fprop = next(g for g in plan.gemms if g.gemm == "fprop")
+    assert fprop.reason == (
+        "strict=True rejects emulated GEMMs (no low-precision GEMM on cpu); give this GEMM a pair with a native "
+        "GEMM on cpu, or compile without strict"
+    )
+    compiled = graphquant.compile(MLP(), recipe, backend="aot_eager", strict=True)
+    with pytest.raises(graphquant.PlanError, match=r"^fc1#0 \(linear\) fprop: .*: rejected: strict=True rejects"):
+        compiled(x_mlp())
+
+
 def test_plan_errors_surface_as_themselves():
     with pytest.raises(graphquant.PlanError, match="multiple of 32"):
         graphquant.explain(MLP(), graphquant.recipes.mxfp8_block_scaling(), torch.randn(4, 64))
 
 
 def graphquant_warnings(run):
+    """The warnings that ``run`` raised at its caller's line in this file, as graphquant's do."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run()
-    return [str(w.message) for w in caught if "graphquant" in w.filename]
+    return [str(w.message) for w in caught if w.filename == __file__]
 
 
 def test_a_recipe_that_quantizes_nothing_warns():

@@ -153,6 +153,26 @@ def test_quantizers_reject_what_no_format_encodes():
         NVFP4Quantizer(row_scaled_nvfp4=True, with_amax_reduction=True)
 
 
+@pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8BlockQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer])
+def test_fp8_dtype_takes_torch_dtypes_too(cls):
+    """torch.float8_e4m3fn / torch.float8_e5m2, as torchao and most PyTorch code spell them, make
+    the same quantizer as the short names: equal, same hash, same spec."""
+    for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        quantizer = cls(fp8_dtype=dtype)
+        assert quantizer == cls(fp8_dtype=name) and hash(quantizer) == hash(cls(fp8_dtype=name))
+        assert quantizer.fp8_dtype == name and f"fp8_dtype={name}" in str(quantizer)
+    with pytest.raises(ValueError, match=r"fp8_dtype must be one of 'e4m3', 'e5m2', torch.float8_e4m3fn, torch.float8_e5m2, got torch.float8_e4m3fnuz"):
+        cls(fp8_dtype=torch.float8_e4m3fnuz)
+
+
+def test_the_package_says_its_version_and_exports_recipes():
+    import importlib.metadata
+
+    assert graphquant.__version__ == importlib.metadata.version("graphquant")
+    assert "recipes" in graphquant.__all__ and graphquant.recipes.PRESETS["current_scaling"] is graphquant.recipes.current_scaling
+    assert "model.graphquant.plan" in graphquant.compile.__doc__
+
+
 def test_factory_answers_are_checked_and_name_the_role():
     role = QuantizerRole("linear", "weight", "fc1")
     with pytest.raises(ValueError, match="returned None for role module_type=linear.*IdentityQuantizer"):

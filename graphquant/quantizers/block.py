@@ -8,7 +8,7 @@ import torch
 
 from graphquant.formats import block
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
-from graphquant.quantizers.float8 import check_fp8_dtype
+from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = 128
 
@@ -33,7 +33,7 @@ class Float8BlockQuantizer(Quantizer):
     force_pow_2_scales: bool = True
 
     def __post_init__(self) -> None:
-        check_fp8_dtype(self, self.fp8_dtype)
+        normalize_fp8_dtype(self)
         if self.block_scaling_dim not in (1, 2):
             raise ValueError(f"Float8BlockQuantizer.block_scaling_dim must be 1 or 2, got {self.block_scaling_dim}")
 

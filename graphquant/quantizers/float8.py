@@ -11,11 +11,18 @@ from graphquant.formats import fp8, per_tensor
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
+_NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
 
 
-def check_fp8_dtype(owner: object, fp8_dtype: str) -> None:
-    if fp8_dtype not in fp8.FP8_DTYPES:
-        raise ValueError(f"{type(owner).__name__}: fp8_dtype must be one of {FP8_FORMATS}, got {fp8_dtype!r}")
+def normalize_fp8_dtype(owner: object) -> None:
+    """Accept ``owner.fp8_dtype`` as a name ("e4m3") or as the torch dtype (torch.float8_e4m3fn),
+    and keep the name, so that equal quantizers compare, hash and print alike."""
+    fp8_dtype = owner.fp8_dtype
+    name = _NAMES.get(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else fp8_dtype
+    if not isinstance(name, str) or name not in fp8.FP8_DTYPES:
+        accepted = ", ".join([*map(repr, FP8_FORMATS), *map(str, _NAMES)])
+        raise ValueError(f"{type(owner).__name__}: fp8_dtype must be one of {accepted}, got {fp8_dtype!r}")
+    object.__setattr__(owner, "fp8_dtype", name)
 
 
 class _PerTensorFloat8(Quantizer):
@@ -59,7 +66,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     with_amax_reduction: bool = False
 
     def __post_init__(self) -> None:
-        check_fp8_dtype(self, self.fp8_dtype)
+        normalize_fp8_dtype(self)
 
     @property
     def reduces_amax(self) -> bool:  # type: ignore[override]
@@ -105,7 +112,7 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     reduce_amax: bool = True
 
     def __post_init__(self) -> None:
-        check_fp8_dtype(self, self.fp8_dtype)
+        normalize_fp8_dtype(self)
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"

@@ -8,7 +8,7 @@ import torch
 
 from graphquant.formats import mxfp8
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
-from graphquant.quantizers.float8 import check_fp8_dtype
+from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = mxfp8.BLOCK_LEN
 
@@ -31,7 +31,7 @@ class MXFP8Quantizer(Quantizer):
     fp8_dtype: str = "e4m3"
 
     def __post_init__(self) -> None:
-        check_fp8_dtype(self, self.fp8_dtype)
+        normalize_fp8_dtype(self)
 
     def block(self, direction: str) -> tuple[int, int]:
         return (1, BLOCK_LEN) if direction == ROWWISE else (BLOCK_LEN, 1)

@@ -8,7 +8,7 @@ import torch
 
 from graphquant.formats import block
 from graphquant.quantizers.base import COLUMNWISE, QuantizeContext, Quantizer, Representation
-from graphquant.quantizers.float8 import check_fp8_dtype
+from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Float8RowwiseQuantizer(Quantizer):
     amax_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
-        check_fp8_dtype(self, self.fp8_dtype)
+        normalize_fp8_dtype(self)
 
     def block(self, direction: str) -> tuple[int, int]:
         return (-1, 1) if direction == COLUMNWISE else (1, -1)
