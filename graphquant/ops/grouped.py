@@ -146,8 +146,8 @@ def grouped_gemm(
     b_offs: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """out_g = A_g @ B_g^T for each row group g of both operands, each the emulated GEMM that the
-    plan names for every grouped pair.
+    """out_g = A_g @ B_g^T for each row group g of both operands, on ``emulation.gemm``: the
+    backend the plan gives every grouped pair (an Identity pair's high-precision matmul too).
 
     A rowwise: the groups' outputs are stacked along the rows, (rows of A, n). A columnwise
     (wgrad, both operands reduced over their groups' rows): one (m, n) per group, (groups, m, n).
