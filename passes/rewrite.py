@@ -91,7 +91,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         )
         if amax_group is not None and site.form != GROUPED:
             kwargs["amax_group"] = amax_group
-        if plan.fast_accumulation != DEFAULT_FAST_ACCUMULATION:
+        if plan.fast_accumulation != DEFAULT_FAST_ACCUMULATION and site.form != GROUPED:  # grouped GEMMs are emulated
             kwargs["fast_accumulation"] = plan.fast_accumulation
         args, form_kwargs = _arguments(node, site)
         if inference and site.form == LINEAR:

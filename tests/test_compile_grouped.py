@@ -11,11 +11,22 @@ import copy
 
 import pytest
 import torch
-from reference import EPS32, fresh_dynamo, ref_dequantize, ref_quantize  # noqa: F401
+import torch.nn.functional as F
+from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
+    EPS32,
+    INDUCTOR_SLACK,
+    GemmTape,
+    Reference,
+    assert_same_results,
+    forward_backward,
+    fresh_dynamo,
+    ref_dequantize,
+    ref_quantize,
+)
 
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer
 
 E, K, N, T = 4, 64, 32, 128
 SIZES = (32, 0, 64, 32)  # expert 1 gets no rows
@@ -188,3 +199,81 @@ def test_grouped_ops_pass_opcheck(quantizer):
     gemm_args = (xq, quantizer.spec, ROWWISE, [T, K], offs, wq, quantizer.spec, ROWWISE, [E * N, K], w_offs, torch.bfloat16)
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
+
+
+# -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
+
+EXPERTS, DIM, HIDDEN, ROWS = 8, 128, 256, 64  # 64 rows an expert: whole MXFP8 blocks
+
+
+class ExpertMLP(torch.nn.Module):
+    """Up projection, SiLU, down projection, each a torch._grouped_mm over the experts.
+
+    routed: inside the forward, a router picks each row's expert (argmax), the rows are sorted by
+    expert and the group offsets counted (bincount, cumsum), as an MoE layer does; else the rows
+    come sorted with fixed offsets. The router is a buffer: argmax passes no gradient back.
+    """
+
+    def __init__(self, routed: bool):
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.routed = routed
+        self.up = torch.nn.Parameter((torch.randn(EXPERTS, DIM, HIDDEN, generator=generator) / DIM**0.5).to(torch.bfloat16))
+        self.down = torch.nn.Parameter((torch.randn(EXPERTS, HIDDEN, DIM, generator=generator) / HIDDEN**0.5).to(torch.bfloat16))
+        self.register_buffer("router", torch.eye(EXPERTS, DIM, dtype=torch.bfloat16))  # reads the first EXPERTS features
+        self.register_buffer("offs", torch.arange(1, EXPERTS + 1, dtype=torch.int32) * ROWS)
+
+    def forward(self, x):
+        offs, order = self.offs, None
+        if self.routed:
+            expert = F.linear(x, self.router).argmax(-1)
+            order = expert.argsort(stable=True)
+            offs = torch.bincount(expert, minlength=EXPERTS).cumsum(0).to(torch.int32)
+            x = x[order]
+        h = torch._grouped_mm(x, self.up, offs=offs)
+        y = torch._grouped_mm(F.silu(h), self.down, offs=offs)
+        return y if order is None else y[order.argsort()]
+
+
+def chain_input(device):
+    """ROWS rows an expert, shuffled; feature e of a row of expert e is raised by 8, so the
+    router's argmax picks e with a margin no rounding can cross."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(EXPERTS * ROWS, DIM, generator=generator)
+    expert = torch.randperm(EXPERTS * ROWS, generator=generator) % EXPERTS
+    x[:, :EXPERTS] += 8.0 * F.one_hot(expert, EXPERTS)
+    return x.to(torch.bfloat16).to(device)
+
+
+def experts_quantized(recipe):
+    """``recipe`` on the grouped GEMMs; the router in high precision (its 8 outputs tile no
+    32-row MXFP8 block)."""
+    return CustomRecipe(lambda role: recipe.qfactory(role) if role.module_type == "grouped_linear" else IdentityQuantizer())
+
+
+CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipes.mxfp8_block_scaling}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("routed", [False, True], ids=["fixed_offsets", "routed"])
+@pytest.mark.parametrize("name", sorted(CHAIN_RECIPES))
+def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, routed, device):
+    """aot_eager against the eager per-group reference (teacher-forced, tests/reference.py),
+    then Inductor against aot_eager: the non-GEMM code Inductor compiles (SiLU, the routing)
+    moves no quantized value."""
+    recipe = experts_quantized(CHAIN_RECIPES[name]())
+    model, x, tape = ExpertMLP(routed).to(device), chain_input(device), GemmTape()
+    eager_model, ref_model, inductor_model = (copy.deepcopy(model) for _ in range(3))
+    compiled = graphquant.compile(eager_model, recipe, backend=tape.backend, fullgraph=True)
+    eager_graph = forward_backward(compiled, eager_model, x)
+    expected = forward_backward(Reference(ref_model, recipe, tape=tape), ref_model, x)
+    tape.assert_all_taken()
+    assert_same_results(eager_graph, expected, what="aot_eager: ")
+    grouped = [(g.site, g.bucket) for g in compiled.graphquant.plan.gemms if g.module_type == "grouped_linear"]
+    assert grouped == [(f"grouped_linear.{i}#0", "emulated") for i in (0, 1) for _ in range(3)]
+
+    torch._dynamo.reset()
+    inductor = graphquant.compile(inductor_model, recipe, fullgraph=True)  # backend="inductor"
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        actual = forward_backward(inductor, inductor_model, x)
+    assert_same_results(actual, eager_graph, slack=INDUCTOR_SLACK, what="inductor: ")

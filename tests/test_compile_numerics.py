@@ -19,6 +19,7 @@ import models
 import pytest
 import torch
 from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
+    INDUCTOR_SLACK,
     STREAMS_PER_STEP,
     GemmTape,
     Reference,
@@ -262,16 +263,6 @@ def test_float64_chain_can_split_at_ties():
 
 
 # -- Inductor ------------------------------------------------------------------------------------
-# Inductor fuses the non-GEMM code (RMSNorm, softmax, SiLU, bias adds and the traceable
-# quantizers) and orders its fp32 reductions differently; the custom GEMM runs as is. A
-# quantizer maps inputs that differ by fp32 roundoff to the same codes (unless they straddle a
-# rounding boundary, ~1e-6 per element for these random-valued activations), so Inductor's
-# results differ from aot_eager's only by reordered fp32 sums: reductions of up to 64 tokens,
-# 64 * 2^-24 of their sum of magnitudes, which we bound by 4 times the largest |value|:
-# 2^-16 of the tensor's largest element. A quantization difference (one FP8 step in one element
-# of one operand) moves a result by about 2^-4 |a||b|, far above that.
-INDUCTOR_SLACK = 2.0**-16
-
 # Inductor compiles C++ kernels, seconds each on a cold cache: three small cases. MXFP8 and
 # current scaling are traced into the graph (Inductor fuses them, here with RMSNorm); NVFP4 runs
 # as custom ops and takes the random stream's state as a graph input.

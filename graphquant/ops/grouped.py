@@ -15,7 +15,7 @@ static and backward keeps it as it keeps any other representation.
 
 Known cost: the ops read the group offsets on the host (``offs.tolist()``), one device
 synchronisation per op call; no native grouped GEMM exists yet, so every group runs the
-emulated GEMM of its pair (the planner says so).
+emulated GEMM of its pair, as the plan says.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from graphquant import backends, kernels
+from graphquant import emulation, kernels
 from graphquant.ops import registry
 from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops.library import quantizer_of
-from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -146,24 +145,26 @@ def grouped_gemm(
     b_shape: Sequence[int],
     b_offs: torch.Tensor,
     out_dtype: torch.dtype,
-    fast_accumulation: bool = False,
 ) -> torch.Tensor:
-    """out_g = A_g @ B_g^T for each row group g of both operands (the graphquant::gemm rule per group).
+    """out_g = A_g @ B_g^T for each row group g of both operands, on ``emulation.gemm``: the
+    backend the plan gives every grouped pair (an Identity pair's high-precision matmul too).
 
     A rowwise: the groups' outputs are stacked along the rows, (rows of A, n). A columnwise
     (wgrad, both operands reduced over their groups' rows): one (m, n) per group, (groups, m, n).
+    Not ``backends.gemm``: it would choose again per group, and on Hopper send a per-tensor FP8
+    group to cuBLASLt, which rejects a group's scale (a view 4 bytes into the stacked scales).
     """
     a_bounds, b_bounds = _bounds(a_offs, a_shape[0], a_spec), _bounds(b_offs, b_shape[0], b_spec)
     outs = []
     for g in range(len(a_bounds) - 1):
         rep_a = _part(a, a_spec, a_direction, a_shape[1], out_dtype, a_bounds, g)
         rep_b = _part(b, b_spec, b_direction, b_shape[1], out_dtype, b_bounds, g)
-        outs.append(backends.gemm(rep_a, rep_b, 1, out_dtype, None, fast_accumulation)[0])
+        outs.append(emulation.gemm(rep_a, rep_b, 1, out_dtype)[0])
     return torch.cat(outs) if a_direction == ROWWISE else torch.stack(outs)
 
 
 @registry.fake("grouped_gemm")
-def _(a, a_spec, a_direction, a_shape, a_offs, b, b_spec, b_direction, b_shape, b_offs, out_dtype, fast_accumulation=False):
+def _(a, a_spec, a_direction, a_shape, a_offs, b, b_spec, b_direction, b_shape, b_offs, out_dtype):
     groups = b_offs.shape[0]
     n = b_shape[0] // groups if b_direction == ROWWISE else b_shape[1]
     shape = (a_shape[0], n) if a_direction == ROWWISE else (groups, a_shape[1], n)
@@ -183,11 +184,9 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, quantizer: Quantizer, 
     return hybrid_directions(x, quantizer, directions, encode, rowwise_values)
 
 
-def _gemm(
-    a: Operand, a_offs: torch.Tensor, b: Operand, b_offs: torch.Tensor, out_dtype: torch.dtype, fast: bool
-) -> torch.Tensor:
+def _gemm(a: Operand, a_offs: torch.Tensor, b: Operand, b_offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return torch.ops.graphquant.grouped_gemm(
-        a.tensors, a.spec, a.direction, a.shape, a_offs, b.tensors, b.spec, b.direction, b.shape, b_offs, out_dtype, fast
+        a.tensors, a.spec, a.direction, a.shape, a_offs, b.tensors, b.spec, b.direction, b.shape, b_offs, out_dtype
     )
 
 
@@ -202,7 +201,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
         w2d = w.transpose(1, 2).reshape(experts * n, k)  # expert g's W_g = w[g]^T, stacked
         xq = quantize_grouped(x, offs, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), site.label)
         wq = quantize_grouped(w2d, w_offs, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), site.label)
-        y = _gemm(xq[ROWWISE], offs, wq[ROWWISE], w_offs, torch.promote_types(x.dtype, w.dtype), site.fast("fprop"))
+        y = _gemm(xq[ROWWISE], offs, wq[ROWWISE], w_offs, torch.promote_types(x.dtype, w.dtype))
 
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), offs, w_offs)
         ctx.site, ctx.dtypes = site, (x.dtype, w.dtype)
@@ -214,21 +213,17 @@ class QuantizedGroupedMM(torch.autograd.Function):
         x_col, w_col, (offs, w_offs) = saved_columnwise(ctx)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         gq = quantize_grouped(dy.contiguous(), offs, ctx.site.grad_output, directions, ctx.site.label)
-        site = ctx.site
-        dx = _gemm(gq[ROWWISE], offs, w_col, w_offs, ctx.dtypes[0], site.fast("dgrad")) if need_dx else None
-        dw = _gemm(gq[COLUMNWISE], offs, x_col, offs, ctx.dtypes[1], site.fast("wgrad")).transpose(1, 2) if need_dw else None
+        dx = _gemm(gq[ROWWISE], offs, w_col, w_offs, ctx.dtypes[0]) if need_dx else None
+        dw = _gemm(gq[COLUMNWISE], offs, x_col, offs, ctx.dtypes[1]).transpose(1, 2) if need_dw else None
         return dx, dw, None, None
 
 
-def quantized_grouped_mm(
-    x, w, offs, *, name, call, input, weight, grad_output, states=None, rng=None, streams=None,
-    fast_accumulation=DEFAULT_FAST_ACCUMULATION,
-):
+def quantized_grouped_mm(x, w, offs, *, name, call, input, weight, grad_output, states=None, rng=None, streams=None):
     """torch._grouped_mm(x, w, offs=offs) with input, weight and grad_output in the formats named.
 
     states, rng, streams: what rewrite passes every site; unused, as the planner admits no
     stateful or stochastic format for grouped sites (``unsupported``).
     """
     quantizers = quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output)
-    site = Site(name, *quantizers, w.shape[0], call, fast_accumulation=fast_accumulation)
+    site = Site(name, *quantizers, w.shape[0], call)
     return QuantizedGroupedMM.apply(x, w, offs, site)
