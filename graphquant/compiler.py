@@ -179,7 +179,11 @@ class GraphquantBackend:
 
     def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
         """The qualified name of the submodule whose code this graph was traced from ("" for the
-        model itself), found by matching a lifted parameter's source with its name in the model."""
+        model itself), found by matching a lifted parameter's source with its name in the model.
+
+        Dynamo compiles a submodule's code on its own after a graph break inside it, and would run
+        that graph for every module of the class; the sites are named after this one, so Dynamo is
+        made to guard on its identity and compile the code again for each other module."""
         if self.root is None:
             return ""
         names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
@@ -192,13 +196,7 @@ class GraphquantBackend:
             if absolute == relative or not absolute.endswith("." + relative):
                 return ""
             frame = absolute[: -len(relative) - 1]
-            kind = type(self.root.get_submodule(frame)).__name__
-            user_stack.warn(
-                f"graphquant: a graph break inside {frame} ({kind}) made Dynamo compile that module's code on its "
-                f"own; its GEMM sites are named after {frame}, but Dynamo may run this graph for other {kind} "
-                "modules too, which then share these sites' formats and delayed-scaling state. Remove the graph "
-                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is)."
-            )
+            _guard_identity(grapharg.source)
             return frame
         return ""
 
@@ -251,6 +249,17 @@ def _raising(error: Exception) -> Callable:
         raise error.with_traceback(None)
 
     return run
+
+
+def _guard_identity(parameter_source: Any) -> None:
+    """Make Dynamo run the graph it is compiling only for the object at the root of
+    ``parameter_source`` (the frame's local that holds the module owning the parameter)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+
+    root = parameter_source
+    while getattr(root, "base", None) is not None:
+        root = root.base
+    install_guard(root.make_guard(GuardBuilder.ID_MATCH))
 
 
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
