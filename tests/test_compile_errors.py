@@ -372,7 +372,8 @@ def test_running_past_the_recompile_limit_is_an_error(recompile_counts):
         compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=False)
         compiled(x3(batch=2))
         # A new batch size needs a recompile, and the one this model may have is spent.
-        with pytest.raises(graphquant.RecompileLimitError, match=r"MLP would run unquantized.*recompile_limit = 1 .*Raise torch\._dynamo\.config\.recompile_limit") as info:
+        expected = r"MLP would run unquantized.*recompile_limit = 1 .*Raise torch\._dynamo\.config\.recompile_limit"
+        with pytest.raises(graphquant.RecompileLimitError, match=expected) as info:
             compiled(x3(batch=3))
         if recompile_counts == "shared":
             assert "Before torch 2.13" in str(info.value)

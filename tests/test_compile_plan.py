@@ -309,8 +309,9 @@ def test_a_graph_break_inside_a_block_keeps_names_and_formats_per_block():
         compiled = graphquant.compile(model, recipe, backend="aot_eager")
         results[graph_break] = forward_backward(compiled, model, x)
         plans[graph_break] = Plan.combine(compiled.graphquant.plans)
-    formats = {graph_break: {(g.site, g.gemm): (g.a_format, g.b_format) for g in plan.gemms} for graph_break, plan in plans.items()}
-    assert sorted({site for site, _ in formats[True]}) == ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0", "layers.1.fc2#0"]
+    formats = {broken: {(g.site, g.gemm): (g.a_format, g.b_format) for g in plan.gemms} for broken, plan in plans.items()}
+    sites = ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0", "layers.1.fc2#0"]
+    assert sorted({site for site, _ in formats[True]}) == sites
     assert formats[True] == formats[False]
     fp8, high = factories.current_scaling_factory(None).spec, IdentityQuantizer().spec
     assert formats[True][("layers.0.fc2#0", "fprop")] == (fp8, fp8)
