@@ -349,7 +349,8 @@ class RecompileLimitError(RuntimeError):
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
     """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
     reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
-    The flag is Dynamo's own and is read only when it compiles; setting it costs a few microseconds a call."""
+    The flag is Dynamo's own and is read only when it compiles; setting it costs a few
+    microseconds a call."""
     config = torch._dynamo.config
 
     @functools.wraps(call)

@@ -119,7 +119,8 @@ def test_graph_break_inside_a_submodule_keeps_names_from_the_root_per_module():
 
     plan = graphquant.explain(Stack(), zoo.recipe("tensorwise"), torch.randn(16, 32))
     # Dynamo compiles each block's code, before and after the break, for that block alone.
-    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0", "layers.1.fc2#0"]
+    sites = ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0", "layers.1.fc2#0"]
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == sites
 
 
 def rht_on_grad_output_only(role):
