@@ -8,7 +8,7 @@ from importlib import metadata as _metadata
 import torch  # noqa: F401  (the native extension links against torch's libraries)
 
 from graphquant import factories, recipes, zoo
-from graphquant.compiler import compile
+from graphquant.compiler import RecompileLimitError, compile
 from graphquant.explainer import explain
 from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
 
@@ -58,6 +58,7 @@ __all__ = [
     "QuantizeContext",
     "Quantizer",
     "QuantizerRole",
+    "RecompileLimitError",
     "Representation",
     "compile",
     "explain",

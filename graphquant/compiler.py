@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import fx
 
-from graphquant.passes.find_gemms import find_gemms, parameter_path
+from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
 from graphquant.plan import Plan, PlanError, Planner
@@ -22,8 +22,10 @@ from graphquant.roles import QuantizerRole
 MODES = (None, "training", "inference")
 
 # Every graphquant.compile brings its own backend, and Dynamo counts each against the recompile
-# limit that all compiles of one forward share; past it the model would silently run eagerly,
-# unquantized. Isolated compiles (torch >= 2.13) each keep their own count.
+# limit that all compiles of one forward share; past it the model would run eagerly, unquantized
+# (_failing_past_the_recompile_limit makes that an error). Isolated compiles (torch >= 2.13) each
+# keep their own count; before, models compiled from different modules keep theirs through the
+# guard on each graph's module (_guard_identity).
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
@@ -178,8 +180,14 @@ class GraphquantBackend:
         return run
 
     def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-        """The qualified name of the submodule whose code this graph was traced from ("" for the
-        model itself), found by matching a lifted parameter's source with its name in the model."""
+        """The qualified name of the module whose code this graph was traced from ("" for the
+        model itself), found by matching a lifted parameter's source with its name in the model.
+
+        Dynamo would run the graph for any module of that class (a submodule's code compiles on
+        its own after a graph break inside it), but its sites are named after this module: the
+        graph is guarded on the module's identity, so any other module gets a graph of its own.
+        Dynamo counts recompiles per guarded module, so this also gives models compiled from
+        different modules of one class their own counts where compiles are not isolated."""
         if self.root is None:
             return ""
         names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
@@ -187,19 +195,11 @@ class GraphquantBackend:
             grapharg = node.meta.get("grapharg")
             if not isinstance(value, torch.nn.Parameter) or id(value) not in names or grapharg is None:
                 continue
-            source = grapharg.source.name
-            relative, absolute = parameter_path(source() if callable(source) else source), names[id(value)]
-            if absolute == relative or not absolute.endswith("." + relative):
+            relative, absolute = parameter_path(_source_name(grapharg.source)), names[id(value)]
+            if absolute != relative and not absolute.endswith("." + relative):
                 return ""
-            frame = absolute[: -len(relative) - 1]
-            kind = type(self.root.get_submodule(frame)).__name__
-            user_stack.warn(
-                f"graphquant: a graph break inside {frame} ({kind}) made Dynamo compile that module's code on its "
-                f"own; its GEMM sites are named after {frame}, but Dynamo may run this graph for other {kind} "
-                "modules too, which then share these sites' formats and delayed-scaling state. Remove the graph "
-                "break for formats per module (TORCH_LOGS=graph_breaks shows where it is)."
-            )
-            return frame
+            _guard_identity(grapharg.source)
+            return absolute[: -len(relative) - 1] if absolute != relative else ""
         return ""
 
     def _inner(self) -> Callable:
@@ -251,6 +251,26 @@ def _raising(error: Exception) -> Callable:
         raise error.with_traceback(None)
 
     return run
+
+
+def _source_name(source: Any) -> str:
+    name = source.name
+    return name() if callable(name) else name
+
+
+def _guard_identity(parameter_source: Any) -> None:
+    """Make Dynamo run the graph it is compiling only for the module that ``parameter_source``
+    starts from (L['self'], or where a wrapper passes it, L['fn'] or L['args'][0]): an ID_MATCH
+    guard on the source of that module, under the wrappers that only mark it as a module (the
+    guard on a plain local is also the one Dynamo counts recompiles by)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+
+    module = parameter_source
+    while fqn_from_stack_path(_source_name(module)):
+        module = module.base
+    while getattr(module, "base", None) is not None and _source_name(module.base) == _source_name(module):
+        module = module.base
+    install_guard(module.make_guard(GuardBuilder.ID_MATCH))
 
 
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -313,26 +333,46 @@ def compile(
         root=model if isinstance(model, torch.nn.Module) else None,
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
-    compiled.__dict__["graphquant"] = gq_backend
+    name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
     if isinstance(compiled, torch.nn.Module):
-        _warn_if_first_call_runs_eagerly(compiled, gq_backend)
+        compiled.forward = _failing_past_the_recompile_limit(compiled.forward, name)
+    else:
+        compiled = _failing_past_the_recompile_limit(compiled, name)
+    compiled.__dict__["graphquant"] = gq_backend
     return compiled
 
 
-def _warn_if_first_call_runs_eagerly(compiled: torch.nn.Module, backend: GraphquantBackend) -> None:
-    """After the first call, warn if Dynamo ran the model without handing graphquant a graph: then
-    nothing in it was quantized. Without isolated compiles (torch < 2.13), the ninth compiled model
-    of a process whose forward Dynamo wraps (a torch.nn container such as nn.Sequential) hits the
-    recompile limit that all their compiles share, and runs eagerly with only Dynamo's log line."""
+class RecompileLimitError(RuntimeError):
+    """Dynamo reached its recompile limit in a graphquant model, which would then run unquantized."""
 
-    def check(module: torch.nn.Module, args: Any, output: Any) -> None:
-        handle.remove()
-        if not backend.plans:
-            user_stack.warn(
-                f"graphquant: torch.compile ran {type(compiled._orig_mod).__name__} without capturing a graph, so "
-                "nothing in it is quantized. The likely cause is Dynamo's recompile limit, which every compiled "
-                "nn.Sequential-like model of a process shares before torch 2.13: raise "
-                "torch._dynamo.config.recompile_limit (TORCH_LOGS=recompiles shows the reason)."
+
+def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
+    """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
+    reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
+    The flag is Dynamo's own and is read only when it compiles; setting it costs a few
+    microseconds a call."""
+    config = torch._dynamo.config
+
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = config.fail_on_recompile_limit_hit
+        config.fail_on_recompile_limit_hit = True
+        try:
+            return call(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            shared = "" if _ISOLATED else (
+                " Before torch 2.13, the count of a module's code takes in the compiles of every model compiled from "
+                "that module (graphquant.compile of it under several recipes, or torch.compile)."
             )
+            raise RecompileLimitError(
+                f"graphquant: {name} would run unquantized: Dynamo reached its recompile limit for code this model "
+                f"runs (torch._dynamo.config.recompile_limit = {config.recompile_limit} graphs of one code for one "
+                f"module, accumulated_recompile_limit = {config.accumulated_recompile_limit} in all; Dynamo's warning "
+                f"'hit config...' names the code) and would run that code eagerly, in high precision.{shared} Raise "
+                "torch._dynamo.config.recompile_limit to run it quantized, or call torch._dynamo.reset() once the "
+                "models compiled earlier are no longer used (TORCH_LOGS=recompiles says why each recompile happened)."
+            ) from error
+        finally:
+            config.fail_on_recompile_limit_hit = before
 
-    handle = compiled.register_forward_hook(check)
+    return run

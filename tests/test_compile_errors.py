@@ -338,19 +338,54 @@ def test_inductor_options_with_another_backend_are_an_error():
         graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), backend="aot_eager", compile_mode="reduce-overhead")
 
 
-def test_a_model_that_dynamo_runs_eagerly_warns_that_nothing_is_quantized():
-    """Dynamo falls back to eager past its recompile limit (before torch 2.13 the ninth compiled
-    nn.Sequential of a process does): the first call says that nothing was quantized, once."""
+@pytest.fixture(params=["isolated", "shared"])
+def recompile_counts(request, monkeypatch):
+    """How Dynamo counts the recompiles of graphquant models: "isolated", each graphquant.compile
+    on its own (torch >= 2.13), or "shared" by every compile of the same code, as graphquant.compile
+    leaves them on torch < 2.13, where torch.compile has no isolate_recompiles."""
+    if request.param == "isolated" and not graphquant.compiler._ISOLATED:
+        pytest.skip("torch.compile(isolate_recompiles=...) arrived in torch 2.13")
+    if request.param == "shared":
+        monkeypatch.setattr(graphquant.compiler, "_ISOLATED", {})
+    return request.param
+
+
+@pytest.mark.parametrize("make", [models.MLP, lambda: torch.nn.Sequential(models.MLP())], ids=["MLP", "Sequential"])
+def test_models_of_one_class_each_keep_their_own_recompile_budget(recompile_counts, make):
+    """A process that compiles more models of one class than Dynamo's recompile limit (a sweep
+    over recipes, a notebook) gets every one of them quantized."""
+    x = x3()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for recipe in (recipes.mxfp8_block_scaling(), recipes.current_scaling(), recipes.mxfp8_block_scaling()):
+            model = models.seeded(make())
+            compiled = graphquant.compile(model, recipe, backend="aot_eager")
+            y = compiled(x)
+            assert len(compiled.graphquant.plans) == 1
+            assert not torch.equal(y, model(x))
+
+
+def test_running_past_the_recompile_limit_is_an_error(recompile_counts):
+    """Past Dynamo's recompile limit a model would run eagerly, in high precision: it fails instead,
+    saying why and what to change, and runs once the limit allows it."""
     model = models.seeded(models.MLP())
-    with torch._dynamo.config.patch(recompile_limit=0):
-        compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
-        with pytest.warns(UserWarning, match="nothing in it is quantized"):
-            y = compiled(x3())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            compiled(x3())
-    assert torch.equal(y, model(x3())) and compiled.graphquant.plans == []
-    quantized = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        quantized(x3())
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=False)
+        compiled(x3(batch=2))
+        # A new batch size needs a recompile, and the one this model may have is spent.
+        expected = r"MLP would run unquantized.*recompile_limit = 1 .*Raise torch\._dynamo\.config\.recompile_limit"
+        with pytest.raises(graphquant.RecompileLimitError, match=expected) as info:
+            compiled(x3(batch=3))
+        if recompile_counts == "shared":
+            assert "Before torch 2.13" in str(info.value)
+        # The same module under another recipe: the code's own recompile count, not the model's,
+        # is spent where compiles of the same code are counted together.
+        other = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", dynamic=False)
+        if recompile_counts == "shared":
+            with pytest.raises(graphquant.RecompileLimitError):
+                other(x3(batch=2))
+        else:
+            other(x3(batch=2))
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False
+    with torch._dynamo.config.patch(recompile_limit=2):
+        y = compiled(x3(batch=3))
+    assert not torch.equal(y, model(x3(batch=3))) and len(compiled.graphquant.plans) == 2

@@ -19,7 +19,7 @@ from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
 )
 
 import graphquant
-from graphquant import CustomRecipe, factories, recipes
+from graphquant import CustomRecipe, IdentityQuantizer, Plan, factories, recipes
 
 
 class CountingFactory:
@@ -259,3 +259,61 @@ def test_not_quantized_products_are_listed():
     assert len(compiled.graphquant.plan.skipped) == 1
     assert "1-D" in compiled.graphquant.plan.skipped[0][1]
     assert y.shape == (2, 32)
+
+
+# -- a graph break inside a module ------------------------------------------------------------------
+
+
+class BreakingBlock(torch.nn.Module):
+    """fc1, then (if asked) a graph break, then fc2. With the break, Dynamo compiles this code
+    on its own, and without a guard on the block it runs that graph for every BreakingBlock."""
+
+    def __init__(self, graph_break: bool, dim: int = 64):
+        super().__init__()
+        self.graph_break = graph_break
+        self.fc1, self.fc2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.fc2(h)
+
+
+class BreakingStack(torch.nn.Module):
+    def __init__(self, graph_break: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([BreakingBlock(graph_break), BreakingBlock(graph_break)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def fp8_block0_high_precision_block1(role):
+    if role.name.startswith("layers.1."):
+        return IdentityQuantizer()
+    return factories.current_scaling_factory(role)
+
+
+@pytest.mark.filterwarnings("ignore:the recipe quantizes no GEMM")  # block 1's graphs, all high precision
+def test_a_graph_break_inside_a_block_keeps_names_and_formats_per_block():
+    """Block 1 must not run block 0's graph: each block's GEMMs keep their own names and the
+    formats the factory gave them, so the results are those of the same model without the break."""
+    recipe = CustomRecipe(fp8_block0_high_precision_block1)
+    x = x3()
+    plans, results = {}, {}
+    for graph_break in (False, True):
+        model = models.seeded(BreakingStack(graph_break))
+        compiled = graphquant.compile(model, recipe, backend="aot_eager")
+        results[graph_break] = forward_backward(compiled, model, x)
+        plans[graph_break] = Plan.combine(compiled.graphquant.plans)
+    formats = {broken: {(g.site, g.gemm): (g.a_format, g.b_format) for g in plan.gemms} for broken, plan in plans.items()}
+    sites = ["layers.0.fc1#0", "layers.0.fc2#0", "layers.1.fc1#0", "layers.1.fc2#0"]
+    assert sorted({site for site, _ in formats[True]}) == sites
+    assert formats[True] == formats[False]
+    fp8, high = factories.current_scaling_factory(None).spec, IdentityQuantizer().spec
+    assert formats[True][("layers.0.fc2#0", "fprop")] == (fp8, fp8)
+    assert formats[True][("layers.1.fc2#0", "fprop")] == (high, high)
+    assert_same_results(results[True], results[False], slack=0)
