@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 from tabulate import tabulate
 
-from graphquant import scaled_mm
+from graphquant.kernels import scaled_mm
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from tabulate import tabulate
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, print_algorithm_choices  # noqa: E402
 
-from graphquant import backends, scaled_mm  # noqa: E402
+from graphquant.kernels import backends, scaled_mm  # noqa: E402
 from graphquant.quantizers import (  # noqa: E402
     ROWWISE,
     Float8BlockQuantizer,

@@ -18,7 +18,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from graphquant import backends, kernels
+from graphquant.kernels import backends, native
 from graphquant.formats import fp8
 from graphquant.quantizers import ROWWISE, Float8CurrentScalingQuantizer, QuantizeContext
 
@@ -53,16 +53,16 @@ _BENCH.impl("dispatched_clone", lambda x: x.clone(), "CompositeExplicitAutograd"
 
 
 def main() -> None:
-    if kernels.native() is None:
+    if native.extension() is None:
         raise SystemExit("graphquant._C has no CUDA kernels: build it first (pip install --no-build-isolation -e .)")
     quantizer = Float8CurrentScalingQuantizer("e4m3")
     spec = quantizer.spec
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     ctx = QuantizeContext()
-    a = kernels.quantize_pass(quantizer, x, ctx, columnwise=False).rowwise
-    b = kernels.quantize_pass(quantizer, w, ctx, columnwise=False).rowwise
-    ext = kernels.native()
+    a = native.quantize_pass(quantizer, x, ctx, columnwise=False).rowwise
+    b = native.quantize_pass(quantizer, w, ctx, columnwise=False).rowwise
+    ext = native.extension()
     amax = x.abs().amax().float()
     fp8_max = fp8.fp8_max("e4m3")
 
@@ -81,7 +81,7 @@ def main() -> None:
         ("gemm", "_C.fp8_gemm", lambda: ext.fp8_gemm(a.data, b.data, a.scale.reshape(()), b.scale.reshape(()), torch.bfloat16, True, None)),
         ("gemm", "torch._scaled_mm", lambda: torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.bfloat16, use_fast_accum=True)),
         ("quantize", "graphquant::quantize", lambda: torch.ops.graphquant.quantize(w, spec, True, True, None, None, 0)),
-        ("quantize", "kernels.quantize_pass", lambda: kernels.quantize_pass(quantizer, w, ctx)),
+        ("quantize", "native.quantize_pass", lambda: native.quantize_pass(quantizer, w, ctx)),
         ("scales", "graphquant::fp8_scales", lambda: torch.ops.graphquant.fp8_scales(amax, "e4m3", 0.0, False)),
         ("scales", "torch ops (torchao's)", lambda: fp8_max / torch.clamp(amax, min=1e-12)),
         ("transpose", "graphquant::transposed", lambda: torch.ops.graphquant.transposed(a.data)),

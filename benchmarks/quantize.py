@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from tabulate import tabulate
 
-from graphquant import kernels
+from graphquant.kernels import native
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="16384x4096,16384x14336")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    if kernels.native() is None:
+    if native.extension() is None:
         raise SystemExit("graphquant._C has no CUDA kernels: build it first (pip install --no-build-isolation -e .)")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     ctx = QuantizeContext(scale=torch.tensor([0.5], device="cuda"), seed=1, offset=2)
@@ -135,9 +135,9 @@ def main() -> None:
             q = factory()
             passes = 1 + pre_passes(q)
             for direction, call in (
-                (ROWWISE, lambda: (kernels.quantize(q, x, ROWWISE, ctx),)),
-                (COLUMNWISE, lambda: (kernels.quantize(q, x, COLUMNWISE, ctx),)),
-                ("both", lambda: kernels.quantize_hybrid(q, x, ctx)),
+                (ROWWISE, lambda: (native.quantize(q, x, ROWWISE, ctx),)),
+                (COLUMNWISE, lambda: (native.quantize(q, x, COLUMNWISE, ctx),)),
+                ("both", lambda: native.quantize_hybrid(q, x, ctx)),
             ):
                 ms = gpu_ms(call, args.reps)
                 gbs = (passes * x.nbytes + out_bytes(call())) / ms / 1e6
@@ -153,13 +153,13 @@ def main() -> None:
             dequantized = q.columnwise_source == "rowwise_dequantized"
 
             def separate():
-                rowwise = kernels.quantize(row_q, x, ROWWISE, ctx)
-                source = kernels.dequantize(rowwise) if dequantized else x
-                return rowwise, kernels.quantize(col_q, source, COLUMNWISE, ctx)
+                rowwise = native.quantize(row_q, x, ROWWISE, ctx)
+                source = native.dequantize(rowwise) if dequantized else x
+                return rowwise, native.quantize(col_q, source, COLUMNWISE, ctx)
 
-            fused_ms = gpu_ms(lambda: kernels.quantize_hybrid(q, x, ctx), args.reps)
+            fused_ms = gpu_ms(lambda: native.quantize_hybrid(q, x, ctx), args.reps)
             separate_ms = gpu_ms(separate, args.reps)
-            separate_bytes, fused_bytes = hybrid_bytes(q, x, *kernels.quantize_hybrid(q, x, ctx))
+            separate_bytes, fused_bytes = hybrid_bytes(q, x, *native.quantize_hybrid(q, x, ctx))
             bound = separate_bytes / fused_bytes  # the speedup at equal bandwidth
             rows.append([name, f"{fused_ms * 1e3:.1f}", f"{separate_ms * 1e3:.1f}", f"{separate_ms / fused_ms:.2f}x", f"{bound:.2f}x"])
             summary.append((f"{m}x{k} hybrid {name}", separate_ms / fused_ms))

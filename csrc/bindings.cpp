@@ -1,7 +1,7 @@
 // graphquant._C: the native extension's Python face.
 //
 // The host side always builds; CUDA kernels (csrc/cuda) register their entry points here when the
-// extension is compiled with GRAPHQUANT_WITH_CUDA. graphquant.kernels reads `cuda_built` to decide
+// extension is compiled with GRAPHQUANT_WITH_CUDA. graphquant.kernels.native reads `cuda_built` to decide
 // whether the native path exists at all.
 #include <torch/extension.h>
 

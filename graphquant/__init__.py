@@ -10,15 +10,9 @@ import torch  # noqa: F401  (the native extension links against torch's librarie
 from graphquant import factories, recipes, zoo
 from graphquant.compiler import RecompileLimitError, compile
 from graphquant.explainer import explain
-from graphquant.ops import library as _library  # noqa: F401  (registers the custom ops)
-
-try:  # the CUDA kernels of graphquant::fp8_scales and graphquant::transposed, where Triton exists
-    from graphquant import triton_scales as _triton_scales  # noqa: F401
-    from graphquant import triton_transpose as _triton_transpose  # noqa: F401
-except ImportError:
-    pass
+from graphquant.ops import library as _library, scales as _scales  # noqa: F401  (registers the custom ops)
 from graphquant.numerics_report import numerics
-from graphquant.plan import Plan, PlanError
+from graphquant.passes.plan import Plan, PlanError
 from graphquant.quantizers import (
     DelayedScalingRequest,
     Float8BlockQuantizer,

@@ -14,7 +14,7 @@ from torch import fx
 from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
-from graphquant.plan import Plan, PlanError, Planner
+from graphquant.passes.plan import Plan, PlanError, Planner
 from graphquant.quantizers import Float8DelayedScalingQuantizer
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole

@@ -18,7 +18,7 @@ import os
 
 from torch import fx
 
-from graphquant.plan import Plan
+from graphquant.passes.plan import Plan
 
 
 def dump_graph(dump_dir: str, captured: str, gm: fx.GraphModule, plan: Plan) -> str:

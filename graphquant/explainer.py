@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from graphquant import compiler
-from graphquant.plan import Plan
+from graphquant.passes.plan import Plan
 from graphquant.recipes import CustomRecipe
 
 # Static shapes, unless asked otherwise, so the plan's backend choice sees every size whatever

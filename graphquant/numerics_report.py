@@ -21,7 +21,7 @@ from graphquant.explainer import run_once
 from graphquant.formats import nvfp4
 from graphquant.ops import gemm_site
 from graphquant.ops.library import unflatten
-from graphquant.plan import Plan
+from graphquant.passes.plan import Plan
 from graphquant.quantizers import IdentityQuantizer, NVFP4Quantizer, Representation
 from graphquant.recipes import CustomRecipe
 

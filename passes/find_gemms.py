@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from graphquant.passes.einsum import EinsumLayout, einsum_layout
 from graphquant.roles import QuantizerRole
 
 # Graph targets by form. A form says how the site's operands map onto y = x @ w^T.
@@ -63,7 +64,8 @@ class GemmSite:
     a linear; dims that are symbolic (dynamic shapes) are None. A grouped site has x_shape
     (1, T, K) with its rows split among the experts at run time, and w_shape (E, N, K).
     x_sizes and w_sizes are the same shapes with each symbolic dim as its torch.SymInt: checked
-    through them, a dynamic size's check becomes a guard of the compiled graph.
+    through them, a dynamic size's check becomes a guard of the compiled graph. An einsum site
+    carries its layout as a batched product (rewrite passes it on to the op).
     """
 
     form: str
@@ -75,6 +77,7 @@ class GemmSite:
     w_shape: tuple[Optional[int], Optional[int], Optional[int]]
     x_sizes: tuple = dataclasses.field(compare=False, repr=False)
     w_sizes: tuple = dataclasses.field(compare=False, repr=False)
+    einsum: Optional[EinsumLayout] = None
 
     @property
     def label(self) -> str:
@@ -141,7 +144,7 @@ def _find(
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
             continue
-        x_sizes, w_sizes, batched = shapes
+        x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
         owner, call, module_is_linear = _owner(node, frame)
         if is_linear and module_is_linear:
@@ -161,6 +164,7 @@ def _find(
             w_shape=_static_shape(w_sizes),
             x_sizes=x_sizes,
             w_sizes=w_sizes,
+            einsum=einsum,
         )
         node.meta["graphquant_site"] = site
         sites.append(site)
@@ -225,29 +229,28 @@ def _static_shape(sizes: Sequence[object]) -> tuple[Optional[int], ...]:
 
 
 def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: bool):
-    """(x_sizes, w_sizes, batched) for y = x @ w^T, or the reason the product is not quantized."""
+    """(x_sizes, w_sizes, batched, an einsum's layout) for y = x @ w^T, or the reason the product
+    is not quantized."""
     va, vb = _value(a), _value(b)
     if va is None or vb is None:
         return "operand shapes unknown"
     if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
         return f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
     if form == EINSUM:
-        from graphquant.ops.einsum import plan_einsum
-
-        spec = plan_einsum(node.args[0], tuple(va.shape), tuple(vb.shape))
-        if spec is None:
+        layout = einsum_layout(node.args[0], tuple(va.shape), tuple(vb.shape))
+        if layout is None:
             return f"einsum {node.args[0]!r} is not a single (batched) matrix product"
-        return spec.x_shape, spec.w_shape, spec.x_shape[0] != 1
+        return layout.x_shape, layout.w_shape, layout.x_shape[0] != 1, layout
     if va.dim() < 2 or vb.dim() < 2:
         return "a 1-D operand (matrix-vector product)"
     k = va.shape[-1]
     if vb.dim() == 2:
         n = vb.shape[-1] if w_is_transposed else vb.shape[0]
-        return (1, math.prod(va.shape[:-1]), k), (1, n, k), False
+        return (1, math.prod(va.shape[:-1]), k), (1, n, k), False, None
     if tuple(va.shape[:-2]) != tuple(vb.shape[:-2]):
         return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast"
     batch = math.prod(va.shape[:-2])
-    return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True
+    return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True, None
 
 
 # The compiled root: L['self'], L['fn'], or L['args'][0] where a decorator wraps forward(*args)

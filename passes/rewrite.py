@@ -6,7 +6,8 @@ for torch._grouped_mm) whose keyword
 arguments name the site and spell out the format of input, weight/other and grad_output; slot
 state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
 of the returned keys. In an inference graph, each linear runs the inference formula (fprop alone,
-its weight quantized from its current value on every call). Nothing else in the graph changes.
+its weight quantized from its current value on every call). An einsum's equation becomes the
+layout find_gemms worked out for it. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import fx
 
 from graphquant.ops import gemm_site, grouped
 from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
-from graphquant.plan import Plan, PlanError
+from graphquant.passes.plan import Plan, PlanError
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.roles import QuantizerRole
 
@@ -147,6 +148,6 @@ def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
         return (named["mat_a"], named["mat_b"], named["offs"]), {}
     if site.form == EINSUM:
         operands = args[1:] if len(args) > 2 else list(args[1])
-        return (args[0], *operands), {}
+        return (site.einsum, *operands), {}
     other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
     return (args[0], other), {}

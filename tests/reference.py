@@ -2,7 +2,7 @@
 
 It uses only graphquant.quantizers (the reference numerics of every format), graphquant.roles
 (the factory's argument) and the recipe's factory: never graphquant.ops, graphquant.passes,
-graphquant.plan or graphquant.compiler. It re-derives, from the design document alone:
+graphquant.passes.plan or graphquant.compiler. It re-derives, from the design document alone:
 
 - which calls are GEMMs and their roles (design "Roles in a plain PyTorch graph"): F.linear,
   and matmul / mm / addmm with a 2-D Parameter as right operand, are ``linear``

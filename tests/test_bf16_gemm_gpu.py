@@ -9,7 +9,7 @@ same for every batch); inside a CUDA graph; its checks on the bias; and behind e
 import pytest
 import torch
 
-from graphquant import emulation, kernels
+from graphquant.kernels import emulation, native
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, NVFP4Quantizer, QuantizeContext
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ LAYOUTS = [("row", "row"), ("row", "col"), ("col", "row"), ("col", "col")]
 
 
 def _ext():
-    ext = kernels.native()
+    ext = native.extension()
     assert ext is not None, "graphquant._C was built without its CUDA kernels"
     return ext
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from graphquant.__main__ import load_recipe, main
-from graphquant.plan import Plan
+from graphquant import Plan
 from graphquant.recipes import CustomRecipe
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

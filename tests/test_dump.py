@@ -13,7 +13,7 @@ import torch
 
 import graphquant
 from graphquant import zoo
-from graphquant.plan import Plan
+from graphquant import Plan
 
 from explain_models import MLP, TinyAttention
 

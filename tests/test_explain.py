@@ -11,7 +11,7 @@ from torch import nn
 
 import graphquant
 from graphquant import factories, zoo
-from graphquant.plan import Plan
+from graphquant import Plan
 from graphquant.quantizers import HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 from explain_models import MLP, TinyAttention

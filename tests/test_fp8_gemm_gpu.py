@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from graphquant import kernels, scaled_mm
+from graphquant.kernels import native, scaled_mm
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ SHAPES = [(64, 96, 128), (272, 400, 528), (2048, 2048, 2048)]
 
 
 def _ext():
-    ext = kernels.native()
+    ext = native.extension()
     assert ext is not None, "graphquant._C was built without its CUDA kernels"
     return ext
 
@@ -132,11 +132,11 @@ def test_timing_turned_off_takes_the_heuristics_first():
     be timed is listed with nothing timed, chosen index 0, and the same bits."""
     program = """
 import torch
-from graphquant import kernels, scaled_mm
+from graphquant.kernels import native, scaled_mm
 a = (torch.randn(2048, 2048, device="cuda") * 4).to(torch.float8_e4m3fn)
 b = torch.randn(2048, 2048, device="cuda").to(torch.float8_e4m3fn)
 one = torch.tensor(1.0, device="cuda")
-out = kernels.native().fp8_gemm(a, b, one, one, torch.bfloat16, True)
+out = native.extension().fp8_gemm(a, b, one, one, torch.bfloat16, True)
 assert torch.equal(out, torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True))
 (choice,) = [dict(zip(scaled_mm.ALGORITHM_FIELDS, c)) for c in scaled_mm.algorithm_choices()]
 assert choice["chosen"] == 0 and choice["chosen us"] == choice["first us"] == 0, choice

@@ -7,7 +7,7 @@ layouts; the CPU cases pin the block-scale swizzle of the sm100 paths and the pl
 import pytest
 import torch
 
-from graphquant import backends, emulation, scaled_mm
+from graphquant.kernels import backends, emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,

@@ -8,7 +8,7 @@ the kernels' indexing, layouts and numerics are checked bit for bit where no GPU
 import pytest
 
 from emulation import extension
-from graphquant import kernels
+from graphquant.kernels import native
 from test_kernels_gpu import *  # noqa: F401,F403  (the tests, run here with the backend below)
 
 pytestmark = pytest.mark.slow
@@ -19,6 +19,6 @@ def backend(monkeypatch):
     ext = extension()
     if ext is None:
         pytest.skip("no C++ compiler to build the emulated kernels")
-    monkeypatch.setattr(kernels, "native", lambda: ext)
+    monkeypatch.setattr(native, "extension", lambda: ext)
     forbid_reference(monkeypatch)  # noqa: F405
     return "cpu"

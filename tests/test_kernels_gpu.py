@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from graphquant import kernels
+from graphquant.kernels import native
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -64,8 +64,8 @@ HYBRID_CHILDREN = ("fp8_current_e4m3", "fp8_block_1d", "fp8_block_2d_e5m2", "fp8
 
 
 # The references, kept before forbid_reference replaces kernels' fallbacks.
-REFERENCE = kernels.reference_quantize
-REFERENCE_GROUPED = kernels.reference_grouped_quantize
+REFERENCE = native.reference_quantize
+REFERENCE_GROUPED = native.reference_grouped_quantize
 
 
 def forbid_reference(monkeypatch):
@@ -74,14 +74,14 @@ def forbid_reference(monkeypatch):
     def fallback(*args, **kwargs):
         raise AssertionError("kernels fell back to the reference numerics: no native kernel ran")
 
-    monkeypatch.setattr(kernels, "reference_quantize", fallback)
-    monkeypatch.setattr(kernels, "reference_grouped_quantize", fallback)
+    monkeypatch.setattr(native, "reference_quantize", fallback)
+    monkeypatch.setattr(native, "reference_grouped_quantize", fallback)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)])
 def backend(request, monkeypatch):
     """The device whose tensors the native kernels take."""
-    assert kernels.native() is not None, "graphquant._C was built without its CUDA kernels"
+    assert native.extension() is not None, "graphquant._C was built without its CUDA kernels"
     forbid_reference(monkeypatch)
     return request.param
 
@@ -114,34 +114,34 @@ def supported(quantizer, shape, direction) -> bool:
     return True
 
 
-def assert_same(native, reference, what=""):
+def assert_same(got, reference, what=""):
     """Bit-identical tensors (NaN payloads aside), same shape and dtype; or both None."""
     if reference is None:
-        assert native is None, what
+        assert got is None, what
         return
-    assert native is not None, what
-    assert native.shape == reference.shape and native.dtype == reference.dtype, (
-        f"{what}: {native.shape} {native.dtype} vs {reference.shape} {reference.dtype}"
+    assert got is not None, what
+    assert got.shape == reference.shape and got.dtype == reference.dtype, (
+        f"{what}: {got.shape} {got.dtype} vs {reference.shape} {reference.dtype}"
     )
-    on_gpu = native.is_cuda
-    native, reference = native.cpu(), reference.cpu()
-    if native.dtype.is_floating_point and (native.dtype.itemsize > 1 or not on_gpu):
+    on_gpu = got.is_cuda
+    got, reference = got.cpu(), reference.cpu()
+    if got.dtype.is_floating_point and (got.dtype.itemsize > 1 or not on_gpu):
         # NaN payloads and signs are not part of the contract (a CPU propagates an operand's NaN
         # where a GPU makes a canonical one); FP8 NaNs must match exactly on the GPU.
-        both_nan = torch.isnan(native.float()) & torch.isnan(reference.float())
+        both_nan = torch.isnan(got.float()) & torch.isnan(reference.float())
     else:
-        both_nan = torch.zeros(native.shape, dtype=torch.bool)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[native.dtype.itemsize]
-    native, reference = native.view(ints).masked_fill(both_nan, 0), reference.view(ints).masked_fill(both_nan, 0)
-    mismatch = (native != reference).nonzero()
-    assert mismatch.numel() == 0, f"{what}: {mismatch.shape[0]} of {native.numel()} differ, first at {mismatch[:4].tolist()}"
+        both_nan = torch.zeros(got.shape, dtype=torch.bool)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.dtype.itemsize]
+    got, reference = got.view(ints).masked_fill(both_nan, 0), reference.view(ints).masked_fill(both_nan, 0)
+    mismatch = (got != reference).nonzero()
+    assert mismatch.numel() == 0, f"{what}: {mismatch.shape[0]} of {got.numel()} differ, first at {mismatch[:4].tolist()}"
 
 
-def assert_same_rep(native, reference, what=""):
+def assert_same_rep(got, reference, what=""):
     for field in ("data", "scale", "amax"):
-        assert_same(getattr(native, field), getattr(reference, field), f"{what} {field}")
+        assert_same(getattr(got, field), getattr(reference, field), f"{what} {field}")
     for field in ("direction", "shape", "transposed", "dtype", "hadamard", "quantizer"):
-        assert getattr(native, field) == getattr(reference, field), f"{what} {field}"
+        assert getattr(got, field) == getattr(reference, field), f"{what} {field}"
 
 
 CTX = QuantizeContext(seed=1234, offset=(7 << 32) + 99)
@@ -157,8 +157,8 @@ def test_quantize_matches_reference(backend, name, direction, dtype, values):
         if not supported(quantizer, shape, direction):
             continue
         x = make_input(shape, dtype, values, backend, seed=n)
-        native = kernels.quantize(quantizer, x, direction, CTX)
-        assert_same_rep(native, REFERENCE(quantizer, x, direction, CTX), f"{name} {shape}")
+        got = native.quantize(quantizer, x, direction, CTX)
+        assert_same_rep(got, REFERENCE(quantizer, x, direction, CTX), f"{name} {shape}")
 
 
 # Both directions: whole 128x128 tiles (on the GPU, 2-byte inputs take the register tile program
@@ -174,7 +174,7 @@ def test_both_directions_in_one_pass(backend, name, dtype):
         if not (supported(quantizer, shape, ROWWISE) and supported(quantizer, shape, COLUMNWISE)):
             continue
         x = make_input(shape, dtype, "special" if n != 1 else "normal", backend, seed=n)
-        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
+        rowwise, columnwise = native.quantize_hybrid(quantizer, x, CTX)
         assert_same_rep(rowwise, REFERENCE(quantizer, x, ROWWISE, CTX), f"rowwise {shape}")
         assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, CTX), f"columnwise {shape}")
 
@@ -192,7 +192,7 @@ def test_register_tile_program_turned_off_gives_the_same_bits(backend, tmp_path)
 import sys, torch
 sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
 from test_kernels_gpu import CTX, QUANTIZERS, make_input
-from graphquant import kernels
+from graphquant.kernels import native
 from graphquant.quantizers import HybridQuantizer
 out = {{}}
 for n, (row, col) in enumerate((r, c) for r in {names!r} for c in {names!r}):
@@ -200,7 +200,7 @@ for n, (row, col) in enumerate((r, c) for r in {names!r} for c in {names!r}):
         x = make_input((384, 256), dtype, ("special", "special_finite", "normal")[n % 3], "cuda", seed=n)
         for source in ("original", "rowwise_dequantized"):
             hybrid = HybridQuantizer(QUANTIZERS[row](), QUANTIZERS[col](), source)
-            reps = [*kernels.quantize_hybrid(hybrid, x, CTX), *(kernels.quantize(hybrid, x, d, CTX) for d in ("rowwise", "columnwise"))]
+            reps = [*native.quantize_hybrid(hybrid, x, CTX), *(native.quantize(hybrid, x, d, CTX) for d in ("rowwise", "columnwise"))]
             out[row, col, str(dtype), source] = [t.cpu() for rep in reps for t in (rep.data, rep.scale, rep.amax) if t is not None]
 torch.save(out, sys.argv[1])
 """
@@ -226,12 +226,12 @@ def test_1d_block_scales_across_the_reduction_lie_outer_dim_major(backend, name,
     quantizer = QUANTIZERS[name]()
     assert quantizer.scale_outer_major(direction)
     x = make_input((256, 384), torch.bfloat16, "normal", backend)
-    native = kernels.quantize(quantizer, x, direction, CTX)
+    got = native.quantize(quantizer, x, direction, CTX)
     reference = REFERENCE(quantizer, x, direction, CTX)
-    assert native.scale.stride() == reference.scale.stride() == (1, native.scale.shape[0])
-    stored = native.tensors()[1]
-    assert stored.is_contiguous() and stored.data_ptr() == native.scale.data_ptr()
-    assert_same_rep(quantizer.stored_representation(direction, native.shape, native.dtype, native.tensors()), reference, direction)
+    assert got.scale.stride() == reference.scale.stride() == (1, got.scale.shape[0])
+    stored = got.tensors()[1]
+    assert stored.is_contiguous() and stored.data_ptr() == got.scale.data_ptr()
+    assert_same_rep(quantizer.stored_representation(direction, got.shape, got.dtype, got.tensors()), reference, direction)
 
 
 @pytest.mark.parametrize("name", QUANTIZERS)
@@ -246,8 +246,8 @@ def test_persistent_ctas_take_several_tiles(backend, name):
         if not supported(quantizer, shape, ROWWISE):
             continue
         x = make_input(shape, torch.bfloat16, "special", backend, seed=n)
-        native = kernels.quantize(quantizer, x, ROWWISE, CTX)
-        assert_same_rep(native, REFERENCE(quantizer, x, ROWWISE, CTX), f"{name} {shape}")
+        got = native.quantize(quantizer, x, ROWWISE, CTX)
+        assert_same_rep(got, REFERENCE(quantizer, x, ROWWISE, CTX), f"{name} {shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -258,9 +258,9 @@ def test_delayed_scaling(backend, fp8_dtype, dtype):
         x = make_input(shape, dtype, "special", backend, seed=n)
         ctx = QuantizeContext(scale=torch.tensor([3.0 / (n + 1)], device=backend))
         for direction in (ROWWISE, COLUMNWISE):
-            native = kernels.quantize(quantizer, x, direction, ctx)
-            assert_same_rep(native, REFERENCE(quantizer, x, direction, ctx), f"{shape} {direction}")
-        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, ctx)
+            got = native.quantize(quantizer, x, direction, ctx)
+            assert_same_rep(got, REFERENCE(quantizer, x, direction, ctx), f"{shape} {direction}")
+        rowwise, columnwise = native.quantize_hybrid(quantizer, x, ctx)
         assert_same_rep(columnwise, REFERENCE(quantizer, x, COLUMNWISE, ctx), f"{shape} both")
 
 
@@ -273,10 +273,10 @@ def test_hybrid_matches_unfused(backend, row_name, col_name, source):
     for n, dtype in enumerate(dtypes):
         quantizer = HybridQuantizer(QUANTIZERS[row_name](), QUANTIZERS[col_name](), source)
         x = make_input(shape, dtype, "special" if n == 0 else "normal", backend, seed=n)
-        rowwise, columnwise = kernels.quantize_hybrid(quantizer, x, CTX)
+        rowwise, columnwise = native.quantize_hybrid(quantizer, x, CTX)
         assert_same_rep(rowwise, quantizer.quantize_rowwise(x, CTX), "rowwise")
         assert_same_rep(columnwise, quantizer.quantize_columnwise(x, CTX), "columnwise")
-        assert_same_rep(kernels.quantize(quantizer, x, COLUMNWISE, CTX), columnwise, "columnwise alone")
+        assert_same_rep(native.quantize(quantizer, x, COLUMNWISE, CTX), columnwise, "columnwise alone")
 
 
 @pytest.mark.parametrize("shape", ((256, 384), (200, 136), (130, 33)))
@@ -287,7 +287,7 @@ def test_quantize_dbias(backend, name, dtype, shape):
     directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, shape, d)]
     x = make_input(shape, dtype, "normal", backend)
     wanted = dict(rowwise=ROWWISE in directions, columnwise=COLUMNWISE in directions)
-    rowwise, columnwise, dbias = kernels.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)
+    rowwise, columnwise, dbias = native.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)
     for direction, rep in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if direction in directions:
             assert_same_rep(rep, REFERENCE(quantizer, x, direction, CTX), direction)
@@ -296,7 +296,7 @@ def test_quantize_dbias(backend, name, dtype, shape):
     # fp32 accumulation of M terms, then one rounding to the output dtype.
     bound = shape[0] * 2.0**-24 * x.double().abs().sum(0).cpu() + exact.abs() * torch.finfo(dtype).eps
     assert ((dbias.double().cpu() - exact).abs() <= bound).all()
-    assert torch.equal(kernels.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)[2], dbias), "dbias is deterministic"
+    assert torch.equal(native.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)[2], dbias), "dbias is deterministic"
 
 
 GROUPED = (
@@ -314,9 +314,9 @@ def test_grouped_quantize(backend, name, direction):
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
     for n, dtype in enumerate(DTYPES):
         x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
-        native = kernels.grouped_quantize(quantizer, x, group_sizes, direction, CTX)
+        got = native.grouped_quantize(quantizer, x, group_sizes, direction, CTX)
         reference = REFERENCE_GROUPED(quantizer, x, group_sizes, direction, CTX)
-        assert_same_rep(native, reference, str(dtype))
+        assert_same_rep(got, reference, str(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -329,15 +329,15 @@ def test_dequantize_matches_reference(backend, name, direction, dtype):
             continue
         x = make_input(shape, dtype, "special", backend, seed=n)
         rep = REFERENCE(quantizer, x, direction, CTX)
-        assert kernels._native_dequantize(rep, dtype, True) is not None, "no native dequantize"
-        assert_same(kernels.dequantize(rep), rep.dequantize(), f"{shape}")
-        assert_same(kernels.dequantize_for_gemm(rep, torch.float32), rep.dequantize(torch.float32), f"{shape} fp32")
+        assert native._native_dequantize(rep, dtype, True) is not None, "no native dequantize"
+        assert_same(native.dequantize(rep), rep.dequantize(), f"{shape}")
+        assert_same(native.dequantize_for_gemm(rep, torch.float32), rep.dequantize(torch.float32), f"{shape} fp32")
         if isinstance(quantizer, NVFP4Quantizer):
             from graphquant.formats import nvfp4
 
             codes = nvfp4.e2m1_values(nvfp4.unpack(rep.data))
             unscaled = codes * rep.scale.float().repeat_interleave(16, dim=1)
-            assert_same(kernels.dequantize_for_gemm(rep, with_global=False), unscaled.to(torch.bfloat16), "q * s")
+            assert_same(native.dequantize_for_gemm(rep, with_global=False), unscaled.to(torch.bfloat16), "q * s")
 
 
 def test_stochastic_rounding_reproducible_and_unbiased(backend):
@@ -345,13 +345,13 @@ def test_stochastic_rounding_reproducible_and_unbiased(backend):
     g = torch.Generator().manual_seed(3)
     x = (torch.rand(256, 256, generator=g) * 4 - 2).to(backend)
     ctx = QuantizeContext(seed=11, offset=5)
-    first = kernels.quantize(quantizer, x, ROWWISE, ctx)
-    assert torch.equal(first.data, kernels.quantize(quantizer, x, ROWWISE, ctx).data), "same seed, same bits"
-    other = kernels.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=6))
+    first = native.quantize(quantizer, x, ROWWISE, ctx)
+    assert torch.equal(first.data, native.quantize(quantizer, x, ROWWISE, ctx).data), "same seed, same bits"
+    other = native.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=6))
     assert not torch.equal(first.data, other.data), "another offset draws other bits"
     draws = 64
     mean = sum(
-        kernels.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=k)).dequantize(torch.float64)
+        native.quantize(quantizer, x, ROWWISE, QuantizeContext(seed=11, offset=k)).dequantize(torch.float64)
         for k in range(draws)
     ) / draws
     nearest = NVFP4Quantizer().quantize_rowwise(x, ctx).dequantize(torch.float64)
@@ -368,7 +368,7 @@ def test_stochastic_rounding_key_made_on_the_device(backend, name):
     x = make_input((256, 384), torch.bfloat16, "normal", backend)
     seed, step, stream = -(5 << 40) - 3, 70001, 12
     rng = torch.tensor([seed, step], dtype=torch.int64, device=backend)
-    on_device = kernels.quantize_hybrid(quantizer, x, QuantizeContext(rng=rng, offset=stream))
+    on_device = native.quantize_hybrid(quantizer, x, QuantizeContext(rng=rng, offset=stream))
     host = QuantizeContext(seed=seed, offset=step * STREAMS_PER_STEP + stream)
     for direction, rep in zip((ROWWISE, COLUMNWISE), on_device):
         assert_same_rep(rep, REFERENCE(quantizer, x, direction, host), direction)
@@ -377,10 +377,10 @@ def test_stochastic_rounding_key_made_on_the_device(backend, name):
 @pytest.mark.gpu
 def test_no_host_synchronisation_and_current_stream():
     """The hot path never waits for the device, and runs on the caller's stream."""
-    assert kernels.native() is not None
+    assert native.extension() is not None
     x = make_input((512, 640), torch.bfloat16, "normal", "cuda")
     hybrid = HybridQuantizer(NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), Float8CurrentScalingQuantizer(), "rowwise_dequantized")
-    expected = kernels.quantize_hybrid(hybrid, x, CTX)
+    expected = native.quantize_hybrid(hybrid, x, CTX)
     group_sizes = torch.tensor([256, 256], device="cuda")
     stochastic, rng = QUANTIZERS["nvfp4_rht_sr_rowscaled"](), torch.tensor([5, 9], device="cuda")
     stream = torch.cuda.Stream()
@@ -388,11 +388,11 @@ def test_no_host_synchronisation_and_current_stream():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.stream(stream):
-            got = kernels.quantize_hybrid(hybrid, x, CTX)
-            grouped = kernels.grouped_quantize(
+            got = native.quantize_hybrid(hybrid, x, CTX)
+            grouped = native.grouped_quantize(
                 Float8CurrentScalingQuantizer(), x, group_sizes, COLUMNWISE, CTX
             )
-            dbias = kernels.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
+            dbias = native.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
             # as a compiled model calls it: stochastic rounding's [seed, step] stays on the device
             torch.ops.graphquant.quantize(x, stochastic.spec, True, True, None, rng, 3)
     finally:

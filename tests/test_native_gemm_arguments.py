@@ -1,6 +1,6 @@
 """Native GEMM choices on every compute capability graphquant claims, checked on the CPU.
 
-The capability is faked (graphquant.backends.capability) and so is the GEMM call itself: a stand-in
+The capability is faked (graphquant.kernels.backends.capability) and so is the GEMM call itself: a stand-in
 for torch._scaled_mm and for graphquant's own fp8_gemm checks what cuBLASLt takes (operand dtypes,
 the reduction dim contiguous in both operands, scale dtypes, shapes, strides and swizzled layout)
 and returns the product those arguments describe, computed in float64. A small model then trains
@@ -19,7 +19,8 @@ from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from torch import nn
 
 import graphquant
-from graphquant import backends, kernels, recipes, scaled_mm, zoo
+from graphquant import recipes, zoo
+from graphquant.kernels import backends, native, scaled_mm
 from graphquant.formats import nvfp4
 
 # What torch._scaled_mm runs on each capability graphquant claims (torch's own tests: per-tensor
@@ -191,7 +192,7 @@ def fake_gpu(monkeypatch):
     def start(sm):
         monkeypatch.setattr(backends, "capability", lambda device: sm)
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
-        monkeypatch.setattr(kernels, "native", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
+        monkeypatch.setattr(native, "extension", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
         backends.select.cache_clear()
         return calls

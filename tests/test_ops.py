@@ -6,7 +6,8 @@ import torch
 import graphquant  # noqa: F401  (registers the ops)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphquant import distributed, kernels
+from graphquant import distributed
+from graphquant.kernels import native
 from graphquant.formats import nvfp4
 from graphquant.ops import gemm_site
 from graphquant.ops.gemm_site import SlotState, _quantize_direction
@@ -74,7 +75,7 @@ def test_quantize_op_all_reduces_the_amax_of_formats_that_ask(quantizer, monkeyp
         return amax * 4
 
     monkeypatch.setattr(distributed, "all_reduce_amax", all_reduce_amax)
-    monkeypatch.setattr(kernels, "native", lambda: _NoKernels())
+    monkeypatch.setattr(native, "extension", lambda: _NoKernels())
     x = torch.randn(64, 96)
     out = torch.ops.graphquant.quantize(x, quantizer.spec, True, True, None, None, 0, False, "world")
     assert groups and set(groups) == {"world"}

@@ -9,7 +9,7 @@ import torch
 import graphquant
 from graphquant import factories, zoo
 from graphquant.formats import mxfp8
-from graphquant.plan import FactoryTypeError, Planner
+from graphquant.passes.plan import FactoryTypeError, Planner
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,

@@ -48,8 +48,9 @@ def test_a_per_tensor_cast_reads_its_product_unclamped(fp8_dtype):
 
 
 def test_mxfp8_traced_cast_too():
+    """As a quantize traced into a graph runs it: its scales from the op graphquant::e8m0_scales."""
     x = torch.randn(64, 96, dtype=torch.bfloat16)
-    graph = post_grad_graph(lambda x: mxfp8.quantize(x, "e4m3", axis=1), x)
+    graph = post_grad_graph(lambda x: mxfp8.quantize(x, "e4m3", axis=1, scales=torch.ops.graphquant.e8m0_scales), x)
     assert drop_saturated_clamps(graph, always) == 1
     assert not any(t in CLAMPS for t in targets(graph))
 

@@ -17,8 +17,8 @@ SPECIAL = [0.0, float("inf"), float("nan"), 1e-45, 1e-40, 3e38, 448.0, 1.0]
 def test_fp8_scales_kernel_matches_reference(fmt, pow2, epsilon):
     torch.manual_seed(0)
     amax = torch.cat([torch.tensor(SPECIAL), torch.rand(5000) * 10.0 ** torch.randint(-30, 30, (5000,))])
-    cpu_scale, cpu_inverse = fp8.scales_op(amax, fmt, epsilon, pow2)
-    gpu_scale, gpu_inverse = fp8.scales(amax.cuda(), fmt, epsilon, pow2)
+    cpu_scale, cpu_inverse = fp8.scales(amax, fmt, epsilon, pow2)
+    gpu_scale, gpu_inverse = torch.ops.graphquant.fp8_scales(amax.cuda(), fmt, epsilon, pow2)
     # The Triton kernel ran, not the reference: the op has a CUDA kernel of its own.
     assert torch._C._dispatch_has_kernel_for_dispatch_key("graphquant::fp8_scales", "CUDA")
     assert torch.equal(gpu_scale.cpu().view(torch.int32), cpu_scale.view(torch.int32))
@@ -48,7 +48,7 @@ SHAPES = [(256, 512), (96, 544)]
 @pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_mxfp8_dequantize_kernel_matches_reference(direction, shape):
-    from graphquant import triton_dequantize
+    from graphquant.kernels import triton_dequantize
 
     torch.manual_seed(0)
     x = torch.randn(*shape, device="cuda") * torch.logspace(-20, 20, shape[1], device="cuda")
@@ -61,7 +61,7 @@ def test_mxfp8_dequantize_kernel_matches_reference(direction, shape):
 
 @pytest.mark.parametrize("shape", [(128, 256), (40, 272)])
 def test_nvfp4_block_values_kernel_matches_reference(shape):
-    from graphquant import triton_dequantize
+    from graphquant.kernels import triton_dequantize
 
     torch.manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -75,14 +75,14 @@ def test_nvfp4_block_values_kernel_matches_reference(shape):
 def test_e8m0_kernel_matches_reference(fmt):
     torch.manual_seed(0)
     amax = torch.cat([torch.tensor(SPECIAL), torch.rand(5000) * 10.0 ** torch.randint(-44, 38, (5000,))])
-    biased, multiplier = mxfp8.e8m0_scales(amax.cuda(), fmt)
+    biased, multiplier = torch.ops.graphquant.e8m0_scales(amax.cuda(), fmt)
     expected = mxfp8.e8m0_from_amax(amax, fmt)
     assert torch.equal(biased.cpu(), expected)
     assert torch.equal(multiplier.cpu().view(torch.int32), mxfp8.encode_multiplier(expected).view(torch.int32))
 
 
 def test_columnwise_nvfp4_dequantize_kernel_reads_noncontiguous_inputs():
-    from graphquant import triton_dequantize
+    from graphquant.kernels import triton_dequantize
 
     x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
     rep = NVFP4Quantizer(with_2d_quantization=True)(x, rowwise=False, columnwise=True).columnwise

@@ -2,7 +2,7 @@
 // operands, fp32 accumulation, and alpha read from the device and the optional bias (one vector
 // along out's last dim, the same for every batch) added by the epilogue in fp32, so the result is
 // rounded once to out_dtype, after alpha and the bias. The emulated low-precision GEMM
-// (graphquant/emulation.py) applies its per-tensor factors this way instead of in extra passes
+// (graphquant/kernels/emulation.py) applies its per-tensor factors this way instead of in extra passes
 // over an fp32 product, and without waiting for the device (it can be captured in a CUDA graph).
 // The algorithm is blaslt::matmul's choice (blaslt.h).
 //

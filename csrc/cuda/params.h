@@ -6,7 +6,7 @@
 
 namespace gq {
 
-// Formats of one direction of the tile kernel (matches graphquant/kernels.py).
+// Formats of one direction of the tile kernel (matches graphquant/kernels/native.py).
 enum Format { kNone = 0, kPerTensor = 1, kBlock = 2, kRowScaled = 3, kMX = 4, kNV = 5, kNumFormats = 6 };
 enum InDtype { kBF16 = 0, kF16 = 1, kF32 = 2 };
 

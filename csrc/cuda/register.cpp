@@ -1,6 +1,6 @@
 // graphquant._C's kernel entry points: allocate the outputs, run the passes a quantize needs
 // (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction) on the current
-// stream, and hand the tensors back to graphquant/kernels.py, which wraps them into
+// stream, and hand the tensors back to graphquant/kernels/native.py, which wraps them into
 // Representations. Nothing here waits for the device.
 //
 // Built with the CUDA kernels, or with GRAPHQUANT_EMULATE against a CPU build of the same
@@ -20,7 +20,7 @@ namespace gq {
 namespace {
 
 // Encoder configuration from Python: [format, fp8, epsilon, pow2, two_d, rht, sign_mask, sr,
-// row_scaled, key] (kernels.py builds it).
+// row_scaled, key] (graphquant/kernels/native.py builds it).
 struct Config {
   int format = kNone;
   int rht = 0, sign_mask = 0;
@@ -381,10 +381,10 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c1
 }  // namespace gq
 
 void register_cuda_kernels(pybind11::module_& m) {
-  m.def("quantize", &gq::quantize, "Quantize a 2-D tensor: rowwise and/or columnwise, fused (see kernels.py)",
+  m.def("quantize", &gq::quantize, "Quantize a 2-D tensor: rowwise and/or columnwise, fused (see graphquant/kernels/native.py)",
         pybind11::arg("x"), pybind11::arg("row_cfg"), pybind11::arg("col_cfg"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0);
-  m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see kernels.py)");
+  m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

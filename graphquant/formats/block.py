@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from graphquant.formats.fp8 import cast_to_fp8, scales
+from graphquant.formats import fp8
 
 
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -17,13 +19,21 @@ def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, fp8_dtype: str, *, block: tuple[int, int], epsilon: float, pow2: bool
+    x: torch.Tensor,
+    fp8_dtype: str,
+    *,
+    block: tuple[int, int],
+    epsilon: float,
+    pow2: bool,
+    scales: Callable[[torch.Tensor, str, float, bool], tuple[torch.Tensor, torch.Tensor]] = fp8.scales,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data fp8 (M, K), scale_inv float32 (ceil(M/rows), ceil(K/cols))).
 
     Per block: amax = max |fp32(x)| over the elements that exist (the zero padding cannot raise
     it; a NaN propagates), scale = scale_from_amax (TE's current-scaling rule), data =
     cast_to_fp8(fp32(x) * scale) with one fp32 product, scale_inv = reciprocal(scale).
+    ``scales`` makes (scale, scale_inv) from the amaxes: ``fp8.scales``, or the same numbers as
+    an op (graphquant::fp8_scales) where the quantize is traced into a graph.
     """
     m, k = x.shape
     blocks = _blocks(x, block)  # the amax in x's dtype is exact (see fp8.tensor_amax)
@@ -34,7 +44,7 @@ def quantize(
         scale, scale_inv = scales(amax, fp8_dtype, epsilon, pow2)
     n_rows, rows, n_cols, cols = blocks.shape
     scaled = (blocks.float() * scale[:, None, :, None]).reshape(n_rows * rows, n_cols * cols)
-    data = cast_to_fp8(scaled[:m, :k], fp8_dtype).contiguous()
+    data = fp8.cast_to_fp8(scaled[:m, :k], fp8_dtype).contiguous()
     return data, scale_inv
 
 

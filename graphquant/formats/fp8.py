@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from graphquant.ops import registry
-
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
@@ -112,23 +110,8 @@ def scale_from_amax(
 
 
 def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, as an op a graph compiler
-    cannot approximate or reassociate: the rest of a quantize (amax, multiply, clamp, cast) is
-    exact in any order and fuses freely with its neighbours. The op is functional, so a graph
-    that quantizes one tensor for several GEMMs computes its scale once (common-subexpression
-    elimination) and writes one copy of each representation. On CUDA it is one Triton launch
-    (graphquant.triton_scales, bit-identical).
+    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise. A quantize traced into a
+    graph takes them from graphquant::fp8_scales, the same numbers as one op (graphquant.ops.scales).
     """
-    return scales_op(amax, fp8_dtype, epsilon, pow2)
-
-
-@registry.op("fp8_scales")
-def scales_op(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference of ``scales`` as one op."""
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
     return scale, torch.reciprocal(scale)
-
-
-@registry.fake("fp8_scales")
-def _(amax, fp8_dtype, epsilon, pow2):
-    return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)

@@ -8,10 +8,11 @@ reproduces the bits as long as it keeps fp32 subnormals (no flush-to-zero): 2^-1
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from graphquant.formats.fp8 import cast_to_fp8, fp8_max
-from graphquant.ops import registry
 
 BLOCK_LEN = 32
 
@@ -25,27 +26,11 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``e8m0_scales_op``: functional, one Triton launch on CUDA (see graphquant.fp8.scales)."""
-    return e8m0_scales_op(amax, fp8_dtype)
-
-
-# An op of its own (like fp8.scales) so a compiler fusing the rest of the quantize cannot
-# approximate the division; everything around it is exact in any order.
-@registry.op("e8m0_scales")
-def e8m0_scales_op(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``.
-
-    The multiplier is an output, so the cast that applies it is one multiply: built from the
-    bits inside the cast, its integer chain can push the cast of a long producer (a SwiGLU
-    backward) past Inductor's inlining limit, which then stores the fp32 product in memory.
-    """
+    """(e8m0_from_amax(amax), encode_multiplier of it) for blocks with this fp32 ``amax``. A
+    quantize traced into a graph takes them from graphquant::e8m0_scales, the same numbers as one
+    op (graphquant.ops.scales)."""
     biased = e8m0_from_amax(amax, fp8_dtype)
     return biased, encode_multiplier(biased)
-
-
-@registry.fake("e8m0_scales")
-def _(amax, fp8_dtype):
-    return torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax, dtype=torch.float32)
 
 
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
@@ -102,7 +87,13 @@ def _block_dim(axis: int) -> int:
     return 2 if axis == 1 else 1
 
 
-def quantize(x: torch.Tensor, fp8_dtype: str, *, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    fp8_dtype: str,
+    *,
+    axis: int,
+    scales: Callable[[torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]] = e8m0_scales,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-encode a 2-D tensor: blocks of 32 along ``axis`` (1: 1x32 rows, 0: 32x1 columns).
 
     Block amax = max |x.float()| (NaN if the block holds a NaN; taken in x's dtype, which is exact
@@ -113,14 +104,16 @@ def quantize(x: torch.Tensor, fp8_dtype: str, *, axis: int) -> tuple[torch.Tenso
     (M, K/32) for axis=1 and (M/32, K) for axis=0, both with their outer dim (M, K) contiguous:
     a 1x32 scale is stored as its transpose, so that the scales of a run of rows are one run in
     memory (as the spec stores 1x128 block scales). The blocked dim must be a multiple of 32.
+    ``scales`` makes (biased, multiplier) from the amaxes: ``e8m0_scales``, or the same numbers as
+    an op (graphquant::e8m0_scales) where the quantize is traced into a graph.
     """
     blocks = _blocked(x, axis)
     dim = _block_dim(axis)
     amax = blocks.abs().amax(dim).float()
     if axis == 1:
-        biased, multiplier = (s.t() for s in e8m0_scales(amax.t().contiguous(), fp8_dtype))
+        biased, multiplier = (s.t() for s in scales(amax.t().contiguous(), fp8_dtype))
     else:
-        biased, multiplier = e8m0_scales(amax, fp8_dtype)
+        biased, multiplier = scales(amax, fp8_dtype)
     scaled = blocks.float() * multiplier.unsqueeze(dim)
     return cast_to_fp8(scaled, fp8_dtype).reshape(x.shape), biased
 

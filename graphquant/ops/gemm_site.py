@@ -20,8 +20,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from graphquant import kernels
-from graphquant.ops.einsum import plan_einsum
+from graphquant.kernels import native
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -105,7 +104,7 @@ def quantize_tensor(
         lambda source, child, direction: _quantize_direction(source, child, direction, state),
         lambda row: torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, x.dtype),
     )
-    return operands, kernels.reference_dbias(x) if dbias else None
+    return operands, native.reference_dbias(x) if dbias else None
 
 
 def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
@@ -443,16 +442,16 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, **site):
 
 
 def quantized_einsum(
-    equation, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2), amax_group=None,
+    layout, a, b, *, name, call, input, other, grad_output, states=(None, None, None), rng=None, streams=(0, 1, 2), amax_group=None,
     fast_accumulation=DEFAULT_FAST_ACCUMULATION,
 ):
-    """A two-operand einsum that is one batched product, quantized like quantized_matmul."""
-    plan = plan_einsum(equation, tuple(a.shape), tuple(b.shape))
-    batch, m, k = plan.x_shape
-    x = a.permute(plan.a_perm).reshape(batch * m, k)
-    w = b.permute(plan.b_perm).reshape(-1, k)
+    """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
+    (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""
+    batch, m, k = layout.x_shape
+    x = a.permute(layout.a_perm).reshape(batch * m, k)
+    w = b.permute(layout.b_perm).reshape(-1, k)
     y = _product(
         x, w, batch, name=name, call=call, input=input, weight=other, grad_output=grad_output, states=states, rng=rng,
         streams=streams, amax_group=amax_group, fast_accumulation=fast_accumulation,
     )
-    return y.reshape(plan.y_shape).permute(plan.out_perm)
+    return y.reshape(layout.y_shape).permute(layout.out_perm)

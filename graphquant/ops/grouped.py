@@ -8,7 +8,7 @@ w[g] (K, N); each expert is its own GEMM of the design's table, with y = x @ W^T
     wgrad  dW_g^T   = grad_output_g.columnwise^T @ x_g.columnwise
 
 Every group is quantized as if alone (per-tensor formats get one scale per group, as
-``kernels.reference_grouped_quantize`` combines them), and every expert's weight as its own
+``native.reference_grouped_quantize`` combines them), and every expert's weight as its own
 (N, K) tensor. A grouped representation is one tensor set for all groups: data and block scales
 concatenated along the split dim, per-tensor scales and amaxes one per group, so its shapes are
 static and backward keeps it as it keeps any other representation.
@@ -24,36 +24,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from graphquant import emulation, kernels
+from graphquant.kernels import emulation, native
 from graphquant.ops import registry
 from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
-    Float8CurrentScalingQuantizer,
-    HybridQuantizer,
-    IdentityQuantizer,
-    MXFP8Quantizer,
     QuantizeContext,
     Quantizer,
     Representation,
 )
-
-# The formats whose grouped layout the ops below know: per-tensor or block scales along the rows.
-SUPPORTED = (IdentityQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
-
-
-def unsupported(quantizer: Quantizer) -> Optional[str]:
-    """Why ``quantizer`` cannot quantize a grouped_linear slot yet, or None if it can."""
-    children = (quantizer.rowwise_quantizer, quantizer.columnwise_quantizer) if isinstance(quantizer, HybridQuantizer) else (quantizer,)
-    for child in children:
-        if child.reduces_amax:
-            return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
-        if not isinstance(child, SUPPORTED):
-            names = ", ".join(t.__name__ for t in SUPPORTED)
-            return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"
-    return None
 
 
 def _bounds(offs: torch.Tensor, rows: int, site: str) -> list[int]:
@@ -98,14 +79,14 @@ def grouped_quantize(x: torch.Tensor, offs: torch.Tensor, spec: str, direction: 
         except ValueError as error:
             raise ValueError(f"{site}: group {g} of torch._grouped_mm has {b - a} rows: {error}") from None
     sizes = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=x.device)
-    rep = kernels.grouped_quantize(quantizer, x, sizes, direction, QuantizeContext())
+    rep = native.grouped_quantize(quantizer, x, sizes, direction, QuantizeContext())
     return [t.clone() if t is x else t.contiguous() for t in rep.tensors()]
 
 
 @registry.fake("grouped_quantize")
 def _(x, offs, spec, direction, site):
     quantizer = quantizer_of(spec)
-    whole = kernels.reference_quantize(quantizer, x, direction, QuantizeContext()).tensors()
+    whole = native.reference_quantize(quantizer, x, direction, QuantizeContext()).tensors()
     groups = offs.shape[0]
     per_group = quantizer.block(direction) == (0, 0)
     return [whole[0].new_empty(whole[0].shape)] + [
@@ -122,7 +103,7 @@ def grouped_dequantize(
     parts = []
     for g in range(len(bounds) - 1):
         rep = _part(tensors, spec, direction, shape[1], dtype, bounds, g)
-        values = kernels.dequantize(rep)
+        values = native.dequantize(rep)
         parts.append(values.t() if rep.transposed else values)
     return torch.cat(parts).to(dtype).contiguous()
 
@@ -222,7 +203,7 @@ def quantized_grouped_mm(x, w, offs, *, name, call, input, weight, grad_output, 
     """torch._grouped_mm(x, w, offs=offs) with input, weight and grad_output in the formats named.
 
     states, rng, streams: what rewrite passes every site; unused, as the planner admits no
-    stateful or stochastic format for grouped sites (``unsupported``).
+    stateful or stochastic format for grouped sites (``backends.grouped_unsupported``).
     """
     quantizers = quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output)
     site = Site(name, *quantizers, w.shape[0], call)

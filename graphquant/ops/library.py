@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from graphquant import backends, kernels
+from graphquant.kernels import backends, native
 from graphquant.ops import registry
 from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, output_rows, parse_spec
 
@@ -59,7 +59,7 @@ def quantize(
     all-reduces its amax, inside this op (graphquant.distributed).
     """
     ctx = _context(scale, rng, rng_stream, amax_group)
-    made = kernels.quantize_pass(quantizer_of(spec), x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
+    made = native.quantize_pass(quantizer_of(spec), x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
     return _distinct_contiguous(tensors + ([made.dbias] if dbias else []), x)
 
@@ -81,7 +81,7 @@ def _distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[t
 def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False, amax_group=None):
     quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
     directions = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]
-    tensors = [t for d in directions for t in kernels.reference_quantize(quantizer, x, d, ctx).tensors()]
+    tensors = [t for d in directions for t in native.reference_quantize(quantizer, x, d, ctx).tensors()]
     return [t.new_empty(t.shape) for t in tensors] + ([x.new_empty(x.shape[1:])] if dbias else [])
 
 
@@ -89,7 +89,7 @@ def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False, amax_gr
 def transposed(data: torch.Tensor) -> torch.Tensor:
     """The contiguous transpose of 2-D ``data``: the columnwise copy of a per-tensor FP8
     representation from its rowwise bits, and MXFP8 columnwise data as torch._scaled_mm takes it
-    (graphquant.scaled_mm)."""
+    (graphquant.kernels.scaled_mm)."""
     return data.t().contiguous()
 
 
@@ -98,13 +98,21 @@ def _(data):
     return data.new_empty((data.shape[1], data.shape[0]))
 
 
+try:
+    from graphquant.kernels import triton_transpose
+except ImportError:  # no Triton: CUDA tensors run the reference
+    pass
+else:
+    registry.cuda_kernel("transposed")(triton_transpose.transposed)
+
+
 @registry.op("dequantize")
 def dequantize(
     tensors: list[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """The logical (rows, cols) values of one representation, as ``dtype``."""
     rep = unflatten(tensors, spec, direction, shape, dtype)
-    values = kernels.dequantize(rep)
+    values = native.dequantize(rep)
     return (values.t() if rep.transposed else values).contiguous()
 
 

@@ -1,4 +1,9 @@
-"""Quantizers: frozen, hashable, printable descriptions of a format (see base.py for the contract)."""
+"""Quantizers: frozen, hashable, printable descriptions of a format (see base.py for the contract).
+
+The traceable ones compute their scales through graphquant's exact scale ops
+(torch.ops.graphquant.fp8_scales and e8m0_scales, defined in graphquant.ops.scales and registered
+on importing graphquant), so that a quantize traced into a graph keeps each division one node.
+"""
 
 from graphquant.quantizers.base import (
     COLUMNWISE,

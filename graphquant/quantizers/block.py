@@ -52,6 +52,7 @@ class Float8BlockQuantizer(Quantizer):
             block=(rows, cols),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
+            scales=torch.ops.graphquant.fp8_scales,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale_inv)
 

@@ -86,8 +86,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
-        direction): the scale follows from it, and x is read once more for the cast alone."""
-        scales = fp8.scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
+        for the cast alone."""
+        scales = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, scales, direction, amax)
 
 

@@ -47,7 +47,7 @@ class MXFP8Quantizer(Quantizer):
 
     def _encode(self, x: torch.Tensor, direction: str) -> Representation:
         axis = 1 if direction == ROWWISE else 0
-        data, scale = mxfp8.quantize(x, self.fp8_dtype, axis=axis)
+        data, scale = mxfp8.quantize(x, self.fp8_dtype, axis=axis, scales=torch.ops.graphquant.e8m0_scales)
         return self.representation(direction, x.shape, x.dtype, data, scale)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:

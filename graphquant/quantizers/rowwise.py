@@ -45,6 +45,7 @@ class Float8RowwiseQuantizer(Quantizer):
             block=(1, source.shape[1]),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
+            scales=torch.ops.graphquant.fp8_scales,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale_inv)
 

@@ -2,7 +2,7 @@
 
 Their references are a dozen tiny torch ops each; on a GPU inside a training step that is a dozen
 launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
-(IEEE round-to-nearest), and every other step is exact. Importing this module registers them as
+(IEEE round-to-nearest), and every other step is exact. graphquant.ops.scales registers them as
 the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_scales
 (functional ops, so compiled graphs deduplicate them, which they cannot do for wrap_triton's
 mutating launches).
@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
-from graphquant.ops import registry
 
 _BLOCK = 1024
 # Scalars are compile-time constants, so the arithmetic stays fp32.
@@ -61,7 +60,6 @@ def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BL
     tl.store(multiplier_ptr + offsets, multiplier.to(tl.float32, bitcast=True), mask=mask)
 
 
-@registry.cuda_kernel("fp8_scales")
 def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
@@ -72,7 +70,6 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     return scale, inverse
 
 
-@registry.cuda_kernel("e8m0_scales")
 def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.to(torch.float32).contiguous()
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)

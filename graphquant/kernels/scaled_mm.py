@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from graphquant import kernels
+from graphquant.kernels import native
 from graphquant.formats import nvfp4
 from graphquant.quantizers import Representation
 
@@ -81,14 +81,14 @@ def arguments(backend: str, a: Representation, b: Representation, out_dtype: tor
 
 
 def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out (m, n) = A @ B^T (+ bias) on ``backend`` (as named by graphquant.backends.select).
+    """out (m, n) = A @ B^T (+ bias) on ``backend`` (as named by graphquant.kernels.backends.select).
 
     The bias goes into cuBLASLt's epilogue where the call writes bf16 or fp16 and the bias has
     that dtype; otherwise it is added to the fp32 product, which is then rounded once.
     """
     args, kwargs = arguments(backend, a, b, out_dtype)
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
-    ext = kernels.native()
+    ext = native.extension()
     if ext is not None and backend.removesuffix(FAST_ACCUMULATION) == TENSORWISE:
         data_a, data_b, scale_a, scale_b = args
         out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
@@ -112,6 +112,6 @@ def algorithm_choices() -> list[tuple]:
     wrote the heuristic's first's bits, the index chosen, and the microseconds of the first and the
     chosen (0 where the shape was too small to time); cuBLASLt's tile, stages and cluster shape ids.
     Empty without the CUDA kernels."""
-    ext = kernels.native()
+    ext = native.extension()
     return [] if ext is None else sorted(ext.gemm_algorithms())
 

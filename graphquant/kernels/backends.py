@@ -2,7 +2,7 @@
 
 ``select`` classifies an operand pair (each operand given as the quantizer that makes its
 direction) into native / emulated / rejected and names the backend; the planner shows that
-choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (graphquant.scaled_mm: through
+choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
 choice). The emulated backend dequantizes both operands exactly and multiplies them in high
 precision; it runs every pair the planner admits, on any device.
@@ -16,13 +16,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from graphquant import emulation, scaled_mm
+from graphquant.kernels import emulation, scaled_mm
 from graphquant.quantizers import (
     ROWWISE,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8DelayedScalingQuantizer,
     Float8RowwiseQuantizer,
+    HybridQuantizer,
     IdentityQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
@@ -106,6 +107,23 @@ NATIVE_GEMMS = (
         lambda sm: sm >= (10, 0),
     ),
 )
+
+
+# The formats a grouped GEMM takes: per-tensor scales, or block scales along the rows, which split
+# into the groups' rows as they are (graphquant.ops.grouped, native.grouped_quantize).
+GROUPED_FORMATS = (IdentityQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
+
+
+def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
+    """Why ``quantizer`` cannot quantize a grouped_linear slot yet, or None if it can."""
+    children = (quantizer.rowwise_quantizer, quantizer.columnwise_quantizer) if isinstance(quantizer, HybridQuantizer) else (quantizer,)
+    for child in children:
+        if child.reduces_amax:
+            return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
+        if not isinstance(child, GROUPED_FORMATS):
+            names = ", ".join(t.__name__ for t in GROUPED_FORMATS)
+            return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"
+    return None
 
 
 def capability(device: torch.device) -> Optional[tuple[int, int]]:

@@ -1,20 +1,24 @@
-"""Two-operand einsums that are one (batched) matrix product, rewritten as y[b] = x[b] @ w[b]^T."""
+"""Two-operand einsums that are one (batched) matrix product, as y[b] = x[b] @ w[b]^T.
+
+find_gemms works the layout out once, when it annotates the site; the rewritten graph passes it
+to graphquant.ops.gemm_site.quantized_einsum, which applies it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
-@dataclasses.dataclass(frozen=True)
-class EinsumPlan:
+class EinsumLayout(NamedTuple):
     """How ``einsum(equation, a, b)`` becomes a batched TN product and back.
 
     x = a.permute(a_perm).reshape(x_shape); w = b.permute(b_perm).reshape(w_shape);
     result = (x @ w^T).reshape(y_shape).permute(out_perm).
+    A NamedTuple, so that a graph carries it as an argument (FX writes it out as a call).
     """
 
+    equation: str
     a_perm: tuple[int, ...]
     b_perm: tuple[int, ...]
     x_shape: tuple[int, int, int]
@@ -23,8 +27,8 @@ class EinsumPlan:
     out_perm: tuple[int, ...]
 
 
-def plan_einsum(equation: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> Optional[EinsumPlan]:
-    """The plan, or None when the equation is not a plain batched product (ellipsis, traces,
+def einsum_layout(equation: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> Optional[EinsumLayout]:
+    """The layout, or None when the equation is not a plain batched product (ellipsis, traces,
     a letter summed out of one operand alone, repeated letters, symbolic sizes)."""
     equation = equation.replace(" ", "")
     if "->" not in equation or "." in equation:
@@ -51,7 +55,8 @@ def plan_einsum(equation: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...
         return math.prod(size[c] for c in letters)
 
     y_letters = batch + m + n
-    return EinsumPlan(
+    return EinsumLayout(
+        equation=equation,
         a_perm=tuple(a.index(c) for c in batch + m + k),
         b_perm=tuple(b.index(c) for c in batch + n + k),
         x_shape=(prod(batch), prod(m), prod(k)),

@@ -1,6 +1,6 @@
 """CUDA dequantization of MXFP8 and NVFP4 for the emulated GEMM, one Triton launch each.
 
-Each writes bf16 values that are exactly the reference's (see graphquant.emulation.factored):
+Each writes bf16 values that are exactly the reference's (see graphquant.kernels.emulation.factored):
 MXFP8 codes times their power-of-two scale, NVFP4 E2M1 codes times their E4M3 block scale (the
 global amax stays out, applied to the product). Products of so few significant bits are exact
 in fp32 and in bf16, so no rounding happens anywhere here.

@@ -43,7 +43,7 @@ _M32 = 0xFFFFFFFF
 
 
 @functools.lru_cache(maxsize=None)
-def native() -> Optional[Any]:
+def extension() -> Optional[Any]:
     """graphquant._C if it was built with CUDA kernels, else None."""
     try:
         from graphquant import _C
@@ -54,7 +54,7 @@ def native() -> Optional[Any]:
 
 def _extension(t: torch.Tensor) -> Optional[Any]:
     """The extension, if it takes this tensor (the CPU test build, marked ``emulated``, takes CPU ones)."""
-    ext = native()
+    ext = extension()
     if ext is None or not (t.is_cuda or getattr(ext, "emulated", False)):
         return None
     return ext

@@ -2,7 +2,7 @@
 
 A gradient's per-tensor FP8 columnwise copy is its rowwise bits transposed. Made by this op from
 the rowwise copy (rather than traced, where Inductor writes both copies in one kernel while the
-gradient's inputs are alive), it is written after those inputs are freed. Importing this module
+gradient's inputs are alive), it is written after those inputs are freed. graphquant.ops.library
 registers the kernel as the op's CUDA implementation.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from graphquant.ops import registry
 
 # 128x128 byte tiles with 8 warps: near a plain copy's bandwidth, where smaller tiles fall well short.
 _BLOCK = 128
@@ -27,7 +25,6 @@ def _transpose_kernel(src_ptr, dst_ptr, rows, cols, BLOCK: tl.constexpr):
     tl.store(dst_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
 
 
-@registry.cuda_kernel("transposed")
 def transposed(data: torch.Tensor) -> torch.Tensor:
     if data.element_size() != 1:
         return data.t().contiguous()

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from graphquant import kernels
+from graphquant.kernels import native
 from graphquant.formats import nvfp4
 from graphquant.quantizers import (
     ROWWISE,
@@ -32,7 +32,7 @@ from graphquant.quantizers import (
 )
 
 try:
-    from graphquant import triton_dequantize
+    from graphquant.kernels import triton_dequantize
 except ImportError:  # no Triton: dequantize with the reference's torch ops
     triton_dequantize = None
 
@@ -143,7 +143,7 @@ def _epilogue_gemm(
     pass over an fp32 product, one rounding), written into ``out`` where cuBLASLt can write it
     (out_dtype, rows of 16-byte-aligned elements), or None where the extension or its aligned
     kernels do not take it."""
-    ext = kernels.native()
+    ext = native.extension()
     if ext is None or alpha is None or left.dtype != torch.bfloat16:
         return None
     if right.shape[1] % 8 or not (_aligned(left) and _aligned(right)):

@@ -1,4 +1,4 @@
-"""The plan: which quantizer each slot uses and how each GEMM of each site will run.
+"""Pass 2 (annotate): the plan, which quantizer each slot uses and how each GEMM of each site will run.
 
 Plans are values: printing one gives a table, ``to_json`` a document. ``Planner`` builds them; it
 calls the recipe's factory once per slot and keeps the answers, so a recompile (new shapes, new
@@ -16,7 +16,9 @@ from typing import Optional, Sequence
 import torch
 from tabulate import tabulate
 
-from graphquant import backends, recipes, user_stack
+from graphquant import recipes, user_stack
+from graphquant.kernels import backends
+from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -28,8 +30,6 @@ from graphquant.quantizers import (
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
-from graphquant.ops import grouped
-from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
 GEMMS = (
@@ -302,11 +302,11 @@ class Planner:
 
     @staticmethod
     def _check_grouped(site: GemmSite, quantizers: list[Quantizer]) -> None:
-        """A grouped site runs only the formats whose per-group layout graphquant.ops.grouped knows."""
+        """A grouped site runs only the formats a grouped GEMM takes (backends.grouped_unsupported)."""
         if site.module_type != "grouped_linear":
             return
         for role_type, quantizer in zip(TENSOR_TYPES[site.module_type], quantizers):
-            reason = grouped.unsupported(quantizer)
+            reason = backends.grouped_unsupported(quantizer)
             if reason:
                 raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {reason}")
 
