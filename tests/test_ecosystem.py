@@ -207,7 +207,7 @@ def distributed_worker(rank, port, out, delayed_recipe):
         tag = "reduced" if group is not None else "local"
         torch._dynamo.reset()
         scales = []
-        with gemm_site.recording(lambda site, gemm, a, a_op, b, b_op, y: scales.append(a_op.tensors[1].clone())):
+        with gemm_site.recording(lambda gemm: scales.append(gemm.a_operand.tensors[1].clone())):
             graphquant.compile(identity_linear(), recipe, backend=graphquant.explainer.run_eagerly)(x_amax)
         results[f"eager_scale_{tag}"] = scales[0]
         for backend in ("aot_eager", "inductor") if group is not None else ("aot_eager",):
@@ -219,7 +219,7 @@ def distributed_worker(rank, port, out, delayed_recipe):
     # Inductor graphs.
     nvfp4_recipe = graphquant.CustomRecipe(reducing_nvfp4_factory, amax_reduction_group=dist.group.WORLD)
     amaxes = {}
-    record = lambda site, gemm, a, a_op, b, b_op, y: amaxes.update({gemm: (a_op.tensors[2].clone(), b_op.tensors[2].clone())})  # noqa: E731
+    record = lambda gemm: amaxes.update({gemm.gemm: (gemm.a_operand.tensors[2].clone(), gemm.b_operand.tensors[2].clone())})  # noqa: E731
     for name, backend in (("eager", graphquant.explainer.run_eagerly), ("aot_eager", "aot_eager"), ("inductor", "inductor")):
         torch._dynamo.reset()
         x = x_amax.clone().requires_grad_()

@@ -258,15 +258,29 @@ class Site:
         return gemm in self.fast_accumulation
 
 
-# graphquant.numerics listens here: while ``recording(fn)`` is active, each GEMM calls
-# fn(site, gemm, a, a_operand, b, b_operand, out) with the high-precision 2-D tensors that entered
-# the quantizers, the Operands the GEMM read, and its result. Only eager execution reports real
-# tensors, so numerics runs the rewritten graph eagerly. Inactive, a GEMM pays one global read.
-_recorder: Optional[Callable[..., None]] = None
+@dataclasses.dataclass(frozen=True)
+class RecordedGemm:
+    """One GEMM as it ran: the high-precision 2-D tensors that entered the quantizers (a, b), the
+    Operands the GEMM read, the bias it added (fprop of a biased linear) and its result."""
+
+    site: Site
+    gemm: str  # "fprop", "dgrad" or "wgrad"
+    a: torch.Tensor
+    a_operand: Operand
+    b: torch.Tensor
+    b_operand: Operand
+    bias: Optional[torch.Tensor]
+    out: torch.Tensor
+
+
+# graphquant.numerics listens here: while ``recording(fn)`` is active, each GEMM calls fn with its
+# RecordedGemm after it ran, and runs exactly as it does unobserved. Only eager execution reports
+# real tensors, so numerics runs the rewritten graph eagerly. Inactive, a GEMM pays one global read.
+_recorder: Optional[Callable[[RecordedGemm], None]] = None
 
 
 @contextlib.contextmanager
-def recording(recorder: Callable[..., None]) -> Iterator[None]:
+def recording(recorder: Callable[[RecordedGemm], None]) -> Iterator[None]:
     global _recorder
     previous, _recorder = _recorder, recorder
     try:
@@ -275,9 +289,9 @@ def recording(recorder: Callable[..., None]) -> Iterator[None]:
         _recorder = previous
 
 
-def _record(site, gemm, a, a_operand, b, b_operand, out) -> None:
+def _record(site, gemm, a, a_operand, b, b_operand, out, bias=None) -> None:
     if _recorder is not None and a is not None and b is not None:
-        _recorder(site, gemm, a, a_operand, b, b_operand, out)
+        _recorder(RecordedGemm(site, gemm, a, a_operand, b, b_operand, bias, out))
 
 
 class QuantizedGemm(torch.autograd.Function):
@@ -298,9 +312,7 @@ class QuantizedGemm(torch.autograd.Function):
         update_delayed_scaling(site.x, x_state, xq)
         update_delayed_scaling(site.w, w_state, wq)
         out_dtype = torch.promote_types(x.dtype, w.dtype)
-        # graphquant.numerics measures the GEMM alone: while it records, the bias is added after.
-        fused = bias if _recorder is None else None
-        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, fused, site.fast("fprop"))
+        y = _gemm(xq[ROWWISE], wq[ROWWISE], site.batch, out_dtype, bias, site.fast("fprop"))
 
         # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
         # out), so keeping it gives the backward its forward's step in whatever order backwards run.
@@ -308,8 +320,8 @@ class QuantizedGemm(torch.autograd.Function):
         ctx.site, ctx.stream = site, streams[2]
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.originals = (x, w) if _recorder is not None else (None, None)
-        _record(site, "fprop", x, xq[ROWWISE], w, wq[ROWWISE], y)
-        return y if bias is None or fused is not None else y + bias
+        _record(site, "fprop", x, xq[ROWWISE], w, wq[ROWWISE], y, bias)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
