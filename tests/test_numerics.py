@@ -12,7 +12,7 @@ from torch import nn
 import graphquant
 from graphquant import factories, recipes, zoo
 from graphquant.explainer import run_eagerly
-from graphquant.ops import gemm_site
+from graphquant.ops import recording
 from graphquant.quantizers import Float8CurrentScalingQuantizer
 
 from explain_models import MLP, TinyAttention
@@ -123,7 +123,7 @@ def test_loss_fn_gradients_and_the_recorder_are_left_as_they_were():
     report = graphquant.numerics(model, zoo.recipe("tensorwise"), torch.randn(32, 64), loss_fn=lambda out: out[1].sum())
     assert len(report.gemms) == 5
     assert all(p.grad is None for p in model.parameters())
-    assert gemm_site._recorder is None
+    assert not recording.listening()
 
 
 def test_recording_observes_the_computation_without_changing_it():
@@ -137,7 +137,7 @@ def test_recording_observes_the_computation_without_changing_it():
     def step(backend, record):
         torch._dynamo.reset()
         compiled = graphquant.compile(model, zoo.recipe("tensorwise"), backend=backend)
-        listen = gemm_site.recording(lambda gemm: seen.update({(gemm.site.label, gemm.gemm): gemm.out})) if record else contextlib.nullcontext()
+        listen = recording.recording(lambda gemm: seen.update({(gemm.site.label, gemm.gemm): gemm.out})) if record else contextlib.nullcontext()
         with listen:
             y = compiled(x)
             return y, torch.autograd.grad(y.float().square().sum(), [x, *model.parameters()])
