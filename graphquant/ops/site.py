@@ -67,6 +67,7 @@ class Site:
         return gemm in self.fast_accumulation
 
 
-# FX writes an argument it has no rule for as its repr: this puts the name that repr uses into
-# the globals of every graph's code.
+# FX writes an argument it has no rule for as its repr, so the name the repr uses must be in the
+# globals of every graph's code. FX's registry for such names is private: the dump and compile
+# tests guard it.
 torch.fx.graph._register_custom_builtin("Site", f"from {__name__} import Site", Site)
