@@ -5,8 +5,8 @@ Each graph gets the next free number in the directory, so several graphs, recomp
 that share a directory never overwrite each other:
 
     graph_000_captured.py   the Dynamo graph as Python, before any rewrite
-    graph_000_rewritten.py  the same graph with every GEMM a graphquant.ops.gemm_site call whose
-                            keyword arguments spell out the formats
+    graph_000_rewritten.py  the same graph with every GEMM a graphquant.ops.functional call whose
+                            Site spells out the formats
     graph_000_plan.txt      the plan table
     graph_000_plan.json     the plan as JSON (Plan.from_json reads it back)
 """

@@ -18,7 +18,7 @@ _DEFAULTS = {"dynamic": False}
 
 def run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """An inner backend that runs the rewritten graph as plain Python, so real tensors reach
-    graphquant.ops.gemm_site and no compiler time is spent."""
+    graphquant.ops.functional and no compiler time is spent."""
     return gm.forward
 
 

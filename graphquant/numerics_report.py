@@ -1,10 +1,12 @@
 """graphquant.numerics: how far each quantized GEMM lands from the high-precision GEMM.
 
-One forward and backward run the rewritten graph eagerly while graphquant.ops.gemm_site records
-every GEMM. For each site and GEMM (fprop, dgrad, wgrad) the report gives the SQNR of the
-quantized result against the same GEMM on the high-precision operands that entered the
-quantizers, and per operand what its format did: the amax, the values that underflow to zero
-and the values that saturate. Sorted worst first, so the sensitive layers stand at the top.
+One forward and backward run the rewritten graph eagerly while graphquant.ops.recording records
+every GEMM, computed as training computes it. For each site and GEMM (fprop, dgrad, wgrad) the
+report gives the SQNR of the quantized result against the same GEMM on the high-precision
+operands that entered the quantizers (a linear's bias added inside both GEMMs; the signal is the
+product without it, so a large bias hides no error), and per operand what its format did: the
+amax, the values that underflow to zero and the values that saturate. Sorted worst first, so
+the sensitive layers stand at the top.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from tabulate import tabulate
 
 from graphquant.explainer import run_once
 from graphquant.formats import nvfp4
-from graphquant.ops import gemm_site
 from graphquant.ops.library import unflatten
+from graphquant.ops.operands import Operand, gemm as operand_gemm
+from graphquant.ops.quantize import SlotState, quantize_tensor
+from graphquant.ops.recording import RecordedGemm, recording
 from graphquant.passes.plan import Plan
 from graphquant.quantizers import IdentityQuantizer, NVFP4Quantizer, Representation
 from graphquant.recipes import CustomRecipe
@@ -90,7 +94,7 @@ def numerics(
             "quantizes each operand as training's fprop does)"
         )
     recorder = _Recorder()
-    with torch.enable_grad(), gemm_site.recording(recorder):
+    with torch.enable_grad(), recording(recorder):
         compiled, output = run_once(model, recipe, example_inputs, compile_kwargs)
         if loss_fn is None and not isinstance(output, torch.Tensor):
             raise TypeError(f"the model returned a {type(output).__name__}; pass loss_fn=... that makes it a scalar")
@@ -111,7 +115,7 @@ class _Counts:
     underflow: int = 0
     saturated: int = 0
 
-    def add(self, x: torch.Tensor, operand: gemm_site.Operand) -> None:
+    def add(self, x: torch.Tensor, operand: Operand) -> None:
         rep = unflatten(operand.tensors, operand.spec, operand.direction, operand.shape, x.dtype)
         quantized = rep.dequantize(torch.float32)  # as stored (transposed where the format stores it so)
         source = (x.t() if rep.transposed else x).float()
@@ -130,7 +134,7 @@ class _Counts:
 
 
 class _Recorder:
-    """The gemm_site recorder: per (site, gemm), the result's signal and error energy and both
+    """The recorder of graphquant.ops.recording: per (site, gemm), the result's signal and error energy and both
     operands' counts. It keeps numbers only, never the tensors."""
 
     def __init__(self) -> None:
@@ -138,15 +142,16 @@ class _Recorder:
         self.counts: dict[tuple[str, str], tuple[_Counts, _Counts]] = {}
 
     @torch.no_grad()
-    def __call__(self, site, gemm, a, a_operand, b, b_operand, out) -> None:
-        key = (site.label, gemm)
-        reference = _high_precision_gemm(a, a_operand, b, b_operand, site.batch, out.dtype).double()
+    def __call__(self, gemm: RecordedGemm) -> None:
+        key = (gemm.site.label, gemm.gemm)
+        reference = _high_precision_gemm(gemm).double()
+        product = reference if gemm.bias is None else reference - gemm.bias.double()
         energy = self.energy.setdefault(key, [0.0, 0.0])
-        energy[0] += reference.square().sum().item()
-        energy[1] += (out.double().reshape(reference.shape) - reference).square().sum().item()
+        energy[0] += product.square().sum().item()
+        energy[1] += (gemm.out.double().reshape(reference.shape) - reference).square().sum().item()
         counts = self.counts.setdefault(key, (_Counts(), _Counts()))
-        counts[0].add(a, a_operand)
-        counts[1].add(b, b_operand)
+        counts[0].add(gemm.a, gemm.a_operand)
+        counts[1].add(gemm.b, gemm.b_operand)
 
     def report(self, plan: Plan) -> NumericsReport:
         planned = {(g.site, g.gemm): g for g in plan.gemms}
@@ -160,15 +165,13 @@ class _Recorder:
         return NumericsReport(tuple(gemms))
 
 
-def _high_precision_gemm(a, a_operand, b, b_operand, batch: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """The same GEMM (same directions, grouping and output dtype) on the unquantized operands."""
-    state = gemm_site.SlotState(None, None, 0)
-    hp_a = gemm_site.quantize_tensor(a, IdentityQuantizer(), (a_operand.direction,), state)[0][a_operand.direction]
-    hp_b = gemm_site.quantize_tensor(b, IdentityQuantizer(), (b_operand.direction,), state)[0][b_operand.direction]
-    return torch.ops.graphquant.gemm(
-        hp_a.tensors, hp_a.spec, hp_a.direction, hp_a.shape, hp_b.tensors, hp_b.spec, hp_b.direction, hp_b.shape,
-        batch, out_dtype,
-    )
+def _high_precision_gemm(gemm: RecordedGemm) -> torch.Tensor:
+    """The same GEMM (same directions, grouping, bias and output dtype) on the unquantized operands."""
+    state = SlotState(None, None, 0)
+    a, b = gemm.a_operand.direction, gemm.b_operand.direction
+    hp_a = quantize_tensor(gemm.a, IdentityQuantizer(), (a,), state)[0][a]
+    hp_b = quantize_tensor(gemm.b, IdentityQuantizer(), (b,), state)[0][b]
+    return operand_gemm(hp_a, hp_b, gemm.batch, gemm.out.dtype, gemm.bias)
 
 
 def _at_format_max(rep: Representation) -> Optional[torch.Tensor]:

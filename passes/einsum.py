@@ -1,7 +1,7 @@
 """Two-operand einsums that are one (batched) matrix product, as y[b] = x[b] @ w[b]^T.
 
 find_gemms works the layout out once, when it annotates the site; the rewritten graph passes it
-to graphquant.ops.gemm_site.quantized_einsum, which applies it.
+to graphquant.ops.functional.quantized_einsum, which applies it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Pass 3 (convert): replace every annotated GEMM with graphquant's quantized functions.
 
 Expects: nodes annotated by find_gemms and a Plan for them (every slot has a quantizer).
-Guarantees: each such node is replaced by a call of graphquant.ops.gemm_site (graphquant.ops.grouped
-for torch._grouped_mm) whose keyword
-arguments name the site and spell out the format of input, weight/other and grad_output; slot
-state (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order
-of the returned keys. In an inference graph, each linear runs the inference formula (fprop alone,
-its weight quantized from its current value on every call). An einsum's equation becomes the
-layout find_gemms worked out for it. Nothing else in the graph changes.
+Guarantees: each such node is replaced by a call of graphquant.ops.functional
+(graphquant.ops.grouped for torch._grouped_mm) whose ``site`` argument (a graphquant.ops.site.Site)
+names the site and spells out the format of input, weight/other and grad_output; slot state
+(delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
+returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
+weight quantized from its current value on every call). An einsum's equation becomes the layout
+find_gemms worked out for it. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from graphquant.ops import gemm_site, grouped
+from graphquant.ops import functional, grouped
+from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 from graphquant.roles import QuantizerRole
 
 _TARGETS = {
-    LINEAR: gemm_site.quantized_linear,
-    ADDMM: gemm_site.quantized_addmm,
-    EINSUM: gemm_site.quantized_einsum,
+    LINEAR: functional.quantized_linear,
+    ADDMM: functional.quantized_addmm,
+    EINSUM: functional.quantized_einsum,
     GROUPED: grouped.quantized_grouped_mm,
 }
 
@@ -81,25 +82,22 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         index = next(counter)
         roles = site.roles()
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
-        states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
-        kwargs = dict(
+        grouped_site = site.form == GROUPED  # emulated, with no amax reduction (grouped.unsupported)
+        carried = Site(
             name=site.name,
             call=site.call,
             **formats,
-            states=states,
-            rng=state("rng") if needs_rng else None,
             streams=tuple(3 * index + i for i in range(3)),
+            amax_group=None if grouped_site else amax_group,
+            fast_accumulation=DEFAULT_FAST_ACCUMULATION if grouped_site else plan.fast_accumulation,
+            inference=inference and site.form == LINEAR,
         )
-        if amax_group is not None and site.form != GROUPED:
-            kwargs["amax_group"] = amax_group
-        if plan.fast_accumulation != DEFAULT_FAST_ACCUMULATION and site.form != GROUPED:  # grouped GEMMs are emulated
-            kwargs["fast_accumulation"] = plan.fast_accumulation
+        states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
+        kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
         args, form_kwargs = _arguments(node, site)
-        if inference and site.form == LINEAR:
-            kwargs["inference"] = True
         with graph.inserting_before(node):
             replacement = graph.call_function(
-                _TARGETS.get(site.form, gemm_site.quantized_matmul), args, {**form_kwargs, **kwargs}
+                _TARGETS.get(site.form, functional.quantized_matmul), args, {**form_kwargs, **kwargs}
             )
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)
@@ -133,7 +131,7 @@ def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[obje
 
 
 def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
-    """The operands of ``node`` in the order its gemm_site function takes them."""
+    """The operands of ``node`` in the order its graphquant.ops.functional function takes them."""
     args, kwargs = list(node.args), dict(node.kwargs)
     if site.form == LINEAR:
         weight = kwargs.pop("weight", None) or args[1]

@@ -14,6 +14,7 @@ import torch
 import graphquant
 from graphquant import zoo
 from graphquant import Plan
+from graphquant.ops.site import Site
 
 from explain_models import MLP, TinyAttention
 
@@ -45,9 +46,9 @@ def forward(self, L_self_modules_fc1_parameters_weight_ : torch.nn.parameter.Par
     l_x_ = L_x_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
-    quantized_linear = graphquant_ops_gemm_site_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, name = 'fc1', call = 0, input = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output = 'nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', states = (None, None, None), rng = graphquant_state_0, streams = (0, 1, 2));  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, site = Site(name='fc1', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(0, 1, 2)), states = (None, None, None), rng = graphquant_state_0);  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
     relu = torch.nn.functional.relu(quantized_linear);  quantized_linear = None
-    quantized_linear_1 = graphquant_ops_gemm_site_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, name = 'fc2', call = 0, input = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight = 'hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output = 'nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', states = (None, None, None), rng = graphquant_state_0, streams = (3, 4, 5));  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
+    quantized_linear_1 = graphquant_ops_functional_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, site = Site(name='fc2', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(3, 4, 5)), states = (None, None, None), rng = graphquant_state_0);  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
     return (quantized_linear_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
@@ -69,16 +70,16 @@ fc2#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with
 def forward(self, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_x_ = L_x_
-    quantized_linear = graphquant_ops_gemm_site_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, name = 'qkv', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', weight = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (0, 1, 2));  l_x_ = l_self_modules_qkv_parameters_weight_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, site = Site(name='qkv', call=0, input='fp8_current(fp8_dtype=e4m3)', weight='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(0, 1, 2)), states = (None, None, None), rng = None);  l_x_ = l_self_modules_qkv_parameters_weight_ = None
     chunk = quantized_linear.chunk(3, dim = -1);  quantized_linear = None
     q = chunk[0]
     k = chunk[1]
     v = chunk[2];  chunk = None
     transpose = k.transpose(-2, -1);  k = None
-    quantized_matmul = graphquant_ops_gemm_site_quantized_matmul(q, transpose, name = 'matmul.0', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', other = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (3, 4, 5));  q = transpose = None
+    quantized_matmul = graphquant_ops_functional_quantized_matmul(q, transpose, site = Site(name='matmul.0', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(3, 4, 5)), states = (None, None, None), rng = None);  q = transpose = None
     mul = quantized_matmul * 0.1767766952966369;  quantized_matmul = None
     weights = torch.softmax(mul, dim = -1);  mul = None
-    quantized_matmul_1 = graphquant_ops_gemm_site_quantized_matmul(weights, v, name = 'matmul.1', call = 0, input = 'fp8_current(fp8_dtype=e4m3)', other = 'fp8_current(fp8_dtype=e4m3)', grad_output = 'fp8_current(fp8_dtype=e5m2)', states = (None, None, None), rng = None, streams = (6, 7, 8));  weights = v = None
+    quantized_matmul_1 = graphquant_ops_functional_quantized_matmul(weights, v, site = Site(name='matmul.1', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(6, 7, 8)), states = (None, None, None), rng = None);  weights = v = None
     return (quantized_matmul_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
@@ -106,15 +107,25 @@ class TestDumps(expecttest.TestCase):
         files = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)
         captured, rewritten = files["graph_000_captured.py"], files["graph_000_rewritten.py"]
         self.assertEqual(captured.count("torch._C._nn.linear("), 2)
-        self.assertNotIn("gemm_site", captured)
-        self.assertEqual(rewritten.count("graphquant_ops_gemm_site_quantized_linear("), 2)
+        self.assertNotIn("graphquant_ops", captured)
+        self.assertEqual(rewritten.count("graphquant_ops_functional_quantized_linear("), 2)
         self.assertNotIn("torch._C._nn.linear(", rewritten)
-        self.assertIn("input = 'fp8_current(fp8_dtype=e4m3)'", rewritten)
+        self.assertIn("input='fp8_current(fp8_dtype=e4m3)'", rewritten)
+
+    def test_each_gemm_gets_one_site_that_its_printed_call_rebuilds(self):
+        files = dump(TinyAttention(), zoo.recipe("tensorwise"), torch.randn(2, 32, 32), dynamic=False)
+        printed = re.findall(r"site = (Site\(.*?\)), states", files["graph_000_rewritten.py"])
+        sites = [eval(text, {"Site": Site}) for text in printed]
+        self.assertEqual([repr(site) for site in sites], printed)
+        self.assertEqual([(s.label, s.weight is not None) for s in sites], [("qkv#0", True), ("matmul.0#0", False), ("matmul.1#0", False)])
+        self.assertEqual(len(set(sites)), 3)  # frozen and hashable
+        with self.assertRaisesRegex(ValueError, "fc#0: give the second operand's format as weight="):
+            Site(name="fc", call=0, input="fp8_current(fp8_dtype=e4m3)", grad_output="fp8_current(fp8_dtype=e5m2)", streams=(0, 1, 2))
 
     def test_a_recipes_fast_accumulation_is_in_every_call_and_the_plan(self):
         everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
         files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
-        self.assertEqual(files["graph_000_rewritten.py"].count("fast_accumulation = ('fprop', 'dgrad', 'wgrad')"), 2)
+        self.assertEqual(files["graph_000_rewritten.py"].count("fast_accumulation=('fprop', 'dgrad', 'wgrad')"), 2)
         plan = Plan.from_json(files["graph_000_plan.json"])
         self.assertEqual(plan.fast_accumulation, ("fprop", "dgrad", "wgrad"))
         torch._dynamo.reset()

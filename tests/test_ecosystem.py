@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import graphquant
 from graphquant import factories, recipes
 from graphquant.formats import fp8, nvfp4
-from graphquant.ops import gemm_site
+from graphquant.ops.recording import recording
 
 import models
 from reference import GemmTape, assert_same_results, forward_backward, fresh_dynamo  # noqa: F401  (fresh_dynamo: autouse)
@@ -199,7 +199,7 @@ def distributed_worker(rank, port, out, delayed_recipe):
     results["fsdp"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
     # Current scaling with the amax all-reduced over the recipe's group: rank 1's input is 100x
-    # rank 0's. Eagerly (gemm_site.recording sees the scales), then aot_eager and Inductor.
+    # rank 0's. Eagerly (graphquant.ops.recording sees the scales), then aot_eager and Inductor.
     x_amax = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 99 * rank)
     results["x_amax"] = x_amax
     for group in (dist.group.WORLD, None):
@@ -207,7 +207,7 @@ def distributed_worker(rank, port, out, delayed_recipe):
         tag = "reduced" if group is not None else "local"
         torch._dynamo.reset()
         scales = []
-        with gemm_site.recording(lambda site, gemm, a, a_op, b, b_op, y: scales.append(a_op.tensors[1].clone())):
+        with recording(lambda gemm: scales.append(gemm.a_operand.tensors[1].clone())):
             graphquant.compile(identity_linear(), recipe, backend=graphquant.explainer.run_eagerly)(x_amax)
         results[f"eager_scale_{tag}"] = scales[0]
         for backend in ("aot_eager", "inductor") if group is not None else ("aot_eager",):
@@ -215,15 +215,15 @@ def distributed_worker(rank, port, out, delayed_recipe):
             results[f"{backend}_{tag}"] = graphquant.compile(identity_linear(), recipe, backend=backend)(x_amax).detach()
 
     # NVFP4 with its global amaxes all-reduced over the recipe's group (the same inputs): a training
-    # step eagerly, where gemm_site.recording sees each GEMM operand's amax, then in aot_eager and
+    # step eagerly, where graphquant.ops.recording sees each GEMM operand's amax, then in aot_eager and
     # Inductor graphs.
     nvfp4_recipe = graphquant.CustomRecipe(reducing_nvfp4_factory, amax_reduction_group=dist.group.WORLD)
     amaxes = {}
-    record = lambda site, gemm, a, a_op, b, b_op, y: amaxes.update({gemm: (a_op.tensors[2].clone(), b_op.tensors[2].clone())})  # noqa: E731
+    record = lambda gemm: amaxes.update({gemm.gemm: (gemm.a_operand.tensors[2].clone(), gemm.b_operand.tensors[2].clone())})  # noqa: E731
     for name, backend in (("eager", graphquant.explainer.run_eagerly), ("aot_eager", "aot_eager"), ("inductor", "inductor")):
         torch._dynamo.reset()
         x = x_amax.clone().requires_grad_()
-        with gemm_site.recording(record) if name == "eager" else contextlib.nullcontext():
+        with recording(record) if name == "eager" else contextlib.nullcontext():
             y = graphquant.compile(identity_linear(), nvfp4_recipe, backend=backend)(x)
             y.square().sum().backward()
         results[f"nvfp4_{name}"] = (y.detach(), x.grad)

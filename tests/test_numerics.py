@@ -1,5 +1,6 @@
 """graphquant.numerics: per-GEMM SQNR against the high-precision GEMM, and per-operand stats."""
 
+import contextlib
 import json
 import math
 import warnings
@@ -10,7 +11,8 @@ from torch import nn
 
 import graphquant
 from graphquant import factories, recipes, zoo
-from graphquant.ops import gemm_site
+from graphquant.explainer import run_eagerly
+from graphquant.ops import recording
 from graphquant.quantizers import Float8CurrentScalingQuantizer
 
 from explain_models import MLP, TinyAttention
@@ -121,4 +123,27 @@ def test_loss_fn_gradients_and_the_recorder_are_left_as_they_were():
     report = graphquant.numerics(model, zoo.recipe("tensorwise"), torch.randn(32, 64), loss_fn=lambda out: out[1].sum())
     assert len(report.gemms) == 5
     assert all(p.grad is None for p in model.parameters())
-    assert gemm_site._recorder is None
+    assert not recording.listening()
+
+
+def test_recording_observes_the_computation_without_changing_it():
+    # bf16 linears with biases: the bias is added inside the GEMM before its one rounding, so a
+    # bias added after the GEMM would round twice and change the bits.
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+
+    def step(backend, record):
+        torch._dynamo.reset()
+        compiled = graphquant.compile(model, zoo.recipe("tensorwise"), backend=backend)
+        listen = recording.recording(lambda gemm: seen.update({(gemm.site.label, gemm.gemm): gemm.out})) if record else contextlib.nullcontext()
+        with listen:
+            y = compiled(x)
+            return y, torch.autograd.grad(y.float().square().sum(), [x, *model.parameters()])
+
+    recorded, unobserved, trained = step(run_eagerly, True), step(run_eagerly, False), step("aot_eager", False)
+    for y, grads in (unobserved, trained):
+        assert torch.equal(recorded[0], y)
+        assert all(torch.equal(a, b) for a, b in zip(recorded[1], grads))
+    assert torch.equal(seen["fc2#0", "fprop"].reshape(trained[0].shape), trained[0])  # the report sees what trains

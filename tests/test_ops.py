@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphquant import distributed
 from graphquant.kernels import native
 from graphquant.formats import nvfp4
-from graphquant.ops import gemm_site
-from graphquant.ops.gemm_site import SlotState, _quantize_direction
+from graphquant.ops.functional import quantized_linear, quantized_matmul
+from graphquant.ops.quantize import SlotState, _quantize_direction, quantize_weight
+from graphquant.ops.site import Site
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -134,7 +135,7 @@ def test_scale_ops():
 
 
 def test_an_op_on_tensors_that_require_grad_records_nothing_and_its_backward_warns():
-    """The ops are not differentiable (gemm_site composes them): called directly in grad mode, the
+    """The ops are not differentiable (quantized_gemm composes them): called directly in grad mode, the
     reference's torch ops inside must not build a graph, and a backward through one warns."""
     x = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
     data, scale, amax = torch.ops.graphquant.quantize(x, Float8BlockQuantizer(block_scaling_dim=1).spec, True, False, None, None, 0)
@@ -158,12 +159,13 @@ class _OpCalls(TorchDispatchMode):
 def test_linear_bias_is_added_in_the_gemm_and_its_gradient_made_by_the_grad_output_quantize():
     torch.manual_seed(0)
     x, w, bias = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True), torch.randn(32, requires_grad=True)
-    formats = dict(name="fc", call=0, input=MXFP8Quantizer().spec, weight=MXFP8Quantizer().spec, grad_output=NVFP4Quantizer().spec, rng=torch.tensor([1, 2]))
+    site = Site(name="fc", call=0, input=MXFP8Quantizer().spec, weight=MXFP8Quantizer().spec, grad_output=NVFP4Quantizer().spec, streams=(0, 1, 2))
+    rng = torch.tensor([1, 2])
     dy = torch.randn(64, 32)
     with _OpCalls() as mode:
-        y = gemm_site.quantized_linear(x, w, bias, **formats)
+        y = quantized_linear(x, w, bias, site=site, rng=rng)
         y.backward(dy)
-    assert torch.equal(y, gemm_site.quantized_linear(x, w, None, **formats) + bias)  # fp32: the sum rounds once either way
+    assert torch.equal(y, quantized_linear(x, w, None, site=site, rng=rng) + bias)  # fp32: the sum rounds once either way
     assert torch.equal(bias.grad, dy.sum(0))
     gemms = [args for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
     bias_index = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments].index("bias")
@@ -190,9 +192,9 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
     torch.manual_seed(0)
     x, w = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
     spec = quantizer.spec
-    formats = dict(name="fc", call=0, input=spec, weight=spec, grad_output=spec, rng=torch.tensor([1, 2]))
+    site = Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2))
     with _OpCalls() as mode:
-        gemm_site.quantized_linear(x, w, None, **formats).backward(torch.randn(128, 64))
+        quantized_linear(x, w, None, site=site, rng=torch.tensor([1, 2])).backward(torch.randn(128, 64))
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
     made = [((128, 128), True, True), ((128, 64), True, True)]  # x, grad_output
     weight = [((64, 128), True, False)] if isinstance(quantizer, Float8CurrentScalingQuantizer) else []  # quantize_weight
@@ -209,7 +211,7 @@ def test_per_tensor_weight_takes_its_amax_and_rowwise_copy_from_one_call(quantiz
     w = torch.randn(64, 128) * torch.exp2(torch.randint(-8, 9, (64, 1)).float())
     state = SlotState(None, None, 1)
     with _OpCalls() as mode:
-        operands = gemm_site.quantize_weight(w, quantizer, (ROWWISE, COLUMNWISE), state)
+        operands = quantize_weight(w, quantizer, (ROWWISE, COLUMNWISE), state)
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
     assert [(q[2], q[3]) for q in quantizes] == [(True, False)]
     ctx = QuantizeContext()
@@ -225,7 +227,7 @@ def test_backward_runs_wgrad_before_dgrad():
     torch.manual_seed(0)
     x, w = torch.randn(128, 96, requires_grad=True), torch.randn(64, 96, requires_grad=True)
     spec = Float8CurrentScalingQuantizer().spec
-    y = gemm_site.quantized_linear(x, w, None, name="fc", call=0, input=spec, weight=spec, grad_output=spec)
+    y = quantized_linear(x, w, None, site=Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2)))
     with _OpCalls() as mode:
         y.backward(torch.randn(128, 64))
     products = [tuple(args[3]) + tuple(args[7]) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
@@ -237,11 +239,11 @@ def test_each_gemm_gets_the_recipes_fast_accumulation():
     """fprop, wgrad and dgrad (the backward runs wgrad first) each pass their own flag to the GEMM op."""
     x, w = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True)
     spec = Float8CurrentScalingQuantizer().spec
-    formats = dict(name="fc", call=0, input=spec, weight=spec, grad_output=spec)
+    formats = dict(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2))
     fast_index = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments].index("fast_accumulation")
     for fast_accumulation, expected in [(("fprop",), [True, False, False]), (("dgrad", "wgrad"), [False, True, True])]:
         with _OpCalls() as mode:
-            gemm_site.quantized_linear(x, w, None, fast_accumulation=fast_accumulation, **formats).sum().backward()
+            quantized_linear(x, w, None, site=Site(fast_accumulation=fast_accumulation, **formats)).sum().backward()
         # The dispatcher drops trailing arguments that equal their defaults (False here).
         flags = [len(args) > fast_index and args[fast_index] for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
         assert flags == expected, fast_accumulation
@@ -255,9 +257,9 @@ def test_only_a_contiguous_weight_takes_the_one_call():
     spec = Float8CurrentScalingQuantizer().spec
     a, b = torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 64, 32, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(64, 32))
-    formats = dict(name="mm", call=0, input=spec, grad_output=spec, rng=torch.tensor([1, 2]))
+    formats = dict(name="mm", call=0, input=spec, grad_output=spec, streams=(0, 1, 2))
     for kwargs in (dict(other=spec), dict(weight=spec)):
         with _OpCalls() as mode:
             rhs = b if "other" in kwargs else w
-            gemm_site.quantized_matmul(a, rhs, **formats, **kwargs).sum().backward()
+            quantized_matmul(a, rhs, site=Site(**formats, **kwargs), rng=torch.tensor([1, 2])).sum().backward()
         assert not [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default], kwargs

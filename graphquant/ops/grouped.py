@@ -26,8 +26,10 @@ import torch
 
 from graphquant.kernels import emulation, native
 from graphquant.ops import registry
-from graphquant.ops.gemm_site import Operand, Site, hybrid_directions, save_columnwise, saved_columnwise
 from graphquant.ops.library import quantizer_of
+from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
+from graphquant.ops.quantize import hybrid_directions
+from graphquant.ops.site import Site
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -180,8 +182,9 @@ class QuantizedGroupedMM(torch.autograd.Function):
         experts, k, n = w.shape
         w_offs = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
         w2d = w.transpose(1, 2).reshape(experts * n, k)  # expert g's W_g = w[g]^T, stacked
-        xq = quantize_grouped(x, offs, site.x, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), site.label)
-        wq = quantize_grouped(w2d, w_offs, site.w, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), site.label)
+        x_quantizer, w_quantizer, _ = site.quantizers
+        xq = quantize_grouped(x, offs, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), site.label)
+        wq = quantize_grouped(w2d, w_offs, w_quantizer, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), site.label)
         y = _gemm(xq[ROWWISE], offs, wq[ROWWISE], w_offs, torch.promote_types(x.dtype, w.dtype))
 
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), offs, w_offs)
@@ -193,18 +196,16 @@ class QuantizedGroupedMM(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_col, w_col, (offs, w_offs) = saved_columnwise(ctx)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
-        gq = quantize_grouped(dy.contiguous(), offs, ctx.site.grad_output, directions, ctx.site.label)
+        gq = quantize_grouped(dy.contiguous(), offs, ctx.site.quantizers[2], directions, ctx.site.label)
         dx = _gemm(gq[ROWWISE], offs, w_col, w_offs, ctx.dtypes[0]) if need_dx else None
         dw = _gemm(gq[COLUMNWISE], offs, x_col, offs, ctx.dtypes[1]).transpose(1, 2) if need_dw else None
         return dx, dw, None, None
 
 
-def quantized_grouped_mm(x, w, offs, *, name, call, input, weight, grad_output, states=None, rng=None, streams=None):
-    """torch._grouped_mm(x, w, offs=offs) with input, weight and grad_output in the formats named.
+def quantized_grouped_mm(x, w, offs, *, site: Site, states=None, rng=None):
+    """torch._grouped_mm(x, w, offs=offs) in the site's formats.
 
-    states, rng, streams: what rewrite passes every site; unused, as the planner admits no
-    stateful or stochastic format for grouped sites (``backends.grouped_unsupported``).
+    states, rng: what rewrite passes every site; unused, as the planner admits no stateful or
+    stochastic format for grouped sites (``backends.grouped_unsupported``).
     """
-    quantizers = quantizer_of(input), quantizer_of(weight), quantizer_of(grad_output)
-    site = Site(name, *quantizers, w.shape[0], call)
     return QuantizedGroupedMM.apply(x, w, offs, site)

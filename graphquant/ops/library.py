@@ -2,8 +2,8 @@
 
 A representation crosses the op boundary as three tensors (data, scale, amax; empty where absent)
 plus its quantizer spec, direction and logical shape, all visible as op arguments in a graph.
-The ops are not differentiable themselves: ``graphquant.ops.gemm_site`` composes them into the
-autograd formula of a GEMM.
+The ops are not differentiable themselves: ``graphquant.ops.quantized_gemm`` composes them into
+the autograd formula of a GEMM.
 """
 
 from __future__ import annotations

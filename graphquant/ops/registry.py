@@ -2,7 +2,7 @@
 
 custom_op wraps every call in Python layers (autograd, a redispatch, output alias checks), host
 time that a model of short GPU steps pays on every op call (benchmarks/host_overhead.py).
-graphquant's ops are not differentiable (graphquant.ops.gemm_site composes them into a GEMM's
+graphquant's ops are not differentiable (graphquant.ops.quantized_gemm composes them into a GEMM's
 autograd formula), so the dispatcher's own autograd fallback (C++) serves their Autograd key, and
 a call costs the dispatcher's conversion of its arguments and the kernel's own Python. Called
 directly on tensors that require grad, an op records nothing through its internals, and a

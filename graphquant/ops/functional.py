@@ -1,0 +1,65 @@
+"""The functions a rewritten graph calls in place of each GEMM (passes/rewrite.py).
+
+Each takes the GEMM's operands as the original call did, its ``site`` (a Site: formats by role
+and how it runs), and the slot state the graph supplies: ``states``, the delayed-scaling state
+of x, w and grad_output (None where a format keeps none), and ``rng``, the step's int64
+[seed, step] where a format rounds stochastically.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from graphquant.ops.inference import inference_product
+from graphquant.ops.quantized_gemm import QuantizedGemm
+from graphquant.ops.site import Site
+
+NO_STATES = (None, None, None)
+
+
+def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None):
+    """F.linear(x, w, bias) in the site's formats; fprop alone where ``site.inference``."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if site.inference:
+        y = inference_product(x2d, w, bias, site, states, rng)
+    else:
+        y = _product(x2d, w, 1, site, states, rng, bias)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
+    """a @ b (matmul, mm, bmm) with a as input and b as other (or weight, where b is a
+    Parameter: a linear site); b is quantized as b^T (n, k)."""
+    k = a.shape[-1]
+    if b.dim() == 2:
+        y = _product(a.reshape(-1, k), b.t(), 1, site, states, rng)
+        return y.reshape(*a.shape[:-1], b.shape[-1])
+    batch_shape = a.shape[:-2]
+    y = _product(a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), site, states, rng)
+    return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
+
+
+def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, rng=None):
+    """beta * c + alpha * (a @ b) (addmm, baddbmm), the product quantized."""
+    product = quantized_matmul(a, b, site=site, states=states, rng=rng)
+    product = product if alpha == 1 else alpha * product
+    return product + (c if beta == 1 else beta * c)
+
+
+def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
+    """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
+    (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""
+    batch, m, k = layout.x_shape
+    x = a.permute(layout.a_perm).reshape(batch * m, k)
+    w = b.permute(layout.b_perm).reshape(-1, k)
+    y = _product(x, w, batch, site, states, rng)
+    return y.reshape(layout.y_shape).permute(layout.out_perm)
+
+
+def _product(
+    x2d: torch.Tensor, w2d: torch.Tensor, batch: int, site: Site, states: tuple, rng: Optional[torch.Tensor], bias=None
+) -> torch.Tensor:
+    return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, batch)

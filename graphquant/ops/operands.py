@@ -1,0 +1,49 @@
+"""Operand: one direction of one quantized tensor as graphquant's ops carry it, and the two
+things an autograd formula does with operands besides making them: multiply two, and keep the
+columnwise ones for backward."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """One direction of one quantized tensor as the ops carry it."""
+
+    tensors: list[torch.Tensor]
+    spec: str
+    direction: str
+    shape: tuple[int, int]
+
+
+def gemm(
+    a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast: bool = False
+) -> torch.Tensor:
+    """graphquant::gemm of two operands: (batch, m, n), a @ b^T per group (+ bias, one group)."""
+    return torch.ops.graphquant.gemm(
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias, fast
+    )
+
+
+def save_columnwise(ctx, x_col: Optional[Operand], w_col: Optional[Operand], *others: Optional[torch.Tensor]) -> None:
+    """Save what a backward needs: the columnwise operands that exist (x's for wgrad, w's for
+    dgrad), then ``others``; ``saved_columnwise`` gives them back."""
+    kept = [op for op in (x_col, w_col) if op is not None]
+    ctx.kept = [(x_col is not None, w_col is not None), [(len(op.tensors), op.spec, op.direction, op.shape) for op in kept]]
+    ctx.save_for_backward(*[t for op in kept for t in op.tensors], *others)
+
+
+def saved_columnwise(ctx) -> tuple[Optional[Operand], Optional[Operand], list[Optional[torch.Tensor]]]:
+    """(x's columnwise operand or None, w's or None, the others) as ``save_columnwise`` saved them."""
+    (has_x, has_w), metas = ctx.kept
+    saved, start, kept = list(ctx.saved_tensors), 0, []
+    for count, *meta in metas:
+        kept.append(Operand(saved[start : start + count], *meta))
+        start += count
+    x_col = kept.pop(0) if has_x else None
+    w_col = kept.pop(0) if has_w else None
+    return x_col, w_col, saved[start:]

@@ -1,0 +1,81 @@
+"""The autograd formula of a quantized GEMM. For y = x @ w^T (batched over groups when ``batch`` > 1):
+
+    fprop  y  = x.rowwise          @ w.rowwise^T
+    dgrad  dx = grad_output.rowwise @ w.columnwise^T
+    wgrad  dw = grad_output.columnwise @ x.columnwise^T
+
+Only the representations a pass needs are made: no columnwise ones when nothing needs a gradient,
+and backward keeps the quantized columnwise representations, never the high-precision
+originals, unless the recipe holds that direction in high precision (Identity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphquant.ops import recording
+from graphquant.ops.operands import gemm, save_columnwise, saved_columnwise
+from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, transposed_operand, update_delayed_scaling
+from graphquant.ops.site import Site
+from graphquant.quantizers import COLUMNWISE, ROWWISE
+
+
+class QuantizedGemm(torch.autograd.Function):
+    """y (batch, m, n) = x (batch*m, k) @ w (batch*n, k)^T (+ bias, one group), per group, in the
+    site's formats; the bias is added in the GEMM, and its gradient comes from grad_output's quantize."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, x_delayed, w_delayed, g_delayed, rng, site: Site, batch: int):
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_quantizer, w_quantizer, _ = site.quantizers
+        x_state = SlotState(x_delayed, rng, site.streams[0], site.amax_group)
+        w_state = SlotState(w_delayed, rng, site.streams[1], site.amax_group)
+        xq, _ = quantize_tensor(x, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
+        w_directions = (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)
+        if site.weight is not None:
+            wq = quantize_weight(w, w_quantizer, w_directions, w_state)
+        else:
+            wq, _ = quantize_tensor(w, w_quantizer, w_directions, w_state, one_read=False)
+        update_delayed_scaling(x_quantizer, x_state, xq)
+        update_delayed_scaling(w_quantizer, w_state, wq)
+        y = gemm(xq[ROWWISE], wq[ROWWISE], batch, torch.promote_types(x.dtype, w.dtype), bias, site.fast("fprop"))
+
+        # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
+        # out), so keeping it gives the backward its forward's step in whatever order backwards run.
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
+        ctx.site, ctx.batch = site, batch
+        ctx.dtypes = (x.dtype, w.dtype)
+        ctx.originals = (x, w) if recording.listening() else (None, None)
+        recording.record(site, "fprop", batch, x, xq[ROWWISE], w, wq[ROWWISE], bias, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_dw, need_dbias = ctx.needs_input_grad[:3]
+        x_col, w_col, (g_delayed, rng) = saved_columnwise(ctx)
+        site, batch = ctx.site, ctx.batch
+        g_quantizer = site.quantizers[2]
+        x, w = ctx.originals
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        g_state = SlotState(g_delayed, rng, site.streams[2], site.amax_group)
+        # Where the columnwise copy is the rowwise bits transposed, an op makes it from them:
+        # traced together, Inductor wrote both copies in one kernel while grad_output's inputs (a
+        # SwiGLU's gate, up and dh) were still alive, a decoder's memory peak.
+        late = need_dx and need_dw and g_quantizer.columnwise_is_rowwise_transposed()
+        directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw and not late else ())
+        gq, dbias = quantize_tensor(dy2d, g_quantizer, directions, g_state, dbias=need_dbias)
+        if late:
+            gq[COLUMNWISE] = transposed_operand(gq[ROWWISE])
+        update_delayed_scaling(g_quantizer, g_state, gq)
+        dx = dw = None
+        # wgrad first: its input operand (a SwiGLU's h, or h's FP8 copy) is then freed before
+        # dgrad's output (as large, for a down projection) is allocated.
+        if need_dw:
+            dw = gemm(gq[COLUMNWISE], x_col, batch, ctx.dtypes[1], fast=site.fast("wgrad"))
+            dw = dw.reshape(-1, x_col.shape[1])
+            recording.record(site, "wgrad", batch, dy2d, gq[COLUMNWISE], x, x_col, None, dw)
+        if need_dx:
+            dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], fast=site.fast("dgrad"))
+            dx = dx.reshape(-1, w_col.shape[1])
+            recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)
+        return dx, dw, dbias, None, None, None, None, None, None

@@ -1,0 +1,73 @@
+"""Site: what the rewritten graph tells one GEMM call about itself, as one frozen value.
+
+The rewrite pass builds a Site for every GEMM and passes it to the function the graph calls
+(graphquant.ops.functional): the plan's decisions travel with the graph. A Site prints as the
+call that rebuilds it, and FX writes that call into the graph's code, so a graph dump shows each
+GEMM's formats by role.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.fx
+
+from graphquant.ops.library import quantizer_of
+from graphquant.quantizers import Quantizer
+from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Site:
+    """One GEMM call: its owner, the format of each operand by role, and how it runs.
+
+    The second operand's format comes as ``weight`` (a linear's: a parameter, whose copies
+    backward recomputes rather than keeps) or as ``other`` (a matmul's right operand), as the
+    site's roles name it. streams: the stochastic-rounding streams of x, w and grad_output.
+    fast_accumulation: the GEMMs that may sum in the tensor cores' accumulator (the recipe's).
+    inference: the graph never runs backward, so a linear runs fprop alone (ops.inference).
+    """
+
+    name: str
+    call: int
+    input: str
+    weight: Optional[str] = None
+    other: Optional[str] = None
+    grad_output: str
+    streams: tuple[int, int, int]
+    amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
+    fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION
+    inference: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.weight is None) == (self.other is None):
+            raise ValueError(
+                f"GEMM site {self.label}: give the second operand's format as weight= (a linear's) or other= "
+                f"(a matmul's), exactly one; got weight={self.weight!r}, other={self.other!r}"
+            )
+
+    def __repr__(self) -> str:
+        """The call that rebuilds this Site, fields at their defaults left out."""
+        given = [f for f in dataclasses.fields(self) if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]
+        return f"Site({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in given)})"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.call}"
+
+    @property
+    def quantizers(self) -> tuple[Quantizer, Quantizer, Quantizer]:
+        """The quantizers of x, w (weight or other) and grad_output."""
+        w = self.weight if self.weight is not None else self.other
+        return quantizer_of(self.input), quantizer_of(w), quantizer_of(self.grad_output)
+
+    def fast(self, gemm: str) -> bool:
+        """Whether ``gemm`` ("fprop", "dgrad", "wgrad") may sum in the tensor cores' accumulator."""
+        return gemm in self.fast_accumulation
+
+
+# FX writes an argument it has no rule for as its repr, so the name the repr uses must be in the
+# globals of every graph's code. FX's registry for such names is private: the dump and compile
+# tests guard it.
+torch.fx.graph._register_custom_builtin("Site", f"from {__name__} import Site", Site)
