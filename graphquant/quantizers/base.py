@@ -122,9 +122,9 @@ class Representation:
         return [self.data, part(scale), part(self.amax)]
 
 
-# The families of native GEMM inputs (GemmInput.family): each names a layout of codes and scales
-# that GEMM kernels are written for; graphquant.kernels.backends says which GEMM takes which pair
-# of families on which device.
+# The layout families of GemmInput: each names a layout of codes and scales that GEMM kernels
+# (cuBLASLt's, and the emulated GEMM's dequantize kernels) are written for;
+# graphquant.kernels.backends says which native GEMM takes which pair of them on which device.
 GEMM_FAMILIES = (
     "fp8_tensorwise",  # FP8 codes and one float32 decode scale
     "fp8_rowwise",  # FP8 codes and one float32 decode scale per GEMM row
@@ -139,9 +139,9 @@ ELEMENTS = ("e4m3", "e5m2", "e2m1")
 
 @dataclasses.dataclass(frozen=True)
 class GemmInput:
-    """How a GEMM kernel reads one direction of a format: the family of its layout (one of
-    GEMM_FAMILIES, stored as graphquant.kernels.scaled_mm passes it to cuBLASLt) and the
-    encoding of its elements (one of ELEMENTS)."""
+    """How GEMM kernels read one direction of a format: the family of its layout (one of
+    GEMM_FAMILIES; a native one stored as graphquant.kernels.scaled_mm passes it to cuBLASLt)
+    and the encoding of its elements (one of ELEMENTS)."""
 
     family: str
     element: str
