@@ -15,7 +15,6 @@ from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parame
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
-from graphquant.quantizers import Float8DelayedScalingQuantizer
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
 
@@ -220,7 +219,7 @@ class GraphquantBackend:
 
     @staticmethod
     def _delayed(plan: Plan, role: QuantizerRole) -> bool:
-        return isinstance(plan.quantizer(role), Float8DelayedScalingQuantizer)
+        return plan.quantizer(role).keeps_state
 
     @staticmethod
     def _needs_rng(plan: Plan) -> bool:

@@ -20,13 +20,12 @@ import torch
 from tabulate import tabulate
 
 from graphquant.explainer import run_once
-from graphquant.formats import nvfp4
 from graphquant.ops.library import unflatten
 from graphquant.ops.operands import Operand, gemm as operand_gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor
 from graphquant.ops.recording import RecordedGemm, recording
 from graphquant.passes.plan import Plan
-from graphquant.quantizers import IdentityQuantizer, NVFP4Quantizer, Representation
+from graphquant.quantizers import IdentityQuantizer
 from graphquant.recipes import CustomRecipe
 
 
@@ -118,13 +117,12 @@ class _Counts:
     def add(self, x: torch.Tensor, operand: Operand) -> None:
         rep = unflatten(operand.tensors, operand.spec, operand.direction, operand.shape, x.dtype)
         quantized = rep.dequantize(torch.float32)  # as stored (transposed where the format stores it so)
-        source = (x.t() if rep.transposed else x).float()
-        if rep.hadamard:  # compare with what the format encoded: the transformed values
-            source = nvfp4.hadamard_transform(source, random_sign_mask=rep.quantizer.with_random_sign_mask)
+        # Compared with what the format encoded: the values after its transform, if it has one.
+        source = rep.quantizer.transformed((x.t() if rep.transposed else x).float(), rep.direction)
         self.amax = max(self.amax, x.abs().max().item() if x.numel() else 0.0)
         self.values += x.numel()
         self.underflow += int(((source != 0) & (quantized == 0)).sum())
-        at_max = _at_format_max(rep)
+        at_max = rep.quantizer.at_largest_code(rep)
         if at_max is not None:
             # Beyond fp32 rounding of the scale: the value was clipped, not rounded.
             self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
@@ -172,15 +170,6 @@ def _high_precision_gemm(gemm: RecordedGemm) -> torch.Tensor:
     hp_a = quantize_tensor(gemm.a, IdentityQuantizer(), (a,), state)[0][a]
     hp_b = quantize_tensor(gemm.b, IdentityQuantizer(), (b,), state)[0][b]
     return operand_gemm(hp_a, hp_b, gemm.batch, gemm.out.dtype, gemm.bias)
-
-
-def _at_format_max(rep: Representation) -> Optional[torch.Tensor]:
-    """Where the stored code is the format's largest magnitude (FP8 and NVFP4); None for others."""
-    if rep.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return rep.data.float().abs() == torch.finfo(rep.data.dtype).max
-    if isinstance(rep.quantizer, NVFP4Quantizer):
-        return (nvfp4.unpack(rep.data) & 0x7) == 0x7  # the E2M1 code of 6.0
-    return None
 
 
 def _sqnr_db(signal: float, noise: float) -> float:

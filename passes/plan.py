@@ -23,8 +23,6 @@ from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     DelayedScalingRequest,
-    HybridQuantizer,
-    IdentityQuantizer,
     Quantizer,
     parse_spec,
 )
@@ -134,16 +132,6 @@ class Plan:
         )
 
 
-def direction_format(quantizer: Quantizer, direction: str) -> str:
-    """The spec of the quantizer that makes ``direction``, with a hybrid's source where it matters."""
-    if not isinstance(quantizer, HybridQuantizer):
-        return quantizer.spec
-    child = quantizer.child(direction).spec
-    if direction == COLUMNWISE and quantizer.columnwise_source == "rowwise_dequantized":
-        return f"{child} of rowwise_dequantized"
-    return child
-
-
 def _meant_quantizer(answer: object) -> str:
     """What a factory that returned ``answer`` most likely meant to return, as advice ("" if unknown)."""
     if isinstance(answer, str):
@@ -234,9 +222,9 @@ class Planner:
                     module_type=site.module_type,
                     gemm=gemm,
                     a=f"{roles[ia].tensor_type}.{da}",
-                    a_format=direction_format(quantizers[ia], da),
+                    a_format=quantizers[ia].direction_spec(da),
                     b=f"{roles[ib].tensor_type}.{db}",
-                    b_format=direction_format(quantizers[ib], db),
+                    b_format=quantizers[ib].direction_spec(db),
                     bucket=selection.bucket,
                     backend=selection.backend,
                     reason=selection.reason,
@@ -251,7 +239,7 @@ class Planner:
             fast_accumulation=self.recipe.fast_accumulation,
         )
         self._warn_unmatched_names(plan)
-        if gemms and all(isinstance(q, IdentityQuantizer) for q in operand_quantizers):
+        if gemms and all(q.high_precision for q in operand_quantizers):
             user_stack.warn(
                 f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
                 "IdentityQuantizer (high precision); check the conditions in the recipe's factory (module_type, "

@@ -127,6 +127,37 @@ def test_planner_choices_on_cpu_are_emulated_except_high_precision():
     assert backends.select(rht, COLUMNWISE, NVFP4Quantizer(), COLUMNWISE, cpu).bucket == backends.REJECTED
 
 
+# (capability, A's quantizer and direction, B's, the backend chosen): the element and layout rules
+# of each native GEMM, on the capabilities that have it and on one that does not.
+CAPABILITY_CASES = [
+    ((9, 0), Float8CurrentScalingQuantizer("e5m2"), ROWWISE, Float8CurrentScalingQuantizer("e5m2"), ROWWISE, backends.EMULATION),
+    ((8, 9), Float8CurrentScalingQuantizer("e4m3"), ROWWISE, Float8CurrentScalingQuantizer("e4m3"), ROWWISE, backends.EMULATION),
+    ((10, 0), Float8CurrentScalingQuantizer("e4m3"), ROWWISE, Float8CurrentScalingQuantizer("e5m2"), COLUMNWISE, scaled_mm.TENSORWISE),
+    ((9, 0), Float8RowwiseQuantizer("e4m3"), ROWWISE, Float8RowwiseQuantizer("e5m2"), ROWWISE, backends.EMULATION),
+    ((12, 0), Float8RowwiseQuantizer("e4m3"), COLUMNWISE, Float8RowwiseQuantizer("e4m3"), COLUMNWISE, scaled_mm.ROWWISE_SCALED),
+    ((9, 0), Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, backends.EMULATION),
+    ((9, 0), Float8BlockQuantizer("e5m2", 1), ROWWISE, Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, backends.EMULATION),
+    ((10, 0), Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, backends.EMULATION),
+    ((10, 0), MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, scaled_mm.MXFP8),
+    ((10, 0), MXFP8Quantizer("e5m2"), ROWWISE, MXFP8Quantizer(), ROWWISE, backends.EMULATION),
+    ((10, 0), NVFP4Quantizer(), ROWWISE, NVFP4Quantizer(with_2d_quantization=True), COLUMNWISE, scaled_mm.NVFP4),
+    ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), ROWWISE, NVFP4Quantizer(), ROWWISE, backends.EMULATION),
+    ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), COLUMNWISE, NVFP4Quantizer(), COLUMNWISE, scaled_mm.NVFP4),
+    ((10, 0), MXFP8Quantizer(), ROWWISE, NVFP4Quantizer(), ROWWISE, backends.EMULATION),
+    ((10, 0), IdentityQuantizer(), ROWWISE, IdentityQuantizer(torch.float32), ROWWISE, backends.HIGH_PRECISION),
+]
+
+
+@pytest.mark.parametrize("capability,qa,da,qb,db,expected", CAPABILITY_CASES)
+def test_each_native_gemm_takes_its_families_elements_and_capabilities(capability, qa, da, qb, db, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    backends.select.cache_clear()
+    try:
+        assert backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512)).backend == expected
+    finally:
+        backends.select.cache_clear()
+
+
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
 def test_high_precision_gemm_takes_identity_operands_as_they_are(gemm, da, db):
     """An Identity x Identity GEMM (e.g. rowwise_with_gw_hp's wgrad) multiplies the stored tensors,

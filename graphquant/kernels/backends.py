@@ -18,19 +18,14 @@ import torch
 
 from graphquant.kernels import emulation, scaled_mm
 from graphquant.quantizers import (
+    COLUMNWISE,
     ROWWISE,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
-    Float8RowwiseQuantizer,
-    HybridQuantizer,
-    IdentityQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
+    GemmInput,
     Quantizer,
     Representation,
     gemm_dims,
     output_rows,
+    quantizer_classes,
 )
 
 NATIVE = "native"
@@ -50,78 +45,57 @@ class Selection:
     reason: str = ""
 
 
-PER_TENSOR = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
-
-
 class NativeGemm(NamedTuple):
-    """A native GEMM: its backend name, the operand pairs it takes, the multiple every one of m, n
-    and k must be, and the compute capabilities torch._scaled_mm runs it on."""
+    """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
+    element encodings it multiplies, the multiple every one of m, n and k must be, and the compute
+    capabilities torch._scaled_mm runs it on."""
 
     backend: str
-    fits: Callable[[Quantizer, str, Quantizer, str], bool]
+    families: frozenset[tuple[str, str]]
+    elements: frozenset[tuple[str, str]]
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
 
+    def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
+        """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
+        if a is None or b is None:
+            return False
+        return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
 
-# torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on; DeepSeek-style block scales
-# on sm90 alone; the block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
+
+BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
+
+# torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
+# one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
+# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
 NATIVE_GEMMS = (
     NativeGemm(
         scaled_mm.TENSORWISE,
-        lambda a, da, b, db: isinstance(a, PER_TENSOR)
-        and isinstance(b, PER_TENSOR)
-        and not (a.fp8_dtype == b.fp8_dtype == "e5m2"),
+        frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
+        BOTH_E4M3 | {("e4m3", "e5m2"), ("e5m2", "e4m3")},
         16,
         lambda sm: sm >= (9, 0),
     ),
-    NativeGemm(
-        scaled_mm.ROWWISE_SCALED,
-        lambda a, da, b, db: isinstance(a, Float8RowwiseQuantizer)
-        and isinstance(b, Float8RowwiseQuantizer)
-        and a.fp8_dtype == b.fp8_dtype == "e4m3",
-        16,
-        lambda sm: sm >= (9, 0),
-    ),
+    NativeGemm(scaled_mm.ROWWISE_SCALED, frozenset({("fp8_rowwise", "fp8_rowwise")}), BOTH_E4M3, 16, lambda sm: sm >= (9, 0)),
     NativeGemm(
         scaled_mm.BLOCKWISE,
-        lambda a, da, b, db: isinstance(a, Float8BlockQuantizer)
-        and isinstance(b, Float8BlockQuantizer)
-        and a.block_scaling_dim == 1
-        and a.fp8_dtype == b.fp8_dtype == "e4m3",
+        frozenset({("fp8_block_1x128", "fp8_block_1x128"), ("fp8_block_1x128", "fp8_block_128x128")}),
+        BOTH_E4M3,
         128,
         lambda sm: sm[0] == 9,
     ),
-    NativeGemm(
-        scaled_mm.MXFP8,
-        lambda a, da, b, db: isinstance(a, MXFP8Quantizer) and isinstance(b, MXFP8Quantizer) and a.fp8_dtype == b.fp8_dtype == "e4m3",
-        128,
-        lambda sm: sm >= (10, 0),
-    ),
-    NativeGemm(
-        scaled_mm.NVFP4,
-        lambda a, da, b, db: isinstance(a, NVFP4Quantizer)
-        and isinstance(b, NVFP4Quantizer)
-        and not (a.row_scaled_nvfp4 and da == ROWWISE)
-        and not (b.row_scaled_nvfp4 and db == ROWWISE),
-        128,
-        lambda sm: sm >= (10, 0),
-    ),
+    NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
+    NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
 )
-
-
-# The formats a grouped GEMM takes: per-tensor scales, or block scales along the rows, which split
-# into the groups' rows as they are (graphquant.ops.grouped, native.grouped_quantize).
-GROUPED_FORMATS = (IdentityQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer)
 
 
 def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     """Why ``quantizer`` cannot quantize a grouped_linear slot yet, or None if it can."""
-    children = (quantizer.rowwise_quantizer, quantizer.columnwise_quantizer) if isinstance(quantizer, HybridQuantizer) else (quantizer,)
-    for child in children:
+    for child in dict.fromkeys(quantizer.child(direction) for direction in (ROWWISE, COLUMNWISE)):
         if child.reduces_amax:
             return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
-        if not isinstance(child, GROUPED_FORMATS):
-            names = ", ".join(t.__name__ for t in GROUPED_FORMATS)
+        if not child.groupable:
+            names = ", ".join(cls.__name__ for cls in quantizer_classes() if cls.groupable)
             return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"
     return None
 
@@ -155,13 +129,15 @@ def select(
             "wrong; give both operands of this GEMM the transform (e.g. nvfp4_factory for input and "
             "grad_output) or neither",
         )
-    if isinstance(a, IdentityQuantizer) and isinstance(b, IdentityQuantizer):
+    if a.high_precision and b.high_precision:
         return Selection(NATIVE, HIGH_PRECISION)
     sm = capability(device)
     if sm is None:
         return Selection(EMULATED, EMULATION, f"no low-precision GEMM on {device.type}")
-    for backend, fits, multiple, runs_on in NATIVE_GEMMS:
-        if runs_on(sm) and fits(a, a_direction, b, b_direction):
+    a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
+    for native in NATIVE_GEMMS:
+        if native.runs_on(sm) and native.takes(a_input, b_input):
+            backend, multiple = native.backend, native.multiple
             if batch != 1:
                 return Selection(EMULATED, EMULATION, f"{backend} multiplies one matrix pair, not a batch of {batch}")
             if dims is not None and any(d is not None and d % multiple for d in dims):

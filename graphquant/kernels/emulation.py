@@ -17,19 +17,7 @@ from typing import Optional
 import torch
 
 from graphquant.kernels import native
-from graphquant.formats import nvfp4
-from graphquant.quantizers import (
-    ROWWISE,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
-    Float8RowwiseQuantizer,
-    IdentityQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-    Representation,
-    gemm_dims,
-)
+from graphquant.quantizers import ROWWISE, Representation, gemm_dims
 
 try:
     from graphquant.kernels import triton_dequantize
@@ -37,52 +25,38 @@ except ImportError:  # no Triton: dequantize with the reference's torch ops
     triton_dequantize = None
 
 
+def _mxfp8_values(rep: Representation) -> torch.Tensor:
+    return triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE)
+
+
+def _nvfp4_values(rep: Representation) -> torch.Tensor:
+    return triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
+
+
+# The layout families (GemmInput.family) whose emulated values are a new copy, codes times scales
+# of small blocks along the GEMM rows or the reduction: a Triton kernel makes them on a GPU, and a
+# large operand is multiplied a slice of its rows at a time (each slice a representation of its own).
+_BLOCK_VALUES = {"mxfp8": _mxfp8_values, "nvfp4": _nvfp4_values, "nvfp4_row_scaled": _nvfp4_values}
+
+
+def _family(rep: Representation) -> Optional[str]:
+    gemm_input = rep.quantizer.gemm_input(rep.direction)
+    return None if gemm_input is None else gemm_input.family
+
+
 def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(values, factor) with values * factor = the dequantized stored-orientation values.
+    """(values, factor) with values * factor = the dequantized stored-orientation values, as the
+    format splits them (Quantizer.emulated_values, emulated_factor).
 
     factor is None, a scalar, or a (rows, 1) column over the stored rows.
     """
-    return _values(rep), _factor(rep)
-
-
-def _factor(rep: Representation) -> Optional[torch.Tensor]:
-    """factored's factor: per-tensor and per-row factors, which the product takes as alpha."""
-    q = rep.quantizer
-    if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
-        return rep.scale.reshape(())
-    if isinstance(q, Float8RowwiseQuantizer):
-        return rep.scale.reshape(-1, 1)
-    if isinstance(q, NVFP4Quantizer):
-        factor = nvfp4.global_decode(rep.amax)
-        return factor.reshape(-1, 1) if factor.dim() else factor
-    return None
+    return _values(rep), rep.quantizer.emulated_factor(rep)
 
 
 def _values(rep: Representation) -> torch.Tensor:
-    """factored's values: the stored codes, times the block scales where the format has them."""
-    q = rep.quantizer
-    if isinstance(q, (IdentityQuantizer, Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8RowwiseQuantizer)):
-        return rep.data  # the values themselves or the FP8 codes: no copy
-    fast = triton_dequantize if rep.data.is_cuda else None
-    if isinstance(q, NVFP4Quantizer):
-        if fast is not None:
-            return fast.nvfp4_block_values(rep.data, rep.scale)
-        return nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(nvfp4.BLOCK_LEN, dim=1)
-    if isinstance(q, MXFP8Quantizer) and fast is not None:
-        return fast.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE)
-    return rep.dequantize(torch.float32)
-
-
-def exact_in_bf16(rep: Representation) -> bool:
-    """Whether ``factored(rep)``'s values are bf16 numbers (so a bf16 GEMM loses nothing)."""
-    q = rep.quantizer
-    if isinstance(q, IdentityQuantizer):
-        return rep.data.dtype == torch.bfloat16
-    if isinstance(q, Float8BlockQuantizer):
-        return q.force_pow_2_scales
-    return isinstance(
-        q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, NVFP4Quantizer)
-    )
+    """factored's values, from a Triton kernel where one makes them."""
+    fast = _BLOCK_VALUES.get(_family(rep)) if rep.data.is_cuda and triton_dequantize is not None else None
+    return rep.quantizer.emulated_values(rep) if fast is None else fast(rep)
 
 
 def _grouped(values: torch.Tensor, rep: Representation, batch: int) -> torch.Tensor:
@@ -162,12 +136,6 @@ def _epilogue_gemm(
 SLICE_ELEMENTS = 32 << 20
 
 
-def _sliceable(rep: Representation) -> bool:
-    """Whether rep's scales lie along its GEMM rows or its reduction alone, so that a run of GEMM
-    rows is a representation of its own: MXFP8 and NVFP4, whose dequantized copies are new memory."""
-    return isinstance(rep.quantizer, (MXFP8Quantizer, NVFP4Quantizer))
-
-
 def rows_of(rep: Representation, start: int, stop: int) -> Representation:
     """GEMM rows [start, stop) of an MXFP8 or NVFP4 operand. Its data, scales (one row or column
     of scales per row or column of data) and per-row amax are cut along the same stored dim:
@@ -195,16 +163,17 @@ def gemm(
     to the fp32 product before its one rounding to out_dtype. The larger of two one-group MXFP8 or
     NVFP4 operands, if over ``slice_elements``, is dequantized and multiplied a slice of its rows
     at a time against the other, dequantized once (each output element is still one product)."""
-    dtype = torch.bfloat16 if a.data.is_cuda and exact_in_bf16(a) and exact_in_bf16(b) else torch.float32
+    bf16 = a.data.is_cuda and a.quantizer.values_exact_in_bf16(a) and b.quantizer.values_exact_in_bf16(b)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     m, n, k = gemm_dims(a, b, batch)
-    sliceable = [(rows, rep) for rows, rep in ((m, a), (n, b)) if batch == 1 and _sliceable(rep)]
+    sliceable = [(rows, rep) for rows, rep in ((m, a), (n, b)) if batch == 1 and _family(rep) in _BLOCK_VALUES]
     rows, big = max(sliceable, key=lambda candidate: candidate[0], default=(0, None))
     if rows * k <= slice_elements:
         return _product(_operand(a, batch, dtype), _operand(b, batch, dtype), a, b, batch, out_dtype, bias)
     step = max(128, slice_elements // k // 128 * 128)
     other = _operand(b if big is a else a, 1, dtype)
     # The big operand's factor once for all slices; scalar factors as one alpha, multiplied once.
-    factor = _factor(big)
+    factor = big.quantizer.emulated_factor(big)
     alpha = _scalar_alpha(factor, other[1])
     if alpha is not None:
         other, factor = (other[0], None), alpha

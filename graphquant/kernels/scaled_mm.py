@@ -68,7 +68,8 @@ def arguments(backend: str, a: Representation, b: Representation, out_dtype: tor
         scale_a, scale_b, out_dtype = a.scale.reshape(-1, 1), b.scale.reshape(1, -1), torch.bfloat16
     elif backend == BLOCKWISE:
         scale_a = outer_major(a.scale)
-        scale_b = b.scale.t() if b.quantizer.block_scaling_dim == 2 else b.scale.t().contiguous()
+        tiles = b.quantizer.gemm_input(b.direction).family == "fp8_block_128x128"
+        scale_b = b.scale.t() if tiles else b.scale.t().contiguous()
     elif backend == MXFP8:
         scale_a = swizzled_block_scales(k_scale_a).view(torch.float8_e8m0fnu)
         scale_b = swizzled_block_scales(k_scale_b).view(torch.float8_e8m0fnu)

@@ -7,8 +7,10 @@ on importing graphquant), so that a quantize traced into a graph keeps each divi
 
 from graphquant.quantizers.base import (
     COLUMNWISE,
+    GEMM_FAMILIES,
     ROWWISE,
     STREAMS_PER_STEP,
+    GemmInput,
     QuantizeContext,
     QuantizedTensor,
     Quantizer,
@@ -16,6 +18,7 @@ from graphquant.quantizers.base import (
     gemm_dims,
     output_rows,
     parse_spec,
+    quantizer_classes,
 )
 from graphquant.quantizers.block import Float8BlockQuantizer
 from graphquant.quantizers.float8 import (
@@ -31,6 +34,7 @@ from graphquant.quantizers.rowwise import Float8RowwiseQuantizer
 
 __all__ = [
     "COLUMNWISE",
+    "GEMM_FAMILIES",
     "ROWWISE",
     "STREAMS_PER_STEP",
     "DelayedScalingRequest",
@@ -38,6 +42,7 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8DelayedScalingQuantizer",
     "Float8RowwiseQuantizer",
+    "GemmInput",
     "HybridQuantizer",
     "IdentityQuantizer",
     "MXFP8Quantizer",
@@ -49,4 +54,5 @@ __all__ = [
     "gemm_dims",
     "output_rows",
     "parse_spec",
+    "quantizer_classes",
 ]

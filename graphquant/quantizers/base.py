@@ -122,6 +122,37 @@ class Representation:
         return [self.data, part(scale), part(self.amax)]
 
 
+# The layout families of GemmInput: each names a layout of codes and scales that GEMM kernels
+# (cuBLASLt's, and the emulated GEMM's dequantize kernels) are written for;
+# graphquant.kernels.backends says which native GEMM takes which pair of them on which device.
+GEMM_FAMILIES = (
+    "fp8_tensorwise",  # FP8 codes and one float32 decode scale
+    "fp8_rowwise",  # FP8 codes and one float32 decode scale per GEMM row
+    "fp8_block_1x128",  # FP8 codes, float32 decode scales per 128 along the reduction, outer-dim-major
+    "fp8_block_128x128",  # FP8 codes, float32 decode scales per 128x128 tile
+    "mxfp8",  # FP8 codes, E8M0 scales per 32 along the reduction
+    "nvfp4",  # packed E2M1 codes, E4M3 scales per 16 along the reduction, a float32 global amax
+    "nvfp4_row_scaled",  # nvfp4 with a global amax per GEMM row, which no GEMM takes as its alpha
+)
+ELEMENTS = ("e4m3", "e5m2", "e2m1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmInput:
+    """How GEMM kernels read one direction of a format: the family of its layout (one of
+    GEMM_FAMILIES; a native one stored as graphquant.kernels.scaled_mm passes it to cuBLASLt)
+    and the encoding of its elements (one of ELEMENTS)."""
+
+    family: str
+    element: str
+
+    def __post_init__(self) -> None:
+        if self.family not in GEMM_FAMILIES:
+            raise ValueError(f"GemmInput.family must be one of {GEMM_FAMILIES}, got {self.family!r}")
+        if self.element not in ELEMENTS:
+            raise ValueError(f"GemmInput.element must be one of {ELEMENTS}, got {self.element!r}")
+
+
 def output_rows(direction: str, shape: Sequence[int], batch: int = 1) -> int:
     """Rows an operand of logical ``shape`` contributes to each group's product (its extent that
     is not reduced): a rowwise one reduces over its columns, a columnwise one over its rows."""
@@ -164,8 +195,9 @@ class Quantizer:
     To plug in a format of your own: subclass with ``@dataclasses.dataclass(frozen=True)``, give it
     a unique ``tag`` (registration happens on subclassing), and implement ``quantize_rowwise``,
     ``quantize_columnwise`` and ``dequantize``. Fields must be plain values (str, int, float, bool)
-    so the spec round-trips. The planner runs any GEMM with a user-defined operand in the emulated
-    bucket (dequantize both operands, high-precision GEMM).
+    so the spec round-trips. The defaults of the questions below make such a format's GEMMs
+    emulated (dequantize both operands, high-precision GEMM); a format whose representations are
+    laid out as a native GEMM family reads them says so in ``gemm_input``.
     """
 
     tag: ClassVar[str] = ""
@@ -180,6 +212,17 @@ class Quantizer:
     # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours
     # without changing a bit (exact ops only; divisions isolated in custom ops).
     traceable: ClassVar[bool] = False
+    # True when a slot of this format keeps state across steps (delayed scaling's scale and amax
+    # history): ``initial_state`` makes it, and the compiled module owns it.
+    keeps_state: ClassVar[bool] = False
+    # The next two are asked of the quantizer that makes a direction (``child``: a HybridQuantizer's
+    # children answer). high_precision: it keeps values as they are (IdentityQuantizer), so that a
+    # pair of such operands runs the plain high-precision matmul.
+    high_precision: ClassVar[bool] = False
+    # groupable: each row group of a tensor (an MoE expert's) can be quantized alone and the parts
+    # kept as one representation that splits back at the groups' rows, as torch._grouped_mm sites
+    # need (one scale per group, or blocks along the rows).
+    groupable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -219,6 +262,11 @@ class Quantizer:
         """Whether ``direction``'s values went through a random Hadamard transform."""
         return False
 
+    def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
+        """``source`` (laid out as ``direction`` stores it) as the format transforms it before
+        encoding ``direction``: itself, unless the direction has a Hadamard transform."""
+        return source
+
     def scale_outer_major(self, direction: str) -> bool:
         """Whether ``direction``'s (rows, blocks) scale lies with its rows contiguous, as the
         spec stores 1x128 block scales and graphquant MXFP8's 1x32 ones (Representation.tensors
@@ -229,6 +277,17 @@ class Quantizer:
         """Whether the columnwise representation is the rowwise one with its data transposed, so
         that a graph can make it from the rowwise copy instead of from x."""
         return False
+
+    def direction_spec(self, direction: str) -> str:
+        """What makes ``direction``, as a plan names it: the spec of that quantizer."""
+        return self.spec
+
+    def at_largest_code(self, rep: Representation) -> Optional[torch.Tensor]:
+        """Where ``rep``'s stored codes are the format's largest magnitude (values that may have
+        saturated), in stored orientation; None where the format has no largest code."""
+        if rep.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return rep.data.float().abs() == torch.finfo(rep.data.dtype).max
+        return None
 
     def representation(
         self,
@@ -264,6 +323,28 @@ class Quantizer:
             scale = scale.t()
         return self.representation(direction, shape, dtype, data, scale, amax if amax.numel() else None)
 
+    # -- how GEMMs read it ---------------------------------------------------------------------
+
+    def gemm_input(self, direction: str) -> Optional[GemmInput]:
+        """The layout family and element encoding GEMM kernels know ``direction`` by
+        (graphquant.kernels.backends matches a pair of them to a native GEMM); None where no kernel
+        is written for its layout, so that its GEMMs are emulated from ``emulated_values``."""
+        return None
+
+    def emulated_values(self, rep: Representation) -> torch.Tensor:
+        """The values an emulated GEMM multiplies, in stored orientation: ``rep``'s dequantized
+        values without ``emulated_factor``, which the GEMM applies to its product once."""
+        return rep.dequantize(torch.float32)
+
+    def emulated_factor(self, rep: Representation) -> Optional[torch.Tensor]:
+        """The per-tensor (scalar) or per-row ((stored rows, 1)) factor of ``rep``'s values that an
+        emulated GEMM applies to its product, as a GPU GEMM's alpha; None: the values carry it all."""
+        return None
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        """Whether ``emulated_values(rep)`` are bfloat16 numbers, so that a bf16 GEMM loses nothing."""
+        return False
+
     # -- common behaviour ----------------------------------------------------------------------
 
     def __call__(
@@ -297,6 +378,11 @@ class Quantizer:
             if field.name in self.always_shown or value != field.default:
                 args.append(f"{field.name}={_spec_value(value)}")
         return f"{self.tag}({', '.join(args)})"
+
+
+def quantizer_classes() -> tuple[type[Quantizer], ...]:
+    """Every quantizer class defined so far, built in or user-defined, in the order of definition."""
+    return tuple(_REGISTRY.values())
 
 
 def _spec_value(value: Any) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import block
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = 128
@@ -71,3 +71,9 @@ class Float8BlockQuantizer(Quantizer):
     def dequantize(self, rep: Representation) -> torch.Tensor:
         rows = 1 if self.block_scaling_dim == 1 else BLOCK_LEN
         return block.dequantize(rep.data, rep.scale, block=(rows, BLOCK_LEN))
+
+    def gemm_input(self, direction: str) -> GemmInput:
+        return GemmInput("fp8_block_1x128" if self.block_scaling_dim == 1 else "fp8_block_128x128", self.fp8_dtype)
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return self.force_pow_2_scales  # FP8 codes times powers of two

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from graphquant.formats import fp8, per_tensor
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
 _NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
@@ -47,6 +47,18 @@ class _PerTensorFloat8(Quantizer):
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return per_tensor.dequantize(rep.data, rep.scale)
 
+    def gemm_input(self, direction: str) -> GemmInput:
+        return GemmInput("fp8_tensorwise", self.fp8_dtype)
+
+    def emulated_values(self, rep: Representation) -> torch.Tensor:
+        return rep.data  # the FP8 codes, no copy
+
+    def emulated_factor(self, rep: Representation) -> torch.Tensor:
+        return rep.scale.reshape(())
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return True
+
 
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScalingQuantizer(_PerTensorFloat8):
@@ -58,6 +70,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     tag = "fp8_current"
     traceable = True
+    groupable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"
@@ -105,6 +118,7 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     tag = "fp8_delayed"
     always_shown = ("fp8_dtype",)
     requantization_safe = False
+    keeps_state = True
 
     fp8_dtype: str = "e4m3"
     margin: int = 0

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import Optional
 
 import torch
 
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import DelayedScalingRequest, Float8DelayedScalingQuantizer
 
 COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")
@@ -78,6 +79,15 @@ class HybridQuantizer(Quantizer):
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
 
+    def direction_spec(self, direction: str) -> str:
+        child = self.child(direction).spec
+        if direction == COLUMNWISE and self.columnwise_source == "rowwise_dequantized":
+            return f"{child} of rowwise_dequantized"
+        return child
+
+    def gemm_input(self, direction: str) -> Optional[GemmInput]:
+        return self.child(direction).gemm_input(direction)
+
     def block(self, direction: str) -> tuple[int, int]:
         return self.child(direction).block(direction)
 
@@ -86,6 +96,9 @@ class HybridQuantizer(Quantizer):
 
     def hadamard(self, direction: str) -> bool:
         return self.child(direction).hadamard(direction)
+
+    def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
+        return self.child(direction).transformed(source, direction)
 
     def scale_outer_major(self, direction: str) -> bool:
         return self.child(direction).scale_outer_major(direction)

@@ -19,6 +19,8 @@ class IdentityQuantizer(Quantizer):
 
     tag = "identity"
     traceable = True
+    high_precision = True
+    groupable = True
 
     dtype: Optional[torch.dtype] = None
 
@@ -38,3 +40,9 @@ class IdentityQuantizer(Quantizer):
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return rep.data
+
+    def emulated_values(self, rep: Representation) -> torch.Tensor:
+        return rep.data  # the values themselves, no copy
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return rep.data.dtype == torch.bfloat16

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import mxfp8
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = mxfp8.BLOCK_LEN
@@ -26,6 +26,7 @@ class MXFP8Quantizer(Quantizer):
 
     tag = "mxfp8"
     traceable = True
+    groupable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"
@@ -61,3 +62,9 @@ class MXFP8Quantizer(Quantizer):
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return mxfp8.dequantize(rep.data, rep.scale, axis=1 if rep.direction == ROWWISE else 0)
+
+    def gemm_input(self, direction: str) -> GemmInput:
+        return GemmInput("mxfp8", self.fp8_dtype)
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return True  # FP8 codes times powers of two

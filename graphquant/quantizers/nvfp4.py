@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import nvfp4
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
 
 BLOCK_LEN = nvfp4.BLOCK_LEN
 
@@ -72,6 +72,11 @@ class NVFP4Quantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.with_rht and direction == COLUMNWISE
 
+    def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
+        if not self.hadamard(direction):
+            return source
+        return nvfp4.hadamard_transform(source, random_sign_mask=self.with_random_sign_mask)
+
     def check_shape(self, shape: tuple[int, int], direction: str) -> None:
         dim = 1 if direction == ROWWISE else 0
         if shape[dim] % BLOCK_LEN:
@@ -83,9 +88,7 @@ class NVFP4Quantizer(Quantizer):
 
     def _encode(self, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
         columnwise = direction == COLUMNWISE
-        source = x.t() if columnwise else x
-        if self.hadamard(direction):
-            source = nvfp4.hadamard_transform(source, random_sign_mask=self.with_random_sign_mask)
+        source = self.transformed(x.t() if columnwise else x, direction)
         data, scale, amax = nvfp4.quantize(
             source,
             tile_rows=BLOCK_LEN if self.with_2d_quantization else 1,
@@ -106,3 +109,20 @@ class NVFP4Quantizer(Quantizer):
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return nvfp4.dequantize(rep.data, rep.scale, rep.amax)
+
+    def gemm_input(self, direction: str) -> GemmInput:
+        row_scaled = self.row_scaled_nvfp4 and direction == ROWWISE
+        return GemmInput("nvfp4_row_scaled" if row_scaled else "nvfp4", "e2m1")
+
+    def emulated_values(self, rep: Representation) -> torch.Tensor:
+        return nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(BLOCK_LEN, dim=1)
+
+    def emulated_factor(self, rep: Representation) -> torch.Tensor:
+        factor = nvfp4.global_decode(rep.amax)
+        return factor.reshape(-1, 1) if factor.dim() else factor
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return True  # E2M1 times E4M3: at most 6 significant bits
+
+    def at_largest_code(self, rep: Representation) -> torch.Tensor:
+        return (nvfp4.unpack(rep.data) & 0x7) == 0x7  # the E2M1 code of 6.0

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import block
-from graphquant.quantizers.base import COLUMNWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, GemmInput, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 
@@ -57,3 +57,15 @@ class Float8RowwiseQuantizer(Quantizer):
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return block.dequantize(rep.data, rep.scale, block=(1, rep.data.shape[1]))
+
+    def gemm_input(self, direction: str) -> GemmInput:
+        return GemmInput("fp8_rowwise", self.fp8_dtype)
+
+    def emulated_values(self, rep: Representation) -> torch.Tensor:
+        return rep.data  # the FP8 codes, no copy
+
+    def emulated_factor(self, rep: Representation) -> torch.Tensor:
+        return rep.scale.reshape(-1, 1)
+
+    def values_exact_in_bf16(self, rep: Representation) -> bool:
+        return True

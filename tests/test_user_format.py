@@ -1,0 +1,184 @@
+"""A format of the user's own, defined here and nowhere else, plans, trains and is explained like a
+built-in one: graphquant asks the quantizer about itself, so no other module needs an edit.
+
+Float8Block64 (FP8 with one float32 scale per 1x64 block, 64x1 columnwise) answers none of the
+questions: the defaults make its GEMMs emulated. TensorwiseCopy lays out per-tensor FP8 exactly as
+the built-in format does and says so (``gemm_input``), which makes its GEMMs native where a
+per-tensor FP8 GEMM runs.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import graphquant
+from graphquant.formats import block, fp8, per_tensor
+from graphquant.kernels import backends, scaled_mm
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8CurrentScalingQuantizer,
+    GemmInput,
+    QuantizeContext,
+    Quantizer,
+    Representation,
+    parse_spec,
+)
+
+BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Block64(Quantizer):
+    """FP8 with one float32 scale per 64 elements along the blocked dim; partial blocks allowed."""
+
+    tag = "test_fp8_block64"
+
+    fp8_dtype: str = "e4m3"
+
+    def block(self, direction):
+        return (1, BLOCK) if direction == ROWWISE else (BLOCK, 1)
+
+    def _encode(self, x, direction):
+        data, scale_inv = block.quantize(x, self.fp8_dtype, block=self.block(direction), epsilon=0.0, pow2=False)
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv)
+
+    def quantize_rowwise(self, x, ctx):
+        return self._encode(x, ROWWISE)
+
+    def quantize_columnwise(self, x, ctx):
+        return self._encode(x, COLUMNWISE)
+
+    def dequantize(self, rep: Representation):
+        return block.dequantize(rep.data, rep.scale, block=self.block(rep.direction))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorwiseCopy(Quantizer):
+    """Per-tensor current-scaling FP8 laid out as cuBLASLt's tensorwise GEMM reads it: columnwise
+    data stored transposed, one float32 decode scale."""
+
+    tag = "test_tensorwise_copy"
+
+    def transposed(self, direction):
+        return direction == COLUMNWISE
+
+    def _encode(self, x, direction):
+        amax = fp8.tensor_amax(x)
+        scale, scale_inv = fp8.scales(amax, "e4m3", 0.0, False)
+        data = per_tensor.quantize(x, scale, "e4m3", transpose=self.transposed(direction))
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv, amax)
+
+    def quantize_rowwise(self, x, ctx):
+        return self._encode(x, ROWWISE)
+
+    def quantize_columnwise(self, x, ctx):
+        return self._encode(x, COLUMNWISE)
+
+    def dequantize(self, rep: Representation):
+        return per_tensor.dequantize(rep.data, rep.scale)
+
+    def gemm_input(self, direction):
+        return GemmInput("fp8_tensorwise", "e4m3")
+
+
+def recipe():
+    return graphquant.CustomRecipe(lambda role: Float8Block64())
+
+
+def values(x, direction):
+    """x through Float8Block64 in ``direction`` and back, in x's orientation."""
+    return Float8Block64()(x, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction).dequantize()
+
+
+def test_a_user_format_gets_the_defaults_of_a_format_no_kernel_knows():
+    q = Float8Block64()
+    assert parse_spec(str(q)) == q
+    assert [q.gemm_input(d) for d in (ROWWISE, COLUMNWISE)] == [None, None]
+    assert not (q.high_precision or q.keeps_state or q.groupable)
+    assert q.direction_spec(COLUMNWISE) == "test_fp8_block64()"
+    rep = q(torch.randn(8, 96)).rowwise
+    assert torch.equal(q.emulated_values(rep), rep.dequantize(torch.float32)) and q.emulated_factor(rep) is None
+    assert not q.values_exact_in_bf16(rep)
+
+
+@pytest.mark.parametrize("capability", [None, (9, 0), (10, 0)])
+def test_a_user_format_plans_emulated_on_every_capability(capability, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    backends.select.cache_clear()
+    try:
+        device = torch.device("cpu" if capability is None else "cuda")
+        for da, db in ((ROWWISE, ROWWISE), (ROWWISE, COLUMNWISE), (COLUMNWISE, COLUMNWISE)):
+            selection = backends.select(Float8Block64(), da, Float8Block64(), db, device, (256, 256, 256))
+            assert (selection.bucket, selection.backend) == (backends.EMULATED, backends.EMULATION)
+    finally:
+        backends.select.cache_clear()
+
+
+def test_a_user_format_is_explained_like_a_built_in_one():
+    plan = graphquant.explain(nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32)), recipe(), torch.randn(96, 128))
+    assert len(plan.gemms) == 6
+    assert {(g.a_format, g.b_format, g.bucket) for g in plan.gemms} == {("test_fp8_block64()", "test_fp8_block64()", "emulated")}
+
+    report = graphquant.numerics(nn.Linear(128, 64), recipe(), torch.randn(96, 128, requires_grad=True))
+    assert {g.gemm for g in report.gemms} == {"fprop", "dgrad", "wgrad"}
+    assert all(g.a.format == g.b.format == "test_fp8_block64()" for g in report.gemms)
+    assert all(25 < g.sqnr_db < 60 for g in report.gemms)  # FP8 E4M3 with fine scales: about 30 dB
+
+
+def test_a_user_format_trains_on_the_representations_it_makes():
+    """fprop, dgrad and wgrad multiply the format's own representations (96 rows: a partial
+    64-row block columnwise), and a few steps of SGD lower the loss."""
+    torch.manual_seed(0)
+    layer = nn.Linear(128, 64)
+    x = torch.randn(96, 128, requires_grad=True)
+    target = torch.randn(96, 64)
+    compiled = graphquant.compile(layer, recipe(), backend="aot_eager")
+    y = compiled(x)
+    (y * target).sum().backward()
+
+    w, b = layer.weight.detach(), layer.bias.detach()
+    exact = dict(rtol=1e-5, atol=1e-5)  # fp32 accumulation of exact FP8 products
+    torch.testing.assert_close(y, values(x.detach(), ROWWISE) @ values(w, ROWWISE).t() + b, **exact)
+    torch.testing.assert_close(x.grad, values(target, ROWWISE) @ values(w, COLUMNWISE), **exact)
+    torch.testing.assert_close(layer.weight.grad, values(target, COLUMNWISE).t() @ values(x.detach(), COLUMNWISE), **exact)
+    assert {g.bucket for g in compiled.graphquant.plan.gemms} == {"emulated"}
+
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+    inputs = torch.randn(96, 128)
+    labels = inputs @ torch.randn(128, 32) / 128**0.5  # a map the model can learn
+    compiled = graphquant.compile(model, recipe(), backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(6):
+        loss = nn.functional.mse_loss(compiled(inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0]
+
+
+def test_a_user_format_that_declares_a_gemm_family_runs_on_that_native_gemm(monkeypatch):
+    """On a Hopper (capability faked) the pair is native, with the built-in format too, and the
+    GEMM call gets the same arguments as for the built-in per-tensor format."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backends.select.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+        for other in (TensorwiseCopy(), Float8CurrentScalingQuantizer()):
+            selection = backends.select(TensorwiseCopy(), ROWWISE, other, COLUMNWISE, cuda, (128, 64, 256))
+            assert (selection.bucket, selection.backend) == (backends.NATIVE, scaled_mm.TENSORWISE)
+    finally:
+        backends.select.cache_clear()
+
+    x, w = torch.randn(128, 256), torch.randn(256, 64)
+    ours = scaled_mm.arguments(scaled_mm.TENSORWISE, TensorwiseCopy()(x).rowwise, TensorwiseCopy()(w).columnwise, torch.bfloat16)
+    built_in = Float8CurrentScalingQuantizer()
+    theirs = scaled_mm.arguments(scaled_mm.TENSORWISE, built_in(x).rowwise, built_in(w).columnwise, torch.bfloat16)
+    assert ours[1] == theirs[1]
+    for mine, reference in zip(ours[0], theirs[0]):
+        assert mine.dtype == reference.dtype and mine.stride() == reference.stride()
+        assert torch.equal(mine.float(), reference.float())
