@@ -26,7 +26,6 @@ from graphquant.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8DelayedScalingQuantizer,
     Float8RowwiseQuantizer,
-    HybridQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
     QuantizeContext,
@@ -144,12 +143,8 @@ def _run(
     ext = _extension(x)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
         return None
-    if isinstance(quantizer, HybridQuantizer):
-        row_q, col_q = quantizer.rowwise_quantizer, quantizer.columnwise_quantizer
-        dq_source = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
-    else:
-        row_q = col_q = quantizer
-        dq_source = False
+    row_q, col_q = quantizer.child(ROWWISE), quantizer.child(COLUMNWISE)
+    dq_source = columnwise and quantizer.columnwise_from_rowwise()
     rng = _device_rng(ctx, x)
     row = _encoder(row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
     col = _encoder(col_q, COLUMNWISE, ctx, x, rng) if columnwise else None

@@ -15,9 +15,6 @@ from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
-    HybridQuantizer,
-    IdentityQuantizer,
     QuantizeContext,
     Quantizer,
 )
@@ -44,7 +41,7 @@ def hybrid_directions(
     direction)``, the columnwise source being x or, for a rowwise_dequantized hybrid,
     ``rowwise_values`` of the rowwise representation (made for it even when not wanted)."""
     made: dict[str, Operand] = {}
-    from_rowwise = COLUMNWISE in directions and feeds_columnwise_of(quantizer)
+    from_rowwise = COLUMNWISE in directions and quantizer.columnwise_from_rowwise()
     for direction in (ROWWISE, COLUMNWISE):
         if direction in directions or (direction == ROWWISE and from_rowwise):
             source = rowwise_values(made[ROWWISE]) if direction == COLUMNWISE and from_rowwise else x
@@ -114,7 +111,7 @@ def transposed_operand(rowwise: Operand) -> Operand:
 
 def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
     """Roll the slot's amax history with this call's amax and store the next scale, in place."""
-    if not isinstance(quantizer, Float8DelayedScalingQuantizer) or not operands:
+    if not quantizer.keeps_state or not operands:
         return
     amax = next(iter(operands.values())).tensors[2]
     if quantizer.reduce_amax and state.amax_group is not None:
@@ -124,10 +121,6 @@ def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dic
     with torch.no_grad():
         scale, history = quantizer.update(state.delayed[:1], state.delayed[1:], amax)
         state.delayed.copy_(torch.cat([scale, history]))
-
-
-def feeds_columnwise_of(quantizer: Quantizer) -> bool:
-    return isinstance(quantizer, HybridQuantizer) and quantizer.columnwise_source == "rowwise_dequantized"
 
 
 def _quantize_op(
@@ -161,7 +154,7 @@ def _quantize_direction(x: torch.Tensor, quantizer: Quantizer, direction: str, s
 
 def _made_directions(quantizer: Quantizer, directions: tuple[str, ...]) -> set[str]:
     """``directions`` and the rowwise one a rowwise_dequantized columnwise is made from."""
-    return set(directions) | ({ROWWISE} if COLUMNWISE in directions and feeds_columnwise_of(quantizer) else set())
+    return set(directions) | ({ROWWISE} if COLUMNWISE in directions and quantizer.columnwise_from_rowwise() else set())
 
 
 def _untraceable(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
@@ -172,7 +165,7 @@ def _untraceable(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
 def _blockings_differ(quantizer: Quantizer, directions: tuple[str, ...]) -> bool:
     """Whether two of the directions' scales cover different blocks (Identity has none)."""
     made = _made_directions(quantizer, directions)
-    return len({quantizer.block(d) for d in made if not isinstance(quantizer.child(d), IdentityQuantizer)}) > 1
+    return len({quantizer.block(d) for d in made if not quantizer.child(d).high_precision}) > 1
 
 
 def _delayed_scale(quantizer: Quantizer, state: SlotState) -> Optional[torch.Tensor]:
@@ -181,5 +174,5 @@ def _delayed_scale(quantizer: Quantizer, state: SlotState) -> Optional[torch.Ten
     A copy, not a view of the state: the forward updates the state in place, and a backward that
     recomputes this quantize must see the scale the forward used.
     """
-    delayed = any(isinstance(quantizer.child(d), Float8DelayedScalingQuantizer) for d in (ROWWISE, COLUMNWISE))
+    delayed = any(quantizer.child(d).keeps_state for d in (ROWWISE, COLUMNWISE))
     return state.delayed[:1].clone() if delayed else None

@@ -213,7 +213,8 @@ class Quantizer:
     # without changing a bit (exact ops only; divisions isolated in custom ops).
     traceable: ClassVar[bool] = False
     # True when a slot of this format keeps state across steps (delayed scaling's scale and amax
-    # history): ``initial_state`` makes it, and the compiled module owns it.
+    # history): ``initial_state`` makes it, ``update`` rolls it after each step, and the compiled
+    # module owns it.
     keeps_state: ClassVar[bool] = False
     # The next two are asked of the quantizer that makes a direction (``child``: a HybridQuantizer's
     # children answer). high_precision: it keeps values as they are (IdentityQuantizer), so that a
@@ -271,6 +272,11 @@ class Quantizer:
         """Whether ``direction``'s (rows, blocks) scale lies with its rows contiguous, as the
         spec stores 1x128 block scales and graphquant MXFP8's 1x32 ones (Representation.tensors
         gives such a scale transposed)."""
+        return False
+
+    def columnwise_from_rowwise(self) -> bool:
+        """Whether the columnwise representation is made from the dequantized rowwise one (a
+        hybrid's rowwise_dequantized source), so that making it needs the rowwise one first."""
         return False
 
     def columnwise_is_rowwise_transposed(self) -> bool:

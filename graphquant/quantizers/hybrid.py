@@ -103,6 +103,9 @@ class HybridQuantizer(Quantizer):
     def scale_outer_major(self, direction: str) -> bool:
         return self.child(direction).scale_outer_major(direction)
 
+    def columnwise_from_rowwise(self) -> bool:
+        return self.columnwise_source == "rowwise_dequantized"
+
     def columnwise_is_rowwise_transposed(self) -> bool:
         return (
             self.columnwise_source == "original"
