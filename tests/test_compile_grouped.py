@@ -255,6 +255,7 @@ def experts_quantized(recipe):
 CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipes.mxfp8_block_scaling}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("routed", [False, True], ids=["fixed_offsets", "routed"])
 @pytest.mark.parametrize("name", sorted(CHAIN_RECIPES))

@@ -186,7 +186,7 @@ def test_backward_uses_the_stochastic_rounding_step_of_its_forward():
         assert torch.equal(together[name], grad), name
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_interleaved_backwards_use_the_step_of_their_own_forward(backend):
     """Forward A, forward B, backward A, backward B (a pipeline schedule's order): each backward
     rounds grad_output with its own forward's step, so both gradients equal those of forward A,
