@@ -1,24 +1,18 @@
 // graphquant._C: the native extension's Python face.
 //
-// The host side always builds; CUDA kernels (csrc/cuda) register their entry points here when the
-// extension is compiled with GRAPHQUANT_WITH_CUDA. graphquant.kernels.native reads `cuda_built` to decide
-// whether the native path exists at all.
+// setup.py builds it only where CUDA can build, so it always carries the CUDA kernels (csrc/cuda),
+// which register their entry points here. `cuda_built` tells graphquant.kernels.native the module
+// is the real thing (the CPU emulation in tests/emulation says the same and adds `emulated`).
 #include <torch/extension.h>
 
-#ifdef GRAPHQUANT_WITH_CUDA
 void register_cuda_kernels(pybind11::module_& m);
 void register_bf16_gemm(pybind11::module_& m);
 void register_fp8_gemm(pybind11::module_& m);
-#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "graphquant native kernels";
-#ifdef GRAPHQUANT_WITH_CUDA
   m.attr("cuda_built") = true;
   register_cuda_kernels(m);
   register_bf16_gemm(m);
   register_fp8_gemm(m);
-#else
-  m.attr("cuda_built") = false;
-#endif
 }

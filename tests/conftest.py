@@ -1,5 +1,15 @@
+import os
+
 import pytest
-import torch
+
+# The tests' tensors are small, so a second intra-op thread gains little, and where the other
+# core is busy (a shared machine, another pytest-xdist worker) OpenMP's threads spin waiting for
+# each other. OMP_NUM_THREADS, where set, wins; processes the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was imported first
 
 
 def pytest_collection_modifyitems(config, items):

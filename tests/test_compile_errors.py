@@ -186,6 +186,7 @@ def test_dims_that_do_not_tile_name_module_tensor_and_dim(d_in, seq, tensor, dim
     assert f"{tensor}:" in message and dim in message and size in message and "multiple of 32" in message
 
 
+@pytest.mark.slow
 def test_dynamic_rows_that_stop_tiling_fail_as_static_ones_do():
     """32 then 64 rows make the row count dynamic under Inductor; 96 runs in that graph, and 40
     (which MXFP8's 32-row columnwise blocks cannot tile) raises the static check's PlanError,

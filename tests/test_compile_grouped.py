@@ -136,6 +136,7 @@ def test_grouped_mm_matches_per_group_reference(name):
     assert_close(actual, reference(RECIPES[name](), x, model.moe.experts.detach(), offs, probe))
 
 
+@pytest.mark.slow
 def test_identity_recipe_equals_eager_grouped_mm():
     """torch._grouped_mm's own CPU backward fails in torch 2.13, so forward only; the gradients
     of the all-Identity recipe are checked against the float64 reference above."""
@@ -254,6 +255,7 @@ def experts_quantized(recipe):
 CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipes.mxfp8_block_scaling}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("routed", [False, True], ids=["fixed_offsets", "routed"])
 @pytest.mark.parametrize("name", sorted(CHAIN_RECIPES))

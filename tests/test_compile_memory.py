@@ -128,6 +128,7 @@ def test_slots_that_quantize_one_input_alike_keep_one_copy():
     assert fp8 and not copies, copies
 
 
+@pytest.mark.slow
 def test_traced_mxfp8_quantize_keeps_no_float32_copy_of_its_input():
     """A traced MXFP8 quantize reads its bf16 input twice (block amax, then the cast after the
     scale op). Inductor must not store an fp32 copy of that input (or of the scaled values) in
@@ -149,6 +150,7 @@ def test_traced_mxfp8_quantize_keeps_no_float32_copy_of_its_input():
     assert len(code) == 2 and not copies, copies
 
 
+@pytest.mark.slow
 def test_gradient_transposes_come_from_their_rowwise_copies():
     """Per-tensor FP8 gradients: the columnwise (transposed) copy is made from the rowwise copy by
     graphquant::transposed. Traced together, Inductor wrote both copies in one kernel that read

@@ -186,7 +186,7 @@ def test_backward_uses_the_stochastic_rounding_step_of_its_forward():
         assert torch.equal(together[name], grad), name
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_interleaved_backwards_use_the_step_of_their_own_forward(backend):
     """Forward A, forward B, backward A, backward B (a pipeline schedule's order): each backward
     rounds grad_output with its own forward's step, so both gradients equal those of forward A,
@@ -263,13 +263,17 @@ def test_float64_chain_can_split_at_ties():
 
 
 # -- Inductor ------------------------------------------------------------------------------------
-# Inductor compiles C++ kernels, seconds each on a cold cache: three small cases. MXFP8 and
-# current scaling are traced into the graph (Inductor fuses them, here with RMSNorm); NVFP4 runs
-# as custom ops and takes the random stream's state as a graph input.
-INDUCTOR_CASES = [("mxfp8", "norm_mlp"), ("current", "mlp"), ("nvfp4", "mlp")]
+# Inductor compiles C++ kernels, seconds each on a cold cache: three small cases, two of them
+# slow. MXFP8 and current scaling are traced into the graph (Inductor fuses them, here with
+# RMSNorm); NVFP4 runs as custom ops and takes the random stream's state as a graph input.
+INDUCTOR_CASES = [
+    pytest.param("mxfp8", "norm_mlp", id="mxfp8-norm_mlp"),
+    pytest.param("current", "mlp", id="current-mlp", marks=pytest.mark.slow),
+    pytest.param("nvfp4", "mlp", id="nvfp4-mlp", marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize("recipe_name, model_name", INDUCTOR_CASES, ids=[f"{r}-{m}" for r, m in INDUCTOR_CASES])
+@pytest.mark.parametrize("recipe_name, model_name", INDUCTOR_CASES)
 def test_inductor_matches_aot_eager_and_reference(recipe_name, model_name):
     model, compiled, ref_model, reference, tape, make_input = compiled_and_reference(recipe_name, model_name)
     x = make_input()

@@ -98,6 +98,7 @@ def test_checkpointed_gemms_are_quantized_with_the_same_gradients(recipe, use_re
     assert set(checkpointed_factory.calls) == set(plain_factory.calls)
 
 
+@pytest.mark.slow
 def test_checkpointing_with_inductor():
     """Under Inductor too, checkpointing changes no gradient. (The reference is Inductor without
     checkpointing: against aot_eager, Inductor's fused GELU backward can move a value across an
@@ -278,6 +279,7 @@ def single_process_grads():
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_ddp_and_fsdp2_gradients_equal_a_single_process_run(distributed, kind):
     expected = single_process_grads()
@@ -285,6 +287,7 @@ def test_ddp_and_fsdp2_gradients_equal_a_single_process_run(distributed, kind):
         assert_same_results(results[kind], expected, what=f"{kind} rank {rank}: ")
 
 
+@pytest.mark.slow
 def test_ddp_split_graphs_keep_their_sites(distributed):
     """DDPOptimizer compiled several graphs; together they hold every GEMM once, under the
     wrapped model's names (Dynamo traces DDP's inner module), so one recipe serves both."""
@@ -299,6 +302,7 @@ def expected_identity_output(x, amax):
     return fp8.cast_to_fp8(x.float() * scale, "e4m3").float() * scale_inv
 
 
+@pytest.mark.slow
 def test_current_scaling_reduces_the_amax_over_the_recipes_group(distributed):
     """With_amax_reduction and a group: both ranks quantize with the scale of the larger amax,
     eagerly, in aot_eager graphs and in Inductor graphs. Without a group each keeps its own."""
@@ -319,6 +323,7 @@ def test_current_scaling_reduces_the_amax_over_the_recipes_group(distributed):
     assert not torch.allclose(distributed[0]["aot_eager_reduced"], distributed[0]["aot_eager_local"])
 
 
+@pytest.mark.slow
 def test_nvfp4_reduces_its_global_amaxes_over_the_recipes_group(distributed):
     """NVFP4 with_amax_reduction and a group: in each GEMM of a training step both ranks encode each
     operand with one global amax, the larger of theirs (fprop's input: max |x| over both ranks;
@@ -344,6 +349,7 @@ def test_nvfp4_reduces_its_global_amaxes_over_the_recipes_group(distributed):
             torch.testing.assert_close(dx, eager_dx, rtol=1e-6, atol=1e-6 * eager_dx.abs().max().item(), msg=f"rank {rank} {backend}")
 
 
+@pytest.mark.slow
 def test_nvfp4_inference_reduces_the_weight_amax_as_training_does(distributed):
     """Inference does not keep a reducing weight's quantized copy outside the graph: made there, its
     amax would be this rank's alone (rank 0's identity weight quantizes to exact ones, not to the
@@ -352,6 +358,7 @@ def test_nvfp4_inference_reduces_the_weight_amax_as_training_does(distributed):
         assert torch.equal(results["nvfp4_inference_weight"], results["nvfp4_training_weight"]), f"rank {rank}"
 
 
+@pytest.mark.slow
 def test_delayed_scaling_reduces_the_amax_over_the_recipes_group(distributed):
     """Delayed scaling (reduce_amax, the default): after two steps on different data the ranks
     hold the same scale and amax history in every slot; without a group they differ."""

@@ -24,9 +24,18 @@ def example():
     del sys.modules[spec.name]
 
 
-def test_short_run_trains_and_reports(example, capsys, tmp_path):
+# The example as it runs by default (Inductor, its own sizes) compiles C++ kernels for minutes on
+# a cold cache; the quick run takes the same steps through aot_eager with a quarter of the tokens.
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(["--backend", "aot_eager", "--batch", "4", "--seq", "64"], id="aot_eager-small"),
+        pytest.param([], id="defaults", marks=pytest.mark.slow),
+    ],
+)
+def test_short_run_trains_and_reports(example, capsys, tmp_path, options):
     plot = tmp_path / "loss.png"
-    code = example.main(["--steps", "20", "--log-every", "5", "--plot", str(plot), "--device", "cpu"])
+    code = example.main(["--steps", "20", "--log-every", "5", "--plot", str(plot), "--device", "cpu", *options])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "graphquant plan on cpu: 15 GEMM sites, 45 GEMMs" in out

@@ -159,6 +159,7 @@ def _fused_amax(a, b):
     return fp8.tensor_amax(a * b)  # one rounding in eager: a product of two 16-bit floats is exact in fp32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("columns", [1024, 8192, 4608])  # whole rows, chunks of 1024, of 512
