@@ -537,8 +537,9 @@ class Reference:
 # -- running and comparing -----------------------------------------------------------------------
 
 def grad_output_like(y: torch.Tensor, seed: int = 1234) -> torch.Tensor:
-    """A fixed, dense upstream gradient (every output contributes to every gradient)."""
-    return torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    """A fixed, dense upstream gradient (every output contributes to every gradient), drawn on the
+    CPU so that every device sees the same values."""
+    return torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype).to(y.device)
 
 
 def forward_backward(run: Callable, model: nn.Module, x: torch.Tensor, *, grad_seed: int = 1234) -> dict[str, torch.Tensor]:
