@@ -4,7 +4,7 @@
 direction) into native / emulated / rejected and names the backend; the planner shows that
 choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice). The emulated backend dequantizes both operands exactly and multiplies them in high
+choice), and Triton's decode GEMM for at most 16 rows (graphquant.kernels.triton_decode). The emulated backend dequantizes both operands exactly and multiplies them in high
 precision; it runs every pair the planner admits, on any device.
 """
 
@@ -28,6 +28,11 @@ from graphquant.quantizers import (
     quantizer_classes,
 )
 
+try:
+    from graphquant.kernels import triton_decode
+except ImportError:  # no Triton: no decode GEMM
+    triton_decode = None
+
 NATIVE = "native"
 EMULATED = "emulated"
 REJECTED = "rejected"
@@ -47,14 +52,16 @@ class Selection:
 
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
-    element encodings it multiplies, the multiple every one of m, n and k must be, and the compute
-    capabilities torch._scaled_mm runs it on."""
+    element encodings it multiplies, the multiple every one of m, n and k must be, the compute
+    capabilities it runs on, and for a skinny GEMM the most rows of A (m, known when the plan is
+    made) it takes, both operands stored with the reduction dim last."""
 
     backend: str
     families: frozenset[tuple[str, str]]
     elements: frozenset[tuple[str, str]]
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
+    max_rows: Optional[int] = None
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -62,13 +69,35 @@ class NativeGemm(NamedTuple):
             return False
         return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
 
+    def fits(self, dims: Optional[tuple[Optional[int], ...]], batch: Optional[int], k_last: bool) -> bool:
+        """Whether a GEMM of ``dims`` (m, n, k; None where unknown) in ``batch`` groups, its
+        operands stored with the reduction dim last or not (``k_last``), is within max_rows."""
+        if self.max_rows is None:
+            return True
+        m = None if dims is None else dims[0]
+        return batch == 1 and m is not None and m <= self.max_rows and k_last
+
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
+
+# Triton's decode GEMM first, where Triton is installed: at up to 16 rows the weight's bytes are
+# the whole cost, and it reads them once (its FP8 up-casts need sm89).
+DECODE_GEMMS = () if triton_decode is None else (
+    NativeGemm(
+        triton_decode.BACKEND,
+        triton_decode.FAMILY_PAIRS,
+        triton_decode.ELEMENT_PAIRS,
+        1,
+        lambda sm: sm >= (8, 9),
+        triton_decode.MAX_ROWS,
+    ),
+)
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
 NATIVE_GEMMS = (
+    *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -135,8 +164,9 @@ def select(
     if sm is None:
         return Selection(EMULATED, EMULATION, f"no low-precision GEMM on {device.type}")
     a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
+    k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
     for native in NATIVE_GEMMS:
-        if native.runs_on(sm) and native.takes(a_input, b_input):
+        if native.runs_on(sm) and native.takes(a_input, b_input) and native.fits(dims, batch, k_last):
             backend, multiple = native.backend, native.multiple
             if batch != 1:
                 return Selection(EMULATED, EMULATION, f"{backend} multiplies one matrix pair, not a batch of {batch}")
@@ -150,6 +180,11 @@ def select(
     if type(a) is not type(b):
         return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")
     return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
+
+
+def _stored_k_last(quantizer: Quantizer, direction: str) -> bool:
+    """Representation.stored_k_last of what ``quantizer`` makes for ``direction``."""
+    return quantizer.transposed(direction) == (direction == COLUMNWISE)
 
 
 def gemm(
@@ -171,6 +206,8 @@ def gemm(
     selection = select(
         a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch, fast_accumulation
     )
+    if triton_decode is not None and selection.backend == triton_decode.BACKEND:
+        return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
     if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
         return scaled_mm.run(selection.backend, a, b, out_dtype, bias).unsqueeze(0)
     return emulation.gemm(a, b, batch, out_dtype, bias)

@@ -86,11 +86,9 @@ ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1
 # Tiles of the weight, each read whole per step, for N and K of 4096 to 14336; the interpreter
 # runs a kernel's logic, not its speed, so it takes the first alone.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 512}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=8, num_stages=3),
 ]
 if triton.knobs.runtime.interpret:
