@@ -19,6 +19,7 @@ product with the sum, and the bias).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -86,7 +87,6 @@ ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1
 # Tiles of the weight, each read whole per step, for N and K of 4096 to 14336; the interpreter
 # runs a kernel's logic, not its speed, so it takes the first alone.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=8, num_stages=3),
@@ -120,7 +120,11 @@ def _values(
         at = (row64 // SCALE_ROWS) * scale_row_stride + block.to(tl.int64) * scale_col_stride
         inside = in_rows & (block < tl.cdiv(K, SCALE_COLS))
         raw = tl.load(scale_ptr + at, mask=inside)
-        scale = tl.where(inside, e8m0_value(raw) if SCALE_ENCODING == 1 else raw.to(tl.float32), 0.0)
+        if SCALE_ENCODING == 1:
+            scale = e8m0_value(raw)
+        else:
+            scale = raw.to(tl.float32)
+        scale = tl.where(inside, scale, 0.0)
         if PACKED:
             scale = scale * 16384.0  # exact: E4M3 times a power of two
         scale = tl.reshape(
@@ -257,10 +261,15 @@ def _operand(rep: Representation, operand: str) -> tuple[tuple, dict]:
     return args, constants
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def split_k(n: int, k: int, device: torch.device) -> int:
     """How many programs share each tile's K: enough for about four 64-row tiles of B per SM,
     each split at least K_CHUNK columns."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _multiprocessors(device)
     wanted = triton.cdiv(4 * sms, triton.cdiv(n, 64))
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
