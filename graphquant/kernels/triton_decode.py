@@ -152,7 +152,7 @@ def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
 def _finish(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    has_bias,
 ):
     """out[m, n] = total[n, m] times both factors (their product first, as one alpha), plus the
     bias, rounded once to out's dtype."""
@@ -163,22 +163,24 @@ def _finish(
         total = total * factor
     elif B_FACTOR != 0:
         total = total * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
-    if HAS_BIAS:
+    if has_bias:
         total = total + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
 
 
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and
+# both bias cases share one compiled kernel per format.
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "SPLIT_K", "B_PACKED", "B_SCALE_COLS", "DOT_DTYPE"])
-@triton.jit
+@triton.jit(do_not_specialize=["M", "has_bias"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, out_ptr, partial_ptr, M, N, K,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K,
     A_PACKED: tl.constexpr, A_SCALE_ROWS: tl.constexpr, A_SCALE_COLS: tl.constexpr, A_SCALE_ENCODING: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
     B_PACKED: tl.constexpr, B_SCALE_ROWS: tl.constexpr, B_SCALE_COLS: tl.constexpr, B_SCALE_ENCODING: tl.constexpr,
     B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (i, s): the sums over K split s of BLOCK_N rows of B against all rows of A,
@@ -201,17 +203,17 @@ def _decode_kernel(
         total = tl.dot(b.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), total, input_precision="ieee")
     m = tl.arange(0, BLOCK_M)[None, :]
     if SPLIT_K == 1:
-        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, HAS_BIAS)
+        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
     else:
         at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "has_bias"])
 def _reduce_kernel(
-    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, M, N,
+    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -220,7 +222,7 @@ def _reduce_kernel(
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for split in range(SPLIT_K):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
-    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, HAS_BIAS)
+    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -289,16 +291,16 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
     k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
-    bias_arg = out if bias is None else bias
+    bias_arg = out if bias is None else bias.contiguous()
     finish = {key: value for key, value in {**a_constants, **b_constants}.items() if key.endswith(("FACTOR", "DIVISOR"))}
     _decode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        *a_args, *b_args, bias_arg, out, partial, m, n, k,
-        **a_constants, **b_constants, HAS_BIAS=bias is not None, SPLIT_K=splits, K_PER_SPLIT=k_per_split,
+        *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k,
+        **a_constants, **b_constants, SPLIT_K=splits, K_PER_SPLIT=k_per_split,
         DOT_DTYPE=tl.bfloat16 if exact else tl.float32, BLOCK_M=MAX_ROWS,
     )
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 128),)](
-            partial, a_args[2], b_args[2], bias_arg, out, m, n, **finish,
-            HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
+            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **finish,
+            SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
         )
     return out
