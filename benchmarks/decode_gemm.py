@@ -19,29 +19,17 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
+from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
 from graphquant.kernels import scaled_mm, triton_decode  # noqa: E402
-from graphquant.quantizers import (  # noqa: E402
-    ROWWISE,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8RowwiseQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
+from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16]
 CALLS = 20
 
-# (activation's quantizer, weight's) of each recipe family the decode GEMM reads.
-FORMATS = {
-    "fp8 tensorwise": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
-    "fp8 rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
-    "fp8 block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
-    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
-    "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
-}
+# (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
+FORMATS = {name.removesuffix(" (emulated on sm90)"): pair for name, pair in GEMM_FORMATS.items()}
 
 
 def graphed(fn):
