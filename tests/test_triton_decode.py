@@ -166,7 +166,7 @@ def test_decode_gemm_names_what_it_cannot_take():
     mx = MXFP8Quantizer()
     a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     b = mx(torch.randn(128, 64)).get(COLUMNWISE)
-    with pytest.raises(ValueError, match=r"reduction dim last; b is mxfp8\(fp8_dtype=e4m3\) \(columnwise\), stored with it first"):
+    with pytest.raises(ValueError, match=r"reduction dim last; B is mxfp8\(fp8_dtype=e4m3\) \(columnwise\), stored with it first"):
         triton_decode.gemm(a, b, torch.bfloat16)
 
 

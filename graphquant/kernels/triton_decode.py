@@ -1,5 +1,5 @@
-"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for at most 16 rows of A, in one Triton kernel
-that reads both quantized operands as they are stored and dequantizes them in registers.
+"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for at most 16 rows of A, a Triton kernel that
+reads both quantized operands as they are stored and dequantizes them in registers.
 
 At decode sizes the product costs nothing beside reading the weight (B) once, so each program
 takes a BLOCK_N x BLOCK_K tile of B at a time against all of A's rows, and K is split across
@@ -7,14 +7,16 @@ programs (each writes an fp32 partial sum; a second kernel adds them in a fixed 
 programs to keep every SM reading. Each operand is read by the layout family it belongs to
 (GemmInput.family): codes times their block scales are the values the emulated GEMM multiplies
 (Quantizer.emulated_values), exact in bf16 where the format says so (then multiplied on the
-tensor cores in bf16, else in fp32 IEEE), summed in fp32; the per-tensor or per-row factors
+tensor cores in bf16, as the emulated GEMM's cuBLASLt GEMM does, else in fp32 IEEE), summed in
+fp32; the per-tensor or per-row factors
 (Quantizer.emulated_factor) multiply each other once and then the sum, as the emulated GEMM's
 alpha does, and the bias is added before the one rounding to the output dtype.
 
-So the result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24
-and the values a, b exact, |out - sum_k a b * fa fb| <= (K + 3) u sum_k |a b| |fa fb| before the
-rounding to the output dtype (K - 1 additions in any order, the factors' product and its
-product with the sum, and the bias).
+So the result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+against the exact product of the dequantized operands, |error| <= (K + 3) u sum_k |a b| + u |out|
+before the rounding to the output dtype: K - 1 additions in any order, the factors' product and
+its product with the sum, one rounding of each operand's fp32 dequantized value (the reference's,
+where it multiplies a factor in), and the bias's addition.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _values(
         at = (row64 // SCALE_ROWS) * scale_row_stride + block.to(tl.int64) * scale_col_stride
         inside = in_rows & (block < tl.cdiv(K, SCALE_COLS))
         raw = tl.load(scale_ptr + at, mask=inside)
-        if SCALE_ENCODING == 1:
+        if SCALE_ENCODING == 1:  # E8M0
             scale = e8m0_value(raw)
         else:
             scale = raw.to(tl.float32)
@@ -139,7 +141,7 @@ def _values(
 def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
     DIVISOR with one IEEE division, as the format's reference does."""
-    if KIND == 1:
+    if KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
         factor = tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
@@ -251,7 +253,7 @@ def _operand(rep: Representation, operand: str) -> tuple[tuple, dict]:
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
     args = (data, scale, factor, data.stride(0), *scale_strides)
-    prefix = operand.upper() + "_"
+    prefix = operand + "_"
     constants = {
         prefix + "PACKED": layout.packed,
         prefix + "SCALE_ROWS": max(layout.scale_block[0], 1),
@@ -281,7 +283,7 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
     m, n, k = gemm_dims(a, b)
     if m > MAX_ROWS:
         raise ValueError(f"the decode GEMM multiplies at most {MAX_ROWS} rows of A; got A of {m} rows ({a.quantizer})")
-    (a_args, a_constants), (b_args, b_constants) = _operand(a, "a"), _operand(b, "b")
+    (a_args, a_constants), (b_args, b_constants) = _operand(a, "A"), _operand(b, "B")
     # Values exact in bf16 are multiplied as bf16 (the same products); not in Triton's interpreter,
     # whose dot multiplies bf16 bit patterns as integers.
     exact = a.quantizer.values_exact_in_bf16(a) and b.quantizer.values_exact_in_bf16(b)
