@@ -43,9 +43,10 @@ PAIRS = {
 U = 2.0**-24
 
 
-def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.dtype, device: str) -> float:
+def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.dtype, device: str, gemm: str = "fprop") -> float:
     """How far the decode GEMM's out (m, n) exceeds its bound (<= 0: within it), through
-    backends.gemm, which must have chosen it. The bound: K - 1 fp32 additions in any order, one
+    backends.gemm, which must have chosen it; in a fprop (the weight's rowwise representation)
+    or a dgrad (its columnwise one, stored transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
     rounding of each dequantized reference operand, the factors' product and its product with the
     sum ((K + 3) u sum|a b|), the bias's addition (u |out|) and the rounding to out_dtype."""
     from graphquant.kernels import triton_decode
@@ -54,11 +55,12 @@ def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.
     qa, qb = PAIRS[name]
     x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(device)
     w = (torch.randn(n, k) * torch.rand(n, 1) / 8).to(device, torch.bfloat16)
+    direction = ROWWISE if gemm == "fprop" else COLUMNWISE
     a = qa(x, rowwise=True, columnwise=False).get(ROWWISE)
-    b = qb(w, rowwise=True, columnwise=False).get(ROWWISE)
+    b = qb(w if gemm == "fprop" else w.t().contiguous(), rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction)
     bias = (torch.randn(n) * 4).to(device, torch.bfloat16) if with_bias else None
     if device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
-        selection = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device(device), (m, n, k))
+        selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
         assert selection.backend == triton_decode.BACKEND, selection
         out = backends.gemm(a, b, 1, out_dtype, bias)[0]
     else:
@@ -72,19 +74,26 @@ def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.
     return ((out.double() - ref).abs() - bound).max().item()
 
 
-# (m, n, k, bias, out dtype): one row, K split in two; rows and K that fill no tile (K not a
-# multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split. fp32
-# out only: the interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
+# (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
+# a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
+# dgrad. fp32 out only: the interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
 INTERPRETED = [
-    (1, 96, 1024, False, torch.float32),
-    (3, 40, 224, True, torch.float32),
-    (16, 72, 640, True, torch.float32),
+    (1, 96, 1024, False, torch.float32, "fprop"),
+    (3, 40, 224, True, torch.float32, "fprop"),
+    (16, 72, 640, True, torch.float32, "fprop"),
+    (2, 256, 640, False, torch.float32, "dgrad"),
 ]
+# MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
+DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
 
 
 def _interpreted_id(case) -> str:
-    m, n, k, bias, dtype = case
-    return f"{m}x{n}x{k}{' bias' if bias else ''} {str(dtype).removeprefix('torch.')}"
+    m, n, k, bias, dtype, gemm = case
+    return f"{gemm} {m}x{n}x{k}{' bias' if bias else ''} {str(dtype).removeprefix('torch.')}"
+
+
+def _interpreted_cases():
+    return [(name, case) for name in PAIRS for case in INTERPRETED if case[-1] == "fprop" or name in DGRAD_PAIRS]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +106,7 @@ def interpreted() -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", INTERPRETED, ids=_interpreted_id)
-@pytest.mark.parametrize("name", PAIRS)
+@pytest.mark.parametrize("name,case", _interpreted_cases(), ids=[f"{name}-{_interpreted_id(case)}" for name, case in _interpreted_cases()])
 def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, case):
     assert interpreted[f"{name} | {_interpreted_id(case)}"] <= 0
 
@@ -110,6 +118,13 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
     """At the shape of a Llama-3-8B FFN's down projection (K split across programs)."""
     assert excess(name, m, 4096, 14336, with_bias, torch.bfloat16, "cuda") <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DGRAD_PAIRS)
+def test_decode_dgrad_matches_float64_reference_on_gpu(name):
+    """A dgrad of 16 rows reads the weight's columnwise representation (stored transposed)."""
+    assert excess(name, 16, 4096, 14336, False, torch.bfloat16, "cuda", "dgrad") <= 0
 
 
 @pytest.mark.gpu
@@ -172,6 +187,6 @@ def test_decode_gemm_names_what_it_cannot_take():
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
     results = {
-        f"{name} | {_interpreted_id(case)}": excess(name, *case, "cpu") for name in PAIRS for case in INTERPRETED
+        f"{name} | {_interpreted_id(case)}": excess(name, *case[:-1], "cpu", case[-1]) for name, case in _interpreted_cases()
     }
     print(json.dumps(results))
