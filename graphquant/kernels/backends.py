@@ -4,8 +4,9 @@
 direction) into native / emulated / rejected and names the backend; the planner shows that
 choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice), and Triton's decode GEMM for at most 16 rows (graphquant.kernels.triton_decode). The emulated backend dequantizes both operands exactly and multiplies them in high
-precision; it runs every pair the planner admits, on any device.
+choice), and Triton's decode GEMM for at most 16 rows (graphquant.kernels.triton_decode). The
+emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
+every pair the planner admits, on any device.
 """
 
 from __future__ import annotations
