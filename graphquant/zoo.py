@@ -144,8 +144,8 @@ def nvfp4_linear_fp8_dpa_factory(role: Optional[QuantizerRole]) -> Quantizer | D
 
     dpa s and dp: delayed scaling (history 1, most recent). Other dpa roles and the
     dpa_output / dpa_grad_input hint roles: FP8 current scaling, E5M2 for do, dp, dqkv and
-    dpa_grad_input, E4M3 otherwise. Everything else: nvfp4_factory. graphquant does not quantize
-    attention yet, so on today's graphs only the linear assignments take effect.
+    dpa_grad_input, E4M3 otherwise. Everything else: nvfp4_factory. The dpa roles are asked for
+    only under CustomRecipe(fp8_dpa=True), which ``recipe("nvfp4_linear_fp8_dpa")`` sets.
     """
     name = role.name if role is not None else ""
     is_hint = name.endswith(("dpa_output", "dpa_grad_input"))
@@ -204,6 +204,9 @@ FACTORIES = {
     "rowwise_with_gw_hp": rowwise_with_gw_hp_factory,
 }
 
+# The zoo recipes whose factories assign attention roles, built with fp8_dpa=True.
+FP8_DPA = ("nvfp4_linear_fp8_dpa",)
+
 
 def recipe(name: str) -> CustomRecipe:
     """The zoo recipe called ``name`` (see FACTORIES), e.g. recipe("tensorwise")."""
@@ -213,4 +216,4 @@ def recipe(name: str) -> CustomRecipe:
         close = difflib.get_close_matches(name, [*FACTORIES, *recipes.PRESETS], n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown zoo recipe {name!r}; {hint}known: {', '.join(FACTORIES)} (and the presets of graphquant.recipes: {', '.join(recipes.PRESETS)})")
-    return CustomRecipe(FACTORIES[name])
+    return CustomRecipe(FACTORIES[name], fp8_dpa=name in FP8_DPA)
