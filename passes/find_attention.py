@@ -86,6 +86,10 @@ class DpaSite:
         """TE's slots in TE's order, one role per slot (so roles repeat): 9 forward, 6 backward."""
         return tuple(self.role(slot) for slot in FORWARD_SLOTS + (BACKWARD_SLOTS if training else ()))
 
+    def products(self, training: bool = True) -> tuple:
+        """The products that run: (name, (tensor, direction) of a, of b), out = a @ b^T per head."""
+        return FORWARD_PRODUCTS + (BACKWARD_PRODUCTS if training else ())
+
     def tensors(self) -> dict[str, tuple[str, int, tuple]]:
         """Each tensor the site quantizes: (its slot, the groups its rows fall in, its 2-D (rows,
         cols) as quantized: one row per token and head, the reduction dim of its rowwise use last)."""
@@ -102,7 +106,7 @@ class DpaSite:
         }
 
 
-def find_attentiondef find_attention(gm: fx.GraphModule, frame: str = "") -> list[DpaSite]:
+def find_attention(gm: fx.GraphModule, frame: str = "") -> list[DpaSite]:
     """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order."""
     sites: list[DpaSite] = []
     _find(gm, collections.Counter(), sites, frame)
