@@ -74,12 +74,13 @@ class DpaSite:
 
     @property
     def label(self) -> str:
-        return f"{self.name}#{self.call}"
+        return label(self.name, self.call)
 
     def role(self, slot: str) -> QuantizerRole:
-        """The role of one of TE's slots: a hint-only boundary role has only a name."""
+        """The role of one of TE's slots: a hint-only boundary role has only a name (bare where
+        the attention belongs to the compiled module itself)."""
         if slot in HINTS:
-            return QuantizerRole(name=f"{self.name}.{slot}")
+            return QuantizerRole(name=".".join(p for p in (self.name, slot) if p))
         return QuantizerRole(self.module_type, slot, self.name)
 
     def roles(self, training: bool = True) -> tuple[QuantizerRole, ...]:
@@ -104,6 +105,11 @@ class DpaSite:
             "dO": ("do", b * hq, (b * hq * lq, dv)),
             "dS": ("dp", b * hq, (b * hq * lq, lk)),
         }
+
+
+def label(name: str, call: int) -> str:
+    """An attention site's name in plans and errors: the owner's name and which of its calls."""
+    return f"{name or 'dpa'}#{call}"
 
 
 def find_attention(gm: fx.GraphModule, frame: str = "") -> list[DpaSite]:
@@ -134,7 +140,7 @@ def _find(gm: fx.GraphModule, index: collections.Counter, sites: list[DpaSite], 
         i = index[(owner, call)]
         index[(owner, call)] += 1
         name = owner if i == 0 else ".".join(p for p in (owner, "dpa", str(i)) if p)
-        site = _site(node, name or "dpa", call)
+        site = _site(node, name, call)
         if isinstance(site, str):
             node.meta["graphquant_skip"] = site
             continue
@@ -153,19 +159,19 @@ def _site(node: fx.Node, name: str, call: int):
     dropout = args["dropout_p"]
     if not isinstance(dropout, (int, float)) or dropout != 0:
         raise PlanError(
-            f"{name} ({node.format_node()}): F.scaled_dot_product_attention with dropout_p={dropout!r} under fp8_dpa; "
+            f"{label(name, call)} ({node.format_node()}): F.scaled_dot_product_attention with dropout_p={dropout!r} under fp8_dpa; "
             "FP8 attention runs without dropout: pass dropout_p=0.0 (e.g. attention_dropout=0.0 in a Hugging Face "
             "config), or build the recipe with fp8_dpa=False to keep attention in high precision"
         )
     mask = _value(args["attn_mask"])
     if mask is not None and mask.requires_grad:
         raise PlanError(
-            f"{name}: its attn_mask requires grad (a learned attention bias); FP8 attention takes a fixed mask only: "
+            f"{label(name, call)}: its attn_mask requires grad (a learned attention bias); FP8 attention takes a fixed mask only: "
             "detach the mask, or build the recipe with fp8_dpa=False"
         )
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise PlanError(
-            f"{name}: {q.shape[1]} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads; grouped-query "
+            f"{label(name, call)}: {q.shape[1]} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads; grouped-query "
             "attention needs as many key as value heads, dividing the query heads"
         )
     if not all(t.dtype.is_floating_point and t.dtype.itemsize > 1 for t in (q, k, v)):

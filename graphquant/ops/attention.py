@@ -65,7 +65,7 @@ class AttentionSite:
 
     @property
     def label(self) -> str:
-        return f"{self.name}#{self.call}"
+        return f"{self.name or 'dpa'}#{self.call}"
 
     def quantizer(self, slot: str) -> Quantizer:
         return quantizer_of(getattr(self, slot))
