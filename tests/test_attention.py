@@ -12,7 +12,6 @@ dim; a delayed-scaling slot quantizing with its current scale and then recording
 """
 
 import copy
-import functools
 import json
 import math
 
@@ -376,3 +375,31 @@ def test_numerics_report_lists_attention_products():
     report = graphquant.numerics(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64))
     rows = {(g.site, g.gemm) for g in report.gemms}
     assert {("attn#0", p) for p in ("qk", "pv", "dv", "dp", "dq", "dk")} <= rows
+
+
+def test_hugging_face_llama_trains_with_fp8_attention():
+    """A transformers Llama (sdpa attention, grouped-query: 2 query heads, 1 key/value head)
+    compiles in one graph with a dpa site per layer named as named_modules() names its attention,
+    and trains a step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    compiled = graphquant.compile(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    names = {name for name, _ in model.named_modules()}
+    sites = {g.site for g in compiled.graphquant.plan.gemms if g.module_type == "dpa"}
+    assert sites == {"model.layers.0.self_attn#0", "model.layers.1.self_attn#0"}
+    assert {s.removesuffix("#0") for s in sites} <= names
+    assert torch.isfinite(loss)
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.layers.1.self_attn.k_proj.weight" in changed
