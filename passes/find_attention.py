@@ -38,8 +38,6 @@ DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": No
 FORWARD_SLOTS = ("qkv",) * 3 + ("dpa_output",) * 3 + ("s",) * 3
 BACKWARD_SLOTS = ("dpa_grad_input",) * 2 + ("do",) * 2 + ("dp",) * 2
 HINTS = ("dpa_output", "dpa_grad_input")
-# The slots whose quantizers graphquant applies, in the order an attention call takes their state.
-APPLIED = ("qkv", "s", "do", "dp")
 # The products of one attention (out = a @ b^T per head), each operand as (tensor, direction):
 # forward S = Q K^T and O = P V, backward dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q.
 FORWARD_PRODUCTS = (

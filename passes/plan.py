@@ -227,20 +227,9 @@ class Planner:
                         f"strict=True rejects emulated GEMMs ({selection.reason}); give this GEMM a pair with a "
                         f"native GEMM on {device.type}, or compile without strict",
                     )
-                entry = GemmPlan(
-                    site=site.label,
-                    module_type=site.module_type,
-                    gemm=gemm,
-                    a=f"{roles[ia].tensor_type}.{da}",
-                    a_format=quantizers[ia].direction_spec(da),
-                    b=f"{roles[ib].tensor_type}.{db}",
-                    b_format=quantizers[ib].direction_spec(db),
-                    bucket=selection.bucket,
-                    backend=selection.backend,
-                    reason=selection.reason,
-                )
-                self._check_bucket(entry)
-                gemms.append(entry)
+                a = (f"{roles[ia].tensor_type}.{da}", quantizers[ia].direction_spec(da))
+                b = (f"{roles[ib].tensor_type}.{db}", quantizers[ib].direction_spec(db))
+                gemms.append(self._entry(site, gemm, a, b, selection))
         plan = Plan(
             device=str(device),
             slots=tuple(slots.items()),
@@ -282,24 +271,8 @@ class Planner:
             selection = backends.Selection(
                 backends.REJECTED, "none", f"strict=True rejects emulated attention ({selection.reason}); compile without strict"
             )
-        entries = []
-        for gemm, (ta, da), (tb, db) in site.products(training):
-            slot_a, slot_b = tensors[ta][0], tensors[tb][0]
-            entry = GemmPlan(
-                site=site.label,
-                module_type=site.module_type,
-                gemm=gemm,
-                a=f"{ta}: {slot_a}.{da}",
-                a_format=quantizers[ta].direction_spec(da),
-                b=f"{tb}: {slot_b}.{db}",
-                b_format=quantizers[tb].direction_spec(db),
-                bucket=selection.bucket,
-                backend=selection.backend,
-                reason=selection.reason,
-            )
-            self._check_bucket(entry)
-            entries.append(entry)
-        return entries
+        operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
+        return [self._entry(site, gemm, operand(*a), operand(*b), selection) for gemm, a, b in site.products(training)]
 
     @staticmethod
     def _check_attention_quantizer(site, role: QuantizerRole, quantizer: Quantizer) -> None:
@@ -316,6 +289,13 @@ class Planner:
             "for module_type 'dpa' and those names, or build the recipe with fp8_dpa=False to keep attention in "
             "high precision"
         )
+
+    def _entry(self, site, gemm: str, a: tuple[str, str], b: tuple[str, str], selection: backends.Selection) -> GemmPlan:
+        """The plan of one product of ``site``, each operand as (what it is, its format); a
+        rejected one fails the compile (unless explaining)."""
+        entry = GemmPlan(site.label, site.module_type, gemm, *a, *b, selection.bucket, selection.backend, selection.reason)
+        self._check_bucket(entry)
+        return entry
 
     def _check_bucket(self, g: GemmPlan) -> None:
         if self.fail_on_bucket and g.bucket == backends.REJECTED:

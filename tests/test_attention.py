@@ -55,9 +55,13 @@ FORMATS = {"current": CURRENT, "mxfp8": MXFP8, "zoo": ZOO, "delayed": DELAYED}
 class Slots:
     """The reference's quantizers and delayed-scaling state, by slot."""
 
-    def __init__(self, formats: dict[str, str]):
+    def __init__(self, formats: dict[str, str], device: torch.device = torch.device("cpu")):
         self.quantizers = {slot: graphquant.parse_spec(spec) for slot, spec in formats.items()}
-        self.delayed = {slot: (torch.ones(1), torch.zeros(q.amax_history_len)) for slot, q in self.quantizers.items() if isinstance(q, Float8DelayedScalingQuantizer)}
+        self.delayed = {
+            slot: (torch.ones(1, device=device), torch.zeros(q.amax_history_len, device=device))
+            for slot, q in self.quantizers.items()
+            if isinstance(q, Float8DelayedScalingQuantizer)
+        }
 
     def quantize(self, slot: str, tensors: list[torch.Tensor], directions: list[str]) -> list[torch.Tensor]:
         """Float64 values of each 2-D tensor in its direction; a per-tensor format scales all of
@@ -171,12 +175,26 @@ def _states(formats):
 def test_matches_the_float64_reference(formats, mask):
     """Outputs and every gradient over two steps (the second uses the delayed scales the first
     recorded), grouped-query attention (4 query heads, 2 key/value heads) and each kind of mask."""
+    _check_against_reference(formats, mask, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("formats", ["zoo", "mxfp8"])
+def test_matches_the_float64_reference_on_cuda(formats, mask):
+    """The same on CUDA, where the emulated products multiply bfloat16-exact operands on the GPU."""
+    _check_against_reference(formats, mask, torch.device("cuda"))
+
+
+def _check_against_reference(formats: str, mask: str, device: torch.device) -> None:
     site = AttentionSite(name="layers.0.attn", call=0, **FORMATS[formats])
-    states = _states(FORMATS[formats])
-    slots = Slots(FORMATS[formats])
+    states = tuple(s if s is None else s.to(device) for s in _states(FORMATS[formats]))
+    slots = Slots(FORMATS[formats], device)
     kwargs, additive = MASKS[mask](64, 64)
+    kwargs = {k: v.to(device) for k, v in kwargs.items() if isinstance(v, torch.Tensor)} | {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    additive = None if additive is None else additive.to(device)
     for step in range(2):
-        q, k, v, dout = _inputs(seed=step)
+        q, k, v, dout = (t.to(device) for t in _inputs(seed=step))
         actual, products = _run_op(site, states, q, k, v, dout, **kwargs)
         expected = reference_attention(q, k, v, additive, 1 / math.sqrt(32), dout, slots, products)
         assert not products, f"the op ran products the reference did not: {sorted(products)}"

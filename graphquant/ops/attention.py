@@ -38,6 +38,7 @@ from graphquant.kernels import backends
 from graphquant.ops import recording
 from graphquant.ops.library import quantizer_of
 from graphquant.ops.operands import Operand, gemm
+from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, transposed_operand, update_delayed_scaling
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
@@ -60,8 +61,7 @@ class AttentionSite:
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __repr__(self) -> str:
-        given = [f for f in dataclasses.fields(self) if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]
-        return f"AttentionSite({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in given)})"
+        return rebuilding_repr(self)
 
     @property
     def label(self) -> str:
