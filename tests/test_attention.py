@@ -421,3 +421,17 @@ def test_hugging_face_llama_trains_with_fp8_attention():
     assert torch.isfinite(loss)
     changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
     assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.layers.1.self_attn.k_proj.weight" in changed
+
+
+def test_with_fp8_attention_keeps_the_recipe_elsewhere():
+    """zoo.with_fp8_attention: attention as TE's validated combination quantizes it, every other
+    role as the recipe did; the recipe still pickles."""
+    import pickle
+
+    recipe = zoo.with_fp8_attention(graphquant.recipes.mxfp8_block_scaling())
+    assert recipe.fp8_dpa and pickle.loads(pickle.dumps(recipe)).fp8_dpa
+    plan = graphquant.explain(_decoder(), recipe, torch.randn(2, 32, 64))
+    slots = {str(role): q.spec for role, q in plan.slots}
+    assert slots["module_type=dpa|tensor_type=dp|name=attn"] == DELAYED_DP
+    assert slots["name=attn.dpa_output"] == "fp8_current(fp8_dtype=e4m3)"
+    assert slots["module_type=linear|tensor_type=input|name=attn.q_proj"] == "mxfp8(fp8_dtype=e4m3)"
