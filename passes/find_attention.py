@@ -81,9 +81,10 @@ class DpaSite:
             return QuantizerRole(name=".".join(p for p in (self.name, slot) if p))
         return QuantizerRole(self.module_type, slot, self.name)
 
-    def roles(self, training: bool = True) -> tuple[QuantizerRole, ...]:
-        """TE's slots in TE's order, one role per slot (so roles repeat): 9 forward, 6 backward."""
-        return tuple(self.role(slot) for slot in FORWARD_SLOTS + (BACKWARD_SLOTS if training else ()))
+    def roles(self) -> tuple[QuantizerRole, ...]:
+        """TE's slots in TE's order, one role per slot (so roles repeat): 9 forward, 6 backward,
+        all of them asked for even where nothing runs backward (as TE builds both states)."""
+        return tuple(self.role(slot) for slot in FORWARD_SLOTS + BACKWARD_SLOTS)
 
     def products(self, training: bool = True) -> tuple:
         """The products that run: (name, (tensor, direction) of a, of b), out = a @ b^T per head."""

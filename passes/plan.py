@@ -248,7 +248,7 @@ class Planner:
 
     def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
         """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""
-        roles = site.roles(training)
+        roles = site.roles()
         for role in roles:
             slots[role] = self.quantizer(role)
         for role in dict.fromkeys(roles):

@@ -81,7 +81,9 @@ def quantized_attention(
     site: AttentionSite, states=NO_STATES,
 ):
     """F.scaled_dot_product_attention in the site's formats; ``states`` is the delayed-scaling
-    state of qkv, s, do and dp (None where a format keeps none)."""
+    state of qkv, s, do and dp (None where a format keeps none). Fewer key/value heads than query
+    heads are grouped whatever ``enable_gqa`` says (F.scaled_dot_product_attention would have
+    refused them without it when the graph was captured)."""
     if dropout_p:
         raise ValueError(
             f"{site.label}: FP8 attention runs without dropout, got dropout_p={dropout_p}; pass dropout_p=0.0, or build "
@@ -126,8 +128,7 @@ class QuantizedAttention(torch.autograd.Function):
 
         ctx.site, ctx.scale, ctx.groups, ctx.shapes = site, scale, groups, (b, h, lq, lk, d, dv)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        ctx.kept = [(t, direction) for t, direction in (("Q", COLUMNWISE), ("K", COLUMNWISE), ("V", ROWWISE)) if training]
-        kept = [made[t][direction] for t, direction in ctx.kept] + ([p_made[COLUMNWISE]] if training else [])
+        kept = (made["Q"][COLUMNWISE], made["K"][COLUMNWISE], made["V"][ROWWISE], p_made[COLUMNWISE]) if training else ()
         ctx.metas = [(len(op.tensors), op.spec, op.direction, op.shape) for op in kept]
         ctx.originals = tensors if recording.listening() else {}
         ctx.save_for_backward(*[t for op in kept for t in op.tensors], p, o, do_delayed, dp_delayed)
