@@ -10,7 +10,7 @@
 // for one buffer only (two would cost a third of the resident CTAs, more than the overlap gains),
 // and NVFP4's registers the same, so those launch a CTA a tile.
 //
-// Every format's blocks (16, 32, 128 along a row or a column, 16x16, 128x128) nest inside the
+// Every format's blocks (16 to 128 along a row or a column, 16x16, 128x128) nest inside the
 // tile, so a tile needs no data from its neighbours; what spans tiles (a per-tensor, per-row or
 // per-column amax) comes from a pre-pass of this same program with main = 0.
 //
@@ -381,7 +381,8 @@ struct TileProgram {
       // (blocks along the dim, M or K) in memory: row side outer-dim-major, column side (M / L, K).
       if (write && b == first && (!e.two_d || a == 0)) {
         float* out = static_cast<float*>(e.scales);
-        const int64_t block = (kRowSide ? t.col0 : t.row0) / (16 * e.block_chunks) + first / e.block_chunks;
+        // The block's index along its dim, in 32 bits (a 64-bit division is a long routine on the GPU).
+        const int64_t block = uint32_t(((kRowSide ? t.col0 : t.row0) / kTile) * 8 + first) / uint32_t(e.block_chunks);
         if (kRowSide) out[e.two_d ? t.tile_row * cdiv(p.K, kTile) + t.col0 / kTile : block * p.M + gr] = scale_inv;
         else out[e.two_d ? (t.col0 / kTile) * cdiv(p.M, kTile) + t.tile_row : block * p.K + gc] = scale_inv;
       }
