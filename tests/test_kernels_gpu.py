@@ -225,24 +225,36 @@ torch.save(out, sys.argv[1])
             assert_same(a, b, str(key))
 
 
+@dataclasses.dataclass(frozen=True)
+class Block64StoredTransposed(Float8Block64):
+    """Says its columnwise data is stored transposed, while its kernel encoding keeps x's layout."""
+
+    tag = "test_fp8_block64_stored_transposed"
+
+    def transposed(self, direction):
+        return direction == COLUMNWISE
+
+
 def test_the_extension_reads_each_encoding_by_name(backend):
     """The extension's Encoding, made from a KernelEncoding's fields by keyword, holds the numbers
-    of the positional config it replaces; a missing or unknown field, or an unknown name, is an
-    error that says what is accepted."""
+    of the positional config it replaces; a missing or unknown field, an unknown name, or an
+    encoding whose layout is not the quantizer's, is an error that says what is accepted."""
     ext = native.extension()
     for name, make in QUANTIZERS.items():
         quantizer = make()
         for direction in (ROWWISE, COLUMNWISE):
             encoding = quantizer.kernel_encoding(direction)
-            built = native._native_encoding(ext, encoding)
+            built = native._encoding(ext, quantizer, direction).native
             read = [built.format, built.fp8, built.epsilon, int(built.pow2), built.two_d, int(built.rht), int(built.sign_mask),
                     int(built.sr), int(built.row_scaled)]
             if name != "user_fp8_block64":
                 assert read == pytest.approx(comparable(old_config(quantizer, direction))), f"{name} {direction}"
             assert built.transposed == encoding.transposed and built.delayed == encoding.delayed_scaling
             assert (built.block_rows, built.block_cols) == encoding.block
-    user = native._native_encoding(ext, Float8Block64().kernel_encoding(COLUMNWISE))
+    user = native._encoding(ext, Float8Block64(), COLUMNWISE).native
     assert (user.format, user.block_chunks, user.two_d, user.transposed) == (2, 4, 0, False)
+    with pytest.raises(ValueError, match=r"kernel_encoding\('columnwise'\) says transposed=False, but its representations say"):
+        native.quantize(Block64StoredTransposed(), make_input((128, 128), torch.float32, "normal", backend), COLUMNWISE, CTX)
 
     fields = {f.name: getattr(MXFP8Quantizer().kernel_encoding(ROWWISE), f.name) for f in dataclasses.fields(KernelEncoding)}
     assert ext.Encoding(**fields).format == 4

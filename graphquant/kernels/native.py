@@ -64,15 +64,31 @@ def sr_key(seed: int, offset: int, stream: int) -> int:
     return key
 
 
+class _Encoding(NamedTuple):
+    """A quantizer's KernelEncoding of one direction, and the extension's Encoding made from it."""
+
+    described: KernelEncoding
+    native: Any
+
+
 @functools.lru_cache(maxsize=None)
-def _native_encoding(ext: Any, encoding: KernelEncoding) -> Any:
-    """The extension's Encoding of ``encoding``, field by field by name (made once per description)."""
-    return ext.Encoding(**{field.name: getattr(encoding, field.name) for field in dataclasses.fields(encoding)})
+def _encoding(ext: Any, quantizer: Quantizer, direction: str) -> Optional[_Encoding]:
+    """``quantizer``'s encoding of ``direction``, handed to the extension field by field by name,
+    once per quantizer; None where the quantizer has none."""
+    encoding = quantizer.kernel_encoding(direction)
+    if encoding is None:
+        return None
+    if encoding.transposed != quantizer.transposed(direction):
+        raise ValueError(
+            f"{quantizer}: kernel_encoding({direction!r}) says transposed={encoding.transposed}, but its "
+            f"representations say transposed({direction!r}) = {quantizer.transposed(direction)}; make the two agree"
+        )
+    return _Encoding(encoding, ext.Encoding(**{field.name: getattr(encoding, field.name) for field in dataclasses.fields(encoding)}))
 
 
 class _Side(NamedTuple):
-    """One direction of a native pass: its encoding, this call's stochastic-rounding key, and
-    delayed scaling's current scale."""
+    """One direction of a native pass: the extension's Encoding, this call's stochastic-rounding
+    key, and delayed scaling's current scale."""
 
     encoding: Any
     key: int
@@ -86,18 +102,18 @@ def _side(
     with ``device_rng`` the kernels make the stochastic-rounding key themselves."""
     if quantizer.reduces_amax and ctx.amax_group is not None:
         return None  # a kernel encodes with the amax it takes of x in the same pass: none to all-reduce first
-    encoding = quantizer.kernel_encoding(direction)
+    encoding = _encoding(ext, quantizer, direction)
     if encoding is None:
         return None
     scale = None
-    if encoding.delayed_scaling:
+    if encoding.described.delayed_scaling:
         scale = ctx.scale
         if scale is None or scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
             return None  # the reference raises the error, or handles the odd scale
         scale = scale.contiguous()
-    host_key = encoding.stochastic_rounding and device_rng is None
+    host_key = encoding.described.stochastic_rounding and device_rng is None
     key = sr_key(*ctx.random_stream(), int(direction == COLUMNWISE)) if host_key else 0
-    return _Side(_native_encoding(ext, encoding), key, scale)
+    return _Side(encoding.native, key, scale)
 
 
 def _device_rng(ctx: QuantizeContext, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -261,9 +277,12 @@ def reference_grouped_quantize(
 
 def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: bool) -> Optional[torch.Tensor]:
     ext = _extension(rep.data)
-    encoding = rep.quantizer.kernel_encoding(rep.direction)
-    if ext is None or encoding is None or dtype not in _DTYPES or rep.data.dim() != 2 or rep.data.numel() == 0:
+    if ext is None or dtype not in _DTYPES or rep.data.dim() != 2 or rep.data.numel() == 0:
         return None
+    made = _encoding(ext, rep.quantizer, rep.direction)
+    if made is None:
+        return None
+    encoding = made.described
     rows, cols = rep.data.shape
     amax = None
     if encoding.scaling == "nvfp4":
@@ -302,8 +321,7 @@ def dequantize_for_gemm(rep: Representation, dtype: torch.dtype = torch.bfloat16
     E2M1 codes times their E4M3 block scales, exact in bf16, and the GEMM applies
     alpha = amax_a * amax_b / 2688**2 to the product.
     """
-    encoding = rep.quantizer.kernel_encoding(rep.direction)
-    if not with_global and (encoding is None or encoding.scaling != "nvfp4"):
+    if not with_global and getattr(rep.quantizer.kernel_encoding(rep.direction), "scaling", None) != "nvfp4":
         raise ValueError(f"with_global=False is for NVFP4 representations, not {rep.quantizer}")
     values = _native_dequantize(rep, dtype, with_global)
     if values is not None:
