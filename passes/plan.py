@@ -202,8 +202,6 @@ class Planner:
         slots: dict[QuantizerRole, Quantizer] = {}
         gemms = []
         operand_quantizers: set[Quantizer] = set()
-        for site in attention:
-            gemms.extend(self._plan_attention(site, slots, device, training))
         for site in sites:
             roles = site.roles()
             quantizers = [self.quantizer(role) for role in roles]
@@ -230,6 +228,8 @@ class Planner:
                 a = (f"{roles[ia].tensor_type}.{da}", quantizers[ia].direction_spec(da))
                 b = (f"{roles[ib].tensor_type}.{db}", quantizers[ib].direction_spec(db))
                 gemms.append(self._entry(site, gemm, a, b, selection))
+        for site in attention:
+            gemms.extend(self._plan_attention(site, slots, device, training))
         plan = Plan(
             device=str(device),
             slots=tuple(slots.items()),

@@ -447,3 +447,9 @@ def test_inference_runs_the_forward_products_alone():
         out = graphquant.compile(model, recipe, backend="aot_eager")(x)
     assert [g.gemm for g in plan.gemms if g.module_type == "dpa"] == ["qk", "pv"]
     assert torch.isfinite(out).all()
+
+
+def test_strict_rejects_the_emulated_attention():
+    plan = graphquant.explain(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64), strict=True)
+    rows = [g for g in plan.gemms if g.module_type == "dpa"]
+    assert rows and all(g.bucket == "rejected" and "strict=True rejects emulated attention" in g.reason for g in rows)
