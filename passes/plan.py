@@ -238,7 +238,7 @@ class Planner:
             fast_accumulation=self.recipe.fast_accumulation,
         )
         self._warn_unmatched_names(plan)
-        if gemms and all(q.high_precision for q in operand_quantizers):
+        if gemms and not attention and all(q.high_precision for q in operand_quantizers):
             user_stack.warn(
                 f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
                 "IdentityQuantizer (high precision); check the conditions in the recipe's factory (module_type, "

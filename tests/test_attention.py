@@ -453,3 +453,46 @@ def test_strict_rejects_the_emulated_attention():
     plan = graphquant.explain(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64), strict=True)
     rows = [g for g in plan.gemms if g.module_type == "dpa"]
     assert rows and all(g.bucket == "rejected" and "strict=True rejects emulated attention" in g.reason for g in rows)
+
+
+def fp8_attention_only_factory(role):
+    """Attention as the zoo's validated combination, every GEMM in high precision."""
+    return zoo.fp8_attention_factory(role) if zoo.is_attention(role) else IdentityQuantizer()
+
+
+class EagerAttention(torch.overrides.TorchFunctionMode):
+    """Runs every F.scaled_dot_product_attention as graphquant.ops.attention with one site."""
+
+    def __init__(self, site, states):
+        super().__init__()
+        self.site, self.states = site, states
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return quantized_attention(*args, **(kwargs or {}), site=self.site, states=self.states)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_compiled_graph_runs_the_op_with_the_plan_s_formats_and_state():
+    """Compiled, a model computes what it computes eagerly with the op in place of
+    F.scaled_dot_product_attention, the site's formats the plan's, over three steps in which the
+    delayed-scaling state the compiled model keeps moves as the eager one does."""
+    model = _decoder()
+    eager = copy.deepcopy(model)
+    compiled = graphquant.compile(model, CustomRecipe(fp8_attention_only_factory, fp8_dpa=True), backend="aot_eager")
+    site = AttentionSite(name="attn", call=0, **ZOO)
+    states = _states(ZOO)
+    for step in range(3):
+        x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step))
+        y = compiled(x)
+        y.square().mean().backward()
+        with EagerAttention(site, states):
+            y_eager = eager(x)
+        y_eager.square().mean().backward()
+        torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=lambda m: f"step {step} {name}.grad: {m}")
+    kept = compiled.graphquant.state_dict()
+    for slot, state in zip(("qkv", "s", "do", "dp"), states):
+        if state is not None:
+            torch.testing.assert_close(kept[f"module_type=dpa|tensor_type={slot}|name=attn"], state, rtol=0, atol=0)
