@@ -146,7 +146,7 @@ def _find(
             continue
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        owner, call, module_is_linear = _owner(node, frame)
+        owner, call, module_is_linear = owner_of(node, frame)
         if is_linear and module_is_linear:
             name = owner
         else:
@@ -183,7 +183,7 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
         node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
         return
-    owner, call, _ = _owner(node, frame)
+    owner, call, _ = owner_of(node, frame)
     key = (owner, call, "grouped_linear")
     name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
     functional_index[key] += 1
@@ -268,7 +268,7 @@ def fqn_from_stack_path(path: str) -> str:
     return path.strip(".")
 
 
-def _owner(node: fx.Node, frame: str) -> tuple[str, int, bool]:
+def owner_of(node: fx.Node, frame: str) -> tuple[str, int, bool]:
     """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:

@@ -2,7 +2,8 @@
 
 Expects: nodes annotated by find_gemms and a Plan for them (every slot has a quantizer).
 Guarantees: each such node is replaced by a call of graphquant.ops.functional
-(graphquant.ops.grouped for torch._grouped_mm) whose ``site`` argument (a graphquant.ops.site.Site)
+(graphquant.ops.grouped for torch._grouped_mm, graphquant.ops.attention for an attention site of
+passes.find_attention) whose ``site`` argument (a graphquant.ops.site.Site)
 names the site and spells out the format of input, weight/other and grad_output; slot state
 (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
 returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from graphquant.ops import functional, grouped
+from graphquant.ops import attention, functional, grouped
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
@@ -76,6 +77,9 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             body_state = _body_state(body, node, state)
             _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, False, counter, amax_group)
             continue
+        if "graphquant_attention" in node.meta:
+            _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group)
+            continue
         if "graphquant_site" not in node.meta:
             continue
         site: GemmSite = node.meta["graphquant_site"]
@@ -104,6 +108,23 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group) -> None:
+    """Replace one F.scaled_dot_product_attention with graphquant.ops.attention's, its arguments
+    unchanged and its applied roles' formats and state added."""
+    site = node.meta["graphquant_attention"]
+    roles = [site.role(slot) for slot in attention.SLOTS]
+    formats = {slot: plan.quantizer(role).spec for slot, role in zip(attention.SLOTS, roles)}
+    carried = attention.AttentionSite(name=site.name, call=site.call, **formats, amax_group=amax_group)
+    states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
+    with graph.inserting_before(node):
+        replacement = graph.call_function(
+            attention.quantized_attention, node.args, {**node.kwargs, "site": carried, "states": states}
+        )
+    replacement.meta.update(node.meta)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
 
 
 def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[object], fx.Node]) -> Callable[[object], fx.Node]:

@@ -18,6 +18,12 @@ from graphquant.quantizers import Quantizer
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
 
 
+def rebuilding_repr(value: object) -> str:
+    """The call that rebuilds the dataclass ``value``, fields at their defaults left out."""
+    given = [f for f in dataclasses.fields(value) if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default]
+    return f"{type(value).__name__}({', '.join(f'{f.name}={getattr(value, f.name)!r}' for f in given)})"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Site:
     """One GEMM call: its owner, the format of each operand by role, and how it runs.
@@ -48,9 +54,7 @@ class Site:
             )
 
     def __repr__(self) -> str:
-        """The call that rebuilds this Site, fields at their defaults left out."""
-        given = [f for f in dataclasses.fields(self) if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]
-        return f"Site({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in given)})"
+        return rebuilding_repr(self)
 
     @property
     def label(self) -> str:
