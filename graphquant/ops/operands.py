@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from graphquant.ops.site import Site
+
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
@@ -21,11 +23,14 @@ class Operand:
 
 
 def gemm(
-    a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast: bool = False
+    site: Site, which: str, a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """graphquant::gemm of two operands: (batch, m, n), a @ b^T per group (+ bias, one group)."""
+    """graphquant::gemm of two operands, ``which`` GEMM of ``site`` ("fprop", "dgrad" or "wgrad") on
+    the backend its plan chose: (batch, m, n), a @ b^T per group (+ bias, one group)."""
+    backend = site.backend(which)
     return torch.ops.graphquant.gemm(
-        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias, fast
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype,
+        backend.name, backend.fast_accumulation, f"{site.label} {which}", bias,
     )
 
 
