@@ -135,7 +135,10 @@ class TestDumps(expecttest.TestCase):
         """On a Hopper (capability faked; the emulated GEMM stands in for cuBLASLt on this CPU), each
         call's backend sums in the accumulator where the recipe says so, and the plan says the same."""
         fast = GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True)
-        stand_in = lambda backend, a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0]  # noqa: E731
+
+        def stand_in(backend, a, b, out_dtype, bias=None):
+            return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
         backends.select.cache_clear()
         with mock.patch.object(backends, "capability", lambda device: (9, 0)), mock.patch.object(scaled_mm, "run", stand_in):
             everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
