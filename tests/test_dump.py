@@ -139,13 +139,15 @@ class TestDumps(expecttest.TestCase):
         def stand_in(backend, a, b, out_dtype, bias=None):
             return emulation.gemm(a, b, 1, out_dtype, bias)[0]
 
-        backends.select.cache_clear()
-        with mock.patch.object(backends, "capability", lambda device: (9, 0)), mock.patch.object(scaled_mm, "run", stand_in):
-            everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
-            files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
-            torch._dynamo.reset()
-            default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only
-        backends.select.cache_clear()
+        backends.clear_caches()
+        try:
+            with mock.patch.object(backends, "capability", lambda device: (9, 0)), mock.patch.object(scaled_mm, "run", stand_in):
+                everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
+                files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
+                torch._dynamo.reset()
+                default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only
+        finally:
+            backends.clear_caches()
         self.assertEqual(files["graph_000_rewritten.py"].count(repr(fast)), 6)
         plan = Plan.from_json(files["graph_000_plan.json"])
         self.assertEqual(plan.fast_accumulation, ("fprop", "dgrad", "wgrad"))

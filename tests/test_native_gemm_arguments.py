@@ -194,11 +194,11 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
         monkeypatch.setattr(native, "extension", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
-        backends.select.cache_clear()
+        backends.clear_caches()
         return calls
 
     yield start
-    backends.select.cache_clear()
+    backends.clear_caches()
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=list(RECIPES))

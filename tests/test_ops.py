@@ -243,6 +243,7 @@ def test_each_gemm_gets_its_own_backend_from_the_site(monkeypatch):
     """fprop, wgrad and dgrad (the backward runs wgrad first) each pass their own backend to the
     GEMM op, and it runs that one (on a faked Hopper, the emulated GEMM standing in for cuBLASLt)."""
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    backends.clear_caches()
     ran = []
 
     def stand_in(backend, a, b, out_dtype, bias=None):
@@ -254,8 +255,11 @@ def test_each_gemm_gets_its_own_backend_from_the_site(monkeypatch):
     spec = Float8CurrentScalingQuantizer().spec
     fprop, dgrad = GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True), GemmBackend(scaled_mm.TENSORWISE)
     site = Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=fprop, dgrad=dgrad, wgrad=EMULATED["wgrad"])
-    with _OpCalls() as mode:
-        quantized_linear(x, w, None, site=site).sum().backward()
+    try:
+        with _OpCalls() as mode:
+            quantized_linear(x, w, None, site=site).sum().backward()
+    finally:
+        backends.clear_caches()
     names = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments]
     fields = [names.index("backend"), names.index("fast_accumulation"), names.index("site")]
     calls = [tuple(args[i] for i in fields) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]

@@ -71,6 +71,13 @@ class GemmBackend:
         return f"GemmBackend({self.name!r}{', fast_accumulation=True' if self.fast_accumulation else ''})"
 
 
+@functools.lru_cache(maxsize=None)
+def named(name: str, fast_accumulation: bool) -> GemmBackend:
+    """The GemmBackend that a GEMM op's arguments name, made once per value: its checks would
+    otherwise be host time on every GEMM call."""
+    return GemmBackend(name, fast_accumulation)
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """How one GEMM will run: its bucket, its backend, and why when it is not native."""
@@ -227,13 +234,24 @@ class GemmMismatch(RuntimeError):
 
 
 @functools.lru_cache(maxsize=4096)
-def _refusal(native: NativeGemm, a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, sm: Optional[tuple[int, int]]) -> str:
-    """Why ``native`` cannot multiply the pair on compute capability ``sm``, or ""."""
+def _refusal(
+    native: NativeGemm, a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, dims: tuple, batch: int
+) -> str:
+    """Why ``native`` cannot multiply the pair on ``device`` as ``batch`` products of ``dims``, or
+    "" where it can; cached, as select's choices are, so that a GEMM call pays one lookup."""
+    sm = capability(device)
     if sm is None or not native.runs_on(sm):
-        return f"it does not run on {'this device' if sm is None else f'sm_{sm[0]}{sm[1]}'}"
+        return f"it does not run on {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
     if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
-    return ""
+    return native.misfit(dims, batch)
+
+
+def clear_caches() -> None:
+    """Forget what was worked out per device (select's choices, gemm's checks), for a test that
+    fakes a compute capability."""
+    select.cache_clear()
+    _refusal.cache_clear()
 
 
 def gemm(
@@ -261,8 +279,7 @@ def gemm(
             raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
         return emulation.gemm(a, b, batch, out_dtype, bias)
     dims = gemm_dims(a, b, batch)
-    refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, capability(a.data.device))
-    refusal = refusal or native.misfit(dims, batch)
+    refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
     if refusal:
         raise GemmMismatch(
             f"{site}: its plan chose {backend}, which cannot run this call ({batch} x (m, n, k) = {dims}, "

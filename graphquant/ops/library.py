@@ -148,7 +148,7 @@ def gemm(
     """
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
-    return backends.gemm(rep_a, rep_b, batch, out_dtype, backends.GemmBackend(backend, fast_accumulation), site, bias)
+    return backends.gemm(rep_a, rep_b, batch, out_dtype, backends.named(backend, fast_accumulation), site, bias)
 
 
 @registry.fake("gemm")
