@@ -10,9 +10,8 @@ the sizes of one call.
 
 import pytest
 import torch
-import torch.nn.functional as F
 from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
-from torch import nn
+from test_native_gemm_arguments import Model  # two linears and a matmul of activations, dims of 128 or 256
 
 import graphquant
 from graphquant import recipes, zoo
@@ -32,18 +31,6 @@ RECIPE_OF = {
 }
 CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
 EMULATED_RUN = "emulation.gemm"
-
-
-class Model(nn.Module):
-    """fc1 (bias) -> gelu -> fc2, then a matmul of two activations (a site with no parameter)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(128, 256)
-        self.fc2 = nn.Linear(256, 128, bias=False)
-
-    def forward(self, x):
-        return torch.mm(self.fc2(F.gelu(self.fc1(x))), x.t())
 
 
 @pytest.fixture
