@@ -8,6 +8,8 @@ is the plan's, with static shapes and with symbolic ones whose alignment the pla
 the sizes of one call.
 """
 
+import copy
+
 import pytest
 import torch
 from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
@@ -47,11 +49,11 @@ def fake_capability(monkeypatch):
 
 
 @pytest.fixture
-def runs(monkeypatch, fake_capability):
-    """runs(sm): fakes compute capability sm; gives the dict that each GEMM call adds its
-    "site gemm" label to, with the backend that ran it (a native GemmBackend, or EMULATED_RUN)."""
+def runs(monkeypatch):
+    """The dict that each GEMM call adds its "site gemm" label to, with the backend that ran it (a
+    native GemmBackend, or EMULATED_RUN); on the CPU the emulated GEMM stands in for a native one."""
     ran, current = {}, []
-    dispatch, emulated = backends.gemm, emulation.gemm
+    dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         current.append(site)
@@ -66,20 +68,38 @@ def runs(monkeypatch, fake_capability):
 
     def native_run(backend, a, b, out_dtype, bias=None):
         record(backend)
-        return emulated(a, b, 1, out_dtype, bias)[0]
+        return native(backend, a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
 
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
 
-    def start(sm):
-        fake_capability(sm)
-        monkeypatch.setattr(backends, "gemm", gemm)
-        monkeypatch.setattr(scaled_mm, "run", native_run)
-        monkeypatch.setattr(emulation, "gemm", emulated_run)
-        return ran
+    monkeypatch.setattr(backends, "gemm", gemm)
+    monkeypatch.setattr(scaled_mm, "run", native_run)
+    monkeypatch.setattr(emulation, "gemm", emulated_run)
+    return ran
 
-    return start
+
+def _train_steps_run_as_planned(model, recipe, ran, device, backend):
+    """One training step of ``model`` at 128 rows, then at 160 (which fits GEMMs that need
+    multiples of 16, not those of 128, and tiles every format's blocks), with static shapes (a
+    graph each) and with symbolic ones (dynamic=True): every GEMM runs on its plan's backend.
+    Gives the plan of the 128-row step."""
+    plans = []
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = graphquant.compile(copy.deepcopy(model), recipe, backend=backend, dynamic=dynamic)
+        for rows in (128, 160):
+            ran.clear()
+            x = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+            compiled(x).float().square().mean().backward()
+            plan = compiled.graphquant.plan  # the latest graph's: the one this step ran
+            planned = {f"{g.site} {g.gemm}": g.backend if g.backend.native else EMULATED_RUN for g in plan.gemms}
+            assert ran == planned, f"dynamic={dynamic}, {rows} rows: plan and run disagree\n{plan}"
+            assert {g.bucket for g in plan.gemms} <= {backends.NATIVE, backends.EMULATED}
+        plans.append(compiled.graphquant.plans[0])
+    assert plans[0].gemms == plans[1].gemms
+    return plans[0]
 
 
 def test_every_native_gemm_has_a_recipe_here():
@@ -88,30 +108,29 @@ def test_every_native_gemm_has_a_recipe_here():
 
 @pytest.mark.parametrize("sm", CAPABILITIES, ids=["cpu" if sm is None else f"sm{sm[0]}{sm[1]}" for sm in CAPABILITIES])
 @pytest.mark.parametrize("native", list(RECIPE_OF), ids=[name.replace(" ", "_") for name in RECIPE_OF])
-def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, native, sm):
-    """Static shapes (128 and 160 rows, a graph each) and symbolic ones (dynamic=True: 128 rows,
-    then 160, which fits 16- but not 128-multiple GEMMs); 160 tiles every format's blocks."""
-    ran = runs(sm)
-    for dynamic in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = graphquant.compile(Model().to(torch.bfloat16), RECIPE_OF[native], backend="eager", dynamic=dynamic)
-        for rows in (128, 160):
-            ran.clear()
-            compiled(torch.randn(rows, 128, dtype=torch.bfloat16, requires_grad=True)).float().square().mean().backward()
-            plan = compiled.graphquant.plan
-            planned = {f"{g.site} {g.gemm}": g.backend if g.backend.native else EMULATED_RUN for g in plan.gemms}
-            assert ran == planned, f"dynamic={dynamic}, {rows} rows: plan and run disagree\n{plan}"
-            assert {g.bucket for g in plan.gemms} <= {backends.NATIVE, backends.EMULATED}
-        # Where the capability has the native GEMM, the aligned shapes ran on it.
-        runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
-        assert (native in {g.backend.name for g in compiled.graphquant.plans[0].gemms}) == runs_here
+def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, native, sm):
+    fake_capability(sm)
+    torch.manual_seed(0)
+    plan = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager")
+    # Where the capability has the native GEMM, the aligned shapes ran on it.
+    runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
+    assert (native in {g.backend.name for g in plan.gemms}) == runs_here
 
 
-def test_strict_rejects_a_native_gemm_that_symbolic_sizes_misalign(runs):
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE], ids=["tensorwise", "blockwise"])
+def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
+    """The same on the GPU, through aot_autograd, with the native GEMMs themselves."""
+    torch.manual_seed(0)
+    plan = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager")
+    sm = torch.cuda.get_device_capability()
+    assert (native in {g.backend.name for g in plan.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
+
+
+def test_strict_rejects_a_native_gemm_that_symbolic_sizes_misalign(fake_capability):
     """Under dynamic shapes the plan tests the alignment on the symbols, so strict=True sees the
     emulated GEMM instead of planning a native one that would not run."""
-    runs((10, 0))
+    fake_capability((10, 0))
     compiled = graphquant.compile(Model(), recipes.mxfp8_block_scaling(), backend="eager", dynamic=True, strict=True)
     with pytest.raises(graphquant.PlanError, match=r"fc1#0 \(linear\) fprop: .*strict=True .*needs m, n, k multiples of 128"):
         compiled(torch.randn(160, 128))
