@@ -170,8 +170,8 @@ def _high_precision_gemm(gemm: RecordedGemm) -> torch.Tensor:
     a, b = gemm.a_operand.direction, gemm.b_operand.direction
     hp_a = quantize_tensor(gemm.a, IdentityQuantizer(), (a,), state)[0][a]
     hp_b = quantize_tensor(gemm.b, IdentityQuantizer(), (b,), state)[0][b]
-    site = dataclasses.replace(gemm.site, **{gemm.gemm: GemmBackend(HIGH_PRECISION)})
-    return operand_gemm(site, gemm.gemm, hp_a, hp_b, gemm.batch, gemm.out.dtype, gemm.bias)
+    where = f"{gemm.site.label} {gemm.gemm}"
+    return operand_gemm(hp_a, hp_b, gemm.batch, gemm.out.dtype, GemmBackend(HIGH_PRECISION), where, gemm.bias)
 
 
 def _sqnr_db(signal: float, noise: float) -> float:

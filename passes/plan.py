@@ -274,7 +274,9 @@ class Planner:
         selection = attention.select(device)
         if self.strict and selection.bucket == backends.EMULATED:
             selection = backends.Selection(
-                backends.REJECTED, "none", f"strict=True rejects emulated attention ({selection.reason}); compile without strict"
+                backends.REJECTED,
+                selection.backend,
+                f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
             )
         operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
         return [self._entry(site, gemm, operand(*a), operand(*b), selection) for gemm, a, b in site.products(training)]

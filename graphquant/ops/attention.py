@@ -44,7 +44,8 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 NO_STATES = (None, None, None, None)
-EMULATION = "attention emulation"
+# The backend of every product of the emulation, as the plan lists it and the products run it.
+EMULATED_PRODUCT = backends.GemmBackend(backends.EMULATION)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +74,7 @@ class AttentionSite:
 
 def select(device: torch.device) -> backends.Selection:
     """How attention runs on ``device``: emulated everywhere, until a kernel runs it natively."""
-    return backends.Selection(backends.EMULATED, EMULATION, "no FP8 attention kernel yet: S and P materialised")
+    return backends.Selection(backends.EMULATED, EMULATED_PRODUCT, "no FP8 attention kernel yet: S and P materialised")
 
 
 def quantized_attention(
@@ -211,7 +212,7 @@ def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, d
 
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
     """(batch, m, n) = a @ b^T per head in fp32, reported to a listening recorder (graphquant.numerics)."""
-    out = gemm(a_operand, b_operand, batch, torch.float32)
+    out = gemm(a_operand, b_operand, batch, torch.float32, EMULATED_PRODUCT, f"{site.label} {name}")
     recording.record(site, name, batch, a, a_operand, b, b_operand, None, out)
     return out
 

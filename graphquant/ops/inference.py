@@ -30,4 +30,4 @@ def inference_product(
     update_delayed_scaling(x_quantizer, x_state, xq)
     update_delayed_scaling(w_quantizer, w_state, wq)
     bias = None if bias is None else bias.detach()
-    return gemm(site, "fprop", xq[ROWWISE], wq[ROWWISE], 1, torch.promote_types(x2d.dtype, w.dtype), bias)
+    return gemm(xq[ROWWISE], wq[ROWWISE], 1, torch.promote_types(x2d.dtype, w.dtype), *site.runs("fprop"), bias)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.ops.site import Site
+from graphquant.kernels.backends import GemmBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,14 +23,19 @@ class Operand:
 
 
 def gemm(
-    site: Site, which: str, a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+    a: Operand,
+    b: Operand,
+    batch: int,
+    out_dtype: torch.dtype,
+    backend: GemmBackend,
+    site: str,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """graphquant::gemm of two operands, ``which`` GEMM of ``site`` ("fprop", "dgrad" or "wgrad") on
-    the backend its plan chose: (batch, m, n), a @ b^T per group (+ bias, one group)."""
-    backend = site.backend(which)
+    """graphquant::gemm of two operands on ``backend``, the plan's choice for the GEMM ``site``
+    names ("fc1#0 dgrad"): (batch, m, n), a @ b^T per group (+ bias, one group)."""
     return torch.ops.graphquant.gemm(
         a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype,
-        backend.name, backend.fast_accumulation, f"{site.label} {which}", bias,
+        backend.name, backend.fast_accumulation, site, bias,
     )
 
 

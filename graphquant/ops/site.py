@@ -69,12 +69,13 @@ class Site:
         w = self.weight if self.weight is not None else self.other
         return quantizer_of(self.input), quantizer_of(w), quantizer_of(self.grad_output)
 
-    def backend(self, gemm: str) -> GemmBackend:
-        """The backend the plan chose for ``gemm`` ("fprop", "dgrad", "wgrad")."""
+    def runs(self, gemm: str) -> tuple[GemmBackend, str]:
+        """(the backend the plan chose for ``gemm`` ("fprop", "dgrad", "wgrad"), the GEMM's name in
+        errors): what graphquant.ops.operands.gemm takes after its operands."""
         backend = getattr(self, gemm)
         if backend is None:
             raise RuntimeError(f"GEMM site {self.label} has no {gemm} backend: its graph was planned without backward")
-        return backend
+        return backend, f"{self.label} {gemm}"
 
 
 # FX writes an argument it has no rule for as its repr, so the names the repr uses must be in the
