@@ -10,6 +10,7 @@ state_dict=...)`` builds a frozen model from one without quantizing anything.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Mapping, Optional
 
 import torch
@@ -98,7 +99,7 @@ class FrozenLinear(nn.Module):
         saved = state_dict.get(prefix + "_extra_state")
         if saved is not None and saved != self.get_extra_state():
             return (f"the checkpoint's {prefix[:-1]} is {saved.get('format')} of a {saved.get('dtype')} weight of shape "
-                    f"{tuple(saved.get('shape', ()))}: load a checkpoint frozen under this recipe from this model")
+                    f"{tuple(saved.get('shape', ()))}: load a checkpoint of this model frozen under this recipe")
         for part in PARTS:
             key, mine = prefix + "weight_" + part, getattr(self, "weight_" + part)
             theirs = state_dict.get(key)
@@ -149,7 +150,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is not None:
         state = dict(state_dict)
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
-        root.load_state_dict(state, assign=any(t.is_meta for t in root.state_dict().values()))
+        root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
     return model
 
 
