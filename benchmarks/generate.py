@@ -81,7 +81,7 @@ def configs(requested: list[str] | None, device: torch.device) -> list[str]:
     unknown = sorted(set(requested or ()) - set(names))
     if unknown:
         raise SystemExit(f"unknown or unavailable configs {unknown}; available here: {', '.join(names)}")
-    return [n for n in names if requested is None or n in requested]
+    return names if requested is None else requested
 
 
 def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool) -> torch.nn.Module:
@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 64; 8 with --tiny)")
-    parser.add_argument("--configs", default=None, help="comma-separated configuration names (default: all available)")
+    parser.add_argument("--configs", default=None, help="comma-separated configuration names, built in this order (default: all available)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: configurations not built when this much time has passed are left out, so that a run "
+                             "with a time limit still ends with its table")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -180,7 +183,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
 
     models, generations, first, tokens, weights = {}, {}, {}, {}, {}
-    for name in names:
+    start = time.perf_counter()
+    for name in list(names):
+        if args.budget is not None and time.perf_counter() - start > args.budget:
+            print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
+            names.remove(name)
+            continue
         models[name] = build(name, base, device, args.cudagraphs)
         weights[name] = weight_gib(models[name])
         for b in batches:
