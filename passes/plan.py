@@ -18,7 +18,7 @@ from tabulate import tabulate
 
 from graphquant import recipes, user_stack
 from graphquant.kernels import backends
-from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -223,7 +223,7 @@ class Planner:
                     gemm=gemm,
                     a=f"{roles[ia].tensor_type}.{da}",
                     a_format=quantizers[ia].direction_spec(da),
-                    b=f"{roles[ib].tensor_type}.{db}",
+                    b=f"{roles[ib].tensor_type}.{db}" + (" (frozen)" if site.form == FROZEN else ""),
                     b_format=quantizers[ib].direction_spec(db),
                     bucket=selection.bucket,
                     backend=selection.backend,

@@ -11,6 +11,7 @@ import models
 import pytest
 import torch
 from reference import fresh_dynamo  # noqa: F401
+from test_compile_inference import KeepGraphs
 
 import graphquant
 from graphquant import recipes, zoo
@@ -23,24 +24,6 @@ FAMILIES = {
     "mxfp8": recipes.mxfp8_block_scaling,
     "nvfp4": recipes.nvfp4_block_scaling,
 }
-
-
-class KeepGraphs:
-    """An aot_autograd backend that keeps each forward graph it compiles."""
-
-    def __init__(self):
-        self.graphs = []
-
-    @property
-    def backend(self):
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        def compiler(gm, example_inputs):
-            self.graphs.append(gm)
-            return make_boxed_func(gm.forward)
-
-        return aot_autograd(fw_compiler=compiler)
 
 
 def quantize_calls(gm):
@@ -85,7 +68,7 @@ def test_frozen_model_computes_the_per_call_bits_from_stored_weights(family):
     if family == "tensorwise":  # a per-tensor FP8 weight's quantize is a graphquant::quantize call, its input's traced
         assert [quantize_calls(g) for g in keep.graphs] == [2, 0]
     plan = compiled.graphquant.plan
-    assert [(g.site, g.gemm) for g in plan.gemms] == [("fc1#0", "fprop"), ("fc2#0", "fprop")]
+    assert [(g.site, g.gemm, g.b) for g in plan.gemms] == [("fc1#0", "fprop", "weight.rowwise (frozen)"), ("fc2#0", "fprop", "weight.rowwise (frozen)")]
 
 
 @pytest.mark.gpu
