@@ -86,8 +86,9 @@ def test_frozen_model_computes_the_per_call_bits_with_inductor_on_cuda(family):
     assert all(torch.equal(a, b) for a, b in zip(per_call, frozen))
 
 
-def test_frozen_graph_never_quantizes_a_weight(monkeypatch):
-    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_graph_never_quantizes_a_weight(family, monkeypatch):
+    compiled = inference_model(mlp(), FAMILIES[family]())
     graphquant.freeze(compiled)
     never_quantize_a_weight(monkeypatch)
     with torch.no_grad():
