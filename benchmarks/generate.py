@@ -1,7 +1,7 @@
 """Greedy generation with a static KV cache: tokens per second, weight memory and first-call time.
 
     python benchmarks/generate.py [--tiny] [--layers 4] [--batch 1,16] [--prompt 16] [--new-tokens 64]
-                                  [--configs NAME,...] [--rounds 3] [--cudagraphs]
+                                  [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
 
 A Llama-architecture model built from a transformers LlamaConfig with random weights (Llama-3-8B
 dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256; ``--layers`` decoder
@@ -20,8 +20,10 @@ tokens/s counts the generated tokens of the whole batch. "first gen s" is the fi
 that batch size (its compiles included). "weights GiB" counts every parameter and buffer of the
 model (embedding and norms included; a tensor subclass by its inner tensors), the KV cache not.
 "= per-call" says whether a frozen configuration generated the very tokens its per-call one did.
-On the CPU every configuration compiles with aot_eager (no Inductor build) and times are only a
-smoke test.
+Each configuration compiles a graph per shape: the prefill and the decode step at each batch size,
+one graph per batch size with ``--prompt 1``. A configuration that fails is listed under the table
+and the others still run; ``--budget`` leaves out those not built by then. On the CPU every
+configuration compiles with aot_eager (no Inductor build) and times are only a smoke test.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import itertools
 import statistics
 import sys
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -144,6 +147,19 @@ class Generation:
         return torch.cat(tokens, dim=1)
 
 
+class Run:
+    """One configuration's model, warmed up: per batch size its Generation, the seconds and tokens
+    of its first generation (compiles included); and its weight GiB."""
+
+    def __init__(self, model: torch.nn.Module, prompts: dict[int, torch.Tensor], new_tokens: int, device: torch.device) -> None:
+        self.weight_gib = weight_gib(model)
+        self.generations, self.first, self.tokens = {}, {}, {}
+        for b, prompt in prompts.items():
+            self.generations[b] = Generation(model, prompt, new_tokens)
+            self.first[b], self.tokens[b] = seconds(self.generations[b], device)
+            self.generations[b]()  # a second warm-up: CUDA graphs record on the first replays
+
+
 def seconds(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
     """Wall-clock seconds of one call of ``fn`` with the device drained around it, and its result."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -182,38 +198,40 @@ def main(argv: list[str] | None = None) -> None:
           f"on {device}, {args.prompt}-token prompt, {args.new_tokens} new tokens, batches {batches}, {args.rounds} rounds"
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
 
-    models, generations, first, tokens, weights = {}, {}, {}, {}, {}
+    runs: dict[str, Run] = {}
+    failed: dict[str, str] = {}
     start = time.perf_counter()
-    for name in list(names):
+    for name in names:
         if args.budget is not None and time.perf_counter() - start > args.budget:
             print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
-            names.remove(name)
             continue
-        models[name] = build(name, base, device, args.cudagraphs)
-        weights[name] = weight_gib(models[name])
-        for b in batches:
-            generations[name, b] = Generation(models[name], prompts[b], args.new_tokens)
-            first[name, b], tokens[name, b] = seconds(generations[name, b], device)
-            generations[name, b]()  # a second warm-up: CUDA graphs record on the first replays
-        print(f"  {name}: first generations {', '.join(f'{first[name, b]:.1f} s' for b in batches)}", flush=True)
+        try:
+            runs[name] = Run(build(name, base, device, args.cudagraphs), prompts, args.new_tokens, device)
+        except Exception as error:  # one configuration's failure leaves the others' numbers, and is listed
+            failed[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+            print(f"  {name}: FAILED {failed[name]}", flush=True)
+            traceback.print_exc()
+            continue
+        print(f"  {name}: first generations {', '.join(f'{s:.1f} s' for s in runs[name].first.values())}", flush=True)
     del base
 
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in generations}
+    samples: dict[tuple[str, int], list[float]] = {(name, b): [] for name in runs for b in batches}
     for r in range(args.rounds):
-        for name in turns(names, r):
+        for name in turns(list(runs), r):
             for b in batches:
-                samples[name, b].append(seconds(generations[name, b], device)[0])
+                samples[name, b].append(seconds(runs[name].generations[b], device)[0])
 
     rows = []
-    for name in names:
-        per_call = name.removesuffix(FROZEN)
-        same = "" if not name.endswith(FROZEN) or per_call not in names else (
-            "yes" if all(torch.equal(tokens[name, b], tokens[per_call, b]) for b in batches) else "NO")
+    for name, run in runs.items():
+        per_call = runs.get(name.removesuffix(FROZEN)) if name.endswith(FROZEN) else None
+        same = "" if per_call is None else "yes" if all(torch.equal(run.tokens[b], per_call.tokens[b]) for b in batches) else "NO"
         rows.append([name, *(args.new_tokens * b / statistics.median(samples[name, b]) for b in batches),
-                     weights[name], *(first[name, b] for b in batches), same])
+                     run.weight_gib, *run.first.values(), same])
     headers = ["config", *(f"tok/s @{b}" for b in batches), "weights GiB", *(f"first gen s @{b}" for b in batches), "= per-call"]
     print()
     print(tabulate(rows, headers=headers, floatfmt=".3g"))
+    for name, why in failed.items():
+        print(f"{name}: failed: {why}")
 
 
 if __name__ == "__main__":
