@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from graphquant.formats import fp8, per_tensor
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
 _NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
@@ -97,6 +97,15 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self.quantize_from_amax(x, self.amax(x, ctx), COLUMNWISE)
 
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding(
+            "tensor",
+            self.fp8_dtype,
+            transposed=self.transposed(direction),
+            amax_epsilon=self.amax_epsilon,
+            pow2_scales=self.force_pow_2_scales,
+        )
+
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
         direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
@@ -148,6 +157,9 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, self._scales(ctx), COLUMNWISE, fp8.tensor_amax(x))
+
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding("tensor", self.fp8_dtype, transposed=self.transposed(direction), delayed_scaling=True)
 
     def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""
