@@ -123,9 +123,7 @@ class Generation:
     """Greedy generation of one model at one batch size on its own StaticCache."""
 
     def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> None:
-        from transformers import StaticCache
-
-        from transformers import LlamaForCausalLM
+        from transformers import LlamaForCausalLM, StaticCache
 
         config = model.config
         self.model, self.prompt, self.new_tokens = model, prompt, new_tokens
