@@ -143,6 +143,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             continue
         quantizer = backend.planner.quantizer(QuantizerRole("linear", "weight", name))
         _check_freezable(name, quantizer)
+        if state_dict is None and linear.weight.is_meta:
+            raise ValueError(f"graphquant.freeze: {name}'s weight is on the meta device, with no values to quantize; pass "
+                             "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
         if state_dict is None:
             root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
         else:

@@ -163,6 +163,10 @@ def test_freeze_refuses_what_it_cannot_freeze():
         graphquant.freeze(mlp())
     with pytest.raises(ValueError, match=r"fc1.s weight format fp8_delayed.*\(delayed scaling\)"):
         graphquant.freeze(inference_model(mlp(), recipes.delayed_scaling()))
+    with torch.device("meta"):
+        skeleton = models.MLP()
+    with pytest.raises(ValueError, match=r"fc1's weight is on the meta device.*state_dict="):
+        graphquant.freeze(inference_model(skeleton, FAMILIES["tensorwise"]()))
     stochastic = graphquant.CustomRecipe(lambda role: graphquant.NVFP4Quantizer(stochastic_rounding=True))
     with pytest.raises(ValueError, match=r"fc1's weight format .*stochastic_rounding=True.* rounds stochastically"):
         graphquant.freeze(inference_model(mlp(), stochastic))
