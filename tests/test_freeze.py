@@ -109,7 +109,7 @@ def test_frozen_weights_take_half_of_bf16_in_fp8_and_under_a_third_in_nvfp4():
     assert 0.28 <= ratios["nvfp4"] <= 0.3, ratios
 
 
-@pytest.mark.parametrize("family", ["tensorwise", "nvfp4"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_frozen_checkpoint_loads_weights_only_without_quantizing(family, tmp_path, monkeypatch):
     compiled = inference_model(mlp(), FAMILIES[family]())
     graphquant.freeze(compiled)
