@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from graphquant.ops import frozen
 from graphquant.passes.einsum import EinsumLayout, einsum_layout
 from graphquant.roles import QuantizerRole
 
@@ -34,6 +35,7 @@ MATMUL = "matmul"  # a @ b: matmul, mm, bmm, operator.matmul
 ADDMM = "addmm"  # beta * c + alpha * (a @ b): addmm, baddbmm
 EINSUM = "einsum"  # einsum with two operands that reduces to a batched matmul
 GROUPED = "grouped"  # torch._grouped_mm(x, w, offs): one x @ w[g] per row group of x
+FROZEN = "frozen"  # graphquant::frozen_linear(x, weight, ...): a linear whose weight is stored quantized
 
 _FUNCTIONS = {
     F.linear: LINEAR,
@@ -44,6 +46,7 @@ _FUNCTIONS = {
     torch.addmm: ADDMM,
     torch.baddbmm: ADDMM,
     torch.einsum: EINSUM,
+    torch.ops.graphquant.frozen_linear.default: FROZEN,
 }
 if hasattr(torch, "_grouped_mm"):
     _FUNCTIONS[torch._grouped_mm] = GROUPED
@@ -135,6 +138,9 @@ def _find(
         if form == GROUPED:
             _find_grouped(node, functional_index, sites, frame)
             continue
+        if form == FROZEN:
+            _find_frozen(node, sites, frame)
+            continue
         operands = _operands(node, form)
         if operands is None:
             node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
@@ -190,6 +196,18 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     experts, k, n = vb.shape
     x_sizes, w_sizes = (1, va.shape[0], k), (experts, n, k)
     site = GemmSite(GROUPED, "grouped_linear", name, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
+    node.meta["graphquant_site"] = site
+    sites.append(site)
+
+
+def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: str) -> None:
+    """Annotate a graphquant::frozen_linear node: a linear site named after the FrozenLinear that
+    called it (graphquant.freeze put it where an nn.Linear was), its weight shape from the op."""
+    x = _value(node.args[0])
+    n, k = node.args[3]
+    owner, call, _ = _owner(node, frame)
+    x_sizes, w_sizes = (1, math.prod(x.shape[:-1]), k), (1, n, k)
+    site = GemmSite(FROZEN, "linear", owner, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
     node.meta["graphquant_site"] = site
     sites.append(site)
 

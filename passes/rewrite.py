@@ -8,7 +8,8 @@ names the site and spells out the format of input, weight/other and grad_output 
 the plan chose for each of its GEMMs; slot state
 (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
 returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
-weight quantized from its current value on every call). An einsum's equation becomes the layout
+weight quantized from its current value on every call); a frozen linear (graphquant.freeze) reads
+its stored quantized weight, which must be in the plan's format. An einsum's equation becomes the layout
 find_gemms worked out for it. Nothing else in the graph changes.
 """
 
@@ -21,8 +22,9 @@ from torch import fx
 
 from graphquant.ops import attention, functional, grouped
 from graphquant.ops.site import Site
-from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
+from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
+from graphquant.quantizers import ROWWISE, Quantizer
 from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
 
@@ -31,6 +33,7 @@ _TARGETS = {
     ADDMM: functional.quantized_addmm,
     EINSUM: functional.quantized_einsum,
     GROUPED: grouped.quantized_grouped_mm,
+    FROZEN: functional.quantized_frozen_linear,
 }
 
 
@@ -88,6 +91,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         index = next(counter)
         roles = site.roles()
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
+        if site.form == FROZEN:
+            _check_frozen_format(node, site, plan.quantizer(roles[1]))
         grouped_site = site.form == GROUPED  # emulated, with no amax reduction (grouped.unsupported)
         carried = Site(
             name=site.name,
@@ -129,6 +134,16 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     graph.erase_node(node)
 
 
+def _check_frozen_format(node: fx.Node, site: GemmSite, quantizer: Quantizer) -> None:
+    """A frozen linear's stored weight must be the one the plan's weight quantizer makes for fprop."""
+    stored, planned = node.args[2], quantizer.child(ROWWISE).spec
+    if stored != planned:
+        raise PlanError(
+            f"{site.label} (linear) weight: stored frozen as {stored}, but the recipe gives this slot {planned} for "
+            "fprop; compile with the recipe the model was frozen under, or freeze its high-precision weights under this one"
+        )
+
+
 def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[object], fx.Node]) -> Callable[[object], fx.Node]:
     """``state`` for a body: each state becomes one more placeholder of the body and one more
     argument of the higher-order op ``call`` that passes the outer graph's node for it."""
@@ -160,6 +175,9 @@ def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
         weight = kwargs.pop("weight", None) or args[1]
         bias: Optional[object] = kwargs.pop("bias", args[2] if len(args) > 2 else None)
         return (args[0], weight, bias), {}
+    if site.form == FROZEN:
+        x, weight, _, shape, dtype, bias, _ = node.args
+        return (x, weight, shape, dtype, bias), {}
     if site.form == ADDMM:
         beta = kwargs.pop("beta", 1)
         alpha = kwargs.pop("alpha", 1)
