@@ -35,6 +35,7 @@ REJECTED = "rejected"
 
 HIGH_PRECISION = "high-precision matmul"
 EMULATION = "dequantize + high-precision matmul"
+ATTENTION_EMULATION = "attention emulation"  # FP8 attention, S and P materialised: its products on the emulated GEMM
 NONE = "none"  # a rejected GEMM's: it must not run
 
 
@@ -42,9 +43,10 @@ NONE = "none"  # a rejected GEMM's: it must not run
 class GemmBackend:
     """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
 
-    name: a native GEMM's (NATIVE_GEMMS), HIGH_PRECISION or EMULATION (both run the emulated
-    GEMM, which takes high-precision operands as they are), or NONE. fast_accumulation: the
-    product sums in the tensor cores' accumulator, which only some native GEMMs offer.
+    name: a native GEMM's (NATIVE_GEMMS); HIGH_PRECISION, EMULATION or ATTENTION_EMULATION, which all
+    run the emulated GEMM (it takes high-precision operands as they are); or NONE.
+    fast_accumulation: the product sums in the tensor cores' accumulator, which only some native
+    GEMMs offer.
     """
 
     name: str
@@ -52,8 +54,8 @@ class GemmBackend:
 
     def __post_init__(self) -> None:
         native = NATIVE_BY_NAME.get(self.name)
-        if native is None and self.name not in (HIGH_PRECISION, EMULATION, NONE):
-            names = ", ".join(map(repr, [*NATIVE_BY_NAME, HIGH_PRECISION, EMULATION, NONE]))
+        if native is None and self.name not in (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION, NONE):
+            names = ", ".join(map(repr, [*NATIVE_BY_NAME, HIGH_PRECISION, EMULATION, ATTENTION_EMULATION, NONE]))
             raise ValueError(f"unknown GEMM backend {self.name!r}; one of {names}")
         if self.fast_accumulation and not (native and native.fast_accumulation):
             raise ValueError(f"the GEMM backend {self.name!r} has no fast accumulation")
@@ -287,3 +289,8 @@ def gemm(
             f"{a.data.device}): {refusal}; the plan was made for other shapes or another device"
         )
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
+
+
+def select_attention(device: torch.device) -> Selection:
+    """How FP8 attention runs on ``device``: emulated everywhere until a kernel runs it natively."""
+    return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), "no FP8 attention kernel yet: S and P materialised")

@@ -44,8 +44,6 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 NO_STATES = (None, None, None, None)
-# The backend of every product of the emulation, as the plan lists it and the products run it.
-EMULATED_PRODUCT = backends.GemmBackend(backends.EMULATION)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,11 +68,6 @@ class AttentionSite:
 
     def quantizer(self, slot: str) -> Quantizer:
         return quantizer_of(getattr(self, slot))
-
-
-def select(device: torch.device) -> backends.Selection:
-    """How attention runs on ``device``: emulated everywhere, until a kernel runs it natively."""
-    return backends.Selection(backends.EMULATED, EMULATED_PRODUCT, "no FP8 attention kernel yet: S and P materialised")
 
 
 def quantized_attention(
@@ -210,9 +203,13 @@ def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, d
     return dq, dk, dv
 
 
+# The only attention backend (backends.select_attention), whose products run on the emulated GEMM.
+_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
+
+
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
     """(batch, m, n) = a @ b^T per head in fp32, reported to a listening recorder (graphquant.numerics)."""
-    out = gemm(a_operand, b_operand, batch, torch.float32, EMULATED_PRODUCT, f"{site.label} {name}")
+    out = gemm(a_operand, b_operand, batch, torch.float32, _EMULATED, f"{site.label} {name}")
     recording.record(site, name, batch, a, a_operand, b, b_operand, None, out)
     return out
 
