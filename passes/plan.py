@@ -18,7 +18,6 @@ from tabulate import tabulate
 
 from graphquant import recipes, user_stack
 from graphquant.kernels import backends
-from graphquant.ops import attention
 from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -266,7 +265,7 @@ class Planner:
                     self._check_tiling(quantizers[tensor], direction, batch, shape)
                 except ValueError as error:
                     raise PlanError(f"{site.label} (dpa) {tensor} ({slot}): {error}") from None
-        selection = attention.select(device)
+        selection = backends.select_attention(device)
         if self.strict and selection.bucket == backends.EMULATED:
             selection = backends.Selection(
                 backends.REJECTED, "none", f"strict=True rejects emulated attention ({selection.reason}); compile without strict"

@@ -34,6 +34,7 @@ REJECTED = "rejected"
 
 HIGH_PRECISION = "high-precision matmul"
 EMULATION = "dequantize + high-precision matmul"
+ATTENTION_EMULATION = "attention emulation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,3 +175,8 @@ def gemm(
     if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
         return scaled_mm.run(selection.backend, a, b, out_dtype, bias).unsqueeze(0)
     return emulation.gemm(a, b, batch, out_dtype, bias)
+
+
+def select_attention(device: torch.device) -> Selection:
+    """How FP8 attention runs on ``device``: emulated everywhere until a kernel runs it natively."""
+    return Selection(EMULATED, ATTENTION_EMULATION, "no FP8 attention kernel yet: S and P materialised")

@@ -44,7 +44,6 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 NO_STATES = (None, None, None, None)
-EMULATION = "attention emulation"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,11 +68,6 @@ class AttentionSite:
 
     def quantizer(self, slot: str) -> Quantizer:
         return quantizer_of(getattr(self, slot))
-
-
-def select(device: torch.device) -> backends.Selection:
-    """How attention runs on ``device``: emulated everywhere, until a kernel runs it natively."""
-    return backends.Selection(backends.EMULATED, EMULATION, "no FP8 attention kernel yet: S and P materialised")
 
 
 def quantized_attention(
