@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.ops import frozen
 from graphquant.passes.einsum import EinsumLayout, einsum_layout
 from graphquant.roles import QuantizerRole
 
@@ -46,7 +45,6 @@ _FUNCTIONS = {
     torch.addmm: ADDMM,
     torch.baddbmm: ADDMM,
     torch.einsum: EINSUM,
-    torch.ops.graphquant.frozen_linear.default: FROZEN,
 }
 if hasattr(torch, "_grouped_mm"):
     _FUNCTIONS[torch._grouped_mm] = GROUPED
@@ -205,15 +203,21 @@ def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: str) -> None:
     called it (graphquant.freeze put it where an nn.Linear was), its weight shape from the op."""
     x = _value(node.args[0])
     n, k = node.args[3]
-    owner, call, _ = _owner(node, frame)
+    owner, call, _ = owner_of(node, frame)
     x_sizes, w_sizes = (1, math.prod(x.shape[:-1]), k), (1, n, k)
     site = GemmSite(FROZEN, "linear", owner, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
     node.meta["graphquant_site"] = site
     sites.append(site)
 
 
+# By name: graphquant.ops.frozen registers the op, and this pass only reads graphs (imports no ops).
+_FROZEN_OP = "graphquant::frozen_linear"
+
+
 def _form(node: fx.Node) -> Optional[str]:
     if node.op == "call_function":
+        if getattr(getattr(node.target, "_schema", None), "name", None) == _FROZEN_OP:
+            return FROZEN
         return _FUNCTIONS.get(node.target)
     if node.op == "call_method":
         return _METHODS.get(node.target)
