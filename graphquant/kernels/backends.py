@@ -37,16 +37,16 @@ HIGH_PRECISION = "high-precision matmul"
 EMULATION = "dequantize + high-precision matmul"
 ATTENTION_EMULATION = "attention emulation"  # FP8 attention, S and P materialised: its products on the emulated GEMM
 NONE = "none"  # a rejected GEMM's: it must not run
+# The backends that run the emulated GEMM (it takes high-precision operands as they are).
+ON_EMULATION = (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmBackend:
     """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
 
-    name: a native GEMM's (NATIVE_GEMMS); HIGH_PRECISION, EMULATION or ATTENTION_EMULATION, which all
-    run the emulated GEMM (it takes high-precision operands as they are); or NONE.
-    fast_accumulation: the product sums in the tensor cores' accumulator, which only some native
-    GEMMs offer.
+    name: a native GEMM's (NATIVE_GEMMS), one of ON_EMULATION, or NONE. fast_accumulation: the
+    product sums in the tensor cores' accumulator, which only some native GEMMs offer.
     """
 
     name: str
@@ -54,8 +54,8 @@ class GemmBackend:
 
     def __post_init__(self) -> None:
         native = NATIVE_BY_NAME.get(self.name)
-        if native is None and self.name not in (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION, NONE):
-            names = ", ".join(map(repr, [*NATIVE_BY_NAME, HIGH_PRECISION, EMULATION, ATTENTION_EMULATION, NONE]))
+        if native is None and self.name not in (*ON_EMULATION, NONE):
+            names = ", ".join(map(repr, [*NATIVE_BY_NAME, *ON_EMULATION, NONE]))
             raise ValueError(f"unknown GEMM backend {self.name!r}; one of {names}")
         if self.fast_accumulation and not (native and native.fast_accumulation):
             raise ValueError(f"the GEMM backend {self.name!r} has no fast accumulation")
