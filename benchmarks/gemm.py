@@ -52,7 +52,9 @@ def main() -> None:
             ra = qa(a, rowwise=True, columnwise=False).get(ROWWISE)
             rb = qb(b, rowwise=True, columnwise=False).get(ROWWISE)
             selection = selections[name] = backends.select(qa, ROWWISE, qb, ROWWISE, a.device, (m, n, k))
-            fns[f"graphquant {name}"] = lambda ra=ra, rb=rb, backend=selection.backend: backends.gemm(ra, rb, 1, torch.bfloat16, backend, name)
+            fns[f"graphquant {name}"] = lambda ra=ra, rb=rb, backend=selection.backend, site=name: backends.gemm(
+                ra, rb, 1, torch.bfloat16, backend, site
+            )
             if selection.bucket == backends.NATIVE:
                 # The same call on the same operands, its scales laid out beforehand: what
                 # graphquant adds around torch._scaled_mm is the difference.
