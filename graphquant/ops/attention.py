@@ -203,9 +203,13 @@ def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, d
     return dq, dk, dv
 
 
+# The only attention backend (backends.select_attention), whose products run on the emulated GEMM.
+_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
+
+
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
     """(batch, m, n) = a @ b^T per head in fp32, reported to a listening recorder (graphquant.numerics)."""
-    out = gemm(a_operand, b_operand, batch, torch.float32)
+    out = gemm(a_operand, b_operand, batch, torch.float32, _EMULATED, f"{site.label} {name}")
     recording.record(site, name, batch, a, a_operand, b, b_operand, None, out)
     return out
 
