@@ -8,6 +8,7 @@ zeros, subnormals, huge values, infinities and NaNs mixed in.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import pathlib
@@ -26,11 +27,14 @@ from graphquant.quantizers import (
     Float8DelayedScalingQuantizer,
     Float8RowwiseQuantizer,
     HybridQuantizer,
+    KernelEncoding,
     MXFP8Quantizer,
     NVFP4Quantizer,
     QuantizeContext,
     STREAMS_PER_STEP,
 )
+from test_kernel_encoding import comparable, old_config
+from test_user_format import Float8Block64
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SHAPES = ((256, 384), (200, 136), (96, 160), (48, 80), (130, 33), (1, 16))
@@ -58,6 +62,9 @@ QUANTIZERS = {
     "nvfp4_rht_nosign_2d_sr": lambda: NVFP4Quantizer(
         with_rht=True, with_post_rht_amax=True, with_random_sign_mask=False, with_2d_quantization=True, stochastic_rounding=True
     ),
+    # A user's format (tests/test_user_format.py), run from its KernelEncoding: 1x64 / 64x1 float32
+    # block scales, its columnwise data in x's layout.
+    "user_fp8_block64": lambda: Float8Block64(),
 }
 # One of each format for the hybrid pairs.
 HYBRID_CHILDREN = ("fp8_current_e4m3", "fp8_block_1d", "fp8_block_2d_e5m2", "fp8_rowwise", "mxfp8_e4m3", "nvfp4_rht_sr_rowscaled", "nvfp4_2d")
@@ -216,6 +223,63 @@ torch.save(out, sys.argv[1])
     for key in register:
         for a, b in zip(register[key], generic[key]):
             assert_same(a, b, str(key))
+
+
+@dataclasses.dataclass(frozen=True)
+class Block64StoredTransposed(Float8Block64):
+    """Says its columnwise data is stored transposed, while its kernel encoding keeps x's layout."""
+
+    tag = "test_fp8_block64_stored_transposed"
+
+    def transposed(self, direction):
+        return direction == COLUMNWISE
+
+
+def test_the_extension_reads_each_encoding_by_name(backend):
+    """The extension's Encoding, made from a KernelEncoding's fields by keyword, holds the numbers
+    of the positional config it replaces; a missing or unknown field, an unknown name, or an
+    encoding whose layout is not the quantizer's, is an error that says what is accepted."""
+    ext = native.extension()
+    for name, make in QUANTIZERS.items():
+        quantizer = make()
+        for direction in (ROWWISE, COLUMNWISE):
+            encoding = quantizer.kernel_encoding(direction)
+            built = native._encoding(ext, quantizer, direction).native
+            read = [built.format, built.fp8, built.epsilon, int(built.pow2), built.two_d, int(built.rht), int(built.sign_mask),
+                    int(built.sr), int(built.row_scaled)]
+            if name != "user_fp8_block64":
+                assert read == pytest.approx(comparable(old_config(quantizer, direction))), f"{name} {direction}"
+            assert built.transposed == encoding.transposed and built.delayed == encoding.delayed_scaling
+            assert (built.block_rows, built.block_cols) == encoding.block
+    user = native._encoding(ext, Float8Block64(), COLUMNWISE).native
+    assert (user.format, user.block_chunks, user.two_d, user.transposed) == (2, 4, 0, False)
+    with pytest.raises(ValueError, match=r"kernel_encoding\('columnwise'\) says transposed=False, but its representations say"):
+        native.quantize(Block64StoredTransposed(), make_input((128, 128), torch.float32, "normal", backend), COLUMNWISE, CTX)
+
+    fields = {f.name: getattr(MXFP8Quantizer().kernel_encoding(ROWWISE), f.name) for f in dataclasses.fields(KernelEncoding)}
+    assert ext.Encoding(**fields).format == 4
+    with pytest.raises(TypeError):
+        ext.Encoding(**fields, block_len=32)
+    with pytest.raises(TypeError):
+        ext.Encoding(**{k: v for k, v in fields.items() if k != "element"})
+    with pytest.raises(TypeError):
+        ext.Encoding(*fields.values())  # by name only
+    with pytest.raises(RuntimeError, match="scaling must be one of 'tensor', 'row', 'block', 'mxfp8', 'nvfp4', got 'tile'"):
+        ext.Encoding(**{**fields, "scaling": "tile"})
+    with pytest.raises(RuntimeError, match="no block blocks of 1x48"):
+        ext.Encoding(**{**fields, "scaling": "block", "block": (1, 48)})
+
+
+@pytest.mark.parametrize("source", ("original", "rowwise_dequantized"))
+@pytest.mark.parametrize("row_name, col_name", (("user_fp8_block64", "fp8_block_1d"), ("fp8_block_2d_e5m2", "user_fp8_block64")))
+def test_a_user_format_fuses_with_a_built_in_one(backend, row_name, col_name, source):
+    """A user's 1x64 blocks beside the built-in 128-long ones in one pass, whole tiles and partial."""
+    for n, shape in enumerate(((256, 384), (200, 136))):
+        quantizer = HybridQuantizer(QUANTIZERS[row_name](), QUANTIZERS[col_name](), source)
+        x = make_input(shape, torch.bfloat16, "special", backend, seed=n)
+        rowwise, columnwise = native.quantize_hybrid(quantizer, x, CTX)
+        assert_same_rep(rowwise, quantizer.quantize_rowwise(x, CTX), f"rowwise {shape}")
+        assert_same_rep(columnwise, quantizer.quantize_columnwise(x, CTX), f"columnwise {shape}")
 
 
 @pytest.mark.parametrize("name, direction", (("fp8_block_1d", ROWWISE), ("fp8_block_1d", COLUMNWISE), ("mxfp8_e4m3", ROWWISE)))

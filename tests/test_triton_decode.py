@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graphquant.kernels import backends
+from graphquant.kernels.backends import GemmBackend
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -61,8 +62,8 @@ def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.
     bias = (torch.randn(n) * 4).to(device, torch.bfloat16) if with_bias else None
     if device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
         selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
-        assert selection.backend == triton_decode.BACKEND, selection
-        out = backends.gemm(a, b, 1, out_dtype, bias)[0]
+        assert selection.backend == GemmBackend(triton_decode.BACKEND), selection
+        out = backends.gemm(a, b, 1, out_dtype, selection.backend, f"{name} {gemm}", bias)[0]
     else:
         out = triton_decode.gemm(a, b, out_dtype, bias)
     assert out.shape == (m, n) and out.dtype == out_dtype
@@ -142,31 +143,36 @@ def test_decode_gemm_gives_the_same_bits_every_run():
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """backends.select on a CUDA device of capability 9.0 (faked), its cache emptied around."""
+    """backends.select on a CUDA device of capability 9.0 (faked), what it worked out forgotten around."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    backends.select.cache_clear()
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    backends.clear_caches()
     yield triton_decode
-    backends.select.cache_clear()
+    backends.clear_caches()
 
 
 @pytest.mark.parametrize("name", PAIRS)
 def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_16(hopper, name):
+    """With or without the recipe's fast accumulation: the decode GEMM always sums in fp32. A row
+    count unknown to the plan (symbolic sizes) or above 16, or a batch of products, goes elsewhere."""
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
+    decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
     for m in (1, 2, 16):
-        assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096)) == backends.Selection(backends.NATIVE, hopper.BACKEND)
+        for fast in (False, True):
+            assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
     for dims in ((17, 4096, 4096), (None, 4096, 4096), None):
-        assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend != hopper.BACKEND
-    assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend != hopper.BACKEND
+        assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend.name != hopper.BACKEND
+    assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
 
 
 def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
     """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it is emulated."""
     selection = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, torch.device("cuda"), (1, 256, 256))
-    assert selection.backend == backends.EMULATION
+    assert selection.backend == GemmBackend(backends.EMULATION)
+    assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
 
 
 def test_decode_gemm_names_what_it_cannot_take():

@@ -1,10 +1,11 @@
 """A format of the user's own, defined here and nowhere else, plans, trains and is explained like a
 built-in one: graphquant asks the quantizer about itself, so no other module needs an edit.
 
-Float8Block64 (FP8 with one float32 scale per 1x64 block, 64x1 columnwise) answers none of the
-questions: the defaults make its GEMMs emulated. TensorwiseCopy lays out per-tensor FP8 exactly as
-the built-in format does and says so (``gemm_input``), which makes its GEMMs native where a
-per-tensor FP8 GEMM runs.
+Float8Block64 (FP8 with one float32 scale per 1x64 block, 64x1 columnwise) says only how the native
+quantize kernels encode it (``kernel_encoding``), so that it quantizes in the generic tile program
+(tests/test_kernels_gpu.py checks it bit for bit); no GEMM family reads it, so its GEMMs are
+emulated. TensorwiseCopy lays out per-tensor FP8 exactly as the built-in format does and says so
+(``gemm_input``), which makes its GEMMs native where a per-tensor FP8 GEMM runs.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from graphquant.quantizers import (
     ROWWISE,
     Float8CurrentScalingQuantizer,
     GemmInput,
+    KernelEncoding,
     QuantizeContext,
     Quantizer,
     Representation,
@@ -53,6 +55,9 @@ class Float8Block64(Quantizer):
 
     def dequantize(self, rep: Representation):
         return block.dequantize(rep.data, rep.scale, block=self.block(rep.direction))
+
+    def kernel_encoding(self, direction):
+        return KernelEncoding("block", self.fp8_dtype, block=self.block(direction))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,7 @@ def values(x, direction):
     return Float8Block64()(x, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction).dequantize()
 
 
-def test_a_user_format_gets_the_defaults_of_a_format_no_kernel_knows():
+def test_a_user_format_gets_the_defaults_of_a_format_no_gemm_knows():
     q = Float8Block64()
     assert parse_spec(str(q)) == q
     assert [q.gemm_input(d) for d in (ROWWISE, COLUMNWISE)] == [None, None]
@@ -104,6 +109,16 @@ def test_a_user_format_gets_the_defaults_of_a_format_no_kernel_knows():
     assert not q.values_exact_in_bf16(rep)
 
 
+def test_a_user_format_describes_an_encoding_the_generic_tile_program_runs():
+    """FP8 in 1x64 blocks with float32 scales: the tile program's FP8 blocks span 16 to 128 along
+    the blocked dim, the columnwise data kept in x's layout as this format stores it."""
+    q = Float8Block64()
+    assert repr(q.kernel_encoding(ROWWISE)) == "KernelEncoding('block', 'e4m3', block=(1, 64))"
+    assert repr(q.kernel_encoding(COLUMNWISE)) == "KernelEncoding('block', 'e4m3', block=(64, 1))"
+    assert not q.kernel_encoding(COLUMNWISE).transposed and not q.transposed(COLUMNWISE)
+    assert q.kernel_encoding(ROWWISE).block == q.block(ROWWISE)
+
+
 @pytest.mark.parametrize("capability", [None, (9, 0), (10, 0)])
 def test_a_user_format_plans_emulated_on_every_capability(capability, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -112,7 +127,7 @@ def test_a_user_format_plans_emulated_on_every_capability(capability, monkeypatc
         device = torch.device("cpu" if capability is None else "cuda")
         for da, db in ((ROWWISE, ROWWISE), (ROWWISE, COLUMNWISE), (COLUMNWISE, COLUMNWISE)):
             selection = backends.select(Float8Block64(), da, Float8Block64(), db, device, (256, 256, 256))
-            assert (selection.bucket, selection.backend) == (backends.EMULATED, backends.EMULATION)
+            assert (selection.bucket, selection.backend.name) == (backends.EMULATED, backends.EMULATION)
     finally:
         backends.select.cache_clear()
 
@@ -170,7 +185,7 @@ def test_a_user_format_that_declares_a_gemm_family_runs_on_that_native_gemm(monk
         cuda = torch.device("cuda")
         for other in (TensorwiseCopy(), Float8CurrentScalingQuantizer()):
             selection = backends.select(TensorwiseCopy(), ROWWISE, other, COLUMNWISE, cuda, (128, 64, 256))
-            assert (selection.bucket, selection.backend) == (backends.NATIVE, scaled_mm.TENSORWISE)
+            assert (selection.bucket, selection.backend.name) == (backends.NATIVE, scaled_mm.TENSORWISE)
     finally:
         backends.select.cache_clear()
 

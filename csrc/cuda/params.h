@@ -6,7 +6,8 @@
 
 namespace gq {
 
-// Formats of one direction of the tile kernel (matches graphquant/kernels/native.py).
+// Formats of one direction of the tile kernel (register.cpp reads them by the names of
+// graphquant.quantizers.KernelEncoding.scaling).
 enum Format { kNone = 0, kPerTensor = 1, kBlock = 2, kRowScaled = 3, kMX = 4, kNV = 5, kNumFormats = 6 };
 enum InDtype { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
@@ -16,6 +17,8 @@ struct Encoder {
   float epsilon = 0;   // FP8 block: amax floor
   int pow2 = 0;        // FP8 block: power-of-two scales
   int two_d = 0;       // FP8 block 128x128, NVFP4 16x16
+  int block_chunks = 8;  // FP8 block otherwise: the 16-element chunks one spans along its dim (1, 2, 4 or 8)
+  int transposed = 0;    // column side: data stored (K, M); MXFP8 and some FP8 blocks keep x's (M, K)
   int sr = 0;          // NVFP4 stochastic rounding
   int row_scaled = 0;  // NVFP4 rowwise: one global amax per row
   uint32_t key = 0;    // NVFP4 stochastic rounding: the stream's key, unless rng is given

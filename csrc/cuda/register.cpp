@@ -7,6 +7,9 @@
 // programs (tests/emulation), where the launchers run the kernels thread by thread.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "params.h"
@@ -19,28 +22,96 @@
 namespace gq {
 namespace {
 
-// Encoder configuration from Python: [format, fp8, epsilon, pow2, two_d, rht, sign_mask, sr,
-// row_scaled, key] (graphquant/kernels/native.py builds it).
+// One direction's encoding, built once per graphquant.quantizers.KernelEncoding from keyword
+// arguments of the same names (graphquant/kernels/native.py), and checked for what the tile
+// program encodes: its blocks nest in a 128x128 tile.
+struct Encoding {
+  int format = kNone;
+  int fp8 = 0;  // Fp8Kind (E2M1's 0 is unused)
+  int64_t block_rows = 0, block_cols = 0;
+  int two_d = 0, block_chunks = 8;
+  bool transposed = false, delayed = false, pow2 = false, rht = false, sign_mask = false, sr = false, row_scaled = false;
+  float epsilon = 0;
+};
+
+template <size_t N>
+int code_of(const std::pair<const char*, int> (&names)[N], const std::string& name, const char* field) {
+  std::string known;
+  for (const auto& entry : names) {
+    if (name == entry.first) return entry.second;
+    known += std::string(known.empty() ? "" : ", ") + "'" + entry.first + "'";
+  }
+  TORCH_CHECK(false, "graphquant.Encoding: ", field, " must be one of ", known, ", got '", name, "'");
+}
+
+Encoding make_encoding(const std::string& scaling, const std::string& element, std::pair<int64_t, int64_t> block, bool transposed,
+                       bool delayed_scaling, double amax_epsilon, bool pow2_scales, bool hadamard, bool random_sign_mask,
+                       bool stochastic_rounding, bool row_scaled) {
+  static const std::pair<const char*, int> kScalings[] = {
+      {"tensor", kPerTensor}, {"row", kRowScaled}, {"block", kBlock}, {"mxfp8", kMX}, {"nvfp4", kNV}};
+  static const std::pair<const char*, int> kElements[] = {{"e4m3", 0}, {"e5m2", 1}, {"e2m1", 0}};
+  Encoding e;
+  e.format = code_of(kScalings, scaling, "scaling");
+  e.fp8 = code_of(kElements, element, "element");
+  TORCH_CHECK((element == "e2m1") == (e.format == kNV), "graphquant.Encoding: nvfp4 scaling encodes e2m1, the others FP8, got ",
+              scaling, " of ", element);
+  e.block_rows = block.first;
+  e.block_cols = block.second;
+  const int64_t length = std::max(block.first, block.second);
+  const bool square = block.first == block.second, line = std::min(block.first, block.second) == 1;
+  const bool nests = e.format == kBlock ? (square ? length == 128 : line && length % 16 == 0 && 128 % length == 0)
+                     : e.format == kMX  ? line && length == 32
+                     : e.format == kNV  ? (square || line) && length == 16
+                                        : true;
+  TORCH_CHECK(nests, "graphquant.Encoding: the tile program has no ", scaling, " blocks of ", block.first, "x", block.second);
+  e.two_d = (e.format == kBlock || e.format == kNV) && square;
+  if (e.format == kBlock && !square) e.block_chunks = int(length / 16);
+  e.transposed = transposed;
+  e.delayed = delayed_scaling;
+  e.epsilon = float(amax_epsilon);
+  e.pow2 = pow2_scales;
+  e.rht = hadamard;
+  e.sign_mask = random_sign_mask;
+  e.sr = stochastic_rounding;
+  e.row_scaled = row_scaled;
+  return e;
+}
+
+// One side of a launch: its encoding's options and the tile program's encoder.
 struct Config {
   int format = kNone;
-  int rht = 0, sign_mask = 0;
+  bool delayed = false, rht = false, sign_mask = false;
   Encoder enc;
 };
 
-Config parse(const std::vector<double>& cfg) {
+// The side's encoder, with this call's stochastic-rounding key; checks that the encoding is one
+// this side makes: blocks along its dim (rows, or columns on the column side), and data stored
+// transposed on the column side only (by every format but MXFP8 there, and FP8 blocks either way).
+Config config(const Encoding* e, int64_t key, bool column_side) {
   Config c;
-  if (cfg.empty()) return c;
-  TORCH_CHECK(cfg.size() == 10, "graphquant: encoder config needs 10 entries");
-  c.format = int(cfg[0]);
-  c.enc.fp8 = int(cfg[1]);
-  c.enc.epsilon = float(cfg[2]);
-  c.enc.pow2 = int(cfg[3]);
-  c.enc.two_d = int(cfg[4]);
-  c.rht = int(cfg[5]);
-  c.sign_mask = int(cfg[6]);
-  c.enc.sr = int(cfg[7]);
-  c.enc.row_scaled = int(cfg[8]);
-  c.enc.key = uint32_t(cfg[9]);
+  if (e == nullptr) return c;
+  const char* side = column_side ? "columnwise" : "rowwise";
+  const bool blocked = e->format == kBlock || e->format == kMX || e->format == kNV;
+  TORCH_CHECK(!blocked || e->two_d || (column_side ? e->block_cols : e->block_rows) == 1, "graphquant.quantize: ", side,
+              " blocks run along the ", column_side ? "columns" : "rows", ", got ", e->block_rows, "x", e->block_cols);
+  const bool either = e->format == kBlock, transposes = column_side && e->format != kMX;
+  TORCH_CHECK(e->transposed == transposes || (column_side && either), "graphquant.quantize: the ", side, " side ",
+              transposes ? "stores this format transposed" : "keeps this format untransposed", ", got transposed=", e->transposed);
+  TORCH_CHECK(!e->rht || column_side, "graphquant.quantize: the Hadamard transform is on the columnwise side only");
+  TORCH_CHECK(!e->row_scaled || !column_side, "graphquant.quantize: row_scaled is the rowwise side's (a global amax per row)");
+  c.format = e->format;
+  c.delayed = e->delayed;
+  c.rht = e->rht;
+  c.sign_mask = e->sign_mask;
+  c.enc.fp8 = e->fp8;
+  c.enc.epsilon = e->epsilon;
+  c.enc.pow2 = e->pow2;
+  c.enc.two_d = e->two_d;
+  c.enc.block_chunks = e->block_chunks;
+  c.enc.transposed = e->transposed;
+  c.enc.sr = e->sr;
+  c.enc.row_scaled = e->row_scaled;
+  c.enc.key = uint32_t(key);
   return c;
 }
 
@@ -114,8 +185,8 @@ struct Needs {
   at::Tensor during;   // filled by the main pass (delayed scaling reports this tensor's amax)
 };
 
-std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<double>& row_cfg,
-                                 const std::vector<double>& col_cfg, bool dq_source, bool row_output,
+std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_encoding, const Encoding* col_encoding,
+                                 int64_t row_key, int64_t col_key, bool dq_source, bool row_output,
                                  const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
                                  const c10::optional<at::Tensor>& group_sizes, bool want_dbias,
                                  const c10::optional<at::Tensor>& rng, int64_t rng_offset) {
@@ -129,7 +200,9 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
   const int dtype = dtype_code(x.scalar_type());
   const auto opts = x.options();
   void* stream = stream_of(x);
-  Config row = parse(row_cfg), col = parse(col_cfg);
+  Config row = config(row_encoding, row_key, false), col = config(col_encoding, col_key, true);
+  TORCH_CHECK(row.delayed == row_scale.has_value() && col.delayed == col_scale.has_value(),
+              "graphquant.quantize: a delayed-scaling side takes the slot's scale (row_scale, col_scale), and only such a side");
   col.enc.key_stream = 1;
   if (rng.has_value()) {  // stochastic rounding's [seed, step], read by the kernels where it lies
     TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous() && rng->device() == x.device(),
@@ -167,8 +240,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
   // its memory to a later output of this call.
   std::vector<at::Tensor> keep_alive;
   AmaxArena arena;
-  const bool row_delayed = row.format == kPerTensor && row_scale.has_value();
-  const bool col_delayed = col.format == kPerTensor && col_scale.has_value();
+  const bool row_delayed = row.delayed, col_delayed = col.delayed;
   if (row.format == kPerTensor) arena.want(row_delayed ? &need_r.during : &need_r.pre, G);
   if (row.format == kRowScaled) arena.want(&need_r.pre, M);
   if (row.format == kNV) arena.want(&need_r.pre, row.enc.row_scaled ? M : G);
@@ -201,7 +273,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       // 1x128 scales lie outer-dim-major, (K / 128, M) in memory (the spec's layout, and the
       // reference's): a tile's 128 row scales are then one contiguous run, not 128 scattered words.
       out_r.scale = row.enc.two_d ? at::empty({cdiv(M, 128), cdiv(K, 128)}, opts.dtype(at::kFloat))
-                                  : at::empty({cdiv(K, 128), M}, opts.dtype(at::kFloat)).t();
+                                  : at::empty({cdiv(K, 16 * row.enc.block_chunks), M}, opts.dtype(at::kFloat)).t();
       break;
     case kRowScaled:
       pre_row.rows = bits(need_r.pre);
@@ -221,8 +293,8 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
   if (out_r.scale.defined() && row.format != kPerTensor) row.enc.scales = out_r.scale.data_ptr();
 
   if (col.format != kNone) {
-    const bool nv = col.format == kNV, mx = col.format == kMX;
-    const std::vector<int64_t> shape = mx ? std::vector<int64_t>{M, K} : std::vector<int64_t>{K, nv ? M / 2 : M};
+    const bool nv = col.format == kNV;
+    const std::vector<int64_t> shape = col.enc.transposed ? std::vector<int64_t>{K, nv ? M / 2 : M} : std::vector<int64_t>{M, K};
     out_c.data = at::empty(shape, opts.dtype(nv ? at::kByte : fp8_dtype(col.enc.fp8)));
     col.enc.data = static_cast<uint8_t*>(out_c.data.data_ptr());
   }
@@ -240,8 +312,12 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const std::vector<doub
       }
       break;
     case kBlock:
-      out_c.scale = col.enc.two_d ? at::empty({cdiv(K, 128), cdiv(M, 128)}, opts.dtype(at::kFloat))
-                                  : at::empty({cdiv(M, 128), K}, opts.dtype(at::kFloat)).t();  // outer-dim-major, as rowwise
+      if (col.enc.two_d) {
+        out_c.scale = at::empty({cdiv(K, 128), cdiv(M, 128)}, opts.dtype(at::kFloat));
+      } else {  // (M / L, K) in memory: as x's layout keeps it, or outer-dim-major under the transposed data
+        out_c.scale = at::empty({cdiv(M, 16 * col.enc.block_chunks), K}, opts.dtype(at::kFloat));
+        if (col.enc.transposed) out_c.scale = out_c.scale.t();
+      }
       col.enc.scales = out_c.scale.data_ptr();
       break;
     case kRowScaled:
@@ -381,8 +457,29 @@ at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c1
 }  // namespace gq
 
 void register_cuda_kernels(pybind11::module_& m) {
+  using gq::Encoding;
+  pybind11::class_<Encoding>(m, "Encoding", "One direction's encoding, by the field names of graphquant.quantizers.KernelEncoding")
+      .def(pybind11::init(&gq::make_encoding), pybind11::kw_only(), pybind11::arg("scaling"), pybind11::arg("element"),
+           pybind11::arg("block"), pybind11::arg("transposed"), pybind11::arg("delayed_scaling"), pybind11::arg("amax_epsilon"),
+           pybind11::arg("pow2_scales"), pybind11::arg("hadamard"), pybind11::arg("random_sign_mask"),
+           pybind11::arg("stochastic_rounding"), pybind11::arg("row_scaled"))
+      .def_readonly("format", &Encoding::format)
+      .def_readonly("fp8", &Encoding::fp8)
+      .def_readonly("block_rows", &Encoding::block_rows)
+      .def_readonly("block_cols", &Encoding::block_cols)
+      .def_readonly("two_d", &Encoding::two_d)
+      .def_readonly("block_chunks", &Encoding::block_chunks)
+      .def_readonly("transposed", &Encoding::transposed)
+      .def_readonly("delayed", &Encoding::delayed)
+      .def_readonly("epsilon", &Encoding::epsilon)
+      .def_readonly("pow2", &Encoding::pow2)
+      .def_readonly("rht", &Encoding::rht)
+      .def_readonly("sign_mask", &Encoding::sign_mask)
+      .def_readonly("sr", &Encoding::sr)
+      .def_readonly("row_scaled", &Encoding::row_scaled);
   m.def("quantize", &gq::quantize, "Quantize a 2-D tensor: rowwise and/or columnwise, fused (see graphquant/kernels/native.py)",
-        pybind11::arg("x"), pybind11::arg("row_cfg"), pybind11::arg("col_cfg"), pybind11::arg("dq_source"),
+        pybind11::arg("x"), pybind11::arg("row_encoding").none(true), pybind11::arg("col_encoding").none(true),
+        pybind11::arg("row_key"), pybind11::arg("col_key"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0);

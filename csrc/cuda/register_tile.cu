@@ -50,7 +50,10 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
                        !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr || dq_amax) && (col_format == kNone || p.col.data != nullptr);
-  const bool formats = r >= 0 && c >= 0;  // none and none: no kernel (launcher gives null)
+  // FP8 blocks here are 128 long (or 128x128), their column side stored transposed.
+  const bool blocks = (row_format != kBlock || p.row.block_chunks == 8) &&
+                      (col_format != kBlock || (p.col.block_chunks == 8 && p.col.transposed));
+  const bool formats = r >= 0 && c >= 0 && blocks;  // none and none: no kernel (launcher gives null)
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;
   const bool dq = p.dq_source;
   const register_tile::Launcher launch = dtype == kBF16 ? (dq ? register_tile::launcher<InBF16, true>(r, c) : register_tile::launcher<InBF16, false>(r, c))

@@ -10,7 +10,7 @@
 // for one buffer only (two would cost a third of the resident CTAs, more than the overlap gains),
 // and NVFP4's registers the same, so those launch a CTA a tile.
 //
-// Every format's blocks (16, 32, 128 along a row or a column, 16x16, 128x128) nest inside the
+// Every format's blocks (16 to 128 along a row or a column, 16x16, 128x128) nest inside the
 // tile, so a tile needs no data from its neighbours; what spans tiles (a per-tensor, per-row or
 // per-column amax) comes from a pre-pass of this same program with main = 0.
 //
@@ -366,19 +366,25 @@ struct TileProgram {
       const int64_t n = kRowSide ? gr : t.g * p.K + gc;
       return {e.scale[n], e.scale_inv[n]};
     } else if constexpr (F == kBlock) {
+      // A 1-D block is the block_chunks aligned chunks around b (a power of two dividing 8).
+      const int first = b & ~(e.block_chunks - 1);
       uint32_t m = kRowSide ? s.tile_r : s.tile_c;
       if (!e.two_d) {
         m = 0;
-        for (int k = 0; k < 8; ++k) m = umax(m, kRowSide ? s.camax_r[a][k] : s.camax_c[k][a]);
+        for (int k = 0; k < 8; ++k) {
+          if ((k & ~(e.block_chunks - 1)) == first) m = umax(m, kRowSide ? s.camax_r[a][k] : s.camax_c[k][a]);
+        }
       }
       const float scale = scale_from_amax(u2f(m), e.fp8, e.epsilon, e.pow2);
       const float scale_inv = 1.0f / scale;
-      // 128x128: row side (row tiles, col tiles), column side (col tiles, row tiles); 1x128 and
-      // 128x1 outer-dim-major: row side (col tiles, M), column side (row tiles, K).
-      if (write && b == 0 && (!e.two_d || a == 0)) {
+      // 128x128: row side (row tiles, col tiles), column side (col tiles, row tiles); 1-D blocks
+      // (blocks along the dim, M or K) in memory: row side outer-dim-major, column side (M / L, K).
+      if (write && b == first && (!e.two_d || a == 0)) {
         float* out = static_cast<float*>(e.scales);
-        if (kRowSide) out[e.two_d ? t.tile_row * cdiv(p.K, kTile) + t.col0 / kTile : (t.col0 / kTile) * p.M + gr] = scale_inv;
-        else out[e.two_d ? (t.col0 / kTile) * cdiv(p.M, kTile) + t.tile_row : t.tile_row * p.K + gc] = scale_inv;
+        // The block's index along its dim, in 32 bits (a 64-bit division is a long routine on the GPU).
+        const int64_t block = uint32_t(((kRowSide ? t.col0 : t.row0) / kTile) * 8 + first) / uint32_t(e.block_chunks);
+        if (kRowSide) out[e.two_d ? t.tile_row * cdiv(p.K, kTile) + t.col0 / kTile : block * p.M + gr] = scale_inv;
+        else out[e.two_d ? (t.col0 / kTile) * cdiv(p.M, kTile) + t.tile_row : block * p.K + gc] = scale_inv;
       }
       return {scale, scale_inv};
     } else {  // MXFP8: chunks b and b^1 form a 32-element block
@@ -550,7 +556,7 @@ struct TileProgram {
       const Fp8Scale sc = fp8_scale<C, false>(p, t, s, e, c, i, gr, gc, true);
       uint8_t q[16];
       fp8_encode16(v, sc.scale, e.fp8, q, kColBlocks ? s.camax_c[i][c] : chunk_amax(v));
-      if constexpr (C == kMX) {  // MXFP8 keeps the logical (M, K) layout
+      if (C == kMX || !e.transposed) {  // x's (M, K) layout, as MXFP8 keeps it
         for (int n = 0; n < 16; ++n) s.stage[16 * i + n][c] = q[n];
       } else {  // transposed: row c of the stage holds this column's bytes
         *reinterpret_cast<Vec16*>(&s.stage[c][16 * i]) = pack16(q);
@@ -560,11 +566,11 @@ struct TileProgram {
 
   GQ_HD static void write_stage(const TileParams& p, const TileCoords& t, Smem& s, int tid) {
     int64_t bytes, ld, dst_row, dst_byte, valid_rows, valid_bytes;
-    if constexpr (C == kMX) {
-      bytes = kTile, ld = p.K, dst_row = t.row0, dst_byte = t.col0, valid_rows = p.M - t.row0, valid_bytes = p.K - t.col0;
-    } else if constexpr (C == kNV) {
+    if constexpr (C == kNV) {
       bytes = kTile / 2, ld = p.M / 2, dst_row = t.col0, dst_byte = t.row0 / 2;
       valid_rows = p.K - t.col0, valid_bytes = (p.M - t.row0) / 2;
+    } else if (C == kMX || !p.col.transposed) {
+      bytes = kTile, ld = p.K, dst_row = t.row0, dst_byte = t.col0, valid_rows = p.M - t.row0, valid_bytes = p.K - t.col0;
     } else {
       bytes = kTile, ld = p.M, dst_row = t.col0, dst_byte = t.row0, valid_rows = p.K - t.col0, valid_bytes = p.M - t.row0;
     }

@@ -5,14 +5,17 @@ passes or the ops. A kernel is used only for a CUDA tensor (2-D, bf16/fp16/fp32,
 a format the extension implements; everything else runs ``graphquant.formats`` (the numerics
 contract), and the native results are bit-identical to it (tests/test_kernels_gpu.py).
 
-Native formats: per-tensor FP8 (current and delayed scaling), FP8 block (1x128 / 128x128), FP8
-rowwise, MXFP8 and NVFP4 (1x16 / 16x16, RHT, stochastic rounding, row-scaled), in either
-direction or both in one pass; a HybridQuantizer's two children fused into one pass (either
-columnwise source); the bias gradient fused into the quantize; grouped (MoE) quantize.
+A format runs natively where its quantizer answers ``kernel_encoding`` (a KernelEncoding, handed
+to the extension field by field by name): per-tensor FP8 (current and delayed scaling), FP8
+blocks (1x16 to 1x128, 16x1 to 128x1, 128x128), FP8 rowwise, MXFP8 and NVFP4 (1x16 / 16x16, RHT,
+stochastic rounding, row-scaled), a user's format among them, in either direction or both in one
+pass; a HybridQuantizer's two children fused into one pass (either columnwise source); the bias
+gradient fused into the quantize; grouped (MoE) quantize.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -22,21 +25,15 @@ from graphquant.formats import nvfp4
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
-    Float8BlockQuantizer,
-    Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
-    Float8RowwiseQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
+    KernelEncoding,
     QuantizeContext,
     Quantizer,
     Representation,
 )
 
-# Format codes of the native tile program (csrc/cuda/params.h).
-_PER_TENSOR, _BLOCK, _ROW_SCALED, _MX, _NV = 1, 2, 3, 4, 5
 _FP8 = {"e4m3": 0, "e5m2": 1}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# The dequantize kernel's kinds (csrc/cuda/params.h DequantKind).
 _DEQUANT_SCALED, _DEQUANT_MX, _DEQUANT_NV = 0, 1, 2
 _M32 = 0xFFFFFFFF
 
@@ -67,50 +64,56 @@ def sr_key(seed: int, offset: int, stream: int) -> int:
     return key
 
 
-class _Encoder(NamedTuple):
-    config: list  # [format, fp8, epsilon, pow2, two_d, rht, sign_mask, sr, row_scaled, key]
-    scale: Optional[torch.Tensor]  # delayed scaling's current scale
+class _Encoding(NamedTuple):
+    """A quantizer's KernelEncoding of one direction, and the extension's Encoding made from it."""
+
+    described: KernelEncoding
+    native: Any
 
 
-def _encoder(
-    quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor, device_rng: Optional[torch.Tensor]
-) -> Optional[_Encoder]:
-    """The native encoder of ``quantizer``'s ``direction``, or None where there is none; with
-    ``device_rng`` the kernels make the stochastic-rounding key themselves."""
+@functools.lru_cache(maxsize=None)
+def _encoding(ext: Any, quantizer: Quantizer, direction: str) -> Optional[_Encoding]:
+    """``quantizer``'s encoding of ``direction``, handed to the extension field by field by name,
+    once per quantizer; None where the quantizer has none."""
+    encoding = quantizer.kernel_encoding(direction)
+    if encoding is None:
+        return None
+    if encoding.transposed != quantizer.transposed(direction):
+        raise ValueError(
+            f"{quantizer}: kernel_encoding({direction!r}) says transposed={encoding.transposed}, but its "
+            f"representations say transposed({direction!r}) = {quantizer.transposed(direction)}; make the two agree"
+        )
+    return _Encoding(encoding, ext.Encoding(**{field.name: getattr(encoding, field.name) for field in dataclasses.fields(encoding)}))
+
+
+class _Side(NamedTuple):
+    """One direction of a native pass: the extension's Encoding, this call's stochastic-rounding
+    key, and delayed scaling's current scale."""
+
+    encoding: Any
+    key: int
+    scale: Optional[torch.Tensor]
+
+
+def _side(
+    ext: Any, quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor, device_rng: Optional[torch.Tensor]
+) -> Optional[_Side]:
+    """How the kernels make ``quantizer``'s ``direction`` in this call, or None where they cannot;
+    with ``device_rng`` the kernels make the stochastic-rounding key themselves."""
     if quantizer.reduces_amax and ctx.amax_group is not None:
         return None  # a kernel encodes with the amax it takes of x in the same pass: none to all-reduce first
-    if isinstance(quantizer, Float8CurrentScalingQuantizer):
-        pow2 = int(quantizer.force_pow_2_scales)
-        return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, 0, 0, 0, 0, 0, 0], None)
-    if isinstance(quantizer, Float8DelayedScalingQuantizer):
+    encoding = _encoding(ext, quantizer, direction)
+    if encoding is None:
+        return None
+    scale = None
+    if encoding.described.delayed_scaling:
         scale = ctx.scale
         if scale is None or scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
             return None  # the reference raises the error, or handles the odd scale
-        return _Encoder([_PER_TENSOR, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], scale.contiguous())
-    if isinstance(quantizer, (Float8BlockQuantizer, Float8RowwiseQuantizer)):
-        fmt = _BLOCK if isinstance(quantizer, Float8BlockQuantizer) else _ROW_SCALED
-        two_d = int(fmt == _BLOCK and quantizer.block_scaling_dim == 2)
-        pow2 = int(quantizer.force_pow_2_scales)
-        return _Encoder([fmt, _FP8[quantizer.fp8_dtype], quantizer.amax_epsilon, pow2, two_d, 0, 0, 0, 0, 0], None)
-    if isinstance(quantizer, MXFP8Quantizer):
-        return _Encoder([_MX, _FP8[quantizer.fp8_dtype], 0, 0, 0, 0, 0, 0, 0, 0], None)
-    if isinstance(quantizer, NVFP4Quantizer):
-        columnwise = direction == COLUMNWISE
-        host_key = quantizer.stochastic_rounding and device_rng is None
-        key = sr_key(*ctx.random_stream(), int(columnwise)) if host_key else 0
-        return _Encoder(
-            [
-                _NV, 0, 0, 0,
-                int(quantizer.with_2d_quantization),
-                int(quantizer.hadamard(direction)),
-                int(quantizer.with_random_sign_mask),
-                int(quantizer.stochastic_rounding),
-                int(quantizer.row_scaled_nvfp4 and not columnwise),
-                key,
-            ],
-            None,
-        )
-    return None
+        scale = scale.contiguous()
+    host_key = encoding.described.stochastic_rounding and device_rng is None
+    key = sr_key(*ctx.random_stream(), int(direction == COLUMNWISE)) if host_key else 0
+    return _Side(encoding.native, key, scale)
 
 
 def _device_rng(ctx: QuantizeContext, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -146,16 +149,20 @@ def _run(
     row_q, col_q = quantizer.child(ROWWISE), quantizer.child(COLUMNWISE)
     dq_source = columnwise and quantizer.columnwise_from_rowwise()
     rng = _device_rng(ctx, x)
-    row = _encoder(row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
-    col = _encoder(col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
-    if ((rowwise or dq_source) and row is None) or (columnwise and col is None):
+    row = _side(ext, row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
+    if (rowwise or dq_source) and row is None:
+        return None  # before the other side is asked of the extension
+    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
+    if columnwise and col is None:
         return None
     if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
         return None  # delayed scaling has one scale for the whole tensor
     out = ext.quantize(
         x,
-        row.config if row else [],
-        col.config if col else [],
+        row.encoding if row else None,
+        col.encoding if col else None,
+        row.key if row else 0,
+        col.key if col else 0,
         dq_source,
         rowwise,
         row.scale if row else None,
@@ -255,7 +262,8 @@ def reference_grouped_quantize(
             return torch.stack(tensors)
         return torch.cat(tensors, dim=split_dim if tensors[0] is not first.amax else 0)
 
-    stacked_scale = isinstance(child, Float8RowwiseQuantizer) and direction == COLUMNWISE
+    # A scale that spans all of a group's rows (a per-column one) is one per group and column.
+    stacked_scale = child.block(direction)[0] == -1
     return first.quantizer.representation(
         direction,
         x.shape,
@@ -273,34 +281,33 @@ def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: boo
     ext = _extension(rep.data)
     if ext is None or dtype not in _DTYPES or rep.data.dim() != 2 or rep.data.numel() == 0:
         return None
-    q = rep.quantizer
+    made = _encoding(ext, rep.quantizer, rep.direction)
+    if made is None:
+        return None
+    encoding = made.described
     rows, cols = rep.data.shape
-    fp8 = _FP8.get(getattr(q, "fp8_dtype", "e4m3"))
-    kind, block_rows, block_cols = _DEQUANT_SCALED, 1, 1
     amax = None
-    if isinstance(q, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
-        if rep.scale.numel() != 1:
-            return None
-        block_rows, block_cols = rows, cols
-    elif isinstance(q, Float8BlockQuantizer):
-        block_rows, block_cols = (1 if q.block_scaling_dim == 1 else 128), 128
-    elif isinstance(q, Float8RowwiseQuantizer):
-        block_rows, block_cols = 1, cols
-    elif isinstance(q, MXFP8Quantizer):
-        kind, (block_rows, block_cols) = _DEQUANT_MX, q.block(rep.direction)
-    elif isinstance(q, NVFP4Quantizer):
-        kind, fp8 = _DEQUANT_NV, 0
+    if encoding.scaling == "nvfp4":
+        kind, fp8, block = _DEQUANT_NV, 0, (1, 1)
         amax = rep.amax if with_global else None
         if amax is not None and amax.numel() not in (1, rows):
             return None
     else:
-        return None
+        kind, fp8 = (_DEQUANT_MX if encoding.scaling == "mxfp8" else _DEQUANT_SCALED), _FP8[encoding.element]
+        if encoding.scaling == "tensor":
+            if rep.scale.numel() != 1:
+                return None
+            block = (rows, cols)
+        elif encoding.scaling == "row":
+            block = (1, cols)
+        else:  # the block as stored
+            block = encoding.block[::-1] if encoding.transposed else encoding.block
     # FP8 scales go by their strides; MXFP8's (a byte per 32 elements) are made row-major first:
     # read through outer-dim-major strides, one byte a chunk from rows far apart, they would slow
     # the kernel by more than the copy costs.
     scale = rep.scale if kind == _DEQUANT_SCALED else rep.scale.contiguous()
     scale_strides = (0, 0) if scale.dim() == 0 else (scale.stride(0), scale.stride(-1))
-    return ext.dequantize(rep.data.contiguous(), scale, amax, kind, fp8, block_rows, block_cols, *scale_strides, _DTYPES[dtype])
+    return ext.dequantize(rep.data.contiguous(), scale, amax, kind, fp8, *block, *scale_strides, _DTYPES[dtype])
 
 
 def dequantize(rep: Representation) -> torch.Tensor:
@@ -316,7 +323,7 @@ def dequantize_for_gemm(rep: Representation, dtype: torch.dtype = torch.bfloat16
     E2M1 codes times their E4M3 block scales, exact in bf16, and the GEMM applies
     alpha = amax_a * amax_b / 2688**2 to the product.
     """
-    if not with_global and not isinstance(rep.quantizer, NVFP4Quantizer):
+    if not with_global and getattr(rep.quantizer.kernel_encoding(rep.direction), "scaling", None) != "nvfp4":
         raise ValueError(f"with_global=False is for NVFP4 representations, not {rep.quantizer}")
     values = _native_dequantize(rep, dtype, with_global)
     if values is not None:

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import block
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = 128
@@ -77,3 +77,13 @@ class Float8BlockQuantizer(Quantizer):
 
     def values_exact_in_bf16(self, rep: Representation) -> bool:
         return self.force_pow_2_scales  # FP8 codes times powers of two
+
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding(
+            "block",
+            self.fp8_dtype,
+            block=self.block(direction),
+            transposed=self.transposed(direction),
+            amax_epsilon=self.amax_epsilon,
+            pow2_scales=self.force_pow_2_scales,
+        )

@@ -8,9 +8,11 @@ from typing import Optional
 import torch
 
 from graphquant.formats import fp8, per_tensor
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
+# The tensor types of backward slots, which HYBRID gives E5M2.
+BACKWARD_TENSOR_TYPES = ("grad_output", "do", "dp")
 _NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
 
 
@@ -97,6 +99,15 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self.quantize_from_amax(x, self.amax(x, ctx), COLUMNWISE)
 
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding(
+            "tensor",
+            self.fp8_dtype,
+            transposed=self.transposed(direction),
+            amax_epsilon=self.amax_epsilon,
+            pow2_scales=self.force_pow_2_scales,
+        )
+
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
         direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
@@ -149,6 +160,9 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, self._scales(ctx), COLUMNWISE, fp8.tensor_amax(x))
 
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding("tensor", self.fp8_dtype, transposed=self.transposed(direction), delayed_scaling=True)
+
     def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""
         return (
@@ -174,8 +188,8 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
 class DelayedScalingRequest:
     """A factory's way to ask for delayed scaling without choosing the FP8 dtype (TE's request form).
 
-    fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other) and E5M2 to
-    grad_output; "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
+    fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other; attention's qkv and
+    s) and E5M2 to backward ones (grad_output; attention's do and dp); "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
     """
 
     fp8_format: str = "HYBRID"
@@ -189,7 +203,7 @@ class DelayedScalingRequest:
             raise ValueError(f"DelayedScalingRequest.fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
 
     def resolve(self, tensor_type: str) -> Float8DelayedScalingQuantizer:
-        backward = tensor_type == "grad_output"
+        backward = tensor_type in BACKWARD_TENSOR_TYPES
         return Float8DelayedScalingQuantizer(
             fp8_dtype="e5m2" if backward and self.fp8_format == "HYBRID" else "e4m3",
             margin=self.margin,

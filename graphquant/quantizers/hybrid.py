@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import DelayedScalingRequest, Float8DelayedScalingQuantizer
 
 COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")
@@ -90,6 +90,9 @@ class HybridQuantizer(Quantizer):
 
     def block(self, direction: str) -> tuple[int, int]:
         return self.child(direction).block(direction)
+
+    def kernel_encoding(self, direction: str) -> Optional[KernelEncoding]:
+        return self.child(direction).kernel_encoding(direction)
 
     def transposed(self, direction: str) -> bool:
         return self.child(direction).transposed(direction)

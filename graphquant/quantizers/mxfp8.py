@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import mxfp8
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = mxfp8.BLOCK_LEN
@@ -68,3 +68,6 @@ class MXFP8Quantizer(Quantizer):
 
     def values_exact_in_bf16(self, rep: Representation) -> bool:
         return True  # FP8 codes times powers of two
+
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding("mxfp8", self.fp8_dtype, block=self.block(direction))

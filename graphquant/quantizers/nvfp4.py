@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import nvfp4
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 BLOCK_LEN = nvfp4.BLOCK_LEN
 
@@ -113,6 +113,18 @@ class NVFP4Quantizer(Quantizer):
     def gemm_input(self, direction: str) -> GemmInput:
         row_scaled = self.row_scaled_nvfp4 and direction == ROWWISE
         return GemmInput("nvfp4_row_scaled" if row_scaled else "nvfp4", "e2m1")
+
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding(
+            "nvfp4",
+            "e2m1",
+            block=self.block(direction),
+            transposed=self.transposed(direction),
+            hadamard=self.hadamard(direction),
+            random_sign_mask=self.hadamard(direction) and self.with_random_sign_mask,
+            stochastic_rounding=self.stochastic_rounding,
+            row_scaled=self.row_scaled_nvfp4 and direction == ROWWISE,
+        )
 
     def emulated_values(self, rep: Representation) -> torch.Tensor:
         return nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(BLOCK_LEN, dim=1)

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import block
-from graphquant.quantizers.base import COLUMNWISE, GemmInput, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 
@@ -69,3 +69,13 @@ class Float8RowwiseQuantizer(Quantizer):
 
     def values_exact_in_bf16(self, rep: Representation) -> bool:
         return True
+
+    def kernel_encoding(self, direction: str) -> KernelEncoding:
+        return KernelEncoding(
+            "row",
+            self.fp8_dtype,
+            block=self.block(direction),
+            transposed=self.transposed(direction),
+            amax_epsilon=self.amax_epsilon,
+            pow2_scales=self.force_pow_2_scales,
+        )
