@@ -14,7 +14,6 @@ from graphquant.ops.operands import Operand
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
-    Float8CurrentScalingQuantizer,
     QuantizeContext,
     Quantizer,
 )
@@ -91,7 +90,7 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
     their own they run well below the native kernels' bandwidth. Its columnwise copy stays traced,
     from that amax.
     """
-    per_tensor = isinstance(quantizer, Float8CurrentScalingQuantizer) and not quantizer.with_amax_reduction
+    per_tensor = quantizer.encodes_from_tensor_amax()
     if not (per_tensor and w.is_contiguous()):  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)

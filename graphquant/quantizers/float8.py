@@ -70,6 +70,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     with_amax_reduction all-reduces the amax (MAX) over the recipe's process group first.
     """
 
+    attention_format = True
+
     tag = "fp8_current"
     traceable = True
     groupable = True
@@ -108,6 +110,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             pow2_scales=self.force_pow_2_scales,
         )
 
+    def encodes_from_tensor_amax(self) -> bool:
+        return not self.with_amax_reduction  # a reduced amax is all-reduced before it is known
+
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
         direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
@@ -125,6 +130,8 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     next scale: ``(fp8_max / amax) / 2**margin`` with amax the history's max ("max") or its
     newest entry ("most_recent"). The state lives in tensors owned by the compiled module.
     """
+
+    attention_format = True
 
     tag = "fp8_delayed"
     always_shown = ("fp8_dtype",)
