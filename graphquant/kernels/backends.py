@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -20,6 +21,8 @@ from graphquant.kernels import emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
     GemmInput,
     Quantizer,
     Representation,
@@ -35,6 +38,8 @@ REJECTED = "rejected"
 HIGH_PRECISION = "high-precision matmul"
 EMULATION = "dequantize + high-precision matmul"
 ATTENTION_EMULATION = "attention emulation"
+FLASH_ATTENTION = "triton fp8 flash attention"
+FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +182,34 @@ def gemm(
     return emulation.gemm(a, b, batch, out_dtype, bias)
 
 
-def select_attention(device: torch.device) -> Selection:
-    """How FP8 attention runs on ``device``: emulated everywhere until a kernel runs it natively."""
-    return Selection(EMULATED, ATTENTION_EMULATION, "no FP8 attention kernel yet: S and P materialised")
+def select_attention(
+    device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False
+) -> Selection:
+    """How FP8 attention's forward (or, with ``backward``, its backward) runs on ``device`` for the
+    site's qkv and s formats, its (query/key, value) head dims and whether it has an arbitrary
+    mask (causal is not one). The FP8 flash forward (graphquant.kernels.triton_attention) runs
+    per-tensor E4M3 qkv and s, causal or unmasked, head dim 64 or 128, on Hopper where Triton is
+    installed; its backward recomputes S and P through the emulation."""
+    why = _no_flash_attention(device, qkv, s, head_dims, masked)
+    if why:
+        return Selection(EMULATED, ATTENTION_EMULATION, f"{why}: S and P materialised")
+    if backward:
+        return Selection(EMULATED, ATTENTION_EMULATION, "no FP8 flash backward yet: S and P recomputed and materialised")
+    return Selection(NATIVE, FLASH_ATTENTION)
+
+
+def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool) -> str:
+    """Why the FP8 flash forward cannot run this attention ('' where it can)."""
+    sm = capability(device)
+    if sm is None or sm[0] != 9:
+        return f"the FP8 flash-attention kernel runs on Hopper (sm_90), not {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
+    if importlib.util.find_spec("triton") is None:
+        return "the FP8 flash-attention kernel needs Triton, which is not installed"
+    for slot, quantizer in (("qkv", qkv), ("s", s)):
+        if type(quantizer) not in (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer) or quantizer.fp8_dtype != "e4m3":
+            return f"the FP8 flash-attention kernel takes per-tensor E4M3 {slot}, not {quantizer}"
+    if masked:
+        return "the FP8 flash-attention kernel takes causal or no masks, not an attn_mask"
+    if head_dims[0] != head_dims[1] or head_dims[0] not in FLASH_HEAD_DIMS:
+        return f"the FP8 flash-attention kernel takes one head dim of {FLASH_HEAD_DIMS}, not {head_dims}"
+    return ""

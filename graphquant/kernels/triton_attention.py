@@ -32,11 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.kernels.backends import FLASH_HEAD_DIMS
+
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8
 NUM_STAGES = 3
-HEAD_DIMS = (64, 128)
 
 
 @triton.jit
@@ -97,8 +98,11 @@ def _forward_kernel(
     full_end = (seq_k // BLOCK_N) * BLOCK_N
     end = seq_k
     if CAUSAL:
-        full_end = tl.minimum(full_end, ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
-        end = tl.minimum(seq_k, (start_m + 1) * BLOCK_M)
+        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        if diagonal_start < full_end:
+            full_end = diagonal_start
+        if (start_m + 1) * BLOCK_M < seq_k:
+            end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
         HEAD_DIM, BLOCK_N, False, CAUSAL,
@@ -130,9 +134,9 @@ def forward(
     vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    if head_dim not in HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
+    if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
         raise ValueError(
-            f"FP8 flash attention takes head dims {HEAD_DIMS}, one for Q, K and V, and V^T of shape "
+            f"FP8 flash attention takes head dims {FLASH_HEAD_DIMS}, one for Q, K and V, and V^T of shape "
             f"(D, batch * kv heads * Lk); got q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}"
         )
     if heads % kv_heads or seq_k == 0:
