@@ -40,6 +40,7 @@ EMULATION = "dequantize + high-precision matmul"
 ATTENTION_EMULATION = "attention emulation"
 FLASH_ATTENTION = "triton fp8 flash attention"
 FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[i
     sm = capability(device)
     if sm is None or sm[0] != 9:
         return f"the FP8 flash-attention kernel runs on Hopper (sm_90), not {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
-    if importlib.util.find_spec("triton") is None:
+    if not HAS_TRITON:
         return "the FP8 flash-attention kernel needs Triton, which is not installed"
     for slot, quantizer in (("qkv", qkv), ("s", s)):
         if type(quantizer) not in (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer) or quantizer.fp8_dtype != "e4m3":

@@ -75,7 +75,7 @@ def _key_tiles(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, softmax_scale, p_scale, seq_q, seq_k, vt_stride,
+    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -89,6 +89,7 @@ def _forward_kernel(
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
     scale_inv = tl.load(SCALE_INV)
+    p_scale = tl.load(P_SCALE)
     qk_scale = scale_inv * scale_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -124,14 +125,15 @@ def forward(
     k: torch.Tensor,
     vt: torch.Tensor,
     scale_inv: torch.Tensor,
-    p_scale: float,
+    p_scale: torch.Tensor,
     softmax_scale: float,
     causal: bool,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
     normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
-    vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``."""
+    vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
+    ``p_scale`` (both one float32 on the device)."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
@@ -146,7 +148,7 @@ def forward(
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seq_q, BLOCK_M), b * heads)
     _forward_kernel[grid](
-        q.contiguous(), k.contiguous(), vt.contiguous(), o, lse, p_amax, scale_inv, softmax_scale, p_scale,
+        q.contiguous(), k.contiguous(), vt.contiguous(), o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, BLOCK_M, BLOCK_N,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

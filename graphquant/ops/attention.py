@@ -174,7 +174,7 @@ class FlashAttention(torch.autograd.Function):
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
         o, _, p_amax = torch.ops.graphquant.flash_attention(
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
-            q_row.tensors[1], s_quantizer.scale_for_amax(1.0), scale, causal, q.dtype,
+            q_row.tensors[1], s_quantizer.scale_of_amax(torch.ones(1, device=q.device)), scale, causal, q.dtype,
         )
         if s_quantizer.keeps_state:
             record_amax(s_quantizer, SlotState(s_delayed, None, 0, site.amax_group), p_amax)
@@ -215,11 +215,12 @@ class FlashAttention(torch.autograd.Function):
 
 @registry.op("flash_attention")
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: float, softmax_scale: float,
+    q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
     causal: bool, out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 flash-attention forward (graphquant.kernels.triton_attention.forward): (O, logsumexp,
-    the normalised P's amax) of E4M3 codes under one scale. CUDA with Triton only."""
+    the normalised P's amax) of E4M3 codes under one scale, P tiles quantized with ``p_scale``
+    (one float32). CUDA with Triton only."""
     raise NotImplementedError(
         f"graphquant::flash_attention runs on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects it "
         "only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"

@@ -108,11 +108,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             pow2_scales=self.force_pow_2_scales,
         )
 
-    def scale_for_amax(self, amax: float) -> float:
-        """The scale this format gives a tensor whose amax is ``amax``, known without reading it
-        (a flash-attention kernel's unnormalised softmax tiles have amax 1)."""
-        amax = torch.tensor([amax], dtype=torch.float32)
-        return fp8.scale_from_amax(amax, self.fp8_dtype, epsilon=self.amax_epsilon, pow2=self.force_pow_2_scales).item()
+    def scale_of_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale this format gives a tensor whose amax is ``amax`` (float32, any shape), where
+        the amax is known without reading the tensor (a flash-attention kernel's unnormalised
+        softmax tiles have amax 1)."""
+        return fp8.scale_from_amax(amax, self.fp8_dtype, epsilon=self.amax_epsilon, pow2=self.force_pow_2_scales)
 
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
@@ -176,10 +176,11 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
             torch.zeros(self.amax_history_len, dtype=torch.float32, device=device),
         )
 
-    def scale_for_amax(self, amax: float) -> float:
-        """The scale an amax history of ``amax`` alone gives: ``(fp8_max / amax) / 2**margin``."""
-        scale, _ = self.update(torch.ones(1), torch.zeros(1), torch.tensor([amax], dtype=torch.float32))
-        return scale.item()
+    def scale_of_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale an amax history of ``amax`` (float32, shape (1,)) alone gives:
+        ``(fp8_max / amax) / 2**margin``."""
+        scale, _ = self.update(torch.ones_like(amax), torch.zeros_like(amax), amax)
+        return scale
 
     def update(
         self, scale: torch.Tensor, amax_history: torch.Tensor, amax: torch.Tensor
