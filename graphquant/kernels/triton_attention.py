@@ -34,8 +34,10 @@ import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 
+# Tiles for the H200: 128 query rows over two warpgroups; the key tile of head dim 128 is 64 so
+# that the S tile, O's fp32 accumulator and its per-tile partial sum fit the registers together.
 BLOCK_M = 128
-BLOCK_N = 128
+BLOCK_N = {64: 128, 128: 64}
 NUM_WARPS = 8
 NUM_STAGES = 3
 
@@ -149,7 +151,7 @@ def forward(
     grid = (triton.cdiv(seq_q, BLOCK_M), b * heads)
     _forward_kernel[grid](
         q.contiguous(), k.contiguous(), vt.contiguous(), o, lse, p_amax, scale_inv, p_scale, softmax_scale,
-        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, BLOCK_M, BLOCK_N,
+        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, BLOCK_M, BLOCK_N[head_dim],
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return o, lse, p_amax
