@@ -145,6 +145,12 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
     return tuple(t.to(device=device, dtype=dtype) for t in (q * 2, k, v * 3, dout * 1e-3))
 
 
+def test_flash_site_refuses_a_mask():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape \(64, 64\)"):
+        quantized_attention(q, k, v, torch.ones(64, 64, dtype=torch.bool), site=AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH))
+
+
 def test_codes_are_the_emulations():
     """Quantized without repeating the key/value heads, Q, K and V get the emulation's scale and
     codes (it quantizes the repeated heads, which leave the joint amax alone), and V^T is the

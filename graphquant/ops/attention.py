@@ -87,6 +87,11 @@ def quantized_attention(
     lq, lk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if site.backend == backends.FLASH_ATTENTION:
+        if attn_mask is not None:
+            raise ValueError(
+                f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
+                f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={backends.ATTENTION_EMULATION!r})"
+            )
         return FlashAttention.apply(query, key, value, *states, site, scale, bool(is_causal))
     mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
     return QuantizedAttention.apply(query, key, value, mask, *states, site, scale)
