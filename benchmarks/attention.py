@@ -60,7 +60,7 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     states = tuple(
         torch.cat(q.initial_state(torch.device(device))) if q.keeps_state else None for q in quantizers.values()
     )
-    backend = backends.ATTENTION_EMULATION
+    backend = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
         head_dims = (HEAD_DIM, HEAD_DIM)
         backend = backends.select_attention(torch.device(device), quantizers["qkv"], quantizers["s"], head_dims, False).backend
@@ -106,7 +106,8 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, ca
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        name = name.format(site.backend + (", backward emulated" if backward and site.backend == backends.FLASH_ATTENTION else ""))
+        flash = site.backend.name == backends.FLASH_ATTENTION
+        name = name.format(f"{site.backend}{', backward emulated' if backward and flash else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
     if not backward and torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
         fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)

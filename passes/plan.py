@@ -63,7 +63,7 @@ class GemmPlan:
     b: str
     b_format: str
     bucket: str
-    backend: str
+    backend: backends.GemmBackend
     reason: str = ""
 
 
@@ -82,7 +82,7 @@ class Plan:
 
     def rows(self) -> list[list[str]]:
         return [
-            [g.site, g.module_type, g.gemm, f"{g.a}: {g.a_format}", f"{g.b}: {g.b_format}", g.backend, g.bucket, g.reason]
+            [g.site, g.module_type, g.gemm, f"{g.a}: {g.a_format}", f"{g.b}: {g.b_format}", str(g.backend), g.bucket, g.reason]
             for g in self.gemms
         ]
 
@@ -120,7 +120,7 @@ class Plan:
         return cls(
             device=doc["device"],
             slots=tuple((QuantizerRole(**s["role"]), parse_spec(s["quantizer"])) for s in doc["slots"]),
-            gemms=tuple(GemmPlan(**g) for g in doc["gemms"]),
+            gemms=tuple(GemmPlan(**{**g, "backend": backends.GemmBackend(**g["backend"])}) for g in doc["gemms"]),
             skipped=tuple((s["node"], s["reason"]) for s in doc["skipped"]),
             fast_accumulation=tuple(doc.get("fast_accumulation", DEFAULT_FAST_ACCUMULATION)),  # older dumps lack it
         )
@@ -207,20 +207,25 @@ class Planner:
             slots.update(zip(roles, quantizers))
             self._check_shapes(site, quantizers, training)
             self._check_grouped(site, quantizers)
-            batch, m, k = site.x_shape
-            n = site.w_shape[1]
+            batch = site.x_shape[0]
+            _, m, k = site.x_sizes
+            n = site.w_sizes[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
-                selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
-                if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
-                    selection = backends.Selection(backends.EMULATED, backends.EMULATION, "no native grouped GEMM yet")
+                if site.module_type == "grouped_linear":  # no native grouped GEMM: nothing to test on the sizes
+                    selection = backends.select(qa, da, qb, db, device, None, batch, fast)
+                    if selection.backend.native is not None:
+                        selection = backends.Selection(backends.EMULATED, backends.GemmBackend(backends.EMULATION), "no native grouped GEMM yet")
+                else:
+                    selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if self.strict and selection.bucket == backends.EMULATED:
+                    # The backend stays the one it would run on, which graphquant.explain runs.
                     selection = backends.Selection(
                         backends.REJECTED,
-                        "none",
+                        selection.backend,
                         f"strict=True rejects emulated GEMMs ({selection.reason}); give this GEMM a pair with a "
                         f"native GEMM on {device.type}, or compile without strict",
                     )
@@ -273,7 +278,9 @@ class Planner:
             selection = backends.select_attention(device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward)
             if self.strict and selection.bucket == backends.EMULATED:
                 selection = backends.Selection(
-                    backends.REJECTED, "none", f"strict=True rejects emulated attention ({selection.reason}); compile without strict"
+                    backends.REJECTED,
+                    selection.backend,
+                    f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
                 )
             entries.append(self._entry(site, gemm, operand(*a), operand(*b), selection))
         return entries

@@ -4,7 +4,8 @@ Expects: nodes annotated by find_gemms and a Plan for them (every slot has a qua
 Guarantees: each such node is replaced by a call of graphquant.ops.functional
 (graphquant.ops.grouped for torch._grouped_mm, graphquant.ops.attention for an attention site of
 passes.find_attention) whose ``site`` argument (a graphquant.ops.site.Site)
-names the site and spells out the format of input, weight/other and grad_output; slot state
+names the site and spells out the format of input, weight/other and grad_output and the backend
+the plan chose for each of its GEMMs; slot state
 (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
 returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
 weight quantized from its current value on every call); a frozen linear (graphquant.freeze) reads
@@ -24,7 +25,7 @@ from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
 from graphquant.quantizers import ROWWISE, Quantizer
-from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
+from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
 
 _TARGETS = {
@@ -74,6 +75,7 @@ def rewrite(
 def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group) -> None:
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
+    chosen = {(g.site, g.gemm): g.backend for g in plan.gemms}
     for node in list(graph.nodes):
         body = body_of(gm, node)
         if body is not None:
@@ -98,7 +100,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             **formats,
             streams=tuple(3 * index + i for i in range(3)),
             amax_group=None if grouped_site else amax_group,
-            fast_accumulation=DEFAULT_FAST_ACCUMULATION if grouped_site else plan.fast_accumulation,
+            **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
             inference=inference and site.form == LINEAR,
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)

@@ -43,6 +43,8 @@ from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, tra
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
+# The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
+_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 NO_STATES = (None, None, None, None)
 
 
@@ -57,7 +59,7 @@ class AttentionSite:
     s: str
     do: str
     dp: str
-    backend: str = backends.ATTENTION_EMULATION  # how the forward runs, as the plan chose (backends.select_attention)
+    backend: backends.GemmBackend = _EMULATED  # how the forward runs, as the plan chose (backends.select_attention)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __repr__(self) -> str:
@@ -86,11 +88,11 @@ def quantized_attention(
         )
     lq, lk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if site.backend == backends.FLASH_ATTENTION:
+    if site.backend.name == backends.FLASH_ATTENTION:
         if attn_mask is not None:
             raise ValueError(
                 f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
-                f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={backends.ATTENTION_EMULATION!r})"
+                f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={_EMULATED!r})"
             )
         return FlashAttention.apply(query, key, value, *states, site, scale, bool(is_causal))
     mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
@@ -307,7 +309,7 @@ def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, d
 
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
     """(batch, m, n) = a @ b^T per head in fp32, reported to a listening recorder (graphquant.numerics)."""
-    out = gemm(a_operand, b_operand, batch, torch.float32)
+    out = gemm(a_operand, b_operand, batch, torch.float32, _EMULATED, f"{site.label} {name}")
     recording.record(site, name, batch, a, a_operand, b, b_operand, None, out)
     return out
 

@@ -48,4 +48,4 @@ def quantized_weight_product(
     xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     update_delayed_scaling(x_quantizer, x_state, xq)
     bias = None if bias is None else bias.detach()
-    return gemm(xq[ROWWISE], w, 1, torch.promote_types(x2d.dtype, w_dtype), bias, site.fast("fprop"))
+    return gemm(xq[ROWWISE], w, 1, torch.promote_types(x2d.dtype, w_dtype), *site.runs("fprop"), bias)
