@@ -287,6 +287,8 @@ def gemm(
     if native is None:
         if backend.name == NONE:
             raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
+        if backend.name in ATTENTION_KERNELS:
+            raise GemmMismatch(f"{site}: its plan chose {backend}, which runs the attention's products itself, not as GEMM calls")
         return emulation.gemm(a, b, batch, out_dtype, bias)
     dims = gemm_dims(a, b, batch)
     refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
