@@ -1,7 +1,7 @@
 """TFLOP/s of attention: bf16 F.scaled_dot_product_attention per backend torch offers, beside
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
-    python benchmarks/attention.py [--seqs 2048,8192,16384] [--rounds 3] [--emulated]
+    python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--rounds 3] [--emulated]
 
 32 heads of dim 128, bf16, a batch of 16384 // seq sequences (16k tokens), causal and not,
 forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d forward, 2.5
@@ -140,14 +140,18 @@ def measure(fns: dict, rounds: int) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", default="2048,8192,16384", help="sequence lengths, comma-separated")
+    parser.add_argument("--passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per configuration")
     parser.add_argument("--emulated", action="store_true", help="add the exact emulation's rows (slow; OOM first)")
     args = parser.parse_args()
+    passes = args.passes.split(",")
+    if not set(passes) <= {"fwd", "fwd+bwd"}:
+        parser.error(f"--passes takes fwd and fwd+bwd, got {args.passes!r}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for causal in (False, True):
-            for backward in (False, True):
+            for backward in [p == "fwd+bwd" for p in passes]:
                 results = measure(runs(seq, causal, backward, args.emulated), args.rounds)
                 work = flops(seq, causal, backward)
                 for name, ms in results.items():
