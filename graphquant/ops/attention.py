@@ -20,10 +20,12 @@ format quantizes each alone. O and dQ, dK, dV stay in high precision: their quan
 applies. Grouped-query attention repeats each key/value head for its query heads (the same codes
 as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
 
-The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). A
-flash-attention kernel replaces ``emulated_forward`` and ``emulated_backward`` on the devices it
-runs on: it receives the same quantized Q, K, V and dO (bit for bit), but quantizes P and dS tile
-by tile as its online softmax sees them, so those two can differ from the emulation's.
+The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). Where
+the plan chose the FP8 flash forward (graphquant.kernels.triton_attention, ``FlashAttention``), it
+replaces ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
+quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
+(within the bound tests/test_triton_attention.py derives); the backward then recomputes S and P
+through the emulation.
 """
 
 from __future__ import annotations
