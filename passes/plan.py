@@ -265,15 +265,20 @@ class Planner:
                     self._check_tiling(quantizers[tensor], direction, batch, shape)
                 except ValueError as error:
                     raise PlanError(f"{site.label} (dpa) {tensor} ({slot}): {error}") from None
-        selection = backends.select_attention(device)
-        if self.strict and selection.bucket == backends.EMULATED:
-            selection = backends.Selection(
-                backends.REJECTED,
-                selection.backend,
-                f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
-            )
         operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
-        return [self._entry(site, gemm, operand(*a), operand(*b), selection) for gemm, a, b in site.products(training)]
+        head_dims = (int(site.q_sizes[3]), int(site.v_sizes[3]))
+        entries = []
+        for gemm, a, b in site.products(training):
+            backward = gemm not in ("qk", "pv")
+            selection = backends.select_attention(device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward)
+            if self.strict and selection.bucket == backends.EMULATED:
+                selection = backends.Selection(
+                    backends.REJECTED,
+                    selection.backend,
+                    f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
+                )
+            entries.append(self._entry(site, gemm, operand(*a), operand(*b), selection))
+        return entries
 
     @staticmethod
     def _check_attention_quantizer(site, role: QuantizerRole, quantizer: Quantizer) -> None:

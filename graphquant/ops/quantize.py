@@ -110,9 +110,13 @@ def transposed_operand(rowwise: Operand) -> Operand:
 
 def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
     """Roll the slot's amax history with this call's amax and store the next scale, in place."""
-    if not quantizer.keeps_state or not operands:
-        return
-    amax = next(iter(operands.values())).tensors[2]
+    if quantizer.keeps_state and operands:
+        record_amax(quantizer, state, next(iter(operands.values())).tensors[2])
+
+
+def record_amax(quantizer: Quantizer, state: SlotState, amax: torch.Tensor) -> None:
+    """Roll a delayed-scaling slot's amax history with ``amax`` (reduced over the slot's process
+    group where the format asks) and store the next scale, in place."""
     if quantizer.reduce_amax and state.amax_group is not None:
         from graphquant.distributed import all_reduce_amax
 
