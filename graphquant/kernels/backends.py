@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -33,11 +34,6 @@ from graphquant.quantizers import (
     quantizer_classes,
 )
 
-try:
-    from graphquant.kernels import triton_decode
-except ImportError:  # no Triton: no decode GEMM
-    triton_decode = None
-
 NATIVE = "native"
 EMULATED = "emulated"
 REJECTED = "rejected"
@@ -53,6 +49,8 @@ FLASH_ATTENTION = "triton fp8 flash attention"
 ATTENTION_KERNELS = (FLASH_ATTENTION,)
 FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# The decode GEMM's kernels where Triton is installed; None elsewhere (no decode GEMM).
+triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
 
 
 @dataclasses.dataclass(frozen=True)
