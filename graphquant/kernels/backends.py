@@ -24,8 +24,6 @@ from graphquant.kernels import emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
-    Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
     GemmInput,
     Quantizer,
     Representation,
@@ -360,6 +358,9 @@ def select_attention(
     return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
 
 
+PER_TENSOR_E4M3 = GemmInput("fp8_tensorwise", "e4m3")
+
+
 def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool) -> str:
     """Why the FP8 flash forward cannot run this attention ('' where it can)."""
     sm = capability(device)
@@ -368,7 +369,7 @@ def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[i
     if not HAS_TRITON:
         return "the FP8 flash-attention kernel needs Triton, which is not installed"
     for slot, quantizer in (("qkv", qkv), ("s", s)):
-        if type(quantizer) not in (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer) or quantizer.fp8_dtype != "e4m3":
+        if quantizer.gemm_input(ROWWISE) != PER_TENSOR_E4M3:
             return f"the FP8 flash-attention kernel takes per-tensor E4M3 {slot}, not {quantizer}"
     if masked:
         return "the FP8 flash-attention kernel takes causal or no masks, not an attn_mask"
