@@ -3,9 +3,9 @@
 The capability is faked (graphquant.kernels.backends.capability) and the native GEMM call too:
 this CPU runs the emulated GEMM in its place. What is checked is the decision that reaches
 execution: for every GEMM of a small model (fprop, dgrad, wgrad of each site), the backend whose
-entry point ran (graphquant.kernels.scaled_mm.run with its GemmBackend, or the emulated GEMM)
-is the plan's, with static shapes and with symbolic ones whose alignment the plan cannot see in
-the sizes of one call.
+entry point ran (graphquant.kernels.scaled_mm.run with its GemmBackend, the decode GEMM, or the
+emulated GEMM) is the plan's, with static shapes and with symbolic ones whose alignment (or, for
+the decode GEMM, row count) the plan cannot see in the sizes of one call.
 """
 
 import copy
@@ -23,6 +23,8 @@ from graphquant.ops.functional import quantized_linear
 from graphquant.ops.site import Site
 from graphquant.quantizers import Float8CurrentScalingQuantizer
 
+triton_decode = backends.triton_decode  # None where Triton is not installed
+
 # A recipe whose GEMMs run on each native GEMM where the capability has it.
 RECIPE_OF = {
     scaled_mm.TENSORWISE: zoo.recipe("tensorwise"),
@@ -30,7 +32,11 @@ RECIPE_OF = {
     scaled_mm.BLOCKWISE: recipes.float8_block_scaling(),
     scaled_mm.MXFP8: recipes.mxfp8_block_scaling(),
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
+    # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
+    **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
 }
+# The row counts of the two training steps: the decode GEMM's fit it, the others' 16 and 128.
+ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
 CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
 EMULATED_RUN = "emulation.gemm"
 
@@ -54,6 +60,7 @@ def runs(monkeypatch):
     native GemmBackend, or EMULATED_RUN); on the CPU the emulated GEMM stands in for a native one."""
     ran, current = {}, []
     dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
+    decode = triton_decode.gemm if backends.DECODE_GEMMS else None
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         current.append(site)
@@ -70,26 +77,32 @@ def runs(monkeypatch):
         record(backend)
         return native(backend, a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
 
+    def decode_run(a, b, out_dtype, bias=None):
+        record(GemmBackend(triton_decode.BACKEND))
+        return decode(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
 
+    if decode is not None:
+        monkeypatch.setattr(triton_decode, "gemm", decode_run)
     monkeypatch.setattr(backends, "gemm", gemm)
     monkeypatch.setattr(scaled_mm, "run", native_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
     return ran
 
 
-def _train_steps_run_as_planned(model, recipe, ran, device, backend):
+def _train_steps_run_as_planned(model, recipe, ran, device, backend, rows_of_steps=(128, 160)):
     """One training step of ``model`` at 128 rows, then at 160 (which fits GEMMs that need
-    multiples of 16, not those of 128, and tiles every format's blocks), with static shapes (a
-    graph each) and with symbolic ones (dynamic=True): every GEMM runs on its plan's backend.
-    Gives the plan of the 128-row step."""
+    multiples of 16, not those of 128, and tiles every format's blocks), or at ``rows_of_steps``,
+    with static shapes (a graph each) and with symbolic ones (dynamic=True): every GEMM runs on
+    its plan's backend. Gives the plans of the first step, static and symbolic."""
     plans = []
     for dynamic in (False, True):
         torch._dynamo.reset()
         compiled = graphquant.compile(copy.deepcopy(model), recipe, backend=backend, dynamic=dynamic)
-        for rows in (128, 160):
+        for rows in rows_of_steps:
             ran.clear()
             x = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
             compiled(x).float().square().mean().backward()
@@ -98,8 +111,7 @@ def _train_steps_run_as_planned(model, recipe, ran, device, backend):
             assert ran == planned, f"dynamic={dynamic}, {rows} rows: plan and run disagree\n{plan}"
             assert {g.bucket for g in plan.gemms} <= {backends.NATIVE, backends.EMULATED}
         plans.append(compiled.graphquant.plans[0])
-    assert plans[0].gemms == plans[1].gemms
-    return plans[0]
+    return plans
 
 
 def test_every_native_gemm_has_a_recipe_here():
@@ -111,20 +123,50 @@ def test_every_native_gemm_has_a_recipe_here():
 def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, native, sm):
     fake_capability(sm)
     torch.manual_seed(0)
-    plan = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager")
+    rows = ROWS_OF.get(native, (128, 160))
+    static, symbolic = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager", rows)
     # Where the capability has the native GEMM, the aligned shapes ran on it.
     runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
-    assert (native in {g.backend.name for g in plan.gemms}) == runs_here
+    assert (native in {g.backend.name for g in static.gemms}) == runs_here
+    if native in ROWS_OF:  # the decode GEMM needs m known when the plan is made: not under symbolic rows
+        assert native not in {g.backend.name for g in symbolic.gemms}
+    else:
+        assert static.gemms == symbolic.gemms
+
+
+ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE], ids=["tensorwise", "blockwise"])
+@pytest.mark.parametrize("native", ON_THIS_GPU, ids=[name.replace(" ", "_") for name in ON_THIS_GPU])
 def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
     """The same on the GPU, through aot_autograd, with the native GEMMs themselves."""
     torch.manual_seed(0)
-    plan = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager")
+    rows = ROWS_OF.get(native, (128, 160))
+    static, _ = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager", rows)
     sm = torch.cuda.get_device_capability()
-    assert (native in {g.backend.name for g in plan.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
+    assert (native in {g.backend.name for g in static.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
+
+
+@pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")
+def test_decode_gemm_runs_both_inference_products_as_planned(runs, fake_capability):
+    """Inference at 4 rows: each linear's product, its weight quantized per call and then frozen
+    (graphquant.freeze), runs on the decode GEMM its plan chose."""
+    fake_capability((9, 0))
+    compiled = graphquant.compile(Model().to(torch.bfloat16), zoo.recipe("rowwise"), mode="inference", backend="eager")
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    decode = GemmBackend(triton_decode.BACKEND)
+    with torch.no_grad():
+        for freeze in (False, True):
+            if freeze:
+                graphquant.freeze(compiled)
+            runs.clear()
+            compiled(x)
+            plan = compiled.graphquant.plan
+            linears = [g for g in plan.gemms if g.module_type == "linear"]
+            assert [g.b.endswith("(frozen)") for g in linears] == [freeze, freeze], str(plan)
+            assert {f"{g.site} {g.gemm}": g.backend if g.backend.native else EMULATED_RUN for g in plan.gemms} == runs
+            assert all(runs[f"{g.site} {g.gemm}"] == decode for g in linears), str(plan)
 
 
 def test_strict_rejects_a_native_gemm_that_symbolic_sizes_misalign(fake_capability):
@@ -154,6 +196,21 @@ def test_a_call_its_backend_cannot_run_fails_naming_site_shape_format_and_backen
         r"cublaslt fp8 tensorwise needs m, n, k multiples of 16",
     ):
         quantized_linear(x, w, site=_site(GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True)))
+
+
+@pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")
+def test_a_decode_gemm_call_of_more_rows_than_it_takes_fails(fake_capability):
+    """The decode GEMM runs where the plan chose it, on the rows it was planned for: a call of more
+    rows than it takes does not fall back to another GEMM."""
+    fake_capability((9, 0))
+    with pytest.raises(
+        GemmMismatch,
+        match=r"fc#0 fprop: its plan chose triton decode gemm, which cannot run this call \(1 x \(m, n, k\) = \(17, 32, 64\), .*"
+        r"triton decode gemm multiplies at most 16 rows of A, a number known when the plan is made",
+    ):
+        quantized_linear(torch.randn(17, 64), torch.randn(32, 64), site=_site(GemmBackend(triton_decode.BACKEND)))
+    with pytest.raises(ValueError, match="has no fast accumulation"):
+        GemmBackend(triton_decode.BACKEND, fast_accumulation=True)
 
 
 def test_a_gemm_backend_is_a_known_one():

@@ -5,14 +5,16 @@ direction) into native / emulated / rejected and names the backend, a GemmBacken
 shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
 it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice). The emulated backend dequantizes both operands exactly and multiplies them in high
-precision; it runs every pair the planner admits, on any device.
+choice), and Triton's decode GEMM for at most 16 rows (graphquant.kernels.triton_decode). The
+emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
+every pair the planner admits, on any device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -45,6 +47,8 @@ FLASH_ATTENTION = "triton fp8 flash attention"
 ATTENTION_KERNELS = (FLASH_ATTENTION,)
 FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# The decode GEMM's kernels where Triton is installed; None elsewhere (no decode GEMM).
+triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +102,9 @@ class Selection:
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
     element encodings it multiplies, the multiple every one of m, n and k must be, the compute
-    capabilities torch._scaled_mm runs it on, and whether it can sum in the tensor cores'
-    accumulator (fast accumulation)."""
+    capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
+    accumulation), and for a skinny GEMM the most rows of A it takes (m, known when the plan is
+    made), both operands stored with the reduction dim last."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -107,6 +112,7 @@ class NativeGemm(NamedTuple):
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
     fast_accumulation: bool = False
+    max_rows: Optional[int] = None
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -114,23 +120,49 @@ class NativeGemm(NamedTuple):
             return False
         return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
 
-    def misfit(self, dims: Sequence[Any], batch: Any = 1) -> str:
-        """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k), or "" where it can.
-        A dim may be None (unknown: not tested) or a torch.SymInt, whose test becomes a guard of
-        the graph being compiled, so that a size that fails it compiles (and plans) a graph of its own."""
+    def misfit(self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True) -> str:
+        """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k), both operands stored
+        with the reduction dim last or not (``k_last``), or "" where it can. A dim may be None
+        (unknown: not tested, except m by a skinny GEMM, which needs it known) or a torch.SymInt,
+        whose test becomes a guard of the graph being compiled, so that a size that fails it
+        compiles (and plans) a graph of its own."""
         if batch != 1:
             return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
         if any(d is not None and d % self.multiple != 0 for d in dims):
             return f"{self.backend} needs m, n, k multiples of {self.multiple}; got {tuple(dims)}"
+        if self.max_rows is not None:
+            m = dims[0] if dims else None
+            if not isinstance(m, int) or m > self.max_rows:
+                return f"{self.backend} multiplies at most {self.max_rows} rows of A, a number known when the plan is made"
+            if not k_last:
+                return f"{self.backend} reads operands stored with the reduction dim last"
         return ""
 
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 
+# Triton's decode GEMM first, where Triton is installed: at up to 16 rows the weight's bytes are
+# the whole cost, and it reads them once (its FP8 up-casts need sm89). It sums in fp32 always, so
+# it has no fast accumulation: a recipe that allows it gets the full fp32 sum here. It serves
+# training GEMMs of at most 16 rows too (fprop, dgrad): its product is the emulated GEMM's up to
+# the order of fp32 accumulation.
+DECODE_GEMMS = () if triton_decode is None else (
+    NativeGemm(
+        triton_decode.BACKEND,
+        triton_decode.FAMILY_PAIRS,
+        triton_decode.ELEMENT_PAIRS,
+        1,
+        lambda sm: sm >= (8, 9),
+        fast_accumulation=False,
+        max_rows=triton_decode.MAX_ROWS,
+    ),
+)
+
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
 NATIVE_GEMMS = (
+    *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -206,12 +238,16 @@ def select(
     if sm is None:
         return Selection(EMULATED, GemmBackend(EMULATION), f"no low-precision GEMM on {device.type}")
     a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
+    k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
+    misfits = []  # a pair may have several native GEMMs (the decode GEMM first): the first that fits runs
     for native in NATIVE_GEMMS:
         if native.runs_on(sm) and native.takes(a_input, b_input):
-            misfit = native.misfit(dims or (), batch)
-            if misfit:
-                return Selection(EMULATED, GemmBackend(EMULATION), misfit)
-            return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation))
+            misfit = native.misfit(dims or (), batch, k_last)
+            if not misfit:
+                return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation))
+            misfits.append(misfit)
+    if misfits:
+        return Selection(EMULATED, GemmBackend(EMULATION), "; ".join(misfits))
     if type(a) is not type(b):
         return Selection(EMULATED, GemmBackend(EMULATION), f"no GEMM multiplies {a.tag} by {b.tag}")
     return Selection(EMULATED, GemmBackend(EMULATION), f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
@@ -252,7 +288,7 @@ def _refusal(
         return f"it does not run on {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
     if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
-    return native.misfit(dims, batch)
+    return native.misfit(dims, batch, _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction))
 
 
 def clear_caches() -> None:
@@ -260,6 +296,11 @@ def clear_caches() -> None:
     fakes a compute capability."""
     select.cache_clear()
     _refusal.cache_clear()
+
+
+def _stored_k_last(quantizer: Quantizer, direction: str) -> bool:
+    """Representation.stored_k_last of what ``quantizer`` makes for ``direction``."""
+    return quantizer.transposed(direction) == (direction == COLUMNWISE)
 
 
 def gemm(
@@ -296,6 +337,8 @@ def gemm(
             f"{a.quantizer.direction_spec(a.direction)} x {b.quantizer.direction_spec(b.direction)} on "
             f"{a.data.device}): {refusal}; the plan was made for other shapes or another device"
         )
+    if native in DECODE_GEMMS:
+        return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 

@@ -37,16 +37,22 @@ def _mxfp8_kernel(
     else:  # BLOCK_R divides 32: a program's rows share one row of scales
         scale_row = (tl.program_id(0) * BLOCK_R // 32).to(tl.int64)
         biased = tl.load(scale_ptr + scale_row * scale_row_stride + col * scale_col_stride, mask=col < cols, other=127)
-    biased = biased.to(tl.int32)
-    scale = tl.where(biased == 0, 0x00400000, biased << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(biased == 255, float("nan"), scale)
     offsets = row64 * cols + col
-    values = tl.load(data_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale
+    values = tl.load(data_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * e8m0_value(biased)
     tl.store(out_ptr + offsets, values.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _e2m1_value_over_2_14(code):
+def e8m0_value(biased):
+    """The fp32 power of two an E8M0 scale encodes: 2^(biased - 127), 2^-127 (an fp32 subnormal)
+    for 0, NaN for 255."""
+    biased = biased.to(tl.int32)
+    scale = tl.where(biased == 0, 0x00400000, biased << 23).to(tl.float32, bitcast=True)
+    return tl.where(biased == 255, float("nan"), scale)
+
+
+@triton.jit
+def e2m1_value_over_2_14(code):
     """An E2M1 code's value times 2^-14: its sign, exponent and mantissa bits placed in an fp16
     (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly; the conversion is exact."""
     bits = ((code & 8) << 12) | ((code & 7) << 9)
@@ -65,7 +71,7 @@ def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.conste
     scale = tl.load(scale_ptr + row64 * (cols // 16) + block, mask=(row < rows) & (block < cols // 16), other=0.0)
     scale = scale.to(tl.float32) * 16384.0  # undoes the 2^-14 of the decoded codes, exactly
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_B // 8, 8)), (BLOCK_R, BLOCK_B))
-    values = tl.interleave(_e2m1_value_over_2_14(packed & 0xF) * scale, _e2m1_value_over_2_14(packed >> 4) * scale)
+    values = tl.interleave(e2m1_value_over_2_14(packed & 0xF) * scale, e2m1_value_over_2_14(packed >> 4) * scale)
     col = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)[None, :]
     tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=(row < rows) & (col < cols))
 

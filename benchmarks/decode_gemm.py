@@ -1,0 +1,87 @@
+"""Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear and torch._scaled_mm.
+
+    python benchmarks/decode_gemm.py
+
+For each weight N x K of a Llama-3-8B FFN and each row count M, every row is measured in the same
+run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
+timed). Each function is replayed from a CUDA graph of CALLS calls, so the times are the GPU's,
+not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
+row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import alternate  # noqa: E402
+from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
+
+from graphquant.kernels import scaled_mm, triton_decode  # noqa: E402
+from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
+
+WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
+ROWS = [1, 16]
+CALLS = 20
+
+# (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
+FORMATS = {name.removesuffix(" (emulated on sm90)"): pair for name, pair in GEMM_FORMATS.items()}
+
+
+def graphed(fn):
+    """A function that replays CALLS calls of ``fn`` from one CUDA graph (``fn`` run once first,
+    outside the capture, so that Triton tunes and compiles there)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    return graph.replay
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.dim())
+
+
+def main() -> None:
+    rows = []
+    for n, k in WEIGHTS:
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+            fns = {"bf16 F.linear": lambda: F.linear(x, w)}
+            weight_bytes = {"bf16 F.linear": nbytes(w)}
+            ra = Float8RowwiseQuantizer()(x, columnwise=False).get(ROWWISE)
+            rb = Float8RowwiseQuantizer()(w, columnwise=False).get(ROWWISE)
+            args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
+            fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
+            weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
+            for name, (qa, qb) in FORMATS.items():
+                a = qa(x, columnwise=False).get(ROWWISE)
+                b = qb(w, columnwise=False).get(ROWWISE)
+                fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+                weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
+            replays, failed = {}, {}
+            for name, fn in fns.items():
+                try:
+                    replays[name] = graphed(fn)
+                except RuntimeError as error:  # e.g. a shape torch._scaled_mm does not take
+                    failed[name] = str(error).splitlines()[0][:60]
+            times = alternate(replays, rounds=5)
+            bf16_us = times["bf16 F.linear"] * 1e3 / CALLS
+            for name in fns:
+                if name in failed:
+                    rows.append([f"{n}x{k}", m, name, "", "", "", failed[name]])
+                    continue
+                us = times[name] * 1e3 / CALLS
+                rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", ""])
+    print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
+
+
+if __name__ == "__main__":
+    main()

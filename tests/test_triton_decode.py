@@ -1,0 +1,197 @@
+"""The decode GEMM (graphquant.kernels.triton_decode): every format's product at 1 to 16 rows
+equals the float64 product of the dequantized operands within fp32 accumulation, and the
+planner picks it for a static m <= 16.
+
+On the CPU the kernel runs under Triton's interpreter, in a process of its own (TRITON_INTERPRET
+must be set before Triton is first imported); on a GPU at the shapes of a Llama-3-8B FFN.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graphquant.kernels import backends
+from graphquant.kernels.backends import GemmBackend
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8RowwiseQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+
+# (name, the activation's quantizer, the weight's): each built-in rowwise GEMM family.
+PAIRS = {
+    "fp8 tensorwise": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
+    "fp8 tensorwise e5m2 x e4m3": (Float8CurrentScalingQuantizer("e5m2"), Float8CurrentScalingQuantizer("e4m3")),
+    "fp8 rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
+    "fp8 block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
+    "fp8 block 1x128, scales not powers of two": (
+        Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
+        Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
+    ),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    "nvfp4 x nvfp4 2d": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
+    "nvfp4 row-scaled x nvfp4": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer()),
+}
+
+U = 2.0**-24
+
+
+def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.dtype, device: str, gemm: str = "fprop") -> float:
+    """How far the decode GEMM's out (m, n) exceeds its bound (<= 0: within it), through
+    backends.gemm, which must have chosen it; in a fprop (the weight's rowwise representation)
+    or a dgrad (its columnwise one, stored transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
+    rounding of each dequantized reference operand, the factors' product and its product with the
+    sum ((K + 3) u sum|a b|), the bias's addition (u |out|) and the rounding to out_dtype."""
+    from graphquant.kernels import triton_decode
+
+    torch.manual_seed(0)
+    qa, qb = PAIRS[name]
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(device)
+    w = (torch.randn(n, k) * torch.rand(n, 1) / 8).to(device, torch.bfloat16)
+    direction = ROWWISE if gemm == "fprop" else COLUMNWISE
+    a = qa(x, rowwise=True, columnwise=False).get(ROWWISE)
+    b = qb(w if gemm == "fprop" else w.t().contiguous(), rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction)
+    bias = (torch.randn(n) * 4).to(device, torch.bfloat16) if with_bias else None
+    if device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
+        selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
+        assert selection.backend == GemmBackend(triton_decode.BACKEND), selection
+        out = backends.gemm(a, b, 1, out_dtype, selection.backend, f"{name} {gemm}", bias)[0]
+    else:
+        out = triton_decode.gemm(a, b, out_dtype, bias)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
+    ref = left @ right.t() + (bias.double() if with_bias else 0)
+    magnitude = left.abs() @ right.abs().t()
+    rounding = U if out_dtype == torch.float32 else 2.0**-8
+    bound = (k + 3) * U * magnitude + ref.abs() * (U + rounding)
+    return ((out.double() - ref).abs() - bound).max().item()
+
+
+# (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
+# a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
+# dgrad. fp32 out only: the interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
+INTERPRETED = [
+    (1, 96, 1024, False, torch.float32, "fprop"),
+    (3, 40, 224, True, torch.float32, "fprop"),
+    (16, 72, 640, True, torch.float32, "fprop"),
+    (2, 256, 640, False, torch.float32, "dgrad"),
+]
+# MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
+DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
+
+
+def _interpreted_id(case) -> str:
+    m, n, k, bias, dtype, gemm = case
+    return f"{gemm} {m}x{n}x{k}{' bias' if bias else ''} {str(dtype).removeprefix('torch.')}"
+
+
+def _interpreted_cases():
+    return [(name, case) for name in PAIRS for case in INTERPRETED if case[-1] == "fprop" or name in DGRAD_PAIRS]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """Every (pair, case)'s excess, from one process running the kernel under Triton's interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name,case", _interpreted_cases(), ids=[f"{name}-{_interpreted_id(case)}" for name, case in _interpreted_cases()])
+def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, case):
+    assert interpreted[f"{name} | {_interpreted_id(case)}"] <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("name", PAIRS)
+def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
+    """At the shape of a Llama-3-8B FFN's down projection (K split across programs)."""
+    assert excess(name, m, 4096, 14336, with_bias, torch.bfloat16, "cuda") <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DGRAD_PAIRS)
+def test_decode_dgrad_matches_float64_reference_on_gpu(name):
+    """A dgrad of 16 rows reads the weight's columnwise representation (stored transposed)."""
+    assert excess(name, 16, 4096, 14336, False, torch.bfloat16, "cuda", "dgrad") <= 0
+
+
+@pytest.mark.gpu
+def test_decode_gemm_gives_the_same_bits_every_run():
+    """The K splits' partial sums are added in a fixed order, with no atomics."""
+    from graphquant.kernels import triton_decode
+
+    qa, qb = PAIRS["nvfp4 x nvfp4 2d"]
+    a = qa(torch.randn(4, 14336, device="cuda"), columnwise=False).get(ROWWISE)
+    b = qb(torch.randn(4096, 14336, device="cuda"), columnwise=False).get(ROWWISE)
+    assert triton_decode.split_k(4096, 14336, a.data.device) > 1
+    first = triton_decode.gemm(a, b, torch.float32)
+    assert torch.equal(first, triton_decode.gemm(a, b, torch.float32))
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """backends.select on a CUDA device of capability 9.0 (faked), what it worked out forgotten around."""
+    if not backends.DECODE_GEMMS:
+        pytest.skip("no Triton: no decode GEMM")
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    backends.clear_caches()
+    yield backends.triton_decode
+    backends.clear_caches()
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_16(hopper, name):
+    """With or without the recipe's fast accumulation: the decode GEMM always sums in fp32. A row
+    count unknown to the plan (symbolic sizes) or above 16, or a batch of products, goes elsewhere."""
+    qa, qb = PAIRS[name]
+    cuda = torch.device("cuda")
+    decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
+    for m in (1, 2, 16):
+        for fast in (False, True):
+            assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
+    for dims in ((17, 4096, 4096), (None, 4096, 4096), None):
+        assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend.name != hopper.BACKEND
+    assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
+
+
+def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
+    """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it is emulated."""
+    selection = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, torch.device("cuda"), (1, 256, 256))
+    assert selection.backend == GemmBackend(backends.EMULATION)
+    assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
+
+
+def test_decode_gemm_names_what_it_cannot_take():
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    rowwise = Float8RowwiseQuantizer()
+    a = rowwise(torch.randn(17, 128), columnwise=False).get(ROWWISE)
+    b = rowwise(torch.randn(64, 128), columnwise=False).get(ROWWISE)
+    with pytest.raises(ValueError, match=r"at most 16 rows of A; got A of 17 rows"):
+        triton_decode.gemm(a, b, torch.bfloat16)
+    mx = MXFP8Quantizer()
+    a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
+    b = mx(torch.randn(128, 64)).get(COLUMNWISE)
+    with pytest.raises(ValueError, match=r"reduction dim last; B is mxfp8\(fp8_dtype=e4m3\) \(columnwise\), stored with it first"):
+        triton_decode.gemm(a, b, torch.bfloat16)
+
+
+if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
+    results = {
+        f"{name} | {_interpreted_id(case)}": excess(name, *case[:-1], "cpu", case[-1]) for name, case in _interpreted_cases()
+    }
+    print(json.dumps(results))
