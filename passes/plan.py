@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from graphquant import recipes, user_stack
 from graphquant.kernels import backends
+from graphquant.ops.grouped import GROUP_ROWS
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -260,6 +261,8 @@ class Planner:
         batch, m, k = site.x_sizes
         _, n, _ = site.w_sizes
         shapes = ((batch * m, k), (batch * n, k), (batch * m, n))
+        if site.module_type == "grouped_linear":  # the op pads every group's rows, and grad_output's columns
+            shapes = ((GROUP_ROWS, k), (GROUP_ROWS, k), (GROUP_ROWS, GROUP_ROWS))
         for role_type, quantizer, shape in zip(TENSOR_TYPES[site.module_type], quantizers, shapes):
             if role_type == "grad_output" and not training:
                 continue
