@@ -24,11 +24,16 @@ from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     DelayedScalingRequest,
+    IdentityQuantizer,
     Quantizer,
     parse_spec,
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
+
+# Output features below the largest block of any format (FP8 block's 128): too few to tile, for
+# CustomRecipe.narrow_outputs_in_high_precision.
+NARROW = 128
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
 GEMMS = (
@@ -198,8 +203,10 @@ class Planner:
         for site in sites:
             roles = site.roles()
             quantizers = [self.quantizer(role) for role in roles]
+            untileable = self._untileable(site, quantizers, training)
+            if untileable:
+                quantizers = [IdentityQuantizer()] * len(roles)
             slots.update(zip(roles, quantizers))
-            self._check_shapes(site, quantizers, training)
             self._check_grouped(site, quantizers)
             batch, m, k = site.x_shape
             n = site.w_shape[1]
@@ -228,7 +235,7 @@ class Planner:
                     b_format=quantizers[ib].direction_spec(db),
                     bucket=selection.bucket,
                     backend=selection.backend,
-                    reason=selection.reason,
+                    reason=selection.reason or untileable,
                 )
                 self._check_bucket(entry)
                 gemms.append(entry)
@@ -251,6 +258,31 @@ class Planner:
     def _check_bucket(self, g: GemmPlan) -> None:
         if self.fail_on_bucket and g.bucket == backends.REJECTED:
             raise PlanError(f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: rejected: {g.reason}")
+
+    def _untileable(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
+        """Why the site runs in high precision although the factory quantized it ("" if it does
+        not): only its few output features keep it from tiling the formats' blocks and the recipe
+        keeps such sites in high precision (CustomRecipe.narrow_outputs_in_high_precision);
+        any other shape that does not tile is the error it was."""
+        try:
+            self._check_shapes(site, quantizers, training)
+        except PlanError as error:
+            if not (self.recipe.narrow_outputs_in_high_precision and self._only_narrow(site, quantizers, training)):
+                raise
+            return f"in high precision: its {site.w_shape[1]} output features tile no block of the recipe's formats ({error})"
+        return ""
+
+    def _only_narrow(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> bool:
+        """Whether the site has fewer output features than the largest block (128) and would
+        tile every format with 128 of them."""
+        batch, n, k = site.w_sizes
+        if not isinstance(n, int) or n >= NARROW:
+            return False
+        try:
+            self._check_shapes(dataclasses.replace(site, w_sizes=(batch, NARROW, k)), quantizers, training)
+        except (PlanError, ValueError):
+            return False
+        return True
 
     def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
         """Each tensor the site quantizes must tile the block of every direction it is made in.

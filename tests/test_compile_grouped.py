@@ -351,3 +351,42 @@ def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, 
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         actual = forward_backward(inductor, inductor_model, x)
     assert_same_results(actual, eager_graph, slack=INDUCTOR_SLACK, what="inductor: ")
+
+
+# -- routers -----------------------------------------------------------------------------------
+
+
+class RoutedLayer(torch.nn.Module):
+    """A top-1 MoE layer whose router (an nn.Linear with 8 outputs) tiles no MXFP8 block."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(DIM, EXPERTS, bias=False, dtype=torch.bfloat16)
+        self.up = torch.nn.Parameter((torch.randn(EXPERTS, DIM, DIM, generator=torch.Generator().manual_seed(5)) / DIM**0.5).to(torch.bfloat16))
+
+    def forward(self, x):
+        gate, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        offs = torch.bincount(expert, minlength=EXPERTS).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x[order], self.up, offs=offs)
+        return y[order.argsort()] * gate[:, None]
+
+
+def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason():
+    model, x = RoutedLayer(), chain_input("cpu")
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    result = forward_backward(compiled, model, x)
+    assert all(torch.isfinite(t).all() for t in result.values())
+    plan = compiled.graphquant.plan
+    router = [g for g in plan.gemms if g.site == "router#0"]
+    assert [(g.gemm, g.a_format, g.backend) for g in router] == [
+        (gemm, "identity()", "high-precision matmul") for gemm in ("fprop", "dgrad", "wgrad")
+    ]
+    assert all(g.reason.startswith("in high precision: its 8 output features tile no block of the recipe's formats") for g in router)
+    assert all(g.a_format.startswith("mxfp8") for g in plan.gemms if g.module_type == "grouped_linear")
+
+    # A factory of the user's own decides per slot: the same formats without the built-in default fail.
+    torch._dynamo.reset()
+    own = graphquant.compile(RoutedLayer(), CustomRecipe(factories.mxfp8_factory), backend="aot_eager", fullgraph=True)
+    with pytest.raises(PlanError, match=r"^router#0 \(linear\) .*multiple of 32"):
+        own(x)
