@@ -390,3 +390,23 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
     own = graphquant.compile(RoutedLayer(), CustomRecipe(factories.mxfp8_factory), backend="aot_eager", fullgraph=True)
     with pytest.raises(PlanError, match=r"^router#0 \(linear\) .*multiple of 32"):
         own(x)
+
+
+@pytest.mark.slow
+def test_moe_benchmark_runs_tiny_on_cpu():
+    """benchmarks/moe_step.py --tiny: the MoE layer (router, top-k, shared expert, grouped
+    experts) trains under bf16 and graphquant's grouped recipes, every row a time, none an error."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "moe_step.py"
+    names = "bf16 eager,graphquant rowwise,graphquant nvfp4_row_scaled_fwd_mxfp8_bwd"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--rounds", "1", "--reps", "1", "--configs", names],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines() if line.startswith("| bf16") or line.startswith("| graphquant")]
+    assert [row[0] for row in rows] == names.split(","), result.stdout
+    assert all(row[1] and not row[-1] for row in rows), result.stdout  # a time, no error
