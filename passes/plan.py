@@ -215,9 +215,10 @@ class Planner:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
-                selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
-                if site.module_type == "grouped_linear" and selection.backend not in (backends.HIGH_PRECISION, "none"):
-                    selection = backends.Selection(backends.EMULATED, backends.EMULATION, "no native grouped GEMM yet")
+                if site.module_type == "grouped_linear":
+                    selection = backends.select_grouped(qa, da, qb, db, device)
+                else:
+                    selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if self.strict and selection.bucket == backends.EMULATED:
                     selection = backends.Selection(
                         backends.REJECTED,

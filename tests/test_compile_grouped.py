@@ -24,7 +24,7 @@ from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
 from graphquant.formats import groups
-from graphquant.kernels import native
+from graphquant.kernels import backends, native
 from graphquant.ops.grouped import GROUP_ROWS
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -120,7 +120,7 @@ def test_grouped_mm_matches_per_group_reference(name):
     assert [(g.site, g.module_type, g.gemm) for g in plan.gemms] == [
         ("moe.grouped_linear.0#0", "grouped_linear", gemm) for gemm in ("fprop", "dgrad", "wgrad")
     ]
-    # No native grouped GEMM yet: only high-precision pairs (Identity x Identity) are native.
+    # On the CPU only high-precision pairs (Identity x Identity) are native.
     assert all((g.bucket == "native") == (g.backend == "high-precision matmul") for g in plan.gemms)
 
 
@@ -160,8 +160,11 @@ def test_grouped_path_reads_no_value_on_the_host(name, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["current", "rowwise", "blockwise", "mxfp8", "nvfp4_row_scaled_mxfp8_bwd"])
+@pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8"])
 def test_grouped_training_step_does_not_synchronise_on_gpu(name):
+    """Formats whose grouped GEMMs run on torch._scaled_grouped_mm (rowwise) or as a bf16
+    torch._grouped_mm (blockwise, MXFP8) keep the offsets on the device; the plan says which do
+    not (backends.select_grouped: an fp32 emulated product reads them on the host)."""
     model, x = Model().cuda(), inputs().cuda()
     compiled = graphquant.compile(model, RECIPES[name](), fullgraph=True)
     forward_backward(compiled, model, x)
@@ -172,6 +175,54 @@ def test_grouped_training_step_does_not_synchronise_on_gpu(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rowwise", "current"])
+def test_native_fp8_grouped_gemms_match_per_group_reference_on_gpu(name):
+    """torch._scaled_grouped_mm for E4M3 per-row (all three GEMMs) and per-tensor (fprop; the
+    E5M2 gradients stay emulated) grouped GEMMs, against each expert quantized alone in float64,
+    ragged and empty groups included."""
+    compiled = run_against_reference(RECIPES[name](), Model().cuda(), inputs().cuda())
+    native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
+    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend == backends.SCALED_GROUPED_MM} == native
+
+
+def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None):
+    """torch._scaled_grouped_mm's semantics in fp32 on the CPU, after torch's own meta checks of
+    the layouts (row-major A, column-major B, E4M3, scale shapes)."""
+    meta = lambda t: t.to("meta")  # noqa: E731
+    torch._meta_registrations.meta_scaled_grouped_mm(meta(mat_a), meta(mat_b), meta(scale_a), meta(scale_b), meta(offs), out_dtype=out_dtype)
+    bounds = [0, *offs.tolist()]
+    if mat_b.dim() == 3:
+        out = torch.zeros(mat_a.shape[0], mat_b.shape[2])
+        for g, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            out[lo:hi] = (mat_a[lo:hi].float() * scale_a[lo:hi, None]) @ (mat_b[g].float() * scale_b[g])
+        return out.to(out_dtype)
+    m, n = mat_a.shape[0], mat_b.shape[1]
+    out = torch.zeros(len(bounds) - 1, m, n)
+    for g, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        a = mat_a[:, lo:hi].float() * scale_a[g * m : (g + 1) * m, None]
+        out[g] = a @ (mat_b[lo:hi].float() * scale_b[g * n : (g + 1) * n])
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "current"])
+def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, monkeypatch):
+    """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
+    checks of its arguments, with the dispatch forced native; the training step then matches the
+    per-group reference as the emulated one does (up to the native GEMM's bf16 output)."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu, raising=False)
+    select = backends.select_grouped
+
+    def on_hopper(a, a_direction, b, b_direction, device):
+        fp8 = all(q.gemm_input(d) is not None and q.gemm_input(d).element == "e4m3" for q, d in ((a, a_direction), (b, b_direction)))
+        return backends.Selection(backends.NATIVE, backends.SCALED_GROUPED_MM) if fp8 else select(a, a_direction, b, b_direction, device)
+
+    monkeypatch.setattr(backends, "select_grouped", on_hopper)
+    compiled = run_against_reference(RECIPES[name](), Model(), inputs())
+    native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
+    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend == backends.SCALED_GROUPED_MM} == native
 
 
 GROUPABLE = {
@@ -343,8 +394,12 @@ def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, 
     expected = forward_backward(Reference(ref_model, recipe, tape=tape), ref_model, x)
     tape.assert_all_taken()
     assert_same_results(eager_graph, expected, what="aot_eager: ")
-    grouped = [(g.site, g.bucket) for g in compiled.graphquant.plan.gemms if g.module_type == "grouped_linear"]
-    assert grouped == [(f"grouped_linear.{i}#0", "emulated") for i in (0, 1) for _ in range(3)]
+    grouped = [(g.site, g.gemm, g.bucket) for g in compiled.graphquant.plan.gemms if g.module_type == "grouped_linear"]
+    # Hopper's torch._scaled_grouped_mm takes tensorwise's E4M3 fprop, not its E5M2 grad_output.
+    native = {"fprop"} if device == "cuda" and name == "tensorwise" else set()
+    assert grouped == [
+        (f"grouped_linear.{i}#0", gemm, "native" if gemm in native else "emulated") for i in (0, 1) for gemm in ("fprop", "dgrad", "wgrad")
+    ]
 
     torch._dynamo.reset()
     inductor = graphquant.compile(inductor_model, recipe, fullgraph=True)  # backend="inductor"

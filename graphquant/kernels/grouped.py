@@ -1,5 +1,5 @@
-"""The emulated grouped GEMM: every group's product of two grouped representations in one
-torch._grouped_mm over their values, with the group offsets left on the device.
+"""The grouped GEMM: every group's product of two grouped representations in one grouped
+kernel, with the group offsets left on the device.
 
 Grouped representations lie in graphquant.formats.groups' padded layout (each group starts at
 a multiple of 128 rows). Two kinds of product:
@@ -8,14 +8,17 @@ a multiple of 128 rows). Two kinds of product:
                                      B an expert stack (groups * n', k) rowwise or columnwise
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's rows: both columnwise
 
-As in graphquant.kernels.emulation, each operand's values leave out the factor its format
-applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales, per-row FP8
-scales, NVFP4's global decode), the product is taken of the rest and the factors are applied
-to it once. On the CPU the product is fp32, exact up to fp32 accumulation. On a GPU, where
-torch._grouped_mm multiplies without host synchronisation only bf16 into bf16, values that are
-bf16 numbers are multiplied that way (exact up to fp32 accumulation and the bf16 rounding of the
-product, which a factor then rounds once more); other values are multiplied in fp32, which
-torch._grouped_mm does group by group with the offsets read on the host.
+Native (backends.select_grouped): E4M3 with per-tensor or per-row scales on
+torch._scaled_grouped_mm, fp32 accumulation and the scales in its epilogue.
+
+Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
+format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,
+per-row FP8 scales, NVFP4's global decode), the product is taken of the rest in fp32 and the
+factors are applied to it once: exact up to fp32 accumulation. On a GPU, torch._grouped_mm
+multiplies bf16 into bf16 without host synchronisation, but anything else group by group with
+the offsets read on the host; so values that carry everything and are bf16 numbers (MXFP8,
+power-of-two-scaled FP8 blocks, bf16) take the bf16 product, whose one rounding is the
+output's, and factored values the fp32 one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.kernels import backends
 from graphquant.quantizers import ROWWISE, Representation
 
 
@@ -63,10 +67,29 @@ def gemm(
     ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
     ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
     rows make (the output columns of fprop, the rows of each wgrad product), padding dropped."""
-    exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
-    dtype = torch.bfloat16 if a.data.is_cuda and exact_bf16 else torch.float32
+    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device)
+    if selection.backend == backends.SCALED_GROUPED_MM:
+        out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
+    else:
+        out, alpha = _emulated(a, a_group, b, b_group, ends)
+    if a.direction != ROWWISE:
+        # An empty group's product is zeros (some kernels leave it unwritten).
+        empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
+    if alpha is not None:
+        out = out.float() * alpha
+    out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
+    return out.to(out_dtype).contiguous()
+
+
+def _emulated(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(product of the factored values, the factors to apply to it), padded."""
     va, fa = factored(a, a_group)
     vb, fb = factored(b, b_group)
+    exact_bf16 = fa is None and fb is None and all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
+    dtype = torch.bfloat16 if a.data.is_cuda and exact_bf16 else torch.float32
     va, vb = va.to(dtype), vb.to(dtype)
     groups = ends.shape[0]
     if a.direction == ROWWISE:
@@ -78,10 +101,33 @@ def gemm(
     else:
         out = torch._grouped_mm(va.t(), vb, offs=ends)
         alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
-        # An empty group's product is zeros (some kernels leave it unwritten).
-        empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
-        out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
-    if alpha is not None:
-        out = out.float() * alpha
-    out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
-    return out.to(out_dtype).contiguous()
+    return out, alpha
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """t (groups, k, n) with each group's matrix column-major and the groups one after another."""
+    return t if t.stride() == (t.shape[1] * t.shape[2], 1, t.shape[1]) else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _scaled_grouped_mm(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """The product on torch._scaled_grouped_mm (bf16, padded), A row-major and B column-major in
+    their FP8 codes, with one float32 scale per GEMM row of A and per column of B in each group:
+    a per-tensor format's group scale repeated over its rows."""
+    groups = ends.shape[0]
+    fa = a.quantizer.grouped_factor(a, a_group).float()
+    fb = b.quantizer.grouped_factor(b, b_group).float()
+    if a.direction == ROWWISE:  # tokens x experts: A (rows, k), B (groups, k, n)
+        if b.direction == ROWWISE:  # data (groups * n', k): W_g's rows are the output columns
+            mat_b, scale_b = b.data.reshape(groups, -1, b.data.shape[1]).transpose(1, 2), fb.reshape(groups, -1)
+        else:  # transposed data (k_out, groups * n'): W_g^T's columns are the output columns
+            mat_b = b.data.reshape(b.data.shape[0], groups, -1).permute(1, 2, 0)
+            scale_b = fb.expand(groups, mat_b.shape[2])
+        return torch._scaled_grouped_mm(
+            a.data, _column_major(mat_b), fa.reshape(-1).contiguous(), scale_b.contiguous(), offs=ends, out_dtype=torch.bfloat16
+        )
+    # tokens x tokens (wgrad): both columnwise, stored transposed (cols, rows): A^T row-major, B column-major
+    scale_a = fa.expand(groups, a.data.shape[0]).reshape(-1)
+    scale_b = fb.expand(groups, b.data.shape[0]).reshape(-1)
+    return torch._scaled_grouped_mm(a.data, b.data.t(), scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16)
