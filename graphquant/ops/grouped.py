@@ -41,7 +41,9 @@ GROUP_ROWS = 128
 def grouped_quantize(x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, direction: str) -> list[torch.Tensor]:
     """One direction of ``x`` in the padded layout (``row_group``: each row's group; ``ends``: the
     groups' cumulative ends), each group quantized as if alone: [data, scale, amax]."""
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    # The zero rows after the last group quantize with it, so that the groups cover every row.
+    covering = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+    sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     rep = native.grouped_quantize(quantizer_of(spec), x, row_group, sizes, direction, QuantizeContext())
     return [t.clone() if t.data_ptr() == x.data_ptr() else t.contiguous() for t in rep.tensors()]  # no output aliases x
 
