@@ -25,7 +25,8 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from models import MoE, GroupedSwiGLU  # noqa: E402
+from common import alternate, training_step, warm_peak_gib  # noqa: E402
+from models import GroupedSwiGLU, MoE  # noqa: E402
 
 import graphquant  # noqa: E402
 from graphquant import recipes, zoo  # noqa: E402
@@ -70,24 +71,12 @@ def configs(requested: list[str] | None) -> list[str]:
     return [n for n in names if requested is None or n in requested]
 
 
-def time_step(step, device: torch.device, rounds: int, reps: int) -> float:
-    """Median ms of one step over ``reps`` back-to-back steps, ``rounds`` times."""
-    samples = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / reps)
-        else:
-            begin = time.perf_counter()
-            for _ in range(reps):
-                step()
-            samples.append((time.perf_counter() - begin) * 1e3 / reps)
-    return statistics.median(samples)
+def cpu_ms(step, reps: int) -> float:
+    """Mean ms of ``reps`` back-to-back steps on the CPU."""
+    begin = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / reps
 
 
 def main() -> None:
@@ -95,7 +84,7 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=5, help="steps per timed sample")
+    parser.add_argument("--reps", type=int, default=5, help="timed samples a round (CUDA) or steps a sample (CPU)")
     parser.add_argument("--tiny", action="store_true", help="CPU, small shapes, aot_eager: a check that every config runs")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -111,32 +100,20 @@ def main() -> None:
     steps, failed, peaks = {}, {}, {}
     for name in names:
         try:
-            model = build(name, base, backend)
-
-            def step(model=model):
-                x.grad = None
-                for p in model.parameters():
-                    p.grad = None
-                model(x).backward(grad)
-
-            step(); step()  # compile and warm up
+            step = training_step(build(name, base, backend), x, grad)
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+                peaks[name] = warm_peak_gib(step)
+            else:
+                step(); step()  # compile and warm up
             steps[name] = step
         except Exception as error:  # a row that says why, and the others still measured
             failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
         print(f"  built {name}", file=sys.stderr, flush=True)
 
-    ms = {}
-    for r in range(args.rounds):  # the configurations take turns, so that drift touches them alike
-        for name in steps:
-            ms.setdefault(name, []).append(time_step(steps[name], device, 1, args.reps))
-    ms = {name: statistics.median(values) for name, values in ms.items()}
+    if device.type == "cuda":
+        ms = alternate(steps, rounds=args.rounds, warmup=1, reps=args.reps)
+    else:
+        ms = {name: statistics.median(cpu_ms(step, args.reps) for _ in range(args.rounds)) for name, step in steps.items()}
     flops = base.step_flops(tokens)
     baseline = ms.get("bf16 torch.compile", ms.get("bf16 eager"))
     rows = []
