@@ -165,16 +165,24 @@ def test_grouped_training_step_does_not_synchronise_on_gpu(name):
     """Formats whose grouped GEMMs run on torch._scaled_grouped_mm (rowwise) or as a bf16
     torch._grouped_mm (blockwise, MXFP8) keep the offsets on the device; the plan says which do
     not (backends.select_grouped: an fp32 emulated product reads them on the host)."""
-    model, x = Model().cuda(), inputs().cuda()
-    compiled = graphquant.compile(model, RECIPES[name](), fullgraph=True)
-    forward_backward(compiled, model, x)
+    model = Model().cuda()
+    x = inputs().cuda().requires_grad_()
+    grad = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    compiled = graphquant.compile(model, RECIPES[name](), backend="aot_eager", fullgraph=True)
+
+    def step():
+        x.grad = model.moe.experts.grad = None
+        compiled(x).backward(grad)
+
+    step()  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        forward_backward(compiled, model, x)
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(model.moe.experts.grad).all()
 
 
 @pytest.mark.gpu

@@ -27,13 +27,13 @@ from typing import Optional
 
 import torch
 
-from graphquant.kernels import backends
+from graphquant.kernels import backends, emulation
 from graphquant.quantizers import ROWWISE, Representation
 
 
 def factored(rep: Representation, row_group: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(values in the logical (rows, cols) orientation, grouped factor) of a grouped representation."""
-    values = rep.quantizer.emulated_values(rep)
+    values = emulation.values(rep)
     return (values.t() if rep.transposed else values), rep.quantizer.grouped_factor(rep, row_group)
 
 
