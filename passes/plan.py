@@ -216,7 +216,7 @@ class Planner:
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device)
+                    selection = backends.select_grouped(qa, da, qb, db, device, k)
                 else:
                     selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if self.strict and selection.bucket == backends.EMULATED:

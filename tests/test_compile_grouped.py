@@ -223,9 +223,9 @@ def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, monke
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu, raising=False)
     select = backends.select_grouped
 
-    def on_hopper(a, a_direction, b, b_direction, device):
+    def on_hopper(a, a_direction, b, b_direction, device, k):
         fp8 = all(q.gemm_input(d) is not None and q.gemm_input(d).element == "e4m3" for q, d in ((a, a_direction), (b, b_direction)))
-        return backends.Selection(backends.NATIVE, backends.SCALED_GROUPED_MM) if fp8 else select(a, a_direction, b, b_direction, device)
+        return backends.Selection(backends.NATIVE, backends.SCALED_GROUPED_MM) if fp8 else select(a, a_direction, b, b_direction, device, k)
 
     monkeypatch.setattr(backends, "select_grouped", on_hopper)
     compiled = run_against_reference(RECIPES[name](), Model(), inputs())

@@ -111,20 +111,25 @@ _ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")  # a per-tensor scale i
 _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 
-def select_grouped(a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device) -> Selection:
-    """``select`` for a GEMM of a torch._grouped_mm site: native where torch._scaled_grouped_mm
-    (sm90, sm100) multiplies the pair, E4M3 on both sides with per-tensor or per-row scales
-    (each group's scale repeated over its rows); otherwise emulated, one grouped product."""
+def select_grouped(
+    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Optional[int]
+) -> Selection:
+    """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
+    unknown): native where torch._scaled_grouped_mm (sm90, sm100) multiplies the pair, E4M3 on
+    both sides with per-tensor or per-row scales (each group's scale repeated over its rows) and
+    k a multiple of 16 (its other dims are padded to 128); otherwise emulated, one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend == HIGH_PRECISION:
         return selection
     sm = capability(device)
-    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
-    row_scaled = all(i is not None and i.family in _ROW_SCALED_FAMILIES and i.element == "e4m3" for i in inputs)
-    if row_scaled and sm is not None and sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"):
-        return Selection(NATIVE, SCALED_GROUPED_MM)
     if sm is None:
         return Selection(EMULATED, EMULATION, selection.reason)
+    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
+    row_scaled = all(i is not None and i.family in _ROW_SCALED_FAMILIES and i.element == "e4m3" for i in inputs)
+    if row_scaled and sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"):
+        if k is not None and k % 16 == 0:
+            return Selection(NATIVE, SCALED_GROUPED_MM)
+        return Selection(EMULATED, EMULATION, f"torch._scaled_grouped_mm needs x's columns a multiple of 16; got {k}")
     reason = f"torch._scaled_grouped_mm multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
     if any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"

@@ -67,7 +67,7 @@ def gemm(
     ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
     ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
     rows make (the output columns of fprop, the rows of each wgrad product), padding dropped."""
-    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device)
+    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, b.shape[1])
     if selection.backend == backends.SCALED_GROUPED_MM:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
