@@ -31,7 +31,9 @@ from graphquant.quantizers import (
     MXFP8Quantizer,
     NVFP4Quantizer,
     QuantizeContext,
+    Quantizer,
     STREAMS_PER_STEP,
+    quantizer_classes,
 )
 from test_kernel_encoding import comparable, old_config
 from test_user_format import Float8Block64
@@ -82,7 +84,9 @@ def forbid_reference(monkeypatch):
         raise AssertionError("kernels fell back to the reference numerics: no native kernel ran")
 
     monkeypatch.setattr(native, "reference_quantize", fallback)
-    monkeypatch.setattr(native, "reference_grouped_quantize", fallback)
+    for cls in (Quantizer, *quantizer_classes()):  # the grouped quantize's vectorised fallback
+        if "quantize_groups" in vars(cls):
+            monkeypatch.setattr(cls, "quantize_groups", fallback)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)])
