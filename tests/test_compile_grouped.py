@@ -32,7 +32,6 @@ from graphquant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8RowwiseQuantizer,
-    HybridQuantizer,
     IdentityQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
