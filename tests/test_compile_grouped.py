@@ -159,11 +159,11 @@ def test_grouped_path_reads_no_value_on_the_host(name, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("name", ["rowwise", "current", "blockwise", "mxfp8", "nvfp4_row_scaled_mxfp8_bwd"])
 def test_grouped_training_step_does_not_synchronise_on_gpu(name):
-    """Formats whose grouped GEMMs run on torch._scaled_grouped_mm (rowwise) or as a bf16
-    torch._grouped_mm (blockwise, MXFP8) keep the offsets on the device; the plan says which do
-    not (backends.select_grouped: an fp32 emulated product reads them on the host)."""
+    """Every grouped GEMM keeps the offsets on the device: torch._scaled_grouped_mm (E4M3 rowwise
+    and tensorwise), a bf16 torch._grouped_mm (blockwise, MXFP8) and the Triton fp32-output
+    kernel (E5M2 gradients, NVFP4)."""
     model = Model().cuda()
     x = inputs().cuda().requires_grad_()
     grad = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
@@ -230,6 +230,46 @@ def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, monke
     compiled = run_against_reference(RECIPES[name](), Model(), inputs())
     native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
     assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend == backends.SCALED_GROUPED_MM} == native
+
+
+TRITON_PROGRAM = """
+import torch
+from graphquant.formats import groups
+from graphquant.kernels import triton_grouped_gemm as kernels
+
+offs = torch.tensor([40, 0, 57, 27]).cumsum(0).to(torch.int32)
+layout = groups.padding(offs, 124, 128, groups.padded_bound(124, 4, 128))
+generator = torch.Generator().manual_seed(0)
+a = layout.pad(torch.randn(124, 64, generator=generator))
+b = layout.pad(torch.randn(124, 96, generator=generator))
+experts = torch.randn(4, 96, 64, generator=generator).transpose(1, 2)  # column-major, as the GEMM gives them
+bounds = [0, *layout.ends.tolist()]
+
+def check(got, exact, k):
+    bound = (k + 2) * 2.0**-24 * exact.abs().max()
+    assert (got.double() - exact).abs().max() <= bound, (got.double() - exact).abs().max()
+
+got = kernels.tokens_by_experts(a, experts, layout.row_group)
+check(got, torch.stack([a[r].double() @ experts[layout.row_group[r]].double() for r in range(a.shape[0])]), 64)
+got = kernels.tokens_by_tokens(a, b, layout.ends)
+check(got, torch.stack([a[lo:hi].double().t() @ b[lo:hi].double() for lo, hi in zip(bounds, bounds[1:])]), 128)
+assert torch.equal(got[1], torch.zeros(64, 96))  # the empty expert
+print("ok")
+"""
+
+
+def test_triton_grouped_gemm_under_the_interpreter():
+    """The fp32-output grouped kernels' indexing (each tile's group, each group's bounds read on
+    the device, the empty group) under Triton's CPU interpreter. fp32 operands: the interpreter
+    multiplies bf16 wrongly; on the GPU the bf16 ones run in the gpu tests above."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", TRITON_PROGRAM], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 GROUPABLE = {

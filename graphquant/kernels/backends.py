@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -131,8 +132,8 @@ def select_grouped(
             return Selection(NATIVE, SCALED_GROUPED_MM)
         return Selection(EMULATED, EMULATION, f"torch._scaled_grouped_mm needs x's columns a multiple of 16; got {k}")
     reason = f"torch._scaled_grouped_mm multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
-    if any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
-        reason += "; the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
+    if importlib.util.find_spec("triton") is None and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
+        reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
     return Selection(EMULATED, EMULATION, reason)
 
 

@@ -13,12 +13,13 @@ torch._scaled_grouped_mm, fp32 accumulation and the scales in its epilogue.
 
 Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
 format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,
-per-row FP8 scales, NVFP4's global decode), the product is taken of the rest in fp32 and the
-factors are applied to it once: exact up to fp32 accumulation. On a GPU, torch._grouped_mm
-multiplies bf16 into bf16 without host synchronisation, but anything else group by group with
-the offsets read on the host; so values that carry everything and are bf16 numbers (MXFP8,
-power-of-two-scaled FP8 blocks, bf16) take the bf16 product, whose one rounding is the
-output's, and factored values the fp32 one.
+per-row FP8 scales, NVFP4's global decode), the product is taken of the rest with fp32
+accumulation and the factors are applied to it once: exact up to fp32 accumulation. On a GPU,
+values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP8 blocks, bf16)
+take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
+fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
+host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
+On the CPU every product is torch._grouped_mm's fp32 one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from typing import Optional
 import torch
 
 from graphquant.kernels import backends, emulation
+
+try:
+    from graphquant.kernels import triton_grouped_gemm
+except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which reads the offsets on the host
+    triton_grouped_gemm = None
 from graphquant.quantizers import ROWWISE, Representation
 
 
@@ -88,18 +94,22 @@ def _emulated(
     """(product of the factored values, the factors to apply to it), padded."""
     va, fa = factored(a, a_group)
     vb, fb = factored(b, b_group)
-    exact_bf16 = fa is None and fb is None and all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
-    dtype = torch.bfloat16 if a.data.is_cuda and exact_bf16 else torch.float32
-    va, vb = va.to(dtype), vb.to(dtype)
+    exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
+    on_gpu = a.data.is_cuda
+    bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's
+    fp32_out = on_gpu and not bf16_product and triton_grouped_gemm is not None
+    bf16_values = bf16_product or (fp32_out and exact_bf16)
+    va, vb = (t.to(torch.bfloat16 if bf16_values else torch.float32) for t in (va, vb))
     groups = ends.shape[0]
     if a.direction == ROWWISE:
         experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
-        out = torch._grouped_mm(va, experts.transpose(1, 2) if b.direction == ROWWISE else experts, offs=ends)
+        experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
+        out = triton_grouped_gemm.tokens_by_experts(va, experts, a_group) if fp32_out else torch._grouped_mm(va, experts, offs=ends)
         if fb is not None:
             fb = fb.reshape(groups, -1)[a_group] if b.direction == ROWWISE else fb[a_group]
         alpha = _joint(fa, fb)
     else:
-        out = torch._grouped_mm(va.t(), vb, offs=ends)
+        out = triton_grouped_gemm.tokens_by_tokens(va, vb, ends) if fp32_out else torch._grouped_mm(va.t(), vb, offs=ends)
         alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
     return out, alpha
 
