@@ -73,16 +73,18 @@ class SwiGLU(nn.Module):
 
 class GroupedSwiGLU(nn.Module):
     """Every expert's SwiGLU over its rows of x (sorted by expert, cumulative ends ``offs``), each
-    projection one torch._grouped_mm: gate_up (experts, dim, 2 * hidden), down (experts, hidden, dim)."""
+    projection one torch._grouped_mm. The weights are stored as nn.Linear's are, (experts, out,
+    in), and multiplied transposed, as TorchTitan's experts are (and torchao's MoE training
+    expects): gate_up (experts, 2 * hidden, dim), down (experts, dim, hidden)."""
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate_up = nn.Parameter(torch.randn(experts, dim, 2 * hidden) * dim**-0.5)
-        self.down = nn.Parameter(torch.randn(experts, hidden, dim) * hidden**-0.5)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * hidden, dim) * dim**-0.5)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) * hidden**-0.5)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        gate, up = torch._grouped_mm(x, self.gate_up, offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down, offs=offs)
+        gate, up = torch._grouped_mm(x, self.gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs=offs)
 
 
 class MoE(nn.Module):
@@ -121,7 +123,7 @@ class MoE(nn.Module):
 
     def step_flops(self, tokens: int) -> float:
         """FLOPs of one training step's GEMMs (forward, dgrad, wgrad: three times the forward's)."""
-        dim, two_hidden = self.experts.gate_up.shape[1:]
+        two_hidden, dim = self.experts.gate_up.shape[1:]
         routed = tokens * self.top_k * 2 * dim * (two_hidden + two_hidden // 2)
         dense = tokens * 2 * dim * (self.num_experts + 3 * self.shared.w1.out_features)
         return 3.0 * (routed + dense)
