@@ -267,10 +267,11 @@ class Planner:
         any other shape that does not tile is the error it was."""
         try:
             self._check_shapes(site, quantizers, training)
-        except PlanError as error:
+        except PlanError:
             if not (self.recipe.narrow_outputs_in_high_precision and self._only_narrow(site, quantizers, training)):
                 raise
-            return f"in high precision: its {site.w_shape[1]} output features tile no block of the recipe's formats ({error})"
+            formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
+            return f"in high precision: its {site.w_shape[1]} output features tile no block of the recipe's formats ({formats})"
         return ""
 
     def _only_narrow(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> bool:
