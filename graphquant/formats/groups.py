@@ -47,7 +47,10 @@ class GroupPadding(NamedTuple):
         return self.row_group.shape[0]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, cols) in the padded layout, zeros between the groups."""
+        """x (rows, cols) in the padded layout, zeros between the groups: x itself where no
+        group needs padding (as many padded rows as rows: an expert stack of whole blocks)."""
+        if self.padded_rows == self.position.shape[0]:
+            return x
         return x.new_zeros((self.padded_rows, x.shape[1])).index_copy(0, self.position, x)
 
 

@@ -152,7 +152,9 @@ class QuantizedGroupedMM(torch.autograd.Function):
         x_col, w_col, (*token_layout, w_group) = saved_columnwise(ctx)
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
-        dy = tokens.pad(F.pad(dy, (0, _padded(ctx.n) - ctx.n)))  # as many columns as W's padded rows
+        if ctx.n % GROUP_ROWS:
+            dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
+        dy = tokens.pad(dy)
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions)
         dx = dw = None
         if need_dx:
