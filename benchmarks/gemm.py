@@ -52,18 +52,20 @@ def main() -> None:
             ra = qa(a, rowwise=True, columnwise=False).get(ROWWISE)
             rb = qb(b, rowwise=True, columnwise=False).get(ROWWISE)
             selection = selections[name] = backends.select(qa, ROWWISE, qb, ROWWISE, a.device, (m, n, k))
-            fns[f"graphquant {name}"] = lambda ra=ra, rb=rb: backends.gemm(ra, rb, 1, torch.bfloat16)
+            fns[f"graphquant {name}"] = lambda ra=ra, rb=rb, backend=selection.backend, site=name: backends.gemm(
+                ra, rb, 1, torch.bfloat16, backend, site
+            )
             if selection.bucket == backends.NATIVE:
                 # The same call on the same operands, its scales laid out beforehand: what
                 # graphquant adds around torch._scaled_mm is the difference.
-                args, kwargs = scaled_mm.arguments(selection.backend, ra, rb, torch.bfloat16)
+                args, kwargs = scaled_mm.arguments(selection.backend.name, ra, rb, torch.bfloat16)
                 raw_of[name] = f"raw torch._scaled_mm, {name}"
                 fns[raw_of[name]] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
         times = alternate(fns, rounds=5, inner=10)
         bf16 = times["bf16 torch.mm"]
         for name, ms in times.items():
             fmt = name.removeprefix("graphquant ")
-            backend = selections[fmt].backend if name.startswith("graphquant") else "torch"
+            backend = str(selections[fmt].backend) if name.startswith("graphquant") else "torch"
             versus_raw = f"{ms / times[raw_of[fmt]]:.3f}" if fmt in raw_of and name.startswith("graphquant") else ""
             rows.append([f"{m}x{n}x{k}", name, backend, f"{ms:.3f}", f"{2 * m * n * k / ms / 1e9:.0f}", f"{ms / bf16:.2f}", versus_raw])
     print(tabulate(rows, headers=["m x n x k", "GEMM", "backend", "ms", "TFLOP/s", "time / bf16", "time / its raw _scaled_mm"]))

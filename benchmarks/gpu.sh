@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [ncu] [train ARGS... | moe ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [attention] [ncu] [train ARGS...|generate ARGS...|moe ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: whether a kernel is bound by memory or by issuing instructions).
@@ -28,6 +28,7 @@ for i in "${!steps[@]}"; do
     cast) python3 benchmarks/saturating_cast.py 2>&1 | tee "$OUT/saturating_cast.txt" ;;
     host) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     inference) python3 benchmarks/inference_weights.py 2>&1 | tee "$OUT/inference_weights.txt" ;;
+    attention) python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt" ;;
     ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E InBF16ELi5ELi5E; do  # MXFP8 rowwise, both; NVFP4 both (first launch of each)
            ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \
              --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
@@ -45,5 +46,8 @@ for i in "${!steps[@]}"; do
            python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"
            kill $!; sort -t, -k2 -n "$OUT/clocks.csv" | awk -F, '{c[NR]=$2} END {print "SM clock (MHz) over the run: min", c[1], "median", c[int(NR/2)+1], "max", c[NR]}'
            break ;;
+    generate) # transformers and its dependencies travel as wheels in .whl/ (NOTES.md, generate.py)
+              python3 benchmarks/generate.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/generate.txt"
+              break ;;
   esac
 done

@@ -65,10 +65,12 @@ def main() -> None:
     ext = native.extension()
     amax = x.abs().amax().float()
     fp8_max = fp8.fp8_max("e4m3")
+    backend = backends.select(quantizer, ROWWISE, quantizer, ROWWISE, x.device, (M, N, K), 1, True).backend
 
     def gemm_op():
         return torch.ops.graphquant.gemm(
-            list(a.tensors()), spec, ROWWISE, (M, K), list(b.tensors()), spec, ROWWISE, (N, K), 1, torch.bfloat16, None, True
+            list(a.tensors()), spec, ROWWISE, (M, K), list(b.tensors()), spec, ROWWISE, (N, K), 1, torch.bfloat16,
+            backend.name, backend.fast_accumulation, "fc#0 fprop",
         )
 
     rows = [
@@ -76,7 +78,7 @@ def main() -> None:
         ("op floor", "dispatcher-API clone", lambda: torch.ops.gqbench.dispatched_clone(x)),
         ("op floor", "Tensor.clone", lambda: x.clone()),
         ("gemm", "graphquant::gemm", gemm_op),
-        ("gemm", "backends.gemm", lambda: backends.gemm(a, b, 1, torch.bfloat16, None, True)),
+        ("gemm", "backends.gemm", lambda: backends.gemm(a, b, 1, torch.bfloat16, backend, "fc#0 fprop")),
         ("gemm", "backends.select", lambda: backends.select(quantizer, ROWWISE, quantizer, ROWWISE, x.device, (M, N, K), 1, True)),
         ("gemm", "_C.fp8_gemm", lambda: ext.fp8_gemm(a.data, b.data, a.scale.reshape(()), b.scale.reshape(()), torch.bfloat16, True, None)),
         ("gemm", "torch._scaled_mm", lambda: torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.bfloat16, use_fast_accum=True)),

@@ -2,6 +2,7 @@
 
     python examples/train_tiny_llama.py                       # the default hybrid recipe
     python examples/train_tiny_llama.py --recipe tensorwise   # any zoo name or recipe preset
+    python examples/train_tiny_llama.py --fp8-attention       # attention in FP8 too (TE's fp8_dpa)
 
 The model is plain PyTorch: byte-level tokens (vocabulary 256, so nothing is downloaded), rotary
 position embeddings, RMSNorm, causal attention through F.scaled_dot_product_attention, a SwiGLU MLP, and an
@@ -273,6 +274,7 @@ def save_plot(path: pathlib.Path, steps: list[int], curves: dict[str, list[float
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"a zoo name ({', '.join(zoo.FACTORIES)}) or a preset ({', '.join(PRESETS)})")
+    parser.add_argument("--fp8-attention", action="store_true", help="quantize attention too, as TE's nvfp4_linear_fp8_dpa does (FP8; zoo.with_fp8_attention)")
     parser.add_argument("--steps", type=int, default=300, help=f"training steps of each run (judged if the loss table's last row begins at step {JUDGED_FROM} or later)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence")
@@ -295,6 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     recipe = make_recipe(args.recipe)
+    if args.fp8_attention and not recipe.fp8_dpa:
+        recipe = zoo.with_fp8_attention(recipe)
     hidden = 32 * round(args.dim * 8 / 3 / 32)  # SwiGLU width, a multiple of 32 (MXFP8 blocks)
     config = Config(dim=args.dim, layers=args.layers, heads=max(1, args.dim // 32), hidden=hidden, seq=args.seq)
 
@@ -304,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     baseline = TinyLlama(config).to(device=device, dtype=dtype)
     quantized = copy.deepcopy(baseline)  # the same initial weights
     compiled = graphquant.compile(quantized, recipe, backend=args.backend)
-    names = (f"baseline {args.dtype}", args.recipe)
+    names = (f"baseline {args.dtype}", args.recipe + (" + fp8 attention" if args.fp8_attention else ""))
     print(
         f"tiny Llama: {sum(p.numel() for p in baseline.parameters()) / 1e6:.2f}M parameters, {config.layers} layers, "
         f"dim {config.dim}, seq {config.seq}, batch {args.batch}; {DATA.name}, {len(corpus):,} bytes; {device}\n"

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import fx
 
+from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -139,13 +140,15 @@ class GraphquantBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
-        sites = find_gemms(gm, example_inputs, self._frame(gm, example_inputs))
+        frame = self._frame(gm, example_inputs)
+        sites = find_gemms(gm, example_inputs, frame)
+        attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
-        plan = self.planner.plan(sites, device, training=training, skipped=skipped)
+        plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self.plans.append(plan)
-        if not sites:
+        if not sites and not attention:
             user_stack.warn("graphquant found no GEMM in this graph; it runs unchanged")
         elif self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(

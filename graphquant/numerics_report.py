@@ -20,6 +20,7 @@ import torch
 from tabulate import tabulate
 
 from graphquant.explainer import run_once
+from graphquant.kernels.backends import HIGH_PRECISION, GemmBackend
 from graphquant.ops.library import unflatten
 from graphquant.ops.operands import Operand, gemm as operand_gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor
@@ -169,7 +170,8 @@ def _high_precision_gemm(gemm: RecordedGemm) -> torch.Tensor:
     a, b = gemm.a_operand.direction, gemm.b_operand.direction
     hp_a = quantize_tensor(gemm.a, IdentityQuantizer(), (a,), state)[0][a]
     hp_b = quantize_tensor(gemm.b, IdentityQuantizer(), (b,), state)[0][b]
-    return operand_gemm(hp_a, hp_b, gemm.batch, gemm.out.dtype, gemm.bias)
+    where = f"{gemm.site.label} {gemm.gemm}"
+    return operand_gemm(hp_a, hp_b, gemm.batch, gemm.out.dtype, GemmBackend(HIGH_PRECISION), where, gemm.bias)
 
 
 def _sqnr_db(signal: float, noise: float) -> float:

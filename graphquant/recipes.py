@@ -34,6 +34,9 @@ class CustomRecipe:
         products sum in the tensor cores' own accumulator, never promoted to fp32: faster, and
         looser (TE's use_split_accumulator=False, torchao's use_fast_accum); the default, fprop
         only, is TE's and torchao's. FP8 block GEMMs always promote (cuBLAS requires it).
+    fp8_dpa: quantize attention too: every F.scaled_dot_product_attention becomes a ``dpa`` site
+        whose roles (qkv, s, do, dp and the hint-only dpa_output / dpa_grad_input) the factory is
+        asked for (TE's fp8_dpa). False leaves attention in high precision and asks for no dpa role.
     narrow_outputs_in_high_precision: a GEMM site with fewer output features than one block of
         its formats, which only that keeps from tiling them (an MoE router's 8 experts under
         MXFP8), runs in high precision, with the reason in the plan, instead of failing the
@@ -45,6 +48,7 @@ class CustomRecipe:
     expected_names: tuple[str, ...] = ()
     amax_reduction_group: object = dataclasses.field(default=None, compare=False)
     fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION
+    fp8_dpa: bool = False
     narrow_outputs_in_high_precision: bool = False
 
     def __post_init__(self) -> None:

@@ -13,9 +13,12 @@ class QuantizerRole:
     dispatch on ``module_type`` first, refine by ``tensor_type``, and end a factory with a total
     default.
 
-    module_type: ``"linear"``, ``"grouped_linear"``, ``"matmul"`` (or ``"dpa"`` later).
+    module_type: ``"linear"``, ``"grouped_linear"``, ``"matmul"``, or ``"dpa"`` (attention, asked
+        for only under ``CustomRecipe(fp8_dpa=True)``).
     tensor_type: ``"input"``, ``"weight"``, ``"grad_output"`` for linears; ``"input"``, ``"other"``,
-        ``"grad_output"`` for matmuls.
+        ``"grad_output"`` for matmuls; ``"qkv"``, ``"s"``, ``"do"``, ``"dp"`` for attention.
+        Attention's hint-only boundary roles leave module_type and tensor_type empty and are
+        named ``<name>.dpa_output`` and ``<name>.dpa_grad_input``.
     name: the owner's fully qualified name as ``model.named_modules()`` spells it.
     """
 

@@ -8,7 +8,9 @@ below means module_type "linear" or "grouped_linear".
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 from typing import Optional
 
 from graphquant.factories import GEMM_MODULES, is_gradient, nvfp4_factory
@@ -139,22 +141,46 @@ def nvfp4_row_scaled_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole
     return _plain_nvfp4()
 
 
-def nvfp4_linear_fp8_dpa_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
-    """NVFP4 linears with FP8 attention (TE's validated combination).
+def is_attention(role: Optional[QuantizerRole]) -> bool:
+    """Whether ``role`` is one of attention's: a dpa role, or a hint-only boundary role."""
+    return role is not None and (role.module_type == "dpa" or role.name.endswith(("dpa_output", "dpa_grad_input")))
 
-    dpa s and dp: delayed scaling (history 1, most recent). Other dpa roles and the
-    dpa_output / dpa_grad_input hint roles: FP8 current scaling, E5M2 for do, dp, dqkv and
-    dpa_grad_input, E4M3 otherwise. Everything else: nvfp4_factory. graphquant does not quantize
-    attention yet, so on today's graphs only the linear assignments take effect.
+
+def fp8_attention_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
+    """Attention as TE's validated combination quantizes it (asked only for attention's roles).
+
+    s and dp: delayed scaling (history 1, most recent). qkv, do and the dpa_output /
+    dpa_grad_input hint roles: FP8 current scaling, E5M2 for do, dp, dqkv and dpa_grad_input,
+    E4M3 otherwise.
     """
-    name = role.name if role is not None else ""
-    is_hint = name.endswith(("dpa_output", "dpa_grad_input"))
     if role is not None and role.module_type == "dpa" and role.tensor_type in ("s", "dp"):
         return DelayedScalingRequest(fp8_format="HYBRID", amax_history_len=1, amax_compute_algo="most_recent")
-    if (role is not None and role.module_type == "dpa") or is_hint:
-        backward = role.tensor_type in ("do", "dp", "dqkv") or name.endswith("dpa_grad_input")
-        return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if backward else "e4m3")
-    return nvfp4_factory(role)
+    backward = role is not None and (role.tensor_type in ("do", "dp", "dqkv") or role.name.endswith("dpa_grad_input"))
+    return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if backward else "e4m3")
+
+
+def nvfp4_linear_fp8_dpa_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
+    """NVFP4 linears with FP8 attention (TE's validated combination): attention's roles as
+    fp8_attention_factory, everything else nvfp4_factory. The dpa roles are asked for only under
+    CustomRecipe(fp8_dpa=True), which ``recipe("nvfp4_linear_fp8_dpa")`` sets.
+    """
+    return fp8_attention_factory(role) if is_attention(role) else nvfp4_factory(role)
+
+
+def with_fp8_attention_factory(role: Optional[QuantizerRole], *, factory) -> Quantizer | DelayedScalingRequest:
+    """Attention's roles as fp8_attention_factory, every other role as ``factory``."""
+    return fp8_attention_factory(role) if is_attention(role) else factory(role)
+
+
+def with_fp8_attention(recipe: CustomRecipe) -> CustomRecipe:
+    """``recipe`` with attention quantized too (fp8_dpa=True), its roles as fp8_attention_factory.
+
+    Its s and dp requests (delayed scaling, history 1) must equal every other request of the
+    recipe, so a recipe that asks for delayed scaling elsewhere needs its own attention roles.
+    """
+    return dataclasses.replace(
+        recipe, qfactory=functools.partial(with_fp8_attention_factory, factory=recipe.qfactory), fp8_dpa=True
+    )
 
 
 def deepseek_blockwise_factory(role: Optional[QuantizerRole]) -> Float8BlockQuantizer:
@@ -204,6 +230,9 @@ FACTORIES = {
     "rowwise_with_gw_hp": rowwise_with_gw_hp_factory,
 }
 
+# The zoo recipes whose factories assign attention roles, built with fp8_dpa=True.
+FP8_DPA = ("nvfp4_linear_fp8_dpa",)
+
 
 def recipe(name: str) -> CustomRecipe:
     """The zoo recipe called ``name`` (see FACTORIES), e.g. recipe("tensorwise")."""
@@ -213,4 +242,4 @@ def recipe(name: str) -> CustomRecipe:
         close = difflib.get_close_matches(name, [*FACTORIES, *recipes.PRESETS], n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown zoo recipe {name!r}; {hint}known: {', '.join(FACTORIES)} (and the presets of graphquant.recipes: {', '.join(recipes.PRESETS)})")
-    return CustomRecipe(FACTORIES[name], narrow_outputs_in_high_precision=True)
+    return CustomRecipe(FACTORIES[name], fp8_dpa=name in FP8_DPA, narrow_outputs_in_high_precision=True)

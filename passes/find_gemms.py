@@ -34,6 +34,7 @@ MATMUL = "matmul"  # a @ b: matmul, mm, bmm, operator.matmul
 ADDMM = "addmm"  # beta * c + alpha * (a @ b): addmm, baddbmm
 EINSUM = "einsum"  # einsum with two operands that reduces to a batched matmul
 GROUPED = "grouped"  # torch._grouped_mm(x, w, offs): one x @ w[g] per row group of x
+FROZEN = "frozen"  # graphquant::frozen_linear(x, weight, ...): a linear whose weight is stored quantized
 
 _FUNCTIONS = {
     F.linear: LINEAR,
@@ -135,6 +136,9 @@ def _find(
         if form == GROUPED:
             _find_grouped(node, functional_index, sites, frame)
             continue
+        if form == FROZEN:
+            _find_frozen(node, sites, frame)
+            continue
         operands = _operands(node, form)
         if operands is None:
             node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
@@ -146,7 +150,7 @@ def _find(
             continue
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        owner, call, module_is_linear = _owner(node, frame)
+        owner, call, module_is_linear = owner_of(node, frame)
         if is_linear and module_is_linear:
             name = owner
         else:
@@ -183,7 +187,7 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
         node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
         return
-    owner, call, _ = _owner(node, frame)
+    owner, call, _ = owner_of(node, frame)
     key = (owner, call, "grouped_linear")
     name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
     functional_index[key] += 1
@@ -194,8 +198,26 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     sites.append(site)
 
 
+def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: str) -> None:
+    """Annotate a graphquant::frozen_linear node: a linear site named after the FrozenLinear that
+    called it (graphquant.freeze put it where an nn.Linear was), its weight shape from the op."""
+    x = _value(node.args[0])
+    n, k = node.args[3]
+    owner, call, _ = owner_of(node, frame)
+    x_sizes, w_sizes = (1, math.prod(x.shape[:-1]), k), (1, n, k)
+    site = GemmSite(FROZEN, "linear", owner, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
+    node.meta["graphquant_site"] = site
+    sites.append(site)
+
+
+# By name: graphquant.ops.frozen registers the op, and this pass only reads graphs (imports no ops).
+_FROZEN_OP = "graphquant::frozen_linear"
+
+
 def _form(node: fx.Node) -> Optional[str]:
     if node.op == "call_function":
+        if getattr(getattr(node.target, "_schema", None), "name", None) == _FROZEN_OP:
+            return FROZEN
         return _FUNCTIONS.get(node.target)
     if node.op == "call_method":
         return _METHODS.get(node.target)
@@ -268,7 +290,7 @@ def fqn_from_stack_path(path: str) -> str:
     return path.strip(".")
 
 
-def _owner(node: fx.Node, frame: str) -> tuple[str, int, bool]:
+def owner_of(node: fx.Node, frame: str) -> tuple[str, int, bool]:
     """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:

@@ -17,14 +17,17 @@ import torch
 from tabulate import tabulate
 
 from graphquant import recipes, user_stack
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.ops.grouped import GROUP_ROWS
-from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     DelayedScalingRequest,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
     IdentityQuantizer,
+    MXFP8Quantizer,
     Quantizer,
     parse_spec,
 )
@@ -41,6 +44,9 @@ GEMMS = (
     ("dgrad", (2, ROWWISE), (1, COLUMNWISE)),
     ("wgrad", (2, COLUMNWISE), (0, COLUMNWISE)),
 )
+
+# What TE's DotProductAttention takes in its dpa slots (get_qkv_quantization_capabilities).
+ATTENTION_FORMATS = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, MXFP8Quantizer)
 
 
 class PlanError(ValueError):
@@ -63,7 +69,7 @@ class GemmPlan:
     b: str
     b_format: str
     bucket: str
-    backend: str
+    backend: backends.GemmBackend
     reason: str = ""
 
 
@@ -82,7 +88,7 @@ class Plan:
 
     def rows(self) -> list[list[str]]:
         return [
-            [g.site, g.module_type, g.gemm, f"{g.a}: {g.a_format}", f"{g.b}: {g.b_format}", g.backend, g.bucket, g.reason]
+            [g.site, g.module_type, g.gemm, f"{g.a}: {g.a_format}", f"{g.b}: {g.b_format}", str(g.backend), g.bucket, g.reason]
             for g in self.gemms
         ]
 
@@ -120,7 +126,7 @@ class Plan:
         return cls(
             device=doc["device"],
             slots=tuple((QuantizerRole(**s["role"]), parse_spec(s["quantizer"])) for s in doc["slots"]),
-            gemms=tuple(GemmPlan(**g) for g in doc["gemms"]),
+            gemms=tuple(GemmPlan(**{**g, "backend": backends.GemmBackend(**g["backend"])}) for g in doc["gemms"]),
             skipped=tuple((s["node"], s["reason"]) for s in doc["skipped"]),
             fast_accumulation=tuple(doc.get("fast_accumulation", DEFAULT_FAST_ACCUMULATION)),  # older dumps lack it
         )
@@ -196,7 +202,8 @@ class Planner:
             )
         return answer
 
-    def plan(self, sites: Sequence[GemmSite], device: torch.device, *, training: bool, skipped=()) -> Plan:
+    def plan(self, sites: Sequence[GemmSite], device: torch.device, *, training: bool, skipped=(), attention=()) -> Plan:
+        """The plan of GEMM ``sites`` and of ``attention`` sites (passes.find_attention.DpaSite)."""
         slots: dict[QuantizerRole, Quantizer] = {}
         gemms = []
         operand_quantizers: set[Quantizer] = set()
@@ -208,8 +215,9 @@ class Planner:
                 quantizers = [IdentityQuantizer()] * len(roles)
             slots.update(zip(roles, quantizers))
             self._check_grouped(site, quantizers)
-            batch, m, k = site.x_shape
-            n = site.w_shape[1]
+            batch = site.x_shape[0]
+            _, m, k = site.x_sizes
+            n = site.w_sizes[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
@@ -218,28 +226,22 @@ class Planner:
                 if site.module_type == "grouped_linear":
                     selection = backends.select_grouped(qa, da, qb, db, device, k)
                 else:
-                    selection = backends.select(qa, da, qb, db, device, dims[gemm], batch, fast)
+                    selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast)
+                if untileable:
+                    selection = dataclasses.replace(selection, reason=untileable)
                 if self.strict and selection.bucket == backends.EMULATED:
+                    # The backend stays the one it would run on, which graphquant.explain runs.
                     selection = backends.Selection(
                         backends.REJECTED,
-                        "none",
+                        selection.backend,
                         f"strict=True rejects emulated GEMMs ({selection.reason}); give this GEMM a pair with a "
                         f"native GEMM on {device.type}, or compile without strict",
                     )
-                entry = GemmPlan(
-                    site=site.label,
-                    module_type=site.module_type,
-                    gemm=gemm,
-                    a=f"{roles[ia].tensor_type}.{da}",
-                    a_format=quantizers[ia].direction_spec(da),
-                    b=f"{roles[ib].tensor_type}.{db}",
-                    b_format=quantizers[ib].direction_spec(db),
-                    bucket=selection.bucket,
-                    backend=selection.backend,
-                    reason=selection.reason or untileable,
-                )
-                self._check_bucket(entry)
-                gemms.append(entry)
+                a = (f"{roles[ia].tensor_type}.{da}", quantizers[ia].direction_spec(da))
+                b = (f"{roles[ib].tensor_type}.{db}" + (" (frozen)" if site.form == FROZEN else ""), quantizers[ib].direction_spec(db))
+                gemms.append(self._entry(site, gemm, a, b, selection))
+        for site in attention:
+            gemms.extend(self._plan_attention(site, slots, device, training))
         plan = Plan(
             device=str(device),
             slots=tuple(slots.items()),
@@ -248,13 +250,66 @@ class Planner:
             fast_accumulation=self.recipe.fast_accumulation,
         )
         self._warn_unmatched_names(plan)
-        if gemms and all(q.high_precision for q in operand_quantizers):
+        if gemms and not attention and all(q.high_precision for q in operand_quantizers):
             user_stack.warn(
                 f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
                 "IdentityQuantizer (high precision); check the conditions in the recipe's factory (module_type, "
                 "tensor_type, name); graphquant.explain(model, recipe, *inputs) prints what each slot got"
             )
         return plan
+
+    def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
+        """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""
+        roles = site.roles()
+        for role in roles:
+            slots[role] = self.quantizer(role)
+        for role in dict.fromkeys(roles):
+            self._check_attention_quantizer(site, role, slots[role])
+        tensors = site.tensors()
+        quantizers = {t: slots[site.role(slot)] for t, (slot, _, _) in tensors.items()}
+        used: dict[str, set[str]] = {}
+        for _, *operands in site.products(training):
+            for tensor, direction in operands:
+                used.setdefault(tensor, set()).add(direction)
+        for tensor, directions in used.items():
+            slot, batch, shape = tensors[tensor]
+            for direction in sorted(directions, reverse=True):
+                try:
+                    self._check_tiling(quantizers[tensor], direction, batch, shape)
+                except ValueError as error:
+                    raise PlanError(f"{site.label} (dpa) {tensor} ({slot}): {error}") from None
+        selection = backends.select_attention(device)
+        if self.strict and selection.bucket == backends.EMULATED:
+            selection = backends.Selection(
+                backends.REJECTED,
+                selection.backend,
+                f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
+            )
+        operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
+        return [self._entry(site, gemm, operand(*a), operand(*b), selection) for gemm, a, b in site.products(training)]
+
+    @staticmethod
+    def _check_attention_quantizer(site, role: QuantizerRole, quantizer: Quantizer) -> None:
+        """TE's rule for every dpa slot, hint-only ones included: per-tensor FP8 (current or delayed
+        scaling) or MXFP8; never NVFP4."""
+        if type(quantizer) in ATTENTION_FORMATS:
+            return
+        what = role.tensor_type or role.name
+        nvfp4 = " (attention takes no NVFP4)" if "nvfp4" in quantizer.spec else ""
+        raise PlanError(
+            f"{site.label} (dpa) {what}: the factory gave {quantizer}{nvfp4}, but FP8 attention quantizes every dpa "
+            f"role, the hint-only {site.name}.dpa_output and {site.name}.dpa_grad_input included, with "
+            f"{' or '.join(cls.__name__ for cls in ATTENTION_FORMATS)} (or a DelayedScalingRequest); return one "
+            "for module_type 'dpa' and those names, or build the recipe with fp8_dpa=False to keep attention in "
+            "high precision"
+        )
+
+    def _entry(self, site, gemm: str, a: tuple[str, str], b: tuple[str, str], selection: backends.Selection) -> GemmPlan:
+        """The plan of one product of ``site``, each operand as (what it is, its format); a
+        rejected one fails the compile (unless explaining)."""
+        entry = GemmPlan(site.label, site.module_type, gemm, *a, *b, selection.bucket, selection.backend, selection.reason)
+        self._check_bucket(entry)
+        return entry
 
     def _check_bucket(self, g: GemmPlan) -> None:
         if self.fail_on_bucket and g.bucket == backends.REJECTED:

@@ -2,11 +2,14 @@
 
 Expects: nodes annotated by find_gemms and a Plan for them (every slot has a quantizer).
 Guarantees: each such node is replaced by a call of graphquant.ops.functional
-(graphquant.ops.grouped for torch._grouped_mm) whose ``site`` argument (a graphquant.ops.site.Site)
-names the site and spells out the format of input, weight/other and grad_output; slot state
+(graphquant.ops.grouped for torch._grouped_mm, graphquant.ops.attention for an attention site of
+passes.find_attention) whose ``site`` argument (a graphquant.ops.site.Site)
+names the site and spells out the format of input, weight/other and grad_output and the backend
+the plan chose for each of its GEMMs; slot state
 (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
 returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
-weight quantized from its current value on every call). An einsum's equation becomes the layout
+weight quantized from its current value on every call); a frozen linear (graphquant.freeze) reads
+its stored quantized weight, which must be in the plan's format. An einsum's equation becomes the layout
 find_gemms worked out for it. Nothing else in the graph changes.
 """
 
@@ -17,11 +20,12 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from graphquant.ops import functional, grouped
+from graphquant.ops import attention, functional, grouped
 from graphquant.ops.site import Site
-from graphquant.passes.find_gemms import ADDMM, EINSUM, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
+from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
-from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
+from graphquant.quantizers import ROWWISE, Quantizer
+from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
 
 _TARGETS = {
@@ -29,6 +33,7 @@ _TARGETS = {
     ADDMM: functional.quantized_addmm,
     EINSUM: functional.quantized_einsum,
     GROUPED: grouped.quantized_grouped_mm,
+    FROZEN: functional.quantized_frozen_linear,
 }
 
 
@@ -70,11 +75,15 @@ def rewrite(
 def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group) -> None:
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
+    chosen = {(g.site, g.gemm): g.backend for g in plan.gemms}
     for node in list(graph.nodes):
         body = body_of(gm, node)
         if body is not None:
             body_state = _body_state(body, node, state)
             _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, False, counter, amax_group)
+            continue
+        if "graphquant_attention" in node.meta:
+            _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group)
             continue
         if "graphquant_site" not in node.meta:
             continue
@@ -82,14 +91,16 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         index = next(counter)
         roles = site.roles()
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
-        grouped_site = site.form == GROUPED  # emulated, with no amax reduction (grouped.unsupported)
+        if site.form == FROZEN:
+            _check_frozen_format(node, site, plan.quantizer(roles[1]))
+        grouped_site = site.form == GROUPED  # with no amax reduction (backends.grouped_unsupported)
         carried = Site(
             name=site.name,
             call=site.call,
             **formats,
             streams=tuple(3 * index + i for i in range(3)),
             amax_group=None if grouped_site else amax_group,
-            fast_accumulation=DEFAULT_FAST_ACCUMULATION if grouped_site else plan.fast_accumulation,
+            **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
             inference=inference and site.form == LINEAR,
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
@@ -104,6 +115,33 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group) -> None:
+    """Replace one F.scaled_dot_product_attention with graphquant.ops.attention's, its arguments
+    unchanged and its applied roles' formats and state added."""
+    site = node.meta["graphquant_attention"]
+    roles = [site.role(slot) for slot in attention.SLOTS]
+    formats = {slot: plan.quantizer(role).spec for slot, role in zip(attention.SLOTS, roles)}
+    carried = attention.AttentionSite(name=site.name, call=site.call, **formats, amax_group=amax_group)
+    states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
+    with graph.inserting_before(node):
+        replacement = graph.call_function(
+            attention.quantized_attention, node.args, {**node.kwargs, "site": carried, "states": states}
+        )
+    replacement.meta.update(node.meta)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+
+
+def _check_frozen_format(node: fx.Node, site: GemmSite, quantizer: Quantizer) -> None:
+    """A frozen linear's stored weight must be the one the plan's weight quantizer makes for fprop."""
+    stored, planned = node.args[2], quantizer.child(ROWWISE).spec
+    if stored != planned:
+        raise PlanError(
+            f"{site.label} (linear) weight: stored frozen as {stored}, but the recipe gives this slot {planned} for "
+            "fprop; compile with the recipe the model was frozen under, or freeze its high-precision weights under this one"
+        )
 
 
 def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[object], fx.Node]) -> Callable[[object], fx.Node]:
@@ -137,6 +175,9 @@ def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
         weight = kwargs.pop("weight", None) or args[1]
         bias: Optional[object] = kwargs.pop("bias", args[2] if len(args) > 2 else None)
         return (args[0], weight, bias), {}
+    if site.form == FROZEN:
+        x, weight, _, shape, dtype, bias, _ = node.args
+        return (x, weight, shape, dtype, bias), {}
     if site.form == ADDMM:
         beta = kwargs.pop("beta", 1)
         alpha = kwargs.pop("alpha", 1)

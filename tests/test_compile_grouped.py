@@ -25,7 +25,6 @@ import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
 from graphquant.formats import groups
 from graphquant.kernels import backends, native
-from graphquant.ops.grouped import GROUP_ROWS
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -120,7 +119,7 @@ def test_grouped_mm_matches_per_group_reference(name):
         ("moe.grouped_linear.0#0", "grouped_linear", gemm) for gemm in ("fprop", "dgrad", "wgrad")
     ]
     # On the CPU only high-precision pairs (Identity x Identity) are native.
-    assert all((g.bucket == "native") == (g.backend == "high-precision matmul") for g in plan.gemms)
+    assert all((g.bucket == "native") == (g.backend.name == "high-precision matmul") for g in plan.gemms)
 
 
 @pytest.mark.slow
@@ -192,7 +191,7 @@ def test_native_fp8_grouped_gemms_match_per_group_reference_on_gpu(name):
     ragged and empty groups included."""
     compiled = run_against_reference(RECIPES[name](), Model().cuda(), inputs().cuda())
     native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
-    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
 
 
 def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None):
@@ -214,22 +213,25 @@ def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtyp
     return out.to(out_dtype)
 
 
-@pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, monkeypatch):
-    """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
-    checks of its arguments, with the dispatch forced native; the training step then matches the
-    per-group reference as the emulated one does (up to the native GEMM's bf16 output)."""
+@pytest.fixture
+def hopper_on_cpu(monkeypatch):
+    """The CPU as an sm90 device whose torch._scaled_grouped_mm is ``scaled_grouped_mm_on_cpu``
+    (the other GEMMs' emulation runs as on the CPU)."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu, raising=False)
-    select = backends.select_grouped
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    backends.clear_caches()
+    yield
+    backends.clear_caches()
 
-    def on_hopper(a, a_direction, b, b_direction, device, k):
-        fp8 = all(q.gemm_input(d) is not None and q.gemm_input(d).element == "e4m3" for q, d in ((a, a_direction), (b, b_direction)))
-        return backends.Selection(backends.NATIVE, backends.SCALED_GROUPED_MM) if fp8 else select(a, a_direction, b, b_direction, device, k)
 
-    monkeypatch.setattr(backends, "select_grouped", on_hopper)
+@pytest.mark.parametrize("name", ["rowwise", "current"])
+def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, hopper_on_cpu):
+    """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
+    checks of its arguments, on a faked sm90; the training step then matches the per-group
+    reference as the emulated one does (up to the native GEMM's bf16 output)."""
     compiled = run_against_reference(RECIPES[name](), Model(), inputs())
     native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
-    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
 
 
 TRITON_PROGRAM = """
@@ -304,7 +306,7 @@ def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction)
     x[5, 3], x[100, 7] = float("inf"), float("nan")  # in groups 0 and 2: the others keep finite scales
     # The reference cannot quantize an empty slice in these formats, so give every group rows.
     sizes = (40, 20, 57, 7) if name.startswith("nvfp4") or (name == "fp8_rowwise" and direction == COLUMNWISE) else SIZES
-    layout = groups.padding(offsets(sizes), T, GROUP_ROWS, groups.padded_bound(T, E, GROUP_ROWS))
+    layout = groups.padding(offsets(sizes), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     padded = layout.pad(x)
     group_rows = torch.diff(layout.ends, prepend=layout.ends.new_zeros(1))
     group_rows[-1] += layout.padded_rows - layout.ends[-1]  # the zero rows after the last group are its own
@@ -356,8 +358,8 @@ def test_other_grouped_mm_forms_are_skipped_with_a_reason():
 @pytest.mark.parametrize("quantizer", [MXFP8Quantizer(), Float8CurrentScalingQuantizer("e5m2")], ids=str)
 def test_grouped_ops_pass_opcheck(quantizer):
     x = inputs()
-    tokens = groups.padding(offsets(), T, GROUP_ROWS, groups.padded_bound(T, E, GROUP_ROWS))
-    stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, GROUP_ROWS, E * GROUP_ROWS)
+    tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
+    stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
     xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, ROWWISE)
     wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, ROWWISE)
@@ -366,7 +368,7 @@ def test_grouped_ops_pass_opcheck(quantizer):
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
         xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, wq, quantizer.spec, ROWWISE, list(w.shape), stack.row_group,
-        tokens.ends, tokens.position, N, torch.bfloat16,
+        tokens.ends, tokens.position, N, torch.bfloat16, backends.EMULATION, False, "moe#0 fprop",
     )
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
@@ -481,7 +483,7 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
     assert all(torch.isfinite(t).all() for t in result.values())
     plan = compiled.graphquant.plan
     router = [g for g in plan.gemms if g.site == "router#0"]
-    assert [(g.gemm, g.a_format, g.backend) for g in router] == [
+    assert [(g.gemm, g.a_format, g.backend.name) for g in router] == [
         (gemm, "identity()", "high-precision matmul") for gemm in ("fprop", "dgrad", "wgrad")
     ]
     assert all(g.reason.startswith("in high precision: its 8 output features tile no block of the recipe's formats") for g in router)

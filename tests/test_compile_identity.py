@@ -33,7 +33,7 @@ def test_identity_recipe_equals_plain_compile(name):
     gq_model = copy.deepcopy(model)
     compiled = graphquant.compile(gq_model, recipe, backend="aot_eager", fullgraph=True)
     actual = forward_backward(compiled, gq_model, x)
-    assert all(g.backend == "high-precision matmul" for g in compiled.graphquant.plan.gemms)
+    assert all(g.backend.name == "high-precision matmul" for g in compiled.graphquant.plan.gemms)
 
     # Both are fp32 runs of the same computation; only the GEMM kernels may differ (graphquant's
     # gemm op vs aten.mm / addmm). Each fp32 GEMM is within (K + 4) 2^-24 sum|a||b| of the exact

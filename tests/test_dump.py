@@ -14,6 +14,8 @@ import torch
 import graphquant
 from graphquant import zoo
 from graphquant import Plan
+from graphquant.kernels import backends, emulation, scaled_mm
+from graphquant.kernels.backends import GemmBackend
 from graphquant.ops.site import Site
 
 from explain_models import MLP, TinyAttention
@@ -46,9 +48,9 @@ def forward(self, L_self_modules_fc1_parameters_weight_ : torch.nn.parameter.Par
     l_x_ = L_x_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
-    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, site = Site(name='fc1', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(0, 1, 2)), states = (None, None, None), rng = graphquant_state_0);  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, site = Site(name='fc1', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = graphquant_state_0);  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
     relu = torch.nn.functional.relu(quantized_linear);  quantized_linear = None
-    quantized_linear_1 = graphquant_ops_functional_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, site = Site(name='fc2', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(3, 4, 5)), states = (None, None, None), rng = graphquant_state_0);  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
+    quantized_linear_1 = graphquant_ops_functional_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, site = Site(name='fc2', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(3, 4, 5), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = graphquant_state_0);  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
     return (quantized_linear_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
@@ -70,16 +72,16 @@ fc2#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with
 def forward(self, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_x_ = L_x_
-    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, site = Site(name='qkv', call=0, input='fp8_current(fp8_dtype=e4m3)', weight='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(0, 1, 2)), states = (None, None, None), rng = None);  l_x_ = l_self_modules_qkv_parameters_weight_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, site = Site(name='qkv', call=0, input='fp8_current(fp8_dtype=e4m3)', weight='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = None);  l_x_ = l_self_modules_qkv_parameters_weight_ = None
     chunk = quantized_linear.chunk(3, dim = -1);  quantized_linear = None
     q = chunk[0]
     k = chunk[1]
     v = chunk[2];  chunk = None
     transpose = k.transpose(-2, -1);  k = None
-    quantized_matmul = graphquant_ops_functional_quantized_matmul(q, transpose, site = Site(name='matmul.0', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(3, 4, 5)), states = (None, None, None), rng = None);  q = transpose = None
+    quantized_matmul = graphquant_ops_functional_quantized_matmul(q, transpose, site = Site(name='matmul.0', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(3, 4, 5), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = None);  q = transpose = None
     mul = quantized_matmul * 0.1767766952966369;  quantized_matmul = None
     weights = torch.softmax(mul, dim = -1);  mul = None
-    quantized_matmul_1 = graphquant_ops_functional_quantized_matmul(weights, v, site = Site(name='matmul.1', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(6, 7, 8)), states = (None, None, None), rng = None);  weights = v = None
+    quantized_matmul_1 = graphquant_ops_functional_quantized_matmul(weights, v, site = Site(name='matmul.1', call=0, input='fp8_current(fp8_dtype=e4m3)', other='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(6, 7, 8), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = None);  weights = v = None
     return (quantized_matmul_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
@@ -115,23 +117,45 @@ class TestDumps(expecttest.TestCase):
     def test_each_gemm_gets_one_site_that_its_printed_call_rebuilds(self):
         files = dump(TinyAttention(), zoo.recipe("tensorwise"), torch.randn(2, 32, 32), dynamic=False)
         printed = re.findall(r"site = (Site\(.*?\)), states", files["graph_000_rewritten.py"])
-        sites = [eval(text, {"Site": Site}) for text in printed]
+        sites = [eval(text, {"Site": Site, "GemmBackend": GemmBackend}) for text in printed]
         self.assertEqual([repr(site) for site in sites], printed)
         self.assertEqual([(s.label, s.weight is not None) for s in sites], [("qkv#0", True), ("matmul.0#0", False), ("matmul.1#0", False)])
         self.assertEqual(len(set(sites)), 3)  # frozen and hashable
         with self.assertRaisesRegex(ValueError, "fc#0: give the second operand's format as weight="):
-            Site(name="fc", call=0, input="fp8_current(fp8_dtype=e4m3)", grad_output="fp8_current(fp8_dtype=e5m2)", streams=(0, 1, 2))
+            Site(
+                name="fc",
+                call=0,
+                input="fp8_current(fp8_dtype=e4m3)",
+                grad_output="fp8_current(fp8_dtype=e5m2)",
+                streams=(0, 1, 2),
+                fprop=GemmBackend(backends.EMULATION),
+            )
 
     def test_a_recipes_fast_accumulation_is_in_every_call_and_the_plan(self):
-        everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
-        files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
-        self.assertEqual(files["graph_000_rewritten.py"].count("fast_accumulation=('fprop', 'dgrad', 'wgrad')"), 2)
+        """On a Hopper (capability faked; the emulated GEMM stands in for cuBLASLt on this CPU), each
+        call's backend sums in the accumulator where the recipe says so, and the plan says the same."""
+        fast = GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True)
+
+        def stand_in(backend, a, b, out_dtype, bias=None):
+            return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+        backends.clear_caches()
+        try:
+            with mock.patch.object(backends, "capability", lambda device: (9, 0)), mock.patch.object(scaled_mm, "run", stand_in):
+                everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
+                files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
+                torch._dynamo.reset()
+                default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only
+        finally:
+            backends.clear_caches()
+        self.assertEqual(files["graph_000_rewritten.py"].count(repr(fast)), 6)
         plan = Plan.from_json(files["graph_000_plan.json"])
         self.assertEqual(plan.fast_accumulation, ("fprop", "dgrad", "wgrad"))
-        torch._dynamo.reset()
-        default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only: not spelled out
-        self.assertNotIn("fast_accumulation", default["graph_000_rewritten.py"])
-        self.assertEqual(Plan.from_json(default["graph_000_plan.json"]).fast_accumulation, ("fprop",))
+        self.assertEqual({g.backend for g in plan.gemms}, {fast})
+        self.assertEqual(default["graph_000_rewritten.py"].count(f"fprop={fast!r}, dgrad=GemmBackend('cublaslt fp8 tensorwise'), "), 2)
+        plan = Plan.from_json(default["graph_000_plan.json"])
+        self.assertEqual(plan.fast_accumulation, ("fprop",))
+        self.assertEqual([g.backend.fast_accumulation for g in plan.gemms], [True, False, False] * 2)
 
     def test_environment_variable_and_recompiles_get_their_own_files(self):
         with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"GRAPHQUANT_DUMP": tmp}):

@@ -55,6 +55,17 @@ def test_short_run_trains_and_reports(example, capsys, tmp_path, options):
         assert plot.stat().st_size > 0
 
 
+def test_fp8_attention_option(example, capsys):
+    """--fp8-attention quantizes attention too: a dpa site per layer in the plan, and it trains."""
+    argv = ["--steps", "20", "--log-every", "5", "--plot", "", "--device", "cpu", "--backend", "aot_eager", "--batch", "4", "--seq", "64"]
+    code = example.main([*argv, "--fp8-attention"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "graphquant plan on cpu: 17 GEMM sites, 57 GEMMs" in out
+    assert "layers.1.attn#0" in out and "dS: dp.rowwise: fp8_delayed(fp8_dtype=e5m2" in out
+    assert "OK: the loss fell and mxfp8_fwd_high_precision_bwd + fp8 attention ended within" in out
+
+
 def test_the_checks_can_fail(example):
     names = ("baseline float32", "some recipe")
     ok = example.verdict((300, 2.27, 2.30), names, 0.05, 256)

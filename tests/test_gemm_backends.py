@@ -60,10 +60,10 @@ def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db,
     m, n, k = 256, 384, 512
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
-    fast = selection.backend.endswith(scaled_mm.FAST_ACCUMULATION)
-    assert selection.backend.removesuffix(scaled_mm.FAST_ACCUMULATION) == expected
+    fast = selection.backend.fast_accumulation
+    assert selection.backend.name == expected
     assert fast == (fast_accumulation and expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED))
-    out = backends.gemm(a, b, 1, torch.float32, None, fast_accumulation)[0].double()
+    out = backends.gemm(a, b, 1, torch.float32, selection.backend, f"{name} {gemm}")[0].double()
     ref = _reference(a, b)
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
@@ -113,7 +113,7 @@ def test_fast_accumulation_is_the_callers_choice_for_per_tensor_and_per_row_fp8(
             for _, da, db in LAYOUTS:
                 backend = backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512), 1, fast_accumulation).backend
                 may = expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED)
-                assert backend == expected + (scaled_mm.FAST_ACCUMULATION if fast_accumulation and may else "")
+                assert backend == backends.GemmBackend(expected, fast_accumulation and may)
     finally:
         backends.select.cache_clear()
 
@@ -153,7 +153,7 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     backends.select.cache_clear()
     try:
-        assert backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512)).backend == expected
+        assert backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512)).backend.name == expected
     finally:
         backends.select.cache_clear()
 
@@ -214,7 +214,8 @@ def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
     m, n, k = 256, 384, 512
     a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
     bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
-    out = backends.gemm(a, b, 1, torch.bfloat16, bias)[0].double()
+    backend = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend
+    out = backends.gemm(a, b, 1, torch.bfloat16, backend, name, bias)[0].double()
     ref = _reference(a, b) + bias.double()
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fast accumulation (k 2^-14 per unit of sum|a||b|, the loosest of the backends) plus the one bf16 rounding.
@@ -235,7 +236,7 @@ def test_emulated_bias_is_added_before_the_one_rounding_on_cpu(name, qa, qb, exp
 def test_a_bias_must_be_one_vector_over_the_outputs():
     a, b = _operand(MXFP8Quantizer(), ROWWISE, 64, 128, "cpu"), _operand(MXFP8Quantizer(), ROWWISE, 96, 128, "cpu")
     with pytest.raises(ValueError, match=r"shape \(96,\) of its output's last dim.*got a bias of shape \(64,\) for 1 group"):
-        backends.gemm(a, b, 1, torch.float32, torch.zeros(64))
+        backends.gemm(a, b, 1, torch.float32, backends.GemmBackend(backends.EMULATION), "fc#0 fprop", torch.zeros(64))
 
 
 SLICED = [p for p in PAIRS if isinstance(p[1], (MXFP8Quantizer, NVFP4Quantizer)) or isinstance(p[2], (MXFP8Quantizer, NVFP4Quantizer))]

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"graphquant": "graphquant", "passes": "graphquant.passes"}
 
 LAYERS = (
-    ("face", ("graphquant", "graphquant.compiler", "graphquant.explainer", "graphquant.numerics_report", "graphquant.dump",
+    ("face", ("graphquant", "graphquant.compiler", "graphquant.explainer", "graphquant.numerics_report", "graphquant.dump", "graphquant.freezing",
               "graphquant.__main__")),
     ("passes", ("graphquant.passes",)),
     ("ops", ("graphquant.ops",)),

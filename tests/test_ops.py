@@ -7,7 +7,8 @@ import graphquant  # noqa: F401  (registers the ops)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphquant import distributed
-from graphquant.kernels import native
+from graphquant.kernels import backends, emulation, native, scaled_mm
+from graphquant.kernels.backends import GemmBackend
 from graphquant.formats import nvfp4
 from graphquant.ops.functional import quantized_linear, quantized_matmul
 from graphquant.ops.quantize import SlotState, _quantize_direction, quantize_weight
@@ -31,6 +32,8 @@ SPECS = [
     NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True),
     NVFP4Quantizer(with_2d_quantization=True, row_scaled_nvfp4=True),
 ]
+# The backends of a site whose three GEMMs are emulated (as a plan on this CPU gives every site).
+EMULATED = {gemm: GemmBackend(backends.EMULATION) for gemm in ("fprop", "dgrad", "wgrad")}
 
 
 @pytest.mark.parametrize("rowwise,columnwise,dbias", [(True, False, False), (False, True, False), (True, True, True)])
@@ -122,6 +125,7 @@ def test_dequantize_and_gemm_ops(quantizer):
     w = _quantize_direction(torch.randn(32, 96), quantizer, ROWWISE, state)
     dequantize_args = (x.tensors, x.spec, ROWWISE, list(x.shape), torch.float32)
     gemm_args = (x.tensors, x.spec, ROWWISE, list(x.shape), w.tensors, w.spec, ROWWISE, list(w.shape), 1, torch.float32)
+    gemm_args += (backends.EMULATION, False, "fc#0 fprop")
     for op, args in ((torch.ops.graphquant.dequantize.default, dequantize_args), (torch.ops.graphquant.gemm.default, gemm_args)):
         torch.library.opcheck(op, args, test_utils=WITHOUT_SCHEMA)
         _check_no_mutation(op, args)
@@ -159,7 +163,7 @@ class _OpCalls(TorchDispatchMode):
 def test_linear_bias_is_added_in_the_gemm_and_its_gradient_made_by_the_grad_output_quantize():
     torch.manual_seed(0)
     x, w, bias = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True), torch.randn(32, requires_grad=True)
-    site = Site(name="fc", call=0, input=MXFP8Quantizer().spec, weight=MXFP8Quantizer().spec, grad_output=NVFP4Quantizer().spec, streams=(0, 1, 2))
+    site = Site(name="fc", call=0, input=MXFP8Quantizer().spec, weight=MXFP8Quantizer().spec, grad_output=NVFP4Quantizer().spec, streams=(0, 1, 2), **EMULATED)
     rng = torch.tensor([1, 2])
     dy = torch.randn(64, 32)
     with _OpCalls() as mode:
@@ -192,7 +196,7 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
     torch.manual_seed(0)
     x, w = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
     spec = quantizer.spec
-    site = Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2))
+    site = Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), **EMULATED)
     with _OpCalls() as mode:
         quantized_linear(x, w, None, site=site, rng=torch.tensor([1, 2])).backward(torch.randn(128, 64))
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
@@ -227,7 +231,7 @@ def test_backward_runs_wgrad_before_dgrad():
     torch.manual_seed(0)
     x, w = torch.randn(128, 96, requires_grad=True), torch.randn(64, 96, requires_grad=True)
     spec = Float8CurrentScalingQuantizer().spec
-    y = quantized_linear(x, w, None, site=Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2)))
+    y = quantized_linear(x, w, None, site=Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), **EMULATED))
     with _OpCalls() as mode:
         y.backward(torch.randn(128, 64))
     products = [tuple(args[3]) + tuple(args[7]) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
@@ -235,18 +239,32 @@ def test_backward_runs_wgrad_before_dgrad():
     assert products == [(128, 64, 128, 96), (128, 64, 64, 96)]
 
 
-def test_each_gemm_gets_the_recipes_fast_accumulation():
-    """fprop, wgrad and dgrad (the backward runs wgrad first) each pass their own flag to the GEMM op."""
+def test_each_gemm_gets_its_own_backend_from_the_site(monkeypatch):
+    """fprop, wgrad and dgrad (the backward runs wgrad first) each pass their own backend to the
+    GEMM op, and it runs that one (on a faked Hopper, the emulated GEMM standing in for cuBLASLt)."""
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    backends.clear_caches()
+    ran = []
+
+    def stand_in(backend, a, b, out_dtype, bias=None):
+        ran.append(backend)
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    monkeypatch.setattr(scaled_mm, "run", stand_in)
     x, w = torch.randn(64, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True)
     spec = Float8CurrentScalingQuantizer().spec
-    formats = dict(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2))
-    fast_index = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments].index("fast_accumulation")
-    for fast_accumulation, expected in [(("fprop",), [True, False, False]), (("dgrad", "wgrad"), [False, True, True])]:
+    fprop, dgrad = GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True), GemmBackend(scaled_mm.TENSORWISE)
+    site = Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=fprop, dgrad=dgrad, wgrad=EMULATED["wgrad"])
+    try:
         with _OpCalls() as mode:
-            quantized_linear(x, w, None, site=Site(fast_accumulation=fast_accumulation, **formats)).sum().backward()
-        # The dispatcher drops trailing arguments that equal their defaults (False here).
-        flags = [len(args) > fast_index and args[fast_index] for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
-        assert flags == expected, fast_accumulation
+            quantized_linear(x, w, None, site=site).sum().backward()
+    finally:
+        backends.clear_caches()
+    names = [a.name for a in torch.ops.graphquant.gemm.default._schema.arguments]
+    fields = [names.index("backend"), names.index("fast_accumulation"), names.index("site")]
+    calls = [tuple(args[i] for i in fields) for func, args in mode.calls if func is torch.ops.graphquant.gemm.default]
+    assert calls == [(scaled_mm.TENSORWISE, True, "fc#0 fprop"), (backends.EMULATION, False, "fc#0 wgrad"), (scaled_mm.TENSORWISE, False, "fc#0 dgrad")]
+    assert ran == [fprop, dgrad]
 
 
 def test_only_a_contiguous_weight_takes_the_one_call():
@@ -257,7 +275,7 @@ def test_only_a_contiguous_weight_takes_the_one_call():
     spec = Float8CurrentScalingQuantizer().spec
     a, b = torch.randn(2, 16, 64, requires_grad=True), torch.randn(2, 64, 32, requires_grad=True)
     w = torch.nn.Parameter(torch.randn(64, 32))
-    formats = dict(name="mm", call=0, input=spec, grad_output=spec, streams=(0, 1, 2))
+    formats = dict(name="mm", call=0, input=spec, grad_output=spec, streams=(0, 1, 2), **EMULATED)
     for kwargs in (dict(other=spec), dict(weight=spec)):
         with _OpCalls() as mode:
             rhs = b if "other" in kwargs else w

@@ -127,7 +127,7 @@ def test_a_user_format_plans_emulated_on_every_capability(capability, monkeypatc
         device = torch.device("cpu" if capability is None else "cuda")
         for da, db in ((ROWWISE, ROWWISE), (ROWWISE, COLUMNWISE), (COLUMNWISE, COLUMNWISE)):
             selection = backends.select(Float8Block64(), da, Float8Block64(), db, device, (256, 256, 256))
-            assert (selection.bucket, selection.backend) == (backends.EMULATED, backends.EMULATION)
+            assert (selection.bucket, selection.backend.name) == (backends.EMULATED, backends.EMULATION)
     finally:
         backends.select.cache_clear()
 
@@ -185,7 +185,7 @@ def test_a_user_format_that_declares_a_gemm_family_runs_on_that_native_gemm(monk
         cuda = torch.device("cuda")
         for other in (TensorwiseCopy(), Float8CurrentScalingQuantizer()):
             selection = backends.select(TensorwiseCopy(), ROWWISE, other, COLUMNWISE, cuda, (128, 64, 256))
-            assert (selection.bucket, selection.backend) == (backends.NATIVE, scaled_mm.TENSORWISE)
+            assert (selection.bucket, selection.backend.name) == (backends.NATIVE, scaled_mm.TENSORWISE)
     finally:
         backends.select.cache_clear()
 

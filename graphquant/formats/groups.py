@@ -23,6 +23,10 @@ import torch
 
 from graphquant.formats.fp8 import magnitude_bits
 
+# Rows every group is padded to a multiple of: TE's quantization_alignment, whole blocks of every
+# format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
+GROUP_ROWS = 128
+
 
 class GroupPadding(NamedTuple):
     """Where the rows of a grouped tensor go in its padded layout.

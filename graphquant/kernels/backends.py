@@ -1,8 +1,9 @@
 """GEMM backends: how a pair of representations is multiplied on this device.
 
 ``select`` classifies an operand pair (each operand given as the quantizer that makes its
-direction) into native / emulated / rejected and names the backend; the planner shows that
-choice and ``gemm`` runs exactly it. Native backends are cuBLASLt (scaled_mm: through
+direction) into native / emulated / rejected and names the backend, a GemmBackend; the planner
+shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
+it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
 choice). The emulated backend dequantizes both operands exactly and multiplies them in high
 precision; it runs every pair the planner admits, on any device.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from typing import Callable, NamedTuple, Optional
+import itertools
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -35,33 +37,88 @@ REJECTED = "rejected"
 
 HIGH_PRECISION = "high-precision matmul"
 EMULATION = "dequantize + high-precision matmul"
+ATTENTION_EMULATION = "attention emulation"  # FP8 attention, S and P materialised: its products on the emulated GEMM
+NONE = "none"  # a rejected GEMM's: it must not run
+# The backends that run the emulated GEMM (it takes high-precision operands as they are).
+ON_EMULATION = (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmBackend:
+    """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
+
+    name: a native GEMM's (NATIVE_GEMMS), one of ON_EMULATION, or NONE. fast_accumulation: the
+    product sums in the tensor cores' accumulator, which only some native GEMMs offer.
+    """
+
+    name: str
+    fast_accumulation: bool = False
+
+    def __post_init__(self) -> None:
+        native = NATIVE_BY_NAME.get(self.name)
+        if native is None and self.name not in (*ON_EMULATION, NONE):
+            names = ", ".join(map(repr, [*NATIVE_BY_NAME, *ON_EMULATION, NONE]))
+            raise ValueError(f"unknown GEMM backend {self.name!r}; one of {names}")
+        if self.fast_accumulation and not (native and native.fast_accumulation):
+            raise ValueError(f"the GEMM backend {self.name!r} has no fast accumulation")
+
+    @property
+    def native(self) -> Optional["NativeGemm"]:
+        """The native GEMM it runs, or None where it runs the emulated one (or none)."""
+        return NATIVE_BY_NAME.get(self.name)
+
+    def __str__(self) -> str:
+        return self.name + (" (fast accumulation)" if self.fast_accumulation else "")
+
+    def __repr__(self) -> str:
+        """The call that rebuilds it (a graph dump prints it in each GEMM's Site)."""
+        return f"GemmBackend({self.name!r}{', fast_accumulation=True' if self.fast_accumulation else ''})"
+
+
+@functools.lru_cache(maxsize=None)
+def named(name: str, fast_accumulation: bool) -> GemmBackend:
+    """The GemmBackend that a GEMM op's arguments name, made once per value: its checks would
+    otherwise be host time on every GEMM call."""
+    return GemmBackend(name, fast_accumulation)
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """How one GEMM will run: its bucket, the backend's name, and why when it is not native."""
+    """How one GEMM will run: its bucket, its backend, and why when it is not native."""
 
     bucket: str
-    backend: str
+    backend: GemmBackend
     reason: str = ""
 
 
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
-    element encodings it multiplies, the multiple every one of m, n and k must be, and the compute
-    capabilities torch._scaled_mm runs it on."""
+    element encodings it multiplies, the multiple every one of m, n and k must be, the compute
+    capabilities torch._scaled_mm runs it on, and whether it can sum in the tensor cores'
+    accumulator (fast accumulation)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
     elements: frozenset[tuple[str, str]]
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
+    fast_accumulation: bool = False
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
         if a is None or b is None:
             return False
         return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
+
+    def misfit(self, dims: Sequence[Any], batch: Any = 1) -> str:
+        """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k), or "" where it can.
+        A dim may be None (unknown: not tested) or a torch.SymInt, whose test becomes a guard of
+        the graph being compiled, so that a size that fails it compiles (and plans) a graph of its own."""
+        if batch != 1:
+            return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
+        if any(d is not None and d % self.multiple != 0 for d in dims):
+            return f"{self.backend} needs m, n, k multiples of {self.multiple}; got {tuple(dims)}"
+        return ""
 
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
@@ -76,8 +133,16 @@ NATIVE_GEMMS = (
         BOTH_E4M3 | {("e4m3", "e5m2"), ("e5m2", "e4m3")},
         16,
         lambda sm: sm >= (9, 0),
+        fast_accumulation=True,
     ),
-    NativeGemm(scaled_mm.ROWWISE_SCALED, frozenset({("fp8_rowwise", "fp8_rowwise")}), BOTH_E4M3, 16, lambda sm: sm >= (9, 0)),
+    NativeGemm(
+        scaled_mm.ROWWISE_SCALED,
+        frozenset({("fp8_rowwise", "fp8_rowwise")}),
+        BOTH_E4M3,
+        16,
+        lambda sm: sm >= (9, 0),
+        fast_accumulation=True,
+    ),
     NativeGemm(
         scaled_mm.BLOCKWISE,
         frozenset({("fp8_block_1x128", "fp8_block_1x128"), ("fp8_block_1x128", "fp8_block_128x128")}),
@@ -88,6 +153,21 @@ NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
 )
+
+# torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
+# with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
+# The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
+# and k only x's columns can miss its multiple of 16.
+_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
+NATIVE_GROUPED_GEMM = NativeGemm(
+    "torch._scaled_grouped_mm fp8 rowwise",
+    frozenset(itertools.product(_ROW_SCALED_FAMILIES, repeat=2)),
+    BOTH_E4M3,
+    16,
+    lambda sm: sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"),
+)
+SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
+NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, NATIVE_GROUPED_GEMM)}
 
 
 def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -106,35 +186,35 @@ def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     return None
 
 
-SCALED_GROUPED_MM = "torch._scaled_grouped_mm fp8 rowwise"
-_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")  # a per-tensor scale is a per-row one repeated
 # Formats whose emulated values leave out a per-group or per-row factor (Quantizer.grouped_factor).
 _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 
 def select_grouped(
-    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Optional[int]
+    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
-    unknown): native where torch._scaled_grouped_mm (sm90, sm100) multiplies the pair, E4M3 on
-    both sides with per-tensor or per-row scales (each group's scale repeated over its rows) and
-    k a multiple of 16 (its other dims are padded to 128); otherwise emulated, one grouped product."""
+    unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on
+    NATIVE_GROUPED_GEMM where it multiplies the pair on ``device``; otherwise emulated, one
+    grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
-    if selection.bucket == REJECTED or selection.backend == HIGH_PRECISION:
+    if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
         return selection
     sm = capability(device)
     if sm is None:
-        return Selection(EMULATED, EMULATION, selection.reason)
-    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
-    row_scaled = all(i is not None and i.family in _ROW_SCALED_FAMILIES and i.element == "e4m3" for i in inputs)
-    if row_scaled and sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"):
-        if k is not None and k % 16 == 0:
-            return Selection(NATIVE, SCALED_GROUPED_MM)
-        return Selection(EMULATED, EMULATION, f"torch._scaled_grouped_mm needs x's columns a multiple of 16; got {k}")
-    reason = f"torch._scaled_grouped_mm multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
+        return Selection(EMULATED, GemmBackend(EMULATION), selection.reason)
+    native, inputs = NATIVE_GROUPED_GEMM, (a.gemm_input(a_direction), b.gemm_input(b_direction))
+    if not native.takes(*inputs):
+        reason = f"{native.backend} multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
+    elif not native.runs_on(sm):
+        reason = f"{native.backend} does not run on sm_{sm[0]}{sm[1]}"
+    elif k is not None and k % native.multiple != 0:
+        reason = f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}"
+    else:
+        return Selection(NATIVE, GemmBackend(native.backend))
     if importlib.util.find_spec("triton") is None and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
-    return Selection(EMULATED, EMULATION, reason)
+    return Selection(EMULATED, GemmBackend(EMULATION), reason)
 
 
 def capability(device: torch.device) -> Optional[tuple[int, int]]:
@@ -154,39 +234,104 @@ def select(
     fast_accumulation: bool = False,
 ) -> Selection:
     """Classify the pair for ``device``; ``dims`` is (m, n, k) of each group's out[m, n] = A @ B^T
-    (None where unknown), ``batch`` the number of groups. ``fast_accumulation``: the recipe lets
-    this GEMM sum in the tensor cores' accumulator (CustomRecipe.fast_accumulation), which the
-    per-tensor and per-row FP8 GEMMs then do."""
+    (None where unknown: ``select_symbolic`` tests symbolic ones), ``batch`` the number of groups.
+    ``fast_accumulation``: the recipe lets this GEMM sum in the tensor cores' accumulator
+    (CustomRecipe.fast_accumulation), which the per-tensor and per-row FP8 GEMMs then do."""
     if a.hadamard(a_direction) != b.hadamard(b_direction):
         with_rht = a if a.hadamard(a_direction) else b
         return Selection(
             REJECTED,
-            "none",
+            GemmBackend(NONE),
             f"only one operand ({with_rht}) went through a Hadamard transform, so the product would be "
             "wrong; give both operands of this GEMM the transform (e.g. nvfp4_factory for input and "
             "grad_output) or neither",
         )
     if a.high_precision and b.high_precision:
-        return Selection(NATIVE, HIGH_PRECISION)
+        return Selection(NATIVE, GemmBackend(HIGH_PRECISION))
     sm = capability(device)
     if sm is None:
-        return Selection(EMULATED, EMULATION, f"no low-precision GEMM on {device.type}")
+        return Selection(EMULATED, GemmBackend(EMULATION), f"no low-precision GEMM on {device.type}")
     a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
     for native in NATIVE_GEMMS:
         if native.runs_on(sm) and native.takes(a_input, b_input):
-            backend, multiple = native.backend, native.multiple
-            if batch != 1:
-                return Selection(EMULATED, EMULATION, f"{backend} multiplies one matrix pair, not a batch of {batch}")
-            if dims is not None and any(d is not None and d % multiple for d in dims):
-                return Selection(
-                    EMULATED, EMULATION, f"{backend} needs m, n, k multiples of {multiple}; got {dims}"
-                )
-            if fast_accumulation and backend in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED):
-                backend += scaled_mm.FAST_ACCUMULATION
-            return Selection(NATIVE, backend)
+            misfit = native.misfit(dims or (), batch)
+            if misfit:
+                return Selection(EMULATED, GemmBackend(EMULATION), misfit)
+            return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation))
     if type(a) is not type(b):
-        return Selection(EMULATED, EMULATION, f"no GEMM multiplies {a.tag} by {b.tag}")
-    return Selection(EMULATED, EMULATION, f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
+        return Selection(EMULATED, GemmBackend(EMULATION), f"no GEMM multiplies {a.tag} by {b.tag}")
+    return Selection(EMULATED, GemmBackend(EMULATION), f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
+
+
+def select_symbolic(
+    a: Quantizer,
+    a_direction: str,
+    b: Quantizer,
+    b_direction: str,
+    device: torch.device,
+    sizes: Sequence[Any],
+    batch: Optional[int] = 1,
+    fast_accumulation: bool = False,
+) -> Selection:
+    """``select`` for (m, n, k) ``sizes`` of which some may be symbolic (torch.SymInt, dynamic
+    shapes): where the pair has a native GEMM, it is tested on the symbols, so the choice holds for
+    every size the compiled graph runs (NativeGemm.misfit)."""
+    static = tuple(d if isinstance(d, int) else None for d in sizes)
+    selection = select(a, a_direction, b, b_direction, device, static, batch, fast_accumulation)
+    native = selection.backend.native
+    misfit = native.misfit(sizes, batch) if native is not None and None in static else ""
+    return Selection(EMULATED, GemmBackend(EMULATION), misfit) if misfit else selection
+
+
+class GemmMismatch(RuntimeError):
+    """A GEMM call that the backend its plan chose cannot run."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _refusal(
+    native: NativeGemm, a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, dims: tuple, batch: int
+) -> str:
+    """Why ``native`` cannot multiply the pair on ``device`` as ``batch`` products of ``dims``, or
+    "" where it can; cached, as select's choices are, so that a GEMM call pays one lookup."""
+    sm = capability(device)
+    if sm is None or not native.runs_on(sm):
+        return f"it does not run on {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
+    if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
+        return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
+    return native.misfit(dims, batch)
+
+
+def clear_caches() -> None:
+    """Forget what was worked out per device (select's choices, gemm's checks), for a test that
+    fakes a compute capability."""
+    select.cache_clear()
+    _refusal.cache_clear()
+
+
+def checked(
+    backend: GemmBackend, a: Representation, b: Representation, dims: tuple, batch: int, site: str, natives: Sequence[NativeGemm]
+) -> Optional[NativeGemm]:
+    """The native GEMM that runs a call of the GEMM ``site`` names ("fc1#0 dgrad") on ``backend``,
+    the plan's choice, or None where it runs the emulated GEMM. ``dims``: (m, n, k) of each of
+    ``batch`` products; ``natives``: the native GEMMs the caller runs (NATIVE_GEMMS, or
+    NATIVE_GROUPED_GEMM for a grouped call). A call the backend cannot run (its plan was made for
+    other shapes, another device or another site) raises GemmMismatch rather than run another backend."""
+    native = backend.native
+    if native is None:
+        if backend.name == NONE:
+            raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
+        return None
+    if native not in natives:
+        names = ", ".join(n.backend for n in natives)
+        raise GemmMismatch(f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site")
+    refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
+    if refusal:
+        raise GemmMismatch(
+            f"{site}: its plan chose {backend}, which cannot run this call ({batch} x (m, n, k) = {dims}, "
+            f"{a.quantizer.direction_spec(a.direction)} x {b.quantizer.direction_spec(b.direction)} on "
+            f"{a.data.device}): {refusal}; the plan was made for other shapes or another device"
+        )
+    return native
 
 
 def gemm(
@@ -194,20 +339,24 @@ def gemm(
     b: Representation,
     batch: int,
     out_dtype: torch.dtype,
+    backend: GemmBackend,
+    site: str,
     bias: Optional[torch.Tensor] = None,
-    fast_accumulation: bool = False,
 ) -> torch.Tensor:
-    """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on the backend ``select``
-    names for this pair; every backend adds the bias before rounding to out_dtype."""
+    """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on ``backend``, the plan's
+    choice for the GEMM ``site`` names ("fc1#0 dgrad"), as ``checked`` admits it; every backend
+    adds the bias before rounding to out_dtype."""
     n = output_rows(b.direction, b.shape, batch)
     if bias is not None and (batch != 1 or bias.shape != (n,)):
         raise ValueError(
-            f"a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
+            f"{site}: a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
             f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
         )
-    selection = select(
-        a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, gemm_dims(a, b, batch), batch, fast_accumulation
-    )
-    if selection.bucket == NATIVE and selection.backend != HIGH_PRECISION:
-        return scaled_mm.run(selection.backend, a, b, out_dtype, bias).unsqueeze(0)
-    return emulation.gemm(a, b, batch, out_dtype, bias)
+    if checked(backend, a, b, gemm_dims(a, b, batch), batch, site, NATIVE_GEMMS) is None:
+        return emulation.gemm(a, b, batch, out_dtype, bias)
+    return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
+
+
+def select_attention(device: torch.device) -> Selection:
+    """How FP8 attention runs on ``device``: emulated everywhere until a kernel runs it natively."""
+    return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), "no FP8 attention kernel yet: S and P materialised")

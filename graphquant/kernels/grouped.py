@@ -8,7 +8,9 @@ a multiple of 128 rows). Two kinds of product:
                                      B an expert stack (groups * n', k) rowwise or columnwise
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's rows: both columnwise
 
-Native (backends.select_grouped): E4M3 with per-tensor or per-row scales on
+Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
+
+Native (backends.NATIVE_GROUPED_GEMM): E4M3 with per-tensor or per-row scales on
 torch._scaled_grouped_mm, fp32 accumulation and the scales in its epilogue.
 
 Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
@@ -34,7 +36,7 @@ try:
     from graphquant.kernels import triton_grouped_gemm
 except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which reads the offsets on the host
     triton_grouped_gemm = None
-from graphquant.quantizers import ROWWISE, Representation
+from graphquant.quantizers import ROWWISE, Representation, gemm_dims
 
 
 def factored(rep: Representation, row_group: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -67,14 +69,18 @@ def gemm(
     position: torch.Tensor,
     n: int,
     out_dtype: torch.dtype,
+    backend: backends.GemmBackend,
+    site: str,
 ) -> torch.Tensor:
     """The grouped product of the module docstring, without the padding: (tokens, n) for tokens
     x experts, the padded rows at ``position``; (groups, n, k) for tokens x tokens.
     ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
     ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
-    rows make (the output columns of fprop, the rows of each wgrad product), padding dropped."""
-    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, b.shape[1])
-    if selection.backend == backends.SCALED_GROUPED_MM:
+    rows make (the output columns of fprop, the rows of each wgrad product), padding dropped.
+    ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
+    backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
+    native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, (backends.NATIVE_GROUPED_GEMM,))
+    if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
         out, alpha = _emulated(a, a_group, b, b_group, ends)

@@ -150,8 +150,10 @@ def _run(
     dq_source = columnwise and quantizer.columnwise_from_rowwise()
     rng = _device_rng(ctx, x)
     row = _side(ext, row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
+    if (rowwise or dq_source) and row is None:
+        return None  # before the other side is asked of the extension
     col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
-    if ((rowwise or dq_source) and row is None) or (columnwise and col is None):
+    if columnwise and col is None:
         return None
     if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
         return None  # delayed scaling has one scale for the whole tensor

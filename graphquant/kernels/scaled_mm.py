@@ -9,7 +9,7 @@ as cuBLASLt wants them for each scaling mode.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,11 +17,11 @@ from graphquant.kernels import native
 from graphquant.formats import nvfp4
 from graphquant.quantizers import Representation
 
+if TYPE_CHECKING:
+    from graphquant.kernels.backends import GemmBackend
+
 TENSORWISE = "cublaslt fp8 tensorwise"
 ROWWISE_SCALED = "cublaslt fp8 rowwise"
-# TE's and torchao's default for per-tensor and per-row FP8 fprop: the tensor cores' own
-# accumulator throughout (faster); dgrad and wgrad promote partial sums to fp32 (split accumulator).
-FAST_ACCUMULATION = " (fast accumulation)"
 BLOCKWISE = "cublaslt fp8 blockwise"
 MXFP8 = "cublaslt mxfp8 (sm100)"
 NVFP4 = "cublaslt nvfp4 (sm100)"
@@ -55,13 +55,15 @@ def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
 
 
-def arguments(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype) -> tuple[tuple, dict]:
-    """torch._scaled_mm's (args, kwargs) for out (m, n) = A @ B^T on ``backend``: the operands,
-    and the scales in the layout that scaling mode wants."""
+def arguments(
+    backend: str, a: Representation, b: Representation, out_dtype: torch.dtype, fast_accumulation: bool = False
+) -> tuple[tuple, dict]:
+    """torch._scaled_mm's (args, kwargs) for out (m, n) = A @ B^T on the native GEMM named
+    ``backend``: the operands, and the scales in the layout that scaling mode wants.
+    fast_accumulation: sum in the tensor cores' accumulator throughout (TE's and torchao's default
+    for per-tensor and per-row FP8 fprop: faster), rather than promote partial sums to fp32."""
     (data_a, k_scale_a), (data_b, k_scale_b) = k_last(a), k_last(b)
     data_b = data_b.t()
-    fast = backend.endswith(FAST_ACCUMULATION)
-    backend = backend.removesuffix(FAST_ACCUMULATION)
     if backend == TENSORWISE:
         scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
     elif backend == ROWWISE_SCALED:  # cuBLASLt's rowwise scaling writes bf16 only
@@ -78,26 +80,26 @@ def arguments(backend: str, a: Representation, b: Representation, out_dtype: tor
         scale_a, scale_b, out_dtype = swizzled_block_scales(a.scale), swizzled_block_scales(b.scale), torch.float32
     else:
         raise ValueError(f"unknown native backend {backend!r}")
-    return (data_a, data_b, scale_a, scale_b), dict(out_dtype=out_dtype, use_fast_accum=fast)
+    return (data_a, data_b, scale_a, scale_b), dict(out_dtype=out_dtype, use_fast_accum=fast_accumulation)
 
 
-def run(backend: str, a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out (m, n) = A @ B^T (+ bias) on ``backend`` (as named by graphquant.kernels.backends.select).
+def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out (m, n) = A @ B^T (+ bias) on ``backend``, a native one (graphquant.kernels.backends).
 
     The bias goes into cuBLASLt's epilogue where the call writes bf16 or fp16 and the bias has
     that dtype; otherwise it is added to the fp32 product, which is then rounded once.
     """
-    args, kwargs = arguments(backend, a, b, out_dtype)
+    args, kwargs = arguments(backend.name, a, b, out_dtype, backend.fast_accumulation)
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
     ext = native.extension()
-    if ext is not None and backend.removesuffix(FAST_ACCUMULATION) == TENSORWISE:
+    if ext is not None and backend.name == TENSORWISE:
         data_a, data_b, scale_a, scale_b = args
         out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
     else:
         out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
     if epilogue_bias is not None:
         return out.to(out_dtype)
-    if backend == NVFP4:
+    if backend.name == NVFP4:
         out = out * (nvfp4.global_decode(a.amax) * nvfp4.global_decode(b.amax))
     if bias is not None:
         out = out.float() + bias.float()

@@ -13,9 +13,12 @@ from typing import Optional
 
 import torch
 
-from graphquant.ops.inference import inference_product
+from graphquant.ops.frozen import refuse_backward
+from graphquant.ops.inference import inference_product, quantized_weight_product
+from graphquant.ops.operands import Operand
 from graphquant.ops.quantized_gemm import QuantizedGemm
 from graphquant.ops.site import Site
+from graphquant.quantizers import ROWWISE
 
 NO_STATES = (None, None, None)
 
@@ -28,6 +31,15 @@ def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None)
     else:
         y = _product(x2d, w, 1, site, states, rng, bias)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def quantized_frozen_linear(x, weight, shape, dtype, bias=None, *, site: Site, states=NO_STATES, rng=None):
+    """F.linear(x, w, bias) of a FrozenLinear (graphquant.freeze): w, of logical ``shape`` and dtype
+    ``dtype``, stored as ``weight``, the tensors of its rowwise representation; fprop alone."""
+    x2d = x.reshape(-1, x.shape[-1])
+    w = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (shape[0], shape[1]))
+    y = quantized_weight_product(x2d, w, dtype, bias, site, states, rng)
+    return refuse_backward(x, y.reshape(*x.shape[:-1], shape[0]), site.label)
 
 
 def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):

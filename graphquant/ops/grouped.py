@@ -23,19 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from graphquant.formats import groups
+from graphquant.formats.groups import GROUP_ROWS
+from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
-from graphquant.kernels import native
 from graphquant.ops import registry
 from graphquant.ops.library import quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import hybrid_directions
 from graphquant.ops.site import Site
 from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
-
-# Rows every group is padded to a multiple of: TE's quantization_alignment, whole blocks of every
-# format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
-GROUP_ROWS = 128
-
 
 @registry.op("grouped_quantize")
 def grouped_quantize(x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, direction: str) -> list[torch.Tensor]:
@@ -84,17 +80,22 @@ def grouped_gemm(
     position: torch.Tensor,
     n: int,
     out_dtype: torch.dtype,
+    backend: str,
+    fast_accumulation: bool,
+    site: str,
 ) -> torch.Tensor:
     """Each group's A_g @ B_g^T (graphquant.kernels.grouped.gemm), the padding dropped: A
     rowwise, tokens times an expert stack B, (tokens, n); A columnwise (wgrad), tokens times
-    tokens, (groups, n, cols of B)."""
+    tokens, (groups, n, cols of B). backend, fast_accumulation: the fields of the GemmBackend the
+    plan chose for this GEMM, which runs it; site names the GEMM in errors ("moe#0 wgrad")."""
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
-    return grouped_kernels.gemm(rep_a, a_group, rep_b, b_group, ends, position, n, out_dtype)
+    chosen = backends.named(backend, fast_accumulation)
+    return grouped_kernels.gemm(rep_a, a_group, rep_b, b_group, ends, position, n, out_dtype, chosen, site)
 
 
 @registry.fake("grouped_gemm")
-def _(a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype):
+def _(a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype, backend, fast_accumulation, site):
     shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
     return a[0].new_empty(shape, dtype=out_dtype)
 
@@ -113,11 +114,15 @@ def quantize_grouped(x: torch.Tensor, layout: groups.GroupPadding, quantizer: Qu
     return hybrid_directions(x, quantizer, directions, encode, rowwise_values)
 
 
-def _gemm(a: Operand, b: Operand, b_group: torch.Tensor, tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad): see grouped_gemm."""
+def _gemm(
+    a: Operand, b: Operand, b_group: torch.Tensor, tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype, site: Site, gemm: str
+) -> torch.Tensor:
+    """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad) on the backend the
+    plan chose for ``gemm`` of ``site``: see grouped_gemm."""
+    backend, name = site.runs(gemm)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
-        tokens.ends, tokens.position, n, out_dtype,
+        tokens.ends, tokens.position, n, out_dtype, backend.name, backend.fast_accumulation, name,
     )
 
 
@@ -140,7 +145,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
         xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,))
         w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
         wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,))
-        y = _gemm(xq[ROWWISE], wq[ROWWISE], stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype))
+        y = _gemm(xq[ROWWISE], wq[ROWWISE], stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), *tokens, stack.row_group)
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
@@ -158,9 +163,9 @@ class QuantizedGroupedMM(torch.autograd.Function):
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions)
         dx = dw = None
         if need_dx:
-            dx = _gemm(gq[ROWWISE], w_col, w_group, tokens, w_col.shape[1], ctx.dtypes[0])
+            dx = _gemm(gq[ROWWISE], w_col, w_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
         if need_dw:
-            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1]).transpose(1, 2)
+            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
         return dx, dw, None, None
 
 

@@ -1,4 +1,5 @@
-"""A linear in a graph that never runs backward: fprop alone, nothing kept for a backward."""
+"""A linear in a graph that never runs backward: fprop alone, nothing kept for a backward; its
+weight quantized at each call, or stored quantized once (graphquant.freeze)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ from typing import Optional
 
 import torch
 
-from graphquant.ops.operands import gemm
+from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, update_delayed_scaling
 from graphquant.ops.site import Site
-from graphquant.quantizers import ROWWISE
+from graphquant.quantizers import ROWWISE, Quantizer
 
 
 def inference_product(
@@ -20,14 +21,31 @@ def inference_product(
     The weight is quantized from its value at this call, never kept from an earlier one: PyTorch
     has no cheap sign that a tensor's memory was written (writes through ``.data`` move no version
     counter; fused and foreach optimizer steps on CUDA move neither the version counter nor a
-    copy-on-write mark), so a kept copy could outlive the values it was made from.
+    copy-on-write mark), so a kept copy could outlive the values it was made from. A model whose
+    weights are final stores them quantized instead, without the high-precision ones
+    (graphquant.freeze).
     """
-    x_quantizer, w_quantizer, _ = site.quantizers
-    x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
+    w_quantizer = site.quantizers[1]
     w_state = SlotState(states[1], rng, site.streams[1], site.amax_group)
-    xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     wq = quantize_weight(w.detach(), w_quantizer, (ROWWISE,), w_state)
-    update_delayed_scaling(x_quantizer, x_state, xq)
     update_delayed_scaling(w_quantizer, w_state, wq)
+    return quantized_weight_product(x2d, wq[ROWWISE], w.dtype, bias, site, states, rng)
+
+
+def frozen_weight(w: torch.Tensor, quantizer: Quantizer, amax_group: Optional[str]) -> Operand:
+    """The rowwise operand ``inference_product`` makes of weight ``w`` at each call, made once to be
+    stored (graphquant.freeze): the same function, so the same bits."""
+    return quantize_weight(w.detach(), quantizer, (ROWWISE,), SlotState(None, None, 0, amax_group))[ROWWISE]
+
+
+def quantized_weight_product(
+    x2d: torch.Tensor, w: Operand, w_dtype: torch.dtype, bias: Optional[torch.Tensor], site: Site, states: tuple, rng: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """(1, m, n) = x2d @ w^T (+ bias) with x quantized rowwise here and w already the rowwise
+    operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze)."""
+    x_quantizer = site.quantizers[0]
+    x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
+    xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
+    update_delayed_scaling(x_quantizer, x_state, xq)
     bias = None if bias is None else bias.detach()
-    return gemm(xq[ROWWISE], wq[ROWWISE], 1, torch.promote_types(x2d.dtype, w.dtype), bias, site.fast("fprop"))
+    return gemm(xq[ROWWISE], w, 1, torch.promote_types(x2d.dtype, w_dtype), *site.runs("fprop"), bias)

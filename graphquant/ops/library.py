@@ -133,23 +133,26 @@ def gemm(
     b_shape: Sequence[int],
     batch: int,
     out_dtype: torch.dtype,
+    backend: str,
+    fast_accumulation: bool,
+    site: str,
     bias: Optional[torch.Tensor] = None,
-    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """out[g] = A[g] @ B[g]^T (+ bias) for each of ``batch`` groups, both operands reduced over their K.
 
     A rowwise operand splits its rows into groups; a columnwise operand (a wgrad or dgrad
     operand, reduced over the logical rows) splits its reduction dim. Returns (batch, m, n).
+    backend, fast_accumulation: the fields of the GemmBackend the plan chose for this GEMM, which
+    runs it (graphquant.kernels.backends.gemm); site names the GEMM in errors ("fc1#0 dgrad").
     bias (n,), one group only: added to the fp32 product before its one rounding to out_dtype.
-    fast_accumulation: whether the recipe lets this GEMM sum in the tensor cores' accumulator.
     """
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
-    return backends.gemm(rep_a, rep_b, batch, out_dtype, bias, fast_accumulation)
+    return backends.gemm(rep_a, rep_b, batch, out_dtype, backends.named(backend, fast_accumulation), site, bias)
 
 
 @registry.fake("gemm")
-def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype, bias=None, fast_accumulation=False):
+def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, out_dtype, backend, fast_accumulation, site, bias=None):
     m = output_rows(a_direction, a_shape, batch)
     n = output_rows(b_direction, b_shape, batch)
     return a[0].new_empty((batch, m, n), dtype=out_dtype)

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from graphquant.kernels.backends import GemmBackend
+
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
@@ -21,11 +23,19 @@ class Operand:
 
 
 def gemm(
-    a: Operand, b: Operand, batch: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast: bool = False
+    a: Operand,
+    b: Operand,
+    batch: int,
+    out_dtype: torch.dtype,
+    backend: GemmBackend,
+    site: str,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """graphquant::gemm of two operands: (batch, m, n), a @ b^T per group (+ bias, one group)."""
+    """graphquant::gemm of two operands on ``backend``, the plan's choice for the GEMM ``site``
+    names ("fc1#0 dgrad"): (batch, m, n), a @ b^T per group (+ bias, one group)."""
     return torch.ops.graphquant.gemm(
-        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype, bias, fast
+        a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype,
+        backend.name, backend.fast_accumulation, site, bias,
     )
 
 

@@ -38,7 +38,7 @@ class QuantizedGemm(torch.autograd.Function):
             wq, _ = quantize_tensor(w, w_quantizer, w_directions, w_state, one_read=False)
         update_delayed_scaling(x_quantizer, x_state, xq)
         update_delayed_scaling(w_quantizer, w_state, wq)
-        y = gemm(xq[ROWWISE], wq[ROWWISE], batch, torch.promote_types(x.dtype, w.dtype), bias, site.fast("fprop"))
+        y = gemm(xq[ROWWISE], wq[ROWWISE], batch, torch.promote_types(x.dtype, w.dtype), *site.runs("fprop"), bias)
 
         # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
         # out), so keeping it gives the backward its forward's step in whatever order backwards run.
@@ -71,11 +71,11 @@ class QuantizedGemm(torch.autograd.Function):
         # wgrad first: its input operand (a SwiGLU's h, or h's FP8 copy) is then freed before
         # dgrad's output (as large, for a down projection) is allocated.
         if need_dw:
-            dw = gemm(gq[COLUMNWISE], x_col, batch, ctx.dtypes[1], fast=site.fast("wgrad"))
+            dw = gemm(gq[COLUMNWISE], x_col, batch, ctx.dtypes[1], *site.runs("wgrad"))
             dw = dw.reshape(-1, x_col.shape[1])
             recording.record(site, "wgrad", batch, dy2d, gq[COLUMNWISE], x, x_col, None, dw)
         if need_dx:
-            dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], fast=site.fast("dgrad"))
+            dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], *site.runs("dgrad"))
             dx = dx.reshape(-1, w_col.shape[1])
             recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)
         return dx, dw, dbias, None, None, None, None, None, None

@@ -3,7 +3,7 @@
 The rewrite pass builds a Site for every GEMM and passes it to the function the graph calls
 (graphquant.ops.functional): the plan's decisions travel with the graph. A Site prints as the
 call that rebuilds it, and FX writes that call into the graph's code, so a graph dump shows each
-GEMM's formats by role.
+GEMM's formats by role and the backend each of its fprop, dgrad and wgrad runs on.
 """
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ from typing import Optional
 
 import torch.fx
 
+from graphquant.kernels.backends import GemmBackend
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import Quantizer
-from graphquant.recipes import DEFAULT_FAST_ACCUMULATION
+
+
+def rebuilding_repr(value: object) -> str:
+    """The call that rebuilds the dataclass ``value``, fields at their defaults left out."""
+    given = [f for f in dataclasses.fields(value) if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default]
+    return f"{type(value).__name__}({', '.join(f'{f.name}={getattr(value, f.name)!r}' for f in given)})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +31,8 @@ class Site:
     The second operand's format comes as ``weight`` (a linear's: a parameter, whose copies
     backward recomputes rather than keeps) or as ``other`` (a matmul's right operand), as the
     site's roles name it. streams: the stochastic-rounding streams of x, w and grad_output.
-    fast_accumulation: the GEMMs that may sum in the tensor cores' accumulator (the recipe's).
+    fprop, dgrad, wgrad: the backend the plan chose for each GEMM; dgrad and wgrad are None where
+    the plan has none (a graph that never runs backward).
     inference: the graph never runs backward, so a linear runs fprop alone (ops.inference).
     """
 
@@ -37,7 +44,9 @@ class Site:
     grad_output: str
     streams: tuple[int, int, int]
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
-    fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION
+    fprop: GemmBackend
+    dgrad: Optional[GemmBackend] = None
+    wgrad: Optional[GemmBackend] = None
     inference: bool = False
 
     def __post_init__(self) -> None:
@@ -48,9 +57,7 @@ class Site:
             )
 
     def __repr__(self) -> str:
-        """The call that rebuilds this Site, fields at their defaults left out."""
-        given = [f for f in dataclasses.fields(self) if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]
-        return f"Site({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in given)})"
+        return rebuilding_repr(self)
 
     @property
     def label(self) -> str:
@@ -62,12 +69,17 @@ class Site:
         w = self.weight if self.weight is not None else self.other
         return quantizer_of(self.input), quantizer_of(w), quantizer_of(self.grad_output)
 
-    def fast(self, gemm: str) -> bool:
-        """Whether ``gemm`` ("fprop", "dgrad", "wgrad") may sum in the tensor cores' accumulator."""
-        return gemm in self.fast_accumulation
+    def runs(self, gemm: str) -> tuple[GemmBackend, str]:
+        """(the backend the plan chose for ``gemm`` ("fprop", "dgrad", "wgrad"), the GEMM's name in
+        errors): what graphquant.ops.operands.gemm takes after its operands."""
+        backend = getattr(self, gemm)
+        if backend is None:
+            raise RuntimeError(f"GEMM site {self.label} has no {gemm} backend: its graph was planned without backward")
+        return backend, f"{self.label} {gemm}"
 
 
-# FX writes an argument it has no rule for as its repr, so the name the repr uses must be in the
+# FX writes an argument it has no rule for as its repr, so the names the repr uses must be in the
 # globals of every graph's code. FX's registry for such names is private: the dump and compile
 # tests guard it.
 torch.fx.graph._register_custom_builtin("Site", f"from {__name__} import Site", Site)
+torch.fx.graph._register_custom_builtin("GemmBackend", f"from {GemmBackend.__module__} import GemmBackend", GemmBackend)

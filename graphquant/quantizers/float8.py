@@ -12,6 +12,8 @@ from graphquant.formats.groups import group_amax
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
+# The tensor types of backward slots, which HYBRID gives E5M2.
+BACKWARD_TENSOR_TYPES = ("grad_output", "do", "dp")
 _NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
 
 
@@ -198,8 +200,8 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
 class DelayedScalingRequest:
     """A factory's way to ask for delayed scaling without choosing the FP8 dtype (TE's request form).
 
-    fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other) and E5M2 to
-    grad_output; "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
+    fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other; attention's qkv and
+    s) and E5M2 to backward ones (grad_output; attention's do and dp); "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
     """
 
     fp8_format: str = "HYBRID"
@@ -213,7 +215,7 @@ class DelayedScalingRequest:
             raise ValueError(f"DelayedScalingRequest.fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
 
     def resolve(self, tensor_type: str) -> Float8DelayedScalingQuantizer:
-        backward = tensor_type == "grad_output"
+        backward = tensor_type in BACKWARD_TENSOR_TYPES
         return Float8DelayedScalingQuantizer(
             fp8_dtype="e5m2" if backward and self.fp8_format == "HYBRID" else "e4m3",
             margin=self.margin,

@@ -1,0 +1,236 @@
+"""Greedy generation with a static KV cache: tokens per second, weight memory and first-call time.
+
+    python benchmarks/generate.py [--tiny] [--layers 4] [--batch 1,16] [--prompt 16] [--new-tokens 64]
+                                  [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
+
+A Llama-architecture model built from a transformers LlamaConfig with random weights (Llama-3-8B
+dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256; ``--layers`` decoder
+layers; ``--tiny``: a model small enough for the CPU) generates ``--new-tokens`` tokens greedily
+after a random ``--prompt``-token prompt, one compiled forward per step on a transformers
+StaticCache, under each configuration side by side:
+
+    bf16 torch.compile
+    torchao PerRow, torchao PerTensor    Float8DynamicActivationFloat8WeightConfig (CUDA, torchao importable)
+    graphquant RECIPE                    mode="inference": each weight quantized at each call
+    graphquant RECIPE frozen             graphquant.freeze: weights stored quantized, bf16 dropped
+
+for RECIPE in tensorwise, rowwise, mxfp8, nvfp4. Rounds alternate the configurations (each round
+in its own shuffled order); a generation's time covers its prefill and every decode step, and
+tokens/s counts the generated tokens of the whole batch. "first gen s" is the first generation at
+that batch size (its compiles included). "weights GiB" counts every parameter and buffer of the
+model (embedding and norms included; a tensor subclass by its inner tensors), the KV cache not.
+"= per-call" says whether a frozen configuration generated the very tokens its per-call one did.
+Each configuration compiles a graph per shape: the prefill and the decode step at each batch size,
+one graph per batch size with ``--prompt 1``. A configuration that fails is listed under the table
+and the others still run; ``--budget`` leaves out those not built by then. On the CPU every
+configuration compiles with aot_eager (no Inductor build) and times are only a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import itertools
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+from tabulate import tabulate
+
+import graphquant
+from graphquant import recipes, zoo
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import turns  # noqa: E402
+
+RECIPES: dict[str, Callable[[], graphquant.CustomRecipe]] = {
+    "tensorwise": lambda: zoo.recipe("tensorwise"),
+    "rowwise": lambda: zoo.recipe("rowwise"),
+    "mxfp8": recipes.mxfp8_block_scaling,
+    "nvfp4": recipes.nvfp4_block_scaling,
+}
+TORCHAO = ("PerRow", "PerTensor")
+FROZEN = " frozen"
+
+LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+
+
+def llama(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The bf16 model every configuration starts from (one seed: the same weights for all)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = TINY if args.tiny else LLAMA_3_8B
+    config = LlamaConfig(**dims, num_hidden_layers=args.layers, max_position_embeddings=args.prompt + args.new_tokens)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def configs(requested: list[str] | None, device: torch.device) -> list[str]:
+    names = ["bf16 torch.compile"]
+    if device.type == "cuda":
+        try:
+            import torchao.quantization  # noqa: F401
+
+            names += [f"torchao {granularity}" for granularity in TORCHAO]
+        except ImportError:
+            print("torchao is not importable: its rows are left out", file=sys.stderr)
+    names += [f"graphquant {recipe}{frozen}" for recipe in RECIPES for frozen in ("", FROZEN)]
+    unknown = sorted(set(requested or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown or unavailable configs {unknown}; available here: {', '.join(names)}")
+    return names if requested is None else requested
+
+
+def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool) -> torch.nn.Module:
+    """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph)."""
+    model = copy.deepcopy(model)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    mode = {"mode": "reduce-overhead"} if cudagraphs else {}
+    if config == "bf16 torch.compile":
+        return torch.compile(model, backend=backend, dynamic=False, **mode)
+    if config.startswith("torchao "):
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        granularity = {"PerRow": PerRow, "PerTensor": PerTensor}[config.removeprefix("torchao ")]()
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
+        return torch.compile(model, backend=backend, dynamic=False, **mode)
+    recipe = RECIPES[config.removeprefix("graphquant ").removesuffix(FROZEN)]()
+    compile_mode = {"compile_mode": "reduce-overhead"} if cudagraphs else {}
+    compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, **compile_mode)
+    return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements; a tensor subclass (torchao's quantized weights) by its inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_gib(model: torch.nn.Module) -> float:
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(tensor_bytes(t) for t in tensors.values()) / 2**30
+
+
+class Generation:
+    """Greedy generation of one model at one batch size on its own StaticCache."""
+
+    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> None:
+        from transformers import LlamaForCausalLM, StaticCache
+
+        config = model.config
+        self.model, self.prompt, self.new_tokens = model, prompt, new_tokens
+        # transformers renamed past_key_values to cache (the old name warns on every call)
+        self.keyword = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+        self.cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + new_tokens)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache.early_initialization(prompt.shape[0], config.num_key_value_heads, head_dim, torch.bfloat16, prompt.device)
+
+    @torch.no_grad()
+    def __call__(self) -> torch.Tensor:
+        """The (batch, new_tokens) generated token ids."""
+        self.cache.reset()
+        token, tokens = self.prompt, []
+        for _ in range(self.new_tokens):
+            logits = self.model(input_ids=token, use_cache=True, **{self.keyword: self.cache}).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+        return torch.cat(tokens, dim=1)
+
+
+class Run:
+    """One configuration's model, warmed up: per batch size its Generation, the seconds and tokens
+    of its first generation (compiles included); and its weight GiB."""
+
+    def __init__(self, model: torch.nn.Module, prompts: dict[int, torch.Tensor], new_tokens: int, device: torch.device) -> None:
+        self.weight_gib = weight_gib(model)
+        self.generations, self.first, self.tokens = {}, {}, {}
+        for b, prompt in prompts.items():
+            self.generations[b] = Generation(model, prompt, new_tokens)
+            self.first[b], self.tokens[b] = seconds(self.generations[b], device)
+            self.generations[b]()  # a second warm-up: CUDA graphs record on the first replays
+
+
+def seconds(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
+    """Wall-clock seconds of one call of ``fn`` with the device drained around it, and its result."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a model small enough for the CPU (hidden 256, vocab 512)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 2 with --tiny)")
+    parser.add_argument("--batch", default="1,16", help="batch sizes, comma-separated")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 64; 8 with --tiny)")
+    parser.add_argument("--configs", default=None, help="comma-separated configuration names, built in this order (default: all available)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: configurations not built when this much time has passed are left out, so that a run "
+                             "with a time limit still ends with its table")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    args.layers = args.layers or (2 if args.tiny else 4)
+    args.new_tokens = args.new_tokens or (8 if args.tiny else 64)
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch.split(",")]
+    names = configs(args.configs.split(",") if args.configs else None, device)
+
+    base = llama(args, device)
+    vocab = base.config.vocab_size
+    prompts = {b: torch.randint(0, vocab, (b, args.prompt), generator=torch.Generator().manual_seed(b)).to(device) for b in batches}
+    print(f"{'tiny ' if args.tiny else ''}Llama ({base.config.hidden_size} hidden, {args.layers} layers, vocab {vocab}) "
+          f"on {device}, {args.prompt}-token prompt, {args.new_tokens} new tokens, batches {batches}, {args.rounds} rounds"
+          f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
+
+    runs: dict[str, Run] = {}
+    failed: dict[str, str] = {}
+    start = time.perf_counter()
+    for name in names:
+        if args.budget is not None and time.perf_counter() - start > args.budget:
+            print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
+            continue
+        try:
+            runs[name] = Run(build(name, base, device, args.cudagraphs), prompts, args.new_tokens, device)
+        except Exception as error:  # one configuration's failure leaves the others' numbers, and is listed
+            failed[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+            print(f"  {name}: FAILED {failed[name]}", flush=True)
+            traceback.print_exc()
+            continue
+        print(f"  {name}: first generations {', '.join(f'{s:.1f} s' for s in runs[name].first.values())}", flush=True)
+    del base
+
+    samples: dict[tuple[str, int], list[float]] = {(name, b): [] for name in runs for b in batches}
+    for r in range(args.rounds):
+        for name in turns(list(runs), r):
+            for b in batches:
+                samples[name, b].append(seconds(runs[name].generations[b], device)[0])
+
+    rows = []
+    for name, run in runs.items():
+        per_call = runs.get(name.removesuffix(FROZEN)) if name.endswith(FROZEN) else None
+        same = "" if per_call is None else "yes" if all(torch.equal(run.tokens[b], per_call.tokens[b]) for b in batches) else "NO"
+        rows.append([name, *(args.new_tokens * b / statistics.median(samples[name, b]) for b in batches),
+                     run.weight_gib, *run.first.values(), same])
+    headers = ["config", *(f"tok/s @{b}" for b in batches), "weights GiB", *(f"first gen s @{b}" for b in batches), "= per-call"]
+    print()
+    print(tabulate(rows, headers=headers, floatfmt=".3g"))
+    for name, why in failed.items():
+        print(f"{name}: failed: {why}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""FP8 attention: what a rewritten graph calls in place of F.scaled_dot_product_attention under
+``CustomRecipe(fp8_dpa=True)``, with TransformerEngine's dpa roles.
+
+Per (batch, head), with P the softmax of the scaled, masked scores and dS the gradient of those
+scores:
+
+    forward   S  = Q.rowwise @ K.rowwise^T (fp32)   P = softmax(scale * S + mask)
+              O  = s(P).rowwise @ V.columnwise
+    backward  dV = s(P).columnwise^T @ do(dO).columnwise
+              dP = do(dO).rowwise @ V.rowwise^T      D = rowsum(do(dO) * O)
+              dS = P * (dP - D)
+              dQ = scale * dp(dS).rowwise @ K.columnwise
+              dK = scale * dp(dS).columnwise^T @ Q.columnwise
+
+Q, K and V take the qkv quantizer, P the s quantizer, dO the do quantizer and dS the dp
+quantizer; each product reads the direction that reduces over its inner dim, and accumulates in
+fp32. As TE does, a per-tensor format gives Q, K and V one scale (their joint amax), and a block
+format quantizes each alone. O and dQ, dK, dV stay in high precision: their quantizers
+(``<name>.dpa_output``, ``<name>.dpa_grad_input``) are hints that the plan checks and nothing
+applies. Grouped-query attention repeats each key/value head for its query heads (the same codes
+as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
+
+The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). A
+flash-attention kernel replaces ``emulated_forward`` and ``emulated_backward`` on the devices it
+runs on: it receives the same quantized Q, K, V and dO (bit for bit), but quantizes P and dS tile
+by tile as its online softmax sees them, so those two can differ from the emulation's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from graphquant.kernels import backends
+from graphquant.ops import recording
+from graphquant.ops.library import quantizer_of
+from graphquant.ops.operands import Operand, gemm
+from graphquant.ops.site import rebuilding_repr
+from graphquant.ops.quantize import SlotState, quantize_tensor, transposed_operand, update_delayed_scaling
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
+
+SLOTS = ("qkv", "s", "do", "dp")
+NO_STATES = (None, None, None, None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSite:
+    """One attention call as the rewritten graph tells it: its owner and the format of each
+    applied role (qkv, s, do, dp), as specs. Prints as the call that rebuilds it."""
+
+    name: str
+    call: int
+    qkv: str
+    s: str
+    do: str
+    dp: str
+    amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
+
+    def __repr__(self) -> str:
+        return rebuilding_repr(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name or 'dpa'}#{self.call}"
+
+    def quantizer(self, slot: str) -> Quantizer:
+        return quantizer_of(getattr(self, slot))
+
+
+def quantized_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    site: AttentionSite, states=NO_STATES,
+):
+    """F.scaled_dot_product_attention in the site's formats; ``states`` is the delayed-scaling
+    state of qkv, s, do and dp (None where a format keeps none). Fewer key/value heads than query
+    heads are grouped whatever ``enable_gqa`` says (F.scaled_dot_product_attention would have
+    refused them without it when the graph was captured)."""
+    if dropout_p:
+        raise ValueError(
+            f"{site.label}: FP8 attention runs without dropout, got dropout_p={dropout_p}; pass dropout_p=0.0, or build "
+            "the recipe with fp8_dpa=False"
+        )
+    lq, lk = query.shape[-2], key.shape[-2]
+    mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return QuantizedAttention.apply(query, key, value, mask, *states, site, scale)
+
+
+def _additive_mask(attn_mask, is_causal: bool, lq: int, lk: int, device) -> Optional[torch.Tensor]:
+    """The mask as float32 added to the scores (-inf where a boolean mask says no, the causal mask
+    aligned top left as F.scaled_dot_product_attention does), or None."""
+    mask = None
+    if attn_mask is not None:
+        mask = torch.zeros(attn_mask.shape, device=device).masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else attn_mask.float()
+    if is_causal:
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+        causal = torch.zeros(lq, lk, device=device).masked_fill(~causal, -math.inf)
+        mask = causal if mask is None else mask + causal
+    return mask
+
+
+class QuantizedAttention(torch.autograd.Function):
+    """Attention of 4-D (batch, heads, length, dim) query, key and value in the site's formats."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float):
+        training = any(ctx.needs_input_grad[:3])
+        groups = q.shape[1] // k.shape[1]
+        k, v = (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+        b, h, lq, d = q.shape
+        lk, dv = k.shape[2], v.shape[3]
+        tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, dv)}
+        directions = {"Q": (ROWWISE, COLUMNWISE), "K": (ROWWISE, COLUMNWISE), "V": (COLUMNWISE, ROWWISE)}
+        directions = {t: ds if training else ds[:1] for t, ds in directions.items()}
+        qkv_state = SlotState(qkv_delayed, None, 0, site.amax_group)
+        made = quantize_qkv(tensors, site.quantizer("qkv"), directions, qkv_state)
+        s_state = SlotState(s_delayed, None, 0, site.amax_group)
+        o, p, p_made = emulated_forward(site, tensors, made, mask, scale, s_state, (b, h, lq, lk), training)
+
+        ctx.site, ctx.scale, ctx.groups, ctx.shapes = site, scale, groups, (b, h, lq, lk, d, dv)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        kept = (made["Q"][COLUMNWISE], made["K"][COLUMNWISE], made["V"][ROWWISE], p_made[COLUMNWISE]) if training else ()
+        ctx.metas = [(len(op.tensors), op.spec, op.direction, op.shape) for op in kept]
+        ctx.originals = tensors if recording.listening() else {}
+        ctx.save_for_backward(*[t for op in kept for t in op.tensors], p, o, do_delayed, dp_delayed)
+        return o.view(b, h, lq, dv)
+
+    @staticmethod
+    def backward(ctx, do):
+        site, (b, h, lq, lk, d, dv) = ctx.site, ctx.shapes
+        *flat, p, o, do_delayed, dp_delayed = ctx.saved_tensors
+        kept, start = [], 0
+        for count, *meta in ctx.metas:
+            kept.append(Operand(flat[start : start + count], *meta))
+            start += count
+        q_col, k_col, v_row, p_col = kept
+        made = {"Q": {COLUMNWISE: q_col}, "K": {COLUMNWISE: k_col}, "V": {ROWWISE: v_row}}
+        do_state = SlotState(do_delayed, None, 0, site.amax_group)
+        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
+        dq, dk, dv_ = emulated_backward(
+            site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h
+        )
+        dq = dq.view(b, h, lq, d)
+        dk, dv_ = (x.view(b, h // ctx.groups, ctx.groups, lk, x.shape[-1]).sum(2) for x in (dk, dv_))
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+
+
+def quantize_qkv(
+    tensors: dict[str, torch.Tensor], quantizer: Quantizer, directions: dict[str, tuple[str, ...]], state: SlotState
+) -> dict[str, dict[str, Operand]]:
+    """Q, K and V (2-D) in their directions. A per-tensor format quantizes them joined, one scale
+    from their joint amax (TE's combined QKV quantize; a delayed-scaling slot records that amax),
+    each columnwise copy the transpose of its rowwise one; a block format quantizes each alone."""
+    if quantizer.block(ROWWISE) != (0, 0):
+        made = {t: quantize_tensor(x, quantizer, directions[t], state)[0] for t, x in tensors.items()}
+        for operands in made.values():
+            update_delayed_scaling(quantizer, state, operands)
+        return made
+    joint = torch.cat([x.reshape(-1) for x in tensors.values()]).reshape(1, -1)
+    rows, _ = quantize_tensor(joint, quantizer, (ROWWISE,), state)
+    update_delayed_scaling(quantizer, state, rows)
+    data, scale_inv, amax = rows[ROWWISE].tensors
+    made = {}
+    for (t, x), piece in zip(tensors.items(), data.reshape(-1).split([x.numel() for x in tensors.values()])):
+        row = Operand([piece.view(x.shape), scale_inv, amax], rows[ROWWISE].spec, ROWWISE, (x.shape[0], x.shape[1]))
+        made[t] = {ROWWISE: row, COLUMNWISE: transposed_operand(row)} if COLUMNWISE in directions[t] else {ROWWISE: row}
+    return made
+
+
+def emulated_forward(site, tensors, made, mask, scale, s_state, shape, training):
+    """(O as (batch * heads, Lq, Dv) in the inputs' dtype, P in fp32 as (batch * heads * Lq, Lk),
+    P's quantized directions) for ``shape`` (batch, heads, Lq, Lk): S materialised, softmax in
+    fp32, P quantized whole."""
+    batch = shape[0] * shape[1]
+    q_row, k_row, v_col = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][COLUMNWISE]
+    s = _product(site, "qk", tensors["Q"], q_row, tensors["K"], k_row, batch).view(shape) * scale
+    logits = s if mask is None else s + mask
+    p = _safe_softmax(logits).reshape(-1, shape[3])
+    s_quantizer = site.quantizer("s")
+    p_made, _ = quantize_tensor(p, s_quantizer, (ROWWISE, COLUMNWISE) if training else (ROWWISE,), s_state)
+    update_delayed_scaling(s_quantizer, s_state, p_made)
+    o = _product(site, "pv", p, p_made[ROWWISE], tensors["V"], v_col, batch)
+    return o.to(tensors["Q"].dtype), p, p_made
+
+
+def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch):
+    """(dQ, dK, dV) in fp32, per query head (batch, L, D)."""
+    do_quantizer, dp_quantizer = site.quantizer("do"), site.quantizer("dp")
+    do_made, _ = quantize_tensor(do, do_quantizer, (ROWWISE, COLUMNWISE), do_state)
+    update_delayed_scaling(do_quantizer, do_state, do_made)
+    dv = _product(site, "dv", p, p_col, do, do_made[COLUMNWISE], batch)
+    dp = _product(site, "dp", do, do_made[ROWWISE], originals.get("V"), made["V"][ROWWISE], batch)
+    do_values = torch.ops.graphquant.dequantize(do_made[ROWWISE].tensors, do_made[ROWWISE].spec, ROWWISE, do.shape, torch.float32)
+    d = (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
+    ds = (p.view(dp.shape) * (dp - d)).reshape(-1, dp.shape[-1])
+    ds_made, _ = quantize_tensor(ds, dp_quantizer, (ROWWISE, COLUMNWISE), dp_state)
+    update_delayed_scaling(dp_quantizer, dp_state, ds_made)
+    dq = _product(site, "dq", ds, ds_made[ROWWISE], originals.get("K"), made["K"][COLUMNWISE], batch) * scale
+    dk = _product(site, "dk", ds, ds_made[COLUMNWISE], originals.get("Q"), made["Q"][COLUMNWISE], batch) * scale
+    return dq, dk, dv
+
+
+# The only attention backend (backends.select_attention), whose products run on the emulated GEMM.
+_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
+
+
+def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
+    """(batch, m, n) = a @ b^T per head in fp32, reported to a listening recorder (graphquant.numerics)."""
+    out = gemm(a_operand, b_operand, batch, torch.float32, _EMULATED, f"{site.label} {name}")
+    recording.record(site, name, batch, a, a_operand, b, b_operand, None, out)
+    return out
+
+
+def _safe_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys in fp32, 0 in a row every key of which is masked (as
+    F.scaled_dot_product_attention gives)."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.where(torch.isneginf(logits).all(-1, keepdim=True), 0.0, p)
+
+
+# FX writes an argument it has no rule for as its repr (see graphquant.ops.site).
+torch.fx.graph._register_custom_builtin("AttentionSite", f"from {__name__} import AttentionSite", AttentionSite)

@@ -1,0 +1,73 @@
+"""The ops of a linear whose weight graphquant.freeze stores quantized (graphquant.freezing).
+
+``graphquant::frozen_linear`` is what a FrozenLinear's forward puts in the graph: one node that
+find_gemms takes for a linear site and the rewrite replaces with
+graphquant.ops.functional.quantized_frozen_linear, so it never runs itself. A frozen model has no
+backward: ``refuse_backward`` gives a product a backward that fails when it runs, naming the
+module (aot_autograd traces that backward without running it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from graphquant.ops import registry
+
+
+@registry.op("frozen_linear")
+def frozen_linear(
+    x: torch.Tensor,
+    weight: list[torch.Tensor],
+    spec: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    name: str,
+) -> torch.Tensor:
+    """F.linear(x, w, bias) with w, of logical ``shape`` and dtype ``dtype``, stored as ``weight``:
+    the tensors of its rowwise representation in the format ``spec``. Only its graph node is used."""
+    raise RuntimeError(
+        f"graphquant: {name} is a frozen linear (graphquant.freeze, weight {spec}) and runs only inside the "
+        "graphquant.compile'd model it was frozen in; it was called outside it (the module called directly, or "
+        "Dynamo ran its code eagerly). Call the model graphquant.compile returned"
+    )
+
+
+@registry.fake("frozen_linear")
+def _(x, weight, spec, shape, dtype, bias, name):
+    return x.new_empty((*x.shape[:-1], shape[0]), dtype=torch.promote_types(x.dtype, dtype))
+
+
+@registry.op("refused_backward")
+def refused_backward(grad: torch.Tensor, shape: Sequence[int], message: str) -> torch.Tensor:
+    """The gradient of a tensor of ``shape`` that has none: raises ``message``."""
+    raise RuntimeError(message)
+
+
+@registry.fake("refused_backward")
+def _(grad, shape, message):
+    return grad.new_empty(tuple(shape))
+
+
+class _RefusedBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, message: str) -> torch.Tensor:
+        ctx.x_shape, ctx.message = tuple(x.shape), message
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return torch.ops.graphquant.refused_backward(grad, ctx.x_shape, ctx.message), None, None
+
+
+def refuse_backward(x: torch.Tensor, y: torch.Tensor, label: str) -> torch.Tensor:
+    """``y``, computed from ``x`` at the frozen linear ``label``, with a backward into x that fails."""
+    message = (
+        f"graphquant: backward through {label}, a frozen linear: graphquant.freeze stored its weight quantized for "
+        "the forward alone (no high-precision weight, no columnwise copy), so a frozen model has no backward. Train "
+        "the model with its high-precision weights (graphquant.compile without freeze), or call it under "
+        "torch.no_grad()"
+    )
+    return _RefusedBackward.apply(x, y, message)

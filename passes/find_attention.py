@@ -1,0 +1,182 @@
+"""Pass 1b (annotate): find every F.scaled_dot_product_attention of a Dynamo graph and give it a
+``dpa`` site, as TransformerEngine's DotProductAttention has one (run only under
+``CustomRecipe(fp8_dpa=True)``).
+
+Expects: a GraphModule captured by Dynamo, nodes carrying ``example_value`` and, inside modules,
+``nn_module_stack``.
+Guarantees: every attention graphquant can quantize carries ``node.meta["graphquant_attention"]``
+(a DpaSite); one it cannot (not 4-D, not floating point) carries ``"graphquant_skip"`` with the
+reason; a call that asks for what FP8 attention cannot give (dropout, a mask that learns) raises
+a PlanError that names its module. The
+graph itself is unchanged.
+
+A site is named after its owner as ``named_modules()`` spells it (TE names its DPA module), the
+first attention of an owner's call by the owner's name alone and a further one in the same call
+``<owner>.dpa.<i>``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from graphquant.passes.find_gemms import body_of, owner_of
+from graphquant.passes.plan import PlanError
+from graphquant.quantizers import COLUMNWISE, ROWWISE
+from graphquant.roles import QuantizerRole
+
+ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+# TE's slots of one DotProductAttention: forward Q, K, V (qkv), the output boundary and the
+# softmax output (s), three each; backward the grad_input boundary, do and dp, two each.
+FORWARD_SLOTS = ("qkv",) * 3 + ("dpa_output",) * 3 + ("s",) * 3
+BACKWARD_SLOTS = ("dpa_grad_input",) * 2 + ("do",) * 2 + ("dp",) * 2
+HINTS = ("dpa_output", "dpa_grad_input")
+# The products of one attention (out = a @ b^T per head), each operand as (tensor, direction):
+# forward S = Q K^T and O = P V, backward dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q.
+FORWARD_PRODUCTS = (
+    ("qk", ("Q", ROWWISE), ("K", ROWWISE)),
+    ("pv", ("P", ROWWISE), ("V", COLUMNWISE)),
+)
+BACKWARD_PRODUCTS = (
+    ("dv", ("P", COLUMNWISE), ("dO", COLUMNWISE)),
+    ("dp", ("dO", ROWWISE), ("V", ROWWISE)),
+    ("dq", ("dS", ROWWISE), ("K", COLUMNWISE)),
+    ("dk", ("dS", COLUMNWISE), ("Q", COLUMNWISE)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DpaSite:
+    """One F.scaled_dot_product_attention call: its owner, its shapes, its mask.
+
+    q_sizes is (batch, query heads, query length, head dim), k_sizes and v_sizes the same of key
+    and value, each symbolic dim as its torch.SymInt (a check on it becomes a guard).
+    """
+
+    name: str
+    call: int
+    q_sizes: tuple = dataclasses.field(compare=False)
+    k_sizes: tuple = dataclasses.field(compare=False)
+    v_sizes: tuple = dataclasses.field(compare=False)
+    causal: bool = False
+    masked: bool = False
+
+    module_type = "dpa"
+
+    @property
+    def label(self) -> str:
+        return label(self.name, self.call)
+
+    def role(self, slot: str) -> QuantizerRole:
+        """The role of one of TE's slots: a hint-only boundary role has only a name (bare where
+        the attention belongs to the compiled module itself)."""
+        if slot in HINTS:
+            return QuantizerRole(name=".".join(p for p in (self.name, slot) if p))
+        return QuantizerRole(self.module_type, slot, self.name)
+
+    def roles(self) -> tuple[QuantizerRole, ...]:
+        """TE's slots in TE's order, one role per slot (so roles repeat): 9 forward, 6 backward,
+        all of them asked for even where nothing runs backward (as TE builds both states)."""
+        return tuple(self.role(slot) for slot in FORWARD_SLOTS + BACKWARD_SLOTS)
+
+    def products(self, training: bool = True) -> tuple:
+        """The products that run: (name, (tensor, direction) of a, of b), out = a @ b^T per head."""
+        return FORWARD_PRODUCTS + (BACKWARD_PRODUCTS if training else ())
+
+    def tensors(self) -> dict[str, tuple[str, int, tuple]]:
+        """Each tensor the site quantizes: (its slot, the groups its rows fall in, its 2-D (rows,
+        cols) as quantized: one row per token and head, the reduction dim of its rowwise use last)."""
+        b, hq, lq, d = self.q_sizes
+        _, hkv, lk, _ = self.k_sizes
+        dv = self.v_sizes[3]
+        return {
+            "Q": ("qkv", b * hq, (b * hq * lq, d)),
+            "K": ("qkv", b * hkv, (b * hkv * lk, d)),
+            "V": ("qkv", b * hkv, (b * hkv * lk, dv)),
+            "P": ("s", b * hq, (b * hq * lq, lk)),
+            "dO": ("do", b * hq, (b * hq * lq, dv)),
+            "dS": ("dp", b * hq, (b * hq * lq, lk)),
+        }
+
+
+def label(name: str, call: int) -> str:
+    """An attention site's name in plans and errors: the owner's name and which of its calls."""
+    return f"{name or 'dpa'}#{call}"
+
+
+def find_attention(gm: fx.GraphModule, frame: str = "") -> list[DpaSite]:
+    """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order."""
+    sites: list[DpaSite] = []
+    _find(gm, collections.Counter(), sites, frame)
+    return sites
+
+
+def is_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+
+
+def arguments(node: fx.Node) -> dict[str, object]:
+    """The call's arguments by name, defaults filled in."""
+    return DEFAULTS | dict(zip(ARGUMENTS, node.args)) | dict(node.kwargs)
+
+
+def _find(gm: fx.GraphModule, index: collections.Counter, sites: list[DpaSite], frame: str) -> None:
+    for node in gm.graph.nodes:
+        body = body_of(gm, node)
+        if body is not None:
+            _find(body, index, sites, frame)
+            continue
+        if not is_attention(node):
+            continue
+        owner, call, _ = owner_of(node, frame)
+        i = index[(owner, call)]
+        index[(owner, call)] += 1
+        name = owner if i == 0 else ".".join(p for p in (owner, "dpa", str(i)) if p)
+        site = _site(node, name, call)
+        if isinstance(site, str):
+            node.meta["graphquant_skip"] = site
+            continue
+        node.meta["graphquant_attention"] = site
+        sites.append(site)
+
+
+def _site(node: fx.Node, name: str, call: int):
+    """The node's DpaSite, or the reason it stays in high precision."""
+    args = arguments(node)
+    q, k, v = (_value(args[a]) for a in ("query", "key", "value"))
+    if q is None or k is None or v is None:
+        return "attention operand shapes unknown"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"attention of {q.dim()}-D query, {k.dim()}-D key, {v.dim()}-D value: FP8 attention takes (batch, heads, length, dim)"
+    dropout = args["dropout_p"]
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        raise PlanError(
+            f"{label(name, call)} ({node.format_node()}): F.scaled_dot_product_attention with dropout_p={dropout!r} under fp8_dpa; "
+            "FP8 attention runs without dropout: pass dropout_p=0.0 (e.g. attention_dropout=0.0 in a Hugging Face "
+            "config), or build the recipe with fp8_dpa=False to keep attention in high precision"
+        )
+    mask = _value(args["attn_mask"])
+    if mask is not None and mask.requires_grad:
+        raise PlanError(
+            f"{label(name, call)}: its attn_mask requires grad (a learned attention bias); FP8 attention takes a fixed mask only: "
+            "detach the mask, or build the recipe with fp8_dpa=False"
+        )
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise PlanError(
+            f"{label(name, call)}: {q.shape[1]} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads; grouped-query "
+            "attention needs as many key as value heads, dividing the query heads"
+        )
+    if not all(t.dtype.is_floating_point and t.dtype.itemsize > 1 for t in (q, k, v)):
+        return f"attention of {q.dtype}, {k.dtype}, {v.dtype} operands is not quantized"
+    return DpaSite(name, call, tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(args["is_causal"]), mask is not None)
+
+
+def _value(node: object) -> Optional[torch.Tensor]:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None

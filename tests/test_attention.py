@@ -1,0 +1,498 @@
+"""FP8 attention (issue 33): dpa sites, roles and plan under CustomRecipe(fp8_dpa=True), and the
+emulation against a float64 reference.
+
+The reference (``reference_attention``) quantizes with graphquant.quantizers as tests/reference.py
+does and takes each product in float64, checked against the op's fp32 product within the fp32
+accumulation bound and then teacher-forced with it; the steps between products (scale and mask,
+softmax, D, dS) are the ones the op documents, in fp32, so both sides feed the same bits to every
+quantizer. It derives from TE's behaviour alone: Q, K and V joined under one per-tensor scale, a
+block format per tensor; P quantized by s before P V; dO by do; dS (the gradient of the scaled
+scores) by dp before dQ and dK; each product reading the direction that reduces over its inner
+dim; a delayed-scaling slot quantizing with its current scale and then recording the amax.
+"""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphquant
+from graphquant import zoo
+from graphquant.ops.attention import AttentionSite, quantized_attention
+from graphquant.ops.recording import recording
+from graphquant.passes.plan import PlanError
+from graphquant.quantizers import (
+    COLUMNWISE,
+    ROWWISE,
+    DelayedScalingRequest,
+    Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    QuantizeContext,
+)
+from graphquant.recipes import CustomRecipe
+
+import models
+from reference import EPS32, delayed_update, fresh_dynamo, gemm_bound, ref_dequantize, ref_quantize  # noqa: F401
+
+CURRENT = {"qkv": "fp8_current(fp8_dtype=e4m3)", "s": "fp8_current(fp8_dtype=e4m3)", "do": "fp8_current(fp8_dtype=e5m2)", "dp": "fp8_current(fp8_dtype=e5m2)"}
+MXFP8 = {"qkv": "mxfp8(fp8_dtype=e4m3)", "s": "mxfp8(fp8_dtype=e4m3)", "do": "mxfp8(fp8_dtype=e5m2)", "dp": "mxfp8(fp8_dtype=e5m2)"}
+DELAYED_S = "fp8_delayed(fp8_dtype=e4m3, amax_history_len=1, amax_compute_algo=most_recent)"
+DELAYED_DP = "fp8_delayed(fp8_dtype=e5m2, amax_history_len=1, amax_compute_algo=most_recent)"
+ZOO = {**CURRENT, "s": DELAYED_S, "dp": DELAYED_DP}  # nvfp4_linear_fp8_dpa's attention
+DELAYED = {"qkv": "fp8_delayed(fp8_dtype=e4m3, amax_history_len=4)", "s": DELAYED_S, "do": "fp8_delayed(fp8_dtype=e5m2, amax_history_len=4)", "dp": DELAYED_DP}
+FORMATS = {"current": CURRENT, "mxfp8": MXFP8, "zoo": ZOO, "delayed": DELAYED}
+
+
+# -- the float64 reference ---------------------------------------------------------------------
+
+class Slots:
+    """The reference's quantizers and delayed-scaling state, by slot."""
+
+    def __init__(self, formats: dict[str, str], device: torch.device = torch.device("cpu")):
+        self.quantizers = {slot: graphquant.parse_spec(spec) for slot, spec in formats.items()}
+        self.delayed = {
+            slot: (torch.ones(1, device=device), torch.zeros(q.amax_history_len, device=device))
+            for slot, q in self.quantizers.items()
+            if isinstance(q, Float8DelayedScalingQuantizer)
+        }
+
+    def quantize(self, slot: str, tensors: list[torch.Tensor], directions: list[str]) -> list[torch.Tensor]:
+        """Float64 values of each 2-D tensor in its direction; a per-tensor format scales all of
+        them by their joint amax (TE quantizes Q, K and V joined), then records it."""
+        quantizer = self.quantizers[slot]
+        ctx = QuantizeContext(scale=self.delayed[slot][0] if slot in self.delayed else None)
+        if isinstance(quantizer, MXFP8Quantizer):
+            return [ref_dequantize(ref_quantize(t, quantizer, d, ctx)) for t, d in zip(tensors, directions)]
+        joint = torch.cat([t.reshape(-1) for t in tensors]).reshape(1, -1)
+        values = ref_dequantize(ref_quantize(joint, quantizer, ROWWISE, ctx)).reshape(-1)
+        if slot in self.delayed:
+            self.delayed[slot] = delayed_update(*self.delayed[slot], joint.abs().max(), quantizer)
+        return [v.view(t.shape) for v, t in zip(values.split([t.numel() for t in tensors]), tensors)]
+
+
+def _taken(products: dict, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The op's fp32 product ``name`` (batch, m, n), checked to lie within the fp32 accumulation
+    bound of the float64 a @ b^T (a (batch, m, k), b (batch, n, k))."""
+    exact = a @ b.transpose(1, 2)
+    bound = gemm_bound(a, b.transpose(1, 2))
+    actual = products.pop(name).double()
+    assert actual.shape == exact.shape, (name, actual.shape, exact.shape)
+    excess = ((actual - exact).abs() - bound).max().item()
+    assert excess <= 0, f"{name}: the op's product is {excess:.3g} beyond the fp32 bound of the float64 product"
+    return actual.float()
+
+
+def reference_attention(q, k, v, mask, scale, dout, slots: Slots, products: dict):
+    """(O, dQ, dK, dV) of attention in the slots' formats, teacher-forced by the op's ``products``."""
+    b, h, lq, d = q.shape
+    groups = h // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    lk, dv = k.shape[2], v.shape[3]
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    per_head = lambda t, n: t.reshape(b * h, -1, n)  # noqa: E731
+    training = dout is not None
+    q2, k2, v2 = rows(q), rows(k), rows(v)
+    qr, kr, vc, *more = slots.quantize(
+        "qkv", [q2, k2, v2] + ([q2, k2, v2] if training else []),
+        [ROWWISE, ROWWISE, COLUMNWISE] + ([COLUMNWISE, COLUMNWISE, ROWWISE] if training else []),
+    )
+    s = _taken(products, "qk", per_head(qr, d), per_head(kr, d)).view(b, h, lq, lk) * scale
+    logits = s if mask is None else s + mask
+    p = torch.softmax(logits, -1)
+    p = torch.where(torch.isneginf(logits).all(-1, keepdim=True), 0.0, p).reshape(-1, lk)
+    pr, *pc = slots.quantize("s", [p, p] if training else [p], [ROWWISE, COLUMNWISE][: 2 if training else 1])
+    o = _taken(products, "pv", per_head(pr, lk), per_head(vc, dv).transpose(1, 2)).to(q.dtype)
+    if not training:
+        return (o.view(b, h, lq, dv),)
+    qc, kc, vr = more
+    do2 = rows(dout)
+    dor, doc = slots.quantize("do", [do2, do2], [ROWWISE, COLUMNWISE])
+    dv_ = _taken(products, "dv", per_head(pc[0], lk).transpose(1, 2), per_head(doc, dv).transpose(1, 2))
+    dp = _taken(products, "dp", per_head(dor, dv), per_head(vr, dv))
+    dd = (dor.float().view(o.shape) * o.float()).sum(-1, keepdim=True)
+    ds = (p.view(dp.shape) * (dp - dd)).reshape(-1, lk)
+    dsr, dsc = slots.quantize("dp", [ds, ds], [ROWWISE, COLUMNWISE])
+    dq = _taken(products, "dq", per_head(dsr, lk), per_head(kc, d).transpose(1, 2)) * scale
+    dk = _taken(products, "dk", per_head(dsc, lk).transpose(1, 2), per_head(qc, d).transpose(1, 2)) * scale
+    grouped = lambda t: t.view(b, h // groups, groups, lk, t.shape[-1]).sum(2)  # noqa: E731
+    return o.view(b, h, lq, dv), dq.view(b, h, lq, d), grouped(dk), grouped(dv_)
+
+
+def _run_op(site, states, q, k, v, dout, **kwargs):
+    """The op's (O, dQ, dK, dV) and its fp32 products by name, recorded as graphquant.numerics does."""
+    products = {}
+    leaves = [t.detach().requires_grad_(dout is not None) for t in (q, k, v)]
+    with recording(lambda g: products.__setitem__(g.gemm, g.out.detach().clone())):
+        o = quantized_attention(*leaves, site=site, states=states, **kwargs)
+        grads = torch.autograd.grad(o, leaves, dout) if dout is not None else ()
+    return (o.detach(), *grads), products
+
+
+def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=32, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, lq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = (torch.randn(b, hkv, lk, d, generator=g) * 3).to(dtype)
+    dout = (torch.randn(b, hq, lq, d, generator=g) * 1e-3).to(dtype)
+    return q, k, v, dout
+
+
+MASKS = {
+    "none": lambda lq, lk: ({}, None),
+    "causal": lambda lq, lk: ({"is_causal": True}, torch.zeros(lq, lk).masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), -math.inf)),
+    "bool": lambda lq, lk: _bool_mask(lq, lk),
+    "float": lambda lq, lk: _float_mask(lq, lk),
+}
+
+
+def _bool_mask(lq, lk):
+    allowed = torch.rand(2, 1, lq, lk, generator=torch.Generator().manual_seed(5)) > 0.3
+    allowed[:, :, 3] = False  # a row that sees no key gives zeros, as F.scaled_dot_product_attention does
+    return {"attn_mask": allowed}, torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)
+
+
+def _float_mask(lq, lk):
+    bias = torch.randn(lq, lk, generator=torch.Generator().manual_seed(6))
+    return {"attn_mask": bias}, bias
+
+
+def _states(formats):
+    return tuple(
+        torch.cat([torch.ones(1), torch.zeros(graphquant.parse_spec(formats[slot]).amax_history_len)]) if "delayed" in formats[slot] else None
+        for slot in ("qkv", "s", "do", "dp")
+    )
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("formats", list(FORMATS))
+def test_matches_the_float64_reference(formats, mask):
+    """Outputs and every gradient over two steps (the second uses the delayed scales the first
+    recorded), grouped-query attention (4 query heads, 2 key/value heads) and each kind of mask."""
+    _check_against_reference(formats, mask, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("formats", ["zoo", "mxfp8"])
+def test_matches_the_float64_reference_on_cuda(formats, mask):
+    """The same on CUDA, where the emulated products multiply bfloat16-exact operands on the GPU."""
+    _check_against_reference(formats, mask, torch.device("cuda"))
+
+
+def _check_against_reference(formats: str, mask: str, device: torch.device) -> None:
+    site = AttentionSite(name="layers.0.attn", call=0, **FORMATS[formats])
+    states = tuple(s if s is None else s.to(device) for s in _states(FORMATS[formats]))
+    slots = Slots(FORMATS[formats], device)
+    kwargs, additive = MASKS[mask](64, 64)
+    kwargs = {k: v.to(device) for k, v in kwargs.items() if isinstance(v, torch.Tensor)} | {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    additive = None if additive is None else additive.to(device)
+    for step in range(2):
+        q, k, v, dout = (t.to(device) for t in _inputs(seed=step))
+        actual, products = _run_op(site, states, q, k, v, dout, **kwargs)
+        expected = reference_attention(q, k, v, additive, 1 / math.sqrt(32), dout, slots, products)
+        assert not products, f"the op ran products the reference did not: {sorted(products)}"
+        for name, a, e in zip(("O", "dQ", "dK", "dV"), actual, expected):
+            torch.testing.assert_close(a, e, rtol=4 * EPS32, atol=0, msg=lambda m: f"step {step} {name}: {m}")
+        assert all(torch.isfinite(t).all() for t in actual)
+    for slot, state in zip(("qkv", "s", "do", "dp"), states):
+        if state is not None:
+            torch.testing.assert_close(state, torch.cat(slots.delayed[slot]), rtol=0, atol=0, msg=f"{slot}'s delayed state")
+
+
+def test_bfloat16_inference_and_custom_scale():
+    """bfloat16 inputs (O rounded once from the fp32 product), no grad (no backward directions),
+    a scale of the caller's and a query shorter than the keys."""
+    site = AttentionSite(name="attn", call=0, **CURRENT)
+    q, k, v, _ = _inputs(lq=32, lk=64, dtype=torch.bfloat16)
+    (o,), products = _run_op(site, (None,) * 4, q, k, v, None, scale=0.3, is_causal=True)
+    _, causal = MASKS["causal"](32, 64)
+    (expected,) = reference_attention(q, k, v, causal, 0.3, None, Slots(CURRENT), products)
+    assert o.dtype == torch.bfloat16 and not products
+    torch.testing.assert_close(o, expected, rtol=0, atol=0)
+
+
+def test_close_to_high_precision_attention():
+    """FP8 attention lands near F.scaled_dot_product_attention (E4M3 forward, E5M2 backward)."""
+    q, k, v, dout = _inputs(seed=3)
+    (o, dq, dk, dv), _ = _run_op(AttentionSite(name="attn", call=0, **CURRENT), (None,) * 4, q, k, v, dout * 1e3, is_causal=True)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad(ref, leaves, dout * 1e3)
+    for a, e in zip((o, dq, dk, dv), (ref, *grads)):
+        assert (a - e).norm() / e.norm() < 0.15
+
+
+def test_dropout_is_refused_naming_the_module():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="layers.0.attn#0: FP8 attention runs without dropout"):
+        quantized_attention(q, k, v, dropout_p=0.1, site=AttentionSite(name="layers.0.attn", call=0, **CURRENT))
+
+
+# -- sites, roles and the plan -----------------------------------------------------------------
+
+class Asked:
+    """A factory that records the roles it is asked for and answers like ``factory``."""
+
+    def __init__(self, factory):
+        self.factory, self.roles = factory, []
+
+    def __call__(self, role):
+        self.roles.append(role)
+        return self.factory(role)
+
+
+def current_dpa_factory(role):
+    """Current scaling everywhere (E5M2 for every backward slot, the hint dpa_grad_input too)."""
+    backward = role is not None and (role.tensor_type in ("grad_output", "do", "dp") or role.name.endswith("dpa_grad_input"))
+    return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if backward else "e4m3")
+
+
+def _decoder():
+    return models.seeded(models.DecoderBlock(attention="sdpa"))
+
+
+def test_dpa_roles_are_asked_for_only_under_fp8_dpa():
+    x = torch.randn(2, 32, 64)
+    asked = Asked(current_dpa_factory)
+    plan = graphquant.explain(_decoder(), CustomRecipe(asked), x)
+    assert not [r for r in asked.roles if r.module_type == "dpa" or "dpa_" in r.name]
+    assert "dpa" not in {g.module_type for g in plan.gemms}
+
+    asked = Asked(current_dpa_factory)
+    plan = graphquant.explain(_decoder(), CustomRecipe(asked, fp8_dpa=True), x)
+    attention = [r for r in asked.roles if r.module_type == "dpa" or "dpa_" in r.name]
+    assert [str(r) for r in attention] == [
+        "module_type=dpa|tensor_type=qkv|name=attn",
+        "name=attn.dpa_output",
+        "module_type=dpa|tensor_type=s|name=attn",
+        "name=attn.dpa_grad_input",
+        "module_type=dpa|tensor_type=do|name=attn",
+        "module_type=dpa|tensor_type=dp|name=attn",
+    ]
+    rows = [(g.site, g.gemm, g.a, g.b) for g in plan.gemms if g.module_type == "dpa"]
+    assert rows == [
+        ("attn#0", "qk", "Q: qkv.rowwise", "K: qkv.rowwise"),
+        ("attn#0", "pv", "P: s.rowwise", "V: qkv.columnwise"),
+        ("attn#0", "dv", "P: s.columnwise", "dO: do.columnwise"),
+        ("attn#0", "dp", "dO: do.rowwise", "V: qkv.rowwise"),
+        ("attn#0", "dq", "dS: dp.rowwise", "K: qkv.columnwise"),
+        ("attn#0", "dk", "dS: dp.columnwise", "Q: qkv.columnwise"),
+    ]
+    formats = {(g.gemm, g.a): g.a_format for g in plan.gemms if g.module_type == "dpa"}
+    assert formats[("dq", "dS: dp.rowwise")] == "fp8_current(fp8_dtype=e5m2)"
+    text = str(plan)
+    assert "attn#0" in text and "attention emulation" in text
+    doc = json.loads(plan.to_json())
+    assert {"role": {"module_type": "", "tensor_type": "", "name": "attn.dpa_output"}, "quantizer": "fp8_current(fp8_dtype=e4m3)"} in doc["slots"]
+    assert graphquant.Plan.from_json(plan.to_json()) == plan
+
+
+def test_te_slots_of_a_site():
+    """TE's DotProductAttention: 9 forward slots (qkv x3, output boundary x3, s x3) and 6 backward
+    (grad_input boundary x2, do x2, dp x2); the factory is asked once per distinct role."""
+    from graphquant.passes.find_attention import DpaSite
+
+    site = DpaSite("layers.1.attn", 0, (2, 4, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32))
+    roles = site.roles()
+    assert len(roles) == 15
+    assert [r.tensor_type or r.name for r in roles] == (
+        ["qkv"] * 3 + ["layers.1.attn.dpa_output"] * 3 + ["s"] * 3
+        + ["layers.1.attn.dpa_grad_input"] * 2 + ["do"] * 2 + ["dp"] * 2
+    )
+
+
+def test_zoo_nvfp4_linear_fp8_dpa_reaches_attention():
+    recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
+    assert recipe.fp8_dpa
+    plan = graphquant.explain(_decoder(), recipe, torch.randn(2, 32, 64))
+    slots = {str(role): q.spec for role, q in plan.slots}
+    assert slots["module_type=dpa|tensor_type=qkv|name=attn"] == "fp8_current(fp8_dtype=e4m3)"
+    assert slots["module_type=dpa|tensor_type=s|name=attn"] == DELAYED_S
+    assert slots["module_type=dpa|tensor_type=do|name=attn"] == "fp8_current(fp8_dtype=e5m2)"
+    assert slots["module_type=dpa|tensor_type=dp|name=attn"] == DELAYED_DP
+    assert slots["name=attn.dpa_grad_input"] == "fp8_current(fp8_dtype=e5m2)"
+    assert slots["module_type=linear|tensor_type=input|name=attn.q_proj"].startswith("nvfp4(")
+
+
+def _with_dpa(dpa_answer, hint_answer=None):
+    """current_dpa_factory with the dpa roles (or, given, the hint roles) answered otherwise."""
+    def factory(role):
+        if hint_answer is not None and role is not None and "dpa_" in role.name:
+            return hint_answer()
+        if role is not None and role.module_type == "dpa" and dpa_answer is not None and role.tensor_type == "s":
+            return dpa_answer()
+        return current_dpa_factory(role)
+    return factory
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        (_with_dpa(NVFP4Quantizer), r"attn#0 \(dpa\) s: the factory gave nvfp4\(\) \(attention takes no NVFP4\)"),
+        (_with_dpa(IdentityQuantizer), r"attn#0 \(dpa\) s: the factory gave identity\(\)"),
+        (_with_dpa(lambda: HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=MXFP8Quantizer())), r"\(dpa\) s: .*Float8CurrentScalingQuantizer or Float8DelayedScalingQuantizer or MXFP8Quantizer"),
+        (_with_dpa(None, hint_answer=NVFP4Quantizer), r"attn#0 \(dpa\) attn.dpa_output: the factory gave nvfp4\(\)"),
+    ],
+)
+def test_te_constraints_are_plan_errors(factory, message):
+    with pytest.raises(PlanError, match=message):
+        graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
+
+
+def test_mxfp8_blocks_must_tile_the_sequence():
+    def factory(role):
+        return MXFP8Quantizer() if role is not None and (role.module_type == "dpa" or "dpa_" in role.name) else IdentityQuantizer()
+
+    with pytest.raises(PlanError, match=r"attn#0 \(dpa\) Q \(qkv\): mxfp8.* each of the 4 batch entries has 24 rows; .* multiple of 32"):
+        graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 24, 64))
+
+
+class DropoutAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = DropoutAttention()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+def test_dropout_is_a_plan_error():
+    q = torch.randn(1, 2, 32, 32)
+    with pytest.raises(PlanError, match=r"^attn#0 \(.*\): F.scaled_dot_product_attention with dropout_p=0.1 under fp8_dpa"):
+        graphquant.explain(Block(), CustomRecipe(current_dpa_factory, fp8_dpa=True), q, q, q)
+
+
+def test_trains_compiled_and_dumps_the_attention_site(tmp_path):
+    """Compiled (aot_eager), the attention runs as graphquant.ops.attention with its formats in the
+    graph; two training steps keep every value finite and move the delayed scales."""
+    model = _decoder()
+    compiled = graphquant.compile(model, zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager", dump_dir=str(tmp_path))
+    x = torch.randn(2, 32, 64)
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    rewritten = (tmp_path / "graph_000_rewritten.py").read_text()
+    assert "quantized_attention" in rewritten and "AttentionSite(name='attn', call=0, qkv='fp8_current(fp8_dtype=e4m3)'" in rewritten
+    states = compiled.graphquant.state_dict()
+    assert states["module_type=dpa|tensor_type=s|name=attn"][0] != 1  # the second step's scale, from the first's amax
+
+
+def test_numerics_report_lists_attention_products():
+    report = graphquant.numerics(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64))
+    rows = {(g.site, g.gemm) for g in report.gemms}
+    assert {("attn#0", p) for p in ("qk", "pv", "dv", "dp", "dq", "dk")} <= rows
+
+
+def test_hugging_face_llama_trains_with_fp8_attention():
+    """A transformers Llama (sdpa attention, grouped-query: 2 query heads, 1 key/value head)
+    compiles in one graph with a dpa site per layer named as named_modules() names its attention,
+    and trains a step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    compiled = graphquant.compile(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    names = {name for name, _ in model.named_modules()}
+    sites = {g.site for g in compiled.graphquant.plan.gemms if g.module_type == "dpa"}
+    assert sites == {"model.layers.0.self_attn#0", "model.layers.1.self_attn#0"}
+    assert {s.removesuffix("#0") for s in sites} <= names
+    assert torch.isfinite(loss)
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "model.layers.1.self_attn.k_proj.weight" in changed
+
+
+def test_with_fp8_attention_keeps_the_recipe_elsewhere():
+    """zoo.with_fp8_attention: attention as TE's validated combination quantizes it, every other
+    role as the recipe did; the recipe still pickles."""
+    import pickle
+
+    recipe = zoo.with_fp8_attention(graphquant.recipes.mxfp8_block_scaling())
+    assert recipe.fp8_dpa and pickle.loads(pickle.dumps(recipe)).fp8_dpa
+    plan = graphquant.explain(_decoder(), recipe, torch.randn(2, 32, 64))
+    slots = {str(role): q.spec for role, q in plan.slots}
+    assert slots["module_type=dpa|tensor_type=dp|name=attn"] == DELAYED_DP
+    assert slots["name=attn.dpa_output"] == "fp8_current(fp8_dtype=e4m3)"
+    assert slots["module_type=linear|tensor_type=input|name=attn.q_proj"] == "mxfp8(fp8_dtype=e4m3)"
+
+
+def test_inference_runs_the_forward_products_alone():
+    """Under torch.no_grad the plan lists qk and pv only, and the compiled model runs."""
+    model = _decoder()
+    recipe = CustomRecipe(current_dpa_factory, fp8_dpa=True)
+    x = torch.randn(2, 32, 64)
+    with torch.no_grad():
+        plan = graphquant.explain(model, recipe, x, mode="inference")
+        out = graphquant.compile(model, recipe, backend="aot_eager")(x)
+    assert [g.gemm for g in plan.gemms if g.module_type == "dpa"] == ["qk", "pv"]
+    assert torch.isfinite(out).all()
+
+
+def test_strict_rejects_the_emulated_attention():
+    plan = graphquant.explain(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64), strict=True)
+    rows = [g for g in plan.gemms if g.module_type == "dpa"]
+    assert rows and all(g.bucket == "rejected" and "strict=True rejects emulated attention" in g.reason for g in rows)
+
+
+def fp8_attention_only_factory(role):
+    """Attention as the zoo's validated combination, every GEMM in high precision."""
+    return zoo.fp8_attention_factory(role) if zoo.is_attention(role) else IdentityQuantizer()
+
+
+class EagerAttention(torch.overrides.TorchFunctionMode):
+    """Runs every F.scaled_dot_product_attention as graphquant.ops.attention with one site."""
+
+    def __init__(self, site, states):
+        super().__init__()
+        self.site, self.states = site, states
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            return quantized_attention(*args, **(kwargs or {}), site=self.site, states=self.states)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_compiled_graph_runs_the_op_with_the_plan_s_formats_and_state():
+    """Compiled, a model computes what it computes eagerly with the op in place of
+    F.scaled_dot_product_attention, the site's formats the plan's, over three steps in which the
+    delayed-scaling state the compiled model keeps moves as the eager one does."""
+    model = _decoder()
+    eager = copy.deepcopy(model)
+    compiled = graphquant.compile(model, CustomRecipe(fp8_attention_only_factory, fp8_dpa=True), backend="aot_eager")
+    site = AttentionSite(name="attn", call=0, **ZOO)
+    states = _states(ZOO)
+    for step in range(3):
+        x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step))
+        y = compiled(x)
+        y.square().mean().backward()
+        with EagerAttention(site, states):
+            y_eager = eager(x)
+        y_eager.square().mean().backward()
+        torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=lambda m: f"step {step} {name}.grad: {m}")
+    kept = compiled.graphquant.state_dict()
+    for slot, state in zip(("qkv", "s", "do", "dp"), states):
+        if state is not None:
+            torch.testing.assert_close(kept[f"module_type=dpa|tensor_type={slot}|name=attn"], state, rtol=0, atol=0)

@@ -1,0 +1,201 @@
+"""graphquant.freeze: linears that keep their weights only quantized, for inference.
+
+A frozen model must compute the per-call inference path's bits for every recipe family, hold
+no high-precision weight, quantize no weight in its graph, and round-trip through a weights-only
+checkpoint without quantizing anything.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from reference import fresh_dynamo  # noqa: F401
+from test_compile_inference import KeepGraphs
+
+import graphquant
+from graphquant import recipes, zoo
+from graphquant.ops import inference
+
+FAMILIES = {
+    "tensorwise": lambda: zoo.recipe("tensorwise"),
+    "rowwise": lambda: zoo.recipe("rowwise"),
+    "deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
+    "mxfp8": recipes.mxfp8_block_scaling,
+    "nvfp4": recipes.nvfp4_block_scaling,
+}
+
+
+def quantize_calls(gm):
+    return sum(str(n.target).startswith("graphquant.quantize") for n in gm.graph.nodes)
+
+
+def mlp(dtype=torch.bfloat16, hidden=128):
+    return models.seeded(models.MLP(hidden=hidden)).to(dtype)
+
+
+def x3(dtype=torch.bfloat16, seed=0):
+    return torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def inference_model(model, recipe, **kwargs):
+    return graphquant.compile(model, recipe, mode="inference", backend=kwargs.pop("backend", "aot_eager"), **kwargs)
+
+
+def never_quantize_a_weight(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was quantized")
+
+    monkeypatch.setattr(inference, "quantize_weight", refuse)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_model_computes_the_per_call_bits_from_stored_weights(family):
+    keep = KeepGraphs()
+    compiled = inference_model(mlp(), FAMILIES[family](), backend=keep.backend)
+    with torch.no_grad():
+        per_call = compiled(x3())
+        graphquant.freeze(compiled)  # after a first call: the model recompiles for its new modules
+        frozen = compiled(x3())
+    assert torch.equal(per_call, frozen)
+
+    assert [name for name, _ in compiled.named_parameters()] == ["_orig_mod.fc1.bias", "_orig_mod.fc2.bias"]
+    assert isinstance(compiled._orig_mod.fc1, graphquant.FrozenLinear)
+    graph = keep.graphs[-1]
+    inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
+    weight_shaped = [t for t in inputs if t.dtype == torch.bfloat16 and tuple(t.shape) in ((128, 64), (64, 128))]
+    assert weight_shaped == [], "a high-precision weight entered the frozen graph"
+    if family == "tensorwise":  # a per-tensor FP8 weight's quantize is a graphquant::quantize call, its input's traced
+        assert [quantize_calls(g) for g in keep.graphs] == [2, 0]
+    plan = compiled.graphquant.plan
+    assert [(g.site, g.gemm, g.b) for g in plan.gemms] == [("fc1#0", "fprop", "weight.rowwise (frozen)"), ("fc2#0", "fprop", "weight.rowwise (frozen)")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_model_computes_the_per_call_bits_with_inductor_on_cuda(family):
+    """Inductor compiles the per-call path's traced weight quantizes; freeze runs them eagerly."""
+    model = models.seeded(models.MLP(d_in=256, hidden=512, d_out=256)).to(device="cuda", dtype=torch.bfloat16)
+    compiled = graphquant.compile(model, FAMILIES[family](), mode="inference")
+    x = torch.randn(2, 32, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        per_call = compiled(x)
+        graphquant.freeze(compiled)
+        frozen = compiled(x)
+    assert torch.equal(per_call, frozen)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_graph_never_quantizes_a_weight(family, monkeypatch):
+    compiled = inference_model(mlp(), FAMILIES[family]())
+    graphquant.freeze(compiled)
+    never_quantize_a_weight(monkeypatch)
+    with torch.no_grad():
+        compiled(x3())
+
+
+def test_frozen_weights_take_half_of_bf16_in_fp8_and_under_a_third_in_nvfp4():
+    """A Llama-like SwiGLU MLP (gate, up: d -> h, down: h -> d, no bias)."""
+    bf16 = models.seeded(models.SwiGLU(dim=512, hidden=1024)).to(torch.bfloat16)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in bf16.parameters())
+    ratios = {}
+    for family, recipe in FAMILIES.items():
+        compiled = inference_model(copy.deepcopy(bf16), recipe())
+        graphquant.freeze(compiled)
+        assert list(compiled.parameters()) == []
+        frozen_bytes = sum(t.numel() * t.element_size() for t in compiled.state_dict().values() if isinstance(t, torch.Tensor))
+        ratios[family] = frozen_bytes / bf16_bytes
+    assert all(0.5 <= ratios[f] <= 0.52 for f in ("tensorwise", "rowwise", "deepseek_blockwise", "mxfp8")), ratios
+    assert 0.28 <= ratios["nvfp4"] <= 0.3, ratios
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_checkpoint_loads_weights_only_without_quantizing(family, tmp_path, monkeypatch):
+    compiled = inference_model(mlp(), FAMILIES[family]())
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        expected = compiled(x3())
+    torch.save(compiled.state_dict(), tmp_path / "frozen.pt")
+
+    never_quantize_a_weight(monkeypatch)
+    with torch.device("meta"):  # no high-precision weight is ever made
+        skeleton = models.MLP().to(torch.bfloat16)
+    loaded = inference_model(skeleton, FAMILIES[family]())
+    graphquant.freeze(loaded, state_dict=torch.load(tmp_path / "frozen.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(loaded(x3()), expected)
+    assert not any(t.is_meta for t in loaded.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def test_frozen_checkpoint_loads_into_a_frozen_model():
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(compiled)
+    other = inference_model(models.seeded(models.MLP(), seed=1).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    graphquant.freeze(other)
+    other.load_state_dict(compiled.state_dict())
+    with torch.no_grad():
+        assert torch.equal(other(x3()), compiled(x3()))
+
+
+def test_a_checkpoint_of_another_recipe_or_shape_is_refused(tmp_path):
+    frozen = inference_model(mlp(), FAMILIES["tensorwise"]())
+    graphquant.freeze(frozen)
+    state = frozen.state_dict()
+
+    with pytest.raises(RuntimeError, match=r"fc1 is frozen as mxfp8\(fp8_dtype=e4m3\).*is fp8_current\(fp8_dtype=e4m3\)"):
+        graphquant.freeze(inference_model(mlp(), FAMILIES["mxfp8"]()), state_dict=state)
+    e5m2 = graphquant.CustomRecipe(lambda role: graphquant.Float8CurrentScalingQuantizer(fp8_dtype="e5m2"))
+    with pytest.raises(RuntimeError, match=r"fc1 is frozen as fp8_current\(fp8_dtype=e5m2\)"):
+        graphquant.freeze(inference_model(mlp(), e5m2), state_dict=state)
+    with pytest.raises(RuntimeError, match=r"fc1 is frozen as .* of shape \(256, 64\).* of shape \(128, 64\)"):
+        graphquant.freeze(inference_model(mlp(hidden=256), FAMILIES["tensorwise"]()), state_dict=state)
+    tampered = dict(state) | {"_orig_mod.fc2.weight_codes": state["_orig_mod.fc2.weight_codes"].float()}
+    with pytest.raises(RuntimeError, match=r"fc2.weight_codes is torch.float32 of shape \(64, 128\), where the format stores torch.float8_e4m3fn"):
+        graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=tampered)
+    with pytest.raises(RuntimeError, match=r"high-precision fc1.weight"):
+        graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=mlp().state_dict())
+
+
+def test_freeze_refuses_what_it_cannot_freeze():
+    with pytest.raises(ValueError, match=r"mode='inference'.*this one: mode=None"):
+        graphquant.freeze(graphquant.compile(mlp(), FAMILIES["tensorwise"](), backend="aot_eager"))
+    with pytest.raises(TypeError, match=r"takes the module graphquant.compile.*got MLP"):
+        graphquant.freeze(mlp())
+    with pytest.raises(ValueError, match=r"fc1.s weight format fp8_delayed.*\(delayed scaling\)"):
+        graphquant.freeze(inference_model(mlp(), recipes.delayed_scaling()))
+    with torch.device("meta"):
+        skeleton = models.MLP()
+    with pytest.raises(ValueError, match=r"fc1's weight is on the meta device.*state_dict="):
+        graphquant.freeze(inference_model(skeleton, FAMILIES["tensorwise"]()))
+    stochastic = graphquant.CustomRecipe(lambda role: graphquant.NVFP4Quantizer(stochastic_rounding=True))
+    with pytest.raises(ValueError, match=r"fc1's weight format .*stochastic_rounding=True.* rounds stochastically"):
+        graphquant.freeze(inference_model(mlp(), stochastic))
+
+
+def test_frozen_model_has_no_backward():
+    compiled = inference_model(mlp(torch.float32), FAMILIES["tensorwise"]())
+    graphquant.freeze(compiled)
+    x = x3(torch.float32).requires_grad_()
+    with pytest.warns(UserWarning, match="makes no backward"):
+        y = compiled(x)
+    with pytest.raises(RuntimeError, match=r"backward through fc\d#0, a frozen linear.*no backward"):
+        y.sum().backward()
+
+
+def test_frozen_linear_runs_only_in_its_compiled_model():
+    compiled = inference_model(mlp(), FAMILIES["tensorwise"]())
+    graphquant.freeze(compiled)
+    with pytest.raises(RuntimeError, match=r"fc1 is a frozen linear .* runs only inside the graphquant.compile'd model"):
+        compiled._orig_mod(x3())
+    with pytest.raises(graphquant.PlanError, match=r"fc1#0 \(linear\) weight: stored frozen as fp8_current.*recipe gives this slot mxfp8"):
+        with torch.no_grad():
+            inference_model(compiled._orig_mod, FAMILIES["mxfp8"]())(x3())
+
+
+def test_tied_weight_stays_high_precision():
+    model = models.seeded(models.TinyLM()).to(torch.bfloat16)
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with pytest.warns(UserWarning, match=r"leaves lm_head with its high-precision weight: it is tied to embed.weight"):
+        graphquant.freeze(compiled)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)

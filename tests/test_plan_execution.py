@@ -1,0 +1,164 @@
+"""The backend the plan chooses for each GEMM is the one that runs it, on every compute capability.
+
+The capability is faked (graphquant.kernels.backends.capability) and the native GEMM call too:
+this CPU runs the emulated GEMM in its place. What is checked is the decision that reaches
+execution: for every GEMM of a small model (fprop, dgrad, wgrad of each site), the backend whose
+entry point ran (graphquant.kernels.scaled_mm.run with its GemmBackend, or the emulated GEMM)
+is the plan's, with static shapes and with symbolic ones whose alignment the plan cannot see in
+the sizes of one call.
+"""
+
+import copy
+
+import pytest
+import torch
+from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from test_native_gemm_arguments import Model  # two linears and a matmul of activations, dims of 128 or 256
+
+import graphquant
+from graphquant import recipes, zoo
+from graphquant.kernels import backends, emulation, scaled_mm
+from graphquant.kernels.backends import GemmBackend, GemmMismatch
+from graphquant.ops.functional import quantized_linear
+from graphquant.ops.site import Site
+from graphquant.quantizers import Float8CurrentScalingQuantizer
+
+# A recipe whose GEMMs run on each native GEMM where the capability has it.
+RECIPE_OF = {
+    scaled_mm.TENSORWISE: zoo.recipe("tensorwise"),
+    scaled_mm.ROWWISE_SCALED: zoo.recipe("rowwise"),
+    scaled_mm.BLOCKWISE: recipes.float8_block_scaling(),
+    scaled_mm.MXFP8: recipes.mxfp8_block_scaling(),
+    scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
+}
+CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
+EMULATED_RUN = "emulation.gemm"
+
+
+@pytest.fixture
+def fake_capability(monkeypatch):
+    """fake_capability(sm): the devices of this process have compute capability sm (None: no
+    low-precision GEMM), with nothing worked out for another one kept."""
+
+    def fake(sm):
+        monkeypatch.setattr(backends, "capability", lambda device: sm)
+        backends.clear_caches()
+
+    yield fake
+    backends.clear_caches()
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """The dict that each GEMM call adds its "site gemm" label to, with the backend that ran it (a
+    native GemmBackend, or EMULATED_RUN); on the CPU the emulated GEMM stands in for a native one."""
+    ran, current = {}, []
+    dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
+
+    def gemm(a, b, batch, out_dtype, backend, site, bias=None):
+        current.append(site)
+        try:
+            return dispatch(a, b, batch, out_dtype, backend, site, bias)
+        finally:
+            current.pop()
+
+    def record(what):
+        assert current[-1] not in ran, f"{current[-1]} ran twice"
+        ran[current[-1]] = what
+
+    def native_run(backend, a, b, out_dtype, bias=None):
+        record(backend)
+        return native(backend, a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+
+    def emulated_run(*args, **kwargs):
+        record(EMULATED_RUN)
+        return emulated(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "gemm", gemm)
+    monkeypatch.setattr(scaled_mm, "run", native_run)
+    monkeypatch.setattr(emulation, "gemm", emulated_run)
+    return ran
+
+
+def _train_steps_run_as_planned(model, recipe, ran, device, backend):
+    """One training step of ``model`` at 128 rows, then at 160 (which fits GEMMs that need
+    multiples of 16, not those of 128, and tiles every format's blocks), with static shapes (a
+    graph each) and with symbolic ones (dynamic=True): every GEMM runs on its plan's backend.
+    Gives the plan of the 128-row step."""
+    plans = []
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = graphquant.compile(copy.deepcopy(model), recipe, backend=backend, dynamic=dynamic)
+        for rows in (128, 160):
+            ran.clear()
+            x = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
+            compiled(x).float().square().mean().backward()
+            plan = compiled.graphquant.plan  # the latest graph's: the one this step ran
+            planned = {f"{g.site} {g.gemm}": g.backend if g.backend.native else EMULATED_RUN for g in plan.gemms}
+            assert ran == planned, f"dynamic={dynamic}, {rows} rows: plan and run disagree\n{plan}"
+            assert {g.bucket for g in plan.gemms} <= {backends.NATIVE, backends.EMULATED}
+        plans.append(compiled.graphquant.plans[0])
+    assert plans[0].gemms == plans[1].gemms
+    return plans[0]
+
+
+def test_every_native_gemm_has_a_recipe_here():
+    assert set(RECIPE_OF) == {native.backend for native in backends.NATIVE_GEMMS}
+
+
+@pytest.mark.parametrize("sm", CAPABILITIES, ids=["cpu" if sm is None else f"sm{sm[0]}{sm[1]}" for sm in CAPABILITIES])
+@pytest.mark.parametrize("native", list(RECIPE_OF), ids=[name.replace(" ", "_") for name in RECIPE_OF])
+def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, native, sm):
+    fake_capability(sm)
+    torch.manual_seed(0)
+    plan = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager")
+    # Where the capability has the native GEMM, the aligned shapes ran on it.
+    runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
+    assert (native in {g.backend.name for g in plan.gemms}) == runs_here
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE], ids=["tensorwise", "blockwise"])
+def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
+    """The same on the GPU, through aot_autograd, with the native GEMMs themselves."""
+    torch.manual_seed(0)
+    plan = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager")
+    sm = torch.cuda.get_device_capability()
+    assert (native in {g.backend.name for g in plan.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
+
+
+def test_strict_rejects_a_native_gemm_that_symbolic_sizes_misalign(fake_capability):
+    """Under dynamic shapes the plan tests the alignment on the symbols, so strict=True sees the
+    emulated GEMM instead of planning a native one that would not run."""
+    fake_capability((10, 0))
+    compiled = graphquant.compile(Model(), recipes.mxfp8_block_scaling(), backend="eager", dynamic=True, strict=True)
+    with pytest.raises(graphquant.PlanError, match=r"fc1#0 \(linear\) fprop: .*strict=True .*needs m, n, k multiples of 128"):
+        compiled(torch.randn(160, 128))
+
+
+def _site(backend: GemmBackend) -> Site:
+    spec = Float8CurrentScalingQuantizer().spec
+    return Site(name="fc", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=backend)
+
+
+def test_a_call_its_backend_cannot_run_fails_naming_site_shape_format_and_backend(fake_capability):
+    x, w = torch.randn(40, 64), torch.randn(32, 64)
+    fake_capability(None)
+    with pytest.raises(GemmMismatch, match=r"fc#0 fprop: its plan chose cublaslt fp8 tensorwise, .*: it does not run on cpu"):
+        quantized_linear(x, w, site=_site(GemmBackend(scaled_mm.TENSORWISE)))
+    fake_capability((9, 0))
+    with pytest.raises(
+        GemmMismatch,
+        match=r"fc#0 fprop: its plan chose cublaslt fp8 tensorwise \(fast accumulation\), which cannot run this call "
+        r"\(1 x \(m, n, k\) = \(40, 32, 64\), fp8_current\(fp8_dtype=e4m3\) x fp8_current\(fp8_dtype=e4m3\) on cpu\): "
+        r"cublaslt fp8 tensorwise needs m, n, k multiples of 16",
+    ):
+        quantized_linear(x, w, site=_site(GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True)))
+
+
+def test_a_gemm_backend_is_a_known_one():
+    with pytest.raises(ValueError, match="unknown GEMM backend 'cublaslt fp8 tensorwise \\(fast accumulation\\)'"):
+        GemmBackend("cublaslt fp8 tensorwise (fast accumulation)")
+    with pytest.raises(ValueError, match="has no fast accumulation"):
+        GemmBackend(scaled_mm.MXFP8, fast_accumulation=True)
+    assert eval(repr(GemmBackend(scaled_mm.ROWWISE_SCALED, True)), {"GemmBackend": GemmBackend}) == GemmBackend(scaled_mm.ROWWISE_SCALED, True)
