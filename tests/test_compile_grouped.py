@@ -20,11 +20,17 @@ from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
     forward_backward,
     fresh_dynamo,
 )
+from test_plan_execution import fake_capability  # noqa: F401  (a fixture)
 
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
 from graphquant.formats import groups
-from graphquant.kernels import backends, native
+from graphquant.kernels import backends, native, scaled_mm
+from graphquant.kernels import grouped as grouped_kernels
+from graphquant.kernels.backends import GemmBackend, GemmMismatch
+from graphquant.ops.functional import quantized_linear
+from graphquant.ops.grouped import quantized_grouped_mm
+from graphquant.ops.site import Site
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -214,24 +220,97 @@ def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtyp
 
 
 @pytest.fixture
-def hopper_on_cpu(monkeypatch):
-    """The CPU as an sm90 device whose torch._scaled_grouped_mm is ``scaled_grouped_mm_on_cpu``
-    (the other GEMMs' emulation runs as on the CPU)."""
+def scaled_grouped_mm_here(monkeypatch, fake_capability):
+    """fake_capability, with ``scaled_grouped_mm_on_cpu`` as torch._scaled_grouped_mm (the
+    emulated GEMMs run as on the CPU)."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu, raising=False)
-    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    backends.clear_caches()
-    yield
-    backends.clear_caches()
+    return fake_capability
+
+
+# The GEMMs of Model() that torch._scaled_grouped_mm runs on sm90 and sm100 (E4M3 on both sides).
+NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "mxfp8": set()}
 
 
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, hopper_on_cpu):
+def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, scaled_grouped_mm_here):
     """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
     checks of its arguments, on a faked sm90; the training step then matches the per-group
     reference as the emulated one does (up to the native GEMM's bf16 output)."""
+    scaled_grouped_mm_here((9, 0))
     compiled = run_against_reference(RECIPES[name](), Model(), inputs())
-    native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
+    native = NATIVE_ON_HOPPER[name]
     assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+
+
+@pytest.fixture
+def grouped_runs(monkeypatch):
+    """The dict that each grouped GEMM call adds its "site gemm" label to, with what ran it: the
+    native grouped GEMM's GemmBackend, or "emulated"."""
+    ran, current = {}, []
+    dispatch, scaled, emulated = grouped_kernels.gemm, grouped_kernels._scaled_grouped_mm, grouped_kernels._emulated
+
+    def gemm(*args):
+        current.append(args[-1])  # the GEMM's name
+        try:
+            return dispatch(*args)
+        finally:
+            current.pop()
+
+    def record(what):
+        assert current[-1] not in ran, f"{current[-1]} ran twice"
+        ran[current[-1]] = what
+
+    def native_run(*args):
+        record(GemmBackend(backends.SCALED_GROUPED_MM))
+        return scaled(*args)
+
+    def emulated_run(*args):
+        record("emulated")
+        return emulated(*args)
+
+    monkeypatch.setattr(grouped_kernels, "gemm", gemm)
+    monkeypatch.setattr(grouped_kernels, "_scaled_grouped_mm", native_run)
+    monkeypatch.setattr(grouped_kernels, "_emulated", emulated_run)
+    return ran
+
+
+GROUPED_CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
+
+
+@pytest.mark.parametrize("sm", GROUPED_CAPABILITIES, ids=["cpu" if sm is None else f"sm{sm[0]}{sm[1]}" for sm in GROUPED_CAPABILITIES])
+@pytest.mark.parametrize("name", sorted(NATIVE_ON_HOPPER))
+def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, scaled_grouped_mm_here, grouped_runs):
+    """A grouped site's fprop, dgrad and wgrad each run on the backend of its plan row, which the
+    graph carries in the site's Site, on every capability."""
+    scaled_grouped_mm_here(sm)
+    model = Model()
+    compiled = graphquant.compile(model, RECIPES[name](), backend="aot_eager", fullgraph=True)
+    forward_backward(compiled, model, inputs())
+    plan = compiled.graphquant.plan
+    assert grouped_runs == {f"{g.site} {g.gemm}": g.backend if g.backend.native else "emulated" for g in plan.gemms}
+    native = NATIVE_ON_HOPPER[name] if sm in ((9, 0), (10, 0)) else set()
+    assert {row[2] for row in plan.rows() if row[5] == backends.SCALED_GROUPED_MM} == native
+
+
+def _grouped_site(backend: GemmBackend, spec: str) -> Site:
+    return Site(name="moe", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=backend)
+
+
+def test_a_grouped_call_its_backend_cannot_run_fails_naming_site_shape_format_and_backend(scaled_grouped_mm_here):
+    """graphquant::grouped_gemm runs the plan's backend or fails: never another backend."""
+    spec = Float8RowwiseQuantizer().spec
+    x, w, offs = inputs(), Model().moe.experts.detach(), offsets()
+    native = GemmBackend(backends.SCALED_GROUPED_MM)
+    scaled_grouped_mm_here(None)
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise, .*: it does not run on cpu"):
+        quantized_grouped_mm(x, w, offs, site=_grouped_site(native, spec))
+    scaled_grouped_mm_here((9, 0))
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: .*\(640, 512, 24\), .*needs m, n, k multiples of 16"):
+        quantized_grouped_mm(x[:, :24].contiguous(), w[:, :24].contiguous(), offs, site=_grouped_site(native, spec))
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose cublaslt fp8 rowwise, but this call runs torch._scaled_grouped_mm"):
+        quantized_grouped_mm(x, w, offs, site=_grouped_site(GemmBackend(scaled_mm.ROWWISE_SCALED), spec))
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise, but this call runs cublaslt"):
+        quantized_linear(torch.randn(32, 64), torch.randn(32, 64), site=_grouped_site(native, spec))
 
 
 TRITON_PROGRAM = """
