@@ -283,13 +283,27 @@ def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, scaled_g
     """A grouped site's fprop, dgrad and wgrad each run on the backend of its plan row, which the
     graph carries in the site's Site, on every capability."""
     scaled_grouped_mm_here(sm)
-    model = Model()
-    compiled = graphquant.compile(model, RECIPES[name](), backend="aot_eager", fullgraph=True)
-    forward_backward(compiled, model, inputs())
-    plan = compiled.graphquant.plan
-    assert grouped_runs == {f"{g.site} {g.gemm}": g.backend if g.backend.native else "emulated" for g in plan.gemms}
+    plan = _grouped_step_runs_as_planned(Model(), inputs(), RECIPES[name](), grouped_runs)
     native = NATIVE_ON_HOPPER[name] if sm in ((9, 0), (10, 0)) else set()
     assert {row[2] for row in plan.rows() if row[5] == backends.SCALED_GROUPED_MM} == native
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rowwise", "current"])
+def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(name, grouped_runs):
+    """The same on the GPU, with torch._scaled_grouped_mm itself."""
+    plan = _grouped_step_runs_as_planned(Model().cuda(), inputs().cuda(), RECIPES[name](), grouped_runs)
+    native = NATIVE_ON_HOPPER[name] if torch.cuda.get_device_capability()[0] in (9, 10) else set()
+    assert {g.gemm for g in plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+
+
+def _grouped_step_runs_as_planned(model, x, recipe, ran):
+    """One compiled training step of ``model``, each grouped GEMM on its plan's backend; the plan."""
+    compiled = graphquant.compile(model, recipe, backend="aot_eager", fullgraph=True)
+    forward_backward(compiled, model, x)
+    plan = compiled.graphquant.plan
+    assert ran == {f"{g.site} {g.gemm}": g.backend if g.backend.native else "emulated" for g in plan.gemms}, plan
+    return plan
 
 
 def _grouped_site(backend: GemmBackend, spec: str) -> Site:
