@@ -1,14 +1,17 @@
 """TFLOP/s of attention: bf16 F.scaled_dot_product_attention per backend torch offers, beside
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
-    python benchmarks/attention.py [--seqs 2048,8192,16384] [--rounds 3]
+    python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--rounds 3] [--emulated]
 
 32 heads of dim 128, bf16, a batch of 16384 // seq sequences (16k tokens), causal and not,
 forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d forward, 2.5
-times that backward) and a causal attention as half of those. The FP8 rows are the recipes'
-attention formats: nvfp4_linear_fp8_dpa's (per-tensor FP8, s and dp delayed) and MXFP8; until a
-native kernel runs them they are the exact emulation, which materialises S and P (so they run
-out of memory first: such a row says "OOM").
+times that backward) and a causal attention as half of those. The FP8 rows are
+nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
+plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
+V quantized first, whose backward recomputes S and P through the emulation; "fp8 flash kernel"
+is the kernel alone on codes quantized beforehand. ``--emulated`` adds the exact emulation of
+that recipe and of MXFP8, which materialises S and P (so it runs out of memory first: such a row
+says "OOM").
 """
 
 from __future__ import annotations
@@ -26,35 +29,58 @@ from common import alternate  # noqa: E402
 
 import graphquant  # noqa: E402,F401  (registers the ops)
 from graphquant import factories, zoo  # noqa: E402
-from graphquant.ops.attention import SLOTS, AttentionSite, quantized_attention  # noqa: E402
+from graphquant.kernels import backends  # noqa: E402
+from graphquant.ops.attention import SLOTS, AttentionSite, quantize_qkv, quantized_attention  # noqa: E402
+from graphquant.ops.quantize import SlotState  # noqa: E402
 from graphquant.passes.find_attention import DpaSite  # noqa: E402
 from graphquant.passes.plan import Planner  # noqa: E402
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer  # noqa: E402
 from graphquant.recipes import CustomRecipe  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS = 32, 128, 16384
+E4M3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")  # the zoo recipe's qkv and the kernel alone's
 BACKENDS = {
     "bf16 sdpa flash": SDPBackend.FLASH_ATTENTION,
     "bf16 sdpa cudnn": SDPBackend.CUDNN_ATTENTION,
     "bf16 sdpa efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-RECIPES = {
-    "graphquant fp8 (nvfp4_linear_fp8_dpa)": zoo.recipe("nvfp4_linear_fp8_dpa"),
-    "graphquant mxfp8": CustomRecipe(factories.mxfp8_factory, fp8_dpa=True),
+ZOO = zoo.recipe("nvfp4_linear_fp8_dpa")
+EMULATED_RECIPES = {
+    "graphquant fp8 emulated (nvfp4_linear_fp8_dpa)": ZOO,
+    "graphquant mxfp8 emulated": CustomRecipe(factories.mxfp8_factory, fp8_dpa=True),
 }
 
 
-def attention_site(recipe: CustomRecipe, device: str = "cuda") -> tuple[AttentionSite, tuple]:
-    """The site a compiled graph would carry for ``recipe``'s attention, and its fresh state."""
+def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False) -> tuple[AttentionSite, tuple]:
+    """The site a compiled graph would carry for ``recipe``'s attention (``planned``: on the
+    backend the plan picks for ``device``, else the emulation), and its fresh state."""
     planner = Planner(recipe)
     site = DpaSite("attn", 0, (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM))
     quantizers = {slot: planner.quantizer(site.role(slot)) for slot in SLOTS}
     states = tuple(
         torch.cat(q.initial_state(torch.device(device))) if q.keeps_state else None for q in quantizers.values()
     )
-    return AttentionSite(name="attn", call=0, **{slot: q.spec for slot, q in quantizers.items()}), states
+    backend = backends.GemmBackend(backends.ATTENTION_EMULATION)
+    if planned:
+        head_dims = (HEAD_DIM, HEAD_DIM)
+        backend = backends.select_attention(torch.device(device), quantizers["qkv"], quantizers["s"], head_dims, False).backend
+    formats = {slot: q.spec for slot, q in quantizers.items()}
+    return AttentionSite(name="attn", call=0, **formats, backend=backend), states
 
 
-def runs(seq: int, causal: bool, backward: bool) -> dict[str, callable]:
+def flash_kernel_alone(q, k, v, causal: bool):
+    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize)."""
+    from graphquant.kernels import triton_attention
+
+    rows = {t: x.detach().reshape(-1, HEAD_DIM) for t, x in zip("QKV", (q, k, v))}
+    made = quantize_qkv(rows, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (COLUMNWISE,)}, SlotState(None, None, 0))
+    q8, k8 = (made[t][ROWWISE].tensors[0].view(x.shape) for t, x in (("Q", q), ("K", k)))
+    vt, scale_inv = made["V"][COLUMNWISE].tensors[0], made["Q"][ROWWISE].tensors[1]
+    p_scale = E4M3.scale_of_amax(torch.ones(1, device=q.device))
+    return lambda: triton_attention.forward(q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+
+
+def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, callable]:
     batch = max(1, TOKENS // seq)
     q, k, v = (
         torch.randn(batch, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3)
@@ -76,9 +102,15 @@ def runs(seq: int, causal: bool, backward: bool) -> dict[str, callable]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         fns[name] = step(attend)
-    for name, recipe in RECIPES.items():
-        site, states = attention_site(recipe)
+    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True)}
+    if emulated:
+        sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
+    for name, (site, states) in sites.items():
+        flash = site.backend.name == backends.FLASH_ATTENTION
+        name = name.format(f"{site.backend}{', backward emulated' if backward and flash else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
+    if not backward and torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
+        fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
     return fns
 
 
@@ -108,14 +140,19 @@ def measure(fns: dict, rounds: int) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", default="2048,8192,16384", help="sequence lengths, comma-separated")
+    parser.add_argument("--passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per configuration")
+    parser.add_argument("--emulated", action="store_true", help="add the exact emulation's rows (slow; OOM first)")
     args = parser.parse_args()
+    passes = args.passes.split(",")
+    if not set(passes) <= {"fwd", "fwd+bwd"}:
+        parser.error(f"--passes takes fwd and fwd+bwd, got {args.passes!r}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for causal in (False, True):
-            for backward in (False, True):
-                results = measure(runs(seq, causal, backward), args.rounds)
+            for backward in [p == "fwd+bwd" for p in passes]:
+                results = measure(runs(seq, causal, backward, args.emulated), args.rounds)
                 work = flops(seq, causal, backward)
                 for name, ms in results.items():
                     tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms

@@ -24,12 +24,10 @@ from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     DelayedScalingRequest,
-    Float8CurrentScalingQuantizer,
-    Float8DelayedScalingQuantizer,
     IdentityQuantizer,
-    MXFP8Quantizer,
     Quantizer,
     parse_spec,
+    quantizer_classes,
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
@@ -44,9 +42,6 @@ GEMMS = (
     ("dgrad", (2, ROWWISE), (1, COLUMNWISE)),
     ("wgrad", (2, COLUMNWISE), (0, COLUMNWISE)),
 )
-
-# What TE's DotProductAttention takes in its dpa slots (get_qkv_quantization_capabilities).
-ATTENTION_FORMATS = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, MXFP8Quantizer)
 
 
 class PlanError(ValueError):
@@ -278,28 +273,33 @@ class Planner:
                     self._check_tiling(quantizers[tensor], direction, batch, shape)
                 except ValueError as error:
                     raise PlanError(f"{site.label} (dpa) {tensor} ({slot}): {error}") from None
-        selection = backends.select_attention(device)
-        if self.strict and selection.bucket == backends.EMULATED:
-            selection = backends.Selection(
-                backends.REJECTED,
-                selection.backend,
-                f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
-            )
         operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
-        return [self._entry(site, gemm, operand(*a), operand(*b), selection) for gemm, a, b in site.products(training)]
+        head_dims = (int(site.q_sizes[3]), int(site.v_sizes[3]))
+        entries = []
+        for gemm, a, b in site.products(training):
+            backward = gemm not in ("qk", "pv")
+            selection = backends.select_attention(device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward)
+            if self.strict and selection.bucket == backends.EMULATED:
+                selection = backends.Selection(
+                    backends.REJECTED,
+                    selection.backend,
+                    f"strict=True rejects emulated attention ({selection.reason}); compile without strict",
+                )
+            entries.append(self._entry(site, gemm, operand(*a), operand(*b), selection))
+        return entries
 
     @staticmethod
     def _check_attention_quantizer(site, role: QuantizerRole, quantizer: Quantizer) -> None:
         """TE's rule for every dpa slot, hint-only ones included: per-tensor FP8 (current or delayed
         scaling) or MXFP8; never NVFP4."""
-        if type(quantizer) in ATTENTION_FORMATS:
+        if quantizer.attention_format:
             return
         what = role.tensor_type or role.name
         nvfp4 = " (attention takes no NVFP4)" if "nvfp4" in quantizer.spec else ""
         raise PlanError(
             f"{site.label} (dpa) {what}: the factory gave {quantizer}{nvfp4}, but FP8 attention quantizes every dpa "
             f"role, the hint-only {site.name}.dpa_output and {site.name}.dpa_grad_input included, with "
-            f"{' or '.join(cls.__name__ for cls in ATTENTION_FORMATS)} (or a DelayedScalingRequest); return one "
+            f"{' or '.join(cls.__name__ for cls in quantizer_classes() if cls.attention_format)} (or a DelayedScalingRequest); return one "
             "for module_type 'dpa' and those names, or build the recipe with fp8_dpa=False to keep attention in "
             "high precision"
         )

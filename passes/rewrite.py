@@ -123,7 +123,8 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     site = node.meta["graphquant_attention"]
     roles = [site.role(slot) for slot in attention.SLOTS]
     formats = {slot: plan.quantizer(role).spec for slot, role in zip(attention.SLOTS, roles)}
-    carried = attention.AttentionSite(name=site.name, call=site.call, **formats, amax_group=amax_group)
+    forward = next(g.backend for g in plan.gemms if g.site == site.label and g.gemm == "qk")
+    carried = attention.AttentionSite(name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group)
     states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
     with graph.inserting_before(node):
         replacement = graph.call_function(

@@ -41,14 +41,20 @@ ATTENTION_EMULATION = "attention emulation"  # FP8 attention, S and P materialis
 NONE = "none"  # a rejected GEMM's: it must not run
 # The backends that run the emulated GEMM (it takes high-precision operands as they are).
 ON_EMULATION = (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION)
+# The attention kernels that run a site's products themselves (no GEMM call runs them).
+FLASH_ATTENTION = "triton fp8 flash attention"
+ATTENTION_KERNELS = (FLASH_ATTENTION,)
+FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmBackend:
     """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
 
-    name: a native GEMM's (NATIVE_GEMMS), one of ON_EMULATION, or NONE. fast_accumulation: the
-    product sums in the tensor cores' accumulator, which only some native GEMMs offer.
+    name: a native GEMM's (NATIVE_GEMMS, NATIVE_GROUPED_GEMM), one of ON_EMULATION or
+    ATTENTION_KERNELS, or NONE. fast_accumulation: the product sums in the tensor cores'
+    accumulator, which only some native GEMMs offer.
     """
 
     name: str
@@ -56,8 +62,8 @@ class GemmBackend:
 
     def __post_init__(self) -> None:
         native = NATIVE_BY_NAME.get(self.name)
-        if native is None and self.name not in (*ON_EMULATION, NONE):
-            names = ", ".join(map(repr, [*NATIVE_BY_NAME, *ON_EMULATION, NONE]))
+        if native is None and self.name not in (*ON_EMULATION, *ATTENTION_KERNELS, NONE):
+            names = ", ".join(map(repr, [*NATIVE_BY_NAME, *ON_EMULATION, *ATTENTION_KERNELS, NONE]))
             raise ValueError(f"unknown GEMM backend {self.name!r}; one of {names}")
         if self.fast_accumulation and not (native and native.fast_accumulation):
             raise ValueError(f"the GEMM backend {self.name!r} has no fast accumulation")
@@ -212,7 +218,7 @@ def select_grouped(
         reason = f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}"
     else:
         return Selection(NATIVE, GemmBackend(native.backend))
-    if importlib.util.find_spec("triton") is None and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
+    if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
     return Selection(EMULATED, GemmBackend(EMULATION), reason)
 
@@ -320,10 +326,14 @@ def checked(
     if native is None:
         if backend.name == NONE:
             raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
+        if backend.name in ATTENTION_KERNELS:
+            raise GemmMismatch(f"{site}: its plan chose {backend}, which runs the attention's products itself, not as GEMM calls")
         return None
     if native not in natives:
         names = ", ".join(n.backend for n in natives)
-        raise GemmMismatch(f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site")
+        raise GemmMismatch(
+            f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site"
+        )
     refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
     if refusal:
         raise GemmMismatch(
@@ -357,6 +367,37 @@ def gemm(
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 
-def select_attention(device: torch.device) -> Selection:
-    """How FP8 attention runs on ``device``: emulated everywhere until a kernel runs it natively."""
-    return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), "no FP8 attention kernel yet: S and P materialised")
+def select_attention(
+    device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False
+) -> Selection:
+    """How FP8 attention's forward (or, with ``backward``, its backward) runs on ``device`` for the
+    site's qkv and s formats, its (query/key, value) head dims and whether it has an arbitrary
+    mask (causal is not one). The FP8 flash forward (graphquant.kernels.triton_attention) runs
+    per-tensor E4M3 qkv and s, causal or unmasked, head dim 64 or 128, on Hopper where Triton is
+    installed; its backward recomputes S and P through the emulation."""
+    why = _no_flash_attention(device, qkv, s, head_dims, masked)
+    if why:
+        return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P materialised")
+    if backward:
+        return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), "no FP8 flash backward yet: S and P recomputed and materialised")
+    return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
+
+
+PER_TENSOR_E4M3 = GemmInput("fp8_tensorwise", "e4m3")
+
+
+def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool) -> str:
+    """Why the FP8 flash forward cannot run this attention ('' where it can)."""
+    sm = capability(device)
+    if sm is None or sm[0] != 9:
+        return f"the FP8 flash-attention kernel runs on Hopper (sm_90), not {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
+    if not HAS_TRITON:
+        return "the FP8 flash-attention kernel needs Triton, which is not installed"
+    for slot, quantizer in (("qkv", qkv), ("s", s)):
+        if quantizer.gemm_input(ROWWISE) != PER_TENSOR_E4M3:
+            return f"the FP8 flash-attention kernel takes per-tensor E4M3 {slot}, not {quantizer}"
+    if masked:
+        return "the FP8 flash-attention kernel takes causal or no masks, not an attn_mask"
+    if head_dims[0] != head_dims[1] or head_dims[0] not in FLASH_HEAD_DIMS:
+        return f"the FP8 flash-attention kernel takes one head dim of {FLASH_HEAD_DIMS}, not {head_dims}"
+    return ""

@@ -20,10 +20,12 @@ format quantizes each alone. O and dQ, dK, dV stay in high precision: their quan
 applies. Grouped-query attention repeats each key/value head for its query heads (the same codes
 as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
 
-The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). A
-flash-attention kernel replaces ``emulated_forward`` and ``emulated_backward`` on the devices it
-runs on: it receives the same quantized Q, K, V and dO (bit for bit), but quantizes P and dS tile
-by tile as its online softmax sees them, so those two can differ from the emulation's.
+The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). Where
+the plan chose the FP8 flash forward (graphquant.kernels.triton_attention, ``FlashAttention``), it
+replaces ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
+quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
+(within the bound tests/test_triton_attention.py derives); the backward then recomputes S and P
+through the emulation.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ from typing import Optional
 import torch
 
 from graphquant.kernels import backends
-from graphquant.ops import recording
+from graphquant.ops import recording, registry
 from graphquant.ops.library import quantizer_of
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
-from graphquant.ops.quantize import SlotState, quantize_tensor, transposed_operand, update_delayed_scaling
+from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
+# The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
+_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 NO_STATES = (None, None, None, None)
 
 
@@ -57,6 +61,7 @@ class AttentionSite:
     s: str
     do: str
     dp: str
+    backend: backends.GemmBackend = _EMULATED  # how the forward runs, as the plan chose (backends.select_attention)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __repr__(self) -> str:
@@ -84,8 +89,15 @@ def quantized_attention(
             "the recipe with fp8_dpa=False"
         )
     lq, lk = query.shape[-2], key.shape[-2]
-    mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if site.backend.name == backends.FLASH_ATTENTION:
+        if attn_mask is not None:
+            raise ValueError(
+                f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
+                f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={_EMULATED!r})"
+            )
+        return FlashAttention.apply(query, key, value, *states, site, scale, bool(is_causal))
+    mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
     return QuantizedAttention.apply(query, key, value, mask, *states, site, scale)
 
 
@@ -148,6 +160,96 @@ class QuantizedAttention(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None, None
 
 
+class FlashAttention(torch.autograd.Function):
+    """Attention whose forward is the FP8 flash kernel (graphquant::flash_attention) and whose
+    backward is the emulation's, recomputing S and P from the saved Q, K, V codes.
+
+    Q, K and V are quantized as the emulation quantizes them (their joint per-tensor scale, the
+    same codes); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
+    with the scale the s format gives an amax of 1, and records the normalised P's amax (the max
+    over rows of 1 / rowsum) where s keeps delayed-scaling state. The recomputed P of the backward
+    is quantized as the emulation's forward would have (the s state as the forward found it), so
+    the gradients are the emulation's with the kernel's O in D = rowsum(dO * O).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
+        b, h, lq, d = q.shape
+        tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, d)}
+        directions = {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}
+        made = quantize_qkv(tensors, site.quantizer("qkv"), directions, SlotState(qkv_delayed, None, 0, site.amax_group))
+        s_quantizer = site.quantizer("s")
+        s_found = s_delayed.clone() if s_delayed is not None else None
+        q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
+        o, _, p_amax = torch.ops.graphquant.flash_attention(
+            q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
+            q_row.tensors[1], s_quantizer.scale_of_amax(torch.ones(1, device=q.device)), scale, causal, q.dtype,
+        )
+        if s_quantizer.keeps_state:
+            record_amax(s_quantizer, SlotState(s_delayed, None, 0, site.amax_group), p_amax)
+        ctx.site, ctx.scale, ctx.causal, ctx.shapes = site, scale, causal, (q.shape, k.shape)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
+        ctx.originals = tensors if recording.listening() else {}
+        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, s_found, do_delayed, dp_delayed)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        site, (q_shape, k_shape) = ctx.site, ctx.shapes
+        q_data, k_data, v_data, scale_inv, amax, o, s_found, do_delayed, dp_delayed = ctx.saved_tensors
+        b, h, lq, d = q_shape
+        groups, lk = h // k_shape[1], k_shape[2]
+        made = {}
+        for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
+            if name != "Q" and groups != 1:  # the emulation's products take one key/value head per query head
+                data = data.view(k_shape).repeat_interleave(groups, 1).reshape(-1, d)
+                shape = (data.shape[0], d)
+            row = Operand([data, scale_inv, amax], spec, ROWWISE, shape)
+            made[name] = {ROWWISE: row, COLUMNWISE: transposed_operand(row)}
+        originals = {t: x if t == "Q" or groups == 1 else x.view(k_shape).repeat_interleave(groups, 1).reshape(-1, d)
+                     for t, x in ctx.originals.items()}
+        mask = _additive_mask(None, ctx.causal, lq, lk, o.device)
+        s_state = SlotState(s_found, None, 0, site.amax_group)  # a copy: the forward already recorded its amax
+        p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, s_state, (b, h, lq, lk), True)
+        do_state = SlotState(do_delayed, None, 0, site.amax_group)
+        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
+        dq, dk, dv = emulated_backward(
+            site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
+        )
+        dq = dq.view(q_shape)
+        dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+
+
+@registry.op("flash_attention")
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
+    causal: bool, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 flash-attention forward (graphquant.kernels.triton_attention.forward): (O, logsumexp,
+    the normalised P's amax) of E4M3 codes under one scale, P tiles quantized with ``p_scale``
+    (one float32). CUDA with Triton only."""
+    raise NotImplementedError(
+        f"graphquant::flash_attention runs on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects it "
+        "only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"
+    )
+
+
+@registry.fake("flash_attention")
+def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
+    b, h, lq, d = q.shape
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(1, dtype=torch.float32)
+
+
+try:
+    from graphquant.kernels import triton_attention
+except ImportError:  # no Triton: the plan never selects the kernel
+    pass
+else:
+    registry.cuda_kernel("flash_attention")(triton_attention.forward)
+
+
 def quantize_qkv(
     tensors: dict[str, torch.Tensor], quantizer: Quantizer, directions: dict[str, tuple[str, ...]], state: SlotState
 ) -> dict[str, dict[str, Operand]]:
@@ -172,18 +274,22 @@ def quantize_qkv(
 
 def emulated_forward(site, tensors, made, mask, scale, s_state, shape, training):
     """(O as (batch * heads, Lq, Dv) in the inputs' dtype, P in fp32 as (batch * heads * Lq, Lk),
-    P's quantized directions) for ``shape`` (batch, heads, Lq, Lk): S materialised, softmax in
-    fp32, P quantized whole."""
-    batch = shape[0] * shape[1]
-    q_row, k_row, v_col = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][COLUMNWISE]
-    s = _product(site, "qk", tensors["Q"], q_row, tensors["K"], k_row, batch).view(shape) * scale
-    logits = s if mask is None else s + mask
+    P's quantized directions) for ``shape`` (batch, heads, Lq, Lk)."""
+    p, p_made = emulated_softmax(site, tensors, made, mask, scale, s_state, shape, training)
+    o = _product(site, "pv", p, p_made[ROWWISE], tensors["V"], made["V"][COLUMNWISE], shape[0] * shape[1])
+    return o.to(tensors["Q"].dtype), p, p_made
+
+
+def emulated_softmax(site, tensors, made, mask, scale, s_state, shape, training):
+    """(P in fp32 as (batch * heads * Lq, Lk), P's quantized directions): S materialised, softmax
+    in fp32, P quantized whole (``tensors``, the originals, only for a listening recorder)."""
+    s = _product(site, "qk", tensors.get("Q"), made["Q"][ROWWISE], tensors.get("K"), made["K"][ROWWISE], shape[0] * shape[1])
+    logits = s.view(shape) * scale if mask is None else s.view(shape) * scale + mask
     p = _safe_softmax(logits).reshape(-1, shape[3])
     s_quantizer = site.quantizer("s")
     p_made, _ = quantize_tensor(p, s_quantizer, (ROWWISE, COLUMNWISE) if training else (ROWWISE,), s_state)
     update_delayed_scaling(s_quantizer, s_state, p_made)
-    o = _product(site, "pv", p, p_made[ROWWISE], tensors["V"], v_col, batch)
-    return o.to(tensors["Q"].dtype), p, p_made
+    return p, p_made
 
 
 def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch):
@@ -201,10 +307,6 @@ def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, d
     dq = _product(site, "dq", ds, ds_made[ROWWISE], originals.get("K"), made["K"][COLUMNWISE], batch) * scale
     dk = _product(site, "dk", ds, ds_made[COLUMNWISE], originals.get("Q"), made["Q"][COLUMNWISE], batch) * scale
     return dq, dk, dv
-
-
-# The only attention backend (backends.select_attention), whose products run on the emulated GEMM.
-_EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 
 
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:

@@ -95,7 +95,10 @@ def grouped_gemm(
 
 
 @registry.fake("grouped_gemm")
-def _(a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype, backend, fast_accumulation, site):
+def _(
+    a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype,
+    backend, fast_accumulation, site,
+):
     shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
     return a[0].new_empty(shape, dtype=out_dtype)
 
@@ -115,7 +118,8 @@ def quantize_grouped(x: torch.Tensor, layout: groups.GroupPadding, quantizer: Qu
 
 
 def _gemm(
-    a: Operand, b: Operand, b_group: torch.Tensor, tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype, site: Site, gemm: str
+    a: Operand, b: Operand, b_group: torch.Tensor, tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype,
+    site: Site, gemm: str,
 ) -> torch.Tensor:
     """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad) on the backend the
     plan chose for ``gemm`` of ``site``: see grouped_gemm."""

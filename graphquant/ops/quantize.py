@@ -14,7 +14,6 @@ from graphquant.ops.operands import Operand
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
-    Float8CurrentScalingQuantizer,
     QuantizeContext,
     Quantizer,
 )
@@ -91,7 +90,7 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
     their own they run well below the native kernels' bandwidth. Its columnwise copy stays traced,
     from that amax.
     """
-    per_tensor = isinstance(quantizer, Float8CurrentScalingQuantizer) and not quantizer.with_amax_reduction
+    per_tensor = quantizer.encodes_from_tensor_amax()
     if not (per_tensor and w.is_contiguous()):  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)
@@ -111,9 +110,13 @@ def transposed_operand(rowwise: Operand) -> Operand:
 
 def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
     """Roll the slot's amax history with this call's amax and store the next scale, in place."""
-    if not quantizer.keeps_state or not operands:
-        return
-    amax = next(iter(operands.values())).tensors[2]
+    if quantizer.keeps_state and operands:
+        record_amax(quantizer, state, next(iter(operands.values())).tensors[2])
+
+
+def record_amax(quantizer: Quantizer, state: SlotState, amax: torch.Tensor) -> None:
+    """Roll a delayed-scaling slot's amax history with ``amax`` (reduced over the slot's process
+    group where the format asks) and store the next scale, in place."""
     if quantizer.reduce_amax and state.amax_group is not None:
         from graphquant.distributed import all_reduce_amax
 

@@ -281,6 +281,8 @@ class Quantizer:
     stochastic: ClassVar[bool] = False
     # True when quantizing all-reduces its amax over QuantizeContext.amax_group (with_amax_reduction).
     reduces_amax: ClassVar[bool] = False
+    # True for the formats TE's FP8 attention takes in its dpa roles (per-tensor FP8, MXFP8).
+    attention_format: ClassVar[bool] = False
     # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours
     # without changing a bit (exact ops only; divisions isolated in custom ops).
     traceable: ClassVar[bool] = False
@@ -362,6 +364,11 @@ class Quantizer:
         """Whether ``direction``'s (rows, blocks) scale lies with its rows contiguous, as the
         spec stores 1x128 block scales and graphquant MXFP8's 1x32 ones (Representation.tensors
         gives such a scale transposed)."""
+        return False
+
+    def encodes_from_tensor_amax(self) -> bool:
+        """Whether one amax of the whole tensor, taken by the pass that made the other direction,
+        is all it needs to encode a direction (``quantize_from_amax``)."""
         return False
 
     def columnwise_from_rowwise(self) -> bool:

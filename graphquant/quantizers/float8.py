@@ -71,6 +71,8 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     with_amax_reduction all-reduces the amax (MAX) over the recipe's process group first.
     """
 
+    attention_format = True
+
     tag = "fp8_current"
     traceable = True
     groupable = True
@@ -109,6 +111,15 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
             pow2_scales=self.force_pow_2_scales,
         )
 
+    def encodes_from_tensor_amax(self) -> bool:
+        return not self.with_amax_reduction  # a reduced amax is all-reduced before it is known
+
+    def scale_of_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale this format gives a tensor whose amax is ``amax`` (float32, any shape), where
+        the amax is known without reading the tensor (a flash-attention kernel's unnormalised
+        softmax tiles have amax 1)."""
+        return fp8.scale_from_amax(amax, self.fp8_dtype, epsilon=self.amax_epsilon, pow2=self.force_pow_2_scales)
+
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
         direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
@@ -137,6 +148,8 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     next scale: ``(fp8_max / amax) / 2**margin`` with amax the history's max ("max") or its
     newest entry ("most_recent"). The state lives in tensors owned by the compiled module.
     """
+
+    attention_format = True
 
     tag = "fp8_delayed"
     always_shown = ("fp8_dtype",)
@@ -181,6 +194,12 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
             torch.ones(1, dtype=torch.float32, device=device),
             torch.zeros(self.amax_history_len, dtype=torch.float32, device=device),
         )
+
+    def scale_of_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale an amax history of ``amax`` (float32, shape (1,)) alone gives:
+        ``(fp8_max / amax) / 2**margin``."""
+        scale, _ = self.update(torch.ones_like(amax), torch.zeros_like(amax), amax)
+        return scale
 
     def update(
         self, scale: torch.Tensor, amax_history: torch.Tensor, amax: torch.Tensor

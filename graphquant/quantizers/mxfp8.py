@@ -24,6 +24,8 @@ class MXFP8Quantizer(Quantizer):
     be a multiple of 32.
     """
 
+    attention_format = True
+
     tag = "mxfp8"
     traceable = True
     groupable = True

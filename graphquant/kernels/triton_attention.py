@@ -1,0 +1,158 @@
+"""FP8 flash-attention forward for Hopper (sm_90): QK^T and PV on the FP8 tensor cores, S never
+in memory.
+
+It takes Q, K and V already quantized by graphquant (per-tensor E4M3 codes under their one joint
+scale, bit for bit the emulation's, graphquant.ops.attention) and, per (batch, query head) and
+block of BLOCK_M query rows, walks the keys BLOCK_N at a time:
+
+    S tile  = Q codes @ K codes^T (fp32)        logits in base 2: S * scale_inv^2 * softmax scale * log2(e)
+    online softmax in fp32: running max m, running sum l of exp2(logit - m), O rescaled by exp2(m_old - m)
+    P tile  = exp2(logit - m), unnormalised, in [0, 1], quantized to E4M3 with ``p_scale``
+    O      += P codes @ V codes (fp32)
+
+and writes O = acc * scale_inv / p_scale / l in the output dtype, the natural-log logsumexp of
+each row's scaled logits (what a backward recomputes P from), and the max over rows of 1 / l (the
+amax of the normalised P, which a delayed-scaling ``s`` slot records).
+
+V arrives as its columnwise representation (V^T, keys contiguous: the exact transpose of the
+rowwise codes), so the right operand of the PV product is K-major, as Hopper's FP8 wgmma takes it.
+
+Each product's partial sums are promoted into the fp32 accumulator after every tile
+(``max_num_imprecise_acc`` equal to the product's inner dim): Triton's default on sm_90 would let
+the tensor cores' reduced-precision FP8 accumulator carry the whole key loop.
+
+Causal masks are aligned top left (key j visible to query i where j <= i), as
+F.scaled_dot_product_attention's is_causal; lengths that are not multiples of the tiles are
+masked; grouped-query attention reads key/value head h // groups for query head h.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphquant.kernels.backends import FLASH_HEAD_DIMS
+
+# Tiles for the H200: 128 query rows over two warpgroups; the key tile of head dim 128 is 64 so
+# that the S tile, O's fp32 accumulator and its per-tile partial sum fit the registers together.
+BLOCK_M = 128
+BLOCK_N = {64: 128, 128: 64}
+NUM_WARPS = 8
+NUM_STAGES = 3
+
+
+@triton.jit
+def _key_tiles(
+    acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
+    tiles are past seq_k or (CAUSAL) after a query row."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
+            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
+        s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=HEAD_DIM) * qk_scale
+        if MASKED:
+            visible = offs_n[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        pv = tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=BLOCK_N)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
+    HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < seq_q
+    q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+    k_base = K + kv_bh * seq_k * HEAD_DIM
+    vt_base = VT + kv_bh * seq_k
+    scale_inv = tl.load(SCALE_INV)
+    p_scale = tl.load(P_SCALE)
+    qk_scale = scale_inv * scale_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Tiles every row of the block sees whole, then the ones that need a mask.
+    full_end = (seq_k // BLOCK_N) * BLOCK_N
+    end = seq_k
+    if CAUSAL:
+        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        if diagonal_start < full_end:
+            full_end = diagonal_start
+        if (start_m + 1) * BLOCK_M < seq_k:
+            end = (start_m + 1) * BLOCK_M
+    acc, l_i, m_i = _key_tiles(
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
+        HEAD_DIM, BLOCK_N, False, CAUSAL,
+    )
+    acc, l_i, m_i = _key_tiles(
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
+        HEAD_DIM, BLOCK_N, True, CAUSAL,
+    )
+
+    o = acc * (scale_inv / p_scale) / l_i[:, None]
+    tl.store(O + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=rows[:, None])
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
+    tl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
+    tl.atomic_max(P_AMAX, tl.max(tl.where(rows, 1.0 / l_i, 0.0), 0))
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    vt: torch.Tensor,
+    scale_inv: torch.Tensor,
+    p_scale: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
+    normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
+    vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
+    ``p_scale`` (both one float32 on the device)."""
+    b, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
+        raise ValueError(
+            f"FP8 flash attention takes head dims {FLASH_HEAD_DIMS}, one for Q, K and V, and V^T of shape "
+            f"(D, batch * kv heads * Lk); got q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}"
+        )
+    if heads % kv_heads or seq_k == 0:
+        raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
+    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
+    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
+    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(seq_q, BLOCK_M), b * heads)
+    _forward_kernel[grid](
+        q.contiguous(), k.contiguous(), vt.contiguous(), o, lse, p_amax, scale_inv, p_scale, softmax_scale,
+        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, BLOCK_M, BLOCK_N[head_dim],
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return o, lse, p_amax
+

@@ -1,0 +1,359 @@
+"""The FP8 flash-attention forward (graphquant.kernels.triton_attention) and how the plan runs it.
+
+On the CPU: the selection and the plan (a Hopper capability pretended), the codes the kernel gets
+(the emulation's, bit for bit), the backward that recomputes through the emulation (the kernel
+stood in for by the emulation's own forward, so every gradient and state must match the
+emulated op's bit for bit).
+
+Against the emulation, within the bound derived in ``flash_bound``: on the GPU, and on the CPU
+under Triton's interpreter.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import graphquant
+from graphquant import zoo
+from graphquant.kernels import backends
+from graphquant.ops.attention import AttentionSite, quantize_qkv, quantized_attention
+from graphquant.ops.quantize import SlotState
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer
+from graphquant.recipes import CustomRecipe
+
+import models
+from test_attention import CURRENT, MXFP8, ZOO, _states
+
+FLASH = backends.GemmBackend(backends.FLASH_ATTENTION)
+E4M3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")
+E4M3_ULP = 2.0**-3  # relative spacing of E4M3's normal values (3 mantissa bits)
+E4M3_SUBNORMAL = 2.0**-9  # E4M3's smallest subnormal, the absolute spacing below 2^-6
+EPS32 = 2.0**-24  # fp32 unit roundoff
+# Hopper's FP8 tensor cores add the products of one wgmma (32 deep) in an accumulator of about 14
+# significant bits, not fp32; the kernel promotes into fp32 after every product tile (at most 128
+# deep), so each tile's sum carries an error of up to about 4 * 2^-13 of its absolute sum.
+TENSOR_CORE_FP8_ACCUMULATION = 2.0**-11
+
+
+# -- selection and plan ------------------------------------------------------------------------
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """backends as it answers on an H200 with Triton installed (nothing worked out for another
+    device kept, before or after)."""
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "HAS_TRITON", True)
+    backends.clear_caches()
+    yield
+    backends.clear_caches()
+
+
+@pytest.fixture
+def emulated_kernel():
+    """graphquant::flash_attention on the CPU as the emulation's own forward on the codes it gets;
+    the context it yields names the site and the s state the emulation quantizes P with (current
+    scaling where it names none) and counts the calls."""
+    from graphquant.ops import attention
+
+    library = torch.library.Library("graphquant", "IMPL")
+    context = {}
+
+    def kernel(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
+        context["calls"] = context.get("calls", 0) + 1
+        site, s_state = context.get("site", AttentionSite(name="attn", call=0, **CURRENT)), context.get("s")
+        b, h, lq, d = q.shape
+        groups, lk = h // k.shape[1], k.shape[2]
+        operand = lambda data, direction: attention.Operand([data, scale_inv, scale_inv], site.qkv, direction, (data.shape[0] if direction == ROWWISE else data.shape[1], d))  # noqa: E731
+        grouped = lambda t: t.repeat_interleave(groups, 1).reshape(-1, d)  # noqa: E731
+        vt_heads = vt.t().reshape(k.shape)
+        made = {"Q": {ROWWISE: operand(q.reshape(-1, d), ROWWISE)}, "K": {ROWWISE: operand(grouped(k), ROWWISE)},
+                "V": {COLUMNWISE: operand(grouped(vt_heads).t().contiguous(), COLUMNWISE)}}
+        mask = attention._additive_mask(None, causal, lq, lk, q.device)
+        state = SlotState(None if s_state is None else s_state.clone(), None, 0)
+        o, p, _ = attention.emulated_forward(site, {"Q": torch.empty(0, dtype=out_dtype), "V": None}, made, mask, softmax_scale, state, (b, h, lq, lk), False)
+        return o.view(b, h, lq, d), torch.empty(b, h, lq), p.abs().amax().reshape(1)
+
+    library.impl("flash_attention", kernel, "CPU")
+    yield context
+    library._destroy()
+
+
+def test_selection_on_hopper(hopper):
+    cpu = torch.device("cpu")
+    delayed = graphquant.parse_spec(ZOO["s"])
+    assert backends.select_attention(cpu, E4M3, delayed, (128, 128), False) == backends.Selection(backends.NATIVE, FLASH)
+    assert backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
+    backward = backends.select_attention(cpu, E4M3, E4M3, (64, 64), False, backward=True)
+    assert backward.bucket == backends.EMULATED and "no FP8 flash backward" in backward.reason
+    refused = {
+        "per-tensor E4M3 qkv, not mxfp8": (MXFP8Quantizer(), E4M3, (128, 128), False),
+        "per-tensor E4M3 s, not fp8_current(fp8_dtype=e5m2)": (E4M3, Float8CurrentScalingQuantizer(fp8_dtype="e5m2"), (128, 128), False),
+        "not an attn_mask": (E4M3, E4M3, (128, 128), True),
+        "one head dim of (64, 128), not (96, 96)": (E4M3, E4M3, (96, 96), False),
+        "one head dim of (64, 128), not (128, 64)": (E4M3, E4M3, (128, 64), False),
+    }
+    for reason, args in refused.items():
+        selection = backends.select_attention(cpu, *args)
+        assert selection.bucket == backends.EMULATED and reason in selection.reason, selection
+
+
+def test_selection_elsewhere(monkeypatch):
+    cpu = torch.device("cpu")
+    assert "runs on Hopper (sm_90), not cpu" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+    monkeypatch.setattr(backends, "capability", lambda device: (10, 0))
+    assert "not sm_100" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(backends, "HAS_TRITON", False)
+    assert "needs Triton" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+
+
+def _decoder():
+    return models.seeded(models.DecoderBlock(dim=128, n_heads=2, attention="sdpa"))  # causal, head dim 64
+
+
+def test_plan_shows_the_native_forward_and_the_graph_carries_it(hopper, emulated_kernel, tmp_path):
+    """The plan lists qk and pv on the flash kernel and the backward emulated; the rewritten graph's
+    AttentionSite names the kernel, and running it calls the kernel's op."""
+    x = torch.randn(2, 32, 128)
+    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), x)
+    rows = {g.gemm: (g.bucket, g.backend) for g in plan.gemms if g.module_type == "dpa"}
+    assert rows == {
+        "qk": (backends.NATIVE, FLASH),
+        "pv": (backends.NATIVE, FLASH),
+        **{gemm: (backends.EMULATED, backends.GemmBackend(backends.ATTENTION_EMULATION)) for gemm in ("dv", "dp", "dq", "dk")},
+    }
+    assert backends.FLASH_ATTENTION in str(plan)
+    compiled = graphquant.compile(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager", dump_dir=str(tmp_path))
+    calls = emulated_kernel.get("calls", 0)
+    compiled(x).sum().backward()
+    assert emulated_kernel["calls"] == calls + 1
+    assert f"backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+
+
+def test_strict_rejects_the_emulated_backward(hopper, emulated_kernel):
+    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), torch.randn(2, 32, 128), strict=True)
+    buckets = {g.gemm: g.bucket for g in plan.gemms if g.module_type == "dpa"}
+    assert buckets == {"qk": "native", "pv": "native", "dv": "rejected", "dp": "rejected", "dq": "rejected", "dk": "rejected"}
+
+
+# -- what the kernel is given, and the backward ------------------------------------------------
+
+def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, lq), (hkv, lk), (hkv, lk), (hq, lq)))
+    return tuple(t.to(device=device, dtype=dtype) for t in (q * 2, k, v * 3, dout * 1e-3))
+
+
+def test_flash_site_refuses_a_mask():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape \(64, 64\)"):
+        quantized_attention(q, k, v, torch.ones(64, 64, dtype=torch.bool), site=AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH))
+
+
+def test_codes_are_the_emulations():
+    """Quantized without repeating the key/value heads, Q, K and V get the emulation's scale and
+    codes (it quantizes the repeated heads, which leave the joint amax alone), and V^T is the
+    exact transpose of V's rowwise codes."""
+    q, k, v, _ = _inputs()
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    state = SlotState(None, None, 0)
+    flash = quantize_qkv({"Q": rows(q), "K": rows(k), "V": rows(v)}, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)
+    repeated = {"Q": rows(q), "K": rows(k.repeat_interleave(2, 1)), "V": rows(v.repeat_interleave(2, 1))}
+    emulated = quantize_qkv(repeated, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (COLUMNWISE,)}, state)
+    codes = lambda op: op.tensors[0].view(torch.uint8)  # noqa: E731
+    assert torch.equal(flash["Q"][ROWWISE].tensors[1], emulated["Q"][ROWWISE].tensors[1])
+    assert torch.equal(codes(flash["Q"][ROWWISE]), codes(emulated["Q"][ROWWISE]))
+    k_codes = codes(flash["K"][ROWWISE]).view(k.shape).repeat_interleave(2, 1).reshape(-1, 64)
+    assert torch.equal(k_codes, codes(emulated["K"][ROWWISE]))
+    assert torch.equal(codes(flash["V"][COLUMNWISE]), codes(flash["V"][ROWWISE]).t())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("formats", ["current", "zoo"])
+def test_backward_is_the_emulations(emulated_kernel, formats, causal):
+    """With the kernel's O equal to the emulation's, the flash path's gradients are the emulated
+    op's bit for bit over two steps (grouped-query attention, causal and not), and so is every
+    delayed-scaling state: the backward recomputes P as the forward found the s state."""
+    formats = {"current": CURRENT, "zoo": ZOO}[formats]
+    emulated, flash = AttentionSite(name="attn", call=0, **formats), AttentionSite(name="attn", call=0, **formats, backend=FLASH)
+    states = {site: _states(formats) for site in (emulated, flash)}
+    for step in range(2):
+        q, k, v, dout = _inputs(seed=step)
+        emulated_kernel.update(site=emulated, s=states[flash][1])
+        results = {}
+        for site in (emulated, flash):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = quantized_attention(*leaves, is_causal=causal, site=site, states=states[site])
+            results[site] = (o.detach(), *torch.autograd.grad(o, leaves, dout))
+        for name, a, e in zip(("O", "dQ", "dK", "dV"), results[flash], results[emulated]):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"step {step} {name}: {m}")
+        for slot, a, e in zip(("qkv", "s", "do", "dp"), states[flash], states[emulated]):
+            if e is not None:
+                torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"step {step}, {slot}'s state: {m}")
+
+
+# -- the kernel under the Triton interpreter ---------------------------------------------------
+
+INTERPRETED = textwrap.dedent(
+    """
+    import sys
+    import numpy, torch
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    from graphquant.formats.fp8 import cast_to_fp8
+
+    if tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 3):
+        # numpy >= 2.3 refuses int() of a one-element array, which triton's interpreter does for a
+        # loop bound computed in the kernel.
+        patch = interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    # The interpreter's float32 -> FP8 casts do not round to nearest even; Hopper's do, as the
+    # reference cast does.
+    cast = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return cast(self, src, dst_type, rounding_mode)
+        data = cast_to_fp8(torch.from_numpy(numpy.ascontiguousarray(src.data)), "e4m3").view(torch.uint8).numpy()
+        return interpreter.TensorHandle(data, dst_type.scalar)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+    sys.path.insert(0, %r)
+    from graphquant.kernels import triton_attention
+    from graphquant.ops import registry
+    import test_triton_attention
+
+    registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
+    for shape in %r:
+        print(test_triton_attention.check_against_the_emulation(*shape, device="cpu"))
+    """
+)
+
+
+def test_kernel_under_the_interpreter():
+    """The GPU test's comparison with the kernel run by Triton's interpreter on the CPU (the
+    reference's float32 -> E4M3 cast in place of the interpreter's): grouped heads, lengths that
+    are not multiples of the tiles (one query row, more queries than keys, several key tiles),
+    causal and not, both head dims."""
+    pytest.importorskip("triton")
+    shapes = [(1, 2, 1, 130, 70, 64, False), (1, 2, 1, 130, 70, 64, True), (2, 2, 2, 1, 200, 64, False), (1, 4, 2, 150, 300, 128, True)]
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# -- the kernel on the GPU ---------------------------------------------------------------------
+
+def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantizer):
+    """The largest |O_flash - O_emulated| the two quantizations of P allow, elementwise, the
+    kernel's logsumexp bound per row, float64's logsumexp and softmax of the codes' scaled logits,
+    and eta, each row's bound on the relative error of an unquantized P (so of its amax).
+
+    With p the exact softmax of the codes' scaled logits, each side's P differs from p before its
+    quantization by a factor within exp(+-2 delta) (delta: the error of a logit; the kernel sums
+    Q.K on the tensor cores, the emulation in fp32; both exponentiate fp32 logits), and the sums l
+    by lk fp32 roundings. Quantization then moves each value by at most half an E4M3 step
+    (2^-4 relative) or half a subnormal step over that side's P scale (``p_scale``; the
+    ``s_quantizer``'s scale of P's amax): the kernel quantizes
+    exp(logit - running max) with ``p_scale`` and divides by l >= 1 after; the emulation quantizes
+    the normalised p with its s scale. So per key
+        |P_flash - P_emulated| <= (2^-3 (1 + eta) + 2 eta (1 + eta)) p + 2^-10 (1 / p_scale + 1 / s_scale)
+    with eta = exp(2 delta) - 1 + 2 lk eps32, weighted by |V|. The PV sums add the tensor cores'
+    and fp32's accumulation error of sum P|V|, and each side rounds O once to its dtype.
+    """
+    groups = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.double() for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+    lq, lk, d = q.shape[2], k.shape[2], q.shape[3]
+    x = q64 @ k64.transpose(-1, -2) * scale
+    magnitude = q64.abs() @ k64.abs().transpose(-1, -2) * scale
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril() if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    x = x.masked_fill(~visible, -math.inf)
+    magnitude = magnitude.masked_fill(~visible, 0)
+    exponent = 2.0**-20 * (1 + x.abs().masked_fill(~visible, 0).amax(-1, keepdim=True))  # scale, log2(e), exp2 in fp32
+    delta = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + exponent
+    eta = torch.expm1(2 * delta) + 2 * lk * EPS32
+    p = torch.softmax(x, -1)
+    s_scale_emulated = s_quantizer.scale_of_amax(p.amax().float().reshape(1)).item()  # current scaling of the normalised P
+    per_key = (E4M3_ULP * (1 + eta) + 2 * eta * (1 + eta)) * p + E4M3_SUBNORMAL / 2 * (1 / p_scale + 1 / s_scale_emulated)
+    accumulation = TENSOR_CORE_FP8_ACCUMULATION + (lk + 2 * math.ceil(lk / 64) + 4) * EPS32
+    quantized = (1 + E4M3_ULP / 2) * (1 + eta) * p + E4M3_SUBNORMAL / 2 / min(p_scale, s_scale_emulated)
+    rounding = torch.finfo(o_flash.dtype).eps / 2  # unit roundoff of the output dtype
+    o_bound = per_key @ v64.abs() + accumulation * (quantized @ v64.abs()) + rounding * (o_flash.double().abs() + o_emulated.double().abs()) * (1 + 2 * rounding)
+    lse_bound = delta.squeeze(-1) + (lk + 4) * EPS32 * (1 + torch.logsumexp(x, -1).abs())
+    return o_bound, lse_bound, torch.logsumexp(x, -1), p, eta
+
+
+def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -> str:
+    """The flash path's O within ``flash_bound`` of the emulation's, the kernel's O the flash
+    path's, its logsumexp within its logit error of float64's, and its recorded amax within the
+    same of the normalised P's; bfloat16 inputs, current scaling. Says how much of each bound the
+    errors took."""
+    from graphquant.kernels import triton_attention
+
+    q, k, v, _ = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
+    scale = 1 / math.sqrt(d)
+    o_emulated = quantized_attention(q, k, v, is_causal=causal, site=AttentionSite(name="attn", call=0, **CURRENT))
+    o_flash = quantized_attention(q, k, v, is_causal=causal, site=AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH))
+    assert o_flash.dtype == torch.bfloat16 and o_flash.shape == o_emulated.shape
+
+    rows = lambda t: t.reshape(-1, d)  # noqa: E731
+    made = quantize_qkv({"Q": rows(q), "K": rows(k), "V": rows(v)}, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, SlotState(None, None, 0))
+    codes = [made[t][ROWWISE].tensors[0].view(x.shape) for t, x in zip("QKV", (q, k, v))]
+    scale_inv = made["Q"][ROWWISE].tensors[1]
+    p_scale = E4M3.scale_of_amax(torch.ones(1, device=device))
+    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16)
+    assert torch.equal(o_kernel, o_flash)
+
+    values = [c.float() * scale_inv for c in codes]
+    o_bound, lse_bound, lse64, p, eta = flash_bound(*values, o_flash, o_emulated, scale, causal, p_scale.item(), E4M3)
+    error = (o_flash.double() - o_emulated.double()).abs()
+    share = (error / o_bound).max().item()
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}"
+    assert share <= 1, f"{what}: O is {share:.3g} of the bound away from the emulation's (mean |error| {error.mean().item():.3g})"
+    lse_share = ((lse.double() - lse64).abs() / lse_bound).max().item()
+    assert lse_share <= 1, f"{what}: the logsumexp is {lse_share:.3g} of its bound away from float64's"
+    amax_error = (p_amax.double() - p.amax()).abs().item()
+    assert amax_error <= eta.max().item() * p.amax().item(), f"{what}: the normalised P's amax is {amax_error:.3g} from float64's"
+    return f"{what}: O error {share:.3g} of its bound (mean |error| {error.mean().item():.3g}), logsumexp {lse_share:.3g}"
+
+
+GPU_SHAPES = [(4, 128, 64), (8, 1000, 128), (8, 2048, 128), (4, 1000, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads, seq, d", GPU_SHAPES, ids=[f"h{h}-l{n}-d{d}" for h, n, d in GPU_SHAPES])
+def test_kernel_against_the_emulation(heads, seq, d, causal):
+    """``check_against_the_emulation`` at batch 2, 2 key/value heads."""
+    print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda"))
+
+
+@pytest.mark.gpu
+def test_compiled_decoder_trains_with_the_flash_forward(tmp_path):
+    """On an H200 the zoo recipe's attention plans the flash forward, the compiled graph (aot_eager:
+    the autograd formula traced, the kernel's op through its fake) runs it, and two training steps
+    keep every gradient finite."""
+    model = _decoder().cuda()
+    x = torch.randn(2, 256, 128, device="cuda")
+    recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
+    plan = graphquant.explain(model, recipe, x)
+    assert {g.backend for g in plan.gemms if g.gemm in ("qk", "pv")} == {FLASH}
+    compiled = graphquant.compile(model, recipe, backend="aot_eager", dump_dir=str(tmp_path))
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert f"backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
