@@ -144,3 +144,29 @@ def print_algorithm_choices() -> None:
     if choices:
         print("\ncuBLASLt algorithms chosen (first = the heuristic's first choice, torch._scaled_mm's):")
         print(tabulate(choices, headers=scaled_mm.ALGORITHM_FIELDS, floatfmt=".1f"))
+
+
+def training_step(model: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One forward and backward of ``model`` on ``x`` with upstream gradient ``grad``, the
+    gradients cleared first (so a step allocates what a training step does)."""
+
+    def step() -> None:
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        model(x).backward(grad)
+
+    return step
+
+
+def warm_peak_gib(step: Callable[[], None]) -> float:
+    """Run ``step`` twice (compile, warm up), then once more: the GiB it allocated at its peak
+    on top of what was allocated before it."""
+    step(); step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|moe ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: whether a kernel is bound by memory or by issuing instructions).
@@ -40,6 +40,8 @@ for i in "${!steps[@]}"; do
          done > "$OUT/ncu.txt" 2>&1
          grep -E "tile_kernel|Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit|Duration|Mem Busy|Eligible|Issued Warp|bank conflict|Executed Ipc|Issue Slots" "$OUT/ncu.txt" | head -80
          awk '/tile_kernel/ {print} /issue_stalled/ && $NF + 0 > 0.2 {print "   ", $1, $NF} /inst_executed_pipe/ && $NF + 0 > 5 {print "   ", $1, $NF}' "$OUT/ncu.txt" ;;
+    moe) python3 benchmarks/moe_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/moe_step.txt"
+         break ;;
     train) # SM clock and power every 200 ms: FP8 GEMMs are power-bound, so clocks explain drift
            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 > "$OUT/clocks.csv" &
            python3 benchmarks/train_step.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/train_step.txt"

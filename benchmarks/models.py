@@ -1,4 +1,5 @@
-"""Llama-3-8B-shaped building blocks in plain torch, for the training-speed benchmark."""
+"""Llama-3-8B-shaped building blocks and a DeepSeek-V3 / Qwen3-MoE style MoE layer in plain
+torch, for the training-speed benchmarks."""
 
 from __future__ import annotations
 
@@ -55,6 +56,77 @@ class Attention(nn.Module):
         v = self.wv(n).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return x + self.wo(o.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class SwiGLU(nn.Module):
+    """W2 (silu(W1 x) * W3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedSwiGLU(nn.Module):
+    """Every expert's SwiGLU over its rows of x (sorted by expert, cumulative ends ``offs``), each
+    projection one torch._grouped_mm. The weights are stored as nn.Linear's are, (experts, out,
+    in), and multiplied transposed, as TorchTitan's experts are (and torchao's MoE training
+    expects): gate_up (experts, 2 * hidden, dim), down (experts, dim, hidden)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * hidden, dim) * dim**-0.5)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gate, up = torch._grouped_mm(x, self.gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs=offs)
+
+
+class MoE(nn.Module):
+    """x + shared(n) + sum over the token's top_k experts of gate * expert(n), n = RMSNorm(x):
+    a DeepSeek-V3 / Qwen3-MoE style layer (softmax router, top-k gates renormalised over the
+    chosen experts, one always-on shared expert).
+
+    The routed copies of the tokens are sorted by expert and the experts run as grouped GEMMs
+    over their rows, the offsets counted on the device, as MoE training code does.
+    Parameters are bf16 (torch._grouped_mm's dtype).
+    """
+
+    def __init__(self, dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.norm = RMSNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedSwiGLU(experts, dim, hidden)
+        self.shared = SwiGLU(dim, shared_hidden)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n = self.norm(x)
+        gates, chosen = self.router(n).float().softmax(-1).topk(self.top_k, dim=-1)
+        gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype).reshape(-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // self.top_k
+        experts = torch.arange(self.num_experts, device=x.device)
+        offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # static shape, unlike bincount
+        y = self.experts(n[token], offs) * gates[order, None]
+        routed = torch.zeros_like(n).index_add(0, token, y)
+        return (x + routed + self.shared(n)).reshape(shape)
+
+    def step_flops(self, tokens: int) -> float:
+        """FLOPs of one training step's GEMMs (forward, dgrad, wgrad: three times the forward's)."""
+        two_hidden, dim = self.experts.gate_up.shape[1:]
+        routed = tokens * self.top_k * 2 * dim * (two_hidden + two_hidden // 2)
+        dense = tokens * 2 * dim * (self.num_experts + 3 * self.shared.w1.out_features)
+        return 3.0 * (routed + dense)
 
 
 class FFNStack(nn.Sequential):

@@ -27,7 +27,7 @@ from tabulate import tabulate
 from torch._inductor import list_mode_options
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate, print_algorithm_choices, time_ms  # noqa: E402
+from common import alternate, print_algorithm_choices, time_ms, training_step, warm_peak_gib  # noqa: E402
 from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  # noqa: E402
 
 import graphquant  # noqa: E402
@@ -272,21 +272,8 @@ def measure(
     built, peaks = {}, {}
     for name in names:
         model = build(name, base, compile_mode)
-
-        def step(model=model):
-            x.grad = None
-            for p in model.parameters():
-                p.grad = None
-            model(x).backward(grad)
-
-        built[name] = step
-        step(); step()  # compile and warm up
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        built[name] = step = training_step(model, x, grad)
+        peaks[name] = warm_peak_gib(step)
         if name in profiled:
             profile(name, step)
             saved_for_backward(name, step, [x, *model.parameters()])

@@ -17,18 +17,24 @@ import torch
 from tabulate import tabulate
 
 from graphquant import recipes, user_stack
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
 from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     DelayedScalingRequest,
+    IdentityQuantizer,
     Quantizer,
     parse_spec,
     quantizer_classes,
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
+
+# Output features below the largest block of any format (FP8 block's 128): too few to tile, for
+# CustomRecipe.narrow_outputs_in_high_precision.
+NARROW = 128
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
 GEMMS = (
@@ -199,8 +205,10 @@ class Planner:
         for site in sites:
             roles = site.roles()
             quantizers = [self.quantizer(role) for role in roles]
+            untileable = self._untileable(site, quantizers, training)
+            if untileable:
+                quantizers = [IdentityQuantizer()] * len(roles)
             slots.update(zip(roles, quantizers))
-            self._check_shapes(site, quantizers, training)
             self._check_grouped(site, quantizers)
             batch = site.x_shape[0]
             _, m, k = site.x_sizes
@@ -210,12 +218,12 @@ class Planner:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
-                if site.module_type == "grouped_linear":  # no native grouped GEMM: nothing to test on the sizes
-                    selection = backends.select(qa, da, qb, db, device, None, batch, fast)
-                    if selection.backend.native is not None:
-                        selection = backends.Selection(backends.EMULATED, backends.GemmBackend(backends.EMULATION), "no native grouped GEMM yet")
+                if site.module_type == "grouped_linear":
+                    selection = backends.select_grouped(qa, da, qb, db, device, k)
                 else:
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast)
+                if untileable:
+                    selection = dataclasses.replace(selection, reason=untileable)
                 if self.strict and selection.bucket == backends.EMULATED:
                     # The backend stays the one it would run on, which graphquant.explain runs.
                     selection = backends.Selection(
@@ -307,6 +315,32 @@ class Planner:
         if self.fail_on_bucket and g.bucket == backends.REJECTED:
             raise PlanError(f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: rejected: {g.reason}")
 
+    def _untileable(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
+        """Why the site runs in high precision although the factory quantized it ("" if it does
+        not): only its few output features keep it from tiling the formats' blocks and the recipe
+        keeps such sites in high precision (CustomRecipe.narrow_outputs_in_high_precision);
+        any other shape that does not tile is the error it was."""
+        try:
+            self._check_shapes(site, quantizers, training)
+        except PlanError:
+            if not (self.recipe.narrow_outputs_in_high_precision and self._only_narrow(site, quantizers, training)):
+                raise
+            formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
+            return f"in high precision: its {site.w_shape[1]} output features tile no block of the recipe's formats ({formats})"
+        return ""
+
+    def _only_narrow(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> bool:
+        """Whether the site has fewer output features than the largest block (128) and would
+        tile every format with 128 of them."""
+        batch, n, k = site.w_sizes
+        if not isinstance(n, int) or n >= NARROW:
+            return False
+        try:
+            self._check_shapes(dataclasses.replace(site, w_sizes=(batch, NARROW, k)), quantizers, training)
+        except (PlanError, ValueError):
+            return False
+        return True
+
     def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
         """Each tensor the site quantizes must tile the block of every direction it is made in.
 
@@ -316,6 +350,8 @@ class Planner:
         batch, m, k = site.x_sizes
         _, n, _ = site.w_sizes
         shapes = ((batch * m, k), (batch * n, k), (batch * m, n))
+        if site.module_type == "grouped_linear":  # the op pads every group's rows, and grad_output's columns
+            shapes = ((GROUP_ROWS, k), (GROUP_ROWS, k), (GROUP_ROWS, GROUP_ROWS))
         for role_type, quantizer, shape in zip(TENSOR_TYPES[site.module_type], quantizers, shapes):
             if role_type == "grad_output" and not training:
                 continue

@@ -93,7 +93,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
         if site.form == FROZEN:
             _check_frozen_format(node, site, plan.quantizer(roles[1]))
-        grouped_site = site.form == GROUPED  # emulated, with no amax reduction (grouped.unsupported)
+        grouped_site = site.form == GROUPED  # with no amax reduction (backends.grouped_unsupported)
         carried = Site(
             name=site.name,
             call=site.call,

@@ -133,6 +133,10 @@ class RefSite:
     batch: int
     reference: Reference
 
+    def row_block(self) -> int:
+        """The most rows one scale block of the site's formats spans (1 where none spans rows)."""
+        return max(1, *(q.block(d)[0] for q in self.quantizers for d in (ROWWISE, COLUMNWISE)))
+
     def quantize(self, t: int, x: torch.Tensor, directions: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Float64 dequantized values of tensor ``t`` of this site in ``directions``."""
         quantizer, role = self.quantizers[t], self.roles[t]
@@ -316,20 +320,26 @@ class RefGemm(torch.autograd.Function):
 
 class RefGroupedGemm(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs): row group g of x times W_g^T,
-    W_g = w[g]^T (N, K), through the site's formats with every group's operands quantized alone."""
+    W_g = w[g]^T (N, K), through the site's formats with every group's operands quantized alone,
+    zero-padded to whole blocks of every format of the site (TE pads groups so): the values of
+    the pad rows are dropped, except in wgrad, whose two operands keep them (zeros, or what a
+    Hadamard transform mixed into them, which the product undoes)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, site: RefSite):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         bounds = [0] + offs.tolist()
         rows = list(zip(bounds, bounds[1:]))
-        xq = [site.quantize(0, x[a:b], (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,)) for a, b in rows]
-        wq = [site.quantize(1, w[g].t(), (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)) for g in range(len(rows))]
+        block = site.row_block()
+        xq = [_quantize_group(site, 0, x[a:b], block, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,)) for a, b in rows]
+        wq = [_quantize_group(site, 1, w[g].t(), block, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)) for g in range(len(rows))]
         dtype = torch.promote_types(x.dtype, w.dtype)
-        y = _grouped_gemm64([(xg[ROWWISE], wg[ROWWISE].t()) for xg, wg in zip(xq, wq)], False, dtype, "fprop", site)
+        n = w.shape[2]
+        pairs = [(xg[ROWWISE][: b - a], wg[ROWWISE][:n].t()) for (a, b), xg, wg in zip(rows, xq, wq)]
+        y = _grouped_gemm64(pairs, False, dtype, "fprop", site)
         site.reference.operands.append((f"{site.name}#{site.call}", x.detach(), w.detach()))
         # Eager only: the columnwise operands stay on ctx as lists, one tensor per group.
-        ctx.site, ctx.rows, ctx.dtypes = site, rows, (x.dtype, w.dtype)
+        ctx.site, ctx.rows, ctx.dtypes, ctx.block, ctx.n = site, rows, (x.dtype, w.dtype), block, n
         ctx.x_col, ctx.w_col = [q.get(COLUMNWISE) for q in xq], [q.get(COLUMNWISE) for q in wq]
         return y.to(dtype)
 
@@ -337,16 +347,24 @@ class RefGroupedGemm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
-        gq = [ctx.site.quantize(2, dy[a:b], directions) for a, b in ctx.rows]
+        gq = [_quantize_group(ctx.site, 2, dy[a:b], ctx.block, directions) for a, b in ctx.rows]
         dx = dw = None
         x_dtype, w_dtype = ctx.dtypes
         if need_dx:
-            dx = _grouped_gemm64([(g[ROWWISE], w) for g, w in zip(gq, ctx.w_col)], False, x_dtype, "dgrad", ctx.site)
-            dx = dx.to(x_dtype)
+            pairs = [(g[ROWWISE][: b - a], w[: ctx.n]) for (a, b), g, w in zip(ctx.rows, gq, ctx.w_col)]
+            dx = _grouped_gemm64(pairs, False, x_dtype, "dgrad", ctx.site).to(x_dtype)
         if need_dw:  # dW_g^T (N, K), one per group, as the wgrad GEMM writes them
             dw_t = _grouped_gemm64([(g[COLUMNWISE].t(), x) for g, x in zip(gq, ctx.x_col)], True, w_dtype, "wgrad", ctx.site)
             dw = dw_t.transpose(1, 2).to(w_dtype)
         return dx, dw, None, None
+
+
+def _quantize_group(site: RefSite, t: int, x: torch.Tensor, block: int, directions: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``site.quantize`` of one group's rows, zero-padded to a multiple of ``block`` rows; an
+    empty group has no values to quantize (its products are empty, or zero)."""
+    if x.shape[0] == 0:
+        return {d: x.new_zeros(x.shape, dtype=torch.float64) for d in directions}
+    return site.quantize(t, F.pad(x, (0, 0, 0, -x.shape[0] % block)), directions)
 
 
 # -- finding GEMMs in eager code ---------------------------------------------------------------

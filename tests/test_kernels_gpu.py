@@ -31,7 +31,9 @@ from graphquant.quantizers import (
     MXFP8Quantizer,
     NVFP4Quantizer,
     QuantizeContext,
+    Quantizer,
     STREAMS_PER_STEP,
+    quantizer_classes,
 )
 from test_kernel_encoding import comparable, old_config
 from test_user_format import Float8Block64
@@ -82,7 +84,9 @@ def forbid_reference(monkeypatch):
         raise AssertionError("kernels fell back to the reference numerics: no native kernel ran")
 
     monkeypatch.setattr(native, "reference_quantize", fallback)
-    monkeypatch.setattr(native, "reference_grouped_quantize", fallback)
+    for cls in (Quantizer, *quantizer_classes()):  # the grouped quantize's vectorised fallback
+        if "quantize_groups" in vars(cls):
+            monkeypatch.setattr(cls, "quantize_groups", fallback)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -376,9 +380,10 @@ def test_grouped_quantize(backend, name, direction):
     allows_empty = name.startswith(("fp8_current", "fp8_block", "mxfp8")) or (name == "fp8_rowwise" and direction == ROWWISE)
     sizes = [256, 0, 128, 384] if allows_empty else [256, 128, 384]
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
+    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
     for n, dtype in enumerate(DTYPES):
         x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
-        got = native.grouped_quantize(quantizer, x, group_sizes, direction, CTX)
+        got = native.grouped_quantize(quantizer, x, row_group, group_sizes, direction, CTX)
         reference = REFERENCE_GROUPED(quantizer, x, group_sizes, direction, CTX)
         assert_same_rep(got, reference, str(dtype))
 
@@ -446,6 +451,7 @@ def test_no_host_synchronisation_and_current_stream():
     hybrid = HybridQuantizer(NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), Float8CurrentScalingQuantizer(), "rowwise_dequantized")
     expected = native.quantize_hybrid(hybrid, x, CTX)
     group_sizes = torch.tensor([256, 256], device="cuda")
+    row_group = torch.arange(2, device="cuda").repeat_interleave(256)
     stochastic, rng = QUANTIZERS["nvfp4_rht_sr_rowscaled"](), torch.tensor([5, 9], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -454,7 +460,7 @@ def test_no_host_synchronisation_and_current_stream():
         with torch.cuda.stream(stream):
             got = native.quantize_hybrid(hybrid, x, CTX)
             grouped = native.grouped_quantize(
-                Float8CurrentScalingQuantizer(), x, group_sizes, COLUMNWISE, CTX
+                Float8CurrentScalingQuantizer(), x, row_group, group_sizes, COLUMNWISE, CTX
             )
             dbias = native.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
             # as a compiled model calls it: stochastic rounding's [seed, step] stays on the device

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import itertools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -55,8 +56,9 @@ triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if H
 class GemmBackend:
     """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
 
-    name: a native GEMM's (NATIVE_GEMMS), one of ON_EMULATION or ATTENTION_KERNELS, or NONE. fast_accumulation: the
-    product sums in the tensor cores' accumulator, which only some native GEMMs offer.
+    name: a native GEMM's (NATIVE_GEMMS, NATIVE_GROUPED_GEMM), one of ON_EMULATION or
+    ATTENTION_KERNELS, or NONE. fast_accumulation: the product sums in the tensor cores'
+    accumulator, which only some native GEMMs offer.
     """
 
     name: str
@@ -189,7 +191,21 @@ NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
 )
-NATIVE_BY_NAME = {native.backend: native for native in NATIVE_GEMMS}
+
+# torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
+# with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
+# The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
+# and k only x's columns can miss its multiple of 16.
+_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
+NATIVE_GROUPED_GEMM = NativeGemm(
+    "torch._scaled_grouped_mm fp8 rowwise",
+    frozenset(itertools.product(_ROW_SCALED_FAMILIES, repeat=2)),
+    BOTH_E4M3,
+    16,
+    lambda sm: sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"),
+)
+SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
+NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, NATIVE_GROUPED_GEMM)}
 
 
 def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -197,10 +213,46 @@ def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     for child in dict.fromkeys(quantizer.child(direction) for direction in (ROWWISE, COLUMNWISE)):
         if child.reduces_amax:
             return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
+        if child.stochastic:
+            return (
+                f"{child}: stochastic rounding on torch._grouped_mm would draw other bits than each expert's "
+                "tensor alone; use stochastic_rounding=False for grouped_linear slots"
+            )
         if not child.groupable:
             names = ", ".join(cls.__name__ for cls in quantizer_classes() if cls.groupable)
             return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"
     return None
+
+
+# Formats whose emulated values leave out a per-group or per-row factor (Quantizer.grouped_factor).
+_FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
+
+
+def select_grouped(
+    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any
+) -> Selection:
+    """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
+    unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on
+    NATIVE_GROUPED_GEMM where it multiplies the pair on ``device``; otherwise emulated, one
+    grouped product."""
+    selection = select(a, a_direction, b, b_direction, device)
+    if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
+        return selection
+    sm = capability(device)
+    if sm is None:
+        return Selection(EMULATED, GemmBackend(EMULATION), selection.reason)
+    native, inputs = NATIVE_GROUPED_GEMM, (a.gemm_input(a_direction), b.gemm_input(b_direction))
+    if not native.takes(*inputs):
+        reason = f"{native.backend} multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
+    elif not native.runs_on(sm):
+        reason = f"{native.backend} does not run on sm_{sm[0]}{sm[1]}"
+    elif k is not None and k % native.multiple != 0:
+        reason = f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}"
+    else:
+        return Selection(NATIVE, GemmBackend(native.backend))
+    if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
+        reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
+    return Selection(EMULATED, GemmBackend(EMULATION), reason)
 
 
 def capability(device: torch.device) -> Optional[tuple[int, int]]:
@@ -303,6 +355,36 @@ def _stored_k_last(quantizer: Quantizer, direction: str) -> bool:
     return quantizer.transposed(direction) == (direction == COLUMNWISE)
 
 
+def checked(
+    backend: GemmBackend, a: Representation, b: Representation, dims: tuple, batch: int, site: str, natives: Sequence[NativeGemm]
+) -> Optional[NativeGemm]:
+    """The native GEMM that runs a call of the GEMM ``site`` names ("fc1#0 dgrad") on ``backend``,
+    the plan's choice, or None where it runs the emulated GEMM. ``dims``: (m, n, k) of each of
+    ``batch`` products; ``natives``: the native GEMMs the caller runs (NATIVE_GEMMS, or
+    NATIVE_GROUPED_GEMM for a grouped call). A call the backend cannot run (its plan was made for
+    other shapes, another device or another site) raises GemmMismatch rather than run another backend."""
+    native = backend.native
+    if native is None:
+        if backend.name == NONE:
+            raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
+        if backend.name in ATTENTION_KERNELS:
+            raise GemmMismatch(f"{site}: its plan chose {backend}, which runs the attention's products itself, not as GEMM calls")
+        return None
+    if native not in natives:
+        names = ", ".join(n.backend for n in natives)
+        raise GemmMismatch(
+            f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site"
+        )
+    refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
+    if refusal:
+        raise GemmMismatch(
+            f"{site}: its plan chose {backend}, which cannot run this call ({batch} x (m, n, k) = {dims}, "
+            f"{a.quantizer.direction_spec(a.direction)} x {b.quantizer.direction_spec(b.direction)} on "
+            f"{a.data.device}): {refusal}; the plan was made for other shapes or another device"
+        )
+    return native
+
+
 def gemm(
     a: Representation,
     b: Representation,
@@ -313,30 +395,17 @@ def gemm(
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on ``backend``, the plan's
-    choice for the GEMM ``site`` names ("fc1#0 dgrad"); every backend adds the bias before rounding
-    to out_dtype. A call the backend cannot run (its plan was made for other shapes or another
-    device) raises GemmMismatch rather than run another backend."""
+    choice for the GEMM ``site`` names ("fc1#0 dgrad"), as ``checked`` admits it; every backend
+    adds the bias before rounding to out_dtype."""
     n = output_rows(b.direction, b.shape, batch)
     if bias is not None and (batch != 1 or bias.shape != (n,)):
         raise ValueError(
             f"{site}: a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
             f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
         )
-    native = backend.native
+    native = checked(backend, a, b, gemm_dims(a, b, batch), batch, site, NATIVE_GEMMS)
     if native is None:
-        if backend.name == NONE:
-            raise GemmMismatch(f"{site}: the plan rejected this GEMM ({a.quantizer} x {b.quantizer}); it cannot run")
-        if backend.name in ATTENTION_KERNELS:
-            raise GemmMismatch(f"{site}: its plan chose {backend}, which runs the attention's products itself, not as GEMM calls")
         return emulation.gemm(a, b, batch, out_dtype, bias)
-    dims = gemm_dims(a, b, batch)
-    refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
-    if refusal:
-        raise GemmMismatch(
-            f"{site}: its plan chose {backend}, which cannot run this call ({batch} x (m, n, k) = {dims}, "
-            f"{a.quantizer.direction_spec(a.direction)} x {b.quantizer.direction_spec(b.direction)} on "
-            f"{a.data.device}): {refusal}; the plan was made for other shapes or another device"
-        )
     if native in DECODE_GEMMS:
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)

@@ -50,10 +50,10 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
 
     factor is None, a scalar, or a (rows, 1) column over the stored rows.
     """
-    return _values(rep), rep.quantizer.emulated_factor(rep)
+    return values(rep), rep.quantizer.emulated_factor(rep)
 
 
-def _values(rep: Representation) -> torch.Tensor:
+def values(rep: Representation) -> torch.Tensor:
     """factored's values, from a Triton kernel where one makes them."""
     fast = _BLOCK_VALUES.get(_family(rep)) if rep.data.is_cuda and triton_dequantize is not None else None
     return rep.quantizer.emulated_values(rep) if fast is None else fast(rep)
@@ -181,7 +181,7 @@ def gemm(
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         piece = rows_of(big, start, stop)
-        part = (_grouped(_values(piece), piece, 1).to(dtype), factor if factor is None or factor.dim() == 0 else factor[start:stop])
+        part = (_grouped(values(piece), piece, 1).to(dtype), factor if factor is None or factor.dim() == 0 else factor[start:stop])
         if big is a:
             _product(part, other, a, b, 1, out_dtype, bias, out=out[:, start:stop])
         else:

@@ -226,19 +226,21 @@ def quantize_pass(
 
 
 def grouped_quantize(
-    quantizer: Quantizer, x: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
 ) -> Representation:
-    """One representation of ``x`` whose row groups (MoE experts, sizes on the device, summing to
-    x's rows) are each quantized as if alone: ``reference_grouped_quantize`` says how they combine.
+    """One representation of ``x`` whose row groups (MoE experts; ``group_sizes`` on the device,
+    summing to x's rows, and ``row_group``, each row's group) are each quantized as if alone:
+    ``reference_grouped_quantize`` says how they combine.
 
-    Group sizes must be multiples of 128 for the native path (every tile in one group, like TE's
-    quantization_alignment); it reads them on the device and never waits for them.
+    The native kernel reads the sizes on the device and never waits for them; it needs every
+    size a multiple of 128 (every tile in one group), which graphquant.formats.groups' padded
+    layout gives. Elsewhere ``Quantizer.quantize_groups``, vectorised over the groups, runs.
     """
     quantizer.check_shape(tuple(x.shape), direction)
     rowwise = direction == ROWWISE
     native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=not rowwise, group_sizes=group_sizes)
     if native_reps is None:
-        return reference_grouped_quantize(quantizer, x, group_sizes, direction, ctx)
+        return quantizer.quantize_groups(x, row_group, group_sizes.shape[0], direction, ctx)
     return native_reps.rowwise if rowwise else native_reps.columnwise
 
 

@@ -325,6 +325,24 @@ class Quantizer:
     def check_shape(self, shape: tuple[int, int], direction: str) -> None:
         """Raise ValueError if a (rows, cols) tensor cannot be quantized for ``direction``."""
 
+    # -- row groups (MoE experts), for groupable formats ---------------------------------------
+
+    def quantize_groups(
+        self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
+    ) -> Representation:
+        """``direction`` of x (padded_rows, cols) in graphquant.formats.groups' padded layout,
+        each group as if alone. Here: x as one tensor, right for formats whose scales cover
+        blocks of rows that the padding keeps within a group; a format with a scale over the whole
+        tensor takes one per group instead."""
+        return self.quantize_rowwise(x, ctx) if direction == ROWWISE else self.quantize_columnwise(x, ctx)
+
+    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> Optional[torch.Tensor]:
+        """The factor of a grouped representation's values that ``emulated_values`` leaves out,
+        along the GEMM rows of each group: (padded_rows, 1) for a rowwise representation (its
+        GEMM rows are its rows), (groups, cols or 1) for a columnwise one (reduced over each
+        group's rows); None where the values carry it all."""
+        return None
+
     def child(self, direction: str) -> "Quantizer":
         """The quantizer that makes ``direction``: itself (a HybridQuantizer names one per direction)."""
         return self

@@ -25,6 +25,7 @@ class Float8BlockQuantizer(Quantizer):
 
     tag = "fp8_block"
     traceable = True
+    groupable = True
     always_shown = ("fp8_dtype", "block_scaling_dim")
 
     fp8_dtype: str = "e4m3"

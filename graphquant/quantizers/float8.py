@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from graphquant.formats import fp8, per_tensor
+from graphquant.formats.groups import group_amax
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
@@ -125,6 +126,17 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         for the cast alone."""
         scales = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, scales, direction, amax)
+
+    def quantize_groups(
+        self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
+    ) -> Representation:
+        """One scale per group, from the group's amax; the rows take their group's scale."""
+        amax = group_amax(x, row_group, groups)
+        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        return self._encode(x, (scale[row_group, None], scale_inv), direction, amax)
+
+    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
+        return rep.scale[row_group, None] if rep.direction == ROWWISE else rep.scale[:, None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import nvfp4
+from graphquant.formats.groups import group_amax
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 
 BLOCK_LEN = nvfp4.BLOCK_LEN
@@ -30,6 +31,7 @@ class NVFP4Quantizer(Quantizer):
     """
 
     tag = "nvfp4"
+    groupable = True
 
     with_rht: bool = False
     with_post_rht_amax: bool = False
@@ -97,6 +99,28 @@ class NVFP4Quantizer(Quantizer):
             amax=ctx.reduced_amax(nvfp4.global_amax(source)) if self.with_amax_reduction else None,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale, amax)
+
+    def quantize_groups(
+        self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
+    ) -> Representation:
+        """A global amax per group (of the transformed values, with the Hadamard transform),
+        given to each block as its group's: amax (groups,). Row-scaled rows have their own."""
+        if self.row_scaled_nvfp4 and direction == ROWWISE:
+            return self.quantize_rowwise(x, ctx)
+        columnwise = direction == COLUMNWISE
+        source = self.transformed(x.t() if columnwise else x, direction)
+        amax = group_amax(source.t() if columnwise else source, row_group, groups)
+        # Blocks run along the grouped rows in the transposed columnwise data: one amax a block.
+        block_amax = amax[row_group[::BLOCK_LEN]][None, :] if columnwise else amax[row_group, None]
+        tile_rows = BLOCK_LEN if self.with_2d_quantization else 1
+        data, scale, _ = nvfp4.quantize(source, tile_rows=tile_rows, row_scaled=False, rng=None, amax=block_amax)
+        return self.representation(direction, x.shape, x.dtype, data, scale, amax)
+
+    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
+        factor = nvfp4.global_decode(rep.amax)
+        if rep.direction == COLUMNWISE:
+            return factor[:, None]
+        return factor[:, None] if self.row_scaled_nvfp4 else factor[row_group, None]
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE, ctx)

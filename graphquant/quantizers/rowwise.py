@@ -6,8 +6,9 @@ import dataclasses
 
 import torch
 
-from graphquant.formats import block
-from graphquant.quantizers.base import COLUMNWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
+from graphquant.formats import block, fp8
+from graphquant.formats.groups import group_amax
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 
@@ -22,6 +23,7 @@ class Float8RowwiseQuantizer(Quantizer):
 
     tag = "fp8_rowwise"
     traceable = True
+    groupable = True
     always_shown = ("fp8_dtype",)
 
     fp8_dtype: str = "e4m3"
@@ -54,6 +56,21 @@ class Float8RowwiseQuantizer(Quantizer):
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, COLUMNWISE)
+
+    def quantize_groups(
+        self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
+    ) -> Representation:
+        """Rowwise scales never span groups; columnwise ones are per column of each group:
+        scale (groups, cols, 1), each group's (cols, 1) as quantize_columnwise makes it."""
+        if direction == ROWWISE:
+            return self.quantize_rowwise(x, ctx)
+        amax = group_amax(x, row_group, groups, per_column=True)
+        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        data = fp8.cast_to_fp8(x.float() * scale[row_group], self.fp8_dtype).t().contiguous()
+        return self.representation(direction, x.shape, x.dtype, data, scale_inv[:, :, None])
+
+    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
+        return rep.scale.reshape(-1, 1) if rep.direction == ROWWISE else rep.scale[:, :, 0]
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return block.dequantize(rep.data, rep.scale, block=(1, rep.data.shape[1]))

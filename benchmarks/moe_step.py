@@ -1,0 +1,135 @@
+"""One training step (forward + backward) of a DeepSeek-V3 / Qwen3-MoE style layer (models.MoE)
+under bf16 torch._grouped_mm, graphquant's recipes and torchao's MoE training.
+
+    python benchmarks/moe_step.py [--configs ...] [--tokens 16384] [--rounds 3]
+    python benchmarks/moe_step.py --tiny          # CPU, small shapes: that every config runs
+
+Default shapes: 64 experts, top-8, model dim 4096, expert hidden 1408 (DeepSeek-V2-Lite's
+expert width), one shared expert of 2816, 16384 tokens. Prints ms per step (median over rounds
+in which the configurations take turns), effective TFLOP/s of the step's GEMMs, speedup over
+bf16 torch.compile and the peak memory a step allocates on top of the model. A configuration
+that fails prints its error in the table instead of a time. torchao's row is its FP8 rowwise
+grouped GEMMs (torchao.prototype.moe_training, Float8TrainingOpConfig through quantize_, token
+groups padded to 16), present where torchao imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import alternate, training_step, warm_peak_gib  # noqa: E402
+from models import GroupedSwiGLU, MoE  # noqa: E402
+
+import graphquant  # noqa: E402
+from graphquant import recipes, zoo  # noqa: E402
+
+GRAPHQUANT = {
+    "graphquant rowwise": lambda: zoo.recipe("rowwise"),
+    "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
+    "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
+    "graphquant mxfp8": recipes.mxfp8_block_scaling,
+    "graphquant nvfp4_row_scaled_fwd_mxfp8_bwd": lambda: zoo.recipe("nvfp4_row_scaled_fwd_mxfp8_bwd"),
+}
+TORCHAO = "torchao fp8_rowwise"
+SHAPES = {"dim": 4096, "experts": 64, "top_k": 8, "hidden": 1408, "shared_hidden": 2816}
+TINY = {"dim": 64, "experts": 4, "top_k": 2, "hidden": 64, "shared_hidden": 64}
+
+
+def build(config: str, model: torch.nn.Module, backend: str):
+    model = copy.deepcopy(model)
+    if config == "bf16 eager":
+        return model
+    if config == "bf16 torch.compile":
+        return torch.compile(model, backend=backend)
+    if config in GRAPHQUANT:
+        return graphquant.compile(model, GRAPHQUANT[config](), backend=backend)
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    # The experts' weights alone: their grouped GEMMs in FP8 rowwise.
+    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)
+    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
+    return torch.compile(model, backend=backend)
+
+
+def configs(requested: list[str] | None) -> list[str]:
+    names = ["bf16 eager", "bf16 torch.compile", *GRAPHQUANT]
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+
+        names.append(TORCHAO)
+    except ImportError as error:
+        print(f"torchao's MoE training does not import ({error}): its row is left out", file=sys.stderr)
+    return [n for n in names if requested is None or n in requested]
+
+
+def cpu_ms(step, reps: int) -> float:
+    """Mean ms of ``reps`` back-to-back steps on the CPU."""
+    begin = time.perf_counter()
+    for _ in range(reps):
+        step()
+    return (time.perf_counter() - begin) * 1e3 / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default=None, help="comma-separated config names (default: all)")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="timed samples a round (CUDA) or steps a sample (CPU)")
+    parser.add_argument("--tiny", action="store_true", help="CPU, small shapes, aot_eager: a check that every config runs")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    shapes = TINY if args.tiny else SHAPES
+    tokens = 64 if args.tiny else args.tokens
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    names = configs(args.configs.split(",") if args.configs else None)
+
+    torch.manual_seed(0)
+    base = MoE(**shapes).to(device)
+    x = torch.randn(tokens, shapes["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    steps, failed, peaks = {}, {}, {}
+    for name in names:
+        try:
+            step = training_step(build(name, base, backend), x, grad)
+            if device.type == "cuda":
+                peaks[name] = warm_peak_gib(step)
+            else:
+                step(); step()  # compile and warm up
+            steps[name] = step
+        except Exception as error:  # a row that says why, and the others still measured
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        print(f"  built {name}", file=sys.stderr, flush=True)
+
+    if device.type == "cuda":
+        ms = alternate(steps, rounds=args.rounds, warmup=1, reps=args.reps)
+    else:
+        ms = {name: statistics.median(cpu_ms(step, args.reps) for _ in range(args.rounds)) for name, step in steps.items()}
+    flops = base.step_flops(tokens)
+    baseline = ms.get("bf16 torch.compile", ms.get("bf16 eager"))
+    rows = []
+    for name in names:
+        if name in failed:
+            rows.append([name, "", "", "", "", failed[name]])
+            continue
+        speedup = f"{baseline / ms[name]:.2f}x" if baseline else ""
+        peak = f"{peaks[name]:.2f}" if name in peaks else ""
+        rows.append([name, f"{ms[name]:.2f}", f"{flops / ms[name] / 1e9:.0f}", speedup, peak, ""])
+    print(
+        f"MoE training step on {device}: {tokens} tokens, {shapes['experts']} experts, top-{shapes['top_k']}, "
+        f"dim {shapes['dim']}, expert hidden {shapes['hidden']}, shared expert {shapes['shared_hidden']}, {backend}"
+    )
+    print(tabulate(rows, headers=["config", "ms/step", "TFLOP/s", "vs bf16 compile", "peak GiB", "failed"], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Row groups (MoE experts) of one tensor, laid out so that every group can be quantized alone.
+
+A grouped tensor's rows belong to groups given by their cumulative ends (``offs``, on the
+device, as torch._grouped_mm takes them). To quantize each group as if it were alone in one pass
+over the whole tensor, the rows are copied into a padded layout where every group starts at a
+multiple of ``block`` rows and is followed by zero rows up to the next multiple: then no scale
+block along the rows spans two groups, and a block that a group fills only partly holds zeros
+where the group has no rows. That is exactly what quantizing the group alone, zero-padded to
+whole blocks, gives (zeros raise no amax; a format that allows partial blocks treats the missing
+rows as zeros too), and empty groups take no rows at all. Quantities a format takes over a whole
+tensor (a per-tensor scale, NVFP4's global amax, a per-column scale) are taken per group
+(``group_amax``).
+
+The padded row count is a static bound, so every shape here is known without reading ``offs``
+on the host: nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from graphquant.formats.fp8 import magnitude_bits
+
+# Rows every group is padded to a multiple of: TE's quantization_alignment, whole blocks of every
+# format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
+GROUP_ROWS = 128
+
+
+class GroupPadding(NamedTuple):
+    """Where the rows of a grouped tensor go in its padded layout.
+
+    position: (rows,) int64, the padded row of each row.
+    row_group: (padded_rows,) int64, the group of each padded row (pad rows: the group they
+        follow; rows after the last group: the last group, all of them zeros).
+    ends: (groups,) int32, the cumulative padded ends of the groups (torch._grouped_mm's offs
+        for the padded layout).
+    """
+
+    position: torch.Tensor
+    row_group: torch.Tensor
+    ends: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        return self.ends.shape[0]
+
+    @property
+    def padded_rows(self) -> int:
+        return self.row_group.shape[0]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, cols) in the padded layout, zeros between the groups: x itself where no
+        group needs padding (as many padded rows as rows: an expert stack of whole blocks)."""
+        if self.padded_rows == self.position.shape[0]:
+            return x
+        return x.new_zeros((self.padded_rows, x.shape[1])).index_copy(0, self.position, x)
+
+
+def padded_bound(rows: int, groups: int, block: int) -> int:
+    """The most rows ``rows`` rows in ``groups`` groups take once each group is padded to
+    ``block`` rows: every group may leave up to block - 1 rows unfilled."""
+    return -(-(rows + groups * (block - 1)) // block) * block
+
+
+def padding(offs: torch.Tensor, rows: int, block: int, padded_rows: int) -> GroupPadding:
+    """The padded layout of ``rows`` rows with cumulative group ends ``offs`` (int, on the
+    device), each group starting at a multiple of ``block``, in ``padded_rows`` rows (at least
+    ``padded_bound``). Vectorised, so ``offs`` stays on the device."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded_sizes = (ends - starts + block - 1) // block * block
+    padded_ends = torch.cumsum(padded_sizes, 0)
+    padded_starts = padded_ends - padded_sizes
+    row = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(ends, row, right=True).clamp_max(offs.shape[0] - 1)
+    position = row - starts[group] + padded_starts[group]
+    padded_row = torch.arange(padded_rows, device=offs.device)
+    row_group = torch.searchsorted(padded_ends, padded_row, right=True).clamp_max(offs.shape[0] - 1)
+    return GroupPadding(position, row_group, padded_ends.to(torch.int32))
+
+
+def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
+    """Fail (asynchronously on a GPU: no host wait) unless ``offs`` is non-decreasing and ends at
+    ``rows``, as torch._grouped_mm requires."""
+    ends = offs.long()
+    ordered = torch.all(ends[1:] >= ends[:-1]) & (ends[0] >= 0) & (ends[-1] == rows)
+    torch._assert_async(ordered, f"{what}: torch._grouped_mm offsets must be non-decreasing and end at the {rows} rows of the input")
+
+
+def group_amax(x: torch.Tensor, row_group: torch.Tensor, groups: int, *, per_column: bool = False) -> torch.Tensor:
+    """max |x| over each group's rows of x (padded_rows, cols), fp32: (groups,), or with
+    ``per_column`` (groups, cols). Exact and NaN-propagating, as ``fp8.tensor_amax`` (a max of
+    magnitude bit patterns); an empty group's amax is 0, as an empty tensor's."""
+    bits = magnitude_bits(x)
+    if per_column:
+        index = row_group[:, None].expand_as(bits)
+        out = bits.new_zeros((groups, x.shape[1]))
+    else:
+        bits, index = bits.amax(1), row_group
+        out = bits.new_zeros(groups)
+    return out.scatter_reduce(0, index, bits, "amax").view(torch.float32)

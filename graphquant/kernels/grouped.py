@@ -1,0 +1,149 @@
+"""The grouped GEMM: every group's product of two grouped representations in one grouped
+kernel, with the group offsets left on the device.
+
+Grouped representations lie in graphquant.formats.groups' padded layout (each group starts at
+a multiple of 128 rows). Two kinds of product:
+
+    tokens x experts (fprop, dgrad)  out[r] = A[r] @ B_g^T for r in group g: A rowwise (rows, k),
+                                     B an expert stack (groups * n', k) rowwise or columnwise
+    tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's rows: both columnwise
+
+Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
+
+Native (backends.NATIVE_GROUPED_GEMM): E4M3 with per-tensor or per-row scales on
+torch._scaled_grouped_mm, fp32 accumulation and the scales in its epilogue.
+
+Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
+format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,
+per-row FP8 scales, NVFP4's global decode), the product is taken of the rest with fp32
+accumulation and the factors are applied to it once: exact up to fp32 accumulation. On a GPU,
+values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP8 blocks, bf16)
+take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
+fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
+host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
+On the CPU every product is torch._grouped_mm's fp32 one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphquant.kernels import backends, emulation
+
+try:
+    from graphquant.kernels import triton_grouped_gemm
+except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which reads the offsets on the host
+    triton_grouped_gemm = None
+from graphquant.quantizers import ROWWISE, Representation, gemm_dims
+
+
+def factored(rep: Representation, row_group: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(values in the logical (rows, cols) orientation, grouped factor) of a grouped representation."""
+    values = emulation.values(rep)
+    return (values.t() if rep.transposed else values), rep.quantizer.grouped_factor(rep, row_group)
+
+
+def dequantize(rep: Representation, row_group: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The logical (rows, cols) values of a grouped representation, as ``dtype``."""
+    values, factor = factored(rep, row_group)
+    values = values.float()
+    if factor is not None:
+        values = values * (factor if rep.direction == ROWWISE else factor[row_group])
+    return values.to(dtype)
+
+
+def _joint(fa: Optional[torch.Tensor], fb: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if fa is None or fb is None:
+        return fb if fa is None else fa
+    return fa * fb
+
+
+def gemm(
+    a: Representation,
+    a_group: torch.Tensor,
+    b: Representation,
+    b_group: torch.Tensor,
+    ends: torch.Tensor,
+    position: torch.Tensor,
+    n: int,
+    out_dtype: torch.dtype,
+    backend: backends.GemmBackend,
+    site: str,
+) -> torch.Tensor:
+    """The grouped product of the module docstring, without the padding: (tokens, n) for tokens
+    x experts, the padded rows at ``position``; (groups, n, k) for tokens x tokens.
+    ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
+    ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
+    rows make (the output columns of fprop, the rows of each wgrad product), padding dropped.
+    ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
+    backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
+    native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, (backends.NATIVE_GROUPED_GEMM,))
+    if native is not None:
+        out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
+    else:
+        out, alpha = _emulated(a, a_group, b, b_group, ends)
+    if a.direction != ROWWISE:
+        # An empty group's product is zeros (some kernels leave it unwritten).
+        empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
+    if alpha is not None:
+        out = out.float() * alpha
+    out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
+    return out.to(out_dtype).contiguous()
+
+
+def _emulated(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(product of the factored values, the factors to apply to it), padded."""
+    va, fa = factored(a, a_group)
+    vb, fb = factored(b, b_group)
+    exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
+    on_gpu = a.data.is_cuda
+    bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's
+    fp32_out = on_gpu and not bf16_product and triton_grouped_gemm is not None
+    bf16_values = bf16_product or (fp32_out and exact_bf16)
+    va, vb = (t.to(torch.bfloat16 if bf16_values else torch.float32) for t in (va, vb))
+    groups = ends.shape[0]
+    if a.direction == ROWWISE:
+        experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
+        experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
+        out = triton_grouped_gemm.tokens_by_experts(va, experts, a_group) if fp32_out else torch._grouped_mm(va, experts, offs=ends)
+        if fb is not None:
+            fb = fb.reshape(groups, -1)[a_group] if b.direction == ROWWISE else fb[a_group]
+        alpha = _joint(fa, fb)
+    else:
+        out = triton_grouped_gemm.tokens_by_tokens(va, vb, ends) if fp32_out else torch._grouped_mm(va.t(), vb, offs=ends)
+        alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
+    return out, alpha
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """t (groups, k, n) with each group's matrix column-major and the groups one after another."""
+    return t if t.stride() == (t.shape[1] * t.shape[2], 1, t.shape[1]) else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _scaled_grouped_mm(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """The product on torch._scaled_grouped_mm (bf16, padded), A row-major and B column-major in
+    their FP8 codes, with one float32 scale per GEMM row of A and per column of B in each group:
+    a per-tensor format's group scale repeated over its rows."""
+    groups = ends.shape[0]
+    fa = a.quantizer.grouped_factor(a, a_group).float()
+    fb = b.quantizer.grouped_factor(b, b_group).float()
+    if a.direction == ROWWISE:  # tokens x experts: A (rows, k), B (groups, k, n)
+        if b.direction == ROWWISE:  # data (groups * n', k): W_g's rows are the output columns
+            mat_b, scale_b = b.data.reshape(groups, -1, b.data.shape[1]).transpose(1, 2), fb.reshape(groups, -1)
+        else:  # transposed data (k_out, groups * n'): W_g^T's columns are the output columns
+            mat_b = b.data.reshape(b.data.shape[0], groups, -1).permute(1, 2, 0)
+            scale_b = fb.expand(groups, mat_b.shape[2])
+        return torch._scaled_grouped_mm(
+            a.data, _column_major(mat_b), fa.reshape(-1).contiguous(), scale_b.contiguous(), offs=ends, out_dtype=torch.bfloat16
+        )
+    # tokens x tokens (wgrad): both columnwise, stored transposed (cols, rows): A^T row-major, B column-major
+    scale_a = fa.expand(groups, a.data.shape[0]).reshape(-1)
+    scale_b = fb.expand(groups, b.data.shape[0]).reshape(-1)
+    return torch._scaled_grouped_mm(a.data, b.data.t(), scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16)

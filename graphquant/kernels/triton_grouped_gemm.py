@@ -1,0 +1,97 @@
+"""The emulated grouped GEMM's product with an fp32 output, on the GPU, one Triton launch.
+
+torch._grouped_mm writes bf16 alone without reading the group offsets on the host; the
+emulated product of a format whose values leave out a per-group or per-row factor (per-tensor
+and per-row FP8, NVFP4) needs fp32, so that the factor applied afterwards rounds once. In the
+padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, so a
+tile of rows lies in one group, and each program reads its group, or its group's bounds, on the
+device. bf16 (or fp32, multiplied as fp32) operands, fp32 accumulation, fp32 output: exact up to
+fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tiles along the grouped rows divide the layout's 128-row alignment.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; fp32 operands multiplied as fp32 (not tf32), so that every product is exact."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tokens_by_experts(
+    a_ptr, b_ptr, out_ptr, row_group_ptr, n, k: tl.constexpr,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[r, :] = A[r, :] @ B[g] for the rows r of one tile, g their group (read once a tile)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.load(row_group_ptr + pid_m * BLOCK_M).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=ks[None, :] < k, other=0.0)
+        b_at = group * stride_bg + ks[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn
+        b = tl.load(b_ptr + b_at, mask=(ks[:, None] < k) & (cols[None, :] < n), other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+    tl.store(out_ptr + rows[:, None] * n + cols[None, :], acc, mask=cols[None, :] < n)
+
+
+@triton.jit
+def _tokens_by_tokens(
+    a_ptr, b_ptr, out_ptr, ends_ptr, m, n,
+    stride_ar, stride_am, stride_br, stride_bn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[g] = A_g^T B_g over group g's rows (bounds read on the device); an empty group's is 0."""
+    group, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    end = tl.load(ends_ptr + group).to(tl.int64)
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    r = start
+    while r < end:  # group bounds are multiples of BLOCK_K
+        rs = r + tl.arange(0, BLOCK_K).to(tl.int64)
+        a = tl.load(a_ptr + rs[None, :] * stride_ar + ms[:, None] * stride_am, mask=ms[:, None] < m, other=0.0)
+        b = tl.load(b_ptr + rs[:, None] * stride_br + ns[None, :] * stride_bn, mask=ns[None, :] < n, other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        r += BLOCK_K
+    out_at = group.to(tl.int64) * m * n + ms[:, None] * n + ns[None, :]
+    tl.store(out_ptr + out_at, acc, mask=(ms[:, None] < m) & (ns[None, :] < n))
+
+
+def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
+    """fp32 (rows, n): a (rows, k) times experts[g] (groups, k, n) for the rows of group g."""
+    rows, k = a.shape
+    n = experts.shape[2]
+    out = torch.empty((rows, n), dtype=torch.float32, device=a.device)
+    grid = (rows // BLOCK_M, triton.cdiv(n, BLOCK_N))
+    _tokens_by_experts[grid](
+        a, experts, out, row_group, n, k, *a.stride(), *experts.stride(),
+        IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return out
+
+
+def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """fp32 (groups, m, n): a (rows, m) and b (rows, n) reduced over each group's rows (ends)."""
+    m, n = a.shape[1], b.shape[1]
+    groups = ends.shape[0]
+    out = torch.empty((groups, m, n), dtype=torch.float32, device=a.device)
+    grid = (groups, triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _tokens_by_tokens[grid](
+        a, b, out, ends, m, n, *a.stride(), *b.stride(), IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K
+    )
+    return out
