@@ -37,11 +37,12 @@ class CustomRecipe:
     fp8_dpa: quantize attention too: every F.scaled_dot_product_attention becomes a ``dpa`` site
         whose roles (qkv, s, do, dp and the hint-only dpa_output / dpa_grad_input) the factory is
         asked for (TE's fp8_dpa). False leaves attention in high precision and asks for no dpa role.
-    narrow_outputs_in_high_precision: a GEMM site with fewer output features than one block of
-        its formats, which only that keeps from tiling them (an MoE router's 8 experts under
-        MXFP8), runs in high precision, with the reason in the plan, instead of failing the
-        compile. The built-in recipes (presets and zoo) set it; a factory of your own decides per
-        slot, so there it stays an error.
+    small_gemms_in_high_precision: a GEMM site with fewer output features or a shorter reduction
+        than one block of its formats, which only that keeps from tiling them (an MoE router's 8
+        experts under MXFP8, a rotary embedding's outer product of frequencies and positions),
+        runs in high precision, with the reason in the plan, instead of failing the compile. The
+        built-in recipes (presets and zoo) set it; a factory of your own decides per slot, so
+        there it stays an error.
     """
 
     qfactory: QuantizerFactory
@@ -49,7 +50,7 @@ class CustomRecipe:
     amax_reduction_group: object = dataclasses.field(default=None, compare=False)
     fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION
     fp8_dpa: bool = False
-    narrow_outputs_in_high_precision: bool = False
+    small_gemms_in_high_precision: bool = False
 
     def __post_init__(self) -> None:
         if self.qfactory is None or not callable(self.qfactory):
@@ -88,28 +89,28 @@ def delayed_scaling(*, margin: int = 0, amax_history_len: int = 1024, amax_compu
             amax_history_len=amax_history_len,
             amax_compute_algo=amax_compute_algo,
         ),
-        narrow_outputs_in_high_precision=True,
+        small_gemms_in_high_precision=True,
     )
 
 
 def current_scaling() -> CustomRecipe:
     """TE's Float8CurrentScaling: per-tensor FP8 from this tensor's amax, E5M2 for gradients."""
-    return CustomRecipe(factories.current_scaling_factory, narrow_outputs_in_high_precision=True)
+    return CustomRecipe(factories.current_scaling_factory, small_gemms_in_high_precision=True)
 
 
 def mxfp8_block_scaling() -> CustomRecipe:
     """TE's MXFP8BlockScaling: MXFP8 (E4M3, 1x32 / 32x1 blocks) for every tensor."""
-    return CustomRecipe(factories.mxfp8_factory, narrow_outputs_in_high_precision=True)
+    return CustomRecipe(factories.mxfp8_factory, small_gemms_in_high_precision=True)
 
 
 def float8_block_scaling() -> CustomRecipe:
     """TE's Float8BlockScaling: 1x128 blocks for activations and gradients, 128x128 for weights."""
-    return CustomRecipe(factories.float8_block_scaling_factory, narrow_outputs_in_high_precision=True)
+    return CustomRecipe(factories.float8_block_scaling_factory, small_gemms_in_high_precision=True)
 
 
 def nvfp4_block_scaling() -> CustomRecipe:
     """TE's NVFP4BlockScaling: 2D weights; RHT on the wgrad side; stochastic rounding for gradients."""
-    return CustomRecipe(factories.nvfp4_factory, narrow_outputs_in_high_precision=True)
+    return CustomRecipe(factories.nvfp4_factory, small_gemms_in_high_precision=True)
 
 
 PRESETS = {

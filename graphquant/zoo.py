@@ -242,4 +242,4 @@ def recipe(name: str) -> CustomRecipe:
         close = difflib.get_close_matches(name, [*FACTORIES, *recipes.PRESETS], n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown zoo recipe {name!r}; {hint}known: {', '.join(FACTORIES)} (and the presets of graphquant.recipes: {', '.join(recipes.PRESETS)})")
-    return CustomRecipe(FACTORIES[name], fp8_dpa=name in FP8_DPA, narrow_outputs_in_high_precision=True)
+    return CustomRecipe(FACTORIES[name], fp8_dpa=name in FP8_DPA, small_gemms_in_high_precision=True)

@@ -32,9 +32,9 @@ from graphquant.quantizers import (
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
 
-# Output features below the largest block of any format (FP8 block's 128): too few to tile, for
-# CustomRecipe.narrow_outputs_in_high_precision.
-NARROW = 128
+# Output features or a reduction below the largest block of any format (FP8 block's 128): too
+# few to tile, for CustomRecipe.small_gemms_in_high_precision.
+SMALL = 128
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
 GEMMS = (
@@ -219,7 +219,7 @@ class Planner:
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device, k)
+                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast)
                 else:
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast)
                 if untileable:
@@ -317,29 +317,37 @@ class Planner:
 
     def _untileable(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
         """Why the site runs in high precision although the factory quantized it ("" if it does
-        not): only its few output features keep it from tiling the formats' blocks and the recipe
-        keeps such sites in high precision (CustomRecipe.narrow_outputs_in_high_precision);
-        any other shape that does not tile is the error it was."""
+        not): only its few output features or its short reduction keep it from tiling the
+        formats' blocks and the recipe keeps such sites in high precision
+        (CustomRecipe.small_gemms_in_high_precision); any other shape that does not tile is the
+        error it was."""
         try:
             self._check_shapes(site, quantizers, training)
         except PlanError:
-            if not (self.recipe.narrow_outputs_in_high_precision and self._only_narrow(site, quantizers, training)):
+            small = self._small_dims(site, quantizers, training) if self.recipe.small_gemms_in_high_precision else ""
+            if not small:
                 raise
             formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
-            return f"in high precision: its {site.w_shape[1]} output features tile no block of the recipe's formats ({formats})"
+            return f"in high precision: its {small} tile no block of the recipe's formats ({formats})"
         return ""
 
-    def _only_narrow(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> bool:
-        """Whether the site has fewer output features than the largest block (128) and would
-        tile every format with 128 of them."""
+    def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
+        """The site's dims below the largest block (SMALL), as words, where with SMALL in their
+        place it would tile every format; "" otherwise."""
         batch, n, k = site.w_sizes
-        if not isinstance(n, int) or n >= NARROW:
-            return False
+        small = {"n": isinstance(n, int) and n < SMALL, "k": isinstance(k, int) and k < SMALL}
+        if not any(small.values()):
+            return ""
+        widened = (batch, SMALL if small["n"] else n, SMALL if small["k"] else k)
+        x_batch, m, _ = site.x_sizes
         try:
-            self._check_shapes(dataclasses.replace(site, w_sizes=(batch, NARROW, k)), quantizers, training)
+            self._check_shapes(
+                dataclasses.replace(site, w_sizes=widened, x_sizes=(x_batch, m, widened[2])), quantizers, training
+            )
         except (PlanError, ValueError):
-            return False
-        return True
+            return ""
+        words = [f"{n} output features" if small["n"] else "", f"{k}-long reduction" if small["k"] else ""]
+        return " and ".join(w for w in words if w)
 
     def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
         """Each tensor the site quantizes must tile the block of every direction it is made in.

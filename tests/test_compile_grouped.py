@@ -8,6 +8,7 @@ bfloat16 on CPU (its meta function requires it), so results are bfloat16.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -189,15 +190,40 @@ def test_grouped_training_step_does_not_synchronise_on_gpu(name):
     assert torch.isfinite(x.grad).all() and torch.isfinite(model.moe.experts.grad).all()
 
 
+def fast_everywhere(recipe: CustomRecipe) -> CustomRecipe:
+    """``recipe`` with every GEMM allowed to sum in the tensor cores' accumulator, which
+    torch._scaled_grouped_mm always does."""
+    return dataclasses.replace(recipe, fast_accumulation=("fprop", "dgrad", "wgrad"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_native_fp8_grouped_gemms_match_per_group_reference_on_gpu(name):
-    """torch._scaled_grouped_mm for E4M3 per-row (all three GEMMs) and per-tensor (fprop; the
-    E5M2 gradients stay emulated) grouped GEMMs, against each expert quantized alone in float64,
-    ragged and empty groups included."""
-    compiled = run_against_reference(RECIPES[name](), Model().cuda(), inputs().cuda())
-    native = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}}[name]
-    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name):
+    """With every GEMM's sums kept in fp32 the grouped GEMMs run emulated on the GPU too, and match
+    each expert quantized alone in float64, ragged and empty groups included."""
+    recipe = dataclasses.replace(RECIPES[name](), fast_accumulation=())
+    compiled = run_against_reference(recipe, Model().cuda(), inputs().cuda())
+    assert {g.backend.name for g in compiled.graphquant.plan.gemms} == {backends.EMULATION}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rowwise", "current"])
+def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(name):
+    """torch._scaled_grouped_mm for E4M3 per-row (all three GEMMs) and per-tensor (fprop; the E5M2
+    gradients stay emulated) grouped GEMMs where the recipe lets them accumulate fast: the step
+    equals the promoted, emulated one to within fast accumulation's error (no element bound is
+    claimed for it; a wrong layout or scale misses this by orders of magnitude)."""
+    model, x = Model().cuda(), inputs().cuda()
+    promoted, fast = (copy.deepcopy(model) for _ in range(2))
+    compiled = graphquant.compile(fast, fast_everywhere(RECIPES[name]()), backend="aot_eager", fullgraph=True)
+    actual = forward_backward(compiled, fast, x)
+    expected = forward_backward(
+        graphquant.compile(promoted, dataclasses.replace(RECIPES[name](), fast_accumulation=()), backend="aot_eager", fullgraph=True), promoted, x
+    )
+    for key, value in expected.items():
+        error = (actual[key].double() - value.double()).norm() / value.double().norm()
+        assert error < 2**-8, f"{key}: relative error {error:.2e}"
+    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == NATIVE_ON_HOPPER[name]
 
 
 def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None):
@@ -227,7 +253,8 @@ def scaled_grouped_mm_here(monkeypatch, fake_capability):
     return fake_capability
 
 
-# The GEMMs of Model() that torch._scaled_grouped_mm runs on sm90 and sm100 (E4M3 on both sides).
+# The GEMMs of Model() that torch._scaled_grouped_mm runs on sm90 and sm100 (E4M3 on both sides)
+# under a recipe that lets them accumulate fast.
 NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "mxfp8": set()}
 
 
@@ -237,7 +264,7 @@ def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, scale
     checks of its arguments, on a faked sm90; the training step then matches the per-group
     reference as the emulated one does (up to the native GEMM's bf16 output)."""
     scaled_grouped_mm_here((9, 0))
-    compiled = run_against_reference(RECIPES[name](), Model(), inputs())
+    compiled = run_against_reference(fast_everywhere(RECIPES[name]()), Model(), inputs())
     native = NATIVE_ON_HOPPER[name]
     assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
 
@@ -261,7 +288,7 @@ def grouped_runs(monkeypatch):
         ran[current[-1]] = what
 
     def native_run(*args):
-        record(GemmBackend(backends.SCALED_GROUPED_MM))
+        record(GemmBackend(backends.SCALED_GROUPED_MM, fast_accumulation=True))
         return scaled(*args)
 
     def emulated_run(*args):
@@ -283,16 +310,16 @@ def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, scaled_g
     """A grouped site's fprop, dgrad and wgrad each run on the backend of its plan row, which the
     graph carries in the site's Site, on every capability."""
     scaled_grouped_mm_here(sm)
-    plan = _grouped_step_runs_as_planned(Model(), inputs(), RECIPES[name](), grouped_runs)
+    plan = _grouped_step_runs_as_planned(Model(), inputs(), fast_everywhere(RECIPES[name]()), grouped_runs)
     native = NATIVE_ON_HOPPER[name] if sm in ((9, 0), (10, 0)) else set()
-    assert {row[2] for row in plan.rows() if row[5] == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm for g in plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
 def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(name, grouped_runs):
     """The same on the GPU, with torch._scaled_grouped_mm itself."""
-    plan = _grouped_step_runs_as_planned(Model().cuda(), inputs().cuda(), RECIPES[name](), grouped_runs)
+    plan = _grouped_step_runs_as_planned(Model().cuda(), inputs().cuda(), fast_everywhere(RECIPES[name]()), grouped_runs)
     native = NATIVE_ON_HOPPER[name] if torch.cuda.get_device_capability()[0] in (9, 10) else set()
     assert {g.gemm for g in plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
 
@@ -314,16 +341,16 @@ def test_a_grouped_call_its_backend_cannot_run_fails_naming_site_shape_format_an
     """graphquant::grouped_gemm runs the plan's backend or fails: never another backend."""
     spec = Float8RowwiseQuantizer().spec
     x, w, offs = inputs(), Model().moe.experts.detach(), offsets()
-    native = GemmBackend(backends.SCALED_GROUPED_MM)
+    native = GemmBackend(backends.SCALED_GROUPED_MM, fast_accumulation=True)
     scaled_grouped_mm_here(None)
-    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise, .*: it does not run on cpu"):
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise \(fast accumulation\), .*: it does not run on cpu"):
         quantized_grouped_mm(x, w, offs, site=_grouped_site(native, spec))
     scaled_grouped_mm_here((9, 0))
     with pytest.raises(GemmMismatch, match=r"moe#0 fprop: .*\(640, 512, 24\), .*needs m, n, k multiples of 16"):
         quantized_grouped_mm(x[:, :24].contiguous(), w[:, :24].contiguous(), offs, site=_grouped_site(native, spec))
     with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose cublaslt fp8 rowwise, but this call runs torch._scaled_grouped_mm"):
         quantized_grouped_mm(x, w, offs, site=_grouped_site(GemmBackend(scaled_mm.ROWWISE_SCALED), spec))
-    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise, but this call runs (.*, )?cublaslt fp8 tensorwise"):
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise \(fast accumulation\), but this call runs (.*, )?cublaslt fp8 tensorwise"):
         quantized_linear(torch.randn(32, 64), torch.randn(32, 64), site=_grouped_site(native, spec))
 
 
@@ -512,9 +539,9 @@ def chain_input(device):
 
 
 def experts_quantized(recipe):
-    """``recipe`` on the grouped GEMMs; the router in high precision (its 8 outputs tile no
-    32-row MXFP8 block)."""
-    return CustomRecipe(lambda role: recipe.qfactory(role) if role.module_type == "grouped_linear" else IdentityQuantizer())
+    """``recipe`` on the grouped GEMMs, every sum in fp32 (so that each GEMM meets the reference's
+    bound); the router in high precision (its 8 outputs tile no 32-row MXFP8 block)."""
+    return CustomRecipe(lambda role: recipe.qfactory(role) if role.module_type == "grouped_linear" else IdentityQuantizer(), fast_accumulation=())
 
 
 CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipes.mxfp8_block_scaling}
@@ -537,11 +564,7 @@ def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, 
     tape.assert_all_taken()
     assert_same_results(eager_graph, expected, what="aot_eager: ")
     grouped = [(g.site, g.gemm, g.bucket) for g in compiled.graphquant.plan.gemms if g.module_type == "grouped_linear"]
-    # Hopper's torch._scaled_grouped_mm takes tensorwise's E4M3 fprop, not its E5M2 grad_output.
-    native = {"fprop"} if device == "cuda" and name == "tensorwise" else set()
-    assert grouped == [
-        (f"grouped_linear.{i}#0", gemm, "native" if gemm in native else "emulated") for i in (0, 1) for gemm in ("fprop", "dgrad", "wgrad")
-    ]
+    assert grouped == [(f"grouped_linear.{i}#0", gemm, "emulated") for i in (0, 1) for gemm in ("fprop", "dgrad", "wgrad")]
 
     torch._dynamo.reset()
     inductor = graphquant.compile(inductor_model, recipe, fullgraph=True)  # backend="inductor"

@@ -317,3 +317,36 @@ def test_a_graph_break_inside_a_block_keeps_names_and_formats_per_block():
     assert formats[True][("layers.0.fc2#0", "fprop")] == (fp8, fp8)
     assert formats[True][("layers.1.fc2#0", "fprop")] == (high, high)
     assert_same_results(results[True], results[False], slack=0)
+
+
+class RotaryLinear(torch.nn.Module):
+    """A rotary embedding's angles, frequencies times positions (an outer product: a matmul whose
+    reduction is 1 long, as transformers' Llama computes them), then a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))
+        self.proj = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], dtype=torch.float32)
+        angles = (self.inv_freq[None, :, None] @ positions[None, None, :]).transpose(1, 2)
+        return self.proj(x * torch.cat((angles, angles), -1).cos().to(x.dtype))
+
+
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling])
+def test_built_in_recipes_keep_a_short_reduction_in_high_precision_with_the_reason(recipe):
+    """The rotary outer product tiles no block along its 1-long reduction: the built-in recipes
+    run it in high precision and say why; a factory of the user's own still fails on it."""
+    model, x = RotaryLinear(), torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    compiled = graphquant.compile(model, recipe(), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(x)
+    rotary = [g for g in compiled.graphquant.plan.gemms if g.module_type == "matmul"]
+    assert rotary and all(g.backend.name == "high-precision matmul" for g in rotary)
+    assert all("1-long reduction tile no block of the recipe's formats" in g.reason for g in rotary), rotary
+    torch._dynamo.reset()
+    own = graphquant.compile(RotaryLinear(), CustomRecipe(recipe().qfactory), backend="aot_eager", fullgraph=True)
+    with pytest.raises(graphquant.PlanError, match=r"\(matmul\) .*multiple of"):
+        with torch.no_grad():
+            own(x)

@@ -195,7 +195,9 @@ NATIVE_GEMMS = (
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
 # with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
 # The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
-# and k only x's columns can miss its multiple of 16.
+# and k only x's columns can miss its multiple of 16. Its Hopper kernel sums in the tensor cores'
+# accumulator, never promoted to fp32 (on the H200 its fprop missed the fp32-accumulation bound in
+# 0.5% of the outputs), so it serves only the GEMMs a recipe lets accumulate fast.
 _ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
 NATIVE_GROUPED_GEMM = NativeGemm(
     "torch._scaled_grouped_mm fp8 rowwise",
@@ -203,6 +205,7 @@ NATIVE_GROUPED_GEMM = NativeGemm(
     BOTH_E4M3,
     16,
     lambda sm: sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"),
+    fast_accumulation=True,
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
 NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, NATIVE_GROUPED_GEMM)}
@@ -229,12 +232,12 @@ _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 
 def select_grouped(
-    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any
+    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
     unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on
-    NATIVE_GROUPED_GEMM where it multiplies the pair on ``device``; otherwise emulated, one
-    grouped product."""
+    NATIVE_GROUPED_GEMM where it multiplies the pair on ``device`` and the recipe lets this GEMM
+    accumulate fast (``fast_accumulation``); otherwise emulated, one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
         return selection
@@ -248,8 +251,10 @@ def select_grouped(
         reason = f"{native.backend} does not run on sm_{sm[0]}{sm[1]}"
     elif k is not None and k % native.multiple != 0:
         reason = f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}"
+    elif not fast_accumulation:
+        reason = f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 (CustomRecipe.fast_accumulation)"
     else:
-        return Selection(NATIVE, GemmBackend(native.backend))
+        return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation=True))
     if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
     return Selection(EMULATED, GemmBackend(EMULATION), reason)
