@@ -37,9 +37,10 @@ class CustomRecipe:
     fp8_dpa: quantize attention too: every F.scaled_dot_product_attention becomes a ``dpa`` site
         whose roles (qkv, s, do, dp and the hint-only dpa_output / dpa_grad_input) the factory is
         asked for (TE's fp8_dpa). False leaves attention in high precision and asks for no dpa role.
-    small_gemms_in_high_precision: a GEMM site with fewer output features or a shorter reduction
-        than one block of its formats, which only that keeps from tiling them (an MoE router's 8
-        experts under MXFP8, a rotary embedding's outer product of frequencies and positions),
+    small_gemms_in_high_precision: a GEMM site with fewer than 128 output features or a
+        reduction shorter than 16, which only that keeps from tiling its formats' blocks (an MoE
+        router's 8 experts under MXFP8, a rotary embedding's outer product of frequencies and
+        positions),
         runs in high precision, with the reason in the plan, instead of failing the compile. The
         built-in recipes (presets and zoo) set it; a factory of your own decides per slot, so
         there it stays an error.

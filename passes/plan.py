@@ -32,9 +32,11 @@ from graphquant.quantizers import (
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
 
-# Output features or a reduction below the largest block of any format (FP8 block's 128): too
-# few to tile, for CustomRecipe.small_gemms_in_high_precision.
-SMALL = 128
+# For CustomRecipe.small_gemms_in_high_precision: output features below the largest block of any
+# format (FP8 block's 128), and a reduction below the smallest (NVFP4's 16), which no model
+# quantizes for speed (a router's experts, a rotary embedding's outer product).
+FEW_OUTPUTS = 128
+SHORT_REDUCTION = 16
 
 # (GEMM, operand a, operand b) with each operand as (tensor slot index, direction).
 GEMMS = (
@@ -332,13 +334,14 @@ class Planner:
         return ""
 
     def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
-        """The site's dims below the largest block (SMALL), as words, where with SMALL in their
-        place it would tile every format; "" otherwise."""
+        """The site's few output features (below FEW_OUTPUTS) and short reduction (below
+        SHORT_REDUCTION), as words, where with 128 of each it would tile every format; ""
+        otherwise."""
         batch, n, k = site.w_sizes
-        small = {"n": isinstance(n, int) and n < SMALL, "k": isinstance(k, int) and k < SMALL}
+        small = {"n": isinstance(n, int) and n < FEW_OUTPUTS, "k": isinstance(k, int) and k < SHORT_REDUCTION}
         if not any(small.values()):
             return ""
-        widened = (batch, SMALL if small["n"] else n, SMALL if small["k"] else k)
+        widened = (batch, 128 if small["n"] else n, 128 if small["k"] else k)
         x_batch, m, _ = site.x_sizes
         try:
             self._check_shapes(
