@@ -7,12 +7,8 @@ on importing graphquant), so that a quantize traced into a graph keeps each divi
 
 from graphquant.quantizers.base import (
     COLUMNWISE,
-    GEMM_FAMILIES,
     ROWWISE,
-    SCALINGS,
     STREAMS_PER_STEP,
-    GemmInput,
-    KernelEncoding,
     QuantizeContext,
     QuantizedTensor,
     Quantizer,
@@ -23,6 +19,7 @@ from graphquant.quantizers.base import (
     quantizer_classes,
 )
 from graphquant.quantizers.block import Float8BlockQuantizer
+from graphquant.quantizers.descriptions import GEMM_FAMILIES, SCALINGS, GemmInput, KernelEncoding
 from graphquant.quantizers.float8 import (
     DelayedScalingRequest,
     Float8CurrentScalingQuantizer,

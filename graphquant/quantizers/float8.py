@@ -9,7 +9,8 @@ import torch
 
 from graphquant.formats import fp8, per_tensor
 from graphquant.formats.groups import group_amax
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
 # The tensor types of backward slots, which HYBRID gives E5M2.

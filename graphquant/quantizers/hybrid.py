@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
 from graphquant.quantizers.float8 import DelayedScalingRequest, Float8DelayedScalingQuantizer
 
 COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")

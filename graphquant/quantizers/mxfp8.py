@@ -7,7 +7,8 @@ import dataclasses
 import torch
 
 from graphquant.formats import mxfp8
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 BLOCK_LEN = mxfp8.BLOCK_LEN

@@ -8,7 +8,8 @@ import torch
 
 from graphquant.formats import block, fp8
 from graphquant.formats.groups import group_amax
-from graphquant.quantizers.base import COLUMNWISE, ROWWISE, GemmInput, KernelEncoding, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
 from graphquant.quantizers.float8 import normalize_fp8_dtype
 
 
