@@ -9,7 +9,7 @@ carrying the meta of the chain's last product (so it keeps its owner)::
 
     s = q @ k.transpose(-2, -1)        torch.matmul, operator.matmul or Tensor.matmul
     s = s * c   or   s = s / c         optional, c a Python number: scale=c or 1/c (else 1.0)
-    s = s + mask                       optional, a float mask of q's dtype: attn_mask=mask
+    s = s + mask                       optional, a fixed float mask of q's dtype: attn_mask=mask
       or s.masked_fill(m, -inf)        optional, m a bool mask: attn_mask=~m
     s = s.to(torch.float32)            optional
     p = softmax(s, dim=-1)             F.softmax, torch.softmax or Tensor.softmax, dtype None or float32
@@ -80,13 +80,14 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         steps.append(scores)
         scores = _input(scores)
     steps.reverse()
-    after, out = [], _single_user(softmax)
-    while out is not None and (_is_cast(out) or _is_dropout(out)):
-        after.append(out)
-        out = _single_user(out)
-    if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None or not _is_matmul(out):
+    after, probs = [], softmax
+    while len(probs.users) == 1 and (_is_cast(_user(probs)) or _is_dropout(_user(probs))):
+        probs = _user(probs)
+        after.append(probs)
+    out = next((user for user in probs.users if _is_matmul(user)), None)
+    if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None:
         return None
-    if out.args[0] is not (after[-1] if after else softmax):
+    if out.args[0] is not probs:
         return "the probabilities are the right operand of the second matmul"
     kinds = [_step(s) for s in steps]
     if kinds != sorted(kinds, key=_ORDER.index) or len(set(kinds)) != len(kinds):
@@ -229,8 +230,8 @@ def _transposed_key(node: object) -> Optional[fx.Node]:
     return k if isinstance(k, fx.Node) and {d % 4 if isinstance(d, int) else d for d in dims} == {2, 3} else None
 
 
-def _single_user(node: fx.Node) -> Optional[fx.Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+def _user(node: fx.Node) -> fx.Node:
+    return next(iter(node.users))
 
 
 def _value(node: object) -> Optional[torch.Tensor]:

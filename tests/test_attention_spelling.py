@@ -19,8 +19,10 @@ HEADS, LENGTH, DIM = 2, 32, 16
 
 class Attention(torch.nn.Module):
     """q, k, v projections of x (batch, length, heads * dim) and causal attention over them, the
-    products spelled as ``spelling`` says: "sdpa", or transformers' eager_attention_forward
-    ("eager"); the others are near-matches that are not attention as sdpa computes it."""
+    products spelled as ``spelling`` says: "sdpa" (an additive mask) or "sdpa_bool" (a bool mask
+    of the positions attended), transformers' eager_attention_forward ("eager"), or "masked_fill"
+    (a scale divided out, the bool mask filled with -inf, Tensor.softmax, the @ operator); the
+    others are near-matches that are not attention as sdpa computes it."""
 
     def __init__(self, spelling: str):
         super().__init__()
@@ -31,8 +33,11 @@ class Attention(torch.nn.Module):
     def forward(self, x, mask):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
-        if self.spelling == "sdpa":
+        if self.spelling in ("sdpa", "sdpa_bool"):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        if self.spelling == "masked_fill":
+            scores = (q @ k.transpose(-1, -2)) / DIM**0.5
+            return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         scores = torch.matmul(q, k.transpose(2, 3))
         if self.spelling == "tensor_scale":
             scores = scores * self.temperature
@@ -44,6 +49,8 @@ class Attention(torch.nn.Module):
         out = torch.matmul(probs, v)
         if self.spelling == "scores_twice":
             return out + scores.mean()
+        if self.spelling == "probs_twice":
+            return out, probs
         return out
 
 
@@ -51,8 +58,9 @@ def _causal_mask():
     return torch.full((LENGTH, LENGTH), -math.inf).triu(1)[None, None]
 
 
-def _inputs():
-    return torch.randn(2, LENGTH, HEADS * DIM, generator=torch.Generator().manual_seed(1)), _causal_mask()
+def _inputs(bool_mask=False):
+    mask = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril() if bool_mask else _causal_mask()
+    return torch.randn(2, LENGTH, HEADS * DIM, generator=torch.Generator().manual_seed(1)), mask
 
 
 def _rows(plan):
@@ -67,30 +75,33 @@ def _seeded(spelling):
 RECIPE = CustomRecipe(current_dpa_factory, fp8_dpa=True)
 
 
-def test_eager_spelling_is_the_sdpa_site_bit_for_bit():
+@pytest.mark.parametrize("spelling, sdpa", [("eager", "sdpa"), ("masked_fill", "sdpa_bool")])
+def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     """transformers' eager spelling (matmul, * scaling, + mask, softmax in float32 and back,
-    dropout 0, matmul) plans and trains as the same module written with sdpa."""
-    x, mask = _inputs()
+    dropout 0, matmul), and one with / and masked_fill, plan and train as the same module written
+    with sdpa: one dpa site named after its owner (here the compiled module itself)."""
+    x, mask = _inputs(bool_mask=sdpa == "sdpa_bool")
     plans, results = {}, {}
-    for spelling in ("eager", "sdpa"):
-        model = _seeded(spelling)
-        plans[spelling] = graphquant.explain(model, RECIPE, x, mask)
+    for name in (spelling, sdpa):
+        model = _seeded(name)
+        plans[name] = graphquant.explain(model, RECIPE, x, mask)
         compiled = graphquant.compile(model, RECIPE, backend="aot_eager")
         xs = x.clone().requires_grad_()
         out = compiled(xs, mask)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
-        results[spelling] = (out, xs.grad, model.qkv.weight.grad)
-    assert [r for r in _rows(plans["eager"]) if r[1] == "dpa"] == [r for r in _rows(plans["sdpa"]) if r[1] == "dpa"]
-    assert _rows(plans["eager"]) == _rows(plans["sdpa"])
-    assert "matmul" not in {g.module_type for g in plans["eager"].gemms}
-    for a, b in zip(results["eager"], results["sdpa"]):
+        results[name] = (out, xs.grad, model.qkv.weight.grad)
+    assert _rows(plans[spelling]) == _rows(plans[sdpa])
+    assert {g.site for g in plans[spelling].gemms if g.module_type == "dpa"} == {"dpa#0"}
+    assert "matmul" not in {g.module_type for g in plans[spelling].gemms} and not plans[spelling].skipped
+    for a, b in zip(results[spelling], results[sdpa]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("spelling, reason", [
     ("other_dim", "softmax over dim 1, not the last"),
     ("tensor_scale", "the scores are scaled by the tensor l_self_parameters_temperature_, not a nonzero constant"),
-    ("scores_twice", "has 2 users"),
+    ("scores_twice", "scores_2 has 2 users"),
+    ("probs_twice", "probs_1 has 2 users"),
 ])
 def test_near_matches_stay_matmul_sites_and_say_why(spelling, reason):
     x, mask = _inputs()
