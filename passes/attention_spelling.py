@@ -20,8 +20,8 @@ carrying the meta of the chain's last product (so it keeps its owner)::
 A softmax between two matmuls that is not of this form is left as it is (its matmuls stay
 matmul sites) and carries ``"graphquant_skip"`` saying why, for the plan's "not quantized" list.
 Grouped-query attention spelled with repeat_kv (k and v expanded to the query heads before the
-products) folds as multi-head attention over the repeated k and v: exact, but it quantizes the
-repeated copies.
+products) folds as multi-head attention over the repeated k and v: the same attention, but it
+quantizes and keeps the repeated copies.
 """
 
 from __future__ import annotations
