@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import fx
 
+from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
 from graphquant import distributed, user_stack
@@ -141,6 +142,8 @@ class GraphquantBackend:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
         frame = self._frame(gm, example_inputs)
+        if self.planner.recipe.fp8_dpa:
+            fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame)
         attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
