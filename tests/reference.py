@@ -23,6 +23,8 @@ graphquant.passes.plan or graphquant.compiler. It re-derives, from the design do
 - torch._grouped_mm(x (T, K), w (E, K, N), offs) is ``grouped_linear`` (input, weight,
   grad_output), named like a matmul: expert g's rows x[offs[g-1]:offs[g]] and W_g = w[g]^T
   (N, K) are one linear's GEMMs, every group's operands quantized alone (TE's GroupedLinear);
+  where one of the site's formats rounds stochastically, each group's tensors are quantized as
+  their part of the op's padded layout (graphquant.ops.grouped), whose shape the draws depend on;
 - the compiler's state contracts, which a reference must share to reproduce its bits:
   * stochastic rounding: a forward call is step s = 1, 2, ... (its backward uses the same
     step); quantizing tensor t (0 input, 1 weight/other, 2 grad_output) of the i-th GEMM of the
@@ -330,16 +332,22 @@ class RefGroupedGemm(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         bounds = [0] + offs.tolist()
         rows = list(zip(bounds, bounds[1:]))
-        block = site.row_block()
-        xq = [_quantize_group(site, 0, x[a:b], block, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,)) for a, b in rows]
-        wq = [_quantize_group(site, 1, w[g].t(), block, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)) for g in range(len(rows))]
-        dtype = torch.promote_types(x.dtype, w.dtype)
         n = w.shape[2]
+        parts = _GroupParts.of(site, [b - a for a, b in rows], n)
+        xq = [
+            _quantize_group(site, 0, x[a:b], part, x.shape[1], (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,))
+            for (a, b), part in zip(rows, parts.token_rows)
+        ]
+        wq = [
+            _quantize_group(site, 1, w[g].t(), parts.weight_rows, w.shape[1], (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,))
+            for g in range(len(rows))
+        ]
+        dtype = torch.promote_types(x.dtype, w.dtype)
         pairs = [(xg[ROWWISE][: b - a], wg[ROWWISE][:n].t()) for (a, b), xg, wg in zip(rows, xq, wq)]
         y = _grouped_gemm64(pairs, False, dtype, "fprop", site)
         site.reference.operands.append((f"{site.name}#{site.call}", x.detach(), w.detach()))
         # Eager only: the columnwise operands stay on ctx as lists, one tensor per group.
-        ctx.site, ctx.rows, ctx.dtypes, ctx.block, ctx.n = site, rows, (x.dtype, w.dtype), block, n
+        ctx.site, ctx.rows, ctx.dtypes, ctx.parts, ctx.n = site, rows, (x.dtype, w.dtype), parts, n
         ctx.x_col, ctx.w_col = [q.get(COLUMNWISE) for q in xq], [q.get(COLUMNWISE) for q in wq]
         return y.to(dtype)
 
@@ -347,7 +355,11 @@ class RefGroupedGemm(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
-        gq = [_quantize_group(ctx.site, 2, dy[a:b], ctx.block, directions) for a, b in ctx.rows]
+        parts = ctx.parts
+        gq = [
+            _quantize_group(ctx.site, 2, dy[a:b], part, parts.grad_cols, directions)
+            for (a, b), part in zip(ctx.rows, parts.token_rows)
+        ]
         dx = dw = None
         x_dtype, w_dtype = ctx.dtypes
         if need_dx:
@@ -359,12 +371,50 @@ class RefGroupedGemm(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _quantize_group(site: RefSite, t: int, x: torch.Tensor, block: int, directions: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """``site.quantize`` of one group's rows, zero-padded to a multiple of ``block`` rows; an
-    empty group has no values to quantize (its products are empty, or zero)."""
+# graphquant.ops.grouped's padded layout: every group starts at a multiple of this many rows.
+OP_GROUP_ROWS = 128
+
+
+def _whole(size: int, block: int) -> int:
+    return -(-size // block) * block
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupParts:
+    """The zero-padded shape each group's tensors are quantized in: the rows of each group of
+    tokens (x, grad_output), of each W_g, and grad_output's columns.
+
+    Whole blocks of the site's formats suffice for values. Stochastic rounding's draws also
+    depend on the shape, so a site with it takes the op's padded layout (graphquant.ops.grouped):
+    groups of whole OP_GROUP_ROWS, the last group of tokens running on to the layout's end (room
+    for T rows in E groups each padded by up to OP_GROUP_ROWS - 1, in whole OP_GROUP_ROWS), and
+    grad_output's N columns as many as W's padded rows."""
+
+    token_rows: list[int]
+    weight_rows: int
+    grad_cols: int
+
+    @staticmethod
+    def of(site: RefSite, sizes: list[int], n: int) -> _GroupParts:
+        if not any(q.stochastic for q in site.quantizers):
+            block = site.row_block()
+            return _GroupParts([_whole(m, block) for m in sizes], _whole(n, block), n)
+        token_rows = [_whole(m, OP_GROUP_ROWS) for m in sizes]
+        layout_rows = _whole(sum(sizes) + len(sizes) * (OP_GROUP_ROWS - 1), OP_GROUP_ROWS)
+        token_rows[-1] = layout_rows - sum(token_rows[:-1])
+        return _GroupParts(token_rows, _whole(n, OP_GROUP_ROWS), _whole(n, OP_GROUP_ROWS))
+
+
+def _quantize_group(
+    site: RefSite, t: int, x: torch.Tensor, rows: int, cols: int, directions: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """``site.quantize`` of one group's rows, zero-padded to ``rows`` rows and ``cols`` columns,
+    with the padded columns dropped again; an empty group has no values to quantize (its
+    products are empty, or zero)."""
     if x.shape[0] == 0:
         return {d: x.new_zeros(x.shape, dtype=torch.float64) for d in directions}
-    return site.quantize(t, F.pad(x, (0, 0, 0, -x.shape[0] % block)), directions)
+    padded = F.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+    return {d: v[:, : x.shape[1]] for d, v in site.quantize(t, padded, directions).items()}
 
 
 # -- finding GEMMs in eager code ---------------------------------------------------------------

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
     INDUCTOR_SLACK,
     GemmTape,
@@ -51,7 +52,7 @@ T = sum(SIZES)
 
 def nvfp4_without_sr(role):
     """nvfp4_factory (16x16 weight tiles, RHT on the columnwise input and grad_output) without
-    stochastic rounding, which grouped sites do not take."""
+    stochastic rounding."""
     q = factories.nvfp4_factory(role)
     return NVFP4Quantizer(with_rht=q.with_rht, with_post_rht_amax=q.with_rht, with_2d_quantization=q.with_2d_quantization)
 
@@ -64,6 +65,8 @@ RECIPES = {
     "mxfp8": recipes.mxfp8_block_scaling,
     "mxfp8_hp_bwd": lambda: zoo.recipe("mxfp8_fwd_high_precision_bwd"),  # columnwise of rowwise_dequantized
     "nvfp4": lambda: CustomRecipe(nvfp4_without_sr),  # per-group global amax, RHT, 2D tiles
+    "nvfp4_block_scaling": recipes.nvfp4_block_scaling,  # grad_output stochastically rounded
+    "mxfp8_fwd_nvfp4_bwd": lambda: zoo.recipe("mxfp8_fwd_nvfp4_bwd"),
     "nvfp4_row_scaled_mxfp8_bwd": lambda: zoo.recipe("nvfp4_row_scaled_fwd_mxfp8_bwd"),  # the zoo's expert recipe
     "nvfp4_row_scaled_hp_bwd": lambda: zoo.recipe("nvfp4_row_scaled_fwd_high_precision_bwd"),
 }
@@ -165,11 +168,13 @@ def test_grouped_path_reads_no_value_on_the_host(name, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["rowwise", "current", "blockwise", "mxfp8", "nvfp4_row_scaled_mxfp8_bwd"])
+@pytest.mark.parametrize(
+    "name", ["rowwise", "current", "blockwise", "mxfp8", "nvfp4_row_scaled_mxfp8_bwd", "nvfp4_block_scaling"]
+)
 def test_grouped_training_step_does_not_synchronise_on_gpu(name):
     """Every grouped GEMM keeps the offsets on the device: torch._scaled_grouped_mm (E4M3 rowwise
     and tensorwise), a bf16 torch._grouped_mm (blockwise, MXFP8) and the Triton fp32-output
-    kernel (E5M2 gradients, NVFP4)."""
+    kernel (E5M2 gradients, NVFP4); stochastic rounding reads the step's [seed, step] there too."""
     model = Model().cuda()
     x = inputs().cuda().requires_grad_()
     grad = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
@@ -188,6 +193,22 @@ def test_grouped_training_step_does_not_synchronise_on_gpu(name):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(x.grad).all() and torch.isfinite(model.moe.experts.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4_block_scaling", "mxfp8_fwd_nvfp4_bwd"])
+def test_grouped_stochastic_rounding_matches_per_group_reference_on_gpu(name, monkeypatch):
+    """The native grouped quantize draws its stochastic rounding from the device's [seed, step]
+    as the per-group reference does, each padded group alone (NVFP4's vectorised fallback
+    runs only where the compiler traces with fake tensors)."""
+    fallback = NVFP4Quantizer.quantize_groups
+
+    def traced_only(self, x, *args):
+        assert isinstance(x, FakeTensor), "the grouped NVFP4 quantize fell back to quantize_groups on the GPU"
+        return fallback(self, x, *args)
+
+    monkeypatch.setattr(NVFP4Quantizer, "quantize_groups", traced_only)
+    run_against_reference(RECIPES[name](), Model().cuda(), inputs().cuda())
 
 
 def fast_everywhere(recipe: CustomRecipe) -> CustomRecipe:
@@ -403,6 +424,8 @@ GROUPABLE = {
     "nvfp4": NVFP4Quantizer(),
     "nvfp4_2d_rht": NVFP4Quantizer(with_2d_quantization=True, with_rht=True, with_post_rht_amax=True),
     "nvfp4_row_scaled": NVFP4Quantizer(row_scaled_nvfp4=True),
+    "nvfp4_rht_sr": NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True),
+    "nvfp4_2d_sr_row_scaled": NVFP4Quantizer(with_2d_quantization=True, stochastic_rounding=True, row_scaled_nvfp4=True),
 }
 
 
@@ -421,8 +444,8 @@ def assert_same_numbers(a, b, what):
 def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction):
     """Quantizer.quantize_groups (one pass, offsets on the device) gives the numbers of the
     reference that quantizes each padded group alone (native.reference_grouped_quantize),
-    non-finite values included."""
-    quantizer, x = GROUPABLE[name], inputs()
+    non-finite values included; stochastic rounding draws what each padded group draws alone."""
+    quantizer, x, ctx = GROUPABLE[name], inputs(), QuantizeContext(seed=11, offset=5)
     x[5, 3], x[100, 7] = float("inf"), float("nan")  # in groups 0 and 2: the others keep finite scales
     # The reference cannot quantize an empty slice in these formats, so give every group rows.
     sizes = (40, 20, 57, 7) if name.startswith("nvfp4") or (name == "fp8_rowwise" and direction == COLUMNWISE) else SIZES
@@ -430,8 +453,8 @@ def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction)
     padded = layout.pad(x)
     group_rows = torch.diff(layout.ends, prepend=layout.ends.new_zeros(1))
     group_rows[-1] += layout.padded_rows - layout.ends[-1]  # the zero rows after the last group are its own
-    got = quantizer.quantize_groups(padded, layout.row_group, E, direction, QuantizeContext())
-    want = native.reference_grouped_quantize(quantizer, padded, group_rows, direction, QuantizeContext())
+    got = quantizer.quantize_groups(padded, layout.row_group, E, direction, ctx)
+    want = native.reference_grouped_quantize(quantizer, padded, group_rows, direction, ctx)
     for part in ("data", "scale", "amax"):
         g, w = getattr(got, part), getattr(want, part)
         assert (g is None) == (w is None), part
@@ -456,13 +479,23 @@ def test_offsets_that_do_not_end_at_the_rows_fail():
         compiled(inputs())
 
 
-def test_stochastic_rounding_fails_the_plan_with_the_reason():
-    model = Model()
-    compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.raises(PlanError) as info:
-        forward_backward(compiled, model, inputs())
-    assert "moe.grouped_linear.0#0 (grouped_linear) grad_output: nvfp4(" in str(info.value)
-    assert "stochastic rounding on torch._grouped_mm" in str(info.value)
+def test_stochastic_rounding_draws_per_seed_and_step():
+    """nvfp4_block_scaling's stochastically rounded grad_output on a grouped site: the same seed
+    gives the same bits, the next step and another seed draw other numbers."""
+
+    def steps(seed, count):
+        model = Model()
+        compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend="aot_eager", fullgraph=True, seed=seed)
+        return [forward_backward(compiled, model, inputs()) for _ in range(count)]
+
+    first, second = steps(seed=3, count=2)
+    [again] = steps(seed=3, count=1)
+    [other_seed] = steps(seed=4, count=1)
+    for name in ("input.grad", "moe.experts.grad"):
+        assert torch.equal(first[name], again[name]), name
+        assert not torch.equal(first[name], second[name]), name
+        assert not torch.equal(first[name], other_seed[name]), name
+    assert torch.equal(first["output"], second["output"])  # the forward rounds to nearest
 
 
 def test_other_grouped_mm_forms_are_skipped_with_a_reason():
@@ -481,9 +514,11 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, ROWWISE)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, ROWWISE)
-    torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (xp, tokens.row_group, tokens.ends, quantizer.spec, COLUMNWISE))
+    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, ROWWISE, None, 0)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, ROWWISE, None, 0)
+    for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
+        args = (xp, tokens.row_group, tokens.ends, spec, COLUMNWISE, rng, 2)
+        torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (

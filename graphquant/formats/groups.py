@@ -89,6 +89,21 @@ def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     torch._assert_async(ordered, f"{what}: torch._grouped_mm offsets must be non-decreasing and end at the {rows} rows of the input")
 
 
+def group_counters(row_group: torch.Tensor, groups: int, cols: int, *, transposed: bool = False) -> torch.Tensor:
+    """The linear index of every element of x (padded_rows, cols) within its group's part of the
+    layout (its rows and the zero rows after it, up to the next group's start or the layout's
+    end) taken alone, row-major: (padded_rows, cols) int64; with ``transposed``, of that part's
+    transpose, laid out as x^T (cols, padded_rows). The counters of a format's random draws,
+    so that every group draws what it would alone, whatever the other groups hold."""
+    sizes = row_group.new_zeros(groups).index_add_(0, row_group, torch.ones_like(row_group))  # static shape, unlike bincount
+    starts = torch.cumsum(sizes, 0) - sizes
+    row = torch.arange(row_group.shape[0], device=row_group.device) - starts[row_group]
+    col = torch.arange(cols, device=row_group.device)
+    if transposed:
+        return col[:, None] * sizes[row_group][None, :] + row[None, :]
+    return row[:, None] * cols + col[None, :]
+
+
 def group_amax(x: torch.Tensor, row_group: torch.Tensor, groups: int, *, per_column: bool = False) -> torch.Tensor:
     """max |x| over each group's rows of x (padded_rows, cols), fp32: (groups,), or with
     ``per_column`` (groups, cols). Exact and NaN-propagating, as ``fp8.tensor_amax`` (a max of

@@ -107,22 +107,29 @@ def _fmix32(h):
 
 
 def random_bits(seed: int, offset: int, stream: int, shape: Sequence[int], device=None) -> torch.Tensor:
-    """Counter-based uniform 32-bit words (int64 in [0, 2^32)) for a tensor of ``shape``.
+    """Counter-based uniform 32-bit words (int64 in [0, 2^32)) for a tensor of ``shape``: the
+    words of ``random_bits_at`` for its row-major linear indices."""
+    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
+    return random_bits_at(seed, offset, stream, index).reshape(tuple(shape))
+
+
+def random_bits_at(seed: int, offset: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """The counter-based uniform 32-bit words (int64 in [0, 2^32)) of the elements whose linear
+    indices are ``index`` (int64), so that parts of a tensor can each draw as if alone.
 
     All arithmetic is on uint32 (mod 2^32); fmix32 is murmur3's finalizer:
         fmix32(h): h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16
     key = 0x6A09E667; for w in (seed_lo, seed_hi, offset_lo, offset_hi, stream):
         key = fmix32(key ^ w)            (seed, offset as 64-bit words split in 32-bit halves)
-    For the element with row-major linear index i (i_lo, i_hi its 32-bit halves):
+    For the element with linear index i (i_lo, i_hi its 32-bit halves):
         bits[i] = fmix32(fmix32(key ^ i_hi) + i_lo * 0x9E3779B9)
     i.e. splitmix32 (a Weyl sequence through fmix32) keyed by seed, offset, stream.
     """
     key = _HASH_IV
     for word in (seed & _M32, (seed >> 32) & _M32, offset & _M32, (offset >> 32) & _M32, stream & _M32):
         key = _fmix32(key ^ word)
-    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
     base = _fmix32(key ^ (index >> 32))
-    return _fmix32((base + _mul32(index & _M32, _GOLDEN)) & _M32).reshape(tuple(shape))
+    return _fmix32((base + _mul32(index & _M32, _GOLDEN)) & _M32)
 
 
 # -- random Hadamard transform -----------------------------------------------------------------
@@ -176,11 +183,14 @@ def quantize(
     row_scaled: bool,
     rng: Optional[tuple[int, int, int]],
     amax: Optional[torch.Tensor] = None,
+    rng_index: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4-encode a 2-D tensor with 1x16 blocks along C (or 16x16 tiles when tile_rows=16).
 
     amax: the global amax to encode with (fp32, shaped as ``global_amax`` gives it), where it is
     not x's own: all-reduced over processes, it is at least x's, so the scales stay in range.
+    rng_index: the counter (int64, x's shape) of each element's random word where it is not the
+    row-major linear index, as when x holds parts that each draw as if alone.
 
     Returns (packed uint8 (R, C/2), scales float8_e4m3fn (R, C/16), global amax float32: 0-dim,
     or (R,) when row_scaled). Exactly TE's order (spec section 11), all fp32:
@@ -207,7 +217,12 @@ def quantize(
     denom = scales.float() * s_dec
     encode = torch.minimum(torch.div(_const(1.0, denom), denom), _const(FLT_MAX, denom))
     scaled = (xf.reshape(rows, cols // BLOCK_LEN, BLOCK_LEN) * encode.unsqueeze(-1)).reshape(rows, cols)
-    rand = None if rng is None else random_bits(*rng, (rows, cols), device=x.device)
+    if rng is None:
+        rand = None
+    elif rng_index is None:
+        rand = random_bits(*rng, (rows, cols), device=x.device)
+    else:
+        rand = random_bits_at(*rng, rng_index)
     codes = round_to_e2m1(scaled, rand)
     return pack(codes), scales, amax
 

@@ -216,11 +216,6 @@ def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     for child in dict.fromkeys(quantizer.child(direction) for direction in (ROWWISE, COLUMNWISE)):
         if child.reduces_amax:
             return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
-        if child.stochastic:
-            return (
-                f"{child}: stochastic rounding on torch._grouped_mm would draw other bits than each expert's "
-                "tensor alone; use stochastic_rounding=False for grouped_linear slots"
-            )
         if not child.groupable:
             names = ", ".join(cls.__name__ for cls in quantizer_classes() if cls.groupable)
             return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"

@@ -13,11 +13,19 @@ rows of W, start at a multiple of ``GROUP_ROWS`` rows. So groups of any size, em
 included, run every groupable format, per-tensor formats get one scale per group, and no scale
 block spans two groups. The offsets never leave the device: the layout's shapes are static
 bounds, and bad offsets fail by a device-side assert.
+
+Stochastic rounding draws from the slot's stream of the step, as a dense site's slot does, and
+each group draws what the plain quantize, with that stream, draws for the group's part of the
+padded layout taken alone: its rows and the zero rows after it, up to the next group's start (the
+last group: up to the layout's end, ``padded_bound`` rows in all), and the tensor's columns
+(grad_output's padded to W's padded rows). So a group's numbers depend on its own size, never on
+the other groups' values; ``native.reference_grouped_quantize`` of the padded layout gives them,
+as the native kernel and ``Quantizer.quantize_groups`` do.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,18 +42,22 @@ from graphquant.ops.site import Site
 from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
 
 @registry.op("grouped_quantize")
-def grouped_quantize(x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, direction: str) -> list[torch.Tensor]:
+def grouped_quantize(
+    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, direction: str, rng: Optional[torch.Tensor], rng_stream: int
+) -> list[torch.Tensor]:
     """One direction of ``x`` in the padded layout (``row_group``: each row's group; ``ends``: the
-    groups' cumulative ends), each group quantized as if alone: [data, scale, amax]."""
+    groups' cumulative ends), each group quantized as if alone: [data, scale, amax]. rng: int64
+    [seed, step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
     covering = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
-    rep = native.grouped_quantize(quantizer_of(spec), x, row_group, sizes, direction, QuantizeContext())
+    ctx = QuantizeContext(rng=rng, offset=rng_stream)
+    rep = native.grouped_quantize(quantizer_of(spec), x, row_group, sizes, direction, ctx)
     return [t.clone() if t.data_ptr() == x.data_ptr() else t.contiguous() for t in rep.tensors()]  # no output aliases x
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, spec, direction):
+def _(x, row_group, ends, spec, direction, rng, rng_stream):
     rep = quantizer_of(spec).quantize_groups(x, row_group, ends.shape[0], direction, QuantizeContext())
     return [t.new_empty(t.shape) for t in rep.tensors()]
 
@@ -103,12 +115,18 @@ def _(
     return a[0].new_empty(shape, dtype=out_dtype)
 
 
-def quantize_grouped(x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...]) -> dict[str, Operand]:
+def quantize_grouped(
+    x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
+    rng: Optional[torch.Tensor], stream: int,
+) -> dict[str, Operand]:
     """The grouped representations of ``x`` (padded layout) in ``directions``, honouring hybrid
-    children and sources."""
+    children and sources; a stochastic child draws from stream ``stream`` of the step ``rng``."""
 
     def encode(source: torch.Tensor, child: Quantizer, direction: str) -> Operand:
-        tensors = torch.ops.graphquant.grouped_quantize(source, layout.row_group, layout.ends, child.spec, direction)
+        child_rng, child_stream = (rng, stream) if child.stochastic else (None, 0)
+        tensors = torch.ops.graphquant.grouped_quantize(
+            source, layout.row_group, layout.ends, child.spec, direction, child_rng, child_stream
+        )
         return Operand(list(tensors), child.spec, direction, (x.shape[0], x.shape[1]))
 
     def rowwise_values(row: Operand) -> torch.Tensor:
@@ -138,7 +156,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, site: Site):
+    def forward(ctx, x, w, offs, rng, site: Site):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts, k, n = w.shape
         groups.check_offsets(offs, x.shape[0], site.label)
@@ -146,37 +164,39 @@ class QuantizedGroupedMM(torch.autograd.Function):
         expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
         stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))  # W_g = w[g]^T, stacked
         x_quantizer, w_quantizer, _ = site.quantizers
-        xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,))
+        xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
         w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
-        wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,))
+        wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), rng, site.streams[1])
         y = _gemm(xq[ROWWISE], wq[ROWWISE], stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
-        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), *tokens, stack.row_group)
+        # rng is this call's own [seed, step]: the backward draws from the forward's step.
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), *tokens, stack.row_group, rng)
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, w_col, (*token_layout, w_group) = saved_columnwise(ctx)
+        x_col, w_col, (*token_layout, w_group, rng) = saved_columnwise(ctx)
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
         dy = tokens.pad(dy)
-        gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions)
+        gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
         dx = dw = None
         if need_dx:
             dx = _gemm(gq[ROWWISE], w_col, w_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def quantized_grouped_mm(x, w, offs, *, site: Site, states=None, rng=None):
     """torch._grouped_mm(x, w, offs=offs) in the site's formats.
 
-    states, rng: what rewrite passes every site; unused, as the planner admits no stateful or
-    stochastic format for grouped sites (``backends.grouped_unsupported``).
+    states: what rewrite passes every site; unused, as the planner admits no stateful format for
+    grouped sites (``backends.grouped_unsupported``). rng: the step's int64 [seed, step], for
+    stochastic rounding.
     """
-    return QuantizedGroupedMM.apply(x, w, offs, site)
+    return QuantizedGroupedMM.apply(x, w, offs, rng, site)

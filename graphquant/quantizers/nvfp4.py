@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from graphquant.formats import nvfp4
-from graphquant.formats.groups import group_amax
+from graphquant.formats.groups import group_amax, group_counters
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
 
@@ -105,17 +105,26 @@ class NVFP4Quantizer(Quantizer):
         self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
     ) -> Representation:
         """A global amax per group (of the transformed values, with the Hadamard transform),
-        given to each block as its group's: amax (groups,). Row-scaled rows have their own."""
-        if self.row_scaled_nvfp4 and direction == ROWWISE:
-            return self.quantize_rowwise(x, ctx)
+        given to each block as its group's: amax (groups,). Row-scaled rows have their own.
+        Stochastic rounding draws each group's numbers as the group's part of the layout alone
+        would (``group_counters``), from ctx's stream."""
         columnwise = direction == COLUMNWISE
+        row_scaled = self.row_scaled_nvfp4 and not columnwise
         source = self.transformed(x.t() if columnwise else x, direction)
-        amax = group_amax(source.t() if columnwise else source, row_group, groups)
-        # Blocks run along the grouped rows in the transposed columnwise data: one amax a block.
-        block_amax = amax[row_group[::BLOCK_LEN]][None, :] if columnwise else amax[row_group, None]
+        group_amaxes = block_amax = None
+        if not row_scaled:
+            group_amaxes = group_amax(source.t() if columnwise else source, row_group, groups)
+            # Blocks run along the grouped rows in the transposed columnwise data: one amax a block.
+            block_amax = group_amaxes[row_group[::BLOCK_LEN]][None, :] if columnwise else group_amaxes[row_group, None]
         tile_rows = BLOCK_LEN if self.with_2d_quantization else 1
-        data, scale, _ = nvfp4.quantize(source, tile_rows=tile_rows, row_scaled=False, rng=None, amax=block_amax)
-        return self.representation(direction, x.shape, x.dtype, data, scale, amax)
+        rng = rng_index = None
+        if self.stochastic_rounding:
+            rng = (*ctx.random_stream(), int(columnwise))
+            rng_index = group_counters(row_group, groups, x.shape[1], transposed=columnwise)
+        data, scale, amax = nvfp4.quantize(
+            source, tile_rows=tile_rows, row_scaled=row_scaled, rng=rng, amax=block_amax, rng_index=rng_index
+        )
+        return self.representation(direction, x.shape, x.dtype, data, scale, amax if row_scaled else group_amaxes)
 
     def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
         factor = nvfp4.global_decode(rep.amax)
