@@ -145,12 +145,12 @@ BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 
 # Triton's decode GEMM, where Triton is installed, for at most 16 rows: the weight's bytes are the
 # whole cost there, and it reads them once (its FP8 up-casts need sm89). It comes after
-# torch._scaled_mm's GEMMs, which were faster where they take the pair (on the H200, 14336x4096 at
-# 16 rows: 24.6 us against 44.0), so it serves the row counts they refuse (not a multiple of 16)
-# and the formats they have no GEMM for on the device (MXFP8, NVFP4 on Hopper). It sums in fp32 always, so
-# it has no fast accumulation: a recipe that allows it gets the full fp32 sum here. It serves
-# training GEMMs of at most 16 rows too (fprop, dgrad): its product is the emulated GEMM's up to
-# the order of fp32 accumulation.
+# torch._scaled_mm's GEMMs, which are faster where they take the pair (benchmarks/decode_gemm.py),
+# so it serves the row counts they refuse (not a multiple of 16) and the formats they have no GEMM
+# for on the device (MXFP8, NVFP4 on Hopper). It sums in fp32 always, so it has no fast
+# accumulation: a recipe that allows it gets the full fp32 sum here. It serves training GEMMs of
+# at most 16 rows too (fprop, dgrad): its product is the emulated GEMM's up to the order of fp32
+# accumulation.
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.BACKEND,
@@ -199,8 +199,7 @@ NATIVE_GEMMS = (
 # with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
 # The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
 # and k only x's columns can miss its multiple of 16. Its Hopper kernel sums in the tensor cores'
-# accumulator, never promoted to fp32 (on the H200 its fprop missed the fp32-accumulation bound in
-# 0.5% of the outputs), so it serves only the GEMMs a recipe lets accumulate fast.
+# accumulator, never promoted to fp32, so it serves only the GEMMs a recipe lets accumulate fast.
 _ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
 NATIVE_GROUPED_GEMM = NativeGemm(
     "torch._scaled_grouped_mm fp8 rowwise",
