@@ -293,7 +293,7 @@ def select(
         return Selection(EMULATED, GemmBackend(EMULATION), f"no low-precision GEMM on {device.type}")
     a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
     k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
-    misfits = []  # a pair may have several native GEMMs (the decode GEMM first): the first that fits runs
+    misfits = []  # a pair may have several native GEMMs (cuBLASLt's, then the decode GEMM): the first that fits runs
     for native in NATIVE_GEMMS:
         if native.runs_on(sm) and native.takes(a_input, b_input):
             misfit = native.misfit(dims or (), batch, k_last)
