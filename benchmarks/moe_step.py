@@ -11,7 +11,7 @@ in which the configurations take turns), effective TFLOP/s of the step's GEMMs, 
 bf16 torch.compile and the peak memory a step allocates on top of the model. A configuration
 that fails prints its error in the table instead of a time. torchao's row is its FP8 rowwise
 grouped GEMMs (torchao.prototype.moe_training, Float8TrainingOpConfig through quantize_, token
-groups padded to 16), present where torchao imports.
+groups padded to 16 by the model), present where torchao imports.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def build(config: str, model: torch.nn.Module, backend: str):
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
-    # The experts' weights alone: their grouped GEMMs in FP8 rowwise.
-    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)
-    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
+    # The experts' weights alone: their grouped GEMMs in FP8 rowwise. torchao 0.18's FP8 grouped
+    # GEMM needs every expert's rows a multiple of 16 and refuses to pad them itself
+    # (pad_token_groups_for_grouped_mm=True fails an assert), so the model pads, as TorchTitan's does.
+    model.token_group_alignment = 16
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
     return torch.compile(model, backend=backend)
 
 

@@ -730,3 +730,28 @@ def test_moe_benchmark_runs_tiny_on_cpu():
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines() if line.startswith("| bf16") or line.startswith("| graphquant")]
     assert [row[0] for row in rows] == names.split(","), result.stdout
     assert all(row[1] and not row[-1] for row in rows), result.stdout  # a time, no error
+
+
+def test_moe_layer_with_aligned_token_groups_computes_the_same_layer():
+    """benchmarks/models.py's MoE with token_group_alignment=16 (how moe_step.py runs torchao's FP8
+    grouped GEMMs, which need every expert's rows a multiple of 16) pads each expert's rows with
+    zero rows and drops them again: the same outputs and gradients, bit for bit."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("benchmark_models", path)
+    benchmark_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark_models)
+    torch.manual_seed(0)
+    plain = benchmark_models.MoE(dim=32, experts=4, top_k=2, hidden=32, shared_hidden=32)
+    aligned = copy.deepcopy(plain)
+    aligned.token_group_alignment = 16
+    seen = []
+    aligned.experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+    x = torch.randn(37, 32, dtype=torch.bfloat16)
+    results = [forward_backward(model, model, x) for model in (plain, aligned)]
+    for key, value in results[0].items():
+        assert torch.equal(results[1][key], value), key
+    (offs,) = seen
+    assert torch.all(offs % 16 == 0) and offs[-1] > 37 * 2, offs  # the experts saw aligned, padded groups
