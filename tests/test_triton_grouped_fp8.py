@@ -10,13 +10,11 @@ promoted FP8 tensor-core sums (tests/test_gemm_backends.py): 2^-9 of sum |a b| p
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_interpreter
 
 from graphquant.formats import groups
 from graphquant.kernels import backends
@@ -110,11 +108,7 @@ def _cases():
 def interpreted() -> dict:
     """Every case's excess, from one process running the kernels under Triton's interpreter."""
     pytest.importorskip("triton")
-    tests = os.path.dirname(__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return triton_interpreter.results_of(__file__)
 
 
 @pytest.mark.parametrize("name,gemm", _cases(), ids=[f"{name}-{gemm}" for name, gemm in _cases()])
@@ -149,7 +143,5 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
 
 
 if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case's excess, as JSON
-    import triton_interpreter
-
     triton_interpreter.accept_numpy_scalars()
     print(json.dumps({f"{name} {gemm}": excess(name, gemm, *INTERPRETED_SHAPE, torch.float32, "cpu") for name, gemm in _cases()}))

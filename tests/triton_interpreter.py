@@ -1,13 +1,28 @@
-"""Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is first imported) as the tests
-run kernels under it."""
+"""Triton's CPU interpreter as the tests run kernels under it: in a process of their own, since
+TRITON_INTERPRET=1 must be set before Triton is first imported."""
 
-import numpy
-import triton.runtime.interpreter as interpreter
+import json
+import os
+import subprocess
+import sys
+
+
+def results_of(script: str) -> dict:
+    """What the test module ``script``, run as a program under the interpreter, prints as JSON on
+    its last line (the repository first on its path)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def accept_numpy_scalars() -> None:
     """numpy >= 2.3 refuses int() of a one-element array, which the interpreter does for a loop
     bound or a branch computed in the kernel: index such tensors by their one element."""
+    import numpy
+    import triton.runtime.interpreter as interpreter
+
     if tuple(map(int, numpy.__version__.split(".")[:2])) < (2, 3):
         return
     patch = interpreter._patch_lang_tensor
