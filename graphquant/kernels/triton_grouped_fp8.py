@@ -69,9 +69,12 @@ class Scales(NamedTuple):
 
 
 @triton.jit
-def _fp8_tile(ptr, at, mask, E5M2: tl.constexpr):
-    """FP8 codes loaded as bytes (masked lanes +0) and read as E4M3 or E5M2."""
-    codes = tl.load(ptr + at, mask=mask, other=0)
+def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
+    """FP8 codes loaded as bytes (masked lanes +0; mask None: none masked) and read as E4M3 or E5M2."""
+    if mask is None:
+        codes = tl.load(ptrs)
+    else:
+        codes = tl.load(ptrs, mask=mask, other=0)
     return codes.to(tl.float8e5 if E5M2 else tl.float8e4nv, bitcast=True)
 
 
@@ -92,6 +95,7 @@ def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
 
 
 @triton.autotune(configs=_CONFIGS, key=["n", "k", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _tokens_by_experts(
     a_ptr, b_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, k,
@@ -99,7 +103,7 @@ def _tokens_by_experts(
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
     PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
     once a tile); tiles past the last group's end hold no rows and return at once."""
@@ -110,13 +114,20 @@ def _tokens_by_experts(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < n
     group = tl.load(row_group_ptr + pid_m * BLOCK_M).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_at[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + group * stride_bg + offs_k[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        in_k = ks < k
-        a = _fp8_tile(a_ptr, rows_at[:, None] * stride_am + ks[None, :] * stride_ak, in_k[None, :], A_E5M2)
-        b_at = group * stride_bg + ks[:, None].to(tl.int64) * stride_bk + cols[None, :].to(tl.int64) * stride_bn
-        b = _fp8_tile(b_ptr, b_at, in_k[:, None] & in_cols[None, :], B_E5M2)
+        if EVEN_K:
+            a = _fp8_tile(a_ptrs, None, A_E5M2)
+            b = _fp8_tile(b_ptrs, in_cols[None, :], B_E5M2)
+        else:
+            in_k = offs_k < k - start
+            a = _fp8_tile(a_ptrs, in_k[None, :], A_E5M2)
+            b = _fp8_tile(b_ptrs, in_k[:, None] & in_cols[None, :], B_E5M2)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
         if BLOCK_SCALED:
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, rows_at >= 0, A_ROWS)
@@ -152,11 +163,15 @@ def _tokens_by_tokens(
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = ms < m, ns < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ms[:, None].to(tl.int64) * stride_am + (begin + offs_k[None, :]) * stride_ar
+    b_ptrs = b_ptr + (begin + offs_k[:, None]) * stride_br + ns[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(begin, end, BLOCK_K):  # group bounds are multiples of 128
-        rs = start + tl.arange(0, BLOCK_K).to(tl.int64)
-        a = _fp8_tile(a_ptr, ms[:, None].to(tl.int64) * stride_am + rs[None, :] * stride_ar, in_m[:, None], A_E5M2)
-        b = _fp8_tile(b_ptr, rs[:, None] * stride_br + ns[None, :].to(tl.int64) * stride_bn, in_n[None, :], B_E5M2)
+    for start in range(begin, end, BLOCK_K):  # group bounds are multiples of 128: no K mask
+        a = _fp8_tile(a_ptrs, in_m[:, None], A_E5M2)
+        b = _fp8_tile(b_ptrs, in_n[None, :], B_E5M2)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
         if BLOCK_SCALED:
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, group, ms, kb, sa_g, sa_i, sa_k, in_m, A_ROWS)
