@@ -579,11 +579,12 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, ROWWISE, None, 0)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, ROWWISE, None, 0)
+    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, False, None, 0)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, True, False, None, 0)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
-        args = (xp, tokens.row_group, tokens.ends, spec, COLUMNWISE, rng, 2)
-        torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+        for rowwise in (False, True):  # the columnwise alone, and both directions from one call
+            args = (xp, tokens.row_group, tokens.ends, spec, rowwise, True, rng, 2)
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
