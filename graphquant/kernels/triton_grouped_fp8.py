@@ -80,9 +80,14 @@ def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
 
 @triton.jit
 def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.constexpr):
-    """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see Scales); 0 where masked."""
+    """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see Scales); 0 where masked
+    (mask None: none masked)."""
     at = group * stride_g + (i // ROWS).to(tl.int64) * stride_i + kb * stride_k
-    return tl.load(ptr + at, mask=mask, other=0.0)
+    if mask is None:
+        scales = tl.load(ptr + at)
+    else:
+        scales = tl.load(ptr + at, mask=mask, other=0.0)
+    return scales
 
 
 @triton.jit
@@ -130,13 +135,13 @@ def _tokens_by_experts(
         b_ptrs += BLOCK_K * stride_bk
         if BLOCK_SCALED:
             kb = start // SCALE_BLOCK
-            sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, rows_at >= 0, A_ROWS)
+            sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
             sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
             acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
     if not BLOCK_SCALED:
-        sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, rows_at >= 0, A_ROWS)
+        sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, None, A_ROWS)
         sb = _scale(sb_ptr, group, cols, 0, sb_g, sb_i, sb_k, in_cols, B_ROWS)
         acc = acc * (sa[:, None] * sb[None, :])
     source = tl.load(source_ptr + rows_at)
