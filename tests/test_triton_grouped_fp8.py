@@ -142,6 +142,35 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
         assert (selection.bucket, selection.backend.name) == (backends.NATIVE, expected), (gemm, selection)
 
 
-if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case's excess, as JSON
+def step_backends(name: str) -> list[str]:
+    """A compiled training step of test_compile_grouped's expert layer under the zoo recipe
+    ``name``, every GEMM's sums in fp32, on a pretended Hopper: against the per-group float64
+    reference (teacher-forced, each GEMM within fp32 accumulation, which the interpreter's exact
+    products meet); the backends its grouped GEMMs ran on."""
+    import dataclasses
+
+    import test_compile_grouped as grouped
+
+    backends.capability = lambda device: (9, 0)
+    backends.clear_caches()
+    torch._dynamo.reset()
+    recipe = dataclasses.replace(grouped.RECIPES[name](), fast_accumulation=())
+    compiled = grouped.run_against_reference(recipe, grouped.Model(), grouped.inputs())
+    return sorted({g.backend.name for g in compiled.graphquant.plan.gemms})
+
+
+STEP_RECIPES = {"tensorwise": "current", "rowwise": "rowwise", "blockwise": "blockwise"}
+
+
+@pytest.mark.parametrize("name", STEP_RECIPES)
+def test_training_step_on_the_kernel_matches_per_group_reference_interpreted(interpreted, name):
+    """The ops hand the kernel its operands as it reads them (layouts, scales, groups, widths)."""
+    assert interpreted[f"step {name}"] == [backends.triton_grouped_fp8.BACKEND if backends.TRITON_GROUPED_GEMMS else "none"]
+
+
+if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case's excess and step's backends, as JSON
     triton_interpreter.accept_numpy_scalars()
-    print(json.dumps({f"{name} {gemm}": excess(name, gemm, *INTERPRETED_SHAPE, torch.float32, "cpu") for name, gemm in _cases()}))
+    triton_interpreter.round_bfloat16_to_nearest()
+    results = {f"{name} {gemm}": excess(name, gemm, *INTERPRETED_SHAPE, torch.float32, "cpu") for name, gemm in _cases()}
+    results.update({f"step {name}": step_backends(recipe) for name, recipe in STEP_RECIPES.items()})
+    print(json.dumps(results))

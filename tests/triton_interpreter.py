@@ -32,3 +32,21 @@ def accept_numpy_scalars() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+def round_bfloat16_to_nearest() -> None:
+    """The interpreter rounds float32 to bfloat16 toward zero; the GPU, and torch, to nearest even."""
+    import numpy
+    import torch
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16 or src.dtype.scalar != tl.float32:
+            return cast(self, src, dst_type)
+        data = torch.from_numpy(numpy.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+        return interpreter.TensorHandle(data.view(numpy.uint16), dst_type.scalar)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
