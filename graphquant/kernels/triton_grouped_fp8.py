@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.quantizers import ROWWISE, Representation
 
 BACKEND = "triton fp8 grouped"
@@ -44,11 +45,11 @@ SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 on
 PROMOTE_EVERY = 32  # products summed in the tensor cores' accumulator before fp32 takes them
 
 # Tiles for Hopper: K tiles of one block scale each; row tiles that divide the layout's 128-row
-# alignment. The interpreter runs a kernel's logic, not its speed, so it takes the first alone.
+# alignment; no 128x256 tile, whose fp32 accumulator and promotion partial sum would not fit the
+# registers of 8 warps. The interpreter runs a kernel's logic, not its speed: the first alone.
 _CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
 ]
 if triton.knobs.runtime.interpret:
@@ -156,7 +157,7 @@ def _tokens_by_tokens(
     stride_am, stride_ar, stride_bn, stride_br,
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
-    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr, GROUP_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[g] = A_g^T B_g over group g's padded rows (bounds read on the device), A and B stored
@@ -164,7 +165,8 @@ def _tokens_by_tokens(
     group = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
     end = tl.load(ends_ptr + group).to(tl.int64)
-    begin = tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    # A multiple of GROUP_ROWS, which the compiler must know to load the tokens 16 bytes at a time.
+    begin = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64), GROUP_ROWS)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = ms < m, ns < n
@@ -172,7 +174,7 @@ def _tokens_by_tokens(
     a_ptrs = a_ptr + ms[:, None].to(tl.int64) * stride_am + (begin + offs_k[None, :]) * stride_ar
     b_ptrs = b_ptr + (begin + offs_k[:, None]) * stride_br + ns[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(begin, end, BLOCK_K):  # group bounds are multiples of 128: no K mask
+    for start in range(begin, end, BLOCK_K):  # group bounds are multiples of GROUP_ROWS: no K mask
         a = _fp8_tile(a_ptrs, in_m[:, None], A_E5M2)
         b = _fp8_tile(b_ptrs, in_n[None, :], B_E5M2)
         a_ptrs += BLOCK_K * stride_ar
@@ -285,6 +287,6 @@ def tokens_by_tokens(
         _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES,
+        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
     )
     return out
