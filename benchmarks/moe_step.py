@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -35,6 +36,11 @@ from graphquant import recipes, zoo  # noqa: E402
 
 GRAPHQUANT = {
     "graphquant rowwise": lambda: zoo.recipe("rowwise"),
+    # torchao's FP8 grouped GEMMs sum in the tensor cores' accumulator (torch._scaled_grouped_mm):
+    # the same choice for all three GEMMs, where graphquant's default promotes dgrad's and wgrad's.
+    "graphquant rowwise (fast accumulation everywhere)": lambda: dataclasses.replace(
+        zoo.recipe("rowwise"), fast_accumulation=recipes.GEMM_NAMES
+    ),
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
     "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
     "graphquant mxfp8": recipes.mxfp8_block_scaling,
