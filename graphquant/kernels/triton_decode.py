@@ -303,11 +303,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def split_k(n: int, k: int, device: torch.device) -> int:
-    """How many programs share each tile's K: enough for about two 64-row tiles of B per SM,
-    each split at least K_CHUNK columns."""
+def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2) -> int:
+    """How many programs share each tile's K: enough for about ``tiles_per_sm`` 64-row tiles of B
+    per SM, each split at least K_CHUNK columns."""
     sms = _multiprocessors(device)
-    wanted = triton.cdiv(2 * sms, triton.cdiv(n, 64))
+    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, 64))
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
 
@@ -318,7 +318,9 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
         raise ValueError(f"the decode GEMM multiplies at most {MAX_ROWS} rows of A; got A of {m} rows ({a.quantizer})")
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    splits = split_k(n, k, a.data.device)
+    # Reading FP8 codes, two tiles an SM fill the memory pipe; dequantizing in registers keeps
+    # the SMs' ALUs busy, and more programs an SM hide their latency.
+    splits = split_k(n, k, a.data.device, 2 if b_layout.operand == FP8_CODES else 8)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
