@@ -29,7 +29,8 @@ from graphquant.quantizers import (
 )
 
 U = 2.0**-24
-# (input, weight, grad_output) quantizers: the zoo's tensorwise, rowwise and deepseek_blockwise.
+# (input, weight, grad_output) quantizers: the zoo's tensorwise, rowwise and deepseek_blockwise;
+# 128x128 tiles on every operand (power-of-two scales, an E5M2 weight).
 FORMATS = {
     "tensorwise": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e5m2")),
     "rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
@@ -38,6 +39,7 @@ FORMATS = {
         Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False),
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
+    "128x128 blocks": (Float8BlockQuantizer(), Float8BlockQuantizer(fp8_dtype="e5m2"), Float8BlockQuantizer()),
 }
 GEMMS = ("fprop", "dgrad", "wgrad")
 # (group sizes, k: x's columns, n: each expert's output features): ragged groups and an empty
