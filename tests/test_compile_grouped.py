@@ -756,3 +756,16 @@ def test_moe_layer_with_aligned_token_groups_computes_the_same_layer():
         assert torch.equal(results[1][key], value), key
     (offs,) = seen
     assert torch.all(offs % 16 == 0) and offs[-1] > 37 * 2, offs  # the experts saw aligned, padded groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantizer", [NVFP4Quantizer(), Float8CurrentScalingQuantizer("e4m3"), Float8RowwiseQuantizer()], ids=str)
+def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer):
+    """A custom op's outputs may not share memory with each other or its input (an error from
+    torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
+    x = inputs().cuda()
+    tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
+    xp = tokens.pad(x)
+    tensors = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, True, None, 0)
+    storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+    assert len(set(storages)) == len(storages) and xp.untyped_storage().data_ptr() not in storages

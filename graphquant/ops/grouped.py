@@ -35,7 +35,7 @@ from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.ops import registry
-from graphquant.ops.library import quantizer_of, unflatten
+from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import hybrid_directions
 from graphquant.ops.site import Site
@@ -56,8 +56,7 @@ def grouped_quantize(
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     ctx = QuantizeContext(rng=rng, offset=rng_stream)
     made = native.grouped_quantize_pass(quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise)
-    tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
-    return [t.clone() if t.data_ptr() == x.data_ptr() else t.contiguous() for t in tensors]  # no output aliases x
+    return distinct_contiguous([t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()], x)
 
 
 @registry.fake("grouped_quantize")

@@ -61,10 +61,10 @@ def quantize(
     ctx = _context(scale, rng, rng_stream, amax_group)
     made = native.quantize_pass(quantizer_of(spec), x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
-    return _distinct_contiguous(tensors + ([made.dbias] if dbias else []), x)
+    return distinct_contiguous(tensors + ([made.dbias] if dbias else []), x)
 
 
-def _distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+def distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
     """``tensors`` contiguous, as the fake promises, and none sharing memory with x or an earlier
     one (a custom op's outputs may not alias; both directions of NVFP4 share one global amax)."""
     seen, out = {x.untyped_storage().data_ptr()}, []
