@@ -50,11 +50,12 @@ def configs(requested: list[str] | None, device: torch.device) -> list[str]:
     return names if requested is None else requested
 
 
-def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool) -> torch.nn.Module:
-    """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph),
-    with Inductor on CUDA and aot_eager on the CPU (no Inductor build: a check that it runs)."""
+def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool, backend: str | None = None) -> torch.nn.Module:
+    """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph) by
+    ``backend``, by default Inductor on CUDA and aot_eager on the CPU (no C++ build: a check that
+    it runs)."""
     model = copy.deepcopy(model)
-    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
     mode = {"mode": "reduce-overhead"} if cudagraphs else {}
     if config == BF16:
         return torch.compile(model, backend=backend, dynamic=False, **mode)
