@@ -17,7 +17,7 @@ plan and the compile of its graph), "next rows s" the mean first call at each ot
 (a compile each). "weights GB" counts every parameter and buffer (1e9 bytes; a tensor subclass by
 its inner tensors). "= per-call" says whether a frozen configuration's outputs equal its per-call
 one's bit for bit at every row count. A configuration that fails at a row count is listed under
-the table and the others still run; ``--budget`` leaves out configurations not built by then.
+the table and the others still run; ``--budget`` leaves out the row counts not compiled by then.
 ``--tiny``: on the CPU, with small dims and aot_eager (no Inductor build): a check that every
 configuration runs, whose times mean nothing.
 """
@@ -48,12 +48,16 @@ def why(error: Exception) -> str:
 class Run:
     """One configuration's model, called once at each row count (compiles included) and once
     more (CUDA graphs record on the first replays): per row count the first call's seconds and
-    output, or why it failed; and the model's weight bytes."""
+    output, or why it failed, or that it was left out, past ``deadline`` (perf_counter seconds);
+    and the model's weight bytes."""
 
-    def __init__(self, name: str, model: torch.nn.Module, inputs: dict[int, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, inputs: dict[int, torch.Tensor], device: torch.device, deadline: float) -> None:
         self.model, self.weight_bytes = model, weight_bytes(model)
-        self.first, self.outputs, self.failed = {}, {}, {}
+        self.first, self.outputs, self.failed, self.left_out = {}, {}, {}, []
         for rows, x in inputs.items():
+            if time.perf_counter() > deadline:
+                self.left_out.append(rows)
+                continue
             try:
                 self.first[rows], output = seconds(functools.partial(model, x), device)
                 self.outputs[rows] = output.clone()  # a CUDA graph's output is overwritten by its next replay
@@ -67,7 +71,7 @@ class Run:
 def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int]) -> str:
     def cell(name: str, r: int) -> str:
         if (name, r) not in ms:
-            return "failed"
+            return "left out" if r in runs[name].left_out else "failed"
         baseline = ms.get((BF16, r))
         return f"{ms[name, r]:.3f}" + (f" ({baseline / ms[name, r]:.2f}x)" if baseline else "")
 
@@ -96,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds: configurations not built when this much time has passed are left out, so that a run "
-                             "with a time limit still ends with its table")
+                        help="seconds: row counts and configurations not compiled when this much time has passed are left "
+                             "out, so that a run with a time limit still ends with its table")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     dims = TINY_DIMS if args.tiny else dict(dim=DIM, hidden=HIDDEN)
@@ -113,10 +117,10 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}
-    start = time.perf_counter()
+    deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
     with torch.no_grad():
         for name in names:
-            if args.budget is not None and time.perf_counter() - start > args.budget:
+            if time.perf_counter() > deadline:
                 print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
                 continue
             try:
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {name}: FAILED to build: {failed[name]}", flush=True)
                 traceback.print_exc()
                 continue
-            runs[name] = Run(name, model, inputs, device)
+            runs[name] = Run(name, model, inputs, device, deadline)
             failed.update({f"{name} @{r} rows": reason for r, reason in runs[name].failed.items()})
             print(f"  {name}: first calls {', '.join(f'{s:.1f} s' for s in runs[name].first.values())}", flush=True)
         del base
