@@ -33,6 +33,8 @@ import traceback
 import torch
 from tabulate import tabulate
 
+from graphquant.kernels import native
+
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, seconds, time_ms, wall_ms  # noqa: E402
 from inference_configs import BF16, build, configs, per_call, weight_bytes  # noqa: E402
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.blocks} SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']} -> {dims['dim']}) on {device}, "
           f"torch {torch.__version__}, torch.no_grad(), rows {rows}, {args.rounds} rounds"
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
+    if device.type == "cuda" and native.extension() is None:
+        print("graphquant's CUDA extension is not built: its quantizes run the reference numerics in torch ops, "
+              "so its rows do not time its kernels (build it: pip install -e . or gpu.sh build)", flush=True)
 
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}
