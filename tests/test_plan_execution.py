@@ -35,9 +35,8 @@ RECIPE_OF = {
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
 }
-# The row counts of the two training steps: the decode GEMM's fit it and no cuBLASLt GEMM (which
-# takes multiples of 16 first), the others' 128 and 160.
-ROWS_OF = {decode.backend: (4, 8) for decode in backends.DECODE_GEMMS}
+# The row counts of the two training steps: the decode GEMM's fit it, the others' 128 and 160.
+ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
 CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
 EMULATED_RUN = "emulation.gemm"
 

@@ -143,14 +143,13 @@ class NativeGemm(NamedTuple):
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 
-# Triton's decode GEMM, where Triton is installed, for at most 16 rows: the weight's bytes are the
-# whole cost there, and it reads them once (its FP8 up-casts need sm89). It comes after
-# torch._scaled_mm's GEMMs, which are faster where they take the pair (benchmarks/decode_gemm.py),
-# so it serves the row counts they refuse (not a multiple of 16) and the formats they have no GEMM
-# for on the device (MXFP8, NVFP4 on Hopper). It sums in fp32 always, so it has no fast
-# accumulation: a recipe that allows it gets the full fp32 sum here. It serves training GEMMs of
-# at most 16 rows too (fprop, dgrad): its product is the emulated GEMM's up to the order of fp32
-# accumulation.
+# Triton's decode GEMM first, where Triton is installed, for at most 16 rows: the weight's bytes
+# are the whole cost there, and it reads them once, as stored (FP8 codes straight into the tensor
+# cores, which need sm89), at about twice bf16's speed and ahead of cuBLASLt's FP8 GEMMs at those
+# row counts (benchmarks/decode_gemm.py). It promotes FP8 sums into fp32 as cuBLASLt does without
+# fast accumulation and sums MXFP8's and NVFP4's exact products in fp32, so it has no fast
+# accumulation: a recipe that allows it gets the promoted sum here. It serves training GEMMs of
+# at most 16 rows too (fprop, dgrad).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.BACKEND,
@@ -167,6 +166,7 @@ DECODE_GEMMS = () if triton_decode is None else (
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
 NATIVE_GEMMS = (
+    *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -192,7 +192,6 @@ NATIVE_GEMMS = (
     ),
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
-    *DECODE_GEMMS,
 )
 
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3

@@ -1,22 +1,26 @@
 """The decode GEMM: out (m, n) = A @ B^T (+ bias) for at most 16 rows of A, a Triton kernel that
-reads both quantized operands as they are stored and dequantizes them in registers.
+reads both quantized operands as they are stored, so the weight (B) crosses memory once.
 
-At decode sizes the product costs nothing beside reading the weight (B) once, so each program
-takes a BLOCK_N x BLOCK_K tile of B at a time against all of A's rows, and K is split across
-programs (each writes an fp32 partial sum; a second kernel adds them in a fixed order), enough
-programs to keep every SM reading. Each operand is read by the layout family it belongs to
-(GemmInput.family): codes times their block scales are the values the emulated GEMM multiplies
-(Quantizer.emulated_values), exact in bf16 where the format says so (then multiplied on the
-tensor cores in bf16, as the emulated GEMM's cuBLASLt GEMM does, else in fp32 IEEE), summed in
-fp32; the per-tensor or per-row factors
-(Quantizer.emulated_factor) multiply each other once and then the sum, as the emulated GEMM's
-alpha does, and the bias is added before the one rounding to the output dtype.
+At decode sizes the product costs nothing beside reading the weight, so each program takes
+BLOCK_N rows of B against all of A's rows, and K is split across programs (each writes an fp32
+partial sum; a second kernel adds them in a fixed order), enough programs to keep every SM
+reading. How the tensor cores multiply depends on the layout family (GemmInput.family):
 
-So the result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
-against the exact product of the dequantized operands, |error| <= (K + 3) u sum_k |a b| + u |out|
-before the rounding to the output dtype: K - 1 additions in any order, the factors' product and
-its product with the sum, one rounding of each operand's fp32 dequantized value (the reference's,
-where it multiplies a factor in), and the bias's addition.
+- FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
+  with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
+  products (``max_num_imprecise_acc``), and a block's sum is multiplied by its two block scales
+  before it joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with
+  promotion (tests/test_gemm_backends.py's bound): within one 32-product step Hopper's FP8
+  accumulator keeps about 14 bits, so each term may carry 2^-9 of relative error there.
+- MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales,
+  are exact in bf16 and fp16 respectively: both are dequantized in registers to those values and
+  multiplied on the tensor cores, whose products are exact, summed in fp32. Their result is the
+  emulated product's up to the order of fp32 accumulation: with u = 2^-24, |error| <=
+  (K + 3) u sum_k |a b| + u |out| before the output's rounding.
+
+The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
+the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
+output dtype.
 """
 
 from __future__ import annotations
@@ -43,35 +47,35 @@ K_CHUNK = 512
 
 
 class _Layout(NamedTuple):
-    """How the kernel reads one layout family: codes packed two per byte (E2M1) or one FP8 code
-    each; the (rows, cols) each block scale covers, (0, 0) where none, and the scale's encoding;
-    the factor (none, one per tensor, one per row), from the representation's scale or amax, and
-    the divisor that makes an amax a factor."""
+    """How the kernel reads one layout family: the tensor cores' operand it makes (FP8 codes as
+    stored, or values dequantized exactly into bf16 or fp16), the (rows, cols) each block scale
+    covers ((0, 0) where none), and the factor (none, one per tensor, one per row), from the
+    representation's scale or amax, with the divisor that makes an amax a factor."""
 
-    packed: bool
+    operand: int
     scale_block: tuple[int, int]
-    scale_encoding: int
     factor: int
     factor_from_amax: bool
     divisor: float
 
 
-FP32, E8M0, E4M3 = 0, 1, 2
+FP8_CODES, BF16_VALUES, F16_VALUES = 0, 1, 2
 NO_FACTOR, TENSOR_FACTOR, ROW_FACTOR = 0, 1, 2
 
 _NVFP4_DIVISOR = nvfp4.E4M3_MAX * nvfp4.E2M1_MAX  # nvfp4.global_decode: amax / 2688, one IEEE division
 
 LAYOUTS = {
-    "fp8_tensorwise": _Layout(False, (0, 0), FP32, TENSOR_FACTOR, False, 1.0),
-    "fp8_rowwise": _Layout(False, (0, 0), FP32, ROW_FACTOR, False, 1.0),
-    "fp8_block_1x128": _Layout(False, (1, 128), FP32, NO_FACTOR, False, 1.0),
-    "fp8_block_128x128": _Layout(False, (128, 128), FP32, NO_FACTOR, False, 1.0),
-    "mxfp8": _Layout(False, (1, 32), E8M0, NO_FACTOR, False, 1.0),
-    "nvfp4": _Layout(True, (1, 16), E4M3, TENSOR_FACTOR, True, _NVFP4_DIVISOR),
-    "nvfp4_row_scaled": _Layout(True, (1, 16), E4M3, ROW_FACTOR, True, _NVFP4_DIVISOR),
+    "fp8_tensorwise": _Layout(FP8_CODES, (0, 0), TENSOR_FACTOR, False, 1.0),
+    "fp8_rowwise": _Layout(FP8_CODES, (0, 0), ROW_FACTOR, False, 1.0),
+    "fp8_block_1x128": _Layout(FP8_CODES, (1, 128), NO_FACTOR, False, 1.0),
+    "fp8_block_128x128": _Layout(FP8_CODES, (128, 128), NO_FACTOR, False, 1.0),
+    "mxfp8": _Layout(BF16_VALUES, (1, 32), NO_FACTOR, False, 1.0),
+    "nvfp4": _Layout(F16_VALUES, (1, 16), TENSOR_FACTOR, True, _NVFP4_DIVISOR),
+    "nvfp4_row_scaled": _Layout(F16_VALUES, (1, 16), ROW_FACTOR, True, _NVFP4_DIVISOR),
 }
 
 # The operand pairs (A's family, B's family) it multiplies: each recipe's activation x weight.
+# Both sides of a pair make the same kind of operand with block scales of the same length in K.
 FAMILY_PAIRS = frozenset(
     {
         ("fp8_tensorwise", "fp8_tensorwise"),
@@ -86,55 +90,75 @@ FAMILY_PAIRS = frozenset(
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
-# Tiles of the weight, each read whole per step, for N and K of 4096 to 14336; the interpreter
-# runs a kernel's logic, not its speed, so it takes the first alone.
+# Tiles of the weight, each read whole per step; BLOCK_N 64 is one warpgroup's MMA of Hopper's.
+# The interpreter runs a kernel's logic, not its speed, so it takes the first alone.
 _CONFIGS = [
     triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=4, num_stages=3),
 ]
 if triton.knobs.runtime.interpret:
     _CONFIGS = _CONFIGS[:1]
 
+# Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
+_PROMOTE_EVERY = 32
+
 
 @triton.jit
-def _values(
-    data_ptr, scale_ptr, row, rows, k0, K, data_stride, scale_row_stride, scale_col_stride,
-    PACKED: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, SCALE_ENCODING: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """fp32 (len(row), BLOCK_K) codes times their block scales from column k0 on: the values the
-    emulated GEMM multiplies. Rows and columns past the operand's are zeros."""
-    in_rows = row < rows
-    row64 = row.to(tl.int64)
-    if PACKED:  # E2M1, two a byte; the 2^-14 of the decoded codes goes into the scales
-        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-        codes = tl.load(data_ptr + row64 * data_stride + byte, mask=in_rows & (byte < K // 2), other=0).to(tl.int32)
-        values = tl.interleave(e2m1_value_over_2_14(codes & 0xF), e2m1_value_over_2_14(codes >> 4))
+def _codes(data_ptr, row, rows, col, K, stride):
+    """FP8 codes at (row, col) as stored, +0 outside the operand: loaded as bytes (a zero byte is
+    +0 in both FP8 encodings), since an FP8 load's ``other`` would need a cast to FP8."""
+    raw = tl.load(data_ptr.to(tl.pointer_type(tl.uint8)) + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0)
+    return raw.to(data_ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _block_scales(scale_ptr, row, rows, block, blocks, row_stride, col_stride, SCALE_ROWS: tl.constexpr, E8M0: tl.constexpr):
+    """fp32 values of the scales (fp32, E4M3, or E8M0 where asked) of ``block`` (columns of
+    blocks) for ``row``, 0 outside the operand (no ``other`` in the load: an E4M3 scale's would
+    need a cast to FP8)."""
+    inside = (row < rows) & (block < blocks)
+    raw = tl.load(scale_ptr + (row.to(tl.int64) // SCALE_ROWS) * row_stride + block.to(tl.int64) * col_stride, mask=inside)
+    if E8M0:
+        value = e8m0_value(raw)
     else:
-        col = k0 + tl.arange(0, BLOCK_K)[None, :]
-        inside = in_rows & (col < K)
-        # No ``other`` in loads of FP8: it would be cast to FP8, which Triton's interpreter cannot do.
-        values = tl.where(inside, tl.load(data_ptr + row64 * data_stride + col, mask=inside).to(tl.float32), 0.0)
-    if SCALE_COLS != 0:
-        # One scale a block, loaded once and broadcast over its columns.
-        block = k0 // SCALE_COLS + tl.arange(0, BLOCK_K // SCALE_COLS)[None, :]
-        at = (row64 // SCALE_ROWS) * scale_row_stride + block.to(tl.int64) * scale_col_stride
-        inside = in_rows & (block < tl.cdiv(K, SCALE_COLS))
-        raw = tl.load(scale_ptr + at, mask=inside)
-        if SCALE_ENCODING == 1:  # E8M0
-            scale = e8m0_value(raw)
-        else:
-            scale = raw.to(tl.float32)
-        scale = tl.where(inside, scale, 0.0)
-        if PACKED:
-            scale = scale * 16384.0  # exact: E4M3 times a power of two
-        scale = tl.reshape(
-            tl.broadcast_to(scale[:, :, None], (values.shape[0], BLOCK_K // SCALE_COLS, SCALE_COLS)),
-            (values.shape[0], BLOCK_K),
-        )
-        values = values * scale
-    return values
+        value = raw.to(tl.float32)
+    return tl.where(inside, value, 0.0)
+
+
+@triton.jit
+def _broadcast(scale, SCALE_COLS: tl.constexpr):
+    """(rows, blocks) scales repeated over each block's SCALE_COLS columns."""
+    rows: tl.constexpr = scale.shape[0]
+    blocks: tl.constexpr = scale.shape[1]
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], (rows, blocks, SCALE_COLS)), (rows, blocks * SCALE_COLS))
+
+
+@triton.jit
+def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, VALUES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP8 codes times their power-of-two scales from column k0 on, in VALUES (exact in bf16)."""
+    col = k0 + tl.arange(0, BLOCK_K)[None, :]
+    block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 32), scale_row_stride, scale_col_stride, 1, True)
+    return _codes(data_ptr, row, rows, col, K, stride).to(VALUES) * _broadcast(scale.to(VALUES), 32)
+
+
+@triton.jit
+def _nvfp4_bytes(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr):
+    """The BLOCK_K / 2 bytes of E2M1 code pairs from column k0 on (0 outside the operand), and
+    each byte's E4M3 block scale as an fp16 (exact)."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+    inside = (row < rows) & (byte < K // 2)
+    codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
+    block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
+    return codes, _broadcast(scale.to(tl.float16), 8)
+
+
+@triton.jit
+def _e2m1_values(codes, scale):
+    """E2M1 codes times their scale, fp16: at most 6 significant bits, exact."""
+    return e2m1_value_over_2_14(codes) * 16384.0 * scale
 
 
 @triton.jit
@@ -172,37 +196,52 @@ def _finish(
 
 # M and has_bias stay runtime values (not specialized when 1), so that every row count and
 # both bias cases share one compiled kernel per format.
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "SPLIT_K", "B_PACKED", "B_SCALE_COLS", "DOT_DTYPE"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "SPLIT_K", "OPERAND", "SCALE_COLS"])
 @triton.jit(do_not_specialize=["M", "has_bias"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K,
-    A_PACKED: tl.constexpr, A_SCALE_ROWS: tl.constexpr, A_SCALE_COLS: tl.constexpr, A_SCALE_ENCODING: tl.constexpr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
-    B_PACKED: tl.constexpr, B_SCALE_ROWS: tl.constexpr, B_SCALE_COLS: tl.constexpr, B_SCALE_ENCODING: tl.constexpr,
-    B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (i, s): the sums over K split s of BLOCK_N rows of B against all rows of A,
     finished into out where K is not split, else written to partial[s]. The weight tile is the
-    dot's left operand (it is dequantized in registers; A's rows are the short side)."""
+    dot's left operand (A's rows are the short side, the MMA's N)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * K_PER_SPLIT
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, K_PER_SPLIT, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
-        b = _values(
-            b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride,
-            B_PACKED, B_SCALE_ROWS, B_SCALE_COLS, B_SCALE_ENCODING, BLOCK_K,
-        )
-        a = _values(
-            a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride,
-            A_PACKED, A_SCALE_ROWS, A_SCALE_COLS, A_SCALE_ENCODING, BLOCK_K,
-        )
-        total = tl.dot(b.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), total, input_precision="ieee")
+        if OPERAND == 0:  # FP8_CODES
+            if SCALE_COLS == 0:
+                col = k0 + tl.arange(0, BLOCK_K)[None, :]
+                b = _codes(b_ptr, n, N, col, K, b_stride)
+                a = _codes(a_ptr, m, M, col, K, a_stride)
+                total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
+            else:  # each block's sum times its two scales joins the accumulator
+                for j in tl.static_range(BLOCK_K // SCALE_COLS):
+                    col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
+                    b = _codes(b_ptr, n, N, col, K, b_stride)
+                    a = _codes(a_ptr, m, M, col, K, a_stride)
+                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
+                    block = k0 // SCALE_COLS + j
+                    blocks = tl.cdiv(K, SCALE_COLS)
+                    b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, False)
+                    a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, False)
+                    total += block_sum * b_scale * tl.trans(a_scale)
+        elif OPERAND == 1:  # BF16_VALUES (MXFP8)
+            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
+            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
+            total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
+        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
+            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K)
+            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K)
+            total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
+            total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
     m = tl.arange(0, BLOCK_M)[None, :]
     if SPLIT_K == 1:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
@@ -243,8 +282,8 @@ def _layout(rep: Representation, operand: str) -> _Layout:
     return LAYOUTS[family]
 
 
-def _operand(rep: Representation, operand: str) -> tuple[tuple, dict]:
-    """(pointer and stride arguments, constexpr arguments) of one operand of _decode_kernel."""
+def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
+    """(layout, pointer and stride arguments) of one operand of _decode_kernel."""
     layout = _layout(rep, operand)
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
     scale = rep.scale if layout.scale_block != (0, 0) else data
@@ -252,17 +291,11 @@ def _operand(rep: Representation, operand: str) -> tuple[tuple, dict]:
     if layout.factor == ROW_FACTOR:
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
-    args = (data, scale, factor, data.stride(0), *scale_strides)
-    prefix = operand + "_"
-    constants = {
-        prefix + "PACKED": layout.packed,
-        prefix + "SCALE_ROWS": max(layout.scale_block[0], 1),
-        prefix + "SCALE_COLS": layout.scale_block[1],
-        prefix + "SCALE_ENCODING": layout.scale_encoding,
-        prefix + "FACTOR": layout.factor,
-        prefix + "DIVISOR": layout.divisor,
-    }
-    return args, constants
+    return layout, (data, scale, factor, data.stride(0), *scale_strides)
+
+
+def _factors(a: _Layout, b: _Layout) -> dict:
+    return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,11 +303,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def split_k(n: int, k: int, device: torch.device) -> int:
-    """How many programs share each tile's K: enough for about four 64-row tiles of B per SM,
-    each split at least K_CHUNK columns."""
+def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2) -> int:
+    """How many programs share each tile's K: enough for about ``tiles_per_sm`` 64-row tiles of B
+    per SM, each split at least K_CHUNK columns."""
     sms = _multiprocessors(device)
-    wanted = triton.cdiv(4 * sms, triton.cdiv(n, 64))
+    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, 64))
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
 
@@ -283,26 +316,27 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
     m, n, k = gemm_dims(a, b)
     if m > MAX_ROWS:
         raise ValueError(f"the decode GEMM multiplies at most {MAX_ROWS} rows of A; got A of {m} rows ({a.quantizer})")
-    (a_args, a_constants), (b_args, b_constants) = _operand(a, "A"), _operand(b, "B")
-    # Values exact in bf16 are multiplied as bf16 (the same products); not in Triton's interpreter,
-    # whose dot multiplies bf16 bit patterns as integers.
-    exact = a.quantizer.values_exact_in_bf16(a) and b.quantizer.values_exact_in_bf16(b)
-    exact = exact and not triton.knobs.runtime.interpret
+    (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    splits = split_k(n, k, a.data.device)
+    # Reading FP8 codes, two tiles an SM fill the memory pipe; dequantizing in registers keeps
+    # the SMs' ALUs busy, and more programs an SM hide their latency.
+    splits = split_k(n, k, a.data.device, 2 if b_layout.operand == FP8_CODES else 8)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
-    finish = {key: value for key, value in {**a_constants, **b_constants}.items() if key.endswith(("FACTOR", "DIVISOR"))}
+    # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
+    # dot multiplies bf16 bit patterns as integers.
+    values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     _decode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
         *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k,
-        **a_constants, **b_constants, SPLIT_K=splits, K_PER_SPLIT=k_per_split,
-        DOT_DTYPE=tl.bfloat16 if exact else tl.float32, BLOCK_M=MAX_ROWS,
+        OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+        A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+        **_factors(a_layout, b_layout), SPLIT_K=splits, K_PER_SPLIT=k_per_split, PROMOTE_EVERY=_PROMOTE_EVERY, BLOCK_M=MAX_ROWS,
     )
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 128),)](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **finish,
+            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **_factors(a_layout, b_layout),
             SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
         )
     return out

@@ -53,10 +53,10 @@ def e8m0_value(biased):
 
 @triton.jit
 def e2m1_value_over_2_14(code):
-    """An E2M1 code's value times 2^-14: its sign, exponent and mantissa bits placed in an fp16
-    (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly; the conversion is exact."""
+    """An E2M1 code's value times 2^-14, an fp16: its sign, exponent and mantissa bits placed in
+    an fp16 (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly."""
     bits = ((code & 8) << 12) | ((code & 7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
