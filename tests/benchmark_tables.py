@@ -1,19 +1,19 @@
-"""Run a program of benchmarks/ in this process and read back the table it printed."""
+"""Run a program of benchmarks/ as a user does, in a process of its own (its sibling modules,
+such as benchmarks/models.py, are not the tests' of the same name), and read back its table."""
 
-import importlib.util
 import pathlib
 import re
+import subprocess
+import sys
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def table_rows(program: str, argv: list[str], capsys) -> tuple[dict[str, list[str]], str]:
-    """benchmarks/``program``.py's main(``argv``): its table's cells by the first (config) column,
-    and its whole output (for assertion messages)."""
-    spec = importlib.util.spec_from_file_location(program, BENCHMARKS / f"{program}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
-    out = capsys.readouterr().out
+def table_rows(program: str, argv: list[str]) -> tuple[dict[str, list[str]], str]:
+    """The cells of the table ``python benchmarks/<program>.py ARGV`` printed, by their first
+    (config) column, and its whole output (for assertion messages)."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / f"{program}.py"), *argv], capture_output=True, text=True)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
     table = out[out.index("config "):].splitlines()[2:]
     return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table)}, out

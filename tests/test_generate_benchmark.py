@@ -4,16 +4,15 @@ has a row each, and frozen models hold fewer weight bytes and generate their per
 import pytest
 
 from benchmark_tables import table_rows
-from reference import fresh_dynamo  # noqa: F401  (autouse)
 
 pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_tiny_generation_table(capsys):
+def test_tiny_generation_table():
     names = ["bf16 torch.compile", "graphquant tensorwise", "graphquant tensorwise frozen", "graphquant nvfp4 frozen"]
     rows, out = table_rows("generate", ["--tiny", "--device", "cpu", "--batch", "1,2", "--prompt", "8", "--new-tokens", "3",
-                                        "--rounds", "1", "--configs", ",".join(names)], capsys)
+                                        "--rounds", "1", "--configs", ",".join(names)])
     assert sorted(rows) == sorted(names), out
     for name, row in rows.items():
         assert all(float(v) > 0 for v in row[:5]), (name, row)  # tok/s @1, @2, weights, first generations
