@@ -68,7 +68,11 @@ def phases(stats: pstats.Stats) -> list[tuple[str, int, float]]:
 def model_for(config: str, base: torch.nn.Module, device: torch.device, grad: bool) -> torch.nn.Module:
     """``config``'s model under Inductor; with ``grad`` a graphquant recipe compiles for training (mode=None)."""
     if grad and config != BF16:
-        return graphquant.compile(base, RECIPES[config.removeprefix("graphquant ")](), dynamic=False)
+        recipe = RECIPES.get(config.removeprefix("graphquant "))
+        if recipe is None:
+            raise SystemExit(f"--grad trains {BF16!r} or a per-call graphquant configuration "
+                             f"({', '.join(f'graphquant {name}' for name in RECIPES)}), not {config!r}")
+        return graphquant.compile(base, recipe(), dynamic=False)
     return build(config, base, device, cudagraphs=False, backend="inductor")
 
 
