@@ -41,8 +41,8 @@ def configs(requested: list[str] | None, device: torch.device) -> list[str]:
             import torchao.quantization  # noqa: F401
 
             names += [f"torchao {granularity}" for granularity in TORCHAO]
-        except ImportError as error:
-            print(f"torchao is not importable ({error}): its rows are left out", file=sys.stderr)
+        except Exception as error:  # missing, or built for another torch (its import then fails in many ways)
+            print(f"torchao does not import ({type(error).__name__}: {error}): its rows are left out", file=sys.stderr)
     names += [f"graphquant {recipe}{frozen}" for recipe in RECIPES for frozen in ("", FROZEN)]
     unknown = sorted(set(requested or ()) - set(names))
     if unknown:
