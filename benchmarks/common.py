@@ -3,10 +3,15 @@ alternating rounds."""
 
 from __future__ import annotations
 
+import cProfile
 import ctypes
 import functools
+import json
+import pstats
 import random
 import statistics
+import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
@@ -14,6 +19,9 @@ import torch
 from tabulate import tabulate
 
 from graphquant.kernels import scaled_mm
+
+HEAT_STEPS = 8  # steps queued ahead of a profiled one
+PROFILED_STEP = "profiled step"
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,3 +210,76 @@ def warm_peak_gib(step: Callable[[], None]) -> float:
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
+
+def profile(name: str, step) -> None:
+    """Print how long the host takes to issue one step against the GPU's time for it, the CUDA
+    kernels of one step of ``name`` by total time (at the clock of back-to-back steps), then where
+    the GPU sat idle: the largest gaps between kernels, the kernels around each, and whether the
+    next kernel's launch came late (host-bound) or was queued in time (something else)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    host, whole = [], []
+    for _ in range(5):  # without the profiler, whose own host work would make any step look host-bound
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        whole.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles queued ahead of the step
+    start = time.perf_counter()
+    step()
+    behind = time.perf_counter() - start
+    torch.cuda.synchronize()
+    print(f"--- {name}: the host returns from one step after {sorted(host)[2] * 1e3:.2f} ms, the GPU finishes it "
+          f"after {sorted(whole)[2] * 1e3:.2f} ms (medians of 5, no profiler); with the GPU ~50 ms behind, the host "
+          f"returns after {behind * 1e3:.2f} ms (a step that waits for the GPU would take those 50 ms too)", file=sys.stderr)
+    with cProfile.Profile() as python_profile:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: the host's functions by own time (cProfile, one step)", file=sys.stderr)
+    pstats.Stats(python_profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    # Steps queued back to back hold the GPU at its power limit (a capped SM clock), where a step
+    # after a pause runs its first tens of ms at boost: the profiled step runs behind HEAT_STEPS of
+    # them, queued inside the profile (starting one waits for the GPU), and only the kernels
+    # launched within its annotation are counted.
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(HEAT_STEPS):
+            step()
+        with torch.profiler.record_function(PROFILED_STEP):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    (mark,) = [e for e in events if e.get("name") == PROFILED_STEP and e.get("cat") == "user_annotation"]
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]
+    }
+    device = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in launches),
+        key=lambda e: e["ts"],
+    )
+    totals: dict[str, list[float]] = {}
+    for e in device:
+        totals.setdefault(e["name"], []).append(e["dur"])
+    rows = sorted(([sum(d) / 1e3, len(d), n[:110]] for n, d in totals.items()), reverse=True)
+    print(f"--- {name}: CUDA kernels of one step", file=sys.stderr)
+    print(tabulate(rows[:40], headers=["ms", "calls", "kernel"], floatfmt=".3f"), file=sys.stderr)
+    busy = sum(e["dur"] for e in device)
+    span = device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]
+    gaps = []
+    for before, after in zip(device, device[1:]):
+        gap = after["ts"] - (before["ts"] + before["dur"])
+        launched = launches.get(after["args"].get("correlation"))
+        late = launched is not None and launched > before["ts"] + before["dur"]
+        gaps.append((gap, late, before["name"][:60], after["name"][:60]))
+    host = sum(g for g, late, *_ in gaps if g > 0 and late)
+    print(f"--- {name}: device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; idle {(span - busy) / 1e3:.2f} ms, "
+          f"{host / 1e3:.2f} ms of it waiting for a late launch", file=sys.stderr)
+    rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:6]]
+    print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphquant.formats import groups
+
 DIM, HIDDEN, HEADS, KV_HEADS = 4096, 14336, 32, 8
 
 
@@ -94,12 +96,14 @@ class MoE(nn.Module):
 
     The routed copies of the tokens are sorted by expert and the experts run as grouped GEMMs
     over their rows, the offsets counted on the device, as MoE training code does.
-    Parameters are bf16 (torch._grouped_mm's dtype).
+    ``token_group_alignment`` > 1 pads every expert's rows with zero rows to a multiple of it
+    before the experts (and drops them after), as TorchTitan's MoE does for FP8 grouped GEMMs
+    that need aligned groups (torchao's). Parameters are bf16 (torch._grouped_mm's dtype).
     """
 
-    def __init__(self, dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int) -> None:
+    def __init__(self, dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int, token_group_alignment: int = 1) -> None:
         super().__init__()
-        self.num_experts, self.top_k = experts, top_k
+        self.num_experts, self.top_k, self.token_group_alignment = experts, top_k, token_group_alignment
         self.norm = RMSNorm(dim)
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = GroupedSwiGLU(experts, dim, hidden)
@@ -117,7 +121,13 @@ class MoE(nn.Module):
         token = order // self.top_k
         experts = torch.arange(self.num_experts, device=x.device)
         offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # static shape, unlike bincount
-        y = self.experts(n[token], offs) * gates[order, None]
+        if self.token_group_alignment > 1:
+            rows, align = token.shape[0], self.token_group_alignment
+            layout = groups.padding(offs, rows, align, groups.padded_bound(rows, self.num_experts, align))
+            y = self.experts(layout.pad(n[token]), layout.ends)[layout.position]
+        else:
+            y = self.experts(n[token], offs)
+        y = y * gates[order, None]
         routed = torch.zeros_like(n).index_add(0, token, y)
         return (x + routed + self.shared(n)).reshape(shape)
 

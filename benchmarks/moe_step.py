@@ -3,6 +3,7 @@ under bf16 torch._grouped_mm, graphquant's recipes and torchao's MoE training.
 
     python benchmarks/moe_step.py [--configs ...] [--tokens 16384] [--rounds 3]
     python benchmarks/moe_step.py --tiny          # CPU, small shapes: that every config runs
+    python benchmarks/moe_step.py --configs "bf16 torch.compile,graphquant rowwise" --profile "graphquant rowwise"
 
 Default shapes: 64 experts, top-8, model dim 4096, expert hidden 1408 (DeepSeek-V2-Lite's
 expert width), one shared expert of 2816, 16384 tokens. Prints ms per step (median over rounds
@@ -10,22 +11,24 @@ in which the configurations take turns), effective TFLOP/s of the step's GEMMs, 
 bf16 torch.compile and the peak memory a step allocates on top of the model. A configuration
 that fails prints its error in the table instead of a time. torchao's row is its FP8 rowwise
 grouped GEMMs (torchao.prototype.moe_training, Float8TrainingOpConfig through quantize_, token
-groups padded to 16), present where torchao imports.
+groups padded to 16 by the model), present where torchao imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate, training_step, warm_peak_gib  # noqa: E402
+from common import alternate, profile, training_step, warm_peak_gib  # noqa: E402
 from models import GroupedSwiGLU, MoE  # noqa: E402
 
 import graphquant  # noqa: E402
@@ -33,6 +36,11 @@ from graphquant import recipes, zoo  # noqa: E402
 
 GRAPHQUANT = {
     "graphquant rowwise": lambda: zoo.recipe("rowwise"),
+    # torchao's FP8 grouped GEMMs sum in the tensor cores' accumulator (torch._scaled_grouped_mm):
+    # the same choice for all three GEMMs, where graphquant's default promotes dgrad's and wgrad's.
+    "graphquant rowwise (fast accumulation everywhere)": lambda: dataclasses.replace(
+        zoo.recipe("rowwise"), fast_accumulation=recipes.GEMM_NAMES
+    ),
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
     "graphquant deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
     "graphquant mxfp8": recipes.mxfp8_block_scaling,
@@ -54,9 +62,11 @@ def build(config: str, model: torch.nn.Module, backend: str):
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
-    # The experts' weights alone: their grouped GEMMs in FP8 rowwise.
-    config = Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)
-    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
+    # The experts' weights alone: their grouped GEMMs in FP8 rowwise. torchao 0.18's FP8 grouped
+    # GEMM needs every expert's rows a multiple of 16 and refuses to pad them itself
+    # (pad_token_groups_for_grouped_mm=True fails an assert), so the model pads, as TorchTitan's does.
+    model.token_group_alignment = 16
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
     return torch.compile(model, backend=backend)
 
 
@@ -85,6 +95,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5, help="timed samples a round (CUDA) or steps a sample (CPU)")
+    parser.add_argument("--profile", default="", help="comma-separated configs whose step to profile (CUDA kernels by time)")
     parser.add_argument("--tiny", action="store_true", help="CPU, small shapes, aot_eager: a check that every config runs")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -107,6 +118,7 @@ def main() -> None:
                 step(); step()  # compile and warm up
             steps[name] = step
         except Exception as error:  # a row that says why, and the others still measured
+            traceback.print_exc()
             failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
         print(f"  built {name}", file=sys.stderr, flush=True)
 
@@ -128,7 +140,12 @@ def main() -> None:
         f"MoE training step on {device}: {tokens} tokens, {shapes['experts']} experts, top-{shapes['top_k']}, "
         f"dim {shapes['dim']}, expert hidden {shapes['hidden']}, shared expert {shapes['shared_hidden']}, {backend}"
     )
-    print(tabulate(rows, headers=["config", "ms/step", "TFLOP/s", "vs bf16 compile", "peak GiB", "failed"], tablefmt="github"))
+    print(tabulate(rows, headers=["config", "ms/step", "TFLOP/s", "vs bf16 compile", "peak GiB", "failed"], tablefmt="github"), flush=True)
+    for name in args.profile.split(",") if args.profile and device.type == "cuda" else ():
+        if name in steps:
+            profile(name, steps[name])
+        else:
+            print(f"--profile {name!r}: not among the configs that ran ({', '.join(steps)})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ bfloat16 on CPU (its meta function requires it), so results are bfloat16.
 
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -173,8 +174,9 @@ def test_grouped_path_reads_no_value_on_the_host(name, monkeypatch):
 )
 def test_grouped_training_step_does_not_synchronise_on_gpu(name):
     """Every grouped GEMM keeps the offsets on the device: torch._scaled_grouped_mm (E4M3 rowwise
-    and tensorwise), a bf16 torch._grouped_mm (blockwise, MXFP8) and the Triton fp32-output
-    kernel (E5M2 gradients, NVFP4); stochastic rounding reads the step's [seed, step] there too."""
+    and tensorwise fprop), the Triton FP8 grouped GEMM (the other FP8 GEMMs, blockwise's), a
+    bf16 torch._grouped_mm (MXFP8) and the Triton fp32-output kernel (NVFP4); stochastic
+    rounding reads the step's [seed, step] there too."""
     model = Model().cuda()
     x = inputs().cuda().requires_grad_()
     grad = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
@@ -219,9 +221,10 @@ def fast_everywhere(recipe: CustomRecipe) -> CustomRecipe:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name):
-    """With every GEMM's sums kept in fp32 the grouped GEMMs run emulated on the GPU too, and match
-    each expert quantized alone in float64, ragged and empty groups included."""
+def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name, emulated_grouped_gemms):
+    """With every GEMM's sums kept in fp32 and no native grouped GEMM that promotes, the grouped
+    GEMMs run emulated on the GPU too, and match each expert quantized alone in float64, ragged
+    and empty groups included."""
     recipe = dataclasses.replace(RECIPES[name](), fast_accumulation=())
     compiled = run_against_reference(recipe, Model().cuda(), inputs().cuda())
     assert {g.backend.name for g in compiled.graphquant.plan.gemms} == {backends.EMULATION}
@@ -247,6 +250,28 @@ def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(n
     assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == NATIVE_ON_HOPPER[name]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rowwise", "current", "blockwise"])
+def test_fp8_grouped_gemms_that_promote_run_on_the_triton_kernel_on_gpu(name, monkeypatch):
+    """With every GEMM's sums kept in fp32, every FP8 grouped GEMM runs on the Triton FP8 grouped
+    GEMM (partial sums promoted into fp32), and the step equals the emulated one to within those
+    sums' error (tests/test_triton_grouped_fp8.py bounds each GEMM; a wrong layout or scale
+    misses this by orders of magnitude)."""
+    if not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton")
+    model, x = Model().cuda(), inputs().cuda()
+    native, emulated = (copy.deepcopy(model) for _ in range(2))
+    recipe = dataclasses.replace(RECIPES[name](), fast_accumulation=())
+    compiled = graphquant.compile(native, recipe, backend="aot_eager", fullgraph=True)
+    actual = forward_backward(compiled, native, x)
+    assert {g.backend.name for g in compiled.graphquant.plan.gemms} == {backends.TRITON_GROUPED_GEMMS[0].backend}
+    monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
+    expected = forward_backward(graphquant.compile(emulated, recipe, backend="aot_eager", fullgraph=True), emulated, x)
+    for key, value in expected.items():
+        error = (actual[key].double() - value.double()).norm() / value.double().norm()
+        assert error < 2**-8, f"{key}: relative error {error:.2e}"
+
+
 def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=None):
     """torch._scaled_grouped_mm's semantics in fp32 on the CPU, after torch's own meta checks of
     the layouts (row-major A, column-major B, E4M3, scale shapes)."""
@@ -266,24 +291,53 @@ def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtyp
     return out.to(out_dtype)
 
 
+class TritonGroupedFp8OnCpu:
+    """graphquant.kernels.triton_grouped_fp8's semantics on the CPU: each group's dequantized
+    operands multiplied in float64, the result rounded to out_dtype once."""
+
+    @staticmethod
+    def tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype):
+        left = grouped_kernels.dequantize(a, a_group, torch.float64)
+        stacked = grouped_kernels.dequantize(b, b_group, torch.float64).reshape(ends.shape[0], -1, b.shape[1])
+        experts = stacked.transpose(1, 2) if b.direction == ROWWISE else stacked  # (groups, k, n)
+        return torch.einsum("rk,rkn->rn", left, experts[a_group])[position, :n].to(out_dtype)
+
+    @staticmethod
+    def tokens_by_tokens(a, a_group, b, b_group, ends, m, out_dtype):
+        left = grouped_kernels.dequantize(a, a_group, torch.float64)
+        right = grouped_kernels.dequantize(b, b_group, torch.float64)
+        member = F.one_hot(a_group, ends.shape[0]).double()  # the zero rows after the last group join it
+        return torch.einsum("rg,rm,rn->gmn", member, left, right)[:, :m].to(out_dtype)
+
+
 @pytest.fixture
 def scaled_grouped_mm_here(monkeypatch, fake_capability):
-    """fake_capability, with ``scaled_grouped_mm_on_cpu`` as torch._scaled_grouped_mm (the
-    emulated GEMMs run as on the CPU)."""
+    """fake_capability, with ``scaled_grouped_mm_on_cpu`` as torch._scaled_grouped_mm and
+    ``TritonGroupedFp8OnCpu`` as the Triton FP8 grouped GEMM (the emulated GEMMs run as on the CPU)."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu, raising=False)
+    monkeypatch.setattr(backends, "triton_grouped_fp8", TritonGroupedFp8OnCpu)
     return fake_capability
+
+
+@pytest.fixture
+def emulated_grouped_gemms(monkeypatch):
+    """The plan's grouped GEMMs that keep fp32 sums run emulated, not on the Triton FP8 grouped
+    GEMM: for the tests of the emulated path and of the reference's fp32 bound, which the
+    tensor cores' promoted sums do not meet (tests/test_triton_grouped_fp8.py tests theirs)."""
+    monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
 
 
 # The GEMMs of Model() that torch._scaled_grouped_mm runs on sm90 and sm100 (E4M3 on both sides)
 # under a recipe that lets them accumulate fast.
-NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "mxfp8": set()}
+NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "blockwise": set(), "mxfp8": set()}
 
 
-@pytest.mark.parametrize("name", ["rowwise", "current"])
+@pytest.mark.parametrize("name", ["rowwise", "current", "blockwise"])
 def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, scaled_grouped_mm_here):
     """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
-    checks of its arguments, on a faked sm90; the training step then matches the per-group
-    reference as the emulated one does (up to the native GEMM's bf16 output)."""
+    checks of its arguments, on a faked sm90 (and the Triton FP8 grouped GEMM's, for the GEMMs
+    it runs); the training step then matches the per-group reference as the emulated one does
+    (up to the native GEMMs' bf16 output)."""
     scaled_grouped_mm_here((9, 0))
     compiled = run_against_reference(fast_everywhere(RECIPES[name]()), Model(), inputs())
     native = NATIVE_ON_HOPPER[name]
@@ -296,6 +350,7 @@ def grouped_runs(monkeypatch):
     native grouped GEMM's GemmBackend, or "emulated"."""
     ran, current = {}, []
     dispatch, scaled, emulated = grouped_kernels.gemm, grouped_kernels._scaled_grouped_mm, grouped_kernels._emulated
+    triton_kernels = backends.triton_grouped_fp8
 
     def gemm(*args):
         current.append(args[-1])  # the GEMM's name
@@ -316,9 +371,19 @@ def grouped_runs(monkeypatch):
         record("emulated")
         return emulated(*args)
 
+    def triton_run(product):
+        def run(*args):
+            record(GemmBackend(backends.TRITON_GROUPED_GEMMS[0].backend))
+            return product(*args)
+
+        return run
+
     monkeypatch.setattr(grouped_kernels, "gemm", gemm)
     monkeypatch.setattr(grouped_kernels, "_scaled_grouped_mm", native_run)
     monkeypatch.setattr(grouped_kernels, "_emulated", emulated_run)
+    if triton_kernels is not None:
+        recorded = {name: triton_run(getattr(triton_kernels, name)) for name in ("tokens_by_experts", "tokens_by_tokens")}
+        monkeypatch.setattr(backends, "triton_grouped_fp8", types.SimpleNamespace(**recorded))
     return ran
 
 
@@ -514,11 +579,12 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, ROWWISE, None, 0)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, ROWWISE, None, 0)
+    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, False, None, 0)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, True, False, None, 0)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
-        args = (xp, tokens.row_group, tokens.ends, spec, COLUMNWISE, rng, 2)
-        torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+        for rowwise in (False, True):  # the columnwise alone, and both directions from one call
+            args = (xp, tokens.row_group, tokens.ends, spec, rowwise, True, rng, 2)
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -586,7 +652,7 @@ CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipe
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("routed", [False, True], ids=["fixed_offsets", "routed"])
 @pytest.mark.parametrize("name", sorted(CHAIN_RECIPES))
-def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, routed, device):
+def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, routed, device, emulated_grouped_gemms):
     """aot_eager against the eager per-group reference (teacher-forced, tests/reference.py),
     then Inductor against aot_eager: the non-GEMM code Inductor compiles (SiLU, the routing)
     moves no quantized value."""
@@ -665,3 +731,28 @@ def test_moe_benchmark_runs_tiny_on_cpu():
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines() if line.startswith("| bf16") or line.startswith("| graphquant")]
     assert [row[0] for row in rows] == names.split(","), result.stdout
     assert all(row[1] and not row[-1] for row in rows), result.stdout  # a time, no error
+
+
+def test_moe_layer_with_aligned_token_groups_computes_the_same_layer():
+    """benchmarks/models.py's MoE with token_group_alignment=16 (how moe_step.py runs torchao's FP8
+    grouped GEMMs, which need every expert's rows a multiple of 16) pads each expert's rows with
+    zero rows and drops them again: the same outputs and gradients, bit for bit."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("benchmark_models", path)
+    benchmark_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark_models)
+    torch.manual_seed(0)
+    plain = benchmark_models.MoE(dim=32, experts=4, top_k=2, hidden=32, shared_hidden=32)
+    aligned = copy.deepcopy(plain)
+    aligned.token_group_alignment = 16
+    seen = []
+    aligned.experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+    x = torch.randn(37, 32, dtype=torch.bfloat16)
+    results = [forward_backward(model, model, x) for model in (plain, aligned)]
+    for key, value in results[0].items():
+        assert torch.equal(results[1][key], value), key
+    (offs,) = seen
+    assert torch.all(offs % 16 == 0) and offs[-1] > 37 * 2, offs  # the experts saw aligned, padded groups

@@ -388,6 +388,25 @@ def test_grouped_quantize(backend, name, direction):
         assert_same_rep(got, reference, str(dtype))
 
 
+@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
+    """Both directions from one read of x (native.grouped_quantize_pass, as a grouped site's
+    operands take them) are what each direction's own call makes, bit for bit, random draws
+    included; a hybrid's too (each child its direction, from x)."""
+    if name.startswith("hybrid"):
+        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
+    else:
+        quantizer = QUANTIZERS[name]()
+    sizes = [256, 128, 384]
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
+    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    x = make_input((sum(sizes), 160), torch.bfloat16, "special", backend)
+    both = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=True, columnwise=True)
+    for direction, rep in ((ROWWISE, both.rowwise), (COLUMNWISE, both.columnwise)):
+        alone = native.grouped_quantize(quantizer.child(direction), x, row_group, group_sizes, direction, CTX)
+        assert_same_rep(rep, alone, direction)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", QUANTIZERS)

@@ -208,16 +208,10 @@ INTERPRETED = textwrap.dedent(
 
     from graphquant.formats.fp8 import cast_to_fp8
 
-    if tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 3):
-        # numpy >= 2.3 refuses int() of a one-element array, which triton's interpreter does for a
-        # loop bound computed in the kernel.
-        patch = interpreter._patch_lang_tensor
+    sys.path.insert(0, %r)
+    import triton_interpreter
 
-        def _patch_lang_tensor(tensor, scope):
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = _patch_lang_tensor
+    triton_interpreter.accept_numpy_scalars()
 
     # The interpreter's float32 -> FP8 casts do not round to nearest even; Hopper's do, as the
     # reference cast does.
@@ -231,7 +225,6 @@ INTERPRETED = textwrap.dedent(
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
-    sys.path.insert(0, %r)
     from graphquant.kernels import triton_attention
     from graphquant.ops import registry
     import test_triton_attention

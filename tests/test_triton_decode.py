@@ -8,12 +8,10 @@ must be set before Triton is first imported); on a GPU at the shapes of a Llama-
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import triton_interpreter
 
 from graphquant.kernels import backends
 from graphquant.kernels.backends import GemmBackend
@@ -107,10 +105,7 @@ def _interpreted_cases():
 def interpreted() -> dict:
     """Every (pair, case)'s excess, from one process running the kernel under Triton's interpreter."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return triton_interpreter.results_of(__file__)
 
 
 @pytest.mark.parametrize("name,case", _interpreted_cases(), ids=[f"{name}-{_interpreted_id(case)}" for name, case in _interpreted_cases()])

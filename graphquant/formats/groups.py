@@ -36,11 +36,14 @@ class GroupPadding(NamedTuple):
         follow; rows after the last group: the last group, all of them zeros).
     ends: (groups,) int32, the cumulative padded ends of the groups (torch._grouped_mm's offs
         for the padded layout).
+    source: (padded_rows,) int64, the row each padded row holds, -1 for a pad row (position's
+        inverse: padding is a gather, which a compiler fuses with what makes x).
     """
 
     position: torch.Tensor
     row_group: torch.Tensor
     ends: torch.Tensor
+    source: torch.Tensor
 
     @property
     def groups(self) -> int:
@@ -55,7 +58,10 @@ class GroupPadding(NamedTuple):
         group needs padding (as many padded rows as rows: an expert stack of whole blocks)."""
         if self.padded_rows == self.position.shape[0]:
             return x
-        return x.new_zeros((self.padded_rows, x.shape[1])).index_copy(0, self.position, x)
+        if x.shape[0] == 0:  # nothing to gather from
+            return x.new_zeros((self.padded_rows, x.shape[1]))
+        held = self.source >= 0
+        return torch.where(held[:, None], x[self.source.clamp_min(0)], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def padded_bound(rows: int, groups: int, block: int) -> int:
@@ -78,7 +84,9 @@ def padding(offs: torch.Tensor, rows: int, block: int, padded_rows: int) -> Grou
     position = row - starts[group] + padded_starts[group]
     padded_row = torch.arange(padded_rows, device=offs.device)
     row_group = torch.searchsorted(padded_ends, padded_row, right=True).clamp_max(offs.shape[0] - 1)
-    return GroupPadding(position, row_group, padded_ends.to(torch.int32))
+    within = padded_row - padded_starts[row_group]
+    source = torch.where(within < ends[row_group] - starts[row_group], starts[row_group] + within, -1)
+    return GroupPadding(position, row_group, padded_ends.to(torch.int32), source)
 
 
 def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:

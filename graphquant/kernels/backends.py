@@ -50,6 +50,8 @@ FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # The decode GEMM's kernels where Triton is installed; None elsewhere (no decode GEMM).
 triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
+# The native FP8 grouped GEMM's kernels where Triton is installed; None elsewhere.
+triton_grouped_fp8 = importlib.import_module("graphquant.kernels.triton_grouped_fp8") if HAS_TRITON else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +211,19 @@ NATIVE_GROUPED_GEMM = NativeGemm(
     fast_accumulation=True,
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
-NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, NATIVE_GROUPED_GEMM)}
+# Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
+# per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, its partial sums promoted into
+# fp32, so it serves the grouped GEMMs that keep fp32 sums (and the block-scaled and E5M2 ones,
+# which torch._scaled_grouped_mm does not take). It masks every edge: no multiple. Its FP8
+# products need sm89.
+TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
+    NativeGemm(
+        triton_grouped_fp8.BACKEND, triton_grouped_fp8.FAMILY_PAIRS, triton_grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm >= (8, 9)
+    ),
+)
+# In the order select_grouped tries them.
+NATIVE_GROUPED_GEMMS = (NATIVE_GROUPED_GEMM, *TRITON_GROUPED_GEMMS)
+NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, *NATIVE_GROUPED_GEMMS)}
 
 
 def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -231,26 +245,33 @@ def select_grouped(
     a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
-    unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on
-    NATIVE_GROUPED_GEMM where it multiplies the pair on ``device`` and the recipe lets this GEMM
-    accumulate fast (``fast_accumulation``); otherwise emulated, one grouped product."""
+    unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on the
+    first of NATIVE_GROUPED_GEMMS that multiplies the pair on ``device`` and may sum as the recipe
+    lets this GEMM (``fast_accumulation``: the tensor cores' accumulator allowed); otherwise
+    emulated, one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
         return selection
     sm = capability(device)
     if sm is None:
         return Selection(EMULATED, GemmBackend(EMULATION), selection.reason)
-    native, inputs = NATIVE_GROUPED_GEMM, (a.gemm_input(a_direction), b.gemm_input(b_direction))
-    if not native.takes(*inputs):
-        reason = f"{native.backend} multiplies E4M3 with per-tensor or per-row scales only, not {a.tag} x {b.tag}"
-    elif not native.runs_on(sm):
-        reason = f"{native.backend} does not run on sm_{sm[0]}{sm[1]}"
-    elif k is not None and k % native.multiple != 0:
-        reason = f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}"
-    elif not fast_accumulation:
-        reason = f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 (CustomRecipe.fast_accumulation)"
-    else:
-        return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation=True))
+    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
+    reasons = []
+    for native in NATIVE_GROUPED_GEMMS:
+        if not native.takes(*inputs):
+            reasons.append(f"{native.backend} does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}")
+        elif not native.runs_on(sm):
+            reasons.append(f"{native.backend} does not run on sm_{sm[0]}{sm[1]}")
+        elif k is not None and k % native.multiple != 0:
+            reasons.append(f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}")
+        elif native.fast_accumulation and not fast_accumulation:
+            reasons.append(
+                f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
+                "(CustomRecipe.fast_accumulation)"
+            )
+        else:
+            return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation=native.fast_accumulation))
+    reason = "; ".join(reasons)
     if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
     return Selection(EMULATED, GemmBackend(EMULATION), reason)

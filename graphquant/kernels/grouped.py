@@ -10,8 +10,10 @@ a multiple of 128 rows). Two kinds of product:
 
 Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
 
-Native (backends.NATIVE_GROUPED_GEMM): E4M3 with per-tensor or per-row scales on
-torch._scaled_grouped_mm, fp32 accumulation and the scales in its epilogue.
+Native (backends.NATIVE_GROUPED_GEMMS): E4M3 with per-tensor or per-row scales on
+torch._scaled_grouped_mm, summing in the tensor cores' accumulator, the scales in its epilogue;
+FP8 with per-tensor, per-row or block scales on graphquant.kernels.triton_grouped_fp8, its sums
+promoted into fp32, which writes the unpadded output itself.
 
 Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
 format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,
@@ -79,7 +81,12 @@ def gemm(
     rows make (the output columns of fprop, the rows of each wgrad product), padding dropped.
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
     backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
-    native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, (backends.NATIVE_GROUPED_GEMM,))
+    native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
+    if native in backends.TRITON_GROUPED_GEMMS:
+        kernels = backends.triton_grouped_fp8
+        if a.direction == ROWWISE:
+            return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype)
+        return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:

@@ -236,12 +236,36 @@ def grouped_quantize(
     size a multiple of 128 (every tile in one group), which graphquant.formats.groups' padded
     layout gives. Elsewhere ``Quantizer.quantize_groups``, vectorised over the groups, runs.
     """
-    quantizer.check_shape(tuple(x.shape), direction)
-    rowwise = direction == ROWWISE
-    native_reps = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=not rowwise, group_sizes=group_sizes)
-    if native_reps is None:
-        return quantizer.quantize_groups(x, row_group, group_sizes.shape[0], direction, ctx)
-    return native_reps.rowwise if rowwise else native_reps.columnwise
+    made = grouped_quantize_pass(quantizer, x, row_group, group_sizes, ctx, rowwise=direction == ROWWISE, columnwise=direction != ROWWISE)
+    return made.rowwise if direction == ROWWISE else made.columnwise
+
+
+def grouped_quantize_pass(
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
+    rowwise: bool, columnwise: bool,
+) -> Quantized:
+    """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
+    native kernel makes both (each direction as its own call would make it, random draws
+    included); otherwise each as ``grouped_quantize`` makes it. A rowwise_dequantized hybrid's
+    columnwise comes from the dequantized rowwise, not from x: it is not taken here."""
+    if columnwise and quantizer.columnwise_from_rowwise():
+        raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
+    for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+        if wanted:
+            quantizer.child(direction).check_shape(tuple(x.shape), direction)
+    both = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, group_sizes=group_sizes) if rowwise and columnwise else None
+    if both is not None:
+        return both
+    made = {}
+    for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+        if wanted:
+            child, alone = quantizer.child(direction), direction == ROWWISE
+            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, group_sizes=group_sizes)
+            if native_reps is None:
+                made[direction] = child.quantize_groups(x, row_group, group_sizes.shape[0], direction, ctx)
+            else:
+                made[direction] = native_reps.rowwise if alone else native_reps.columnwise
+    return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None)
 
 
 def reference_grouped_quantize(

@@ -43,23 +43,29 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
-    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, direction: str, rng: Optional[torch.Tensor], rng_stream: int
+    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, rowwise: bool, columnwise: bool,
+    rng: Optional[torch.Tensor], rng_stream: int,
 ) -> list[torch.Tensor]:
-    """One direction of ``x`` in the padded layout (``row_group``: each row's group; ``ends``: the
-    groups' cumulative ends), each group quantized as if alone: [data, scale, amax]. rng: int64
-    [seed, step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize."""
+    """The wanted directions of ``x`` in the padded layout (``row_group``: each row's group;
+    ``ends``: the groups' cumulative ends), each group quantized as if alone, in one read of x
+    where a kernel makes both (native.grouped_quantize_pass): [data, scale, amax] of the rowwise
+    representation if wanted, then of the columnwise one. rng: int64 [seed, step] and rng_stream
+    pick the stochastic-rounding stream, as for graphquant::quantize."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
     covering = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     ctx = QuantizeContext(rng=rng, offset=rng_stream)
-    rep = native.grouped_quantize(quantizer_of(spec), x, row_group, sizes, direction, ctx)
-    return [t.clone() if t.data_ptr() == x.data_ptr() else t.contiguous() for t in rep.tensors()]  # no output aliases x
+    made = native.grouped_quantize_pass(quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise)
+    tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
+    return [t.clone() if t.data_ptr() == x.data_ptr() else t.contiguous() for t in tensors]  # no output aliases x
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, spec, direction, rng, rng_stream):
-    rep = quantizer_of(spec).quantize_groups(x, row_group, ends.shape[0], direction, QuantizeContext())
-    return [t.new_empty(t.shape) for t in rep.tensors()]
+def _(x, row_group, ends, spec, rowwise, columnwise, rng, rng_stream):
+    quantizer = quantizer_of(spec)
+    wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
+    reps = [quantizer.child(d).quantize_groups(x, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
+    return [t.new_empty(t.shape) for rep in reps for t in rep.tensors()]
 
 
 @registry.op("grouped_dequantize")
@@ -122,17 +128,20 @@ def quantize_grouped(
     """The grouped representations of ``x`` (padded layout) in ``directions``, honouring hybrid
     children and sources; a stochastic child draws from stream ``stream`` of the step ``rng``."""
 
-    def encode(source: torch.Tensor, child: Quantizer, direction: str) -> Operand:
-        child_rng, child_stream = (rng, stream) if child.stochastic else (None, 0)
+    def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
+        made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
         tensors = torch.ops.graphquant.grouped_quantize(
-            source, layout.row_group, layout.ends, child.spec, direction, child_rng, child_stream
+            source, layout.row_group, layout.ends, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
         )
-        return Operand(list(tensors), child.spec, direction, (x.shape[0], x.shape[1]))
+        order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
+        return {d: Operand(list(tensors[3 * i : 3 * i + 3]), made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
 
     def rowwise_values(row: Operand) -> torch.Tensor:
         return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, layout.row_group, x.dtype)
 
-    return hybrid_directions(x, quantizer, directions, encode, rowwise_values)
+    if len(directions) == 2 and not quantizer.columnwise_from_rowwise():
+        return quantize(x, quantizer, directions)  # both from one read of x
+    return hybrid_directions(x, quantizer, directions, lambda source, child, d: quantize(source, child, (d,))[d], rowwise_values)
 
 
 def _gemm(

@@ -1,0 +1,107 @@
+"""The grouped GEMMs of an MoE layer's experts, alone: bf16 torch._grouped_mm against graphquant's
+native FP8 grouped GEMMs (torch._scaled_grouped_mm, the Triton FP8 grouped GEMM) on quantized
+operands in the padded layout, fprop, dgrad and wgrad.
+
+    python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,blockwise] [--promote 32,128]
+
+Shapes: moe_step.py's (16384 tokens, top-8 of 64 experts, dim 4096, expert hidden 1408: gate_up
+4096 -> 2816, down 1408 -> 4096), the tokens routed at random. ``--promote`` also times the Triton
+GEMM promoting its partial sums every 128 products (its default, 32, is the fp32-accumulation
+contract's). Prints ms and TFLOP/s (of the unpadded GEMM) per GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import time_ms  # noqa: E402
+
+from graphquant import zoo  # noqa: E402
+from graphquant.formats import groups  # noqa: E402
+from graphquant.kernels import backends, native  # noqa: E402
+from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
+from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext  # noqa: E402
+from graphquant.roles import QuantizerRole  # noqa: E402
+
+TOKENS, TOP_K, EXPERTS = 16384, 8, 64
+SITES = {"gate_up": (4096, 2816), "down": (1408, 4096)}  # (k: x's columns, n: each expert's outputs)
+
+
+def quantizers(name: str):
+    """(input, weight, grad_output) quantizers of zoo recipe ``name`` for a grouped_linear."""
+    factory = zoo.recipe(name).qfactory
+    return [factory(QuantizerRole("grouped_linear", tensor, "experts")) for tensor in ("input", "weight", "grad_output")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sites", default="gate_up,down")
+    parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
+    parser.add_argument("--promote", default="32", help="comma-separated promotion intervals of the Triton GEMM to time")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    chosen = torch.randn(TOKENS, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices.reshape(-1)
+    offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device="cuda"), right=True).to(torch.int32)
+    rows = TOKENS * TOP_K
+    tokens = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
+    sizes = torch.diff(torch.cat([tokens.ends[:-1], tokens.ends.new_full((1,), tokens.padded_rows)]), prepend=tokens.ends.new_zeros(1))
+    kernels = backends.triton_grouped_fp8
+    default_interval = kernels.PROMOTE_EVERY
+    table = []
+    for site in args.sites.split(","):
+        k, n = SITES[site]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        flops = 2.0 * rows * k * n
+        bf16 = {
+            "fprop": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
+            "dgrad": lambda: torch._grouped_mm(dy, w, offs=offs),
+            "wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+        }
+        for gemm, fn in bf16.items():
+            ms = time_ms(fn, reps=args.reps)
+            table.append([site, gemm, "bf16 torch._grouped_mm", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+        stack_ends = torch.arange(1, EXPERTS + 1, dtype=torch.int32, device="cuda") * n
+        stack = groups.padding(stack_ends, EXPERTS * n, groups.GROUP_ROWS, EXPERTS * n)
+        for name in args.formats.split(","):
+            qx, qw, qg = quantizers(name)
+
+            def quantized(quantizer, values, layout, direction, group_sizes):
+                return native.grouped_quantize(quantizer, values, layout.row_group, group_sizes, direction, QuantizeContext())
+
+            expert_sizes = torch.full((EXPERTS,), n, dtype=torch.int32, device="cuda")
+            xp, dyp = tokens.pad(x), tokens.pad(dy)
+            operands = {
+                "fprop": (quantized(qx, xp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, ROWWISE, expert_sizes)),
+                "dgrad": (quantized(qg, dyp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, COLUMNWISE, expert_sizes)),
+                "wgrad": (quantized(qg, dyp, tokens, COLUMNWISE, sizes), quantized(qx, xp, tokens, COLUMNWISE, sizes)),
+            }
+            for gemm, (a, b) in operands.items():
+                b_group = stack.row_group if gemm != "wgrad" else tokens.row_group
+                width = k if gemm == "dgrad" else n  # the output's columns (wgrad: each expert's rows)
+                runs = {}
+                for fast in (True, False):
+                    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast)
+                    runs.setdefault(selection.backend, selection)
+                for backend in runs:
+                    intervals = args.promote.split(",") if backend.name == kernels.BACKEND else [str(kernels.PROMOTE_EVERY)]
+                    for interval in intervals:
+                        kernels.PROMOTE_EVERY = int(interval)
+                        label = f"{name}: {backend}" + (f", promoted every {interval}" if backend.name == kernels.BACKEND else "")
+                        fn = lambda: grouped_kernels.gemm(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, backend, f"{site} {gemm}")  # noqa: E731
+                        ms = time_ms(fn, reps=args.reps)
+                        table.append([site, gemm, label, f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+                    kernels.PROMOTE_EVERY = default_interval
+        print(tabulate(table, headers=["site", "GEMM", "backend", "ms", "TFLOP/s"]), flush=True)
+        table.clear()
+
+
+if __name__ == "__main__":
+    main()

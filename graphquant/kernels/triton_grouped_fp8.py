@@ -1,0 +1,292 @@
+"""The native FP8 grouped GEMM: every group's product of two FP8 grouped representations in one
+Triton launch, the scales applied inside it, the group offsets read on the device.
+
+It multiplies the FP8 codes on the tensor cores and applies the formats' scales in fp32:
+per-tensor and per-row scales (one factor per GEMM row of each operand, ``Quantizer.grouped_factor``)
+once in the epilogue; DeepSeek-V3's 1x128 and 128x128 block scales to each 128-long K block's
+partial product, as its recipe does. Partial sums are promoted from the tensor cores' accumulator
+into fp32 after every 32 products (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs
+do, so it keeps a recipe's fp32-accumulation contract: 2^-9 of relative error per term at most.
+E4M3 and E5M2 on either side. The result is rounded once, to the output dtype, and written
+straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
+
+The two products of graphquant.kernels.grouped, on graphquant.formats.groups' padded layout
+(every group starts at a multiple of 128 rows, so a tile of 128 rows lies in one group):
+
+    tokens x experts (fprop, dgrad)  out[source[r]] = A[r] @ B_g for the padded rows r of group g
+    tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's padded rows (an empty group: 0)
+
+Both operands are read with the reduction dim contiguous, as every grouped representation of
+these formats stores it (rowwise data as is, columnwise data transposed).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from graphquant.formats.groups import GROUP_ROWS
+from graphquant.quantizers import ROWWISE, Representation
+
+BACKEND = "triton fp8 grouped"
+_ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")
+# fprop and dgrad multiply activations or gradients (1x128) by weights (128x128, or 1x128), wgrad
+# two 1x128 operands; per-tensor and per-row scales in any combination.
+FAMILY_PAIRS = frozenset(
+    {(x, y) for x in _ROW_SCALED for y in _ROW_SCALED}
+    | {(x, y) for x in ("fp8_block_1x128", "fp8_block_128x128") for y in ("fp8_block_1x128", "fp8_block_128x128")}
+)
+_FP8 = ("e4m3", "e5m2")
+ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
+SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
+PROMOTE_EVERY = 32  # products summed in the tensor cores' accumulator before fp32 takes them
+
+# Tiles for Hopper: K tiles of one block scale each; row tiles that divide the layout's 128-row
+# alignment; no 128x256 tile, whose fp32 accumulator and promotion partial sum would not fit the
+# registers of 8 warps. The interpreter runs a kernel's logic, not its speed: the first alone.
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+]
+if triton.knobs.runtime.interpret:
+    _CONFIGS = _CONFIGS[:1]
+GROUP_TILES = 8  # tile rows a launch walks before the next tile column, so that B stays in L2
+
+
+class Scales(NamedTuple):
+    """Where an operand's scales lie: the scale of its GEMM row i (in group g) and K block kb is at
+    ``tensor + g * group + (i // rows) * row + kb * block``. A per-tensor or per-row factor has
+    block 0 (applied once, after the sum); a block scale's rows are 1 or 128."""
+
+    tensor: torch.Tensor
+    group: int
+    row: int
+    block: int
+    rows: int = 1
+
+
+@triton.jit
+def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
+    """FP8 codes loaded as bytes (masked lanes +0; mask None: none masked) and read as E4M3 or E5M2."""
+    if mask is None:
+        codes = tl.load(ptrs)
+    else:
+        codes = tl.load(ptrs, mask=mask, other=0)
+    return codes.to(tl.float8e5 if E5M2 else tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.constexpr):
+    """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see Scales); 0 where masked
+    (mask None: none masked)."""
+    at = group * stride_g + (i // ROWS).to(tl.int64) * stride_i + kb * stride_k
+    if mask is None:
+        scales = tl.load(ptr + at)
+    else:
+        scales = tl.load(ptr + at, mask=mask, other=0.0)
+    return scales
+
+
+@triton.jit
+def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
+    """(tile row, tile column) of program ``pid``, GROUP_TILES tile rows per column in turn."""
+    width = GROUP_TILES * tiles_n
+    first = (pid // width) * GROUP_TILES
+    height = tl.minimum(tiles_m - first, GROUP_TILES)
+    return first + (pid % width) % height, (pid % width) // height
+
+
+@triton.autotune(configs=_CONFIGS, key=["n", "k", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _tokens_by_experts(
+    a_ptr, b_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, k,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om,
+    sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
+    BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
+    once a tile); tiles past the last group's end hold no rows and return at once."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
+    if pid_m * BLOCK_M >= tl.load(ends_ptr + groups - 1):
+        return
+    rows_at = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < n
+    group = tl.load(row_group_ptr + pid_m * BLOCK_M).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_at[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + group * stride_bg + offs_k[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        if EVEN_K:
+            a = _fp8_tile(a_ptrs, None, A_E5M2)
+            b = _fp8_tile(b_ptrs, in_cols[None, :], B_E5M2)
+        else:
+            in_k = offs_k < k - start
+            a = _fp8_tile(a_ptrs, in_k[None, :], A_E5M2)
+            b = _fp8_tile(b_ptrs, in_k[:, None] & in_cols[None, :], B_E5M2)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        if BLOCK_SCALED:
+            kb = start // SCALE_BLOCK
+            sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
+            sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
+            acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
+    if not BLOCK_SCALED:
+        sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, None, A_ROWS)
+        sb = _scale(sb_ptr, group, cols, 0, sb_g, sb_i, sb_k, in_cols, B_ROWS)
+        acc = acc * (sa[:, None] * sb[None, :])
+    source = tl.load(source_ptr + rows_at)
+    out_at = source[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=(source[:, None] >= 0) & in_cols[None, :])
+
+
+@triton.autotune(configs=_CONFIGS, key=["m", "n", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@triton.jit
+def _tokens_by_tokens(
+    a_ptr, b_ptr, out_ptr, ends_ptr, m, n,
+    stride_am, stride_ar, stride_bn, stride_br,
+    sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
+    BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr, GROUP_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[g] = A_g^T B_g over group g's padded rows (bounds read on the device), A and B stored
+    transposed (m and n rows, the tokens contiguous); an empty group's product is 0."""
+    group = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
+    end = tl.load(ends_ptr + group).to(tl.int64)
+    # A multiple of GROUP_ROWS, which the compiler must know to load the tokens 16 bytes at a time.
+    begin = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64), GROUP_ROWS)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = ms < m, ns < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ms[:, None].to(tl.int64) * stride_am + (begin + offs_k[None, :]) * stride_ar
+    b_ptrs = b_ptr + (begin + offs_k[:, None]) * stride_br + ns[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(begin, end, BLOCK_K):  # group bounds are multiples of GROUP_ROWS: no K mask
+        a = _fp8_tile(a_ptrs, in_m[:, None], A_E5M2)
+        b = _fp8_tile(b_ptrs, in_n[None, :], B_E5M2)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
+        if BLOCK_SCALED:
+            kb = start // SCALE_BLOCK
+            sa = _scale(sa_ptr, group, ms, kb, sa_g, sa_i, sa_k, in_m, A_ROWS)
+            sb = _scale(sb_ptr, group, ns, kb, sb_g, sb_i, sb_k, in_n, B_ROWS)
+            acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
+    if not BLOCK_SCALED:
+        sa = _scale(sa_ptr, group, ms, 0, sa_g, sa_i, sa_k, in_m, A_ROWS)
+        sb = _scale(sb_ptr, group, ns, 0, sb_g, sb_i, sb_k, in_n, B_ROWS)
+        acc = acc * (sa[:, None] * sb[None, :])
+    out_at = group * m * n + ms[:, None].to(tl.int64) * n + ns[None, :]
+    tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def _block_scaled(rep: Representation) -> bool:
+    return rep.quantizer.gemm_input(rep.direction).family.startswith("fp8_block")
+
+
+def _scale_rows(rep: Representation) -> int:
+    """The GEMM rows one block scale covers: 128 for 128x128 tiles, 1 for 1x128 blocks (both
+    directions: a columnwise 128x1 block is a 1x128 one of the stored transpose)."""
+    return SCALE_BLOCK if rep.quantizer.gemm_input(rep.direction).family == "fp8_block_128x128" else 1
+
+
+def _e5m2(rep: Representation) -> bool:
+    return rep.quantizer.gemm_input(rep.direction).element == "e5m2"
+
+
+def _codes(rep: Representation) -> torch.Tensor:
+    return rep.data.view(torch.uint8)
+
+
+def _expert_scales(b: Representation, b_group: torch.Tensor, groups: int) -> Scales:
+    """B's scales for tokens x experts: B_g's GEMM rows are the output columns. Rowwise data
+    (groups * n', k) has group g's rows from g * n' on; columnwise data (cols, groups * n'),
+    stored transposed, group g's K from g * n' on."""
+    per_group = (b.data.shape[0] if b.direction == ROWWISE else b.data.shape[1]) // groups
+    if _block_scaled(b):
+        rows = _scale_rows(b)
+        row, block = b.scale.stride()
+        group = per_group // rows * row if b.direction == ROWWISE else per_group // SCALE_BLOCK * block
+        return Scales(b.scale, group, row, block, rows)
+    factor = b.quantizer.grouped_factor(b, b_group).float()
+    if b.direction == ROWWISE:  # (groups * n', 1): one per row of the stack
+        return Scales(factor, per_group * factor.stride(0), factor.stride(0), 0)
+    factor = factor.expand(groups, b.data.shape[0])  # (groups, cols or 1): one per column of each group
+    return Scales(factor, factor.stride(0), factor.stride(1), 0)
+
+
+def _token_scales(rep: Representation, row_group: torch.Tensor, groups: int) -> Scales:
+    """The scales of a token operand: rowwise (tokens x experts' A), its rows; columnwise
+    (either side of tokens x tokens), its columns in each group."""
+    if _block_scaled(rep):
+        row, block = rep.scale.stride()
+        return Scales(rep.scale, 0, row, block, _scale_rows(rep))
+    factor = rep.quantizer.grouped_factor(rep, row_group).float()
+    if rep.direction == ROWWISE:
+        return Scales(factor, 0, factor.stride(0), 0)
+    factor = factor.expand(groups, rep.data.shape[0])
+    return Scales(factor, factor.stride(0), factor.stride(1), 0)
+
+
+def tokens_by_experts(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor,
+    position: torch.Tensor, n: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(tokens, n): row t is A's padded row position[t] times its group's B (its first n GEMM
+    rows: the padding dropped). A rowwise (padded rows, k); B an expert stack, rowwise (groups *
+    n', k) or columnwise, stored transposed (n, groups * n')."""
+    groups = ends.shape[0]
+    rows, k = a.data.shape
+    out = torch.empty((position.shape[0], n), dtype=out_dtype, device=a.data.device)
+    source = torch.full((rows,), -1, dtype=torch.int64, device=a.data.device)
+    source.index_copy_(0, position, torch.arange(position.shape[0], device=a.data.device))
+    if b.direction == ROWWISE:  # B_g[kk, col] = data[g * n' + col, kk]
+        per_group = b.data.shape[0] // groups
+        strides = (per_group * b.data.stride(0), b.data.stride(1), b.data.stride(0))
+    else:  # B_g[kk, col] = data[col, g * n' + kk]
+        per_group = b.data.shape[1] // groups
+        strides = (per_group * b.data.stride(1), b.data.stride(1), b.data.stride(0))
+    sa, sb = _token_scales(a, a_group, groups), _expert_scales(b, b_group, groups)
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _tokens_by_experts[grid](
+        _codes(a), _codes(b), out, a_group, source, ends, groups, rows, n, k,
+        *a.data.stride(), *strides, out.stride(0),
+        sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
+        BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
+        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES,
+    )
+    return out
+
+
+def tokens_by_tokens(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor, m: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(groups, m, cols of B): A_g^T B_g for each group g, both columnwise (stored transposed:
+    (m', padded rows) and (cols, padded rows)); A's first m rows (the padding dropped)."""
+    groups = ends.shape[0]
+    n = b.data.shape[0]
+    out = torch.empty((groups, m, n), dtype=out_dtype, device=a.data.device)
+    sa, sb = _token_scales(a, a_group, groups), _token_scales(b, b_group, groups)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), groups)  # noqa: E731
+    _tokens_by_tokens[grid](
+        _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
+        sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
+        BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
+        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
+    )
+    return out
