@@ -68,8 +68,9 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     return AttentionSite(name="attn", call=0, **formats, backend=backend), states
 
 
-def flash_kernel_alone(q, k, v, causal: bool):
-    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize)."""
+def flash_kernel_alone(q, k, v, causal: bool, config=None):
+    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize), in
+    ``config`` (a triton_attention.ForwardConfig; None: the kernel's default)."""
     from graphquant.kernels import triton_attention
 
     rows = {t: x.detach().reshape(-1, HEAD_DIM) for t, x in zip("QKV", (q, k, v))}
@@ -77,7 +78,7 @@ def flash_kernel_alone(q, k, v, causal: bool):
     q8, k8 = (made[t][ROWWISE].tensors[0].view(x.shape) for t, x in (("Q", q), ("K", k)))
     vt, scale_inv = made["V"][COLUMNWISE].tensors[0], made["Q"][ROWWISE].tensors[1]
     p_scale = E4M3.scale_of_amax(torch.ones(1, device=q.device))
-    return lambda: triton_attention.forward(q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    return lambda: triton_attention.forward(q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
 def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, callable]:

@@ -237,8 +237,9 @@ INTERPRETED = textwrap.dedent(
     import test_triton_attention
 
     registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
-    for shape in %r:
-        print(test_triton_attention.check_against_the_emulation(*shape, device="cpu"))
+    for *shape, config in %r:
+        config = config and triton_attention.ForwardConfig(**config)
+        print(test_triton_attention.check_against_the_emulation(*shape, device="cpu", config=config))
     """
 )
 
@@ -247,9 +248,12 @@ def test_kernel_under_the_interpreter():
     """The GPU test's comparison with the kernel run by Triton's interpreter on the CPU (the
     reference's float32 -> E4M3 cast in place of the interpreter's): grouped heads, lengths that
     are not multiples of the tiles (one query row, more queries than keys, several key tiles),
-    causal and not, both head dims."""
+    causal and not, both head dims; and configurations other than the default: key tiles wider
+    than the query block (the causal loop's end inside a key tile), PV promoted within a tile."""
     pytest.importorskip("triton")
-    shapes = [(1, 2, 1, 130, 70, 64, False), (1, 2, 1, 130, 70, 64, True), (2, 2, 2, 1, 200, 64, False), (1, 4, 2, 150, 300, 128, True)]
+    other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
+    shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
+              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -297,11 +301,13 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantize
     return o_bound, lse_bound, torch.logsumexp(x, -1), p, eta
 
 
-def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -> str:
+def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, config=None) -> str:
     """The flash path's O within ``flash_bound`` of the emulation's, the kernel's O the flash
     path's, its logsumexp within its logit error of float64's, and its recorded amax within the
-    same of the normalised P's; bfloat16 inputs, current scaling. Says how much of each bound the
-    errors took."""
+    same of the normalised P's; bfloat16 inputs, current scaling. With ``config`` (a
+    triton_attention.ForwardConfig promoting PV at least once a key tile) the kernel runs that
+    configuration, whose O is held to the same bound. Says how much of each bound the errors
+    took."""
     from graphquant.kernels import triton_attention
 
     q, k, v, _ = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
@@ -315,14 +321,16 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -
     codes = [made[t][ROWWISE].tensors[0].view(x.shape) for t, x in zip("QKV", (q, k, v))]
     scale_inv = made["Q"][ROWWISE].tensors[1]
     p_scale = E4M3.scale_of_amax(torch.ones(1, device=device))
-    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16)
-    assert torch.equal(o_kernel, o_flash)
+    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16, config)
+    if config is None:
+        assert torch.equal(o_kernel, o_flash)
+    o_flash = o_kernel
 
     values = [c.float() * scale_inv for c in codes]
     o_bound, lse_bound, lse64, p, eta = flash_bound(*values, o_flash, o_emulated, scale, causal, p_scale.item(), E4M3)
     error = (o_flash.double() - o_emulated.double()).abs()
     share = (error / o_bound).max().item()
-    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}"
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}{'' if config is None else f' {config}'}"
     assert share <= 1, f"{what}: O is {share:.3g} of the bound away from the emulation's (mean |error| {error.mean().item():.3g})"
     lse_share = ((lse.double() - lse64).abs() / lse_bound).max().item()
     assert lse_share <= 1, f"{what}: the logsumexp is {lse_share:.3g} of its bound away from float64's"
@@ -340,6 +348,24 @@ GPU_SHAPES = [(4, 128, 64), (8, 1000, 128), (8, 2048, 128), (4, 1000, 64)]
 def test_kernel_against_the_emulation(heads, seq, d, causal):
     """``check_against_the_emulation`` at batch 2, 2 key/value heads."""
     print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda"))
+
+
+# Configurations the tuning sweep (benchmarks/attention_tune.py) may pick: every tile shape and
+# warp count at head dim 128, PV promoted once a key tile.
+GPU_CONFIGS = [(64, 64, 4, 4), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", GPU_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}" for m, n, w, s in GPU_CONFIGS])
+def test_kernel_configurations_against_the_emulation(tiles, causal):
+    """``check_against_the_emulation`` in other configurations than the default, at lengths that
+    do not tile."""
+    from graphquant.kernels.triton_attention import ForwardConfig
+
+    m, n, warps, stages = tiles
+    config = ForwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages, pv_promotion=n)
+    print(check_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda", config))
 
 
 @pytest.mark.gpu
