@@ -68,17 +68,23 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     return AttentionSite(name="attn", call=0, **formats, backend=backend), states
 
 
+def flash_codes(q, k, v) -> tuple:
+    """(Q codes, K codes, V^T codes, their scale_inv, the P scale): what the FP8 flash forward
+    takes, quantized as the zoo recipe's qkv quantizes."""
+    rows = {t: x.detach().reshape(-1, HEAD_DIM) for t, x in zip("QKV", (q, k, v))}
+    made = quantize_qkv(rows, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (COLUMNWISE,)}, SlotState(None, None, 0))
+    q8, k8 = (made[t][ROWWISE].tensors[0].view(x.shape) for t, x in (("Q", q), ("K", k)))
+    vt, scale_inv = made["V"][COLUMNWISE].tensors[0], made["Q"][ROWWISE].tensors[1]
+    return q8, k8, vt, scale_inv, E4M3.scale_of_amax(torch.ones(1, device=q.device))
+
+
 def flash_kernel_alone(q, k, v, causal: bool, config=None):
     """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize), in
     ``config`` (a triton_attention.ForwardConfig; None: the kernel's default)."""
     from graphquant.kernels import triton_attention
 
-    rows = {t: x.detach().reshape(-1, HEAD_DIM) for t, x in zip("QKV", (q, k, v))}
-    made = quantize_qkv(rows, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (COLUMNWISE,)}, SlotState(None, None, 0))
-    q8, k8 = (made[t][ROWWISE].tensors[0].view(x.shape) for t, x in (("Q", q), ("K", k)))
-    vt, scale_inv = made["V"][COLUMNWISE].tensors[0], made["Q"][ROWWISE].tensors[1]
-    p_scale = E4M3.scale_of_amax(torch.ones(1, device=q.device))
-    return lambda: triton_attention.forward(q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
+    codes = flash_codes(q, k, v)
+    return lambda: triton_attention.forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
 def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, callable]:
