@@ -199,7 +199,8 @@ def test_backward_is_the_emulations(emulated_kernel, formats, causal):
 
 # -- the kernel under the Triton interpreter ---------------------------------------------------
 
-INTERPRETED = textwrap.dedent(
+# Triton's interpreter as the GPU runs a kernel: the setup every interpreted check starts with.
+INTERPRETER_SETUP = textwrap.dedent(
     """
     import sys
     import numpy, torch
@@ -230,7 +231,10 @@ INTERPRETED = textwrap.dedent(
         return interpreter.TensorHandle(data, dst_type.scalar)
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
-
+    """
+)
+INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
     sys.path.insert(0, %r)
     from graphquant.kernels import triton_attention
     from graphquant.ops import registry
@@ -261,6 +265,88 @@ def test_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+# -- Q, K and V quantized for the kernel ---------------------------------------------------------
+
+def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0):
+    """2-D Q, K and V of head dim 64 whose row counts do not tile, with a largest value in V."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, 64, generator=g) * s for n, s in ((130, 2.0), (70, 1.0), (70, 3.0)))
+    v[3, 5] = -40.0
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("qkv", ["current", "pow2", "delayed"])
+def test_flash_qkv_is_quantize_qkv(qkv):
+    """flash_qkv (graphquant::qkv_amax and qkv_cast, nothing joined) gives quantize_qkv's codes,
+    scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise ones, and
+    a delayed-scaling slot the same state after it."""
+    from graphquant.ops.attention import flash_qkv
+    from graphquant.quantizers import Float8DelayedScalingQuantizer
+
+    quantizer = {
+        "current": E4M3, "pow2": Float8CurrentScalingQuantizer(fp8_dtype="e4m3", force_pow_2_scales=True, amax_epsilon=1e-3),
+        "delayed": Float8DelayedScalingQuantizer(fp8_dtype="e4m3", amax_history_len=2),
+    }[qkv]
+    states = [torch.tensor([0.5, 0.0, 7.0]) if quantizer.keeps_state else None for _ in range(2)]
+    q, k, v = _qkv_inputs()
+    tensors = {"Q": q, "K": k, "V": v}
+    flash = flash_qkv(tensors, quantizer, SlotState(states[0], None, 0))
+    reference = quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, SlotState(states[1], None, 0))
+    for t in "QKV":
+        assert flash[t].keys() == reference[t].keys()
+        for direction, op in flash[t].items():
+            ref = reference[t][direction]
+            assert (op.spec, op.direction, op.shape) == (ref.spec, ref.direction, ref.shape)
+            for a, e in zip(op.tensors, ref.tensors):
+                assert a.dtype == e.dtype and a.shape == e.shape, (t, direction)
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), (t, direction)
+    if quantizer.keeps_state:
+        assert torch.equal(states[0], states[1]) and 40.0 in states[0]  # V's largest value recorded
+
+
+def check_qkv_kernels(device: str) -> str:
+    """graphquant.kernels.triton_qkv's amax and cast on ``device`` against the ops' references
+    on the CPU, bit for bit: bfloat16 and float32 inputs, a scale that saturates, inf and NaN
+    in the amax."""
+    from graphquant.kernels import triton_qkv
+
+    checked = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = _qkv_inputs(dtype)
+        for scale in (torch.tensor(448 / 40.0), torch.tensor(100.0)):  # the amax's scale; one that saturates
+            expected = torch.ops.graphquant.qkv_cast(q, k, v, scale, "e4m3")
+            got = triton_qkv.qkv_cast(q.to(device), k.to(device), v.to(device), scale.to(device), "e4m3")
+            for name, a, e in zip(("Q", "K", "V", "V^T", "amax"), got, expected):
+                a, e = a.cpu(), e
+                assert a.dtype == e.dtype and a.shape == e.shape, name
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} scale {scale.item()}: {name}"
+        checked.append(f"{dtype} cast")
+        for special in (float("inf"), float("nan")):
+            k_special = k.clone()
+            k_special[69, 63] = special
+            got = triton_qkv.qkv_amax(q.to(device), k_special.to(device), v.to(device)).cpu()
+            expected = torch.ops.graphquant.qkv_amax(q, k_special, v)
+            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
+        checked.append(f"{dtype} amax")
+    return ", ".join(checked)
+
+
+def test_qkv_kernels_under_the_interpreter():
+    """``check_qkv_kernels`` with the kernels run by Triton's interpreter (the reference's
+    float32 -> E4M3 cast in place of the interpreter's)."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(__file__)
+    script = INTERPRETER_SETUP + f"sys.path.insert(0, {tests!r})\nimport test_triton_attention\nprint(test_triton_attention.check_qkv_kernels('cpu'))\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_qkv_kernels_on_the_gpu():
+    print(check_qkv_kernels("cuda"))
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------

@@ -36,13 +36,14 @@ from typing import Optional
 
 import torch
 
+from graphquant.formats import fp8, per_tensor
 from graphquant.kernels import backends
 from graphquant.ops import recording, registry
 from graphquant.ops.library import quantizer_of
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
@@ -165,7 +166,7 @@ class FlashAttention(torch.autograd.Function):
     backward is the emulation's, recomputing S and P from the saved Q, K, V codes.
 
     Q, K and V are quantized as the emulation quantizes them (their joint per-tensor scale, the
-    same codes); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
+    same codes: ``flash_qkv``); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
     with the scale the s format gives an amax of 1, and records the normalised P's amax (the max
     over rows of 1 / rowsum) where s keeps delayed-scaling state. The recomputed P of the backward
     is quantized as the emulation's forward would have (the s state as the forward found it), so
@@ -176,8 +177,7 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
         b, h, lq, d = q.shape
         tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, d)}
-        directions = {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}
-        made = quantize_qkv(tensors, site.quantizer("qkv"), directions, SlotState(qkv_delayed, None, 0, site.amax_group))
+        made = flash_qkv(tensors, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
         s_quantizer = site.quantizer("s")
         s_found = s_delayed.clone() if s_delayed is not None else None
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
@@ -248,6 +248,73 @@ except ImportError:  # no Triton: the plan never selects the kernel
     pass
 else:
     registry.cuda_kernel("flash_attention")(triton_attention.forward)
+
+
+@registry.op("qkv_amax")
+def qkv_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The joint amax of attention's 2-D Q, K and V (0-dim float32): fp8.tensor_amax of the three
+    joined, without joining them."""
+    return torch.stack([fp8.tensor_amax(x) for x in (q, k, v)]).amax()
+
+
+@registry.fake("qkv_amax")
+def _(q, k, v):
+    return q.new_empty((), dtype=torch.float32)
+
+
+@registry.op("qkv_cast")
+def qkv_cast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, fp8_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-tensor FP8 codes of attention's 2-D Q, K and V under one ``scale``
+    (per_tensor.quantize), V's transposed codes, and the joint amax of the three."""
+    q8, k8, v8 = (per_tensor.quantize(x, scale, fp8_dtype, transpose=False) for x in (q, k, v))
+    return q8, k8, v8, v8.t().contiguous(), qkv_amax(q, k, v)
+
+
+@registry.fake("qkv_cast")
+def _(q, k, v, scale, fp8_dtype):
+    dtype = fp8.FP8_DTYPES[fp8_dtype]
+    codes = [x.new_empty(x.shape, dtype=dtype) for x in (q, k, v)]
+    return *codes, v.new_empty((v.shape[1], v.shape[0]), dtype=dtype), q.new_empty((), dtype=torch.float32)
+
+
+try:
+    from graphquant.kernels import triton_qkv
+except ImportError:  # no Triton: CUDA tensors run the reference
+    pass
+else:
+    registry.cuda_kernel("qkv_amax")(triton_qkv.qkv_amax)
+    registry.cuda_kernel("qkv_cast")(triton_qkv.qkv_cast)
+
+
+def flash_qkv(tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState) -> dict[str, dict[str, Operand]]:
+    """Q and K (2-D) rowwise and V both ways in a per-tensor format, as the flash kernel takes
+    them: ``quantize_qkv``'s codes, scale and amax, in at most two passes over the three that join
+    nothing (graphquant::qkv_amax, where the scale comes from their amax, then graphquant::qkv_cast,
+    which writes V's columnwise codes beside its rowwise ones and sees the amax a delayed-scaling
+    slot records)."""
+    rowwise = quantizer.child(ROWWISE)
+    encoding = rowwise.kernel_encoding(ROWWISE)
+    q, k, v = tensors["Q"], tensors["K"], tensors["V"]
+    if encoding.delayed_scaling:
+        scale = state.delayed[:1].clone()  # a copy: the state is updated in place below
+        scale_inv = torch.reciprocal(scale)
+    else:
+        amax = torch.ops.graphquant.qkv_amax(q, k, v)
+        if rowwise.reduces_amax:
+            amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
+        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
+    q8, k8, v8, vt8, seen = torch.ops.graphquant.qkv_cast(q, k, v, scale, encoding.element)
+    if encoding.delayed_scaling:
+        amax = seen
+        record_amax(rowwise, state, amax)
+    operand = lambda data, direction, x: Operand([data, scale_inv, amax], rowwise.spec, direction, tuple(x.shape))  # noqa: E731
+    return {
+        "Q": {ROWWISE: operand(q8, ROWWISE, q)},
+        "K": {ROWWISE: operand(k8, ROWWISE, k)},
+        "V": {ROWWISE: operand(v8, ROWWISE, v), COLUMNWISE: operand(vt8, COLUMNWISE, v)},
+    }
 
 
 def quantize_qkv(
