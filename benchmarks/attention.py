@@ -8,7 +8,8 @@ forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d 
 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
-V quantized first, whose backward recomputes S and P through the emulation; "fp8 flash kernel"
+V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
+s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel"
 is the kernel alone on codes quantized beforehand. ``--emulated`` adds the exact emulation of
 that recipe and of MXFP8, which materialises S and P (so it runs out of memory first: such a row
 says "OOM").
@@ -17,6 +18,7 @@ says "OOM").
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -60,12 +62,12 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     states = tuple(
         torch.cat(q.initial_state(torch.device(device))) if q.keeps_state else None for q in quantizers.values()
     )
-    backend = backends.GemmBackend(backends.ATTENTION_EMULATION)
+    backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
-        head_dims = (HEAD_DIM, HEAD_DIM)
-        backend = backends.select_attention(torch.device(device), quantizers["qkv"], quantizers["s"], head_dims, False).backend
+        select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False)
+        backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
-    return AttentionSite(name="attn", call=0, **formats, backend=backend), states
+    return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
 
 
 def flash_codes(q, k, v) -> tuple:
@@ -113,8 +115,8 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, ca
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        flash = site.backend.name == backends.FLASH_ATTENTION
-        name = name.format(f"{site.backend}{', backward emulated' if backward and flash else ''}")
+        emulated_backward = site.backend.name == backends.FLASH_ATTENTION and site.backward_backend.name != backends.FLASH_ATTENTION
+        name = name.format(f"{site.backend}{', backward emulated' if backward and emulated_backward else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
     if not backward and torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
         fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)

@@ -1,0 +1,172 @@
+"""FP8 flash-attention backward for Hopper (sm_90): dQ, dK and dV with every product on the FP8
+tensor cores, S and P recomputed tile by tile from the forward's logsumexp, never in memory.
+
+Its inputs are quantized by graphquant exactly as the emulation quantizes them
+(graphquant.ops.attention): Q, K and V per tensor under one scale, each also transposed (its
+columnwise codes), dO per tensor (rowwise and transposed), and D = rowsum(dO * O) per query row
+(dO's dequantized values, the forward's O). Per (batch, query head), P and dS are quantized as
+the tiles see them, with per-tensor scales known before the kernel runs (delayed scaling: the s
+and dp slots' current scales):
+
+    S^T tile = K @ Q^T                          P^T = exp2(S^T * scale_inv^2 * softmax scale * log2(e) - lse * log2(e))
+    dV      += s(P)^T @ dO                      dP^T = V @ dO^T
+    dS^T     = P^T * (dP^T - D)                 dK  += dp(dS)^T @ Q      (one program per key tile, over the query tiles)
+    dQ      += dp(dS) @ K                       (one program per query tile, over the key tiles, S, P, dP, dS recomputed)
+
+Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma takes only those),
+so dO^T, Q^T and K^T come as their columnwise codes. Each product sums one tile (at most 128
+deep) in the tensor cores' accumulator and adds it into fp32 (as the forward's PV). The dK/dV
+program records the largest |dS| it saw (what the dp slot's delayed scaling records). dK and dV
+are written per query head in fp32 (grouped-query attention sums them over the group after).
+Causal masks are aligned top left, as the forward's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphquant.formats import fp8
+
+BLOCK_M = 64  # query rows of a tile
+BLOCK_N = 64  # keys of a tile
+NUM_WARPS = 4
+NUM_STAGES = 2
+_CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+
+
+@triton.jit
+def _cast(x, scale, FP8_MAX: tl.constexpr, CODE: tl.constexpr):
+    """graphquant.formats.per_tensor.quantize of an fp32 tile: one product, clamped, RNE."""
+    y = x * scale
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    return y.to(CODE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, QT, K, V, DO, DOT, LSE, DELTA, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride,
+    HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MAX: tl.constexpr, P_CODE: tl.constexpr,
+    DS_MAX: tl.constexpr, DS_CODE: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    keys = offs_n < seq_k
+    k = tl.load(K + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+    v = tl.load(V + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+    qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
+    s_scale, s_inv, dp_scale, dp_inv = tl.load(SCALES + 2), tl.load(SCALES + 3), tl.load(SCALES + 4), tl.load(SCALES + 5)
+    qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
+    dp_factor = do_inv * qkv_inv
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    ds_amax = tl.zeros([BLOCK_N], tl.int32)
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0  # no query row before a key sees it
+    for start_m in range(lo, seq_q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = offs_m < seq_q
+        q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+        qt = tl.load(QT + offs_d[:, None] * qt_stride + (bh * seq_q + offs_m)[None, :], mask=rows[None, :], other=0.0)
+        do = tl.load(DO + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+        dot = tl.load(DOT + offs_d[:, None] * qt_stride + (bh * seq_q + offs_m)[None, :], mask=rows[None, :], other=0.0)
+        lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
+
+        visible = keys[:, None] & rows[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[:, None] <= offs_m[None, :])
+        st = tl.dot(k, tl.trans(q))
+        pt = tl.where(visible, tl.math.exp2(st * qk_scale - lse[None, :]), 0.0)
+        dv += tl.dot(_cast(pt, s_scale, P_MAX, P_CODE), tl.trans(dot))
+        dpt = tl.dot(v, tl.trans(do)) * dp_factor
+        dst = pt * (dpt - delta[None, :])
+        ds_amax = tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+        dk += tl.dot(_cast(dst, dp_scale, DS_MAX, DS_CODE), tl.trans(qt))
+
+    out = (bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
+    tl.store(DK + out, dk * (dp_inv * qkv_inv * softmax_scale), mask=keys[:, None])
+    tl.atomic_max(DS_AMAX_BITS, tl.max(ds_amax, 0))
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, KT, V, DO, LSE, DELTA, DQ, SCALES, softmax_scale, seq_q, seq_k, kt_stride,
+    HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DS_MAX: tl.constexpr, DS_CODE: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < seq_q
+    q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+    do = tl.load(DO + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+    lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
+    qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
+    dp_scale, dp_inv = tl.load(SCALES + 4), tl.load(SCALES + 5)
+    qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634
+    dp_factor = do_inv * qkv_inv
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    hi = tl.minimum(seq_k, start_m + BLOCK_M) if CAUSAL else seq_k  # no key after the block's last row
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keys = offs_n < seq_k
+        k = tl.load(K + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+        kt = tl.load(KT + offs_d[:, None] * kt_stride + (kv_bh * seq_k + offs_n)[None, :], mask=keys[None, :], other=0.0)
+        v = tl.load(V + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+        visible = rows[:, None] & keys[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.dot(q, tl.trans(k))
+        p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)) * dp_factor
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(_cast(ds, dp_scale, DS_MAX, DS_CODE), tl.trans(kt))
+
+    tl.store(DQ + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], dq * (dp_inv * qkv_inv * softmax_scale), mask=rows[:, None])
+
+
+def backward(
+    q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
+    do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
+    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ (batch, heads, Lq, D), dK and dV per query head (batch, heads, Lk, D), all fp32, and the
+    amax of dS (0-dim fp32)) of FP8 codes q (batch, heads, Lq, D) and its transpose qt (D, batch *
+    heads * Lq), k and v (batch, kv heads, Lk, D), kt (D, batch * kv heads * Lk), do (as q) in
+    its own format and dot (as qt); lse the forward's natural-log logsumexp and delta rowsum(dO *
+    O), both (batch, heads, Lq) fp32; ``scales`` fp32 [qkv scale_inv, dO scale_inv, P scale,
+    P scale_inv, dS scale, dS scale_inv]; P quantized to ``p_dtype``, dS to ``ds_dtype``."""
+    b, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    if k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
+        raise ValueError(
+            f"FP8 flash attention backward: q {tuple(q.shape)}, qt {tuple(qt.shape)}, k {tuple(k.shape)}, kt {tuple(kt.shape)}, "
+            f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
+        )
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.empty((b, heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
+    q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
+    groups = heads // kv_heads
+    codes = dict(P_MAX=fp8.fp8_max(p_dtype), P_CODE=_CODES[p_dtype], DS_MAX=fp8.fp8_max(ds_dtype), DS_CODE=_CODES[ds_dtype])
+    _dkdv_kernel[(triton.cdiv(seq_k, BLOCK_N), b * heads)](
+        q, qt, k, v, do, dot, lse, delta, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1],
+        heads, groups, head_dim, causal, BLOCK_M, BLOCK_N, **codes, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    _dq_kernel[(triton.cdiv(seq_q, BLOCK_M), b * heads)](
+        q, k, kt, v, do, lse, delta, dq, scales, softmax_scale, seq_q, seq_k, kt.shape[1],
+        heads, groups, head_dim, causal, BLOCK_M, BLOCK_N, codes["DS_MAX"], codes["DS_CODE"], num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return dq, dk, dv, ds_amax.view(torch.float32)
