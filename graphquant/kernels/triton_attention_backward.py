@@ -29,9 +29,11 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 
-BLOCK_M = 64  # query rows of a tile
-BLOCK_N = 64  # keys of a tile
-NUM_WARPS = 4
+# (query rows, keys) of a tile: the dK/dV program holds two fp32 accumulators of its keys, so its
+# tiles are smaller than the dQ program's; both fit the registers at 8 warps without spilling.
+DKDV_TILES = (64, 64)
+DQ_TILES = (128, 64)
+NUM_WARPS = 8
 NUM_STAGES = 2
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
@@ -161,12 +163,12 @@ def backward(
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
     groups = heads // kv_heads
     codes = dict(P_MAX=fp8.fp8_max(p_dtype), P_CODE=_CODES[p_dtype], DS_MAX=fp8.fp8_max(ds_dtype), DS_CODE=_CODES[ds_dtype])
-    _dkdv_kernel[(triton.cdiv(seq_k, BLOCK_N), b * heads)](
+    _dkdv_kernel[(triton.cdiv(seq_k, DKDV_TILES[1]), b * heads)](
         q, qt, k, v, do, dot, lse, delta, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1],
-        heads, groups, head_dim, causal, BLOCK_M, BLOCK_N, **codes, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        heads, groups, head_dim, causal, *DKDV_TILES, **codes, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    _dq_kernel[(triton.cdiv(seq_q, BLOCK_M), b * heads)](
+    _dq_kernel[(triton.cdiv(seq_q, DQ_TILES[0]), b * heads)](
         q, k, kt, v, do, lse, delta, dq, scales, softmax_scale, seq_q, seq_k, kt.shape[1],
-        heads, groups, head_dim, causal, BLOCK_M, BLOCK_N, codes["DS_MAX"], codes["DS_CODE"], num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        heads, groups, head_dim, causal, *DQ_TILES, codes["DS_MAX"], codes["DS_CODE"], num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return dq, dk, dv, ds_amax.view(torch.float32)
