@@ -24,8 +24,12 @@ The emulation materialises S and P and multiplies dequantized operands (graphqua
 the plan chose the FP8 flash forward (graphquant.kernels.triton_attention, ``FlashAttention``), it
 replaces ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
 quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
-(within the bound tests/test_triton_attention.py derives); the backward then recomputes S and P
-through the emulation.
+(within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
+(graphquant.kernels.triton_attention_backward) where the plan chose it (s and dp under delayed
+scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
+logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
+differ from the emulation's (within the bound ``backward_bound`` there derives); elsewhere the
+backward recomputes S and P through the emulation.
 """
 
 from __future__ import annotations
