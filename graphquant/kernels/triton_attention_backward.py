@@ -47,6 +47,18 @@ def _cast(x, scale, FP8_MAX: tl.constexpr, CODE: tl.constexpr):
 
 
 @triton.jit
+def _rows(X, first, offs, valid, offs_d, HEAD_DIM: tl.constexpr):
+    """Rows first + offs (0 where not valid) of a (rows, HEAD_DIM) tensor."""
+    return tl.load(X + (first + offs)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _columns(XT, stride, first, offs, valid, offs_d):
+    """Columns first + offs (0 where not valid) of a transposed (HEAD_DIM, stride) tensor."""
+    return tl.load(XT + offs_d[:, None] * stride + (first + offs)[None, :], mask=valid[None, :], other=0.0)
+
+
+@triton.jit
 def _dkdv_kernel(
     Q, QT, K, V, DO, DOT, LSE, DELTA, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -59,8 +71,8 @@ def _dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
-    k = tl.load(K + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
-    v = tl.load(V + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+    k = _rows(K, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
+    v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
     s_scale, s_inv, dp_scale, dp_inv = tl.load(SCALES + 2), tl.load(SCALES + 3), tl.load(SCALES + 4), tl.load(SCALES + 5)
     qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
@@ -73,10 +85,10 @@ def _dkdv_kernel(
     for start_m in range(lo, seq_q, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m < seq_q
-        q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
-        qt = tl.load(QT + offs_d[:, None] * qt_stride + (bh * seq_q + offs_m)[None, :], mask=rows[None, :], other=0.0)
-        do = tl.load(DO + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
-        dot = tl.load(DOT + offs_d[:, None] * qt_stride + (bh * seq_q + offs_m)[None, :], mask=rows[None, :], other=0.0)
+        q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
+        qt = _columns(QT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
+        do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
+        dot = _columns(DOT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
         lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
 
@@ -109,8 +121,8 @@ def _dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < seq_q
-    q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
-    do = tl.load(DO + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+    q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
+    do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
     lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
@@ -123,9 +135,9 @@ def _dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keys = offs_n < seq_k
-        k = tl.load(K + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
-        kt = tl.load(KT + offs_d[:, None] * kt_stride + (kv_bh * seq_k + offs_n)[None, :], mask=keys[None, :], other=0.0)
-        v = tl.load(V + (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :], mask=keys[:, None], other=0.0)
+        k = _rows(K, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
+        kt = _columns(KT, kt_stride, kv_bh * seq_k, offs_n, keys, offs_d)
+        v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
         visible = rows[:, None] & keys[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])

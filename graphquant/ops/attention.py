@@ -315,17 +315,6 @@ def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(1, dtype=torch.float32)
 
 
-try:
-    from graphquant.kernels import triton_attention
-except ImportError:  # no Triton: the plan never selects the kernel
-    pass
-else:
-    registry.cuda_kernel("flash_attention")(triton_attention.forward)
-    from graphquant.kernels import triton_attention_backward
-
-    registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
-
-
 @registry.op("qkv_amax")
 def qkv_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The joint amax of attention's 2-D Q, K and V (0-dim float32): fp8.tensor_amax of the three
@@ -356,10 +345,14 @@ def _(q, k, v, scale, fp8_dtype):
 
 
 try:
-    from graphquant.kernels import triton_qkv
-except ImportError:  # no Triton: CUDA tensors run the reference
+    from graphquant.kernels import triton_attention
+except ImportError:  # no Triton: the plan never selects the flash kernels; the qkv ops run their references
     pass
 else:
+    from graphquant.kernels import triton_attention_backward, triton_qkv
+
+    registry.cuda_kernel("flash_attention")(triton_attention.forward)
+    registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
     registry.cuda_kernel("qkv_amax")(triton_qkv.qkv_amax)
     registry.cuda_kernel("qkv_cast")(triton_qkv.qkv_cast)
 
