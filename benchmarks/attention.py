@@ -89,9 +89,10 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None):
     return lambda: triton_attention.forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
-def flash_kernels_alone(q, k, v, grad, causal: bool):
+def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
     """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
-    (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1."""
+    (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
+    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default)."""
     from graphquant.kernels import triton_attention, triton_attention_backward
 
     q8, k8, vt, scale_inv, p_scale = flash_codes(q, k, v)
@@ -105,7 +106,7 @@ def flash_kernels_alone(q, k, v, grad, causal: bool):
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, HEAD_DIM))  # noqa: E731
     codes = (q8, transposed(q8), k8, transposed(k8), vt.t().contiguous().view(k.shape), do8, dot8)
-    backward = functools.partial(triton_attention_backward.backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2")
+    backward = functools.partial(triton_attention_backward.backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
     return lambda: (forward(), backward())
 
 

@@ -23,18 +23,42 @@ Causal masks are aligned top left, as the forward's.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
 
-# (query rows, keys) of a tile: the dK/dV program holds two fp32 accumulators of its keys, so its
-# tiles are smaller than the dQ program's; both fit the registers at 8 warps without spilling.
-DKDV_TILES = (64, 64)
-DQ_TILES = (128, 64)
-NUM_WARPS = 8
-NUM_STAGES = 2
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """How the backward's two programs tile their work: the dK/dV program dkdv_block_n keys over
+    dkdv_block_m query rows at a time, the dQ program dq_block_m query rows over dq_block_n keys
+    at a time; num_warps warps and num_stages pipeline stages for both."""
+
+    dkdv_block_m: int = 64
+    dkdv_block_n: int = 64
+    dq_block_m: int = 128
+    dq_block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        tiles = (16, 32, 64, 128, 256)
+        blocks = (self.dkdv_block_m, self.dkdv_block_n, self.dq_block_m, self.dq_block_n)
+        if any(block not in tiles for block in blocks) or self.num_warps not in (4, 8) or self.num_stages < 1:
+            raise ValueError(
+                f"FP8 flash attention backward: {self!r} is not a configuration: blocks one of {tiles}, num_warps 4 or 8, "
+                "num_stages at least 1"
+            )
+
+
+# The dK/dV program holds two fp32 accumulators of its keys, so its tiles are smaller than the dQ
+# program's; both fit the registers at 8 warps without spilling (ptxas for sm_90).
+DEFAULT_CONFIG = BackwardConfig()
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
@@ -153,14 +177,15 @@ def _dq_kernel(
 def backward(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
     do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
-    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str,
+    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, config: Optional[BackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ (batch, heads, Lq, D), dK and dV per query head (batch, heads, Lk, D), all fp32, and the
     amax of dS (0-dim fp32)) of FP8 codes q (batch, heads, Lq, D) and its transpose qt (D, batch *
     heads * Lq), k and v (batch, kv heads, Lk, D), kt (D, batch * kv heads * Lk), do (as q) in
     its own format and dot (as qt); lse the forward's natural-log logsumexp and delta rowsum(dO *
     O), both (batch, heads, Lq) fp32; ``scales`` fp32 [qkv scale_inv, dO scale_inv, P scale,
-    P scale_inv, dS scale, dS scale_inv]; P quantized to ``p_dtype``, dS to ``ds_dtype``."""
+    P scale_inv, dS scale, dS scale_inv]; P quantized to ``p_dtype``, dS to ``ds_dtype``;
+    ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
@@ -175,12 +200,14 @@ def backward(
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
     groups = heads // kv_heads
     codes = dict(P_MAX=fp8.fp8_max(p_dtype), P_CODE=_CODES[p_dtype], DS_MAX=fp8.fp8_max(ds_dtype), DS_CODE=_CODES[ds_dtype])
-    _dkdv_kernel[(triton.cdiv(seq_k, DKDV_TILES[1]), b * heads)](
+    c = config or DEFAULT_CONFIG
+    launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+    _dkdv_kernel[(triton.cdiv(seq_k, c.dkdv_block_n), b * heads)](
         q, qt, k, v, do, dot, lse, delta, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1],
-        heads, groups, head_dim, causal, *DKDV_TILES, **codes, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        heads, groups, head_dim, causal, c.dkdv_block_m, c.dkdv_block_n, **codes, **launch,
     )
-    _dq_kernel[(triton.cdiv(seq_q, DQ_TILES[0]), b * heads)](
+    _dq_kernel[(triton.cdiv(seq_q, c.dq_block_m), b * heads)](
         q, k, kt, v, do, lse, delta, dq, scales, softmax_scale, seq_q, seq_k, kt.shape[1],
-        heads, groups, head_dim, causal, *DQ_TILES, codes["DS_MAX"], codes["DS_CODE"], num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        heads, groups, head_dim, causal, c.dq_block_m, c.dq_block_n, codes["DS_MAX"], codes["DS_CODE"], **launch,
     )
     return dq, dk, dv, ds_amax.view(torch.float32)
