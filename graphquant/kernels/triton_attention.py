@@ -23,8 +23,8 @@ second accumulator). PV accumulates into O's fp32 accumulator across the key loo
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
-Tiles, warps, pipeline stages, warp specialization of the key loop and the PV promotion are a
-``ForwardConfig``; ``DEFAULT_CONFIGS`` holds the one per head dim that ``forward`` uses unless
+Tiles, warps, pipeline stages, warp specialization of the key loop, TMA loads and the PV
+promotion are a ``ForwardConfig``; ``DEFAULT_CONFIGS`` holds the one per head dim that ``forward`` uses unless
 told otherwise (benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
@@ -45,18 +45,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """How the forward kernel tiles and schedules its work: block_m query rows per program over
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
     warp_specialize (Triton's automatic warp specialization of the key loop), tma (whole key tiles
     load through tensor descriptors, the Hopper TMA unit, where K and V^T are 16-byte aligned; else
-    through pointers as without it), and pv_promotion:
-    how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
-    is added into fp32 (a multiple of 32 up to block_n; None: never, the narrow accumulator
-    carries the whole key loop, which the error bound of tests/test_triton_attention.py does not
-    cover)."""
+    through pointers as without it), and pv_promotion: how many keys the tensor cores may sum in
+    their narrow accumulator before the PV partial sum is added into fp32 (a multiple of 32 up to
+    block_n; None: never, the narrow accumulator carries the whole key loop, which the error bound
+    of tests/test_triton_attention.py does not cover)."""
 
     block_m: int = 128
     block_n: int = 64
