@@ -180,6 +180,13 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
     return tuple(t.to(device=device, dtype=dtype) for t in (q * 2, k, v * 3, dout * 1e-3))
 
 
+def test_site_refuses_a_flash_backward_it_cannot_run():
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(the FP8 flash backward takes per-tensor FP8 under delayed scaling s, not fp8_current\(fp8_dtype=e4m3\)\)"):
+        AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=FLASH)
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward is not\)"):
+        AttentionSite(name="attn", call=0, **ZOO, backward_backend=FLASH)
+
+
 def test_flash_site_refuses_a_mask():
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match=r"attn#0: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape \(64, 64\)"):

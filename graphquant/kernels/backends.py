@@ -429,13 +429,13 @@ def select_attention(
     if why:
         return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P materialised")
     if backward:
-        why = _no_flash_backward(s, do, dp)
+        why = flash_backward_refusal(s, do, dp)
         if why:
             return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P recomputed and materialised")
     return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
 
 
-def _no_flash_backward(s: Quantizer, do: Optional[Quantizer], dp: Optional[Quantizer]) -> str:
+def flash_backward_refusal(s: Quantizer, do: Optional[Quantizer], dp: Optional[Quantizer]) -> str:
     """Why the FP8 flash backward cannot run where the flash forward runs ('' where it can)."""
     for slot, quantizer, delayed in (("s", s, True), ("dp", dp, True), ("do", do, False)):
         if quantizer is None:

@@ -70,6 +70,14 @@ class AttentionSite:
     backward_backend: backends.GemmBackend = _EMULATED  # how the backward runs (on the flash forward's site only)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
+    def __post_init__(self) -> None:
+        if self.backward_backend.name == backends.FLASH_ATTENTION:
+            why = "its forward does not run on the flash kernel" if self.backend.name != backends.FLASH_ATTENTION else backends.flash_backward_refusal(
+                self.quantizer("s"), self.quantizer("do"), self.quantizer("dp")
+            )
+            if why:
+                raise ValueError(f"{self.label}: the FP8 flash backward cannot run this site ({why}); leave backward_backend at {_EMULATED!r}")
+
     def __repr__(self) -> str:
         return rebuilding_repr(self)
 
@@ -279,8 +287,8 @@ def flash_attention_backward_reference(
     """The FP8 flash-attention backward (graphquant.kernels.triton_attention_backward.backward):
     (dQ, dK and dV per query head, all fp32, the amax of dS). Its reference here is the kernel's
     arithmetic on whole matrices: products of the codes in fp32, P from the logsumexp in base 2,
-    P and dS cast tile by tile as the kernel casts them (the transposed codes qt, kt, dot are the
-    kernel's operand layouts, unused here)."""
+    P and dS cast element by element as the kernel casts its tiles (the transposed codes qt, kt,
+    dot are the kernel's operand layouts, unused here)."""
     b, h, lq, d = q.shape
     groups, lk = h // k.shape[1], k.shape[2]
     qkv_inv, do_inv, s_scale, s_inv, dp_scale, dp_inv = scales.unbind()
