@@ -183,7 +183,7 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
 def test_site_refuses_a_flash_backward_it_cannot_run():
     with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(the FP8 flash backward takes per-tensor FP8 under delayed scaling s, not fp8_current\(fp8_dtype=e4m3\)\)"):
         AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=FLASH)
-    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward is not\)"):
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward does not run on the flash kernel\)"):
         AttentionSite(name="attn", call=0, **ZOO, backward_backend=FLASH)
 
 
