@@ -611,7 +611,7 @@ def test_backward_kernel_under_the_interpreter():
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
     that do not tile, causal and not, more queries than keys and fewer."""
     pytest.importorskip("triton")
-    shapes = [*BACKWARD_SHAPES, (1, 2, 1, 130, 200, 128, True)]
+    shapes = [*BACKWARD_SHAPES, (1, 2, 1, 130, 200, 128, True), (1, 2, 2, 150, 70, 64, True)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
