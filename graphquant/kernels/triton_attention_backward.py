@@ -83,6 +83,33 @@ def _columns(XT, stride, first, offs, valid, offs_d):
 
 
 @triton.jit
+def _dkdv_tiles(
+    dk, dv, ds_amax, k, v, offs_n, start, end, Q, QT, DO, DOT, LSE, DELTA, bh, seq_q, qt_stride, offs_d,
+    qk_scale, dp_factor, s_scale, dp_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    P_MAX: tl.constexpr, P_CODE: tl.constexpr, DS_MAX: tl.constexpr, DS_CODE: tl.constexpr,
+):
+    """Fold the query tiles [start, end) into one key tile's (dK, dV, largest |dS| per key);
+    MASKED: some query rows of these tiles come before some of the keys (causal)."""
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = offs_m < seq_q
+        q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
+        qt = _columns(QT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
+        do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
+        dot = _columns(DOT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
+        lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # P 0 past the rows
+        delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MASKED:
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+        dv += tl.dot(_cast(pt, s_scale, P_MAX, P_CODE), tl.trans(dot))
+        dst = pt * (tl.dot(v, tl.trans(do)) * dp_factor - delta[None, :])
+        ds_amax = tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+        dk += tl.dot(_cast(dst, dp_scale, DS_MAX, DS_CODE), tl.trans(qt))
+    return dk, dv, ds_amax
+
+
+@triton.jit
 def _dkdv_kernel(
     Q, QT, K, V, DO, DOT, LSE, DELTA, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -95,6 +122,7 @@ def _dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
+    # Keys past seq_k load as zeros: their dK and dV rows are not stored, their |dS| not recorded.
     k = _rows(K, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
     v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
@@ -105,32 +133,45 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     ds_amax = tl.zeros([BLOCK_N], tl.int32)
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0  # no query row before a key sees it
-    for start_m in range(lo, seq_q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = offs_m < seq_q
-        q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
-        qt = _columns(QT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
-        do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
-        dot = _columns(DOT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
-        lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
-
-        visible = keys[:, None] & rows[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :])
-        st = tl.dot(k, tl.trans(q))
-        pt = tl.where(visible, tl.math.exp2(st * qk_scale - lse[None, :]), 0.0)
-        dv += tl.dot(_cast(pt, s_scale, P_MAX, P_CODE), tl.trans(dot))
-        dpt = tl.dot(v, tl.trans(do)) * dp_factor
-        dst = pt * (dpt - delta[None, :])
-        ds_amax = tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
-        dk += tl.dot(_cast(dst, dp_scale, DS_MAX, DS_CODE), tl.trans(qt))
+    lo = 0
+    if CAUSAL:  # no query row before a key sees it; the tiles starting before the last key see some keys masked
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        diagonal_end = start_n + BLOCK_N - 1
+        dk, dv, ds_amax = _dkdv_tiles(
+            dk, dv, ds_amax, k, v, offs_n, lo, tl.minimum(diagonal_end, seq_q), Q, QT, DO, DOT, LSE, DELTA, bh, seq_q, qt_stride,
+            offs_d, qk_scale, dp_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, P_MAX, P_CODE, DS_MAX, DS_CODE,
+        )
+        lo = tl.cdiv(diagonal_end, BLOCK_M) * BLOCK_M
+    dk, dv, ds_amax = _dkdv_tiles(
+        dk, dv, ds_amax, k, v, offs_n, lo, seq_q, Q, QT, DO, DOT, LSE, DELTA, bh, seq_q, qt_stride,
+        offs_d, qk_scale, dp_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, P_MAX, P_CODE, DS_MAX, DS_CODE,
+    )
 
     out = (bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
     tl.store(DK + out, dk * (dp_inv * qkv_inv * softmax_scale), mask=keys[:, None])
-    tl.atomic_max(DS_AMAX_BITS, tl.max(ds_amax, 0))
+    tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, offs_m, start, end, K, KT, V, kv_bh, seq_k, kt_stride, offs_d, qk_scale, dp_factor, dp_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DS_MAX: tl.constexpr, DS_CODE: tl.constexpr,
+):
+    """Fold the key tiles [start, end) into one query tile's dQ; MASKED: some of these keys come
+    after some of the rows (causal). Keys past seq_k load as zeros, so add nothing to dQ."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keys = offs_n < seq_k
+        k = _rows(K, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
+        kt = _columns(KT, kt_stride, kv_bh * seq_k, offs_n, keys, offs_d)
+        v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) * dp_factor - delta[:, None])
+        dq += tl.dot(_cast(ds, dp_scale, DS_MAX, DS_CODE), tl.trans(kt))
+    return dq
 
 
 @triton.jit
@@ -147,7 +188,7 @@ def _dq_kernel(
     rows = offs_m < seq_q
     q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
     do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
-    lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # P 0 past the rows
     delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
     dp_scale, dp_inv = tl.load(SCALES + 4), tl.load(SCALES + 5)
@@ -155,21 +196,17 @@ def _dq_kernel(
     dp_factor = do_inv * qkv_inv
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    hi = tl.minimum(seq_k, start_m + BLOCK_M) if CAUSAL else seq_k  # no key after the block's last row
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        keys = offs_n < seq_k
-        k = _rows(K, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
-        kt = _columns(KT, kt_stride, kv_bh * seq_k, offs_n, keys, offs_d)
-        v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
-        visible = rows[:, None] & keys[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.dot(q, tl.trans(k))
-        p = tl.where(visible, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)) * dp_factor
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(_cast(ds, dp_scale, DS_MAX, DS_CODE), tl.trans(kt))
+    full_end = seq_k
+    if CAUSAL:  # key tiles wholly before the block's first row unmasked, then those up to its last row masked
+        full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, seq_k)
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, offs_m, full_end, tl.minimum(seq_k, start_m + BLOCK_M), K, KT, V, kv_bh, seq_k, kt_stride,
+            offs_d, qk_scale, dp_factor, dp_scale, HEAD_DIM, BLOCK_N, True, DS_MAX, DS_CODE,
+        )
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, offs_m, 0, full_end, K, KT, V, kv_bh, seq_k, kt_stride,
+        offs_d, qk_scale, dp_factor, dp_scale, HEAD_DIM, BLOCK_N, False, DS_MAX, DS_CODE,
+    )
 
     tl.store(DQ + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], dq * (dp_inv * qkv_inv * softmax_scale), mask=rows[:, None])
 
