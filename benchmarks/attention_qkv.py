@@ -1,5 +1,5 @@
 """Quantizing attention's Q, K and V for the FP8 flash forward: the joint reference against the
-two passes of graphquant::qkv_amax and graphquant::qkv_cast (graphquant.ops.attention.flash_qkv).
+two passes of graphquant::joint_amax and graphquant::joint_cast (graphquant.ops.attention.flash_qkv).
 
     python benchmarks/attention_qkv.py [--seqs 8192,16384] [--reps 10]
 
@@ -65,7 +65,7 @@ def main() -> None:
         for scaling, quantizer in QUANTIZERS.items():
             reference = joint(q, k, v, quantizer)
             for name, fn in (("quantize_qkv eager (joint)", joint), ("quantize_qkv torch.compile (joint)", compiled),
-                             ("flash_qkv (qkv_amax + qkv_cast)" if scaling == "current" else "flash_qkv (qkv_cast)", two_passes)):
+                             ("flash_qkv (joint_amax + joint_cast)" if scaling == "current" else "flash_qkv (joint_cast)", two_passes)):
                 same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fn(q, k, v, quantizer), reference))
                 ms = time_ms(lambda: fn(q, k, v, quantizer), warmup=3, reps=args.reps)
                 rows.append([seq, scaling, name, f"{ms:.3f}", f"{floor / ms / 1e6:.0f}", "yes" if same else "NO"])

@@ -9,6 +9,7 @@ Against the emulation, within the bound derived in ``flash_bound``: on the GPU, 
 under Triton's interpreter.
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -22,7 +23,7 @@ import graphquant
 from graphquant import zoo
 from graphquant.kernels import backends
 from graphquant.ops.attention import AttentionSite, quantize_qkv, quantized_attention
-from graphquant.ops.quantize import SlotState
+from graphquant.ops.quantize import SlotState, update_delayed_scaling
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer
 from graphquant.recipes import CustomRecipe
 
@@ -318,74 +319,94 @@ def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0):
 
 @pytest.mark.parametrize("qkv", ["current", "pow2", "delayed"])
 def test_flash_qkv_is_quantize_qkv(qkv):
-    """flash_qkv (graphquant::qkv_amax and qkv_cast, nothing joined) gives quantize_qkv's codes,
-    scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise ones, and
-    a delayed-scaling slot the same state after it."""
-    from graphquant.ops.attention import flash_qkv
+    """flash_qkv (graphquant::joint_amax and joint_cast, nothing joined) gives quantize_qkv's
+    codes, scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise
+    ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for one
+    tensor both ways (the flash backward's dO) against quantize_tensor."""
+    from graphquant.ops.attention import flash_qkv, joint_per_tensor
+    from graphquant.ops.quantize import quantize_tensor
     from graphquant.quantizers import Float8DelayedScalingQuantizer
 
     quantizer = {
         "current": E4M3, "pow2": Float8CurrentScalingQuantizer(fp8_dtype="e4m3", force_pow_2_scales=True, amax_epsilon=1e-3),
         "delayed": Float8DelayedScalingQuantizer(fp8_dtype="e4m3", amax_history_len=2),
     }[qkv]
-    states = [torch.tensor([0.5, 0.0, 7.0]) if quantizer.keeps_state else None for _ in range(2)]
     q, k, v = _qkv_inputs()
     tensors = {"Q": q, "K": k, "V": v}
-    flash = flash_qkv(tensors, quantizer, SlotState(states[0], None, 0))
-    reference = quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, SlotState(states[1], None, 0))
-    for t in "QKV":
-        assert flash[t].keys() == reference[t].keys()
-        for direction, op in flash[t].items():
-            ref = reference[t][direction]
-            assert (op.spec, op.direction, op.shape) == (ref.spec, ref.direction, ref.shape)
-            for a, e in zip(op.tensors, ref.tensors):
-                assert a.dtype == e.dtype and a.shape == e.shape, (t, direction)
-                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), (t, direction)
-    if quantizer.keeps_state:
-        assert torch.equal(states[0], states[1]) and 40.0 in states[0]  # V's largest value recorded
+    e5m2 = dataclasses.replace(quantizer, fp8_dtype="e5m2")
+
+    def quantized_do(state):  # as the emulated backward quantizes dO
+        made, _ = quantize_tensor(v * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
+        update_delayed_scaling(e5m2, state, made)
+        return {"dO": made}
+
+    cases = [
+        (lambda state: flash_qkv(tensors, quantizer, state),
+         lambda state: quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
+        (lambda state: joint_per_tensor({"dO": v * 1e-3}, e5m2, state, ("dO",)), quantized_do),
+    ]
+    for joint, reference in cases:
+        states = [torch.tensor([0.5, 0.0, 7.0]) if quantizer.keeps_state else None for _ in range(2)]
+        made, expected = joint(SlotState(states[0], None, 0)), reference(SlotState(states[1], None, 0))
+        assert made.keys() == expected.keys()
+        for t in made:
+            assert made[t].keys() == expected[t].keys()
+            for direction, op in made[t].items():
+                ref = expected[t][direction]
+                assert (op.spec, op.direction, op.shape) == (ref.spec, ref.direction, ref.shape)
+                for a, e in zip(op.tensors, ref.tensors):
+                    assert a.dtype == e.dtype and a.shape == e.shape, (t, direction)
+                    assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), (t, direction)
+        if quantizer.keeps_state:
+            assert torch.equal(states[0], states[1]) and states[0][-1] > 0  # the largest value recorded
 
 
-def check_qkv_kernels(device: str) -> str:
-    """graphquant.kernels.triton_qkv's amax and cast on ``device`` against the ops' references
-    on the CPU, bit for bit: bfloat16 and float32 inputs, a scale that saturates, inf and NaN
-    in the amax."""
-    from graphquant.kernels import triton_qkv
+def check_joint_kernels(device: str) -> str:
+    """graphquant.kernels.triton_joint_fp8's amax and cast on ``device`` against the ops'
+    references on the CPU, bit for bit: bfloat16 and float32 inputs, E4M3 and E5M2, a scale that
+    saturates, inf and NaN in the amax."""
+    from graphquant.kernels import triton_joint_fp8
 
     checked = []
     for dtype in (torch.bfloat16, torch.float32):
-        q, k, v = _qkv_inputs(dtype)
-        for scale in (torch.tensor(448 / 40.0), torch.tensor(100.0)):  # the amax's scale; one that saturates
-            expected = torch.ops.graphquant.qkv_cast(q, k, v, scale, "e4m3")
-            got = triton_qkv.qkv_cast(q.to(device), k.to(device), v.to(device), scale.to(device), "e4m3")
-            for name, a, e in zip(("Q", "K", "V", "V^T", "amax"), got, expected):
-                a, e = a.cpu(), e
-                assert a.dtype == e.dtype and a.shape == e.shape, name
-                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} scale {scale.item()}: {name}"
+        tensors = _qkv_inputs(dtype)
+        on_device = [x.to(device) for x in tensors]
+        for fp8_dtype, scale in (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4)):  # the amax's scale; one that saturates
+            scale = torch.tensor(scale)
+            for transposed in ([False, False, True], [True, False, False]):
+                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed)
+                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed)
+                for name, a, e in zip(("codes", "transposed codes", "amax"), got, expected):
+                    for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
+                        a = a.cpu()
+                        assert a.dtype == e.dtype and a.shape == e.shape, name
+                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} {fp8_dtype} scale {scale.item()}: {name}"
         checked.append(f"{dtype} cast")
         for special in (float("inf"), float("nan")):
-            k_special = k.clone()
+            k_special = tensors[1].clone()
             k_special[69, 63] = special
-            got = triton_qkv.qkv_amax(q.to(device), k_special.to(device), v.to(device)).cpu()
-            expected = torch.ops.graphquant.qkv_amax(q, k_special, v)
+            with_special = [tensors[0], k_special, tensors[2]]
+            got = triton_joint_fp8.joint_amax([x.to(device) for x in with_special]).cpu()
+            expected = torch.ops.graphquant.joint_amax(with_special)
             assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
         checked.append(f"{dtype} amax")
     return ", ".join(checked)
 
 
-def test_qkv_kernels_under_the_interpreter():
-    """``check_qkv_kernels`` with the kernels run by Triton's interpreter (the reference's
-    float32 -> E4M3 cast in place of the interpreter's)."""
+def test_joint_kernels_under_the_interpreter():
+    """``check_joint_kernels`` with the kernels run by Triton's interpreter (the reference's
+    float32 -> FP8 casts in place of the interpreter's)."""
     pytest.importorskip("triton")
     tests = os.path.dirname(__file__)
-    script = INTERPRETER_SETUP + f"sys.path.insert(0, {tests!r})\nimport test_triton_attention\nprint(test_triton_attention.check_qkv_kernels('cpu'))\n"
+    script = INTERPRETER_SETUP + f"sys.path.insert(0, {tests!r})\nimport test_triton_attention\nprint(test_triton_attention.check_joint_kernels('cpu'))\n"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
 @pytest.mark.gpu
-def test_qkv_kernels_on_the_gpu():
-    print(check_qkv_kernels("cuda"))
+def test_joint_kernels_on_the_gpu():
+    print(check_joint_kernels("cuda"))
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------

@@ -260,12 +260,13 @@ def flash_attention(
 
 def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state):
     """(dQ, and dK, dV per query head, all fp32 (batch, heads, L, D)) from the FP8 flash backward:
-    dO quantized and D = rowsum(dO * O) taken as the emulation takes them, P quantized with the s
+    dO quantized (``joint_per_tensor``: quantize_do's codes) and D = rowsum(dO * O) taken as the
+    emulation takes them, P quantized with the s
     slot's scale as the forward found it and dS with the dp slot's, whose history then records
     the largest |dS| the kernel saw."""
     q, k, v = codes
     b, h, lq, d = q.shape
-    do_made = quantize_do(site, do.reshape(-1, d), do_state)
+    do_made = joint_per_tensor({"dO": do.reshape(-1, d)}, site.quantizer("do"), do_state, ("dO",))["dO"]
     delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
     s_scale, dp_scale = s_found[:1].clone(), dp_state.delayed[:1].clone()
     do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
@@ -323,75 +324,83 @@ def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(1, dtype=torch.float32)
 
 
-@registry.op("qkv_amax")
-def qkv_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The joint amax of attention's 2-D Q, K and V (0-dim float32): fp8.tensor_amax of the three
-    joined, without joining them."""
-    return torch.stack([fp8.tensor_amax(x) for x in (q, k, v)]).amax()
+@registry.op("joint_amax")
+def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The joint amax of 2-D tensors (0-dim float32): fp8.tensor_amax of them joined, without
+    joining them."""
+    return torch.stack([fp8.tensor_amax(x) for x in tensors]).amax()
 
 
-@registry.fake("qkv_amax")
-def _(q, k, v):
-    return q.new_empty((), dtype=torch.float32)
+@registry.fake("joint_amax")
+def _(tensors):
+    return tensors[0].new_empty((), dtype=torch.float32)
 
 
-@registry.op("qkv_cast")
-def qkv_cast(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, fp8_dtype: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-tensor FP8 codes of attention's 2-D Q, K and V under one ``scale``
-    (per_tensor.quantize), V's transposed codes, and the joint amax of the three."""
-    q8, k8, v8 = (per_tensor.quantize(x, scale, fp8_dtype, transpose=False) for x in (q, k, v))
-    return q8, k8, v8, v8.t().contiguous(), qkv_amax(q, k, v)
+@registry.op("joint_cast")
+def joint_cast(
+    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The per-tensor FP8 codes of 2-D tensors under one ``scale`` (per_tensor.quantize), the
+    transposed codes of those ``transposed`` marks, and their joint amax."""
+    codes = [per_tensor.quantize(x, scale, fp8_dtype, transpose=False) for x in tensors]
+    return codes, [c.t().contiguous() for c, t in zip(codes, transposed) if t], joint_amax(tensors)
 
 
-@registry.fake("qkv_cast")
-def _(q, k, v, scale, fp8_dtype):
+@registry.fake("joint_cast")
+def _(tensors, scale, fp8_dtype, transposed):
     dtype = fp8.FP8_DTYPES[fp8_dtype]
-    codes = [x.new_empty(x.shape, dtype=dtype) for x in (q, k, v)]
-    return *codes, v.new_empty((v.shape[1], v.shape[0]), dtype=dtype), q.new_empty((), dtype=torch.float32)
+    codes = [x.new_empty(x.shape, dtype=dtype) for x in tensors]
+    codes_t = [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x, t in zip(tensors, transposed) if t]
+    return codes, codes_t, tensors[0].new_empty((), dtype=torch.float32)
 
 
 try:
     from graphquant.kernels import triton_attention
-except ImportError:  # no Triton: the plan never selects the flash kernels; the qkv ops run their references
+except ImportError:  # no Triton: the plan never selects the flash kernels; the joint ops run their references
     pass
 else:
-    from graphquant.kernels import triton_attention_backward, triton_qkv
+    from graphquant.kernels import triton_attention_backward, triton_joint_fp8
 
     registry.cuda_kernel("flash_attention")(triton_attention.forward)
     registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
-    registry.cuda_kernel("qkv_amax")(triton_qkv.qkv_amax)
-    registry.cuda_kernel("qkv_cast")(triton_qkv.qkv_cast)
+    registry.cuda_kernel("joint_amax")(triton_joint_fp8.joint_amax)
+    registry.cuda_kernel("joint_cast")(triton_joint_fp8.joint_cast)
 
 
 def flash_qkv(tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState) -> dict[str, dict[str, Operand]]:
     """Q and K (2-D) rowwise and V both ways in a per-tensor format, as the flash kernel takes
-    them: ``quantize_qkv``'s codes, scale and amax, in at most two passes over the three that join
-    nothing (graphquant::qkv_amax, where the scale comes from their amax, then graphquant::qkv_cast,
-    which writes V's columnwise codes beside its rowwise ones and sees the amax a delayed-scaling
-    slot records)."""
+    them: ``quantize_qkv``'s codes, scale and amax (``joint_per_tensor``)."""
+    return joint_per_tensor(tensors, quantizer, state, ("V",))
+
+
+def joint_per_tensor(
+    tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState, transposed: tuple[str, ...]
+) -> dict[str, dict[str, Operand]]:
+    """2-D tensors rowwise (and those ``transposed`` names columnwise too) in a per-tensor format
+    under one joint scale: what quantizing them joined gives (quantize_qkv; quantize_tensor for
+    one tensor), in at most two passes over them that join nothing (graphquant::joint_amax, where
+    the scale comes from their amax, then graphquant::joint_cast, which writes a columnwise copy
+    beside the rowwise one and sees the amax a delayed-scaling slot records)."""
     rowwise = quantizer.child(ROWWISE)
     encoding = rowwise.kernel_encoding(ROWWISE)
-    q, k, v = tensors["Q"], tensors["K"], tensors["V"]
+    names, xs = list(tensors), list(tensors.values())
     if encoding.delayed_scaling:
         scale = state.delayed[:1].clone()  # a copy: the state is updated in place below
         scale_inv = torch.reciprocal(scale)
     else:
-        amax = torch.ops.graphquant.qkv_amax(q, k, v)
+        amax = torch.ops.graphquant.joint_amax(xs)
         if rowwise.reduces_amax:
             amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
         scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
-    q8, k8, v8, vt8, seen = torch.ops.graphquant.qkv_cast(q, k, v, scale, encoding.element)
+    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names])
     if encoding.delayed_scaling:
         amax = seen
         record_amax(rowwise, state, amax)
     operand = lambda data, direction, x: Operand([data, scale_inv, amax], rowwise.spec, direction, tuple(x.shape))  # noqa: E731
-    return {
-        "Q": {ROWWISE: operand(q8, ROWWISE, q)},
-        "K": {ROWWISE: operand(k8, ROWWISE, k)},
-        "V": {ROWWISE: operand(v8, ROWWISE, v), COLUMNWISE: operand(vt8, COLUMNWISE, v)},
-    }
+    made = {t: {ROWWISE: operand(c, ROWWISE, x)} for t, x, c in zip(names, xs, codes)}
+    for t, c in zip([t for t in names if t in transposed], codes_t):
+        made[t][COLUMNWISE] = operand(c, COLUMNWISE, tensors[t])
+    return made
 
 
 def quantize_qkv(

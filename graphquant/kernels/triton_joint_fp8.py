@@ -1,15 +1,15 @@
-"""CUDA kernels of graphquant::qkv_amax and graphquant::qkv_cast: attention's Q, K and V in
-per-tensor FP8 under their one joint scale, without joining them.
+"""CUDA kernels of graphquant::joint_amax and graphquant::joint_cast: several tensors in
+per-tensor FP8 under one joint scale, without joining them (attention's Q, K and V; dO alone).
 
-The reference (graphquant.ops.attention.quantize_qkv) concatenates the three, takes the amax of
+The reference (graphquant.ops.attention.quantize_qkv) concatenates Q, K and V, takes the amax of
 the whole and casts it, then transposes V: a copy of all three before two passes over them, and
 a third over V. Here the amax pass reads each tensor once into one shared maximum, and the cast
-pass reads each once more, writing its codes (and V's transposed codes beside them, from the same
-tile) and, as a by-product, the amax again (what a delayed-scaling slot records, whose scale is
-known before any pass). Every number is the reference's: the amax is an integer max of the
-float32 bit patterns with the sign cleared (graphquant.formats.fp8.tensor_amax: exact, NaN
-above infinity), and each code is one fp32 product with the scale, clamped to the format's
-largest finite value and rounded to nearest even (graphquant.formats.per_tensor.quantize).
+pass reads each once more, writing its codes (and, where asked, its transposed codes beside them,
+from the same tile) and, as a by-product, the amax again (what a delayed-scaling slot records,
+whose scale is known before any pass). Every number is the reference's: the amax is an integer
+max of the float32 bit patterns with the sign cleared (graphquant.formats.fp8.tensor_amax:
+exact, NaN above infinity), and each code is one fp32 product with the scale, clamped to the
+format's largest finite value and rounded to nearest even (graphquant.formats.per_tensor.quantize).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 
-_ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB, V^T's stores are 64 bytes a column
+_ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB, a transposed store is 64 bytes a column
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
@@ -55,26 +55,27 @@ def _launch(x, amax_bits, codes=None, codes_t=None, scale=None, fp8_dtype="e4m3"
         )
 
 
-def qkv_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    bits = torch.zeros((), dtype=torch.int32, device=q.device)
-    for x in (q, k, v):
+def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    bits = torch.zeros((), dtype=torch.int32, device=tensors[0].device)
+    for x in tensors:
         _launch(_rows(x), bits)
     return bits.view(torch.float32)
 
 
-def qkv_cast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor, fp8_dtype: str):
-    bits = torch.zeros((), dtype=torch.int32, device=q.device)
+def joint_cast(tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]):
+    bits = torch.zeros((), dtype=torch.int32, device=tensors[0].device)
     dtype = fp8.FP8_DTYPES[fp8_dtype]
-    q8, k8, v8 = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
-    vt8 = torch.empty((v.shape[1], v.shape[0]), dtype=dtype, device=v.device)
     scale = scale.reshape(1).float()
-    _launch(_rows(q), bits, q8, None, scale, fp8_dtype)
-    _launch(_rows(k), bits, k8, None, scale, fp8_dtype)
-    _launch(_rows(v), bits, v8, vt8, scale, fp8_dtype)
-    return q8, k8, v8, vt8, bits.view(torch.float32)
+    codes, codes_t = [], []
+    for x, t in zip(tensors, transposed):
+        codes.append(torch.empty(x.shape, dtype=dtype, device=x.device))
+        if t:
+            codes_t.append(torch.empty((x.shape[1], x.shape[0]), dtype=dtype, device=x.device))
+        _launch(_rows(x), bits, codes[-1], codes_t[-1] if t else None, scale, fp8_dtype)
+    return codes, codes_t, bits.view(torch.float32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] not in (16, 32, 64, 128, 256):
-        raise ValueError(f"qkv quantize kernels take 2-D (rows, head dim) tensors of head dim 16-256, a power of two; got {tuple(x.shape)}")
+        raise ValueError(f"joint FP8 quantize kernels take 2-D (rows, cols) tensors of 16-256 columns, a power of two; got {tuple(x.shape)}")
     return x.contiguous()
