@@ -123,7 +123,7 @@ def main() -> None:
     backward = args.which == "bwd"
     args.stages = args.stages or ("2,3" if backward else "2,3,4")
     grid = backward_configs(args) if backward else forward_configs(args)
-    default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIGS[HEAD_DIM]
+    default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIG
     if default not in grid:
         grid.append(default)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"{len(grid)} {args.which} configurations", flush=True)

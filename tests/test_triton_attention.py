@@ -297,7 +297,7 @@ def test_kernel_under_the_interpreter():
     whole key tiles loaded through tensor descriptors (TMA; 2 x 256 keys are 16-byte aligned)."""
     pytest.importorskip("triton")
     other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
-    tma = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True}
+    tma = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True, "pv_promotion": 64}
     shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
               (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other),
               (1, 4, 2, 100, 256, 128, True, tma)]

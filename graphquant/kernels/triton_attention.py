@@ -24,8 +24,8 @@ sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by 
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
 Tiles, warps, pipeline stages, warp specialization of the key loop, TMA loads and the PV
-promotion are a ``ForwardConfig``; ``DEFAULT_CONFIGS`` holds the one per head dim that ``forward`` uses unless
-told otherwise (benchmarks/attention_tune.py sweeps them on the GPU).
+promotion are a ``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+(benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
 F.scaled_dot_product_attention's is_causal; lengths that are not multiples of the tiles are
@@ -57,12 +57,12 @@ class ForwardConfig:
     of tests/test_triton_attention.py does not cover)."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False
     tma: bool = False
-    pv_promotion: Optional[int] = 64
+    pv_promotion: Optional[int] = 128
 
     def __post_init__(self) -> None:
         tiles = (16, 32, 64, 128, 256)
@@ -74,12 +74,9 @@ class ForwardConfig:
             )
 
 
-# Starting points for the H200: 128 query rows over two warpgroups; the key tile of head dim 128
-# is 64 so that the S tile and O's fp32 accumulator fit the registers together.
-DEFAULT_CONFIGS = {
-    64: ForwardConfig(block_m=128, block_n=128, pv_promotion=128),
-    128: ForwardConfig(block_m=128, block_n=64, pv_promotion=64),
-}
+# The defaults are the H200's best of benchmarks/attention_tune.py's sweep at head dim 128
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile.
+DEFAULT_CONFIG = ForwardConfig()
 
 
 @triton.jit
@@ -186,7 +183,7 @@ def forward(
     """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
     normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
     vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
-    ``p_scale`` (both one float32 on the device); ``config`` defaults to the head dim's."""
+    ``p_scale`` (both one float32 on the device); ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
@@ -199,7 +196,7 @@ def forward(
     o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
-    config = config or DEFAULT_CONFIGS[head_dim]
+    config = config or DEFAULT_CONFIG
     q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
     tma = config.tma and vt.shape[1] % 16 == 0 and k.data_ptr() % 16 == 0 and vt.data_ptr() % 16 == 0
     k_desc = TensorDescriptor.from_tensor(k.view(-1, head_dim), [config.block_n, head_dim]) if tma else None
