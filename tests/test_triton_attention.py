@@ -641,7 +641,7 @@ def test_backward_kernel_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("heads, kv_heads, seq, d", [(8, 2, 1000, 128), (4, 4, 2048, 128), (4, 2, 1000, 64)], ids=["gqa-l1000-d128", "l2048-d128", "gqa-l1000-d64"])
+@pytest.mark.parametrize("heads, kv_heads, seq, d", [(8, 2, 1000, 128), (4, 4, 2048, 64)], ids=["gqa-l1000-d128", "l2048-d64"])
 def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
     """``check_backward_against_the_emulation`` at batch 2."""
     print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
