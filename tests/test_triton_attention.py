@@ -409,6 +409,18 @@ def test_joint_kernels_on_the_gpu():
     print(check_joint_kernels("cuda"))
 
 
+def test_configurations_refuse_what_the_kernels_cannot_run():
+    pytest.importorskip("triton")
+    from graphquant.kernels.triton_attention import ForwardConfig
+    from graphquant.kernels.triton_attention_backward import BackwardConfig
+
+    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
+        ForwardConfig(block_n=64)
+    assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
+    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4 or 8"):
+        BackwardConfig(num_warps=2)
+
+
 # -- the kernel on the GPU ---------------------------------------------------------------------
 
 def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantizer):

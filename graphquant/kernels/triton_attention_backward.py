@@ -83,6 +83,13 @@ def _columns(XT, stride, first, offs, valid, offs_d):
 
 
 @triton.jit
+def _row_statistics(LSE, DELTA, first, offs, valid):
+    """The rows' logsumexp in base 2 (infinite past the rows, so that their P is 0) and D."""
+    lse = tl.load(LSE + first + offs, mask=valid, other=float("inf")) * 1.4426950408889634  # log2(e)
+    return lse, tl.load(DELTA + first + offs, mask=valid, other=0.0)
+
+
+@triton.jit
 def _dkdv_tiles(
     dk, dv, ds_amax, k, v, offs_n, start, end, Q, QT, DO, DOT, LSE, DELTA, bh, seq_q, qt_stride, offs_d,
     qk_scale, dp_factor, s_scale, dp_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
@@ -97,8 +104,7 @@ def _dkdv_tiles(
         qt = _columns(QT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
         do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
         dot = _columns(DOT, qt_stride, bh * seq_q, offs_m, rows, offs_d)
-        lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # P 0 past the rows
-        delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
+        lse, delta = _row_statistics(LSE, DELTA, bh * seq_q, offs_m, rows)
         pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
             pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
@@ -188,8 +194,7 @@ def _dq_kernel(
     rows = offs_m < seq_q
     q = _rows(Q, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
     do = _rows(DO, bh * seq_q, offs_m, rows, offs_d, HEAD_DIM)
-    lse = tl.load(LSE + bh * seq_q + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # P 0 past the rows
-    delta = tl.load(DELTA + bh * seq_q + offs_m, mask=rows, other=0.0)
+    lse, delta = _row_statistics(LSE, DELTA, bh * seq_q, offs_m, rows)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
     dp_scale, dp_inv = tl.load(SCALES + 4), tl.load(SCALES + 5)
     qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634
