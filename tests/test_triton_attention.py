@@ -679,16 +679,16 @@ def test_kernel_configurations_against_the_emulation(tiles, causal):
 
 @pytest.mark.gpu
 def test_compiled_decoder_trains_with_the_flash_forward(tmp_path):
-    """On an H200 the zoo recipe's attention plans the flash forward, the compiled graph (aot_eager:
-    the autograd formula traced, the kernel's op through its fake) runs it, and two training steps
-    keep every gradient finite."""
+    """On an H200 the zoo recipe's attention plans the flash forward and backward, the compiled
+    graph (aot_eager: the autograd formula traced, the kernels' ops through their fakes) runs them,
+    and two training steps keep every gradient finite."""
     model = _decoder().cuda()
     x = torch.randn(2, 256, 128, device="cuda")
     recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
     plan = graphquant.explain(model, recipe, x)
-    assert {g.backend for g in plan.gemms if g.gemm in ("qk", "pv")} == {FLASH}
+    assert {g.backend for g in plan.gemms if g.module_type == "dpa"} == {FLASH}
     compiled = graphquant.compile(model, recipe, backend="aot_eager", dump_dir=str(tmp_path))
     for _ in range(2):
         compiled(x).square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    assert f"backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+    assert f"backend={FLASH!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
