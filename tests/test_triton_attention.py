@@ -678,7 +678,7 @@ def test_kernel_configurations_against_the_emulation(tiles, causal):
 
 
 @pytest.mark.gpu
-def test_compiled_decoder_trains_with_the_flash_forward(tmp_path):
+def test_compiled_decoder_trains_with_the_flash_kernels(tmp_path):
     """On an H200 the zoo recipe's attention plans the flash forward and backward, the compiled
     graph (aot_eager: the autograd formula traced, the kernels' ops through their fakes) runs them,
     and two training steps keep every gradient finite."""
