@@ -2,8 +2,8 @@
 tensor cores, S and P recomputed tile by tile from the forward's logsumexp, never in memory.
 
 Its inputs are quantized by graphquant exactly as the emulation quantizes them
-(graphquant.ops.attention): Q, K and V per tensor under one scale, each also transposed (its
-columnwise codes), dO per tensor (rowwise and transposed), and D = rowsum(dO * O) per query row
+(graphquant.ops.attention): Q, K and V per tensor under one scale, Q and K also transposed
+(their columnwise codes), dO per tensor (rowwise and transposed), and D = rowsum(dO * O) per query row
 (dO's dequantized values, the forward's O). Per (batch, query head), P and dS are quantized as
 the tiles see them, with per-tensor scales known before the kernel runs (delayed scaling: the s
 and dp slots' current scales):
