@@ -4,10 +4,14 @@ with ``--pass bwd``, the backward's (triton_attention_backward.BackwardConfig, t
 default forward before it, beside cuDNN's forward + backward).
 
     python benchmarks/attention_tune.py [--pass fwd] [--seqs 8192,16384] [--masks full,causal]
-        [--block-m 64,128] [--block-n 64,128] [--warps 4,8] [--stages 2,3,4] [--warp-specialize 0,1]
-        [--tma 0,1] [--pv-promotion tile,none] [--workers 14] [--reps 3]
+        [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
+        [--tma 0] [--pv-promotion tile,none] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--dkdv-tiles 64x64,64x128,32x128]
         [--dq-tiles 64x64,128x64,128x128] [--warps 4,8] [--stages 2,3] ...
+
+The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, TMA loads,
+warp specialization); ``--warps 4,8 --tma 0,1 --warp-specialize 0,1`` sweeps them again (192
+configurations take about 4 minutes, 24 about 40 s).
 
 32 heads of dim 128, 16k tokens per call (as benchmarks/attention.py), TFLOP/s counting a causal
 attention as half (and forward + backward as 3.5 forwards). ``--pv-promotion`` takes ``tile``
@@ -110,10 +114,10 @@ def main() -> None:
     parser.add_argument("--masks", default="full,causal")
     parser.add_argument("--block-m", default="64,128")
     parser.add_argument("--block-n", default="64,128")
-    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--warps", default=None, help="forward 8; backward 4,8")
     parser.add_argument("--stages", default=None, help="forward 2,3,4; backward 2,3")
-    parser.add_argument("--warp-specialize", default="0,1")
-    parser.add_argument("--tma", default="0,1")
+    parser.add_argument("--warp-specialize", default="0")
+    parser.add_argument("--tma", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
     parser.add_argument("--dkdv-tiles", default="64x64,64x128,32x128", help="the backward's dK/dV tiles, rows x keys")
     parser.add_argument("--dq-tiles", default="64x64,128x64,128x128", help="the backward's dQ tiles, rows x keys")
@@ -122,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     backward = args.which == "bwd"
     args.stages = args.stages or ("2,3" if backward else "2,3,4")
+    args.warps = args.warps or ("4,8" if backward else "8")
     grid = backward_configs(args) if backward else forward_configs(args)
     default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIG
     if default not in grid:
