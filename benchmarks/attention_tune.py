@@ -5,13 +5,13 @@ default forward before it, beside cuDNN's forward + backward).
 
     python benchmarks/attention_tune.py [--pass fwd] [--seqs 8192,16384] [--masks full,causal]
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
-        [--tma 0] [--pv-promotion tile,none] [--workers 14] [--reps 3]
+        [--pv-promotion tile,none] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--dkdv-tiles 64x64,64x128,32x128]
         [--dq-tiles 64x64,128x64,128x128] [--warps 4,8] [--stages 2,3] ...
 
-The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, TMA loads,
-warp specialization); ``--warps 4,8 --tma 0,1 --warp-specialize 0,1`` sweeps them again (192
-configurations take about 4 minutes, 24 about 40 s).
+The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, warp
+specialization); ``--warps 4,8 --warp-specialize 0,1`` sweeps them again (96 configurations take
+about 2 minutes, 24 about 40 s).
 
 32 heads of dim 128, 16k tokens per call (as benchmarks/attention.py), TFLOP/s counting a causal
 attention as half (and forward + backward as 3.5 forwards). ``--pv-promotion`` takes ``tile``
@@ -60,14 +60,14 @@ def _tiles(text: str) -> list[tuple[int, int]]:
 def forward_configs(args) -> list[ForwardConfig]:
     """The forward grid's configurations (a promotion wider than the key tile left out)."""
     grid = []
-    for block_m, block_n, warps, stages, specialize, tma, promotion in itertools.product(
+    for block_m, block_n, warps, stages, specialize, promotion in itertools.product(
         _ints(args.block_m), _ints(args.block_n), _ints(args.warps), _ints(args.stages), _ints(args.warp_specialize),
-        _ints(args.tma), args.pv_promotion.split(","),
+        args.pv_promotion.split(","),
     ):
         keys = {"tile": block_n, "none": None}[promotion] if promotion in ("tile", "none") else int(promotion)
         if keys is None or keys <= block_n:
             grid.append(ForwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                      warp_specialize=bool(specialize), tma=bool(tma), pv_promotion=keys))
+                                      warp_specialize=bool(specialize), pv_promotion=keys))
     return grid
 
 
@@ -117,7 +117,6 @@ def main() -> None:
     parser.add_argument("--warps", default=None, help="forward 8; backward 4,8")
     parser.add_argument("--stages", default=None, help="forward 2,3,4; backward 2,3")
     parser.add_argument("--warp-specialize", default="0")
-    parser.add_argument("--tma", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
     parser.add_argument("--dkdv-tiles", default="64x64,64x128,32x128", help="the backward's dK/dV tiles, rows x keys")
     parser.add_argument("--dq-tiles", default="64x64,128x64,128x128", help="the backward's dQ tiles, rows x keys")

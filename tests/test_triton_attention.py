@@ -287,14 +287,11 @@ def test_kernel_under_the_interpreter():
     reference's float32 -> E4M3 cast in place of the interpreter's): grouped heads, lengths that
     are not multiples of the tiles (one query row, more queries than keys, several key tiles),
     causal and not, both head dims; and configurations other than the default: key tiles wider
-    than the query block (the causal loop's end inside a key tile), PV promoted within a tile,
-    whole key tiles loaded through tensor descriptors (TMA; 2 x 256 keys are 16-byte aligned)."""
+    than the query block (the causal loop's end inside a key tile), PV promoted within a tile."""
     pytest.importorskip("triton")
     other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
-    tma = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True, "pv_promotion": 64}
     shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
-              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other),
-              (1, 4, 2, 100, 256, 128, True, tma)]
+              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -654,20 +651,20 @@ def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
 
 
 # Configurations the tuning sweep (benchmarks/attention_tune.py) may pick: every tile shape and
-# warp count at head dim 128, loads through pointers and through TMA, PV promoted once a key tile.
-GPU_CONFIGS = [(64, 64, 4, 4, False), (64, 128, 4, 2, True), (128, 128, 8, 2, True), (128, 64, 4, 3, False), (128, 64, 8, 3, True)]
+# warp count at head dim 128, PV promoted once a key tile.
+GPU_CONFIGS = [(64, 64, 4, 4), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 4)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("tiles", GPU_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}{'-tma' if t else ''}" for m, n, w, s, t in GPU_CONFIGS])
+@pytest.mark.parametrize("tiles", GPU_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}" for m, n, w, s in GPU_CONFIGS])
 def test_kernel_configurations_against_the_emulation(tiles, causal):
     """``check_against_the_emulation`` in other configurations than the default, at lengths that
-    do not tile (2 x 2 x 1000 keys: 16-byte aligned for TMA)."""
+    do not tile."""
     from graphquant.kernels.triton_attention import ForwardConfig
 
-    m, n, warps, stages, tma = tiles
-    config = ForwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages, tma=tma, pv_promotion=n)
+    m, n, warps, stages = tiles
+    config = ForwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages, pv_promotion=n)
     print(check_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda", config))
 
 

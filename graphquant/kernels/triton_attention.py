@@ -23,8 +23,8 @@ second accumulator). PV accumulates into O's fp32 accumulator across the key loo
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
-Tiles, warps, pipeline stages, warp specialization of the key loop, TMA loads and the PV
-promotion are a ``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+Tiles, warps, pipeline stages, warp specialization of the key loop and the PV promotion are a
+``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
@@ -40,7 +40,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 
@@ -49,9 +48,8 @@ from graphquant.kernels.backends import FLASH_HEAD_DIMS
 class ForwardConfig:
     """How the forward kernel tiles and schedules its work: block_m query rows per program over
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
-    warp_specialize (Triton's automatic warp specialization of the key loop), tma (whole key tiles
-    load through tensor descriptors, the Hopper TMA unit, where K and V^T are 16-byte aligned; else
-    through pointers as without it), and pv_promotion: how many keys the tensor cores may sum in
+    warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
+    how many keys the tensor cores may sum in
     their narrow accumulator before the PV partial sum is added into fp32 (a multiple of 32 up to
     block_n; None: never, the narrow accumulator carries the whole key loop, which the error bound
     of tests/test_triton_attention.py does not cover)."""
@@ -61,7 +59,6 @@ class ForwardConfig:
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False
-    tma: bool = False
     pv_promotion: Optional[int] = 128
 
     def __post_init__(self) -> None:
@@ -81,20 +78,16 @@ DEFAULT_CONFIG = ForwardConfig()
 
 @triton.jit
 def _key_tiles(
-    acc, l_i, m_i, q, k_base, vt_base, vt_stride, k_desc, vt_desc, kv_row, offs_m, start, end, seq_k, qk_scale, p_scale,
+    acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA: tl.constexpr,
+    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
-    tiles are past seq_k or (CAUSAL) after a query row. TMA: whole tiles load through the tensor
-    descriptors (K's tile at row kv_row + start_n, V^T's at that column)."""
+    tiles are past seq_k or (CAUSAL) after a query row."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if TMA and not MASKED:
-            k = k_desc.load([kv_row + start_n, 0])
-            vt = vt_desc.load([0, kv_row + start_n])
-        elif MASKED:
+        if MASKED:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
@@ -122,10 +115,9 @@ def _key_tiles(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, VT, K_DESC, VT_DESC, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
+    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -136,7 +128,6 @@ def _forward_kernel(
     q = tl.load(Q + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
-    kv_row = (kv_bh * seq_k).to(tl.int32)  # the first row of K, and column of V^T, of this head
     scale_inv = tl.load(SCALE_INV)
     p_scale = tl.load(P_SCALE)
     qk_scale = scale_inv * scale_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
@@ -154,12 +145,12 @@ def _forward_kernel(
         if (start_m + 1) * BLOCK_M < seq_k:
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
-        acc, l_i, m_i, q, k_base, vt_base, vt_stride, K_DESC, VT_DESC, kv_row, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, TMA,
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
     )
     acc, l_i, m_i = _key_tiles(
-        acc, l_i, m_i, q, k_base, vt_base, vt_stride, K_DESC, VT_DESC, kv_row, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, TMA,
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -198,14 +189,11 @@ def forward(
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
     config = config or DEFAULT_CONFIG
     q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
-    tma = config.tma and vt.shape[1] % 16 == 0 and k.data_ptr() % 16 == 0 and vt.data_ptr() % 16 == 0
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, head_dim), [config.block_n, head_dim]) if tma else None
-    vt_desc = TensorDescriptor.from_tensor(vt, [head_dim, config.block_n]) if tma else None
     grid = (triton.cdiv(seq_q, config.block_m), b * heads)
     _forward_kernel[grid](
-        q, k, vt, k_desc, vt_desc, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
+        q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        config.pv_promotion, config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
 
