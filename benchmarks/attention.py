@@ -8,8 +8,9 @@ forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d 
 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
-V quantized first, whose backward recomputes S and P through the emulation; "fp8 flash kernel"
-is the kernel alone on codes quantized beforehand. ``--emulated`` adds the exact emulation of
+V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
+s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
+kernels on codes quantized beforehand. ``--emulated`` adds the exact emulation of
 that recipe and of MXFP8, which materialises S and P (so it runs out of memory first: such a row
 says "OOM").
 """
@@ -17,6 +18,7 @@ says "OOM").
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -31,7 +33,7 @@ import graphquant  # noqa: E402,F401  (registers the ops)
 from graphquant import factories, zoo  # noqa: E402
 from graphquant.kernels import backends  # noqa: E402
 from graphquant.ops.attention import SLOTS, AttentionSite, quantize_qkv, quantized_attention  # noqa: E402
-from graphquant.ops.quantize import SlotState  # noqa: E402
+from graphquant.ops.quantize import SlotState, quantize_tensor  # noqa: E402
 from graphquant.passes.find_attention import DpaSite  # noqa: E402
 from graphquant.passes.plan import Planner  # noqa: E402
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer  # noqa: E402
@@ -60,24 +62,52 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     states = tuple(
         torch.cat(q.initial_state(torch.device(device))) if q.keeps_state else None for q in quantizers.values()
     )
-    backend = backends.GemmBackend(backends.ATTENTION_EMULATION)
+    backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
-        head_dims = (HEAD_DIM, HEAD_DIM)
-        backend = backends.select_attention(torch.device(device), quantizers["qkv"], quantizers["s"], head_dims, False).backend
+        select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False)
+        backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
-    return AttentionSite(name="attn", call=0, **formats, backend=backend), states
+    return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
 
 
-def flash_kernel_alone(q, k, v, causal: bool):
-    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize)."""
-    from graphquant.kernels import triton_attention
-
+def flash_codes(q, k, v) -> tuple:
+    """(Q codes, K codes, V^T codes, their scale_inv, the P scale): what the FP8 flash forward
+    takes, quantized as the zoo recipe's qkv quantizes."""
     rows = {t: x.detach().reshape(-1, HEAD_DIM) for t, x in zip("QKV", (q, k, v))}
     made = quantize_qkv(rows, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (COLUMNWISE,)}, SlotState(None, None, 0))
     q8, k8 = (made[t][ROWWISE].tensors[0].view(x.shape) for t, x in (("Q", q), ("K", k)))
     vt, scale_inv = made["V"][COLUMNWISE].tensors[0], made["Q"][ROWWISE].tensors[1]
-    p_scale = E4M3.scale_of_amax(torch.ones(1, device=q.device))
-    return lambda: triton_attention.forward(q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    return q8, k8, vt, scale_inv, E4M3.scale_of_amax(torch.ones(1, device=q.device))
+
+
+def flash_kernel_alone(q, k, v, causal: bool, config=None):
+    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize), in
+    ``config`` (a triton_attention.ForwardConfig; None: the kernel's default)."""
+    from graphquant.kernels import triton_attention
+
+    codes = flash_codes(q, k, v)
+    return lambda: triton_attention.forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
+
+
+def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
+    """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
+    (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
+    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default)."""
+    from graphquant.kernels import triton_attention, triton_attention_backward
+
+    q8, k8, vt, scale_inv, p_scale = flash_codes(q, k, v)
+    e5m2 = Float8CurrentScalingQuantizer(fp8_dtype="e5m2")
+    do_made, _ = quantize_tensor(grad.reshape(-1, HEAD_DIM), e5m2, (ROWWISE, COLUMNWISE), SlotState(None, None, 0))
+    do8, dot8 = do_made[ROWWISE].tensors[0].view(q.shape), do_made[COLUMNWISE].tensors[0]
+    forward = functools.partial(triton_attention.forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    o, lse, _ = forward()
+    delta = (do8.float() * do_made[ROWWISE].tensors[1] * o.float()).sum(-1)
+    ds_scale = e5m2.scale_of_amax(torch.ones(1, device=q.device))
+    scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])
+    transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, HEAD_DIM))  # noqa: E731
+    codes = (q8, transposed(q8), k8, transposed(k8), vt.t().contiguous().view(k.shape), do8, dot8)
+    backward = functools.partial(triton_attention_backward.backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
+    return lambda: (forward(), backward())
 
 
 def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, callable]:
@@ -106,11 +136,14 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, ca
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        flash = site.backend.name == backends.FLASH_ATTENTION
-        name = name.format(f"{site.backend}{', backward emulated' if backward and flash else ''}")
+        emulated_backward = site.backend.name == backends.FLASH_ATTENTION and site.backward_backend.name != backends.FLASH_ATTENTION
+        name = name.format(f"{site.backend}{', backward emulated' if backward and emulated_backward else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
-    if not backward and torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
-        fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
+    if torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
+        if backward:
+            fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
+        else:
+            fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
     return fns
 
 

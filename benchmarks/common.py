@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks: CUDA-event medians over alternating rounds."""
+"""Timing helpers shared by the benchmarks: CUDA-event (or, on the CPU, wall-clock) medians over
+alternating rounds."""
 
 from __future__ import annotations
 
@@ -121,19 +122,49 @@ def idle_and_capped_us(fns: dict, rounds: int = 5) -> dict:
     return {key: (statistics.median(s[:rounds]), statistics.median(s[rounds:])) for key, s in samples.items()}
 
 
+def wall_ms(fn: Callable[[], object], *, warmup: int = 1, reps: int = 3) -> float:
+    """Median wall-clock milliseconds of one call of ``fn`` over ``reps`` calls: time_ms where
+    there are no CUDA events (the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def seconds(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Wall-clock seconds of one call of ``fn`` with the device drained around it, and its result:
+    a first call's, which compiles."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return time.perf_counter() - start, result
+
+
 def alternate(
-    fns: dict[str, Callable[[], object]], *, rounds: int = 3, joules: Optional[dict[str, float]] = None, **kwargs
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 3,
+    joules: Optional[dict[str, float]] = None,
+    timer: Callable[..., float] = time_ms,
+    **kwargs,
 ) -> dict[str, float]:
-    """Median over ``rounds`` of each function's time, the functions taking turns every round so
-    that drift on a shared GPU touches them all alike. ``joules``, if given, receives each
-    function's mean GPU energy per call, where NVML can read it: the mean, because NVML's counter
-    advances in steps, so one sample sees a whole number of them, and a median over samples only a
-    few steps long would keep the more frequent count."""
+    """Median over ``rounds`` of each function's time by ``timer`` (``kwargs`` go to it), the
+    functions taking turns every round so that drift on a shared GPU touches them all alike.
+    ``joules``, if given, receives each function's mean GPU energy per call, where NVML can read
+    it: the mean, because NVML's counter advances in steps, so one sample sees a whole number of
+    them, and a median over samples only a few steps long would keep the more frequent count."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     energy: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in turns(list(fns), r):
-            samples[name].append(time_ms(fns[name], joules=energy[name] if joules is not None else None, **kwargs))
+            energy_kwargs = {"joules": energy[name]} if joules is not None else {}
+            samples[name].append(timer(fns[name], **energy_kwargs, **kwargs))
     if joules is not None:
         joules.update({name: statistics.fmean(values) for name, values in energy.items() if values})
     return {name: statistics.median(values) for name, values in samples.items()}

@@ -7,15 +7,9 @@ A Llama-architecture model built from a transformers LlamaConfig with random wei
 dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256; ``--layers`` decoder
 layers; ``--tiny``: a model small enough for the CPU) generates ``--new-tokens`` tokens greedily
 after a random ``--prompt``-token prompt, one compiled forward per step on a transformers
-StaticCache, under each configuration side by side:
-
-    bf16 torch.compile
-    torchao PerRow, torchao PerTensor    Float8DynamicActivationFloat8WeightConfig (CUDA, torchao importable)
-    graphquant RECIPE                    mode="inference": each weight quantized at each call
-    graphquant RECIPE frozen             graphquant.freeze: weights stored quantized, bf16 dropped
-
-for RECIPE in tensorwise, rowwise, mxfp8, nvfp4. Rounds alternate the configurations (each round
-in its own shuffled order); a generation's time covers its prefill and every decode step, and
+StaticCache, under each configuration of inference_configs.py side by side (bf16 torch.compile,
+torchao's dynamic FP8, graphquant's recipes per-call and frozen). Rounds alternate the
+configurations (each round in its own shuffled order); a generation's time covers its prefill and every decode step, and
 tokens/s counts the generated tokens of the whole batch. "first gen s" is the first generation at
 that batch size (its compiles included). "weights GiB" counts every parameter and buffer of the
 model (embedding and norms included; a tensor subclass by its inner tensors), the KV cache not.
@@ -29,32 +23,18 @@ configuration compiles with aot_eager (no Inductor build) and times are only a s
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
-import itertools
 import statistics
 import sys
 import time
 import traceback
-from typing import Callable
 
 import torch
 from tabulate import tabulate
 
-import graphquant
-from graphquant import recipes, zoo
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import turns  # noqa: E402
-
-RECIPES: dict[str, Callable[[], graphquant.CustomRecipe]] = {
-    "tensorwise": lambda: zoo.recipe("tensorwise"),
-    "rowwise": lambda: zoo.recipe("rowwise"),
-    "mxfp8": recipes.mxfp8_block_scaling,
-    "nvfp4": recipes.nvfp4_block_scaling,
-}
-TORCHAO = ("PerRow", "PerTensor")
-FROZEN = " frozen"
+from common import seconds, turns  # noqa: E402
+from inference_configs import build, configs, per_call, weight_bytes  # noqa: E402
 
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -69,54 +49,6 @@ def llama(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
-
-
-def configs(requested: list[str] | None, device: torch.device) -> list[str]:
-    names = ["bf16 torch.compile"]
-    if device.type == "cuda":
-        try:
-            import torchao.quantization  # noqa: F401
-
-            names += [f"torchao {granularity}" for granularity in TORCHAO]
-        except ImportError:
-            print("torchao is not importable: its rows are left out", file=sys.stderr)
-    names += [f"graphquant {recipe}{frozen}" for recipe in RECIPES for frozen in ("", FROZEN)]
-    unknown = sorted(set(requested or ()) - set(names))
-    if unknown:
-        raise SystemExit(f"unknown or unavailable configs {unknown}; available here: {', '.join(names)}")
-    return names if requested is None else requested
-
-
-def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool) -> torch.nn.Module:
-    """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph)."""
-    model = copy.deepcopy(model)
-    backend = "inductor" if device.type == "cuda" else "aot_eager"
-    mode = {"mode": "reduce-overhead"} if cudagraphs else {}
-    if config == "bf16 torch.compile":
-        return torch.compile(model, backend=backend, dynamic=False, **mode)
-    if config.startswith("torchao "):
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
-
-        granularity = {"PerRow": PerRow, "PerTensor": PerTensor}[config.removeprefix("torchao ")]()
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
-        return torch.compile(model, backend=backend, dynamic=False, **mode)
-    recipe = RECIPES[config.removeprefix("graphquant ").removesuffix(FROZEN)]()
-    compile_mode = {"compile_mode": "reduce-overhead"} if cudagraphs else {}
-    compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, **compile_mode)
-    return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements; a tensor subclass (torchao's quantized weights) by its inner tensors."""
-    if hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
-
-
-def weight_gib(model: torch.nn.Module) -> float:
-    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return sum(tensor_bytes(t) for t in tensors.values()) / 2**30
 
 
 class Generation:
@@ -150,22 +82,12 @@ class Run:
     of its first generation (compiles included); and its weight GiB."""
 
     def __init__(self, model: torch.nn.Module, prompts: dict[int, torch.Tensor], new_tokens: int, device: torch.device) -> None:
-        self.weight_gib = weight_gib(model)
+        self.weight_gib = weight_bytes(model) / 2**30
         self.generations, self.first, self.tokens = {}, {}, {}
         for b, prompt in prompts.items():
             self.generations[b] = Generation(model, prompt, new_tokens)
             self.first[b], self.tokens[b] = seconds(self.generations[b], device)
             self.generations[b]()  # a second warm-up: CUDA graphs record on the first replays
-
-
-def seconds(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
-    """Wall-clock seconds of one call of ``fn`` with the device drained around it, and its result."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    result = fn()
-    sync()
-    return time.perf_counter() - start, result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for name, run in runs.items():
-        per_call = runs.get(name.removesuffix(FROZEN)) if name.endswith(FROZEN) else None
-        same = "" if per_call is None else "yes" if all(torch.equal(run.tokens[b], per_call.tokens[b]) for b in batches) else "NO"
+        unfrozen = runs.get(per_call(name))
+        same = "" if unfrozen is None else "yes" if all(torch.equal(run.tokens[b], unfrozen.tokens[b]) for b in batches) else "NO"
         rows.append([name, *(args.new_tokens * b / statistics.median(samples[name, b]) for b in batches),
                      run.weight_gib, *run.first.values(), same])
     headers = ["config", *(f"tok/s @{b}" for b in batches), "weights GiB", *(f"first gen s @{b}" for b in batches), "= per-call"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|moe ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [gemm] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|sweep ARGS...|moe ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: whether a kernel is bound by memory or by issuing instructions).
@@ -50,5 +50,7 @@ for i in "${!steps[@]}"; do
     generate) # transformers and its dependencies travel as wheels in .whl/ (NOTES.md, generate.py)
               python3 benchmarks/generate.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/generate.txt"
               break ;;
+    sweep) python3 benchmarks/inference_sweep.py "${steps[@]:$((i+1))}" 2>&1 | tee "$OUT/inference_sweep.txt"
+           break ;;
   esac
 done

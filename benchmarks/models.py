@@ -140,8 +140,8 @@ class MoE(nn.Module):
 
 
 class FFNStack(nn.Sequential):
-    def __init__(self, blocks: int = 4) -> None:
-        super().__init__(*[FeedForward() for _ in range(blocks)])
+    def __init__(self, blocks: int = 4, dim: int = DIM, hidden: int = HIDDEN) -> None:
+        super().__init__(*[FeedForward(dim, hidden) for _ in range(blocks)])
 
 
 class DecoderLayer(nn.Sequential):

@@ -212,15 +212,16 @@ class GraphquantBackend:
             return self.inner
         if self.inner == "inductor":
             from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+            from graphquant.passes.common_subexpressions import merging_common_subexpressions
             from graphquant.passes.saturating_cast import SaturatingCast
 
             options = dict(self.inductor_options)
             options["post_grad_custom_post_pass"] = SaturatingCast(
                 then=options.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
             )
-            return functools.partial(compile_fx, config_patches=options)
+            return functools.partial(compile_fx, inner_compile=merging_common_subexpressions(compile_fx_inner), config_patches=options)
         return torch._dynamo.lookup_backend(self.inner)
 
     @staticmethod

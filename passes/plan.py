@@ -280,7 +280,9 @@ class Planner:
         entries = []
         for gemm, a, b in site.products(training):
             backward = gemm not in ("qk", "pv")
-            selection = backends.select_attention(device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward)
+            selection = backends.select_attention(
+                device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward, quantizers["dO"], quantizers["dS"]
+            )
             if self.strict and selection.bucket == backends.EMULATED:
                 selection = backends.Selection(
                     backends.REJECTED,

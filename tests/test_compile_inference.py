@@ -181,3 +181,30 @@ def test_training_after_inference_quantizes_in_graph():
         compiled(x3())
     compiled(x3().requires_grad_()).sum().backward()
     assert [g.gemm for g in compiled.graphquant.plan.gemms] == ["fprop", "dgrad", "wgrad"] * 2
+
+
+class _Captured(Exception):
+    """Stops Inductor once the post-grad graph is in hand: the test needs no C++ build."""
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])
+def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
+    """A SwiGLU's gate and up projections read one x: the graph Inductor lowers quantizes it once
+    (as a training graph does after AOTAutograd's partitioner merges the two), not once a linear."""
+    from torch._inductor import config as inductor_config
+
+    recipe = recipes.mxfp8_block_scaling() if recipe_name == "mxfp8" else zoo.recipe(recipe_name)
+    graphs = []
+
+    def capture(graph):
+        graphs.append(graph)
+        raise _Captured
+
+    compiled = graphquant.compile(models.SwiGLU(128, 256).to(torch.bfloat16), recipe, mode="inference")
+    with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False), torch.no_grad():
+        with pytest.raises(Exception):  # _Captured, as this torch's Inductor and Dynamo wrap it
+            compiled(torch.randn(32, 128, dtype=torch.bfloat16))
+    (graph,) = graphs
+    ops = torch.ops.graphquant
+    quantizes = [n for n in graph.nodes if n.target in (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)]
+    assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input

@@ -1,29 +1,18 @@
 """benchmarks/generate.py on the CPU with its tiny model: every configuration generates, the table
 has a row each, and frozen models hold fewer weight bytes and generate their per-call model's tokens."""
 
-import importlib.util
-import pathlib
-import re
-
 import pytest
 
-from reference import fresh_dynamo  # noqa: F401  (autouse)
+from benchmark_tables import table_rows
 
 pytest.importorskip("transformers")
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.slow
-def test_tiny_generation_table(capsys):
-    spec = importlib.util.spec_from_file_location("generate", BENCHMARKS / "generate.py")
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+def test_tiny_generation_table():
     names = ["bf16 torch.compile", "graphquant tensorwise", "graphquant tensorwise frozen", "graphquant nvfp4 frozen"]
-    generate.main(["--tiny", "--device", "cpu", "--batch", "1,2", "--prompt", "8", "--new-tokens", "3", "--rounds", "1",
-                   "--configs", ",".join(names)])
-    out = capsys.readouterr().out
-    table = out[out.index("config "):].splitlines()[2:]
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table)}
+    rows, out = table_rows("generate", ["--tiny", "--device", "cpu", "--batch", "1,2", "--prompt", "8", "--new-tokens", "3",
+                                        "--rounds", "1", "--configs", ",".join(names)])
     assert sorted(rows) == sorted(names), out
     for name, row in rows.items():
         assert all(float(v) > 0 for v in row[:5]), (name, row)  # tok/s @1, @2, weights, first generations

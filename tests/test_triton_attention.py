@@ -9,6 +9,7 @@ Against the emulation, within the bound derived in ``flash_bound``: on the GPU, 
 under Triton's interpreter.
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -22,17 +23,19 @@ import graphquant
 from graphquant import zoo
 from graphquant.kernels import backends
 from graphquant.ops.attention import AttentionSite, quantize_qkv, quantized_attention
-from graphquant.ops.quantize import SlotState
+from graphquant.ops.quantize import SlotState, update_delayed_scaling
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer
 from graphquant.recipes import CustomRecipe
 
 import models
-from test_attention import CURRENT, MXFP8, ZOO, _states
+from test_attention import CURRENT, DELAYED, MXFP8, ZOO, _states
 
 FLASH = backends.GemmBackend(backends.FLASH_ATTENTION)
 E4M3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")
 E4M3_ULP = 2.0**-3  # relative spacing of E4M3's normal values (3 mantissa bits)
 E4M3_SUBNORMAL = 2.0**-9  # E4M3's smallest subnormal, the absolute spacing below 2^-6
+E5M2_ULP = 2.0**-2  # relative spacing of E5M2's normal values (2 mantissa bits)
+E5M2_SUBNORMAL = 2.0**-16  # E5M2's smallest subnormal
 EPS32 = 2.0**-24  # fp32 unit roundoff
 # Hopper's FP8 tensor cores add the products of one wgmma (32 deep) in an accumulator of about 14
 # significant bits, not fp32; the kernel promotes into fp32 after every product tile (at most 128
@@ -55,9 +58,10 @@ def hopper(monkeypatch):
 
 @pytest.fixture
 def emulated_kernel():
-    """graphquant::flash_attention on the CPU as the emulation's own forward on the codes it gets;
-    the context it yields names the site and the s state the emulation quantizes P with (current
-    scaling where it names none) and counts the calls."""
+    """graphquant::flash_attention on the CPU as the emulation's own forward on the codes it gets
+    (and the logsumexp of its logits); the context it yields names the site and the s state the
+    emulation quantizes P with (current scaling where it names none) and counts the calls, and
+    those of graphquant::flash_attention_backward (its reference)."""
     from graphquant.ops import attention
 
     library = torch.library.Library("graphquant", "IMPL")
@@ -76,9 +80,16 @@ def emulated_kernel():
         mask = attention._additive_mask(None, causal, lq, lk, q.device)
         state = SlotState(None if s_state is None else s_state.clone(), None, 0)
         o, p, _ = attention.emulated_forward(site, {"Q": torch.empty(0, dtype=out_dtype), "V": None}, made, mask, softmax_scale, state, (b, h, lq, lk), False)
-        return o.view(b, h, lq, d), torch.empty(b, h, lq), p.abs().amax().reshape(1)
+        logits = (q.float() * scale_inv) @ (grouped(k).float() * scale_inv).view(b, h, lk, d).transpose(-1, -2) * softmax_scale
+        lse = torch.logsumexp(logits if mask is None else logits + mask, -1)
+        return o.view(b, h, lq, d), lse, p.abs().amax().reshape(1)
+
+    def backward_kernel(*args):
+        context["backward calls"] = context.get("backward calls", 0) + 1
+        return attention.flash_attention_backward_reference(*args)
 
     library.impl("flash_attention", kernel, "CPU")
+    library.impl("flash_attention_backward", backward_kernel, "CPU")
     yield context
     library._destroy()
 
@@ -88,8 +99,18 @@ def test_selection_on_hopper(hopper):
     delayed = graphquant.parse_spec(ZOO["s"])
     assert backends.select_attention(cpu, E4M3, delayed, (128, 128), False) == backends.Selection(backends.NATIVE, FLASH)
     assert backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
-    backward = backends.select_attention(cpu, E4M3, E4M3, (64, 64), False, backward=True)
-    assert backward.bucket == backends.EMULATED and "no FP8 flash backward" in backward.reason
+    zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
+    backward = lambda **formats: backends.select_attention(cpu, E4M3, formats.get("s", zoo["s"]), (64, 64), False, True, formats.get("do", zoo["do"]), formats.get("dp", zoo["dp"]))  # noqa: E731
+    assert backward() == backends.Selection(backends.NATIVE, FLASH)
+    assert backward(do=graphquant.parse_spec(DELAYED["do"])).bucket == backends.NATIVE
+    refused_backward = {
+        "per-tensor FP8 under delayed scaling s, not fp8_current(fp8_dtype=e4m3)": {"s": E4M3},
+        "per-tensor FP8 under delayed scaling dp, not fp8_current(fp8_dtype=e5m2)": {"dp": graphquant.parse_spec(CURRENT["dp"])},
+        "per-tensor FP8 do, not mxfp8(fp8_dtype=e5m2)": {"do": graphquant.parse_spec(MXFP8["do"])},
+    }
+    for reason, formats in refused_backward.items():
+        selection = backward(**formats)
+        assert selection.bucket == backends.EMULATED and f"the FP8 flash backward takes {reason}: S and P recomputed" in selection.reason, selection
     refused = {
         "per-tensor E4M3 qkv, not mxfp8": (MXFP8Quantizer(), E4M3, (128, 128), False),
         "per-tensor E4M3 s, not fp8_current(fp8_dtype=e5m2)": (E4M3, Float8CurrentScalingQuantizer(fp8_dtype="e5m2"), (128, 128), False),
@@ -116,29 +137,40 @@ def _decoder():
     return models.seeded(models.DecoderBlock(dim=128, n_heads=2, attention="sdpa"))  # causal, head dim 64
 
 
-def test_plan_shows_the_native_forward_and_the_graph_carries_it(hopper, emulated_kernel, tmp_path):
-    """The plan lists qk and pv on the flash kernel and the backward emulated; the rewritten graph's
-    AttentionSite names the kernel, and running it calls the kernel's op."""
+def _current_dpa_recipe():
+    """FP8 attention under current scaling everywhere: the flash forward, the emulated backward."""
+    return CustomRecipe(lambda role: Float8CurrentScalingQuantizer(fp8_dtype="e4m3"), fp8_dpa=True)
+
+
+def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulated_kernel, tmp_path):
+    """Under the zoo recipe (s and dp delayed) the plan lists every product on the flash kernels;
+    the rewritten graph's AttentionSite names them, and running it calls both kernels' ops. Under
+    current-scaling s and dp the backward stays emulated, and the site says so."""
     x = torch.randn(2, 32, 128)
     plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), x)
     rows = {g.gemm: (g.bucket, g.backend) for g in plan.gemms if g.module_type == "dpa"}
-    assert rows == {
-        "qk": (backends.NATIVE, FLASH),
-        "pv": (backends.NATIVE, FLASH),
-        **{gemm: (backends.EMULATED, backends.GemmBackend(backends.ATTENTION_EMULATION)) for gemm in ("dv", "dp", "dq", "dk")},
-    }
+    assert rows == {gemm: (backends.NATIVE, FLASH) for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
     assert backends.FLASH_ATTENTION in str(plan)
     compiled = graphquant.compile(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager", dump_dir=str(tmp_path))
-    calls = emulated_kernel.get("calls", 0)
+    calls = dict(emulated_kernel)
     compiled(x).sum().backward()
-    assert emulated_kernel["calls"] == calls + 1
-    assert f"backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+    assert emulated_kernel["calls"] == calls.get("calls", 0) + 1 and emulated_kernel["backward calls"] == calls.get("backward calls", 0) + 1
+    assert f"backend={FLASH!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+
+    plan = graphquant.explain(_decoder(), _current_dpa_recipe(), x)
+    emulation = backends.GemmBackend(backends.ATTENTION_EMULATION)
+    assert {g.gemm: g.backend for g in plan.gemms if g.module_type == "dpa"} == {"qk": FLASH, "pv": FLASH, "dv": emulation, "dp": emulation, "dq": emulation, "dk": emulation}
+    graphquant.compile(_decoder(), _current_dpa_recipe(), backend="aot_eager", dump_dir=str(tmp_path))(x).sum().backward()
+    assert emulated_kernel["backward calls"] == calls.get("backward calls", 0) + 1
+    assert f"backend={FLASH!r})" in (tmp_path / "graph_000_rewritten.py").read_text()
 
 
 def test_strict_rejects_the_emulated_backward(hopper, emulated_kernel):
-    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), torch.randn(2, 32, 128), strict=True)
+    plan = graphquant.explain(_decoder(), _current_dpa_recipe(), torch.randn(2, 32, 128), strict=True)
     buckets = {g.gemm: g.bucket for g in plan.gemms if g.module_type == "dpa"}
     assert buckets == {"qk": "native", "pv": "native", "dv": "rejected", "dp": "rejected", "dq": "rejected", "dk": "rejected"}
+    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), torch.randn(2, 32, 128), strict=True)
+    assert {g.bucket for g in plan.gemms if g.module_type == "dpa"} == {"native"}
 
 
 # -- what the kernel is given, and the backward ------------------------------------------------
@@ -147,6 +179,13 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, lq), (hkv, lk), (hkv, lk), (hq, lq)))
     return tuple(t.to(device=device, dtype=dtype) for t in (q * 2, k, v * 3, dout * 1e-3))
+
+
+def test_site_refuses_a_flash_backward_it_cannot_run():
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(the FP8 flash backward takes per-tensor FP8 under delayed scaling s, not fp8_current\(fp8_dtype=e4m3\)\)"):
+        AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=FLASH)
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward does not run on the flash kernel\)"):
+        AttentionSite(name="attn", call=0, **ZOO, backward_backend=FLASH)
 
 
 def test_flash_site_refuses_a_mask():
@@ -199,7 +238,8 @@ def test_backward_is_the_emulations(emulated_kernel, formats, causal):
 
 # -- the kernel under the Triton interpreter ---------------------------------------------------
 
-INTERPRETED = textwrap.dedent(
+# Triton's interpreter as the GPU runs a kernel: the setup every interpreted check starts with.
+INTERPRETER_SETUP = textwrap.dedent(
     """
     import sys
     import numpy, torch
@@ -218,20 +258,26 @@ INTERPRETED = textwrap.dedent(
     cast = interpreter.InterpreterBuilder.create_fp_to_fp
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+        fp8_dtype = {tl.float8e4nv: "e4m3", tl.float8e5: "e5m2"}.get(dst_type.scalar)
+        if fp8_dtype is None or src.dtype.scalar != tl.float32:
             return cast(self, src, dst_type, rounding_mode)
-        data = cast_to_fp8(torch.from_numpy(numpy.ascontiguousarray(src.data)), "e4m3").view(torch.uint8).numpy()
+        data = cast_to_fp8(torch.from_numpy(numpy.ascontiguousarray(src.data)), fp8_dtype).view(torch.uint8).numpy()
         return interpreter.TensorHandle(data, dst_type.scalar)
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
-
+    """
+) % os.path.dirname(os.path.abspath(__file__))
+INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
+    sys.path.insert(0, %r)
     from graphquant.kernels import triton_attention
     from graphquant.ops import registry
     import test_triton_attention
 
     registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
-    for shape in %r:
-        print(test_triton_attention.check_against_the_emulation(*shape, device="cpu"))
+    for *shape, config in %r:
+        config = config and triton_attention.ForwardConfig(**config)
+        print(test_triton_attention.check_against_the_emulation(*shape, device="cpu", config=config))
     """
 )
 
@@ -240,13 +286,130 @@ def test_kernel_under_the_interpreter():
     """The GPU test's comparison with the kernel run by Triton's interpreter on the CPU (the
     reference's float32 -> E4M3 cast in place of the interpreter's): grouped heads, lengths that
     are not multiples of the tiles (one query row, more queries than keys, several key tiles),
-    causal and not, both head dims."""
+    causal and not, both head dims; and configurations other than the default: key tiles wider
+    than the query block (the causal loop's end inside a key tile), PV promoted within a tile."""
     pytest.importorskip("triton")
-    shapes = [(1, 2, 1, 130, 70, 64, False), (1, 2, 1, 130, 70, 64, True), (2, 2, 2, 1, 200, 64, False), (1, 4, 2, 150, 300, 128, True)]
+    other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
+    shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
+              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+# -- Q, K and V quantized for the kernel ---------------------------------------------------------
+
+def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0):
+    """2-D Q, K and V of head dim 64 whose row counts do not tile, with a largest value in V."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, 64, generator=g) * s for n, s in ((130, 2.0), (70, 1.0), (70, 3.0)))
+    v[3, 5] = -40.0
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("qkv", ["current", "pow2", "delayed"])
+def test_flash_qkv_is_quantize_qkv(qkv):
+    """flash_qkv (graphquant::joint_amax and joint_cast, nothing joined) gives quantize_qkv's
+    codes, scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise
+    ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for one
+    tensor both ways (the flash backward's dO) against quantize_tensor."""
+    from graphquant.ops.attention import flash_qkv, joint_per_tensor
+    from graphquant.ops.quantize import quantize_tensor
+    from graphquant.quantizers import Float8DelayedScalingQuantizer
+
+    quantizer = {
+        "current": E4M3, "pow2": Float8CurrentScalingQuantizer(fp8_dtype="e4m3", force_pow_2_scales=True, amax_epsilon=1e-3),
+        "delayed": Float8DelayedScalingQuantizer(fp8_dtype="e4m3", amax_history_len=2),
+    }[qkv]
+    q, k, v = _qkv_inputs()
+    tensors = {"Q": q, "K": k, "V": v}
+    e5m2 = dataclasses.replace(quantizer, fp8_dtype="e5m2")
+
+    def quantized_do(state):  # as the emulated backward quantizes dO
+        made, _ = quantize_tensor(v * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
+        update_delayed_scaling(e5m2, state, made)
+        return {"dO": made}
+
+    cases = [
+        (lambda state: flash_qkv(tensors, quantizer, state),
+         lambda state: quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
+        (lambda state: joint_per_tensor({"dO": v * 1e-3}, e5m2, state, ("dO",)), quantized_do),
+    ]
+    for joint, reference in cases:
+        states = [torch.tensor([0.5, 0.0, 7.0]) if quantizer.keeps_state else None for _ in range(2)]
+        made, expected = joint(SlotState(states[0], None, 0)), reference(SlotState(states[1], None, 0))
+        assert made.keys() == expected.keys()
+        for t in made:
+            assert made[t].keys() == expected[t].keys()
+            for direction, op in made[t].items():
+                ref = expected[t][direction]
+                assert (op.spec, op.direction, op.shape) == (ref.spec, ref.direction, ref.shape)
+                for a, e in zip(op.tensors, ref.tensors):
+                    assert a.dtype == e.dtype and a.shape == e.shape, (t, direction)
+                    assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), (t, direction)
+        if quantizer.keeps_state:
+            assert torch.equal(states[0], states[1]) and states[0][-1] > 0  # the largest value recorded
+
+
+def check_joint_kernels(device: str) -> str:
+    """graphquant.kernels.triton_joint_fp8's amax and cast on ``device`` against the ops'
+    references on the CPU, bit for bit: bfloat16 and float32 inputs, E4M3 and E5M2, a scale that
+    saturates, inf and NaN in the amax."""
+    from graphquant.kernels import triton_joint_fp8
+
+    checked = []
+    for dtype in (torch.bfloat16, torch.float32):
+        tensors = _qkv_inputs(dtype)
+        on_device = [x.to(device) for x in tensors]
+        for fp8_dtype, scale in (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4)):  # the amax's scale; one that saturates
+            scale = torch.tensor(scale)
+            for transposed in ([False, False, True], [True, False, False]):
+                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed)
+                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed)
+                for name, a, e in zip(("codes", "transposed codes", "amax"), got, expected):
+                    for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
+                        a = a.cpu()
+                        assert a.dtype == e.dtype and a.shape == e.shape, name
+                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} {fp8_dtype} scale {scale.item()}: {name}"
+        checked.append(f"{dtype} cast")
+        for special in (float("inf"), float("nan")):
+            k_special = tensors[1].clone()
+            k_special[69, 63] = special
+            with_special = [tensors[0], k_special, tensors[2]]
+            got = triton_joint_fp8.joint_amax([x.to(device) for x in with_special]).cpu()
+            expected = torch.ops.graphquant.joint_amax(with_special)
+            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
+        checked.append(f"{dtype} amax")
+    return ", ".join(checked)
+
+
+def test_joint_kernels_under_the_interpreter():
+    """``check_joint_kernels`` with the kernels run by Triton's interpreter (the reference's
+    float32 -> FP8 casts in place of the interpreter's)."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(__file__)
+    script = INTERPRETER_SETUP + f"sys.path.insert(0, {tests!r})\nimport test_triton_attention\nprint(test_triton_attention.check_joint_kernels('cpu'))\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_joint_kernels_on_the_gpu():
+    print(check_joint_kernels("cuda"))
+
+
+def test_configurations_refuse_what_the_kernels_cannot_run():
+    pytest.importorskip("triton")
+    from graphquant.kernels.triton_attention import ForwardConfig
+    from graphquant.kernels.triton_attention_backward import BackwardConfig
+
+    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
+        ForwardConfig(block_n=64)
+    assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
+    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4 or 8"):
+        BackwardConfig(num_warps=2)
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------
@@ -290,11 +453,13 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantize
     return o_bound, lse_bound, torch.logsumexp(x, -1), p, eta
 
 
-def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -> str:
+def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, config=None) -> str:
     """The flash path's O within ``flash_bound`` of the emulation's, the kernel's O the flash
     path's, its logsumexp within its logit error of float64's, and its recorded amax within the
-    same of the normalised P's; bfloat16 inputs, current scaling. Says how much of each bound the
-    errors took."""
+    same of the normalised P's; bfloat16 inputs, current scaling. With ``config`` (a
+    triton_attention.ForwardConfig promoting PV at least once a key tile) the kernel runs that
+    configuration, whose O is held to the same bound. Says how much of each bound the errors
+    took."""
     from graphquant.kernels import triton_attention
 
     q, k, v, _ = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
@@ -308,14 +473,16 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -
     codes = [made[t][ROWWISE].tensors[0].view(x.shape) for t, x in zip("QKV", (q, k, v))]
     scale_inv = made["Q"][ROWWISE].tensors[1]
     p_scale = E4M3.scale_of_amax(torch.ones(1, device=device))
-    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16)
-    assert torch.equal(o_kernel, o_flash)
+    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16, config)
+    if config is None:
+        assert torch.equal(o_kernel, o_flash)
+    o_flash = o_kernel
 
     values = [c.float() * scale_inv for c in codes]
     o_bound, lse_bound, lse64, p, eta = flash_bound(*values, o_flash, o_emulated, scale, causal, p_scale.item(), E4M3)
     error = (o_flash.double() - o_emulated.double()).abs()
     share = (error / o_bound).max().item()
-    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}"
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}{'' if config is None else f' {config}'}"
     assert share <= 1, f"{what}: O is {share:.3g} of the bound away from the emulation's (mean |error| {error.mean().item():.3g})"
     lse_share = ((lse.double() - lse64).abs() / lse_bound).max().item()
     assert lse_share <= 1, f"{what}: the logsumexp is {lse_share:.3g} of its bound away from float64's"
@@ -335,18 +502,184 @@ def test_kernel_against_the_emulation(heads, seq, d, causal):
     print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda"))
 
 
+# -- the backward against the emulation ---------------------------------------------------------
+
+def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale):
+    """Elementwise bounds on |dQ, dK, dV of the flash backward - the emulation's|, and on the
+    difference of the largest |dS| each records, from the dequantized codes (float64) both sides
+    multiply, the D = rowsum(dO * O) both use, and the forward's bounds (``flash_bound``).
+
+    P: each side's P differs from the exact softmax p by a factor within 1 +- eta_b, eta_b the
+    larger of the emulation's eta and the kernel's expm1(logit error + logsumexp error + the
+    rounding of its base-2 conversion). Both quantize P with the s slot's scale: the codes differ
+    by at most the two P's difference plus two half steps of E4M3 (2^-3 relative together, or a
+    subnormal step over the scale). dS = P (dP - D): dP's error per side is the tensor cores' or
+    fp32's accumulation over the head dim of |dO||V|, so each side's dS is within
+        eps_S = eta_b p |dP - D| + (1 + eta_b) p gamma + 3 eps32 (1 + eta_b) p (|dP - D| + gamma)
+    of p (dP - D), and the E5M2 codes (dp's scale) within 2 eps_S + 2^-2 (|dS| + eps_S) + one
+    subnormal step over the scale of each other. The products then weigh those differences by
+    |K|, |Q| (times the softmax scale) and |dO|, add both sides' accumulation error over the
+    product's length (one tile at a time in the tensor cores' accumulator, then fp32), and each
+    side rounds once to the output dtype.
+    """
+    groups = q.shape[1] // k.shape[1]
+    q64, do64 = q.double(), do.double()
+    k64, v64 = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    lq, lk, d = q.shape[2], k.shape[2], q.shape[3]
+    eta_kernel = torch.expm1(delta_logits + lse_bound.unsqueeze(-1) + 2 * EPS32 * (1 + lse64.abs().unsqueeze(-1)))
+    eta_b = torch.maximum(eta, eta_kernel)
+    accumulation = lambda n: TENSOR_CORE_FP8_ACCUMULATION + (n + 2 * math.ceil(n / 64) + 6) * EPS32  # noqa: E731
+    rounding = torch.finfo(o_dtype).eps / 2
+
+    dp_quantized = 2 * eta_b * p + E4M3_ULP * (1 + eta_b) * p + E4M3_SUBNORMAL / s_scale
+    p_codes = (1 + E4M3_ULP / 2) * (1 + eta_b) * p + E4M3_SUBNORMAL / 2 / s_scale
+    dv = dp_quantized.transpose(-1, -2) @ do64.abs() + accumulation(lq) * (p_codes.transpose(-1, -2) @ do64.abs())
+
+    dp = do64 @ v64.transpose(-1, -2)
+    gamma = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * (do64.abs() @ v64.abs().transpose(-1, -2))
+    centred = (dp - delta.double().unsqueeze(-1)).abs()
+    eps_s = eta_b * p * centred + (1 + eta_b) * p * gamma + 3 * EPS32 * (1 + eta_b) * p * (centred + gamma)
+    ds = p * centred
+    ds_quantized = 2 * eps_s + E5M2_ULP * (ds + eps_s) + E5M2_SUBNORMAL / dp_scale
+    ds_codes = (1 + E5M2_ULP / 2) * (ds + eps_s) + E5M2_SUBNORMAL / 2 / dp_scale
+    dq = scale * (ds_quantized @ k64.abs() + accumulation(lk) * (ds_codes @ k64.abs()))
+    dk = scale * (ds_quantized.transpose(-1, -2) @ q64.abs() + accumulation(lq) * (ds_codes.transpose(-1, -2) @ q64.abs()))
+    dk, dv = (t.view(t.shape[0], -1, groups, lk, d).sum(2) for t in (dk, dv))
+    return dq, dk, dv, rounding, 2 * eps_s.max().item()
+
+
+def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -> str:
+    """The flash backward's dQ, dK and dV within ``backward_bound`` of the emulation's (the zoo
+    recipe's formats: s and dp delayed, their states warmed by one emulated step, so that the
+    scales are an earlier step's), the dp state each leaves within the bound on dS, every other
+    state and O equal; bfloat16 inputs. Says how much of each bound the errors took."""
+    from graphquant.ops.attention import flash_qkv, quantize_do, rowsum_do_o
+
+    emulated = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH)
+    native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
+    states = [t if t is None else t.to(device) for t in _states(ZOO)]
+    warm = [t.to(torch.bfloat16).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
+    o = quantized_attention(*warm, is_causal=causal, site=emulated, states=states)
+    torch.autograd.grad(o, warm, _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[3].to(torch.bfloat16))
+    before = [None if t is None else t.clone() for t in states]
+
+    q, k, v, dout = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
+    results = {}
+    for site in (emulated, native):
+        site_states = [None if t is None else t.clone() for t in before]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = quantized_attention(*leaves, is_causal=causal, site=site, states=site_states)
+        results[site] = (o.detach(), *torch.autograd.grad(o, leaves, dout), site_states)
+    (o_e, *grads_e, states_e), (o_n, *grads_n, states_n) = results[emulated], results[native]
+    assert torch.equal(o_e, o_n)
+
+    rows = lambda t: t.reshape(-1, d)  # noqa: E731
+    made = flash_qkv({"Q": rows(q), "K": rows(k), "V": rows(v)}, E4M3, SlotState(None, None, 0))
+    scale_inv = made["Q"][ROWWISE].tensors[1]
+    values = [made[t][ROWWISE].tensors[0].float().view(x.shape) * scale_inv for t, x in zip("QKV", (q, k, v))]
+    do_made = quantize_do(emulated, rows(dout), SlotState(None, None, 0))
+    do_values = do_made[ROWWISE].tensors[0].float().view(q.shape) * do_made[ROWWISE].tensors[1]
+    delta = rowsum_do_o(do_made, o_e.view(-1, lq, d)).view(b, heads, lq)
+    scale = 1 / math.sqrt(d)
+    s_scale, dp_scale = before[1][0].item(), before[3][0].item()
+    p_scale = E4M3.scale_of_amax(torch.ones(1, device=device)).item()
+    _, lse_bound, lse64, p, eta = flash_bound(*values, o_e, o_e, scale, causal, p_scale, E4M3)
+    groups = heads // kv_heads
+    k64 = values[1].double().repeat_interleave(groups, 1)
+    magnitude = values[0].double().abs() @ k64.abs().transpose(-1, -2) * scale
+    x = values[0].double() @ k64.transpose(-1, -2) * scale
+    delta_logits = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + 2.0**-20 * (1 + x.abs().amax(-1, keepdim=True))
+    *bounds, rounding, ds_bound = backward_bound(*values, do_values, delta, torch.bfloat16, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale)
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}"
+    shares = []
+    for name, a, e, bound in zip(("dQ", "dK", "dV"), grads_n, grads_e, bounds):
+        error = (a.double() - e.double()).abs()
+        share = (error / (bound + rounding * (a.double().abs() + e.double().abs()) * (1 + 2 * rounding))).max().item()
+        assert share <= 1, f"{what}: {name} is {share:.3g} of its bound away from the emulation's (mean |error| {error.mean().item():.3g})"
+        shares.append(f"{name} {share:.3g}")
+    for slot, a, e in zip(("qkv", "s", "do"), states_n, states_e):
+        assert a is None or torch.equal(a, e), f"{what}: {slot}'s state"
+    fp8_max = 57344.0
+    amax_n, amax_e = fp8_max / states_n[3][0].item(), fp8_max / states_e[3][0].item()
+    slack = 4 * EPS32 * amax_e  # the amax read back from the scale fp8_max / amax
+    assert abs(amax_n - amax_e) <= ds_bound + slack, f"{what}: dS's amax {amax_n:.6g} against the emulation's {amax_e:.6g} (bound {ds_bound:.3g})"
+    return f"{what}: " + ", ".join(shares) + " of their bounds"
+
+
+BACKWARD_SHAPES = [(1, 2, 1, 70, 90, 64, True), (1, 2, 2, 90, 70, 64, False)]
+BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
+    sys.path.insert(0, %r)
+    from graphquant.kernels import triton_attention, triton_attention_backward
+    from graphquant.ops import registry
+    import test_triton_attention
+
+    registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
+    registry.LIBRARY.impl("flash_attention_backward", triton_attention_backward.backward, "CPU")
+    for shape in %r:
+        print(test_triton_attention.check_backward_against_the_emulation(*shape, device="cpu"))
+    """
+)
+
+
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=["gqa-causal", "full"])
+def test_backward_reference_against_the_emulation(emulated_kernel, shape):
+    """``check_backward_against_the_emulation`` with the backward op's reference on the CPU (the
+    forward the emulation's own under current scaling, its logsumexp that of its logits)."""
+    print(check_backward_against_the_emulation(*shape, device="cpu"))
+    assert emulated_kernel["backward calls"] == 1
+
+
+def test_backward_kernel_under_the_interpreter():
+    """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
+    (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
+    that do not tile, causal and not, more queries than keys and fewer."""
+    pytest.importorskip("triton")
+    shapes = [*BACKWARD_SHAPES, (1, 2, 1, 130, 200, 128, True), (1, 2, 2, 150, 70, 64, True)]
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 @pytest.mark.gpu
-def test_compiled_decoder_trains_with_the_flash_forward(tmp_path):
-    """On an H200 the zoo recipe's attention plans the flash forward, the compiled graph (aot_eager:
-    the autograd formula traced, the kernel's op through its fake) runs it, and two training steps
-    keep every gradient finite."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads, kv_heads, seq, d", [(8, 2, 1000, 128), (4, 4, 2048, 64)], ids=["gqa-l1000-d128", "l2048-d64"])
+def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
+    """``check_backward_against_the_emulation`` at batch 2."""
+    print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
+
+
+# Configurations the tuning sweep (benchmarks/attention_tune.py) may pick: every tile shape and
+# warp count at head dim 128, PV promoted once a key tile.
+GPU_CONFIGS = [(64, 64, 4, 4), (64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", GPU_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}" for m, n, w, s in GPU_CONFIGS])
+def test_kernel_configurations_against_the_emulation(tiles, causal):
+    """``check_against_the_emulation`` in other configurations than the default, at lengths that
+    do not tile."""
+    from graphquant.kernels.triton_attention import ForwardConfig
+
+    m, n, warps, stages = tiles
+    config = ForwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages, pv_promotion=n)
+    print(check_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda", config))
+
+
+@pytest.mark.gpu
+def test_compiled_decoder_trains_with_the_flash_kernels(tmp_path):
+    """On an H200 the zoo recipe's attention plans the flash forward and backward, the compiled
+    graph (aot_eager: the autograd formula traced, the kernels' ops through their fakes) runs them,
+    and two training steps keep every gradient finite."""
     model = _decoder().cuda()
     x = torch.randn(2, 256, 128, device="cuda")
     recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
     plan = graphquant.explain(model, recipe, x)
-    assert {g.backend for g in plan.gemms if g.gemm in ("qk", "pv")} == {FLASH}
+    assert {g.backend for g in plan.gemms if g.module_type == "dpa"} == {FLASH}
     compiled = graphquant.compile(model, recipe, backend="aot_eager", dump_dir=str(tmp_path))
     for _ in range(2):
         compiled(x).square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    assert f"backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+    assert f"backend={FLASH!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()

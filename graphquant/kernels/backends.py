@@ -434,19 +434,38 @@ def gemm(
 
 
 def select_attention(
-    device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False
+    device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False,
+    do: Optional[Quantizer] = None, dp: Optional[Quantizer] = None,
 ) -> Selection:
-    """How FP8 attention's forward (or, with ``backward``, its backward) runs on ``device`` for the
-    site's qkv and s formats, its (query/key, value) head dims and whether it has an arbitrary
-    mask (causal is not one). The FP8 flash forward (graphquant.kernels.triton_attention) runs
-    per-tensor E4M3 qkv and s, causal or unmasked, head dim 64 or 128, on Hopper where Triton is
-    installed; its backward recomputes S and P through the emulation."""
+    """How FP8 attention's forward (or, with ``backward``, its backward, whose do and dp formats
+    it then takes) runs on ``device`` for the site's qkv and s formats, its (query/key, value) head
+    dims and whether it has an arbitrary mask (causal is not one). The FP8 flash forward
+    (graphquant.kernels.triton_attention) runs per-tensor E4M3 qkv and s, causal or unmasked, head
+    dim 64 or 128, on Hopper where Triton is installed. Its backward is the FP8 flash backward
+    (graphquant.kernels.triton_attention_backward) where s and dp are per-tensor FP8 under
+    delayed scaling (their scales known before the kernel sees P and dS) and do per-tensor FP8;
+    else it recomputes S and P through the emulation."""
     why = _no_flash_attention(device, qkv, s, head_dims, masked)
     if why:
         return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P materialised")
     if backward:
-        return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), "no FP8 flash backward yet: S and P recomputed and materialised")
+        why = flash_backward_refusal(s, do, dp)
+        if why:
+            return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P recomputed and materialised")
     return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
+
+
+def flash_backward_refusal(s: Quantizer, do: Optional[Quantizer], dp: Optional[Quantizer]) -> str:
+    """Why the FP8 flash backward cannot run where the flash forward runs ('' where it can)."""
+    for slot, quantizer, delayed in (("s", s, True), ("dp", dp, True), ("do", do, False)):
+        if quantizer is None:
+            return f"the FP8 flash backward needs the {slot} format"
+        rowwise = quantizer.gemm_input(ROWWISE)
+        per_tensor = rowwise.family == PER_TENSOR_E4M3.family and quantizer.gemm_input(COLUMNWISE) == rowwise and quantizer.columnwise_is_rowwise_transposed()
+        if not per_tensor or (delayed and not quantizer.kernel_encoding(ROWWISE).delayed_scaling):
+            needs = "per-tensor FP8 under delayed scaling" if delayed else "per-tensor FP8"
+            return f"the FP8 flash backward takes {needs} {slot}, not {quantizer}"
+    return ""
 
 
 PER_TENSOR_E4M3 = GemmInput("fp8_tensorwise", "e4m3")

@@ -17,9 +17,15 @@ amax of the normalised P, which a delayed-scaling ``s`` slot records).
 V arrives as its columnwise representation (V^T, keys contiguous: the exact transpose of the
 rowwise codes), so the right operand of the PV product is K-major, as Hopper's FP8 wgmma takes it.
 
-Each product's partial sums are promoted into the fp32 accumulator after every tile
-(``max_num_imprecise_acc`` equal to the product's inner dim): Triton's default on sm_90 would let
-the tensor cores' reduced-precision FP8 accumulator carry the whole key loop.
+The tensor cores sum FP8 products in an accumulator narrower than fp32. QK^T is one product of
+head-dim depth from zero, so it sums there whole (promoting at its end changes no bit and costs a
+second accumulator). PV accumulates into O's fp32 accumulator across the key loop; its partial
+sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
+every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
+
+Tiles, warps, pipeline stages, warp specialization of the key loop and the PV promotion are a
+``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+(benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
 F.scaled_dot_product_attention's is_causal; lengths that are not multiples of the tiles are
@@ -28,29 +34,58 @@ masked; grouped-query attention reads key/value head h // groups for query head 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 
-# Tiles for the H200: 128 query rows over two warpgroups; the key tile of head dim 128 is 64 so
-# that the S tile, O's fp32 accumulator and its per-tile partial sum fit the registers together.
-BLOCK_M = 128
-BLOCK_N = {64: 128, 128: 64}
-NUM_WARPS = 8
-NUM_STAGES = 3
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """How the forward kernel tiles and schedules its work: block_m query rows per program over
+    block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
+    warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
+    how many keys the tensor cores may sum in
+    their narrow accumulator before the PV partial sum is added into fp32 (a multiple of 32 up to
+    block_n; None: never, the narrow accumulator carries the whole key loop, which the error bound
+    of tests/test_triton_attention.py does not cover)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    warp_specialize: bool = False
+    pv_promotion: Optional[int] = 128
+
+    def __post_init__(self) -> None:
+        tiles = (16, 32, 64, 128, 256)
+        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= self.block_n)
+        if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8) or self.num_stages < 1 or not promotion_ok:
+            raise ValueError(
+                f"FP8 flash attention: {self!r} is not a configuration: block_m and block_n one of {tiles}, num_warps 4 or "
+                "8, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n"
+            )
+
+
+# The defaults are the H200's best of benchmarks/attention_tune.py's sweep at head dim 128
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile.
+DEFAULT_CONFIG = ForwardConfig()
 
 
 @triton.jit
 def _key_tiles(
     acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
     tiles are past seq_k or (CAUSAL) after a query row."""
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
@@ -58,7 +93,7 @@ def _key_tiles(
         else:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=HEAD_DIM) * qk_scale
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             visible = offs_n[None, :] < seq_k
             if CAUSAL:
@@ -69,8 +104,11 @@ def _key_tiles(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        pv = tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=BLOCK_N)
-        acc = acc * alpha[:, None] + pv
+        if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
+            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+        else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
+            promotion: tl.constexpr = PV_PROMOTION if PV_PROMOTION < BLOCK_N else None
+            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=promotion)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -79,7 +117,7 @@ def _key_tiles(
 def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -108,11 +146,11 @@ def _forward_kernel(
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -131,11 +169,12 @@ def forward(
     softmax_scale: float,
     causal: bool,
     out_dtype: torch.dtype,
+    config: Optional[ForwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
     normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
     vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
-    ``p_scale`` (both one float32 on the device)."""
+    ``p_scale`` (both one float32 on the device); ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
@@ -148,11 +187,13 @@ def forward(
     o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(seq_q, BLOCK_M), b * heads)
+    config = config or DEFAULT_CONFIG
+    q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
+    grid = (triton.cdiv(seq_q, config.block_m), b * heads)
     _forward_kernel[grid](
-        q.contiguous(), k.contiguous(), vt.contiguous(), o, lse, p_amax, scale_inv, p_scale, softmax_scale,
-        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, BLOCK_M, BLOCK_N[head_dim],
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
+        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
+        config.pv_promotion, config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
 

@@ -24,8 +24,12 @@ The emulation materialises S and P and multiplies dequantized operands (graphqua
 the plan chose the FP8 flash forward (graphquant.kernels.triton_attention, ``FlashAttention``), it
 replaces ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
 quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
-(within the bound tests/test_triton_attention.py derives); the backward then recomputes S and P
-through the emulation.
+(within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
+(graphquant.kernels.triton_attention_backward) where the plan chose it (s and dp under delayed
+scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
+logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
+differ from the emulation's (within the bound ``backward_bound`` there derives); elsewhere the
+backward recomputes S and P through the emulation.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from typing import Optional
 
 import torch
 
+from graphquant.formats import fp8, per_tensor
 from graphquant.kernels import backends
 from graphquant.ops import recording, registry
 from graphquant.ops.library import quantizer_of
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
@@ -62,7 +67,16 @@ class AttentionSite:
     do: str
     dp: str
     backend: backends.GemmBackend = _EMULATED  # how the forward runs, as the plan chose (backends.select_attention)
+    backward_backend: backends.GemmBackend = _EMULATED  # how the backward runs (on the flash forward's site only)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
+
+    def __post_init__(self) -> None:
+        if self.backward_backend.name == backends.FLASH_ATTENTION:
+            why = "its forward does not run on the flash kernel" if self.backend.name != backends.FLASH_ATTENTION else backends.flash_backward_refusal(
+                self.quantizer("s"), self.quantizer("do"), self.quantizer("dp")
+            )
+            if why:
+                raise ValueError(f"{self.label}: the FP8 flash backward cannot run this site ({why}); leave backward_backend at {_EMULATED!r}")
 
     def __repr__(self) -> str:
         return rebuilding_repr(self)
@@ -162,26 +176,29 @@ class QuantizedAttention(torch.autograd.Function):
 
 class FlashAttention(torch.autograd.Function):
     """Attention whose forward is the FP8 flash kernel (graphquant::flash_attention) and whose
-    backward is the emulation's, recomputing S and P from the saved Q, K, V codes.
+    backward is the FP8 flash backward (graphquant::flash_attention_backward) where the site's
+    backward_backend says so, else the emulation's, recomputing S and P from the saved Q, K, V
+    codes.
 
     Q, K and V are quantized as the emulation quantizes them (their joint per-tensor scale, the
-    same codes); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
+    same codes: ``flash_qkv``); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
     with the scale the s format gives an amax of 1, and records the normalised P's amax (the max
     over rows of 1 / rowsum) where s keeps delayed-scaling state. The recomputed P of the backward
     is quantized as the emulation's forward would have (the s state as the forward found it), so
-    the gradients are the emulation's with the kernel's O in D = rowsum(dO * O).
+    the gradients are the emulation's with the kernel's O in D = rowsum(dO * O). The flash
+    backward gets the same codes of Q, K, V and dO and the same D, and quantizes P and dS tile by
+    tile with the s and dp slots' delayed scales (``flash_backward``).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
         b, h, lq, d = q.shape
         tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, d)}
-        directions = {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}
-        made = quantize_qkv(tensors, site.quantizer("qkv"), directions, SlotState(qkv_delayed, None, 0, site.amax_group))
+        made = flash_qkv(tensors, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
         s_quantizer = site.quantizer("s")
         s_found = s_delayed.clone() if s_delayed is not None else None
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
-        o, _, p_amax = torch.ops.graphquant.flash_attention(
+        o, lse, p_amax = torch.ops.graphquant.flash_attention(
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
             q_row.tensors[1], s_quantizer.scale_of_amax(torch.ones(1, device=q.device)), scale, causal, q.dtype,
         )
@@ -191,15 +208,22 @@ class FlashAttention(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
         ctx.originals = tensors if recording.listening() else {}
-        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, s_found, do_delayed, dp_delayed)
+        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse, s_found, do_delayed, dp_delayed)
         return o
 
     @staticmethod
     def backward(ctx, do):
         site, (q_shape, k_shape) = ctx.site, ctx.shapes
-        q_data, k_data, v_data, scale_inv, amax, o, s_found, do_delayed, dp_delayed = ctx.saved_tensors
+        q_data, k_data, v_data, scale_inv, amax, o, lse, s_found, do_delayed, dp_delayed = ctx.saved_tensors
         b, h, lq, d = q_shape
         groups, lk = h // k_shape[1], k_shape[2]
+        do_state = SlotState(do_delayed, None, 0, site.amax_group)
+        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
+        if site.backward_backend.name == backends.FLASH_ATTENTION:
+            codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
+            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state)
+            dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
+            return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
             if name != "Q" and groups != 1:  # the emulation's products take one key/value head per query head
@@ -212,8 +236,6 @@ class FlashAttention(torch.autograd.Function):
         mask = _additive_mask(None, ctx.causal, lq, lk, o.device)
         s_state = SlotState(s_found, None, 0, site.amax_group)  # a copy: the forward already recorded its amax
         p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, s_state, (b, h, lq, lk), True)
-        do_state = SlotState(do_delayed, None, 0, site.amax_group)
-        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
         dq, dk, dv = emulated_backward(
             site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
         )
@@ -236,18 +258,149 @@ def flash_attention(
     )
 
 
+def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state):
+    """(dQ, and dK, dV per query head, all fp32 (batch, heads, L, D)) from the FP8 flash backward:
+    dO quantized (``joint_per_tensor``: quantize_do's codes) and D = rowsum(dO * O) taken as the
+    emulation takes them, P quantized with the s
+    slot's scale as the forward found it and dS with the dp slot's, whose history then records
+    the largest |dS| the kernel saw."""
+    q, k, v = codes
+    b, h, lq, d = q.shape
+    do_made = joint_per_tensor({"dO": do.reshape(-1, d)}, site.quantizer("do"), do_state, ("dO",))["dO"]
+    delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
+    s_scale, dp_scale = s_found[:1].clone(), dp_state.delayed[:1].clone()
+    do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
+    scales = torch.cat([x.reshape(1) for x in (scale_inv, do_row.tensors[1], s_scale, torch.reciprocal(s_scale), dp_scale, torch.reciprocal(dp_scale))])
+    transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, d))  # noqa: E731
+    dp_quantizer = site.quantizer("dp")
+    dq, dk, dv, ds_amax = torch.ops.graphquant.flash_attention_backward(
+        q, transposed(q), k, transposed(k), v, do_row.tensors[0].view(q.shape), do_col.tensors[0], lse, delta, scales,
+        softmax_scale, causal, site.quantizer("s").kernel_encoding(ROWWISE).element, dp_quantizer.kernel_encoding(ROWWISE).element,
+    )
+    record_amax(dp_quantizer, dp_state, ds_amax)
+    return dq, dk, dv
+
+
+def flash_attention_backward_reference(
+    q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dot: torch.Tensor,
+    lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor, softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 flash-attention backward (graphquant.kernels.triton_attention_backward.backward):
+    (dQ, dK and dV per query head, all fp32, the amax of dS). Its reference here is the kernel's
+    arithmetic on whole matrices: products of the codes in fp32, P from the logsumexp in base 2,
+    P and dS cast element by element as the kernel casts its tiles (the transposed codes qt, kt,
+    dot are the kernel's operand layouts, unused here)."""
+    b, h, lq, d = q.shape
+    groups, lk = h // k.shape[1], k.shape[2]
+    qkv_inv, do_inv, s_scale, s_inv, dp_scale, dp_inv = scales.unbind()
+    qf, dof = q.float(), do.float()
+    kf, vf = (x.float().repeat_interleave(groups, 1) for x in (k, v))
+    log2e = torch.tensor(math.log2(math.e), dtype=torch.float32)
+    qk_scale = qkv_inv * qkv_inv * torch.tensor(softmax_scale, dtype=torch.float32) * log2e
+    p = torch.exp2(qf @ kf.transpose(-1, -2) * qk_scale - (lse * log2e)[..., None])
+    if causal:
+        p = p.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(), 0.0)
+    p8 = per_tensor.quantize(p, s_scale, p_dtype, transpose=False).float()
+    dv = p8.transpose(-1, -2) @ dof * (s_inv * do_inv)
+    ds = p * ((dof @ vf.transpose(-1, -2)) * (do_inv * qkv_inv) - delta[..., None])
+    ds8 = per_tensor.quantize(ds, dp_scale, ds_dtype, transpose=False).float()
+    factor = dp_inv * qkv_inv * torch.tensor(softmax_scale, dtype=torch.float32)
+    return ds8 @ kf * factor, ds8.transpose(-1, -2) @ qf * factor, dv, fp8.tensor_amax(ds)
+
+
+registry.op("flash_attention_backward")(flash_attention_backward_reference)
+
+
+@registry.fake("flash_attention_backward")
+def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dtype, ds_dtype):
+    b, h, lq, d = q.shape
+    dk = q.new_empty((b, h, k.shape[2], d), dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=torch.float32), dk, torch.empty_like(dk), q.new_empty((), dtype=torch.float32)
+
+
 @registry.fake("flash_attention")
 def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
     b, h, lq, d = q.shape
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(1, dtype=torch.float32)
 
 
+@registry.op("joint_amax")
+def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The joint amax of 2-D tensors (0-dim float32): fp8.tensor_amax of them joined, without
+    joining them."""
+    return torch.stack([fp8.tensor_amax(x) for x in tensors]).amax()
+
+
+@registry.fake("joint_amax")
+def _(tensors):
+    return tensors[0].new_empty((), dtype=torch.float32)
+
+
+@registry.op("joint_cast")
+def joint_cast(
+    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The per-tensor FP8 codes of 2-D tensors under one ``scale`` (per_tensor.quantize), the
+    transposed codes of those ``transposed`` marks, and their joint amax."""
+    codes = [per_tensor.quantize(x, scale, fp8_dtype, transpose=False) for x in tensors]
+    return codes, [c.t().contiguous() for c, t in zip(codes, transposed) if t], joint_amax(tensors)
+
+
+@registry.fake("joint_cast")
+def _(tensors, scale, fp8_dtype, transposed):
+    dtype = fp8.FP8_DTYPES[fp8_dtype]
+    codes = [x.new_empty(x.shape, dtype=dtype) for x in tensors]
+    codes_t = [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x, t in zip(tensors, transposed) if t]
+    return codes, codes_t, tensors[0].new_empty((), dtype=torch.float32)
+
+
 try:
     from graphquant.kernels import triton_attention
-except ImportError:  # no Triton: the plan never selects the kernel
+except ImportError:  # no Triton: the plan never selects the flash kernels; the joint ops run their references
     pass
 else:
+    from graphquant.kernels import triton_attention_backward, triton_joint_fp8
+
     registry.cuda_kernel("flash_attention")(triton_attention.forward)
+    registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
+    registry.cuda_kernel("joint_amax")(triton_joint_fp8.joint_amax)
+    registry.cuda_kernel("joint_cast")(triton_joint_fp8.joint_cast)
+
+
+def flash_qkv(tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState) -> dict[str, dict[str, Operand]]:
+    """Q and K (2-D) rowwise and V both ways in a per-tensor format, as the flash kernel takes
+    them: ``quantize_qkv``'s codes, scale and amax (``joint_per_tensor``)."""
+    return joint_per_tensor(tensors, quantizer, state, ("V",))
+
+
+def joint_per_tensor(
+    tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState, transposed: tuple[str, ...]
+) -> dict[str, dict[str, Operand]]:
+    """2-D tensors rowwise (and those ``transposed`` names columnwise too) in a per-tensor format
+    under one joint scale: what quantizing them joined gives (quantize_qkv; quantize_tensor for
+    one tensor), in at most two passes over them that join nothing (graphquant::joint_amax, where
+    the scale comes from their amax, then graphquant::joint_cast, which writes a columnwise copy
+    beside the rowwise one and sees the amax a delayed-scaling slot records)."""
+    rowwise = quantizer.child(ROWWISE)
+    encoding = rowwise.kernel_encoding(ROWWISE)
+    names, xs = list(tensors), list(tensors.values())
+    if encoding.delayed_scaling:
+        scale = state.delayed[:1].clone()  # a copy: the state is updated in place below
+        scale_inv = torch.reciprocal(scale)
+    else:
+        amax = torch.ops.graphquant.joint_amax(xs)
+        if rowwise.reduces_amax:
+            amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
+        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
+    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names])
+    if encoding.delayed_scaling:
+        amax = seen
+        record_amax(rowwise, state, amax)
+    operand = lambda data, direction, x: Operand([data, scale_inv, amax], rowwise.spec, direction, tuple(x.shape))  # noqa: E731
+    made = {t: {ROWWISE: operand(c, ROWWISE, x)} for t, x, c in zip(names, xs, codes)}
+    for t, c in zip([t for t in names if t in transposed], codes_t):
+        made[t][COLUMNWISE] = operand(c, COLUMNWISE, tensors[t])
+    return made
 
 
 def quantize_qkv(
@@ -292,15 +445,29 @@ def emulated_softmax(site, tensors, made, mask, scale, s_state, shape, training)
     return p, p_made
 
 
-def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch):
-    """(dQ, dK, dV) in fp32, per query head (batch, L, D)."""
-    do_quantizer, dp_quantizer = site.quantizer("do"), site.quantizer("dp")
+def quantize_do(site, do: torch.Tensor, do_state: SlotState) -> dict[str, Operand]:
+    """dO (2-D) in the do format, both directions; a delayed-scaling slot records its amax."""
+    do_quantizer = site.quantizer("do")
     do_made, _ = quantize_tensor(do, do_quantizer, (ROWWISE, COLUMNWISE), do_state)
     update_delayed_scaling(do_quantizer, do_state, do_made)
+    return do_made
+
+
+def rowsum_do_o(do_made: dict[str, Operand], o: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO * O) in fp32, (batch * heads, Lq, 1) for o (batch * heads, Lq, Dv), with dO's
+    dequantized values."""
+    row = do_made[ROWWISE]
+    do_values = torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, torch.float32)
+    return (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
+
+
+def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch):
+    """(dQ, dK, dV) in fp32, per query head (batch, L, D)."""
+    dp_quantizer = site.quantizer("dp")
+    do_made = quantize_do(site, do, do_state)
     dv = _product(site, "dv", p, p_col, do, do_made[COLUMNWISE], batch)
     dp = _product(site, "dp", do, do_made[ROWWISE], originals.get("V"), made["V"][ROWWISE], batch)
-    do_values = torch.ops.graphquant.dequantize(do_made[ROWWISE].tensors, do_made[ROWWISE].spec, ROWWISE, do.shape, torch.float32)
-    d = (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
+    d = rowsum_do_o(do_made, o)
     ds = (p.view(dp.shape) * (dp - d)).reshape(-1, dp.shape[-1])
     ds_made, _ = quantize_tensor(ds, dp_quantizer, (ROWWISE, COLUMNWISE), dp_state)
     update_delayed_scaling(dp_quantizer, dp_state, ds_made)

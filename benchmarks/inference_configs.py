@@ -1,0 +1,90 @@
+"""The inference configurations the inference benchmarks compare side by side, by name:
+
+    bf16 torch.compile
+    torchao PerRow, torchao PerTensor    Float8DynamicActivationFloat8WeightConfig (CUDA, torchao importable)
+    graphquant RECIPE                    mode="inference": each weight quantized at each call
+    graphquant RECIPE frozen             graphquant.freeze: weights stored quantized, bf16 dropped
+
+for RECIPE in RECIPES; and how many bytes a configuration's weights hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import sys
+from typing import Callable
+
+import torch
+
+import graphquant
+from graphquant import recipes, zoo
+
+RECIPES: dict[str, Callable[[], graphquant.CustomRecipe]] = {
+    "tensorwise": lambda: zoo.recipe("tensorwise"),
+    "rowwise": lambda: zoo.recipe("rowwise"),
+    "deepseek_blockwise": lambda: zoo.recipe("deepseek_blockwise"),
+    "mxfp8": recipes.mxfp8_block_scaling,
+    "nvfp4": recipes.nvfp4_block_scaling,
+}
+TORCHAO = ("PerRow", "PerTensor")
+BF16 = "bf16 torch.compile"
+FROZEN = " frozen"
+
+
+def configs(requested: list[str] | None, device: torch.device) -> list[str]:
+    """The configurations asked for (default: every one available on ``device``), in that order;
+    an unknown or unavailable name stops the run, naming those available."""
+    names = [BF16]
+    if device.type == "cuda":
+        try:
+            import torchao.quantization  # noqa: F401
+
+            names += [f"torchao {granularity}" for granularity in TORCHAO]
+        except Exception as error:  # missing, or built for another torch (its import then fails in many ways)
+            print(f"torchao does not import ({type(error).__name__}: {error}): its rows are left out", file=sys.stderr)
+    names += [f"graphquant {recipe}{frozen}" for recipe in RECIPES for frozen in ("", FROZEN)]
+    unknown = sorted(set(requested or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown or unavailable configs {unknown}; available here: {', '.join(names)}")
+    return names if requested is None else requested
+
+
+def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool, backend: str | None = None) -> torch.nn.Module:
+    """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph) by
+    ``backend``, by default Inductor on CUDA and aot_eager on the CPU (no C++ build: a check that
+    it runs)."""
+    model = copy.deepcopy(model)
+    backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
+    mode = {"mode": "reduce-overhead"} if cudagraphs else {}
+    if config == BF16:
+        return torch.compile(model, backend=backend, dynamic=False, **mode)
+    if config.startswith("torchao "):
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        granularity = {"PerRow": PerRow, "PerTensor": PerTensor}[config.removeprefix("torchao ")]()
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
+        return torch.compile(model, backend=backend, dynamic=False, **mode)
+    recipe = RECIPES[config.removeprefix("graphquant ").removesuffix(FROZEN)]()
+    compile_mode = {"compile_mode": "reduce-overhead"} if cudagraphs else {}
+    compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, **compile_mode)
+    return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
+
+
+def per_call(config: str) -> str | None:
+    """The per-call configuration a frozen one stores the weights of (None for any other)."""
+    return config.removesuffix(FROZEN) if config.endswith(FROZEN) else None
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements; a tensor subclass (torchao's quantized weights) by its inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model``, each counted once."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(tensor_bytes(t) for t in tensors.values())

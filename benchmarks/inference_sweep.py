@@ -1,0 +1,152 @@
+"""Milliseconds per forward of Llama-3-8B SwiGLU FFN blocks under torch.no_grad(), at each row
+count, under every inference configuration side by side.
+
+    python benchmarks/inference_sweep.py [--tiny] [--rows 1,16,128,2048,16384] [--blocks 2]
+                                         [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
+
+The model is ``--blocks`` FeedForward blocks of models.py (RMSNorm, then the SwiGLU w2(silu(w1 n)
+* w3 n) with w1, w3: 4096->14336 and w2: 14336->4096, and the residual), bf16 weights; the input
+is (rows, 4096) bf16, the same for every configuration. The configurations are those of
+inference_configs.py (bf16 torch.compile, torchao's dynamic FP8, graphquant's recipes per-call
+and frozen); each compiles a graph per row count (dynamic=False).
+
+Each cell is the median over ``--rounds`` of ms per forward (CUDA events; each round runs every
+configuration at every row count in its own shuffled order) and the speedup over bf16
+torch.compile at that row count. "first call s" is the first call at the first row count (the
+plan and the compile of its graph), "next rows s" the mean first call at each other row count
+(a compile each). "weights GB" counts every parameter and buffer (1e9 bytes; a tensor subclass by
+its inner tensors). "= per-call" says whether a frozen configuration's outputs equal its per-call
+one's bit for bit at every row count. A configuration that fails at a row count is listed under
+the table and the others still run; ``--budget`` leaves out the row counts not compiled by then.
+``--tiny``: on the CPU, with small dims and aot_eager (no Inductor build): a check that every
+configuration runs, whose times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+
+import torch
+from tabulate import tabulate
+
+from graphquant.kernels import native
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import alternate, seconds, time_ms, wall_ms  # noqa: E402
+from inference_configs import BF16, build, configs, per_call, weight_bytes  # noqa: E402
+from models import DIM, HIDDEN, FFNStack  # noqa: E402
+
+TINY_DIMS = dict(dim=128, hidden=256)
+
+
+def why(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+
+class Run:
+    """One configuration's model, called once at each row count (compiles included) and once
+    more (CUDA graphs record on the first replays): per row count the first call's seconds and
+    output, or why it failed, or that it was left out, past ``deadline`` (perf_counter seconds);
+    and the model's weight bytes."""
+
+    def __init__(self, name: str, model: torch.nn.Module, inputs: dict[int, torch.Tensor], device: torch.device, deadline: float) -> None:
+        self.model, self.weight_bytes = model, weight_bytes(model)
+        self.first, self.outputs, self.failed, self.left_out = {}, {}, {}, []
+        for rows, x in inputs.items():
+            if time.perf_counter() > deadline:
+                self.left_out.append(rows)
+                continue
+            try:
+                self.first[rows], output = seconds(functools.partial(model, x), device)
+                self.outputs[rows] = output.clone()  # a CUDA graph's output is overwritten by its next replay
+                model(x)
+            except Exception as error:  # the other row counts' numbers stay, and the failure is listed
+                self.failed[rows] = why(error)
+                print(f"  {name} @{rows} rows: FAILED {self.failed[rows]}", flush=True)
+                traceback.print_exc()
+
+
+def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int]) -> str:
+    def cell(name: str, r: int) -> str:
+        if (name, r) not in ms:
+            return "left out" if r in runs[name].left_out else "failed"
+        baseline = ms.get((BF16, r))
+        return f"{ms[name, r]:.3f}" + (f" ({baseline / ms[name, r]:.2f}x)" if baseline else "")
+
+    lines = []
+    for name, run in runs.items():
+        first = list(run.first.values())
+        unfrozen = runs.get(per_call(name))
+        same = ""
+        if unfrozen is not None:
+            common_rows = run.outputs.keys() & unfrozen.outputs.keys()
+            same = "yes" if common_rows and all(torch.equal(run.outputs[r], unfrozen.outputs[r]) for r in common_rows) else "NO"
+        lines.append([
+            name, *(cell(name, r) for r in rows), f"{run.weight_bytes / 1e9:.3g}",
+            f"{first[0]:.1f}" if first else "", f"{sum(first[1:]) / len(first[1:]):.1f}" if first[1:] else "", same,
+        ])
+    headers = ["config", *(f"ms @{r} rows" for r in rows), "weights GB", "first call s", "next rows s", "= per-call"]
+    return tabulate(lines, headers=headers, disable_numparse=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the CPU, dims 128 and 256, aot_eager: a check that every configuration runs")
+    parser.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,16,128,2048,16384; 1,16 with --tiny)")
+    parser.add_argument("--blocks", type=int, default=2, help="FFN blocks")
+    parser.add_argument("--configs", default=None, help="comma-separated configuration names, built in this order (default: all available)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: row counts and configurations not compiled when this much time has passed are left "
+                             "out, so that a run with a time limit still ends with its table")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dims = TINY_DIMS if args.tiny else dict(dim=DIM, hidden=HIDDEN)
+    rows = [int(r) for r in (args.rows or ("1,16" if args.tiny else "1,16,128,2048,16384")).split(",")]
+    names = configs(args.configs.split(",") if args.configs else None, device)
+
+    torch.manual_seed(0)
+    base = FFNStack(args.blocks, **dims).to(device, torch.bfloat16).eval()
+    inputs = {r: torch.randn(r, dims["dim"], generator=torch.Generator().manual_seed(r)).to(device, torch.bfloat16) for r in rows}
+    print(f"{args.blocks} SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']} -> {dims['dim']}) on {device}, "
+          f"torch {torch.__version__}, torch.no_grad(), rows {rows}, {args.rounds} rounds"
+          f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
+    if device.type == "cuda" and native.extension() is None:
+        print("graphquant's CUDA extension is not built: its quantizes run the reference numerics in torch ops, "
+              "so its rows do not time its kernels (build it: pip install -e . or gpu.sh build)", flush=True)
+
+    runs: dict[str, Run] = {}
+    failed: dict[str, str] = {}
+    deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
+    with torch.no_grad():
+        for name in names:
+            if time.perf_counter() > deadline:
+                print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
+                continue
+            try:
+                model = build(name, base, device, args.cudagraphs)
+            except Exception as error:  # torchao missing a piece, a recipe the model cannot take: listed
+                failed[name] = why(error)
+                print(f"  {name}: FAILED to build: {failed[name]}", flush=True)
+                traceback.print_exc()
+                continue
+            runs[name] = Run(name, model, inputs, device, deadline)
+            failed.update({f"{name} @{r} rows": reason for r, reason in runs[name].failed.items()})
+            print(f"  {name}: first calls {', '.join(f'{s:.1f} s' for s in runs[name].first.values())}", flush=True)
+        del base
+        fns = {(name, r): functools.partial(run.model, inputs[r]) for name, run in runs.items() for r in run.outputs}
+        ms = alternate(fns, rounds=args.rounds, timer=time_ms if device.type == "cuda" else wall_ms)
+
+    print()
+    print(table(runs, ms, rows))
+    for name, reason in failed.items():
+        print(f"{name}: failed: {reason}")
+
+
+if __name__ == "__main__":
+    main()
