@@ -17,7 +17,9 @@ plan and the compile of its graph), "next rows s" the mean first call at each ot
 (a compile each). "weights GB" counts every parameter and buffer (1e9 bytes; a tensor subclass by
 its inner tensors). "= per-call" says whether a frozen configuration's outputs equal its per-call
 one's bit for bit at every row count. A configuration that fails at a row count is listed under
-the table and the others still run; ``--budget`` leaves out the row counts not compiled by then.
+the table and the others still run; ``--budget`` leaves out the row counts not compiled by then
+(a first call still compiling is interrupted), so that a run with a time limit of the budget plus
+the timing (seconds) still prints its table.
 ``--tiny``: on the CPU, with small dims and aot_eager (no Inductor build): a check that every
 configuration runs, whose times mean nothing.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 import time
 import traceback
@@ -64,10 +67,25 @@ class Run:
                 self.first[rows], output = seconds(functools.partial(model, x), device)
                 self.outputs[rows] = output.clone()  # a CUDA graph's output is overwritten by its next replay
                 model(x)
+                print(f"  {name} @{rows} rows: first call {self.first[rows]:.1f} s", flush=True)
             except Exception as error:  # the other row counts' numbers stay, and the failure is listed
+                self.first.pop(rows, None), self.outputs.pop(rows, None)
+                if time.perf_counter() > deadline:  # OutOfTime, raised into the compile (or wrapped by Dynamo)
+                    self.left_out.append(rows)
+                    print(f"  {name} @{rows} rows: left out, still compiling at the --budget", flush=True)
+                    continue
                 self.failed[rows] = why(error)
                 print(f"  {name} @{rows} rows: FAILED {self.failed[rows]}", flush=True)
                 traceback.print_exc()
+
+
+class OutOfTime(Exception):
+    """The --budget ran out during a first call: raised into it, so that the run times what was
+    compiled by then and prints its table."""
+
+
+def out_of_time(signum, frame) -> None:
+    raise OutOfTime("past the --budget")
 
 
 def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int]) -> str:
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: row counts and configurations not compiled when this much time has passed are left "
-                             "out, so that a run with a time limit still ends with its table")
+                             "out (a compile in progress is interrupted), so that a run with a time limit still ends with its table")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     dims = TINY_DIMS if args.tiny else dict(dim=DIM, hidden=HIDDEN)
@@ -123,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}
     deadline = time.perf_counter() + (args.budget if args.budget is not None else float("inf"))
+    if args.budget is not None:  # a compile may run for minutes: the budget interrupts it
+        signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, args.budget)
     with torch.no_grad():
         for name in names:
             if time.perf_counter() > deadline:
@@ -131,13 +152,16 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 model = build(name, base, device, args.cudagraphs)
             except Exception as error:  # torchao missing a piece, a recipe the model cannot take: listed
+                if time.perf_counter() > deadline:
+                    print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
+                    continue
                 failed[name] = why(error)
                 print(f"  {name}: FAILED to build: {failed[name]}", flush=True)
                 traceback.print_exc()
                 continue
             runs[name] = Run(name, model, inputs, device, deadline)
             failed.update({f"{name} @{r} rows": reason for r, reason in runs[name].failed.items()})
-            print(f"  {name}: first calls {', '.join(f'{s:.1f} s' for s in runs[name].first.values())}", flush=True)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         del base
         fns = {(name, r): functools.partial(run.model, inputs[r]) for name, run in runs.items() for r in run.outputs}
         ms = alternate(fns, rounds=args.rounds, timer=time_ms if device.type == "cuda" else wall_ms)
