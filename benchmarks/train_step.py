@@ -12,7 +12,10 @@ power limit, so their time follows their energy). Asked for by name,
 coordinate-descent tuning (the name with " (coordinate descent)"), beside their defaults; its
 tuning adds minutes of compile time per config. "graphquant tensorwise" and "torchao tensorwise"
 also run with fast accumulation in dgrad and wgrad (the name with " (fast accumulation
-everywhere)"), a user's choice in both libraries, not their default.
+everywhere)"), a user's choice in both libraries, not their default. "graphquant tensorwise" and
+"graphquant mxfp8" also run with attention quantized (the name with " (fp8 attention)":
+zoo.with_fp8_attention, TE's fp8_dpa roles), to compare with the same linears and bf16 attention;
+``--seq`` sets the decoder's sequence length (16384 tokens a step at any length).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from models import DecoderLayer, FFNStack, attention_flops, linear_gemm_shapes  
 import graphquant  # noqa: E402
 from graphquant import recipes, zoo  # noqa: E402
 
-BATCH, SEQ, DIM = 8, 2048, 4096
+TOKENS, DIM = 16384, 4096
 
 GRAPHQUANT = {
     "graphquant tensorwise": lambda: zoo.recipe("tensorwise"),
@@ -51,6 +54,9 @@ COORDINATE_DESCENT = " (coordinate descent)"
 FAST_EVERYWHERE = " (fast accumulation everywhere)"
 OPT_IN = [f"{name}{COORDINATE_DESCENT}" for name in ("bf16 torch.compile", "graphquant tensorwise", "torchao tensorwise")]
 OPT_IN += [f"{name}{FAST_EVERYWHERE}" for name in ("graphquant tensorwise", "torchao tensorwise")]
+# With this suffix, a graphquant recipe quantizes attention too (zoo.with_fp8_attention).
+FP8_ATTENTION = " (fp8 attention)"
+OPT_IN += [f"{name}{FP8_ATTENTION}" for name in ("graphquant tensorwise", "graphquant mxfp8")]
 # With this suffix, a compiled config runs as CUDA graphs (torch.compile's "reduce-overhead"): the
 # host's launches leave the step, which matters where they outlast the GPU's work (the emulated
 # recipes' many small launches on the decoder). Tensorwise's is in the default list.
@@ -72,12 +78,15 @@ def build(config: str, model: torch.nn.Module, compile_mode: str | None):
     if config.endswith(COORDINATE_DESCENT):
         config, options["coordinate_descent_tuning"] = config.removesuffix(COORDINATE_DESCENT), True
     fast_everywhere, config = config.endswith(FAST_EVERYWHERE), config.removesuffix(FAST_EVERYWHERE)
+    fp8_attention, config = config.endswith(FP8_ATTENTION), config.removesuffix(FP8_ATTENTION)
     if config == "bf16 torch.compile":
         return torch.compile(model, options=options)
     if config in GRAPHQUANT:
         recipe = GRAPHQUANT[config]()
         if fast_everywhere:
             recipe = dataclasses.replace(recipe, fast_accumulation=recipes.GEMM_NAMES)
+        if fp8_attention:
+            recipe = zoo.with_fp8_attention(recipe)
         return graphquant.compile(model, recipe, options=options)
     from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
@@ -183,9 +192,10 @@ def memory_at_peak(name: str, step, keep: str | None) -> None:
 
 def measure(
     model_name: str, base: torch.nn.Module, names: list[str], rounds: int, steps: int, compile_mode: str | None,
-    profiled: list[str], memory: list[str], keep: str | None,
+    profiled: list[str], memory: list[str], keep: str | None, seq: int,
 ) -> list[list]:
-    x = torch.randn(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    batch = TOKENS // seq
+    x = torch.randn(batch, seq, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     built, peaks = {}, {}
     for name in names:
@@ -205,9 +215,8 @@ def measure(
     joules: dict[str, float] = {}
     ms = alternate(built, rounds=rounds, warmup=1, reps=5, inner=steps, joules=joules)
 
-    tokens = BATCH * SEQ
-    shapes = linear_gemm_shapes(base, tokens)
-    flops = sum(2 * m * n * k for m, n, k in shapes) + attention_flops(base, BATCH, SEQ)
+    shapes = linear_gemm_shapes(base, batch * seq)
+    flops = sum(2 * m * n * k for m, n, k in shapes) + attention_flops(base, batch, seq)
     bound = fp8_gemm_bound(shapes) + sdpa_ms(base, x)
     baseline = min(ms.get("bf16 eager", float("inf")), ms.get("bf16 torch.compile", float("inf")))
 
@@ -243,10 +252,10 @@ def sdpa_ms(model: torch.nn.Module, x: torch.Tensor) -> float:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         return 0.0
-    att = layers[0]
-    shape = (BATCH, att.heads, SEQ, att.head_dim)
+    att, (batch, seq, _) = layers[0], x.shape
+    shape = (batch, att.heads, seq, att.head_dim)
     q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kv = (BATCH, att.kv_heads, SEQ, att.head_dim)
+    kv = (batch, att.kv_heads, seq, att.head_dim)
     k = torch.randn(kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -268,6 +277,7 @@ def main() -> None:
         "step while the GPU runs the previous one; 1 also times the GPU waiting for the step's first launch)",
     )
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for every compiled config")
+    parser.add_argument("--seq", type=int, default=2048, help=f"sequence length ({TOKENS} tokens a step: a batch of {TOKENS} // seq)")
     parser.add_argument("--profile", default="", help="comma-separated configs whose kernels and saved tensors to list")
     parser.add_argument("--memory", default="", help="comma-separated configs whose live memory at the peak to list")
     parser.add_argument("--memory-dir", default=None, help="where --memory also writes the allocator trace and generated code")
@@ -282,7 +292,7 @@ def main() -> None:
     for model_name in args.models.split(","):
         base = (FFNStack() if model_name == "ffn" else DecoderLayer()).to("cuda", torch.bfloat16)
         rows += measure(model_name, base, names, args.rounds, args.steps, args.compile_mode, args.profile.split(","),
-                        args.memory.split(","), args.memory_dir)
+                        args.memory.split(","), args.memory_dir, args.seq)
         del base
         torch.cuda.empty_cache()
     headers = ["model", "config", "ms/step", "TFLOP/s", "speedup vs best bf16", "peak GiB", "x bound", "J/step", "W"]
