@@ -6,9 +6,11 @@ reaches Inductor as traced, so two linears that read one tensor (a SwiGLU's gate
 projections) would each quantize it at every call: its amax, scales and cast twice, and twice the
 kernels to compile. graphquant's ops are functional, so merging their calls keeps every bit.
 
-Expects: the ATen graph AOTAutograd hands Inductor's inner compile.
-Guarantees: nodes that apply one op to the same arguments are one; random ops, aten.empty and the
-tensors the graph returns stay apart, and mutations keep their order (fx_graph_cse's rules).
+Expects: the ATen graph AOTAutograd hands Inductor's inner compile (``is_inference`` says whether
+it is a graph that runs no backward; the others were merged already, so they pass as they are).
+Guarantees: in an inference graph, nodes that apply one op to the same arguments are one; random
+ops, aten.empty and the tensors the graph returns stay apart, and mutations keep their order
+(fx_graph_cse's rules).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from torch._functorch.compile_utils import fx_graph_cse
 
 
 def merging_common_subexpressions(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
-    """``inner_compile`` (Inductor's compile_fx_inner) of the graph with its repeated computations merged."""
+    """``inner_compile`` (Inductor's compile_fx_inner) of an inference graph with its repeated
+    computations merged."""
 
     @functools.wraps(inner_compile)
     def compile_merged(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        gm.graph = fx_graph_cse(gm.graph)
-        gm.recompile()
+        if kwargs.get("is_inference", False):
+            gm.graph = fx_graph_cse(gm.graph)
+            gm.recompile()
         return inner_compile(gm, example_inputs, **kwargs)
 
     return compile_merged
