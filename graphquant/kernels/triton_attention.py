@@ -114,6 +114,19 @@ def _key_tiles(
 
 
 @triton.jit
+def kv_head(bh, HEADS: tl.constexpr, GROUPS: tl.constexpr):
+    """The key/value (batch, head) row of query (batch, head) ``bh``: head h // GROUPS of its batch."""
+    return (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+
+
+@triton.jit
+def logit_scale(codes_scale_inv, softmax_scale):
+    """What turns a product of Q's and K's codes into log2-domain logits: both dequantizing
+    factors, the softmax scale and log2(e) (exp2 in place of exp)."""
+    return codes_scale_inv * codes_scale_inv * softmax_scale * 1.4426950408889634
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -121,7 +134,7 @@ def _forward_kernel(
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    kv_bh = kv_head(bh, HEADS, GROUPS)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < seq_q
@@ -130,7 +143,7 @@ def _forward_kernel(
     vt_base = VT + kv_bh * seq_k
     scale_inv = tl.load(SCALE_INV)
     p_scale = tl.load(P_SCALE)
-    qk_scale = scale_inv * scale_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
+    qk_scale = logit_scale(scale_inv, softmax_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

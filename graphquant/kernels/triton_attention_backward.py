@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
+from graphquant.kernels.triton_attention import kv_head, logit_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _dkdv_kernel(
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
-    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    kv_bh = kv_head(bh, HEADS, GROUPS)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
@@ -133,7 +134,7 @@ def _dkdv_kernel(
     v = _rows(V, kv_bh * seq_k, offs_n, keys, offs_d, HEAD_DIM)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
     s_scale, s_inv, dp_scale, dp_inv = tl.load(SCALES + 2), tl.load(SCALES + 3), tl.load(SCALES + 4), tl.load(SCALES + 5)
-    qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634  # log2(e): exp2 in place of exp
+    qk_scale = logit_scale(qkv_inv, softmax_scale)
     dp_factor = do_inv * qkv_inv
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -188,7 +189,7 @@ def _dq_kernel(
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
-    kv_bh = (bh // HEADS) * (HEADS // GROUPS) + (bh % HEADS) // GROUPS
+    kv_bh = kv_head(bh, HEADS, GROUPS)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < seq_q
@@ -197,7 +198,7 @@ def _dq_kernel(
     lse, delta = _row_statistics(LSE, DELTA, bh * seq_q, offs_m, rows)
     qkv_inv, do_inv = tl.load(SCALES), tl.load(SCALES + 1)
     dp_scale, dp_inv = tl.load(SCALES + 4), tl.load(SCALES + 5)
-    qk_scale = qkv_inv * qkv_inv * softmax_scale * 1.4426950408889634
+    qk_scale = logit_scale(qkv_inv, softmax_scale)
     dp_factor = do_inv * qkv_inv
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

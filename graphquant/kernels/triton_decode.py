@@ -328,15 +328,16 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
+    factors = _factors(a_layout, b_layout)
     _decode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
         *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k,
         OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **_factors(a_layout, b_layout), SPLIT_K=splits, K_PER_SPLIT=k_per_split, PROMOTE_EVERY=_PROMOTE_EVERY, BLOCK_M=MAX_ROWS,
+        **factors, SPLIT_K=splits, K_PER_SPLIT=k_per_split, PROMOTE_EVERY=_PROMOTE_EVERY, BLOCK_M=MAX_ROWS,
     )
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 128),)](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **_factors(a_layout, b_layout),
+            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **factors,
             SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
         )
     return out
