@@ -193,6 +193,7 @@ def test_decode_gemm_names_what_it_cannot_take():
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
+    triton_interpreter.accept_numpy_scalars()
     results = {
         f"{name} | {_interpreted_id(case)}": excess(name, *case[:-1], "cpu", case[-1]) for name, case in _interpreted_cases()
     }

@@ -38,9 +38,6 @@ from graphquant.quantizers import Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
 
-# The most rows of A: one tile of rows (the tensor cores' smallest), so the weight is read once.
-MAX_ROWS = 16
-
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
 # every block scale's length, so that no block straddles two programs.
 K_CHUNK = 512
@@ -74,31 +71,53 @@ LAYOUTS = {
     "nvfp4_row_scaled": _Layout(F16_VALUES, (1, 16), ROW_FACTOR, True, _NVFP4_DIVISOR),
 }
 
-# The operand pairs (A's family, B's family) it multiplies: each recipe's activation x weight.
-# Both sides of a pair make the same kind of operand with block scales of the same length in K.
-FAMILY_PAIRS = frozenset(
-    {
-        ("fp8_tensorwise", "fp8_tensorwise"),
-        ("fp8_rowwise", "fp8_rowwise"),
-        ("fp8_block_1x128", "fp8_block_1x128"),
-        ("fp8_block_1x128", "fp8_block_128x128"),
-        ("mxfp8", "mxfp8"),
-        ("nvfp4", "nvfp4"),
-        ("nvfp4_row_scaled", "nvfp4"),
-    }
-)
+# The operand pairs (A's family, B's family) it multiplies, each recipe's activation x weight,
+# and the most rows of A it takes for each. Both sides of a pair make the same kind of operand
+# with block scales of the same length in K. FP8 codes go to the tensor cores as stored: past one
+# tile of rows (the tensor cores' smallest) cuBLASLt's FP8 GEMMs read the weight as fast.
+# MXFP8 and NVFP4 are dequantized per weight tile, a cost shared by every row of A, ahead of
+# dequantizing the whole weight for a bf16 GEMM (the emulation) up to DEQUANTIZING_ROWS rows.
+FP8_ROWS = 16
+DEQUANTIZING_ROWS = 128
+MAX_ROWS = {
+    ("fp8_tensorwise", "fp8_tensorwise"): FP8_ROWS,
+    ("fp8_rowwise", "fp8_rowwise"): FP8_ROWS,
+    ("fp8_block_1x128", "fp8_block_1x128"): FP8_ROWS,
+    ("fp8_block_1x128", "fp8_block_128x128"): FP8_ROWS,
+    ("mxfp8", "mxfp8"): DEQUANTIZING_ROWS,
+    ("nvfp4", "nvfp4"): DEQUANTIZING_ROWS,
+    ("nvfp4_row_scaled", "nvfp4"): DEQUANTIZING_ROWS,
+}
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
-# Tiles of the weight, each read whole per step; BLOCK_N 64 is one warpgroup's MMA of Hopper's.
-# The interpreter runs a kernel's logic, not its speed, so it takes the first alone.
-_CONFIGS = [
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-]
-if triton.knobs.runtime.interpret:
-    _CONFIGS = _CONFIGS[:1]
+class DecodeConfig(NamedTuple):
+    """How one decode GEMM call is tiled: BLOCK_N rows of the weight against BLOCK_M rows of A
+    per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
+    gets (the K split follows from it), and for MXFP8 whether each 32-block's sum is scaled
+    (codes multiplied as fp16) rather than each element (values multiplied as bf16)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    block_m: int = 16
+    warps: int = 4
+    stages: int = 3
+    tiles_per_sm: int = 2
+    block_sums: bool = False
+
+
+# The interpreter runs a kernel's logic, not its speed: its tiles are the smallest the tests use.
+_INTERPRETED = DecodeConfig(block_n=64, block_k=128)
+
+
+def default_config(operand: int, m: int) -> DecodeConfig:
+    """The tiling a call of ``m`` rows gets: FP8 codes fill the memory pipe at two tiles an SM;
+    dequantizing in registers keeps the ALUs busy, and more programs an SM hide their latency."""
+    if triton.knobs.runtime.interpret:
+        return _INTERPRETED
+    block_m = min(max(16, triton.next_power_of_2(m)), 64)
+    return DecodeConfig(block_m=block_m, tiles_per_sm=2 if operand == FP8_CODES else 8)
+
 
 # Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
 _PROMOTE_EVERY = 32
@@ -152,13 +171,15 @@ def _nvfp4_bytes(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride
     codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
     block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
     scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-    return codes, _broadcast(scale.to(tl.float16), 8)
+    return codes, _broadcast(scale.to(tl.float16) * 128.0, 8)
 
 
 @triton.jit
 def _e2m1_values(codes, scale):
-    """E2M1 codes times their scale, fp16: at most 6 significant bits, exact."""
-    return e2m1_value_over_2_14(codes) * 16384.0 * scale
+    """E2M1 codes times their scale times 2^7 (``scale`` carries it), times 2^-14 (the code's
+    fp16 carries it): at most 6 significant bits, none below 2^-17, at most 21, so exact in fp16
+    with one multiply. The sum of the products is 2^-14 times the true one."""
+    return e2m1_value_over_2_14(codes) * scale
 
 
 @triton.jit
@@ -194,45 +215,48 @@ def _finish(
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
 
 
-# M and has_bias stay runtime values (not specialized when 1), so that every row count and
-# both bias cases share one compiled kernel per format.
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "SPLIT_K", "OPERAND", "SCALE_COLS"])
-@triton.jit(do_not_specialize=["M", "has_bias"])
+# M, has_bias and k_per_split stay runtime values (not specialized when 1), so that every row
+# count, both bias cases and every K split share one compiled kernel per format and tiling.
+@triton.jit(do_not_specialize=["M", "has_bias", "k_per_split"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_per_split,
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, BLOCK_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (i, s): the sums over K split s of BLOCK_N rows of B against all rows of A,
-    finished into out where K is not split, else written to partial[s]. The weight tile is the
-    dot's left operand (A's rows are the short side, the MMA's N)."""
+    """Program (i, s, j): the sums over the s-th k_per_split columns of BLOCK_N rows of B against
+    BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s]. The weight tile is the
+    dot's left operand (A's rows are the short side, the MMA's N). BLOCK_SUMS: MXFP8's codes are
+    multiplied as fp16 (exact) a 32-block at a time, each block's sum times its two power-of-two
+    scales (exact in fp32's normal range), instead of every value dequantized to bf16."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.arange(0, BLOCK_M)[:, None]
-    k_start = tl.program_id(1) * K_PER_SPLIT
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_per_split
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(0, K_PER_SPLIT, BLOCK_K):  # columns past K load as zeros
+    for step in range(0, k_per_split, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
-        if OPERAND == 0:  # FP8_CODES
-            if SCALE_COLS == 0:
-                col = k0 + tl.arange(0, BLOCK_K)[None, :]
+        if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
+            col = k0 + tl.arange(0, BLOCK_K)[None, :]
+            b = _codes(b_ptr, n, N, col, K, b_stride)
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+            total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
+        elif OPERAND == 0 or BLOCK_SUMS:  # each block's sum times its two scales joins the accumulator
+            for j in tl.static_range(BLOCK_K // SCALE_COLS):
+                col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
                 b = _codes(b_ptr, n, N, col, K, b_stride)
                 a = _codes(a_ptr, m, M, col, K, a_stride)
-                total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
-            else:  # each block's sum times its two scales joins the accumulator
-                for j in tl.static_range(BLOCK_K // SCALE_COLS):
-                    col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
-                    b = _codes(b_ptr, n, N, col, K, b_stride)
-                    a = _codes(a_ptr, m, M, col, K, a_stride)
+                if OPERAND == 0:
                     block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
-                    block = k0 // SCALE_COLS + j
-                    blocks = tl.cdiv(K, SCALE_COLS)
-                    b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, False)
-                    a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, False)
-                    total += block_sum * b_scale * tl.trans(a_scale)
+                else:
+                    block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
+                block = k0 // SCALE_COLS + j
+                blocks = tl.cdiv(K, SCALE_COLS)
+                b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
+                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
+                total += block_sum * b_scale * tl.trans(a_scale)
         elif OPERAND == 1:  # BF16_VALUES (MXFP8)
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
             a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
@@ -242,26 +266,28 @@ def _decode_kernel(
             a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K)
             total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
             total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
-    m = tl.arange(0, BLOCK_M)[None, :]
-    if SPLIT_K == 1:
+    if OPERAND == 2:
+        total = total * 16384.0  # the 2^-14 of the E2M1 values' fp16 (_e2m1_values), undone exactly
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
     else:
         at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
 
 
-@triton.jit(do_not_specialize=["M", "has_bias"])
+@triton.jit(do_not_specialize=["M", "has_bias", "splits"])
 def _reduce_kernel(
-    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N,
+    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N, splits,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.arange(0, BLOCK_M)[None, :]
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     mask = (n < N) & (m < M)
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for split in range(SPLIT_K):
+    for split in range(splits):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
     _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
 
@@ -303,24 +329,33 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2) -> int:
-    """How many programs share each tile's K: enough for about ``tiles_per_sm`` 64-row tiles of B
-    per SM, each split at least K_CHUNK columns."""
+def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n: int = 64, row_tiles: int = 1) -> int:
+    """How many programs share each tile's K: enough for about ``tiles_per_sm`` programs per SM
+    (each BLOCK_N rows of B against a tile of A's rows), each split at least K_CHUNK columns."""
     sms = _multiprocessors(device)
-    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, 64))
+    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, block_n) * row_tiles)
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
 
-def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(m, n) = A @ B^T (+ bias), m <= MAX_ROWS, both operands stored with the reduction dim last."""
+def gemm(
+    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+    config: Optional[DecodeConfig] = None,
+) -> torch.Tensor:
+    """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
+    reduction dim last; ``config``: the tiling (default_config where None)."""
     m, n, k = gemm_dims(a, b)
-    if m > MAX_ROWS:
-        raise ValueError(f"the decode GEMM multiplies at most {MAX_ROWS} rows of A; got A of {m} rows ({a.quantizer})")
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
+    families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
+    most = MAX_ROWS.get(families, 0)
+    if m > most:
+        raise ValueError(
+            f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
+            f"got A of {m} rows ({a.quantizer})"
+        )
+    config = config or default_config(b_layout.operand, m)
+    row_tiles = triton.cdiv(m, config.block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    # Reading FP8 codes, two tiles an SM fill the memory pipe; dequantizing in registers keeps
-    # the SMs' ALUs busy, and more programs an SM hide their latency.
-    splits = split_k(n, k, a.data.device, 2 if b_layout.operand == FP8_CODES else 8)
+    splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
     splits = triton.cdiv(k, k_per_split)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
@@ -329,15 +364,18 @@ def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Opt
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    _decode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k,
+    _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
+        *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split,
         OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **factors, SPLIT_K=splits, K_PER_SPLIT=k_per_split, PROMOTE_EVERY=_PROMOTE_EVERY, BLOCK_M=MAX_ROWS,
+        **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
+        BLOCK_SUMS=config.block_sums and b_layout.operand == BF16_VALUES,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.warps, num_stages=config.stages,
     )
     if splits > 1:
-        _reduce_kernel[(triton.cdiv(n, 128),)](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **factors,
-            SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
+        _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
+            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
+            BLOCK_M=16, BLOCK_N=128,
         )
     return out
