@@ -57,10 +57,10 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
         return []
     fits = min(max(16, 1 << (m - 1).bit_length()), 128)
     block_ms = sorted({fits, max(16, fits // 2), 16} if m > 16 else {16})
-    block_sums = (False, True) if name == "mxfp8" else (False,)
+    products = triton_decode.MX_PRODUCTS if name == "mxfp8" else ("values",)
     return [
         DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, sums)
-        for (block_n, block_k, warps, stages), block_m, tiles, sums in itertools.product(TILES, block_ms, TILES_PER_SM, block_sums)
+        for (block_n, block_k, warps, stages), block_m, tiles, sums in itertools.product(TILES, block_ms, TILES_PER_SM, products)
     ]
 
 
@@ -109,7 +109,7 @@ def check(task) -> list[tuple]:
 def short(config: DecodeConfig) -> str:
     return (
         f"n{config.block_n} k{config.block_k} m{config.block_m} w{config.warps} s{config.stages} "
-        f"t{config.tiles_per_sm}{' sums' if config.block_sums else ''}"
+        f"t{config.tiles_per_sm} {config.mx_products}"
     )
 
 

@@ -94,8 +94,9 @@ ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1
 class DecodeConfig(NamedTuple):
     """How one decode GEMM call is tiled: BLOCK_N rows of the weight against BLOCK_M rows of A
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
-    gets (the K split follows from it), and for MXFP8 whether each 32-block's sum is scaled
-    (codes multiplied as fp16) rather than each element (values multiplied as bf16)."""
+    gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
+    times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled")."""
 
     block_n: int = 64
     block_k: int = 256
@@ -103,8 +104,11 @@ class DecodeConfig(NamedTuple):
     warps: int = 4
     stages: int = 3
     tiles_per_sm: int = 2
-    block_sums: bool = False
+    mx_products: str = "values"
 
+
+MX_PRODUCTS = ("values", "block sums", "dot scaled")
+_ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 # The interpreter runs a kernel's logic, not its speed: its tiles are the smallest the tests use.
 _INTERPRETED = DecodeConfig(block_n=64, block_k=128)
@@ -224,14 +228,15 @@ def _decode_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_per_split,
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, BLOCK_SUMS: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (i, s, j): the sums over the s-th k_per_split columns of BLOCK_N rows of B against
     BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s]. The weight tile is the
-    dot's left operand (A's rows are the short side, the MMA's N). BLOCK_SUMS: MXFP8's codes are
-    multiplied as fp16 (exact) a 32-block at a time, each block's sum times its two power-of-two
-    scales (exact in fp32's normal range), instead of every value dequantized to bf16."""
+    dot's left operand (A's rows are the short side, the MMA's N). MX, MXFP8's products (the index
+    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
+    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_per_split
@@ -243,7 +248,15 @@ def _decode_kernel(
             b = _codes(b_ptr, n, N, col, K, b_stride)
             a = _codes(a_ptr, m, M, col, K, a_stride)
             total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
-        elif OPERAND == 0 or BLOCK_SUMS:  # each block's sum times its two scales joins the accumulator
+        elif OPERAND == 1 and MX == 2:
+            col = k0 + tl.arange(0, BLOCK_K)[None, :]
+            block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+            b = _codes(b_ptr, n, N, col, K, b_stride)
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+            b_scale = tl.load(b_scale_ptr + n.to(tl.int64) * b_scale_row_stride + block * b_scale_col_stride, mask=(n < N) & (block < tl.cdiv(K, 32)), other=127)
+            a_scale = tl.load(a_scale_ptr + m.to(tl.int64) * a_scale_row_stride + block * a_scale_col_stride, mask=(m < M) & (block < tl.cdiv(K, 32)), other=127)
+            total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
+        elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
             for j in tl.static_range(BLOCK_K // SCALE_COLS):
                 col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
                 b = _codes(b_ptr, n, N, col, K, b_stride)
@@ -369,7 +382,8 @@ def gemm(
         OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
         **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
-        BLOCK_SUMS=config.block_sums and b_layout.operand == BF16_VALUES,
+        MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
+        B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.warps, num_stages=config.stages,
     )
