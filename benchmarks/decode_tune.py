@@ -57,10 +57,13 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
         return []
     fits = min(max(16, 1 << (m - 1).bit_length()), 128)
     block_ms = sorted({fits, max(16, fits // 2)})
-    products = triton_decode.MX_PRODUCTS if name == "mxfp8" else ("values",)
+    variants = {"mxfp8": [{"mx_products": p} for p in triton_decode.MX_PRODUCTS], "nvfp4": [{}, {"scale_gather": True}]}
+    tiles_per_sm = TILES_PER_SM if m <= 16 else TILES_PER_SM[:-1]
     return [
-        DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, sums)
-        for (block_n, block_k, warps, stages), block_m, tiles, sums in itertools.product(TILES, block_ms, TILES_PER_SM, products)
+        DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, **variant)
+        for (block_n, block_k, warps, stages), block_m, tiles, variant in itertools.product(
+            TILES, block_ms, tiles_per_sm, variants.get(name, [{}])
+        )
     ]
 
 
@@ -109,7 +112,7 @@ def check(task) -> list[tuple]:
 def short(config: DecodeConfig) -> str:
     return (
         f"n{config.block_n} k{config.block_k} m{config.block_m} w{config.warps} s{config.stages} "
-        f"t{config.tiles_per_sm} {config.mx_products}"
+        f"t{config.tiles_per_sm} {config.mx_products}{' gather' if config.scale_gather else ''}"
     )
 
 

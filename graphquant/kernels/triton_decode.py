@@ -96,7 +96,8 @@ class DecodeConfig(NamedTuple):
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
-    ("block sums"), or Triton's tl.dot_scaled ("dot scaled")."""
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"); and whether NVFP4's block scales
+    are loaded for every byte (scale_gather) rather than once a block and broadcast."""
 
     block_n: int = 64
     block_k: int = 256
@@ -105,6 +106,7 @@ class DecodeConfig(NamedTuple):
     stages: int = 3
     tiles_per_sm: int = 2
     mx_products: str = "values"
+    scale_gather: bool = False
 
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
@@ -167,22 +169,28 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _nvfp4_bytes(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr):
+def _nvfp4_bytes(
+    data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, GATHER: tl.constexpr
+):
     """The BLOCK_K / 2 bytes of E2M1 code pairs from column k0 on (0 outside the operand), and
-    each byte's E4M3 block scale as an fp16 (exact)."""
+    each byte's E4M3 block scale as an fp16 (exact): loaded once a block and broadcast, or
+    (GATHER) loaded for every byte, each block's address repeated."""
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
     inside = (row < rows) & (byte < K // 2)
     codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
+    if GATHER:
+        scale = _block_scales(scale_ptr, row, rows, byte // 8, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
+        return codes, scale.to(tl.float16)
     block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
     scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-    return codes, _broadcast(scale.to(tl.float16) * 128.0, 8)
+    return codes, _broadcast(scale.to(tl.float16), 8)
 
 
 @triton.jit
 def _e2m1_values(codes, scale):
-    """E2M1 codes times their scale times 2^7 (``scale`` carries it), times 2^-14 (the code's
-    fp16 carries it): at most 6 significant bits, none below 2^-17, at most 21, so exact in fp16
-    with one multiply. The sum of the products is 2^-14 times the true one."""
+    """E2M1 codes times their E4M3 scale times 2^-14 (which the code's fp16 carries), with one
+    multiply: at most 6 significant bits, none below 2^-24 (a scale's lowest is 2^-9, a code's
+    2^-1), at most 0.17, so exact in fp16. A product of two is 2^-28 times the true one."""
     return e2m1_value_over_2_14(codes) * scale
 
 
@@ -229,6 +237,7 @@ def _decode_kernel(
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (i, s, j): the sums over the s-th k_per_split columns of BLOCK_N rows of B against
@@ -236,7 +245,8 @@ def _decode_kernel(
     dot's left operand (A's rows are the short side, the MMA's N). MX, MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled."""
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
+    for every byte rather than broadcast."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_per_split
@@ -275,12 +285,12 @@ def _decode_kernel(
             a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
             total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
         else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K)
+            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, GATHER)
+            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, GATHER)
             total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
             total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
     if OPERAND == 2:
-        total = total * 16384.0  # the 2^-14 of the E2M1 values' fp16 (_e2m1_values), undone exactly
+        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
@@ -383,7 +393,7 @@ def gemm(
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
         **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
         MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-        B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""),
+        B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.warps, num_stages=config.stages,
     )
