@@ -3,14 +3,15 @@ FFN's weights and 1 to 256 rows, beside bf16 F.linear and the emulated GEMM (the
 dequantized to bf16 on every call, then a bf16 GEMM: what MXFP8 and NVFP4 run past the decode
 GEMM's rows).
 
-    python benchmarks/decode_tune.py [--formats mxfp8,nvfp4,fp8] [--rows 1,16,64,128,256] [--jobs 12]
+    python benchmarks/decode_tune.py [--formats mxfp8,nvfp4,fp8] [--rows 1,4,16,64,128,256] [--jobs 12] [--budget 130]
 
 Every tiling is first run once per case in one of --jobs processes (one process a tile shape, so
 that Triton compiles each kernel once, in parallel, into its cache on disk), and its product is
 checked against the float64 product of the dequantized operands (tests/test_triton_decode.py's
 bound); then this process times every case,
 each as CUDA graphs of decode_gemm.CALLS calls (host overhead not counted), and prints the best
-tiling per case, the default's time, and every tiling's. The weight's rows span 2^0 to 2^-15, so
+tiling per case, the default's time, and every tiling's; past --budget seconds it times no more
+cases and prints what it has. The weight's rows span 2^0 to 2^-15, so
 that its block scales reach the formats' smallest (subnormal fp16 values in NVFP4's products).
 """
 
@@ -22,6 +23,7 @@ import functools
 import itertools
 import multiprocessing
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +44,12 @@ FORMATS = {
     "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
     "fp8": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
 }
-ROWS = [1, 16, 64, 128, 256]
-# (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile.
+ROWS = [1, 4, 16, 64, 128, 256]
+# (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile, on the tensor cores and (for one row of
+# A; BLOCK_K shrinks with more) on the FMA units.
 TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 2), (128, 128, 4, 3), (128, 256, 8, 3)]
+FMA_TILES = [(16, 512, 4, 2), (32, 256, 4, 3), (64, 256, 8, 2), (32, 512, 8, 2)]
+FMA_ROWS = 4  # the most rows of A tried on the FMA units
 TILES_PER_SM = [2, 4, 8, 16]
 U = 2.0**-24
 DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may run them elsewhere)
@@ -59,11 +64,18 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
     block_ms = sorted({fits, max(16, fits // 2)})
     variants = {"mxfp8": [{"mx_products": p} for p in triton_decode.MX_PRODUCTS], "nvfp4": [{}, {"scale_gather": True}]}
     tiles_per_sm = TILES_PER_SM if m <= 16 else TILES_PER_SM[:-1]
-    return [
+    on_tensor_cores = [
         DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, **variant)
         for (block_n, block_k, warps, stages), block_m, tiles, variant in itertools.product(
             TILES, block_ms, tiles_per_sm, variants.get(name, [{}])
         )
+    ]
+    if name == "fp8" or m > FMA_ROWS:
+        return on_tensor_cores
+    rows = 1 << (m - 1).bit_length()
+    return on_tensor_cores + [
+        DecodeConfig(block_n, block_k // rows, rows, warps, stages, tiles, fma=True)
+        for (block_n, block_k, warps, stages), tiles in itertools.product(FMA_TILES, tiles_per_sm)
     ]
 
 
@@ -112,7 +124,7 @@ def check(task) -> list[tuple]:
 def short(config: DecodeConfig) -> str:
     return (
         f"n{config.block_n} k{config.block_k} m{config.block_m} w{config.warps} s{config.stages} "
-        f"t{config.tiles_per_sm} {config.mx_products}{' gather' if config.scale_gather else ''}"
+        f"t{config.tiles_per_sm} {'fma' if config.fma else config.mx_products}{' gather' if config.scale_gather else ''}"
     )
 
 
@@ -121,7 +133,9 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--budget", type=float, default=130.0, help="seconds, from the start, after which no case is timed")
     args = parser.parse_args()
+    deadline = time.monotonic() + args.budget
     rows = [int(r) for r in args.rows.split(",")]
     cases = [(name, weight, m) for m in rows for name in args.formats.split(",") for weight in WEIGHTS if configs(name, m)]
     tasks = {}
@@ -143,6 +157,9 @@ def main() -> None:
     every, best = [], []
     for name, (n, k), m in cases:
         case = (name, (n, k), m)
+        if time.monotonic() > deadline:
+            print(f"budget spent: {case} and the cases after it not timed", flush=True)
+            break
         a, b = operands(name, m, n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

@@ -97,7 +97,9 @@ class DecodeConfig(NamedTuple):
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
     ("block sums"), or Triton's tl.dot_scaled ("dot scaled"); and whether NVFP4's block scales
-    are loaded for every byte (scale_gather) rather than once a block and broadcast."""
+    are loaded for every byte (scale_gather) rather than once a block and broadcast. ``fma``:
+    MXFP8 and NVFP4 multiplied on the FMA units (_fma_kernel), BLOCK_M rows of A (1 to 4) a
+    program, instead of the tensor cores."""
 
     block_n: int = 64
     block_k: int = 256
@@ -107,6 +109,7 @@ class DecodeConfig(NamedTuple):
     tiles_per_sm: int = 2
     mx_products: str = "values"
     scale_gather: bool = False
+    fma: bool = False
 
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
@@ -227,6 +230,20 @@ def _finish(
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
 
 
+@triton.jit
+def _write(
+    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
+):
+    """A program's (BLOCK_N, BLOCK_M) sums: finished into out, or where K is SPLIT, its partial
+    sums written for _reduce_kernel."""
+    if not SPLIT:
+        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
+    else:
+        at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
+        tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
+
+
 # M, has_bias and k_per_split stay runtime values (not specialized when 1), so that every row
 # count, both bias cases and every K split share one compiled kernel per format and tiling.
 @triton.jit(do_not_specialize=["M", "has_bias", "k_per_split"])
@@ -291,12 +308,51 @@ def _decode_kernel(
             total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    if not SPLIT:
-        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
-    else:
-        at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
-        tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_per_split"])
+def _fma_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_per_split,
+    OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_decode_kernel's program for MXFP8 and NVFP4 without the tensor cores, for a row or a few:
+    the dequantized values (exact in fp32) multiplied on the FMA units into one fp32 partial sum
+    per (weight row, row of A, column of the tile), summed over the tile's columns once at the
+    end. No layout is converted for a matrix unit, and a product costs one FMA per row of A."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_per_split
+    width: tl.constexpr = BLOCK_K if OPERAND == 1 else BLOCK_K // 2
+    sums = tl.zeros((BLOCK_N, BLOCK_M, width), dtype=tl.float32)
+    for step in range(0, k_per_split, BLOCK_K):  # columns past K load as zeros
+        k0 = k_start + step
+        if OPERAND == 1:  # MXFP8
+            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, tl.float32, BLOCK_K)
+            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, tl.float32, BLOCK_K)
+            sums += b[:, None, :] * a[None, :, :]
+        else:  # NVFP4, low nibbles against low, high against high
+            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, False)
+            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
+            b_low = _e2m1_values(b_codes & 0xF, b_scale).to(tl.float32)
+            a_low = _e2m1_values(a_codes & 0xF, a_scale).to(tl.float32)
+            sums += b_low[:, None, :] * a_low[None, :, :]
+            b_high = _e2m1_values(b_codes >> 4, b_scale).to(tl.float32)
+            a_high = _e2m1_values(a_codes >> 4, a_scale).to(tl.float32)
+            sums += b_high[:, None, :] * a_high[None, :, :]
+    total = tl.sum(sums, axis=2)
+    if OPERAND == 2:
+        total = total * 268435456.0  # 2^28, as in _decode_kernel
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
 
 
 @triton.jit(do_not_specialize=["M", "has_bias", "splits"])
@@ -387,16 +443,26 @@ def gemm(
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
-        *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split,
-        OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
-        A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
-        MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-        B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.warps, num_stages=config.stages,
-    )
+    grid = (triton.cdiv(n, config.block_n), splits, row_tiles)
+    if config.fma:
+        if b_layout.operand == FP8_CODES:
+            raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
+        _fma_kernel[grid](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split, OPERAND=b_layout.operand,
+            **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.warps, num_stages=config.stages,
+        )
+    else:
+        _decode_kernel[grid](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split,
+            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
+            MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.warps, num_stages=config.stages,
+        )
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
             partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
