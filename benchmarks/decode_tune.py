@@ -36,7 +36,13 @@ from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
 from graphquant.kernels import backends, triton_decode  # noqa: E402
 from graphquant.kernels.backends import EMULATION, GemmBackend  # noqa: E402
 from graphquant.kernels.triton_decode import FP8_CODES, DecodeConfig  # noqa: E402
-from graphquant.quantizers import ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer  # noqa: E402
+from graphquant.quantizers import (  # noqa: E402
+    ROWWISE,
+    Float8CurrentScalingQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    gemm_dims,
+)
 
 # (activation's quantizer, weight's) as the recipes' frozen weights have them.
 FORMATS = {
@@ -90,12 +96,21 @@ def operands(name: str, m: int, n: int, k: int):
     return qa(x, columnwise=False).get(ROWWISE), qb(w, columnwise=False).get(ROWWISE)
 
 
-def excess(name: str, out: torch.Tensor, a, b) -> float:
-    """How far a bf16 ``out`` exceeds the decode GEMM's bound (<= 0: within it)."""
+@functools.lru_cache(maxsize=None)
+def bounds(name: str, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product of the case's dequantized operands, and the decode GEMM's bound on a
+    bf16 out's distance from it."""
+    a, b = operands(name, m, n, k)
     left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
     ref, magnitude = left @ right.t(), left.abs() @ right.abs().t()
     fp8_products = 2.0**-9 if name == "fp8" else 0.0
-    bound = (fp8_products + (left.shape[1] + 3) * U) * magnitude + ref.abs() * (U + 2.0**-8)
+    return ref, (fp8_products + (k + 3) * U) * magnitude + ref.abs() * (U + 2.0**-8)
+
+
+def excess(name: str, out: torch.Tensor, a, b) -> float:
+    """How far a bf16 ``out`` of the case's operands ``a``, ``b`` exceeds the decode GEMM's bound
+    (<= 0: within it)."""
+    ref, bound = bounds(name, *gemm_dims(a, b))
     return ((out.double() - ref).abs() - bound).max().item()
 
 
@@ -143,8 +158,11 @@ def main() -> None:
         for config in configs(case[0], case[2]):
             tasks.setdefault((case[0], shape_of(config)), []).append(case)
     tasks = [(shape, list(dict.fromkeys(of))) for (_, shape), of in tasks.items()]
+    checked = []
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        checked = [result for results in pool.map(check, tasks) for result in results]
+        for done, results in enumerate(pool.map(check, tasks)):
+            checked += results
+            print(f"checked {done + 1}/{len(tasks)} tile shapes at {time.monotonic() - deadline + args.budget:.0f} s", flush=True)
     print(f"{len(checked)} runs of {len(tasks)} tile shapes checked", flush=True)
     failed = [(case, config, error) for case, config, ex, error in checked if ex is None or ex > 0]
     for case, config, error in failed:
