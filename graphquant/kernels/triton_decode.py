@@ -1,10 +1,11 @@
-"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for at most 16 rows of A, a Triton kernel that
-reads both quantized operands as they are stored, so the weight (B) crosses memory once.
+"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for few rows of A (MAX_ROWS), Triton kernels
+that read both quantized operands as they are stored, so the weight (B) crosses memory once.
 
-At decode sizes the product costs nothing beside reading the weight, so each program takes
-BLOCK_N rows of B against all of A's rows, and K is split across programs (each writes an fp32
-partial sum; a second kernel adds them in a fixed order), enough programs to keep every SM
-reading. How the tensor cores multiply depends on the layout family (GemmInput.family):
+At decode sizes the product costs little beside reading the weight, so each program takes
+BLOCK_N rows of B against a tile of A's rows (all of them, where they fit), and K is split across
+programs (each writes an fp32 partial sum; a second kernel adds them in a fixed order), enough
+programs to keep every SM reading. How it multiplies depends on the layout family
+(GemmInput.family) and the tiling (DecodeConfig):
 
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
   with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
@@ -12,11 +13,13 @@ reading. How the tensor cores multiply depends on the layout family (GemmInput.f
   before it joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with
   promotion (tests/test_gemm_backends.py's bound): within one 32-product step Hopper's FP8
   accumulator keeps about 14 bits, so each term may carry 2^-9 of relative error there.
-- MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales,
-  are exact in bf16 and fp16 respectively: both are dequantized in registers to those values and
-  multiplied on the tensor cores, whose products are exact, summed in fp32. Their result is the
-  emulated product's up to the order of fp32 accumulation: with u = 2^-24, |error| <=
-  (K + 3) u sum_k |a b| + u |out| before the output's rounding.
+- MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
+  (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
+  those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
+  (DecodeConfig.fma, a row or a few) dequantized into fp32 and multiplied on the FMA units. Their
+  result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+  |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
+  (DecodeConfig.mx_products) keep that while values and sums stay in fp32's normal range.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
