@@ -54,6 +54,9 @@ ROWS = [1, 4, 16, 64, 128, 256]
 # (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile, on the tensor cores and (for one row of
 # A; BLOCK_K shrinks with more) on the FMA units.
 TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 2), (128, 128, 4, 3), (128, 256, 8, 3)]
+# Tiles of 32 weight rows (too few for a warpgroup's MMA: Triton's Ampere-style MMA instead), tried
+# for 16 rows of A or fewer.
+NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2)]
 FMA_TILES = [(16, 512, 4, 2), (32, 256, 4, 3), (64, 256, 8, 2), (32, 512, 8, 2)]
 FMA_ROWS = 4  # the most rows of A tried on the FMA units
 TILES_PER_SM = [2, 4, 8, 16]
@@ -73,7 +76,7 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
     on_tensor_cores = [
         DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, **variant)
         for (block_n, block_k, warps, stages), block_m, tiles, variant in itertools.product(
-            TILES, block_ms, tiles_per_sm, variants.get(name, [{}])
+            TILES + (NARROW_TILES if m <= 16 else []), block_ms, tiles_per_sm, variants.get(name, [{}])
         )
     ]
     if name == "fp8" or m > FMA_ROWS:
@@ -158,12 +161,13 @@ def main() -> None:
         for config in configs(case[0], case[2]):
             tasks.setdefault((case[0], shape_of(config)), []).append(case)
     tasks = [(shape, list(dict.fromkeys(of))) for (_, shape), of in tasks.items()]
-    checked = []
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done, results in enumerate(pool.map(check, tasks)):
-            checked += results
-            print(f"checked {done + 1}/{len(tasks)} tile shapes at {time.monotonic() - deadline + args.budget:.0f} s", flush=True)
-    print(f"{len(checked)} runs of {len(tasks)} tile shapes checked", flush=True)
+        futures = [pool.submit(check, task) for task in tasks]
+        # Half the budget at most: the tile shapes not started by then are not tried.
+        _, late = concurrent.futures.wait(futures, timeout=args.budget / 2)
+        cancelled = sum(future.cancel() for future in late)
+    checked = [result for future in futures if not future.cancelled() for result in future.result()]
+    print(f"{len(tasks) - cancelled}/{len(tasks)} tile shapes checked at {time.monotonic() - deadline + args.budget:.0f} s", flush=True)
     failed = [(case, config, error) for case, config, ex, error in checked if ex is None or ex > 0]
     for case, config, error in failed:
         print(f"FAILED {case} {short(config)}: {error or 'outside the bound'}", flush=True)
