@@ -128,10 +128,18 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
     # Where the capability has the native GEMM, the aligned shapes ran on it.
     runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
     assert (native in {g.backend.name for g in static.gemms}) == runs_here
+    decode = {d.backend for d in backends.DECODE_GEMMS}
     if native in ROWS_OF:  # the decode GEMM needs m known when the plan is made: not under symbolic rows
-        assert native not in {g.backend.name for g in symbolic.gemms}
-    else:
-        assert static.gemms == symbolic.gemms
+        assert not decode & {g.backend.name for g in symbolic.gemms}
+    # Elsewhere it may take MXFP8's and NVFP4's GEMMs at 128 rows where the tokens are static (x's
+    # two dims of 128 share one symbol, which fc1 then makes 128) and not at 160, and say why not.
+    for planned, symbolically in zip(static.gemms, symbolic.gemms, strict=True):
+        if decode & {planned.backend.name, symbolically.backend.name}:
+            continue
+        if any(name in planned.reason + symbolically.reason for name in decode):
+            assert (planned.bucket, planned.backend) == (symbolically.bucket, symbolically.backend)
+        else:
+            assert planned == symbolically
 
 
 ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF]
@@ -151,8 +159,8 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
 @pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")
 @pytest.mark.parametrize(
     "recipe,rows",
-    [(zoo.recipe("rowwise"), 4), (recipes.mxfp8_block_scaling(), 96), (recipes.nvfp4_block_scaling(), 128)],
-    ids=["rowwise 4 rows", "mxfp8 96 rows", "nvfp4 128 rows"],
+    [(zoo.recipe("rowwise"), 4), (recipes.mxfp8_block_scaling(), 96), (recipes.nvfp4_block_scaling(), 256)],
+    ids=["rowwise 4 rows", "mxfp8 96 rows", "nvfp4 256 rows"],
 )
 def test_decode_gemm_runs_both_inference_products_as_planned(runs, fake_capability, recipe, rows):
     """Inference at decode rows (FP8) and middle ones (MXFP8, NVFP4: up to the decode GEMM's

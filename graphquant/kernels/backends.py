@@ -151,13 +151,14 @@ class NativeGemm(NamedTuple):
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 
-# Triton's decode GEMM first, where Triton is installed, for few rows (triton_decode.MAX_ROWS: 16
-# for FP8, more for MXFP8 and NVFP4): the weight's bytes are the whole cost there, and it reads
-# them once, as stored (FP8 codes straight into the tensor cores, which need sm89), at about twice
-# bf16's speed and ahead of cuBLASLt's FP8 GEMMs at those row counts (benchmarks/decode_gemm.py). It promotes FP8 sums into fp32 as cuBLASLt does without
-# fast accumulation and sums MXFP8's and NVFP4's exact products in fp32, so it has no fast
-# accumulation: a recipe that allows it gets the promoted sum here. It serves training GEMMs of
-# at most 16 rows too (fprop, dgrad).
+# Triton's decode GEMM, where Triton is installed, for few rows (triton_decode.MAX_ROWS: 16 for
+# FP8, more for MXFP8 and NVFP4, which it dequantizes per weight tile): the weight's bytes are most
+# of the cost there, and it reads them once, as stored (FP8 codes straight into the tensor cores,
+# which need sm89), at about twice bf16's speed and ahead of cuBLASLt's FP8 GEMMs at those row
+# counts (benchmarks/decode_gemm.py), but behind Blackwell's block-scaled tensor cores. It promotes
+# FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
+# products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
+# here. It serves training GEMMs of as many rows too (fprop, dgrad).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.BACKEND,
@@ -172,8 +173,11 @@ DECODE_GEMMS = () if triton_decode is None else (
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
-# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
+# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
+# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
+    NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
+    NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
     *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
@@ -198,8 +202,6 @@ NATIVE_GEMMS = (
         128,
         lambda sm: sm[0] == 9,
     ),
-    NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
-    NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
 )
 
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3

@@ -81,7 +81,7 @@ LAYOUTS = {
 # MXFP8 and NVFP4 are dequantized per weight tile, a cost shared by every row of A, ahead of
 # dequantizing the whole weight for a bf16 GEMM (the emulation) up to DEQUANTIZING_ROWS rows.
 FP8_ROWS = 16
-DEQUANTIZING_ROWS = 128
+DEQUANTIZING_ROWS = 256
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): FP8_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): FP8_ROWS,
