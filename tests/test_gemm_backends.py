@@ -57,7 +57,7 @@ def _reference(a, b):
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
 def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation):
     torch.manual_seed(0)
-    m, n, k = 256, 384, 512
+    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes (tests/test_triton_decode.py)
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -212,7 +212,7 @@ def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
     """A linear's bias goes into the GEMM (cuBLASLt's epilogue where the call allows): bf16 out of
     the fp32 product plus the bias, rounded once, within the accumulation bound of the reference."""
     torch.manual_seed(0)
-    m, n, k = 256, 384, 512
+    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes
     a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
     bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
     backend = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend
