@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import multiprocessing
@@ -58,7 +59,6 @@ TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 2), (128, 128, 4, 3), (1
 # for 16 rows of A or fewer.
 NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2)]
 FMA_TILES = [(16, 512, 4, 2), (32, 256, 4, 3), (64, 256, 8, 2), (32, 512, 8, 2)]
-FMA_ROWS = 4  # the most rows of A tried on the FMA units
 TILES_PER_SM = [2, 4, 8, 16]
 U = 2.0**-24
 DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may run them elsewhere)
@@ -79,7 +79,7 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
             TILES + (NARROW_TILES if m <= 16 else []), block_ms, tiles_per_sm, variants.get(name, [{}])
         )
     ]
-    if name == "fp8" or m > FMA_ROWS:
+    if name == "fp8" or m > triton_decode.FMA_ROWS:
         return on_tensor_cores
     rows = 1 << (m - 1).bit_length()
     return on_tensor_cores + [
@@ -119,7 +119,7 @@ def excess(name: str, out: torch.Tensor, a, b) -> float:
 
 def shape_of(config: DecodeConfig) -> DecodeConfig:
     """What of a tiling makes a kernel of its own (all but the programs an SM)."""
-    return config._replace(tiles_per_sm=0)
+    return dataclasses.replace(config, tiles_per_sm=1)
 
 
 def check(task) -> list[tuple]:

@@ -250,6 +250,20 @@ def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
     assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
 
 
+def test_a_decode_tiling_names_what_is_wrong_with_it():
+    pytest.importorskip("triton")
+    from graphquant.kernels.triton_decode import DecodeConfig
+
+    with pytest.raises(ValueError, match=r"block_n=48 is not a power of two; block_k=1024 is not from 32 to 512"):
+        DecodeConfig(block_n=48, block_k=1024)
+    with pytest.raises(ValueError, match=r"mx_products='sums' is not one of \('values', 'block sums', 'dot scaled'\)"):
+        DecodeConfig(mx_products="sums")
+    with pytest.raises(ValueError, match=r"the FMA units multiply at most 4 rows of A a program \(block_m=8\)"):
+        DecodeConfig(block_m=8, fma=True)
+    with pytest.raises(ValueError, match=r"the tensor cores multiply tiles of at least 16 rows \(block_n=64, block_m=4\)"):
+        DecodeConfig(block_m=4)
+
+
 def test_decode_gemm_names_what_it_cannot_take():
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
@@ -259,6 +273,9 @@ def test_decode_gemm_names_what_it_cannot_take():
     b = rowwise(torch.randn(64, 128), columnwise=False).get(ROWWISE)
     with pytest.raises(ValueError, match=r"at most 16 rows of A for fp8_rowwise x fp8_rowwise; got A of 17 rows"):
         triton_decode.gemm(a, b, torch.bfloat16)
+    one_row = rowwise(torch.randn(1, 128), columnwise=False).get(ROWWISE)
+    with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only"):
+        triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(block_m=1, fma=True))
     mx = MXFP8Quantizer()
     a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     b = mx(torch.randn(128, 64)).get(COLUMNWISE)

@@ -28,6 +28,7 @@ output dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -94,7 +95,11 @@ MAX_ROWS = {
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
-class DecodeConfig(NamedTuple):
+MX_PRODUCTS = ("values", "block sums", "dot scaled")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
     """How one decode GEMM call is tiled: BLOCK_N rows of the weight against BLOCK_M rows of A
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
@@ -114,8 +119,25 @@ class DecodeConfig(NamedTuple):
     scale_gather: bool = False
     fma: bool = False
 
+    def __post_init__(self) -> None:
+        sizes = {"block_n": self.block_n, "block_k": self.block_k, "block_m": self.block_m, "warps": self.warps}
+        problems = [f"{name}={value} is not a power of two" for name, value in sizes.items() if value < 1 or value & (value - 1)]
+        if not 32 <= self.block_k <= K_CHUNK:
+            problems.append(f"block_k={self.block_k} is not from 32 to {K_CHUNK} (K is split at multiples of {K_CHUNK})")
+        if self.mx_products not in MX_PRODUCTS:
+            problems.append(f"mx_products={self.mx_products!r} is not one of {MX_PRODUCTS}")
+        if min(self.stages, self.tiles_per_sm) < 1:
+            problems.append("stages and tiles_per_sm must be at least 1")
+        if self.fma and self.block_m > FMA_ROWS:
+            problems.append(f"the FMA units multiply at most {FMA_ROWS} rows of A a program (block_m={self.block_m})")
+        if not self.fma and min(self.block_n, self.block_m) < 16:
+            problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
+        if problems:
+            raise ValueError(f"{self}: " + "; ".join(problems))
 
-MX_PRODUCTS = ("values", "block sums", "dot scaled")
+
+# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
+FMA_ROWS = 4
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 # The interpreter runs a kernel's logic, not its speed: its tiles are the smallest the tests use.
