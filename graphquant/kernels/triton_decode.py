@@ -269,20 +269,22 @@ def _write(
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
 
 
-# M, has_bias and k_per_split stay runtime values (not specialized when 1), so that every row
-# count, both bias cases and every K split share one compiled kernel per format and tiling.
-@triton.jit(do_not_specialize=["M", "has_bias", "k_per_split"])
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
+# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
+# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
+# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_per_split,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (i, s, j): the sums over the s-th k_per_split columns of BLOCK_N rows of B against
+    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B against
     BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s]. The weight tile is the
     dot's left operand (A's rows are the short side, the MMA's N). MX, MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
@@ -291,9 +293,9 @@ def _decode_kernel(
     for every byte rather than broadcast."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    k_start = tl.program_id(1) * k_per_split
+    k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(0, k_per_split, BLOCK_K):  # columns past K load as zeros
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -339,11 +341,11 @@ def _decode_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["M", "has_bias", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])  # as _decode_kernel
 def _fma_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_per_split,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -353,10 +355,10 @@ def _fma_kernel(
     end. No layout is converted for a matrix unit, and a product costs one FMA per row of A."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    k_start = tl.program_id(1) * k_per_split
+    k_start = tl.program_id(1) * k_chunks * CHUNK
     width: tl.constexpr = BLOCK_K if OPERAND == 1 else BLOCK_K // 2
     sums = tl.zeros((BLOCK_N, BLOCK_M, width), dtype=tl.float32)
-    for step in range(0, k_per_split, BLOCK_K):  # columns past K load as zeros
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 1:  # MXFP8
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, tl.float32, BLOCK_K)
@@ -460,8 +462,8 @@ def gemm(
     row_tiles = triton.cdiv(m, config.block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
-    splits = triton.cdiv(k, k_per_split)
+    k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
+    splits = triton.cdiv(k, k_chunks * K_CHUNK)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
@@ -473,13 +475,13 @@ def gemm(
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[grid](
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split, OPERAND=b_layout.operand,
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
         _decode_kernel[grid](
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_per_split,
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
