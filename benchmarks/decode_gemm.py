@@ -27,9 +27,10 @@ from graphquant.kernels import backends, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 EMULATION = backends.GemmBackend(backends.EMULATION)
+TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
-ROWS = [1, 16, 64, 128]
+ROWS = [1, 16, 64]
 CALLS = 20
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
@@ -75,6 +76,9 @@ def main() -> None:
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
+                    if m == 1:  # its default there is the FMA units': beside one tile of the tensor cores'
+                        fns[f"decode {name} (tensor cores)"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16, None, TENSOR_CORES)
+                        weight_bytes[f"decode {name} (tensor cores)"] = weight_bytes[f"decode {name}"]
             replays, failed = {}, {}
             for name, fn in fns.items():
                 try:

@@ -82,7 +82,7 @@ LAYOUTS = {
 # MXFP8 and NVFP4 are dequantized per weight tile, a cost shared by every row of A, ahead of
 # dequantizing the whole weight for a bf16 GEMM (the emulation) up to DEQUANTIZING_ROWS rows.
 FP8_ROWS = 16
-DEQUANTIZING_ROWS = 256
+DEQUANTIZING_ROWS = 64
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): FP8_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): FP8_ROWS,
@@ -140,17 +140,35 @@ class DecodeConfig:
 FMA_ROWS = 4
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
-# The interpreter runs a kernel's logic, not its speed: its tiles are the smallest the tests use.
-_INTERPRETED = DecodeConfig(block_n=64, block_k=128)
+# The weight tiles (BLOCK_N, BLOCK_K, warps, stages) Triton's autotuner picks from, per weight
+# shape on its first call, for a tile of 16 rows of A on the tensor cores; the interpreter runs a
+# kernel's logic, not its speed, and takes the first alone.
+AUTOTUNED_TILES = [(64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 4, 3)]
+if triton.knobs.runtime.interpret:
+    AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
+# Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
+# in registers keeps the ALUs busy, and more programs an SM hide their latency.
+AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
+# One row of MXFP8 or NVFP4 on the FMA units: no MMA tile of 16 rows to fill, no layout to
+# convert; tiles small enough (MXFP8's fp32 values take twice NVFP4's registers) that several
+# programs an SM keep enough bytes in flight.
+_ONE_ROW = {
+    BF16_VALUES: DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True),
+    F16_VALUES: DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True),
+}
 
 
-def default_config(operand: int, m: int) -> DecodeConfig:
-    """The tiling a call of ``m`` rows gets: FP8 codes fill the memory pipe at two tiles an SM;
-    dequantizing in registers keeps the ALUs busy, and more programs an SM hide their latency."""
-    if triton.knobs.runtime.interpret:
-        return _INTERPRETED
-    block_m = min(max(16, triton.next_power_of_2(m)), 64)
-    return DecodeConfig(block_m=block_m, tiles_per_sm=2 if operand == FP8_CODES else 8)
+def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
+    """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
+    BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
+    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (MXFP8, NVFP4) one tile of A's
+    rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
+    the wider accumulator needs."""
+    if operand != FP8_CODES and m == 1 and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
+    if m <= 16:
+        return None
+    return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
 
 
 # Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
@@ -341,6 +359,12 @@ def _decode_kernel(
     )
 
 
+_autotuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in AUTOTUNED_TILES],
+    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT"],
+)(_decode_kernel)
+
+
 @triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])  # as _decode_kernel
 def _fma_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
@@ -459,9 +483,13 @@ def gemm(
             f"got A of {m} rows ({a.quantizer})"
         )
     config = config or default_config(b_layout.operand, m)
-    row_tiles = triton.cdiv(m, config.block_m)
+    block_m = config.block_m if config else 16
+    row_tiles = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
+    if config:
+        splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
+    else:
+        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
@@ -470,17 +498,23 @@ def gemm(
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    grid = (triton.cdiv(n, config.block_n), splits, row_tiles)
-    if config.fma:
+    if config is None:
+        _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
+            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16,
+        )
+    elif config.fma:
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
-        _fma_kernel[grid](
+        _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
-        _decode_kernel[grid](
+        _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
