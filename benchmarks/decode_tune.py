@@ -3,7 +3,7 @@ FFN's weights and 1 to 256 rows, beside bf16 F.linear and the emulated GEMM (the
 dequantized to bf16 on every call, then a bf16 GEMM: what MXFP8 and NVFP4 run past the decode
 GEMM's rows).
 
-    python benchmarks/decode_tune.py [--formats mxfp8,nvfp4,fp8] [--rows 1,4,16,64,128,256] [--jobs 12] [--budget 130]
+    python benchmarks/decode_tune.py [--formats mxfp8,nvfp4,fp8] [--rows 1,4,16,64,128,256] [--jobs 5] [--budget 130]
 
 Every tiling is first run once per case in one of --jobs processes (one process a tile shape, so
 that Triton compiles each kernel once, in parallel, into its cache on disk), and its product is
@@ -150,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--jobs", type=int, default=5)
     parser.add_argument("--budget", type=float, default=130.0, help="seconds, from the start, after which no case is timed")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget
