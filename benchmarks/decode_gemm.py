@@ -28,6 +28,7 @@ from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
+BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 64]
@@ -76,9 +77,12 @@ def main() -> None:
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
-                    if m == 1:  # its default there is the FMA units': beside one tile of the tensor cores'
-                        fns[f"decode {name} (tensor cores)"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16, None, TENSOR_CORES)
-                        weight_bytes[f"decode {name} (tensor cores)"] = weight_bytes[f"decode {name}"]
+                    alternatives = {"tensor cores": TENSOR_CORES} if m == 1 else {}  # the default there: the FMA units
+                    if name == "mxfp8" and m <= 16:
+                        alternatives["block sums"] = BLOCK_SUMS
+                    for label, config in alternatives.items():
+                        fns[f"decode {name} ({label})"] = lambda a=a, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
+                        weight_bytes[f"decode {name} ({label})"] = weight_bytes[f"decode {name}"]
             replays, failed = {}, {}
             for name, fn in fns.items():
                 try:
@@ -93,6 +97,7 @@ def main() -> None:
                     continue
                 us = times[name] * 1e3 / CALLS
                 rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", ""])
+                print(*rows[-1][:-1], sep="  ", flush=True)  # as it goes, should the run be cut short
     print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
 
 
