@@ -96,6 +96,8 @@ _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
+# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
+FMA_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +138,6 @@ class DecodeConfig:
             raise ValueError(f"{self}: " + "; ".join(problems))
 
 
-# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
-FMA_ROWS = 4
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 # The weight tiles (BLOCK_N, BLOCK_K, warps, stages) Triton's autotuner picks from, per weight
@@ -195,6 +195,13 @@ def _block_scales(scale_ptr, row, rows, block, blocks, row_stride, col_stride, S
     else:
         value = raw.to(tl.float32)
     return tl.where(inside, value, 0.0)
+
+
+@triton.jit
+def _e8m0_bytes(scale_ptr, row, rows, block, blocks, row_stride, col_stride):
+    """E8M0 scales of ``block`` for ``row`` as stored (bytes), 2^0 outside the operand."""
+    inside = (row < rows) & (block < blocks)
+    return tl.load(scale_ptr + row.to(tl.int64) * row_stride + block.to(tl.int64) * col_stride, mask=inside, other=127)
 
 
 @triton.jit
@@ -302,9 +309,10 @@ def _decode_kernel(
     GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B against
-    BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s]. The weight tile is the
-    dot's left operand (A's rows are the short side, the MMA's N). MX, MXFP8's products (the index
+    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
+    against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
+    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
+    MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
@@ -325,8 +333,8 @@ def _decode_kernel(
             block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
             b = _codes(b_ptr, n, N, col, K, b_stride)
             a = _codes(a_ptr, m, M, col, K, a_stride)
-            b_scale = tl.load(b_scale_ptr + n.to(tl.int64) * b_scale_row_stride + block * b_scale_col_stride, mask=(n < N) & (block < tl.cdiv(K, 32)), other=127)
-            a_scale = tl.load(a_scale_ptr + m.to(tl.int64) * a_scale_row_stride + block * a_scale_col_stride, mask=(m < M) & (block < tl.cdiv(K, 32)), other=127)
+            b_scale = _e8m0_bytes(b_scale_ptr, n, N, block, tl.cdiv(K, 32), b_scale_row_stride, b_scale_col_stride)
+            a_scale = _e8m0_bytes(a_scale_ptr, m, M, block, tl.cdiv(K, 32), a_scale_row_stride, a_scale_col_stride)
             total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
         elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
             for j in tl.static_range(BLOCK_K // SCALE_COLS):
