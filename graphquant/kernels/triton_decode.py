@@ -149,13 +149,9 @@ if triton.knobs.runtime.interpret:
 # Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
 # in registers keeps the ALUs busy, and more programs an SM hide their latency.
 AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
-# One row of MXFP8 or NVFP4 on the FMA units: no MMA tile of 16 rows to fill, no layout to
-# convert; tiles small enough (MXFP8's fp32 values take twice NVFP4's registers) that several
-# programs an SM keep enough bytes in flight.
-_ONE_ROW = {
-    BF16_VALUES: DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True),
-    F16_VALUES: DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True),
-}
+# One row of NVFP4 on the FMA units: no MMA tile of 16 rows to decode and fill, no layout to
+# convert (MXFP8's conversions to fp32 cost more there than its tensor-core path).
+_NVFP4_ONE_ROW = DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
@@ -164,8 +160,8 @@ def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (MXFP8, NVFP4) one tile of A's
     rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
     the wider accumulator needs."""
-    if operand != FP8_CODES and m == 1 and not triton.knobs.runtime.interpret:
-        return _ONE_ROW[operand]
+    if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
+        return _NVFP4_ONE_ROW
     if m <= 16:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
