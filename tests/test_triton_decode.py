@@ -130,6 +130,7 @@ def _configs() -> dict:
     return {
         "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 4, fma=True)},
         "nvfp4 x nvfp4 2d": {"scale gather": DecodeConfig(block_k=128, scale_gather=True), "fma": DecodeConfig(16, 128, 4, fma=True)},
+        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 4, fma=True)},
     }
 
 
@@ -154,7 +155,8 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 @pytest.mark.parametrize(
     "name,config,case",
     [("mxfp8", c, case) for c in ("block sums", "fma") for case in ("1x96x1024", "3x40x640")]
-    + [("nvfp4 x nvfp4 2d", c, case) for c in ("scale gather", "fma") for case in ("1x96x1024", "3x40x640")],
+    + [("nvfp4 x nvfp4 2d", c, case) for c in ("scale gather", "fma") for case in ("1x96x1024", "3x40x640")]
+    + [("nvfp4 row-scaled x nvfp4", "fma", case) for case in ("1x96x1024", "3x40x640")],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
     """MXFP8's block sums and NVFP4's scales loaded per byte (tensor cores), and both on the FMA units."""
