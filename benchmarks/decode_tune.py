@@ -67,7 +67,7 @@ DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may r
 def configs(name: str, m: int) -> list[DecodeConfig]:
     """The tilings tried for ``m`` rows of format ``name``: tiles of A's rows from one that holds
     them all (at most 128) down to 16 rows; FP8 codes only at 16 rows or fewer (its limit)."""
-    if name == "fp8" and m > triton_decode.FP8_ROWS:
+    if name == "fp8" and m > triton_decode.ONE_TILE_ROWS:
         return []
     fits = min(max(16, 1 << (m - 1).bit_length()), 128)
     block_ms = sorted({fits, max(16, fits // 2)})

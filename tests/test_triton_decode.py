@@ -1,5 +1,5 @@
 """The decode GEMM (graphquant.kernels.triton_decode): every format's product at 1 to 16 rows
-(MXFP8 and NVFP4: to 64) equals the float64 product of the dequantized operands within fp32
+(NVFP4: to 64) equals the float64 product of the dequantized operands within fp32
 accumulation (FP8 products: within the promoted FP8 accumulation of the tensor cores), with every
 tiling (DecodeConfig), and the planner picks it for a static m up to those rows.
 
@@ -86,7 +86,7 @@ def excess(
 
 # (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
 # a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
-# dgrad; for MXFP8 and NVFP4, 40 rows (three tiles of rows, the last partial). fp32 out only: the
+# dgrad; for NVFP4, 40 rows (three tiles of rows, the last partial). fp32 out only: the
 # interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
 INTERPRETED = [
     (1, 96, 1024, False, torch.float32, "fprop"),
@@ -97,8 +97,8 @@ INTERPRETED = [
 ]
 # MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
 DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
-# The pairs that the decode GEMM dequantizes (MXFP8, NVFP4), the others' codes going to the FP8 tensor cores.
-DEQUANTIZED_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, (MXFP8Quantizer, NVFP4Quantizer))]
+# The pairs the decode GEMM takes past one tile of 16 rows (NVFP4's).
+MIDDLE_ROW_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, NVFP4Quantizer)]
 
 
 def _max_rows(name: str) -> int:
@@ -118,7 +118,7 @@ def _interpreted_cases():
         (name, case)
         for name in PAIRS
         for case in INTERPRETED
-        if (case[-1] == "fprop" or name in DGRAD_PAIRS) and (case[0] <= 16 or name in DEQUANTIZED_PAIRS)
+        if (case[-1] == "fprop" or name in DGRAD_PAIRS) and (case[0] <= 16 or name in MIDDLE_ROW_PAIRS)
     ]
 
 
@@ -264,14 +264,14 @@ def hopper(monkeypatch):
 @pytest.mark.parametrize("name", PAIRS)
 def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, name):
     """With or without the recipe's fast accumulation: the decode GEMM always promotes its sums
-    into fp32. Its rows: 16 for FP8 codes (cuBLASLt's FP8 GEMM reads the weight as fast past one
-    tile of rows), 64 for MXFP8 and NVFP4 (dequantized per weight tile, ahead of the emulation's
-    whole-weight dequantize). A row count unknown to the plan (symbolic sizes) or above those, or
-    a batch of products, goes elsewhere."""
+    into fp32. Its rows: one tile of 16 for FP8 codes (cuBLASLt's FP8 GEMM reads the weight as fast
+    past it) and MXFP8 (the emulation's whole-weight dequantize is cheaper past it), 64 for NVFP4
+    (dequantized per weight tile, ahead of the emulation). A row count unknown to the plan
+    (symbolic sizes) or above those, or a batch of products, goes elsewhere."""
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
     most = _max_rows(name)
-    assert most == (64 if name in DEQUANTIZED_PAIRS else 16)
+    assert most == (64 if name in MIDDLE_ROW_PAIRS else 16)
     decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
     for m in (1, 2, 16, most):
         for fast in (False, True):

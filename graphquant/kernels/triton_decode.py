@@ -77,20 +77,21 @@ LAYOUTS = {
 
 # The operand pairs (A's family, B's family) it multiplies, each recipe's activation x weight,
 # and the most rows of A it takes for each. Both sides of a pair make the same kind of operand
-# with block scales of the same length in K. FP8 codes go to the tensor cores as stored: past one
-# tile of rows (the tensor cores' smallest) cuBLASLt's FP8 GEMMs read the weight as fast.
-# MXFP8 and NVFP4 are dequantized per weight tile, a cost shared by every row of A, ahead of
-# dequantizing the whole weight for a bf16 GEMM (the emulation) up to DEQUANTIZING_ROWS rows.
-FP8_ROWS = 16
-DEQUANTIZING_ROWS = 64
+# with block scales of the same length in K. Up to one tile of rows (the tensor cores' smallest):
+# past it cuBLASLt's FP8 GEMMs read FP8 weights as fast, and dequantizing MXFP8 in registers
+# costs more than the emulation's whole-weight dequantize (benchmarks/NOTES.md, decode_gemm.py).
+# NVFP4, half the bytes to read and the values cheaper to make, stays ahead of the emulation to
+# NVFP4_ROWS, one tile of A's rows sharing each dequantized weight tile.
+ONE_TILE_ROWS = 16
+NVFP4_ROWS = 64
 MAX_ROWS = {
-    ("fp8_tensorwise", "fp8_tensorwise"): FP8_ROWS,
-    ("fp8_rowwise", "fp8_rowwise"): FP8_ROWS,
-    ("fp8_block_1x128", "fp8_block_1x128"): FP8_ROWS,
-    ("fp8_block_1x128", "fp8_block_128x128"): FP8_ROWS,
-    ("mxfp8", "mxfp8"): DEQUANTIZING_ROWS,
-    ("nvfp4", "nvfp4"): DEQUANTIZING_ROWS,
-    ("nvfp4_row_scaled", "nvfp4"): DEQUANTIZING_ROWS,
+    ("fp8_tensorwise", "fp8_tensorwise"): ONE_TILE_ROWS,
+    ("fp8_rowwise", "fp8_rowwise"): ONE_TILE_ROWS,
+    ("fp8_block_1x128", "fp8_block_1x128"): ONE_TILE_ROWS,
+    ("fp8_block_1x128", "fp8_block_128x128"): ONE_TILE_ROWS,
+    ("mxfp8", "mxfp8"): ONE_TILE_ROWS,
+    ("nvfp4", "nvfp4"): NVFP4_ROWS,
+    ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
 }
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
@@ -157,7 +158,7 @@ _NVFP4_ONE_ROW = DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stage
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
     BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
-    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (MXFP8, NVFP4) one tile of A's
+    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4) one tile of A's
     rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
     the wider accumulator needs."""
     if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
