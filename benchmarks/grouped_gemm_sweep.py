@@ -19,6 +19,8 @@ import functools
 import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple, Optional
 
 import torch
@@ -44,10 +46,12 @@ class Variant(NamedTuple):
     stages: int
     group_tiles: int = 8
     maxnreg: Optional[int] = None
+    byte_codes: bool = False  # the operands handed over as bytes, cast to FP8 in the kernel
 
     def __str__(self) -> str:
         cap = f" maxnreg {self.maxnreg}" if self.maxnreg else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_tiles}{cap}"
+        codes = " bytes" if self.byte_codes else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_tiles}{cap}{codes}"
 
     def fits(self, gemm: str, block_scaled: bool) -> bool:
         """Whether the kernel of ``gemm`` can run this tile: a K tile of one block scale where the
@@ -58,11 +62,13 @@ class Variant(NamedTuple):
         return 128 % self.block_m == 0 if gemm == "dgrad" else 128 % self.block_k == 0
 
 
-# The first is the kernel's default before this sweep. Triton's promoted sums wait for each
+# The first is the kernel as it was before this sweep (operands as bytes). Triton's promoted sums wait for each
 # 32-long wgmma before adding it: warp groups resident per SM are what hide those waits, so
 # smaller tiles, K tiles of 32 (one wgmma: no registers for several partial sums) and fewer
 # registers (more CTAs an SM). Block scales need K tiles of 128.
 VARIANTS = [
+    Variant(128, 128, 128, 8, 3, byte_codes=True),
+    Variant(64, 128, 32, 4, 6, byte_codes=True),
     Variant(128, 128, 128, 8, 3),
     Variant(128, 128, 128, 8, 4),
     Variant(64, 128, 128, 4, 3),
@@ -105,6 +111,7 @@ def _jit(kernel):
 
 
 KERNELS = backends.triton_grouped_fp8
+FP8_CODES = KERNELS._codes
 COMPILED = {}  # kernel name -> the CompiledKernel its last launch ran
 
 
@@ -134,6 +141,7 @@ def select(variant: Variant) -> None:
         kernel.configs = [config]
         kernel.cache = {}
     KERNELS.GROUP_TILES = variant.group_tiles
+    KERNELS._codes = (lambda rep: rep.data.view(torch.uint8)) if variant.byte_codes else FP8_CODES
 
 
 def cases(formats: list[str], sites: list[str]):
@@ -196,9 +204,13 @@ def main() -> None:
     chosen = [int(i) for i in args.variants.split(",")] if args.variants else list(range(len(VARIANTS)))
     began = time.time()
     jobs = [(chosen[i :: args.jobs], formats, sites) for i in range(min(args.jobs, len(chosen)))]
+    failed = {}
     if len(jobs) > 1:
-        with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
-            failed = {key: error for part in pool.map(_compile, jobs) for key, error in part.items()}
+        try:
+            with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+                failed = {key: error for part in pool.map(_compile, jobs) for key, error in part.items()}
+        except BrokenProcessPool as error:  # a variant crashed its process: the rest compile as they run below
+            print(f"parallel compilation stopped: {error}", flush=True)
     else:
         failed = _compile(jobs[0])
     print(f"compiled {len(chosen)} variants in {len(jobs)} processes: {time.time() - began:.0f} s", flush=True)

@@ -71,11 +71,11 @@ class Scales(NamedTuple):
 
 @triton.jit
 def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
-    """FP8 codes loaded as bytes (masked lanes +0; mask None: none masked) and read as E4M3 or E5M2."""
+    """FP8 codes (masked lanes +0; mask None: none masked) read as E4M3 or E5M2."""
     if mask is None:
         codes = tl.load(ptrs)
     else:
-        codes = tl.load(ptrs, mask=mask, other=0)
+        codes = tl.load(ptrs, mask=mask, other=0.0)
     return codes.to(tl.float8e5 if E5M2 else tl.float8e4nv, bitcast=True)
 
 
@@ -209,7 +209,9 @@ def _e5m2(rep: Representation) -> bool:
 
 
 def _codes(rep: Representation) -> torch.Tensor:
-    return rep.data.view(torch.uint8)
+    """The FP8 codes typed as their element, so that the tensor cores read them straight from
+    the shared memory the loads fill (bytes would be cast in registers and stored back first)."""
+    return rep.data.view(torch.float8_e5m2 if _e5m2(rep) else torch.float8_e4m3fn)
 
 
 def _expert_scales(b: Representation, b_group: torch.Tensor, groups: int) -> Scales:
