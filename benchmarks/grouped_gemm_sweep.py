@@ -3,7 +3,7 @@ at an MoE step's shapes: its dgrad and wgrad kernels under many tiles, warp coun
 depths, tile orders and register caps, beside the same GEMMs on torch._scaled_grouped_mm (its
 tensor cores' sums not promoted: the speed to aim at) and on bf16 torch._grouped_mm.
 
-    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--jobs 14] [--reps 5]
+    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--jobs 5] [--reps 5]
 
 The shapes are grouped_gemm.py's. Every configuration's output is compared bit for bit with the
 first one's: the kernel promotes its partial sums in the same order whatever the tile, so any
@@ -171,10 +171,11 @@ def cases(formats: list[str], sites: list[str]):
         del x, w, dy
 
 
-def _compile(job: tuple[list[int], list[str], list[str]]) -> dict:
+def _compile(job: tuple[list[int], list[str], list[str], bool]) -> dict:
     """Run every variant in ``indices`` once on every case (compiling it into Triton's cache);
-    {(variant index, format, site, GEMM): the error} of those that fail."""
-    indices, formats, sites = job
+    {(variant index, format, site, GEMM): the error} of those that fail. ``say``: print each
+    first run as it starts (in one process: a run that hangs is named)."""
+    indices, formats, sites, say = job
     failed = {}
     for name, site, calls, _ in cases(formats, sites):
         for index in indices:
@@ -184,6 +185,8 @@ def _compile(job: tuple[list[int], list[str], list[str]]) -> dict:
                 call, _, _, block_scaled = calls[gemm]
                 if not variant.fits(gemm, block_scaled):
                     continue
+                if say:
+                    print(f"first run: [{index}] {variant}, {name} {site} {gemm}", flush=True)
                 try:
                     call()
                     torch.cuda.synchronize()
@@ -197,13 +200,13 @@ def main() -> None:
     parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
     parser.add_argument("--sites", default="gate_up,down")
     parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default: all)")
-    parser.add_argument("--jobs", type=int, default=14)
+    parser.add_argument("--jobs", type=int, default=5, help="compiling processes (each holds its own operands: 8-20 GB without the CUDA extension)")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     formats, sites = args.formats.split(","), args.sites.split(",")
     chosen = [int(i) for i in args.variants.split(",")] if args.variants else list(range(len(VARIANTS)))
     began = time.time()
-    jobs = [(chosen[i :: args.jobs], formats, sites) for i in range(min(args.jobs, len(chosen)))]
+    jobs = [(chosen[i :: args.jobs], formats, sites, args.jobs == 1) for i in range(min(args.jobs, len(chosen)))]
     failed = {}
     if len(jobs) > 1:
         try:
