@@ -408,8 +408,13 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
     with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
         ForwardConfig(block_n=64)
     assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
-    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4 or 8"):
+    assert ForwardConfig(block_n=256).pv_promotion == 128
+    with pytest.raises(ValueError, match=r"pv_promotion=256\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
+        ForwardConfig(block_n=256, pv_promotion=256)  # the tensor cores' narrow sum deeper than the tested bound
+    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4, 8 or 16"):
         BackwardConfig(num_warps=2)
+    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=256.*\) is not a configuration: block_m and block_n one of \(16, 32, 64, 128\)"):
+        BackwardConfig(block_m=256)
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------
@@ -616,7 +621,8 @@ BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
 
     registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
     registry.LIBRARY.impl("flash_attention_backward", triton_attention_backward.backward, "CPU")
-    for shape in %r:
+    for *shape, config in %r:
+        triton_attention_backward.DEFAULT_CONFIG = triton_attention_backward.BackwardConfig(**config)
         print(test_triton_attention.check_backward_against_the_emulation(*shape, device="cpu"))
     """
 )
@@ -633,9 +639,14 @@ def test_backward_reference_against_the_emulation(emulated_kernel, shape):
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
-    that do not tile, causal and not, more queries than keys and fewer."""
+    that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
+    small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
+    the key tiles, so the causal diagonal crosses them both ways)."""
     pytest.importorskip("triton")
-    shapes = [*BACKWARD_SHAPES, (1, 2, 1, 130, 200, 128, True), (1, 2, 2, 150, 70, 64, True)]
+    default = {}
+    tall, wide = {"block_m": 32, "block_n": 16}, {"block_m": 16, "block_n": 32}
+    shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
+              (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -648,6 +659,24 @@ def test_backward_kernel_under_the_interpreter():
 def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
     """``check_backward_against_the_emulation`` at batch 2."""
     print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
+
+
+# Backward configurations the tuning sweep may pick (block_m, block_n, warps, stages).
+GPU_BACKWARD_CONFIGS = [(64, 64, 8, 2), (32, 128, 8, 2), (128, 64, 8, 3), (128, 128, 16, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", GPU_BACKWARD_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}" for m, n, w, s in GPU_BACKWARD_CONFIGS])
+def test_backward_configurations_against_the_emulation(tiles, causal, monkeypatch):
+    """``check_backward_against_the_emulation`` in other configurations than the default, grouped
+    heads, lengths that do not tile."""
+    from graphquant.kernels import triton_attention_backward
+
+    m, n, warps, stages = tiles
+    config = triton_attention_backward.BackwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages)
+    monkeypatch.setattr(triton_attention_backward, "DEFAULT_CONFIG", config)
+    print(check_backward_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda"))
 
 
 # Configurations the tuning sweep (benchmarks/attention_tune.py) may pick: every tile shape and

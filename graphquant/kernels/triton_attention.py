@@ -49,10 +49,10 @@ class ForwardConfig:
     """How the forward kernel tiles and schedules its work: block_m query rows per program over
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
     warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
-    how many keys the tensor cores may sum in
-    their narrow accumulator before the PV partial sum is added into fp32 (a multiple of 32 up to
-    block_n; None: never, the narrow accumulator carries the whole key loop, which the error bound
-    of tests/test_triton_attention.py does not cover)."""
+    how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
+    is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
+    tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
+    key loop, outside that bound)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -63,11 +63,11 @@ class ForwardConfig:
 
     def __post_init__(self) -> None:
         tiles = (16, 32, 64, 128, 256)
-        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= self.block_n)
-        if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8) or self.num_stages < 1 or not promotion_ok:
+        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, 128))
+        if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
             raise ValueError(
-                f"FP8 flash attention: {self!r} is not a configuration: block_m and block_n one of {tiles}, num_warps 4 or "
-                "8, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n"
+                f"FP8 flash attention: {self!r} is not a configuration: block_m and block_n one of {tiles}, num_warps 4, 8 "
+                "or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
             )
 
 
