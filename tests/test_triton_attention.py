@@ -413,8 +413,10 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
         ForwardConfig(block_n=256, pv_promotion=256)  # the tensor cores' narrow sum deeper than the tested bound
     with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4, 8 or 16"):
         BackwardConfig(num_warps=2)
-    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=256.*\) is not a configuration: block_m and block_n one of \(16, 32, 64, 128\)"):
-        BackwardConfig(block_m=256)
+    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=16.*\) is not a configuration: block_m and block_n one of \(32, 64, 128\)"):
+        BackwardConfig(block_m=16)  # shallower than one FP8 wgmma
+    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=64, block_n=256.*\) is not a configuration"):
+        BackwardConfig(block_n=256)  # dQ's narrow sum deeper than the tested bound
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------
@@ -644,7 +646,7 @@ def test_backward_kernel_under_the_interpreter():
     the key tiles, so the causal diagonal crosses them both ways)."""
     pytest.importorskip("triton")
     default = {}
-    tall, wide = {"block_m": 32, "block_n": 16}, {"block_m": 16, "block_n": 32}
+    tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
               (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide)]
     tests = os.path.dirname(__file__)

@@ -48,7 +48,8 @@ class BackwardConfig:
     """How the backward tiles its work: a program per block_n keys of a (batch, head), walking the
     query rows block_m at a time in num_stages pipeline stages, on num_warps warps. Each tile is
     the depth of a product the tensor cores sum in their narrow accumulator (dK and dV over
-    block_m rows, dQ over block_n keys), so at most 128, the depth the tests' bound covers."""
+    block_m rows, dQ over block_n keys), so at most 128, the depth the tests' bound covers, and
+    at least 32, one FP8 wgmma's."""
 
     block_m: int = 64
     block_n: int = 128
@@ -56,7 +57,7 @@ class BackwardConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        tiles = (16, 32, 64, 128)
+        tiles = (32, 64, 128)
         if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8, 16) or self.num_stages < 1:
             raise ValueError(
                 f"FP8 flash attention backward: {self!r} is not a configuration: block_m and block_n one of {tiles}, "
