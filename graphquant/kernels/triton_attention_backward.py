@@ -109,14 +109,16 @@ def _query_tiles(
         dot = _columns(DOT, qt_stride, first, offs_m, rows, offs_d)
         lse = tl.load(LSE + first + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # log2(e)
         delta = tl.load(DELTA + first + offs_m, mask=rows, other=0.0)
-        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        st = tl.dot(k, tl.trans(q))
+        dpt = tl.dot(v, tl.trans(do))
+        pt = tl.math.exp2(st * qk_scale - lse[None, :])
         if MASKED:
             visible = offs_n[:, None] < seq_k
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
             pt = tl.where(visible, pt, 0.0)
+        dst = pt * (dpt * dp_factor - delta[None, :])
         dv += tl.dot(_cast(pt, s_scale, P_MAX, P_CODE), tl.trans(dot))
-        dst = pt * (tl.dot(v, tl.trans(do)) * dp_factor - delta[None, :])
         ds_amax = tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
         dst8 = _cast(dst, dp_scale, DS_MAX, DS_CODE)
         dk += tl.dot(dst8, tl.trans(qt))
