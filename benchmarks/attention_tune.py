@@ -180,7 +180,7 @@ def main() -> None:
         timed = {config: ms for (config, c), ms in times.items() if c == case}
         choices = [("best", min(timed, key=timed.get, default=None))]
         if not backward:
-            per_tile = [config for config in timed if config.pv_promotion == config.block_n]
+            per_tile = [config for config in timed if config.pv_promotion == min(config.block_n, 128)]
             choices.append(("best promoted per tile", min(per_tile, key=timed.get, default=None)))
         for label, config in (*choices, ("default", default)):
             if config in timed:
