@@ -663,6 +663,37 @@ def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
     print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", ["e4m3", "e5m2"])
+def test_backward_casts_saturate(fp8_dtype):
+    """The backward's P and dS casts (no clamp of their own) are per_tensor.quantize bit for bit
+    on the GPU: round to nearest even, values beyond the format's largest (inf included)
+    saturate to it, NaN stays NaN."""
+    import triton
+    import triton.language as tl
+
+    from graphquant.formats import per_tensor
+    from graphquant.kernels import triton_attention_backward
+
+    @triton.jit
+    def cast(X, Y, scale, CODE: tl.constexpr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, triton_attention_backward._cast(tl.load(X + offs), scale, CODE))
+
+    big, tie = (448.0, 464.0) if fp8_dtype == "e4m3" else (57344.0, 61440.0)  # the largest, and halfway past it
+    scaled = [0.0, -0.0, 1.0, -1.0, big, -big, big * 1.03, tie, -tie, tie * 1.001, big * 1.2, -big * 1.2, 1e30, -1e30,
+              math.inf, -math.inf, math.nan, 2.0**-9, 3 * 2.0**-10, 2.0**-16, 2.0**-17, 3 * 2.0**-18]
+    scale = torch.tensor(2.0)  # the values above after the product: halving them is exact
+    x = torch.cat([torch.tensor(scaled) / 2, torch.randn(2048 - len(scaled), generator=torch.Generator().manual_seed(0)) * big / 4])
+    expected = per_tensor.quantize(x, scale, fp8_dtype, transpose=False)
+    got = torch.empty(x.shape, dtype=expected.dtype, device="cuda")
+    cast[(1,)](x.cuda(), got, scale.item(), triton_attention_backward.CODES[fp8_dtype], x.numel())
+    got, nan = got.cpu(), x.isnan()
+    wrong = got.view(torch.uint8)[~nan] != expected.view(torch.uint8)[~nan]
+    assert not wrong.any(), f"{fp8_dtype}: {x[~nan][wrong].tolist()[:8]} cast to {got[~nan][wrong].float().tolist()[:8]}, not {expected[~nan][wrong].float().tolist()[:8]}"
+    assert got[nan].float().isnan().all()
+
+
 # Backward configurations the tuning sweep may pick (block_m, block_n, warps, stages).
 GPU_BACKWARD_CONFIGS = [(64, 64, 8, 2), (32, 128, 8, 2), (128, 64, 8, 3), (128, 128, 16, 2)]
 
