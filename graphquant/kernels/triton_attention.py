@@ -62,12 +62,12 @@ class ForwardConfig:
     pv_promotion: Optional[int] = 128
 
     def __post_init__(self) -> None:
-        tiles = (16, 32, 64, 128, 256)
+        rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
         promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, 128))
-        if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
+        if self.block_m not in rows or self.block_n not in keys or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
             raise ValueError(
-                f"FP8 flash attention: {self!r} is not a configuration: block_m and block_n one of {tiles}, num_warps 4, 8 "
-                "or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
+                f"FP8 flash attention: {self!r} is not a configuration: block_m one of {rows}, block_n one of {keys}, "
+                "num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
             )
 
 
