@@ -93,15 +93,17 @@ def _key_tiles(
         else:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = offs_n[None, :] < seq_k
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None])
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
+        # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
