@@ -17,9 +17,9 @@ once, in five products:
     dQ      += dp(dS) @ K                       (added into a zeroed fp32 dQ by atomic adds: many key tiles share a query tile)
 
 dK and dV stay in the program's registers; dQ's tiles arrive from every key tile of the row in
-no fixed order, so dQ's last bits may differ from run to run (within the bound the tests check:
-each tile's product is scaled once and added in fp32, in whatever order, as many additions as
-before).
+no fixed order, so dQ's last bits may differ from run to run, within the bound the tests check:
+each key tile's product is scaled once and added in fp32, in some order, which rounds no more
+often than a sequential sum of the tiles scaled at the end.
 
 Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma takes only those),
 so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in registers, is
