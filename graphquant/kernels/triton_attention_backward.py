@@ -18,8 +18,8 @@ once, in five products:
 
 dK and dV stay in the program's registers; dQ's tiles arrive from every key tile of the row in
 no fixed order, so dQ's last bits may differ from run to run, within the bound the tests check:
-each key tile's product is scaled once and added in fp32, in some order, which rounds no more
-often than a sequential sum of the tiles scaled at the end.
+each key tile's product is scaled once and added in fp32, in some order, so n tiles' sum is
+within n fp32 roundings of their absolute sum, as a sequential sum scaled at the end is.
 
 Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma takes only those),
 so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in registers, is
