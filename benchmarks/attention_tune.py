@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--masks", default="full,causal")
     parser.add_argument("--block-m", default="64,128")
     parser.add_argument("--block-n", default="64,128")
-    parser.add_argument("--warps", default=None, help="forward 8; backward 8")
+    parser.add_argument("--warps", default="8")
     parser.add_argument("--stages", default=None, help="forward 2,3,4; backward 2,3")
     parser.add_argument("--warp-specialize", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
@@ -125,7 +125,6 @@ def main() -> None:
     args = parser.parse_args()
     backward = args.which == "bwd"
     args.stages = args.stages or ("2,3" if backward else "2,3,4")
-    args.warps = args.warps or "8"
     grid = backward_configs(args) if backward else forward_configs(args)
     default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIG
     if default not in grid:
