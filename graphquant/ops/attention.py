@@ -170,7 +170,7 @@ class QuantizedAttention(torch.autograd.Function):
             site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h
         )
         dq = dq.view(b, h, lq, d)
-        dk, dv_ = (x.view(b, h // ctx.groups, ctx.groups, lk, x.shape[-1]).sum(2) for x in (dk, dv_))
+        dk, dv_ = (_summed_over_groups(x, b, h, ctx.groups, lk) for x in (dk, dv_))
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None, None
 
 
@@ -222,7 +222,7 @@ class FlashAttention(torch.autograd.Function):
         if site.backward_backend.name == backends.FLASH_ATTENTION:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state)
-            dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
+            dk, dv = (_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
             return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
@@ -240,8 +240,16 @@ class FlashAttention(torch.autograd.Function):
             site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
         )
         dq = dq.view(q_shape)
-        dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
+        dk, dv = (_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+
+
+def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int) -> torch.Tensor:
+    """dK or dV per query head (b * h * lk rows of D, any shape) as (b, h // groups, lk, D): summed
+    over each key/value head's group of query heads, in fp32 as given; a view where each group is
+    one head (a sum over one would only copy)."""
+    grad = grad.view(b, h // groups, groups, lk, grad.shape[-1])
+    return grad.squeeze(2) if groups == 1 else grad.sum(2)
 
 
 @registry.op("flash_attention")
