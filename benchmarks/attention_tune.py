@@ -7,7 +7,7 @@ default forward before it, beside cuDNN's forward + backward).
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
         [--pv-promotion tile,none] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--tiles 64x64,64x128,32x128,128x64] [--warps 8]
-        [--stages 2,3] ...
+        [--stages 2,3] [--stagger 0] ...
 
 The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, warp
 specialization); ``--warps 4,8 --warp-specialize 0,1`` sweeps them again (96 configurations take
@@ -75,8 +75,10 @@ def forward_configs(args) -> list[ForwardConfig]:
 def backward_configs(args) -> list[BackwardConfig]:
     """The backward grid's configurations: (query rows, keys) of the program's tiles."""
     return [
-        BackwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-        for (block_m, block_n), warps, stages in itertools.product(_tiles(args.tiles), _ints(args.warps), _ints(args.stages))
+        BackwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, stagger=bool(stagger))
+        for (block_m, block_n), warps, stages, stagger in itertools.product(
+            _tiles(args.tiles), _ints(args.warps), _ints(args.stages), _ints(args.stagger)
+        )
     ]
 
 
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--warp-specialize", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
     parser.add_argument("--tiles", default="64x64,64x128,32x128,128x64", help="the backward's tiles, query rows x keys")
+    parser.add_argument("--stagger", default="0", help="the backward's stagger, 0 and/or 1")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the configurations")
     parser.add_argument("--reps", type=int, default=3, help="timed samples per configuration and case")
     args = parser.parse_args()

@@ -645,12 +645,14 @@ def test_backward_kernel_under_the_interpreter():
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
     that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
     small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
-    the key tiles, so the causal diagonal crosses them both ways)."""
+    the key tiles, so the causal diagonal crosses them both ways, and each program starting its
+    walk at another query tile)."""
     pytest.importorskip("triton")
     default = {}
-    tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64}
+    tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
-              (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide)]
+              (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
+              (1, 2, 2, 150, 150, 64, False, wide)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -696,21 +698,24 @@ def test_backward_casts_saturate(fp8_dtype):
     assert got[nan].float().isnan().all()
 
 
-# Backward configurations the tuning sweep may pick (block_m, block_n, warps, stages).
-GPU_BACKWARD_CONFIGS = [(64, 64, 8, 2), (32, 128, 8, 2), (128, 64, 8, 3), (32, 64, 4, 3)]
+# Backward configurations the tuning sweep may pick (triton_attention_backward.BackwardConfig's fields).
+GPU_BACKWARD_CONFIGS = [
+    {"block_m": 64, "block_n": 64, "num_stages": 2},
+    {"block_m": 32, "block_n": 128, "num_stages": 2},
+    {"block_m": 128, "block_n": 64, "num_stages": 2},
+    {"block_m": 64, "block_n": 128, "num_stages": 4, "stagger": True},
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("tiles", GPU_BACKWARD_CONFIGS, ids=[f"m{m}-n{n}-w{w}-s{s}" for m, n, w, s in GPU_BACKWARD_CONFIGS])
-def test_backward_configurations_against_the_emulation(tiles, causal, monkeypatch):
+@pytest.mark.parametrize("fields", GPU_BACKWARD_CONFIGS, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in GPU_BACKWARD_CONFIGS])
+def test_backward_configurations_against_the_emulation(fields, causal, monkeypatch):
     """``check_backward_against_the_emulation`` in other configurations than the default, grouped
     heads, lengths that do not tile."""
     from graphquant.kernels import triton_attention_backward
 
-    m, n, warps, stages = tiles
-    config = triton_attention_backward.BackwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages)
-    monkeypatch.setattr(triton_attention_backward, "DEFAULT_CONFIG", config)
+    monkeypatch.setattr(triton_attention_backward, "DEFAULT_CONFIG", triton_attention_backward.BackwardConfig(**fields))
     print(check_backward_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda"))
 
 

@@ -48,12 +48,15 @@ class BackwardConfig:
     query rows block_m at a time in num_stages pipeline stages, on num_warps warps. Each tile is
     the depth of a product the tensor cores sum in their narrow accumulator (dK and dV over
     block_m rows, dQ over block_n keys), so at most 128, the depth the tests' bound covers, and
-    at least 32, one FP8 wgmma's."""
+    at least 32, one FP8 wgmma's. stagger: each program starts its walk of the query tiles that
+    see all its keys at a different one (its key tile's index, wrapping around), so that the
+    programs of one head do not add into the same dQ tile at the same moment."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         tiles = (32, 64, 128)
@@ -64,6 +67,7 @@ class BackwardConfig:
             )
 
 
+# The H200's best of benchmarks/attention_tune.py --pass bwd at head dim 128 (NOTES.md).
 DEFAULT_CONFIG = BackwardConfig()
 CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
@@ -128,7 +132,7 @@ def _query_tiles(
 def _backward_kernel(
     Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -164,11 +168,20 @@ def _backward_kernel(
         dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
         qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
     )
+    # The tiles every row of which sees all the keys: [split, seq_q), then (STAGGER) [unmasked, split).
+    unmasked = lo + tl.cdiv(masked_end - lo, BLOCK_M) * BLOCK_M
+    split = unmasked
+    if STAGGER:
+        split += (tl.program_id(0) * BLOCK_M) % tl.maximum(tl.cdiv(seq_q - unmasked, BLOCK_M) * BLOCK_M, 1)
     dk, dv, ds_amax = _query_tiles(
-        dk, dv, ds_amax, k, v, kt, offs_n, lo + tl.cdiv(masked_end - lo, BLOCK_M) * BLOCK_M, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ,
-        bh, seq_q, seq_k, qt_stride, offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL,
-        P_CODE, DS_CODE,
+        dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
     )
+    if STAGGER:
+        dk, dv, ds_amax = _query_tiles(
+            dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+            qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
+        )
 
     out = (bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
@@ -203,7 +216,7 @@ def backward(
     c = config or DEFAULT_CONFIG
     _backward_kernel[(triton.cdiv(seq_k, c.block_n), b * heads)](
         q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
-        heads, heads // kv_heads, head_dim, causal, c.block_m, c.block_n,
+        heads, heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
