@@ -694,8 +694,8 @@ def test_backward_casts_saturate(fp8_dtype):
     cast[(1,)](x.cuda(), got, scale.item(), triton_attention_backward.CODES[fp8_dtype], x.numel())
     got, nan = got.cpu(), x.isnan()
     wrong = got.view(torch.uint8)[~nan] != expected.view(torch.uint8)[~nan]
-    assert not wrong.any(), f"{fp8_dtype}: {x[~nan][wrong].tolist()[:8]} cast to {got[~nan][wrong].float().tolist()[:8]}, not {expected[~nan][wrong].float().tolist()[:8]}"
-    assert got[nan].float().isnan().all()
+    assert not wrong.any(), f"{fp8_dtype}: {x[~nan][wrong].tolist()[:8]} cast to {got.float()[~nan][wrong].tolist()[:8]}, not {expected.float()[~nan][wrong].tolist()[:8]}"
+    assert got.float()[nan].isnan().all()
 
 
 # Backward configurations the tuning sweep may pick (triton_attention_backward.BackwardConfig's fields).
