@@ -642,7 +642,8 @@ def test_backward_reference_against_the_emulation(emulated_kernel, shape):
 
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
-    (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
+    (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads (2 and 4
+    query heads a key/value head's program walks), lengths
     that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
     small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
     the key tiles, so the causal diagonal crosses them both ways, and each program starting its
@@ -652,7 +653,7 @@ def test_backward_kernel_under_the_interpreter():
     tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
               (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
-              (1, 2, 2, 150, 150, 64, False, wide)]
+              (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)

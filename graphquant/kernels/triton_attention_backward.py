@@ -25,9 +25,9 @@ Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma t
 so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in registers, is
 transposed there. Each product sums one tile (at most 128 deep) in the tensor cores' accumulator
 and adds it into fp32 (as the forward's PV). The program records the largest |dS| it saw (what
-the dp slot's delayed scaling records). dK and dV are written per query head in fp32
-(grouped-query attention sums them over the group after). Causal masks are aligned top left, as
-the forward's.
+the dp slot's delayed scaling records). Under grouped-query attention a program walks the query
+tiles of every query head of its key/value head, so dK and dV come out summed over the group, in
+fp32. Causal masks are aligned top left, as the forward's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.kernels.triton_attention import kv_head, logit_scale
+from graphquant.kernels.triton_attention import logit_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +131,11 @@ def _query_tiles(
 @triton.jit
 def _backward_kernel(
     Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
-    HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
-    kv_bh = kv_head(bh, HEADS, GROUPS)
+    kv_bh = tl.program_id(1).to(tl.int64)  # (batch, key/value head): its query heads are kv_bh * GROUPS + g
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
@@ -164,26 +163,28 @@ def _backward_kernel(
     if start_n + BLOCK_N > seq_k:
         masked_end = seq_q
     masked_end = tl.maximum(tl.minimum(masked_end, seq_q), lo)
-    dk, dv, ds_amax = _query_tiles(
-        dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
-        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
-    )
     # The tiles every row of which sees all the keys: [split, seq_q), then (STAGGER) [unmasked, split).
     unmasked = lo + tl.cdiv(masked_end - lo, BLOCK_M) * BLOCK_M
     split = unmasked
     if STAGGER:
         split += (tl.program_id(0) * BLOCK_M) % tl.maximum(tl.cdiv(seq_q - unmasked, BLOCK_M) * BLOCK_M, 1)
-    dk, dv, ds_amax = _query_tiles(
-        dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
-        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
-    )
-    if STAGGER:
+    for g in range(GROUPS):  # the key/value head's query heads add into one dK and dV
+        bh = kv_bh * GROUPS + g
         dk, dv, ds_amax = _query_tiles(
-            dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+            dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+            qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
+        )
+        dk, dv, ds_amax = _query_tiles(
+            dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
             qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
         )
+        if STAGGER:
+            dk, dv, ds_amax = _query_tiles(
+                dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride,
+                offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
+            )
 
-    out = (bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+    out = (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
     tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
     tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
@@ -194,7 +195,7 @@ def backward(
     do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
     softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, config: Optional[BackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ (batch, heads, Lq, D), dK and dV per query head (batch, heads, Lk, D), all fp32, and the
+    """(dQ (batch, heads, Lq, D), dK and dV (batch, kv heads, Lk, D), all fp32, and the
     amax of dS (0-dim fp32)) of FP8 codes q (batch, heads, Lq, D) and its transpose qt (D, batch *
     heads * Lq), k and v (batch, kv heads, Lk, D), kt (D, batch * kv heads * Lk), do (as q) in
     its own format and dot (as qt); lse the forward's natural-log logsumexp and delta rowsum(dO *
@@ -203,20 +204,20 @@ def backward(
     ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    if k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
+    if heads % kv_heads or k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
         raise ValueError(
             f"FP8 flash attention backward: q {tuple(q.shape)}, qt {tuple(qt.shape)}, k {tuple(k.shape)}, kt {tuple(kt.shape)}, "
             f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
         )
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dk = torch.empty((b, heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
+    dk = torch.empty((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
     c = config or DEFAULT_CONFIG
-    _backward_kernel[(triton.cdiv(seq_k, c.block_n), b * heads)](
+    _backward_kernel[(triton.cdiv(seq_k, c.block_n), b * kv_heads)](
         q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
-        heads, heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
+        heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
