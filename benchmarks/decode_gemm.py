@@ -1,8 +1,10 @@
-"""Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear and torch._scaled_mm.
+"""Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
+for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
     python benchmarks/decode_gemm.py
 
-For each weight N x K of a Llama-3-8B FFN and each row count M, every row is measured in the same
+For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
+GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
 timed). Each function is replayed from a CUDA graph of CALLS calls, so the times are the GPU's,
 not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
@@ -21,11 +23,16 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
-from graphquant.kernels import scaled_mm, triton_decode  # noqa: E402
+from graphquant.kernels import backends, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
+EMULATION = backends.GemmBackend(backends.EMULATION)
+TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
+BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
+MXFP8_ONE_ROW = triton_decode.DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
+
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
-ROWS = [1, 16]
+ROWS = [1, 16, 64]
 CALLS = 20
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
@@ -62,10 +69,23 @@ def main() -> None:
             fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
             weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
             for name, (qa, qb) in FORMATS.items():
+                if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
+                    continue
                 a = qa(x, columnwise=False).get(ROWWISE)
                 b = qb(w, columnwise=False).get(ROWWISE)
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
+                if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
+                    fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
+                    weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
+                    alternatives = {}
+                    if m == 1:  # NVFP4's default there is the FMA units', MXFP8's the tensor cores'
+                        alternatives["fma" if name == "mxfp8" else "tensor cores"] = MXFP8_ONE_ROW if name == "mxfp8" else TENSOR_CORES
+                    if name == "mxfp8" and m <= 16:
+                        alternatives["block sums"] = BLOCK_SUMS
+                    for label, config in alternatives.items():
+                        fns[f"decode {name} ({label})"] = lambda a=a, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
+                        weight_bytes[f"decode {name} ({label})"] = weight_bytes[f"decode {name}"]
             replays, failed = {}, {}
             for name, fn in fns.items():
                 try:
@@ -80,6 +100,7 @@ def main() -> None:
                     continue
                 us = times[name] * 1e3 / CALLS
                 rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", ""])
+                print(*rows[-1][:-1], sep="  ", flush=True)  # as it goes, should the run be cut short
     print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
 
 

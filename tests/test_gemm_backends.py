@@ -57,7 +57,7 @@ def _reference(a, b):
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
 def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation):
     torch.manual_seed(0)
-    m, n, k = 256, 384, 512
+    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes (tests/test_triton_decode.py)
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -105,13 +105,13 @@ def test_1x128_scales_need_no_relayout_for_the_blockwise_gemm(direction):
 @pytest.mark.parametrize("fast_accumulation", [False, True])
 def test_fast_accumulation_is_the_callers_choice_for_per_tensor_and_per_row_fp8(monkeypatch, fast_accumulation):
     """On a Hopper (capability faked), any GEMM direction takes fast accumulation exactly when asked,
-    except FP8 block GEMMs, which cuBLAS always promotes."""
+    except FP8 block GEMMs, which cuBLAS always promotes (at more rows than the decode GEMM takes)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     backends.select.cache_clear()
     try:
         for _, qa, qb, expected in PAIRS:
             for _, da, db in LAYOUTS:
-                backend = backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512), 1, fast_accumulation).backend
+                backend = backends.select(qa, da, qb, db, torch.device("cuda"), (512, 384, 512), 1, fast_accumulation).backend
                 may = expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED)
                 assert backend == backends.GemmBackend(expected, fast_accumulation and may)
     finally:
@@ -128,7 +128,8 @@ def test_planner_choices_on_cpu_are_emulated_except_high_precision():
 
 
 # (capability, A's quantizer and direction, B's, the backend chosen): the element and layout rules
-# of each native GEMM, on the capabilities that have it and on one that does not.
+# of each native GEMM, on the capabilities that have it and on one that does not, at more rows
+# than the decode GEMM takes (tests/test_triton_decode.py checks its rules).
 CAPABILITY_CASES = [
     ((9, 0), Float8CurrentScalingQuantizer("e5m2"), ROWWISE, Float8CurrentScalingQuantizer("e5m2"), ROWWISE, backends.EMULATION),
     ((8, 9), Float8CurrentScalingQuantizer("e4m3"), ROWWISE, Float8CurrentScalingQuantizer("e4m3"), ROWWISE, backends.EMULATION),
@@ -153,7 +154,7 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     backends.select.cache_clear()
     try:
-        assert backends.select(qa, da, qb, db, torch.device("cuda"), (256, 384, 512)).backend.name == expected
+        assert backends.select(qa, da, qb, db, torch.device("cuda"), (512, 384, 512)).backend.name == expected
     finally:
         backends.select.cache_clear()
 
@@ -211,7 +212,7 @@ def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
     """A linear's bias goes into the GEMM (cuBLASLt's epilogue where the call allows): bf16 out of
     the fp32 product plus the bias, rounded once, within the accumulation bound of the reference."""
     torch.manual_seed(0)
-    m, n, k = 256, 384, 512
+    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes
     a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
     bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
     backend = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend

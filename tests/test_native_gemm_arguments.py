@@ -6,6 +6,8 @@ the reduction dim contiguous in both operands, scale dtypes, shapes, strides and
 and returns the product those arguments describe, computed in float64. A small model then trains
 one step under every built-in recipe: each native GEMM the plan lists must reach the stand-in with
 valid arguments that describe the product of the two representations, and no other GEMM may.
+The decode GEMM (Triton's, which takes MXFP8 and NVFP4 at these rows) runs the emulated product
+in its place here; tests/test_triton_decode.py checks it.
 """
 
 import collections
@@ -20,7 +22,7 @@ from torch import nn
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, native, scaled_mm
+from graphquant.kernels import backends, emulation, native, scaled_mm
 from graphquant.formats import nvfp4
 
 # What torch._scaled_mm runs on each capability graphquant claims (torch's own tests: per-tensor
@@ -194,6 +196,8 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
         monkeypatch.setattr(native, "extension", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
+        if backends.triton_decode is not None:
+            monkeypatch.setattr(backends.triton_decode, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
         backends.clear_caches()
         return calls
 
@@ -213,7 +217,8 @@ def test_every_native_gemm_gets_arguments_its_gemm_takes(fake_gpu, sm, recipe):
 
     plan = compiled.graphquant.plan
     native = [g.backend.name for g in plan.gemms if g.bucket == backends.NATIVE]
-    planned = collections.Counter(b for b in native if b != backends.HIGH_PRECISION)
+    decode = [gemm.backend for gemm in backends.DECODE_GEMMS]
+    planned = collections.Counter(b for b in native if b not in (backends.HIGH_PRECISION, *decode))
     assert set(planned) <= GRAPHQUANT_RUNS[sm], f"planned {set(planned)} on sm_{sm[0]}{sm[1]}\n{plan}"
     assert collections.Counter(backend for backend, *_ in calls) == planned, f"plan and run disagree\n{plan}"
     if recipe in ONE_FORMAT and ONE_FORMAT[recipe] in GRAPHQUANT_RUNS[sm]:

@@ -1,7 +1,7 @@
 """The decode GEMM (graphquant.kernels.triton_decode): every format's product at 1 to 16 rows
-equals the float64 product of the dequantized operands within fp32 accumulation (FP8 products:
-within the promoted FP8 accumulation of the tensor cores), and the planner picks it for a static
-m <= 16.
+(MXFP8 and NVFP4: to 64) equals the float64 product of the dequantized operands within fp32
+accumulation (FP8 products: within the promoted FP8 accumulation of the tensor cores), with every
+tiling (DecodeConfig), and the planner picks it for a static m up to those rows.
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own (TRITON_INTERPRET
 must be set before Triton is first imported); on a GPU at the shapes of a Llama-3-8B FFN.
@@ -43,10 +43,13 @@ PAIRS = {
 U = 2.0**-24
 
 
-def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.dtype, device: str, gemm: str = "fprop") -> float:
+def excess(
+    name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.dtype, device: str, gemm: str = "fprop", config=None
+) -> float:
     """How far the decode GEMM's out (m, n) exceeds its bound (<= 0: within it), through
-    backends.gemm, which must have chosen it; in a fprop (the weight's rowwise representation)
-    or a dgrad (its columnwise one, stored transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
+    backends.gemm, which must have chosen it (or, given a ``config``, called with that tiling);
+    in a fprop (the weight's rowwise representation) or a dgrad (its columnwise one, stored
+    transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
     rounding of each dequantized reference operand, the factors' product and its product with the
     sum ((K + 3) u sum|a b|), the bias's addition (u |out|) and the rounding to out_dtype; FP8
     products on the GPU add the tensor cores' 2^-9 sum|a b|."""
@@ -60,7 +63,9 @@ def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.
     a = qa(x, rowwise=True, columnwise=False).get(ROWWISE)
     b = qb(w if gemm == "fprop" else w.t().contiguous(), rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE).get(direction)
     bias = (torch.randn(n) * 4).to(device, torch.bfloat16) if with_bias else None
-    if device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
+    if config is not None:
+        out = triton_decode.gemm(a, b, out_dtype, bias, config)
+    elif device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
         selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
         assert selection.backend == GemmBackend(triton_decode.BACKEND), selection
         out = backends.gemm(a, b, 1, out_dtype, selection.backend, f"{name} {gemm}", bias)[0]
@@ -81,15 +86,26 @@ def excess(name: str, m: int, n: int, k: int, with_bias: bool, out_dtype: torch.
 
 # (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
 # a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
-# dgrad. fp32 out only: the interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
+# dgrad; for MXFP8 and NVFP4, 40 rows (three tiles of rows, the last partial). fp32 out only: the
+# interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
 INTERPRETED = [
     (1, 96, 1024, False, torch.float32, "fprop"),
     (3, 40, 224, True, torch.float32, "fprop"),
     (16, 72, 640, True, torch.float32, "fprop"),
     (2, 256, 640, False, torch.float32, "dgrad"),
+    (40, 72, 640, True, torch.float32, "fprop"),
 ]
 # MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
 DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
+# The pairs that the decode GEMM dequantizes (MXFP8, NVFP4), the others' codes going to the FP8 tensor cores.
+DEQUANTIZED_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, (MXFP8Quantizer, NVFP4Quantizer))]
+
+
+def _max_rows(name: str) -> int:
+    from graphquant.kernels import triton_decode
+
+    qa, qb = PAIRS[name]
+    return triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]
 
 
 def _interpreted_id(case) -> str:
@@ -98,7 +114,30 @@ def _interpreted_id(case) -> str:
 
 
 def _interpreted_cases():
-    return [(name, case) for name in PAIRS for case in INTERPRETED if case[-1] == "fprop" or name in DGRAD_PAIRS]
+    return [
+        (name, case)
+        for name in PAIRS
+        for case in INTERPRETED
+        if (case[-1] == "fprop" or name in DGRAD_PAIRS) and (case[0] <= 16 or name in DEQUANTIZED_PAIRS)
+    ]
+
+
+def _configs() -> dict:
+    """The tilings other than the default that each dequantized pair is also tested with, by name
+    (tl.dot_scaled's only on the GPU: Triton's interpreter has no tl.dot_scaled)."""
+    from graphquant.kernels.triton_decode import DecodeConfig
+
+    return {
+        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 4, fma=True)},
+        "nvfp4 x nvfp4 2d": {"scale gather": DecodeConfig(block_k=128, scale_gather=True), "fma": DecodeConfig(16, 128, 4, fma=True)},
+        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 4, fma=True)},
+    }
+
+
+def _config_cases():
+    """(pair, tiling's name, case): one row, K split; three rows, a partial tile of them; with a bias."""
+    cases = [(1, 96, 1024, False, torch.float32, "fprop"), (3, 40, 640, True, torch.float32, "fprop")]
+    return [(name, config, case) for name, configs in _configs().items() for config in configs for case in cases]
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +152,46 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
     assert interpreted[f"{name} | {_interpreted_id(case)}"] <= 0
 
 
+@pytest.mark.parametrize(
+    "name,config,case",
+    [("mxfp8", c, case) for c in ("block sums", "fma") for case in ("1x96x1024", "3x40x640")]
+    + [("nvfp4 x nvfp4 2d", c, case) for c in ("scale gather", "fma") for case in ("1x96x1024", "3x40x640")]
+    + [("nvfp4 row-scaled x nvfp4", "fma", case) for case in ("1x96x1024", "3x40x640")],
+)
+def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
+    """MXFP8's block sums and NVFP4's scales loaded per byte (tensor cores), and both on the FMA units."""
+    assert interpreted[f"{name} | {config} | {case}"] <= 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("m", [1, 2, 16, 40, 64])
 @pytest.mark.parametrize("name", PAIRS)
 def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
-    """At the shape of a Llama-3-8B FFN's down projection (K split across programs)."""
+    """At the shape of a Llama-3-8B FFN's down projection (K split across programs), up to the
+    pair's most rows."""
+    if m > _max_rows(name):
+        pytest.skip(f"the decode GEMM takes at most {_max_rows(name)} rows of {name}")
     assert excess(name, m, 4096, 14336, with_bias, torch.bfloat16, "cuda") <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("name,config", [(name, config) for name, configs in {
+    "mxfp8": ("block sums", "dot scaled", "fma"), "nvfp4 x nvfp4 2d": ("scale gather", "fma")}.items() for config in configs])
+def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
+    """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's shape."""
+    from graphquant.kernels.triton_decode import DecodeConfig
+
+    tiling = {
+        "block sums": DecodeConfig(mx_products="block sums"),
+        "dot scaled": DecodeConfig(mx_products="dot scaled"),
+        "scale gather": DecodeConfig(scale_gather=True),
+        "fma": DecodeConfig(32, 256 // min(m, 4), min(m, 4), fma=True, tiles_per_sm=4),
+    }[config]
+    if tiling.fma and m > 4:
+        pytest.skip("the FMA units multiply at most a few rows")
+    assert excess(name, m, 4096, 14336, True, torch.bfloat16, "cuda", config=tiling) <= 0
 
 
 @pytest.mark.gpu
@@ -142,6 +214,42 @@ def test_decode_gemm_gives_the_same_bits_every_run():
     assert torch.equal(first, triton_decode.gemm(a, b, torch.float32))
 
 
+def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
+    """The kernel compiled for Hopper (on any machine: Triton compiles without a GPU) copies the
+    weight's codes 16 bytes at a time, asynchronously: every split of K starts at a column the
+    compiler knows to be aligned. A split length it cannot see turns every load into a byte load,
+    at a quarter of the speed."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphquant.kernels import triton_decode
+
+    kernel = triton_decode._decode_kernel
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
+    constants = dict(
+        CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.FP8_CODES, VALUES=triton.language.bfloat16, SCALE_COLS=0,
+        A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=1.0, B_FACTOR=1, B_DIVISOR=1.0, SPLIT=True,
+        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+    )
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
+        else:  # an int: Triton specializes those divisible by 16 unless told not to
+            signature[name] = "i32"
+            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+    )
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
 @pytest.fixture
 def hopper(monkeypatch):
     """backends.select on a CUDA device of capability 9.0 (faked), what it worked out forgotten around."""
@@ -154,17 +262,21 @@ def hopper(monkeypatch):
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_16(hopper, name):
+def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, name):
     """With or without the recipe's fast accumulation: the decode GEMM always promotes its sums
-    into fp32. A row count unknown to the plan (symbolic sizes) or above 16, or a batch of
-    products, goes elsewhere."""
+    into fp32. Its rows: 16 for FP8 codes (cuBLASLt's FP8 GEMM reads the weight as fast past one
+    tile of rows), 64 for MXFP8 and NVFP4 (dequantized per weight tile, ahead of the emulation's
+    whole-weight dequantize). A row count unknown to the plan (symbolic sizes) or above those, or
+    a batch of products, goes elsewhere."""
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
+    most = _max_rows(name)
+    assert most == (64 if name in DEQUANTIZED_PAIRS else 16)
     decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
-    for m in (1, 2, 16):
+    for m in (1, 2, 16, most):
         for fast in (False, True):
             assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
-    for dims in ((17, 4096, 4096), (None, 4096, 4096), None):
+    for dims in ((most + 1, 4096, 4096), (None, 4096, 4096), None):
         assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend.name != hopper.BACKEND
     assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
 
@@ -176,6 +288,20 @@ def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
     assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
 
 
+def test_a_decode_tiling_names_what_is_wrong_with_it():
+    pytest.importorskip("triton")
+    from graphquant.kernels.triton_decode import DecodeConfig
+
+    with pytest.raises(ValueError, match=r"block_n=48 is not a power of two; block_k=1024 is not from 32 to 512"):
+        DecodeConfig(block_n=48, block_k=1024)
+    with pytest.raises(ValueError, match=r"mx_products='sums' is not one of \('values', 'block sums', 'dot scaled'\)"):
+        DecodeConfig(mx_products="sums")
+    with pytest.raises(ValueError, match=r"the FMA units multiply at most 4 rows of A a program \(block_m=8\)"):
+        DecodeConfig(block_m=8, fma=True)
+    with pytest.raises(ValueError, match=r"the tensor cores multiply tiles of at least 16 rows \(block_n=64, block_m=4\)"):
+        DecodeConfig(block_m=4)
+
+
 def test_decode_gemm_names_what_it_cannot_take():
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
@@ -183,8 +309,11 @@ def test_decode_gemm_names_what_it_cannot_take():
     rowwise = Float8RowwiseQuantizer()
     a = rowwise(torch.randn(17, 128), columnwise=False).get(ROWWISE)
     b = rowwise(torch.randn(64, 128), columnwise=False).get(ROWWISE)
-    with pytest.raises(ValueError, match=r"at most 16 rows of A; got A of 17 rows"):
+    with pytest.raises(ValueError, match=r"at most 16 rows of A for fp8_rowwise x fp8_rowwise; got A of 17 rows"):
         triton_decode.gemm(a, b, torch.bfloat16)
+    one_row = rowwise(torch.randn(1, 128), columnwise=False).get(ROWWISE)
+    with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only"):
+        triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(block_m=1, fma=True))
     mx = MXFP8Quantizer()
     a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     b = mx(torch.randn(128, 64)).get(COLUMNWISE)
@@ -193,7 +322,11 @@ def test_decode_gemm_names_what_it_cannot_take():
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
+    triton_interpreter.accept_numpy_scalars()
     results = {
         f"{name} | {_interpreted_id(case)}": excess(name, *case[:-1], "cpu", case[-1]) for name, case in _interpreted_cases()
     }
+    for name, config, case in _config_cases():
+        key = f"{name} | {config} | {_interpreted_id(case).split()[1]}"
+        results[key] = excess(name, *case[:-1], "cpu", case[-1], _configs()[name][config])
     print(json.dumps(results))

@@ -5,7 +5,7 @@ direction) into native / emulated / rejected and names the backend, a GemmBacken
 shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
 it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice), and Triton's decode GEMM for at most 16 rows (graphquant.kernels.triton_decode). The
+choice), and Triton's decode GEMM for few rows (graphquant.kernels.triton_decode). The
 emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
 every pair the planner admits, on any device.
 """
@@ -107,8 +107,9 @@ class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
     element encodings it multiplies, the multiple every one of m, n and k must be, the compute
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
-    accumulation), and for a skinny GEMM the most rows of A it takes (m, known when the plan is
-    made), both operands stored with the reduction dim last."""
+    accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
+    rows) for each pair (m, known when the plan is made), both operands stored with the
+    reduction dim last."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -116,7 +117,7 @@ class NativeGemm(NamedTuple):
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
     fast_accumulation: bool = False
-    max_rows: Optional[int] = None
+    max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -124,9 +125,10 @@ class NativeGemm(NamedTuple):
             return False
         return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
 
-    def misfit(self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True) -> str:
-        """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k), both operands stored
-        with the reduction dim last or not (``k_last``), or "" where it can. A dim may be None
+    def misfit(self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", "")) -> str:
+        """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k) of operands of
+        ``families`` (GemmInput.family of A and B), both stored with the reduction dim last or
+        not (``k_last``), or "" where it can. A dim may be None
         (unknown: not tested, except m by a skinny GEMM, which needs it known) or a torch.SymInt,
         whose test becomes a guard of the graph being compiled, so that a size that fails it
         compiles (and plans) a graph of its own."""
@@ -136,8 +138,12 @@ class NativeGemm(NamedTuple):
             return f"{self.backend} needs m, n, k multiples of {self.multiple}; got {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
-            if not isinstance(m, int) or m > self.max_rows:
-                return f"{self.backend} multiplies at most {self.max_rows} rows of A, a number known when the plan is made"
+            most = dict(self.max_rows).get(tuple(families), 0)
+            if not isinstance(m, int) or m > most:
+                return (
+                    f"{self.backend} multiplies at most {most} rows of A for {families[0]} x {families[1]}, "
+                    "a number known when the plan is made"
+                )
             if not k_last:
                 return f"{self.backend} reads operands stored with the reduction dim last"
         return ""
@@ -145,29 +151,33 @@ class NativeGemm(NamedTuple):
 
 BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 
-# Triton's decode GEMM first, where Triton is installed, for at most 16 rows: the weight's bytes
-# are the whole cost there, and it reads them once, as stored (FP8 codes straight into the tensor
-# cores, which need sm89), at about twice bf16's speed and ahead of cuBLASLt's FP8 GEMMs at those
-# row counts (benchmarks/decode_gemm.py). It promotes FP8 sums into fp32 as cuBLASLt does without
-# fast accumulation and sums MXFP8's and NVFP4's exact products in fp32, so it has no fast
-# accumulation: a recipe that allows it gets the promoted sum here. It serves training GEMMs of
-# at most 16 rows too (fprop, dgrad).
+# Triton's decode GEMM, where Triton is installed, for few rows (triton_decode.MAX_ROWS: 16 for
+# FP8, more for MXFP8 and NVFP4, which it dequantizes per weight tile): the weight's bytes are most
+# of the cost there, and it reads them once, as stored (FP8 codes straight into the tensor cores,
+# which need sm89), at about twice bf16's speed and ahead of cuBLASLt's FP8 GEMMs at those row
+# counts (benchmarks/decode_gemm.py), but behind Blackwell's block-scaled tensor cores. It promotes
+# FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
+# products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
+# here. It serves training GEMMs of as many rows too (fprop, dgrad).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.BACKEND,
-        triton_decode.FAMILY_PAIRS,
+        frozenset(triton_decode.MAX_ROWS),
         triton_decode.ELEMENT_PAIRS,
         1,
         lambda sm: sm >= (8, 9),
         fast_accumulation=False,
-        max_rows=triton_decode.MAX_ROWS,
+        max_rows=tuple(triton_decode.MAX_ROWS.items()),
     ),
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
-# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
+# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
+# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
+    NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
+    NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
     *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
@@ -192,8 +202,6 @@ NATIVE_GEMMS = (
         128,
         lambda sm: sm[0] == 9,
     ),
-    NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
-    NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
 )
 
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
@@ -316,7 +324,7 @@ def select(
     misfits = []  # a pair may have several native GEMMs (cuBLASLt's, then the decode GEMM): the first that fits runs
     for native in NATIVE_GEMMS:
         if native.runs_on(sm) and native.takes(a_input, b_input):
-            misfit = native.misfit(dims or (), batch, k_last)
+            misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
             if not misfit:
                 return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation))
             misfits.append(misfit)
@@ -343,7 +351,8 @@ def select_symbolic(
     static = tuple(d if isinstance(d, int) else None for d in sizes)
     selection = select(a, a_direction, b, b_direction, device, static, batch, fast_accumulation)
     native = selection.backend.native
-    misfit = native.misfit(sizes, batch) if native is not None and None in static else ""
+    families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family) if native is not None else ("", "")
+    misfit = native.misfit(sizes, batch, True, families) if native is not None and None in static else ""
     return Selection(EMULATED, GemmBackend(EMULATION), misfit) if misfit else selection
 
 
@@ -362,7 +371,8 @@ def _refusal(
         return f"it does not run on {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
     if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
-    return native.misfit(dims, batch, _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction))
+    families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family)
+    return native.misfit(dims, batch, _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction), families)
 
 
 def clear_caches() -> None:

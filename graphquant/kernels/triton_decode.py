@@ -1,10 +1,11 @@
-"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for at most 16 rows of A, a Triton kernel that
-reads both quantized operands as they are stored, so the weight (B) crosses memory once.
+"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for few rows of A (MAX_ROWS), Triton kernels
+that read both quantized operands as they are stored, so the weight (B) crosses memory once.
 
-At decode sizes the product costs nothing beside reading the weight, so each program takes
-BLOCK_N rows of B against all of A's rows, and K is split across programs (each writes an fp32
-partial sum; a second kernel adds them in a fixed order), enough programs to keep every SM
-reading. How the tensor cores multiply depends on the layout family (GemmInput.family):
+At decode sizes the product costs little beside reading the weight, so each program takes
+BLOCK_N rows of B against a tile of A's rows (all of them, where they fit), and K is split across
+programs (each writes an fp32 partial sum; a second kernel adds them in a fixed order), enough
+programs to keep every SM reading. How it multiplies depends on the layout family
+(GemmInput.family) and the tiling (DecodeConfig):
 
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
   with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
@@ -12,11 +13,13 @@ reading. How the tensor cores multiply depends on the layout family (GemmInput.f
   before it joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with
   promotion (tests/test_gemm_backends.py's bound): within one 32-product step Hopper's FP8
   accumulator keeps about 14 bits, so each term may carry 2^-9 of relative error there.
-- MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales,
-  are exact in bf16 and fp16 respectively: both are dequantized in registers to those values and
-  multiplied on the tensor cores, whose products are exact, summed in fp32. Their result is the
-  emulated product's up to the order of fp32 accumulation: with u = 2^-24, |error| <=
-  (K + 3) u sum_k |a b| + u |out| before the output's rounding.
+- MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
+  (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
+  those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
+  (DecodeConfig.fma, a row or a few) dequantized into fp32 and multiplied on the FMA units. Their
+  result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+  |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
+  (DecodeConfig.mx_products) keep that while values and sums stay in fp32's normal range.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
@@ -25,6 +28,7 @@ output dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -37,9 +41,6 @@ from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_valu
 from graphquant.quantizers import Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
-
-# The most rows of A: one tile of rows (the tensor cores' smallest), so the weight is read once.
-MAX_ROWS = 16
 
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
 # every block scale's length, so that no block straddles two programs.
@@ -74,31 +75,97 @@ LAYOUTS = {
     "nvfp4_row_scaled": _Layout(F16_VALUES, (1, 16), ROW_FACTOR, True, _NVFP4_DIVISOR),
 }
 
-# The operand pairs (A's family, B's family) it multiplies: each recipe's activation x weight.
-# Both sides of a pair make the same kind of operand with block scales of the same length in K.
-FAMILY_PAIRS = frozenset(
-    {
-        ("fp8_tensorwise", "fp8_tensorwise"),
-        ("fp8_rowwise", "fp8_rowwise"),
-        ("fp8_block_1x128", "fp8_block_1x128"),
-        ("fp8_block_1x128", "fp8_block_128x128"),
-        ("mxfp8", "mxfp8"),
-        ("nvfp4", "nvfp4"),
-        ("nvfp4_row_scaled", "nvfp4"),
-    }
-)
+# The operand pairs (A's family, B's family) it multiplies, each recipe's activation x weight,
+# and the most rows of A it takes for each. Both sides of a pair make the same kind of operand
+# with block scales of the same length in K. FP8 codes go to the tensor cores as stored: past one
+# tile of rows (the tensor cores' smallest) cuBLASLt's FP8 GEMMs read the weight as fast.
+# MXFP8 and NVFP4 are dequantized per weight tile, a cost shared by every row of A, ahead of
+# dequantizing the whole weight for a bf16 GEMM (the emulation) up to DEQUANTIZING_ROWS rows.
+FP8_ROWS = 16
+DEQUANTIZING_ROWS = 64
+MAX_ROWS = {
+    ("fp8_tensorwise", "fp8_tensorwise"): FP8_ROWS,
+    ("fp8_rowwise", "fp8_rowwise"): FP8_ROWS,
+    ("fp8_block_1x128", "fp8_block_1x128"): FP8_ROWS,
+    ("fp8_block_1x128", "fp8_block_128x128"): FP8_ROWS,
+    ("mxfp8", "mxfp8"): DEQUANTIZING_ROWS,
+    ("nvfp4", "nvfp4"): DEQUANTIZING_ROWS,
+    ("nvfp4_row_scaled", "nvfp4"): DEQUANTIZING_ROWS,
+}
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
-# Tiles of the weight, each read whole per step; BLOCK_N 64 is one warpgroup's MMA of Hopper's.
-# The interpreter runs a kernel's logic, not its speed, so it takes the first alone.
-_CONFIGS = [
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-]
+MX_PRODUCTS = ("values", "block sums", "dot scaled")
+# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
+FMA_ROWS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How one decode GEMM call is tiled: BLOCK_N rows of the weight against BLOCK_M rows of A
+    per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
+    gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
+    times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"); and whether NVFP4's block scales
+    are loaded for every byte (scale_gather) rather than once a block and broadcast. ``fma``:
+    MXFP8 and NVFP4 multiplied on the FMA units (_fma_kernel), BLOCK_M rows of A (1 to 4) a
+    program, instead of the tensor cores."""
+
+    block_n: int = 64
+    block_k: int = 256
+    block_m: int = 16
+    warps: int = 4
+    stages: int = 3
+    tiles_per_sm: int = 2
+    mx_products: str = "values"
+    scale_gather: bool = False
+    fma: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = {"block_n": self.block_n, "block_k": self.block_k, "block_m": self.block_m, "warps": self.warps}
+        problems = [f"{name}={value} is not a power of two" for name, value in sizes.items() if value < 1 or value & (value - 1)]
+        if not 32 <= self.block_k <= K_CHUNK:
+            problems.append(f"block_k={self.block_k} is not from 32 to {K_CHUNK} (K is split at multiples of {K_CHUNK})")
+        if self.mx_products not in MX_PRODUCTS:
+            problems.append(f"mx_products={self.mx_products!r} is not one of {MX_PRODUCTS}")
+        if min(self.stages, self.tiles_per_sm) < 1:
+            problems.append("stages and tiles_per_sm must be at least 1")
+        if self.fma and self.block_m > FMA_ROWS:
+            problems.append(f"the FMA units multiply at most {FMA_ROWS} rows of A a program (block_m={self.block_m})")
+        if not self.fma and min(self.block_n, self.block_m) < 16:
+            problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
+        if problems:
+            raise ValueError(f"{self}: " + "; ".join(problems))
+
+
+_ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+# The weight tiles (BLOCK_N, BLOCK_K, warps, stages) Triton's autotuner picks from, per weight
+# shape on its first call, for a tile of 16 rows of A on the tensor cores; the interpreter runs a
+# kernel's logic, not its speed, and takes the first alone.
+AUTOTUNED_TILES = [(64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 4, 3)]
 if triton.knobs.runtime.interpret:
-    _CONFIGS = _CONFIGS[:1]
+    AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
+# Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
+# in registers keeps the ALUs busy, and more programs an SM hide their latency.
+AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
+# One row of NVFP4 on the FMA units: no MMA tile of 16 rows to decode and fill, no layout to
+# convert (MXFP8's conversions to fp32 cost more there than its tensor-core path).
+_NVFP4_ONE_ROW = DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
+
+
+def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
+    """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
+    BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
+    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (MXFP8, NVFP4) one tile of A's
+    rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
+    the wider accumulator needs."""
+    if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
+        return _NVFP4_ONE_ROW
+    if m <= 16:
+        return None
+    return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
+
 
 # Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
 _PROMOTE_EVERY = 32
@@ -127,6 +194,13 @@ def _block_scales(scale_ptr, row, rows, block, blocks, row_stride, col_stride, S
 
 
 @triton.jit
+def _e8m0_bytes(scale_ptr, row, rows, block, blocks, row_stride, col_stride):
+    """E8M0 scales of ``block`` for ``row`` as stored (bytes), 2^0 outside the operand."""
+    inside = (row < rows) & (block < blocks)
+    return tl.load(scale_ptr + row.to(tl.int64) * row_stride + block.to(tl.int64) * col_stride, mask=inside, other=127)
+
+
+@triton.jit
 def _broadcast(scale, SCALE_COLS: tl.constexpr):
     """(rows, blocks) scales repeated over each block's SCALE_COLS columns."""
     rows: tl.constexpr = scale.shape[0]
@@ -144,12 +218,18 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _nvfp4_bytes(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr):
+def _nvfp4_bytes(
+    data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, GATHER: tl.constexpr
+):
     """The BLOCK_K / 2 bytes of E2M1 code pairs from column k0 on (0 outside the operand), and
-    each byte's E4M3 block scale as an fp16 (exact)."""
+    each byte's E4M3 block scale as an fp16 (exact): loaded once a block and broadcast, or
+    (GATHER) loaded for every byte, each block's address repeated."""
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
     inside = (row < rows) & (byte < K // 2)
     codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
+    if GATHER:
+        scale = _block_scales(scale_ptr, row, rows, byte // 8, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
+        return codes, scale.to(tl.float16)
     block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
     scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
     return codes, _broadcast(scale.to(tl.float16), 8)
@@ -157,8 +237,10 @@ def _nvfp4_bytes(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride
 
 @triton.jit
 def _e2m1_values(codes, scale):
-    """E2M1 codes times their scale, fp16: at most 6 significant bits, exact."""
-    return e2m1_value_over_2_14(codes) * 16384.0 * scale
+    """E2M1 codes times their E4M3 scale times 2^-14 (which the code's fp16 carries), with one
+    multiply: at most 6 significant bits, none below 2^-24 (a scale's lowest is 2^-9, a code's
+    2^-1), at most 0.17, so exact in fp16. A product of two is 2^-28 times the true one."""
+    return e2m1_value_over_2_14(codes) * scale
 
 
 @triton.jit
@@ -194,74 +276,152 @@ def _finish(
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
 
 
-# M and has_bias stay runtime values (not specialized when 1), so that every row count and
-# both bias cases share one compiled kernel per format.
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "SPLIT_K", "OPERAND", "SCALE_COLS"])
-@triton.jit(do_not_specialize=["M", "has_bias"])
-def _decode_kernel(
-    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
-    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K,
-    OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+@triton.jit
+def _write(
+    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
 ):
-    """Program (i, s): the sums over K split s of BLOCK_N rows of B against all rows of A,
-    finished into out where K is not split, else written to partial[s]. The weight tile is the
-    dot's left operand (A's rows are the short side, the MMA's N)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.arange(0, BLOCK_M)[:, None]
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(0, K_PER_SPLIT, BLOCK_K):  # columns past K load as zeros
-        k0 = k_start + step
-        if OPERAND == 0:  # FP8_CODES
-            if SCALE_COLS == 0:
-                col = k0 + tl.arange(0, BLOCK_K)[None, :]
-                b = _codes(b_ptr, n, N, col, K, b_stride)
-                a = _codes(a_ptr, m, M, col, K, a_stride)
-                total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
-            else:  # each block's sum times its two scales joins the accumulator
-                for j in tl.static_range(BLOCK_K // SCALE_COLS):
-                    col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
-                    b = _codes(b_ptr, n, N, col, K, b_stride)
-                    a = _codes(a_ptr, m, M, col, K, a_stride)
-                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
-                    block = k0 // SCALE_COLS + j
-                    blocks = tl.cdiv(K, SCALE_COLS)
-                    b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, False)
-                    a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, False)
-                    total += block_sum * b_scale * tl.trans(a_scale)
-        elif OPERAND == 1:  # BF16_VALUES (MXFP8)
-            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
-            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
-            total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
-        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K)
-            total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
-            total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
-    m = tl.arange(0, BLOCK_M)[None, :]
-    if SPLIT_K == 1:
+    """A program's (BLOCK_N, BLOCK_M) sums: finished into out, or where K is SPLIT, its partial
+    sums written for _reduce_kernel."""
+    if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
     else:
         at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
 
 
-@triton.jit(do_not_specialize=["M", "has_bias"])
-def _reduce_kernel(
-    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N,
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
+# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
+# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
+# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
+def _decode_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
+    against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
+    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
+    MXFP8's products (the index
+    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
+    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
+    for every byte rather than broadcast."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
+        k0 = k_start + step
+        if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
+            col = k0 + tl.arange(0, BLOCK_K)[None, :]
+            b = _codes(b_ptr, n, N, col, K, b_stride)
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+            total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
+        elif OPERAND == 1 and MX == 2:
+            col = k0 + tl.arange(0, BLOCK_K)[None, :]
+            block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+            b = _codes(b_ptr, n, N, col, K, b_stride)
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+            b_scale = _e8m0_bytes(b_scale_ptr, n, N, block, tl.cdiv(K, 32), b_scale_row_stride, b_scale_col_stride)
+            a_scale = _e8m0_bytes(a_scale_ptr, m, M, block, tl.cdiv(K, 32), a_scale_row_stride, a_scale_col_stride)
+            total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
+        elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
+            for j in tl.static_range(BLOCK_K // SCALE_COLS):
+                col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
+                b = _codes(b_ptr, n, N, col, K, b_stride)
+                a = _codes(a_ptr, m, M, col, K, a_stride)
+                if OPERAND == 0:
+                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
+                else:
+                    block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
+                block = k0 // SCALE_COLS + j
+                blocks = tl.cdiv(K, SCALE_COLS)
+                b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
+                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
+                total += block_sum * b_scale * tl.trans(a_scale)
+        elif OPERAND == 1:  # BF16_VALUES (MXFP8)
+            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
+            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
+            total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
+        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
+            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, GATHER)
+            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, GATHER)
+            total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
+            total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
+    if OPERAND == 2:
+        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
+_autotuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in AUTOTUNED_TILES],
+    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT"],
+)(_decode_kernel)
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])  # as _decode_kernel
+def _fma_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_decode_kernel's program for MXFP8 and NVFP4 without the tensor cores, for a row or a few:
+    the dequantized values (exact in fp32) multiplied on the FMA units into one fp32 partial sum
+    per (weight row, row of A, column of the tile), summed over the tile's columns once at the
+    end. No layout is converted for a matrix unit, and a product costs one FMA per row of A."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    width: tl.constexpr = BLOCK_K if OPERAND == 1 else BLOCK_K // 2
+    sums = tl.zeros((BLOCK_N, BLOCK_M, width), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
+        k0 = k_start + step
+        if OPERAND == 1:  # MXFP8
+            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, tl.float32, BLOCK_K)
+            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, tl.float32, BLOCK_K)
+            sums += b[:, None, :] * a[None, :, :]
+        else:  # NVFP4, low nibbles against low, high against high
+            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, False)
+            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
+            b_low = _e2m1_values(b_codes & 0xF, b_scale).to(tl.float32)
+            a_low = _e2m1_values(a_codes & 0xF, a_scale).to(tl.float32)
+            sums += b_low[:, None, :] * a_low[None, :, :]
+            b_high = _e2m1_values(b_codes >> 4, b_scale).to(tl.float32)
+            a_high = _e2m1_values(a_codes >> 4, a_scale).to(tl.float32)
+            sums += b_high[:, None, :] * a_high[None, :, :]
+    total = tl.sum(sums, axis=2)
+    if OPERAND == 2:
+        total = total * 268435456.0  # 2^28, as in _decode_kernel
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "splits"])
+def _reduce_kernel(
+    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N, splits,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.arange(0, BLOCK_M)[None, :]
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     mask = (n < N) & (m < M)
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for split in range(SPLIT_K):
+    for split in range(splits):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
     _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
 
@@ -303,41 +463,74 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2) -> int:
-    """How many programs share each tile's K: enough for about ``tiles_per_sm`` 64-row tiles of B
-    per SM, each split at least K_CHUNK columns."""
+def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n: int = 64, row_tiles: int = 1) -> int:
+    """How many programs share each tile's K: enough for about ``tiles_per_sm`` programs per SM
+    (each BLOCK_N rows of B against a tile of A's rows), each split at least K_CHUNK columns."""
     sms = _multiprocessors(device)
-    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, 64))
+    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, block_n) * row_tiles)
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
 
-def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(m, n) = A @ B^T (+ bias), m <= MAX_ROWS, both operands stored with the reduction dim last."""
+def gemm(
+    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+    config: Optional[DecodeConfig] = None,
+) -> torch.Tensor:
+    """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
+    reduction dim last; ``config``: the tiling (default_config where None)."""
     m, n, k = gemm_dims(a, b)
-    if m > MAX_ROWS:
-        raise ValueError(f"the decode GEMM multiplies at most {MAX_ROWS} rows of A; got A of {m} rows ({a.quantizer})")
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
+    families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
+    most = MAX_ROWS.get(families, 0)
+    if m > most:
+        raise ValueError(
+            f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
+            f"got A of {m} rows ({a.quantizer})"
+        )
+    config = config or default_config(b_layout.operand, m)
+    block_m = config.block_m if config else 16
+    row_tiles = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    # Reading FP8 codes, two tiles an SM fill the memory pipe; dequantizing in registers keeps
-    # the SMs' ALUs busy, and more programs an SM hide their latency.
-    splits = split_k(n, k, a.data.device, 2 if b_layout.operand == FP8_CODES else 8)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), K_CHUNK) * K_CHUNK
-    splits = triton.cdiv(k, k_per_split)
+    if config:
+        splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
+    else:
+        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
+    k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
+    splits = triton.cdiv(k, k_chunks * K_CHUNK)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    _decode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k,
-        OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
-        A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **factors, SPLIT_K=splits, K_PER_SPLIT=k_per_split, PROMOTE_EVERY=_PROMOTE_EVERY, BLOCK_M=MAX_ROWS,
-    )
+    if config is None:
+        _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
+            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16,
+        )
+    elif config.fma:
+        if b_layout.operand == FP8_CODES:
+            raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
+        _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
+            **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.warps, num_stages=config.stages,
+        )
+    else:
+        _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
+            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
+            MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.warps, num_stages=config.stages,
+        )
     if splits > 1:
-        _reduce_kernel[(triton.cdiv(n, 128),)](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, **factors,
-            SPLIT_K=splits, BLOCK_M=MAX_ROWS, BLOCK_N=128,
+        _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
+            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
+            BLOCK_M=16, BLOCK_N=128,
         )
     return out
