@@ -34,7 +34,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import seconds, turns  # noqa: E402
-from inference_configs import build, configs, per_call, weight_bytes  # noqa: E402
+from inference_configs import allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
 
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
           f"on {device}, {args.prompt}-token prompt, {args.new_tokens} new tokens, batches {batches}, {args.rounds} rounds"
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
 
+    allow_graphs(4 * len(names) * len(batches))  # a prefill and a decode graph per batch size, with room for a recompile each
     runs: dict[str, Run] = {}
     failed: dict[str, str] = {}
     start = time.perf_counter()

@@ -38,6 +38,39 @@ def quantizers(name: str):
     return [factory(QuantizerRole("grouped_linear", tensor, "experts")) for tensor in ("input", "weight", "grad_output")]
 
 
+def routed(device: str = "cuda"):
+    """(offs, the padded layout of the routed rows, each padded group's size) of TOKENS tokens
+    routed top-TOP_K of EXPERTS at random."""
+    torch.manual_seed(0)
+    chosen = torch.randn(TOKENS, EXPERTS, device=device).topk(TOP_K, dim=-1).indices.reshape(-1)
+    offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device=device), right=True).to(torch.int32)
+    rows = TOKENS * TOP_K
+    tokens = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
+    sizes = torch.diff(torch.cat([tokens.ends[:-1], tokens.ends.new_full((1,), tokens.padded_rows)]), prepend=tokens.ends.new_zeros(1))
+    return offs, tokens, sizes
+
+
+def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, tokens, sizes) -> dict:
+    """{GEMM: (A, B, B's row groups, the output's width)} of one expert site under zoo recipe
+    ``name``: x (rows, k), w (experts, n, k), dy (rows, n) quantized as graphquant.ops.grouped
+    lays them out (tokens padded, the weights as a stack of experts)."""
+    experts, n, k = w.shape
+    qx, qw, qg = quantizers(name)
+    stack_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
+    stack = groups.padding(stack_ends, experts * n, groups.GROUP_ROWS, experts * n)
+    expert_sizes = torch.full((experts,), n, dtype=torch.int32, device=w.device)
+
+    def quantized(quantizer, values, layout, direction, group_sizes):
+        return native.grouped_quantize(quantizer, values, layout.row_group, group_sizes, direction, QuantizeContext())
+
+    xp, dyp = tokens.pad(x), tokens.pad(dy)
+    return {
+        "fprop": (quantized(qx, xp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, ROWWISE, expert_sizes), stack.row_group, n),
+        "dgrad": (quantized(qg, dyp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, COLUMNWISE, expert_sizes), stack.row_group, k),
+        "wgrad": (quantized(qg, dyp, tokens, COLUMNWISE, sizes), quantized(qx, xp, tokens, COLUMNWISE, sizes), tokens.row_group, n),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sites", default="gate_up,down")
@@ -45,12 +78,8 @@ def main() -> None:
     parser.add_argument("--promote", default="32", help="comma-separated promotion intervals of the Triton GEMM to time")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    chosen = torch.randn(TOKENS, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices.reshape(-1)
-    offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device="cuda"), right=True).to(torch.int32)
+    offs, tokens, sizes = routed()
     rows = TOKENS * TOP_K
-    tokens = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
-    sizes = torch.diff(torch.cat([tokens.ends[:-1], tokens.ends.new_full((1,), tokens.padded_rows)]), prepend=tokens.ends.new_zeros(1))
     kernels = backends.triton_grouped_fp8
     default_interval = kernels.PROMOTE_EVERY
     table = []
@@ -68,24 +97,8 @@ def main() -> None:
         for gemm, fn in bf16.items():
             ms = time_ms(fn, reps=args.reps)
             table.append([site, gemm, "bf16 torch._grouped_mm", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-        stack_ends = torch.arange(1, EXPERTS + 1, dtype=torch.int32, device="cuda") * n
-        stack = groups.padding(stack_ends, EXPERTS * n, groups.GROUP_ROWS, EXPERTS * n)
         for name in args.formats.split(","):
-            qx, qw, qg = quantizers(name)
-
-            def quantized(quantizer, values, layout, direction, group_sizes):
-                return native.grouped_quantize(quantizer, values, layout.row_group, group_sizes, direction, QuantizeContext())
-
-            expert_sizes = torch.full((EXPERTS,), n, dtype=torch.int32, device="cuda")
-            xp, dyp = tokens.pad(x), tokens.pad(dy)
-            operands = {
-                "fprop": (quantized(qx, xp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, ROWWISE, expert_sizes)),
-                "dgrad": (quantized(qg, dyp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, COLUMNWISE, expert_sizes)),
-                "wgrad": (quantized(qg, dyp, tokens, COLUMNWISE, sizes), quantized(qx, xp, tokens, COLUMNWISE, sizes)),
-            }
-            for gemm, (a, b) in operands.items():
-                b_group = stack.row_group if gemm != "wgrad" else tokens.row_group
-                width = k if gemm == "dgrad" else n  # the output's columns (wgrad: each expert's rows)
+            for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens, sizes).items():
                 runs = {}
                 for fast in (True, False):
                     selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast)

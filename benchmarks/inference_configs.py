@@ -71,6 +71,15 @@ def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs:
     return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
 
 
+def allow_graphs(graphs: int) -> None:
+    """Let Dynamo keep ``graphs`` graphs of one forward. Before torch 2.13 the models a benchmark
+    compiles from one module class share that count (bf16 torch.compile's graphs carry no guard on
+    their module, so they count against every copy); past the limit torch.compile falls back to
+    eager and graphquant raises RecompileLimitError, so the benchmark's later rows would time
+    neither."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
 def per_call(config: str) -> str | None:
     """The per-call configuration a frozen one stores the weights of (None for any other)."""
     return config.removesuffix(FROZEN) if config.endswith(FROZEN) else None

@@ -30,6 +30,7 @@ from tabulate import tabulate
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, profile, training_step, warm_peak_gib  # noqa: E402
 from models import GroupedSwiGLU, MoE  # noqa: E402
+from train_step import memory_at_peak, saved_for_backward  # noqa: E402
 
 import graphquant  # noqa: E402
 from graphquant import recipes, zoo  # noqa: E402
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed samples a round (CUDA) or steps a sample (CPU)")
     parser.add_argument("--profile", default="", help="comma-separated configs whose step to profile (CUDA kernels by time)")
     parser.add_argument("--tiny", action="store_true", help="CPU, small shapes, aot_eager: a check that every config runs")
+    parser.add_argument("--memory", default="", help="comma-separated configs whose saved tensors and live memory at the peak to list")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     shapes = TINY if args.tiny else SHAPES
@@ -108,10 +110,11 @@ def main() -> None:
     base = MoE(**shapes).to(device)
     x = torch.randn(tokens, shapes["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    steps, failed, peaks = {}, {}, {}
+    steps, models, failed, peaks = {}, {}, {}, {}
     for name in names:
         try:
-            step = training_step(build(name, base, backend), x, grad)
+            models[name] = build(name, base, backend)
+            step = training_step(models[name], x, grad)
             if device.type == "cuda":
                 peaks[name] = warm_peak_gib(step)
             else:
@@ -146,6 +149,12 @@ def main() -> None:
             profile(name, steps[name])
         else:
             print(f"--profile {name!r}: not among the configs that ran ({', '.join(steps)})", file=sys.stderr)
+    for name in args.memory.split(",") if args.memory and device.type == "cuda" else ():
+        if name in steps:
+            saved_for_backward(name, steps[name], [x, *models[name].parameters()])
+            memory_at_peak(name, steps[name], None)
+        else:
+            print(f"--memory {name!r}: not among the configs that ran ({', '.join(steps)})", file=sys.stderr)
 
 
 if __name__ == "__main__":

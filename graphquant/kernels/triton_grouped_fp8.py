@@ -44,16 +44,30 @@ ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
 PROMOTE_EVERY = 32  # products summed in the tensor cores' accumulator before fp32 takes them
 
-# Tiles for Hopper: K tiles of one block scale each; row tiles that divide the layout's 128-row
-# alignment; no 128x256 tile, whose fp32 accumulator and promotion partial sum would not fit the
-# registers of 8 warps. The interpreter runs a kernel's logic, not its speed: the first alone.
-_CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-]
-if triton.knobs.runtime.interpret:
-    _CONFIGS = _CONFIGS[:1]
+
+def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+
+
+# Each kernel's tiles, by whether the scales are per block (whose per-block partial sums take
+# registers: smaller tiles), the fastest of benchmarks/grouped_gemm_sweep.py's on an H200 at an
+# MoE step's shapes; an autotuner picks among a kind's by shape. K tiles of one block scale where
+# scales are per block; row tiles of tokens x experts within the layout's 128-row alignment.
+_TOKENS_BY_EXPERTS_TILES = {False: [_tile(128, 128, 128, 8, 3)], True: [_tile(64, 64, 128, 4, 3)]}
+_TOKENS_BY_TOKENS_TILES = {False: [_tile(128, 128, 128, 8, 3), _tile(64, 128, 64, 4, 4)], True: [_tile(128, 64, 128, 4, 3)]}
+
+
+def _autotune(tiles: dict[bool, list[triton.Config]], key: list[str]):
+    """An autotuner over the tiles of the call's kind (BLOCK_SCALED). The interpreter runs a
+    kernel's logic, not its speed: a block-scaled tile (it takes any kind) alone there."""
+    if triton.knobs.runtime.interpret:
+        return triton.autotune(configs=tiles[True][:1], key=key)
+    return triton.autotune(
+        configs=tiles[False] + tiles[True], key=key,
+        prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: tiles[kwargs["BLOCK_SCALED"]]},
+    )
+
+
 GROUP_TILES = 8  # tile rows a launch walks before the next tile column, so that B stays in L2
 
 
@@ -71,11 +85,11 @@ class Scales(NamedTuple):
 
 @triton.jit
 def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
-    """FP8 codes loaded as bytes (masked lanes +0; mask None: none masked) and read as E4M3 or E5M2."""
+    """FP8 codes (masked lanes +0; mask None: none masked) read as E4M3 or E5M2."""
     if mask is None:
         codes = tl.load(ptrs)
     else:
-        codes = tl.load(ptrs, mask=mask, other=0)
+        codes = tl.load(ptrs, mask=mask, other=0.0)
     return codes.to(tl.float8e5 if E5M2 else tl.float8e4nv, bitcast=True)
 
 
@@ -100,7 +114,7 @@ def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
     return first + (pid % width) % height, (pid % width) // height
 
 
-@triton.autotune(configs=_CONFIGS, key=["n", "k", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@_autotune(_TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
 @triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _tokens_by_experts(
@@ -150,7 +164,7 @@ def _tokens_by_experts(
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=(source[:, None] >= 0) & in_cols[None, :])
 
 
-@triton.autotune(configs=_CONFIGS, key=["m", "n", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@_autotune(_TOKENS_BY_TOKENS_TILES, key=["m", "n", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
 @triton.jit
 def _tokens_by_tokens(
     a_ptr, b_ptr, out_ptr, ends_ptr, m, n,
@@ -209,7 +223,9 @@ def _e5m2(rep: Representation) -> bool:
 
 
 def _codes(rep: Representation) -> torch.Tensor:
-    return rep.data.view(torch.uint8)
+    """The FP8 codes typed as their element, so that the tensor cores read them straight from
+    the shared memory the loads fill (bytes would be cast in registers and stored back first)."""
+    return rep.data.view(torch.float8_e5m2 if _e5m2(rep) else torch.float8_e4m3fn)
 
 
 def _expert_scales(b: Representation, b_group: torch.Tensor, groups: int) -> Scales:
