@@ -137,6 +137,12 @@ def _decoder():
     return models.seeded(models.DecoderBlock(dim=128, n_heads=2, attention="sdpa"))  # causal, head dim 64
 
 
+def _decoder_input():
+    """128 tokens: more rows than Triton's decode GEMM takes, which a pretended Hopper's plan would
+    otherwise pick for the decoder's linears and which cannot run on the CPU."""
+    return torch.randn(2, 64, 128)
+
+
 def _current_dpa_recipe():
     """FP8 attention under current scaling everywhere: the flash forward, the emulated backward."""
     return CustomRecipe(lambda role: Float8CurrentScalingQuantizer(fp8_dtype="e4m3"), fp8_dpa=True)
@@ -146,7 +152,7 @@ def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulate
     """Under the zoo recipe (s and dp delayed) the plan lists every product on the flash kernels;
     the rewritten graph's AttentionSite names them, and running it calls both kernels' ops. Under
     current-scaling s and dp the backward stays emulated, and the site says so."""
-    x = torch.randn(2, 32, 128)
+    x = _decoder_input()
     plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), x)
     rows = {g.gemm: (g.bucket, g.backend) for g in plan.gemms if g.module_type == "dpa"}
     assert rows == {gemm: (backends.NATIVE, FLASH) for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
@@ -166,10 +172,10 @@ def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulate
 
 
 def test_strict_rejects_the_emulated_backward(hopper, emulated_kernel):
-    plan = graphquant.explain(_decoder(), _current_dpa_recipe(), torch.randn(2, 32, 128), strict=True)
+    plan = graphquant.explain(_decoder(), _current_dpa_recipe(), _decoder_input(), strict=True)
     buckets = {g.gemm: g.bucket for g in plan.gemms if g.module_type == "dpa"}
     assert buckets == {"qk": "native", "pv": "native", "dv": "rejected", "dp": "rejected", "dq": "rejected", "dk": "rejected"}
-    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), torch.randn(2, 32, 128), strict=True)
+    plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), _decoder_input(), strict=True)
     assert {g.bucket for g in plan.gemms if g.module_type == "dpa"} == {"native"}
 
 
