@@ -1,15 +1,17 @@
-"""Launch configurations of the Triton FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8)
-at an MoE step's shapes: its dgrad and wgrad kernels under many tiles, warp counts, pipeline
-depths, tile orders and register caps, beside the same GEMMs on torch._scaled_grouped_mm (its
-tensor cores' sums not promoted: the speed to aim at) and on bf16 torch._grouped_mm.
+"""Launch configurations of the FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8, and its
+Gluon kernel, gluon_grouped_fp8) at an MoE step's shapes: the dgrad and wgrad kernels under many
+tiles, warp counts, pipeline depths, tile orders and register caps, beside the same GEMMs on
+torch._scaled_grouped_mm (its tensor cores' sums not promoted: the speed to aim at) and on bf16
+torch._grouped_mm.
 
-    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--jobs 5] [--reps 5]
+    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--variants 0,3] [--jobs 5] [--reps 5]
 
 The shapes are grouped_gemm.py's. Every configuration's output is compared bit for bit with the
-first one's: the kernel promotes its partial sums in the same order whatever the tile, so any
-difference is a defect. The configurations are compiled first in ``--jobs`` processes at once
-(Triton's cache on disk carries them over), then timed here one after another. Each row is
-printed as soon as it is measured: a run cut short keeps what it measured.
+first one's: both kernels promote their partial sums in the same order whatever the tile, so
+any difference is a defect. The configurations are compiled first in ``--jobs`` processes at
+once (Triton's cache on disk carries them over), then timed here one after another. Each row is
+printed as soon as it is measured: a run cut short keeps what it measured. Gluon's variants run
+only where named (``--variants``), in a run of their own.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from common import time_ms  # noqa: E402
 from grouped_gemm import EXPERTS, SITES, TOKENS, TOP_K, operands, routed  # noqa: E402
 
 from graphquant.kernels import backends  # noqa: E402
+from graphquant.kernels import gluon_grouped_fp8  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 
 GEMMS = ("dgrad", "wgrad")
@@ -47,25 +50,29 @@ class Variant(NamedTuple):
     group_tiles: int = 8
     maxnreg: Optional[int] = None
     byte_codes: bool = False  # the operands handed over as bytes, cast to FP8 in the kernel
+    gluon: bool = False  # graphquant.kernels.gluon_grouped_fp8 (K steps of 32, ``stages`` of them)
+    in_flight: int = 2  # Gluon's K steps summed at once
 
     def __str__(self) -> str:
         cap = f" maxnreg {self.maxnreg}" if self.maxnreg else ""
         codes = " bytes" if self.byte_codes else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_tiles}{cap}{codes}"
+        kernel = f"gluon f{self.in_flight} " if self.gluon else ""
+        return f"{kernel}{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_tiles}{cap}{codes}"
 
     def fits(self, gemm: str, block_scaled: bool) -> bool:
-        """Whether the kernel of ``gemm`` can run this tile: a K tile of one block scale where the
-        scales are per block; dgrad's row tiles within one 128-row group; wgrad's K tiles within
-        one group (its groups are multiples of 128 rows and it masks no K)."""
-        if block_scaled and self.block_k != 128:
+        """Whether the kernel of ``gemm`` can run this tile: Triton's K tile one block scale's
+        where the scales are per block (Gluon's sums each block's K steps itself); dgrad's row
+        tiles within one 128-row group; wgrad's K tiles within one group (its groups are
+        multiples of 128 rows and it masks no K)."""
+        if block_scaled and self.block_k != 128 and not self.gluon:
             return False
         return 128 % self.block_m == 0 if gemm == "dgrad" else 128 % self.block_k == 0
 
 
-# The first is the kernel as it was before this sweep (operands as bytes). Triton's promoted sums wait for each
-# 32-long wgmma before adding it: warp groups resident per SM are what hide those waits, so
-# smaller tiles, K tiles of 32 (one wgmma: no registers for several partial sums) and fewer
-# registers (more CTAs an SM). Block scales need K tiles of 128.
+# The first is the kernel as it was before this sweep (operands as bytes). Triton's promoted
+# sums wait for each 32-long wgmma before adding it: warp groups resident per SM are what hide
+# those waits, so smaller tiles, K tiles of 32 (one wgmma: no registers for several partial
+# sums) and fewer registers (more CTAs an SM). Block scales need K tiles of 128.
 VARIANTS = [
     Variant(128, 128, 128, 8, 3, byte_codes=True),
     Variant(64, 128, 32, 4, 6, byte_codes=True),
@@ -101,6 +108,20 @@ VARIANTS = [
     Variant(64, 64, 32, 4, 6, group_tiles=16),
     Variant(64, 128, 32, 4, 6, maxnreg=128),
 ]
+# Gluon's kernels last, timed apart (--variants): one that deadlocks must not take the rest along.
+GLUON = [
+    Variant(128, 128, 32, 8, 8, gluon=True),
+    Variant(128, 128, 32, 8, 12, gluon=True),
+    Variant(64, 128, 32, 4, 12, gluon=True),
+    Variant(128, 64, 32, 4, 12, gluon=True),
+    Variant(64, 64, 32, 4, 12, gluon=True),
+    Variant(128, 64, 32, 8, 12, gluon=True),
+    Variant(128, 64, 32, 8, 12, gluon=True, in_flight=4),
+    Variant(64, 64, 32, 4, 12, gluon=True, in_flight=4),
+    Variant(128, 128, 32, 8, 12, group_tiles=16, gluon=True),
+]
+FIRST_GLUON = len(VARIANTS)
+VARIANTS += GLUON
 
 
 def _jit(kernel):
@@ -112,6 +133,7 @@ def _jit(kernel):
 
 KERNELS = backends.triton_grouped_fp8
 FP8_CODES = KERNELS._codes
+GLUON_RUNS = gluon_grouped_fp8.runs
 COMPILED = {}  # kernel name -> the CompiledKernel its last launch ran
 
 
@@ -129,6 +151,8 @@ def _recording(kernel):
 
 _recording(KERNELS._tokens_by_experts)
 _recording(KERNELS._tokens_by_tokens)
+_recording(gluon_grouped_fp8._tokens_by_experts)
+_recording(gluon_grouped_fp8._tokens_by_tokens)
 
 
 def select(variant: Variant) -> None:
@@ -142,6 +166,9 @@ def select(variant: Variant) -> None:
         kernel.cache = {}
     KERNELS.GROUP_TILES = variant.group_tiles
     KERNELS._codes = (lambda rep: rep.data.view(torch.uint8)) if variant.byte_codes else FP8_CODES
+    gluon_grouped_fp8.runs = GLUON_RUNS if variant.gluon else (lambda *codes: False)
+    tile = gluon_grouped_fp8.Tile(variant.block_m, variant.block_n, variant.warps, variant.stages, variant.in_flight)
+    gluon_grouped_fp8.TILES = {False: tile, True: tile}
 
 
 def cases(formats: list[str], sites: list[str]):
@@ -199,12 +226,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
     parser.add_argument("--sites", default="gate_up,down")
-    parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default: all)")
+    parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default: all but Gluon's)")
     parser.add_argument("--jobs", type=int, default=5, help="compiling processes (each holds its own operands: 8-20 GB without the CUDA extension)")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     formats, sites = args.formats.split(","), args.sites.split(",")
-    chosen = [int(i) for i in args.variants.split(",")] if args.variants else list(range(len(VARIANTS)))
+    chosen = [int(i) for i in args.variants.split(",")] if args.variants else list(range(FIRST_GLUON))
     began = time.time()
     jobs = [(chosen[i :: args.jobs], formats, sites, args.jobs == 1) for i in range(min(args.jobs, len(chosen)))]
     failed = {}

@@ -48,11 +48,10 @@ INTERPRETED_SHAPE = ((40, 0, 57, 27), 192, 160)
 GPU_SHAPE = ((700, 0, 1301, 128, 2900, 61, 1000, 5), 2048, 1408)
 
 
-def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
-    """How far the kernel's ``gemm`` of a grouped site exceeds its bound (<= 0: within it), the
-    operands quantized per group as graphquant.ops.grouped lays them out. The bound: fp32
-    accumulation ((K + 4) u sum |a b|) where the products are exact (the interpreter), promoted
-    tensor-core sums (2^-9 sum |a b|) on the GPU; plus the rounding to ``out_dtype``."""
+def product(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str):
+    """(the kernel's ``gemm`` of a grouped site, its float64 value, sum |a b| of each output,
+    the terms summed at most), the operands quantized per group as graphquant.ops.grouped lays
+    them out."""
     kernels = backends.triton_grouped_fp8
     qx, qw, qg = FORMATS[name]
     experts, rows = len(sizes), sum(sizes)
@@ -95,6 +94,15 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
         exact = torch.cat([p @ q for p, q in pairs])[:, :width]
         magnitude = torch.cat([p.abs() @ q.abs() for p, q in pairs])[:, :width]
         reduced = left.shape[1]
+    return out, exact, magnitude, reduced
+
+
+def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
+    """How far the kernel's ``gemm`` of a grouped site exceeds its bound (<= 0: within it). The
+    bound: fp32 accumulation ((K + 4) u sum |a b|) where the products are exact (the
+    interpreter), promoted tensor-core sums (2^-9 sum |a b|) on the GPU; plus the rounding to
+    ``out_dtype``."""
+    out, exact, magnitude, reduced = product(name, gemm, sizes, k, n, out_dtype, device)
     assert out.shape == exact.shape and out.dtype == out_dtype
     accumulation = (reduced + 4) * U if device == "cpu" else 2.0**-9
     rounding = U if out_dtype == torch.float32 else 2.0**-8
@@ -124,6 +132,20 @@ def test_grouped_fp8_gemm_matches_float64_reference_on_gpu(name, gemm):
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
     assert excess(name, gemm, *GPU_SHAPE, torch.bfloat16, "cuda") <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,gemm", _cases(), ids=[f"{name}-{gemm}" for name, gemm in _cases()])
+def test_gluon_kernel_gives_the_triton_kernels_bits_on_hopper(name, gemm, monkeypatch):
+    """On Hopper the kernel runs in Gluon, which sums in the Triton kernel's order (the one the
+    interpreter checks): the same output bits."""
+    if not backends.TRITON_GROUPED_GEMMS or backends.triton_grouped_fp8.gluon_grouped_fp8 is None:
+        pytest.skip("needs Triton with Gluon")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs Hopper")
+    gluon = product(name, gemm, *GPU_SHAPE, torch.bfloat16, "cuda")[0]
+    monkeypatch.setattr(backends.triton_grouped_fp8.gluon_grouped_fp8, "runs", lambda *codes: False)
+    assert torch.equal(product(name, gemm, *GPU_SHAPE, torch.bfloat16, "cuda")[0], gluon)
 
 
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["fp32 sums", "fast accumulation"])

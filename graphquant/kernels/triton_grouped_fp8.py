@@ -31,6 +31,11 @@ import triton.language as tl
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.quantizers import ROWWISE, Representation
 
+try:
+    from graphquant.kernels import gluon_grouped_fp8
+except ImportError:  # a Triton without Gluon: this kernel everywhere
+    gluon_grouped_fp8 = None
+
 BACKEND = "triton fp8 grouped"
 _ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")
 # fprop and dgrad multiply activations or gradients (1x128) by weights (128x128, or 1x128), wgrad
@@ -277,9 +282,14 @@ def tokens_by_experts(
         per_group = b.data.shape[1] // groups
         strides = (per_group * b.data.stride(1), b.data.stride(1), b.data.stride(0))
     sa, sb = _token_scales(a, a_group, groups), _expert_scales(b, b_group, groups)
+    a_codes, b_codes = _codes(a), _codes(b)
+    if gluon_grouped_fp8 is not None and gluon_grouped_fp8.runs(a_codes, b_codes):
+        b_group_row, b_group_k = (per_group, 0) if b.direction == ROWWISE else (0, per_group)
+        gluon_grouped_fp8.tokens_by_experts(a_codes, b_codes, out, a_group, source, ends, n, b_group_row, b_group_k, sa, sb, _block_scaled(a), GROUP_TILES)
+        return out
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _tokens_by_experts[grid](
-        _codes(a), _codes(b), out, a_group, source, ends, groups, rows, n, k,
+        a_codes, b_codes, out, a_group, source, ends, groups, rows, n, k,
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
@@ -298,9 +308,13 @@ def tokens_by_tokens(
     n = b.data.shape[0]
     out = torch.empty((groups, m, n), dtype=out_dtype, device=a.data.device)
     sa, sb = _token_scales(a, a_group, groups), _token_scales(b, b_group, groups)
+    a_codes, b_codes = _codes(a), _codes(b)
+    if gluon_grouped_fp8 is not None and gluon_grouped_fp8.runs(a_codes, b_codes):
+        gluon_grouped_fp8.tokens_by_tokens(a_codes, b_codes, out, ends, sa, sb, _block_scaled(a), GROUP_TILES)
+        return out
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), groups)  # noqa: E731
     _tokens_by_tokens[grid](
-        _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
+        a_codes, b_codes, out, ends, m, n, *a.data.stride(), *b.data.stride(),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
         PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
