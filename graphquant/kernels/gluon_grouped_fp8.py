@@ -161,9 +161,14 @@ def _tokens_by_experts(
         a_desc, b_desc, row0, 0, b_row, b_k, steps, sa_at, in_rows, sa_k, sb_at, in_cols, sb_k, 0, layout, STAGES, IN_FLIGHT,
         BLOCK_SCALED,
     )
+    # Stored from a layout of 16-byte row pieces (the accumulator's own scatters 4-byte ones).
+    store: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), store)
+    rows_at = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store))
     source = gl.load(source_ptr + rows_at)
     out_at = source[:, None] * stride_om + cols[None, :]
-    gl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=(source[:, None] >= 0) & in_cols[None, :])
+    gl.store(out_ptr + out_at, out, mask=(source[:, None] >= 0) & (cols < n)[None, :])
 
 
 @gluon.jit
@@ -193,8 +198,12 @@ def _tokens_by_tokens(
         a_desc, b_desc, row0, begin, col0, begin, (end - begin) // PRODUCTS, sa_at, in_m, sa_k, sb_at, in_n, sb_k,
         begin // (BLOCK_STEPS * PRODUCTS), layout, STAGES, IN_FLIGHT, BLOCK_SCALED,
     )
+    store: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), store)
+    ms = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store))
+    ns = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store))
     out_at = group.to(gl.int64) * m * n + ms[:, None].to(gl.int64) * n + ns[None, :]
-    gl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+    gl.store(out_ptr + out_at, out, mask=(ms < m)[:, None] & (ns < n)[None, :])
 
 
 class Tile(NamedTuple):
