@@ -163,7 +163,7 @@ def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     the wider accumulator needs."""
     if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
         return _NVFP4_ONE_ROW
-    if m <= 16:
+    if m <= ONE_TILE_ROWS:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
 
@@ -488,7 +488,7 @@ def gemm(
             f"got A of {m} rows ({a.quantizer})"
         )
     config = config or default_config(b_layout.operand, m)
-    block_m = config.block_m if config else 16
+    block_m = config.block_m if config else ONE_TILE_ROWS
     row_tiles = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     if config:
@@ -508,7 +508,7 @@ def gemm(
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16,
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=ONE_TILE_ROWS,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
