@@ -180,7 +180,7 @@ def main() -> None:
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
         parser.error(f"--passes takes fwd and fwd+bwd, got {args.passes!r}")
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for causal in (False, True):
@@ -191,6 +191,7 @@ def main() -> None:
                     tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms
                     rows.append([seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd", name,
                                  f"{ms:.2f}" if isinstance(ms, float) else "", tflops])
+                    print(" | ".join(map(str, rows[-1])), flush=True)  # as measured: a run cut short keeps its rows
     print(tabulate(rows, headers=["seq", "mask", "pass", "config", "ms", "TFLOP/s"], tablefmt="simple", disable_numparse=True))
 
 

@@ -6,8 +6,8 @@ default forward before it, beside cuDNN's forward + backward).
     python benchmarks/attention_tune.py [--pass fwd] [--seqs 8192,16384] [--masks full,causal]
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
         [--pv-promotion tile,none] [--workers 14] [--reps 3]
-    python benchmarks/attention_tune.py --pass bwd [--dkdv-tiles 64x64,64x128,32x128]
-        [--dq-tiles 64x64,128x64,128x128] [--warps 4,8] [--stages 2,3] ...
+    python benchmarks/attention_tune.py --pass bwd [--tiles 64x64,64x128,32x128,128x64] [--warps 8]
+        [--stages 2,3] [--stagger 0] ...
 
 The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, warp
 specialization); ``--warps 4,8 --warp-specialize 0,1`` sweeps them again (96 configurations take
@@ -15,7 +15,8 @@ about 2 minutes, 24 about 40 s).
 
 32 heads of dim 128, 16k tokens per call (as benchmarks/attention.py), TFLOP/s counting a causal
 attention as half (and forward + backward as 3.5 forwards). ``--pv-promotion`` takes ``tile``
-(PV promoted into fp32 after every key tile, the default's numerics), a number of keys, or
+(PV promoted into fp32 after every key tile, or every 128 keys of a wider one: the default's
+numerics), a number of keys, or
 ``none`` (the tensor cores' accumulator carries O across the key loop: outside the error bound
 tests/test_triton_attention.py checks). Every configuration is compiled first, causal and not,
 in ``--workers`` processes (a process compiles one kernel at a time); the timed launches load
@@ -58,24 +59,26 @@ def _tiles(text: str) -> list[tuple[int, int]]:
 
 
 def forward_configs(args) -> list[ForwardConfig]:
-    """The forward grid's configurations (a promotion wider than the key tile left out)."""
+    """The forward grid's configurations (a promotion wider than the key tile or 128 left out)."""
     grid = []
     for block_m, block_n, warps, stages, specialize, promotion in itertools.product(
         _ints(args.block_m), _ints(args.block_n), _ints(args.warps), _ints(args.stages), _ints(args.warp_specialize),
         args.pv_promotion.split(","),
     ):
-        keys = {"tile": block_n, "none": None}[promotion] if promotion in ("tile", "none") else int(promotion)
-        if keys is None or keys <= block_n:
+        keys = {"tile": min(block_n, 128), "none": None}[promotion] if promotion in ("tile", "none") else int(promotion)
+        if keys is None or keys <= min(block_n, 128):
             grid.append(ForwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                                       warp_specialize=bool(specialize), pv_promotion=keys))
     return grid
 
 
 def backward_configs(args) -> list[BackwardConfig]:
-    """The backward grid's configurations: (query rows, keys) of each program's tile."""
+    """The backward grid's configurations: (query rows, keys) of the program's tiles."""
     return [
-        BackwardConfig(dkdv_block_m=dkdv[0], dkdv_block_n=dkdv[1], dq_block_m=dq[0], dq_block_n=dq[1], num_warps=warps, num_stages=stages)
-        for dkdv, dq, warps, stages in itertools.product(_tiles(args.dkdv_tiles), _tiles(args.dq_tiles), _ints(args.warps), _ints(args.stages))
+        BackwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, stagger=bool(stagger))
+        for (block_m, block_n), warps, stages, stagger in itertools.product(
+            _tiles(args.tiles), _ints(args.warps), _ints(args.stages), _ints(args.stagger)
+        )
     ]
 
 
@@ -114,18 +117,17 @@ def main() -> None:
     parser.add_argument("--masks", default="full,causal")
     parser.add_argument("--block-m", default="64,128")
     parser.add_argument("--block-n", default="64,128")
-    parser.add_argument("--warps", default=None, help="forward 8; backward 4,8")
+    parser.add_argument("--warps", default="8")
     parser.add_argument("--stages", default=None, help="forward 2,3,4; backward 2,3")
     parser.add_argument("--warp-specialize", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
-    parser.add_argument("--dkdv-tiles", default="64x64,64x128,32x128", help="the backward's dK/dV tiles, rows x keys")
-    parser.add_argument("--dq-tiles", default="64x64,128x64,128x128", help="the backward's dQ tiles, rows x keys")
+    parser.add_argument("--tiles", default="64x64,64x128,32x128,128x64", help="the backward's tiles, query rows x keys")
+    parser.add_argument("--stagger", default="0", help="the backward's stagger, 0 and/or 1")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the configurations")
     parser.add_argument("--reps", type=int, default=3, help="timed samples per configuration and case")
     args = parser.parse_args()
     backward = args.which == "bwd"
     args.stages = args.stages or ("2,3" if backward else "2,3,4")
-    args.warps = args.warps or ("4,8" if backward else "8")
     grid = backward_configs(args) if backward else forward_configs(args)
     default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIG
     if default not in grid:
@@ -180,7 +182,7 @@ def main() -> None:
         timed = {config: ms for (config, c), ms in times.items() if c == case}
         choices = [("best", min(timed, key=timed.get, default=None))]
         if not backward:
-            per_tile = [config for config in timed if config.pv_promotion == config.block_n]
+            per_tile = [config for config in timed if config.pv_promotion == min(config.block_n, 128)]
             choices.append(("best promoted per tile", min(per_tile, key=timed.get, default=None)))
         for label, config in (*choices, ("default", default)):
             if config in timed:

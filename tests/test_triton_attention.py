@@ -414,8 +414,17 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
     with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
         ForwardConfig(block_n=64)
     assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
-    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4 or 8"):
+    assert ForwardConfig(block_n=256).pv_promotion == 128
+    with pytest.raises(ValueError, match=r"block_n=16, .* is not a configuration: block_m one of \(16, 32, 64, 128, 256\), block_n one of \(32, 64, 128, 256\)"):
+        ForwardConfig(block_n=16, pv_promotion=None)  # PV shallower than one FP8 wgmma
+    with pytest.raises(ValueError, match=r"pv_promotion=256\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
+        ForwardConfig(block_n=256, pv_promotion=256)  # the tensor cores' narrow sum deeper than the tested bound
+    with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4, 8 or 16"):
         BackwardConfig(num_warps=2)
+    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=16.*\) is not a configuration: block_m and block_n one of \(32, 64, 128\)"):
+        BackwardConfig(block_m=16)  # shallower than one FP8 wgmma
+    with pytest.raises(ValueError, match=r"BackwardConfig\(block_m=64, block_n=256.*\) is not a configuration"):
+        BackwardConfig(block_n=256)  # dQ's narrow sum deeper than the tested bound
 
 
 # -- the kernel on the GPU ---------------------------------------------------------------------
@@ -622,7 +631,8 @@ BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
 
     registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
     registry.LIBRARY.impl("flash_attention_backward", triton_attention_backward.backward, "CPU")
-    for shape in %r:
+    for *shape, config in %r:
+        triton_attention_backward.DEFAULT_CONFIG = triton_attention_backward.BackwardConfig(**config)
         print(test_triton_attention.check_backward_against_the_emulation(*shape, device="cpu"))
     """
 )
@@ -638,10 +648,18 @@ def test_backward_reference_against_the_emulation(emulated_kernel, shape):
 
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
-    (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads, lengths
-    that do not tile, causal and not, more queries than keys and fewer."""
+    (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads (2 and 4
+    query heads a key/value head's program walks), lengths
+    that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
+    small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
+    the key tiles, so the causal diagonal crosses them both ways, and each program starting its
+    walk at another query tile)."""
     pytest.importorskip("triton")
-    shapes = [*BACKWARD_SHAPES, (1, 2, 1, 130, 200, 128, True), (1, 2, 2, 150, 70, 64, True)]
+    default = {}
+    tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
+    shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
+              (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
+              (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -654,6 +672,58 @@ def test_backward_kernel_under_the_interpreter():
 def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
     """``check_backward_against_the_emulation`` at batch 2."""
     print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", ["e4m3", "e5m2"])
+def test_backward_casts_saturate(fp8_dtype):
+    """The backward's P and dS casts (no clamp of their own) are per_tensor.quantize bit for bit
+    on the GPU: round to nearest even, values beyond the format's largest (inf included)
+    saturate to it, NaN stays NaN."""
+    import triton
+    import triton.language as tl
+
+    from graphquant.formats import per_tensor
+    from graphquant.kernels import triton_attention_backward
+
+    @triton.jit
+    def cast(X, Y, scale, CODE: tl.constexpr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, triton_attention_backward._cast(tl.load(X + offs), scale, CODE))
+
+    big, tie = (448.0, 464.0) if fp8_dtype == "e4m3" else (57344.0, 61440.0)  # the largest, and halfway past it
+    scaled = [0.0, -0.0, 1.0, -1.0, big, -big, big * 1.03, tie, -tie, tie * 1.001, big * 1.2, -big * 1.2, 1e30, -1e30,
+              math.inf, -math.inf, math.nan, 2.0**-9, 3 * 2.0**-10, 2.0**-16, 2.0**-17, 3 * 2.0**-18]
+    scale = torch.tensor(2.0)  # the values above after the product: halving them is exact
+    x = torch.cat([torch.tensor(scaled) / 2, torch.randn(2048 - len(scaled), generator=torch.Generator().manual_seed(0)) * big / 4])
+    expected = per_tensor.quantize(x, scale, fp8_dtype, transpose=False)
+    got = torch.empty(x.shape, dtype=expected.dtype, device="cuda")
+    cast[(1,)](x.cuda(), got, scale.item(), triton_attention_backward.CODES[fp8_dtype], x.numel())
+    got, nan = got.cpu(), x.isnan()
+    wrong = got.view(torch.uint8)[~nan] != expected.view(torch.uint8)[~nan]
+    assert not wrong.any(), f"{fp8_dtype}: {x[~nan][wrong].tolist()[:8]} cast to {got.float()[~nan][wrong].tolist()[:8]}, not {expected.float()[~nan][wrong].tolist()[:8]}"
+    assert got.float()[nan].isnan().all()
+
+
+# Backward configurations the tuning sweep may pick (triton_attention_backward.BackwardConfig's fields).
+GPU_BACKWARD_CONFIGS = [
+    {"block_m": 64, "block_n": 64, "num_stages": 2},
+    {"block_m": 32, "block_n": 128, "num_stages": 2},
+    {"block_m": 128, "block_n": 64, "num_stages": 2},
+    {"block_m": 64, "block_n": 128, "num_stages": 4, "stagger": True},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fields", GPU_BACKWARD_CONFIGS, ids=["-".join(f"{k}{v}" for k, v in c.items()) for c in GPU_BACKWARD_CONFIGS])
+def test_backward_configurations_against_the_emulation(fields, causal, monkeypatch):
+    """``check_backward_against_the_emulation`` in other configurations than the default, grouped
+    heads, lengths that do not tile."""
+    from graphquant.kernels import triton_attention_backward
+
+    monkeypatch.setattr(triton_attention_backward, "DEFAULT_CONFIG", triton_attention_backward.BackwardConfig(**fields))
+    print(check_backward_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda"))
 
 
 # Configurations the tuning sweep (benchmarks/attention_tune.py) may pick: every tile shape and

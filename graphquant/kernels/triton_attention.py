@@ -49,10 +49,10 @@ class ForwardConfig:
     """How the forward kernel tiles and schedules its work: block_m query rows per program over
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
     warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
-    how many keys the tensor cores may sum in
-    their narrow accumulator before the PV partial sum is added into fp32 (a multiple of 32 up to
-    block_n; None: never, the narrow accumulator carries the whole key loop, which the error bound
-    of tests/test_triton_attention.py does not cover)."""
+    how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
+    is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
+    tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
+    key loop, outside that bound)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -62,12 +62,12 @@ class ForwardConfig:
     pv_promotion: Optional[int] = 128
 
     def __post_init__(self) -> None:
-        tiles = (16, 32, 64, 128, 256)
-        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= self.block_n)
-        if self.block_m not in tiles or self.block_n not in tiles or self.num_warps not in (4, 8) or self.num_stages < 1 or not promotion_ok:
+        rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
+        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, 128))
+        if self.block_m not in rows or self.block_n not in keys or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
             raise ValueError(
-                f"FP8 flash attention: {self!r} is not a configuration: block_m and block_n one of {tiles}, num_warps 4 or "
-                "8, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n"
+                f"FP8 flash attention: {self!r} is not a configuration: block_m one of {rows}, block_n one of {keys}, "
+                "num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
             )
 
 
@@ -93,15 +93,17 @@ def _key_tiles(
         else:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = offs_n[None, :] < seq_k
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None])
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
+        # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop

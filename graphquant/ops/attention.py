@@ -170,7 +170,7 @@ class QuantizedAttention(torch.autograd.Function):
             site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h
         )
         dq = dq.view(b, h, lq, d)
-        dk, dv_ = (x.view(b, h // ctx.groups, ctx.groups, lk, x.shape[-1]).sum(2) for x in (dk, dv_))
+        dk, dv_ = (_summed_over_groups(x, b, h, ctx.groups, lk) for x in (dk, dv_))
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None, None
 
 
@@ -222,7 +222,6 @@ class FlashAttention(torch.autograd.Function):
         if site.backward_backend.name == backends.FLASH_ATTENTION:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state)
-            dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
             return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
@@ -240,8 +239,16 @@ class FlashAttention(torch.autograd.Function):
             site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
         )
         dq = dq.view(q_shape)
-        dk, dv = (x.view(b, h // groups, groups, lk, d).sum(2) for x in (dk, dv))
+        dk, dv = (_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+
+
+def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int) -> torch.Tensor:
+    """dK or dV per query head (b * h * lk rows of D, any shape) as (b, h // groups, lk, D): summed
+    over each key/value head's group of query heads, in fp32 as given; a view where each group is
+    one head (a sum over one would only copy)."""
+    grad = grad.view(b, h // groups, groups, lk, grad.shape[-1])
+    return grad.squeeze(2) if groups == 1 else grad.sum(2)
 
 
 @registry.op("flash_attention")
@@ -259,7 +266,7 @@ def flash_attention(
 
 
 def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state):
-    """(dQ, and dK, dV per query head, all fp32 (batch, heads, L, D)) from the FP8 flash backward:
+    """(dQ (batch, heads, Lq, D), dK and dV (batch, kv heads, Lk, D), all fp32) from the FP8 flash backward:
     dO quantized (``joint_per_tensor``: quantize_do's codes) and D = rowsum(dO * O) taken as the
     emulation takes them, P quantized with the s
     slot's scale as the forward found it and dS with the dp slot's, whose history then records
@@ -286,10 +293,10 @@ def flash_attention_backward_reference(
     lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor, softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 flash-attention backward (graphquant.kernels.triton_attention_backward.backward):
-    (dQ, dK and dV per query head, all fp32, the amax of dS). Its reference here is the kernel's
-    arithmetic on whole matrices: products of the codes in fp32, P from the logsumexp in base 2,
-    P and dS cast element by element as the kernel casts its tiles (the transposed codes qt, kt,
-    dot are the kernel's operand layouts, unused here)."""
+    (dQ, dK and dV summed over each key/value head's query heads, all fp32, the amax of dS). Its
+    reference here is the kernel's arithmetic on whole matrices: products of the codes in fp32, P
+    from the logsumexp in base 2, P and dS cast element by element as the kernel casts its tiles
+    (the transposed codes qt, kt, dot are the kernel's operand layouts, unused here)."""
     b, h, lq, d = q.shape
     groups, lk = h // k.shape[1], k.shape[2]
     qkv_inv, do_inv, s_scale, s_inv, dp_scale, dp_inv = scales.unbind()
@@ -305,7 +312,8 @@ def flash_attention_backward_reference(
     ds = p * ((dof @ vf.transpose(-1, -2)) * (do_inv * qkv_inv) - delta[..., None])
     ds8 = per_tensor.quantize(ds, dp_scale, ds_dtype, transpose=False).float()
     factor = dp_inv * qkv_inv * torch.tensor(softmax_scale, dtype=torch.float32)
-    return ds8 @ kf * factor, ds8.transpose(-1, -2) @ qf * factor, dv, fp8.tensor_amax(ds)
+    dk = ds8.transpose(-1, -2) @ qf * factor
+    return ds8 @ kf * factor, *(_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv)), fp8.tensor_amax(ds)
 
 
 registry.op("flash_attention_backward")(flash_attention_backward_reference)
@@ -314,7 +322,7 @@ registry.op("flash_attention_backward")(flash_attention_backward_reference)
 @registry.fake("flash_attention_backward")
 def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dtype, ds_dtype):
     b, h, lq, d = q.shape
-    dk = q.new_empty((b, h, k.shape[2], d), dtype=torch.float32)
+    dk = q.new_empty(k.shape, dtype=torch.float32)
     return q.new_empty(q.shape, dtype=torch.float32), dk, torch.empty_like(dk), q.new_empty((), dtype=torch.float32)
 
 
