@@ -258,6 +258,7 @@ INTERPRETER_SETUP = textwrap.dedent(
     import triton_interpreter
 
     triton_interpreter.accept_numpy_scalars()
+    triton_interpreter.exact_fp8_dot_operands()
 
     # The interpreter's float32 -> FP8 casts do not round to nearest even; Hopper's do, as the
     # reference cast does.

@@ -50,3 +50,27 @@ def round_bfloat16_to_nearest() -> None:
         return interpreter.TensorHandle(data.view(numpy.uint16), dst_type.scalar)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+def exact_fp8_dot_operands() -> None:
+    """The interpreter's tl.dot widens FP8 operands to float16 through its own conversion, which
+    loses E5M2's subnormals (2^-16 and 2^-15 become 0, 3 * 2^-16 becomes 2^-15); the tensor cores
+    read them exactly: widen them to float32 as torch does (exact for every FP8 code)."""
+    import numpy
+    import torch
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def widened(handle):
+        codes = torch.from_numpy(numpy.ascontiguousarray(handle.data)).view(fp8[handle.dtype.scalar])
+        return interpreter.TensorHandle(codes.float().numpy(), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar in fp8 or b.dtype.scalar in fp8:
+            a, b = (widened(x) if x.dtype.scalar in fp8 else x for x in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
