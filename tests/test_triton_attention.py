@@ -564,19 +564,22 @@ def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_log
     return dq, dk, dv, rounding, 2 * eps_s.max().item()
 
 
-def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device) -> str:
+def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, warm=True) -> str:
     """The flash backward's dQ, dK and dV within ``backward_bound`` of the emulation's (the zoo
     recipe's formats: s and dp delayed, their states warmed by one emulated step, so that the
-    scales are an earlier step's), the dp state each leaves within the bound on dS, every other
-    state and O equal; bfloat16 inputs. Says how much of each bound the errors took."""
+    scales are an earlier step's; not ``warm``: at their initial scale of 1, as a model's first
+    step finds them, where most of dS's codes are subnormal), the dp state each leaves within the
+    bound on dS, every other state and O equal; bfloat16 inputs. Says how much of each bound the
+    errors took."""
     from graphquant.ops.attention import flash_qkv, quantize_do, rowsum_do_o
 
     emulated = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH)
     native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
     states = [t if t is None else t.to(device) for t in _states(ZOO)]
-    warm = [t.to(torch.bfloat16).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
-    o = quantized_attention(*warm, is_causal=causal, site=emulated, states=states)
-    torch.autograd.grad(o, warm, _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[3].to(torch.bfloat16))
+    if warm:
+        leaves = [t.to(torch.bfloat16).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
+        o = quantized_attention(*leaves, is_causal=causal, site=emulated, states=states)
+        torch.autograd.grad(o, leaves, _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[3].to(torch.bfloat16))
     before = [None if t is None else t.clone() for t in states]
 
     q, k, v, dout = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
@@ -606,7 +609,7 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
     x = values[0].double() @ k64.transpose(-1, -2) * scale
     delta_logits = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + 2.0**-20 * (1 + x.abs().amax(-1, keepdim=True))
     *bounds, rounding, ds_bound = backward_bound(*values, do_values, delta, torch.bfloat16, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale)
-    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}"
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}{'' if warm else ' first step'}"
     shares = []
     for name, a, e, bound in zip(("dQ", "dK", "dV"), grads_n, grads_e, bounds):
         error = (a.double() - e.double()).abs()
@@ -623,6 +626,8 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
 
 
 BACKWARD_SHAPES = [(1, 2, 1, 70, 90, 64, True), (1, 2, 2, 90, 70, 64, False)]
+# test_compiled_decoder_trains_with_the_flash_kernels's attention (2 heads of 64, 256 tokens, causal).
+DECODER_SHAPE = (2, 2, 2, 256, 256, 64, True)
 BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
     """
     sys.path.insert(0, %r)
@@ -632,18 +637,19 @@ BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
 
     registry.LIBRARY.impl("flash_attention", triton_attention.forward, "CPU")
     registry.LIBRARY.impl("flash_attention_backward", triton_attention_backward.backward, "CPU")
-    for *shape, config in %r:
+    for *shape, config, warm in %r:
         triton_attention_backward.DEFAULT_CONFIG = triton_attention_backward.BackwardConfig(**config)
-        print(test_triton_attention.check_backward_against_the_emulation(*shape, device="cpu"))
+        print(test_triton_attention.check_backward_against_the_emulation(*shape, device="cpu", warm=warm))
     """
 )
 
 
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=["gqa-causal", "full"])
-def test_backward_reference_against_the_emulation(emulated_kernel, shape):
+@pytest.mark.parametrize("shape, warm", [(BACKWARD_SHAPES[0], True), (BACKWARD_SHAPES[1], True), (DECODER_SHAPE, False)],
+                         ids=["gqa-causal", "full", "decoder-first-step"])
+def test_backward_reference_against_the_emulation(emulated_kernel, shape, warm):
     """``check_backward_against_the_emulation`` with the backward op's reference on the CPU (the
     forward the emulation's own under current scaling, its logsumexp that of its logits)."""
-    print(check_backward_against_the_emulation(*shape, device="cpu"))
+    print(check_backward_against_the_emulation(*shape, device="cpu", warm=warm))
     assert emulated_kernel["backward calls"] == 1
 
 
@@ -654,13 +660,15 @@ def test_backward_kernel_under_the_interpreter():
     that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
     small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
     the key tiles, so the causal diagonal crosses them both ways, and each program starting its
-    walk at another query tile)."""
+    walk at another query tile); and the compiled decoder test's attention at its first step (the
+    delayed scales at 1, most of dS's codes subnormal)."""
     pytest.importorskip("triton")
     default = {}
     tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
               (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
               (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide)]
+    shapes = [(*shape, True) for shape in shapes] + [(*DECODER_SHAPE, default, False)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", BACKWARD_INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -673,6 +681,15 @@ def test_backward_kernel_under_the_interpreter():
 def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
     """``check_backward_against_the_emulation`` at batch 2."""
     print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [DECODER_SHAPE, (2, 8, 2, 1000, 1000, 128, False)], ids=["decoder", "gqa-l1000-d128-full"])
+def test_backward_kernel_at_the_first_step(shape):
+    """``check_backward_against_the_emulation`` with the s and dp scales at their initial 1, as
+    a model's first training step finds them (most of P's and dS's codes subnormal), at the
+    compiled decoder test's attention shape and at a grouped one."""
+    print(check_backward_against_the_emulation(*shape, device="cuda", warm=False))
 
 
 @pytest.mark.gpu
