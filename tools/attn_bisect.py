@@ -37,6 +37,7 @@ VARIANTS = {  # the most telling first: a run cut short keeps them
     "kernel-dkdv": "the kernel's dK and dV, the reference's dQ and dS amax",
     "kernel-amax": "the kernel's dS amax, the reference's dQ, dK, dV",
     "sync": "torch.cuda.synchronize() before and after the backward kernel",
+    "eager-backend": "graphquant.compile(backend='eager'): the autograd formula run as Python, not traced by AOT autograd",
     "stages2": "BackwardConfig(num_stages=2)",
     "stagger": "BackwardConfig(stagger=True)",
 }
@@ -180,7 +181,7 @@ def run_variant(variant: str, seeds: list[int], save: str | None, device: str) -
         torch.manual_seed(seed)
         model = models.seeded(models.DecoderBlock(dim=128, n_heads=2, attention="sdpa")).to(device)
         x = torch.randn(2, 256, 128, device=device)
-        compiled = graphquant.compile(model, zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager")
+        compiled = graphquant.compile(model, zoo.recipe("nvfp4_linear_fp8_dpa"), backend="eager" if variant == "eager-backend" else "aot_eager")
         before = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
         for step in (1, 2):
             loss = compiled(x).square().mean()
