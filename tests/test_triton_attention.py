@@ -307,10 +307,11 @@ def test_kernel_under_the_interpreter():
 
 # -- Q, K and V quantized for the kernel ---------------------------------------------------------
 
-def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0):
-    """2-D Q, K and V of head dim 64 whose row counts do not tile, with a largest value in V."""
+def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0, rows=(130, 70, 70)):
+    """2-D Q, K and V of head dim 64 (by default row counts that do not tile), with a largest
+    value in V."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(n, 64, generator=g) * s for n, s in ((130, 2.0), (70, 1.0), (70, 3.0)))
+    q, k, v = (torch.randn(n, 64, generator=g) * s for n, s in zip(rows, (2.0, 1.0, 3.0)))
     v[3, 5] = -40.0
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
@@ -361,13 +362,14 @@ def test_flash_qkv_is_quantize_qkv(qkv):
 
 def check_joint_kernels(device: str) -> str:
     """graphquant.kernels.triton_joint_fp8's amax and cast on ``device`` against the ops'
-    references on the CPU, bit for bit: bfloat16 and float32 inputs, E4M3 and E5M2, a scale that
-    saturates, inf and NaN in the amax."""
+    references on the CPU, bit for bit: bfloat16 and float32 inputs, row counts that do not tile
+    and row counts that do (1024 rows, a float32 model's Q, K, V or dO at 2 x 2 heads of 256
+    tokens), E4M3 and E5M2, a scale that saturates, inf and NaN in the amax."""
     from graphquant.kernels import triton_joint_fp8
 
     checked = []
-    for dtype in (torch.bfloat16, torch.float32):
-        tensors = _qkv_inputs(dtype)
+    for dtype, rows in ((torch.bfloat16, (130, 70, 70)), (torch.float32, (130, 70, 70)), (torch.bfloat16, (1024,) * 3), (torch.float32, (1024,) * 3)):
+        tensors = _qkv_inputs(dtype, rows=rows)
         on_device = [x.to(device) for x in tensors]
         for fp8_dtype, scale in (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4)):  # the amax's scale; one that saturates
             scale = torch.tensor(scale)
@@ -378,8 +380,8 @@ def check_joint_kernels(device: str) -> str:
                     for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
                         a = a.cpu()
                         assert a.dtype == e.dtype and a.shape == e.shape, name
-                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} {fp8_dtype} scale {scale.item()}: {name}"
-        checked.append(f"{dtype} cast")
+                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} rows {rows} {fp8_dtype} scale {scale.item()}: {name}"
+        checked.append(f"{dtype} rows {rows[0]} cast")
         for special in (float("inf"), float("nan")):
             k_special = tensors[1].clone()
             k_special[69, 63] = special
@@ -387,8 +389,35 @@ def check_joint_kernels(device: str) -> str:
             got = triton_joint_fp8.joint_amax([x.to(device) for x in with_special]).cpu()
             expected = torch.ops.graphquant.joint_amax(with_special)
             assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
-        checked.append(f"{dtype} amax")
+        checked.append(f"{dtype} rows {rows[0]} amax")
     return ", ".join(checked)
+
+
+def test_joint_cast_transposes_float32_through_16_bit_shared_stores_on_sm90():
+    """The cast pass compiled for Hopper (on any machine: Triton compiles without a GPU) as a
+    launch on 1024 float32 rows would specialize it: its transposed codes go through 16-bit
+    shared-memory stores, not the byte-wise shared-memory transpose Triton picks where it sees the
+    row count divisible by 16, which on the H200 wrote wrong bytes into the transposed codes (a
+    float32 model's V^T and dO^T: non-finite attention outputs and gradients)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphquant.kernels import triton_joint_fp8
+
+    kernel = triton_joint_fp8._pass_kernel
+    pointers = {"X": "*fp32", "CODES": "*fp8e4nv", "CODES_T": "*fp8e4nv", "SCALE": "*fp32", "AMAX_BITS": "*i32"}
+    constants = dict(COLS=64, BLOCK=triton_joint_fp8._ROWS, CAST=True, TRANSPOSED=True, FP8_MAX=448.0, CODE=triton.language.float8e4nv)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        else:  # pointers from torch are 16-byte aligned; rows (1024) divisible by 16 unless not specialized
+            signature[name] = pointers.get(name, "i32")
+            if name not in kernel.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    ptx = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+    assert "stmatrix" in ptx and "ld.shared.b8" not in ptx
 
 
 def test_joint_kernels_under_the_interpreter():
