@@ -24,10 +24,9 @@ _ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB, a transposed store is 6
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
-# rows is not specialized: where Triton 3.6 sees it divisible by 16, it stores the transposed codes of
-# float32 input 16 bytes at a time after transposing the 8-bit codes in registers, and on sm_90 that
-# code writes wrong bytes (every fourth row of the transposed tile, at 1024 rows); unspecialized, the
-# transpose goes through 16-bit shared-memory stores and is stored a byte at a time, bit for bit.
+# rows is not specialized: where Triton 3.6 sees it divisible by 16 it transposes float32 input's codes
+# for 16-byte stores in code that on sm_90 writes wrong bytes (rows 1, 5 and 9 of every 16 of the
+# transposed tile, at 1024 rows); one kernel for every row count is the one the tests check on the GPU.
 @triton.jit(do_not_specialize=["rows"])
 def _pass_kernel(
     X, CODES, CODES_T, SCALE, AMAX_BITS, rows, COLS: tl.constexpr, BLOCK: tl.constexpr,
