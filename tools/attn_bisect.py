@@ -11,6 +11,7 @@ set) the inputs of every backward call of the first variant are saved there, to 
 
     python tools/attn_bisect.py                 # every variant
     python tools/attn_bisect.py --variant clamp  # one, in this process
+    python tools/attn_bisect.py --joint          # the joint cast kernel alone, row count specialized or not
 """
 
 from __future__ import annotations
@@ -196,9 +197,35 @@ def run_variant(variant: str, seeds: list[int], save: str | None, device: str) -
         print(f"RESULT {variant} seed {seed}: {'FINITE' if all(p.grad.isfinite().all() for p in model.parameters()) else 'NON-FINITE'}", flush=True)
 
 
+def check_joint_cast(device: str) -> None:
+    """graphquant::joint_cast's Triton kernel as it is and with its row count specialized again
+    (as it was), on float32 and bfloat16 tensors of 1024 and 70 rows, against the op's reference:
+    how many codes differ, in which rows of the transposed codes."""
+    import torch
+
+    import graphquant  # noqa: F401  (registers the ops)
+    from graphquant.kernels import triton_joint_fp8
+
+    source = _read("graphquant/kernels/triton_joint_fp8.py")
+    specialized = _variant_module("attn_bisect_joint", source, [('@triton.jit(do_not_specialize=["rows"])', "@triton.jit")])
+    for name, module in (("as it is", triton_joint_fp8), ("rows specialized", specialized)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1024, 70):
+                for fp8_dtype in ("e4m3", "e5m2"):
+                    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+                    scale = torch.tensor(448.0 / x.float().abs().max().item() if fp8_dtype == "e4m3" else 57344.0 / x.float().abs().max().item())
+                    expected = torch.ops.graphquant.joint_cast([x], scale, fp8_dtype, [True])
+                    got = module.joint_cast([x.to(device)], scale.to(device), fp8_dtype, [True])
+                    row_bad = (got[0][0].cpu().view(torch.uint8) != expected[0][0].view(torch.uint8)).sum().item()
+                    t_bad = got[1][0].cpu().view(torch.uint8) != expected[1][0].view(torch.uint8)
+                    print(f"joint_cast {name}: {dtype} {rows} rows {fp8_dtype}: rowwise codes wrong {row_bad}, transposed codes wrong "
+                          f"{t_bad.sum().item()} in rows {t_bad.any(1).nonzero().flatten().tolist()}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=list(VARIANTS), help="run one variant in this process")
+    parser.add_argument("--joint", action="store_true", help="only check the joint cast kernel, specialized on its row count or not")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to run, each in a process")
     parser.add_argument("--seeds", default="0,1", help="x's seeds (the test draws x unseeded)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: under TRITON_INTERPRET=1")
@@ -208,6 +235,9 @@ def main() -> None:
     parser.add_argument("--save", default=os.path.join(os.environ["OUT"], "attn-fix") if os.environ.get("OUT") else None)
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.joint:
+        check_joint_cast(args.device)
+        return
     if args.variant:
         run_variant(args.variant, seeds, args.save, args.device)
         return
