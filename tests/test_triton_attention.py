@@ -502,27 +502,27 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantize
     return o_bound, lse_bound, torch.logsumexp(x, -1), p, eta
 
 
-def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, config=None) -> str:
+def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, config=None, dtype=torch.bfloat16) -> str:
     """The flash path's O within ``flash_bound`` of the emulation's, the kernel's O the flash
     path's, its logsumexp within its logit error of float64's, and its recorded amax within the
-    same of the normalised P's; bfloat16 inputs, current scaling. With ``config`` (a
+    same of the normalised P's; inputs (and O) in ``dtype``, current scaling. With ``config`` (a
     triton_attention.ForwardConfig promoting PV at least once a key tile) the kernel runs that
     configuration, whose O is held to the same bound. Says how much of each bound the errors
     took."""
     from graphquant.kernels import triton_attention
 
-    q, k, v, _ = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
+    q, k, v, _ = _inputs(b, heads, kv_heads, lq, lk, d, dtype, device)
     scale = 1 / math.sqrt(d)
     o_emulated = quantized_attention(q, k, v, is_causal=causal, site=AttentionSite(name="attn", call=0, **CURRENT))
     o_flash = quantized_attention(q, k, v, is_causal=causal, site=AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH))
-    assert o_flash.dtype == torch.bfloat16 and o_flash.shape == o_emulated.shape
+    assert o_flash.dtype == dtype and o_flash.shape == o_emulated.shape
 
     rows = lambda t: t.reshape(-1, d)  # noqa: E731
     made = quantize_qkv({"Q": rows(q), "K": rows(k), "V": rows(v)}, E4M3, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, SlotState(None, None, 0))
     codes = [made[t][ROWWISE].tensors[0].view(x.shape) for t, x in zip("QKV", (q, k, v))]
     scale_inv = made["Q"][ROWWISE].tensors[1]
     p_scale = E4M3.scale_of_amax(torch.ones(1, device=device))
-    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, torch.bfloat16, config)
+    o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, config)
     if config is None:
         assert torch.equal(o_kernel, o_flash)
     o_flash = o_kernel
@@ -531,7 +531,7 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, c
     o_bound, lse_bound, lse64, p, eta = flash_bound(*values, o_flash, o_emulated, scale, causal, p_scale.item(), E4M3)
     error = (o_flash.double() - o_emulated.double()).abs()
     share = (error / o_bound).max().item()
-    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}{'' if config is None else f' {config}'}"
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'} {dtype}{'' if config is None else f' {config}'}"
     assert share <= 1, f"{what}: O is {share:.3g} of the bound away from the emulation's (mean |error| {error.mean().item():.3g})"
     lse_share = ((lse.double() - lse64).abs() / lse_bound).max().item()
     assert lse_share <= 1, f"{what}: the logsumexp is {lse_share:.3g} of its bound away from float64's"
@@ -541,6 +541,8 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, c
 
 
 GPU_SHAPES = [(4, 128, 64), (8, 1000, 128), (8, 2048, 128), (4, 1000, 64)]
+# test_compiled_decoder_trains_with_the_flash_kernels's attention (2 heads of 64, 256 tokens, causal).
+DECODER_SHAPE = (2, 2, 2, 256, 256, 64, True)
 
 
 @pytest.mark.gpu
@@ -549,6 +551,14 @@ GPU_SHAPES = [(4, 128, 64), (8, 1000, 128), (8, 2048, 128), (4, 1000, 64)]
 def test_kernel_against_the_emulation(heads, seq, d, causal):
     """``check_against_the_emulation`` at batch 2, 2 key/value heads."""
     print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_against_the_emulation_in_float32(causal):
+    """``check_against_the_emulation`` on float32 inputs at the compiled decoder test's attention
+    shape: Q, K and V of 1024 rows quantized from float32 (V^T by the joint cast), O in float32."""
+    print(check_against_the_emulation(*DECODER_SHAPE[:6], causal, "cuda", dtype=torch.float32))
 
 
 # -- the backward against the emulation ---------------------------------------------------------
@@ -597,12 +607,12 @@ def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_log
     return dq, dk, dv, rounding, 2 * eps_s.max().item()
 
 
-def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, warm=True) -> str:
+def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, warm=True, dtype=torch.bfloat16) -> str:
     """The flash backward's dQ, dK and dV within ``backward_bound`` of the emulation's (the zoo
     recipe's formats: s and dp delayed, their states warmed by one emulated step, so that the
     scales are an earlier step's; not ``warm``: at their initial scale of 1, as a model's first
     step finds them, where most of dS's codes are subnormal), the dp state each leaves within the
-    bound on dS, every other state and O equal; bfloat16 inputs. Says how much of each bound the
+    bound on dS, every other state and O equal; inputs in ``dtype``. Says how much of each bound the
     errors took."""
     from graphquant.ops.attention import flash_qkv, quantize_do, rowsum_do_o
 
@@ -610,12 +620,12 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
     native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
     states = [t if t is None else t.to(device) for t in _states(ZOO)]
     if warm:
-        leaves = [t.to(torch.bfloat16).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
+        leaves = [t.to(dtype).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
         o = quantized_attention(*leaves, is_causal=causal, site=emulated, states=states)
-        torch.autograd.grad(o, leaves, _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[3].to(torch.bfloat16))
+        torch.autograd.grad(o, leaves, _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[3].to(dtype))
     before = [None if t is None else t.clone() for t in states]
 
-    q, k, v, dout = _inputs(b, heads, kv_heads, lq, lk, d, torch.bfloat16, device)
+    q, k, v, dout = _inputs(b, heads, kv_heads, lq, lk, d, dtype, device)
     results = {}
     for site in (emulated, native):
         site_states = [None if t is None else t.clone() for t in before]
@@ -641,8 +651,8 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
     magnitude = values[0].double().abs() @ k64.abs().transpose(-1, -2) * scale
     x = values[0].double() @ k64.transpose(-1, -2) * scale
     delta_logits = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + 2.0**-20 * (1 + x.abs().amax(-1, keepdim=True))
-    *bounds, rounding, ds_bound = backward_bound(*values, do_values, delta, torch.bfloat16, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale)
-    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'}{'' if warm else ' first step'}"
+    *bounds, rounding, ds_bound = backward_bound(*values, do_values, delta, dtype, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale)
+    what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'} {dtype}{'' if warm else ' first step'}"
     shares = []
     for name, a, e, bound in zip(("dQ", "dK", "dV"), grads_n, grads_e, bounds):
         error = (a.double() - e.double()).abs()
@@ -659,8 +669,6 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
 
 
 BACKWARD_SHAPES = [(1, 2, 1, 70, 90, 64, True), (1, 2, 2, 90, 70, 64, False)]
-# test_compiled_decoder_trains_with_the_flash_kernels's attention (2 heads of 64, 256 tokens, causal).
-DECODER_SHAPE = (2, 2, 2, 256, 256, 64, True)
 BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
     """
     sys.path.insert(0, %r)
@@ -677,12 +685,12 @@ BACKWARD_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("shape, warm", [(BACKWARD_SHAPES[0], True), (BACKWARD_SHAPES[1], True), (DECODER_SHAPE, False)],
+@pytest.mark.parametrize("shape, warm, dtype", [(BACKWARD_SHAPES[0], True, torch.bfloat16), (BACKWARD_SHAPES[1], True, torch.bfloat16), (DECODER_SHAPE, False, torch.float32)],
                          ids=["gqa-causal", "full", "decoder-first-step"])
-def test_backward_reference_against_the_emulation(emulated_kernel, shape, warm):
+def test_backward_reference_against_the_emulation(emulated_kernel, shape, warm, dtype):
     """``check_backward_against_the_emulation`` with the backward op's reference on the CPU (the
     forward the emulation's own under current scaling, its logsumexp that of its logits)."""
-    print(check_backward_against_the_emulation(*shape, device="cpu", warm=warm))
+    print(check_backward_against_the_emulation(*shape, device="cpu", warm=warm, dtype=dtype))
     assert emulated_kernel["backward calls"] == 1
 
 
@@ -717,12 +725,14 @@ def test_backward_kernel_against_the_emulation(heads, kv_heads, seq, d, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [DECODER_SHAPE, (2, 8, 2, 1000, 1000, 128, False)], ids=["decoder", "gqa-l1000-d128-full"])
-def test_backward_kernel_at_the_first_step(shape):
+@pytest.mark.parametrize("shape, dtype", [(DECODER_SHAPE, torch.float32), ((2, 8, 2, 1000, 1000, 128, False), torch.bfloat16)],
+                         ids=["decoder-float32", "gqa-l1000-d128-full"])
+def test_backward_kernel_at_the_first_step(shape, dtype):
     """``check_backward_against_the_emulation`` with the s and dp scales at their initial 1, as
-    a model's first training step finds them (most of P's and dS's codes subnormal), at the
-    compiled decoder test's attention shape and at a grouped one."""
-    print(check_backward_against_the_emulation(*shape, device="cuda", warm=False))
+    a model's first training step finds them (most of P's and dS's codes subnormal): the compiled
+    decoder test's attention (float32, so Q, K, V and dO of 1024 rows quantized from float32) and
+    a grouped one."""
+    print(check_backward_against_the_emulation(*shape, device="cuda", warm=False, dtype=dtype))
 
 
 @pytest.mark.gpu
