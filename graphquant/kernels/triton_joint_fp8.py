@@ -25,8 +25,9 @@ _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
 # rows is not specialized: where Triton 3.6 sees it divisible by 16 it transposes float32 input's codes
-# for 16-byte stores in code that on sm_90 writes wrong bytes (rows 1, 5 and 9 of every 16 of the
-# transposed tile, at 1024 rows); one kernel for every row count is the one the tests check on the GPU.
+# for 16-byte stores in code that its bundled ptxas miscompiles for sm_90 (wrong bytes in rows 1, 5 and
+# 9 of every 16 of the transposed tile; FP8 stored both ways, triton-lang/triton#11111); one kernel for
+# every row count is the one the tests check on the GPU.
 @triton.jit(do_not_specialize=["rows"])
 def _pass_kernel(
     X, CODES, CODES_T, SCALE, AMAX_BITS, rows, COLS: tl.constexpr, BLOCK: tl.constexpr,
