@@ -210,12 +210,13 @@ class QuantizedGroupedMM(torch.autograd.Function):
         dy = tokens.pad(dy)
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
         dx = dw = None
-        # wgrad first: x's columnwise copy is freed before the weights' is made for dgrad.
-        if need_dw:
-            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
+        # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
+        # (as large as w, and kept to the end) is made once dgrad's operands are freed.
         if need_dx:
             stack, w_col = _quantize_experts(w, ctx.site, COLUMNWISE, rng)
             dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
+        if need_dw:
+            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
         return dx, dw, None, None, None
 
 
