@@ -9,6 +9,7 @@ bfloat16 on CPU (its meta function requires it), so results are bfloat16.
 
 import copy
 import dataclasses
+import functools
 import types
 
 import pytest
@@ -604,23 +605,50 @@ def _emulated_site(spec: str) -> Site:
     return Site(name="moe", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=emulated, dgrad=emulated, wgrad=emulated)
 
 
+class ExpertsStoredAsLinears(torch.nn.Module):
+    """Expert weights stored (E, N, K) as nn.Linear's are (and TorchTitan's), multiplied
+    transposed; N a multiple of 128, so that the expert stack is a view of the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        weight = torch.randn(E, 128, K, generator=torch.Generator().manual_seed(1)) / K**0.5
+        self.weight = torch.nn.Parameter(weight.to(torch.bfloat16))
+        self.register_buffer("offs", offsets())
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=self.offs)
+
+
 def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
-    """The experts' columnwise weights (dgrad's operand) are made again in backward from w, which
-    lives anyway (a parameter), rather than kept from forward to backward (at an MoE step's
-    shapes, 1 GiB of FP8). Made alone, that copy has the bits it has when made with the rowwise
-    one (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone),
-    so the gradients are unchanged. What backward keeps of the tokens: x's columnwise copy."""
-    spec = Float8RowwiseQuantizer().spec
+    """The experts' columnwise weights (dgrad's operand) are made in backward from the parameter,
+    which lives anyway, and neither kept from forward to backward (at an MoE step's shapes, 1 GiB
+    of FP8) nor made in forward too: with Inductor's partitioning, the forward quantizes x in both
+    directions and w rowwise only, and backward keeps x's columnwise copy, no copy of w. Made
+    alone, w's columnwise copy has the bits it has made with the rowwise one
+    (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    forward = []
+    backend = aot_autograd(
+        fw_compiler=lambda gm, example_inputs: forward.append(gm) or gm,
+        bw_compiler=lambda gm, example_inputs: gm,
+        decompositions=select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    model = ExpertsStoredAsLinears()
+    compiled = graphquant.compile(model, RECIPES["rowwise"](), backend=backend, fullgraph=True)
     x = inputs().requires_grad_()
-    w = Model().moe.experts.detach().requires_grad_()
+    compiled(x).sum().backward()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = quantized_grouped_mm(x, w, offsets(), site=_emulated_site(spec))
+        y = compiled(x)
+    y.sum().backward()
+
+    quantizes = [n.args[4:6] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
-    assert any(t is w for t in saved)
-    y.backward(torch.ones_like(y))
-    assert x.grad is not None and w.grad is not None and w.grad.shape == w.shape
 
 
 def test_tokens_by_experts_product_in_padded_rows_is_gathered_in_the_graph():

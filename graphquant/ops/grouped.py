@@ -136,8 +136,12 @@ def quantize_grouped(
         tensors = torch.ops.graphquant.grouped_quantize(
             source, layout.row_group, layout.ends, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
         )
+        # An absent part (Representation.tensors' empty tensor) is made here, not taken from the
+        # op: a backward that quantizes a parameter again would otherwise let the partitioner keep
+        # that tensor of no bytes from a forward run of the whole quantize, which then runs twice.
+        tensors = [source.new_empty(0, dtype=torch.float32) if t.dim() == 1 and t.shape[0] == 0 else t for t in tensors]
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
-        return {d: Operand(list(tensors[3 * i : 3 * i + 3]), made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
+        return {d: Operand(tensors[3 * i : 3 * i + 3], made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
 
     def rowwise_values(row: Operand) -> torch.Tensor:
         return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, layout.row_group, x.dtype)
