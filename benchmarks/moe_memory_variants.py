@@ -3,7 +3,7 @@ variants of what its grouped sites keep for backward and of Inductor's schedulin
 peak memory above the model (as moe_step.py's), ms per step, and with --memory what is live at
 each variant's peak.
 
-    python benchmarks/moe_memory_variants.py [--variants recompute,recompute+noreorder,kept+noreorder] [--memory] [--keep DIR]
+    python benchmarks/moe_memory_variants.py [--variants recompute,recompute+noreorder,kept+noreorder] [--memory VARIANTS] [--keep DIR]
 
 recompute: the branch's grouped op (the experts' columnwise weights made again in backward).
 kept: the op as on main before it (both directions of the weights in forward, the columnwise
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--variants", default="recompute,recompute+noreorder,kept+noreorder")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--memory", action="store_true", help="list what is live at each variant's peak")
+    parser.add_argument("--memory", default="", help="comma-separated variants whose live tensors at the peak to list")
     parser.add_argument("--keep", default=None, help="with --memory: a folder for the allocator traces and the Inductor code at each peak")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def main() -> None:
             times.append(start.elapsed_time(end))
         rows.append((variant, statistics.median(times), peak))
         print(f"{variant}: {statistics.median(times):.2f} ms/step, peak {peak:.2f} GiB", flush=True)
-        if args.memory:
+        if variant in args.memory.split(","):
             memory_at_peak(variant, step, args.keep)
     grouped.QuantizedGroupedMM = RECOMPUTE
     for variant, ms, peak in rows:
