@@ -7,7 +7,8 @@ each variant's peak.
 
 recompute: the branch's grouped op (the experts' columnwise weights made again in backward).
 kept: the op as on main before it (both directions of the weights in forward, the columnwise
-copy kept for backward). +noreorder: Inductor's reorder_for_peak_memory off.
+copy kept for backward). bf16: torch.compile without graphquant. +noreorder: Inductor's
+reorder_for_peak_memory off.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def main() -> None:
         torch._dynamo.reset()
         grouped.QuantizedGroupedMM = KeptWeights if variant.startswith("kept") else RECOMPUTE
         options = {"reorder_for_peak_memory": False} if variant.endswith("+noreorder") else None
-        model = graphquant.compile(copy.deepcopy(base), zoo.recipe("rowwise"), options=options)
+        if variant.startswith("bf16"):
+            model = torch.compile(copy.deepcopy(base), options=options)
+        else:
+            model = graphquant.compile(copy.deepcopy(base), zoo.recipe("rowwise"), options=options)
         step = training_step(model, x, grad)
         peak = warm_peak_gib(step)
         times = []
