@@ -677,6 +677,25 @@ def test_tokens_by_experts_product_in_padded_rows_is_gathered_in_the_graph():
     assert [user.target for user in fprop.users] == [torch.ops.aten.index_select.default]
 
 
+def test_graphs_with_grouped_sites_keep_their_backward_order_in_inductor(monkeypatch):
+    """Inductor compiles a graph with a grouped site without its peak-memory reordering (which
+    moved the grouped wgrads to the backward's end, their operands alive until then); a graph
+    without one keeps Inductor's default, and a user's setting wins."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    patches = []
+
+    def compile_fx(gm, example_inputs, inner_compile=None, config_patches=None):
+        patches.append(config_patches)
+        return gm
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    graphquant.compile(Model(), RECIPES["rowwise"](), fullgraph=True)(inputs())
+    graphquant.compile(Model(), RECIPES["rowwise"](), options={"reorder_for_peak_memory": True}, fullgraph=True)(inputs())
+    graphquant.compile(torch.nn.Linear(K, N), RECIPES["rowwise"](), fullgraph=True)(torch.randn(32, K))
+    assert [p.get("reorder_for_peak_memory") for p in patches] == [False, True, None]
+
+
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
 
 EXPERTS, DIM, HIDDEN, ROWS = 8, 128, 256, 64  # 64 rows an expert: whole MXFP8 blocks
