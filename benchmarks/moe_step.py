@@ -4,6 +4,7 @@ under bf16 torch._grouped_mm, graphquant's recipes and torchao's MoE training.
     python benchmarks/moe_step.py [--configs ...] [--tokens 16384] [--rounds 3]
     python benchmarks/moe_step.py --tiny          # CPU, small shapes: that every config runs
     python benchmarks/moe_step.py --configs "bf16 torch.compile,graphquant rowwise" --profile "graphquant rowwise"
+    python benchmarks/moe_step.py --configs "graphquant rowwise" --memory "graphquant rowwise" --keep /tmp/peak --inductor reorder_for_peak_memory=True
 
 Default shapes: 64 experts, top-8, model dim 4096, expert hidden 1408 (DeepSeek-V2-Lite's
 expert width), one shared expert of 2816, 16384 tokens. Prints ms per step (median over rounds
