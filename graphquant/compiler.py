@@ -221,7 +221,8 @@ class GraphquantBackend:
             options = dict(self.inductor_options)
             if plan is not None and any(g.module_type == "grouped_linear" for g in plan.gemms):
                 # A grouped site's backward frees each GEMM's operands as it goes; Inductor's
-                # peak-memory reordering moved its wgrads to the end, their operands alive until then.
+                # peak-memory reordering defers its wgrads (whose outputs live to the end) and
+                # with them the release of their FP8 operands.
                 options.setdefault("reorder_for_peak_memory", False)
             options["post_grad_custom_post_pass"] = SaturatingCast(
                 then=options.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
