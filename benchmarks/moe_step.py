@@ -18,6 +18,7 @@ groups padded to 16 by the model), present where torchao imports.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
 import statistics
@@ -74,8 +75,6 @@ def build(config: str, model: torch.nn.Module, backend: str, options: dict):
 
 def inductor_options(text: str) -> dict:
     """``key=value,...`` Inductor config settings (values: Python literals, e.g. False, 4)."""
-    import ast
-
     return {key.strip(): ast.literal_eval(value.strip()) for key, value in (item.split("=", 1) for item in text.split(",") if item)}
 
 
