@@ -597,12 +597,7 @@ def test_grouped_ops_pass_opcheck(quantizer):
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
 
 
-# -- what a grouped site keeps for backward, and where its products' rows go -------------------------
-
-
-def _emulated_site(spec: str) -> Site:
-    emulated = GemmBackend(backends.EMULATION)
-    return Site(name="moe", call=0, input=spec, weight=spec, grad_output=spec, streams=(0, 1, 2), fprop=emulated, dgrad=emulated, wgrad=emulated)
+# -- what a grouped site keeps for backward, and in what order its backward runs ------------------------
 
 
 class ExpertsStoredAsLinears(torch.nn.Module):
@@ -649,32 +644,6 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
-
-
-def test_tokens_by_experts_product_in_padded_rows_is_gathered_in_the_graph():
-    """A tokens x experts product that its GEMM makes in the padded layout (torch._scaled_grouped_mm's,
-    the emulated one's) leaves graphquant::grouped_gemm in those rows, the rows after the last
-    group zeros rather than whatever the GEMM left there, and the graph gathers the tokens' rows
-    after it, where a compiler folds the gather into what reads the product instead of copying it."""
-    spec = Float8RowwiseQuantizer().spec
-    x, w = inputs(), Model().moe.experts.detach()
-    tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
-    quantize = lambda t, layout: torch.ops.graphquant.grouped_quantize(t, layout.row_group, layout.ends, spec, True, False, None, 0)  # noqa: E731
-    xq, wq = quantize(tokens.pad(x), tokens), quantize(stack.pad(w.transpose(1, 2).reshape(E * N, K)), stack)
-    out = torch.ops.graphquant.grouped_gemm(
-        xq, spec, ROWWISE, [tokens.padded_rows, K], tokens.row_group, wq, spec, ROWWISE, [stack.padded_rows, K], stack.row_group,
-        tokens.ends, tokens.position, N, torch.bfloat16, backends.EMULATION, False, "moe#0 fprop",
-    )
-    assert out.shape == (tokens.padded_rows, N)
-    assert not out[int(tokens.ends[-1]) :].any()
-    assert torch.equal(out[tokens.position], quantized_grouped_mm(x, w, offsets(), site=_emulated_site(spec)))
-
-    forward = []
-    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: forward.append(gm) or gm)
-    graphquant.compile(Model(), RECIPES["rowwise"](), backend=backend, fullgraph=True)(inputs())
-    [fprop] = [n for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_gemm.default]
-    assert [user.target for user in fprop.users] == [torch.ops.aten.index_select.default]
 
 
 def test_graphs_with_grouped_sites_keep_their_backward_order_in_inductor(monkeypatch):

@@ -74,10 +74,8 @@ def gemm(
     backend: backends.GemmBackend,
     site: str,
 ) -> torch.Tensor:
-    """The grouped product of the module docstring, W's padding dropped: (groups, n, k) for
-    tokens x tokens; for tokens x experts, (tokens, n) where ``writes_token_rows(backend)`` (the
-    padded rows at ``position``), else the padded layout's (padded rows, n), whose gather into
-    the tokens' rows the caller traces, so that a compiler folds it into what reads the product.
+    """The grouped product of the module docstring, without the padding: (tokens, n) for tokens
+    x experts, the padded rows at ``position``; (groups, n, k) for tokens x tokens.
     ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
     ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
     rows make (the output columns of fprop, the rows of each wgrad product), padding dropped.
@@ -99,18 +97,8 @@ def gemm(
         out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
     if alpha is not None:
         out = out.float() * alpha
-    out = out[:, :n].to(out_dtype).contiguous()
-    if a.direction == ROWWISE:
-        # The GEMMs leave the rows after the last group unwritten: zeros, as A's; all lie past the tokens' count.
-        tail = torch.arange(position.shape[0], out.shape[0], device=out.device) >= ends[-1]
-        out[position.shape[0] :].masked_fill_(tail[:, None], 0)
-    return out
-
-
-def writes_token_rows(backend: backends.GemmBackend) -> bool:
-    """Whether ``backend`` writes a tokens x experts product straight into the tokens' rows (the
-    Triton FP8 grouped GEMM does); the others make it in the padded layout's rows."""
-    return backend.native in backends.TRITON_GROUPED_GEMMS
+    out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
+    return out.to(out_dtype).contiguous()
 
 
 def _emulated(

@@ -101,10 +101,9 @@ def grouped_gemm(
     fast_accumulation: bool,
     site: str,
 ) -> torch.Tensor:
-    """Each group's A_g @ B_g^T (graphquant.kernels.grouped.gemm), W's padding dropped: A
-    rowwise, tokens times an expert stack B, (tokens, n), or (padded rows, n) where the backend
-    makes it in the padded layout (``grouped_kernels.writes_token_rows``); A columnwise (wgrad),
-    tokens times tokens, (groups, n, cols of B). backend, fast_accumulation: the fields of the GemmBackend the
+    """Each group's A_g @ B_g^T (graphquant.kernels.grouped.gemm), the padding dropped: A
+    rowwise, tokens times an expert stack B, (tokens, n); A columnwise (wgrad), tokens times
+    tokens, (groups, n, cols of B). backend, fast_accumulation: the fields of the GemmBackend the
     plan chose for this GEMM, which runs it; site names the GEMM in errors ("moe#0 wgrad")."""
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
@@ -117,10 +116,7 @@ def _(
     a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype,
     backend, fast_accumulation, site,
 ):
-    if a_direction != ROWWISE:
-        shape = (ends.shape[0], n, b_shape[1])
-    else:
-        shape = (position.shape[0] if grouped_kernels.writes_token_rows(backends.named(backend, fast_accumulation)) else a_shape[0], n)
+    shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
     return a[0].new_empty(shape, dtype=out_dtype)
 
 
@@ -156,16 +152,12 @@ def _gemm(
     site: Site, gemm: str,
 ) -> torch.Tensor:
     """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad) on the backend the
-    plan chose for ``gemm`` of ``site``, in the tokens' rows (or per group for wgrad): see grouped_gemm."""
+    plan chose for ``gemm`` of ``site``: see grouped_gemm."""
     backend, name = site.runs(gemm)
-    out = torch.ops.graphquant.grouped_gemm(
+    return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
         tokens.ends, tokens.position, n, out_dtype, backend.name, backend.fast_accumulation, name,
     )
-    if a.direction == ROWWISE and not grouped_kernels.writes_token_rows(backend):
-        # Traced, this gather folds into what reads the product: no copy of it is made.
-        out = out.index_select(0, tokens.position)
-    return out
 
 
 def _padded(size: int) -> int:
