@@ -4,6 +4,7 @@ under bf16 torch._grouped_mm, graphquant's recipes and torchao's MoE training.
     python benchmarks/moe_step.py [--configs ...] [--tokens 16384] [--rounds 3]
     python benchmarks/moe_step.py --tiny          # CPU, small shapes: that every config runs
     python benchmarks/moe_step.py --configs "bf16 torch.compile,graphquant rowwise" --profile "graphquant rowwise"
+    python benchmarks/moe_step.py --configs "graphquant rowwise" --memory "graphquant rowwise" --keep /tmp/peak --inductor reorder_for_peak_memory=True
 
 Default shapes: 64 experts, top-8, model dim 4096, expert hidden 1408 (DeepSeek-V2-Lite's
 expert width), one shared expert of 2816, 16384 tokens. Prints ms per step (median over rounds
@@ -17,6 +18,7 @@ groups padded to 16 by the model), present where torchao imports.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
 import statistics
@@ -52,14 +54,14 @@ SHAPES = {"dim": 4096, "experts": 64, "top_k": 8, "hidden": 1408, "shared_hidden
 TINY = {"dim": 64, "experts": 4, "top_k": 2, "hidden": 64, "shared_hidden": 64}
 
 
-def build(config: str, model: torch.nn.Module, backend: str):
+def build(config: str, model: torch.nn.Module, backend: str, options: dict):
     model = copy.deepcopy(model)
     if config == "bf16 eager":
         return model
     if config == "bf16 torch.compile":
-        return torch.compile(model, backend=backend)
+        return torch.compile(model, backend=backend, options=options or None)
     if config in GRAPHQUANT:
-        return graphquant.compile(model, GRAPHQUANT[config](), backend=backend)
+        return graphquant.compile(model, GRAPHQUANT[config](), backend=backend, options=options or None)
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
@@ -68,7 +70,12 @@ def build(config: str, model: torch.nn.Module, backend: str):
     # (pad_token_groups_for_grouped_mm=True fails an assert), so the model pads, as TorchTitan's does.
     model.token_group_alignment = 16
     quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, GroupedSwiGLU))
-    return torch.compile(model, backend=backend)
+    return torch.compile(model, backend=backend, options=options or None)
+
+
+def inductor_options(text: str) -> dict:
+    """``key=value,...`` Inductor config settings (values: Python literals, e.g. False, 4)."""
+    return {key.strip(): ast.literal_eval(value.strip()) for key, value in (item.split("=", 1) for item in text.split(",") if item)}
 
 
 def configs(requested: list[str] | None) -> list[str]:
@@ -99,6 +106,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="comma-separated configs whose step to profile (CUDA kernels by time)")
     parser.add_argument("--tiny", action="store_true", help="CPU, small shapes, aot_eager: a check that every config runs")
     parser.add_argument("--memory", default="", help="comma-separated configs whose saved tensors and live memory at the peak to list")
+    parser.add_argument("--keep", default=None, help="with --memory: a folder for each config's allocator trace and the Inductor code live at its peak")
+    parser.add_argument("--inductor", default="", help="Inductor config settings for every compiled config, e.g. reorder_for_peak_memory=False")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     shapes = TINY if args.tiny else SHAPES
@@ -113,7 +122,7 @@ def main() -> None:
     steps, models, failed, peaks = {}, {}, {}, {}
     for name in names:
         try:
-            models[name] = build(name, base, backend)
+            models[name] = build(name, base, backend, inductor_options(args.inductor))
             step = training_step(models[name], x, grad)
             if device.type == "cuda":
                 peaks[name] = warm_peak_gib(step)
@@ -152,7 +161,7 @@ def main() -> None:
     for name in args.memory.split(",") if args.memory and device.type == "cuda" else ():
         if name in steps:
             saved_for_backward(name, steps[name], [x, *models[name].parameters()])
-            memory_at_peak(name, steps[name], None)
+            memory_at_peak(name, steps[name], args.keep)
         else:
             print(f"--memory {name!r}: not among the configs that ran ({', '.join(steps)})", file=sys.stderr)
 

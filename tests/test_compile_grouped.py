@@ -9,11 +9,13 @@ bfloat16 on CPU (its meta function requires it), so results are bfloat16.
 
 import copy
 import dataclasses
+import functools
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor
 from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
     INDUCTOR_SLACK,
@@ -593,6 +595,74 @@ def test_grouped_ops_pass_opcheck(quantizer):
     )
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
+
+
+# -- what a grouped site keeps for backward, and in what order its backward runs ------------------------
+
+
+class ExpertsStoredAsLinears(torch.nn.Module):
+    """Expert weights stored (E, N, K) as nn.Linear's are (and TorchTitan's), multiplied
+    transposed; N a multiple of 128, so that the expert stack is a view of the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        weight = torch.randn(E, 128, K, generator=torch.Generator().manual_seed(1)) / K**0.5
+        self.weight = torch.nn.Parameter(weight.to(torch.bfloat16))
+        self.register_buffer("offs", offsets())
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=self.offs)
+
+
+def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
+    """The experts' columnwise weights (dgrad's operand) are made in backward from the parameter,
+    which lives anyway, and neither kept from forward to backward (at an MoE step's shapes, 1 GiB
+    of FP8) nor made in forward too: with Inductor's partitioning, the forward quantizes x in both
+    directions and w rowwise only, and backward keeps x's columnwise copy, no copy of w. Made
+    alone, w's columnwise copy has the bits it has made with the rowwise one
+    (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    forward = []
+    backend = aot_autograd(
+        fw_compiler=lambda gm, example_inputs: forward.append(gm) or gm,
+        bw_compiler=lambda gm, example_inputs: gm,
+        decompositions=select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    model = ExpertsStoredAsLinears()
+    compiled = graphquant.compile(model, RECIPES["rowwise"](), backend=backend, fullgraph=True)
+    x = inputs().requires_grad_()
+    compiled(x).sum().backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = compiled(x)
+    y.sum().backward()
+
+    quantizes = [n.args[4:6] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    assert quantizes == [(True, True), (True, False)]
+    padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
+    assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
+
+
+def test_graphs_with_grouped_sites_keep_their_backward_order_in_inductor(monkeypatch):
+    """Inductor compiles a graph with a grouped site without its peak-memory reordering (which
+    moved the grouped wgrads to the backward's end, their operands alive until then); a graph
+    without one keeps Inductor's default, and a user's setting wins."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    patches = []
+
+    def compile_fx(gm, example_inputs, inner_compile=None, config_patches=None):
+        patches.append(config_patches)
+        return gm
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    graphquant.compile(Model(), RECIPES["rowwise"](), fullgraph=True)(inputs())
+    graphquant.compile(Model(), RECIPES["rowwise"](), options={"reorder_for_peak_memory": True}, fullgraph=True)(inputs())
+    graphquant.compile(torch.nn.Linear(K, N), RECIPES["rowwise"](), fullgraph=True)(torch.randn(32, K))
+    assert [p.get("reorder_for_peak_memory") for p in patches] == [False, True, None]
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------

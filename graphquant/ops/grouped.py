@@ -132,8 +132,12 @@ def quantize_grouped(
         tensors = torch.ops.graphquant.grouped_quantize(
             source, layout.row_group, layout.ends, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
         )
+        # An absent part (Representation.tensors' empty tensor) is made here, not taken from the
+        # op: a backward that quantizes a parameter again would otherwise let the partitioner keep
+        # that tensor of no bytes from a forward run of the whole quantize, which then runs twice.
+        tensors = [source.new_empty(0, dtype=torch.float32) if t.dim() == 1 and t.shape[0] == 0 else t for t in tensors]
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
-        return {d: Operand(list(tensors[3 * i : 3 * i + 3]), made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
+        return {d: Operand(tensors[3 * i : 3 * i + 3], made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
 
     def rowwise_values(row: Operand) -> torch.Tensor:
         return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, layout.row_group, x.dtype)
@@ -160,32 +164,41 @@ def _padded(size: int) -> int:
     return -(-size // GROUP_ROWS) * GROUP_ROWS
 
 
+def _quantize_experts(w: torch.Tensor, site: Site, direction: str, rng: Optional[torch.Tensor]) -> tuple[groups.GroupPadding, Operand]:
+    """(the layout of the expert stack, its ``direction`` representation): W_g = w[g]^T (n, k)
+    for each expert, stacked, every expert's rows padded to whole blocks."""
+    experts, k, n = w.shape
+    expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
+    stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
+    w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
+    return stack, quantize_grouped(w2d, stack, site.quantizers[1], (direction,), rng, site.streams[1])[direction]
+
+
 class QuantizedGroupedMM(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats."""
 
     @staticmethod
     def forward(ctx, x, w, offs, rng, site: Site):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        experts, k, n = w.shape
+        experts, _, n = w.shape
         groups.check_offsets(offs, x.shape[0], site.label)
         tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-        expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
-        stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))  # W_g = w[g]^T, stacked
-        x_quantizer, w_quantizer, _ = site.quantizers
+        x_quantizer = site.quantizers[0]
         xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
-        w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
-        wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), rng, site.streams[1])
-        y = _gemm(xq[ROWWISE], wq[ROWWISE], stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
+        stack, wq = _quantize_experts(w, site, ROWWISE, rng)
+        y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
+        # The weights' columnwise copy is made again in backward from w, which lives anyway (a
+        # parameter): kept, it would hold the experts' weights once more from forward to backward.
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
-        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), *tokens, stack.row_group, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, rng)
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, w_col, (*token_layout, w_group, rng) = saved_columnwise(ctx)
+        x_col, _, (*token_layout, w, rng) = saved_columnwise(ctx)
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
@@ -193,8 +206,11 @@ class QuantizedGroupedMM(torch.autograd.Function):
         dy = tokens.pad(dy)
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
         dx = dw = None
+        # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
+        # (as large as w, and kept to the end) is made once dgrad's operands are freed.
         if need_dx:
-            dx = _gemm(gq[ROWWISE], w_col, w_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
+            stack, w_col = _quantize_experts(w, ctx.site, COLUMNWISE, rng)
+            dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
         return dx, dw, None, None, None
