@@ -5,6 +5,8 @@ Every rounding step is spelled out, because native kernels are compared to these
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -50,9 +52,16 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    return reduced_amax(x, _max_of_all)
+
+
+def reduced_amax(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """max |x| as float32 over what ``reduce`` (a max over some of its argument's dims) reduces,
+    exact for x as stored in its dtype even where Inductor fuses x into its producer
+    (``tensor_amax`` says how)."""
     if x.dtype == torch.float16:
-        return _max_of_all(x.abs()).to(torch.float32)
-    bits = _max_of_all(magnitude_bits(x))
+        return reduce(x.abs()).to(torch.float32)
+    bits = reduce(magnitude_bits(x))
     if x.dtype == torch.bfloat16:
         bits = rounded_to_bfloat16(bits)
     return bits.view(torch.float32)

@@ -36,11 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.formats import nvfp4
+from graphquant.formats import fp8, nvfp4
+from graphquant.formats.block import amax as block_amax
 from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
-from graphquant.quantizers import Representation, gemm_dims
+from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
+from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
+# The same kernels given A in high precision with the amaxes of its scales, which they quantize
+# as they load it: no quantize kernels before the GEMM (QuantizedOnLoad).
+QUANTIZING_BACKEND = "triton decode gemm, A quantized on load"
 
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
 # every block scale's length, so that no block straddles two programs.
@@ -93,6 +98,10 @@ MAX_ROWS = {
     ("nvfp4", "nvfp4"): NVFP4_ROWS,
     ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
 }
+# The A families whose FP8 current scaling it applies as it loads A: KernelEncoding (scaling,
+# block) of each, and the pairs of MAX_ROWS it then multiplies.
+QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise", ("block", (1, 128)): "fp8_block_1x128"}
+QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
@@ -245,28 +254,49 @@ def _e2m1_values(codes, scale):
 
 
 @triton.jit
-def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: tl.constexpr = None):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
-    DIVISOR with one IEEE division, as the format's reference does."""
+    DIVISOR with one IEEE division, as the format's reference does; or, under an FP8 scale RULE
+    (A quantized as it is loaded), the reciprocal of the scale that rule gives the amax."""
     if KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
         factor = tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
+    if RULE is not None:
+        factor = reciprocal(_scale(factor, RULE))
     if DIVISOR != 1.0:
         factor = tl.math.div_rn(factor, DIVISOR)
     return factor
 
 
 @triton.jit
+def _scale(amax, RULE: tl.constexpr):
+    """The scale FP8 current scaling's RULE (QuantizedOnLoad.rule) gives ``amax``."""
+    return fp8_scale(amax, RULE[1], RULE[2], RULE[3])
+
+
+@triton.jit
+def _quantized(ptr, row, rows, col, K, stride, scale, RULE: tl.constexpr):
+    """The FP8 codes (RULE's element) of the high-precision values at (row, col) under ``scale``
+    (broadcast over them), +0 outside the operand."""
+    x = tl.load(ptr + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0.0)
+    if RULE[0] == "e4m3":
+        codes = fp8_codes(x, scale, RULE[1], tl.float8e4nv)
+    else:
+        codes = fp8_codes(x, scale, RULE[1], tl.float8e5)
+    return codes
+
+
+@triton.jit
 def _finish(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    has_bias,
+    has_bias, A_RULE: tl.constexpr = None,
 ):
     """out[m, n] = total[n, m] times both factors (their product first, as one alpha), plus the
     bias, rounded once to out's dtype."""
     if A_FACTOR != 0:
-        factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
+        factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR, A_RULE)
         if B_FACTOR != 0:
             factor = factor * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
         total = total * factor
@@ -281,11 +311,12 @@ def _finish(
 def _write(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
+    A_RULE: tl.constexpr = None,
 ):
     """A program's (BLOCK_N, BLOCK_M) sums: finished into out, or where K is SPLIT, its partial
     sums written for _reduce_kernel."""
     if not SPLIT:
-        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
+        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
     else:
         at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
@@ -304,7 +335,7 @@ def _decode_kernel(
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
@@ -313,17 +344,24 @@ def _decode_kernel(
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
-    for every byte rather than broadcast."""
+    for every byte rather than broadcast. A_RULE (QuantizedOnLoad.rule): A is high precision,
+    FP8-quantized as it is loaded under scales made by that rule from the amaxes that stand in
+    its scales' (per-tensor, per-row) factor or block scales."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if A_RULE is not None and A_FACTOR != 0:  # one scale for A, or one per row
+        a_scale = _scale(_factor(a_factor_ptr, m, m < M, A_FACTOR, 1.0), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
             b = _codes(b_ptr, n, N, col, K, b_stride)
-            a = _codes(a_ptr, m, M, col, K, a_stride)
+            if A_RULE is None:
+                a = _codes(a_ptr, m, M, col, K, a_stride)
+            else:
+                a = _quantized(a_ptr, m, M, col, K, a_stride, a_scale, A_RULE)
             total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
         elif OPERAND == 1 and MX == 2:
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -336,16 +374,20 @@ def _decode_kernel(
         elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
             for j in tl.static_range(BLOCK_K // SCALE_COLS):
                 col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
+                block = k0 // SCALE_COLS + j
+                blocks = tl.cdiv(K, SCALE_COLS)
                 b = _codes(b_ptr, n, N, col, K, b_stride)
-                a = _codes(a_ptr, m, M, col, K, a_stride)
+                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
+                if A_RULE is None:
+                    a = _codes(a_ptr, m, M, col, K, a_stride)
+                else:  # a_scale is the block's amax
+                    a = _quantized(a_ptr, m, M, col, K, a_stride, _scale(a_scale, A_RULE), A_RULE)
+                    a_scale = reciprocal(_scale(a_scale, A_RULE))
                 if OPERAND == 0:
                     block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
                 else:
                     block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
-                block = k0 // SCALE_COLS + j
-                blocks = tl.cdiv(K, SCALE_COLS)
                 b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
-                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
                 total += block_sum * b_scale * tl.trans(a_scale)
         elif OPERAND == 1:  # BF16_VALUES (MXFP8)
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
@@ -360,7 +402,7 @@ def _decode_kernel(
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
     )
 
 
@@ -415,7 +457,7 @@ def _fma_kernel(
 def _reduce_kernel(
     partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N, splits,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_RULE: tl.constexpr = None,
 ):
     """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -424,7 +466,59 @@ def _reduce_kernel(
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for split in range(splits):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
-    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
+    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
+
+
+class QuantizedOnLoad(NamedTuple):
+    """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does as
+    they load it (QUANTIZING_BACKEND): ``amax`` holds the amax each of its scales is made from,
+    laid out as the scales are (``amaxes``), so that the amax is a reduction the graph fuses into
+    A's producer, and each scale follows from it by the format's rule in the kernel."""
+
+    data: torch.Tensor
+    amax: torch.Tensor
+    quantizer: Quantizer
+
+    @property
+    def direction(self) -> str:
+        return ROWWISE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.data.shape[1])
+
+    @property
+    def stored_k_last(self) -> bool:
+        return True
+
+    @property
+    def rule(self) -> tuple[str, float, float, bool]:
+        """The scale rule as _decode_kernel takes it (A_RULE): (element, its largest finite
+        value, amax_epsilon, pow2_scales)."""
+        encoding = self.quantizer.kernel_encoding(ROWWISE)
+        return (encoding.element, fp8.fp8_max(encoding.element), float(encoding.amax_epsilon), bool(encoding.pow2_scales))
+
+
+def quantize_on_load_refusal(quantizer: Quantizer) -> str:
+    """Why the kernels cannot quantize A rowwise as ``quantizer`` does as they load it ("" where
+    they can): FP8 current scaling per tensor, per row or per 1x128 block, amax of this tensor alone."""
+    encoding = quantizer.kernel_encoding(ROWWISE)
+    if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
+        return f"the decode GEMM quantizes A as it loads it in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
+    if encoding.delayed_scaling or quantizer.reduces_amax:
+        return f"the decode GEMM quantizes A as it loads it from the amax of A alone, not {quantizer}'s"
+    return ""
+
+
+def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
+    """The amaxes of 2-D ``x`` that QuantizedOnLoad takes for ``quantizer`` (one the kernels
+    quantize A as: quantize_on_load_refusal), exact for x as stored: of the tensor (0-dim), of
+    each row ((m, 1)) or of each 1x128 block ((m, blocks))."""
+    encoding = quantizer.kernel_encoding(ROWWISE)
+    scaling, (rows, cols) = encoding.scaling, encoding.block
+    if scaling == "tensor":
+        return fp8.tensor_amax(x)
+    return block_amax(x, (rows, x.shape[1] if cols == -1 else cols))
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -447,8 +541,9 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     """(layout, pointer and stride arguments) of one operand of _decode_kernel."""
     layout = _layout(rep, operand)
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
-    scale = rep.scale if layout.scale_block != (0, 0) else data
-    factor = (rep.amax if layout.factor_from_amax else rep.scale) if layout.factor else data
+    scales = rep.amax if isinstance(rep, QuantizedOnLoad) else rep.scale  # each scale made from its amax in the kernel
+    scale = scales if layout.scale_block != (0, 0) else data
+    factor = (rep.amax if layout.factor_from_amax else scales) if layout.factor else data
     if layout.factor == ROW_FACTOR:
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
@@ -473,11 +568,12 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
 
 
 def gemm(
-    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+    a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
     """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
-    reduction dim last; ``config``: the tiling (default_config where None)."""
+    reduction dim last, A quantized or to be quantized as it is loaded; ``config``: the tiling
+    (default_config where None)."""
     m, n, k = gemm_dims(a, b)
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
@@ -503,12 +599,19 @@ def gemm(
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
+    rule = None
+    if isinstance(a, QuantizedOnLoad):
+        refusal = quantize_on_load_refusal(a.quantizer)
+        if refusal:
+            raise ValueError(refusal)
+        rule = a.rule
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=ONE_TILE_ROWS,
+            A_RULE=rule,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
@@ -526,12 +629,12 @@ def gemm(
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
         )
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
             partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
-            BLOCK_M=16, BLOCK_N=128,
+            BLOCK_M=16, BLOCK_N=128, A_RULE=rule,
         )
     return out
