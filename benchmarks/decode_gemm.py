@@ -1,18 +1,21 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py
+    python benchmarks/decode_gemm.py [--rows 1,16,64]
 
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed). Each function is replayed from a CUDA graph of CALLS calls, so the times are the GPU's,
-not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
+timed), and for the FP8 formats the GEMM that quantizes the bf16 activation as it loads it
+(triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
+quantize costs inside the GEMM. Each function is replayed from a CUDA graph of CALLS calls, so
+the times are the GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
 row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -56,9 +59,12 @@ def nbytes(*tensors) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
+    row_counts = [int(r) for r in parser.parse_args().rows.split(",")]
     rows = []
     for n, k in WEIGHTS:
-        for m in ROWS:
+        for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
             fns = {"bf16 F.linear": lambda: F.linear(x, w)}
@@ -75,6 +81,10 @@ def main() -> None:
                 b = qb(w, columnwise=False).get(ROWWISE)
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
+                if not triton_decode.quantize_on_load_refusal(qa):
+                    on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
+                    fns[f"decode {name}, A quantized on load"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+                    weight_bytes[f"decode {name}, A quantized on load"] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
