@@ -9,12 +9,19 @@ on every special amax; on the GPU at a Llama-3-8B FFN's shapes.
 """
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton_interpreter
+from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
 
+import graphquant
+from graphquant import recipes, zoo
 from graphquant.formats import fp8
+from graphquant.kernels import backends, emulation
 from graphquant.quantizers import (
     ROWWISE,
     Float8BlockQuantizer,
@@ -39,6 +46,8 @@ PAIRS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
 }
+# The recipes whose inference linears run on it at decode rows, and one whose do not.
+RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows.
 INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True)]
 
@@ -52,6 +61,55 @@ def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torc
     first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias)
     on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias)
     return first, on_load
+
+
+class FeedForward(torch.nn.Module):
+    """A SwiGLU FFN, as a decoder's: x + w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int = 128, hidden: int = 256) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(dim, hidden, bias=False)
+        self.w3 = torch.nn.Linear(dim, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list[torch.Tensor], list]:
+    """A frozen FFN's outputs for each of ``xs`` (a static graph each, aot_eager) and its plans."""
+    torch.manual_seed(0)
+    compiled = graphquant.compile(
+        FeedForward().to(torch.bfloat16), recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir
+    )
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        outputs = [compiled(x) for x in xs]
+    return outputs, compiled.graphquant.plans
+
+
+def _planned_alike_results() -> dict:
+    """For each recipe on a faked Hopper, the frozen FFN at one and three rows with the kernel that
+    quantizes x as it loads it (interpreted), and with it refused (x quantized first, the plain
+    decode GEMM): whether each planned as expected and gave the same bits."""
+    from graphquant.kernels import triton_decode
+
+    backends.capability = lambda device: (9, 0)
+    refusal = triton_decode.quantize_on_load_refusal
+    xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(3, 128).to(torch.bfloat16)]
+    results = {}
+    for name, recipe in RECIPES.items():
+        runs = {}
+        for backend, refuse in ((triton_decode.QUANTIZING_BACKEND, False), (triton_decode.BACKEND, True)):
+            triton_decode.quantize_on_load_refusal = (lambda quantizer: "refused") if refuse else refusal
+            backends.clear_caches()
+            torch._dynamo.reset()
+            outputs, plans = _frozen_outputs(recipe, xs)
+            planned = {g.backend.name for plan in plans for g in plan.gemms}
+            runs[backend] = (outputs, planned == {backend})
+        (fused, fused_planned), (first, first_planned) = runs.values()
+        results[f"frozen ffn {name}"] = fused_planned and first_planned and all(map(torch.equal, fused, first))
+    return results
 
 
 def _interpreted_results() -> dict:
@@ -74,7 +132,7 @@ def _interpreted_results() -> dict:
             inverse.view(torch.int32), expected_inverse.view(torch.int32)
         )
         results[f"scale rule {element} {epsilon} {pow2}"] = same
-    return results
+    return results | _planned_alike_results()
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +151,89 @@ def test_the_kernels_scale_rule_is_the_references_interpreted(interpreted):
     """Every special amax (0, subnormal, under the epsilon, overflowing the scale, inf, NaN)."""
     rules = [key for key in interpreted if key.startswith("scale rule")]
     assert len(rules) == 3 and all(interpreted[key] for key in rules)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_interpreted(interpreted, name):
+    """The same model planned with the kernel that quantizes x as it loads it and without it (x
+    quantized first, then the plain decode GEMM), at one row and three, computes the same bits."""
+    assert interpreted[f"frozen ffn {name}"]
+
+
+@pytest.fixture
+def hopper_on_cpu(monkeypatch):
+    """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
+    be quantized on load and multiplies on the emulated GEMM; gives the A operands it got."""
+    triton_decode = backends.triton_decode
+    if triton_decode is None:
+        pytest.skip("no Triton: no decode GEMM")
+    got = []
+
+    def stand_in(a, b, out_dtype, bias=None):
+        got.append(a)
+        if isinstance(a, triton_decode.QuantizedOnLoad):
+            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(triton_decode, "gemm", stand_in)
+    backends.clear_caches()
+    yield got
+    backends.clear_caches()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantizes_x(hopper_on_cpu, name):
+    """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x as it
+    loads it, in the plan and in the rewritten graph's calls (the graph dump), and it gets x in
+    bf16 with x's amaxes; at 17 rows (past the decode GEMM's 16) none; the same bits as on the CPU."""
+    triton_decode = backends.triton_decode
+    on_load = backends.GemmBackend(triton_decode.QUANTIZING_BACKEND)
+    xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(17, 128).to(torch.bfloat16)]
+    with tempfile.TemporaryDirectory() as dump_dir:
+        outputs, plans = _frozen_outputs(RECIPES[name], xs, dump_dir)
+        rewritten = [open(os.path.join(dump_dir, f"graph_{i:03d}_rewritten.py")).read() for i in range(2)]
+    assert [g.backend for g in plans[0].gemms] == [on_load] * 3, str(plans[0])
+    assert on_load not in {g.backend for g in plans[1].gemms}, str(plans[1])
+    assert rewritten[0].count(f"fprop={on_load!r}") == 3 and repr(on_load) not in rewritten[1]
+    assert len(hopper_on_cpu) == 3 and all(isinstance(a, triton_decode.QuantizedOnLoad) for a in hopper_on_cpu)
+    assert all(a.data.dtype == torch.bfloat16 and a.amax.dtype == torch.float32 for a in hopper_on_cpu)
+    backends.capability = lambda device: None  # the CPU's emulated GEMM, x quantized first
+    backends.clear_caches()
+    torch._dynamo.reset()
+    emulated, _ = _frozen_outputs(RECIPES[name], xs[:1])
+    assert torch.equal(outputs[0], emulated[0])
+
+
+def test_training_and_formats_it_cannot_quantize_keep_x_quantized_first(hopper_on_cpu):
+    """Training keeps x's quantized copies for backward, so its fprop quantizes x first; so does
+    inference in a format the kernel does not quantize (MXFP8) or at rows the plan cannot see."""
+    triton_decode = backends.triton_decode
+    model = FeedForward().to(torch.bfloat16)
+    training = graphquant.compile(model, RECIPES["tensorwise"], backend="aot_eager")
+    training(torch.randn(1, 128).to(torch.bfloat16)).sum().backward()
+    fprops = [g.backend.name for g in training.graphquant.plan.gemms if g.gemm == "fprop"]
+    assert fprops == [triton_decode.BACKEND] * 3
+    for recipe, dynamic in ((recipes.mxfp8_block_scaling(), False), (RECIPES["tensorwise"], True)):
+        torch._dynamo.reset()
+        compiled = graphquant.compile(model, recipe, mode="inference", backend="aot_eager", dynamic=dynamic)
+        with torch.no_grad():
+            compiled(torch.randn(2, 128).to(torch.bfloat16))
+        assert triton_decode.QUANTIZING_BACKEND not in {g.backend.name for g in compiled.graphquant.plan.gemms}
+    assert not any(isinstance(a, triton_decode.QuantizedOnLoad) for a in hopper_on_cpu)
+
+
+def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
+    triton_decode = backends.triton_decode
+    quantizer = Float8RowwiseQuantizer()
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    w = quantizer(torch.randn(64, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE)
+    args = (x, triton_decode.amaxes(x, quantizer), quantizer.spec, list(w.tensors()), quantizer.spec, ROWWISE, [64, 128])
+    args += (torch.bfloat16, triton_decode.QUANTIZING_BACKEND, "fc#0 fprop", None)
+    op = torch.ops.graphquant.gemm_quantizing_a.default
+    torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    with pytest.raises(backends.GemmMismatch, match="takes A in high precision"):
+        backends.gemm(w, w, 1, torch.bfloat16, backends.GemmBackend(triton_decode.QUANTIZING_BACKEND), "fc#0 fprop")
 
 
 @pytest.mark.parametrize("name", PAIRS)
