@@ -231,7 +231,7 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.FP8_CODES, VALUES=triton.language.bfloat16, SCALE_COLS=0,
         A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=1.0, B_FACTOR=1, B_DIVISOR=1.0, SPLIT=True,
-        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, A_RULE=None,
     )
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
