@@ -1,25 +1,36 @@
-"""The kernels of one forward of the inference sweep's FFN (two Llama-3-8B SwiGLU blocks) at a
-few rows, per configuration: each kernel's name, launches and GPU microseconds, their sum, and the
-span from the first kernel's start to the last one's end (the gaps between kernels are the
-difference), so that a decode step's time can be split between GEMMs and the work around them.
+"""Where a decode step's time goes: the kernels of one forward of the inference sweep's FFN (two
+Llama-3-8B SwiGLU blocks) at a few rows, per configuration, with each kernel's launches and GPU
+microseconds, their sum, the span from the first kernel's start to the last one's end (the gaps
+between kernels are the difference), and the forward's milliseconds as the sweep times them.
 
-    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--cudagraphs]
+    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--cudagraphs] [--quantize-first]
 
 Without --cudagraphs each launch's host time shows as gaps; with it, the replayed graph's.
+--quantize-first adds each graphquant configuration again with its plan refused the decode GEMM
+that quantizes the activation as it loads it (the activation quantized first, then the plain
+decode GEMM), so that both are measured in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
+import sys
 
 import torch
 from tabulate import tabulate
 
-import inference_configs
-from models import FeedForward
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import alternate, time_ms  # noqa: E402
+from inference_configs import allow_graphs, build  # noqa: E402
+from models import DIM, FFNStack  # noqa: E402
+
+from graphquant.kernels import backends  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16 torch.compile,graphquant tensorwise frozen,graphquant rowwise frozen,graphquant deepseek_blockwise frozen"
+QUANTIZE_FIRST = ", quantize first"
 
 
 def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, int, float]], float]:
@@ -40,27 +51,54 @@ def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, in
     return [(name, count, us) for name, (count, us) in by_name.items()], span
 
 
+@contextlib.contextmanager
+def quantizing_first():
+    """Plans made inside refuse the decode GEMM that quantizes A as it loads it."""
+    refusal = backends.triton_decode.quantize_on_load_refusal
+    backends.triton_decode.quantize_on_load_refusal = lambda quantizer: "refused by decode_profile.py --quantize-first"
+    backends.clear_caches()
+    try:
+        yield
+    finally:
+        backends.triton_decode.quantize_on_load_refusal = refusal
+        backends.clear_caches()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--cudagraphs", action="store_true")
+    parser.add_argument("--quantize-first", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
     rows = [int(r) for r in args.rows.split(",")]
-    model = torch.nn.Sequential(FeedForward(), FeedForward()).to(device, torch.bfloat16)
+    base = FFNStack(2).to(device, torch.bfloat16).eval()
     names = args.configs.split(",")
-    inference_configs.allow_graphs(len(names) * len(rows) * 2)
+    if args.quantize_first:
+        names += [name + QUANTIZE_FIRST for name in names if name.startswith("graphquant")]
+    allow_graphs(len(names) * len(rows))
+    inputs = {r: torch.randn(r, DIM, device=device, dtype=torch.bfloat16) for r in rows}
+    summary, fns = [], {}
     with torch.no_grad():
         for name in names:
-            built = inference_configs.build(name, model, device, args.cudagraphs)
-            for r in rows:
-                found, span = kernels(built, torch.randn(r, model[0].w1.in_features, device=device, dtype=torch.bfloat16))
-                busy = sum(us for _, _, us in found)
-                print(f"\n{name} @{r} rows: {sum(c for _, c, _ in found)} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
-                print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
-                               headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
+            first = name.endswith(QUANTIZE_FIRST)
+            with quantizing_first() if first else contextlib.nullcontext():
+                model = build(name.removesuffix(QUANTIZE_FIRST), base, device, args.cudagraphs)
+                for r in rows:
+                    found, span = kernels(model, inputs[r])  # compiles (and plans) the graph of r rows
+                    launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
+                    summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
+                    fns[name, r] = functools.partial(model, inputs[r])
+                    print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
+                    print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
+                                   headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
+        ms = alternate(fns, rounds=3, timer=time_ms, inner=5, reps=5)
+    for line in summary:
+        line.append(f"{ms[line[0], line[1]]:.3f}")
+    print()
+    print(tabulate(summary, headers=["config", "rows", "launches", "GPU us", "span us", "ms per forward"], disable_numparse=True))
 
 
 if __name__ == "__main__":
