@@ -99,8 +99,10 @@ MAX_ROWS = {
     ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
 }
 # The A families whose FP8 current scaling it applies as it loads A: KernelEncoding (scaling,
-# block) of each, and the pairs of MAX_ROWS it then multiplies.
-QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise", ("block", (1, 128)): "fp8_block_1x128"}
+# block) of each, and the pairs of MAX_ROWS it then multiplies. Not 1x128 blocks: there each
+# 128-column block's codes would go from registers to the tensor cores' shared memory on their
+# own, which made the GEMM 1.5-3x slower than reading codes quantized before it (decode_gemm.py).
+QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise"}
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
@@ -345,13 +347,13 @@ def _decode_kernel(
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
     for every byte rather than broadcast. A_RULE (QuantizedOnLoad.rule): A is high precision,
-    FP8-quantized as it is loaded under scales made by that rule from the amaxes that stand in
-    its scales' (per-tensor, per-row) factor or block scales."""
+    FP8-quantized as it is loaded under the scale (per tensor or per row) that rule makes from
+    the amax that stands in A's factor."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if A_RULE is not None and A_FACTOR != 0:  # one scale for A, or one per row
+    if A_RULE is not None:  # one scale for A, or one per row
         a_scale = _scale(_factor(a_factor_ptr, m, m < M, A_FACTOR, 1.0), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
@@ -374,20 +376,16 @@ def _decode_kernel(
         elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
             for j in tl.static_range(BLOCK_K // SCALE_COLS):
                 col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
-                block = k0 // SCALE_COLS + j
-                blocks = tl.cdiv(K, SCALE_COLS)
                 b = _codes(b_ptr, n, N, col, K, b_stride)
-                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
-                if A_RULE is None:
-                    a = _codes(a_ptr, m, M, col, K, a_stride)
-                else:  # a_scale is the block's amax
-                    a = _quantized(a_ptr, m, M, col, K, a_stride, _scale(a_scale, A_RULE), A_RULE)
-                    a_scale = reciprocal(_scale(a_scale, A_RULE))
+                a = _codes(a_ptr, m, M, col, K, a_stride)
                 if OPERAND == 0:
                     block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
                 else:
                     block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
+                block = k0 // SCALE_COLS + j
+                blocks = tl.cdiv(K, SCALE_COLS)
                 b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
+                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
                 total += block_sum * b_scale * tl.trans(a_scale)
         elif OPERAND == 1:  # BF16_VALUES (MXFP8)
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
@@ -471,9 +469,9 @@ def _reduce_kernel(
 
 class QuantizedOnLoad(NamedTuple):
     """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does as
-    they load it (QUANTIZING_BACKEND): ``amax`` holds the amax each of its scales is made from,
-    laid out as the scales are (``amaxes``), so that the amax is a reduction the graph fuses into
-    A's producer, and each scale follows from it by the format's rule in the kernel."""
+    they load it (QUANTIZING_BACKEND): ``amax`` holds the amax its scale (or each row's) is made
+    from (``amaxes``), so that the amax is a reduction the graph fuses into A's producer, and the
+    scale follows from it by the format's rule in the kernel."""
 
     data: torch.Tensor
     amax: torch.Tensor
@@ -501,7 +499,7 @@ class QuantizedOnLoad(NamedTuple):
 
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     """Why the kernels cannot quantize A rowwise as ``quantizer`` does as they load it ("" where
-    they can): FP8 current scaling per tensor, per row or per 1x128 block, amax of this tensor alone."""
+    they can): FP8 current scaling per tensor or per row, from the amax of this tensor alone."""
     encoding = quantizer.kernel_encoding(ROWWISE)
     if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
         return f"the decode GEMM quantizes A as it loads it in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
@@ -511,14 +509,12 @@ def quantize_on_load_refusal(quantizer: Quantizer) -> str:
 
 
 def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
-    """The amaxes of 2-D ``x`` that QuantizedOnLoad takes for ``quantizer`` (one the kernels
-    quantize A as: quantize_on_load_refusal), exact for x as stored: of the tensor (0-dim), of
-    each row ((m, 1)) or of each 1x128 block ((m, blocks))."""
-    encoding = quantizer.kernel_encoding(ROWWISE)
-    scaling, (rows, cols) = encoding.scaling, encoding.block
-    if scaling == "tensor":
+    """The amax of 2-D ``x`` that QuantizedOnLoad takes for ``quantizer`` (one the kernels
+    quantize A as: quantize_on_load_refusal), exact for x as stored: of the tensor (0-dim) or of
+    each row ((m, 1))."""
+    if quantizer.kernel_encoding(ROWWISE).scaling == "tensor":
         return fp8.tensor_amax(x)
-    return block_amax(x, (rows, x.shape[1] if cols == -1 else cols))
+    return block_amax(x, (1, x.shape[1]))
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -541,9 +537,8 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     """(layout, pointer and stride arguments) of one operand of _decode_kernel."""
     layout = _layout(rep, operand)
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
-    scales = rep.amax if isinstance(rep, QuantizedOnLoad) else rep.scale  # each scale made from its amax in the kernel
-    scale = scales if layout.scale_block != (0, 0) else data
-    factor = (rep.amax if layout.factor_from_amax else scales) if layout.factor else data
+    scale = rep.scale if layout.scale_block != (0, 0) else data
+    factor = (rep.amax if layout.factor_from_amax or isinstance(rep, QuantizedOnLoad) else rep.scale) if layout.factor else data
     if layout.factor == ROW_FACTOR:
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
