@@ -42,8 +42,9 @@ PAIRS = {
 }
 # The recipes whose inference linears run on it at decode rows, and one whose do not.
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise")}
-# (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows.
-INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True)]
+# (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
+# whose amaxes come in chunks (fp8.row_chunk_amax).
+INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False)]
 
 
 def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +54,7 @@ def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torc
     qa, qb = PAIRS[name]
     b = qb(w, columnwise=False).get(ROWWISE)
     first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias)
-    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias)
+    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, fp8.row_chunk_amax(x), qa), b, out_dtype, bias)
     return first, on_load
 
 
@@ -180,7 +181,7 @@ def hopper_on_cpu(monkeypatch):
 def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantizes_x(hopper_on_cpu, name):
     """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x as it
     loads it, in the plan and in the rewritten graph's calls (the graph dump), and it gets x in
-    bf16 with x's amaxes; at 17 rows (past the decode GEMM's 16) none; the same bits as on the CPU."""
+    bf16 with the amaxes of x's rows; at 17 rows (past the decode GEMM's 16) none; the same bits as on the CPU."""
     triton_decode = backends.triton_decode
     on_load = backends.GemmBackend(triton_decode.QUANTIZING_BACKEND)
     xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(17, 128).to(torch.bfloat16)]
@@ -223,7 +224,7 @@ def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
     quantizer = Float8RowwiseQuantizer()
     x = torch.randn(2, 128).to(torch.bfloat16)
     w = quantizer(torch.randn(64, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE)
-    args = (x, triton_decode.amaxes(x, quantizer), quantizer.spec, list(w.tensors()), quantizer.spec, ROWWISE, [64, 128])
+    args = (x, fp8.row_chunk_amax(x), quantizer.spec, list(w.tensors()), quantizer.spec, ROWWISE, [64, 128])
     args += (torch.bfloat16, triton_decode.QUANTIZING_BACKEND, "fc#0 fprop", None)
     op = torch.ops.graphquant.gemm_quantizing_a.default
     torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
@@ -231,21 +232,18 @@ def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
         backends.gemm(w, w, 1, torch.bfloat16, backends.GemmBackend(triton_decode.QUANTIZING_BACKEND), "fc#0 fprop")
 
 
-@pytest.mark.parametrize("name", PAIRS)
-def test_amaxes_make_the_reference_scales(name):
-    """The amaxes the kernel takes give, by the format's rule, the scales the reference quantizer
-    stores: rows of zeros, tiny and huge values."""
-    pytest.importorskip("triton")
-    from graphquant.kernels import triton_decode
-
+@pytest.mark.parametrize("cols", [300, 4096, 14336])
+def test_row_chunk_amaxes_give_each_rows_and_the_tensors_amax(cols):
+    """The amaxes the kernel takes (rows longer than 4096 in chunks of 1024): their max over a row
+    is the row's amax, over all the tensor's (fp8.tensor_amax), through rows of zeros and values
+    40 orders of magnitude apart."""
     torch.manual_seed(0)
-    qa, _ = PAIRS[name]
-    x = (torch.randn(5, 300) * torch.logspace(-20, 20, 5)[:, None]).to(torch.bfloat16)
+    x = (torch.randn(5, cols) * torch.logspace(-20, 20, 5)[:, None]).to(torch.bfloat16)
     x[2] = 0
-    rep = qa(x, columnwise=False).get(ROWWISE)
-    encoding = qa.kernel_encoding(ROWWISE)
-    _, scale_inv = fp8.scales(triton_decode.amaxes(x, qa), encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
-    assert torch.equal(scale_inv.reshape(rep.scale.shape), rep.scale)
+    chunks = fp8.row_chunk_amax(x)
+    assert chunks.shape == (5, 14 if cols == 14336 else 1) and chunks.dtype == torch.float32
+    assert torch.equal(chunks.amax(1), x.float().abs().amax(1))
+    assert torch.equal(chunks.max(), fp8.tensor_amax(x))
 
 
 def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():

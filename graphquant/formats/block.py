@@ -48,13 +48,6 @@ def quantize(
     return data, scale_inv
 
 
-def amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 (ceil(M/rows), ceil(K/cols)): max |x| over each block, ``quantize``'s amaxes, exact
-    for x as stored in its dtype even where Inductor fuses x into its producer
-    (fp8.reduced_amax): the scales of a kernel that reads the stored x and quantizes it itself."""
-    return fp8.reduced_amax(_blocks(x, block), lambda t: t.amax(dim=(1, 3)))
-
-
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int]) -> torch.Tensor:
     """fp32(data) * its block's scale_inv, one fp32 product per element (float32 (M, K))."""
     m, k = data.shape

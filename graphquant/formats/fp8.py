@@ -67,6 +67,16 @@ def reduced_amax(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
     return bits.view(torch.float32)
 
 
+def row_chunk_amax(x: torch.Tensor) -> torch.Tensor:
+    """float32 (rows, chunks): max |x| over each chunk of each row of 2-D ``x``, exact for x as
+    stored (``reduced_amax``): a row longer than ``_LOOPED_ROW`` elements in the chunks
+    ``tensor_amax`` takes, a shorter one whole, so that it is one reduction Inductor fuses into
+    x's producer. The max of a row's chunks is the row's amax; of all of them, the tensor's."""
+    rows, cols = x.shape
+    chunk = next((c for c in _CHUNKS if cols % c == 0), cols) if cols > _LOOPED_ROW else cols
+    return reduced_amax(x.reshape(rows, cols // max(chunk, 1), max(chunk, 1)), lambda t: t.amax(-1))
+
+
 def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
     """|x|'s float32 bit patterns as int32, ordered as the magnitudes are (NaN above infinity)."""
     return x.float().view(torch.int32) & _MAGNITUDE_BITS

@@ -37,14 +37,13 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.formats.block import amax as block_amax
 from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
-# The same kernels given A in high precision with the amaxes of its scales, which they quantize
-# as they load it: no quantize kernels before the GEMM (QuantizedOnLoad).
+# The same kernels given A in high precision with the amaxes of its rows, which they quantize as
+# they load it: no quantize kernels before the GEMM (QuantizedOnLoad).
 QUANTIZING_BACKEND = "triton decode gemm, A quantized on load"
 
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
@@ -259,16 +258,30 @@ def _e2m1_values(codes, scale):
 def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: tl.constexpr = None):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
     DIVISOR with one IEEE division, as the format's reference does; or, under an FP8 scale RULE
-    (A quantized as it is loaded), the reciprocal of the scale that rule gives the amax."""
-    if KIND == 1:  # TENSOR_FACTOR
+    (A quantized as it is loaded, ``ptr`` its chunk amaxes), the reciprocal of the scale that rule
+    gives A's amax."""
+    if RULE is not None:
+        factor = reciprocal(_scale(_amax_of_a(ptr, index, mask, KIND, RULE[4]), RULE))
+    elif KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
         factor = tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
-    if RULE is not None:
-        factor = reciprocal(_scale(factor, RULE))
     if DIVISOR != 1.0:
         factor = tl.math.div_rn(factor, DIVISOR)
     return factor
+
+
+@triton.jit
+def _amax_of_a(ptr, index, mask, KIND: tl.constexpr, CHUNKS: tl.constexpr):
+    """The amax of each row ``index`` of A, or (KIND 1, TENSOR_FACTOR) of all A, whose rows are all
+    at ``index``, from the amaxes of CHUNKS chunks of each row at ``ptr`` (QuantizedOnLoad): the
+    max of their bits, as fp8.tensor_amax takes it (a NaN wins)."""
+    bits = tl.zeros(index.shape, tl.int32)
+    for chunk in tl.static_range(CHUNKS):
+        bits = tl.maximum(bits, tl.load(ptr + index * CHUNKS + chunk, mask=mask, other=0.0).to(tl.int32, bitcast=True))
+    if KIND == 1:
+        bits = tl.max(tl.reshape(bits, (bits.numel,)), 0)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -354,7 +367,7 @@ def _decode_kernel(
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if A_RULE is not None:  # one scale for A, or one per row
-        a_scale = _scale(_factor(a_factor_ptr, m, m < M, A_FACTOR, 1.0), A_RULE)
+        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
@@ -469,9 +482,11 @@ def _reduce_kernel(
 
 class QuantizedOnLoad(NamedTuple):
     """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does as
-    they load it (QUANTIZING_BACKEND): ``amax`` holds the amax its scale (or each row's) is made
-    from (``amaxes``), so that the amax is a reduction the graph fuses into A's producer, and the
-    scale follows from it by the format's rule in the kernel."""
+    they load it (QUANTIZING_BACKEND): ``amax`` (m, chunks) holds the amax of each chunk of each
+    row (fp8.row_chunk_amax), one reduction the graph fuses into A's producer; the kernels take
+    the max of a row's (a per-row format's amax) or of all (a per-tensor one's) and make the scale
+    from it by the format's rule. All of A's rows lie in one tile of rows of the kernels (m is at
+    most ONE_TILE_ROWS)."""
 
     data: torch.Tensor
     amax: torch.Tensor
@@ -490,11 +505,12 @@ class QuantizedOnLoad(NamedTuple):
         return True
 
     @property
-    def rule(self) -> tuple[str, float, float, bool]:
-        """The scale rule as _decode_kernel takes it (A_RULE): (element, its largest finite
-        value, amax_epsilon, pow2_scales)."""
+    def rule(self) -> tuple[str, float, float, bool, int]:
+        """How _decode_kernel quantizes A (A_RULE): (the element, its largest finite value,
+        amax_epsilon, pow2_scales, the chunks of a row in ``amax``)."""
         encoding = self.quantizer.kernel_encoding(ROWWISE)
-        return (encoding.element, fp8.fp8_max(encoding.element), float(encoding.amax_epsilon), bool(encoding.pow2_scales))
+        element = encoding.element
+        return (element, fp8.fp8_max(element), float(encoding.amax_epsilon), bool(encoding.pow2_scales), self.amax.shape[1])
 
 
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
@@ -506,15 +522,6 @@ def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     if encoding.delayed_scaling or quantizer.reduces_amax:
         return f"the decode GEMM quantizes A as it loads it from the amax of A alone, not {quantizer}'s"
     return ""
-
-
-def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
-    """The amax of 2-D ``x`` that QuantizedOnLoad takes for ``quantizer`` (one the kernels
-    quantize A as: quantize_on_load_refusal), exact for x as stored: of the tensor (0-dim) or of
-    each row ((m, 1))."""
-    if quantizer.kernel_encoding(ROWWISE).scaling == "tensor":
-        return fp8.tensor_amax(x)
-    return block_amax(x, (1, x.shape[1]))
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -539,7 +546,7 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
     scale = rep.scale if layout.scale_block != (0, 0) else data
     factor = (rep.amax if layout.factor_from_amax or isinstance(rep, QuantizedOnLoad) else rep.scale) if layout.factor else data
-    if layout.factor == ROW_FACTOR:
+    if layout.factor == ROW_FACTOR or isinstance(rep, QuantizedOnLoad):  # (rows,) or (rows, chunks), contiguous
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
@@ -600,6 +607,8 @@ def gemm(
         if refusal:
             raise ValueError(refusal)
         rule = a.rule
+        if m > ONE_TILE_ROWS or (config is not None and config.block_m < m):
+            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {m} rows and {config}")
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
