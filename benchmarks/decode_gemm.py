@@ -34,6 +34,12 @@ EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
 MXFP8_ONE_ROW = triton_decode.DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
+# Tilings of FP8 codes at one program an SM: where the weight's row tiles fill the SMs, K is not
+# split and no reduce kernel runs after the GEMM (a launch fewer in a decode step's graph).
+UNSPLIT = {
+    f"n{n} k{k} one program an SM": triton_decode.DecodeConfig(block_n=n, block_k=k, stages=stages, tiles_per_sm=1)
+    for n, k, stages in ((16, 512, 2), (32, 256, 3), (64, 256, 3))
+}
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 64]
@@ -86,6 +92,11 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, fp8.row_chunk_amax(x), qa)
                     fns[f"decode {name}, A quantized on load"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, A quantized on load"] = weight_bytes[f"decode {name}"]
+                    for label, config in UNSPLIT.items() if name == "fp8 tensorwise" else ():
+                        fns[f"decode {name}, A quantized on load, {label}"] = (
+                            lambda a=on_load, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
+                        )
+                        weight_bytes[f"decode {name}, A quantized on load, {label}"] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
