@@ -1,7 +1,7 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,64]
+    python benchmarks/decode_gemm.py [--rows 1,16,64] [--formats "fp8 tensorwise,nvfp4"]
 
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
@@ -68,7 +68,10 @@ def nbytes(*tensors) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
-    row_counts = [int(r) for r in parser.parse_args().rows.split(",")]
+    parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
+    args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    formats = {name: FORMATS[name] for name in args.formats.split(",")}
     rows = []
     for n, k in WEIGHTS:
         for m in row_counts:
@@ -81,7 +84,7 @@ def main() -> None:
             args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
             fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
             weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
-            for name, (qa, qb) in FORMATS.items():
+            for name, (qa, qb) in formats.items():
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
                     continue
                 a = qa(x, columnwise=False).get(ROWWISE)
