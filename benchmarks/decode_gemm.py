@@ -93,13 +93,13 @@ def main() -> None:
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
                 if not triton_decode.quantize_on_load_refusal(qa):
                     on_load = triton_decode.QuantizedOnLoad(x, fp8.row_chunk_amax(x), qa)
-                    fns[f"decode {name}, A quantized on load"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
-                    weight_bytes[f"decode {name}, A quantized on load"] = weight_bytes[f"decode {name}"]
+                    fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+                    weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
                     for label, config in UNSPLIT.items() if name == "fp8 tensorwise" else ():
-                        fns[f"decode {name}, A quantized on load, {label}"] = (
+                        fns[f"decode {name}, quantizing A, {label}"] = (
                             lambda a=on_load, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
                         )
-                        weight_bytes[f"decode {name}, A quantized on load, {label}"] = weight_bytes[f"decode {name}"]
+                        weight_bytes[f"decode {name}, quantizing A, {label}"] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]

@@ -1,6 +1,7 @@
-"""The decode GEMM that quantizes its activation as it loads it (triton_decode.QuantizedOnLoad):
-its product is, bit for bit, the decode GEMM's on the activation the reference quantizer made
-(same codes, same scales, same kernel), for per-tensor and per-row FP8 current scaling.
+"""The decode GEMM that quantizes its activation itself (triton_decode.QuantizedOnLoad): as it
+loads it (per-tensor and per-row FP8 current scaling) or in a kernel of its own first (1x128
+blocks). Its product is, bit for bit, the decode GEMM's on the activation the reference quantizer
+made (same codes, same scales, same kernel).
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own, its FP8 casts
 rounded as the GPU's are (triton_interpreter.round_fp8_to_nearest_even), and the scale rule alone
@@ -39,9 +40,14 @@ PAIRS = {
     ),
     "rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
     "rowwise, scales not powers of two": (Float8RowwiseQuantizer(force_pow_2_scales=False), Float8RowwiseQuantizer()),
+    "block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
+    "block 1x128, scales not powers of two": (
+        Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
+        Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
+    ),
 }
 # The recipes whose inference linears run on it at decode rows, and one whose do not.
-RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise")}
+RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
 # whose amaxes come in chunks (fp8.row_chunk_amax).
 INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False)]
@@ -202,15 +208,14 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
 
 def test_training_and_formats_it_cannot_quantize_keep_x_quantized_first(hopper_on_cpu):
     """Training keeps x's quantized copies for backward, so its fprop quantizes x first; so does
-    inference in a format the kernel does not quantize (1x128 blocks, MXFP8) or at rows the plan
-    cannot see."""
+    inference in a format the kernel does not quantize (MXFP8) or at rows the plan cannot see."""
     triton_decode = backends.triton_decode
     model = FeedForward().to(torch.bfloat16)
     training = graphquant.compile(model, RECIPES["tensorwise"], backend="aot_eager")
     training(torch.randn(1, 128).to(torch.bfloat16)).sum().backward()
     fprops = [g.backend.name for g in training.graphquant.plan.gemms if g.gemm == "fprop"]
     assert fprops == [triton_decode.BACKEND] * 3
-    for recipe, dynamic in ((zoo.recipe("deepseek_blockwise"), False), (recipes.mxfp8_block_scaling(), False), (RECIPES["tensorwise"], True)):
+    for recipe, dynamic in ((recipes.mxfp8_block_scaling(), False), (RECIPES["tensorwise"], True)):
         torch._dynamo.reset()
         compiled = graphquant.compile(model, recipe, mode="inference", backend="aot_eager", dynamic=dynamic)
         with torch.no_grad():
@@ -255,7 +260,7 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
     refusals = {
         Float8DelayedScalingQuantizer(): "from the amax of A alone",
         Float8CurrentScalingQuantizer(with_amax_reduction=True): "from the amax of A alone",
-        Float8BlockQuantizer(block_scaling_dim=1): "FP8 current scaling per fp8_tensorwise, fp8_rowwise, not",
+        Float8BlockQuantizer(block_scaling_dim=2): "FP8 current scaling per fp8_tensorwise, fp8_rowwise, fp8_block_1x128, not",
         MXFP8Quantizer(): "not mxfp8",
     }
     for quantizer, refusal in refusals.items():

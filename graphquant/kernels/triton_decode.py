@@ -42,9 +42,9 @@ from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
-# The same kernels given A in high precision with the amaxes of its rows, which they quantize as
-# they load it: no quantize kernels before the GEMM (QuantizedOnLoad).
-QUANTIZING_BACKEND = "triton decode gemm, A quantized on load"
+# The same kernels given A in high precision with the amaxes of its rows, which they quantize
+# themselves: no quantize kernels in the graph before the GEMM (QuantizedOnLoad).
+QUANTIZING_BACKEND = "triton decode gemm, quantizing A"
 
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
 # every block scale's length, so that no block straddles two programs.
@@ -97,11 +97,12 @@ MAX_ROWS = {
     ("nvfp4", "nvfp4"): NVFP4_ROWS,
     ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
 }
-# The A families whose FP8 current scaling it applies as it loads A: KernelEncoding (scaling,
-# block) of each, and the pairs of MAX_ROWS it then multiplies. Not 1x128 blocks: there each
-# 128-column block's codes would go from registers to the tensor cores' shared memory on their
-# own, which made the GEMM 1.5-3x slower than reading codes quantized before it (decode_gemm.py).
-QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise"}
+# The A families whose FP8 current scaling it applies to A itself: KernelEncoding (scaling, block)
+# of each, and the pairs of MAX_ROWS it then multiplies. Per tensor and per row as it loads A;
+# 1x128 blocks in a kernel of their own first (_block_codes_kernel): loaded, each 128-column
+# block's codes would go from registers to the tensor cores' shared memory on their own, which
+# made the GEMM 1.5-3x slower than reading codes quantized before it (decode_gemm.py).
+QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise", ("block", (1, 128)): "fp8_block_1x128"}
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
@@ -294,12 +295,33 @@ def _scale(amax, RULE: tl.constexpr):
 def _quantized(ptr, row, rows, col, K, stride, scale, RULE: tl.constexpr):
     """The FP8 codes (RULE's element) of the high-precision values at (row, col) under ``scale``
     (broadcast over them), +0 outside the operand."""
-    x = tl.load(ptr + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0.0)
+    return _encoded(tl.load(ptr + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0.0), scale, RULE)
+
+
+@triton.jit
+def _encoded(x, scale, RULE: tl.constexpr):
+    """x's FP8 codes (RULE's element) under ``scale``."""
     if RULE[0] == "e4m3":
         codes = fp8_codes(x, scale, RULE[1], tl.float8e4nv)
     else:
         codes = fp8_codes(x, scale, RULE[1], tl.float8e5)
     return codes
+
+
+@triton.jit
+def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl.constexpr, BLOCKS: tl.constexpr):
+    """Program (r, j): the 1x128 blocks j * BLOCKS to (j + 1) * BLOCKS - 1 of row r of x, each
+    block's FP8 codes under the scale RULE gives its amax (the max of its magnitudes' bits, as
+    the reference's: a NaN wins), and that scale's reciprocal (scale_ptr: (blocks, rows), the
+    spec's outer-dim-major layout)."""
+    row = tl.program_id(0)
+    block = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    col = block * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + col, mask=col < K, other=0.0)
+    bits = tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, keep_dims=True)
+    scale = _scale(bits.to(tl.float32, bitcast=True), RULE)
+    tl.store(codes_ptr + row.to(tl.int64) * K + col, _encoded(x, scale, RULE), mask=col < K)
+    tl.store(scale_ptr + block.to(tl.int64) * rows + row, reciprocal(scale), mask=block < tl.cdiv(K, 128))
 
 
 @triton.jit
@@ -481,12 +503,13 @@ def _reduce_kernel(
 
 
 class QuantizedOnLoad(NamedTuple):
-    """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does as
-    they load it (QUANTIZING_BACKEND): ``amax`` (m, chunks) holds the amax of each chunk of each
-    row (fp8.row_chunk_amax), one reduction the graph fuses into A's producer; the kernels take
-    the max of a row's (a per-row format's amax) or of all (a per-tensor one's) and make the scale
-    from it by the format's rule. All of A's rows lie in one tile of rows of the kernels (m is at
-    most ONE_TILE_ROWS)."""
+    """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does
+    (QUANTIZING_BACKEND): per tensor or per row as they load it, ``amax`` (m, chunks) holding the
+    amax of each chunk of each row (fp8.row_chunk_amax), one reduction the graph fuses into A's
+    producer; the kernels take the max of a row's (a per-row format's amax) or of all (a
+    per-tensor one's) and make the scale from it by the format's rule. All of A's rows lie in one
+    tile of rows of the kernels (m is at most ONE_TILE_ROWS). 1x128 blocks take their amaxes in
+    the kernel that quantizes them before the GEMM (_block_codes_kernel)."""
 
     data: torch.Tensor
     amax: torch.Tensor
@@ -514,14 +537,25 @@ class QuantizedOnLoad(NamedTuple):
 
 
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
-    """Why the kernels cannot quantize A rowwise as ``quantizer`` does as they load it ("" where
-    they can): FP8 current scaling per tensor or per row, from the amax of this tensor alone."""
+    """Why the kernels cannot quantize A rowwise as ``quantizer`` does ("" where they can): FP8
+    current scaling per tensor, per row or per 1x128 block, from the amax of this tensor alone."""
     encoding = quantizer.kernel_encoding(ROWWISE)
     if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
         return f"the decode GEMM quantizes A as it loads it in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
     if encoding.delayed_scaling or quantizer.reduces_amax:
         return f"the decode GEMM quantizes A as it loads it from the amax of A alone, not {quantizer}'s"
     return ""
+
+
+def _block_codes(a: QuantizedOnLoad) -> Representation:
+    """A's 1x128 blocks quantized by _block_codes_kernel: the reference quantizer's representation, bit for bit."""
+    m, k = a.shape
+    x = a.data if a.data.stride(-1) == 1 else a.data.contiguous()
+    blocks = triton.cdiv(k, 128)
+    codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[a.rule[0]], device=x.device)
+    scale = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
+    _block_codes_kernel[(m, triton.cdiv(blocks, 8))](x, codes, scale, m, k, x.stride(0), RULE=a.rule, BLOCKS=8)
+    return a.quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -576,6 +610,17 @@ def gemm(
     """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
     reduction dim last, A quantized or to be quantized as it is loaded; ``config``: the tiling
     (default_config where None)."""
+    rule = None
+    if isinstance(a, QuantizedOnLoad):
+        refusal = quantize_on_load_refusal(a.quantizer)
+        if refusal:
+            raise ValueError(refusal)
+        if a.quantizer.kernel_encoding(ROWWISE).scaling == "block":
+            a = _block_codes(a)
+        elif a.shape[0] > ONE_TILE_ROWS or (config is not None and config.block_m < a.shape[0]):
+            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {a.shape[0]} rows and {config}")
+        else:
+            rule = a.rule
     m, n, k = gemm_dims(a, b)
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
@@ -601,14 +646,6 @@ def gemm(
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    rule = None
-    if isinstance(a, QuantizedOnLoad):
-        refusal = quantize_on_load_refusal(a.quantizer)
-        if refusal:
-            raise ValueError(refusal)
-        rule = a.rule
-        if m > ONE_TILE_ROWS or (config is not None and config.block_m < m):
-            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {m} rows and {config}")
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
