@@ -26,7 +26,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
-from graphquant.formats import fp8  # noqa: E402
 from graphquant.kernels import backends, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
@@ -92,7 +91,7 @@ def main() -> None:
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
                 if not triton_decode.quantize_on_load_refusal(qa):
-                    on_load = triton_decode.QuantizedOnLoad(x, fp8.row_chunk_amax(x), qa)
+                    on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
                     for label, config in UNSPLIT.items() if name == "fp8 tensorwise" else ():

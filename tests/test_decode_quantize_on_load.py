@@ -60,7 +60,7 @@ def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torc
     qa, qb = PAIRS[name]
     b = qb(w, columnwise=False).get(ROWWISE)
     first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias)
-    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, fp8.row_chunk_amax(x), qa), b, out_dtype, bias)
+    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias)
     return first, on_load
 
 
@@ -229,7 +229,7 @@ def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
     quantizer = Float8RowwiseQuantizer()
     x = torch.randn(2, 128).to(torch.bfloat16)
     w = quantizer(torch.randn(64, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE)
-    args = (x, fp8.row_chunk_amax(x), quantizer.spec, list(w.tensors()), quantizer.spec, ROWWISE, [64, 128])
+    args = (x, triton_decode.amaxes(x, quantizer), quantizer.spec, list(w.tensors()), quantizer.spec, ROWWISE, [64, 128])
     args += (torch.bfloat16, triton_decode.QUANTIZING_BACKEND, "fc#0 fprop", None)
     op = torch.ops.graphquant.gemm_quantizing_a.default
     torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))

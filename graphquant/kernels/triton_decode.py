@@ -508,8 +508,8 @@ class QuantizedOnLoad(NamedTuple):
     amax of each chunk of each row (fp8.row_chunk_amax), one reduction the graph fuses into A's
     producer; the kernels take the max of a row's (a per-row format's amax) or of all (a
     per-tensor one's) and make the scale from it by the format's rule. All of A's rows lie in one
-    tile of rows of the kernels (m is at most ONE_TILE_ROWS). 1x128 blocks take their amaxes in
-    the kernel that quantizes them before the GEMM (_block_codes_kernel)."""
+    tile of rows of the kernels (m is at most ONE_TILE_ROWS). 1x128 blocks take none (``amaxes``):
+    the kernel that quantizes them before the GEMM takes each block's (_block_codes_kernel)."""
 
     data: torch.Tensor
     amax: torch.Tensor
@@ -545,6 +545,15 @@ def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     if encoding.delayed_scaling or quantizer.reduces_amax:
         return f"the decode GEMM quantizes A as it loads it from the amax of A alone, not {quantizer}'s"
     return ""
+
+
+def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
+    """What QuantizedOnLoad takes as ``amax`` for 2-D ``x`` in ``quantizer``'s format: the amaxes
+    of x's rows in chunks (fp8.row_chunk_amax), or none ((m, 0)) for 1x128 blocks, whose kernel
+    takes each block's own."""
+    if quantizer.kernel_encoding(ROWWISE).scaling == "block":
+        return x.new_empty((x.shape[0], 0), dtype=torch.float32)
+    return fp8.row_chunk_amax(x)
 
 
 def _block_codes(a: QuantizedOnLoad) -> Representation:

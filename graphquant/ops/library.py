@@ -173,8 +173,8 @@ def gemm_quantizing_a(
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(1, m, n) = A @ B^T (+ bias), A being x (m, k) in high precision, quantized rowwise in the
-    format ``x_spec`` by the GEMM itself as it loads it, its scale made from ``amax``, the amaxes
-    of x's rows in chunks (graphquant.formats.fp8.row_chunk_amax), so that no quantize runs before it.
+    format ``x_spec`` by the GEMM itself, its scale made from ``amax``, the amaxes of x's rows in
+    chunks (graphquant.kernels.triton_decode.amaxes), so that no quantize runs in the graph before it.
     backend: the GemmBackend the plan chose, one that quantizes A (GemmBackend.quantizes_a)."""
     chosen = backends.named(backend, False)
     a = backends.triton_decode.QuantizedOnLoad(x, amax, quantizer_of(x_spec))
