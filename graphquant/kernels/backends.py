@@ -81,7 +81,7 @@ class GemmBackend:
 
     @property
     def quantizes_a(self) -> bool:
-        """Whether it takes A in high precision and quantizes it as it loads it (NativeGemm.quantizes_a)."""
+        """Whether it takes A in high precision and quantizes it itself (NativeGemm.quantizes_a)."""
         return self.native is not None and self.native.quantizes_a
 
     def __str__(self) -> str:
@@ -114,8 +114,8 @@ class NativeGemm(NamedTuple):
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
     accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
     rows) for each pair (m, known when the plan is made), both operands stored with the
-    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself as
-    it loads it (triton_decode.QuantizedOnLoad), where A is made for this GEMM alone."""
+    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
+    (triton_decode.QuantizedOnLoad), where A is made for this GEMM alone."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -166,8 +166,8 @@ BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 # FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
 # products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
 # here. It serves training GEMMs of as many rows too (fprop, dgrad). Where A is quantized for the
-# GEMM alone (an inference linear's x), in FP8 current scaling, the same kernels quantize it as
-# they load it, first: a decode step's quantize kernels around each GEMM cost more than the GEMM
+# GEMM alone (an inference linear's x), in FP8 current scaling, the same kernels quantize it
+# themselves, first: a decode step's quantize kernels around each GEMM cost more than the GEMM
 # saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
@@ -326,7 +326,7 @@ def select(
     ``fast_accumulation``: the recipe lets this GEMM sum in the tensor cores' accumulator
     (CustomRecipe.fast_accumulation), which the per-tensor and per-row FP8 GEMMs then do.
     ``quantize_a``: A is quantized from a high-precision tensor for this GEMM alone (an inference
-    linear's x), so a GEMM that quantizes it as it loads it (NativeGemm.quantizes_a) may run it."""
+    linear's x), so a GEMM that quantizes it itself (NativeGemm.quantizes_a) may run it."""
     if a.hadamard(a_direction) != b.hadamard(b_direction):
         with_rht = a if a.hadamard(a_direction) else b
         return Selection(
