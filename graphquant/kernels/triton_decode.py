@@ -433,6 +433,14 @@ def _decode_kernel(
             total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
+    if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
+        # A's factor for _reduce_kernel after the partial sums, as every program makes it (cheaper
+        # written once than made again from the amaxes by each of its programs)
+        factors = partial_ptr + (tl.num_programs(1) * M).to(tl.int64) * N
+        if A_FACTOR == 1:  # TENSOR_FACTOR
+            tl.store(factors, reciprocal(a_scale))
+        else:
+            tl.store(factors + m, reciprocal(a_scale), mask=m < M)
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
         out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
@@ -490,7 +498,7 @@ def _fma_kernel(
 def _reduce_kernel(
     partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N, splits,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_RULE: tl.constexpr = None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -499,7 +507,7 @@ def _reduce_kernel(
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for split in range(splits):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
-    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
+    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
 
 
 class QuantizedOnLoad(NamedTuple):
@@ -649,7 +657,8 @@ def gemm(
         splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    # the partial sums of a split K, then (quantizing A on load) A's factor the first program writes
+    partial = torch.empty(splits * m * n + (m if rule else 0), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
     # dot multiplies bf16 bit patterns as integers.
@@ -683,8 +692,8 @@ def gemm(
             num_warps=config.warps, num_stages=config.stages,
         )
     if splits > 1:
+        a_factor = partial[splits * m * n :] if rule else a_args[2]
         _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
-            BLOCK_M=16, BLOCK_N=128, A_RULE=rule,
+            partial, a_factor, b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors, BLOCK_M=16, BLOCK_N=128,
         )
     return out
