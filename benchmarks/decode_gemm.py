@@ -6,11 +6,11 @@ for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, th
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed), and for the FP8 formats the GEMM that quantizes the bf16 activation as it loads it
+timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
-quantize costs inside the GEMM. Each function is replayed from a CUDA graph of CALLS calls, so
-the times are the GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
-row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
+quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
+GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
+these row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
 MXFP8_ONE_ROW = triton_decode.DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
-# Tilings of FP8 codes at one program an SM: where the weight's row tiles fill the SMs, K is not
-# split and no reduce kernel runs after the GEMM (a launch fewer in a decode step's graph).
-UNSPLIT = {
-    f"n{n} k{k} one program an SM": triton_decode.DecodeConfig(block_n=n, block_k=k, stages=stages, tiles_per_sm=1)
-    for n, k, stages in ((16, 512, 2), (32, 256, 3), (64, 256, 3))
-}
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 64]
@@ -94,11 +88,6 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                    for label, config in UNSPLIT.items() if name == "fp8 tensorwise" else ():
-                        fns[f"decode {name}, quantizing A, {label}"] = (
-                            lambda a=on_load, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
-                        )
-                        weight_bytes[f"decode {name}, quantizing A, {label}"] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]

@@ -55,12 +55,11 @@ ROWS = [1, 4, 16, 64, 128, 256]
 # (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile, on the tensor cores and (for one row of
 # A; BLOCK_K shrinks with more) on the FMA units.
 TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 2), (128, 128, 4, 3), (128, 256, 8, 3)]
-# Tiles of 32 and 16 weight rows (too few for a warpgroup's MMA: Triton's Ampere-style MMA instead),
-# tried for 16 rows of A or fewer.
-NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2), (16, 512, 4, 2)]
+# Tiles of 32 weight rows (too few for a warpgroup's MMA: Triton's Ampere-style MMA instead), tried
+# for 16 rows of A or fewer.
+NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2)]
 FMA_TILES = [(16, 512, 4, 2), (32, 256, 4, 3), (64, 256, 8, 2), (32, 512, 8, 2)]
-# One program an SM: where the weight's row tiles fill the SMs, K is not split, and no reduce kernel runs.
-TILES_PER_SM = [1, 2, 4, 8, 16]
+TILES_PER_SM = [2, 4, 8, 16]
 U = 2.0**-24
 DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may run them elsewhere)
 
