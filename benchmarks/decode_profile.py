@@ -1,14 +1,14 @@
 """Where a decode step's time goes: the kernels of one forward of the inference sweep's FFN (two
 Llama-3-8B SwiGLU blocks) at a few rows, per configuration, with each kernel's launches and GPU
-microseconds, their sum, the span from the first kernel's start to the last one's end (the gaps
-between kernels are the difference), and the forward's milliseconds as the sweep times them.
+microseconds, their sum, and the span from the first kernel's start to the last one's end (the
+host's launches set the gaps between kernels here; under CUDA graphs each launch boundary still
+costs about 1.5-2 us: time the forwards with inference_sweep.py --cudagraphs).
 
-    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--cudagraphs] [--quantize-first]
+    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--quantize-first]
 
-Without --cudagraphs each launch's host time shows as gaps; with it, the replayed graph's.
 --quantize-first adds each graphquant configuration again with its plan refused the decode GEMM
-that quantizes the activation as it loads it (the activation quantized first, then the plain
-decode GEMM), so that both are measured in one run.
+that quantizes the activation itself (the activation quantized first, then the plain decode
+GEMM), so that both are profiled in one run.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import sys
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate, time_ms  # noqa: E402
 from inference_configs import allow_graphs, build  # noqa: E402
 from models import DIM, FFNStack  # noqa: E402
 
@@ -53,7 +51,7 @@ def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, in
 
 @contextlib.contextmanager
 def quantizing_first():
-    """Plans made inside refuse the decode GEMM that quantizes A as it loads it."""
+    """Plans made inside refuse the decode GEMM that quantizes A itself."""
     refusal = backends.triton_decode.quantize_on_load_refusal
     backends.triton_decode.quantize_on_load_refusal = lambda quantizer: "refused by decode_profile.py --quantize-first"
     backends.clear_caches()
@@ -68,7 +66,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--rows", default="1,16")
-    parser.add_argument("--cudagraphs", action="store_true")
     parser.add_argument("--quantize-first", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -79,26 +76,20 @@ def main() -> None:
     if args.quantize_first:
         names += [name + QUANTIZE_FIRST for name in names if name.startswith("graphquant")]
     allow_graphs(len(names) * len(rows))
-    inputs = {r: torch.randn(r, DIM, device=device, dtype=torch.bfloat16) for r in rows}
-    summary, fns = [], {}
+    summary = []
     with torch.no_grad():
         for name in names:
-            first = name.endswith(QUANTIZE_FIRST)
-            with quantizing_first() if first else contextlib.nullcontext():
-                model = build(name.removesuffix(QUANTIZE_FIRST), base, device, args.cudagraphs)
+            with quantizing_first() if name.endswith(QUANTIZE_FIRST) else contextlib.nullcontext():
+                model = build(name.removesuffix(QUANTIZE_FIRST), base, device, False)
                 for r in rows:
-                    found, span = kernels(model, inputs[r])  # compiles (and plans) the graph of r rows
+                    found, span = kernels(model, torch.randn(r, DIM, device=device, dtype=torch.bfloat16))  # plans its graph
                     launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
                     summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
-                    fns[name, r] = functools.partial(model, inputs[r])
                     print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
                     print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
                                    headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
-        ms = alternate(fns, rounds=3, timer=time_ms, inner=5, reps=5)
-    for line in summary:
-        line.append(f"{ms[line[0], line[1]]:.3f}")
     print()
-    print(tabulate(summary, headers=["config", "rows", "launches", "GPU us", "span us", "ms per forward"], disable_numparse=True))
+    print(tabulate(summary, headers=["config", "rows", "launches", "GPU us", "span us"], disable_numparse=True))
 
 
 if __name__ == "__main__":
