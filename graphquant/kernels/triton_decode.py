@@ -24,6 +24,12 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
 output dtype.
+
+A may also come in high precision (QuantizedOnLoad: an inference linear's activation, in FP8
+current scaling), for these kernels to quantize it themselves with the reference's bits: per
+tensor or per row as they load each tile, the scale made from the amaxes of A's rows, or 1x128
+blocks in one small kernel first (_block_codes_kernel). The product is then the one they compute
+on A quantized first, bit for bit, without the quantize kernels a graph would run before them.
 """
 
 from __future__ import annotations
