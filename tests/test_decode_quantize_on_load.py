@@ -31,7 +31,7 @@ from graphquant.quantizers import (
     MXFP8Quantizer,
 )
 
-# (the activation's quantizer, the weight's): each FP8 family the kernel quantizes as it loads it.
+# (the activation's quantizer, the weight's): each FP8 family the decode GEMM quantizes itself.
 PAIRS = {
     "tensorwise": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
     "tensorwise e5m2, pow2, epsilon": (
@@ -91,7 +91,7 @@ def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list
 
 def _planned_alike_results() -> dict:
     """For each recipe on a faked Hopper, the frozen FFN at one and three rows with the kernel that
-    quantizes x as it loads it (interpreted), and with it refused (x quantized first, the plain
+    quantizes x itself (interpreted), and with it refused (x quantized first, the plain
     decode GEMM): whether each planned as expected and gave the same bits."""
     from graphquant.kernels import triton_decode
 
@@ -156,7 +156,7 @@ def test_the_kernels_scale_rule_is_the_references_interpreted(interpreted):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_interpreted(interpreted, name):
-    """The same model planned with the kernel that quantizes x as it loads it and without it (x
+    """The same model planned with the kernel that quantizes x itself and without it (x
     quantized first, then the plain decode GEMM), at one row and three, computes the same bits."""
     assert interpreted[f"frozen ffn {name}"]
 

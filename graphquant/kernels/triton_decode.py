@@ -389,7 +389,7 @@ def _decode_kernel(
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
     for every byte rather than broadcast. A_RULE (QuantizedOnLoad.rule): A is high precision,
     FP8-quantized as it is loaded under the scale (per tensor or per row) that rule makes from
-    the amax that stands in A's factor."""
+    the amaxes of A's rows, which stand in A's factor at a_factor_ptr."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -555,9 +555,9 @@ def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     current scaling per tensor, per row or per 1x128 block, from the amax of this tensor alone."""
     encoding = quantizer.kernel_encoding(ROWWISE)
     if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
-        return f"the decode GEMM quantizes A as it loads it in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
+        return f"the decode GEMM quantizes A itself in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
     if encoding.delayed_scaling or quantizer.reduces_amax:
-        return f"the decode GEMM quantizes A as it loads it from the amax of A alone, not {quantizer}'s"
+        return f"the decode GEMM quantizes A itself from the amax of A alone, not {quantizer}'s"
     return ""
 
 
@@ -631,8 +631,8 @@ def gemm(
     config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
     """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
-    reduction dim last, A quantized or to be quantized as it is loaded; ``config``: the tiling
-    (default_config where None)."""
+    reduction dim last, A quantized or to be quantized here (QuantizedOnLoad); ``config``: the
+    tiling (default_config where None)."""
     rule = None
     if isinstance(a, QuantizedOnLoad):
         refusal = quantize_on_load_refusal(a.quantizer)
