@@ -268,7 +268,7 @@ def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: t
     (A quantized as it is loaded, ``ptr`` its chunk amaxes), the reciprocal of the scale that rule
     gives A's amax."""
     if RULE is not None:
-        factor = reciprocal(_scale(_amax_of_a(ptr, index, mask, KIND, RULE[4]), RULE))
+        factor = reciprocal(_scale(_amax_of_a(ptr, index, mask, KIND, RULE[4], RULE[5]), RULE))
     elif KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
@@ -279,13 +279,19 @@ def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: t
 
 
 @triton.jit
-def _amax_of_a(ptr, index, mask, KIND: tl.constexpr, CHUNKS: tl.constexpr):
-    """The amax of each row ``index`` of A, or (KIND 1, TENSOR_FACTOR) of all A, whose rows are all
-    at ``index``, from the amaxes of CHUNKS chunks of each row at ``ptr`` (QuantizedOnLoad): the
-    max of their bits, as fp8.tensor_amax takes it (a NaN wins)."""
-    bits = tl.zeros(index.shape, tl.int32)
-    for chunk in tl.static_range(CHUNKS):
-        bits = tl.maximum(bits, tl.load(ptr + index * CHUNKS + chunk, mask=mask, other=0.0).to(tl.int32, bitcast=True))
+def _amax_of_a(ptr, index, mask, KIND: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    """The amax of each row ``index`` of A (a column or a row of them), or (KIND 1,
+    TENSOR_FACTOR) of all A, whose rows are all at ``index``, from the amaxes of CHUNKS chunks of
+    each row at ``ptr`` (QuantizedOnLoad), loaded as one tile (CHUNKS_P2 wide, the power of two
+    past CHUNKS): the max of their bits, as fp8.tensor_amax takes it (a NaN wins)."""
+    if index.shape[1] == 1:
+        chunk = tl.arange(0, CHUNKS_P2)[None, :]
+        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
+        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 1, keep_dims=True)
+    else:
+        chunk = tl.arange(0, CHUNKS_P2)[:, None]
+        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
+        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 0, keep_dims=True)
     if KIND == 1:
         bits = tl.max(tl.reshape(bits, (bits.numel,)), 0)
     return bits.to(tl.float32, bitcast=True)
@@ -395,7 +401,7 @@ def _decode_kernel(
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if A_RULE is not None:  # one scale for A, or one per row
-        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4]), A_RULE)
+        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
@@ -542,12 +548,13 @@ class QuantizedOnLoad(NamedTuple):
         return True
 
     @property
-    def rule(self) -> tuple[str, float, float, bool, int]:
+    def rule(self) -> tuple[str, float, float, bool, int, int]:
         """How _decode_kernel quantizes A (A_RULE): (the element, its largest finite value,
-        amax_epsilon, pow2_scales, the chunks of a row in ``amax``)."""
+        amax_epsilon, pow2_scales, the chunks of a row in ``amax`` and the power of two past them)."""
         encoding = self.quantizer.kernel_encoding(ROWWISE)
-        element = encoding.element
-        return (element, fp8.fp8_max(element), float(encoding.amax_epsilon), bool(encoding.pow2_scales), self.amax.shape[1])
+        element, chunks = encoding.element, self.amax.shape[1]
+        pow2 = bool(encoding.pow2_scales)
+        return (element, fp8.fp8_max(element), float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
 
 
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
