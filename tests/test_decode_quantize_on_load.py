@@ -49,8 +49,8 @@ PAIRS = {
 # The recipes whose inference linears run on it at decode rows, and one whose do not.
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
-# whose amaxes come in chunks (fp8.row_chunk_amax).
-INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False)]
+# whose amaxes come in chunks (fp8.row_chunk_amax), K split and not.
+INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False), (2, 512, 5120, True)]
 
 
 def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,9 @@ def _interpreted_results() -> dict:
     results = {}
     for name in PAIRS:
         for m, n, k, with_bias in INTERPRETED:
-            x = (torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]).to(torch.bfloat16)
+            x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+            x[:, -1] = x.abs().amax(1) * 8  # each row's amax in its last chunk, and the tensor's
+            x = x.to(torch.bfloat16)
             w = (torch.randn(n, k) / 8).to(torch.bfloat16)
             bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
             first, on_load = _products(name, x, w, bias, torch.float32)
