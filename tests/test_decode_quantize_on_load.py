@@ -46,7 +46,7 @@ PAIRS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
 }
-# The recipes whose inference linears run on it at decode rows, and one whose do not.
+# The recipes whose inference linears run on it at decode rows.
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
 # whose amaxes come in chunks (fp8.row_chunk_amax), K split and not.
@@ -166,7 +166,7 @@ def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_inte
 @pytest.fixture
 def hopper_on_cpu(monkeypatch):
     """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
-    be quantized on load and multiplies on the emulated GEMM; gives the A operands it got."""
+    quantize it and multiplies on the emulated GEMM; gives the A operands it got."""
     triton_decode = backends.triton_decode
     if triton_decode is None:
         pytest.skip("no Triton: no decode GEMM")
@@ -187,9 +187,10 @@ def hopper_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantizes_x(hopper_on_cpu, name):
-    """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x as it
-    loads it, in the plan and in the rewritten graph's calls (the graph dump), and it gets x in
-    bf16 with the amaxes of x's rows; at 17 rows (past the decode GEMM's 16) none; the same bits as on the CPU."""
+    """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x itself,
+    in the plan and in the rewritten graph's calls (the graph dump), and it gets x in bf16 (with
+    the amaxes of x's rows where it takes them); at 17 rows (past the decode GEMM's 16) none; the
+    same bits as the CPU's emulated GEMM on x quantized first."""
     triton_decode = backends.triton_decode
     on_load = backends.GemmBackend(triton_decode.QUANTIZING_BACKEND)
     xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(17, 128).to(torch.bfloat16)]
