@@ -1,0 +1,213 @@
+"""Experimental NVFP4 decode kernels (issue 31), timed by decode_nvfp4.py beside bf16 F.linear
+and the library's decode GEMM; the winner moves into graphquant/kernels/triton_decode.py.
+
+Both operands' E2M1 codes are read as 32-bit words (8 codes, 16-byte vector loads) and turned
+into fp16 values times 2^-14 (exact) a word at a time: by inline PTX on packed fp16 pairs
+(shift and mask two codes per instruction, one f16x2 multiply by the block scale for two values),
+or (ASM=False, what Triton's interpreter runs) by the same arithmetic on one value at a time.
+Value j of word w is the code at column 8 w + j (nibble j of the little-endian word).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from graphquant.kernels import triton_decode
+from graphquant.kernels.triton_decode import _block_scales, _broadcast, _write
+from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14
+from graphquant.quantizers import gemm_dims
+
+def _decode_asm(out: str) -> str:
+    """PTX: one block of 16 E2M1 codes ($16, 64 bits) and its scale as fp16 ($17) -> 16 values
+    times 2^-14, fp32 (out "f32") or fp16. Pair j of each 32-bit half holds codes j (low half) and
+    j + 4 (high half), shifted so that each code's magnitude lands in fp16 bits 9-11 and its sign
+    in bit 15; one f16x2 multiply scales both."""
+    lines = ["{", ".reg .b32 w<2>, mg, sg, h, sc;", ".reg .b16 lo, hi;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
+    for half in range(2):
+        for j in range(4):
+            low, high = 8 * half + j, 8 * half + j + 4
+            magnitude = f"shl.b32 mg, w{half}, {9 - 4 * j};" if j < 3 else f"shr.b32 mg, w{half}, 3;"
+            sign = f"shl.b32 sg, w{half}, {12 - 4 * j};" if j < 3 else f"mov.b32 sg, w{half};"
+            lines += [
+                magnitude, "and.b32 mg, mg, 0x0E000E00;", sign, "and.b32 sg, sg, 0x80008000;", "or.b32 h, mg, sg;",
+                "mul.rn.f16x2 h, h, sc;",
+            ]
+            if out == "f32":
+                lines += ["mov.b32 {lo, hi}, h;", f"cvt.f32.f16 ${low}, lo;", f"cvt.f32.f16 ${high}, hi;"]
+            else:
+                lines += [f"mov.b32 {{${low}, ${high}}}, h;"]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE_F32 = tl.constexpr(_decode_asm("f32"))
+_DECODE_F16 = tl.constexpr(_decode_asm("f16"))
+
+
+@triton.jit
+def _blocks(ptr, scale_ptr, row, rows, block, K, stride_blocks, scale_row_stride, scale_col_stride, EVEN: tl.constexpr):
+    """Blocks of 16 codes (64-bit words) at ``block`` (0 outside the operand, unless EVEN: all
+    inside), and each block's scale as fp16 (exact)."""
+    at = ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + block * scale_col_stride
+    if EVEN:
+        return tl.load(at), tl.load(scale_at).to(tl.float16)
+    inside = (row < rows) & (block < K // 16)
+    scale = tl.where(inside, tl.load(scale_at, mask=inside).to(tl.float32), 0.0)
+    return tl.load(at, mask=inside, other=0), scale.to(tl.float16)
+
+
+@triton.jit
+def _values(codes, scale, j: tl.constexpr, DTYPE: tl.constexpr):
+    """Value j of each block, one at a time (the twin of the PTX)."""
+    return (e2m1_value_over_2_14(((codes >> (4 * j)) & 0xF).to(tl.int32)) * scale).to(DTYPE)
+
+
+@triton.jit
+def _decode(codes, scale, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """The 16 values of each block (column 16 b + j is the j-th), in DTYPE (fp32 or fp16)."""
+    if ASM:
+        if DTYPE == tl.float32:
+            return tl.inline_asm_elementwise(_DECODE_F32, "=r," * 16 + "l,h", [codes, scale], dtype=(tl.float32,) * 16, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_DECODE_F16, "=h," * 16 + "l,h", [codes, scale], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+    return (
+        _values(codes, scale, 0, DTYPE), _values(codes, scale, 1, DTYPE), _values(codes, scale, 2, DTYPE),
+        _values(codes, scale, 3, DTYPE), _values(codes, scale, 4, DTYPE), _values(codes, scale, 5, DTYPE),
+        _values(codes, scale, 6, DTYPE), _values(codes, scale, 7, DTYPE), _values(codes, scale, 8, DTYPE),
+        _values(codes, scale, 9, DTYPE), _values(codes, scale, 10, DTYPE), _values(codes, scale, 11, DTYPE),
+        _values(codes, scale, 12, DTYPE), _values(codes, scale, 13, DTYPE), _values(codes, scale, 14, DTYPE),
+        _values(codes, scale, 15, DTYPE),
+    )
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
+def fma_words_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """NVFP4 x NVFP4 on the FMA units for one row of A (BLOCK_M = 1), blocks of codes decoded to
+    fp32 (exact): one fp32 partial sum per (weight row, block), summed over blocks at the end.
+    Strides are in blocks of 16 codes (8 bytes)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    # (pairs of blocks, weight rows, 2): a pair is 16 bytes, one vector load; the pairs go to the
+    # threads first, so that each thread takes a pair of a few weight rows and decodes A's once.
+    pair = tl.arange(0, BLOCK_K // 32)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+    sums = tl.zeros((BLOCK_K // 32, BLOCK_N, 2), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
+        block = (k_start + step) // 16 + pair
+        b_codes, b_scale = _blocks(b_ptr, b_scale_ptr, n, N, block, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
+        a_codes, a_scale = _blocks(a_ptr, a_scale_ptr, m, M, block, K, a_stride, a_scale_row_stride, a_scale_col_stride, EVEN)
+        b = _decode(b_codes, b_scale, ASM, tl.float32)
+        a = _decode(a_codes, a_scale, ASM, tl.float32)
+        for j in tl.static_range(16):
+            sums += b[j] * a[j]
+    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1)) * 268435456.0  # 2^28: both sides' 2^-14, undone exactly
+    _write(
+        total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
+@triton.jit
+def _join(v, i: tl.constexpr, step: tl.constexpr):
+    """Values i, i + step, i + 2 step, ... of the 16, joined along new last dims."""
+    if step == 16:
+        return v[i]
+    return tl.join(_join(v, i, 2 * step), _join(v, i + step, 2 * step))
+
+
+@triton.jit
+def _row_values(codes, scale, ASM: tl.constexpr):
+    """(rows, 16 * blocks) fp16 values, the columns of each block in the order of _join (a
+    permutation of K within each block, the same for both operands)."""
+    values = _join(_decode(codes, scale, ASM, tl.float16), 0, 1)
+    return tl.reshape(values, (codes.shape[0], codes.shape[1] * 16))
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
+def mma_words_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """NVFP4 x NVFP4 on the tensor cores: blocks decoded to fp16 (exact), one fp16 dot (fp32
+    accumulation) a step. The weight tile is the dot's left operand. A's rows are masked (EVEN
+    speaks of the weight and K only)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    BLOCKS: tl.constexpr = BLOCK_K // 16
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):
+        block = (k_start + step) // 16 + tl.arange(0, BLOCKS)[None, :]
+        b_codes, b_scale = _blocks(b_ptr, b_scale_ptr, n, N, block, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
+        a_codes, a_scale = _blocks(a_ptr, a_scale_ptr, m, M, block, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+        total = tl.dot(_row_values(b_codes, b_scale, ASM), tl.trans(_row_values(a_codes, a_scale, ASM)), total)
+    total = total * 268435456.0
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One experimental kernel and its tiling (as triton_decode.DecodeConfig's fields)."""
+
+    kernel: str  # "fma" or "mma"
+    asm: bool
+    block_n: int
+    block_k: int
+    block_m: int
+    warps: int
+    stages: int
+    tiles_per_sm: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kernel}{' asm' if self.asm else ''} n{self.block_n} k{self.block_k} m{self.block_m} "
+            f"w{self.warps} s{self.stages} t{self.tiles_per_sm}"
+        )
+
+
+def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
+    """triton_decode.gemm's arithmetic on the variant's kernel (NVFP4 operands, K a multiple of 8)."""
+    m, n, k = gemm_dims(a, b)
+    (a_layout, a_args), (b_layout, b_args) = triton_decode._operand(a, "A"), triton_decode._operand(b, "B")
+    if b_layout.operand != triton_decode.F16_VALUES or k % 16 or a_args[3] % 8 or b_args[3] % 8:
+        raise ValueError(f"{variant} multiplies NVFP4 operands of whole 16-blocks; got {b.quantizer}, k={k}")
+    row_tiles = triton.cdiv(m, variant.block_m)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    splits = triton_decode.split_k(n, k, a.data.device, variant.tiles_per_sm, variant.block_n, row_tiles)
+    chunk = triton_decode.K_CHUNK
+    k_chunks = triton.cdiv(triton.cdiv(k, splits), chunk)
+    splits = triton.cdiv(k, k_chunks * chunk)
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    factors = triton_decode._factors(a_layout, b_layout)
+    if variant.kernel == "fma" and variant.block_m != 1:
+        raise ValueError(f"{variant}: the FMA kernel multiplies one row of A")
+    a_args = (*a_args[:3], a_args[3] // 8, *a_args[4:])
+    b_args = (*b_args[:3], b_args[3] // 8, *b_args[4:])
+    kernel = fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
+    kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
+        *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
+        EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
+        BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=variant.block_k,
+        num_warps=variant.warps, num_stages=variant.stages,
+    )
+    if splits > 1:
+        triton_decode._reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
+            partial, a_args[2], b_args[2], out, 0, out, m, n, splits, **factors, BLOCK_M=16, BLOCK_N=128,
+        )
+    return out
