@@ -18,7 +18,7 @@ import triton.language as tl
 
 from graphquant.kernels import triton_decode
 from graphquant.kernels.triton_decode import _block_scales, _broadcast, _write
-from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14
+from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
 from graphquant.quantizers import gemm_dims
 
 def _decode_asm(out: str) -> str:
@@ -161,6 +161,81 @@ def mma_words_kernel(
     )
 
 
+def _e4m3_asm() -> str:
+    """PTX: 8 E4M3 codes ($8, 64 bits) -> 8 fp32 values, through f16 pairs (exact)."""
+    lines = ["{", ".reg .b32 w<2>, h;", ".reg .b16 c<4>, lo, hi;", "mov.b64 {w0, w1}, $8;"]
+    for half in range(2):
+        lines.append(f"mov.b32 {{c0, c1}}, w{half};")
+        for pair in range(2):
+            lines += [f"cvt.rn.f16x2.e4m3x2 h, c{pair};", "mov.b32 {lo, hi}, h;",
+                      f"cvt.f32.f16 ${4 * half + 2 * pair}, lo;", f"cvt.f32.f16 ${4 * half + 2 * pair + 1}, hi;"]
+    return "\n".join(lines + ["}"])
+
+
+_E4M3_F32 = tl.constexpr(_e4m3_asm())
+
+
+@triton.jit
+def _e4m3_values(codes, ASM: tl.constexpr):
+    """The 8 E4M3 codes of each 64-bit word as fp32 (byte j is the j-th)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_F32, "=r," * 8 + "l", [codes], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return (
+        _e4m3_value(codes, 0), _e4m3_value(codes, 1), _e4m3_value(codes, 2), _e4m3_value(codes, 3),
+        _e4m3_value(codes, 4), _e4m3_value(codes, 5), _e4m3_value(codes, 6), _e4m3_value(codes, 7),
+    )
+
+
+@triton.jit
+def _e4m3_value(codes, j: tl.constexpr):
+    return ((codes >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mxfp8_words(ptr, scale_ptr, row, rows, word, K, stride_words, scale_row_stride, scale_col_stride, EVEN: tl.constexpr):
+    """64-bit words of 8 E4M3 codes at ``word`` (0 outside the operand unless EVEN), and each
+    word's power-of-two scale (its 32-block's) as fp32."""
+    at = ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + (word // 4) * scale_col_stride
+    if EVEN:
+        return tl.load(at), e8m0_value(tl.load(scale_at))
+    inside = (row < rows) & (word < K // 8)
+    return tl.load(at, mask=inside, other=0), tl.where(inside, e8m0_value(tl.load(scale_at, mask=inside, other=127)), 0.0)
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
+def mxfp8_fma_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """MXFP8 x MXFP8 on the FMA units for one row of A: each word's 8 code products (exact in
+    fp32) summed, then times both power-of-two scales (exact in fp32's normal range) into one
+    partial sum per (pair of words, weight row). Strides are in words of 8 codes."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    pair = tl.arange(0, BLOCK_K // 16)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+    sums = tl.zeros((BLOCK_K // 16, BLOCK_N, 2), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):
+        word = (k_start + step) // 8 + pair
+        b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
+        a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K, a_stride, a_scale_row_stride, a_scale_col_stride, EVEN)
+        b = _e4m3_values(b_codes, ASM)
+        a = _e4m3_values(a_codes, ASM)
+        word_sum = b[0] * a[0]
+        for j in tl.static_range(1, 8):
+            word_sum += b[j] * a[j]
+        sums += word_sum * (b_scale * a_scale)
+    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
+    _write(
+        total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :],
+        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One experimental kernel and its tiling (as triton_decode.DecodeConfig's fields)."""
@@ -185,8 +260,11 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     """triton_decode.gemm's arithmetic on the variant's kernel (NVFP4 operands, K a multiple of 8)."""
     m, n, k = gemm_dims(a, b)
     (a_layout, a_args), (b_layout, b_args) = triton_decode._operand(a, "A"), triton_decode._operand(b, "B")
-    if b_layout.operand != triton_decode.F16_VALUES or k % 16 or a_args[3] % 8 or b_args[3] % 8:
-        raise ValueError(f"{variant} multiplies NVFP4 operands of whole 16-blocks; got {b.quantizer}, k={k}")
+    mx = b_layout.operand == triton_decode.BF16_VALUES
+    if b_layout.operand == triton_decode.FP8_CODES or k % (8 if mx else 16) or a_args[3] % 8 or b_args[3] % 8:
+        raise ValueError(f"{variant} multiplies NVFP4 or MXFP8 operands of whole 64-bit words; got {b.quantizer}, k={k}")
+    if mx and variant.kernel != "fma":
+        raise ValueError(f"{variant}: MXFP8 on the FMA kernel only")
     row_tiles = triton.cdiv(m, variant.block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     splits = triton_decode.split_k(n, k, a.data.device, variant.tiles_per_sm, variant.block_n, row_tiles)
@@ -197,9 +275,10 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     factors = triton_decode._factors(a_layout, b_layout)
     if variant.kernel == "fma" and variant.block_m != 1:
         raise ValueError(f"{variant}: the FMA kernel multiplies one row of A")
+    # Strides in 64-bit words.
     a_args = (*a_args[:3], a_args[3] // 8, *a_args[4:])
     b_args = (*b_args[:3], b_args[3] // 8, *b_args[4:])
-    kernel = fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
+    kernel = mxfp8_fma_kernel if mx else fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
     kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
         *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
         EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
