@@ -140,6 +140,7 @@ def mma_words_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_DOTS: tl.constexpr,
 ):
     """NVFP4 x NVFP4 on the tensor cores: blocks decoded to fp16 (exact), one fp16 dot (fp32
     accumulation) a step. The weight tile is the dot's left operand. A's rows are masked (EVEN
@@ -153,7 +154,13 @@ def mma_words_kernel(
         block = (k_start + step) // 16 + tl.arange(0, BLOCKS)[None, :]
         b_codes, b_scale = _blocks(b_ptr, b_scale_ptr, n, N, block, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
         a_codes, a_scale = _blocks(a_ptr, a_scale_ptr, m, M, block, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-        total = tl.dot(_row_values(b_codes, b_scale, ASM), tl.trans(_row_values(a_codes, a_scale, ASM)), total)
+        if SPLIT_DOTS:  # one dot per value j of the blocks (K = BLOCKS each): no join, no reshape
+            b = _decode(b_codes, b_scale, ASM, tl.float16)
+            a = _decode(a_codes, a_scale, ASM, tl.float16)
+            for j in tl.static_range(16):
+                total = tl.dot(b[j], tl.trans(a[j]), total)
+        else:
+            total = tl.dot(_row_values(b_codes, b_scale, ASM), tl.trans(_row_values(a_codes, a_scale, ASM)), total)
     total = total * 268435456.0
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
@@ -240,7 +247,7 @@ def mxfp8_fma_kernel(
 class Variant:
     """One experimental kernel and its tiling (as triton_decode.DecodeConfig's fields)."""
 
-    kernel: str  # "fma" or "mma"
+    kernel: str  # "fma", "mma" (one dot a step) or "mma16" (a dot per value of the blocks)
     asm: bool
     block_n: int
     block_k: int
@@ -279,11 +286,12 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     a_args = (*a_args[:3], a_args[3] // 8, *a_args[4:])
     b_args = (*b_args[:3], b_args[3] // 8, *b_args[4:])
     kernel = mxfp8_fma_kernel if mx else fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
+    extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": variant.kernel == "mma16"}
     kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
         *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
         EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=variant.block_k,
-        num_warps=variant.warps, num_stages=variant.stages,
+        num_warps=variant.warps, num_stages=variant.stages, **extra,
     )
     if splits > 1:
         triton_decode._reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
