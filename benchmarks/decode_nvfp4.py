@@ -60,7 +60,7 @@ TENSOR_CORES = [
 
 def tasks_of(cases) -> list[tuple]:
     """(format, variant, the cases it takes) for every variant."""
-    every = [("nvfp4", v) for v in ONE_ROW + TENSOR_CORES] + [("mxfp8", v) for v in MXFP8_ONE_ROW]
+    every = [("nvfp4", v) for v in ONE_ROW] + [("mxfp8", v) for v in MXFP8_ONE_ROW] + [("nvfp4", v) for v in TENSOR_CORES]
     defaults = [(name, None, cases) for name in ("nvfp4", "mxfp8")]  # compiled (autotuned) there too
     return defaults + [
         (name, variant, [case for case in cases if case[1] in ([1] if variant.kernel == "fma" else [1, 16])])
