@@ -154,11 +154,19 @@ def mma_words_kernel(
         block = (k_start + step) // 16 + tl.arange(0, BLOCKS)[None, :]
         b_codes, b_scale = _blocks(b_ptr, b_scale_ptr, n, N, block, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
         a_codes, a_scale = _blocks(a_ptr, a_scale_ptr, m, M, block, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-        if SPLIT_DOTS:  # one dot per value j of the blocks (K = BLOCKS each): no join, no reshape
+        if SPLIT_DOTS == 16:  # one dot per value j of the blocks (K = BLOCKS each): no join, no reshape
             b = _decode(b_codes, b_scale, ASM, tl.float16)
             a = _decode(a_codes, a_scale, ASM, tl.float16)
             for j in tl.static_range(16):
                 total = tl.dot(b[j], tl.trans(a[j]), total)
+        elif SPLIT_DOTS == 8:  # one dot per pair (j, j + 4) of each word, the two adjacent in K
+            b = _decode(b_codes, b_scale, ASM, tl.float16)
+            a = _decode(a_codes, a_scale, ASM, tl.float16)
+            for half in tl.static_range(2):
+                for j in tl.static_range(4):
+                    b_pair = tl.reshape(tl.join(b[8 * half + j], b[8 * half + j + 4]), (b_codes.shape[0], 2 * b_codes.shape[1]))
+                    a_pair = tl.reshape(tl.join(a[8 * half + j], a[8 * half + j + 4]), (a_codes.shape[0], 2 * a_codes.shape[1]))
+                    total = tl.dot(b_pair, tl.trans(a_pair), total)
         else:
             total = tl.dot(_row_values(b_codes, b_scale, ASM), tl.trans(_row_values(a_codes, a_scale, ASM)), total)
     total = total * 268435456.0
@@ -247,7 +255,7 @@ def mxfp8_fma_kernel(
 class Variant:
     """One experimental kernel and its tiling (as triton_decode.DecodeConfig's fields)."""
 
-    kernel: str  # "fma", "mma" (one dot a step) or "mma16" (a dot per value of the blocks)
+    kernel: str  # "fma", "mma" (one dot a step), "mma16" (a dot per value of the blocks), "mma8" (per pair)
     asm: bool
     block_n: int
     block_k: int
@@ -286,7 +294,7 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     a_args = (*a_args[:3], a_args[3] // 8, *a_args[4:])
     b_args = (*b_args[:3], b_args[3] // 8, *b_args[4:])
     kernel = mxfp8_fma_kernel if mx else fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
-    extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": variant.kernel == "mma16"}
+    extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": {"mma": 0, "mma16": 16, "mma8": 8}[variant.kernel]}
     kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
         *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
         EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
