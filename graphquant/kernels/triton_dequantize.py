@@ -1,4 +1,5 @@
-"""CUDA dequantization of MXFP8 and NVFP4 for the emulated GEMM, one Triton launch each.
+"""CUDA dequantization of MXFP8 and NVFP4 for the emulated GEMM, one Triton launch each, and
+the Triton functions that decode their codes in registers (here and in the decode GEMM).
 
 Each writes bf16 values that are exactly the reference's (see graphquant.kernels.emulation.factored):
 MXFP8 codes times their power-of-two scale, NVFP4 E2M1 codes times their E4M3 block scale (the
@@ -57,6 +58,94 @@ def e2m1_value_over_2_14(code):
     an fp16 (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly."""
     bits = ((code & 8) << 12) | ((code & 7) << 9)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+# A 32-bit word of 8 E2M1 codes makes 4 fp16 pairs: pair j holds codes j and j + 4 (16 bits
+# apart in the word, as the pair's halves are), each code's magnitude shifted to fp16 bits 9-11
+# and its sign to bit 15, where e2m1_value_over_2_14 puts them: (magnitude shift, sign shift) of
+# pair j, a negative shift to the right.
+E2M1_PAIR_SHIFTS = tuple((9 - 4 * j, 12 - 4 * j) for j in range(4))
+E2M1_MAGNITUDE_BITS, E2M1_SIGN_BITS = 0x0E000E00, 0x80008000
+
+
+def _shift(register: str, source: str, by: int) -> str:
+    if by > 0:
+        return f"shl.b32 {register}, {source}, {by};"
+    return f"shr.b32 {register}, {source}, {-by};" if by < 0 else f"mov.b32 {register}, {source};"
+
+
+def _e2m1_block_ptx() -> str:
+    """PTX for e2m1_block_values: $16, a 64-bit word of 16 codes, and $17, their fp16 scale ->
+    $0..$15, the values; each pair shifted and masked, then one f16x2 multiply scales both."""
+    lines = ["{", ".reg .b32 w<2>, mg, sg, h, sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
+    for half in range(2):
+        for j, (magnitude, sign) in enumerate(E2M1_PAIR_SHIFTS):
+            lines += [
+                _shift("mg", f"w{half}", magnitude), f"and.b32 mg, mg, {E2M1_MAGNITUDE_BITS:#010x};",
+                _shift("sg", f"w{half}", sign), f"and.b32 sg, sg, {E2M1_SIGN_BITS:#010x};",
+                "or.b32 h, mg, sg;", "mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${8 * half + j}, ${8 * half + j + 4}}}, h;",
+            ]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_BLOCK_PTX = tl.constexpr(_e2m1_block_ptx())
+
+
+@triton.jit
+def _e2m1_value(codes, scale, j: tl.constexpr):
+    return e2m1_value_over_2_14(((codes >> (4 * j)) & 0xF).to(tl.int32)) * scale
+
+
+@triton.jit
+def e2m1_block_values(codes, scale, ASM: tl.constexpr):
+    """The 16 values of each 64-bit word of E2M1 codes (``codes``, int64) times its ``scale``
+    (fp16) times 2^-14, as a tuple of fp16 (exact, as e2m1_value_over_2_14 * scale); the j-th is
+    the code in nibble j (column 16 w + j of word w). By inline PTX (ASM), two values an
+    instruction, or one at a time in Triton (its interpreter runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_BLOCK_PTX, "=h," * 16 + "l,h", [codes, scale], dtype=(tl.float16,) * 16, is_pure=True, pack=1
+        )
+    return (
+        _e2m1_value(codes, scale, 0), _e2m1_value(codes, scale, 1), _e2m1_value(codes, scale, 2),
+        _e2m1_value(codes, scale, 3), _e2m1_value(codes, scale, 4), _e2m1_value(codes, scale, 5),
+        _e2m1_value(codes, scale, 6), _e2m1_value(codes, scale, 7), _e2m1_value(codes, scale, 8),
+        _e2m1_value(codes, scale, 9), _e2m1_value(codes, scale, 10), _e2m1_value(codes, scale, 11),
+        _e2m1_value(codes, scale, 12), _e2m1_value(codes, scale, 13), _e2m1_value(codes, scale, 14),
+        _e2m1_value(codes, scale, 15),
+    )
+
+
+def _e4m3_word_ptx() -> str:
+    """PTX for e4m3_word_values: $8, a 64-bit word of 8 E4M3 codes -> $0..$7, their fp32 values,
+    through f16 pairs (exact)."""
+    lines = ["{", ".reg .b32 w<2>, h;", ".reg .b16 c<2>, lo, hi;", "mov.b64 {w0, w1}, $8;"]
+    for half in range(2):
+        lines.append(f"mov.b32 {{c0, c1}}, w{half};")
+        for pair in range(2):
+            first = 4 * half + 2 * pair
+            lines += [f"cvt.rn.f16x2.e4m3x2 h, c{pair};", "mov.b32 {lo, hi}, h;", f"cvt.f32.f16 ${first}, lo;", f"cvt.f32.f16 ${first + 1}, hi;"]
+    return "\n".join(lines + ["}"])
+
+
+_E4M3_WORD_PTX = tl.constexpr(_e4m3_word_ptx())
+
+
+@triton.jit
+def _e4m3_value(codes, j: tl.constexpr):
+    return ((codes >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_word_values(codes, ASM: tl.constexpr):
+    """The 8 E4M3 codes of each 64-bit word ``codes`` as a tuple of fp32 values (the j-th is byte
+    j): by inline PTX (ASM), two codes an instruction, or one at a time in Triton."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_WORD_PTX, "=r," * 8 + "l", [codes], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return (
+        _e4m3_value(codes, 0), _e4m3_value(codes, 1), _e4m3_value(codes, 2), _e4m3_value(codes, 3),
+        _e4m3_value(codes, 4), _e4m3_value(codes, 5), _e4m3_value(codes, 6), _e4m3_value(codes, 7),
+    )
 
 
 @triton.jit
