@@ -230,7 +230,7 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.FP8_CODES, VALUES=triton.language.bfloat16, SCALE_COLS=0,
         A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=1.0, B_FACTOR=1, B_DIVISOR=1.0, SPLIT=True,
-        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
     )
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -247,6 +247,77 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     )
     ptx = compiled.asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
+def test_e2m1_pair_shifts_decode_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values)
+    shifts and masks each pair of codes of a 32-bit word into an f16x2 and multiplies it by the
+    block scale. Emulated here from the same shifts and masks: every pair of codes, at every pair
+    position among random neighbours, times every finite E4M3 scale, is the reference's value
+    times 2^-14 (zeros' signs included)."""
+    pytest.importorskip("triton")
+    from graphquant.formats import nvfp4
+    from graphquant.kernels import triton_dequantize as dq
+
+    def shifted(word, by):
+        return ((word << by) if by >= 0 else (word >> -by)) & 0xFFFFFFFF
+
+    def halves(word):  # the two fp16 of a 32-bit word, low half first
+        bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
+        return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.float16)
+
+    generator = torch.Generator().manual_seed(0)
+    low, high = torch.cartesian_prod(torch.arange(16), torch.arange(16)).unbind(1)
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+    scales = scales[scales.isfinite() & ~scales.signbit()]
+    for j, (magnitude, sign) in enumerate(dq.E2M1_PAIR_SHIFTS):
+        neighbours = torch.randint(0, 2**32, (low.numel(),), generator=generator, dtype=torch.int64)
+        word = (neighbours & ~((0xF << 4 * j) | (0xF << 4 * (j + 4)))) | (low << 4 * j) | (high << 4 * (j + 4))
+        pair = halves((shifted(word, magnitude) & dq.E2M1_MAGNITUDE_BITS) | (shifted(word, sign) & dq.E2M1_SIGN_BITS))
+        got = (pair[:, None, :] * scales[None, :, None]).double()
+        want = torch.stack((nvfp4.e2m1_values(low), nvfp4.e2m1_values(high)), dim=-1)[:, None, :].double()
+        want = want * scales[None, :, None].double() * 2.0**-14
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"pair {j}"
+
+
+def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():
+    """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
+    blocks 16 bytes at a time, asynchronously, and decodes them two values an f16x2 multiply,
+    straight into the tensor cores' operand layout (no shared-memory round trip of the decoded
+    weight: its 16-bit values are never stored to shared memory)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphquant.kernels import triton_decode
+
+    kernel = triton_decode._decode_kernel
+    pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "b_scale_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
+               "a_scale_row_stride": 256, "b_scale_row_stride": 256}
+    constants = dict(
+        CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.F16_VALUES, VALUES=triton.language.bfloat16, SCALE_COLS=16,
+        A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=2688.0, B_FACTOR=1, B_DIVISOR=2688.0, SPLIT=True,
+        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+        a_scale_col_stride=1, b_scale_col_stride=1,
+    )
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+    )
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+    assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
+    assert "st.shared.b16" not in ptx and "stmatrix" not in ptx
 
 
 @pytest.fixture

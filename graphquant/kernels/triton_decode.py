@@ -215,24 +215,32 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _mxfp8_words(data_ptr, scale_ptr, row, rows, word, words, stride_words, scale_row_stride, scale_col_stride):
-    """MXFP8's codes at (row, word) as 64-bit words of 8 (0 outside the operand), and each word's
-    power-of-two scale (its 32-block's) in fp32, 0 outside; ``stride_words``: the data's row
-    stride in words."""
-    inside = (row < rows) & (word < words)
+def _mxfp8_words(
+    data_ptr, scale_ptr, row, rows, word, words, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+):
+    """MXFP8's codes at (row, word) as 64-bit words of 8 (0 outside the operand, or all INSIDE
+    it: no masks), and each word's power-of-two scale (its 32-block's) in fp32, 0 outside;
+    ``stride_words``: the data's row stride in words."""
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    if INSIDE:
+        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + (word // 4).to(tl.int64) * scale_col_stride))
     scale = _block_scales(scale_ptr, row, rows, word // 4, tl.cdiv(words, 4), scale_row_stride, scale_col_stride, 1, True)
-    return tl.load(at, mask=inside, other=0), scale
+    return tl.load(at, mask=(row < rows) & (word < words), other=0), scale
 
 
 @triton.jit
-def _nvfp4_blocks(data_ptr, scale_ptr, row, rows, block, blocks, stride_blocks, scale_row_stride, scale_col_stride):
-    """NVFP4's 16-code blocks at (row, block) as 64-bit words (0 outside the operand), and each
-    block's E4M3 scale as an fp16 (exact); ``stride_blocks``: the data's row stride in blocks."""
-    inside = (row < rows) & (block < blocks)
+def _nvfp4_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_blocks, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+):
+    """NVFP4's 16-code blocks at (row, block) as 64-bit words (0 outside the operand, or all
+    INSIDE it: no masks), and each block's E4M3 scale as an fp16 (exact); ``stride_blocks``: the
+    data's row stride in blocks."""
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
+    if INSIDE:
+        scale = tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride)
+        return tl.load(at), scale.to(tl.float16)
     scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, False)
-    return tl.load(at, mask=inside, other=0), scale.to(tl.float16)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale.to(tl.float16)
 
 
 @triton.jit
@@ -310,7 +318,7 @@ def _decode_kernel(
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
@@ -321,7 +329,8 @@ def _decode_kernel(
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
     16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
-    (not in Triton's interpreter)."""
+    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
+    inside the weight)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -361,8 +370,10 @@ def _decode_kernel(
             total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
         else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
             block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride)
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride)
+            b_codes, b_scale = _nvfp4_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
             b = _nvfp4_pairs(b_codes, b_scale, ASM)
             a = _nvfp4_pairs(a_codes, a_scale, ASM)
             for j in tl.static_range(8):
@@ -387,7 +398,7 @@ def _fma_kernel(
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
@@ -396,7 +407,7 @@ def _fma_kernel(
     16-byte load; the pairs go to a warp's threads first and the weight rows to each thread's
     registers, so that a thread decodes A's words once for all its rows. MXFP8: each word's 8
     products (exact) are summed, then times both power-of-two scales (exact in fp32's normal
-    range)."""
+    range). WHOLE_TILES: every tile lies inside both operands (no masks)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -407,8 +418,8 @@ def _fma_kernel(
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         word = (k_start + step) // per_word + pair
         if OPERAND == 1:  # MXFP8
-            b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K // 8, b_stride, b_scale_row_stride, b_scale_col_stride)
-            a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K // 8, a_stride, a_scale_row_stride, a_scale_col_stride)
+            b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K // 8, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
+            a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K // 8, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
             b = e4m3_word_values(b_codes, ASM)
             a = e4m3_word_values(a_codes, ASM)
             word_sum = b[0] * a[0]
@@ -416,8 +427,8 @@ def _fma_kernel(
                 word_sum += b[j] * a[j]
             sums += word_sum * (b_scale * a_scale)
         else:  # NVFP4
-            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride)
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride)
+            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
             b = e2m1_block_values(b_codes, b_scale, ASM)
             a = e2m1_block_values(a_codes, a_scale, ASM)
             for j in tl.static_range(16):
@@ -537,19 +548,21 @@ def gemm(
     if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
         a_args, b_args = _in_words(a_args), _in_words(b_args)
     asm = not triton.knobs.runtime.interpret
+    whole_k = k % (k_chunks * K_CHUNK) == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm, BLOCK_M=ONE_TILE_ROWS,
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
+            WHOLE_TILES=whole_k and n % max(tile[0] for tile in AUTOTUNED_TILES) == 0, BLOCK_M=ONE_TILE_ROWS,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
-            **factors, SPLIT=splits > 1, ASM=asm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_k and n % config.block_n == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
@@ -559,7 +572,7 @@ def gemm(
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_k and n % config.block_n == 0,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.warps, num_stages=config.stages,
         )
