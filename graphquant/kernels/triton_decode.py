@@ -16,10 +16,14 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
-  (DecodeConfig.fma, a row or a few) dequantized into fp32 and multiplied on the FMA units. Their
-  result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+  (DecodeConfig.fma, a row of A a program) dequantized into fp32 and multiplied on the FMA units.
+  Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
   |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
-  (DecodeConfig.mx_products) keep that while values and sums stay in fp32's normal range.
+  (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
+  values and sums stay in fp32's normal range. NVFP4's codes (and MXFP8's on the FMA units) are
+  read as 64-bit words and decoded by inline PTX, several values an instruction
+  (triton_dequantize.e2m1_block_values): at these sizes the decoding instructions, not the
+  bytes, set the pace.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
