@@ -250,35 +250,40 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def test_e2m1_pair_shifts_decode_every_pair_of_codes_at_every_scale_exactly():
-    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values)
-    shifts and masks each pair of codes of a 32-bit word into an f16x2 and multiplies it by the
-    block scale. Emulated here from the same shifts and masks: every pair of codes, at every pair
-    position among random neighbours, times every finite E4M3 scale, is the reference's value
-    times 2^-14 (zeros' signs included)."""
+def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values),
+    its integer steps emulated here with the same constants: every pair of bytes that meet in
+    one f16x2 (bytes 0 and 2, 1 and 3 of a 32-bit word, among random neighbours), times every
+    finite E4M3 scale, gives each code's reference value times 2^-14 (zeros' signs included)."""
     pytest.importorskip("triton")
     from graphquant.formats import nvfp4
     from graphquant.kernels import triton_dequantize as dq
 
-    def shifted(word, by):
-        return ((word << by) if by >= 0 else (word >> -by)) & 0xFFFFFFFF
+    def select(a, b, c):  # lop3 with truth table SELECT
+        assert dq.SELECT == 0xE4
+        return (a & c) | (b & ~c & 0xFFFFFFFF)
 
-    def halves(word):  # the two fp16 of a 32-bit word, low half first
+    def halves(word):  # the two fp16 of each 32-bit word, low half first
         bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
         return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.float16)
 
     generator = torch.Generator().manual_seed(0)
-    low, high = torch.cartesian_prod(torch.arange(16), torch.arange(16)).unbind(1)
+    every = torch.arange(65536, dtype=torch.int64)
+    pairs = (every & 0xFF) | ((every >> 8) << 16)  # every (byte 0, byte 2)
+    neighbours = torch.randint(0, 256, (2, every.numel()), generator=generator, dtype=torch.int64)
+    words = torch.cat((pairs | (neighbours[0] << 8) | (neighbours[1] << 24), (pairs << 8) | neighbours[0] | (neighbours[1] << 16)))
+    assert dq.PRMT_SWAP == 0x2301  # bytes B1 B0 B3 B2
+    y = ((words & 0x00FF00FF) << 8) | ((words >> 8) & 0x00FF00FF)
+    even = select((y << 1) & 0xFFFFFFFF, (y << 4) & 0xFFFFFFFF, dq.CODE_BITS)
+    odd = select(y >> 3, y, dq.CODE_BITS)
+    decoded = {0: even & dq.PAIR_BITS, 2: (even << 8) & dq.PAIR_BITS, 1: odd & dq.PAIR_BITS, 3: (odd << 8) & dq.PAIR_BITS}
     scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
     scales = scales[scales.isfinite() & ~scales.signbit()]
-    for j, (magnitude, sign) in enumerate(dq.E2M1_PAIR_SHIFTS):
-        neighbours = torch.randint(0, 2**32, (low.numel(),), generator=generator, dtype=torch.int64)
-        word = (neighbours & ~((0xF << 4 * j) | (0xF << 4 * (j + 4)))) | (low << 4 * j) | (high << 4 * (j + 4))
-        pair = halves((shifted(word, magnitude) & dq.E2M1_MAGNITUDE_BITS) | (shifted(word, sign) & dq.E2M1_SIGN_BITS))
-        got = (pair[:, None, :] * scales[None, :, None]).double()
-        want = torch.stack((nvfp4.e2m1_values(low), nvfp4.e2m1_values(high)), dim=-1)[:, None, :].double()
-        want = want * scales[None, :, None].double() * 2.0**-14
-        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"pair {j}"
+    for code, word in decoded.items():  # codes ``code`` and ``code + 4`` of each word
+        got = (halves(word)[:, None, :] * scales[None, :, None]).double()
+        codes = torch.stack(((words >> 4 * code) & 0xF, (words >> 4 * (code + 4)) & 0xF), dim=-1)
+        want = nvfp4.e2m1_values(codes)[:, None, :].double() * scales[None, :, None].double() * 2.0**-14
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"codes {code} and {code + 4}"
 
 
 def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():

@@ -60,31 +60,38 @@ def e2m1_value_over_2_14(code):
     return bits.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
-# A 32-bit word of 8 E2M1 codes makes 4 fp16 pairs: pair j holds codes j and j + 4 (16 bits
-# apart in the word, as the pair's halves are), each code's magnitude shifted to fp16 bits 9-11
-# and its sign to bit 15, where e2m1_value_over_2_14 puts them: (magnitude shift, sign shift) of
-# pair j, a negative shift to the right.
-E2M1_PAIR_SHIFTS = tuple((9 - 4 * j, 12 - 4 * j) for j in range(4))
-E2M1_MAGNITUDE_BITS, E2M1_SIGN_BITS = 0x0E000E00, 0x80008000
-
-
-def _shift(register: str, source: str, by: int) -> str:
-    if by > 0:
-        return f"shl.b32 {register}, {source}, {by};"
-    return f"shr.b32 {register}, {source}, {-by};" if by < 0 else f"mov.b32 {register}, {source};"
+# A 32-bit word of 8 E2M1 codes (two a byte, the even column in the low nibble) makes 4 fp16
+# pairs, each code's magnitude in fp16 bits 9-11 and its sign in bit 15 (where
+# e2m1_value_over_2_14 puts them), in 12 integer instructions: the bytes of each 16-bit half
+# swapped (PRMT_SWAP), then two words with every byte's even code (EVEN) or odd code (ODD)
+# moved to its bits 1-3 and 7 by a bit select (LOP3 SELECT, bits of the first word where the
+# constant has ones); the word masked with PAIR_BITS is one pair, shifted left a byte first the
+# other.
+PRMT_SWAP = 0x2301
+SELECT = 0xE4  # lop3 truth table of (a & c) | (b & ~c)
+CODE_BITS = 0x0E0E0E0E  # a byte's magnitude bits after the select; its sign ends in bit 7
+PAIR_BITS = 0x8E008E00  # the magnitude and sign bits of an f16x2's two halves
 
 
 def _e2m1_block_ptx() -> str:
     """PTX for e2m1_block_values: $16, a 64-bit word of 16 codes, and $17, their fp16 scale ->
-    $0..$15, the values; each pair shifted and masked, then one f16x2 multiply scales both."""
-    lines = ["{", ".reg .b32 w<2>, mg, sg, h, sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
+    $0..$15, the values, code j of the word in $j. Per 32-bit half: y, its bytes B1 B0 B3 B2;
+    even = select(y << 1, y << 4) holds codes 2, 0, 6, 4 (byte by byte), odd = select(y >> 3, y)
+    codes 3, 1, 7, 5; a pair is even or odd masked (codes 0 and 4, 1 and 5) or shifted left 8
+    first (2 and 6, 3 and 7); one f16x2 multiply scales both of its values."""
+    lines = ["{", ".reg .b32 w<2>, y, a, b, even, odd, h, sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
     for half in range(2):
-        for j, (magnitude, sign) in enumerate(E2M1_PAIR_SHIFTS):
-            lines += [
-                _shift("mg", f"w{half}", magnitude), f"and.b32 mg, mg, {E2M1_MAGNITUDE_BITS:#010x};",
-                _shift("sg", f"w{half}", sign), f"and.b32 sg, sg, {E2M1_SIGN_BITS:#010x};",
-                "or.b32 h, mg, sg;", "mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${8 * half + j}, ${8 * half + j + 4}}}, h;",
-            ]
+        first = 8 * half
+        lines += [
+            f"prmt.b32 y, w{half}, w{half}, {PRMT_SWAP:#x};",
+            "shl.b32 a, y, 1;", "shl.b32 b, y, 4;", f"lop3.b32 even, a, b, {CODE_BITS:#010x}, {SELECT:#x};",
+            "shr.b32 a, y, 3;", f"lop3.b32 odd, a, y, {CODE_BITS:#010x}, {SELECT:#x};",
+        ]
+        for word, low in (("even", 0), ("odd", 1)):
+            for shifted in (False, True):
+                code = low + 2 * shifted
+                lines += ([f"shl.b32 h, {word}, 8;", f"and.b32 h, h, {PAIR_BITS:#010x};"] if shifted else [f"and.b32 h, {word}, {PAIR_BITS:#010x};"])
+                lines += ["mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${first + code}, ${first + code + 4}}}, h;"]
     return "\n".join(lines + ["}"])
 
 
