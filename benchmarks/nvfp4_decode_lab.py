@@ -251,6 +251,69 @@ def mxfp8_fma_kernel(
     )
 
 
+def _e4m3_bf16_asm() -> str:
+    """PTX: 8 E4M3 codes ($8, 64 bits) times their power-of-two scale ($9, bf16) -> 8 bf16 values
+    (exact while in bf16's range), codes 2i and 2i + 1 in one bf16x2: e4m3x2 -> f16x2 -> two fp32
+    -> bf16x2 (all exact), one bf16x2 multiply by the scale."""
+    lines = ["{", ".reg .b32 w<2>, h, r, sc;", ".reg .b16 c<2>, lo, hi;", ".reg .f32 f<2>;", "mov.b64 {w0, w1}, $8;", "mov.b32 sc, {$9, $9};"]
+    for half in range(2):
+        lines.append(f"mov.b32 {{c0, c1}}, w{half};")
+        for pair in range(2):
+            first = 4 * half + 2 * pair
+            lines += [
+                f"cvt.rn.f16x2.e4m3x2 h, c{pair};", "mov.b32 {lo, hi}, h;", "cvt.f32.f16 f0, lo;", "cvt.f32.f16 f1, hi;",
+                "cvt.rn.bf16x2.f32 r, f1, f0;", "mul.rn.bf16x2 r, r, sc;", f"mov.b32 {{${first}, ${first + 1}}}, r;",
+            ]
+    return "\n".join(lines + ["}"])
+
+
+_E4M3_BF16 = tl.constexpr(_e4m3_bf16_asm())
+
+
+@triton.jit
+def _mxfp8_bf16_pairs(codes, scale, ASM: tl.constexpr):
+    """4 (rows, 2 * words) bf16 operands of MXFP8 words times their scales (fp32 powers of two):
+    the p-th holds codes 2p and 2p + 1 of each word side by side, one bf16x2 register as decoded."""
+    if ASM:
+        v = tl.inline_asm_elementwise(_E4M3_BF16, "=h," * 8 + "l,h", [codes, scale.to(tl.bfloat16)], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:  # fp32 (the interpreter's dot multiplies bf16 bit patterns as integers)
+        v = _e4m3_values(codes, False)
+        v = (v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale)
+    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
+    return (
+        tl.reshape(tl.join(v[0], v[1]), shape), tl.reshape(tl.join(v[2], v[3]), shape),
+        tl.reshape(tl.join(v[4], v[5]), shape), tl.reshape(tl.join(v[6], v[7]), shape),
+    )
+
+
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
+def mxfp8_mma_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """MXFP8 x MXFP8 on the tensor cores: words of 8 codes decoded to bf16 times their scales by
+    PTX (no per-value conversion instruction), one bf16 dot a step. Strides in words."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    k_start = tl.program_id(1) * k_chunks * CHUNK
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(0, k_chunks * CHUNK, BLOCK_K):
+        word = (k_start + step) // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+        b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
+        a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+        b = _mxfp8_bf16_pairs(b_codes, b_scale, ASM)
+        a = _mxfp8_bf16_pairs(a_codes, a_scale, ASM)
+        for p in tl.static_range(4):
+            total = tl.dot(b[p], tl.trans(a[p]), total)
+    _write(
+        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One experimental kernel and its tiling (as triton_decode.DecodeConfig's fields)."""
@@ -278,8 +341,8 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     mx = b_layout.operand == triton_decode.BF16_VALUES
     if b_layout.operand == triton_decode.FP8_CODES or k % (8 if mx else 16) or a_args[3] % 8 or b_args[3] % 8:
         raise ValueError(f"{variant} multiplies NVFP4 or MXFP8 operands of whole 64-bit words; got {b.quantizer}, k={k}")
-    if mx and variant.kernel != "fma":
-        raise ValueError(f"{variant}: MXFP8 on the FMA kernel only")
+    if mx and variant.kernel not in ("fma", "mma"):
+        raise ValueError(f"{variant}: MXFP8 on the FMA kernel or one dot a step only")
     row_tiles = triton.cdiv(m, variant.block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     splits = triton_decode.split_k(n, k, a.data.device, variant.tiles_per_sm, variant.block_n, row_tiles)
@@ -293,8 +356,11 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     # Strides in 64-bit words.
     a_args = (*a_args[:3], a_args[3] // 8, *a_args[4:])
     b_args = (*b_args[:3], b_args[3] // 8, *b_args[4:])
-    kernel = mxfp8_fma_kernel if mx else fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
-    extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": {"mma": 0, "mma16": 16, "mma8": 8}[variant.kernel]}
+    if mx:
+        kernel, extra = (mxfp8_fma_kernel if variant.kernel == "fma" else mxfp8_mma_kernel), {}
+    else:
+        kernel = fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
+        extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": {"mma": 0, "mma16": 16, "mma8": 8}[variant.kernel]}
     kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
         *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
         EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
