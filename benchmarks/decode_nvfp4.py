@@ -47,6 +47,7 @@ MXFP8_ONE_ROW = [
     V("fma", True, 32, 512, 1, 4, 2, 8),
     V("fma", True, 128, 256, 1, 8, 2, 4),
 ]
+MXFP8_TENSOR_CORES = [V("mma", True, 64, 256, 16, 4, 3, 8), V("mma", True, 128, 256, 16, 8, 3, 4)]
 TENSOR_CORES = [  # the split dots first: one dot's join tree compiles slowly
     V("mma16", True, 64, 256, 16, 4, 3, 8),
     V("mma16", True, 64, 512, 16, 4, 2, 8),
@@ -61,6 +62,7 @@ TENSOR_CORES = [  # the split dots first: one dot's join tree compiles slowly
 def tasks_of(cases) -> list[tuple]:
     """(format, variant, the cases it takes) for every variant."""
     every = [("nvfp4", v) for v in ONE_ROW] + [("mxfp8", v) for v in MXFP8_ONE_ROW] + [("nvfp4", v) for v in TENSOR_CORES]
+    every += [("mxfp8", v) for v in MXFP8_TENSOR_CORES]
     defaults = [(name, None, cases) for name in ("nvfp4", "mxfp8")]  # compiled (autotuned) there too
     return defaults + [
         (name, variant, [case for case in cases if case[1] in ([1] if variant.kernel == "fma" else [1, 16])])
