@@ -1,12 +1,14 @@
-"""The experimental NVFP4 decode kernels (nvfp4_decode_lab.py) timed beside bf16 F.linear and the
-library's decode GEMM (triton_decode.gemm, its default tiling) at a Llama-3-8B FFN's weights.
+"""NVFP4 and MXFP8 decode GEMM tilings (CANDIDATES: the library's, and experimental kernels of
+nvfp4_decode_lab.py) timed beside bf16 F.linear and the library's default at a Llama-3-8B FFN's
+weights.
 
-    python benchmarks/decode_nvfp4.py [--rows 1,16] [--jobs 5] [--budget 120]
+    python benchmarks/decode_nvfp4.py [--rows 1,4,16] [--jobs 5] [--budget 120]
 
-Every variant is first compiled and run once per case in one of --jobs processes, its product
-checked against the float64 product of the dequantized operands (decode_tune.py's bound); then
-this process times the variants that passed, each as CUDA graphs of decode_gemm.CALLS calls, and
-prints one table: microseconds and speedup over bf16 per variant.
+Every tiling is first compiled and run once per case in one of --jobs processes, its product
+checked against the float64 product of the dequantized operands (decode_tune.py's bound); one
+still compiling at half the budget is dropped. Then this process times those that passed, each
+as CUDA graphs of decode_gemm.CALLS calls, and prints one table: microseconds and speedup over
+bf16.
 """
 
 from __future__ import annotations
@@ -30,64 +32,71 @@ from decode_tune import excess, operands  # noqa: E402
 from graphquant.kernels import triton_decode  # noqa: E402
 
 V = lab.Variant
-# (kernel, asm, BLOCK_N, BLOCK_K, BLOCK_M, warps, stages, programs an SM)
-ONE_ROW = [
-    V("fma", True, 64, 512, 1, 4, 2, 4),
-    V("fma", True, 64, 512, 1, 4, 2, 8),
-    V("fma", True, 32, 512, 1, 4, 2, 8),
-    V("fma", True, 64, 256, 1, 4, 2, 8),
-    V("fma", True, 128, 256, 1, 8, 2, 4),
-    V("fma", True, 128, 512, 1, 8, 2, 2),
-    V("fma", True, 32, 256, 1, 2, 2, 16),
-    V("fma", False, 64, 512, 1, 4, 2, 4),
+C = triton_decode.DecodeConfig
+# (format, rows of A, tiling): the library's decode GEMM (triton_decode.DecodeConfig) and, where a
+# lab.Variant, an experimental kernel of nvfp4_decode_lab.py. Each is compiled once (one worker)
+# and run on every weight at those rows.
+CANDIDATES = [
+    ("nvfp4", (1,), C(64, 256, 1, 4, 3, 8, fma=True)),
+    ("nvfp4", (1,), C(64, 256, 1, 4, 1, 8, fma=True)),
+    ("nvfp4", (1,), C(32, 256, 1, 2, 3, 16, fma=True)),
+    ("nvfp4", (1,), C(32, 512, 1, 4, 2, 8, fma=True)),
+    ("nvfp4", (1,), C(128, 256, 1, 8, 3, 4, fma=True)),
+    ("nvfp4", (1,), V("fma", True, 32, 256, 1, 2, 2, 16)),
+    ("nvfp4", (1, 4, 16), C(64, 256, 16, 4, 3, 8)),
+    ("nvfp4", (1, 16), C(128, 256, 16, 8, 3, 4)),
+    ("nvfp4", (16,), C(64, 128, 16, 4, 4, 8)),
+    ("nvfp4", (16,), C(64, 256, 16, 4, 3, 4)),
+    ("nvfp4", (16,), C(32, 256, 16, 4, 3, 8)),
+    ("nvfp4", (16,), V("mma8", True, 64, 256, 16, 4, 3, 8)),
+    ("nvfp4", (4,), C(64, 256, 1, 4, 3, 8, fma=True)),
+    ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
+    ("mxfp8", (1,), C(64, 256, 1, 4, 1, 4, fma=True)),
+    ("mxfp8", (1, 16), V("mma", True, 64, 256, 16, 4, 3, 8)),
+    ("mxfp8", (16,), V("mma", True, 128, 256, 16, 8, 3, 4)),
 ]
-MXFP8_ONE_ROW = [
-    V("fma", True, 64, 256, 1, 4, 2, 4),
-    V("fma", True, 64, 256, 1, 4, 2, 8),
-    V("fma", True, 32, 512, 1, 4, 2, 8),
-    V("fma", True, 128, 256, 1, 8, 2, 4),
-]
-MXFP8_TENSOR_CORES = [V("mma", True, 64, 256, 16, 4, 3, 8), V("mma", True, 128, 256, 16, 8, 3, 4)]
-TENSOR_CORES = [  # the split dots first: one dot's join tree compiles slowly
-    V("mma16", True, 64, 256, 16, 4, 3, 8),
-    V("mma16", True, 64, 512, 16, 4, 2, 8),
-    V("mma16", True, 128, 256, 16, 8, 2, 4),
-    V("mma8", True, 64, 256, 16, 4, 3, 8),
-    V("mma8", True, 128, 256, 16, 8, 2, 4),
-    V("mma", True, 64, 128, 16, 4, 3, 8),
-    V("mma", True, 128, 128, 16, 8, 3, 4),
-]
+
+
+def label(spec) -> str:
+    if isinstance(spec, lab.Variant):
+        return f"lab {spec}"
+    return (
+        f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
+        f"t{spec.tiles_per_sm}"
+    )
+
+
+def run(name: str, spec, a, b) -> torch.Tensor:
+    if spec is None:
+        return triton_decode.gemm(a, b, torch.bfloat16)
+    if isinstance(spec, lab.Variant):
+        return lab.gemm(a, b, torch.bfloat16, spec)
+    return triton_decode.gemm(a, b, torch.bfloat16, config=spec)
 
 
 def tasks_of(cases) -> list[tuple]:
-    """(format, variant, the cases it takes) for every variant."""
-    every = [("nvfp4", v) for v in ONE_ROW] + [("mxfp8", v) for v in MXFP8_ONE_ROW] + [("nvfp4", v) for v in TENSOR_CORES]
-    every += [("mxfp8", v) for v in MXFP8_TENSOR_CORES]
-    defaults = [(name, None, cases) for name in ("nvfp4", "mxfp8")]  # compiled (autotuned) there too
-    return defaults + [
-        (name, variant, [case for case in cases if case[1] in ([1] if variant.kernel == "fma" else [1, 16])])
-        for name, variant in every
-    ]
+    """(format, tiling, the cases it takes): the library's default first (None), then CANDIDATES."""
+    defaults = [(name, None, [case for case in cases]) for name in ("nvfp4", "mxfp8")]
+    return defaults + [(name, spec, [case for case in cases if case[1] in rows]) for name, rows, spec in CANDIDATES]
 
 
 def check(task) -> list[tuple]:
-    """One variant (compiled once) run on every case it takes, each with its excess over the bound."""
-    name, variant, cases = task
+    """One tiling (compiled once) run on every case it takes, each with its excess over the bound."""
+    name, spec, cases = task
     results = []
     for case in cases:
         (n, k), m = case
         a, b = operands(name, m, n, k)
         try:
-            out = triton_decode.gemm(a, b, torch.bfloat16) if variant is None else lab.gemm(a, b, torch.bfloat16, variant)
-            results.append(((name, *case), variant, excess(name, out, a, b), ""))
-        except Exception as error:  # noqa: BLE001 (a variant that does not compile is a result)
-            results.append(((name, *case), variant, None, str(error).splitlines()[0][:100]))
+            results.append(((name, *case), spec, excess(name, run(name, spec, a, b), a, b), ""))
+        except Exception as error:  # noqa: BLE001 (a tiling that does not compile is a result)
+            results.append(((name, *case), spec, None, str(error).splitlines()[0][:100]))
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--jobs", type=int, default=5)
     parser.add_argument("--budget", type=float, default=120.0, help="seconds, from the start, after which no case is timed")
     args = parser.parse_args()
@@ -107,17 +116,16 @@ def main() -> None:
     print(f"{len(futures) - cancelled}/{len(futures)} variants checked at {time.monotonic() - deadline + args.budget:.0f} s", flush=True)
     for task, future in zip(tasks, futures):
         if not future.done() or future.exception():
-            print(f"NOT CHECKED {task[0]} {task[1]}: {'still compiling' if not future.done() else future.exception()}", flush=True)
+            print(f"NOT CHECKED {task[0]} {label(task[1]) if task[1] else 'default'}: {'still compiling' if not future.done() else future.exception()}", flush=True)
     good = {}
     for case, variant, ex, error in checked:
         if ex is None or ex > 0:
-            print(f"FAILED {case} {variant}: {error or f'outside the bound by {ex:.3g}'}", flush=True)
+            print(f"FAILED {case} {label(variant) if variant else 'default'}: {error or f'outside the bound by {ex:.3g}'}", flush=True)
         elif variant is not None:
             good.setdefault(case, []).append(variant)
 
     rows = []
-    order = [(name, *case) for case in cases if case[1] == 1 for name in ("nvfp4", "mxfp8")]
-    for name, (n, k), m in order + [(name, *case) for case in cases if case[1] != 1 for name in ("nvfp4", "mxfp8")]:
+    for name, (n, k), m in [(name, *case) for case in cases for name in ("nvfp4", "mxfp8")]:
         if time.monotonic() > deadline:
             print(f"budget spent: {name} {(n, k)} m={m} and the cases after it not timed", flush=True)
             break
@@ -127,8 +135,8 @@ def main() -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         fns = {"bf16 F.linear": lambda: F.linear(x, w), "library default": lambda: triton_decode.gemm(a, b, torch.bfloat16)}
-        for variant in good[(name, (n, k), m)]:
-            fns[str(variant)] = lambda variant=variant: lab.gemm(a, b, torch.bfloat16, variant)
+        for spec in good[(name, (n, k), m)]:
+            fns[label(spec)] = lambda spec=spec: run(name, spec, a, b)
         replays = {}
         for label, fn in fns.items():
             try:

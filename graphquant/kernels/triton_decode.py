@@ -149,20 +149,22 @@ if triton.knobs.runtime.interpret:
     AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
 # Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
 # in registers keeps the ALUs busy, and more programs an SM hide their latency.
-AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
-# One row of NVFP4 on the FMA units: no MMA tile of 16 rows to decode and fill, no layout to
-# convert (MXFP8's conversions to fp32 cost more there than its tensor-core path).
-_NVFP4_ONE_ROW = DecodeConfig(block_n=64, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=4, fma=True)
+AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
+# NVFP4 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), up to a tile of
+# 16 rows on the tensor cores, each with the weight tile that measured best
+# (benchmarks/decode_nvfp4.py); MXFP8 and FP8 codes take Triton's autotuned tiles.
+_NVFP4_ONE_ROW = DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=8, fma=True)
+_NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
-    BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
-    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4) one tile of A's
-    rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
-    the wider accumulator needs."""
-    if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
-        return _NVFP4_ONE_ROW
+    BF16_VALUES, F16_VALUES), or None (FP8 codes and MXFP8) for a tile of 16 rows on the tensor
+    cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
+    one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
+    the registers the wider accumulator needs."""
+    if operand == F16_VALUES and m <= ONE_TILE_ROWS:
+        return _NVFP4_ONE_ROW if m == 1 and not triton.knobs.runtime.interpret else _NVFP4_ONE_TILE
     if m <= ONE_TILE_ROWS:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
@@ -403,6 +405,7 @@ def _fma_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
@@ -419,7 +422,9 @@ def _fma_kernel(
     pairs: tl.constexpr = BLOCK_K // (2 * per_word)
     pair = tl.arange(0, pairs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
     sums = tl.zeros((pairs, BLOCK_N, 2), dtype=tl.float32)
-    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
+    # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
+    # Triton pipeline the loop by itself.
+    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
         word = (k_start + step) // per_word + pair
         if OPERAND == 1:  # MXFP8
             b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K // 8, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
@@ -567,6 +572,7 @@ def gemm(
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_k and n % config.block_n == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
