@@ -126,6 +126,16 @@ def _join(v, i: tl.constexpr, step: tl.constexpr):
 
 
 @triton.jit
+def _row_pairs(codes, scale, ASM: tl.constexpr):
+    """(rows, 16 * blocks) fp16 values: each block's 8 f16x2 registers as decoded (values j and
+    j + 4 adjacent in K), the 8 registers in some order (the same for both operands)."""
+    v = _decode(codes, scale, ASM, tl.float16)
+    low = tl.join(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), tl.join(tl.join(v[8], v[9]), tl.join(v[10], v[11])))
+    high = tl.join(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), tl.join(tl.join(v[12], v[13]), tl.join(v[14], v[15])))
+    return tl.reshape(tl.join(low, high), (codes.shape[0], codes.shape[1] * 16))
+
+
+@triton.jit
 def _row_values(codes, scale, ASM: tl.constexpr):
     """(rows, 16 * blocks) fp16 values, the columns of each block in the order of _join (a
     permutation of K within each block, the same for both operands)."""
@@ -150,6 +160,14 @@ def mma_words_kernel(
     k_start = tl.program_id(1) * k_chunks * CHUNK
     BLOCKS: tl.constexpr = BLOCK_K // 16
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t4 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t5 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t6 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t7 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):
         block = (k_start + step) // 16 + tl.arange(0, BLOCKS)[None, :]
         b_codes, b_scale = _blocks(b_ptr, b_scale_ptr, n, N, block, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
@@ -159,6 +177,19 @@ def mma_words_kernel(
             a = _decode(a_codes, a_scale, ASM, tl.float16)
             for j in tl.static_range(16):
                 total = tl.dot(b[j], tl.trans(a[j]), total)
+        elif SPLIT_DOTS == 88:  # as 8, each pair's dot into an accumulator of its own (no wait between them)
+            b = _decode(b_codes, b_scale, ASM, tl.float16)
+            a = _decode(a_codes, a_scale, ASM, tl.float16)
+            shape_b: tl.constexpr = (b_codes.shape[0], 2 * b_codes.shape[1])
+            shape_a: tl.constexpr = (a_codes.shape[0], 2 * a_codes.shape[1])
+            t0 = tl.dot(tl.reshape(tl.join(b[0], b[4]), shape_b), tl.trans(tl.reshape(tl.join(a[0], a[4]), shape_a)), t0)
+            t1 = tl.dot(tl.reshape(tl.join(b[1], b[5]), shape_b), tl.trans(tl.reshape(tl.join(a[1], a[5]), shape_a)), t1)
+            t2 = tl.dot(tl.reshape(tl.join(b[2], b[6]), shape_b), tl.trans(tl.reshape(tl.join(a[2], a[6]), shape_a)), t2)
+            t3 = tl.dot(tl.reshape(tl.join(b[3], b[7]), shape_b), tl.trans(tl.reshape(tl.join(a[3], a[7]), shape_a)), t3)
+            t4 = tl.dot(tl.reshape(tl.join(b[8], b[12]), shape_b), tl.trans(tl.reshape(tl.join(a[8], a[12]), shape_a)), t4)
+            t5 = tl.dot(tl.reshape(tl.join(b[9], b[13]), shape_b), tl.trans(tl.reshape(tl.join(a[9], a[13]), shape_a)), t5)
+            t6 = tl.dot(tl.reshape(tl.join(b[10], b[14]), shape_b), tl.trans(tl.reshape(tl.join(a[10], a[14]), shape_a)), t6)
+            t7 = tl.dot(tl.reshape(tl.join(b[11], b[15]), shape_b), tl.trans(tl.reshape(tl.join(a[11], a[15]), shape_a)), t7)
         elif SPLIT_DOTS == 8:  # one dot per pair (j, j + 4) of each word, the two adjacent in K
             b = _decode(b_codes, b_scale, ASM, tl.float16)
             a = _decode(a_codes, a_scale, ASM, tl.float16)
@@ -167,8 +198,12 @@ def mma_words_kernel(
                     b_pair = tl.reshape(tl.join(b[8 * half + j], b[8 * half + j + 4]), (b_codes.shape[0], 2 * b_codes.shape[1]))
                     a_pair = tl.reshape(tl.join(a[8 * half + j], a[8 * half + j + 4]), (a_codes.shape[0], 2 * a_codes.shape[1]))
                     total = tl.dot(b_pair, tl.trans(a_pair), total)
+        elif SPLIT_DOTS == 1:  # one dot a step, each decoded f16x2 register's values adjacent in K
+            total = tl.dot(_row_pairs(b_codes, b_scale, ASM), tl.trans(_row_pairs(a_codes, a_scale, ASM)), total)
         else:
             total = tl.dot(_row_values(b_codes, b_scale, ASM), tl.trans(_row_values(a_codes, a_scale, ASM)), total)
+    if SPLIT_DOTS == 88:
+        total = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
     total = total * 268435456.0
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
@@ -252,10 +287,15 @@ def mxfp8_fma_kernel(
 
 
 def _e4m3_bf16_asm() -> str:
-    """PTX: 8 E4M3 codes ($8, 64 bits) times their power-of-two scale ($9, bf16) -> 8 bf16 values
-    (exact while in bf16's range), codes 2i and 2i + 1 in one bf16x2: e4m3x2 -> f16x2 -> two fp32
-    -> bf16x2 (all exact), one bf16x2 multiply by the scale."""
-    lines = ["{", ".reg .b32 w<2>, h, r, sc;", ".reg .b16 c<2>, lo, hi;", ".reg .f32 f<2>;", "mov.b64 {w0, w1}, $8;", "mov.b32 sc, {$9, $9};"]
+    """PTX: 8 E4M3 codes ($8, 64 bits) times their E8M0 scale ($9, its byte in 16 bits) -> 8 bf16
+    values (exact while in bf16's range), codes 2i and 2i + 1 in one bf16x2: the scale's bf16 is
+    its byte shifted into the exponent (0: 2^-127, a subnormal; 255: NaN); e4m3x2 -> f16x2 ->
+    two fp32 -> bf16x2 (all exact), one bf16x2 multiply by the scale."""
+    lines = [
+        "{", ".reg .b32 w<2>, h, r, sc;", ".reg .b16 c<2>, lo, hi, e;", ".reg .f32 f<2>;", ".reg .pred zero, nan;",
+        "mov.b64 {w0, w1}, $8;", "shl.b16 e, $9, 7;", "setp.eq.u16 zero, $9, 0;", "setp.eq.u16 nan, $9, 255;",
+        "selp.b16 e, 0x0040, e, zero;", "selp.b16 e, 0x7fc0, e, nan;", "mov.b32 sc, {e, e};",
+    ]
     for half in range(2):
         lines.append(f"mov.b32 {{c0, c1}}, w{half};")
         for pair in range(2):
@@ -271,12 +311,14 @@ _E4M3_BF16 = tl.constexpr(_e4m3_bf16_asm())
 
 
 @triton.jit
-def _mxfp8_bf16_pairs(codes, scale, ASM: tl.constexpr):
-    """4 (rows, 2 * words) bf16 operands of MXFP8 words times their scales (fp32 powers of two):
-    the p-th holds codes 2p and 2p + 1 of each word side by side, one bf16x2 register as decoded."""
+def _mxfp8_bf16_pairs(codes, biased, ASM: tl.constexpr):
+    """4 (rows, 2 * words) bf16 operands of MXFP8 words times their E8M0 scales (``biased``, the
+    bytes as stored): the p-th holds codes 2p and 2p + 1 of each word side by side, one bf16x2
+    register as decoded."""
     if ASM:
-        v = tl.inline_asm_elementwise(_E4M3_BF16, "=h," * 8 + "l,h", [codes, scale.to(tl.bfloat16)], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        v = tl.inline_asm_elementwise(_E4M3_BF16, "=h," * 8 + "l,h", [codes, biased.to(tl.uint16)], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:  # fp32 (the interpreter's dot multiplies bf16 bit patterns as integers)
+        scale = e8m0_value(biased)
         v = _e4m3_values(codes, False)
         v = (v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale)
     shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
@@ -284,6 +326,17 @@ def _mxfp8_bf16_pairs(codes, scale, ASM: tl.constexpr):
         tl.reshape(tl.join(v[0], v[1]), shape), tl.reshape(tl.join(v[2], v[3]), shape),
         tl.reshape(tl.join(v[4], v[5]), shape), tl.reshape(tl.join(v[6], v[7]), shape),
     )
+
+
+@triton.jit
+def _mxfp8_raw_words(ptr, scale_ptr, row, rows, word, K, stride_words, scale_row_stride, scale_col_stride, EVEN: tl.constexpr):
+    """As _mxfp8_words, the scales as stored (E8M0 bytes; 127, 2^0, outside the operand)."""
+    at = ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + (word // 4) * scale_col_stride
+    if EVEN:
+        return tl.load(at), tl.load(scale_at)
+    inside = (row < rows) & (word < K // 8)
+    return tl.load(at, mask=inside, other=0), tl.load(scale_at, mask=inside, other=127)
 
 
 @triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
@@ -302,8 +355,8 @@ def mxfp8_mma_kernel(
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):
         word = (k_start + step) // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-        b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
-        a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+        b_codes, b_scale = _mxfp8_raw_words(b_ptr, b_scale_ptr, n, N, word, K, b_stride, b_scale_row_stride, b_scale_col_stride, EVEN)
+        a_codes, a_scale = _mxfp8_raw_words(a_ptr, a_scale_ptr, m, M, word, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
         b = _mxfp8_bf16_pairs(b_codes, b_scale, ASM)
         a = _mxfp8_bf16_pairs(a_codes, a_scale, ASM)
         for p in tl.static_range(4):
@@ -360,7 +413,7 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
         kernel, extra = (mxfp8_fma_kernel if variant.kernel == "fma" else mxfp8_mma_kernel), {}
     else:
         kernel = fma_words_kernel if variant.kernel == "fma" else mma_words_kernel
-        extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": {"mma": 0, "mma16": 16, "mma8": 8}[variant.kernel]}
+        extra = {} if variant.kernel == "fma" else {"SPLIT_DOTS": {"mma": 0, "mma16": 16, "mma8": 8, "mma8x8": 88, "mma1": 1}[variant.kernel]}
     kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
         *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1, ASM=variant.asm,
         EVEN=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
