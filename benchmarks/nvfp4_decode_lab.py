@@ -18,7 +18,7 @@ import triton.language as tl
 
 from graphquant.kernels import triton_decode
 from graphquant.kernels.triton_decode import _block_scales, _broadcast, _write
-from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
+from graphquant.kernels.triton_dequantize import e2m1_block_values, e2m1_value_over_2_14, e8m0_value
 from graphquant.quantizers import gemm_dims
 
 def _decode_asm(out: str) -> str:
@@ -44,7 +44,6 @@ def _decode_asm(out: str) -> str:
 
 
 _DECODE_F32 = tl.constexpr(_decode_asm("f32"))
-_DECODE_F16 = tl.constexpr(_decode_asm("f16"))
 
 
 @triton.jit
@@ -73,7 +72,7 @@ def _decode(codes, scale, ASM: tl.constexpr, DTYPE: tl.constexpr):
         if DTYPE == tl.float32:
             return tl.inline_asm_elementwise(_DECODE_F32, "=r," * 16 + "l,h", [codes, scale], dtype=(tl.float32,) * 16, is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise(_DECODE_F16, "=h," * 16 + "l,h", [codes, scale], dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+            return e2m1_block_values(codes, scale, True)  # the library's decode
     return (
         _values(codes, scale, 0, DTYPE), _values(codes, scale, 1, DTYPE), _values(codes, scale, 2, DTYPE),
         _values(codes, scale, 3, DTYPE), _values(codes, scale, 4, DTYPE), _values(codes, scale, 5, DTYPE),

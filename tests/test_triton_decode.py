@@ -288,9 +288,8 @@ def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
 
 def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():
     """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
-    blocks 16 bytes at a time, asynchronously, and decodes them two values an f16x2 multiply,
-    straight into the tensor cores' operand layout (the decoded weight makes no round trip
-    through shared memory)."""
+    blocks 16 bytes at a time, asynchronously, decodes them two values an f16x2 multiply, and
+    multiplies a step's values in one dot."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -320,12 +319,11 @@ def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
     )
-    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    ptx = compiled.asm["ptx"]
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
-    # Only A's decoded tiles (16 rows) go through shared memory, never the weight's (64).
-    assert re.search(r"local_alloc %\S+ : \(tensor<16x\d+xf16", ttgir)
-    assert not re.search(r"local_alloc %\S+ : \(tensor<64x\d+xf16", ttgir)
+    # One dot a step: the warps wait for the tensor cores once a step (and once after the loop).
+    assert ptx.count("wgmma.wait_group") <= 2
 
 
 @pytest.fixture

@@ -250,19 +250,16 @@ def _nvfp4_blocks(
 
 
 @triton.jit
-def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
-    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands: the
-    k-th holds values j and j + 4 of each half-block (j = k % 4, half k // 4) side by side, the
-    two halves of one f16x2 register as decoded, so that the tensor cores take them as they are.
-    Both operands take K in this same order."""
+def _nvfp4_values(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (e2m1_block_values, times 2^-14) as one (rows, 16 * blocks) operand in
+    which each decoded f16x2 register's two values (codes j and j + 4) sit side by side in K, so
+    that the tensor cores take them as they are, and a step is one dot (a wgmma with its operand
+    in registers is waited for before the next). The 8 registers of a block come in some order
+    of K, the same for both operands."""
     v = e2m1_block_values(codes, scale, ASM)
-    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
-    return (
-        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
-        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
-        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
-        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
-    )
+    low = tl.join(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), tl.join(tl.join(v[8], v[9]), tl.join(v[10], v[11])))
+    high = tl.join(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), tl.join(tl.join(v[12], v[13]), tl.join(v[14], v[15])))
+    return tl.reshape(tl.join(low, high), (codes.shape[0], 16 * codes.shape[1]))
 
 
 @triton.jit
@@ -380,10 +377,7 @@ def _decode_kernel(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-            b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            a = _nvfp4_pairs(a_codes, a_scale, ASM)
-            for j in tl.static_range(8):
-                total = tl.dot(b[j], tl.trans(a[j]), total)
+            total = tl.dot(_nvfp4_values(b_codes, b_scale, ASM), tl.trans(_nvfp4_values(a_codes, a_scale, ASM)), total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     _write(
