@@ -219,19 +219,30 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     weight's codes 16 bytes at a time, asynchronously: every split of K starts at a column the
     compiler knows to be aligned. A split length it cannot see turns every load into a byte load,
     at a quarter of the speed."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
+    ptx = _decode_kernel_ptx_for_sm90(pointers, runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0)
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
+def _decode_kernel_ptx_for_sm90(pointers: dict, runtime: dict, **constants) -> str:
+    """The PTX of _decode_kernel compiled for Hopper (on any machine: Triton compiles without a
+    GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
+    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from graphquant.kernels import triton_decode
 
     kernel = triton_decode._decode_kernel
-    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
     constants = dict(
-        CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.FP8_CODES, VALUES=triton.language.bfloat16, SCALE_COLS=0,
-        A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=1.0, B_FACTOR=1, B_DIVISOR=1.0, SPLIT=True,
-        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+        CHUNK=triton_decode.K_CHUNK, VALUES=triton.language.bfloat16, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
+        SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_K=256, **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     )
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -246,8 +257,7 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     compiled = triton.compile(
         ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
     )
-    ptx = compiled.asm["ptx"]
-    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+    return compiled.asm["ptx"]
 
 
 def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
@@ -290,36 +300,13 @@ def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm
     """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
     blocks 16 bytes at a time, asynchronously, decodes them two values an f16x2 multiply, and
     multiplies a step's values in one dot."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
-    kernel = triton_decode._decode_kernel
     pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "b_scale_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
-               "a_scale_row_stride": 256, "b_scale_row_stride": 256}
-    constants = dict(
-        CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.F16_VALUES, VALUES=triton.language.bfloat16, SCALE_COLS=16,
-        A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=2688.0, B_FACTOR=1, B_DIVISOR=2688.0, SPLIT=True,
-        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
-        a_scale_col_stride=1, b_scale_col_stride=1,
-    )
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
-    )
-    ptx = compiled.asm["ptx"]
+               "a_scale_row_stride": 256, "b_scale_row_stride": 256, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
+    ptx = _decode_kernel_ptx_for_sm90(pointers, runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0)
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
     # One dot a step: the warps wait for the tensor cores once a step (and once after the loop).
