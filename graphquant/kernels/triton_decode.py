@@ -221,17 +221,18 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _mxfp8_words(
-    data_ptr, scale_ptr, row, rows, word, words, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+def _mxfp8_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
 ):
-    """MXFP8's codes at (row, word) as 64-bit words of 8 (0 outside the operand, or all INSIDE
-    it: no masks), and each word's power-of-two scale (its 32-block's) in fp32, 0 outside;
-    ``stride_words``: the data's row stride in words."""
+    """MXFP8's 32-code blocks at (row, block) (a trailing dim of 1) as their 4 64-bit words of 8
+    codes (0 outside the operand, or all INSIDE it: no masks), and each block's power-of-two
+    scale in fp32 (0 outside); ``stride_words``: the data's row stride in words."""
+    word = block * 4 + tl.arange(0, 4)[None, None, :]
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
     if INSIDE:
-        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + (word // 4).to(tl.int64) * scale_col_stride))
-    scale = _block_scales(scale_ptr, row, rows, word // 4, tl.cdiv(words, 4), scale_row_stride, scale_col_stride, 1, True)
-    return tl.load(at, mask=(row < rows) & (word < words), other=0), scale
+        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride))
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, True)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale
 
 
 @triton.jit
@@ -403,33 +404,38 @@ def _fma_kernel(
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
-    counted in words), decoded exactly (by inline PTX where ASM) and multiplied in fp32 into
-    one partial sum per (pair of words, weight row), summed at the end. A pair of words is one
-    16-byte load; the pairs go to a warp's threads first and the weight rows to each thread's
-    registers, so that a thread decodes A's words once for all its rows. MXFP8: each word's 8
-    products (exact) are summed, then times both power-of-two scales (exact in fp32's normal
-    range). WHOLE_TILES: every tile lies inside both operands (no masks)."""
+    counted in words), decoded exactly (by inline PTX where ASM) and multiplied in fp32. A tile
+    is (runs of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block
+    of four words) is contiguous, and the runs go to a warp's threads first and the weight rows
+    to each thread's registers, so that a thread decodes A's words once for all its rows. NVFP4:
+    one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
+    block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
+    normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
+    tile lies inside both operands (no masks)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    per_word: tl.constexpr = 8 if OPERAND == 1 else 16
-    pairs: tl.constexpr = BLOCK_K // (2 * per_word)
-    pair = tl.arange(0, pairs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-    sums = tl.zeros((pairs, BLOCK_N, 2), dtype=tl.float32)
+    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
+    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
     # Triton pipeline the loop by itself.
     for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
-        word = (k_start + step) // per_word + pair
         if OPERAND == 1:  # MXFP8
-            b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K // 8, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
-            a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K // 8, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
+            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
+            b_codes, b_scale = _mxfp8_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _mxfp8_blocks(
+                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
+            )
             b = e4m3_word_values(b_codes, ASM)
             a = e4m3_word_values(a_codes, ASM)
-            word_sum = b[0] * a[0]
+            products = b[0] * (a[0] * a_scale)
             for j in tl.static_range(1, 8):
-                word_sum += b[j] * a[j]
-            sums += word_sum * (b_scale * a_scale)
+                products += b[j] * (a[j] * a_scale)
+            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
         else:  # NVFP4
+            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
             b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
             b = e2m1_block_values(b_codes, b_scale, ASM)
