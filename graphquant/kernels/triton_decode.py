@@ -150,10 +150,13 @@ if triton.knobs.runtime.interpret:
 # Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
 # in registers keeps the ALUs busy, and more programs an SM hide their latency.
 AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
-# NVFP4 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), up to a tile of
-# 16 rows on the tensor cores, each with the weight tile that measured best
-# (benchmarks/decode_nvfp4.py); MXFP8 and FP8 codes take Triton's autotuned tiles.
-_NVFP4_ONE_ROW = DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=8, fma=True)
+# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), NVFP4
+# up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
+# (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
+_ONE_ROW = {
+    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=8, fma=True),
+    BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=4, fma=True),
+}
 _NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
 
 
@@ -163,8 +166,10 @@ def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
     one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
     the registers the wider accumulator needs."""
+    if m == 1 and operand in _ONE_ROW and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
     if operand == F16_VALUES and m <= ONE_TILE_ROWS:
-        return _NVFP4_ONE_ROW if m == 1 and not triton.knobs.runtime.interpret else _NVFP4_ONE_TILE
+        return _NVFP4_ONE_TILE
     if m <= ONE_TILE_ROWS:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
