@@ -562,21 +562,23 @@ def gemm(
     if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
         a_args, b_args = _in_words(a_args), _in_words(b_args)
     asm = not triton.knobs.runtime.interpret
-    whole_k = k % (k_chunks * K_CHUNK) == 0
+    # Where every weight tile lies inside the weight, NVFP4's words (and the FMA units') are read
+    # unmasked.
+    whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
-            WHOLE_TILES=whole_k and n % max(tile[0] for tile in AUTOTUNED_TILES) == 0, BLOCK_M=ONE_TILE_ROWS,
+            WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
-            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_k and n % config.block_n == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
@@ -587,7 +589,7 @@ def gemm(
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_k and n % config.block_n == 0,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.warps, num_stages=config.stages,
         )
