@@ -5,7 +5,7 @@ GEMM (graphquant/kernels/triton_decode.py), on the library's operands and arithm
   joins the pairs into one dot a step: Triton waits for every wgmma whose operand is in
   registers, so eight dots mean eight waits);
 - MXFP8 on the tensor cores from 64-bit words of 8 E4M3 codes decoded to bf16 by inline PTX
-  (e4m3x2 -> f16x2 -> fp32 -> bf16x2, no per-value conversion instruction), four dots a step.
+  (e4m3x2 -> f16x2 -> fp32 -> bf16x2, no per-value conversion instruction), one dot a step.
 
 Earlier ones (the one-row FMA kernels, a dot per decoded value) moved into the library or lost;
 benchmarks/NOTES.md (decode_nvfp4.py) has their numbers.
@@ -64,10 +64,10 @@ _E4M3_BF16 = tl.constexpr(_e4m3_bf16_asm())
 
 
 @triton.jit
-def _mxfp8_pairs(codes, biased, ASM: tl.constexpr):
-    """4 (rows, 2 * words) operands of MXFP8 words times their E8M0 scales (``biased``, as
-    stored): the p-th holds codes 2p and 2p + 1 of each word side by side (one bf16x2 register
-    as decoded); fp32 in the interpreter, whose dot multiplies bf16 bit patterns as integers."""
+def _mxfp8_values(codes, biased, ASM: tl.constexpr):
+    """One (rows, 8 * words) operand of MXFP8 words times their E8M0 scales (``biased``, as
+    stored), codes 2p and 2p + 1 of each word side by side in K (one bf16x2 register as decoded);
+    fp32 in the interpreter, whose dot multiplies bf16 bit patterns as integers."""
     if ASM:
         v = tl.inline_asm_elementwise(
             _E4M3_BF16, "=h," * 8 + "l,h", [codes, biased.to(tl.uint16)], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
@@ -76,11 +76,9 @@ def _mxfp8_pairs(codes, biased, ASM: tl.constexpr):
         scale = e8m0_value(biased)
         v = e4m3_word_values(codes, False)
         v = (v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale)
-    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
-    return (
-        tl.reshape(tl.join(v[0], v[1]), shape), tl.reshape(tl.join(v[2], v[3]), shape),
-        tl.reshape(tl.join(v[4], v[5]), shape), tl.reshape(tl.join(v[6], v[7]), shape),
-    )
+    low = tl.join(tl.join(v[0], v[2]), tl.join(v[4], v[6]))
+    high = tl.join(tl.join(v[1], v[3]), tl.join(v[5], v[7]))
+    return tl.reshape(tl.join(low, high), (codes.shape[0], 8 * codes.shape[1]))
 
 
 @triton.jit
@@ -104,8 +102,8 @@ def _kernel(
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """triton_decode._decode_kernel's program, a dot per decoded register pair (NVFP4: 8 a step,
-    MXFP8: 4). Strides are in 64-bit words."""
+    """triton_decode._decode_kernel's program: NVFP4 a dot per decoded register pair (8 a step),
+    MXFP8 decoded to bf16 by PTX. Strides are in 64-bit words."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -115,10 +113,7 @@ def _kernel(
             word = (k_start + step) // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
             b_codes, b_scale = _mxfp8_words(b_ptr, b_scale_ptr, n, N, word, K, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
             a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, word, K, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-            b = _mxfp8_pairs(b_codes, b_scale, ASM)
-            a = _mxfp8_pairs(a_codes, a_scale, ASM)
-            for p in tl.static_range(4):
-                total = tl.dot(b[p], tl.trans(a[p]), total)
+            total = tl.dot(_mxfp8_values(b_codes, b_scale, ASM), tl.trans(_mxfp8_values(a_codes, a_scale, ASM)), total)
         else:
             block = (k_start + step) // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
             b_codes, b_scale = _nvfp4_blocks(
@@ -149,7 +144,7 @@ class Variant:
     tiles_per_sm: int
 
     def __str__(self) -> str:
-        return f"dot per pair n{self.block_n} k{self.block_k} m{self.block_m} w{self.warps} s{self.stages} t{self.tiles_per_sm}"
+        return f"lab n{self.block_n} k{self.block_k} m{self.block_m} w{self.warps} s{self.stages} t{self.tiles_per_sm}"
 
 
 def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
