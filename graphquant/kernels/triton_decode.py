@@ -377,7 +377,7 @@ def _decode_kernel(
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
             a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
             total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
-        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
+        else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
             block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
             b_codes, b_scale = _nvfp4_blocks(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
