@@ -32,7 +32,6 @@ from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
-MXFP8_ONE_ROW = triton_decode.DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 64]
@@ -92,8 +91,8 @@ def main() -> None:
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
                     alternatives = {}
-                    if m == 1:  # NVFP4's default there is the FMA units', MXFP8's the tensor cores'
-                        alternatives["fma" if name == "mxfp8" else "tensor cores"] = MXFP8_ONE_ROW if name == "mxfp8" else TENSOR_CORES
+                    if m == 1:  # the default there is the FMA units'
+                        alternatives["tensor cores"] = TENSOR_CORES
                     if name == "mxfp8" and m <= 16:
                         alternatives["block sums"] = BLOCK_SUMS
                     for label, config in alternatives.items():

@@ -16,10 +16,14 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
-  (DecodeConfig.fma, a row or a few) dequantized into fp32 and multiplied on the FMA units. Their
-  result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+  (DecodeConfig.fma, a row of A a program) dequantized into fp32 and multiplied on the FMA units.
+  Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
   |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
-  (DecodeConfig.mx_products) keep that while values and sums stay in fp32's normal range.
+  (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
+  values and sums stay in fp32's normal range. NVFP4's codes (and MXFP8's on the FMA units) are
+  read as 64-bit words and decoded by inline PTX, several values an instruction
+  (triton_dequantize.e2m1_block_values): at these sizes the decoding instructions, not the
+  bytes, set the pace.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
@@ -43,7 +47,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
+from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
@@ -114,8 +118,6 @@ _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
-# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
-FMA_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +126,9 @@ class DecodeConfig:
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
-    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"); and whether NVFP4's block scales
-    are loaded for every byte (scale_gather) rather than once a block and broadcast. ``fma``:
-    MXFP8 and NVFP4 multiplied on the FMA units (_fma_kernel), BLOCK_M rows of A (1 to 4) a
-    program, instead of the tensor cores."""
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"). ``fma``: MXFP8 and NVFP4
+    multiplied on the FMA units (_fma_kernel), one row of A a program (block_m 1), instead of
+    the tensor cores."""
 
     block_n: int = 64
     block_k: int = 256
@@ -136,7 +137,6 @@ class DecodeConfig:
     stages: int = 3
     tiles_per_sm: int = 2
     mx_products: str = "values"
-    scale_gather: bool = False
     fma: bool = False
 
     def __post_init__(self) -> None:
@@ -148,8 +148,8 @@ class DecodeConfig:
             problems.append(f"mx_products={self.mx_products!r} is not one of {MX_PRODUCTS}")
         if min(self.stages, self.tiles_per_sm) < 1:
             problems.append("stages and tiles_per_sm must be at least 1")
-        if self.fma and self.block_m > FMA_ROWS:
-            problems.append(f"the FMA units multiply at most {FMA_ROWS} rows of A a program (block_m={self.block_m})")
+        if self.fma and self.block_m != 1:
+            problems.append(f"the FMA units multiply one row of A a program (block_m={self.block_m})")
         if not self.fma and min(self.block_n, self.block_m) < 16:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
@@ -166,20 +166,27 @@ if triton.knobs.runtime.interpret:
     AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
 # Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
 # in registers keeps the ALUs busy, and more programs an SM hide their latency.
-AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
-# One row of NVFP4 on the FMA units: no MMA tile of 16 rows to decode and fill, no layout to
-# convert (MXFP8's conversions to fp32 cost more there than its tensor-core path).
-_NVFP4_ONE_ROW = DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
+AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
+# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), NVFP4
+# up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
+# (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
+_ONE_ROW = {
+    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=8, fma=True),
+    BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=4, fma=True),
+}
+_NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
-    BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
-    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4) one tile of A's
-    rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
-    the wider accumulator needs."""
-    if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
-        return _NVFP4_ONE_ROW
+    BF16_VALUES, F16_VALUES), or None (FP8 codes and MXFP8) for a tile of 16 rows on the tensor
+    cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
+    one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
+    the registers the wider accumulator needs."""
+    if m == 1 and operand in _ONE_ROW and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
+    if operand == F16_VALUES and m <= ONE_TILE_ROWS:
+        return _NVFP4_ONE_TILE
     if m <= ONE_TILE_ROWS:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
@@ -236,29 +243,46 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _nvfp4_bytes(
-    data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, GATHER: tl.constexpr
+def _mxfp8_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
 ):
-    """The BLOCK_K / 2 bytes of E2M1 code pairs from column k0 on (0 outside the operand), and
-    each byte's E4M3 block scale as an fp16 (exact): loaded once a block and broadcast, or
-    (GATHER) loaded for every byte, each block's address repeated."""
-    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-    inside = (row < rows) & (byte < K // 2)
-    codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
-    if GATHER:
-        scale = _block_scales(scale_ptr, row, rows, byte // 8, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-        return codes, scale.to(tl.float16)
-    block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-    return codes, _broadcast(scale.to(tl.float16), 8)
+    """MXFP8's 32-code blocks at (row, block) (a trailing dim of 1) as their 4 64-bit words of 8
+    codes (0 outside the operand, or all INSIDE it: no masks), and each block's power-of-two
+    scale in fp32 (0 outside); ``stride_words``: the data's row stride in words."""
+    word = block * 4 + tl.arange(0, 4)[None, None, :]
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    if INSIDE:
+        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride))
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, True)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale
 
 
 @triton.jit
-def _e2m1_values(codes, scale):
-    """E2M1 codes times their E4M3 scale times 2^-14 (which the code's fp16 carries), with one
-    multiply: at most 6 significant bits, none below 2^-24 (a scale's lowest is 2^-9, a code's
-    2^-1), at most 0.17, so exact in fp16. A product of two is 2^-28 times the true one."""
-    return e2m1_value_over_2_14(codes) * scale
+def _nvfp4_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_blocks, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+):
+    """NVFP4's 16-code blocks at (row, block) as 64-bit words (0 outside the operand, or all
+    INSIDE it: no masks), and each block's E4M3 scale as an fp16 (exact); ``stride_blocks``: the
+    data's row stride in blocks."""
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
+    if INSIDE:
+        scale = tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride)
+        return tl.load(at), scale.to(tl.float16)
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, False)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale.to(tl.float16)
+
+
+@triton.jit
+def _nvfp4_values(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (e2m1_block_values, times 2^-14) as one (rows, 16 * blocks) operand in
+    which each decoded f16x2 register's two values (codes j and j + 4) sit side by side in K, so
+    that the tensor cores take them as they are, and a step is one dot (a wgmma with its operand
+    in registers is waited for before the next). The 8 registers of a block come in some order
+    of K, the same for both operands."""
+    v = e2m1_block_values(codes, scale, ASM)
+    low = tl.join(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), tl.join(tl.join(v[8], v[9]), tl.join(v[10], v[11])))
+    high = tl.join(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), tl.join(tl.join(v[12], v[13]), tl.join(v[14], v[15])))
+    return tl.reshape(tl.join(low, high), (codes.shape[0], 16 * codes.shape[1]))
 
 
 @triton.jit
@@ -383,7 +407,7 @@ def _decode_kernel(
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-    GATHER: tl.constexpr,
+    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
@@ -392,10 +416,12 @@ def _decode_kernel(
     MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
-    for every byte rather than broadcast. A_RULE (QuantizedOnLoad.rule): A is high precision,
-    FP8-quantized as it is loaded under the scale (per tensor or per row) that rule makes from
-    the amaxes of A's rows, which stand in A's factor at a_factor_ptr."""
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
+    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
+    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
+    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
+    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
+    which stand in A's factor at a_factor_ptr."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -438,13 +464,15 @@ def _decode_kernel(
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
             a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
             total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
-        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, GATHER)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, GATHER)
-            total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
-            total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
+        else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
+            block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+            b_codes, b_scale = _nvfp4_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+            total = tl.dot(_nvfp4_values(b_codes, b_scale, ASM), tl.trans(_nvfp4_values(a_codes, a_scale, ASM)), total)
     if OPERAND == 2:
-        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
+        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
         # A's factor for _reduce_kernel after the partial sums, as every program makes it (cheaper
         # written once than made again from the amaxes by each of its programs)
@@ -471,38 +499,55 @@ def _fma_kernel(
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """_decode_kernel's program for MXFP8 and NVFP4 without the tensor cores, for a row or a few:
-    the dequantized values (exact in fp32) multiplied on the FMA units into one fp32 partial sum
-    per (weight row, row of A, column of the tile), summed over the tile's columns once at the
-    end. No layout is converted for a matrix unit, and a product costs one FMA per row of A."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
+    (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
+    counted in words), decoded exactly (by inline PTX where ASM) and multiplied in fp32. A tile
+    is (runs of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block
+    of four words) is contiguous, and the runs go to a warp's threads first and the weight rows
+    to each thread's registers, so that a thread decodes A's words once for all its rows. NVFP4:
+    one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
+    block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
+    normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
+    tile lies inside both operands (no masks)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    width: tl.constexpr = BLOCK_K if OPERAND == 1 else BLOCK_K // 2
-    sums = tl.zeros((BLOCK_N, BLOCK_M, width), dtype=tl.float32)
-    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
-        k0 = k_start + step
+    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
+    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
+    # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
+    # Triton pipeline the loop by itself.
+    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
         if OPERAND == 1:  # MXFP8
-            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, tl.float32, BLOCK_K)
-            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, tl.float32, BLOCK_K)
-            sums += b[:, None, :] * a[None, :, :]
-        else:  # NVFP4, low nibbles against low, high against high
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, False)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
-            b_low = _e2m1_values(b_codes & 0xF, b_scale).to(tl.float32)
-            a_low = _e2m1_values(a_codes & 0xF, a_scale).to(tl.float32)
-            sums += b_low[:, None, :] * a_low[None, :, :]
-            b_high = _e2m1_values(b_codes >> 4, b_scale).to(tl.float32)
-            a_high = _e2m1_values(a_codes >> 4, a_scale).to(tl.float32)
-            sums += b_high[:, None, :] * a_high[None, :, :]
-    total = tl.sum(sums, axis=2)
+            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
+            b_codes, b_scale = _mxfp8_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _mxfp8_blocks(
+                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
+            )
+            b = e4m3_word_values(b_codes, ASM)
+            a = e4m3_word_values(a_codes, ASM)
+            products = b[0] * (a[0] * a_scale)
+            for j in tl.static_range(1, 8):
+                products += b[j] * (a[j] * a_scale)
+            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
+        else:  # NVFP4
+            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
+            b = e2m1_block_values(b_codes, b_scale, ASM)
+            a = e2m1_block_values(a_codes, a_scale, ASM)
+            for j in tl.static_range(16):
+                sums += b[j].to(tl.float32) * a[j].to(tl.float32)
+    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28, as in _decode_kernel
     _write(
-        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
+        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
     )
 
 
@@ -616,6 +661,15 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
 
 
+def _in_words(args: tuple) -> tuple:
+    """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
+    words, its data copied where it is not aligned to them."""
+    data, *rest = args
+    if data.data_ptr() % 16 or data.stride(0) % 8:
+        data = torch.empty((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
+    return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
+
+
 def _factors(a: _Layout, b: _Layout) -> dict:
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
@@ -677,20 +731,29 @@ def gemm(
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
+    # NVFP4's codes, and MXFP8's on the FMA units, are read as 64-bit words (strides in words),
+    # decoded by inline PTX except in Triton's interpreter, which runs none.
+    if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
+        a_args, b_args = _in_words(a_args), _in_words(b_args)
+    asm = not triton.knobs.runtime.interpret
+    # Where every weight tile lies inside the weight, NVFP4's words (and the FMA units') are read
+    # unmasked.
+    whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=ONE_TILE_ROWS,
-            A_RULE=rule,
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
+            WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
-            **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
@@ -700,7 +763,7 @@ def gemm(
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
         )
