@@ -1,9 +1,10 @@
 """Experimental decode kernels (issue 31) that decode_nvfp4.py times beside the library's decode
 GEMM (graphquant/kernels/triton_decode.py), on the library's operands and arithmetic:
 
-- NVFP4 on the tensor cores in eight dots a step, one per pair of decoded values (the library
-  joins the pairs into one dot a step: Triton waits for every wgmma whose operand is in
-  registers, so eight dots mean eight waits);
+- NVFP4 on the tensor cores in one dot a step, the decoded f16x2 registers joined along K (the
+  library takes eight, one per register, which the compiler decodes straight into the MMA
+  operand layout; Triton waits for every wgmma whose operand is in registers, so eight dots mean
+  eight waits, while the joined operand passes through shared memory once);
 - MXFP8 on the tensor cores from 64-bit words of 8 E4M3 codes decoded to bf16 by inline PTX
   (e4m3x2 -> f16x2 -> fp32 -> bf16x2, no per-value conversion instruction), one dot a step.
 
@@ -26,17 +27,14 @@ from graphquant.quantizers import gemm_dims
 
 
 @triton.jit
-def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
-    """The blocks' values as 8 (rows, 2 * blocks) operands, the k-th the k-th decoded f16x2
-    register of each block (its two values side by side in K)."""
+def _nvfp4_values(codes, scale, ASM: tl.constexpr):
+    """The blocks' values as one (rows, 16 * blocks) operand, each decoded f16x2 register's two
+    values side by side in K, the 8 registers of a block in some order (the same for both
+    operands)."""
     v = e2m1_block_values(codes, scale, ASM)
-    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
-    return (
-        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
-        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
-        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
-        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
-    )
+    low = tl.join(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), tl.join(tl.join(v[8], v[9]), tl.join(v[10], v[11])))
+    high = tl.join(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), tl.join(tl.join(v[12], v[13]), tl.join(v[14], v[15])))
+    return tl.reshape(tl.join(low, high), (codes.shape[0], 16 * codes.shape[1]))
 
 
 def _e4m3_bf16_asm() -> str:
@@ -102,7 +100,7 @@ def _kernel(
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """triton_decode._decode_kernel's program: NVFP4 a dot per decoded register pair (8 a step),
+    """triton_decode._decode_kernel's program, one dot a step: NVFP4's decoded registers joined,
     MXFP8 decoded to bf16 by PTX. Strides are in 64-bit words."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
@@ -120,10 +118,7 @@ def _kernel(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-            b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            a = _nvfp4_pairs(a_codes, a_scale, ASM)
-            for j in tl.static_range(8):
-                total = tl.dot(b[j], tl.trans(a[j]), total)
+            total = tl.dot(_nvfp4_values(b_codes, b_scale, ASM), tl.trans(_nvfp4_values(a_codes, a_scale, ASM)), total)
     if not MXFP8:
         total = total * 268435456.0  # 2^28: both sides' 2^-14, undone exactly
     _write(

@@ -171,8 +171,8 @@ AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
 # up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
 # (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
 _ONE_ROW = {
-    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=8, fma=True),
-    BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=3, tiles_per_sm=4, fma=True),
+    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
+    BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=4, fma=True),
 }
 _NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
 
@@ -273,16 +273,20 @@ def _nvfp4_blocks(
 
 
 @triton.jit
-def _nvfp4_values(codes, scale, ASM: tl.constexpr):
-    """The blocks' values (e2m1_block_values, times 2^-14) as one (rows, 16 * blocks) operand in
-    which each decoded f16x2 register's two values (codes j and j + 4) sit side by side in K, so
-    that the tensor cores take them as they are, and a step is one dot (a wgmma with its operand
-    in registers is waited for before the next). The 8 registers of a block come in some order
-    of K, the same for both operands."""
+def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands: the
+    k-th holds each block's k-th decoded f16x2 register (codes j and j + 4), its two values side
+    by side in K, so that the compiler loads the codes straight into the tensor cores' operand
+    layout and decodes them there (the decoded weight never passes through shared memory). Both
+    operands take K in this same order."""
     v = e2m1_block_values(codes, scale, ASM)
-    low = tl.join(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), tl.join(tl.join(v[8], v[9]), tl.join(v[10], v[11])))
-    high = tl.join(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), tl.join(tl.join(v[12], v[13]), tl.join(v[14], v[15])))
-    return tl.reshape(tl.join(low, high), (codes.shape[0], 16 * codes.shape[1]))
+    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
+    return (
+        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
+        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
+        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
+        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
+    )
 
 
 @triton.jit
@@ -470,7 +474,10 @@ def _decode_kernel(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-            total = tl.dot(_nvfp4_values(b_codes, b_scale, ASM), tl.trans(_nvfp4_values(a_codes, a_scale, ASM)), total)
+            b = _nvfp4_pairs(b_codes, b_scale, ASM)
+            a = _nvfp4_pairs(a_codes, a_scale, ASM)
+            for j in tl.static_range(8):
+                total = tl.dot(b[j], tl.trans(a[j]), total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
