@@ -1,18 +1,21 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py
+    python benchmarks/decode_gemm.py [--rows 1,16,64] [--formats "fp8 tensorwise,nvfp4"]
 
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed). Each function is replayed from a CUDA graph of CALLS calls, so the times are the GPU's,
-not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at these
-row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
+timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
+(triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
+quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
+GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
+these row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -29,7 +32,6 @@ from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
-MXFP8_ONE_ROW = triton_decode.DecodeConfig(block_n=16, block_k=256, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 64]
@@ -56,9 +58,15 @@ def nbytes(*tensors) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
+    args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    formats = {name: FORMATS[name] for name in args.formats.split(",")}
     rows = []
     for n, k in WEIGHTS:
-        for m in ROWS:
+        for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
             fns = {"bf16 F.linear": lambda: F.linear(x, w)}
@@ -68,19 +76,23 @@ def main() -> None:
             args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
             fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
             weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
-            for name, (qa, qb) in FORMATS.items():
+            for name, (qa, qb) in formats.items():
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
                     continue
                 a = qa(x, columnwise=False).get(ROWWISE)
                 b = qb(w, columnwise=False).get(ROWWISE)
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
+                if not triton_decode.quantize_on_load_refusal(qa):
+                    on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
+                    fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+                    weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
                     alternatives = {}
-                    if m == 1:  # NVFP4's default there is the FMA units', MXFP8's the tensor cores'
-                        alternatives["fma" if name == "mxfp8" else "tensor cores"] = MXFP8_ONE_ROW if name == "mxfp8" else TENSOR_CORES
+                    if m == 1:  # the default there is the FMA units'
+                        alternatives["tensor cores"] = TENSOR_CORES
                     if name == "mxfp8" and m <= 16:
                         alternatives["block sums"] = BLOCK_SUMS
                     for label, config in alternatives.items():

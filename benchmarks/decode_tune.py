@@ -52,13 +52,15 @@ FORMATS = {
     "fp8": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
 }
 ROWS = [1, 4, 16, 64, 128, 256]
-# (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile, on the tensor cores and (for one row of
-# A; BLOCK_K shrinks with more) on the FMA units.
+# (BLOCK_N, BLOCK_K, warps, stages) of the weight's tile on the tensor cores (TILES, NARROW_TILES)
+# and on the FMA units (FMA_TILES, one row of A a program).
 TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 2), (128, 128, 4, 3), (128, 256, 8, 3)]
 # Tiles of 32 weight rows (too few for a warpgroup's MMA: Triton's Ampere-style MMA instead), tried
 # for 16 rows of A or fewer.
 NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2)]
-FMA_TILES = [(16, 512, 4, 2), (32, 256, 4, 3), (64, 256, 8, 2), (32, 512, 8, 2)]
+FMA_TILES = [(64, 512, 4, 2), (32, 512, 4, 2), (64, 256, 4, 2), (128, 256, 8, 2)]
+# The FMA kernel (one row of A a program) is tried up to this many rows.
+FMA_ROWS = 4
 TILES_PER_SM = [2, 4, 8, 16]
 U = 2.0**-24
 DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may run them elsewhere)
@@ -71,7 +73,7 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
         return []
     fits = min(max(16, 1 << (m - 1).bit_length()), 128)
     block_ms = sorted({fits, max(16, fits // 2)})
-    variants = {"mxfp8": [{"mx_products": p} for p in triton_decode.MX_PRODUCTS], "nvfp4": [{}, {"scale_gather": True}]}
+    variants = {"mxfp8": [{"mx_products": p} for p in triton_decode.MX_PRODUCTS]}
     tiles_per_sm = TILES_PER_SM if m <= 16 else TILES_PER_SM[:-1]
     on_tensor_cores = [
         DecodeConfig(block_n, block_k, block_m, warps if block_m < 128 else 8, stages, tiles, **variant)
@@ -79,11 +81,10 @@ def configs(name: str, m: int) -> list[DecodeConfig]:
             TILES + (NARROW_TILES if m <= 16 else []), block_ms, tiles_per_sm, variants.get(name, [{}])
         )
     ]
-    if name == "fp8" or m > triton_decode.FMA_ROWS:
+    if name == "fp8" or m > FMA_ROWS:
         return on_tensor_cores
-    rows = 1 << (m - 1).bit_length()
     return on_tensor_cores + [
-        DecodeConfig(block_n, block_k // rows, rows, warps, stages, tiles, fma=True)
+        DecodeConfig(block_n, block_k, 1, warps, stages, tiles, fma=True)
         for (block_n, block_k, warps, stages), tiles in itertools.product(FMA_TILES, tiles_per_sm)
     ]
 
@@ -142,7 +143,7 @@ def check(task) -> list[tuple]:
 def short(config: DecodeConfig) -> str:
     return (
         f"n{config.block_n} k{config.block_k} m{config.block_m} w{config.warps} s{config.stages} "
-        f"t{config.tiles_per_sm} {'fma' if config.fma else config.mx_products}{' gather' if config.scale_gather else ''}"
+        f"t{config.tiles_per_sm} {'fma' if config.fma else config.mx_products}"
     )
 
 

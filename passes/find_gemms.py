@@ -66,7 +66,8 @@ class GemmSite:
     (1, T, K) with its rows split among the experts at run time, and w_shape (E, N, K).
     x_sizes and w_sizes are the same shapes with each symbolic dim as its torch.SymInt: checked
     through them, a dynamic size's check becomes a guard of the compiled graph. An einsum site
-    carries its layout as a batched product (rewrite passes it on to the op).
+    carries its layout as a batched product (rewrite passes it on to the op). in_body: the site
+    is in a body (body_of), which the rewrite gives the training formula.
     """
 
     form: str
@@ -79,6 +80,7 @@ class GemmSite:
     x_sizes: tuple = dataclasses.field(compare=False, repr=False)
     w_sizes: tuple = dataclasses.field(compare=False, repr=False)
     einsum: Optional[EinsumLayout] = None
+    in_body: bool = False
 
     @property
     def label(self) -> str:
@@ -122,13 +124,14 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
 
 
 def _find(
-    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: str
+    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: str,
+    in_body: bool = False,
 ) -> None:
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
-            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites, frame)
+            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites, frame, in_body=True)
             continue
         form = _form(node)
         if form is None:
@@ -169,6 +172,7 @@ def _find(
             x_sizes=x_sizes,
             w_sizes=w_sizes,
             einsum=einsum,
+            in_body=in_body,
         )
         node.meta["graphquant_site"] = site
         sites.append(site)

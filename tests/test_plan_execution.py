@@ -22,6 +22,7 @@ from graphquant.kernels.backends import GemmBackend, GemmMismatch
 from graphquant.ops.functional import quantized_linear
 from graphquant.ops.site import Site
 from graphquant.quantizers import Float8CurrentScalingQuantizer
+from graphquant.roles import QuantizerRole
 
 triton_decode = backends.triton_decode  # None where Triton is not installed
 
@@ -78,8 +79,12 @@ def runs(monkeypatch):
         return native(backend, a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
 
     def decode_run(a, b, out_dtype, bias=None):
-        record(GemmBackend(triton_decode.BACKEND))
-        return decode(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+        on_load = isinstance(a, triton_decode.QuantizedOnLoad)
+        record(GemmBackend(triton_decode.QUANTIZING_BACKEND if on_load else triton_decode.BACKEND))
+        if a.data.is_cuda:
+            return decode(a, b, out_dtype, bias)
+        a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
+        return emulated(a, b, 1, out_dtype, bias)[0]
 
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
@@ -93,19 +98,25 @@ def runs(monkeypatch):
     return ran
 
 
-def _train_steps_run_as_planned(model, recipe, ran, device, backend, rows_of_steps=(128, 160)):
+def _train_steps_run_as_planned(model, recipe, ran, device, backend, rows_of_steps=(128, 160), inference=False):
     """One training step of ``model`` at 128 rows, then at 160 (which fits GEMMs that need
     multiples of 16, not those of 128, and tiles every format's blocks), or at ``rows_of_steps``,
     with static shapes (a graph each) and with symbolic ones (dynamic=True): every GEMM runs on
-    its plan's backend. Gives the plans of the first step, static and symbolic."""
+    its plan's backend. Gives the plans of the first step, static and symbolic. ``inference``:
+    forward steps of the model compiled for inference, under no_grad."""
     plans = []
     for dynamic in (False, True):
         torch._dynamo.reset()
-        compiled = graphquant.compile(copy.deepcopy(model), recipe, backend=backend, dynamic=dynamic)
+        mode = "inference" if inference else None
+        compiled = graphquant.compile(copy.deepcopy(model), recipe, backend=backend, dynamic=dynamic, mode=mode)
         for rows in rows_of_steps:
             ran.clear()
-            x = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
-            compiled(x).float().square().mean().backward()
+            x = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, requires_grad=not inference)
+            if inference:
+                with torch.no_grad():
+                    compiled(x)
+            else:
+                compiled(x).float().square().mean().backward()
             plan = compiled.graphquant.plan  # the latest graph's: the one this step ran
             planned = {f"{g.site} {g.gemm}": g.backend if g.backend.native else EMULATED_RUN for g in plan.gemms}
             assert ran == planned, f"dynamic={dynamic}, {rows} rows: plan and run disagree\n{plan}"
@@ -124,7 +135,8 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
     fake_capability(sm)
     torch.manual_seed(0)
     rows = ROWS_OF.get(native, (128, 160))
-    static, symbolic = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager", rows)
+    inference = backends.NATIVE_BY_NAME[native].quantizes_a  # it quantizes an x that no backward keeps
+    static, symbolic = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager", rows, inference)
     # Where the capability has the native GEMM, the aligned shapes ran on it.
     runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
     assert (native in {g.backend.name for g in static.gemms}) == runs_here
@@ -151,7 +163,8 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
     """The same on the GPU, through aot_autograd, with the native GEMMs themselves."""
     torch.manual_seed(0)
     rows = ROWS_OF.get(native, (128, 160))
-    static, _ = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager", rows)
+    inference = backends.NATIVE_BY_NAME[native].quantizes_a
+    static, _ = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager", rows, inference)
     sm = torch.cuda.get_device_capability()
     assert (native in {g.backend.name for g in static.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
 
@@ -165,11 +178,14 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
 def test_decode_gemm_runs_both_inference_products_as_planned(runs, fake_capability, recipe, rows):
     """Inference at decode rows (FP8, MXFP8) and middle ones (NVFP4: up to the decode GEMM's
     rows for it): each linear's product, its weight quantized per call and then frozen
-    (graphquant.freeze), runs on the decode GEMM its plan chose."""
+    (graphquant.freeze), runs on the decode GEMM its plan chose: FP8 current scaling's on the one
+    that quantizes x as it loads it."""
     fake_capability((9, 0))
     compiled = graphquant.compile(Model().to(torch.bfloat16), recipe, mode="inference", backend="eager")
     x = torch.randn(rows, 128, dtype=torch.bfloat16)
-    decode = GemmBackend(triton_decode.BACKEND)
+    x_format = recipe.qfactory(QuantizerRole("linear", "input", "fc1"))
+    on_load = not triton_decode.quantize_on_load_refusal(x_format)
+    decode = GemmBackend(triton_decode.QUANTIZING_BACKEND if on_load else triton_decode.BACKEND)
     with torch.no_grad():
         for freeze in (False, True):
             if freeze:

@@ -8,6 +8,7 @@ must be set before Triton is first imported); on a GPU at the shapes of a Llama-
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -128,9 +129,9 @@ def _configs() -> dict:
     from graphquant.kernels.triton_decode import DecodeConfig
 
     return {
-        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 4, fma=True)},
-        "nvfp4 x nvfp4 2d": {"scale gather": DecodeConfig(block_k=128, scale_gather=True), "fma": DecodeConfig(16, 128, 4, fma=True)},
-        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 4, fma=True)},
+        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True)},
+        "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True)},
+        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True)},
     }
 
 
@@ -155,11 +156,11 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 @pytest.mark.parametrize(
     "name,config,case",
     [("mxfp8", c, case) for c in ("block sums", "fma") for case in ("1x96x1024", "3x40x640")]
-    + [("nvfp4 x nvfp4 2d", c, case) for c in ("scale gather", "fma") for case in ("1x96x1024", "3x40x640")]
-    + [("nvfp4 row-scaled x nvfp4", "fma", case) for case in ("1x96x1024", "3x40x640")],
+    + [(name, "fma", case) for name in ("nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4") for case in ("1x96x1024", "3x40x640")],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
-    """MXFP8's block sums and NVFP4's scales loaded per byte (tensor cores), and both on the FMA units."""
+    """MXFP8's block sums (tensor cores), and MXFP8 and NVFP4 on the FMA units (one row of A a
+    program: three rows, three programs)."""
     assert interpreted[f"{name} | {config} | {case}"] <= 0
 
 
@@ -178,7 +179,7 @@ def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("name,config", [(name, config) for name, configs in {
-    "mxfp8": ("block sums", "dot scaled", "fma"), "nvfp4 x nvfp4 2d": ("scale gather", "fma")}.items() for config in configs])
+    "mxfp8": ("block sums", "dot scaled", "fma"), "nvfp4 x nvfp4 2d": ("fma",)}.items() for config in configs])
 def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
     """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's shape."""
     from graphquant.kernels.triton_decode import DecodeConfig
@@ -186,11 +187,10 @@ def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
     tiling = {
         "block sums": DecodeConfig(mx_products="block sums"),
         "dot scaled": DecodeConfig(mx_products="dot scaled"),
-        "scale gather": DecodeConfig(scale_gather=True),
-        "fma": DecodeConfig(32, 256 // min(m, 4), min(m, 4), fma=True, tiles_per_sm=4),
+        "fma": DecodeConfig(32, 256, 1, fma=True, tiles_per_sm=4),
     }[config]
     if tiling.fma and m > 4:
-        pytest.skip("the FMA units multiply at most a few rows")
+        pytest.skip("the FMA units are for a row or a few")
     assert excess(name, m, 4096, 14336, True, torch.bfloat16, "cuda", config=tiling) <= 0
 
 
@@ -219,19 +219,30 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     weight's codes 16 bytes at a time, asynchronously: every split of K starts at a column the
     compiler knows to be aligned. A split length it cannot see turns every load into a byte load,
     at a quarter of the speed."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
+    ptx = _decode_kernel_for_sm90(pointers, runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0).asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
+def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
+    """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
+    GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
+    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from graphquant.kernels import triton_decode
 
     kernel = triton_decode._decode_kernel
-    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
     constants = dict(
-        CHUNK=triton_decode.K_CHUNK, OPERAND=triton_decode.FP8_CODES, VALUES=triton.language.bfloat16, SCALE_COLS=0,
-        A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, A_DIVISOR=1.0, B_FACTOR=1, B_DIVISOR=1.0, SPLIT=True,
-        PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+        CHUNK=triton_decode.K_CHUNK, VALUES=triton.language.bfloat16, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
+        SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_K=256, A_RULE=None, **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     )
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -243,11 +254,65 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
             signature[name] = "i32"
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
     )
-    ptx = compiled.asm["ptx"]
-    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
+def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values),
+    its integer steps emulated here with the same constants: every pair of bytes that meet in
+    one f16x2 (bytes 0 and 2, 1 and 3 of a 32-bit word, among random neighbours), times every
+    finite E4M3 scale, gives each code's reference value times 2^-14 (zeros' signs included)."""
+    pytest.importorskip("triton")
+    from graphquant.formats import nvfp4
+    from graphquant.kernels import triton_dequantize as dq
+
+    def select(a, b, c):  # lop3 with truth table SELECT
+        assert dq.SELECT == 0xE4
+        return (a & c) | (b & ~c & 0xFFFFFFFF)
+
+    def halves(word):  # the two fp16 of each 32-bit word, low half first
+        bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
+        return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.float16)
+
+    generator = torch.Generator().manual_seed(0)
+    every = torch.arange(65536, dtype=torch.int64)
+    pairs = (every & 0xFF) | ((every >> 8) << 16)  # every (byte 0, byte 2)
+    neighbours = torch.randint(0, 256, (2, every.numel()), generator=generator, dtype=torch.int64)
+    words = torch.cat((pairs | (neighbours[0] << 8) | (neighbours[1] << 24), (pairs << 8) | neighbours[0] | (neighbours[1] << 16)))
+    assert dq.PRMT_SWAP == 0x2301  # bytes B1 B0 B3 B2
+    y = ((words & 0x00FF00FF) << 8) | ((words >> 8) & 0x00FF00FF)
+    even = select((y << 1) & 0xFFFFFFFF, (y << 4) & 0xFFFFFFFF, dq.CODE_BITS)
+    odd = select(y >> 3, y, dq.CODE_BITS)
+    decoded = {0: even & dq.PAIR_BITS, 2: (even << 8) & dq.PAIR_BITS, 1: odd & dq.PAIR_BITS, 3: (odd << 8) & dq.PAIR_BITS}
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+    scales = scales[scales.isfinite() & ~scales.signbit()]
+    for code, word in decoded.items():  # codes ``code`` and ``code + 4`` of each word
+        got = (halves(word)[:, None, :] * scales[None, :, None]).double()
+        codes = torch.stack(((words >> 4 * code) & 0xF, (words >> 4 * (code + 4)) & 0xF), dim=-1)
+        want = nvfp4.e2m1_values(codes)[:, None, :].double() * scales[None, :, None].double() * 2.0**-14
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"codes {code} and {code + 4}"
+
+
+def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():
+    """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
+    blocks 16 bytes at a time, asynchronously, and decodes them two values an f16x2 multiply,
+    straight into the tensor cores' operand layout (the decoded weight makes no round trip
+    through shared memory)."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "b_scale_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
+               "a_scale_row_stride": 256, "b_scale_row_stride": 256, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
+    compiled = _decode_kernel_for_sm90(pointers, runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0)
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
+    # Only A's decoded tiles (16 rows) go through shared memory, never the weight's (64).
+    assert re.search(r"local_alloc %\S+ : \(tensor<16x\d+xf16", ttgir)
+    assert not re.search(r"local_alloc %\S+ : \(tensor<64x\d+xf16", ttgir)
 
 
 @pytest.fixture
@@ -296,7 +361,7 @@ def test_a_decode_tiling_names_what_is_wrong_with_it():
         DecodeConfig(block_n=48, block_k=1024)
     with pytest.raises(ValueError, match=r"mx_products='sums' is not one of \('values', 'block sums', 'dot scaled'\)"):
         DecodeConfig(mx_products="sums")
-    with pytest.raises(ValueError, match=r"the FMA units multiply at most 4 rows of A a program \(block_m=8\)"):
+    with pytest.raises(ValueError, match=r"the FMA units multiply one row of A a program \(block_m=8\)"):
         DecodeConfig(block_m=8, fma=True)
     with pytest.raises(ValueError, match=r"the tensor cores multiply tiles of at least 16 rows \(block_n=64, block_m=4\)"):
         DecodeConfig(block_m=4)

@@ -5,6 +5,8 @@ Every rounding step is spelled out, because native kernels are compared to these
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -50,12 +52,29 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    return reduced_amax(x, _max_of_all)
+
+
+def reduced_amax(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """max |x| as float32 over what ``reduce`` (a max over some of its argument's dims) reduces,
+    exact for x as stored in its dtype even where Inductor fuses x into its producer
+    (``tensor_amax`` says how)."""
     if x.dtype == torch.float16:
-        return _max_of_all(x.abs()).to(torch.float32)
-    bits = _max_of_all(magnitude_bits(x))
+        return reduce(x.abs()).to(torch.float32)
+    bits = reduce(magnitude_bits(x))
     if x.dtype == torch.bfloat16:
         bits = rounded_to_bfloat16(bits)
     return bits.view(torch.float32)
+
+
+def row_chunk_amax(x: torch.Tensor) -> torch.Tensor:
+    """float32 (rows, chunks): max |x| over each chunk of each row of 2-D ``x``, exact for x as
+    stored (``reduced_amax``): a row longer than ``_LOOPED_ROW`` elements in the chunks
+    ``tensor_amax`` takes, a shorter one whole, so that it is one reduction Inductor fuses into
+    x's producer. The max of a row's chunks is the row's amax; of all of them, the tensor's."""
+    rows, cols = x.shape
+    chunk = next((c for c in _CHUNKS if cols % c == 0), cols) if cols > _LOOPED_ROW else cols
+    return reduced_amax(x.reshape(rows, cols // max(chunk, 1), max(chunk, 1)), lambda t: t.amax(-1))
 
 
 def magnitude_bits(x: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,11 @@ class GemmBackend:
         """The native GEMM it runs, or None where it runs the emulated one (or none)."""
         return NATIVE_BY_NAME.get(self.name)
 
+    @property
+    def quantizes_a(self) -> bool:
+        """Whether it takes A in high precision and quantizes it itself (NativeGemm.quantizes_a)."""
+        return self.native is not None and self.native.quantizes_a
+
     def __str__(self) -> str:
         return self.name + (" (fast accumulation)" if self.fast_accumulation else "")
 
@@ -109,7 +114,8 @@ class NativeGemm(NamedTuple):
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
     accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
     rows) for each pair (m, known when the plan is made), both operands stored with the
-    reduction dim last."""
+    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
+    (triton_decode.QuantizedOnLoad), where A is made for this GEMM alone."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -118,6 +124,7 @@ class NativeGemm(NamedTuple):
     runs_on: Callable[[tuple[int, int]], bool]
     fast_accumulation: bool = False
     max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
+    quantizes_a: bool = False
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -158,8 +165,20 @@ BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 # counts (benchmarks/decode_gemm.py), but behind Blackwell's block-scaled tensor cores. It promotes
 # FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
 # products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
-# here. It serves training GEMMs of as many rows too (fprop, dgrad).
+# here. It serves training GEMMs of as many rows too (fprop, dgrad). Where A is quantized for the
+# GEMM alone (an inference linear's x), in FP8 current scaling, the same kernels quantize it
+# themselves, first: a decode step's quantize kernels around each GEMM cost more than the GEMM
+# saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
 DECODE_GEMMS = () if triton_decode is None else (
+    NativeGemm(
+        triton_decode.QUANTIZING_BACKEND,
+        triton_decode.QUANTIZING_PAIRS,
+        triton_decode.ELEMENT_PAIRS,
+        1,
+        lambda sm: sm >= (8, 9),
+        max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        quantizes_a=True,
+    ),
     NativeGemm(
         triton_decode.BACKEND,
         frozenset(triton_decode.MAX_ROWS),
@@ -300,11 +319,14 @@ def select(
     dims: Optional[tuple[Optional[int], Optional[int], Optional[int]]] = None,
     batch: Optional[int] = 1,
     fast_accumulation: bool = False,
+    quantize_a: bool = False,
 ) -> Selection:
     """Classify the pair for ``device``; ``dims`` is (m, n, k) of each group's out[m, n] = A @ B^T
     (None where unknown: ``select_symbolic`` tests symbolic ones), ``batch`` the number of groups.
     ``fast_accumulation``: the recipe lets this GEMM sum in the tensor cores' accumulator
-    (CustomRecipe.fast_accumulation), which the per-tensor and per-row FP8 GEMMs then do."""
+    (CustomRecipe.fast_accumulation), which the per-tensor and per-row FP8 GEMMs then do.
+    ``quantize_a``: A is quantized from a high-precision tensor for this GEMM alone (an inference
+    linear's x), so a GEMM that quantizes it itself (NativeGemm.quantizes_a) may run it."""
     if a.hadamard(a_direction) != b.hadamard(b_direction):
         with_rht = a if a.hadamard(a_direction) else b
         return Selection(
@@ -323,6 +345,8 @@ def select(
     k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
     misfits = []  # a pair may have several native GEMMs (cuBLASLt's, then the decode GEMM): the first that fits runs
     for native in NATIVE_GEMMS:
+        if native.quantizes_a and (not quantize_a or triton_decode.quantize_on_load_refusal(a)):
+            continue
         if native.runs_on(sm) and native.takes(a_input, b_input):
             misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
             if not misfit:
@@ -344,12 +368,13 @@ def select_symbolic(
     sizes: Sequence[Any],
     batch: Optional[int] = 1,
     fast_accumulation: bool = False,
+    quantize_a: bool = False,
 ) -> Selection:
     """``select`` for (m, n, k) ``sizes`` of which some may be symbolic (torch.SymInt, dynamic
     shapes): where the pair has a native GEMM, it is tested on the symbols, so the choice holds for
     every size the compiled graph runs (NativeGemm.misfit)."""
     static = tuple(d if isinstance(d, int) else None for d in sizes)
-    selection = select(a, a_direction, b, b_direction, device, static, batch, fast_accumulation)
+    selection = select(a, a_direction, b, b_direction, device, static, batch, fast_accumulation, quantize_a)
     native = selection.backend.native
     families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family) if native is not None else ("", "")
     misfit = native.misfit(sizes, batch, True, families) if native is not None and None in static else ""
@@ -407,6 +432,9 @@ def checked(
         raise GemmMismatch(
             f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site"
         )
+    if native.quantizes_a != (triton_decode is not None and isinstance(a, triton_decode.QuantizedOnLoad)):
+        given, taken = ("quantized", "in high precision, to quantize it itself") if native.quantizes_a else ("in high precision", "quantized")
+        raise GemmMismatch(f"{site}: its plan chose {backend}, which takes A {taken}, but this call gives A {given}")
     refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
     if refusal:
         raise GemmMismatch(
@@ -427,8 +455,9 @@ def gemm(
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on ``backend``, the plan's
-    choice for the GEMM ``site`` names ("fc1#0 dgrad"), as ``checked`` admits it; every backend
-    adds the bias before rounding to out_dtype."""
+    choice for the GEMM ``site`` names ("fc1#0 dgrad"), as ``checked`` admits it (A a
+    triton_decode.QuantizedOnLoad where the backend quantizes A itself); every backend adds the
+    bias before rounding to out_dtype."""
     n = output_rows(b.direction, b.shape, batch)
     if bias is not None and (batch != 1 or bias.shape != (n,)):
         raise ValueError(

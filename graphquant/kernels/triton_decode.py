@@ -16,14 +16,24 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
-  (DecodeConfig.fma, a row or a few) dequantized into fp32 and multiplied on the FMA units. Their
-  result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
+  (DecodeConfig.fma, a row of A a program) dequantized into fp32 and multiplied on the FMA units.
+  Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
   |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
-  (DecodeConfig.mx_products) keep that while values and sums stay in fp32's normal range.
+  (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
+  values and sums stay in fp32's normal range. NVFP4's codes (and MXFP8's on the FMA units) are
+  read as 64-bit words and decoded by inline PTX, several values an instruction
+  (triton_dequantize.e2m1_block_values): at these sizes the decoding instructions, not the
+  bytes, set the pace.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
 output dtype.
+
+A may also come in high precision (QuantizedOnLoad: an inference linear's activation, in FP8
+current scaling), for these kernels to quantize it themselves with the reference's bits: per
+tensor or per row as they load each tile, the scale made from the amaxes of A's rows, or 1x128
+blocks in one small kernel first (_block_codes_kernel). The product is then the one they compute
+on A quantized first, bit for bit, without the quantize kernels a graph would run before them.
 """
 
 from __future__ import annotations
@@ -36,11 +46,15 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.formats import nvfp4
-from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
-from graphquant.quantizers import Representation, gemm_dims
+from graphquant.formats import fp8, nvfp4
+from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_word_values, e8m0_value
+from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
+from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
+# The same kernels given A in high precision with the amaxes of its rows, which they quantize
+# themselves: no quantize kernels in the graph before the GEMM (QuantizedOnLoad).
+QUANTIZING_BACKEND = "triton decode gemm, quantizing A"
 
 # K is split at multiples of this many columns: a multiple of every config's BLOCK_K, and of
 # every block scale's length, so that no block straddles two programs.
@@ -93,12 +107,17 @@ MAX_ROWS = {
     ("nvfp4", "nvfp4"): NVFP4_ROWS,
     ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
 }
+# The A families whose FP8 current scaling it applies to A itself: KernelEncoding (scaling, block)
+# of each, and the pairs of MAX_ROWS it then multiplies. Per tensor and per row as it loads A;
+# 1x128 blocks in a kernel of their own first (_block_codes_kernel): loaded, each 128-column
+# block's codes would go from registers to the tensor cores' shared memory on their own, which
+# made the GEMM 1.5-3x slower than reading codes quantized before it (decode_gemm.py).
+QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise", ("block", (1, 128)): "fp8_block_1x128"}
+QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
-# One FMA a product for each row of A: past a few rows the tensor cores are cheaper.
-FMA_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +126,9 @@ class DecodeConfig:
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
-    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"); and whether NVFP4's block scales
-    are loaded for every byte (scale_gather) rather than once a block and broadcast. ``fma``:
-    MXFP8 and NVFP4 multiplied on the FMA units (_fma_kernel), BLOCK_M rows of A (1 to 4) a
-    program, instead of the tensor cores."""
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"). ``fma``: MXFP8 and NVFP4
+    multiplied on the FMA units (_fma_kernel), one row of A a program (block_m 1), instead of
+    the tensor cores."""
 
     block_n: int = 64
     block_k: int = 256
@@ -119,7 +137,6 @@ class DecodeConfig:
     stages: int = 3
     tiles_per_sm: int = 2
     mx_products: str = "values"
-    scale_gather: bool = False
     fma: bool = False
 
     def __post_init__(self) -> None:
@@ -131,8 +148,8 @@ class DecodeConfig:
             problems.append(f"mx_products={self.mx_products!r} is not one of {MX_PRODUCTS}")
         if min(self.stages, self.tiles_per_sm) < 1:
             problems.append("stages and tiles_per_sm must be at least 1")
-        if self.fma and self.block_m > FMA_ROWS:
-            problems.append(f"the FMA units multiply at most {FMA_ROWS} rows of A a program (block_m={self.block_m})")
+        if self.fma and self.block_m != 1:
+            problems.append(f"the FMA units multiply one row of A a program (block_m={self.block_m})")
         if not self.fma and min(self.block_n, self.block_m) < 16:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
@@ -149,20 +166,27 @@ if triton.knobs.runtime.interpret:
     AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
 # Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
 # in registers keeps the ALUs busy, and more programs an SM hide their latency.
-AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8, F16_VALUES: 8}
-# One row of NVFP4 on the FMA units: no MMA tile of 16 rows to decode and fill, no layout to
-# convert (MXFP8's conversions to fp32 cost more there than its tensor-core path).
-_NVFP4_ONE_ROW = DecodeConfig(block_n=16, block_k=512, block_m=1, warps=4, stages=2, tiles_per_sm=8, fma=True)
+AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
+# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), NVFP4
+# up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
+# (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
+_ONE_ROW = {
+    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
+    BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=4, fma=True),
+}
+_NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
-    BF16_VALUES, F16_VALUES), or None for a tile of 16 rows on the tensor cores with the weight
-    tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4) one tile of A's
-    rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave the registers
-    the wider accumulator needs."""
-    if operand == F16_VALUES and m == 1 and not triton.knobs.runtime.interpret:
-        return _NVFP4_ONE_ROW
+    BF16_VALUES, F16_VALUES), or None (FP8 codes and MXFP8) for a tile of 16 rows on the tensor
+    cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
+    one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
+    the registers the wider accumulator needs."""
+    if m == 1 and operand in _ONE_ROW and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
+    if operand == F16_VALUES and m <= ONE_TILE_ROWS:
+        return _NVFP4_ONE_TILE
     if m <= ONE_TILE_ROWS:
         return None
     return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
@@ -219,36 +243,61 @@ def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_strid
 
 
 @triton.jit
-def _nvfp4_bytes(
-    data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, GATHER: tl.constexpr
+def _mxfp8_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
 ):
-    """The BLOCK_K / 2 bytes of E2M1 code pairs from column k0 on (0 outside the operand), and
-    each byte's E4M3 block scale as an fp16 (exact): loaded once a block and broadcast, or
-    (GATHER) loaded for every byte, each block's address repeated."""
-    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-    inside = (row < rows) & (byte < K // 2)
-    codes = tl.load(data_ptr + row.to(tl.int64) * stride + byte, mask=inside, other=0).to(tl.int32)
-    if GATHER:
-        scale = _block_scales(scale_ptr, row, rows, byte // 8, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-        return codes, scale.to(tl.float16)
-    block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 16), scale_row_stride, scale_col_stride, 1, False)
-    return codes, _broadcast(scale.to(tl.float16), 8)
+    """MXFP8's 32-code blocks at (row, block) (a trailing dim of 1) as their 4 64-bit words of 8
+    codes (0 outside the operand, or all INSIDE it: no masks), and each block's power-of-two
+    scale in fp32 (0 outside); ``stride_words``: the data's row stride in words."""
+    word = block * 4 + tl.arange(0, 4)[None, None, :]
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    if INSIDE:
+        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride))
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, True)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale
 
 
 @triton.jit
-def _e2m1_values(codes, scale):
-    """E2M1 codes times their E4M3 scale times 2^-14 (which the code's fp16 carries), with one
-    multiply: at most 6 significant bits, none below 2^-24 (a scale's lowest is 2^-9, a code's
-    2^-1), at most 0.17, so exact in fp16. A product of two is 2^-28 times the true one."""
-    return e2m1_value_over_2_14(codes) * scale
+def _nvfp4_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_blocks, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+):
+    """NVFP4's 16-code blocks at (row, block) as 64-bit words (0 outside the operand, or all
+    INSIDE it: no masks), and each block's E4M3 scale as an fp16 (exact); ``stride_blocks``: the
+    data's row stride in blocks."""
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
+    if INSIDE:
+        scale = tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride)
+        return tl.load(at), scale.to(tl.float16)
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, False)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale.to(tl.float16)
 
 
 @triton.jit
-def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands: the
+    k-th holds each block's k-th decoded f16x2 register (codes j and j + 4), its two values side
+    by side in K, so that the compiler loads the codes straight into the tensor cores' operand
+    layout and decodes them there (the decoded weight never passes through shared memory). Both
+    operands take K in this same order."""
+    v = e2m1_block_values(codes, scale, ASM)
+    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
+    return (
+        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
+        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
+        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
+        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
+    )
+
+
+@triton.jit
+def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: tl.constexpr = None):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
-    DIVISOR with one IEEE division, as the format's reference does."""
-    if KIND == 1:  # TENSOR_FACTOR
+    DIVISOR with one IEEE division, as the format's reference does; or, under an FP8 scale RULE
+    (A quantized as it is loaded, ``ptr`` its chunk amaxes), the reciprocal of the scale that rule
+    gives A's amax."""
+    if RULE is not None:
+        factor = reciprocal(_scale(_amax_of_a(ptr, index, mask, KIND, RULE[4], RULE[5]), RULE))
+    elif KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
         factor = tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
@@ -258,15 +307,73 @@ def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
 
 
 @triton.jit
+def _amax_of_a(ptr, index, mask, KIND: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    """The amax of each row ``index`` of A (a column or a row of them), or (KIND 1,
+    TENSOR_FACTOR) of all A, whose rows are all at ``index``, from the amaxes of CHUNKS chunks of
+    each row at ``ptr`` (QuantizedOnLoad), loaded as one tile (CHUNKS_P2 wide, the power of two
+    past CHUNKS): the max of their bits, as fp8.tensor_amax takes it (a NaN wins)."""
+    if index.shape[1] == 1:
+        chunk = tl.arange(0, CHUNKS_P2)[None, :]
+        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
+        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 1, keep_dims=True)
+    else:
+        chunk = tl.arange(0, CHUNKS_P2)[:, None]
+        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
+        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 0, keep_dims=True)
+    if KIND == 1:
+        bits = tl.max(tl.reshape(bits, (bits.numel,)), 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale(amax, RULE: tl.constexpr):
+    """The scale FP8 current scaling's RULE (QuantizedOnLoad.rule) gives ``amax``."""
+    return fp8_scale(amax, RULE[1], RULE[2], RULE[3])
+
+
+@triton.jit
+def _quantized(ptr, row, rows, col, K, stride, scale, RULE: tl.constexpr):
+    """The FP8 codes (RULE's element) of the high-precision values at (row, col) under ``scale``
+    (broadcast over them), +0 outside the operand."""
+    return _encoded(tl.load(ptr + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0.0), scale, RULE)
+
+
+@triton.jit
+def _encoded(x, scale, RULE: tl.constexpr):
+    """x's FP8 codes (RULE's element) under ``scale``."""
+    if RULE[0] == "e4m3":
+        codes = fp8_codes(x, scale, RULE[1], tl.float8e4nv)
+    else:
+        codes = fp8_codes(x, scale, RULE[1], tl.float8e5)
+    return codes
+
+
+@triton.jit
+def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl.constexpr, BLOCKS: tl.constexpr):
+    """Program (r, j): the 1x128 blocks j * BLOCKS to (j + 1) * BLOCKS - 1 of row r of x, each
+    block's FP8 codes under the scale RULE gives its amax (the max of its magnitudes' bits, as
+    the reference's: a NaN wins), and that scale's reciprocal (scale_ptr: (blocks, rows), the
+    spec's outer-dim-major layout)."""
+    row = tl.program_id(0)
+    block = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
+    col = block * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + col, mask=col < K, other=0.0)
+    bits = tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, keep_dims=True)
+    scale = _scale(bits.to(tl.float32, bitcast=True), RULE)
+    tl.store(codes_ptr + row.to(tl.int64) * K + col, _encoded(x, scale, RULE), mask=col < K)
+    tl.store(scale_ptr + block.to(tl.int64) * rows + row, reciprocal(scale), mask=block < tl.cdiv(K, 128))
+
+
+@triton.jit
 def _finish(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    has_bias,
+    has_bias, A_RULE: tl.constexpr = None,
 ):
     """out[m, n] = total[n, m] times both factors (their product first, as one alpha), plus the
     bias, rounded once to out's dtype."""
     if A_FACTOR != 0:
-        factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
+        factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR, A_RULE)
         if B_FACTOR != 0:
             factor = factor * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
         total = total * factor
@@ -281,11 +388,12 @@ def _finish(
 def _write(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
+    A_RULE: tl.constexpr = None,
 ):
     """A program's (BLOCK_N, BLOCK_M) sums: finished into out, or where K is SPLIT, its partial
     sums written for _reduce_kernel."""
     if not SPLIT:
-        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
+        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
     else:
         at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
         tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
@@ -303,8 +411,8 @@ def _decode_kernel(
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-    GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
@@ -312,18 +420,27 @@ def _decode_kernel(
     MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. GATHER: NVFP4's scales loaded
-    for every byte rather than broadcast."""
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
+    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
+    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
+    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
+    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
+    which stand in A's factor at a_factor_ptr."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if A_RULE is not None:  # one scale for A, or one per row
+        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
             b = _codes(b_ptr, n, N, col, K, b_stride)
-            a = _codes(a_ptr, m, M, col, K, a_stride)
+            if A_RULE is None:
+                a = _codes(a_ptr, m, M, col, K, a_stride)
+            else:
+                a = _quantized(a_ptr, m, M, col, K, a_stride, a_scale, A_RULE)
             total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
         elif OPERAND == 1 and MX == 2:
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -351,16 +468,29 @@ def _decode_kernel(
             b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
             a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
             total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
-        else:  # F16_VALUES (NVFP4): low nibbles against low, high against high (K taken in another order)
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, GATHER)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, GATHER)
-            total = tl.dot(_e2m1_values(b_codes & 0xF, b_scale), tl.trans(_e2m1_values(a_codes & 0xF, a_scale)), total)
-            total = tl.dot(_e2m1_values(b_codes >> 4, b_scale), tl.trans(_e2m1_values(a_codes >> 4, a_scale)), total)
+        else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
+            block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+            b_codes, b_scale = _nvfp4_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+            b = _nvfp4_pairs(b_codes, b_scale, ASM)
+            a = _nvfp4_pairs(a_codes, a_scale, ASM)
+            for j in tl.static_range(8):
+                total = tl.dot(b[j], tl.trans(a[j]), total)
     if OPERAND == 2:
-        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (_e2m1_values) on both sides, undone exactly
+        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
+    if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
+        # A's factor for _reduce_kernel after the partial sums, as every program makes it (cheaper
+        # written once than made again from the amaxes by each of its programs)
+        factors = partial_ptr + (tl.num_programs(1) * M).to(tl.int64) * N
+        if A_FACTOR == 1:  # TENSOR_FACTOR
+            tl.store(factors, reciprocal(a_scale))
+        else:
+            tl.store(factors + m, reciprocal(a_scale), mask=m < M)
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
     )
 
 
@@ -376,38 +506,55 @@ def _fma_kernel(
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """_decode_kernel's program for MXFP8 and NVFP4 without the tensor cores, for a row or a few:
-    the dequantized values (exact in fp32) multiplied on the FMA units into one fp32 partial sum
-    per (weight row, row of A, column of the tile), summed over the tile's columns once at the
-    end. No layout is converted for a matrix unit, and a product costs one FMA per row of A."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
+    (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
+    counted in words), decoded exactly (by inline PTX where ASM) and multiplied in fp32. A tile
+    is (runs of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block
+    of four words) is contiguous, and the runs go to a warp's threads first and the weight rows
+    to each thread's registers, so that a thread decodes A's words once for all its rows. NVFP4:
+    one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
+    block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
+    normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
+    tile lies inside both operands (no masks)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    width: tl.constexpr = BLOCK_K if OPERAND == 1 else BLOCK_K // 2
-    sums = tl.zeros((BLOCK_N, BLOCK_M, width), dtype=tl.float32)
-    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
-        k0 = k_start + step
+    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
+    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
+    # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
+    # Triton pipeline the loop by itself.
+    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
         if OPERAND == 1:  # MXFP8
-            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, tl.float32, BLOCK_K)
-            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, tl.float32, BLOCK_K)
-            sums += b[:, None, :] * a[None, :, :]
-        else:  # NVFP4, low nibbles against low, high against high
-            b_codes, b_scale = _nvfp4_bytes(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, False)
-            a_codes, a_scale = _nvfp4_bytes(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
-            b_low = _e2m1_values(b_codes & 0xF, b_scale).to(tl.float32)
-            a_low = _e2m1_values(a_codes & 0xF, a_scale).to(tl.float32)
-            sums += b_low[:, None, :] * a_low[None, :, :]
-            b_high = _e2m1_values(b_codes >> 4, b_scale).to(tl.float32)
-            a_high = _e2m1_values(a_codes >> 4, a_scale).to(tl.float32)
-            sums += b_high[:, None, :] * a_high[None, :, :]
-    total = tl.sum(sums, axis=2)
+            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
+            b_codes, b_scale = _mxfp8_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _mxfp8_blocks(
+                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
+            )
+            b = e4m3_word_values(b_codes, ASM)
+            a = e4m3_word_values(a_codes, ASM)
+            products = b[0] * (a[0] * a_scale)
+            for j in tl.static_range(1, 8):
+                products += b[j] * (a[j] * a_scale)
+            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
+        else:  # NVFP4
+            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
+            b = e2m1_block_values(b_codes, b_scale, ASM)
+            a = e2m1_block_values(a_codes, a_scale, ASM)
+            for j in tl.static_range(16):
+                sums += b[j].to(tl.float32) * a[j].to(tl.float32)
+    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28, as in _decode_kernel
     _write(
-        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
+        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
     )
 
 
@@ -425,6 +572,72 @@ def _reduce_kernel(
     for split in range(splits):
         total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
     _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
+
+
+class QuantizedOnLoad(NamedTuple):
+    """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does
+    (QUANTIZING_BACKEND): per tensor or per row as they load it, ``amax`` (m, chunks) holding the
+    amax of each chunk of each row (fp8.row_chunk_amax), one reduction the graph fuses into A's
+    producer; the kernels take the max of a row's (a per-row format's amax) or of all (a
+    per-tensor one's) and make the scale from it by the format's rule. All of A's rows lie in one
+    tile of rows of the kernels (m is at most ONE_TILE_ROWS). 1x128 blocks take none (``amaxes``):
+    the kernel that quantizes them before the GEMM takes each block's (_block_codes_kernel)."""
+
+    data: torch.Tensor
+    amax: torch.Tensor
+    quantizer: Quantizer
+
+    @property
+    def direction(self) -> str:
+        return ROWWISE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.data.shape[1])
+
+    @property
+    def stored_k_last(self) -> bool:
+        return True
+
+    @property
+    def rule(self) -> tuple[str, float, float, bool, int, int]:
+        """How _decode_kernel quantizes A (A_RULE): (the element, its largest finite value,
+        amax_epsilon, pow2_scales, the chunks of a row in ``amax`` and the power of two past them)."""
+        encoding = self.quantizer.kernel_encoding(ROWWISE)
+        element, chunks = encoding.element, self.amax.shape[1]
+        pow2 = bool(encoding.pow2_scales)
+        return (element, fp8.fp8_max(element), float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
+
+
+def quantize_on_load_refusal(quantizer: Quantizer) -> str:
+    """Why the kernels cannot quantize A rowwise as ``quantizer`` does ("" where they can): FP8
+    current scaling per tensor, per row or per 1x128 block, from the amax of this tensor alone."""
+    encoding = quantizer.kernel_encoding(ROWWISE)
+    if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
+        return f"the decode GEMM quantizes A itself in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
+    if encoding.delayed_scaling or quantizer.reduces_amax:
+        return f"the decode GEMM quantizes A itself from the amax of A alone, not {quantizer}'s"
+    return ""
+
+
+def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
+    """What QuantizedOnLoad takes as ``amax`` for 2-D ``x`` in ``quantizer``'s format: the amaxes
+    of x's rows in chunks (fp8.row_chunk_amax), or none ((m, 0)) for 1x128 blocks, whose kernel
+    takes each block's own."""
+    if quantizer.kernel_encoding(ROWWISE).scaling == "block":
+        return x.new_empty((x.shape[0], 0), dtype=torch.float32)
+    return fp8.row_chunk_amax(x)
+
+
+def _block_codes(a: QuantizedOnLoad) -> Representation:
+    """A's 1x128 blocks quantized by _block_codes_kernel: the reference quantizer's representation, bit for bit."""
+    m, k = a.shape
+    x = a.data if a.data.stride(-1) == 1 else a.data.contiguous()
+    blocks = triton.cdiv(k, 128)
+    codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[a.rule[0]], device=x.device)
+    scale = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
+    _block_codes_kernel[(m, triton.cdiv(blocks, 8))](x, codes, scale, m, k, x.stride(0), RULE=a.rule, BLOCKS=8)
+    return a.quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -448,11 +661,20 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     layout = _layout(rep, operand)
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
     scale = rep.scale if layout.scale_block != (0, 0) else data
-    factor = (rep.amax if layout.factor_from_amax else rep.scale) if layout.factor else data
-    if layout.factor == ROW_FACTOR:
+    factor = (rep.amax if layout.factor_from_amax or isinstance(rep, QuantizedOnLoad) else rep.scale) if layout.factor else data
+    if layout.factor == ROW_FACTOR or isinstance(rep, QuantizedOnLoad):  # (rows,) or (rows, chunks), contiguous
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
+
+
+def _in_words(args: tuple) -> tuple:
+    """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
+    words, its data copied where it is not aligned to them."""
+    data, *rest = args
+    if data.data_ptr() % 16 or data.stride(0) % 8:
+        data = torch.empty((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
+    return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
 
 
 def _factors(a: _Layout, b: _Layout) -> dict:
@@ -473,11 +695,23 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
 
 
 def gemm(
-    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+    a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
     """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
-    reduction dim last; ``config``: the tiling (default_config where None)."""
+    reduction dim last, A quantized or to be quantized here (QuantizedOnLoad); ``config``: the
+    tiling (default_config where None)."""
+    rule = None
+    if isinstance(a, QuantizedOnLoad):
+        refusal = quantize_on_load_refusal(a.quantizer)
+        if refusal:
+            raise ValueError(refusal)
+        if a.quantizer.kernel_encoding(ROWWISE).scaling == "block":
+            a = _block_codes(a)
+        elif a.shape[0] > ONE_TILE_ROWS or (config is not None and config.block_m < a.shape[0]):
+            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {a.shape[0]} rows and {config}")
+        else:
+            rule = a.rule
     m, n, k = gemm_dims(a, b)
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
@@ -497,25 +731,36 @@ def gemm(
         splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    # the partial sums of a split K, then (quantizing A on load) A's factor the first program writes
+    partial = torch.empty(splits * m * n + (m if rule else 0), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
     # dot multiplies bf16 bit patterns as integers.
     values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
+    # NVFP4's codes, and MXFP8's on the FMA units, are read as 64-bit words (strides in words),
+    # decoded by inline PTX except in Triton's interpreter, which runs none.
+    if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
+        a_args, b_args = _in_words(a_args), _in_words(b_args)
+    asm = not triton.knobs.runtime.interpret
+    # Where every weight tile lies inside the weight, NVFP4's words (and the FMA units') are read
+    # unmasked.
+    whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", GATHER=False, BLOCK_M=ONE_TILE_ROWS,
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
+            WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         )
     elif config.fma:
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
-            **factors, SPLIT=splits > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
@@ -525,13 +770,13 @@ def gemm(
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), GATHER=config.scale_gather,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
         )
     if splits > 1:
+        a_factor = partial[splits * m * n :] if rule else a_args[2]
         _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
-            partial, a_args[2], b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors,
-            BLOCK_M=16, BLOCK_N=128,
+            partial, a_factor, b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors, BLOCK_M=16, BLOCK_N=128,
         )
     return out

@@ -1,4 +1,5 @@
-"""CUDA dequantization of MXFP8 and NVFP4 for the emulated GEMM, one Triton launch each.
+"""CUDA dequantization of MXFP8 and NVFP4 for the emulated GEMM, one Triton launch each, and
+the Triton functions that decode their codes in registers (here and in the decode GEMM).
 
 Each writes bf16 values that are exactly the reference's (see graphquant.kernels.emulation.factored):
 MXFP8 codes times their power-of-two scale, NVFP4 E2M1 codes times their E4M3 block scale (the
@@ -57,6 +58,101 @@ def e2m1_value_over_2_14(code):
     an fp16 (bias 15 against E2M1's 1), whose subnormals hold E2M1's 0.5 exactly."""
     bits = ((code & 8) << 12) | ((code & 7) << 9)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+# A 32-bit word of 8 E2M1 codes (two a byte, the even column in the low nibble) makes 4 fp16
+# pairs, each code's magnitude in fp16 bits 9-11 and its sign in bit 15 (where
+# e2m1_value_over_2_14 puts them), in 12 integer instructions: the bytes of each 16-bit half
+# swapped (PRMT_SWAP), then two words with every byte's even code (EVEN) or odd code (ODD)
+# moved to its bits 1-3 and 7 by a bit select (LOP3 SELECT, bits of the first word where the
+# constant has ones); the word masked with PAIR_BITS is one pair, shifted left a byte first the
+# other.
+PRMT_SWAP = 0x2301
+SELECT = 0xE4  # lop3 truth table of (a & c) | (b & ~c)
+CODE_BITS = 0x0E0E0E0E  # a byte's magnitude bits after the select; its sign ends in bit 7
+PAIR_BITS = 0x8E008E00  # the magnitude and sign bits of an f16x2's two halves
+
+
+def _e2m1_block_ptx() -> str:
+    """PTX for e2m1_block_values: $16, a 64-bit word of 16 codes, and $17, their fp16 scale ->
+    $0..$15, the values, code j of the word in $j. Per 32-bit half: y, its bytes B1 B0 B3 B2;
+    even = select(y << 1, y << 4) holds codes 2, 0, 6, 4 (byte by byte), odd = select(y >> 3, y)
+    codes 3, 1, 7, 5; a pair is even or odd masked (codes 0 and 4, 1 and 5) or shifted left 8
+    first (2 and 6, 3 and 7); one f16x2 multiply scales both of its values."""
+    lines = ["{", ".reg .b32 w<2>, y, a, b, even, odd, h, sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
+    for half in range(2):
+        first = 8 * half
+        lines += [
+            f"prmt.b32 y, w{half}, w{half}, {PRMT_SWAP:#x};",
+            "shl.b32 a, y, 1;", "shl.b32 b, y, 4;", f"lop3.b32 even, a, b, {CODE_BITS:#010x}, {SELECT:#x};",
+            "shr.b32 a, y, 3;", f"lop3.b32 odd, a, y, {CODE_BITS:#010x}, {SELECT:#x};",
+        ]
+        for word, low in (("even", 0), ("odd", 1)):
+            for shifted in (False, True):
+                code = low + 2 * shifted
+                lines += ([f"shl.b32 h, {word}, 8;", f"and.b32 h, h, {PAIR_BITS:#010x};"] if shifted else [f"and.b32 h, {word}, {PAIR_BITS:#010x};"])
+                lines += ["mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${first + code}, ${first + code + 4}}}, h;"]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_BLOCK_PTX = tl.constexpr(_e2m1_block_ptx())
+
+
+@triton.jit
+def _e2m1_value(codes, scale, j: tl.constexpr):
+    return e2m1_value_over_2_14(((codes >> (4 * j)) & 0xF).to(tl.int32)) * scale
+
+
+@triton.jit
+def e2m1_block_values(codes, scale, ASM: tl.constexpr):
+    """The 16 values of each 64-bit word of E2M1 codes (``codes``, int64) times its ``scale``
+    (fp16) times 2^-14, as a tuple of fp16 (exact, as e2m1_value_over_2_14 * scale); the j-th is
+    the code in nibble j (column 16 w + j of word w). By inline PTX (ASM), two values an
+    instruction, or one at a time in Triton (its interpreter runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_BLOCK_PTX, "=h," * 16 + "l,h", [codes, scale], dtype=(tl.float16,) * 16, is_pure=True, pack=1
+        )
+    return (
+        _e2m1_value(codes, scale, 0), _e2m1_value(codes, scale, 1), _e2m1_value(codes, scale, 2),
+        _e2m1_value(codes, scale, 3), _e2m1_value(codes, scale, 4), _e2m1_value(codes, scale, 5),
+        _e2m1_value(codes, scale, 6), _e2m1_value(codes, scale, 7), _e2m1_value(codes, scale, 8),
+        _e2m1_value(codes, scale, 9), _e2m1_value(codes, scale, 10), _e2m1_value(codes, scale, 11),
+        _e2m1_value(codes, scale, 12), _e2m1_value(codes, scale, 13), _e2m1_value(codes, scale, 14),
+        _e2m1_value(codes, scale, 15),
+    )
+
+
+def _e4m3_word_ptx() -> str:
+    """PTX for e4m3_word_values: $8, a 64-bit word of 8 E4M3 codes -> $0..$7, their fp32 values,
+    through f16 pairs (exact)."""
+    lines = ["{", ".reg .b32 w<2>, h;", ".reg .b16 c<2>, lo, hi;", "mov.b64 {w0, w1}, $8;"]
+    for half in range(2):
+        lines.append(f"mov.b32 {{c0, c1}}, w{half};")
+        for pair in range(2):
+            first = 4 * half + 2 * pair
+            lines += [f"cvt.rn.f16x2.e4m3x2 h, c{pair};", "mov.b32 {lo, hi}, h;", f"cvt.f32.f16 ${first}, lo;", f"cvt.f32.f16 ${first + 1}, hi;"]
+    return "\n".join(lines + ["}"])
+
+
+_E4M3_WORD_PTX = tl.constexpr(_e4m3_word_ptx())
+
+
+@triton.jit
+def _e4m3_value(codes, j: tl.constexpr):
+    return ((codes >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_word_values(codes, ASM: tl.constexpr):
+    """The 8 E4M3 codes of each 64-bit word ``codes`` as a tuple of fp32 values (the j-th is byte
+    j): by inline PTX (ASM), two codes an instruction, or one at a time in Triton."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_WORD_PTX, "=r," * 8 + "l", [codes], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return (
+        _e4m3_value(codes, 0), _e4m3_value(codes, 1), _e4m3_value(codes, 2), _e4m3_value(codes, 3),
+        _e4m3_value(codes, 4), _e4m3_value(codes, 5), _e4m3_value(codes, 6), _e4m3_value(codes, 7),
+    )
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
+from graphquant.kernels.triton_scales import fp8_codes
 
 _ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB, a transposed store is 64 bytes a column
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -42,9 +43,7 @@ def _pass_kernel(
     x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.atomic_max(AMAX_BITS, tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), 0))
     if CAST:
-        y = x * tl.load(SCALE)
-        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))  # NaN compares false: stays NaN
-        codes = y.to(CODE, fp_downcast_rounding="rtne")
+        codes = fp8_codes(x, tl.load(SCALE), FP8_MAX, CODE)
         tl.store(CODES + offsets, codes, mask=inside)
         if TRANSPOSED:
             tl.store(CODES_T + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(codes), mask=tl.trans(inside))

@@ -18,26 +18,46 @@ from graphquant.formats import fp8
 
 _BLOCK = 1024
 # Scalars are compile-time constants, so the arithmetic stays fp32.
+_FLT_MAX: tl.constexpr = tl.constexpr(fp8.FLT_MAX)
 
 
 @triton.jit
-def _scales_kernel(
-    amax_ptr, scale_ptr, inverse_ptr, n, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr, FLT_MAX: tl.constexpr,
-    POW2: tl.constexpr, BLOCK: tl.constexpr,
-):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    amax = tl.load(amax_ptr + offsets, mask=mask, other=1.0)
+def fp8_scale(amax, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr, POW2: tl.constexpr):
+    """fp8.scale_from_amax of float32 ``amax`` (any shape), the same bits."""
     amax = tl.where(amax < EPSILON, EPSILON, amax)
     scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-    scale = tl.where(scale == float("inf"), tl.full(scale.shape, FLT_MAX, tl.float32), scale)
+    scale = tl.where(scale == float("inf"), tl.full(scale.shape, _FLT_MAX, tl.float32), scale)
     scale = tl.where(scale != scale, 1.0, scale)
     scale = tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & -0x800000).to(tl.float32, bitcast=True)
-    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return scale
+
+
+@triton.jit
+def reciprocal(scale):
+    """torch.reciprocal of float32 ``scale``, correctly rounded: a scale's decode factor."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def fp8_codes(x, scale, FP8_MAX: tl.constexpr, CODE: tl.constexpr):
+    """per_tensor.quantize's codes of ``x`` under ``scale`` (broadcast): one fp32 product,
+    clamped to the largest finite code (NaN compares false: it stays NaN), rounded to nearest even."""
+    y = x.to(tl.float32) * scale
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    return y.to(CODE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _scales_kernel(
+    amax_ptr, scale_ptr, inverse_ptr, n, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = fp8_scale(tl.load(amax_ptr + offsets, mask=mask, other=1.0), FP8_MAX, EPSILON, POW2)
     tl.store(scale_ptr + offsets, scale, mask=mask)
-    tl.store(inverse_ptr + offsets, inverse, mask=mask)
+    tl.store(inverse_ptr + offsets, reciprocal(scale), mask=mask)
 
 
 @triton.jit
@@ -65,7 +85,7 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
     n = amax.numel()
     _scales_kernel[(triton.cdiv(n, _BLOCK),)](
-        amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), FLT_MAX=fp8.FLT_MAX, POW2=pow2, BLOCK=_BLOCK
+        amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), POW2=pow2, BLOCK=_BLOCK
     )
     return scale, inverse
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.kernels import backends
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, update_delayed_scaling
 from graphquant.ops.site import Site
@@ -42,10 +43,21 @@ def quantized_weight_product(
     x2d: torch.Tensor, w: Operand, w_dtype: torch.dtype, bias: Optional[torch.Tensor], site: Site, states: tuple, rng: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """(1, m, n) = x2d @ w^T (+ bias) with x quantized rowwise here and w already the rowwise
-    operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze)."""
+    operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze).
+    Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows
+    alone where it needs them (a reduction Inductor fuses into x's producer) and hands x over in
+    high precision."""
     x_quantizer = site.quantizers[0]
+    backend, label = site.runs("fprop")
+    bias = None if bias is None else bias.detach()
+    out_dtype = torch.promote_types(x2d.dtype, w_dtype)
+    if backend.quantizes_a:
+        x_rowwise, x2d = x_quantizer.child(ROWWISE), x2d.detach()
+        return torch.ops.graphquant.gemm_quantizing_a(
+            x2d, backends.triton_decode.amaxes(x2d, x_rowwise), x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype,
+            backend.name, label, bias,
+        )
     x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
     xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     update_delayed_scaling(x_quantizer, x_state, xq)
-    bias = None if bias is None else bias.detach()
-    return gemm(xq[ROWWISE], w, 1, torch.promote_types(x2d.dtype, w_dtype), *site.runs("fprop"), bias)
+    return gemm(xq[ROWWISE], w, 1, out_dtype, backend, label, bias)

@@ -156,3 +156,31 @@ def _(a, a_spec, a_direction, a_shape, b, b_spec, b_direction, b_shape, batch, o
     m = output_rows(a_direction, a_shape, batch)
     n = output_rows(b_direction, b_shape, batch)
     return a[0].new_empty((batch, m, n), dtype=out_dtype)
+
+
+@registry.op("gemm_quantizing_a")
+def gemm_quantizing_a(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    x_spec: str,
+    b: list[torch.Tensor],
+    b_spec: str,
+    b_direction: str,
+    b_shape: Sequence[int],
+    out_dtype: torch.dtype,
+    backend: str,
+    site: str,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """(1, m, n) = A @ B^T (+ bias), A being x (m, k) in high precision, quantized rowwise in the
+    format ``x_spec`` by the GEMM itself, its scale made from ``amax``, the amaxes of x's rows in
+    chunks (graphquant.kernels.triton_decode.amaxes), so that no quantize runs in the graph before it.
+    backend: the GemmBackend the plan chose, one that quantizes A (GemmBackend.quantizes_a)."""
+    chosen = backends.named(backend, False)
+    a = backends.triton_decode.QuantizedOnLoad(x, amax, quantizer_of(x_spec))
+    return backends.gemm(a, unflatten(b, b_spec, b_direction, b_shape, out_dtype), 1, out_dtype, chosen, site, bias)
+
+
+@registry.fake("gemm_quantizing_a")
+def _(x, amax, x_spec, b, b_spec, b_direction, b_shape, out_dtype, backend, site, bias=None):
+    return x.new_empty((1, x.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)

@@ -1,0 +1,146 @@
+"""NVFP4 and MXFP8 decode GEMM tilings (CANDIDATES: the library's, and experimental kernels of
+nvfp4_decode_lab.py) timed beside bf16 F.linear and the library's default at a Llama-3-8B FFN's
+weights.
+
+    python benchmarks/decode_nvfp4.py [--rows 1,16] [--weights 14336x4096,...] [--jobs 5] [--budget 120]
+
+Every tiling is first compiled and run once per case in one of --jobs processes, its product
+checked against the float64 product of the dequantized operands (decode_tune.py's bound); one
+still compiling at half the budget is dropped. Then this process times those that passed, each
+as CUDA graphs of decode_gemm.CALLS calls, and prints one table: microseconds and speedup over
+bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import nvfp4_decode_lab as lab  # noqa: E402
+from common import alternate  # noqa: E402
+from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
+from decode_tune import excess, operands  # noqa: E402
+
+from graphquant.kernels import triton_decode  # noqa: E402
+
+V = lab.Variant
+C = triton_decode.DecodeConfig
+# (format, rows of A, tiling): the library's decode GEMM (triton_decode.DecodeConfig) and, where a
+# lab.Variant, an experimental kernel of nvfp4_decode_lab.py. Each is compiled once (one worker)
+# and run on every weight at those rows.
+CANDIDATES = [
+    ("nvfp4", (1,), C(64, 256, 1, 4, 3, 8, fma=True)),
+    ("nvfp4", (1, 16), V(64, 256, 16, 4, 3, 8)),
+    ("nvfp4", (16,), C(128, 256, 16, 8, 3, 4)),
+    ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
+    ("mxfp8", (1, 16), V(64, 256, 16, 4, 3, 8)),
+    ("mxfp8", (1,), C(64, 256, 16, 4, 3, 8)),
+]
+
+
+def label(spec) -> str:
+    if isinstance(spec, lab.Variant):
+        return f"lab {spec}"
+    return (
+        f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
+        f"t{spec.tiles_per_sm}"
+    )
+
+
+def run(name: str, spec, a, b) -> torch.Tensor:
+    if spec is None:
+        return triton_decode.gemm(a, b, torch.bfloat16)
+    if isinstance(spec, lab.Variant):
+        return lab.gemm(a, b, torch.bfloat16, spec)
+    return triton_decode.gemm(a, b, torch.bfloat16, config=spec)
+
+
+def tasks_of(cases) -> list[tuple]:
+    """(format, tiling, the cases it takes): the library's default first (None), then CANDIDATES."""
+    defaults = [(name, None, [case for case in cases]) for name in ("nvfp4", "mxfp8")]
+    return defaults + [(name, spec, [case for case in cases if case[1] in rows]) for name, rows, spec in CANDIDATES]
+
+
+def check(task) -> list[tuple]:
+    """One tiling (compiled once) run on every case it takes, each with its excess over the bound."""
+    name, spec, cases = task
+    results = []
+    for case in cases:
+        (n, k), m = case
+        a, b = operands(name, m, n, k)
+        try:
+            results.append(((name, *case), spec, excess(name, run(name, spec, a, b), a, b), ""))
+        except Exception as error:  # noqa: BLE001 (a tiling that does not compile is a result)
+            results.append(((name, *case), spec, None, str(error).splitlines()[0][:100]))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--weights", default=",".join(f"{n}x{k}" for n, k in WEIGHTS), help="N x K of each weight")
+    parser.add_argument("--jobs", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds, from the start, after which no case is timed")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.budget
+    weights = [tuple(int(d) for d in weight.split("x")) for weight in args.weights.split(",")]
+    cases = [(weight, int(m)) for m in args.rows.split(",") for weight in weights]
+    tasks = [task for task in tasks_of(cases) if task[2]]
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(check, task) for task in tasks]
+    # Half the budget at most: a variant still compiling then is dropped, its worker ended.
+    concurrent.futures.wait(futures, timeout=args.budget * 0.5)
+    checked = [result for future in futures if future.done() and not future.exception() for result in future.result()]
+    cancelled = sum(not future.done() for future in futures)
+    workers = list(pool._processes.values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.terminate()
+    print(f"{len(futures) - cancelled}/{len(futures)} variants checked at {time.monotonic() - deadline + args.budget:.0f} s", flush=True)
+    for task, future in zip(tasks, futures):
+        if not future.done() or future.exception():
+            print(f"NOT CHECKED {task[0]} {label(task[1]) if task[1] else 'default'}: {'still compiling' if not future.done() else future.exception()}", flush=True)
+    good = {}
+    for case, variant, ex, error in checked:
+        if ex is None or ex > 0:
+            print(f"FAILED {case} {label(variant) if variant else 'default'}: {error or f'outside the bound by {ex:.3g}'}", flush=True)
+        elif variant is not None:
+            good.setdefault(case, []).append(variant)
+
+    rows = []
+    for name, (n, k), m in [(name, *case) for case in cases for name in ("nvfp4", "mxfp8")]:
+        if time.monotonic() > deadline:
+            print(f"budget spent: {name} {(n, k)} m={m} and the cases after it not timed", flush=True)
+            break
+        if not good.get((name, (n, k), m)):
+            continue
+        a, b = operands(name, m, n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        fns = {"bf16 F.linear": lambda: F.linear(x, w), "library default": lambda: triton_decode.gemm(a, b, torch.bfloat16)}
+        for spec in good[(name, (n, k), m)]:
+            fns[label(spec)] = lambda spec=spec: run(name, spec, a, b)
+        replays = {}
+        for label, fn in fns.items():
+            try:
+                replays[label] = graphed(fn)
+            except Exception as error:  # noqa: BLE001
+                print(f"not timed: {name} {(n, k)} m={m} {label}: {str(error).splitlines()[0][:80]}", flush=True)
+        us = {label: t * 1e3 / CALLS for label, t in alternate(replays, rounds=2, warmup=1, reps=3).items()}
+        bf16 = us["bf16 F.linear"]
+        for label, t in sorted(us.items(), key=lambda item: item[1]):
+            rows.append([name, f"{n}x{k}", m, label, f"{t:.1f}", f"{bf16 / t:.2f}"])
+        print(rows[-len(us):], flush=True)
+    print(tabulate(rows, headers=["format", "N x K", "M", "kernel", "us", "x bf16"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Where a decode step's time goes: the kernels of one forward of the inference sweep's FFN (two
+Llama-3-8B SwiGLU blocks) at a few rows, per configuration, with each kernel's launches and GPU
+microseconds, their sum, and the span from the first kernel's start to the last one's end (the
+host's launches set the gaps between kernels here; under CUDA graphs each launch boundary still
+costs about 1.5-2 us: time the forwards with inference_sweep.py --cudagraphs).
+
+    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--quantize-first]
+
+--quantize-first adds each graphquant configuration again with its plan refused the decode GEMM
+that quantizes the activation itself (the activation quantized first, then the plain decode
+GEMM), so that both are profiled in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from inference_configs import allow_graphs, build  # noqa: E402
+from models import DIM, FFNStack  # noqa: E402
+
+from graphquant.kernels import backends  # noqa: E402
+
+DEFAULT_CONFIGS = "bf16 torch.compile,graphquant tensorwise frozen,graphquant rowwise frozen,graphquant deepseek_blockwise frozen"
+QUANTIZE_FIRST = ", quantize first"
+
+
+def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, int, float]], float]:
+    """(name, launches, GPU us) of each kernel of one forward, and the us from the first kernel's
+    start to the last one's end."""
+    for _ in range(3):
+        model(x)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        model(x)
+        torch.cuda.synchronize()
+    launches = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in launches:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us()
+    span = max(e.time_range.end for e in launches) - min(e.time_range.start for e in launches) if launches else 0.0
+    return [(name, count, us) for name, (count, us) in by_name.items()], span
+
+
+@contextlib.contextmanager
+def quantizing_first():
+    """Plans made inside refuse the decode GEMM that quantizes A itself."""
+    refusal = backends.triton_decode.quantize_on_load_refusal
+    backends.triton_decode.quantize_on_load_refusal = lambda quantizer: "refused by decode_profile.py --quantize-first"
+    backends.clear_caches()
+    try:
+        yield
+    finally:
+        backends.triton_decode.quantize_on_load_refusal = refusal
+        backends.clear_caches()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS)
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--quantize-first", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    rows = [int(r) for r in args.rows.split(",")]
+    base = FFNStack(2).to(device, torch.bfloat16).eval()
+    names = args.configs.split(",")
+    if args.quantize_first:
+        names += [name + QUANTIZE_FIRST for name in names if name.startswith("graphquant")]
+    allow_graphs(len(names) * len(rows))
+    summary = []
+    with torch.no_grad():
+        for name in names:
+            with quantizing_first() if name.endswith(QUANTIZE_FIRST) else contextlib.nullcontext():
+                model = build(name.removesuffix(QUANTIZE_FIRST), base, device, False)
+                for r in rows:
+                    found, span = kernels(model, torch.randn(r, DIM, device=device, dtype=torch.bfloat16))  # plans its graph
+                    launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
+                    summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
+                    print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
+                    print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
+                                   headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
+    print()
+    print(tabulate(summary, headers=["config", "rows", "launches", "GPU us", "span us"], disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
