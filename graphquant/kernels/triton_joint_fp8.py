@@ -25,10 +25,10 @@ _ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB, a transposed store is 6
 _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
-# rows is not specialized: where Triton 3.6 sees it divisible by 16 it transposes float32 input's codes
-# for 16-byte stores in code that its bundled ptxas miscompiles for sm_90 (wrong bytes in rows 1, 5 and
-# 9 of every 16 of the transposed tile; FP8 stored both ways, triton-lang/triton#11111); one kernel for
-# every row count is the one the tests check on the GPU.
+# The transposed codes are cast from the transposed tile, not transposed as FP8: with FP8 codes stored
+# both rowwise and transposed from one tile, Triton 3.6's bundled ptxas writes wrong bytes into the
+# transposed copy on sm_90 (triton-lang/triton#11111; seen at float32 input). rows is not specialized
+# either: the tests check one kernel for every row count.
 @triton.jit(do_not_specialize=["rows"])
 def _pass_kernel(
     X, CODES, CODES_T, SCALE, AMAX_BITS, rows, COLS: tl.constexpr, BLOCK: tl.constexpr,
@@ -46,7 +46,8 @@ def _pass_kernel(
         codes = fp8_codes(x, tl.load(SCALE), FP8_MAX, CODE)
         tl.store(CODES + offsets, codes, mask=inside)
         if TRANSPOSED:
-            tl.store(CODES_T + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(codes), mask=tl.trans(inside))
+            codes_t = fp8_codes(tl.trans(x), tl.load(SCALE), FP8_MAX, CODE)
+            tl.store(CODES_T + c[:, None].to(tl.int64) * rows + r[None, :], codes_t, mask=tl.trans(inside))
 
 
 def _launch(x, amax_bits, codes=None, codes_t=None, scale=None, fp8_dtype="e4m3") -> None:
