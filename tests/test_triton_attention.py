@@ -393,37 +393,6 @@ def check_joint_kernels(device: str) -> str:
     return ", ".join(checked)
 
 
-def test_joint_cast_is_one_compiled_kernel_for_every_row_count_on_sm90():
-    """The cast pass compiled for Hopper (on any machine: Triton compiles without a GPU) as a
-    launch on 1024 float32 rows and one on 70 would specialize it, the same code: the one the GPU
-    test checks bit for bit at 70 and 130 rows. Where Triton saw the row count divisible by 16 it
-    transposed the codes for 16-byte stores in code that, on the H200, wrote wrong bytes into the
-    transposed codes (a float32 model's V^T and dO^T: non-finite attention outputs and gradients)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from graphquant.kernels import triton_joint_fp8
-
-    kernel = triton_joint_fp8._pass_kernel
-    pointers = {"X": "*fp32", "CODES": "*fp8e4nv", "CODES_T": "*fp8e4nv", "SCALE": "*fp32", "AMAX_BITS": "*i32"}
-    constants = dict(COLS=64, BLOCK=triton_joint_fp8._ROWS, CAST=True, TRANSPOSED=True, FP8_MAX=448.0, CODE=triton.language.float8e4nv)
-
-    def ptx(rows: int) -> str:
-        signature, attrs = {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name in constants:
-                signature[name] = "constexpr"
-            else:  # pointers from torch are 16-byte aligned; an int divisible by 16 is specialized unless told not to
-                signature[name] = pointers.get(name, "i32")
-                if name in pointers or (name not in kernel.do_not_specialize and rows % 16 == 0):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        target = GPUTarget("cuda", 90, 64)
-        return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options={"num_warps": 4}).asm["ptx"]
-
-    assert ptx(1024) == ptx(70)
-
-
 def test_joint_kernels_under_the_interpreter():
     """``check_joint_kernels`` with the kernels run by Triton's interpreter (the reference's
     float32 -> FP8 casts in place of the interpreter's)."""
