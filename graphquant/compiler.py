@@ -173,7 +173,7 @@ class GraphquantBackend:
             from graphquant.dump import dump_graph
 
             dump_graph(self.dump_dir, captured, gm, plan)
-        compiled = self._inner(plan)(gm, [*example_inputs, *(p() for p in providers)])
+        compiled = self._inner()(gm, [*example_inputs, *(p() for p in providers)])
         stochastic = "rng" in keys
 
         def run(*args: Any) -> Any:
@@ -207,8 +207,7 @@ class GraphquantBackend:
             return absolute[: -len(relative) - 1] if absolute != relative else ""
         return ""
 
-    def _inner(self, plan: Optional[Plan] = None) -> Callable:
-        """The backend that compiles a rewritten graph of ``plan``."""
+    def _inner(self) -> Callable:
         if callable(self.inner):
             return self.inner
         if self.inner == "inductor":
@@ -219,11 +218,6 @@ class GraphquantBackend:
             from graphquant.passes.saturating_cast import SaturatingCast
 
             options = dict(self.inductor_options)
-            if plan is not None and any(g.module_type == "grouped_linear" for g in plan.gemms):
-                # A grouped site's backward frees each GEMM's operands as it goes; Inductor's
-                # peak-memory reordering defers its wgrads (whose outputs live to the end) and
-                # with them the release of their FP8 operands.
-                options.setdefault("reorder_for_peak_memory", False)
             options["post_grad_custom_post_pass"] = SaturatingCast(
                 then=options.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
             )

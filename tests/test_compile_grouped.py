@@ -597,7 +597,7 @@ def test_grouped_ops_pass_opcheck(quantizer):
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
 
 
-# -- what a grouped site keeps for backward, and in what order its backward runs ------------------------
+# -- what a grouped site keeps for backward -----------------------------------------------------------
 
 
 class ExpertsStoredAsLinears(torch.nn.Module):
@@ -644,25 +644,6 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
-
-
-def test_graphs_with_grouped_sites_keep_their_backward_order_in_inductor(monkeypatch):
-    """Inductor compiles a graph with a grouped site without its peak-memory reordering (which
-    moved the grouped wgrads to the backward's end, their operands alive until then); a graph
-    without one keeps Inductor's default, and a user's setting wins."""
-    import torch._inductor.compile_fx as compile_fx_module
-
-    patches = []
-
-    def compile_fx(gm, example_inputs, inner_compile=None, config_patches=None):
-        patches.append(config_patches)
-        return gm
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
-    graphquant.compile(Model(), RECIPES["rowwise"](), fullgraph=True)(inputs())
-    graphquant.compile(Model(), RECIPES["rowwise"](), options={"reorder_for_peak_memory": True}, fullgraph=True)(inputs())
-    graphquant.compile(torch.nn.Linear(K, N), RECIPES["rowwise"](), fullgraph=True)(torch.randn(32, K))
-    assert [p.get("reorder_for_peak_memory") for p in patches] == [False, True, None]
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
