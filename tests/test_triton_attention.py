@@ -248,30 +248,13 @@ def test_backward_is_the_emulations(emulated_kernel, formats, causal):
 INTERPRETER_SETUP = textwrap.dedent(
     """
     import sys
-    import numpy, torch
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    from graphquant.formats.fp8 import cast_to_fp8
 
     sys.path.insert(0, %r)
     import triton_interpreter
 
     triton_interpreter.accept_numpy_scalars()
     triton_interpreter.exact_fp8_dot_operands()
-
-    # The interpreter's float32 -> FP8 casts do not round to nearest even; Hopper's do, as the
-    # reference cast does.
-    cast = interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        fp8_dtype = {tl.float8e4nv: "e4m3", tl.float8e5: "e5m2"}.get(dst_type.scalar)
-        if fp8_dtype is None or src.dtype.scalar != tl.float32:
-            return cast(self, src, dst_type, rounding_mode)
-        data = cast_to_fp8(torch.from_numpy(numpy.ascontiguousarray(src.data)), fp8_dtype).view(torch.uint8).numpy()
-        return interpreter.TensorHandle(data, dst_type.scalar)
-
-    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    triton_interpreter.round_fp8_to_nearest_even()
     """
 ) % os.path.dirname(os.path.abspath(__file__))
 INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
