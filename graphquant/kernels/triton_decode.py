@@ -312,14 +312,11 @@ def _amax_of_a(ptr, index, mask, KIND: tl.constexpr, CHUNKS: tl.constexpr, CHUNK
     TENSOR_FACTOR) of all A, whose rows are all at ``index``, from the amaxes of CHUNKS chunks of
     each row at ``ptr`` (QuantizedOnLoad), loaded as one tile (CHUNKS_P2 wide, the power of two
     past CHUNKS): the max of their bits, as fp8.tensor_amax takes it (a NaN wins)."""
-    if index.shape[1] == 1:
-        chunk = tl.arange(0, CHUNKS_P2)[None, :]
-        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
-        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 1, keep_dims=True)
-    else:
-        chunk = tl.arange(0, CHUNKS_P2)[:, None]
-        amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
-        bits = tl.max(amaxes.to(tl.int32, bitcast=True), 0, keep_dims=True)
+    axis: tl.constexpr = 1 if index.shape[1] == 1 else 0  # the chunks run across the rows' axis
+    chunk = tl.arange(0, CHUNKS_P2)
+    chunk = chunk[None, :] if axis == 1 else chunk[:, None]
+    amaxes = tl.load(ptr + index * CHUNKS + chunk, mask=mask & (chunk < CHUNKS), other=0.0)
+    bits = tl.max(amaxes.to(tl.int32, bitcast=True), axis, keep_dims=True)
     if KIND == 1:
         bits = tl.max(tl.reshape(bits, (bits.numel,)), 0)
     return bits.to(tl.float32, bitcast=True)
