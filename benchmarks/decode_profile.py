@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import sys
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from inference_configs import allow_graphs, build  # noqa: E402
+from inference_configs import QUANTIZE_FIRST, allow_graphs, build  # noqa: E402
 from models import DIM, FFNStack  # noqa: E402
 
-from graphquant.kernels import backends  # noqa: E402
-
 DEFAULT_CONFIGS = "bf16 torch.compile,graphquant tensorwise frozen,graphquant rowwise frozen,graphquant deepseek_blockwise frozen"
-QUANTIZE_FIRST = ", quantize first"
 
 
 def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, int, float]], float]:
@@ -49,19 +45,6 @@ def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, in
     return [(name, count, us) for name, (count, us) in by_name.items()], span
 
 
-@contextlib.contextmanager
-def quantizing_first():
-    """Plans made inside refuse the decode GEMM that quantizes A itself."""
-    refusal = backends.triton_decode.quantize_on_load_refusal
-    backends.triton_decode.quantize_on_load_refusal = lambda quantizer: "refused by decode_profile.py --quantize-first"
-    backends.clear_caches()
-    try:
-        yield
-    finally:
-        backends.triton_decode.quantize_on_load_refusal = refusal
-        backends.clear_caches()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
@@ -79,15 +62,14 @@ def main() -> None:
     summary = []
     with torch.no_grad():
         for name in names:
-            with quantizing_first() if name.endswith(QUANTIZE_FIRST) else contextlib.nullcontext():
-                model = build(name.removesuffix(QUANTIZE_FIRST), base, device, False)
-                for r in rows:
-                    found, span = kernels(model, torch.randn(r, DIM, device=device, dtype=torch.bfloat16))  # plans its graph
-                    launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
-                    summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
-                    print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
-                    print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
-                                   headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
+            model = build(name, base, device, False)
+            for r in rows:
+                found, span = kernels(model, torch.randn(r, DIM, device=device, dtype=torch.bfloat16))  # plans its graph
+                launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
+                summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
+                print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")
+                print(tabulate(sorted(((n[:110], c, f"{us:.1f}") for n, c, us in found), key=lambda row: -float(row[2])),
+                               headers=["kernel", "launches", "us"], disable_numparse=True), flush=True)
     print()
     print(tabulate(summary, headers=["config", "rows", "launches", "GPU us", "span us"], disable_numparse=True))
 

@@ -4,12 +4,15 @@
     torchao PerRow, torchao PerTensor    Float8DynamicActivationFloat8WeightConfig (CUDA, torchao importable)
     graphquant RECIPE                    mode="inference": each weight quantized at each call
     graphquant RECIPE frozen             graphquant.freeze: weights stored quantized, bf16 dropped
+    NAME (A quantized first)             a graphquant NAME whose plans refuse the decode GEMM that
+                                         quantizes the activation itself (asked for by name only)
 
 for RECIPE in RECIPES; and how many bytes a configuration's weights hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import sys
@@ -19,6 +22,7 @@ import torch
 
 import graphquant
 from graphquant import recipes, zoo
+from graphquant.kernels import backends
 
 RECIPES: dict[str, Callable[[], graphquant.CustomRecipe]] = {
     "tensorwise": lambda: zoo.recipe("tensorwise"),
@@ -30,6 +34,7 @@ RECIPES: dict[str, Callable[[], graphquant.CustomRecipe]] = {
 TORCHAO = ("PerRow", "PerTensor")
 BF16 = "bf16 torch.compile"
 FROZEN = " frozen"
+QUANTIZE_FIRST = " (A quantized first)"
 
 
 def configs(requested: list[str] | None, device: torch.device) -> list[str]:
@@ -44,7 +49,8 @@ def configs(requested: list[str] | None, device: torch.device) -> list[str]:
         except Exception as error:  # missing, or built for another torch (its import then fails in many ways)
             print(f"torchao does not import ({type(error).__name__}: {error}): its rows are left out", file=sys.stderr)
     names += [f"graphquant {recipe}{frozen}" for recipe in RECIPES for frozen in ("", FROZEN)]
-    unknown = sorted(set(requested or ()) - set(names))
+    twins = [name + QUANTIZE_FIRST for name in names if name.startswith("graphquant ")]
+    unknown = sorted(set(requested or ()) - set(names) - set(twins))
     if unknown:
         raise SystemExit(f"unknown or unavailable configs {unknown}; available here: {', '.join(names)}")
     return names if requested is None else requested
@@ -54,6 +60,8 @@ def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs:
     """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph) by
     ``backend``, by default Inductor on CUDA and aot_eager on the CPU (no C++ build: a check that
     it runs)."""
+    if config.endswith(QUANTIZE_FIRST):
+        return QuantizingFirst(build(config.removesuffix(QUANTIZE_FIRST), model, device, cudagraphs, backend))
     model = copy.deepcopy(model)
     backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
     mode = {"mode": "reduce-overhead"} if cudagraphs else {}
@@ -69,6 +77,37 @@ def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs:
     compile_mode = {"compile_mode": "reduce-overhead"} if cudagraphs else {}
     compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, **compile_mode)
     return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
+
+
+@contextlib.contextmanager
+def quantizing_first():
+    """Plans made inside refuse the decode GEMM that quantizes A itself."""
+    refusal = backends.triton_decode.quantize_on_load_refusal
+    backends.triton_decode.quantize_on_load_refusal = lambda quantizer: "refused by the benchmark: A quantized first"
+    backends.clear_caches()
+    try:
+        yield
+    finally:
+        backends.triton_decode.quantize_on_load_refusal = refusal
+        backends.clear_caches()
+
+
+class QuantizingFirst(torch.nn.Module):
+    """A compiled model whose first call at each input shape (the one that plans and compiles its
+    graph) runs under quantizing_first; later calls go straight through, so that they are timed
+    as the model's own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.planned = model, set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape in self.planned:
+            return self.model(x)
+        with quantizing_first():
+            output = self.model(x)
+        self.planned.add(x.shape)
+        return output
 
 
 def allow_graphs(graphs: int) -> None:
