@@ -95,7 +95,7 @@ def _mxfp8_words(ptr, scale_ptr, row, rows, word, K, stride_words, scale_row_str
 def _kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -123,7 +123,7 @@ def _kernel(
         total = total * 268435456.0  # 2^28: both sides' 2^-14, undone exactly
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
     )
 
 
@@ -155,16 +155,15 @@ def gemm(a, b, out_dtype: torch.dtype, variant: Variant) -> torch.Tensor:
     chunk = triton_decode.K_CHUNK
     k_chunks = triton.cdiv(triton.cdiv(k, splits), chunk)
     splits = triton.cdiv(k, k_chunks * chunk)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    partial, arrivals = out, out
+    if splits > 1:
+        partial = torch.empty((splits, m, n), dtype=torch.float32, device=out.device)
+        arrivals = triton_decode._arrivals(out.device, triton.cdiv(n, variant.block_n) * row_tiles)
     factors = triton_decode._factors(a_layout, b_layout)
     _kernel[(triton.cdiv(n, variant.block_n), splits, row_tiles)](
-        *a_args, *b_args, out, 0, out, partial, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1,
+        *a_args, *b_args, out, 0, out, partial, arrivals, m, n, k, k_chunks, chunk, **factors, SPLIT=splits > 1,
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=n % variant.block_n == 0 and k % (k_chunks * chunk) == 0,
         MXFP8=b_layout.operand == triton_decode.BF16_VALUES, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n,
         BLOCK_K=variant.block_k, num_warps=variant.warps, num_stages=variant.stages,
     )
-    if splits > 1:
-        triton_decode._reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
-            partial, a_args[2], b_args[2], out, 0, out, m, n, splits, **factors, BLOCK_M=16, BLOCK_N=128,
-        )
     return out

@@ -249,7 +249,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
         if name in constants:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
+            signature[name], attrs[(i,)] = pointers.get(name, "*i32" if name == "arrivals_ptr" else "*fp32"), [["tt.divisibility", 16]]
         else:  # an int: Triton specializes those divisible by 16 unless told not to
             signature[name] = "i32"
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:

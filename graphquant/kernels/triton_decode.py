@@ -3,7 +3,8 @@ that read both quantized operands as they are stored, so the weight (B) crosses 
 
 At decode sizes the product costs little beside reading the weight, so each program takes
 BLOCK_N rows of B against a tile of A's rows (all of them, where they fit), and K is split across
-programs (each writes an fp32 partial sum; a second kernel adds them in a fixed order), enough
+programs (each writes an fp32 partial sum; the last of a tile's programs to finish adds them in
+split order and finishes the tile: one launch, the same bits every run), enough
 programs to keep every SM reading. How it multiplies depends on the layout family
 (GemmInput.family) and the tiling (DecodeConfig):
 
@@ -38,6 +39,7 @@ on A quantized first, bit for bit, without the quantize kernels a graph would ru
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import NamedTuple, Optional
@@ -383,17 +385,29 @@ def _finish(
 
 @triton.jit
 def _write(
-    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr,
+    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
     A_RULE: tl.constexpr = None,
 ):
-    """A program's (BLOCK_N, BLOCK_M) sums: finished into out, or where K is SPLIT, its partial
-    sums written for _reduce_kernel."""
+    """A program's (BLOCK_N, BLOCK_M) sums finished into out; where K is SPLIT, its partial sums
+    written to partial[s] instead, and the last program of its output tile to arrive (its counter
+    at arrivals_ptr, one a tile) adds every split's in split order (the same bits whichever
+    program arrives last), finishes them and sets the counter back to zero for the next launch."""
     if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
     else:
-        at = (tl.program_id(1) * M + m).to(tl.int64) * N + n
-        tl.store(partial_ptr + at, total, mask=(n < N) & (m < M))
+        inside = (n < N) & (m < M)
+        tl.store(partial_ptr + (tl.program_id(1) * M + m).to(tl.int64) * N + n, total, mask=inside)
+        # every thread's partial sums are stored before the arrival that releases them
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        splits = tl.num_programs(1)
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
+            summed = tl.zeros(total.shape, dtype=tl.float32)
+            for split in range(splits):
+                summed += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=inside, other=0.0)
+            _finish(summed, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
+            tl.store(arrivals, 0)
 
 
 # M and has_bias stay runtime values (not specialized when 1), so that every row count and both
@@ -404,7 +418,7 @@ def _write(
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
@@ -412,7 +426,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
-    against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
+    against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
     The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
     MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
@@ -477,17 +491,9 @@ def _decode_kernel(
                 total = tl.dot(b[j], tl.trans(a[j]), total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
-    if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
-        # A's factor for _reduce_kernel after the partial sums, as every program makes it (cheaper
-        # written once than made again from the amaxes by each of its programs)
-        factors = partial_ptr + (tl.num_programs(1) * M).to(tl.int64) * N
-        if A_FACTOR == 1:  # TENSOR_FACTOR
-            tl.store(factors, reciprocal(a_scale))
-        else:
-            tl.store(factors + m, reciprocal(a_scale), mask=m < M)
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
+        out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
     )
 
 
@@ -501,7 +507,7 @@ _autotuned = triton.autotune(
 def _fma_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -551,24 +557,9 @@ def _fma_kernel(
         total = total * 268435456.0  # 2^28, as in _decode_kernel
     _write(
         total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
-        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias,
+        SPLIT,
     )
-
-
-@triton.jit(do_not_specialize=["M", "has_bias", "splits"])
-def _reduce_kernel(
-    partial_ptr, a_factor_ptr, b_factor_ptr, bias_ptr, has_bias, out_ptr, M, N, splits,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """out = the sum of the K splits' partial sums, in split order (the same bits every run), finished."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    mask = (n < N) & (m < M)
-    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for split in range(splits):
-        total += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=mask, other=0.0)
-    _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias)
 
 
 class QuantizedOnLoad(NamedTuple):
@@ -691,6 +682,48 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
     return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
 
 
+# Each K-split launch's arrival counters (_write), a zero int32 a tile, per device and stream:
+# launches on one stream run one after another and share them (each leaves them zero), launches on
+# two streams may overlap and count apart. Never freed, grown by replacement: a CUDA graph keeps the
+# address it captured.
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+_RETIRED_ARRIVALS: list[torch.Tensor] = []
+_LEAST_ARRIVALS = 4096
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` arrival counters, zero, for a launch on the current stream of ``device``."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, None if stream is None else stream.cuda_stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _RETIRED_ARRIVALS.append(counters)
+        size = max(triton.next_power_of_2(tiles), _LEAST_ARRIVALS)
+        counters = _ARRIVALS[key] = _zeros_outside_graph_pools(size, device, stream)
+    return counters
+
+
+def _zeros_outside_graph_pools(size: int, device: torch.device, stream: Optional[torch.cuda.Stream]) -> torch.Tensor:
+    """``size`` int32 zeros that no CUDA graph's memory pool owns. While a graph tree warms up or
+    records, the allocations of its thread (or stream) come from the graph's pool, which the tree
+    may give to other tensors between replays: the counters are made by another thread, on a
+    stream of its own. While this stream is captured they are made in the capture instead (that
+    graph's pool keeps them as long as the library does, and its replays zero them first)."""
+    if stream is None or stream.is_capturing():
+        return torch.zeros(size, dtype=torch.int32, device=device)
+
+    def make() -> torch.Tensor:
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            zeros = torch.zeros(size, dtype=torch.int32, device=device)
+        side.synchronize()
+        return zeros
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(make).result()
+
+
 def gemm(
     a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
@@ -728,8 +761,11 @@ def gemm(
         splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
-    # the partial sums of a split K, then (quantizing A on load) A's factor the first program writes
-    partial = torch.empty(splits * m * n + (m if rule else 0), dtype=torch.float32, device=out.device) if splits > 1 else out
+    partial, arrivals = out, out
+    if splits > 1:
+        partial = torch.empty(splits * m * n, dtype=torch.float32, device=out.device)
+        block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
+        arrivals = _arrivals(out.device, triton.cdiv(n, block_n) * row_tiles)
     bias_arg = out if bias is None else bias.contiguous()
     # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
     # dot multiplies bf16 bit patterns as integers.
@@ -745,7 +781,7 @@ def gemm(
     whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
@@ -755,14 +791,14 @@ def gemm(
         if b_layout.operand == FP8_CODES:
             raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
         _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
+            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
@@ -770,10 +806,5 @@ def gemm(
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
-        )
-    if splits > 1:
-        a_factor = partial[splits * m * n :] if rule else a_args[2]
-        _reduce_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
-            partial, a_factor, b_args[2], bias_arg, int(bias is not None), out, m, n, splits, **factors, BLOCK_M=16, BLOCK_N=128,
         )
     return out
