@@ -53,11 +53,14 @@ def gpu_energy_j() -> Optional[float]:
 
 
 def time_ms(
-    fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1, joules: Optional[list[float]] = None
+    fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1, joules: Optional[list[float]] = None,
+    host: Optional[list[float]] = None,
 ) -> float:
     """Median milliseconds of one call of ``fn`` over ``reps`` samples, each sample ``inner``
     back-to-back calls between two CUDA events (so host overhead overlaps the GPU, as in a model).
-    ``joules``, if given, receives each sample's GPU energy per call where NVML can read it."""
+    ``joules``, if given, receives each sample's GPU energy per call where NVML can read it;
+    ``host`` each sample's host milliseconds per call (the calls' wall clock, the GPU not waited
+    for): where it comes near the events' time, the host, not the GPU, set the pace."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()  # the warmup's energy is not the first sample's
@@ -66,11 +69,15 @@ def time_ms(
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before = gpu_energy_j() if joules is not None else None
         start.record()
+        began = time.perf_counter()
         for _ in range(inner):
             fn()
+        issued = time.perf_counter()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / inner)
+        if host is not None:
+            host.append((issued - began) * 1e3 / inner)
         after = gpu_energy_j() if before is not None else None
         if after is not None:
             joules.append((after - before) / inner)
@@ -151,6 +158,7 @@ def alternate(
     *,
     rounds: int = 3,
     joules: Optional[dict[str, float]] = None,
+    host: Optional[dict[str, float]] = None,
     timer: Callable[..., float] = time_ms,
     **kwargs,
 ) -> dict[str, float]:
@@ -158,15 +166,21 @@ def alternate(
     functions taking turns every round so that drift on a shared GPU touches them all alike.
     ``joules``, if given, receives each function's mean GPU energy per call, where NVML can read
     it: the mean, because NVML's counter advances in steps, so one sample sees a whole number of
-    them, and a median over samples only a few steps long would keep the more frequent count."""
+    them, and a median over samples only a few steps long would keep the more frequent count.
+    ``host``, if given, receives each function's median host milliseconds per call (time_ms's)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     energy: dict[str, list[float]] = {name: [] for name in fns}
+    issue: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in turns(list(fns), r):
-            energy_kwargs = {"joules": energy[name]} if joules is not None else {}
-            samples[name].append(timer(fns[name], **energy_kwargs, **kwargs))
+            extra = {"joules": energy[name]} if joules is not None else {}
+            if host is not None:
+                extra["host"] = issue[name]
+            samples[name].append(timer(fns[name], **extra, **kwargs))
     if joules is not None:
         joules.update({name: statistics.fmean(values) for name, values in energy.items() if values})
+    if host is not None:
+        host.update({name: statistics.median(values) for name, values in issue.items() if values})
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

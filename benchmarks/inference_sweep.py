@@ -13,7 +13,10 @@ and frozen); each compiles a graph per row count (dynamic=False).
 Each cell is the median over ``--rounds`` of ms per forward (CUDA events around five calls back to
 back, so that the host's launches overlap the GPU as in a serving loop; each round runs every
 configuration at every row count in its own shuffled order) and the speedup over bf16
-torch.compile at that row count. "first call s" is the first call at the first row count (the
+torch.compile at that row count; a second table gives the host's milliseconds per call in those
+samples (the calls' wall clock, the GPU not waited for) and their share of the cell's time: near
+100%, the host's per-call work (Dynamo's guards, CUDA graph trees' input copies and checks, the
+launches), not the GPU, set the pace. "first call s" is the first call at the first row count (the
 plan and the compile of its graph), "next rows s" the mean first call at each other row count
 (a compile each). "weights GB" counts every parameter and buffer (1e9 bytes; a tensor subclass by
 its inner tensors). "= per-call" says whether a frozen configuration's outputs equal its per-call
@@ -112,6 +115,14 @@ def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int
     return tabulate(lines, headers=headers, disable_numparse=True)
 
 
+def host_table(runs: dict[str, Run], ms: dict[tuple[str, int], float], host: dict[tuple[str, int], float], rows: list[int]) -> str:
+    lines = [
+        [name, *(f"{host[name, r]:.3f} ({100 * host[name, r] / ms[name, r]:.0f}%)" if (name, r) in host else "" for r in rows)]
+        for name in runs
+    ]
+    return tabulate(lines, headers=["config", *(f"host ms @{r} rows" for r in rows)], disable_numparse=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the CPU, dims 128 and 256, aot_eager: a check that every configuration runs")
@@ -167,11 +178,16 @@ def main(argv: list[str] | None = None) -> None:
         del base
         fns = {(name, r): functools.partial(run.model, inputs[r]) for name, run in runs.items() for r in run.outputs}
         # back-to-back calls between the events, as in a serving loop: the host's launches overlap the GPU
-        timing = dict(timer=time_ms, inner=5, reps=5) if device.type == "cuda" else dict(timer=wall_ms)
+        host: dict[tuple[str, int], float] = {}
+        timing = dict(timer=time_ms, inner=5, reps=5, host=host) if device.type == "cuda" else dict(timer=wall_ms)
         ms = alternate(fns, rounds=args.rounds, **timing)
 
     print()
     print(table(runs, ms, rows))
+    if host:
+        print()
+        print("host ms per call (the calls' wall clock, the GPU not waited for; the share of the cell's time: near 100% the host set the pace)")
+        print(host_table(runs, ms, host, rows))
     for name, reason in failed.items():
         print(f"{name}: failed: {reason}")
 
