@@ -39,6 +39,7 @@ import traceback
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.utils import counters
 
 from graphquant.kernels import native
 
@@ -68,10 +69,13 @@ class Run:
                 self.left_out.append(rows)
                 continue
             try:
+                skips = counters["inductor"]["cudagraph_skips"]
                 self.first[rows], output = seconds(functools.partial(model, x), device)
                 self.outputs[rows] = output.clone()  # a CUDA graph's output is overwritten by its next replay
                 model(x)
-                print(f"  {name} @{rows} rows: first call {self.first[rows]:.1f} s", flush=True)
+                skipped = counters["inductor"]["cudagraph_skips"] - skips  # Inductor logs why, above
+                print(f"  {name} @{rows} rows: first call {self.first[rows]:.1f} s"
+                      f"{f', CUDA graphs skipped for {skipped} graph(s)' if skipped else ''}", flush=True)
             except Exception as error:  # the other row counts' numbers stay, and the failure is listed
                 self.first.pop(rows, None), self.outputs.pop(rows, None)
                 if time.perf_counter() > deadline:  # OutOfTime, raised into the compile (or wrapped by Dynamo)
