@@ -292,14 +292,10 @@ def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: tl.constexpr = None):
+def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
-    DIVISOR with one IEEE division, as the format's reference does; or, under an FP8 scale RULE
-    (A quantized as it is loaded, ``ptr`` its chunk amaxes), the reciprocal of the scale that rule
-    gives A's amax."""
-    if RULE is not None:
-        factor = reciprocal(_scale(_amax_of_a(ptr, index, mask, KIND, RULE[4], RULE[5]), RULE))
-    elif KIND == 1:  # TENSOR_FACTOR
+    DIVISOR with one IEEE division, as the format's reference does."""
+    if KIND == 1:  # TENSOR_FACTOR
         factor = tl.load(ptr).to(tl.float32)
     else:
         factor = tl.load(ptr + index, mask=mask, other=1.0).to(tl.float32)
@@ -367,12 +363,19 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
 def _finish(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    has_bias, A_RULE: tl.constexpr = None,
+    has_bias, a_factor=None,
 ):
     """out[m, n] = total[n, m] times both factors (their product first, as one alpha), plus the
-    bias, rounded once to out's dtype."""
+    bias, rounded once to out's dtype. ``a_factor``: A's factor where the program made it (A
+    quantized as it was loaded: one value, or one a row of A as a column), else read at
+    a_factor_ptr."""
     if A_FACTOR != 0:
-        factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR, A_RULE)
+        if a_factor is None:
+            factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
+        elif A_FACTOR == 1:  # TENSOR_FACTOR
+            factor = a_factor
+        else:
+            factor = tl.reshape(a_factor, m.shape)
         if B_FACTOR != 0:
             factor = factor * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
         total = total * factor
@@ -387,14 +390,14 @@ def _finish(
 def _write(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
-    A_RULE: tl.constexpr = None,
+    a_factor=None,
 ):
-    """A program's (BLOCK_N, BLOCK_M) sums finished into out; where K is SPLIT, its partial sums
+    """A program's (BLOCK_N, BLOCK_M) sums finished into out (_finish); where K is SPLIT, its partial sums
     written to partial[s] instead, and the last program of its output tile to arrive (its counter
     at arrivals_ptr, one a tile) adds every split's in split order (the same bits whichever
     program arrives last), finishes them and sets the counter back to zero for the next launch."""
     if not SPLIT:
-        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
+        _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, a_factor)
     else:
         inside = (n < N) & (m < M)
         tl.store(partial_ptr + (tl.program_id(1) * M + m).to(tl.int64) * N + n, total, mask=inside)
@@ -406,7 +409,7 @@ def _write(
             summed = tl.zeros(total.shape, dtype=tl.float32)
             for split in tl.range(0, splits, loop_unroll_factor=4):  # unrolled: the loads of four splits in flight at once
                 summed += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=inside, other=0.0)
-            _finish(summed, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, A_RULE)
+            _finish(summed, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, a_factor)
             tl.store(arrivals, 0)
 
 
@@ -493,7 +496,8 @@ def _decode_kernel(
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, A_RULE,
+        out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
+        reciprocal(a_scale) if A_RULE is not None else None,  # A's factor, as A was quantized
     )
 
 
