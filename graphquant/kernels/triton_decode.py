@@ -697,25 +697,26 @@ _LEAST_ARRIVALS = 4096
 
 def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     """At least ``tiles`` arrival counters, zero, for a launch on the current stream of ``device``."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (device, None if stream is None else stream.cuda_stream)
-    counters = _ARRIVALS.get(key)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    counters = _ARRIVALS.get((device, stream))
     if counters is None or counters.numel() < tiles:
         if counters is not None:
             _RETIRED_ARRIVALS.append(counters)
-        size = max(triton.next_power_of_2(tiles), _LEAST_ARRIVALS)
-        counters = _ARRIVALS[key] = _zeros_outside_graph_pools(size, device, stream)
+        counters = _ARRIVALS[device, stream] = _zeros_outside_graph_pools(max(triton.next_power_of_2(tiles), _LEAST_ARRIVALS), device)
     return counters
 
 
-def _zeros_outside_graph_pools(size: int, device: torch.device, stream: Optional[torch.cuda.Stream]) -> torch.Tensor:
+def _zeros_outside_graph_pools(size: int, device: torch.device) -> torch.Tensor:
     """``size`` int32 zeros that no CUDA graph's memory pool owns. While a graph tree warms up or
     records, the allocations of its thread (or stream) come from the graph's pool, which the tree
     may give to other tensors between replays: the counters are made by another thread, on a
-    stream of its own. While this stream is captured they are made in the capture instead (that
-    graph's pool keeps them as long as the library does, and its replays zero them first)."""
-    if stream is None or stream.is_capturing():
+    stream of its own. While the current stream is captured they are made in the capture instead
+    (that graph's pool keeps them as long as the library does, and its replays zero them first)."""
+    if device.type != "cuda":
         return torch.zeros(size, dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
 
     def make() -> torch.Tensor:
         side = torch.cuda.Stream(device)
