@@ -392,10 +392,11 @@ def _write(
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
     a_factor=None,
 ):
-    """A program's (BLOCK_N, BLOCK_M) sums finished into out (_finish); where K is SPLIT, its partial sums
-    written to partial[s] instead, and the last program of its output tile to arrive (its counter
-    at arrivals_ptr, one a tile) adds every split's in split order (the same bits whichever
-    program arrives last), finishes them and sets the counter back to zero for the next launch."""
+    """A program's (BLOCK_N, BLOCK_M) sums finished into out (_finish); where K is SPLIT, its
+    partial sums written to partial[s] instead, and the last program of its output tile to arrive
+    (its counter at arrivals_ptr, one a tile) adds every split's in split order (the same bits
+    whichever program arrives last), finishes them and sets the counter back to zero for the next
+    launch."""
     if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, a_factor)
     else:
