@@ -2,11 +2,10 @@
 
 Inductor's code keeps the list a multi-output op returns (every graphquant quantize: the rowwise
 and the columnwise representation of one read) until its last result is taken out of it, and
-takes a result out where the scheduler placed that extraction. A fusion that pulls a later kernel
-ahead pulls everything it depends on with it, and leaves the rest behind: on the H200, the MoE
-step's backward ran both grouped dgrads first and left the wgrads, and with them the extraction of
-grad_output's columnwise copy, after the gates' gradient kernel, so grad_output's rowwise copy
-stayed alive through the next grouped GEMM although dgrad had long read it. Taken out where the op
+takes a result out where the scheduler placed that extraction: next to its reader, if a fusion
+pulled other kernels ahead of it. A wgrad left behind that way (a grouped GEMM's, behind a kernel
+fused with the scatter of the next dgrad's output) kept grad_output's rowwise copy alive, with the
+columnwise one it reads, long after dgrad, the rowwise copy's only reader. Taken out where the op
 runs, each result lives from its op to its own last reader, wherever that reader is scheduled.
 
 Expects: Inductor's scheduler nodes after fusion, in a valid order.
