@@ -857,11 +857,12 @@ def test_grouped_backward_frees_each_quantized_copy_after_its_own_reader():
     options = {"_post_fusion_custom_pass": lambda nodes: deferred.append(1) or extractions_deferred_to_their_readers(nodes)}
     compiled = graphquant.compile(model, experts_quantized(zoo.recipe("rowwise")), fullgraph=True, options=options)
     x = chain_input("cpu").requires_grad_()
-    _, (_, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _, (_, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
     assert len(deferred) == 2  # forward and backward
     lines = [line.strip() for line in backward.splitlines()]
     lists = [(i, line.split(" = ")[0]) for i, line in enumerate(lines) if re.match(r"buf\d+ = torch\.ops\.graphquant\.\w*quantize\.", line)]
-    assert len(lists) == 2, backward  # grad_output's copies, one for each grouped GEMM
+    assert len(lists) >= 2, backward  # grad_output's copies for each grouped GEMM (and any weights' made in backward)
     for start, name in lists:
         end = lines.index(f"del {name}", start)
         between = [line for line in lines[start + 1 : end] if not re.match(rf"(buf\d+ = {name}\[\d+\]|assert_|#|del )", line)]
