@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_word_values, e8m0_value
+from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
@@ -91,21 +91,21 @@ LAYOUTS = {
 
 # The operand pairs (A's family, B's family) it multiplies, each recipe's activation x weight,
 # and the most rows of A it takes for each. Both sides of a pair make the same kind of operand
-# with block scales of the same length in K. Up to one tile of rows (the tensor cores' smallest):
-# past it cuBLASLt's FP8 GEMMs read FP8 weights as fast, and dequantizing MXFP8 in registers
-# costs more than the emulation's whole-weight dequantize (benchmarks/NOTES.md, decode_gemm.py).
-# NVFP4, half the bytes to read and the values cheaper to make, stays ahead of the emulation to
-# NVFP4_ROWS, one tile of A's rows sharing each dequantized weight tile.
+# with block scales of the same length in K. FP8 codes up to one tile of rows (the tensor cores'
+# smallest): past it cuBLASLt's FP8 GEMMs read FP8 weights as fast. MXFP8 and NVFP4, which no
+# tensor core of Hopper takes, up to VALUE_ROWS: their weight decoded in registers a tile at a
+# time, shared by a tile of up to 128 of A's rows, in place of the emulation's whole weight
+# dequantized into memory on every call (benchmarks/NOTES.md, decode_gemm.py).
 ONE_TILE_ROWS = 16
-NVFP4_ROWS = 64
+VALUE_ROWS = 16384
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): ONE_TILE_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_1x128"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_128x128"): ONE_TILE_ROWS,
-    ("mxfp8", "mxfp8"): ONE_TILE_ROWS,
-    ("nvfp4", "nvfp4"): NVFP4_ROWS,
-    ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
+    ("mxfp8", "mxfp8"): VALUE_ROWS,
+    ("nvfp4", "nvfp4"): VALUE_ROWS,
+    ("nvfp4_row_scaled", "nvfp4"): VALUE_ROWS,
 }
 # The A families whose FP8 current scaling it applies to A itself: KernelEncoding (scaling, block)
 # of each, and the pairs of MAX_ROWS it then multiplies. Per tensor and per row as it loads A;
@@ -159,37 +159,42 @@ class DecodeConfig:
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 # The weight tiles (BLOCK_N, BLOCK_K, warps, stages) Triton's autotuner picks from, per weight
-# shape on its first call, for a tile of 16 rows of A on the tensor cores; the interpreter runs a
-# kernel's logic, not its speed, and takes the first alone.
+# shape on its first call, for FP8 codes and a tile of 16 rows of A on the tensor cores, two
+# programs an SM (two fill the memory pipe); the interpreter runs a kernel's logic, not its
+# speed, and takes the first alone.
 AUTOTUNED_TILES = [(64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 4, 3)]
 if triton.knobs.runtime.interpret:
     AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
-# Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
-# in registers keeps the ALUs busy, and more programs an SM hide their latency.
-AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
-# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), NVFP4
-# up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
-# (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
+AUTOTUNED_TILES_PER_SM = 2
+# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill)
+# (benchmarks/decode_nvfp4.py).
 _ONE_ROW = {
     F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
     BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=4, fma=True),
 }
-_NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
+# NVFP4 and MXFP8 on the tensor cores, by the most rows of A each tiling takes: a tile of rows
+# sharing each decoded weight tile, the more rows the fewer times each weight tile is decoded;
+# programs an SM to hide the decoding's latency while the weight is read (few rows), or a
+# larger weight tile (8 warps, two of the tensor cores' 64-row tiles) against the most rows
+# (many, where the products, not the bytes, set the pace).
+VALUE_TILES = (
+    (ONE_TILE_ROWS, DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)),
+    (64, DecodeConfig(block_n=64, block_k=128, block_m=64, warps=4, stages=4, tiles_per_sm=4)),
+    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2)),
+)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
-    BF16_VALUES, F16_VALUES), or None (FP8 codes and MXFP8) for a tile of 16 rows on the tensor
-    cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
-    one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
-    the registers the wider accumulator needs."""
-    if m == 1 and operand in _ONE_ROW and not triton.knobs.runtime.interpret:
-        return _ONE_ROW[operand]
-    if operand == F16_VALUES and m <= ONE_TILE_ROWS:
-        return _NVFP4_ONE_TILE
-    if m <= ONE_TILE_ROWS:
+    BF16_VALUES, F16_VALUES): MXFP8 and NVFP4 at one row on the FMA units, else the first of
+    VALUE_TILES that takes m rows (its row tile shrunk to the power of two past m, 16 at least);
+    None for FP8 codes (a tile of 16 rows with the weight tile Triton's autotuner picks)."""
+    if operand == FP8_CODES:
         return None
-    return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
+    if m == 1 and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
+    config = next(config for rows, config in VALUE_TILES if m <= rows)
+    return dataclasses.replace(config, block_m=min(config.block_m, max(triton.next_power_of_2(m), ONE_TILE_ROWS)))
 
 
 # Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
@@ -226,35 +231,22 @@ def _e8m0_bytes(scale_ptr, row, rows, block, blocks, row_stride, col_stride):
 
 
 @triton.jit
-def _broadcast(scale, SCALE_COLS: tl.constexpr):
-    """(rows, blocks) scales repeated over each block's SCALE_COLS columns."""
-    rows: tl.constexpr = scale.shape[0]
-    blocks: tl.constexpr = scale.shape[1]
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], (rows, blocks, SCALE_COLS)), (rows, blocks * SCALE_COLS))
-
-
-@triton.jit
-def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, VALUES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """MXFP8 codes times their power-of-two scales from column k0 on, in VALUES (exact in bf16)."""
-    col = k0 + tl.arange(0, BLOCK_K)[None, :]
-    block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
-    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 32), scale_row_stride, scale_col_stride, 1, True)
-    return _codes(data_ptr, row, rows, col, K, stride).to(VALUES) * _broadcast(scale.to(VALUES), 32)
-
-
-@triton.jit
-def _mxfp8_blocks(
-    data_ptr, scale_ptr, row, rows, block, blocks, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+def _mxfp8_words(
+    data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, INSIDE: tl.constexpr
 ):
-    """MXFP8's 32-code blocks at (row, block) (a trailing dim of 1) as their 4 64-bit words of 8
-    codes (0 outside the operand, or all INSIDE it: no masks), and each block's power-of-two
-    scale in fp32 (0 outside); ``stride_words``: the data's row stride in words."""
-    word = block * 4 + tl.arange(0, 4)[None, None, :]
+    """MXFP8's codes from column k0 on as BLOCK_K / 8 64-bit words of 8 (0 outside the operand,
+    or all INSIDE it: no masks), and each word's E8M0 scale as stored (its 32-block's, loaded once
+    a block); ``stride_words``: the data's row stride in words."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
+    block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride
     if INSIDE:
-        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride))
-    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, True)
-    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale
+        codes, biased = tl.load(at), tl.load(scale_at)
+    else:
+        codes = tl.load(at, mask=(row < rows) & (word < tl.cdiv(K, 8)), other=0)
+        biased = tl.load(scale_at, mask=(row < rows) & (block < tl.cdiv(K, 32)), other=127)
+    return codes, tl.reshape(tl.broadcast_to(biased[:, :, None], (biased.shape[0], BLOCK_K // 32, 4)), codes.shape)
 
 
 @triton.jit
@@ -273,19 +265,41 @@ def _nvfp4_blocks(
 
 
 @triton.jit
-def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
-    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands: the
-    k-th holds each block's k-th decoded f16x2 register (codes j and j + 4), its two values side
-    by side in K, so that the compiler loads the codes straight into the tensor cores' operand
-    layout and decodes them there (the decoded weight never passes through shared memory). Both
-    operands take K in this same order."""
-    v = e2m1_block_values(codes, scale, ASM)
-    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
+def _pair(low, high, TRANSPOSED: tl.constexpr):
+    """(rows, words) ``low`` and ``high`` side by side in K: (rows, 2 * words), or (2 * words,
+    rows) where TRANSPOSED. A transposed operand is made so, not by tl.trans after: Triton 3.6
+    would move the shared-memory copy of the transposed tile above the reshape, into a layout it
+    cannot make."""
+    if TRANSPOSED:
+        pair = tl.reshape(tl.permute(tl.join(low, high), (1, 2, 0)), (2 * low.shape[1], low.shape[0]))
+    else:
+        pair = tl.reshape(tl.join(low, high), (low.shape[0], 2 * low.shape[1]))
+    return pair
+
+
+@triton.jit
+def _mxfp8_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The words' values times their scales (e4m3_bf16_word_values) as 4 (rows, 2 * words)
+    operands (_pair; TRANSPOSED for A): the p-th holds codes 2p and 2p + 1 of each word side by
+    side in K, one bf16x2 register as decoded, so that the compiler loads the words straight into
+    the tensor cores' operand layout and decodes them there. Both operands take K in this order."""
+    v = e4m3_bf16_word_values(codes, scale, ASM)
     return (
-        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
-        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
-        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
-        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
+        _pair(v[0], v[1], TRANSPOSED), _pair(v[2], v[3], TRANSPOSED), _pair(v[4], v[5], TRANSPOSED), _pair(v[6], v[7], TRANSPOSED),
+    )
+
+
+@triton.jit
+def _nvfp4_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands
+    (_pair; TRANSPOSED for A): the k-th holds each block's k-th decoded f16x2 register (codes j
+    and j + 4), its two values side by side in K, so that the compiler loads the codes straight
+    into the tensor cores' operand layout and decodes them there (the decoded weight never passes
+    through shared memory). Both operands take K in this same order."""
+    v = e2m1_block_values(codes, scale, ASM)
+    return (
+        _pair(v[0], v[4], TRANSPOSED), _pair(v[1], v[5], TRANSPOSED), _pair(v[2], v[6], TRANSPOSED), _pair(v[3], v[7], TRANSPOSED),
+        _pair(v[8], v[12], TRANSPOSED), _pair(v[9], v[13], TRANSPOSED), _pair(v[10], v[14], TRANSPOSED), _pair(v[11], v[15], TRANSPOSED),
     )
 
 
@@ -405,7 +419,7 @@ def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
-    OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
@@ -461,10 +475,15 @@ def _decode_kernel(
                 b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
                 a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
                 total += block_sum * b_scale * tl.trans(a_scale)
-        elif OPERAND == 1:  # BF16_VALUES (MXFP8)
-            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
-            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
-            total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
+        elif OPERAND == 1:  # BF16_VALUES (MXFP8): its codes as 64-bit words of 8
+            b_codes, b_scale = _mxfp8_words(
+                b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, WHOLE_TILES
+            )
+            a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
+            b = _mxfp8_pairs(b_codes, b_scale, ASM)
+            a_t = _mxfp8_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
+            for j in tl.static_range(4):
+                total = tl.dot(b[j], a_t[j], total)
         else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
             block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
             b_codes, b_scale = _nvfp4_blocks(
@@ -472,9 +491,9 @@ def _decode_kernel(
             )
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
             b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            a = _nvfp4_pairs(a_codes, a_scale, ASM)
+            a_t = _nvfp4_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
             for j in tl.static_range(8):
-                total = tl.dot(b[j], tl.trans(a[j]), total)
+                total = tl.dot(b[j], a_t[j], total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
@@ -667,10 +686,11 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
 
 def _in_words(args: tuple) -> tuple:
     """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
-    words, its data copied where it is not aligned to them."""
+    words, its data copied where it is not aligned to them (zeros past its columns: a word's
+    codes past K are multiplied with the block's scale)."""
     data, *rest = args
     if data.data_ptr() % 16 or data.stride(0) % 8:
-        data = torch.empty((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
+        data = torch.zeros((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
     return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
 
 
@@ -725,28 +745,25 @@ def gemm(
     if config:
         splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
     else:
-        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
+        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM, 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
     # the partial sums of a split K, then (quantizing A on load) A's factor the first program writes
     partial = torch.empty(splits * m * n + (m if rule else 0), dtype=torch.float32, device=out.device) if splits > 1 else out
     bias_arg = out if bias is None else bias.contiguous()
-    # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
-    # dot multiplies bf16 bit patterns as integers.
-    values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    # NVFP4's codes, and MXFP8's on the FMA units, are read as 64-bit words (strides in words),
-    # decoded by inline PTX except in Triton's interpreter, which runs none.
-    if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
+    # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
+    # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
+    # which runs none; unmasked where every weight tile lies inside the weight.
+    in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
+    if in_words:
         a_args, b_args = _in_words(a_args), _in_words(b_args)
     asm = not triton.knobs.runtime.interpret
-    # Where every weight tile lies inside the weight, NVFP4's words (and the FMA units') are read
-    # unmasked.
-    whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
+    whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
-            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
             WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
@@ -763,11 +780,11 @@ def gemm(
     else:
         _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK,
-            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
         )
