@@ -1,7 +1,8 @@
 """The decode GEMM (graphquant.kernels.triton_decode): every format's product at 1 to 16 rows
-(NVFP4: to 64) equals the float64 product of the dequantized operands within fp32
-accumulation (FP8 products: within the promoted FP8 accumulation of the tensor cores), with every
-tiling (DecodeConfig), and the planner picks it for a static m up to those rows.
+(MXFP8 and NVFP4: to thousands, in row tiles of 16, 64 and 128) equals the float64 product of
+the dequantized operands within fp32 accumulation (FP8 products: within the promoted FP8
+accumulation of the tensor cores), with every tiling (DecodeConfig), and the planner picks it for
+a static m up to those rows.
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own (TRITON_INTERPRET
 must be set before Triton is first imported); on a GPU at the shapes of a Llama-3-8B FFN.
@@ -87,19 +88,21 @@ def excess(
 
 # (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
 # a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
-# dgrad; for NVFP4, 40 rows (three tiles of rows, the last partial). fp32 out only: the
-# interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
+# dgrad; for MXFP8 and NVFP4, 40 rows (a tile of 64, partial) and 130 (two tiles of 128, the
+# second of two rows). fp32 out only: the interpreter rounds fp32 to bf16 toward zero (the GPU
+# cases check bf16).
 INTERPRETED = [
     (1, 96, 1024, False, torch.float32, "fprop"),
     (3, 40, 224, True, torch.float32, "fprop"),
     (16, 72, 640, True, torch.float32, "fprop"),
     (2, 256, 640, False, torch.float32, "dgrad"),
     (40, 72, 640, True, torch.float32, "fprop"),
+    (130, 40, 256, False, torch.float32, "fprop"),
 ]
 # MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
 DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
-# The pairs the decode GEMM takes past one tile of 16 rows (NVFP4's).
-MIDDLE_ROW_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, NVFP4Quantizer)]
+# The pairs the decode GEMM takes past one tile of 16 rows (MXFP8's and NVFP4's, decoded in registers).
+MIDDLE_ROW_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, (MXFP8Quantizer, NVFP4Quantizer))]
 
 
 def _max_rows(name: str) -> int:
@@ -166,14 +169,22 @@ def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, na
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 16, 40, 64])
+@pytest.mark.parametrize("m", [1, 2, 16, 40, 64, 128, 300])
 @pytest.mark.parametrize("name", PAIRS)
 def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
-    """At the shape of a Llama-3-8B FFN's down projection (K split across programs), up to the
-    pair's most rows."""
+    """At the shape of a Llama-3-8B FFN's down projection (K split across programs at few rows),
+    up to the pair's most rows: every row tiling (VALUE_TILES), 300 rows a partial tile of 128."""
     if m > _max_rows(name):
         pytest.skip(f"the decode GEMM takes at most {_max_rows(name)} rows of {name}")
     assert excess(name, m, 4096, 14336, with_bias, torch.bfloat16, "cuda") <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MIDDLE_ROW_PAIRS)
+def test_decode_gemm_matches_float64_reference_at_thousands_of_rows_on_gpu(name):
+    """2048 rows: sixteen tiles of 128 rows, K not split (a smaller weight keeps the float64
+    reference quick)."""
+    assert excess(name, 2048, 1024, 4096, True, torch.bfloat16, "cuda") <= 0
 
 
 @pytest.mark.gpu
@@ -228,10 +239,11 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
+def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
     """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
     GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
-    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors."""
+    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors
+    (unless given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -239,11 +251,14 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
     from graphquant.kernels import triton_decode
 
     kernel = triton_decode._decode_kernel
-    constants = dict(
-        CHUNK=triton_decode.K_CHUNK, VALUES=triton.language.bfloat16, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
-        SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_K=256, A_RULE=None, **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
-    )
+    constants = {
+        **dict(
+            CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
+            SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+            BLOCK_K=256, A_RULE=None,
+        ),
+        **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
+    }
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -255,7 +270,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3}
     )
 
 
@@ -295,6 +310,53 @@ def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"codes {code} and {code + 4}"
 
 
+def test_e4m3_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes MXFP8 for the decode GEMM (triton_dequantize.e4m3_bf16_word_values),
+    its integer steps emulated here with the same constants: every pair of bytes that meet in one
+    bf16x2 (bytes 0 and 1, 2 and 3 of a 32-bit word, among random neighbours) gives each code's
+    value times 2^-120 (subnormals as bf16 subnormals, zeros' signs kept; a NaN code reads as 480,
+    which its block's NaN scale overrides), and the two bf16 multiplies, by 2^120 and by each E8M0
+    scale, give the emulation's value (the code times the scale in fp32, rounded to bf16)."""
+    pytest.importorskip("triton")
+    from graphquant.formats import mxfp8
+    from graphquant.kernels import triton_dequantize as dq
+
+    def prmt(a, selector):  # prmt.b32 d, a, 0, selector: byte i of d is byte (nibble i) of (a, 0)
+        picked = [(a >> 8 * nibble) & 0xFF if nibble < 4 else torch.zeros_like(a) for nibble in ((selector >> 4 * i) & 0xF for i in range(4))]
+        return picked[0] | (picked[1] << 8) | (picked[2] << 16) | (picked[3] << 24)
+
+    def lop3(a, b, c, table):  # bit by bit, table[(a << 2) | (b << 1) | c]
+        out = torch.zeros_like(a)
+        for index in range(8):
+            if table >> index & 1:
+                out |= (a if index & 4 else ~a) & (b if index & 2 else ~b) & (c if index & 1 else ~c)
+        return out & 0xFFFFFFFF
+
+    def halves(word):  # the two bf16 of each 32-bit word, low half first
+        bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
+        return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.bfloat16)
+
+    generator = torch.Generator().manual_seed(0)
+    every = torch.arange(65536, dtype=torch.int64)  # every (first byte, second byte)
+    neighbours = torch.randint(0, 65536, (every.numel(),), generator=generator, dtype=torch.int64)
+    for selector, shift in ((dq.PRMT_CODES_01, 0), (dq.PRMT_CODES_23, 16)):
+        words = (every << shift) | (neighbours << (16 - shift))
+        p = prmt(words, selector)
+        t = lop3((p >> 4) & dq.E4M3_MAGNITUDE, torch.full_like(p, 0x80008000), p, dq.SIGN_OR)
+        got = halves(t)
+        codes = torch.stack((every & 0xFF, every >> 8), dim=-1).to(torch.uint8)
+        want = codes.view(torch.float8_e4m3fn).double()
+        nan = want.isnan()
+        want = torch.where(nan, torch.where(codes >= 128, -480.0, 480.0).double(), want)
+        assert torch.equal(got.double() * 2.0**120, want) and torch.equal(got.signbit(), codes >= 128)
+        two_120 = halves(torch.tensor(dq.BF16X2_2_POW_120))
+        assert torch.equal(two_120.double(), torch.full((2,), 2.0**120, dtype=torch.float64))
+        values = (got * two_120[0])[~nan]
+        for biased in range(255):
+            scale = mxfp8.decode_scale(torch.tensor([biased], dtype=torch.uint8))
+            assert torch.equal(values * scale.to(torch.bfloat16), (values.float() * scale).to(torch.bfloat16)), biased
+
+
 def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():
     """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
     blocks 16 bytes at a time, asynchronously, and decodes them two values an f16x2 multiply,
@@ -310,9 +372,58 @@ def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
-    # Only A's decoded tiles (16 rows) go through shared memory, never the weight's (64).
-    assert re.search(r"local_alloc %\S+ : \(tensor<16x\d+xf16", ttgir)
-    assert not re.search(r"local_alloc %\S+ : \(tensor<64x\d+xf16", ttgir)
+    _assert_only_a_through_shared_memory(ttgir, "f16", 16, 64)
+
+
+def _assert_only_a_through_shared_memory(ttgir: str, dtype: str, a_rows: int, b_rows: int) -> None:
+    """Only A's decoded tiles go through shared memory, never the weight's: every decoded tile
+    copied there is (K, a_rows), A's made transposed, none (b_rows, K)."""
+    shapes = re.findall(rf"local_alloc %\S+ : \(tensor<((?:\d+x)+){dtype}", ttgir)
+    assert shapes and all(shape.split("x")[-2] == str(a_rows) for shape in shapes), (shapes, b_rows)
+
+
+# MXFP8's operands as the decode GEMM reads them (codes and E8M0 scales), at the FFN's first weight.
+_MXFP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_scale_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+_MXFP8_RUNTIME = {"M": 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 512, "b_stride": 512,
+                  "a_scale_row_stride": 128, "b_scale_row_stride": 128, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k,warps", [(16, 64, 256, 4), (64, 64, 128, 4), (128, 128, 128, 8)])
+def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(block_m, block_n, block_k, warps):
+    """Compiled for Hopper (on any machine), at each row tiling, the decode GEMM's MXFP8 program
+    copies the weight's codes 16 bytes at a time, asynchronously, decodes them to bf16 with byte
+    permutes and bf16x2 multiplies, no FP8 conversion instruction (a slow unit's), straight into
+    the tensor cores' operand layout, and spills nothing."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    compiled = _decode_kernel_for_sm90(
+        _MXFP8_POINTERS, {**_MXFP8_RUNTIME, "M": block_m}, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32,
+        A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0, B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    assert "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx and "wgmma" in ptx
+    assert not re.search(r"cvt\.\w+\.\w+\.e4m3x2|cvt\.\w+\.e4m3", ptx)
+    _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)
+    assert "0 bytes spill stores" in _ptxas_report(ptx)
+
+
+def _ptxas_report(ptx: str) -> str:
+    """What ptxas (Triton's, for sm_90a) says of a kernel's registers and spills."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/kernel.ptx", "w") as file:
+            file.write(ptx)
+        done = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{folder}/kernel.ptx", "-o", f"{folder}/kernel.cubin"],
+            capture_output=True, text=True, check=True,
+        )
+    return done.stderr
 
 
 @pytest.fixture
@@ -330,20 +441,53 @@ def hopper(monkeypatch):
 def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, name):
     """With or without the recipe's fast accumulation: the decode GEMM always promotes its sums
     into fp32. Its rows: one tile of 16 for FP8 codes (cuBLASLt's FP8 GEMM reads the weight as fast
-    past it) and MXFP8 (the emulation's whole-weight dequantize is cheaper past it), 64 for NVFP4
-    (dequantized per weight tile, ahead of the emulation). A row count unknown to the plan
-    (symbolic sizes) or above those, or a batch of products, goes elsewhere."""
+    past it), VALUE_ROWS for MXFP8 and NVFP4 (decoded a weight tile at a time in registers, ahead
+    of the emulation's whole weight dequantized into memory on every call). A row count unknown to
+    the plan (symbolic sizes) or above those, or a batch of products, goes elsewhere."""
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
     most = _max_rows(name)
-    assert most == (64 if name in MIDDLE_ROW_PAIRS else 16)
+    assert most == (hopper.VALUE_ROWS if name in MIDDLE_ROW_PAIRS else 16)
     decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
-    for m in (1, 2, 16, most):
+    for m in sorted({1, 2, 16, min(128, most), min(2048, most), most}):
         for fast in (False, True):
             assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
     for dims in ((most + 1, 4096, 4096), (None, 4096, 4096), None):
         assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend.name != hopper.BACKEND
     assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
+def test_a_frozen_model_plans_the_decode_gemm_at_middle_and_prefill_rows(hopper, monkeypatch, recipe):
+    """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 128 and
+    2048 rows (a static graph each): every linear's fprop planned on the decode GEMM, the plan's
+    dump names it on each, and the calls reach it with the rows they have (the decode GEMM stood
+    in for by the emulated GEMM on this CPU)."""
+    import graphquant
+    from graphquant import recipes
+    from graphquant.kernels import emulation
+
+    rows = []
+
+    def stand_in(a, b, out_dtype, bias=None):
+        rows.append(a.shape[0])
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    monkeypatch.setattr(hopper, "gemm", stand_in)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 128, bias=False))
+    compiled = graphquant.compile(model.to(torch.bfloat16), getattr(recipes, recipe)(), mode="inference", backend="aot_eager", dynamic=False)
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        for m in (16, 128, 2048):
+            compiled(torch.randn(m, 128, dtype=torch.bfloat16))
+    plans = compiled.graphquant.plans
+    assert len(plans) == 3
+    for plan in plans:
+        fprops = [g for g in plan.gemms if g.gemm == "fprop"]
+        assert len(fprops) == 2 and all(g.backend == GemmBackend(hopper.BACKEND) for g in fprops), str(plan)
+        assert sum(hopper.BACKEND in line and "fprop" in line for line in str(plan).splitlines()) == 2, str(plan)
+    assert rows == [16, 16, 128, 128, 2048, 2048]
 
 
 def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
