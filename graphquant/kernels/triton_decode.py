@@ -250,6 +250,21 @@ def _mxfp8_words(
 
 
 @triton.jit
+def _mxfp8_blocks(
+    data_ptr, scale_ptr, row, rows, block, blocks, stride_words, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
+):
+    """MXFP8's 32-code blocks at (row, block) (a trailing dim of 1) as their 4 64-bit words of 8
+    codes (0 outside the operand, or all INSIDE it: no masks), and each block's power-of-two
+    scale in fp32 (0 outside); ``stride_words``: the data's row stride in words."""
+    word = block * 4 + tl.arange(0, 4)[None, None, :]
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    if INSIDE:
+        return tl.load(at), e8m0_value(tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride))
+    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, True)
+    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale
+
+
+@triton.jit
 def _nvfp4_blocks(
     data_ptr, scale_ptr, row, rows, block, blocks, stride_blocks, scale_row_stride, scale_col_stride, INSIDE: tl.constexpr
 ):
