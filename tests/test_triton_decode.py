@@ -131,15 +131,18 @@ def _configs() -> dict:
     (tl.dot_scaled's only on the GPU: Triton's interpreter has no tl.dot_scaled)."""
     from graphquant.kernels.triton_decode import DecodeConfig
 
+    # A decoded by its own kernel first, and a tile of 128 rows of A decoded in each program
+    values = {"a first": DecodeConfig(block_k=128, a_first=True), "a in programs": DecodeConfig(128, 128, 128, 8)}
     return {
-        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True)},
-        "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True)},
-        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True)},
+        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True), **values},
+        "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
+        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
     }
 
 
 def _config_cases():
-    """(pair, tiling's name, case): one row, K split; three rows, a partial tile of them; with a bias."""
+    """(pair, tiling's name, case): one row, K split; three rows, a partial tile of them, K a
+    partial chunk; with a bias."""
     cases = [(1, 96, 1024, False, torch.float32, "fprop"), (3, 40, 640, True, torch.float32, "fprop")]
     return [(name, config, case) for name, configs in _configs().items() for config in configs for case in cases]
 
@@ -158,12 +161,18 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 
 @pytest.mark.parametrize(
     "name,config,case",
-    [("mxfp8", c, case) for c in ("block sums", "fma") for case in ("1x96x1024", "3x40x640")]
-    + [(name, "fma", case) for name in ("nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4") for case in ("1x96x1024", "3x40x640")],
+    [("mxfp8", c, case) for c in ("block sums", "fma", "a first", "a in programs") for case in ("1x96x1024", "3x40x640")]
+    + [
+        (name, c, case)
+        for name in ("nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4")
+        for c in ("fma", "a first", "a in programs")
+        for case in ("1x96x1024", "3x40x640")
+    ],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
-    """MXFP8's block sums (tensor cores), and MXFP8 and NVFP4 on the FMA units (one row of A a
-    program: three rows, three programs)."""
+    """MXFP8's block sums (tensor cores), MXFP8 and NVFP4 on the FMA units (one row of A a
+    program: three rows, three programs), and on the tensor cores with A decoded first by a kernel
+    of its own (its K padded to whole chunks) or in each program of a tile of 128 rows."""
     assert interpreted[f"{name} | {config} | {case}"] <= 0
 
 
@@ -388,24 +397,33 @@ _MXFP8_RUNTIME = {"M": 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, 
                   "a_scale_row_stride": 128, "b_scale_row_stride": 128, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k,warps", [(16, 64, 256, 4), (64, 64, 128, 4), (128, 128, 128, 8)])
-def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(block_m, block_n, block_k, warps):
+@pytest.mark.parametrize(
+    "block_m,block_n,block_k,warps,a_first", [(16, 64, 256, 4, False), (64, 64, 128, 4, False), (128, 128, 128, 8, False), (128, 128, 128, 8, True)]
+)
+def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(block_m, block_n, block_k, warps, a_first):
     """Compiled for Hopper (on any machine), at each row tiling, the decode GEMM's MXFP8 program
     copies the weight's codes 16 bytes at a time, asynchronously, decodes them to bf16 with byte
     permutes and bf16x2 multiplies, no FP8 conversion instruction (a slow unit's), straight into
-    the tensor cores' operand layout, and spills nothing."""
+    the tensor cores' operand layout, and spills nothing. With A decoded first (a_first), A's
+    values are copied 16 bytes at a time too, and nothing decoded goes through shared memory."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
+    pointers = {**_MXFP8_POINTERS, "a_ptr": "*bf16"} if a_first else _MXFP8_POINTERS
+    runtime = {**_MXFP8_RUNTIME, "M": block_m, "a_stride": 4096} if a_first else {**_MXFP8_RUNTIME, "M": block_m}
     compiled = _decode_kernel_for_sm90(
-        _MXFP8_POINTERS, {**_MXFP8_RUNTIME, "M": block_m}, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32,
-        A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0, B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        pointers, runtime, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32, A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0,
+        B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_VALUES=a_first,
     )
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx)
+    assert "0x10" in copies and (not a_first or set(copies) == {"0x10"})
     assert "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx and "wgmma" in ptx
     assert not re.search(r"cvt\.\w+\.\w+\.e4m3x2|cvt\.\w+\.e4m3", ptx)
-    _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)
+    if a_first:
+        assert not re.search(r"local_alloc %\S+ : \(tensor<", ttgir)
+    else:
+        _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)
     assert "0 bytes spill stores" in _ptxas_report(ptx)
 
 

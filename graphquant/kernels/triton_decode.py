@@ -128,7 +128,10 @@ class DecodeConfig:
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
     ("block sums"), or Triton's tl.dot_scaled ("dot scaled"). ``fma``: MXFP8 and NVFP4
     multiplied on the FMA units (_fma_kernel), one row of A a program (block_m 1), instead of
-    the tensor cores."""
+    the tensor cores. ``a_first``: MXFP8's and NVFP4's A decoded once by a kernel of its own
+    (_a_values_kernel) into the tensor cores' order of K, which each program then copies as it
+    is, instead of every program decoding its tile of A again: for many rows, where A's tiles
+    are as large as the weight's."""
 
     block_n: int = 64
     block_k: int = 256
@@ -138,6 +141,7 @@ class DecodeConfig:
     tiles_per_sm: int = 2
     mx_products: str = "values"
     fma: bool = False
+    a_first: bool = False
 
     def __post_init__(self) -> None:
         sizes = {"block_n": self.block_n, "block_k": self.block_k, "block_m": self.block_m, "warps": self.warps}
@@ -150,6 +154,8 @@ class DecodeConfig:
             problems.append("stages and tiles_per_sm must be at least 1")
         if self.fma and self.block_m != 1:
             problems.append(f"the FMA units multiply one row of A a program (block_m={self.block_m})")
+        if self.a_first and (self.fma or self.mx_products != "values"):
+            problems.append("A is decoded first for the tensor cores' products of values alone (not fma, mx_products='values')")
         if not self.fma and min(self.block_n, self.block_m) < 16:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
@@ -180,7 +186,7 @@ _ONE_ROW = {
 VALUE_TILES = (
     (ONE_TILE_ROWS, DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)),
     (64, DecodeConfig(block_n=64, block_k=128, block_m=64, warps=4, stages=4, tiles_per_sm=4)),
-    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2)),
+    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2, a_first=True)),
 )
 
 
@@ -319,6 +325,50 @@ def _nvfp4_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = Fal
 
 
 @triton.jit
+def _a_pair(values_ptr, M, K, stride, j: tl.constexpr, first_word, CHUNK: tl.constexpr, WORD: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
+    """The j-th pair operand of A's WORDS words (of WORD codes) from ``first_word`` on, (2 * WORDS,
+    BLOCK_M), as _a_values_kernel laid it out (0 outside A)."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    at = j * 2 * _padded_words(K, CHUNK, WORD) + 2 * first_word + tl.arange(0, 2 * WORDS)[:, None]
+    return tl.load(values_ptr + m.to(tl.int64) * stride + at, mask=m < M, other=0.0)
+
+
+@triton.jit
+def _padded_words(K, CHUNK: tl.constexpr, WORD: tl.constexpr):
+    """The words of WORD codes in K rounded up to whole CHUNKs: each pair's length in A's values
+    (_a_values_kernel), over which the decode GEMM's steps never read past."""
+    return tl.cdiv(K, CHUNK) * (CHUNK // WORD)
+
+
+@triton.jit
+def _a_values_kernel(
+    a_ptr, a_scale_ptr, values_ptr, M, K, a_stride, a_scale_row_stride, a_scale_col_stride, values_stride,
+    OPERAND: tl.constexpr, ASM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr,
+):
+    """Program (r, w): MXFP8's or NVFP4's A (OPERAND), BLOCK_R rows and WORDS 64-bit words of
+    codes, decoded as _decode_kernel decodes them, each pair operand (_mxfp8_pairs,
+    _nvfp4_pairs) written in its own range of a row's values: the j-th pair's of word w at
+    j * 2 * padded words + 2 * w (_padded_words, zeros past K), so that a program's step copies
+    each of its operands in one piece, unmasked along K."""
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    first_word = tl.program_id(1) * WORDS
+    at = values_ptr + row.to(tl.int64) * values_stride + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+    if OPERAND == 1:  # BF16_VALUES (MXFP8)
+        length = 2 * _padded_words(K, CHUNK, 8)
+        codes, scale = _mxfp8_words(a_ptr, a_scale_ptr, row, M, first_word * 8, K, a_stride, a_scale_row_stride, a_scale_col_stride, 8 * WORDS, False)
+        pairs = _mxfp8_pairs(codes, scale, ASM)
+        for j in tl.static_range(4):
+            tl.store(at + j * length, pairs[j], mask=row < M)
+    else:  # F16_VALUES (NVFP4)
+        length = 2 * _padded_words(K, CHUNK, 16)
+        block = first_word + tl.arange(0, WORDS)[None, :]
+        codes, scale = _nvfp4_blocks(a_ptr, a_scale_ptr, row, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+        pairs = _nvfp4_pairs(codes, scale, ASM)
+        for j in tl.static_range(8):
+            tl.store(at + j * length, pairs[j], mask=row < M)
+
+
+@triton.jit
 def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr, RULE: tl.constexpr = None):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
     DIVISOR with one IEEE division, as the format's reference does; or, under an FP8 scale RULE
@@ -438,7 +488,7 @@ def _decode_kernel(
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
@@ -451,7 +501,8 @@ def _decode_kernel(
     (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
     inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
     loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
-    which stand in A's factor at a_factor_ptr."""
+    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
+    (_a_values_kernel), its stride in values."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -494,21 +545,29 @@ def _decode_kernel(
             b_codes, b_scale = _mxfp8_words(
                 b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, WHOLE_TILES
             )
-            a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
             b = _mxfp8_pairs(b_codes, b_scale, ASM)
-            a_t = _mxfp8_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
-            for j in tl.static_range(4):
-                total = tl.dot(b[j], a_t[j], total)
+            if A_VALUES:
+                for j in tl.static_range(4):
+                    total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 8, CHUNK, 8, BLOCK_M, BLOCK_K // 8), total)
+            else:
+                a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
+                a_t = _mxfp8_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
+                for j in tl.static_range(4):
+                    total = tl.dot(b[j], a_t[j], total)
         else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
             block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
             b_codes, b_scale = _nvfp4_blocks(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
             b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            a_t = _nvfp4_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
-            for j in tl.static_range(8):
-                total = tl.dot(b[j], a_t[j], total)
+            if A_VALUES:
+                for j in tl.static_range(8):
+                    total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 16, CHUNK, 16, BLOCK_M, BLOCK_K // 16), total)
+            else:
+                a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
+                a_t = _nvfp4_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
+                for j in tl.static_range(8):
+                    total = tl.dot(b[j], a_t[j], total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
@@ -709,6 +768,21 @@ def _in_words(args: tuple) -> tuple:
     return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
 
 
+def _a_values(args: tuple, m: int, k: int, operand: int) -> tuple:
+    """MXFP8's or NVFP4's A (its arguments in words, _in_words) decoded by _a_values_kernel: the
+    same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
+    Triton's interpreter) in place of the codes, their row stride in values."""
+    data, scale, factor, stride_words, *scale_strides = args
+    padded = triton.cdiv(k, K_CHUNK) * K_CHUNK  # values a row: every pair's words, padded (_padded_words)
+    dtype = torch.float16 if operand == F16_VALUES else torch.float32 if triton.knobs.runtime.interpret else torch.bfloat16
+    values = torch.empty((m, padded), dtype=dtype, device=data.device)
+    _a_values_kernel[(triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16)))](
+        data, scale, values, m, k, stride_words, *scale_strides, values.stride(0),
+        OPERAND=operand, ASM=not triton.knobs.runtime.interpret, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
+    )
+    return (values, scale, factor, values.stride(0), *scale_strides)
+
+
 def _factors(a: _Layout, b: _Layout) -> dict:
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
@@ -773,6 +847,9 @@ def gemm(
     in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
     if in_words:
         a_args, b_args = _in_words(a_args), _in_words(b_args)
+    a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
+    if a_first:
+        a_args = _a_values(a_args, m, k, b_layout.operand)
     asm = not triton.knobs.runtime.interpret
     whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
@@ -800,7 +877,7 @@ def gemm(
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
             num_warps=config.warps, num_stages=config.stages,
         )
     if splits > 1:
