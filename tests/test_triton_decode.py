@@ -264,7 +264,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
             SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     }
