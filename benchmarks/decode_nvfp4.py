@@ -45,13 +45,16 @@ CANDIDATES = [
     ("mxfp8", (1, 16), V(64, 256, 16, 4, 3, 8)),
     ("mxfp8", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (16,), C(64, 128, 16, 4, 4, 8)),
-    # middle rows and prefill: larger tiles of A's rows and of the weight (the default: 128x128, 128 rows, 8 warps)
-    *((name, (128,), C(64, 128, 64, 4, 4, 4)) for name in ("nvfp4", "mxfp8")),
+    # middle rows and prefill: tiles of 64 to 256 of A's rows against weight tiles of 64 to 256
+    # rows; A decoded first by its own kernel (a_first) or by every program (the default at 128
+    # rows and more: 128x128, 128 rows, 8 warps, a_first)
+    *((name, (128,), spec) for name in ("nvfp4", "mxfp8") for spec in (C(64, 128, 64, 4, 4, 4), C(64, 128, 64, 4, 4, 4, a_first=True))),
     *((name, (128, 2048), spec) for name in ("nvfp4", "mxfp8") for spec in (
-        C(128, 256, 128, 8, 3, 2), C(128, 64, 128, 8, 4, 2), C(64, 128, 128, 4, 3, 2), C(128, 256, 64, 8, 3, 4),
+        C(128, 128, 128, 8, 3, 2), C(128, 256, 128, 8, 3, 2, a_first=True), C(128, 64, 128, 8, 4, 2, a_first=True),
+        C(64, 128, 128, 4, 3, 2, a_first=True),
     )),
-    *((name, (2048,), C(128, 128, 256, 8, 3, 1)) for name in ("nvfp4", "mxfp8")),
-    ("nvfp4", (2048,), C(256, 128, 128, 8, 3, 1)),
+    *((name, (2048,), C(128, 128, 256, 8, 3, 1, a_first=True)) for name in ("nvfp4", "mxfp8")),
+    ("nvfp4", (2048,), C(256, 128, 128, 8, 3, 1, a_first=True)),
 ]
 
 
@@ -60,7 +63,7 @@ def label(spec) -> str:
         return f"lab {spec}"
     return (
         f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
-        f"t{spec.tiles_per_sm}"
+        f"t{spec.tiles_per_sm}{' a first' if spec.a_first else ''}"
     )
 
 

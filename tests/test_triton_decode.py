@@ -197,20 +197,25 @@ def test_decode_gemm_matches_float64_reference_at_thousands_of_rows_on_gpu(name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("name,config", [(name, config) for name, configs in {
-    "mxfp8": ("block sums", "dot scaled", "fma"), "nvfp4 x nvfp4 2d": ("fma",)}.items() for config in configs])
+@pytest.mark.parametrize(
+    "name,config,m",
+    [("mxfp8", config, m) for config in ("block sums", "dot scaled") for m in (1, 4, 16)]
+    + [(name, "fma", m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for m in (1, 4)]
+    + [(name, config, m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for config in ("a first", "a in programs") for m in (16, 128)],
+)
 def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
-    """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's shape."""
+    """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's
+    shape: MXFP8's block sums and tl.dot_scaled, the FMA units, A decoded first at 16 rows, and a
+    tile of 128 rows with A decoded in every program."""
     from graphquant.kernels.triton_decode import DecodeConfig
 
     tiling = {
         "block sums": DecodeConfig(mx_products="block sums"),
         "dot scaled": DecodeConfig(mx_products="dot scaled"),
         "fma": DecodeConfig(32, 256, 1, fma=True, tiles_per_sm=4),
+        "a first": DecodeConfig(block_k=128, a_first=True),
+        "a in programs": DecodeConfig(128, 128, 128, 8, tiles_per_sm=2),
     }[config]
-    if tiling.fma and m > 4:
-        pytest.skip("the FMA units are for a row or a few")
     assert excess(name, m, 4096, 14336, True, torch.bfloat16, "cuda", config=tiling) <= 0
 
 
