@@ -46,15 +46,14 @@ CANDIDATES = [
     ("mxfp8", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (16,), C(64, 128, 16, 4, 4, 8)),
     # middle rows and prefill: tiles of 64 to 256 of A's rows against weight tiles of 64 to 256
-    # rows; A decoded first by its own kernel (a_first) or by every program (the default at 128
-    # rows and more: 128x128, 128 rows, 8 warps, a_first)
-    *((name, (128,), spec) for name in ("nvfp4", "mxfp8") for spec in (C(64, 128, 64, 4, 4, 4), C(64, 128, 64, 4, 4, 4, a_first=True))),
+    # rows; A decoded by every program, or first by its own kernel (a_first), in pairs or for one
+    # dot a step (the default at 128 rows and more: 128x128, 128 rows, 8 warps, a_first, one_dot)
+    *((name, (128,), spec) for name in ("nvfp4", "mxfp8") for spec in (C(64, 128, 64, 4, 4, 4), C(64, 128, 64, 4, 4, 4, a_first=True, one_dot=True))),
     *((name, (128, 2048), spec) for name in ("nvfp4", "mxfp8") for spec in (
-        C(128, 128, 128, 8, 3, 2), C(128, 256, 128, 8, 3, 2, a_first=True), C(128, 64, 128, 8, 4, 2, a_first=True),
-        C(64, 128, 128, 4, 3, 2, a_first=True),
+        C(128, 128, 128, 8, 3, 2), C(128, 128, 128, 8, 3, 2, a_first=True), C(128, 256, 128, 8, 3, 2, a_first=True, one_dot=True),
+        C(128, 64, 128, 8, 4, 2, a_first=True, one_dot=True), C(64, 128, 128, 4, 3, 2, a_first=True, one_dot=True),
     )),
-    *((name, (2048,), C(128, 128, 256, 8, 3, 1, a_first=True)) for name in ("nvfp4", "mxfp8")),
-    ("nvfp4", (2048,), C(256, 128, 128, 8, 3, 1, a_first=True)),
+    *((name, (2048,), C(128, 128, 256, 8, 3, 1, a_first=True, one_dot=True)) for name in ("nvfp4", "mxfp8")),
 ]
 
 
@@ -63,7 +62,7 @@ def label(spec) -> str:
         return f"lab {spec}"
     return (
         f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
-        f"t{spec.tiles_per_sm}{' a first' if spec.a_first else ''}"
+        f"t{spec.tiles_per_sm}{' a first' if spec.a_first else ''}{' one dot' if spec.one_dot else ''}"
     )
 
 

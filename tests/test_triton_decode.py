@@ -132,7 +132,11 @@ def _configs() -> dict:
     from graphquant.kernels.triton_decode import DecodeConfig
 
     # A decoded by its own kernel first, and a tile of 128 rows of A decoded in each program
-    values = {"a first": DecodeConfig(block_k=128, a_first=True), "a in programs": DecodeConfig(128, 128, 128, 8)}
+    values = {
+        "a first": DecodeConfig(block_k=128, a_first=True),
+        "a in programs": DecodeConfig(128, 128, 128, 8),
+        "one dot": DecodeConfig(128, 128, 16, 8, a_first=True, one_dot=True),
+    }
     return {
         "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True), **values},
         "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
@@ -161,18 +165,19 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 
 @pytest.mark.parametrize(
     "name,config,case",
-    [("mxfp8", c, case) for c in ("block sums", "fma", "a first", "a in programs") for case in ("1x96x1024", "3x40x640")]
+    [("mxfp8", c, case) for c in ("block sums", "fma", "a first", "a in programs", "one dot") for case in ("1x96x1024", "3x40x640")]
     + [
         (name, c, case)
         for name in ("nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4")
-        for c in ("fma", "a first", "a in programs")
+        for c in ("fma", "a first", "a in programs", "one dot")
         for case in ("1x96x1024", "3x40x640")
     ],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
     """MXFP8's block sums (tensor cores), MXFP8 and NVFP4 on the FMA units (one row of A a
     program: three rows, three programs), and on the tensor cores with A decoded first by a kernel
-    of its own (its K padded to whole chunks) or in each program of a tile of 128 rows."""
+    of its own (its K padded to whole chunks), in pairs or in K's own order (one dot a step), or
+    in each program of a tile of 128 rows."""
     assert interpreted[f"{name} | {config} | {case}"] <= 0
 
 
@@ -269,7 +274,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
             SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None, A_VALUES=False,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     }
@@ -403,14 +408,20 @@ _MXFP8_RUNTIME = {"M": 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, 
 
 
 @pytest.mark.parametrize(
-    "block_m,block_n,block_k,warps,a_first", [(16, 64, 256, 4, False), (64, 64, 128, 4, False), (128, 128, 128, 8, False), (128, 128, 128, 8, True)]
+    "block_m,block_n,block_k,warps,a_first,one_dot",
+    [(16, 64, 256, 4, False, False), (64, 64, 128, 4, False, False), (128, 128, 128, 8, False, False), (128, 128, 128, 8, True, False),
+     (128, 128, 128, 8, True, True)],
 )
-def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(block_m, block_n, block_k, warps, a_first):
+def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(
+    block_m, block_n, block_k, warps, a_first, one_dot
+):
     """Compiled for Hopper (on any machine), at each row tiling, the decode GEMM's MXFP8 program
     copies the weight's codes 16 bytes at a time, asynchronously, decodes them to bf16 with byte
     permutes and bf16x2 multiplies, no FP8 conversion instruction (a slow unit's), straight into
     the tensor cores' operand layout, and spills nothing. With A decoded first (a_first), A's
-    values are copied 16 bytes at a time too, and nothing decoded goes through shared memory."""
+    values are copied 16 bytes at a time too, and nothing decoded goes through shared memory
+    but (one_dot) the weight's tile on its way into the operand layout, whose products then run
+    without waiting for each other (a wgmma wait for all only once a step)."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
@@ -418,14 +429,17 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
     runtime = {**_MXFP8_RUNTIME, "M": block_m, "a_stride": 4096} if a_first else {**_MXFP8_RUNTIME, "M": block_m}
     compiled = _decode_kernel_for_sm90(
         pointers, runtime, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32, A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0,
-        B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_VALUES=a_first,
+        B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_VALUES=a_first, ONE_DOT=one_dot,
     )
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx)
     assert "0x10" in copies and (not a_first or set(copies) == {"0x10"})
     assert "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx and "wgmma" in ptx
     assert not re.search(r"cvt\.\w+\.\w+\.e4m3x2|cvt\.\w+\.e4m3", ptx)
-    if a_first:
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    if one_dot:
+        assert "stmatrix" in ptx and waits.count("0") == 1 and len(waits) > 1
+    elif a_first:
         assert not re.search(r"local_alloc %\S+ : \(tensor<", ttgir)
     else:
         _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)

@@ -131,7 +131,10 @@ class DecodeConfig:
     the tensor cores. ``a_first``: MXFP8's and NVFP4's A decoded once by a kernel of its own
     (_a_values_kernel) into the tensor cores' order of K, which each program then copies as it
     is, instead of every program decoding its tile of A again: for many rows, where A's tiles
-    are as large as the weight's."""
+    are as large as the weight's. ``one_dot``: with A decoded first, each step's weight tile
+    decoded in K's own order and multiplied in one dot: it goes through shared memory, and the
+    tensor cores' products run while the next tile is decoded (a register operand, as the pairs
+    are, makes each dot wait for its products)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -142,6 +145,7 @@ class DecodeConfig:
     mx_products: str = "values"
     fma: bool = False
     a_first: bool = False
+    one_dot: bool = False
 
     def __post_init__(self) -> None:
         sizes = {"block_n": self.block_n, "block_k": self.block_k, "block_m": self.block_m, "warps": self.warps}
@@ -156,6 +160,8 @@ class DecodeConfig:
             problems.append(f"the FMA units multiply one row of A a program (block_m={self.block_m})")
         if self.a_first and (self.fma or self.mx_products != "values"):
             problems.append("A is decoded first for the tensor cores' products of values alone (not fma, mx_products='values')")
+        if self.one_dot and not self.a_first:
+            problems.append("one_dot multiplies A decoded first (a_first)")
         if not self.fma and min(self.block_n, self.block_m) < 16:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
@@ -181,12 +187,12 @@ _ONE_ROW = {
 # NVFP4 and MXFP8 on the tensor cores, by the most rows of A each tiling takes: a tile of rows
 # sharing each decoded weight tile, the more rows the fewer times each weight tile is decoded;
 # programs an SM to hide the decoding's latency while the weight is read (few rows), or a
-# larger weight tile (8 warps, two of the tensor cores' 64-row tiles) against the most rows
-# (many, where the products, not the bytes, set the pace).
+# larger weight tile (8 warps, two of the tensor cores' 64-row tiles) against the most rows, A
+# decoded first and one dot a step (many, where the products, not the bytes, set the pace).
 VALUE_TILES = (
     (ONE_TILE_ROWS, DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)),
     (64, DecodeConfig(block_n=64, block_k=128, block_m=64, warps=4, stages=4, tiles_per_sm=4)),
-    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2, a_first=True)),
+    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2, a_first=True, one_dot=True)),
 )
 
 
@@ -325,6 +331,39 @@ def _nvfp4_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = Fal
 
 
 @triton.jit
+def _in_order8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight (rows, words) tensors, the j-th holding code j of each word, as (rows, words, 2, 2,
+    2) whose flattening puts each word's codes in K's own order (tl.join adds the fastest axis:
+    the evens' tree, then the odds')."""
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _mxfp8_in_order(codes, scale, ASM: tl.constexpr):
+    """The words' values times their scales as one (rows, 8 * words) operand in K's own order."""
+    v = e4m3_bf16_word_values(codes, scale, ASM)
+    return tl.reshape(_in_order8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]), (codes.shape[0], 8 * codes.shape[1]))
+
+
+@triton.jit
+def _nvfp4_in_order(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (times 2^-14) as one (rows, 16 * blocks) operand in K's own order."""
+    v = e2m1_block_values(codes, scale, ASM)
+    evens = _in_order8(v[0], v[2], v[4], v[6], v[8], v[10], v[12], v[14])
+    odds = _in_order8(v[1], v[3], v[5], v[7], v[9], v[11], v[13], v[15])
+    return tl.reshape(tl.join(evens, odds), (codes.shape[0], 16 * codes.shape[1]))
+
+
+@triton.jit
+def _a_tile(values_ptr, M, stride, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A's values in K's own order (_a_values_kernel, ONE_DOT) at columns k0 to k0 + BLOCK_K,
+    transposed: (BLOCK_K, BLOCK_M), 0 outside A."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    col = k0 + tl.arange(0, BLOCK_K)[:, None]
+    return tl.load(values_ptr + m.to(tl.int64) * stride + col, mask=m < M, other=0.0)
+
+
+@triton.jit
 def _a_pair(values_ptr, M, K, stride, j: tl.constexpr, first_word, CHUNK: tl.constexpr, WORD: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
     """The j-th pair operand of A's WORDS words (of WORD codes) from ``first_word`` on, (2 * WORDS,
     BLOCK_M), as _a_values_kernel laid it out (0 outside A)."""
@@ -343,29 +382,35 @@ def _padded_words(K, CHUNK: tl.constexpr, WORD: tl.constexpr):
 @triton.jit
 def _a_values_kernel(
     a_ptr, a_scale_ptr, values_ptr, M, K, a_stride, a_scale_row_stride, a_scale_col_stride, values_stride,
-    OPERAND: tl.constexpr, ASM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr,
+    OPERAND: tl.constexpr, ASM: tl.constexpr, ONE_DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Program (r, w): MXFP8's or NVFP4's A (OPERAND), BLOCK_R rows and WORDS 64-bit words of
-    codes, decoded as _decode_kernel decodes them, each pair operand (_mxfp8_pairs,
-    _nvfp4_pairs) written in its own range of a row's values: the j-th pair's of word w at
-    j * 2 * padded words + 2 * w (_padded_words, zeros past K), so that a program's step copies
-    each of its operands in one piece, unmasked along K."""
+    codes, decoded as _decode_kernel decodes them, in the order its dots take K: in K's own order
+    (ONE_DOT), or each pair operand (_mxfp8_pairs, _nvfp4_pairs) in its own range of a row's
+    values, the j-th pair's of word w at j * 2 * padded words + 2 * w (_padded_words, zeros past
+    K), so that a program's step copies each of its operands in one piece, unmasked along K."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     first_word = tl.program_id(1) * WORDS
-    at = values_ptr + row.to(tl.int64) * values_stride + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+    at = values_ptr + row.to(tl.int64) * values_stride
     if OPERAND == 1:  # BF16_VALUES (MXFP8)
-        length = 2 * _padded_words(K, CHUNK, 8)
         codes, scale = _mxfp8_words(a_ptr, a_scale_ptr, row, M, first_word * 8, K, a_stride, a_scale_row_stride, a_scale_col_stride, 8 * WORDS, False)
-        pairs = _mxfp8_pairs(codes, scale, ASM)
-        for j in tl.static_range(4):
-            tl.store(at + j * length, pairs[j], mask=row < M)
+        if ONE_DOT:
+            tl.store(at + first_word * 8 + tl.arange(0, 8 * WORDS)[None, :], _mxfp8_in_order(codes, scale, ASM), mask=row < M)
+        else:
+            pairs = _mxfp8_pairs(codes, scale, ASM)
+            at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+            for j in tl.static_range(4):
+                tl.store(at + j * 2 * _padded_words(K, CHUNK, 8), pairs[j], mask=row < M)
     else:  # F16_VALUES (NVFP4)
-        length = 2 * _padded_words(K, CHUNK, 16)
         block = first_word + tl.arange(0, WORDS)[None, :]
         codes, scale = _nvfp4_blocks(a_ptr, a_scale_ptr, row, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-        pairs = _nvfp4_pairs(codes, scale, ASM)
-        for j in tl.static_range(8):
-            tl.store(at + j * length, pairs[j], mask=row < M)
+        if ONE_DOT:
+            tl.store(at + first_word * 16 + tl.arange(0, 16 * WORDS)[None, :], _nvfp4_in_order(codes, scale, ASM), mask=row < M)
+        else:
+            pairs = _nvfp4_pairs(codes, scale, ASM)
+            at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+            for j in tl.static_range(8):
+                tl.store(at + j * 2 * _padded_words(K, CHUNK, 16), pairs[j], mask=row < M)
 
 
 @triton.jit
@@ -489,6 +534,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else written to partial[s].
@@ -502,7 +548,8 @@ def _decode_kernel(
     inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
     loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
     which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
-    (_a_values_kernel), its stride in values."""
+    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
+    decoded then, one dot a step."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -545,13 +592,16 @@ def _decode_kernel(
             b_codes, b_scale = _mxfp8_words(
                 b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, WHOLE_TILES
             )
-            b = _mxfp8_pairs(b_codes, b_scale, ASM)
-            if A_VALUES:
+            if ONE_DOT:
+                total = tl.dot(_mxfp8_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, a_stride, k0, BLOCK_M, BLOCK_K), total)
+            elif A_VALUES:
+                b = _mxfp8_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(4):
                     total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 8, CHUNK, 8, BLOCK_M, BLOCK_K // 8), total)
             else:
                 a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
                 a_t = _mxfp8_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
+                b = _mxfp8_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(4):
                     total = tl.dot(b[j], a_t[j], total)
         else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
@@ -559,13 +609,16 @@ def _decode_kernel(
             b_codes, b_scale = _nvfp4_blocks(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
-            b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            if A_VALUES:
+            if ONE_DOT:
+                total = tl.dot(_nvfp4_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, a_stride, k0, BLOCK_M, BLOCK_K), total)
+            elif A_VALUES:
+                b = _nvfp4_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(8):
                     total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 16, CHUNK, 16, BLOCK_M, BLOCK_K // 16), total)
             else:
                 a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
                 a_t = _nvfp4_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
+                b = _nvfp4_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(8):
                     total = tl.dot(b[j], a_t[j], total)
     if OPERAND == 2:
@@ -768,7 +821,7 @@ def _in_words(args: tuple) -> tuple:
     return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
 
 
-def _a_values(args: tuple, m: int, k: int, operand: int) -> tuple:
+def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple:
     """MXFP8's or NVFP4's A (its arguments in words, _in_words) decoded by _a_values_kernel: the
     same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
     Triton's interpreter) in place of the codes, their row stride in values."""
@@ -778,7 +831,7 @@ def _a_values(args: tuple, m: int, k: int, operand: int) -> tuple:
     values = torch.empty((m, padded), dtype=dtype, device=data.device)
     _a_values_kernel[(triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16)))](
         data, scale, values, m, k, stride_words, *scale_strides, values.stride(0),
-        OPERAND=operand, ASM=not triton.knobs.runtime.interpret, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
+        OPERAND=operand, ASM=not triton.knobs.runtime.interpret, ONE_DOT=one_dot, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
     )
     return (values, scale, factor, values.stride(0), *scale_strides)
 
@@ -849,7 +902,7 @@ def gemm(
         a_args, b_args = _in_words(a_args), _in_words(b_args)
     a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
     if a_first:
-        a_args = _a_values(a_args, m, k, b_layout.operand)
+        a_args = _a_values(a_args, m, k, b_layout.operand, config.one_dot)
     asm = not triton.knobs.runtime.interpret
     whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
@@ -878,6 +931,7 @@ def gemm(
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
+            ONE_DOT=a_first and config.one_dot,
             num_warps=config.warps, num_stages=config.stages,
         )
     if splits > 1:
