@@ -546,6 +546,10 @@ def test_a_decode_tiling_names_what_is_wrong_with_it():
         DecodeConfig(block_m=8, fma=True)
     with pytest.raises(ValueError, match=r"the tensor cores multiply tiles of at least 16 rows \(block_n=64, block_m=4\)"):
         DecodeConfig(block_m=4)
+    with pytest.raises(ValueError, match=r"one_dot multiplies A decoded first \(a_first\)"):
+        DecodeConfig(one_dot=True)
+    with pytest.raises(ValueError, match=r"A is decoded first for the tensor cores' products of values alone"):
+        DecodeConfig(mx_products="block sums", a_first=True)
 
 
 def test_decode_gemm_names_what_it_cannot_take():
@@ -560,6 +564,12 @@ def test_decode_gemm_names_what_it_cannot_take():
     one_row = rowwise(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only"):
         triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(block_m=1, fma=True))
+    with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only, as they load"):
+        triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(a_first=True))
+    mx_a = MXFP8Quantizer()(torch.randn(2, 128), columnwise=False).get(ROWWISE)
+    mx_b = MXFP8Quantizer()(torch.randn(64, 128), columnwise=False).get(ROWWISE)
+    with pytest.raises(ValueError, match=r"mxfp8 pair operands take block_k >= 64 \(each of a step's dots at least 16 deep\)"):
+        triton_decode.gemm(mx_a, mx_b, torch.bfloat16, None, triton_decode.DecodeConfig(block_k=32))
     mx = MXFP8Quantizer()
     a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     b = mx(torch.randn(128, 64)).get(COLUMNWISE)

@@ -836,6 +836,23 @@ def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple
     return (values, scale, factor, values.stride(0), *scale_strides)
 
 
+# The least BLOCK_K of MXFP8's and NVFP4's pair operands on the tensor cores: each of a step's 4
+# or 8 dots takes BLOCK_K / 4 or / 8 of K, and a dot at least 16.
+_LEAST_PAIRS_BLOCK_K = {BF16_VALUES: 64, F16_VALUES: 128}
+
+
+def _check_tiling(config: DecodeConfig, operand: int, families: tuple[str, str]) -> None:
+    """Raise where ``config`` cannot multiply the weight's ``operand`` (families: A's and B's)."""
+    if operand == FP8_CODES and (config.fma or config.a_first):
+        raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only, as they load; got {config} for {families}")
+    pairs = not config.fma and not config.one_dot and config.mx_products == "values"
+    if operand in _LEAST_PAIRS_BLOCK_K and pairs and config.block_k < _LEAST_PAIRS_BLOCK_K[operand]:
+        raise ValueError(
+            f"the decode GEMM's {families[1]} pair operands take block_k >= {_LEAST_PAIRS_BLOCK_K[operand]} "
+            f"(each of a step's dots at least 16 deep); got {config}"
+        )
+
+
 def _factors(a: _Layout, b: _Layout) -> dict:
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
@@ -881,6 +898,8 @@ def gemm(
             f"got A of {m} rows ({a.quantizer})"
         )
     config = config or default_config(b_layout.operand, m)
+    if config is not None:
+        _check_tiling(config, b_layout.operand, families)
     block_m = config.block_m if config else ONE_TILE_ROWS
     row_tiles = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
@@ -914,8 +933,6 @@ def gemm(
             WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         )
     elif config.fma:
-        if b_layout.operand == FP8_CODES:
-            raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
