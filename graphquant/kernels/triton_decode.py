@@ -1,11 +1,14 @@
-"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for few rows of A (MAX_ROWS), Triton kernels
-that read both quantized operands as they are stored, so the weight (B) crosses memory once.
+"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for the rows of A it takes (MAX_ROWS: few for
+FP8, thousands for MXFP8 and NVFP4), Triton kernels that read both quantized operands as they
+are stored, so the weight (B) crosses memory once.
 
 At decode sizes the product costs little beside reading the weight, so each program takes
 BLOCK_N rows of B against a tile of A's rows (all of them, where they fit), and K is split across
 programs (each writes an fp32 partial sum; a second kernel adds them in a fixed order), enough
-programs to keep every SM reading. How it multiplies depends on the layout family
-(GemmInput.family) and the tiling (DecodeConfig):
+programs to keep every SM reading; with more rows, a grid of row tiles shares each weight tile
+(VALUE_TILES). The weight is the MMA's left operand (out^T = B A^T), so that a weight decoded in
+registers is the tensor cores' register operand and A's tile comes from shared memory. How it
+multiplies depends on the layout family (GemmInput.family) and the tiling (DecodeConfig):
 
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
   with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
@@ -20,9 +23,9 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
   Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
   |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
   (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
-  values and sums stay in fp32's normal range. NVFP4's codes (and MXFP8's on the FMA units) are
-  read as 64-bit words and decoded by inline PTX, several values an instruction
-  (triton_dequantize.e2m1_block_values): at these sizes the decoding instructions, not the
+  values and sums stay in fp32's normal range. NVFP4's and MXFP8's codes are read as 64-bit words
+  and decoded by inline PTX, several values an instruction (triton_dequantize.e2m1_block_values,
+  e4m3_bf16_word_values, e4m3_word_values): at these sizes the decoding instructions, not the
   bytes, set the pace.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
