@@ -97,10 +97,12 @@ LAYOUTS = {
 # with block scales of the same length in K. FP8 codes up to one tile of rows (the tensor cores'
 # smallest): past it cuBLASLt's FP8 GEMMs read FP8 weights as fast. MXFP8 and NVFP4, which no
 # tensor core of Hopper takes, up to VALUE_ROWS: their weight decoded in registers a tile at a
-# time, shared by a tile of up to 128 of A's rows, in place of the emulation's whole weight
-# dequantized into memory on every call (benchmarks/NOTES.md, decode_gemm.py).
+# time, shared by one tile of up to 128 of A's rows, in place of the emulation's whole weight
+# dequantized into memory on every call; past it the products, not the bytes, set the pace, and
+# the emulation's bf16 GEMM runs them faster than these kernels (benchmarks/NOTES.md,
+# decode_gemm.py). A call given its tiling (DecodeConfig) takes any rows.
 ONE_TILE_ROWS = 16
-VALUE_ROWS = 16384
+VALUE_ROWS = 128
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): ONE_TILE_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): ONE_TILE_ROWS,
@@ -191,7 +193,7 @@ _ONE_ROW = {
 # sharing each decoded weight tile, the more rows the fewer times each weight tile is decoded;
 # programs an SM to hide the decoding's latency while the weight is read (few rows), or a
 # larger weight tile (8 warps, two of the tensor cores' 64-row tiles) against the most rows, A
-# decoded first and one dot a step (many, where the products, not the bytes, set the pace).
+# decoded first and one dot a step (where the products begin to set the pace).
 VALUE_TILES = (
     (ONE_TILE_ROWS, DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)),
     (64, DecodeConfig(block_n=64, block_k=128, block_m=64, warps=4, stages=4, tiles_per_sm=4)),
@@ -358,27 +360,30 @@ def _nvfp4_in_order(codes, scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _a_tile(values_ptr, M, stride, k0, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _a_tile(values_ptr, M, K, stride, k0, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """A's values in K's own order (_a_values_kernel, ONE_DOT) at columns k0 to k0 + BLOCK_K,
-    transposed: (BLOCK_K, BLOCK_M), 0 outside A."""
+    transposed: (BLOCK_K, BLOCK_M), 0 outside A and past its values (the last K split's steps
+    may reach past them)."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     col = k0 + tl.arange(0, BLOCK_K)[:, None]
-    return tl.load(values_ptr + m.to(tl.int64) * stride + col, mask=m < M, other=0.0)
+    return tl.load(values_ptr + m.to(tl.int64) * stride + col, mask=(m < M) & (col < tl.cdiv(K, CHUNK) * CHUNK), other=0.0)
 
 
 @triton.jit
 def _a_pair(values_ptr, M, K, stride, j: tl.constexpr, first_word, CHUNK: tl.constexpr, WORD: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
     """The j-th pair operand of A's WORDS words (of WORD codes) from ``first_word`` on, (2 * WORDS,
-    BLOCK_M), as _a_values_kernel laid it out (0 outside A)."""
+    BLOCK_M), as _a_values_kernel laid it out (0 outside A and past its pair's values: the last K
+    split's steps may reach past them)."""
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    at = j * 2 * _padded_words(K, CHUNK, WORD) + 2 * first_word + tl.arange(0, 2 * WORDS)[:, None]
-    return tl.load(values_ptr + m.to(tl.int64) * stride + at, mask=m < M, other=0.0)
+    at = 2 * first_word + tl.arange(0, 2 * WORDS)[:, None]
+    length = 2 * _padded_words(K, CHUNK, WORD)
+    return tl.load(values_ptr + m.to(tl.int64) * stride + j * length + at, mask=(m < M) & (at < length), other=0.0)
 
 
 @triton.jit
 def _padded_words(K, CHUNK: tl.constexpr, WORD: tl.constexpr):
     """The words of WORD codes in K rounded up to whole CHUNKs: each pair's length in A's values
-    (_a_values_kernel), over which the decode GEMM's steps never read past."""
+    (_a_values_kernel), a multiple of 16 (so that a mask at it keeps 16-byte copies)."""
     return tl.cdiv(K, CHUNK) * (CHUNK // WORD)
 
 
@@ -596,7 +601,7 @@ def _decode_kernel(
                 b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, WHOLE_TILES
             )
             if ONE_DOT:
-                total = tl.dot(_mxfp8_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, a_stride, k0, BLOCK_M, BLOCK_K), total)
+                total = tl.dot(_mxfp8_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
             elif A_VALUES:
                 b = _mxfp8_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(4):
@@ -613,7 +618,7 @@ def _decode_kernel(
                 b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
             if ONE_DOT:
-                total = tl.dot(_nvfp4_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, a_stride, k0, BLOCK_M, BLOCK_K), total)
+                total = tl.dot(_nvfp4_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
             elif A_VALUES:
                 b = _nvfp4_pairs(b_codes, b_scale, ASM)
                 for j in tl.static_range(8):
@@ -877,9 +882,9 @@ def gemm(
     a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
-    """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
-    reduction dim last, A quantized or to be quantized here (QuantizedOnLoad); ``config``: the
-    tiling (default_config where None)."""
+    """(m, n) = A @ B^T (+ bias), both operands stored with the reduction dim last, A quantized or
+    to be quantized here (QuantizedOnLoad); ``config``: the tiling, or None for default_config's
+    (then m at most the pair's MAX_ROWS)."""
     rule = None
     if isinstance(a, QuantizedOnLoad):
         refusal = quantize_on_load_refusal(a.quantizer)
@@ -895,7 +900,7 @@ def gemm(
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
     most = MAX_ROWS.get(families, 0)
-    if m > most:
+    if m > most and config is None:
         raise ValueError(
             f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
             f"got A of {m} rows ({a.quantizer})"
