@@ -360,6 +360,41 @@ def _nvfp4_in_order(codes, scale, ASM: tl.constexpr):
 
 
 @triton.jit
+def _words(
+    data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride,
+    OPERAND: tl.constexpr, BLOCK_K: tl.constexpr, INSIDE: tl.constexpr,
+):
+    """MXFP8's (OPERAND 1) or NVFP4's codes from column k0 on as 64-bit words, and each word's
+    scale (_mxfp8_words, _nvfp4_blocks)."""
+    if OPERAND == 1:
+        codes, scale = _mxfp8_words(data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride, BLOCK_K, INSIDE)
+    else:
+        block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+        codes, scale = _nvfp4_blocks(data_ptr, scale_ptr, row, rows, block, K // 16, stride_words, scale_row_stride, scale_col_stride, INSIDE)
+    return codes, scale
+
+
+@triton.jit
+def _pairs(codes, scale, OPERAND: tl.constexpr, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The words' pair operands (_mxfp8_pairs, _nvfp4_pairs)."""
+    if OPERAND == 1:
+        pairs = _mxfp8_pairs(codes, scale, ASM, TRANSPOSED)
+    else:
+        pairs = _nvfp4_pairs(codes, scale, ASM, TRANSPOSED)
+    return pairs
+
+
+@triton.jit
+def _in_order(codes, scale, OPERAND: tl.constexpr, ASM: tl.constexpr):
+    """The words' values as one operand in K's own order (_mxfp8_in_order, _nvfp4_in_order)."""
+    if OPERAND == 1:
+        values = _mxfp8_in_order(codes, scale, ASM)
+    else:
+        values = _nvfp4_in_order(codes, scale, ASM)
+    return values
+
+
+@triton.jit
 def _a_tile(values_ptr, M, K, stride, k0, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """A's values in K's own order (_a_values_kernel, ONE_DOT) at columns k0 to k0 + BLOCK_K,
     transposed: (BLOCK_K, BLOCK_M), 0 outside A and past its values (the last K split's steps
@@ -396,29 +431,19 @@ def _a_values_kernel(
     codes, decoded as _decode_kernel decodes them, in the order its dots take K: in K's own order
     (ONE_DOT), or each pair operand (_mxfp8_pairs, _nvfp4_pairs) in its own range of a row's
     values, the j-th pair's of word w at j * 2 * padded words + 2 * w (_padded_words, zeros past
-    K), so that a program's step copies each of its operands in one piece, unmasked along K."""
+    K), so that a program's step copies each of its operands in one piece, 16 bytes at a time."""
+    WORD: tl.constexpr = 8 if OPERAND == 1 else 16  # codes a word
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     first_word = tl.program_id(1) * WORDS
     at = values_ptr + row.to(tl.int64) * values_stride
-    if OPERAND == 1:  # BF16_VALUES (MXFP8)
-        codes, scale = _mxfp8_words(a_ptr, a_scale_ptr, row, M, first_word * 8, K, a_stride, a_scale_row_stride, a_scale_col_stride, 8 * WORDS, False)
-        if ONE_DOT:
-            tl.store(at + first_word * 8 + tl.arange(0, 8 * WORDS)[None, :], _mxfp8_in_order(codes, scale, ASM), mask=row < M)
-        else:
-            pairs = _mxfp8_pairs(codes, scale, ASM)
-            at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
-            for j in tl.static_range(4):
-                tl.store(at + j * 2 * _padded_words(K, CHUNK, 8), pairs[j], mask=row < M)
-    else:  # F16_VALUES (NVFP4)
-        block = first_word + tl.arange(0, WORDS)[None, :]
-        codes, scale = _nvfp4_blocks(a_ptr, a_scale_ptr, row, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-        if ONE_DOT:
-            tl.store(at + first_word * 16 + tl.arange(0, 16 * WORDS)[None, :], _nvfp4_in_order(codes, scale, ASM), mask=row < M)
-        else:
-            pairs = _nvfp4_pairs(codes, scale, ASM)
-            at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
-            for j in tl.static_range(8):
-                tl.store(at + j * 2 * _padded_words(K, CHUNK, 16), pairs[j], mask=row < M)
+    codes, scale = _words(a_ptr, a_scale_ptr, row, M, first_word * WORD, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, WORD * WORDS, False)
+    if ONE_DOT:
+        tl.store(at + first_word * WORD + tl.arange(0, WORD * WORDS)[None, :], _in_order(codes, scale, OPERAND, ASM), mask=row < M)
+    else:
+        pairs = _pairs(codes, scale, OPERAND, ASM)
+        at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+        for j in tl.static_range(WORD // 2):
+            tl.store(at + j * 2 * _padded_words(K, CHUNK, WORD), pairs[j], mask=row < M)
 
 
 @triton.jit
@@ -596,39 +621,22 @@ def _decode_kernel(
                 b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
                 a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
                 total += block_sum * b_scale * tl.trans(a_scale)
-        elif OPERAND == 1:  # BF16_VALUES (MXFP8): its codes as 64-bit words of 8
-            b_codes, b_scale = _mxfp8_words(
-                b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, BLOCK_K, WHOLE_TILES
-            )
+        else:  # MXFP8 and NVFP4 (BF16_VALUES, F16_VALUES): their codes as 64-bit words of WORD
+            WORD: tl.constexpr = 8 if OPERAND == 1 else 16
+            b_codes, b_scale = _words(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, OPERAND, BLOCK_K, WHOLE_TILES)
             if ONE_DOT:
-                total = tl.dot(_mxfp8_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
-            elif A_VALUES:
-                b = _mxfp8_pairs(b_codes, b_scale, ASM)
-                for j in tl.static_range(4):
-                    total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 8, CHUNK, 8, BLOCK_M, BLOCK_K // 8), total)
+                total = tl.dot(_in_order(b_codes, b_scale, OPERAND, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
             else:
-                a_codes, a_scale = _mxfp8_words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, BLOCK_K, False)
-                a_t = _mxfp8_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
-                b = _mxfp8_pairs(b_codes, b_scale, ASM)
-                for j in tl.static_range(4):
-                    total = tl.dot(b[j], a_t[j], total)
-        else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
-            block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-            b_codes, b_scale = _nvfp4_blocks(
-                b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
-            )
-            if ONE_DOT:
-                total = tl.dot(_nvfp4_in_order(b_codes, b_scale, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
-            elif A_VALUES:
-                b = _nvfp4_pairs(b_codes, b_scale, ASM)
-                for j in tl.static_range(8):
-                    total = tl.dot(b[j], _a_pair(a_ptr, M, K, a_stride, j, k0 // 16, CHUNK, 16, BLOCK_M, BLOCK_K // 16), total)
-            else:
-                a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-                a_t = _nvfp4_pairs(a_codes, a_scale, ASM, TRANSPOSED=True)
-                b = _nvfp4_pairs(b_codes, b_scale, ASM)
-                for j in tl.static_range(8):
-                    total = tl.dot(b[j], a_t[j], total)
+                b = _pairs(b_codes, b_scale, OPERAND, ASM)
+                if not A_VALUES:
+                    a_codes, a_scale = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
+                    a_t = _pairs(a_codes, a_scale, OPERAND, ASM, TRANSPOSED=True)
+                for j in tl.static_range(WORD // 2):
+                    if A_VALUES:
+                        a_j = _a_pair(a_ptr, M, K, a_stride, j, k0 // WORD, CHUNK, WORD, BLOCK_M, BLOCK_K // WORD)
+                    else:
+                        a_j = a_t[j]
+                    total = tl.dot(b[j], a_j, total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     if A_RULE is not None and SPLIT and tl.program_id(0) == 0 and tl.program_id(1) == 0:
