@@ -1,16 +1,17 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,64] [--formats "fp8 tensorwise,nvfp4"]
+    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"]
 
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
-GEMM's rows for it: triton_decode.MAX_ROWS), every row is measured in the same
+GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 thousands), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
 timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
 GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
-these row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best.
+decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
+from a few hundred rows on the products set the pace instead.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4
 QUANTIZING_TILINGS = {f"{t} an SM": triton_decode.DecodeConfig(tiles_per_sm=t) for t in (4, 8)}
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
-ROWS = [1, 16, 64]
+ROWS = [1, 16, 128, 2048]
 CALLS = 20
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.

@@ -1,12 +1,13 @@
 """NVFP4 and MXFP8 decode GEMM tilings (CANDIDATES: the library's, and experimental kernels of
 nvfp4_decode_lab.py) timed beside bf16 F.linear and the library's default at a Llama-3-8B FFN's
-weights.
+weights, and the emulated GEMM (the weight dequantized on every call, then bf16).
 
     python benchmarks/decode_nvfp4.py [--rows 1,16] [--weights 14336x4096,...] [--jobs 5] [--budget 120]
 
 Every tiling is first compiled and run once per case in one of --jobs processes, its product
-checked against the float64 product of the dequantized operands (decode_tune.py's bound); one
-still compiling at half the budget is dropped. Then this process times those that passed, each
+checked against the float64 product of the dequantized operands (decode_tune.py's bound, on its
+checked rows); one still compiling at half the budget is dropped; one that fails is reported and the
+others go on. Then this process times those that passed, each
 as CUDA graphs of decode_gemm.CALLS calls, and prints one table: microseconds and speedup over
 bf16.
 """
@@ -29,7 +30,7 @@ from common import alternate  # noqa: E402
 from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
 from decode_tune import excess, operands  # noqa: E402
 
-from graphquant.kernels import triton_decode  # noqa: E402
+from graphquant.kernels import backends, triton_decode  # noqa: E402
 
 V = lab.Variant
 C = triton_decode.DecodeConfig
@@ -42,7 +43,17 @@ CANDIDATES = [
     ("nvfp4", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
     ("mxfp8", (1, 16), V(64, 256, 16, 4, 3, 8)),
-    ("mxfp8", (1,), C(64, 256, 16, 4, 3, 8)),
+    ("mxfp8", (16,), C(128, 256, 16, 8, 3, 4)),
+    ("mxfp8", (16,), C(64, 128, 16, 4, 4, 8)),
+    # middle rows and prefill: tiles of 64 to 256 of A's rows against weight tiles of 64 to 256
+    # rows; A decoded by every program, or first by its own kernel (a_first), in pairs or for one
+    # dot a step (the default at 128 rows and more: 128x128, 128 rows, 8 warps, a_first, one_dot)
+    *((name, (128,), spec) for name in ("nvfp4", "mxfp8") for spec in (C(64, 128, 64, 4, 4, 4), C(64, 128, 64, 4, 4, 4, a_first=True, one_dot=True))),
+    *((name, (128, 2048), spec) for name in ("nvfp4", "mxfp8") for spec in (
+        C(128, 128, 128, 8, 3, 2), C(128, 128, 128, 8, 3, 2, a_first=True), C(128, 256, 128, 8, 3, 2, a_first=True, one_dot=True),
+        C(128, 64, 128, 8, 4, 2, a_first=True, one_dot=True), C(64, 128, 128, 4, 3, 2, a_first=True, one_dot=True),
+    )),
+    *((name, (2048,), C(128, 128, 256, 8, 3, 1, a_first=True, one_dot=True)) for name in ("nvfp4", "mxfp8")),
 ]
 
 
@@ -51,7 +62,7 @@ def label(spec) -> str:
         return f"lab {spec}"
     return (
         f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
-        f"t{spec.tiles_per_sm}"
+        f"t{spec.tiles_per_sm}{' a first' if spec.a_first else ''}{' one dot' if spec.one_dot else ''}"
     )
 
 
@@ -125,19 +136,23 @@ def main() -> None:
         a, b = operands(name, m, n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        fns = {"bf16 F.linear": lambda: F.linear(x, w), "library default": lambda: triton_decode.gemm(a, b, torch.bfloat16)}
+        fns = {
+            "bf16 F.linear": lambda: F.linear(x, w),
+            "emulation": lambda: backends.gemm(a, b, 1, torch.bfloat16, backends.GemmBackend(backends.EMULATION), "emulation"),
+            "library default": lambda: triton_decode.gemm(a, b, torch.bfloat16),
+        }
         for spec in good[(name, (n, k), m)]:
             fns[label(spec)] = lambda spec=spec: run(name, spec, a, b)
         replays = {}
-        for label, fn in fns.items():
+        for kernel, fn in fns.items():  # not ``label``, which assigned anywhere in main would hide the function
             try:
-                replays[label] = graphed(fn)
+                replays[kernel] = graphed(fn)
             except Exception as error:  # noqa: BLE001
-                print(f"not timed: {name} {(n, k)} m={m} {label}: {str(error).splitlines()[0][:80]}", flush=True)
-        us = {label: t * 1e3 / CALLS for label, t in alternate(replays, rounds=2, warmup=1, reps=3).items()}
+                print(f"not timed: {name} {(n, k)} m={m} {kernel}: {str(error).splitlines()[0][:80]}", flush=True)
+        us = {kernel: t * 1e3 / CALLS for kernel, t in alternate(replays, rounds=2, warmup=1, reps=3).items()}
         bf16 = us["bf16 F.linear"]
-        for label, t in sorted(us.items(), key=lambda item: item[1]):
-            rows.append([name, f"{n}x{k}", m, label, f"{t:.1f}", f"{bf16 / t:.2f}"])
+        for kernel, t in sorted(us.items(), key=lambda item: item[1]):
+            rows.append([name, f"{n}x{k}", m, kernel, f"{t:.1f}", f"{bf16 / t:.2f}"])
         print(rows[-len(us):], flush=True)
     print(tabulate(rows, headers=["format", "N x K", "M", "kernel", "us", "x bf16"]))
 

@@ -215,11 +215,15 @@ class GraphquantBackend:
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
             from graphquant.passes.common_subexpressions import merging_common_subexpressions
+            from graphquant.passes.result_extraction import ResultExtraction
             from graphquant.passes.saturating_cast import SaturatingCast
 
             options = dict(self.inductor_options)
             options["post_grad_custom_post_pass"] = SaturatingCast(
                 then=options.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+            )
+            options["_post_fusion_custom_pass"] = ResultExtraction(
+                then=options.get("_post_fusion_custom_pass", inductor_config._post_fusion_custom_pass)
             )
             return functools.partial(compile_fx, inner_compile=merging_common_subexpressions(compile_fx_inner), config_patches=options)
         return torch._dynamo.lookup_backend(self.inner)

@@ -16,14 +16,14 @@ changes, and the bits the graph computes are the same.
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphquant.formats.fp8 import FP8_DTYPES, fp8_max
+from graphquant.passes.chained_pass import ChainedPass
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _LIMITS = {dtype: fp8_max(name) for name, dtype in FP8_DTYPES.items()}
@@ -71,23 +71,11 @@ def drop_saturated_clamps(graph: fx.Graph, saturates: Callable[[torch.device], b
     return dropped
 
 
-class SaturatingCast(CustomGraphPass):
+class SaturatingCast(ChainedPass, CustomGraphPass):
     """``drop_saturated_clamps`` as Inductor's post-grad custom pass, then ``then`` (a pass the user
     configured there, kept)."""
-
-    def __init__(self, then: Optional[Callable[[fx.Graph], Any]] = None) -> None:
-        self.then = then
 
     def __call__(self, graph: fx.Graph) -> None:
         drop_saturated_clamps(graph)
         if self.then is not None:
             self.then(graph)
-
-    def uuid(self) -> Optional[Any]:
-        """For Inductor's FX graph cache: this file's text and the chained pass's own uuid (None,
-        which bypasses the cache, where that pass has none)."""
-        then = None if self.then is None else getattr(self.then, "uuid", lambda: None)()
-        if self.then is not None and then is None:
-            return None
-        with open(__file__, "rb") as source:
-            return hashlib.sha256(source.read()).hexdigest(), then

@@ -23,6 +23,7 @@ from reference import (  # noqa: F401
 
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
+from graphquant.passes.result_extraction import ResultExtraction
 from graphquant.passes.saturating_cast import SaturatingCast
 from graphquant.quantizers import (
     MXFP8Quantizer,
@@ -329,9 +330,10 @@ def test_compile_mode_and_options_reach_inductor():
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), compile_mode="reduce-overhead", options={"max_autotune": True})
     patches = compiled.graphquant._inner().keywords["config_patches"]
     assert isinstance(patches.pop("post_grad_custom_post_pass"), SaturatingCast)
+    assert isinstance(patches.pop("_post_fusion_custom_pass"), ResultExtraction)
     assert patches == {"triton.cudagraphs": True, "max_autotune": True}
     default = graphquant.compile(model, recipes.mxfp8_block_scaling())
-    assert list(default.graphquant._inner().keywords["config_patches"]) == ["post_grad_custom_post_pass"]
+    assert list(default.graphquant._inner().keywords["config_patches"]) == ["post_grad_custom_post_pass", "_post_fusion_custom_pass"]
 
 
 def test_inductor_options_with_another_backend_are_an_error():

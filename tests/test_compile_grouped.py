@@ -10,6 +10,7 @@ bfloat16 on CPU (its meta function requires it), so results are bfloat16.
 import copy
 import dataclasses
 import functools
+import re
 import types
 
 import pytest
@@ -820,3 +821,49 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     tensors = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, True, None, 0)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
     assert len(set(storages)) == len(storages) and xp.untyped_storage().data_ptr() not in storages
+
+
+# -- where a grouped backward's quantized copies die ------------------------------------------------
+
+
+def extractions_deferred_to_their_readers(nodes):
+    """Inductor's scheduler nodes with each result extraction moved to right before its first
+    reader: where a fusion that pulls a later kernel ahead leaves the extractions that kernel does
+    not need (the H200's MoE backward: grad_output's columnwise copy taken out after the gates'
+    gradient kernel, with the wgrad that reads it)."""
+    from torch._inductor import ir
+
+    is_extraction = [isinstance(getattr(node, "node", None), ir.MultiOutput) for node in nodes]
+    pending = [node for node, extraction in zip(nodes, is_extraction) if extraction]
+    ordered = []
+    for node in (node for node, extraction in zip(nodes, is_extraction) if not extraction):
+        reads = {dep.name for dep in node.read_writes.reads}
+        ordered += [e for e in pending if e.get_buffer_names() & reads]
+        pending = [e for e in pending if not e.get_buffer_names() & reads]
+        ordered.append(node)
+    return ordered + pending
+
+
+def test_grouped_backward_frees_each_quantized_copy_after_its_own_reader():
+    """Inductor keeps the list a quantize op returns until its last result is taken out of it: a
+    result taken out late (with a wgrad that a fusion left behind) kept grad_output's rowwise FP8
+    copy alive past dgrad, its only reader, through the next grouped GEMM (the MoE step's peak on
+    the H200). Whatever order the scheduler leaves (here every extraction deferred to its reader),
+    each list of the backward is taken apart, and dropped, before the next kernel runs."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = ExpertMLP(routed=False)
+    deferred = []  # a pass the user set in the same hook still runs, before graphquant's
+    options = {"_post_fusion_custom_pass": lambda nodes: deferred.append(1) or extractions_deferred_to_their_readers(nodes)}
+    compiled = graphquant.compile(model, experts_quantized(zoo.recipe("rowwise")), fullgraph=True, options=options)
+    x = chain_input("cpu").requires_grad_()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _, (_, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    assert len(deferred) == 2  # forward and backward
+    lines = [line.strip() for line in backward.splitlines()]
+    lists = [(i, line.split(" = ")[0]) for i, line in enumerate(lines) if re.match(r"buf\d+ = torch\.ops\.graphquant\.\w*quantize\.", line)]
+    assert len(lists) >= 2, backward  # grad_output's copies for each grouped GEMM (and any weights' made in backward)
+    for start, name in lists:
+        end = lines.index(f"del {name}", start)
+        between = [line for line in lines[start + 1 : end] if not re.match(rf"(buf\d+ = {name}\[\d+\]|assert_|#|del )", line)]
+        assert not between, (lines[start], between)

@@ -34,6 +34,10 @@ PAIRS = [
     ("identity", IdentityQuantizer(), IdentityQuantizer(), backends.HIGH_PRECISION),
 ]
 
+# More rows than the decode GEMM takes for any pair (triton_decode.MAX_ROWS; tests/test_triton_decode.py
+# checks its choices), so that these tests see the other backends.
+PAST_DECODE_ROWS = 16384 + 128
+
 # (GEMM, direction of A, direction of B): A and B reduce over the dim their direction blocks.
 LAYOUTS = [("fprop", ROWWISE, ROWWISE), ("dgrad", ROWWISE, COLUMNWISE), ("wgrad", COLUMNWISE, COLUMNWISE)]
 
@@ -57,7 +61,7 @@ def _reference(a, b):
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
 def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation):
     torch.manual_seed(0)
-    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes (tests/test_triton_decode.py)
+    m, n, k = PAST_DECODE_ROWS, 384, 512
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -111,7 +115,7 @@ def test_fast_accumulation_is_the_callers_choice_for_per_tensor_and_per_row_fp8(
     try:
         for _, qa, qb, expected in PAIRS:
             for _, da, db in LAYOUTS:
-                backend = backends.select(qa, da, qb, db, torch.device("cuda"), (512, 384, 512), 1, fast_accumulation).backend
+                backend = backends.select(qa, da, qb, db, torch.device("cuda"), (PAST_DECODE_ROWS, 384, 512), 1, fast_accumulation).backend
                 may = expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED)
                 assert backend == backends.GemmBackend(expected, fast_accumulation and may)
     finally:
@@ -154,7 +158,7 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     backends.select.cache_clear()
     try:
-        assert backends.select(qa, da, qb, db, torch.device("cuda"), (512, 384, 512)).backend.name == expected
+        assert backends.select(qa, da, qb, db, torch.device("cuda"), (PAST_DECODE_ROWS, 384, 512)).backend.name == expected
     finally:
         backends.select.cache_clear()
 
@@ -212,7 +216,7 @@ def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
     """A linear's bias goes into the GEMM (cuBLASLt's epilogue where the call allows): bf16 out of
     the fp32 product plus the bias, rounded once, within the accumulation bound of the reference."""
     torch.manual_seed(0)
-    m, n, k = 512, 384, 512  # more rows than the decode GEMM takes
+    m, n, k = PAST_DECODE_ROWS, 384, 512
     a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
     bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
     backend = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend

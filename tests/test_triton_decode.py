@@ -1,7 +1,8 @@
 """The decode GEMM (graphquant.kernels.triton_decode): every format's product at 1 to 16 rows
-(NVFP4: to 64) equals the float64 product of the dequantized operands within fp32
-accumulation (FP8 products: within the promoted FP8 accumulation of the tensor cores), with every
-tiling (DecodeConfig), and the planner picks it for a static m up to those rows.
+(MXFP8 and NVFP4: to thousands, in row tiles of 16, 64 and 128) equals the float64 product of
+the dequantized operands within fp32 accumulation (FP8 products: within the promoted FP8
+accumulation of the tensor cores), with every tiling (DecodeConfig), and the planner picks it for
+a static m up to those rows.
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own (TRITON_INTERPRET
 must be set before Triton is first imported); on a GPU at the shapes of a Llama-3-8B FFN.
@@ -87,19 +88,21 @@ def excess(
 
 # (m, n, k, bias, out dtype, GEMM): one row, K split in two; rows and K that fill no tile (K not
 # a multiple of 128: partial FP8 blocks); a full tile of 16 rows and a partial second split; a
-# dgrad; for NVFP4, 40 rows (three tiles of rows, the last partial). fp32 out only: the
-# interpreter rounds fp32 to bf16 toward zero (the GPU cases check bf16).
+# dgrad; for MXFP8 and NVFP4, 40 rows (a tile of 64, partial) and 128 (a tile of 128, A decoded
+# first). fp32 out only: the interpreter rounds fp32 to bf16 toward zero (the GPU
+# cases check bf16).
 INTERPRETED = [
     (1, 96, 1024, False, torch.float32, "fprop"),
     (3, 40, 224, True, torch.float32, "fprop"),
     (16, 72, 640, True, torch.float32, "fprop"),
     (2, 256, 640, False, torch.float32, "dgrad"),
     (40, 72, 640, True, torch.float32, "fprop"),
+    (128, 40, 256, False, torch.float32, "fprop"),
 ]
 # MXFP8's columnwise data keeps x's layout (reduction dim first), which the decode GEMM does not read.
 DGRAD_PAIRS = [name for name, (_, qb) in PAIRS.items() if not isinstance(qb, MXFP8Quantizer)]
-# The pairs the decode GEMM takes past one tile of 16 rows (NVFP4's).
-MIDDLE_ROW_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, NVFP4Quantizer)]
+# The pairs the decode GEMM takes past one tile of 16 rows (MXFP8's and NVFP4's, decoded in registers).
+MIDDLE_ROW_PAIRS = [name for name, (_, qb) in PAIRS.items() if isinstance(qb, (MXFP8Quantizer, NVFP4Quantizer))]
 
 
 def _max_rows(name: str) -> int:
@@ -128,17 +131,31 @@ def _configs() -> dict:
     (tl.dot_scaled's only on the GPU: Triton's interpreter has no tl.dot_scaled)."""
     from graphquant.kernels.triton_decode import DecodeConfig
 
+    # A decoded by its own kernel first, and a tile of 128 rows of A decoded in each program
+    values = {
+        "a first": DecodeConfig(block_k=128, a_first=True),
+        "a in programs": DecodeConfig(128, 128, 128, 8),
+        "one dot": DecodeConfig(64, 128, 16, 4, a_first=True, one_dot=True),
+    }
     return {
-        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True)},
-        "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True)},
-        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True)},
+        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True), **values},
+        "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
+        "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
     }
 
 
 def _config_cases():
-    """(pair, tiling's name, case): one row, K split; three rows, a partial tile of them; with a bias."""
+    """(pair, tiling's name, case): one row, K split; three rows, a partial tile of them, K a
+    partial chunk; with a bias; with A decoded first, also 40 rows (three tiles of 16) whose K
+    splits in three of 1024 columns, the last reaching past K (2560)."""
     cases = [(1, 96, 1024, False, torch.float32, "fprop"), (3, 40, 640, True, torch.float32, "fprop")]
-    return [(name, config, case) for name, configs in _configs().items() for config in configs for case in cases]
+    past_k = (40, 64, 2560, True, torch.float32, "fprop")
+    return [
+        (name, config, case)
+        for name, configs in _configs().items()
+        for config in configs
+        for case in cases + ([past_k] if configs[config].a_first else [])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -155,42 +172,66 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
 
 @pytest.mark.parametrize(
     "name,config,case",
-    [("mxfp8", c, case) for c in ("block sums", "fma") for case in ("1x96x1024", "3x40x640")]
-    + [(name, "fma", case) for name in ("nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4") for case in ("1x96x1024", "3x40x640")],
+    [
+        (name, c, case)
+        for name in ("mxfp8", "nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4")
+        for c in ("block sums", "fma", "a first", "a in programs", "one dot")
+        for case in ("1x96x1024", "3x40x640", "40x64x2560")
+        if (c != "block sums" or name == "mxfp8") and (case != "40x64x2560" or c in ("a first", "one dot"))
+    ],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
-    """MXFP8's block sums (tensor cores), and MXFP8 and NVFP4 on the FMA units (one row of A a
-    program: three rows, three programs)."""
+    """MXFP8's block sums (tensor cores), MXFP8 and NVFP4 on the FMA units (one row of A a
+    program: three rows, three programs), and on the tensor cores with A decoded first by a kernel
+    of its own (its K padded to whole chunks), in pairs or in K's own order (one dot a step), or
+    in each program of a tile of 128 rows."""
     assert interpreted[f"{name} | {config} | {case}"] <= 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 16, 40, 64])
+@pytest.mark.parametrize("m", [1, 2, 16, 40, 64, 128])
 @pytest.mark.parametrize("name", PAIRS)
 def test_decode_gemm_matches_float64_reference_on_gpu(name, m, with_bias):
     """At the shape of a Llama-3-8B FFN's down projection (K split across programs), up to the
-    pair's most rows."""
+    pair's most rows: every row tiling (VALUE_TILES)."""
     if m > _max_rows(name):
         pytest.skip(f"the decode GEMM takes at most {_max_rows(name)} rows of {name}")
     assert excess(name, m, 4096, 14336, with_bias, torch.bfloat16, "cuda") <= 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("name,config", [(name, config) for name, configs in {
-    "mxfp8": ("block sums", "dot scaled", "fma"), "nvfp4 x nvfp4 2d": ("fma",)}.items() for config in configs])
+@pytest.mark.parametrize("m,n,k", [(300, 4096, 14336), (2048, 1024, 4096)])
+@pytest.mark.parametrize("name", MIDDLE_ROW_PAIRS)
+def test_decode_gemm_matches_float64_reference_in_several_row_tiles_on_gpu(name, m, n, k):
+    """The largest tiling (tiles of 128 rows, A decoded first) given more rows than the plan
+    gives it: 3 and 16 row tiles, K split so that the last split's steps reach past K (A's values
+    there must read as zeros; they read past the values once, and the product was NaN)."""
+    from graphquant.kernels import triton_decode
+
+    assert excess(name, m, n, k, True, torch.bfloat16, "cuda", config=triton_decode.VALUE_TILES[-1][1]) <= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name,config,m",
+    [("mxfp8", config, m) for config in ("block sums", "dot scaled") for m in (1, 4, 16)]
+    + [(name, "fma", m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for m in (1, 4)]
+    + [(name, config, m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for config in ("a first", "a in programs") for m in (16, 128)],
+)
 def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
-    """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's shape."""
+    """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's
+    shape: MXFP8's block sums and tl.dot_scaled, the FMA units, A decoded first at 16 rows, and a
+    tile of 128 rows with A decoded in every program."""
     from graphquant.kernels.triton_decode import DecodeConfig
 
     tiling = {
         "block sums": DecodeConfig(mx_products="block sums"),
         "dot scaled": DecodeConfig(mx_products="dot scaled"),
         "fma": DecodeConfig(32, 256, 1, fma=True, tiles_per_sm=4),
+        "a first": DecodeConfig(block_k=128, a_first=True),
+        "a in programs": DecodeConfig(128, 128, 128, 8, tiles_per_sm=2),
     }[config]
-    if tiling.fma and m > 4:
-        pytest.skip("the FMA units are for a row or a few")
     assert excess(name, m, 4096, 14336, True, torch.bfloat16, "cuda", config=tiling) <= 0
 
 
@@ -228,10 +269,11 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
+def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
     """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
     GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
-    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors."""
+    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors
+    (unless given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -239,11 +281,14 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
     from graphquant.kernels import triton_decode
 
     kernel = triton_decode._decode_kernel
-    constants = dict(
-        CHUNK=triton_decode.K_CHUNK, VALUES=triton.language.bfloat16, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
-        SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_K=256, A_RULE=None, **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
-    )
+    constants = {
+        **dict(
+            CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
+            SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False,
+        ),
+        **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
+    }
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -255,7 +300,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, **constants):
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3}
     )
 
 
@@ -295,6 +340,53 @@ def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"codes {code} and {code + 4}"
 
 
+def test_e4m3_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes MXFP8 for the decode GEMM (triton_dequantize.e4m3_bf16_word_values),
+    its integer steps emulated here with the same constants: every pair of bytes that meet in one
+    bf16x2 (bytes 0 and 1, 2 and 3 of a 32-bit word, among random neighbours) gives each code's
+    value times 2^-120 (subnormals as bf16 subnormals, zeros' signs kept; a NaN code reads as 480,
+    which its block's NaN scale overrides), and the two bf16 multiplies, by 2^120 and by each E8M0
+    scale, give the emulation's value (the code times the scale in fp32, rounded to bf16)."""
+    pytest.importorskip("triton")
+    from graphquant.formats import mxfp8
+    from graphquant.kernels import triton_dequantize as dq
+
+    def prmt(a, selector):  # prmt.b32 d, a, 0, selector: byte i of d is byte (nibble i) of (a, 0)
+        picked = [(a >> 8 * nibble) & 0xFF if nibble < 4 else torch.zeros_like(a) for nibble in ((selector >> 4 * i) & 0xF for i in range(4))]
+        return picked[0] | (picked[1] << 8) | (picked[2] << 16) | (picked[3] << 24)
+
+    def lop3(a, b, c, table):  # bit by bit, table[(a << 2) | (b << 1) | c]
+        out = torch.zeros_like(a)
+        for index in range(8):
+            if table >> index & 1:
+                out |= (a if index & 4 else ~a) & (b if index & 2 else ~b) & (c if index & 1 else ~c)
+        return out & 0xFFFFFFFF
+
+    def halves(word):  # the two bf16 of each 32-bit word, low half first
+        bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
+        return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.bfloat16)
+
+    generator = torch.Generator().manual_seed(0)
+    every = torch.arange(65536, dtype=torch.int64)  # every (first byte, second byte)
+    neighbours = torch.randint(0, 65536, (every.numel(),), generator=generator, dtype=torch.int64)
+    for selector, shift in ((dq.PRMT_CODES_01, 0), (dq.PRMT_CODES_23, 16)):
+        words = (every << shift) | (neighbours << (16 - shift))
+        p = prmt(words, selector)
+        t = lop3((p >> 4) & dq.E4M3_MAGNITUDE, torch.full_like(p, 0x80008000), p, dq.SIGN_OR)
+        got = halves(t)
+        codes = torch.stack((every & 0xFF, every >> 8), dim=-1).to(torch.uint8)
+        want = codes.view(torch.float8_e4m3fn).double()
+        nan = want.isnan()
+        want = torch.where(nan, torch.where(codes >= 128, -480.0, 480.0).double(), want)
+        assert torch.equal(got.double() * 2.0**120, want) and torch.equal(got.signbit(), codes >= 128)
+        two_120 = halves(torch.tensor(dq.BF16X2_2_POW_120))
+        assert torch.equal(two_120.double(), torch.full((2,), 2.0**120, dtype=torch.float64))
+        values = (got * two_120[0])[~nan]
+        for biased in range(255):
+            scale = mxfp8.decode_scale(torch.tensor([biased], dtype=torch.uint8))
+            assert torch.equal(values * scale.to(torch.bfloat16), (values.float() * scale).to(torch.bfloat16)), biased
+
+
 def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm90():
     """Compiled for Hopper (on any machine), the decode GEMM's NVFP4 program copies the weight's
     blocks 16 bytes at a time, asynchronously, and decodes them two values an f16x2 multiply,
@@ -310,9 +402,76 @@ def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
-    # Only A's decoded tiles (16 rows) go through shared memory, never the weight's (64).
-    assert re.search(r"local_alloc %\S+ : \(tensor<16x\d+xf16", ttgir)
-    assert not re.search(r"local_alloc %\S+ : \(tensor<64x\d+xf16", ttgir)
+    _assert_only_a_through_shared_memory(ttgir, "f16", 16, 64)
+
+
+def _assert_only_a_through_shared_memory(ttgir: str, dtype: str, a_rows: int, b_rows: int) -> None:
+    """Only A's decoded tiles go through shared memory, never the weight's: every decoded tile
+    copied there is (K, a_rows), A's made transposed, none (b_rows, K)."""
+    shapes = re.findall(rf"local_alloc %\S+ : \(tensor<((?:\d+x)+){dtype}", ttgir)
+    assert shapes and all(shape.split("x")[-2] == str(a_rows) for shape in shapes), (shapes, b_rows)
+
+
+# MXFP8's operands as the decode GEMM reads them (codes and E8M0 scales), at the FFN's first weight.
+_MXFP8_POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_scale_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+_MXFP8_RUNTIME = {"M": 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 512, "b_stride": 512,
+                  "a_scale_row_stride": 128, "b_scale_row_stride": 128, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,block_k,warps,a_first,one_dot",
+    [(16, 64, 256, 4, False, False), (64, 64, 128, 4, False, False), (128, 128, 128, 8, False, False), (128, 128, 128, 8, True, False),
+     (128, 128, 128, 8, True, True)],
+)
+def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_instructions_on_sm90(
+    block_m, block_n, block_k, warps, a_first, one_dot
+):
+    """Compiled for Hopper (on any machine), at each row tiling, the decode GEMM's MXFP8 program
+    copies the weight's codes 16 bytes at a time, asynchronously, decodes them to bf16 with byte
+    permutes and bf16x2 multiplies, no FP8 conversion instruction (a slow unit's), straight into
+    the tensor cores' operand layout, and spills nothing. With A decoded first (a_first), A's
+    values are copied 16 bytes at a time too, and nothing decoded goes through shared memory
+    but (one_dot) the weight's tile on its way into the operand layout, whose products then run
+    without waiting for each other (a wgmma wait for all only once a step)."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    pointers = {**_MXFP8_POINTERS, "a_ptr": "*bf16"} if a_first else _MXFP8_POINTERS
+    runtime = {**_MXFP8_RUNTIME, "M": block_m, "a_stride": 4096} if a_first else {**_MXFP8_RUNTIME, "M": block_m}
+    compiled = _decode_kernel_for_sm90(
+        pointers, runtime, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32, A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0,
+        B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_VALUES=a_first, ONE_DOT=one_dot,
+    )
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx)
+    assert "0x10" in copies and (not a_first or set(copies) == {"0x10"})
+    assert "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx and "wgmma" in ptx
+    assert not re.search(r"cvt\.\w+\.\w+\.e4m3x2|cvt\.\w+\.e4m3", ptx)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    if one_dot:
+        assert "stmatrix" in ptx and waits.count("0") == 1 and len(waits) > 1
+    elif a_first:
+        assert not re.search(r"local_alloc %\S+ : \(tensor<", ttgir)
+    else:
+        _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)
+    assert "0 bytes spill stores" in _ptxas_report(ptx)
+
+
+def _ptxas_report(ptx: str) -> str:
+    """What ptxas (Triton's, for sm_90a) says of a kernel's registers and spills."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/kernel.ptx", "w") as file:
+            file.write(ptx)
+        done = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{folder}/kernel.ptx", "-o", f"{folder}/kernel.cubin"],
+            capture_output=True, text=True, check=True,
+        )
+    return done.stderr
 
 
 @pytest.fixture
@@ -330,20 +489,55 @@ def hopper(monkeypatch):
 def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, name):
     """With or without the recipe's fast accumulation: the decode GEMM always promotes its sums
     into fp32. Its rows: one tile of 16 for FP8 codes (cuBLASLt's FP8 GEMM reads the weight as fast
-    past it) and MXFP8 (the emulation's whole-weight dequantize is cheaper past it), 64 for NVFP4
-    (dequantized per weight tile, ahead of the emulation). A row count unknown to the plan
-    (symbolic sizes) or above those, or a batch of products, goes elsewhere."""
+    past it), VALUE_ROWS for MXFP8 and NVFP4 (decoded a weight tile at a time in registers, ahead
+    of the emulation's whole weight dequantized into memory on every call). A row count unknown to
+    the plan (symbolic sizes) or above those, or a batch of products, goes elsewhere."""
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
     most = _max_rows(name)
-    assert most == (64 if name in MIDDLE_ROW_PAIRS else 16)
+    assert most == (hopper.VALUE_ROWS if name in MIDDLE_ROW_PAIRS else 16)
     decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
-    for m in (1, 2, 16, most):
+    for m in sorted({1, 2, 16, min(128, most), min(2048, most), most}):
         for fast in (False, True):
             assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
     for dims in ((most + 1, 4096, 4096), (None, 4096, 4096), None):
         assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, dims).backend.name != hopper.BACKEND
     assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
+def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch, recipe):
+    """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64 and
+    128 rows (a static graph each): every linear's fprop planned on the decode GEMM, the plan's
+    dump names it on each, and the calls reach it with the rows they have (the decode GEMM stood
+    in for by the emulated GEMM on this CPU); at 2048 rows the emulation, and the dump says why."""
+    import graphquant
+    from graphquant import recipes
+    from graphquant.kernels import emulation
+
+    rows = []
+
+    def stand_in(a, b, out_dtype, bias=None):
+        rows.append(a.shape[0])
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    monkeypatch.setattr(hopper, "gemm", stand_in)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 128, bias=False))
+    compiled = graphquant.compile(model.to(torch.bfloat16), getattr(recipes, recipe)(), mode="inference", backend="aot_eager", dynamic=False)
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        for m in (16, 64, 128, 2048):
+            compiled(torch.randn(m, 128, dtype=torch.bfloat16))
+    plans = compiled.graphquant.plans
+    assert len(plans) == 4
+    for plan in plans[:3]:
+        fprops = [g for g in plan.gemms if g.gemm == "fprop"]
+        assert len(fprops) == 2 and all(g.backend == GemmBackend(hopper.BACKEND) for g in fprops), str(plan)
+        assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
+    assert {g.backend.name for g in plans[3].gemms if g.gemm == "fprop"} == {backends.EMULATION}, str(plans[3])
+    assert f"multiplies at most {hopper.VALUE_ROWS} rows of A" in str(plans[3])
+    assert rows == [16, 16, 64, 64, 128, 128]
 
 
 def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
@@ -365,6 +559,10 @@ def test_a_decode_tiling_names_what_is_wrong_with_it():
         DecodeConfig(block_m=8, fma=True)
     with pytest.raises(ValueError, match=r"the tensor cores multiply tiles of at least 16 rows \(block_n=64, block_m=4\)"):
         DecodeConfig(block_m=4)
+    with pytest.raises(ValueError, match=r"one_dot multiplies A decoded first \(a_first\)"):
+        DecodeConfig(one_dot=True)
+    with pytest.raises(ValueError, match=r"A is decoded first for the tensor cores' products of values alone"):
+        DecodeConfig(mx_products="block sums", a_first=True)
 
 
 def test_decode_gemm_names_what_it_cannot_take():
@@ -379,6 +577,12 @@ def test_decode_gemm_names_what_it_cannot_take():
     one_row = rowwise(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only"):
         triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(block_m=1, fma=True))
+    with pytest.raises(ValueError, match=r"multiplies FP8 codes on the tensor cores only, as they load"):
+        triton_decode.gemm(one_row, b, torch.bfloat16, None, triton_decode.DecodeConfig(a_first=True))
+    mx_a = MXFP8Quantizer()(torch.randn(2, 128), columnwise=False).get(ROWWISE)
+    mx_b = MXFP8Quantizer()(torch.randn(64, 128), columnwise=False).get(ROWWISE)
+    with pytest.raises(ValueError, match=r"mxfp8 pair operands take block_k >= 64 \(each of a step's dots at least 16 deep\)"):
+        triton_decode.gemm(mx_a, mx_b, torch.bfloat16, None, triton_decode.DecodeConfig(block_k=32))
     mx = MXFP8Quantizer()
     a = mx(torch.randn(1, 128), columnwise=False).get(ROWWISE)
     b = mx(torch.randn(128, 64)).get(COLUMNWISE)

@@ -1,12 +1,15 @@
-"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for few rows of A (MAX_ROWS), Triton kernels
-that read both quantized operands as they are stored, so the weight (B) crosses memory once.
+"""The decode GEMM: out (m, n) = A @ B^T (+ bias) for the rows of A it takes (MAX_ROWS: few for
+FP8, thousands for MXFP8 and NVFP4), Triton kernels that read both quantized operands as they
+are stored, so the weight (B) crosses memory once.
 
 At decode sizes the product costs little beside reading the weight, so each program takes
 BLOCK_N rows of B against a tile of A's rows (all of them, where they fit), and K is split across
 programs (each writes an fp32 partial sum; the last of a tile's programs to finish adds them in
-split order and finishes the tile: one launch, the same bits every run), enough
-programs to keep every SM reading. How it multiplies depends on the layout family
-(GemmInput.family) and the tiling (DecodeConfig):
+split order and finishes the tile: one launch, the same bits every run), enough programs to keep
+every SM reading; with more rows, a grid of row tiles shares each weight tile (VALUE_TILES). The
+weight is the MMA's left operand (out^T = B A^T), so that a weight decoded in registers is the
+tensor cores' register operand and A's tile comes from shared memory. How it multiplies depends on
+the layout family (GemmInput.family) and the tiling (DecodeConfig):
 
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
   with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
@@ -21,9 +24,9 @@ programs to keep every SM reading. How it multiplies depends on the layout famil
   Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
   |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
   (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
-  values and sums stay in fp32's normal range. NVFP4's codes (and MXFP8's on the FMA units) are
-  read as 64-bit words and decoded by inline PTX, several values an instruction
-  (triton_dequantize.e2m1_block_values): at these sizes the decoding instructions, not the
+  values and sums stay in fp32's normal range. NVFP4's and MXFP8's codes are read as 64-bit words
+  and decoded by inline PTX, several values an instruction (triton_dequantize.e2m1_block_values,
+  e4m3_bf16_word_values, e4m3_word_values): at these sizes the decoding instructions, not the
   bytes, set the pace.
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
@@ -49,7 +52,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_word_values, e8m0_value
+from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
@@ -93,21 +96,23 @@ LAYOUTS = {
 
 # The operand pairs (A's family, B's family) it multiplies, each recipe's activation x weight,
 # and the most rows of A it takes for each. Both sides of a pair make the same kind of operand
-# with block scales of the same length in K. Up to one tile of rows (the tensor cores' smallest):
-# past it cuBLASLt's FP8 GEMMs read FP8 weights as fast, and dequantizing MXFP8 in registers
-# costs more than the emulation's whole-weight dequantize (benchmarks/NOTES.md, decode_gemm.py).
-# NVFP4, half the bytes to read and the values cheaper to make, stays ahead of the emulation to
-# NVFP4_ROWS, one tile of A's rows sharing each dequantized weight tile.
+# with block scales of the same length in K. FP8 codes up to one tile of rows (the tensor cores'
+# smallest): past it cuBLASLt's FP8 GEMMs read FP8 weights as fast. MXFP8 and NVFP4, which no
+# tensor core of Hopper takes, up to VALUE_ROWS: their weight decoded in registers a tile at a
+# time, shared by one tile of up to 128 of A's rows, in place of the emulation's whole weight
+# dequantized into memory on every call; past it the products, not the bytes, set the pace, and
+# the emulation's bf16 GEMM runs them faster than these kernels (benchmarks/NOTES.md,
+# decode_gemm.py). A call given its tiling (DecodeConfig) takes any rows.
 ONE_TILE_ROWS = 16
-NVFP4_ROWS = 64
+VALUE_ROWS = 128
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): ONE_TILE_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_1x128"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_128x128"): ONE_TILE_ROWS,
-    ("mxfp8", "mxfp8"): ONE_TILE_ROWS,
-    ("nvfp4", "nvfp4"): NVFP4_ROWS,
-    ("nvfp4_row_scaled", "nvfp4"): NVFP4_ROWS,
+    ("mxfp8", "mxfp8"): VALUE_ROWS,
+    ("nvfp4", "nvfp4"): VALUE_ROWS,
+    ("nvfp4_row_scaled", "nvfp4"): VALUE_ROWS,
 }
 # The A families whose FP8 current scaling it applies to A itself: KernelEncoding (scaling, block)
 # of each, and the pairs of MAX_ROWS it then multiplies. Per tensor and per row as it loads A;
@@ -130,7 +135,13 @@ class DecodeConfig:
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
     ("block sums"), or Triton's tl.dot_scaled ("dot scaled"). ``fma``: MXFP8 and NVFP4
     multiplied on the FMA units (_fma_kernel), one row of A a program (block_m 1), instead of
-    the tensor cores."""
+    the tensor cores. ``a_first``: MXFP8's and NVFP4's A decoded once by a kernel of its own
+    (_a_values_kernel) into the tensor cores' order of K, which each program then copies as it
+    is, instead of every program decoding its tile of A again: for many rows, where A's tiles
+    are as large as the weight's. ``one_dot``: with A decoded first, each step's weight tile
+    decoded in K's own order and multiplied in one dot: it goes through shared memory, and the
+    tensor cores' products run while the next tile is decoded (a register operand, as the pairs
+    are, makes each dot wait for its products)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -140,6 +151,8 @@ class DecodeConfig:
     tiles_per_sm: int = 2
     mx_products: str = "values"
     fma: bool = False
+    a_first: bool = False
+    one_dot: bool = False
 
     def __post_init__(self) -> None:
         sizes = {"block_n": self.block_n, "block_k": self.block_k, "block_m": self.block_m, "warps": self.warps}
@@ -152,6 +165,10 @@ class DecodeConfig:
             problems.append("stages and tiles_per_sm must be at least 1")
         if self.fma and self.block_m != 1:
             problems.append(f"the FMA units multiply one row of A a program (block_m={self.block_m})")
+        if self.a_first and (self.fma or self.mx_products != "values"):
+            problems.append("A is decoded first for the tensor cores' products of values alone (not fma, mx_products='values')")
+        if self.one_dot and not self.a_first:
+            problems.append("one_dot multiplies A decoded first (a_first)")
         if not self.fma and min(self.block_n, self.block_m) < 16:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
@@ -161,37 +178,42 @@ class DecodeConfig:
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 # The weight tiles (BLOCK_N, BLOCK_K, warps, stages) Triton's autotuner picks from, per weight
-# shape on its first call, for a tile of 16 rows of A on the tensor cores; the interpreter runs a
-# kernel's logic, not its speed, and takes the first alone.
+# shape on its first call, for FP8 codes and a tile of 16 rows of A on the tensor cores, two
+# programs an SM (two fill the memory pipe); the interpreter runs a kernel's logic, not its
+# speed, and takes the first alone.
 AUTOTUNED_TILES = [(64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 4, 3)]
 if triton.knobs.runtime.interpret:
     AUTOTUNED_TILES = AUTOTUNED_TILES[:1]
-# Programs an SM on the autotuned tiles: reading FP8 codes, two fill the memory pipe; dequantizing
-# in registers keeps the ALUs busy, and more programs an SM hide their latency.
-AUTOTUNED_TILES_PER_SM = {FP8_CODES: 2, BF16_VALUES: 8}
-# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill), NVFP4
-# up to a tile of 16 rows on the tensor cores, each with the weight tile that measured best
-# (benchmarks/decode_nvfp4.py); MXFP8's and FP8 codes' tiles of 16 rows are Triton's autotuned.
+AUTOTUNED_TILES_PER_SM = 2
+# NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill)
+# (benchmarks/decode_nvfp4.py).
 _ONE_ROW = {
     F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
     BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=4, fma=True),
 }
-_NVFP4_ONE_TILE = DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)
+# NVFP4 and MXFP8 on the tensor cores, by the most rows of A each tiling takes: a tile of rows
+# sharing each decoded weight tile, the more rows the fewer times each weight tile is decoded;
+# programs an SM to hide the decoding's latency while the weight is read (few rows), or a
+# larger weight tile (8 warps, two of the tensor cores' 64-row tiles) against the most rows, A
+# decoded first and one dot a step (where the products begin to set the pace).
+VALUE_TILES = (
+    (ONE_TILE_ROWS, DecodeConfig(block_n=64, block_k=256, block_m=ONE_TILE_ROWS, warps=4, stages=3, tiles_per_sm=8)),
+    (64, DecodeConfig(block_n=64, block_k=128, block_m=64, warps=4, stages=4, tiles_per_sm=4)),
+    (VALUE_ROWS, DecodeConfig(block_n=128, block_k=128, block_m=128, warps=8, stages=3, tiles_per_sm=2, a_first=True, one_dot=True)),
+)
 
 
 def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     """The tiling a call of ``m`` rows of A gets, for the weight's ``operand`` (FP8_CODES,
-    BF16_VALUES, F16_VALUES), or None (FP8 codes and MXFP8) for a tile of 16 rows on the tensor
-    cores with the weight tile Triton's autotuner picks (AUTOTUNED_TILES). Past 16 rows (NVFP4)
-    one tile of A's rows, up to 64, shares each dequantized weight tile, 128 columns deep to leave
-    the registers the wider accumulator needs."""
-    if m == 1 and operand in _ONE_ROW and not triton.knobs.runtime.interpret:
-        return _ONE_ROW[operand]
-    if operand == F16_VALUES and m <= ONE_TILE_ROWS:
-        return _NVFP4_ONE_TILE
-    if m <= ONE_TILE_ROWS:
+    BF16_VALUES, F16_VALUES): MXFP8 and NVFP4 at one row on the FMA units, else the first of
+    VALUE_TILES that takes m rows (its row tile shrunk to the power of two past m, 16 at least);
+    None for FP8 codes (a tile of 16 rows with the weight tile Triton's autotuner picks)."""
+    if operand == FP8_CODES:
         return None
-    return DecodeConfig(block_k=128, block_m=min(triton.next_power_of_2(m), 64), stages=4, tiles_per_sm=4)
+    if m == 1 and not triton.knobs.runtime.interpret:
+        return _ONE_ROW[operand]
+    config = next(config for rows, config in VALUE_TILES if m <= rows)
+    return dataclasses.replace(config, block_m=min(config.block_m, max(triton.next_power_of_2(m), ONE_TILE_ROWS)))
 
 
 # Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
@@ -228,20 +250,22 @@ def _e8m0_bytes(scale_ptr, row, rows, block, blocks, row_stride, col_stride):
 
 
 @triton.jit
-def _broadcast(scale, SCALE_COLS: tl.constexpr):
-    """(rows, blocks) scales repeated over each block's SCALE_COLS columns."""
-    rows: tl.constexpr = scale.shape[0]
-    blocks: tl.constexpr = scale.shape[1]
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], (rows, blocks, SCALE_COLS)), (rows, blocks * SCALE_COLS))
-
-
-@triton.jit
-def _mxfp8_values(data_ptr, scale_ptr, row, rows, k0, K, stride, scale_row_stride, scale_col_stride, VALUES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """MXFP8 codes times their power-of-two scales from column k0 on, in VALUES (exact in bf16)."""
-    col = k0 + tl.arange(0, BLOCK_K)[None, :]
+def _mxfp8_words(
+    data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride, BLOCK_K: tl.constexpr, INSIDE: tl.constexpr
+):
+    """MXFP8's codes from column k0 on as BLOCK_K / 8 64-bit words of 8 (0 outside the operand,
+    or all INSIDE it: no masks), and each word's E8M0 scale as stored (its 32-block's, loaded once
+    a block); ``stride_words``: the data's row stride in words."""
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
     block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
-    scale = _block_scales(scale_ptr, row, rows, block, tl.cdiv(K, 32), scale_row_stride, scale_col_stride, 1, True)
-    return _codes(data_ptr, row, rows, col, K, stride).to(VALUES) * _broadcast(scale.to(VALUES), 32)
+    at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_words + word
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride
+    if INSIDE:
+        codes, biased = tl.load(at), tl.load(scale_at)
+    else:
+        codes = tl.load(at, mask=(row < rows) & (word < tl.cdiv(K, 8)), other=0)
+        biased = tl.load(scale_at, mask=(row < rows) & (block < tl.cdiv(K, 32)), other=127)
+    return codes, tl.reshape(tl.broadcast_to(biased[:, :, None], (biased.shape[0], BLOCK_K // 32, 4)), codes.shape)
 
 
 @triton.jit
@@ -275,20 +299,153 @@ def _nvfp4_blocks(
 
 
 @triton.jit
-def _nvfp4_pairs(codes, scale, ASM: tl.constexpr):
-    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands: the
-    k-th holds each block's k-th decoded f16x2 register (codes j and j + 4), its two values side
-    by side in K, so that the compiler loads the codes straight into the tensor cores' operand
-    layout and decodes them there (the decoded weight never passes through shared memory). Both
-    operands take K in this same order."""
-    v = e2m1_block_values(codes, scale, ASM)
-    shape: tl.constexpr = (codes.shape[0], 2 * codes.shape[1])
+def _pair(low, high, TRANSPOSED: tl.constexpr):
+    """(rows, words) ``low`` and ``high`` side by side in K: (rows, 2 * words), or (2 * words,
+    rows) where TRANSPOSED. A transposed operand is made so, not by tl.trans after: Triton 3.6
+    would move the shared-memory copy of the transposed tile above the reshape, into a layout it
+    cannot make."""
+    if TRANSPOSED:
+        pair = tl.reshape(tl.permute(tl.join(low, high), (1, 2, 0)), (2 * low.shape[1], low.shape[0]))
+    else:
+        pair = tl.reshape(tl.join(low, high), (low.shape[0], 2 * low.shape[1]))
+    return pair
+
+
+@triton.jit
+def _mxfp8_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The words' values times their scales (e4m3_bf16_word_values) as 4 (rows, 2 * words)
+    operands (_pair; TRANSPOSED for A): the p-th holds codes 2p and 2p + 1 of each word side by
+    side in K, one bf16x2 register as decoded, so that the compiler loads the words straight into
+    the tensor cores' operand layout and decodes them there. Both operands take K in this order."""
+    v = e4m3_bf16_word_values(codes, scale, ASM)
     return (
-        tl.reshape(tl.join(v[0], v[4]), shape), tl.reshape(tl.join(v[1], v[5]), shape),
-        tl.reshape(tl.join(v[2], v[6]), shape), tl.reshape(tl.join(v[3], v[7]), shape),
-        tl.reshape(tl.join(v[8], v[12]), shape), tl.reshape(tl.join(v[9], v[13]), shape),
-        tl.reshape(tl.join(v[10], v[14]), shape), tl.reshape(tl.join(v[11], v[15]), shape),
+        _pair(v[0], v[1], TRANSPOSED), _pair(v[2], v[3], TRANSPOSED), _pair(v[4], v[5], TRANSPOSED), _pair(v[6], v[7], TRANSPOSED),
     )
+
+
+@triton.jit
+def _nvfp4_pairs(codes, scale, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The blocks' values (e2m1_block_values, times 2^-14) as 8 (rows, 2 * blocks) operands
+    (_pair; TRANSPOSED for A): the k-th holds each block's k-th decoded f16x2 register (codes j
+    and j + 4), its two values side by side in K, so that the compiler loads the codes straight
+    into the tensor cores' operand layout and decodes them there (the decoded weight never passes
+    through shared memory). Both operands take K in this same order."""
+    v = e2m1_block_values(codes, scale, ASM)
+    return (
+        _pair(v[0], v[4], TRANSPOSED), _pair(v[1], v[5], TRANSPOSED), _pair(v[2], v[6], TRANSPOSED), _pair(v[3], v[7], TRANSPOSED),
+        _pair(v[8], v[12], TRANSPOSED), _pair(v[9], v[13], TRANSPOSED), _pair(v[10], v[14], TRANSPOSED), _pair(v[11], v[15], TRANSPOSED),
+    )
+
+
+@triton.jit
+def _in_order8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight (rows, words) tensors, the j-th holding code j of each word, as (rows, words, 2, 2,
+    2) whose flattening puts each word's codes in K's own order (tl.join adds the fastest axis:
+    the evens' tree, then the odds')."""
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _mxfp8_in_order(codes, scale, ASM: tl.constexpr):
+    """The words' values times their scales as one (rows, 8 * words) operand in K's own order."""
+    v = e4m3_bf16_word_values(codes, scale, ASM)
+    return tl.reshape(_in_order8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]), (codes.shape[0], 8 * codes.shape[1]))
+
+
+@triton.jit
+def _nvfp4_in_order(codes, scale, ASM: tl.constexpr):
+    """The blocks' values (times 2^-14) as one (rows, 16 * blocks) operand in K's own order."""
+    v = e2m1_block_values(codes, scale, ASM)
+    evens = _in_order8(v[0], v[2], v[4], v[6], v[8], v[10], v[12], v[14])
+    odds = _in_order8(v[1], v[3], v[5], v[7], v[9], v[11], v[13], v[15])
+    return tl.reshape(tl.join(evens, odds), (codes.shape[0], 16 * codes.shape[1]))
+
+
+@triton.jit
+def _words(
+    data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride,
+    OPERAND: tl.constexpr, BLOCK_K: tl.constexpr, INSIDE: tl.constexpr,
+):
+    """MXFP8's (OPERAND 1) or NVFP4's codes from column k0 on as 64-bit words, and each word's
+    scale (_mxfp8_words, _nvfp4_blocks)."""
+    if OPERAND == 1:
+        codes, scale = _mxfp8_words(data_ptr, scale_ptr, row, rows, k0, K, stride_words, scale_row_stride, scale_col_stride, BLOCK_K, INSIDE)
+    else:
+        block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+        codes, scale = _nvfp4_blocks(data_ptr, scale_ptr, row, rows, block, K // 16, stride_words, scale_row_stride, scale_col_stride, INSIDE)
+    return codes, scale
+
+
+@triton.jit
+def _pairs(codes, scale, OPERAND: tl.constexpr, ASM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """The words' pair operands (_mxfp8_pairs, _nvfp4_pairs)."""
+    if OPERAND == 1:
+        pairs = _mxfp8_pairs(codes, scale, ASM, TRANSPOSED)
+    else:
+        pairs = _nvfp4_pairs(codes, scale, ASM, TRANSPOSED)
+    return pairs
+
+
+@triton.jit
+def _in_order(codes, scale, OPERAND: tl.constexpr, ASM: tl.constexpr):
+    """The words' values as one operand in K's own order (_mxfp8_in_order, _nvfp4_in_order)."""
+    if OPERAND == 1:
+        values = _mxfp8_in_order(codes, scale, ASM)
+    else:
+        values = _nvfp4_in_order(codes, scale, ASM)
+    return values
+
+
+@triton.jit
+def _a_tile(values_ptr, M, K, stride, k0, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A's values in K's own order (_a_values_kernel, ONE_DOT) at columns k0 to k0 + BLOCK_K,
+    transposed: (BLOCK_K, BLOCK_M), 0 outside A and past its values (the last K split's steps
+    may reach past them)."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    col = k0 + tl.arange(0, BLOCK_K)[:, None]
+    return tl.load(values_ptr + m.to(tl.int64) * stride + col, mask=(m < M) & (col < tl.cdiv(K, CHUNK) * CHUNK), other=0.0)
+
+
+@triton.jit
+def _a_pair(values_ptr, M, K, stride, j: tl.constexpr, first_word, CHUNK: tl.constexpr, WORD: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
+    """The j-th pair operand of A's WORDS words (of WORD codes) from ``first_word`` on, (2 * WORDS,
+    BLOCK_M), as _a_values_kernel laid it out (0 outside A and past its pair's values: the last K
+    split's steps may reach past them)."""
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    at = 2 * first_word + tl.arange(0, 2 * WORDS)[:, None]
+    length = 2 * _padded_words(K, CHUNK, WORD)
+    return tl.load(values_ptr + m.to(tl.int64) * stride + j * length + at, mask=(m < M) & (at < length), other=0.0)
+
+
+@triton.jit
+def _padded_words(K, CHUNK: tl.constexpr, WORD: tl.constexpr):
+    """The words of WORD codes in K rounded up to whole CHUNKs: each pair's length in A's values
+    (_a_values_kernel), a multiple of 16 (so that a mask at it keeps 16-byte copies)."""
+    return tl.cdiv(K, CHUNK) * (CHUNK // WORD)
+
+
+@triton.jit
+def _a_values_kernel(
+    a_ptr, a_scale_ptr, values_ptr, M, K, a_stride, a_scale_row_stride, a_scale_col_stride, values_stride,
+    OPERAND: tl.constexpr, ASM: tl.constexpr, ONE_DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, WORDS: tl.constexpr,
+):
+    """Program (r, w): MXFP8's or NVFP4's A (OPERAND), BLOCK_R rows and WORDS 64-bit words of
+    codes, decoded as _decode_kernel decodes them, in the order its dots take K: in K's own order
+    (ONE_DOT), or each pair operand (_mxfp8_pairs, _nvfp4_pairs) in its own range of a row's
+    values, the j-th pair's of word w at j * 2 * padded words + 2 * w (_padded_words, zeros past
+    K), so that a program's step copies each of its operands in one piece, 16 bytes at a time."""
+    WORD: tl.constexpr = 8 if OPERAND == 1 else 16  # codes a word
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    first_word = tl.program_id(1) * WORDS
+    at = values_ptr + row.to(tl.int64) * values_stride
+    codes, scale = _words(a_ptr, a_scale_ptr, row, M, first_word * WORD, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, WORD * WORDS, False)
+    if ONE_DOT:
+        tl.store(at + first_word * WORD + tl.arange(0, WORD * WORDS)[None, :], _in_order(codes, scale, OPERAND, ASM), mask=row < M)
+    else:
+        pairs = _pairs(codes, scale, OPERAND, ASM)
+        at = at + 2 * first_word + tl.arange(0, 2 * WORDS)[None, :]
+        for j in tl.static_range(WORD // 2):
+            tl.store(at + j * 2 * _padded_words(K, CHUNK, WORD), pairs[j], mask=row < M)
 
 
 @triton.jit
@@ -423,11 +580,12 @@ def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
-    OPERAND: tl.constexpr, VALUES: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
@@ -440,7 +598,9 @@ def _decode_kernel(
     (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
     inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
     loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
-    which stand in A's factor at a_factor_ptr."""
+    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
+    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
+    decoded then, one dot a step."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
@@ -479,20 +639,22 @@ def _decode_kernel(
                 b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
                 a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
                 total += block_sum * b_scale * tl.trans(a_scale)
-        elif OPERAND == 1:  # BF16_VALUES (MXFP8)
-            b = _mxfp8_values(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, VALUES, BLOCK_K)
-            a = _mxfp8_values(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, VALUES, BLOCK_K)
-            total = tl.dot(b, tl.trans(a), total, input_precision="ieee")
-        else:  # F16_VALUES (NVFP4): its 16-code blocks as 64-bit words
-            block = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-            b_codes, b_scale = _nvfp4_blocks(
-                b_ptr, b_scale_ptr, n, N, block, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
-            )
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, block, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, False)
-            b = _nvfp4_pairs(b_codes, b_scale, ASM)
-            a = _nvfp4_pairs(a_codes, a_scale, ASM)
-            for j in tl.static_range(8):
-                total = tl.dot(b[j], tl.trans(a[j]), total)
+        else:  # MXFP8 and NVFP4 (BF16_VALUES, F16_VALUES): their codes as 64-bit words of WORD
+            WORD: tl.constexpr = 8 if OPERAND == 1 else 16
+            b_codes, b_scale = _words(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, OPERAND, BLOCK_K, WHOLE_TILES)
+            if ONE_DOT:
+                total = tl.dot(_in_order(b_codes, b_scale, OPERAND, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
+            else:
+                b = _pairs(b_codes, b_scale, OPERAND, ASM)
+                if not A_VALUES:
+                    a_codes, a_scale = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
+                    a_t = _pairs(a_codes, a_scale, OPERAND, ASM, TRANSPOSED=True)
+                for j in tl.static_range(WORD // 2):
+                    if A_VALUES:
+                        a_j = _a_pair(a_ptr, M, K, a_stride, j, k0 // WORD, CHUNK, WORD, BLOCK_M, BLOCK_K // WORD)
+                    else:
+                        a_j = a_t[j]
+                    total = tl.dot(b[j], a_j, total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     _write(
@@ -663,11 +825,44 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
 
 def _in_words(args: tuple) -> tuple:
     """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
-    words, its data copied where it is not aligned to them."""
+    words, its data copied where it is not aligned to them (zeros past its columns: a word's
+    codes past K are multiplied with the block's scale)."""
     data, *rest = args
     if data.data_ptr() % 16 or data.stride(0) % 8:
-        data = torch.empty((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
+        data = torch.zeros((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
     return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
+
+
+def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple:
+    """MXFP8's or NVFP4's A (its arguments in words, _in_words) decoded by _a_values_kernel: the
+    same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
+    Triton's interpreter) in place of the codes, their row stride in values."""
+    data, scale, factor, stride_words, *scale_strides = args
+    padded = triton.cdiv(k, K_CHUNK) * K_CHUNK  # values a row: every pair's words, padded (_padded_words)
+    dtype = torch.float16 if operand == F16_VALUES else torch.float32 if triton.knobs.runtime.interpret else torch.bfloat16
+    values = torch.empty((m, padded), dtype=dtype, device=data.device)
+    _a_values_kernel[(triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16)))](
+        data, scale, values, m, k, stride_words, *scale_strides, values.stride(0),
+        OPERAND=operand, ASM=not triton.knobs.runtime.interpret, ONE_DOT=one_dot, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
+    )
+    return (values, scale, factor, values.stride(0), *scale_strides)
+
+
+# The least BLOCK_K of MXFP8's and NVFP4's pair operands on the tensor cores: each of a step's 4
+# or 8 dots takes BLOCK_K / 4 or / 8 of K, and a dot at least 16.
+_LEAST_PAIRS_BLOCK_K = {BF16_VALUES: 64, F16_VALUES: 128}
+
+
+def _check_tiling(config: DecodeConfig, operand: int, families: tuple[str, str]) -> None:
+    """Raise where ``config`` cannot multiply the weight's ``operand`` (families: A's and B's)."""
+    if operand == FP8_CODES and (config.fma or config.a_first):
+        raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only, as they load; got {config} for {families}")
+    pairs = not config.fma and not config.one_dot and config.mx_products == "values"
+    if operand in _LEAST_PAIRS_BLOCK_K and pairs and config.block_k < _LEAST_PAIRS_BLOCK_K[operand]:
+        raise ValueError(
+            f"the decode GEMM's {families[1]} pair operands take block_k >= {_LEAST_PAIRS_BLOCK_K[operand]} "
+            f"(each of a step's dots at least 16 deep); got {config}"
+        )
 
 
 def _factors(a: _Layout, b: _Layout) -> dict:
@@ -734,9 +929,9 @@ def gemm(
     a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
-    """(m, n) = A @ B^T (+ bias), m at most the pair's MAX_ROWS, both operands stored with the
-    reduction dim last, A quantized or to be quantized here (QuantizedOnLoad); ``config``: the
-    tiling (default_config where None)."""
+    """(m, n) = A @ B^T (+ bias), both operands stored with the reduction dim last, A quantized or
+    to be quantized here (QuantizedOnLoad); ``config``: the tiling, or None for default_config's
+    (then m at most the pair's MAX_ROWS)."""
     rule = None
     if isinstance(a, QuantizedOnLoad):
         refusal = quantize_on_load_refusal(a.quantizer)
@@ -752,19 +947,21 @@ def gemm(
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
     most = MAX_ROWS.get(families, 0)
-    if m > most:
+    if m > most and config is None:
         raise ValueError(
             f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
             f"got A of {m} rows ({a.quantizer})"
         )
     config = config or default_config(b_layout.operand, m)
+    if config is not None:
+        _check_tiling(config, b_layout.operand, families)
     block_m = config.block_m if config else ONE_TILE_ROWS
     row_tiles = triton.cdiv(m, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     if config:
         splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
     else:
-        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM[b_layout.operand], 64, row_tiles)
+        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM, 64, row_tiles)
     k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
     splits = triton.cdiv(k, k_chunks * K_CHUNK)
     partial, arrivals = out, out
@@ -773,29 +970,27 @@ def gemm(
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
         arrivals = _arrivals(out.device, triton.cdiv(n, block_n) * row_tiles)
     bias_arg = out if bias is None else bias.contiguous()
-    # MXFP8's values are multiplied as bf16 (exact), but as fp32 in Triton's interpreter, whose
-    # dot multiplies bf16 bit patterns as integers.
-    values = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     factors = _factors(a_layout, b_layout)
-    # NVFP4's codes, and MXFP8's on the FMA units, are read as 64-bit words (strides in words),
-    # decoded by inline PTX except in Triton's interpreter, which runs none.
-    if b_layout.operand == F16_VALUES or (config and config.fma and b_layout.operand == BF16_VALUES):
+    # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
+    # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
+    # which runs none; unmasked where every weight tile lies inside the weight.
+    in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
+    if in_words:
         a_args, b_args = _in_words(a_args), _in_words(b_args)
+    a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
+    if a_first:
+        a_args = _a_values(a_args, m, k, b_layout.operand, config.one_dot)
     asm = not triton.knobs.runtime.interpret
-    # Where every weight tile lies inside the weight, NVFP4's words (and the FMA units') are read
-    # unmasked.
-    whole_tiles = config is not None and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
+    whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
-            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
             WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         )
     elif config.fma:
-        if b_layout.operand == FP8_CODES:
-            raise ValueError(f"the decode GEMM multiplies FP8 codes on the tensor cores only; got {config} for {b.quantizer}")
         _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -805,12 +1000,13 @@ def gemm(
     else:
         _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
-            OPERAND=b_layout.operand, VALUES=values, SCALE_COLS=b_layout.scale_block[1],
+            OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
-            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles and b_layout.operand == F16_VALUES,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule,
+            B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
+            ONE_DOT=a_first and config.one_dot,
             num_warps=config.warps, num_stages=config.stages,
         )
     return out

@@ -155,6 +155,61 @@ def e4m3_word_values(codes, ASM: tl.constexpr):
     )
 
 
+# A 32-bit word of 4 E4M3 codes makes 2 bf16 pairs with integer instructions (no conversion
+# unit): a byte permute (PRMT_CODES_01, PRMT_CODES_23) puts two codes in the high bytes of the
+# halves, a shift right by 4 and a mask (E4M3_MAGNITUDE) put each magnitude in a bf16's exponent
+# and mantissa bits, a bit select keeps the sign (lop3 with SIGN_OR); that bf16 is the code's
+# value times 2^-120 (E4M3's subnormals become bf16 subnormals, which bf16 arithmetic keeps), so
+# one bf16x2 multiply by 2^120 gives the value exactly and a second the value times its block's
+# power-of-two scale. A NaN code would read as 480: the format's quantizer never writes one
+# without its block's scale being NaN too (a NaN makes its block's amax NaN), which the product
+# keeps.
+PRMT_CODES_01 = 0x1404  # bytes: 0, code 0, 0, code 1
+PRMT_CODES_23 = 0x3424  # bytes: 0, code 2, 0, code 3
+E4M3_MAGNITUDE = 0x07F007F0  # after the shift: each half's exponent (bits 7-10) and mantissa (4-6)
+SIGN_OR = 0xF8  # lop3 truth table of a | (b & c)
+BF16X2_2_POW_120 = 0x7B807B80
+
+
+def _e4m3_bf16_word_ptx() -> str:
+    """PTX for e4m3_bf16_word_values: $8, a 64-bit word of 8 E4M3 codes, and $9, their E8M0 scale
+    (its byte in 16 bits) -> $0..$7, the values times the scale in bf16, code j in $j. The scale's
+    bf16 is its byte in the exponent bits (0: 2^-127, a subnormal; 255: NaN)."""
+    lines = [
+        "{", ".reg .b32 w<2>, p, t, sc, e120;", ".reg .b16 e;", ".reg .pred zero, nan;",
+        "mov.b64 {w0, w1}, $8;", f"mov.b32 e120, {BF16X2_2_POW_120:#010x};", "mov.b32 sc, {$9, $9};",
+    ]
+    for half in range(2):
+        for pair, selector in enumerate((PRMT_CODES_01, PRMT_CODES_23)):
+            first = 4 * half + 2 * pair
+            lines += [
+                f"prmt.b32 p, w{half}, 0, {selector:#06x};", "shr.b32 t, p, 4;", f"and.b32 t, t, {E4M3_MAGNITUDE:#010x};",
+                f"lop3.b32 t, t, 0x80008000, p, {SIGN_OR:#x};", "mul.rn.bf16x2 t, t, e120;",
+                "mul.rn.bf16x2 t, t, sc;", f"mov.b32 {{${first}, ${first + 1}}}, t;",
+            ]
+    return "\n".join(lines + ["}"])
+
+
+_E4M3_BF16_WORD_PTX = tl.constexpr(_e4m3_bf16_word_ptx())
+
+
+@triton.jit
+def e4m3_bf16_word_values(codes, biased, ASM: tl.constexpr):
+    """The 8 E4M3 codes of each 64-bit word ``codes`` times its E8M0 scale (``biased``, the byte
+    as stored), a tuple whose j-th is byte j: bf16 by inline PTX (ASM; exact where the product
+    is in bf16's range, as the emulation's values), else fp32 in Triton (its interpreter
+    multiplies bf16 in a dot wrongly)."""
+    if ASM:  # one return for both branches: Triton types a function's returns together
+        v = tl.inline_asm_elementwise(
+            _E4M3_BF16_WORD_PTX, "=h," * 8 + "l,h", [codes, e8m0_value(biased).to(tl.bfloat16)], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+    else:
+        scale = e8m0_value(biased)
+        v = e4m3_word_values(codes, False)
+        v = (v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale)
+    return v
+
+
 @triton.jit
 def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows, loading
