@@ -5,8 +5,8 @@ graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls 
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
-tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d forward, 2.5
-times that backward) and a causal attention as half of those. The FP8 rows are
+tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h
+Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
 V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
