@@ -7,7 +7,7 @@ default forward before it, beside cuDNN's forward + backward).
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
         [--pv-promotion tile,none] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--tiles 64x64,64x128,32x128,128x64] [--warps 8]
-        [--stages 2,3] [--stagger 0] [--group-per-program 0] [--longest-first 0] [--kv-heads 32] ...
+        [--stages 2,3] [--stagger 0] [--kv-heads 32] ...
 
 The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, warp
 specialization); ``--warps 4,8 --warp-specialize 0,1`` sweeps them again (96 configurations take
@@ -77,11 +77,9 @@ def forward_configs(args) -> list[ForwardConfig]:
 def backward_configs(args) -> list[BackwardConfig]:
     """The backward grid's configurations: (query rows, keys) of the program's tiles."""
     return [
-        BackwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, stagger=bool(stagger),
-                       group_per_program=bool(group), longest_first=bool(longest))
-        for (block_m, block_n), warps, stages, stagger, group, longest in itertools.product(
-            _tiles(args.tiles), _ints(args.warps), _ints(args.stages), _ints(args.stagger), _ints(args.group_per_program),
-            _ints(args.longest_first),
+        BackwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, stagger=bool(stagger))
+        for (block_m, block_n), warps, stages, stagger in itertools.product(
+            _tiles(args.tiles), _ints(args.warps), _ints(args.stages), _ints(args.stagger)
         )
     ]
 
@@ -128,8 +126,6 @@ def main() -> None:
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
     parser.add_argument("--tiles", default="64x64,64x128,32x128,128x64", help="the backward's tiles, query rows x keys")
     parser.add_argument("--stagger", default="0", help="the backward's stagger, 0 and/or 1")
-    parser.add_argument("--group-per-program", default="0", help="the backward's group_per_program, 0 and/or 1")
-    parser.add_argument("--longest-first", default="0", help="the backward's longest_first, 0 and/or 1")
     parser.add_argument("--kv-heads", type=int, default=HEADS, help="key/value heads of the 32 query heads (8: the decoder's)")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the configurations")
     parser.add_argument("--reps", type=int, default=3, help="timed samples per configuration and case")

@@ -653,19 +653,17 @@ def test_backward_kernel_under_the_interpreter():
     that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
     small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
     the key tiles, so the causal diagonal crosses them both ways, and each program starting its
-    walk at another query tile); grouped heads walked by one program each or a program per query
-    head, whose dK and dV meet by atomic adds, the longest walks launched first or not; and the
-    compiled decoder test's attention at its first step (the delayed scales at 1, most of dS's
-    codes subnormal)."""
+    walk at another query tile); grouped heads over batches, several key tiles whose programs'
+    dK and dV meet by atomic adds; and the compiled decoder test's attention at its first step
+    (the delayed scales at 1, most of dS's codes subnormal)."""
     pytest.importorskip("triton")
     default = {}
     tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
-    grouped, split = {"block_m": 32, "block_n": 32, "group_per_program": True}, {"block_m": 32, "block_n": 32, "group_per_program": False}
+    small = {"block_m": 32, "block_n": 32}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
               (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
               (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide),
-              (2, 4, 2, 70, 90, 64, True, grouped), (2, 4, 2, 70, 90, 64, True, split), (1, 4, 1, 90, 70, 64, False, split),
-              (2, 4, 2, 90, 90, 64, True, {**grouped, "longest_first": True}), (1, 6, 2, 90, 70, 64, True, {**split, "longest_first": True})]
+              (2, 4, 2, 70, 90, 64, True, small), (1, 4, 1, 90, 70, 64, False, small)]
     shapes = [(*shape, True) for shape in shapes] + [(*DECODER_SHAPE, default, False)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
@@ -729,9 +727,6 @@ GPU_BACKWARD_CONFIGS = [
     {"block_m": 32, "block_n": 128, "num_stages": 2},
     {"block_m": 128, "block_n": 64, "num_stages": 2},
     {"block_m": 64, "block_n": 128, "num_stages": 4, "stagger": True},
-    {"group_per_program": True},
-    {"group_per_program": False, "longest_first": True},
-    {"group_per_program": True, "longest_first": True},
 ]
 
 

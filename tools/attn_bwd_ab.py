@@ -1,13 +1,14 @@
-"""The FP8 flash backward's variants at the decoder layer's attention (benchmarks/models.py: 32
-query heads over 8 key/value heads of dim 128, batch 2 x 8192 tokens), beside main's kernel
-(tools/attn_bwd_main_kernel.py, a copy kept for this A/B only) and cuDNN's bf16 backward.
+"""The FP8 flash backward at the decoder layer's attention (benchmarks/models.py: 32 query heads
+over 8 key/value heads of dim 128, batch 2 x 8192 tokens) and without groups, causal and full:
+main's kernel (tools/attn_bwd_main_kernel.py), the program per (key tile, query head) on a
+(key tiles, heads) grid (tools/attn_bwd_grid2d_kernel.py) and on the branch's one-dimensional
+grid, beside cuDNN's bf16 backward. The two copies are kept for this A/B only.
 
-    python tools/attn_bwd_ab.py [--reps 5] [--workers 5]
+    python tools/attn_bwd_ab.py [--reps 5] [--workers 5] [--rounds 2]
 
 Compiles every (variant, case) in --workers processes first, then times the backward alone
 (codes, logsumexp and D made beforehand) and checks each variant's dQ, dK, dV against main's
-(the largest difference over the largest |value|: atomics make the last bits vary).
-"""
+(the largest difference over the largest |value|: atomics make the last bits vary)."""
 
 from __future__ import annotations
 
@@ -29,32 +30,19 @@ from attention import HEAD_DIM, HEADS, TOKENS, flash_codes, flops  # noqa: E402
 from common import alternate  # noqa: E402
 
 from graphquant.kernels import triton_attention, triton_attention_backward as new  # noqa: E402
-from graphquant.kernels.triton_attention_backward import BackwardConfig  # noqa: E402
 from graphquant.ops.quantize import SlotState, quantize_tensor  # noqa: E402
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer  # noqa: E402
 
 SEQ = 8192
 DEVICE = os.environ.get("AB_DEVICE", "cuda")  # "cpu" under TRITON_INTERPRET=1: a dry run of the inputs and kernels
 CASES = [(8, True), (8, False), (32, True), (32, False)]  # (kv heads, causal)
-VARIANTS = {
-    "main": None,
-    "group per program": BackwardConfig(group_per_program=True),
-    "program per query head": BackwardConfig(group_per_program=False),
-    "group per program, longest first": BackwardConfig(group_per_program=True, longest_first=True),
-    "program per query head, longest first": BackwardConfig(group_per_program=False, longest_first=True),
-    "program per query head, stagger": BackwardConfig(stagger=True),
-    "program per query head, 4 stages": BackwardConfig(num_stages=4),
-}
-# The same kernel as another variant: one query head a group, or longest first without a mask.
-EXTRA = {"program per query head, stagger", "program per query head, 4 stages"}  # timed at the decoder's case alone
-SKIP = {(32, False): {"group per program", "group per program, longest first", "program per query head, longest first", *EXTRA},
-        (32, True): {"group per program", "group per program, longest first", *EXTRA},
-        (8, False): {"group per program, longest first", "program per query head, longest first", *EXTRA}}
+VARIANTS = ["main", "per query head, (key tiles, heads) grid", "per query head, one-dimensional grid"]
+MODULES = {"main": "attn_bwd_main_kernel", "per query head, (key tiles, heads) grid": "attn_bwd_grid2d_kernel"}
 
 
 @functools.cache
-def _main_module():
-    spec = importlib.util.spec_from_file_location("attn_bwd_main_kernel", os.path.join(ROOT, "tools", "attn_bwd_main_kernel.py"))
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -80,9 +68,8 @@ def _inputs(kv_heads: int, seq: int, causal: bool):
 
 
 def _run(name, args):
-    if name == "main":
-        return lambda: _main_module().backward(*args)
-    return lambda: new.backward(*args, VARIANTS[name])
+    module = _module(MODULES[name]) if name in MODULES else new
+    return lambda: module.backward(*args)
 
 
 def _compile(job) -> str:
@@ -103,16 +90,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    jobs = [(name, kv, causal) for kv, causal in CASES for name in VARIANTS if name not in SKIP.get((kv, causal), ())]
+    jobs = [(name, kv, causal) for kv, causal in CASES for name in VARIANTS]
     started = time.time()
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         failed = {job: why for job, why in zip(jobs, pool.map(_compile, jobs, chunksize=1)) if why}
     print(f"compiled {len(jobs)} in {time.time() - started:.0f} s; failed: {failed}", flush=True)
-    main_module = _main_module()
     for kv, causal in CASES:
         kernel_args, (q, k, v, grad) = _inputs(kv, SEQ, causal)
-        names = [n for n in VARIANTS if n not in SKIP.get((kv, causal), ()) and (n, kv, causal) not in failed]
-        fns = {n: (lambda: main_module.backward(*kernel_args)) if n == "main" else (lambda n=n: new.backward(*kernel_args, VARIANTS[n])) for n in names}
+        names = [n for n in VARIANTS if (n, kv, causal) not in failed]
+        fns = {n: _run(n, kernel_args) for n in names}
         reference = fns["main"]() if "main" in fns else None
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 

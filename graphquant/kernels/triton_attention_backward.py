@@ -26,12 +26,11 @@ so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in
 transposed there. Each product sums one tile (at most 128 deep) in the tensor cores' accumulator
 and adds it into fp32 (as the forward's PV). The program records the largest |dS| it saw (what
 the dp slot's delayed scaling records). Under grouped-query attention dK and dV come out summed
-over each key/value head's query heads, in fp32: by default a program walks one query head and
-adds its dK and dV into the group's by atomic adds (in some order, one more fp32 rounding a query
-head), so that the programs running at one moment share the few query heads whose dQ they add
-into, as without groups; ``BackwardConfig.group_per_program`` has a program walk the whole
-group instead (a quarter of the programs, each four times as long, at four query heads a
-key/value head). Causal masks are aligned top left, as the forward's.
+over each key/value head's query heads, in fp32: a program walks one query head and adds its dK
+and dV into the group's by atomic adds (in some order, one more fp32 rounding a query head), so
+that the programs running at one moment share the few query heads whose dQ they add
+into (and whose Q and dO they read), as without groups, and the causal launch's last wave is as
+short. Causal masks are aligned top left, as the forward's.
 """
 
 from __future__ import annotations
@@ -57,20 +56,13 @@ class BackwardConfig:
     that the programs of one head do not add into the same dQ tile at the same moment.
 
     Under grouped-query attention each program adds its dK and dV into its key/value head's by
-    atomic adds; group_per_program: a program per block_n keys of a (batch, key/value head)
-    instead, walking the query tiles of every query head of the group and summing dK and dV in
-    its registers.
-    longest_first: under a causal mask, the programs of every head's first key tile (the longest
-    walks) start before any second one, and so on, so that the shortest walks fill the launch's
-    last wave; otherwise (and without a mask) a head's key tiles start together."""
+    atomic adds."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
     stagger: bool = False
-    group_per_program: bool = False
-    longest_first: bool = False
 
     def __post_init__(self) -> None:
         tiles = (32, 64, 128)
@@ -107,24 +99,15 @@ def _columns(XT, stride, first, offs, valid, offs_d):
 
 @triton.jit
 def _query_tiles(
-    dk, dv, ds_amax, k, v, kt, offs_n, start, end, Q, QT, DO, DOT, LSE, DELTA, DQ, first_head, seq_q, seq_k, qt_stride, offs_d,
-    qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr,
+    dk, dv, ds_amax, k, v, kt, offs_n, start, end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+    qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
-    """Fold the query tiles [start, end) of HEADS query (batch, head)s from first_head on into one
-    key tile's (dK, dV, largest |dS| per key) and add their dQ tiles into DQ; MASKED: some keys of
-    the tile are past seq_k or (CAUSAL) after some of these rows. Rows past seq_q have an infinite
-    logsumexp, so P and dS are 0 there. One loop over (head, query tile) pairs, head-major, so
-    that the pipeline runs on from one head's tiles into the next's; x walks HEADS copies of
-    [start, start + span) laid end to end (one head: [start, end) itself, the same tiles, which
-    ptxas compiles with fewer spills)."""
-    span = tl.cdiv(end - start, BLOCK_M) * BLOCK_M
-    for x in range(start, start + HEADS * span if HEADS > 1 else end, BLOCK_M):
-        if HEADS == 1:
-            first, start_m = first_head * seq_q, x
-        else:
-            g = (x - start) // span
-            first, start_m = (first_head + g) * seq_q, x - g * span
+    """Fold the query tiles [start, end) into one key tile's (dK, dV, largest |dS| per key) and
+    add their dQ tiles into DQ; MASKED: some keys of the tile are past seq_k or (CAUSAL) after
+    some of these rows. Rows past seq_q have an infinite logsumexp, so P and dS are 0 there."""
+    first = bh * seq_q
+    for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = offs_m < seq_q
         q = _rows(Q, first, offs_m, rows, offs_d, HEAD_DIM)
@@ -154,17 +137,16 @@ def _query_tiles(
 @triton.jit
 def _backward_kernel(
     Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
-    GROUPS: tl.constexpr, PROGRAM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, LONGEST_FIRST: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
-    # The grid is (key tiles, programs per key tile), or the other way round where the longest walks start first.
-    if LONGEST_FIRST:
-        tile, program = tl.program_id(1), tl.program_id(0)
-    else:
-        tile, program = tl.program_id(0), tl.program_id(1)
-    first_head = program.to(tl.int64) * PROGRAM_HEADS  # the (batch, query head) the program walks first of its PROGRAM_HEADS
-    kv_bh = first_head // GROUPS
+    # A one-dimensional grid, key tiles fastest (the order of a (key tiles, heads) grid): so written,
+    # ptxas spills less in the query loops under a causal mask.
+    tiles = tl.cdiv(seq_k, BLOCK_N)
+    tile = tl.program_id(0) % tiles
     start_n = tile * BLOCK_N
+    bh = (tl.program_id(0) // tiles).to(tl.int64)  # (batch, query head)
+    kv_bh = bh // GROUPS
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
@@ -198,25 +180,24 @@ def _backward_kernel(
     if STAGGER:
         split += (tile * BLOCK_M) % tl.maximum(tl.cdiv(seq_q - unmasked, BLOCK_M) * BLOCK_M, 1)
     dk, dv, ds_amax = _query_tiles(
-        dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, first_head, seq_q, seq_k, qt_stride,
-        offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, PROGRAM_HEADS, True, CAUSAL, P_CODE, DS_CODE,
+        dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
     )
     dk, dv, ds_amax = _query_tiles(
-        dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, first_head, seq_q, seq_k, qt_stride,
-        offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, PROGRAM_HEADS, False, CAUSAL, P_CODE, DS_CODE,
+        dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
     )
     if STAGGER:
         dk, dv, ds_amax = _query_tiles(
-            dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, first_head, seq_q, seq_k, qt_stride,
-            offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, PROGRAM_HEADS, False, CAUSAL, P_CODE,
-            DS_CODE,
+            dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride,
+            offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
         )
 
     out = (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-    if PROGRAM_HEADS == GROUPS:  # the program saw the whole group
+    if GROUPS == 1:
         tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
         tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
-    else:  # one query head's share of the group's sums
+    else:  # one query head's share of its key/value head's
         tl.atomic_add(DV + out, dv * (s_inv * do_inv), mask=keys[:, None], sem="relaxed")
         tl.atomic_add(DK + out, dk * grad_factor, mask=keys[:, None], sem="relaxed")
     tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
@@ -242,19 +223,15 @@ def backward(
             f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
         )
     c = config or DEFAULT_CONFIG
-    groups = heads // kv_heads
-    program_heads = groups if c.group_per_program else 1
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    new = torch.empty if program_heads == groups else torch.zeros  # dK and dV: stored whole, or added into
+    new = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
     dk = new((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
     dv = new(dk.shape, device=q.device, dtype=torch.float32)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
-    longest_first = c.longest_first and causal
-    grid = (triton.cdiv(seq_k, c.block_n), b * heads // program_heads)
-    _backward_kernel[grid[::-1] if longest_first else grid](
+    _backward_kernel[(triton.cdiv(seq_k, c.block_n) * b * heads,)](
         q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
-        groups, program_heads, head_dim, causal, c.block_m, c.block_n, c.stagger, longest_first,
+        heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
