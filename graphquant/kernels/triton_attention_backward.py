@@ -224,9 +224,9 @@ def backward(
         )
     c = config or DEFAULT_CONFIG
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    new = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
-    dk = new((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
-    dv = new(dk.shape, device=q.device, dtype=torch.float32)
+    allocate = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
+    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
+    dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
     _backward_kernel[(triton.cdiv(seq_k, c.block_n) * b * heads,)](
