@@ -140,12 +140,18 @@ def _backward_kernel(
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
-    # A one-dimensional grid, key tiles fastest (the order of a (key tiles, heads) grid): so written,
-    # ptxas spills less in the query loops under a causal mask.
+    # A one-dimensional grid, key tiles fastest (the order of a (key tiles, heads) grid). The two
+    # spellings of (tile, head) are the same numbers; the query loops sit at the register limit, and
+    # ptxas spills several times as much in them with the other spelling of each case.
     tiles = tl.cdiv(seq_k, BLOCK_N)
-    tile = tl.program_id(0) % tiles
+    if CAUSAL:
+        tile = tl.program_id(0) % tiles
+        bh = (tl.program_id(0) // tiles).to(tl.int64)  # (batch, query head)
+    else:
+        head = tl.program_id(0) // tiles
+        tile = tl.program_id(0) - head * tiles
+        bh = head.to(tl.int64)
     start_n = tile * BLOCK_N
-    bh = (tl.program_id(0) // tiles).to(tl.int64)  # (batch, query head)
     kv_bh = bh // GROUPS
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
