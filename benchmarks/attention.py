@@ -1,11 +1,12 @@
 """TFLOP/s of attention: bf16 F.scaled_dot_product_attention per backend torch offers, beside
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
-    python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--rounds 3] [--emulated]
+    python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
 
-32 heads of dim 128, bf16, a batch of 16384 // seq sequences (16k tokens), causal and not,
-forward alone and forward + backward. TFLOP/s count the products (4 b h Lq Lk d forward, 2.5
-times that backward) and a causal attention as half of those. The FP8 rows are
+32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
+shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
+tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h
+Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
 V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 
 import torch
@@ -39,7 +41,7 @@ from graphquant.passes.plan import Planner  # noqa: E402
 from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer  # noqa: E402
 from graphquant.recipes import CustomRecipe  # noqa: E402
 
-HEADS, HEAD_DIM, TOKENS = 32, 128, 16384
+HEADS, HEAD_DIM, TOKENS = 32, 128, 16384  # the query heads
 E4M3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")  # the zoo recipe's qkv and the kernel alone's
 BACKENDS = {
     "bf16 sdpa flash": SDPBackend.FLASH_ATTENTION,
@@ -110,10 +112,11 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
     return lambda: (forward(), backward())
 
 
-def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, callable]:
+def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS) -> dict[str, callable]:
     batch = max(1, TOKENS // seq)
     q, k, v = (
-        torch.randn(batch, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3)
+        torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        for heads in (HEADS, kv_heads, kv_heads)
     )
     grad = torch.randn_like(q)
 
@@ -129,7 +132,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool) -> dict[str, ca
     for name, backend in BACKENDS.items():
         def attend(q, k, v, backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
 
         fns[name] = step(attend)
     sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True)}
@@ -174,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", default="2048,8192,16384", help="sequence lengths, comma-separated")
     parser.add_argument("--passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
+    parser.add_argument("--kv-heads", default="32,8", help="key/value heads (of 32 query heads), comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per configuration")
     parser.add_argument("--emulated", action="store_true", help="add the exact emulation's rows (slow; OOM first)")
     args = parser.parse_args()
@@ -182,17 +186,17 @@ def main() -> None:
         parser.error(f"--passes takes fwd and fwd+bwd, got {args.passes!r}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
-    for seq in map(int, args.seqs.split(",")):
-        for causal in (False, True):
-            for backward in [p == "fwd+bwd" for p in passes]:
-                results = measure(runs(seq, causal, backward, args.emulated), args.rounds)
-                work = flops(seq, causal, backward)
-                for name, ms in results.items():
-                    tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms
-                    rows.append([seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd", name,
-                                 f"{ms:.2f}" if isinstance(ms, float) else "", tflops])
-                    print(" | ".join(map(str, rows[-1])), flush=True)  # as measured: a run cut short keeps its rows
-    print(tabulate(rows, headers=["seq", "mask", "pass", "config", "ms", "TFLOP/s"], tablefmt="simple", disable_numparse=True))
+    cases = itertools.product(map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True), [p == "fwd+bwd" for p in passes])
+    for kv_heads, seq, causal, backward in cases:
+        results = measure(runs(seq, causal, backward, args.emulated, kv_heads), args.rounds)
+        work = flops(seq, causal, backward)
+        for name, ms in results.items():
+            tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms
+            rows.append([f"{HEADS}/{kv_heads}", seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd", name,
+                         f"{ms:.2f}" if isinstance(ms, float) else "", tflops])
+            print(" | ".join(map(str, rows[-1])), flush=True)  # as measured: a run cut short keeps its rows
+    headers = ["heads/kv", "seq", "mask", "pass", "config", "ms", "TFLOP/s"]
+    print(tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True))
 
 
 if __name__ == "__main__":

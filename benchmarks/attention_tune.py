@@ -7,13 +7,14 @@ default forward before it, beside cuDNN's forward + backward).
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
         [--pv-promotion tile,none] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--tiles 64x64,64x128,32x128,128x64] [--warps 8]
-        [--stages 2,3] [--stagger 0] ...
+        [--stages 2,3] [--stagger 0] [--kv-heads 32] ...
 
 The forward's defaults leave out what the H200 already ruled out (NOTES.md: 4 warps, warp
 specialization); ``--warps 4,8 --warp-specialize 0,1`` sweeps them again (96 configurations take
 about 2 minutes, 24 about 40 s).
 
-32 heads of dim 128, 16k tokens per call (as benchmarks/attention.py), TFLOP/s counting a causal
+32 query heads of dim 128 over ``--kv-heads`` key/value heads (32; 8 is the decoder layer's grouped
+attention), 16k tokens per call (as benchmarks/attention.py), TFLOP/s counting a causal
 attention as half (and forward + backward as 3.5 forwards). ``--pv-promotion`` takes ``tile``
 (PV promoted into fp32 after every key tile, or every 128 keys of a wider one: the default's
 numerics), a number of keys, or
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 import sys
@@ -82,8 +84,9 @@ def backward_configs(args) -> list[BackwardConfig]:
     ]
 
 
-def _inputs(seq: int, batch: int) -> list[torch.Tensor]:
-    return [torch.randn(batch, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+def _inputs(seq: int, batch: int, kv_heads: int) -> list[torch.Tensor]:
+    """q, k, v and dO: 32 query heads over ``kv_heads`` key/value heads."""
+    return [torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for heads in (HEADS, kv_heads, kv_heads, HEADS)]
 
 
 def _runner(inputs: list[torch.Tensor], causal: bool, config):
@@ -95,12 +98,12 @@ def _runner(inputs: list[torch.Tensor], causal: bool, config):
     return lambda: triton_attention.forward(*codes, SOFTMAX_SCALE, causal, torch.bfloat16, config)
 
 
-def _compile(config) -> str:
+def _compile(config, kv_heads: int) -> str:
     """Compile ``config``'s kernels, causal and not, into Triton's on-disk cache at the sweep's
     specialisation (a short sequence specialises as the long ones, all multiples of 16); '' or
     why it failed."""
     try:
-        inputs = _inputs(128, 1)
+        inputs = _inputs(128, 1, kv_heads)
         for causal in (False, True):
             _runner(inputs, causal, config)()
         torch.cuda.synchronize()
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
     parser.add_argument("--tiles", default="64x64,64x128,32x128,128x64", help="the backward's tiles, query rows x keys")
     parser.add_argument("--stagger", default="0", help="the backward's stagger, 0 and/or 1")
+    parser.add_argument("--kv-heads", type=int, default=HEADS, help="key/value heads of the 32 query heads (8: the decoder's)")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the configurations")
     parser.add_argument("--reps", type=int, default=3, help="timed samples per configuration and case")
     args = parser.parse_args()
@@ -136,11 +140,11 @@ def main() -> None:
 
     started = time.time()
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        failures = dict(zip(grid, pool.map(_compile, grid, chunksize=1)))
+        failures = dict(zip(grid, pool.map(functools.partial(_compile, kv_heads=args.kv_heads), grid, chunksize=1)))
     print(f"compiled in {time.time() - started:.0f} s, {sum(map(bool, failures.values()))} failed", flush=True)
 
     cases = [(int(seq), mask) for seq in args.seqs.split(",") for mask in args.masks.split(",")]
-    inputs = {seq: _inputs(seq, max(1, TOKENS // seq)) for seq in dict.fromkeys(seq for seq, _ in cases)}
+    inputs = {seq: _inputs(seq, max(1, TOKENS // seq), args.kv_heads) for seq in dict.fromkeys(seq for seq, _ in cases)}
 
     def tflops(case, ms):
         return flops(case[0], case[1] == "causal", backward) / ms / 1e9
@@ -149,9 +153,10 @@ def main() -> None:
         q, k, v, grad = inputs[case[0]]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             if not backward:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=case[1] == "causal")
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case[1] == "causal", enable_gqa=args.kv_heads != HEADS)
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=case[1] == "causal"), leaves, grad)
+            out = F.scaled_dot_product_attention(*leaves, is_causal=case[1] == "causal", enable_gqa=args.kv_heads != HEADS)
+            torch.autograd.grad(out, leaves, grad)
 
     cudnn_ms = {case: time_ms(lambda: cudnn(case), warmup=2, reps=args.reps, inner=3) for case in cases}
     fields = [f.name for f in dataclasses.fields(grid[0])]

@@ -646,6 +646,31 @@ def test_backward_reference_against_the_emulation(emulated_kernel, shape, warm, 
     assert emulated_kernel["backward calls"] == 1
 
 
+def test_flash_backward_takes_d_from_the_codes_in_plain_ops(emulated_kernel):
+    """The flash backward's D = rowsum(dO * O) reads dO's per-tensor codes in plain ops
+    (graphquant::dequantize's values bit for bit), which Inductor fuses into the sum: no
+    dequantize op, a separate kernel writing dO in fp32, runs in the backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
+    q, k, v, dout = _inputs(1, 4, 2, 64, 64, 64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = quantized_attention(*leaves, is_causal=True, site=native, states=list(_states(ZOO)))
+    with Calls() as calls:
+        torch.autograd.grad(o, leaves, dout)
+    assert "graphquant::flash_attention_backward" in calls.ops
+    assert "graphquant::dequantize" not in calls.ops, calls.ops
+
+
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads (2 and 4
@@ -653,14 +678,17 @@ def test_backward_kernel_under_the_interpreter():
     that do not tile, causal and not, more queries than keys and fewer; the default tiles, and
     small ones (several key tiles adding into one dQ tile, query tiles shorter and longer than
     the key tiles, so the causal diagonal crosses them both ways, and each program starting its
-    walk at another query tile); and the compiled decoder test's attention at its first step (the
-    delayed scales at 1, most of dS's codes subnormal)."""
+    walk at another query tile); grouped heads over batches, several key tiles whose programs'
+    dK and dV meet by atomic adds; and the compiled decoder test's attention at its first step
+    (the delayed scales at 1, most of dS's codes subnormal)."""
     pytest.importorskip("triton")
     default = {}
     tall, wide = {"block_m": 64, "block_n": 32}, {"block_m": 32, "block_n": 64, "stagger": True}
+    small = {"block_m": 32, "block_n": 32}
     shapes = [*((*shape, default) for shape in BACKWARD_SHAPES), (1, 2, 1, 130, 200, 128, True, default), (1, 2, 2, 150, 70, 64, True, default),
               (1, 2, 1, 70, 90, 64, True, tall), (1, 2, 1, 90, 70, 64, True, wide), (1, 2, 2, 90, 70, 64, False, wide),
-              (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide)]
+              (1, 2, 2, 150, 150, 64, False, wide), (1, 4, 1, 90, 150, 64, True, wide),
+              (2, 4, 2, 70, 90, 64, True, small), (1, 4, 1, 90, 70, 64, False, small)]
     shapes = [(*shape, True) for shape in shapes] + [(*DECODER_SHAPE, default, False)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}

@@ -25,9 +25,12 @@ Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma t
 so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in registers, is
 transposed there. Each product sums one tile (at most 128 deep) in the tensor cores' accumulator
 and adds it into fp32 (as the forward's PV). The program records the largest |dS| it saw (what
-the dp slot's delayed scaling records). Under grouped-query attention a program walks the query
-tiles of every query head of its key/value head, so dK and dV come out summed over the group, in
-fp32. Causal masks are aligned top left, as the forward's.
+the dp slot's delayed scaling records). Under grouped-query attention dK and dV come out summed
+over each key/value head's query heads, in fp32: a program walks one query head and adds its dK
+and dV into the group's by atomic adds (in some order, one more fp32 rounding a query head), so
+that the programs running at one moment share the few query heads whose dQ they add
+into (and whose Q and dO they read), as without groups, and the causal launch's last wave is as
+short. Causal masks are aligned top left, as the forward's.
 """
 
 from __future__ import annotations
@@ -44,13 +47,16 @@ from graphquant.kernels.triton_attention import logit_scale
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """How the backward tiles its work: a program per block_n keys of a (batch, head), walking the
-    query rows block_m at a time in num_stages pipeline stages, on num_warps warps. Each tile is
-    the depth of a product the tensor cores sum in their narrow accumulator (dK and dV over
-    block_m rows, dQ over block_n keys), so at most 128, the depth the tests' bound covers, and
-    at least 32, one FP8 wgmma's. stagger: each program starts its walk of the query tiles that
-    see all its keys at a different one (its key tile's index, wrapping around), so that the
-    programs of one head do not add into the same dQ tile at the same moment."""
+    """How the backward tiles its work: a program per block_n keys of a (batch, query head),
+    walking the query rows block_m at a time in num_stages pipeline stages, on num_warps warps.
+    Each tile is the depth of a product the tensor cores sum in their narrow accumulator (dK and
+    dV over block_m rows, dQ over block_n keys), so at most 128, the depth the tests' bound
+    covers, and at least 32, one FP8 wgmma's. stagger: each program starts its walk of the query
+    tiles that see all its keys at a different one (its key tile's index, wrapping around), so
+    that the programs of one head do not add into the same dQ tile at the same moment.
+
+    Under grouped-query attention each program adds its dK and dV into its key/value head's by
+    atomic adds."""
 
     block_m: int = 64
     block_n: int = 128
@@ -134,8 +140,19 @@ def _backward_kernel(
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGGER: tl.constexpr, P_CODE: tl.constexpr, DS_CODE: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    kv_bh = tl.program_id(1).to(tl.int64)  # (batch, key/value head): its query heads are kv_bh * GROUPS + g
+    # A one-dimensional grid, key tiles fastest (the order of a (key tiles, heads) grid). The two
+    # spellings of (tile, head) are the same numbers; the query loops sit at the register limit, and
+    # ptxas spills several times as much in them with the other spelling of each case.
+    tiles = tl.cdiv(seq_k, BLOCK_N)
+    if CAUSAL:
+        tile = tl.program_id(0) % tiles
+        bh = (tl.program_id(0) // tiles).to(tl.int64)  # (batch, query head)
+    else:
+        head = tl.program_id(0) // tiles
+        tile = tl.program_id(0) - head * tiles
+        bh = head.to(tl.int64)
+    start_n = tile * BLOCK_N
+    kv_bh = bh // GROUPS
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     keys = offs_n < seq_k
@@ -167,26 +184,28 @@ def _backward_kernel(
     unmasked = lo + tl.cdiv(masked_end - lo, BLOCK_M) * BLOCK_M
     split = unmasked
     if STAGGER:
-        split += (tl.program_id(0) * BLOCK_M) % tl.maximum(tl.cdiv(seq_q - unmasked, BLOCK_M) * BLOCK_M, 1)
-    for g in range(GROUPS):  # the key/value head's query heads add into one dK and dV
-        bh = kv_bh * GROUPS + g
+        split += (tile * BLOCK_M) % tl.maximum(tl.cdiv(seq_q - unmasked, BLOCK_M) * BLOCK_M, 1)
+    dk, dv, ds_amax = _query_tiles(
+        dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
+    )
+    dk, dv, ds_amax = _query_tiles(
+        dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
+        qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
+    )
+    if STAGGER:
         dk, dv, ds_amax = _query_tiles(
-            dk, dv, ds_amax, k, v, kt, offs_n, lo, masked_end, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
-            qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, P_CODE, DS_CODE,
+            dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride,
+            offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
         )
-        dk, dv, ds_amax = _query_tiles(
-            dk, dv, ds_amax, k, v, kt, offs_n, split, seq_q, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride, offs_d,
-            qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
-        )
-        if STAGGER:
-            dk, dv, ds_amax = _query_tiles(
-                dk, dv, ds_amax, k, v, kt, offs_n, unmasked, split, Q, QT, DO, DOT, LSE, DELTA, DQ, bh, seq_q, seq_k, qt_stride,
-                offs_d, qk_scale, dp_factor, grad_factor, s_scale, dp_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, P_CODE, DS_CODE,
-            )
 
     out = (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
-    tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
+    if GROUPS == 1:
+        tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
+        tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
+    else:  # one query head's share of its key/value head's
+        tl.atomic_add(DV + out, dv * (s_inv * do_inv), mask=keys[:, None], sem="relaxed")
+        tl.atomic_add(DK + out, dk * grad_factor, mask=keys[:, None], sem="relaxed")
     tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
 
 
@@ -209,13 +228,14 @@ def backward(
             f"FP8 flash attention backward: q {tuple(q.shape)}, qt {tuple(qt.shape)}, k {tuple(k.shape)}, kt {tuple(kt.shape)}, "
             f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
         )
+    c = config or DEFAULT_CONFIG
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dk = torch.empty((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
+    allocate = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
+    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
+    dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
-    c = config or DEFAULT_CONFIG
-    _backward_kernel[(triton.cdiv(seq_k, c.block_n), b * kv_heads)](
+    _backward_kernel[(triton.cdiv(seq_k, c.block_n) * b * heads,)](
         q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
