@@ -134,13 +134,15 @@ def test_selection_elsewhere(monkeypatch):
 
 
 def _decoder():
-    return models.seeded(models.DecoderBlock(dim=128, n_heads=2, attention="sdpa"))  # causal, head dim 64
+    # causal, head dim 64; every linear has more features than the decode GEMM takes rows (a
+    # wgrad's rows are its features)
+    return models.seeded(models.DecoderBlock(dim=256, n_heads=4, hidden=256, attention="sdpa"))
 
 
 def _decoder_input():
-    """128 tokens: more rows than Triton's decode GEMM takes, which a pretended Hopper's plan would
-    otherwise pick for the decoder's linears and which cannot run on the CPU."""
-    return torch.randn(2, 64, 128)
+    """192 tokens: more rows than Triton's decode GEMM takes (128), which a pretended Hopper's plan
+    would otherwise pick for the decoder's linears and which cannot run on the CPU."""
+    return torch.randn(2, 96, 256)
 
 
 def _current_dpa_recipe():
@@ -791,7 +793,7 @@ def test_compiled_decoder_trains_with_the_flash_kernels(tmp_path):
     graph (aot_eager: the autograd formula traced, the kernels' ops through their fakes) runs them,
     and two training steps keep every gradient finite."""
     model = _decoder().cuda()
-    x = torch.randn(2, 256, 128, device="cuda")
+    x = torch.randn(2, 256, 256, device="cuda")
     recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
     plan = graphquant.explain(model, recipe, x)
     assert {g.backend for g in plan.gemms if g.module_type == "dpa"} == {FLASH}
