@@ -33,10 +33,6 @@ from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
-# The first autotuned tile at more programs an SM than the autotuned two, for the GEMM that
-# quantizes A: each of its steps converts a tile of A in registers and stores it to shared memory,
-# latency that more programs an SM may hide.
-QUANTIZING_TILINGS = {f"{t} an SM": triton_decode.DecodeConfig(tiles_per_sm=t) for t in (4, 8)}
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 128, 2048]
@@ -92,10 +88,6 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                    for label, config in QUANTIZING_TILINGS.items():  # more programs to hide the quantize's latency?
-                        key = f"decode {name}, quantizing A ({label})"
-                        fns[key] = lambda a=on_load, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
-                        weight_bytes[key] = weight_bytes[f"decode {name}"]
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
