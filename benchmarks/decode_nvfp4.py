@@ -1,6 +1,6 @@
-"""NVFP4 and MXFP8 decode GEMM tilings (CANDIDATES: the library's, and experimental kernels of
-nvfp4_decode_lab.py) timed beside bf16 F.linear and the library's default at a Llama-3-8B FFN's
-weights, and the emulated GEMM (the weight dequantized on every call, then bf16).
+"""NVFP4 and MXFP8 decode GEMM tilings (CANDIDATES, the library's DecodeConfig) timed beside bf16
+F.linear and the library's default at a Llama-3-8B FFN's weights, and the emulated GEMM (the
+weight dequantized on every call, then bf16).
 
     python benchmarks/decode_nvfp4.py [--rows 1,16] [--weights 14336x4096,...] [--jobs 5] [--budget 120]
 
@@ -25,24 +25,21 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import nvfp4_decode_lab as lab  # noqa: E402
 from common import alternate  # noqa: E402
 from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
 from decode_tune import excess, operands  # noqa: E402
 
 from graphquant.kernels import backends, triton_decode  # noqa: E402
 
-V = lab.Variant
 C = triton_decode.DecodeConfig
-# (format, rows of A, tiling): the library's decode GEMM (triton_decode.DecodeConfig) and, where a
-# lab.Variant, an experimental kernel of nvfp4_decode_lab.py. Each is compiled once (one worker)
-# and run on every weight at those rows.
+# (format, rows of A, tiling of the library's decode GEMM). Each is compiled once (one worker) and
+# run on every weight at those rows.
 CANDIDATES = [
     ("nvfp4", (1,), C(64, 256, 1, 4, 3, 8, fma=True)),
-    ("nvfp4", (1, 16), V(64, 256, 16, 4, 3, 8)),
+    ("nvfp4", (1, 16), C(64, 256, 16, 4, 3, 8, a_first=True, one_dot=True)),
     ("nvfp4", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
-    ("mxfp8", (1, 16), V(64, 256, 16, 4, 3, 8)),
+    ("mxfp8", (1, 16), C(64, 256, 16, 4, 3, 8, a_first=True, one_dot=True)),
     ("mxfp8", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (16,), C(64, 128, 16, 4, 4, 8)),
     # middle rows and prefill: tiles of 64 to 256 of A's rows against weight tiles of 64 to 256
@@ -58,8 +55,6 @@ CANDIDATES = [
 
 
 def label(spec) -> str:
-    if isinstance(spec, lab.Variant):
-        return f"lab {spec}"
     return (
         f"{'fma' if spec.fma else 'tc'} n{spec.block_n} k{spec.block_k} m{spec.block_m} w{spec.warps} s{spec.stages} "
         f"t{spec.tiles_per_sm}{' a first' if spec.a_first else ''}{' one dot' if spec.one_dot else ''}"
@@ -69,8 +64,6 @@ def label(spec) -> str:
 def run(name: str, spec, a, b) -> torch.Tensor:
     if spec is None:
         return triton_decode.gemm(a, b, torch.bfloat16)
-    if isinstance(spec, lab.Variant):
-        return lab.gemm(a, b, torch.bfloat16, spec)
     return triton_decode.gemm(a, b, torch.bfloat16, config=spec)
 
 
