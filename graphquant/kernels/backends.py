@@ -5,7 +5,8 @@ direction) into native / emulated / rejected and names the backend, a GemmBacken
 shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
 it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice), and Triton's decode GEMM for few rows (graphquant.kernels.triton_decode). The
+choice), Triton's decode GEMM for few rows (graphquant.kernels.triton_decode), and on Hopper
+Triton's MXFP8 GEMM on the FP8 tensor cores (graphquant.kernels.triton_mxfp8). The
 emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
 every pair the planner admits, on any device.
 """
@@ -52,6 +53,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
 # The native FP8 grouped GEMM's kernels where Triton is installed; None elsewhere.
 triton_grouped_fp8 = importlib.import_module("graphquant.kernels.triton_grouped_fp8") if HAS_TRITON else None
+# The native MXFP8 GEMM on FP8 tensor cores where Triton is installed; None elsewhere.
+triton_mxfp8 = importlib.import_module("graphquant.kernels.triton_mxfp8") if HAS_TRITON else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +193,25 @@ DECODE_GEMMS = () if triton_decode is None else (
     ),
 )
 
+# Triton's MXFP8 GEMM (graphquant.kernels.triton_mxfp8), where Triton is installed, for the
+# devices with FP8 tensor cores (sm89) and no block-scaled ones (before sm100): E4M3 or E5M2
+# codes on the FP8 tensor cores, each 32-long block's partial sums promoted into fp32 and
+# scaled there, so it has no fast accumulation. It takes every MXFP8 GEMM (any rows, either
+# direction, every edge masked) but those the decode GEMM takes before it (its rows for MXFP8,
+# triton_decode.MAX_ROWS).
+MXFP8_GEMMS = () if triton_mxfp8 is None else (
+    NativeGemm(triton_mxfp8.BACKEND, triton_mxfp8.FAMILY_PAIRS, triton_mxfp8.ELEMENT_PAIRS, 1, lambda sm: (8, 9) <= sm < (10, 0)),
+)
+
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
-# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
+# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then Hopper's MXFP8 and cuBLASLt's FP8.
 NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
     *DECODE_GEMMS,
+    *MXFP8_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -239,7 +253,7 @@ NATIVE_GROUPED_GEMM = NativeGemm(
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
 # Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
-# per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, its partial sums promoted into
+# per-tensor, per-row, DeepSeek's and MXFP8's block scales, E4M3 or E5M2, its partial sums promoted into
 # fp32, so it serves the grouped GEMMs that keep fp32 sums (and the block-scaled and E5M2 ones,
 # which torch._scaled_grouped_mm does not take). It masks every edge: no multiple. Its FP8
 # products need sm89.
@@ -469,6 +483,8 @@ def gemm(
         return emulation.gemm(a, b, batch, out_dtype, bias)
     if native in DECODE_GEMMS:
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
+    if native in MXFP8_GEMMS:
+        return triton_mxfp8.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 
