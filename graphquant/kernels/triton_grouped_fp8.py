@@ -8,11 +8,13 @@ once in the epilogue; block scales to each K block's partial product: DeepSeek-V
 (2^(e - 127): 2^-127 for code 0, NaN for 255) to each 32-long block's (one wgmma's). Partial sums are promoted from the tensor cores' accumulator
 into fp32 after every 32 products (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs
 do, so it keeps a recipe's fp32-accumulation contract: 2^-9 of relative error per term at most.
-E4M3 and E5M2 on either side. A block's two scales multiply each other first, in fp32: exact
-while 2^(ea + eb - 254) lies in fp32's range, which MXFP8 operands quantized from finite bf16 or
-fp32 values keep unless both are far below 1 or far above it (a product of scales under 2^-149
-counts the block as 0, whose terms are then under fp32's normal range; one over 2^127 makes it
-inf, or NaN where its codes' sum is 0). The result is rounded once, to the output dtype, and written
+E4M3 and E5M2 on either side. A block's sum is multiplied by A's scale, then by B's, in fp32: one
+rounding (the first product is exact) wherever the sum times A's scale lies in fp32's range, so
+that scales whose product is outside it (MXFP8's 2^(ea - 127) 2^(eb - 127)) still give the
+block's value. That holds at the small end for E4M3 A (its sums are multiples of 2^-18, A's scale
+at least 2^-127); at the large end while A's scale is under 2^105 (MXFP8 codes under 233: the
+blocks of values under 2^113, about 1e34), past which a block's value may be inf where it is not.
+The result is rounded once, to the output dtype, and written
 straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
 
 The two products of graphquant.kernels.grouped, on graphquant.formats.groups' padded layout
@@ -129,9 +131,9 @@ def scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.conste
 
 @triton.jit
 def scaled_block(acc, a, b, sa, sb, PROMOTE_EVERY: tl.constexpr):
-    """acc plus one K block's product of FP8 tiles times its scales (A's per row, B's per
+    """acc plus one K block's product of FP8 tiles times its scales (A's per row, then B's per
     column), the block's sum promoted into fp32 after every PROMOTE_EVERY products."""
-    return acc + tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
+    return acc + (tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * sa[:, None]) * sb[None, :]
 
 
 @triton.jit
