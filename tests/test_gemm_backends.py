@@ -20,6 +20,9 @@ from graphquant.quantizers import (
     QuantizeContext,
 )
 
+# Hopper's MXFP8 GEMM where Triton is installed (graphquant.kernels.triton_mxfp8), else the emulation.
+MXFP8_ON_HOPPER = backends.triton_mxfp8.BACKEND if backends.MXFP8_GEMMS else backends.EMULATION
+
 # (name, quantizer of A's direction, quantizer of B's direction, expected backend on sm90)
 PAIRS = [
     ("tensorwise e4m3", Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3"), scaled_mm.TENSORWISE),
@@ -27,7 +30,7 @@ PAIRS = [
     ("rowwise", Float8RowwiseQuantizer(), Float8RowwiseQuantizer(), scaled_mm.ROWWISE_SCALED),
     ("block 1x128 x 128x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2), scaled_mm.BLOCKWISE),
     ("block 1x128 x 1x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=1), scaled_mm.BLOCKWISE),
-    ("mxfp8", MXFP8Quantizer(), MXFP8Quantizer(), backends.EMULATION),
+    ("mxfp8", MXFP8Quantizer(), MXFP8Quantizer(), MXFP8_ON_HOPPER),
     ("nvfp4", NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True), backends.EMULATION),
     ("mxfp8 x nvfp4", MXFP8Quantizer(), NVFP4Quantizer(), backends.EMULATION),
     ("identity x mxfp8", IdentityQuantizer(), MXFP8Quantizer(), backends.EMULATION),
@@ -145,6 +148,8 @@ CAPABILITY_CASES = [
     ((10, 0), Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, backends.EMULATION),
     ((10, 0), MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, scaled_mm.MXFP8),
     ((10, 0), MXFP8Quantizer("e5m2"), ROWWISE, MXFP8Quantizer(), ROWWISE, backends.EMULATION),
+    ((9, 0), MXFP8Quantizer("e5m2"), COLUMNWISE, MXFP8Quantizer(), COLUMNWISE, MXFP8_ON_HOPPER),
+    ((8, 9), MXFP8Quantizer(), ROWWISE, MXFP8Quantizer("e5m2"), COLUMNWISE, MXFP8_ON_HOPPER),
     ((10, 0), NVFP4Quantizer(), ROWWISE, NVFP4Quantizer(with_2d_quantization=True), COLUMNWISE, scaled_mm.NVFP4),
     ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), ROWWISE, NVFP4Quantizer(), ROWWISE, backends.EMULATION),
     ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), COLUMNWISE, NVFP4Quantizer(), COLUMNWISE, scaled_mm.NVFP4),

@@ -35,6 +35,8 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
+    # Triton's MXFP8 GEMM for Hopper (where Triton is installed): every GEMM the decode GEMM does not take.
+    **{mxfp8.backend: recipes.mxfp8_block_scaling() for mxfp8 in backends.MXFP8_GEMMS},
 }
 # The row counts of the two training steps: the decode GEMM's fit it, the others' 128 and 160.
 ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
@@ -62,6 +64,7 @@ def runs(monkeypatch):
     ran, current = {}, []
     dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
+    mxfp8 = backends.triton_mxfp8.gemm if backends.MXFP8_GEMMS else None
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         current.append(site)
@@ -86,12 +89,18 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
+    def mxfp8_run(a, b, out_dtype, bias=None):
+        record(GemmBackend(backends.triton_mxfp8.BACKEND))
+        return mxfp8(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
 
     if decode is not None:
         monkeypatch.setattr(triton_decode, "gemm", decode_run)
+    if mxfp8 is not None:
+        monkeypatch.setattr(backends.triton_mxfp8, "gemm", mxfp8_run)
     monkeypatch.setattr(backends, "gemm", gemm)
     monkeypatch.setattr(scaled_mm, "run", native_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
@@ -154,7 +163,7 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
             assert planned == symbolically
 
 
-ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF]
+ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF, *(mxfp8.backend for mxfp8 in backends.MXFP8_GEMMS)]
 
 
 @pytest.mark.gpu

@@ -510,7 +510,8 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
     """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64 and
     128 rows (a static graph each): every linear's fprop planned on the decode GEMM, the plan's
     dump names it on each, and the calls reach it with the rows they have (the decode GEMM stood
-    in for by the emulated GEMM on this CPU); at 2048 rows the emulation, and the dump says why."""
+    in for by the emulated GEMM on this CPU); at 2048 rows MXFP8's on the FP8 tensor cores (stood
+    in for too), NVFP4's emulated, and the dump says why."""
     import graphquant
     from graphquant import recipes
     from graphquant.kernels import emulation
@@ -522,6 +523,7 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
         return emulation.gemm(a, b, 1, out_dtype, bias)[0]
 
     monkeypatch.setattr(hopper, "gemm", stand_in)
+    monkeypatch.setattr(backends.triton_mxfp8, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 128, bias=False))
     compiled = graphquant.compile(model.to(torch.bfloat16), getattr(recipes, recipe)(), mode="inference", backend="aot_eager", dynamic=False)
@@ -535,16 +537,17 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
         fprops = [g for g in plan.gemms if g.gemm == "fprop"]
         assert len(fprops) == 2 and all(g.backend == GemmBackend(hopper.BACKEND) for g in fprops), str(plan)
         assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
-    assert {g.backend.name for g in plans[3].gemms if g.gemm == "fprop"} == {backends.EMULATION}, str(plans[3])
-    assert f"multiplies at most {hopper.VALUE_ROWS} rows of A" in str(plans[3])
+    past = backends.triton_mxfp8.BACKEND if recipe == "mxfp8_block_scaling" else backends.EMULATION
+    assert {g.backend.name for g in plans[3].gemms if g.gemm == "fprop"} == {past}, str(plans[3])
+    assert (f"multiplies at most {hopper.VALUE_ROWS} rows of A" in str(plans[3])) == (past == backends.EMULATION)
     assert rows == [16, 16, 64, 64, 128, 128]
 
 
 def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
-    """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it is emulated."""
+    """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it goes past the
+    decode GEMM, to the MXFP8 GEMM of the FP8 tensor cores (graphquant.kernels.triton_mxfp8)."""
     selection = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, torch.device("cuda"), (1, 256, 256))
-    assert selection.backend == GemmBackend(backends.EMULATION)
-    assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
+    assert selection.backend == GemmBackend(backends.triton_mxfp8.BACKEND)
 
 
 def test_a_decode_tiling_names_what_is_wrong_with_it():
