@@ -23,10 +23,11 @@ The two products of graphquant.kernels.grouped, on graphquant.formats.groups' pa
     tokens x experts (fprop, dgrad)  out[source[r]] = A[r] @ B_g for the padded rows r of group g
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's padded rows (an empty group: 0)
 
-Both operands are read through views with the reduction dim last (``k_last``): rowwise data and
-the FP8 formats' columnwise data (stored transposed) as they are, MXFP8's columnwise data (stored
-as the tensor is) transposed in place, which the kernels load with the strides it has. The dense
-MXFP8 GEMM (graphquant.kernels.triton_mxfp8) shares this file's jit helpers.
+Both operands are read with the reduction dim contiguous (``k_last``): rowwise data and the FP8
+formats' columnwise data (stored transposed) as they are, MXFP8's columnwise data (stored as the
+tensor is) copied transposed first (graphquant::transposed), since the FP8 tensor cores read both
+operands K-major and a tile loaded K-first would be transposed in registers, its loads not
+pipelined. The dense MXFP8 GEMM (graphquant.kernels.triton_mxfp8) shares this file's jit helpers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats.groups import GROUP_ROWS
+from graphquant.kernels import scaled_mm
 from graphquant.kernels.triton_dequantize import e8m0_value
 from graphquant.quantizers import ROWWISE, Representation
 
@@ -260,14 +262,12 @@ def e5m2(rep: Representation) -> bool:
 
 
 def k_last(rep: Representation) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, block scales) as (GEMM rows, K) and (GEMM rows, K blocks) views, no copy: the
-    stored tensors where the data has the reduction dim last, else their transposes (MXFP8's
-    columnwise). The codes are typed as their element, so that the tensor cores read them straight
-    from the shared memory the loads fill (bytes would be cast in registers and stored back first)."""
-    codes = rep.data.view(torch.float8_e5m2 if e5m2(rep) else torch.float8_e4m3fn)
-    if rep.stored_k_last:
-        return codes, rep.scale
-    return codes.t(), rep.scale.t()
+    """(codes (GEMM rows, K), scales (GEMM rows, K blocks) or None) with K contiguous in the codes
+    (scaled_mm.k_last: a transposed copy of MXFP8's columnwise codes, a view of its scales). The
+    codes are typed as their element, so that the tensor cores read them straight from the shared
+    memory the loads fill (bytes would be cast in registers and stored back first)."""
+    data, scales = scaled_mm.k_last(rep)
+    return data.view(torch.float8_e5m2 if e5m2(rep) else torch.float8_e4m3fn), scales
 
 
 def _expert_scales(b: Representation, codes: torch.Tensor, scales: torch.Tensor, b_group: torch.Tensor, groups: int) -> Scales:

@@ -9,10 +9,10 @@ cores' and is promoted into fp32 after it; the scales' edge cases are stated the
 |error| <= 2^-9 sum_k |a b| per output before its one rounding to the output dtype, the bound of
 cuBLASLt's promoted FP8 GEMMs (tests/test_gemm_backends.py).
 
-Every operand is read through a view with the reduction dim last (triton_grouped_fp8.k_last):
-rowwise MXFP8 as stored, columnwise MXFP8 (stored as the tensor is, 32x1 blocks) transposed in
-place, so dgrad's weight and wgrad's two operands need no copy. MXFP8's reduction dim is always a
-multiple of 32 (the format does not pad); the row and column edges are masked at the store.
+Both operands are read with the reduction dim contiguous (triton_grouped_fp8.k_last): rowwise
+MXFP8 as stored, columnwise MXFP8 (stored as the tensor is, 32x1 blocks: dgrad's weight, wgrad's
+two operands) copied transposed first. MXFP8's reduction dim is always a multiple of 32 (the
+format does not pad); rows and columns past the edges are not stored.
 """
 
 from __future__ import annotations
