@@ -2,12 +2,14 @@
 native FP8 grouped GEMMs (torch._scaled_grouped_mm, the Triton FP8 grouped GEMM) on quantized
 operands in the padded layout, fprop, dgrad and wgrad.
 
-    python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,blockwise] [--promote 32,128]
+    python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,mxfp8_block_scaling] [--promote 32,128] [--emulated]
 
 Shapes: moe_step.py's (16384 tokens, top-8 of 64 experts, dim 4096, expert hidden 1408: gate_up
 4096 -> 2816, down 1408 -> 4096), the tokens routed at random. ``--promote`` also times the Triton
 GEMM promoting its partial sums every 128 products (its default, 32, is the fp32-accumulation
-contract's). Prints ms and TFLOP/s (of the unpadded GEMM) per GEMM.
+contract's); ``--emulated`` also times the emulated GEMM (dequantize, then bf16) of each. A format
+is a zoo recipe or one of graphquant.recipes (mxfp8_block_scaling). Prints ms and TFLOP/s (of the
+unpadded GEMM) per GEMM.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tabulate import tabulate
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import time_ms  # noqa: E402
 
-from graphquant import zoo  # noqa: E402
+from graphquant import recipes, zoo  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
 from graphquant.kernels import backends, native  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
@@ -33,8 +35,9 @@ SITES = {"gate_up": (4096, 2816), "down": (1408, 4096)}  # (k: x's columns, n: e
 
 
 def quantizers(name: str):
-    """(input, weight, grad_output) quantizers of zoo recipe ``name`` for a grouped_linear."""
-    factory = zoo.recipe(name).qfactory
+    """(input, weight, grad_output) quantizers of recipe ``name`` (the zoo's, or graphquant.recipes')
+    for a grouped_linear."""
+    factory = (zoo.recipe(name) if name in zoo.FACTORIES else getattr(recipes, name)()).qfactory
     return [factory(QuantizerRole("grouped_linear", tensor, "experts")) for tensor in ("input", "weight", "grad_output")]
 
 
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
     parser.add_argument("--promote", default="32", help="comma-separated promotion intervals of the Triton GEMM to time")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--emulated", action="store_true", help="also time the emulated GEMM of each")
     args = parser.parse_args()
     offs, tokens, sizes = routed()
     rows = TOKENS * TOP_K
@@ -103,6 +107,8 @@ def main() -> None:
                 for fast in (True, False):
                     selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast)
                     runs.setdefault(selection.backend, selection)
+                if args.emulated:
+                    runs.setdefault(backends.GemmBackend(backends.EMULATION), None)
                 for backend in runs:
                     intervals = args.promote.split(",") if backend.name == kernels.BACKEND else [str(kernels.PROMOTE_EVERY)]
                     for interval in intervals:
