@@ -43,6 +43,7 @@ CALLS = 20
 # cores, that compile for sm_90 without spills (128x256, and 128x128 on 4 warps, spill).
 MXFP8_CANDIDATES = [
     (128, 128, 8, 4), (128, 128, 8, 6), (64, 256, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4), (128, 64, 4, 6), (64, 64, 4, 6),
+    (64, 32, 4, 8),
 ]
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
