@@ -140,19 +140,22 @@ def hopper(monkeypatch):
 
 @pytest.mark.parametrize("gemm", LAYOUTS)
 def test_planner_puts_every_mxfp8_gemm_past_the_decode_gemm_on_the_fp8_tensor_cores(hopper, gemm):
-    """Any rows the decode GEMM does not take (its MXFP8 rows, operands stored with K last), or
-    unknown to the plan, either direction, E5M2 on either side, any sums the recipe allows: the
-    FP8 tensor cores' GEMM, which promotes its sums (no fast accumulation)."""
+    """Any rows the decode GEMM does not take (its MXFP8 rows, operands stored with K last) up to
+    the kernel's MAX_ROWS (where it bounds them; unknown rows then go elsewhere), either direction,
+    E5M2 on either side, any sums the recipe allows: the FP8 tensor cores' GEMM, which promotes its
+    sums (no fast accumulation); past MAX_ROWS the emulation."""
     (da, db), cuda = LAYOUTS[gemm], torch.device("cuda")
     decode_rows = backends.triton_decode.MAX_ROWS[("mxfp8", "mxfp8")]
+    most = hopper.MAX_ROWS
     for qa, qb in ((MXFP8Quantizer(), MXFP8Quantizer()), (MXFP8Quantizer("e5m2"), MXFP8Quantizer())):
-        for dims in ((decode_rows + 1, 96, 64), (16384, 14336, 4096), (None, 4096, 4096)):
+        for m in (decode_rows + 1, 2048, 16384, None):
+            within = most is None or (m is not None and m <= most)
+            expected = backends.GemmBackend(hopper.BACKEND if within else backends.EMULATION)
             for fast in (False, True):
-                selection = backends.select(qa, da, qb, db, cuda, dims, 1, fast)
-                assert (selection.bucket, selection.backend) == (backends.NATIVE, backends.GemmBackend(hopper.BACKEND)), selection
+                assert backends.select(qa, da, qb, db, cuda, (m, 4096, 4096), 1, fast).backend == expected, (m, fast)
     small = backends.select(MXFP8Quantizer(), da, MXFP8Quantizer(), db, cuda, (decode_rows, 4096, 4096)).backend.name
     assert small == (backends.triton_decode.BACKEND if gemm == "fprop" else hopper.BACKEND)
-    batched = backends.select(MXFP8Quantizer(), da, MXFP8Quantizer(), db, cuda, (4096, 4096, 4096), batch=2)
+    batched = backends.select(MXFP8Quantizer(), da, MXFP8Quantizer(), db, cuda, (256, 4096, 4096), batch=2)
     assert batched.backend.name == backends.EMULATION
 
 

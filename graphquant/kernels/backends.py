@@ -115,10 +115,11 @@ class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
     element encodings it multiplies, the multiple every one of m, n and k must be, the compute
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
-    accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
-    rows) for each pair (m, known when the plan is made), both operands stored with the
-    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
-    (triton_decode.QuantizedOnLoad), where A is made for this GEMM alone."""
+    accumulation), and for a GEMM of bounded rows the most rows of A it takes, ((A's family, B's
+    family), rows) for each pair (m, known when the plan is made). ``reads_k_last``: it reads both
+    operands as stored, which must then have the reduction dim last. ``quantizes_a``: it takes A
+    in high precision and quantizes it itself (triton_decode.QuantizedOnLoad), where A is made for
+    this GEMM alone."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -128,6 +129,7 @@ class NativeGemm(NamedTuple):
     fast_accumulation: bool = False
     max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
     quantizes_a: bool = False
+    reads_k_last: bool = False
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -154,8 +156,8 @@ class NativeGemm(NamedTuple):
                     f"{self.backend} multiplies at most {most} rows of A for {families[0]} x {families[1]}, "
                     "a number known when the plan is made"
                 )
-            if not k_last:
-                return f"{self.backend} reads operands stored with the reduction dim last"
+        if self.reads_k_last and not k_last:
+            return f"{self.backend} reads operands stored with the reduction dim last"
         return ""
 
 
@@ -181,6 +183,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
         quantizes_a=True,
+        reads_k_last=True,
     ),
     NativeGemm(
         triton_decode.BACKEND,
@@ -190,17 +193,25 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         fast_accumulation=False,
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        reads_k_last=True,
     ),
 )
 
 # Triton's MXFP8 GEMM (graphquant.kernels.triton_mxfp8), where Triton is installed, for the
 # devices with FP8 tensor cores (sm89) and no block-scaled ones (before sm100): E4M3 or E5M2
 # codes on the FP8 tensor cores, each 32-long block's partial sums promoted into fp32 and
-# scaled there, so it has no fast accumulation. It takes every MXFP8 GEMM (any rows, either
-# direction, every edge masked) but those the decode GEMM takes before it (its rows for MXFP8,
-# triton_decode.MAX_ROWS).
+# scaled there, so it has no fast accumulation. It takes every MXFP8 GEMM (any direction, every
+# edge masked) but those the decode GEMM takes before it (its rows for MXFP8,
+# triton_decode.MXFP8_ROWS) and, where triton_mxfp8.MAX_ROWS bounds them, those of more rows.
 MXFP8_GEMMS = () if triton_mxfp8 is None else (
-    NativeGemm(triton_mxfp8.BACKEND, triton_mxfp8.FAMILY_PAIRS, triton_mxfp8.ELEMENT_PAIRS, 1, lambda sm: (8, 9) <= sm < (10, 0)),
+    NativeGemm(
+        triton_mxfp8.BACKEND,
+        triton_mxfp8.FAMILY_PAIRS,
+        triton_mxfp8.ELEMENT_PAIRS,
+        1,
+        lambda sm: (8, 9) <= sm < (10, 0),
+        max_rows=None if triton_mxfp8.MAX_ROWS is None else tuple((pair, triton_mxfp8.MAX_ROWS) for pair in triton_mxfp8.FAMILY_PAIRS),
+    ),
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most

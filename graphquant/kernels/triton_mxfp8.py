@@ -40,6 +40,8 @@ from graphquant.quantizers import Representation
 
 BACKEND = "triton mxfp8 (fp8 tensor cores)"
 FAMILY_PAIRS = frozenset({("mxfp8", "mxfp8")})
+# The most rows of A the plan gives it (None: any), past which the emulation's bf16 GEMM is faster.
+MAX_ROWS: Optional[int] = None
 SCALE_BLOCK = SCALE_BLOCKS["mxfp8"]
 
 
