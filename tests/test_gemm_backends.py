@@ -20,8 +20,16 @@ from graphquant.quantizers import (
     QuantizeContext,
 )
 
-# Hopper's MXFP8 GEMM where Triton is installed (graphquant.kernels.triton_mxfp8), else the emulation.
-MXFP8_ON_HOPPER = backends.triton_mxfp8.BACKEND if backends.MXFP8_GEMMS else backends.EMULATION
+# More rows than the decode GEMM takes for any pair (triton_decode.MAX_ROWS; tests/test_triton_decode.py
+# checks its choices), so that these tests see the other backends.
+PAST_DECODE_ROWS = 16384 + 128
+# Hopper's MXFP8 GEMM where Triton is installed (graphquant.kernels.triton_mxfp8) and takes as many
+# rows (tests/test_triton_mxfp8.py checks its rows), else the emulation.
+MXFP8_ON_HOPPER = (
+    backends.triton_mxfp8.BACKEND
+    if backends.MXFP8_GEMMS and (backends.triton_mxfp8.MAX_ROWS or PAST_DECODE_ROWS) >= PAST_DECODE_ROWS
+    else backends.EMULATION
+)
 
 # (name, quantizer of A's direction, quantizer of B's direction, expected backend on sm90)
 PAIRS = [
@@ -36,10 +44,6 @@ PAIRS = [
     ("identity x mxfp8", IdentityQuantizer(), MXFP8Quantizer(), backends.EMULATION),
     ("identity", IdentityQuantizer(), IdentityQuantizer(), backends.HIGH_PRECISION),
 ]
-
-# More rows than the decode GEMM takes for any pair (triton_decode.MAX_ROWS; tests/test_triton_decode.py
-# checks its choices), so that these tests see the other backends.
-PAST_DECODE_ROWS = 16384 + 128
 
 # (GEMM, direction of A, direction of B): A and B reduce over the dim their direction blocks.
 LAYOUTS = [("fprop", ROWWISE, ROWWISE), ("dgrad", ROWWISE, COLUMNWISE), ("wgrad", COLUMNWISE, COLUMNWISE)]
