@@ -40,7 +40,7 @@ from graphquant.quantizers import Representation
 
 BACKEND = "triton mxfp8 (fp8 tensor cores)"
 FAMILY_PAIRS = frozenset({("mxfp8", "mxfp8")})
-# The most rows of A the plan gives it (None: any), past which the emulation's bf16 GEMM is faster.
+# The most rows of A the plan gives it (None: any): where set, the emulation's bf16 GEMM is faster past them.
 MAX_ROWS: Optional[int] = None
 SCALE_BLOCK = SCALE_BLOCKS["mxfp8"]
 
@@ -50,9 +50,10 @@ def _tile(block_m: int, block_n: int, warps: int, stages: int) -> triton.Config:
 
 
 # The tiles an autotuner picks from, per shape class (ROWS: m's power of two up to 4096, n, k):
-# one scale block a step; narrow ones make programs enough for every SM at few rows. The
-# interpreter takes the first.
-TILES = [_tile(128, 128, 8, 4), _tile(64, 128, 4, 6), _tile(128, 64, 4, 6), _tile(64, 64, 4, 6), _tile(64, 32, 4, 8)]
+# one scale block a step; narrow ones make programs enough for every SM at few rows, and those of
+# few registers let two programs share an SM (one's products run while the other scales its
+# sums: a program waits for each wgmma before it scales the block). The interpreter takes the first.
+TILES = [_tile(128, 128, 8, 4), _tile(64, 128, 8, 4), _tile(64, 128, 4, 6), _tile(128, 64, 4, 6), _tile(64, 64, 4, 6), _tile(64, 32, 4, 8)]
 
 
 @autotune({SCALE_BLOCK: TILES}, key=["ROWS", "n", "k", "A_E5M2", "B_E5M2", "stride_ak", "stride_bk"])
