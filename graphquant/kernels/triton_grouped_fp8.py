@@ -4,18 +4,20 @@ Triton launch, the scales applied inside it, the group offsets read on the devic
 It multiplies the FP8 codes on the tensor cores and applies the formats' scales in fp32:
 per-tensor and per-row scales (one factor per GEMM row of each operand, ``Quantizer.grouped_factor``)
 once in the epilogue; block scales to each K block's partial product: DeepSeek-V3's 1x128 and
-128x128 blocks (fp32 scales) to each 128-long block's, as its recipe does, MXFP8's E8M0 scales
-(2^(e - 127): 2^-127 for code 0, NaN for 255) to each 32-long block's (one wgmma's). Partial sums are promoted from the tensor cores' accumulator
-into fp32 after every 32 products (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs
-do, so it keeps a recipe's fp32-accumulation contract: 2^-9 of relative error per term at most.
-E4M3 and E5M2 on either side. A block's sum is multiplied by A's scale, then by B's, in fp32: one
-rounding (the first product is exact) wherever the sum times A's scale lies in fp32's range, so
-that scales whose product is outside it (MXFP8's 2^(ea - 127) 2^(eb - 127)) still give the
-block's value. That holds at the small end for E4M3 A (its sums are multiples of 2^-18, A's scale
-at least 2^-127); at the large end while A's scale is under 2^105 (MXFP8 codes under 233: the
-blocks of values under 2^113, about 1e34), past which a block's value may be inf where it is not.
-The result is rounded once, to the output dtype, and written
-straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
+128x128 blocks (fp32 scales) to each 128-long block's, as its recipe does, and MXFP8's E8M0
+scales (2^(e - 127): 2^-127 for code 0, NaN for 255) to each 32-long block's (one wgmma's).
+Partial sums are promoted from the tensor cores' accumulator into fp32 after every 32 products
+(``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do, so it keeps a recipe's
+fp32-accumulation contract: 2^-9 of relative error per term at most. E4M3 and E5M2 on either side.
+
+A block's sum is multiplied by A's scale, then by B's, in fp32: one rounding (the first product
+is exact) wherever the sum times A's scale lies in fp32's range, so that scales whose product is
+outside it (MXFP8's 2^(ea - 127) 2^(eb - 127)) still give the block's value. That holds at the
+small end for E4M3 A (its sums are multiples of 2^-18, A's scale at least 2^-127), and at the
+large end while A's scale is under 2^105 (MXFP8 codes under 233: blocks of values under 2^113,
+about 1e34), past which a block's value may be inf where it is not. The result is rounded once,
+to the output dtype, and written straight to the unpadded output: no padded fp32 product, no
+factor tensor, no copy afterwards.
 
 The two products of graphquant.kernels.grouped, on graphquant.formats.groups' padded layout
 (every group starts at a multiple of 128 rows, so a tile of 128 rows lies in one group):
