@@ -67,3 +67,15 @@ def test_a_captured_launch_replays_on_the_captured_tensors():
     src.copy_(torch.randn(500, device="cuda"))
     graph.replay()
     torch.testing.assert_close(dst, src * 5.0, rtol=0, atol=0)
+
+
+def test_only_the_first_call_of_a_signature_goes_through_triton(monkeypatch):
+    runs = []
+    run = _scaled_copy.run
+    monkeypatch.setattr(_scaled_copy, "run", lambda *args, **kwargs: runs.append(1) or run(*args, **kwargs))
+    for _ in range(3):
+        src = torch.randn(700, device="cuda")
+        dst = torch.empty_like(src)
+        triton_launch.launch(_scaled_copy, (triton.cdiv(700, 32),), src, dst, 700, 7.0, BLOCK=32)
+        torch.testing.assert_close(dst, src * 7.0, rtol=0, atol=0)
+    assert len(runs) == 1

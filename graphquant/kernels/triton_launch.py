@@ -48,11 +48,17 @@ def _signature(value: Any) -> Any:
     return value
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps a chain of them (empty: none), earlier ones
+    a callable or None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` for a triton.jit kernel or an autotuner over one; a grid
     given as a function must be one of the arguments and the chosen config's alone, as Triton's
     grids are (it is evaluated once per call signature)."""
-    hooked = triton.knobs.runtime.launch_enter_hook is not None or triton.knobs.runtime.launch_exit_hook is not None
+    hooked = _hooked(triton.knobs.runtime.launch_enter_hook) or _hooked(triton.knobs.runtime.launch_exit_hook)
     if triton.knobs.runtime.interpret or hooked:
         kernel[grid](*args, **kwargs)
         return
