@@ -40,12 +40,10 @@ class _Launch(NamedTuple):
 _LAUNCHES: dict[tuple, _Launch] = {}
 
 
-def _signature(value: Any) -> Any:
-    """What Triton's specialization may read of an argument: a tensor's dtype and whether it is
+def _signature(values: Any) -> tuple:
+    """What Triton's specialization may read of each argument: a tensor's dtype and whether it is
     16-byte aligned, any other argument itself."""
-    if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
-    return value
+    return tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def _hooked(hook: Any) -> bool:
@@ -63,7 +61,7 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         kernel[grid](*args, **kwargs)
         return
     device = driver.active.get_current_device()
-    key = (kernel, device, grid if not callable(grid) else None, *map(_signature, args), *((k, _signature(v)) for k, v in kwargs.items()))
+    key = (kernel, device, None if callable(grid) else grid, _signature(args), tuple(kwargs), _signature(kwargs.values()))
     known = _LAUNCHES.get(key)
     if known is None:
         known = _LAUNCHES[key] = _first(kernel, grid, args, kwargs)
