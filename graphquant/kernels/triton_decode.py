@@ -520,20 +520,52 @@ def _encoded(x, scale, RULE: tl.constexpr):
 
 @triton.jit
 def _quantized_words(x_ptr, row, rows, word, K, stride, amax, OPERAND: tl.constexpr, RULE: tl.constexpr):
-    """What _words, _mxfp8_blocks or _nvfp4_blocks load of a stored MXFP8 (OPERAND 1) or NVFP4
-    A, made here from A in high precision at ``row`` (broadcast) and ``word`` (64-bit words of
-    codes, a row's whole 32-blocks for MXFP8) as the reference quantizes it: (the words, their
-    E8M0 exponents or E4M3 scales as fp16); ``amax``: NVFP4's global amax (the tensor's or each
-    row's); RULE: QuantizedOnLoad.rule. Zeros outside A (whole blocks: K is a multiple of the
-    format's block) quantize to zeros."""
-    WORD: tl.constexpr = 8 if OPERAND == 1 else 16
-    col = tl.expand_dims(word, -1) * WORD + tl.arange(0, WORD)
-    row = tl.expand_dims(row, -1)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride + col, mask=(row < rows) & (col < K), other=0.0).to(tl.float32)
+    """What _mxfp8_blocks or _nvfp4_blocks load of a stored MXFP8 (OPERAND 1) or NVFP4 A, made
+    here from A in high precision at ``row`` (broadcast) and ``word`` (64-bit words of codes; for
+    MXFP8 (..., 4), a 32-block's words along the last dim) as the reference quantizes it: (the
+    words, each block's E8M0 exponent (..., 1) or E4M3 scale as fp16); ``amax``: NVFP4's global
+    amax (the tensor's or each row's); RULE: QuantizedOnLoad.rule. Zeros outside A (whole blocks:
+    K is a multiple of the format's block) quantize to zeros. A's values are loaded in the words'
+    shape, one tensor per place in a word, so that everything stays in the layout of the words
+    (a reduction or reshape to them would give its layout to the weight's decoded values)."""
+    at = x_ptr + row.to(tl.int64) * stride
+    inside = row < rows
     if OPERAND == 1:
+        col = word * 8
+        x = (
+            _value(at, col, 0, inside, K), _value(at, col, 1, inside, K), _value(at, col, 2, inside, K), _value(at, col, 3, inside, K),
+            _value(at, col, 4, inside, K), _value(at, col, 5, inside, K), _value(at, col, 6, inside, K), _value(at, col, 7, inside, K),
+        )
         words = mxfp8_words(x, RULE[1], tl.float8e4nv)
     else:
+        col = word * 16
+        x = (
+            _value(at, col, 0, inside, K), _value(at, col, 1, inside, K), _value(at, col, 2, inside, K), _value(at, col, 3, inside, K),
+            _value(at, col, 4, inside, K), _value(at, col, 5, inside, K), _value(at, col, 6, inside, K), _value(at, col, 7, inside, K),
+            _value(at, col, 8, inside, K), _value(at, col, 9, inside, K), _value(at, col, 10, inside, K), _value(at, col, 11, inside, K),
+            _value(at, col, 12, inside, K), _value(at, col, 13, inside, K), _value(at, col, 14, inside, K), _value(at, col, 15, inside, K),
+        )
         words = nvfp4_words(x, amax)
+    return words
+
+
+@triton.jit
+def _value(at, col, j: tl.constexpr, inside, K):
+    """fp32 of the high-precision values at ``at`` (a row's start) + col + j, 0 outside A."""
+    return tl.load(at + col + j, mask=inside & (col + j < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantized_tile_words(x_ptr, row, rows, k0, K, stride, amax, OPERAND: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What _words loads of a stored MXFP8 or NVFP4 A at ``row`` (a column) from column k0 on,
+    made by _quantized_words: (rows, words) of each, an MXFP8 block's exponent for each of its words."""
+    if OPERAND == 1:
+        word = k0 // 8 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        codes, biased = _quantized_words(x_ptr, row[:, :, None], rows, word, K, stride, amax, 1, RULE)
+        shape: tl.constexpr = (row.shape[0], BLOCK_K // 8)
+        words = tl.reshape(codes, shape), tl.reshape(tl.broadcast_to(biased, codes.shape), shape)
+    else:
+        words = _quantized_words(x_ptr, row, rows, k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :], K, stride, amax, 2, RULE)
     return words
 
 
@@ -698,8 +730,7 @@ def _decode_kernel(
             else:
                 b = _pairs(b_codes, b_scale, OPERAND, ASM)
                 if A_RULE is not None:
-                    word = k0 // WORD + tl.arange(0, BLOCK_K // WORD)[None, :]
-                    a_codes, a_scales = _quantized_words(a_ptr, m, M, word, K, a_stride, a_amax if OPERAND == 2 else None, OPERAND, A_RULE)
+                    a_codes, a_scales = _quantized_tile_words(a_ptr, m, M, k0, K, a_stride, a_amax if OPERAND == 2 else None, OPERAND, A_RULE, BLOCK_K)
                     a_t = _pairs(a_codes, a_scales, OPERAND, ASM, TRANSPOSED=True)
                 elif not A_VALUES:
                     a_codes, a_scales = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
