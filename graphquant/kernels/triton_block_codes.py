@@ -10,6 +10,7 @@ j of every word), so that the words are made elementwise in the layout of the wo
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from graphquant.formats import nvfp4
