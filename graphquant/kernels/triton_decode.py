@@ -856,13 +856,19 @@ class QuantizedOnLoad(NamedTuple):
 
     @property
     def rule(self) -> tuple[str, float, float, bool, int, int]:
-        """How the kernels quantize A (A_RULE): (the element, its largest finite value,
-        amax_epsilon, pow2_scales, the chunks of a row in ``amax`` and the power of two past them)."""
-        encoding = self.quantizer.kernel_encoding(ROWWISE)
-        element, chunks = encoding.element, self.amax.shape[1]
-        largest = nvfp4.E2M1_MAX if element == "e2m1" else fp8.fp8_max(element)
-        pow2 = bool(encoding.pow2_scales)
-        return (element, largest, float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
+        """How the kernels quantize A (A_RULE): _rule with the chunks of a row in ``amax``."""
+        return _rule(self.quantizer, self.amax.shape[1])
+
+
+def _rule(quantizer: Quantizer, chunks: int) -> tuple[str, float, float, bool, int, int]:
+    """How the kernels quantize A rowwise as ``quantizer`` does, given the amaxes of ``chunks``
+    chunks of each of its rows: (the element, its largest finite value, amax_epsilon,
+    pow2_scales, chunks and the power of two past them)."""
+    encoding = quantizer.kernel_encoding(ROWWISE)
+    element = encoding.element
+    largest = nvfp4.E2M1_MAX if element == "e2m1" else fp8.fp8_max(element)
+    pow2 = bool(encoding.pow2_scales)
+    return (element, largest, float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
 
 
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
@@ -897,15 +903,25 @@ def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
     return fp8.row_chunk_amax(x)
 
 
-def _block_codes(a: QuantizedOnLoad) -> Representation:
-    """A's 1x128 blocks quantized by _block_codes_kernel: the reference quantizer's representation, bit for bit."""
-    m, k = a.shape
-    x = a.data if a.data.stride(-1) == 1 else a.data.contiguous()
+def quantizes_first(quantizer: Quantizer) -> bool:
+    """Whether the kernels quantize an A in ``quantizer``'s format by a kernel of its own before
+    the GEMM (``block_codes``: 1x128 blocks), not as they load it. A graph runs it as an op of its
+    own (graphquant::block_codes), so that the GEMMs that read one A share its codes."""
+    encoding = quantizer.kernel_encoding(ROWWISE)
+    return encoding is not None and (encoding.scaling, encoding.block) == ("block", (1, 128))
+
+
+def block_codes(x: torch.Tensor, quantizer: Quantizer) -> Representation:
+    """2-D ``x``'s 1x128 blocks quantized rowwise by _block_codes_kernel: ``quantizer``'s
+    representation, bit for bit the reference's."""
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
     blocks = triton.cdiv(k, 128)
-    codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[a.rule[0]], device=x.device)
+    rule = _rule(quantizer, 0)
+    codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[rule[0]], device=x.device)
     scale = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
-    _block_codes_kernel[(m, triton.cdiv(blocks, 8))](x, codes, scale, m, k, x.stride(0), RULE=a.rule, BLOCKS=8)
-    return a.quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
+    _block_codes_kernel[(m, triton.cdiv(blocks, 8))](x, codes, scale, m, k, x.stride(0), RULE=rule, BLOCKS=8)
+    return quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
 
 
 def _layout(rep: Representation, operand: str) -> _Layout:
@@ -1053,8 +1069,8 @@ def gemm(
         refusal = quantize_on_load_refusal(a.quantizer)
         if refusal:
             raise ValueError(refusal)
-        if a.quantizer.kernel_encoding(ROWWISE).scaling == "block":
-            a = _block_codes(a)
+        if quantizes_first(a.quantizer):
+            a = block_codes(a.data, a.quantizer)
         elif a.shape[0] > ONE_TILE_ROWS or (config is not None and not config.quantizes_on_load(a.shape[0])):
             raise ValueError(
                 f"the decode GEMM quantizes A as it loads it, at most {ONE_TILE_ROWS} rows, in one tile of them or a row a "
