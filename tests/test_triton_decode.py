@@ -508,9 +508,11 @@ def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, nam
 @pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
 def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch, recipe):
     """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64 and
-    128 rows (a static graph each): every linear's fprop planned on the decode GEMM, the plan's
-    dump names it on each, and the calls reach it with the rows they have (the decode GEMM stood
-    in for by the emulated GEMM on this CPU); at 2048 rows the emulation, and the dump says why."""
+    128 rows (a static graph each): every linear's fprop planned on the decode GEMM (at 16 rows
+    the one that quantizes x as it loads it), the plan's dump names it on each, and the calls
+    reach it with the rows they have (the decode GEMM stood in for by the emulated GEMM on this
+    CPU, x quantized by the reference where it is to quantize it); at 2048 rows the emulation,
+    and the dump says why."""
     import graphquant
     from graphquant import recipes
     from graphquant.kernels import emulation
@@ -519,6 +521,8 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
 
     def stand_in(a, b, out_dtype, bias=None):
         rows.append(a.shape[0])
+        if isinstance(a, hopper.QuantizedOnLoad):
+            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
         return emulation.gemm(a, b, 1, out_dtype, bias)[0]
 
     monkeypatch.setattr(hopper, "gemm", stand_in)
@@ -531,9 +535,9 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
             compiled(torch.randn(m, 128, dtype=torch.bfloat16))
     plans = compiled.graphquant.plans
     assert len(plans) == 4
-    for plan in plans[:3]:
+    for plan, backend in zip(plans[:3], (hopper.QUANTIZING_BACKEND, hopper.BACKEND, hopper.BACKEND)):
         fprops = [g for g in plan.gemms if g.gemm == "fprop"]
-        assert len(fprops) == 2 and all(g.backend == GemmBackend(hopper.BACKEND) for g in fprops), str(plan)
+        assert len(fprops) == 2 and all(g.backend == GemmBackend(backend) for g in fprops), str(plan)
         assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
     assert {g.backend.name for g in plans[3].gemms if g.gemm == "fprop"} == {backends.EMULATION}, str(plans[3])
     assert f"multiplies at most {hopper.VALUE_ROWS} rows of A" in str(plans[3])
