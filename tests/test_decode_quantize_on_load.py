@@ -95,10 +95,10 @@ class FeedForward(torch.nn.Module):
 
 
 def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list[torch.Tensor], list]:
-    """A frozen FFN's outputs for each of ``xs`` (a static graph each, aot_eager) and its plans."""
+    """A frozen FFN's outputs for each of ``xs`` (a static graph each, aot_eager, on their device) and its plans."""
     torch.manual_seed(0)
     compiled = graphquant.compile(
-        FeedForward().to(torch.bfloat16), recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir
+        FeedForward().to(xs[0].device, torch.bfloat16), recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir
     )
     graphquant.freeze(compiled)
     with torch.no_grad():
@@ -106,27 +106,32 @@ def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list
     return outputs, compiled.graphquant.plans
 
 
-def _planned_alike_results() -> dict:
-    """For each recipe on a faked Hopper, the frozen FFN at one and three rows with the kernel that
-    quantizes x itself (interpreted), and with it refused (x quantized first, the plain
-    decode GEMM): whether each planned as expected and gave the same bits."""
+def _planned_alike_results(device: torch.device) -> dict:
+    """For each recipe, the frozen FFN at one and three rows with the kernel that quantizes x
+    itself, and with it refused (x quantized first, the plain decode GEMM): whether each planned
+    as expected and gave the same bits. On the CPU on a faked Hopper (the kernels interpreted)."""
     from graphquant.kernels import triton_decode
 
-    backends.capability = lambda device: (9, 0)
+    if device.type == "cpu":
+        backends.capability = lambda device: (9, 0)
     refusal = triton_decode.quantize_on_load_refusal
-    xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(3, 128).to(torch.bfloat16)]
+    xs = [torch.randn(1, 128, device=device).to(torch.bfloat16), torch.randn(3, 128, device=device).to(torch.bfloat16)]
     results = {}
-    for name, recipe in RECIPES.items():
-        runs = {}
-        for backend, refuse in ((triton_decode.QUANTIZING_BACKEND, False), (triton_decode.BACKEND, True)):
-            triton_decode.quantize_on_load_refusal = (lambda quantizer: "refused") if refuse else refusal
-            backends.clear_caches()
-            torch._dynamo.reset()
-            outputs, plans = _frozen_outputs(recipe, xs)
-            planned = {g.backend.name for plan in plans for g in plan.gemms}
-            runs[backend] = (outputs, planned == {backend})
-        (fused, fused_planned), (first, first_planned) = runs.values()
-        results[f"frozen ffn {name}"] = fused_planned and first_planned and all(map(torch.equal, fused, first))
+    try:
+        for name, recipe in RECIPES.items():
+            runs = {}
+            for backend, refuse in ((triton_decode.QUANTIZING_BACKEND, False), (triton_decode.BACKEND, True)):
+                triton_decode.quantize_on_load_refusal = (lambda quantizer: "refused") if refuse else refusal
+                backends.clear_caches()
+                torch._dynamo.reset()
+                outputs, plans = _frozen_outputs(recipe, xs)
+                planned = {g.backend.name for plan in plans for g in plan.gemms}
+                runs[backend] = (outputs, planned == {backend})
+            (fused, fused_planned), (first, first_planned) = runs.values()
+            results[f"frozen ffn {name}"] = fused_planned and first_planned and all(map(torch.equal, fused, first))
+    finally:
+        triton_decode.quantize_on_load_refusal = refusal
+        backends.clear_caches()
     return results
 
 
@@ -161,7 +166,7 @@ def _interpreted_results() -> dict:
             inverse.view(torch.int32), expected_inverse.view(torch.int32)
         )
         results[f"scale rule {element} {epsilon} {pow2}"] = same
-    return results | _special_words_results() | _planned_alike_results()
+    return results | _special_words_results() | _planned_alike_results(torch.device("cpu"))
 
 
 def _special_words_results() -> dict:
@@ -421,6 +426,15 @@ def test_quantizing_on_load_equals_quantizing_first_on_gpu(name, n, k):
         for out_dtype in (torch.float32, torch.bfloat16):
             first, on_load = _products(name, x, w, bias, out_dtype)
             assert torch.equal(first, on_load), f"{m} rows, {out_dtype}"
+
+
+@pytest.mark.gpu
+def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_on_gpu():
+    """Every recipe's frozen FFN at one row and three, as the interpreted test, with the GPU's
+    kernels (the FMA units' at one row, the block-codes op's CUDA kernel)."""
+    pytest.importorskip("triton")
+    results = _planned_alike_results(torch.device("cuda"))
+    assert all(results.values()), results
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them

@@ -33,11 +33,14 @@ The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each othe
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
 output dtype.
 
-A may also come in high precision (QuantizedOnLoad: an inference linear's activation, in FP8
-current scaling), for these kernels to quantize it themselves with the reference's bits: per
-tensor or per row as they load each tile, the scale made from the amaxes of A's rows, or 1x128
-blocks in one small kernel first (_block_codes_kernel). The product is then the one they compute
-on A quantized first, bit for bit, without the quantize kernels a graph would run before them.
+A may also come in high precision (QuantizedOnLoad: an inference linear's activation of at most
+16 rows, in FP8 current scaling, MXFP8 or NVFP4), for these kernels to quantize it themselves
+with the reference's bits: as they load each tile, per tensor or per row under the scale made
+from the amaxes of A's rows, or into MXFP8's and NVFP4's words (triton_block_codes: each 32-block's
+E8M0 scale from its own amax, each 16-block's E4M3 scale under the global scale from A's amax),
+or 1x128 blocks in one small kernel first (_block_codes_kernel, in a graph an op of its own). The
+product is then the one they compute on A quantized first, bit for bit, without the quantize
+kernels a graph would run before them.
 """
 
 from __future__ import annotations
