@@ -53,11 +53,14 @@ def gpu_energy_j() -> Optional[float]:
 
 
 def time_ms(
-    fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1, joules: Optional[list[float]] = None,
-    host: Optional[list[float]] = None,
+    fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, inner: int = 1, queued: int = 0,
+    joules: Optional[list[float]] = None, host: Optional[list[float]] = None,
 ) -> float:
     """Median milliseconds of one call of ``fn`` over ``reps`` samples, each sample ``inner``
     back-to-back calls between two CUDA events (so host overhead overlaps the GPU, as in a model).
+    ``queued`` calls are issued before the start event, so that the GPU is already busy when a
+    sample begins and the first timed call's host work is hidden as every later one's is (a
+    serving loop's steady state); without them each sample holds one call's host time.
     ``joules``, if given, receives each sample's GPU energy per call where NVML can read it;
     ``host`` each sample's host milliseconds per call (the calls' wall clock, the GPU not waited
     for): where it comes near the events' time, the host, not the GPU, set the pace."""
@@ -67,6 +70,8 @@ def time_ms(
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(queued):
+            fn()
         before = gpu_energy_j() if joules is not None else None
         start.record()
         began = time.perf_counter()

@@ -61,7 +61,7 @@ NARROW_TILES = [(32, 256, 4, 3), (32, 512, 4, 2)]
 FMA_TILES = [(64, 512, 4, 2), (32, 512, 4, 2), (64, 256, 4, 2), (128, 256, 8, 2)]
 # The FMA kernel (one row of A a program) is tried up to this many rows.
 FMA_ROWS = 4
-TILES_PER_SM = [2, 4, 8, 16]
+TILES_PER_SM = [2, 3, 4, 6, 8, 16]
 U = 2.0**-24
 DEVICE = "cuda"  # where the operands are made (a smoke test of the checks may run them elsewhere)
 

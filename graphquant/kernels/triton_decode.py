@@ -57,6 +57,7 @@ import triton.language as tl
 from graphquant.formats import fp8, nvfp4
 from graphquant.kernels.triton_block_codes import mxfp8_words, nvfp4_words
 from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
+from graphquant.kernels.triton_launch import launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
 
@@ -863,17 +864,19 @@ class QuantizedOnLoad(NamedTuple):
         return _rule(self.quantizer, self.amax.shape[1])
 
 
+@functools.lru_cache(maxsize=None)
 def _rule(quantizer: Quantizer, chunks: int) -> tuple[str, float, float, bool, int, int]:
     """How the kernels quantize A rowwise as ``quantizer`` does, given the amaxes of ``chunks``
     chunks of each of its rows: (the element, its largest finite value, amax_epsilon,
-    pow2_scales, chunks and the power of two past them)."""
+    pow2_scales, chunks and the power of two past them); made once per quantizer and chunk count
+    (a decode call's host time counts)."""
     encoding = quantizer.kernel_encoding(ROWWISE)
-    element = encoding.element
+    element, pow2 = encoding.element, bool(encoding.pow2_scales)
     largest = nvfp4.E2M1_MAX if element == "e2m1" else fp8.fp8_max(element)
-    pow2 = bool(encoding.pow2_scales)
     return (element, largest, float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
 
 
+@functools.lru_cache(maxsize=None)
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     """Why the kernels cannot quantize A rowwise as ``quantizer`` does ("" where they can): FP8
     current scaling per tensor, per row or per 1x128 block, MXFP8 E4M3, or NVFP4 in 1x16 blocks
@@ -923,7 +926,7 @@ def block_codes(x: torch.Tensor, quantizer: Quantizer) -> Representation:
     rule = _rule(quantizer, 0)
     codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[rule[0]], device=x.device)
     scale = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
-    _block_codes_kernel[(m, triton.cdiv(blocks, 8))](x, codes, scale, m, k, x.stride(0), RULE=rule, BLOCKS=8)
+    launch(_block_codes_kernel, (m, triton.cdiv(blocks, 8)), x, codes, scale, m, k, x.stride(0), RULE=rule, BLOCKS=8)
     return quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
 
 
@@ -976,7 +979,8 @@ def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple
     padded = triton.cdiv(k, K_CHUNK) * K_CHUNK  # values a row: every pair's words, padded (_padded_words)
     dtype = torch.float16 if operand == F16_VALUES else torch.float32 if triton.knobs.runtime.interpret else torch.bfloat16
     values = torch.empty((m, padded), dtype=dtype, device=data.device)
-    _a_values_kernel[(triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16)))](
+    launch(
+        _a_values_kernel, (triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16))),
         data, scale, values, m, k, stride_words, *scale_strides, values.stride(0),
         OPERAND=operand, ASM=not triton.knobs.runtime.interpret, ONE_DOT=one_dot, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
     )
@@ -1121,7 +1125,8 @@ def gemm(
     asm = not triton.knobs.runtime.interpret
     whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
-        _autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles)](
+        launch(
+            _autotuned, lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles),
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
@@ -1129,14 +1134,16 @@ def gemm(
             WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         )
     elif config.fma:
-        _fma_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
+        launch(
+            _fma_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages, A_RULE=rule,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
-        _decode_kernel[(triton.cdiv(n, config.block_n), splits, row_tiles)](
+        launch(
+            _decode_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),

@@ -1,0 +1,123 @@
+"""Where a decode step's host time goes: the sweep's FFN (two Llama-3-8B SwiGLU blocks) under
+torch.no_grad() at a few rows, compiled three ways, microseconds per call.
+
+    python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200] [--profile NAME]
+
+- "eager launches": torch.compile's default mode; every kernel is launched from Python at every
+  call, so the host's column is Dynamo's guards, Inductor's wrapper and every launch (graphquant's
+  decode GEMM through its custom op and Triton).
+- "graph trees": mode="reduce-overhead", what inference_sweep.py --cudagraphs times: the host's
+  column is Dynamo's guards, AOT's wrapper and the tree's Python around one replay.
+- "one graph" (CUDA): the eager-launch model captured whole by torch.cuda.graph and replayed by
+  hand, the least host work a call can have; its GPU column is the step's GPU time.
+
+Each cell is ``--calls`` calls issued back to back behind a queued one: "host" is their wall clock
+before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
+pace). ``--profile NAME`` prints cProfile's top functions of that configuration's eager calls
+(before the table).
+``--tiny``: the CPU with small dims and aot_eager, eager launches only: a check that it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from inference_configs import BF16, FROZEN, allow_graphs, build  # noqa: E402
+from models import DIM, HIDDEN, FFNStack  # noqa: E402
+
+DEFAULT_CONFIGS = f"{BF16},graphquant tensorwise{FROZEN},graphquant nvfp4{FROZEN}"
+
+
+def per_call_us(fn, calls: int, cuda: bool) -> tuple[float, ...]:
+    """(host, GPU) microseconds per call over ``calls`` calls behind one queued ((host,) on the CPU)."""
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - began) / calls * 1e6
+    if not cuda:
+        return (host,)
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / calls * 1e3
+
+
+def one_graph(model: torch.nn.Module, x: torch.Tensor):
+    """``model(x)`` captured whole by torch.cuda.graph (after warm calls on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(x)
+    return graph.replay
+
+
+def profile(fn, calls: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--rows", default="1")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", default="")
+    args = parser.parse_args(argv)
+    cuda = not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dims = dict(dim=128, hidden=256) if args.tiny else dict(dim=DIM, hidden=HIDDEN)
+    names = args.configs.split(",")
+    rows = [int(r) for r in args.rows.split(",")]
+    allow_graphs(2 * len(names) * len(rows))
+    torch.manual_seed(0)
+    base = FFNStack(2, **dims).to(device, torch.bfloat16).eval()
+    print(f"2 SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']}) on {device}, torch {torch.__version__}, "
+          f"rows {rows}, {args.calls} calls a cell", flush=True)
+    lines = []
+    with torch.no_grad():
+        for name in names:
+            eager = build(name, base, device, cudagraphs=False)
+            trees = build(name, base, device, cudagraphs=True) if cuda else None
+            for r in rows:
+                x = torch.randn(r, dims["dim"], device=device, dtype=torch.bfloat16)
+                cells = [*per_call_us(lambda: eager(x), args.calls, cuda)]
+                if cuda:
+                    cells += [*per_call_us(lambda: trees(x), args.calls, cuda), *per_call_us(one_graph(eager, x), args.calls, cuda)]
+                lines.append([name, r, *(f"{us:.1f}" for us in cells)])
+                if name in args.profile.split(","):
+                    print(f"--- {name} @{r} rows, eager launches: cProfile of {args.calls} calls\n{profile(lambda: eager(x), args.calls)}")
+    headers = ["config", "rows", "eager launches host"]
+    if cuda:
+        headers += ["GPU", "graph trees host", "GPU", "one graph host", "GPU"]
+    print(tabulate(lines, headers=headers, disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
