@@ -409,6 +409,37 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
             triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, mx), mx), w, torch.bfloat16, config=config)
 
 
+@pytest.mark.parametrize("fma", [True, False], ids=["fma units, one row", "tensor cores, 16 rows"])
+@pytest.mark.parametrize("name", WORD_PAIRS)
+def test_the_programs_that_quantize_mxfp8_and_nvfp4_on_load_compile_for_sm90_without_spills(name, fma):
+    """Compiled for Hopper (on any machine), each tiling the GPU runs at one row and at 16 with A
+    quantized as it loads it spills nothing, keeps its tensor cores' products unserialized, and
+    decodes A's words by the same inline PTX as a stored A's."""
+    pytest.importorskip("triton")
+    from test_triton_decode import _decode_kernel_for_sm90, _ptxas_report
+
+    from graphquant.kernels import triton_decode
+
+    qa, _ = PAIRS[name]
+    mxfp8 = name == "mxfp8"
+    rule = triton_decode._rule(qa, 0 if mxfp8 else 4)
+    codes = "*u8" if mxfp8 else "*i64"  # the weight's codes, as they are passed
+    pointers = {"a_ptr": "*bf16", "a_scale_ptr": "*bf16", "a_factor_ptr": "*fp32", "b_ptr": codes, "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "b_scale_ptr": "*u8" if mxfp8 else "*fp8e4nv"}
+    runtime = {"M": 1 if fma else 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 512 if mxfp8 else 256,
+               "a_scale_row_stride": 0, "a_scale_col_stride": 0, "b_scale_row_stride": 128 if mxfp8 else 256, "b_scale_col_stride": 1}
+    a_factor = 0 if mxfp8 else (2 if qa.row_scaled_nvfp4 else 1)
+    compiled = _decode_kernel_for_sm90(
+        pointers, runtime, 4, fma, 1 if fma else 3, OPERAND=triton_decode.BF16_VALUES if mxfp8 else triton_decode.F16_VALUES,
+        SCALE_COLS=32 if mxfp8 else 16, A_FACTOR=a_factor, B_FACTOR=0 if mxfp8 else 1, A_DIVISOR=1.0 if mxfp8 else 2688.0,
+        B_DIVISOR=1.0 if mxfp8 else 2688.0, A_RULE=rule,
+    )
+    report = _ptxas_report(compiled.asm["ptx"])
+    assert "0 bytes spill stores" in report and "serialized" not in report, report
+    decoded_by = "cvt.rn.f16x2.e4m3x2" if mxfp8 and fma else "mul.rn.bf16x2" if mxfp8 else "lop3.b32"  # triton_dequantize's PTX
+    assert decoded_by in compiled.asm["ptx"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4096, 14336), (14336, 4096)], ids=["down", "up"])
 @pytest.mark.parametrize("name", PAIRS)

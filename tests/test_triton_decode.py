@@ -269,26 +269,27 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
-    """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
-    GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
-    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors
-    (unless given)."""
+def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, fma: bool = False, num_stages: int = 3, **constants):
+    """_decode_kernel (or, with ``fma``, _fma_kernel) compiled for Hopper (on any machine: Triton
+    compiles without a GPU) with the given pointer types, the runtime ints' values (Triton
+    specializes ints divisible by 16, and 1), and constants over a 64x256 weight tile, 16 rows of
+    A, a K split, factors (unless given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from graphquant.kernels import triton_decode
 
-    kernel = triton_decode._decode_kernel
+    kernel = triton_decode._fma_kernel if fma else triton_decode._decode_kernel
     constants = {
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
             SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, STAGES=num_stages,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     }
+    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -300,7 +301,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
 
 
