@@ -1,11 +1,12 @@
 """The decode GEMM that quantizes its activation itself (triton_decode.QuantizedOnLoad): as it
-loads it (per-tensor and per-row FP8 current scaling) or in a kernel of its own first (1x128
-blocks). Its product is, bit for bit, the decode GEMM's on the activation the reference quantizer
-made (same codes, same scales, same kernel).
+loads it (per-tensor and per-row FP8 current scaling, MXFP8, NVFP4 with a global amax per tensor
+or per row) or in a kernel of its own first (1x128 blocks, an op of its own in a graph). Its
+product is, bit for bit, the decode GEMM's on the activation the reference quantizer made (same
+codes, same scales, same kernel).
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own, its FP8 casts
-rounded as the GPU's are (triton_interpreter.round_fp8_to_nearest_even), and the scale rule alone
-on every special amax; on the GPU at a Llama-3-8B FFN's shapes.
+rounded as the GPU's are (triton_interpreter.round_fp8_to_nearest_even), and the scale rules alone
+on every special value; on the GPU at a Llama-3-8B FFN's shapes.
 """
 
 import json
@@ -29,6 +30,7 @@ from graphquant.quantizers import (
     Float8DelayedScalingQuantizer,
     Float8RowwiseQuantizer,
     MXFP8Quantizer,
+    NVFP4Quantizer,
 )
 
 # (the activation's quantizer, the weight's): each FP8 family the decode GEMM quantizes itself.
@@ -45,22 +47,37 @@ PAIRS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    # nvfp4_block_scaling's activation (its Hadamard transform is the columnwise side's) and weight
+    "nvfp4 x nvfp4 2d": (NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), NVFP4Quantizer(with_2d_quantization=True)),
+    "nvfp4 row-scaled x nvfp4 2d": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(with_2d_quantization=True)),
 }
+# The pairs whose A the kernels quantize as they load it in MXFP8's and NVFP4's words, by the
+# FMA units' program too (one row of A a program: the GPU's tiling at one row).
+WORD_PAIRS = ("mxfp8", "nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4 2d")
+FMA_CASES = [(1, 96, 1024, False), (3, 40, 640, True)]
 # The recipes whose inference linears run on it at decode rows.
-RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
+RECIPES = {
+    "tensorwise": zoo.recipe("tensorwise"),
+    "rowwise": zoo.recipe("rowwise"),
+    "deepseek_blockwise": zoo.recipe("deepseek_blockwise"),
+    "mxfp8": recipes.mxfp8_block_scaling(),
+    "nvfp4": recipes.nvfp4_block_scaling(),
+}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
 # whose amaxes come in chunks (fp8.row_chunk_amax), K split and not.
 INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False), (2, 512, 5120, True)]
 
 
-def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the decode GEMM on x quantized by the reference first, the one that quantizes x itself)."""
+def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the decode GEMM on x quantized by the reference first, the one that quantizes x itself),
+    both tiled by ``config`` (None: as the GEMM picks)."""
     from graphquant.kernels import triton_decode
 
     qa, qb = PAIRS[name]
     b = qb(w, columnwise=False).get(ROWWISE)
-    first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias)
-    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias)
+    first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias, config)
+    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias, config)
     return first, on_load
 
 
@@ -78,10 +95,10 @@ class FeedForward(torch.nn.Module):
 
 
 def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list[torch.Tensor], list]:
-    """A frozen FFN's outputs for each of ``xs`` (a static graph each, aot_eager) and its plans."""
+    """A frozen FFN's outputs for each of ``xs`` (a static graph each, aot_eager, on their device) and its plans."""
     torch.manual_seed(0)
     compiled = graphquant.compile(
-        FeedForward().to(torch.bfloat16), recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir
+        FeedForward().to(xs[0].device, torch.bfloat16), recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir
     )
     graphquant.freeze(compiled)
     with torch.no_grad():
@@ -89,44 +106,58 @@ def _frozen_outputs(recipe, xs: list[torch.Tensor], dump_dir=None) -> tuple[list
     return outputs, compiled.graphquant.plans
 
 
-def _planned_alike_results() -> dict:
-    """For each recipe on a faked Hopper, the frozen FFN at one and three rows with the kernel that
-    quantizes x itself (interpreted), and with it refused (x quantized first, the plain
-    decode GEMM): whether each planned as expected and gave the same bits."""
+def _planned_alike_results(device: torch.device) -> dict:
+    """For each recipe, the frozen FFN at one and three rows with the kernel that quantizes x
+    itself, and with it refused (x quantized first, the plain decode GEMM): whether each planned
+    as expected and gave the same bits. On the CPU on a faked Hopper (the kernels interpreted)."""
     from graphquant.kernels import triton_decode
 
-    backends.capability = lambda device: (9, 0)
+    if device.type == "cpu":
+        backends.capability = lambda device: (9, 0)
     refusal = triton_decode.quantize_on_load_refusal
-    xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(3, 128).to(torch.bfloat16)]
+    xs = [torch.randn(1, 128, device=device).to(torch.bfloat16), torch.randn(3, 128, device=device).to(torch.bfloat16)]
     results = {}
-    for name, recipe in RECIPES.items():
-        runs = {}
-        for backend, refuse in ((triton_decode.QUANTIZING_BACKEND, False), (triton_decode.BACKEND, True)):
-            triton_decode.quantize_on_load_refusal = (lambda quantizer: "refused") if refuse else refusal
-            backends.clear_caches()
-            torch._dynamo.reset()
-            outputs, plans = _frozen_outputs(recipe, xs)
-            planned = {g.backend.name for plan in plans for g in plan.gemms}
-            runs[backend] = (outputs, planned == {backend})
-        (fused, fused_planned), (first, first_planned) = runs.values()
-        results[f"frozen ffn {name}"] = fused_planned and first_planned and all(map(torch.equal, fused, first))
+    try:
+        for name, recipe in RECIPES.items():
+            runs = {}
+            for backend, refuse in ((triton_decode.QUANTIZING_BACKEND, False), (triton_decode.BACKEND, True)):
+                triton_decode.quantize_on_load_refusal = (lambda quantizer: "refused") if refuse else refusal
+                backends.clear_caches()
+                torch._dynamo.reset()
+                outputs, plans = _frozen_outputs(recipe, xs)
+                planned = {g.backend.name for plan in plans for g in plan.gemms}
+                runs[backend] = (outputs, planned == {backend})
+            (fused, fused_planned), (first, first_planned) = runs.values()
+            results[f"frozen ffn {name}"] = fused_planned and first_planned and all(map(torch.equal, fused, first))
+    finally:
+        triton_decode.quantize_on_load_refusal = refusal
+        backends.clear_caches()
     return results
 
 
+def _operands(m: int, n: int, k: int, with_bias: bool) -> tuple:
+    """x (each row's amax in its last chunk, and the tensor's, rows 4 orders of magnitude apart),
+    w and the bias, bf16."""
+    x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+    x[:, -1] = x.abs().amax(1) * 8
+    w = (torch.randn(n, k) / 8).to(torch.bfloat16)
+    return x.to(torch.bfloat16), w, torch.randn(n).to(torch.bfloat16) if with_bias else None
+
+
 def _interpreted_results() -> dict:
-    from graphquant.kernels import triton_scales
+    from graphquant.kernels import triton_decode, triton_scales
 
     torch.manual_seed(0)
     results = {}
     for name in PAIRS:
         for m, n, k, with_bias in INTERPRETED:
-            x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
-            x[:, -1] = x.abs().amax(1) * 8  # each row's amax in its last chunk, and the tensor's
-            x = x.to(torch.bfloat16)
-            w = (torch.randn(n, k) / 8).to(torch.bfloat16)
-            bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
-            first, on_load = _products(name, x, w, bias, torch.float32)
+            first, on_load = _products(name, *_operands(m, n, k, with_bias), torch.float32)
             results[f"{name} | {m}x{n}x{k}"] = torch.equal(first, on_load)
+    fma = triton_decode.DecodeConfig(16, 128, 1, fma=True)
+    for name in WORD_PAIRS:
+        for m, n, k, with_bias in FMA_CASES:
+            first, on_load = _products(name, *_operands(m, n, k, with_bias), torch.float32, fma)
+            results[f"{name} | fma | {m}x{n}x{k}"] = torch.equal(first, on_load)
     amax = torch.tensor([0.0, 1e-30, 1e-3, 0.7, 1.0, 448.0, 3e38, float("inf"), float("nan"), 2.0**-149])
     for element, epsilon, pow2 in (("e4m3", 0.0, False), ("e4m3", 1e-3, True), ("e5m2", 0.0, True)):
         scale, inverse = triton_scales.fp8_scales(amax, element, epsilon, pow2)
@@ -135,7 +166,39 @@ def _interpreted_results() -> dict:
             inverse.view(torch.int32), expected_inverse.view(torch.int32)
         )
         results[f"scale rule {element} {epsilon} {pow2}"] = same
-    return results | _planned_alike_results()
+    return results | _special_words_results() | _planned_alike_results(torch.device("cpu"))
+
+
+def _special_words_results() -> dict:
+    """MXFP8's and NVFP4's words (triton_block_codes) of blocks holding zeros, subnormals, values 60
+    orders of magnitude apart, inf and NaN, each against the reference's codes and scales."""
+    from quantized_words_kernel import words_kernel
+
+    from graphquant.formats import mxfp8, nvfp4
+
+    x = torch.randn(8, 256) * torch.logspace(-30, 30, 8)[:, None]
+    x[0, 3], x[1, 40], x[2, :32], x[3, 100] = float("nan"), float("inf"), 0.0, 2.0**-130
+    x[4, 64:96] = 2.0**-133  # bf16's least subnormal
+    x = x.to(torch.bfloat16)
+    codes, scale = torch.empty(8, 32, dtype=torch.int64), torch.empty(8, 32)
+    words_kernel[(1,)](x, x, codes, scale, ROWS=8, WORDS=32, OPERAND=1, RULE=("e4m3", 448.0, 0.0, False, 0, 1))
+    data, biased = mxfp8.quantize(x, "e4m3", axis=1)
+    # E4M3's NaNs as one code: the interpreter's (numpy's) product of two NaNs may keep a sign
+    # bit, the GPU's is the canonical NaN, the reference's the positive one; all decode to NaN.
+    def nan_as_one(codes: torch.Tensor) -> torch.Tensor:
+        return torch.where((codes & 0x7F) == 0x7F, 0x7F, codes)
+
+    results = {"mxfp8 words": torch.equal(nan_as_one(codes.view(torch.uint8).reshape(8, -1)), nan_as_one(data.view(torch.uint8)))}
+    results["mxfp8 scales"] = torch.equal(scale[:, ::4].to(torch.uint8), biased)
+    x[0, 3] = 1.0  # NVFP4 without the NaN, whose row's scales are all NaN (torch.equal tells no NaN apart)
+    x[2] = 0
+    codes, scale = torch.empty(8, 16, dtype=torch.int64), torch.empty(8, 16)
+    amax = x.float().abs().amax(1)
+    words_kernel[(1,)](x, amax, codes, scale, ROWS=8, WORDS=16, OPERAND=2, RULE=("e2m1", 6.0, 0.0, False, 1, 1))
+    packed, scales, _ = nvfp4.quantize(x, tile_rows=1, row_scaled=True, rng=None)
+    results["nvfp4 words"] = torch.equal(codes.view(torch.uint8).reshape(8, -1), packed)
+    results["nvfp4 scales"] = torch.equal(scale, scales.float())
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +211,18 @@ def interpreted() -> dict:
 @pytest.mark.parametrize("name", PAIRS)
 def test_quantizing_on_load_equals_quantizing_first_interpreted(interpreted, name, case):
     assert interpreted[f"{name} | {case}"]
+
+
+@pytest.mark.parametrize("case", [f"{m}x{n}x{k}" for m, n, k, _ in FMA_CASES])
+@pytest.mark.parametrize("name", WORD_PAIRS)
+def test_quantizing_on_load_by_the_fma_units_equals_quantizing_first_interpreted(interpreted, name, case):
+    """The tiling of one row of A a program (the GPU's at one row), one row and three."""
+    assert interpreted[f"{name} | fma | {case}"]
+
+
+@pytest.mark.parametrize("what", ["mxfp8 words", "mxfp8 scales", "nvfp4 words", "nvfp4 scales"])
+def test_mxfp8_and_nvfp4_quantized_on_load_are_the_references_codes_on_special_values_interpreted(interpreted, what):
+    assert interpreted[what]
 
 
 def test_the_kernels_scale_rule_is_the_references_interpreted(interpreted):
@@ -190,7 +265,8 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
     """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x itself,
     in the plan and in the rewritten graph's calls (the graph dump), and it gets x in bf16 (with
     the amaxes of x's rows where it takes them); at 17 rows (past the decode GEMM's 16) none; the
-    same bits as the CPU's emulated GEMM on x quantized first."""
+    same bits as the CPU's emulated GEMM on x quantized first. 1x128 blocks come to it quantized
+    by its block-codes kernel (an op of its own, graphquant::block_codes)."""
     triton_decode = backends.triton_decode
     on_load = backends.GemmBackend(triton_decode.QUANTIZING_BACKEND)
     xs = [torch.randn(1, 128).to(torch.bfloat16), torch.randn(17, 128).to(torch.bfloat16)]
@@ -200,8 +276,11 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
     assert [g.backend for g in plans[0].gemms] == [on_load] * 3, str(plans[0])
     assert on_load not in {g.backend for g in plans[1].gemms}, str(plans[1])
     assert rewritten[0].count(f"fprop={on_load!r}") == 3 and repr(on_load) not in rewritten[1]
-    assert len(hopper_on_cpu) == 3 and all(isinstance(a, triton_decode.QuantizedOnLoad) for a in hopper_on_cpu)
-    assert all(a.data.dtype == torch.bfloat16 and a.amax.dtype == torch.float32 for a in hopper_on_cpu)
+    first = name == "deepseek_blockwise"
+    one_row, more = hopper_on_cpu[:3], hopper_on_cpu[3:]  # MXFP8 and NVFP4 take 17 rows on the plain decode GEMM
+    assert all(isinstance(a, triton_decode.QuantizedOnLoad) != first for a in one_row)
+    assert first or all(a.data.dtype == torch.bfloat16 and a.amax.dtype == torch.float32 for a in one_row)
+    assert len(more) in (0, 3) and not any(isinstance(a, triton_decode.QuantizedOnLoad) for a in more)
     backends.capability = lambda device: None  # the CPU's emulated GEMM, x quantized first
     backends.clear_caches()
     torch._dynamo.reset()
@@ -209,22 +288,66 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
     assert torch.equal(outputs[0], emulated[0])
 
 
+def _nvfp4_rounded_stochastically(role):
+    """NVFP4 whose activations round stochastically (weights in 16x16 tiles)."""
+    return NVFP4Quantizer(with_2d_quantization=True) if role.tensor_type == "weight" else NVFP4Quantizer(stochastic_rounding=True)
+
+
 def test_training_and_formats_it_cannot_quantize_keep_x_quantized_first(hopper_on_cpu):
     """Training keeps x's quantized copies for backward, so its fprop quantizes x first; so does
-    inference in a format the kernel does not quantize (MXFP8) or at rows the plan cannot see."""
+    inference in a format the kernel does not quantize (NVFP4 rounded stochastically: its plan says
+    why) or at rows the plan cannot see."""
     triton_decode = backends.triton_decode
     model = FeedForward().to(torch.bfloat16)
     training = graphquant.compile(model, RECIPES["tensorwise"], backend="aot_eager")
     training(torch.randn(1, 128).to(torch.bfloat16)).sum().backward()
     fprops = [g.backend.name for g in training.graphquant.plan.gemms if g.gemm == "fprop"]
     assert fprops == [triton_decode.BACKEND] * 3
-    for recipe, dynamic in ((recipes.mxfp8_block_scaling(), False), (RECIPES["tensorwise"], True)):
+    stochastic = graphquant.CustomRecipe(_nvfp4_rounded_stochastically)
+    for recipe, dynamic in ((stochastic, False), (RECIPES["tensorwise"], True)):
         torch._dynamo.reset()
         compiled = graphquant.compile(model, recipe, mode="inference", backend="aot_eager", dynamic=dynamic)
         with torch.no_grad():
             compiled(torch.randn(2, 128).to(torch.bfloat16))
         assert triton_decode.QUANTIZING_BACKEND not in {g.backend.name for g in compiled.graphquant.plan.gemms}
+        if recipe is stochastic:
+            reasons = {g.reason for g in compiled.graphquant.plan.gemms}
+            assert reasons == {f"x quantized first: {triton_decode.quantize_on_load_refusal(NVFP4Quantizer(stochastic_rounding=True))}"}
+            assert "rounded to nearest" in reasons.pop()
     assert not any(isinstance(a, triton_decode.QuantizedOnLoad) for a in hopper_on_cpu)
+
+
+class _Captured(Exception):
+    """Stops Inductor once the post-grad graph is in hand."""
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu, name):
+    """A SwiGLU's gate and up projections read one x: at one row, frozen, the graph Inductor lowers
+    makes x's 1x128 block codes once (graphquant::block_codes, merged by
+    passes/common_subexpressions.py), and the down projection's input's once; the other formats
+    hand x to each GEMM in high precision, with its row amaxes where the format takes them."""
+    from torch._inductor import config as inductor_config
+
+    graphs = []
+
+    def capture(graph):
+        graphs.append(graph)
+        raise _Captured
+
+    compiled = graphquant.compile(FeedForward().to(torch.bfloat16), RECIPES[name], mode="inference", dynamic=False)
+    graphquant.freeze(compiled)
+    with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False), torch.no_grad():
+        with pytest.raises(Exception):  # _Captured, as this torch's Inductor and Dynamo wrap it
+            compiled(torch.randn(1, 128, dtype=torch.bfloat16))
+    (graph,) = graphs
+    ops = torch.ops.graphquant
+    targets = [n.target for n in graph.nodes]
+    blocks = name == "deepseek_blockwise"
+    assert targets.count(ops.block_codes.default) == (2 if blocks else 0), graph
+    assert targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 3), graph
+    assert targets.count(ops.gemm.default) == (3 if blocks else 0), graph
+    assert not {ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default} & set(targets), graph
 
 
 def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
@@ -236,6 +359,8 @@ def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):
     args += (torch.bfloat16, triton_decode.QUANTIZING_BACKEND, "fc#0 fprop", None)
     op = torch.ops.graphquant.gemm_quantizing_a.default
     torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    blocks = Float8BlockQuantizer(block_scaling_dim=1)
+    torch.library.opcheck(torch.ops.graphquant.block_codes.default, (torch.randn(3, 256).to(torch.bfloat16), blocks.spec))
     with pytest.raises(backends.GemmMismatch, match="takes A in high precision"):
         backends.gemm(w, w, 1, torch.bfloat16, backends.GemmBackend(triton_decode.QUANTIZING_BACKEND), "fc#0 fprop")
 
@@ -263,8 +388,11 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
     refusals = {
         Float8DelayedScalingQuantizer(): "from the amax of A alone",
         Float8CurrentScalingQuantizer(with_amax_reduction=True): "from the amax of A alone",
-        Float8BlockQuantizer(block_scaling_dim=2): "FP8 current scaling per fp8_tensorwise, fp8_rowwise, fp8_block_1x128, not",
-        MXFP8Quantizer(): "not mxfp8",
+        Float8BlockQuantizer(block_scaling_dim=2): "per tensor, per row or per 1x128 block, in MXFP8 or in NVFP4's 1x16 blocks, not",
+        MXFP8Quantizer("e5m2"): "reads MXFP8's E4M3 codes",
+        NVFP4Quantizer(with_2d_quantization=True): "in NVFP4's 1x16 blocks, not",
+        NVFP4Quantizer(stochastic_rounding=True): "rounded to nearest",
+        NVFP4Quantizer(with_amax_reduction=True): "from the amax of A alone",
     }
     for quantizer, refusal in refusals.items():
         assert refusal in triton_decode.quantize_on_load_refusal(quantizer)
@@ -273,6 +401,43 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
     delayed = Float8DelayedScalingQuantizer()
     with pytest.raises(ValueError, match="from the amax of A alone"):
         triton_decode.gemm(triton_decode.QuantizedOnLoad(x, x.abs().amax(), delayed), w, torch.bfloat16)
+    mx = MXFP8Quantizer()
+    w = mx(torch.randn(64, 128), columnwise=False).get(ROWWISE)
+    for rows, config in ((17, None), (2, triton_decode.DecodeConfig(block_k=128, a_first=True))):
+        x = torch.randn(rows, 128)
+        with pytest.raises(ValueError, match="quantizes A as it loads it, at most 16 rows"):
+            triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, mx), mx), w, torch.bfloat16, config=config)
+
+
+@pytest.mark.parametrize("fma", [True, False], ids=["fma units, one row", "tensor cores, 16 rows"])
+@pytest.mark.parametrize("name", WORD_PAIRS)
+def test_the_programs_that_quantize_mxfp8_and_nvfp4_on_load_compile_for_sm90_without_spills(name, fma):
+    """Compiled for Hopper (on any machine), each tiling the GPU runs at one row and at 16 with A
+    quantized as it loads it spills nothing, keeps its tensor cores' products unserialized, and
+    decodes A's words by the same inline PTX as a stored A's."""
+    pytest.importorskip("triton")
+    from test_triton_decode import _decode_kernel_for_sm90, _ptxas_report
+
+    from graphquant.kernels import triton_decode
+
+    qa, _ = PAIRS[name]
+    mxfp8 = name == "mxfp8"
+    rule = triton_decode._rule(qa, 0 if mxfp8 else 4)
+    codes = "*u8" if mxfp8 else "*i64"  # the weight's codes, as they are passed
+    pointers = {"a_ptr": "*bf16", "a_scale_ptr": "*bf16", "a_factor_ptr": "*fp32", "b_ptr": codes, "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "b_scale_ptr": "*u8" if mxfp8 else "*fp8e4nv"}
+    runtime = {"M": 1 if fma else 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 512 if mxfp8 else 256,
+               "a_scale_row_stride": 0, "a_scale_col_stride": 0, "b_scale_row_stride": 128 if mxfp8 else 256, "b_scale_col_stride": 1}
+    a_factor = 0 if mxfp8 else (2 if qa.row_scaled_nvfp4 else 1)
+    compiled = _decode_kernel_for_sm90(
+        pointers, runtime, 4, fma, 1 if fma else 3, OPERAND=triton_decode.BF16_VALUES if mxfp8 else triton_decode.F16_VALUES,
+        SCALE_COLS=32 if mxfp8 else 16, A_FACTOR=a_factor, B_FACTOR=0 if mxfp8 else 1, A_DIVISOR=1.0 if mxfp8 else 2688.0,
+        B_DIVISOR=1.0 if mxfp8 else 2688.0, A_RULE=rule,
+    )
+    report = _ptxas_report(compiled.asm["ptx"])
+    assert "0 bytes spill stores" in report and "serialized" not in report, report
+    decoded_by = "cvt.rn.f16x2.e4m3x2" if mxfp8 and fma else "mul.rn.bf16x2" if mxfp8 else "lop3.b32"  # triton_dequantize's PTX
+    assert decoded_by in compiled.asm["ptx"]
 
 
 @pytest.mark.gpu
@@ -292,6 +457,15 @@ def test_quantizing_on_load_equals_quantizing_first_on_gpu(name, n, k):
         for out_dtype in (torch.float32, torch.bfloat16):
             first, on_load = _products(name, x, w, bias, out_dtype)
             assert torch.equal(first, on_load), f"{m} rows, {out_dtype}"
+
+
+@pytest.mark.gpu
+def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_on_gpu():
+    """Every recipe's frozen FFN at one row and three, as the interpreted test, with the GPU's
+    kernels (the FMA units' at one row, the block-codes op's CUDA kernel)."""
+    pytest.importorskip("triton")
+    results = _planned_alike_results(torch.device("cuda"))
+    assert all(results.values()), results
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them

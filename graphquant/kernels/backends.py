@@ -118,8 +118,9 @@ class NativeGemm(NamedTuple):
     accumulation), and for a GEMM of bounded rows the most rows of A it takes, ((A's family, B's
     family), rows) for each pair (m, known when the plan is made). ``reads_k_last``: it reads both
     operands as stored, which must then have the reduction dim last. ``quantizes_a``: it takes A
-    in high precision and quantizes it itself (triton_decode.QuantizedOnLoad), where A is made for
-    this GEMM alone."""
+    in high precision and quantizes it itself (triton_decode.QuantizedOnLoad; 1x128 blocks by its
+    kernel that runs first, as a graph op of its own: triton_decode.quantizes_first), where A is
+    made for this GEMM alone."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -171,9 +172,9 @@ BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 # FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
 # products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
 # here. It serves training GEMMs of as many rows too (fprop, dgrad). Where A is quantized for the
-# GEMM alone (an inference linear's x), in FP8 current scaling, the same kernels quantize it
-# themselves, first: a decode step's quantize kernels around each GEMM cost more than the GEMM
-# saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
+# GEMM alone (an inference linear's x), in FP8 current scaling, MXFP8 or NVFP4, at up to 16 rows,
+# the same kernels quantize it themselves, first: a decode step's quantize kernels around each
+# GEMM cost more than the GEMM saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.QUANTIZING_BACKEND,
@@ -181,7 +182,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         triton_decode.ELEMENT_PAIRS,
         1,
         lambda sm: sm >= (8, 9),
-        max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        max_rows=tuple(triton_decode.QUANTIZING_MAX_ROWS.items()),
         quantizes_a=True,
         reads_k_last=True,
     ),
@@ -369,13 +370,16 @@ def select(
     a_input, b_input = a.gemm_input(a_direction), b.gemm_input(b_direction)
     k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
     misfits = []  # a pair may have several native GEMMs (cuBLASLt's, then the decode GEMM): the first that fits runs
+    # Why the decode GEMM does not quantize this A itself, said where it then multiplies A quantized first.
+    refusal = triton_decode.quantize_on_load_refusal(a) if quantize_a and triton_decode is not None else ""
     for native in NATIVE_GEMMS:
-        if native.quantizes_a and (not quantize_a or triton_decode.quantize_on_load_refusal(a)):
+        if native.quantizes_a and (not quantize_a or refusal):
             continue
         if native.runs_on(sm) and native.takes(a_input, b_input):
             misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
             if not misfit:
-                return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation))
+                reason = f"x quantized first: {refusal}" if refusal and native.backend == triton_decode.BACKEND else ""
+                return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation), reason)
             misfits.append(misfit)
     if misfits:
         return Selection(EMULATED, GemmBackend(EMULATION), "; ".join(misfits))
@@ -457,7 +461,8 @@ def checked(
         raise GemmMismatch(
             f"{site}: its plan chose {backend}, but this call runs {names} or the emulated GEMM; the plan was made for another site"
         )
-    if native.quantizes_a != (triton_decode is not None and isinstance(a, triton_decode.QuantizedOnLoad)):
+    on_load = triton_decode is not None and isinstance(a, triton_decode.QuantizedOnLoad)
+    if native.quantizes_a != on_load and not (native.quantizes_a and triton_decode.quantizes_first(a.quantizer)):
         given, taken = ("quantized", "in high precision, to quantize it itself") if native.quantizes_a else ("in high precision", "quantized")
         raise GemmMismatch(f"{site}: its plan chose {backend}, which takes A {taken}, but this call gives A {given}")
     refusal = _refusal(native, a.quantizer, a.direction, b.quantizer, b.direction, a.data.device, dims, batch)
@@ -481,7 +486,8 @@ def gemm(
 ) -> torch.Tensor:
     """(batch, m, n): out[g] = A[g] @ B[g]^T (+ bias, one group only) on ``backend``, the plan's
     choice for the GEMM ``site`` names ("fc1#0 dgrad"), as ``checked`` admits it (A a
-    triton_decode.QuantizedOnLoad where the backend quantizes A itself); every backend adds the
+    triton_decode.QuantizedOnLoad where the backend quantizes A itself, or the codes of the kernel
+    it quantizes A with first, triton_decode.quantizes_first); every backend adds the
     bias before rounding to out_dtype."""
     n = output_rows(b.direction, b.shape, batch)
     if bias is not None and (batch != 1 or bias.shape != (n,)):

@@ -46,13 +46,17 @@ def quantized_weight_product(
     operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze).
     Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows
     alone where it needs them (a reduction Inductor fuses into x's producer) and hands x over in
-    high precision."""
+    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own,
+    which the GEMMs that read one x share."""
     x_quantizer = site.quantizers[0]
     backend, label = site.runs("fprop")
     bias = None if bias is None else bias.detach()
     out_dtype = torch.promote_types(x2d.dtype, w_dtype)
     if backend.quantizes_a:
         x_rowwise, x2d = x_quantizer.child(ROWWISE), x2d.detach()
+        if backends.triton_decode.quantizes_first(x_rowwise):
+            xq = Operand(torch.ops.graphquant.block_codes(x2d, x_rowwise.spec), x_rowwise.spec, ROWWISE, tuple(x2d.shape))
+            return gemm(xq, w, 1, out_dtype, backend, label, bias)
         return torch.ops.graphquant.gemm_quantizing_a(
             x2d, backends.triton_decode.amaxes(x2d, x_rowwise), x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype,
             backend.name, label, bias,

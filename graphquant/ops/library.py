@@ -184,3 +184,25 @@ def gemm_quantizing_a(
 @registry.fake("gemm_quantizing_a")
 def _(x, amax, x_spec, b, b_spec, b_direction, b_shape, out_dtype, backend, site, bias=None):
     return x.new_empty((1, x.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
+
+
+@registry.op("block_codes")
+def block_codes(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
+    """x's rowwise representation in ``spec``'s 1x128 blocks, as the decode GEMM that quantizes A
+    makes it before it multiplies (graphquant.kernels.triton_decode.quantizes_first): an op of its
+    own, so that the GEMMs that read one x (a SwiGLU's gate and up projections) share one call
+    where passes/common_subexpressions.py merges theirs. The reference here; CUDA tensors run
+    the decode GEMM's kernel (the same bits)."""
+    return distinct_contiguous(native.reference_quantize(quantizer_of(spec), x, ROWWISE, QuantizeContext()).tensors(), x)
+
+
+@registry.fake("block_codes")
+def _(x, spec):
+    return [t.new_empty(t.shape) for t in native.reference_quantize(quantizer_of(spec), x, ROWWISE, QuantizeContext()).tensors()]
+
+
+if backends.triton_decode is not None:
+
+    @registry.cuda_kernel("block_codes")
+    def _(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
+        return distinct_contiguous(backends.triton_decode.block_codes(x, quantizer_of(spec)).tensors(), x)
