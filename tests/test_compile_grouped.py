@@ -582,12 +582,13 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, False, None, 0)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, True, False, None, 0)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
-            args = (xp, tokens.row_group, tokens.ends, spec, rowwise, True, rng, 2)
-            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+            for rows, source in ((x, tokens.source), (xp, None)):  # gathered into the layout, or in it already
+                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2)
+                torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -817,10 +818,9 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    xp = tokens.pad(x)
-    tensors = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, True, None, 0)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
-    assert len(set(storages)) == len(storages) and xp.untyped_storage().data_ptr() not in storages
+    assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 
 
 # -- where a grouped backward's quantized copies die ------------------------------------------------

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from graphquant.formats import groups
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import native
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -405,6 +407,35 @@ def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     for direction, rep in ((ROWWISE, both.rowwise), (COLUMNWISE, both.columnwise)):
         alone = native.grouped_quantize(quantizer.child(direction), x, row_group, group_sizes, direction, CTX)
         assert_same_rep(rep, alone, direction)
+
+
+@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+def test_grouped_quantize_through_a_gather(backend, name):
+    """A MoE site's rows quantized into the padded layout as the kernel reads them through the
+    layout's gather (groups.padding's source: pad rows, and an empty group, read nothing) are what
+    the quantize of the padded copy makes, bit for bit, each direction alone and both at once; rows
+    of 16-byte pieces and rows read element by element."""
+    if name.startswith("hybrid"):
+        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
+    else:
+        quantizer = QUANTIZERS[name]()
+    rows = 700
+    offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
+    layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
+    covering = torch.cat([layout.ends[:-1], layout.ends.new_full((1,), layout.padded_rows)])
+    sizes = torch.diff(covering, prepend=covering.new_zeros(1))
+    for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16)):
+        directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
+        if not directions:
+            continue
+        x = make_input((rows, cols), dtype, "special", backend)
+        for wanted in [directions] + [[d] for d in directions] * (len(directions) == 2):
+            both = dict(rowwise=ROWWISE in wanted, columnwise=COLUMNWISE in wanted)
+            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, sizes, CTX, source=layout.source, **both)
+            want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, sizes, CTX, **both)
+            for direction in wanted:
+                what = f"{direction} of {wanted}, {cols} {dtype}"
+                assert_same_rep(getattr(got, direction), getattr(want, direction), what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from graphquant.formats import nvfp4
+from graphquant.formats import groups, nvfp4
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -141,8 +141,10 @@ def _run(
     columnwise: bool,
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
+    gather: Optional[torch.Tensor] = None,
 ) -> Optional[Quantized]:
-    """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing."""
+    """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing.
+    gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel."""
     ext = _extension(x)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
         return None
@@ -171,10 +173,12 @@ def _run(
         dbias,
         rng,
         ctx.offset,
+        gather,
     )
+    shape = x.shape if gather is None else (gather.shape[0], x.shape[1])
     return Quantized(
-        row_q.representation(ROWWISE, x.shape, x.dtype, *out[0:3]) if rowwise else None,
-        col_q.representation(COLUMNWISE, x.shape, x.dtype, *out[3:6]) if columnwise else None,
+        row_q.representation(ROWWISE, shape, x.dtype, *out[0:3]) if rowwise else None,
+        col_q.representation(COLUMNWISE, shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
     )
 
@@ -242,27 +246,35 @@ def grouped_quantize(
 
 def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
-    rowwise: bool, columnwise: bool,
+    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None,
 ) -> Quantized:
     """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
     native kernel makes both (each direction as its own call would make it, random draws
     included); otherwise each as ``grouped_quantize`` makes it. A rowwise_dequantized hybrid's
-    columnwise comes from the dequantized rowwise, not from x: it is not taken here."""
+    columnwise comes from the dequantized rowwise, not from x: it is not taken here.
+
+    source: the rows to quantize are x's rows source[r], zeros where it is -1
+    (``groups.gather_rows``): the native kernel reads them from x, so no gathered copy is made.
+    """
     if columnwise and quantizer.columnwise_from_rowwise():
         raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
+    shape = tuple(x.shape) if source is None else (source.shape[0], x.shape[1])
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
-            quantizer.child(direction).check_shape(tuple(x.shape), direction)
-    both = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, group_sizes=group_sizes) if rowwise and columnwise else None
+            quantizer.child(direction).check_shape(shape, direction)
+    grouped = dict(group_sizes=group_sizes, gather=source)
+    both = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, **grouped) if rowwise and columnwise else None
     if both is not None:
         return both
-    made = {}
+    made, padded = {}, None  # padded: x's rows in the layout, gathered once where the reference takes a direction
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             child, alone = quantizer.child(direction), direction == ROWWISE
-            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, group_sizes=group_sizes)
+            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, **grouped)
             if native_reps is None:
-                made[direction] = child.quantize_groups(x, row_group, group_sizes.shape[0], direction, ctx)
+                if padded is None:
+                    padded = x if source is None else groups.gather_rows(x, source)
+                made[direction] = child.quantize_groups(padded, row_group, group_sizes.shape[0], direction, ctx)
             else:
                 made[direction] = native_reps.rowwise if alone else native_reps.columnwise
     return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None)

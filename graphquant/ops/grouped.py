@@ -43,27 +43,32 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
-    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, rowwise: bool, columnwise: bool,
-    rng: Optional[torch.Tensor], rng_stream: int,
+    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, source: Optional[torch.Tensor], spec: str, rowwise: bool,
+    columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int,
 ) -> list[torch.Tensor]:
-    """The wanted directions of ``x`` in the padded layout (``row_group``: each row's group;
-    ``ends``: the groups' cumulative ends), each group quantized as if alone, in one read of x
-    where a kernel makes both (native.grouped_quantize_pass): [data, scale, amax] of the rowwise
-    representation if wanted, then of the columnwise one. rng: int64 [seed, step] and rng_stream
-    pick the stochastic-rounding stream, as for graphquant::quantize."""
+    """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
+    group; ``ends``: the groups' cumulative ends; ``source``: the row of x each padded row holds,
+    -1 a zero row, or None where x is in the layout already), each group quantized as if alone,
+    in one read of x where a kernel makes both (native.grouped_quantize_pass, which reads x's rows
+    through ``source``: no padded copy of x): [data, scale, amax] of the rowwise representation if
+    wanted, then of the columnwise one. rng: int64 [seed, step] and rng_stream pick the
+    stochastic-rounding stream, as for graphquant::quantize."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
-    covering = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+    covering = torch.cat([ends[:-1], ends.new_full((1,), row_group.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     ctx = QuantizeContext(rng=rng, offset=rng_stream)
-    made = native.grouped_quantize_pass(quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise)
+    made = native.grouped_quantize_pass(
+        quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source
+    )
     return distinct_contiguous([t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()], x)
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, spec, rowwise, columnwise, rng, rng_stream):
+def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream):
     quantizer = quantizer_of(spec)
+    padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(x, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
+    reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
     return [t.new_empty(t.shape) for rep in reps for t in rep.tensors()]
 
 
@@ -124,20 +129,23 @@ def quantize_grouped(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
     rng: Optional[torch.Tensor], stream: int,
 ) -> dict[str, Operand]:
-    """The grouped representations of ``x`` (padded layout) in ``directions``, honouring hybrid
-    children and sources; a stochastic child draws from stream ``stream`` of the step ``rng``."""
+    """The grouped representations of ``x`` (its rows, which ``layout`` puts in the padded
+    layout) in ``directions``, honouring hybrid children and sources; a stochastic child draws
+    from stream ``stream`` of the step ``rng``."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
+        # x's rows are read into the layout by the quantize; the dequantized rowwise lies in it.
+        gather = layout.gather if source is x else None
         tensors = torch.ops.graphquant.grouped_quantize(
-            source, layout.row_group, layout.ends, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
+            source, layout.row_group, layout.ends, gather, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
         )
         # An absent part (Representation.tensors' empty tensor) is made here, not taken from the
         # op: a backward that quantizes a parameter again would otherwise let the partitioner keep
         # that tensor of no bytes from a forward run of the whole quantize, which then runs twice.
         tensors = [source.new_empty(0, dtype=torch.float32) if t.dim() == 1 and t.shape[0] == 0 else t for t in tensors]
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
-        return {d: Operand(tensors[3 * i : 3 * i + 3], made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
+        return {d: Operand(tensors[3 * i : 3 * i + 3], made.child(d).spec, d, (layout.padded_rows, x.shape[1])) for i, d in enumerate(order)}
 
     def rowwise_values(row: Operand) -> torch.Tensor:
         return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, layout.row_group, x.dtype)
@@ -170,7 +178,7 @@ def _quantize_experts(w: torch.Tensor, site: Site, direction: str, rng: Optional
     experts, k, n = w.shape
     expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
     stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
-    w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
+    w2d = w.transpose(1, 2).reshape(experts * n, k)
     return stack, quantize_grouped(w2d, stack, site.quantizers[1], (direction,), rng, site.streams[1])[direction]
 
 
@@ -184,7 +192,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
         groups.check_offsets(offs, x.shape[0], site.label)
         tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
         x_quantizer = site.quantizers[0]
-        xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
+        xq = quantize_grouped(x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
         stack, wq = _quantize_experts(w, site, ROWWISE, rng)
         y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
@@ -203,7 +211,6 @@ class QuantizedGroupedMM(torch.autograd.Function):
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
-        dy = tokens.pad(dy)
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
