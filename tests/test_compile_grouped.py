@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor
 from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
@@ -642,10 +643,30 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
         y = compiled(x)
     y.sum().backward()
 
-    quantizes = [n.args[4:6] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    quantizes = [n.args[5:7] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
+
+
+def test_grouped_site_quantizes_the_rows_through_the_layout_without_a_padded_copy():
+    """x, grad_output and the experts' weights reach the grouped quantize as they are, with the
+    padded layout's gather, which the native kernel reads them through: neither graph makes a
+    high-precision copy of any of them in the padded layout (at an MoE step's shapes, each a
+    write and a read of up to 1.1 GB that only the quantize reads)."""
+    graphs = []
+    keep = lambda gm, example_inputs: graphs.append(gm) or make_boxed_func(gm)  # noqa: E731
+    compiled = graphquant.compile(Model(), RECIPES["rowwise"](), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    compiled(inputs().requires_grad_()).sum().backward()
+
+    def rows(node):
+        return node.meta["val"].shape[0]
+
+    quantized = [n.args[0] for g in graphs for n in g.graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    assert sorted(rows(n) for n in quantized) == [T, T, E * N, E * N]  # x, w rowwise; grad_output, w columnwise
+    padded = {groups.padded_bound(T, E, groups.GROUP_ROWS), E * groups.GROUP_ROWS}  # the tokens', the expert stack's
+    copies = [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert not [n for n in copies if n.meta["val"].dtype == torch.bfloat16 and rows(n) in padded], "a padded copy"
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
