@@ -583,13 +583,17 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0, None, False)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0, None, False)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
             for rows, source in ((x, tokens.source), (xp, None)):  # gathered into the layout, or in it already
-                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2)
+                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2, None, False)
                 torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+        # The rowwise and the amaxes its columnwise scales from; then that columnwise, given them.
+        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, spec, True, False, rng, 2, None, True)
+        for args in ((True, False, rng, 2, None, True), (False, True, rng, 2, amax, False)):
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.ends, tokens.source, spec, *args))
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -621,9 +625,11 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
     """The experts' columnwise weights (dgrad's operand) are made in backward from the parameter,
     which lives anyway, and neither kept from forward to backward (at an MoE step's shapes, 1 GiB
     of FP8) nor made in forward too: with Inductor's partitioning, the forward quantizes x in both
-    directions and w rowwise only, and backward keeps x's columnwise copy, no copy of w. Made
-    alone, w's columnwise copy has the bits it has made with the rowwise one
-    (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone)."""
+    directions and w rowwise only (taking, in that read of w, the amaxes its columnwise copy
+    scales from: per expert and column here), and backward keeps x's columnwise copy and those
+    amaxes, no copy of w. Made alone, w's columnwise copy has the bits it has made with the
+    rowwise one (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone
+    and ::test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import select_decomp_table
 
@@ -647,6 +653,7 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
+    assert [tuple(t.shape) for t in saved if t.dtype == torch.float32 and t.dim() == 1 and t.numel()] == [(E * K,)]
 
 
 def test_grouped_site_quantizes_the_rows_through_the_layout_without_a_padded_copy():
@@ -839,7 +846,7 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0, None, False)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
     assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 

@@ -438,6 +438,44 @@ def test_grouped_quantize_through_a_gather(backend, name):
                 assert_same_rep(getattr(got, direction), getattr(want, direction), what)
 
 
+@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name):
+    """The amaxes a columnwise side scales from, taken in the same read of x as the rowwise
+    (take_columnwise_amax: an expert stack's weights in forward), are the per-group reference's;
+    the columnwise made later from them (columnwise_amax: in backward) is the one made alone, bit
+    for bit; and the kernel does take them rather than reading x for them again."""
+    if name.startswith("hybrid"):
+        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
+    else:
+        quantizer = QUANTIZERS[name]()
+    column = quantizer.child(COLUMNWISE)
+    sizes = [256, 128, 384]
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
+    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    for values in ("special", "normal"):
+        x = make_input((sum(sizes), 160), torch.bfloat16, values, backend)
+        first = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=True, columnwise=False, take_columnwise_amax=True)
+        rowwise = native.grouped_quantize(quantizer.child(ROWWISE), x, row_group, group_sizes, ROWWISE, CTX)
+        assert_same_rep(first.rowwise, rowwise, f"{values} rowwise")
+        scaling = column.kernel_encoding(COLUMNWISE).scaling
+        if scaling == "row":  # per group and column
+            want = groups.group_amax(x, row_group, len(sizes), per_column=True).reshape(-1)
+        elif scaling in ("tensor", "nvfp4"):  # per group
+            want = REFERENCE_GROUPED(column, x, group_sizes, COLUMNWISE, CTX).amax.float().reshape(-1)
+        else:  # scales from blocks alone
+            want = x.new_empty(0, dtype=torch.float32)
+        assert_same(first.columnwise_amax, want, f"{values} amaxes")
+
+        def columnwise(amax):
+            made = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=False, columnwise=True, columnwise_amax=amax)
+            return made.columnwise
+
+        alone = native.grouped_quantize(column, x, row_group, group_sizes, COLUMNWISE, CTX)
+        assert_same_rep(columnwise(first.columnwise_amax), alone, f"{values} columnwise")
+        if want.numel() and torch.isfinite(want).all():
+            assert not torch.equal(columnwise(first.columnwise_amax * 4).scale, alone.scale), "the given amaxes were not taken"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", QUANTIZERS)

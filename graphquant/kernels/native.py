@@ -125,11 +125,13 @@ def _device_rng(ctx: QuantizeContext, x: torch.Tensor) -> Optional[torch.Tensor]
 
 
 class Quantized(NamedTuple):
-    """What one quantize pass made: the wanted directions and the column sums (dbias)."""
+    """What one quantize pass made: the wanted directions, the column sums (dbias) and, where
+    asked for alone, the amaxes the columnwise side scales from (``columnwise_amax``)."""
 
     rowwise: Optional[Representation]
     columnwise: Optional[Representation]
     dbias: Optional[torch.Tensor]
+    columnwise_amax: Optional[torch.Tensor] = None
 
 
 def _run(
@@ -142,9 +144,14 @@ def _run(
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
     gather: Optional[torch.Tensor] = None,
+    columnwise_amax: Optional[torch.Tensor] = None,
+    take_columnwise_amax: bool = False,
 ) -> Optional[Quantized]:
     """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing.
-    gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel."""
+    gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel.
+    columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
+    of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
+    """
     ext = _extension(x)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
         return None
@@ -154,8 +161,8 @@ def _run(
     row = _side(ext, row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
     if (rowwise or dq_source) and row is None:
         return None  # before the other side is asked of the extension
-    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
-    if columnwise and col is None:
+    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise or take_columnwise_amax else None
+    if (columnwise or take_columnwise_amax) and col is None:
         return None
     if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
         return None  # delayed scaling has one scale for the whole tensor
@@ -174,12 +181,15 @@ def _run(
         rng,
         ctx.offset,
         gather,
+        columnwise_amax,
+        not take_columnwise_amax,
     )
     shape = x.shape if gather is None else (gather.shape[0], x.shape[1])
     return Quantized(
         row_q.representation(ROWWISE, shape, x.dtype, *out[0:3]) if rowwise else None,
         col_q.representation(COLUMNWISE, shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
+        out[7],
     )
 
 
@@ -246,7 +256,8 @@ def grouped_quantize(
 
 def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
-    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None,
+    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, columnwise_amax: Optional[torch.Tensor] = None,
+    take_columnwise_amax: bool = False,
 ) -> Quantized:
     """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
     native kernel makes both (each direction as its own call would make it, random draws
@@ -255,29 +266,65 @@ def grouped_quantize_pass(
 
     source: the rows to quantize are x's rows source[r], zeros where it is -1
     (``groups.gather_rows``): the native kernel reads them from x, so no gathered copy is made.
+
+    take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
+    (``reference_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
+    Quantized.columnwise_amax; a later call that makes the same x's columnwise representation
+    takes them (``columnwise_amax``) instead of reading x for them again. The same numbers either
+    way: an expert stack's weights, rowwise in forward and columnwise in backward, are read once
+    fewer.
     """
     if columnwise and quantizer.columnwise_from_rowwise():
         raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
+    if take_columnwise_amax and (columnwise or not rowwise or quantizer.columnwise_from_rowwise()):
+        raise ValueError(f"{quantizer}: take_columnwise_amax goes with the rowwise alone, of a columnwise made from x")
     shape = tuple(x.shape) if source is None else (source.shape[0], x.shape[1])
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
     grouped = dict(group_sizes=group_sizes, gather=source)
-    both = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, **grouped) if rowwise and columnwise else None
-    if both is not None:
-        return both
+    given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: a format without
+    if rowwise and (columnwise or take_columnwise_amax):
+        both = _run(
+            quantizer, x, ctx, rowwise=True, columnwise=columnwise, columnwise_amax=given, take_columnwise_amax=take_columnwise_amax,
+            **grouped,
+        )
+        if both is not None:
+            if take_columnwise_amax and both.columnwise_amax is None:  # a format whose scales come from blocks alone
+                both = both._replace(columnwise_amax=x.new_empty(0, dtype=torch.float32))
+            return both
     made, padded = {}, None  # padded: x's rows in the layout, gathered once where the reference takes a direction
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             child, alone = quantizer.child(direction), direction == ROWWISE
-            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, **grouped)
+            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, columnwise_amax=None if alone else given, **grouped)
             if native_reps is None:
                 if padded is None:
                     padded = x if source is None else groups.gather_rows(x, source)
                 made[direction] = child.quantize_groups(padded, row_group, group_sizes.shape[0], direction, ctx)
             else:
                 made[direction] = native_reps.rowwise if alone else native_reps.columnwise
-    return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None)
+    amax = None
+    if take_columnwise_amax:
+        padded = (x if source is None else groups.gather_rows(x, source)) if padded is None else padded
+        amax = reference_columnwise_amax(quantizer.child(COLUMNWISE), padded, row_group, group_sizes.shape[0], ctx)
+    return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None, amax)
+
+
+def reference_columnwise_amax(
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_count: int, ctx: QuantizeContext
+) -> torch.Tensor:
+    """The amaxes ``quantizer``'s grouped columnwise representation of ``x`` scales from, flat
+    float32, as the kernel's pre-pass takes them: per group for per-tensor FP8 and NVFP4 (of the
+    transformed values), per group and column for row-scaled FP8; none for formats whose scales
+    come from their blocks alone."""
+    encoding = quantizer.kernel_encoding(COLUMNWISE)
+    scaling = None if encoding is None else encoding.scaling
+    if scaling == "row":
+        return groups.group_amax(x, row_group, group_count, per_column=True).reshape(-1)
+    if scaling in ("tensor", "nvfp4"):
+        return quantizer.quantize_groups(x, row_group, group_count, COLUMNWISE, ctx).amax.float().reshape(-1)
+    return x.new_empty(0, dtype=torch.float32)
 
 
 def reference_grouped_quantize(
