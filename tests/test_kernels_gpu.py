@@ -374,6 +374,16 @@ GROUPED = (
 )
 
 
+GROUPED_HYBRID = "hybrid mxfp8 / nvfp4 rht sr"
+
+
+def grouped_quantizer(name):
+    """GROUPED's quantizer of that name, or GROUPED_HYBRID: each child its direction, from x."""
+    if name == GROUPED_HYBRID:
+        return HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
+    return QUANTIZERS[name]()
+
+
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", GROUPED)
 def test_grouped_quantize(backend, name, direction):
@@ -390,15 +400,12 @@ def test_grouped_quantize(backend, name, direction):
         assert_same_rep(got, reference, str(dtype))
 
 
-@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     """Both directions from one read of x (native.grouped_quantize_pass, as a grouped site's
     operands take them) are what each direction's own call makes, bit for bit, random draws
     included; a hybrid's too (each child its direction, from x)."""
-    if name.startswith("hybrid"):
-        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
-    else:
-        quantizer = QUANTIZERS[name]()
+    quantizer = grouped_quantizer(name)
     sizes = [256, 128, 384]
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
     row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
@@ -409,16 +416,13 @@ def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
         assert_same_rep(rep, alone, direction)
 
 
-@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_quantize_through_a_gather(backend, name):
     """A MoE site's rows quantized into the padded layout as the kernel reads them through the
     layout's gather (groups.padding's source: pad rows, and an empty group, read nothing) are what
     the quantize of the padded copy makes, bit for bit, each direction alone and both at once; rows
     of 16-byte pieces and rows read element by element."""
-    if name.startswith("hybrid"):
-        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
-    else:
-        quantizer = QUANTIZERS[name]()
+    quantizer = grouped_quantizer(name)
     rows = 700
     offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
     layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
@@ -438,16 +442,13 @@ def test_grouped_quantize_through_a_gather(backend, name):
                 assert_same_rep(getattr(got, direction), getattr(want, direction), what)
 
 
-@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name):
     """The amaxes a columnwise side scales from, taken in the same read of x as the rowwise
     (take_columnwise_amax: an expert stack's weights in forward), are the per-group reference's;
     the columnwise made later from them (columnwise_amax: in backward) is the one made alone, bit
     for bit; and the kernel does take them rather than reading x for them again."""
-    if name.startswith("hybrid"):
-        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
-    else:
-        quantizer = QUANTIZERS[name]()
+    quantizer = grouped_quantizer(name)
     column = quantizer.child(COLUMNWISE)
     sizes = [256, 128, 384]
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)

@@ -125,12 +125,19 @@ def _device_rng(ctx: QuantizeContext, x: torch.Tensor) -> Optional[torch.Tensor]
 
 
 class Quantized(NamedTuple):
-    """What one quantize pass made: the wanted directions, the column sums (dbias) and, where
-    asked for alone, the amaxes the columnwise side scales from (``columnwise_amax``)."""
+    """What one quantize pass made: the wanted directions and the column sums (dbias)."""
 
     rowwise: Optional[Representation]
     columnwise: Optional[Representation]
     dbias: Optional[torch.Tensor]
+
+
+class GroupedQuantized(NamedTuple):
+    """What one grouped quantize pass made: the wanted directions and, where asked for
+    (``take_columnwise_amax``), the amaxes the columnwise side scales from."""
+
+    rowwise: Optional[Representation]
+    columnwise: Optional[Representation]
     columnwise_amax: Optional[torch.Tensor] = None
 
 
@@ -146,8 +153,9 @@ def _run(
     gather: Optional[torch.Tensor] = None,
     columnwise_amax: Optional[torch.Tensor] = None,
     take_columnwise_amax: bool = False,
-) -> Optional[Quantized]:
-    """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing.
+) -> Optional[tuple[Quantized, Optional[torch.Tensor]]]:
+    """(both wanted directions and dbias, the columnwise side's amaxes where
+    ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
     gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel.
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
@@ -185,12 +193,12 @@ def _run(
         not take_columnwise_amax,
     )
     shape = x.shape if gather is None else (gather.shape[0], x.shape[1])
-    return Quantized(
+    made = Quantized(
         row_q.representation(ROWWISE, shape, x.dtype, *out[0:3]) if rowwise else None,
         col_q.representation(COLUMNWISE, shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
-        out[7],
     )
+    return made, out[7]
 
 
 def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
@@ -231,7 +239,7 @@ def quantize_pass(
             quantizer.check_shape(tuple(x.shape), direction)
     made = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
     if made is not None:
-        return made
+        return made[0]
     return Quantized(
         reference_quantize(quantizer, x, ROWWISE, ctx) if rowwise else None,
         reference_quantize(quantizer, x, COLUMNWISE, ctx) if columnwise else None,
@@ -258,7 +266,7 @@ def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
     rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, columnwise_amax: Optional[torch.Tensor] = None,
     take_columnwise_amax: bool = False,
-) -> Quantized:
+) -> GroupedQuantized:
     """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
     native kernel makes both (each direction as its own call would make it, random draws
     included); otherwise each as ``grouped_quantize`` makes it. A rowwise_dequantized hybrid's
@@ -269,7 +277,7 @@ def grouped_quantize_pass(
 
     take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
     (``reference_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
-    Quantized.columnwise_amax; a later call that makes the same x's columnwise representation
+    GroupedQuantized.columnwise_amax; a later call that makes the same x's columnwise representation
     takes them (``columnwise_amax``) instead of reading x for them again. The same numbers either
     way: an expert stack's weights, rowwise in forward and columnwise in backward, are read once
     fewer.
@@ -283,32 +291,35 @@ def grouped_quantize_pass(
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
     grouped = dict(group_sizes=group_sizes, gather=source)
-    given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: a format without
+    given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
     if rowwise and (columnwise or take_columnwise_amax):
         both = _run(
             quantizer, x, ctx, rowwise=True, columnwise=columnwise, columnwise_amax=given, take_columnwise_amax=take_columnwise_amax,
             **grouped,
         )
         if both is not None:
-            if take_columnwise_amax and both.columnwise_amax is None:  # a format whose scales come from blocks alone
-                both = both._replace(columnwise_amax=x.new_empty(0, dtype=torch.float32))
-            return both
-    made, padded = {}, None  # padded: x's rows in the layout, gathered once where the reference takes a direction
+            reps, amax = both
+            if take_columnwise_amax and amax is None:  # a format whose scales come from blocks alone
+                amax = x.new_empty(0, dtype=torch.float32)
+            return GroupedQuantized(reps.rowwise, reps.columnwise, amax)
+
+    @functools.cache
+    def in_layout() -> torch.Tensor:  # x's rows in the layout, gathered once where the reference reads them
+        return x if source is None else groups.gather_rows(x, source)
+
+    made = {}
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             child, alone = quantizer.child(direction), direction == ROWWISE
-            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, columnwise_amax=None if alone else given, **grouped)
-            if native_reps is None:
-                if padded is None:
-                    padded = x if source is None else groups.gather_rows(x, source)
-                made[direction] = child.quantize_groups(padded, row_group, group_sizes.shape[0], direction, ctx)
+            by_kernel = _run(child, x, ctx, rowwise=alone, columnwise=not alone, columnwise_amax=None if alone else given, **grouped)
+            if by_kernel is None:
+                made[direction] = child.quantize_groups(in_layout(), row_group, group_sizes.shape[0], direction, ctx)
             else:
-                made[direction] = native_reps.rowwise if alone else native_reps.columnwise
+                made[direction] = by_kernel[0].rowwise if alone else by_kernel[0].columnwise
     amax = None
     if take_columnwise_amax:
-        padded = (x if source is None else groups.gather_rows(x, source)) if padded is None else padded
-        amax = reference_columnwise_amax(quantizer.child(COLUMNWISE), padded, row_group, group_sizes.shape[0], ctx)
-    return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None, amax)
+        amax = reference_columnwise_amax(quantizer.child(COLUMNWISE), in_layout(), row_group, group_sizes.shape[0], ctx)
+    return GroupedQuantized(made.get(ROWWISE), made.get(COLUMNWISE), amax)
 
 
 def reference_columnwise_amax(
