@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor
 from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
@@ -582,12 +583,17 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, False, None, 0)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, quantizer.spec, True, False, None, 0)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0, None, False)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0, None, False)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
-            args = (xp, tokens.row_group, tokens.ends, spec, rowwise, True, rng, 2)
-            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+            for rows, source in ((x, tokens.source), (xp, None)):  # gathered into the layout, or in it already
+                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2, None, False)
+                torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
+        # The rowwise and the amaxes its columnwise scales from; then that columnwise, given them.
+        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, spec, True, False, rng, 2, None, True)
+        for args in ((True, False, rng, 2, None, True), (False, True, rng, 2, amax, False)):
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.ends, tokens.source, spec, *args))
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -619,9 +625,11 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
     """The experts' columnwise weights (dgrad's operand) are made in backward from the parameter,
     which lives anyway, and neither kept from forward to backward (at an MoE step's shapes, 1 GiB
     of FP8) nor made in forward too: with Inductor's partitioning, the forward quantizes x in both
-    directions and w rowwise only, and backward keeps x's columnwise copy, no copy of w. Made
-    alone, w's columnwise copy has the bits it has made with the rowwise one
-    (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone)."""
+    directions and w rowwise only (taking, in that read of w, the amaxes its columnwise copy
+    scales from: per expert and column here), and backward keeps x's columnwise copy and those
+    amaxes, no copy of w. Made alone, w's columnwise copy has the bits it has made with the
+    rowwise one (tests/test_kernels_gpu.py::test_grouped_quantize_of_both_directions_equals_each_alone
+    and ::test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import select_decomp_table
 
@@ -641,10 +649,31 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
         y = compiled(x)
     y.sum().backward()
 
-    quantizes = [n.args[4:6] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    quantizes = [n.args[5:7] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
+    assert [tuple(t.shape) for t in saved if t.dtype == torch.float32 and t.dim() == 1 and t.numel()] == [(E * K,)]
+
+
+def test_grouped_site_quantizes_the_rows_through_the_layout_without_a_padded_copy():
+    """x, grad_output and the experts' weights reach the grouped quantize as they are, with the
+    padded layout's gather, which the native kernel reads them through: neither graph makes a
+    high-precision copy of any of them in the padded layout (at an MoE step's shapes, each a
+    write and a read of up to 1.1 GB that only the quantize reads)."""
+    graphs = []
+    keep = lambda gm, example_inputs: graphs.append(gm) or make_boxed_func(gm)  # noqa: E731
+    compiled = graphquant.compile(Model(), RECIPES["rowwise"](), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    compiled(inputs().requires_grad_()).sum().backward()
+
+    def rows(node):
+        return node.meta["val"].shape[0]
+
+    quantized = [n.args[0] for g in graphs for n in g.graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    assert sorted(rows(n) for n in quantized) == [T, T, E * N, E * N]  # x, w rowwise; grad_output, w columnwise
+    padded = {groups.padded_bound(T, E, groups.GROUP_ROWS), E * groups.GROUP_ROWS}  # the tokens', the expert stack's
+    copies = [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
+    assert not [n for n in copies if n.meta["val"].dtype == torch.bfloat16 and rows(n) in padded], "a padded copy"
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
@@ -817,10 +846,9 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    xp = tokens.pad(x)
-    tensors = torch.ops.graphquant.grouped_quantize(xp, tokens.row_group, tokens.ends, quantizer.spec, True, True, None, 0)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0, None, False)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
-    assert len(set(storages)) == len(storages) and xp.untyped_storage().data_ptr() not in storages
+    assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 
 
 # -- where a grouped backward's quantized copies die ------------------------------------------------

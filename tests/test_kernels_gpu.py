@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from graphquant.formats import groups
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import native
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -372,6 +374,16 @@ GROUPED = (
 )
 
 
+GROUPED_HYBRID = "hybrid mxfp8 / nvfp4 rht sr"
+
+
+def grouped_quantizer(name):
+    """GROUPED's quantizer of that name, or GROUPED_HYBRID: each child its direction, from x."""
+    if name == GROUPED_HYBRID:
+        return HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
+    return QUANTIZERS[name]()
+
+
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", GROUPED)
 def test_grouped_quantize(backend, name, direction):
@@ -388,15 +400,12 @@ def test_grouped_quantize(backend, name, direction):
         assert_same_rep(got, reference, str(dtype))
 
 
-@pytest.mark.parametrize("name", [*GROUPED, "hybrid mxfp8 / nvfp4 rht sr"])
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     """Both directions from one read of x (native.grouped_quantize_pass, as a grouped site's
     operands take them) are what each direction's own call makes, bit for bit, random draws
     included; a hybrid's too (each child its direction, from x)."""
-    if name.startswith("hybrid"):
-        quantizer = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), "original")
-    else:
-        quantizer = QUANTIZERS[name]()
+    quantizer = grouped_quantizer(name)
     sizes = [256, 128, 384]
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
     row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
@@ -405,6 +414,67 @@ def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     for direction, rep in ((ROWWISE, both.rowwise), (COLUMNWISE, both.columnwise)):
         alone = native.grouped_quantize(quantizer.child(direction), x, row_group, group_sizes, direction, CTX)
         assert_same_rep(rep, alone, direction)
+
+
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
+def test_grouped_quantize_through_a_gather(backend, name):
+    """A MoE site's rows quantized into the padded layout as the kernel reads them through the
+    layout's gather (groups.padding's source: pad rows, and an empty group, read nothing) are what
+    the quantize of the padded copy makes, bit for bit, each direction alone and both at once; rows
+    of 16-byte pieces and rows read element by element."""
+    quantizer = grouped_quantizer(name)
+    rows = 700
+    offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
+    layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
+    covering = torch.cat([layout.ends[:-1], layout.ends.new_full((1,), layout.padded_rows)])
+    sizes = torch.diff(covering, prepend=covering.new_zeros(1))
+    for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16)):
+        directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
+        if not directions:
+            continue
+        x = make_input((rows, cols), dtype, "special", backend)
+        for wanted in [directions] + [[d] for d in directions] * (len(directions) == 2):
+            both = dict(rowwise=ROWWISE in wanted, columnwise=COLUMNWISE in wanted)
+            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, sizes, CTX, source=layout.source, **both)
+            want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, sizes, CTX, **both)
+            for direction in wanted:
+                what = f"{direction} of {wanted}, {cols} {dtype}"
+                assert_same_rep(getattr(got, direction), getattr(want, direction), what)
+
+
+@pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
+def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name):
+    """The amaxes a columnwise side scales from, taken in the same read of x as the rowwise
+    (take_columnwise_amax: an expert stack's weights in forward), are the per-group reference's;
+    the columnwise made later from them (columnwise_amax: in backward) is the one made alone, bit
+    for bit; and the kernel does take them rather than reading x for them again."""
+    quantizer = grouped_quantizer(name)
+    column = quantizer.child(COLUMNWISE)
+    sizes = [256, 128, 384]
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
+    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    for values in ("special", "normal"):
+        x = make_input((sum(sizes), 160), torch.bfloat16, values, backend)
+        first = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=True, columnwise=False, take_columnwise_amax=True)
+        rowwise = native.grouped_quantize(quantizer.child(ROWWISE), x, row_group, group_sizes, ROWWISE, CTX)
+        assert_same_rep(first.rowwise, rowwise, f"{values} rowwise")
+        scaling = column.kernel_encoding(COLUMNWISE).scaling
+        if scaling == "row":  # per group and column
+            want = groups.group_amax(x, row_group, len(sizes), per_column=True).reshape(-1)
+        elif scaling in ("tensor", "nvfp4"):  # per group
+            want = REFERENCE_GROUPED(column, x, group_sizes, COLUMNWISE, CTX).amax.float().reshape(-1)
+        else:  # scales from blocks alone
+            want = x.new_empty(0, dtype=torch.float32)
+        assert_same(first.columnwise_amax, want, f"{values} amaxes")
+
+        def columnwise(amax):
+            made = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=False, columnwise=True, columnwise_amax=amax)
+            return made.columnwise
+
+        alone = native.grouped_quantize(column, x, row_group, group_sizes, COLUMNWISE, CTX)
+        assert_same_rep(columnwise(first.columnwise_amax), alone, f"{values} columnwise")
+        if want.numel() and torch.isfinite(want).all():
+            assert not torch.equal(columnwise(first.columnwise_amax * 4).scale, alone.scale), "the given amaxes were not taken"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -51,6 +51,7 @@ struct TileParams {
   Encoder row, col;
   Accumulators acc;
   const int64_t* group_start = nullptr;  // G + 1 prefix sums of the group sizes (null: one group)
+  const int64_t* gather = nullptr;  // x's row that each of the M rows holds, -1 a zero row (null: row r is x's row r)
   int G = 1;
   float* dbias_partial = nullptr;  // (row tiles, K) column sums of x per tile, or null
 };

@@ -189,13 +189,20 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
                                  int64_t row_key, int64_t col_key, bool dq_source, bool row_output,
                                  const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
                                  const c10::optional<at::Tensor>& group_sizes, bool want_dbias,
-                                 const c10::optional<at::Tensor>& rng, int64_t rng_offset) {
+                                 const c10::optional<at::Tensor>& rng, int64_t rng_offset,
+                                 const c10::optional<at::Tensor>& gather, const c10::optional<at::Tensor>& col_amax,
+                                 bool col_output) {
   TORCH_CHECK(input.dim() == 2, "graphquant.quantize takes a 2-D tensor");
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(input.device());
 #endif
   const at::Tensor x = input.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
+  if (gather.has_value()) {  // the rows to quantize are x's rows gather[r] (-1: a zero row)
+    TORCH_CHECK(gather->scalar_type() == at::kLong && gather->dim() == 1 && gather->is_contiguous() && gather->device() == x.device(),
+                "graphquant.quantize: gather must be a contiguous 1-D int64 tensor on the input's device, got ",
+                gather->scalar_type(), " of shape ", gather->sizes(), " on ", gather->device());
+  }
+  const int64_t M = gather.has_value() ? gather->size(0) : x.size(0), K = x.size(1);
   TORCH_CHECK(cdiv(M, 128) < 65536, "graphquant.quantize: at most 65535 * 128 rows, got ", M);
   const int dtype = dtype_code(x.scalar_type());
   const auto opts = x.options();
@@ -203,6 +210,11 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
   Config row = config(row_encoding, row_key, false), col = config(col_encoding, col_key, true);
   TORCH_CHECK(row.delayed == row_scale.has_value() && col.delayed == col_scale.has_value(),
               "graphquant.quantize: a delayed-scaling side takes the slot's scale (row_scale, col_scale), and only such a side");
+  const bool col_given = col_amax.has_value();
+  TORCH_CHECK(!dq_source || (col_output && !col_given),
+              "graphquant.quantize: a column side made from the dequantized rowwise values takes its amaxes from them, in this call");
+  TORCH_CHECK(col_output || (col.format != kNone && !col.delayed),
+              "graphquant.quantize: col_output=False takes only the amaxes of a column side that scales from them");
   col.enc.key_stream = 1;
   if (rng.has_value()) {  // stochastic rounding's [seed, step], read by the kernels where it lies
     TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous() && rng->device() == x.device(),
@@ -214,6 +226,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
 
   TileParams p;
   p.x = x.data_ptr();
+  p.gather = gather.has_value() ? gather->data_ptr<int64_t>() : nullptr;
   p.M = M;
   p.K = K;
   p.vec_load = (K * int64_t(x.element_size())) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
@@ -236,6 +249,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
 
   Outputs out_r, out_c;
   Needs need_r, need_c;
+  Accumulators pre_row, pre_col, during;
   // Scratch the launches read: held until every launch is queued, so the allocator cannot hand
   // its memory to a later output of this call.
   std::vector<at::Tensor> keep_alive;
@@ -248,9 +262,21 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
   if (col.format == kRowScaled) arena.want(&need_c.pre, G * K);
   if (col.format == kNV) arena.want(&need_c.pre, G);
   arena.allocate(opts);
+  // The column side's amaxes, as an earlier call's pre-pass took them of this x: not taken again.
+  if (col_given) {
+    TORCH_CHECK(need_c.pre.defined() && col_amax->scalar_type() == at::kFloat && col_amax->numel() == need_c.pre.numel() &&
+                    col_amax->device() == x.device(),
+                "graphquant.quantize: col_amax must be the ", need_c.pre.defined() ? need_c.pre.numel() : 0,
+                " float32 amaxes this column side scales from, on the input's device, got ", col_amax->scalar_type(), " of ",
+                col_amax->numel(), " on ", col_amax->device());
+    need_c.pre.copy_(col_amax->reshape({-1}));
+  } else if ((col.format == kPerTensor && !col.delayed) || col.format == kNV) {
+    pre_col.col_global = bits(need_c.pre);
+  } else if (col.format == kRowScaled) {
+    pre_col.cols = bits(need_c.pre);
+  }
 
   // Outputs and amax accumulators of each direction.
-  Accumulators pre_row, pre_col, during;
   if (row.format != kNone && row_output) {
     const bool nv = row.format == kNV;
     out_r.data = at::empty({M, nv ? K / 2 : K}, opts.dtype(nv ? at::kByte : fp8_dtype(row.enc.fp8)));
@@ -292,13 +318,15 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
   }
   if (out_r.scale.defined() && row.format != kPerTensor) row.enc.scales = out_r.scale.data_ptr();
 
-  if (col.format != kNone) {
+  // Without col_output, the column side only takes its amaxes (in the pre-pass) and returns them.
+  const int col_format = col_output ? col.format : kNone;
+  if (col_format != kNone) {
     const bool nv = col.format == kNV;
     const std::vector<int64_t> shape = col.enc.transposed ? std::vector<int64_t>{K, nv ? M / 2 : M} : std::vector<int64_t>{M, K};
     out_c.data = at::empty(shape, opts.dtype(nv ? at::kByte : fp8_dtype(col.enc.fp8)));
     col.enc.data = static_cast<uint8_t*>(out_c.data.data_ptr());
   }
-  switch (col.format) {
+  switch (col_format) {
     case kPerTensor:
       if (col_delayed) {
         col.enc.scale = col_scale->data_ptr<float>();
@@ -307,7 +335,6 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
         during.col_global = bits(need_c.during);
         out_c.amax = need_c.during.reshape({});
       } else {
-        pre_col.col_global = bits(need_c.pre);
         out_c.amax = per_tensor(need_c.pre);
       }
       break;
@@ -320,9 +347,6 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
       }
       col.enc.scales = out_c.scale.data_ptr();
       break;
-    case kRowScaled:
-      pre_col.cols = bits(need_c.pre);
-      break;
     case kMX:
       out_c.scale = at::empty({M / 32, K}, opts.dtype(at::kByte));
       col.enc.scales = out_c.scale.data_ptr();
@@ -330,7 +354,6 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     case kNV:
       out_c.scale = at::empty({K, M / 16}, opts.dtype(at::kFloat8_e4m3fn));
       col.enc.scales = out_c.scale.data_ptr();
-      pre_col.col_global = bits(need_c.pre);
       col.enc.amax = bits(need_c.pre);
       out_c.amax = per_tensor(need_c.pre);
       break;
@@ -355,7 +378,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     }
   };
   auto finalize_col = [&] {
-    if ((col.format == kPerTensor && !col_delayed) || col.format == kRowScaled) {
+    if ((col_format == kPerTensor && !col_delayed) || col_format == kRowScaled) {
       ScaledOutputs s = finalize(need_c.pre, col.enc, stream);
       col.enc.scale = s.scale.data_ptr<float>();
       col.enc.scale_inv = s.scale_inv.data_ptr<float>();
@@ -405,7 +428,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     partial = at::empty({cdiv(M, 128), K}, opts.dtype(at::kFloat));
     q.dbias_partial = partial.data_ptr<float>();
   }
-  launch_tile(dtype, row.format, col.format, q, stream);
+  if (row.format != kNone || col_format != kNone || want_dbias) launch_tile(dtype, row.format, col_format, q, stream);
   if (want_dbias) {
     dbias = at::empty({K}, opts);
     DbiasParams d;
@@ -416,7 +439,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     d.dtype = dtype;
     launch_dbias(d, stream);
   }
-  return {out_r.data, out_r.scale, out_r.amax, out_c.data, out_c.scale, out_c.amax, dbias};
+  return {out_r.data, out_r.scale, out_r.amax, out_c.data, out_c.scale, out_c.amax, dbias, col_output ? at::Tensor() : need_c.pre};
 }
 
 at::Tensor dequantize(const at::Tensor& data, const at::Tensor& scales, const c10::optional<at::Tensor>& amax,
@@ -482,6 +505,7 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("row_key"), pybind11::arg("col_key"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
-        pybind11::arg("rng_offset") = 0);
+        pybind11::arg("rng_offset") = 0, pybind11::arg("gather") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
+        pybind11::arg("col_output") = true);
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

@@ -17,7 +17,7 @@ on the host: nothing waits for the device.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -53,15 +53,24 @@ class GroupPadding(NamedTuple):
     def padded_rows(self) -> int:
         return self.row_group.shape[0]
 
+    @property
+    def gather(self) -> Optional[torch.Tensor]:
+        """``source`` where the layout has pad rows; None where no group needs padding (as many
+        padded rows as rows: an expert stack of whole blocks), whose rows are the layout's."""
+        return None if self.padded_rows == self.position.shape[0] else self.source
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, cols) in the padded layout, zeros between the groups: x itself where no
-        group needs padding (as many padded rows as rows: an expert stack of whole blocks)."""
-        if self.padded_rows == self.position.shape[0]:
-            return x
-        if x.shape[0] == 0:  # nothing to gather from
-            return x.new_zeros((self.padded_rows, x.shape[1]))
-        held = self.source >= 0
-        return torch.where(held[:, None], x[self.source.clamp_min(0)], torch.zeros((), dtype=x.dtype, device=x.device))
+        """x (rows, cols) in the padded layout, zeros between the groups (x itself where no
+        group needs padding)."""
+        return x if self.gather is None else gather_rows(x, self.source)
+
+
+def gather_rows(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """(len(source), cols): row r is x[source[r]], zeros where source[r] is -1."""
+    if x.shape[0] == 0:  # nothing to gather from
+        return x.new_zeros((source.shape[0], x.shape[1]))
+    held = source >= 0
+    return torch.where(held[:, None], x[source.clamp_min(0)], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def padded_bound(rows: int, groups: int, block: int) -> int:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from graphquant.formats import nvfp4
+from graphquant.formats import groups, nvfp4
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -132,6 +132,15 @@ class Quantized(NamedTuple):
     dbias: Optional[torch.Tensor]
 
 
+class GroupedQuantized(NamedTuple):
+    """What one grouped quantize pass made: the wanted directions and, where asked for
+    (``take_columnwise_amax``), the amaxes the columnwise side scales from."""
+
+    rowwise: Optional[Representation]
+    columnwise: Optional[Representation]
+    columnwise_amax: Optional[torch.Tensor] = None
+
+
 def _run(
     quantizer: Quantizer,
     x: torch.Tensor,
@@ -141,8 +150,16 @@ def _run(
     columnwise: bool,
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
-) -> Optional[Quantized]:
-    """Both wanted directions (and dbias) in one native pass, or None where a kernel is missing."""
+    gather: Optional[torch.Tensor] = None,
+    columnwise_amax: Optional[torch.Tensor] = None,
+    take_columnwise_amax: bool = False,
+) -> Optional[tuple[Quantized, Optional[torch.Tensor]]]:
+    """(both wanted directions and dbias, the columnwise side's amaxes where
+    ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
+    gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel.
+    columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
+    of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
+    """
     ext = _extension(x)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
         return None
@@ -152,8 +169,8 @@ def _run(
     row = _side(ext, row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
     if (rowwise or dq_source) and row is None:
         return None  # before the other side is asked of the extension
-    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise else None
-    if columnwise and col is None:
+    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise or take_columnwise_amax else None
+    if (columnwise or take_columnwise_amax) and col is None:
         return None
     if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
         return None  # delayed scaling has one scale for the whole tensor
@@ -171,12 +188,17 @@ def _run(
         dbias,
         rng,
         ctx.offset,
+        gather,
+        columnwise_amax,
+        not take_columnwise_amax,
     )
-    return Quantized(
-        row_q.representation(ROWWISE, x.shape, x.dtype, *out[0:3]) if rowwise else None,
-        col_q.representation(COLUMNWISE, x.shape, x.dtype, *out[3:6]) if columnwise else None,
+    shape = x.shape if gather is None else (gather.shape[0], x.shape[1])
+    made = Quantized(
+        row_q.representation(ROWWISE, shape, x.dtype, *out[0:3]) if rowwise else None,
+        col_q.representation(COLUMNWISE, shape, x.dtype, *out[3:6]) if columnwise else None,
         out[6],
     )
+    return made, out[7]
 
 
 def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
@@ -217,7 +239,7 @@ def quantize_pass(
             quantizer.check_shape(tuple(x.shape), direction)
     made = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, dbias=dbias)
     if made is not None:
-        return made
+        return made[0]
     return Quantized(
         reference_quantize(quantizer, x, ROWWISE, ctx) if rowwise else None,
         reference_quantize(quantizer, x, COLUMNWISE, ctx) if columnwise else None,
@@ -242,30 +264,78 @@ def grouped_quantize(
 
 def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
-    rowwise: bool, columnwise: bool,
-) -> Quantized:
+    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, columnwise_amax: Optional[torch.Tensor] = None,
+    take_columnwise_amax: bool = False,
+) -> GroupedQuantized:
     """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
     native kernel makes both (each direction as its own call would make it, random draws
     included); otherwise each as ``grouped_quantize`` makes it. A rowwise_dequantized hybrid's
-    columnwise comes from the dequantized rowwise, not from x: it is not taken here."""
+    columnwise comes from the dequantized rowwise, not from x: it is not taken here.
+
+    source: the rows to quantize are x's rows source[r], zeros where it is -1
+    (``groups.gather_rows``): the native kernel reads them from x, so no gathered copy is made.
+
+    take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
+    (``reference_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
+    GroupedQuantized.columnwise_amax; a later call that makes the same x's columnwise representation
+    takes them (``columnwise_amax``) instead of reading x for them again. The same numbers either
+    way: an expert stack's weights, rowwise in forward and columnwise in backward, are read once
+    fewer.
+    """
     if columnwise and quantizer.columnwise_from_rowwise():
         raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
+    if take_columnwise_amax and (columnwise or not rowwise or quantizer.columnwise_from_rowwise()):
+        raise ValueError(f"{quantizer}: take_columnwise_amax goes with the rowwise alone, of a columnwise made from x")
+    shape = tuple(x.shape) if source is None else (source.shape[0], x.shape[1])
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
-            quantizer.child(direction).check_shape(tuple(x.shape), direction)
-    both = _run(quantizer, x, ctx, rowwise=rowwise, columnwise=columnwise, group_sizes=group_sizes) if rowwise and columnwise else None
-    if both is not None:
-        return both
+            quantizer.child(direction).check_shape(shape, direction)
+    grouped = dict(group_sizes=group_sizes, gather=source)
+    given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
+    if rowwise and (columnwise or take_columnwise_amax):
+        both = _run(
+            quantizer, x, ctx, rowwise=True, columnwise=columnwise, columnwise_amax=given, take_columnwise_amax=take_columnwise_amax,
+            **grouped,
+        )
+        if both is not None:
+            reps, amax = both
+            if take_columnwise_amax and amax is None:  # a format whose scales come from blocks alone
+                amax = x.new_empty(0, dtype=torch.float32)
+            return GroupedQuantized(reps.rowwise, reps.columnwise, amax)
+
+    @functools.cache
+    def in_layout() -> torch.Tensor:  # x's rows in the layout, gathered once where the reference reads them
+        return x if source is None else groups.gather_rows(x, source)
+
     made = {}
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             child, alone = quantizer.child(direction), direction == ROWWISE
-            native_reps = _run(child, x, ctx, rowwise=alone, columnwise=not alone, group_sizes=group_sizes)
-            if native_reps is None:
-                made[direction] = child.quantize_groups(x, row_group, group_sizes.shape[0], direction, ctx)
+            by_kernel = _run(child, x, ctx, rowwise=alone, columnwise=not alone, columnwise_amax=None if alone else given, **grouped)
+            if by_kernel is None:
+                made[direction] = child.quantize_groups(in_layout(), row_group, group_sizes.shape[0], direction, ctx)
             else:
-                made[direction] = native_reps.rowwise if alone else native_reps.columnwise
-    return Quantized(made.get(ROWWISE), made.get(COLUMNWISE), None)
+                made[direction] = by_kernel[0].rowwise if alone else by_kernel[0].columnwise
+    amax = None
+    if take_columnwise_amax:
+        amax = reference_columnwise_amax(quantizer.child(COLUMNWISE), in_layout(), row_group, group_sizes.shape[0], ctx)
+    return GroupedQuantized(made.get(ROWWISE), made.get(COLUMNWISE), amax)
+
+
+def reference_columnwise_amax(
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_count: int, ctx: QuantizeContext
+) -> torch.Tensor:
+    """The amaxes ``quantizer``'s grouped columnwise representation of ``x`` scales from, flat
+    float32, as the kernel's pre-pass takes them: per group for per-tensor FP8 and NVFP4 (of the
+    transformed values), per group and column for row-scaled FP8; none for formats whose scales
+    come from their blocks alone."""
+    encoding = quantizer.kernel_encoding(COLUMNWISE)
+    scaling = None if encoding is None else encoding.scaling
+    if scaling == "row":
+        return groups.group_amax(x, row_group, group_count, per_column=True).reshape(-1)
+    if scaling in ("tensor", "nvfp4"):
+        return quantizer.quantize_groups(x, row_group, group_count, COLUMNWISE, ctx).amax.float().reshape(-1)
+    return x.new_empty(0, dtype=torch.float32)
 
 
 def reference_grouped_quantize(

@@ -43,28 +43,41 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
-    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, spec: str, rowwise: bool, columnwise: bool,
-    rng: Optional[torch.Tensor], rng_stream: int,
+    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, source: Optional[torch.Tensor], spec: str, rowwise: bool,
+    columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int, columnwise_amax: Optional[torch.Tensor],
+    take_columnwise_amax: bool,
 ) -> list[torch.Tensor]:
-    """The wanted directions of ``x`` in the padded layout (``row_group``: each row's group;
-    ``ends``: the groups' cumulative ends), each group quantized as if alone, in one read of x
-    where a kernel makes both (native.grouped_quantize_pass): [data, scale, amax] of the rowwise
-    representation if wanted, then of the columnwise one. rng: int64 [seed, step] and rng_stream
-    pick the stochastic-rounding stream, as for graphquant::quantize."""
+    """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
+    group; ``ends``: the groups' cumulative ends; ``source``: the row of x each padded row holds,
+    -1 a zero row, or None where x is in the layout already), each group quantized as if alone,
+    in one read of x where a kernel makes both (native.grouped_quantize_pass, which reads x's rows
+    through ``source``: no padded copy of x): [data, scale, amax] of the rowwise representation if
+    wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
+    amaxes the columnwise side scales from, which a later call for the same x's columnwise
+    representation takes as ``columnwise_amax`` instead of reading x for them. rng: int64 [seed,
+    step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
-    covering = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+    covering = torch.cat([ends[:-1], ends.new_full((1,), row_group.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     ctx = QuantizeContext(rng=rng, offset=rng_stream)
-    made = native.grouped_quantize_pass(quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise)
-    return distinct_contiguous([t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()], x)
+    made = native.grouped_quantize_pass(
+        quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source,
+        columnwise_amax=columnwise_amax, take_columnwise_amax=take_columnwise_amax,
+    )
+    tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
+    return distinct_contiguous(tensors + ([made.columnwise_amax] if take_columnwise_amax else []), x)
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, spec, rowwise, columnwise, rng, rng_stream):
+def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax):
     quantizer = quantizer_of(spec)
+    padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(x, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
-    return [t.new_empty(t.shape) for rep in reps for t in rep.tensors()]
+    reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
+    tensors = [t for rep in reps for t in rep.tensors()]
+    if take_columnwise_amax:
+        tensors.append(native.reference_columnwise_amax(quantizer.child(COLUMNWISE), padded, row_group, ends.shape[0], QuantizeContext()))
+    return [t.new_empty(t.shape) for t in tensors]
 
 
 @registry.op("grouped_dequantize")
@@ -122,22 +135,24 @@ def _(
 
 def quantize_grouped(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
-    rng: Optional[torch.Tensor], stream: int,
+    rng: Optional[torch.Tensor], stream: int, columnwise_amax: Optional[torch.Tensor] = None,
 ) -> dict[str, Operand]:
-    """The grouped representations of ``x`` (padded layout) in ``directions``, honouring hybrid
-    children and sources; a stochastic child draws from stream ``stream`` of the step ``rng``."""
+    """The grouped representations of ``x`` (its rows, which ``layout`` puts in the padded
+    layout) in ``directions``, honouring hybrid children and sources; a stochastic child draws
+    from stream ``stream`` of the step ``rng``. columnwise_amax: what ``rowwise_and_columnwise_amax``
+    took of the same x, for its columnwise representation."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
+        # x's rows are read into the layout by the quantize; the dequantized rowwise lies in it.
+        gather = layout.gather if source is x else None
+        given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
-            source, layout.row_group, layout.ends, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream
+            source, layout.row_group, layout.ends, gather, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream,
+            given, False,
         )
-        # An absent part (Representation.tensors' empty tensor) is made here, not taken from the
-        # op: a backward that quantizes a parameter again would otherwise let the partitioner keep
-        # that tensor of no bytes from a forward run of the whole quantize, which then runs twice.
-        tensors = [source.new_empty(0, dtype=torch.float32) if t.dim() == 1 and t.shape[0] == 0 else t for t in tensors]
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
-        return {d: Operand(tensors[3 * i : 3 * i + 3], made.child(d).spec, d, (x.shape[0], x.shape[1])) for i, d in enumerate(order)}
+        return {d: _operand(tensors[3 * i : 3 * i + 3], made, d, layout, x) for i, d in enumerate(order)}
 
     def rowwise_values(row: Operand) -> torch.Tensor:
         return torch.ops.graphquant.grouped_dequantize(row.tensors, row.spec, ROWWISE, row.shape, layout.row_group, x.dtype)
@@ -145,6 +160,30 @@ def quantize_grouped(
     if len(directions) == 2 and not quantizer.columnwise_from_rowwise():
         return quantize(x, quantizer, directions)  # both from one read of x
     return hybrid_directions(x, quantizer, directions, lambda source, child, d: quantize(source, child, (d,))[d], rowwise_values)
+
+
+def rowwise_and_columnwise_amax(
+    x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, rng: Optional[torch.Tensor], stream: int,
+) -> tuple[Operand, Optional[torch.Tensor]]:
+    """(x's grouped rowwise representation, the amaxes its columnwise one scales from), both from
+    one read of x, for a later ``quantize_grouped(..., columnwise_amax=...)`` of the same x that
+    then reads x once, not twice; None for the amaxes of a columnwise made from the rowwise."""
+    if quantizer.columnwise_from_rowwise():
+        return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream)[ROWWISE], None
+    made_rng, made_stream = (rng, stream) if quantizer.stochastic else (None, 0)
+    *tensors, amax = torch.ops.graphquant.grouped_quantize(
+        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True
+    )
+    return _operand(tensors, quantizer, ROWWISE, layout, x), amax
+
+
+def _operand(tensors: list[torch.Tensor], quantizer: Quantizer, direction: str, layout: groups.GroupPadding, x: torch.Tensor) -> Operand:
+    """The ``direction`` operand of x in ``layout`` from a grouped_quantize's three tensors. An
+    absent part (Representation.tensors' empty tensor) is made here, not taken from the op: a
+    backward that quantizes a parameter again would otherwise let the partitioner keep that tensor
+    of no bytes from a forward run of the whole quantize, which then runs twice."""
+    tensors = [x.new_empty(0, dtype=torch.float32) if t.dim() == 1 and t.shape[0] == 0 else t for t in tensors]
+    return Operand(tensors, quantizer.child(direction).spec, direction, (layout.padded_rows, x.shape[1]))
 
 
 def _gemm(
@@ -164,14 +203,13 @@ def _padded(size: int) -> int:
     return -(-size // GROUP_ROWS) * GROUP_ROWS
 
 
-def _quantize_experts(w: torch.Tensor, site: Site, direction: str, rng: Optional[torch.Tensor]) -> tuple[groups.GroupPadding, Operand]:
-    """(the layout of the expert stack, its ``direction`` representation): W_g = w[g]^T (n, k)
-    for each expert, stacked, every expert's rows padded to whole blocks."""
+def _expert_stack(w: torch.Tensor) -> tuple[groups.GroupPadding, torch.Tensor]:
+    """(the layout of the expert stack, its rows): W_g = w[g]^T (n, k) for each expert, stacked,
+    every expert's rows padded to whole blocks in the layout."""
     experts, k, n = w.shape
     expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
     stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
-    w2d = stack.pad(w.transpose(1, 2).reshape(experts * n, k))
-    return stack, quantize_grouped(w2d, stack, site.quantizers[1], (direction,), rng, site.streams[1])[direction]
+    return stack, w.transpose(1, 2).reshape(experts * n, k)
 
 
 class QuantizedGroupedMM(torch.autograd.Function):
@@ -184,32 +222,37 @@ class QuantizedGroupedMM(torch.autograd.Function):
         groups.check_offsets(offs, x.shape[0], site.label)
         tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
         x_quantizer = site.quantizers[0]
-        xq = quantize_grouped(tokens.pad(x), tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
-        stack, wq = _quantize_experts(w, site, ROWWISE, rng)
+        xq = quantize_grouped(x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
+        stack, w2d = _expert_stack(w)
+        # The weights' columnwise copy is made in backward from w, which lives anyway (a
+        # parameter): kept, it would hold the experts' weights once more from forward to backward.
+        # Its amaxes are taken here, in the rowwise's read of w, so that backward reads w once.
+        if need_dx:
+            wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, site.quantizers[1], rng, site.streams[1])
+        else:
+            wq, w_amax = quantize_grouped(w2d, stack, site.quantizers[1], (ROWWISE,), rng, site.streams[1])[ROWWISE], None
         y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
-        # The weights' columnwise copy is made again in backward from w, which lives anyway (a
-        # parameter): kept, it would hold the experts' weights once more from forward to backward.
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
-        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, rng)
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, _, (*token_layout, w, rng) = saved_columnwise(ctx)
+        x_col, _, (*token_layout, w, w_amax, rng) = saved_columnwise(ctx)
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
-        dy = tokens.pad(dy)
         gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
         if need_dx:
-            stack, w_col = _quantize_experts(w, ctx.site, COLUMNWISE, rng)
+            stack, w2d = _expert_stack(w)
+            w_col = quantize_grouped(w2d, stack, ctx.site.quantizers[1], (COLUMNWISE,), rng, ctx.site.streams[1], w_amax)[COLUMNWISE]
             dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
