@@ -23,8 +23,8 @@ second accumulator). PV accumulates into O's fp32 accumulator across the key loo
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
-Tiles, warps, pipeline stages, warp specialization of the key loop and the PV promotion are a
-``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, where the
+exponentials run and whether QK^T runs a tile ahead are a ``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
+from graphquant.kernels.triton_exp2 import exp2_halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,10 @@ class ForwardConfig:
     how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
     is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
     tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
-    key loop, outside that bound)."""
+    key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
+    FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
+    ex2.approx), the other half on that unit; qk_ahead: the next key tile's QK^T issued before this
+    tile's softmax, so that the tensor cores compute it meanwhile (the same bits)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -60,6 +64,8 @@ class ForwardConfig:
     num_stages: int = 3
     warp_specialize: bool = False
     pv_promotion: Optional[int] = 128
+    poly_exp2: bool = False
+    qk_ahead: bool = False
 
     def __post_init__(self) -> None:
         rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
@@ -77,41 +83,70 @@ DEFAULT_CONFIG = ForwardConfig()
 
 
 @triton.jit
+def _fold_tile(
+    acc, l_i, m_i, s, vt, offs_m, offs_n, seq_k, qk_scale, p_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PV_PROMOTION: tl.constexpr, POLY_EXP2: tl.constexpr,
+):
+    """Fold one key tile's products ``s`` (Q codes @ K codes^T) and V^T codes into the running
+    (acc, l, m)."""
+    if MASKED:
+        visible = offs_n[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
+    # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    logits = s * qk_scale - m_new[:, None]
+    if POLY_EXP2:
+        p = exp2_halves(logits)
+    else:
+        p = tl.math.exp2(logits)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
+        promotion: tl.constexpr = PV_PROMOTION if PV_PROMOTION < BLOCK_N else None
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=promotion)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _key_tiles(
     acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
-    tiles are past seq_k or (CAUSAL) after a query row."""
+    tiles are past seq_k or (CAUSAL) after a query row. QK_AHEAD: each tile's QK^T is issued
+    before the previous tile's softmax, so the tensor cores compute it meanwhile (one product of
+    zeros past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    if QK_AHEAD:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_n < end)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
+        if QK_AHEAD:
+            offs_next = offs_n + BLOCK_N
+            k = tl.load(k_base + offs_next[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_next < end)[:, None], other=0.0)
+            s_next = tl.dot(q, tl.trans(k))
+        elif MASKED:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
-            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
+            s = tl.dot(q, tl.trans(k))
         else:
             k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k))
         if MASKED:
-            visible = offs_n[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(visible, s, float("-inf"))
-        # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
-        # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
-            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-        else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
-            promotion: tl.constexpr = PV_PROMOTION if PV_PROMOTION < BLOCK_N else None
-            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=promotion)
-        m_i = m_new
+            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
+        else:
+            vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
+        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s, vt, offs_m, offs_n, seq_k, qk_scale, p_scale, BLOCK_N, MASKED, CAUSAL, PV_PROMOTION, POLY_EXP2)
+        if QK_AHEAD:
+            s = s_next
     return acc, l_i, m_i
 
 
@@ -133,6 +168,7 @@ def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -161,11 +197,11 @@ def _forward_kernel(
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD,
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -208,7 +244,7 @@ def forward(
     _forward_kernel[grid](
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        config.pv_promotion, config.warp_specialize, config.poly_exp2, config.qk_ahead, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 # 1.5 * 2^23: adding it to |x| < 2^22 rounds x to an integer held in the low bits of the mantissa.
-ROUNDER: tl.constexpr = 12582912.0
+ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
