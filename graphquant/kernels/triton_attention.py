@@ -24,7 +24,8 @@ sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by 
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
 Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, where the
-exponentials run and whether QK^T runs a tile ahead are a ``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+exponentials run, whether QK^T runs a tile ahead and the order of the keys in S are a
+``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
@@ -56,7 +57,10 @@ class ForwardConfig:
     key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
     FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
     ex2.approx), the other half on that unit; qk_ahead: the next key tile's QK^T issued before this
-    tile's softmax, so that the tensor cores compute it meanwhile (the same bits)."""
+    tile's softmax, so that the tensor cores may compute it meanwhile (the same bits);
+    operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
+    without an exchange between threads (``_column_keys``; P's values the same, l summed in
+    another order)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -66,6 +70,7 @@ class ForwardConfig:
     pv_promotion: Optional[int] = 128
     poly_exp2: bool = False
     qk_ahead: bool = False
+    operand_order: bool = False
 
     def __post_init__(self) -> None:
         rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
@@ -83,16 +88,50 @@ DEFAULT_CONFIG = ForwardConfig()
 
 
 @triton.jit
-def _fold_tile(
-    acc, l_i, m_i, s, vt, offs_m, offs_n, seq_k, qk_scale, p_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PV_PROMOTION: tl.constexpr, POLY_EXP2: tl.constexpr,
-):
-    """Fold one key tile's products ``s`` (Q codes @ K codes^T) and V^T codes into the running
-    (acc, l, m)."""
+def _column_keys(BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+    """The key (within its tile) whose products each column of S holds. In operand order, column
+    b + 2a + 8i + 32j (b < 2, a < 4, i < 4) holds key b + 2(i % 2) + 4a + 16(i // 2) + 32j: the
+    thread of the tensor cores' accumulator that holds columns 2a + b + 8i of each 32 then holds
+    the 8 keys 4a..4a+3 and 16+4a..16+4a+3 that the PV product's register operand asks of it, so
+    P reaches that operand without an exchange between threads (``_in_key_order``)."""
+    c = tl.arange(0, BLOCK_N)
+    if OPERAND_ORDER:
+        return (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 3) * 4 + (c >> 4) * 16
+    return c
+
+
+@triton.jit
+def _in_key_order(p, BLOCK_N: tl.constexpr):
+    """P's columns from operand order (``_column_keys``) back to key order: a relabelling of the
+    values each thread holds."""
+    rows: tl.constexpr = p.shape[0]
+    by_bits = tl.reshape(p, [rows, BLOCK_N // 32, 2, 2, 4, 2])  # column = b + 2a + 8(i % 2) + 16(i // 2) + 32j
+    return tl.reshape(tl.permute(by_bits, [0, 1, 2, 4, 3, 5]), [rows, BLOCK_N])
+
+
+@triton.jit
+def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
+    """Q codes @ K codes^T over ``keys`` (those from ``limit`` on read as zeros when MASKED)."""
+    rows = k_base + keys[:, None] * offs_d.shape[0] + offs_d[None, :]
     if MASKED:
-        visible = offs_n[None, :] < seq_k
+        k = tl.load(rows, mask=(keys < limit)[:, None], other=0.0)
+    else:
+        k = tl.load(rows)
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _fold_tile(
+    acc, l_i, m_i, s, vt, offs_m, keys, seq_k, qk_scale, p_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PV_PROMOTION: tl.constexpr,
+    POLY_EXP2: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+):
+    """Fold one key tile's products ``s`` (Q codes @ K codes^T, column c holding key keys[c]) and
+    its V^T codes (keys in order) into the running (acc, l, m)."""
+    if MASKED:
+        visible = keys[None, :] < seq_k
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            visible = visible & (keys[None, :] <= offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
     # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
     # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
@@ -105,6 +144,8 @@ def _fold_tile(
         p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
     p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    if OPERAND_ORDER:
+        p8 = _in_key_order(p8, BLOCK_N)
     if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
@@ -118,33 +159,30 @@ def _key_tiles(
     acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
+    OPERAND_ORDER: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
     tiles are past seq_k or (CAUSAL) after a query row. QK_AHEAD: each tile's QK^T is issued
-    before the previous tile's softmax, so the tensor cores compute it meanwhile (one product of
-    zeros past the last tile)."""
+    before the previous tile's softmax, so the tensor cores may compute it meanwhile (one product
+    of zeros past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    columns = _column_keys(BLOCK_N, OPERAND_ORDER)
     if QK_AHEAD:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_n < end)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
+        s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keys = start_n + columns
         if QK_AHEAD:
-            offs_next = offs_n + BLOCK_N
-            k = tl.load(k_base + offs_next[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_next < end)[:, None], other=0.0)
-            s_next = tl.dot(q, tl.trans(k))
-        elif MASKED:
-            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
-            s = tl.dot(q, tl.trans(k))
+            s_next = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
         else:
-            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k))
+            s = _scores(q, k_base, keys, offs_d, seq_k, MASKED)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s, vt, offs_m, offs_n, seq_k, qk_scale, p_scale, BLOCK_N, MASKED, CAUSAL, PV_PROMOTION, POLY_EXP2)
+        acc, l_i, m_i = _fold_tile(
+            acc, l_i, m_i, s, vt, offs_m, keys, seq_k, qk_scale, p_scale, BLOCK_N, MASKED, CAUSAL, PV_PROMOTION, POLY_EXP2, OPERAND_ORDER,
+        )
         if QK_AHEAD:
             s = s_next
     return acc, l_i, m_i
@@ -168,7 +206,7 @@ def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
+    POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -197,11 +235,11 @@ def _forward_kernel(
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD, OPERAND_ORDER,
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD, OPERAND_ORDER,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -244,7 +282,8 @@ def forward(
     _forward_kernel[grid](
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, config.poly_exp2, config.qk_ahead, num_warps=config.num_warps, num_stages=config.num_stages,
+        config.pv_promotion, config.warp_specialize, config.poly_exp2, config.qk_ahead,
+        config.operand_order, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
 
