@@ -405,13 +405,13 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
     from graphquant.kernels.triton_attention import ForwardConfig
     from graphquant.kernels.triton_attention_backward import BackwardConfig
 
-    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
+    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128, .*\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
         ForwardConfig(block_n=64)
     assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
     assert ForwardConfig(block_n=256).pv_promotion == 128
     with pytest.raises(ValueError, match=r"block_n=16, .* is not a configuration: block_m one of \(16, 32, 64, 128, 256\), block_n one of \(32, 64, 128, 256\)"):
         ForwardConfig(block_n=16, pv_promotion=None)  # PV shallower than one FP8 wgmma
-    with pytest.raises(ValueError, match=r"pv_promotion=256\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
+    with pytest.raises(ValueError, match=r"pv_promotion=256, .*\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
         ForwardConfig(block_n=256, pv_promotion=256)  # the tensor cores' narrow sum deeper than the tested bound
     with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4, 8 or 16"):
         BackwardConfig(num_warps=2)
