@@ -56,8 +56,9 @@ class ForwardConfig:
     tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
     key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
     FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
-    ex2.approx), the other half on that unit; qk_ahead: the next key tile's QK^T issued before this
-    tile's softmax, so that the tensor cores may compute it meanwhile (the same bits);
+    ex2.approx), the other half on that unit; qk_ahead: in the key tiles every query row sees whole,
+    the next tile's QK^T issued before this tile's softmax, so that the tensor cores may compute it
+    meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
     without an exchange between threads (``_column_keys``; P's values the same, l summed in
     another order)."""
@@ -83,8 +84,9 @@ class ForwardConfig:
 
 
 # The defaults are the H200's best of benchmarks/attention_tune.py's sweep at head dim 128
-# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile.
-DEFAULT_CONFIG = ForwardConfig()
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile,
+# QK^T a tile ahead, S's keys in the PV operand's order.
+DEFAULT_CONFIG = ForwardConfig(qk_ahead=True, operand_order=True)
 
 
 @triton.jit
@@ -224,7 +226,8 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Tiles every row of the block sees whole, then the ones that need a mask.
+    # Tiles every row of the block sees whole, then the ones that need a mask (one or two a program:
+    # QK^T a tile ahead there would only add its product of zeros).
     full_end = (seq_k // BLOCK_N) * BLOCK_N
     end = seq_k
     if CAUSAL:
@@ -239,7 +242,7 @@ def _forward_kernel(
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD, OPERAND_ORDER,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, False, OPERAND_ORDER,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
