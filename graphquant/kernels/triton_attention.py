@@ -57,8 +57,8 @@ class ForwardConfig:
     key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
     FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
     ex2.approx), the other half on that unit; qk_ahead: in the key tiles every query row sees whole,
-    the next tile's QK^T issued before this tile's softmax, so that the tensor cores may compute it
-    meanwhile (the same bits);
+    the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
+    compute it meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
     without an exchange between threads (``_column_keys``; P's values the same, l summed in
     another order)."""
@@ -123,13 +123,9 @@ def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _fold_tile(
-    acc, l_i, m_i, s, vt, offs_m, keys, seq_k, qk_scale, p_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PV_PROMOTION: tl.constexpr,
-    POLY_EXP2: tl.constexpr, OPERAND_ORDER: tl.constexpr,
-):
-    """Fold one key tile's products ``s`` (Q codes @ K codes^T, column c holding key keys[c]) and
-    its V^T codes (keys in order) into the running (acc, l, m)."""
+def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The base-2 logits of one key tile's products ``s`` (Q codes @ K codes^T, column c holding
+    key keys[c]) less the new running max, and that max."""
     if MASKED:
         visible = keys[None, :] < seq_k
         if CAUSAL:
@@ -138,8 +134,16 @@ def _fold_tile(
     # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
     # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    return s * qk_scale - m_new[:, None], m_new
+
+
+@triton.jit
+def _fold(
+    acc, l_i, m_i, m_new, logits, vt, p_scale,
+    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, POLY_EXP2: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+):
+    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
     alpha = tl.math.exp2(m_i - m_new)
-    logits = s * qk_scale - m_new[:, None]
     if POLY_EXP2:
         p = exp2_halves(logits)
     else:
@@ -165,28 +169,26 @@ def _key_tiles(
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
     tiles are past seq_k or (CAUSAL) after a query row. QK_AHEAD: each tile's QK^T is issued
-    before the previous tile's softmax, so the tensor cores may compute it meanwhile (one product
-    of zeros past the last tile)."""
+    between the previous tile's logits and its exponentials, so the tensor cores may compute it
+    meanwhile, into the registers the previous products have just left (one product of zeros
+    past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
     columns = _column_keys(BLOCK_N, OPERAND_ORDER)
     if QK_AHEAD:
         s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         keys = start_n + columns
-        if QK_AHEAD:
-            s_next = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
-        else:
+        if not QK_AHEAD:
             s = _scores(q, k_base, keys, offs_d, seq_k, MASKED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        acc, l_i, m_i = _fold_tile(
-            acc, l_i, m_i, s, vt, offs_m, keys, seq_k, qk_scale, p_scale, BLOCK_N, MASKED, CAUSAL, PV_PROMOTION, POLY_EXP2, OPERAND_ORDER,
-        )
+        logits, m_new = _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
         if QK_AHEAD:
-            s = s_next
+            s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
+        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, POLY_EXP2, OPERAND_ORDER)
     return acc, l_i, m_i
 
 
