@@ -279,11 +279,17 @@ def test_kernel_under_the_interpreter():
     reference's float32 -> E4M3 cast in place of the interpreter's): grouped heads, lengths that
     are not multiples of the tiles (one query row, more queries than keys, several key tiles),
     causal and not, both head dims; and configurations other than the default: key tiles wider
-    than the query block (the causal loop's end inside a key tile), PV promoted within a tile."""
+    than the query block (the causal loop's end inside a key tile), PV promoted within a tile;
+    half the exponentials by the FMA-pipe polynomial with QK^T a tile ahead (whose bits are those
+    of the same configuration without it), and S's keys in the PV operand's order."""
     pytest.importorskip("triton")
     other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
+    ahead = {"block_m": 64, "block_n": 64, "pv_promotion": 64, "poly_exp2": True, "qk_ahead": True}
+    ordered = {"block_m": 64, "block_n": 128, "qk_ahead": True, "operand_order": True}
     shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
-              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other)]
+              (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other),
+              (1, 2, 1, 200, 200, 64, True, ahead), (1, 2, 2, 70, 300, 128, False, ahead),
+              (1, 2, 1, 200, 200, 64, True, ordered), (1, 2, 2, 70, 300, 128, False, ordered)]
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", INTERPRETED % (tests, shapes)], env=env, capture_output=True, text=True, timeout=300)
@@ -399,13 +405,13 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
     from graphquant.kernels.triton_attention import ForwardConfig
     from graphquant.kernels.triton_attention_backward import BackwardConfig
 
-    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
+    with pytest.raises(ValueError, match=r"ForwardConfig\(block_m=128, block_n=64, .*pv_promotion=128, .*\) is not a configuration: .*pv_promotion None or a multiple of 32 up to block_n"):
         ForwardConfig(block_n=64)
     assert ForwardConfig(block_n=64, pv_promotion=None).pv_promotion is None
     assert ForwardConfig(block_n=256).pv_promotion == 128
     with pytest.raises(ValueError, match=r"block_n=16, .* is not a configuration: block_m one of \(16, 32, 64, 128, 256\), block_n one of \(32, 64, 128, 256\)"):
         ForwardConfig(block_n=16, pv_promotion=None)  # PV shallower than one FP8 wgmma
-    with pytest.raises(ValueError, match=r"pv_promotion=256\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
+    with pytest.raises(ValueError, match=r"pv_promotion=256, .*\) is not a configuration: .*a multiple of 32 up to block_n and 128"):
         ForwardConfig(block_n=256, pv_promotion=256)  # the tensor cores' narrow sum deeper than the tested bound
     with pytest.raises(ValueError, match=r"BackwardConfig\(.*num_warps=2.*\) is not a configuration: .*num_warps 4, 8 or 16"):
         BackwardConfig(num_warps=2)
@@ -479,6 +485,9 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, c
     o_kernel, lse, p_amax = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, config)
     if config is None:
         assert torch.equal(o_kernel, o_flash)
+    elif config.qk_ahead:  # the same products and softmax, QK^T only issued earlier
+        same_order = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, dataclasses.replace(config, qk_ahead=False))
+        assert all(map(torch.equal, (o_kernel, lse, p_amax), same_order)), f"{config}: not the bits of the key loop without qk_ahead"
     o_flash = o_kernel
 
     values = [c.float() * scale_inv for c in codes]
@@ -785,6 +794,23 @@ def test_kernel_configurations_against_the_emulation(tiles, causal):
     m, n, warps, stages = tiles
     config = ForwardConfig(block_m=m, block_n=n, num_warps=warps, num_stages=stages, pv_promotion=n)
     print(check_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda", config))
+
+
+VARIANTS = {"poly": {"poly_exp2": True}, "ahead": {"qk_ahead": True}, "order": {"operand_order": True}, "order-ahead": {"operand_order": True, "qk_ahead": True},
+            "all": {"poly_exp2": True, "qk_ahead": True, "operand_order": True}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads, seq, d", GPU_SHAPES[1:], ids=[f"h{h}-l{n}-d{d}" for h, n, d in GPU_SHAPES[1:]])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_variants_against_the_emulation(variant, heads, seq, d, causal):
+    """``check_against_the_emulation`` of the default tiles with half the exponentials by the
+    FMA-pipe polynomial, QK^T a tile ahead (the bits of the plain key loop), S's keys in the PV
+    operand's order, and combinations."""
+    from graphquant.kernels.triton_attention import ForwardConfig
+
+    print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda", config=ForwardConfig(**VARIANTS[variant])))
 
 
 @pytest.mark.gpu

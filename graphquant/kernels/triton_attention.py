@@ -23,7 +23,8 @@ second accumulator). PV accumulates into O's fp32 accumulator across the key loo
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
-Tiles, warps, pipeline stages, warp specialization of the key loop and the PV promotion are a
+Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, where the
+exponentials run, whether QK^T runs a tile ahead and the order of the keys in S are a
 ``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
+from graphquant.kernels.triton_exp2 import exp2_halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,14 @@ class ForwardConfig:
     how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
     is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
     tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
-    key loop, outside that bound)."""
+    key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
+    FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
+    ex2.approx), the other half on that unit; qk_ahead: in the key tiles every query row sees whole,
+    the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
+    compute it meanwhile (the same bits);
+    operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
+    without an exchange between threads (``_column_keys``; P's values the same, l summed in
+    another order)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -60,6 +69,9 @@ class ForwardConfig:
     num_stages: int = 3
     warp_specialize: bool = False
     pv_promotion: Optional[int] = 128
+    poly_exp2: bool = False
+    qk_ahead: bool = False
+    operand_order: bool = False
 
     def __post_init__(self) -> None:
         rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
@@ -72,46 +84,111 @@ class ForwardConfig:
 
 
 # The defaults are the H200's best of benchmarks/attention_tune.py's sweep at head dim 128
-# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile.
-DEFAULT_CONFIG = ForwardConfig()
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile,
+# QK^T a tile ahead, S's keys in the PV operand's order.
+DEFAULT_CONFIG = ForwardConfig(qk_ahead=True, operand_order=True)
+
+
+@triton.jit
+def _column_keys(BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+    """The key (within its tile) whose products each column of S holds. In operand order, column
+    b + 2a + 8i + 32j (b < 2, a < 4, i < 4) holds key b + 2(i % 2) + 4a + 16(i // 2) + 32j: the
+    thread of the tensor cores' accumulator that holds columns 2a + b + 8i of each 32 then holds
+    the 8 keys 4a..4a+3 and 16+4a..16+4a+3 that the PV product's register operand asks of it, so
+    P reaches that operand without an exchange between threads (``_in_key_order``)."""
+    c = tl.arange(0, BLOCK_N)
+    if OPERAND_ORDER:
+        return (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 3) * 4 + (c >> 4) * 16
+    return c
+
+
+@triton.jit
+def _in_key_order(p, BLOCK_N: tl.constexpr):
+    """P's columns from operand order (``_column_keys``) back to key order: a relabelling of the
+    values each thread holds."""
+    rows: tl.constexpr = p.shape[0]
+    by_bits = tl.reshape(p, [rows, BLOCK_N // 32, 2, 2, 4, 2])  # column = b + 2a + 8(i % 2) + 16(i // 2) + 32j
+    return tl.reshape(tl.permute(by_bits, [0, 1, 2, 4, 3, 5]), [rows, BLOCK_N])
+
+
+@triton.jit
+def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
+    """Q codes @ K codes^T over ``keys`` (those from ``limit`` on read as zeros when MASKED)."""
+    rows = k_base + keys[:, None] * offs_d.shape[0] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(rows, mask=(keys < limit)[:, None], other=0.0)
+    else:
+        k = tl.load(rows)
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The base-2 logits of one key tile's products ``s`` (Q codes @ K codes^T, column c holding
+    key keys[c]) less the new running max, and that max."""
+    if MASKED:
+        visible = keys[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
+    # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    return s * qk_scale - m_new[:, None], m_new
+
+
+@triton.jit
+def _fold(
+    acc, l_i, m_i, m_new, logits, vt, p_scale,
+    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, POLY_EXP2: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+):
+    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
+    alpha = tl.math.exp2(m_i - m_new)
+    if POLY_EXP2:
+        p = exp2_halves(logits)
+    else:
+        p = tl.math.exp2(logits)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    if OPERAND_ORDER:
+        p8 = _in_key_order(p8, BLOCK_N)
+    if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
+        promotion: tl.constexpr = PV_PROMOTION if PV_PROMOTION < BLOCK_N else None
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=promotion)
+    return acc, l_i, m_new
 
 
 @triton.jit
 def _key_tiles(
     acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
+    OPERAND_ORDER: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
-    tiles are past seq_k or (CAUSAL) after a query row."""
+    tiles are past seq_k or (CAUSAL) after a query row. QK_AHEAD: each tile's QK^T is issued
+    between the previous tile's logits and its exponentials, so the tensor cores may compute it
+    meanwhile, into the registers the previous products have just left (one product of zeros
+    past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
+    columns = _column_keys(BLOCK_N, OPERAND_ORDER)
+    if QK_AHEAD:
+        s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
+        keys = start_n + columns
+        if not QK_AHEAD:
+            s = _scores(q, k_base, keys, offs_d, seq_k, MASKED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
-            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_n[:, None] < seq_k, other=0.0)
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
-            k = tl.load(k_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        s = tl.dot(q, tl.trans(k))
-        if MASKED:
-            visible = offs_n[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(visible, s, float("-inf"))
-        # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
-        # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
-            acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-        else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
-            promotion: tl.constexpr = PV_PROMOTION if PV_PROMOTION < BLOCK_N else None
-            acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt), max_num_imprecise_acc=promotion)
-        m_i = m_new
+        logits, m_new = _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
+        if QK_AHEAD:
+            s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
+        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, POLY_EXP2, OPERAND_ORDER)
     return acc, l_i, m_i
 
 
@@ -133,6 +210,7 @@ def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -150,7 +228,8 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Tiles every row of the block sees whole, then the ones that need a mask.
+    # Tiles every row of the block sees whole, then the ones that need a mask (one or two a program:
+    # QK^T a tile ahead there would only add its product of zeros).
     full_end = (seq_k // BLOCK_N) * BLOCK_N
     end = seq_k
     if CAUSAL:
@@ -161,11 +240,11 @@ def _forward_kernel(
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD, OPERAND_ORDER,
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, False, OPERAND_ORDER,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -208,7 +287,8 @@ def forward(
     _forward_kernel[grid](
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        config.pv_promotion, config.warp_specialize, config.poly_exp2, config.qk_ahead,
+        config.operand_order, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
 
