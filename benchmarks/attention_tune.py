@@ -138,9 +138,13 @@ def main() -> None:
     backward = args.which == "bwd"
     args.stages = args.stages or ("2,3" if backward else "2,3,4")
     grid = backward_configs(args) if backward else forward_configs(args)
-    default = triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.DEFAULT_CONFIG
-    if default not in grid:
-        grid.append(default)
+
+    def default(causal: bool):
+        return triton_attention_backward.DEFAULT_CONFIG if backward else triton_attention.default_config(causal)
+
+    for config in (default(False), default(True)):
+        if config not in grid:
+            grid.append(config)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"{len(grid)} {args.which} configurations", flush=True)
 
     started = time.time()
@@ -194,7 +198,7 @@ def main() -> None:
         if not backward:
             per_tile = [config for config in timed if config.pv_promotion == min(config.block_n, 128)]
             choices.append(("best promoted per tile", min(per_tile, key=timed.get, default=None)))
-        for label, config in (*choices, ("default", default)):
+        for label, config in (*choices, ("default", default(case[1] == "causal"))):
             if config in timed:
                 best.append([*case, label, repr(config), f"{timed[config]:.2f}", f"{tflops(case, timed[config]):.0f}",
                              f"{cudnn_ms[case] / timed[config]:.2f}x"])

@@ -25,7 +25,7 @@ every key tile: Triton's default on sm_90 would let the narrow accumulator carry
 
 Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, where the
 exponentials run, whether QK^T runs a tile ahead and the order of the keys in S are a
-``ForwardConfig``; ``forward`` uses DEFAULT_CONFIG unless told otherwise
+``ForwardConfig``; ``forward`` uses ``default_config(causal)`` unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 
 Causal masks are aligned top left (key j visible to query i where j <= i), as
@@ -83,10 +83,17 @@ class ForwardConfig:
             )
 
 
-# The defaults are the H200's best of benchmarks/attention_tune.py's sweep at head dim 128
-# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile,
-# QK^T a tile ahead, S's keys in the PV operand's order.
+# The defaults are the H200's best of benchmarks/attention_tune.py's sweeps at head dim 128
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile;
+# without a mask also QK^T a tile ahead and S's keys in the PV operand's order, which under a
+# causal mask were no faster.
 DEFAULT_CONFIG = ForwardConfig(qk_ahead=True, operand_order=True)
+CAUSAL_DEFAULT_CONFIG = ForwardConfig()
+
+
+def default_config(causal: bool) -> ForwardConfig:
+    """The configuration ``forward`` runs when given none."""
+    return CAUSAL_DEFAULT_CONFIG if causal else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -268,7 +275,7 @@ def forward(
     """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
     normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
     vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
-    ``p_scale`` (both one float32 on the device); ``config`` defaults to DEFAULT_CONFIG."""
+    ``p_scale`` (both one float32 on the device); ``config`` defaults to ``default_config(causal)``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
@@ -281,7 +288,7 @@ def forward(
     o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
-    config = config or DEFAULT_CONFIG
+    config = config or default_config(causal)
     q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
     grid = (triton.cdiv(seq_q, config.block_m), b * heads)
     _forward_kernel[grid](
