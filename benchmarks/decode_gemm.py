@@ -8,9 +8,9 @@ count, with the tile its autotuner chose, or (--mxfp8-tiles) one row per candida
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 thousands), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed), and for the formats it quantizes itself (FP8 current scaling, MXFP8, NVFP4; up to 16 rows)
-the GEMM that quantizes the bf16 activation itself (triton_decode.QuantizedOnLoad, its amaxes
-taken beforehand), beside it: the difference is what that quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
+timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
+(triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
+quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
 GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
 decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
 from a few hundred rows on the products set the pace instead.
@@ -131,7 +131,7 @@ def main() -> None:
                     continue
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
-                if not triton_decode.quantize_on_load_refusal(qa) and m <= triton_decode.ONE_TILE_ROWS:
+                if not triton_decode.quantize_on_load_refusal(qa):
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]

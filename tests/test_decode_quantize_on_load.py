@@ -1,12 +1,12 @@
 """The decode GEMM that quantizes its activation itself (triton_decode.QuantizedOnLoad): as it
-loads it (per-tensor and per-row FP8 current scaling, MXFP8, NVFP4 with a global amax per tensor
-or per row) or in a kernel of its own first (1x128 blocks, an op of its own in a graph). Its
-product is, bit for bit, the decode GEMM's on the activation the reference quantizer made (same
-codes, same scales, same kernel).
+loads it (per-tensor and per-row FP8 current scaling) or in a kernel of its own first (1x128
+blocks, in a graph an op of its own that the GEMMs reading one activation share). Its product is,
+bit for bit, the decode GEMM's on the activation the reference quantizer made (same codes, same
+scales, same kernel).
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own, its FP8 casts
-rounded as the GPU's are (triton_interpreter.round_fp8_to_nearest_even), and the scale rules alone
-on every special value; on the GPU at a Llama-3-8B FFN's shapes.
+rounded as the GPU's are (triton_interpreter.round_fp8_to_nearest_even), and the scale rule alone
+on every special amax; on the GPU at a Llama-3-8B FFN's shapes.
 """
 
 import json
@@ -47,37 +47,22 @@ PAIRS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
-    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
-    # nvfp4_block_scaling's activation (its Hadamard transform is the columnwise side's) and weight
-    "nvfp4 x nvfp4 2d": (NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), NVFP4Quantizer(with_2d_quantization=True)),
-    "nvfp4 row-scaled x nvfp4 2d": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(with_2d_quantization=True)),
 }
-# The pairs whose A the kernels quantize as they load it in MXFP8's and NVFP4's words, by the
-# FMA units' program too (one row of A a program: the GPU's tiling at one row).
-WORD_PAIRS = ("mxfp8", "nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4 2d")
-FMA_CASES = [(1, 96, 1024, False), (3, 40, 640, True)]
 # The recipes whose inference linears run on it at decode rows.
-RECIPES = {
-    "tensorwise": zoo.recipe("tensorwise"),
-    "rowwise": zoo.recipe("rowwise"),
-    "deepseek_blockwise": zoo.recipe("deepseek_blockwise"),
-    "mxfp8": recipes.mxfp8_block_scaling(),
-    "nvfp4": recipes.nvfp4_block_scaling(),
-}
+RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 # (m, n, k, bias): one row with K split; rows that fill no tile, K a partial block; 16 rows; rows
 # whose amaxes come in chunks (fp8.row_chunk_amax), K split and not.
 INTERPRETED = [(1, 96, 1024, False), (3, 40, 224, True), (16, 72, 640, True), (2, 32, 5120, False), (2, 512, 5120, True)]
 
 
-def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the decode GEMM on x quantized by the reference first, the one that quantizes x itself),
-    both tiled by ``config`` (None: as the GEMM picks)."""
+def _products(name: str, x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the decode GEMM on x quantized by the reference first, the one that quantizes x itself)."""
     from graphquant.kernels import triton_decode
 
     qa, qb = PAIRS[name]
     b = qb(w, columnwise=False).get(ROWWISE)
-    first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias, config)
-    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias, config)
+    first = triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, out_dtype, bias)
+    on_load = triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, out_dtype, bias)
     return first, on_load
 
 
@@ -135,29 +120,20 @@ def _planned_alike_results(device: torch.device) -> dict:
     return results
 
 
-def _operands(m: int, n: int, k: int, with_bias: bool) -> tuple:
-    """x (each row's amax in its last chunk, and the tensor's, rows 4 orders of magnitude apart),
-    w and the bias, bf16."""
-    x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
-    x[:, -1] = x.abs().amax(1) * 8
-    w = (torch.randn(n, k) / 8).to(torch.bfloat16)
-    return x.to(torch.bfloat16), w, torch.randn(n).to(torch.bfloat16) if with_bias else None
-
-
 def _interpreted_results() -> dict:
-    from graphquant.kernels import triton_decode, triton_scales
+    from graphquant.kernels import triton_scales
 
     torch.manual_seed(0)
     results = {}
     for name in PAIRS:
         for m, n, k, with_bias in INTERPRETED:
-            first, on_load = _products(name, *_operands(m, n, k, with_bias), torch.float32)
+            x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+            x[:, -1] = x.abs().amax(1) * 8  # each row's amax in its last chunk, and the tensor's
+            x = x.to(torch.bfloat16)
+            w = (torch.randn(n, k) / 8).to(torch.bfloat16)
+            bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+            first, on_load = _products(name, x, w, bias, torch.float32)
             results[f"{name} | {m}x{n}x{k}"] = torch.equal(first, on_load)
-    fma = triton_decode.DecodeConfig(16, 128, 1, fma=True)
-    for name in WORD_PAIRS:
-        for m, n, k, with_bias in FMA_CASES:
-            first, on_load = _products(name, *_operands(m, n, k, with_bias), torch.float32, fma)
-            results[f"{name} | fma | {m}x{n}x{k}"] = torch.equal(first, on_load)
     amax = torch.tensor([0.0, 1e-30, 1e-3, 0.7, 1.0, 448.0, 3e38, float("inf"), float("nan"), 2.0**-149])
     for element, epsilon, pow2 in (("e4m3", 0.0, False), ("e4m3", 1e-3, True), ("e5m2", 0.0, True)):
         scale, inverse = triton_scales.fp8_scales(amax, element, epsilon, pow2)
@@ -166,39 +142,7 @@ def _interpreted_results() -> dict:
             inverse.view(torch.int32), expected_inverse.view(torch.int32)
         )
         results[f"scale rule {element} {epsilon} {pow2}"] = same
-    return results | _special_words_results() | _planned_alike_results(torch.device("cpu"))
-
-
-def _special_words_results() -> dict:
-    """MXFP8's and NVFP4's words (triton_block_codes) of blocks holding zeros, subnormals, values 60
-    orders of magnitude apart, inf and NaN, each against the reference's codes and scales."""
-    from quantized_words_kernel import words_kernel
-
-    from graphquant.formats import mxfp8, nvfp4
-
-    x = torch.randn(8, 256) * torch.logspace(-30, 30, 8)[:, None]
-    x[0, 3], x[1, 40], x[2, :32], x[3, 100] = float("nan"), float("inf"), 0.0, 2.0**-130
-    x[4, 64:96] = 2.0**-133  # bf16's least subnormal
-    x = x.to(torch.bfloat16)
-    codes, scale = torch.empty(8, 32, dtype=torch.int64), torch.empty(8, 32)
-    words_kernel[(1,)](x, x, codes, scale, ROWS=8, WORDS=32, OPERAND=1, RULE=("e4m3", 448.0, 0.0, False, 0, 1))
-    data, biased = mxfp8.quantize(x, "e4m3", axis=1)
-    # E4M3's NaNs as one code: the interpreter's (numpy's) product of two NaNs may keep a sign
-    # bit, the GPU's is the canonical NaN, the reference's the positive one; all decode to NaN.
-    def nan_as_one(codes: torch.Tensor) -> torch.Tensor:
-        return torch.where((codes & 0x7F) == 0x7F, 0x7F, codes)
-
-    results = {"mxfp8 words": torch.equal(nan_as_one(codes.view(torch.uint8).reshape(8, -1)), nan_as_one(data.view(torch.uint8)))}
-    results["mxfp8 scales"] = torch.equal(scale[:, ::4].to(torch.uint8), biased)
-    x[0, 3] = 1.0  # NVFP4 without the NaN, whose row's scales are all NaN (torch.equal tells no NaN apart)
-    x[2] = 0
-    codes, scale = torch.empty(8, 16, dtype=torch.int64), torch.empty(8, 16)
-    amax = x.float().abs().amax(1)
-    words_kernel[(1,)](x, amax, codes, scale, ROWS=8, WORDS=16, OPERAND=2, RULE=("e2m1", 6.0, 0.0, False, 1, 1))
-    packed, scales, _ = nvfp4.quantize(x, tile_rows=1, row_scaled=True, rng=None)
-    results["nvfp4 words"] = torch.equal(codes.view(torch.uint8).reshape(8, -1), packed)
-    results["nvfp4 scales"] = torch.equal(scale, scales.float())
-    return results
+    return results | _planned_alike_results(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -211,18 +155,6 @@ def interpreted() -> dict:
 @pytest.mark.parametrize("name", PAIRS)
 def test_quantizing_on_load_equals_quantizing_first_interpreted(interpreted, name, case):
     assert interpreted[f"{name} | {case}"]
-
-
-@pytest.mark.parametrize("case", [f"{m}x{n}x{k}" for m, n, k, _ in FMA_CASES])
-@pytest.mark.parametrize("name", WORD_PAIRS)
-def test_quantizing_on_load_by_the_fma_units_equals_quantizing_first_interpreted(interpreted, name, case):
-    """The tiling of one row of A a program (the GPU's at one row), one row and three."""
-    assert interpreted[f"{name} | fma | {case}"]
-
-
-@pytest.mark.parametrize("what", ["mxfp8 words", "mxfp8 scales", "nvfp4 words", "nvfp4 scales"])
-def test_mxfp8_and_nvfp4_quantized_on_load_are_the_references_codes_on_special_values_interpreted(interpreted, what):
-    assert interpreted[what]
 
 
 def test_the_kernels_scale_rule_is_the_references_interpreted(interpreted):
@@ -277,10 +209,8 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
     assert on_load not in {g.backend for g in plans[1].gemms}, str(plans[1])
     assert rewritten[0].count(f"fprop={on_load!r}") == 3 and repr(on_load) not in rewritten[1]
     first = name == "deepseek_blockwise"
-    one_row, more = hopper_on_cpu[:3], hopper_on_cpu[3:]  # MXFP8 and NVFP4 take 17 rows on the plain decode GEMM
-    assert all(isinstance(a, triton_decode.QuantizedOnLoad) != first for a in one_row)
-    assert first or all(a.data.dtype == torch.bfloat16 and a.amax.dtype == torch.float32 for a in one_row)
-    assert len(more) in (0, 3) and not any(isinstance(a, triton_decode.QuantizedOnLoad) for a in more)
+    assert len(hopper_on_cpu) == 3 and all(isinstance(a, triton_decode.QuantizedOnLoad) != first for a in hopper_on_cpu)
+    assert first or all(a.data.dtype == torch.bfloat16 and a.amax.dtype == torch.float32 for a in hopper_on_cpu)
     backends.capability = lambda device: None  # the CPU's emulated GEMM, x quantized first
     backends.clear_caches()
     torch._dynamo.reset()
@@ -288,32 +218,27 @@ def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantiz
     assert torch.equal(outputs[0], emulated[0])
 
 
-def _nvfp4_rounded_stochastically(role):
-    """NVFP4 whose activations round stochastically (weights in 16x16 tiles)."""
-    return NVFP4Quantizer(with_2d_quantization=True) if role.tensor_type == "weight" else NVFP4Quantizer(stochastic_rounding=True)
-
-
 def test_training_and_formats_it_cannot_quantize_keep_x_quantized_first(hopper_on_cpu):
     """Training keeps x's quantized copies for backward, so its fprop quantizes x first; so does
-    inference in a format the kernel does not quantize (NVFP4 rounded stochastically: its plan says
-    why) or at rows the plan cannot see."""
+    inference in a format the kernel does not quantize (MXFP8: its plan says why) or at rows the
+    plan cannot see."""
     triton_decode = backends.triton_decode
     model = FeedForward().to(torch.bfloat16)
     training = graphquant.compile(model, RECIPES["tensorwise"], backend="aot_eager")
     training(torch.randn(1, 128).to(torch.bfloat16)).sum().backward()
     fprops = [g.backend.name for g in training.graphquant.plan.gemms if g.gemm == "fprop"]
     assert fprops == [triton_decode.BACKEND] * 3
-    stochastic = graphquant.CustomRecipe(_nvfp4_rounded_stochastically)
-    for recipe, dynamic in ((stochastic, False), (RECIPES["tensorwise"], True)):
+    mxfp8 = recipes.mxfp8_block_scaling()
+    for recipe, dynamic in ((mxfp8, False), (RECIPES["tensorwise"], True)):
         torch._dynamo.reset()
         compiled = graphquant.compile(model, recipe, mode="inference", backend="aot_eager", dynamic=dynamic)
         with torch.no_grad():
             compiled(torch.randn(2, 128).to(torch.bfloat16))
         assert triton_decode.QUANTIZING_BACKEND not in {g.backend.name for g in compiled.graphquant.plan.gemms}
-        if recipe is stochastic:
+        if recipe is mxfp8:
             reasons = {g.reason for g in compiled.graphquant.plan.gemms}
-            assert reasons == {f"x quantized first: {triton_decode.quantize_on_load_refusal(NVFP4Quantizer(stochastic_rounding=True))}"}
-            assert "rounded to nearest" in reasons.pop()
+            assert reasons == {f"x quantized first: {triton_decode.quantize_on_load_refusal(MXFP8Quantizer())}"}
+            assert "measured slower than quantizing them first" in reasons.pop()
     assert not any(isinstance(a, triton_decode.QuantizedOnLoad) for a in hopper_on_cpu)
 
 
@@ -326,7 +251,7 @@ def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu
     """A SwiGLU's gate and up projections read one x: at one row, frozen, the graph Inductor lowers
     makes x's 1x128 block codes once (graphquant::block_codes, merged by
     passes/common_subexpressions.py), and the down projection's input's once; the other formats
-    hand x to each GEMM in high precision, with its row amaxes where the format takes them."""
+    hand x to each GEMM in high precision with its row amaxes."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -388,11 +313,9 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
     refusals = {
         Float8DelayedScalingQuantizer(): "from the amax of A alone",
         Float8CurrentScalingQuantizer(with_amax_reduction=True): "from the amax of A alone",
-        Float8BlockQuantizer(block_scaling_dim=2): "per tensor, per row or per 1x128 block, in MXFP8 or in NVFP4's 1x16 blocks, not",
-        MXFP8Quantizer("e5m2"): "reads MXFP8's E4M3 codes",
-        NVFP4Quantizer(with_2d_quantization=True): "in NVFP4's 1x16 blocks, not",
-        NVFP4Quantizer(stochastic_rounding=True): "rounded to nearest",
-        NVFP4Quantizer(with_amax_reduction=True): "from the amax of A alone",
+        Float8BlockQuantizer(block_scaling_dim=2): "FP8 current scaling per fp8_tensorwise, fp8_rowwise, fp8_block_1x128, not",
+        MXFP8Quantizer(): "quantizing mxfp8 activations itself was measured slower",
+        NVFP4Quantizer(): "quantizing nvfp4 activations itself was measured slower",
     }
     for quantizer, refusal in refusals.items():
         assert refusal in triton_decode.quantize_on_load_refusal(quantizer)
@@ -401,43 +324,6 @@ def test_the_kernels_quantize_on_load_what_they_can_and_say_what_else():
     delayed = Float8DelayedScalingQuantizer()
     with pytest.raises(ValueError, match="from the amax of A alone"):
         triton_decode.gemm(triton_decode.QuantizedOnLoad(x, x.abs().amax(), delayed), w, torch.bfloat16)
-    mx = MXFP8Quantizer()
-    w = mx(torch.randn(64, 128), columnwise=False).get(ROWWISE)
-    for rows, config in ((17, None), (2, triton_decode.DecodeConfig(block_k=128, a_first=True))):
-        x = torch.randn(rows, 128)
-        with pytest.raises(ValueError, match="quantizes A as it loads it, at most 16 rows"):
-            triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, mx), mx), w, torch.bfloat16, config=config)
-
-
-@pytest.mark.parametrize("fma", [True, False], ids=["fma units, one row", "tensor cores, 16 rows"])
-@pytest.mark.parametrize("name", WORD_PAIRS)
-def test_the_programs_that_quantize_mxfp8_and_nvfp4_on_load_compile_for_sm90_without_spills(name, fma):
-    """Compiled for Hopper (on any machine), each tiling the GPU runs at one row and at 16 with A
-    quantized as it loads it spills nothing, keeps its tensor cores' products unserialized, and
-    decodes A's words by the same inline PTX as a stored A's."""
-    pytest.importorskip("triton")
-    from test_triton_decode import _decode_kernel_for_sm90, _ptxas_report
-
-    from graphquant.kernels import triton_decode
-
-    qa, _ = PAIRS[name]
-    mxfp8 = name == "mxfp8"
-    rule = triton_decode._rule(qa, 0 if mxfp8 else 4)
-    codes = "*u8" if mxfp8 else "*i64"  # the weight's codes, as they are passed
-    pointers = {"a_ptr": "*bf16", "a_scale_ptr": "*bf16", "a_factor_ptr": "*fp32", "b_ptr": codes, "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                "b_scale_ptr": "*u8" if mxfp8 else "*fp8e4nv"}
-    runtime = {"M": 1 if fma else 16, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 512 if mxfp8 else 256,
-               "a_scale_row_stride": 0, "a_scale_col_stride": 0, "b_scale_row_stride": 128 if mxfp8 else 256, "b_scale_col_stride": 1}
-    a_factor = 0 if mxfp8 else (2 if qa.row_scaled_nvfp4 else 1)
-    compiled = _decode_kernel_for_sm90(
-        pointers, runtime, 4, fma, 1 if fma else 3, OPERAND=triton_decode.BF16_VALUES if mxfp8 else triton_decode.F16_VALUES,
-        SCALE_COLS=32 if mxfp8 else 16, A_FACTOR=a_factor, B_FACTOR=0 if mxfp8 else 1, A_DIVISOR=1.0 if mxfp8 else 2688.0,
-        B_DIVISOR=1.0 if mxfp8 else 2688.0, A_RULE=rule,
-    )
-    report = _ptxas_report(compiled.asm["ptx"])
-    assert "0 bytes spill stores" in report and "serialized" not in report, report
-    decoded_by = "cvt.rn.f16x2.e4m3x2" if mxfp8 and fma else "mul.rn.bf16x2" if mxfp8 else "lop3.b32"  # triton_dequantize's PTX
-    assert decoded_by in compiled.asm["ptx"]
 
 
 @pytest.mark.gpu
@@ -462,7 +348,7 @@ def test_quantizing_on_load_equals_quantizing_first_on_gpu(name, n, k):
 @pytest.mark.gpu
 def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_on_gpu():
     """Every recipe's frozen FFN at one row and three, as the interpreted test, with the GPU's
-    kernels (the FMA units' at one row, the block-codes op's CUDA kernel)."""
+    kernels (the block-codes op's CUDA kernel among them)."""
     pytest.importorskip("triton")
     results = _planned_alike_results(torch.device("cuda"))
     assert all(results.values()), results

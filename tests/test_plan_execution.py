@@ -189,12 +189,12 @@ def test_decode_gemm_runs_both_inference_products_as_planned(runs, fake_capabili
     """Inference at decode rows (FP8, MXFP8) and middle ones (NVFP4: up to the decode GEMM's
     rows for it): each linear's product, its weight quantized per call and then frozen
     (graphquant.freeze), runs on the decode GEMM its plan chose: FP8 current scaling's on the one
-    that quantizes x as it loads it, and MXFP8's and NVFP4's up to one tile of 16 rows."""
+    that quantizes x as it loads it."""
     fake_capability((9, 0))
     compiled = graphquant.compile(Model().to(torch.bfloat16), recipe, mode="inference", backend="eager")
     x = torch.randn(rows, 128, dtype=torch.bfloat16)
     x_format = recipe.qfactory(QuantizerRole("linear", "input", "fc1"))
-    on_load = not triton_decode.quantize_on_load_refusal(x_format) and rows <= triton_decode.ONE_TILE_ROWS
+    on_load = not triton_decode.quantize_on_load_refusal(x_format)
     decode = GemmBackend(triton_decode.QUANTIZING_BACKEND if on_load else triton_decode.BACKEND)
     with torch.no_grad():
         for freeze in (False, True):

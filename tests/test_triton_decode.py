@@ -269,27 +269,26 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, fma: bool = False, num_stages: int = 3, **constants):
-    """_decode_kernel (or, with ``fma``, _fma_kernel) compiled for Hopper (on any machine: Triton
-    compiles without a GPU) with the given pointer types, the runtime ints' values (Triton
-    specializes ints divisible by 16, and 1), and constants over a 64x256 weight tile, 16 rows of
-    A, a K split, factors (unless given)."""
+def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
+    """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
+    GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
+    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors
+    (unless given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from graphquant.kernels import triton_decode
 
-    kernel = triton_decode._fma_kernel if fma else triton_decode._decode_kernel
+    kernel = triton_decode._decode_kernel
     constants = {
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
             SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, STAGES=num_stages,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     }
-    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -301,7 +300,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, f
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3}
     )
 
 
@@ -510,11 +509,9 @@ def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, nam
 def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch, recipe):
     """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64, 128
     and 2048 rows (a static graph each): every linear's fprop planned on the decode GEMM up to its
-    rows for the format (MAX_ROWS; up to QUANTIZING_MAX_ROWS the one that quantizes x as it loads
-    it), the plan's dump names it on each, and the calls reach it with the rows they have (the
-    decode GEMM stood in for by the emulated GEMM on this CPU, x quantized by the reference where it
-    is to quantize it); past them MXFP8's on the FP8 tensor cores (stood in for too), NVFP4's
-    emulated, and the dump says why."""
+    rows for the format (MAX_ROWS), the plan's dump names it on each, and the calls reach it with
+    the rows they have (the decode GEMM stood in for by the emulated GEMM on this CPU); past them
+    MXFP8's on the FP8 tensor cores (stood in for too), NVFP4's emulated, and the dump says why."""
     import graphquant
     from graphquant import recipes
     from graphquant.kernels import emulation
@@ -523,8 +520,6 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
 
     def stand_in(a, b, out_dtype, bias=None):
         rows.append(a.shape[0])
-        if isinstance(a, hopper.QuantizedOnLoad):
-            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
         return emulation.gemm(a, b, 1, out_dtype, bias)[0]
 
     monkeypatch.setattr(hopper, "gemm", stand_in)
@@ -539,13 +534,11 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
             compiled(torch.randn(m, 128, dtype=torch.bfloat16))
     plans = compiled.graphquant.plans
     assert len(plans) == len(row_counts)
-    pair = ("mxfp8", "mxfp8") if recipe == "mxfp8_block_scaling" else ("nvfp4", "nvfp4")
-    most = hopper.MAX_ROWS[pair]
+    most = hopper.MAX_ROWS[("mxfp8", "mxfp8") if recipe == "mxfp8_block_scaling" else ("nvfp4", "nvfp4")]
     past = backends.triton_mxfp8.BACKEND if recipe == "mxfp8_block_scaling" else backends.EMULATION
     for m, plan in zip(row_counts, plans):
-        fprops = [g for g in plan.gemms if g.gemm == "fprop"]
-        quantizing = hopper.QUANTIZING_BACKEND if m <= hopper.QUANTIZING_MAX_ROWS[pair] else hopper.BACKEND
-        assert len(fprops) == 2 and all(g.backend.name == (quantizing if m <= most else past) for g in fprops), str(plan)
+        fprops = {g.backend.name for g in plan.gemms if g.gemm == "fprop"}
+        assert fprops == {hopper.BACKEND if m <= most else past}, str(plan)
         if m <= most:
             assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
         assert (f"multiplies at most {most} rows of A" in str(plan)) == (m > most and past == backends.EMULATION), str(plan)

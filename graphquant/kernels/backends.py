@@ -172,9 +172,9 @@ BOTH_E4M3 = frozenset({("e4m3", "e4m3")})
 # FP8 sums into fp32 as cuBLASLt does without fast accumulation and sums MXFP8's and NVFP4's exact
 # products in fp32, so it has no fast accumulation: a recipe that allows it gets the promoted sum
 # here. It serves training GEMMs of as many rows too (fprop, dgrad). Where A is quantized for the
-# GEMM alone (an inference linear's x), in FP8 current scaling, MXFP8 or NVFP4, at up to 16 rows,
-# the same kernels quantize it themselves, first: a decode step's quantize kernels around each
-# GEMM cost more than the GEMM saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
+# GEMM alone (an inference linear's x), in FP8 current scaling, the same kernels quantize it
+# themselves, first: a decode step's quantize kernels around each GEMM cost more than the GEMM
+# saves over bf16 (benchmarks/NOTES.md, decode_profile.py).
 DECODE_GEMMS = () if triton_decode is None else (
     NativeGemm(
         triton_decode.QUANTIZING_BACKEND,
@@ -182,7 +182,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         triton_decode.ELEMENT_PAIRS,
         1,
         lambda sm: sm >= (8, 9),
-        max_rows=tuple(triton_decode.QUANTIZING_MAX_ROWS.items()),
+        max_rows=tuple(triton_decode.MAX_ROWS.items()),
         quantizes_a=True,
         reads_k_last=True,
     ),

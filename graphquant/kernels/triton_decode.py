@@ -33,14 +33,12 @@ The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each othe
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
 output dtype.
 
-A may also come in high precision (QuantizedOnLoad: an inference linear's activation of at most
-16 rows, in FP8 current scaling, MXFP8 or NVFP4), for these kernels to quantize it themselves
-with the reference's bits: as they load each tile, per tensor or per row under the scale made
-from the amaxes of A's rows, or into MXFP8's and NVFP4's words (triton_block_codes: each 32-block's
-E8M0 scale from its own amax, each 16-block's E4M3 scale under the global scale from A's amax),
-or 1x128 blocks in one small kernel first (_block_codes_kernel, in a graph an op of its own). The
-product is then the one they compute on A quantized first, bit for bit, without the quantize
-kernels a graph would run before them.
+A may also come in high precision (QuantizedOnLoad: an inference linear's activation, in FP8
+current scaling), for these kernels to quantize it themselves with the reference's bits: per
+tensor or per row as they load each tile, the scale made from the amaxes of A's rows, or 1x128
+blocks in one small kernel first (_block_codes_kernel; in a graph an op of its own, which the GEMMs
+that read one activation share). The product is then the one they compute on A quantized first,
+bit for bit, without the quantize kernels a graph would run before them.
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels.triton_block_codes import mxfp8_words, nvfp4_words
 from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_launch import launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
@@ -122,25 +119,18 @@ MAX_ROWS = {
     ("nvfp4", "nvfp4"): VALUE_ROWS,
     ("nvfp4_row_scaled", "nvfp4"): VALUE_ROWS,
 }
-# The A formats it quantizes itself, by KernelEncoding (scaling, block), and the A families they
-# are: FP8 current scaling per tensor and per row, MXFP8 and NVFP4 (its global amax per tensor or
-# per row) as it loads A; FP8's 1x128 blocks in a kernel of their own first (_block_codes_kernel):
-# loaded, each 128-column block's codes would go from registers to the tensor cores' shared
-# memory on their own, which made the GEMM 1.5-3x slower than reading codes quantized before it
-# (decode_gemm.py). The pairs of MAX_ROWS it then multiplies, each at most ONE_TILE_ROWS rows of A:
-# one tile of them, so that a program sees every row that a per-tensor amax covers.
-QUANTIZED_ON_LOAD = {
-    ("tensor", (0, 0)): ("fp8_tensorwise",),
-    ("row", (1, -1)): ("fp8_rowwise",),
-    ("block", (1, 128)): ("fp8_block_1x128",),
-    ("mxfp8", (1, 32)): ("mxfp8",),
-    ("nvfp4", (1, 16)): ("nvfp4", "nvfp4_row_scaled"),
-}
-QUANTIZING_MAX_ROWS = {
-    pair: min(rows, ONE_TILE_ROWS) for pair, rows in MAX_ROWS.items() if any(pair[0] in families for families in QUANTIZED_ON_LOAD.values())
-}
-QUANTIZING_PAIRS = frozenset(QUANTIZING_MAX_ROWS)
-_ON_LOAD_ROWS: tl.constexpr = tl.constexpr(ONE_TILE_ROWS)
+# The A families whose FP8 current scaling it applies to A itself: KernelEncoding (scaling, block)
+# of each, and the pairs of MAX_ROWS it then multiplies. Per tensor and per row as it loads A;
+# 1x128 blocks in a kernel of their own first (_block_codes_kernel): loaded, each 128-column
+# block's codes would go from registers to the tensor cores' shared memory on their own, which
+# made the GEMM 1.5-3x slower than reading codes quantized before it (decode_gemm.py).
+QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp8_rowwise", ("block", (1, 128)): "fp8_block_1x128"}
+# The formats (KernelEncoding.scaling) whose activations are quantized first: quantized in each
+# program as it loaded its tile of A (each block's scale from its amax, the codes packed into the
+# words a stored A has), the GEMM lost more time than the launches it saved (benchmarks/NOTES.md,
+# decode_gemm.py), and MXFP8's one-row program summed in another order than on codes quantized first.
+MEASURED_SLOWER = ("mxfp8", "nvfp4")
+QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 
@@ -193,11 +183,6 @@ class DecodeConfig:
             problems.append(f"the tensor cores multiply tiles of at least 16 rows (block_n={self.block_n}, block_m={self.block_m})")
         if problems:
             raise ValueError(f"{self}: " + "; ".join(problems))
-
-    def quantizes_on_load(self, m: int) -> bool:
-        """Whether its programs can quantize an A of ``m`` rows as they load it: every row in one
-        tile of them (or one a program), A not decoded first, MXFP8 multiplied as values."""
-        return (self.fma or self.block_m >= m) and not self.a_first and self.mx_products == "values"
 
 
 _ELEMENT_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -526,57 +511,6 @@ def _encoded(x, scale, RULE: tl.constexpr):
 
 
 @triton.jit
-def _quantized_words(x_ptr, row, rows, word, K, stride, amax, OPERAND: tl.constexpr, RULE: tl.constexpr):
-    """What _mxfp8_blocks or _nvfp4_blocks load of a stored MXFP8 (OPERAND 1) or NVFP4 A, made
-    here from A in high precision at ``row`` (broadcast) and ``word`` (64-bit words of codes; for
-    MXFP8 (..., 4), a 32-block's words along the last dim) as the reference quantizes it: (the
-    words, each block's E8M0 exponent (..., 1) or E4M3 scale as fp16); ``amax``: NVFP4's global
-    amax (the tensor's or each row's); RULE: QuantizedOnLoad.rule. Zeros outside A (whole blocks:
-    K is a multiple of the format's block) quantize to zeros. A's values are loaded in the words'
-    shape, one tensor per place in a word, so that everything stays in the layout of the words
-    (a reduction or reshape to them would give its layout to the weight's decoded values)."""
-    at = x_ptr + row.to(tl.int64) * stride
-    inside = row < rows
-    if OPERAND == 1:
-        col = word * 8
-        x = (
-            _value(at, col, 0, inside, K), _value(at, col, 1, inside, K), _value(at, col, 2, inside, K), _value(at, col, 3, inside, K),
-            _value(at, col, 4, inside, K), _value(at, col, 5, inside, K), _value(at, col, 6, inside, K), _value(at, col, 7, inside, K),
-        )
-        words = mxfp8_words(x, RULE[1], tl.float8e4nv)
-    else:
-        col = word * 16
-        x = (
-            _value(at, col, 0, inside, K), _value(at, col, 1, inside, K), _value(at, col, 2, inside, K), _value(at, col, 3, inside, K),
-            _value(at, col, 4, inside, K), _value(at, col, 5, inside, K), _value(at, col, 6, inside, K), _value(at, col, 7, inside, K),
-            _value(at, col, 8, inside, K), _value(at, col, 9, inside, K), _value(at, col, 10, inside, K), _value(at, col, 11, inside, K),
-            _value(at, col, 12, inside, K), _value(at, col, 13, inside, K), _value(at, col, 14, inside, K), _value(at, col, 15, inside, K),
-        )
-        words = nvfp4_words(x, amax)
-    return words
-
-
-@triton.jit
-def _value(at, col, j: tl.constexpr, inside, K):
-    """fp32 of the high-precision values at ``at`` (a row's start) + col + j, 0 outside A."""
-    return tl.load(at + col + j, mask=inside & (col + j < K), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _quantized_tile_words(x_ptr, row, rows, k0, K, stride, amax, OPERAND: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """What _words loads of a stored MXFP8 or NVFP4 A at ``row`` (a column) from column k0 on,
-    made by _quantized_words: (rows, words) of each, an MXFP8 block's exponent for each of its words."""
-    if OPERAND == 1:
-        word = k0 // 8 + tl.arange(0, BLOCK_K // 32)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-        codes, biased = _quantized_words(x_ptr, row[:, :, None], rows, word, K, stride, amax, 1, RULE)
-        shape: tl.constexpr = (row.shape[0], BLOCK_K // 8)
-        words = tl.reshape(codes, shape), tl.reshape(tl.broadcast_to(biased, codes.shape), shape)
-    else:
-        words = _quantized_words(x_ptr, row, rows, k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :], K, stride, amax, 2, RULE)
-    return words
-
-
-@triton.jit
 def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (r, j): the 1x128 blocks j * BLOCKS to (j + 1) * BLOCKS - 1 of row r of x, each
     block's FP8 codes under the scale RULE gives its amax (the max of its magnitudes' bits, as
@@ -590,17 +524,6 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
     scale = _scale(bits.to(tl.float32, bitcast=True), RULE)
     tl.store(codes_ptr + row.to(tl.int64) * K + col, _encoded(x, scale, RULE), mask=col < K)
     tl.store(scale_ptr + block.to(tl.int64) * rows + row, reciprocal(scale), mask=block < tl.cdiv(K, 128))
-
-
-@triton.jit
-def _made_factor(scale_or_amax, OPERAND: tl.constexpr, DIVISOR: tl.constexpr):
-    """A's factor where the program quantized A itself: the reciprocal of FP8's scale, or NVFP4's
-    global amax over DIVISOR (one IEEE division, as _factor takes it from a stored amax)."""
-    if OPERAND == 0:
-        factor = reciprocal(scale_or_amax)
-    else:
-        factor = tl.math.div_rn(scale_or_amax, DIVISOR)
-    return factor
 
 
 @triton.jit
@@ -683,20 +606,17 @@ def _decode_kernel(
     (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
     16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
     (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
-    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, quantized as it is
-    loaded: in FP8 under the scale (per tensor or per row) that rule makes from the amaxes of A's
-    rows, which stand in A's factor at a_factor_ptr, or into MXFP8's or NVFP4's words, NVFP4's
-    global amax (and so its factor) from those amaxes too. A_VALUES: MXFP8's or NVFP4's A decoded first
+    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
+    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
+    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
     (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
     decoded then, one dot a step."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     k_start = tl.program_id(1) * k_chunks * CHUNK
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if A_RULE is not None and A_FACTOR != 0:  # A's amax: the tensor's, or each row's (a column)
-        a_amax = _amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5])
-        if OPERAND == 0:
-            a_scale = _scale(a_amax, A_RULE)
+    if A_RULE is not None:  # one scale for A, or one per row
+        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
@@ -736,12 +656,9 @@ def _decode_kernel(
                 total = tl.dot(_in_order(b_codes, b_scale, OPERAND, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
             else:
                 b = _pairs(b_codes, b_scale, OPERAND, ASM)
-                if A_RULE is not None:
-                    a_codes, a_scales = _quantized_tile_words(a_ptr, m, M, k0, K, a_stride, a_amax if OPERAND == 2 else None, OPERAND, A_RULE, BLOCK_K)
-                    a_t = _pairs(a_codes, a_scales, OPERAND, ASM, TRANSPOSED=True)
-                elif not A_VALUES:
-                    a_codes, a_scales = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
-                    a_t = _pairs(a_codes, a_scales, OPERAND, ASM, TRANSPOSED=True)
+                if not A_VALUES:
+                    a_codes, a_scale = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
+                    a_t = _pairs(a_codes, a_scale, OPERAND, ASM, TRANSPOSED=True)
                 for j in tl.static_range(WORD // 2):
                     if A_VALUES:
                         a_j = _a_pair(a_ptr, M, K, a_stride, j, k0 // WORD, CHUNK, WORD, BLOCK_M, BLOCK_K // WORD)
@@ -753,7 +670,7 @@ def _decode_kernel(
     _write(
         total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
         out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
-        _made_factor(a_scale if OPERAND == 0 else a_amax, OPERAND, A_DIVISOR) if A_RULE is not None and A_FACTOR != 0 else None,
+        reciprocal(a_scale) if A_RULE is not None else None,  # A's factor, as A was quantized
     )
 
 
@@ -770,7 +687,7 @@ def _fma_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, A_RULE: tl.constexpr = None,
+    STAGES: tl.constexpr,
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
@@ -781,15 +698,10 @@ def _fma_kernel(
     one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
     block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
     normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
-    tile lies inside both operands (no masks). A_RULE: A is high precision, quantized here as
-    _decode_kernel quantizes it (NVFP4's global amax over all of A's rows, at most ONE_TILE_ROWS,
-    or over this one)."""
+    tile lies inside both operands (no masks)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    if A_RULE is not None and A_FACTOR != 0:
-        rows = tl.arange(0, _ON_LOAD_ROWS)[:, None] if A_FACTOR == 1 else tl.program_id(2) + tl.zeros((1, 1), tl.int32)
-        a_amax = _amax_of_a(a_factor_ptr, rows, rows < M, A_FACTOR, A_RULE[4], A_RULE[5])  # one, or (1, 1)
     runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
     sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
@@ -800,13 +712,9 @@ def _fma_kernel(
             b_codes, b_scale = _mxfp8_blocks(
                 b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
             )
-            if A_RULE is None:
-                a_codes, a_scale = _mxfp8_blocks(
-                    a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
-                )
-            else:
-                a_codes, a_biased = _quantized_words(a_ptr, m, M, block * 4 + tl.arange(0, 4)[None, None, :], K, a_stride, None, 1, A_RULE)
-                a_scale = e8m0_value(a_biased)
+            a_codes, a_scale = _mxfp8_blocks(
+                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
+            )
             b = e4m3_word_values(b_codes, ASM)
             a = e4m3_word_values(a_codes, ASM)
             products = b[0] * (a[0] * a_scale)
@@ -816,10 +724,7 @@ def _fma_kernel(
         else:  # NVFP4
             word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
             b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
-            if A_RULE is None:
-                a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
-            else:
-                a_codes, a_scale = _quantized_words(a_ptr, m, M, word, K, a_stride, a_amax, 2, A_RULE)
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
             b = e2m1_block_values(b_codes, b_scale, ASM)
             a = e2m1_block_values(a_codes, a_scale, ASM)
             for j in tl.static_range(16):
@@ -830,20 +735,18 @@ def _fma_kernel(
     _write(
         total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
         N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias,
-        SPLIT, _made_factor(a_amax, OPERAND, A_DIVISOR) if A_RULE is not None and A_FACTOR != 0 else None,
+        SPLIT,
     )
 
 
 class QuantizedOnLoad(NamedTuple):
     """A, (m, k) in high precision, for the kernels to quantize rowwise as ``quantizer`` does
-    (QUANTIZING_BACKEND): as they load it, ``amax`` (m, chunks) holding the amax of each chunk of
-    each row (fp8.row_chunk_amax), one reduction the graph fuses into A's producer; the kernels
-    take the max of a row's (a per-row format's amax) or of all (a per-tensor one's) and make the
-    scale (FP8) or the global scale (NVFP4) from it by the format's rule. All of A's rows lie in
-    one tile of rows of the kernels (m is at most ONE_TILE_ROWS). Formats whose every scale comes
-    from its own block's amax take none (``amaxes``): MXFP8, whose kernels take each 32-block's
-    as they load it, and 1x128 blocks, quantized by a kernel of their own before the GEMM
-    (_block_codes_kernel)."""
+    (QUANTIZING_BACKEND): per tensor or per row as they load it, ``amax`` (m, chunks) holding the
+    amax of each chunk of each row (fp8.row_chunk_amax), one reduction the graph fuses into A's
+    producer; the kernels take the max of a row's (a per-row format's amax) or of all (a
+    per-tensor one's) and make the scale from it by the format's rule. All of A's rows lie in one
+    tile of rows of the kernels (m is at most ONE_TILE_ROWS). 1x128 blocks take none (``amaxes``):
+    the kernel that quantizes them before the GEMM takes each block's (_block_codes_kernel)."""
 
     data: torch.Tensor
     amax: torch.Tensor
@@ -863,51 +766,39 @@ class QuantizedOnLoad(NamedTuple):
 
     @property
     def rule(self) -> tuple[str, float, float, bool, int, int]:
-        """How the kernels quantize A (A_RULE): _rule with the chunks of a row in ``amax``."""
+        """How _decode_kernel quantizes A (A_RULE): (the element, its largest finite value,
+        amax_epsilon, pow2_scales, the chunks of a row in ``amax`` and the power of two past them)."""
         return _rule(self.quantizer, self.amax.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
 def _rule(quantizer: Quantizer, chunks: int) -> tuple[str, float, float, bool, int, int]:
-    """How the kernels quantize A rowwise as ``quantizer`` does, given the amaxes of ``chunks``
-    chunks of each of its rows: (the element, its largest finite value, amax_epsilon,
-    pow2_scales, chunks and the power of two past them); made once per quantizer and chunk count
-    (a decode call's host time counts)."""
+    """QuantizedOnLoad.rule, made once per quantizer and chunk count (a decode call's host time counts)."""
     encoding = quantizer.kernel_encoding(ROWWISE)
     element, pow2 = encoding.element, bool(encoding.pow2_scales)
-    largest = nvfp4.E2M1_MAX if element == "e2m1" else fp8.fp8_max(element)
-    return (element, largest, float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
+    return (element, fp8.fp8_max(element), float(encoding.amax_epsilon), pow2, chunks, triton.next_power_of_2(max(chunks, 1)))
 
 
 @functools.lru_cache(maxsize=None)
 def quantize_on_load_refusal(quantizer: Quantizer) -> str:
     """Why the kernels cannot quantize A rowwise as ``quantizer`` does ("" where they can): FP8
-    current scaling per tensor, per row or per 1x128 block, MXFP8 E4M3, or NVFP4 in 1x16 blocks
-    rounded to nearest, from A alone. Where they cannot, x is quantized first."""
+    current scaling per tensor, per row or per 1x128 block, from the amax of this tensor alone;
+    MXFP8 and NVFP4 are quantized first (MEASURED_SLOWER)."""
     encoding = quantizer.kernel_encoding(ROWWISE)
+    if encoding is not None and encoding.scaling in MEASURED_SLOWER:
+        return f"the decode GEMM quantizing {encoding.scaling} activations itself was measured slower than quantizing them first"
     if encoding is None or (encoding.scaling, encoding.block) not in QUANTIZED_ON_LOAD or encoding.transposed:
-        return (
-            "the decode GEMM quantizes A itself in FP8 current scaling per tensor, per row or per 1x128 block, in MXFP8 "
-            f"or in NVFP4's 1x16 blocks, not {quantizer}"
-        )
+        return f"the decode GEMM quantizes A itself in FP8 current scaling per {', '.join(QUANTIZED_ON_LOAD.values())}, not {quantizer}"
     if encoding.delayed_scaling or quantizer.reduces_amax:
         return f"the decode GEMM quantizes A itself from the amax of A alone, not {quantizer}'s"
-    if encoding.scaling == "mxfp8" and encoding.element != "e4m3":
-        return f"the decode GEMM reads MXFP8's E4M3 codes, not {quantizer}'s"
-    if encoding.hadamard or encoding.stochastic_rounding:
-        return f"the decode GEMM quantizes A itself rounded to nearest, with no Hadamard transform, not as {quantizer} does"
     return ""
-
-
-# The formats whose every scale comes from its own block's amax: QuantizedOnLoad takes no amaxes.
-_SCALED_BY_BLOCK = ("block", "mxfp8")
 
 
 def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
     """What QuantizedOnLoad takes as ``amax`` for 2-D ``x`` in ``quantizer``'s format: the amaxes
-    of x's rows in chunks (fp8.row_chunk_amax), or none ((m, 0)) for formats whose kernels take
-    each block's own (MXFP8, 1x128 blocks)."""
-    if quantizer.kernel_encoding(ROWWISE).scaling in _SCALED_BY_BLOCK:
+    of x's rows in chunks (fp8.row_chunk_amax), or none ((m, 0)) for 1x128 blocks, whose kernel
+    takes each block's own."""
+    if quantizer.kernel_encoding(ROWWISE).scaling == "block":
         return x.new_empty((x.shape[0], 0), dtype=torch.float32)
     return fp8.row_chunk_amax(x)
 
@@ -950,15 +841,12 @@ def _layout(rep: Representation, operand: str) -> _Layout:
 
 
 def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
-    """(layout, pointer and stride arguments) of one operand of _decode_kernel: A to be quantized
-    takes its high-precision values and amaxes (as its factor), no scales."""
+    """(layout, pointer and stride arguments) of one operand of _decode_kernel."""
     layout = _layout(rep, operand)
     data = rep.data if rep.data.stride(-1) == 1 else rep.data.contiguous()
-    if isinstance(rep, QuantizedOnLoad):
-        return layout, (data, data, rep.amax.reshape(-1).contiguous(), data.stride(0), 0, 0)
     scale = rep.scale if layout.scale_block != (0, 0) else data
-    factor = (rep.amax if layout.factor_from_amax else rep.scale) if layout.factor else data
-    if layout.factor == ROW_FACTOR:  # (rows,), contiguous
+    factor = (rep.amax if layout.factor_from_amax or isinstance(rep, QuantizedOnLoad) else rep.scale) if layout.factor else data
+    if layout.factor == ROW_FACTOR or isinstance(rep, QuantizedOnLoad):  # (rows,) or (rows, chunks), contiguous
         factor = factor.reshape(-1).contiguous()
     scale_strides = scale.stride() if scale is not data else (0, 0)
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
@@ -1081,11 +969,8 @@ def gemm(
             raise ValueError(refusal)
         if quantizes_first(a.quantizer):
             a = block_codes(a.data, a.quantizer)
-        elif a.shape[0] > ONE_TILE_ROWS or (config is not None and not config.quantizes_on_load(a.shape[0])):
-            raise ValueError(
-                f"the decode GEMM quantizes A as it loads it, at most {ONE_TILE_ROWS} rows, in one tile of them or a row a "
-                f"program, its A not decoded first and MXFP8 multiplied as values; got {a.shape[0]} rows and {config}"
-            )
+        elif a.shape[0] > ONE_TILE_ROWS or (config is not None and config.block_m < a.shape[0]):
+            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {a.shape[0]} rows and {config}")
         else:
             rule = a.rule
     m, n, k = gemm_dims(a, b)
@@ -1121,7 +1006,7 @@ def gemm(
     # which runs none; unmasked where every weight tile lies inside the weight.
     in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
     if in_words:
-        a_args, b_args = a_args if rule else _in_words(a_args), _in_words(b_args)
+        a_args, b_args = _in_words(a_args), _in_words(b_args)
     a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
     if a_first:
         a_args = _a_values(a_args, m, k, b_layout.operand, config.one_dot)
@@ -1141,7 +1026,7 @@ def gemm(
             _fma_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
             *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            STAGES=config.stages, A_RULE=rule,
+            STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
         )
     else:
