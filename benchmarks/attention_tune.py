@@ -5,7 +5,7 @@ default forward before it, beside cuDNN's forward + backward).
 
     python benchmarks/attention_tune.py [--pass fwd] [--seqs 8192,16384] [--masks full,causal]
         [--block-m 64,128] [--block-n 64,128] [--warps 8] [--stages 2,3,4] [--warp-specialize 0]
-        [--pv-promotion tile,none] [--poly-exp2 0,1] [--qk-ahead 0,1]
+        [--pv-promotion tile,none] [--qk-ahead 0,1]
         [--operand-order 0,1] [--workers 14] [--reps 3]
     python benchmarks/attention_tune.py --pass bwd [--tiles 64x64,64x128,32x128,128x64] [--warps 8]
         [--stages 2,3] [--stagger 0] [--kv-heads 32] ...
@@ -64,14 +64,14 @@ def _tiles(text: str) -> list[tuple[int, int]]:
 def forward_configs(args) -> list[ForwardConfig]:
     """The forward grid's configurations (a promotion wider than the key tile or 128 left out)."""
     grid = []
-    for block_m, block_n, warps, stages, specialize, promotion, poly, ahead, order in itertools.product(
+    for block_m, block_n, warps, stages, specialize, promotion, ahead, order in itertools.product(
         _ints(args.block_m), _ints(args.block_n), _ints(args.warps), _ints(args.stages), _ints(args.warp_specialize),
-        args.pv_promotion.split(","), _ints(args.poly_exp2), _ints(args.qk_ahead), _ints(args.operand_order),
+        args.pv_promotion.split(","), _ints(args.qk_ahead), _ints(args.operand_order),
     ):
         keys = {"tile": min(block_n, 128), "none": None}[promotion] if promotion in ("tile", "none") else int(promotion)
         if keys is None or keys <= min(block_n, 128):
             grid.append(ForwardConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                      warp_specialize=bool(specialize), pv_promotion=keys, poly_exp2=bool(poly), qk_ahead=bool(ahead),
+                                      warp_specialize=bool(specialize), pv_promotion=keys, qk_ahead=bool(ahead),
                                       operand_order=bool(order)))
     return grid
 
@@ -126,7 +126,6 @@ def main() -> None:
     parser.add_argument("--stages", default=None, help="forward 2,3,4; backward 2,3")
     parser.add_argument("--warp-specialize", default="0")
     parser.add_argument("--pv-promotion", default="tile,none", help="tile, none or a number of keys, comma-separated")
-    parser.add_argument("--poly-exp2", default="0", help="the forward's poly_exp2, 0 and/or 1")
     parser.add_argument("--qk-ahead", default="0", help="the forward's qk_ahead, 0 and/or 1")
     parser.add_argument("--operand-order", default="0", help="the forward's operand_order, 0 and/or 1")
     parser.add_argument("--tiles", default="64x64,64x128,32x128,128x64", help="the backward's tiles, query rows x keys")

@@ -280,11 +280,11 @@ def test_kernel_under_the_interpreter():
     are not multiples of the tiles (one query row, more queries than keys, several key tiles),
     causal and not, both head dims; and configurations other than the default: key tiles wider
     than the query block (the causal loop's end inside a key tile), PV promoted within a tile;
-    half the exponentials by the FMA-pipe polynomial with QK^T a tile ahead (whose bits are those
-    of the same configuration without it), and S's keys in the PV operand's order."""
+    QK^T a tile ahead (whose bits are those of the same configuration without it), and S's keys in
+    the PV operand's order."""
     pytest.importorskip("triton")
     other = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "pv_promotion": 32}
-    ahead = {"block_m": 64, "block_n": 64, "pv_promotion": 64, "poly_exp2": True, "qk_ahead": True}
+    ahead = {"block_m": 64, "block_n": 64, "pv_promotion": 64, "qk_ahead": True}
     ordered = {"block_m": 64, "block_n": 128, "qk_ahead": True, "operand_order": True}
     shapes = [(1, 2, 1, 130, 70, 64, False, None), (1, 2, 1, 130, 70, 64, True, None), (2, 2, 2, 1, 200, 64, False, None),
               (1, 4, 2, 150, 300, 128, True, None), (1, 2, 1, 200, 200, 64, True, other), (1, 2, 2, 70, 300, 128, False, other),
@@ -796,8 +796,7 @@ def test_kernel_configurations_against_the_emulation(tiles, causal):
     print(check_against_the_emulation(2, 8, 2, 1000, 1000, 128, causal, "cuda", config))
 
 
-VARIANTS = {"poly": {"poly_exp2": True}, "ahead": {"qk_ahead": True}, "order": {"operand_order": True}, "order-ahead": {"operand_order": True, "qk_ahead": True},
-            "all": {"poly_exp2": True, "qk_ahead": True, "operand_order": True}}
+VARIANTS = {"ahead": {"qk_ahead": True}, "order": {"operand_order": True}, "order-ahead": {"operand_order": True, "qk_ahead": True}}
 
 
 @pytest.mark.gpu
@@ -805,9 +804,8 @@ VARIANTS = {"poly": {"poly_exp2": True}, "ahead": {"qk_ahead": True}, "order": {
 @pytest.mark.parametrize("heads, seq, d", GPU_SHAPES[1:], ids=[f"h{h}-l{n}-d{d}" for h, n, d in GPU_SHAPES[1:]])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kernel_variants_against_the_emulation(variant, heads, seq, d, causal):
-    """``check_against_the_emulation`` of the default tiles with half the exponentials by the
-    FMA-pipe polynomial, QK^T a tile ahead (the bits of the plain key loop), S's keys in the PV
-    operand's order, and combinations."""
+    """``check_against_the_emulation`` of the default tiles with QK^T a tile ahead (the bits of the
+    plain key loop), S's keys in the PV operand's order, and both."""
     from graphquant.kernels.triton_attention import ForwardConfig
 
     print(check_against_the_emulation(2, heads, 2, seq, seq, d, causal, "cuda", config=ForwardConfig(**VARIANTS[variant])))

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
-from graphquant.kernels.triton_exp2 import exp2_halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +53,7 @@ class ForwardConfig:
     how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
     is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
     tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
-    key loop, outside that bound); poly_exp2: half of each tile's exponentials by a polynomial on the
-    FMA pipe (graphquant.kernels.triton_exp2, at least as accurate as the special-function unit's
-    ex2.approx), the other half on that unit; qk_ahead: in the key tiles every query row sees whole,
+    key loop, outside that bound); qk_ahead: in the key tiles every query row sees whole,
     the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
     compute it meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
@@ -69,7 +66,6 @@ class ForwardConfig:
     num_stages: int = 3
     warp_specialize: bool = False
     pv_promotion: Optional[int] = 128
-    poly_exp2: bool = False
     qk_ahead: bool = False
     operand_order: bool = False
 
@@ -147,14 +143,11 @@ def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL:
 @triton.jit
 def _fold(
     acc, l_i, m_i, m_new, logits, vt, p_scale,
-    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, POLY_EXP2: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
     """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
     alpha = tl.math.exp2(m_i - m_new)
-    if POLY_EXP2:
-        p = exp2_halves(logits)
-    else:
-        p = tl.math.exp2(logits)
+    p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
     p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     if OPERAND_ORDER:
@@ -171,7 +164,7 @@ def _fold(
 def _key_tiles(
     acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr,
+    PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, QK_AHEAD: tl.constexpr,
     OPERAND_ORDER: tl.constexpr,
 ):
     """Fold the key tiles [start, end) into the running (acc, l, m); MASKED: some keys of these
@@ -195,7 +188,7 @@ def _key_tiles(
         logits, m_new = _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
         if QK_AHEAD:
             s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
-        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, POLY_EXP2, OPERAND_ORDER)
+        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, OPERAND_ORDER)
     return acc, l_i, m_i
 
 
@@ -217,7 +210,7 @@ def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    POLY_EXP2: tl.constexpr, QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+    QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -247,11 +240,11 @@ def _forward_kernel(
             end = (start_m + 1) * BLOCK_M
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, QK_AHEAD, OPERAND_ORDER,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, QK_AHEAD, OPERAND_ORDER,
     )
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, POLY_EXP2, False, OPERAND_ORDER,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, False, OPERAND_ORDER,
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
@@ -294,7 +287,7 @@ def forward(
     _forward_kernel[grid](
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, config.poly_exp2, config.qk_ahead,
+        config.pv_promotion, config.warp_specialize, config.qk_ahead,
         config.operand_order, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse, p_amax
