@@ -128,7 +128,7 @@ QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp
 # The formats (KernelEncoding.scaling) whose activations are quantized first: quantized in each
 # program as it loaded its tile of A (each block's scale from its amax, the codes packed into the
 # words a stored A has), the GEMM lost more time than the launches it saved (benchmarks/NOTES.md,
-# decode_gemm.py), and MXFP8's one-row program summed in another order than on codes quantized first.
+# decode_gemm.py).
 MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
