@@ -1,9 +1,7 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
-for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16); for
-MXFP8, Hopper's MXFP8 GEMM on the FP8 tensor cores (graphquant.kernels.triton_mxfp8) at every row
-count, with the tile its autotuner chose, or (--mxfp8-tiles) one row per candidate tile.
+for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,128,2048,16384] [--formats "fp8 tensorwise,nvfp4"] [--mxfp8-tiles]
+    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"]
 
 For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 thousands), every row is measured in the same
@@ -29,7 +27,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
-from graphquant.kernels import backends, scaled_mm, triton_decode, triton_mxfp8  # noqa: E402
+from graphquant.kernels import backends, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 EMULATION = backends.GemmBackend(backends.EMULATION)
@@ -39,12 +37,6 @@ BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 128, 2048]
 CALLS = 20
-# (BLOCK_M, BLOCK_N, warps, stages) that --mxfp8-tiles times for the MXFP8 GEMM on the FP8 tensor
-# cores, that compile for sm_90 without spills (128x256, and 128x128 on 4 warps, spill).
-MXFP8_CANDIDATES = [
-    (128, 128, 8, 4), (64, 256, 8, 4), (64, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4), (128, 64, 4, 6), (64, 64, 4, 6),
-    (64, 32, 4, 8),
-]
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
 FORMATS = {name.removesuffix(" (emulated on sm90)"): pair for name, pair in GEMM_FORMATS.items()}
@@ -66,36 +58,11 @@ def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.dim())
 
 
-def on_fp8_cores(a, b, tile=None):
-    """The MXFP8 GEMM of the FP8 tensor cores on a tile of MXFP8_CANDIDATES (fixed as it is called:
-    a graph captures the launch of that tile's kernel), or (None) the one its autotuner picks."""
-    kernel = triton_mxfp8._gemm
-
-    def fn():
-        if tile is not None:
-            block_m, block_n, warps, stages = tile
-            config = triton_mxfp8.triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 32}, num_warps=warps, num_stages=stages)
-            triton_mxfp8.TILES[:] = kernel.configs = [config]
-        return triton_mxfp8.gemm(a, b, torch.bfloat16)
-
-    return fn
-
-
-def tile_name(tile=None) -> str:
-    """A tile of MXFP8_CANDIDATES, or (None) the one the autotuner chose for the latest call."""
-    if tile is None:
-        config = triton_mxfp8._gemm.best_config
-        tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-    return f"{tile[0]}x{tile[1]} w{tile[2]} s{tile[3]}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
-    parser.add_argument("--mxfp8-tiles", action="store_true", help="time each of MXFP8_CANDIDATES' tiles for the FP8 tensor cores' MXFP8 GEMM")
     args = parser.parse_args()
-    tiles = MXFP8_CANDIDATES if args.mxfp8_tiles else [None]
     row_counts = [int(r) for r in args.rows.split(",")]
     formats = {name: FORMATS[name] for name in args.formats.split(",")}
     rows = []
@@ -104,7 +71,6 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
             fns = {"bf16 F.linear": lambda: F.linear(x, w)}
-            autotuned, chosen = [], {}  # the FP8 tensor cores' MXFP8 GEMM's autotuned rows, the tile each chose
             weight_bytes = {"bf16 F.linear": nbytes(w)}
             ra = Float8RowwiseQuantizer()(x, columnwise=False).get(ROWWISE)
             rb = Float8RowwiseQuantizer()(w, columnwise=False).get(ROWWISE)
@@ -112,30 +78,19 @@ def main() -> None:
             fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
             weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
             for name, (qa, qb) in formats.items():
-                pair = (qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)
-                fp8_cores = pair in triton_mxfp8.FAMILY_PAIRS  # it takes every row count
-                if m > triton_decode.MAX_ROWS[pair] and not fp8_cores:
+                if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
                     continue
                 a = qa(x, columnwise=False).get(ROWWISE)
                 b = qb(w, columnwise=False).get(ROWWISE)
-                for tile in tiles if fp8_cores else ():
-                    label = f"fp8 tensor cores {name}" + ("" if tile is None else f" {tile_name(tile)}")
-                    fns[label] = on_fp8_cores(a, b, tile)
-                    weight_bytes[label] = nbytes(b.data, b.scale)
-                    if tile is None:
-                        autotuned.append(label)
-                if "fp8_" not in pair[1]:  # dequantized: the emulation ran them before
-                    fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
-                    weight_bytes[f"emulated {name}"] = nbytes(b.data, b.scale, b.amax)
-                if m > triton_decode.MAX_ROWS[pair]:
-                    continue
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
                 if not triton_decode.quantize_on_load_refusal(qa):
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                if "fp8_" not in pair[1]:
+                if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
+                    fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
+                    weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
                     alternatives = {}
                     if m == 1:  # the default there is the FMA units'
                         alternatives["tensor cores"] = TENSOR_CORES
@@ -148,8 +103,6 @@ def main() -> None:
             for name, fn in fns.items():
                 try:
                     replays[name] = graphed(fn)
-                    if name in autotuned:
-                        chosen[name] = tile_name()
                 except RuntimeError as error:  # e.g. a shape torch._scaled_mm does not take
                     failed[name] = str(error).splitlines()[0][:60]
             times = alternate(replays, rounds=5)
@@ -159,9 +112,9 @@ def main() -> None:
                     rows.append([f"{n}x{k}", m, name, "", "", "", failed[name]])
                     continue
                 us = times[name] * 1e3 / CALLS
-                rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", chosen.get(name, "")])
+                rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", ""])
                 print(*rows[-1][:-1], sep="  ", flush=True)  # as it goes, should the run be cut short
-    print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note (MXFP8's tile)"]))
+    print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """TFLOP/s of graphquant's GEMM backends beside bf16 torch.mm and raw torch._scaled_mm.
 
-    python benchmarks/gemm.py [--gemms fprop,dgrad,wgrad] [--formats mxfp8] [--emulated]
+    python benchmarks/gemm.py [--gemms fprop,dgrad,wgrad] [--formats "fp8 rowwise,fp8 tensorwise"] [--emulated]
 
 For each shape (m, n, k) of out = A @ B^T, every row is measured in the same run, alternating
 over rounds; graphquant's rows include everything its gemm op does per call (scale layout,
@@ -40,7 +40,7 @@ FORMATS = {
     "fp8 tensorwise": (Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3")),
     "fp8 rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
     "fp8 block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
-    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    "mxfp8 (emulated on sm90)": (MXFP8Quantizer(), MXFP8Quantizer()),
     "nvfp4 (emulated on sm90)": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
 }
 

@@ -53,12 +53,11 @@ class Variant(NamedTuple):
         codes = " bytes" if self.byte_codes else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_tiles}{cap}{codes}"
 
-    def fits(self, gemm: str, scale_block: int) -> bool:
+    def fits(self, gemm: str, block_scaled: bool) -> bool:
         """Whether the kernel of ``gemm`` can run this tile: a K tile of one block scale where the
-        scales are per block (``scale_block``, 0 where not); dgrad's row tiles within one 128-row
-        group; wgrad's K tiles within one group (its groups are multiples of 128 rows and it masks
-        no K)."""
-        if scale_block and self.block_k != scale_block:
+        scales are per block; dgrad's row tiles within one 128-row group; wgrad's K tiles within
+        one group (its groups are multiples of 128 rows and it masks no K)."""
+        if block_scaled and self.block_k != 128:
             return False
         return 128 % self.block_m == 0 if gemm == "dgrad" else 128 % self.block_k == 0
 
@@ -112,7 +111,7 @@ def _jit(kernel):
 
 
 KERNELS = backends.triton_grouped_fp8
-FP8_CODES = KERNELS.k_last
+FP8_CODES = KERNELS._codes
 COMPILED = {}  # kernel name -> the CompiledKernel its last launch ran
 
 
@@ -142,12 +141,12 @@ def select(variant: Variant) -> None:
         kernel.configs = [config]
         kernel.cache = {}
     KERNELS.GROUP_TILES = variant.group_tiles
-    KERNELS.k_last = (lambda rep: (FP8_CODES(rep)[0].view(torch.uint8), FP8_CODES(rep)[1])) if variant.byte_codes else FP8_CODES
+    KERNELS._codes = (lambda rep: rep.data.view(torch.uint8)) if variant.byte_codes else FP8_CODES
 
 
 def cases(formats: list[str], sites: list[str]):
     """(format, site, {GEMM: (a call of it on the Triton kernel, a call on a given backend, the
-    fastest backend, its scale block, 0 where not block-scaled)}, (bf16 x, w, dy, offs)) for every format and site,
+    fastest backend, whether block-scaled)}, (bf16 x, w, dy, offs)) for every format and site,
     built one at a time."""
     offs, tokens, sizes = routed()
     rows = TOKENS * TOP_K
@@ -167,7 +166,7 @@ def cases(formats: list[str], sites: list[str]):
                     for fast in (True, False)
                 )
                 assert promoted.name == KERNELS.BACKEND, promoted
-                calls[gemm] = (functools.partial(call, promoted), call, fast, KERNELS.scale_block(a))
+                calls[gemm] = (functools.partial(call, promoted), call, fast, KERNELS._block_scaled(a))
             yield name, site, calls, (x, w, dy, offs)
         del x, w, dy
 
@@ -183,8 +182,8 @@ def _compile(job: tuple[list[int], list[str], list[str], bool]) -> dict:
             variant = VARIANTS[index]
             select(variant)
             for gemm in GEMMS:
-                call, _, _, scale_block = calls[gemm]
-                if not variant.fits(gemm, scale_block):
+                call, _, _, block_scaled = calls[gemm]
+                if not variant.fits(gemm, block_scaled):
                     continue
                 if say:
                     print(f"first run: [{index}] {variant}, {name} {site} {gemm}", flush=True)
@@ -225,7 +224,7 @@ def main() -> None:
         flops = 2.0 * rows * k * n
         bf16 = {"dgrad": lambda: torch._grouped_mm(dy, w, offs=offs), "wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs)}
         for gemm in GEMMS:
-            call, on, fast, scale_block = calls[gemm]
+            call, on, fast, block_scaled = calls[gemm]
             reference_ms = None
             if gemm in bf16 and name == formats[0]:
                 ms = time_ms(bf16[gemm], warmup=2, reps=args.reps)
@@ -236,7 +235,7 @@ def main() -> None:
             first = None
             for index in chosen:
                 variant = VARIANTS[index]
-                if not variant.fits(gemm, scale_block):
+                if not variant.fits(gemm, block_scaled):
                     continue
                 label = f"{name} | {site} | {gemm} | [{index}] {variant}"
                 if (index, name, site, gemm) in failed:

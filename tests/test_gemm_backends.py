@@ -20,17 +20,6 @@ from graphquant.quantizers import (
     QuantizeContext,
 )
 
-# More rows than the decode GEMM takes for any pair (triton_decode.MAX_ROWS; tests/test_triton_decode.py
-# checks its choices), so that these tests see the other backends.
-PAST_DECODE_ROWS = 16384 + 128
-# Hopper's MXFP8 GEMM where Triton is installed (graphquant.kernels.triton_mxfp8) and takes as many
-# rows (tests/test_triton_mxfp8.py checks its rows), else the emulation.
-MXFP8_ON_HOPPER = (
-    backends.triton_mxfp8.BACKEND
-    if backends.MXFP8_GEMMS and (backends.triton_mxfp8.MAX_ROWS or PAST_DECODE_ROWS) >= PAST_DECODE_ROWS
-    else backends.EMULATION
-)
-
 # (name, quantizer of A's direction, quantizer of B's direction, expected backend on sm90)
 PAIRS = [
     ("tensorwise e4m3", Float8CurrentScalingQuantizer("e4m3"), Float8CurrentScalingQuantizer("e4m3"), scaled_mm.TENSORWISE),
@@ -38,12 +27,16 @@ PAIRS = [
     ("rowwise", Float8RowwiseQuantizer(), Float8RowwiseQuantizer(), scaled_mm.ROWWISE_SCALED),
     ("block 1x128 x 128x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2), scaled_mm.BLOCKWISE),
     ("block 1x128 x 1x128", Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=1), scaled_mm.BLOCKWISE),
-    ("mxfp8", MXFP8Quantizer(), MXFP8Quantizer(), MXFP8_ON_HOPPER),
+    ("mxfp8", MXFP8Quantizer(), MXFP8Quantizer(), backends.EMULATION),
     ("nvfp4", NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True), backends.EMULATION),
     ("mxfp8 x nvfp4", MXFP8Quantizer(), NVFP4Quantizer(), backends.EMULATION),
     ("identity x mxfp8", IdentityQuantizer(), MXFP8Quantizer(), backends.EMULATION),
     ("identity", IdentityQuantizer(), IdentityQuantizer(), backends.HIGH_PRECISION),
 ]
+
+# More rows than the decode GEMM takes for any pair (triton_decode.MAX_ROWS; tests/test_triton_decode.py
+# checks its choices), so that these tests see the other backends.
+PAST_DECODE_ROWS = 16384 + 128
 
 # (GEMM, direction of A, direction of B): A and B reduce over the dim their direction blocks.
 LAYOUTS = [("fprop", ROWWISE, ROWWISE), ("dgrad", ROWWISE, COLUMNWISE), ("wgrad", COLUMNWISE, COLUMNWISE)]
@@ -152,8 +145,6 @@ CAPABILITY_CASES = [
     ((10, 0), Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, backends.EMULATION),
     ((10, 0), MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, scaled_mm.MXFP8),
     ((10, 0), MXFP8Quantizer("e5m2"), ROWWISE, MXFP8Quantizer(), ROWWISE, backends.EMULATION),
-    ((9, 0), MXFP8Quantizer("e5m2"), COLUMNWISE, MXFP8Quantizer(), COLUMNWISE, MXFP8_ON_HOPPER),
-    ((8, 9), MXFP8Quantizer(), ROWWISE, MXFP8Quantizer("e5m2"), COLUMNWISE, MXFP8_ON_HOPPER),
     ((10, 0), NVFP4Quantizer(), ROWWISE, NVFP4Quantizer(with_2d_quantization=True), COLUMNWISE, scaled_mm.NVFP4),
     ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), ROWWISE, NVFP4Quantizer(), ROWWISE, backends.EMULATION),
     ((10, 0), NVFP4Quantizer(row_scaled_nvfp4=True), COLUMNWISE, NVFP4Quantizer(), COLUMNWISE, scaled_mm.NVFP4),

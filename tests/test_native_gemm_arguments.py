@@ -196,9 +196,8 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
         monkeypatch.setattr(native, "extension", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
-        for triton_gemms in (backends.triton_decode, backends.triton_mxfp8):  # Triton's: not cuBLASLt's arguments
-            if triton_gemms is not None:
-                monkeypatch.setattr(triton_gemms, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
+        if backends.triton_decode is not None:
+            monkeypatch.setattr(backends.triton_decode, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
         backends.clear_caches()
         return calls
 
@@ -218,8 +217,8 @@ def test_every_native_gemm_gets_arguments_its_gemm_takes(fake_gpu, sm, recipe):
 
     plan = compiled.graphquant.plan
     native = [g.backend.name for g in plan.gemms if g.bucket == backends.NATIVE]
-    triton_gemms = [gemm.backend for gemm in (*backends.DECODE_GEMMS, *backends.MXFP8_GEMMS)]
-    planned = collections.Counter(b for b in native if b not in (backends.HIGH_PRECISION, *triton_gemms))
+    decode = [gemm.backend for gemm in backends.DECODE_GEMMS]
+    planned = collections.Counter(b for b in native if b not in (backends.HIGH_PRECISION, *decode))
     assert set(planned) <= GRAPHQUANT_RUNS[sm], f"planned {set(planned)} on sm_{sm[0]}{sm[1]}\n{plan}"
     assert collections.Counter(backend for backend, *_ in calls) == planned, f"plan and run disagree\n{plan}"
     if recipe in ONE_FORMAT and ONE_FORMAT[recipe] in GRAPHQUANT_RUNS[sm]:

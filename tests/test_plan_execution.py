@@ -35,8 +35,6 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
-    # Triton's MXFP8 GEMM for Hopper (where Triton is installed): every GEMM the decode GEMM does not take.
-    **{mxfp8.backend: recipes.mxfp8_block_scaling() for mxfp8 in backends.MXFP8_GEMMS},
 }
 # The row counts of the two training steps: the decode GEMM's fit it, the others' 128 and 160.
 ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
@@ -64,7 +62,6 @@ def runs(monkeypatch):
     ran, current = {}, []
     dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
-    mxfp8 = backends.triton_mxfp8.gemm if backends.MXFP8_GEMMS else None
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         current.append(site)
@@ -89,18 +86,12 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
-    def mxfp8_run(a, b, out_dtype, bias=None):
-        record(GemmBackend(backends.triton_mxfp8.BACKEND))
-        return mxfp8(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
-
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
 
     if decode is not None:
         monkeypatch.setattr(triton_decode, "gemm", decode_run)
-    if mxfp8 is not None:
-        monkeypatch.setattr(backends.triton_mxfp8, "gemm", mxfp8_run)
     monkeypatch.setattr(backends, "gemm", gemm)
     monkeypatch.setattr(scaled_mm, "run", native_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
@@ -149,22 +140,21 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
     # Where the capability has the native GEMM, the aligned shapes ran on it.
     runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
     assert (native in {g.backend.name for g in static.gemms}) == runs_here
-    # The GEMMs of bounded rows (the decode GEMM; MXFP8's where triton_mxfp8.MAX_ROWS bounds it).
-    bounded = {gemm.backend for gemm in backends.NATIVE_GEMMS if gemm.max_rows is not None}
+    decode = {d.backend for d in backends.DECODE_GEMMS}
     if native in ROWS_OF:  # the decode GEMM needs m known when the plan is made: not under symbolic rows
-        assert not bounded & {g.backend.name for g in symbolic.gemms}
+        assert not decode & {g.backend.name for g in symbolic.gemms}
     # Elsewhere it may take MXFP8's and NVFP4's GEMMs at 128 rows where the tokens are static (x's
     # two dims of 128 share one symbol, which fc1 then makes 128) and not at 160, and say why not.
     for planned, symbolically in zip(static.gemms, symbolic.gemms, strict=True):
-        if bounded & {planned.backend.name, symbolically.backend.name}:
+        if decode & {planned.backend.name, symbolically.backend.name}:
             continue
-        if any(name in planned.reason + symbolically.reason for name in bounded):
+        if any(name in planned.reason + symbolically.reason for name in decode):
             assert (planned.bucket, planned.backend) == (symbolically.bucket, symbolically.backend)
         else:
             assert planned == symbolically
 
 
-ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF, *(mxfp8.backend for mxfp8 in backends.MXFP8_GEMMS)]
+ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF]
 
 
 @pytest.mark.gpu

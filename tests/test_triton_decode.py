@@ -495,9 +495,9 @@ def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, nam
     qa, qb = PAIRS[name]
     cuda = torch.device("cuda")
     most = _max_rows(name)
-    assert most == (hopper.MXFP8_ROWS if name == "mxfp8" else hopper.VALUE_ROWS if name in MIDDLE_ROW_PAIRS else 16)
+    assert most == (hopper.VALUE_ROWS if name in MIDDLE_ROW_PAIRS else 16)
     decode = backends.Selection(backends.NATIVE, GemmBackend(hopper.BACKEND))
-    for m in sorted({min(m, most) for m in (1, 2, 16, 128, 2048)} | {most}):
+    for m in sorted({1, 2, 16, min(128, most), min(2048, most), most}):
         for fast in (False, True):
             assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (m, 4096, 4096), 1, fast) == decode
     for dims in ((most + 1, 4096, 4096), (None, 4096, 4096), None):
@@ -507,11 +507,10 @@ def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, nam
 
 @pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
 def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch, recipe):
-    """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64, 128
-    and 2048 rows (a static graph each): every linear's fprop planned on the decode GEMM up to its
-    rows for the format (MAX_ROWS), the plan's dump names it on each, and the calls reach it with
-    the rows they have (the decode GEMM stood in for by the emulated GEMM on this CPU); past them
-    MXFP8's on the FP8 tensor cores (stood in for too), NVFP4's emulated, and the dump says why."""
+    """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64 and
+    128 rows (a static graph each): every linear's fprop planned on the decode GEMM, the plan's
+    dump names it on each, and the calls reach it with the rows they have (the decode GEMM stood
+    in for by the emulated GEMM on this CPU); at 2048 rows the emulation, and the dump says why."""
     import graphquant
     from graphquant import recipes
     from graphquant.kernels import emulation
@@ -523,33 +522,29 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
         return emulation.gemm(a, b, 1, out_dtype, bias)[0]
 
     monkeypatch.setattr(hopper, "gemm", stand_in)
-    monkeypatch.setattr(backends.triton_mxfp8, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 128, bias=False))
     compiled = graphquant.compile(model.to(torch.bfloat16), getattr(recipes, recipe)(), mode="inference", backend="aot_eager", dynamic=False)
     graphquant.freeze(compiled)
-    row_counts = (16, 64, 128, 2048)
     with torch.no_grad():
-        for m in row_counts:
+        for m in (16, 64, 128, 2048):
             compiled(torch.randn(m, 128, dtype=torch.bfloat16))
     plans = compiled.graphquant.plans
-    assert len(plans) == len(row_counts)
-    most = hopper.MAX_ROWS[("mxfp8", "mxfp8") if recipe == "mxfp8_block_scaling" else ("nvfp4", "nvfp4")]
-    past = backends.triton_mxfp8.BACKEND if recipe == "mxfp8_block_scaling" else backends.EMULATION
-    for m, plan in zip(row_counts, plans):
-        fprops = {g.backend.name for g in plan.gemms if g.gemm == "fprop"}
-        assert fprops == {hopper.BACKEND if m <= most else past}, str(plan)
-        if m <= most:
-            assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
-        assert (f"multiplies at most {most} rows of A" in str(plan)) == (m > most and past == backends.EMULATION), str(plan)
-    assert rows == [m for m in row_counts if m <= most for _ in range(2)]
+    assert len(plans) == 4
+    for plan in plans[:3]:
+        fprops = [g for g in plan.gemms if g.gemm == "fprop"]
+        assert len(fprops) == 2 and all(g.backend == GemmBackend(hopper.BACKEND) for g in fprops), str(plan)
+        assert sum(line.split()[2] == "fprop" and hopper.BACKEND in line for line in str(plan).splitlines()[3:]) == 2, str(plan)
+    assert {g.backend.name for g in plans[3].gemms if g.gemm == "fprop"} == {backends.EMULATION}, str(plans[3])
+    assert f"multiplies at most {hopper.VALUE_ROWS} rows of A" in str(plans[3])
+    assert rows == [16, 16, 64, 64, 128, 128]
 
 
 def test_planner_keeps_operands_stored_k_first_off_the_decode_gemm(hopper):
-    """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it goes past the
-    decode GEMM, to the MXFP8 GEMM of the FP8 tensor cores (graphquant.kernels.triton_mxfp8)."""
+    """MXFP8's columnwise data keeps x's layout (reduction dim first): a dgrad of it is emulated."""
     selection = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), COLUMNWISE, torch.device("cuda"), (1, 256, 256))
-    assert selection.backend == GemmBackend(backends.triton_mxfp8.BACKEND)
+    assert selection.backend == GemmBackend(backends.EMULATION)
+    assert selection.reason == "triton decode gemm reads operands stored with the reduction dim last"
 
 
 def test_a_decode_tiling_names_what_is_wrong_with_it():

@@ -1,8 +1,7 @@
 """The native FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8): every product of a grouped
 site (fprop, dgrad, wgrad) equals the float64 product of each group's dequantized operands, for
-per-tensor (E5M2 gradients), per-row, DeepSeek's and MXFP8's block scales (MXFP8's columnwise data
-stored as the tensor is, read through transposed views), ragged and empty groups, K that fills
-no whole block; and the plan chooses it for the grouped GEMMs that keep fp32 sums.
+per-tensor (E5M2 gradients), per-row and DeepSeek's block scales, ragged and empty groups, K
+that fills no whole block; and the plan chooses it for the grouped GEMMs that keep fp32 sums.
 
 On the CPU the kernel runs under Triton's interpreter, in a process of its own, with an fp32
 output (the interpreter rounds fp32 to bf16 toward zero) and exact products: within fp32
@@ -26,7 +25,6 @@ from graphquant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8RowwiseQuantizer,
-    MXFP8Quantizer,
     QuantizeContext,
 )
 
@@ -42,8 +40,6 @@ FORMATS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
     "128x128 blocks": (Float8BlockQuantizer(), Float8BlockQuantizer(fp8_dtype="e5m2"), Float8BlockQuantizer()),
-    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer()),
-    "mxfp8 e5m2 grad_output": (MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer("e5m2")),
 }
 GEMMS = ("fprop", "dgrad", "wgrad")
 # (group sizes, k: x's columns, n: each expert's output features): ragged groups and an empty
@@ -165,7 +161,7 @@ def step_backends(name: str) -> list[str]:
     return sorted({g.backend.name for g in compiled.graphquant.plan.gemms})
 
 
-STEP_RECIPES = {"tensorwise": "current", "rowwise": "rowwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
+STEP_RECIPES = {"tensorwise": "current", "rowwise": "rowwise", "blockwise": "blockwise"}
 
 
 @pytest.mark.parametrize("name", STEP_RECIPES)

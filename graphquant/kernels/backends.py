@@ -5,8 +5,7 @@ direction) into native / emulated / rejected and names the backend, a GemmBacken
 shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
 it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice), Triton's decode GEMM for few rows (graphquant.kernels.triton_decode), and on Hopper
-Triton's MXFP8 GEMM on the FP8 tensor cores (graphquant.kernels.triton_mxfp8). The
+choice), and Triton's decode GEMM for few rows (graphquant.kernels.triton_decode). The
 emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
 every pair the planner admits, on any device.
 """
@@ -53,8 +52,6 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
 # The native FP8 grouped GEMM's kernels where Triton is installed; None elsewhere.
 triton_grouped_fp8 = importlib.import_module("graphquant.kernels.triton_grouped_fp8") if HAS_TRITON else None
-# The native MXFP8 GEMM on FP8 tensor cores where Triton is installed; None elsewhere.
-triton_mxfp8 = importlib.import_module("graphquant.kernels.triton_mxfp8") if HAS_TRITON else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +112,11 @@ class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
     element encodings it multiplies, the multiple every one of m, n and k must be, the compute
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
-    accumulation), and for a GEMM of bounded rows the most rows of A it takes, ((A's family, B's
-    family), rows) for each pair (m, known when the plan is made). ``reads_k_last``: it reads both
-    operands as stored, which must then have the reduction dim last. ``quantizes_a``: it takes A
-    in high precision and quantizes it itself (triton_decode.QuantizedOnLoad; 1x128 blocks by its
-    kernel that runs first, as a graph op of its own: triton_decode.quantizes_first), where A is
-    made for this GEMM alone."""
+    accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
+    rows) for each pair (m, known when the plan is made), both operands stored with the
+    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
+    (triton_decode.QuantizedOnLoad; 1x128 blocks by its kernel that runs first, as a graph op of its
+    own: triton_decode.quantizes_first), where A is made for this GEMM alone."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -130,7 +126,6 @@ class NativeGemm(NamedTuple):
     fast_accumulation: bool = False
     max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
     quantizes_a: bool = False
-    reads_k_last: bool = False
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
@@ -157,8 +152,8 @@ class NativeGemm(NamedTuple):
                     f"{self.backend} multiplies at most {most} rows of A for {families[0]} x {families[1]}, "
                     "a number known when the plan is made"
                 )
-        if self.reads_k_last and not k_last:
-            return f"{self.backend} reads operands stored with the reduction dim last"
+            if not k_last:
+                return f"{self.backend} reads operands stored with the reduction dim last"
         return ""
 
 
@@ -184,7 +179,6 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
         quantizes_a=True,
-        reads_k_last=True,
     ),
     NativeGemm(
         triton_decode.BACKEND,
@@ -194,36 +188,17 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         fast_accumulation=False,
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
-        reads_k_last=True,
-    ),
-)
-
-# Triton's MXFP8 GEMM (graphquant.kernels.triton_mxfp8), where Triton is installed, for the
-# devices with FP8 tensor cores (sm89) and no block-scaled ones (before sm100): E4M3 or E5M2
-# codes on the FP8 tensor cores, each 32-long block's partial sums promoted into fp32 and
-# scaled there, so it has no fast accumulation. It takes every MXFP8 GEMM (any direction, every
-# edge masked) but those the decode GEMM takes before it (its rows for MXFP8,
-# triton_decode.MXFP8_ROWS) and, where triton_mxfp8.MAX_ROWS bounds them, those of more rows.
-MXFP8_GEMMS = () if triton_mxfp8 is None else (
-    NativeGemm(
-        triton_mxfp8.BACKEND,
-        triton_mxfp8.FAMILY_PAIRS,
-        triton_mxfp8.ELEMENT_PAIRS,
-        1,
-        lambda sm: (8, 9) <= sm < (10, 0),
-        max_rows=None if triton_mxfp8.MAX_ROWS is None else tuple((pair, triton_mxfp8.MAX_ROWS) for pair in triton_mxfp8.FAMILY_PAIRS),
     ),
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side); DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left; the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
-# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then Hopper's MXFP8 and cuBLASLt's FP8.
+# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
     *DECODE_GEMMS,
-    *MXFP8_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -265,7 +240,7 @@ NATIVE_GROUPED_GEMM = NativeGemm(
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
 # Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
-# per-tensor, per-row, DeepSeek's and MXFP8's block scales, E4M3 or E5M2, its partial sums promoted into
+# per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, its partial sums promoted into
 # fp32, so it serves the grouped GEMMs that keep fp32 sums (and the block-scaled and E5M2 ones,
 # which torch._scaled_grouped_mm does not take). It masks every edge: no multiple. Its FP8
 # products need sm89.
@@ -500,8 +475,6 @@ def gemm(
         return emulation.gemm(a, b, batch, out_dtype, bias)
     if native in DECODE_GEMMS:
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
-    if native in MXFP8_GEMMS:
-        return triton_mxfp8.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 

@@ -12,9 +12,8 @@ Each call runs the backend its plan chose (backends.select_grouped) or fails (Ge
 
 Native (backends.NATIVE_GROUPED_GEMMS): E4M3 with per-tensor or per-row scales on
 torch._scaled_grouped_mm, summing in the tensor cores' accumulator, the scales in its epilogue;
-FP8 with per-tensor, per-row or block scales (DeepSeek's, MXFP8's) on
-graphquant.kernels.triton_grouped_fp8, its sums promoted into fp32, which writes the unpadded
-output itself.
+FP8 with per-tensor, per-row or block scales on graphquant.kernels.triton_grouped_fp8, its sums
+promoted into fp32, which writes the unpadded output itself.
 
 Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
 format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,

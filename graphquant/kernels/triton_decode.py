@@ -104,18 +104,15 @@ LAYOUTS = {
 # time, shared by one tile of up to 128 of A's rows, in place of the emulation's whole weight
 # dequantized into memory on every call; past it the products, not the bytes, set the pace, and
 # the emulation's bf16 GEMM runs them faster than these kernels (benchmarks/NOTES.md,
-# decode_gemm.py). A call given its tiling (DecodeConfig) takes any rows. MXFP8 up to MXFP8_ROWS:
-# where Triton's FP8 tensor cores multiply its codes (Hopper, Ada), the GEMM that does so
-# (graphquant.kernels.triton_mxfp8) takes the rows past them, the plan's one threshold between the two.
+# decode_gemm.py). A call given its tiling (DecodeConfig) takes any rows.
 ONE_TILE_ROWS = 16
 VALUE_ROWS = 128
-MXFP8_ROWS = VALUE_ROWS
 MAX_ROWS = {
     ("fp8_tensorwise", "fp8_tensorwise"): ONE_TILE_ROWS,
     ("fp8_rowwise", "fp8_rowwise"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_1x128"): ONE_TILE_ROWS,
     ("fp8_block_1x128", "fp8_block_128x128"): ONE_TILE_ROWS,
-    ("mxfp8", "mxfp8"): MXFP8_ROWS,
+    ("mxfp8", "mxfp8"): VALUE_ROWS,
     ("nvfp4", "nvfp4"): VALUE_ROWS,
     ("nvfp4_row_scaled", "nvfp4"): VALUE_ROWS,
 }
