@@ -505,6 +505,17 @@ def test_planner_picks_the_decode_gemm_for_a_static_m_up_to_its_rows(hopper, nam
     assert backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (2, 4096, 4096), batch=2).backend.name != hopper.BACKEND
 
 
+def test_planner_keeps_e5m2_mxfp8_off_the_decode_gemm(hopper):
+    """MXFP8's codes are decoded as E4M3 words: an E5M2 MXFP8 operand (a HYBRID recipe's gradient
+    in a dgrad of few rows) goes elsewhere, where it once was read as E4M3 and silently wrong."""
+    cuda = torch.device("cuda")
+    for qa, qb in ((MXFP8Quantizer("e5m2"), MXFP8Quantizer()), (MXFP8Quantizer(), MXFP8Quantizer("e5m2"))):
+        chosen = backends.select(qa, ROWWISE, qb, ROWWISE, cuda, (16, 4096, 4096))
+        assert chosen.backend.name not in (hopper.BACKEND, hopper.QUANTIZING_BACKEND), chosen
+    chosen = backends.select(MXFP8Quantizer(), ROWWISE, MXFP8Quantizer(), ROWWISE, cuda, (16, 4096, 4096))
+    assert chosen.backend.name == hopper.BACKEND, chosen
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
 def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch, recipe):
     """A frozen model (mode="inference", then graphquant.freeze) on a faked Hopper, at 16, 64 and

@@ -126,12 +126,16 @@ class NativeGemm(NamedTuple):
     fast_accumulation: bool = False
     max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
     quantizes_a: bool = False
+    reads: Callable[[GemmInput], bool] = lambda operand: True
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
-        """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it)."""
+        """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it);
+        ``reads``: whether its kernels read one operand's family in its element encoding, where
+        the pairs of families and of elements admit more than it reads."""
         if a is None or b is None:
             return False
-        return (a.family, b.family) in self.families and (a.element, b.element) in self.elements
+        pairs = (a.family, b.family) in self.families and (a.element, b.element) in self.elements
+        return pairs and self.reads(a) and self.reads(b)
 
     def misfit(self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", "")) -> str:
         """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k) of operands of
@@ -179,6 +183,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
         quantizes_a=True,
+        reads=triton_decode.reads,
     ),
     NativeGemm(
         triton_decode.BACKEND,
@@ -188,6 +193,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         lambda sm: sm >= (8, 9),
         fast_accumulation=False,
         max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        reads=triton_decode.reads,
     ),
 )
 

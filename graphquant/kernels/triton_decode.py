@@ -56,7 +56,7 @@ from graphquant.formats import fp8, nvfp4
 from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_launch import launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
-from graphquant.quantizers import ROWWISE, Quantizer, Representation, gemm_dims
+from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims
 
 BACKEND = "triton decode gemm"
 # The same kernels given A in high precision with the amaxes of its rows, which they quantize
@@ -130,6 +130,15 @@ MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
+# The elements each family's codes are read as, where the pairs above admit more: MXFP8's words
+# are decoded as E4M3 (e4m3_bf16_word_values, e4m3_word_values), so an E5M2 MXFP8 operand (a
+# HYBRID recipe's gradient) is not this GEMM's.
+FAMILY_ELEMENTS = {"mxfp8": ("e4m3",)}
+
+
+def reads(operand: GemmInput) -> bool:
+    """Whether the kernels read an operand of this family in this element encoding."""
+    return operand.element in FAMILY_ELEMENTS.get(operand.family, (operand.element,))
 
 MX_PRODUCTS = ("values", "block sums", "dot scaled")
 
