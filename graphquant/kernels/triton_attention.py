@@ -23,8 +23,8 @@ second accumulator). PV accumulates into O's fp32 accumulator across the key loo
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 
-Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, where the
-exponentials run, whether QK^T runs a tile ahead and the order of the keys in S are a
+Tiles, warps, pipeline stages, warp specialization of the key loop, the PV promotion, whether
+QK^T runs a tile ahead and the order of the keys in S are a
 ``ForwardConfig``; ``forward`` uses ``default_config(causal)`` unless told otherwise
 (benchmarks/attention_tune.py sweeps them on the GPU).
 

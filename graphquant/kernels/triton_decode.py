@@ -809,6 +809,7 @@ def amaxes(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
     return fp8.row_chunk_amax(x)
 
 
+@functools.lru_cache(maxsize=None)
 def quantizes_first(quantizer: Quantizer) -> bool:
     """Whether the kernels quantize an A in ``quantizer``'s format by a kernel of its own before
     the GEMM (``block_codes``: 1x128 blocks), not as they load it. A graph runs it as an op of its
