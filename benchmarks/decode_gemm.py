@@ -1,9 +1,10 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"]
+    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"] [--weights 14336x4096,28672x4096]
 
-For each weight N x K of a Llama-3-8B FFN and each row count M (each format up to the decode
+For each weight N x K of a Llama-3-8B FFN (or of --weights: 28672x4096 is its gate and up
+projections as one weight) and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 thousands), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
 timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
@@ -62,11 +63,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
+    parser.add_argument("--weights", default=",".join(f"{n}x{k}" for n, k in WEIGHTS), help="weight shapes N x K, comma-separated")
     args = parser.parse_args()
+    weights = [tuple(int(d) for d in shape.split("x")) for shape in args.weights.split(",")]
     row_counts = [int(r) for r in args.rows.split(",")]
     formats = {name: FORMATS[name] for name in args.formats.split(",")}
     rows = []
-    for n, k in WEIGHTS:
+    for n, k in weights:
         for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
