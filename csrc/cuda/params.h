@@ -51,7 +51,9 @@ struct TileParams {
   Encoder row, col;
   Accumulators acc;
   const int64_t* group_start = nullptr;  // G + 1 prefix sums of the group sizes (null: one group)
-  const int64_t* gather = nullptr;  // x's row that each of the M rows holds, -1 a zero row (null: row r is x's row r)
+  // A padded layout's 128-row tiles (graphquant.formats.groups.tile_runs): tile i's rows are x's
+  // rows runs[2i], runs[2i] + 1, ..., runs[2i + 1] of them, then zero rows (null: row r is x's row r).
+  const int32_t* runs = nullptr;
   int G = 1;
   float* dbias_partial = nullptr;  // (row tiles, K) column sums of x per tile, or null
 };

@@ -190,19 +190,21 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
                                  const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
                                  const c10::optional<at::Tensor>& group_sizes, bool want_dbias,
                                  const c10::optional<at::Tensor>& rng, int64_t rng_offset,
-                                 const c10::optional<at::Tensor>& gather, const c10::optional<at::Tensor>& col_amax,
+                                 const c10::optional<at::Tensor>& runs, const c10::optional<at::Tensor>& col_amax,
                                  bool col_output) {
   TORCH_CHECK(input.dim() == 2, "graphquant.quantize takes a 2-D tensor");
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(input.device());
 #endif
   const at::Tensor x = input.contiguous();
-  if (gather.has_value()) {  // the rows to quantize are x's rows gather[r] (-1: a zero row)
-    TORCH_CHECK(gather->scalar_type() == at::kLong && gather->dim() == 1 && gather->is_contiguous() && gather->device() == x.device(),
-                "graphquant.quantize: gather must be a contiguous 1-D int64 tensor on the input's device, got ",
-                gather->scalar_type(), " of shape ", gather->sizes(), " on ", gather->device());
+  // A padded layout's rows to quantize, 128 a tile: each tile a run of x's rows, then zero rows.
+  if (runs.has_value()) {
+    TORCH_CHECK(runs->scalar_type() == at::kInt && runs->dim() == 2 && runs->size(1) == 2 && runs->is_contiguous() &&
+                    runs->device() == x.device(),
+                "graphquant.quantize: runs must be a contiguous (tiles, 2) int32 tensor on the input's device, got ",
+                runs->scalar_type(), " of shape ", runs->sizes(), " on ", runs->device());
   }
-  const int64_t M = gather.has_value() ? gather->size(0) : x.size(0), K = x.size(1);
+  const int64_t M = runs.has_value() ? runs->size(0) * 128 : x.size(0), K = x.size(1);
   TORCH_CHECK(cdiv(M, 128) < 65536, "graphquant.quantize: at most 65535 * 128 rows, got ", M);
   const int dtype = dtype_code(x.scalar_type());
   const auto opts = x.options();
@@ -226,7 +228,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
 
   TileParams p;
   p.x = x.data_ptr();
-  p.gather = gather.has_value() ? gather->data_ptr<int64_t>() : nullptr;
+  p.runs = runs.has_value() ? runs->data_ptr<int32_t>() : nullptr;
   p.M = M;
   p.K = K;
   p.vec_load = (K * int64_t(x.element_size())) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
@@ -505,7 +507,7 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("row_key"), pybind11::arg("col_key"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
-        pybind11::arg("rng_offset") = 0, pybind11::arg("gather") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
+        pybind11::arg("rng_offset") = 0, pybind11::arg("runs") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
         pybind11::arg("col_output") = true);
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

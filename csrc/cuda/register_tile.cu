@@ -36,7 +36,7 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const int r = slot_of(row_format), c = slot_of(col_format);
   const bool whole_tiles = p.M > 0 && p.K > 0 && p.M % register_tile::kTile == 0 && p.K % register_tile::kTile == 0 &&
                            (p.M / register_tile::kTile) * (p.K / register_tile::kTile) <= INT32_MAX;
-  // None of what only the generic program does: transforms of 16x16 blocks, groups, gathered rows,
+  // None of what only the generic program does: transforms of 16x16 blocks, groups, runs of rows,
   // dbias, per-row or per-column amaxes, unaligned rows, pre-passes (but a dequantized source's
   // column amax without a transform), directions without an output (a dequantized source's
   // rowwise one included), and random bits whose index passes 2^32 (which would take a second stream).
@@ -46,7 +46,7 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const bool pass = dq_amax ? !p.main && !p.col_rht && !(row_format == kNV && p.row.sr) && p.acc.col_global != nullptr &&
                                   p.acc.row_global == nullptr
                             : p.main;
-  const bool options = pass && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr && p.gather == nullptr &&
+  const bool options = pass && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr && p.runs == nullptr &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
                        !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr || dq_amax) && (col_format == kNone || p.col.data != nullptr);

@@ -266,8 +266,9 @@ struct TileProgram {
   // the device (await_fetch waits for them), element by element where rows are not 16-byte
   // aligned. A thread's pieces lie in one column of pieces, kRows rows apart, so one offset and
   // one bounds check of the column serve them all (each piece's 64-bit address and bounds computed
-  // afresh would make the fetch a large share of a rowwise kernel's instructions). Through a
-  // gather (p.gather), each piece's row is looked up instead, and a zero row reads nothing.
+  // afresh would make the fetch a large share of a rowwise kernel's instructions). In a padded
+  // layout (p.runs) a tile's rows are a run of x's rows and then zero rows: only where the run
+  // starts and how long it is change, once a tile.
   GQ_HD static void fetch(const TileParams& p, TilePosition at, typename Smem::Tile& dst, int tid) {
     constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
     constexpr int kPerRow = kTile / kPer;       // pieces per tile row
@@ -275,27 +276,23 @@ struct TileProgram {
     static_assert(kThreads % kPerRow == 0, "a thread's pieces share a column");
     const int r0 = tid / kPerRow, c = tid % kPerRow * kPer;
     const int64_t gr0 = at.by * kTile + r0, gc = at.bx * kTile + c;
-    const int64_t rows_in = p.M - gr0;  // piece k is inside when k * kRows < rows_in
     const S* x = static_cast<const S*>(p.x);
+    if (p.runs != nullptr) x += (int64_t(p.runs[2 * at.by]) - at.by * kTile) * p.K;  // the tile's run
+    // piece k is inside when k * kRows < rows_in
+    const int64_t rows_in = (p.runs != nullptr ? at.by * kTile + p.runs[2 * at.by + 1] : p.M) - gr0;
     const S* first = x + (gr0 * p.K + gc);
     const int64_t step = int64_t(kRows) * p.K;
-    // Piece k's row of x, or null for a zero row (past the edge, or a gathered -1).
-    auto row_at = [&](int k) -> const S* {
-      if (k * kRows >= rows_in) return nullptr;
-      if (p.gather == nullptr) return first + k * step;
-      const int64_t row = p.gather[gr0 + k * kRows];
-      return row < 0 ? nullptr : x + (row * p.K + gc);
-    };
     if (p.vec_load) {  // whole pieces: K is a multiple of kPer, so a piece is all in or all out
       const bool col_in = gc < p.K;
+      const S* src = first;
 #pragma unroll
-      for (int k = 0; k < kTile / kRows; ++k) {
-        const S* src = col_in ? row_at(k) : nullptr;
+      for (int k = 0; k < kTile / kRows; ++k, src += step) {
+        const bool in = col_in && k * kRows < rows_in;
 #if defined(__CUDA_ARCH__)
         const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r0 + k * kRows][c]));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src ? src : x), "r"(src ? 16 : 0));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(in ? src : x), "r"(in ? 16 : 0));
 #else
-        *reinterpret_cast<Vec16*>(&dst[r0 + k * kRows][c]) = src ? *reinterpret_cast<const Vec16*>(src) : Vec16{0, 0, 0, 0};
+        *reinterpret_cast<Vec16*>(&dst[r0 + k * kRows][c]) = in ? *reinterpret_cast<const Vec16*>(src) : Vec16{0, 0, 0, 0};
 #endif
       }
 #if defined(__CUDA_ARCH__)
@@ -303,9 +300,9 @@ struct TileProgram {
 #endif
     } else {
       for (int k = 0; k < kTile / kRows; ++k) {
-        const S* src = row_at(k);
         for (int e = 0; e < kPer; ++e) {
-          dst[r0 + k * kRows][c + e] = src && gc + e < p.K ? src[e] : S(0);
+          const bool in = gc + e < p.K && k * kRows < rows_in;
+          dst[r0 + k * kRows][c + e] = in ? first[k * step + e] : S(0);
         }
       }
     }

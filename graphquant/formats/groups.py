@@ -73,6 +73,14 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return torch.where(held[:, None], x[source.clamp_min(0)], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def tile_runs(source: torch.Tensor, tile: int) -> torch.Tensor:
+    """A padded layout's tiles of ``tile`` rows (``source``: a GroupPadding's, its groups starting
+    at multiples of ``tile``): (tiles, 2) int32, the row of x each tile's first row holds and how
+    many rows of x the tile holds, a run of x's rows before its zero rows (0 and 0: none)."""
+    tiles = source.view(-1, tile)
+    return torch.stack([tiles[:, 0].clamp_min(0), (tiles >= 0).sum(1)], 1).to(torch.int32)
+
+
 def padded_bound(rows: int, groups: int, block: int) -> int:
     """The most rows ``rows`` rows in ``groups`` groups take once each group is padded to
     ``block`` rows: every group may leave up to block - 1 rows unfilled."""

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from graphquant.formats import groups, nvfp4
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -150,13 +151,14 @@ def _run(
     columnwise: bool,
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
-    gather: Optional[torch.Tensor] = None,
+    source: Optional[torch.Tensor] = None,
     columnwise_amax: Optional[torch.Tensor] = None,
     take_columnwise_amax: bool = False,
 ) -> Optional[tuple[Quantized, Optional[torch.Tensor]]]:
     """(both wanted directions and dbias, the columnwise side's amaxes where
     ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
-    gather: the row of x each row to quantize holds (-1: a zero row), read by the kernel.
+    source: a padded layout's (groups.padding) row of x for each row to quantize (-1: a zero row),
+    read by the kernel as runs of x's rows, a tile of GROUP_ROWS rows each.
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
     """
@@ -188,11 +190,11 @@ def _run(
         dbias,
         rng,
         ctx.offset,
-        gather,
+        None if source is None else groups.tile_runs(source, GROUP_ROWS),
         columnwise_amax,
         not take_columnwise_amax,
     )
-    shape = x.shape if gather is None else (gather.shape[0], x.shape[1])
+    shape = x.shape if source is None else (source.shape[0], x.shape[1])
     made = Quantized(
         row_q.representation(ROWWISE, shape, x.dtype, *out[0:3]) if rowwise else None,
         col_q.representation(COLUMNWISE, shape, x.dtype, *out[3:6]) if columnwise else None,
@@ -273,7 +275,8 @@ def grouped_quantize_pass(
     columnwise comes from the dequantized rowwise, not from x: it is not taken here.
 
     source: the rows to quantize are x's rows source[r], zeros where it is -1
-    (``groups.gather_rows``): the native kernel reads them from x, so no gathered copy is made.
+    (``groups.gather_rows``), a padded layout's (``groups.padding`` with GROUP_ROWS): the native
+    kernel reads them from x, so no gathered copy is made.
 
     take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
     (``reference_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
@@ -290,7 +293,7 @@ def grouped_quantize_pass(
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
-    grouped = dict(group_sizes=group_sizes, gather=source)
+    grouped = dict(group_sizes=group_sizes, source=source)
     given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
     if rowwise and (columnwise or take_columnwise_amax):
         both = _run(
