@@ -180,13 +180,17 @@ def hopper_on_cpu(monkeypatch):
     got = []
 
     def stand_in(a, b, out_dtype, bias=None):
-        got.append(a)
+        return shared(a, [b], out_dtype, [bias])[0]
+
+    def shared(a, bs, out_dtype, biases):  # GEMMs that read one A in one launch (a SwiGLU's w1 and w3)
+        got.extend([a] * len(bs))
         if isinstance(a, triton_decode.QuantizedOnLoad):
             a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
-        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+        return [emulation.gemm(a, b, 1, out_dtype, bias)[0] for b, bias in zip(bs, biases)]
 
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
     monkeypatch.setattr(triton_decode, "gemm", stand_in)
+    monkeypatch.setattr(triton_decode, "gemms_sharing_a", shared)
     backends.clear_caches()
     yield got
     backends.clear_caches()
@@ -249,9 +253,9 @@ class _Captured(Exception):
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu, name):
     """A SwiGLU's gate and up projections read one x: at one row, frozen, the graph Inductor lowers
-    makes x's 1x128 block codes once (graphquant::block_codes, merged by
-    passes/common_subexpressions.py), and the down projection's input's once; the other formats
-    hand x to each GEMM in high precision with its row amaxes."""
+    runs them as one op (passes/gemms_sharing_x.py) that takes x's 1x128 block codes, made once
+    (graphquant::block_codes), or x in high precision with its row amaxes (the other formats);
+    the down projection's GEMM takes its input alike."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -270,8 +274,8 @@ def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu
     targets = [n.target for n in graph.nodes]
     blocks = name == "deepseek_blockwise"
     assert targets.count(ops.block_codes.default) == (2 if blocks else 0), graph
-    assert targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 3), graph
-    assert targets.count(ops.gemm.default) == (3 if blocks else 0), graph
+    assert targets.count(ops.gemms_quantizing_a.default) == targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 1), graph
+    assert targets.count(ops.gemms_sharing_a.default) == targets.count(ops.gemm.default) == (1 if blocks else 0), graph
     assert not {ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default} & set(targets), graph
 
 
