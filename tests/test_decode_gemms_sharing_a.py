@@ -13,13 +13,13 @@ import tempfile
 
 import pytest
 import torch
-import torch.nn.functional as F
 import triton_interpreter
-from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from models import SwiGLU
+from reference import cuda_graph_replays, fresh_dynamo, hopper_on_cpu  # noqa: F401  (fixtures: fresh_dynamo autouse)
 
 import graphquant
 from graphquant import zoo
-from graphquant.kernels import backends, emulation
+from graphquant.kernels import backends
 from graphquant.quantizers import ROWWISE, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer
 
 # (A's quantizer, the weights'): each FP8 family the decode GEMM runs two of in one launch.
@@ -32,19 +32,6 @@ PAIRS = {
 # the second not (its tiles fill the SMs); three rows, partial tiles, neither split.
 SHAPES = [(1, 80, 40, 1536), (16, 64, 512, 1280), (3, 48, 24, 256)]
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
-
-
-class FeedForward(torch.nn.Module):
-    """A SwiGLU FFN, as a decoder's: x + w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int = 128, hidden: int = 256) -> None:
-        super().__init__()
-        self.w1 = torch.nn.Linear(dim, hidden, bias=False)
-        self.w3 = torch.nn.Linear(dim, hidden, bias=False)
-        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def _separate_and_shared(name: str, x: torch.Tensor, ws: list, biases: list, out_dtype: torch.dtype, on_load: bool) -> tuple[list, list]:
@@ -60,12 +47,12 @@ def _separate_and_shared(name: str, x: torch.Tensor, ws: list, biases: list, out
 
 
 def _frozen(recipe, x: torch.Tensor, merged: bool, dump_dir=None) -> tuple[torch.Tensor, list]:
-    """A frozen FFN's output for x (aot_eager, a static graph) with its gate and up projections
-    merged or not (the pass made a no-op), and its plans."""
+    """A frozen SwiGLU FFN's output for x (aot_eager, a static graph) with its gate and up
+    projections merged or not (the pass made a no-op), and its plans."""
     from graphquant import compiler
 
     torch.manual_seed(0)
-    model = FeedForward().to(x.device, torch.bfloat16)
+    model = SwiGLU(128, 256).to(x.device, torch.bfloat16)
     merge = compiler.merge_gemms_sharing_x
     if not merged:
         compiler.merge_gemms_sharing_x = lambda gm: None
@@ -134,59 +121,34 @@ def test_a_frozen_ffn_gives_the_same_bits_with_its_gate_and_up_projections_in_on
     assert interpreted[f"frozen ffn {name}"]
 
 
-@pytest.fixture
-def hopper_on_cpu(monkeypatch):
-    """A faked Hopper whose decode GEMMs, on this CPU, quantize A by the reference where they are
-    to quantize it and multiply on the emulated GEMM; gives the number of B's of each call."""
-    triton_decode = backends.triton_decode
-    if triton_decode is None:
-        pytest.skip("no Triton: no decode GEMM")
-    calls = []
-
-    def stand_in(a, b, out_dtype, bias=None):
-        return shared(a, [b], out_dtype, [bias])[0]
-
-    def shared(a, bs, out_dtype, biases):
-        calls.append(len(bs))
-        if isinstance(a, triton_decode.QuantizedOnLoad):
-            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
-        return [emulation.gemm(a, b, 1, out_dtype, bias)[0] for b, bias in zip(bs, biases)]
-
-    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(triton_decode, "gemm", stand_in)
-    monkeypatch.setattr(triton_decode, "gemms_sharing_a", shared)
-    backends.clear_caches()
-    yield calls
-    backends.clear_caches()
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_frozen_swiglu_runs_its_gate_and_up_projections_in_one_call(hopper_on_cpu, name):
-    """Frozen, at one row: the rewritten graph (its dump) has one call for w1 and w3 naming both
-    sites and their formats, and w2's own; the GEMMs run as one call of two B's and one of one."""
+    """Frozen, at one row: the rewritten graph (its dump) has one call for the gate and up
+    projections naming both sites and their formats, and the down projection's own; the GEMMs run
+    as one launch of two and one of one."""
     with tempfile.TemporaryDirectory() as dump_dir:
         _, plans = _frozen(RECIPES[name], torch.randn(1, 128).to(torch.bfloat16), True, dump_dir)
         rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()
     assert rewritten.count("quantized_frozen_linears_sharing_x(") == 1, rewritten
     assert rewritten.count("quantized_frozen_linear(") == 1, rewritten
     shared = next(line for line in rewritten.splitlines() if "quantized_frozen_linears_sharing_x(" in line)
-    weight = plans[0].quantizer(next(r for r, _ in plans[0].slots if r.name == "w1" and r.tensor_type == "weight"))
-    assert "name='w1'" in shared and "name='w3'" in shared and shared.count(f"weight={weight.spec!r}") == 2, shared
-    assert sorted(hopper_on_cpu) == [1, 2]
+    weight = plans[0].quantizer(next(r for r, _ in plans[0].slots if r.name == "gate_proj" and r.tensor_type == "weight"))
+    assert "name='gate_proj'" in shared and "name='up_proj'" in shared and shared.count(f"weight={weight.spec!r}") == 2, shared
+    assert hopper_on_cpu.launches == [2, 1]
 
 
-def _w3_tensorwise_else_rowwise(role):
-    return RECIPES["tensorwise" if role.name == "w3" else "rowwise"].qfactory(role)
+def _up_tensorwise_else_rowwise(role):
+    return RECIPES["tensorwise" if role.name == "up_proj" else "rowwise"].qfactory(role)
 
 
 def test_linears_of_different_formats_stay_apart(hopper_on_cpu):
-    """w1 and w3 in different formats (tensorwise and rowwise) each run their own GEMM."""
-    recipe = graphquant.recipes.CustomRecipe(_w3_tensorwise_else_rowwise)
+    """The gate and up projections in different formats (rowwise and tensorwise) each run their own GEMM."""
+    recipe = graphquant.recipes.CustomRecipe(_up_tensorwise_else_rowwise)
     with tempfile.TemporaryDirectory() as dump_dir:
         _frozen(recipe, torch.randn(1, 128).to(torch.bfloat16), True, dump_dir)
         rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()
     assert "quantized_frozen_linears_sharing_x(" not in rewritten and rewritten.count("quantized_frozen_linear(") == 3, rewritten
-    assert hopper_on_cpu == [1, 1, 1]
+    assert hopper_on_cpu.launches == [1, 1, 1]
 
 
 def test_the_shared_gemm_ops_pass_opcheck(hopper_on_cpu):
@@ -225,18 +187,14 @@ def test_the_gate_and_up_projections_in_one_launch_are_each_ones_own_call_on_the
         qa, qb = PAIRS[name]
         bs = [qb(w, columnwise=False).get(ROWWISE) for w in ws]
 
-        def both(x: torch.Tensor) -> list:
-            return triton_decode.gemms_sharing_a(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), bs, torch.bfloat16, [bias, None])
+        def quantizing(x: torch.Tensor):
+            return triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
 
-        both(x)  # compiled and tuned outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = both(x)
-        for scale in (1.0, 1e-3, 1e3):
-            x.copy_(torch.randn_like(x) * scale)
-            graph.replay()
-            expected = [triton_decode.gemm(triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa), b, torch.bfloat16, bias_)
-                        for b, bias_ in zip(bs, [bias, None])]
+        def both(x: torch.Tensor) -> list:
+            return triton_decode.gemms_sharing_a(quantizing(x), bs, torch.bfloat16, [bias, None])
+
+        for scale, replayed in cuda_graph_replays(both, x):
+            expected = [triton_decode.gemm(quantizing(x), b, torch.bfloat16, bias_) for b, bias_ in zip(bs, [bias, None])]
             assert all(torch.equal(r, e) for r, e in zip(replayed, expected)), f"{m} rows, inputs times {scale}"
     torch.cuda.synchronize()
     assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())

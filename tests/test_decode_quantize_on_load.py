@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton_interpreter
-from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from reference import fresh_dynamo, hopper_on_cpu  # noqa: F401  (fixtures: fresh_dynamo autouse)
 
 import graphquant
 from graphquant import recipes, zoo
 from graphquant.formats import fp8
-from graphquant.kernels import backends, emulation
+from graphquant.kernels import backends
 from graphquant.quantizers import (
     ROWWISE,
     Float8BlockQuantizer,
@@ -168,32 +168,6 @@ def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_inte
     """The same model planned with the kernel that quantizes x itself and without it (x
     quantized first, then the plain decode GEMM), at one row and three, computes the same bits."""
     assert interpreted[f"frozen ffn {name}"]
-
-
-@pytest.fixture
-def hopper_on_cpu(monkeypatch):
-    """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
-    quantize it and multiplies on the emulated GEMM; gives the A operands it got."""
-    triton_decode = backends.triton_decode
-    if triton_decode is None:
-        pytest.skip("no Triton: no decode GEMM")
-    got = []
-
-    def stand_in(a, b, out_dtype, bias=None):
-        return shared(a, [b], out_dtype, [bias])[0]
-
-    def shared(a, bs, out_dtype, biases):  # GEMMs that read one A in one launch (a SwiGLU's w1 and w3)
-        got.extend([a] * len(bs))
-        if isinstance(a, triton_decode.QuantizedOnLoad):
-            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
-        return [emulation.gemm(a, b, 1, out_dtype, bias)[0] for b, bias in zip(bs, biases)]
-
-    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(triton_decode, "gemm", stand_in)
-    monkeypatch.setattr(triton_decode, "gemms_sharing_a", shared)
-    backends.clear_caches()
-    yield got
-    backends.clear_caches()
 
 
 @pytest.mark.parametrize("name", RECIPES)
