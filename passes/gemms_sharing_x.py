@@ -1,4 +1,4 @@
-"""Pass 4 (inference graphs): frozen linears that read one x run their GEMMs in one launch.
+"""Pass 3b (convert, inference graphs): frozen linears that read one x run their GEMMs in one launch.
 
 A SwiGLU's gate and up projections read one activation. At decode sizes each GEMM's time is
 mostly its weight's bytes plus the ramp and tail of its launch; one launch of the decode GEMM
@@ -43,13 +43,16 @@ def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
         key = _sharing_key(node)
         if key is not None:
             groups.setdefault(key, []).append(node)
+    merged = False
     for nodes in groups.values():
         for start in range(0, len(nodes) - 1, SHARED_LAUNCH):
             pair = nodes[start : start + SHARED_LAUNCH]
             if all(order[arg] < order[pair[0]] for later in pair[1:] for arg in later.all_input_nodes):
                 _merge(graph, pair)
-    graph.lint()
-    gm.recompile()
+                merged = True
+    if merged:
+        graph.lint()
+        gm.recompile()
 
 
 def _sharing_key(node: fx.Node) -> Optional[tuple]:
