@@ -47,8 +47,7 @@ def quantized_weight_product(
     operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze).
     Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows
     alone where it needs them (a reduction Inductor fuses into x's producer) and hands x over in
-    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own,
-    which the GEMMs that read one x share."""
+    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own."""
     return quantized_weights_product(x2d, [w], w_dtype, [bias], [site], states, rng)[0]
 
 
@@ -62,7 +61,7 @@ def quantized_weights_product(
     are the first site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a)."""
     site = sites[0]
     x_quantizer = site.quantizers[0]
-    backend, label = site.runs("fprop")
+    backend, _ = site.runs("fprop")
     biases = [None if bias is None else bias.detach() for bias in biases]
     out_dtype = torch.promote_types(x2d.dtype, w_dtype)
     labels = [s.runs("fprop")[1] for s in sites]
@@ -79,7 +78,7 @@ def quantized_weights_product(
         (w,) = ws
         return [
             torch.ops.graphquant.gemm_quantizing_a(
-                x2d, amax, x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype, backend.name, label, biases[0],
+                x2d, amax, x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype, backend.name, labels[0], biases[0],
             )
         ]
     x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
