@@ -1026,14 +1026,12 @@ def gemm(
         _check_tiling(config, b_layout.operand, families)
     block_m = config.block_m if config else ONE_TILE_ROWS
     row_tiles = triton.cdiv(m, block_m)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    splits, k_chunks = _k_split(n, k, out.device, config, row_tiles)
-    partial, arrivals = out, out
+    splits, k_chunks = _k_split(n, k, a.data.device, config, row_tiles)
+    ends = _ends(bias, torch.empty((m, n), dtype=out_dtype, device=a.data.device), splits)
+    out = arrivals = ends[2]  # no counters where K is not split
     if splits > 1:
-        partial = torch.empty(splits * m * n, dtype=torch.float32, device=out.device)
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
         arrivals = _arrivals(out.device, triton.cdiv(n, block_n) * row_tiles)
-    bias_arg = out if bias is None else bias.contiguous()
     factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
@@ -1049,12 +1047,12 @@ def gemm(
     if config is None:
         _launch_autotuned(
             lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, b_layout,
-            (*b_args, bias_arg, int(bias is not None), out, partial), arrivals, m, n, k, k_chunks, splits > 1, rule,
+            (*b_args, *ends), arrivals, m, n, k, k_chunks, splits > 1, rule,
         )
     elif config.fma:
         launch(
             _fma_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
+            *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
@@ -1062,7 +1060,7 @@ def gemm(
     else:
         launch(
             _decode_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
+            *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
@@ -1084,7 +1082,10 @@ def gemms_sharing_a(
     has the bits of its own call. Both B's of one layout family of FP8 codes (SHARED_FAMILIES) and
     one element, A at most one tile of rows (MAX_ROWS), as ``gemm`` takes them with no config."""
     if len(bs) != len(biases) or not 1 <= len(bs) <= 2:
-        raise ValueError(f"the decode GEMM runs one or two GEMMs sharing A in a launch, each with its bias or None; got {len(bs)} B's and {len(biases)} biases")
+        raise ValueError(
+            f"the decode GEMM runs one or two GEMMs that read one A in a launch, each with its bias or None; "
+            f"got {len(bs)} B's and {len(biases)} biases"
+        )
     if len(bs) == 1:
         return [gemm(a, bs[0], out_dtype, biases[0])]
     a, rule = _a_as_read(a, None)
@@ -1095,32 +1096,40 @@ def gemms_sharing_a(
             f"the decode GEMM runs two GEMMs in one launch where both B's are of one family of {SHARED_FAMILIES} "
             f"and one element dtype; got {bs[0].quantizer} ({kinds[0]}) and {bs[1].quantizer} ({kinds[1]})"
         )
-    dims = [gemm_dims(a, b) for b in bs]
-    (m, n, k), (_, n2, k2) = dims
+    (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
     if k != k2:
         raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
     _families(a, bs[0], m, None)
     row_tiles = triton.cdiv(m, ONE_TILE_ROWS)
-    outs = [torch.empty((m, rows), dtype=out_dtype, device=a.data.device) for rows in (n, n2)]
-    tilings = [_k_split(rows, k, a.data.device, None, row_tiles) for rows in (n, n2)]
-    partials = [torch.empty(splits * m * rows, dtype=torch.float32, device=out.device) if splits > 1 else out for (splits, _), rows, out in zip(tilings, (n, n2), outs)]
+    (splits, k_chunks), (splits2, k_chunks2) = (_k_split(rows, k, a.data.device, None, row_tiles) for rows in (n, n2))
+    ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), s) for bias, rows, s in zip(biases, (n, n2), (splits, splits2))]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
-    arrivals = _arrivals(outs[0].device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
-    ends = [(bias.contiguous() if bias is not None else out, int(bias is not None), out, partial) for bias, out, partial in zip(biases, outs, partials)]
-    (splits, k_chunks), (splits2, k_chunks2) = tilings
-    b2_ptr, b2_scale_ptr, b2_factor_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride = second[1]
-    bias2_ptr, has_bias2, out2_ptr, partial2_ptr = ends[1]
+    arrivals = _arrivals(a.data.device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
     _launch_autotuned(
         lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * splits + triton.cdiv(n2, meta["BLOCK_N"]) * splits2, 1, row_tiles),
         a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
-        PAIR=True, b2_ptr=b2_ptr, b2_scale_ptr=b2_scale_ptr, b2_factor_ptr=b2_factor_ptr, b2_stride=b2_stride,
-        b2_scale_row_stride=b2_scale_row_stride, b2_scale_col_stride=b2_scale_col_stride, bias2_ptr=bias2_ptr, has_bias2=has_bias2,
-        out2_ptr=out2_ptr, partial2_ptr=partial2_ptr, N2=n2, k_chunks2=k_chunks2, SPLIT2=splits2 > 1,
+        PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2, k_chunks2=k_chunks2, SPLIT2=splits2 > 1,
     )
-    return outs
+    return [out for _, _, out, _ in ends]
 
 
-def _a_as_read(a: Representation | QuantizedOnLoad, config: Optional[DecodeConfig]) -> tuple[Representation | QuantizedOnLoad, Optional[tuple]]:
+# _decode_kernel's arguments of a PAIR's second GEMM, in the order of the first's (_operand, _ends).
+_SECOND_GEMMS_ARGUMENTS = (
+    "b2_ptr", "b2_scale_ptr", "b2_factor_ptr", "b2_stride", "b2_scale_row_stride", "b2_scale_col_stride",
+    "bias2_ptr", "has_bias2", "out2_ptr", "partial2_ptr",
+)
+
+
+def _ends(bias: Optional[torch.Tensor], out: torch.Tensor, splits: int) -> tuple:
+    """A GEMM's arguments after its B's: its bias (its output where it has none), whether it has
+    one, its output, and where its K splits' partial sums go (its output where K is not split)."""
+    partial = torch.empty(splits * out.numel(), dtype=torch.float32, device=out.device) if splits > 1 else out
+    return (out if bias is None else bias.contiguous(), int(bias is not None), out, partial)
+
+
+def _a_as_read(
+    a: Representation | QuantizedOnLoad, config: Optional[DecodeConfig]
+) -> tuple[Representation | QuantizedOnLoad, Optional[tuple]]:
     """(A as the kernels read it, the rule they quantize it by as they load it, or None): a
     QuantizedOnLoad in 1x128 blocks quantized first (block_codes), else checked to fit one tile
     of rows."""
