@@ -49,15 +49,20 @@ def _separate_and_shared(name: str, x: torch.Tensor, ws: list, biases: list, out
 def _frozen(recipe, x: torch.Tensor, merged: bool, dump_dir=None) -> tuple[torch.Tensor, list]:
     """A frozen SwiGLU FFN's output for x (aot_eager, a static graph) with its gate and up
     projections merged or not (the pass made a no-op), and its plans."""
+    torch.manual_seed(0)
+    return _compiled_frozen(SwiGLU(128, 256).to(x.device, torch.bfloat16), recipe, x, merged, dump_dir=dump_dir)
+
+
+def _compiled_frozen(model, recipe, x: torch.Tensor, merged: bool, backend="aot_eager", dump_dir=None) -> tuple[torch.Tensor, list]:
+    """``model`` compiled for inference (a static graph), frozen, with the linears that read one
+    x merged or not (the pass made a no-op): its output for x and its plans."""
     from graphquant import compiler
 
-    torch.manual_seed(0)
-    model = SwiGLU(128, 256).to(x.device, torch.bfloat16)
     merge = compiler.merge_gemms_sharing_x
     if not merged:
         compiler.merge_gemms_sharing_x = lambda gm: None
     try:
-        compiled = graphquant.compile(model, recipe, mode="inference", backend="aot_eager", dynamic=False, dump_dir=dump_dir)
+        compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, dump_dir=dump_dir)
         graphquant.freeze(compiled)
         with torch.no_grad():
             return compiled(x), compiled.graphquant.plans
@@ -137,6 +142,21 @@ def test_a_frozen_swiglu_runs_its_gate_and_up_projections_in_one_call(hopper_on_
     assert hopper_on_cpu.launches == [2, 1]
 
 
+def test_inductor_compiles_the_shared_call_of_a_stack_of_ffns(hopper_on_cpu):
+    """Through Inductor (its Python wrapper names every GEMM of the shared call), a stack of frozen
+    SwiGLUs (sites named "0.gate_proj#0 fprop") computes the bits it computes unmerged, one launch
+    for each FFN's gate and up projections."""
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    outputs = []
+    for merged in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(SwiGLU(128, 256), SwiGLU(128, 256)).to(torch.bfloat16)
+        outputs.append(_compiled_frozen(model, RECIPES["tensorwise"], x, merged, backend="inductor")[0])
+    assert torch.equal(*outputs)
+    assert hopper_on_cpu.launches == [2, 1, 2, 1, 1, 1, 1, 1, 1, 1]
+
+
 def _up_tensorwise_else_rowwise(role):
     return RECIPES["tensorwise" if role.name == "up_proj" else "rowwise"].qfactory(role)
 
@@ -158,7 +178,7 @@ def test_the_shared_gemm_ops_pass_opcheck(hopper_on_cpu):
     ws = [quantizer(torch.randn(rows, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE) for rows in (64, 32)]
     b = [t for w in ws for t in w.tensors()]
     shared = (b, quantizer.spec, [64, 128, 32, 128], torch.bfloat16)
-    sites = "fc1#0 fprop\nfc3#0 fprop"
+    sites = "fc1#0 fprop, fc3#0 fprop"
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     args = (x, triton_decode.amaxes(x, quantizer), quantizer.spec, *shared, triton_decode.QUANTIZING_BACKEND, sites, [None, torch.randn(32).to(torch.bfloat16)])
     torch.library.opcheck(torch.ops.graphquant.gemms_quantizing_a.default, args, test_utils=utils)

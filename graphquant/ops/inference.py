@@ -9,6 +9,7 @@ import torch
 
 from graphquant.kernels import backends
 from graphquant.kernels.backends import GemmBackend
+from graphquant.ops.library import SITES_SEPARATOR
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, update_delayed_scaling
 from graphquant.ops.site import Site
@@ -73,7 +74,7 @@ def quantized_weights_product(
         amax = backends.triton_decode.amaxes(x2d, x_rowwise)
         if len(ws) > 1:
             return torch.ops.graphquant.gemms_quantizing_a(
-                x2d, amax, x_rowwise.spec, *_weights(ws), out_dtype, backend.name, "\n".join(labels), biases,
+                x2d, amax, x_rowwise.spec, *_weights(ws), out_dtype, backend.name, SITES_SEPARATOR.join(labels), biases,
             )
         (w,) = ws
         return [
@@ -94,7 +95,7 @@ def _products(
     if len(ws) == 1:
         return [gemm(xq, ws[0], 1, out_dtype, backend, labels[0], biases[0])]
     return torch.ops.graphquant.gemms_sharing_a(
-        xq.tensors, xq.spec, xq.direction, xq.shape, *_weights(ws), out_dtype, backend.name, "\n".join(labels), biases,
+        xq.tensors, xq.spec, xq.direction, xq.shape, *_weights(ws), out_dtype, backend.name, SITES_SEPARATOR.join(labels), biases,
     )
 
 

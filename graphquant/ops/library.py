@@ -208,6 +208,11 @@ if backends.triton_decode is not None:
         return distinct_contiguous(backends.triton_decode.block_codes(x, quantizer_of(spec)).tensors(), x)
 
 
+# Between the GEMMs' names in one string argument of the ops that share A (a schema has no list of
+# strings): Inductor writes a string argument into its Python wrapper as it is, so no newline.
+SITES_SEPARATOR = ", "
+
+
 @registry.op("gemms_sharing_a")
 def gemms_sharing_a(
     a: list[torch.Tensor],
@@ -226,10 +231,10 @@ def gemms_sharing_a(
     the decode GEMM (graphquant.kernels.triton_decode.gemms_sharing_a), each with the bits of its
     own graphquant::gemm. ``b``: each B's rowwise tensors in turn (as many each), all in the
     format ``b_spec``; ``b_shapes``: their logical (rows, cols) in turn, flattened; ``sites``: the
-    GEMMs' names, one a line; ``biases``: one each."""
+    GEMMs' names joined by SITES_SEPARATOR; ``biases``: one each."""
     bs = _weights(b, b_spec, b_shapes, out_dtype)
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
-    return backends.gemms_sharing_a(rep_a, bs, out_dtype, backends.named(backend, False), sites.split("\n"), biases)
+    return backends.gemms_sharing_a(rep_a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
 
 
 @registry.fake("gemms_sharing_a")
@@ -255,7 +260,7 @@ def gemms_quantizing_a(
     GEMM that quantizes x as it loads it; arguments as graphquant::gemms_sharing_a's."""
     a = backends.triton_decode.QuantizedOnLoad(x, amax, quantizer_of(x_spec))
     bs = _weights(b, b_spec, b_shapes, out_dtype)
-    return backends.gemms_sharing_a(a, bs, out_dtype, backends.named(backend, False), sites.split("\n"), biases)
+    return backends.gemms_sharing_a(a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
 
 
 @registry.fake("gemms_quantizing_a")
