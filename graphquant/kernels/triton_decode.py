@@ -592,15 +592,16 @@ def _write(
 
 
 @triton.jit
-def _second_gemms_program(N, N2, K, k_chunks, k_chunks2, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where a launch runs two GEMMs (_decode_kernel's PAIR), the first's programs (its tiles
-    times its K splits) followed by the second's along the grid's first axis: whether this program
-    is the second's, its (tile, split) in its own GEMM's grid, its GEMM's number of K splits, and
-    its output tile's arrival counter (_write) past the first's in each tile of A's rows."""
+def _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where a launch runs two GEMMs (_decode_kernel's PAIR), its units (an output tile's sums
+    over one K split) are the first GEMM's (its tiles times its K splits) then the second's: of
+    ``unit``, whether it is the second's, its (tile, split) in its own GEMM, its GEMM's number of
+    K splits, and its output tile's arrival counter (_write), the second's past the first's in
+    each tile of A's rows."""
     first_tiles = tl.cdiv(N, BLOCK_N)
-    first_programs = first_tiles * tl.cdiv(K, k_chunks * CHUNK)
-    second = tl.program_id(0) >= first_programs
-    index = tl.where(second, tl.program_id(0) - first_programs, tl.program_id(0))
+    first_units = first_tiles * tl.cdiv(K, k_chunks * CHUNK)
+    second = unit >= first_units
+    index = tl.where(second, unit - first_units, unit)
     tiles = tl.where(second, tl.cdiv(N2, BLOCK_N), first_tiles)
     splits = tl.cdiv(K, tl.where(second, k_chunks2, k_chunks) * CHUNK)
     tile = index % tiles
@@ -608,56 +609,29 @@ def _second_gemms_program(N, N2, K, k_chunks, k_chunks2, CHUNK: tl.constexpr, BL
     return second, tile, index // tiles, splits, arrival
 
 
-# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
-# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
-# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
-# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "k_chunks2"])
-def _decode_kernel(
-    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
-    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
-    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
-    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False,
-    b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
-    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0, k_chunks2=0, SPLIT2: tl.constexpr = False,
-):
-    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
-    against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
-    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
-    MXFP8's products (the index
-    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
-    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
-    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
-    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
-    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
-    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
-    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
-    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
-    decoded then, one dot a step. PAIR: the launch runs a second GEMM of the same A (FP8 codes)
-    and kind of B, its own arguments those named 2 (b2_ptr to k_chunks2, SPLIT2), its programs
-    after the first's (_second_gemms_program), each GEMM tiled and split as it would be alone, so
-    that each output has the bits of its own launch."""
-    if PAIR:  # the B, its rows and K split this program reads: the first GEMM's or the second's
-        second, tile, split, splits, arrival = _second_gemms_program(N, N2, K, k_chunks, k_chunks2, CHUNK, BLOCK_N)
-        b_ptr, b_scale_ptr = tl.where(second, b2_ptr, b_ptr), tl.where(second, b2_scale_ptr, b_scale_ptr)
-        b_stride, N, k_chunks = tl.where(second, b2_stride, b_stride), tl.where(second, N2, N), tl.where(second, k_chunks2, k_chunks)
-        b_scale_row_stride = tl.where(second, b2_scale_row_stride, b_scale_row_stride)
-        b_scale_col_stride = tl.where(second, b2_scale_col_stride, b_scale_col_stride)
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        k_start = split * k_chunks * CHUNK
+@triton.jit
+def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
+    """A's one scale, or one a row (rows ``m``, a column), where it is quantized as it is loaded
+    under A_RULE (the amaxes of its rows at a_factor_ptr); else None."""
+    if A_RULE is not None:
+        scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     else:
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        k_start = tl.program_id(1) * k_chunks * CHUNK
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        scale = None
+    return scale
+
+
+@triton.jit
+def _tile_sums(
+    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+    b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr,
+    SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr,
+    A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr, A_VALUES: tl.constexpr, ONE_DOT: tl.constexpr,
+):
+    """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
+    against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
+    ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None."""
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if A_RULE is not None:  # one scale for A, or one per row
-        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
@@ -666,7 +640,7 @@ def _decode_kernel(
             if A_RULE is None:
                 a = _codes(a_ptr, m, M, col, K, a_stride)
             else:
-                a = _quantized(a_ptr, m, M, col, K, a_stride, a_scale, A_RULE)
+                a = _quantized(a_ptr, m, M, col, K, a_stride, quantizing_scale, A_RULE)
             total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
         elif OPERAND == 1 and MX == 2:
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -708,24 +682,93 @@ def _decode_kernel(
                     total = tl.dot(b[j], a_j, total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
+    if OPERAND == 2:
+        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
+    return total
+
+
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
+# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
+# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
+# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "k_chunks2"])
+def _decode_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False,
+    b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
+    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0, k_chunks2=0, SPLIT2: tl.constexpr = False,
+):
+    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
+    against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
+    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
+    MXFP8's products (the index
+    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
+    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
+    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
+    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
+    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
+    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
+    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
+    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
+    decoded then, one dot a step. PAIR: the launch runs a second GEMM of the same A (FP8 codes)
+    and kind of B, its own arguments those named 2 (b2_ptr to k_chunks2, SPLIT2), each GEMM tiled
+    and split as it would be alone, so that each output has the bits of its own launch; a
+    program takes two of their units (_pair_unit), one in each half of them (the first GEMM's and
+    the second's where they have as many): half the programs of two launches, each twice as long."""
     if not PAIR:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
+        total = _tile_sums(
+            a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+            b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
+            A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
+            A_VALUES, ONE_DOT,
+        )
+        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
         _write(
-            total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            total, n, m_row, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
             B_FACTOR, B_DIVISOR, has_bias, SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
             a_factor,
         )
-    elif second:
-        _write(
-            total, n, m, N, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
-            B_FACTOR, B_DIVISOR, has_bias2, SPLIT2, split, splits, arrival, a_factor,
-        )
     else:
-        _write(
-            total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
-            B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
-        )
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
+        units = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, k_chunks * CHUNK) + tl.cdiv(N2, BLOCK_N) * tl.cdiv(K, k_chunks2 * CHUNK)
+        for half in tl.static_range(2):  # this program's unit in each half of the units
+            unit = tl.program_id(0) + half * tl.num_programs(0)
+            if unit < units:
+                second, tile, split, splits, arrival = _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK, BLOCK_N)
+                rows, chunks = tl.where(second, N2, N), tl.where(second, k_chunks2, k_chunks)
+                n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+                total = _tile_sums(
+                    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, tl.where(second, b2_ptr, b_ptr),
+                    tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride),
+                    tl.where(second, b2_scale_row_stride, b_scale_row_stride), tl.where(second, b2_scale_col_stride, b_scale_col_stride),
+                    n, m, rows, M, K, split * chunks * CHUNK, chunks, a_scale, CHUNK, OPERAND, SCALE_COLS, A_SCALE_ROWS, B_SCALE_ROWS,
+                    PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
+                )
+                a_factor = reciprocal(a_scale) if A_RULE is not None else None
+                if second:
+                    _write(
+                        total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR,
+                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias2, SPLIT2, split, splits, arrival, a_factor,
+                    )
+                else:
+                    _write(
+                        total, n, m_row, rows, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR,
+                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
+                    )
 
 
 _autotuned = triton.autotune(
@@ -1106,7 +1149,7 @@ def gemms_sharing_a(
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
     arrivals = _arrivals(a.data.device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
     _launch_autotuned(
-        lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * splits + triton.cdiv(n2, meta["BLOCK_N"]) * splits2, 1, row_tiles),
+        lambda meta: (triton.cdiv(triton.cdiv(n, meta["BLOCK_N"]) * splits + triton.cdiv(n2, meta["BLOCK_N"]) * splits2, 2), 1, row_tiles),
         a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
         PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2, k_chunks2=k_chunks2, SPLIT2=splits2 > 1,
     )
