@@ -682,8 +682,6 @@ def _tile_sums(
                     total = tl.dot(b[j], a_j, total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
-    if OPERAND == 2:
-        total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     return total
 
 
