@@ -1,7 +1,7 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"] [--weights 14336x4096,28672x4096]
+    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"] [--weights 14336x4096,28672x4096] [--pairs]
 
 For each weight N x K of a Llama-3-8B FFN (or of --weights: 28672x4096 is its gate and up
 projections as one weight) and each row count M (each format up to the decode
@@ -12,7 +12,10 @@ timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itse
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
 GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
 decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
-from a few hundred rows on the products set the pace instead.
+from a few hundred rows on the products set the pace instead. --pairs: each weight also as two
+that read one activation (a SwiGLU's gate and up projections), "x2" rows: bf16 F.linear twice,
+and for the FP8 formats two decode GEMM launches against one (triton_decode.gemms_sharing_a),
+their speedup against bf16's two.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
     parser.add_argument("--weights", default=",".join(f"{n}x{k}" for n, k in WEIGHTS), help="weight shapes N x K, comma-separated")
+    parser.add_argument("--pairs", action="store_true", help="each weight also as two that read one activation: two launches against one")
     args = parser.parse_args()
+    pairs = args.pairs
     weights = [tuple(int(d) for d in shape.split("x")) for shape in args.weights.split(",")]
     row_counts = [int(r) for r in args.rows.split(",")]
     formats = {name: FORMATS[name] for name in args.formats.split(",")}
@@ -75,6 +80,10 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
             fns = {"bf16 F.linear": lambda: F.linear(x, w)}
             weight_bytes = {"bf16 F.linear": nbytes(w)}
+            if pairs:
+                w2 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+                fns["bf16 F.linear x2"] = lambda: (F.linear(x, w), F.linear(x, w2))
+                weight_bytes["bf16 F.linear x2"] = 2 * nbytes(w)
             ra = Float8RowwiseQuantizer()(x, columnwise=False).get(ROWWISE)
             rb = Float8RowwiseQuantizer()(w, columnwise=False).get(ROWWISE)
             args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
@@ -91,6 +100,8 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
+                if pairs and qb.gemm_input(ROWWISE).family in triton_decode.SHARED_FAMILIES:
+                    fns.update(_paired(name, x, w, qa, qb, weight_bytes))
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
                     weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
@@ -109,15 +120,34 @@ def main() -> None:
                 except RuntimeError as error:  # e.g. a shape torch._scaled_mm does not take
                     failed[name] = str(error).splitlines()[0][:60]
             times = alternate(replays, rounds=5)
-            bf16_us = times["bf16 F.linear"] * 1e3 / CALLS
+            bf16_us = {twice: times["bf16 F.linear" + twice] * 1e3 / CALLS for twice in ("", " x2") if "bf16 F.linear" + twice in times}
             for name in fns:
                 if name in failed:
                     rows.append([f"{n}x{k}", m, name, "", "", "", failed[name]])
                     continue
                 us = times[name] * 1e3 / CALLS
-                rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{bf16_us / us:.2f}", ""])
+                speedup = bf16_us[" x2" if " x2" in name else ""] / us
+                rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{speedup:.2f}", ""])
                 print(*rows[-1][:-1], sep="  ", flush=True)  # as it goes, should the run be cut short
     print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
+
+
+def _paired(name: str, x: torch.Tensor, w: torch.Tensor, qa, qb, weight_bytes: dict) -> dict:
+    """The "x2" rows of one FP8 format: w and a second weight of its shape, both read with x (as
+    quantized beforehand, and quantized by the kernel), in two launches and in one."""
+    w2 = torch.randn_like(w) / 64
+    bs = [qb(weight, columnwise=False).get(ROWWISE) for weight in (w, w2)]
+    a = qa(x, columnwise=False).get(ROWWISE)
+    paired = {}
+    operands = {"": a}
+    if not triton_decode.quantize_on_load_refusal(qa):
+        operands[", quantizing A"] = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
+    for label, operand in operands.items():
+        paired[f"decode {name}{label} x2, two launches"] = lambda a=operand: [triton_decode.gemm(a, b, torch.bfloat16) for b in bs]
+        paired[f"decode {name}{label} x2, one launch"] = lambda a=operand: triton_decode.gemms_sharing_a(a, bs, torch.bfloat16, [None, None])
+    for key in paired:
+        weight_bytes[key] = 2 * weight_bytes[f"decode {name}"]
+    return paired
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch import fx
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
+from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
@@ -168,6 +169,8 @@ class GraphquantBackend:
             inference=not training,
             amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
         )
+        if not training:
+            merge_gemms_sharing_x(gm)
         providers = [self._provider(key, plan, device) for key in keys]
         if self.dump_dir:
             from graphquant.dump import dump_graph

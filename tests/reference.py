@@ -678,3 +678,55 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def cuda_graph_replays(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, scales=(1.0, 1e-3, 1e3)):
+    """``fn(x)`` captured in a CUDA graph (called once before, outside the capture: Triton
+    compiles and tunes there); for each of ``scales``, x refilled with new values times it and the
+    graph replayed: yields (the scale, what the replay wrote)."""
+    fn(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fn(x)
+    for scale in scales:
+        x.copy_(torch.randn_like(x) * scale)
+        graph.replay()
+        yield scale, replayed
+
+
+class DecodeCalls(list):
+    """The A operand of each GEMM the faked decode GEMM ran (``hopper_on_cpu``), in order, and in
+    ``launches`` how many GEMMs each of its launches ran (two where they read one A)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[int] = []
+
+
+@pytest.fixture
+def hopper_on_cpu(monkeypatch):
+    """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
+    quantize it and multiplies on the emulated GEMM; gives the calls it got (DecodeCalls)."""
+    from graphquant.kernels import backends, emulation
+
+    triton_decode = backends.triton_decode
+    if triton_decode is None:
+        pytest.skip("no Triton: no decode GEMM")
+    got = DecodeCalls()
+
+    def stand_in(a, b, out_dtype, bias=None):
+        return shared(a, [b], out_dtype, [bias])[0]
+
+    def shared(a, bs, out_dtype, biases):
+        got.extend([a] * len(bs))
+        got.launches.append(len(bs))
+        if isinstance(a, triton_decode.QuantizedOnLoad):
+            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
+        return [emulation.gemm(a, b, 1, out_dtype, bias)[0] for b, bias in zip(bs, biases)]
+
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(triton_decode, "gemm", stand_in)
+    monkeypatch.setattr(triton_decode, "gemms_sharing_a", shared)
+    backends.clear_caches()
+    yield got
+    backends.clear_caches()

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton_interpreter
-from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from reference import fresh_dynamo, hopper_on_cpu  # noqa: F401  (fixtures: fresh_dynamo autouse)
 
 import graphquant
 from graphquant import recipes, zoo
 from graphquant.formats import fp8
-from graphquant.kernels import backends, emulation
+from graphquant.kernels import backends
 from graphquant.quantizers import (
     ROWWISE,
     Float8BlockQuantizer,
@@ -170,28 +170,6 @@ def test_a_frozen_ffn_quantizing_on_load_gives_the_bits_of_quantizing_first_inte
     assert interpreted[f"frozen ffn {name}"]
 
 
-@pytest.fixture
-def hopper_on_cpu(monkeypatch):
-    """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
-    quantize it and multiplies on the emulated GEMM; gives the A operands it got."""
-    triton_decode = backends.triton_decode
-    if triton_decode is None:
-        pytest.skip("no Triton: no decode GEMM")
-    got = []
-
-    def stand_in(a, b, out_dtype, bias=None):
-        got.append(a)
-        if isinstance(a, triton_decode.QuantizedOnLoad):
-            a = a.quantizer(a.data, columnwise=False).get(ROWWISE)
-        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
-
-    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(triton_decode, "gemm", stand_in)
-    backends.clear_caches()
-    yield got
-    backends.clear_caches()
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_plan_runs_decode_rows_of_inference_linears_on_the_gemm_that_quantizes_x(hopper_on_cpu, name):
     """A frozen FFN at one row: every linear's fprop on the decode GEMM that quantizes x itself,
@@ -249,9 +227,9 @@ class _Captured(Exception):
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu, name):
     """A SwiGLU's gate and up projections read one x: at one row, frozen, the graph Inductor lowers
-    makes x's 1x128 block codes once (graphquant::block_codes, merged by
-    passes/common_subexpressions.py), and the down projection's input's once; the other formats
-    hand x to each GEMM in high precision with its row amaxes."""
+    runs them as one op (passes/gemms_sharing_x.py) that takes x's 1x128 block codes, made once
+    (graphquant::block_codes), or x in high precision with its row amaxes (the other formats);
+    the down projection's GEMM takes its input alike."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -270,8 +248,8 @@ def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu
     targets = [n.target for n in graph.nodes]
     blocks = name == "deepseek_blockwise"
     assert targets.count(ops.block_codes.default) == (2 if blocks else 0), graph
-    assert targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 3), graph
-    assert targets.count(ops.gemm.default) == (3 if blocks else 0), graph
+    assert targets.count(ops.gemms_quantizing_a.default) == targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 1), graph
+    assert targets.count(ops.gemms_sharing_a.default) == targets.count(ops.gemm.default) == (1 if blocks else 0), graph
     assert not {ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default} & set(targets), graph
 
 

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import triton_interpreter
+from reference import cuda_graph_replays
 
 from graphquant.quantizers import ROWWISE, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer
 
@@ -124,13 +125,7 @@ def test_split_k_replays_from_a_cuda_graph_and_runs_on_two_streams_at_once():
 
     for m in (1, 16):
         x = torch.randn(m, 14336, device="cuda").to(torch.bfloat16)
-        product(x)  # compiled and tuned outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = product(x)
-        for scale in (1.0, 1e-3, 1e3):
-            x.copy_(torch.randn_like(x) * scale)
-            graph.replay()
+        for scale, replayed in cuda_graph_replays(product, x):
             assert torch.equal(replayed, product(x)), f"{m} rows, inputs times {scale}"
     xs = [torch.randn(16, 14336, device="cuda").to(torch.bfloat16) for _ in range(2)]
     a = [quantizer(x, columnwise=False).get(ROWWISE) for x in xs]

@@ -470,18 +470,42 @@ def gemm(
     triton_decode.QuantizedOnLoad where the backend quantizes A itself, or the codes of the kernel
     it quantizes A with first, triton_decode.quantizes_first); every backend adds the
     bias before rounding to out_dtype."""
-    n = output_rows(b.direction, b.shape, batch)
-    if bias is not None and (batch != 1 or bias.shape != (n,)):
-        raise ValueError(
-            f"{site}: a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
-            f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
-        )
+    _check_bias(b, batch, site, bias)
     native = checked(backend, a, b, gemm_dims(a, b, batch), batch, site, NATIVE_GEMMS)
     if native is None:
         return emulation.gemm(a, b, batch, out_dtype, bias)
     if native in DECODE_GEMMS:
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
+
+
+def gemms_sharing_a(
+    a: Representation,
+    bs: Sequence[Representation],
+    out_dtype: torch.dtype,
+    backend: GemmBackend,
+    sites: Sequence[str],
+    biases: Sequence[Optional[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """[(1, m, n) = A @ B^T (+ bias)] for each B, bias and the GEMM its site names, GEMMs that
+    read one A and that the graph runs in one launch of the decode GEMM
+    (triton_decode.gemms_sharing_a; passes/gemms_sharing_x.py), ``backend`` the plan's choice for
+    each, every call checked as ``gemm`` checks it."""
+    for b, site, bias in zip(bs, sites, biases, strict=True):
+        _check_bias(b, 1, site, bias)
+        native = checked(backend, a, b, gemm_dims(a, b, 1), 1, site, NATIVE_GEMMS)
+        if native not in DECODE_GEMMS:
+            raise GemmMismatch(f"{site}: GEMMs that share a launch run on the decode GEMM; its plan chose {backend}")
+    return [out.unsqueeze(0) for out in triton_decode.gemms_sharing_a(a, bs, out_dtype, biases)]
+
+
+def _check_bias(b: Representation, batch: int, site: str, bias: Optional[torch.Tensor]) -> None:
+    n = output_rows(b.direction, b.shape, batch)
+    if bias is not None and (batch != 1 or bias.shape != (n,)):
+        raise ValueError(
+            f"{site}: a GEMM's bias must have the shape ({n},) of its output's last dim, and the GEMM one group; "
+            f"got a bias of shape {tuple(bias.shape)} for {batch} group(s)"
+        )
 
 
 def select_attention(

@@ -46,7 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -128,6 +128,11 @@ QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp
 # decode_gemm.py).
 MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
+# The weight families whose GEMMs that read one A run in one launch (gemms_sharing_a): FP8 codes,
+# multiplied as stored on the tensor cores by one kernel (_decode_kernel's PAIR) at every row
+# count it takes. MXFP8 and NVFP4 are not: at one row they run on the FMA units' kernel, at more
+# on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
+SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_block_1x128")
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 # The elements each family's codes are read as, where the pairs above admit more: MXFP8's words
@@ -563,66 +568,70 @@ def _finish(
 def _write(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr,
     A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, has_bias, SPLIT: tl.constexpr,
-    a_factor=None,
+    split, splits, arrival, a_factor=None,
 ):
     """A program's (BLOCK_N, BLOCK_M) sums finished into out (_finish); where K is SPLIT, its
-    partial sums written to partial[s] instead, and the last program of its output tile to arrive
-    (its counter at arrivals_ptr, one a tile) adds every split's in split order (the same bits
-    whichever program arrives last), finishes them and sets the counter back to zero for the next
-    launch."""
+    partial sums written to partial[split] instead, and the last of the ``splits`` programs of its
+    output tile to arrive (its counter at arrivals_ptr + ``arrival``, one a tile) adds every
+    split's in split order (the same bits whichever program arrives last), finishes them and sets
+    the counter back to zero for the next launch."""
     if not SPLIT:
         _finish(total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, a_factor)
     else:
         inside = (n < N) & (m < M)
-        tl.store(partial_ptr + (tl.program_id(1) * M + m).to(tl.int64) * N + n, total, mask=inside)
+        tl.store(partial_ptr + (split * M + m).to(tl.int64) * N + n, total, mask=inside)
         # every thread's partial sums are stored before the arrival that releases them
         tl.debug_barrier()
-        arrivals = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        splits = tl.num_programs(1)
+        arrivals = arrivals_ptr + arrival
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
             summed = tl.zeros(total.shape, dtype=tl.float32)
-            for split in tl.range(0, splits, loop_unroll_factor=4):  # unrolled: the loads of four splits in flight at once
-                summed += tl.load(partial_ptr + (split * M + m).to(tl.int64) * N + n, mask=inside, other=0.0)
+            for each in tl.range(0, splits, loop_unroll_factor=4):  # unrolled: the loads of four splits in flight at once
+                summed += tl.load(partial_ptr + (each * M + m).to(tl.int64) * N + n, mask=inside, other=0.0)
             _finish(summed, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, a_factor)
             tl.store(arrivals, 0)
 
 
-# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
-# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
-# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
-# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])
-def _decode_kernel(
-    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
-    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
-    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
-    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
-    ONE_DOT: tl.constexpr = False,
+@triton.jit
+def _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where a launch runs two GEMMs (_decode_kernel's PAIR), its units (an output tile's sums
+    over one K split) are the first GEMM's (its tiles times its K splits) then the second's: of
+    ``unit``, whether it is the second's, its (tile, split) in its own GEMM, its GEMM's number of
+    K splits, and its output tile's arrival counter (_write), the second's past the first's in
+    each tile of A's rows."""
+    first_tiles = tl.cdiv(N, BLOCK_N)
+    first_units = first_tiles * tl.cdiv(K, k_chunks * CHUNK)
+    second = unit >= first_units
+    index = tl.where(second, unit - first_units, unit)
+    tiles = tl.where(second, tl.cdiv(N2, BLOCK_N), first_tiles)
+    splits = tl.cdiv(K, tl.where(second, k_chunks2, k_chunks) * CHUNK)
+    tile = index % tiles
+    arrival = tl.program_id(2) * (first_tiles + tl.cdiv(N2, BLOCK_N)) + tl.where(second, first_tiles, 0) + tile
+    return second, tile, index // tiles, splits, arrival
+
+
+@triton.jit
+def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
+    """A's one scale, or one a row (rows ``m``, a column), where it is quantized as it is loaded
+    under A_RULE (the amaxes of its rows at a_factor_ptr); else None."""
+    if A_RULE is not None:
+        scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
+    else:
+        scale = None
+    return scale
+
+
+@triton.jit
+def _tile_sums(
+    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+    b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr,
+    SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr,
+    A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr, A_VALUES: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
-    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
-    against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
-    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
-    MXFP8's products (the index
-    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
-    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
-    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
-    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
-    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
-    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
-    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
-    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
-    decoded then, one dot a step."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    k_start = tl.program_id(1) * k_chunks * CHUNK
+    """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
+    against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
+    ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None."""
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if A_RULE is not None:  # one scale for A, or one per row
-        a_scale = _scale(_amax_of_a(a_factor_ptr, m, m < M, A_FACTOR, A_RULE[4], A_RULE[5]), A_RULE)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
         if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
@@ -631,7 +640,7 @@ def _decode_kernel(
             if A_RULE is None:
                 a = _codes(a_ptr, m, M, col, K, a_stride)
             else:
-                a = _quantized(a_ptr, m, M, col, K, a_stride, a_scale, A_RULE)
+                a = _quantized(a_ptr, m, M, col, K, a_stride, quantizing_scale, A_RULE)
             total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
         elif OPERAND == 1 and MX == 2:
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -673,16 +682,96 @@ def _decode_kernel(
                     total = tl.dot(b[j], a_j, total)
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
-    _write(
-        total, n, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], N, M, a_factor_ptr, b_factor_ptr, bias_ptr,
-        out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT,
-        reciprocal(a_scale) if A_RULE is not None else None,  # A's factor, as A was quantized
-    )
+    return total
+
+
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
+# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
+# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
+# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "k_chunks2"])
+def _decode_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False,
+    b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
+    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0, k_chunks2=0, SPLIT2: tl.constexpr = False,
+):
+    """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
+    against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
+    The weight tile is the dot's left operand (A's rows are the short side, the MMA's N). MX,
+    MXFP8's products (the index
+    of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
+    block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
+    16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
+    (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
+    inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
+    loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
+    which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
+    (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
+    decoded then, one dot a step. PAIR: the launch runs a second GEMM of the same A (FP8 codes)
+    and kind of B, its own arguments those named 2 (b2_ptr to k_chunks2, SPLIT2), each GEMM tiled
+    and split as it would be alone, so that each output has the bits of its own launch; a
+    program takes two of their units (_pair_unit), one in each half of them (the first GEMM's and
+    the second's where they have as many): half the programs of two launches, each twice as long."""
+    if not PAIR:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
+        total = _tile_sums(
+            a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+            b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
+            A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
+            A_VALUES, ONE_DOT,
+        )
+        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
+        _write(
+            total, n, m_row, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias, SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
+            a_factor,
+        )
+    else:
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
+        units = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, k_chunks * CHUNK) + tl.cdiv(N2, BLOCK_N) * tl.cdiv(K, k_chunks2 * CHUNK)
+        for half in tl.static_range(2):  # this program's unit in each half of the units
+            unit = tl.program_id(0) + half * tl.num_programs(0)
+            if unit < units:
+                second, tile, split, splits, arrival = _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK, BLOCK_N)
+                rows, chunks = tl.where(second, N2, N), tl.where(second, k_chunks2, k_chunks)
+                n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+                total = _tile_sums(
+                    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, tl.where(second, b2_ptr, b_ptr),
+                    tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride),
+                    tl.where(second, b2_scale_row_stride, b_scale_row_stride), tl.where(second, b2_scale_col_stride, b_scale_col_stride),
+                    n, m, rows, M, K, split * chunks * CHUNK, chunks, a_scale, CHUNK, OPERAND, SCALE_COLS, A_SCALE_ROWS, B_SCALE_ROWS,
+                    PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
+                )
+                a_factor = reciprocal(a_scale) if A_RULE is not None else None
+                if second:
+                    _write(
+                        total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR,
+                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias2, SPLIT2, split, splits, arrival, a_factor,
+                    )
+                else:
+                    _write(
+                        total, n, m_row, rows, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR,
+                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
+                    )
 
 
 _autotuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in AUTOTUNED_TILES],
-    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT"],
+    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT", "N2", "k_chunks2"],
 )(_decode_kernel)
 
 
@@ -741,7 +830,7 @@ def _fma_kernel(
     _write(
         total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
         N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias,
-        SPLIT,
+        SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
     )
 
 
@@ -969,44 +1058,21 @@ def gemm(
     """(m, n) = A @ B^T (+ bias), both operands stored with the reduction dim last, A quantized or
     to be quantized here (QuantizedOnLoad); ``config``: the tiling, or None for default_config's
     (then m at most the pair's MAX_ROWS)."""
-    rule = None
-    if isinstance(a, QuantizedOnLoad):
-        refusal = quantize_on_load_refusal(a.quantizer)
-        if refusal:
-            raise ValueError(refusal)
-        if quantizes_first(a.quantizer):
-            a = block_codes(a.data, a.quantizer)
-        elif a.shape[0] > ONE_TILE_ROWS or (config is not None and config.block_m < a.shape[0]):
-            raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {a.shape[0]} rows and {config}")
-        else:
-            rule = a.rule
+    a, rule = _a_as_read(a, config)
     m, n, k = gemm_dims(a, b)
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
-    families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
-    most = MAX_ROWS.get(families, 0)
-    if m > most and config is None:
-        raise ValueError(
-            f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
-            f"got A of {m} rows ({a.quantizer})"
-        )
+    families = _families(a, b, m, config)
     config = config or default_config(b_layout.operand, m)
     if config is not None:
         _check_tiling(config, b_layout.operand, families)
     block_m = config.block_m if config else ONE_TILE_ROWS
     row_tiles = triton.cdiv(m, block_m)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    if config:
-        splits = split_k(n, k, a.data.device, config.tiles_per_sm, config.block_n, row_tiles)
-    else:
-        splits = split_k(n, k, a.data.device, AUTOTUNED_TILES_PER_SM, 64, row_tiles)
-    k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
-    splits = triton.cdiv(k, k_chunks * K_CHUNK)
-    partial, arrivals = out, out
+    splits, k_chunks = _k_split(n, k, a.data.device, config, row_tiles)
+    ends = _ends(bias, torch.empty((m, n), dtype=out_dtype, device=a.data.device), splits)
+    out = arrivals = ends[2]  # no counters where K is not split
     if splits > 1:
-        partial = torch.empty(splits * m * n, dtype=torch.float32, device=out.device)
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
         arrivals = _arrivals(out.device, triton.cdiv(n, block_n) * row_tiles)
-    bias_arg = out if bias is None else bias.contiguous()
     factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
@@ -1020,18 +1086,14 @@ def gemm(
     asm = not triton.knobs.runtime.interpret
     whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
-        launch(
-            _autotuned, lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles),
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
-            OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
-            A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="", ASM=asm,
-            WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
+        _launch_autotuned(
+            lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, b_layout,
+            (*b_args, *ends), arrivals, m, n, k, k_chunks, splits > 1, rule,
         )
     elif config.fma:
         launch(
             _fma_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
+            *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages,
             num_warps=config.warps, num_stages=config.stages,
@@ -1039,7 +1101,7 @@ def gemm(
     else:
         launch(
             _decode_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
-            *a_args, *b_args, bias_arg, int(bias is not None), out, partial, arrivals, m, n, k, k_chunks, K_CHUNK,
+            *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
             **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
@@ -1050,3 +1112,114 @@ def gemm(
             num_warps=config.warps, num_stages=config.stages,
         )
     return out
+
+
+def gemms_sharing_a(
+    a: Representation | QuantizedOnLoad, bs: Sequence[Representation], out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """[A @ B^T (+ bias) for each B and bias], for one or two B's (a SwiGLU's gate and up
+    projections) that read one A: two run in one launch of _decode_kernel (PAIR) whose grid covers
+    both weights' tiles, each GEMM tiled and K-split as ``gemm`` would alone, so that each output
+    has the bits of its own call. Both B's of one layout family of FP8 codes (SHARED_FAMILIES) and
+    one element, A at most one tile of rows (MAX_ROWS), as ``gemm`` takes them with no config."""
+    if len(bs) != len(biases) or not 1 <= len(bs) <= 2:
+        raise ValueError(
+            f"the decode GEMM runs one or two GEMMs that read one A in a launch, each with its bias or None; "
+            f"got {len(bs)} B's and {len(biases)} biases"
+        )
+    if len(bs) == 1:
+        return [gemm(a, bs[0], out_dtype, biases[0])]
+    a, rule = _a_as_read(a, None)
+    (a_layout, a_args), (first, second) = _operand(a, "A"), [_operand(b, "B") for b in bs]
+    kinds = [(b.quantizer.gemm_input(b.direction).family, b.data.dtype) for b in bs]
+    if kinds[0] != kinds[1] or kinds[0][0] not in SHARED_FAMILIES:
+        raise ValueError(
+            f"the decode GEMM runs two GEMMs in one launch where both B's are of one family of {SHARED_FAMILIES} "
+            f"and one element dtype; got {bs[0].quantizer} ({kinds[0]}) and {bs[1].quantizer} ({kinds[1]})"
+        )
+    (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
+    if k != k2:
+        raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
+    _families(a, bs[0], m, None)
+    row_tiles = triton.cdiv(m, ONE_TILE_ROWS)
+    (splits, k_chunks), (splits2, k_chunks2) = (_k_split(rows, k, a.data.device, None, row_tiles) for rows in (n, n2))
+    ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), s) for bias, rows, s in zip(biases, (n, n2), (splits, splits2))]
+    least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
+    arrivals = _arrivals(a.data.device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
+    _launch_autotuned(
+        lambda meta: (triton.cdiv(triton.cdiv(n, meta["BLOCK_N"]) * splits + triton.cdiv(n2, meta["BLOCK_N"]) * splits2, 2), 1, row_tiles),
+        a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
+        PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2, k_chunks2=k_chunks2, SPLIT2=splits2 > 1,
+    )
+    return [out for _, _, out, _ in ends]
+
+
+# _decode_kernel's arguments of a PAIR's second GEMM, in the order of the first's (_operand, _ends).
+_SECOND_GEMMS_ARGUMENTS = (
+    "b2_ptr", "b2_scale_ptr", "b2_factor_ptr", "b2_stride", "b2_scale_row_stride", "b2_scale_col_stride",
+    "bias2_ptr", "has_bias2", "out2_ptr", "partial2_ptr",
+)
+
+
+def _ends(bias: Optional[torch.Tensor], out: torch.Tensor, splits: int) -> tuple:
+    """A GEMM's arguments after its B's: its bias (its output where it has none), whether it has
+    one, its output, and where its K splits' partial sums go (its output where K is not split)."""
+    partial = torch.empty(splits * out.numel(), dtype=torch.float32, device=out.device) if splits > 1 else out
+    return (out if bias is None else bias.contiguous(), int(bias is not None), out, partial)
+
+
+def _a_as_read(
+    a: Representation | QuantizedOnLoad, config: Optional[DecodeConfig]
+) -> tuple[Representation | QuantizedOnLoad, Optional[tuple]]:
+    """(A as the kernels read it, the rule they quantize it by as they load it, or None): a
+    QuantizedOnLoad in 1x128 blocks quantized first (block_codes), else checked to fit one tile
+    of rows."""
+    if not isinstance(a, QuantizedOnLoad):
+        return a, None
+    refusal = quantize_on_load_refusal(a.quantizer)
+    if refusal:
+        raise ValueError(refusal)
+    if quantizes_first(a.quantizer):
+        return block_codes(a.data, a.quantizer), None
+    if a.shape[0] > ONE_TILE_ROWS or (config is not None and config.block_m < a.shape[0]):
+        raise ValueError(f"the decode GEMM quantizes A as it loads it in one tile of its rows; got {a.shape[0]} rows and {config}")
+    return a, a.rule
+
+
+def _families(a: Representation | QuantizedOnLoad, b: Representation, m: int, config: Optional[DecodeConfig]) -> tuple[str, str]:
+    """The operands' families (A's, B's), checked to take A's ``m`` rows where no ``config`` tiles them."""
+    families = (a.quantizer.gemm_input(a.direction).family, b.quantizer.gemm_input(b.direction).family)
+    most = MAX_ROWS.get(families, 0)
+    if m > most and config is None:
+        raise ValueError(
+            f"the decode GEMM multiplies at most {most} rows of A for {families[0]} x {families[1]}; "
+            f"got A of {m} rows ({a.quantizer})"
+        )
+    return families
+
+
+def _k_split(n: int, k: int, device: torch.device, config: Optional[DecodeConfig], row_tiles: int) -> tuple[int, int]:
+    """(the K splits of a call of ``n`` rows of B tiled by ``config`` (None: autotuned), the
+    K_CHUNKs of each)."""
+    if config:
+        splits = split_k(n, k, device, config.tiles_per_sm, config.block_n, row_tiles)
+    else:
+        splits = split_k(n, k, device, AUTOTUNED_TILES_PER_SM, 64, row_tiles)
+    k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
+    return triton.cdiv(k, k_chunks * K_CHUNK), k_chunks
+
+
+def _launch_autotuned(
+    grid, a_layout: _Layout, a_args: tuple, b_layout: _Layout, b_and_ends: tuple, arrivals: torch.Tensor,
+    m: int, n: int, k: int, k_chunks: int, split: bool, rule: Optional[tuple], **pair,
+) -> None:
+    """_decode_kernel on FP8 codes, its weight tile autotuned: A's arguments, the first B's with
+    its bias, has_bias, out and partial sums (``b_and_ends``), and ``pair``, the second GEMM's
+    (PAIR)."""
+    launch(
+        _autotuned, grid, *a_args, *b_and_ends, arrivals, m, n, k, k_chunks, K_CHUNK,
+        OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
+        A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
+        **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="",
+        ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule, **pair,
+    )

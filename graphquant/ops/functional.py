@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from graphquant.ops.frozen import refuse_backward
-from graphquant.ops.inference import inference_product, quantized_weight_product
+from graphquant.ops.inference import inference_product, quantized_weights_product
 from graphquant.ops.operands import Operand
 from graphquant.ops.quantized_gemm import QuantizedGemm
 from graphquant.ops.site import Site
@@ -36,10 +36,20 @@ def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None)
 def quantized_frozen_linear(x, weight, shape, dtype, bias=None, *, site: Site, states=NO_STATES, rng=None):
     """F.linear(x, w, bias) of a FrozenLinear (graphquant.freeze): w, of logical ``shape`` and dtype
     ``dtype``, stored as ``weight``, the tensors of its rowwise representation; fprop alone."""
+    (y,) = quantized_frozen_linears_sharing_x(x, (weight,), (shape,), dtype, (bias,), sites=(site,), states=states, rng=rng)
+    return y
+
+
+def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sites: tuple[Site, ...], states=NO_STATES, rng=None):
+    """quantized_frozen_linear of FrozenLinears that read one x (a SwiGLU's gate and up
+    projections), each with its stored weight, logical shape, bias and site (their weights of one
+    format and ``dtype``); a tuple of their outputs. Several run their GEMMs in one launch of the
+    decode GEMM, x quantized once (passes/gemms_sharing_x.py: x's format keeps no state there, so
+    ``states`` and ``rng`` are the first site's)."""
     x2d = x.reshape(-1, x.shape[-1])
-    w = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (shape[0], shape[1]))
-    y = quantized_weight_product(x2d, w, dtype, bias, site, states, rng)
-    return refuse_backward(x, y.reshape(*x.shape[:-1], shape[0]), site.label)
+    ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
+    ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
+    return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label) for y, s, site in zip(ys, shapes, sites))
 
 
 def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):

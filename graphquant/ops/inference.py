@@ -3,11 +3,13 @@ weight quantized at each call, or stored quantized once (graphquant.freeze)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from graphquant.kernels import backends
+from graphquant.kernels.backends import GemmBackend
+from graphquant.ops.library import SITES_SEPARATOR
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, update_delayed_scaling
 from graphquant.ops.site import Site
@@ -46,22 +48,59 @@ def quantized_weight_product(
     operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze).
     Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows
     alone where it needs them (a reduction Inductor fuses into x's producer) and hands x over in
-    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own,
-    which the GEMMs that read one x share."""
+    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own."""
+    return quantized_weights_product(x2d, [w], w_dtype, [bias], [site], states, rng)[0]
+
+
+def quantized_weights_product(
+    x2d: torch.Tensor, ws: Sequence[Operand], w_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]], sites: Sequence[Site],
+    states: tuple, rng: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    """quantized_weight_product for each weight of ``ws`` (with its bias and site), x quantized
+    once: one GEMM op for one weight; for several, which the graph runs in one launch of the
+    decode GEMM (passes/gemms_sharing_x.py, x's format stateless there: ``states`` and ``rng``
+    are the first site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a)."""
+    site = sites[0]
     x_quantizer = site.quantizers[0]
-    backend, label = site.runs("fprop")
-    bias = None if bias is None else bias.detach()
+    backend, _ = site.runs("fprop")
+    biases = [None if bias is None else bias.detach() for bias in biases]
     out_dtype = torch.promote_types(x2d.dtype, w_dtype)
+    labels = [s.runs("fprop")[1] for s in sites]
     if backend.quantizes_a:
         x_rowwise, x2d = x_quantizer.child(ROWWISE), x2d.detach()
         if backends.triton_decode.quantizes_first(x_rowwise):
             xq = Operand(torch.ops.graphquant.block_codes(x2d, x_rowwise.spec), x_rowwise.spec, ROWWISE, tuple(x2d.shape))
-            return gemm(xq, w, 1, out_dtype, backend, label, bias)
-        return torch.ops.graphquant.gemm_quantizing_a(
-            x2d, backends.triton_decode.amaxes(x2d, x_rowwise), x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype,
-            backend.name, label, bias,
-        )
+            return _products(xq, ws, out_dtype, backend, labels, biases)
+        amax = backends.triton_decode.amaxes(x2d, x_rowwise)
+        if len(ws) > 1:
+            return torch.ops.graphquant.gemms_quantizing_a(
+                x2d, amax, x_rowwise.spec, *_weights(ws), out_dtype, backend.name, SITES_SEPARATOR.join(labels), biases,
+            )
+        (w,) = ws
+        return [
+            torch.ops.graphquant.gemm_quantizing_a(
+                x2d, amax, x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype, backend.name, labels[0], biases[0],
+            )
+        ]
     x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
     xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     update_delayed_scaling(x_quantizer, x_state, xq)
-    return gemm(xq[ROWWISE], w, 1, out_dtype, backend, label, bias)
+    return _products(xq[ROWWISE], ws, out_dtype, backend, labels, biases)
+
+
+def _products(
+    xq: Operand, ws: Sequence[Operand], out_dtype: torch.dtype, backend: GemmBackend, labels: list[str], biases: list[Optional[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """x quantized times each weight: graphquant::gemm for one, graphquant::gemms_sharing_a for several."""
+    if len(ws) == 1:
+        return [gemm(xq, ws[0], 1, out_dtype, backend, labels[0], biases[0])]
+    return torch.ops.graphquant.gemms_sharing_a(
+        xq.tensors, xq.spec, xq.direction, xq.shape, *_weights(ws), out_dtype, backend.name, SITES_SEPARATOR.join(labels), biases,
+    )
+
+
+def _weights(ws: Sequence[Operand]) -> tuple[list[torch.Tensor], str, list[int]]:
+    """Several weights of one format as the ops that share A take them: their tensors in turn,
+    the format, and their shapes flattened."""
+    (spec,) = {w.spec for w in ws}
+    return [t for w in ws for t in w.tensors], spec, [d for w in ws for d in w.shape]

@@ -206,3 +206,71 @@ if backends.triton_decode is not None:
     @registry.cuda_kernel("block_codes")
     def _(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
         return distinct_contiguous(backends.triton_decode.block_codes(x, quantizer_of(spec)).tensors(), x)
+
+
+# Between the GEMMs' names in one string argument of the ops that share A (a schema has no list of
+# strings): Inductor writes a string argument into its Python wrapper as it is, so no newline.
+SITES_SEPARATOR = ", "
+
+
+@registry.op("gemms_sharing_a")
+def gemms_sharing_a(
+    a: list[torch.Tensor],
+    a_spec: str,
+    a_direction: str,
+    a_shape: Sequence[int],
+    b: list[torch.Tensor],
+    b_spec: str,
+    b_shapes: Sequence[int],
+    out_dtype: torch.dtype,
+    backend: str,
+    sites: str,
+    biases: list[Optional[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """[(1, m, n_i) = A @ B_i^T (+ bias_i)] for GEMMs that read one quantized A, in one launch of
+    the decode GEMM (graphquant.kernels.triton_decode.gemms_sharing_a), each with the bits of its
+    own graphquant::gemm. ``b``: each B's rowwise tensors in turn (as many each), all in the
+    format ``b_spec``; ``b_shapes``: their logical (rows, cols) in turn, flattened; ``sites``: the
+    GEMMs' names joined by SITES_SEPARATOR; ``biases``: one each."""
+    bs = _weights(b, b_spec, b_shapes, out_dtype)
+    rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
+    return backends.gemms_sharing_a(rep_a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
+
+
+@registry.fake("gemms_sharing_a")
+def _(a, a_spec, a_direction, a_shape, b, b_spec, b_shapes, out_dtype, backend, sites, biases):
+    m = output_rows(a_direction, a_shape, 1)
+    return [a[0].new_empty((1, m, n), dtype=out_dtype) for n in b_shapes[::2]]
+
+
+@registry.op("gemms_quantizing_a")
+def gemms_quantizing_a(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    x_spec: str,
+    b: list[torch.Tensor],
+    b_spec: str,
+    b_shapes: Sequence[int],
+    out_dtype: torch.dtype,
+    backend: str,
+    sites: str,
+    biases: list[Optional[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """graphquant::gemm_quantizing_a for several B's that read one x, in one launch of the decode
+    GEMM that quantizes x as it loads it; arguments as graphquant::gemms_sharing_a's."""
+    a = backends.triton_decode.QuantizedOnLoad(x, amax, quantizer_of(x_spec))
+    bs = _weights(b, b_spec, b_shapes, out_dtype)
+    return backends.gemms_sharing_a(a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
+
+
+@registry.fake("gemms_quantizing_a")
+def _(x, amax, x_spec, b, b_spec, b_shapes, out_dtype, backend, sites, biases):
+    return [x.new_empty((1, x.shape[0], n), dtype=out_dtype) for n in b_shapes[::2]]
+
+
+def _weights(b: list[torch.Tensor], spec: str, shapes: Sequence[int], dtype: torch.dtype) -> list[Representation]:
+    """The rowwise Representations of several B's in the format ``spec``, given as their tensors
+    in turn (as many each) and their logical shapes flattened."""
+    count = len(shapes) // 2
+    each = len(b) // count
+    return [unflatten(b[i * each : (i + 1) * each], spec, ROWWISE, shapes[2 * i : 2 * i + 2], dtype) for i in range(count)]
