@@ -1,5 +1,5 @@
 """Where a decode step's host time goes: the sweep's FFN (two Llama-3-8B SwiGLU blocks) under
-torch.no_grad() at a few rows, compiled four ways, microseconds per call.
+torch.no_grad() at a few rows, compiled five ways, microseconds per call.
 
     python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200]
                                      [--profile NAME,...] [--profile-trees NAME,...]
@@ -12,6 +12,9 @@ torch.no_grad() at a few rows, compiled four ways, microseconds per call.
 - "no trees": mode="reduce-overhead" compiled with torch._inductor.config.triton.cudagraph_trees
   off, so that Inductor wraps each graph in its plain CUDA graph (static inputs checked by
   address, the others copied in, one replay): the gap to "graph trees" is the tree's own Python.
+- "no compute": the same model compiled by an inner backend whose graph hands back its first
+  call's outputs: the host's path to the graph and nothing else (Dynamo's guards, AOT's runtime
+  wrapper, whatever graphquant adds), host only, on the CPU as on CUDA.
 - "one graph" (CUDA): the eager-launch model captured whole by torch.cuda.graph and replayed by
   hand, the least host work a call can have; its GPU column is the step's GPU time.
 
@@ -19,7 +22,8 @@ Each cell is ``--calls`` calls issued back to back behind a queued one: "host" i
 before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
 pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time) of
 that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before the
-table). ``--tiny``: the CPU with small dims and aot_eager, eager launches only: a check that it runs.
+table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (on the CPU, tiny
+shapes with many ``--calls`` time the host's path to a graph: NOTES.md).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import io
 import pstats
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.backends.common import aot_autograd
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from inference_configs import BF16, FROZEN, allow_graphs, build  # noqa: E402
@@ -73,6 +79,24 @@ def one_graph(model: torch.nn.Module, x: torch.Tensor):
     with torch.cuda.graph(graph):
         model(x)
     return graph.replay
+
+
+def no_compute(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A torch.compile backend: AOT's forward graph, run at the first call only; each later call
+    returns the first one's outputs."""
+
+    def compiler(graph: torch.fx.GraphModule, inputs: list) -> Callable:
+        outputs = []
+
+        def run(args: list) -> Any:
+            if not outputs:
+                outputs.append(graph(*args))
+            return outputs[0]
+
+        run._boxed_call = True
+        return run
+
+    return aot_autograd(fw_compiler=compiler)(gm, example_inputs)
 
 
 def without_trees(model: torch.nn.Module, x: torch.Tensor):
@@ -123,10 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for name in names:
             eager = build(name, base, device, cudagraphs=False)
+            bare = build(name, base, device, cudagraphs=False, backend=no_compute)
             trees, plain = (build(name, base, device, cudagraphs=True) for _ in range(2)) if cuda else (None, None)
             for r in rows:
                 x = torch.randn(r, dims["dim"], device=device, dtype=torch.bfloat16)
-                cells = [*per_call_us(lambda: eager(x), args.calls, cuda)]
+                cells = [*per_call_us(lambda: eager(x), args.calls, cuda), *per_call_us(lambda: bare(x), args.calls, cuda=False)]
                 if cuda:
                     cells += [*per_call_us(lambda: trees(x), args.calls, cuda), *per_call_us(without_trees(plain, x), args.calls, cuda),
                               *per_call_us(one_graph(eager, x), args.calls, cuda)]
@@ -136,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"--- {name} @{r} rows, eager launches: cProfile of {args.calls} calls\n{profile(lambda: eager(x), args.calls)}")
                 if name in args.profile_trees.split(","):
                     print(f"--- {name} @{r} rows, graph trees: cProfile of {args.calls} calls\n{profile(lambda: trees(x), args.calls)}")
-    headers = ["config", "rows", "eager launches host"]
+    headers = ["config", "rows", "eager launches host", *(["GPU"] if cuda else []), "no compute host"]
     if cuda:
-        headers += ["GPU", "graph trees host", "GPU", "no trees host", "GPU", "one graph host", "GPU"]
+        headers += ["graph trees host", "GPU", "no trees host", "GPU", "one graph host", "GPU"]
     print(tabulate(lines, headers=headers, disable_numparse=True))
 
 
