@@ -7,14 +7,14 @@ torch.no_grad() at a few rows, compiled five ways, microseconds per call.
 - "eager launches": torch.compile's default mode; every kernel is launched from Python at every
   call, so the host's column is Dynamo's guards, Inductor's wrapper and every launch (graphquant's
   decode GEMM through its custom op and Triton).
+- "no compute": the same model compiled by an inner backend whose graph hands back its first
+  call's outputs: the host's path to the graph and nothing else (Dynamo's guards, AOT's runtime
+  wrapper, whatever graphquant adds), host only, on the CPU as on CUDA.
 - "graph trees": mode="reduce-overhead", what inference_sweep.py --cudagraphs times: the host's
   column is Dynamo's guards, AOT's wrapper and the tree's Python around one replay.
 - "no trees": mode="reduce-overhead" compiled with torch._inductor.config.triton.cudagraph_trees
   off, so that Inductor wraps each graph in its plain CUDA graph (static inputs checked by
   address, the others copied in, one replay): the gap to "graph trees" is the tree's own Python.
-- "no compute": the same model compiled by an inner backend whose graph hands back its first
-  call's outputs: the host's path to the graph and nothing else (Dynamo's guards, AOT's runtime
-  wrapper, whatever graphquant adds), host only, on the CPU as on CUDA.
 - "one graph" (CUDA): the eager-launch model captured whole by torch.cuda.graph and replayed by
   hand, the least host work a call can have; its GPU column is the step's GPU time.
 
@@ -22,8 +22,8 @@ Each cell is ``--calls`` calls issued back to back behind a queued one: "host" i
 before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
 pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time) of
 that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before the
-table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (on the CPU, tiny
-shapes with many ``--calls`` time the host's path to a graph: NOTES.md).
+table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
+many ``--calls``, the latter times the host's path to a graph on the CPU: NOTES.md).
 """
 
 from __future__ import annotations
