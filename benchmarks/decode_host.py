@@ -20,9 +20,9 @@ torch.no_grad() at a few rows, compiled five ways, microseconds per call.
 
 Each cell is ``--calls`` calls issued back to back behind a queued one: "host" is their wall clock
 before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
-pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time) of
-that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before the
-table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
+pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time; us a
+call) of that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before
+the table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
 many ``--calls``, the latter times the host's path to a graph on the CPU: NOTES.md).
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
+import pathlib
 import pstats
 import sys
 import time
@@ -109,17 +109,24 @@ def without_trees(model: torch.nn.Module, x: torch.Tensor):
 
 
 def profile(fn, calls: int, top: int = 25) -> str:
-    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions by own time, then by cumulative time."""
+    """cProfile of ``calls`` calls of ``fn``, in microseconds a call (pstats' own print gives
+    milliseconds for all the calls, too coarse for calls of tens of microseconds): the ``top``
+    functions by own time, then by cumulative time."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         fn()
     profiler.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+    rows = [
+        (own / calls * 1e6, cumulative / calls * 1e6, count / calls, f"{'/'.join(pathlib.Path(file).parts[-2:])}:{line}({name})")
+        for (file, line, name), (_, count, own, cumulative, _) in pstats.Stats(profiler).stats.items()
+    ]
+    tables = [f"{sum(row[0] for row in rows):.1f} us a call under cProfile"]
+    for order, key in (("own", 0), ("cumulative", 1)):
+        ranked = sorted(rows, key=lambda row: row[key], reverse=True)[:top]
+        tables.append(tabulate([[f"{own:.2f}", f"{cumulative:.2f}", f"{count:g}", where] for own, cumulative, count, where in ranked],
+                               headers=["own us", "cumulative us", "calls", f"function, by {order} time"], disable_numparse=True))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,4 +12,4 @@ def test_tiny_decode_host_table():
     rows, out = table_rows("decode_host", ["--tiny", "--calls", "3", "--configs", ",".join(configs), "--profile", configs[1]])
     assert sorted(rows) == sorted(configs), out
     assert all(len(cells) == 3 and all(float(us) > 0 for us in cells[1:]) for cells in rows.values()), out
-    assert "cProfile of 3 calls" in out and "function calls" in out, out
+    assert "cProfile of 3 calls" in out and "us a call under cProfile" in out and "function, by own time" in out, out
