@@ -1,34 +1,44 @@
 """Where a decode step's host time goes: the sweep's FFN (two Llama-3-8B SwiGLU blocks) under
-torch.no_grad() at a few rows, compiled three ways, microseconds per call.
+torch.no_grad() at a few rows, compiled five ways, microseconds per call.
 
-    python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200] [--profile NAME]
+    python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200]
+                                     [--profile NAME,...] [--profile-trees NAME,...]
 
 - "eager launches": torch.compile's default mode; every kernel is launched from Python at every
   call, so the host's column is Dynamo's guards, Inductor's wrapper and every launch (graphquant's
   decode GEMM through its custom op and Triton).
+- "no compute": the same model compiled by an inner backend whose graph hands back its first
+  call's outputs: the host's path to the graph and nothing else (Dynamo's guards, AOT's runtime
+  wrapper, whatever graphquant adds), host only, on the CPU as on CUDA.
 - "graph trees": mode="reduce-overhead", what inference_sweep.py --cudagraphs times: the host's
   column is Dynamo's guards, AOT's wrapper and the tree's Python around one replay.
+- "no trees": mode="reduce-overhead" compiled with torch._inductor.config.triton.cudagraph_trees
+  off, so that Inductor wraps each graph in its plain CUDA graph (static inputs checked by
+  address, the others copied in, one replay): the gap to "graph trees" is the tree's own Python.
 - "one graph" (CUDA): the eager-launch model captured whole by torch.cuda.graph and replayed by
   hand, the least host work a call can have; its GPU column is the step's GPU time.
 
 Each cell is ``--calls`` calls issued back to back behind a queued one: "host" is their wall clock
 before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
-pace). ``--profile NAME`` prints cProfile's top functions of that configuration's eager calls
-(before the table).
-``--tiny``: the CPU with small dims and aot_eager, eager launches only: a check that it runs.
+pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time; us a
+call) of that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before
+the table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
+many ``--calls``, the latter times the host's path to a graph on the CPU: NOTES.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import io
+import pathlib
 import pstats
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.backends.common import aot_autograd
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from inference_configs import BF16, FROZEN, allow_graphs, build  # noqa: E402
@@ -71,15 +81,52 @@ def one_graph(model: torch.nn.Module, x: torch.Tensor):
     return graph.replay
 
 
-def profile(fn, calls: int) -> str:
+def no_compute(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A torch.compile backend: AOT's forward graph, run at the first call only; each later call
+    returns the first one's outputs."""
+
+    def compiler(graph: torch.fx.GraphModule, inputs: list) -> Callable:
+        outputs = []
+
+        def run(args: list) -> Any:
+            if not outputs:
+                outputs.append(graph(*args))
+            return outputs[0]
+
+        run._boxed_call = True
+        return run
+
+    return aot_autograd(fw_compiler=compiler)(gm, example_inputs)
+
+
+def without_trees(model: torch.nn.Module, x: torch.Tensor):
+    """``model(x)`` for a model compiled with mode="reduce-overhead", its graph at ``x``'s shape
+    compiled (by the first call, here) with CUDA graph trees off: Inductor then records it in a
+    CUDA graph of its own, replayed with no tree around it."""
+    with torch._inductor.config.patch({"triton.cudagraph_trees": False}):
+        model(x)
+    return lambda: model(x)
+
+
+def profile(fn, calls: int, top: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn``, in microseconds a call (pstats' own print gives
+    milliseconds for all the calls, too coarse for calls of tens of microseconds): the ``top``
+    functions by own time, then by cumulative time."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         fn()
     profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
+    rows = [
+        (own / calls * 1e6, cumulative / calls * 1e6, count / calls, f"{'/'.join(pathlib.Path(file).parts[-2:])}:{line}({name})")
+        for (file, line, name), (_, count, own, cumulative, _) in pstats.Stats(profiler).stats.items()
+    ]
+    tables = [f"{sum(row[0] for row in rows):.1f} us a call under cProfile"]
+    for order, key in (("own", 0), ("cumulative", 1)):
+        ranked = sorted(rows, key=lambda row: row[key], reverse=True)[:top]
+        tables.append(tabulate([[f"{own:.2f}", f"{cumulative:.2f}", f"{count:g}", where] for own, cumulative, count, where in ranked],
+                               headers=["own us", "cumulative us", "calls", f"function, by {order} time"], disable_numparse=True))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--profile", default="")
+    parser.add_argument("--profile-trees", default="")
     args = parser.parse_args(argv)
     cuda = not args.tiny
+    if args.profile_trees and not cuda:
+        parser.error("--profile-trees profiles CUDA graph trees, which need CUDA (not --tiny)")
     device = torch.device("cuda" if cuda else "cpu")
     dims = dict(dim=128, hidden=256) if args.tiny else dict(dim=DIM, hidden=HIDDEN)
     names = args.configs.split(",")
@@ -104,18 +154,23 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for name in names:
             eager = build(name, base, device, cudagraphs=False)
-            trees = build(name, base, device, cudagraphs=True) if cuda else None
+            bare = build(name, base, device, cudagraphs=False, backend=no_compute)
+            trees, plain = (build(name, base, device, cudagraphs=True) for _ in range(2)) if cuda else (None, None)
             for r in rows:
                 x = torch.randn(r, dims["dim"], device=device, dtype=torch.bfloat16)
-                cells = [*per_call_us(lambda: eager(x), args.calls, cuda)]
+                cells = [*per_call_us(lambda: eager(x), args.calls, cuda), *per_call_us(lambda: bare(x), args.calls, cuda=False)]
                 if cuda:
-                    cells += [*per_call_us(lambda: trees(x), args.calls, cuda), *per_call_us(one_graph(eager, x), args.calls, cuda)]
+                    cells += [*per_call_us(lambda: trees(x), args.calls, cuda), *per_call_us(without_trees(plain, x), args.calls, cuda),
+                              *per_call_us(one_graph(eager, x), args.calls, cuda)]
                 lines.append([name, r, *(f"{us:.1f}" for us in cells)])
+                print(f"{name} @{r} rows: {', '.join(lines[-1][2:])}", flush=True)  # kept if a time limit stops the run
                 if name in args.profile.split(","):
                     print(f"--- {name} @{r} rows, eager launches: cProfile of {args.calls} calls\n{profile(lambda: eager(x), args.calls)}")
-    headers = ["config", "rows", "eager launches host"]
+                if name in args.profile_trees.split(","):
+                    print(f"--- {name} @{r} rows, graph trees: cProfile of {args.calls} calls\n{profile(lambda: trees(x), args.calls)}")
+    headers = ["config", "rows", "eager launches host", *(["GPU"] if cuda else []), "no compute host"]
     if cuda:
-        headers += ["GPU", "graph trees host", "GPU", "one graph host", "GPU"]
+        headers += ["graph trees host", "GPU", "no trees host", "GPU", "one graph host", "GPU"]
     print(tabulate(lines, headers=headers, disable_numparse=True))
 
 

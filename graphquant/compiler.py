@@ -177,6 +177,8 @@ class GraphquantBackend:
 
             dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *(p() for p in providers)])
+        if not providers:  # nothing to add at each call: no frame of ours on the call's path
+            return compiled
         stochastic = "rng" in keys
 
         def run(*args: Any) -> Any:
@@ -348,7 +350,13 @@ def compile(
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
     if isinstance(compiled, torch.nn.Module):
-        compiled.forward = _failing_past_the_recompile_limit(compiled.forward, name)
+        # Dynamo calls its callback only where a frame has no graph yet (to compile it, or to find
+        # it may not): the flag is set there, and a call that runs a compiled graph pays nothing.
+        context = compiled.dynamo_ctx
+        callback = context.callback
+        context.callback = _failing_past_the_recompile_limit(callback, name)
+        context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
+        compiled._initialize()
     else:
         compiled = _failing_past_the_recompile_limit(compiled, name)
     compiled.__dict__["graphquant"] = gq_backend
@@ -362,14 +370,14 @@ class RecompileLimitError(RuntimeError):
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
     """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
     reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
-    The flag is Dynamo's own and is read only when it compiles; setting it costs a few
-    microseconds a call."""
+    ``call`` is Dynamo's callback for a frame it has no graph for (a module's), or the compiled
+    function itself. The flag is Dynamo's own and is read only when it compiles."""
     config = torch._dynamo.config
+    failing = config._make_closure_patcher(fail_on_recompile_limit_hit=True)
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
-        before = config.fail_on_recompile_limit_hit
-        config.fail_on_recompile_limit_hit = True
+        restore = failing()
         try:
             return call(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as error:
@@ -386,6 +394,6 @@ def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
                 "models compiled earlier are no longer used (TORCH_LOGS=recompiles says why each recompile happened)."
             ) from error
         finally:
-            config.fail_on_recompile_limit_hit = before
+            restore()
 
     return run

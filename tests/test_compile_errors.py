@@ -7,6 +7,7 @@ as itself (raised inside the backend, Dynamo would wrap it in BackendCompilerFai
 import copy
 import pathlib
 import re
+import sys
 import traceback
 import warnings
 
@@ -392,3 +393,34 @@ def test_running_past_the_recompile_limit_is_an_error(recompile_counts):
     with torch._dynamo.config.patch(recompile_limit=2):
         y = compiled(x3(batch=3))
     assert not torch.equal(y, model(x3(batch=3))) and len(compiled.graphquant.plans) == 2
+
+
+def test_a_function_running_past_the_recompile_limit_is_an_error():
+    """A compiled function (no module whose Dynamo callback graphquant can wrap) fails the same way."""
+    model = models.seeded(models.MLP())
+
+    def forward(x):
+        return model(x)
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = graphquant.compile(forward, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=False)
+        compiled(x3(batch=2))
+        with pytest.raises(graphquant.RecompileLimitError, match="forward would run unquantized"):
+            compiled(x3(batch=3))
+    assert torch._dynamo.config.fail_on_recompile_limit_hit is False
+
+def test_a_call_that_compiles_nothing_runs_no_python_of_graphquant_compile():
+    """Checking the recompile limit and feeding per-call state are compile-time matters where the
+    graph keeps no state: a decode step under CUDA graphs, which Python sets the pace of, runs no
+    frame of graphquant/compiler.py."""
+    compiled = graphquant.compile(models.seeded(models.MLP()), recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    x = x3()
+    files = []
+    with torch.no_grad():
+        compiled(x)
+        sys.setprofile(lambda frame, event, arg: files.append(frame.f_code.co_filename) if event == "call" else None)
+        try:
+            compiled(x)
+        finally:
+            sys.setprofile(None)
+    assert files and graphquant.compiler.__file__ not in files
