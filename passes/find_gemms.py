@@ -67,7 +67,7 @@ class GemmSite:
     x_sizes and w_sizes are the same shapes with each symbolic dim as its torch.SymInt: checked
     through them, a dynamic size's check becomes a guard of the compiled graph. An einsum site
     carries its layout as a batched product (rewrite passes it on to the op). in_body: the site
-    is in a body (body_of), which the rewrite gives the training formula.
+    is in a body (body_of), whose sites run the training formula (runs_inference_product).
     """
 
     form: str
@@ -87,6 +87,13 @@ class GemmSite:
         """The site's name in plans, dumps and errors: the owner's name and the call index,
         "fc1#0", since a module called twice in one forward is one role but two sites."""
         return f"{self.name}#{self.call}"
+
+    def runs_inference_product(self, inference: bool) -> bool:
+        """Whether, in a graph that never runs backward where ``inference``, the site runs the
+        inference formula (graphquant.ops.inference: fprop alone, x quantized for it alone): a
+        frozen linear, or a linear outside a body (a body's sites keep the training formula). The
+        rewrite gives it that formula and the plan picks its fprop's backend for it."""
+        return inference and (self.form == FROZEN or (self.form == LINEAR and not self.in_body))
 
     def role(self, tensor_type: str) -> QuantizerRole:
         return QuantizerRole(self.module_type, tensor_type, self.name)

@@ -19,7 +19,7 @@ from tabulate import tabulate
 from graphquant import recipes, user_stack
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.passes.find_gemms import FROZEN, LINEAR, TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -44,13 +44,6 @@ GEMMS = (
     ("dgrad", (2, ROWWISE), (1, COLUMNWISE)),
     ("wgrad", (2, COLUMNWISE), (0, COLUMNWISE)),
 )
-
-
-def _runs_inference_product(site: GemmSite) -> bool:
-    """Whether the rewrite gives the site, in a graph without backward, the inference formula
-    (graphquant.ops.inference), whose fprop quantizes x for itself alone: a linear outside a body
-    (rewrite gives a body's the training formula), or a frozen linear."""
-    return site.form == FROZEN or (site.form == LINEAR and not site.in_body)
 
 
 class PlanError(ValueError):
@@ -230,7 +223,7 @@ class Planner:
                 if site.module_type == "grouped_linear":
                     selection = backends.select_grouped(qa, da, qb, db, device, k, fast)
                 else:
-                    quantize_a = not training and _runs_inference_product(site)
+                    quantize_a = site.runs_inference_product(not training)
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast, quantize_a)
                 if untileable:
                     selection = dataclasses.replace(selection, reason=untileable)

@@ -80,7 +80,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         body = body_of(gm, node)
         if body is not None:
             body_state = _body_state(body, node, state)
-            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, False, counter, amax_group)
+            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, inference, counter, amax_group)
             continue
         if "graphquant_attention" in node.meta:
             _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group)
@@ -101,7 +101,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             streams=tuple(3 * index + i for i in range(3)),
             amax_group=None if grouped_site else amax_group,
             **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
-            inference=inference and site.form == LINEAR,
+            # Which of quantized_linear's formulas runs; a frozen linear's function has the inference one alone.
+            inference=site.form == LINEAR and site.runs_inference_product(inference),
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)

@@ -87,8 +87,9 @@ def forbid_reference(monkeypatch):
 
     monkeypatch.setattr(native, "reference_quantize", fallback)
     for cls in (Quantizer, *quantizer_classes()):  # the grouped quantize's vectorised fallback
-        if "quantize_groups" in vars(cls):
-            monkeypatch.setattr(cls, "quantize_groups", fallback)
+        for method in ("quantize_groups", "grouped_columnwise_amax"):
+            if method in vars(cls):
+                monkeypatch.setattr(cls, method, fallback)
 
 
 @pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -279,7 +279,7 @@ def grouped_quantize_pass(
     kernel reads them from x, so no gathered copy is made.
 
     take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
-    (``reference_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
+    (``Quantizer.grouped_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
     GroupedQuantized.columnwise_amax; a later call that makes the same x's columnwise representation
     takes them (``columnwise_amax``) instead of reading x for them again. The same numbers either
     way: an expert stack's weights, rowwise in forward and columnwise in backward, are read once
@@ -321,24 +321,8 @@ def grouped_quantize_pass(
                 made[direction] = by_kernel[0].rowwise if alone else by_kernel[0].columnwise
     amax = None
     if take_columnwise_amax:
-        amax = reference_columnwise_amax(quantizer.child(COLUMNWISE), in_layout(), row_group, group_sizes.shape[0], ctx)
+        amax = quantizer.child(COLUMNWISE).grouped_columnwise_amax(in_layout(), row_group, group_sizes.shape[0])
     return GroupedQuantized(made.get(ROWWISE), made.get(COLUMNWISE), amax)
-
-
-def reference_columnwise_amax(
-    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_count: int, ctx: QuantizeContext
-) -> torch.Tensor:
-    """The amaxes ``quantizer``'s grouped columnwise representation of ``x`` scales from, flat
-    float32, as the kernel's pre-pass takes them: per group for per-tensor FP8 and NVFP4 (of the
-    transformed values), per group and column for row-scaled FP8; none for formats whose scales
-    come from their blocks alone."""
-    encoding = quantizer.kernel_encoding(COLUMNWISE)
-    scaling = None if encoding is None else encoding.scaling
-    if scaling == "row":
-        return groups.group_amax(x, row_group, group_count, per_column=True).reshape(-1)
-    if scaling in ("tensor", "nvfp4"):
-        return quantizer.quantize_groups(x, row_group, group_count, COLUMNWISE, ctx).amax.float().reshape(-1)
-    return x.new_empty(0, dtype=torch.float32)
 
 
 def reference_grouped_quantize(

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
+from graphquant.kernels.triton_launch import launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +284,8 @@ def forward(
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
     config = config or default_config(causal)
     q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
-    grid = (triton.cdiv(seq_q, config.block_m), b * heads)
-    _forward_kernel[grid](
+    launch(
+        _forward_kernel, (triton.cdiv(seq_q, config.block_m), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
         config.pv_promotion, config.warp_specialize, config.qk_ahead,

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.triton_attention import logit_scale
+from graphquant.kernels.triton_launch import launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +236,8 @@ def backward(
     dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
-    _backward_kernel[(triton.cdiv(seq_k, c.block_n) * b * heads,)](
+    launch(
+        _backward_kernel, (triton.cdiv(seq_k, c.block_n) * b * heads,),
         q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],

@@ -43,7 +43,7 @@ import torch
 from graphquant.formats import fp8, per_tensor
 from graphquant.kernels import backends
 from graphquant.ops import recording, registry
-from graphquant.ops.library import quantizer_of
+from graphquant.ops.library import quantizer_of, unflatten
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
@@ -275,8 +275,7 @@ def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, c
     b, h, lq, d = q.shape
     do_made = joint_per_tensor({"dO": do.reshape(-1, d)}, site.quantizer("do"), do_state, ("dO",))["dO"]
     do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
-    # graphquant::dequantize's values of per-tensor codes, in plain ops that Inductor fuses into D's sum.
-    delta = rowsum_of_products(per_tensor.dequantize(*do_row.tensors[:2]), o.view(b * h, lq, d)).view(b, h, lq)
+    delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
     s_scale, dp_scale = s_found[:1].clone(), dp_state.delayed[:1].clone()
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_row.tensors[1], s_scale, torch.reciprocal(s_scale), dp_scale, torch.reciprocal(dp_scale))])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, d))  # noqa: E731
@@ -464,14 +463,10 @@ def quantize_do(site, do: torch.Tensor, do_state: SlotState) -> dict[str, Operan
 
 def rowsum_do_o(do_made: dict[str, Operand], o: torch.Tensor) -> torch.Tensor:
     """D = rowsum(dO * O) in fp32, (batch * heads, Lq, 1) for o (batch * heads, Lq, Dv), with dO's
-    dequantized values."""
+    rowwise values decoded by its format's reference numerics (graphquant::dequantize's values bit
+    for bit) in plain ops, which Inductor fuses into the sum instead of writing the values out."""
     row = do_made[ROWWISE]
-    return rowsum_of_products(torch.ops.graphquant.dequantize(row.tensors, row.spec, ROWWISE, row.shape, torch.float32), o)
-
-
-def rowsum_of_products(do_values: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """rowsum(dO * O) in fp32, (batch * heads, Lq, 1), of dO's dequantized fp32 values (any shape
-    of as many elements) and o (batch * heads, Lq, Dv)."""
+    do_values = unflatten(row.tensors, row.spec, ROWWISE, row.shape, torch.float32).dequantize()
     return (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
 
 

@@ -76,7 +76,7 @@ def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, co
     reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
     tensors = [t for rep in reps for t in rep.tensors()]
     if take_columnwise_amax:
-        tensors.append(native.reference_columnwise_amax(quantizer.child(COLUMNWISE), padded, row_group, ends.shape[0], QuantizeContext()))
+        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, ends.shape[0]))
     return [t.new_empty(t.shape) for t in tensors]
 
 

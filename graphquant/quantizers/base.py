@@ -242,6 +242,14 @@ class Quantizer:
         group's rows); None where the values carry it all."""
         return None
 
+    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
+        """The amaxes ``quantize_groups(x, row_group, groups, COLUMNWISE, ...)`` scales from, flat
+        float32, so that the pass that reads x for the rowwise can take them for a later columnwise
+        call (graphquant.kernels.native.grouped_quantize_pass). Here: none, right for formats whose
+        scales come from their blocks alone; a format whose native kernel scales a group from an
+        amax over its rows (a per-tensor scale, one per column) answers with them."""
+        return x.new_empty(0, dtype=torch.float32)
+
     def child(self, direction: str) -> "Quantizer":
         """The quantizer that makes ``direction``: itself (a HybridQuantizer names one per direction)."""
         return self

@@ -139,6 +139,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
         return rep.scale[row_group, None] if rep.direction == ROWWISE else rep.scale[:, None]
 
+    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
+        return group_amax(x, row_group, groups)
+
 
 @dataclasses.dataclass(frozen=True)
 class Float8DelayedScalingQuantizer(_PerTensorFloat8):

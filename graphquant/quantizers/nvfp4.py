@@ -132,6 +132,10 @@ class NVFP4Quantizer(Quantizer):
             return factor[:, None]
         return factor[:, None] if self.row_scaled_nvfp4 else factor[row_group, None]
 
+    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
+        """Of the transformed values, where the columnwise has the Hadamard transform."""
+        return group_amax(self.transformed(x.t(), COLUMNWISE).t(), row_group, groups)
+
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE, ctx)
 

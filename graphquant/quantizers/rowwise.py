@@ -73,6 +73,9 @@ class Float8RowwiseQuantizer(Quantizer):
     def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
         return rep.scale.reshape(-1, 1) if rep.direction == ROWWISE else rep.scale[:, :, 0]
 
+    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
+        return group_amax(x, row_group, groups, per_column=True).reshape(-1)
+
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return block.dequantize(rep.data, rep.scale, block=(1, rep.data.shape[1]))
 
