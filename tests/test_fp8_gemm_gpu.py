@@ -98,6 +98,9 @@ def test_fp8_gemm_in_a_cuda_graph_on_a_shape_not_seen_before():
     m, n, k = 2048, 2048, 4096
     a, b = _fp8(m, k, E4M3), _fp8(n, k, E5M2)
     sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
+    # CUDA graphs need their libraries' handles made before a capture: in a process whose first
+    # cuBLAS call is inside one, cublasCreate fails and the failed capture spoils what runs after it.
+    _ext().fp8_gemm(a[:64], b[:64], sa, sb, torch.bfloat16, False)
     before = len(scaled_mm.algorithm_choices())
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
