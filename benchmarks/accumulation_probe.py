@@ -3,10 +3,10 @@ read off its result.
 
     python benchmarks/accumulation_probe.py [--k 1024]
 
-One output is the sum of a large product (256) and K - 1 small ones (2^-6 each), the large one
+One output is the sum of a large product (256) and K - 1 small ones (2^-8 each), the large one
 first. Hopper's FP8 tensor cores align the terms of a chain of MMAs to its largest one, keeping
 about 14 bits: next to 256 every small product is lost, while a chain with only small products
-sums them exactly. So the result is 256 + (K - P) 2^-6, where P is the number of products summed
+sums them exactly. So the result is 256 + (K - P) 2^-8, where P is the number of products summed
 in the accumulator with the large one: the promotion interval (P = K: never promoted, fast
 accumulation). Printed for cuBLASLt through torch._scaled_mm with and without fast accumulation,
 and for Triton's tl.dot with each ``max_num_imprecise_acc`` (the calibration: it must read P back).
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from tabulate import tabulate
 
-LARGE, SMALL = 256.0, 2.0**-6
+LARGE, SMALL = 256.0, 2.0**-8
 ROWS = 64  # a tile of Hopper's warp-group MMA (wgmma), which Triton then uses
 
 
@@ -34,7 +34,7 @@ def operands(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def products_with_the_large_one(total: float, k: int) -> float:
-    """P, from a result 256 + (K - P) 2^-6."""
+    """P, from a result 256 + (K - P) 2^-8."""
     return k - (total - LARGE) / SMALL
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     a, b = operands(k)
     rows = [(f"triton tl.dot, max_num_imprecise_acc={p}", triton_dot(a, b, p)) for p in (32, 64, 128, 256, k)]
     rows += [(f"cuBLASLt torch._scaled_mm, use_fast_accum={fast}", scaled_mm(a, b, fast)) for fast in (False, True)]
-    print(f"K = {k}: one product of {LARGE:g}, then {k - 1} of 2^-6 (exact sum {LARGE + (k - 1) * SMALL:g})")
+    print(f"K = {k}: one product of {LARGE:g}, then {k - 1} of 2^-8 (exact sum {LARGE + (k - 1) * SMALL:g})")
     print(tabulate([(name, f"{total:.6f}", f"{products_with_the_large_one(total, k):g}") for name, total in rows],
                    headers=["GEMM", "result", "products summed with the large one (P)"], disable_numparse=True))
 
