@@ -206,10 +206,12 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triton_attention.forward``'s results, bit for bit those of its ``triton_config(config)``
     (``config`` defaults to ``default_config(causal)``, whose bits are the Triton forward's
-    default's), on Hopper only."""
+    default's), on Hopper only, for key lengths that are multiples of 16."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     triton_attention.check_shapes(q, k, vt)
+    if seq_k % 16:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
+        raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of 16, not {seq_k}")
     o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
     p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
