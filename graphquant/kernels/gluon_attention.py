@@ -122,15 +122,7 @@ def _forward_kernel(
     p_scale = gl.load(P_SCALE)
     qk_scale = triton_attention.logit_scale(scale_inv, softmax_scale)
 
-    # Tiles [0, full_end) every row of the block sees whole; [full_end, end) need a mask.
-    full_end = (seq_k // BLOCK_N) * BLOCK_N
-    end = seq_k
-    if CAUSAL:
-        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        if diagonal_start < full_end:
-            full_end = diagonal_start
-        if (start_m + 1) * BLOCK_M < seq_k:
-            end = (start_m + 1) * BLOCK_M
+    full_end, end = triton_attention.key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     tiles = gl.cdiv(end, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
@@ -193,30 +185,17 @@ def _forward_kernel(
     gl.atomic_max(P_AMAX, gl.max(gl.where(rows, 1.0 / l_i, 0.0), 0))
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    vt: torch.Tensor,
-    scale_inv: torch.Tensor,
-    p_scale: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    out_dtype: torch.dtype,
-    config: Optional[GluonForwardConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
+            causal: bool, out_dtype: torch.dtype, config: Optional[GluonForwardConfig] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triton_attention.forward``'s results, bit for bit those of its ``triton_config(config)``
     (``config`` defaults to ``default_config(causal)``, whose bits are the Triton forward's
     default's), on Hopper only, for key lengths that are multiples of 16."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    triton_attention.check_shapes(q, k, vt)
+    (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     if seq_k % 16:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of 16, not {seq_k}")
-    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
-    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
-    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
     config = config or default_config(causal)
-    q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
     launch(
         _forward_kernel, (triton.cdiv(seq_q, 128), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],

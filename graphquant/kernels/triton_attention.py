@@ -214,6 +214,21 @@ def logit_scale(codes_scale_inv, softmax_scale):
 
 
 @triton.jit
+def key_range(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_end, end) for query block ``start_m``: its rows see the keys [0, full_end) whole
+    (whole key tiles) and need a mask in [full_end, end)."""
+    full_end = (seq_k // BLOCK_N) * BLOCK_N
+    end = seq_k
+    if CAUSAL:
+        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        if diagonal_start < full_end:
+            full_end = diagonal_start
+        if (start_m + 1) * BLOCK_M < seq_k:
+            end = (start_m + 1) * BLOCK_M
+    return full_end, end
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -238,14 +253,7 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Tiles every row of the block sees whole, then the ones that need a mask (one or two a program:
     # QK^T a tile ahead there would only add its product of zeros).
-    full_end = (seq_k // BLOCK_N) * BLOCK_N
-    end = seq_k
-    if CAUSAL:
-        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        if diagonal_start < full_end:
-            full_end = diagonal_start
-        if (start_m + 1) * BLOCK_M < seq_k:
-            end = (start_m + 1) * BLOCK_M
+    full_end, end = key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
         HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, QK_AHEAD, OPERAND_ORDER,
@@ -262,8 +270,9 @@ def _forward_kernel(
     tl.atomic_max(P_AMAX, tl.max(tl.where(rows, 1.0 / l_i, 0.0), 0))
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor) -> None:
-    """Refuse codes the forward does not take (what ``forward`` says it takes)."""
+def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """The outputs a forward fills (O, logsumexp, P's amax: see ``forward``) and the codes
+    contiguous; refuses codes it does not take."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
@@ -273,6 +282,10 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor) -> None:
         )
     if heads % kv_heads or seq_k == 0:
         raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
+    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
+    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
+    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
+    return (o, lse, p_amax), (q.contiguous(), k.contiguous(), vt.contiguous())
 
 
 def forward(
@@ -292,12 +305,8 @@ def forward(
     ``p_scale`` (both one float32 on the device); ``config`` defaults to ``default_config(causal)``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    check_shapes(q, k, vt)
-    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
-    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
-    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
+    (o, lse, p_amax), (q, k, vt) = prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
-    q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
     launch(
         _forward_kernel, (triton.cdiv(seq_q, config.block_m), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
