@@ -12,8 +12,9 @@ and waited for explicitly; each iteration of the key loop, for tile j (its logit
     mask, row max and logits of tile j+1         meanwhile
     wait for PV of tile j; O = O * alpha + PV    (the Triton kernel's promotion per key tile)
 
-Every value is the Triton kernel's: the same wgmma instructions (m64n128k32, a warpgroup per 64
-query rows, QK^T from zero, PV from zero and added into O in fp32 once a key tile), the same
+Every value is the Triton kernel's: the same wgmma instructions (m64nNk32 with N the key tile for
+QK^T and the head dim for PV, a warpgroup per 64 query rows, QK^T from zero, PV from zero and
+added into O in fp32 once a key tile, one FMA as Triton's compiler contracts it), the same
 accumulator layout (so the same order of each row's sum), the same key order in S's columns
 (``operand_order``) and the Triton kernel's own helpers for the logits, the exponentials and the
 quantization of P. The key tiles that need a mask are masked in the same loop (a branch on the
@@ -22,7 +23,9 @@ same bits. The last iteration's QK^T of the tile past the end multiplies zeros (
 masked off) and is not used.
 
 Its configuration is ``GluonForwardConfig``; ``forward`` takes the Triton forward's arguments, and
-its bits are those of ``triton_attention.forward`` in ``triton_config(config)``.
+its bits are those of ``triton_attention.forward`` in ``triton_config(config)``. K and V^T arrive
+by cp.async (K's rows permuted in operand order, which TMA cannot copy), 16 bytes a thread, so key
+lengths must be multiples of 16.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def default_config(causal: bool) -> GluonForwardConfig:
 
 def triton_config(config: GluonForwardConfig) -> triton_attention.ForwardConfig:
     """The Triton forward's configuration with the same bits as ``config``."""
-    return triton_attention.ForwardConfig(block_m=128, block_n=128, num_warps=NUM_WARPS, pv_promotion=128, operand_order=config.operand_order)
+    return triton_attention.ForwardConfig(block_m=128, block_n=128, num_warps=NUM_WARPS.value, pv_promotion=128, operand_order=config.operand_order)
 
 
 @gluon.jit
