@@ -85,7 +85,8 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
     its key loop the next tile's QK^T (head_dim / 32 wgmmas) is waited for only after PV (four)
     is issued, the next tile's row max runs while PV is in flight, and PV is waited for last (one
     wgmma group left in flight, and none, the only waits); at head dim 128 QK^T is issued before
-    most of this tile's 66 exponentials (64 of P, 2 of alpha; ptxas hoists a few above it)."""
+    most of this tile's 66 exponentials (64 of P, 2 of alpha; ptxas hoists a few above it). While
+    PV is in flight nothing overwrites P's registers, which it reads."""
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention
 
@@ -99,6 +100,25 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
     assert beside_qk.count("Q") == head_dim // 32 and pv.count("P") == 4 and beside_pv.count("M") >= 64, events
     if head_dim == 128:  # at 64, ptxas hoists the exponentials above the barrier that precedes QK^T
         assert beside_qk.count("E") >= 48, events
+    assert not _operand_registers_overwritten(_key_loop(_sass(compiled.asm["cubin"])))
+
+
+def _operand_registers_overwritten(loop: list[str]) -> list[str]:
+    """The instructions that write one of P's registers (PV's A operand: four from each wgmma's
+    first source) after PV is issued and before it is waited for, which would change what the
+    tensor cores read (ptxas must keep them, as the kernel cannot tell it to: Gluon's wgmma wait
+    keeps no 8-bit operand alive)."""
+    first = next(i for i, instruction in enumerate(loop) if re.search(r"QGMMA\S* R\d+, R\d+, gdesc", instruction))
+    last = next(i for i in range(first, len(loop)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
+    operand = {int(m.group(1)) + r for instruction in loop[first:last] if (m := re.search(r"QGMMA\S* R\d+, R(\d+), gdesc", instruction)) for r in range(4)}
+    written = []
+    for instruction in loop[first:last]:
+        m = re.match(r"(?:@!?U?P\w+ )?([A-Z0-9_.]+) R(\d+)\b", instruction)
+        if m and not m.group(1).startswith(("QGMMA", "ST", "RED", "ATOM")):
+            width = 4 if ".128" in m.group(1) else 2 if (".64" in m.group(1) or ".WIDE" in m.group(1)) else 1
+            if operand & set(range(int(m.group(2)), int(m.group(2)) + width)):
+                written.append(instruction)
+    return written
 
 
 def test_configurations_refuse_what_the_kernel_cannot_run():
