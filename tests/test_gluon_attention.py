@@ -35,12 +35,12 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
 
     kernel = gluon_attention._forward_kernel
     constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=128, BLOCK_N=128,
-                     STAGES=config.num_stages, OPERAND_ORDER=config.operand_order)
+                     STAGES=config.num_stages, OPERAND_ORDER=config.operand_order, SPECIALIZED=config.warp_specialize)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", P_AMAX="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
     signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 64),
-                          options={"num_warps": gluon_attention.NUM_WARPS.value})
+                          options={"num_warps": gluon_attention.launch_warps(config)})
 
 
 def _sass(cubin: bytes) -> list[tuple[int, str]]:
@@ -55,19 +55,27 @@ def _sass(cubin: bytes) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), " ".join(m.group(2).split())) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", listing)]
 
 
-def _key_loop(sass: list[tuple[int, str]]) -> list[str]:
-    """The key loop's instructions: from the target of the widest backward branch to that branch."""
-    loops = [(address - int(m.group(1), 16), int(m.group(1), 16), address)
-             for address, instruction in sass if (m := re.search(r"\bBRA (0x[0-9a-f]+)", instruction)) and int(m.group(1), 16) < address]
-    _, start, end = max(loops)
-    return [instruction for address, instruction in sass if start <= address <= end]
+def _key_loops(sass: list[tuple[int, str]]) -> list[list[str]]:
+    """Each key loop's instructions (one a consumer warpgroup's where the loop is warp-specialized):
+    the spans from a backward branch's target to it that issue a PV wgmma, shortest first, each
+    overlapping none taken before it (the partitions' dispatch branches span several loops)."""
+    spans = [(int(m.group(1), 16), address) for address, instruction in sass
+             if (m := re.search(r"\bBRA (0x[0-9a-f]+)", instruction)) and int(m.group(1), 16) < address]
+    loops = []
+    for a, b in sorted(spans, key=lambda span: span[1] - span[0]):
+        if any(a <= address <= b and _PV.search(i) for address, i in sass) and all(b < c or d < a for c, d in loops):
+            loops.append((a, b))
+    return [[instruction for address, instruction in sass if a <= address <= b] for a, b in sorted(loops)]
+
+
+_PV = re.compile(r"QGMMA\S* R\d+, R\d+, gdesc")  # a wgmma whose A operand is in registers: P
 
 
 def _events(loop: list[str]) -> str:
     """The key loop as a string of what the schedule is about: Q a wgmma of QK^T (both operands in
     shared memory), P one of PV (P from registers), E an exponential, M a max, 1 a wait until one
     group of wgmmas is left in flight, 0 a wait for all, B a CTA barrier."""
-    kinds = [("QGMMA", lambda i: "P" if re.search(r"QGMMA\S* R\d+, R\d+, gdesc", i) else "Q"), ("MUFU.EX2", "E"), ("FMNMX", "M"),
+    kinds = [("QGMMA", lambda i: "P" if _PV.search(i) else "Q"), ("MUFU.EX2", "E"), ("FMNMX", "M"),
              ("WARPGROUP.DEPBAR.LE gsb0, 0x1", "1"), ("WARPGROUP.DEPBAR.LE gsb0, 0x0", "0"), ("BAR.SYNC", "B")]
     events = []
     for instruction in loop:
@@ -77,30 +85,43 @@ def _events(loop: list[str]) -> str:
     return "".join(events)
 
 
-@pytest.mark.parametrize("operand_order", [False, True], ids=["key-order", "operand-order"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, groups", [(128, 1), (128, 4), (64, 1)], ids=["d128", "d128-gqa", "d64"])
-def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order):
-    """Compiled for Hopper at 5 stages, the kernel spills nothing and ptxas serializes no wgmma; in
-    its key loop the next tile's QK^T (head_dim / 32 wgmmas) is waited for only after PV (four)
-    is issued, the next tile's row max runs while PV is in flight, and PV is waited for last (one
-    wgmma group left in flight, and none, the only waits); at head dim 128 QK^T is issued before
-    most of this tile's 66 exponentials (64 of P, 2 of alpha; ptxas hoists a few above it). While
-    PV is in flight nothing overwrites P's registers, which it reads."""
+SM90_CASES = [  # head dim, groups, causal, operand order, warp-specialized
+    *[(d, g, causal, order, False) for d, g in ((128, 1), (128, 4), (64, 1)) for causal in (False, True) for order in (False, True)],
+    *[(d, 1, causal, not causal, True) for d in (128, 64) for causal in (False, True)],  # each mask's default order
+]
+
+
+@pytest.mark.parametrize("head_dim, groups, causal, operand_order, specialized", SM90_CASES,
+                         ids=[f"d{d}-g{g}-{'causal' if c else 'full'}-{'operand' if o else 'key'}-order{'-ws' if w else ''}" for d, g, c, o, w in SM90_CASES])
+def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order, specialized):
+    """Compiled for Hopper at 5 stages, the kernel's key loop spills nothing and ptxas serializes no
+    wgmma; the next tile's QK^T (head_dim / 32 wgmmas) is waited for only after PV (four) is issued,
+    the next tile's row max runs while PV is in flight, and PV is waited for last (one wgmma
+    group left in flight, and none, the only waits); at head dim 128 QK^T is issued before most
+    of this tile's 66 exponentials (64 of P, 2 of alpha; ptxas hoists a few above it). While PV
+    is in flight nothing overwrites P's registers, which it reads. Warp-specialized, each
+    consumer warpgroup has such a loop, with no CTA-wide barrier in it (the partitions meet at
+    mbarriers alone)."""
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention
 
-    compiled = _compiled_for_sm90(causal, head_dim, gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order), groups)
+    config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized)
+    compiled = _compiled_for_sm90(causal, head_dim, config, groups)
     report = _ptxas_report(compiled.asm["ptx"])
-    assert "0 bytes spill stores" in report and "serialized" not in report, report
-    events = _events(_key_loop(_sass(compiled.asm["cubin"])))
-    schedule = re.fullmatch(r"[^QP01]*?(Q[^P01]*)(P[PE]*)[^QP01]*1([^QP01]*)0[^QP01]*", events)
-    assert schedule and events.count("E") == 66, events
-    beside_qk, pv, beside_pv = schedule.groups()
-    assert beside_qk.count("Q") == head_dim // 32 and pv.count("P") == 4 and beside_pv.count("M") >= 64, events
-    if head_dim == 128:  # at 64, ptxas hoists the exponentials above the barrier that precedes QK^T
-        assert beside_qk.count("E") >= 48, events
-    assert not _operand_registers_overwritten(_key_loop(_sass(compiled.asm["cubin"])))
+    assert "serialized" not in report and (specialized or "0 bytes spill stores" in report), report
+    loops = _key_loops(_sass(compiled.asm["cubin"]))
+    assert len(loops) == (2 if specialized else 1)
+    for loop in loops:
+        events = _events(loop)
+        schedule = re.fullmatch(r"[^QP01]*?(Q[^P01]*)(P[PE]*)[^QP01]*1([^QP01]*)0[^QP01]*", events)
+        assert schedule and events.count("E") == 66, events
+        beside_qk, pv, beside_pv = schedule.groups()
+        assert beside_qk.count("Q") == head_dim // 32 and pv.count("P") == 4 and beside_pv.count("M") >= 64, events
+        if head_dim == 128:  # at 64, ptxas hoists the exponentials above the barrier that precedes QK^T
+            assert beside_qk.count("E") >= 48, events
+        assert not _operand_registers_overwritten(loop)
+        if specialized:  # the captured arguments go through the stack, but not in the loop
+            assert not [i for i in loop if re.match(r"(STL|LDL)\b", i) or re.fullmatch(r"BAR\.SYNC\S* 0x[0-9a-f]+", i)]
 
 
 def _operand_registers_overwritten(loop: list[str]) -> list[str]:
@@ -149,18 +170,22 @@ def _codes(b, heads, kv_heads, lq, lk, d, seed=0, device="cuda"):
     return q, k, vt, torch.tensor([0.05], device=device), torch.tensor([448.0], device=device)
 
 
+SCHEDULES = {"stages4": dict(num_stages=4), "stages6": dict(num_stages=6), "ws": dict(num_stages=5, warp_specialize=True)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [4, 6])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("operand_order", [False, True], ids=["key-order", "operand-order"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[f"b{b}-h{h}/{kv}-{lq}x{lk}-d{d}" for b, h, kv, lq, lk, d in GPU_CASES])
-def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_order, stages):
+def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_order, schedule):
     """O (bf16), the logsumexp and the amax of the normalised P of the Gluon forward are those of
-    the Triton forward in the configuration with the same numerics, bit for bit."""
+    the Triton forward in the configuration with the same numerics, bit for bit, in both schedules
+    (warps copying the tiles themselves at 4 and 6 stages, and warp-specialized: ``ws``)."""
     from graphquant.kernels import gluon_attention, triton_attention
 
     codes = _codes(*case)
-    config = gluon_attention.GluonForwardConfig(num_stages=stages, operand_order=operand_order)
+    config = gluon_attention.GluonForwardConfig(operand_order=operand_order, **SCHEDULES[schedule])
     gluon = gluon_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, config)
     expected = triton_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, gluon_attention.triton_config(config))
     for name, x, y in zip(("O", "logsumexp", "P amax"), gluon, expected):
@@ -169,13 +194,16 @@ def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_o
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("specialized", [False, True], ids=["copying", "ws"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_default_is_the_triton_default_bit_for_bit(causal):
-    """Each side's default configuration for the mask, in float32 out: the same bits."""
+def test_gluon_default_is_the_triton_default_bit_for_bit(causal, specialized):
+    """Each side's default configuration for the mask (the Gluon one warp-specialized or not), in
+    float32 out: the same bits."""
     from graphquant.kernels import gluon_attention, triton_attention
 
     codes = _codes(2, 8, 2, 1000, 1008, 128, seed=1)
-    gluon = gluon_attention.forward(*codes, 128**-0.5, causal, torch.float32)
+    config = dataclasses.replace(gluon_attention.default_config(causal), warp_specialize=specialized)
+    gluon = gluon_attention.forward(*codes, 128**-0.5, causal, torch.float32, config)
     expected = triton_attention.forward(*codes, 128**-0.5, causal, torch.float32)
     assert dataclasses.replace(triton_attention.default_config(causal), qk_ahead=False) == gluon_attention.triton_config(gluon_attention.default_config(causal))
     for name, x, y in zip(("O", "logsumexp", "P amax"), gluon, expected):
