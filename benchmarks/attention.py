@@ -2,6 +2,7 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -11,7 +12,9 @@ nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on t
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
 V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
 s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
-kernels on codes quantized beforehand. ``--emulated`` adds the exact emulation of
+kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
+(graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
+at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated`` adds the exact emulation of
 that recipe and of MXFP8, which materialises S and P (so it runs out of memory first: such a row
 says "OOM").
 """
@@ -19,7 +22,9 @@ says "OOM").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import importlib
 import itertools
 import sys
 
@@ -82,13 +87,13 @@ def flash_codes(q, k, v) -> tuple:
     return q8, k8, vt, scale_inv, E4M3.scale_of_amax(torch.ones(1, device=q.device))
 
 
-def flash_kernel_alone(q, k, v, causal: bool, config=None):
+def flash_kernel_alone(q, k, v, causal: bool, config=None, kernel: str = "triton_attention"):
     """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize), in
-    ``config`` (a triton_attention.ForwardConfig; None: the kernel's default)."""
-    from graphquant.kernels import triton_attention
-
+    ``config`` (``kernel``'s configuration: triton_attention.ForwardConfig or
+    gluon_attention.GluonForwardConfig; None: the kernel's default)."""
+    forward = importlib.import_module(f"graphquant.kernels.{kernel}").forward
     codes = flash_codes(q, k, v)
-    return lambda: triton_attention.forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
+    return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
 def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
@@ -112,7 +117,7 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
     return lambda: (forward(), backward())
 
 
-def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS) -> dict[str, callable]:
+def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS, gluon_schedules: tuple = ()) -> dict[str, callable]:
     batch = max(1, TOKENS // seq)
     q, k, v = (
         torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
@@ -147,6 +152,12 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
+            for stages, specialized in gluon_schedules:
+                from graphquant.kernels import gluon_attention
+
+                config = dataclasses.replace(gluon_attention.default_config(causal), num_stages=stages, warp_specialize=specialized)
+                name = f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
+                fns[name] = flash_kernel_alone(q, k, v, causal, config, "gluon_attention")
     return fns
 
 
@@ -180,6 +191,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", default="32,8", help="key/value heads (of 32 query heads), comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per configuration")
     parser.add_argument("--emulated", action="store_true", help="add the exact emulation's rows (slow; OOM first)")
+    parser.add_argument("--gluon-stages", default="", help="add the Gluon forward's rows (graphquant.kernels.gluon_attention, "
+                        "the Triton forward's bits) at these num_stages, comma-separated (forward only)")
+    parser.add_argument("--gluon-warp-specialize", default="0", help="the Gluon rows' warp_specialize, 0 and/or 1")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
@@ -188,7 +202,8 @@ def main() -> None:
     rows = []
     cases = itertools.product(map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True), [p == "fwd+bwd" for p in passes])
     for kv_heads, seq, causal, backward in cases:
-        results = measure(runs(seq, causal, backward, args.emulated, kv_heads), args.rounds)
+        gluon_schedules = tuple(itertools.product([int(x) for x in args.gluon_stages.split(",") if x], [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
+        results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules), args.rounds)
         work = flops(seq, causal, backward)
         for name, ms in results.items():
             tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms

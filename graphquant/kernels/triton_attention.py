@@ -94,13 +94,12 @@ def default_config(causal: bool) -> ForwardConfig:
 
 
 @triton.jit
-def _column_keys(BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
-    """The key (within its tile) whose products each column of S holds. In operand order, column
+def _column_keys(c, OPERAND_ORDER: tl.constexpr):
+    """The key (within its tile) whose products each column ``c`` of S holds. In operand order, column
     b + 2a + 8i + 32j (b < 2, a < 4, i < 4) holds key b + 2(i % 2) + 4a + 16(i // 2) + 32j: the
     thread of the tensor cores' accumulator that holds columns 2a + b + 8i of each 32 then holds
     the 8 keys 4a..4a+3 and 16+4a..16+4a+3 that the PV product's register operand asks of it, so
     P reaches that operand without an exchange between threads (``_in_key_order``)."""
-    c = tl.arange(0, BLOCK_N)
     if OPERAND_ORDER:
         return (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 3) * 4 + (c >> 4) * 16
     return c
@@ -142,17 +141,25 @@ def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL:
 
 
 @triton.jit
-def _fold(
-    acc, l_i, m_i, m_new, logits, vt, p_scale,
-    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
-):
-    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
+def _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+    """From one key tile's ``_logits``: O's rescaling factor alpha, the new running sum l and the
+    tile's P codes (keys in order), the operand of its PV product."""
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
     p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     if OPERAND_ORDER:
         p8 = _in_key_order(p8, BLOCK_N)
+    return alpha, l_i, p8
+
+
+@triton.jit
+def _fold(
+    acc, l_i, m_i, m_new, logits, vt, p_scale,
+    BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
+):
+    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
+    alpha, l_i, p8 = _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
     if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
@@ -174,7 +181,7 @@ def _key_tiles(
     meanwhile, into the registers the previous products have just left (one product of zeros
     past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    columns = _column_keys(BLOCK_N, OPERAND_ORDER)
+    columns = _column_keys(tl.arange(0, BLOCK_N), OPERAND_ORDER)
     if QK_AHEAD:
         s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
@@ -207,6 +214,21 @@ def logit_scale(codes_scale_inv, softmax_scale):
 
 
 @triton.jit
+def key_range(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_end, end) for query block ``start_m``: its rows see the keys [0, full_end) whole
+    (whole key tiles) and need a mask in [full_end, end)."""
+    full_end = (seq_k // BLOCK_N) * BLOCK_N
+    end = seq_k
+    if CAUSAL:
+        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        if diagonal_start < full_end:
+            full_end = diagonal_start
+        if (start_m + 1) * BLOCK_M < seq_k:
+            end = (start_m + 1) * BLOCK_M
+    return full_end, end
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -231,14 +253,7 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Tiles every row of the block sees whole, then the ones that need a mask (one or two a program:
     # QK^T a tile ahead there would only add its product of zeros).
-    full_end = (seq_k // BLOCK_N) * BLOCK_N
-    end = seq_k
-    if CAUSAL:
-        diagonal_start = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        if diagonal_start < full_end:
-            full_end = diagonal_start
-        if (start_m + 1) * BLOCK_M < seq_k:
-            end = (start_m + 1) * BLOCK_M
+    full_end, end = key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _key_tiles(
         acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
         HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, QK_AHEAD, OPERAND_ORDER,
@@ -253,6 +268,24 @@ def _forward_kernel(
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
     tl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
     tl.atomic_max(P_AMAX, tl.max(tl.where(rows, 1.0 / l_i, 0.0), 0))
+
+
+def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """The outputs a forward fills (O, logsumexp, P's amax: see ``forward``) and the codes
+    contiguous; refuses codes it does not take."""
+    b, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
+        raise ValueError(
+            f"FP8 flash attention takes head dims {FLASH_HEAD_DIMS}, one for Q, K and V, and V^T of shape "
+            f"(D, batch * kv heads * Lk); got q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}"
+        )
+    if heads % kv_heads or seq_k == 0:
+        raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
+    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
+    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
+    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
+    return (o, lse, p_amax), (q.contiguous(), k.contiguous(), vt.contiguous())
 
 
 def forward(
@@ -272,18 +305,8 @@ def forward(
     ``p_scale`` (both one float32 on the device); ``config`` defaults to ``default_config(causal)``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    if head_dim not in FLASH_HEAD_DIMS or k.shape[3] != head_dim or vt.shape != (head_dim, b * kv_heads * seq_k):
-        raise ValueError(
-            f"FP8 flash attention takes head dims {FLASH_HEAD_DIMS}, one for Q, K and V, and V^T of shape "
-            f"(D, batch * kv heads * Lk); got q {tuple(q.shape)}, k {tuple(k.shape)}, vt {tuple(vt.shape)}"
-        )
-    if heads % kv_heads or seq_k == 0:
-        raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
-    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
-    lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
-    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
+    (o, lse, p_amax), (q, k, vt) = prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
-    q, k, vt = q.contiguous(), k.contiguous(), vt.contiguous()
     launch(
         _forward_kernel, (triton.cdiv(seq_q, config.block_m), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
