@@ -177,10 +177,10 @@ def test_grouped_path_reads_no_value_on_the_host(name, monkeypatch):
     "name", ["rowwise", "current", "blockwise", "mxfp8", "nvfp4_row_scaled_mxfp8_bwd", "nvfp4_block_scaling"]
 )
 def test_grouped_training_step_does_not_synchronise_on_gpu(name):
-    """Every grouped GEMM keeps the offsets on the device: torch._scaled_grouped_mm (E4M3 rowwise
-    and tensorwise fprop), the Triton FP8 grouped GEMM (the other FP8 GEMMs, blockwise's), a
-    bf16 torch._grouped_mm (MXFP8) and the Triton fp32-output kernel (NVFP4); stochastic
-    rounding reads the step's [seed, step] there too."""
+    """Every grouped GEMM keeps the offsets on the device: the Triton FP8 grouped GEMM (every FP8
+    GEMM, fast fprop and promoted dgrad and wgrad under rowwise and tensorwise; torch._scaled_grouped_mm
+    for the fast ones where Triton is not installed), a bf16 torch._grouped_mm (MXFP8) and the
+    Triton fp32-output kernel (NVFP4); stochastic rounding reads the step's [seed, step] there too."""
     model = Model().cuda()
     x = inputs().cuda().requires_grad_()
     grad = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
@@ -225,7 +225,7 @@ def fast_everywhere(recipe: CustomRecipe) -> CustomRecipe:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name, emulated_grouped_gemms):
+def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name, without_triton_grouped_gemm):
     """With every GEMM's sums kept in fp32 and no native grouped GEMM that promotes, the grouped
     GEMMs run emulated on the GPU too, and match each expert quantized alone in float64, ragged
     and empty groups included."""
@@ -236,22 +236,25 @@ def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name, emula
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(name):
-    """torch._scaled_grouped_mm for E4M3 per-row (all three GEMMs) and per-tensor (fprop; the E5M2
-    gradients stay emulated) grouped GEMMs where the recipe lets them accumulate fast: the step
-    equals the promoted, emulated one to within fast accumulation's error (no element bound is
-    claimed for it; a wrong layout or scale misses this by orders of magnitude)."""
+def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(name, grouped_gemm, monkeypatch):
+    """The Triton FP8 grouped GEMM with fast accumulation (every GEMM; torch._scaled_grouped_mm
+    where Triton is not installed: E4M3 per-row GEMMs, per-tensor fprop, the E5M2 gradients'
+    GEMMs emulated) where the recipe lets every GEMM accumulate fast: the step equals the
+    promoted, emulated one to within fast accumulation's error (no element bound is claimed for
+    the step; tests/test_triton_grouped_fp8.py bounds each GEMM; a wrong layout or scale misses
+    this by orders of magnitude)."""
     model, x = Model().cuda(), inputs().cuda()
     promoted, fast = (copy.deepcopy(model) for _ in range(2))
     compiled = graphquant.compile(fast, fast_everywhere(RECIPES[name]()), backend="aot_eager", fullgraph=True)
     actual = forward_backward(compiled, fast, x)
+    assert {g.gemm: str(g.backend) for g in compiled.graphquant.plan.gemms} == expected_backends(name, torch.cuda.get_device_capability(), grouped_gemm)
+    monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
     expected = forward_backward(
         graphquant.compile(promoted, dataclasses.replace(RECIPES[name](), fast_accumulation=()), backend="aot_eager", fullgraph=True), promoted, x
     )
     for key, value in expected.items():
         error = (actual[key].double() - value.double()).norm() / value.double().norm()
         assert error < 2**-8, f"{key}: relative error {error:.2e}"
-    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == NATIVE_ON_HOPPER[name]
 
 
 @pytest.mark.gpu
@@ -297,17 +300,19 @@ def scaled_grouped_mm_on_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtyp
 
 class TritonGroupedFp8OnCpu:
     """graphquant.kernels.triton_grouped_fp8's semantics on the CPU: each group's dequantized
-    operands multiplied in float64, the result rounded to out_dtype once."""
+    operands multiplied in float64, the result rounded to out_dtype once (promoted or not: exact)."""
+
+    PROMOTE_EVERY, FAST_ACCUMULATION = 32, None  # the kernel module's promotion intervals
 
     @staticmethod
-    def tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype):
+    def tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every):
         left = grouped_kernels.dequantize(a, a_group, torch.float64)
         stacked = grouped_kernels.dequantize(b, b_group, torch.float64).reshape(ends.shape[0], -1, b.shape[1])
         experts = stacked.transpose(1, 2) if b.direction == ROWWISE else stacked  # (groups, k, n)
         return torch.einsum("rk,rkn->rn", left, experts[a_group])[position, :n].to(out_dtype)
 
     @staticmethod
-    def tokens_by_tokens(a, a_group, b, b_group, ends, m, out_dtype):
+    def tokens_by_tokens(a, a_group, b, b_group, ends, m, out_dtype, promote_every):
         left = grouped_kernels.dequantize(a, a_group, torch.float64)
         right = grouped_kernels.dequantize(b, b_group, torch.float64)
         member = F.one_hot(a_group, ends.shape[0]).double()  # the zero rows after the last group join it
@@ -324,28 +329,74 @@ def scaled_grouped_mm_here(monkeypatch, fake_capability):
 
 
 @pytest.fixture
-def emulated_grouped_gemms(monkeypatch):
-    """The plan's grouped GEMMs that keep fp32 sums run emulated, not on the Triton FP8 grouped
-    GEMM: for the tests of the emulated path and of the reference's fp32 bound, which the
-    tensor cores' promoted sums do not meet (tests/test_triton_grouped_fp8.py tests theirs)."""
+def without_triton_grouped_gemm(monkeypatch):
+    """The plan's grouped GEMMs as where Triton is not installed: torch._scaled_grouped_mm for those
+    it takes that a recipe lets accumulate fast, the emulated GEMM for the rest; for the tests of
+    those paths and of the reference's fp32 bound, which the tensor cores' sums do not meet
+    (tests/test_triton_grouped_fp8.py tests the Triton GEMM's)."""
     monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
 
 
+@pytest.fixture(params=["triton", "no triton"])
+def grouped_gemm(request):
+    """Whether the native grouped GEMMs are Triton's (where it is installed), or as where it is
+    not (without_triton_grouped_gemm)."""
+    if request.param == "no triton":
+        request.getfixturevalue("without_triton_grouped_gemm")
+    elif not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton")
+    return request.param == "triton"
+
+
+GEMMS = ("fprop", "dgrad", "wgrad")
 # The GEMMs of Model() that torch._scaled_grouped_mm runs on sm90 and sm100 (E4M3 on both sides)
-# under a recipe that lets them accumulate fast.
+# under a recipe that lets them accumulate fast, where Triton is not installed.
 NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "blockwise": set(), "mxfp8": set()}
 
 
+def expected_backends(name: str, sm, triton: bool) -> dict[str, str]:
+    """{GEMM: its backend as the plan prints it} of Model() under fast_everywhere(RECIPES[name]())
+    on compute capability ``sm``: with Triton, every FP8 GEMM on its grouped GEMM from sm89 on,
+    fast but where the scales are per block; without, NATIVE_ON_HOPPER's on torch._scaled_grouped_mm."""
+    emulated = str(GemmBackend(backends.EMULATION))
+    if triton:
+        on_triton = name != "mxfp8" and sm is not None and sm >= (8, 9)
+        native = GemmBackend(backends.TRITON_GROUPED_GEMMS[0].backend, fast_accumulation=name != "blockwise")
+        return {gemm: str(native) if on_triton else emulated for gemm in GEMMS}
+    native = GemmBackend(backends.SCALED_GROUPED_MM, fast_accumulation=True)
+    return {gemm: str(native) if sm in ((9, 0), (10, 0)) and gemm in NATIVE_ON_HOPPER[name] else emulated for gemm in GEMMS}
+
+
 @pytest.mark.parametrize("name", ["rowwise", "current", "blockwise"])
-def test_native_grouped_dispatch_gives_scaled_grouped_mm_its_layouts(name, scaled_grouped_mm_here):
-    """The CPU has no torch._scaled_grouped_mm: in its place its semantics, behind torch's own
-    checks of its arguments, on a faked sm90 (and the Triton FP8 grouped GEMM's, for the GEMMs
-    it runs); the training step then matches the per-group reference as the emulated one does
-    (up to the native GEMMs' bf16 output)."""
+def test_native_grouped_dispatch_gives_the_native_gemms_their_layouts(name, grouped_gemm, scaled_grouped_mm_here):
+    """The CPU has neither torch._scaled_grouped_mm nor the Triton FP8 grouped GEMM: in their place
+    their semantics (torch's behind its own checks of its arguments) on a faked sm90; the training
+    step then matches the per-group reference as the emulated one does (up to the native GEMMs'
+    bf16 output)."""
     scaled_grouped_mm_here((9, 0))
     compiled = run_against_reference(fast_everywhere(RECIPES[name]()), Model(), inputs())
-    native = NATIVE_ON_HOPPER[name]
-    assert {g.gemm for g in compiled.graphquant.plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm: str(g.backend) for g in compiled.graphquant.plan.gemms} == expected_backends(name, (9, 0), grouped_gemm)
+
+
+def test_plan_and_graph_dump_name_each_grouped_gemms_backend_and_its_sums(grouped_gemm, scaled_grouped_mm_here, tmp_path):
+    """Under the zoo's rowwise recipe (fprop accumulates fast, dgrad and wgrad keep fp32 sums) on
+    a faked sm90, the plan table and the rewritten graph's Site say which backend runs each
+    grouped GEMM and whether it accumulates fast: the plan's choice, made once."""
+    scaled_grouped_mm_here((9, 0))
+    model = Model()
+    compiled = graphquant.compile(model, RECIPES["rowwise"](), backend="aot_eager", fullgraph=True, dump_dir=str(tmp_path))
+    forward_backward(compiled, model, inputs())
+    plan_text = (tmp_path / "graph_000_plan.txt").read_text()
+    rewritten = (tmp_path / "graph_000_rewritten.py").read_text()
+    rows = {gemm: [line for line in plan_text.splitlines() if re.match(rf"moe\.grouped_linear\.0#0 +grouped_linear +{gemm} ", line)] for gemm in GEMMS}
+    if grouped_gemm:
+        triton = backends.TRITON_GROUPED_GEMMS[0].backend
+        fast, kept = GemmBackend(triton, fast_accumulation=True), GemmBackend(triton)
+    else:
+        fast, kept = GemmBackend(backends.SCALED_GROUPED_MM, fast_accumulation=True), GemmBackend(backends.EMULATION)
+    assert [f" {fast} " in row for row in rows["fprop"]] == [True], plan_text
+    assert [f" {kept} " in row and "(fast accumulation)" not in row for row in rows["dgrad"] + rows["wgrad"]] == [True, True], plan_text
+    assert f"fprop={fast!r}" in rewritten and f"dgrad={kept!r}" in rewritten and f"wgrad={kept!r}" in rewritten, rewritten
 
 
 @pytest.fixture
@@ -376,8 +427,8 @@ def grouped_runs(monkeypatch):
         return emulated(*args)
 
     def triton_run(product):
-        def run(*args):
-            record(GemmBackend(backends.TRITON_GROUPED_GEMMS[0].backend))
+        def run(*args):  # the last: the promotion interval
+            record(GemmBackend(backends.TRITON_GROUPED_GEMMS[0].backend, fast_accumulation=args[-1] is triton_kernels.FAST_ACCUMULATION))
             return product(*args)
 
         return run
@@ -387,7 +438,8 @@ def grouped_runs(monkeypatch):
     monkeypatch.setattr(grouped_kernels, "_emulated", emulated_run)
     if triton_kernels is not None:
         recorded = {name: triton_run(getattr(triton_kernels, name)) for name in ("tokens_by_experts", "tokens_by_tokens")}
-        monkeypatch.setattr(backends, "triton_grouped_fp8", types.SimpleNamespace(**recorded))
+        constants = {name: getattr(triton_kernels, name) for name in ("PROMOTE_EVERY", "FAST_ACCUMULATION")}
+        monkeypatch.setattr(backends, "triton_grouped_fp8", types.SimpleNamespace(**recorded, **constants))
     return ran
 
 
@@ -396,22 +448,21 @@ GROUPED_CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
 
 @pytest.mark.parametrize("sm", GROUPED_CAPABILITIES, ids=["cpu" if sm is None else f"sm{sm[0]}{sm[1]}" for sm in GROUPED_CAPABILITIES])
 @pytest.mark.parametrize("name", sorted(NATIVE_ON_HOPPER))
-def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, scaled_grouped_mm_here, grouped_runs):
+def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, grouped_gemm, scaled_grouped_mm_here, grouped_runs):
     """A grouped site's fprop, dgrad and wgrad each run on the backend of its plan row, which the
-    graph carries in the site's Site, on every capability."""
+    graph carries in the site's Site, on every capability: the Triton GEMM with the sums the plan
+    chose."""
     scaled_grouped_mm_here(sm)
     plan = _grouped_step_runs_as_planned(Model(), inputs(), fast_everywhere(RECIPES[name]()), grouped_runs)
-    native = NATIVE_ON_HOPPER[name] if sm in ((9, 0), (10, 0)) else set()
-    assert {g.gemm for g in plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm: str(g.backend) for g in plan.gemms} == expected_backends(name, sm, grouped_gemm)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
-def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(name, grouped_runs):
-    """The same on the GPU, with torch._scaled_grouped_mm itself."""
+def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(name, grouped_gemm, grouped_runs):
+    """The same on the GPU, with torch._scaled_grouped_mm and the Triton kernel themselves."""
     plan = _grouped_step_runs_as_planned(Model().cuda(), inputs().cuda(), fast_everywhere(RECIPES[name]()), grouped_runs)
-    native = NATIVE_ON_HOPPER[name] if torch.cuda.get_device_capability()[0] in (9, 10) else set()
-    assert {g.gemm for g in plan.gemms if g.backend.name == backends.SCALED_GROUPED_MM} == native
+    assert {g.gemm: str(g.backend) for g in plan.gemms} == expected_backends(name, torch.cuda.get_device_capability(), grouped_gemm)
 
 
 def _grouped_step_runs_as_planned(model, x, recipe, ran):
@@ -438,7 +489,7 @@ def test_a_grouped_call_its_backend_cannot_run_fails_naming_site_shape_format_an
     scaled_grouped_mm_here((9, 0))
     with pytest.raises(GemmMismatch, match=r"moe#0 fprop: .*\(640, 512, 24\), .*needs m, n, k multiples of 16"):
         quantized_grouped_mm(x[:, :24].contiguous(), w[:, :24].contiguous(), offs, site=_grouped_site(native, spec))
-    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose cublaslt fp8 rowwise, but this call runs torch._scaled_grouped_mm"):
+    with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose cublaslt fp8 rowwise, but this call runs (.*, )?torch._scaled_grouped_mm"):
         quantized_grouped_mm(x, w, offs, site=_grouped_site(GemmBackend(scaled_mm.ROWWISE_SCALED), spec))
     with pytest.raises(GemmMismatch, match=r"moe#0 fprop: its plan chose torch._scaled_grouped_mm fp8 rowwise \(fast accumulation\), but this call runs (.*, )?cublaslt fp8 tensorwise"):
         quantized_linear(torch.randn(32, 64), torch.randn(32, 64), site=_grouped_site(native, spec))
@@ -733,7 +784,7 @@ CHAIN_RECIPES = {"tensorwise": lambda: zoo.recipe("tensorwise"), "mxfp8": recipe
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("routed", [False, True], ids=["fixed_offsets", "routed"])
 @pytest.mark.parametrize("name", sorted(CHAIN_RECIPES))
-def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, routed, device, emulated_grouped_gemms):
+def test_chained_grouped_mms_match_reference_under_aot_eager_and_inductor(name, routed, device, without_triton_grouped_gemm):
     """aot_eager against the eager per-group reference (teacher-forced, tests/reference.py),
     then Inductor against aot_eager: the non-GEMM code Inductor compiles (SiLU, the routing)
     moves no quantized value."""

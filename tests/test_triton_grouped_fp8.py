@@ -3,11 +3,14 @@ site (fprop, dgrad, wgrad) equals the float64 product of each group's dequantize
 per-tensor (E5M2 gradients), per-row and DeepSeek's block scales, ragged and empty groups, K
 that fills no whole block; and the plan chooses it for the grouped GEMMs that keep fp32 sums.
 
-On the CPU the kernel runs under Triton's interpreter, in a process of its own, with an fp32
-output (the interpreter rounds fp32 to bf16 toward zero) and exact products: within fp32
-accumulation. On the GPU at an MoE layer's widths with a bf16 output, within the bound of
-promoted FP8 tensor-core sums (tests/test_gemm_backends.py): fp8.PROMOTED_ERROR of sum |a b| per
-output.
+Each GEMM runs as the plan runs it: its sums promoted into fp32 every PROMOTE_EVERY products, and
+for per-tensor and per-row scales also with fast accumulation (FAST_ACCUMULATION: the tensor
+cores' accumulator takes the whole sum). On the CPU the kernel runs under Triton's interpreter, in
+a process of its own, with an fp32 output (the interpreter rounds fp32 to bf16 toward zero) and
+exact products: within fp32 accumulation, promoted or not (the interpreter has no tensor cores'
+accumulator). On the GPU at an MoE layer's widths with a bf16 output, within the bounds
+tests/test_gemm_backends.py gives cuBLASLt's FP8 GEMMs: promoted sums fp8.PROMOTED_ERROR of
+sum |a b| per output, fast accumulation K 2^-14 of it.
 """
 
 import json
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton_interpreter
 
+from graphquant import recipes
 from graphquant.formats import fp8, groups
 from graphquant.kernels import backends
 from graphquant.kernels import grouped as grouped_kernels
@@ -43,18 +47,22 @@ FORMATS = {
     "128x128 blocks": (Float8BlockQuantizer(), Float8BlockQuantizer(fp8_dtype="e5m2"), Float8BlockQuantizer()),
 }
 GEMMS = ("fprop", "dgrad", "wgrad")
+# How each format's GEMMs sum, as the plan can choose: block scales always promote.
+SUMS = {name: ("promoted", "fast") if name in ("tensorwise", "rowwise") else ("promoted",) for name in FORMATS}
 # (group sizes, k: x's columns, n: each expert's output features): ragged groups and an empty
 # one, k with a partial block, n that is no multiple of 128 (the expert stack pads it).
 INTERPRETED_SHAPE = ((40, 0, 57, 27), 192, 160)
 GPU_SHAPE = ((700, 0, 1301, 128, 2900, 61, 1000, 5), 2048, 1408)
 
 
-def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
-    """How far the kernel's ``gemm`` of a grouped site exceeds its bound (<= 0: within it), the
-    operands quantized per group as graphquant.ops.grouped lays them out. The bound: fp32
-    accumulation ((K + 4) u sum |a b|) where the products are exact (the interpreter), promoted
-    tensor-core sums (fp8.PROMOTED_ERROR sum |a b|) on the GPU; plus the rounding to ``out_dtype``."""
+def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
+    """How far the kernel's ``gemm`` of a grouped site, its ``sums`` "promoted" or "fast", exceeds
+    its bound (<= 0: within it), the operands quantized per group as graphquant.ops.grouped lays
+    them out. The bound: fp32 accumulation ((K + 4) u sum |a b|) where the products are exact (the
+    interpreter), on the GPU promoted tensor-core sums (fp8.PROMOTED_ERROR sum |a b|) or fast
+    accumulation (K 2^-14 sum |a b|); plus the rounding to ``out_dtype``."""
     kernels = backends.triton_grouped_fp8
+    promote_every = kernels.PROMOTE_EVERY if sums == "promoted" else kernels.FAST_ACCUMULATION
     qx, qw, qg = FORMATS[name]
     experts, rows = len(sizes), sum(sizes)
     generator = torch.Generator().manual_seed(0)
@@ -78,7 +86,7 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
     bounds = [0, *tokens.ends.tolist()]
     if gemm == "wgrad":
         a, b = quantized(qg, dy, tokens, COLUMNWISE), quantized(qx, x, tokens, COLUMNWISE)
-        out = kernels.tokens_by_tokens(a, tokens.row_group, b, tokens.row_group, tokens.ends, n, out_dtype)
+        out = kernels.tokens_by_tokens(a, tokens.row_group, b, tokens.row_group, tokens.ends, n, out_dtype, promote_every)
         left, right = dequantized(a, tokens), dequantized(b, tokens)
         pairs = [(left[lo:hi].t(), right[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         exact = torch.stack([p @ q for p, q in pairs])[:, :n]
@@ -89,7 +97,7 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
         a = quantized(qx if gemm == "fprop" else qg, x if gemm == "fprop" else dy, tokens, ROWWISE)
         b = quantized(qw, w, stack, ROWWISE if gemm == "fprop" else COLUMNWISE)
         width = n if gemm == "fprop" else k
-        out = kernels.tokens_by_experts(a, tokens.row_group, b, stack.row_group, tokens.ends, tokens.position, width, out_dtype)
+        out = kernels.tokens_by_experts(a, tokens.row_group, b, stack.row_group, tokens.ends, tokens.position, width, out_dtype, promote_every)
         left, stacked = dequantized(a, tokens)[tokens.position], dequantized(b, stack).reshape(experts, padded_n, k)
         ends = [0, *torch.tensor(sizes).cumsum(0).tolist()]
         pairs = [(left[lo:hi], stacked[g].t() if gemm == "fprop" else stacked[g]) for g, (lo, hi) in enumerate(zip(ends, ends[1:]))]
@@ -97,14 +105,14 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
         magnitude = torch.cat([p.abs() @ q.abs() for p, q in pairs])[:, :width]
         reduced = left.shape[1]
     assert out.shape == exact.shape and out.dtype == out_dtype
-    accumulation = (reduced + 4) * U if device == "cpu" else fp8.PROMOTED_ERROR
+    accumulation = (reduced + 4) * U if device == "cpu" else fp8.PROMOTED_ERROR if sums == "promoted" else reduced * 2.0**-14
     rounding = U if out_dtype == torch.float32 else 2.0**-8
     bound = accumulation * magnitude + rounding * exact.abs()
     return ((out.double() - exact).abs() - bound).max().item()
 
 
 def _cases():
-    return [(name, gemm) for name in FORMATS for gemm in GEMMS]
+    return [(name, gemm, sums) for name in FORMATS for gemm in GEMMS for sums in SUMS[name]]
 
 
 @pytest.fixture(scope="module")
@@ -114,25 +122,28 @@ def interpreted() -> dict:
     return triton_interpreter.results_of(__file__)
 
 
-@pytest.mark.parametrize("name,gemm", _cases(), ids=[f"{name}-{gemm}" for name, gemm in _cases()])
-def test_grouped_fp8_gemm_matches_float64_reference_interpreted(interpreted, name, gemm):
-    assert interpreted[f"{name} {gemm}"] <= 0
+CASE_IDS = ["-".join(case) for case in _cases()]
+
+
+@pytest.mark.parametrize("name,gemm,sums", _cases(), ids=CASE_IDS)
+def test_grouped_fp8_gemm_matches_float64_reference_interpreted(interpreted, name, gemm, sums):
+    assert interpreted[f"{name} {gemm} {sums}"] <= 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,gemm", _cases(), ids=[f"{name}-{gemm}" for name, gemm in _cases()])
-def test_grouped_fp8_gemm_matches_float64_reference_on_gpu(name, gemm):
+@pytest.mark.parametrize("name,gemm,sums", _cases(), ids=CASE_IDS)
+def test_grouped_fp8_gemm_matches_float64_reference_on_gpu(name, gemm, sums):
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
-    assert excess(name, gemm, *GPU_SHAPE, torch.bfloat16, "cuda") <= 0
+    assert excess(name, gemm, sums, *GPU_SHAPE, torch.bfloat16, "cuda") <= 0
 
 
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["fp32 sums", "fast accumulation"])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation, monkeypatch):
-    """On sm90 every grouped GEMM of these formats is native: torch._scaled_grouped_mm where it
-    takes the pair (E4M3, per-tensor or per-row scales) and the recipe lets the GEMM sum in the
-    tensor cores' accumulator, the Triton kernel everywhere else."""
+    """On sm90 every grouped GEMM of these formats runs on the Triton kernel, which sums in the
+    tensor cores' accumulator alone where the recipe lets the GEMM and its scales are per tensor
+    or per row, and promotes its sums into fp32 everywhere else (block scales always)."""
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
@@ -140,16 +151,17 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
     pairs = {"fprop": (qx, ROWWISE, qw, ROWWISE), "dgrad": (qg, ROWWISE, qw, COLUMNWISE), "wgrad": (qg, COLUMNWISE, qx, COLUMNWISE)}
     for gemm, (qa, da, qb, db) in pairs.items():
         selection = backends.select_grouped(qa, da, qb, db, torch.device("cuda"), 4096, fast_accumulation)
-        cublas = fast_accumulation and name == "rowwise" or (fast_accumulation and name == "tensorwise" and gemm == "fprop")
-        expected = backends.SCALED_GROUPED_MM if cublas else backends.triton_grouped_fp8.BACKEND
-        assert (selection.bucket, selection.backend.name) == (backends.NATIVE, expected), (gemm, selection)
+        fast = fast_accumulation and "fast" in SUMS[name]
+        expected = backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=fast)
+        assert (selection.bucket, selection.backend) == (backends.NATIVE, expected), (gemm, selection)
 
 
-def step_backends(name: str) -> list[str]:
+def step_backends(name: str, fast: bool) -> list[str]:
     """A compiled training step of test_compile_grouped's expert layer under the zoo recipe
-    ``name``, every GEMM's sums in fp32, on a pretended Hopper: against the per-group float64
-    reference (teacher-forced, each GEMM within fp32 accumulation, which the interpreter's exact
-    products meet); the backends its grouped GEMMs ran on."""
+    ``name``, every GEMM's sums in fp32 or (``fast``) every GEMM let accumulate fast, on a
+    pretended Hopper: against the per-group float64 reference (teacher-forced, each GEMM within
+    fp32 accumulation, which the interpreter's exact products meet); the backends its grouped
+    GEMMs ran on, as the plan prints them."""
     import dataclasses
 
     import test_compile_grouped as grouped
@@ -157,23 +169,28 @@ def step_backends(name: str) -> list[str]:
     backends.capability = lambda device: (9, 0)
     backends.clear_caches()
     torch._dynamo.reset()
-    recipe = dataclasses.replace(grouped.RECIPES[name](), fast_accumulation=())
+    recipe = dataclasses.replace(grouped.RECIPES[name](), fast_accumulation=recipes.GEMM_NAMES if fast else ())
     compiled = grouped.run_against_reference(recipe, grouped.Model(), grouped.inputs())
-    return sorted({g.backend.name for g in compiled.graphquant.plan.gemms})
+    return sorted({str(g.backend) for g in compiled.graphquant.plan.gemms})
 
 
 STEP_RECIPES = {"tensorwise": "current", "rowwise": "rowwise", "blockwise": "blockwise"}
+STEPS = [(name, sums) for name in STEP_RECIPES for sums in SUMS[name]]
 
 
-@pytest.mark.parametrize("name", STEP_RECIPES)
-def test_training_step_on_the_kernel_matches_per_group_reference_interpreted(interpreted, name):
-    """The ops hand the kernel its operands as it reads them (layouts, scales, groups, widths)."""
-    assert interpreted[f"step {name}"] == [backends.triton_grouped_fp8.BACKEND if backends.TRITON_GROUPED_GEMMS else "none"]
+@pytest.mark.parametrize("name,sums", STEPS, ids=["-".join(step) for step in STEPS])
+def test_training_step_on_the_kernel_matches_per_group_reference_interpreted(interpreted, name, sums):
+    """The ops hand the kernel its operands as it reads them (layouts, scales, groups, widths),
+    and the plan's choice of sums: every GEMM let accumulate fast runs with fast accumulation."""
+    if not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton")
+    expected = backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=sums == "fast")
+    assert interpreted[f"step {name} {sums}"] == [str(expected)]
 
 
 if __name__ == "__main__":  # under TRITON_INTERPRET=1: every case's excess and step's backends, as JSON
     triton_interpreter.accept_numpy_scalars()
     triton_interpreter.round_bfloat16_to_nearest()
-    results = {f"{name} {gemm}": excess(name, gemm, *INTERPRETED_SHAPE, torch.float32, "cpu") for name, gemm in _cases()}
-    results.update({f"step {name}": step_backends(recipe) for name, recipe in STEP_RECIPES.items()})
+    results = {" ".join(case): excess(*case, *INTERPRETED_SHAPE, torch.float32, "cpu") for case in _cases()}
+    results.update({f"step {name} {sums}": step_backends(STEP_RECIPES[name], sums == "fast") for name, sums in STEPS})
     print(json.dumps(results))

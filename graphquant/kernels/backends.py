@@ -73,6 +73,8 @@ class GemmBackend:
             raise ValueError(f"unknown GEMM backend {self.name!r}; one of {names}")
         if self.fast_accumulation and not (native and native.fast_accumulation):
             raise ValueError(f"the GEMM backend {self.name!r} has no fast accumulation")
+        if not self.fast_accumulation and native and not native.promotes:
+            raise ValueError(f"the GEMM backend {self.name!r} sums only in the tensor cores' accumulator: give it fast_accumulation=True")
 
     @property
     def native(self) -> Optional["NativeGemm"]:
@@ -116,7 +118,10 @@ class NativeGemm(NamedTuple):
     rows) for each pair (m, known when the plan is made), both operands stored with the
     reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
     (triton_decode.QuantizedOnLoad; 1x128 blocks by its kernel that runs first, as a graph op of its
-    own: triton_decode.quantizes_first), where A is made for this GEMM alone."""
+    own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
+    families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
+    can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
+    accumulate fast)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -127,6 +132,17 @@ class NativeGemm(NamedTuple):
     max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
     quantizes_a: bool = False
     reads: Callable[[GemmInput], bool] = lambda operand: True
+    fast_families: Optional[frozenset[str]] = None
+    promotes: bool = True
+
+    def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
+        """Whether it sums a product of ``a`` and ``b`` in the tensor cores' accumulator where the
+        recipe lets it (``allowed``): always where it cannot promote, never where it has no fast
+        accumulation or not for these families."""
+        if not self.promotes:
+            return True
+        families_fast = self.fast_families is None or {a.family, b.family} <= self.fast_families
+        return allowed and self.fast_accumulation and families_fast
 
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it);
@@ -230,12 +246,26 @@ NATIVE_GEMMS = (
     ),
 )
 
+_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
+# Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
+# per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, writing the unpadded output
+# itself. It promotes its partial sums into fp32, or, for per-tensor and per-row scales where the
+# recipe lets the GEMM accumulate fast, leaves the whole sum in the tensor cores' accumulator. It
+# masks every edge: no multiple. Its FP8 products need sm89.
+TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
+    NativeGemm(
+        triton_grouped_fp8.BACKEND, triton_grouped_fp8.FAMILY_PAIRS, triton_grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm >= (8, 9),
+        fast_accumulation=True, fast_families=triton_grouped_fp8.FAST_FAMILIES,
+    ),
+)
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
 # with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
 # The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
 # and k only x's columns can miss its multiple of 16. Its Hopper kernel sums in the tensor cores'
-# accumulator, never promoted to fp32, so it serves only the GEMMs a recipe lets accumulate fast.
-_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
+# accumulator, never promoted to fp32, so it serves only the GEMMs a recipe lets accumulate fast;
+# its padded products need passes of their own (the rows and columns un-padded, empty groups'
+# weight gradients zeroed, the experts' weights made column-major), so it runs only where the
+# Triton GEMM, which takes every pair it takes, is not installed.
 NATIVE_GROUPED_GEMM = NativeGemm(
     "torch._scaled_grouped_mm fp8 rowwise",
     frozenset(itertools.product(_ROW_SCALED_FAMILIES, repeat=2)),
@@ -243,20 +273,11 @@ NATIVE_GROUPED_GEMM = NativeGemm(
     16,
     lambda sm: sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"),
     fast_accumulation=True,
+    promotes=False,
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
-# Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
-# per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, its partial sums promoted into
-# fp32, so it serves the grouped GEMMs that keep fp32 sums (and the block-scaled and E5M2 ones,
-# which torch._scaled_grouped_mm does not take). It masks every edge: no multiple. Its FP8
-# products need sm89.
-TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
-    NativeGemm(
-        triton_grouped_fp8.BACKEND, triton_grouped_fp8.FAMILY_PAIRS, triton_grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm >= (8, 9)
-    ),
-)
-# In the order select_grouped tries them.
-NATIVE_GROUPED_GEMMS = (NATIVE_GROUPED_GEMM, *TRITON_GROUPED_GEMMS)
+# In the order select_grouped tries them: the first that takes a GEMM runs it.
+NATIVE_GROUPED_GEMMS = (*TRITON_GROUPED_GEMMS, NATIVE_GROUPED_GEMM)
 NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, *NATIVE_GROUPED_GEMMS)}
 
 
@@ -298,13 +319,13 @@ def select_grouped(
             reasons.append(f"{native.backend} does not run on sm_{sm[0]}{sm[1]}")
         elif k is not None and k % native.multiple != 0:
             reasons.append(f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}")
-        elif native.fast_accumulation and not fast_accumulation:
+        elif not native.promotes and not fast_accumulation:
             reasons.append(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
             )
         else:
-            return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation=native.fast_accumulation))
+            return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(*inputs, fast_accumulation)))
     reason = "; ".join(reasons)
     if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
@@ -360,7 +381,7 @@ def select(
             misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
             if not misfit:
                 reason = f"x quantized first: {refusal}" if refusal and native.backend == triton_decode.BACKEND else ""
-                return Selection(NATIVE, GemmBackend(native.backend, fast_accumulation and native.fast_accumulation), reason)
+                return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(a_input, b_input, fast_accumulation)), reason)
             misfits.append(misfit)
     if misfits:
         return Selection(EMULATED, GemmBackend(EMULATION), "; ".join(misfits))

@@ -10,10 +10,12 @@ a multiple of 128 rows). Two kinds of product:
 
 Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
 
-Native (backends.NATIVE_GROUPED_GEMMS): E4M3 with per-tensor or per-row scales on
-torch._scaled_grouped_mm, summing in the tensor cores' accumulator, the scales in its epilogue;
-FP8 with per-tensor, per-row or block scales on graphquant.kernels.triton_grouped_fp8, its sums
-promoted into fp32, which writes the unpadded output itself.
+Native (backends.NATIVE_GROUPED_GEMMS): FP8 with per-tensor, per-row or block scales on
+graphquant.kernels.triton_grouped_fp8, which writes the unpadded output itself, its sums promoted
+into fp32 or, where the plan's backend accumulates fast, left in the tensor cores' accumulator;
+where Triton is not installed, E4M3 with per-tensor or per-row scales on torch._scaled_grouped_mm,
+summing in the tensor cores' accumulator, the scales in its epilogue, its padded product
+un-padded afterwards.
 
 Emulated: as in graphquant.kernels.emulation, each operand's values leave out the factor its
 format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP8 scales,
@@ -84,9 +86,10 @@ def gemm(
     native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
     if native in backends.TRITON_GROUPED_GEMMS:
         kernels = backends.triton_grouped_fp8
+        promote_every = kernels.FAST_ACCUMULATION if backend.fast_accumulation else kernels.PROMOTE_EVERY
         if a.direction == ROWWISE:
-            return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype)
-        return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype)
+            return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every)
+        return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:

@@ -4,10 +4,13 @@ Triton launch, the scales applied inside it, the group offsets read on the devic
 It multiplies the FP8 codes on the tensor cores and applies the formats' scales in fp32:
 per-tensor and per-row scales (one factor per GEMM row of each operand, ``Quantizer.grouped_factor``)
 once in the epilogue; DeepSeek-V3's 1x128 and 128x128 block scales to each 128-long K block's
-partial product, as its recipe does. Partial sums are promoted from the tensor cores' accumulator
-into fp32 after every fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is
-shorter (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe
-asks: 2^-7 of relative error per term at most.
+partial product, as its recipe does. A GEMM that keeps a recipe's fp32-accumulation contract has
+its partial sums promoted from the tensor cores' accumulator into fp32 after every
+fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
+(``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe asks:
+2^-7 of relative error per term at most. A per-tensor or per-row GEMM that the recipe lets
+accumulate fast (CustomRecipe.fast_accumulation) sums in the tensor cores' accumulator alone, as
+torch._scaled_grouped_mm and cuBLASLt's fast accumulation do; block-scaled GEMMs always promote.
 E4M3 and E5M2 on either side. The result is rounded once, to the output dtype, and written
 straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
 
@@ -23,7 +26,7 @@ these formats stores it (rowwise data as is, columnwise data transposed).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -41,36 +44,70 @@ FAMILY_PAIRS = frozenset(
     {(x, y) for x in _ROW_SCALED for y in _ROW_SCALED}
     | {(x, y) for x in ("fp8_block_1x128", "fp8_block_128x128") for y in ("fp8_block_1x128", "fp8_block_128x128")}
 )
+# The families whose sums it leaves in the tensor cores' accumulator where the recipe allows: block
+# scales always promote (as cuBLAS's block-scaled GEMMs do).
+FAST_FAMILIES = frozenset(_ROW_SCALED)
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
+# The kernels' promotion interval (their PROMOTE_EVERY) for fast accumulation: None leaves tl.dot's
+# max_num_imprecise_acc to Triton's FP8 default, 2**30 on sm_90 (backends/nvidia/compiler.py, which
+# language/semantic.py takes for an unset one), above any tile's K, so that the WGMMA keeps no
+# partial accumulator (WarpGroupDotOp::needsPartialAccumulator: only when the value is <= the dot's
+# K) and the tensor cores' accumulator takes the whole sum. No explicit value can: semantic.py
+# rejects one above the dot's K, and one equal to it still promotes once a K tile.
+FAST_ACCUMULATION = None
 
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
-# Each kernel's tiles, by whether the scales are per block (whose per-block partial sums take
-# registers: smaller tiles), the fastest of benchmarks/grouped_gemm_sweep.py's on an H200 at an
-# MoE step's shapes; an autotuner picks among a kind's by shape. K tiles of one block scale where
-# scales are per block; row tiles of tokens x experts within the layout's 128-row alignment.
-_TOKENS_BY_EXPERTS_TILES = {False: [_tile(128, 128, 128, 8, 3)], True: [_tile(64, 64, 128, 4, 3)]}
-_TOKENS_BY_TOKENS_TILES = {False: [_tile(128, 128, 128, 8, 3), _tile(64, 128, 64, 4, 4)], True: [_tile(128, 64, 128, 4, 3)]}
+def _kind(block_scaled: bool, promote_every) -> str:
+    """The kind of a call, which picks its tiles: block scales (whose per-block partial sums take
+    registers: smaller tiles), or per-tensor / per-row factors with promoted or fast sums."""
+    return "block scaled" if block_scaled else "promoted" if promote_every is not FAST_ACCUMULATION else "fast"
 
 
-def _autotune(tiles: dict[bool, list[triton.Config]], key: list[str]):
-    """An autotuner over the tiles of the call's kind (BLOCK_SCALED). The interpreter runs a
-    kernel's logic, not its speed: a block-scaled tile (it takes any kind) alone there."""
+# Each kernel's tiles by kind, the fastest of benchmarks/grouped_gemm_sweep.py's on an H200 at an
+# MoE step's shapes; an autotuner picks among a kind's by shape. Fast sums wait on no promotion,
+# so their candidates add a wider tile. K tiles of one block scale where scales are per block; row
+# tiles of tokens x experts within the layout's 128-row alignment.
+_TOKENS_BY_EXPERTS_TILES = {
+    "block scaled": [_tile(64, 64, 128, 4, 3)],
+    "promoted": [_tile(128, 128, 128, 8, 3)],
+    "fast": [_tile(128, 128, 128, 8, 3), _tile(128, 256, 128, 8, 3)],
+}
+_TOKENS_BY_TOKENS_TILES = {
+    "block scaled": [_tile(128, 64, 128, 4, 3)],
+    "promoted": [_tile(128, 128, 128, 8, 3), _tile(64, 128, 64, 4, 4)],
+    "fast": [_tile(128, 128, 128, 8, 3), _tile(64, 128, 64, 4, 4), _tile(128, 256, 128, 8, 3)],
+}
+
+
+def _autotune(tiles: dict[str, list[triton.Config]], key: list[str]):
+    """An autotuner over the tiles of the call's kind. The interpreter runs a kernel's logic, not
+    its speed: a block-scaled tile (it takes any kind) alone there."""
     if triton.knobs.runtime.interpret:
-        return triton.autotune(configs=tiles[True][:1], key=key)
+        return triton.autotune(configs=tiles["block scaled"][:1], key=key)
     return triton.autotune(
-        configs=tiles[False] + tiles[True], key=key,
-        prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: tiles[kwargs["BLOCK_SCALED"]]},
+        configs=[tile for kind in tiles.values() for tile in kind], key=key,
+        prune_configs_by={
+            "early_config_prune": lambda configs, named_args, **kwargs: tiles[_kind(kwargs["BLOCK_SCALED"], kwargs["PROMOTE_EVERY"])]
+        },
     )
 
 
 GROUP_TILES = 8  # tile rows a launch walks before the next tile column, so that B stays in L2
+
+
+def _imprecise_products(args: dict) -> Optional[int]:
+    """tl.dot's max_num_imprecise_acc for a launch: its PROMOTE_EVERY, or its K tile where that is
+    shorter (Triton takes none above a dot's K: the sums are then promoted every K tile), or
+    FAST_ACCUMULATION as it is."""
+    promote_every = args["PROMOTE_EVERY"]
+    return promote_every if promote_every is FAST_ACCUMULATION else min(promote_every, args["BLOCK_K"])
 
 
 class Scales(NamedTuple):
@@ -116,8 +153,8 @@ def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
     return first + (pid % width) % height, (pid % width) // height
 
 
-@_autotune(_TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
-@triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0})
+@_autotune(_TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0, "IMPRECISE": _imprecise_products})
 @triton.jit
 def _tokens_by_experts(
     a_ptr, b_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, k,
@@ -125,7 +162,7 @@ def _tokens_by_experts(
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
     PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
 ):
     """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
     once a tile); tiles past the last group's end hold no rows and return at once."""
@@ -154,9 +191,9 @@ def _tokens_by_experts(
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
             sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
-            acc += tl.dot(a, b, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K)) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE) * (sa[:, None] * sb[None, :])
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
     if not BLOCK_SCALED:
         sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, None, A_ROWS)
         sb = _scale(sb_ptr, group, cols, 0, sb_g, sb_i, sb_k, in_cols, B_ROWS)
@@ -166,7 +203,8 @@ def _tokens_by_experts(
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=(source[:, None] >= 0) & in_cols[None, :])
 
 
-@_autotune(_TOKENS_BY_TOKENS_TILES, key=["m", "n", "BLOCK_SCALED", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@_autotune(_TOKENS_BY_TOKENS_TILES, key=["m", "n", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
+@triton.heuristics({"IMPRECISE": _imprecise_products})
 @triton.jit
 def _tokens_by_tokens(
     a_ptr, b_ptr, out_ptr, ends_ptr, m, n,
@@ -174,7 +212,7 @@ def _tokens_by_tokens(
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
     PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr, GROUP_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr,
 ):
     """out[g] = A_g^T B_g over group g's padded rows (bounds read on the device), A and B stored
     transposed (m and n rows, the tokens contiguous); an empty group's product is 0."""
@@ -199,9 +237,9 @@ def _tokens_by_tokens(
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, group, ms, kb, sa_g, sa_i, sa_k, in_m, A_ROWS)
             sb = _scale(sb_ptr, group, ns, kb, sb_g, sb_i, sb_k, in_n, B_ROWS)
-            acc += tl.dot(a, b, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K)) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE) * (sa[:, None] * sb[None, :])
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
     if not BLOCK_SCALED:
         sa = _scale(sa_ptr, group, ms, 0, sa_g, sa_i, sa_k, in_m, A_ROWS)
         sb = _scale(sb_ptr, group, ns, 0, sb_g, sb_i, sb_k, in_n, B_ROWS)
@@ -262,11 +300,13 @@ def _token_scales(rep: Representation, row_group: torch.Tensor, groups: int) -> 
 
 def tokens_by_experts(
     a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor,
-    position: torch.Tensor, n: int, out_dtype: torch.dtype,
+    position: torch.Tensor, n: int, out_dtype: torch.dtype, promote_every: Optional[int],
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row position[t] times its group's B (its first n GEMM
     rows: the padding dropped). A rowwise (padded rows, k); B an expert stack, rowwise (groups *
-    n', k) or columnwise, stored transposed (n, groups * n')."""
+    n', k) or columnwise, stored transposed (n, groups * n'). promote_every: the products summed
+    in the tensor cores' accumulator before fp32 takes them (PROMOTE_EVERY), or FAST_ACCUMULATION:
+    all of them."""
     groups = ends.shape[0]
     rows, k = a.data.shape
     out = torch.empty((position.shape[0], n), dtype=out_dtype, device=a.data.device)
@@ -285,17 +325,18 @@ def tokens_by_experts(
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES,
+        PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES,
     )
     return out
 
 
 def tokens_by_tokens(
     a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor, m: int,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, promote_every: Optional[int],
 ) -> torch.Tensor:
     """(groups, m, cols of B): A_g^T B_g for each group g, both columnwise (stored transposed:
-    (m', padded rows) and (cols, padded rows)); A's first m rows (the padding dropped)."""
+    (m', padded rows) and (cols, padded rows)); A's first m rows (the padding dropped);
+    promote_every as tokens_by_experts takes it."""
     groups = ends.shape[0]
     n = b.data.shape[0]
     out = torch.empty((groups, m, n), dtype=out_dtype, device=a.data.device)
@@ -305,6 +346,6 @@ def tokens_by_tokens(
         _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=PROMOTE_EVERY, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
+        PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
     )
     return out
