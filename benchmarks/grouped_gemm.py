@@ -1,21 +1,29 @@
 """The grouped GEMMs of an MoE layer's experts, alone: bf16 torch._grouped_mm against graphquant's
-native FP8 grouped GEMMs (torch._scaled_grouped_mm, the Triton FP8 grouped GEMM) on quantized
-operands in the padded layout, fprop, dgrad and wgrad.
+native FP8 grouped GEMMs (the Triton FP8 grouped GEMM at each promotion interval asked for,
+torch._scaled_grouped_mm) on quantized operands in the padded layout, fprop, dgrad and wgrad.
 
-    python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,mxfp8_block_scaling] [--promote 32,128] [--emulated]
+    python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,mxfp8_block_scaling] [--promote fast,32,128] [--emulated]
 
 Shapes: moe_step.py's (16384 tokens, top-8 of 64 experts, dim 4096, expert hidden 1408: gate_up
-4096 -> 2816, down 1408 -> 4096), the tokens routed at random. ``--promote`` also times the Triton
-GEMM promoting its partial sums every 128 products (its default, 32, is the fp32-accumulation
-contract's); ``--emulated`` also times the emulated GEMM (dequantize, then bf16) of each. A format
-is a zoo recipe or one of graphquant.recipes (mxfp8_block_scaling). Prints ms and TFLOP/s (of the
-unpadded GEMM) per GEMM.
+4096 -> 2816, down 1408 -> 4096), the tokens routed at random. ``--promote``: the Triton GEMM's
+sums promoted into fp32 every so many products (32: the fp32-accumulation contract's, which the
+plan picks where a recipe keeps fp32 sums) or ``fast``, never (the tensor cores' accumulator alone,
+which the plan picks where a recipe lets a per-tensor or per-row GEMM accumulate fast; block
+scales always promote, so their GEMMs are not timed fast). torch._scaled_grouped_mm (fast
+accumulation, its padded product un-padded afterwards; the plan's choice only where Triton is not
+installed) is timed for the pairs it takes; ``--emulated`` also times the emulated GEMM
+(dequantize, then bf16) of each. A format is a zoo recipe or one of graphquant.recipes
+(mxfp8_block_scaling). Prints ms and TFLOP/s (of the unpadded GEMM) per GEMM, the speed over bf16,
+and how far each FP8 product lies from the Triton GEMM's promoted every 32 (relative Frobenius
+norm of the difference).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from typing import Optional
 
 import torch
 from tabulate import tabulate
@@ -74,18 +82,25 @@ def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, toke
     }
 
 
+def intervals(text: str) -> list[Optional[int]]:
+    """--promote's promotion intervals: ``fast`` is the kernels' FAST_ACCUMULATION."""
+    kernels = backends.triton_grouped_fp8
+    return [kernels.FAST_ACCUMULATION if item == "fast" else int(item) for item in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sites", default="gate_up,down")
     parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
-    parser.add_argument("--promote", default="32", help="comma-separated promotion intervals of the Triton GEMM to time")
+    parser.add_argument("--promote", default="fast,32", help="comma-separated promotion intervals of the Triton GEMM to time, or fast (none)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--emulated", action="store_true", help="also time the emulated GEMM of each")
     args = parser.parse_args()
     offs, tokens, sizes = routed()
     rows = TOKENS * TOP_K
     kernels = backends.triton_grouped_fp8
-    default_interval = kernels.PROMOTE_EVERY
+    scaled = backends.NATIVE_GROUPED_GEMM
+    scaled_backend = backends.GemmBackend(scaled.backend, fast_accumulation=True)
     table = []
     for site in args.sites.split(","):
         k, n = SITES[site]
@@ -98,27 +113,39 @@ def main() -> None:
             "dgrad": lambda: torch._grouped_mm(dy, w, offs=offs),
             "wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
         }
+        bf16_ms = {}
         for gemm, fn in bf16.items():
-            ms = time_ms(fn, reps=args.reps)
-            table.append([site, gemm, "bf16 torch._grouped_mm", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+            bf16_ms[gemm] = time_ms(fn, reps=args.reps)
+            table.append([site, gemm, "bf16 torch._grouped_mm", f"{bf16_ms[gemm]:.3f}", f"{flops / bf16_ms[gemm] / 1e9:.0f}", "1.00x", ""])
         for name in args.formats.split(","):
             for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens, sizes).items():
+                def triton_gemm(promote_every):  # as graphquant.kernels.grouped.gemm calls it
+                    if a.direction == ROWWISE:
+                        return kernels.tokens_by_experts(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, promote_every)
+                    return kernels.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
+
+                def on(backend):
+                    return grouped_kernels.gemm(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, backend, f"{site} {gemm}")
+
                 runs = {}
-                for fast in (True, False):
-                    selection = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast)
-                    runs.setdefault(selection.backend, selection)
+                block_scaled = kernels._block_scaled(a)
+                for interval in intervals(args.promote):
+                    if interval is kernels.FAST_ACCUMULATION and block_scaled:
+                        continue  # block scales always promote: no plan runs them fast
+                    label = "fast accumulation" if interval is kernels.FAST_ACCUMULATION else f"promoted every {interval}"
+                    runs[f"{kernels.BACKEND}, {label}"] = functools.partial(triton_gemm, interval)
+                inputs = (a.quantizer.gemm_input(a.direction), b.quantizer.gemm_input(b.direction))
+                if scaled.takes(*inputs) and scaled.runs_on(torch.cuda.get_device_capability()):
+                    runs[str(scaled_backend)] = functools.partial(on, scaled_backend)
                 if args.emulated:
-                    runs.setdefault(backends.GemmBackend(backends.EMULATION), None)
-                for backend in runs:
-                    intervals = args.promote.split(",") if backend.name == kernels.BACKEND else [str(kernels.PROMOTE_EVERY)]
-                    for interval in intervals:
-                        kernels.PROMOTE_EVERY = int(interval)
-                        label = f"{name}: {backend}" + (f", promoted every {interval}" if backend.name == kernels.BACKEND else "")
-                        fn = lambda: grouped_kernels.gemm(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, backend, f"{site} {gemm}")  # noqa: E731
-                        ms = time_ms(fn, reps=args.reps)
-                        table.append([site, gemm, label, f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
-                    kernels.PROMOTE_EVERY = default_interval
-        print(tabulate(table, headers=["site", "GEMM", "backend", "ms", "TFLOP/s"]), flush=True)
+                    runs[backends.EMULATION] = functools.partial(on, backends.GemmBackend(backends.EMULATION))
+                promoted = triton_gemm(kernels.PROMOTE_EVERY).double()
+                for label, fn in runs.items():
+                    difference = (fn().double() - promoted).norm() / promoted.norm()
+                    ms = time_ms(fn, reps=args.reps)
+                    table.append([site, gemm, f"{name}: {label}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", f"{bf16_ms[gemm] / ms:.2f}x", f"{difference:.1e}"])
+                del promoted
+        print(tabulate(table, headers=["site", "GEMM", "backend", "ms", "TFLOP/s", "vs bf16", "vs promoted every 32"]), flush=True)
         table.clear()
 
 

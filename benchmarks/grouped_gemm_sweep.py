@@ -1,14 +1,16 @@
 """Launch configurations of the Triton FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8)
 at an MoE step's shapes: its dgrad and wgrad kernels under many tiles, warp counts, pipeline
 depths, tile orders and register caps, beside the same GEMMs on torch._scaled_grouped_mm (its
-tensor cores' sums not promoted: the speed to aim at) and on bf16 torch._grouped_mm.
+tensor cores' sums not promoted) and on bf16 torch._grouped_mm.
 
-    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--jobs 5] [--reps 5]
+    python benchmarks/grouped_gemm_sweep.py [--formats rowwise,deepseek_blockwise] [--sites gate_up,down] [--sums promoted] [--jobs 5] [--reps 5]
 
-The shapes are grouped_gemm.py's. Every configuration's output is compared bit for bit with the
-first one's: the kernel promotes its partial sums in the same order whatever the tile, so any
-difference is a defect. The configurations are compiled first in ``--jobs`` processes at once
-(Triton's cache on disk carries them over), then timed here one after another. Each row is
+The shapes are grouped_gemm.py's. ``--sums``: the kernel's sums as the plan runs them where a
+recipe keeps fp32 sums (promoted) or lets the GEMM accumulate fast (fast; block scales promote
+either way). Every configuration's output is compared bit for bit with the first one's: the
+kernel sums in the same order whatever the tile, so any difference is a defect. The
+configurations are compiled first in ``--jobs`` processes at once (Triton's cache on disk carries
+them over), then timed here one after another. Each row is
 printed as soon as it is measured: a run cut short keeps what it measured.
 """
 
@@ -111,6 +113,7 @@ def _jit(kernel):
 
 
 KERNELS = backends.triton_grouped_fp8
+SCALED_GROUPED_MM = backends.GemmBackend(backends.SCALED_GROUPED_MM, fast_accumulation=True)
 FP8_CODES = KERNELS._codes
 COMPILED = {}  # kernel name -> the CompiledKernel its last launch ran
 
@@ -144,10 +147,11 @@ def select(variant: Variant) -> None:
     KERNELS._codes = (lambda rep: rep.data.view(torch.uint8)) if variant.byte_codes else FP8_CODES
 
 
-def cases(formats: list[str], sites: list[str]):
-    """(format, site, {GEMM: (a call of it on the Triton kernel, a call on a given backend, the
-    fastest backend, whether block-scaled)}, (bf16 x, w, dy, offs)) for every format and site,
-    built one at a time."""
+def cases(formats: list[str], sites: list[str], fast: bool):
+    """(format, site, {GEMM: (a call of it on the Triton kernel as the plan runs it, ``fast`` or
+    not, a call on a given backend, torch._scaled_grouped_mm's backend where it takes the GEMM or
+    None, whether block-scaled)}, (bf16 x, w, dy, offs)) for every format and site, built one at
+    a time."""
     offs, tokens, sizes = routed()
     rows = TOKENS * TOP_K
     for site in sites:
@@ -161,23 +165,22 @@ def cases(formats: list[str], sites: list[str]):
                 def call(backend, a=a, b=b, b_group=b_group, width=width, gemm=gemm):
                     return grouped_kernels.gemm(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, backend, f"{site} {gemm}")
 
-                fast, promoted = (
-                    backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast).backend
-                    for fast in (True, False)
-                )
-                assert promoted.name == KERNELS.BACKEND, promoted
-                calls[gemm] = (functools.partial(call, promoted), call, fast, KERNELS._block_scaled(a))
+                planned = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast).backend
+                assert planned.name == KERNELS.BACKEND, planned
+                inputs = (a.quantizer.gemm_input(a.direction), b.quantizer.gemm_input(b.direction))
+                scaled = SCALED_GROUPED_MM if backends.NATIVE_GROUPED_GEMM.takes(*inputs) else None
+                calls[gemm] = (functools.partial(call, planned), call, scaled, KERNELS._block_scaled(a))
             yield name, site, calls, (x, w, dy, offs)
         del x, w, dy
 
 
-def _compile(job: tuple[list[int], list[str], list[str], bool]) -> dict:
+def _compile(job: tuple[list[int], list[str], list[str], bool, bool]) -> dict:
     """Run every variant in ``indices`` once on every case (compiling it into Triton's cache);
     {(variant index, format, site, GEMM): the error} of those that fail. ``say``: print each
     first run as it starts (in one process: a run that hangs is named)."""
-    indices, formats, sites, say = job
+    indices, formats, sites, fast, say = job
     failed = {}
-    for name, site, calls, _ in cases(formats, sites):
+    for name, site, calls, _ in cases(formats, sites, fast):
         for index in indices:
             variant = VARIANTS[index]
             select(variant)
@@ -202,11 +205,13 @@ def main() -> None:
     parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default: all)")
     parser.add_argument("--jobs", type=int, default=5, help="compiling processes (each holds its own operands: 8-20 GB without the CUDA extension)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sums", choices=("promoted", "fast"), default="promoted", help="the kernel's sums: promoted into fp32, or fast accumulation")
     args = parser.parse_args()
+    fast = args.sums == "fast"
     formats, sites = args.formats.split(","), args.sites.split(",")
     chosen = [int(i) for i in args.variants.split(",")] if args.variants else list(range(len(VARIANTS)))
     began = time.time()
-    jobs = [(chosen[i :: args.jobs], formats, sites, args.jobs == 1) for i in range(min(args.jobs, len(chosen)))]
+    jobs = [(chosen[i :: args.jobs], formats, sites, fast, args.jobs == 1) for i in range(min(args.jobs, len(chosen)))]
     failed = {}
     if len(jobs) > 1:
         try:
@@ -219,19 +224,19 @@ def main() -> None:
     print(f"compiled {len(chosen)} variants in {len(jobs)} processes: {time.time() - began:.0f} s", flush=True)
     rows = TOKENS * TOP_K
     print("format | site | GEMM | backend or variant | ms | TFLOP/s | vs torch._scaled_grouped_mm | regs | spills | smem KiB | same bits", flush=True)
-    for name, site, calls, (x, w, dy, offs) in cases(formats, sites):
+    for name, site, calls, (x, w, dy, offs) in cases(formats, sites, fast):
         k, n = SITES[site]
         flops = 2.0 * rows * k * n
         bf16 = {"dgrad": lambda: torch._grouped_mm(dy, w, offs=offs), "wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs)}
         for gemm in GEMMS:
-            call, on, fast, block_scaled = calls[gemm]
+            call, on, scaled, block_scaled = calls[gemm]
             reference_ms = None
             if gemm in bf16 and name == formats[0]:
                 ms = time_ms(bf16[gemm], warmup=2, reps=args.reps)
                 print(f"{name} | {site} | {gemm} | bf16 torch._grouped_mm | {ms:.3f} | {flops / ms / 1e9:.0f} | | | | |", flush=True)
-            if fast.name != KERNELS.BACKEND:
-                reference_ms = time_ms(lambda: on(fast), warmup=2, reps=args.reps)
-                print(f"{name} | {site} | {gemm} | {fast.name} | {reference_ms:.3f} | {flops / reference_ms / 1e9:.0f} | 1.00x | | | |", flush=True)
+            if scaled is not None:
+                reference_ms = time_ms(lambda: on(scaled), warmup=2, reps=args.reps)
+                print(f"{name} | {site} | {gemm} | {scaled} | {reference_ms:.3f} | {flops / reference_ms / 1e9:.0f} | 1.00x | | | |", flush=True)
             first = None
             for index in chosen:
                 variant = VARIANTS[index]

@@ -156,6 +156,29 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
         assert (selection.bucket, selection.backend) == (backends.NATIVE, expected), (gemm, selection)
 
 
+PROMOTIONS = [(False, "FAST_ACCUMULATION"), (False, "PROMOTE_EVERY"), (False, 128), (True, "PROMOTE_EVERY")]
+
+
+@pytest.mark.parametrize("kernel", ["_tokens_by_experts", "_tokens_by_tokens"])
+def test_autotuner_offers_a_call_the_tiles_of_its_kind_whose_k_holds_its_promotion(kernel):
+    """Block scales get tiles of one scale block's K, promoted and fast sums tiles of their own
+    (fast ones a wider one too), and no call a tile whose K is below its promotion interval
+    (Triton takes no max_num_imprecise_acc above a dot's K)."""
+    kernels = backends.triton_grouped_fp8
+    if kernels is None:
+        pytest.skip("needs Triton")
+    tuner = getattr(kernels, kernel)  # the GPU's autotuner: this process runs no interpreter
+    offered = {}
+    for block_scaled, promotion in PROMOTIONS:
+        promote_every = getattr(kernels, promotion) if isinstance(promotion, str) else promotion
+        tiles = tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=promote_every)
+        assert tiles and all(promote_every is None or tile.kwargs["BLOCK_K"] >= promote_every for tile in tiles), (block_scaled, promotion)
+        offered[(block_scaled, promotion)] = {str(tile) for tile in tiles}
+    assert all(f"BLOCK_K: {kernels.SCALE_BLOCK}," in tile for tile in offered[(True, "PROMOTE_EVERY")])
+    fast, promoted = offered[(False, "FAST_ACCUMULATION")], offered[(False, "PROMOTE_EVERY")]
+    assert fast > promoted and any("BLOCK_N: 256," in tile for tile in fast - promoted)
+
+
 def step_backends(name: str, fast: bool) -> list[str]:
     """A compiled training step of test_compile_grouped's expert layer under the zoo recipe
     ``name``, every GEMM's sums in fp32 or (``fast``) every GEMM let accumulate fast, on a
