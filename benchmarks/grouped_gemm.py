@@ -6,16 +6,16 @@ torch._scaled_grouped_mm) on quantized operands in the padded layout, fprop, dgr
 
 Shapes: moe_step.py's (16384 tokens, top-8 of 64 experts, dim 4096, expert hidden 1408: gate_up
 4096 -> 2816, down 1408 -> 4096), the tokens routed at random. ``--promote``: the Triton GEMM's
-sums promoted into fp32 every so many products (32: the fp32-accumulation contract's, which the
-plan picks where a recipe keeps fp32 sums) or ``fast``, never (the tensor cores' accumulator alone,
-which the plan picks where a recipe lets a per-tensor or per-row GEMM accumulate fast; block
-scales always promote, so their GEMMs are not timed fast). torch._scaled_grouped_mm (fast
+sums promoted into fp32 every so many products, or every K tile where a tile is shorter (128,
+fp8.PROMOTED_PRODUCTS, is what the plan picks where a recipe keeps fp32 sums), or ``fast``, never
+(the tensor cores' accumulator alone, which the plan picks where a recipe lets a per-tensor or
+per-row GEMM accumulate fast; block scales always promote, so their GEMMs are not timed fast). torch._scaled_grouped_mm (fast
 accumulation, its padded product un-padded afterwards; the plan's choice only where Triton is not
 installed) is timed for the pairs it takes; ``--emulated`` also times the emulated GEMM
 (dequantize, then bf16) of each. A format is a zoo recipe or one of graphquant.recipes
 (mxfp8_block_scaling). Prints ms and TFLOP/s (of the unpadded GEMM) per GEMM, the speed over bf16,
-and how far each FP8 product lies from the Triton GEMM's promoted every 32 (relative Frobenius
-norm of the difference).
+and how far each FP8 product lies from the Triton GEMM's as the plan promotes it (relative
+Frobenius norm of the difference).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sites", default="gate_up,down")
     parser.add_argument("--formats", default="rowwise,deepseek_blockwise")
-    parser.add_argument("--promote", default="fast,32", help="comma-separated promotion intervals of the Triton GEMM to time, or fast (none)")
+    parser.add_argument("--promote", default="fast,128", help="comma-separated promotion intervals of the Triton GEMM to time, or fast (none)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--emulated", action="store_true", help="also time the emulated GEMM of each")
     args = parser.parse_args()
@@ -145,7 +145,7 @@ def main() -> None:
                     ms = time_ms(fn, reps=args.reps)
                     table.append([site, gemm, f"{name}: {label}", f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", f"{bf16_ms[gemm] / ms:.2f}x", f"{difference:.1e}"])
                 del promoted
-        print(tabulate(table, headers=["site", "GEMM", "backend", "ms", "TFLOP/s", "vs bf16", "vs promoted every 32"]), flush=True)
+        print(tabulate(table, headers=["site", "GEMM", "backend", "ms", "TFLOP/s", "vs bf16", f"vs promoted every {kernels.PROMOTE_EVERY}"]), flush=True)
         table.clear()
 
 

@@ -31,7 +31,7 @@ from test_plan_execution import fake_capability  # noqa: F401  (a fixture)
 
 import graphquant
 from graphquant import CustomRecipe, PlanError, factories, recipes, zoo
-from graphquant.formats import groups
+from graphquant.formats import fp8, groups
 from graphquant.kernels import backends, native, scaled_mm
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.kernels.backends import GemmBackend, GemmMismatch
@@ -302,7 +302,7 @@ class TritonGroupedFp8OnCpu:
     """graphquant.kernels.triton_grouped_fp8's semantics on the CPU: each group's dequantized
     operands multiplied in float64, the result rounded to out_dtype once (promoted or not: exact)."""
 
-    PROMOTE_EVERY, FAST_ACCUMULATION = 32, None  # the kernel module's promotion intervals
+    PROMOTE_EVERY, FAST_ACCUMULATION = fp8.PROMOTED_PRODUCTS, None  # the kernel module's promotion intervals
 
     @staticmethod
     def tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every):

@@ -156,27 +156,27 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
         assert (selection.bucket, selection.backend) == (backends.NATIVE, expected), (gemm, selection)
 
 
-PROMOTIONS = [(False, "FAST_ACCUMULATION"), (False, "PROMOTE_EVERY"), (False, 128), (True, "PROMOTE_EVERY")]
-
-
 @pytest.mark.parametrize("kernel", ["_tokens_by_experts", "_tokens_by_tokens"])
-def test_autotuner_offers_a_call_the_tiles_of_its_kind_whose_k_holds_its_promotion(kernel):
+def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
     """Block scales get tiles of one scale block's K, promoted and fast sums tiles of their own
-    (fast ones a wider one too), and no call a tile whose K is below its promotion interval
-    (Triton takes no max_num_imprecise_acc above a dot's K)."""
+    (fast ones a wider one too); and a dot promotes every PROMOTE_EVERY products, or every K tile
+    where the tile is shorter (Triton takes no max_num_imprecise_acc above a dot's K)."""
     kernels = backends.triton_grouped_fp8
     if kernels is None:
         pytest.skip("needs Triton")
     tuner = getattr(kernels, kernel)  # the GPU's autotuner: this process runs no interpreter
-    offered = {}
-    for block_scaled, promotion in PROMOTIONS:
-        promote_every = getattr(kernels, promotion) if isinstance(promotion, str) else promotion
-        tiles = tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=promote_every)
-        assert tiles and all(promote_every is None or tile.kwargs["BLOCK_K"] >= promote_every for tile in tiles), (block_scaled, promotion)
-        offered[(block_scaled, promotion)] = {str(tile) for tile in tiles}
-    assert all(f"BLOCK_K: {kernels.SCALE_BLOCK}," in tile for tile in offered[(True, "PROMOTE_EVERY")])
-    fast, promoted = offered[(False, "FAST_ACCUMULATION")], offered[(False, "PROMOTE_EVERY")]
+
+    def offered(block_scaled, promote_every):
+        return tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=promote_every)
+
+    assert all(tile.kwargs["BLOCK_K"] == kernels.SCALE_BLOCK for tile in offered(True, kernels.PROMOTE_EVERY))
+    fast, promoted = ({str(tile) for tile in offered(False, every)} for every in (kernels.FAST_ACCUMULATION, kernels.PROMOTE_EVERY))
     assert fast > promoted and any("BLOCK_N: 256," in tile for tile in fast - promoted)
+    imprecise = {
+        (every, block_k): kernels._imprecise_products({"PROMOTE_EVERY": every, "BLOCK_K": block_k})
+        for every in (kernels.FAST_ACCUMULATION, 32, 128) for block_k in (64, 128)
+    }
+    assert imprecise == {(None, 64): None, (None, 128): None, (32, 64): 32, (32, 128): 32, (128, 64): 64, (128, 128): 128}
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

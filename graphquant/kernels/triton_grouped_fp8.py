@@ -87,18 +87,16 @@ _TOKENS_BY_TOKENS_TILES = {
 
 
 def _autotune(tiles: dict[str, list[triton.Config]], key: list[str]):
-    """An autotuner over the tiles of the call's kind whose K holds its promotion interval (Triton
-    takes no max_num_imprecise_acc above a dot's K). The interpreter runs a kernel's logic, not
+    """An autotuner over the tiles of the call's kind. The interpreter runs a kernel's logic, not
     its speed: a block-scaled tile (it takes any kind) alone there."""
     if triton.knobs.runtime.interpret:
         return triton.autotune(configs=tiles["block scaled"][:1], key=key)
 
-    def fitting(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, **kwargs):
-        kind = tiles[_kind(BLOCK_SCALED, PROMOTE_EVERY)]
-        return [tile for tile in kind if PROMOTE_EVERY is FAST_ACCUMULATION or tile.kwargs["BLOCK_K"] >= PROMOTE_EVERY]
+    def of_its_kind(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, **kwargs):
+        return tiles[_kind(BLOCK_SCALED, PROMOTE_EVERY)]
 
     return triton.autotune(
-        configs=[tile for kind in tiles.values() for tile in kind], key=key, prune_configs_by={"early_config_prune": fitting}
+        configs=[tile for kind in tiles.values() for tile in kind], key=key, prune_configs_by={"early_config_prune": of_its_kind}
     )
 
 
