@@ -1,7 +1,7 @@
 """The native FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8): every product of a grouped
 site (fprop, dgrad, wgrad) equals the float64 product of each group's dequantized operands, for
 per-tensor (E5M2 gradients), per-row and DeepSeek's block scales, ragged and empty groups, K
-that fills no whole block; and the plan chooses it for the grouped GEMMs that keep fp32 sums.
+that fills no whole block; and the plan chooses it for every FP8 grouped GEMM of these formats.
 
 Each GEMM runs as the plan runs it: its sums promoted into fp32 every PROMOTE_EVERY products, and
 for per-tensor and per-row scales also with fast accumulation (FAST_ACCUMULATION: the tensor
@@ -10,7 +10,9 @@ a process of its own, with an fp32 output (the interpreter rounds fp32 to bf16 t
 exact products: within fp32 accumulation, promoted or not (the interpreter has no tensor cores'
 accumulator). On the GPU at an MoE layer's widths with a bf16 output, within the bounds
 tests/test_gemm_backends.py gives cuBLASLt's FP8 GEMMs: promoted sums fp8.PROMOTED_ERROR of
-sum |a b| per output, fast accumulation K 2^-14 of it.
+sum |a b| per output, fast accumulation K 2^-14 of it. That fast accumulation leaves the whole sum
+in the tensor cores is checked on the CPU too, in the kernel's PTX for sm_90 (Triton compiles it
+without a GPU).
 """
 
 import json
@@ -177,6 +179,49 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
         for every in (kernels.FAST_ACCUMULATION, 32, 128) for block_k in (64, 128)
     }
     assert imprecise == {(None, 64): None, (None, 128): None, (32, 64): 32, (32, 128): 32, (128, 64): 64, (128, 128): 128}
+
+
+def hopper_ptx(promote_every) -> str:
+    """The PTX of the tokens x tokens kernel compiled for sm_90 by Triton (its own ptxas: no GPU)
+    at its first promoted tile, E4M3 operands with per-row scales, promoting every
+    ``promote_every`` products (FAST_ACCUMULATION: never)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = backends.triton_grouped_fp8
+    jit = kernels._tokens_by_tokens
+    while not isinstance(jit, triton.runtime.JITFunction):  # under the autotuner and heuristics
+        jit = jit.fn
+    tile = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
+    constexprs = {
+        **tile.kwargs, "BLOCK_SCALED": False, "A_ROWS": 1, "B_ROWS": 1, "A_E5M2": False, "B_E5M2": False, "PROMOTE_EVERY": promote_every,
+        "SCALE_BLOCK": kernels.SCALE_BLOCK, "GROUP_TILES": kernels.GROUP_TILES, "GROUP_ROWS": groups.GROUP_ROWS,
+    }
+    constexprs["IMPRECISE"] = kernels._imprecise_products(constexprs)
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ends_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in jit.arg_names}
+    source = ASTSource(jit, signature, {(jit.arg_names.index(name),): value for name, value in constexprs.items()})
+    options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("promote_every", [None, 32, 128], ids=["fast", "every 32", "every 128"])
+def test_on_hopper_fast_accumulation_leaves_the_sum_in_the_tensor_cores(promote_every):
+    """Compiled for sm_90, the kernel with max_num_imprecise_acc left to Triton's default (fast
+    accumulation) makes no fp32 add: its wgmmas accumulate in the tensor cores alone. Promoting
+    every P products adds each P-product partial sum into the fp32 accumulator: one add per
+    accumulator element a thread holds, K tile / P times a tile."""
+    kernels = backends.triton_grouped_fp8
+    if kernels is None:
+        pytest.skip("needs Triton")
+    ptx = hopper_ptx(promote_every)
+    tile = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
+    block_k = tile.kwargs["BLOCK_K"]
+    held = tile.kwargs["BLOCK_M"] * tile.kwargs["BLOCK_N"] // (32 * tile.num_warps)
+    promotions = 0 if promote_every is kernels.FAST_ACCUMULATION else block_k // min(promote_every, block_k)
+    assert "wgmma.mma_async" in ptx
+    assert ptx.count("add.f32") + ptx.count("add.rn.f32") == held * promotions
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

@@ -55,8 +55,9 @@ PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
 # max_num_imprecise_acc to Triton's FP8 default, 2**30 on sm_90 (backends/nvidia/compiler.py, which
 # language/semantic.py takes for an unset one), above any tile's K, so that the WGMMA keeps no
 # partial accumulator (WarpGroupDotOp::needsPartialAccumulator: only when the value is <= the dot's
-# K) and the tensor cores' accumulator takes the whole sum. No explicit value can: semantic.py
-# rejects one above the dot's K, and one equal to it still promotes once a K tile.
+# K) and the tensor cores' accumulator takes the whole sum (tests/test_triton_grouped_fp8.py compiles
+# it for sm_90: no fp32 add). No explicit value can: semantic.py rejects one above the dot's K, and
+# one equal to it still promotes once a K tile.
 FAST_ACCUMULATION = None
 
 
