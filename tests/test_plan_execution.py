@@ -248,4 +248,6 @@ def test_a_gemm_backend_is_a_known_one():
         GemmBackend("cublaslt fp8 tensorwise (fast accumulation)")
     with pytest.raises(ValueError, match="has no fast accumulation"):
         GemmBackend(scaled_mm.MXFP8, fast_accumulation=True)
+    with pytest.raises(ValueError, match="sums only in the tensor cores' accumulator"):
+        GemmBackend(backends.SCALED_GROUPED_MM)
     assert eval(repr(GemmBackend(scaled_mm.ROWWISE_SCALED, True)), {"GemmBackend": GemmBackend}) == GemmBackend(scaled_mm.ROWWISE_SCALED, True)

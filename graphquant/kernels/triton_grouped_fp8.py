@@ -56,8 +56,9 @@ PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
 # language/semantic.py takes for an unset one), above any tile's K, so that the WGMMA keeps no
 # partial accumulator (WarpGroupDotOp::needsPartialAccumulator: only when the value is <= the dot's
 # K) and the tensor cores' accumulator takes the whole sum (tests/test_triton_grouped_fp8.py compiles
-# it for sm_90: no fp32 add). No explicit value can: semantic.py rejects one above the dot's K, and
-# one equal to it still promotes once a K tile.
+# it for sm_90: no fp32 add; benchmarks/accumulation_probe.py reads it off an H200's results). No
+# explicit value can: semantic.py rejects one above the dot's K, and one equal to it still promotes
+# once a K tile.
 FAST_ACCUMULATION = None
 
 
