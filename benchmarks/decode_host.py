@@ -2,7 +2,7 @@
 torch.no_grad() at a few rows, compiled five ways, microseconds per call.
 
     python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200]
-                                     [--profile NAME,...] [--profile-trees NAME,...]
+                                     [--profile NAME,...] [--profile-trees NAME,...] [--trace-trees NAME,...]
 
 - "eager launches": torch.compile's default mode; every kernel is launched from Python at every
   call, so the host's column is Dynamo's guards, Inductor's wrapper and every launch (graphquant's
@@ -22,7 +22,9 @@ Each cell is ``--calls`` calls issued back to back behind a queued one: "host" i
 before the GPU is waited for, "GPU" the CUDA events around them (where host < GPU the GPU set the
 pace). ``--profile NAME`` prints cProfile's top functions (by own, then by cumulative time; us a
 call) of that configuration's eager calls, ``--profile-trees NAME`` of its graph-tree calls (before
-the table). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
+the table); ``--trace-trees NAME`` lists the host's torch and CUDA runtime calls in its graph-tree
+calls (torch.profiler: a CUDA synchronisation a call shows there, which cProfile cannot tell from
+work). ``--tiny``: the CPU with small dims and aot_eager, eager launches and no compute (with
 many ``--calls``, the latter times the host's path to a graph on the CPU: NOTES.md).
 """
 
@@ -129,6 +131,18 @@ def profile(fn, calls: int, top: int = 25) -> str:
     return "\n\n".join(tables)
 
 
+def trace(fn, calls: int, top: int = 20) -> str:
+    """torch.profiler's host events (torch ops and CUDA runtime calls) of ``calls`` calls of
+    ``fn``, by their own host time, in microseconds a call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return tabulate([[f"{e.self_cpu_time_total / calls:.2f}", f"{e.count / calls:g}", e.key[:100]] for e in events],
+                    headers=["own us", "calls", "host event"], disable_numparse=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -137,10 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--profile", default="")
     parser.add_argument("--profile-trees", default="")
+    parser.add_argument("--trace-trees", default="")
     args = parser.parse_args(argv)
     cuda = not args.tiny
-    if args.profile_trees and not cuda:
-        parser.error("--profile-trees profiles CUDA graph trees, which need CUDA (not --tiny)")
+    if (args.profile_trees or args.trace_trees) and not cuda:
+        parser.error("--profile-trees and --trace-trees look at CUDA graph trees, which need CUDA (not --tiny)")
     device = torch.device("cuda" if cuda else "cpu")
     dims = dict(dim=128, hidden=256) if args.tiny else dict(dim=DIM, hidden=HIDDEN)
     names = args.configs.split(",")
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"--- {name} @{r} rows, eager launches: cProfile of {args.calls} calls\n{profile(lambda: eager(x), args.calls)}")
                 if name in args.profile_trees.split(","):
                     print(f"--- {name} @{r} rows, graph trees: cProfile of {args.calls} calls\n{profile(lambda: trees(x), args.calls)}")
+                if name in args.trace_trees.split(","):
+                    print(f"--- {name} @{r} rows, graph trees: host events of {args.calls} calls\n{trace(lambda: trees(x), args.calls)}")
     headers = ["config", "rows", "eager launches host", *(["GPU"] if cuda else []), "no compute host"]
     if cuda:
         headers += ["graph trees host", "GPU", "no trees host", "GPU", "one graph host", "GPU"]

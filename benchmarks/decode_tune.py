@@ -34,6 +34,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
 
+from graphquant.formats import fp8  # noqa: E402
 from graphquant.kernels import backends, triton_decode  # noqa: E402
 from graphquant.kernels.backends import EMULATION, GemmBackend  # noqa: E402
 from graphquant.kernels.triton_decode import FP8_CODES, DecodeConfig  # noqa: E402
@@ -117,7 +118,7 @@ def bounds(name: str, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tenso
     a, b = operands(name, m, n, k)
     left, right = a.gemm_operand(torch.float64)[checked_rows(m)], b.gemm_operand(torch.float64)
     ref, magnitude = left @ right.t(), left.abs() @ right.abs().t()
-    fp8_products = 2.0**-9 if name == "fp8" else 0.0
+    fp8_products = fp8.PROMOTED_ERROR if name == "fp8" else 0.0
     return ref, (fp8_products + (k + 3) * U) * magnitude + ref.abs() * (U + 2.0**-8)
 
 

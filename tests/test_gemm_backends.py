@@ -7,6 +7,7 @@ layouts; the CPU cases pin the block-scale swizzle of the sm100 paths and the pl
 import pytest
 import torch
 
+from graphquant.formats import fp8
 from graphquant.kernels import backends, emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -72,11 +73,12 @@ def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db,
     magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
     # |err| <= k * 2^-24 * sum|a||b|. Hopper's FP8 tensor cores keep about 14 mantissa bits in the
-    # accumulator within one MMA k-step (32 products) before cuBLAS promotes the partial sum to
-    # fp32, so each term can carry up to 32 * 2^-14 = 2^-9 of relative error there.
+    # accumulator within a promotion step (fp8.PROMOTED_PRODUCTS, 128, cuBLAS's interval) before
+    # the partial sum is promoted to fp32, so each term can carry up to 128 * 2^-14 = 2^-7 of
+    # relative error there (fp8.PROMOTED_ERROR).
     # With fast accumulation nothing is promoted: up to k * 2^-14 per unit of sum|a||b|.
     # The rowwise path returns bf16 (2^-9 relative rounding of the result).
-    native_bound = k * 2.0**-14 if fast else 2.0**-9
+    native_bound = k * 2.0**-14 if fast else fp8.PROMOTED_ERROR
     bound = magnitude * (native_bound if selection.bucket == backends.NATIVE else k * 2.0**-24)
     if expected == scaled_mm.ROWWISE_SCALED:
         bound = bound + ref.abs() * 2.0**-8

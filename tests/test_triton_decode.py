@@ -15,6 +15,7 @@ import pytest
 import torch
 import triton_interpreter
 
+from graphquant.formats import fp8
 from graphquant.kernels import backends
 from graphquant.kernels.backends import GemmBackend
 from graphquant.quantizers import (
@@ -54,7 +55,7 @@ def excess(
     transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
     rounding of each dequantized reference operand, the factors' product and its product with the
     sum ((K + 3) u sum|a b|), the bias's addition (u |out|) and the rounding to out_dtype; FP8
-    products on the GPU add the tensor cores' 2^-9 sum|a b|."""
+    products on the GPU add the tensor cores' fp8.PROMOTED_ERROR sum|a b|."""
     from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
@@ -79,10 +80,10 @@ def excess(
     magnitude = left.abs() @ right.abs().t()
     rounding = U if out_dtype == torch.float32 else 2.0**-8
     # FP8 codes go to the FP8 tensor cores, whose accumulator keeps about 14 bits within one
-    # 32-product step before the sum is promoted to fp32: 2^-9 of each term there, on the GPU.
+    # promotion step before the sum is promoted to fp32: fp8.PROMOTED_ERROR of each term there.
     family = qb.gemm_input(direction).family
     fp8_products = device == "cuda" and triton_decode.LAYOUTS[family].operand == triton_decode.FP8_CODES
-    bound = ((2.0**-9 if fp8_products else 0.0) + (k + 3) * U) * magnitude + ref.abs() * (U + rounding)
+    bound = ((fp8.PROMOTED_ERROR if fp8_products else 0.0) + (k + 3) * U) * magnitude + ref.abs() * (U + rounding)
     return ((out.double() - ref).abs() - bound).max().item()
 
 
@@ -300,7 +301,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
     constants = {
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
-            SPLIT=True, PROMOTE_EVERY=32, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+            SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
             BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False, SPLIT2=False,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},

@@ -6,7 +6,8 @@ that fills no whole block; and the plan chooses it for the grouped GEMMs that ke
 On the CPU the kernel runs under Triton's interpreter, in a process of its own, with an fp32
 output (the interpreter rounds fp32 to bf16 toward zero) and exact products: within fp32
 accumulation. On the GPU at an MoE layer's widths with a bf16 output, within the bound of
-promoted FP8 tensor-core sums (tests/test_gemm_backends.py): 2^-9 of sum |a b| per output.
+promoted FP8 tensor-core sums (tests/test_gemm_backends.py): fp8.PROMOTED_ERROR of sum |a b| per
+output.
 """
 
 import json
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton_interpreter
 
-from graphquant.formats import groups
+from graphquant.formats import fp8, groups
 from graphquant.kernels import backends
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.quantizers import (
@@ -52,7 +53,7 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
     """How far the kernel's ``gemm`` of a grouped site exceeds its bound (<= 0: within it), the
     operands quantized per group as graphquant.ops.grouped lays them out. The bound: fp32
     accumulation ((K + 4) u sum |a b|) where the products are exact (the interpreter), promoted
-    tensor-core sums (2^-9 sum |a b|) on the GPU; plus the rounding to ``out_dtype``."""
+    tensor-core sums (fp8.PROMOTED_ERROR sum |a b|) on the GPU; plus the rounding to ``out_dtype``."""
     kernels = backends.triton_grouped_fp8
     qx, qw, qg = FORMATS[name]
     experts, rows = len(sizes), sum(sizes)
@@ -96,7 +97,7 @@ def excess(name: str, gemm: str, sizes, k: int, n: int, out_dtype: torch.dtype, 
         magnitude = torch.cat([p.abs() @ q.abs() for p, q in pairs])[:, :width]
         reduced = left.shape[1]
     assert out.shape == exact.shape and out.dtype == out_dtype
-    accumulation = (reduced + 4) * U if device == "cpu" else 2.0**-9
+    accumulation = (reduced + 4) * U if device == "cpu" else fp8.PROMOTED_ERROR
     rounding = U if out_dtype == torch.float32 else 2.0**-8
     bound = accumulation * magnitude + rounding * exact.abs()
     return ((out.double() - exact).abs() - bound).max().item()

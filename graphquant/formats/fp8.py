@@ -12,6 +12,12 @@ import torch
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
+# FP8 products Hopper's tensor cores sum in their accumulator (about 14 bits kept) before a GEMM
+# that promotes adds the partial sum into fp32: cuBLASLt's interval without fast accumulation,
+# read off its results by benchmarks/accumulation_probe.py, and graphquant's Triton FP8 GEMMs'.
+# Each term may then carry PROMOTED_PRODUCTS * 2^-14 = 2^-7 of relative error.
+PROMOTED_PRODUCTS = 128
+PROMOTED_ERROR = PROMOTED_PRODUCTS * 2.0**-14
 # Sign and exponent bits of an fp32 (0xFF800000 as a signed int32).
 _SIGN_EXPONENT_MASK = -0x800000
 

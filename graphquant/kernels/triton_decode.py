@@ -12,11 +12,13 @@ tensor cores' register operand and A's tile comes from shared memory. How it mul
 the layout family (GemmInput.family) and the tiling (DecodeConfig):
 
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
-  with no conversion; the partial sums are promoted into the fp32 accumulator after every 32
-  products (``max_num_imprecise_acc``), and a block's sum is multiplied by its two block scales
-  before it joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with
-  promotion (tests/test_gemm_backends.py's bound): within one 32-product step Hopper's FP8
-  accumulator keeps about 14 bits, so each term may carry 2^-9 of relative error there.
+  with no conversion; the partial sums are promoted into the fp32 accumulator after every
+  fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
+  (``max_num_imprecise_acc``), and a block's sum is
+  multiplied by its two block scales before it joins the accumulator. That is the contract of
+  the FP8 GEMMs cuBLASLt runs with promotion (tests/test_gemm_backends.py's bound): within one
+  128-product step Hopper's FP8 accumulator keeps about 14 bits, so each term may carry 2^-7 of
+  relative error there.
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
@@ -239,8 +241,6 @@ def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
     return dataclasses.replace(config, block_m=min(config.block_m, max(triton.next_power_of_2(m), ONE_TILE_ROWS)))
 
 
-# Hopper's FP8 accumulator is promoted into fp32 after this many products (one MMA k-step).
-_PROMOTE_EVERY = 32
 
 
 @triton.jit
@@ -625,7 +625,7 @@ def _tile_sums(
                 a = _codes(a_ptr, m, M, col, K, a_stride)
             else:
                 a = _quantized(a_ptr, m, M, col, K, a_stride, quantizing_scale, A_RULE)
-            total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=PROMOTE_EVERY)
+            total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
         elif OPERAND == 1 and MX == 2:
             col = k0 + tl.arange(0, BLOCK_K)[None, :]
             block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
@@ -640,7 +640,7 @@ def _tile_sums(
                 b = _codes(b_ptr, n, N, col, K, b_stride)
                 a = _codes(a_ptr, m, M, col, K, a_stride)
                 if OPERAND == 0:
-                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=PROMOTE_EVERY)
+                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
                 else:
                     block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
                 block = k0 // SCALE_COLS + j
@@ -1071,7 +1071,7 @@ def gemm(
             *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-            **factors, SPLIT=splits > 1, PROMOTE_EVERY=_PROMOTE_EVERY,
+            **factors, SPLIT=splits > 1, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS,
             MX=MX_PRODUCTS.index(config.mx_products) if b_layout.operand == BF16_VALUES else 0, A_FORMAT=_ELEMENT_FORMATS.get(a.data.dtype, ""),
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
@@ -1188,6 +1188,6 @@ def _launch_autotuned(
         _autotuned, grid, *a_args, *b_and_ends, arrivals, m, n, k, k_chunks, K_CHUNK,
         OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=_PROMOTE_EVERY, MX=0, A_FORMAT="", B_FORMAT="",
+        **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule, **pair,
     )

@@ -5,8 +5,9 @@ It multiplies the FP8 codes on the tensor cores and applies the formats' scales 
 per-tensor and per-row scales (one factor per GEMM row of each operand, ``Quantizer.grouped_factor``)
 once in the epilogue; DeepSeek-V3's 1x128 and 128x128 block scales to each 128-long K block's
 partial product, as its recipe does. Partial sums are promoted from the tensor cores' accumulator
-into fp32 after every 32 products (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs
-do, so it keeps a recipe's fp32-accumulation contract: 2^-9 of relative error per term at most.
+into fp32 after every fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is
+shorter (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe
+asks: 2^-7 of relative error per term at most.
 E4M3 and E5M2 on either side. The result is rounded once, to the output dtype, and written
 straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
 
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats import fp8
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.quantizers import ROWWISE, Representation
 
@@ -42,7 +44,7 @@ FAMILY_PAIRS = frozenset(
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
-PROMOTE_EVERY = 32  # products summed in the tensor cores' accumulator before fp32 takes them
+PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
 
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> triton.Config:
@@ -152,9 +154,9 @@ def _tokens_by_experts(
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
             sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
-            acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K)) * (sa[:, None] * sb[None, :])
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
     if not BLOCK_SCALED:
         sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, None, A_ROWS)
         sb = _scale(sb_ptr, group, cols, 0, sb_g, sb_i, sb_k, in_cols, B_ROWS)
@@ -197,9 +199,9 @@ def _tokens_by_tokens(
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, group, ms, kb, sa_g, sa_i, sa_k, in_m, A_ROWS)
             sb = _scale(sb_ptr, group, ns, kb, sb_g, sb_i, sb_k, in_n, B_ROWS)
-            acc += tl.dot(a, b, max_num_imprecise_acc=PROMOTE_EVERY) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K)) * (sa[:, None] * sb[None, :])
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_EVERY)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
     if not BLOCK_SCALED:
         sa = _scale(sa_ptr, group, ms, 0, sa_g, sa_i, sa_k, in_m, A_ROWS)
         sb = _scale(sb_ptr, group, ns, 0, sb_g, sb_i, sb_k, in_n, B_ROWS)
