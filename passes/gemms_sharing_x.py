@@ -87,7 +87,8 @@ def _merge(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         x = nodes[0].args[0]
         weights, biases = (tuple(node.args[i] for node in nodes) for i in (1, 2))
         states = tuple(node.kwargs["states"] for node in nodes)
-        target, args, kwargs = functional.quantized_linears_sharing_x, (x, weights, biases), {"sites": sites, "states": states, "rng": nodes[0].kwargs["rng"]}
+        kwargs = {"sites": sites, "states": states, "rng": nodes[0].kwargs["rng"]}
+        target, args = functional.quantized_linears_sharing_x, (x, weights, biases)
     with graph.inserting_before(nodes[0]):
         shared = graph.call_function(target, args, kwargs)
         shared.meta.update(nodes[0].meta)

@@ -209,7 +209,8 @@ def test_a_swiglu_runs_its_gate_and_up_projections_in_one_call(hopper_on_cpu, na
     """Frozen or quantizing its weights at each call, at one row: the rewritten graph (its dump)
     has one call for the gate and up projections naming both sites and their formats, and the
     down projection's own; the GEMMs run as one launch of two and one of one."""
-    one, shared_call = ("quantized_frozen_linear(", "quantized_frozen_linears_sharing_x(") if frozen else ("quantized_linear(", "quantized_linears_sharing_x(")
+    one = "quantized_frozen_linear(" if frozen else "quantized_linear("
+    shared_call = "quantized_frozen_linears_sharing_x(" if frozen else "quantized_linears_sharing_x("
     with tempfile.TemporaryDirectory() as dump_dir:
         _, plans = _ffn(RECIPES[name], torch.randn(1, 128).to(torch.bfloat16), True, frozen, dump_dir=dump_dir)
         rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()

@@ -709,7 +709,8 @@ def _decode_kernel(
     if PAIR:  # the B and rows of this program's tile: the first GEMM's or the second's
         second = tile >= tl.cdiv(N, BLOCK_N)
         tile, rows = tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N)
-        b_ptr, b_scale_ptr, b_stride = tl.where(second, b2_ptr, b_ptr), tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride)
+        b_ptr, b_scale_ptr = tl.where(second, b2_ptr, b_ptr), tl.where(second, b2_scale_ptr, b_scale_ptr)
+        b_stride = tl.where(second, b2_stride, b_stride)
         b_scale_row_stride = tl.where(second, b2_scale_row_stride, b_scale_row_stride)
         b_scale_col_stride = tl.where(second, b2_scale_col_stride, b_scale_col_stride)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
