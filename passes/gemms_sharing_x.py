@@ -1,19 +1,22 @@
-"""Pass 3b (convert, inference graphs): frozen linears that read one x run their GEMMs in one launch.
+"""Pass 3b (convert, inference graphs): inference linears that read one x run their GEMMs in one launch.
 
 A SwiGLU's gate and up projections read one activation. At decode sizes each GEMM's time is
 mostly its weight's bytes plus the ramp and tail of its launch; one launch of the decode GEMM
-whose grid covers both weights pays the latter once (graphquant.kernels.triton_decode.
-gemms_sharing_a, each GEMM tiled and K-split as alone, so each output keeps its bits). The pass
-makes that choice where the plan's choices allow it, so the graph (and its dump) carries it.
+whose grid covers both weights pays the latter once, and splits K for their rows together, as
+one GEMM over both weights stacked (graphquant.kernels.triton_decode.gemms_sharing_a: its outputs
+are that GEMM's bits). The pass makes that choice where the plan's choices allow it, so the graph
+(and its dump) carries it; frozen and per-call models make it alike, so they compute the same bits.
 
-Expects: a rewritten inference graph (passes/rewrite.py), frozen linears as calls of
-graphquant.ops.functional.quantized_frozen_linear.
-Guarantees: calls that read the same x node, whose plan runs fprop on the same decode GEMM
-backend, x's format keeping no state (no delayed scaling, no stochastic rounding: x quantized
-once gives each the codes it would make), their stored weights of one format whose family the
-kernel runs in a shared launch (triton_decode.SHARED_FAMILIES) and one dtype, become, two at a
-time in graph order, one call of functional.quantized_frozen_linears_sharing_x whose ``sites``
-name both (a graph dump prints them); each one's output is an item of that call's. Every other
+Expects: a rewritten inference graph (passes/rewrite.py): frozen linears as calls of
+graphquant.ops.functional.quantized_frozen_linear, the others as calls of quantized_linear with
+its inference formula (``site.inference``).
+Guarantees: calls of one of the two that read the same x node, whose plan runs fprop on the same
+decode GEMM backend, x's format keeping no state (no delayed scaling, no stochastic rounding: x
+quantized once gives each the codes it would make), their weights of one format whose family the
+kernel runs in a shared launch (triton_decode.SHARED_FAMILIES) and one dtype, become, up to
+triton_decode.SHARED_LAUNCH at a time in graph order, one call of
+functional.quantized_frozen_linears_sharing_x or quantized_linears_sharing_x whose ``sites`` name
+them all (a graph dump prints them); each one's output is an item of that call's. Every other
 node stays as it was.
 """
 
@@ -29,13 +32,10 @@ from graphquant.ops import functional
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import ROWWISE
 
-# The most GEMMs one launch of the decode GEMM runs (its PAIR).
-SHARED_LAUNCH = 2
-
 
 def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
-    """Rewrite ``gm`` in place: each pair of frozen linears that may share a launch (the module's
-    docstring) becomes one call."""
+    """Rewrite ``gm`` in place: the linears that may share a launch (the module's docstring)
+    become one call for each launch."""
     graph = gm.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
     groups: dict[tuple, list[fx.Node]] = {}
@@ -44,11 +44,12 @@ def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
         if key is not None:
             groups.setdefault(key, []).append(node)
     merged = False
-    for nodes in groups.values():
-        for start in range(0, len(nodes) - 1, SHARED_LAUNCH):
-            pair = nodes[start : start + SHARED_LAUNCH]
-            if all(order[arg] < order[pair[0]] for later in pair[1:] for arg in later.all_input_nodes):
-                _merge(graph, pair)
+    for nodes in groups.values():  # any group means the decode GEMM (and Triton) is there
+        launch = backends.triton_decode.SHARED_LAUNCH
+        for start in range(0, len(nodes) - 1, launch):
+            shared = nodes[start : start + launch]
+            if all(order[arg] < order[shared[0]] for later in shared[1:] for arg in later.all_input_nodes):
+                _merge(graph, shared)
                 merged = True
     if merged:
         graph.lint()
@@ -57,28 +58,39 @@ def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
 
 def _sharing_key(node: fx.Node) -> Optional[tuple]:
     """What calls that may share a launch have in common, or None where ``node`` shares none."""
-    if node.op != "call_function" or node.target is not functional.quantized_frozen_linear:
+    if node.op != "call_function" or node.target not in (functional.quantized_frozen_linear, functional.quantized_linear):
         return None
     triton_decode = backends.triton_decode
     site = node.kwargs["site"]
     x_quantizer = site.quantizers[0]
     decode = triton_decode is not None and site.fprop.name in (triton_decode.BACKEND, triton_decode.QUANTIZING_BACKEND)
-    if not decode or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
+    frozen = node.target is functional.quantized_frozen_linear
+    if not decode or not (frozen or site.inference) or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
         return None
-    x, _, _, dtype, _ = node.args
     weight_spec = site.quantizers[1].child(ROWWISE).spec
     if quantizer_of(weight_spec).gemm_input(ROWWISE).family not in triton_decode.SHARED_FAMILIES:
         return None
-    return (x, site.fprop, site.input, weight_spec, dtype, site.amax_group)
+    # a frozen linear's call names its weight's dtype; a linear's weight is a node with its value
+    dtype = node.args[3] if frozen else getattr(node.args[1].meta.get("example_value"), "dtype", None)
+    return None if dtype is None else (node.target, node.args[0], site.fprop, site.input, weight_spec, dtype, site.amax_group)
 
 
 def _merge(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """One quantized_frozen_linears_sharing_x call in place of ``nodes``, before the first."""
-    x, _, _, dtype, _ = nodes[0].args
-    weights, shapes, biases = (tuple(node.args[i] for node in nodes) for i in (1, 2, 4))
+    """One call in place of ``nodes`` (quantized_frozen_linears_sharing_x for frozen linears,
+    quantized_linears_sharing_x for the others), before the first."""
     sites = tuple(node.kwargs["site"] for node in nodes)
+    if nodes[0].target is functional.quantized_frozen_linear:
+        x, _, _, dtype, _ = nodes[0].args
+        weights, shapes, biases = (tuple(node.args[i] for node in nodes) for i in (1, 2, 4))
+        target, args, kwargs = functional.quantized_frozen_linears_sharing_x, (x, weights, shapes, dtype, biases), {"sites": sites}
+    else:
+        x = nodes[0].args[0]
+        weights, biases = (tuple(node.args[i] for node in nodes) for i in (1, 2))
+        states = tuple(node.kwargs["states"] for node in nodes)
+        kwargs = {"sites": sites, "states": states, "rng": nodes[0].kwargs["rng"]}
+        target, args = functional.quantized_linears_sharing_x, (x, weights, biases)
     with graph.inserting_before(nodes[0]):
-        shared = graph.call_function(functional.quantized_frozen_linears_sharing_x, (x, weights, shapes, dtype, biases), {"sites": sites})
+        shared = graph.call_function(target, args, kwargs)
         shared.meta.update(nodes[0].meta)
         shared.meta.pop("val", None)
         shared.meta.pop("example_value", None)

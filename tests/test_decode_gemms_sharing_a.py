@@ -1,7 +1,8 @@
 """GEMMs that read one A in one launch of the decode GEMM (triton_decode.gemms_sharing_a; in a
-graph passes/gemms_sharing_x.py): a SwiGLU's gate and up projections. Each output is, bit for
-bit, that GEMM's own call: each is tiled and K-split as alone, its partial sums and arrival
-counters apart from the other's.
+graph passes/gemms_sharing_x.py): a SwiGLU's gate and up projections. The launch computes, bit for
+bit, one decode GEMM over both weights stacked (its K split chosen for their rows together, not
+for each weight alone), its output split in two; frozen and per-call models merge alike, so they
+keep computing the same bits.
 
 On the CPU the kernels run under Triton's interpreter, in a process of their own; on the GPU at a
 Llama-3-8B FFN's shapes, eagerly and replayed from a CUDA graph.
@@ -28,34 +29,83 @@ PAIRS = {
     "rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
     "block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
 }
-# (m, n, n2, k): one row, both K split (the interpreter's 4 SMs); 16 rows, the first split and
-# the second not (its tiles fill the SMs); three rows, partial tiles, neither split.
-SHAPES = [(1, 80, 40, 1536), (16, 64, 512, 1280), (3, 48, 24, 256)]
+# (m, n, n2, k), n a multiple of the 128x128 blocks (so that the stacked weight quantizes to both
+# weights' codes and scales): one row and 16 rows, the pair's K split (the interpreter's 4 SMs)
+# other than each weight's alone (4 and 2 against 2; 3 and 2 against 1); three rows, partial
+# tiles, K not split.
+SHAPES = [(1, 128, 128, 2048), (16, 128, 384, 1280), (3, 128, 40, 256)]
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
 
 
-def _separate_and_shared(name: str, x: torch.Tensor, ws: list, biases: list, out_dtype: torch.dtype, on_load: bool) -> tuple[list, list]:
-    """(each weight's own decode GEMM, the two in one launch) of x, quantized by the reference
-    first or by the kernels (QuantizedOnLoad)."""
+def _weights(n: int, n2: int, k: int, device="cpu", spread: float = 8) -> list[torch.Tensor]:
+    """Two weights whose largest magnitude is one value (2), so that a per-tensor format's scale
+    is the same for each and for both stacked."""
+    ws = [(torch.randn(rows, k, device=device) / spread).to(torch.bfloat16) for rows in (n, n2)]
+    for w in ws:
+        w[0, 0] = 2.0
+    return ws
+
+
+def _stacked(a, stacked, rows: list, out_dtype: torch.dtype, biases: list) -> list:
+    """One decode GEMM of A and the ``stacked`` weight, split into the ``rows`` of each weight
+    stacked in it; a weight with a bias takes its rows of that GEMM with the biases stacked (zeros
+    for the other's), one without of that GEMM without them."""
+    from graphquant.kernels import triton_decode
+
+    stacked_biases = torch.cat([torch.zeros(r, dtype=torch.bfloat16, device=a.data.device) if b is None else b for b, r in zip(biases, rows)])
+    with_bias, without = (triton_decode.gemm(a, stacked, out_dtype, bias).split(rows, dim=1) for bias in (stacked_biases, None))
+    return [(without if bias is None else with_bias)[i] for i, bias in enumerate(biases)]
+
+
+def _operands(name: str, x: torch.Tensor, ws: list, on_load: bool) -> tuple:
+    """(A: x quantized by the reference first or to be quantized by the kernels (QuantizedOnLoad);
+    each weight's B; the weights stacked as one B; whether that one holds both B's codes and
+    scales)."""
     from graphquant.kernels import triton_decode
 
     qa, qb = PAIRS[name]
     bs = [qb(w, columnwise=False).get(ROWWISE) for w in ws]
+    stacked = qb(torch.cat(ws), columnwise=False).get(ROWWISE)
+    same = torch.equal(stacked.dequantize(torch.float32), torch.cat([b.dequantize(torch.float32) for b in bs]))
     a = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa) if on_load else qa(x, columnwise=False).get(ROWWISE)
-    separate = [triton_decode.gemm(a, b, out_dtype, bias) for b, bias in zip(bs, biases)]
-    return separate, triton_decode.gemms_sharing_a(a, bs, out_dtype, biases)
+    return a, bs, stacked, same
 
 
-def _frozen(recipe, x: torch.Tensor, merged: bool, dump_dir=None) -> tuple[torch.Tensor, list]:
-    """A frozen SwiGLU FFN's output for x (aot_eager, a static graph) with its gate and up
-    projections merged or not (the pass made a no-op), and its plans."""
+def _ffn(recipe, x: torch.Tensor, merged: bool, frozen: bool = True, hidden: int = 256, dump_dir=None) -> tuple[torch.Tensor, list]:
+    """A SwiGLU FFN's output for x (aot_eager, a static graph), frozen or quantizing its weights
+    at each call, with its gate and up projections merged or not (the pass made a no-op), and its
+    plans."""
     torch.manual_seed(0)
-    return _compiled_frozen(SwiGLU(128, 256).to(x.device, torch.bfloat16), recipe, x, merged, dump_dir=dump_dir)
+    model = SwiGLU(x.shape[-1], hidden).to(x.device, torch.bfloat16)
+    return _compiled(model, recipe, x, merged, frozen, dump_dir=dump_dir)
 
 
-def _compiled_frozen(model, recipe, x: torch.Tensor, merged: bool, backend="aot_eager", dump_dir=None) -> tuple[torch.Tensor, list]:
-    """``model`` compiled for inference (a static graph), frozen, with the linears that read one
-    x merged or not (the pass made a no-op): its output for x and its plans."""
+class GateAndUp(SwiGLU):
+    """A SwiGLU's gate and up projections, both outputs side by side: every bit of their GEMMs
+    shows (a down projection's FP8 input would round most of them away)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+
+
+def _gate_and_up_outputs(recipe, x: torch.Tensor, hidden: int) -> dict:
+    """GateAndUp's fp32 outputs for x (of x's width, ``hidden`` wide) by (frozen, merged): frozen
+    and per-call merged, frozen unmerged."""
+    outputs = {}
+    for frozen, merged in ((True, True), (False, True), (True, False)):
+        backends.clear_caches()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GateAndUp(x.shape[-1], hidden).to(x.device, torch.float32)
+        outputs[frozen, merged], plans = _compiled(model, recipe, x.float(), merged, frozen)
+        decode = {backends.triton_decode.BACKEND, backends.triton_decode.QUANTIZING_BACKEND}
+        assert {g.backend.name for g in plans[0].gemms} <= decode, str(plans[0])
+    return outputs
+
+
+def _compiled(model, recipe, x: torch.Tensor, merged: bool, frozen: bool = True, backend="aot_eager", dump_dir=None) -> tuple[torch.Tensor, list]:
+    """``model`` compiled for inference (a static graph), frozen or not, with the linears that
+    read one x merged or not (the pass made a no-op): its output for x and its plans."""
     from graphquant import compiler
 
     merge = compiler.merge_gemms_sharing_x
@@ -63,7 +113,8 @@ def _compiled_frozen(model, recipe, x: torch.Tensor, merged: bool, backend="aot_
         compiler.merge_gemms_sharing_x = lambda gm: None
     try:
         compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, dump_dir=dump_dir)
-        graphquant.freeze(compiled)
+        if frozen:
+            graphquant.freeze(compiled)
         with torch.no_grad():
             return compiled(x), compiled.graphquant.plans
     finally:
@@ -77,27 +128,43 @@ def _interpreted_results() -> dict:
     results = {}
     for name in PAIRS:
         for m, n, n2, k in SHAPES:
+            shape = f"{m}x{n}+{n2}x{k}"
             x = (torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]).to(torch.bfloat16)
-            ws = [(torch.randn(rows, k) / 8).to(torch.bfloat16) for rows in (n, n2)]
+            ws = _weights(n, n2, k)
             bias = torch.randn(n).to(torch.bfloat16)
             for on_load in (False, True):
+                a, bs, stacked, same = _operands(name, x, ws, on_load)
                 for out_dtype, biases in ((torch.float32, [None, None]), (torch.bfloat16, [bias, None])):
-                    separate, shared = _separate_and_shared(name, x, ws, biases, out_dtype, on_load)
-                    case = f"{name} | {m}x{n}+{n2}x{k} | {'on load' if on_load else 'first'} | {biases[0] is not None}"
-                    results[case] = all(torch.equal(s, t) for s, t in zip(separate, shared, strict=True))
-    splits = [[triton_decode.split_k(rows, k, torch.device("cpu")) > 1 for rows in (n, n2)] for m, n, n2, k in SHAPES]
-    results["splits as described"] = splits == [[True, True], [True, False], [False, False]]
+                    expected = _stacked(a, stacked, [n, n2], out_dtype, biases)
+                    shared = triton_decode.gemms_sharing_a(a, bs, out_dtype, biases)
+                    results[f"{name} | {shape} | {'on load' if on_load else 'first'} | {biases[0] is not None}"] = same and all(
+                        torch.equal(e, s) for e, s in zip(expected, shared, strict=True)
+                    )
+            # The weights' own GEMMs (each K-split for its rows alone) miss the stacked GEMM's
+            # bits where a split differs from the pair's: the comparison above tells them apart.
+            a, bs, stacked, _ = _operands(name, x, ws, False)
+            alone = [triton_decode.gemm(a, b, torch.float32) for b in bs]
+            same_bits = [torch.equal(e, s) for e, s in zip(_stacked(a, stacked, [n, n2], torch.float32, [None, None]), alone)]
+            same_splits = [_splits(rows, m, k) == _splits(n + n2, m, k) for rows in (n, n2)]
+            results[f"{name} | {shape} | alone"] = all(same_bits) == all(same_splits)
+    results["splits as described"] = [[_splits(rows, m, k) for rows in (n, n2, n + n2)] for m, n, n2, k in SHAPES] == [
+        [4, 4, 2], [3, 2, 1], [1, 1, 1],
+    ]
     results["counters"] = all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
     backends.capability = lambda device: (9, 0)
     for name, recipe in RECIPES.items():
-        backends.clear_caches()
-        x = torch.randn(1, 128).to(torch.bfloat16)
-        torch._dynamo.reset()
-        merged, _ = _frozen(recipe, x, True)
-        torch._dynamo.reset()
-        separate, _ = _frozen(recipe, x, False)
-        results[f"frozen ffn {name}"] = torch.equal(merged, separate)
+        # gate and up: 128 x 2048 each, K split 4 ways alone and 2 ways as a pair
+        outputs = _gate_and_up_outputs(recipe, torch.randn(1, 2048), hidden=128)
+        results[f"ffn {name} | frozen and per-call"] = torch.equal(outputs[True, True], outputs[False, True])
+        results[f"ffn {name} | unmerged differs"] = not torch.equal(outputs[True, True], outputs[True, False])
     return results
+
+
+def _splits(rows: int, m: int, k: int) -> int:
+    """The K splits of a decode GEMM of ``rows`` rows of B, m rows of A and k columns, autotuned."""
+    from graphquant.kernels import triton_decode
+
+    return triton_decode._k_split(rows, k, torch.device("cpu"), None, -(-m // triton_decode.ONE_TILE_ROWS))[0]
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +177,17 @@ def interpreted() -> dict:
 @pytest.mark.parametrize("a", ["first", "on load"])
 @pytest.mark.parametrize("shape", [f"{m}x{n}+{n2}x{k}" for m, n, n2, k in SHAPES])
 @pytest.mark.parametrize("name", PAIRS)
-def test_two_gemms_in_one_launch_give_each_ones_own_bits_interpreted(interpreted, name, shape, a, bias):
+def test_two_gemms_in_one_launch_are_one_gemm_over_the_stacked_weight_interpreted(interpreted, name, shape, a, bias):
     """A quantized first or by the kernel as it loads it (1x128 blocks: by its kernel first);
-    bf16 out with a bias on the first GEMM, fp32 out without."""
+    bf16 out with a bias on the first GEMM, fp32 out without: both outputs are their rows of one
+    decode GEMM over the two weights stacked, quantized as one (the same codes and scales)."""
     assert interpreted[f"{name} | {shape} | {a} | {bias}"]
+
+
+@pytest.mark.parametrize("shape", [f"{m}x{n}+{n2}x{k}" for m, n, n2, k in SHAPES])
+@pytest.mark.parametrize("name", PAIRS)
+def test_the_gemms_alone_miss_the_stacked_bits_where_their_k_splits_differ_interpreted(interpreted, name, shape):
+    assert interpreted[f"{name} | {shape} | alone"]
 
 
 def test_shared_launches_split_k_as_described_and_leave_the_counters_zero_interpreted(interpreted):
@@ -122,37 +196,44 @@ def test_shared_launches_split_k_as_described_and_leave_the_counters_zero_interp
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_a_frozen_ffn_gives_the_same_bits_with_its_gate_and_up_projections_in_one_launch_interpreted(interpreted, name):
-    assert interpreted[f"frozen ffn {name}"]
+def test_frozen_and_per_call_gate_and_up_projections_merge_alike_and_give_the_same_bits_interpreted(interpreted, name):
+    """At one row, gate and up projections K-split otherwise as a pair than alone: frozen, they
+    give the per-call model's bits, and not those of the two run apart."""
+    assert interpreted[f"ffn {name} | frozen and per-call"]
+    assert interpreted[f"ffn {name} | unmerged differs"]
 
 
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "per call"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_a_frozen_swiglu_runs_its_gate_and_up_projections_in_one_call(hopper_on_cpu, name):
-    """Frozen, at one row: the rewritten graph (its dump) has one call for the gate and up
-    projections naming both sites and their formats, and the down projection's own; the GEMMs run
-    as one launch of two and one of one."""
+def test_a_swiglu_runs_its_gate_and_up_projections_in_one_call(hopper_on_cpu, name, frozen):
+    """Frozen or quantizing its weights at each call, at one row: the rewritten graph (its dump)
+    has one call for the gate and up projections naming both sites and their formats, and the
+    down projection's own; the GEMMs run as one launch of two and one of one."""
+    one = "quantized_frozen_linear(" if frozen else "quantized_linear("
+    shared_call = "quantized_frozen_linears_sharing_x(" if frozen else "quantized_linears_sharing_x("
     with tempfile.TemporaryDirectory() as dump_dir:
-        _, plans = _frozen(RECIPES[name], torch.randn(1, 128).to(torch.bfloat16), True, dump_dir)
+        _, plans = _ffn(RECIPES[name], torch.randn(1, 128).to(torch.bfloat16), True, frozen, dump_dir=dump_dir)
         rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()
-    assert rewritten.count("quantized_frozen_linears_sharing_x(") == 1, rewritten
-    assert rewritten.count("quantized_frozen_linear(") == 1, rewritten
-    shared = next(line for line in rewritten.splitlines() if "quantized_frozen_linears_sharing_x(" in line)
+    assert rewritten.count(shared_call) == 1, rewritten
+    assert rewritten.count(one) == 1, rewritten
+    shared = next(line for line in rewritten.splitlines() if shared_call in line)
     weight = plans[0].quantizer(next(r for r, _ in plans[0].slots if r.name == "gate_proj" and r.tensor_type == "weight"))
     assert "name='gate_proj'" in shared and "name='up_proj'" in shared and shared.count(f"weight={weight.spec!r}") == 2, shared
     assert hopper_on_cpu.launches == [2, 1]
 
 
-def test_inductor_compiles_the_shared_call_of_a_stack_of_ffns(hopper_on_cpu):
-    """Through Inductor (its Python wrapper names every GEMM of the shared call), a stack of frozen
-    SwiGLUs (sites named "0.gate_proj#0 fprop") computes the bits it computes unmerged, one launch
-    for each FFN's gate and up projections."""
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "per call"])
+def test_inductor_compiles_the_shared_call_of_a_stack_of_ffns(hopper_on_cpu, frozen):
+    """Through Inductor (its Python wrapper names every GEMM of the shared call), a stack of
+    SwiGLUs (sites named "0.gate_proj#0 fprop"), frozen or not, computes the bits it computes
+    unmerged on the emulated GEMM, one launch for each FFN's gate and up projections."""
     x = torch.randn(1, 128).to(torch.bfloat16)
     outputs = []
     for merged in (True, False):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = torch.nn.Sequential(SwiGLU(128, 256), SwiGLU(128, 256)).to(torch.bfloat16)
-        outputs.append(_compiled_frozen(model, RECIPES["tensorwise"], x, merged, backend="inductor")[0])
+        outputs.append(_compiled(model, RECIPES["tensorwise"], x, merged, frozen, backend="inductor")[0])
     assert torch.equal(*outputs)
     assert hopper_on_cpu.launches == [2, 1, 2, 1, 1, 1, 1, 1, 1, 1]
 
@@ -161,13 +242,15 @@ def _up_tensorwise_else_rowwise(role):
     return RECIPES["tensorwise" if role.name == "up_proj" else "rowwise"].qfactory(role)
 
 
-def test_linears_of_different_formats_stay_apart(hopper_on_cpu):
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "per call"])
+def test_linears_of_different_formats_stay_apart(hopper_on_cpu, frozen):
     """The gate and up projections in different formats (rowwise and tensorwise) each run their own GEMM."""
     recipe = graphquant.recipes.CustomRecipe(_up_tensorwise_else_rowwise)
+    one = "quantized_frozen_linear(" if frozen else "quantized_linear("
     with tempfile.TemporaryDirectory() as dump_dir:
-        _frozen(recipe, torch.randn(1, 128).to(torch.bfloat16), True, dump_dir)
+        _ffn(recipe, torch.randn(1, 128).to(torch.bfloat16), True, frozen, dump_dir=dump_dir)
         rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()
-    assert "quantized_frozen_linears_sharing_x(" not in rewritten and rewritten.count("quantized_frozen_linear(") == 3, rewritten
+    assert "sharing_x(" not in rewritten and rewritten.count(one) == 3, rewritten
     assert hopper_on_cpu.launches == [1, 1, 1]
 
 
@@ -189,23 +272,26 @@ def test_the_shared_gemm_ops_pass_opcheck(hopper_on_cpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", PAIRS)
-def test_the_gate_and_up_projections_in_one_launch_are_each_ones_own_call_on_the_gpu(name):
-    """A Llama-3-8B FFN's w1 and w3 (14336 x 4096) at 1 and 16 rows, with and without a bias,
-    A quantized first and as loaded: eagerly, then replayed from a CUDA graph on new inputs,
-    each output is its own GEMM's eager call's bits, and the arrival counters end at zero."""
+def test_the_gate_and_up_projections_in_one_launch_are_one_gemm_over_both_on_the_gpu(name):
+    """A Llama-3-8B FFN's w1 and w3 (14336 x 4096: K split twice alone, once as a pair on 132
+    SMs) at 1 and 16 rows, with and without a bias, A quantized first and as loaded: eagerly, then
+    replayed from a CUDA graph on new inputs, the outputs are the eager decode GEMM over both
+    weights stacked, bit for bit, and the arrival counters end at zero."""
     from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
-    ws = [(torch.randn(14336, 4096, device="cuda") / 64).to(torch.bfloat16) for _ in range(2)]
+    ws = _weights(14336, 14336, 4096, "cuda", spread=64)
     bias = torch.randn(14336, device="cuda").to(torch.bfloat16)
     for m in (1, 16):
         x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
         for on_load in (False, True):
+            a, bs, stacked, same = _operands(name, x, ws, on_load)
+            assert same
             for biases in ([None, None], [bias, None]):
-                separate, shared = _separate_and_shared(name, x, ws, biases, torch.bfloat16, on_load)
-                assert all(torch.equal(s, t) for s, t in zip(separate, shared)), (m, on_load)
-        qa, qb = PAIRS[name]
-        bs = [qb(w, columnwise=False).get(ROWWISE) for w in ws]
+                expected = _stacked(a, stacked, [14336, 14336], torch.bfloat16, biases)
+                shared = triton_decode.gemms_sharing_a(a, bs, torch.bfloat16, biases)
+                assert all(torch.equal(e, s) for e, s in zip(expected, shared, strict=True)), (m, on_load)
+        qa, _ = PAIRS[name]
 
         def quantizing(x: torch.Tensor):
             return triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
@@ -214,24 +300,22 @@ def test_the_gate_and_up_projections_in_one_launch_are_each_ones_own_call_on_the
             return triton_decode.gemms_sharing_a(quantizing(x), bs, torch.bfloat16, [bias, None])
 
         for scale, replayed in cuda_graph_replays(both, x):
-            expected = [triton_decode.gemm(quantizing(x), b, torch.bfloat16, bias_) for b, bias_ in zip(bs, [bias, None])]
+            expected = _stacked(quantizing(x), stacked, [14336, 14336], torch.bfloat16, [bias, None])
             assert all(torch.equal(r, e) for r, e in zip(replayed, expected)), f"{m} rows, inputs times {scale}"
     torch.cuda.synchronize()
     assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
 
 
 @pytest.mark.gpu
-def test_a_frozen_ffn_on_the_gpu_gives_the_same_bits_with_one_launch_for_its_gate_and_up():
-    """The frozen FFN (tensorwise) at one and 16 rows, merged and not, gives the same bits (every
-    recipe's, interpreted above)."""
+@pytest.mark.parametrize("name", RECIPES)
+def test_frozen_and_per_call_gate_and_up_projections_give_the_same_bits_on_the_gpu(name):
+    """A Llama-3-8B FFN's gate and up projections (4096 -> 14336 each: K split twice alone, once as
+    a pair) at one and 16 rows: frozen, they give the per-call model's bits, and not those of the
+    two run apart."""
     for rows in (1, 16):
-        x = torch.randn(rows, 128, device="cuda").to(torch.bfloat16)
-        torch._dynamo.reset()
-        merged, plans = _frozen(RECIPES["tensorwise"], x, True)
-        torch._dynamo.reset()
-        separate, _ = _frozen(RECIPES["tensorwise"], x, False)
-        assert {g.backend.name for g in plans[0].gemms} == {backends.triton_decode.QUANTIZING_BACKEND}, str(plans[0])
-        assert torch.equal(merged, separate)
+        outputs = _gate_and_up_outputs(RECIPES[name], torch.randn(rows, 4096, device="cuda"), hidden=14336)
+        assert torch.equal(outputs[True, True], outputs[False, True]), rows
+        assert not torch.equal(outputs[True, True], outputs[True, False]), rows
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them

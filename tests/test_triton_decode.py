@@ -271,8 +271,8 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
 
 
 def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm90():
-    """The kernel that runs two GEMMs of one A (PAIR: each program picks its weight's pointer,
-    rows and K split from its program id) keeps the single GEMM's 16-byte asynchronous copies:
+    """The kernel that runs two GEMMs of one A (PAIR: each program picks its weight's pointer
+    and rows from its program id) keeps the single GEMM's 16-byte asynchronous copies:
     both weights' pointers and strides are aligned, so the one it picks is too."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
@@ -280,8 +280,8 @@ def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm9
     pointers = {name: "*fp8e4nv" for name in ("a_ptr", "b_ptr", "b2_ptr")}
     pointers |= {name: "*bf16" for name in ("bias_ptr", "out_ptr", "bias2_ptr", "out2_ptr")}
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 4, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
-    runtime |= {"has_bias2": 0, "k_chunks2": 4, "N2": 14336, "b2_stride": 4096}
-    constants = dict(OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, PAIR=True, SPLIT2=True)
+    runtime |= {"has_bias2": 0, "N2": 14336, "b2_stride": 4096}
+    constants = dict(OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, PAIR=True)
     compiled = _decode_kernel_for_sm90(pointers, runtime, **constants)
     assert "cp.async.cg.shared.global" in compiled.asm["ptx"] and "ld.global.b8" not in compiled.asm["ptx"]
 
@@ -302,7 +302,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
         **dict(
             CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
             SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False, SPLIT2=False,
+            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False,
         ),
         **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
     }

@@ -135,6 +135,8 @@ QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_O
 # count it takes. MXFP8 and NVFP4 are not: at one row they run on the FMA units' kernel, at more
 # on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
 SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_block_1x128")
+# The most GEMMs that read one A one launch runs (gemms_sharing_a: _decode_kernel's PAIR).
+SHARED_LAUNCH = 2
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 # The elements each family's codes are read as, where the pairs above admit more: MXFP8's words
@@ -592,24 +594,6 @@ def _write(
 
 
 @triton.jit
-def _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where a launch runs two GEMMs (_decode_kernel's PAIR), its units (an output tile's sums
-    over one K split) are the first GEMM's (its tiles times its K splits) then the second's: of
-    ``unit``, whether it is the second's, its (tile, split) in its own GEMM, its GEMM's number of
-    K splits, and its output tile's arrival counter (_write), the second's past the first's in
-    each tile of A's rows."""
-    first_tiles = tl.cdiv(N, BLOCK_N)
-    first_units = first_tiles * tl.cdiv(K, k_chunks * CHUNK)
-    second = unit >= first_units
-    index = tl.where(second, unit - first_units, unit)
-    tiles = tl.where(second, tl.cdiv(N2, BLOCK_N), first_tiles)
-    splits = tl.cdiv(K, tl.where(second, k_chunks2, k_chunks) * CHUNK)
-    tile = index % tiles
-    arrival = tl.program_id(2) * (first_tiles + tl.cdiv(N2, BLOCK_N)) + tl.where(second, first_tiles, 0) + tile
-    return second, tile, index // tiles, splits, arrival
-
-
-@triton.jit
 def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
     """A's one scale, or one a row (rows ``m``, a column), where it is quantized as it is loaded
     under A_RULE (the amaxes of its rows at a_factor_ptr); else None."""
@@ -689,7 +673,7 @@ def _tile_sums(
 # bias cases share one compiled kernel per format and tiling; so does every K split, given as its
 # number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
 # sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "k_chunks2"])
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
@@ -701,7 +685,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
     ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False,
     b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
-    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0, k_chunks2=0, SPLIT2: tl.constexpr = False,
+    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
@@ -717,61 +701,45 @@ def _decode_kernel(
     which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
     (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
     decoded then, one dot a step. PAIR: the launch runs a second GEMM of the same A (FP8 codes)
-    and kind of B, its own arguments those named 2 (b2_ptr to k_chunks2, SPLIT2), each GEMM tiled
-    and split as it would be alone, so that each output has the bits of its own launch; a
-    program takes two of their units (_pair_unit), one in each half of them (the first GEMM's and
-    the second's where they have as many): half the programs of two launches, each twice as long."""
-    if not PAIR:
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
-        total = _tile_sums(
-            a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
-            b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
-            A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
-            A_VALUES, ONE_DOT,
-        )
-        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
+    and kind of B, its own arguments those named 2 (b2_ptr to N2): the grid's first axis takes
+    the first GEMM's tiles, then the second's, all K-split alike, so that each output is its rows
+    of one GEMM over the two B's stacked, bit for bit."""
+    tile, rows = tl.program_id(0), N
+    second = False
+    if PAIR:  # the B and rows of this program's tile: the first GEMM's or the second's
+        second = tile >= tl.cdiv(N, BLOCK_N)
+        tile, rows = tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N)
+        b_ptr, b_scale_ptr = tl.where(second, b2_ptr, b_ptr), tl.where(second, b2_scale_ptr, b_scale_ptr)
+        b_stride = tl.where(second, b2_stride, b_stride)
+        b_scale_row_stride = tl.where(second, b2_scale_row_stride, b_scale_row_stride)
+        b_scale_col_stride = tl.where(second, b2_scale_col_stride, b_scale_col_stride)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
+    total = _tile_sums(
+        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+        b_scale_col_stride, n, m, rows, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
+        A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
+        A_VALUES, ONE_DOT,
+    )
+    m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
+    split, splits, arrival = tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    if second:  # its own factor, bias and output (a bias may differ from the first's in dtype)
         _write(
-            total, n, m_row, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
-            B_FACTOR, B_DIVISOR, has_bias, SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
-            a_factor,
+            total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias2, SPLIT, split, splits, arrival, a_factor,
         )
     else:
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
-        units = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, k_chunks * CHUNK) + tl.cdiv(N2, BLOCK_N) * tl.cdiv(K, k_chunks2 * CHUNK)
-        for half in tl.static_range(2):  # this program's unit in each half of the units
-            unit = tl.program_id(0) + half * tl.num_programs(0)
-            if unit < units:
-                second, tile, split, splits, arrival = _pair_unit(unit, N, N2, K, k_chunks, k_chunks2, CHUNK, BLOCK_N)
-                rows, chunks = tl.where(second, N2, N), tl.where(second, k_chunks2, k_chunks)
-                n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-                total = _tile_sums(
-                    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, tl.where(second, b2_ptr, b_ptr),
-                    tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride),
-                    tl.where(second, b2_scale_row_stride, b_scale_row_stride), tl.where(second, b2_scale_col_stride, b_scale_col_stride),
-                    n, m, rows, M, K, split * chunks * CHUNK, chunks, a_scale, CHUNK, OPERAND, SCALE_COLS, A_SCALE_ROWS, B_SCALE_ROWS,
-                    PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
-                )
-                a_factor = reciprocal(a_scale) if A_RULE is not None else None
-                if second:
-                    _write(
-                        total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR,
-                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias2, SPLIT2, split, splits, arrival, a_factor,
-                    )
-                else:
-                    _write(
-                        total, n, m_row, rows, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR,
-                        A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
-                    )
+        _write(
+            total, n, m_row, rows, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
+        )
 
 
 _autotuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in AUTOTUNED_TILES],
-    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT", "N2", "k_chunks2"],
+    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT", "N2"],
 )(_decode_kernel)
 
 
@@ -1117,14 +1085,15 @@ def gemm(
 def gemms_sharing_a(
     a: Representation | QuantizedOnLoad, bs: Sequence[Representation], out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """[A @ B^T (+ bias) for each B and bias], for one or two B's (a SwiGLU's gate and up
-    projections) that read one A: two run in one launch of _decode_kernel (PAIR) whose grid covers
-    both weights' tiles, each GEMM tiled and K-split as ``gemm`` would alone, so that each output
-    has the bits of its own call. Both B's of one layout family of FP8 codes (SHARED_FAMILIES) and
-    one element, A at most one tile of rows (MAX_ROWS), as ``gemm`` takes them with no config."""
-    if len(bs) != len(biases) or not 1 <= len(bs) <= 2:
+    """[A @ B^T (+ bias) for each B and bias], for one or SHARED_LAUNCH B's (a SwiGLU's gate and
+    up projections) that read one A: two run in one launch of _decode_kernel (PAIR) whose grid
+    covers both weights' tiles, K split once for all their rows, so that the outputs are, bit for
+    bit, ``gemm`` of A and the B's stacked (one B of both's rows), split apart. Both B's of one
+    layout family of FP8 codes (SHARED_FAMILIES) and one element, A at most one tile of rows
+    (MAX_ROWS), as ``gemm`` takes them with no config."""
+    if len(bs) != len(biases) or not 1 <= len(bs) <= SHARED_LAUNCH:
         raise ValueError(
-            f"the decode GEMM runs one or two GEMMs that read one A in a launch, each with its bias or None; "
+            f"the decode GEMM runs one to {SHARED_LAUNCH} GEMMs that read one A in a launch, each with its bias or None; "
             f"got {len(bs)} B's and {len(biases)} biases"
         )
     if len(bs) == 1:
@@ -1142,14 +1111,14 @@ def gemms_sharing_a(
         raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
     _families(a, bs[0], m, None)
     row_tiles = triton.cdiv(m, ONE_TILE_ROWS)
-    (splits, k_chunks), (splits2, k_chunks2) = (_k_split(rows, k, a.data.device, None, row_tiles) for rows in (n, n2))
-    ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), s) for bias, rows, s in zip(biases, (n, n2), (splits, splits2))]
+    splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
+    ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), splits) for bias, rows in zip(biases, (n, n2))]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
     arrivals = _arrivals(a.data.device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
     _launch_autotuned(
-        lambda meta: (triton.cdiv(triton.cdiv(n, meta["BLOCK_N"]) * splits + triton.cdiv(n2, meta["BLOCK_N"]) * splits2, 2), 1, row_tiles),
+        lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) + triton.cdiv(n2, meta["BLOCK_N"]), splits, row_tiles),
         a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
-        PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2, k_chunks2=k_chunks2, SPLIT2=splits2 > 1,
+        PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2,
     )
     return [out for _, _, out, _ in ends]
 

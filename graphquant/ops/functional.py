@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from graphquant.ops.frozen import refuse_backward
-from graphquant.ops.inference import inference_product, quantized_weights_product
+from graphquant.ops.inference import inference_products, quantized_weights_product
 from graphquant.ops.operands import Operand
 from graphquant.ops.quantized_gemm import QuantizedGemm
 from graphquant.ops.site import Site
@@ -25,12 +25,21 @@ NO_STATES = (None, None, None)
 
 def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None):
     """F.linear(x, w, bias) in the site's formats; fprop alone where ``site.inference``."""
-    x2d = x.reshape(-1, x.shape[-1])
     if site.inference:
-        y = inference_product(x2d, w, bias, site, states, rng)
-    else:
-        y = _product(x2d, w, 1, site, states, rng, bias)
+        (y,) = quantized_linears_sharing_x(x, (w,), (bias,), sites=(site,), states=(states,), rng=rng)
+        return y
+    y = _product(x.reshape(-1, x.shape[-1]), w, 1, site, states, rng, bias)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], states: tuple[tuple, ...], rng=None):
+    """quantized_linear's inference formula for linears that read one x (a SwiGLU's gate and up
+    projections), each with its weight (quantized from its value at this call), bias, site and
+    slot states (``states``: one tuple each), their weights of one dtype; a tuple of their
+    outputs. Several run their GEMMs in one launch of the decode GEMM, x quantized once
+    (passes/gemms_sharing_x.py: x's format keeps no state there)."""
+    ys = inference_products(x.reshape(-1, x.shape[-1]), weights, biases, sites, states, rng)
+    return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights))
 
 
 def quantized_frozen_linear(x, weight, shape, dtype, bias=None, *, site: Site, states=NO_STATES, rng=None):

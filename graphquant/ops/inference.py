@@ -16,50 +16,55 @@ from graphquant.ops.site import Site
 from graphquant.quantizers import ROWWISE, Quantizer
 
 
-def inference_product(
-    x2d: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], site: Site, states: tuple, rng: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """(1, m, n) = x2d @ w^T (+ bias) with x and w quantized rowwise only.
+def inference_products(
+    x2d: torch.Tensor, ws: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], sites: Sequence[Site],
+    states: Sequence[tuple], rng: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    """[(1, m, n) = x2d @ w^T (+ bias)] for each weight of ``ws`` (of one dtype) with its bias,
+    site and slot states, x and the weights quantized rowwise only, x once
+    (quantized_weights_product: several weights that read one x run in one launch of the decode
+    GEMM, passes/gemms_sharing_x.py).
 
-    The weight is quantized from its value at this call, never kept from an earlier one: PyTorch
+    Each weight is quantized from its value at this call, never kept from an earlier one: PyTorch
     has no cheap sign that a tensor's memory was written (writes through ``.data`` move no version
     counter; fused and foreach optimizer steps on CUDA move neither the version counter nor a
     copy-on-write mark), so a kept copy could outlive the values it was made from. A model whose
     weights are final stores them quantized instead, without the high-precision ones
     (graphquant.freeze).
     """
+    wqs = [_weight_at_call(w, site, w_states, rng) for w, site, w_states in zip(ws, sites, states, strict=True)]
+    return quantized_weights_product(x2d, wqs, ws[0].dtype, biases, sites, states[0], rng)
+
+
+def _weight_at_call(w: torch.Tensor, site: Site, states: tuple, rng: Optional[torch.Tensor]) -> Operand:
+    """Weight ``w``'s rowwise operand in its site's format, made from its value at this call (its
+    delayed scaling, where it keeps one, rolled on)."""
     w_quantizer = site.quantizers[1]
     w_state = SlotState(states[1], rng, site.streams[1], site.amax_group)
     wq = quantize_weight(w.detach(), w_quantizer, (ROWWISE,), w_state)
     update_delayed_scaling(w_quantizer, w_state, wq)
-    return quantized_weight_product(x2d, wq[ROWWISE], w.dtype, bias, site, states, rng)
+    return wq[ROWWISE]
 
 
 def frozen_weight(w: torch.Tensor, quantizer: Quantizer, amax_group: Optional[str]) -> Operand:
-    """The rowwise operand ``inference_product`` makes of weight ``w`` at each call, made once to be
-    stored (graphquant.freeze): the same function, so the same bits."""
+    """The rowwise operand ``inference_products`` makes of weight ``w`` at each call, made once to
+    be stored (graphquant.freeze): the same function, so the same bits."""
     return quantize_weight(w.detach(), quantizer, (ROWWISE,), SlotState(None, None, 0, amax_group))[ROWWISE]
-
-
-def quantized_weight_product(
-    x2d: torch.Tensor, w: Operand, w_dtype: torch.dtype, bias: Optional[torch.Tensor], site: Site, states: tuple, rng: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """(1, m, n) = x2d @ w^T (+ bias) with x quantized rowwise here and w already the rowwise
-    operand of a weight of dtype ``w_dtype`` (made at this call, or stored by graphquant.freeze).
-    Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows
-    alone where it needs them (a reduction Inductor fuses into x's producer) and hands x over in
-    high precision, or (1x128 blocks) quantizes x by that GEMM's kernel in an op of its own."""
-    return quantized_weights_product(x2d, [w], w_dtype, [bias], [site], states, rng)[0]
 
 
 def quantized_weights_product(
     x2d: torch.Tensor, ws: Sequence[Operand], w_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]], sites: Sequence[Site],
     states: tuple, rng: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """quantized_weight_product for each weight of ``ws`` (with its bias and site), x quantized
-    once: one GEMM op for one weight; for several, which the graph runs in one launch of the
-    decode GEMM (passes/gemms_sharing_x.py, x's format stateless there: ``states`` and ``rng``
-    are the first site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a)."""
+    """[(1, m, n) = x2d @ w^T (+ bias)] for each weight of ``ws`` with its bias and site, x
+    quantized rowwise here, once, and each w already the rowwise operand of a weight of dtype
+    ``w_dtype`` (made at this call, or stored by graphquant.freeze): one GEMM op for one weight;
+    for several, which the graph runs in one launch of the decode GEMM (passes/gemms_sharing_x.py,
+    x's format stateless there: ``states`` and ``rng`` are the first site's), one op for all
+    (graphquant::gemms_sharing_a, gemms_quantizing_a). Where the plan chose a GEMM that quantizes
+    x itself, the graph takes the amaxes of x's rows alone where it needs them (a reduction
+    Inductor fuses into x's producer) and hands x over in high precision, or (1x128 blocks)
+    quantizes x by that GEMM's kernel in an op of its own."""
     site = sites[0]
     x_quantizer = site.quantizers[0]
     backend, _ = site.runs("fprop")

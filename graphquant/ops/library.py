@@ -228,10 +228,10 @@ def gemms_sharing_a(
     biases: list[Optional[torch.Tensor]],
 ) -> list[torch.Tensor]:
     """[(1, m, n_i) = A @ B_i^T (+ bias_i)] for GEMMs that read one quantized A, in one launch of
-    the decode GEMM (graphquant.kernels.triton_decode.gemms_sharing_a), each with the bits of its
-    own graphquant::gemm. ``b``: each B's rowwise tensors in turn (as many each), all in the
-    format ``b_spec``; ``b_shapes``: their logical (rows, cols) in turn, flattened; ``sites``: the
-    GEMMs' names joined by SITES_SEPARATOR; ``biases``: one each."""
+    the decode GEMM (graphquant.kernels.triton_decode.gemms_sharing_a), with the bits of one
+    graphquant::gemm over the B's stacked. ``b``: each B's rowwise tensors in turn (as many
+    each), all in the format ``b_spec``; ``b_shapes``: their logical (rows, cols) in turn,
+    flattened; ``sites``: the GEMMs' names joined by SITES_SEPARATOR; ``biases``: one each."""
     bs = _weights(b, b_spec, b_shapes, out_dtype)
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     return backends.gemms_sharing_a(rep_a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
