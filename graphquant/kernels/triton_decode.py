@@ -705,7 +705,6 @@ def _decode_kernel(
     the first GEMM's tiles, then the second's, all K-split alike, so that each output is its rows
     of one GEMM over the two B's stacked, bit for bit."""
     tile, rows = tl.program_id(0), N
-    second = False
     if PAIR:  # the B and rows of this program's tile: the first GEMM's or the second's
         second = tile >= tl.cdiv(N, BLOCK_N)
         tile, rows = tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N)
@@ -725,7 +724,9 @@ def _decode_kernel(
     m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
     split, splits, arrival = tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    if second:  # its own factor, bias and output (a bias may differ from the first's in dtype)
+    # A PAIR's second GEMM has its own factor, bias and output (a bias may differ from the first's
+    # in dtype). The branch is static apart from PAIR: a lone GEMM's second arguments are None.
+    if PAIR and second:
         _write(
             total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
             B_FACTOR, B_DIVISOR, has_bias2, SPLIT, split, splits, arrival, a_factor,
