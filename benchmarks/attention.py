@@ -9,8 +9,8 @@ shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq se
 tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h
 Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
-plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention), Q, K and
-V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
+plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention, or its
+Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
 s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
@@ -60,9 +60,10 @@ EMULATED_RECIPES = {
 }
 
 
-def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False) -> tuple[AttentionSite, tuple]:
+def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, causal: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
     """The site a compiled graph would carry for ``recipe``'s attention (``planned``: on the
-    backend the plan picks for ``device``, else the emulation), and its fresh state."""
+    backend the plan picks for ``device``, a causal mask or none and ``seq`` keys, else the
+    emulation), and its fresh state."""
     planner = Planner(recipe)
     site = DpaSite("attn", 0, (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM))
     quantizers = {slot: planner.quantizer(site.role(slot)) for slot in SLOTS}
@@ -71,7 +72,8 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     )
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
-        select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False)
+        select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
+                                   causal=causal, key_length=seq)
         backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
@@ -140,11 +142,11 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
 
         fns[name] = step(attend)
-    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True)}
+    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, causal=causal, seq=seq)}
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        emulated_backward = site.backend.name == backends.FLASH_ATTENTION and site.backward_backend.name != backends.FLASH_ATTENTION
+        emulated_backward = site.backend.name in backends.ATTENTION_KERNELS and site.backward_backend.name != backends.FLASH_ATTENTION
         name = name.format(f"{site.backend}{', backward emulated' if backward and emulated_backward else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
     if torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:

@@ -31,6 +31,7 @@ import models
 from test_attention import CURRENT, DELAYED, MXFP8, ZOO, _states
 
 FLASH = backends.GemmBackend(backends.FLASH_ATTENTION)
+GLUON = backends.GemmBackend(backends.GLUON_FLASH_ATTENTION)
 E4M3 = Float8CurrentScalingQuantizer(fp8_dtype="e4m3")
 E4M3_ULP = 2.0**-3  # relative spacing of E4M3's normal values (3 mantissa bits)
 E4M3_SUBNORMAL = 2.0**-9  # E4M3's smallest subnormal, the absolute spacing below 2^-6
@@ -47,10 +48,11 @@ TENSOR_CORE_FP8_ACCUMULATION = 2.0**-11
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """backends as it answers on an H200 with Triton installed (nothing worked out for another
-    device kept, before or after)."""
+    """backends as it answers on an H200 with Triton (and its Gluon) installed (nothing worked out
+    for another device kept, before or after)."""
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
     monkeypatch.setattr(backends, "HAS_TRITON", True)
+    monkeypatch.setattr(backends, "HAS_GLUON", True)
     backends.clear_caches()
     yield
     backends.clear_caches()
@@ -58,10 +60,11 @@ def hopper(monkeypatch):
 
 @pytest.fixture
 def emulated_kernel():
-    """graphquant::flash_attention on the CPU as the emulation's own forward on the codes it gets
-    (and the logsumexp of its logits); the context it yields names the site and the s state the
-    emulation quantizes P with (current scaling where it names none) and counts the calls, and
-    those of graphquant::flash_attention_backward (its reference)."""
+    """graphquant::flash_attention and graphquant::gluon_flash_attention on the CPU as the
+    emulation's own forward on the codes they get (and the logsumexp of its logits); the context it
+    yields names the site and the s state the emulation quantizes P with (current scaling where it
+    names none) and counts the calls (and those of the Gluon op alone), and those of
+    graphquant::flash_attention_backward (its reference)."""
     from graphquant.ops import attention
 
     library = torch.library.Library("graphquant", "IMPL")
@@ -88,7 +91,12 @@ def emulated_kernel():
         context["backward calls"] = context.get("backward calls", 0) + 1
         return attention.flash_attention_backward_reference(*args)
 
+    def gluon_kernel(*args):
+        context["gluon calls"] = context.get("gluon calls", 0) + 1
+        return kernel(*args)
+
     library.impl("flash_attention", kernel, "CPU")
+    library.impl("gluon_flash_attention", gluon_kernel, "CPU")
     library.impl("flash_attention_backward", backward_kernel, "CPU")
     yield context
     library._destroy()

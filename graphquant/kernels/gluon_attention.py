@@ -47,6 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from graphquant.kernels import triton_attention
+from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
 from graphquant.kernels.triton_launch import launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, each 64 query rows of the 128: the Triton kernel's default split
@@ -282,8 +283,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
-    if seq_k % 16:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
-        raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of 16, not {seq_k}")
+    if seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
+        raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
     config = config or default_config(causal)
     launch(
         _forward_kernel, (triton.cdiv(seq_q, 128), b * heads),

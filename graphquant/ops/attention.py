@@ -21,8 +21,9 @@ applies. Grouped-query attention repeats each key/value head for its query heads
 as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
 
 The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). Where
-the plan chose the FP8 flash forward (graphquant.kernels.triton_attention, ``FlashAttention``), it
-replaces ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
+the plan chose an FP8 flash forward (graphquant.kernels.triton_attention, or its Gluon twin
+graphquant.kernels.gluon_attention with the same bits: ``FlashAttention``), it replaces
+``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
 quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
 (within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
 (graphquant.kernels.triton_attention_backward) where the plan chose it (s and dp under delayed
@@ -67,12 +68,15 @@ class AttentionSite:
     do: str
     dp: str
     backend: backends.GemmBackend = _EMULATED  # how the forward runs, as the plan chose (backends.select_attention)
-    backward_backend: backends.GemmBackend = _EMULATED  # how the backward runs (on the flash forward's site only)
+    backward_backend: backends.GemmBackend = _EMULATED  # how the backward runs (on a flash forward's site only)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __post_init__(self) -> None:
+        if self.backward_backend.name == backends.GLUON_FLASH_ATTENTION:
+            raise ValueError(f"{self.label}: {self.backward_backend} is a forward alone; give backward_backend {backends.FLASH_ATTENTION!r}")
         if self.backward_backend.name == backends.FLASH_ATTENTION:
-            why = "its forward does not run on the flash kernel" if self.backend.name != backends.FLASH_ATTENTION else backends.flash_backward_refusal(
+            flash_forward = self.backend.name in backends.ATTENTION_KERNELS
+            why = "its forward does not run on a flash kernel" if not flash_forward else backends.flash_backward_refusal(
                 self.quantizer("s"), self.quantizer("do"), self.quantizer("dp")
             )
             if why:
@@ -104,7 +108,7 @@ def quantized_attention(
         )
     lq, lk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if site.backend.name == backends.FLASH_ATTENTION:
+    if site.backend.name in backends.ATTENTION_KERNELS:
         if attn_mask is not None:
             raise ValueError(
                 f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
@@ -175,7 +179,8 @@ class QuantizedAttention(torch.autograd.Function):
 
 
 class FlashAttention(torch.autograd.Function):
-    """Attention whose forward is the FP8 flash kernel (graphquant::flash_attention) and whose
+    """Attention whose forward is the FP8 flash kernel the site's backend names (graphquant::flash_attention,
+    or graphquant::gluon_flash_attention with the same bits: ``FLASH_FORWARDS``) and whose
     backward is the FP8 flash backward (graphquant::flash_attention_backward) where the site's
     backward_backend says so, else the emulation's, recomputing S and P from the saved Q, K, V
     codes.
@@ -198,7 +203,7 @@ class FlashAttention(torch.autograd.Function):
         s_quantizer = site.quantizer("s")
         s_found = s_delayed.clone() if s_delayed is not None else None
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
-        o, lse, p_amax = torch.ops.graphquant.flash_attention(
+        o, lse, p_amax = FLASH_FORWARDS[site.backend.name](
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
             q_row.tensors[1], s_quantizer.scale_of_amax(torch.ones(1, device=q.device)), scale, causal, q.dtype,
         )
@@ -251,18 +256,24 @@ def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int
     return grad.squeeze(2) if groups == 1 else grad.sum(2)
 
 
-@registry.op("flash_attention")
-def flash_attention(
+def _flash_forward_elsewhere(
     q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
     causal: bool, out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FP8 flash-attention forward (graphquant.kernels.triton_attention.forward): (O, logsumexp,
-    the normalised P's amax) of E4M3 codes under one scale, P tiles quantized with ``p_scale``
+    """An FP8 flash-attention forward (graphquant.kernels.triton_attention.forward, or
+    gluon_attention.forward): (O, logsumexp, the normalised P's amax) of E4M3 codes under one scale, P tiles quantized with ``p_scale``
     (one float32). CUDA with Triton only."""
     raise NotImplementedError(
-        f"graphquant::flash_attention runs on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects it "
-        "only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"
+        f"graphquant's FP8 flash-attention forwards run on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects "
+        "them only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"
     )
+
+
+# The op of each flash forward's backend: the Triton forward's, and the Gluon forward's (its bits).
+FLASH_FORWARDS = {
+    backends.FLASH_ATTENTION: registry.op("flash_attention")(_flash_forward_elsewhere),
+    backends.GLUON_FLASH_ATTENTION: registry.op("gluon_flash_attention")(_flash_forward_elsewhere),
+}
 
 
 def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state):
@@ -326,6 +337,7 @@ def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dty
     return q.new_empty(q.shape, dtype=torch.float32), dk, torch.empty_like(dk), q.new_empty((), dtype=torch.float32)
 
 
+@registry.fake("gluon_flash_attention")
 @registry.fake("flash_attention")
 def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
     b, h, lq, d = q.shape
@@ -370,6 +382,10 @@ else:
     from graphquant.kernels import triton_attention_backward, triton_joint_fp8
 
     registry.cuda_kernel("flash_attention")(triton_attention.forward)
+    if backends.HAS_GLUON:
+        from graphquant.kernels import gluon_attention
+
+        registry.cuda_kernel("gluon_flash_attention")(gluon_attention.forward)
     registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
     registry.cuda_kernel("joint_amax")(triton_joint_fp8.joint_amax)
     registry.cuda_kernel("joint_cast")(triton_joint_fp8.joint_cast)
