@@ -12,6 +12,7 @@ under Triton's interpreter.
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ from graphquant import zoo
 from graphquant.kernels import backends
 from graphquant.ops.attention import AttentionSite, quantize_qkv, quantized_attention
 from graphquant.ops.quantize import SlotState, update_delayed_scaling
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, MXFP8Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer
 from graphquant.recipes import CustomRecipe
 
 import models
@@ -102,13 +103,19 @@ def emulated_kernel():
     library._destroy()
 
 
+def _select(*args, causal: bool = False, key_length: int = 128) -> backends.Selection:
+    """backends.select_attention for ``key_length`` keys (a multiple of 16 unless told), under a
+    causal mask or none (an arbitrary one where ``args`` say so)."""
+    return backends.select_attention(*args, causal=causal, key_length=key_length)
+
+
 def test_selection_on_hopper(hopper):
     cpu = torch.device("cpu")
     delayed = graphquant.parse_spec(ZOO["s"])
-    assert backends.select_attention(cpu, E4M3, delayed, (128, 128), False) == backends.Selection(backends.NATIVE, FLASH)
-    assert backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
+    assert _select(cpu, E4M3, delayed, (128, 128), False, causal=True) == backends.Selection(backends.NATIVE, FLASH)
+    assert _select(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
     zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
-    backward = lambda **formats: backends.select_attention(cpu, E4M3, formats.get("s", zoo["s"]), (64, 64), False, True, formats.get("do", zoo["do"]), formats.get("dp", zoo["dp"]))  # noqa: E731
+    backward = lambda **formats: _select(cpu, E4M3, formats.get("s", zoo["s"]), (64, 64), False, True, formats.get("do", zoo["do"]), formats.get("dp", zoo["dp"]))  # noqa: E731
     assert backward() == backends.Selection(backends.NATIVE, FLASH)
     assert backward(do=graphquant.parse_spec(DELAYED["do"])).bucket == backends.NATIVE
     refused_backward = {
@@ -127,24 +134,56 @@ def test_selection_on_hopper(hopper):
         "one head dim of (64, 128), not (128, 64)": (E4M3, E4M3, (128, 64), False),
     }
     for reason, args in refused.items():
-        selection = backends.select_attention(cpu, *args)
+        selection = _select(cpu, *args)
         assert selection.bucket == backends.EMULATED and reason in selection.reason, selection
 
 
-def test_selection_elsewhere(monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_forward_is_gluons_without_a_mask_and_tritons_under_a_causal_one(hopper, head_dim):
+    """On Hopper where Triton has Gluon, an unmasked attention's forward products run on the Gluon
+    forward (the Triton forward's bits, faster there), a causal one's on the Triton forward; the
+    backward's run on the Triton backward under either mask."""
     cpu = torch.device("cpu")
-    assert "runs on Hopper (sm_90), not cpu" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+    zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
+    formats = (zoo["qkv"], zoo["s"], (head_dim, head_dim), False)
+    for causal, forward in ((False, GLUON), (True, FLASH)):
+        assert _select(cpu, *formats, causal=causal, key_length=2048) == backends.Selection(backends.NATIVE, forward)
+        backward = _select(cpu, *formats, True, zoo["do"], zoo["dp"], causal=causal, key_length=2048)
+        assert backward == backends.Selection(backends.NATIVE, FLASH)
+
+
+def test_the_triton_forward_runs_what_the_gluon_forward_cannot(hopper, monkeypatch):
+    """An unmasked attention whose key length is no multiple of 16, or on a Triton without Gluon,
+    gets the Triton forward, with the reason."""
+    cpu = torch.device("cpu")
+    assert _select(cpu, E4M3, E4M3, (128, 128), False, key_length=100) == backends.Selection(
+        backends.NATIVE, FLASH, "the Gluon forward takes key lengths that are multiples of 16, not 100"
+    )
+    monkeypatch.setattr(backends, "HAS_GLUON", False)
+    assert _select(cpu, E4M3, E4M3, (128, 128), False) == backends.Selection(
+        backends.NATIVE, FLASH, "the Gluon forward needs Triton with Gluon (triton.experimental.gluon)"
+    )
+
+
+def test_selection_elsewhere(monkeypatch):
+    """Off Hopper, or without Triton, no flash forward runs (the Gluon one neither, mask or not)."""
+    cpu = torch.device("cpu")
+    assert "runs on Hopper (sm_90), not cpu" in _select(cpu, E4M3, E4M3, (64, 64), False).reason
     monkeypatch.setattr(backends, "capability", lambda device: (10, 0))
-    assert "not sm_100" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+    assert "not sm_100" in _select(cpu, E4M3, E4M3, (64, 64), False).reason
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
     monkeypatch.setattr(backends, "HAS_TRITON", False)
-    assert "needs Triton" in backends.select_attention(cpu, E4M3, E4M3, (64, 64), False).reason
+    assert "needs Triton" in _select(cpu, E4M3, E4M3, (64, 64), False).reason
 
 
 def _decoder():
     # causal, head dim 64; every linear has more features than the decode GEMM takes rows (a
     # wgrad's rows are its features)
     return models.seeded(models.DecoderBlock(dim=256, n_heads=4, hidden=256, attention="sdpa"))
+
+
+def _unmasked_decoder():
+    return models.seeded(models.DecoderBlock(dim=256, n_heads=4, hidden=256, attention="sdpa", causal=False))
 
 
 def _decoder_input():
@@ -181,6 +220,52 @@ def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulate
     assert f"backend={FLASH!r})" in (tmp_path / "graph_000_rewritten.py").read_text()
 
 
+def test_plan_and_dump_name_the_gluon_forward_without_a_mask(hopper, emulated_kernel, tmp_path):
+    """Without a mask, under the zoo recipe, the plan runs qk and pv on the Gluon forward and the
+    backward's products on the Triton backward; the dumped plan and rewritten graph say so, and the
+    compiled graph calls the Gluon forward's op (not the Triton forward's) and the backward's."""
+    compiled = graphquant.compile(_unmasked_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager", dump_dir=str(tmp_path))
+    backward_calls = emulated_kernel.get("backward calls", 0)
+    assert _forwards_run(emulated_kernel, compiled, _decoder_input()) == (0, 1)
+    assert emulated_kernel["backward calls"] == backward_calls + 1
+    rows = {g.gemm: (g.bucket, g.backend, g.reason) for g in compiled.graphquant.plan.gemms if g.module_type == "dpa"}
+    assert rows == {gemm: (backends.NATIVE, GLUON if gemm in ("qk", "pv") else FLASH, "") for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
+    assert backends.GLUON_FLASH_ATTENTION in (tmp_path / "graph_000_plan.txt").read_text()
+    assert f"backend={GLUON!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+
+
+def _forwards_run(emulated_kernel, compiled, x) -> tuple[int, int]:
+    """The flash forwards a training step of ``compiled`` on ``x`` calls: (the Triton one's, the Gluon one's)."""
+    before = dict(emulated_kernel)
+    compiled(x).sum().backward()
+    gluon = emulated_kernel.get("gluon calls", 0) - before.get("gluon calls", 0)
+    return emulated_kernel["calls"] - before.get("calls", 0) - gluon, gluon
+
+
+def test_a_key_length_the_gluon_forward_refuses_runs_the_triton_forward(hopper, emulated_kernel):
+    """Without a mask but with 100 keys (no multiple of 16), the plan gives the forward to the
+    Triton kernel and says why, and the compiled graph runs it."""
+    compiled = graphquant.compile(_unmasked_decoder(), _current_dpa_recipe(), backend="aot_eager", dynamic=False)
+    assert _forwards_run(emulated_kernel, compiled, torch.randn(2, 100, 256)) == (1, 0)
+    reason = "the Gluon forward takes key lengths that are multiples of 16, not 100"
+    rows = {g.gemm: (g.backend, g.reason) for g in compiled.graphquant.plan.gemms if g.gemm in ("qk", "pv")}
+    assert rows == {"qk": (FLASH, reason), "pv": (FLASH, reason)}
+
+
+def test_the_forwards_choice_guards_a_dynamic_key_length(hopper, emulated_kernel):
+    """Compiled for dynamic shapes (linears in high precision: no GEMM's test on the length), a
+    graph planned on the Gluon forward for 96 keys is not reused for 100: they get a graph of their
+    own, on the Triton forward, whose reason names the symbol; 112 keys reuse the first."""
+    recipe = zoo.with_fp8_attention(CustomRecipe(lambda role: IdentityQuantizer()))
+    compiled = graphquant.compile(_unmasked_decoder(), recipe, backend="aot_eager", dynamic=True)
+    assert _forwards_run(emulated_kernel, compiled, torch.randn(2, 96, 256)) == (0, 1)
+    assert _forwards_run(emulated_kernel, compiled, torch.randn(2, 100, 256)) == (1, 0)
+    assert _forwards_run(emulated_kernel, compiled, torch.randn(2, 112, 256)) == (0, 1)
+    first, second = ({g.gemm: g for g in plan.gemms if g.gemm in ("qk", "pv")} for plan in compiled.graphquant.plans)
+    assert {g.backend for g in first.values()} == {GLUON} and {g.backend for g in second.values()} == {FLASH}
+    assert re.fullmatch(r"the Gluon forward takes key lengths that are multiples of 16, not s\d+", second["qk"].reason), second["qk"].reason
+
+
 def test_strict_rejects_the_emulated_backward(hopper, emulated_kernel):
     plan = graphquant.explain(_decoder(), _current_dpa_recipe(), _decoder_input(), strict=True)
     buckets = {g.gemm: g.bucket for g in plan.gemms if g.module_type == "dpa"}
@@ -198,9 +283,12 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
 
 
 def test_site_refuses_a_flash_backward_it_cannot_run():
+    AttentionSite(name="attn", call=0, **ZOO, backend=GLUON, backward_backend=FLASH)  # the Triton backward after the Gluon forward
+    with pytest.raises(ValueError, match=r"attn#0: gluon fp8 flash attention is a forward alone; give backward_backend 'triton fp8 flash attention'"):
+        AttentionSite(name="attn", call=0, **ZOO, backend=GLUON, backward_backend=GLUON)
     with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(the FP8 flash backward takes per-tensor FP8 under delayed scaling s, not fp8_current\(fp8_dtype=e4m3\)\)"):
         AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=FLASH)
-    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward does not run on the flash kernel\)"):
+    with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward does not run on a flash kernel\)"):
         AttentionSite(name="attn", call=0, **ZOO, backward_backend=FLASH)
 
 
