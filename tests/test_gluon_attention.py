@@ -3,7 +3,8 @@
 On the CPU: compiled for Hopper (sm_90; Gluon kernels do not run under Triton's interpreter), it
 spills nothing, its wgmmas are not serialized, and its key loop keeps the tensor cores busy beside
 the softmax. On the GPU: its outputs are the Triton forward's bit for bit (which
-tests/test_triton_attention.py holds to the emulation's bound).
+tests/test_triton_attention.py holds to the emulation's bound), and a compiled model runs it where
+the plan chose it (tests/test_triton_attention.py tests that choice on the CPU).
 """
 
 import dataclasses
@@ -208,3 +209,46 @@ def test_gluon_default_is_the_triton_default_bit_for_bit(causal, specialized):
     assert dataclasses.replace(triton_attention.default_config(causal), qk_ahead=False) == gluon_attention.triton_config(gluon_attention.default_config(causal))
     for name, x, y in zip(("O", "logsumexp", "P amax"), gluon, expected):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name
+
+
+@pytest.mark.gpu
+def test_compiled_model_runs_the_gluon_forward_without_a_mask(monkeypatch):
+    """A compiled decoder with FP8 attention and no mask (head dim 128, 256 keys; linears in high
+    precision) plans the Gluon forward and runs it, not the Triton forward; over two training steps
+    its outputs, gradients and delayed scales are those of the same model with the Triton forward
+    forced (the plan told Triton has no Gluon), bit for bit: the backward, the Triton kernels' in
+    both, recomputes from what the two forwards share (two key tiles add into each dQ tile, so in
+    one order)."""
+    import graphquant
+    import models
+    from graphquant import zoo
+    from graphquant.kernels import backends
+    from graphquant.quantizers import IdentityQuantizer
+    from graphquant.recipes import CustomRecipe
+
+    recipe = zoo.with_fp8_attention(CustomRecipe(lambda role: IdentityQuantizer()))
+    x = torch.randn(2, 256, 256, generator=torch.Generator().manual_seed(0)).cuda()
+
+    def trained():
+        model = models.seeded(models.DecoderBlock(dim=256, n_heads=2, hidden=256, attention="sdpa", causal=False)).cuda()
+        compiled = graphquant.compile(model, recipe, backend="aot_eager", dynamic=False)
+        outputs = [compiled(x)]
+        outputs[0].square().mean().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            outputs.append(compiled(x))
+            outputs[1].square().mean().backward()
+        ops = {event.key for event in profile.key_averages()}
+        forwards = tuple(op in ops for op in ("graphquant::flash_attention", "graphquant::gluon_flash_attention"))
+        rows = {(g.backend.name, g.reason) for g in compiled.graphquant.plan.gemms if g.gemm in ("qk", "pv")}
+        return rows, forwards, [o.detach() for o in outputs], [p.grad for p in model.parameters()], compiled.graphquant.state_dict()
+
+    assert backends.HAS_GLUON
+    rows, forwards, *gluon = trained()
+    assert rows == {(backends.GLUON_FLASH_ATTENTION, "")} and forwards == (False, True)
+    monkeypatch.setattr(backends, "HAS_GLUON", False)
+    rows, forwards, *forced = trained()
+    assert rows == {(backends.FLASH_ATTENTION, "the Gluon forward needs Triton with Gluon (triton.experimental.gluon)")} and forwards == (True, False)
+    for what, got, expected in zip(("outputs", "gradients"), gluon, forced):
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{what} {i}"
+    assert gluon[2].keys() == forced[2].keys() and all(torch.equal(gluon[2][k], forced[2][k]) for k in gluon[2])
