@@ -179,8 +179,9 @@ class QuantizedAttention(torch.autograd.Function):
 
 
 class FlashAttention(torch.autograd.Function):
-    """Attention whose forward is the FP8 flash kernel the site's backend names (graphquant::flash_attention,
-    or graphquant::gluon_flash_attention with the same bits: ``FLASH_FORWARDS``) and whose
+    """Attention whose forward is the FP8 flash kernel the site's backend names
+    (graphquant::flash_attention, or graphquant::gluon_flash_attention with the same bits:
+    ``FLASH_FORWARDS``) and whose
     backward is the FP8 flash backward (graphquant::flash_attention_backward) where the site's
     backward_backend says so, else the emulation's, recomputing S and P from the saved Q, K, V
     codes.
@@ -261,8 +262,8 @@ def _flash_forward_elsewhere(
     causal: bool, out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An FP8 flash-attention forward (graphquant.kernels.triton_attention.forward, or
-    gluon_attention.forward): (O, logsumexp, the normalised P's amax) of E4M3 codes under one scale, P tiles quantized with ``p_scale``
-    (one float32). CUDA with Triton only."""
+    gluon_attention.forward): (O, logsumexp, the normalised P's amax) of E4M3 codes under one
+    scale, P tiles quantized with ``p_scale`` (one float32). CUDA with Triton only."""
     raise NotImplementedError(
         f"graphquant's FP8 flash-attention forwards run on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects "
         "them only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"
