@@ -310,9 +310,9 @@ def test_the_gate_and_up_projections_in_one_launch_are_one_gemm_over_both_on_the
 def test_frozen_and_per_call_gate_and_up_projections_give_the_same_bits_on_the_gpu(name):
     """A Llama-3-8B FFN's gate and up projections (4096 -> 14336 each: K split twice alone, once as
     a pair) at one and 16 rows: frozen, they give the per-call model's bits; with block scales,
-    not those of the two run apart. On the H200 per-tensor and per-row products gave the same bits
-    run apart too: their partial sums (128 FP8 products the tensor cores keep to about 14 bits)
-    seem to add exactly in fp32 whatever the split, where a block's sum times its scales rounds."""
+    not those of the two run apart. Per-tensor and per-row partial sums (of 128 FP8 products the
+    tensor cores keep to about 14 bits) may add exactly in fp32 whatever the split, where a
+    block's sum times its scales rounds, so they are not held to differ (benchmarks/NOTES.md)."""
     for rows in (1, 16):
         outputs = _gate_and_up_outputs(RECIPES[name], torch.randn(rows, 4096, device="cuda"), hidden=14336)
         assert torch.equal(outputs[True, True], outputs[False, True]), rows
