@@ -14,9 +14,9 @@ Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quanti
 s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
-at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated`` adds the exact emulation of
-that recipe and of MXFP8, which materialises S and P (so it runs out of memory first: such a row
-says "OOM").
+at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated``
+adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
+of memory first: such a row says "OOM").
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import itertools
 import sys
 
@@ -89,11 +88,13 @@ def flash_codes(q, k, v) -> tuple:
     return q8, k8, vt, scale_inv, E4M3.scale_of_amax(torch.ones(1, device=q.device))
 
 
-def flash_kernel_alone(q, k, v, causal: bool, config=None, kernel: str = "triton_attention"):
-    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize), in
-    ``config`` (``kernel``'s configuration: triton_attention.ForwardConfig or
-    gluon_attention.GluonForwardConfig; None: the kernel's default)."""
-    forward = importlib.import_module(f"graphquant.kernels.{kernel}").forward
+def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
+    """The FP8 flash forward on Q, K and V quantized beforehand (its own time, no quantize):
+    ``forward`` (None: triton_attention.forward; or gluon_attention.forward) in ``config`` (its
+    kernel's configuration; None: that kernel's default)."""
+    from graphquant.kernels import triton_attention
+
+    forward = forward or triton_attention.forward
     codes = flash_codes(q, k, v)
     return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
@@ -159,7 +160,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
 
                 config = dataclasses.replace(gluon_attention.default_config(causal), num_stages=stages, warp_specialize=specialized)
                 name = f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
-                fns[name] = flash_kernel_alone(q, k, v, causal, config, "gluon_attention")
+                fns[name] = flash_kernel_alone(q, k, v, causal, config, gluon_attention.forward)
     return fns
 
 
@@ -203,8 +204,9 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
     cases = itertools.product(map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True), [p == "fwd+bwd" for p in passes])
+    stages = [int(x) for x in args.gluon_stages.split(",") if x]
+    gluon_schedules = tuple(itertools.product(stages, [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
     for kv_heads, seq, causal, backward in cases:
-        gluon_schedules = tuple(itertools.product([int(x) for x in args.gluon_stages.split(",") if x], [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
         results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules), args.rounds)
         work = flops(seq, causal, backward)
         for name, ms in results.items():

@@ -75,9 +75,9 @@ triton_grouped_fp8 = importlib.import_module("graphquant.kernels.triton_grouped_
 class GemmBackend:
     """The backend one GEMM runs on, as the plan chose it: the graph carries it to the GEMM call.
 
-    name: a native GEMM's (NATIVE_GEMMS, NATIVE_GROUPED_GEMM), one of ON_EMULATION or
+    name: a native GEMM's (NATIVE_GEMMS, NATIVE_GROUPED_GEMMS), one of ON_EMULATION or
     ATTENTION_KERNELS, or NONE. fast_accumulation: the product sums in the tensor cores'
-    accumulator, which only some native GEMMs offer.
+    accumulator, which only some native GEMMs offer (and one that never promotes always does).
     """
 
     name: str
@@ -466,7 +466,7 @@ def checked(
     """The native GEMM that runs a call of the GEMM ``site`` names ("fc1#0 dgrad") on ``backend``,
     the plan's choice, or None where it runs the emulated GEMM. ``dims``: (m, n, k) of each of
     ``batch`` products; ``natives``: the native GEMMs the caller runs (NATIVE_GEMMS, or
-    NATIVE_GROUPED_GEMM for a grouped call). A call the backend cannot run (its plan was made for
+    NATIVE_GROUPED_GEMMS for a grouped call). A call the backend cannot run (its plan was made for
     other shapes, another device or another site) raises GemmMismatch rather than run another backend."""
     native = backend.native
     if native is None:

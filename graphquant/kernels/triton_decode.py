@@ -14,11 +14,10 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
 - FP8 codes (per-tensor, per-row, 1x128 / 128x128 blocks) go to the FP8 tensor cores as stored,
   with no conversion; the partial sums are promoted into the fp32 accumulator after every
   fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
-  (``max_num_imprecise_acc``), and a block's sum is
-  multiplied by its two block scales before it joins the accumulator. That is the contract of
-  the FP8 GEMMs cuBLASLt runs with promotion (tests/test_gemm_backends.py's bound): within one
-  128-product step Hopper's FP8 accumulator keeps about 14 bits, so each term may carry 2^-7 of
-  relative error there.
+  (``max_num_imprecise_acc``), and a block's sum is multiplied by its two block scales before it
+  joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with promotion
+  (tests/test_gemm_backends.py's bound): within one 128-product step Hopper's FP8 accumulator
+  keeps about 14 bits, so each term may carry 2^-7 (fp8.PROMOTED_ERROR) of relative error there.
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
@@ -239,8 +238,6 @@ def default_config(operand: int, m: int) -> Optional[DecodeConfig]:
         return _ONE_ROW[operand]
     config = next(config for rows, config in VALUE_TILES if m <= rows)
     return dataclasses.replace(config, block_m=min(config.block_m, max(triton.next_power_of_2(m), ONE_TILE_ROWS)))
-
-
 
 
 @triton.jit

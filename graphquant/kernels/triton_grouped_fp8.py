@@ -51,14 +51,11 @@ _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
-# The kernels' promotion interval (their PROMOTE_EVERY) for fast accumulation: None leaves tl.dot's
-# max_num_imprecise_acc to Triton's FP8 default, 2**30 on sm_90 (backends/nvidia/compiler.py, which
-# language/semantic.py takes for an unset one), above any tile's K, so that the WGMMA keeps no
-# partial accumulator (WarpGroupDotOp::needsPartialAccumulator: only when the value is <= the dot's
-# K) and the tensor cores' accumulator takes the whole sum (tests/test_triton_grouped_fp8.py compiles
-# it for sm_90: no fp32 add; benchmarks/accumulation_probe.py reads it off an H200's results). No
-# explicit value can: semantic.py rejects one above the dot's K, and one equal to it still promotes
-# once a K tile.
+# The kernels' PROMOTE_EVERY for fast accumulation: None leaves tl.dot's max_num_imprecise_acc to
+# Triton's FP8 default (2**30 on sm_90), above any tile's K, so that the wgmmas keep no partial
+# accumulator and the tensor cores' accumulator takes the whole sum (tests/test_triton_grouped_fp8.py
+# reads the PTX, benchmarks/accumulation_probe.py the results); no explicit value can, as Triton
+# rejects one above a dot's K and one equal to it still promotes once a K tile.
 FAST_ACCUMULATION = None
 
 
@@ -66,7 +63,7 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> 
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
-def _kind(block_scaled: bool, promote_every) -> str:
+def _kind(block_scaled: bool, promote_every: Optional[int]) -> str:
     """The kind of a call, which picks its tiles: block scales (whose per-block partial sums take
     registers: smaller tiles), or per-tensor / per-row factors with promoted or fast sums."""
     return "block scaled" if block_scaled else "promoted" if promote_every is not FAST_ACCUMULATION else "fast"
