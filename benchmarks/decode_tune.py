@@ -37,7 +37,7 @@ from decode_gemm import CALLS, WEIGHTS, graphed  # noqa: E402
 from graphquant.formats import fp8  # noqa: E402
 from graphquant.kernels import backends, triton_decode  # noqa: E402
 from graphquant.kernels.backends import EMULATION, GemmBackend  # noqa: E402
-from graphquant.kernels.triton_decode import FP8_CODES, DecodeConfig  # noqa: E402
+from graphquant.kernels.triton_decode import DecodeConfig  # noqa: E402
 from graphquant.quantizers import (  # noqa: E402
     ROWWISE,
     Float8CurrentScalingQuantizer,
