@@ -97,7 +97,7 @@ def _load_tile(
 ):
     """Copy key tile [start_n, start_n + BLOCK_N) of K (rows in S's column order) and of V^T into
     shared memory (keys from ``end`` on as zeros), as one cp.async group."""
-    keys = start_n + triton_attention._column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
+    keys = start_n + triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
     async_copy.async_copy_global_to_shared(k_slot, k_base + keys[:, None] * HEAD_DIM + d[None, :], mask=(keys < end)[:, None])
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, VT_LOAD))
@@ -108,12 +108,12 @@ def _load_tile(
 
 @gluon.jit
 def _tile_logits(s, m_i, offs_m, keys, seq_k, qk_scale, masked, CAUSAL: gl.constexpr):
-    """``triton_attention._logits`` of a key tile, masked where ``masked`` (a tile past the
-    ones every row sees whole), unmasked else (the same bits where no key is masked)."""
+    """``triton_attention.logits_and_max`` of a key tile, masked where ``masked`` (a tile past
+    the ones every row sees whole), unmasked else (the same bits where no key is masked)."""
     if masked:
-        logits, m_new = triton_attention._logits(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
     else:
-        logits, m_new = triton_attention._logits(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
     return logits, m_new
 
 
@@ -139,7 +139,7 @@ def _consume(
     tiles = gl.cdiv(end, BLOCK_N)
 
     offs_m = row0 + gl.arange(0, ROWS, layout=ROW)
-    columns = triton_attention._column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
+    columns = triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
     zeros_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW)
@@ -171,7 +171,7 @@ def _consume(
         k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
         s_next = warpgroup_mma(q_smem, k_next, zeros_s, use_acc=False, is_async=True)
 
-        alpha, l_i, p8 = triton_attention._quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+        alpha, l_i, p8 = triton_attention.quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
         m_i = m_new
         vt = vt_smem.index(j % STAGES).permute((1, 0))
         pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, zeros_o, use_acc=False, is_async=True)

@@ -58,7 +58,7 @@ class ForwardConfig:
     the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
     compute it meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
-    without an exchange between threads (``_column_keys``; P's values the same, l summed in
+    without an exchange between threads (``column_keys``; P's values the same, l summed in
     another order)."""
 
     block_m: int = 128
@@ -94,7 +94,7 @@ def default_config(causal: bool) -> ForwardConfig:
 
 
 @triton.jit
-def _column_keys(c, OPERAND_ORDER: tl.constexpr):
+def column_keys(c, OPERAND_ORDER: tl.constexpr):
     """The key (within its tile) whose products each column ``c`` of S holds. In operand order, column
     b + 2a + 8i + 32j (b < 2, a < 4, i < 4) holds key b + 2(i % 2) + 4a + 16(i // 2) + 32j: the
     thread of the tensor cores' accumulator that holds columns 2a + b + 8i of each 32 then holds
@@ -107,7 +107,7 @@ def _column_keys(c, OPERAND_ORDER: tl.constexpr):
 
 @triton.jit
 def _in_key_order(p, BLOCK_N: tl.constexpr):
-    """P's columns from operand order (``_column_keys``) back to key order: a relabelling of the
+    """P's columns from operand order (``column_keys``) back to key order: a relabelling of the
     values each thread holds."""
     rows: tl.constexpr = p.shape[0]
     by_bits = tl.reshape(p, [rows, BLOCK_N // 32, 2, 2, 4, 2])  # column = b + 2a + 8(i % 2) + 16(i // 2) + 32j
@@ -126,7 +126,7 @@ def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """The base-2 logits of one key tile's products ``s`` (Q codes @ K codes^T, column c holding
     key keys[c]) less the new running max, and that max."""
     if MASKED:
@@ -141,9 +141,9 @@ def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL:
 
 
 @triton.jit
-def _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
-    """From one key tile's ``_logits``: O's rescaling factor alpha, the new running sum l and the
-    tile's P codes (keys in order), the operand of its PV product."""
+def quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+    """From one key tile's ``logits_and_max``: O's rescaling factor alpha, the new running sum l
+    and the tile's P codes (keys in order), the operand of its PV product."""
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -158,8 +158,9 @@ def _fold(
     acc, l_i, m_i, m_new, logits, vt, p_scale,
     BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
-    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
-    alpha, l_i, p8 = _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+    """Fold one key tile's ``logits_and_max`` and V^T codes (keys in order) into the running (acc,
+    l, m)."""
+    alpha, l_i, p8 = quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
     if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
@@ -181,7 +182,7 @@ def _key_tiles(
     meanwhile, into the registers the previous products have just left (one product of zeros
     past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    columns = _column_keys(tl.arange(0, BLOCK_N), OPERAND_ORDER)
+    columns = column_keys(tl.arange(0, BLOCK_N), OPERAND_ORDER)
     if QK_AHEAD:
         s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
@@ -193,7 +194,7 @@ def _key_tiles(
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        logits, m_new = _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
+        logits, m_new = logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
         if QK_AHEAD:
             s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
         acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, OPERAND_ORDER)
