@@ -46,6 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from graphquant.formats import fp8
 from graphquant.kernels import triton_attention
 from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
 from graphquant.kernels.triton_launch import launch
@@ -86,7 +87,8 @@ def default_config(causal: bool) -> GluonForwardConfig:
 
 def triton_config(config: GluonForwardConfig) -> triton_attention.ForwardConfig:
     """The Triton forward's configuration with the same bits as ``config``."""
-    return triton_attention.ForwardConfig(block_m=128, block_n=128, num_warps=NUM_WARPS.value, pv_promotion=128, operand_order=config.operand_order)
+    return triton_attention.ForwardConfig(block_m=triton_attention.TILE_ROWS, block_n=triton_attention.TILE_KEYS, num_warps=NUM_WARPS.value,
+                                          pv_promotion=fp8.PROMOTED_PRODUCTS, operand_order=config.operand_order)
 
 
 @gluon.jit
@@ -288,9 +290,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
     config = config or default_config(causal)
     launch(
-        _forward_kernel, (triton.cdiv(seq_q, 128), b * heads),
+        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
-        heads, heads // kv_heads, head_dim, causal, 128, 128, config.num_stages, config.operand_order, config.warp_specialize,
+        heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
+        config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),
     )
     return o, lse, p_amax

@@ -42,8 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats import fp8
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 from graphquant.kernels.triton_launch import launch
+
+# The default tile: 128 query rows a program over 128 keys at a time.
+TILE_ROWS = 128
+TILE_KEYS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,31 +57,31 @@ class ForwardConfig:
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
     warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
     how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
-    is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
-    tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
-    key loop, outside that bound); qk_ahead: in the key tiles every query row sees whole,
+    is added into fp32 (a multiple of 32 up to block_n and fp8.PROMOTED_PRODUCTS, 128, the depth
+    the error bound of tests/test_triton_attention.py covers; None: never, the narrow accumulator
+    carries the whole key loop, outside that bound); qk_ahead: in the key tiles every query row sees whole,
     the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
     compute it meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
     without an exchange between threads (``column_keys``; P's values the same, l summed in
     another order)."""
 
-    block_m: int = 128
-    block_n: int = 128
+    block_m: int = TILE_ROWS
+    block_n: int = TILE_KEYS
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False
-    pv_promotion: Optional[int] = 128
+    pv_promotion: Optional[int] = fp8.PROMOTED_PRODUCTS
     qk_ahead: bool = False
     operand_order: bool = False
 
     def __post_init__(self) -> None:
         rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
-        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, 128))
+        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, fp8.PROMOTED_PRODUCTS))
         if self.block_m not in rows or self.block_n not in keys or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
             raise ValueError(
                 f"FP8 flash attention: {self!r} is not a configuration: block_m one of {rows}, block_n one of {keys}, "
-                "num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
+                f"num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and {fp8.PROMOTED_PRODUCTS}"
             )
 
 
