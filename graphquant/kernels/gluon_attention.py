@@ -52,6 +52,7 @@ from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
 from graphquant.kernels.triton_launch import launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, each 64 query rows of the 128: the Triton kernel's default split
+COPY_WARPS = gl.constexpr(4)  # warp-specialized, the partition that copies the tiles: one warpgroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,14 +220,15 @@ def _produce(
     q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr,
 ):
-    """The copying partition (4 warps): Q, then each key tile (one past the last: the consumers'
-    last QK^T) into its stage once both consumers handed it back, each tile's arrival on ready."""
-    _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, 4)
+    """The copying partition (COPY_WARPS warps): Q, then each key tile (one past the last: the
+    consumers' last QK^T) into its stage once both consumers handed it back, each tile's arrival on
+    ready."""
+    _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, COPY_WARPS)
     for t in range(gl.cdiv(end, BLOCK_N) + 1):
         stage = t % STAGES
         mbarrier.wait(empty.index(stage), (t // STAGES + 1) & 1, pred=t >= STAGES)
         _load_tile(k_smem.index(stage), vt_smem.index(stage), k_base, vt_base, vt_stride, t * BLOCK_N, end, HEAD_DIM, BLOCK_N,
-                   OPERAND_ORDER, _copy_layout(HEAD_DIM, 4), _copy_layout(BLOCK_N, 4))
+                   OPERAND_ORDER, _copy_layout(HEAD_DIM, COPY_WARPS), _copy_layout(BLOCK_N, COPY_WARPS))
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
@@ -258,7 +260,7 @@ def _forward_kernel(
     loads = (k_base, vt_base, vt_stride, end)
     if SPECIALIZED:  # a warpgroup a partition: 64 query rows each, and the copying one
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=4 * 32)  # every copying thread's copies
+            mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
         half: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
@@ -268,7 +270,7 @@ def _forward_kernel(
                         row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
-        ], [4, 4], [240, 24])
+        ], [4, COPY_WARPS], [240, 24])
     else:
         _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, NUM_WARPS)
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
