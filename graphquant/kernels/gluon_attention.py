@@ -263,6 +263,8 @@ def _forward_kernel(
             mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
         half: gl.constexpr = BLOCK_M // 2
+        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, so
+        # they take setmaxnreg's least (24) and each consumer the rest of the SM's 64K over 384 threads (240 + 240 + 24 = 3 * 168).
         gl.warp_specialize([
             (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
                         seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
