@@ -289,9 +289,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     default's), on Hopper only, for key lengths that are multiples of 16."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     if seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
+    (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
         _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS), b * heads),
