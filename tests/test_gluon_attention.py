@@ -13,10 +13,9 @@ import re
 import subprocess
 import tempfile
 
+import ptxas
 import pytest
 import torch
-
-from test_triton_decode import _ptxas_report
 
 GPU_CASES = [  # batch, heads, kv heads, Lq, Lk (a multiple of 16), head dim
     (2, 8, 2, 1008, 1008, 128),  # grouped, lengths that do not tile
@@ -32,11 +31,12 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from graphquant.kernels import gluon_attention
+    from graphquant.kernels import gluon_attention, triton_attention
 
     kernel = gluon_attention._forward_kernel
-    constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=128, BLOCK_N=128,
-                     STAGES=config.num_stages, OPERAND_ORDER=config.operand_order, SPECIALIZED=config.warp_specialize)
+    constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=triton_attention.TILE_ROWS,
+                     BLOCK_N=triton_attention.TILE_KEYS, STAGES=config.num_stages, OPERAND_ORDER=config.operand_order,
+                     SPECIALIZED=config.warp_specialize)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", P_AMAX="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
     signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
@@ -56,6 +56,9 @@ def _sass(cubin: bytes) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), " ".join(m.group(2).split())) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", listing)]
 
 
+_PV = re.compile(r"QGMMA\S* R\d+, R(\d+), gdesc")  # a wgmma whose A operand is in registers: P (its first register captured)
+
+
 def _key_loops(sass: list[tuple[int, str]]) -> list[list[str]]:
     """Each key loop's instructions (one a consumer warpgroup's where the loop is warp-specialized):
     the spans from a backward branch's target to it that issue a PV wgmma, shortest first, each
@@ -67,9 +70,6 @@ def _key_loops(sass: list[tuple[int, str]]) -> list[list[str]]:
         if any(a <= address <= b and _PV.search(i) for address, i in sass) and all(b < c or d < a for c, d in loops):
             loops.append((a, b))
     return [[instruction for address, instruction in sass if a <= address <= b] for a, b in sorted(loops)]
-
-
-_PV = re.compile(r"QGMMA\S* R\d+, R\d+, gdesc")  # a wgmma whose A operand is in registers: P
 
 
 def _events(loop: list[str]) -> str:
@@ -108,7 +108,7 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
 
     config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized)
     compiled = _compiled_for_sm90(causal, head_dim, config, groups)
-    report = _ptxas_report(compiled.asm["ptx"])
+    report = ptxas.report(compiled.asm["ptx"])
     assert "serialized" not in report and (specialized or "0 bytes spill stores" in report), report
     loops = _key_loops(_sass(compiled.asm["cubin"]))
     assert len(loops) == (2 if specialized else 1)
@@ -130,9 +130,9 @@ def _operand_registers_overwritten(loop: list[str]) -> list[str]:
     first source) after PV is issued and before it is waited for, which would change what the
     tensor cores read (ptxas must keep them, as the kernel cannot tell it to: Gluon's wgmma wait
     keeps no 8-bit operand alive)."""
-    first = next(i for i, instruction in enumerate(loop) if re.search(r"QGMMA\S* R\d+, R\d+, gdesc", instruction))
+    first = next(i for i, instruction in enumerate(loop) if _PV.search(instruction))
     last = next(i for i in range(first, len(loop)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in loop[i])
-    operand = {int(m.group(1)) + r for instruction in loop[first:last] if (m := re.search(r"QGMMA\S* R\d+, R(\d+), gdesc", instruction)) for r in range(4)}
+    operand = {int(m.group(1)) + r for instruction in loop[first:last] if (m := _PV.search(instruction)) for r in range(4)}
     written = []
     for instruction in loop[first:last]:
         m = re.match(r"(?:@!?U?P\w+ )?([A-Z0-9_.]+) R(\d+)\b", instruction)

@@ -11,6 +11,7 @@ must be set before Triton is first imported); on a GPU at the shapes of a Llama-
 import json
 import re
 
+import ptxas
 import pytest
 import torch
 import triton_interpreter
@@ -478,24 +479,7 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
         assert not re.search(r"local_alloc %\S+ : \(tensor<", ttgir)
     else:
         _assert_only_a_through_shared_memory(ttgir, "bf16", block_m, block_n)
-    assert "0 bytes spill stores" in _ptxas_report(ptx)
-
-
-def _ptxas_report(ptx: str) -> str:
-    """What ptxas (Triton's, for sm_90a) says of a kernel's registers and spills."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as folder:
-        with open(f"{folder}/kernel.ptx", "w") as file:
-            file.write(ptx)
-        done = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{folder}/kernel.ptx", "-o", f"{folder}/kernel.cubin"],
-            capture_output=True, text=True, check=True,
-        )
-    return done.stderr
+    assert "0 bytes spill stores" in ptxas.report(ptx)
 
 
 @pytest.fixture

@@ -46,11 +46,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from graphquant.formats import fp8
 from graphquant.kernels import triton_attention
 from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
 from graphquant.kernels.triton_launch import launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, each 64 query rows of the 128: the Triton kernel's default split
+COPY_WARPS = gl.constexpr(4)  # warp-specialized, the partition that copies the tiles: one warpgroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,8 @@ def default_config(causal: bool) -> GluonForwardConfig:
 
 def triton_config(config: GluonForwardConfig) -> triton_attention.ForwardConfig:
     """The Triton forward's configuration with the same bits as ``config``."""
-    return triton_attention.ForwardConfig(block_m=128, block_n=128, num_warps=NUM_WARPS.value, pv_promotion=128, operand_order=config.operand_order)
+    return triton_attention.ForwardConfig(block_m=triton_attention.TILE_ROWS, block_n=triton_attention.TILE_KEYS, num_warps=NUM_WARPS.value,
+                                          pv_promotion=fp8.PROMOTED_PRODUCTS, operand_order=config.operand_order)
 
 
 @gluon.jit
@@ -97,7 +100,7 @@ def _load_tile(
 ):
     """Copy key tile [start_n, start_n + BLOCK_N) of K (rows in S's column order) and of V^T into
     shared memory (keys from ``end`` on as zeros), as one cp.async group."""
-    keys = start_n + triton_attention._column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
+    keys = start_n + triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
     async_copy.async_copy_global_to_shared(k_slot, k_base + keys[:, None] * HEAD_DIM + d[None, :], mask=(keys < end)[:, None])
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, VT_LOAD))
@@ -108,12 +111,12 @@ def _load_tile(
 
 @gluon.jit
 def _tile_logits(s, m_i, offs_m, keys, seq_k, qk_scale, masked, CAUSAL: gl.constexpr):
-    """``triton_attention._logits`` of a key tile, masked where ``masked`` (a tile past the
-    ones every row sees whole), unmasked else (the same bits where no key is masked)."""
+    """``triton_attention.logits_and_max`` of a key tile, masked where ``masked`` (a tile past
+    the ones every row sees whole), unmasked else (the same bits where no key is masked)."""
     if masked:
-        logits, m_new = triton_attention._logits(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
     else:
-        logits, m_new = triton_attention._logits(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
     return logits, m_new
 
 
@@ -139,7 +142,7 @@ def _consume(
     tiles = gl.cdiv(end, BLOCK_N)
 
     offs_m = row0 + gl.arange(0, ROWS, layout=ROW)
-    columns = triton_attention._column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
+    columns = triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
     zeros_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW)
@@ -171,7 +174,7 @@ def _consume(
         k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
         s_next = warpgroup_mma(q_smem, k_next, zeros_s, use_acc=False, is_async=True)
 
-        alpha, l_i, p8 = triton_attention._quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+        alpha, l_i, p8 = triton_attention.quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
         m_i = m_new
         vt = vt_smem.index(j % STAGES).permute((1, 0))
         pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, zeros_o, use_acc=False, is_async=True)
@@ -217,14 +220,15 @@ def _produce(
     q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr,
 ):
-    """The copying partition (4 warps): Q, then each key tile (one past the last: the consumers'
-    last QK^T) into its stage once both consumers handed it back, each tile's arrival on ready."""
-    _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, 4)
+    """The copying partition (COPY_WARPS warps): Q, then each key tile (one past the last: the
+    consumers' last QK^T) into its stage once both consumers handed it back, each tile's arrival on
+    ready."""
+    _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, COPY_WARPS)
     for t in range(gl.cdiv(end, BLOCK_N) + 1):
         stage = t % STAGES
         mbarrier.wait(empty.index(stage), (t // STAGES + 1) & 1, pred=t >= STAGES)
         _load_tile(k_smem.index(stage), vt_smem.index(stage), k_base, vt_base, vt_stride, t * BLOCK_N, end, HEAD_DIM, BLOCK_N,
-                   OPERAND_ORDER, _copy_layout(HEAD_DIM, 4), _copy_layout(BLOCK_N, 4))
+                   OPERAND_ORDER, _copy_layout(HEAD_DIM, COPY_WARPS), _copy_layout(BLOCK_N, COPY_WARPS))
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
@@ -256,9 +260,11 @@ def _forward_kernel(
     loads = (k_base, vt_base, vt_stride, end)
     if SPECIALIZED:  # a warpgroup a partition: 64 query rows each, and the copying one
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=4 * 32)  # every copying thread's copies
+            mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
         half: gl.constexpr = BLOCK_M // 2
+        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, so
+        # they take setmaxnreg's least (24) and each consumer the rest of the SM's 64K over 384 threads (240 + 240 + 24 = 3 * 168).
         gl.warp_specialize([
             (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
                         seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
@@ -266,7 +272,7 @@ def _forward_kernel(
                         row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
-        ], [4, 4], [240, 24])
+        ], [4, COPY_WARPS], [240, 24])
     else:
         _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, NUM_WARPS)
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
@@ -283,14 +289,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     default's), on Hopper only, for key lengths that are multiples of 16."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     if seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
+    (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
-        _forward_kernel, (triton.cdiv(seq_q, 128), b * heads),
+        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
-        heads, heads // kv_heads, head_dim, causal, 128, 128, config.num_stages, config.operand_order, config.warp_specialize,
+        heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
+        config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),
     )
     return o, lse, p_amax

@@ -42,8 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats import fp8
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
 from graphquant.kernels.triton_launch import launch
+
+# The default tile: 128 query rows a program over 128 keys at a time.
+TILE_ROWS = 128
+TILE_KEYS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,31 +57,31 @@ class ForwardConfig:
     block_n keys at a time, num_warps warps, num_stages pipeline stages of the key loop,
     warp_specialize (Triton's automatic warp specialization of the key loop), and pv_promotion:
     how many keys the tensor cores may sum in their narrow accumulator before the PV partial sum
-    is added into fp32 (a multiple of 32 up to block_n and 128, the depth the error bound of
-    tests/test_triton_attention.py covers; None: never, the narrow accumulator carries the whole
-    key loop, outside that bound); qk_ahead: in the key tiles every query row sees whole,
+    is added into fp32 (a multiple of 32 up to block_n and fp8.PROMOTED_PRODUCTS, 128, the depth
+    the error bound of tests/test_triton_attention.py covers; None: never, the narrow accumulator
+    carries the whole key loop, outside that bound); qk_ahead: in the key tiles every query row sees whole,
     the next tile's QK^T issued before this tile's exponentials, so that the tensor cores may
     compute it meanwhile (the same bits);
     operand_order: K's rows loaded in the order that lets P reach the PV product's register operand
-    without an exchange between threads (``_column_keys``; P's values the same, l summed in
+    without an exchange between threads (``column_keys``; P's values the same, l summed in
     another order)."""
 
-    block_m: int = 128
-    block_n: int = 128
+    block_m: int = TILE_ROWS
+    block_n: int = TILE_KEYS
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False
-    pv_promotion: Optional[int] = 128
+    pv_promotion: Optional[int] = fp8.PROMOTED_PRODUCTS
     qk_ahead: bool = False
     operand_order: bool = False
 
     def __post_init__(self) -> None:
         rows, keys = (16, 32, 64, 128, 256), (32, 64, 128, 256)  # keys are PV's depth: an FP8 wgmma is 32 deep
-        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, 128))
+        promotion_ok = self.pv_promotion is None or (self.pv_promotion % 32 == 0 and 0 < self.pv_promotion <= min(self.block_n, fp8.PROMOTED_PRODUCTS))
         if self.block_m not in rows or self.block_n not in keys or self.num_warps not in (4, 8, 16) or self.num_stages < 1 or not promotion_ok:
             raise ValueError(
                 f"FP8 flash attention: {self!r} is not a configuration: block_m one of {rows}, block_n one of {keys}, "
-                "num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and 128"
+                f"num_warps 4, 8 or 16, num_stages at least 1, pv_promotion None or a multiple of 32 up to block_n and {fp8.PROMOTED_PRODUCTS}"
             )
 
 
@@ -94,7 +99,7 @@ def default_config(causal: bool) -> ForwardConfig:
 
 
 @triton.jit
-def _column_keys(c, OPERAND_ORDER: tl.constexpr):
+def column_keys(c, OPERAND_ORDER: tl.constexpr):
     """The key (within its tile) whose products each column ``c`` of S holds. In operand order, column
     b + 2a + 8i + 32j (b < 2, a < 4, i < 4) holds key b + 2(i % 2) + 4a + 16(i // 2) + 32j: the
     thread of the tensor cores' accumulator that holds columns 2a + b + 8i of each 32 then holds
@@ -107,7 +112,7 @@ def _column_keys(c, OPERAND_ORDER: tl.constexpr):
 
 @triton.jit
 def _in_key_order(p, BLOCK_N: tl.constexpr):
-    """P's columns from operand order (``_column_keys``) back to key order: a relabelling of the
+    """P's columns from operand order (``column_keys``) back to key order: a relabelling of the
     values each thread holds."""
     rows: tl.constexpr = p.shape[0]
     by_bits = tl.reshape(p, [rows, BLOCK_N // 32, 2, 2, 4, 2])  # column = b + 2a + 8(i % 2) + 16(i // 2) + 32j
@@ -126,7 +131,7 @@ def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """The base-2 logits of one key tile's products ``s`` (Q codes @ K codes^T, column c holding
     key keys[c]) less the new running max, and that max."""
     if MASKED:
@@ -141,9 +146,9 @@ def _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL:
 
 
 @triton.jit
-def _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
-    """From one key tile's ``_logits``: O's rescaling factor alpha, the new running sum l and the
-    tile's P codes (keys in order), the operand of its PV product."""
+def quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+    """From one key tile's ``logits_and_max``: O's rescaling factor alpha, the new running sum l
+    and the tile's P codes (keys in order), the operand of its PV product."""
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -158,8 +163,9 @@ def _fold(
     acc, l_i, m_i, m_new, logits, vt, p_scale,
     BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
-    """Fold one key tile's ``_logits`` and V^T codes (keys in order) into the running (acc, l, m)."""
-    alpha, l_i, p8 = _quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+    """Fold one key tile's ``logits_and_max`` and V^T codes (keys in order) into the running (acc,
+    l, m)."""
+    alpha, l_i, p8 = quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
     if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
@@ -181,7 +187,7 @@ def _key_tiles(
     meanwhile, into the registers the previous products have just left (one product of zeros
     past the last tile)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    columns = _column_keys(tl.arange(0, BLOCK_N), OPERAND_ORDER)
+    columns = column_keys(tl.arange(0, BLOCK_N), OPERAND_ORDER)
     if QK_AHEAD:
         s = _scores(q, k_base, start + columns, offs_d, end, True)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
@@ -193,7 +199,7 @@ def _key_tiles(
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        logits, m_new = _logits(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
+        logits, m_new = logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
         if QK_AHEAD:
             s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
         acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, OPERAND_ORDER)
