@@ -321,8 +321,5 @@ def test_frozen_and_per_call_gate_and_up_projections_give_the_same_bits_on_the_g
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
-    triton_interpreter.accept_numpy_scalars()
-    triton_interpreter.round_fp8_to_nearest_even()
-    triton_interpreter.exact_fp8_dot_operands()
-    triton_interpreter.round_bfloat16_to_nearest()
+    triton_interpreter.as_on_the_gpu()
     print(json.dumps(_interpreted_results()))

@@ -143,8 +143,5 @@ def test_split_k_replays_from_a_cuda_graph_and_runs_on_two_streams_at_once():
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
-    triton_interpreter.accept_numpy_scalars()
-    triton_interpreter.round_fp8_to_nearest_even()
-    triton_interpreter.exact_fp8_dot_operands()
-    triton_interpreter.round_bfloat16_to_nearest()
+    triton_interpreter.as_on_the_gpu()
     print(json.dumps(_interpreted_results()))

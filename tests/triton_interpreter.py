@@ -97,3 +97,11 @@ def round_fp8_to_nearest_even() -> None:
         return interpreter.TensorHandle(data, dst_type.scalar)
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def as_on_the_gpu() -> None:
+    """Every patch above: the interpreter's scalars, casts and FP8 dot operands as the GPU's."""
+    accept_numpy_scalars()
+    round_fp8_to_nearest_even()
+    exact_fp8_dot_operands()
+    round_bfloat16_to_nearest()

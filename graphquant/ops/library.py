@@ -232,9 +232,8 @@ def gemms_sharing_a(
     graphquant::gemm over the B's stacked. ``b``: each B's rowwise tensors in turn (as many
     each), all in the format ``b_spec``; ``b_shapes``: their logical (rows, cols) in turn,
     flattened; ``sites``: the GEMMs' names joined by SITES_SEPARATOR; ``biases``: one each."""
-    bs = _weights(b, b_spec, b_shapes, out_dtype)
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
-    return backends.gemms_sharing_a(rep_a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
+    return _gemms_sharing(rep_a, b, b_spec, b_shapes, out_dtype, backend, sites, biases)
 
 
 @registry.fake("gemms_sharing_a")
@@ -259,6 +258,11 @@ def gemms_quantizing_a(
     """graphquant::gemm_quantizing_a for several B's that read one x, in one launch of the decode
     GEMM that quantizes x as it loads it; arguments as graphquant::gemms_sharing_a's."""
     a = backends.triton_decode.QuantizedOnLoad(x, amax, quantizer_of(x_spec))
+    return _gemms_sharing(a, b, b_spec, b_shapes, out_dtype, backend, sites, biases)
+
+
+def _gemms_sharing(a, b, b_spec, b_shapes, out_dtype, backend, sites, biases) -> list[torch.Tensor]:
+    """The GEMMs of the ops that share A, from their flattened B's, backend name and joined sites."""
     bs = _weights(b, b_spec, b_shapes, out_dtype)
     return backends.gemms_sharing_a(a, bs, out_dtype, backends.named(backend, False), sites.split(SITES_SEPARATOR), biases)
 
