@@ -1,25 +1,64 @@
-"""FP8 element formats: the cast, the amax, and TE's scale-from-amax rule.
+"""FP8 element formats: the cast, the amax, TE's scale-from-amax rule, and how far a sum of FP8
+products may lie from the exact one on Hopper (``accumulation_error``).
 
 Every rounding step is spelled out, because native kernels are compared to these bit for bit.
+The accumulation model's numbers are read off the H200 by benchmarks/accumulation_probe.py:
+PROMOTED_PRODUCTS is the promotion interval it reads off cuBLASLt's promoted FP8 GEMM, and
+ACCUMULATOR_FRACTION_BITS the bits below a large product that a small one keeps in the same
+step; WGMMA_PRODUCTS is the depth of an FP8 wgmma in the PTX ISA.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Optional
 
 import torch
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
-# FP8 products Hopper's tensor cores sum in their accumulator (about 14 bits kept) before a GEMM
-# that promotes adds the partial sum into fp32: cuBLASLt's interval without fast accumulation,
-# read off its results by benchmarks/accumulation_probe.py, and graphquant's Triton FP8 GEMMs'.
-# Each term may then carry PROMOTED_PRODUCTS * 2^-14 = 2^-7 of relative error.
+# Hopper's FP8 tensor cores sum each wgmma's WGMMA_PRODUCTS products and the partial sum carried
+# in at a fixed point aligned to the largest of them, dropping every bit more than
+# ACCUMULATOR_FRACTION_BITS below its leading one; a GEMM that promotes adds that partial sum into
+# fp32 after every PROMOTED_PRODUCTS products (cuBLASLt without fast accumulation, and graphquant's
+# Triton FP8 GEMMs), one that accumulates fast never.
+WGMMA_PRODUCTS = 32
+ACCUMULATOR_FRACTION_BITS = 13
 PROMOTED_PRODUCTS = 128
-PROMOTED_ERROR = PROMOTED_PRODUCTS * 2.0**-14
+# ``accumulation_error``'s promote_every for the other two ways to sum: FAST, the tensor cores'
+# accumulator alone (never promoted); FP32, each product added in fp32 (CUDA cores' FMAs, the
+# Triton interpreter, the emulation's fp32 GEMMs).
+FAST = None
+FP32 = 1
+_FP32_UNIT_ROUNDOFF = 2.0**-24
 # Sign and exponent bits of an fp32 (0xFF800000 as a signed int32).
 _SIGN_EXPONENT_MASK = -0x800000
+
+
+def accumulation_error(k: int, promote_every: Optional[int]) -> float:
+    """The largest |computed - exact| of a dot product of length ``k`` (at least 1), per unit of
+    the sum of its products' magnitudes, where the tensor cores' accumulator sums
+    ``promote_every`` products (of FP8 values, so exact) at a time before fp32 takes their partial
+    sum: PROMOTED_PRODUCTS, FAST or FP32.
+
+    A step of p products runs w = ceil(p / 32) wgmmas, whose terms (the p products and w - 1
+    carried sums) are aligned to the largest of their wgmma: all but those w largest lose less
+    than 2^-ACCUMULATOR_FRACTION_BITS of it, as may each wgmma's result where it outgrows it, so
+    p - 1 + w losses, each below that share of the step's sum of magnitudes (under FP32 a step is
+    one product, whole). fp32 then adds the steps' partial sums in some order: gamma(steps - 1)
+    of their magnitudes (Higham, Accuracy and Stability, 3.1). A GEMM that promotes more often
+    than every p products stays within p's bound.
+    """
+    step = max(k if promote_every is FAST else min(promote_every, k), FP32)
+    narrow = 0.0 if step == FP32 else (step - 1 + math.ceil(step / WGMMA_PRODUCTS)) * 2.0**-ACCUMULATOR_FRACTION_BITS
+    return narrow + (1 + narrow) * _gamma(math.ceil(k / step) - 1)
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u) for fp32's unit roundoff u: the error of a sum whose
+    every term is rounded at most n times, per unit of their magnitudes."""
+    return n * _FP32_UNIT_ROUNDOFF / (1 - n * _FP32_UNIT_ROUNDOFF)
 
 
 def fp8_max(fp8_dtype: str) -> float:
