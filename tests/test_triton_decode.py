@@ -53,7 +53,7 @@ def excess(
     """How far the decode GEMM's out (m, n) exceeds its bound (<= 0: within it), through
     backends.gemm, which must have chosen it (or, given a ``config``, called with that tiling);
     in a fprop (the weight's rowwise representation) or a dgrad (its columnwise one, stored
-    transposed: n is the weight's columns). The bound: the sum's fp8.accumulation_error (FP8
+    transposed: n is the weight's columns). The bound: the sum's fp8.accumulation_bound (FP8
     products on the GPU promoted every 128 on the tensor cores, any other in fp32), one rounding of
     each dequantized reference operand, the factors' product and its product with the sum (4 u
     sum|a b| together), the bias's addition (u |out|) and the rounding to out_dtype."""
@@ -78,12 +78,11 @@ def excess(
     assert out.shape == (m, n) and out.dtype == out_dtype
     left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
     ref = left @ right.t() + (bias.double() if with_bias else 0)
-    magnitude = left.abs() @ right.abs().t()
     rounding = U if out_dtype == torch.float32 else 2.0**-8
     family = qb.gemm_input(direction).family
     fp8_products = device == "cuda" and triton_decode.LAYOUTS[family].operand == triton_decode.FP8_CODES
-    accumulation = fp8.accumulation_error(k, fp8.PROMOTED_PRODUCTS if fp8_products else fp8.FP32)
-    bound = (accumulation + 4 * U) * magnitude + ref.abs() * (U + rounding)
+    accumulation = fp8.accumulation_bound(left, right.t(), fp8.PROMOTED_PRODUCTS if fp8_products else fp8.FP32)
+    bound = accumulation + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * (U + rounding)
     return ((out.double() - ref).abs() - bound).max().item()
 
 

@@ -1,5 +1,5 @@
 """FP8 element formats: the cast, the amax, TE's scale-from-amax rule, and how far a sum of FP8
-products may lie from the exact one on Hopper (``accumulation_error``).
+products may lie from the exact one on Hopper (``accumulation_bound``).
 
 Every rounding step is spelled out, because native kernels are compared to these bit for bit.
 The accumulation model's numbers are read off the H200 by benchmarks/accumulation_probe.py:
@@ -10,6 +10,7 @@ step; WGMMA_PRODUCTS is the depth of an FP8 wgmma in the PTX ISA.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Optional
 
@@ -26,33 +27,50 @@ FLT_MAX = torch.finfo(torch.float32).max
 WGMMA_PRODUCTS = 32
 ACCUMULATOR_FRACTION_BITS = 13
 PROMOTED_PRODUCTS = 128
-# ``accumulation_error``'s promote_every for the other two ways to sum: FAST, the tensor cores'
+# ``accumulation_bound``'s promote_every for the other two ways to sum: FAST, the tensor cores'
 # accumulator alone (never promoted); FP32, each product added in fp32 (CUDA cores' FMAs, the
 # Triton interpreter, the emulation's fp32 GEMMs).
 FAST = None
 FP32 = 1
 _FP32_UNIT_ROUNDOFF = 2.0**-24
+_ACCUMULATOR_ULP = 2.0**-ACCUMULATOR_FRACTION_BITS
 # Sign and exponent bits of an fp32 (0xFF800000 as a signed int32).
 _SIGN_EXPONENT_MASK = -0x800000
 
 
-def accumulation_error(k: int, promote_every: Optional[int]) -> float:
-    """The largest |computed - exact| of a dot product of length ``k`` (at least 1), per unit of
-    the sum of its products' magnitudes, where the tensor cores' accumulator sums
-    ``promote_every`` products (of FP8 values, so exact) at a time before fp32 takes their partial
-    sum: PROMOTED_PRODUCTS, FAST or FP32.
+def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional[int]) -> torch.Tensor:
+    """An elementwise bound on |computed - exact| of a @ b (float64, a (..., m, k) and b (..., k, n):
+    FP8 values, or bounds on their magnitudes) where the tensor cores' accumulator sums
+    ``promote_every`` products at a time before fp32 takes their partial sum: PROMOTED_PRODUCTS,
+    FAST or FP32.
 
-    A step of p products runs w = ceil(p / 32) wgmmas, whose terms (the p products and w - 1
-    carried sums) are aligned to the largest of their wgmma: all but those w largest lose less
-    than 2^-ACCUMULATOR_FRACTION_BITS of it, as may each wgmma's result where it outgrows it, so
-    p - 1 + w losses, each below that share of the step's sum of magnitudes (under FP32 a step is
-    one product, whole). fp32 then adds the steps' partial sums in some order: gamma(steps - 1)
-    of their magnitudes (Higham, Accuracy and Stability, 3.1). A GEMM that promotes more often
-    than every p products stays within p's bound.
+    Each wgmma aligns its products and the partial sum carried in to the largest of them: every
+    other term, and the result where it outgrows them, loses less than 2^-ACCUMULATOR_FRACTION_BITS
+    of that largest, which is at most the largest product's bound (max |a| times max |b| over the
+    wgmma's products) or the carried sum's (the magnitudes of the sums of the wgmmas a step may
+    hold before it, wherever steps start, with their losses). fp32 then adds the steps' partial
+    sums in some order, at most one a wgmma: gamma(steps - 1) of their magnitudes (Higham,
+    Accuracy and Stability, 3.1); under FP32 each product is a step of its own.
     """
-    step = max(k if promote_every is FAST else min(promote_every, k), FP32)
-    narrow = 0.0 if step == FP32 else (step - 1 + math.ceil(step / WGMMA_PRODUCTS)) * 2.0**-ACCUMULATOR_FRACTION_BITS
-    return narrow + (1 + narrow) * _gamma(math.ceil(k / step) - 1)
+    magnitude = a.abs() @ b.abs()
+    k = a.shape[-1]
+    if promote_every == FP32:
+        return _gamma(k - 1) * magnitude
+    carried_wgmmas = math.ceil((k if promote_every is FAST else promote_every) / WGMMA_PRODUCTS) - 1
+    held, carried, narrow = collections.deque(), torch.zeros_like(magnitude), torch.zeros_like(magnitude)
+    for start in range(0, k, WGMMA_PRODUCTS):
+        a_w, b_w = a[..., start : start + WGMMA_PRODUCTS], b[..., start : start + WGMMA_PRODUCTS, :]
+        product = a_w.abs().amax(-1, keepdim=True) * b_w.abs().amax(-2, keepdim=True)
+        total = (a_w @ b_w).abs()
+        dropped = a_w.shape[-1] * _ACCUMULATOR_ULP * torch.maximum(carried, product)
+        loss = dropped + _ACCUMULATOR_ULP * (carried + total + dropped)
+        narrow += loss
+        held.append(total + loss)
+        carried += held[-1]
+        if len(held) > carried_wgmmas:
+            carried -= held.popleft()
+    steps = 1 if promote_every is FAST else math.ceil(k / WGMMA_PRODUCTS)
+    return narrow + _gamma(steps - 1) * (magnitude + narrow)
 
 
 def _gamma(n: int) -> float:
