@@ -10,7 +10,6 @@ step; WGMMA_PRODUCTS is the depth of an FP8 wgmma in the PTX ISA.
 
 from __future__ import annotations
 
-import collections
 import math
 from typing import Callable, Optional
 
@@ -40,37 +39,42 @@ _SIGN_EXPONENT_MASK = -0x800000
 
 def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional[int]) -> torch.Tensor:
     """An elementwise bound on |computed - exact| of a @ b (float64, a (..., m, k) and b (..., k, n):
-    FP8 values, or bounds on their magnitudes) where the tensor cores' accumulator sums
-    ``promote_every`` products at a time before fp32 takes their partial sum: PROMOTED_PRODUCTS,
-    FAST or FP32.
+    FP8 values, or bounds on their magnitudes) where the tensor cores' accumulator sums the
+    products in k's order, ``promote_every`` at a time from k = 0, before fp32 takes their partial
+    sum: PROMOTED_PRODUCTS, FAST or FP32.
 
     Each wgmma aligns its products and the partial sum carried in to the largest of them: every
     other term, and the result where it outgrows them, loses less than 2^-ACCUMULATOR_FRACTION_BITS
-    of that largest, which is at most the largest product's bound (max |a| times max |b| over the
-    wgmma's products) or the carried sum's (the magnitudes of the sums of the wgmmas a step may
-    hold before it, wherever steps start, with their losses). fp32 then adds the steps' partial
-    sums in some order, at most one a wgmma: gamma(steps - 1) of their magnitudes (Higham,
-    Accuracy and Stability, 3.1); under FP32 each product is a step of its own.
+    of that largest's leading bit, which is at most that of the largest product's bound (max |a|
+    times max |b| over the wgmma's products) or of the carried sum's (the step's exact partial sum
+    and what it has lost). fp32 then adds the steps' partial sums in some order: gamma(steps - 1)
+    of their magnitudes (Higham, Accuracy and Stability, 3.1), counting a step a wgmma, so that a
+    GEMM promoting more often (at a K tile's end) is within the bound too; under FP32 each product
+    is a step of its own.
     """
     magnitude = a.abs() @ b.abs()
     k = a.shape[-1]
     if promote_every == FP32:
         return _gamma(k - 1) * magnitude
-    carried_wgmmas = math.ceil((k if promote_every is FAST else promote_every) / WGMMA_PRODUCTS) - 1
-    held, carried, narrow = collections.deque(), torch.zeros_like(magnitude), torch.zeros_like(magnitude)
-    for start in range(0, k, WGMMA_PRODUCTS):
-        a_w, b_w = a[..., start : start + WGMMA_PRODUCTS], b[..., start : start + WGMMA_PRODUCTS, :]
-        product = a_w.abs().amax(-1, keepdim=True) * b_w.abs().amax(-2, keepdim=True)
-        total = (a_w @ b_w).abs()
-        dropped = a_w.shape[-1] * _ACCUMULATOR_ULP * torch.maximum(carried, product)
-        loss = dropped + _ACCUMULATOR_ULP * (carried + total + dropped)
-        narrow += loss
-        held.append(total + loss)
-        carried += held[-1]
-        if len(held) > carried_wgmmas:
-            carried -= held.popleft()
+    step = k if promote_every is FAST else promote_every
+    narrow = torch.zeros_like(magnitude)
+    for first in range(0, k, step):
+        partial, lost = torch.zeros_like(magnitude), torch.zeros_like(magnitude)
+        for start in range(first, min(first + step, k), WGMMA_PRODUCTS):
+            stop = min(start + WGMMA_PRODUCTS, first + step, k)
+            a_w, b_w = a[..., start:stop], b[..., start:stop, :]
+            largest = torch.maximum(partial.abs() + lost, a_w.abs().amax(-1, keepdim=True) * b_w.abs().amax(-2, keepdim=True))
+            partial = partial + a_w @ b_w
+            dropped = (stop - start) * _ACCUMULATOR_ULP * _leading_bit(largest)
+            lost = lost + dropped + _ACCUMULATOR_ULP * _leading_bit(partial.abs() + lost + dropped)
+        narrow += lost
     steps = 1 if promote_every is FAST else math.ceil(k / WGMMA_PRODUCTS)
     return narrow + _gamma(steps - 1) * (magnitude + narrow)
+
+
+def _leading_bit(x: torch.Tensor) -> torch.Tensor:
+    """The largest power of two at most x (x >= 0; 0 stays 0)."""
+    return torch.exp2(torch.floor(torch.log2(x)))
 
 
 def _gamma(n: int) -> float:
