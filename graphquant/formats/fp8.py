@@ -39,9 +39,9 @@ _SIGN_EXPONENT_MASK = -0x800000
 
 def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional[int]) -> torch.Tensor:
     """An elementwise bound on |computed - exact| of a @ b (float64, a (..., m, k) and b (..., k, n):
-    FP8 values, or bounds on their magnitudes) where the tensor cores' accumulator sums the
-    products in k's order, ``promote_every`` at a time from k = 0, before fp32 takes their partial
-    sum: PROMOTED_PRODUCTS, FAST or FP32.
+    values whose products are exact, FP8's, or bounds on their magnitudes) where the tensor
+    cores' accumulator sums the products in k's order, ``promote_every`` at a time from k = 0,
+    before fp32 takes their partial sum: PROMOTED_PRODUCTS, FAST or FP32.
 
     Each wgmma aligns its products and the partial sum carried in to the largest of them: every
     other term, and the result where it outgrows them, loses less than 2^-ACCUMULATOR_FRACTION_BITS
