@@ -30,8 +30,6 @@ from tabulate import tabulate
 
 LARGE, SMALL = 256.0, 2.0**-8
 ROWS = 64  # a tile of Hopper's warp-group MMA (wgmma), which Triton then uses
-
-
 STEP = 128  # products in one promotion step of both GEMMs promoted below
 BELOW = range(10, 17)  # the small product 2^-j of the large one, each j
 
