@@ -650,10 +650,10 @@ def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_log
     groups = q.shape[1] // k.shape[1]
     q64, do64 = q.double(), do.double()
     k64, v64 = (t.double().repeat_interleave(groups, 1) for t in (k, v))
-    lq, lk, d = q.shape[2], k.shape[2], q.shape[3]
+    lk, d = k.shape[2], q.shape[3]
     eta_kernel = torch.expm1(delta_logits + lse_bound.unsqueeze(-1) + 2 * EPS32 * (1 + lse64.abs().unsqueeze(-1)))
     eta_b = torch.maximum(eta, eta_kernel)
-    # Each tile's product (dQ's scaled once a tile of at least 32) over n keys or queries.
+    # A product over the keys or queries, a tile (at least 32 deep) at a time; dQ's tiles are scaled once each.
     tiles = lambda a, b: sums_apart(a, b, fp8.PROMOTED_PRODUCTS, math.ceil(a.shape[-1] / 32) + 6)  # noqa: E731
     rounding = torch.finfo(o_dtype).eps / 2
 
