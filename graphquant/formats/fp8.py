@@ -2,10 +2,11 @@
 products may lie from the exact one on Hopper (``accumulation_bound``).
 
 Every rounding step is spelled out, because native kernels are compared to these bit for bit.
-The accumulation model's numbers are read off the H200 by benchmarks/accumulation_probe.py:
-PROMOTED_PRODUCTS is the promotion interval it reads off cuBLASLt's promoted FP8 GEMM, and
-ACCUMULATOR_FRACTION_BITS the bits below a large product that a small one keeps in the same
-step; WGMMA_PRODUCTS is the depth of an FP8 wgmma in the PTX ISA.
+The accumulation model's numbers are read off the H200 by benchmarks/accumulation_probe.py
+(benchmarks/NOTES.md): PROMOTED_PRODUCTS is the promotion interval it reads off cuBLASLt's
+promoted FP8 GEMM, and ACCUMULATOR_FRACTION_BITS the bits below a large product that a small one
+keeps in the same step, in cuBLASLt's and Triton's FP8 GEMMs alike; WGMMA_PRODUCTS is the depth
+of an FP8 wgmma in the PTX ISA.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional
     k = a.shape[-1]
     if promote_every == FP32:
         return _gamma(k - 1) * magnitude
-    step = k if promote_every is FAST else promote_every
+    step = max(k, 1) if promote_every is FAST else promote_every
     narrow = torch.zeros_like(magnitude)
     for first in range(0, k, step):
         partial, lost = torch.zeros_like(magnitude), torch.zeros_like(magnitude)
