@@ -45,13 +45,13 @@ def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional
     before fp32 takes their partial sum: PROMOTED_PRODUCTS, FAST or FP32.
 
     Each wgmma aligns its products and the partial sum carried in to the largest of them: every
-    other term, and the result where it outgrows them, loses less than 2^-ACCUMULATOR_FRACTION_BITS
-    of that largest's leading bit, which is at most that of the largest product's bound (max |a|
-    times max |b| over the wgmma's products) or of the carried sum's (the step's exact partial sum
-    and what it has lost). fp32 then adds the steps' partial sums in some order: gamma(steps - 1)
-    of their magnitudes (Higham, Accuracy and Stability, 3.1), counting a step a wgmma, so that a
-    GEMM promoting more often (at a K tile's end) is within the bound too; under FP32 each product
-    is a step of its own.
+    other term loses less than 2^-ACCUMULATOR_FRACTION_BITS of that largest's leading bit (at most
+    that of the largest product's bound, max |a| times max |b| over the wgmma's products, or of
+    the carried sum's: the step's exact partial sum and what it has lost), and the result, where
+    it outgrows them, as much of its own. fp32 then adds the steps' partial sums in some order:
+    gamma(steps - 1) of their magnitudes (Higham, Accuracy and Stability, 3.1), counting a step a
+    wgmma, so that a GEMM promoting more often (at a K tile's end) is within the bound too; under
+    FP32 each product is a step of its own.
     """
     magnitude = a.abs() @ b.abs()
     k = a.shape[-1]
