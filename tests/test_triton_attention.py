@@ -316,17 +316,22 @@ def test_codes_are_the_emulations():
     assert torch.equal(codes(flash["V"][COLUMNWISE]), codes(flash["V"][ROWWISE]).t())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("formats", ["current", "zoo"])
-def test_backward_is_the_emulations(emulated_kernel, formats, causal):
+def test_backward_is_the_emulations(emulated_kernel, formats, causal, layout):
     """With the kernel's O equal to the emulation's, the flash path's gradients are the emulated
     op's bit for bit over two steps (grouped-query attention, causal and not), and so is every
-    delayed-scaling state: the backward recomputes P as the forward found the s state."""
+    delayed-scaling state: the backward recomputes P as the forward found the s state; also
+    where Q, K, V and dO are (batch, heads, length, dim) views of (batch, length, heads, dim)
+    tensors, which the flash path quantizes where they lie."""
     formats = {"current": CURRENT, "zoo": ZOO}[formats]
     emulated, flash = AttentionSite(name="attn", call=0, **formats), AttentionSite(name="attn", call=0, **formats, backend=FLASH)
     states = {site: _states(formats) for site in (emulated, flash)}
     for step in range(2):
         q, k, v, dout = _inputs(seed=step)
+        if layout == "transposed":
+            q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
         emulated_kernel.update(site=emulated, s=states[flash][1])
         results = {}
         for site in (emulated, flash):
