@@ -26,6 +26,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.kernels import triton_transpose
+from graphquant.kernels.triton_launch import launch
 from graphquant.kernels.triton_scales import fp8_codes
 
 _ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB
@@ -102,9 +103,7 @@ def _launch(tensors: list[torch.Tensor], amax_bits: torch.Tensor, codes=None, sc
                 args += [None, None, 0, 1, 1, 0, 0, 0]
                 cols.append(16)
         if programs:
-            _pass_kernel[(programs,)](
-                scale, amax_bits, *args, *cols, _ROWS, fp8.fp8_max(fp8_dtype), _CODES[fp8_dtype], num_warps=4,
-            )
+            launch(_pass_kernel, (programs,), scale, amax_bits, *args, *cols, _ROWS, fp8.fp8_max(fp8_dtype), _CODES[fp8_dtype], num_warps=4)
 
 
 def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
