@@ -471,7 +471,8 @@ def check_joint_kernels(device: str) -> str:
     and row counts that do (1024 rows, a float32 model's Q, K, V or dO at 2 x 2 heads of 256
     tokens), Q, K and V as (batch, heads, length, dim) views of (batch, length, heads, dim) under
     grouped-query attention, one tensor alone (dO) and four (two launches); E4M3 and E5M2, a scale
-    that saturates (the layouts' cases at two of these), inf and NaN in the amax."""
+    that saturates (the layouts' cases at two of these), the cast's amax asked for and not, inf
+    and NaN in the amax."""
     from graphquant.kernels import triton_joint_fp8
 
     checked = []
@@ -484,9 +485,9 @@ def check_joint_kernels(device: str) -> str:
         scales = (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4))  # the amax's scale; one that saturates
         for fp8_dtype, scale in scales if what.startswith("rows") else scales[::3]:
             scale = torch.tensor(scale)
-            for transposed in ([False, False, True, False][: len(tensors)], [True, False, False, True][: len(tensors)]):
-                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed)
-                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed)
+            for transposed, amax in (([False, False, True, False][: len(tensors)], True), ([True, False, False, True][: len(tensors)], False)):
+                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed, amax)
+                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed, amax)
                 for name, a, e in zip(("codes", "transposed codes", "amax"), got, expected):
                     for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
                         a = a.cpu()

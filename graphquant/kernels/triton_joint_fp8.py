@@ -4,8 +4,8 @@ per-tensor FP8 under one joint scale, without joining them (attention's Q, K and
 The reference (graphquant.ops.attention.quantize_qkv) concatenates Q, K and V, takes the amax of
 the whole and casts it, then transposes V: a copy of all three before two passes over them, and
 a third over V. Here the amax pass reads each tensor once into one shared maximum, and the cast
-pass reads each once more, writing its codes and, as a by-product, the amax again (what a delayed-scaling slot records,
-whose scale is known before any pass). Each pass is one launch for up to three tensors, which it
+pass reads each once more, writing its codes and, for a delayed-scaling slot (whose scale is
+known before any pass), the amax it records. Each pass is one launch for up to three tensors, which it
 reads where they lie: (batch, heads, length, dim) of any strides but the last (a model's
 (batch, length, heads, dim) projections transposed, as attention takes them), without the copy
 a reshape to rows would make; the codes are written contiguous. Every number is the reference's:
@@ -39,8 +39,8 @@ def _tile(
     X, CODES, SCALE, AMAX_BITS, tile, heads, length, stride_b, stride_h, stride_l,
     COLS: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr, CODE: tl.constexpr,
 ):
-    """Tile ``tile`` of a (batch, heads, length, COLS) tensor, ROWS positions of one head: its
-    amax into AMAX_BITS (atomic max of the magnitude bits) and, given CODES, its codes there
+    """Tile ``tile`` of a (batch, heads, length, COLS) tensor, ROWS positions of one head: given
+    AMAX_BITS, its amax there (atomic max of the magnitude bits); given CODES, its codes there
     (contiguous)."""
     per_head = tl.cdiv(length, ROWS)
     head = tile // per_head  # batch * heads + head
@@ -50,7 +50,8 @@ def _tile(
     batch = head // heads
     origin = batch.to(tl.int64) * stride_b + (head - batch * heads).to(tl.int64) * stride_h
     x = tl.load(X + origin + l[:, None].to(tl.int64) * stride_l + c[None, :], mask=inside, other=0.0).to(tl.float32)
-    tl.atomic_max(AMAX_BITS, tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), 0), sem="relaxed")
+    if AMAX_BITS is not None:
+        tl.atomic_max(AMAX_BITS, tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), 0), sem="relaxed")
     if CODES is not None:
         codes = fp8_codes(x, tl.load(SCALE), FP8_MAX, CODE)
         tl.store(CODES + (head.to(tl.int64) * length + l[:, None]) * COLS + c[None, :], codes, mask=inside)
@@ -86,8 +87,9 @@ def _heads_view(x: torch.Tensor) -> torch.Tensor:
     return x.view((1,) * (4 - x.dim()) + tuple(x.shape))
 
 
-def _launch(tensors: list[torch.Tensor], amax_bits: torch.Tensor, codes=None, scale=None, fp8_dtype: str = "e4m3") -> None:
-    """The amax (and, given ``codes``, the cast) pass over ``tensors``, ``_PER_LAUNCH`` a launch."""
+def _launch(tensors: list[torch.Tensor], amax_bits=None, codes=None, scale=None, fp8_dtype: str = "e4m3") -> None:
+    """The pass over ``tensors`` that takes their amax into ``amax_bits`` and (or) casts them into
+    ``codes``, ``_PER_LAUNCH`` a launch."""
     for start in range(0, len(tensors), _PER_LAUNCH):
         args, cols, programs = [], [], 0
         for i in range(_PER_LAUNCH):
@@ -112,10 +114,10 @@ def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def joint_cast(tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]):
+def joint_cast(tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool], amax: bool):
     bits = torch.zeros((), dtype=torch.int32, device=tensors[0].device)
     dtype = fp8.FP8_DTYPES[fp8_dtype]
     codes = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in tensors]
-    _launch(tensors, bits, codes, scale.reshape(1).float(), fp8_dtype)
+    _launch(tensors, bits if amax else None, codes, scale.reshape(1).float(), fp8_dtype)
     codes_t = [triton_transpose.transposed(c.view(-1, c.shape[-1])) for c, t in zip(codes, transposed) if t]
     return codes, codes_t, bits.view(torch.float32)

@@ -358,17 +358,19 @@ def _(tensors):
 
 @registry.op("joint_cast")
 def joint_cast(
-    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]
+    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool], amax: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """The per-tensor FP8 codes of tensors of 2 to 4 dims (any strides) under one ``scale``
     (per_tensor.quantize), contiguous; the transposed codes (dim, rows) of those ``transposed``
-    marks, rows being all the other dims; and their joint amax."""
+    marks, rows being all the other dims; and, where ``amax`` asks (a delayed-scaling slot, whose
+    scale came before any pass), their joint amax, else 0."""
     codes = [per_tensor.quantize(x, scale, fp8_dtype, transpose=False).contiguous() for x in tensors]
-    return codes, [c.view(-1, c.shape[-1]).t().contiguous() for c, t in zip(codes, transposed) if t], joint_amax(tensors)
+    seen = joint_amax(tensors) if amax else torch.zeros((), device=scale.device)
+    return codes, [c.view(-1, c.shape[-1]).t().contiguous() for c, t in zip(codes, transposed) if t], seen
 
 
 @registry.fake("joint_cast")
-def _(tensors, scale, fp8_dtype, transposed):
+def _(tensors, scale, fp8_dtype, transposed, amax):
     dtype = fp8.FP8_DTYPES[fp8_dtype]
     codes = [x.new_empty(x.shape, dtype=dtype) for x in tensors]
     codes_t = [x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=dtype) for x, t in zip(tensors, transposed) if t]
@@ -418,7 +420,7 @@ def joint_per_tensor(
         if rowwise.reduces_amax:
             amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
         scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
-    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names])
+    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names], encoding.delayed_scaling)
     if encoding.delayed_scaling:
         amax = seen
         record_amax(rowwise, state, amax)
