@@ -2,7 +2,7 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
-        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--layouts contiguous,transposed]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--layouts contiguous,transposed] [--profile compiled]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -17,8 +17,11 @@ and the FP8 flash backward (graphquant.kernels.triton_attention_backward, s and 
 scaling as the zoo recipe's): "compiled" as a model runs it (graphquant.compile of a module
 calling F.scaled_dot_product_attention, Inductor around the ops), "eager" the op called from
 Python (every small op of the quantizes and the delayed-scaling states launched one by one).
-Each sample is one call on an idle GPU; "host ms" is the host's time to issue it (where it comes
-near "ms", the host set the pace). "fp8 flash kernel(s) alone" are the
+Each sample is one call issued behind one queued call, as a model's steady state issues them;
+"host ms" is the host's time to issue it (where it comes near "ms", the host set the pace).
+``--profile TEXT`` prints, for every row whose name contains TEXT, where one call's host and GPU
+time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle gaps and whether
+a late launch made them). "fp8 flash kernel(s) alone" are the
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated``
@@ -40,7 +43,7 @@ from tabulate import tabulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate  # noqa: E402
+from common import alternate, profile  # noqa: E402
 
 import graphquant  # noqa: E402
 from graphquant import factories, zoo  # noqa: E402
@@ -213,7 +216,7 @@ def measure(fns: dict, rounds: int, host: dict) -> dict[str, str]:
         except RuntimeError as error:  # a backend that does not take these inputs on this GPU
             results[name] = f"n/a ({str(error).splitlines()[0][:60]})"
         torch.cuda.empty_cache()
-    results.update(alternate(usable, rounds=rounds, warmup=1, reps=3, host=host))
+    results.update(alternate(usable, rounds=rounds, warmup=1, reps=3, queued=1, host=host))
     return results
 
 
@@ -229,6 +232,7 @@ def main() -> None:
     parser.add_argument("--gluon-warp-specialize", default="0", help="the Gluon rows' warp_specialize, 0 and/or 1")
     parser.add_argument("--layouts", default="contiguous", help="Q, K and V contiguous and/or transposed (views of "
                         "(batch, length, heads, dim) tensors), comma-separated")
+    parser.add_argument("--profile", default="", help="profile one call of every row whose name contains this text (stderr)")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
@@ -240,8 +244,10 @@ def main() -> None:
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     gluon_schedules = tuple(itertools.product(stages, [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
     for layout, kv_heads, seq, causal, backward in cases:
-        host = {}
-        results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout), args.rounds, host)
+        host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout)
+        results = measure(fns, args.rounds, host)
+        for name in [name for name in fns if args.profile and args.profile in name and name in host]:
+            profile(f"{layout} {seq} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}: {name}", fns[name])
         work = flops(seq, causal, backward)
         for name, ms in results.items():
             tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms
