@@ -79,12 +79,16 @@ def _pass_kernel(
             _tile(X2, CODES2, SCALE, AMAX_BITS, tile - tiles1, heads2, length2, stride_b2, stride_h2, stride_l2, COLS2, ROWS, FP8_MAX, CODE)
 
 
-def _heads_view(x: torch.Tensor) -> torch.Tensor:
-    """x as (batch, heads, length, dim), a view where the last dim is dense (else a copy)."""
+def _heads(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int, int, int]:
+    """x (its last dim dense, else a copy) and its (batch, heads, length, dim) and the first three's
+    strides, fewer dims counting as leading ones of one element; without a view, whose host time
+    a call would pay per tensor."""
     if x.dim() < 2 or x.dim() > 4 or x.shape[-1] not in (16, 32, 64, 128, 256):
         raise ValueError(f"joint FP8 quantize kernels take tensors of 2 to 4 dims whose last has 16-256 elements, a power of two; got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return x.view((1,) * (4 - x.dim()) + tuple(x.shape))
+    leading = 4 - x.dim()
+    shape, strides = (1,) * leading + tuple(x.shape), (0,) * leading + x.stride()
+    return x, *shape, *strides[:3]
 
 
 def _launch(tensors: list[torch.Tensor], amax_bits=None, codes=None, scale=None, fp8_dtype: str = "e4m3") -> None:
@@ -92,13 +96,11 @@ def _launch(tensors: list[torch.Tensor], amax_bits=None, codes=None, scale=None,
     ``codes``, ``_PER_LAUNCH`` a launch."""
     for start in range(0, len(tensors), _PER_LAUNCH):
         args, cols, programs = [], [], 0
-        for i in range(_PER_LAUNCH):
-            if start + i < len(tensors):
-                x = _heads_view(tensors[start + i])
-                b, h, length, d = x.shape
-                tiles = b * h * triton.cdiv(length, _ROWS)
-                out = None if codes is None else codes[start + i]
-                args += [x, out, tiles, h, length, *x.stride()[:3]]
+        for i in range(start, start + _PER_LAUNCH):
+            if i < len(tensors):
+                x, b, h, length, d, *strides = _heads(tensors[i])
+                tiles = b * h * -(-length // _ROWS)  # ceil division: triton.cdiv is a constexpr function, slow from the host
+                args += [x, None if codes is None else codes[i], tiles, h, length, *strides]
                 cols.append(d)
                 programs += tiles
             else:
