@@ -5,10 +5,10 @@ The reference (graphquant.ops.attention.quantize_qkv) concatenates Q, K and V, t
 the whole and casts it, then transposes V: a copy of all three before two passes over them, and
 a third over V. Here the amax pass reads each tensor once into one shared maximum, and the cast
 pass reads each once more, writing its codes and, for a delayed-scaling slot (whose scale is
-known before any pass), the amax it records. Each pass is one launch for up to three tensors, which it
-reads where they lie: (batch, heads, length, dim) of any strides but the last (a model's
-(batch, length, heads, dim) projections transposed, as attention takes them), without the copy
-a reshape to rows would make; the codes are written contiguous. Every number is the reference's:
+known before any pass), the amax it records. Each pass is one launch for up to three tensors,
+which it reads where they lie: (batch, heads, length, dim) of any strides but the last (a
+model's (batch, length, heads, dim) projections transposed, as attention takes them), without
+the copy a reshape to rows would make; the codes are written contiguous. Every number is the reference's:
 the amax is an integer max of the float32 bit patterns with the sign cleared
 (graphquant.formats.fp8.tensor_amax: exact, NaN above infinity), and each code is one fp32
 product with the scale, clamped to the format's largest finite value and rounded to nearest even
