@@ -313,17 +313,22 @@ def test_codes_are_the_emulations():
     assert torch.equal(codes(flash["V"][COLUMNWISE]), codes(flash["V"][ROWWISE]).t())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("formats", ["current", "zoo"])
-def test_backward_is_the_emulations(emulated_kernel, formats, causal):
+def test_backward_is_the_emulations(emulated_kernel, formats, causal, layout):
     """With the kernel's O equal to the emulation's, the flash path's gradients are the emulated
     op's bit for bit over two steps (grouped-query attention, causal and not), and so is every
-    delayed-scaling state: the backward recomputes P as the forward found the s state."""
+    delayed-scaling state: the backward recomputes P as the forward found the s state; also
+    where Q, K, V and dO are (batch, heads, length, dim) views of (batch, length, heads, dim)
+    tensors, which the flash path quantizes where they lie."""
     formats = {"current": CURRENT, "zoo": ZOO}[formats]
     emulated, flash = AttentionSite(name="attn", call=0, **formats), AttentionSite(name="attn", call=0, **formats, backend=FLASH)
     states = {site: _states(formats) for site in (emulated, flash)}
     for step in range(2):
         q, k, v, dout = _inputs(seed=step)
+        if layout == "transposed":
+            q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
         emulated_kernel.update(site=emulated, s=states[flash][1])
         results = {}
         for site in (emulated, flash):
@@ -400,12 +405,14 @@ def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0, rows=(130, 70, 70)):
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
+@pytest.mark.parametrize("layout", ["rows", "heads"])
 @pytest.mark.parametrize("qkv", ["current", "pow2", "delayed"])
-def test_flash_qkv_is_quantize_qkv(qkv):
+def test_flash_qkv_is_quantize_qkv(qkv, layout):
     """flash_qkv (graphquant::joint_amax and joint_cast, nothing joined) gives quantize_qkv's
-    codes, scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise
-    ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for one
-    tensor both ways (the flash backward's dO) against quantize_tensor."""
+    codes, scale_inv and amax of the rows bit for bit, V's columnwise codes the transpose of its
+    rowwise ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for
+    one tensor both ways (the flash backward's dO) against quantize_tensor; from 2-D rows, and
+    from (batch, heads, length, dim) views of (batch, length, heads, dim) tensors."""
     from graphquant.ops.attention import flash_qkv, joint_per_tensor
     from graphquant.ops.quantize import quantize_tensor
     from graphquant.quantizers import Float8DelayedScalingQuantizer
@@ -414,18 +421,19 @@ def test_flash_qkv_is_quantize_qkv(qkv):
         "current": E4M3, "pow2": Float8CurrentScalingQuantizer(fp8_dtype="e4m3", force_pow_2_scales=True, amax_epsilon=1e-3),
         "delayed": Float8DelayedScalingQuantizer(fp8_dtype="e4m3", amax_history_len=2),
     }[qkv]
-    q, k, v = _qkv_inputs()
+    q, k, v = _qkv_inputs() if layout == "rows" else _heads_inputs(torch.bfloat16)
     tensors = {"Q": q, "K": k, "V": v}
+    rows = {t: x.reshape(-1, x.shape[-1]) for t, x in tensors.items()}
     e5m2 = dataclasses.replace(quantizer, fp8_dtype="e5m2")
 
     def quantized_do(state):  # as the emulated backward quantizes dO
-        made, _ = quantize_tensor(v * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
+        made, _ = quantize_tensor(rows["V"] * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
         update_delayed_scaling(e5m2, state, made)
         return {"dO": made}
 
     cases = [
         (lambda state: flash_qkv(tensors, quantizer, state),
-         lambda state: quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
+         lambda state: quantize_qkv(rows, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
         (lambda state: joint_per_tensor({"dO": v * 1e-3}, e5m2, state, ("dO",)), quantized_do),
     ]
     for joint, reference in cases:
@@ -444,36 +452,53 @@ def test_flash_qkv_is_quantize_qkv(qkv):
             assert torch.equal(states[0], states[1]) and states[0][-1] > 0  # the largest value recorded
 
 
+def _heads_inputs(dtype, b=2, hq=4, hkv=2, lq=70, lk=130, d=64):
+    """Q, K and V as attention takes a model's projections: (batch, heads, length, dim) views of
+    (batch, length, heads, dim) tensors (transpose(1, 2)), fewer key/value heads than query heads,
+    lengths that do not tile; a largest value in V."""
+    q, k, v = (t.reshape(b, h, n, d).transpose(1, 2).contiguous().transpose(1, 2)
+               for t, h, n in zip(_qkv_inputs(torch.float32, rows=(b * hq * lq, b * hkv * lk, b * hkv * lk)), (hq, hkv, hkv), (lq, lk, lk)))
+    assert not q.is_contiguous() and q.stride(1) == d
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
 def check_joint_kernels(device: str) -> str:
     """graphquant.kernels.triton_joint_fp8's amax and cast on ``device`` against the ops'
     references on the CPU, bit for bit: bfloat16 and float32 inputs, row counts that do not tile
     and row counts that do (1024 rows, a float32 model's Q, K, V or dO at 2 x 2 heads of 256
-    tokens), E4M3 and E5M2, a scale that saturates, inf and NaN in the amax."""
+    tokens), Q, K and V as (batch, heads, length, dim) views of (batch, length, heads, dim) under
+    grouped-query attention, one tensor alone (dO) and four (two launches); E4M3 and E5M2, a scale
+    that saturates (the layouts' cases at two of these), the cast's amax asked for and not, inf
+    and NaN in the amax."""
     from graphquant.kernels import triton_joint_fp8
 
     checked = []
-    for dtype, rows in ((torch.bfloat16, (130, 70, 70)), (torch.float32, (130, 70, 70)), (torch.bfloat16, (1024,) * 3), (torch.float32, (1024,) * 3)):
-        tensors = _qkv_inputs(dtype, rows=rows)
+    cases = [(dtype, f"rows {rows[0]}", _qkv_inputs(dtype, rows=rows)) for dtype in (torch.bfloat16, torch.float32) for rows in ((130, 70, 70), (1024,) * 3)]
+    cases += [(dtype, "heads", _heads_inputs(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+    q, k, v = _qkv_inputs(torch.bfloat16)
+    cases += [(torch.bfloat16, "dO alone", (v[:, :32] * 1e-3,)), (torch.bfloat16, "four", (q, k, v, q[:3] * 2))]
+    for dtype, what, tensors in cases:
         on_device = [x.to(device) for x in tensors]
-        for fp8_dtype, scale in (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4)):  # the amax's scale; one that saturates
+        scales = (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4))  # the amax's scale; one that saturates
+        for fp8_dtype, scale in scales if what.startswith("rows") else scales[::3]:
             scale = torch.tensor(scale)
-            for transposed in ([False, False, True], [True, False, False]):
-                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed)
-                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed)
+            for transposed, amax in (([False, False, True, False][: len(tensors)], True), ([True, False, False, True][: len(tensors)], False)):
+                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed, amax)
+                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed, amax)
                 for name, a, e in zip(("codes", "transposed codes", "amax"), got, expected):
                     for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
                         a = a.cpu()
-                        assert a.dtype == e.dtype and a.shape == e.shape, name
-                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} rows {rows} {fp8_dtype} scale {scale.item()}: {name}"
-        checked.append(f"{dtype} rows {rows[0]} cast")
+                        assert a.dtype == e.dtype and a.shape == e.shape and a.is_contiguous(), name
+                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} {what} {fp8_dtype} scale {scale.item()}: {name}"
+        checked.append(f"{dtype} {what} cast")
         for special in (float("inf"), float("nan")):
-            k_special = tensors[1].clone()
-            k_special[69, 63] = special
-            with_special = [tensors[0], k_special, tensors[2]]
+            last = tensors[-1].clone()
+            last[..., 69 % last.shape[-2], 15] = special
+            with_special = [*tensors[:-1], last]
             got = triton_joint_fp8.joint_amax([x.to(device) for x in with_special]).cpu()
             expected = torch.ops.graphquant.joint_amax(with_special)
-            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
-        checked.append(f"{dtype} rows {rows[0]} amax")
+            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {what} {special}: {got} != {expected}"
+        checked.append(f"{dtype} {what} amax")
     return ", ".join(checked)
 
 
