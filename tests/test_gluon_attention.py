@@ -36,7 +36,7 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
     kernel = gluon_attention._forward_kernel
     constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=triton_attention.TILE_ROWS,
                      BLOCK_N=triton_attention.TILE_KEYS, STAGES=config.num_stages, OPERAND_ORDER=config.operand_order,
-                     SPECIALIZED=config.warp_specialize)
+                     SPECIALIZED=config.warp_specialize, PINGPONG=config.pingpong)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", P_AMAX="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
     signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
@@ -75,9 +75,11 @@ def _key_loops(sass: list[tuple[int, str]]) -> list[list[str]]:
 def _events(loop: list[str]) -> str:
     """The key loop as a string of what the schedule is about: Q a wgmma of QK^T (both operands in
     shared memory), P one of PV (P from registers), E an exponential, M a max, 1 a wait until one
-    group of wgmmas is left in flight, 0 a wait for all, B a CTA barrier."""
+    group of wgmmas is left in flight, 0 a wait for all, B a CTA barrier, W a wait on an mbarrier,
+    A an arrival on one."""
     kinds = [("QGMMA", lambda i: "P" if _PV.search(i) else "Q"), ("MUFU.EX2", "E"), ("FMNMX", "M"),
-             ("WARPGROUP.DEPBAR.LE gsb0, 0x1", "1"), ("WARPGROUP.DEPBAR.LE gsb0, 0x0", "0"), ("BAR.SYNC", "B")]
+             ("WARPGROUP.DEPBAR.LE gsb0, 0x1", "1"), ("WARPGROUP.DEPBAR.LE gsb0, 0x0", "0"), ("BAR.SYNC", "B"),
+             ("SYNCS.PHASECHK", "W"), ("SYNCS.ARRIVE", "A")]
     events = []
     for instruction in loop:
         for opcode, kind in kinds:
@@ -86,15 +88,17 @@ def _events(loop: list[str]) -> str:
     return "".join(events)
 
 
-SM90_CASES = [  # head dim, groups, causal, operand order, warp-specialized
-    *[(d, g, causal, order, False) for d, g in ((128, 1), (128, 4), (64, 1)) for causal in (False, True) for order in (False, True)],
-    *[(d, 1, causal, not causal, True) for d in (128, 64) for causal in (False, True)],  # each mask's default order
+SM90_CASES = [  # head dim, groups, causal, operand order, warp-specialized, ping-pong
+    *[(d, g, causal, order, False, False) for d, g in ((128, 1), (128, 4), (64, 1)) for causal in (False, True) for order in (False, True)],
+    *[(d, 1, causal, not causal, True, pingpong) for d in (128, 64) for causal in (False, True) for pingpong in (False, True)],  # each mask's default order
+    *[(128, 1, True, True, True, True)],
 ]
 
 
-@pytest.mark.parametrize("head_dim, groups, causal, operand_order, specialized", SM90_CASES,
-                         ids=[f"d{d}-g{g}-{'causal' if c else 'full'}-{'operand' if o else 'key'}-order{'-ws' if w else ''}" for d, g, c, o, w in SM90_CASES])
-def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order, specialized):
+@pytest.mark.parametrize("head_dim, groups, causal, operand_order, specialized, pingpong", SM90_CASES,
+                         ids=[f"d{d}-g{g}-{'causal' if c else 'full'}-{'operand' if o else 'key'}-order{'-ws' if w else ''}{'-pingpong' if p else ''}"
+                              for d, g, c, o, w, p in SM90_CASES])
+def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order, specialized, pingpong):
     """Compiled for Hopper at 5 stages, the kernel's key loop spills nothing and ptxas serializes no
     wgmma; the next tile's QK^T (head_dim / 32 wgmmas) is waited for only after PV (four) is issued,
     the next tile's row max runs while PV is in flight, and PV is waited for last (one wgmma
@@ -102,11 +106,12 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
     of this tile's 66 exponentials (64 of P, 2 of alpha; ptxas hoists a few above it). While PV
     is in flight nothing overwrites P's registers, which it reads. Warp-specialized, each
     consumer warpgroup has such a loop, with no CTA-wide barrier in it (the partitions meet at
-    mbarriers alone)."""
+    mbarriers alone); ping-pong, each waits for its turn before it issues QK^T and hands the turn
+    over once PV is issued (its exponentials between the two), before it waits for QK^T."""
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention
 
-    config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized)
+    config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized, pingpong=pingpong)
     compiled = _compiled_for_sm90(causal, head_dim, config, groups)
     report = ptxas.report(compiled.asm["ptx"])
     assert "serialized" not in report and (specialized or "0 bytes spill stores" in report), report
@@ -117,6 +122,8 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
         schedule = re.fullmatch(r"[^QP01]*?(Q[^P01]*)(P[PE]*)[^QP01]*1([^QP01]*)0[^QP01]*", events)
         assert schedule and events.count("E") == 66, events
         beside_qk, pv, beside_pv = schedule.groups()
+        before_qk, after_pv = events[:events.index("Q")].count("W"), events[events.rindex("P"):events.index("1")].count("A")
+        assert (before_qk, after_pv) == ((2, 1) if pingpong else (int(specialized), 0)), events
         assert beside_qk.count("Q") == head_dim // 32 and pv.count("P") == 4 and beside_pv.count("M") >= 64, events
         if head_dim == 128:  # at 64, ptxas hoists the exponentials above the barrier that precedes QK^T
             assert beside_qk.count("E") >= 48, events
@@ -149,6 +156,8 @@ def test_configurations_refuse_what_the_kernel_cannot_run():
 
     with pytest.raises(ValueError, match=r"GluonForwardConfig\(num_stages=3, .*\) is not a configuration: num_stages from 4 to 6"):
         GluonForwardConfig(num_stages=3)
+    with pytest.raises(ValueError, match=r"GluonForwardConfig\(.*pingpong=True\) is not a configuration: .*pingpong only warp-specialized"):
+        GluonForwardConfig(pingpong=True)
 
 
 def test_forward_refuses_key_lengths_it_cannot_copy():
@@ -171,7 +180,8 @@ def _codes(b, heads, kv_heads, lq, lk, d, seed=0, device="cuda"):
     return q, k, vt, torch.tensor([0.05], device=device), torch.tensor([448.0], device=device)
 
 
-SCHEDULES = {"stages4": dict(num_stages=4), "stages6": dict(num_stages=6), "ws": dict(num_stages=5, warp_specialize=True)}
+SCHEDULES = {"stages4": dict(num_stages=4), "stages6": dict(num_stages=6), "ws": dict(num_stages=5, warp_specialize=True),
+             "pingpong": dict(num_stages=5, warp_specialize=True, pingpong=True)}
 
 
 @pytest.mark.gpu
@@ -182,7 +192,8 @@ SCHEDULES = {"stages4": dict(num_stages=4), "stages6": dict(num_stages=6), "ws":
 def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_order, schedule):
     """O (bf16), the logsumexp and the amax of the normalised P of the Gluon forward are those of
     the Triton forward in the configuration with the same numerics, bit for bit, in both schedules
-    (warps copying the tiles themselves at 4 and 6 stages, and warp-specialized: ``ws``)."""
+    (warps copying the tiles themselves at 4 and 6 stages, and warp-specialized: ``ws``, its
+    consumers taking turns or not)."""
     from graphquant.kernels import gluon_attention, triton_attention
 
     codes = _codes(*case)

@@ -60,18 +60,21 @@ class GluonForwardConfig:
     """The Gluon forward's schedule: num_stages key tiles of K and V^T in shared memory (cp.async),
     operand_order (S's keys in the PV operand's order, as the Triton kernel's
     ``ForwardConfig.operand_order``) and warp_specialize (the tiles copied by a warpgroup of their
-    own, each consumer warpgroup a partition: the module's docstring). Tiles are 128 query rows
+    own, each consumer warpgroup a partition: the module's docstring) and pingpong (warp-specialized,
+    the two consumers take turns at their exponentials). Tiles are 128 query rows
     over 128 keys, a warpgroup per 64 rows, PV promoted once a key tile: the Triton kernel's
     default."""
 
     num_stages: int = 5
     operand_order: bool = False
     warp_specialize: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         # tiles j - 1 to j + 1 in use, j + 2 on its way; 6 stages of K and V^T and Q fill shared memory
-        if not 4 <= self.num_stages <= 6:
-            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6")
+        if not 4 <= self.num_stages <= 6 or (self.pingpong and not self.warp_specialize):
+            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6, "
+                             "pingpong only warp-specialized")
 
 
 def launch_warps(config: GluonForwardConfig) -> int:
@@ -110,39 +113,42 @@ def _load_tile(
 
 
 @gluon.jit
-def _tile_logits(s, m_i, offs_m, keys, seq_k, qk_scale, masked, CAUSAL: gl.constexpr):
-    """``triton_attention.logits_and_max`` of a key tile, masked where ``masked`` (a tile past
-    the ones every row sees whole), unmasked else (the same bits where no key is masked)."""
+def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, masked, CAUSAL: gl.constexpr, OPERAND_ORDER: gl.constexpr):
+    """``triton_attention.logits_and_max`` of the key tile from ``start_n``, masked where
+    ``masked`` (a tile past the ones every row sees whole), unmasked else (the same bits where no
+    key is masked). The keys of S's columns are made where the mask needs them, so that they hold
+    no registers across the key loop."""
     if masked:
+        keys = start_n + triton_attention.column_keys(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), OPERAND_ORDER)
         logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
     else:
-        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, None, seq_k, qk_scale, False, CAUSAL)
     return logits, m_new
 
 
 @gluon.jit
 def _consume(
-    q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end, end,
+    q_smem, k_smem, vt_smem, ready, empty, turns, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end, end,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr,
+    OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr, TURN: gl.constexpr,
 ):
     """The key loop and the outputs of query rows [row0, row0 + ROWS) on WARPS warps (a warpgroup
     per 64 rows). SPECIALIZED: the tiles arrive from ``_produce`` (``ready``, a barrier a stage)
     and this partition hands each stage back through ``empty`` once its PV product is done; else
     these warps copy the tiles themselves (``loads``: K's and V^T's bases, V^T's row stride, the
-    number of keys to copy), STAGES - 2 tiles ahead, with a CTA barrier a tile."""
+    number of keys to copy), STAGES - 2 tiles ahead, with a CTA barrier a tile. PINGPONG: this
+    consumer (TURN, 0 or 1) begins each tile's exponentials when ``turns.index(TURN)`` says the
+    other's are done, and says so of its own on the other's."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 32])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 32])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    COLUMN: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     K_LOAD: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
     VT_LOAD: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
     k_base, vt_base, vt_stride, copy_end = loads
     tiles = gl.cdiv(end, BLOCK_N)
 
     offs_m = row0 + gl.arange(0, ROWS, layout=ROW)
-    columns = triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
     zeros_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW)
@@ -156,10 +162,12 @@ def _consume(
         async_copy.wait_group(STAGES - 3)
         gl.thread_barrier()
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False)
-    logits, m_new = _tile_logits(s, m_i, offs_m, columns, seq_k, qk_scale, full_end == 0, CAUSAL)
+    logits, m_new = _tile_logits(s, m_i, offs_m, 0, seq_k, qk_scale, full_end == 0, CAUSAL, OPERAND_ORDER)
 
     for j in range(tiles):
         if SPECIALIZED:
+            if PINGPONG:  # the other consumer's turn number j - 1 + TURN done (the first consumer begins)
+                mbarrier.wait(turns.index(TURN), (j + TURN + 1) & 1, pred=j + TURN > 0)
             mbarrier.wait(ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
         else:
             # Tile j + 1 in shared memory (the barrier: every thread's copies of it), and tile j +
@@ -178,10 +186,13 @@ def _consume(
         m_i = m_new
         vt = vt_smem.index(j % STAGES).permute((1, 0))
         pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, zeros_o, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - TURN))
 
         s_next = warpgroup_mma_wait(1, deps=[s_next])
         start_next = (j + 1) * BLOCK_N
-        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next + columns, seq_k, qk_scale, start_next >= full_end, CAUSAL)
+        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next, seq_k, qk_scale, start_next >= full_end, CAUSAL,
+                                       OPERAND_ORDER)
 
         pv = warpgroup_mma_wait(0, deps=[pv])
         if SPECIALIZED:
@@ -237,11 +248,14 @@ def _forward_kernel(
     Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr, SPECIALIZED: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)  # Q and K
     VT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
 
-    start_m = gl.program_id(0)
+    # Under a causal mask the query blocks with the most key tiles start first (the SMs take programs in
+    # order), so that the last ones to start are short.
+    start_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
     bh = gl.program_id(1).to(gl.int64)
     kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
     k_base = K + kv_bh * seq_k * HEAD_DIM
@@ -257,19 +271,22 @@ def _forward_kernel(
     vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], VT_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     loads = (k_base, vt_base, vt_stride, end)
     if SPECIALIZED:  # a warpgroup a partition: 64 query rows each, and the copying one
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
         half: gl.constexpr = BLOCK_M // 2
         # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, so
         # they take setmaxnreg's least (24) and each consumer the rest of the SM's 64K over 384 threads (240 + 240 + 24 = 3 * 168).
         gl.warp_specialize([
-            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
-                        seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
-            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh,
-                        row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
+            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, turns, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
+                        seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True, PINGPONG, 0)),
+            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, turns, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh,
+                        row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True, PINGPONG, 1)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
         ], [4, COPY_WARPS], [240, 24])
@@ -278,8 +295,8 @@ def _forward_kernel(
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
             _load_tile(k_smem.index(i), vt_smem.index(i), k_base, vt_base, vt_stride, i * BLOCK_N, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER,
                        _copy_layout(HEAD_DIM, NUM_WARPS), _copy_layout(BLOCK_N, NUM_WARPS))
-        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end,
-                 end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
+        _consume(q_smem, k_smem, vt_smem, ready, empty, turns, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end,
+                 end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False, False, 0)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
@@ -297,7 +314,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
         _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
-        config.operand_order, config.warp_specialize,
+        config.operand_order, config.warp_specialize, config.pingpong,
         num_warps=launch_warps(config),
     )
     return o, lse, p_amax
