@@ -2,7 +2,8 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
-        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-pingpong 0,1] [--gluon-operand-order 0,1]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-pingpong 0,1] [--gluon-persistent 0,1]
+        [--gluon-operand-order 0,1]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -15,7 +16,8 @@ s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone"
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), its consumers taking
-turns or not (``--gluon-pingpong``, warp-specialized rows only), S's keys in operand order or not
+turns or not (``--gluon-pingpong``), a program an SM or not (``--gluon-persistent``; both
+warp-specialized rows only), S's keys in operand order or not
 (``--gluon-operand-order``; by default the mask's default order). ``--emulated``
 adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
 of memory first: such a row says "OOM").
@@ -157,16 +159,17 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
-            for stages, specialized, pingpong, order in gluon_schedules:
+            for stages, specialized, pingpong, persistent, order in gluon_schedules:
                 from graphquant.kernels import gluon_attention
 
-                if pingpong and not specialized:
+                if (pingpong or persistent) and not specialized:
                     continue
                 config = gluon_attention.default_config(causal)
-                config = dataclasses.replace(config, num_stages=stages, warp_specialize=specialized, pingpong=pingpong,
+                config = dataclasses.replace(config, num_stages=stages, warp_specialize=specialized, pingpong=pingpong, persistent=persistent,
                                              operand_order=config.operand_order if order is None else order)
                 name = (f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
-                        f"{', ping-pong' if pingpong else ''}{'' if order is None else ', operand order' if order else ', key order'}")
+                        f"{', ping-pong' if pingpong else ''}{', persistent' if persistent else ''}"
+                        f"{'' if order is None else ', operand order' if order else ', key order'}")
                 fns[name] = flash_kernel_alone(q, k, v, causal, config, gluon_attention.forward)
     return fns
 
@@ -205,6 +208,7 @@ def main() -> None:
                         "the Triton forward's bits) at these num_stages, comma-separated (forward only)")
     parser.add_argument("--gluon-warp-specialize", default="0", help="the Gluon rows' warp_specialize, 0 and/or 1")
     parser.add_argument("--gluon-pingpong", default="0", help="the warp-specialized Gluon rows' pingpong, 0 and/or 1")
+    parser.add_argument("--gluon-persistent", default="0", help="the warp-specialized Gluon rows' persistent, 0 and/or 1")
     parser.add_argument("--gluon-operand-order", default="", help="the Gluon rows' operand_order, 0 and/or 1 (default: the mask's default)")
     args = parser.parse_args()
     passes = args.passes.split(",")
@@ -216,6 +220,7 @@ def main() -> None:
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     flags = lambda text: [bool(int(x)) for x in text.split(",") if x]  # noqa: E731
     gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_pingpong),
+                                              flags(args.gluon_persistent),
                                               flags(args.gluon_operand_order) or [None]))
     for kv_heads, seq, causal, backward in cases:
         results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules), args.rounds)

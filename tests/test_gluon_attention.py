@@ -21,6 +21,7 @@ GPU_CASES = [  # batch, heads, kv heads, Lq, Lk (a multiple of 16), head dim
     (2, 8, 2, 1008, 1008, 128),  # grouped, lengths that do not tile
     (1, 4, 4, 2048, 2048, 128),  # whole tiles, many of them
     (2, 4, 2, 300, 704, 64),  # more keys than queries, head dim 64
+    (4, 16, 4, 1000, 1008, 128),  # more query blocks than SMs: several a persistent program
 ]
 
 
@@ -36,9 +37,11 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
     kernel = gluon_attention._forward_kernel
     constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=triton_attention.TILE_ROWS,
                      BLOCK_N=triton_attention.TILE_KEYS, STAGES=config.num_stages, OPERAND_ORDER=config.operand_order,
-                     SPECIALIZED=config.warp_specialize, PINGPONG=config.pingpong)
+                     SPECIALIZED=config.warp_specialize, PINGPONG=config.pingpong,
+                     PERSISTENT=config.persistent)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", P_AMAX="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
-    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
+    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", "items": "i32",
+                 **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 64),
                           options={"num_warps": gluon_attention.launch_warps(config)})
@@ -88,17 +91,17 @@ def _events(loop: list[str]) -> str:
     return "".join(events)
 
 
-SM90_CASES = [  # head dim, groups, causal, operand order, warp-specialized, ping-pong
-    *[(d, g, causal, order, False, False) for d, g in ((128, 1), (128, 4), (64, 1)) for causal in (False, True) for order in (False, True)],
-    *[(d, 1, causal, not causal, True, pingpong) for d in (128, 64) for causal in (False, True) for pingpong in (False, True)],  # each mask's default order
-    *[(128, 1, True, True, True, True)],
+SM90_CASES = [  # head dim, groups, causal, operand order, warp-specialized, ping-pong, persistent
+    *[(d, g, causal, order, False, False, False) for d, g in ((128, 1), (128, 4), (64, 1)) for causal in (False, True) for order in (False, True)],
+    *[(d, 1, causal, order, True, pingpong, False) for d in (128, 64) for causal in (False, True) for order in (False, True) for pingpong in (False, True)],
+    *[(d, 1, False, True, True, pingpong, True) for d in (128, 64) for pingpong in (False, True)],  # persistent: without a mask
 ]
 
 
-@pytest.mark.parametrize("head_dim, groups, causal, operand_order, specialized, pingpong", SM90_CASES,
+@pytest.mark.parametrize("head_dim, groups, causal, operand_order, specialized, pingpong, persistent", SM90_CASES,
                          ids=[f"d{d}-g{g}-{'causal' if c else 'full'}-{'operand' if o else 'key'}-order{'-ws' if w else ''}{'-pingpong' if p else ''}"
-                              for d, g, c, o, w, p in SM90_CASES])
-def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order, specialized, pingpong):
+                              f"{'-persistent' if r else ''}" for d, g, c, o, w, p, r in SM90_CASES])
+def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, groups, causal, operand_order, specialized, pingpong, persistent):
     """Compiled for Hopper at 5 stages, the kernel's key loop spills nothing and ptxas serializes no
     wgmma; the next tile's QK^T (head_dim / 32 wgmmas) is waited for only after PV (four) is issued,
     the next tile's row max runs while PV is in flight, and PV is waited for last (one wgmma
@@ -111,7 +114,8 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention
 
-    config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized, pingpong=pingpong)
+    config = gluon_attention.GluonForwardConfig(num_stages=5, operand_order=operand_order, warp_specialize=specialized, pingpong=pingpong,
+                                                persistent=persistent)
     compiled = _compiled_for_sm90(causal, head_dim, config, groups)
     report = ptxas.report(compiled.asm["ptx"])
     assert "serialized" not in report and (specialized or "0 bytes spill stores" in report), report
@@ -156,8 +160,9 @@ def test_configurations_refuse_what_the_kernel_cannot_run():
 
     with pytest.raises(ValueError, match=r"GluonForwardConfig\(num_stages=3, .*\) is not a configuration: num_stages from 4 to 6"):
         GluonForwardConfig(num_stages=3)
-    with pytest.raises(ValueError, match=r"GluonForwardConfig\(.*pingpong=True\) is not a configuration: .*pingpong only warp-specialized"):
-        GluonForwardConfig(pingpong=True)
+    for schedule in ("pingpong", "persistent"):
+        with pytest.raises(ValueError, match=rf"GluonForwardConfig\(.*{schedule}=True.*\) is not a configuration: .*pingpong and persistent only warp-specialized"):
+            GluonForwardConfig(**{schedule: True})
 
 
 def test_forward_refuses_key_lengths_it_cannot_copy():
@@ -181,7 +186,8 @@ def _codes(b, heads, kv_heads, lq, lk, d, seed=0, device="cuda"):
 
 
 SCHEDULES = {"stages4": dict(num_stages=4), "stages6": dict(num_stages=6), "ws": dict(num_stages=5, warp_specialize=True),
-             "pingpong": dict(num_stages=5, warp_specialize=True, pingpong=True)}
+             "pingpong": dict(num_stages=5, warp_specialize=True, pingpong=True),
+             "persistent": dict(num_stages=6, warp_specialize=True, pingpong=True, persistent=True)}
 
 
 @pytest.mark.gpu
@@ -193,7 +199,7 @@ def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_o
     """O (bf16), the logsumexp and the amax of the normalised P of the Gluon forward are those of
     the Triton forward in the configuration with the same numerics, bit for bit, in both schedules
     (warps copying the tiles themselves at 4 and 6 stages, and warp-specialized: ``ws``, its
-    consumers taking turns or not)."""
+    consumers taking turns or not, and persistent)."""
     from graphquant.kernels import gluon_attention, triton_attention
 
     codes = _codes(*case)
