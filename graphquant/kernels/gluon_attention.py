@@ -111,14 +111,34 @@ def _load_tile(
     K_LOAD: gl.constexpr, VT_LOAD: gl.constexpr,
 ):
     """Copy key tile [start_n, start_n + BLOCK_N) of K (rows in S's column order) and of V^T into
-    shared memory (keys from ``end`` on as zeros), as one cp.async group."""
+    shared memory (keys from ``end`` on as zeros), as one cp.async group; a tile before ``end``
+    without masks (fewer instructions for the copying warps)."""
+    if start_n + BLOCK_N <= end:
+        _copy_tile(k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, False, K_LOAD, VT_LOAD)
+    else:
+        _copy_tile(k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, True, K_LOAD, VT_LOAD)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _copy_tile(
+    k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPERAND_ORDER: gl.constexpr, MASKED: gl.constexpr,
+    K_LOAD: gl.constexpr, VT_LOAD: gl.constexpr,
+):
+    """``_load_tile``'s cp.async copies (MASKED: keys from ``end`` on as zeros)."""
     keys = start_n + triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
-    async_copy.async_copy_global_to_shared(k_slot, k_base + keys[:, None] * HEAD_DIM + d[None, :], mask=(keys < end)[:, None])
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, VT_LOAD))
     dv = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, VT_LOAD))
-    async_copy.async_copy_global_to_shared(vt_slot, vt_base + dv[:, None] * vt_stride + offs_n[None, :], mask=(offs_n < end)[None, :])
-    async_copy.commit_group()
+    k_rows = k_base + keys[:, None] * HEAD_DIM + d[None, :]
+    vt_rows = vt_base + dv[:, None] * vt_stride + offs_n[None, :]
+    if MASKED:
+        async_copy.async_copy_global_to_shared(k_slot, k_rows, mask=(keys < end)[:, None])
+        async_copy.async_copy_global_to_shared(vt_slot, vt_rows, mask=(offs_n < end)[None, :])
+    else:
+        async_copy.async_copy_global_to_shared(k_slot, k_rows)
+        async_copy.async_copy_global_to_shared(vt_slot, vt_rows)
 
 
 @gluon.jit
@@ -362,8 +382,9 @@ def _forward_kernel(
         for i in gl.static_range(2):
             mbarrier.init(q_free.index(i), count=2)
             mbarrier.init(turns.index(i), count=1)
-        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, so
-        # they take setmaxnreg's least (24) and each consumer the rest of the SM's 64K over 384 threads (240 + 240 + 24 = 3 * 168).
+        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, but
+        # at setmaxnreg's least (24) they spill them every tile; 40 keep V^T's, and each consumer has the rest of the SM's 64K over
+        # 384 threads (232 + 232 + 40 = 3 * 168), which its loop fits without spills.
         gl.warp_specialize([
             (_consume_items, (q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q,
                               seq_k, items, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, PERSISTENT, 0)),
@@ -371,7 +392,7 @@ def _forward_kernel(
                               seq_k, items, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, PERSISTENT, 1)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, q_free, Q, K, VT, seq_q, seq_k, vt_stride, items, HEADS, GROUPS, HEAD_DIM,
                         CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER)),
-        ], [4, COPY_WARPS], [240, 24])
+        ], [4, COPY_WARPS], [232, 40])
     else:  # an item a program
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
         row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
