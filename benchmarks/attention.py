@@ -2,8 +2,7 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
-        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-pingpong 0,1] [--gluon-persistent 0,1]
-        [--gluon-operand-order 0,1]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-operand-order 0,1]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -11,14 +10,12 @@ tokens), causal and not, forward alone and forward + backward. TFLOP/s count the
 Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. The FP8 rows are
 nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention, or its
-Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
+Gluon twin graphquant.kernels.gluon_attention where Triton has Gluon), Q, K and V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
 s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
-at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), its consumers taking
-turns or not (``--gluon-pingpong``), a program an SM or not (``--gluon-persistent``; both
-warp-specialized rows only), S's keys in operand order or not
-(``--gluon-operand-order``; by default the mask's default order). ``--emulated``
+at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), S's keys in operand
+order or not (``--gluon-operand-order``; by default the mask's default order). ``--emulated``
 adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
 of memory first: such a row says "OOM").
 """
@@ -63,10 +60,10 @@ EMULATED_RECIPES = {
 }
 
 
-def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, causal: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
+def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
     """The site a compiled graph would carry for ``recipe``'s attention (``planned``: on the
-    backend the plan picks for ``device``, a causal mask or none and ``seq`` keys, else the
-    emulation), and its fresh state."""
+    backend the plan picks for ``device`` and ``seq`` keys, else the emulation), and its fresh
+    state."""
     planner = Planner(recipe)
     site = DpaSite("attn", 0, (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM))
     quantizers = {slot: planner.quantizer(site.role(slot)) for slot in SLOTS}
@@ -76,7 +73,7 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
         select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
-                                   causal=causal, key_length=seq)
+                                   key_length=seq)
         backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
@@ -147,7 +144,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
 
         fns[name] = step(attend)
-    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, causal=causal, seq=seq)}
+    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, seq=seq)}
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
@@ -159,16 +156,13 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
-            for stages, specialized, pingpong, persistent, order in gluon_schedules:
+            for stages, specialized, order in gluon_schedules:
                 from graphquant.kernels import gluon_attention
 
-                if (pingpong or persistent) and not specialized:
-                    continue
                 config = gluon_attention.default_config(causal)
-                config = dataclasses.replace(config, num_stages=stages, warp_specialize=specialized, pingpong=pingpong, persistent=persistent,
+                config = dataclasses.replace(config, num_stages=stages, warp_specialize=specialized,
                                              operand_order=config.operand_order if order is None else order)
                 name = (f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
-                        f"{', ping-pong' if pingpong else ''}{', persistent' if persistent else ''}"
                         f"{'' if order is None else ', operand order' if order else ', key order'}")
                 fns[name] = flash_kernel_alone(q, k, v, causal, config, gluon_attention.forward)
     return fns
@@ -207,8 +201,6 @@ def main() -> None:
     parser.add_argument("--gluon-stages", default="", help="add the Gluon forward's rows (graphquant.kernels.gluon_attention, "
                         "the Triton forward's bits) at these num_stages, comma-separated (forward only)")
     parser.add_argument("--gluon-warp-specialize", default="0", help="the Gluon rows' warp_specialize, 0 and/or 1")
-    parser.add_argument("--gluon-pingpong", default="0", help="the warp-specialized Gluon rows' pingpong, 0 and/or 1")
-    parser.add_argument("--gluon-persistent", default="0", help="the warp-specialized Gluon rows' persistent, 0 and/or 1")
     parser.add_argument("--gluon-operand-order", default="", help="the Gluon rows' operand_order, 0 and/or 1 (default: the mask's default)")
     args = parser.parse_args()
     passes = args.passes.split(",")
@@ -219,9 +211,7 @@ def main() -> None:
     cases = itertools.product(map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True), [p == "fwd+bwd" for p in passes])
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     flags = lambda text: [bool(int(x)) for x in text.split(",") if x]  # noqa: E731
-    gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_pingpong),
-                                              flags(args.gluon_persistent),
-                                              flags(args.gluon_operand_order) or [None]))
+    gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_operand_order) or [None]))
     for kv_heads, seq, causal, backward in cases:
         results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules), args.rounds)
         work = flops(seq, causal, backward)

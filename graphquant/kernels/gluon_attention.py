@@ -27,13 +27,8 @@ a program copy the key tiles themselves, STAGES - 2 ahead, and meet at two CTA b
 for the copies, one that Triton's shared-memory analysis adds), so both warpgroups move in step.
 Warp-specialized, each warpgroup (64 query rows) is its own partition and a third copies the tiles;
 they meet at mbarriers alone (a tile ready, a stage handed back), so one warpgroup's softmax may
-run beside the other's products. At FP8 and head dim 128 a key tile's exponentials keep the SM's
-MUFU units as long as its two products keep the tensor cores, so both must stay busy: with
-``pingpong`` the two warpgroups take turns (an mbarrier each), one's exponentials (from its QK^T's
-issue to its PV's) while the tensor cores run the other's products, rather than both at once.
-``persistent`` launches a program an SM that takes work items (a query block of a head) in
-turn, Q in two slots, so that the next item's copies run beside this one's last tiles and
-outputs. Either way each row's values are the same.
+run beside the other's products. Either way each row's values are the same. A program is a work
+item (a query block of a head: ``_item``), under a causal mask the longest first.
 
 Its configuration is ``GluonForwardConfig``; ``forward`` takes the Triton forward's arguments, and
 its bits are those of ``triton_attention.forward`` in ``triton_config(config)``. K and V^T arrive
@@ -66,24 +61,18 @@ class GluonForwardConfig:
     """The Gluon forward's schedule: num_stages key tiles of K and V^T in shared memory (cp.async),
     operand_order (S's keys in the PV operand's order, as the Triton kernel's
     ``ForwardConfig.operand_order``) and warp_specialize (the tiles copied by a warpgroup of their
-    own, each consumer warpgroup a partition: the module's docstring), pingpong (warp-specialized,
-    the two consumers take turns at their exponentials) and persistent (warp-specialized, a program
-    an SM, each taking work items in turn, so that one item's copies run beside the last one's
-    products and outputs). Tiles are 128 query rows
+    own, each consumer warpgroup a partition: the module's docstring). Tiles are 128 query rows
     over 128 keys, a warpgroup per 64 rows, PV promoted once a key tile: the Triton kernel's
     default."""
 
     num_stages: int = 5
     operand_order: bool = False
     warp_specialize: bool = False
-    pingpong: bool = False
-    persistent: bool = False
 
     def __post_init__(self) -> None:
-        # tiles j - 1 to j + 1 in use, j + 2 on its way; 6 stages of K and V^T and two of Q fill shared memory
-        if not 4 <= self.num_stages <= 6 or ((self.pingpong or self.persistent) and not self.warp_specialize):
-            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6, "
-                             "pingpong and persistent only warp-specialized")
+        # tiles j - 1 to j + 1 in use, j + 2 on its way; 6 stages of K and V^T and Q fill shared memory
+        if not 4 <= self.num_stages <= 6:
+            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6")
 
 
 def launch_warps(config: GluonForwardConfig) -> int:
@@ -155,73 +144,62 @@ def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, masked, CAUSAL: gl.co
     return logits, m_new
 
 
-@gluon.constexpr_function
-def _accumulator_layout(warps, columns):
-    """The registers of a wgmma's accumulator of ``columns`` columns (m64nNk32 a warpgroup)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 32])
-
-
 @gluon.jit
 def _consume(
-    q_smem, k_smem, vt_smem, ready, empty, turns, q_free, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k,
-    full_end, end, t0, g0,
+    q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end, end,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr, PINGPONG: gl.constexpr, TURN: gl.constexpr,
+    OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr,
 ):
     """The key loop and the outputs of query rows [row0, row0 + ROWS) on WARPS warps (a warpgroup
-    per 64 rows). SPECIALIZED: the tiles arrive from ``_produce`` (``ready``, a barrier a stage),
-    the item's tile 0 the program's tile number t0; this partition hands each stage back through
-    ``empty`` once its PV product is done, and Q's slot (``q_free``) and the stage of the tile past
-    the end once the loop is; else these warps copy the tiles themselves (``loads``: K's and V^T's
-    bases, V^T's row stride, the number of keys to copy), STAGES - 2 tiles ahead, with a CTA
-    barrier a tile. PINGPONG: this consumer (TURN, 0 or 1) begins the exponentials of its g0 + j-th
-    tile when ``turns.index(TURN)`` says the other's are done, and says so of its own on the
-    other's."""
-    S_LAYOUT: gl.constexpr = _accumulator_layout(WARPS, BLOCK_N)
-    O_LAYOUT: gl.constexpr = _accumulator_layout(WARPS, HEAD_DIM)
+    per 64 rows). SPECIALIZED: the tiles arrive from ``_produce`` (``ready``, a barrier a stage)
+    and this partition hands each stage back through ``empty`` once its PV product is done; else
+    these warps copy the tiles themselves (``loads``: K's and V^T's bases, V^T's row stride, the
+    number of keys to copy), STAGES - 2 tiles ahead, with a CTA barrier a tile."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 32])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 32])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    K_LOAD: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
+    VT_LOAD: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
+    k_base, vt_base, vt_stride, copy_end = loads
     tiles = gl.cdiv(end, BLOCK_N)
 
     offs_m = row0 + gl.arange(0, ROWS, layout=ROW)
+    zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
+    zeros_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW)
     l_i = gl.zeros([ROWS], gl.float32, ROW)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
 
     # Tile 0's products and logits.
     if SPECIALIZED:
-        mbarrier.wait(ready.index(t0 % STAGES), (t0 // STAGES) & 1)
+        mbarrier.wait(ready.index(0), 0)
     else:
         async_copy.wait_group(STAGES - 3)
         gl.thread_barrier()
-    s = warpgroup_mma(q_smem, k_smem.index(t0 % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False)
     logits, m_new = _tile_logits(s, m_i, offs_m, 0, seq_k, qk_scale, full_end == 0, CAUSAL, OPERAND_ORDER)
 
     for j in range(tiles):
         if SPECIALIZED:
-            if PINGPONG:  # the other consumer's turn number g0 + j - 1 + TURN done (the first consumer begins)
-                mbarrier.wait(turns.index(TURN), (g0 + j + TURN + 1) & 1, pred=g0 + j + TURN > 0)
-            mbarrier.wait(ready.index((t0 + j + 1) % STAGES), ((t0 + j + 1) // STAGES) & 1)
+            mbarrier.wait(ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
         else:
             # Tile j + 1 in shared memory (the barrier: every thread's copies of it), and tile j +
             # STAGES - 2 on its way into the buffers of tile j - 2, whose PV products every warp
             # waited for before the previous iteration's barrier. Like Triton's pipeline, no proxy
             # fence: the copies are cp.async, which the wgmma reads after the barrier.
-            k_base, vt_base, vt_stride, copy_end = loads
             async_copy.wait_group(STAGES - 4)
             ahead = j + STAGES - 2
             _load_tile(k_smem.index(ahead % STAGES), vt_smem.index(ahead % STAGES), k_base, vt_base, vt_stride, ahead * BLOCK_N,
-                       copy_end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, _copy_layout(HEAD_DIM, WARPS), _copy_layout(BLOCK_N, WARPS))
+                       copy_end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, K_LOAD, VT_LOAD)
             gl.thread_barrier()
-        k_next = k_smem.index((t0 + j + 1) % STAGES).permute((1, 0))
-        s_next = warpgroup_mma(q_smem, k_next, gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+        k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
+        s_next = warpgroup_mma(q_smem, k_next, zeros_s, use_acc=False, is_async=True)
 
         alpha, l_i, p8 = triton_attention.quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
         m_i = m_new
-        vt = vt_smem.index((t0 + j) % STAGES).permute((1, 0))
-        pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT), use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - TURN))
+        vt = vt_smem.index(j % STAGES).permute((1, 0))
+        pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, zeros_o, use_acc=False, is_async=True)
 
         s_next = warpgroup_mma_wait(1, deps=[s_next])
         start_next = (j + 1) * BLOCK_N
@@ -229,12 +207,9 @@ def _consume(
 
         pv = warpgroup_mma_wait(0, deps=[pv])
         if SPECIALIZED:
-            mbarrier.arrive(empty.index((t0 + j) % STAGES))
+            mbarrier.arrive(empty.index(j % STAGES))
         acc = gl.fma(acc, gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None], pv)
-    if SPECIALIZED:
-        mbarrier.arrive(q_free)
-        mbarrier.arrive(empty.index((t0 + tiles) % STAGES))
-    else:
+    if not SPECIALIZED:
         async_copy.wait_group(0)
 
     o = acc * (scale_inv / p_scale) / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
@@ -260,20 +235,6 @@ def _item(w, seq_q, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
     return start_m * BLOCK_M, (w // blocks).to(gl.int64), full_end, end
 
 
-@gluon.jit
-def _kv_bases(K, VT, bh, seq_k, HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Where the keys of query (batch, head) ``bh`` start in K and in V^T."""
-    kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
-    return K + kv_bh * seq_k * HEAD_DIM, VT + kv_bh * seq_k
-
-
-@gluon.jit
-def _scales(SCALE_INV, P_SCALE, softmax_scale):
-    """(Q's, K's and V's scale_inv, P's scale, the factor from Q K^T's codes to base-2 logits)."""
-    scale_inv = gl.load(SCALE_INV)
-    return scale_inv, gl.load(P_SCALE), triton_attention.logit_scale(scale_inv, softmax_scale)
-
-
 @gluon.constexpr_function
 def _copy_layout(columns, warps):
     """cp.async of 16 bytes a thread, a row of ``columns`` bytes across columns // 16 threads."""
@@ -290,121 +251,68 @@ def _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM: gl.constexpr, ROWS: gl.constex
 
 
 @gluon.jit
-def _consume_item(
-    q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, scales, seq_q, seq_k, w, i, t, g,
-    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    OPERAND_ORDER: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr,
-):
-    """A consumer partition's (a warpgroup's) share of work item w (``_item``), the program's i-th:
-    half HALF of its query rows, its Q in slot i % 2 of ``q_smem``, its tile 0 the program's t-th,
-    its first turn this consumer's g-th; the key tiles the item takes."""
-    rows: gl.constexpr = BLOCK_M // 2
-    row0, bh, full_end, end = _item(w, seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
-    scale_inv, p_scale, qk_scale = scales
-    _consume(q_smem.index(i % 2).slice(HALF * rows, rows), k_smem, vt_smem, ready, empty, turns, q_free.index(i % 2), None, O, LSE, P_AMAX,
-             scale_inv, p_scale, qk_scale, bh, row0 + HALF * rows, seq_q, seq_k, full_end, end, t, g, HEAD_DIM, CAUSAL, rows, BLOCK_N, STAGES,
-             OPERAND_ORDER, 4, True, PINGPONG, HALF)
-    return gl.cdiv(end, BLOCK_N)
-
-
-@gluon.jit
-def _consume_items(
-    q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, items,
-    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    OPERAND_ORDER: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, HALF: gl.constexpr,
-):
-    """A consumer partition: ``_consume_item`` of each of the program's work items (PERSISTENT: items
-    program_id, program_id + num_programs, ...; else item program_id alone, without the loop's
-    registers, which the causal mask's branch cannot spare)."""
-    scales = _scales(SCALE_INV, P_SCALE, softmax_scale)
-    if PERSISTENT:
-        t = 0  # the program's key tiles before this item's, the one past each item's end counted
-        g = 0  # this consumer's turns before this item's (PINGPONG)
-        i = 0
-        for w in range(gl.program_id(0), items, gl.num_programs(0)):
-            tiles = _consume_item(q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, scales, seq_q, seq_k, w, i, t, g,
-                                  HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, HALF)
-            t += tiles + 1
-            g += tiles
-            i += 1
-    else:
-        _consume_item(q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, scales, seq_q, seq_k, gl.program_id(0), 0, 0, 0,
-                      HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, HALF)
-
-
-@gluon.jit
 def _produce(
-    q_smem, k_smem, vt_smem, ready, empty, q_free, Q, K, VT, seq_q, seq_k, vt_stride, items,
-    HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr,
+    q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr,
 ):
-    """The copying partition (COPY_WARPS warps), for each of the program's work items: Q into its
-    slot once both consumers handed back the item's two before, then each key tile (one past the
-    last: the consumers' last QK^T) into its stage once both consumers handed it back, each tile's
-    arrival (Q's with tile 0's) on ready."""
-    t = 0
-    i = 0
-    for w in range(gl.program_id(0), items, gl.num_programs(0)):
-        row0, bh, full_end, end = _item(w, seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
-        k_base, vt_base = _kv_bases(K, VT, bh, seq_k, HEADS, GROUPS, HEAD_DIM)
-        mbarrier.wait(q_free.index(i % 2), (i // 2 + 1) & 1, pred=i >= 2)
-        _copy_q(q_smem.index(i % 2), Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, COPY_WARPS)
-        for tile in range(gl.cdiv(end, BLOCK_N) + 1):
-            stage = t % STAGES
-            mbarrier.wait(empty.index(stage), (t // STAGES + 1) & 1, pred=t >= STAGES)
-            _load_tile(k_smem.index(stage), vt_smem.index(stage), k_base, vt_base, vt_stride, tile * BLOCK_N, end, HEAD_DIM, BLOCK_N,
-                       OPERAND_ORDER, _copy_layout(HEAD_DIM, COPY_WARPS), _copy_layout(BLOCK_N, COPY_WARPS))
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-            t += 1
-        i += 1
+    """The copying partition (COPY_WARPS warps): Q, then each key tile (one past the last: the
+    consumers' last QK^T) into its stage once both consumers handed it back, each tile's arrival on
+    ready."""
+    _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, COPY_WARPS)
+    for t in range(gl.cdiv(end, BLOCK_N) + 1):
+        stage = t % STAGES
+        mbarrier.wait(empty.index(stage), (t // STAGES + 1) & 1, pred=t >= STAGES)
+        _load_tile(k_smem.index(stage), vt_smem.index(stage), k_base, vt_base, vt_stride, t * BLOCK_N, end, HEAD_DIM, BLOCK_N,
+                   OPERAND_ORDER, _copy_layout(HEAD_DIM, COPY_WARPS), _copy_layout(BLOCK_N, COPY_WARPS))
+        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
 @gluon.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride, items,
+    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr, SPECIALIZED: gl.constexpr,
-    PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)  # Q and K
     VT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+
+    row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
+    k_base = K + kv_bh * seq_k * HEAD_DIM
+    vt_base = VT + kv_bh * seq_k
+    scale_inv = gl.load(SCALE_INV)
+    p_scale = gl.load(P_SCALE)
+    qk_scale = triton_attention.logit_scale(scale_inv, softmax_scale)
+
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], ROWS_SMEM)
     vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], VT_SMEM)
-    if SPECIALIZED:  # a warpgroup a partition: 64 query rows each, and the copying one; items one after another
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], ROWS_SMEM)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    loads = (k_base, vt_base, vt_stride, end)
+    if SPECIALIZED:  # a warpgroup a partition: 64 query rows each, and the copying one
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
-        for i in gl.static_range(2):
-            mbarrier.init(q_free.index(i), count=2)
-            mbarrier.init(turns.index(i), count=1)
+        half: gl.constexpr = BLOCK_M // 2
         # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, but
         # at setmaxnreg's least (24) they spill them every tile; 40 keep V^T's, and each consumer has the rest of the SM's 64K over
         # 384 threads (232 + 232 + 40 = 3 * 168), which its loop fits without spills.
         gl.warp_specialize([
-            (_consume_items, (q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q,
-                              seq_k, items, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, PERSISTENT, 0)),
-            (_consume_items, (q_smem, k_smem, vt_smem, ready, empty, turns, q_free, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q,
-                              seq_k, items, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, PINGPONG, PERSISTENT, 1)),
-            (_produce, (q_smem, k_smem, vt_smem, ready, empty, q_free, Q, K, VT, seq_q, seq_k, vt_stride, items, HEADS, GROUPS, HEAD_DIM,
-                        CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER)),
+            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
+                        seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
+            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh,
+                        row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
+            (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
+                        BLOCK_N, STAGES, OPERAND_ORDER)),
         ], [4, COPY_WARPS], [232, 40])
-    else:  # an item a program
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
-        row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
-        k_base, vt_base = _kv_bases(K, VT, bh, seq_k, HEADS, GROUPS, HEAD_DIM)
-        scale_inv, p_scale, qk_scale = _scales(SCALE_INV, P_SCALE, softmax_scale)
+    else:
         _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, NUM_WARPS)
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
             _load_tile(k_smem.index(i), vt_smem.index(i), k_base, vt_base, vt_stride, i * BLOCK_N, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER,
                        _copy_layout(HEAD_DIM, NUM_WARPS), _copy_layout(BLOCK_N, NUM_WARPS))
-        _consume(q_smem, k_smem, vt_smem, None, None, None, None, (k_base, vt_base, vt_stride, end), O, LSE, P_AMAX, scale_inv, p_scale,
-                 qk_scale, bh, row0, seq_q, seq_k, full_end, end, 0, 0, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS,
-                 False, False, 0)
+        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end,
+                 end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
@@ -418,13 +326,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
     (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
-    items = triton.cdiv(seq_q, triton_attention.TILE_ROWS) * b * heads
-    programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if config.persistent else items
     launch(
-        _forward_kernel, (programs,),
-        q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], items,
+        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS) * b * heads,),
+        q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
-        config.operand_order, config.warp_specialize, config.pingpong, config.persistent,
+        config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),
     )
     return o, lse, p_amax
