@@ -2,7 +2,8 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
-        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--layouts contiguous,transposed] [--profile compiled]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-operand-order 0,1] [--layouts contiguous,transposed]
+        [--profile compiled]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -12,7 +13,7 @@ contiguous (batch, heads, length, dim) tensors, or (``--layouts transposed``) vi
 length, heads, dim) ones, as a model's projections reach attention after transpose(1, 2). The FP8
 rows are nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the
 backend the plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention,
-or its Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first,
+or its Gluon twin graphquant.kernels.gluon_attention where Triton has Gluon), Q, K and V quantized first,
 and the FP8 flash backward (graphquant.kernels.triton_attention_backward, s and dp under delayed
 scaling as the zoo recipe's): "compiled" as a model runs it (graphquant.compile of a module
 calling F.scaled_dot_product_attention, Inductor around the ops), "eager" the op called from
@@ -24,7 +25,8 @@ time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle 
 a late launch made them). "fp8 flash kernel(s) alone" are the
 kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
-at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated``
+at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), S's keys in operand
+order or not (``--gluon-operand-order``; by default the mask's default order). ``--emulated``
 adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
 of memory first: such a row says "OOM").
 """
@@ -69,10 +71,10 @@ EMULATED_RECIPES = {
 }
 
 
-def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, causal: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
+def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
     """The site a compiled graph would carry for ``recipe``'s attention (``planned``: on the
-    backend the plan picks for ``device``, a causal mask or none and ``seq`` keys, else the
-    emulation), and its fresh state."""
+    backend the plan picks for ``device`` and ``seq`` keys, else the emulation), and its fresh
+    state."""
     planner = Planner(recipe)
     site = DpaSite("attn", 0, (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM))
     quantizers = {slot: planner.quantizer(site.role(slot)) for slot in SLOTS}
@@ -82,7 +84,7 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
         select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
-                                   causal=causal, key_length=seq)
+                                   key_length=seq)
         backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
@@ -175,7 +177,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
 
         fns[name] = step(attend)
     fns["graphquant fp8 planned, compiled (nvfp4_linear_fp8_dpa)"] = step(graphquant.compile(Attention(causal), ZOO))
-    sites = {f"graphquant fp8 planned, eager (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, causal=causal, seq=seq)}
+    sites = {f"graphquant fp8 planned, eager (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, seq=seq)}
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
@@ -187,11 +189,14 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
-            for stages, specialized in gluon_schedules:
+            for stages, specialized, order in gluon_schedules:
                 from graphquant.kernels import gluon_attention
 
-                config = dataclasses.replace(gluon_attention.default_config(causal), num_stages=stages, warp_specialize=specialized)
-                name = f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
+                config = gluon_attention.default_config(causal)
+                config = dataclasses.replace(config, num_stages=stages, warp_specialize=specialized,
+                                             operand_order=config.operand_order if order is None else order)
+                name = (f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
+                        f"{'' if order is None else ', operand order' if order else ', key order'}")
                 fns[name] = flash_kernel_alone(q, k, v, causal, config, gluon_attention.forward)
     return fns
 
@@ -233,6 +238,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="contiguous", help="Q, K and V contiguous and/or transposed (views of "
                         "(batch, length, heads, dim) tensors), comma-separated")
     parser.add_argument("--profile", default="", help="profile one call of every row whose name contains this text (stderr)")
+    parser.add_argument("--gluon-operand-order", default="", help="the Gluon rows' operand_order, 0 and/or 1 (default: the mask's default)")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
@@ -242,7 +248,8 @@ def main() -> None:
     cases = itertools.product(args.layouts.split(","), map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True),
                               [p == "fwd+bwd" for p in passes])
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
-    gluon_schedules = tuple(itertools.product(stages, [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
+    flags = lambda text: [bool(int(x)) for x in text.split(",") if x]  # noqa: E731
+    gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_operand_order) or [None]))
     for layout, kv_heads, seq, causal, backward in cases:
         host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout)
         results = measure(fns, args.rounds, host)

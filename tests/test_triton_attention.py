@@ -100,16 +100,15 @@ def emulated_kernel():
     library._destroy()
 
 
-def _select(*args, causal: bool = False, key_length: int = 128) -> backends.Selection:
-    """backends.select_attention for ``key_length`` keys (a multiple of 16 unless told), under a
-    causal mask or none (an arbitrary one where ``args`` say so)."""
-    return backends.select_attention(*args, causal=causal, key_length=key_length)
+def _select(*args, key_length: int = 128) -> backends.Selection:
+    """backends.select_attention for ``key_length`` keys (a multiple of 16 unless told)."""
+    return backends.select_attention(*args, key_length=key_length)
 
 
 def test_selection_on_hopper(hopper):
     cpu = torch.device("cpu")
     delayed = graphquant.parse_spec(ZOO["s"])
-    assert _select(cpu, E4M3, delayed, (128, 128), False, causal=True) == backends.Selection(backends.NATIVE, FLASH)
+    assert _select(cpu, E4M3, delayed, (128, 128), False) == backends.Selection(backends.NATIVE, GLUON)
     assert _select(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
     zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
     backward = lambda **formats: _select(cpu, E4M3, formats.get("s", zoo["s"]), (64, 64), False, True, formats.get("do", zoo["do"]), formats.get("dp", zoo["dp"]))  # noqa: E731
@@ -136,17 +135,15 @@ def test_selection_on_hopper(hopper):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_forward_is_gluons_without_a_mask_and_tritons_under_a_causal_one(hopper, head_dim):
-    """On Hopper where Triton has Gluon, an unmasked attention's forward products run on the Gluon
-    forward (the Triton forward's bits, faster there), a causal one's on the Triton forward; the
-    backward's run on the Triton backward under either mask."""
+def test_the_forward_is_gluons_and_the_backward_tritons(hopper, head_dim):
+    """On Hopper where Triton has Gluon, an attention's forward products (causal or unmasked: the
+    kernels take no other mask) run on the Gluon forward (the Triton forward's bits, faster there
+    under either mask), the backward's on the Triton backward."""
     cpu = torch.device("cpu")
     zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
     formats = (zoo["qkv"], zoo["s"], (head_dim, head_dim), False)
-    for causal, forward in ((False, GLUON), (True, FLASH)):
-        assert _select(cpu, *formats, causal=causal, key_length=2048) == backends.Selection(backends.NATIVE, forward)
-        backward = _select(cpu, *formats, True, zoo["do"], zoo["dp"], causal=causal, key_length=2048)
-        assert backward == backends.Selection(backends.NATIVE, FLASH)
+    assert _select(cpu, *formats, key_length=2048) == backends.Selection(backends.NATIVE, GLUON)
+    assert _select(cpu, *formats, True, zoo["do"], zoo["dp"], key_length=2048) == backends.Selection(backends.NATIVE, FLASH)
 
 
 def test_the_triton_forward_runs_what_the_gluon_forward_cannot(hopper, monkeypatch):
@@ -194,10 +191,12 @@ def _current_dpa_recipe():
     return CustomRecipe(lambda role: Float8CurrentScalingQuantizer(fp8_dtype="e4m3"), fp8_dpa=True)
 
 
-def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulated_kernel, tmp_path):
-    """Under the zoo recipe (s and dp delayed) the plan lists every product on the flash kernels;
-    the rewritten graph's AttentionSite names them, and running it calls both kernels' ops. Under
-    current-scaling s and dp the backward stays emulated, and the site says so."""
+def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulated_kernel, tmp_path, monkeypatch):
+    """Under the zoo recipe (s and dp delayed), where Triton has no Gluon, the plan lists every
+    product on the Triton flash kernels; the rewritten graph's AttentionSite names them, and
+    running it calls both kernels' ops. Under current-scaling s and dp the backward stays emulated,
+    and the site says so."""
+    monkeypatch.setattr(backends, "HAS_GLUON", False)
     x = _decoder_input()
     plan = graphquant.explain(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), x)
     rows = {g.gemm: (g.bucket, g.backend) for g in plan.gemms if g.module_type == "dpa"}

@@ -548,17 +548,17 @@ def _check_bias(b: Representation, batch: int, site: str, bias: Optional[torch.T
 
 def select_attention(
     device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False,
-    do: Optional[Quantizer] = None, dp: Optional[Quantizer] = None, *, causal: bool, key_length: Any,
+    do: Optional[Quantizer] = None, dp: Optional[Quantizer] = None, *, key_length: Any,
 ) -> Selection:
     """How FP8 attention's forward (or, with ``backward``, its backward, whose do and dp formats
     it then takes) runs on ``device`` for the site's qkv and s formats, its (query/key, value) head
-    dims, whether it has an arbitrary mask (causal is not one), whether it is causal and its key
-    length (a torch.SymInt where dynamic: its test becomes a guard of the graph). The FP8 flash
+    dims, whether it has an arbitrary mask (causal is not one) and its key length (a torch.SymInt
+    where dynamic: its test becomes a guard of the graph). The FP8 flash
     forward (graphquant.kernels.triton_attention) runs per-tensor E4M3 qkv and s, causal or
-    unmasked, head dim 64 or 128, on Hopper where Triton is installed; without a mask its Gluon
-    twin (graphquant.kernels.gluon_attention: the same bits, faster there; under a causal mask it
-    is not) runs it instead where Triton has Gluon and the key length is a multiple of
-    GLUON_KEY_MULTIPLE, else the Triton forward does and says why. The backward is the FP8 flash
+    unmasked, head dim 64 or 128, on Hopper where Triton is installed; its Gluon twin
+    (graphquant.kernels.gluon_attention: the same bits, faster there under either mask) runs it
+    instead where Triton has Gluon and the key length is a multiple of GLUON_KEY_MULTIPLE, else
+    the Triton forward does and says why. The backward is the FP8 flash
     backward (graphquant.kernels.triton_attention_backward) where s and dp are per-tensor FP8 under
     delayed scaling (their scales known before the kernel sees P and dS) and do per-tensor FP8;
     else it recomputes S and P through the emulation."""
@@ -569,8 +569,6 @@ def select_attention(
         why = flash_backward_refusal(s, do, dp)
         if why:
             return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P recomputed and materialised")
-        return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
-    if causal:
         return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
     if not HAS_GLUON:
         return Selection(NATIVE, GemmBackend(FLASH_ATTENTION), "the Gluon forward needs Triton with Gluon (triton.experimental.gluon)")

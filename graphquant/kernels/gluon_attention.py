@@ -27,7 +27,8 @@ a program copy the key tiles themselves, STAGES - 2 ahead, and meet at two CTA b
 for the copies, one that Triton's shared-memory analysis adds), so both warpgroups move in step.
 Warp-specialized, each warpgroup (64 query rows) is its own partition and a third copies the tiles;
 they meet at mbarriers alone (a tile ready, a stage handed back), so one warpgroup's softmax may
-run beside the other's products. Either way each row's values are the same.
+run beside the other's products. Either way each row's values are the same. A program is a work
+item (a query block of a head: ``_item``), under a causal mask the longest first.
 
 Its configuration is ``GluonForwardConfig``; ``forward`` takes the Triton forward's arguments, and
 its bits are those of ``triton_attention.forward`` in ``triton_config(config)``. K and V^T arrive
@@ -99,24 +100,47 @@ def _load_tile(
     K_LOAD: gl.constexpr, VT_LOAD: gl.constexpr,
 ):
     """Copy key tile [start_n, start_n + BLOCK_N) of K (rows in S's column order) and of V^T into
-    shared memory (keys from ``end`` on as zeros), as one cp.async group."""
-    keys = start_n + triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
-    async_copy.async_copy_global_to_shared(k_slot, k_base + keys[:, None] * HEAD_DIM + d[None, :], mask=(keys < end)[:, None])
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, VT_LOAD))
-    dv = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, VT_LOAD))
-    async_copy.async_copy_global_to_shared(vt_slot, vt_base + dv[:, None] * vt_stride + offs_n[None, :], mask=(offs_n < end)[None, :])
+    shared memory (keys from ``end`` on as zeros), as one cp.async group; a tile before ``end``
+    without masks (fewer instructions for the copying warps)."""
+    if start_n + BLOCK_N <= end:
+        _copy_tile(k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, False, K_LOAD, VT_LOAD)
+    else:
+        _copy_tile(k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER, True, K_LOAD, VT_LOAD)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _tile_logits(s, m_i, offs_m, keys, seq_k, qk_scale, masked, CAUSAL: gl.constexpr):
-    """``triton_attention.logits_and_max`` of a key tile, masked where ``masked`` (a tile past
-    the ones every row sees whole), unmasked else (the same bits where no key is masked)."""
+def _copy_tile(
+    k_slot, vt_slot, k_base, vt_base, vt_stride, start_n, end,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, OPERAND_ORDER: gl.constexpr, MASKED: gl.constexpr,
+    K_LOAD: gl.constexpr, VT_LOAD: gl.constexpr,
+):
+    """``_load_tile``'s cp.async copies (MASKED: keys from ``end`` on as zeros)."""
+    keys = start_n + triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, K_LOAD)), OPERAND_ORDER)
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, VT_LOAD))
+    dv = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, VT_LOAD))
+    k_rows = k_base + keys[:, None] * HEAD_DIM + d[None, :]
+    vt_rows = vt_base + dv[:, None] * vt_stride + offs_n[None, :]
+    if MASKED:
+        async_copy.async_copy_global_to_shared(k_slot, k_rows, mask=(keys < end)[:, None])
+        async_copy.async_copy_global_to_shared(vt_slot, vt_rows, mask=(offs_n < end)[None, :])
+    else:
+        async_copy.async_copy_global_to_shared(k_slot, k_rows)
+        async_copy.async_copy_global_to_shared(vt_slot, vt_rows)
+
+
+@gluon.jit
+def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, masked, CAUSAL: gl.constexpr, OPERAND_ORDER: gl.constexpr):
+    """``triton_attention.logits_and_max`` of the key tile from ``start_n``, masked where
+    ``masked`` (a tile past the ones every row sees whole), unmasked else (the same bits where no
+    key is masked). The keys of S's columns are made where the mask needs them, so that they hold
+    no registers across the key loop."""
     if masked:
+        keys = start_n + triton_attention.column_keys(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), OPERAND_ORDER)
         logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
     else:
-        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, False, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, None, seq_k, qk_scale, False, CAUSAL)
     return logits, m_new
 
 
@@ -135,14 +159,12 @@ def _consume(
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 32])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    COLUMN: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     K_LOAD: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
     VT_LOAD: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
     k_base, vt_base, vt_stride, copy_end = loads
     tiles = gl.cdiv(end, BLOCK_N)
 
     offs_m = row0 + gl.arange(0, ROWS, layout=ROW)
-    columns = triton_attention.column_keys(gl.arange(0, BLOCK_N, layout=COLUMN), OPERAND_ORDER)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
     zeros_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW)
@@ -156,7 +178,7 @@ def _consume(
         async_copy.wait_group(STAGES - 3)
         gl.thread_barrier()
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False)
-    logits, m_new = _tile_logits(s, m_i, offs_m, columns, seq_k, qk_scale, full_end == 0, CAUSAL)
+    logits, m_new = _tile_logits(s, m_i, offs_m, 0, seq_k, qk_scale, full_end == 0, CAUSAL, OPERAND_ORDER)
 
     for j in range(tiles):
         if SPECIALIZED:
@@ -181,7 +203,7 @@ def _consume(
 
         s_next = warpgroup_mma_wait(1, deps=[s_next])
         start_next = (j + 1) * BLOCK_N
-        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next + columns, seq_k, qk_scale, start_next >= full_end, CAUSAL)
+        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next, seq_k, qk_scale, start_next >= full_end, CAUSAL, OPERAND_ORDER)
 
         pv = warpgroup_mma_wait(0, deps=[pv])
         if SPECIALIZED:
@@ -198,6 +220,19 @@ def _consume(
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
     gl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
     gl.atomic_max(P_AMAX, gl.max(gl.where(rows, 1.0 / l_i, 0.0), 0))
+
+
+@gluon.jit
+def _item(w, seq_q, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item w: (its first query row, its (batch, head), ``key_range``'s (full_end, end)). The
+    query blocks of a head come one after another (the programs at work at once share K and V);
+    under a causal mask those with the most key tiles first, so that the last ones are short."""
+    blocks = gl.cdiv(seq_q, BLOCK_M)
+    start_m = w % blocks
+    if CAUSAL:
+        start_m = blocks - 1 - start_m
+    full_end, end = triton_attention.key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    return start_m * BLOCK_M, (w // blocks).to(gl.int64), full_end, end
 
 
 @gluon.constexpr_function
@@ -241,16 +276,13 @@ def _forward_kernel(
     ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)  # Q and K
     VT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
 
-    start_m = gl.program_id(0)
-    bh = gl.program_id(1).to(gl.int64)
+    row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
     scale_inv = gl.load(SCALE_INV)
     p_scale = gl.load(P_SCALE)
     qk_scale = triton_attention.logit_scale(scale_inv, softmax_scale)
-    full_end, end = triton_attention.key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
-    row0 = start_m * BLOCK_M
 
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], ROWS_SMEM)
@@ -263,8 +295,9 @@ def _forward_kernel(
             mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
             mbarrier.init(empty.index(i), count=2)  # both consumers
         half: gl.constexpr = BLOCK_M // 2
-        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, so
-        # they take setmaxnreg's least (24) and each consumer the rest of the SM's 64K over 384 threads (240 + 240 + 24 = 3 * 168).
+        # Registers a thread, the second consumer's and the copying partition's: the copies need little more than addresses, but
+        # at setmaxnreg's least (24) they spill them every tile; 40 keep V^T's, and each consumer has the rest of the SM's 64K over
+        # 384 threads (232 + 232 + 40 = 3 * 168), which its loop fits without spills.
         gl.warp_specialize([
             (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0,
                         seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
@@ -272,7 +305,7 @@ def _forward_kernel(
                         row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
-        ], [4, COPY_WARPS], [240, 24])
+        ], [4, COPY_WARPS], [232, 40])
     else:
         _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, NUM_WARPS)
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
@@ -294,7 +327,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
-        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS), b * heads),
+        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS) * b * heads,),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
         config.operand_order, config.warp_specialize,

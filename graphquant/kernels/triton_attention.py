@@ -86,11 +86,13 @@ class ForwardConfig:
 
 
 # The defaults are the H200's best of benchmarks/attention_tune.py's sweeps at head dim 128
-# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile;
-# without a mask also QK^T a tile ahead and S's keys in the PV operand's order, which under a
-# causal mask were no faster.
+# (NOTES.md): 128 query rows over two warpgroups, 128-key tiles, three stages, PV promoted per tile,
+# S's keys in the PV operand's order; without a mask also QK^T a tile ahead, which under a causal
+# mask was slower. Under a causal mask the operand order is the bits of the Gluon forward's fastest
+# schedule (graphquant.kernels.gluon_attention, which the plan runs there), for about 1% of this
+# kernel's speed.
 DEFAULT_CONFIG = ForwardConfig(qk_ahead=True, operand_order=True)
-CAUSAL_DEFAULT_CONFIG = ForwardConfig()
+CAUSAL_DEFAULT_CONFIG = ForwardConfig(operand_order=True)
 
 
 def default_config(causal: bool) -> ForwardConfig:
