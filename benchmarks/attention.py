@@ -12,7 +12,8 @@ nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on t
 plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention, or its
 Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
 s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
-kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
+kernels on codes quantized beforehand ("fp8 gluon flash kernels alone": the Gluon backward,
+graphquant.kernels.gluon_attention_backward, after the forward the plan picks); ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated``
 adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
@@ -99,24 +100,31 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
     return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
-def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
+def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False):
     """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
     (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
-    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default)."""
+    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default).
+    ``gluon``: the Gluon kernels instead, each in its default configuration (the forward the
+    Triton one under a causal mask, as the plan picks)."""
     from graphquant.kernels import triton_attention, triton_attention_backward
 
+    forward, backward = triton_attention.forward, triton_attention_backward.backward
+    if gluon:
+        from graphquant.kernels import gluon_attention, gluon_attention_backward
+
+        forward, backward = (forward if causal else gluon_attention.forward), gluon_attention_backward.backward
     q8, k8, vt, scale_inv, p_scale = flash_codes(q, k, v)
     e5m2 = Float8CurrentScalingQuantizer(fp8_dtype="e5m2")
     do_made, _ = quantize_tensor(grad.reshape(-1, HEAD_DIM), e5m2, (ROWWISE, COLUMNWISE), SlotState(None, None, 0))
     do8, dot8 = do_made[ROWWISE].tensors[0].view(q.shape), do_made[COLUMNWISE].tensors[0]
-    forward = functools.partial(triton_attention.forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    forward = functools.partial(forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
     o, lse, _ = forward()
     delta = (do8.float() * do_made[ROWWISE].tensors[1] * o.float()).sum(-1)
     ds_scale = e5m2.scale_of_amax(torch.ones(1, device=q.device))
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, HEAD_DIM))  # noqa: E731
     codes = (q8, transposed(q8), k8, transposed(k8), vt.t().contiguous().view(k.shape), do8, dot8)
-    backward = functools.partial(triton_attention_backward.backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
+    backward = functools.partial(backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
     return lambda: (forward(), backward())
 
 
@@ -153,6 +161,8 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
     if torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
         if backward:
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
+            if backends.HAS_GLUON:
+                fns["fp8 gluon flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal, gluon=True)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
             for stages, specialized in gluon_schedules:

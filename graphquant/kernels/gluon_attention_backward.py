@@ -105,14 +105,14 @@ def _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, 
 
 
 @gluon.jit
-def _transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, masked, CAUSAL: gl.constexpr):
-    """``triton_attention_backward.transposed_p`` of a tile, masked where ``masked`` (a tile the
-    Triton kernel's masked loop walks), unmasked else (the same bits where no key is masked)."""
-    if masked:
-        pt = triton_attention_backward.transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, True, CAUSAL)
-    else:
-        pt = triton_attention_backward.transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, False, CAUSAL)
-    return pt
+def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
+    """P^T with 0 where a key is past seq_k or (CAUSAL) after the row: the Triton kernel's mask,
+    one comparison a value. Every tile is masked: where the Triton kernel leaves a tile unmasked,
+    every row sees every key, and the mask changes no bit."""
+    last = gl.full(offs_m.shape, seq_k - 1, gl.int32, offs_m.type.layout)
+    if CAUSAL:
+        last = gl.minimum(offs_m, last)
+    return gl.where(offs_n[:, None] <= last[None, :], pt, 0.0)
 
 
 @gluon.jit
@@ -154,15 +154,10 @@ def _backward_kernel(
     dp_factor = do_inv * qkv_inv
     grad_factor = dp_inv * qkv_inv * softmax_scale
 
-    # The Triton kernel's walk: from lo, the tiles before masked_end masked, the rest whole.
+    # The Triton kernel's walk: from the first tile with a row that sees a key (under a causal mask).
     lo = 0
-    masked_end = 0
     if CAUSAL:
         lo = (start_n // BLOCK_M) * BLOCK_M
-        masked_end = start_n + BLOCK_N - 1
-    if start_n + BLOCK_N > seq_k:
-        masked_end = seq_q
-    masked_end = gl.maximum(gl.minimum(masked_end, seq_q), lo)
     steps = gl.cdiv(gl.maximum(seq_q - lo, 0), BLOCK_M)
 
     ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
@@ -221,7 +216,7 @@ def _backward_kernel(
         delta = gl.load(delta_base + offs_m, mask=rows, other=0.0)
 
         st = warpgroup_mma_wait(1, deps=[st])
-        pt = _transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, start_m < masked_end, CAUSAL)
+        pt = _masked(triton_attention_backward.transposed_p(st, lse, qk_scale), offs_n, offs_m, seq_k, CAUSAL)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         dst = triton_attention_backward.transposed_ds(pt, dpt, delta, dp_factor)
         ds_amax = triton_attention_backward.abs_bits_max(ds_amax, dst)

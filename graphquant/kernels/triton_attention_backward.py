@@ -87,16 +87,9 @@ def _cast(x, scale, CODE: tl.constexpr):
 
 
 @triton.jit
-def transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """P^T of a tile from S^T = K @ Q^T (keys offs_n down, query rows offs_m across) and the rows'
-    base-2 logsumexp; MASKED: 0 where a key is past seq_k or (CAUSAL) after the row."""
-    pt = tl.math.exp2(st * qk_scale - lse[None, :])
-    if MASKED:
-        visible = offs_n[:, None] < seq_k
-        if CAUSAL:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :])
-        pt = tl.where(visible, pt, 0.0)
-    return pt
+def transposed_p(st, lse, qk_scale):
+    """P^T of a tile from S^T = K @ Q^T (keys down, query rows across) and the rows' base-2 logsumexp."""
+    return tl.math.exp2(st * qk_scale - lse[None, :])
 
 
 @triton.jit
@@ -144,7 +137,12 @@ def _query_tiles(
         delta = tl.load(DELTA + first + offs_m, mask=rows, other=0.0)
         st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))
-        pt = transposed_p(st, lse, offs_n, offs_m, seq_k, qk_scale, MASKED, CAUSAL)
+        pt = transposed_p(st, lse, qk_scale)
+        if MASKED:
+            visible = offs_n[:, None] < seq_k
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :])
+            pt = tl.where(visible, pt, 0.0)
         dst = transposed_ds(pt, dpt, delta, dp_factor)
         dv += tl.dot(_cast(pt, s_scale, P_CODE), tl.trans(dot))
         ds_amax = abs_bits_max(ds_amax, dst)
