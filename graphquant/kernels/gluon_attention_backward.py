@@ -69,12 +69,14 @@ def triton_config() -> triton_attention_backward.BackwardConfig:
 
 @gluon.jit
 def _load_query_tile(
-    q_slot, qt_slot, do_slot, dot_slot, q_base, qt_base, do_base, dot_base, start_m, seq_q, qt_stride,
-    HEAD_DIM: gl.constexpr, ROWS_LOAD: gl.constexpr, COLUMNS_LOAD: gl.constexpr,
+    stages, slot, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, seq_q, qt_stride,
+    HEAD_DIM: gl.constexpr, ROWS_LOAD: gl.constexpr, COLUMNS_LOAD: gl.constexpr, VECTOR_LOAD: gl.constexpr,
 ):
-    """Copy query rows [start_m, start_m + BLOCK_M) of Q and dO and their columns of Q^T and dO^T
-    (rows from seq_q on as zeros; the bases those of the program's (batch, head)) into shared
-    memory, as one cp.async group."""
+    """Copy query rows [start_m, start_m + BLOCK_M) of Q and dO, their columns of Q^T and dO^T
+    and their logsumexp and D (rows from seq_q on as zeros; the bases those of the program's
+    (batch, head)) into slot ``slot`` of each of ``stages``, as one cp.async group."""
+    q_slot, qt_slot, do_slot, dot_slot = stages[0].index(slot), stages[1].index(slot), stages[2].index(slot), stages[3].index(slot)
+    lse_slot, delta_slot = stages[4].index(slot), stages[5].index(slot)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROWS_LOAD))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS_LOAD))
     offsets = rows[:, None] * HEAD_DIM + d[None, :]
@@ -85,6 +87,9 @@ def _load_query_tile(
     offsets_t = dt[:, None] * qt_stride + columns[None, :]
     async_copy.async_copy_global_to_shared(qt_slot, qt_base + offsets_t, mask=(columns < seq_q)[None, :])
     async_copy.async_copy_global_to_shared(dot_slot, dot_base + offsets_t, mask=(columns < seq_q)[None, :])
+    vector = start_m + gl.arange(0, BLOCK_M, layout=VECTOR_LOAD)
+    async_copy.async_copy_global_to_shared(lse_slot, lse_base + vector, mask=vector < seq_q)
+    async_copy.async_copy_global_to_shared(delta_slot, delta_base + vector, mask=vector < seq_q)
     async_copy.commit_group()
 
 
@@ -109,10 +114,11 @@ def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
     """P^T with 0 where a key is past seq_k or (CAUSAL) after the row: the Triton kernel's mask,
     one comparison a value. Every tile is masked: where the Triton kernel leaves a tile unmasked,
     every row sees every key, and the mask changes no bit."""
-    last = gl.full(offs_m.shape, seq_k - 1, gl.int32, offs_m.type.layout)
     if CAUSAL:
-        last = gl.minimum(offs_m, last)
-    return gl.where(offs_n[:, None] <= last[None, :], pt, 0.0)
+        visible = offs_n[:, None] <= gl.minimum(offs_m, seq_k - 1)[None, :]
+    else:
+        visible = (offs_n < seq_k)[:, None]
+    return gl.where(visible, pt, 0.0)
 
 
 @gluon.jit
@@ -138,6 +144,7 @@ def _backward_kernel(
     ROWS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
     COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
+    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
 
     # A one-dimensional grid, key tiles fastest, as the Triton kernel's.
     tiles = gl.cdiv(seq_k, BLOCK_N)
@@ -149,7 +156,7 @@ def _backward_kernel(
     kv_first = kv_bh * seq_k
 
     qkv_inv, do_inv = gl.load(SCALES), gl.load(SCALES + 1)
-    s_scale, s_inv, dp_scale, dp_inv = gl.load(SCALES + 2), gl.load(SCALES + 3), gl.load(SCALES + 4), gl.load(SCALES + 5)
+    s_scale, dp_scale, dp_inv = gl.load(SCALES + 2), gl.load(SCALES + 4), gl.load(SCALES + 5)
     qk_scale = triton_attention.logit_scale(qkv_inv, softmax_scale)
     dp_factor = do_inv * qkv_inv
     grad_factor = dp_inv * qkv_inv * softmax_scale
@@ -176,12 +183,16 @@ def _backward_kernel(
     pt_smem = gl.allocate_shared_memory(P_CODE, [BLOCK_N, BLOCK_M], TRANSPOSED_SMEM)
     dst_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_N, BLOCK_M], TRANSPOSED_SMEM)
     ds_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_M, BLOCK_N], DS_SMEM)
+    VECTOR_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
 
-    bases = (Q + first * HEAD_DIM, QT + first, DO + first * HEAD_DIM, DOT + first)
+    bases = (Q + first * HEAD_DIM, QT + first, DO + first * HEAD_DIM, DOT + first, LSE + first, DELTA + first)
+    stages = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
     _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM)
     for i in gl.static_range(STAGES - 1):
-        _load_query_tile(q_smem.index(i), qt_smem.index(i), do_smem.index(i), dot_smem.index(i), *bases,
-                         lo + i * BLOCK_M, seq_q, qt_stride, HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD)
+        _load_query_tile(stages, i, *bases, lo + i * BLOCK_M, seq_q, qt_stride,
+                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=KEYS)
     zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_LAYOUT)
@@ -195,7 +206,7 @@ def _backward_kernel(
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DQ_LAYOUT))
     dq_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, DQ_LAYOUT))
     kt = kt_smem.permute((1, 0))
-    lse_base, delta_base, dq_base = LSE + first, DELTA + first, DQ + first * HEAD_DIM
+    dq_base = DQ + first * HEAD_DIM
 
     for j in range(steps):
         # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
@@ -203,22 +214,19 @@ def _backward_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         ahead = j + STAGES - 1
-        _load_query_tile(q_smem.index(ahead % STAGES), qt_smem.index(ahead % STAGES), do_smem.index(ahead % STAGES),
-                         dot_smem.index(ahead % STAGES), *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
-                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD)
+        _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
+                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
         stage = j % STAGES
         start_m = lo + j * BLOCK_M
         st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=ROWS)
-        rows = offs_m < seq_q
-        lse = gl.load(lse_base + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634  # log2(e)
-        delta = gl.load(delta_base + offs_m, mask=rows, other=0.0)
 
         st = warpgroup_mma_wait(1, deps=[st])
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=ROWS)
+        lse = gl.where(offs_m < seq_q, lse_smem.index(stage).load(ROWS), float("inf")) * 1.4426950408889634  # log2(e)
         pt = _masked(triton_attention_backward.transposed_p(st, lse, qk_scale), offs_n, offs_m, seq_k, CAUSAL)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
-        dst = triton_attention_backward.transposed_ds(pt, dpt, delta, dp_factor)
+        dst = triton_attention_backward.transposed_ds(pt, dpt, delta_smem.index(stage).load(ROWS), dp_factor)
         ds_amax = triton_attention_backward.abs_bits_max(ds_amax, dst)
         # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory:
         # the previous tile's products that read them were waited for before this iteration's first barrier.
@@ -231,7 +239,12 @@ def _backward_kernel(
 
         dot = dot_smem.index(stage)
         qt = qt_smem.index(stage)
+        dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(1, deps=[dq])
+        dq = dq * grad_factor
+        m = start_m + dq_rows
+        gl.atomic_add(dq_base + m[:, None] * HEAD_DIM + dq_d[None, :], dq, mask=(m < seq_q)[:, None], sem="relaxed")
         dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
         dv0 = dv0 + dv0_tile
@@ -241,20 +254,15 @@ def _backward_kernel(
         dk1_tile = warpgroup_mma(dst_smem, qt.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dk0_tile = warpgroup_mma_wait(1, deps=[dk0_tile])
         dk0 = dk0 + dk0_tile
-        dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
-        dk1_tile = warpgroup_mma_wait(1, deps=[dk1_tile])
+        dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
         dk1 = dk1 + dk1_tile
-        dq = warpgroup_mma_wait(0, deps=[dq])
-        dq = dq * grad_factor
-        m = start_m + dq_rows
-        gl.atomic_add(dq_base + m[:, None] * HEAD_DIM + dq_d[None, :], dq, mask=(m < seq_q)[:, None], sem="relaxed")
     async_copy.wait_group(0)
 
     keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
     d_out = gl.arange(0, HALF, layout=gl.SliceLayout(0, KV_LAYOUT))
     out = (kv_first + keys_out)[:, None] * HEAD_DIM + d_out[None, :]
     keys = keys_out < seq_k
-    dv_factor = s_inv * do_inv
+    dv_factor = gl.load(SCALES + 3) * gl.load(SCALES + 1)  # loaded again: registers the loop needs
     _store_half(DV, out, dv0, dv_factor, keys, GROUPS)
     _store_half(DV, out + HALF, dv1, dv_factor, keys, GROUPS)
     _store_half(DK, out, dk0, grad_factor, keys, GROUPS)
