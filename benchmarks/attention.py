@@ -73,7 +73,7 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
         select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
-                                   causal=causal, key_length=seq)
+                                   causal=causal, query_length=seq, key_length=seq)
         backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
@@ -155,7 +155,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        emulated_backward = site.backend.name in backends.ATTENTION_KERNELS and site.backward_backend.name != backends.FLASH_ATTENTION
+        emulated_backward = site.backend.name in backends.ATTENTION_KERNELS and site.backward_backend.name not in backends.ATTENTION_KERNELS
         name = name.format(f"{site.backend}{', backward emulated' if backward and emulated_backward else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
     if torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:

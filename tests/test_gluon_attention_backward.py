@@ -133,3 +133,15 @@ def test_gluon_backward_is_the_triton_backward_but_for_dq(case, causal):
     and dS's amax are the Triton backward's bit for bit."""
     gluon, triton = _backwards(case, causal)
     _assert_same_bits(("dK", "dV", "dS amax"), gluon[1:], triton[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads, kv_heads, seq, d", [(8, 2, 1008, 128), (4, 4, 2048, 64)], ids=["gqa-l1008-d128", "l2048-d64"])
+def test_gluon_backward_against_the_emulation(heads, kv_heads, seq, d, causal):
+    """``check_backward_against_the_emulation`` with the Gluon backward at batch 2: dQ of many key
+    tiles (whose adds meet in no fixed order) within the emulation's bound, as the Triton backward's."""
+    from graphquant.kernels import backends
+    from test_triton_attention import check_backward_against_the_emulation
+
+    print(check_backward_against_the_emulation(2, heads, kv_heads, seq, seq, d, causal, "cuda", backward=backends.GemmBackend(backends.GLUON_FLASH_ATTENTION)))
