@@ -3,24 +3,26 @@
 
 Triton waits for each wgmma whose operand is in registers, so its backward runs its five products
 one after another. Here a program (a key tile of BLOCK_N keys of one (batch, query head), two
-warpgroups of 64 keys each) walks the query tiles BLOCK_M rows at a time, their Q, Q^T, dO and
-dO^T copied STAGES - 1 tiles ahead by cp.async, and for each tile:
+warpgroups of 64 keys each) walks the query tiles BLOCK_M rows at a time, their Q, Q^T, dO, dO^T,
+logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
 
     issue S^T = K @ Q^T and dP^T = V @ dO^T           tensor cores
     wait for S^T; P^T                                  meanwhile dP^T
-    wait for dP^T; dS^T, its largest |dS|; P and dS quantized; dS into shared memory (transposed)
-    issue dV's two halves (P^T @ dO), then, as each product is waited for and added into fp32,
-    dK's two halves (dS^T @ Q) and dQ = dS @ K           each wait leaves one product in flight
-    dQ scaled and added into DQ by atomic adds
+    wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
+    shared memory, the A operands of the next products
+    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, add it into DQ by atomic adds;
+    then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
+    adding the one it waited for into its fp32 accumulator
 
 Every value is the Triton backward's in its default configuration (``triton_config``): each
 product from zero over the same depth in the same order (S^T and dP^T over the head dim, dV and
-dK over the BLOCK_M rows, dQ over the BLOCK_N keys), added in fp32 as Triton adds it, the query
-tiles walked in the same order, and its elementwise steps the Triton kernel's own helpers. dK and
-dV are kept in halves of the head dim (the columns of a product are independent sums, so halves
-are the same bits) so that two products' partial sums fit in the registers beside them. dQ's
-atomic adds, as Triton's, meet in no fixed order: two key tiles' sums are the same bits either
-way, more may differ in dQ's last bits (tests/test_gluon_attention_backward.py).
+dK over the BLOCK_M rows, dQ over the BLOCK_N keys) and added in fp32 as Triton adds it, the
+query tiles walked in the same order, the elementwise steps the Triton kernel's own helpers. dK
+and dV are kept in halves of the head dim (a product's columns are independent sums: the same
+bits) so that two products' partial sums fit in the registers beside them. Every tile is masked
+(where Triton's is not, every row sees every key: the same bits). dQ's atomic adds, as Triton's,
+meet in no fixed order: two key tiles' sums are the same bits either way, more may differ in
+dQ's last bits (tests/test_gluon_attention_backward.py).
 
 Q^T, dO^T and K^T arrive by cp.async, 16 bytes a thread, so query and key lengths must be
 multiples of 16 (GLUON_KEY_MULTIPLE).
