@@ -2,18 +2,29 @@
 graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls it).
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
-        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1]
+        [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--layouts contiguous,transposed] [--profile compiled]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
 tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h
-Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. The FP8 rows are
-nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the backend the
-plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention, or its
-Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first, and the FP8 flash backward (graphquant.kernels.triton_attention_backward,
-s and dp under delayed scaling as the zoo recipe's); "fp8 flash kernel(s) alone" are the
-kernels on codes quantized beforehand ("fp8 gluon flash kernels alone": the Gluon backward,
-graphquant.kernels.gluon_attention_backward, after the forward the plan picks); ``--gluon-stages`` adds the forward kernel's Gluon twin
+Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. Q, K and V are
+contiguous (batch, heads, length, dim) tensors, or (``--layouts transposed``) views of (batch,
+length, heads, dim) ones, as a model's projections reach attention after transpose(1, 2). The FP8
+rows are nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the
+backend the plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention,
+or its Gluon twin graphquant.kernels.gluon_attention without a mask), Q, K and V quantized first,
+and the FP8 flash backward (graphquant.kernels.triton_attention_backward, or its Gluon twin
+graphquant.kernels.gluon_attention_backward, s and dp under delayed scaling as the zoo recipe's):
+"compiled" as a model runs it (graphquant.compile of a module calling
+F.scaled_dot_product_attention, Inductor around the ops), "eager" the op called from Python
+(every small op of the quantizes and the delayed-scaling states launched one by one).
+Each sample is one call issued behind one queued call, as a model's steady state issues them;
+"host ms" is the host's time to issue it (where it comes near "ms", the host set the pace).
+``--profile TEXT`` prints, for every row whose name contains TEXT, where one call's host and GPU
+time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle gaps and whether
+a late launch made them). "fp8 flash kernel(s) alone" are the kernels on codes quantized
+beforehand ("fp8 gluon flash kernels alone": the Gluon backward after the forward the plan
+picks); ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``). ``--emulated``
 adds the exact emulation of that recipe and of MXFP8, which materialises S and P (so it runs out
@@ -34,9 +45,9 @@ from tabulate import tabulate
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate  # noqa: E402
+from common import alternate, profile  # noqa: E402
 
-import graphquant  # noqa: E402,F401  (registers the ops)
+import graphquant  # noqa: E402
 from graphquant import factories, zoo  # noqa: E402
 from graphquant.kernels import backends  # noqa: E402
 from graphquant.ops.attention import SLOTS, AttentionSite, quantize_qkv, quantized_attention  # noqa: E402
@@ -103,9 +114,9 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
 def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False):
     """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
     (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
-    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default).
-    ``gluon``: the Gluon kernels instead, each in its default configuration (the forward the
-    Triton one under a causal mask, as the plan picks)."""
+    the backward in ``config`` (its kernel's configuration; None: its default). ``gluon``: the
+    Gluon backward (graphquant.kernels.gluon_attention_backward) after the forward the plan picks
+    (the Gluon one without a mask, the Triton one under a causal mask)."""
     from graphquant.kernels import triton_attention, triton_attention_backward
 
     forward, backward = triton_attention.forward, triton_attention_backward.backward
@@ -128,13 +139,34 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = 
     return lambda: (forward(), backward())
 
 
-def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS, gluon_schedules: tuple = ()) -> dict[str, callable]:
+class Attention(torch.nn.Module):
+    """F.scaled_dot_product_attention of (batch, heads, length, dim) Q, K and V: what
+    graphquant.compile finds in a model."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def inputs(batch: int, seq: int, kv_heads: int, layout: str, backward: bool) -> tuple:
+    """Q, K, V and dO, (batch, heads, seq, HEAD_DIM) bf16: contiguous, or ``layout`` "transposed":
+    views of (batch, seq, heads, HEAD_DIM) tensors."""
+    def tensor(heads):
+        if layout == "contiguous":
+            return torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v, grad = (tensor(heads) for heads in (HEADS, kv_heads, kv_heads, HEADS))
+    return (*(x.requires_grad_(backward) for x in (q, k, v)), grad)
+
+
+def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS, gluon_schedules: tuple = (),
+         layout: str = "contiguous") -> dict[str, callable]:
     batch = max(1, TOKENS // seq)
-    q, k, v = (
-        torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-        for heads in (HEADS, kv_heads, kv_heads)
-    )
-    grad = torch.randn_like(q)
+    q, k, v, grad = inputs(batch, seq, kv_heads, layout, backward)
 
     def step(attend):
         def run():
@@ -151,7 +183,8 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
 
         fns[name] = step(attend)
-    sites = {f"graphquant fp8 planned (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, causal=causal, seq=seq)}
+    fns["graphquant fp8 planned, compiled (nvfp4_linear_fp8_dpa)"] = step(graphquant.compile(Attention(causal), ZOO))
+    sites = {f"graphquant fp8 planned, eager (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, causal=causal, seq=seq)}
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
@@ -180,8 +213,9 @@ def flops(seq: int, causal: bool, backward: bool) -> float:
     return forward * (3.5 if backward else 1.0) / (2 if causal else 1)
 
 
-def measure(fns: dict, rounds: int) -> dict[str, str]:
-    """Each function's median ms, or why it could not run (OOM, no such backend here)."""
+def measure(fns: dict, rounds: int, host: dict) -> dict[str, str]:
+    """Each function's median ms, or why it could not run (OOM, no such backend here); ``host``
+    receives the host's median ms a call."""
     results, usable = {}, {}
     for name, fn in fns.items():
         try:
@@ -193,7 +227,7 @@ def measure(fns: dict, rounds: int) -> dict[str, str]:
         except RuntimeError as error:  # a backend that does not take these inputs on this GPU
             results[name] = f"n/a ({str(error).splitlines()[0][:60]})"
         torch.cuda.empty_cache()
-    results.update(alternate(usable, rounds=rounds, warmup=1, reps=3))
+    results.update(alternate(usable, rounds=rounds, warmup=1, reps=3, queued=1, host=host))
     return results
 
 
@@ -207,24 +241,31 @@ def main() -> None:
     parser.add_argument("--gluon-stages", default="", help="add the Gluon forward's rows (graphquant.kernels.gluon_attention, "
                         "the Triton forward's bits) at these num_stages, comma-separated (forward only)")
     parser.add_argument("--gluon-warp-specialize", default="0", help="the Gluon rows' warp_specialize, 0 and/or 1")
+    parser.add_argument("--layouts", default="contiguous", help="Q, K and V contiguous and/or transposed (views of "
+                        "(batch, length, heads, dim) tensors), comma-separated")
+    parser.add_argument("--profile", default="", help="profile one call of every row whose name contains this text (stderr)")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
         parser.error(f"--passes takes fwd and fwd+bwd, got {args.passes!r}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
-    cases = itertools.product(map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True), [p == "fwd+bwd" for p in passes])
+    cases = itertools.product(args.layouts.split(","), map(int, args.kv_heads.split(",")), map(int, args.seqs.split(",")), (False, True),
+                              [p == "fwd+bwd" for p in passes])
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     gluon_schedules = tuple(itertools.product(stages, [bool(int(x)) for x in args.gluon_warp_specialize.split(",")]))
-    for kv_heads, seq, causal, backward in cases:
-        results = measure(runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules), args.rounds)
+    for layout, kv_heads, seq, causal, backward in cases:
+        host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout)
+        results = measure(fns, args.rounds, host)
+        for name in [name for name in fns if args.profile and args.profile in name and name in host]:
+            profile(f"{layout} {seq} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}: {name}", fns[name])
         work = flops(seq, causal, backward)
         for name, ms in results.items():
             tflops = f"{work / ms / 1e9:.0f}" if isinstance(ms, float) else ms
-            rows.append([f"{HEADS}/{kv_heads}", seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd", name,
-                         f"{ms:.2f}" if isinstance(ms, float) else "", tflops])
+            rows.append([layout, f"{HEADS}/{kv_heads}", seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd", name,
+                         f"{ms:.2f}" if isinstance(ms, float) else "", f"{host[name]:.2f}" if name in host else "", tflops])
             print(" | ".join(map(str, rows[-1])), flush=True)  # as measured: a run cut short keeps its rows
-    headers = ["heads/kv", "seq", "mask", "pass", "config", "ms", "TFLOP/s"]
+    headers = ["layout", "heads/kv", "seq", "mask", "pass", "config", "ms", "host ms", "TFLOP/s"]
     print(tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True))
 
 

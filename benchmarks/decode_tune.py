@@ -117,9 +117,9 @@ def bounds(name: str, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tenso
     (checked_rows), and the decode GEMM's bound on a bf16 out's distance from it there."""
     a, b = operands(name, m, n, k)
     left, right = a.gemm_operand(torch.float64)[checked_rows(m)], b.gemm_operand(torch.float64)
-    ref, magnitude = left @ right.t(), left.abs() @ right.abs().t()
-    fp8_products = fp8.PROMOTED_ERROR if name == "fp8" else 0.0
-    return ref, (fp8_products + (k + 3) * U) * magnitude + ref.abs() * (U + 2.0**-8)
+    ref = left @ right.t()
+    accumulation = fp8.accumulation_bound(left, right.t(), fp8.PROMOTED_PRODUCTS if name == "fp8" else fp8.FP32)
+    return ref, accumulation + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * (U + 2.0**-8)
 
 
 def excess(name: str, out: torch.Tensor, a, b) -> float:

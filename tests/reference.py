@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from graphquant.formats import fp8
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -155,7 +156,7 @@ class RefSite:
 def _gemm64(a: torch.Tensor, b: torch.Tensor, what: str, site: RefSite, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a (g, m, k) @ b (g, k, n) (+ bias) in float64.
 
-    Logs the GEMM's fp32 bound (K + 4) 2^-24 sum_k |a_k||b_k| per output (see ``gemm_bound``),
+    Logs the GEMM's fp32 bound per output (``gemm_bound``),
     plus one rounding of the result where the GEMM adds a bias before rounding.
     With a tape (teacher forcing), checks that the compiled model ran a GEMM whose result lies
     within that bound of this one, and returns the compiled result, so that what follows sees
@@ -195,16 +196,14 @@ def _checked(exact: torch.Tensor, bound: torch.Tensor, k: int, what: str, site: 
 def gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How far an fp32 GEMM of the same operands may lie from the exact product, per output.
 
-    A float32 dot product of K terms is within gamma_K sum_k |a_k||b_k| of the exact one,
-    gamma_K = K u / (1 - K u) with u = 2^-24 (Higham, Accuracy and Stability, 3.1). The compiled
-    emulation also takes per-tensor / per-row factors (FP8 scale_inv, NVFP4 global amax / 2688)
-    out of the operands and applies them to the product (two more roundings, 2u of the result),
-    and the reference's own dequantized operands are fp32 values rounded once each (2u). So
-    |fp32 GEMM - exact| <= (K + 4) u sum_k |a_k||b_k| (the 1 / (1 - Ku) factor is below 1 + 2^-17
-    for these K and is covered by the slack of the last four terms).
+    Its sums in fp32 are within fp8.accumulation_bound(a, b, fp8.FP32) of the exact ones where
+    the products are exact, and one rounding of each product (u sum_k |a_k||b_k|, u = 2^-24) away
+    where fp32 operands make them inexact. The compiled emulation also takes per-tensor / per-row
+    factors (FP8 scale_inv, NVFP4 global amax / 2688) out of the operands and applies them to the
+    product (two more roundings, 2u of the result), and the reference's own dequantized operands
+    are fp32 values rounded once each (2u): 5u sum_k |a_k||b_k| besides the sums.
     """
-    k = a.shape[-1]
-    return (k + 4) * EPS32 * torch.bmm(a.abs(), b.abs())
+    return fp8.accumulation_bound(a, b, fp8.FP32) + 5 * EPS32 * torch.bmm(a.abs(), b.abs())
 
 
 class GemmTape:
@@ -626,7 +625,7 @@ def forward_backward(run: Callable, model: nn.Module, x: torch.Tensor, *, grad_s
 
 
 # With teacher forcing, every GEMM result the reference uses is the compiled one, checked to be
-# within (K + 4) 2^-24 sum|a||b| of the float64 product, and every quantizer therefore sees the
+# within ``gemm_bound`` of the float64 product, and every quantizer therefore sees the
 # same bits on both sides. What is left between an aot_eager run and the eager reference is the
 # order in which fp32 additions combine gradient contributions (eager autograd vs the traced
 # backward: at most a few terms here). We allow 16 units of fp32 roundoff of the tensor's largest
@@ -660,7 +659,7 @@ def assert_same_results(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 def accumulation_tolerance(log: list) -> float:
     """The sum, over every GEMM the reference ran (forward and backward), of the largest fp32
-    accumulation bound (K + 4) 2^-24 sum|a||b| among its outputs: how far fp32 runs of the same
+    accumulation bound (``gemm_bound``) among its outputs: how far fp32 runs of the same
     computation may drift apart when no quantizer re-synchronizes them (see
     test_compile_identity)."""
     return sum(entry[4] for entry in log)

@@ -9,6 +9,7 @@ same for every batch); inside a CUDA graph; its checks on the bias; and behind e
 import pytest
 import torch
 
+from graphquant.formats import fp8
 from graphquant.kernels import emulation, native
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, NVFP4Quantizer, QuantizeContext
 
@@ -36,6 +37,13 @@ def _stored(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x if layout == "row" else x.mT.contiguous().mT
 
 
+def _fp32_error(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """How far alpha (a @ b^T) of bf16 operands may lie from the exact product before its output's
+    rounding: the products' fp32 sums (fp8.accumulation_bound) and the multiply by alpha."""
+    a, b = a.double(), b.double().mT
+    return (fp8.accumulation_bound(a, b, fp8.FP32) + 2.0**-24 * (a.abs() @ b.abs())) * alpha.double()
+
+
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("a_layout,b_layout", LAYOUTS)
 @pytest.mark.parametrize("batch,m,n,k", SHAPES)
@@ -47,9 +55,9 @@ def test_bf16_gemm_matches_float64(batch, m, n, k, a_layout, b_layout, out_dtype
     out = _ext().bf16_gemm(a, b, alpha, out_dtype)
     assert out.shape == (batch, m, n) and out.dtype == out_dtype
     ref = a.double() @ b.double().mT * alpha.double()
-    # fp32 accumulation of k products and the multiply by alpha ((k + 1) * 2^-24 per unit of
-    # alpha * sum|a||b|), then one rounding to out_dtype (relative, or half a subnormal step).
-    fp32_error = (a.double().abs() @ b.double().abs().mT) * alpha.double() * (k + 1) * 2.0**-24
+    # fp32 sums and the multiply by alpha, then one rounding to out_dtype (relative, or half a
+    # subnormal step).
+    fp32_error = _fp32_error(a, b, alpha)
     tiny = torch.finfo(out_dtype).smallest_normal
     bound = fp32_error + (ref.abs() + fp32_error + tiny) * UNIT_ROUNDOFF[out_dtype]
     excess = ((out.double() - ref).abs() - bound).max().item()
@@ -135,7 +143,7 @@ def test_bf16_gemm_bias_matches_float64(out_dtype, bias_dtype):
     alpha = torch.tensor(0.37, device="cuda")
     out = _ext().bf16_gemm(a, b, alpha, out_dtype, bias)
     ref = a.double() @ b.double().mT * alpha.double() + bias.double()
-    fp32_error = (a.double().abs() @ b.double().abs().mT) * alpha.double() * (k + 1) * 2.0**-24
+    fp32_error = _fp32_error(a, b, alpha)
     fp32_error = fp32_error + (ref.abs() + fp32_error) * 2.0**-24
     tiny = torch.finfo(out_dtype).smallest_normal
     bound = fp32_error + (ref.abs() + fp32_error + tiny) * UNIT_ROUNDOFF[out_dtype]
@@ -296,8 +304,8 @@ def test_emulated_gemm_applies_scalar_factors_in_the_epilogue(batch, n, qb, nati
     out = emulation.gemm(a, b, batch, torch.float32).double()
     assert len(calls) == int(native)
     va, vb = a.gemm_operand(torch.float64).reshape(batch, m, k), b.gemm_operand(torch.float64).reshape(batch, n, k)
-    # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
-    bound = (va.abs() @ vb.abs().mT) * (k + 3) * 2.0**-24
+    # fp32 sums plus one rounding per factor applied.
+    bound = fp8.accumulation_bound(va, vb.mT, fp8.FP32) + 3 * 2.0**-24 * (va.abs() @ vb.abs().mT)
     assert ((out - va @ vb.mT).abs() <= bound).all()
 
 
@@ -315,5 +323,5 @@ def test_sliced_emulated_gemm_writes_each_slice_in_place(monkeypatch):
     assert len({args[2].data_ptr() for args in calls}) == 1
     va, vb = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
     ref = va @ vb.t()
-    bound = (va.abs() @ vb.abs().t()) * (k + 3) * 2.0**-24 + ref.abs() * 2.0**-8
+    bound = fp8.accumulation_bound(va, vb.t(), fp8.FP32) + 3 * 2.0**-24 * (va.abs() @ vb.abs().t()) + ref.abs() * 2.0**-8
     assert ((out[0].double() - ref).abs() <= bound).all()

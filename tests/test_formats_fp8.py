@@ -517,3 +517,57 @@ def test_block_properties(seed, m, k, exponents, fmt, block_shape, pow2):
         again = fp8.cast_to_fp8(values * torch.reciprocal(expanded), fmt)
         finite = values.isfinite()
         assert torch.equal(again.view(torch.uint8)[finite], data.view(torch.uint8)[finite])
+
+
+# -- the accumulation model --------------------------------------------------------------------
+
+def _truncated(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """x with every bit below 2^(exponent - ACCUMULATOR_FRACTION_BITS) dropped by a sign-filling
+    shift (toward -inf: the most a truncation can lose)."""
+    lsb = torch.exp2(exponent - fp8.ACCUMULATOR_FRACTION_BITS)
+    return torch.floor(x / lsb) * lsb
+
+
+def _modelled_sum(a: torch.Tensor, b: torch.Tensor, promote_every) -> torch.Tensor:
+    """a @ b as fp8.accumulation_bound's model of Hopper sums it: wgmmas of 32 products and the
+    carried sum, each truncated below the largest term's bits and its result to its own; the
+    partial sum of every ``promote_every`` products added in fp32 (each product under FP32)."""
+    k = a.shape[-1]
+    step = k if promote_every is fp8.FAST else promote_every
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+    for start in range(0, k, step):
+        carried = torch.zeros(out.shape, dtype=torch.float64)
+        for lo in range(start, min(start + step, k), fp8.WGMMA_PRODUCTS if step > fp8.FP32 else 1):
+            hi = min(lo + fp8.WGMMA_PRODUCTS, start + step, k)
+            terms = torch.cat([carried[..., None], a[:, None, lo:hi] * b.t()[None, :, lo:hi]], -1)
+            largest = terms.abs().amax(-1).clamp_min(2.0**-126)
+            total = _truncated(terms, torch.floor(torch.log2(largest))[..., None]).sum(-1)
+            carried = _truncated(total, torch.floor(torch.log2(total.abs().clamp_min(2.0**-126))))
+        out = out + carried.float()
+    return out.double()
+
+
+def _adversarial(m: int, k: int, n: int):
+    """E4M3 values whose products, row by row, are one large term and then many that the
+    accumulator drops whole (1.875 2^-14 of it), or random ones of both signs."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g) * 4
+    b = torch.randn(k, n, generator=g)
+    a[: m // 2] = 1.0
+    b[:, : n // 2] = 1.875 * 2.0**-6
+    b[:: fp8.PROMOTED_PRODUCTS, : n // 2] = 256.0
+    return tuple(t.to(torch.float8_e4m3fn).double() for t in (a, b))
+
+
+@pytest.mark.parametrize("promote_every", [fp8.PROMOTED_PRODUCTS, 64, fp8.FAST, fp8.FP32], ids=["promoted", "every 64", "fast", "fp32"])
+def test_accumulation_bound_holds_for_the_modelled_accumulator(promote_every):
+    """The modelled sums of products with one large term a step and many that the accumulator
+    drops (the case its bound is made for), and of random ones, lie within fp8.accumulation_bound,
+    the former within a factor of 4 of it (it is not loose); an empty sum's bound is 0."""
+    a, b = _adversarial(8, 512, 8)
+    assert not fp8.accumulation_bound(a[:, :0], b[:0], promote_every).any()
+    error = (_modelled_sum(a, b, promote_every) - a @ b).abs()
+    bound = fp8.accumulation_bound(a, b, promote_every)
+    assert (error <= bound).all(), (error / bound).max()
+    if promote_every is not fp8.FP32:
+        assert (error[:4, :4] > bound[:4, :4] / 4).all(), (error / bound)[:4, :4].min()

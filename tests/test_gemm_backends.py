@@ -56,6 +56,22 @@ def _reference(a, b):
     return a.gemm_operand(torch.float64) @ b.gemm_operand(torch.float64).t()
 
 
+def _bound(a, b, promote_every):
+    """How far a GEMM of representations a and b summing as ``promote_every`` says
+    (fp8.accumulation_bound) may lie from ``_reference``, before any rounding of its output: its
+    sums' error and one rounding for each factor it applies (scales, the product of two)."""
+    left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64).t()
+    return fp8.accumulation_bound(left, right, promote_every) + 3 * 2.0**-24 * (left.abs() @ right.abs())
+
+
+def _promote_every(selection: backends.Selection):
+    """How the selected GEMM sums (fp8.accumulation_bound's promote_every): on Hopper's FP8 tensor
+    cores, promoted every 128 products or, accumulating fast, never; any other product in fp32."""
+    if selection.bucket != backends.NATIVE:
+        return fp8.FP32
+    return fp8.FAST if selection.backend.fast_accumulation else fp8.PROMOTED_PRODUCTS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
@@ -70,16 +86,8 @@ def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db,
     assert fast == (fast_accumulation and expected in (scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED))
     out = backends.gemm(a, b, 1, torch.float32, selection.backend, f"{name} {gemm}")[0].double()
     ref = _reference(a, b)
-    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
-    # fp32 accumulation of k products: each partial sum rounds with relative error 2^-24, so
-    # |err| <= k * 2^-24 * sum|a||b|. Hopper's FP8 tensor cores keep about 14 mantissa bits in the
-    # accumulator within a promotion step (fp8.PROMOTED_PRODUCTS, 128, cuBLAS's interval) before
-    # the partial sum is promoted to fp32, so each term can carry up to 128 * 2^-14 = 2^-7 of
-    # relative error there (fp8.PROMOTED_ERROR).
-    # With fast accumulation nothing is promoted: up to k * 2^-14 per unit of sum|a||b|.
     # The rowwise path returns bf16 (2^-9 relative rounding of the result).
-    native_bound = k * 2.0**-14 if fast else fp8.PROMOTED_ERROR
-    bound = magnitude * (native_bound if selection.bucket == backends.NATIVE else k * 2.0**-24)
+    bound = _bound(a, b, _promote_every(selection))
     if expected == scaled_mm.ROWWISE_SCALED:
         bound = bound + ref.abs() * 2.0**-8
     excess = ((out - ref).abs() - bound).max().item()
@@ -181,10 +189,7 @@ def test_emulation_matches_float64_reference_on_cpu(name, qa, qb, expected, gemm
     m, n, k = 64, 96, 128
     a, b = _operand(qa, da, m, k, "cpu"), _operand(qb, db, n, k, "cpu")
     out = emulation.gemm(a, b, 1, torch.float32)[0].double()
-    ref = _reference(a, b)
-    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
-    # fp32 accumulation (k * 2^-24 per unit of sum|a||b|) plus one rounding per factor applied.
-    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
+    assert ((out - _reference(a, b)).abs() <= _bound(a, b, fp8.FP32)).all()
 
 
 # Pairs whose per-tensor or per-row factors the emulated product takes out of the operands.
@@ -206,10 +211,8 @@ def test_emulated_factors_meet_before_the_product_on_cpu(name, qa, qb, gemm, da,
     m, n, k = 64, 96, 128
     a, b = _operand(qa, da, m, k, "cpu", 1e36), _operand(qb, db, n, k, "cpu", 1e-3)
     out = emulation.gemm(a, b, 1, torch.float32)[0].double()
-    ref = _reference(a, b)
-    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
     assert torch.isfinite(out).all()
-    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24).all()
+    assert ((out - _reference(a, b)).abs() <= _bound(a, b, fp8.FP32)).all()
 
 
 @pytest.mark.gpu
@@ -221,12 +224,10 @@ def test_backend_adds_the_bias_before_rounding(name, qa, qb, expected):
     m, n, k = PAST_DECODE_ROWS, 384, 512
     a, b = _operand(qa, ROWWISE, m, k, "cuda"), _operand(qb, ROWWISE, n, k, "cuda")
     bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
-    backend = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend
-    out = backends.gemm(a, b, 1, torch.bfloat16, backend, name, bias)[0].double()
+    selection = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k))
+    out = backends.gemm(a, b, 1, torch.bfloat16, selection.backend, name, bias)[0].double()
     ref = _reference(a, b) + bias.double()
-    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
-    # fast accumulation (k 2^-14 per unit of sum|a||b|, the loosest of the backends) plus the one bf16 rounding.
-    bound = magnitude * k * 2.0**-14 + ref.abs() * 2.0**-8
+    bound = _bound(a, b, _promote_every(selection)) + ref.abs() * 2.0**-8
     excess = ((out - ref).abs() - bound).max().item()
     assert excess <= 0, f"{name}: error exceeds the bound by {excess}"
 
@@ -299,6 +300,4 @@ def test_emulated_gemm_in_slices_of_the_larger_operand(name, qa, qb, expected, g
     big, rows = (a, m) if isinstance(qa, (MXFP8Quantizer, NVFP4Quantizer)) else (b, n)
     assert [(rep is big, start, stop) for rep, start, stop in cuts] == [(True, s, s + 128) for s in range(0, rows, 128)]
     ref = _reference(a, b) + (bias.double() if with_bias else 0)
-    magnitude = a.gemm_operand(torch.float64).abs() @ b.gemm_operand(torch.float64).abs().t()
-    # fp32 accumulation, one rounding per factor, and the one rounding to out_dtype
-    assert ((out - ref).abs() <= magnitude * (k + 3) * 2.0**-24 + ref.abs() * rounding).all()
+    assert ((out - ref).abs() <= _bound(a, b, fp8.FP32) + ref.abs() * rounding).all()

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from graphquant.formats import groups
+from graphquant.formats import fp8, groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import native
 from graphquant.quantizers import (
@@ -364,8 +364,10 @@ def test_quantize_dbias(backend, name, dtype, shape):
             assert_same_rep(rep, REFERENCE(quantizer, x, direction, CTX), direction)
     assert dbias.dtype == dtype and dbias.shape == (shape[1],)
     exact = x.double().sum(0).cpu()
-    # fp32 accumulation of M terms, then one rounding to the output dtype.
-    bound = shape[0] * 2.0**-24 * x.double().abs().sum(0).cpu() + exact.abs() * torch.finfo(dtype).eps
+    # fp32 sums of M terms (fp8.accumulation_bound's, as x's product with ones), then one rounding
+    # to the output dtype.
+    ones = torch.ones(1, shape[0], dtype=torch.float64)
+    bound = fp8.accumulation_bound(ones, x.double().cpu(), fp8.FP32)[0] + exact.abs() * torch.finfo(dtype).eps
     assert ((dbias.double().cpu() - exact).abs() <= bound).all()
     assert torch.equal(native.quantize_pass(quantizer, x, CTX, dbias=True, **wanted)[2], dbias), "dbias is deterministic"
 

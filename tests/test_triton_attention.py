@@ -22,6 +22,7 @@ import torch
 
 import graphquant
 from graphquant import zoo
+from graphquant.formats import fp8
 from graphquant.kernels import backends
 from graphquant.ops.attention import AttentionSite, quantize_qkv, quantized_attention
 from graphquant.ops.quantize import SlotState, update_delayed_scaling
@@ -39,10 +40,6 @@ E4M3_SUBNORMAL = 2.0**-9  # E4M3's smallest subnormal, the absolute spacing belo
 E5M2_ULP = 2.0**-2  # relative spacing of E5M2's normal values (2 mantissa bits)
 E5M2_SUBNORMAL = 2.0**-16  # E5M2's smallest subnormal
 EPS32 = 2.0**-24  # fp32 unit roundoff
-# Hopper's FP8 tensor cores add the products of one wgmma (32 deep) in an accumulator of about 14
-# significant bits, not fp32; the kernel promotes into fp32 after every product tile (at most 128
-# deep), so each tile's sum carries an error of up to about 4 * 2^-13 of its absolute sum.
-TENSOR_CORE_FP8_ACCUMULATION = 2.0**-11
 
 
 # -- selection and plan ------------------------------------------------------------------------
@@ -332,17 +329,22 @@ def test_codes_are_the_emulations():
     assert torch.equal(codes(flash["V"][COLUMNWISE]), codes(flash["V"][ROWWISE]).t())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("formats", ["current", "zoo"])
-def test_backward_is_the_emulations(emulated_kernel, formats, causal):
+def test_backward_is_the_emulations(emulated_kernel, formats, causal, layout):
     """With the kernel's O equal to the emulation's, the flash path's gradients are the emulated
     op's bit for bit over two steps (grouped-query attention, causal and not), and so is every
-    delayed-scaling state: the backward recomputes P as the forward found the s state."""
+    delayed-scaling state: the backward recomputes P as the forward found the s state; also
+    where Q, K, V and dO are (batch, heads, length, dim) views of (batch, length, heads, dim)
+    tensors, which the flash path quantizes where they lie."""
     formats = {"current": CURRENT, "zoo": ZOO}[formats]
     emulated, flash = AttentionSite(name="attn", call=0, **formats), AttentionSite(name="attn", call=0, **formats, backend=FLASH)
     states = {site: _states(formats) for site in (emulated, flash)}
     for step in range(2):
         q, k, v, dout = _inputs(seed=step)
+        if layout == "transposed":
+            q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
         emulated_kernel.update(site=emulated, s=states[flash][1])
         results = {}
         for site in (emulated, flash):
@@ -419,12 +421,14 @@ def _qkv_inputs(dtype=torch.bfloat16, device="cpu", seed=0, rows=(130, 70, 70)):
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
 
 
+@pytest.mark.parametrize("layout", ["rows", "heads"])
 @pytest.mark.parametrize("qkv", ["current", "pow2", "delayed"])
-def test_flash_qkv_is_quantize_qkv(qkv):
+def test_flash_qkv_is_quantize_qkv(qkv, layout):
     """flash_qkv (graphquant::joint_amax and joint_cast, nothing joined) gives quantize_qkv's
-    codes, scale_inv and amax bit for bit, V's columnwise codes the transpose of its rowwise
-    ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for one
-    tensor both ways (the flash backward's dO) against quantize_tensor."""
+    codes, scale_inv and amax of the rows bit for bit, V's columnwise codes the transpose of its
+    rowwise ones, and a delayed-scaling slot the same state after it; so does joint_per_tensor for
+    one tensor both ways (the flash backward's dO) against quantize_tensor; from 2-D rows, and
+    from (batch, heads, length, dim) views of (batch, length, heads, dim) tensors."""
     from graphquant.ops.attention import flash_qkv, joint_per_tensor
     from graphquant.ops.quantize import quantize_tensor
     from graphquant.quantizers import Float8DelayedScalingQuantizer
@@ -433,18 +437,19 @@ def test_flash_qkv_is_quantize_qkv(qkv):
         "current": E4M3, "pow2": Float8CurrentScalingQuantizer(fp8_dtype="e4m3", force_pow_2_scales=True, amax_epsilon=1e-3),
         "delayed": Float8DelayedScalingQuantizer(fp8_dtype="e4m3", amax_history_len=2),
     }[qkv]
-    q, k, v = _qkv_inputs()
+    q, k, v = _qkv_inputs() if layout == "rows" else _heads_inputs(torch.bfloat16)
     tensors = {"Q": q, "K": k, "V": v}
+    rows = {t: x.reshape(-1, x.shape[-1]) for t, x in tensors.items()}
     e5m2 = dataclasses.replace(quantizer, fp8_dtype="e5m2")
 
     def quantized_do(state):  # as the emulated backward quantizes dO
-        made, _ = quantize_tensor(v * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
+        made, _ = quantize_tensor(rows["V"] * 1e-3, e5m2, (ROWWISE, COLUMNWISE), state)
         update_delayed_scaling(e5m2, state, made)
         return {"dO": made}
 
     cases = [
         (lambda state: flash_qkv(tensors, quantizer, state),
-         lambda state: quantize_qkv(tensors, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
+         lambda state: quantize_qkv(rows, quantizer, {"Q": (ROWWISE,), "K": (ROWWISE,), "V": (ROWWISE, COLUMNWISE)}, state)),
         (lambda state: joint_per_tensor({"dO": v * 1e-3}, e5m2, state, ("dO",)), quantized_do),
     ]
     for joint, reference in cases:
@@ -463,36 +468,53 @@ def test_flash_qkv_is_quantize_qkv(qkv):
             assert torch.equal(states[0], states[1]) and states[0][-1] > 0  # the largest value recorded
 
 
+def _heads_inputs(dtype, b=2, hq=4, hkv=2, lq=70, lk=130, d=64):
+    """Q, K and V as attention takes a model's projections: (batch, heads, length, dim) views of
+    (batch, length, heads, dim) tensors (transpose(1, 2)), fewer key/value heads than query heads,
+    lengths that do not tile; a largest value in V."""
+    q, k, v = (t.reshape(b, h, n, d).transpose(1, 2).contiguous().transpose(1, 2)
+               for t, h, n in zip(_qkv_inputs(torch.float32, rows=(b * hq * lq, b * hkv * lk, b * hkv * lk)), (hq, hkv, hkv), (lq, lk, lk)))
+    assert not q.is_contiguous() and q.stride(1) == d
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
 def check_joint_kernels(device: str) -> str:
     """graphquant.kernels.triton_joint_fp8's amax and cast on ``device`` against the ops'
     references on the CPU, bit for bit: bfloat16 and float32 inputs, row counts that do not tile
     and row counts that do (1024 rows, a float32 model's Q, K, V or dO at 2 x 2 heads of 256
-    tokens), E4M3 and E5M2, a scale that saturates, inf and NaN in the amax."""
+    tokens), Q, K and V as (batch, heads, length, dim) views of (batch, length, heads, dim) under
+    grouped-query attention, one tensor alone (dO) and four (two launches); E4M3 and E5M2, a scale
+    that saturates (the layouts' cases at two of these), the cast's amax asked for and not, inf
+    and NaN in the amax."""
     from graphquant.kernels import triton_joint_fp8
 
     checked = []
-    for dtype, rows in ((torch.bfloat16, (130, 70, 70)), (torch.float32, (130, 70, 70)), (torch.bfloat16, (1024,) * 3), (torch.float32, (1024,) * 3)):
-        tensors = _qkv_inputs(dtype, rows=rows)
+    cases = [(dtype, f"rows {rows[0]}", _qkv_inputs(dtype, rows=rows)) for dtype in (torch.bfloat16, torch.float32) for rows in ((130, 70, 70), (1024,) * 3)]
+    cases += [(dtype, "heads", _heads_inputs(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+    q, k, v = _qkv_inputs(torch.bfloat16)
+    cases += [(torch.bfloat16, "dO alone", (v[:, :32] * 1e-3,)), (torch.bfloat16, "four", (q, k, v, q[:3] * 2))]
+    for dtype, what, tensors in cases:
         on_device = [x.to(device) for x in tensors]
-        for fp8_dtype, scale in (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4)):  # the amax's scale; one that saturates
+        scales = (("e4m3", 448 / 40.0), ("e4m3", 100.0), ("e5m2", 57344 / 40.0), ("e5m2", 1e4))  # the amax's scale; one that saturates
+        for fp8_dtype, scale in scales if what.startswith("rows") else scales[::3]:
             scale = torch.tensor(scale)
-            for transposed in ([False, False, True], [True, False, False]):
-                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed)
-                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed)
+            for transposed, amax in (([False, False, True, False][: len(tensors)], True), ([True, False, False, True][: len(tensors)], False)):
+                expected = torch.ops.graphquant.joint_cast(list(tensors), scale, fp8_dtype, transposed, amax)
+                got = triton_joint_fp8.joint_cast(on_device, scale.to(device), fp8_dtype, transposed, amax)
                 for name, a, e in zip(("codes", "transposed codes", "amax"), got, expected):
                     for a, e in zip(*((a, e) if name != "amax" else ([a], [e]))):
                         a = a.cpu()
-                        assert a.dtype == e.dtype and a.shape == e.shape, name
-                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} rows {rows} {fp8_dtype} scale {scale.item()}: {name}"
-        checked.append(f"{dtype} rows {rows[0]} cast")
+                        assert a.dtype == e.dtype and a.shape == e.shape and a.is_contiguous(), name
+                        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, e.view(torch.uint8) if e.element_size() == 1 else e), f"{dtype} {what} {fp8_dtype} scale {scale.item()}: {name}"
+        checked.append(f"{dtype} {what} cast")
         for special in (float("inf"), float("nan")):
-            k_special = tensors[1].clone()
-            k_special[69, 63] = special
-            with_special = [tensors[0], k_special, tensors[2]]
+            last = tensors[-1].clone()
+            last[..., 69 % last.shape[-2], 15] = special
+            with_special = [*tensors[:-1], last]
             got = triton_joint_fp8.joint_amax([x.to(device) for x in with_special]).cpu()
             expected = torch.ops.graphquant.joint_amax(with_special)
-            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {special}: {got} != {expected}"
-        checked.append(f"{dtype} rows {rows[0]} amax")
+            assert got.shape == () and (torch.equal(got, expected) or (got.isnan() and expected.isnan())), f"{dtype} {what} {special}: {got} != {expected}"
+        checked.append(f"{dtype} {what} amax")
     return ", ".join(checked)
 
 
@@ -535,6 +557,16 @@ def test_configurations_refuse_what_the_kernels_cannot_run():
 
 # -- the kernel on the GPU ---------------------------------------------------------------------
 
+def sums_apart(a, b, promote_every, roundings):
+    """An elementwise bound on how far the kernels' and the emulation's a @ b (float64 values, or
+    bounds on their magnitudes) may lie apart: the kernels sum on the FP8 tensor cores
+    (``promote_every``: fp8.FAST for a product over the head dim, one product from zero, which
+    they sum whole; fp8.PROMOTED_PRODUCTS over keys or queries, whose tiles, at most 128 deep,
+    they add in fp32), the emulation in fp32 (fp8.accumulation_bound both), and either rounds
+    ``roundings`` more times in fp32."""
+    return fp8.accumulation_bound(a, b, promote_every) + fp8.accumulation_bound(a, b, fp8.FP32) + roundings * EPS32 * (a.abs() @ b.abs())
+
+
 def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantizer):
     """The largest |O_flash - O_emulated| the two quantizations of P allow, elementwise, the
     kernel's logsumexp bound per row, float64's logsumexp and softmax of the codes' scaled logits,
@@ -549,27 +581,27 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale, s_quantize
     exp(logit - running max) with ``p_scale`` and divides by l >= 1 after; the emulation quantizes
     the normalised p with its s scale. So per key
         |P_flash - P_emulated| <= (2^-3 (1 + eta) + 2 eta (1 + eta)) p + 2^-10 (1 / p_scale + 1 / s_scale)
-    with eta = exp(2 delta) - 1 + 2 lk eps32, weighted by |V|. The PV sums add the tensor cores'
-    and fp32's accumulation error of sum P|V|, and each side rounds O once to its dtype.
+    with eta = exp(2 delta) - 1 + 2 lk eps32, weighted by |V|. The PV sums add their accumulation
+    error (``sums_apart``) over P's codes' bounds and |V|, and each side rounds O once to its dtype.
     """
     groups = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double() for t in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
-    lq, lk, d = q.shape[2], k.shape[2], q.shape[3]
+    lq, lk = q.shape[2], k.shape[2]
     x = q64 @ k64.transpose(-1, -2) * scale
-    magnitude = q64.abs() @ k64.abs().transpose(-1, -2) * scale
     visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril() if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     x = x.masked_fill(~visible, -math.inf)
-    magnitude = magnitude.masked_fill(~visible, 0)
     exponent = 2.0**-20 * (1 + x.abs().masked_fill(~visible, 0).amax(-1, keepdim=True))  # scale, log2(e), exp2 in fp32
-    delta = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + exponent
+    logits = scale * sums_apart(q64, k64.transpose(-1, -2), fp8.FAST, 3)
+    delta = logits.masked_fill(~visible, 0).amax(-1, keepdim=True) + exponent
     eta = torch.expm1(2 * delta) + 2 * lk * EPS32
     p = torch.softmax(x, -1)
     s_scale_emulated = s_quantizer.scale_of_amax(p.amax().float().reshape(1)).item()  # current scaling of the normalised P
     per_key = (E4M3_ULP * (1 + eta) + 2 * eta * (1 + eta)) * p + E4M3_SUBNORMAL / 2 * (1 / p_scale + 1 / s_scale_emulated)
-    accumulation = TENSOR_CORE_FP8_ACCUMULATION + (lk + 2 * math.ceil(lk / 64) + 4) * EPS32
     quantized = (1 + E4M3_ULP / 2) * (1 + eta) * p + E4M3_SUBNORMAL / 2 / min(p_scale, s_scale_emulated)
     rounding = torch.finfo(o_flash.dtype).eps / 2  # unit roundoff of the output dtype
-    o_bound = per_key @ v64.abs() + accumulation * (quantized @ v64.abs()) + rounding * (o_flash.double().abs() + o_emulated.double().abs()) * (1 + 2 * rounding)
+    # The kernel also rescales O once a key tile (of at least 32 keys).
+    accumulation = sums_apart(quantized, v64.abs(), fp8.PROMOTED_PRODUCTS, math.ceil(lk / 32) + 4)
+    o_bound = per_key @ v64.abs() + accumulation + rounding * (o_flash.double().abs() + o_emulated.double().abs()) * (1 + 2 * rounding)
     lse_bound = delta.squeeze(-1) + (lk + 4) * EPS32 * (1 + torch.logsumexp(x, -1).abs())
     return o_bound, lse_bound, torch.logsumexp(x, -1), p, eta
 
@@ -647,37 +679,38 @@ def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_log
     larger of the emulation's eta and the kernel's expm1(logit error + logsumexp error + the
     rounding of its base-2 conversion). Both quantize P with the s slot's scale: the codes differ
     by at most the two P's difference plus two half steps of E4M3 (2^-3 relative together, or a
-    subnormal step over the scale). dS = P (dP - D): dP's error per side is the tensor cores' or
-    fp32's accumulation over the head dim of |dO||V|, so each side's dS is within
+    subnormal step over the scale). dS = P (dP - D): the two sides' dP lie within gamma
+    (``sums_apart`` over the head dim), so each side's dS is within
         eps_S = eta_b p |dP - D| + (1 + eta_b) p gamma + 3 eps32 (1 + eta_b) p (|dP - D| + gamma)
     of p (dP - D), and the E5M2 codes (dp's scale) within 2 eps_S + 2^-2 (|dS| + eps_S) + one
     subnormal step over the scale of each other. The products then weigh those differences by
     |K|, |Q| (times the softmax scale) and |dO|, add both sides' accumulation error over the
-    product's length (one tile at a time in the tensor cores' accumulator, then fp32), and each
-    side rounds once to the output dtype.
+    product's length (``sums_apart``: one tile at a time in the tensor cores' accumulator, then
+    fp32), and each side rounds once to the output dtype.
     """
     groups = q.shape[1] // k.shape[1]
     q64, do64 = q.double(), do.double()
     k64, v64 = (t.double().repeat_interleave(groups, 1) for t in (k, v))
-    lq, lk, d = q.shape[2], k.shape[2], q.shape[3]
+    lk, d = k.shape[2], q.shape[3]
     eta_kernel = torch.expm1(delta_logits + lse_bound.unsqueeze(-1) + 2 * EPS32 * (1 + lse64.abs().unsqueeze(-1)))
     eta_b = torch.maximum(eta, eta_kernel)
-    accumulation = lambda n: TENSOR_CORE_FP8_ACCUMULATION + (n + 2 * math.ceil(n / 64) + 6) * EPS32  # noqa: E731
+    # A product over the keys or queries, a tile (at least 32 deep) at a time; dQ's tiles are scaled once each.
+    tiles = lambda a, b: sums_apart(a, b, fp8.PROMOTED_PRODUCTS, math.ceil(a.shape[-1] / 32) + 6)  # noqa: E731
     rounding = torch.finfo(o_dtype).eps / 2
 
     dp_quantized = 2 * eta_b * p + E4M3_ULP * (1 + eta_b) * p + E4M3_SUBNORMAL / s_scale
     p_codes = (1 + E4M3_ULP / 2) * (1 + eta_b) * p + E4M3_SUBNORMAL / 2 / s_scale
-    dv = dp_quantized.transpose(-1, -2) @ do64.abs() + accumulation(lq) * (p_codes.transpose(-1, -2) @ do64.abs())
+    dv = dp_quantized.transpose(-1, -2) @ do64.abs() + tiles(p_codes.transpose(-1, -2), do64.abs())
 
     dp = do64 @ v64.transpose(-1, -2)
-    gamma = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * (do64.abs() @ v64.abs().transpose(-1, -2))
+    gamma = sums_apart(do64, v64.transpose(-1, -2), fp8.FAST, 3)
     centred = (dp - delta.double().unsqueeze(-1)).abs()
     eps_s = eta_b * p * centred + (1 + eta_b) * p * gamma + 3 * EPS32 * (1 + eta_b) * p * (centred + gamma)
     ds = p * centred
     ds_quantized = 2 * eps_s + E5M2_ULP * (ds + eps_s) + E5M2_SUBNORMAL / dp_scale
     ds_codes = (1 + E5M2_ULP / 2) * (ds + eps_s) + E5M2_SUBNORMAL / 2 / dp_scale
-    dq = scale * (ds_quantized @ k64.abs() + accumulation(lk) * (ds_codes @ k64.abs()))
-    dk = scale * (ds_quantized.transpose(-1, -2) @ q64.abs() + accumulation(lq) * (ds_codes.transpose(-1, -2) @ q64.abs()))
+    dq = scale * (ds_quantized @ k64.abs() + tiles(ds_codes, k64.abs()))
+    dk = scale * (ds_quantized.transpose(-1, -2) @ q64.abs() + tiles(ds_codes.transpose(-1, -2), q64.abs()))
     dk, dv = (t.view(t.shape[0], -1, groups, lk, d).sum(2) for t in (dk, dv))
     return dq, dk, dv, rounding, 2 * eps_s.max().item()
 
@@ -724,9 +757,9 @@ def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, 
     _, lse_bound, lse64, p, eta = flash_bound(*values, o_e, o_e, scale, causal, p_scale, E4M3)
     groups = heads // kv_heads
     k64 = values[1].double().repeat_interleave(groups, 1)
-    magnitude = values[0].double().abs() @ k64.abs().transpose(-1, -2) * scale
     x = values[0].double() @ k64.transpose(-1, -2) * scale
-    delta_logits = (TENSOR_CORE_FP8_ACCUMULATION + (d + 2) * EPS32) * magnitude.amax(-1, keepdim=True) + 2.0**-20 * (1 + x.abs().amax(-1, keepdim=True))
+    logits = scale * sums_apart(values[0].double(), k64.transpose(-1, -2), fp8.FAST, 3)
+    delta_logits = logits.amax(-1, keepdim=True) + 2.0**-20 * (1 + x.abs().amax(-1, keepdim=True))
     *bounds, rounding, ds_bound = backward_bound(*values, do_values, delta, dtype, eta, lse_bound, lse64, delta_logits, p, scale, causal, s_scale, dp_scale)
     what = f"b{b} h{heads}/{kv_heads} {lq}x{lk} d{d} {'causal' if causal else 'full'} {dtype}{'' if warm else ' first step'}"
     shares = []

@@ -53,10 +53,10 @@ def excess(
     """How far the decode GEMM's out (m, n) exceeds its bound (<= 0: within it), through
     backends.gemm, which must have chosen it (or, given a ``config``, called with that tiling);
     in a fprop (the weight's rowwise representation) or a dgrad (its columnwise one, stored
-    transposed: n is the weight's columns). The bound: K - 1 fp32 additions in any order, one
-    rounding of each dequantized reference operand, the factors' product and its product with the
-    sum ((K + 3) u sum|a b|), the bias's addition (u |out|) and the rounding to out_dtype; FP8
-    products on the GPU add the tensor cores' fp8.PROMOTED_ERROR sum|a b|."""
+    transposed: n is the weight's columns). The bound: the sum's fp8.accumulation_bound (FP8
+    products on the GPU promoted every 128 on the tensor cores, any other in fp32), one rounding of
+    each dequantized reference operand, the factors' product and its product with the sum (4 u
+    sum|a b| together), the bias's addition (u |out|) and the rounding to out_dtype."""
     from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
@@ -78,13 +78,11 @@ def excess(
     assert out.shape == (m, n) and out.dtype == out_dtype
     left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
     ref = left @ right.t() + (bias.double() if with_bias else 0)
-    magnitude = left.abs() @ right.abs().t()
     rounding = U if out_dtype == torch.float32 else 2.0**-8
-    # FP8 codes go to the FP8 tensor cores, whose accumulator keeps about 14 bits within one
-    # promotion step before the sum is promoted to fp32: fp8.PROMOTED_ERROR of each term there.
     family = qb.gemm_input(direction).family
     fp8_products = device == "cuda" and triton_decode.LAYOUTS[family].operand == triton_decode.FP8_CODES
-    bound = ((fp8.PROMOTED_ERROR if fp8_products else 0.0) + (k + 3) * U) * magnitude + ref.abs() * (U + rounding)
+    accumulation = fp8.accumulation_bound(left, right.t(), fp8.PROMOTED_PRODUCTS if fp8_products else fp8.FP32)
+    bound = accumulation + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * (U + rounding)
     return ((out.double() - ref).abs() - bound).max().item()
 
 

@@ -9,8 +9,8 @@ cores' accumulator takes the whole sum). On the CPU the kernel runs under Triton
 a process of its own, with an fp32 output (the interpreter rounds fp32 to bf16 toward zero) and
 exact products: within fp32 accumulation, promoted or not (the interpreter has no tensor cores'
 accumulator). On the GPU at an MoE layer's widths with a bf16 output, within the bounds
-tests/test_gemm_backends.py gives cuBLASLt's FP8 GEMMs: promoted sums fp8.PROMOTED_ERROR of
-sum |a b| per output, fast accumulation K 2^-14 of it. That fast accumulation leaves the whole sum
+tests/test_gemm_backends.py gives cuBLASLt's FP8 GEMMs: fp8.accumulation_bound of the sums,
+promoted or fast. That fast accumulation leaves the whole sum
 in the tensor cores is checked on the CPU too, in the kernel's PTX for sm_90 (Triton compiles it
 without a GPU).
 """
@@ -60,11 +60,16 @@ GPU_SHAPE = ((700, 0, 1301, 128, 2900, 61, 1000, 5), 2048, 1408)
 def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
     """How far the kernel's ``gemm`` of a grouped site, its ``sums`` "promoted" or "fast", exceeds
     its bound (<= 0: within it), the operands quantized per group as graphquant.ops.grouped lays
-    them out. The bound: fp32 accumulation ((K + 4) u sum |a b|) where the products are exact (the
-    interpreter), on the GPU promoted tensor-core sums (fp8.PROMOTED_ERROR sum |a b|) or fast
-    accumulation (K 2^-14 sum |a b|); plus the rounding to ``out_dtype``."""
+    them out. The bound: fp8.accumulation_bound of the sums, fp32's under the interpreter (no
+    tensor cores), on the GPU the kernel's, promoted or fast, and 4 u sum |a b| for the factors;
+    plus the rounding to ``out_dtype``."""
     kernels = backends.triton_grouped_fp8
     promote_every = kernels.PROMOTE_EVERY if sums == "promoted" else kernels.FAST_ACCUMULATION
+    summed = fp8.FP32 if device == "cpu" else promote_every
+
+    def allowed(p, q):
+        return fp8.accumulation_bound(p, q, summed) + 4 * U * (p.abs() @ q.abs())
+
     qx, qw, qg = FORMATS[name]
     experts, rows = len(sizes), sum(sizes)
     generator = torch.Generator().manual_seed(0)
@@ -92,8 +97,7 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
         left, right = dequantized(a, tokens), dequantized(b, tokens)
         pairs = [(left[lo:hi].t(), right[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         exact = torch.stack([p @ q for p, q in pairs])[:, :n]
-        magnitude = torch.stack([p.abs() @ q.abs() for p, q in pairs])[:, :n]
-        reduced = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+        bound = torch.stack([allowed(p, q) for p, q in pairs])[:, :n]
         assert torch.equal(out[1], torch.zeros_like(out[1])), "the empty expert's weight gradient"
     else:
         a = quantized(qx if gemm == "fprop" else qg, x if gemm == "fprop" else dy, tokens, ROWWISE)
@@ -104,13 +108,10 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
         ends = [0, *torch.tensor(sizes).cumsum(0).tolist()]
         pairs = [(left[lo:hi], stacked[g].t() if gemm == "fprop" else stacked[g]) for g, (lo, hi) in enumerate(zip(ends, ends[1:]))]
         exact = torch.cat([p @ q for p, q in pairs])[:, :width]
-        magnitude = torch.cat([p.abs() @ q.abs() for p, q in pairs])[:, :width]
-        reduced = left.shape[1]
+        bound = torch.cat([allowed(p, q) for p, q in pairs])[:, :width]
     assert out.shape == exact.shape and out.dtype == out_dtype
-    accumulation = (reduced + 4) * U if device == "cpu" else fp8.PROMOTED_ERROR if sums == "promoted" else reduced * 2.0**-14
     rounding = U if out_dtype == torch.float32 else 2.0**-8
-    bound = accumulation * magnitude + rounding * exact.abs()
-    return ((out.double() - exact).abs() - bound).max().item()
+    return ((out.double() - exact).abs() - bound - rounding * exact.abs()).max().item()
 
 
 def _cases():

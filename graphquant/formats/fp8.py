@@ -1,25 +1,87 @@
-"""FP8 element formats: the cast, the amax, and TE's scale-from-amax rule.
+"""FP8 element formats: the cast, the amax, TE's scale-from-amax rule, and how far a sum of FP8
+products may lie from the exact one on Hopper (``accumulation_bound``).
 
 Every rounding step is spelled out, because native kernels are compared to these bit for bit.
+The accumulation model's numbers are read off the H200 by benchmarks/accumulation_probe.py
+(benchmarks/NOTES.md): PROMOTED_PRODUCTS is the promotion interval it reads off cuBLASLt's
+promoted FP8 GEMM, and ACCUMULATOR_FRACTION_BITS the bits below a large product that a small one
+keeps in the same step, in cuBLASLt's and Triton's FP8 GEMMs alike; WGMMA_PRODUCTS is the depth
+of an FP8 wgmma in the PTX ISA.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Optional
 
 import torch
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
-# FP8 products Hopper's tensor cores sum in their accumulator (about 14 bits kept) before a GEMM
-# that promotes adds the partial sum into fp32: cuBLASLt's interval without fast accumulation,
-# read off its results by benchmarks/accumulation_probe.py, and graphquant's Triton FP8 GEMMs'.
-# Each term may then carry PROMOTED_PRODUCTS * 2^-14 = 2^-7 of relative error.
+# Hopper's FP8 tensor cores sum each wgmma's WGMMA_PRODUCTS products and the partial sum carried
+# in at a fixed point aligned to the largest of them, dropping every bit more than
+# ACCUMULATOR_FRACTION_BITS below its leading one; a GEMM that promotes adds that partial sum into
+# fp32 after every PROMOTED_PRODUCTS products (cuBLASLt without fast accumulation, and graphquant's
+# Triton FP8 GEMMs), one that accumulates fast never.
+WGMMA_PRODUCTS = 32
+ACCUMULATOR_FRACTION_BITS = 13
 PROMOTED_PRODUCTS = 128
-PROMOTED_ERROR = PROMOTED_PRODUCTS * 2.0**-14
+# ``accumulation_bound``'s promote_every for the other two ways to sum: FAST, the tensor cores'
+# accumulator alone (never promoted); FP32, each product added in fp32 (CUDA cores' FMAs, the
+# Triton interpreter, the emulation's fp32 GEMMs).
+FAST = None
+FP32 = 1
+_FP32_UNIT_ROUNDOFF = 2.0**-24
+_ACCUMULATOR_ULP = 2.0**-ACCUMULATOR_FRACTION_BITS
 # Sign and exponent bits of an fp32 (0xFF800000 as a signed int32).
 _SIGN_EXPONENT_MASK = -0x800000
+
+
+def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional[int]) -> torch.Tensor:
+    """An elementwise bound on |computed - exact| of a @ b (float64, a (..., m, k) and b (..., k, n):
+    values whose products are exact, FP8's, or bounds on their magnitudes) where the tensor
+    cores' accumulator sums the products in k's order, ``promote_every`` at a time from k = 0,
+    before fp32 takes their partial sum: PROMOTED_PRODUCTS, FAST or FP32.
+
+    Each wgmma aligns its products and the partial sum carried in to the largest of them: every
+    other term loses less than 2^-ACCUMULATOR_FRACTION_BITS of that largest's leading bit (at most
+    that of the largest product's bound, max |a| times max |b| over the wgmma's products, or of
+    the carried sum's: the step's exact partial sum and what it has lost), and the result, where
+    it outgrows them, as much of its own. fp32 then adds the steps' partial sums in some order:
+    gamma(steps - 1) of their magnitudes (Higham, Accuracy and Stability, 3.1), counting a step a
+    wgmma, so that a GEMM promoting more often (at a K tile's end) is within the bound too; under
+    FP32 each product is a step of its own.
+    """
+    magnitude = a.abs() @ b.abs()
+    k = a.shape[-1]
+    if promote_every == FP32:
+        return _gamma(k - 1) * magnitude
+    step = max(k, 1) if promote_every is FAST else promote_every
+    narrow = torch.zeros_like(magnitude)
+    for first in range(0, k, step):
+        partial, lost = torch.zeros_like(magnitude), torch.zeros_like(magnitude)
+        for start in range(first, min(first + step, k), WGMMA_PRODUCTS):
+            stop = min(start + WGMMA_PRODUCTS, first + step, k)
+            a_w, b_w = a[..., start:stop], b[..., start:stop, :]
+            largest = torch.maximum(partial.abs() + lost, a_w.abs().amax(-1, keepdim=True) * b_w.abs().amax(-2, keepdim=True))
+            partial = partial + a_w @ b_w
+            dropped = (stop - start) * _ACCUMULATOR_ULP * _leading_bit(largest)
+            lost = lost + dropped + _ACCUMULATOR_ULP * _leading_bit(partial.abs() + lost + dropped)
+        narrow += lost
+    steps = 1 if promote_every is FAST else math.ceil(k / WGMMA_PRODUCTS)
+    return narrow + _gamma(steps - 1) * (magnitude + narrow)
+
+
+def _leading_bit(x: torch.Tensor) -> torch.Tensor:
+    """The largest power of two at most x (x >= 0; 0 stays 0)."""
+    return torch.exp2(torch.floor(torch.log2(x)))
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u) for fp32's unit roundoff u: the error of a sum whose
+    every term is rounded at most n times, per unit of their magnitudes."""
+    return n * _FP32_UNIT_ROUNDOFF / (1 - n * _FP32_UNIT_ROUNDOFF)
 
 
 def fp8_max(fp8_dtype: str) -> float:

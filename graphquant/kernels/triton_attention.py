@@ -17,9 +17,9 @@ amax of the normalised P, which a delayed-scaling ``s`` slot records).
 V arrives as its columnwise representation (V^T, keys contiguous: the exact transpose of the
 rowwise codes), so the right operand of the PV product is K-major, as Hopper's FP8 wgmma takes it.
 
-The tensor cores sum FP8 products in an accumulator narrower than fp32. QK^T is one product of
-head-dim depth from zero, so it sums there whole (promoting at its end changes no bit and costs a
-second accumulator). PV accumulates into O's fp32 accumulator across the key loop; its partial
+The tensor cores sum FP8 products in an accumulator narrower than fp32 (fp8.accumulation_bound
+models it). QK^T is one product of head-dim depth from zero, so it sums there whole (fp8.FAST;
+promoting at its end changes no bit and costs a second accumulator). PV accumulates into O's fp32 accumulator across the key loop; its partial
 sums are promoted into fp32 every ``pv_promotion`` keys (``ForwardConfig``), by default after
 every key tile: Triton's default on sm_90 would let the narrow accumulator carry the whole loop.
 

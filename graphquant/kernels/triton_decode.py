@@ -15,15 +15,15 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
   with no conversion; the partial sums are promoted into the fp32 accumulator after every
   fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
   (``max_num_imprecise_acc``), and a block's sum is multiplied by its two block scales before it
-  joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with promotion
-  (tests/test_gemm_backends.py's bound): within one 128-product step Hopper's FP8 accumulator
-  keeps about 14 bits, so each term may carry 2^-7 (fp8.PROMOTED_ERROR) of relative error there.
+  joins the accumulator. That is the contract of the FP8 GEMMs cuBLASLt runs with promotion:
+  within fp8.accumulation_bound's bound for sums promoted every fp8.PROMOTED_PRODUCTS.
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
   (DecodeConfig.fma, a row of A a program) dequantized into fp32 and multiplied on the FMA units.
-  Their result is the emulated product's up to the order of fp32 accumulation: with u = 2^-24,
-  |error| <= (K + 3) u sum_k |a b| + u |out| before the output's rounding. MXFP8's other ways
+  Their result is the emulated product's up to the order of fp32 accumulation: within
+  fp8.accumulation_bound's for fp32 sums, 4 u sum_k |a b| for the factors and u |out| (u = 2^-24)
+  before the output's rounding. MXFP8's other ways
   (DecodeConfig.mx_products, and the FMA units' sums of 8 products scaled) keep that while
   values and sums stay in fp32's normal range. NVFP4's and MXFP8's codes are read as 64-bit words
   and decoded by inline PTX, several values an instruction (triton_dequantize.e2m1_block_values,

@@ -7,8 +7,8 @@ once in the epilogue; DeepSeek-V3's 1x128 and 128x128 block scales to each 128-l
 partial product, as its recipe does. A GEMM that keeps a recipe's fp32-accumulation contract has
 its partial sums promoted from the tensor cores' accumulator into fp32 after every
 fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
-(``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe asks:
-2^-7 of relative error per term at most. A per-tensor or per-row GEMM that the recipe lets
+(``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe asks
+(within fp8.accumulation_bound's bound). A per-tensor or per-row GEMM that the recipe lets
 accumulate fast (CustomRecipe.fast_accumulation) sums in the tensor cores' accumulator alone, as
 torch._scaled_grouped_mm and cuBLASLt's fast accumulation do; block-scaled GEMMs always promote.
 E4M3 and E5M2 on either side. The result is rounded once, to the output dtype, and written

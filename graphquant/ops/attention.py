@@ -197,9 +197,8 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
-        b, h, lq, d = q.shape
-        tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, d)}
-        made = flash_qkv(tensors, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
+        d = q.shape[-1]
+        made = flash_qkv({"Q": q, "K": k, "V": v}, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
         s_quantizer = site.quantizer("s")
         s_found = s_delayed.clone() if s_delayed is not None else None
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
@@ -212,7 +211,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.site, ctx.scale, ctx.causal, ctx.shapes = site, scale, causal, (q.shape, k.shape)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
-        ctx.originals = tensors if recording.listening() else {}
+        ctx.originals = {t: x.reshape(-1, d) for t, x in zip("QKV", (q, k, v))} if recording.listening() else {}
         ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse, s_found, do_delayed, dp_delayed)
         return o
 
@@ -284,7 +283,7 @@ def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, c
     the largest |dS| the kernel saw."""
     q, k, v = codes
     b, h, lq, d = q.shape
-    do_made = joint_per_tensor({"dO": do.reshape(-1, d)}, site.quantizer("do"), do_state, ("dO",))["dO"]
+    do_made = joint_per_tensor({"dO": do}, site.quantizer("do"), do_state, ("dO",))["dO"]
     do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
     delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
     s_scale, dp_scale = s_found[:1].clone(), dp_state.delayed[:1].clone()
@@ -352,7 +351,7 @@ def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
 
 @registry.op("joint_amax")
 def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The joint amax of 2-D tensors (0-dim float32): fp8.tensor_amax of them joined, without
+    """The joint amax of tensors (0-dim float32): fp8.tensor_amax of them joined, without
     joining them."""
     return torch.stack([fp8.tensor_amax(x) for x in tensors]).amax()
 
@@ -364,19 +363,22 @@ def _(tensors):
 
 @registry.op("joint_cast")
 def joint_cast(
-    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool]
+    tensors: list[torch.Tensor], scale: torch.Tensor, fp8_dtype: str, transposed: list[bool], amax: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The per-tensor FP8 codes of 2-D tensors under one ``scale`` (per_tensor.quantize), the
-    transposed codes of those ``transposed`` marks, and their joint amax."""
-    codes = [per_tensor.quantize(x, scale, fp8_dtype, transpose=False) for x in tensors]
-    return codes, [c.t().contiguous() for c, t in zip(codes, transposed) if t], joint_amax(tensors)
+    """The per-tensor FP8 codes of tensors of 2 to 4 dims (any strides) under one ``scale``
+    (per_tensor.quantize), contiguous; the transposed codes (dim, rows) of those ``transposed``
+    marks, rows being all the other dims; and, where ``amax`` asks (a delayed-scaling slot, whose
+    scale came before any pass), their joint amax, else 0."""
+    codes = [per_tensor.quantize(x, scale, fp8_dtype, transpose=False).contiguous() for x in tensors]
+    seen = joint_amax(tensors) if amax else torch.zeros((), device=scale.device)
+    return codes, [c.view(-1, c.shape[-1]).t().contiguous() for c, t in zip(codes, transposed) if t], seen
 
 
 @registry.fake("joint_cast")
-def _(tensors, scale, fp8_dtype, transposed):
+def _(tensors, scale, fp8_dtype, transposed, amax):
     dtype = fp8.FP8_DTYPES[fp8_dtype]
     codes = [x.new_empty(x.shape, dtype=dtype) for x in tensors]
-    codes_t = [x.new_empty((x.shape[1], x.shape[0]), dtype=dtype) for x, t in zip(tensors, transposed) if t]
+    codes_t = [x.new_empty((x.shape[-1], x.numel() // x.shape[-1]), dtype=dtype) for x, t in zip(tensors, transposed) if t]
     return codes, codes_t, tensors[0].new_empty((), dtype=torch.float32)
 
 
@@ -399,19 +401,20 @@ else:
 
 
 def flash_qkv(tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState) -> dict[str, dict[str, Operand]]:
-    """Q and K (2-D) rowwise and V both ways in a per-tensor format, as the flash kernel takes
-    them: ``quantize_qkv``'s codes, scale and amax (``joint_per_tensor``)."""
+    """Q and K rowwise and V both ways in a per-tensor format, as the flash kernel takes them:
+    ``quantize_qkv``'s codes, scale and amax (``joint_per_tensor``) of their rows."""
     return joint_per_tensor(tensors, quantizer, state, ("V",))
 
 
 def joint_per_tensor(
     tensors: dict[str, torch.Tensor], quantizer: Quantizer, state: SlotState, transposed: tuple[str, ...]
 ) -> dict[str, dict[str, Operand]]:
-    """2-D tensors rowwise (and those ``transposed`` names columnwise too) in a per-tensor format
-    under one joint scale: what quantizing them joined gives (quantize_qkv; quantize_tensor for
-    one tensor), in at most two passes over them that join nothing (graphquant::joint_amax, where
-    the scale comes from their amax, then graphquant::joint_cast, which writes a columnwise copy
-    beside the rowwise one and sees the amax a delayed-scaling slot records)."""
+    """Tensors of 2 to 4 dims (any strides; as (rows, last dim)) rowwise, and those ``transposed``
+    names columnwise too, in a per-tensor format under one joint scale: what quantizing their
+    rows joined gives (quantize_qkv; quantize_tensor for one tensor), in at most two passes over
+    them that join nothing and copy nothing (graphquant::joint_amax, where the scale comes from
+    their amax, then graphquant::joint_cast, which writes a columnwise copy beside the rowwise
+    one and sees the amax a delayed-scaling slot records)."""
     rowwise = quantizer.child(ROWWISE)
     encoding = rowwise.kernel_encoding(ROWWISE)
     names, xs = list(tensors), list(tensors.values())
@@ -423,14 +426,15 @@ def joint_per_tensor(
         if rowwise.reduces_amax:
             amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
         scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
-    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names])
+    codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names], encoding.delayed_scaling)
     if encoding.delayed_scaling:
         amax = seen
         record_amax(rowwise, state, amax)
-    operand = lambda data, direction, x: Operand([data, scale_inv, amax], rowwise.spec, direction, tuple(x.shape))  # noqa: E731
-    made = {t: {ROWWISE: operand(c, ROWWISE, x)} for t, x, c in zip(names, xs, codes)}
+    shapes = {t: (x.numel() // x.shape[-1], x.shape[-1]) for t, x in tensors.items()}
+    operand = lambda data, direction, t: Operand([data, scale_inv, amax], rowwise.spec, direction, shapes[t])  # noqa: E731
+    made = {t: {ROWWISE: operand(c.view(shapes[t]), ROWWISE, t)} for t, c in zip(names, codes)}
     for t, c in zip([t for t in names if t in transposed], codes_t):
-        made[t][COLUMNWISE] = operand(c, COLUMNWISE, tensors[t])
+        made[t][COLUMNWISE] = operand(c, COLUMNWISE, t)
     return made
 
 
