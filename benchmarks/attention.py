@@ -14,16 +14,18 @@ length, heads, dim) ones, as a model's projections reach attention after transpo
 rows are nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the
 backend the plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention,
 or its Gluon twin graphquant.kernels.gluon_attention where Triton has Gluon), Q, K and V quantized first,
-and the FP8 flash backward (graphquant.kernels.triton_attention_backward, s and dp under delayed
-scaling as the zoo recipe's): "compiled" as a model runs it (graphquant.compile of a module
-calling F.scaled_dot_product_attention, Inductor around the ops), "eager" the op called from
-Python (every small op of the quantizes and the delayed-scaling states launched one by one).
+and the FP8 flash backward (graphquant.kernels.triton_attention_backward, or its Gluon twin
+graphquant.kernels.gluon_attention_backward, s and dp under delayed scaling as the zoo recipe's):
+"compiled" as a model runs it (graphquant.compile of a module calling
+F.scaled_dot_product_attention, Inductor around the ops), "eager" the op called from Python
+(every small op of the quantizes and the delayed-scaling states launched one by one).
 Each sample is one call issued behind one queued call, as a model's steady state issues them;
 "host ms" is the host's time to issue it (where it comes near "ms", the host set the pace).
 ``--profile TEXT`` prints, for every row whose name contains TEXT, where one call's host and GPU
 time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle gaps and whether
-a late launch made them). "fp8 flash kernel(s) alone" are the
-kernels on codes quantized beforehand; ``--gluon-stages`` adds the forward kernel's Gluon twin
+a late launch made them). "fp8 flash kernel(s) alone" are the kernels on codes quantized
+beforehand ("fp8 gluon flash kernels alone": the Gluon backward after the forward the plan
+picks); ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), S's keys in operand
 order or not (``--gluon-operand-order``; by default the mask's default order). ``--emulated``
@@ -84,7 +86,7 @@ def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = F
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
         select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
-                                   key_length=seq)
+                                   query_length=seq, key_length=seq)
         backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
@@ -111,24 +113,31 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
     return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
 
 
-def flash_kernels_alone(q, k, v, grad, causal: bool, config=None):
+def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False):
     """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
     (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
-    the backward in ``config`` (a triton_attention_backward.BackwardConfig; None: its default)."""
+    the backward in ``config`` (its kernel's configuration; None: its default). ``gluon``: the
+    Gluon backward (graphquant.kernels.gluon_attention_backward) after the forward the plan picks
+    (the Gluon one without a mask, the Triton one under a causal mask)."""
     from graphquant.kernels import triton_attention, triton_attention_backward
 
+    forward, backward = triton_attention.forward, triton_attention_backward.backward
+    if gluon:
+        from graphquant.kernels import gluon_attention, gluon_attention_backward
+
+        forward, backward = (forward if causal else gluon_attention.forward), gluon_attention_backward.backward
     q8, k8, vt, scale_inv, p_scale = flash_codes(q, k, v)
     e5m2 = Float8CurrentScalingQuantizer(fp8_dtype="e5m2")
     do_made, _ = quantize_tensor(grad.reshape(-1, HEAD_DIM), e5m2, (ROWWISE, COLUMNWISE), SlotState(None, None, 0))
     do8, dot8 = do_made[ROWWISE].tensors[0].view(q.shape), do_made[COLUMNWISE].tensors[0]
-    forward = functools.partial(triton_attention.forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    forward = functools.partial(forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
     o, lse, _ = forward()
     delta = (do8.float() * do_made[ROWWISE].tensors[1] * o.float()).sum(-1)
     ds_scale = e5m2.scale_of_amax(torch.ones(1, device=q.device))
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, HEAD_DIM))  # noqa: E731
     codes = (q8, transposed(q8), k8, transposed(k8), vt.t().contiguous().view(k.shape), do8, dot8)
-    backward = functools.partial(triton_attention_backward.backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
+    backward = functools.partial(backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
     return lambda: (forward(), backward())
 
 
@@ -181,12 +190,14 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
     for name, (site, states) in sites.items():
-        emulated_backward = site.backend.name in backends.ATTENTION_KERNELS and site.backward_backend.name != backends.FLASH_ATTENTION
+        emulated_backward = site.backend.name in backends.ATTENTION_KERNELS and site.backward_backend.name not in backends.ATTENTION_KERNELS
         name = name.format(f"{site.backend}{', backward emulated' if backward and emulated_backward else ''}")
         fns[name] = step(lambda q, k, v, site=site, states=states: quantized_attention(q, k, v, is_causal=causal, site=site, states=states))
     if torch.cuda.get_device_capability()[0] == 9 and backends.HAS_TRITON:
         if backward:
             fns["fp8 flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal)
+            if backends.HAS_GLUON:
+                fns["fp8 gluon flash kernels alone (codes given)"] = flash_kernels_alone(q, k, v, grad, causal, gluon=True)
         else:
             fns["fp8 flash kernel alone (codes given)"] = flash_kernel_alone(q, k, v, causal)
             for stages, specialized, order in gluon_schedules:

@@ -283,7 +283,7 @@ class Planner:
             backward = gemm not in ("qk", "pv")
             selection = backends.select_attention(
                 device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward, quantizers["dO"], quantizers["dS"],
-                key_length=site.k_sizes[2],
+                query_length=site.q_sizes[2], key_length=site.k_sizes[2],
             )
             if self.strict and selection.bucket == backends.EMULATED:
                 selection = backends.Selection(

@@ -220,9 +220,9 @@ def test_compiled_model_runs_the_gluon_forward(monkeypatch, causal):
     """A compiled decoder with FP8 attention, causal or unmasked (head dim 128, 256 keys; linears in
     high precision), plans the Gluon forward and runs it, not the Triton forward; over two training steps
     its outputs, gradients and delayed scales are those of the same model with the Triton forward
-    forced (the plan told Triton has no Gluon), bit for bit: the backward, the Triton kernels' in
-    both, recomputes from what the two forwards share (two key tiles add into each dQ tile, so in
-    one order)."""
+    forced (the plan told Triton has no Gluon), bit for bit: the backward, the Gluon kernel's in
+    one and the Triton kernel's in the other (the same bits: two key tiles add into each dQ tile,
+    so in one order), recomputes from what the two forwards share."""
     import graphquant
     import models
     from graphquant import zoo

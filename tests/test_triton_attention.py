@@ -62,7 +62,8 @@ def emulated_kernel():
     emulation's own forward on the codes they get (and the logsumexp of its logits); the context it
     yields names the site and the s state the emulation quantizes P with (current scaling where it
     names none) and counts the calls (and those of the Gluon op alone), and those of
-    graphquant::flash_attention_backward (its reference)."""
+    graphquant::flash_attention_backward and graphquant::gluon_flash_attention_backward (their
+    reference; those of the Gluon op alone too)."""
     from graphquant.ops import attention
 
     library = torch.library.Library("graphquant", "IMPL")
@@ -93,16 +94,22 @@ def emulated_kernel():
         context["gluon calls"] = context.get("gluon calls", 0) + 1
         return kernel(*args)
 
+    def gluon_backward_kernel(*args):
+        context["gluon backward calls"] = context.get("gluon backward calls", 0) + 1
+        return backward_kernel(*args)
+
     library.impl("flash_attention", kernel, "CPU")
     library.impl("gluon_flash_attention", gluon_kernel, "CPU")
     library.impl("flash_attention_backward", backward_kernel, "CPU")
+    library.impl("gluon_flash_attention_backward", gluon_backward_kernel, "CPU")
     yield context
     library._destroy()
 
 
-def _select(*args, key_length: int = 128) -> backends.Selection:
-    """backends.select_attention for ``key_length`` keys (a multiple of 16 unless told)."""
-    return backends.select_attention(*args, key_length=key_length)
+def _select(*args, query_length: int = 128, key_length: int = 128) -> backends.Selection:
+    """backends.select_attention for ``query_length`` queries and ``key_length`` keys (multiples of
+    16 unless told)."""
+    return backends.select_attention(*args, query_length=query_length, key_length=key_length)
 
 
 def test_selection_on_hopper(hopper):
@@ -112,7 +119,7 @@ def test_selection_on_hopper(hopper):
     assert _select(cpu, E4M3, E4M3, (64, 64), False).bucket == backends.NATIVE
     zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
     backward = lambda **formats: _select(cpu, E4M3, formats.get("s", zoo["s"]), (64, 64), False, True, formats.get("do", zoo["do"]), formats.get("dp", zoo["dp"]))  # noqa: E731
-    assert backward() == backends.Selection(backends.NATIVE, FLASH)
+    assert backward() == backends.Selection(backends.NATIVE, GLUON)
     assert backward(do=graphquant.parse_spec(DELAYED["do"])).bucket == backends.NATIVE
     refused_backward = {
         "per-tensor FP8 under delayed scaling s, not fp8_current(fp8_dtype=e4m3)": {"s": E4M3},
@@ -135,28 +142,35 @@ def test_selection_on_hopper(hopper):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_forward_is_gluons_and_the_backward_tritons(hopper, head_dim):
+def test_the_forward_and_the_backward_are_gluons(hopper, head_dim):
     """On Hopper where Triton has Gluon, an attention's forward products (causal or unmasked: the
     kernels take no other mask) run on the Gluon forward (the Triton forward's bits, faster there
-    under either mask), the backward's on the Triton backward."""
+    under either mask), the backward's on the Gluon backward."""
     cpu = torch.device("cpu")
     zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
     formats = (zoo["qkv"], zoo["s"], (head_dim, head_dim), False)
     assert _select(cpu, *formats, key_length=2048) == backends.Selection(backends.NATIVE, GLUON)
-    assert _select(cpu, *formats, True, zoo["do"], zoo["dp"], key_length=2048) == backends.Selection(backends.NATIVE, FLASH)
+    assert _select(cpu, *formats, True, zoo["do"], zoo["dp"], key_length=2048) == backends.Selection(backends.NATIVE, GLUON)
 
 
-def test_the_triton_forward_runs_what_the_gluon_forward_cannot(hopper, monkeypatch):
+def test_the_triton_kernels_run_what_the_gluon_kernels_cannot(hopper, monkeypatch):
     """An unmasked attention whose key length is no multiple of 16, or on a Triton without Gluon,
-    gets the Triton forward, with the reason."""
+    gets the Triton forward, with the reason; a backward whose query or key length is no multiple
+    of 16, or on a Triton without Gluon, the Triton backward, with the reason."""
     cpu = torch.device("cpu")
+    zoo = {slot: graphquant.parse_spec(spec) for slot, spec in ZOO.items()}
+    backward = (zoo["qkv"], zoo["s"], (128, 128), False, True, zoo["do"], zoo["dp"])
     assert _select(cpu, E4M3, E4M3, (128, 128), False, key_length=100) == backends.Selection(
         backends.NATIVE, FLASH, "the Gluon forward takes key lengths that are multiples of 16, not 100"
     )
+    for lengths, reason in (({"query_length": 100}, "query lengths that are multiples of 16, not 100"),
+                            ({"key_length": 72, "causal": True}, "key lengths that are multiples of 16, not 72")):
+        assert _select(cpu, *backward, **lengths) == backends.Selection(backends.NATIVE, FLASH, f"the Gluon backward takes {reason}")
     monkeypatch.setattr(backends, "HAS_GLUON", False)
     assert _select(cpu, E4M3, E4M3, (128, 128), False) == backends.Selection(
         backends.NATIVE, FLASH, "the Gluon forward needs Triton with Gluon (triton.experimental.gluon)"
     )
+    assert _select(cpu, *backward) == backends.Selection(backends.NATIVE, FLASH, "the Gluon backward needs Triton with Gluon (triton.experimental.gluon)")
 
 
 def test_selection_elsewhere(monkeypatch):
@@ -218,16 +232,16 @@ def test_plan_shows_the_native_passes_and_the_graph_carries_them(hopper, emulate
 
 def test_plan_and_dump_name_the_gluon_forward_without_a_mask(hopper, emulated_kernel, tmp_path):
     """Without a mask, under the zoo recipe, the plan runs qk and pv on the Gluon forward and the
-    backward's products on the Triton backward; the dumped plan and rewritten graph say so, and the
-    compiled graph calls the Gluon forward's op (not the Triton forward's) and the backward's."""
+    backward's products on the Gluon backward; the dumped plan and rewritten graph say so, and the
+    compiled graph calls the Gluon forward's op (not the Triton forward's) and the Gluon backward's."""
     compiled = graphquant.compile(_unmasked_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager", dump_dir=str(tmp_path))
-    backward_calls = emulated_kernel.get("backward calls", 0)
+    backward_calls = emulated_kernel.get("gluon backward calls", 0)
     assert _forwards_run(emulated_kernel, compiled, _decoder_input()) == (0, 1)
-    assert emulated_kernel["backward calls"] == backward_calls + 1
+    assert emulated_kernel["gluon backward calls"] == backward_calls + 1
     rows = {g.gemm: (g.bucket, g.backend, g.reason) for g in compiled.graphquant.plan.gemms if g.module_type == "dpa"}
-    assert rows == {gemm: (backends.NATIVE, GLUON if gemm in ("qk", "pv") else FLASH, "") for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
+    assert rows == {gemm: (backends.NATIVE, GLUON, "") for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
     assert backends.GLUON_FLASH_ATTENTION in (tmp_path / "graph_000_plan.txt").read_text()
-    assert f"backend={GLUON!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+    assert f"backend={GLUON!r}, backward_backend={GLUON!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
 
 
 def _forwards_run(emulated_kernel, compiled, x) -> tuple[int, int]:
@@ -278,14 +292,14 @@ def _inputs(b=2, hq=4, hkv=2, lq=64, lk=64, d=64, dtype=torch.float32, device="c
     return tuple(t.to(device=device, dtype=dtype) for t in (q * 2, k, v * 3, dout * 1e-3))
 
 
-def test_site_refuses_a_flash_backward_it_cannot_run():
-    AttentionSite(name="attn", call=0, **ZOO, backend=GLUON, backward_backend=FLASH)  # the Triton backward after the Gluon forward
-    with pytest.raises(ValueError, match=r"attn#0: gluon fp8 flash attention is a forward alone; give backward_backend 'triton fp8 flash attention'"):
-        AttentionSite(name="attn", call=0, **ZOO, backend=GLUON, backward_backend=GLUON)
+@pytest.mark.parametrize("backward", [FLASH, GLUON], ids=["triton", "gluon"])
+def test_site_refuses_a_flash_backward_it_cannot_run(backward):
+    for forward in (FLASH, GLUON):  # either backward after either forward
+        AttentionSite(name="attn", call=0, **ZOO, backend=forward, backward_backend=backward)
     with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(the FP8 flash backward takes per-tensor FP8 under delayed scaling s, not fp8_current\(fp8_dtype=e4m3\)\)"):
-        AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=FLASH)
+        AttentionSite(name="attn", call=0, **CURRENT, backend=FLASH, backward_backend=backward)
     with pytest.raises(ValueError, match=r"attn#0: the FP8 flash backward cannot run this site \(its forward does not run on a flash kernel\)"):
-        AttentionSite(name="attn", call=0, **ZOO, backward_backend=FLASH)
+        AttentionSite(name="attn", call=0, **ZOO, backward_backend=backward)
 
 
 def test_flash_site_refuses_a_mask():
@@ -698,17 +712,18 @@ def backward_bound(q, k, v, do, delta, o_dtype, eta, lse_bound, lse64, delta_log
     return dq, dk, dv, rounding, 2 * eps_s.max().item()
 
 
-def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, warm=True, dtype=torch.bfloat16) -> str:
+def check_backward_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, warm=True, dtype=torch.bfloat16, backward=FLASH) -> str:
     """The flash backward's dQ, dK and dV within ``backward_bound`` of the emulation's (the zoo
     recipe's formats: s and dp delayed, their states warmed by one emulated step, so that the
     scales are an earlier step's; not ``warm``: at their initial scale of 1, as a model's first
     step finds them, where most of dS's codes are subnormal), the dp state each leaves within the
-    bound on dS, every other state and O equal; inputs in ``dtype``. Says how much of each bound the
+    bound on dS, every other state and O equal; inputs in ``dtype``; ``backward`` the flash
+    backward's backend (the Triton kernel's, or the Gluon one's). Says how much of each bound the
     errors took."""
     from graphquant.ops.attention import flash_qkv, quantize_do, rowsum_do_o
 
     emulated = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH)
-    native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
+    native = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=backward)
     states = [t if t is None else t.to(device) for t in _states(ZOO)]
     if warm:
         leaves = [t.to(dtype).requires_grad_() for t in _inputs(b, heads, kv_heads, lq, lk, d, device=device, seed=1)[:3]]
@@ -986,16 +1001,16 @@ def test_the_flash_kernels_go_through_triton_once_per_call_signature():
 
 @pytest.mark.gpu
 def test_compiled_decoder_trains_with_the_flash_kernels(tmp_path):
-    """On an H200 the zoo recipe's attention plans the flash forward and backward, the compiled
-    graph (aot_eager: the autograd formula traced, the kernels' ops through their fakes) runs them,
-    and two training steps keep every gradient finite."""
+    """On an H200 the zoo recipe's causal attention plans the Triton flash forward and the Gluon
+    flash backward, the compiled graph (aot_eager: the autograd formula traced, the kernels' ops
+    through their fakes) runs them, and two training steps keep every gradient finite."""
     model = _decoder().cuda()
     x = torch.randn(2, 256, 256, device="cuda")
     recipe = zoo.recipe("nvfp4_linear_fp8_dpa")
     plan = graphquant.explain(model, recipe, x)
-    assert {g.backend for g in plan.gemms if g.module_type == "dpa"} == {FLASH}
+    assert {g.gemm: g.backend for g in plan.gemms if g.module_type == "dpa"} == {gemm: FLASH if gemm in ("qk", "pv") else GLUON for gemm in ("qk", "pv", "dv", "dp", "dq", "dk")}
     compiled = graphquant.compile(model, recipe, backend="aot_eager", dump_dir=str(tmp_path))
     for _ in range(2):
         compiled(x).square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    assert f"backend={FLASH!r}, backward_backend={FLASH!r}" in (tmp_path / "graph_000_rewritten.py").read_text()
+    assert f"backend={FLASH!r}, backward_backend={GLUON!r}" in (tmp_path / "graph_000_rewritten.py").read_text()

@@ -44,13 +44,13 @@ NONE = "none"  # a rejected GEMM's: it must not run
 # The backends that run the emulated GEMM (it takes high-precision operands as they are).
 ON_EMULATION = (HIGH_PRECISION, EMULATION, ATTENTION_EMULATION)
 # The attention kernels that run a site's products themselves (no GEMM call runs them): the Triton
-# forward and backward, and the Gluon forward (graphquant.kernels.gluon_attention, the Triton
-# forward's bits), which has no backward of its own.
+# forward and backward, and the Gluon forward and backward (graphquant.kernels.gluon_attention and
+# gluon_attention_backward, the Triton kernels' bits).
 FLASH_ATTENTION = "triton fp8 flash attention"
 GLUON_FLASH_ATTENTION = "gluon fp8 flash attention"
 ATTENTION_KERNELS = (FLASH_ATTENTION, GLUON_FLASH_ATTENTION)
 FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
-GLUON_KEY_MULTIPLE = 16  # the key lengths the Gluon forward takes are its multiples (gluon_attention.forward says why)
+GLUON_KEY_MULTIPLE = 16  # the lengths the Gluon kernels take are its multiples (gluon_attention.forward says why)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -63,8 +63,8 @@ def _imports(module: str) -> bool:
     return True
 
 
-# Whether the Gluon forward imports: Triton with the Gluon API it is written in.
-HAS_GLUON = HAS_TRITON and _imports("graphquant.kernels.gluon_attention")
+# Whether the Gluon kernels import: Triton with the Gluon API they are written in.
+HAS_GLUON = HAS_TRITON and _imports("graphquant.kernels.gluon_attention") and _imports("graphquant.kernels.gluon_attention_backward")
 # The decode GEMM's kernels where Triton is installed; None elsewhere (no decode GEMM).
 triton_decode = importlib.import_module("graphquant.kernels.triton_decode") if HAS_TRITON else None
 # The native FP8 grouped GEMM's kernels where Triton is installed; None elsewhere.
@@ -548,20 +548,23 @@ def _check_bias(b: Representation, batch: int, site: str, bias: Optional[torch.T
 
 def select_attention(
     device: torch.device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool, backward: bool = False,
-    do: Optional[Quantizer] = None, dp: Optional[Quantizer] = None, *, key_length: Any,
+    do: Optional[Quantizer] = None, dp: Optional[Quantizer] = None, *, query_length: Any, key_length: Any,
 ) -> Selection:
     """How FP8 attention's forward (or, with ``backward``, its backward, whose do and dp formats
     it then takes) runs on ``device`` for the site's qkv and s formats, its (query/key, value) head
-    dims, whether it has an arbitrary mask (causal is not one) and its key length (a torch.SymInt
-    where dynamic: its test becomes a guard of the graph). The FP8 flash
+    dims, whether it has an arbitrary mask (causal is not one) and its query and key lengths
+    (torch.SymInts where dynamic: their tests become guards of the graph). The FP8 flash
     forward (graphquant.kernels.triton_attention) runs per-tensor E4M3 qkv and s, causal or
     unmasked, head dim 64 or 128, on Hopper where Triton is installed; its Gluon twin
     (graphquant.kernels.gluon_attention: the same bits, faster there under either mask) runs it
     instead where Triton has Gluon and the key length is a multiple of GLUON_KEY_MULTIPLE, else
-    the Triton forward does and says why. The backward is the FP8 flash
-    backward (graphquant.kernels.triton_attention_backward) where s and dp are per-tensor FP8 under
-    delayed scaling (their scales known before the kernel sees P and dS) and do per-tensor FP8;
-    else it recomputes S and P through the emulation."""
+    the Triton forward does and says why. The backward is the FP8 flash backward where s and dp
+    are per-tensor FP8 under delayed scaling (their scales known before the kernel sees P and dS)
+    and do per-tensor FP8: the Gluon one (graphquant.kernels.gluon_attention_backward, the Triton
+    backward's bits but for the order of dQ's atomic adds) under either mask where Triton has Gluon
+    and both lengths are multiples of GLUON_KEY_MULTIPLE, else the Triton one
+    (graphquant.kernels.triton_attention_backward), which says why; else it recomputes S and P
+    through the emulation."""
     why = _no_flash_attention(device, qkv, s, head_dims, masked)
     if why:
         return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P materialised")
@@ -569,13 +572,20 @@ def select_attention(
         why = flash_backward_refusal(s, do, dp)
         if why:
             return Selection(EMULATED, GemmBackend(ATTENTION_EMULATION), f"{why}: S and P recomputed and materialised")
-        return Selection(NATIVE, GemmBackend(FLASH_ATTENTION))
+        return _gluon_or_triton("backward", {"query": query_length, "key": key_length})
+    return _gluon_or_triton("forward", {"key": key_length})
+
+
+def _gluon_or_triton(kernel: str, lengths: dict[str, Any]) -> Selection:
+    """The Gluon ``kernel`` (forward or backward) where Triton has Gluon and ``lengths`` (what each
+    is the length of) are multiples of GLUON_KEY_MULTIPLE, else the Triton one, saying why."""
     if not HAS_GLUON:
-        return Selection(NATIVE, GemmBackend(FLASH_ATTENTION), "the Gluon forward needs Triton with Gluon (triton.experimental.gluon)")
-    if key_length % GLUON_KEY_MULTIPLE != 0:
-        return Selection(
-            NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon forward takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {key_length}"
-        )
+        return Selection(NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon {kernel} needs Triton with Gluon (triton.experimental.gluon)")
+    for what, length in lengths.items():
+        if length % GLUON_KEY_MULTIPLE != 0:
+            return Selection(
+                NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon {kernel} takes {what} lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {length}"
+            )
     return Selection(NATIVE, GemmBackend(GLUON_FLASH_ATTENTION))
 
 

@@ -159,8 +159,8 @@ def _consume(
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 32])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     ROW: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    K_LOAD: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
-    VT_LOAD: gl.constexpr = _copy_layout(BLOCK_N, WARPS)
+    K_LOAD: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
+    VT_LOAD: gl.constexpr = copy_layout(BLOCK_N, WARPS)
     k_base, vt_base, vt_stride, copy_end = loads
     tiles = gl.cdiv(end, BLOCK_N)
 
@@ -236,7 +236,7 @@ def _item(w, seq_q, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.constexpr_function
-def _copy_layout(columns, warps):
+def copy_layout(columns, warps):
     """cp.async of 16 bytes a thread, a row of ``columns`` bytes across columns // 16 threads."""
     return gl.BlockedLayout([1, 16], [32 * 16 // columns, columns // 16], [warps, 1], [1, 0])
 
@@ -244,7 +244,7 @@ def _copy_layout(columns, warps):
 @gluon.jit
 def _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
     """cp.async of Q's rows [row0, row0 + ROWS) (those from seq_q on as zeros)."""
-    layout: gl.constexpr = _copy_layout(HEAD_DIM, WARPS)
+    layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
     q_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     q_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(q_smem, Q + (bh * seq_q + q_rows)[:, None] * HEAD_DIM + q_d[None, :], mask=(q_rows < seq_q)[:, None])
@@ -263,7 +263,7 @@ def _produce(
         stage = t % STAGES
         mbarrier.wait(empty.index(stage), (t // STAGES + 1) & 1, pred=t >= STAGES)
         _load_tile(k_smem.index(stage), vt_smem.index(stage), k_base, vt_base, vt_stride, t * BLOCK_N, end, HEAD_DIM, BLOCK_N,
-                   OPERAND_ORDER, _copy_layout(HEAD_DIM, COPY_WARPS), _copy_layout(BLOCK_N, COPY_WARPS))
+                   OPERAND_ORDER, copy_layout(HEAD_DIM, COPY_WARPS), copy_layout(BLOCK_N, COPY_WARPS))
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
@@ -310,7 +310,7 @@ def _forward_kernel(
         _copy_q(q_smem, Q, bh, row0, seq_q, HEAD_DIM, BLOCK_M, NUM_WARPS)
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
             _load_tile(k_smem.index(i), vt_smem.index(i), k_base, vt_base, vt_stride, i * BLOCK_N, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER,
-                       _copy_layout(HEAD_DIM, NUM_WARPS), _copy_layout(BLOCK_N, NUM_WARPS))
+                       copy_layout(HEAD_DIM, NUM_WARPS), copy_layout(BLOCK_N, NUM_WARPS))
         _consume(q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, P_AMAX, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end,
                  end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
 

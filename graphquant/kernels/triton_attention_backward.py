@@ -87,6 +87,24 @@ def _cast(x, scale, CODE: tl.constexpr):
 
 
 @triton.jit
+def transposed_p(st, lse, qk_scale):
+    """P^T of a tile from S^T = K @ Q^T (keys down, query rows across) and the rows' base-2 logsumexp."""
+    return tl.math.exp2(st * qk_scale - lse[None, :])
+
+
+@triton.jit
+def transposed_ds(pt, dpt, delta, dp_factor):
+    """dS^T = P^T * (dP^T - D) of a tile, dP^T = V @ dO^T of the codes (dequantized by dp_factor)."""
+    return pt * (dpt * dp_factor - delta[None, :])
+
+
+@triton.jit
+def abs_bits_max(ds_amax, dst):
+    """The largest |dS| a key has seen, as the bits of a float32 (NaN above infinity)."""
+    return tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+
+
+@triton.jit
 def _rows(X, first, offs, valid, offs_d, HEAD_DIM: tl.constexpr):
     """Rows first + offs (0 where not valid) of a (rows, HEAD_DIM) tensor."""
     return tl.load(X + (first + offs)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -119,15 +137,15 @@ def _query_tiles(
         delta = tl.load(DELTA + first + offs_m, mask=rows, other=0.0)
         st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))
-        pt = tl.math.exp2(st * qk_scale - lse[None, :])
+        pt = transposed_p(st, lse, qk_scale)
         if MASKED:
             visible = offs_n[:, None] < seq_k
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
             pt = tl.where(visible, pt, 0.0)
-        dst = pt * (dpt * dp_factor - delta[None, :])
+        dst = transposed_ds(pt, dpt, delta, dp_factor)
         dv += tl.dot(_cast(pt, s_scale, P_CODE), tl.trans(dot))
-        ds_amax = tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+        ds_amax = abs_bits_max(ds_amax, dst)
         dst8 = _cast(dst, dp_scale, DS_CODE)
         dk += tl.dot(dst8, tl.trans(qt))
         dq = tl.dot(tl.trans(dst8), tl.trans(kt)) * grad_factor
@@ -210,6 +228,27 @@ def _backward_kernel(
     tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
 
 
+def prepared(
+    q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
+    do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The outputs a backward fills (dQ, dK, dV and the bits of dS's amax: see ``backward``) and
+    its inputs contiguous; refuses codes that do not fit one another."""
+    b, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    if heads % kv_heads or k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
+        raise ValueError(
+            f"FP8 flash attention backward: q {tuple(q.shape)}, qt {tuple(qt.shape)}, k {tuple(k.shape)}, kt {tuple(kt.shape)}, "
+            f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
+        )
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    allocate = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
+    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
+    dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
+    ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
+    return (dq, dk, dv, ds_amax), tuple(t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
+
+
 def backward(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
     do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
@@ -224,21 +263,11 @@ def backward(
     ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    if heads % kv_heads or k.shape[3] != head_dim or v.shape != k.shape or qt.shape != (head_dim, b * heads * seq_q) or kt.shape != (head_dim, b * kv_heads * seq_k) or do.shape != q.shape or dot.shape != qt.shape:
-        raise ValueError(
-            f"FP8 flash attention backward: q {tuple(q.shape)}, qt {tuple(qt.shape)}, k {tuple(k.shape)}, kt {tuple(kt.shape)}, "
-            f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
-        )
     c = config or DEFAULT_CONFIG
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    allocate = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
-    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
-    dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
-    ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
-    q, qt, k, kt, v, do, dot, lse, delta = (t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
+    (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta)
     launch(
         _backward_kernel, (triton.cdiv(seq_k, c.block_n) * b * heads,),
-        q, qt, k, kt, v, do, dot, lse, delta, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
+        *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
         num_warps=c.num_warps, num_stages=c.num_stages,

@@ -26,8 +26,9 @@ graphquant.kernels.gluon_attention with the same bits: ``FlashAttention``), it r
 ``emulated_forward``: it receives the same quantized Q, K and V (bit for bit) but
 quantizes P tile by tile as its online softmax sees it, so O can differ from the emulation's
 (within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
-(graphquant.kernels.triton_attention_backward) where the plan chose it (s and dp under delayed
-scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
+(graphquant.kernels.triton_attention_backward, or its Gluon twin
+graphquant.kernels.gluon_attention_backward with the same bits but for the order of dQ's atomic
+adds: ``FLASH_BACKWARDS``) where the plan chose it (s and dp under delayed scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
 logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
 differ from the emulation's (within the bound ``backward_bound`` there derives); elsewhere the
 backward recomputes S and P through the emulation.
@@ -72,9 +73,7 @@ class AttentionSite:
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __post_init__(self) -> None:
-        if self.backward_backend.name == backends.GLUON_FLASH_ATTENTION:
-            raise ValueError(f"{self.label}: {self.backward_backend} is a forward alone; give backward_backend {backends.FLASH_ATTENTION!r}")
-        if self.backward_backend.name == backends.FLASH_ATTENTION:
+        if self.backward_backend.name in backends.ATTENTION_KERNELS:
             flash_forward = self.backend.name in backends.ATTENTION_KERNELS
             why = "its forward does not run on a flash kernel" if not flash_forward else backends.flash_backward_refusal(
                 self.quantizer("s"), self.quantizer("do"), self.quantizer("dp")
@@ -182,8 +181,8 @@ class FlashAttention(torch.autograd.Function):
     """Attention whose forward is the FP8 flash kernel the site's backend names
     (graphquant::flash_attention, or graphquant::gluon_flash_attention with the same bits:
     ``FLASH_FORWARDS``) and whose
-    backward is the FP8 flash backward (graphquant::flash_attention_backward) where the site's
-    backward_backend says so, else the emulation's, recomputing S and P from the saved Q, K, V
+    backward is the FP8 flash backward the site's backward_backend names (graphquant::flash_attention_backward,
+    or graphquant::gluon_flash_attention_backward: ``FLASH_BACKWARDS``) where it names one, else the emulation's, recomputing S and P from the saved Q, K, V
     codes.
 
     Q, K and V are quantized as the emulation quantizes them (their joint per-tensor scale, the
@@ -224,7 +223,7 @@ class FlashAttention(torch.autograd.Function):
         groups, lk = h // k_shape[1], k_shape[2]
         do_state = SlotState(do_delayed, None, 0, site.amax_group)
         dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
-        if site.backward_backend.name == backends.FLASH_ATTENTION:
+        if site.backward_backend.name in backends.ATTENTION_KERNELS:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state)
             return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
@@ -291,7 +290,7 @@ def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, c
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_row.tensors[1], s_scale, torch.reciprocal(s_scale), dp_scale, torch.reciprocal(dp_scale))])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, d))  # noqa: E731
     dp_quantizer = site.quantizer("dp")
-    dq, dk, dv, ds_amax = torch.ops.graphquant.flash_attention_backward(
+    dq, dk, dv, ds_amax = FLASH_BACKWARDS[site.backward_backend.name](
         q, transposed(q), k, transposed(k), v, do_row.tensors[0].view(q.shape), do_col.tensors[0], lse, delta, scales,
         softmax_scale, causal, site.quantizer("s").kernel_encoding(ROWWISE).element, dp_quantizer.kernel_encoding(ROWWISE).element,
     )
@@ -327,9 +326,15 @@ def flash_attention_backward_reference(
     return ds8 @ kf * factor, *(_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv)), fp8.tensor_amax(ds)
 
 
-registry.op("flash_attention_backward")(flash_attention_backward_reference)
+# The op of each flash backward's backend: the Triton backward's, and the Gluon backward's (its bits
+# but for the order of dQ's atomic adds).
+FLASH_BACKWARDS = {
+    backends.FLASH_ATTENTION: registry.op("flash_attention_backward")(flash_attention_backward_reference),
+    backends.GLUON_FLASH_ATTENTION: registry.op("gluon_flash_attention_backward")(flash_attention_backward_reference),
+}
 
 
+@registry.fake("gluon_flash_attention_backward")
 @registry.fake("flash_attention_backward")
 def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dtype, ds_dtype):
     b, h, lq, d = q.shape
@@ -386,9 +391,10 @@ else:
 
     registry.cuda_kernel("flash_attention")(triton_attention.forward)
     if backends.HAS_GLUON:
-        from graphquant.kernels import gluon_attention
+        from graphquant.kernels import gluon_attention, gluon_attention_backward
 
         registry.cuda_kernel("gluon_flash_attention")(gluon_attention.forward)
+        registry.cuda_kernel("gluon_flash_attention_backward")(gluon_attention_backward.backward)
     registry.cuda_kernel("flash_attention_backward")(triton_attention_backward.backward)
     registry.cuda_kernel("joint_amax")(triton_joint_fp8.joint_amax)
     registry.cuda_kernel("joint_cast")(triton_joint_fp8.joint_cast)

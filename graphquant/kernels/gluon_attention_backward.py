@@ -1,0 +1,295 @@
+"""FP8 flash-attention backward for Hopper (sm_90) in Gluon: the Triton backward's numerics
+(graphquant.kernels.triton_attention_backward), with its products issued asynchronously.
+
+Triton waits for each wgmma whose operand is in registers, so its backward runs its five products
+one after another. Here a program (a key tile of BLOCK_N keys of one (batch, query head), two
+warpgroups of 64 keys each) walks the query tiles BLOCK_M rows at a time, their Q, Q^T, dO, dO^T,
+logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
+
+    issue S^T = K @ Q^T and dP^T = V @ dO^T           tensor cores
+    wait for S^T; P^T                                  meanwhile dP^T
+    wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
+    shared memory, the A operands of the next products
+    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, add it into DQ by atomic adds;
+    then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
+    adding the one it waited for into its fp32 accumulator
+
+Every value is the Triton backward's in its default configuration (``triton_config``): each
+product from zero over the same depth in the same order (S^T and dP^T over the head dim, dV and
+dK over the BLOCK_M rows, dQ over the BLOCK_N keys) and added in fp32 as Triton adds it, the
+query tiles walked in the same order, the elementwise steps the Triton kernel's own helpers. dK
+and dV are kept in halves of the head dim (a product's columns are independent sums: the same
+bits) so that two products' partial sums fit in the registers beside them. Every tile is masked
+(where Triton's is not, every row sees every key: the same bits). dQ's atomic adds, as Triton's,
+meet in no fixed order: two key tiles' sums are the same bits either way, more may differ in
+dQ's last bits (tests/test_gluon_attention_backward.py).
+
+Q^T, dO^T and K^T arrive by cp.async, 16 bytes a thread, so query and key lengths must be
+multiples of 16 (GLUON_KEY_MULTIPLE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from graphquant.kernels import triton_attention, triton_attention_backward
+from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
+from graphquant.kernels.gluon_attention import copy_layout
+from graphquant.kernels.triton_launch import launch
+
+NUM_WARPS = gl.constexpr(8)  # two warpgroups, 64 keys each of the program's 128
+BLOCK_M = gl.constexpr(64)  # query rows a tile: the Triton backward's default
+BLOCK_N = gl.constexpr(128)  # keys a program: the Triton backward's default
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonBackwardConfig:
+    """The Gluon backward's schedule: num_stages query tiles (Q, Q^T, dO, dO^T) in shared memory."""
+
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        # K, V, K^T and dS stay in shared memory beside the stages: 5 stages of 32 KB fill it at head dim 128
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: num_stages from 2 to 4")
+
+
+DEFAULT_CONFIG = GluonBackwardConfig()
+
+
+def triton_config() -> triton_attention_backward.BackwardConfig:
+    """The Triton backward's configuration whose bits the Gluon backward's are."""
+    return triton_attention_backward.BackwardConfig(block_m=BLOCK_M.value, block_n=BLOCK_N.value, num_warps=NUM_WARPS.value)
+
+
+@gluon.jit
+def _load_query_tile(
+    stages, slot, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, seq_q, qt_stride,
+    HEAD_DIM: gl.constexpr, ROWS_LOAD: gl.constexpr, COLUMNS_LOAD: gl.constexpr, VECTOR_LOAD: gl.constexpr,
+):
+    """Copy query rows [start_m, start_m + BLOCK_M) of Q and dO, their columns of Q^T and dO^T
+    and their logsumexp and D (rows from seq_q on as zeros; the bases those of the program's
+    (batch, head)) into slot ``slot`` of each of ``stages``, as one cp.async group."""
+    q_slot, qt_slot, do_slot, dot_slot = stages[0].index(slot), stages[1].index(slot), stages[2].index(slot), stages[3].index(slot)
+    lse_slot, delta_slot = stages[4].index(slot), stages[5].index(slot)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROWS_LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS_LOAD))
+    offsets = rows[:, None] * HEAD_DIM + d[None, :]
+    async_copy.async_copy_global_to_shared(q_slot, q_base + offsets, mask=(rows < seq_q)[:, None])
+    async_copy.async_copy_global_to_shared(do_slot, do_base + offsets, mask=(rows < seq_q)[:, None])
+    columns = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, COLUMNS_LOAD))
+    dt = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, COLUMNS_LOAD))
+    offsets_t = dt[:, None] * qt_stride + columns[None, :]
+    async_copy.async_copy_global_to_shared(qt_slot, qt_base + offsets_t, mask=(columns < seq_q)[None, :])
+    async_copy.async_copy_global_to_shared(dot_slot, dot_base + offsets_t, mask=(columns < seq_q)[None, :])
+    vector = start_m + gl.arange(0, BLOCK_M, layout=VECTOR_LOAD)
+    async_copy.async_copy_global_to_shared(lse_slot, lse_base + vector, mask=vector < seq_q)
+    async_copy.async_copy_global_to_shared(delta_slot, delta_base + vector, mask=vector < seq_q)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM: gl.constexpr):
+    """Copy the program's keys of K, V and K^T (keys from seq_k on as zeros), as one cp.async group."""
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_N, NUM_WARPS)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROWS_LOAD))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS_LOAD))
+    offsets = (kv_first + keys)[:, None] * HEAD_DIM + d[None, :]
+    async_copy.async_copy_global_to_shared(k_smem, K + offsets, mask=(keys < seq_k)[:, None])
+    async_copy.async_copy_global_to_shared(v_smem, V + offsets, mask=(keys < seq_k)[:, None])
+    columns = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, COLUMNS_LOAD))
+    dt = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, COLUMNS_LOAD))
+    async_copy.async_copy_global_to_shared(kt_smem, KT + dt[:, None] * kt_stride + (kv_first + columns)[None, :], mask=(columns < seq_k)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
+    """P^T with 0 where a key is past seq_k or (CAUSAL) after the row: the Triton kernel's mask,
+    one comparison a value. Every tile is masked: where the Triton kernel leaves a tile unmasked,
+    every row sees every key, and the mask changes no bit."""
+    if CAUSAL:
+        visible = offs_n[:, None] <= gl.minimum(offs_m, seq_k - 1)[None, :]
+    else:
+        visible = (offs_n < seq_k)[:, None]
+    return gl.where(visible, pt, 0.0)
+
+
+@gluon.jit
+def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
+    """One half of dK or dV, scaled: stored, or (grouped) added into its key/value head's."""
+    if GROUPS == 1:
+        gl.store(X + out, x * factor, mask=keys[:, None])
+    else:
+        gl.atomic_add(X + out, x * factor, mask=keys[:, None], sem="relaxed")
+
+
+@gluon.jit
+def _backward_kernel(
+    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+    P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
+):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 32])
+    KV_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HALF, 32])
+    DQ_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS // 2, 2], instr_shape=[16, HALF, 32])
+    KEYS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    ROWS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
+    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
+
+    # A one-dimensional grid, key tiles fastest, as the Triton kernel's.
+    tiles = gl.cdiv(seq_k, BLOCK_N)
+    tile = gl.program_id(0) % tiles
+    bh = (gl.program_id(0) // tiles).to(gl.int64)  # (batch, query head)
+    kv_bh = bh // GROUPS
+    start_n = tile * BLOCK_N
+    first = bh * seq_q
+    kv_first = kv_bh * seq_k
+
+    qkv_inv, do_inv = gl.load(SCALES), gl.load(SCALES + 1)
+    s_scale, dp_scale, dp_inv = gl.load(SCALES + 2), gl.load(SCALES + 4), gl.load(SCALES + 5)
+    qk_scale = triton_attention.logit_scale(qkv_inv, softmax_scale)
+    dp_factor = do_inv * qkv_inv
+    grad_factor = dp_inv * qkv_inv * softmax_scale
+
+    # The Triton kernel's walk: from the first tile with a row that sees a key (under a causal mask).
+    lo = 0
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+    steps = gl.cdiv(gl.maximum(seq_q - lo, 0), BLOCK_M)
+
+    ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float8e4nv)
+    COLUMNS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.float8e4nv)
+    KEYS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)
+    KT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+    DS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KEYS_SMEM)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KEYS_SMEM)
+    kt_smem = gl.allocate_shared_memory(KT.dtype.element_ty, [HEAD_DIM, BLOCK_N], KT_SMEM)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_M, HEAD_DIM], ROWS_SMEM)
+    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [STAGES, BLOCK_M, HEAD_DIM], ROWS_SMEM)
+    qt_smem = gl.allocate_shared_memory(QT.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_M], COLUMNS_SMEM)
+    dot_smem = gl.allocate_shared_memory(DOT.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_M], COLUMNS_SMEM)
+    TRANSPOSED_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float8e4nv)
+    pt_smem = gl.allocate_shared_memory(P_CODE, [BLOCK_N, BLOCK_M], TRANSPOSED_SMEM)
+    dst_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_N, BLOCK_M], TRANSPOSED_SMEM)
+    ds_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_M, BLOCK_N], DS_SMEM)
+    VECTOR_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
+
+    bases = (Q + first * HEAD_DIM, QT + first, DO + first * HEAD_DIM, DOT + first, LSE + first, DELTA + first)
+    stages = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+    _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM)
+    for i in gl.static_range(STAGES - 1):
+        _load_query_tile(stages, i, *bases, lo + i * BLOCK_M, seq_q, qt_stride,
+                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
+
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=KEYS)
+    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_LAYOUT)
+    zeros_kv = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    zeros_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, DQ_LAYOUT)
+    dv0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    dv1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    dk0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    dk1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    ds_amax = gl.zeros([BLOCK_N], gl.int32, KEYS)
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DQ_LAYOUT))
+    dq_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, DQ_LAYOUT))
+    kt = kt_smem.permute((1, 0))
+    dq_base = DQ + first * HEAD_DIM
+
+    for j in range(steps):
+        # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
+        # the stage the next copy overwrites, whose products it waited for in the previous iteration).
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        ahead = j + STAGES - 1
+        _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
+                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
+        stage = j % STAGES
+        start_m = lo + j * BLOCK_M
+        st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+
+        st = warpgroup_mma_wait(1, deps=[st])
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=ROWS)
+        lse = gl.where(offs_m < seq_q, lse_smem.index(stage).load(ROWS), float("inf")) * 1.4426950408889634  # log2(e)
+        pt = _masked(triton_attention_backward.transposed_p(st, lse, qk_scale), offs_n, offs_m, seq_k, CAUSAL)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        dst = triton_attention_backward.transposed_ds(pt, dpt, delta_smem.index(stage).load(ROWS), dp_factor)
+        ds_amax = triton_attention_backward.abs_bits_max(ds_amax, dst)
+        # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory:
+        # the previous tile's products that read them were waited for before this iteration's first barrier.
+        pt_smem.store(triton_attention_backward._cast(pt, s_scale, P_CODE))
+        ds8 = triton_attention_backward._cast(dst, dp_scale, DS_CODE)
+        dst_smem.store(ds8)
+        ds_smem.store(gl.permute(ds8, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        dot = dot_smem.index(stage)
+        qt = qt_smem.index(stage)
+        dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
+        dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(1, deps=[dq])
+        dq = dq * grad_factor
+        m = start_m + dq_rows
+        gl.atomic_add(dq_base + m[:, None] * HEAD_DIM + dq_d[None, :], dq, mask=(m < seq_q)[:, None], sem="relaxed")
+        dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+        dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
+        dv0 = dv0 + dv0_tile
+        dk0_tile = warpgroup_mma(dst_smem, qt.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+        dv1_tile = warpgroup_mma_wait(1, deps=[dv1_tile])
+        dv1 = dv1 + dv1_tile
+        dk1_tile = warpgroup_mma(dst_smem, qt.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+        dk0_tile = warpgroup_mma_wait(1, deps=[dk0_tile])
+        dk0 = dk0 + dk0_tile
+        dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
+        dk1 = dk1 + dk1_tile
+    async_copy.wait_group(0)
+
+    keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
+    d_out = gl.arange(0, HALF, layout=gl.SliceLayout(0, KV_LAYOUT))
+    out = (kv_first + keys_out)[:, None] * HEAD_DIM + d_out[None, :]
+    keys = keys_out < seq_k
+    dv_factor = gl.load(SCALES + 3) * gl.load(SCALES + 1)  # loaded again: registers the loop needs
+    _store_half(DV, out, dv0, dv_factor, keys, GROUPS)
+    _store_half(DV, out + HALF, dv1, dv_factor, keys, GROUPS)
+    _store_half(DK, out, dk0, grad_factor, keys, GROUPS)
+    _store_half(DK, out + HALF, dk1, grad_factor, keys, GROUPS)
+    gl.atomic_max(DS_AMAX_BITS, gl.max(gl.where(offs_n < seq_k, ds_amax, 0), 0))
+
+
+def backward(
+    q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
+    do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
+    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, config: Optional[GluonBackwardConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``triton_attention_backward.backward``'s results and arguments, bit for bit those of its
+    ``triton_config()`` but for the order of dQ's atomic adds (``config`` defaults to
+    DEFAULT_CONFIG), on Hopper only, for query and key lengths that are multiples of 16."""
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    if seq_q % GLUON_KEY_MULTIPLE or seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
+        raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_q} and {seq_k}")
+    (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta)
+    b, heads, _, head_dim = q.shape
+    launch(
+        _backward_kernel, (triton.cdiv(seq_k, BLOCK_N.value) * b * heads,),
+        *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
+        heads // k.shape[1], head_dim, causal, (config or DEFAULT_CONFIG).num_stages,
+        P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
+        num_warps=NUM_WARPS.value,
+    )
+    return dq, dk, dv, ds_amax.view(torch.float32)
