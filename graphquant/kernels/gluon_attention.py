@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrie
 from graphquant.formats import fp8
 from graphquant.kernels import triton_attention
 from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, each 64 query rows of the 128: the Triton kernel's default split
 COPY_WARPS = gl.constexpr(4)  # warp-specialized, the partition that copies the tiles: one warpgroup
@@ -327,7 +327,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
-        _forward_kernel, (triton.cdiv(seq_q, triton_attention.TILE_ROWS) * b * heads,),
+        _forward_kernel, (ceil_div(seq_q, triton_attention.TILE_ROWS) * b * heads,),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
         config.operand_order, config.warp_specialize,

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from graphquant.kernels import triton_attention, triton_attention_backward
 from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
 from graphquant.kernels.gluon_attention import copy_layout
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, 64 keys each of the program's 128
 BLOCK_M = gl.constexpr(64)  # query rows a tile: the Triton backward's default
@@ -286,7 +286,7 @@ def backward(
     (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta)
     b, heads, _, head_dim = q.shape
     launch(
-        _backward_kernel, (triton.cdiv(seq_k, BLOCK_N.value) * b * heads,),
+        _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),
         *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // k.shape[1], head_dim, causal, (config or DEFAULT_CONFIG).num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],

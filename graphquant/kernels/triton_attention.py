@@ -44,7 +44,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.kernels.backends import FLASH_HEAD_DIMS
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 
 # The default tile: 128 query rows a program over 128 keys at a time.
 TILE_ROWS = 128
@@ -316,7 +316,7 @@ def forward(
     (o, lse, p_amax), (q, k, vt) = prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
-        _forward_kernel, (triton.cdiv(seq_q, config.block_m), b * heads),
+        _forward_kernel, (ceil_div(seq_q, config.block_m), b * heads),
         q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
         config.pv_promotion, config.warp_specialize, config.qk_ahead,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from graphquant.kernels.triton_attention import logit_scale
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +266,7 @@ def backward(
     c = config or DEFAULT_CONFIG
     (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta)
     launch(
-        _backward_kernel, (triton.cdiv(seq_k, c.block_n) * b * heads,),
+        _backward_kernel, (ceil_div(seq_k, c.block_n) * b * heads,),
         *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // kv_heads, head_dim, causal, c.block_m, c.block_n, c.stagger,
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
 from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims
 
@@ -878,11 +878,11 @@ def block_codes(x: torch.Tensor, quantizer: Quantizer) -> Representation:
     representation, bit for bit the reference's."""
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    blocks = triton.cdiv(k, 128)
+    blocks = ceil_div(k, 128)
     rule = _rule(quantizer, 0)
     codes = torch.empty((m, k), dtype=fp8.FP8_DTYPES[rule[0]], device=x.device)
     scale = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
-    launch(_block_codes_kernel, (m, triton.cdiv(blocks, 8)), x, codes, scale, m, k, x.stride(0), RULE=rule, BLOCKS=8)
+    launch(_block_codes_kernel, (m, ceil_div(blocks, 8)), x, codes, scale, m, k, x.stride(0), RULE=rule, BLOCKS=8)
     return quantizer.representation(ROWWISE, (m, k), x.dtype, codes, scale.t())
 
 
@@ -920,7 +920,7 @@ def _in_words(args: tuple) -> tuple:
     codes past K are multiplied with the block's scale)."""
     data, *rest = args
     if data.data_ptr() % 16 or data.stride(0) % 8:
-        data = torch.zeros((data.shape[0], -(-data.shape[1] // 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
+        data = torch.zeros((data.shape[0], ceil_div(data.shape[1], 16) * 16), dtype=data.dtype, device=data.device)[:, : data.shape[1]].copy_(args[0])
     return (data, *rest[:2], data.stride(0) // 8, *rest[3:])
 
 
@@ -929,11 +929,11 @@ def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple
     same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
     Triton's interpreter) in place of the codes, their row stride in values."""
     data, scale, factor, stride_words, *scale_strides = args
-    padded = triton.cdiv(k, K_CHUNK) * K_CHUNK  # values a row: every pair's words, padded (_padded_words)
+    padded = ceil_div(k, K_CHUNK) * K_CHUNK  # values a row: every pair's words, padded (_padded_words)
     dtype = torch.float16 if operand == F16_VALUES else torch.float32 if triton.knobs.runtime.interpret else torch.bfloat16
     values = torch.empty((m, padded), dtype=dtype, device=data.device)
     launch(
-        _a_values_kernel, (triton.cdiv(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16))),
+        _a_values_kernel, (ceil_div(m, 16), padded // (16 * (8 if operand == BF16_VALUES else 16))),
         data, scale, values, m, k, stride_words, *scale_strides, values.stride(0),
         OPERAND=operand, ASM=not triton.knobs.runtime.interpret, ONE_DOT=one_dot, CHUNK=K_CHUNK, BLOCK_R=16, WORDS=16,
     )
@@ -970,8 +970,8 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
     """How many programs share each tile's K: enough for about ``tiles_per_sm`` programs per SM
     (each BLOCK_N rows of B against a tile of A's rows), each split at least K_CHUNK columns."""
     sms = _multiprocessors(device)
-    wanted = triton.cdiv(tiles_per_sm * sms, triton.cdiv(n, block_n) * row_tiles)
-    return max(1, min(wanted, triton.cdiv(k, K_CHUNK)))
+    wanted = ceil_div(tiles_per_sm * sms, ceil_div(n, block_n) * row_tiles)
+    return max(1, min(wanted, ceil_div(k, K_CHUNK)))
 
 
 # Each K-split launch's arrival counters (_write), a zero int32 a tile, per device and stream:
@@ -1032,13 +1032,13 @@ def gemm(
     if config is not None:
         _check_tiling(config, b_layout.operand, families)
     block_m = config.block_m if config else ONE_TILE_ROWS
-    row_tiles = triton.cdiv(m, block_m)
+    row_tiles = ceil_div(m, block_m)
     splits, k_chunks = _k_split(n, k, a.data.device, config, row_tiles)
     ends = _ends(bias, torch.empty((m, n), dtype=out_dtype, device=a.data.device), splits)
     out = arrivals = ends[2]  # no counters where K is not split
     if splits > 1:
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
-        arrivals = _arrivals(out.device, triton.cdiv(n, block_n) * row_tiles)
+        arrivals = _arrivals(out.device, ceil_div(n, block_n) * row_tiles)
     factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
@@ -1053,12 +1053,12 @@ def gemm(
     whole_tiles = in_words and k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0
     if config is None:
         _launch_autotuned(
-            lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, b_layout,
+            lambda meta: (ceil_div(n, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, b_layout,
             (*b_args, *ends), arrivals, m, n, k, k_chunks, splits > 1, rule,
         )
     elif config.fma:
         launch(
-            _fma_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
+            _fma_kernel, (ceil_div(n, config.block_n), splits, row_tiles),
             *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
             **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             STAGES=config.stages,
@@ -1066,7 +1066,7 @@ def gemm(
         )
     else:
         launch(
-            _decode_kernel, (triton.cdiv(n, config.block_n), splits, row_tiles),
+            _decode_kernel, (ceil_div(n, config.block_n), splits, row_tiles),
             *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK,
             OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
             A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
@@ -1108,13 +1108,13 @@ def gemms_sharing_a(
     if k != k2:
         raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
     _families(a, bs[0], m, None)
-    row_tiles = triton.cdiv(m, ONE_TILE_ROWS)
+    row_tiles = ceil_div(m, ONE_TILE_ROWS)
     splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
     ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), splits) for bias, rows in zip(biases, (n, n2))]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
-    arrivals = _arrivals(a.data.device, (triton.cdiv(n, least_block_n) + triton.cdiv(n2, least_block_n)) * row_tiles)
+    arrivals = _arrivals(a.data.device, (ceil_div(n, least_block_n) + ceil_div(n2, least_block_n)) * row_tiles)
     _launch_autotuned(
-        lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) + triton.cdiv(n2, meta["BLOCK_N"]), splits, row_tiles),
+        lambda meta: (ceil_div(n, meta["BLOCK_N"]) + ceil_div(n2, meta["BLOCK_N"]), splits, row_tiles),
         a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
         PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2,
     )
@@ -1172,8 +1172,8 @@ def _k_split(n: int, k: int, device: torch.device, config: Optional[DecodeConfig
         splits = split_k(n, k, device, config.tiles_per_sm, config.block_n, row_tiles)
     else:
         splits = split_k(n, k, device, AUTOTUNED_TILES_PER_SM, 64, row_tiles)
-    k_chunks = triton.cdiv(triton.cdiv(k, splits), K_CHUNK)
-    return triton.cdiv(k, k_chunks * K_CHUNK), k_chunks
+    k_chunks = ceil_div(ceil_div(k, splits), K_CHUNK)
+    return ceil_div(k, k_chunks * K_CHUNK), k_chunks
 
 
 def _launch_autotuned(

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.kernels.triton_launch import ceil_div
+
 # Programs cover BLOCK_ROWS x BLOCK_COLS elements in 2-D, so no index needs a division by a
 # runtime width (64-bit divisions per element cost more than the bytes they move).
 BLOCK_ROWS, BLOCK_COLS = 16, 256
@@ -232,7 +234,7 @@ def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> t
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     rows, cols = data.shape
-    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols, BLOCK_COLS))
     _mxfp8_kernel[grid](
         data, scale, out, rows, cols, *scale.stride(), ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS
     )
@@ -244,6 +246,6 @@ def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((rows, cols), dtype=torch.bfloat16, device=packed.device)
-    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols // 2, BLOCK_COLS // 2))
+    grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols // 2, BLOCK_COLS // 2))
     _nvfp4_kernel[grid](packed, scale, out, rows, cols, BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2)
     return out

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.formats.groups import GROUP_ROWS
+from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
 
 BACKEND = "triton fp8 grouped"
@@ -319,7 +320,7 @@ def tokens_by_experts(
         per_group = b.data.shape[1] // groups
         strides = (per_group * b.data.stride(1), b.data.stride(1), b.data.stride(0))
     sa, sb = _token_scales(a, a_group, groups), _expert_scales(b, b_group, groups)
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (ceil_div(rows, meta["BLOCK_M"]) * ceil_div(n, meta["BLOCK_N"]),)  # noqa: E731
     _tokens_by_experts[grid](
         _codes(a), _codes(b), out, a_group, source, ends, groups, rows, n, k,
         *a.data.stride(), *strides, out.stride(0),
@@ -341,7 +342,7 @@ def tokens_by_tokens(
     n = b.data.shape[0]
     out = torch.empty((groups, m, n), dtype=out_dtype, device=a.data.device)
     sa, sb = _token_scales(a, a_group, groups), _token_scales(b, b_group, groups)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), groups)  # noqa: E731
+    grid = lambda meta: (ceil_div(m, meta["BLOCK_M"]) * ceil_div(n, meta["BLOCK_N"]), groups)  # noqa: E731
     _tokens_by_tokens[grid](
         _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.kernels.triton_launch import ceil_div
+
 # Tiles along the grouped rows divide the layout's 128-row alignment.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 
@@ -77,7 +79,7 @@ def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, row_group: torch.T
     rows, k = a.shape
     n = experts.shape[2]
     out = torch.empty((rows, n), dtype=torch.float32, device=a.device)
-    grid = (rows // BLOCK_M, triton.cdiv(n, BLOCK_N))
+    grid = (rows // BLOCK_M, ceil_div(n, BLOCK_N))
     _tokens_by_experts[grid](
         a, experts, out, row_group, n, k, *a.stride(), *experts.stride(),
         IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
@@ -90,7 +92,7 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
     m, n = a.shape[1], b.shape[1]
     groups = ends.shape[0]
     out = torch.empty((groups, m, n), dtype=torch.float32, device=a.device)
-    grid = (groups, triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (groups, ceil_div(m, BLOCK_M), ceil_div(n, BLOCK_N))
     _tokens_by_tokens[grid](
         a, b, out, ends, m, n, *a.stride(), *b.stride(), IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K
     )

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.kernels import triton_transpose
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes
 
 _ROWS = 64  # rows of one tile: 64 x 128 bf16 is 16 KiB
@@ -99,7 +99,7 @@ def _launch(tensors: list[torch.Tensor], amax_bits=None, codes=None, scale=None,
         for i in range(start, start + _PER_LAUNCH):
             if i < len(tensors):
                 x, b, h, length, d, *strides = _heads(tensors[i])
-                tiles = b * h * -(-length // _ROWS)  # ceil division: triton.cdiv is a constexpr function, slow from the host
+                tiles = b * h * ceil_div(length, _ROWS)
                 args += [x, None if codes is None else codes[i], tiles, h, length, *strides]
                 cols.append(d)
                 programs += tiles

@@ -24,6 +24,12 @@ from triton.runtime.jit import JITFunction
 Grid = Union[tuple[int, ...], Callable[[dict[str, Any]], tuple[int, ...]]]
 
 
+def ceil_div(a: int, b: int) -> int:
+    """a / b rounded up, for grids and sizes on the host: triton.cdiv is a constexpr function, about
+    a hundred times slower to call from Python than this."""
+    return -(-a // b)
+
+
 class _Launch(NamedTuple):
     """One call signature's compiled kernel (its launcher, function and metadata) and grid, the
     arguments in the kernel's order with None where the call's tensors go, and where those come

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
+from graphquant.kernels.triton_launch import ceil_div
 
 _BLOCK = 1024
 # Scalars are compile-time constants, so the arithmetic stays fp32.
@@ -84,7 +85,7 @@ def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -
     amax = amax.to(torch.float32).contiguous()
     scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
     n = amax.numel()
-    _scales_kernel[(triton.cdiv(n, _BLOCK),)](
+    _scales_kernel[(ceil_div(n, _BLOCK),)](
         amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), POW2=pow2, BLOCK=_BLOCK
     )
     return scale, inverse
@@ -95,5 +96,5 @@ def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch
     out = torch.empty(amax.shape, dtype=torch.uint8, device=amax.device)
     multiplier = torch.empty_like(amax)
     n = amax.numel()
-    _e8m0_kernel[(triton.cdiv(n, _BLOCK),)](amax, out, multiplier, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
+    _e8m0_kernel[(ceil_div(n, _BLOCK),)](amax, out, multiplier, n, FP8_MAX=fp8.fp8_max(fp8_dtype), BLOCK=_BLOCK)
     return out, multiplier

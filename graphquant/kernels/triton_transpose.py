@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.kernels.triton_launch import launch
+from graphquant.kernels.triton_launch import ceil_div, launch
 
 # 128x128 byte tiles with 8 warps: near a plain copy's bandwidth, where smaller tiles fall well short.
 _BLOCK = 128
@@ -33,6 +33,6 @@ def transposed(data: torch.Tensor) -> torch.Tensor:
     src = data.contiguous()
     rows, cols = src.shape
     out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
-    grid = (-(-rows // _BLOCK), -(-cols // _BLOCK))  # ceil divisions, without triton.cdiv's host time
+    grid = (ceil_div(rows, _BLOCK), ceil_div(cols, _BLOCK))
     launch(_transpose_kernel, grid, src.view(torch.uint8), out.view(torch.uint8), rows, cols, BLOCK=_BLOCK, num_warps=8)
     return out
