@@ -50,7 +50,7 @@ FLASH_ATTENTION = "triton fp8 flash attention"
 GLUON_FLASH_ATTENTION = "gluon fp8 flash attention"
 ATTENTION_KERNELS = (FLASH_ATTENTION, GLUON_FLASH_ATTENTION)
 FLASH_HEAD_DIMS = (64, 128)  # the head dims graphquant.kernels.triton_attention is built for
-GLUON_KEY_MULTIPLE = 16  # the lengths the Gluon kernels take are its multiples (gluon_attention.forward says why)
+GLUON_LENGTH_MULTIPLE = 16  # the query and key lengths the Gluon kernels take are its multiples (gluon_attention.forward says why)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -557,12 +557,12 @@ def select_attention(
     forward (graphquant.kernels.triton_attention) runs per-tensor E4M3 qkv and s, causal or
     unmasked, head dim 64 or 128, on Hopper where Triton is installed; its Gluon twin
     (graphquant.kernels.gluon_attention: the same bits, faster there under either mask) runs it
-    instead where Triton has Gluon and the key length is a multiple of GLUON_KEY_MULTIPLE, else
+    instead where Triton has Gluon and the key length is a multiple of GLUON_LENGTH_MULTIPLE, else
     the Triton forward does and says why. The backward is the FP8 flash backward where s and dp
     are per-tensor FP8 under delayed scaling (their scales known before the kernel sees P and dS)
     and do per-tensor FP8: the Gluon one (graphquant.kernels.gluon_attention_backward, the Triton
     backward's bits but for the order of dQ's atomic adds) under either mask where Triton has Gluon
-    and both lengths are multiples of GLUON_KEY_MULTIPLE, else the Triton one
+    and both lengths are multiples of GLUON_LENGTH_MULTIPLE, else the Triton one
     (graphquant.kernels.triton_attention_backward), which says why; else it recomputes S and P
     through the emulation."""
     why = _no_flash_attention(device, qkv, s, head_dims, masked)
@@ -578,13 +578,13 @@ def select_attention(
 
 def _gluon_or_triton(kernel: str, lengths: dict[str, Any]) -> Selection:
     """The Gluon ``kernel`` (forward or backward) where Triton has Gluon and ``lengths`` (what each
-    is the length of) are multiples of GLUON_KEY_MULTIPLE, else the Triton one, saying why."""
+    is the length of) are multiples of GLUON_LENGTH_MULTIPLE, else the Triton one, saying why."""
     if not HAS_GLUON:
         return Selection(NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon {kernel} needs Triton with Gluon (triton.experimental.gluon)")
     for what, length in lengths.items():
-        if length % GLUON_KEY_MULTIPLE != 0:
+        if length % GLUON_LENGTH_MULTIPLE != 0:
             return Selection(
-                NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon {kernel} takes {what} lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {length}"
+                NATIVE, GemmBackend(FLASH_ATTENTION), f"the Gluon {kernel} takes {what} lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {length}"
             )
     return Selection(NATIVE, GemmBackend(GLUON_FLASH_ATTENTION))
 

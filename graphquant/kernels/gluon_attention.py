@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrie
 
 from graphquant.formats import fp8
 from graphquant.kernels import triton_attention
-from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
+from graphquant.kernels.backends import GLUON_LENGTH_MULTIPLE
 from graphquant.kernels.triton_launch import ceil_div, launch
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, each 64 query rows of the 128: the Triton kernel's default split
@@ -322,8 +322,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     default's), on Hopper only, for key lengths that are multiples of 16."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    if seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
-        raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_k}")
+    if seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
+        raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_k}")
     (o, lse, p_amax), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(

@@ -25,7 +25,7 @@ meet in no fixed order: two key tiles' sums are the same bits either way, more m
 dQ's last bits (tests/test_gluon_attention_backward.py).
 
 Q^T, dO^T and K^T arrive by cp.async, 16 bytes a thread, so query and key lengths must be
-multiples of 16 (GLUON_KEY_MULTIPLE).
+multiples of 16 (GLUON_LENGTH_MULTIPLE).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from graphquant.kernels import triton_attention, triton_attention_backward
-from graphquant.kernels.backends import GLUON_KEY_MULTIPLE
+from graphquant.kernels.backends import GLUON_LENGTH_MULTIPLE
 from graphquant.kernels.gluon_attention import copy_layout
 from graphquant.kernels.triton_launch import ceil_div, launch
 
@@ -281,8 +281,8 @@ def backward(
     ``triton_config()`` but for the order of dQ's atomic adds (``config`` defaults to
     DEFAULT_CONFIG), on Hopper only, for query and key lengths that are multiples of 16."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    if seq_q % GLUON_KEY_MULTIPLE or seq_k % GLUON_KEY_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
-        raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_KEY_MULTIPLE}, not {seq_q} and {seq_k}")
+    if seq_q % GLUON_LENGTH_MULTIPLE or seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
+        raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_q} and {seq_k}")
     (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta)
     b, heads, _, head_dim = q.shape
     launch(
