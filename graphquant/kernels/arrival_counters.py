@@ -1,4 +1,4 @@
-"""The arrival counters of K-split GEMM launches (the decode GEMMs, Triton's and CUDA's): a zero
+"""The arrival counters of K-split GEMM launches (graphquant.kernels.triton_decode): a zero
 int32 a tile, which the programs sharing the tile count up, the last to arrive adding every
 split's partial sums in split order and setting the counter back to zero for the next launch.
 
