@@ -1,7 +1,8 @@
 // graphquant._C's kernel entry points: allocate the outputs, run the passes a quantize needs
-// (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction) on the current
-// stream, and hand the tensors back to graphquant/kernels/native.py, which wraps them into
-// Representations. Nothing here waits for the device.
+// (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction; or a small input's
+// rowwise NVFP4 alone, in one launch) on the current stream, and hand the tensors back to
+// graphquant/kernels/native.py, which wraps them into Representations. Nothing here waits for
+// the device.
 //
 // Built with the CUDA kernels, or with GRAPHQUANT_EMULATE against a CPU build of the same
 // programs (tests/emulation), where the launchers run the kernels thread by thread.
@@ -174,6 +175,39 @@ ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
   return out;
 }
 
+// Whether a small input's rowwise NVFP4 alone goes to the one-launch program (small_rowwise.cuh);
+// the benchmarks and tests turn it off to run the tile programs' launches instead (the same bits).
+bool small_rowwise_on = true;
+
+// The small rowwise program's CTAs for this call, 0 where it does not take it: rowwise NVFP4 in
+// 1x16 blocks rounded to nearest (an activation's), with nothing else asked of the pass.
+int small_rowwise_ctas_for(const at::Tensor& x, const Config& row, const Config& col, bool row_output, bool dq_source,
+                           const c10::optional<at::Tensor>& runs, const c10::optional<at::Tensor>& group_sizes, bool want_dbias) {
+  const bool alone = row.format == kNV && row_output && col.format == kNone && !dq_source && !runs.has_value() &&
+                     !group_sizes.has_value() && !want_dbias && !row.enc.two_d && !row.enc.sr;
+  if (!small_rowwise_on || !alone || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
+  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), row.enc.row_scaled);
+}
+
+// quantize's outputs, made by the one launch of the small rowwise program.
+std::vector<at::Tensor> small_rowwise(const at::Tensor& x, bool row_scaled, int ctas, int dtype, void* stream) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor data = at::empty({M, K / 2}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({M, K / 16}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor amax = row_scaled ? at::empty({M}, x.options().dtype(at::kFloat)) : at::empty({}, x.options().dtype(at::kFloat));
+  SmallRowwiseParams p;
+  p.x = x.data_ptr();
+  p.M = M;
+  p.K = K;
+  p.row_scaled = row_scaled;
+  p.ctas = ctas;
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.scales = static_cast<uint8_t*>(scale.data_ptr());
+  p.amax = amax.data_ptr<float>();
+  launch_small_rowwise(dtype, p, stream);
+  return {data, scale, amax, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 // One direction's outputs: data, scale, amax (undefined where absent).
 struct Outputs {
   at::Tensor data, scale, amax;
@@ -224,6 +258,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
                 rng->scalar_type(), " of ", rng->numel(), " elements on ", rng->device());
     row.enc.rng = col.enc.rng = rng->data_ptr<int64_t>();
     row.enc.rng_offset = col.enc.rng_offset = rng_offset;
+  }
+
+  if (const int ctas = small_rowwise_ctas_for(x, row, col, row_output, dq_source, runs, group_sizes, want_dbias); ctas > 0) {
+    return small_rowwise(x, row.enc.row_scaled, ctas, dtype, stream);
   }
 
   TileParams p;
@@ -509,5 +547,11 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0, pybind11::arg("runs") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
         pybind11::arg("col_output") = true);
+  m.def(
+      "set_small_rowwise",
+      [](bool on) { return std::exchange(gq::small_rowwise_on, on); },
+      "Whether a small input's rowwise NVFP4 takes one launch (csrc/cuda/small_rowwise.cuh) rather than the tile "
+      "programs' three (the same bits); returns the previous setting",
+      pybind11::arg("on"));
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }
