@@ -179,14 +179,10 @@ ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
 // the benchmarks and tests turn it off to run the tile programs' launches instead (the same bits).
 bool small_rowwise_on = true;
 
-// The small rowwise program's CTAs for this call, 0 where it does not take it: rowwise NVFP4 in
-// 1x16 blocks rounded to nearest (an activation's), with nothing else asked of the pass.
-int small_rowwise_ctas_for(const at::Tensor& x, const Config& row, const Config& col, bool row_output, bool dq_source,
-                           const c10::optional<at::Tensor>& runs, const c10::optional<at::Tensor>& group_sizes, bool want_dbias) {
-  const bool alone = row.format == kNV && row_output && col.format == kNone && !dq_source && !runs.has_value() &&
-                     !group_sizes.has_value() && !want_dbias && !row.enc.two_d && !row.enc.sr;
-  if (!small_rowwise_on || !alone || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
-  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), row.enc.row_scaled);
+// The small rowwise program's CTAs for x's rowwise NVFP4, 0 where it does not take x.
+int small_rowwise_ctas_for(const at::Tensor& x, bool row_scaled) {
+  if (!small_rowwise_on || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
+  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), row_scaled);
 }
 
 // quantize's outputs, made by the one launch of the small rowwise program.
@@ -260,7 +256,11 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     row.enc.rng_offset = col.enc.rng_offset = rng_offset;
   }
 
-  if (const int ctas = small_rowwise_ctas_for(x, row, col, row_output, dq_source, runs, group_sizes, want_dbias); ctas > 0) {
+  // Rowwise NVFP4 alone, in 1x16 blocks rounded to nearest (an activation's), nothing else asked of
+  // the pass: a small x takes the one-launch program.
+  const bool nvfp4_rowwise_alone = row.format == kNV && row_output && col.format == kNone && !col_given && !dq_source &&
+                                   !runs.has_value() && !group_sizes.has_value() && !want_dbias && !row.enc.two_d && !row.enc.sr;
+  if (const int ctas = nvfp4_rowwise_alone ? small_rowwise_ctas_for(x, row.enc.row_scaled) : 0; ctas > 0) {
     return small_rowwise(x, row.enc.row_scaled, ctas, dtype, stream);
   }
 
