@@ -146,8 +146,7 @@ def kernels_per_call(fn: Callable[[], object]) -> int:
 def small(shapes: str, reps: int, rounds: int) -> None:
     """Rowwise quantizes of decode activations: the tile programs' launches beside the small
     rowwise program's one (csrc/cuda/small_rowwise.cuh), each captured as a CUDA graph of ``reps``
-    calls, the two replayed in alternating rounds (median per call). MXFP8 takes the tile program
-    either way (one launch)."""
+    calls, the two replayed in alternating rounds (median per call)."""
     ext = native.extension()
     ctx = QuantizeContext()
     rows = []

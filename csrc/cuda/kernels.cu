@@ -90,10 +90,11 @@ void launch_dequantize(const DequantParams& p, void* stream) {
   check_launch("dequantize");
 }
 
-void launch_small_rowwise(int dtype, const SmallRowwiseParams& p, void* stream) {
-  if (dtype == kBF16) launch_small_rowwise_t<InBF16>(p, stream);
-  else if (dtype == kF16) launch_small_rowwise_t<InF16>(p, stream);
-  else launch_small_rowwise_t<InF32>(p, stream);
+void launch_small_rowwise(int dtype, int format, const SmallRowwiseParams& p, void* stream) {
+  const bool nv = format == kNV;
+  if (dtype == kBF16) nv ? launch_small_rowwise_t<InBF16, kNV>(p, stream) : launch_small_rowwise_t<InBF16, kMX>(p, stream);
+  else if (dtype == kF16) nv ? launch_small_rowwise_t<InF16, kNV>(p, stream) : launch_small_rowwise_t<InF16, kMX>(p, stream);
+  else nv ? launch_small_rowwise_t<InF32, kNV>(p, stream) : launch_small_rowwise_t<InF32, kMX>(p, stream);
 }
 
 }  // namespace gq

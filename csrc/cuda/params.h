@@ -76,31 +76,33 @@ struct DbiasParams {
   int dtype = 0;  // InDtype
 };
 
-// The rowwise NVFP4 quantize of a small input in one launch (small_rowwise.cuh): one cluster of
-// `ctas` CTAs of kSmallThreads threads, each thread holding up to kSmallBytesPerThread bytes of x.
+// The rowwise NVFP4 or MXFP8 quantize of a small input in one launch (small_rowwise.cuh): one
+// cluster of `ctas` CTAs of kSmallThreads threads, each thread holding up to kSmallBytesPerThread
+// bytes of x (four 16-element chunks of a 2-byte x: 32 registers).
 constexpr int kSmallThreads = 512;
 constexpr int kSmallCtas = 8;  // the portable cluster size
 constexpr int kSmallBytesPerThread = 128;
-constexpr int kSmallRows = 128;  // row-scaled: the rows whose amaxes a CTA's shared memory holds
+constexpr int kSmallRows = 128;  // row-scaled NVFP4: the rows whose amaxes a CTA's shared memory holds
 
 struct SmallRowwiseParams {
   const void* x = nullptr;
-  int64_t M = 0, K = 0;  // K a multiple of 16
-  int row_scaled = 0;    // one global amax per row, else one for the tensor
+  int64_t M = 0, K = 0;  // K a multiple of the block
+  int fp8 = 0;           // MXFP8: Fp8Kind
+  int row_scaled = 0;    // NVFP4: one global amax per row, else one for the tensor
   int ctas = 1;
-  uint8_t* data = nullptr;    // (M, K / 2) E2M1 codes, two a byte
-  uint8_t* scales = nullptr;  // (M, K / 16) E4M3 block scales
-  float* amax = nullptr;      // the global amax, or M of them
+  uint8_t* data = nullptr;    // NVFP4: (M, K / 2) E2M1 codes, two a byte; MXFP8: (M, K) FP8
+  uint8_t* scales = nullptr;  // NVFP4: (M, K / 16) E4M3; MXFP8: E8M0, outer-dim-major (K / 32, M)
+  float* amax = nullptr;      // NVFP4: the global amax, or M of them
 };
 
-// The CTAs of the launch that quantizes an M x K input of `element_size`-byte elements, 0 where
-// the program does not take it: up to kSmallCtas * kSmallThreads * kSmallBytesPerThread bytes
-// (512 KiB; a decode step's largest activation, 16 rows of 14336 bf16, is 448 KiB), spread so
-// that each thread holds as few chunks as the cluster allows.
-inline int small_rowwise_ctas(int64_t M, int64_t K, int64_t element_size, bool row_scaled) {
-  const int64_t chunks = M * K / 16, per_thread = kSmallBytesPerThread / (16 * element_size);
-  if (K % 16 != 0 || chunks <= 0 || chunks > int64_t(kSmallCtas) * kSmallThreads * per_thread || (row_scaled && M > kSmallRows)) return 0;
-  return int(std::min<int64_t>(kSmallCtas, (chunks + kSmallThreads - 1) / kSmallThreads));
+// The CTAs of the launch that quantizes an M x K input of `element_size`-byte elements in blocks
+// of `block` elements, 0 where the program does not take it: up to kSmallCtas * kSmallThreads *
+// kSmallBytesPerThread bytes (512 KiB; a decode step's largest activation, 16 rows of 14336 bf16,
+// is 448 KiB), spread so that each thread holds as few blocks as the cluster allows.
+inline int small_rowwise_ctas(int64_t M, int64_t K, int64_t element_size, int64_t block, bool row_scaled) {
+  const int64_t blocks = M * K / block, per_thread = kSmallBytesPerThread / (block * element_size);
+  if (K % block != 0 || blocks <= 0 || blocks > int64_t(kSmallCtas) * kSmallThreads * per_thread || (row_scaled && M > kSmallRows)) return 0;
+  return int(std::min<int64_t>(kSmallCtas, (blocks + kSmallThreads - 1) / kSmallThreads));
 }
 
 enum DequantKind { kDequantScaled = 0, kDequantMX = 1, kDequantNV = 2 };
@@ -124,6 +126,6 @@ void launch_tile(int dtype, int row_format, int col_format, const TileParams& p,
 void launch_finalize(const FinalizeParams& p, void* stream);
 void launch_dbias(const DbiasParams& p, void* stream);
 void launch_dequantize(const DequantParams& p, void* stream);
-void launch_small_rowwise(int dtype, const SmallRowwiseParams& p, void* stream);
+void launch_small_rowwise(int dtype, int format, const SmallRowwiseParams& p, void* stream);
 
 }  // namespace gq

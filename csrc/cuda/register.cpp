@@ -1,6 +1,6 @@
 // graphquant._C's kernel entry points: allocate the outputs, run the passes a quantize needs
 // (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction; or a small input's
-// rowwise NVFP4 alone, in one launch) on the current stream, and hand the tensors back to
+// rowwise NVFP4 or MXFP8 alone, in one launch) on the current stream, and hand the tensors back to
 // graphquant/kernels/native.py, which wraps them into Representations. Nothing here waits for
 // the device.
 //
@@ -175,32 +175,41 @@ ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
   return out;
 }
 
-// Whether a small input's rowwise NVFP4 alone goes to the one-launch program (small_rowwise.cuh);
-// the benchmarks and tests turn it off to run the tile programs' launches instead (the same bits).
+// Whether a small input's rowwise NVFP4 or MXFP8 alone goes to the one-launch program
+// (small_rowwise.cuh); the benchmarks and tests turn it off to run the tile programs' launches
+// instead (the same bits).
 bool small_rowwise_on = true;
 
-// The small rowwise program's CTAs for x's rowwise NVFP4, 0 where it does not take x.
-int small_rowwise_ctas_for(const at::Tensor& x, bool row_scaled) {
-  if (!small_rowwise_on || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
-  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), row_scaled);
+// The small rowwise program's CTAs for x's rowwise side, 0 where it does not take x: NVFP4 in 1x16
+// blocks rounded to nearest (an activation's), or MXFP8.
+int small_rowwise_ctas_for(const at::Tensor& x, const Config& row) {
+  const bool nv = row.format == kNV && !row.enc.two_d && !row.enc.sr;
+  if (!small_rowwise_on || !(nv || row.format == kMX) || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
+  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), nv ? 16 : 32, nv && row.enc.row_scaled);
 }
 
-// quantize's outputs, made by the one launch of the small rowwise program.
-std::vector<at::Tensor> small_rowwise(const at::Tensor& x, bool row_scaled, int ctas, int dtype, void* stream) {
+// quantize's outputs, made by the one launch of the small rowwise program: data, scale and (NVFP4)
+// amax of the rowwise side.
+std::vector<at::Tensor> small_rowwise(const at::Tensor& x, const Config& row, int ctas, int dtype, void* stream) {
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor data = at::empty({M, K / 2}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({M, K / 16}, x.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor amax = row_scaled ? at::empty({M}, x.options().dtype(at::kFloat)) : at::empty({}, x.options().dtype(at::kFloat));
+  const bool nv = row.format == kNV;
+  const auto options = x.options();
+  at::Tensor data = nv ? at::empty({M, K / 2}, options.dtype(at::kByte)) : at::empty({M, K}, options.dtype(fp8_dtype(row.enc.fp8)));
+  // MXFP8's scales outer-dim-major, (K / 32, M) in memory, as the tile programs lay them
+  at::Tensor scale = nv ? at::empty({M, K / 16}, options.dtype(at::kFloat8_e4m3fn)) : at::empty({K / 32, M}, options.dtype(at::kByte)).t();
+  at::Tensor amax;
+  if (nv) amax = row.enc.row_scaled ? at::empty({M}, options.dtype(at::kFloat)) : at::empty({}, options.dtype(at::kFloat));
   SmallRowwiseParams p;
   p.x = x.data_ptr();
   p.M = M;
   p.K = K;
-  p.row_scaled = row_scaled;
+  p.fp8 = row.enc.fp8;
+  p.row_scaled = row.enc.row_scaled;
   p.ctas = ctas;
   p.data = static_cast<uint8_t*>(data.data_ptr());
   p.scales = static_cast<uint8_t*>(scale.data_ptr());
-  p.amax = amax.data_ptr<float>();
-  launch_small_rowwise(dtype, p, stream);
+  p.amax = nv ? amax.data_ptr<float>() : nullptr;
+  launch_small_rowwise(dtype, row.format, p, stream);
   return {data, scale, amax, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
@@ -256,13 +265,10 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     row.enc.rng_offset = col.enc.rng_offset = rng_offset;
   }
 
-  // Rowwise NVFP4 alone, in 1x16 blocks rounded to nearest (an activation's), nothing else asked of
-  // the pass: a small x takes the one-launch program.
-  const bool nvfp4_rowwise_alone = row.format == kNV && row_output && col.format == kNone && !col_given && !dq_source &&
-                                   !runs.has_value() && !group_sizes.has_value() && !want_dbias && !row.enc.two_d && !row.enc.sr;
-  if (const int ctas = nvfp4_rowwise_alone ? small_rowwise_ctas_for(x, row.enc.row_scaled) : 0; ctas > 0) {
-    return small_rowwise(x, row.enc.row_scaled, ctas, dtype, stream);
-  }
+  // The rowwise side alone, nothing else asked of the pass: a small x may take the one-launch program.
+  const bool rowwise_alone = row_output && col.format == kNone && !col_given && !dq_source && !runs.has_value() &&
+                             !group_sizes.has_value() && !want_dbias;
+  if (const int ctas = rowwise_alone ? small_rowwise_ctas_for(x, row) : 0; ctas > 0) return small_rowwise(x, row, ctas, dtype, stream);
 
   TileParams p;
   p.x = x.data_ptr();
@@ -550,8 +556,8 @@ void register_cuda_kernels(pybind11::module_& m) {
   m.def(
       "set_small_rowwise",
       [](bool on) { return std::exchange(gq::small_rowwise_on, on); },
-      "Whether a small input's rowwise NVFP4 takes one launch (csrc/cuda/small_rowwise.cuh) rather than the tile "
-      "programs' three (the same bits); returns the previous setting",
+      "Whether a small input's rowwise NVFP4 or MXFP8 takes one launch (csrc/cuda/small_rowwise.cuh) rather than "
+      "the tile programs' (the same bits); returns the previous setting",
       pybind11::arg("on"));
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

@@ -63,9 +63,9 @@ void emulate(int row_format, int col_format, const TileParams& p) {
 
 // The cluster's CTAs side by side, each phase for all their threads before the next (a barrier
 // between phases, the cluster's included), each thread's registers kept between phases.
-template <class In>
+template <class In, int R>
 void emulate_small_rowwise(const SmallRowwiseParams& p) {
-  using Program = SmallRowwise<In>;
+  using Program = SmallRowwise<In, R>;
   std::vector<typename Program::Smem> smem(p.ctas);
   std::vector<typename Program::Held> held(size_t(p.ctas) * kSmallThreads);
   auto each = [&](auto&& phase) {
@@ -73,11 +73,13 @@ void emulate_small_rowwise(const SmallRowwiseParams& p) {
       for (int tid = 0; tid < kSmallThreads; ++tid) phase(cta, tid, held[size_t(cta) * kSmallThreads + tid]);
     }
   };
-  each([&](int cta, int tid, auto&) { Program::clear(p, smem[cta], tid); });
+  if constexpr (Program::kGlobal) each([&](int cta, int tid, auto&) { Program::clear(p, smem[cta], tid); });
   each([&](int cta, int tid, auto& h) { Program::fetch(p, cta, tid, h); });
-  each([&](int cta, int tid, auto& h) { Program::reduce(p, smem[cta], cta, tid, h); });
-  each([&](int cta, int tid, auto&) { Program::gather(p, smem[cta], cta, tid, [&](int rank) { return &smem[rank]; }); });
-  each([&](int cta, int tid, auto& h) { Program::encode(p, smem[cta], cta, tid, h); });
+  if constexpr (Program::kGlobal) {
+    each([&](int cta, int tid, auto& h) { Program::reduce(p, smem[cta], cta, tid, h); });
+    each([&](int cta, int tid, auto&) { Program::gather(p, smem[cta], cta, tid, [&](int rank) { return &smem[rank]; }); });
+  }
+  each([&](int cta, int tid, auto& h) { Program::encode(p, Program::kGlobal ? smem[cta].global : nullptr, cta, tid, h); });
 }
 
 }  // namespace
@@ -103,11 +105,12 @@ void launch_dbias(const DbiasParams& p, void*) {
   }
 }
 
-void launch_small_rowwise(int dtype, const SmallRowwiseParams& p, void*) {
+void launch_small_rowwise(int dtype, int format, const SmallRowwiseParams& p, void*) {
   launched.push_back("small_rowwise");
-  if (dtype == kBF16) emulate_small_rowwise<InBF16>(p);
-  else if (dtype == kF16) emulate_small_rowwise<InF16>(p);
-  else emulate_small_rowwise<InF32>(p);
+  const bool nv = format == kNV;
+  if (dtype == kBF16) nv ? emulate_small_rowwise<InBF16, kNV>(p) : emulate_small_rowwise<InBF16, kMX>(p);
+  else if (dtype == kF16) nv ? emulate_small_rowwise<InF16, kNV>(p) : emulate_small_rowwise<InF16, kMX>(p);
+  else nv ? emulate_small_rowwise<InF32, kNV>(p) : emulate_small_rowwise<InF32, kMX>(p);
 }
 
 void launch_dequantize(const DequantParams& p, void*) {
