@@ -1,12 +1,13 @@
 """A small input's rowwise NVFP4 or MXFP8 in one launch (csrc/cuda/small_rowwise.cuh), bit for
 bit against the reference and against the tile programs' launches it replaces.
 
-A decode step quantizes activations of 1-16 rows. Up to 512 KiB the extension's small rowwise
-program makes their rowwise NVFP4 (the tensor's or each row's amax, 1x16 blocks rounded to
-nearest) in one launch, where the tile programs take three (a zeroed amax buffer, the amax
-pre-pass, the encode), and their MXFP8 in one launch sized to the input, where the tile program
-spends a 128-row tile on each few rows. Each test runs on the CPU build of the kernels
-(tests/emulation, slow: a C++ build) and on the GPU, where the profiler counts the kernels.
+A decode step quantizes activations of 1-16 rows. The extension's small rowwise program makes
+their rowwise NVFP4 (the tensor's or each row's amax, 1x16 blocks rounded to nearest) in one
+launch, where the tile programs take three (a zeroed amax buffer, the amax pre-pass, the encode),
+and their MXFP8 in one launch sized to the input, where the tile program spends a 128-row tile
+on each few rows: up to 512 KiB of x (NVFP4), 256 KiB (row-scaled NVFP4), 128 KiB (MXFP8). Each
+test runs on the CPU build of the kernels (tests/emulation, slow: a C++ build) and on the GPU,
+where the profiler counts the kernels.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from graphquant.kernels import native
 from graphquant.quantizers import ROWWISE, MXFP8Quantizer, NVFP4Quantizer, QuantizeContext
 from test_kernels_gpu import CTX, DTYPES, REFERENCE, VALUES, assert_same_rep, forbid_reference, make_input, supported
 
-SMALL_BYTES = 512 * 1024  # csrc/cuda/params.h: kSmallCtas * kSmallThreads * kSmallBytesPerThread
-SMALL_ROWS = 128  # row-scaled NVFP4: kSmallRows
+SMALL_ROWS = 128  # row-scaled NVFP4: kSmallRows (csrc/cuda/params.h)
 QUANTIZERS = {
     "nvfp4": lambda: NVFP4Quantizer(),
     "nvfp4_rowscaled": lambda: NVFP4Quantizer(row_scaled_nvfp4=True),
@@ -70,6 +70,13 @@ def launches(backend, call) -> list[str]:
     return [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def small_bytes(quantizer) -> int:
+    """The bytes of x up to which the small program takes ``quantizer`` (params.h: small_rowwise_bytes)."""
+    if isinstance(quantizer, MXFP8Quantizer):
+        return 128 * 1024
+    return (256 if quantizer.row_scaled_nvfp4 else 512) * 1024
+
+
 def assert_small(backend, quantizer, made: list[str], small: bool, what: str):
     """``made`` is the small program's one launch where ``small``, else the tile programs': for
     NVFP4 the amax pre-pass and the encode (on the GPU also the fill that zeroes the amax), for
@@ -99,29 +106,32 @@ def check(backend, quantizer, x, small: bool, what: str):
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_decode_activations_in_one_launch(backend, name, dtype):
     """1, 3 and 16 rows of 16 (NVFP4), 32, 4096 + 16 (NVFP4), 4096 + 32 and 14336 columns, with
-    zeros, subnormals, huge values, infinities and NaNs among them (16 rows of 14336 float32 are
-    past 512 KiB: the tile programs')."""
+    zeros, subnormals, huge values, infinities and NaNs among them (the larger ones past the
+    format's bytes: the tile programs')."""
     quantizer = QUANTIZERS[name]()
     shapes = [(r, c) for r in (1, 3, 16) for c in (16, 32, 4096 + 16, 4096 + 32, 14336) if supported(quantizer, (r, c), ROWWISE)]
     for n, (rows, cols) in enumerate(shapes):
         x = make_input((rows, cols), dtype, VALUES[n % len(VALUES)], backend, seed=n)
-        check(backend, quantizer, x, x.nbytes <= SMALL_BYTES, f"{name} {rows}x{cols} {dtype}")
+        check(backend, quantizer, x, x.nbytes <= small_bytes(quantizer), f"{name} {rows}x{cols} {dtype}")
 
 
 def test_what_the_small_program_takes(backend):
-    """Up to 512 KiB whatever the element size, at most 128 rows when each row has its amax, and
-    x 16-byte aligned; past those, the tile programs, with the same bits."""
+    """Up to the format's bytes whatever the element size, at most 128 rows when each row has its
+    amax, and x 16-byte aligned; past those, the tile programs, with the same bits."""
     nvfp4, row_scaled, mxfp8 = NVFP4Quantizer(), NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer()
     for quantizer, shape, dtype, small in (
         (nvfp4, (16, 16384), torch.bfloat16, True),
         (nvfp4, (16, 16384 + 16), torch.bfloat16, False),
         (nvfp4, (16, 8192), torch.float32, True),
         (nvfp4, (4096, 16), torch.float16, True),
+        (row_scaled, (8, 16384), torch.bfloat16, True),
+        (row_scaled, (8, 16384 + 16), torch.bfloat16, False),
         (row_scaled, (SMALL_ROWS, 16), torch.bfloat16, True),
         (row_scaled, (SMALL_ROWS + 1, 16), torch.bfloat16, False),
-        (mxfp8, (16, 16384), torch.bfloat16, True),
-        (mxfp8, (16, 16384 + 32), torch.bfloat16, False),
-        (mxfp8, (2048, 32), torch.float32, True),
+        (mxfp8, (16, 4096), torch.bfloat16, True),
+        (mxfp8, (16, 4096 + 32), torch.bfloat16, False),
+        (mxfp8, (1024, 32), torch.float32, True),
+        (mxfp8, (2048, 32), torch.float32, False),
     ):
         x = make_input(shape, dtype, "special_finite", backend)
         check(backend, quantizer, x, small, f"{quantizer} {shape} {dtype}")

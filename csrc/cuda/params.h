@@ -95,13 +95,21 @@ struct SmallRowwiseParams {
   float* amax = nullptr;      // NVFP4: the global amax, or M of them
 };
 
+// The bytes of x up to which a format takes the small program: where it measured faster than the
+// tile programs (benchmarks/NOTES.md, quantize.py --small), within what the cluster holds (512 KiB;
+// a decode step's largest activation, 16 rows of 14336 bf16, is 448 KiB). NVFP4's per-row amaxes
+// and MXFP8's lighter encode (the tile program's one launch, on more SMs) leave it less room.
+inline int64_t small_rowwise_bytes(int format, bool row_scaled) {
+  const int64_t held = int64_t(kSmallCtas) * kSmallThreads * kSmallBytesPerThread;
+  return format == kMX ? held / 4 : row_scaled ? held / 2 : held;
+}
+
 // The CTAs of the launch that quantizes an M x K input of `element_size`-byte elements in blocks
-// of `block` elements, 0 where the program does not take it: up to kSmallCtas * kSmallThreads *
-// kSmallBytesPerThread bytes (512 KiB; a decode step's largest activation, 16 rows of 14336 bf16,
-// is 448 KiB), spread so that each thread holds as few blocks as the cluster allows.
-inline int small_rowwise_ctas(int64_t M, int64_t K, int64_t element_size, int64_t block, bool row_scaled) {
-  const int64_t blocks = M * K / block, per_thread = kSmallBytesPerThread / (block * element_size);
-  if (K % block != 0 || blocks <= 0 || blocks > int64_t(kSmallCtas) * kSmallThreads * per_thread || (row_scaled && M > kSmallRows)) return 0;
+// of `block` elements, 0 where the program does not take it (past `max_bytes`), spread so that
+// each thread holds as few blocks as the cluster allows.
+inline int small_rowwise_ctas(int64_t M, int64_t K, int64_t element_size, int64_t block, int64_t max_bytes, bool row_scaled) {
+  const int64_t blocks = M * K / block;
+  if (K % block != 0 || blocks <= 0 || M * K * element_size > max_bytes || (row_scaled && M > kSmallRows)) return 0;
   return int(std::min<int64_t>(kSmallCtas, (blocks + kSmallThreads - 1) / kSmallThreads));
 }
 

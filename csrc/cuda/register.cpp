@@ -185,7 +185,8 @@ bool small_rowwise_on = true;
 int small_rowwise_ctas_for(const at::Tensor& x, const Config& row) {
   const bool nv = row.format == kNV && !row.enc.two_d && !row.enc.sr;
   if (!small_rowwise_on || !(nv || row.format == kMX) || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
-  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), nv ? 16 : 32, nv && row.enc.row_scaled);
+  const bool row_scaled = nv && row.enc.row_scaled;
+  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), nv ? 16 : 32, small_rowwise_bytes(row.format, row_scaled), row_scaled);
 }
 
 // quantize's outputs, made by the one launch of the small rowwise program: data, scale and (NVFP4)
