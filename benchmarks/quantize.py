@@ -1,12 +1,16 @@
 """Native quantize kernels against a device-to-device copy, on bf16 LLM-sized inputs.
 
     python benchmarks/quantize.py [--shapes 16384x4096,16384x14336] [--reps 20]
+    python benchmarks/quantize.py --small [--shapes 1x4096,16x4096,1x14336,16x14336] [--reps 20] [--rounds 20]
 
 Per format and direction: time per call, GB/s counting every byte read and written (a pre-pass
 that reads x for an amax counts its read), and that bandwidth as a % of a copy of x measured in
 the same run. Then each fused hybrid against its two single-direction kernels back to back
 (plus the dequantize between them for a rowwise_dequantized source), and the byte bound: the
 speedup the fused pass would have at the two kernels' bandwidth (the ratio of bytes moved).
+
+With --small: decode activations' rowwise quantizes, the small rowwise program's one launch
+beside the tile programs' launches (small()).
 
 Calls are captured in a CUDA graph and replayed, so the times are the GPU's, not Python's.
 """
@@ -62,8 +66,8 @@ HYBRIDS = {
 }
 
 
-def gpu_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median ms per call of ``fn``, ``reps`` calls captured in one CUDA graph, over 5 replays."""
+def captured(fn: Callable[[], object], reps: int) -> torch.cuda.CUDAGraph:
+    """``reps`` calls of ``fn`` captured in one CUDA graph, replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -74,14 +78,23 @@ def gpu_ms(fn: Callable[[], object], reps: int) -> float:
         for _ in range(reps):
             fn()
     graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """ms per call of one replay of ``graph``, ``reps`` calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gpu_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms per call of ``fn``, ``reps`` calls captured in one CUDA graph, over 5 replays."""
+    graph = captured(fn, reps)
+    times = [replay_ms(graph, reps) for _ in range(5)]
     del graph
     return statistics.median(times)
 
@@ -112,17 +125,72 @@ def hybrid_bytes(hybrid, x, rowwise, columnwise) -> tuple[int, int]:
     return separate, fused_passes * x.nbytes + out_r + out_c
 
 
+SMALL_SHAPES = "1x4096,16x4096,1x14336,16x14336"
+SMALL_FORMATS = {
+    "nvfp4 1x16": lambda: NVFP4Quantizer(),
+    "nvfp4 row-scaled": lambda: NVFP4Quantizer(row_scaled_nvfp4=True),
+    "mxfp8 (e4m3)": lambda: MXFP8Quantizer(),
+}
+
+
+def kernels_per_call(fn: Callable[[], object]) -> int:
+    """The kernels one call of ``fn`` launches, as the profiler sees them."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return sum(event.device_type == torch.autograd.DeviceType.CUDA for event in profile.events())
+
+
+def small(shapes: str, reps: int, rounds: int) -> None:
+    """Rowwise quantizes of decode activations: the tile programs' launches beside the small
+    rowwise program's one (csrc/cuda/small_rowwise.cuh), each captured as a CUDA graph of ``reps``
+    calls, the two replayed in alternating rounds (median per call)."""
+    ext = native.extension()
+    ctx = QuantizeContext()
+    rows = []
+    for shape in shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for name, factory in SMALL_FORMATS.items():
+            q = factory()
+
+            def call():
+                return native.quantize(q, x, ROWWISE, ctx)
+
+            graphs, kernels = {}, {}
+            for on in (False, True):
+                ext.set_small_rowwise(on)
+                kernels[on], graphs[on] = kernels_per_call(call), captured(call, reps)
+            ext.set_small_rowwise(True)
+            times = {False: [], True: []}
+            for _ in range(rounds):
+                for on in (False, True):
+                    times[on].append(replay_ms(graphs[on], reps))
+            old, new = (statistics.median(times[on]) * 1e3 for on in (False, True))
+            rows.append([f"{m}x{k}", name, kernels[False], kernels[True], f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"])
+            del graphs
+    headers = ["shape (bf16)", "format", "kernels, tile programs", "kernels, small", "tile programs (us)", "small (us)", "speedup"]
+    print(tabulate(rows, headers=headers, tablefmt="github"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="16384x4096,16384x14336")
+    parser.add_argument("--shapes", help="MxK,... (default 16384x4096,16384x14336)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--small", action="store_true", help=f"decode activations' rowwise quantizes instead (shapes {SMALL_SHAPES} unless given)")
+    parser.add_argument("--rounds", type=int, default=20, help="--small: alternating rounds of the two paths")
     args = parser.parse_args()
     if native.extension() is None:
         raise SystemExit("graphquant._C has no CUDA kernels: build it first (pip install --no-build-isolation -e .)")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.small:
+        small(SMALL_SHAPES if args.shapes is None else args.shapes, args.reps, args.rounds)
+        return
     ctx = QuantizeContext(scale=torch.tensor([0.5], device="cuda"), seed=1, offset=2)
     summary, bounds = [], []
-    for shape in args.shapes.split(","):
+    for shape in (args.shapes or "16384x4096,16384x14336").split(","):
         m, k = (int(v) for v in shape.split("x"))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         copy_out = torch.empty_like(x)

@@ -416,6 +416,55 @@ GQ_HD void block_umax(uint32_t* shared, uint32_t value) {
 #endif
 }
 
+// -- 16-element chunks of x as stored: sizeof(S) 16-byte words ---------------------------------
+
+template <class In>
+GQ_HD void unpack_chunk(const Vec16* words, float v[16]) {
+  using S = typename In::S;
+#pragma unroll
+  for (int w = 0; w < int(sizeof(S)); ++w) {
+    const Vec16 q = words[w];
+    const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (sizeof(S) == 2) {
+        v[8 * w + 2 * k] = In::to_float(S(u[k] & 0xFFFFu));
+        v[8 * w + 2 * k + 1] = In::to_float(S(u[k] >> 16));
+      } else {
+        v[4 * w + k] = u2f(u[k]);
+      }
+    }
+  }
+}
+
+GQ_HD uint32_t chunk_amax(const float v[16]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) m = umax(m, abs_bits(v[e]));
+  return m;
+}
+
+// chunk_amax of a stored chunk: |x|'s bits order bf16 and f16 values as their magnitudes do (NaN
+// above inf), so two elements compare at once and only the maximum converts.
+template <class In>
+GQ_HD uint32_t stored_chunk_amax(const Vec16* words) {
+  using S = typename In::S;
+  if constexpr (sizeof(S) == 2) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const Vec16 q = words[w];
+      m = umax_halves(m, umax_halves(q.x & 0x7FFF7FFFu, q.y & 0x7FFF7FFFu));
+      m = umax_halves(m, umax_halves(q.z & 0x7FFF7FFFu, q.w & 0x7FFF7FFFu));
+    }
+    return abs_bits(In::to_float(S(umax(m & 0xFFFFu, m >> 16))));
+  } else {
+    float v[16];
+    unpack_chunk<In>(words, v);
+    return chunk_amax(v);
+  }
+}
+
 GQ_HD Vec16 pack16(const uint8_t q[16]) {
   Vec16 v;
   v.x = q[0] | (q[1] << 8) | (q[2] << 16) | (uint32_t(q[3]) << 24);

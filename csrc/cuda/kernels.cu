@@ -1,12 +1,13 @@
-// Device kernels and launchers for the small programs (finalize, dbias, dequantize) and the
-// dispatch from runtime (dtype, rowwise format, columnwise format) to the register tile program
-// where it takes the launch, else to the tile instantiations, which live in tile_<dtype>.cu so
-// that they compile in parallel (only declared here).
+// Device kernels and launchers for the small programs (finalize, dbias, dequantize, the small
+// rowwise quantize) and the dispatch from runtime (dtype, rowwise format, columnwise format) to
+// the register tile program where it takes the launch, else to the tile instantiations, which
+// live in tile_<dtype>.cu so that they compile in parallel (only declared here).
 #include "dequantize.cuh"
 #include "finish.cuh"
 #include "launch.cuh"
 #include "params.h"
 #include "register_tile.cuh"
+#include "small_rowwise.cuh"
 
 namespace gq {
 
@@ -87,6 +88,13 @@ void launch_dequantize(const DequantParams& p, void* stream) {
   else if (p.out_dtype == kF16) dequantize_kernel<InF16><<<blocks, kBlockThreads, 0, as_stream(stream)>>>(p);
   else dequantize_kernel<InF32><<<blocks, kBlockThreads, 0, as_stream(stream)>>>(p);
   check_launch("dequantize");
+}
+
+void launch_small_rowwise(int dtype, int format, const SmallRowwiseParams& p, void* stream) {
+  const bool nv = format == kNV;
+  if (dtype == kBF16) nv ? launch_small_rowwise_t<InBF16, kNV>(p, stream) : launch_small_rowwise_t<InBF16, kMX>(p, stream);
+  else if (dtype == kF16) nv ? launch_small_rowwise_t<InF16, kNV>(p, stream) : launch_small_rowwise_t<InF16, kMX>(p, stream);
+  else nv ? launch_small_rowwise_t<InF32, kNV>(p, stream) : launch_small_rowwise_t<InF32, kMX>(p, stream);
 }
 
 }  // namespace gq

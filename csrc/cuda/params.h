@@ -2,6 +2,7 @@
 // types), shared by the kernels, the ATen glue in register.cpp and the CPU test build.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace gq {
@@ -75,6 +76,43 @@ struct DbiasParams {
   int dtype = 0;  // InDtype
 };
 
+// The rowwise NVFP4 or MXFP8 quantize of a small input in one launch (small_rowwise.cuh): one
+// cluster of `ctas` CTAs of kSmallThreads threads, each thread holding up to kSmallBytesPerThread
+// bytes of x (four 16-element chunks of a 2-byte x: 32 registers).
+constexpr int kSmallThreads = 512;
+constexpr int kSmallCtas = 8;  // the portable cluster size
+constexpr int kSmallBytesPerThread = 128;
+constexpr int kSmallRows = 128;  // row-scaled NVFP4: the rows whose amaxes a CTA's shared memory holds
+
+struct SmallRowwiseParams {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0;  // K a multiple of the block
+  int fp8 = 0;           // MXFP8: Fp8Kind
+  int row_scaled = 0;    // NVFP4: one global amax per row, else one for the tensor
+  int ctas = 1;
+  uint8_t* data = nullptr;    // NVFP4: (M, K / 2) E2M1 codes, two a byte; MXFP8: (M, K) FP8
+  uint8_t* scales = nullptr;  // NVFP4: (M, K / 16) E4M3; MXFP8: E8M0, outer-dim-major (K / 32, M)
+  float* amax = nullptr;      // NVFP4: the global amax, or M of them
+};
+
+// The bytes of x up to which a format takes the small program: where it measured faster than the
+// tile programs (benchmarks/NOTES.md, quantize.py --small), within what the cluster holds (512 KiB;
+// a decode step's largest activation, 16 rows of 14336 bf16, is 448 KiB). NVFP4's per-row amaxes
+// and MXFP8's lighter encode (the tile program's one launch, on more SMs) leave it less room.
+inline int64_t small_rowwise_bytes(int format, bool row_scaled) {
+  const int64_t held = int64_t(kSmallCtas) * kSmallThreads * kSmallBytesPerThread;
+  return format == kMX ? held / 4 : row_scaled ? held / 2 : held;
+}
+
+// The CTAs of the launch that quantizes an M x K input of `element_size`-byte elements in blocks
+// of `block` elements, 0 where the program does not take it (past `max_bytes`), spread so that
+// each thread holds as few blocks as the cluster allows.
+inline int small_rowwise_ctas(int64_t M, int64_t K, int64_t element_size, int64_t block, int64_t max_bytes, bool row_scaled) {
+  const int64_t blocks = M * K / block;
+  if (K % block != 0 || blocks <= 0 || M * K * element_size > max_bytes || (row_scaled && M > kSmallRows)) return 0;
+  return int(std::min<int64_t>(kSmallCtas, (blocks + kSmallThreads - 1) / kSmallThreads));
+}
+
 enum DequantKind { kDequantScaled = 0, kDequantMX = 1, kDequantNV = 2 };
 
 struct DequantParams {
@@ -96,5 +134,6 @@ void launch_tile(int dtype, int row_format, int col_format, const TileParams& p,
 void launch_finalize(const FinalizeParams& p, void* stream);
 void launch_dbias(const DbiasParams& p, void* stream);
 void launch_dequantize(const DequantParams& p, void* stream);
+void launch_small_rowwise(int dtype, int format, const SmallRowwiseParams& p, void* stream);
 
 }  // namespace gq

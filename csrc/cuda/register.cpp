@@ -1,7 +1,8 @@
 // graphquant._C's kernel entry points: allocate the outputs, run the passes a quantize needs
-// (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction) on the current
-// stream, and hand the tensors back to graphquant/kernels/native.py, which wraps them into
-// Representations. Nothing here waits for the device.
+// (amax pre-pass, scale finalize, the fused tile pass, the dbias reduction; or a small input's
+// rowwise NVFP4 or MXFP8 alone, in one launch) on the current stream, and hand the tensors back to
+// graphquant/kernels/native.py, which wraps them into Representations. Nothing here waits for
+// the device.
 //
 // Built with the CUDA kernels, or with GRAPHQUANT_EMULATE against a CPU build of the same
 // programs (tests/emulation), where the launchers run the kernels thread by thread.
@@ -174,6 +175,45 @@ ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
   return out;
 }
 
+// Whether a small input's rowwise NVFP4 or MXFP8 alone goes to the one-launch program
+// (small_rowwise.cuh); the benchmarks and tests turn it off to run the tile programs' launches
+// instead (the same bits).
+bool small_rowwise_on = true;
+
+// The small rowwise program's CTAs for x's rowwise side, 0 where it does not take x: NVFP4 in 1x16
+// blocks rounded to nearest (an activation's), or MXFP8.
+int small_rowwise_ctas_for(const at::Tensor& x, const Config& row) {
+  const bool nv = row.format == kNV && !row.enc.two_d && !row.enc.sr;
+  if (!small_rowwise_on || !(nv || row.format == kMX) || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return 0;
+  const bool row_scaled = nv && row.enc.row_scaled;
+  return small_rowwise_ctas(x.size(0), x.size(1), x.element_size(), nv ? 16 : 32, small_rowwise_bytes(row.format, row_scaled), row_scaled);
+}
+
+// quantize's outputs, made by the one launch of the small rowwise program: data, scale and (NVFP4)
+// amax of the rowwise side.
+std::vector<at::Tensor> small_rowwise(const at::Tensor& x, const Config& row, int ctas, int dtype, void* stream) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool nv = row.format == kNV;
+  const auto options = x.options();
+  at::Tensor data = nv ? at::empty({M, K / 2}, options.dtype(at::kByte)) : at::empty({M, K}, options.dtype(fp8_dtype(row.enc.fp8)));
+  // MXFP8's scales outer-dim-major, (K / 32, M) in memory, as the tile programs lay them
+  at::Tensor scale = nv ? at::empty({M, K / 16}, options.dtype(at::kFloat8_e4m3fn)) : at::empty({K / 32, M}, options.dtype(at::kByte)).t();
+  at::Tensor amax;
+  if (nv) amax = row.enc.row_scaled ? at::empty({M}, options.dtype(at::kFloat)) : at::empty({}, options.dtype(at::kFloat));
+  SmallRowwiseParams p;
+  p.x = x.data_ptr();
+  p.M = M;
+  p.K = K;
+  p.fp8 = row.enc.fp8;
+  p.row_scaled = row.enc.row_scaled;
+  p.ctas = ctas;
+  p.data = static_cast<uint8_t*>(data.data_ptr());
+  p.scales = static_cast<uint8_t*>(scale.data_ptr());
+  p.amax = nv ? amax.data_ptr<float>() : nullptr;
+  launch_small_rowwise(dtype, row.format, p, stream);
+  return {data, scale, amax, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 // One direction's outputs: data, scale, amax (undefined where absent).
 struct Outputs {
   at::Tensor data, scale, amax;
@@ -225,6 +265,11 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     row.enc.rng = col.enc.rng = rng->data_ptr<int64_t>();
     row.enc.rng_offset = col.enc.rng_offset = rng_offset;
   }
+
+  // The rowwise side alone, nothing else asked of the pass: a small x may take the one-launch program.
+  const bool rowwise_alone = row_output && col.format == kNone && !col_given && !dq_source && !runs.has_value() &&
+                             !group_sizes.has_value() && !want_dbias;
+  if (const int ctas = rowwise_alone ? small_rowwise_ctas_for(x, row) : 0; ctas > 0) return small_rowwise(x, row, ctas, dtype, stream);
 
   TileParams p;
   p.x = x.data_ptr();
@@ -509,5 +554,11 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0, pybind11::arg("runs") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
         pybind11::arg("col_output") = true);
+  m.def(
+      "set_small_rowwise",
+      [](bool on) { return std::exchange(gq::small_rowwise_on, on); },
+      "Whether a small input's rowwise NVFP4 or MXFP8 takes one launch (csrc/cuda/small_rowwise.cuh) rather than "
+      "the tile programs' (the same bits); returns the previous setting",
+      pybind11::arg("on"));
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

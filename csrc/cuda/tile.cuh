@@ -93,22 +93,7 @@ GQ_HD TileCoords tile_coords(const TileParams& p, int64_t bx, int64_t by) {
 
 template <class In, class Smem>
 GQ_HD void read_row_chunk(const Smem& s, int r, int j, float v[16]) {
-  using S = typename In::S;
-  const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile()[r][16 * j]);
-#pragma unroll
-  for (int w = 0; w < int(sizeof(S)); ++w) {  // 16 elements are sizeof(S) 16-byte words
-    const Vec16 q = src[w];
-    const uint32_t u[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if constexpr (sizeof(S) == 2) {
-        v[8 * w + 2 * k] = In::to_float(S(u[k] & 0xFFFFu));
-        v[8 * w + 2 * k + 1] = In::to_float(S(u[k] >> 16));
-      } else {
-        v[4 * w + k] = u2f(u[k]);
-      }
-    }
-  }
+  unpack_chunk<In>(reinterpret_cast<const Vec16*>(&s.tile()[r][16 * j]), v);
 }
 
 // The column chunks (c, i) and (c + 1, i), c even: one shared-memory read brings an element of
@@ -129,33 +114,9 @@ GQ_HD void read_col_pair(const Smem& s, int c, int i, float v[2][16]) {
   }
 }
 
-GQ_HD uint32_t chunk_amax(const float v[16]) {
-  uint32_t m = 0;
-#pragma unroll
-  for (int e = 0; e < 16; ++e) m = umax(m, abs_bits(v[e]));
-  return m;
-}
-
-// chunk_amax of a row chunk, from the stored bits: |x|'s bits order bf16 and f16 values as their
-// magnitudes do (NaN above inf), so two elements compare at once and only the maximum converts.
 template <class In, class Smem>
 GQ_HD uint32_t row_chunk_amax(const Smem& s, int r, int j) {
-  using S = typename In::S;
-  if constexpr (sizeof(S) == 2) {
-    const Vec16* src = reinterpret_cast<const Vec16*>(&s.tile()[r][16 * j]);
-    uint32_t m = 0;
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const Vec16 q = src[w];
-      m = umax_halves(m, umax_halves(q.x & 0x7FFF7FFFu, q.y & 0x7FFF7FFFu));
-      m = umax_halves(m, umax_halves(q.z & 0x7FFF7FFFu, q.w & 0x7FFF7FFFu));
-    }
-    return abs_bits(In::to_float(S(umax(m & 0xFFFFu, m >> 16))));
-  } else {
-    float v[16];
-    read_row_chunk<In>(s, r, j, v);
-    return chunk_amax(v);
-  }
+  return stored_chunk_amax<In>(reinterpret_cast<const Vec16*>(&s.tile()[r][16 * j]));
 }
 
 // Up to 16 bytes to global memory: one 16-byte store when whole and aligned.
