@@ -979,7 +979,7 @@ def flash_kernels_launched_again(device: str) -> int:
             o, lse, p_amax = triton_attention.forward(q, k, transposed(v), scale_inv, p_scale, d**-0.5, True, torch.bfloat16)
             delta = (o.float() * do.float()).sum(-1) * 0.01
             grads = triton_attention_backward.backward(
-                q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales, d**-0.5, True, "e4m3", "e5m2"
+                q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales, d**-0.5, True, "e4m3", "e5m2", torch.bfloat16
             )
             return o, lse, p_amax, *grads
 
