@@ -4,8 +4,8 @@ On the CPU: compiled for Hopper (sm_90; Gluon kernels do not run under Triton's 
 spills nothing and ptxas serializes none of its wgmmas. On the GPU: dQ, dK, dV and dS's amax are
 the Triton backward's bit for bit (which tests/test_triton_attention.py holds to the emulation's
 bound) wherever the order of the atomic adds cannot change a bit, and dK, dV and dS's amax
-everywhere else, dQ there held to the emulation's bound; dK and dV in bfloat16 or float16 are
-its float32 ones rounded once.
+everywhere else, dQ there held to the emulation's bound; dK and dV it stores in bfloat16 or
+float16 (no groups) are its float32 ones rounded once.
 """
 
 import re
@@ -110,8 +110,8 @@ def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal):
 
 @pytest.mark.gpu
 def test_gluon_gradients_in_their_dtype():
-    """``check_gradients_in_their_dtype`` of the Gluon backward: dK and dV in bfloat16 and
-    float16 are its float32 ones rounded once."""
+    """``check_gradients_in_their_dtype`` of the Gluon backward: dK and dV it stores in bfloat16
+    and float16 are its float32 ones rounded once."""
     from graphquant.kernels import gluon_attention_backward
 
     print(check_gradients_in_their_dtype(gluon_attention_backward.backward, "cuda"))

@@ -891,14 +891,15 @@ DTYPE_CASES = [(1, 4, 2, 208, 240, 128, True), (1, 2, 2, 112, 96, 64, False), (1
 def check_gradients_in_their_dtype(backward, device: str) -> str:
     """``backward`` (a flash backward's function, its default configuration) asked for dK and dV
     in bfloat16 and in float16 gives its float32 call's dK and dV each rounded once to that dtype
-    (to nearest even, as .to(dtype) rounds), bit for bit, whether the kernel stores them in that
-    dtype (no groups) or sums them in float32 first (groups), and dQ and dS's amax unchanged."""
+    (to nearest even, as .to(dtype) rounds), bit for bit, where the kernel stores them (no
+    groups), and their float32 sums where it adds them (groups); dQ and dS's amax unchanged."""
     names = ("dQ", "dK", "dV", "dS amax")
     for b, heads, kv_heads, lq, lk, d, causal in DTYPE_CASES:
         args = (*backward_arguments(b, heads, kv_heads, lq, lk, d, causal, device=device), d**-0.5, causal, "e4m3", "e5m2")
         dq, dk, dv, ds_amax = backward(*args, torch.float32)
         for dtype in (torch.bfloat16, torch.float16):
-            expected = (dq, dk.to(dtype), dv.to(dtype), ds_amax)
+            kv_dtype = dtype if heads == kv_heads else torch.float32
+            expected = (dq, dk.to(kv_dtype), dv.to(kv_dtype), ds_amax)
             assert_same_bits(names, backward(*args, dtype), expected, f"h{heads}/{kv_heads} {lq}x{lk} d{d} {dtype}: ")
     return f"{len(DTYPE_CASES)} cases"
 

@@ -285,13 +285,13 @@ def backward(
     seq_q, seq_k = q.shape[2], k.shape[2]
     if seq_q % GLUON_LENGTH_MULTIPLE or seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
         raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_q} and {seq_k}")
-    outputs, inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
+    (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
     b, heads, _, head_dim = q.shape
     launch(
         _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),
-        *inputs, *outputs, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
+        *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // k.shape[1], head_dim, causal, (config or DEFAULT_CONFIG).num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
         num_warps=NUM_WARPS.value,
     )
-    return triton_attention_backward.results(*outputs, grad_dtype)
+    return dq, dk, dv, ds_amax.view(torch.float32)
