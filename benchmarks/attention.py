@@ -137,7 +137,7 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = 
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, HEAD_DIM))  # noqa: E731
     codes = (q8, transposed(q8), k8, transposed(k8), vt.t().contiguous().view(k.shape), do8, dot8)
-    backward = functools.partial(backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", config)
+    backward = functools.partial(backward, *codes, lse, delta, scales, 1 / HEAD_DIM**0.5, causal, "e4m3", "e5m2", q.dtype, config)
     return lambda: (forward(), backward())
 
 

@@ -4,7 +4,8 @@ On the CPU: compiled for Hopper (sm_90; Gluon kernels do not run under Triton's 
 spills nothing and ptxas serializes none of its wgmmas. On the GPU: dQ, dK, dV and dS's amax are
 the Triton backward's bit for bit (which tests/test_triton_attention.py holds to the emulation's
 bound) wherever the order of the atomic adds cannot change a bit, and dK, dV and dS's amax
-everywhere else, dQ there held to the emulation's bound.
+everywhere else, dQ there held to the emulation's bound; dK and dV it stores in bfloat16 or
+float16 (no groups) are its float32 ones rounded once.
 """
 
 import re
@@ -13,10 +14,13 @@ import ptxas
 import pytest
 import torch
 
+from test_triton_attention import assert_same_bits, backward_arguments, check_gradients_in_their_dtype
+
 
 def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
     """gluon_attention_backward's kernel compiled for Hopper (on any machine), dO and dS in E5M2,
-    lengths multiples of 16 (as ``backward`` takes them)."""
+    lengths multiples of 16 (as ``backward`` takes them), dK and dV stored in bfloat16 (added
+    into in float32 under groups)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -27,8 +31,9 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
     kernel = gluon_attention_backward._backward_kernel
     constants = dict(GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=stages, P_CODE=gl.float8e4nv, DS_CODE=gl.float8e5)
     e4m3 = dict.fromkeys(("Q", "QT", "K", "KT", "V"), "*fp8e4nv")
-    fp32 = dict.fromkeys(("LSE", "DELTA", "DQ", "DK", "DV", "SCALES"), "*fp32")
-    pointers = {**e4m3, "DO": "*fp8e5", "DOT": "*fp8e5", **fp32, "DS_AMAX_BITS": "*i32"}
+    fp32 = dict.fromkeys(("LSE", "DELTA", "DQ", "SCALES"), "*fp32")
+    grads = dict.fromkeys(("DK", "DV"), "*bf16" if groups == 1 else "*fp32")
+    pointers = {**e4m3, "DO": "*fp8e5", "DOT": "*fp8e5", **fp32, **grads, "DS_AMAX_BITS": "*i32"}
     scalars = {"softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "qt_stride": "i32", "kt_stride": "i32"}
     signature = {name: {**pointers, **scalars}.get(name, "constexpr") for name in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, *scalars} - {"softmax_scale"}}
@@ -65,49 +70,21 @@ def test_backward_refuses_lengths_it_cannot_copy():
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention_backward
 
+    args = backward_arguments(1, 2, 2, 64, 100, 64, False, device="cpu", forward=False)
     with pytest.raises(ValueError, match="takes query and key lengths that are multiples of 16, not 64 and 100"):
-        gluon_attention_backward.backward(*_inputs(1, 2, 2, 64, 100, 64, False, device="cpu"), 64**-0.5, False, "e4m3", "e5m2")
+        gluon_attention_backward.backward(*args, 64**-0.5, False, "e4m3", "e5m2", torch.bfloat16)
 
 
 # -- on the GPU ----------------------------------------------------------------------------------
 
-def _inputs(b, heads, kv_heads, lq, lk, d, causal, seed=0, device="cuda"):
-    """The backward's arguments up to ``scales``: random codes of Q, K, V (E4M3) and dO (E5M2)
-    with their transposes, the Triton forward's logsumexp of them (on the CPU, where there is no
-    forward: zeros), D = rowsum(dO * O) and the scales (dS's large enough that some of its codes
-    saturate)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def codes(heads, n, dtype=torch.float8_e4m3fn):
-        return (torch.randn(b, heads, n, d, generator=g) * 8).to(dtype).to(device)
-
-    q, k, v, do = codes(heads, lq), codes(kv_heads, lk), codes(kv_heads, lk), codes(heads, lq, torch.float8_e5m2)
-    transposed = lambda x: x.reshape(-1, d).t().contiguous()  # noqa: E731
-    scales = torch.tensor([0.05, 0.01, 448.0, 1 / 448.0, 2.0**14, 2.0**-14], device=device)
-    if device == "cpu":
-        lse, o = torch.zeros(b, heads, lq), torch.zeros(q.shape)
-    else:
-        from graphquant.kernels import triton_attention
-
-        o, lse, _ = triton_attention.forward(q, k, transposed(v), scales[:1].clone(), scales[2:3].clone(), d**-0.5, causal, torch.float32)
-    delta = (o * do.float()).sum(-1) * 0.01
-    return q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales
-
-
-def _backwards(case, causal, seed=0):
+def _backwards(case, causal, grad_dtype, seed=0):
     """(Gluon's, Triton's) dQ, dK, dV and dS's amax of ``case`` (batch, heads, kv heads, Lq, Lk,
-    head dim), P in E4M3 and dS in E5M2, the Triton backward in the configuration with the Gluon
-    backward's bits."""
+    head dim), P in E4M3 and dS in E5M2, dK and dV in ``grad_dtype``, the Triton backward in the
+    configuration with the Gluon backward's bits."""
     from graphquant.kernels import gluon_attention_backward, triton_attention_backward
 
-    args = (*_inputs(*case, causal, seed), case[-1] ** -0.5, causal, "e4m3", "e5m2")
+    args = (*backward_arguments(*case, causal, seed), case[-1] ** -0.5, causal, "e4m3", "e5m2", grad_dtype)
     return gluon_attention_backward.backward(*args), triton_attention_backward.backward(*args, gluon_attention_backward.triton_config())
-
-
-def _assert_same_bits(names, got, expected):
-    for name, x, y in zip(names, got, expected):
-        differ = x.view(torch.int32) != y.view(torch.int32)
-        assert not differ.any(), f"{name}: {differ.sum().item()} of {differ.numel()} differ, first at {differ.nonzero()[0].tolist()}"
 
 
 # At most two key tiles add into a dQ tile and two query heads into a key/value head's dK and dV:
@@ -124,9 +101,20 @@ EXACT_CASES = [  # batch, heads, kv heads, Lq, Lk (multiples of 16), head dim
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", EXACT_CASES, ids=[f"b{b}-h{h}/{kv}-{lq}x{lk}-d{d}" for b, h, kv, lq, lk, d in EXACT_CASES])
 def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal):
-    """dQ, dK, dV and dS's amax of the Gluon backward are the Triton backward's bit for bit."""
-    gluon, triton = _backwards(case, causal)
-    _assert_same_bits(("dQ", "dK", "dV", "dS amax"), gluon, triton)
+    """dQ, dK, dV and dS's amax of the Gluon backward are the Triton backward's bit for bit, dK
+    and dV asked in float32 and in bfloat16."""
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        gluon, triton = _backwards(case, causal, grad_dtype)
+        assert_same_bits(("dQ", "dK", "dV", "dS amax"), gluon, triton, f"{grad_dtype}: ")
+
+
+@pytest.mark.gpu
+def test_gluon_gradients_in_their_dtype():
+    """``check_gradients_in_their_dtype`` of the Gluon backward: dK and dV it stores in bfloat16
+    and float16 are its float32 ones rounded once."""
+    from graphquant.kernels import gluon_attention_backward
+
+    print(check_gradients_in_their_dtype(gluon_attention_backward.backward, "cuda"))
 
 
 @pytest.mark.gpu
@@ -134,9 +122,10 @@ def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal):
 @pytest.mark.parametrize("case", [(2, 4, 2, 2048, 2048, 128), (1, 4, 4, 1024, 1008, 64)], ids=["gqa-l2048-d128", "l1024x1008-d64"])
 def test_gluon_backward_is_the_triton_backward_but_for_dq(case, causal):
     """Many key tiles a dQ tile (whose atomic adds meet in no fixed order on either side): dK, dV
-    and dS's amax are the Triton backward's bit for bit."""
-    gluon, triton = _backwards(case, causal)
-    _assert_same_bits(("dK", "dV", "dS amax"), gluon[1:], triton[1:])
+    and dS's amax are the Triton backward's bit for bit, dK and dV asked in float32 and in bfloat16."""
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        gluon, triton = _backwards(case, causal, grad_dtype)
+        assert_same_bits(("dK", "dV", "dS amax"), gluon[1:], triton[1:], f"{grad_dtype}: ")
 
 
 @pytest.mark.gpu

@@ -850,6 +850,88 @@ def test_backward_kernel_under_the_interpreter():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def backward_arguments(b, heads, kv_heads, lq, lk, d, causal, seed=0, device="cuda", forward=True):
+    """A flash backward's arguments up to ``scales``: random codes of Q, K, V (E4M3) and dO (E5M2)
+    with their transposes, the Triton forward's logsumexp of them (on the CPU under the
+    interpreter; not ``forward``: zeros, for a call refused before it runs a kernel), D =
+    rowsum(dO * O) and the scales (dS's large enough that some of its codes saturate)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def codes(heads, n, dtype=torch.float8_e4m3fn):
+        return (torch.randn(b, heads, n, d, generator=g) * 8).to(dtype).to(device)
+
+    q, k, v, do = codes(heads, lq), codes(kv_heads, lk), codes(kv_heads, lk), codes(heads, lq, torch.float8_e5m2)
+    transposed = lambda x: x.reshape(-1, d).t().contiguous()  # noqa: E731
+    scales = torch.tensor([0.05, 0.01, 448.0, 1 / 448.0, 2.0**14, 2.0**-14], device=device)
+    if forward:
+        from graphquant.kernels import triton_attention
+
+        o, lse, _ = triton_attention.forward(q, k, transposed(v), scales[:1].clone(), scales[2:3].clone(), d**-0.5, causal, torch.float32)
+    else:
+        lse, o = torch.zeros(b, heads, lq, device=device), torch.zeros(q.shape, device=device)
+    delta = (o * do.float()).sum(-1) * 0.01
+    return q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales
+
+
+def assert_same_bits(names, got, expected, what=""):
+    """Each of ``got`` has the dtype and the bits of its ``expected``."""
+    for name, x, y in zip(names, got, expected):
+        assert x.dtype == y.dtype, f"{what}{name}: {x.dtype}, not {y.dtype}"
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+        differ = x.view(bits) != y.view(bits)
+        assert not differ.any(), f"{what}{name}: {differ.sum().item()} of {differ.numel()} differ, first at {differ.nonzero()[0].tolist()}"
+
+
+# Cases every output of which has one value in any order of the atomic adds: at most two key tiles
+# a dQ tile and two query heads a key/value head (two fp32 terms summed into zero). batch, heads,
+# kv heads, Lq, Lk (multiples of 16, as the Gluon backward takes them), head dim, causal.
+DTYPE_CASES = [(1, 4, 2, 208, 240, 128, True), (1, 2, 2, 112, 96, 64, False), (1, 2, 2, 80, 144, 128, True)]
+
+
+def check_gradients_in_their_dtype(backward, device: str) -> str:
+    """``backward`` (a flash backward's function, its default configuration) asked for dK and dV
+    in bfloat16 and in float16 gives its float32 call's dK and dV each rounded once to that dtype
+    (to nearest even, as .to(dtype) rounds), bit for bit, where the kernel stores them (no
+    groups), and their float32 sums where it adds them (groups); dQ and dS's amax unchanged."""
+    names = ("dQ", "dK", "dV", "dS amax")
+    for b, heads, kv_heads, lq, lk, d, causal in DTYPE_CASES:
+        args = (*backward_arguments(b, heads, kv_heads, lq, lk, d, causal, device=device), d**-0.5, causal, "e4m3", "e5m2")
+        dq, dk, dv, ds_amax = backward(*args, torch.float32)
+        for dtype in (torch.bfloat16, torch.float16):
+            kv_dtype = dtype if heads == kv_heads else torch.float32
+            expected = (dq, dk.to(kv_dtype), dv.to(kv_dtype), ds_amax)
+            assert_same_bits(names, backward(*args, dtype), expected, f"h{heads}/{kv_heads} {lq}x{lk} d{d} {dtype}: ")
+    return f"{len(DTYPE_CASES)} cases"
+
+
+GRADIENT_DTYPES_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
+    """
+    triton_interpreter.round_bfloat16_to_nearest()
+    import test_triton_attention
+    from graphquant.kernels import triton_attention_backward
+
+    print(test_triton_attention.check_gradients_in_their_dtype(triton_attention_backward.backward, "cpu"))
+    """
+)
+
+
+def test_backward_gradients_in_their_dtype_under_the_interpreter():
+    """``check_gradients_in_their_dtype`` of the Triton backward run by Triton's interpreter (its
+    float32 -> bfloat16 cast rounding to nearest even, as the GPU's)."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", GRADIENT_DTYPES_INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_backward_gradients_in_their_dtype():
+    from graphquant.kernels import triton_attention_backward
+
+    print(check_gradients_in_their_dtype(triton_attention_backward.backward, "cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads, kv_heads, seq, d", [(8, 2, 1000, 128), (4, 4, 2048, 64)], ids=["gqa-l1000-d128", "l2048-d64"])
@@ -979,7 +1061,7 @@ def flash_kernels_launched_again(device: str) -> int:
             o, lse, p_amax = triton_attention.forward(q, k, transposed(v), scale_inv, p_scale, d**-0.5, True, torch.bfloat16)
             delta = (o.float() * do.float()).sum(-1) * 0.01
             grads = triton_attention_backward.backward(
-                q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales, d**-0.5, True, "e4m3", "e5m2"
+                q, transposed(q), k, transposed(k), v, do, transposed(do), lse, delta, scales, d**-0.5, True, "e4m3", "e5m2", torch.bfloat16
             )
             return o, lse, p_amax, *grads
 

@@ -125,9 +125,10 @@ def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
-    """One half of dK or dV, scaled: stored, or (grouped) added into its key/value head's."""
+    """One half of dK or dV, scaled: stored in the gradient's dtype (the fp32 value rounded once,
+    as the Triton kernel stores it), or (grouped) added into its key/value head's fp32 sum."""
     if GROUPS == 1:
-        gl.store(X + out, x * factor, mask=keys[:, None])
+        gl.store(X + out, (x * factor).to(X.dtype.element_ty), mask=keys[:, None])
     else:
         gl.atomic_add(X + out, x * factor, mask=keys[:, None], sem="relaxed")
 
@@ -275,7 +276,8 @@ def _backward_kernel(
 def backward(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
     do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
-    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, config: Optional[GluonBackwardConfig] = None,
+    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, grad_dtype: torch.dtype,
+    config: Optional[GluonBackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triton_attention_backward.backward``'s results and arguments, bit for bit those of its
     ``triton_config()`` but for the order of dQ's atomic adds (``config`` defaults to
@@ -283,7 +285,7 @@ def backward(
     seq_q, seq_k = q.shape[2], k.shape[2]
     if seq_q % GLUON_LENGTH_MULTIPLE or seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
         raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_q} and {seq_k}")
-    (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta)
+    (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
     b, heads, _, head_dim = q.shape
     launch(
         _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),

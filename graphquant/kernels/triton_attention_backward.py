@@ -25,12 +25,15 @@ Every product reads operands whose inner dim is contiguous (Hopper's FP8 wgmma t
 so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in registers, is
 transposed there. Each product sums one tile (at most 128 deep) in the tensor cores' accumulator
 and adds it into fp32 (as the forward's PV). The program records the largest |dS| it saw (what
-the dp slot's delayed scaling records). Under grouped-query attention dK and dV come out summed
-over each key/value head's query heads, in fp32: a program walks one query head and adds its dK
-and dV into the group's by atomic adds (in some order, one more fp32 rounding a query head), so
-that the programs running at one moment share the few query heads whose dQ they add
+the dp slot's delayed scaling records). Without groups each program stores its keys' rows of dK
+and dV in the gradient's dtype, each element its fp32 value rounded once (what converting an
+fp32 result would give, without that pass). Under grouped-query attention dK and dV come out
+summed over each key/value head's query heads, in fp32: a program walks one query head and adds
+its dK and dV into the group's by atomic adds (in some order, one more fp32 rounding a query
+head), so that the programs running at one moment share the few query heads whose dQ they add
 into (and whose Q and dO they read), as without groups, and the causal launch's last wave is as
-short. Causal masks are aligned top left, as the forward's.
+short. dQ, a sum of atomic adds that no program sees whole, is fp32 too: the caller rounds these
+sums. Causal masks are aligned top left, as the forward's.
 """
 
 from __future__ import annotations
@@ -219,9 +222,9 @@ def _backward_kernel(
         )
 
     out = (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-    if GROUPS == 1:
-        tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
-        tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
+    if GROUPS == 1:  # in the gradient's dtype: the fp32 value rounded once
+        tl.store(DV + out, (dv * (s_inv * do_inv)).to(DV.dtype.element_ty), mask=keys[:, None])
+        tl.store(DK + out, (dk * grad_factor).to(DK.dtype.element_ty), mask=keys[:, None])
     else:  # one query head's share of its key/value head's
         tl.atomic_add(DV + out, dv * (s_inv * do_inv), mask=keys[:, None], sem="relaxed")
         tl.atomic_add(DK + out, dk * grad_factor, mask=keys[:, None], sem="relaxed")
@@ -230,7 +233,7 @@ def _backward_kernel(
 
 def prepared(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
-    do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, grad_dtype: torch.dtype,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """The outputs a backward fills (dQ, dK, dV and the bits of dS's amax: see ``backward``) and
     its inputs contiguous; refuses codes that do not fit one another."""
@@ -242,9 +245,10 @@ def prepared(
             f"v {tuple(v.shape)}, do {tuple(do.shape)}, dot {tuple(dot.shape)} do not fit one another"
         )
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    allocate = torch.empty if heads == kv_heads else torch.zeros  # dK and dV: stored whole, or added into
-    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=torch.float32)
-    dv = allocate(dk.shape, device=q.device, dtype=torch.float32)
+    # dK and dV: stored whole in the gradient's dtype, or (grouped) added into in fp32
+    allocate, kv_dtype = (torch.empty, grad_dtype) if heads == kv_heads else (torch.zeros, torch.float32)
+    dk = allocate((b, kv_heads, seq_k, head_dim), device=q.device, dtype=kv_dtype)
+    dv = allocate(dk.shape, device=q.device, dtype=kv_dtype)
     ds_amax = torch.zeros((), device=q.device, dtype=torch.int32)
     return (dq, dk, dv, ds_amax), tuple(t.contiguous() for t in (q, qt, k, kt, v, do, dot, lse, delta))
 
@@ -252,19 +256,21 @@ def prepared(
 def backward(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
     do: torch.Tensor, dot: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor,
-    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, config: Optional[BackwardConfig] = None,
+    softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str, grad_dtype: torch.dtype,
+    config: Optional[BackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ (batch, heads, Lq, D), dK and dV (batch, kv heads, Lk, D), all fp32, and the
-    amax of dS (0-dim fp32)) of FP8 codes q (batch, heads, Lq, D) and its transpose qt (D, batch *
-    heads * Lq), k and v (batch, kv heads, Lk, D), kt (D, batch * kv heads * Lk), do (as q) in
-    its own format and dot (as qt); lse the forward's natural-log logsumexp and delta rowsum(dO *
-    O), both (batch, heads, Lq) fp32; ``scales`` fp32 [qkv scale_inv, dO scale_inv, P scale,
-    P scale_inv, dS scale, dS scale_inv]; P quantized to ``p_dtype``, dS to ``ds_dtype``;
-    ``config`` defaults to DEFAULT_CONFIG."""
+    """(dQ (batch, heads, Lq, D) in fp32, dK and dV (batch, kv heads, Lk, D) in ``grad_dtype``
+    (each element its fp32 value rounded once), or in fp32 under grouped-query attention (their
+    sums over the groups), and the amax of dS (0-dim fp32)) of FP8 codes q
+    (batch, heads, Lq, D) and its transpose qt (D, batch * heads * Lq), k and v (batch, kv heads,
+    Lk, D), kt (D, batch * kv heads * Lk), do (as q) in its own format and dot (as qt); lse the
+    forward's natural-log logsumexp and delta rowsum(dO * O), both (batch, heads, Lq) fp32;
+    ``scales`` fp32 [qkv scale_inv, dO scale_inv, P scale, P scale_inv, dS scale, dS scale_inv];
+    P quantized to ``p_dtype``, dS to ``ds_dtype``; ``config`` defaults to DEFAULT_CONFIG."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     c = config or DEFAULT_CONFIG
-    (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta)
+    (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
     launch(
         _backward_kernel, (ceil_div(seq_k, c.block_n) * b * heads,),
         *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],

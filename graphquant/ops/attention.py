@@ -225,7 +225,9 @@ class FlashAttention(torch.autograd.Function):
         dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
         if site.backward_backend.name in backends.ATTENTION_KERNELS:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
-            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state)
+            # The kernel rounds dK and dV to K's dtype (V's: F.scaled_dot_product_attention takes one) where it
+            # stores them; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it
+            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
             return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
@@ -275,8 +277,9 @@ FLASH_FORWARDS = {
 }
 
 
-def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state):
-    """(dQ (batch, heads, Lq, D), dK and dV (batch, kv heads, Lk, D), all fp32) from the FP8 flash backward:
+def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state, grad_dtype):
+    """(dQ (batch, heads, Lq, D) in fp32, dK and dV (batch, kv heads, Lk, D) in ``grad_dtype``, fp32
+    under grouped-query attention) from the FP8 flash backward:
     dO quantized (``joint_per_tensor``: quantize_do's codes) and D = rowsum(dO * O) taken as the
     emulation takes them, P quantized with the s
     slot's scale as the forward found it and dS with the dp slot's, whose history then records
@@ -293,6 +296,7 @@ def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, c
     dq, dk, dv, ds_amax = FLASH_BACKWARDS[site.backward_backend.name](
         q, transposed(q), k, transposed(k), v, do_row.tensors[0].view(q.shape), do_col.tensors[0], lse, delta, scales,
         softmax_scale, causal, site.quantizer("s").kernel_encoding(ROWWISE).element, dp_quantizer.kernel_encoding(ROWWISE).element,
+        grad_dtype,
     )
     record_amax(dp_quantizer, dp_state, ds_amax)
     return dq, dk, dv
@@ -301,12 +305,14 @@ def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, c
 def flash_attention_backward_reference(
     q: torch.Tensor, qt: torch.Tensor, k: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dot: torch.Tensor,
     lse: torch.Tensor, delta: torch.Tensor, scales: torch.Tensor, softmax_scale: float, causal: bool, p_dtype: str, ds_dtype: str,
+    grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 flash-attention backward (graphquant.kernels.triton_attention_backward.backward):
-    (dQ, dK and dV summed over each key/value head's query heads, all fp32, the amax of dS). Its
-    reference here is the kernel's arithmetic on whole matrices: products of the codes in fp32, P
-    from the logsumexp in base 2, P and dS cast element by element as the kernel casts its tiles
-    (the transposed codes qt, kt, dot are the kernel's operand layouts, unused here)."""
+    (dQ, dK and dV summed over each key/value head's query heads, all fp32 but dK and dV without
+    groups, which are in ``grad_dtype``; the amax of dS). Its reference here is the kernel's
+    arithmetic on whole matrices: products of the codes in fp32, P from the logsumexp in base 2,
+    P and dS cast element by element as the kernel casts its tiles (the transposed codes qt, kt,
+    dot are the kernel's operand layouts, unused here)."""
     b, h, lq, d = q.shape
     groups, lk = h // k.shape[1], k.shape[2]
     qkv_inv, do_inv, s_scale, s_inv, dp_scale, dp_inv = scales.unbind()
@@ -323,7 +329,8 @@ def flash_attention_backward_reference(
     ds8 = per_tensor.quantize(ds, dp_scale, ds_dtype, transpose=False).float()
     factor = dp_inv * qkv_inv * torch.tensor(softmax_scale, dtype=torch.float32)
     dk = ds8.transpose(-1, -2) @ qf * factor
-    return ds8 @ kf * factor, *(_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv)), fp8.tensor_amax(ds)
+    kv_dtype = grad_dtype if groups == 1 else torch.float32
+    return ds8 @ kf * factor, *(_summed_over_groups(x, b, h, groups, lk).to(kv_dtype) for x in (dk, dv)), fp8.tensor_amax(ds)
 
 
 # The op of each flash backward's backend: the Triton backward's, and the Gluon backward's (its bits
@@ -336,9 +343,8 @@ FLASH_BACKWARDS = {
 
 @registry.fake("gluon_flash_attention_backward")
 @registry.fake("flash_attention_backward")
-def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dtype, ds_dtype):
-    b, h, lq, d = q.shape
-    dk = q.new_empty(k.shape, dtype=torch.float32)
+def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dtype, ds_dtype, grad_dtype):
+    dk = q.new_empty(k.shape, dtype=grad_dtype if k.shape[1] == q.shape[1] else torch.float32)
     return q.new_empty(q.shape, dtype=torch.float32), dk, torch.empty_like(dk), q.new_empty((), dtype=torch.float32)
 
 
