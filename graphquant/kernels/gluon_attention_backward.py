@@ -126,7 +126,7 @@ def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
 @gluon.jit
 def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
     """One half of dK or dV, scaled: stored in the gradient's dtype (the fp32 value rounded once,
-    as the Triton kernel stores it), or (grouped) added into its key/value head's fp32 sum."""
+    as Triton's backward rounds it), or (grouped) added into its key/value head's fp32 sum."""
     if GROUPS == 1:
         gl.store(X + out, (x * factor).to(X.dtype.element_ty), mask=keys[:, None])
     else:

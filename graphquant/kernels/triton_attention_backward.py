@@ -26,8 +26,7 @@ so dO^T, Q^T and K^T come as their columnwise codes; dS, the one operand made in
 transposed there. Each product sums one tile (at most 128 deep) in the tensor cores' accumulator
 and adds it into fp32 (as the forward's PV). The program records the largest |dS| it saw (what
 the dp slot's delayed scaling records). Without groups each program stores its keys' rows of dK
-and dV in the gradient's dtype, each element its fp32 value rounded once (what converting an
-fp32 result would give, without that pass). Under grouped-query attention dK and dV come out
+and dV in fp32, which ``backward`` rounds once to the gradient's dtype. Under grouped-query attention dK and dV come out
 summed over each key/value head's query heads, in fp32: a program walks one query head and adds
 its dK and dV into the group's by atomic adds (in some order, one more fp32 rounding a query
 head), so that the programs running at one moment share the few query heads whose dQ they add
@@ -222,9 +221,9 @@ def _backward_kernel(
         )
 
     out = (kv_bh * seq_k + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-    if GROUPS == 1:  # in the gradient's dtype: the fp32 value rounded once
-        tl.store(DV + out, (dv * (s_inv * do_inv)).to(DV.dtype.element_ty), mask=keys[:, None])
-        tl.store(DK + out, (dk * grad_factor).to(DK.dtype.element_ty), mask=keys[:, None])
+    if GROUPS == 1:
+        tl.store(DV + out, dv * (s_inv * do_inv), mask=keys[:, None])
+        tl.store(DK + out, dk * grad_factor, mask=keys[:, None])
     else:  # one query head's share of its key/value head's
         tl.atomic_add(DV + out, dv * (s_inv * do_inv), mask=keys[:, None], sem="relaxed")
         tl.atomic_add(DK + out, dk * grad_factor, mask=keys[:, None], sem="relaxed")
@@ -270,7 +269,9 @@ def backward(
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     c = config or DEFAULT_CONFIG
-    (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
+    # dK and dV stored in fp32, then rounded: stored narrower, ptxas spills in this kernel's loop and
+    # the backward is slower than the conversion it saves (benchmarks/NOTES.md, attention.py)
+    (dq, dk, dv, ds_amax), inputs = prepared(q, qt, k, kt, v, do, dot, lse, delta, torch.float32)
     launch(
         _backward_kernel, (ceil_div(seq_k, c.block_n) * b * heads,),
         *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
@@ -278,4 +279,6 @@ def backward(
         P_CODE=CODES[p_dtype], DS_CODE=CODES[ds_dtype],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if heads == kv_heads:
+        dk, dv = dk.to(grad_dtype), dv.to(grad_dtype)
     return dq, dk, dv, ds_amax.view(torch.float32)
