@@ -121,7 +121,7 @@ def _compiled(model, recipe, x: torch.Tensor, merged: bool, frozen: bool, backen
 
 
 def _interpreted_results() -> dict:
-    from graphquant.kernels import arrival_counters, triton_decode
+    from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
     results = {}
@@ -149,7 +149,7 @@ def _interpreted_results() -> dict:
     results["splits as described"] = [[_splits(rows, m, k) for rows in (n, n2, n + n2)] for m, n, n2, k in SHAPES] == [
         [4, 4, 2], [3, 2, 1], [1, 1, 1],
     ]
-    results["counters"] = all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
+    results["counters"] = all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
     backends.capability = lambda device: (9, 0)
     for name, recipe in RECIPES.items():
         # gate and up: 128 x 2048 each, K split 4 ways alone and 2 ways as a pair
@@ -276,7 +276,7 @@ def test_the_gate_and_up_projections_in_one_launch_are_one_gemm_over_both_on_the
     SMs) at 1 and 16 rows, with and without a bias, A quantized first and as loaded: eagerly, then
     replayed from a CUDA graph on new inputs, the outputs are the eager decode GEMM over both
     weights stacked, bit for bit, and the arrival counters end at zero."""
-    from graphquant.kernels import arrival_counters, triton_decode
+    from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
     ws = _weights(14336, 14336, 4096, "cuda", spread=64)
@@ -302,7 +302,7 @@ def test_the_gate_and_up_projections_in_one_launch_are_one_gemm_over_both_on_the
             expected = _stacked(quantizing(x), stacked, [14336, 14336], torch.bfloat16, [bias, None])
             assert all(torch.equal(r, e) for r, e in zip(replayed, expected)), f"{m} rows, inputs times {scale}"
     torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
 
 
 @pytest.mark.gpu

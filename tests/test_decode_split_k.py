@@ -52,7 +52,7 @@ def _split_in_order(a, b, out_dtype: torch.dtype, bias) -> torch.Tensor:
 
 
 def _interpreted_results() -> dict:
-    from graphquant.kernels import arrival_counters, triton_decode
+    from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
     results = {}
@@ -75,13 +75,13 @@ def _interpreted_results() -> dict:
     a, b = mx(x, columnwise=False).get(ROWWISE), mx(w, columnwise=False).get(ROWWISE)
     first, again = (triton_decode.gemm(a, b, torch.float32, config=fma) for _ in range(2))
     results["again | mxfp8 fma"] = torch.equal(first, again)
-    counters = list(arrival_counters.COUNTERS.values())
+    counters = list(triton_decode._ARRIVALS.values())
     results["counters"] = len(counters) == 1 and all(int(c.count_nonzero()) == 0 for c in counters)
     # a launch needing more counters than there are gets a larger buffer; the old one is kept
     # (a CUDA graph may hold its address)
     old = counters[0]
-    grown = arrival_counters.counters(torch.device("cpu"), old.numel() + 1)
-    results["grown"] = grown.numel() > old.numel() and int(grown.count_nonzero()) == 0 and arrival_counters.RETIRED[-1] is old
+    grown = triton_decode._arrivals(torch.device("cpu"), old.numel() + 1)
+    results["grown"] = grown.numel() > old.numel() and int(grown.count_nonzero()) == 0 and triton_decode._RETIRED_ARRIVALS[-1] is old
     return results
 
 
@@ -112,7 +112,7 @@ def test_split_k_replays_from_a_cuda_graph_and_runs_on_two_streams_at_once():
     """The down projection of a Llama-3-8B FFN at one and 16 rows (K split): replayed from a CUDA
     graph on new inputs, each replay gives the eager call's bits; two streams running their GEMMs
     at once count their arrivals apart and give each stream's eager bits."""
-    from graphquant.kernels import arrival_counters, triton_decode
+    from graphquant.kernels import triton_decode
 
     torch.manual_seed(0)
     quantizer = PAIRS["rowwise"]
@@ -139,7 +139,7 @@ def test_split_k_replays_from_a_cuda_graph_and_runs_on_two_streams_at_once():
                 outs[i].append(triton_decode.gemm(a[i], b, torch.bfloat16))
     torch.cuda.synchronize()
     assert all(torch.equal(out, expected[i]) for i in range(2) for out in outs[i])
-    assert all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them

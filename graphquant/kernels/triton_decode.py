@@ -44,6 +44,7 @@ bit for bit, without the quantize kernels a graph would run before them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import NamedTuple, Optional, Sequence
@@ -53,7 +54,6 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels import arrival_counters
 from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
 from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
@@ -974,6 +974,49 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
     return max(1, min(wanted, ceil_div(k, K_CHUNK)))
 
 
+# Each K-split launch's arrival counters (_write), a zero int32 a tile, per device and stream:
+# launches on one stream run one after another and share them (each leaves them zero), launches on
+# two streams may overlap and count apart. Never freed, grown by replacement: a CUDA graph keeps the
+# address it captured.
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+_RETIRED_ARRIVALS: list[torch.Tensor] = []
+_LEAST_ARRIVALS = 4096
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` arrival counters, zero, for a launch on the current stream of ``device``."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    counters = _ARRIVALS.get((device, stream))
+    if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _RETIRED_ARRIVALS.append(counters)
+        counters = _ARRIVALS[device, stream] = _zeros_outside_graph_pools(max(triton.next_power_of_2(tiles), _LEAST_ARRIVALS), device)
+    return counters
+
+
+def _zeros_outside_graph_pools(size: int, device: torch.device) -> torch.Tensor:
+    """``size`` int32 zeros that no CUDA graph's memory pool owns. While a graph tree warms up or
+    records, the allocations of its thread (or stream) come from the graph's pool, which the tree
+    may give to other tensors between replays: the counters are made by another thread, on a
+    stream of its own. While the current stream is captured they are made in the capture instead
+    (that graph's pool keeps them as long as the library does, and its replays zero them first)."""
+    if device.type != "cuda":
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
+
+    def make() -> torch.Tensor:
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            zeros = torch.zeros(size, dtype=torch.int32, device=device)
+        side.synchronize()
+        return zeros
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(make).result()
+
+
 def gemm(
     a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
@@ -995,7 +1038,7 @@ def gemm(
     out = arrivals = ends[2]  # no counters where K is not split
     if splits > 1:
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
-        arrivals = arrival_counters.counters(out.device, ceil_div(n, block_n) * row_tiles)
+        arrivals = _arrivals(out.device, ceil_div(n, block_n) * row_tiles)
     factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
@@ -1069,7 +1112,7 @@ def gemms_sharing_a(
     splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
     ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), splits) for bias, rows in zip(biases, (n, n2))]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
-    arrivals = arrival_counters.counters(a.data.device, (ceil_div(n, least_block_n) + ceil_div(n2, least_block_n)) * row_tiles)
+    arrivals = _arrivals(a.data.device, (ceil_div(n, least_block_n) + ceil_div(n2, least_block_n)) * row_tiles)
     _launch_autotuned(
         lambda meta: (ceil_div(n, meta["BLOCK_N"]) + ceil_div(n2, meta["BLOCK_N"]), splits, row_tiles),
         a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
