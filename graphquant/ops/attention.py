@@ -225,8 +225,8 @@ class FlashAttention(torch.autograd.Function):
         dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
         if site.backward_backend.name in backends.ATTENTION_KERNELS:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
-            # The kernel rounds dK and dV to K's dtype (V's: F.scaled_dot_product_attention takes one) where it
-            # stores them; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it
+            # dK and dV come in K's dtype (V's: F.scaled_dot_product_attention takes one) where they are not sums
+            # over groups; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it
             dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
             return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
         made = {}
