@@ -4,6 +4,7 @@ alternating rounds."""
 from __future__ import annotations
 
 import cProfile
+import collections
 import ctypes
 import functools
 import json
@@ -302,3 +303,21 @@ def profile(name: str, step) -> None:
           f"{host / 1e3:.2f} ms of it waiting for a late launch", file=sys.stderr)
     rows = [[f"{g:.0f}", "late launch" if late else "queued", b, a] for g, late, b, a in sorted(gaps, reverse=True)[:6]]
     print(tabulate(rows, headers=["gap (us)", "next kernel", "after", "before"]), file=sys.stderr)
+
+
+def cuda_kernels(call: Callable[[], object], warmup: int = 3) -> tuple[list[tuple[str, int, float]], float]:
+    """(name, launches, GPU us) of each CUDA kernel of one ``call`` after ``warmup`` calls (kernels
+    inside CUDA graph replays included), and the us from the first kernel's start to the last one's end."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    launches = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in launches:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us()
+    span = max(e.time_range.end for e in launches) - min(e.time_range.start for e in launches) if launches else 0.0
+    return [(name, count, us) for name, (count, us) in by_name.items()], span

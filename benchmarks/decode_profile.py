@@ -14,35 +14,17 @@ GEMM), so that both are profiled in one run.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import cuda_kernels  # noqa: E402
 from inference_configs import QUANTIZE_FIRST, allow_graphs, build  # noqa: E402
 from models import DIM, FFNStack  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16 torch.compile,graphquant tensorwise frozen,graphquant rowwise frozen,graphquant deepseek_blockwise frozen"
-
-
-def kernels(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, int, float]], float]:
-    """(name, launches, GPU us) of each kernel of one forward, and the us from the first kernel's
-    start to the last one's end."""
-    for _ in range(3):
-        model(x)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        model(x)
-        torch.cuda.synchronize()
-    launches = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    for e in launches:
-        by_name[e.name][0] += 1
-        by_name[e.name][1] += e.time_range.elapsed_us()
-    span = max(e.time_range.end for e in launches) - min(e.time_range.start for e in launches) if launches else 0.0
-    return [(name, count, us) for name, (count, us) in by_name.items()], span
 
 
 def main() -> None:
@@ -64,7 +46,8 @@ def main() -> None:
         for name in names:
             model = build(name, base, device, False)
             for r in rows:
-                found, span = kernels(model, torch.randn(r, DIM, device=device, dtype=torch.bfloat16))  # plans its graph
+                x = torch.randn(r, DIM, device=device, dtype=torch.bfloat16)
+                found, span = cuda_kernels(lambda: model(x))  # the warm-up plans its graph
                 launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
                 summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])
                 print(f"\n{name} @{r} rows: {launches} launches, {busy:.1f} us on the GPU, span {span:.1f} us")

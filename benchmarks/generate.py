@@ -2,6 +2,7 @@
 
     python benchmarks/generate.py [--tiny] [--layers 4] [--batch 1,16] [--prompt 16] [--new-tokens 64]
                                   [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
+                                  [--profile NAME,...]
 
 A Llama-architecture model built from a transformers LlamaConfig with random weights (Llama-3-8B
 dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256; ``--layers`` decoder
@@ -18,6 +19,9 @@ Each configuration compiles a graph per shape: the prefill and the decode step a
 one graph per batch size with ``--prompt 1``. A configuration that fails is listed under the table
 and the others still run; ``--budget`` leaves out those not built by then. On the CPU every
 configuration compiles with aot_eager (no Inductor build) and times are only a smoke test.
+``--profile NAME`` lists, after the table, the CUDA kernels of one generation of that configuration
+at each batch size, per generated token (launches and GPU us; with ``--prompt 1`` every step is a
+decode step of one shape, so these are one step's kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import seconds, turns  # noqa: E402
+from common import cuda_kernels, seconds, turns  # noqa: E402
 from inference_configs import allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
 
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", default="", help="comma-separated configuration names whose kernels to list (CUDA)")
     args = parser.parse_args(argv)
     args.layers = args.layers or (2 if args.tiny else 4)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 64)
@@ -153,6 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     print(tabulate(rows, headers=headers, floatfmt=".3g"))
     for name, why in failed.items():
         print(f"{name}: failed: {why}")
+    for name in filter(None, args.profile.split(",")):
+        for b in batches:
+            print_kernels_per_token(name, b, runs[name].generations[b], args.new_tokens)
+
+
+def print_kernels_per_token(name: str, batch: int, generation: Generation, new_tokens: int) -> None:
+    """One generation's CUDA kernels, each one's launches and GPU us per generated token."""
+    found, span = cuda_kernels(generation, warmup=1)
+    busy = sum(us for _, _, us in found) / new_tokens
+    print(f"\n{name} @{batch}: per token {sum(c for _, c, _ in found) / new_tokens:.1f} launches, {busy:.1f} us on the GPU, "
+          f"span {span / new_tokens:.1f} us")
+    rows = sorted(((n[:110], c / new_tokens, us / new_tokens) for n, c, us in found), key=lambda row: -row[2])
+    print(tabulate(rows, headers=["kernel", "launches", "us"], floatfmt=".1f"), flush=True)
 
 
 if __name__ == "__main__":
