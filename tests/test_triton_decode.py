@@ -327,13 +327,10 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
     )
 
 
-def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
-    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values),
-    its integer steps emulated here with the same constants: every pair of bytes that meet in
-    one f16x2 (bytes 0 and 2, 1 and 3 of a 32-bit word, among random neighbours), times every
-    finite E4M3 scale, gives each code's reference value times 2^-14 (zeros' signs included)."""
-    pytest.importorskip("triton")
-    from graphquant.formats import nvfp4
+def _e2m1_ptx_pairs(words: torch.Tensor) -> dict[int, torch.Tensor]:
+    """triton_dequantize's E2M1 PTX (_e2m1_pair_lines), its integer steps emulated with the same
+    constants, on 32-bit ``words`` of 8 codes: for each c of 0..3, the f16x2 pairs (as fp16 of
+    shape (words, 2)) holding codes c and c + 4 times 2^-14."""
     from graphquant.kernels import triton_dequantize as dq
 
     def select(a, b, c):  # lop3 with truth table SELECT
@@ -344,23 +341,71 @@ def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
         bits = torch.stack((word & 0xFFFF, word >> 16), dim=-1)
         return ((bits + 32768) % 65536 - 32768).to(torch.int16).view(torch.float16)
 
-    generator = torch.Generator().manual_seed(0)
-    every = torch.arange(65536, dtype=torch.int64)
-    pairs = (every & 0xFF) | ((every >> 8) << 16)  # every (byte 0, byte 2)
-    neighbours = torch.randint(0, 256, (2, every.numel()), generator=generator, dtype=torch.int64)
-    words = torch.cat((pairs | (neighbours[0] << 8) | (neighbours[1] << 24), (pairs << 8) | neighbours[0] | (neighbours[1] << 16)))
     assert dq.PRMT_SWAP == 0x2301  # bytes B1 B0 B3 B2
     y = ((words & 0x00FF00FF) << 8) | ((words >> 8) & 0x00FF00FF)
     even = select((y << 1) & 0xFFFFFFFF, (y << 4) & 0xFFFFFFFF, dq.CODE_BITS)
     odd = select(y >> 3, y, dq.CODE_BITS)
     decoded = {0: even & dq.PAIR_BITS, 2: (even << 8) & dq.PAIR_BITS, 1: odd & dq.PAIR_BITS, 3: (odd << 8) & dq.PAIR_BITS}
+    return {code: halves(word) for code, word in decoded.items()}
+
+
+def test_e2m1_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():
+    """The inline PTX that decodes NVFP4 for the decode GEMM (triton_dequantize.e2m1_block_values),
+    its integer steps emulated here with the same constants: every pair of bytes that meet in
+    one f16x2 (bytes 0 and 2, 1 and 3 of a 32-bit word, among random neighbours), times every
+    finite E4M3 scale, gives each code's reference value times 2^-14 (zeros' signs included)."""
+    pytest.importorskip("triton")
+    from graphquant.formats import nvfp4
+
+    generator = torch.Generator().manual_seed(0)
+    every = torch.arange(65536, dtype=torch.int64)
+    pairs = (every & 0xFF) | ((every >> 8) << 16)  # every (byte 0, byte 2)
+    neighbours = torch.randint(0, 256, (2, every.numel()), generator=generator, dtype=torch.int64)
+    words = torch.cat((pairs | (neighbours[0] << 8) | (neighbours[1] << 24), (pairs << 8) | neighbours[0] | (neighbours[1] << 16)))
     scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
     scales = scales[scales.isfinite() & ~scales.signbit()]
-    for code, word in decoded.items():  # codes ``code`` and ``code + 4`` of each word
-        got = (halves(word)[:, None, :] * scales[None, :, None]).double()
+    for code, pair in _e2m1_ptx_pairs(words).items():  # codes ``code`` and ``code + 4`` of each word
+        got = (pair[:, None, :] * scales[None, :, None]).double()
         codes = torch.stack(((words >> 4 * code) & 0xF, (words >> 4 * (code + 4)) & 0xF), dim=-1)
         want = nvfp4.e2m1_values(codes)[:, None, :].double() * scales[None, :, None].double() * 2.0**-14
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"codes {code} and {code + 4}"
+
+
+def test_e2m1_block_dot_ptx_sums_every_product_exactly():
+    """The PTX of triton_dequantize.e2m1_block_dot (the one-row NVFP4 GEMM's products), emulated:
+    the weight word's pairs as decoded (times 2^-14), the other word's pairs times 2^14
+    (e2m1_pairs), multiplied and summed by f16x2 fma in the PTX's order, never round (each fma's
+    exact result is an fp16), so the fp32 total is the exact sum of the 16 products times 2^-14:
+    on random words, and on words of the largest codes of one sign, whose sums are the largest."""
+    pytest.importorskip("triton")
+    from graphquant.formats import nvfp4
+    from graphquant.kernels import triton_dequantize as dq
+
+    generator = torch.Generator().manual_seed(1)
+    random = torch.randint(0, 2**32, (2, 2, 4096), generator=generator, dtype=torch.int64)  # (operand, half, word)
+    largest = torch.tensor([0x77777777, 0xFFFFFFFF], dtype=torch.int64)  # codes of 6 and of -6
+    extremes = torch.stack(torch.meshgrid(largest, largest, indexing="ij")).reshape(2, 1, 4).expand(2, 2, 4)
+    b_words, a_words = torch.cat((random, extremes), dim=2)
+    order = [code for _, code in dq._e2m1_pair_lines("w", "h")]
+    assert sorted(order) == [0, 1, 2, 3]
+    up = torch.tensor(2.0**14, dtype=torch.float16)
+    total = torch.zeros(b_words.shape[1], 2, dtype=torch.float64)
+    for half in range(2):
+        b_pairs, a_pairs = _e2m1_ptx_pairs(b_words[half]), _e2m1_ptx_pairs(a_words[half])
+        for code in order:
+            a_values = a_pairs[code] * up
+            assert torch.equal(a_values.double(), a_pairs[code].double() * 2.0**14)
+            total = total + b_pairs[code].double() * a_values.double()  # the fma in float64
+            assert torch.equal(total.to(torch.float16).double(), total), "an f16x2 fma rounded"
+    got = total.sum(dim=1).float().double()
+
+    def values(words):  # (word, 16) reference values, column j of the 64-bit word at j
+        codes = torch.stack([(words[half] >> 4 * j) & 0xF for half in range(2) for j in range(8)], dim=-1)
+        return nvfp4.e2m1_values(codes).double()
+
+    want = (values(b_words) * values(a_words)).sum(dim=1) * 2.0**-14
+    assert torch.equal(got, want)
+    assert want[-4:].abs().max() == 16 * 36 * 2.0**-14
 
 
 def test_e4m3_ptx_decodes_every_pair_of_codes_at_every_scale_exactly():

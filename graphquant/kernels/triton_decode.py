@@ -54,7 +54,9 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.kernels.triton_dequantize import e2m1_block_values, e4m3_bf16_word_values, e4m3_word_values, e8m0_value
+from graphquant.kernels.triton_dequantize import (
+    e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
+)
 from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims
@@ -756,7 +758,8 @@ def _fma_kernel(
     is (runs of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block
     of four words) is contiguous, and the runs go to a warp's threads first and the weight rows
     to each thread's registers, so that a thread decodes A's words once for all its rows. NVFP4:
-    one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
+    each word's 16 products of unscaled codes summed exactly (e2m1_block_dot: two an f16x2 fma),
+    times both blocks' scales (exact), into one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
     block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
     normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
     tile lies inside both operands (no masks)."""
@@ -786,13 +789,11 @@ def _fma_kernel(
             word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
             b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
             a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
-            b = e2m1_block_values(b_codes, b_scale, ASM)
-            a = e2m1_block_values(a_codes, a_scale, ASM)
-            for j in tl.static_range(16):
-                sums += b[j].to(tl.float32) * a[j].to(tl.float32)
+            a = e2m1_pairs(a_codes, ASM)
+            sums += e2m1_block_dot(b_codes, a, ASM) * (b_scale.to(tl.float32) * a_scale.to(tl.float32))
     total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
     if OPERAND == 2:
-        total = total * 268435456.0  # 2^28, as in _decode_kernel
+        total = total * 16384.0  # 2^14: e2m1_block_dot's 2^-14, undone exactly
     _write(
         total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
         N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias,

@@ -75,29 +75,68 @@ CODE_BITS = 0x0E0E0E0E  # a byte's magnitude bits after the select; its sign end
 PAIR_BITS = 0x8E008E00  # the magnitude and sign bits of an f16x2's two halves
 
 
+def _e2m1_pair_lines(word: str, pair: str) -> list[tuple[list[str], int]]:
+    """PTX that decodes the 32-bit ``word`` of 8 E2M1 codes into its 4 f16x2 pairs of values times
+    2^-14, each pair into register ``pair`` in turn: (the lines making the pair, the code c whose
+    pair it is: codes c and c + 4). The word becomes y, its bytes B1 B0 B3 B2; even = select(y <<
+    1, y << 4) holds codes 2, 0, 6, 4 (byte by byte), odd = select(y >> 3, y) codes 3, 1, 7, 5; a
+    pair is even or odd masked (codes 0 and 4, 1 and 5) or shifted left 8 first (2 and 6, 3 and 7)."""
+    first = [
+        f"prmt.b32 y, {word}, {word}, {PRMT_SWAP:#x};",
+        "shl.b32 a, y, 1;", "shl.b32 b, y, 4;", f"lop3.b32 even, a, b, {CODE_BITS:#010x}, {SELECT:#x};",
+        "shr.b32 a, y, 3;", f"lop3.b32 odd, a, y, {CODE_BITS:#010x}, {SELECT:#x};",
+    ]
+    pairs = []
+    for source, low in (("even", 0), ("odd", 1)):
+        for shifted in (False, True):
+            lines = [f"shl.b32 {pair}, {source}, 8;", f"and.b32 {pair}, {pair}, {PAIR_BITS:#010x};"] if shifted else [
+                f"and.b32 {pair}, {source}, {PAIR_BITS:#010x};"]
+            pairs.append((first + lines if not pairs else lines, low + 2 * shifted))
+    return pairs
+
+
+_E2M1_REGISTERS = ".reg .b32 w<2>, y, a, b, even, odd, h;"
+
+
 def _e2m1_block_ptx() -> str:
     """PTX for e2m1_block_values: $16, a 64-bit word of 16 codes, and $17, their fp16 scale ->
-    $0..$15, the values, code j of the word in $j. Per 32-bit half: y, its bytes B1 B0 B3 B2;
-    even = select(y << 1, y << 4) holds codes 2, 0, 6, 4 (byte by byte), odd = select(y >> 3, y)
-    codes 3, 1, 7, 5; a pair is even or odd masked (codes 0 and 4, 1 and 5) or shifted left 8
-    first (2 and 6, 3 and 7); one f16x2 multiply scales both of its values."""
-    lines = ["{", ".reg .b32 w<2>, y, a, b, even, odd, h, sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
+    $0..$15, the values, code j of the word in $j; one f16x2 multiply scales both values of a pair."""
+    lines = ["{", _E2M1_REGISTERS, ".reg .b32 sc;", "mov.b64 {w0, w1}, $16;", "mov.b32 sc, {$17, $17};"]
     for half in range(2):
-        first = 8 * half
-        lines += [
-            f"prmt.b32 y, w{half}, w{half}, {PRMT_SWAP:#x};",
-            "shl.b32 a, y, 1;", "shl.b32 b, y, 4;", f"lop3.b32 even, a, b, {CODE_BITS:#010x}, {SELECT:#x};",
-            "shr.b32 a, y, 3;", f"lop3.b32 odd, a, y, {CODE_BITS:#010x}, {SELECT:#x};",
-        ]
-        for word, low in (("even", 0), ("odd", 1)):
-            for shifted in (False, True):
-                code = low + 2 * shifted
-                lines += ([f"shl.b32 h, {word}, 8;", f"and.b32 h, h, {PAIR_BITS:#010x};"] if shifted else [f"and.b32 h, {word}, {PAIR_BITS:#010x};"])
-                lines += ["mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${first + code}, ${first + code + 4}}}, h;"]
+        for decoded, code in _e2m1_pair_lines(f"w{half}", "h"):
+            first = 8 * half + code
+            lines += decoded + ["mul.rn.f16x2 h, h, sc;", f"mov.b32 {{${first}, ${first + 4}}}, h;"]
+    return "\n".join(lines + ["}"])
+
+
+def _e2m1_pairs_ptx() -> str:
+    """PTX for e2m1_pairs: $8, a 64-bit word of 16 codes -> $0..$7, its f16x2 pairs of values
+    (times 2^14, undoing the decoding's 2^-14 exactly), pair 4 h + c holding codes 8 h + c and
+    8 h + c + 4."""
+    lines = ["{", _E2M1_REGISTERS, ".reg .b32 up;", "mov.b64 {w0, w1}, $8;", f"mov.b32 up, {0x74007400:#010x};"]  # 2^14, 2^14
+    for half in range(2):
+        for decoded, code in _e2m1_pair_lines(f"w{half}", "h"):
+            lines += decoded + [f"mul.rn.f16x2 ${4 * half + code}, h, up;"]
+    return "\n".join(lines + ["}"])
+
+
+def _e2m1_block_dot_ptx() -> str:
+    """PTX for e2m1_block_dot: $1, a 64-bit word of 16 codes, and $2..$9, another word's pairs
+    (e2m1_pairs) -> $0, the sum of their 16 products times 2^-14 in fp32. Each half of an f16x2
+    accumulator sums 8 of the products by fma, exactly (the module's comment on e2m1_block_dot)."""
+    lines = ["{", _E2M1_REGISTERS, ".reg .b32 acc;", ".reg .b16 lo, hi;", ".reg .f32 low, high;",
+             "mov.b64 {w0, w1}, $1;"]
+    for half in range(2):
+        for decoded, code in _e2m1_pair_lines(f"w{half}", "h"):
+            product = f"h, ${2 + 4 * half + code}"
+            lines += decoded + [f"fma.rn.f16x2 acc, {product}, acc;" if half or code else f"mul.rn.f16x2 acc, {product};"]
+    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 low, lo;", "cvt.f32.f16 high, hi;", "add.f32 $0, low, high;"]
     return "\n".join(lines + ["}"])
 
 
 _E2M1_BLOCK_PTX = tl.constexpr(_e2m1_block_ptx())
+_E2M1_PAIRS_PTX = tl.constexpr(_e2m1_pairs_ptx())
+_E2M1_BLOCK_DOT_PTX = tl.constexpr(_e2m1_block_dot_ptx())
 
 
 @triton.jit
@@ -123,6 +162,52 @@ def e2m1_block_values(codes, scale, ASM: tl.constexpr):
         _e2m1_value(codes, scale, 12), _e2m1_value(codes, scale, 13), _e2m1_value(codes, scale, 14),
         _e2m1_value(codes, scale, 15),
     )
+
+
+@triton.jit
+def _e2m1_pair(codes, low: tl.constexpr, high: tl.constexpr):
+    """Codes ``low`` and ``high`` of each word as one f16x2 of their values, in an int32."""
+    low_bits = (e2m1_value_over_2_14(((codes >> (4 * low)) & 0xF).to(tl.int32)) * 16384.0).to(tl.uint16, bitcast=True)
+    high_bits = (e2m1_value_over_2_14(((codes >> (4 * high)) & 0xF).to(tl.int32)) * 16384.0).to(tl.uint16, bitcast=True)
+    return (low_bits.to(tl.uint32) | (high_bits.to(tl.uint32) << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pairs(codes, ASM: tl.constexpr):
+    """The 16 E2M1 values of each 64-bit word ``codes`` (int64), unscaled, as 8 f16x2 pairs (int32
+    each): pair 4 h + c holds codes 8 h + c and 8 h + c + 4, the order e2m1_block_dot multiplies
+    them in. By inline PTX (ASM), or in Triton."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r," * 8 + "l", [codes], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    return (
+        _e2m1_pair(codes, 0, 4), _e2m1_pair(codes, 1, 5), _e2m1_pair(codes, 2, 6), _e2m1_pair(codes, 3, 7),
+        _e2m1_pair(codes, 8, 12), _e2m1_pair(codes, 9, 13), _e2m1_pair(codes, 10, 14), _e2m1_pair(codes, 11, 15),
+    )
+
+
+@triton.jit
+def _pair_value(pair, high: tl.constexpr):
+    return ((pair >> (16 * high)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_block_dot(codes, pairs, ASM: tl.constexpr):
+    """The sum of the 16 products of each 64-bit word of E2M1 codes ``codes`` (unscaled) with
+    another word's values (``pairs``, e2m1_pairs; broadcast against ``codes``), times 2^-14, in
+    fp32, exactly. By inline PTX (ASM) two products an fma: the codes decoded times 2^-14, so a
+    product is a multiple of 2^-16 of at most 36 * 2^-14 and each f16x2 half sums 8 of them, at
+    most 1152 multiples of 2^-16: an fp16 holds every such sum exactly (its subnormals included),
+    and fp32 their total. In Triton the same sum in fp32 (the same bits: nothing rounds)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_BLOCK_DOT_PTX, "=f,l" + ",r" * 8, [codes, pairs[0], pairs[1], pairs[2], pairs[3], pairs[4], pairs[5], pairs[6], pairs[7]],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )
+    total = tl.zeros(codes.shape, tl.float32)
+    for j in tl.static_range(16):
+        b = e2m1_value_over_2_14(((codes >> (4 * j)) & 0xF).to(tl.int32)).to(tl.float32)
+        total += b * _pair_value(pairs[4 * (j // 8) + j % 4], (j % 8) // 4)
+    return total
 
 
 def _e4m3_word_ptx() -> str:
