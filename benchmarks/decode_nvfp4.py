@@ -35,7 +35,12 @@ C = triton_decode.DecodeConfig
 # (format, rows of A, tiling of the library's decode GEMM). Each is compiled once (one worker) and
 # run on every weight at those rows.
 CANDIDATES = [
-    ("nvfp4", (1,), C(64, 256, 1, 4, 3, 8, fma=True)),
+    # the one-row FMA program's depth of copies ahead, width and K split, beside the library's
+    # default (64x256, 4 warps, 1 stage, 8 an SM)
+    *(("nvfp4", (1,), C(n, k, 1, w, s, t, fma=True)) for n, k, w, s, t in (
+        (64, 256, 4, 2, 8), (64, 512, 4, 1, 8), (64, 512, 4, 2, 8), (128, 256, 4, 1, 4), (128, 256, 8, 1, 8),
+        (32, 256, 4, 2, 8),
+    )),
     ("nvfp4", (1, 16), C(64, 256, 16, 4, 3, 8, a_first=True, one_dot=True)),
     ("nvfp4", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
