@@ -214,7 +214,7 @@ AUTOTUNED_TILES_PER_SM = 2
 # NVFP4 and MXFP8 at one row on the FMA units (no MMA tile of 16 rows to decode and fill)
 # (benchmarks/decode_nvfp4.py).
 _ONE_ROW = {
-    F16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
+    F16_VALUES: DecodeConfig(block_n=64, block_k=512, block_m=1, warps=4, stages=1, tiles_per_sm=8, fma=True),
     BF16_VALUES: DecodeConfig(block_n=64, block_k=256, block_m=1, warps=4, stages=1, tiles_per_sm=4, fma=True),
 }
 # NVFP4 and MXFP8 on the tensor cores, by the most rows of A each tiling takes: a tile of rows
