@@ -20,7 +20,9 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
 - MXFP8 codes times their power-of-two scales, and NVFP4's E2M1 codes times their E4M3 scales
   (times 2^-14), are exact in bf16 and fp16 respectively: both are dequantized in registers to
   those values and multiplied on the tensor cores, whose products are exact, summed in fp32; or
-  (DecodeConfig.fma, a row of A a program) dequantized into fp32 and multiplied on the FMA units.
+  (DecodeConfig.fma, a row of A a program) multiplied on the FMA units: MXFP8 dequantized into
+  fp32, NVFP4's unscaled codes multiplied and summed a 16-code word at a time by f16x2 fma
+  (exact: triton_dequantize.e2m1_block_dot), each word's sum times its two scales in fp32.
   Their result is the emulated product's up to the order of fp32 accumulation: within
   fp8.accumulation_bound's for fp32 sums, 4 u sum_k |a b| for the factors and u |out| (u = 2^-24)
   before the output's rounding. MXFP8's other ways
