@@ -19,9 +19,11 @@ from models import SwiGLU
 from reference import cuda_graph_replays, fresh_dynamo, hopper_on_cpu  # noqa: F401  (fixtures: fresh_dynamo autouse)
 
 import graphquant
-from graphquant import zoo
+from graphquant import recipes, zoo
 from graphquant.kernels import backends
-from graphquant.quantizers import ROWWISE, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer
+from graphquant.quantizers import (
+    ROWWISE, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer, NVFP4Quantizer,
+)
 
 # (A's quantizer, the weights'): each FP8 family the decode GEMM runs two of in one launch.
 PAIRS = {
@@ -29,12 +31,15 @@ PAIRS = {
     "rowwise": (Float8RowwiseQuantizer(), Float8RowwiseQuantizer()),
     "block 1x128 x 128x128": (Float8BlockQuantizer(block_scaling_dim=1), Float8BlockQuantizer(block_scaling_dim=2)),
 }
+# The formats whose two GEMMs run in one launch at one row of A alone (the FMA units' program).
+ONE_ROW_PAIRS = {"mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()), "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer())}
 # (m, n, n2, k), n a multiple of the 128x128 blocks (so that the stacked weight quantizes to both
 # weights' codes and scales): one row and 16 rows, the pair's K split (the interpreter's 4 SMs)
 # other than each weight's alone (4 and 2 against 2; 3 and 2 against 1); three rows, partial
 # tiles, K not split.
 SHAPES = [(1, 128, 128, 2048), (16, 128, 384, 1280), (3, 128, 40, 256)]
 RECIPES = {"tensorwise": zoo.recipe("tensorwise"), "rowwise": zoo.recipe("rowwise"), "deepseek_blockwise": zoo.recipe("deepseek_blockwise")}
+ONE_ROW_RECIPES = {"mxfp8": recipes.mxfp8_block_scaling(), "nvfp4": recipes.nvfp4_block_scaling()}
 
 
 def _weights(n: int, n2: int, k: int, device="cpu", spread: float = 8) -> list[torch.Tensor]:
@@ -46,14 +51,15 @@ def _weights(n: int, n2: int, k: int, device="cpu", spread: float = 8) -> list[t
     return ws
 
 
-def _stacked(a, stacked, rows: list, out_dtype: torch.dtype, biases: list) -> list:
-    """One decode GEMM of A and the ``stacked`` weight, split into the ``rows`` of each weight
-    stacked in it; a weight with a bias takes its rows of that GEMM with the biases stacked (zeros
-    for the other's), one without of that GEMM without them."""
+def _stacked(a, stacked, rows: list, out_dtype: torch.dtype, biases: list, config=None) -> list:
+    """One decode GEMM of A and the ``stacked`` weight (tiled by ``config``, or as the GPU's
+    default), split into the ``rows`` of each weight stacked in it; a weight with a bias takes its
+    rows of that GEMM with the biases stacked (zeros for the other's), one without of that GEMM
+    without them."""
     from graphquant.kernels import triton_decode
 
     stacked_biases = torch.cat([torch.zeros(r, dtype=torch.bfloat16, device=a.data.device) if b is None else b for b, r in zip(biases, rows)])
-    with_bias, without = (triton_decode.gemm(a, stacked, out_dtype, bias).split(rows, dim=1) for bias in (stacked_biases, None))
+    with_bias, without = (triton_decode.gemm(a, stacked, out_dtype, bias, config).split(rows, dim=1) for bias in (stacked_biases, None))
     return [(without if bias is None else with_bias)[i] for i, bias in enumerate(biases)]
 
 
@@ -63,7 +69,7 @@ def _operands(name: str, x: torch.Tensor, ws: list, on_load: bool) -> tuple:
     scales)."""
     from graphquant.kernels import triton_decode
 
-    qa, qb = PAIRS[name]
+    qa, qb = {**PAIRS, **ONE_ROW_PAIRS}[name]
     bs = [qb(w, columnwise=False).get(ROWWISE) for w in ws]
     stacked = qb(torch.cat(ws), columnwise=False).get(ROWWISE)
     same = torch.equal(stacked.dequantize(torch.float32), torch.cat([b.dequantize(torch.float32) for b in bs]))
@@ -146,6 +152,19 @@ def _interpreted_results() -> dict:
             same_bits = [torch.equal(e, s) for e, s in zip(_stacked(a, stacked, [n, n2], torch.float32, [None, None]), alone)]
             same_splits = [_splits(rows, m, k) == _splits(n + n2, m, k) for rows in (n, n2)]
             results[f"{name} | {shape} | alone"] = all(same_bits) == all(same_splits)
+    for name in ONE_ROW_PAIRS:
+        for m, n, n2, k in [shape for shape in SHAPES if shape[0] == 1] + [(1, 128, 40, 640)]:
+            x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+            ws = _weights(n, n2, k)
+            bias = torch.randn(n).to(torch.bfloat16)
+            a, bs, stacked, same = _operands(name, x, ws, False)
+            one_row = _one_row_config(stacked)
+            for out_dtype, biases in ((torch.float32, [None, None]), (torch.bfloat16, [bias, None])):
+                expected = _stacked(a, stacked, [n, n2], out_dtype, biases, one_row)
+                shared = triton_decode.gemms_sharing_a(a, bs, out_dtype, biases)
+                results[f"{name} | {m}x{n}+{n2}x{k} | {biases[0] is not None}"] = same and all(
+                    torch.equal(e, s) for e, s in zip(expected, shared, strict=True)
+                )
     results["splits as described"] = [[_splits(rows, m, k) for rows in (n, n2, n + n2)] for m, n, n2, k in SHAPES] == [
         [4, 4, 2], [3, 2, 1], [1, 1, 1],
     ]
@@ -157,6 +176,14 @@ def _interpreted_results() -> dict:
         results[f"ffn {name} | frozen and per-call"] = torch.equal(outputs[True, True], outputs[False, True])
         results[f"ffn {name} | unmerged differs"] = not torch.equal(outputs[True, True], outputs[True, False])
     return results
+
+
+def _one_row_config(b):
+    """The tiling the GPU gives an MXFP8 or NVFP4 B against one row of A (the FMA units'
+    program; the interpreter's default is the tensor cores')."""
+    from graphquant.kernels import triton_decode
+
+    return triton_decode._ONE_ROW[triton_decode._layout(b, "B").operand]
 
 
 def _splits(rows: int, m: int, k: int) -> int:
@@ -181,6 +208,15 @@ def test_two_gemms_in_one_launch_are_one_gemm_over_the_stacked_weight_interprete
     bf16 out with a bias on the first GEMM, fp32 out without: both outputs are their rows of one
     decode GEMM over the two weights stacked, quantized as one (the same codes and scales)."""
     assert interpreted[f"{name} | {shape} | {a} | {bias}"]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", ["1x128+128x2048", "1x128+40x640"])
+@pytest.mark.parametrize("name", ONE_ROW_PAIRS)
+def test_two_mxfp8_or_nvfp4_gemms_of_one_row_in_one_launch_are_one_gemm_over_the_stacked_weight_interpreted(interpreted, name, shape, bias):
+    """On the FMA units' program (one row of A; 40 rows of the second weight: a partial tile),
+    both outputs are their rows of its one GEMM over the two weights stacked."""
+    assert interpreted[f"{name} | {shape} | {bias}"]
 
 
 @pytest.mark.parametrize("shape", [f"{m}x{n}+{n2}x{k}" for m, n, n2, k in SHAPES])
@@ -235,6 +271,18 @@ def test_inductor_compiles_the_shared_call_of_a_stack_of_ffns(hopper_on_cpu, fro
         outputs.append(_compiled(model, RECIPES["tensorwise"], x, merged, frozen, backend="inductor")[0])
     assert torch.equal(*outputs)
     assert hopper_on_cpu.launches == [2, 1, 2, 1, 1, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("rows,merged", [(1, True), (16, False)])
+@pytest.mark.parametrize("name", ONE_ROW_RECIPES)
+def test_mxfp8_and_nvfp4_share_a_launch_at_one_row_alone(hopper_on_cpu, name, rows, merged):
+    """Frozen MXFP8 or NVFP4 gate and up projections share a call (and a launch) at one row of x,
+    and run apart at 16 (on tensor-core tilings, which run one GEMM a launch)."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        _ffn(ONE_ROW_RECIPES[name], torch.randn(rows, 128).to(torch.bfloat16), True, dump_dir)
+        rewritten = open(os.path.join(dump_dir, "graph_000_rewritten.py")).read()
+    assert rewritten.count("quantized_frozen_linears_sharing_x(") == int(merged), rewritten
+    assert hopper_on_cpu.launches == ([2, 1] if merged else [1, 1, 1])
 
 
 def _up_tensorwise_else_rowwise(role):
@@ -306,7 +354,38 @@ def test_the_gate_and_up_projections_in_one_launch_are_one_gemm_over_both_on_the
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", ONE_ROW_PAIRS)
+def test_two_mxfp8_or_nvfp4_gemms_of_one_row_in_one_launch_are_one_gemm_over_both_on_the_gpu(name):
+    """A Llama-3-8B FFN's w1 and w3 at one row, with and without a bias, eagerly and replayed
+    from a CUDA graph on new inputs: the outputs are the one-row GEMM over both weights stacked,
+    bit for bit, and the arrival counters end at zero."""
+    from graphquant.kernels import triton_decode
+
+    torch.manual_seed(0)
+    ws = _weights(14336, 14336, 4096, "cuda", spread=64)
+    bias = torch.randn(14336, device="cuda").to(torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    a, bs, stacked, same = _operands(name, x, ws, False)
+    assert same
+    for biases in ([None, None], [bias, None]):
+        expected = _stacked(a, stacked, [14336, 14336], torch.bfloat16, biases, _one_row_config(stacked))
+        shared = triton_decode.gemms_sharing_a(a, bs, torch.bfloat16, biases)
+        assert all(torch.equal(e, s) for e, s in zip(expected, shared, strict=True)), biases
+    qa, _ = ONE_ROW_PAIRS[name]
+
+    def both(x: torch.Tensor) -> list:
+        return triton_decode.gemms_sharing_a(qa(x, columnwise=False).get(ROWWISE), bs, torch.bfloat16, [bias, None])
+
+    for scale, replayed in cuda_graph_replays(both, x):
+        a = qa(x, columnwise=False).get(ROWWISE)
+        expected = _stacked(a, stacked, [14336, 14336], torch.bfloat16, [bias, None], _one_row_config(stacked))
+        assert all(torch.equal(r, e) for r, e in zip(replayed, expected)), f"inputs times {scale}"
+    torch.cuda.synchronize()
+    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*RECIPES, *ONE_ROW_RECIPES])
 def test_frozen_and_per_call_gate_and_up_projections_give_the_same_bits_on_the_gpu(name):
     """A Llama-3-8B FFN's gate and up projections (4096 -> 14336 each: K split twice alone, once as
     a pair) at one and 16 rows: frozen, they give the per-call model's bits; with block scales,
@@ -314,7 +393,7 @@ def test_frozen_and_per_call_gate_and_up_projections_give_the_same_bits_on_the_g
     tensor cores keep to about 14 bits) may add exactly in fp32 whatever the split, where a
     block's sum times its scales rounds, so they are not held to differ (benchmarks/NOTES.md)."""
     for rows in (1, 16):
-        outputs = _gate_and_up_outputs(RECIPES[name], torch.randn(rows, 4096, device="cuda"), hidden=14336)
+        outputs = _gate_and_up_outputs({**RECIPES, **ONE_ROW_RECIPES}[name], torch.randn(rows, 4096, device="cuda"), hidden=14336)
         assert torch.equal(outputs[True, True], outputs[False, True]), rows
         if name == "deepseek_blockwise":
             assert not torch.equal(outputs[True, True], outputs[True, False]), rows

@@ -135,9 +135,12 @@ MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 # The weight families whose GEMMs that read one A run in one launch (gemms_sharing_a): FP8 codes,
 # multiplied as stored on the tensor cores by one kernel (_decode_kernel's PAIR) at every row
-# count it takes. MXFP8 and NVFP4 are not: at one row they run on the FMA units' kernel, at more
-# on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
+# count it takes. MXFP8 and NVFP4 share a launch at one row only (on the FMA units' kernel): at
+# more they run on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
 SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_block_1x128")
+# The weight families whose GEMMs that read one A run in one launch at one row of A alone: the
+# FMA units' program (_fma_kernel's PAIR).
+ONE_ROW_SHARED_FAMILIES = ("mxfp8", "nvfp4")
 # The most GEMMs that read one A one launch runs (gemms_sharing_a: _decode_kernel's PAIR).
 SHARED_LAUNCH = 2
 _FP8 = ("e4m3", "e5m2")
@@ -674,6 +677,43 @@ def _tile_sums(
 # bias cases share one compiled kernel per format and tiling; so does every K split, given as its
 # number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
 # sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
+@triton.jit
+def _paired_b(
+    tile, N, BLOCK_N: tl.constexpr, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+):
+    """A PAIR's program ``tile`` of the grid's first axis, which takes the first GEMM's tiles, then
+    the second's: whether it is the second's, its tile there, and that GEMM's rows and B."""
+    second = tile >= tl.cdiv(N, BLOCK_N)
+    return (
+        second, tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N), tl.where(second, b2_ptr, b_ptr),
+        tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride),
+        tl.where(second, b2_scale_row_stride, b_scale_row_stride), tl.where(second, b2_scale_col_stride, b_scale_col_stride),
+    )
+
+
+@triton.jit
+def _write_paired(
+    total, n, m, N, M, PAIR: tl.constexpr, second, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
+    b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, arrivals_ptr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, SPLIT: tl.constexpr,
+    split, splits, arrival, a_factor=None,
+):
+    """_write into the first GEMM's factor, bias and output, or a PAIR's second GEMM's (a bias may
+    differ from the first's in dtype). The branch is static apart from PAIR: a lone GEMM's second
+    arguments are None."""
+    if PAIR and second:
+        _write(
+            total, n, m, N, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias2, SPLIT, split, splits, arrival, a_factor,
+        )
+    else:
+        _write(
+            total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
+        )
+
+
 @triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
@@ -705,14 +745,12 @@ def _decode_kernel(
     and kind of B, its own arguments those named 2 (b2_ptr to N2): the grid's first axis takes
     the first GEMM's tiles, then the second's, all K-split alike, so that each output is its rows
     of one GEMM over the two B's stacked, bit for bit."""
-    tile, rows = tl.program_id(0), N
+    second, tile, rows = False, tl.program_id(0), N
     if PAIR:  # the B and rows of this program's tile: the first GEMM's or the second's
-        second = tile >= tl.cdiv(N, BLOCK_N)
-        tile, rows = tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N)
-        b_ptr, b_scale_ptr = tl.where(second, b2_ptr, b_ptr), tl.where(second, b2_scale_ptr, b_scale_ptr)
-        b_stride = tl.where(second, b2_stride, b_stride)
-        b_scale_row_stride = tl.where(second, b2_scale_row_stride, b_scale_row_stride)
-        b_scale_col_stride = tl.where(second, b2_scale_col_stride, b_scale_col_stride)
+        second, tile, rows, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _paired_b(
+            tile, N, BLOCK_N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+            b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+        )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
@@ -725,18 +763,11 @@ def _decode_kernel(
     m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
     split, splits, arrival = tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    # A PAIR's second GEMM has its own factor, bias and output (a bias may differ from the first's
-    # in dtype). The branch is static apart from PAIR: a lone GEMM's second arguments are None.
-    if PAIR and second:
-        _write(
-            total, n, m_row, rows, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
-            B_FACTOR, B_DIVISOR, has_bias2, SPLIT, split, splits, arrival, a_factor,
-        )
-    else:
-        _write(
-            total, n, m_row, rows, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
-            B_FACTOR, B_DIVISOR, has_bias, SPLIT, split, splits, arrival, a_factor,
-        )
+    _write_paired(
+        total, n, m_row, rows, M, PAIR, second, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
+        b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT,
+        split, splits, arrival, a_factor,
+    )
 
 
 _autotuned = triton.autotune(
@@ -752,20 +783,29 @@ def _fma_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PAIR: tl.constexpr = False,
+    b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
+    bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
-    counted in words), decoded exactly (by inline PTX where ASM) and multiplied in fp32. A tile
-    is (runs of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block
-    of four words) is contiguous, and the runs go to a warp's threads first and the weight rows
-    to each thread's registers, so that a thread decodes A's words once for all its rows. NVFP4:
-    each word's 16 products of unscaled codes summed exactly (e2m1_block_dot: two an f16x2 fma),
-    times both blocks' scales (exact), into one partial sum per (run, row, word); MXFP8: A's values times their scale (exact), each
-    block's 32 products summed, then times the weight's power-of-two scale (exact in fp32's
-    normal range) into one partial sum per (run, row). All summed at the end. WHOLE_TILES: every
-    tile lies inside both operands (no masks)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    counted in words), decoded exactly (by inline PTX where ASM) and multiplied. A tile is (runs
+    of words, weight rows, words of a run): a run (two NVFP4 blocks, or one MXFP8 block of four
+    words) is contiguous, and the runs go to a warp's threads first and the weight rows to each
+    thread's registers, so that a thread decodes A's words once for all its rows. NVFP4: each
+    word's 16 products of unscaled codes summed exactly (e2m1_block_dot: two an f16x2 fma), times
+    both blocks' scales (exact), into one partial sum per (run, row, word); MXFP8: A's values
+    times their scale (exact), each block's 32 products summed in fp32, then times the weight's
+    power-of-two scale (exact in fp32's normal range) into one partial sum per (run, row). All
+    summed at the end. WHOLE_TILES: every tile lies inside both operands (no masks). PAIR: as
+    _decode_kernel's, a second GEMM of the same A."""
+    second, tile = False, tl.program_id(0)
+    if PAIR:
+        second, tile, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _paired_b(
+            tile, N, BLOCK_N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+            b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+        )
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
     runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
@@ -796,10 +836,11 @@ def _fma_kernel(
     total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
     if OPERAND == 2:
         total = total * 16384.0  # 2^14: e2m1_block_dot's 2^-14, undone exactly
-    _write(
-        total, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32),
-        N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, has_bias,
-        SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
+    _write_paired(
+        total, tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32), N, M, PAIR, second,
+        a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr,
+        has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT, tl.program_id(1), tl.num_programs(1),
+        tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
     )
 
 
@@ -1060,13 +1101,8 @@ def gemm(
             (*b_args, *ends), arrivals, m, n, k, k_chunks, splits > 1, rule,
         )
     elif config.fma:
-        launch(
-            _fma_kernel, (ceil_div(n, config.block_n), splits, row_tiles),
-            *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
-            **factors, SPLIT=splits > 1, ASM=asm, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            STAGES=config.stages,
-            num_warps=config.warps, num_stages=config.stages,
-        )
+        _launch_fma(config, (ceil_div(n, config.block_n), splits, row_tiles), a_args, b_layout, b_args, ends, arrivals, m, n, k, k_chunks,
+                    factors, whole_tiles)
     else:
         launch(
             _decode_kernel, (ceil_div(n, config.block_n), splits, row_tiles),
@@ -1091,7 +1127,8 @@ def gemms_sharing_a(
     covers both weights' tiles, K split once for all their rows, so that the outputs are, bit for
     bit, ``gemm`` of A and the B's stacked (one B of both's rows), split apart. Both B's of one
     layout family of FP8 codes (SHARED_FAMILIES) and one element, A at most one tile of rows
-    (MAX_ROWS), as ``gemm`` takes them with no config."""
+    (MAX_ROWS), as ``gemm`` takes them with no config; or of MXFP8 or NVFP4 against one row of A
+    (ONE_ROW_SHARED_FAMILIES: _fma_kernel's PAIR, under the one-row tiling)."""
     if len(bs) != len(biases) or not 1 <= len(bs) <= SHARED_LAUNCH:
         raise ValueError(
             f"the decode GEMM runs one to {SHARED_LAUNCH} GEMMs that read one A in a launch, each with its bias or None; "
@@ -1102,15 +1139,19 @@ def gemms_sharing_a(
     a, rule = _a_as_read(a, None)
     (a_layout, a_args), (first, second) = _operand(a, "A"), [_operand(b, "B") for b in bs]
     kinds = [(b.quantizer.gemm_input(b.direction).family, b.data.dtype) for b in bs]
-    if kinds[0] != kinds[1] or kinds[0][0] not in SHARED_FAMILIES:
+    (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
+    one_row = kinds[0][0] in ONE_ROW_SHARED_FAMILIES and m == 1
+    if kinds[0] != kinds[1] or not (kinds[0][0] in SHARED_FAMILIES or one_row):
         raise ValueError(
             f"the decode GEMM runs two GEMMs in one launch where both B's are of one family of {SHARED_FAMILIES} "
-            f"and one element dtype; got {bs[0].quantizer} ({kinds[0]}) and {bs[1].quantizer} ({kinds[1]})"
+            f"(or of {ONE_ROW_SHARED_FAMILIES} against one row of A) and one element dtype; got {bs[0].quantizer} ({kinds[0]}) "
+            f"and {bs[1].quantizer} ({kinds[1]}) against {m} rows"
         )
-    (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
     if k != k2:
         raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
     _families(a, bs[0], m, None)
+    if one_row:
+        return _one_row_pair(a_layout, a_args, first, second, out_dtype, biases, n, n2, k)
     row_tiles = ceil_div(m, ONE_TILE_ROWS)
     splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
     ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), splits) for bias, rows in zip(biases, (n, n2))]
@@ -1124,7 +1165,43 @@ def gemms_sharing_a(
     return [out for _, _, out, _ in ends]
 
 
-# _decode_kernel's arguments of a PAIR's second GEMM, in the order of the first's (_operand, _ends).
+def _one_row_pair(
+    a_layout: _Layout, a_args: tuple, first: tuple, second: tuple, out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
+    n: int, n2: int, k: int,
+) -> list[torch.Tensor]:
+    """gemms_sharing_a's two MXFP8 or NVFP4 GEMMs of one row of A: one launch of _fma_kernel's
+    PAIR under the one-row tiling, K split once for both weights' rows."""
+    b_layout = first[0]
+    config = _ONE_ROW[b_layout.operand]
+    device = a_args[0].device
+    splits, k_chunks = _k_split(n + n2, k, device, config, 1)
+    ends = [_ends(bias, torch.empty((1, rows), dtype=out_dtype, device=device), splits) for bias, rows in zip(biases, (n, n2))]
+    tiles = ceil_div(n, config.block_n) + ceil_div(n2, config.block_n)
+    arrivals = _arrivals(device, tiles) if splits > 1 else ends[0][2]
+    whole_tiles = k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0 and n2 % config.block_n == 0
+    _launch_fma(
+        config, (tiles, splits, 1), _in_words(a_args), b_layout, _in_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
+        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*_in_words(second[1]), *ends[1]))),
+        N2=n2,
+    )
+    return [out for _, _, out, _ in ends]
+
+
+def _launch_fma(
+    config: DecodeConfig, grid: tuple, a_args: tuple, b_layout: _Layout, b_args: tuple, ends: tuple, arrivals: torch.Tensor,
+    m: int, n: int, k: int, k_chunks: int, factors: dict, whole_tiles: bool, **pair,
+) -> None:
+    """One launch of _fma_kernel under ``config`` (operands read as words: _in_words)."""
+    launch(
+        _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
+        **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, STAGES=config.stages, **pair,
+        num_warps=config.warps, num_stages=config.stages,
+    )
+
+
+# _decode_kernel's and _fma_kernel's arguments of a PAIR's second GEMM, in the order of the first's
+# (_operand, _ends).
 _SECOND_GEMMS_ARGUMENTS = (
     "b2_ptr", "b2_scale_ptr", "b2_factor_ptr", "b2_stride", "b2_scale_row_stride", "b2_scale_col_stride",
     "bias2_ptr", "has_bias2", "out2_ptr", "partial2_ptr",
