@@ -100,7 +100,8 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                if pairs and qb.gemm_input(ROWWISE).family in triton_decode.SHARED_FAMILIES:
+                family = qb.gemm_input(ROWWISE).family
+                if pairs and (family in triton_decode.SHARED_FAMILIES or (family in triton_decode.ONE_ROW_SHARED_FAMILIES and m == 1)):
                     fns.update(_paired(name, x, w, qa, qb, weight_bytes))
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
@@ -133,8 +134,8 @@ def main() -> None:
 
 
 def _paired(name: str, x: torch.Tensor, w: torch.Tensor, qa, qb, weight_bytes: dict) -> dict:
-    """The "x2" rows of one FP8 format: w and a second weight of its shape, both read with x (as
-    quantized beforehand, and quantized by the kernel), in two launches and in one."""
+    """The "x2" rows of one format: w and a second weight of its shape, both read with x (as
+    quantized beforehand, and, FP8, quantized by the kernel), in two launches and in one."""
     w2 = torch.randn_like(w) / 64
     bs = [qb(weight, columnwise=False).get(ROWWISE) for weight in (w, w2)]
     a = qa(x, columnwise=False).get(ROWWISE)
