@@ -14,8 +14,8 @@ GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and
 decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
 from a few hundred rows on the products set the pace instead. --pairs: each weight also as two
 that read one activation (a SwiGLU's gate and up projections), "x2" rows: bf16 F.linear twice,
-and for the FP8 formats two decode GEMM launches against one (triton_decode.gemms_sharing_a),
-their speedup against bf16's two.
+and for the FP8 formats (MXFP8 and NVFP4 at one row) two decode GEMM launches against one
+(triton_decode.gemms_sharing_a), their speedup against bf16's two.
 """
 
 from __future__ import annotations
