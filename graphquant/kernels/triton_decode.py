@@ -135,12 +135,13 @@ MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 # The weight families whose GEMMs that read one A run in one launch (gemms_sharing_a): FP8 codes,
 # multiplied as stored on the tensor cores by one kernel (_decode_kernel's PAIR) at every row
-# count it takes. MXFP8 and NVFP4 share a launch at one row only (on the FMA units' kernel): at
-# more they run on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
+# count it takes. MXFP8 shares a launch at one row only (on the FMA units' kernel): at more it runs
+# on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
 SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_block_1x128")
 # The weight families whose GEMMs that read one A run in one launch at one row of A alone: the
-# FMA units' program (_fma_kernel's PAIR).
-ONE_ROW_SHARED_FAMILIES = ("mxfp8", "nvfp4")
+# FMA units' program (_fma_kernel's PAIR). MXFP8's pair of FFN weights ran 1.45x faster in one
+# launch; NVFP4's 1.21x slower under its one-row tiling (benchmarks/NOTES.md, decode_gemm.py).
+ONE_ROW_SHARED_FAMILIES = ("mxfp8",)
 # The most GEMMs that read one A one launch runs (gemms_sharing_a: _decode_kernel's PAIR).
 SHARED_LAUNCH = 2
 _FP8 = ("e4m3", "e5m2")
@@ -1127,7 +1128,7 @@ def gemms_sharing_a(
     covers both weights' tiles, K split once for all their rows, so that the outputs are, bit for
     bit, ``gemm`` of A and the B's stacked (one B of both's rows), split apart. Both B's of one
     layout family of FP8 codes (SHARED_FAMILIES) and one element, A at most one tile of rows
-    (MAX_ROWS), as ``gemm`` takes them with no config; or of MXFP8 or NVFP4 against one row of A
+    (MAX_ROWS), as ``gemm`` takes them with no config; or of MXFP8 against one row of A
     (ONE_ROW_SHARED_FAMILIES: _fma_kernel's PAIR, under the one-row tiling)."""
     if len(bs) != len(biases) or not 1 <= len(bs) <= SHARED_LAUNCH:
         raise ValueError(
@@ -1169,8 +1170,8 @@ def _one_row_pair(
     a_layout: _Layout, a_args: tuple, first: tuple, second: tuple, out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
     n: int, n2: int, k: int,
 ) -> list[torch.Tensor]:
-    """gemms_sharing_a's two MXFP8 or NVFP4 GEMMs of one row of A: one launch of _fma_kernel's
-    PAIR under the one-row tiling, K split once for both weights' rows."""
+    """gemms_sharing_a's two GEMMs of one row of A (ONE_ROW_SHARED_FAMILIES): one launch of
+    _fma_kernel's PAIR under the one-row tiling, K split once for both weights' rows."""
     b_layout = first[0]
     config = _ONE_ROW[b_layout.operand]
     device = a_args[0].device
