@@ -674,10 +674,6 @@ def _tile_sums(
     return total
 
 
-# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
-# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
-# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
-# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
 @triton.jit
 def _paired_b(
     tile, N, BLOCK_N: tl.constexpr, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
@@ -715,6 +711,10 @@ def _write_paired(
         )
 
 
+# M and has_bias stay runtime values (not specialized when 1), so that every row count and both
+# bias cases share one compiled kernel per format and tiling; so does every K split, given as its
+# number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
+# sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
 @triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
@@ -777,7 +777,7 @@ _autotuned = triton.autotune(
 )(_decode_kernel)
 
 
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks"])  # as _decode_kernel
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])  # as _decode_kernel
 def _fma_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
