@@ -100,8 +100,7 @@ def main() -> None:
                     on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
                     fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                family = qb.gemm_input(ROWWISE).family
-                if pairs and (family in triton_decode.SHARED_FAMILIES or (family in triton_decode.ONE_ROW_SHARED_FAMILIES and m == 1)):
+                if pairs and triton_decode.shares_launch(qb.gemm_input(ROWWISE).family, m):
                     fns.update(_paired(name, x, w, qa, qb, weight_bytes))
                 if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
                     fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)

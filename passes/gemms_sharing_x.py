@@ -13,8 +13,7 @@ its inference formula (``site.inference``).
 Guarantees: calls of one of the two that read the same x node, whose plan runs fprop on the same
 decode GEMM backend, x's format keeping no state (no delayed scaling, no stochastic rounding: x
 quantized once gives each the codes it would make), their weights of one format whose family the
-kernel runs in a shared launch (triton_decode.SHARED_FAMILIES, or ONE_ROW_SHARED_FAMILIES where x
-has one row) and one dtype, become, up to
+kernel runs in a shared launch at x's rows (triton_decode.shares_launch) and one dtype, become, up to
 triton_decode.SHARED_LAUNCH at a time in graph order, one call of
 functional.quantized_frozen_linears_sharing_x or quantized_linears_sharing_x whose ``sites`` name
 them all (a graph dump prints them); each one's output is an item of that call's. Every other
@@ -70,8 +69,7 @@ def _sharing_key(node: fx.Node) -> Optional[tuple]:
     if not decode or not (frozen or site.inference) or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
         return None
     weight_spec = site.quantizers[1].child(ROWWISE).spec
-    family = quantizer_of(weight_spec).gemm_input(ROWWISE).family
-    if family not in triton_decode.SHARED_FAMILIES and not (family in triton_decode.ONE_ROW_SHARED_FAMILIES and _rows(node.args[0]) == 1):
+    if not triton_decode.shares_launch(quantizer_of(weight_spec).gemm_input(ROWWISE).family, _rows(node.args[0])):
         return None
     # a frozen linear's call names its weight's dtype; a linear's weight is a node with its value
     dtype = node.args[3] if frozen else getattr(node.args[1].meta.get("example_value"), "dtype", None)

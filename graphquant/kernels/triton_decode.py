@@ -142,6 +142,14 @@ SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_bl
 # FMA units' program (_fma_kernel's PAIR). MXFP8's pair of FFN weights ran 1.45x faster in one
 # launch; NVFP4's 1.21x slower under its one-row tiling (benchmarks/NOTES.md, decode_gemm.py).
 ONE_ROW_SHARED_FAMILIES = ("mxfp8",)
+
+
+def shares_launch(family: str, rows: Optional[int]) -> bool:
+    """Whether GEMMs of weights of this family that read one A of ``rows`` rows (None: not known)
+    run in one launch (gemms_sharing_a)."""
+    return family in SHARED_FAMILIES or (family in ONE_ROW_SHARED_FAMILIES and rows == 1)
+
+
 # The most GEMMs that read one A one launch runs (gemms_sharing_a: _decode_kernel's PAIR).
 SHARED_LAUNCH = 2
 _FP8 = ("e4m3", "e5m2")
@@ -1141,8 +1149,7 @@ def gemms_sharing_a(
     (a_layout, a_args), (first, second) = _operand(a, "A"), [_operand(b, "B") for b in bs]
     kinds = [(b.quantizer.gemm_input(b.direction).family, b.data.dtype) for b in bs]
     (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
-    one_row = kinds[0][0] in ONE_ROW_SHARED_FAMILIES and m == 1
-    if kinds[0] != kinds[1] or not (kinds[0][0] in SHARED_FAMILIES or one_row):
+    if kinds[0] != kinds[1] or not shares_launch(kinds[0][0], m):
         raise ValueError(
             f"the decode GEMM runs two GEMMs in one launch where both B's are of one family of {SHARED_FAMILIES} "
             f"(or of {ONE_ROW_SHARED_FAMILIES} against one row of A) and one element dtype; got {bs[0].quantizer} ({kinds[0]}) "
@@ -1151,7 +1158,7 @@ def gemms_sharing_a(
     if k != k2:
         raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
     _families(a, bs[0], m, None)
-    if one_row:
+    if kinds[0][0] not in SHARED_FAMILIES:
         return _one_row_pair(a_layout, a_args, first, second, out_dtype, biases, n, n2, k)
     row_tiles = ceil_div(m, ONE_TILE_ROWS)
     splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
