@@ -255,6 +255,107 @@ def test_decode_gemm_gives_the_same_bits_every_run():
     assert torch.equal(first, triton_decode.gemm(a, b, torch.float32))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4 x nvfp4 2d", "mxfp8"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_dependent_launch_reads_a_as_the_kernel_before_it_left_it(name, m):
+    """Every decode GEMM is launched dependent on the kernel before it (Hopper's PDL) and starts
+    while that kernel runs; it must still read A as that kernel leaves it. A's quantize (whose
+    small program lets its dependents start as soon as it begins) runs behind a spinning kernel,
+    then the GEMM, eagerly and in CUDA graph replays, each replay on a new x: each product is the
+    one of that x's codes made and multiplied one kernel at a time (a GEMM that read A early would
+    give the last x's, or a partly written A's)."""
+    from graphquant.kernels import triton_decode
+
+    qa, qb = PAIRS[name]
+    b = qb(torch.randn(14336, 4096, device="cuda"), columnwise=False).get(ROWWISE)
+    x = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.cuda._sleep(1 << 20)
+        return triton_decode.gemm(qa(x, columnwise=False).get(ROWWISE), b, torch.float32)
+
+    def alone(new_x):
+        a = qa(new_x, columnwise=False).get(ROWWISE)
+        torch.cuda.synchronize()
+        return triton_decode.gemm(a, b, torch.float32)
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    new_xs = [torch.randn(m, 4096, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(6)]
+    for new_x in new_xs[:2]:
+        x.copy_(new_x)
+        assert torch.equal(step(), alone(new_x))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_x in new_xs[2:]:
+        x.copy_(new_x)
+        graph.replay()
+        assert torch.equal(out, alone(new_x))
+
+
+def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm90():
+    """Compiled for Hopper (on any machine), each decode program asks L2 for its first steps of
+    the weight, then waits for the kernel before it (griddepcontrol.wait) before any load, copy,
+    store or atomic: nothing before the wait reads what that kernel may still write (A, its
+    scales or amaxes) or writes what it may still read. FP8 codes quantizing A as they load it,
+    NVFP4 on the tensor cores, and NVFP4 and MXFP8 on the FMA units at one row."""
+    from graphquant.kernels import triton_decode
+
+    fp8_pointers = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    fp8_runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
+    rule = triton_decode._rule(Float8CurrentScalingQuantizer("e4m3"), 8)
+    nvfp4_pointers = {"a_ptr": "*i64", "b_ptr": "*i64", "a_scale_ptr": "*fp8e4nv", "b_scale_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    nvfp4_runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
+                     "a_scale_row_stride": 256, "b_scale_row_stride": 256, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
+    mxfp8_pointers = {**nvfp4_pointers, "a_scale_ptr": "*u8", "b_scale_ptr": "*u8"}
+    compiled = [
+        _decode_kernel_for_sm90(fp8_pointers, fp8_runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, A_RULE=rule),
+        _decode_kernel_for_sm90(nvfp4_pointers, nvfp4_runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0),
+        _fma_kernel_for_sm90(nvfp4_pointers, nvfp4_runtime, triton_decode.F16_VALUES, 2688.0, 512),
+        _fma_kernel_for_sm90(mxfp8_pointers, {**nvfp4_runtime, "a_stride": 512, "b_stride": 512}, triton_decode.BF16_VALUES, 1.0, 256),
+    ]
+    for kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        memory = re.search(r"\b(ld\.global|cp\.async\.cg|st\.global|atom\.|red\.)", ptx[:wait])
+        assert memory is None, ptx[max(0, memory.start() - 200):memory.end() + 50]
+        prefetches = [found.start() for found in re.finditer(r"prefetch\.global\.L2", ptx)]
+        assert prefetches and max(prefetches) < wait
+
+
+def _fma_kernel_for_sm90(pointers: dict, runtime: dict, operand: int, divisor: float, block_k: int):
+    """_fma_kernel compiled for Hopper (as _decode_kernel_for_sm90) over a 64-row weight tile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from graphquant.kernels import triton_decode
+
+    kernel = triton_decode._fma_kernel
+    constants = dict(
+        CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
+        ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False,
+    )
+    constants |= {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = pointers.get(name, "*i32" if name == "arrivals_ptr" else "*fp32"), [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+
+
 def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     """The kernel compiled for Hopper (on any machine: Triton compiles without a GPU) copies the
     weight's codes 16 bytes at a time, asynchronously: every split of K starts at a column the

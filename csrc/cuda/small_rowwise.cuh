@@ -29,6 +29,8 @@
 #include "params.h"
 #if defined(__CUDACC__)
 #include <cooperative_groups.h>
+#include <cstdlib>
+#include <string>
 
 #include "launch.cuh"
 #endif
@@ -156,6 +158,10 @@ __global__ void __launch_bounds__(kSmallThreads) small_rowwise_kernel(const Smal
   using Program = SmallRowwise<In, R>;
   const int tid = int(threadIdx.x);
   typename Program::Held held;
+  // A dependent launch (launch_small_rowwise_t): wait for x's producer, then let the GEMM that
+  // reads the codes start fetching its weight while these few CTAs quantize.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if constexpr (!Program::kGlobal) {
     Program::fetch(p, int(blockIdx.x), tid, held);
     Program::encode(p, nullptr, int(blockIdx.x), tid, held);
@@ -174,19 +180,32 @@ __global__ void __launch_bounds__(kSmallThreads) small_rowwise_kernel(const Smal
   }
 }
 
-// NVFP4 as one cluster of p.ctas CTAs; MXFP8, which exchanges nothing, as plain CTAs.
+// GRAPHQUANT_DEPENDENT_LAUNCH=0 (read once a process, as triton_decode reads it) makes every launch
+// wait for the kernel before it: to measure what the dependent launches gain.
+inline bool dependent_launch() {
+  static const bool on = [] {
+    const char* value = std::getenv("GRAPHQUANT_DEPENDENT_LAUNCH");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return on;
+}
+
+// NVFP4 as one cluster of p.ctas CTAs; MXFP8, which exchanges nothing, as plain CTAs. Either is
+// a programmatic dependent launch: it starts while x's producer finishes (its kernel waits for it).
 template <class In, int R>
 void launch_small_rowwise_t(const SmallRowwiseParams& p, void* stream) {
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = unsigned(p.ctas);
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = dependent_launch() ? 1 : 0;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = unsigned(p.ctas);
+  attrs[1].val.clusterDim.y = attrs[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(p.ctas));
   config.blockDim = dim3(kSmallThreads);
   config.stream = static_cast<cudaStream_t>(stream);
-  config.attrs = &cluster;
-  config.numAttrs = SmallRowwise<In, R>::kGlobal ? 1 : 0;
+  config.attrs = attrs;
+  config.numAttrs = SmallRowwise<In, R>::kGlobal ? 2 : 1;
   cudaLaunchKernelEx(&config, small_rowwise_kernel<In, R>, p);
   check_launch("small rowwise quantize");
 }
