@@ -33,10 +33,9 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
   bytes, set the pace.
 
 Every launch is a programmatic dependent launch (Hopper's PDL): a program starts while the kernel
-before it (A's quantize or producer) finishes, asks L2 for its first steps of the weight, which
-nothing before it writes, then waits for that kernel (``griddepcontrol.wait``) before it reads A
-or writes anything. In a decode step's CUDA graph that hides the launch between the two kernels
-and part of A's quantize behind the weight's bytes, the GEMM's whole cost.
+before it (A's quantize or producer) finishes and waits for it (``griddepcontrol.wait``) before it
+reads A or writes anything. In a decode step's CUDA graph that hides the launch between the two
+kernels. (Asking L2 for the weight's first steps before the wait cost more than it hid.)
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
@@ -560,29 +559,17 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
     tl.store(scale_ptr + block.to(tl.int64) * rows + row, reciprocal(scale), mask=block < tl.cdiv(K, 128))
 
 
-# A program asks L2 for this many of its first K steps of the weight before it waits for A.
-PREFETCHED_STEPS = tl.constexpr(2)
 # GRAPHQUANT_DEPENDENT_LAUNCH=0 (read once a process, as the CUDA extension's small quantize reads
 # it) makes every launch wait for the kernel before it: to measure what the dependent launches gain.
 DEPENDENT_LAUNCH = os.environ.get("GRAPHQUANT_DEPENDENT_LAUNCH") != "0"
 
 
 @triton.jit
-def _weight_first(b_ptr, rows, N, b_stride, k_start, K, OPERAND: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """The prologue of a dependent launch (module docstring): the weight's ``rows`` (a column) over
-    PREFETCHED_STEPS steps from column k_start asked of L2, a 128-byte line a prefetch, then the
-    wait for the kernel before this one. Nothing where not ASM (Triton's interpreter runs no PTX,
-    and each launch there follows the last)."""
+def _wait_for_the_kernel_before(ASM: tl.constexpr):
+    """The prologue of a dependent launch (module docstring), before a program's first load or
+    store. Nothing where not ASM (Triton's interpreter runs no PTX, and each launch there follows
+    the last)."""
     if ASM:
-        bits: tl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth
-        # a 64-bit word holds 16 NVFP4 or 8 MXFP8 codes, a byte one FP8 code
-        CODES: tl.constexpr = (16 if OPERAND == 2 else 8) if bits == 64 else 1
-        per_line: tl.constexpr = 1024 // bits
-        lines: tl.constexpr = max(PREFETCHED_STEPS * BLOCK_K // CODES // per_line, 1)
-        line = tl.arange(0, lines)[None, :]
-        inside = (rows < N) & (k_start + line * (per_line * CODES) < K)
-        at = tl.where(inside, b_ptr + rows.to(tl.int64) * b_stride + k_start // CODES + line * per_line, b_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [at], dtype=tl.int32, is_pure=False, pack=1)
         gdc_wait()
 
 
@@ -796,7 +783,7 @@ def _decode_kernel(
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    _weight_first(b_ptr, n, rows, b_stride, tl.program_id(1) * k_chunks * CHUNK, K, OPERAND, BLOCK_K, ASM)
+    _wait_for_the_kernel_before(ASM)
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
     total = _tile_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
@@ -852,7 +839,7 @@ def _fma_kernel(
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    _weight_first(b_ptr, tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], N, b_stride, k_start, K, OPERAND, BLOCK_K, ASM)
+    _wait_for_the_kernel_before(ASM)
     runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
     sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
