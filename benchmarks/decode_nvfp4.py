@@ -42,12 +42,6 @@ CANDIDATES = [
         (64, 256, 4, 1, 8), (64, 256, 4, 2, 8), (64, 512, 4, 1, 4), (64, 512, 8, 1, 4), (64, 512, 8, 1, 8), (128, 256, 4, 1, 4),
         (128, 256, 8, 1, 8),
     )),
-    # 16 rows on mma.sync: Triton takes Hopper's wgmma only where the dot's M (the weight tile's
-    # rows) is a multiple of 64 and the warps a multiple of 4, and waits for each wgmma whose
-    # operand is in registers (the decoded weight); mma.sync waits on its registers alone
-    *((name, (16,), C(n, 256, 16, w, 3, t)) for name in ("nvfp4", "mxfp8") for n, w, t in (
-        (32, 4, 8), (32, 4, 16), (32, 2, 16), (64, 2, 8), (16, 1, 16),
-    )),
     ("nvfp4", (1, 16), C(64, 256, 16, 4, 3, 8, a_first=True, one_dot=True)),
     ("nvfp4", (16,), C(128, 256, 16, 8, 3, 4)),
     ("mxfp8", (1,), C(64, 256, 1, 4, 3, 4, fma=True)),
