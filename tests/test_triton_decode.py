@@ -300,10 +300,12 @@ def test_a_dependent_launch_reads_a_as_the_kernel_before_it_left_it(name, m):
 
 
 def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm90():
-    """Compiled for Hopper (on any machine), each decode program waits for the kernel before it
-    (griddepcontrol.wait) before any load, copy, store or atomic: nothing before the wait reads
-    what that kernel may still write (A, its scales or amaxes) or writes what it may still read. FP8 codes quantizing A as they load it,
-    NVFP4 on the tensor cores, and NVFP4 and MXFP8 on the FMA units at one row."""
+    """Compiled for Hopper (on any machine with Triton), each decode program waits for the kernel
+    before it (griddepcontrol.wait) before any load, copy, store or atomic: nothing before the wait
+    reads what that kernel may still write (A, its scales or amaxes) or writes what it may still
+    read. FP8 codes quantizing A as they load it, NVFP4 on the tensor cores, and NVFP4 and MXFP8 on
+    the FMA units at one row."""
+    pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
     fp8_pointers = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
