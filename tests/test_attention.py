@@ -30,6 +30,7 @@ from graphquant.quantizers import (
     DelayedScalingRequest,
     Float8CurrentScalingQuantizer,
     Float8DelayedScalingQuantizer,
+    Float8RowwiseQuantizer,
     HybridQuantizer,
     IdentityQuantizer,
     MXFP8Quantizer,
@@ -321,12 +322,13 @@ def test_zoo_nvfp4_linear_fp8_dpa_reaches_attention():
     assert slots["module_type=linear|tensor_type=input|name=attn.q_proj"].startswith("nvfp4(")
 
 
-def _with_dpa(dpa_answer, hint_answer=None):
-    """current_dpa_factory with the dpa roles (or, given, the hint roles) answered otherwise."""
+def _with_dpa(dpa_answer, hint_answer=None, tensor_type="s"):
+    """current_dpa_factory with the dpa role of ``tensor_type`` (or, given, the hint roles)
+    answered otherwise."""
     def factory(role):
         if hint_answer is not None and role is not None and "dpa_" in role.name:
             return hint_answer()
-        if role is not None and role.module_type == "dpa" and dpa_answer is not None and role.tensor_type == "s":
+        if role is not None and role.module_type == "dpa" and dpa_answer is not None and role.tensor_type == tensor_type:
             return dpa_answer()
         return current_dpa_factory(role)
     return factory
@@ -339,6 +341,9 @@ def _with_dpa(dpa_answer, hint_answer=None):
         (_with_dpa(IdentityQuantizer), r"attn#0 \(dpa\) s: the factory gave identity\(\)"),
         (_with_dpa(lambda: HybridQuantizer(rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=MXFP8Quantizer())), r"\(dpa\) s: .*Float8CurrentScalingQuantizer or Float8DelayedScalingQuantizer or MXFP8Quantizer"),
         (_with_dpa(None, hint_answer=NVFP4Quantizer), r"attn#0 \(dpa\) attn.dpa_output: the factory gave nvfp4\(\)"),
+        (_with_dpa(NVFP4Quantizer, tensor_type="qkv"), r"attn#0 \(dpa\) qkv: the factory gave nvfp4\(\) \(attention takes no NVFP4\)"),
+        (_with_dpa(lambda: Float8RowwiseQuantizer("e4m3"), tensor_type="qkv"),
+         r"attn#0 \(dpa\) qkv: the factory gave fp8_rowwise\(fp8_dtype=e4m3\), .*Float8CurrentScalingQuantizer or Float8DelayedScalingQuantizer or MXFP8Quantizer"),
     ],
 )
 def test_te_constraints_are_plan_errors(factory, message):
