@@ -330,29 +330,13 @@ def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm
 
 def _fma_kernel_for_sm90(pointers: dict, runtime: dict, operand: int, divisor: float, block_k: int):
     """_fma_kernel compiled for Hopper (as _decode_kernel_for_sm90) over a 64-row weight tile."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from graphquant.kernels import triton_decode
 
-    kernel = triton_decode._fma_kernel
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
         ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False,
     )
-    constants |= {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name], attrs[(i,)] = pointers.get(name, "*i32" if name == "arrivals_ptr" else "*fp32"), [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    return _compiled_for_sm90(triton_decode._fma_kernel, pointers, runtime, constants, num_warps=4, num_stages=1)
 
 
 def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
@@ -393,25 +377,27 @@ def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm9
 
 
 def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
-    """_decode_kernel compiled for Hopper (on any machine: Triton compiles without a
-    GPU) with the given pointer types, the runtime ints' values (Triton specializes ints divisible
-    by 16, and 1), and constants over a 64x256 weight tile, 16 rows of A, a K split, factors
-    (unless given)."""
+    """_decode_kernel compiled for Hopper (_compiled_for_sm90) over a 64x256 weight tile, 16 rows
+    of A, a K split, factors (unless given)."""
+    from graphquant.kernels import triton_decode
+
+    constants = dict(
+        CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
+        SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False,
+    ) | constants
+    return _compiled_for_sm90(triton_decode._decode_kernel, pointers, runtime, constants, num_warps=num_warps, num_stages=3)
+
+
+def _compiled_for_sm90(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int):
+    """``kernel`` compiled for Hopper (on any machine: Triton compiles without a GPU) with the
+    given pointer types, the runtime ints' values (Triton specializes ints divisible by 16, and
+    1) and constants."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from graphquant.kernels import triton_decode
-
-    kernel = triton_decode._decode_kernel
-    constants = {
-        **dict(
-            CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
-            SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False,
-        ),
-        **constants, **{name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize},
-    }
+    constants = constants | {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -423,7 +409,7 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
 
 
