@@ -10,6 +10,7 @@ must be set before Triton is first imported); on a GPU at the shapes of a Llama-
 
 import json
 import re
+import unittest.mock
 
 import ptxas
 import pytest
@@ -299,13 +300,10 @@ def test_a_dependent_launch_reads_a_as_the_kernel_before_it_left_it(name, m):
         assert torch.equal(out, alone(new_x))
 
 
-def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm90():
-    """Compiled for Hopper (on any machine with Triton), each decode program waits for the kernel
-    before it (griddepcontrol.wait) before any load, copy, store or atomic: nothing before the wait
-    reads what that kernel may still write (A, its scales or amaxes) or writes what it may still
-    read. FP8 codes quantizing A as they load it, NVFP4 on the tensor cores, and NVFP4 and MXFP8 on
-    the FMA units at one row."""
-    pytest.importorskip("triton")
+def _pdl_cases(capability: int, dependent: bool) -> list:
+    """The decode kernels compiled for sm_``capability``, as dependent launches or not: FP8 codes
+    quantizing A as they load it, NVFP4 on the tensor cores, and NVFP4 and MXFP8 on the FMA units
+    at one row."""
     from graphquant.kernels import triton_decode
 
     fp8_pointers = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -315,28 +313,57 @@ def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm
     nvfp4_runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
                      "a_scale_row_stride": 256, "b_scale_row_stride": 256, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
     mxfp8_pointers = {**nvfp4_pointers, "a_scale_ptr": "*u8", "b_scale_ptr": "*u8"}
-    compiled = [
-        _decode_kernel_for_sm90(fp8_pointers, fp8_runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, A_RULE=rule),
-        _decode_kernel_for_sm90(nvfp4_pointers, nvfp4_runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0),
-        _fma_kernel_for_sm90(nvfp4_pointers, nvfp4_runtime, triton_decode.F16_VALUES, 2688.0, 512),
-        _fma_kernel_for_sm90(mxfp8_pointers, {**nvfp4_runtime, "a_stride": 512, "b_stride": 512}, triton_decode.BF16_VALUES, 1.0, 256),
+    given = dict(capability=capability, DEPENDENT=dependent)
+    return [
+        _decode_kernel_compiled(fp8_pointers, fp8_runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0,
+                                A_RULE=rule, **given),
+        _decode_kernel_compiled(nvfp4_pointers, nvfp4_runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0,
+                                B_DIVISOR=2688.0, **given),
+        _fma_kernel_compiled(nvfp4_pointers, nvfp4_runtime, triton_decode.F16_VALUES, 2688.0, 512, **given),
+        _fma_kernel_compiled(mxfp8_pointers, {**nvfp4_runtime, "a_stride": 512, "b_stride": 512}, triton_decode.BF16_VALUES, 1.0, 256, **given),
     ]
-    for kernel in compiled:
+
+
+def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm90():
+    """Compiled for Hopper as dependent launches (on any machine with Triton), each decode
+    program waits for the kernel before it (griddepcontrol.wait) before any load, copy, store or
+    atomic: nothing before the wait reads what that kernel may still write (A, its scales or
+    amaxes) or writes what it may still read."""
+    pytest.importorskip("triton")
+    for kernel in _pdl_cases(90, dependent=True):
         ptx = kernel.asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
         memory = re.search(r"\b(ld\.global|cp\.async\.cg|st\.global|atom\.|red\.)", ptx[:wait])
         assert memory is None, ptx[max(0, memory.start() - 200):memory.end() + 50]
 
 
-def _fma_kernel_for_sm90(pointers: dict, runtime: dict, operand: int, divisor: float, block_k: int):
-    """_fma_kernel compiled for Hopper (as _decode_kernel_for_sm90) over a 64-row weight tile."""
+def test_decode_kernels_assemble_for_sm89_as_launches_that_follow_the_last():
+    """An sm_89 GPU (which the decode GEMM serves too) has no griddepcontrol: launched there the
+    kernels are not dependent launches, and compiled so (ptxas would refuse the instruction) they
+    assemble for it; the launch asks for them from sm_90 on, and never in the interpreter."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_decode
+
+    for kernel in _pdl_cases(89, dependent=False):
+        assert "griddepcontrol" not in kernel.asm["ptx"] and kernel.asm["cubin"]
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for capability, expected in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        triton_decode._has_griddepcontrol.cache_clear()
+        with unittest.mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+            assert triton_decode._dependent_launch(cuda) == {"DEPENDENT": expected, "launch_pdl": expected}
+            assert not triton_decode._dependent_launch(cpu)["DEPENDENT"]
+    triton_decode._has_griddepcontrol.cache_clear()
+
+
+def _fma_kernel_compiled(pointers: dict, runtime: dict, operand: int, divisor: float, block_k: int, capability: int = 90, **constants):
+    """_fma_kernel compiled (as _decode_kernel_compiled) over a 64-row weight tile."""
     from graphquant.kernels import triton_decode
 
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
         ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False,
-    )
-    return _compiled_for_sm90(triton_decode._fma_kernel, pointers, runtime, constants, num_warps=4, num_stages=1)
+    ) | constants
+    return _compiled_for(triton_decode._fma_kernel, pointers, runtime, constants, num_warps=4, num_stages=1, capability=capability)
 
 
 def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
@@ -354,7 +381,7 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
     parameters = inspect.signature(triton_decode._decode_kernel.fn).parameters
     lone = {name: None for name in triton_decode._SECOND_GEMMS_ARGUMENTS if name.endswith("_ptr") and parameters[name].default is None}
-    ptx = _decode_kernel_for_sm90(
+    ptx = _decode_kernel_compiled(
         pointers, runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, **lone
     ).asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
@@ -372,13 +399,13 @@ def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm9
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 4, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
     runtime |= {"has_bias2": 0, "N2": 14336, "b2_stride": 4096}
     constants = dict(OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, PAIR=True)
-    compiled = _decode_kernel_for_sm90(pointers, runtime, **constants)
+    compiled = _decode_kernel_compiled(pointers, runtime, **constants)
     assert "cp.async.cg.shared.global" in compiled.asm["ptx"] and "ld.global.b8" not in compiled.asm["ptx"]
 
 
-def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, **constants):
-    """_decode_kernel compiled for Hopper (_compiled_for_sm90) over a 64x256 weight tile, 16 rows
-    of A, a K split, factors (unless given)."""
+def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, capability: int = 90, **constants):
+    """_decode_kernel compiled (_compiled_for; for Hopper unless told) over a 64x256 weight tile,
+    16 rows of A, a K split, factors (unless given)."""
     from graphquant.kernels import triton_decode
 
     constants = dict(
@@ -386,13 +413,15 @@ def _decode_kernel_for_sm90(pointers: dict, runtime: dict, num_warps: int = 4, *
         SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
         BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False,
     ) | constants
-    return _compiled_for_sm90(triton_decode._decode_kernel, pointers, runtime, constants, num_warps=num_warps, num_stages=3)
+    return _compiled_for(
+        triton_decode._decode_kernel, pointers, runtime, constants, num_warps=num_warps, num_stages=3, capability=capability
+    )
 
 
-def _compiled_for_sm90(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int):
-    """``kernel`` compiled for Hopper (on any machine: Triton compiles without a GPU) with the
-    given pointer types, the runtime ints' values (Triton specializes ints divisible by 16, and
-    1) and constants."""
+def _compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int, capability: int):
+    """``kernel`` compiled for sm_``capability`` (on any machine: Triton compiles without a GPU)
+    with the given pointer types, the runtime ints' values (Triton specializes ints divisible by
+    16, and 1) and constants."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -409,7 +438,7 @@ def _compiled_for_sm90(kernel, pointers: dict, runtime: dict, constants: dict, n
             if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
 
 
@@ -552,7 +581,7 @@ def test_nvfp4_decode_kernel_reads_16_byte_words_and_decodes_them_in_f16x2_on_sm
     pointers = {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": "*fp8e4nv", "b_scale_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 256, "b_stride": 256,
                "a_scale_row_stride": 256, "b_scale_row_stride": 256, "a_scale_col_stride": 1, "b_scale_col_stride": 1}
-    compiled = _decode_kernel_for_sm90(pointers, runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0)
+    compiled = _decode_kernel_compiled(pointers, runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0, B_DIVISOR=2688.0)
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
     assert "mul.rn.f16x2" in ptx and "wgmma" in ptx
@@ -592,7 +621,7 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
 
     pointers = {**_MXFP8_POINTERS, "a_ptr": "*bf16"} if a_first else _MXFP8_POINTERS
     runtime = {**_MXFP8_RUNTIME, "M": block_m, "a_stride": 4096} if a_first else {**_MXFP8_RUNTIME, "M": block_m}
-    compiled = _decode_kernel_for_sm90(
+    compiled = _decode_kernel_compiled(
         pointers, runtime, warps, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32, A_DIVISOR=1.0, B_DIVISOR=1.0, A_FACTOR=0,
         B_FACTOR=0, SPLIT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_VALUES=a_first, ONE_DOT=one_dot,
     )

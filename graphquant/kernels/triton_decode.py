@@ -32,9 +32,9 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
   e4m3_bf16_word_values, e4m3_word_values): at these sizes the decoding instructions, not the
   bytes, set the pace.
 
-Every launch is a programmatic dependent launch (Hopper's PDL): a program starts while the kernel
-before it (A's quantize or producer) finishes and waits for it (``griddepcontrol.wait``) before it
-reads A or writes anything. In a decode step's CUDA graph that hides the launch between the two
+From Hopper (sm_90) on, every launch is a programmatic dependent launch (PDL): a program starts
+while the kernel before it (A's quantize or producer) finishes and waits for it
+(``griddepcontrol.wait``) before it reads A or writes anything. In a decode step's CUDA graph that hides the launch between the two
 kernels. (Asking L2 for the weight's first steps before the wait cost more than it hid.)
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
@@ -564,12 +564,29 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
 DEPENDENT_LAUNCH = os.environ.get("GRAPHQUANT_DEPENDENT_LAUNCH") != "0"
 
 
+@functools.cache
+def _has_griddepcontrol(device_index: int) -> bool:
+    """Whether the GPU runs griddepcontrol, which PTX has from sm_90 (Hopper) on: for an sm_89 GPU,
+    which the decode GEMM also serves, the kernels would not assemble with it."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _dependent_launch(device: torch.device) -> dict:
+    """The kernels' DEPENDENT and the launch's launch_pdl for a launch on ``device``: dependent
+    launches where asked (DEPENDENT_LAUNCH) on a GPU that has them; not in Triton's interpreter,
+    which runs no PTX and each launch after the last."""
+    dependent = (
+        DEPENDENT_LAUNCH and device.type == "cuda" and not triton.knobs.runtime.interpret
+        and _has_griddepcontrol(device.index if device.index is not None else torch.cuda.current_device())
+    )
+    return {"DEPENDENT": dependent, "launch_pdl": dependent}
+
+
 @triton.jit
-def _wait_for_the_kernel_before(ASM: tl.constexpr):
+def _wait_for_the_kernel_before(DEPENDENT: tl.constexpr):
     """The prologue of a dependent launch (module docstring), before a program's first load or
-    store. Nothing where not ASM (Triton's interpreter runs no PTX, and each launch there follows
-    the last)."""
-    if ASM:
+    store."""
+    if DEPENDENT:
         gdc_wait()
 
 
@@ -754,7 +771,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
-    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
     b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
     bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
 ):
@@ -783,7 +800,7 @@ def _decode_kernel(
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    _wait_for_the_kernel_before(ASM)
+    _wait_for_the_kernel_before(DEPENDENT)
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
     total = _tile_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
@@ -814,7 +831,7 @@ def _fma_kernel(
     bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, PAIR: tl.constexpr = False,
+    STAGES: tl.constexpr, PAIR: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
     b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
     bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
 ):
@@ -839,7 +856,7 @@ def _fma_kernel(
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     k_start = tl.program_id(1) * k_chunks * CHUNK
-    _wait_for_the_kernel_before(ASM)
+    _wait_for_the_kernel_before(DEPENDENT)
     runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
     sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
@@ -1146,7 +1163,7 @@ def gemm(
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
             ONE_DOT=a_first and config.one_dot,
-            num_warps=config.warps, num_stages=config.stages, launch_pdl=DEPENDENT_LAUNCH,
+            num_warps=config.warps, num_stages=config.stages, **_dependent_launch(a.data.device),
         )
     return out
 
@@ -1227,7 +1244,7 @@ def _launch_fma(
         _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
         **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, STAGES=config.stages, **pair,
-        num_warps=config.warps, num_stages=config.stages, launch_pdl=DEPENDENT_LAUNCH,
+        num_warps=config.warps, num_stages=config.stages, **_dependent_launch(a_args[0].device),
     )
 
 
@@ -1299,5 +1316,6 @@ def _launch_autotuned(
         OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
         **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
-        ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule, launch_pdl=DEPENDENT_LAUNCH, **pair,
+        ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
+        **_dependent_launch(a_args[0].device), **pair,
     )
