@@ -300,10 +300,10 @@ def test_a_dependent_launch_reads_a_as_the_kernel_before_it_left_it(name, m):
         assert torch.equal(out, alone(new_x))
 
 
-def _pdl_cases(capability: int, dependent: bool) -> list:
+def _decode_variants(capability: int, dependent: bool) -> list:
     """The decode kernels compiled for sm_``capability``, as dependent launches or not: FP8 codes
-    quantizing A as they load it, NVFP4 on the tensor cores, and NVFP4 and MXFP8 on the FMA units
-    at one row."""
+    quantizing A as they load it, NVFP4 and MXFP8 (decoded to bf16 by inline PTX) on the tensor
+    cores, and NVFP4 and MXFP8 on the FMA units at one row."""
     from graphquant.kernels import triton_decode
 
     fp8_pointers = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -319,6 +319,9 @@ def _pdl_cases(capability: int, dependent: bool) -> list:
                                 A_RULE=rule, **given),
         _decode_kernel_compiled(nvfp4_pointers, nvfp4_runtime, OPERAND=triton_decode.F16_VALUES, SCALE_COLS=16, A_DIVISOR=2688.0,
                                 B_DIVISOR=2688.0, **given),
+        _decode_kernel_compiled(mxfp8_pointers, {**nvfp4_runtime, "M": 16, "a_stride": 512, "b_stride": 512, "a_scale_row_stride": 128,
+                                "b_scale_row_stride": 128}, OPERAND=triton_decode.BF16_VALUES, SCALE_COLS=32, A_DIVISOR=1.0,
+                                B_DIVISOR=1.0, **given),
         _fma_kernel_compiled(nvfp4_pointers, nvfp4_runtime, triton_decode.F16_VALUES, 2688.0, 512, **given),
         _fma_kernel_compiled(mxfp8_pointers, {**nvfp4_runtime, "a_stride": 512, "b_stride": 512}, triton_decode.BF16_VALUES, 1.0, 256, **given),
     ]
@@ -330,7 +333,7 @@ def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm
     atomic: nothing before the wait reads what that kernel may still write (A, its scales or
     amaxes) or writes what it may still read."""
     pytest.importorskip("triton")
-    for kernel in _pdl_cases(90, dependent=True):
+    for kernel in _decode_variants(90, dependent=True):
         ptx = kernel.asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
         memory = re.search(r"\b(ld\.global|cp\.async\.cg|st\.global|atom\.|red\.)", ptx[:wait])
@@ -338,13 +341,15 @@ def test_decode_kernels_wait_for_the_kernel_before_them_before_they_read_a_on_sm
 
 
 def test_decode_kernels_assemble_for_sm89_as_launches_that_follow_the_last():
-    """An sm_89 GPU (which the decode GEMM serves too) has no griddepcontrol: launched there the
-    kernels are not dependent launches, and compiled so (ptxas would refuse the instruction) they
-    assemble for it; the launch asks for them from sm_90 on, and never in the interpreter."""
+    """The decode GEMM serves sm_89 GPUs too, whose PTX has neither griddepcontrol nor
+    mul.bf16x2 (MXFP8's decode multiplies by fma with a -0 addend, which sm_90 assembles to the
+    same multiply): launched there the kernels are not dependent launches, and compiled so they
+    assemble for it; the launch asks for dependent ones from sm_90 on, and never in the
+    interpreter."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
-    for kernel in _pdl_cases(89, dependent=False):
+    for kernel in _decode_variants(89, dependent=False):
         assert "griddepcontrol" not in kernel.asm["ptx"] and kernel.asm["cubin"]
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for capability, expected in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
@@ -361,7 +366,7 @@ def _fma_kernel_compiled(pointers: dict, runtime: dict, operand: int, divisor: f
 
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
-        ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False,
+        ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False, DEPENDENT=False,
     ) | constants
     return _compiled_for(triton_decode._fma_kernel, pointers, runtime, constants, num_warps=4, num_stages=1, capability=capability)
 
@@ -411,7 +416,7 @@ def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, c
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
         SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False,
+        BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False, DEPENDENT=False,
     ) | constants
     return _compiled_for(
         triton_decode._decode_kernel, pointers, runtime, constants, num_warps=num_warps, num_stages=3, capability=capability
@@ -611,8 +616,8 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
 ):
     """Compiled for Hopper (on any machine), at each row tiling, the decode GEMM's MXFP8 program
     copies the weight's codes 16 bytes at a time, asynchronously, decodes them to bf16 with byte
-    permutes and bf16x2 multiplies, no FP8 conversion instruction (a slow unit's), straight into
-    the tensor cores' operand layout, and spills nothing. With A decoded first (a_first), A's
+    permutes and bf16x2 multiplies (fmas adding -0), no FP8 conversion instruction (a slow
+    unit's), straight into the tensor cores' operand layout, and spills nothing. With A decoded first (a_first), A's
     values are copied 16 bytes at a time too, and nothing decoded goes through shared memory
     but (one_dot) the weight's tile on its way into the operand layout, whose products then run
     without waiting for each other (a wgmma wait for all only once a step)."""
@@ -628,7 +633,7 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx)
     assert "0x10" in copies and (not a_first or set(copies) == {"0x10"})
-    assert "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx and "wgmma" in ptx
+    assert "prmt.b32" in ptx and "fma.rn.bf16x2" in ptx and "wgmma" in ptx
     assert not re.search(r"cvt\.\w+\.\w+\.e4m3x2|cvt\.\w+\.e4m3", ptx)
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     if one_dot:

@@ -256,6 +256,9 @@ PRMT_CODES_23 = 0x3424  # bytes: 0, code 2, 0, code 3
 E4M3_MAGNITUDE = 0x07F007F0  # after the shift: each half's exponent (bits 7-10) and mantissa (4-6)
 SIGN_OR = 0xF8  # lop3 truth table of a | (b & c)
 BF16X2_2_POW_120 = 0x7B807B80
+# The multiplies are fmas adding -0, which leave every product (a zero's sign included) as it is:
+# mul.bf16x2 needs sm_90, fma.bf16x2 sm_80, and the decode GEMM serves sm_89 too.
+BF16X2_NEGATIVE_ZEROS = 0x80008000
 
 
 def _e4m3_bf16_word_ptx() -> str:
@@ -263,16 +266,17 @@ def _e4m3_bf16_word_ptx() -> str:
     (its byte in 16 bits) -> $0..$7, the values times the scale in bf16, code j in $j. The scale's
     bf16 is its byte in the exponent bits (0: 2^-127, a subnormal; 255: NaN)."""
     lines = [
-        "{", ".reg .b32 w<2>, p, t, sc, e120;", ".reg .b16 e;", ".reg .pred zero, nan;",
+        "{", ".reg .b32 w<2>, p, t, sc, e120, nz;", ".reg .b16 e;", ".reg .pred zero, nan;",
         "mov.b64 {w0, w1}, $8;", f"mov.b32 e120, {BF16X2_2_POW_120:#010x};", "mov.b32 sc, {$9, $9};",
+        f"mov.b32 nz, {BF16X2_NEGATIVE_ZEROS:#010x};",
     ]
     for half in range(2):
         for pair, selector in enumerate((PRMT_CODES_01, PRMT_CODES_23)):
             first = 4 * half + 2 * pair
             lines += [
                 f"prmt.b32 p, w{half}, 0, {selector:#06x};", "shr.b32 t, p, 4;", f"and.b32 t, t, {E4M3_MAGNITUDE:#010x};",
-                f"lop3.b32 t, t, 0x80008000, p, {SIGN_OR:#x};", "mul.rn.bf16x2 t, t, e120;",
-                "mul.rn.bf16x2 t, t, sc;", f"mov.b32 {{${first}, ${first + 1}}}, t;",
+                f"lop3.b32 t, t, 0x80008000, p, {SIGN_OR:#x};", "fma.rn.bf16x2 t, t, e120, nz;",
+                "fma.rn.bf16x2 t, t, sc, nz;", f"mov.b32 {{${first}, ${first + 1}}}, t;",
             ]
     return "\n".join(lines + ["}"])
 
