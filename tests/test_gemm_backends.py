@@ -301,3 +301,24 @@ def test_emulated_gemm_in_slices_of_the_larger_operand(name, qa, qb, expected, g
     assert [(rep is big, start, stop) for rep, start, stop in cuts] == [(True, s, s + 128) for s in range(0, rows, 128)]
     ref = _reference(a, b) + (bias.double() if with_bias else 0)
     assert ((out - ref).abs() <= _bound(a, b, fp8.FP32) + ref.abs() * rounding).all()
+
+
+def test_emulation_dequantizes_with_triton_only_where_triton_loads_e4m3(monkeypatch):
+    """Triton loads E4M3 codes and scales (fp8e4nv) from sm_89 on and refuses to compile them
+    below (an A100, sm_80): there the emulated MXFP8 and NVFP4 GEMMs take the reference's
+    dequantize, as on the CPU, and the Triton kernel only where runs_on says so."""
+    triton_dequantize = pytest.importorskip("graphquant.kernels.triton_dequantize")
+    for capability, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        triton_dequantize._loads_e4m3.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, capability=capability: capability)
+        assert triton_dequantize.runs_on(torch.device("cuda", 0)) is expected
+        assert not triton_dequantize.runs_on(torch.device("cpu"))
+    triton_dequantize._loads_e4m3.cache_clear()
+    rep = MXFP8Quantizer().quantize_rowwise(torch.randn(32, 64), QuantizeContext())
+    monkeypatch.setitem(emulation._BLOCK_VALUES, "mxfp8", lambda rep: "the Triton kernel's")
+    for runs, made_by_triton in ((True, True), (False, False)):
+        monkeypatch.setattr(triton_dequantize, "runs_on", lambda device, runs=runs: runs)
+        values = emulation.values(rep)
+        assert isinstance(values, str) is made_by_triton
+        if not made_by_triton:
+            assert torch.equal(values, rep.quantizer.emulated_values(rep))

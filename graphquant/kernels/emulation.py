@@ -55,7 +55,7 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
 
 def values(rep: Representation) -> torch.Tensor:
     """factored's values, from a Triton kernel where one makes them."""
-    fast = _BLOCK_VALUES.get(_family(rep)) if rep.data.is_cuda and triton_dequantize is not None else None
+    fast = _BLOCK_VALUES.get(_family(rep)) if triton_dequantize is not None and triton_dequantize.runs_on(rep.data.device) else None
     return rep.quantizer.emulated_values(rep) if fast is None else fast(rep)
 
 
