@@ -72,12 +72,16 @@ def why_no_cuda(nvcc: tuple[int, int] | None) -> str | None:
     return None
 
 
-def cuda_arch_flags(nvcc: tuple[int, int]) -> list[str]:
-    """sm_90a for Hopper's own instructions, and sm_100a where this nvcc knows it."""
-    flags = ["-gencode=arch=compute_90a,code=sm_90a"]
-    if nvcc >= (12, 8):
-        flags.append("-gencode=arch=compute_100a,code=sm_100a")
-    return flags
+def cuda_archs(nvcc: tuple[int, int]) -> list[int]:
+    """The compute capabilities (major * 10 + minor) the kernels are built for: sm_90a for
+    Hopper's own instructions, and sm_100a where this nvcc knows it. An arch-specific target runs
+    on its own capability alone, so the extension says which (graphquant._C.cuda_archs) and runs
+    nowhere else."""
+    return [90, 100] if nvcc >= (12, 8) else [90]
+
+
+def cuda_arch_flags(archs: list[int]) -> list[str]:
+    return [f"-gencode=arch=compute_{arch}a,code=sm_{arch}a" for arch in archs]
 
 
 # The process already runs the shared libstdc++ (torch links it); some toolchains ship only
@@ -95,14 +99,16 @@ def extensions():
         return []
     print(f"graphquant: building the CUDA kernels with nvcc {nvcc[0]}.{nvcc[1]} for torch {torch.__version__}", flush=True)
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    archs = cuda_archs(nvcc)
     kernels = cpp_extension.CUDAExtension(
         "graphquant._C",
         sources,
         extra_compile_args={
-            "cxx": ["-O3"],
+            # for bindings.cpp (graphquant._C.cuda_archs); not nvcc's, which would split the list at its commas
+            "cxx": ["-O3", f"-DGRAPHQUANT_CUDA_ARCHS={','.join(map(str, archs))}"],
             # The kernels are bit-identical to graphquant/formats only with IEEE division, fp32
             # subnormals kept and no a*b+c contracted into one FMA rounding.
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-prec-div=true", "-ftz=false", "-fmad=false", *cuda_arch_flags(nvcc)],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-prec-div=true", "-ftz=false", "-fmad=false", *cuda_arch_flags(archs)],
         },
         extra_link_args=LINK_ARGS,
     )

@@ -22,7 +22,7 @@ from torch import nn
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, emulation, native, scaled_mm
+from graphquant.kernels import backends, emulation, scaled_mm
 from graphquant.formats import nvfp4
 
 # What torch._scaled_mm runs on each capability graphquant claims (torch's own tests: per-tensor
@@ -194,7 +194,9 @@ def fake_gpu(monkeypatch):
     def start(sm):
         monkeypatch.setattr(backends, "capability", lambda device: sm)
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
-        monkeypatch.setattr(native, "extension", lambda: types.SimpleNamespace(fp8_gemm=fake_fp8_gemm))
+        # graphquant._C's cuBLASLt GEMM for the faked GPU (the CPU tensors' quantizes take the reference)
+        fake_extension = types.SimpleNamespace(fp8_gemm=fake_fp8_gemm)
+        monkeypatch.setattr(scaled_mm, "native", types.SimpleNamespace(extension_for=lambda device: fake_extension))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
         if backends.triton_decode is not None:
             monkeypatch.setattr(backends.triton_decode, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])

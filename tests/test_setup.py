@@ -1,4 +1,5 @@
-"""setup.py builds the CUDA kernels only where they can build, and says why not elsewhere.
+"""setup.py builds the CUDA kernels only where they can build, and says why not elsewhere; the
+kernels run only on the GPUs they were built for.
 
 Checked against fake toolkits (an nvcc that prints its release, an include folder), with torch's
 CUDA version set by the test, so every case runs on any machine.
@@ -46,8 +47,13 @@ def decision(setup_py, monkeypatch, torch_cuda, cuda_home):
 def test_cuda_builds_where_nvcc_matches_torch_and_the_headers_exist(setup_py, monkeypatch, tmp_path):
     nvcc, reason = decision(setup_py, monkeypatch, "13.0", toolkit(tmp_path, "13.1"))
     assert nvcc == (13, 1) and reason is None  # a newer minor release of the same major builds
-    assert setup_py["cuda_arch_flags"](nvcc)[-1] == "-gencode=arch=compute_100a,code=sm_100a"
-    assert setup_py["cuda_arch_flags"]((12, 4)) == ["-gencode=arch=compute_90a,code=sm_90a"]  # no sm_100a before 12.8
+    assert setup_py["cuda_archs"](nvcc) == [90, 100]
+    assert setup_py["cuda_archs"]((12, 4)) == [90]  # no sm_100a before 12.8
+    assert setup_py["cuda_arch_flags"]([90, 100]) == ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
+    (kernels,) = setup_py["extensions"]()
+    # the list the extension reports (csrc/bindings.cpp), given to the C++ compiler alone: nvcc would split it at its commas
+    assert "-DGRAPHQUANT_CUDA_ARCHS=90,100" in kernels.extra_compile_args["cxx"]
+    assert not any("GRAPHQUANT_CUDA_ARCHS" in flag for flag in kernels.extra_compile_args["nvcc"])
 
 
 @pytest.mark.parametrize(
@@ -71,3 +77,25 @@ def test_elsewhere_the_build_says_why_and_makes_no_extension(setup_py, monkeypat
 def test_graphquant_no_cuda_turns_the_kernels_off(setup_py, monkeypatch, tmp_path):
     monkeypatch.setenv("GRAPHQUANT_NO_CUDA", "1")
     assert decision(setup_py, monkeypatch, "13.0", toolkit(tmp_path, "13.0")) == ((13, 0), "GRAPHQUANT_NO_CUDA=1")
+
+
+def test_the_kernels_run_only_on_the_capabilities_they_were_built_for(monkeypatch):
+    """Built for sm_90a and sm_100a, arch-specific targets, the extension's kernels run on compute
+    capabilities 9.0 and 10.0 alone: on an sm_89, sm_80 or sm_120 GPU graphquant takes the
+    reference instead of launching kernels the GPU has no image of; the CPU test build runs
+    anywhere."""
+    from types import SimpleNamespace
+
+    from graphquant.kernels import native
+
+    built = SimpleNamespace(cuda_built=True, cuda_archs=(90, 100))
+    monkeypatch.setattr(native, "extension", lambda: built)
+    for capability, runs in (((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False), ((12, 0), False), ((10, 3), False)):
+        native._capability_of.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, capability=capability: capability)
+        assert (native.extension_for(torch.device("cuda", 0)) is built) is runs
+    assert native.extension_for(torch.device("cpu")) is None
+    emulated = SimpleNamespace(cuda_built=True, emulated=True)
+    monkeypatch.setattr(native, "extension", lambda: emulated)
+    assert native.extension_for(torch.device("cpu")) is emulated
+    native._capability_of.cache_clear()

@@ -117,7 +117,7 @@ def _epilogue_gemm(
     pass over an fp32 product, one rounding), written into ``out`` where cuBLASLt can write it
     (out_dtype, rows of 16-byte-aligned elements), or None where the extension or its aligned
     kernels do not take it."""
-    ext = native.extension()
+    ext = native.extension_for(left.device)
     if ext is None or alpha is None or left.dtype != torch.bfloat16:
         return None
     if right.shape[1] % 8 or not (_aligned(left) and _aligned(right)):

@@ -49,12 +49,24 @@ def extension() -> Optional[Any]:
     return _C if getattr(_C, "cuda_built", False) else None
 
 
-def _extension(t: torch.Tensor) -> Optional[Any]:
-    """The extension, if it takes this tensor (the CPU test build, marked ``emulated``, takes CPU ones)."""
+def extension_for(device: torch.device) -> Optional[Any]:
+    """The extension where its kernels run on ``device``: a GPU of a compute capability it was
+    built for (``cuda_archs``: arch-specific targets, each of which runs on its own capability
+    alone), else None, and the reference runs; the CPU test build (``emulated``) runs anywhere."""
     ext = extension()
-    if ext is None or not (t.is_cuda or getattr(ext, "emulated", False)):
-        return None
-    return ext
+    if ext is None or getattr(ext, "emulated", False):
+        return ext
+    return ext if device.type == "cuda" and _capability(device) in ext.cuda_archs else None
+
+
+def _capability(device: torch.device) -> int:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
 
 
 def sr_key(seed: int, offset: int, stream: int) -> int:
@@ -162,7 +174,7 @@ def _run(
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
     """
-    ext = _extension(x)
+    ext = extension_for(x.device)
     if ext is None or x.dim() != 2 or x.dtype not in _DTYPES or x.numel() == 0:
         return None
     row_q, col_q = quantizer.child(ROWWISE), quantizer.child(COLUMNWISE)
@@ -361,7 +373,7 @@ def reference_grouped_quantize(
 
 
 def _native_dequantize(rep: Representation, dtype: torch.dtype, with_global: bool) -> Optional[torch.Tensor]:
-    ext = _extension(rep.data)
+    ext = extension_for(rep.data.device)
     if ext is None or dtype not in _DTYPES or rep.data.dim() != 2 or rep.data.numel() == 0:
         return None
     made = _encoding(ext, rep.quantizer, rep.direction)

@@ -91,7 +91,7 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
     """
     args, kwargs = arguments(backend.name, a, b, out_dtype, backend.fast_accumulation)
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
-    ext = native.extension()
+    ext = native.extension_for(a.data.device)
     if ext is not None and backend.name == TENSORWISE:
         data_a, data_b, scale_a, scale_b = args
         out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
