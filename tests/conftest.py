@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _capabilities_asked_afresh():
+    """Tests fake GPUs by patching torch.cuda.get_device_capability: each asks anew, not what
+    graphquant.kernels.devices kept from an earlier test."""
+    from graphquant.kernels import devices
+
+    devices._of.cache_clear()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphquant.formats import fp8
-from graphquant.kernels import backends, emulation, scaled_mm
+from graphquant.kernels import backends, devices, emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -309,11 +309,10 @@ def test_emulation_dequantizes_with_triton_only_where_triton_loads_e4m3(monkeypa
     dequantize, as on the CPU, and the Triton kernel only where runs_on says so."""
     triton_dequantize = pytest.importorskip("graphquant.kernels.triton_dequantize")
     for capability, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
-        triton_dequantize._loads_e4m3.cache_clear()
+        devices._of.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, capability=capability: capability)
         assert triton_dequantize.runs_on(torch.device("cuda", 0)) is expected
         assert not triton_dequantize.runs_on(torch.device("cpu"))
-    triton_dequantize._loads_e4m3.cache_clear()
     rep = MXFP8Quantizer().quantize_rowwise(torch.randn(32, 64), QuantizeContext())
     monkeypatch.setitem(emulation._BLOCK_VALUES, "mxfp8", lambda rep: "the Triton kernel's")
     for runs, made_by_triton in ((True, True), (False, False)):

@@ -86,16 +86,15 @@ def test_the_kernels_run_only_on_the_capabilities_they_were_built_for(monkeypatc
     anywhere."""
     from types import SimpleNamespace
 
-    from graphquant.kernels import native
+    from graphquant.kernels import devices, native
 
     built = SimpleNamespace(cuda_built=True, cuda_archs=(90, 100))
     monkeypatch.setattr(native, "extension", lambda: built)
     for capability, runs in (((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False), ((12, 0), False), ((10, 3), False)):
-        native._capability_of.cache_clear()
+        devices._of.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, capability=capability: capability)
         assert (native.extension_for(torch.device("cuda", 0)) is built) is runs
     assert native.extension_for(torch.device("cpu")) is None
     emulated = SimpleNamespace(cuda_built=True, emulated=True)
     monkeypatch.setattr(native, "extension", lambda: emulated)
     assert native.extension_for(torch.device("cpu")) is emulated
-    native._capability_of.cache_clear()

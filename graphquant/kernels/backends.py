@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from graphquant.kernels import emulation, scaled_mm
+from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -347,11 +348,6 @@ def select_grouped(
     if not HAS_TRITON and any(i is not None and i.family in _FACTORED_FAMILIES for i in inputs):
         reason += "; without Triton, the fp32 product its scales need reads the group offsets on the host (torch._grouped_mm)"
     return Selection(EMULATED, GemmBackend(EMULATION), reason)
-
-
-def capability(device: torch.device) -> Optional[tuple[int, int]]:
-    """The compute capability whose low-precision GEMMs run on ``device``; None where none do."""
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -23,6 +23,7 @@ import torch
 
 from graphquant.formats import groups, nvfp4
 from graphquant.formats.groups import GROUP_ROWS
+from graphquant.kernels import devices
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -56,17 +57,8 @@ def extension_for(device: torch.device) -> Optional[Any]:
     ext = extension()
     if ext is None or getattr(ext, "emulated", False):
         return ext
-    return ext if device.type == "cuda" and _capability(device) in ext.cuda_archs else None
-
-
-def _capability(device: torch.device) -> int:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_of(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
+    sm = devices.capability(device)
+    return ext if sm is not None and sm[0] * 10 + sm[1] in ext.cuda_archs else None
 
 
 def sr_key(seed: int, offset: int, stream: int) -> int:

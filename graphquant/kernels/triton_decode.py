@@ -63,6 +63,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from graphquant.formats import fp8, nvfp4
+from graphquant.kernels import devices
 from graphquant.kernels.triton_dequantize import (
     e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
 )
@@ -564,21 +565,13 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
 DEPENDENT_LAUNCH = os.environ.get("GRAPHQUANT_DEPENDENT_LAUNCH") != "0"
 
 
-@functools.cache
-def _has_griddepcontrol(device_index: int) -> bool:
-    """Whether the GPU runs griddepcontrol, which PTX has from sm_90 (Hopper) on: for an sm_89 GPU,
-    which the decode GEMM also serves, the kernels would not assemble with it."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def _dependent_launch(device: torch.device) -> dict:
     """The kernels' DEPENDENT and the launch's launch_pdl for a launch on ``device``: dependent
-    launches where asked (DEPENDENT_LAUNCH) on a GPU that has them; not in Triton's interpreter,
-    which runs no PTX and each launch after the last."""
-    dependent = (
-        DEPENDENT_LAUNCH and device.type == "cuda" and not triton.knobs.runtime.interpret
-        and _has_griddepcontrol(device.index if device.index is not None else torch.cuda.current_device())
-    )
+    launches where asked (DEPENDENT_LAUNCH) on a GPU that has them (griddepcontrol, which PTX has
+    from sm_90 on: for an sm_89 GPU, which the decode GEMM also serves, the kernels would not
+    assemble with it); not in Triton's interpreter, which runs no PTX and each launch after the
+    last."""
+    dependent = DEPENDENT_LAUNCH and not triton.knobs.runtime.interpret and (devices.capability(device) or (0, 0)) >= (9, 0)
     return {"DEPENDENT": dependent, "launch_pdl": dependent}
 
 

@@ -9,24 +9,18 @@ in fp32 and in bf16, so no rounding happens anywhere here.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from graphquant.kernels import devices
 from graphquant.kernels.triton_launch import ceil_div
-
-
-@functools.cache
-def _loads_e4m3(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def runs_on(device: torch.device) -> bool:
     """Whether the dequantize kernels run on ``device``: a GPU for which Triton loads E4M3
     (fp8e4nv), sm_89 on; elsewhere the emulation takes the reference's torch ops."""
-    return device.type == "cuda" and _loads_e4m3(device.index if device.index is not None else torch.cuda.current_device())
+    return (devices.capability(device) or (0, 0)) >= (8, 9)
 
 
 # Programs cover BLOCK_ROWS x BLOCK_COLS elements in 2-D, so no index needs a division by a

@@ -1,0 +1,19 @@
+"""A device's compute capability, which decides what each kernel can run there."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+
+def capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """(major, minor) of a CUDA device, None for any other: asked of the driver once per device,
+    as launches that pick their kernels by it are on the host's path of every call."""
+    return _of(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _of(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
