@@ -34,8 +34,9 @@ the layout family (GemmInput.family) and the tiling (DecodeConfig):
 
 From Hopper (sm_90) on, every launch is a programmatic dependent launch (PDL): a program starts
 while the kernel before it (A's quantize or producer) finishes and waits for it
-(``griddepcontrol.wait``) before it reads A or writes anything. In a decode step's CUDA graph that hides the launch between the two
-kernels. (Asking L2 for the weight's first steps before the wait cost more than it hid.)
+(``griddepcontrol.wait``) before it reads A or writes anything. In a decode step's CUDA graph
+that hides the launch between the two kernels. (Asking L2 for the weight's first steps before
+the wait cost more than it hid.)
 
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
