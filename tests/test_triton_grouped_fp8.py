@@ -16,6 +16,7 @@ without a GPU).
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -182,10 +183,10 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
     assert imprecise == {(None, 64): None, (None, 128): None, (32, 64): 32, (32, 128): 32, (128, 64): 64, (128, 128): 128}
 
 
-def hopper_ptx(promote_every) -> str:
-    """The PTX of the tokens x tokens kernel compiled for sm_90 by Triton (its own ptxas: no GPU)
-    at its first promoted tile, E4M3 operands with per-row scales, promoting every
-    ``promote_every`` products (FAST_ACCUMULATION: never)."""
+def compiled_ptx(promote_every, capability: int = 90) -> str:
+    """The PTX of the tokens x tokens kernel compiled for sm_``capability`` by Triton (its own
+    ptxas, which assembles it: no GPU) at its first promoted tile, E4M3 operands with per-row
+    scales, promoting every ``promote_every`` products (FAST_ACCUMULATION: never)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -204,7 +205,7 @@ def hopper_ptx(promote_every) -> str:
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in jit.arg_names}
     source = ASTSource(jit, signature, {(jit.arg_names.index(name),): value for name, value in constexprs.items()})
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
 
 
 @pytest.mark.parametrize("promote_every", [None, 32, 128], ids=["fast", "every 32", "every 128"])
@@ -216,13 +217,23 @@ def test_on_hopper_fast_accumulation_leaves_the_sum_in_the_tensor_cores(promote_
     kernels = backends.triton_grouped_fp8
     if kernels is None:
         pytest.skip("needs Triton")
-    ptx = hopper_ptx(promote_every)
+    ptx = compiled_ptx(promote_every)
     tile = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
     block_k = tile.kwargs["BLOCK_K"]
     held = tile.kwargs["BLOCK_M"] * tile.kwargs["BLOCK_N"] // (32 * tile.num_warps)
     promotions = 0 if promote_every is kernels.FAST_ACCUMULATION else block_k // min(promote_every, block_k)
     assert "wgmma.mma_async" in ptx
     assert ptx.count("add.f32") + ptx.count("add.rn.f32") == held * promotions
+
+
+@pytest.mark.parametrize("promote_every", [None, 128], ids=["fast", "every 128"])
+def test_assembles_for_sm89_on_its_fp8_tensor_cores(promote_every):
+    """The plan gives the FP8 grouped GEMM to sm_89 GPUs too (backends.TRITON_GROUPED_GEMMS):
+    there, without wgmma, it assembles to FP8 mma.sync."""
+    if backends.triton_grouped_fp8 is None:
+        pytest.skip("needs Triton")
+    ptx = compiled_ptx(promote_every, capability=89)
+    assert "wgmma" not in ptx and re.search(r"mma\.sync\.aligned\.\w+\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
 
 
 def step_backends(name: str, fast: bool) -> list[str]:
