@@ -10,7 +10,7 @@ import torch  # noqa: F401  (the native extension links against torch's librarie
 from graphquant import factories, recipes, zoo
 from graphquant.compiler import RecompileLimitError, compile
 from graphquant.explainer import explain
-from graphquant.freezing import FrozenLinear, freeze
+from graphquant.freezing import FrozenExperts, FrozenLinear, freeze
 from graphquant.ops import library as _library, scales as _scales  # noqa: F401  (registers the custom ops)
 from graphquant.numerics_report import numerics
 from graphquant.passes.plan import Plan, PlanError
@@ -44,6 +44,7 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8DelayedScalingQuantizer",
     "Float8RowwiseQuantizer",
+    "FrozenExperts",
     "FrozenLinear",
     "HybridQuantizer",
     "IdentityQuantizer",

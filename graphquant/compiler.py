@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from graphquant.passes.attention_spelling import fold_attention
+from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
@@ -65,6 +66,8 @@ class GraphquantBackend:
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
+        # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
+        self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
 
     @property
     def plan(self) -> Plan:
@@ -146,6 +149,9 @@ class GraphquantBackend:
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame)
+        if self.root is not None:
+            self._record_expert_weights(gm, example_inputs)
+            mark_frozen_stacks(gm, example_inputs, self._frozen_stacks())
         attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -188,6 +194,22 @@ class GraphquantBackend:
             return compiled(*args, *(p() for p in providers))
 
         return run
+
+    def _record_expert_weights(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        """Note how ``gm``'s grouped sites read the model's parameters, for graphquant.freeze; a
+        parameter two graphs read differently cannot be frozen for both."""
+        names = {id(p): name for name, p in self.root.named_parameters()}
+        for name, read in expert_weights(gm, example_inputs, names).items():
+            before = self.expert_weights.setdefault(name, read)
+            if before != read and not isinstance(before, str):
+                self.expert_weights[name] = read if isinstance(read, str) else f"read by {before.site} and {read.site}"
+
+    def _frozen_stacks(self) -> dict[int, FrozenStack]:
+        """The id of each stand-in that graphquant.freeze put in an expert stack's place -> the stack."""
+        from graphquant.freezing import FrozenExperts  # which imports this module
+
+        frozen = [m for m in self.root.modules() if isinstance(m, FrozenExperts)]
+        return {id(getattr(self.root.get_submodule(m.name.rpartition(".")[0]), m.parameter)): m.stack() for m in frozen}
 
     def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
         """The qualified name of the module whose code this graph was traced from ("" for the
@@ -243,6 +265,9 @@ class GraphquantBackend:
 
     def _provider(self, key: object, plan: Plan, device: torch.device) -> Callable[[], torch.Tensor]:
         """How the compiled wrapper obtains the extra argument ``key`` at each call."""
+        if isinstance(key, tuple):  # ("frozen", FrozenExperts name, part): read at each call, as a load may replace it
+            stored = self.root.get_submodule(key[1])
+            return lambda: getattr(stored, f"weight_{key[2]}")
         if key == "rng":
             if self.rng is None:
                 self.rng = self._initial(key, torch.tensor([self.seed, 0], dtype=torch.int64, device=device))

@@ -1,11 +1,13 @@
-"""graphquant.freeze: an inference model whose linears keep their weights only quantized.
+"""graphquant.freeze: an inference model whose linears and expert stacks keep their weights only quantized.
 
 A model compiled with mode="inference" quantizes each weight at each call, so that no write to a
 weight is missed (graphquant.ops.inference). Once its weights are final, ``freeze`` quantizes each
 nn.Linear's weight once, as the inference GEMM reads it (rowwise, with the recipe's weight
 quantizer: the bits the per-call path computes), and puts a FrozenLinear that keeps only that in
-the linear's place. The frozen model's state_dict is the quantized weights; ``freeze(model,
-state_dict=...)`` builds a frozen model from one without quantizing anything.
+the linear's place; an expert stack that torch._grouped_mm reads (a 3-D parameter) gets a
+FrozenExperts beside it and a stand-in in its place. The frozen model's state_dict is the
+quantized weights; ``freeze(model, state_dict=...)`` builds a frozen model from one without
+quantizing anything.
 """
 
 from __future__ import annotations
@@ -18,64 +20,34 @@ from torch import nn
 
 from graphquant import distributed, user_stack
 from graphquant.compiler import GraphquantBackend
-from graphquant.ops import frozen  # noqa: F401  (registers graphquant::frozen_linear)
+from graphquant.ops.frozen import STORED_PARTS as PARTS  # importing it registers graphquant::frozen_linear
+from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
+from graphquant.passes.expert_weights import FrozenStack
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
-# The stored parts of the weight's rowwise representation (Representation.tensors' order).
-PARTS = ("codes", "scale", "amax")
 
+class StoredWeight(nn.Module):
+    """A weight stored as the rowwise representation its inference GEMM reads, in the buffers
+    ``weight_codes``, ``weight_scale`` and ``weight_amax`` (empty where the format has no such
+    part), with no high-precision copy. Its state_dict carries the format, the logical shape and
+    the dtype as extra state: a checkpoint loads only into a stored weight of the same ones."""
 
-class FrozenLinear(nn.Module):
-    """An nn.Linear whose weight is stored as the rowwise representation its inference GEMM reads,
-    in the buffers ``weight_codes``, ``weight_scale`` and ``weight_amax`` (empty where the format
-    has no such part), with no high-precision weight; the bias stays as it was.
-
-    It runs only inside the graphquant-compiled model it was frozen in, which reads the stored
-    weight in place of quantizing one. Its state_dict carries the weight's format, logical shape and
-    dtype as extra state: a checkpoint loads only into a FrozenLinear of the same ones.
-    """
-
-    def __init__(
-        self, name: str, weight_format: str, shape: tuple[int, int], dtype: torch.dtype, tensors: list[torch.Tensor], bias: Optional[torch.Tensor]
-    ) -> None:
+    def __init__(self, name: str, weight_format: str, shape: tuple[int, ...], dtype: torch.dtype, tensors: list[torch.Tensor]) -> None:
         super().__init__()
-        self.name = name  # the nn.Linear's qualified name, the site's name in plans and errors
+        self.name = name  # its qualified name, which errors give
         self.weight_format = weight_format
-        self.out_features, self.in_features = shape
+        self.weight_shape = tuple(shape)
         self.weight_dtype = dtype
         for part, tensor in zip(PARTS, tensors):
             self.register_buffer(f"weight_{part}", tensor.contiguous())
-        self.register_parameter("bias", bias)
 
-    @classmethod
-    def quantized(cls, name: str, linear: nn.Linear, quantizer: Quantizer, amax_group: Optional[str]) -> "FrozenLinear":
-        """``linear`` with its weight quantized now, by the function the per-call inference path uses."""
-        weight = frozen_weight(linear.weight, quantizer, amax_group)
-        tensors = [t.detach().clone() for t in weight.tensors]  # an IdentityQuantizer's codes are the weight itself
-        return cls(name, weight.spec, weight.shape, linear.weight.dtype, tensors, linear.bias)
-
-    @classmethod
-    def unfilled(cls, name: str, linear: nn.Linear, quantizer: Quantizer) -> "FrozenLinear":
-        """``linear`` with room for its stored weight, to be loaded from a checkpoint: the layout is
-        that of the format's rowwise representation of a meta tensor (shapes and dtypes, no values)."""
-        rowwise = quantizer.child(ROWWISE)
-        meta = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
-        layout = rowwise.quantize_rowwise(meta, QuantizeContext()).tensors()
-        tensors = [torch.empty(t.shape, dtype=t.dtype, device=linear.weight.device) for t in layout]
-        return cls(name, rowwise.spec, tuple(linear.weight.shape), linear.weight.dtype, tensors, linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = [self.weight_codes, self.weight_scale, self.weight_amax]
-        shape = [self.out_features, self.in_features]
-        return torch.ops.graphquant.frozen_linear.default(x, weight, self.weight_format, shape, self.weight_dtype, self.bias, self.name)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weight={self.weight_format}"
+    def stored(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight_{part}") for part in PARTS]
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"format": self.weight_format, "shape": [self.out_features, self.in_features], "dtype": str(self.weight_dtype)}
+        return {"format": self.weight_format, "shape": list(self.weight_shape), "dtype": str(self.weight_dtype)}
 
     def set_extra_state(self, state: Any) -> None:
         """Nothing to set: ``_load_from_state_dict`` checked the state against this module's own
@@ -87,7 +59,7 @@ class FrozenLinear(nn.Module):
         error = self._mismatch(state_dict, prefix)
         if error:
             error_msgs.append(f"graphquant: {self.name} is frozen as {self.weight_format} of a {self.weight_dtype} weight "
-                              f"of shape ({self.out_features}, {self.in_features}); {error}")
+                              f"of shape {self.weight_shape}; {error}")
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
@@ -109,18 +81,118 @@ class FrozenLinear(nn.Module):
         return ""
 
 
+class FrozenLinear(StoredWeight):
+    """An nn.Linear whose weight is a StoredWeight; the bias stays as it was.
+
+    It runs only inside the graphquant-compiled model it was frozen in, which reads the stored
+    weight in place of quantizing one.
+    """
+
+    def __init__(
+        self, name: str, weight_format: str, shape: tuple[int, int], dtype: torch.dtype, tensors: list[torch.Tensor], bias: Optional[torch.Tensor]
+    ) -> None:
+        super().__init__(name, weight_format, shape, dtype, tensors)
+        self.out_features, self.in_features = shape
+        self.register_parameter("bias", bias)
+
+    @classmethod
+    def quantized(cls, name: str, linear: nn.Linear, quantizer: Quantizer, amax_group: Optional[str]) -> "FrozenLinear":
+        """``linear`` with its weight quantized now, by the function the per-call inference path uses."""
+        weight = frozen_weight(linear.weight, quantizer, amax_group)
+        tensors = [t.detach().clone() for t in weight.tensors]  # an IdentityQuantizer's codes are the weight itself
+        return cls(name, weight.spec, weight.shape, linear.weight.dtype, tensors, linear.bias)
+
+    @classmethod
+    def unfilled(cls, name: str, linear: nn.Linear, quantizer: Quantizer) -> "FrozenLinear":
+        """``linear`` with room for its stored weight, to be loaded from a checkpoint: the layout is
+        that of the format's rowwise representation of a meta tensor (shapes and dtypes, no values)."""
+        rowwise = quantizer.child(ROWWISE)
+        meta = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
+        layout = rowwise.quantize_rowwise(meta, QuantizeContext()).tensors()
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device=linear.weight.device) for t in layout]
+        return cls(name, rowwise.spec, tuple(linear.weight.shape), linear.weight.dtype, tensors, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = [self.out_features, self.in_features]
+        return torch.ops.graphquant.frozen_linear.default(x, self.stored(), self.weight_format, shape, self.weight_dtype, self.bias, self.name)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, weight={self.weight_format}"
+
+
+class FrozenExperts(StoredWeight):
+    """An expert stack (a 3-D parameter that torch._grouped_mm reads) stored as its grouped GEMM's
+    rowwise representation of the stack (E, K, N) the GEMM multiplies by, which the parameter is,
+    or with ``transposed`` its last two dims swapped (an (E, N, K) stack stored as nn.Linear
+    stores a weight). It is a child of the parameter's module, named ``frozen_<parameter>``.
+
+    The parameter's place holds a stand-in of its shape (``stand_in``) whose values are NaN: the
+    model's code still reads it, and the compiled graph's grouped GEMMs take the stored stack in
+    its place; anything else that reads it fails to compile, and eagerly gives NaN.
+    """
+
+    def __init__(
+        self, name: str, parameter: str, weight_format: str, shape: tuple[int, int, int], dtype: torch.dtype, transposed: bool,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        super().__init__(name, weight_format, shape, dtype, tensors)
+        self.parameter, self.transposed = parameter, transposed
+
+    @classmethod
+    def quantized(cls, name: str, parameter: str, weight: torch.Tensor, transposed: bool, quantizer: Quantizer) -> "FrozenExperts":
+        """The stack ``weight`` (the parameter) quantized now, by the function the per-call inference path uses."""
+        stack = weight.transpose(1, 2) if transposed else weight
+        operand = frozen_expert_stack(stack, quantizer)
+        tensors = [t.detach().clone() for t in operand.tensors]
+        return cls(name, parameter, operand.spec, tuple(stack.shape), weight.dtype, transposed, tensors)
+
+    @classmethod
+    def unfilled(cls, name: str, saved: Mapping[str, Any], device: torch.device) -> "FrozenExperts":
+        """Room for a stack a checkpoint holds, ``saved`` its extra state: the layout the format
+        stores for the stack's shape and dtype (shapes and dtypes, no values)."""
+        dtype, shape = _dtype(saved["dtype"]), tuple(saved["shape"])
+        layout = stored_stack_layout(saved["format"], shape, dtype)
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in layout]
+        return cls(name, saved["parameter"], saved["format"], shape, dtype, saved["transposed"], tensors)
+
+    def stand_in(self, stand_ins: dict[tuple, torch.Tensor]) -> torch.Tensor:
+        """A tensor of the parameter's shape and dtype whose values are NaN, on the stored stack's
+        device: one expert's worth of memory, shared through ``stand_ins`` by every stack of that
+        shape (a zero stride across experts; torch._grouped_mm's checks need no less)."""
+        experts, k, n = self.weight_shape
+        rows, cols = (n, k) if self.transposed else (k, n)
+        device = self.weight_codes.device
+        key = (rows, cols, self.weight_dtype, device)
+        if key not in stand_ins:
+            stand_ins[key] = torch.full((1, rows, cols), float("nan"), dtype=self.weight_dtype, device=device)
+        return stand_ins[key].expand(experts, rows, cols)
+
+    def stack(self) -> FrozenStack:
+        return FrozenStack(self.name, self.weight_format, self.weight_shape, self.weight_dtype, self.transposed)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return super().get_extra_state() | {"parameter": self.parameter, "transposed": self.transposed}
+
+    def extra_repr(self) -> str:
+        return f"parameter={self.parameter}, experts={self.weight_shape[0]}, k={self.weight_shape[1]}, n={self.weight_shape[2]}, transposed={self.transposed}, weight={self.weight_format}"
+
+
 def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = None) -> nn.Module:
     """Replace, in place, every nn.Linear of ``model`` (what ``graphquant.compile(...,
     mode="inference")`` returned) by a FrozenLinear that stores its weight quantized and drops the
-    high-precision one; returns ``model``, which then runs from the stored weights.
+    high-precision one, and every expert stack that its compiled graphs read through
+    torch._grouped_mm alone by a FrozenExperts; returns ``model``, which then runs from the stored
+    weights.
 
     Without ``state_dict``, each weight is quantized now: rowwise with the recipe's weight quantizer,
-    the bits the per-call inference path computes. With ``state_dict`` (a frozen model's, as
+    the bits the per-call inference path computes. Expert stacks are known only from a graph that
+    reads them: call the model once before. With ``state_dict`` (a frozen model's, as
     ``torch.load(path, weights_only=True)`` gives it back), nothing is quantized: the weights and
     every other tensor are loaded from it, keys with or without torch.compile's ``_orig_mod.``
     prefix. A model built on the meta device takes the checkpoint's tensors themselves.
 
-    A linear whose weight is tied to another module's (a tied LM head) keeps it, with a warning.
+    A weight tied to another module's (a tied LM head) stays as it is, with a warning, as does an
+    expert stack that the model's graphs read other than as one grouped site's weight.
     """
     backend = model.__dict__.get("graphquant") if isinstance(model, nn.Module) else None
     if not isinstance(backend, GraphquantBackend) or backend.root is None:
@@ -133,13 +205,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     amax_group = distributed.group_name(backend.planner.recipe.amax_reduction_group)
     tied = _tied_parameters(root)
     linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        user_stack.warn(f"graphquant.freeze found no nn.Linear in {type(root).__name__}: nothing was frozen")
     for name, linear in linears:
-        if id(linear.weight) in tied:
-            others = [other for other in tied[id(linear.weight)] if other != f"{name}.weight"]
-            user_stack.warn(f"graphquant.freeze leaves {name} with its high-precision weight: it is tied to "
-                            f"{', '.join(others)}, which needs it")
+        if _is_tied(f"{name}.weight", tied, linear.weight):
             continue
         quantizer = backend.planner.quantizer(QuantizerRole("linear", "weight", name))
         _check_freezable(name, quantizer)
@@ -150,11 +217,94 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
         else:
             root.set_submodule(name, FrozenLinear.unfilled(name, linear, quantizer))
-    if state_dict is not None:
+    if state_dict is None:
+        stacks = _freeze_expert_stacks(root, backend, tied)
+    else:
         state = dict(state_dict)
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
+        stacks = [_take_place(root, FrozenExperts.unfilled(name, saved, _parameter_of(root, name, saved).device)) for name, saved in _saved_stacks(state)]
         root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
+    stand_ins: dict[tuple, torch.Tensor] = {}
+    for frozen in stacks:  # after loading: a stack loaded from the meta device is on the checkpoint's now
+        root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
+    if not linears and not stacks:
+        user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "
+                        f"{type(root).__name__}: nothing was frozen")
     return model
+
+
+def _freeze_expert_stacks(root: nn.Module, backend: GraphquantBackend, tied: dict[int, list[str]]) -> list[FrozenExperts]:
+    """Each parameter that the graphs compiled so far read as one grouped site's expert stack,
+    quantized into a FrozenExperts in its place."""
+    parameters = dict(root.named_parameters())
+    if not backend.plans and any(p.dim() == 3 for p in parameters.values()):
+        user_stack.warn("graphquant.freeze knows expert stacks only from a compiled graph that reads them, and this model "
+                        "has not been called: its 3-D parameters keep their high-precision values; call the model once "
+                        "before graphquant.freeze to store them quantized too")
+    stacks = []
+    for name, read in sorted(backend.expert_weights.items()):
+        if name not in parameters or _is_tied(name, tied, parameters[name]):
+            continue
+        if isinstance(read, str):
+            user_stack.warn(f"graphquant.freeze leaves the expert stack {name} with its high-precision values: it is {read}")
+            continue
+        quantizer = backend.planner.quantizer(QuantizerRole("grouped_linear", "weight", read.site))
+        _check_freezable(name, quantizer)
+        if parameters[name].is_meta:
+            raise ValueError(f"graphquant.freeze: {name} is on the meta device, with no values to quantize; pass "
+                             "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
+        owner, _, attribute = name.rpartition(".")
+        module_name = ".".join(p for p in (owner, f"frozen_{attribute}") if p)
+        stacks.append(_take_place(root, FrozenExperts.quantized(module_name, attribute, parameters[name], read.transposed, quantizer)))
+    return stacks
+
+
+def _saved_stacks(state: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(module name, extra state) of each FrozenExperts a checkpoint holds."""
+    suffix = "._extra_state"
+    return [(key[: -len(suffix)], saved) for key, saved in state.items()
+            if key.endswith(suffix) and isinstance(saved, dict) and "parameter" in saved]
+
+
+def _parameter_of(root: nn.Module, name: str, saved: Mapping[str, Any]) -> nn.Parameter:
+    """The parameter a checkpoint's FrozenExperts ``name`` stands for, checked against its shape."""
+    owner = root.get_submodule(_owner(name))
+    parameter = owner._parameters.get(saved["parameter"])
+    experts, k, n = saved["shape"]
+    shape = (experts, n, k) if saved["transposed"] else (experts, k, n)
+    if parameter is None or tuple(parameter.shape) != shape:
+        found = "no such parameter" if parameter is None else f"a parameter of shape {tuple(parameter.shape)}"
+        raise ValueError(f"graphquant.freeze: the checkpoint stores {_owner(name) or 'the model'}.{saved['parameter']} as an "
+                         f"expert stack of shape {shape}, but the model has {found} there: load a checkpoint of this model")
+    return parameter
+
+
+def _take_place(root: nn.Module, frozen: FrozenExperts) -> FrozenExperts:
+    """Put ``frozen`` beside the parameter it stores and drop the parameter (its stand-in comes later)."""
+    owner = root.get_submodule(_owner(frozen.name))
+    del owner._parameters[frozen.parameter]
+    owner.add_module(frozen.name.rpartition(".")[2], frozen)
+    return frozen
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _is_tied(name: str, tied: dict[int, list[str]], parameter: nn.Parameter) -> bool:
+    """Whether ``parameter`` (named ``name``) is shared with another module, which needs it; warns."""
+    if id(parameter) not in tied:
+        return False
+    others = [other for other in tied[id(parameter)] if other != name]
+    user_stack.warn(f"graphquant.freeze leaves {name} with its high-precision values: it is tied to {', '.join(others)}, which needs it")
+    return True
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"graphquant.freeze: the checkpoint names the weight dtype {name!r}, which is no torch dtype")
+    return dtype
 
 
 def _check_freezable(name: str, quantizer: Quantizer) -> None:

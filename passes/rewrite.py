@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from torch import fx
 
 from graphquant.ops import attention, functional, grouped
+from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
 from graphquant.passes.plan import Plan, PlanError
@@ -92,7 +93,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         roles = site.roles()
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
         if site.form == FROZEN:
-            _check_frozen_format(node, site, plan.quantizer(roles[1]))
+            _check_stored_format(site, node.args[2], plan.quantizer(roles[1]))
         grouped_site = site.form == GROUPED  # with no amax reduction (backends.grouped_unsupported)
         carried = Site(
             name=site.name,
@@ -107,10 +108,15 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
         args, form_kwargs = _arguments(node, site)
+        target = _TARGETS.get(site.form, functional.quantized_matmul)
+        stack = node.meta.get("graphquant_frozen_stack")
+        if stack is not None:  # a frozen expert stack (graphquant.freeze): its stored tensors in w's place
+            _check_stored_format(site, stack.spec, plan.quantizer(roles[1]))
+            x, _, offs = args
+            args, target = (x, [state(("frozen", stack.module, part)) for part in FROZEN_PARTS], offs), grouped.quantized_frozen_grouped_mm
+            form_kwargs = {"shape": stack.shape, "dtype": stack.dtype}
         with graph.inserting_before(node):
-            replacement = graph.call_function(
-                _TARGETS.get(site.form, functional.quantized_matmul), args, {**form_kwargs, **kwargs}
-            )
+            replacement = graph.call_function(target, args, {**form_kwargs, **kwargs})
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
@@ -138,13 +144,13 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     graph.erase_node(node)
 
 
-def _check_frozen_format(node: fx.Node, site: GemmSite, quantizer: Quantizer) -> None:
-    """A frozen linear's stored weight must be the one the plan's weight quantizer makes for fprop."""
-    stored, planned = node.args[2], quantizer.child(ROWWISE).spec
+def _check_stored_format(site: GemmSite, stored: str, quantizer: Quantizer) -> None:
+    """A frozen weight's stored format must be the one the plan's weight quantizer makes for fprop."""
+    planned = quantizer.child(ROWWISE).spec
     if stored != planned:
         raise PlanError(
-            f"{site.label} (linear) weight: stored frozen as {stored}, but the recipe gives this slot {planned} for "
-            "fprop; compile with the recipe the model was frozen under, or freeze its high-precision weights under this one"
+            f"{site.label} ({site.module_type}) weight: stored frozen as {stored}, but the recipe gives this slot {planned} "
+            "for fprop; compile with the recipe the model was frozen under, or freeze its high-precision weights under this one"
         )
 
 

@@ -15,6 +15,9 @@ import torch
 
 from graphquant.ops import registry
 
+# The stored parts of a frozen weight's rowwise representation (Representation.tensors' order).
+STORED_PARTS = ("codes", "scale", "amax")
+
 
 @registry.op("frozen_linear")
 def frozen_linear(
@@ -63,9 +66,10 @@ class _RefusedBackward(torch.autograd.Function):
 
 
 def refuse_backward(x: torch.Tensor, y: torch.Tensor, label: str) -> torch.Tensor:
-    """``y``, computed from ``x`` at the frozen linear ``label``, with a backward into x that fails."""
+    """``y``, computed from ``x`` at the frozen site ``label`` (a linear or an expert stack), with a
+    backward into x that fails."""
     message = (
-        f"graphquant: backward through {label}, a frozen linear: graphquant.freeze stored its weight quantized for "
+        f"graphquant: backward through {label}, whose weight graphquant.freeze stored quantized for "
         "the forward alone (no high-precision weight, no columnwise copy), so a frozen model has no backward. Train "
         "the model with its high-precision weights (graphquant.compile without freeze), or call it under "
         "torch.no_grad()"

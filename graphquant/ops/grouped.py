@@ -35,6 +35,7 @@ from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.ops import registry
+from graphquant.ops.frozen import refuse_backward
 from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import hybrid_directions
@@ -207,9 +208,29 @@ def _expert_stack(w: torch.Tensor) -> tuple[groups.GroupPadding, torch.Tensor]:
     """(the layout of the expert stack, its rows): W_g = w[g]^T (n, k) for each expert, stacked,
     every expert's rows padded to whole blocks in the layout."""
     experts, k, n = w.shape
-    expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
-    stack = groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
-    return stack, w.transpose(1, 2).reshape(experts * n, k)
+    return _stack_layout(experts, n, w.device), w.transpose(1, 2).reshape(experts * n, k)
+
+
+def _stack_layout(experts: int, n: int, device: torch.device) -> groups.GroupPadding:
+    expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * n
+    return groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
+
+
+def frozen_expert_stack(w: torch.Tensor, quantizer: Quantizer) -> Operand:
+    """The rowwise operand an inference call makes of expert stack ``w`` (E, K, N) with the weight
+    quantizer of a stateless format, made once to be stored (graphquant.freeze): the same function
+    as QuantizedGroupedMM's forward, so the same bits."""
+    stack, w2d = _expert_stack(w.detach())
+    return quantize_grouped(w2d, stack, quantizer, (ROWWISE,), None, 0)[ROWWISE]
+
+
+def stored_stack_layout(spec: str, shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Meta tensors of the shapes and dtypes ``frozen_expert_stack`` stores for a (E, K, N) stack
+    of ``dtype`` in the rowwise format ``spec``, for a checkpoint to be loaded into."""
+    experts, k, n = shape
+    stack = _stack_layout(experts, n, torch.device("meta"))
+    padded = torch.empty((stack.padded_rows, k), dtype=dtype, device="meta")
+    return quantizer_of(spec).quantize_groups(padded, stack.row_group, experts, ROWWISE, QuantizeContext()).tensors()
 
 
 class QuantizedGroupedMM(torch.autograd.Function):
@@ -257,6 +278,19 @@ class QuantizedGroupedMM(torch.autograd.Function):
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
         return dx, dw, None, None, None
+
+
+def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=None, rng=None):
+    """torch._grouped_mm(x, w, offs) for a w (E, K, N) of ``dtype`` that graphquant.freeze stored
+    as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
+    quantized as QuantizedGroupedMM's forward quantizes it."""
+    experts, k, n = shape
+    groups.check_offsets(offs, x.shape[0], site.label)
+    tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
+    xq = quantize_grouped(x.detach(), tokens, site.quantizers[0], (ROWWISE,), rng, site.streams[0])[ROWWISE]
+    stack = _stack_layout(experts, n, x.device)
+    wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
+    return refuse_backward(x, _gemm(xq, wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)
 
 
 def quantized_grouped_mm(x, w, offs, *, site: Site, states=None, rng=None):
