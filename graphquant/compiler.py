@@ -151,7 +151,7 @@ class GraphquantBackend:
         sites = find_gemms(gm, example_inputs, frame)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
-            mark_frozen_stacks(gm, example_inputs, self._frozen_stacks())
+            sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
         attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
         skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import fx
 
-from graphquant.passes.find_gemms import GROUPED
+from graphquant.passes.find_gemms import GROUPED, GemmSite
 from graphquant.passes.plan import PlanError
 
 # How a grouped site may reach its weight: the placeholder itself, or a swap of its last two dims.
@@ -108,14 +108,18 @@ def _other_reader(placeholder: fx.Node, site_nodes: list[fx.Node]) -> Optional[f
     return None
 
 
-def mark_frozen_stacks(gm: fx.GraphModule, example_inputs: Sequence[object], frozen: dict[int, FrozenStack]) -> None:
-    """Annotate each grouped site of ``gm`` that reads a frozen stand-in (``frozen``: the
-    stand-in's id -> its stack) with ``graphquant_frozen_stack``; raise where the graph reads a
-    stand-in any other way, since its values are NaN."""
+def mark_frozen_stacks(
+    gm: fx.GraphModule, example_inputs: Sequence[object], sites: list[GemmSite], frozen: dict[int, FrozenStack]
+) -> list[GemmSite]:
+    """``sites`` (find_gemms' of ``gm``) with each grouped site that reads a frozen stand-in
+    (``frozen``: the stand-in's id -> its stack) marked ``stored_stack`` and its node annotated
+    with ``graphquant_frozen_stack``; raises where the graph reads a stand-in any other way, since
+    its values are NaN."""
     placeholders = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
     stands = {node: frozen[id(value)] for node, value in placeholders.items() if id(value) in frozen}
     if not stands:
-        return
+        return sites
+    marked: dict[GemmSite, GemmSite] = {}
     readers: dict[fx.Node, list[fx.Node]] = {node: [] for node in stands}
     for node in gm.graph.nodes:
         site = node.meta.get("graphquant_site")
@@ -130,12 +134,14 @@ def mark_frozen_stacks(gm: fx.GraphModule, example_inputs: Sequence[object], fro
                 "stored it for a site that reads it the other way: freeze the model again from its high-precision weights"
             )
         node.meta["graphquant_frozen_stack"] = stack
+        node.meta["graphquant_site"] = marked[site] = dataclasses.replace(site, stored_stack=True)
         readers[source[0]].append(node)
-    for placeholder, sites in readers.items():
-        other = _other_reader(placeholder, sites)
+    for placeholder, site_nodes in readers.items():
+        other = _other_reader(placeholder, site_nodes)
         if other is not None:
             raise PlanError(
                 f"{other.format_node()} reads {stands[placeholder].module}'s parameter, an expert stack that graphquant.freeze "
                 "stored quantized for torch._grouped_mm alone (its place holds NaN): only grouped GEMMs may read it; freeze "
                 "the model again from its high-precision weights, after a call that runs this code"
             )
+    return [marked.get(site, site) for site in sites]

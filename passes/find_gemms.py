@@ -81,6 +81,12 @@ class GemmSite:
     w_sizes: tuple = dataclasses.field(compare=False, repr=False)
     einsum: Optional[EinsumLayout] = None
     in_body: bool = False
+    stored_stack: bool = False  # a grouped site whose expert stack graphquant.freeze stored (passes/expert_weights.py)
+
+    @property
+    def weight_frozen(self) -> bool:
+        """Whether the site reads a weight graphquant.freeze stored quantized, not a parameter."""
+        return self.form == FROZEN or self.stored_stack
 
     @property
     def label(self) -> str:

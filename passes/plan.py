@@ -19,7 +19,7 @@ from tabulate import tabulate
 from graphquant import recipes, user_stack
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.passes.find_gemms import FROZEN, TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -236,7 +236,7 @@ class Planner:
                         f"native GEMM on {device.type}, or compile without strict",
                     )
                 a = (f"{roles[ia].tensor_type}.{da}", quantizers[ia].direction_spec(da))
-                b = (f"{roles[ib].tensor_type}.{db}" + (" (frozen)" if site.form == FROZEN else ""), quantizers[ib].direction_spec(db))
+                b = (f"{roles[ib].tensor_type}.{db}" + (" (frozen)" if site.weight_frozen else ""), quantizers[ib].direction_spec(db))
                 gemms.append(self._entry(site, gemm, a, b, selection))
         for site in attention:
             gemms.extend(self._plan_attention(site, slots, device, training))
