@@ -274,7 +274,8 @@ def _parameter_of(root: nn.Module, name: str, saved: Mapping[str, Any]) -> nn.Pa
     shape = (experts, n, k) if saved["transposed"] else (experts, k, n)
     if parameter is None or tuple(parameter.shape) != shape:
         found = "no such parameter" if parameter is None else f"a parameter of shape {tuple(parameter.shape)}"
-        raise ValueError(f"graphquant.freeze: the checkpoint stores {_owner(name) or 'the model'}.{saved['parameter']} as an "
+        qualified = ".".join(p for p in (_owner(name), saved["parameter"]) if p)
+        raise ValueError(f"graphquant.freeze: the checkpoint stores {qualified} as an "
                          f"expert stack of shape {shape}, but the model has {found} there: load a checkpoint of this model")
     return parameter
 
