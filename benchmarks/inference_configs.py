@@ -56,12 +56,15 @@ def configs(requested: list[str] | None, device: torch.device) -> list[str]:
     return names if requested is None else requested
 
 
-def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool, backend: str | None = None) -> torch.nn.Module:
+def build(
+    config: str, model: torch.nn.Module, device: torch.device, cudagraphs: bool, backend: str | None = None, example: torch.Tensor | None = None
+) -> torch.nn.Module:
     """``model``'s copy under ``config``, compiled (dynamic=False: each shape its own graph) by
     ``backend``, by default Inductor on CUDA and aot_eager on the CPU (no C++ build: a check that
-    it runs)."""
+    it runs). A frozen configuration of a model with expert stacks is called on ``example`` before
+    graphquant.freeze, which learns the stacks from a compiled graph."""
     if config.endswith(QUANTIZE_FIRST):
-        return QuantizingFirst(build(config.removesuffix(QUANTIZE_FIRST), model, device, cudagraphs, backend))
+        return QuantizingFirst(build(config.removesuffix(QUANTIZE_FIRST), model, device, cudagraphs, backend, example))
     model = copy.deepcopy(model)
     backend = backend or ("inductor" if device.type == "cuda" else "aot_eager")
     mode = {"mode": "reduce-overhead"} if cudagraphs else {}
@@ -76,7 +79,12 @@ def build(config: str, model: torch.nn.Module, device: torch.device, cudagraphs:
     recipe = RECIPES[config.removeprefix("graphquant ").removesuffix(FROZEN)]()
     compile_mode = {"compile_mode": "reduce-overhead"} if cudagraphs else {}
     compiled = graphquant.compile(model, recipe, mode="inference", backend=backend, dynamic=False, **compile_mode)
-    return graphquant.freeze(compiled) if config.endswith(FROZEN) else compiled
+    if not config.endswith(FROZEN):
+        return compiled
+    if example is not None and any(p.dim() == 3 for p in model.parameters()):
+        with torch.no_grad():
+            compiled(example)
+    return graphquant.freeze(compiled)
 
 
 @contextlib.contextmanager
@@ -133,6 +141,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``model``, each counted once."""
+    """Bytes of every parameter and buffer of ``model``, each storage counted once (a frozen
+    expert stack's stand-in is one expert's, shared by the stacks of its shape)."""
     tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return sum(tensor_bytes(t) for t in tensors.values())
+    plain = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values() if not hasattr(t, "__tensor_flatten__")}
+    return sum(plain.values()) + sum(tensor_bytes(t) for t in tensors.values() if hasattr(t, "__tensor_flatten__"))

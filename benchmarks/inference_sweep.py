@@ -1,12 +1,15 @@
-"""Milliseconds per forward of Llama-3-8B SwiGLU FFN blocks under torch.no_grad(), at each row
-count, under every inference configuration side by side.
+"""Milliseconds per forward of Llama-3-8B SwiGLU FFN blocks (or an MoE layer) under
+torch.no_grad(), at each row count, under every inference configuration side by side.
 
-    python benchmarks/inference_sweep.py [--tiny] [--rows 1,16,128,2048,16384] [--blocks 2]
+    python benchmarks/inference_sweep.py [--tiny] [--model ffn|moe] [--rows 1,16,128,2048,16384] [--blocks 2]
                                          [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
 
 The model is ``--blocks`` FeedForward blocks of models.py (RMSNorm, then the SwiGLU w2(silu(w1 n)
-* w3 n) with w1, w3: 4096->14336 and w2: 14336->4096, and the residual), bf16 weights; the input
-is (rows, 4096) bf16, the same for every configuration. The configurations are those of
+* w3 n) with w1, w3: 4096->14336 and w2: 14336->4096, and the residual), bf16 weights; with
+``--model moe``, moe_step.py's MoE layer (64 experts, top-8, expert hidden 1408, a shared expert of
+2816, its experts two grouped GEMMs), whose frozen configurations store the expert stacks too
+(called once at the first row count before graphquant.freeze). The input is (rows, 4096) bf16,
+the same for every configuration. The configurations are those of
 inference_configs.py (bf16 torch.compile, torchao's dynamic FP8, graphquant's recipes per-call
 and frozen); each compiles a graph per row count (dynamic=False).
 
@@ -47,7 +50,8 @@ from graphquant.kernels import native
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, seconds, time_ms, wall_ms  # noqa: E402
 from inference_configs import BF16, allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
-from models import DIM, HIDDEN, FFNStack  # noqa: E402
+from models import DIM, HIDDEN, FFNStack, MoE  # noqa: E402
+from moe_step import SHAPES as MOE_SHAPES, TINY as MOE_TINY  # noqa: E402
 
 TINY_DIMS = dict(dim=128, hidden=256)
 
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the CPU, dims 128 and 256, aot_eager: a check that every configuration runs")
     parser.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,16,128,2048,16384; 1,16 with --tiny)")
+    parser.add_argument("--model", choices=("ffn", "moe"), default="ffn")
     parser.add_argument("--blocks", type=int, default=2, help="FFN blocks")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names, built in this order (default: all available)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -146,9 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     names = configs(args.configs.split(",") if args.configs else None, device)
 
     torch.manual_seed(0)
-    base = FFNStack(args.blocks, **dims).to(device, torch.bfloat16).eval()
+    if args.model == "moe":
+        shapes = MOE_TINY if args.tiny else MOE_SHAPES
+        base, dims = MoE(**shapes).to(device).eval(), shapes
+        described = "an MoE layer (" + ", ".join(f"{key} {value}" for key, value in shapes.items()) + ")"
+    else:
+        base = FFNStack(args.blocks, **dims).to(device, torch.bfloat16).eval()
+        described = f"{args.blocks} SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']} -> {dims['dim']})"
     inputs = {r: torch.randn(r, dims["dim"], generator=torch.Generator().manual_seed(r)).to(device, torch.bfloat16) for r in rows}
-    print(f"{args.blocks} SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']} -> {dims['dim']}) on {device}, "
+    print(f"{described} on {device}, "
           f"torch {torch.__version__}, torch.no_grad(), rows {rows}, {args.rounds} rounds"
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
     if device.type == "cuda" and native.extension() is None:
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
                 continue
             try:
-                model = build(name, base, device, args.cudagraphs)
+                model = build(name, base, device, args.cudagraphs, example=inputs[rows[0]])
             except Exception as error:  # torchao missing a piece, a recipe the model cannot take: listed
                 if time.perf_counter() > deadline:
                     print(f"  {name}: left out, past the --budget of {args.budget:g} s", flush=True)
