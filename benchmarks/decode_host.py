@@ -1,7 +1,8 @@
-"""Where a decode step's host time goes: the sweep's FFN (two Llama-3-8B SwiGLU blocks) under
-torch.no_grad() at a few rows, compiled five ways, microseconds per call.
+"""Where a decode step's host time goes: the sweep's FFN (two Llama-3-8B SwiGLU blocks, or with
+``--model moe`` its MoE layer) under torch.no_grad() at a few rows, compiled five ways,
+microseconds per call.
 
-    python benchmarks/decode_host.py [--tiny] [--rows 1] [--configs NAME,...] [--calls 200]
+    python benchmarks/decode_host.py [--tiny] [--model ffn|moe] [--rows 1] [--configs NAME,...] [--calls 200]
                                      [--profile NAME,...] [--profile-trees NAME,...] [--trace-trees NAME,...]
 
 - "eager launches": torch.compile's default mode; every kernel is launched from Python at every
@@ -43,8 +44,7 @@ from tabulate import tabulate
 from torch._dynamo.backends.common import aot_autograd
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from inference_configs import BF16, FROZEN, allow_graphs, build  # noqa: E402
-from models import DIM, HIDDEN, FFNStack  # noqa: E402
+from inference_configs import BF16, FROZEN, allow_graphs, build, inference_model  # noqa: E402
 
 DEFAULT_CONFIGS = f"{BF16},graphquant tensorwise{FROZEN},graphquant nvfp4{FROZEN}"
 
@@ -146,6 +146,7 @@ def trace(fn, calls: int, top: int = 20) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--model", choices=("ffn", "moe"), default="ffn", help="the sweep's FFN, or its MoE layer")
     parser.add_argument("--rows", default="1")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--calls", type=int, default=200)
@@ -157,22 +158,20 @@ def main(argv: list[str] | None = None) -> None:
     if (args.profile_trees or args.trace_trees) and not cuda:
         parser.error("--profile-trees and --trace-trees look at CUDA graph trees, which need CUDA (not --tiny)")
     device = torch.device("cuda" if cuda else "cpu")
-    dims = dict(dim=128, hidden=256) if args.tiny else dict(dim=DIM, hidden=HIDDEN)
     names = args.configs.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    allow_graphs(2 * len(names) * len(rows))
-    torch.manual_seed(0)
-    base = FFNStack(2, **dims).to(device, torch.bfloat16).eval()
-    print(f"2 SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']}) on {device}, torch {torch.__version__}, "
-          f"rows {rows}, {args.calls} calls a cell", flush=True)
+    allow_graphs(3 * len(names) * len(rows))
+    base, dim, described = inference_model(args.model, args.tiny, device)
+    print(f"{described} on {device}, torch {torch.__version__}, rows {rows}, {args.calls} calls a cell", flush=True)
     lines = []
     with torch.no_grad():
         for name in names:
-            eager = build(name, base, device, cudagraphs=False)
-            bare = build(name, base, device, cudagraphs=False, backend=no_compute)
-            trees, plain = (build(name, base, device, cudagraphs=True) for _ in range(2)) if cuda else (None, None)
+            example = torch.randn(rows[0], dim, device=device, dtype=torch.bfloat16)  # what a frozen MoE is called on before freeze
+            eager = build(name, base, device, cudagraphs=False, example=example)
+            bare = build(name, base, device, cudagraphs=False, backend=no_compute, example=example)
+            trees, plain = (build(name, base, device, cudagraphs=True, example=example) for _ in range(2)) if cuda else (None, None)
             for r in rows:
-                x = torch.randn(r, dims["dim"], device=device, dtype=torch.bfloat16)
+                x = torch.randn(r, dim, device=device, dtype=torch.bfloat16)
                 cells = [*per_call_us(lambda: eager(x), args.calls, cuda), *per_call_us(lambda: bare(x), args.calls, cuda=False)]
                 if cuda:
                     cells += [*per_call_us(lambda: trees(x), args.calls, cuda), *per_call_us(without_trees(plain, x), args.calls, cuda),

@@ -127,6 +127,23 @@ def allow_graphs(graphs: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 
 
+def inference_model(kind: str, tiny: bool, device: torch.device, blocks: int = 2) -> tuple[torch.nn.Module, int, str]:
+    """(the model the inference benchmarks time, its input's width, a line describing it): ``kind``
+    "ffn", ``blocks`` Llama-3-8B SwiGLU FFN blocks (models.FFNStack), or "moe", moe_step.py's MoE
+    layer; bf16, in eval mode, on ``device``; ``tiny``: small dims for the CPU."""
+    from models import DIM, HIDDEN, FFNStack, MoE
+    from moe_step import SHAPES, TINY
+
+    torch.manual_seed(0)
+    if kind == "moe":
+        shapes = TINY if tiny else SHAPES
+        described = "an MoE layer (" + ", ".join(f"{key} {value}" for key, value in shapes.items()) + ")"
+        return MoE(**shapes).to(device).eval(), shapes["dim"], described
+    dim, hidden = (128, 256) if tiny else (DIM, HIDDEN)
+    described = f"{blocks} SwiGLU FFN blocks ({dim} -> {hidden} -> {dim})"
+    return FFNStack(blocks, dim=dim, hidden=hidden).to(device, torch.bfloat16).eval(), dim, described
+
+
 def per_call(config: str) -> str | None:
     """The per-call configuration a frozen one stores the weights of (None for any other)."""
     return config.removesuffix(FROZEN) if config.endswith(FROZEN) else None

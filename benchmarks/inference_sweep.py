@@ -1,14 +1,15 @@
 """Milliseconds per forward of Llama-3-8B SwiGLU FFN blocks (or an MoE layer) under
 torch.no_grad(), at each row count, under every inference configuration side by side.
 
-    python benchmarks/inference_sweep.py [--tiny] [--model ffn|moe] [--rows 1,16,128,2048,16384] [--blocks 2]
+    python benchmarks/inference_sweep.py [--tiny] [--model ffn|moe] [--deterministic] [--rows 1,16,128,2048,16384] [--blocks 2]
                                          [--configs NAME,...] [--rounds 3] [--cudagraphs] [--budget SECONDS]
 
 The model is ``--blocks`` FeedForward blocks of models.py (RMSNorm, then the SwiGLU w2(silu(w1 n)
 * w3 n) with w1, w3: 4096->14336 and w2: 14336->4096, and the residual), bf16 weights; with
 ``--model moe``, moe_step.py's MoE layer (64 experts, top-8, expert hidden 1408, a shared expert of
 2816, its experts two grouped GEMMs), whose frozen configurations store the expert stacks too
-(called once at the first row count before graphquant.freeze). The input is (rows, 4096) bf16,
+(called once at the first row count before graphquant.freeze); its "= per-call" is "n/a" on CUDA
+unless ``--deterministic`` (its index_add sums by atomics, in any order). The input is (rows, 4096) bf16,
 the same for every configuration. The configurations are those of
 inference_configs.py (bf16 torch.compile, torchao's dynamic FP8, graphquant's recipes per-call
 and frozen); each compiles a graph per row count (dynamic=False).
@@ -49,11 +50,7 @@ from graphquant.kernels import native
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, seconds, time_ms, wall_ms  # noqa: E402
-from inference_configs import BF16, allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
-from models import DIM, HIDDEN, FFNStack, MoE  # noqa: E402
-from moe_step import SHAPES as MOE_SHAPES, TINY as MOE_TINY  # noqa: E402
-
-TINY_DIMS = dict(dim=128, hidden=256)
+from inference_configs import BF16, allow_graphs, build, configs, inference_model, per_call, weight_bytes  # noqa: E402
 
 
 def why(error: Exception) -> str:
@@ -101,7 +98,7 @@ def out_of_time(signum, frame) -> None:
     raise OutOfTime("past the --budget")
 
 
-def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int]) -> str:
+def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int], comparable: bool) -> str:
     def cell(name: str, r: int) -> str:
         if (name, r) not in ms:
             return "left out" if r in runs[name].left_out else "failed"
@@ -112,8 +109,8 @@ def table(runs: dict[str, Run], ms: dict[tuple[str, int], float], rows: list[int
     for name, run in runs.items():
         first = list(run.first.values())
         unfrozen = runs.get(per_call(name))
-        same = ""
-        if unfrozen is not None:
+        same = "" if unfrozen is None or comparable else "n/a"
+        if unfrozen is not None and comparable:
             common_rows = run.outputs.keys() & unfrozen.outputs.keys()
             same = "yes" if common_rows and all(torch.equal(run.outputs[r], unfrozen.outputs[r]) for r in common_rows) else "NO"
         lines.append([
@@ -138,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,16,128,2048,16384; 1,16 with --tiny)")
     parser.add_argument("--model", choices=("ffn", "moe"), default="ffn")
     parser.add_argument("--blocks", type=int, default=2, help="FFN blocks")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) for the whole run: the MoE layer's index_add then sums in "
+                             "a fixed order, so that '= per-call' compares its outputs (n/a without it on CUDA), and every "
+                             "configuration's time includes that slower index_add")
     parser.add_argument("--configs", default=None, help="comma-separated configuration names, built in this order (default: all available)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cudagraphs", action="store_true", help="compile every configuration with mode='reduce-overhead'")
@@ -146,19 +147,12 @@ def main(argv: list[str] | None = None) -> None:
                              "out (a compile in progress is interrupted), so that a run with a time limit still ends with its table")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
-    dims = TINY_DIMS if args.tiny else dict(dim=DIM, hidden=HIDDEN)
     rows = [int(r) for r in (args.rows or ("1,16" if args.tiny else "1,16,128,2048,16384")).split(",")]
     names = configs(args.configs.split(",") if args.configs else None, device)
 
-    torch.manual_seed(0)
-    if args.model == "moe":
-        shapes = MOE_TINY if args.tiny else MOE_SHAPES
-        base, dims = MoE(**shapes).to(device).eval(), shapes
-        described = "an MoE layer (" + ", ".join(f"{key} {value}" for key, value in shapes.items()) + ")"
-    else:
-        base = FFNStack(args.blocks, **dims).to(device, torch.bfloat16).eval()
-        described = f"{args.blocks} SwiGLU FFN blocks ({dims['dim']} -> {dims['hidden']} -> {dims['dim']})"
-    inputs = {r: torch.randn(r, dims["dim"], generator=torch.Generator().manual_seed(r)).to(device, torch.bfloat16) for r in rows}
+    torch.use_deterministic_algorithms(args.deterministic)
+    base, dim, described = inference_model(args.model, args.tiny, device, args.blocks)
+    inputs = {r: torch.randn(r, dim, generator=torch.Generator().manual_seed(r)).to(device, torch.bfloat16) for r in rows}
     print(f"{described} on {device}, "
           f"torch {torch.__version__}, torch.no_grad(), rows {rows}, {args.rounds} rounds"
           f"{', CUDA graphs' if args.cudagraphs else ''}", flush=True)
@@ -199,7 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         ms = alternate(fns, rounds=args.rounds, **timing)
 
     print()
-    print(table(runs, ms, rows))
+    # On CUDA the MoE layer's index_add sums the experts' outputs by atomics, in any order: two calls
+    # of one model differ in their last bits unless deterministic algorithms fix the order.
+    comparable = not (args.model == "moe" and device.type == "cuda" and not args.deterministic)
+    print(table(runs, ms, rows, comparable))
     if host:
         print()
         print("host ms per call (the calls' wall clock, the GPU not waited for; the share of the cell's time: near 100% the host set the pace)")
