@@ -139,10 +139,12 @@ class FrozenExperts(StoredWeight):
         self.parameter, self.transposed = parameter, transposed
 
     @classmethod
-    def quantized(cls, name: str, parameter: str, weight: torch.Tensor, transposed: bool, quantizer: Quantizer) -> "FrozenExperts":
+    def quantized(
+        cls, name: str, parameter: str, weight: torch.Tensor, transposed: bool, quantizer: Quantizer, amax_group: Optional[str]
+    ) -> "FrozenExperts":
         """The stack ``weight`` (the parameter) quantized now, by the function the per-call inference path uses."""
         stack = weight.transpose(1, 2) if transposed else weight
-        operand = frozen_expert_stack(stack, quantizer)
+        operand = frozen_expert_stack(stack, quantizer, amax_group)
         tensors = [t.detach().clone() for t in operand.tensors]
         return cls(name, parameter, operand.spec, tuple(stack.shape), weight.dtype, transposed, tensors)
 
@@ -218,7 +220,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         else:
             root.set_submodule(name, FrozenLinear.unfilled(name, linear, quantizer))
     if state_dict is None:
-        stacks = _freeze_expert_stacks(root, backend, tied)
+        stacks = _freeze_expert_stacks(root, backend, tied, amax_group)
     else:
         state = dict(state_dict)
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
@@ -233,7 +235,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     return model
 
 
-def _freeze_expert_stacks(root: nn.Module, backend: GraphquantBackend, tied: dict[int, list[str]]) -> list[FrozenExperts]:
+def _freeze_expert_stacks(
+    root: nn.Module, backend: GraphquantBackend, tied: dict[int, list[str]], amax_group: Optional[str]
+) -> list[FrozenExperts]:
     """Each parameter that the graphs compiled so far read as one grouped site's expert stack,
     quantized into a FrozenExperts in its place."""
     parameters = dict(root.named_parameters())
@@ -255,7 +259,7 @@ def _freeze_expert_stacks(root: nn.Module, backend: GraphquantBackend, tied: dic
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
         owner, _, attribute = name.rpartition(".")
         module_name = ".".join(p for p in (owner, f"frozen_{attribute}") if p)
-        stacks.append(_take_place(root, FrozenExperts.quantized(module_name, attribute, parameters[name], read.transposed, quantizer)))
+        stacks.append(_take_place(root, FrozenExperts.quantized(module_name, attribute, parameters[name], read.transposed, quantizer, amax_group)))
     return stacks
 
 

@@ -94,13 +94,12 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
         if site.form == FROZEN:
             _check_stored_format(site, node.args[2], plan.quantizer(roles[1]))
-        grouped_site = site.form == GROUPED  # with no amax reduction (backends.grouped_unsupported)
         carried = Site(
             name=site.name,
             call=site.call,
             **formats,
             streams=tuple(3 * index + i for i in range(3)),
-            amax_group=None if grouped_site else amax_group,
+            amax_group=amax_group,
             **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
             # Which of quantized_linear's formulas runs; a frozen linear's function has the inference one alone.
             inference=site.form == LINEAR and site.runs_inference_product(inference),

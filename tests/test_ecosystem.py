@@ -153,6 +153,18 @@ def identity_linear():
     return lin
 
 
+class IdentityExperts(torch.nn.Module):
+    """Two experts whose weights are the identity (exact in per-tensor FP8 and in NVFP4): y is
+    each group of x dequantized, so it shows the scale each group was quantized with."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(64).repeat(2, 1, 1).to(torch.bfloat16))
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.w, offs=torch.tensor([32, 64], dtype=torch.int32))
+
+
 def reducing_current_factory(role):
     return graphquant.Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if factories.is_gradient(role) else "e4m3", with_amax_reduction=True)
 
@@ -237,6 +249,22 @@ def distributed_worker(rank, port, out, delayed_recipe):
         with torch.no_grad():
             linear.weight.mul_(1 + 99 * rank)
         results[f"nvfp4_{mode}_weight"] = graphquant.compile(linear, nvfp4_recipe, backend="aot_eager", mode=mode)(x_amax).detach()
+
+    # Grouped experts: each group's amax all-reduced on its own (group 1's rows are 10x group 0's on
+    # both ranks, rank 1's 100x rank 0's), current scaling and NVFP4; a backward runs the reducing
+    # grad_output quantize and the weights' columnwise (whose amaxes are then not handed over).
+    x_grouped = (x_amax * torch.cat([torch.ones(32, 1), torch.full((32, 1), 10.0)])).to(torch.bfloat16)
+    results["x_grouped"] = x_grouped
+    for tag, factory, group in (("current", reducing_current_factory, dist.group.WORLD), ("local", reducing_current_factory, None),
+                                ("nvfp4", reducing_nvfp4_factory, dist.group.WORLD)):
+        recipe = graphquant.CustomRecipe(factory, amax_reduction_group=group)
+        for backend in ("aot_eager", "inductor") if tag == "current" else ("aot_eager",):
+            torch._dynamo.reset()
+            x = x_grouped.clone().requires_grad_()
+            experts = IdentityExperts()
+            y = graphquant.compile(experts, recipe, backend=backend)(x)
+            y.float().square().sum().backward()
+            results[f"grouped_{tag}_{backend}"] = (y.detach(), x.grad, experts.w.grad)
 
     # Delayed scaling: after two steps each slot's scale and amax history, with and without a group.
     for group in (dist.group.WORLD, None):
@@ -347,6 +375,36 @@ def test_nvfp4_reduces_its_global_amaxes_over_the_recipes_group(distributed):
             y, dx = results[f"nvfp4_{backend}"]
             torch.testing.assert_close(y, expected_y, rtol=1e-6, atol=0, msg=f"rank {rank} {backend}")
             torch.testing.assert_close(dx, eager_dx, rtol=1e-6, atol=1e-6 * eager_dx.abs().max().item(), msg=f"rank {rank} {backend}")
+
+
+@pytest.mark.slow
+def test_grouped_experts_reduce_each_groups_amax_over_the_recipes_group(distributed):
+    """torch._grouped_mm with reducing formats: each expert's rows are quantized with the larger of
+    the ranks' amaxes of that expert's rows (not of the whole tensor), in aot_eager and Inductor
+    graphs; NVFP4's global amax per expert too; the backward's gradients are the same on both
+    ranks' graphs of each backend. Without a group each rank keeps its own amaxes."""
+    xs = [r["x_grouped"] for r in distributed]
+    rows = (slice(0, 32), slice(32, 64))
+    group_amaxes = [torch.stack([x[r].float().abs().amax() for x in xs]).amax() for r in rows]
+    for rank, results in enumerate(distributed):
+        x = xs[rank].float()
+        reduced = torch.cat([expected_identity_output(x[r], amax) for r, amax in zip(rows, group_amaxes)]).to(torch.bfloat16)
+        local = torch.cat([expected_identity_output(x[r], x[r].abs().amax()) for r in rows]).to(torch.bfloat16)
+        # The GEMM applies x's and w's scales as one fp32 factor, not exactly 1/scale: where the
+        # dequantized value is a bf16 tie (amax 3472 gives 88 * 7.75 = 682) the product may round
+        # to the other side, one bf16 step (2^-8 to 2^-7 of the value), where another scale moves
+        # values by up to an E4M3 step (2^-4 to 2^-3).
+        close = dict(rtol=2**-7, atol=0)
+        for backend in ("aot_eager", "inductor"):
+            torch.testing.assert_close(results[f"grouped_current_{backend}"][0], reduced, **close)
+        torch.testing.assert_close(results["grouped_local_aot_eager"][0], local, **close)
+        grads = {backend: dict(zip(("dx", "dw"), results[f"grouped_current_{backend}"][1:])) for backend in ("aot_eager", "inductor")}
+        assert_same_results(grads["inductor"], grads["aot_eager"], what=f"rank {rank}: ")
+        nvfp4_y = torch.cat([
+            nvfp4.dequantize(*nvfp4.quantize(x[r], tile_rows=1, row_scaled=False, rng=None, amax=amax)) for r, amax in zip(rows, group_amaxes)
+        ]).to(torch.bfloat16)
+        torch.testing.assert_close(results["grouped_nvfp4_aot_eager"][0], nvfp4_y, **close)
+    assert not torch.allclose(distributed[0]["grouped_current_aot_eager"][0], distributed[0]["grouped_local_aot_eager"][0], **close)
 
 
 @pytest.mark.slow

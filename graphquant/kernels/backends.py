@@ -302,8 +302,6 @@ NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, *NATIVE_G
 def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     """Why ``quantizer`` cannot quantize a grouped_linear slot yet, or None if it can."""
     for child in dict.fromkeys(quantizer.child(direction) for direction in (ROWWISE, COLUMNWISE)):
-        if child.reduces_amax:
-            return f"{child}: torch._grouped_mm does not all-reduce its per-group amaxes yet; use with_amax_reduction=False"
         if not child.groupable:
             names = ", ".join(cls.__name__ for cls in quantizer_classes() if cls.groupable)
             return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"

@@ -46,7 +46,7 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 def grouped_quantize(
     x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, source: Optional[torch.Tensor], spec: str, rowwise: bool,
     columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int, columnwise_amax: Optional[torch.Tensor],
-    take_columnwise_amax: bool,
+    take_columnwise_amax: bool, amax_group: Optional[str],
 ) -> list[torch.Tensor]:
     """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
     group; ``ends``: the groups' cumulative ends; ``source``: the row of x each padded row holds,
@@ -56,11 +56,12 @@ def grouped_quantize(
     wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
     amaxes the columnwise side scales from, which a later call for the same x's columnwise
     representation takes as ``columnwise_amax`` instead of reading x for them. rng: int64 [seed,
-    step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize."""
+    step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize; a format
+    that reduces its amaxes all-reduces each group's over the process group ``amax_group``."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
     covering = torch.cat([ends[:-1], ends.new_full((1,), row_group.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
-    ctx = QuantizeContext(rng=rng, offset=rng_stream)
+    ctx = QuantizeContext(rng=rng, offset=rng_stream, amax_group=amax_group)
     made = native.grouped_quantize_pass(
         quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source,
         columnwise_amax=columnwise_amax, take_columnwise_amax=take_columnwise_amax,
@@ -70,7 +71,7 @@ def grouped_quantize(
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax):
+def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group):
     quantizer = quantizer_of(spec)
     padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
@@ -136,12 +137,13 @@ def _(
 
 def quantize_grouped(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
-    rng: Optional[torch.Tensor], stream: int, columnwise_amax: Optional[torch.Tensor] = None,
+    rng: Optional[torch.Tensor], stream: int, amax_group: Optional[str], columnwise_amax: Optional[torch.Tensor] = None,
 ) -> dict[str, Operand]:
     """The grouped representations of ``x`` (its rows, which ``layout`` puts in the padded
     layout) in ``directions``, honouring hybrid children and sources; a stochastic child draws
-    from stream ``stream`` of the step ``rng``. columnwise_amax: what ``rowwise_and_columnwise_amax``
-    took of the same x, for its columnwise representation."""
+    from stream ``stream`` of the step ``rng``, and a child that reduces its amaxes all-reduces
+    them over ``amax_group``. columnwise_amax: what ``rowwise_and_columnwise_amax`` took of the
+    same x, for its columnwise representation."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
@@ -150,7 +152,7 @@ def quantize_grouped(
         given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
             source, layout.row_group, layout.ends, gather, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream,
-            given, False,
+            given, False, amax_group if made.reduces_amax else None,
         )
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
         return {d: _operand(tensors[3 * i : 3 * i + 3], made, d, layout, x) for i, d in enumerate(order)}
@@ -165,15 +167,18 @@ def quantize_grouped(
 
 def rowwise_and_columnwise_amax(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, rng: Optional[torch.Tensor], stream: int,
+    amax_group: Optional[str],
 ) -> tuple[Operand, Optional[torch.Tensor]]:
     """(x's grouped rowwise representation, the amaxes its columnwise one scales from), both from
     one read of x, for a later ``quantize_grouped(..., columnwise_amax=...)`` of the same x that
-    then reads x once, not twice; None for the amaxes of a columnwise made from the rowwise."""
-    if quantizer.columnwise_from_rowwise():
-        return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream)[ROWWISE], None
+    then reads x once, not twice; None for the amaxes of a columnwise made from the rowwise, or
+    all-reduced (the reduction comes with the columnwise quantize, which takes them itself)."""
+    reduced = quantizer.reduces_amax and amax_group is not None
+    if quantizer.columnwise_from_rowwise() or reduced:
+        return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream, amax_group)[ROWWISE], None
     made_rng, made_stream = (rng, stream) if quantizer.stochastic else (None, 0)
     *tensors, amax = torch.ops.graphquant.grouped_quantize(
-        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True
+        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True, None
     )
     return _operand(tensors, quantizer, ROWWISE, layout, x), amax
 
@@ -216,12 +221,12 @@ def _stack_layout(experts: int, n: int, device: torch.device) -> groups.GroupPad
     return groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
 
 
-def frozen_expert_stack(w: torch.Tensor, quantizer: Quantizer) -> Operand:
+def frozen_expert_stack(w: torch.Tensor, quantizer: Quantizer, amax_group: Optional[str]) -> Operand:
     """The rowwise operand an inference call makes of expert stack ``w`` (E, K, N) with the weight
     quantizer of a stateless format, made once to be stored (graphquant.freeze): the same function
     as QuantizedGroupedMM's forward, so the same bits."""
     stack, w2d = _expert_stack(w.detach())
-    return quantize_grouped(w2d, stack, quantizer, (ROWWISE,), None, 0)[ROWWISE]
+    return quantize_grouped(w2d, stack, quantizer, (ROWWISE,), None, 0, amax_group)[ROWWISE]
 
 
 def stored_stack_layout(spec: str, shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -243,15 +248,15 @@ class QuantizedGroupedMM(torch.autograd.Function):
         groups.check_offsets(offs, x.shape[0], site.label)
         tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
         x_quantizer = site.quantizers[0]
-        xq = quantize_grouped(x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0])
+        xq = quantize_grouped(x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0], site.amax_group)
         stack, w2d = _expert_stack(w)
         # The weights' columnwise copy is made in backward from w, which lives anyway (a
         # parameter): kept, it would hold the experts' weights once more from forward to backward.
         # Its amaxes are taken here, in the rowwise's read of w, so that backward reads w once.
         if need_dx:
-            wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, site.quantizers[1], rng, site.streams[1])
+            wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, site.quantizers[1], rng, site.streams[1], site.amax_group)
         else:
-            wq, w_amax = quantize_grouped(w2d, stack, site.quantizers[1], (ROWWISE,), rng, site.streams[1])[ROWWISE], None
+            wq, w_amax = quantize_grouped(w2d, stack, site.quantizers[1], (ROWWISE,), rng, site.streams[1], site.amax_group)[ROWWISE], None
         y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
@@ -267,13 +272,13 @@ class QuantizedGroupedMM(torch.autograd.Function):
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
-        gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2])
+        gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2], ctx.site.amax_group)
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
         if need_dx:
             stack, w2d = _expert_stack(w)
-            w_col = quantize_grouped(w2d, stack, ctx.site.quantizers[1], (COLUMNWISE,), rng, ctx.site.streams[1], w_amax)[COLUMNWISE]
+            w_col = quantize_grouped(w2d, stack, ctx.site.quantizers[1], (COLUMNWISE,), rng, ctx.site.streams[1], ctx.site.amax_group, w_amax)[COLUMNWISE]
             dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
         if need_dw:
             dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
@@ -287,7 +292,7 @@ def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[
     experts, k, n = shape
     groups.check_offsets(offs, x.shape[0], site.label)
     tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-    xq = quantize_grouped(x.detach(), tokens, site.quantizers[0], (ROWWISE,), rng, site.streams[0])[ROWWISE]
+    xq = quantize_grouped(x.detach(), tokens, site.quantizers[0], (ROWWISE,), rng, site.streams[0], site.amax_group)[ROWWISE]
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
     return refuse_backward(x, _gemm(xq, wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)

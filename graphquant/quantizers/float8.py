@@ -131,8 +131,11 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
     def quantize_groups(
         self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
     ) -> Representation:
-        """One scale per group, from the group's amax; the rows take their group's scale."""
+        """One scale per group, from the group's amax (each all-reduced with with_amax_reduction);
+        the rows take their group's scale."""
         amax = group_amax(x, row_group, groups)
+        if self.with_amax_reduction:
+            amax = ctx.reduced_amax(amax)
         scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, (scale[row_group, None], scale_inv), direction, amax)
 

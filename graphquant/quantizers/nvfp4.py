@@ -104,8 +104,9 @@ class NVFP4Quantizer(Quantizer):
     def quantize_groups(
         self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
     ) -> Representation:
-        """A global amax per group (of the transformed values, with the Hadamard transform),
-        given to each block as its group's: amax (groups,). Row-scaled rows have their own.
+        """A global amax per group (of the transformed values, with the Hadamard transform; each
+        all-reduced with with_amax_reduction), given to each block as its group's: amax (groups,).
+        Row-scaled rows have their own.
         Stochastic rounding draws each group's numbers as the group's part of the layout alone
         would (``group_counters``), from ctx's stream."""
         columnwise = direction == COLUMNWISE
@@ -114,6 +115,8 @@ class NVFP4Quantizer(Quantizer):
         group_amaxes = block_amax = None
         if not row_scaled:
             group_amaxes = group_amax(source.t() if columnwise else source, row_group, groups)
+            if self.with_amax_reduction:
+                group_amaxes = ctx.reduced_amax(group_amaxes)
             # Blocks run along the grouped rows in the transposed columnwise data: one amax a block.
             block_amax = group_amaxes[row_group[::BLOCK_LEN]][None, :] if columnwise else group_amaxes[row_group, None]
         tile_rows = BLOCK_LEN if self.with_2d_quantization else 1
