@@ -208,8 +208,14 @@ class GraphquantBackend:
         """The id of each stand-in that graphquant.freeze put in an expert stack's place -> the stack."""
         from graphquant.freezing import FrozenExperts  # which imports this module
 
-        frozen = [m for m in self.root.modules() if isinstance(m, FrozenExperts)]
-        return {id(getattr(self.root.get_submodule(m.name.rpartition(".")[0]), m.parameter)): m.stack() for m in frozen}
+        stacks = {}
+        for frozen in (m for m in self.root.modules() if isinstance(m, FrozenExperts)):
+            stand_in = getattr(self.root.get_submodule(frozen.name.rpartition(".")[0]), frozen.parameter)
+            if stand_in.stride(0) != 0:
+                user_stack.warn(f"{frozen.name}'s stand-in holds every expert ({stand_in.untyped_storage().nbytes() / 2**20:.0f} MiB of NaN): "
+                                "Module.to copied it; call graphquant.freeze(model) again to make it one expert's")
+            stacks[id(stand_in)] = frozen.stack()
+        return stacks
 
     def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
         """The qualified name of the module whose code this graph was traced from ("" for the

@@ -46,6 +46,16 @@ class StoredWeight(nn.Module):
     def stored(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight_{part}") for part in PARTS]
 
+    def _apply(self, fn, recurse=True):
+        """Module.to, .half, .cuda move a stored weight but never cast it: its parts' dtypes are
+        its format's (a cast would make FP8 codes four times larger, or round fp32 scales to fp16)."""
+        kept = {f"weight_{part}": getattr(self, f"weight_{part}") for part in PARTS}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            if self._buffers[name].dtype != before.dtype:
+                self._buffers[name] = before.to(self._buffers[name].device)
+        return self
+
     def get_extra_state(self) -> dict[str, Any]:
         return {"format": self.weight_format, "shape": list(self.weight_shape), "dtype": str(self.weight_dtype)}
 
@@ -226,8 +236,10 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
         stacks = [_take_place(root, FrozenExperts.unfilled(name, saved, _parameter_of(root, name, saved).device)) for name, saved in _saved_stacks(state)]
         root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
+    # After loading (a stack loaded onto the meta device is on the checkpoint's now), and for the
+    # stacks frozen before too, whose stand-ins Module.to copies to full size.
     stand_ins: dict[tuple, torch.Tensor] = {}
-    for frozen in stacks:  # after loading: a stack loaded from the meta device is on the checkpoint's now
+    for frozen in (m for m in root.modules() if isinstance(m, FrozenExperts)):
         root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
     if not linears and not stacks:
         user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "

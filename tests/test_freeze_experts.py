@@ -216,3 +216,20 @@ def test_transformers_moe_experts_freeze(name):
     assert [(m.parameter, m.transposed) for m in (experts.frozen_gate_up_proj, experts.frozen_down_proj)] == [
         ("gate_up_proj", True), ("down_proj", True)
     ]
+
+
+def test_a_cast_moves_stored_weights_without_casting_them():
+    """model.to(dtype) keeps the codes and scales in their format's dtypes; it copies a stand-in to
+    full size, which the next compile warns of and freeze again makes one expert's."""
+    model = Experts()
+    compiled, per_call = called_then_frozen(model, FAMILIES["tensorwise"]())
+    dtypes = {name: t.dtype for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    model.to(torch.float32)
+    assert {name: t.dtype for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)} == dtypes
+    model.to(torch.bfloat16)  # back to what torch._grouped_mm takes on the CPU; the stand-in stays full size
+    assert model.up.stride()[0] != 0
+    with pytest.warns(UserWarning, match=r"frozen_up's stand-in holds every expert .* call graphquant.freeze\(model\) again"):
+        with torch.no_grad():
+            assert torch.equal(compiled(tokens(), OFFS), per_call)
+    graphquant.freeze(compiled)
+    assert model.up.stride()[0] == 0 and model.up.untyped_storage().nbytes() == N * K * 2
