@@ -14,7 +14,7 @@ from torch import fx
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
-from graphquant.passes.find_gemms import find_gemms, fqn_from_stack_path, parameter_path
+from graphquant.passes.find_gemms import GROUPED, find_gemms, fqn_from_stack_path, parameter_path
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -177,12 +177,13 @@ class GraphquantBackend:
         )
         if not training:
             merge_gemms_sharing_x(gm)
-        providers = [self._provider(key, plan, device) for key in keys]
+        experts = {str(role): site.w_shape[0] for site in sites if site.form == GROUPED for role in site.roles()}
+        providers = [self._provider(key, plan, device, experts.get(key)) for key in keys]
         if self.dump_dir:
             from graphquant.dump import dump_graph
 
             dump_graph(self.dump_dir, captured, gm, plan)
-        compiled = self._inner()(gm, [*example_inputs, *(p() for p in providers)])
+        compiled = self._inner()(gm, [*example_inputs, *_static_shapes([p() for p in providers])])
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
@@ -269,8 +270,9 @@ class GraphquantBackend:
     def _needs_rng(plan: Plan) -> bool:
         return any(q.stochastic for _, q in plan.slots)
 
-    def _provider(self, key: object, plan: Plan, device: torch.device) -> Callable[[], torch.Tensor]:
-        """How the compiled wrapper obtains the extra argument ``key`` at each call."""
+    def _provider(self, key: object, plan: Plan, device: torch.device, experts: Optional[int] = None) -> Callable[[], torch.Tensor]:
+        """How the compiled wrapper obtains the extra argument ``key`` at each call; a
+        delayed-scaling slot of a grouped site keeps a state for each of its ``experts``."""
         if isinstance(key, tuple):  # ("frozen", FrozenExperts name, part): read at each call, as a load may replace it
             stored = self.root.get_submodule(key[1])
             return lambda: getattr(stored, f"weight_{key[2]}")
@@ -281,8 +283,8 @@ class GraphquantBackend:
             return lambda: self.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
-            scale, history = plan.quantizer(role).initial_state(device)
-            self.delayed_state[role] = self._initial(key, torch.cat([scale, history]))
+            scale, history = plan.quantizer(role).initial_state(device, experts)
+            self.delayed_state[role] = self._initial(key, torch.cat([scale, history], -1))
         state = self.delayed_state[role]
         return lambda: state
 
@@ -290,6 +292,20 @@ class GraphquantBackend:
         """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
         loaded = self.waiting.pop(key, None)
         return fresh if loaded is None else self._restored(key, loaded, fresh)
+
+
+def _static_shapes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The extra inputs the rewrite added (slot state, stored weights) as the fake tensors of the
+    compile's tracing, with their shapes fixed: handed over as real tensors without a source of
+    Dynamo's, each dim would become a symbol that no guard can name, and an op relating it to a
+    static size (a grouped site's per-expert delayed scales beside its amaxes) would fail to
+    compile."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return tensors
+    return [context.fake_mode.from_tensor(tensor, static_shapes=True) for tensor in tensors]
 
 
 def _raising(error: Exception) -> Callable:

@@ -140,17 +140,32 @@ class RefSite:
         """The most rows one scale block of the site's formats spans (1 where none spans rows)."""
         return max(1, *(q.block(d)[0] for q in self.quantizers for d in (ROWWISE, COLUMNWISE)))
 
-    def quantize(self, t: int, x: torch.Tensor, directions: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Float64 dequantized values of tensor ``t`` of this site in ``directions``."""
-        quantizer, role = self.quantizers[t], self.roles[t]
+    def quantize(self, t: int, x: torch.Tensor, directions: tuple[str, ...], group: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Float64 dequantized values of tensor ``t`` of this site in ``directions``; ``group``:
+        the expert of a grouped site, whose delayed-scaling slot is its own."""
+        quantizer = self.quantizers[t]
         ref = self.reference
-        scale = ref.delayed[role][0] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
+        scale = ref.delayed[self.delayed_key(t, group)][0] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
         ctx = QuantizeContext(scale=scale, seed=ref.seed, offset=ref.step * STREAMS_PER_STEP + 3 * self.index + t)
         out = {d: ref_dequantize(ref_quantize(x, quantizer, d, ctx)) for d in directions}
-        if isinstance(quantizer, Float8DelayedScalingQuantizer) and directions:
-            old_scale, old_history = ref.delayed[role]
-            ref.delayed[role] = delayed_update(old_scale, old_history, x.detach().abs().max(), quantizer)
+        if directions:
+            self.roll_delayed(t, group, x.detach().abs().max())
         return out
+
+    def delayed_key(self, t: int, group: Optional[int]) -> Any:
+        """Where ``reference.delayed`` keeps tensor ``t``'s slot: its role, or (role, expert)."""
+        role = self.roles[t]
+        if group is None:
+            return role
+        self.reference.delayed.setdefault((role, group), (torch.ones(1), torch.zeros(self.quantizers[t].amax_history_len)))
+        return (role, group)
+
+    def roll_delayed(self, t: int, group: Optional[int], amax: torch.Tensor) -> None:
+        """TE's update of tensor ``t``'s delayed-scaling slot (if it keeps one) with ``amax``."""
+        quantizer = self.quantizers[t]
+        if isinstance(quantizer, Float8DelayedScalingQuantizer):
+            key = self.delayed_key(t, group)
+            self.reference.delayed[key] = delayed_update(*self.reference.delayed[key], amax, quantizer)
 
 
 def _gemm64(a: torch.Tensor, b: torch.Tensor, what: str, site: RefSite, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -334,11 +349,11 @@ class RefGroupedGemm(torch.autograd.Function):
         n = w.shape[2]
         parts = _GroupParts.of(site, [b - a for a, b in rows], n)
         xq = [
-            _quantize_group(site, 0, x[a:b], part, x.shape[1], (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,))
-            for (a, b), part in zip(rows, parts.token_rows)
+            _quantize_group(site, 0, x[a:b], part, x.shape[1], (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), g)
+            for g, ((a, b), part) in enumerate(zip(rows, parts.token_rows))
         ]
         wq = [
-            _quantize_group(site, 1, w[g].t(), parts.weight_rows, w.shape[1], (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,))
+            _quantize_group(site, 1, w[g].t(), parts.weight_rows, w.shape[1], (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,), g)
             for g in range(len(rows))
         ]
         dtype = torch.promote_types(x.dtype, w.dtype)
@@ -356,8 +371,8 @@ class RefGroupedGemm(torch.autograd.Function):
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         parts = ctx.parts
         gq = [
-            _quantize_group(ctx.site, 2, dy[a:b], part, parts.grad_cols, directions)
-            for (a, b), part in zip(ctx.rows, parts.token_rows)
+            _quantize_group(ctx.site, 2, dy[a:b], part, parts.grad_cols, directions, g)
+            for g, ((a, b), part) in enumerate(zip(ctx.rows, parts.token_rows))
         ]
         dx = dw = None
         x_dtype, w_dtype = ctx.dtypes
@@ -405,15 +420,17 @@ class _GroupParts:
 
 
 def _quantize_group(
-    site: RefSite, t: int, x: torch.Tensor, rows: int, cols: int, directions: tuple[str, ...]
+    site: RefSite, t: int, x: torch.Tensor, rows: int, cols: int, directions: tuple[str, ...], group: int
 ) -> dict[str, torch.Tensor]:
-    """``site.quantize`` of one group's rows, zero-padded to ``rows`` rows and ``cols`` columns,
-    with the padded columns dropped again; an empty group has no values to quantize (its
-    products are empty, or zero)."""
+    """``site.quantize`` of group ``group``'s rows, zero-padded to ``rows`` rows and ``cols``
+    columns, with the padded columns dropped again; an empty group has no values to quantize (its
+    products are empty, or zero), and its delayed-scaling slot sees amax 0."""
     if x.shape[0] == 0:
+        if directions:
+            site.roll_delayed(t, group, torch.zeros(()))
         return {d: x.new_zeros(x.shape, dtype=torch.float64) for d in directions}
     padded = F.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
-    return {d: v[:, : x.shape[1]] for d, v in site.quantize(t, padded, directions).items()}
+    return {d: v[:, : x.shape[1]] for d, v in site.quantize(t, padded, directions, group).items()}
 
 
 # -- finding GEMMs in eager code ---------------------------------------------------------------

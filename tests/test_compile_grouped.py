@@ -636,16 +636,16 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0, None, False, None)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0, None, False, None)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0, None, False, None, None)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0, None, False, None, None)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
             for rows, source in ((x, tokens.source), (xp, None)):  # gathered into the layout, or in it already
-                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2, None, False, None)
+                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2, None, False, None, None)
                 torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
         # The rowwise and the amaxes its columnwise scales from; then that columnwise, given them.
-        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, spec, True, False, rng, 2, None, True, None)
-        for args in ((True, False, rng, 2, None, True, None), (False, True, rng, 2, amax, False, None)):
+        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, spec, True, False, rng, 2, None, True, None, None)
+        for args in ((True, False, rng, 2, None, True, None, None), (False, True, rng, 2, amax, False, None, None)):
             torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.ends, tokens.source, spec, *args))
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
@@ -899,7 +899,7 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0, None, False, None)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0, None, False, None, None)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
     assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 
@@ -950,9 +950,29 @@ def test_grouped_backward_frees_each_quantized_copy_after_its_own_reader():
         assert not between, (lines[start], between)
 
 
-def test_delayed_scaling_on_a_grouped_site_is_a_plan_error():
-    """TE keeps a delayed-scaling history per expert; graphquant keeps none for grouped sites yet,
-    so the plan refuses it, naming the site, the format and what it takes instead."""
-    compiled = graphquant.compile(Model(), recipes.delayed_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.raises(PlanError, match=r"moe.grouped_linear.0#0 .*fp8_delayed.* is not supported for torch._grouped_mm yet; use .*Float8CurrentScalingQuantizer"):
-        compiled(inputs())
+def test_delayed_scaling_keeps_a_slot_per_expert():
+    """TE's grouped linear keeps a delayed-scaling slot per GEMM: each expert's input, weight and
+    grad_output quantize with their own scale and roll their own amax history (an empty group's
+    with amax 0), step after step, in one graph, against the reference's per-expert slots; the
+    inputs grow every step and group 3's are 2^10 larger, so a shared or stale scale shows."""
+    recipe = recipes.delayed_scaling(amax_history_len=3)
+    model, ref_model = Model(), Model()
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    reference = Reference(ref_model, recipe, tape=tape)
+    for step in range(3):
+        tape.clear()
+        x = inputs() * (1.0 + step)
+        actual = forward_backward(compiled, model, x, grad_seed=step)
+        expected = forward_backward(reference, ref_model, x, grad_seed=step)
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"step {step}: ")
+        for role, state in compiled.graphquant.delayed_state.items():
+            assert state.shape == (E, 1 + 3)
+            for group in range(E):
+                scale, history = reference.delayed[(role, group)]
+                assert torch.equal(state[group, :1], scale) and torch.equal(state[group, 1:], history), (step, str(role), group)
+    scales = compiled.graphquant.delayed_state
+    assert {r.tensor_type for r in scales} == {"input", "weight", "grad_output"}
+    assert all(len(set(state[:, 0].tolist())) > 2 for state in scales.values())  # the experts' scales differ
+    assert len(compiled.graphquant.plans) == 1

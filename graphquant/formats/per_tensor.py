@@ -31,20 +31,21 @@ def delayed_scaling_update(
     margin: int,
     algo: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next (scale (1,), amax_history (L,)) of a delayed-scaling slot, as TE's C++ update.
+    """The next (scale (..., 1), amax_history (..., L)) of a delayed-scaling slot, as TE's C++
+    update, for every slot of the leading dims at once (an MoE site's experts: one each).
 
-    amax goes into history[0]; amax_used is the history's max ("max") or history[0]
+    amax (...) goes into history[0]; amax_used is the history's max ("max") or history[0]
     ("most_recent"); new scale = (fp8_max / amax_used) / 2**margin, both fp32 divisions correctly
     rounded; the previous scale is kept where amax_used <= 0 or is not finite; an infinite result
     becomes FLT_MAX. The history then rolls by -1 and slot 0 is zeroed, so it holds the last L
     amaxes. Pure (inputs untouched) and branch-free on values, for torch.compile.
     """
-    history = torch.cat([amax.reshape(1).to(torch.float32), amax_history[1:]])
-    amax_used = (history.max() if algo == "max" else history[0]).reshape(1)
+    history = torch.cat([amax.reshape(*amax_history.shape[:-1], 1).to(torch.float32), amax_history[..., 1:]], -1)
+    amax_used = history.amax(-1, keepdim=True) if algo == "max" else history[..., :1]
     new_scale = torch.div(torch.full_like(amax_used, fp8_max(fp8_dtype)), amax_used) / 2.0**margin
     valid = torch.isfinite(amax_used) & (amax_used > 0)
     new_scale = torch.where(valid, new_scale, scale)
     new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale)
-    rolled = torch.roll(history, -1)
-    new_history = torch.cat([rolled.new_zeros(1), rolled[1:]])
+    rolled = torch.roll(history, -1, dims=-1)
+    new_history = torch.cat([rolled.new_zeros((*rolled.shape[:-1], 1)), rolled[..., 1:]], -1)
     return new_scale, new_history

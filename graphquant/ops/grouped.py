@@ -10,9 +10,10 @@ w[g] (K, N); each expert is its own GEMM of the design's table, with y = x @ W^T
 Every group is quantized as if alone, zero-padded to whole blocks: the ops work on
 graphquant.formats.groups' padded layout, in which every group of tokens, and every expert's N
 rows of W, start at a multiple of ``GROUP_ROWS`` rows. So groups of any size, empty ones
-included, run every groupable format, per-tensor formats get one scale per group, and no scale
-block spans two groups. The offsets never leave the device: the layout's shapes are static
-bounds, and bad offsets fail by a device-side assert.
+included, run every groupable format, per-tensor formats get one scale per group (delayed
+scaling: one slot per group, each with its own history), and no scale block spans two groups.
+The offsets never leave the device: the layout's shapes are static bounds, and bad offsets fail
+by a device-side assert.
 
 Stochastic rounding draws from the slot's stream of the step, as a dense site's slot does, and
 each group draws what the plain quantize, with that stream, draws for the group's part of the
@@ -38,7 +39,7 @@ from graphquant.ops import registry
 from graphquant.ops.frozen import refuse_backward
 from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
-from graphquant.ops.quantize import hybrid_directions
+from graphquant.ops.quantize import SlotState, hybrid_directions, update_delayed_scaling
 from graphquant.ops.site import Site
 from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
 
@@ -46,7 +47,7 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 def grouped_quantize(
     x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, source: Optional[torch.Tensor], spec: str, rowwise: bool,
     columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int, columnwise_amax: Optional[torch.Tensor],
-    take_columnwise_amax: bool, amax_group: Optional[str],
+    take_columnwise_amax: bool, amax_group: Optional[str], scale: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
     group; ``ends``: the groups' cumulative ends; ``source``: the row of x each padded row holds,
@@ -57,11 +58,12 @@ def grouped_quantize(
     amaxes the columnwise side scales from, which a later call for the same x's columnwise
     representation takes as ``columnwise_amax`` instead of reading x for them. rng: int64 [seed,
     step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize; a format
-    that reduces its amaxes all-reduces each group's over the process group ``amax_group``."""
+    that reduces its amaxes all-reduces each group's over the process group ``amax_group``;
+    ``scale``: a delayed-scaling format's current scales, one a group."""
     # The zero rows after the last group quantize with it, so that the groups cover every row.
     covering = torch.cat([ends[:-1], ends.new_full((1,), row_group.shape[0])])
     sizes = torch.diff(covering, prepend=ends.new_zeros(1))
-    ctx = QuantizeContext(rng=rng, offset=rng_stream, amax_group=amax_group)
+    ctx = QuantizeContext(scale=scale, rng=rng, offset=rng_stream, amax_group=amax_group)
     made = native.grouped_quantize_pass(
         quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source,
         columnwise_amax=columnwise_amax, take_columnwise_amax=take_columnwise_amax,
@@ -71,11 +73,11 @@ def grouped_quantize(
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group):
+def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group, scale):
     quantizer = quantizer_of(spec)
     padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext()) for d in wanted]
+    reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext(scale=scale)) for d in wanted]
     tensors = [t for rep in reps for t in rep.tensors()]
     if take_columnwise_amax:
         tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, ends.shape[0]))
@@ -138,12 +140,14 @@ def _(
 def quantize_grouped(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
     rng: Optional[torch.Tensor], stream: int, amax_group: Optional[str], columnwise_amax: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
 ) -> dict[str, Operand]:
     """The grouped representations of ``x`` (its rows, which ``layout`` puts in the padded
     layout) in ``directions``, honouring hybrid children and sources; a stochastic child draws
     from stream ``stream`` of the step ``rng``, and a child that reduces its amaxes all-reduces
     them over ``amax_group``. columnwise_amax: what ``rowwise_and_columnwise_amax`` took of the
-    same x, for its columnwise representation."""
+    same x, for its columnwise representation; scale: a delayed-scaling child's current scales
+    (``_slot_scales``)."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
@@ -152,7 +156,7 @@ def quantize_grouped(
         given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
             source, layout.row_group, layout.ends, gather, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream,
-            given, False, amax_group if made.reduces_amax else None,
+            given, False, amax_group if made.reduces_amax else None, scale if made.keeps_state else None,
         )
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
         return {d: _operand(tensors[3 * i : 3 * i + 3], made, d, layout, x) for i, d in enumerate(order)}
@@ -167,18 +171,19 @@ def quantize_grouped(
 
 def rowwise_and_columnwise_amax(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, rng: Optional[torch.Tensor], stream: int,
-    amax_group: Optional[str],
+    amax_group: Optional[str], scale: Optional[torch.Tensor] = None,
 ) -> tuple[Operand, Optional[torch.Tensor]]:
     """(x's grouped rowwise representation, the amaxes its columnwise one scales from), both from
     one read of x, for a later ``quantize_grouped(..., columnwise_amax=...)`` of the same x that
     then reads x once, not twice; None for the amaxes of a columnwise made from the rowwise, or
-    all-reduced (the reduction comes with the columnwise quantize, which takes them itself)."""
+    all-reduced (the reduction comes with the columnwise quantize, which takes them itself), or
+    scaled from a delayed-scaling slot (``scale``: its current scales)."""
     reduced = quantizer.reduces_amax and amax_group is not None
-    if quantizer.columnwise_from_rowwise() or reduced:
-        return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream, amax_group)[ROWWISE], None
+    if quantizer.columnwise_from_rowwise() or reduced or quantizer.keeps_state:
+        return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream, amax_group, scale=scale)[ROWWISE], None
     made_rng, made_stream = (rng, stream) if quantizer.stochastic else (None, 0)
     *tensors, amax = torch.ops.graphquant.grouped_quantize(
-        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True, None
+        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True, None, None
     )
     return _operand(tensors, quantizer, ROWWISE, layout, x), amax
 
@@ -238,71 +243,98 @@ def stored_stack_layout(spec: str, shape: Sequence[int], dtype: torch.dtype) -> 
     return quantizer_of(spec).quantize_groups(padded, stack.row_group, experts, ROWWISE, QuantizeContext()).tensors()
 
 
+def _slot_scales(quantizer: Quantizer, delayed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A delayed-scaling slot's current scales, one a group (its state's first column), or None.
+
+    A copy: the forward updates the state in place, and a backward that quantizes again must
+    see the scales the forward used."""
+    return delayed[:, 0].clone() if delayed is not None and quantizer.keeps_state else None
+
+
+def _roll(quantizer: Quantizer, delayed: Optional[torch.Tensor], amax_group: Optional[str], operands: dict[str, Operand]) -> None:
+    """Roll a delayed-scaling slot's histories with each group's amax of this call (in place)."""
+    if delayed is not None:
+        update_delayed_scaling(quantizer, SlotState(delayed, None, 0, amax_group), operands)
+
+
 class QuantizedGroupedMM(torch.autograd.Function):
-    """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats."""
+    """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats.
+
+    A delayed-scaling slot keeps a scale and an amax history per expert (TE's grouped linear keeps
+    one slot per GEMM): its state is (E, 1 + history) float32, rolled after each quantize."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, rng, site: Site):
+    def forward(ctx, x, w, offs, x_delayed, w_delayed, g_delayed, rng, site: Site):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts, _, n = w.shape
+        x_quantizer, w_quantizer, _ = site.quantizers
         groups.check_offsets(offs, x.shape[0], site.label)
         tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-        x_quantizer = site.quantizers[0]
-        xq = quantize_grouped(x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0], site.amax_group)
+        xq = quantize_grouped(
+            x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0], site.amax_group,
+            scale=_slot_scales(x_quantizer, x_delayed),
+        )
+        _roll(x_quantizer, x_delayed, site.amax_group, xq)
         stack, w2d = _expert_stack(w)
         # The weights' columnwise copy is made in backward from w, which lives anyway (a
         # parameter): kept, it would hold the experts' weights once more from forward to backward.
         # Its amaxes are taken here, in the rowwise's read of w, so that backward reads w once.
+        w_scale = _slot_scales(w_quantizer, w_delayed)
         if need_dx:
-            wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, site.quantizers[1], rng, site.streams[1], site.amax_group)
+            wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, w_quantizer, rng, site.streams[1], site.amax_group, w_scale)
         else:
-            wq, w_amax = quantize_grouped(w2d, stack, site.quantizers[1], (ROWWISE,), rng, site.streams[1], site.amax_group)[ROWWISE], None
+            wq, w_amax = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=w_scale)[ROWWISE], None
+        _roll(w_quantizer, w_delayed, site.amax_group, {ROWWISE: wq})
         y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
-        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, g_delayed, rng)
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, _, (*token_layout, w, w_amax, rng) = saved_columnwise(ctx)
+        x_col, _, (*token_layout, w, w_amax, w_scale, g_delayed, rng) = saved_columnwise(ctx)
+        site = ctx.site
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())
         if ctx.n % GROUP_ROWS:
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
-        gq = quantize_grouped(dy, tokens, ctx.site.quantizers[2], directions, rng, ctx.site.streams[2], ctx.site.amax_group)
+        g_quantizer = site.quantizers[2]
+        gq = quantize_grouped(dy, tokens, g_quantizer, directions, rng, site.streams[2], site.amax_group, scale=_slot_scales(g_quantizer, g_delayed))
+        _roll(g_quantizer, g_delayed, site.amax_group, gq)
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
         if need_dx:
             stack, w2d = _expert_stack(w)
-            w_col = quantize_grouped(w2d, stack, ctx.site.quantizers[1], (COLUMNWISE,), rng, ctx.site.streams[1], ctx.site.amax_group, w_amax)[COLUMNWISE]
-            dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], ctx.site, "dgrad")
+            w_col = quantize_grouped(
+                w2d, stack, site.quantizers[1], (COLUMNWISE,), rng, site.streams[1], site.amax_group, w_amax, w_scale
+            )[COLUMNWISE]
+            dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], site, "dgrad")
         if need_dw:
-            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], ctx.site, "wgrad").transpose(1, 2)
-        return dx, dw, None, None, None
+            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], site, "wgrad").transpose(1, 2)
+        return dx, dw, None, None, None, None, None, None
 
 
-def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=None, rng=None):
+def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=(None, None, None), rng=None):
     """torch._grouped_mm(x, w, offs) for a w (E, K, N) of ``dtype`` that graphquant.freeze stored
     as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
     quantized as QuantizedGroupedMM's forward quantizes it."""
     experts, k, n = shape
+    x_quantizer, x_delayed = site.quantizers[0], states[0]
     groups.check_offsets(offs, x.shape[0], site.label)
     tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-    xq = quantize_grouped(x.detach(), tokens, site.quantizers[0], (ROWWISE,), rng, site.streams[0], site.amax_group)[ROWWISE]
+    xq = quantize_grouped(x.detach(), tokens, x_quantizer, (ROWWISE,), rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
+    _roll(x_quantizer, x_delayed, site.amax_group, xq)
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
-    return refuse_backward(x, _gemm(xq, wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)
+    return refuse_backward(x, _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)
 
 
-def quantized_grouped_mm(x, w, offs, *, site: Site, states=None, rng=None):
-    """torch._grouped_mm(x, w, offs=offs) in the site's formats.
-
-    states: what rewrite passes every site; unused, as the planner admits no stateful format for
-    grouped sites (``backends.grouped_unsupported``). rng: the step's int64 [seed, step], for
-    stochastic rounding.
-    """
-    return QuantizedGroupedMM.apply(x, w, offs, rng, site)
+def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), rng=None):
+    """torch._grouped_mm(x, w, offs=offs) in the site's formats. states: the delayed-scaling
+    state of input, weight and grad_output (None where a slot keeps none), (E, 1 + history) each;
+    rng: the step's int64 [seed, step], for stochastic rounding."""
+    return QuantizedGroupedMM.apply(x, w, offs, *states, rng, site)

@@ -121,9 +121,9 @@ def record_amax(quantizer: Quantizer, state: SlotState, amax: torch.Tensor) -> N
         from graphquant.distributed import all_reduce_amax
 
         amax = all_reduce_amax(amax, state.amax_group)
-    with torch.no_grad():
-        scale, history = quantizer.update(state.delayed[:1], state.delayed[1:], amax)
-        state.delayed.copy_(torch.cat([scale, history]))
+    with torch.no_grad():  # a grouped site's state has a row a group: [..., scale, history...]
+        scale, history = quantizer.update(state.delayed[..., :1], state.delayed[..., 1:], amax)
+        state.delayed.copy_(torch.cat([scale, history], -1))
 
 
 def _quantize_op(

@@ -60,6 +60,12 @@ class _PerTensorFloat8(Quantizer):
     def emulated_factor(self, rep: Representation) -> torch.Tensor:
         return rep.scale.reshape(())
 
+    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
+        return rep.scale[row_group, None] if rep.direction == ROWWISE else rep.scale[:, None]
+
+    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
+        return group_amax(x, row_group, groups)
+
     def values_exact_in_bf16(self, rep: Representation) -> bool:
         return True
 
@@ -139,11 +145,6 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, (scale[row_group, None], scale_inv), direction, amax)
 
-    def grouped_factor(self, rep: Representation, row_group: torch.Tensor) -> torch.Tensor:
-        return rep.scale[row_group, None] if rep.direction == ROWWISE else rep.scale[:, None]
-
-    def grouped_columnwise_amax(self, x: torch.Tensor, row_group: torch.Tensor, groups: int) -> torch.Tensor:
-        return group_amax(x, row_group, groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,7 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     always_shown = ("fp8_dtype",)
     requantization_safe = False
     keeps_state = True
+    groupable = True
 
     fp8_dtype: str = "e4m3"
     margin: int = 0
@@ -192,14 +194,26 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, self._scales(ctx), COLUMNWISE, fp8.tensor_amax(x))
 
+    def quantize_groups(
+        self, x: torch.Tensor, row_group: torch.Tensor, groups: int, direction: str, ctx: QuantizeContext
+    ) -> Representation:
+        """Each group with its own slot's current scale (``ctx.scale``: one a group, as TE's
+        grouped linear keeps one delayed-scaling slot per expert), reporting each group's amax."""
+        scale, scale_inv = self._scales(ctx)
+        if scale.numel() != groups:
+            raise ValueError(f"{self} quantizes {groups} groups, each with its slot's scale: got {scale.numel()} scales")
+        return self._encode(x, (scale.reshape(groups)[row_group, None], scale_inv.reshape(groups)), direction, group_amax(x, row_group, groups))
+
     def kernel_encoding(self, direction: str) -> KernelEncoding:
         return KernelEncoding("tensor", self.fp8_dtype, transposed=self.transposed(direction), delayed_scaling=True)
 
-    def initial_state(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fresh (scale, amax_history): scale 1, history zeros, as TE starts."""
+    def initial_state(self, device: Optional[torch.device] = None, groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh (scale, amax_history): scale 1, history zeros, as TE starts; with ``groups``, one
+        of each a group ((groups, 1), (groups, L)), for an MoE site's experts."""
+        lead = () if groups is None else (groups,)
         return (
-            torch.ones(1, dtype=torch.float32, device=device),
-            torch.zeros(self.amax_history_len, dtype=torch.float32, device=device),
+            torch.ones((*lead, 1), dtype=torch.float32, device=device),
+            torch.zeros((*lead, self.amax_history_len), dtype=torch.float32, device=device),
         )
 
     def scale_of_amax(self, amax: torch.Tensor) -> torch.Tensor:
