@@ -59,10 +59,15 @@ def weight_source(node: fx.Node) -> Optional[tuple[fx.Node, bool]]:
     return None
 
 
+_TRANSPOSES = ("transpose", "swapaxes", "swapdims")
+
+
 def _swapped(node: fx.Node) -> Optional[fx.Node]:
     """The tensor ``node`` is a swap of the last two dims of (of three), else None."""
     target = node.target
-    if node.op == "call_method" and target == "transpose" or node.op == "call_function" and target is torch.transpose:
+    if node.op == "call_function" and target is getattr and node.args[1:] == ("mT",):
+        return node.args[0]
+    if node.op == "call_method" and target in _TRANSPOSES or node.op == "call_function" and target in (torch.transpose, torch.swapaxes, torch.swapdims):
         source, *dims = node.args
         return source if tuple(dims) in _SWAPS else None
     if node.op == "call_method" and target == "permute" or node.op == "call_function" and target is torch.permute:

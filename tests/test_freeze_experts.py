@@ -233,3 +233,31 @@ def test_a_cast_moves_stored_weights_without_casting_them():
             assert torch.equal(compiled(tokens(), OFFS), per_call)
     graphquant.freeze(compiled)
     assert model.up.stride()[0] == 0 and model.up.untyped_storage().nbytes() == N * K * 2
+
+
+SPELLINGS = {
+    "w.transpose(-2, -1)": lambda w: w.transpose(-2, -1),
+    "w.mT": lambda w: w.mT,
+    "w.permute(0, 2, 1)": lambda w: w.permute(0, 2, 1),
+    "w.swapaxes(1, 2)": lambda w: w.swapaxes(1, 2),
+    "torch.transpose(w, 1, 2)": lambda w: torch.transpose(w, 1, 2),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_every_spelling_of_the_transpose_freezes(spelling):
+    """An (E, N, K) stack read through any common spelling of a swap of its last two dims."""
+
+    class Spelled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = Experts().up
+
+        def forward(self, x, offs):
+            return torch._grouped_mm(x, SPELLINGS[spelling](self.w), offs=offs)
+
+    model = Spelled()
+    compiled, per_call = called_then_frozen(model, FAMILIES["deepseek_blockwise"]())
+    assert isinstance(model.frozen_w, graphquant.FrozenExperts) and model.frozen_w.transposed
+    with torch.no_grad():
+        assert torch.equal(compiled(tokens(), OFFS), per_call)
