@@ -594,6 +594,15 @@ def test_padding_places_groups_at_block_starts_without_reading_offsets():
     assert layout.row_group[[0, 63, 64, 127, 128, 223]].tolist() == [0, 0, 2, 2, 3, 3]
 
 
+@pytest.mark.parametrize("experts, rows", [(4, 256), (3, 200), (1, 5), (5, 128)])
+def test_an_expert_stacks_closed_form_layout_is_the_searched_one(experts, rows):
+    ends = torch.arange(1, experts + 1, dtype=torch.int32) * rows
+    searched = groups.padding(ends, experts * rows, groups.GROUP_ROWS, experts * -(-rows // groups.GROUP_ROWS) * groups.GROUP_ROWS)
+    closed = groups.uniform_padding(experts, rows, groups.GROUP_ROWS, torch.device("cpu"))
+    for name, a, b in zip(groups.GroupPadding._fields, closed, searched):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_offsets_that_do_not_end_at_the_rows_fail():
     model = Model(sizes=(40, 0, 57, 26))  # 123 rows in groups, 124 given
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)

@@ -106,6 +106,19 @@ def padding(offs: torch.Tensor, rows: int, block: int, padded_rows: int) -> Grou
     return GroupPadding(position, row_group, padded_ends.to(torch.int32), source)
 
 
+def uniform_padding(groups: int, rows: int, block: int, device: torch.device) -> GroupPadding:
+    """``padding`` of ``groups`` groups of ``rows`` rows each (an expert stack's), in closed form:
+    every group's padded rows are ``rows`` rounded up to ``block``, so no search places a row, and
+    a compiler fuses the layout into what reads it instead of running searches at every call."""
+    padded = -(-rows // block) * block
+    row = torch.arange(groups * rows, device=device)
+    padded_row = torch.arange(groups * padded, device=device)
+    row_group, within = padded_row // padded, padded_row % padded
+    source = torch.where(within < rows, row_group * rows + within, -1)
+    ends = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * padded
+    return GroupPadding(row + row // rows * (padded - rows), row_group, ends, source)
+
+
 def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     """Fail (asynchronously on a GPU: no host wait) unless ``offs`` is non-decreasing and ends at
     ``rows``, as torch._grouped_mm requires."""

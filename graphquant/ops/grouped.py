@@ -222,8 +222,7 @@ def _expert_stack(w: torch.Tensor) -> tuple[groups.GroupPadding, torch.Tensor]:
 
 
 def _stack_layout(experts: int, n: int, device: torch.device) -> groups.GroupPadding:
-    expert_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * n
-    return groups.padding(expert_ends, experts * n, GROUP_ROWS, experts * _padded(n))
+    return groups.uniform_padding(experts, n, GROUP_ROWS, device)
 
 
 def frozen_expert_stack(w: torch.Tensor, quantizer: Quantizer, amax_group: Optional[str]) -> Operand:
