@@ -3,8 +3,8 @@
 graphquant.freeze stores an expert stack quantized as its grouped GEMM reads it (each expert's
 W_g = w[g]^T, rowwise), so it must know for each parameter the site that reads it and whether
 through a transpose of its last two dims; it learns that from the graphs compiled before it. A
-frozen parameter's place then holds a stand-in (graphquant.frozen_experts) that only grouped
-sites may read, and this pass finds their reads of it for the rewrite.
+frozen parameter's place then holds a stand-in (graphquant.freezing.FrozenExperts) that only
+grouped sites may read, and this pass finds their reads of it for the rewrite.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from graphquant.passes.plan import PlanError
 
 # How a grouped site may reach its weight: the placeholder itself, or a swap of its last two dims.
 _SWAPS = {(1, 2), (2, 1), (-1, -2), (-2, -1), (1, -1), (-1, 1), (-2, 2), (2, -2)}
+_TRANSPOSES = ("transpose", "swapaxes", "swapdims")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,6 @@ def weight_source(node: fx.Node) -> Optional[tuple[fx.Node, bool]]:
     if swap is not None and swap.op == "placeholder":
         return swap, True
     return None
-
-
-_TRANSPOSES = ("transpose", "swapaxes", "swapdims")
 
 
 def _swapped(node: fx.Node) -> Optional[fx.Node]:
