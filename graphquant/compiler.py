@@ -274,8 +274,8 @@ class GraphquantBackend:
         """How the compiled wrapper obtains the extra argument ``key`` at each call; a
         delayed-scaling slot of a grouped site keeps a state for each of its ``experts``."""
         if isinstance(key, tuple):  # ("frozen", FrozenExperts name, part): read at each call, as a load may replace it
-            stored = self.root.get_submodule(key[1])
-            return lambda: getattr(stored, f"weight_{key[2]}")
+            stored, attribute = self.root.get_submodule(key[1]), f"weight_{key[2]}"
+            return lambda: getattr(stored, attribute)
         if key == "rng":
             if self.rng is None:
                 self.rng = self._initial(key, torch.tensor([self.seed, 0], dtype=torch.int64, device=device))

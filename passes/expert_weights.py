@@ -75,21 +75,29 @@ def _swapped(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def expert_weights(gm: fx.GraphModule, example_inputs: Sequence[object], names: dict[int, str]) -> dict[str, Union[ExpertWeight, str]]:
-    """Each parameter (``names``: id -> qualified name) that a grouped site of ``gm`` reads as its
-    expert stack: how, or why it cannot be frozen (read elsewhere too, or by two sites)."""
+def _grouped_reads(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[tuple[fx.Node, GemmSite, fx.Node, object, bool]]:
+    """(node, site, placeholder, its example value, transposed) of each grouped site of ``gm``
+    whose weight is a placeholder or a swap of one."""
     placeholders = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
-    reads: dict[fx.Node, list[tuple[fx.Node, ExpertWeight]]] = {}
+    reads = []
     for node in gm.graph.nodes:
         site = node.meta.get("graphquant_site")
         source = weight_source(node) if site is not None and site.form == GROUPED else None
-        if source is not None and id(placeholders.get(source[0])) in names:
-            reads.setdefault(source[0], []).append((node, ExpertWeight(site.name, source[1])))
-    found: dict[str, Union[ExpertWeight, str]] = {}
-    for placeholder, sites in reads.items():
-        name = names[id(placeholders[placeholder])]
-        found[name] = _unfreezable(placeholder, sites) or sites[0][1]
-    return found
+        if source is not None:
+            reads.append((node, site, source[0], placeholders.get(source[0]), source[1]))
+    return reads
+
+
+def expert_weights(gm: fx.GraphModule, example_inputs: Sequence[object], names: dict[int, str]) -> dict[str, Union[ExpertWeight, str]]:
+    """Each parameter (``names``: id -> qualified name) that a grouped site of ``gm`` reads as its
+    expert stack: how, or why it cannot be frozen (read elsewhere too, or by two sites)."""
+    reads: dict[fx.Node, list[tuple[fx.Node, ExpertWeight]]] = {}
+    parameters: dict[fx.Node, str] = {}
+    for node, site, placeholder, value, transposed in _grouped_reads(gm, example_inputs):
+        if id(value) in names:
+            parameters[placeholder] = names[id(value)]
+            reads.setdefault(placeholder, []).append((node, ExpertWeight(site.name, transposed)))
+    return {parameters[placeholder]: _unfreezable(placeholder, sites) or sites[0][1] for placeholder, sites in reads.items()}
 
 
 def _unfreezable(placeholder: fx.Node, sites: list[tuple[fx.Node, ExpertWeight]]) -> str:
@@ -118,27 +126,25 @@ def mark_frozen_stacks(
     (``frozen``: the stand-in's id -> its stack) marked ``stored_stack`` and its node annotated
     with ``graphquant_frozen_stack``; raises where the graph reads a stand-in any other way, since
     its values are NaN."""
-    placeholders = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
-    stands = {node: frozen[id(value)] for node, value in placeholders.items() if id(value) in frozen}
+    placeholders = zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+    stands = {node: frozen[id(value)] for node, value in placeholders if id(value) in frozen}
     if not stands:
         return sites
     marked: dict[GemmSite, GemmSite] = {}
-    readers: dict[fx.Node, list[fx.Node]] = {node: [] for node in stands}
-    for node in gm.graph.nodes:
-        site = node.meta.get("graphquant_site")
-        source = weight_source(node) if site is not None and site.form == GROUPED else None
-        if source is None or source[0] not in stands:
+    readers: dict[fx.Node, list[fx.Node]] = {node: [] for node in stands}  # a stand-in no site reads is checked too
+    for node, site, placeholder, _, transposed in _grouped_reads(gm, example_inputs):
+        if placeholder not in stands:
             continue
-        stack = stands[source[0]]
-        if source[1] != stack.transposed:
-            how = "with its last two dims swapped" if source[1] else "as stored"
+        stack = stands[placeholder]
+        if transposed != stack.transposed:
+            how = "with its last two dims swapped" if transposed else "as stored"
             raise PlanError(
                 f"{site.label} (grouped_linear) reads the frozen expert stack {stack.module} {how}, but graphquant.freeze "
                 "stored it for a site that reads it the other way: freeze the model again from its high-precision weights"
             )
         node.meta["graphquant_frozen_stack"] = stack
         node.meta["graphquant_site"] = marked[site] = dataclasses.replace(site, stored_stack=True)
-        readers[source[0]].append(node)
+        readers[placeholder].append(node)
     for placeholder, site_nodes in readers.items():
         other = _other_reader(placeholder, site_nodes)
         if other is not None:

@@ -32,8 +32,11 @@ class Experts(torch.nn.Module):
         self.down = torch.nn.Parameter((torch.randn(E, n, K, generator=g) / n**0.5).to(torch.bfloat16))
         self.peek = False  # read down's values outside a grouped GEMM
         self.swap = False  # read up as stored (square stacks only)
+        self.down_alone = False  # read down outside a grouped GEMM and nowhere else
 
     def forward(self, x, offs):
+        if self.down_alone:
+            return x + self.down.mean()
         up = self.up if self.swap else self.up.transpose(-2, -1)
         y = torch._grouped_mm(F.silu(torch._grouped_mm(x, up, offs=offs)), self.down, offs=offs)
         return y + self.down.mean() if self.peek else y
@@ -173,7 +176,11 @@ def test_a_graph_that_reads_a_frozen_stack_otherwise_fails_to_compile():
     with pytest.raises(PlanError, match=r"reads frozen_down's parameter, an expert stack that graphquant.freeze stored"):
         with torch.no_grad():
             compiled(tokens(), OFFS)
-    model.peek, model.swap = False, True
+    model.peek, model.down_alone = False, True  # no grouped GEMM reads it in this graph
+    with pytest.raises(PlanError, match=r"reads frozen_down's parameter, an expert stack that graphquant.freeze stored"):
+        with torch.no_grad():
+            compiled(tokens(), OFFS)
+    model.down_alone, model.swap = False, True
     with pytest.raises(PlanError, match=r"grouped_linear.0#0 \(grouped_linear\) reads the frozen expert stack frozen_up as stored"):
         with torch.no_grad():
             compiled(tokens(), OFFS)
