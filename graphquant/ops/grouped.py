@@ -256,6 +256,20 @@ def _roll(quantizer: Quantizer, delayed: Optional[torch.Tensor], amax_group: Opt
         update_delayed_scaling(quantizer, SlotState(delayed, None, 0, amax_group), operands)
 
 
+def _tokens_quantized(
+    x: torch.Tensor, offs: torch.Tensor, experts: int, directions: tuple[str, ...], x_delayed: Optional[torch.Tensor],
+    rng: Optional[torch.Tensor], site: Site,
+) -> tuple[groups.GroupPadding, dict[str, Operand]]:
+    """(the tokens' padded layout, x's grouped representations in ``directions``), x's
+    delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x."""
+    groups.check_offsets(offs, x.shape[0], site.label)
+    tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
+    x_quantizer = site.quantizers[0]
+    xq = quantize_grouped(x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
+    _roll(x_quantizer, x_delayed, site.amax_group, xq)
+    return tokens, xq
+
+
 class QuantizedGroupedMM(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats.
 
@@ -266,14 +280,8 @@ class QuantizedGroupedMM(torch.autograd.Function):
     def forward(ctx, x, w, offs, x_delayed, w_delayed, g_delayed, rng, site: Site):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts, _, n = w.shape
-        x_quantizer, w_quantizer, _ = site.quantizers
-        groups.check_offsets(offs, x.shape[0], site.label)
-        tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-        xq = quantize_grouped(
-            x, tokens, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), rng, site.streams[0], site.amax_group,
-            scale=_slot_scales(x_quantizer, x_delayed),
-        )
-        _roll(x_quantizer, x_delayed, site.amax_group, xq)
+        w_quantizer = site.quantizers[1]
+        tokens, xq = _tokens_quantized(x, offs, experts, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_delayed, rng, site)
         stack, w2d = _expert_stack(w)
         # The weights' columnwise copy is made in backward from w, which lives anyway (a
         # parameter): kept, it would hold the experts' weights once more from forward to backward.
@@ -322,11 +330,7 @@ def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[
     as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
     quantized as QuantizedGroupedMM's forward quantizes it."""
     experts, k, n = shape
-    x_quantizer, x_delayed = site.quantizers[0], states[0]
-    groups.check_offsets(offs, x.shape[0], site.label)
-    tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
-    xq = quantize_grouped(x.detach(), tokens, x_quantizer, (ROWWISE,), rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
-    _roll(x_quantizer, x_delayed, site.amax_group, xq)
+    tokens, xq = _tokens_quantized(x.detach(), offs, experts, (ROWWISE,), states[0], rng, site)
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
     return refuse_backward(x, _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)
