@@ -9,7 +9,9 @@ the plan chose for each of its GEMMs; slot state
 (delayed scaling, the stochastic-rounding step) enters as extra placeholders, in the order of the
 returned keys. In an inference graph, each linear runs the inference formula (fprop alone, its
 weight quantized from its current value on every call); a frozen linear (graphquant.freeze) reads
-its stored quantized weight, which must be in the plan's format. An einsum's equation becomes the layout
+its stored quantized weight, which must be in the plan's format, and so does a grouped site that
+passes/expert_weights.py found reading a frozen expert stack (its stored tensors enter as extra
+placeholders too, read from its FrozenExperts at each call). An einsum's equation becomes the layout
 find_gemms worked out for it. Nothing else in the graph changes.
 """
 
@@ -46,8 +48,8 @@ def rewrite(
     inference: bool = False,
     amax_group: Optional[str] = None,
 ) -> list[object]:
-    """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng" or the str
-    of a delayed-scaling role.
+    """Rewrite ``gm`` in place; returns the keys of the placeholders it appended: "rng", the str
+    of a delayed-scaling role, or ("frozen", a FrozenExperts' name, a stored part).
 
     ``inference``: the graph never runs backward (torch.no_grad or mode="inference"). Sites inside
     a body (find_gemms.body_of: activation checkpointing) are rewritten in the body, with the

@@ -146,7 +146,6 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         return self._encode(x, (scale[row_group, None], scale_inv), direction, amax)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     """FP8 whose scale comes from the amax history of earlier steps (TE's DelayedScaling).
