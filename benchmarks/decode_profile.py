@@ -1,10 +1,11 @@
 """Where a decode step's time goes: the kernels of one forward of the inference sweep's FFN (two
-Llama-3-8B SwiGLU blocks) at a few rows, per configuration, with each kernel's launches and GPU
-microseconds, their sum, and the span from the first kernel's start to the last one's end (the
-host's launches set the gaps between kernels here; under CUDA graphs each launch boundary still
-costs about 1.5-2 us: time the forwards with inference_sweep.py --cudagraphs).
+Llama-3-8B SwiGLU blocks, or with ``--model moe`` its MoE layer) at a few rows, per
+configuration, with each kernel's launches and GPU microseconds, their sum, and the span from the
+first kernel's start to the last one's end (the host's launches set the gaps between kernels
+here; under CUDA graphs each launch boundary still costs about 1.5-2 us: time the forwards with
+inference_sweep.py --cudagraphs).
 
-    python benchmarks/decode_profile.py [--configs NAME,...] [--rows 1,16] [--quantize-first]
+    python benchmarks/decode_profile.py [--model ffn|moe] [--configs NAME,...] [--rows 1,16] [--quantize-first]
 
 --quantize-first adds each graphquant configuration again with its plan refused the decode GEMM
 that quantizes the activation itself (the activation quantized first, then the plain decode
@@ -21,22 +22,22 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import cuda_kernels  # noqa: E402
-from inference_configs import QUANTIZE_FIRST, allow_graphs, build  # noqa: E402
-from models import DIM, FFNStack  # noqa: E402
+from inference_configs import QUANTIZE_FIRST, allow_graphs, build, inference_model  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16 torch.compile,graphquant tensorwise frozen,graphquant rowwise frozen,graphquant deepseek_blockwise frozen"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("ffn", "moe"), default="ffn", help="the sweep's FFN, or its MoE layer")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--quantize-first", action="store_true")
     args = parser.parse_args()
-    torch.manual_seed(0)
     device = torch.device("cuda")
     rows = [int(r) for r in args.rows.split(",")]
-    base = FFNStack(2).to(device, torch.bfloat16).eval()
+    base, dim, described = inference_model(args.model, False, device)
+    print(f"{described}, torch {torch.__version__}")
     names = args.configs.split(",")
     if args.quantize_first:
         names += [name + QUANTIZE_FIRST for name in names if name.startswith("graphquant")]
@@ -44,9 +45,9 @@ def main() -> None:
     summary = []
     with torch.no_grad():
         for name in names:
-            model = build(name, base, device, False)
+            model = build(name, base, device, False, example=torch.randn(rows[0], dim, device=device, dtype=torch.bfloat16))
             for r in rows:
-                x = torch.randn(r, DIM, device=device, dtype=torch.bfloat16)
+                x = torch.randn(r, dim, device=device, dtype=torch.bfloat16)
                 found, span = cuda_kernels(lambda: model(x))  # the warm-up plans its graph
                 launches, busy = sum(c for _, c, _ in found), sum(us for _, _, us in found)
                 summary.append([name, r, launches, f"{busy:.1f}", f"{span:.1f}"])

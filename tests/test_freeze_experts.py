@@ -102,6 +102,36 @@ def test_frozen_experts_compute_the_per_call_bits_with_inductor_on_cuda(family):
     assert torch.equal(per_call, frozen)
 
 
+def test_stored_stacks_are_static_inputs_that_cuda_graphs_read_in_place():
+    """CUDA graph trees copy every input AOT does not call static into the graph's own memory at
+    each replay: for a stored stack, all of the experts' bytes."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import TracingContext
+
+    static = []
+
+    def compiler(graph, inputs):
+        indices = TracingContext.get().fw_metadata.static_input_indices
+
+        def run(args):
+            static.extend(args[i].data_ptr() for i in indices)
+            return graph(*args)
+
+        run._boxed_call = True
+        return run
+
+    model = Experts()
+    compiled = graphquant.compile(model, FAMILIES["rowwise"](), mode="inference", backend=aot_autograd(fw_compiler=compiler))
+    x = tokens()
+    with torch.no_grad():
+        compiled(x, OFFS)
+        graphquant.freeze(compiled)
+        static.clear()
+        compiled(x, OFFS)
+    stored = [getattr(m, f"weight_{part}") for m in (model.frozen_up, model.frozen_down) for part in ("codes", "scale")]
+    assert {t.data_ptr() for t in stored} <= set(static) and x.data_ptr() not in static
+
+
 def test_frozen_stacks_take_half_of_bf16_in_fp8_and_under_a_third_in_nvfp4():
     """The checkpoint's bytes; in memory each stack's stand-in adds one expert of one shape, shared."""
     ratios = {}
