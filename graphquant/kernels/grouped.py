@@ -25,7 +25,10 @@ values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP
 take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
 fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
 host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
-On the CPU every product is torch._grouped_mm's fp32 one.
+MXFP8 and NVFP4 tokens x experts products there decode both operands' codes in the GEMM's
+registers instead (triton_grouped_gemm.tokens_by_coded_experts): no expert's values are written,
+and an expert no token was routed to is not read. On the CPU every product is torch._grouped_mm's
+fp32 one.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ import torch
 from graphquant.kernels import backends, emulation
 
 try:
-    from graphquant.kernels import triton_grouped_gemm
+    from graphquant.kernels import triton_dequantize, triton_grouped_gemm
 except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which reads the offsets on the host
-    triton_grouped_gemm = None
+    triton_dequantize = triton_grouped_gemm = None
 from graphquant.quantizers import ROWWISE, Representation, gemm_dims
 
 
@@ -90,6 +93,8 @@ def gemm(
         if a.direction == ROWWISE:
             return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
+    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b):
+        return triton_grouped_gemm.tokens_by_coded_experts(a, a_group, b, b_group, ends, position, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
@@ -102,6 +107,12 @@ def gemm(
         out = out.float() * alpha
     out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
     return out.to(out_dtype).contiguous()
+
+
+def _decodes_in_registers(a: Representation, b: Representation) -> bool:
+    """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
+    tiles (triton_grouped_gemm.decodes) rather than every expert's values written out first."""
+    return triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device) and triton_grouped_gemm.decodes(a, b)
 
 
 def _emulated(

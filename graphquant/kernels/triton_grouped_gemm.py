@@ -1,4 +1,5 @@
-"""The emulated grouped GEMM's product with an fp32 output, on the GPU, one Triton launch.
+"""The emulated grouped GEMM's product with an fp32 output, on the GPU, one Triton launch; and
+its tokens x experts product of MXFP8 or NVFP4 operands decoded in registers.
 
 torch._grouped_mm writes bf16 alone without reading the group offsets on the host; the
 emulated product of a format whose values leave out a per-group or per-row factor (per-tensor
@@ -7,15 +8,26 @@ padded layout (graphquant.formats.groups) every group starts at a multiple of 12
 tile of rows lies in one group, and each program reads its group, or its group's bounds, on the
 device. bf16 (or fp32, multiplied as fp32) operands, fp32 accumulation, fp32 output: exact up to
 fp32 accumulation.
+
+MXFP8 and NVFP4 operands whose reduction dim is stored last need no values in memory at all:
+``tokens_by_coded_experts`` reads their codes and block scales, decodes a tile in registers into
+the emulation's values (exact in bf16), multiplies on the tensor cores with fp32 accumulation and
+applies the factors the values leave out (NVFP4's global decode) once, writing each token's row
+of the output. Programs whose rows are all padding return at once, so a decode step reads only
+the experts its tokens were routed to, once.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
 from graphquant.kernels.triton_launch import ceil_div
+from graphquant.quantizers import ROWWISE, Representation
 
 # Tiles along the grouped rows divide the layout's 128-row alignment.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
@@ -97,3 +109,124 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
         a, b, out, ends, m, n, *a.stride(), *b.stride(), IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K
     )
     return out
+
+
+# The operands tokens_by_coded_experts decodes: the layout families of emulation's block values.
+CODED = {"mxfp8": 1, "nvfp4": 2, "nvfp4_row_scaled": 2}
+# Rows and columns of its tiles: few rows where the tokens are few per expert (a decode step), so
+# that a 1-row group multiplies 16 rows, not 64; K tiles of whole scale blocks.
+CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = (16, 64), 64, 128
+
+
+@triton.jit
+def _coded_tile(ptr, scale_ptr, rows, start, k, stride_r, stride_k, scale_r, scale_k, FORMAT: tl.constexpr, BF16: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(len(rows), BLOCK_K) values of a k-last MXFP8 (FORMAT 1) or NVFP4 (2) operand's ``rows`` at
+    reductions start.. (zeros past k): codes times block scales, exact in bf16 (BF16) and fp32."""
+    if FORMAT == 1:
+        ks = start + tl.arange(0, BLOCK_K)
+        in_k = ks[None, :] < k
+        codes = tl.load(ptr + rows[:, None] * stride_r + ks[None, :] * stride_k, mask=in_k, other=0.0)
+        biased = tl.load(scale_ptr + rows[:, None] * scale_r + (ks // 32)[None, :] * scale_k, mask=in_k, other=127)
+        values = codes.to(tl.float32) * e8m0_value(biased)  # codes typed E4M3 or E5M2
+    else:  # two codes a byte, the even column in the low nibble; a scale per 16 codes (8 bytes)
+        byte = start // 2 + tl.arange(0, BLOCK_K // 2)
+        in_k = byte[None, :] < k // 2
+        packed = tl.load(ptr + rows[:, None] * stride_r + byte[None, :] * stride_k, mask=in_k, other=0).to(tl.int32)
+        scale = tl.load(scale_ptr + rows[:, None] * scale_r + (byte // 8)[None, :] * scale_k, mask=in_k, other=0.0)
+        scale = scale.to(tl.float32) * 16384.0  # undoes the decoded codes' 2^-14, exactly
+        low = e2m1_value_over_2_14(packed & 0xF).to(tl.float32) * scale
+        values = tl.interleave(low, e2m1_value_over_2_14(packed >> 4).to(tl.float32) * scale)
+    if BF16:
+        values = values.to(tl.bfloat16)
+    return values
+
+
+@triton.jit
+def _tokens_by_coded_experts(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, fa_ptr, fb_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr,
+    groups, per_group, n, k,
+    stride_am, stride_ak, sa_m, sa_k, stride_bn, stride_bk, sb_n, sb_k, stride_om,
+    FORMAT: tl.constexpr, HAS_FA: tl.constexpr, HAS_FB: tl.constexpr,
+    BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[source[r], c] = (A[r] . B_g[c]) * fa[r] * fb[g, c] for the padded rows r of one tile
+    (g their group); a tile past the last group or of pad rows alone (a group's rows come first
+    and BLOCK_M divides its 128-row alignment) returns at once."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    first = pid_m * BLOCK_M
+    if first >= tl.load(ends_ptr + groups - 1):
+        return
+    if tl.load(source_ptr + first) < 0:
+        return
+    rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < n
+    group = tl.load(row_group_ptr + first).to(tl.int64)
+    b_rows = group * per_group + tl.where(in_cols, cols, 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        a = _coded_tile(a_ptr, a_scale_ptr, rows, start, k, stride_am, stride_ak, sa_m, sa_k, FORMAT, BF16, BLOCK_K)
+        b = _coded_tile(b_ptr, b_scale_ptr, b_rows, start, k, stride_bn, stride_bk, sb_n, sb_k, FORMAT, BF16, BLOCK_K)
+        acc = _dot(a, tl.trans(b), acc, not BF16)
+    if HAS_FA or HAS_FB:  # one factor, fa * fb, as the emulation's alpha
+        if HAS_FA and HAS_FB:
+            alpha = tl.load(fa_ptr + rows)[:, None] * tl.load(fb_ptr + b_rows)[None, :]
+        elif HAS_FA:
+            alpha = tl.load(fa_ptr + rows)[:, None]
+        else:
+            alpha = tl.load(fb_ptr + b_rows)[None, :]
+        acc = acc * alpha
+    source = tl.load(source_ptr + rows)
+    tl.store(out_ptr + source[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(source[:, None] >= 0) & in_cols[None, :])
+
+
+def _coded_format(rep: Representation) -> Optional[int]:
+    gemm_input = rep.quantizer.gemm_input(rep.direction)
+    return None if gemm_input is None or not rep.stored_k_last else CODED.get(gemm_input.family)
+
+
+def decodes(a: Representation, b: Representation) -> bool:
+    """Whether tokens_by_coded_experts multiplies A (tokens, rowwise) by the expert stack B: both
+    MXFP8 or both NVFP4, each with its reduction dim stored last, B's rows its experts' GEMM rows."""
+    fa = _coded_format(a)
+    return fa is not None and fa == _coded_format(b) and a.direction == ROWWISE and b.direction == ROWWISE
+
+
+def _flat_factor(rep: Representation, row_group: torch.Tensor) -> Optional[torch.Tensor]:
+    """The factor of each GEMM row (Quantizer.grouped_factor; (rows, 1) for a rowwise operand), flat fp32."""
+    factor = rep.quantizer.grouped_factor(rep, row_group)
+    return None if factor is None else factor.float().reshape(-1).contiguous()
+
+
+def tokens_by_coded_experts(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor,
+    position: torch.Tensor, n: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(tokens, n): row t is A's padded row position[t] times its group's B (the first n of its
+    GEMM rows: the padding dropped), for operands that ``decodes`` takes."""
+    groups, rows = ends.shape[0], a.data.shape[0]
+    tokens, k = position.shape[0], a.shape[1]
+    device = a.data.device
+    out = torch.empty((tokens, n), dtype=out_dtype, device=device)
+    source = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    source.index_copy_(0, position, torch.arange(tokens, device=device))
+    fa, fb = _flat_factor(a, a_group), _flat_factor(b, b_group)
+    interpreted = triton.knobs.runtime.interpret  # whose dot multiplies bf16 wrongly: fp32 values there
+    block_m = CODED_BLOCK_M[0] if tokens <= CODED_BLOCK_M[0] * groups else CODED_BLOCK_M[1]
+    grid = (ceil_div(rows, block_m), ceil_div(n, CODED_BLOCK_N))
+    _tokens_by_coded_experts[grid](
+        _codes(a), a.scale, _codes(b), b.scale, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
+        a_group, source, ends, groups, b.data.shape[0] // groups, n, k,
+        *a.data.stride(), *a.scale.stride(), *b.data.stride(), *b.scale.stride(), out.stride(0),
+        FORMAT=_coded_format(a), HAS_FA=fa is not None, HAS_FB=fb is not None,
+        BF16=not interpreted, BLOCK_M=block_m, BLOCK_N=CODED_BLOCK_N, BLOCK_K=CODED_BLOCK_K,
+    )
+    return out
+
+
+def _codes(rep: Representation) -> torch.Tensor:
+    """MXFP8 codes typed as their element (so that a load reads their values), NVFP4's bytes as they are."""
+    element = rep.quantizer.gemm_input(rep.direction).element
+    return rep.data.view({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(element, rep.data.dtype))

@@ -1,0 +1,112 @@
+"""The emulated tokens x experts grouped GEMM of MXFP8 and NVFP4 operands decoded in registers
+(triton_grouped_gemm.tokens_by_coded_experts): each token's row is its expert's product of the
+emulation's values within fp32 accumulation's bound, with the factors the values leave out
+(NVFP4's global decode, per group or per row) applied once; ragged and empty groups, a stack
+padded past the output's columns, K not a whole number of tiles, and few tokens a group (the
+decode step's tiles).
+
+On the CPU the kernel runs under Triton's interpreter in a process of its own; on the GPU beside
+the path that writes every expert's values first, and inside a compiled expert layer.
+"""
+
+import json
+
+import pytest
+import torch
+import triton_interpreter
+
+from graphquant.formats import fp8, groups
+from graphquant.quantizers import ROWWISE, MXFP8Quantizer, NVFP4Quantizer, QuantizeContext
+
+# (the tokens' quantizer, the experts'): the formats and variants whose rowwise operands it decodes.
+FORMATS = {
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
+    "nvfp4 row scaled": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(row_scaled_nvfp4=True)),
+}
+# (tokens of each group, K): ragged groups with an empty one (64-row tiles), a decode step's few
+# tokens (16-row tiles), K ending in a partial 128-wide tile.
+SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160)]
+STACK_ROWS, N = 128, 112  # each expert's stacked rows, of which the output keeps N
+
+
+def _operands(name: str, sizes: tuple, k: int, device: str):
+    """(A's padded layout, A and the expert stack B quantized rowwise, each padded row's group, each stack row's)."""
+    qa, qb = FORMATS[name]
+    generator = torch.Generator().manual_seed(len(sizes) * k)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    tokens, experts = sum(sizes), len(sizes)
+    layout = groups.padding(offs, tokens, groups.GROUP_ROWS, groups.padded_bound(tokens, experts, groups.GROUP_ROWS))
+    x = (torch.randn(tokens, k, generator=generator) * torch.logspace(-3, 3, k)).to(device)
+    w = (torch.randn(experts * STACK_ROWS, k, generator=generator) * torch.logspace(2, -2, experts * STACK_ROWS)[:, None]).to(device)
+    stack = groups.uniform_padding(experts, STACK_ROWS, groups.GROUP_ROWS, torch.device(device))
+    a = qa.quantize_groups(layout.pad(x), layout.row_group, experts, ROWWISE, QuantizeContext())
+    b = qb.quantize_groups(w, stack.row_group, experts, ROWWISE, QuantizeContext())
+    return layout, a, b, stack.row_group
+
+
+def _factor(rep, row_group, rows: int) -> torch.Tensor:
+    """Each GEMM row's factor of the values (rows, 1), ones where the values carry it all."""
+    factor = rep.quantizer.grouped_factor(rep, row_group)
+    return torch.ones(rows, 1, device=row_group.device) if factor is None else factor.float()
+
+
+def _within_bound(name: str, sizes: tuple, k: int, device: str) -> bool:
+    """The fp32 product against float64's exact one of the same values times the same factor."""
+    from graphquant.kernels import triton_grouped_gemm
+
+    layout, a, b, b_group = _operands(name, sizes, k, device)
+    got = triton_grouped_gemm.tokens_by_coded_experts(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.float32)
+    va = a.quantizer.emulated_values(a).double()[layout.position]
+    vb = b.quantizer.emulated_values(b).double().reshape(len(sizes), STACK_ROWS, k)[:, :N]
+    group = layout.row_group[layout.position]
+    fa = _factor(a, layout.row_group, len(layout.row_group))[layout.position]
+    fb = _factor(b, b_group, len(b_group)).reshape(len(sizes), STACK_ROWS)[:, :N][group]
+    alpha = (fa * fb).double()
+    exact = torch.einsum("tk,tnk->tn", va, vb[group])
+    bound = fp8.accumulation_bound(va[:, None, :], vb[group].transpose(1, 2), fp8.FP32)[:, 0, :]
+    error = (got.double() - exact * alpha).abs()
+    return got.shape == (sum(sizes), N) and bool((error <= alpha * bound + 2.0**-22 * (exact * alpha).abs()).all())
+
+
+def _interpreted_results() -> dict:
+    return {f"{name} | {sizes} | {k}": _within_bound(name, sizes, k, "cpu") for name in FORMATS for sizes, k in SHAPES}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    return triton_interpreter.results_of(__file__)
+
+
+@pytest.mark.parametrize("shape", [f"{sizes} | {k}" for sizes, k in SHAPES])
+@pytest.mark.parametrize("name", FORMATS)
+def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_interpreted(interpreted, name, shape):
+    assert interpreted[f"{name} | {shape}"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes, k", SHAPES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_on_gpu(name, sizes, k):
+    assert _within_bound(name, sizes, k, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_sum_once(name, monkeypatch):
+    """grouped.gemm takes the decoding kernel for these operands (the values path would fail
+    here), and its bf16 output is its fp32 output rounded once."""
+    from graphquant.kernels import backends, grouped, triton_grouped_gemm
+
+    layout, a, b, b_group = _operands(name, (40, 0, 57, 27), 256, "cuda")
+    monkeypatch.setattr(grouped, "_emulated", lambda *args: pytest.fail("every expert's values were written out"))
+    emulated = backends.GemmBackend(backends.EMULATION)
+    out = grouped.gemm(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.bfloat16, emulated, "moe#0 fprop")
+    fp32 = triton_grouped_gemm.tokens_by_coded_experts(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.float32)
+    assert torch.equal(out, fp32.to(torch.bfloat16))
+
+
+if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
+    triton_interpreter.as_on_the_gpu()
+    print(json.dumps(_interpreted_results()))
