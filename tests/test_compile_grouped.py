@@ -594,6 +594,15 @@ def test_padding_places_groups_at_block_starts_without_reading_offsets():
     assert layout.row_group[[0, 63, 64, 127, 128, 223]].tolist() == [0, 0, 2, 2, 3, 3]
 
 
+def test_a_few_rows_among_many_groups_pad_only_the_groups_they_fill():
+    """3 rows routed to 3 of 64 experts take 3 blocks, not one for every expert."""
+    offs = torch.tensor([0] * 10 + [1] * 20 + [2] * 30 + [3] * 4, dtype=torch.int32)
+    assert groups.padded_bound(3, 64, 128) == 384
+    layout = groups.padding(offs, 3, 128, groups.padded_bound(3, 64, 128))
+    assert layout.position.tolist() == [0, 128, 256] and layout.ends[-1] == 384
+    assert layout.row_group[[0, 127, 128, 256, 383]].tolist() == [10, 10, 30, 60, 60]
+
+
 @pytest.mark.parametrize("experts, rows", [(4, 256), (3, 200), (1, 5), (5, 128)])
 def test_an_expert_stacks_closed_form_layout_is_the_searched_one(experts, rows):
     ends = torch.arange(1, experts + 1, dtype=torch.int32) * rows

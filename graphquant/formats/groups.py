@@ -83,8 +83,10 @@ def tile_runs(source: torch.Tensor, tile: int) -> torch.Tensor:
 
 def padded_bound(rows: int, groups: int, block: int) -> int:
     """The most rows ``rows`` rows in ``groups`` groups take once each group is padded to
-    ``block`` rows: every group may leave up to block - 1 rows unfilled."""
-    return -(-(rows + groups * (block - 1)) // block) * block
+    ``block`` rows: every group that holds a row may leave up to block - 1 rows unfilled, and no
+    more groups than rows hold one (a decode step's 8 routed rows among 64 experts: 1024 rows, not
+    8192)."""
+    return -(-(rows + max(min(rows, groups), 1) * (block - 1)) // block) * block  # no rows: one block still
 
 
 def padding(offs: torch.Tensor, rows: int, block: int, padded_rows: int) -> GroupPadding:
