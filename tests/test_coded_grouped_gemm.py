@@ -69,8 +69,26 @@ def _within_bound(name: str, sizes: tuple, k: int, device: str) -> bool:
     return got.shape == (sum(sizes), N) and bool((error <= alpha * bound + 2.0**-22 * (exact * alpha).abs()).all())
 
 
+def _live_values_are_the_references(name: str, device: str) -> bool:
+    """An expert stack's values written for the experts some token was routed to alone (the
+    emulated product's other path) are, on those experts' rows, the reference's."""
+    from graphquant.kernels import triton_dequantize
+
+    sizes = (40, 0, 57, 0)
+    layout, _, b, _ = _operands(name, sizes, 256, device)
+    live = triton_dequantize.LiveGroups(layout.ends, STACK_ROWS)
+    if name == "mxfp8":
+        got = triton_dequantize.mxfp8_values(b.data, b.scale, rowwise=True, live=live)
+    else:
+        got = triton_dequantize.nvfp4_block_values(b.data, b.scale, live)
+    want = b.quantizer.emulated_values(b)
+    rows = [g * STACK_ROWS + r for g, size in enumerate(sizes) if size for r in range(STACK_ROWS)]
+    return torch.equal(got[rows].float(), want[rows].float())
+
+
 def _interpreted_results() -> dict:
-    return {f"{name} | {sizes} | {k}": _within_bound(name, sizes, k, "cpu") for name in FORMATS for sizes, k in SHAPES}
+    results = {f"{name} | {sizes} | {k}": _within_bound(name, sizes, k, "cpu") for name in FORMATS for sizes, k in SHAPES}
+    return results | {f"{name} | live values": _live_values_are_the_references(name, "cpu") for name in FORMATS}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +103,17 @@ def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_inte
     assert interpreted[f"{name} | {shape}"]
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_expert_stacks_values_of_its_routed_experts_alone_are_the_references_interpreted(interpreted, name):
+    assert interpreted[f"{name} | live values"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_expert_stacks_values_of_its_routed_experts_alone_are_the_references_on_gpu(name):
+    assert _live_values_are_the_references(name, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes, k", SHAPES)
 @pytest.mark.parametrize("name", FORMATS)
@@ -95,11 +124,11 @@ def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_on_g
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FORMATS)
 def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_sum_once(name, monkeypatch):
-    """grouped.gemm takes the decoding kernel for these operands (the values path would fail
-    here), and its bf16 output is its fp32 output rounded once."""
+    """grouped.gemm takes the decoding kernel for these operands at a decode step's few tokens
+    (the values path would fail here), and its bf16 output is its fp32 output rounded once."""
     from graphquant.kernels import backends, grouped, triton_grouped_gemm
 
-    layout, a, b, b_group = _operands(name, (40, 0, 57, 27), 256, "cuda")
+    layout, a, b, b_group = _operands(name, (1, 0, 2, 0), 256, "cuda")
     monkeypatch.setattr(grouped, "_emulated", lambda *args: pytest.fail("every expert's values were written out"))
     emulated = backends.GemmBackend(backends.EMULATION)
     out = grouped.gemm(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.bfloat16, emulated, "moe#0 fprop")

@@ -25,12 +25,12 @@ except ImportError:  # no Triton: dequantize with the reference's torch ops
     triton_dequantize = None
 
 
-def _mxfp8_values(rep: Representation) -> torch.Tensor:
-    return triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE)
+def _mxfp8_values(rep: Representation, live) -> torch.Tensor:
+    return triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=rep.direction == ROWWISE, live=live)
 
 
-def _nvfp4_values(rep: Representation) -> torch.Tensor:
-    return triton_dequantize.nvfp4_block_values(rep.data, rep.scale)
+def _nvfp4_values(rep: Representation, live) -> torch.Tensor:
+    return triton_dequantize.nvfp4_block_values(rep.data, rep.scale, live)
 
 
 # The layout families (GemmInput.family) whose emulated values are a new copy, codes times scales
@@ -53,10 +53,11 @@ def factored(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]
     return values(rep), rep.quantizer.emulated_factor(rep)
 
 
-def values(rep: Representation) -> torch.Tensor:
-    """factored's values, from a Triton kernel where one makes them."""
+def values(rep: Representation, live=None) -> torch.Tensor:
+    """factored's values, from a Triton kernel where one makes them; there, with ``live``
+    (triton_dequantize.LiveGroups of an expert stack's stored rows), of those rows alone."""
     fast = _BLOCK_VALUES.get(_family(rep)) if triton_dequantize is not None and triton_dequantize.runs_on(rep.data.device) else None
-    return rep.quantizer.emulated_values(rep) if fast is None else fast(rep)
+    return rep.quantizer.emulated_values(rep) if fast is None else fast(rep, live)
 
 
 def _grouped(values: torch.Tensor, rep: Representation, batch: int) -> torch.Tensor:

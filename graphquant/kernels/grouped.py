@@ -46,9 +46,10 @@ except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which read
 from graphquant.quantizers import ROWWISE, Representation, gemm_dims
 
 
-def factored(rep: Representation, row_group: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(values in the logical (rows, cols) orientation, grouped factor) of a grouped representation."""
-    values = emulation.values(rep)
+def factored(rep: Representation, row_group: torch.Tensor, live=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(values in the logical (rows, cols) orientation, grouped factor) of a grouped
+    representation; ``live``: emulation.values'."""
+    values = emulation.values(rep, live)
     return (values.t() if rep.transposed else values), rep.quantizer.grouped_factor(rep, row_group)
 
 
@@ -93,7 +94,7 @@ def gemm(
         if a.direction == ROWWISE:
             return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
-    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b):
+    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b, position.shape[0], ends.shape[0]):
         return triton_grouped_gemm.tokens_by_coded_experts(a, a_group, b, b_group, ends, position, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
@@ -109,10 +110,15 @@ def gemm(
     return out.to(out_dtype).contiguous()
 
 
-def _decodes_in_registers(a: Representation, b: Representation) -> bool:
+def _decodes_in_registers(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
     """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
-    tiles (triton_grouped_gemm.decodes) rather than every expert's values written out first."""
-    return triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device) and triton_grouped_gemm.decodes(a, b)
+    tiles (triton_grouped_gemm.decodes) rather than the routed experts' values written out first:
+    where the tokens are at most one an expert (a decode step's), the only sizes at which it was
+    measured ahead (benchmarks/NOTES.md, inference_sweep.py --model moe)."""
+    return (
+        tokens <= groups and triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device)
+        and triton_grouped_gemm.decodes(a, b)
+    )
 
 
 def _emulated(
@@ -120,7 +126,11 @@ def _emulated(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(product of the factored values, the factors to apply to it), padded."""
     va, fa = factored(a, a_group)
-    vb, fb = factored(b, b_group)
+    live = None
+    if triton_dequantize is not None and a.direction == ROWWISE == b.direction and b.stored_k_last:
+        # tokens x experts reads only the experts some token was routed to (a decode step's few)
+        live = triton_dequantize.LiveGroups(ends, b.data.shape[0] // ends.shape[0])
+    vb, fb = factored(b, b_group, live)
     exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
     on_gpu = a.data.is_cuda
     bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's

@@ -9,6 +9,8 @@ in fp32 and in bf16, so no rounding happens anywhere here.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -30,12 +32,15 @@ BLOCK_ROWS, BLOCK_COLS = 16, 256
 
 @triton.jit
 def _mxfp8_kernel(
-    data_ptr, scale_ptr, out_ptr, rows, cols, scale_row_stride, scale_col_stride,
-    ROWWISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    data_ptr, scale_ptr, out_ptr, rows, cols, scale_row_stride, scale_col_stride, ends_ptr, group_rows,
+    ROWWISE: tl.constexpr, LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Each program loads its scales once (a row of BLOCK_C / 32 per row, or the one row of
     BLOCK_C its 16 rows share), through their strides (rowwise ones lie outer-dim-major), and
-    broadcasts them, instead of a load per element."""
+    broadcasts them, instead of a load per element. LIVE: see _in_live_group."""
+    if LIVE:
+        if not _in_live_group(ends_ptr, tl.program_id(0) * BLOCK_R // group_rows):
+            return
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < cols)
@@ -51,6 +56,14 @@ def _mxfp8_kernel(
     offsets = row64 * cols + col
     values = tl.load(data_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * e8m0_value(biased)
     tl.store(out_ptr + offsets, values.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _in_live_group(ends_ptr, group):
+    """Whether some token was routed to expert ``group`` (``ends_ptr``: the tokens' cumulative
+    group ends): an expert stack's rows of an expert no token reads need no values."""
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
+    return tl.load(ends_ptr + group) > start
 
 
 @triton.jit
@@ -310,9 +323,14 @@ def e4m3_bf16_word_values(codes, biased, ASM: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _nvfp4_kernel(
+    packed_ptr, scale_ptr, out_ptr, rows, cols, ends_ptr, group_rows, LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+):
     """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows, loading
-    their BLOCK_B / 8 block scales a row once and broadcasting them."""
+    their BLOCK_B / 8 block scales a row once and broadcasting them. LIVE: see _in_live_group."""
+    if LIVE:
+        if not _in_live_group(ends_ptr, tl.program_id(0) * BLOCK_R // group_rows):
+            return
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     byte = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
     block = tl.program_id(1) * (BLOCK_B // 8) + tl.arange(0, BLOCK_B // 8)[None, :]
@@ -326,23 +344,38 @@ def _nvfp4_kernel(packed_ptr, scale_ptr, out_ptr, rows, cols, BLOCK_R: tl.conste
     tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=(row < rows) & (col < cols))
 
 
-def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool) -> torch.Tensor:
-    """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``."""
+class LiveGroups(NamedTuple):
+    """The stored rows of an expert stack to write values for: those of the experts some token
+    was routed to, per the tokens' cumulative group ``ends`` (on the device), ``group_rows``
+    rows an expert (a multiple of BLOCK_ROWS). The other experts' rows are left unwritten."""
+
+    ends: torch.Tensor
+    group_rows: int
+
+
+def _live_arguments(live: Optional[LiveGroups], data: torch.Tensor) -> dict:
+    if live is not None and live.group_rows % BLOCK_ROWS:
+        raise ValueError(f"an expert's {live.group_rows} stored rows are not a multiple of the dequantize's {BLOCK_ROWS}-row programs")
+    return dict(ends_ptr=data if live is None else live.ends, group_rows=1 if live is None else live.group_rows, LIVE=live is not None)
+
+
+def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, live: Optional[LiveGroups] = None) -> torch.Tensor:
+    """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``; with ``live``, of those rows alone."""
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     rows, cols = data.shape
     grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols, BLOCK_COLS))
     _mxfp8_kernel[grid](
-        data, scale, out, rows, cols, *scale.stride(), ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS
+        data, scale, out, rows, cols, *scale.stride(), **_live_arguments(live, data), ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS
     )
     return out
 
 
-def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """bf16 q * s of NVFP4 ``packed`` codes with E4M3 block ``scale`` (no global factor)."""
+def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor, live: Optional[LiveGroups] = None) -> torch.Tensor:
+    """bf16 q * s of NVFP4 ``packed`` codes with E4M3 block ``scale`` (no global factor); with ``live``, of those rows alone."""
     packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((rows, cols), dtype=torch.bfloat16, device=packed.device)
     grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols // 2, BLOCK_COLS // 2))
-    _nvfp4_kernel[grid](packed, scale, out, rows, cols, BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2)
+    _nvfp4_kernel[grid](packed, scale, out, rows, cols, **_live_arguments(live, packed), BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2)
     return out

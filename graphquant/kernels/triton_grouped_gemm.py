@@ -120,21 +120,25 @@ CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = (16, 64), 64, 128
 
 @triton.jit
 def _coded_tile(ptr, scale_ptr, rows, start, k, stride_r, stride_k, scale_r, scale_k, FORMAT: tl.constexpr, BF16: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """(len(rows), BLOCK_K) values of a k-last MXFP8 (FORMAT 1) or NVFP4 (2) operand's ``rows`` at
+                ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(ROWS, BLOCK_K) values of a k-last MXFP8 (FORMAT 1) or NVFP4 (2) operand's ``rows`` at
     reductions start.. (zeros past k): codes times block scales, exact in bf16 (BF16) and fp32."""
-    if FORMAT == 1:
+    if FORMAT == 1:  # a scale per 32 codes, loaded once and broadcast
         ks = start + tl.arange(0, BLOCK_K)
         in_k = ks[None, :] < k
         codes = tl.load(ptr + rows[:, None] * stride_r + ks[None, :] * stride_k, mask=in_k, other=0.0)
-        biased = tl.load(scale_ptr + rows[:, None] * scale_r + (ks // 32)[None, :] * scale_k, mask=in_k, other=127)
-        values = codes.to(tl.float32) * e8m0_value(biased)  # codes typed E4M3 or E5M2
+        blocks = start // 32 + tl.arange(0, BLOCK_K // 32)
+        biased = tl.load(scale_ptr + rows[:, None] * scale_r + blocks[None, :] * scale_k, mask=blocks[None, :] < k // 32, other=127)
+        scale = tl.reshape(tl.broadcast_to(e8m0_value(biased)[:, :, None], (ROWS, BLOCK_K // 32, 32)), (ROWS, BLOCK_K))
+        values = codes.to(tl.float32) * scale  # codes typed E4M3 or E5M2
     else:  # two codes a byte, the even column in the low nibble; a scale per 16 codes (8 bytes)
         byte = start // 2 + tl.arange(0, BLOCK_K // 2)
         in_k = byte[None, :] < k // 2
         packed = tl.load(ptr + rows[:, None] * stride_r + byte[None, :] * stride_k, mask=in_k, other=0).to(tl.int32)
-        scale = tl.load(scale_ptr + rows[:, None] * scale_r + (byte // 8)[None, :] * scale_k, mask=in_k, other=0.0)
+        blocks = start // 16 + tl.arange(0, BLOCK_K // 16)
+        scale = tl.load(scale_ptr + rows[:, None] * scale_r + blocks[None, :] * scale_k, mask=blocks[None, :] < k // 16, other=0.0)
         scale = scale.to(tl.float32) * 16384.0  # undoes the decoded codes' 2^-14, exactly
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 16, 8)), (ROWS, BLOCK_K // 2))
         low = e2m1_value_over_2_14(packed & 0xF).to(tl.float32) * scale
         values = tl.interleave(low, e2m1_value_over_2_14(packed >> 4).to(tl.float32) * scale)
     if BF16:
@@ -166,8 +170,8 @@ def _tokens_by_coded_experts(
     b_rows = group * per_group + tl.where(in_cols, cols, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
-        a = _coded_tile(a_ptr, a_scale_ptr, rows, start, k, stride_am, stride_ak, sa_m, sa_k, FORMAT, BF16, BLOCK_K)
-        b = _coded_tile(b_ptr, b_scale_ptr, b_rows, start, k, stride_bn, stride_bk, sb_n, sb_k, FORMAT, BF16, BLOCK_K)
+        a = _coded_tile(a_ptr, a_scale_ptr, rows, start, k, stride_am, stride_ak, sa_m, sa_k, FORMAT, BF16, BLOCK_M, BLOCK_K)
+        b = _coded_tile(b_ptr, b_scale_ptr, b_rows, start, k, stride_bn, stride_bk, sb_n, sb_k, FORMAT, BF16, BLOCK_N, BLOCK_K)
         acc = _dot(a, tl.trans(b), acc, not BF16)
     if HAS_FA or HAS_FB:  # one factor, fa * fb, as the emulation's alpha
         if HAS_FA and HAS_FB:
