@@ -103,6 +103,20 @@ def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_inte
     assert interpreted[f"{name} | {shape}"]
 
 
+def test_codes_are_decoded_in_registers_for_few_tokens_an_expert_of_one_block_format():
+    """Up to 16 tokens an expert on average; MXFP8 by NVFP4 or a columnwise operand takes the values' path."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_grouped_gemm
+
+    _, a, b, _ = _operands("mxfp8", (1, 0, 2, 0), 256, "cpu")
+    _, a4, b4, _ = _operands("nvfp4", (1, 0, 2, 0), 256, "cpu")
+    assert triton_grouped_gemm.decodes(a, b, 64, 4) and triton_grouped_gemm.decodes(a4, b4, 64, 4)
+    assert not triton_grouped_gemm.decodes(a, b, 65, 4)
+    assert not triton_grouped_gemm.decodes(a, b4, 3, 4)
+    columnwise = MXFP8Quantizer().quantize_columnwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
+    assert not triton_grouped_gemm.decodes(a, columnwise, 3, 4)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_an_expert_stacks_values_of_its_routed_experts_alone_are_the_references_interpreted(interpreted, name):
     assert interpreted[f"{name} | live values"]

@@ -112,13 +112,9 @@ def gemm(
 
 def _decodes_in_registers(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
     """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
-    tiles (triton_grouped_gemm.decodes) rather than the routed experts' values written out first:
-    where the tokens are at most one an expert (a decode step's), the only sizes at which it was
-    measured ahead (benchmarks/NOTES.md, inference_sweep.py --model moe)."""
-    return (
-        tokens <= groups and triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device)
-        and triton_grouped_gemm.decodes(a, b)
-    )
+    tiles (triton_grouped_gemm.decodes: few tokens an expert) rather than the routed experts'
+    values written out first."""
+    return triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device) and triton_grouped_gemm.decodes(a, b, tokens, groups)
 
 
 def _emulated(

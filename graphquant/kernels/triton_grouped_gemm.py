@@ -113,9 +113,12 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
 
 # The operands tokens_by_coded_experts decodes: the layout families of emulation's block values.
 CODED = {"mxfp8": 1, "nvfp4": 2, "nvfp4_row_scaled": 2}
-# Rows and columns of its tiles: few rows where the tokens are few per expert (a decode step), so
-# that a 1-row group multiplies 16 rows, not 64; K tiles of whole scale blocks.
-CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = (16, 64), 64, 128
+# Its tiles: 16 rows, so that a decode step's 1-row group multiplies 16 rows, not 64; K tiles of
+# whole scale blocks. It runs where the tokens are at most CODED_BLOCK_M an expert on average: on
+# an H200 at an MoE layer's gate and up projections (64 experts, 4096 -> 2816) it was 1.6-4x
+# faster than writing the routed experts' values first from 8 to 1024 routed rows, and 2.4x
+# (MXFP8) and 1.2x (NVFP4) slower at 16384 (benchmarks/NOTES.md, inference_sweep.py --model moe).
+CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = 16, 64, 128
 
 
 @triton.jit
@@ -191,11 +194,15 @@ def _coded_format(rep: Representation) -> Optional[int]:
     return None if gemm_input is None or not rep.stored_k_last else CODED.get(gemm_input.family)
 
 
-def decodes(a: Representation, b: Representation) -> bool:
-    """Whether tokens_by_coded_experts multiplies A (tokens, rowwise) by the expert stack B: both
-    MXFP8 or both NVFP4, each with its reduction dim stored last, B's rows its experts' GEMM rows."""
+def decodes(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
+    """Whether tokens_by_coded_experts multiplies A (``tokens`` rows, rowwise) by the stack B of
+    ``groups`` experts: both MXFP8 or both NVFP4, each with its reduction dim stored last, B's
+    rows its experts' GEMM rows, and few enough tokens (CODED_BLOCK_M)."""
     fa = _coded_format(a)
-    return fa is not None and fa == _coded_format(b) and a.direction == ROWWISE and b.direction == ROWWISE
+    return (
+        tokens <= CODED_BLOCK_M * groups and fa is not None and fa == _coded_format(b)
+        and a.direction == ROWWISE and b.direction == ROWWISE
+    )
 
 
 def _flat_factor(rep: Representation, row_group: torch.Tensor) -> Optional[torch.Tensor]:
@@ -209,7 +216,7 @@ def tokens_by_coded_experts(
     position: torch.Tensor, n: int, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row position[t] times its group's B (the first n of its
-    GEMM rows: the padding dropped), for operands that ``decodes`` takes."""
+    GEMM rows: the padding dropped), for operands that ``decodes`` takes (any number of tokens)."""
     groups, rows = ends.shape[0], a.data.shape[0]
     tokens, k = position.shape[0], a.shape[1]
     device = a.data.device
@@ -218,14 +225,13 @@ def tokens_by_coded_experts(
     source.index_copy_(0, position, torch.arange(tokens, device=device))
     fa, fb = _flat_factor(a, a_group), _flat_factor(b, b_group)
     interpreted = triton.knobs.runtime.interpret  # whose dot multiplies bf16 wrongly: fp32 values there
-    block_m = CODED_BLOCK_M[0] if tokens <= CODED_BLOCK_M[0] * groups else CODED_BLOCK_M[1]
-    grid = (ceil_div(rows, block_m), ceil_div(n, CODED_BLOCK_N))
+    grid = (ceil_div(rows, CODED_BLOCK_M), ceil_div(n, CODED_BLOCK_N))
     _tokens_by_coded_experts[grid](
         _codes(a), a.scale, _codes(b), b.scale, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
         a_group, source, ends, groups, b.data.shape[0] // groups, n, k,
         *a.data.stride(), *a.scale.stride(), *b.data.stride(), *b.scale.stride(), out.stride(0),
         FORMAT=_coded_format(a), HAS_FA=fa is not None, HAS_FB=fb is not None,
-        BF16=not interpreted, BLOCK_M=block_m, BLOCK_N=CODED_BLOCK_N, BLOCK_K=CODED_BLOCK_K,
+        BF16=not interpreted, BLOCK_M=CODED_BLOCK_M, BLOCK_N=CODED_BLOCK_N, BLOCK_K=CODED_BLOCK_K,
     )
     return out
 
