@@ -163,7 +163,7 @@ def cases(formats: list[str], sites: list[str], fast: bool):
             calls = {}
             for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens, sizes).items():
                 def call(backend, a=a, b=b, b_group=b_group, width=width, gemm=gemm):
-                    return grouped_kernels.gemm(a, tokens.row_group, b, b_group, tokens.ends, tokens.position, width, torch.bfloat16, backend, f"{site} {gemm}")
+                    return grouped_kernels.gemm(a, b, b_group, tokens, width, torch.bfloat16, backend, f"{site} {gemm}")
 
                 planned = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast).backend
                 assert planned.name == KERNELS.BACKEND, planned

@@ -56,7 +56,7 @@ def _within_bound(name: str, sizes: tuple, k: int, device: str) -> bool:
     from graphquant.kernels import triton_grouped_gemm
 
     layout, a, b, b_group = _operands(name, sizes, k, device)
-    got = triton_grouped_gemm.tokens_by_coded_experts(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.float32)
+    got = triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
     va = a.quantizer.emulated_values(a).double()[layout.position]
     vb = b.quantizer.emulated_values(b).double().reshape(len(sizes), STACK_ROWS, k)[:, :N]
     group = layout.row_group[layout.position]
@@ -145,8 +145,8 @@ def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_s
     layout, a, b, b_group = _operands(name, (1, 0, 2, 0), 256, "cuda")
     monkeypatch.setattr(grouped, "_emulated", lambda *args: pytest.fail("every expert's values were written out"))
     emulated = backends.GemmBackend(backends.EMULATION)
-    out = grouped.gemm(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.bfloat16, emulated, "moe#0 fprop")
-    fp32 = triton_grouped_gemm.tokens_by_coded_experts(a, layout.row_group, b, b_group, layout.ends, layout.position, N, torch.float32)
+    out = grouped.gemm(a, b, b_group, layout, N, torch.bfloat16, emulated, "moe#0 fprop")
+    fp32 = triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
     assert torch.equal(out, fp32.to(torch.bfloat16))
 
 

@@ -305,11 +305,11 @@ class TritonGroupedFp8OnCpu:
     PROMOTE_EVERY, FAST_ACCUMULATION = fp8.PROMOTED_PRODUCTS, None  # the kernel module's promotion intervals
 
     @staticmethod
-    def tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every):
-        left = grouped_kernels.dequantize(a, a_group, torch.float64)
-        stacked = grouped_kernels.dequantize(b, b_group, torch.float64).reshape(ends.shape[0], -1, b.shape[1])
+    def tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every):
+        left = grouped_kernels.dequantize(a, tokens.row_group, torch.float64)
+        stacked = grouped_kernels.dequantize(b, b_group, torch.float64).reshape(tokens.groups, -1, b.shape[1])
         experts = stacked.transpose(1, 2) if b.direction == ROWWISE else stacked  # (groups, k, n)
-        return torch.einsum("rk,rkn->rn", left, experts[a_group])[position, :n].to(out_dtype)
+        return torch.einsum("rk,rkn->rn", left, experts[tokens.row_group])[tokens.position, :n].to(out_dtype)
 
     @staticmethod
     def tokens_by_tokens(a, a_group, b, b_group, ends, m, out_dtype, promote_every):
@@ -669,7 +669,7 @@ def test_grouped_ops_pass_opcheck(quantizer):
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
         xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, wq, quantizer.spec, ROWWISE, list(w.shape), stack.row_group,
-        tokens.ends, tokens.position, N, torch.bfloat16, backends.EMULATION, False, "moe#0 fprop",
+        tokens.ends, tokens.position, tokens.source, N, torch.bfloat16, backends.EMULATION, False, "moe#0 fprop",
     )
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)

@@ -104,7 +104,7 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
         a = quantized(qx if gemm == "fprop" else qg, x if gemm == "fprop" else dy, tokens, ROWWISE)
         b = quantized(qw, w, stack, ROWWISE if gemm == "fprop" else COLUMNWISE)
         width = n if gemm == "fprop" else k
-        out = kernels.tokens_by_experts(a, tokens.row_group, b, stack.row_group, tokens.ends, tokens.position, width, out_dtype, promote_every)
+        out = kernels.tokens_by_experts(a, b, stack.row_group, tokens, width, out_dtype, promote_every)
         left, stacked = dequantized(a, tokens)[tokens.position], dequantized(b, stack).reshape(experts, padded_n, k)
         ends = [0, *torch.tensor(sizes).cumsum(0).tolist()]
         pairs = [(left[lo:hi], stacked[g].t() if gemm == "fprop" else stacked[g]) for g, (lo, hi) in enumerate(zip(ends, ends[1:]))]

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.formats.groups import GroupPadding
 from graphquant.kernels import backends, emulation
 
 try:
@@ -70,32 +71,31 @@ def _joint(fa: Optional[torch.Tensor], fb: Optional[torch.Tensor]) -> Optional[t
 
 def gemm(
     a: Representation,
-    a_group: torch.Tensor,
     b: Representation,
     b_group: torch.Tensor,
-    ends: torch.Tensor,
-    position: torch.Tensor,
+    tokens: GroupPadding,
     n: int,
     out_dtype: torch.dtype,
     backend: backends.GemmBackend,
     site: str,
 ) -> torch.Tensor:
     """The grouped product of the module docstring, without the padding: (tokens, n) for tokens
-    x experts, the padded rows at ``position``; (groups, n, k) for tokens x tokens.
-    ``a_group``/``b_group``: each padded row's group; ``ends``: the padded groups' cumulative
-    ends (A's rows, and B's too for tokens x tokens); ``n``: the extent of the dim that W's padded
-    rows make (the output columns of fprop, the rows of each wgrad product), padding dropped.
+    x experts, the padded rows at ``tokens.position``; (groups, n, k) for tokens x tokens.
+    ``tokens``: the tokens' padded layout, A's (and B's too for tokens x tokens); ``b_group``:
+    each padded row of B's group; ``n``: the extent of the dim that W's padded rows make (the
+    output columns of fprop, the rows of each wgrad product), padding dropped.
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
     backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
     native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
+    a_group, ends = tokens.row_group, tokens.ends
     if native in backends.TRITON_GROUPED_GEMMS:
         kernels = backends.triton_grouped_fp8
         promote_every = kernels.FAST_ACCUMULATION if backend.fast_accumulation else kernels.PROMOTE_EVERY
         if a.direction == ROWWISE:
-            return kernels.tokens_by_experts(a, a_group, b, b_group, ends, position, n, out_dtype, promote_every)
+            return kernels.tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
-    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b, position.shape[0], ends.shape[0]):
-        return triton_grouped_gemm.tokens_by_coded_experts(a, a_group, b, b_group, ends, position, n, out_dtype)
+    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
+        return triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, tokens, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
@@ -106,7 +106,7 @@ def gemm(
         out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
     if alpha is not None:
         out = out.float() * alpha
-    out = out.index_select(0, position)[:, :n] if a.direction == ROWWISE else out[:, :n]
+    out = out.index_select(0, tokens.position)[:, :n] if a.direction == ROWWISE else out[:, :n]
     return out.to(out_dtype).contiguous()
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
-from graphquant.formats.groups import GROUP_ROWS
+from graphquant.formats.groups import GROUP_ROWS, GroupPadding
 from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
 
@@ -300,29 +300,26 @@ def _token_scales(rep: Representation, row_group: torch.Tensor, groups: int) -> 
 
 
 def tokens_by_experts(
-    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor,
-    position: torch.Tensor, n: int, out_dtype: torch.dtype, promote_every: Optional[int],
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, n: int, out_dtype: torch.dtype,
+    promote_every: Optional[int],
 ) -> torch.Tensor:
-    """(tokens, n): row t is A's padded row position[t] times its group's B (its first n GEMM
-    rows: the padding dropped). A rowwise (padded rows, k); B an expert stack, rowwise (groups *
+    """(tokens, n): row t is A's padded row tokens.position[t] times its group's B (its first n
+    GEMM rows: the padding dropped). A rowwise (padded rows, k) in the layout ``tokens``; B an expert stack, rowwise (groups *
     n', k) or columnwise, stored transposed (n, groups * n'). promote_every: the products summed
     in the tensor cores' accumulator before fp32 takes them (PROMOTE_EVERY), or FAST_ACCUMULATION:
     all of them."""
-    groups = ends.shape[0]
-    rows, k = a.data.shape
-    out = torch.empty((position.shape[0], n), dtype=out_dtype, device=a.data.device)
-    source = torch.full((rows,), -1, dtype=torch.int64, device=a.data.device)
-    source.index_copy_(0, position, torch.arange(position.shape[0], device=a.data.device))
+    groups, (rows, k) = tokens.groups, a.data.shape
+    out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
     if b.direction == ROWWISE:  # B_g[kk, col] = data[g * n' + col, kk]
         per_group = b.data.shape[0] // groups
         strides = (per_group * b.data.stride(0), b.data.stride(1), b.data.stride(0))
     else:  # B_g[kk, col] = data[col, g * n' + kk]
         per_group = b.data.shape[1] // groups
         strides = (per_group * b.data.stride(1), b.data.stride(1), b.data.stride(0))
-    sa, sb = _token_scales(a, a_group, groups), _expert_scales(b, b_group, groups)
+    sa, sb = _token_scales(a, tokens.row_group, groups), _expert_scales(b, b_group, groups)
     grid = lambda meta: (ceil_div(rows, meta["BLOCK_M"]) * ceil_div(n, meta["BLOCK_N"]),)  # noqa: E731
     _tokens_by_experts[grid](
-        _codes(a), _codes(b), out, a_group, source, ends, groups, rows, n, k,
+        _codes(a), _codes(b), out, tokens.row_group, tokens.source, tokens.ends, groups, rows, n, k,
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats.groups import GroupPadding
 from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
 from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
@@ -212,23 +213,19 @@ def _flat_factor(rep: Representation, row_group: torch.Tensor) -> Optional[torch
 
 
 def tokens_by_coded_experts(
-    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor,
-    position: torch.Tensor, n: int, out_dtype: torch.dtype,
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, n: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """(tokens, n): row t is A's padded row position[t] times its group's B (the first n of its
-    GEMM rows: the padding dropped), for operands that ``decodes`` takes (any number of tokens)."""
-    groups, rows = ends.shape[0], a.data.shape[0]
-    tokens, k = position.shape[0], a.shape[1]
-    device = a.data.device
-    out = torch.empty((tokens, n), dtype=out_dtype, device=device)
-    source = torch.full((rows,), -1, dtype=torch.int64, device=device)
-    source.index_copy_(0, position, torch.arange(tokens, device=device))
-    fa, fb = _flat_factor(a, a_group), _flat_factor(b, b_group)
+    """(tokens, n): row t is A's padded row tokens.position[t] times its group's B (the first n
+    of its GEMM rows: the padding dropped), for operands that ``decodes`` takes (any number of
+    tokens)."""
+    groups, rows, k = tokens.groups, a.data.shape[0], a.shape[1]
+    out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
+    fa, fb = _flat_factor(a, tokens.row_group), _flat_factor(b, b_group)
     interpreted = triton.knobs.runtime.interpret  # whose dot multiplies bf16 wrongly: fp32 values there
     grid = (ceil_div(rows, CODED_BLOCK_M), ceil_div(n, CODED_BLOCK_N))
     _tokens_by_coded_experts[grid](
         _codes(a), a.scale, _codes(b), b.scale, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
-        a_group, source, ends, groups, b.data.shape[0] // groups, n, k,
+        tokens.row_group, tokens.source, tokens.ends, groups, b.data.shape[0] // groups, n, k,
         *a.data.stride(), *a.scale.stride(), *b.data.stride(), *b.scale.stride(), out.stride(0),
         FORMAT=_coded_format(a), HAS_FA=fa is not None, HAS_FB=fb is not None,
         BF16=not interpreted, BLOCK_M=CODED_BLOCK_M, BLOCK_N=CODED_BLOCK_N, BLOCK_K=CODED_BLOCK_K,

@@ -112,6 +112,7 @@ def grouped_gemm(
     b_group: torch.Tensor,
     ends: torch.Tensor,
     position: torch.Tensor,
+    source: torch.Tensor,
     n: int,
     out_dtype: torch.dtype,
     backend: str,
@@ -120,17 +121,19 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Each group's A_g @ B_g^T (graphquant.kernels.grouped.gemm), the padding dropped: A
     rowwise, tokens times an expert stack B, (tokens, n); A columnwise (wgrad), tokens times
-    tokens, (groups, n, cols of B). backend, fast_accumulation: the fields of the GemmBackend the
-    plan chose for this GEMM, which runs it; site names the GEMM in errors ("moe#0 wgrad")."""
+    tokens, (groups, n, cols of B). a_group, ends, position, source: the tokens' padded layout
+    (groups.GroupPadding). backend, fast_accumulation: the fields of the GemmBackend the plan
+    chose for this GEMM, which runs it; site names the GEMM in errors ("moe#0 wgrad")."""
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
     chosen = backends.named(backend, fast_accumulation)
-    return grouped_kernels.gemm(rep_a, a_group, rep_b, b_group, ends, position, n, out_dtype, chosen, site)
+    tokens = groups.GroupPadding(position, a_group, ends, source)
+    return grouped_kernels.gemm(rep_a, rep_b, b_group, tokens, n, out_dtype, chosen, site)
 
 
 @registry.fake("grouped_gemm")
 def _(
-    a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, n, out_dtype,
+    a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, source, n, out_dtype,
     backend, fast_accumulation, site,
 ):
     shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
@@ -206,7 +209,7 @@ def _gemm(
     backend, name = site.runs(gemm)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
-        tokens.ends, tokens.position, n, out_dtype, backend.name, backend.fast_accumulation, name,
+        tokens.ends, tokens.position, tokens.source, n, out_dtype, backend.name, backend.fast_accumulation, name,
     )
 
 
