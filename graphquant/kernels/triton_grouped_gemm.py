@@ -115,10 +115,9 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
 # The operands tokens_by_coded_experts decodes: the layout families of emulation's block values.
 CODED = {"mxfp8": 1, "nvfp4": 2, "nvfp4_row_scaled": 2}
 # Its tiles: 16 rows, so that a decode step's 1-row group multiplies 16 rows, not 64; K tiles of
-# whole scale blocks. It runs where the tokens are at most CODED_BLOCK_M an expert on average: on
-# an H200 at an MoE layer's gate and up projections (64 experts, 4096 -> 2816) it was 1.6-4x
-# faster than writing the routed experts' values first from 8 to 1024 routed rows, and 2.4x
-# (MXFP8) and 1.2x (NVFP4) slower at 16384 (benchmarks/NOTES.md, inference_sweep.py --model moe).
+# whole scale blocks. It runs where the tokens are at most CODED_BLOCK_M an expert on average:
+# from 8 to 1024 routed rows among 64 experts it ties (NVFP4 at 8) or beats (up to 2.8x) writing
+# the routed experts' values first, and at 16384 it is slower (benchmarks/grouped_decode.py).
 CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = 16, 64, 128
 
 
