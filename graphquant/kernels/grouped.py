@@ -25,10 +25,11 @@ values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP
 take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
 fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
 host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
-MXFP8 and NVFP4 tokens x experts products there decode both operands' codes in the GEMM's
-registers instead (triton_grouped_gemm.tokens_by_coded_experts): no expert's values are written,
-and an expert no token was routed to is not read. On the CPU every product is torch._grouped_mm's
-fp32 one.
+MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, decode both
+operands' codes in the GEMM's registers instead (triton_grouped_gemm.tokens_by_coded_experts):
+no expert's values are written; with more, only the routed experts' values are. Either way an
+expert no token was routed to is not read. On the CPU every product is torch._grouped_mm's fp32
+one.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _decodes_in_registers(a: Representation, b: Representation, tokens: int, gro
     """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
     tiles (triton_grouped_gemm.decodes: few tokens an expert) rather than the routed experts'
     values written out first."""
-    return triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device) and triton_grouped_gemm.decodes(a, b, tokens, groups)
+    on_gpu = triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device)
+    return on_gpu and triton_grouped_gemm.decodes(a, b, tokens, groups)
 
 
 def _emulated(

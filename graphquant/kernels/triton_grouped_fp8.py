@@ -304,10 +304,10 @@ def tokens_by_experts(
     promote_every: Optional[int],
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row tokens.position[t] times its group's B (its first n
-    GEMM rows: the padding dropped). A rowwise (padded rows, k) in the layout ``tokens``; B an expert stack, rowwise (groups *
-    n', k) or columnwise, stored transposed (n, groups * n'). promote_every: the products summed
-    in the tensor cores' accumulator before fp32 takes them (PROMOTE_EVERY), or FAST_ACCUMULATION:
-    all of them."""
+    GEMM rows: the padding dropped). A rowwise (padded rows, k) in the layout ``tokens``; B an
+    expert stack, rowwise (groups * n', k) or columnwise, stored transposed (n, groups * n').
+    promote_every: the products summed in the tensor cores' accumulator before fp32 takes them
+    (PROMOTE_EVERY), or FAST_ACCUMULATION: all of them."""
     groups, (rows, k) = tokens.groups, a.data.shape
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
     if b.direction == ROWWISE:  # B_g[kk, col] = data[g * n' + col, kk]
