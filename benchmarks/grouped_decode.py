@@ -46,9 +46,8 @@ def tokens(quantizer, rows: int):
     chosen = torch.randint(0, EXPERTS, (rows,), device="cuda")
     offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device="cuda"), right=True).to(torch.int32)
     layout = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
-    sizes = torch.diff(torch.cat([layout.ends[:-1], layout.ends.new_full((1,), layout.padded_rows)]), prepend=layout.ends.new_zeros(1))
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, sizes, ROWWISE, QuantizeContext()), x, offs
+    return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.sizes, ROWWISE, QuantizeContext()), x, offs
 
 
 def main() -> None:

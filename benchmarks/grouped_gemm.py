@@ -57,8 +57,7 @@ def routed(device: str = "cuda"):
     offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device=device), right=True).to(torch.int32)
     rows = TOKENS * TOP_K
     tokens = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
-    sizes = torch.diff(torch.cat([tokens.ends[:-1], tokens.ends.new_full((1,), tokens.padded_rows)]), prepend=tokens.ends.new_zeros(1))
-    return offs, tokens, sizes
+    return offs, tokens, tokens.sizes
 
 
 def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, tokens, sizes) -> dict:

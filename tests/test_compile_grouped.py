@@ -654,17 +654,17 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, False, None, 0, None, False, None, None)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.ends, None, quantizer.spec, True, False, None, 0, None, False, None, None)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, quantizer.spec, True, False, None, 0, None, False, None, None)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.sizes, None, None, quantizer.spec, True, False, None, 0, None, False, None, None)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
-            for rows, source in ((x, tokens.source), (xp, None)):  # gathered into the layout, or in it already
-                args = (rows, tokens.row_group, tokens.ends, source, spec, rowwise, True, rng, 2, None, False, None, None)
+            for rows, source, runs in ((x, tokens.source, tokens.runs), (xp, None, None)):  # gathered into the layout, or in it already
+                args = (rows, tokens.row_group, tokens.sizes, source, runs, spec, rowwise, True, rng, 2, None, False, None, None)
                 torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
         # The rowwise and the amaxes its columnwise scales from; then that columnwise, given them.
-        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, spec, True, False, rng, 2, None, True, None, None)
+        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, spec, True, False, rng, 2, None, True, None, None)
         for args in ((True, False, rng, 2, None, True, None, None), (False, True, rng, 2, amax, False, None, None)):
-            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.ends, tokens.source, spec, *args))
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, spec, *args))
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -720,7 +720,7 @@ def test_grouped_site_keeps_the_weights_for_backward_not_their_quantized_copy():
         y = compiled(x)
     y.sum().backward()
 
-    quantizes = [n.args[5:7] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    quantizes = [n.args[6:8] for n in forward[0].graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
     assert quantizes == [(True, True), (True, False)]
     padded_rows = groups.padded_bound(T, E, groups.GROUP_ROWS)
     assert [tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn] == [(K, padded_rows)]
@@ -745,6 +745,24 @@ def test_grouped_site_quantizes_the_rows_through_the_layout_without_a_padded_cop
     padded = {groups.padded_bound(T, E, groups.GROUP_ROWS), E * groups.GROUP_ROWS}  # the tokens', the expert stack's
     copies = [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
     assert not [n for n in copies if n.meta["val"].dtype == torch.bfloat16 and rows(n) in padded], "a padded copy"
+
+
+def test_grouped_ops_take_the_layouts_sizes_tile_runs_and_source_rows_from_the_graph():
+    """What the grouped ops derive from a layout (each group's padded rows, the tile runs the
+    native quantize reads x's rows by, each padded row's source row) is made in the graph, where
+    Inductor fuses it with the layout's arithmetic, not by small torch calls inside the ops at
+    every call (each a launch: at a decode step's size most of a grouped site's launches)."""
+    graphs = []
+    keep = lambda gm, example_inputs: graphs.append(gm) or make_boxed_func(gm)  # noqa: E731
+    compiled = graphquant.compile(Model(), RECIPES["rowwise"](), backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    compiled(inputs().requires_grad_()).sum().backward()
+    nodes = [n for g in graphs for n in g.graph.nodes]
+    quantizes = [n for n in nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
+    gathered = [n for n in quantizes if n.args[3] is not None]
+    assert gathered and all(isinstance(n.args[2], torch.fx.Node) for n in quantizes)
+    assert all(isinstance(n.args[4], torch.fx.Node) and n.args[4].meta["val"].dtype == torch.int32 for n in gathered)
+    gemms = [n for n in nodes if n.target is torch.ops.graphquant.grouped_gemm.default]
+    assert gemms and all(isinstance(n.args[12], torch.fx.Node) for n in gemms)  # the layout's source rows
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
@@ -917,7 +935,7 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.ends, tokens.source, quantizer.spec, True, True, None, 0, None, False, None, None)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, quantizer.spec, True, True, None, 0, None, False, None, None)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
     assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 

@@ -429,8 +429,7 @@ def test_grouped_quantize_through_a_gather(backend, name):
     rows = 700
     offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
     layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
-    covering = torch.cat([layout.ends[:-1], layout.ends.new_full((1,), layout.padded_rows)])
-    sizes = torch.diff(covering, prepend=covering.new_zeros(1))
+    sizes = layout.sizes
     for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16)):
         directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
         if not directions:
@@ -438,7 +437,7 @@ def test_grouped_quantize_through_a_gather(backend, name):
         x = make_input((rows, cols), dtype, "special", backend)
         for wanted in [directions] + [[d] for d in directions] * (len(directions) == 2):
             both = dict(rowwise=ROWWISE in wanted, columnwise=COLUMNWISE in wanted)
-            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, sizes, CTX, source=layout.source, **both)
+            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, sizes, CTX, source=layout.source, runs=layout.runs, **both)
             want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, sizes, CTX, **both)
             for direction in wanted:
                 what = f"{direction} of {wanted}, {cols} {dtype}"

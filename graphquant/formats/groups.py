@@ -59,6 +59,19 @@ class GroupPadding(NamedTuple):
         padded rows as rows: an expert stack of whole blocks), whose rows are the layout's."""
         return None if self.padded_rows == self.position.shape[0] else self.source
 
+    @property
+    def runs(self) -> Optional[torch.Tensor]:
+        """``gather``'s tile_runs of GROUP_ROWS rows, as the native grouped quantize reads x's
+        rows (None with gather): made beside the layout, where a compiler fuses them with it."""
+        return None if self.gather is None else tile_runs(self.source, GROUP_ROWS)
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        """Each group's padded rows, the zero rows after the last group counted as its (they are
+        quantized with it, so that the groups cover every padded row)."""
+        covering = torch.cat([self.ends[:-1], self.ends.new_full((1,), self.padded_rows)])
+        return torch.diff(covering, prepend=self.ends.new_zeros(1))
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, cols) in the padded layout, zeros between the groups (x itself where no
         group needs padding)."""

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from graphquant.formats import groups, nvfp4
-from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import devices
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -156,13 +155,14 @@ def _run(
     dbias: bool = False,
     group_sizes: Optional[torch.Tensor] = None,
     source: Optional[torch.Tensor] = None,
+    runs: Optional[torch.Tensor] = None,
     columnwise_amax: Optional[torch.Tensor] = None,
     take_columnwise_amax: bool = False,
 ) -> Optional[tuple[Quantized, Optional[torch.Tensor]]]:
     """(both wanted directions and dbias, the columnwise side's amaxes where
     ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
     source: a padded layout's (groups.padding) row of x for each row to quantize (-1: a zero row),
-    read by the kernel as runs of x's rows, a tile of GROUP_ROWS rows each.
+    read by the kernel as ``runs`` of x's rows (GroupPadding.runs), a tile of GROUP_ROWS rows each.
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
     """
@@ -194,7 +194,7 @@ def _run(
         dbias,
         rng,
         ctx.offset,
-        None if source is None else groups.tile_runs(source, GROUP_ROWS),
+        runs,
         columnwise_amax,
         not take_columnwise_amax,
     )
@@ -270,8 +270,8 @@ def grouped_quantize(
 
 def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
-    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, columnwise_amax: Optional[torch.Tensor] = None,
-    take_columnwise_amax: bool = False,
+    rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, runs: Optional[torch.Tensor] = None,
+    columnwise_amax: Optional[torch.Tensor] = None, take_columnwise_amax: bool = False,
 ) -> GroupedQuantized:
     """``grouped_quantize`` of both wanted directions, each from x, in one read of x where the
     native kernel makes both (each direction as its own call would make it, random draws
@@ -279,8 +279,9 @@ def grouped_quantize_pass(
     columnwise comes from the dequantized rowwise, not from x: it is not taken here.
 
     source: the rows to quantize are x's rows source[r], zeros where it is -1
-    (``groups.gather_rows``), a padded layout's (``groups.padding`` with GROUP_ROWS): the native
-    kernel reads them from x, so no gathered copy is made.
+    (``groups.gather_rows``), a padded layout's (``groups.padding`` with GROUP_ROWS), with
+    ``runs``, its GroupPadding.runs: the native kernel reads them from x, so no gathered copy is
+    made.
 
     take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
     (``Quantizer.grouped_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
@@ -293,11 +294,13 @@ def grouped_quantize_pass(
         raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
     if take_columnwise_amax and (columnwise or not rowwise or quantizer.columnwise_from_rowwise()):
         raise ValueError(f"{quantizer}: take_columnwise_amax goes with the rowwise alone, of a columnwise made from x")
+    if (source is None) != (runs is None):
+        raise ValueError("grouped_quantize_pass takes a layout's source rows with their tile runs (GroupPadding.runs), or neither")
     shape = tuple(x.shape) if source is None else (source.shape[0], x.shape[1])
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
-    grouped = dict(group_sizes=group_sizes, source=source)
+    grouped = dict(group_sizes=group_sizes, source=source, runs=runs)
     given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
     if rowwise and (columnwise or take_columnwise_amax):
         both = _run(

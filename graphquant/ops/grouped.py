@@ -45,13 +45,15 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
-    x: torch.Tensor, row_group: torch.Tensor, ends: torch.Tensor, source: Optional[torch.Tensor], spec: str, rowwise: bool,
+    x: torch.Tensor, row_group: torch.Tensor, sizes: torch.Tensor, source: Optional[torch.Tensor], runs: Optional[torch.Tensor],
+    spec: str, rowwise: bool,
     columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int, columnwise_amax: Optional[torch.Tensor],
     take_columnwise_amax: bool, amax_group: Optional[str], scale: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
-    group; ``ends``: the groups' cumulative ends; ``source``: the row of x each padded row holds,
-    -1 a zero row, or None where x is in the layout already), each group quantized as if alone,
+    group; ``sizes``: each group's padded rows, GroupPadding.sizes; ``source``: the row of x each
+    padded row holds, -1 a zero row, or None where x is in the layout already, and ``runs``, its
+    GroupPadding.runs), each group quantized as if alone,
     in one read of x where a kernel makes both (native.grouped_quantize_pass, which reads x's rows
     through ``source``: no padded copy of x): [data, scale, amax] of the rowwise representation if
     wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
@@ -60,12 +62,9 @@ def grouped_quantize(
     step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize; a format
     that reduces its amaxes all-reduces each group's over the process group ``amax_group``;
     ``scale``: a delayed-scaling format's current scales, one a group."""
-    # The zero rows after the last group quantize with it, so that the groups cover every row.
-    covering = torch.cat([ends[:-1], ends.new_full((1,), row_group.shape[0])])
-    sizes = torch.diff(covering, prepend=ends.new_zeros(1))
     ctx = QuantizeContext(scale=scale, rng=rng, offset=rng_stream, amax_group=amax_group)
     made = native.grouped_quantize_pass(
-        quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source,
+        quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source, runs=runs,
         columnwise_amax=columnwise_amax, take_columnwise_amax=take_columnwise_amax,
     )
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
@@ -73,14 +72,14 @@ def grouped_quantize(
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, ends, source, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group, scale):
+def _(x, row_group, sizes, source, runs, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group, scale):
     quantizer = quantizer_of(spec)
     padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(padded, row_group, ends.shape[0], d, QuantizeContext(scale=scale)) for d in wanted]
+    reps = [quantizer.child(d).quantize_groups(padded, row_group, sizes.shape[0], d, QuantizeContext(scale=scale)) for d in wanted]
     tensors = [t for rep in reps for t in rep.tensors()]
     if take_columnwise_amax:
-        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, ends.shape[0]))
+        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, sizes.shape[0]))
     return [t.new_empty(t.shape) for t in tensors]
 
 
@@ -155,11 +154,11 @@ def quantize_grouped(
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
         # x's rows are read into the layout by the quantize; the dequantized rowwise lies in it.
-        gather = layout.gather if source is x else None
+        gather, runs = (layout.gather, layout.runs) if source is x else (None, None)
         given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
-            source, layout.row_group, layout.ends, gather, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng, made_stream,
-            given, False, amax_group if made.reduces_amax else None, scale if made.keeps_state else None,
+            source, layout.row_group, layout.sizes, gather, runs, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng,
+            made_stream, given, False, amax_group if made.reduces_amax else None, scale if made.keeps_state else None,
         )
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
         return {d: _operand(tensors[3 * i : 3 * i + 3], made, d, layout, x) for i, d in enumerate(order)}
@@ -186,7 +185,8 @@ def rowwise_and_columnwise_amax(
         return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream, amax_group, scale=scale)[ROWWISE], None
     made_rng, made_stream = (rng, stream) if quantizer.stochastic else (None, 0)
     *tensors, amax = torch.ops.graphquant.grouped_quantize(
-        x, layout.row_group, layout.ends, layout.gather, quantizer.spec, True, False, made_rng, made_stream, None, True, None, None
+        x, layout.row_group, layout.sizes, layout.gather, layout.runs, quantizer.spec, True, False, made_rng, made_stream, None, True,
+        None, None,
     )
     return _operand(tensors, quantizer, ROWWISE, layout, x), amax
 
