@@ -194,7 +194,7 @@ def _run(
         dbias,
         rng,
         ctx.offset,
-        runs,
+        None if runs is None else runs.contiguous(),  # as a compiler may lay it out otherwise
         columnwise_amax,
         not take_columnwise_amax,
     )
