@@ -2,13 +2,15 @@
 torch._grouped_mm: codes decoded in the GEMM's registers (triton_grouped_gemm.tokens_by_coded_experts),
 the routed experts' values written first, every expert's values written first.
 
-    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,64,128,1024,16384] [--reps 10]
+    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,64,128,1024,16384] [--reps 10] [--tiny]
 
 The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816), ``--rows`` routed
 rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
 graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
 the three ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
 registers up to triton_grouped_gemm.CODED_BLOCK_M routed rows an expert, chosen from this table.
+``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernel under Triton's
+interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
 """
 
 from __future__ import annotations
@@ -29,24 +31,23 @@ from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
 
-EXPERTS, K, N = 64, 4096, 2816
+DIMS, TINY_DIMS = (64, 4096, 2816), (4, 256, 128)  # experts, k, n
 WAYS = ("decoded in registers", "routed experts' values", "every expert's values")
 
 
 def stack(quantizer, w: torch.Tensor):
-    """(w's expert stack quantized rowwise, each stack row's expert)."""
-    ends = torch.arange(1, EXPERTS + 1, dtype=torch.int32, device=w.device) * N
-    layout = groups.padding(ends, EXPERTS * N, groups.GROUP_ROWS, EXPERTS * N)
-    sizes = torch.full((EXPERTS,), N, dtype=torch.int32, device=w.device)
-    return native.grouped_quantize(quantizer, w.reshape(-1, K), layout.row_group, sizes, ROWWISE, QuantizeContext()), layout.row_group
+    """(w's expert stack (experts, n, k) quantized rowwise, each stack row's expert)."""
+    experts, n, k = w.shape
+    layout = groups.uniform_padding(experts, n, groups.GROUP_ROWS, w.device)
+    return native.grouped_quantize(quantizer, w.reshape(-1, k), layout.row_group, layout.sizes, ROWWISE, QuantizeContext()), layout.row_group
 
 
-def tokens(quantizer, rows: int):
+def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
     """(the routed rows' padded layout, x's quantized rows in it, x, the offsets)."""
-    chosen = torch.randint(0, EXPERTS, (rows,), device="cuda")
-    offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device="cuda"), right=True).to(torch.int32)
-    layout = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
-    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randint(0, experts, (rows,), device=device)
+    offs = torch.searchsorted(chosen.sort().values, torch.arange(experts, device=device), right=True).to(torch.int32)
+    layout = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, experts, groups.GROUP_ROWS))
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.sizes, ROWWISE, QuantizeContext()), x, offs
 
 
@@ -55,32 +56,36 @@ def main() -> None:
     parser.add_argument("--formats", default="mxfp8_block_scaling,nvfp4_block_scaling")
     parser.add_argument("--rows", default="8,64,128,1024,16384")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
+    experts, k, n = TINY_DIMS if args.tiny else DIMS
+    device = torch.device("cpu" if args.tiny else "cuda")
+    timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(fn, reps=args.reps):.3f}")  # noqa: E731
     decodes, live_arguments = grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments
     emulated = backends.GemmBackend(backends.EMULATION)
     table = []
     for name in args.formats.split(","):
         factory = getattr(recipes, name)().qfactory
         qx, qw = (factory(QuantizerRole("grouped_linear", tensor, "experts")) for tensor in ("input", "weight"))
-        w = torch.randn(EXPERTS, N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) / k**0.5
         b, b_group = stack(qw, w)
-        for rows in map(int, args.rows.split(",")):
-            layout, a, x, offs = tokens(qx, rows)
+        for rows in map(int, ("8,64" if args.tiny else args.rows).split(",")):
+            layout, a, x, offs = tokens(qx, rows, experts, k, device)
             times, outputs = {}, {}
             try:
                 for way in WAYS:
                     grouped_kernels._decodes_in_registers = lambda *given, on=way == WAYS[0]: on
                     every = way == WAYS[2]
                     triton_dequantize._live_arguments = (lambda live, data: live_arguments(None, data)) if every else live_arguments
-                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, N, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
-                    outputs[way], times[way] = run(), time_ms(run, reps=args.reps)
+                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
+                    outputs[way], times[way] = run(), timed(run)
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments
-            bf16 = time_ms(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), reps=args.reps)
+            bf16 = timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
             last = outputs[WAYS[2]].float()
             diff = max(((out.float() - last).norm() / last.norm()).item() for out in outputs.values())
-            table.append([name, rows, *(f"{times[way]:.3f}" for way in WAYS), f"{bf16:.3f}", f"{diff:.1e}"])
+            table.append([name, rows, *(times[way] for way in WAYS), bf16, f"{diff:.1e}"])
             print(table[-1], flush=True)
     print(tabulate(table, headers=["format", "routed rows", *(f"{way} ms" for way in WAYS), "bf16 ms", "max rel diff"], disable_numparse=True))
 
