@@ -100,7 +100,7 @@ def gemm(
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
-        out, alpha = _emulated(a, a_group, b, b_group, ends)
+        out, alpha = _emulated(a, b, b_group, tokens)
     if a.direction != ROWWISE:
         # An empty group's product is zeros (some kernels leave it unwritten).
         empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
@@ -120,9 +120,11 @@ def _decodes_in_registers(a: Representation, b: Representation, tokens: int, gro
 
 
 def _emulated(
-    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(product of the factored values, the factors to apply to it), padded."""
+    """(product of the factored values, the factors to apply to it), padded (tokens x experts:
+    rows of pad rows alone may be left unwritten)."""
+    a_group, ends = tokens.row_group, tokens.ends
     va, fa = factored(a, a_group)
     live = None
     if triton_dequantize is not None and a.direction == ROWWISE == b.direction and b.stored_k_last:
@@ -139,7 +141,7 @@ def _emulated(
     if a.direction == ROWWISE:
         experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
         experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
-        out = triton_grouped_gemm.tokens_by_experts(va, experts, a_group) if fp32_out else torch._grouped_mm(va, experts, offs=ends)
+        out = triton_grouped_gemm.tokens_by_experts(va, experts, tokens) if fp32_out else torch._grouped_mm(va, experts, offs=ends)
         if fb is not None:
             fb = fb.reshape(groups, -1)[a_group] if b.direction == ROWWISE else fb[a_group]
         alpha = _joint(fa, fb)

@@ -6,7 +6,7 @@ emulated product of a format whose values leave out a per-group or per-row facto
 and per-row FP8, NVFP4) needs fp32, so that the factor applied afterwards rounds once. In the
 padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, so a
 tile of rows lies in one group, and each program reads its group, or its group's bounds, on the
-device. bf16 (or fp32, multiplied as fp32) operands, fp32 accumulation, fp32 output: exact up to
+device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as fp32) operands, fp32 accumulation, fp32 output: exact up to
 fp32 accumulation.
 
 MXFP8 and NVFP4 operands whose reduction dim is stored last need no values in memory at all:
@@ -43,13 +43,23 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _pad_rows_alone(first, source_ptr, ends_ptr, groups):
+    """Whether the tile of padded rows from ``first`` holds no token: past the last group's end,
+    or its first row a pad row (a group's tokens come first, and a tile lies in one group)."""
+    return (first >= tl.load(ends_ptr + groups - 1)) | (tl.load(source_ptr + first) < 0)
+
+
+@triton.jit
 def _tokens_by_experts(
-    a_ptr, b_ptr, out_ptr, row_group_ptr, n, k: tl.constexpr,
+    a_ptr, b_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, n, k: tl.constexpr,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[r, :] = A[r, :] @ B[g] for the rows r of one tile, g their group (read once a tile)."""
+    """out[r, :] = A[r, :] @ B[g] for the rows r of one tile, g their group (read once a tile); a
+    tile of pad rows alone writes nothing."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if _pad_rows_alone(pid_m * BLOCK_M, source_ptr, ends_ptr, groups):
+        return
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     group = tl.load(row_group_ptr + pid_m * BLOCK_M).to(tl.int64)
@@ -87,14 +97,15 @@ def _tokens_by_tokens(
     tl.store(out_ptr + out_at, acc, mask=(ms[:, None] < m) & (ns[None, :] < n))
 
 
-def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
-    """fp32 (rows, n): a (rows, k) times experts[g] (groups, k, n) for the rows of group g."""
+def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, tokens: GroupPadding) -> torch.Tensor:
+    """fp32 (rows, n): a (rows, k), in the padded layout ``tokens``, times experts[g] (groups, k,
+    n) for the rows of group g; the pad rows' are left unwritten where a whole tile is pad rows."""
     rows, k = a.shape
     n = experts.shape[2]
     out = torch.empty((rows, n), dtype=torch.float32, device=a.device)
     grid = (rows // BLOCK_M, ceil_div(n, BLOCK_N))
     _tokens_by_experts[grid](
-        a, experts, out, row_group, n, k, *a.stride(), *experts.stride(),
+        a, experts, out, tokens.row_group, tokens.source, tokens.ends, tokens.groups, n, k, *a.stride(), *experts.stride(),
         IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return out
@@ -158,13 +169,10 @@ def _tokens_by_coded_experts(
     BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[source[r], c] = (A[r] . B_g[c]) * fa[r] * fb[g, c] for the padded rows r of one tile
-    (g their group); a tile past the last group or of pad rows alone (a group's rows come first
-    and BLOCK_M divides its 128-row alignment) returns at once."""
+    (g their group); a tile of pad rows alone returns at once."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     first = pid_m * BLOCK_M
-    if first >= tl.load(ends_ptr + groups - 1):
-        return
-    if tl.load(source_ptr + first) < 0:
+    if _pad_rows_alone(first, source_ptr, ends_ptr, groups):
         return
     rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
