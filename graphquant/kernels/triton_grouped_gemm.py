@@ -6,8 +6,8 @@ emulated product of a format whose values leave out a per-group or per-row facto
 and per-row FP8, NVFP4) needs fp32, so that the factor applied afterwards rounds once. In the
 padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, so a
 tile of rows lies in one group, and each program reads its group, or its group's bounds, on the
-device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as fp32) operands, fp32 accumulation, fp32 output: exact up to
-fp32 accumulation.
+device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as
+fp32) operands, fp32 accumulation, fp32 output: exact up to fp32 accumulation.
 
 MXFP8 and NVFP4 operands whose reduction dim is stored last need no values in memory at all:
 ``tokens_by_coded_experts`` reads their codes and block scales, decodes a tile in registers into
