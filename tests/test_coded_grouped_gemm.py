@@ -2,11 +2,11 @@
 (triton_grouped_gemm.tokens_by_coded_experts): each token's row is its expert's product of the
 emulation's values within fp32 accumulation's bound, with the factors the values leave out
 (NVFP4's global decode, per group or per row) applied once; ragged and empty groups, a stack
-padded past the output's columns, K not a whole number of tiles, and few tokens a group (the
-decode step's tiles).
+padded past the output's columns, K not a whole number of tiles, and a decode step's few tokens.
+The other path's values of the routed experts alone, and which operands and sizes take which.
 
-On the CPU the kernel runs under Triton's interpreter in a process of its own; on the GPU beside
-the path that writes every expert's values first, and inside a compiled expert layer.
+On the CPU the kernels run under Triton's interpreter in a process of its own, and on the GPU
+(tests/test_freeze_experts.py runs compiled expert layers of every family there too).
 """
 
 import json
@@ -24,8 +24,8 @@ FORMATS = {
     "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
     "nvfp4 row scaled": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(row_scaled_nvfp4=True)),
 }
-# (tokens of each group, K): ragged groups with an empty one (64-row tiles), a decode step's few
-# tokens (16-row tiles), K ending in a partial 128-wide tile.
+# (tokens of each group, K): ragged groups with an empty one; a decode step's few tokens, K ending
+# in a partial 128-wide tile.
 SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160)]
 STACK_ROWS, N = 128, 112  # each expert's stacked rows, of which the output keeps N
 
