@@ -95,7 +95,7 @@ def gemm(
         if a.direction == ROWWISE:
             return kernels.tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
-    if native is None and a.direction == ROWWISE and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
+    if native is None and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
         return triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, tokens, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphquant.formats import fp8
 from graphquant.formats.groups import GroupPadding
 from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
 from graphquant.kernels.triton_launch import ceil_div
@@ -243,4 +244,4 @@ def tokens_by_coded_experts(
 def _codes(rep: Representation) -> torch.Tensor:
     """MXFP8 codes typed as their element (so that a load reads their values), NVFP4's bytes as they are."""
     element = rep.quantizer.gemm_input(rep.direction).element
-    return rep.data.view({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(element, rep.data.dtype))
+    return rep.data.view(fp8.FP8_DTYPES.get(element, rep.data.dtype))

@@ -46,17 +46,15 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 @registry.op("grouped_quantize")
 def grouped_quantize(
     x: torch.Tensor, row_group: torch.Tensor, sizes: torch.Tensor, source: Optional[torch.Tensor], runs: Optional[torch.Tensor],
-    spec: str, rowwise: bool,
-    columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int, columnwise_amax: Optional[torch.Tensor],
-    take_columnwise_amax: bool, amax_group: Optional[str], scale: Optional[torch.Tensor],
+    spec: str, rowwise: bool, columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int,
+    columnwise_amax: Optional[torch.Tensor], take_columnwise_amax: bool, amax_group: Optional[str], scale: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
     group; ``sizes``: each group's padded rows, GroupPadding.sizes; ``source``: the row of x each
     padded row holds, -1 a zero row, or None where x is in the layout already, and ``runs``, its
-    GroupPadding.runs), each group quantized as if alone,
-    in one read of x where a kernel makes both (native.grouped_quantize_pass, which reads x's rows
-    through ``source``: no padded copy of x): [data, scale, amax] of the rowwise representation if
-    wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
+    GroupPadding.runs), each group quantized as if alone, in one read of x where a kernel makes
+    both (native.grouped_quantize_pass, which reads x's rows through ``source``: no padded copy of
+    x): [data, scale, amax] of the rowwise representation if wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
     amaxes the columnwise side scales from, which a later call for the same x's columnwise
     representation takes as ``columnwise_amax`` instead of reading x for them. rng: int64 [seed,
     step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize; a format
