@@ -314,7 +314,7 @@ def test_emulation_dequantizes_with_triton_only_where_triton_loads_e4m3(monkeypa
         assert triton_dequantize.runs_on(torch.device("cuda", 0)) is expected
         assert not triton_dequantize.runs_on(torch.device("cpu"))
     rep = MXFP8Quantizer().quantize_rowwise(torch.randn(32, 64), QuantizeContext())
-    monkeypatch.setitem(emulation._BLOCK_VALUES, "mxfp8", lambda rep: "the Triton kernel's")
+    monkeypatch.setitem(emulation._BLOCK_VALUES, "mxfp8", lambda rep, live: "the Triton kernel's")
     for runs, made_by_triton in ((True, True), (False, False)):
         monkeypatch.setattr(triton_dequantize, "runs_on", lambda device, runs=runs: runs)
         values = emulation.values(rep)
