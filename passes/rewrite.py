@@ -68,7 +68,7 @@ def rewrite(
                 node = graph.placeholder(f"graphquant_state_{len(extra)}")
             node._dynamo_source = None  # not from user code: the compiled wrapper supplies it
             node.meta["graphquant_state"] = key
-            if isinstance(key, tuple):  # a stored stack lives as long as the model: CUDA graphs read it in place, not a copy
+            if key != "rng":  # a stored stack or a slot's state keeps its tensor for the model's life: CUDA graphs read it in place, not a copy
                 node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             extra[key] = last_placeholder = node
         return extra[key]

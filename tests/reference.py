@@ -696,6 +696,37 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+class StaticInputs:
+    """A backend (``.backend``) that runs AOTAutograd's graphs eagerly and records, at every call
+    of a forward graph, the addresses of its inputs (``given``) and of those AOT calls static
+    (``static``: CUDA graph trees read them in place rather than copy them at each replay)."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.given: set[int] = set()
+        self.static: set[int] = set()
+        self.backend = aot_autograd(fw_compiler=self._compiler, bw_compiler=lambda graph, inputs: make_boxed_func(graph))
+
+    def clear(self) -> None:
+        self.given.clear()
+        self.static.clear()
+
+    def _compiler(self, graph, inputs):
+        from torch._guards import TracingContext
+
+        indices = TracingContext.get().fw_metadata.static_input_indices
+
+        def run(args):
+            self.given.update(a.data_ptr() for a in args if isinstance(a, torch.Tensor))
+            self.static.update(args[i].data_ptr() for i in indices)
+            return graph(*args)
+
+        run._boxed_call = True
+        return run
+
+
 def cuda_graph_replays(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, scales=(1.0, 1e-3, 1e3)):
     """``fn(x)`` captured in a CUDA graph (called once before, outside the capture: Triton
     compiles and tunes there); for each of ``scales``, x refilled with new values times it and the

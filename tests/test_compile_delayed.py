@@ -16,6 +16,7 @@ import torch
 from reference import (  # noqa: F401
     GemmTape,
     Reference,
+    StaticInputs,
     assert_same_results,
     forward_backward,
     fresh_dynamo,
@@ -64,6 +65,23 @@ def test_delayed_state_updates_in_graph_and_matches_eager_rule(algo, history):
         assert before[fc1_input] != after[fc1_input], (before, after)
     assert len(compiled.graphquant.plans) == 1  # one graph: the state is updated inside it
     assert {r.tensor_type for r in state} == {"input", "weight", "grad_output"}
+
+
+def test_slot_states_are_static_inputs_and_the_rounding_step_is_not():
+    """CUDA graph trees copy every input AOT does not call static into the graph's memory at each
+    replay, and run a graph that mutates such an input without CUDA graphs: a delayed-scaling
+    slot's state, rolled in place at every call, is the same tensor for the model's life, so it is
+    static; the stochastic-rounding [seed, step] is a new tensor each call, so it is not."""
+    static = StaticInputs()
+    compiled = graphquant.compile(models.seeded(models.MLP()), recipes.delayed_scaling(amax_history_len=2), backend=static.backend)
+    compiled(step_input(0)).sum().backward()
+    forward_states = {t.data_ptr() for r, t in compiled.graphquant.delayed_state.items() if r.tensor_type != "grad_output"}
+    assert len(forward_states) == 4 and forward_states <= static.static
+
+    static = StaticInputs()
+    compiled = graphquant.compile(models.seeded(models.MLP()), recipes.nvfp4_block_scaling(), backend=static.backend)
+    compiled(step_input(0)).sum().backward()
+    assert compiled.graphquant.rng.data_ptr() in static.given - static.static
 
 
 def check_states(compiled, reference, step, roles=None):

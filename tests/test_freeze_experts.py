@@ -9,7 +9,7 @@ checkpoint, and refuse what it cannot freeze with an error or a warning that say
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import fresh_dynamo  # noqa: F401
+from reference import StaticInputs, fresh_dynamo  # noqa: F401
 from test_freeze import FAMILIES
 
 import graphquant
@@ -105,23 +105,9 @@ def test_frozen_experts_compute_the_per_call_bits_with_inductor_on_cuda(family):
 def test_stored_stacks_are_static_inputs_that_cuda_graphs_read_in_place():
     """CUDA graph trees copy every input AOT does not call static into the graph's own memory at
     each replay: for a stored stack, all of the experts' bytes."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._guards import TracingContext
-
-    static = []
-
-    def compiler(graph, inputs):
-        indices = TracingContext.get().fw_metadata.static_input_indices
-
-        def run(args):
-            static.extend(args[i].data_ptr() for i in indices)
-            return graph(*args)
-
-        run._boxed_call = True
-        return run
-
+    static = StaticInputs()
     model = Experts()
-    compiled = graphquant.compile(model, FAMILIES["rowwise"](), mode="inference", backend=aot_autograd(fw_compiler=compiler))
+    compiled = graphquant.compile(model, FAMILIES["rowwise"](), mode="inference", backend=static.backend)
     x = tokens()
     with torch.no_grad():
         compiled(x, OFFS)
@@ -129,7 +115,7 @@ def test_stored_stacks_are_static_inputs_that_cuda_graphs_read_in_place():
         static.clear()
         compiled(x, OFFS)
     stored = [getattr(m, f"weight_{part}") for m in (model.frozen_up, model.frozen_down) for part in ("codes", "scale")]
-    assert {t.data_ptr() for t in stored} <= set(static) and x.data_ptr() not in static
+    assert {t.data_ptr() for t in stored} <= static.static and x.data_ptr() in static.given - static.static
 
 
 def test_frozen_stacks_take_half_of_bf16_in_fp8_and_under_a_third_in_nvfp4():
