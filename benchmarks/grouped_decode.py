@@ -39,7 +39,7 @@ def stack(quantizer, w: torch.Tensor):
     """(w's expert stack (experts, n, k) quantized rowwise, each stack row's expert)."""
     experts, n, k = w.shape
     layout = groups.uniform_padding(experts, n, groups.GROUP_ROWS, w.device)
-    return native.grouped_quantize(quantizer, w.reshape(-1, k), layout.row_group, layout.sizes, ROWWISE, QuantizeContext()), layout.row_group
+    return native.grouped_quantize(quantizer, w.reshape(-1, k), layout.row_group, layout.bounds, ROWWISE, QuantizeContext()), layout.row_group
 
 
 def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
@@ -48,7 +48,7 @@ def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
     offs = torch.searchsorted(chosen.sort().values, torch.arange(experts, device=device), right=True).to(torch.int32)
     layout = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, experts, groups.GROUP_ROWS))
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-    return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.sizes, ROWWISE, QuantizeContext()), x, offs
+    return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.bounds, ROWWISE, QuantizeContext()), x, offs
 
 
 def main() -> None:

@@ -50,17 +50,17 @@ def quantizers(name: str):
 
 
 def routed(device: str = "cuda"):
-    """(offs, the padded layout of the routed rows, each padded group's size) of TOKENS tokens
-    routed top-TOP_K of EXPERTS at random."""
+    """(offs, the padded layout of the routed rows) of TOKENS tokens routed top-TOP_K of EXPERTS
+    at random."""
     torch.manual_seed(0)
     chosen = torch.randn(TOKENS, EXPERTS, device=device).topk(TOP_K, dim=-1).indices.reshape(-1)
     offs = torch.searchsorted(chosen.sort().values, torch.arange(EXPERTS, device=device), right=True).to(torch.int32)
     rows = TOKENS * TOP_K
     tokens = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, EXPERTS, groups.GROUP_ROWS))
-    return offs, tokens, tokens.sizes
+    return offs, tokens
 
 
-def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, tokens, sizes) -> dict:
+def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, tokens) -> dict:
     """{GEMM: (A, B, B's row groups, the output's width)} of one expert site under zoo recipe
     ``name``: x (rows, k), w (experts, n, k), dy (rows, n) quantized as graphquant.ops.grouped
     lays them out (tokens padded, the weights as a stack of experts)."""
@@ -68,16 +68,15 @@ def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, toke
     qx, qw, qg = quantizers(name)
     stack_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
     stack = groups.padding(stack_ends, experts * n, groups.GROUP_ROWS, experts * n)
-    expert_sizes = torch.full((experts,), n, dtype=torch.int32, device=w.device)
 
-    def quantized(quantizer, values, layout, direction, group_sizes):
-        return native.grouped_quantize(quantizer, values, layout.row_group, group_sizes, direction, QuantizeContext())
+    def quantized(quantizer, values, layout, direction):
+        return native.grouped_quantize(quantizer, values, layout.row_group, layout.bounds, direction, QuantizeContext())
 
     xp, dyp = tokens.pad(x), tokens.pad(dy)
     return {
-        "fprop": (quantized(qx, xp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, ROWWISE, expert_sizes), stack.row_group, n),
-        "dgrad": (quantized(qg, dyp, tokens, ROWWISE, sizes), quantized(qw, w.reshape(-1, k), stack, COLUMNWISE, expert_sizes), stack.row_group, k),
-        "wgrad": (quantized(qg, dyp, tokens, COLUMNWISE, sizes), quantized(qx, xp, tokens, COLUMNWISE, sizes), tokens.row_group, n),
+        "fprop": (quantized(qx, xp, tokens, ROWWISE), quantized(qw, w.reshape(-1, k), stack, ROWWISE), stack.row_group, n),
+        "dgrad": (quantized(qg, dyp, tokens, ROWWISE), quantized(qw, w.reshape(-1, k), stack, COLUMNWISE), stack.row_group, k),
+        "wgrad": (quantized(qg, dyp, tokens, COLUMNWISE), quantized(qx, xp, tokens, COLUMNWISE), tokens.row_group, n),
     }
 
 
@@ -95,7 +94,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--emulated", action="store_true", help="also time the emulated GEMM of each")
     args = parser.parse_args()
-    offs, tokens, sizes = routed()
+    offs, tokens = routed()
     rows = TOKENS * TOP_K
     kernels = backends.triton_grouped_fp8
     scaled = backends.NATIVE_GROUPED_GEMM
@@ -117,7 +116,7 @@ def main() -> None:
             bf16_ms[gemm] = time_ms(fn, reps=args.reps)
             table.append([site, gemm, "bf16 torch._grouped_mm", f"{bf16_ms[gemm]:.3f}", f"{flops / bf16_ms[gemm] / 1e9:.0f}", "1.00x", ""])
         for name in args.formats.split(","):
-            for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens, sizes).items():
+            for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens).items():
                 def triton_gemm(promote_every):  # as graphquant.kernels.grouped.gemm calls it
                     if a.direction == ROWWISE:
                         return kernels.tokens_by_experts(a, b, b_group, tokens, width, torch.bfloat16, promote_every)

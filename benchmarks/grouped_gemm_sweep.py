@@ -152,7 +152,7 @@ def cases(formats: list[str], sites: list[str], fast: bool):
     not, a call on a given backend, torch._scaled_grouped_mm's backend where it takes the GEMM or
     None, whether block-scaled)}, (bf16 x, w, dy, offs)) for every format and site, built one at
     a time."""
-    offs, tokens, sizes = routed()
+    offs, tokens = routed()
     rows = TOKENS * TOP_K
     for site in sites:
         k, n = SITES[site]
@@ -161,7 +161,7 @@ def cases(formats: list[str], sites: list[str], fast: bool):
         dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         for name in formats:
             calls = {}
-            for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens, sizes).items():
+            for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens).items():
                 def call(backend, a=a, b=b, b_group=b_group, width=width, gemm=gemm):
                     return grouped_kernels.gemm(a, b, b_group, tokens, width, torch.bfloat16, backend, f"{site} {gemm}")
 

@@ -575,10 +575,8 @@ def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction)
     sizes = (40, 20, 57, 7) if name.startswith("nvfp4") or (name == "fp8_rowwise" and direction == COLUMNWISE) else SIZES
     layout = groups.padding(offsets(sizes), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     padded = layout.pad(x)
-    group_rows = torch.diff(layout.ends, prepend=layout.ends.new_zeros(1))
-    group_rows[-1] += layout.padded_rows - layout.ends[-1]  # the zero rows after the last group are its own
     got = quantizer.quantize_groups(padded, layout.row_group, E, direction, ctx)
-    want = native.reference_grouped_quantize(quantizer, padded, group_rows, direction, ctx)
+    want = native.reference_grouped_quantize(quantizer, padded, layout.bounds, direction, ctx)
     for part in ("data", "scale", "amax"):
         g, w = getattr(got, part), getattr(want, part)
         assert (g is None) == (w is None), part
@@ -656,17 +654,17 @@ def test_grouped_ops_pass_opcheck(quantizer):
     tokens = groups.padding(offsets(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
     stack = groups.padding(torch.arange(1, E + 1, dtype=torch.int32) * N, E * N, groups.GROUP_ROWS, E * groups.GROUP_ROWS)
     xp, w = tokens.pad(x), stack.pad(torch.randn(E * N, K, dtype=torch.bfloat16))
-    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, quantizer.spec, True, False, None, 0, None, False, None, None)
-    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.sizes, None, None, quantizer.spec, True, False, None, 0, None, False, None, None)
+    xq = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.bounds, tokens.source, tokens.runs, quantizer.spec, True, False, None, 0, None, False, None, None)
+    wq = torch.ops.graphquant.grouped_quantize(w, stack.row_group, stack.bounds, None, None, quantizer.spec, True, False, None, 0, None, False, None, None)
     for spec, rng in ((quantizer.spec, None), (NVFP4Quantizer(stochastic_rounding=True).spec, torch.tensor([3, 1]))):
         for rowwise in (False, True):  # the columnwise alone, and both directions from one call
             for rows, source, runs in ((x, tokens.source, tokens.runs), (xp, None, None)):  # gathered into the layout, or in it already
-                args = (rows, tokens.row_group, tokens.sizes, source, runs, spec, rowwise, True, rng, 2, None, False, None, None)
+                args = (rows, tokens.row_group, tokens.bounds, source, runs, spec, rowwise, True, rng, 2, None, False, None, None)
                 torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, args)
         # The rowwise and the amaxes its columnwise scales from; then that columnwise, given them.
-        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, spec, True, False, rng, 2, None, True, None, None)
+        *_, amax = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.bounds, tokens.source, tokens.runs, spec, True, False, rng, 2, None, True, None, None)
         for args in ((True, False, rng, 2, None, True, None, None), (False, True, rng, 2, amax, False, None, None)):
-            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, spec, *args))
+            torch.library.opcheck(torch.ops.graphquant.grouped_quantize.default, (x, tokens.row_group, tokens.bounds, tokens.source, tokens.runs, spec, *args))
     without_schema = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")  # no allclose for FP8
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
@@ -749,8 +747,8 @@ def test_grouped_site_quantizes_the_rows_through_the_layout_without_a_padded_cop
     assert not [n for n in copies if n.meta["val"].dtype == torch.bfloat16 and rows(n) in padded], "a padded copy"
 
 
-def test_grouped_ops_take_the_layouts_sizes_tile_runs_and_source_rows_from_the_graph():
-    """What the grouped ops derive from a layout (each group's padded rows, the tile runs the
+def test_grouped_ops_take_the_layouts_bounds_tile_runs_and_source_rows_from_the_graph():
+    """What the grouped ops derive from a layout (each group's first padded row, the tile runs the
     native quantize reads x's rows by, each padded row's source row) is made in the graph, where
     Inductor fuses it with the layout's arithmetic, not by small torch calls inside the ops at
     every call (each a launch: at a decode step's size most of a grouped site's launches)."""
@@ -761,7 +759,7 @@ def test_grouped_ops_take_the_layouts_sizes_tile_runs_and_source_rows_from_the_g
     nodes = [n for g in graphs for n in g.graph.nodes]
     quantizes = [n for n in nodes if n.target is torch.ops.graphquant.grouped_quantize.default]
     gathered = [n for n in quantizes if n.args[3] is not None]
-    assert gathered and all(isinstance(n.args[2], torch.fx.Node) for n in quantizes)
+    assert gathered and all(isinstance(n.args[2], torch.fx.Node) and n.args[2].meta["val"].dtype == torch.int64 for n in quantizes)
     assert all(isinstance(n.args[4], torch.fx.Node) and n.args[4].meta["val"].dtype == torch.int32 for n in gathered)
     gemms = [n for n in nodes if n.target is torch.ops.graphquant.grouped_gemm.default]
     assert gemms and all(isinstance(n.args[12], torch.fx.Node) for n in gemms)  # the layout's source rows
@@ -937,7 +935,7 @@ def test_grouped_quantize_of_both_directions_returns_no_aliases_on_gpu(quantizer
     torch 2.12 on), though the kernel makes NVFP4's two directions one global amax."""
     x = inputs().cuda()
     tokens = groups.padding(offsets().cuda(), T, groups.GROUP_ROWS, groups.padded_bound(T, E, groups.GROUP_ROWS))
-    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.sizes, tokens.source, tokens.runs, quantizer.spec, True, True, None, 0, None, False, None, None)
+    tensors = torch.ops.graphquant.grouped_quantize(x, tokens.row_group, tokens.bounds, tokens.source, tokens.runs, quantizer.spec, True, True, None, 0, None, False, None, None)
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
     assert len(set(storages)) == len(storages) and x.untyped_storage().data_ptr() not in storages
 

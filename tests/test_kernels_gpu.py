@@ -387,6 +387,12 @@ def grouped_quantizer(name):
     return QUANTIZERS[name]()
 
 
+def grouped_rows(sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the groups' bounds, each row's group) of consecutive row groups of ``sizes`` rows."""
+    bounds = torch.tensor([0, *itertools.accumulate(sizes)], device=device)
+    return bounds, torch.arange(len(sizes), device=device).repeat_interleave(torch.tensor(sizes, device=device), output_size=sum(sizes))
+
+
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", GROUPED)
 def test_grouped_quantize(backend, name, direction):
@@ -394,12 +400,11 @@ def test_grouped_quantize(backend, name, direction):
     # Empty groups only where the per-group reference can quantize an empty slice.
     allows_empty = name.startswith(("fp8_current", "fp8_block", "mxfp8")) or (name == "fp8_rowwise" and direction == ROWWISE)
     sizes = [256, 0, 128, 384] if allows_empty else [256, 128, 384]
-    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
-    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    bounds, row_group = grouped_rows(sizes, backend)
     for n, dtype in enumerate(DTYPES):
         x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
-        got = native.grouped_quantize(quantizer, x, row_group, group_sizes, direction, CTX)
-        reference = REFERENCE_GROUPED(quantizer, x, group_sizes, direction, CTX)
+        got = native.grouped_quantize(quantizer, x, row_group, bounds, direction, CTX)
+        reference = REFERENCE_GROUPED(quantizer, x, bounds, direction, CTX)
         assert_same_rep(got, reference, str(dtype))
 
 
@@ -410,12 +415,11 @@ def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     included; a hybrid's too (each child its direction, from x)."""
     quantizer = grouped_quantizer(name)
     sizes = [256, 128, 384]
-    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
-    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    bounds, row_group = grouped_rows(sizes, backend)
     x = make_input((sum(sizes), 160), torch.bfloat16, "special", backend)
-    both = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=True, columnwise=True)
+    both = native.grouped_quantize_pass(quantizer, x, row_group, bounds, CTX, rowwise=True, columnwise=True)
     for direction, rep in ((ROWWISE, both.rowwise), (COLUMNWISE, both.columnwise)):
-        alone = native.grouped_quantize(quantizer.child(direction), x, row_group, group_sizes, direction, CTX)
+        alone = native.grouped_quantize(quantizer.child(direction), x, row_group, bounds, direction, CTX)
         assert_same_rep(rep, alone, direction)
 
 
@@ -429,7 +433,7 @@ def test_grouped_quantize_through_a_gather(backend, name):
     rows = 700
     offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
     layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
-    sizes = layout.sizes
+    bounds = layout.bounds
     for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16)):
         directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
         if not directions:
@@ -437,8 +441,8 @@ def test_grouped_quantize_through_a_gather(backend, name):
         x = make_input((rows, cols), dtype, "special", backend)
         for wanted in [directions] + [[d] for d in directions] * (len(directions) == 2):
             both = dict(rowwise=ROWWISE in wanted, columnwise=COLUMNWISE in wanted)
-            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, sizes, CTX, source=layout.source, runs=layout.runs, **both)
-            want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, sizes, CTX, **both)
+            got = native.grouped_quantize_pass(quantizer, x, layout.row_group, bounds, CTX, source=layout.source, runs=layout.runs, **both)
+            want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, bounds, CTX, **both)
             for direction in wanted:
                 what = f"{direction} of {wanted}, {cols} {dtype}"
                 assert_same_rep(getattr(got, direction), getattr(want, direction), what)
@@ -453,27 +457,26 @@ def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name
     quantizer = grouped_quantizer(name)
     column = quantizer.child(COLUMNWISE)
     sizes = [256, 128, 384]
-    group_sizes = torch.tensor(sizes, dtype=torch.int32, device=backend)
-    row_group = torch.arange(len(sizes), device=backend).repeat_interleave(group_sizes.long(), output_size=sum(sizes))
+    bounds, row_group = grouped_rows(sizes, backend)
     for values in ("special", "normal"):
         x = make_input((sum(sizes), 160), torch.bfloat16, values, backend)
-        first = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=True, columnwise=False, take_columnwise_amax=True)
-        rowwise = native.grouped_quantize(quantizer.child(ROWWISE), x, row_group, group_sizes, ROWWISE, CTX)
+        first = native.grouped_quantize_pass(quantizer, x, row_group, bounds, CTX, rowwise=True, columnwise=False, take_columnwise_amax=True)
+        rowwise = native.grouped_quantize(quantizer.child(ROWWISE), x, row_group, bounds, ROWWISE, CTX)
         assert_same_rep(first.rowwise, rowwise, f"{values} rowwise")
         scaling = column.kernel_encoding(COLUMNWISE).scaling
         if scaling == "row":  # per group and column
             want = groups.group_amax(x, row_group, len(sizes), per_column=True).reshape(-1)
         elif scaling in ("tensor", "nvfp4"):  # per group
-            want = REFERENCE_GROUPED(column, x, group_sizes, COLUMNWISE, CTX).amax.float().reshape(-1)
+            want = REFERENCE_GROUPED(column, x, bounds, COLUMNWISE, CTX).amax.float().reshape(-1)
         else:  # scales from blocks alone
             want = x.new_empty(0, dtype=torch.float32)
         assert_same(first.columnwise_amax, want, f"{values} amaxes")
 
         def columnwise(amax):
-            made = native.grouped_quantize_pass(quantizer, x, row_group, group_sizes, CTX, rowwise=False, columnwise=True, columnwise_amax=amax)
+            made = native.grouped_quantize_pass(quantizer, x, row_group, bounds, CTX, rowwise=False, columnwise=True, columnwise_amax=amax)
             return made.columnwise
 
-        alone = native.grouped_quantize(column, x, row_group, group_sizes, COLUMNWISE, CTX)
+        alone = native.grouped_quantize(column, x, row_group, bounds, COLUMNWISE, CTX)
         assert_same_rep(columnwise(first.columnwise_amax), alone, f"{values} columnwise")
         if want.numel() and torch.isfinite(want).all():
             assert not torch.equal(columnwise(first.columnwise_amax * 4).scale, alone.scale), "the given amaxes were not taken"
@@ -541,8 +544,7 @@ def test_no_host_synchronisation_and_current_stream():
     x = make_input((512, 640), torch.bfloat16, "normal", "cuda")
     hybrid = HybridQuantizer(NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), Float8CurrentScalingQuantizer(), "rowwise_dequantized")
     expected = native.quantize_hybrid(hybrid, x, CTX)
-    group_sizes = torch.tensor([256, 256], device="cuda")
-    row_group = torch.arange(2, device="cuda").repeat_interleave(256)
+    bounds, row_group = grouped_rows([256, 256], "cuda")
     stochastic, rng = QUANTIZERS["nvfp4_rht_sr_rowscaled"](), torch.tensor([5, 9], device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -551,7 +553,7 @@ def test_no_host_synchronisation_and_current_stream():
         with torch.cuda.stream(stream):
             got = native.quantize_hybrid(hybrid, x, CTX)
             grouped = native.grouped_quantize(
-                Float8CurrentScalingQuantizer(), x, row_group, group_sizes, COLUMNWISE, CTX
+                Float8CurrentScalingQuantizer(), x, row_group, bounds, COLUMNWISE, CTX
             )
             dbias = native.quantize_pass(MXFP8Quantizer(), x, CTX, dbias=True)[2]
             # as a compiled model calls it: stochastic rounding's [seed, step] stays on the device

@@ -228,7 +228,7 @@ struct Needs {
 std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_encoding, const Encoding* col_encoding,
                                  int64_t row_key, int64_t col_key, bool dq_source, bool row_output,
                                  const c10::optional<at::Tensor>& row_scale, const c10::optional<at::Tensor>& col_scale,
-                                 const c10::optional<at::Tensor>& group_sizes, bool want_dbias,
+                                 const c10::optional<at::Tensor>& group_bounds, bool want_dbias,
                                  const c10::optional<at::Tensor>& rng, int64_t rng_offset,
                                  const c10::optional<at::Tensor>& runs, const c10::optional<at::Tensor>& col_amax,
                                  bool col_output) {
@@ -268,7 +268,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
 
   // The rowwise side alone, nothing else asked of the pass: a small x may take the one-launch program.
   const bool rowwise_alone = row_output && col.format == kNone && !col_given && !dq_source && !runs.has_value() &&
-                             !group_sizes.has_value() && !want_dbias;
+                             !group_bounds.has_value() && !want_dbias;
   if (const int ctas = rowwise_alone ? small_rowwise_ctas_for(x, row) : 0; ctas > 0) return small_rowwise(x, row, ctas, dtype, stream);
 
   TileParams p;
@@ -281,14 +281,16 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
   p.col_rht = col.format == kNV && col.rht;
   p.col_sign_mask = col.sign_mask;
 
-  const bool grouped = group_sizes.has_value();
-  at::Tensor group_start;
+  // Each group's first row, then M: made in the graph beside the layout, so no launches here.
+  const bool grouped = group_bounds.has_value();
   if (grouped) {
-    TORCH_CHECK(group_sizes->dim() == 1 && group_sizes->numel() > 0, "graphquant.grouped_quantize: group_sizes must be a non-empty 1-D tensor");
-    const at::Tensor sizes = group_sizes->to(opts.dtype(at::kLong));
-    group_start = at::cat({at::zeros({1}, sizes.options()), sizes.cumsum(0)});
-    p.group_start = group_start.data_ptr<int64_t>();
-    p.G = int(sizes.numel());
+    TORCH_CHECK(group_bounds->scalar_type() == at::kLong && group_bounds->dim() == 1 && group_bounds->numel() > 1 &&
+                    group_bounds->is_contiguous() && group_bounds->device() == x.device(),
+                "graphquant.grouped_quantize: group_bounds must be a contiguous 1-D int64 tensor of the groups' first rows and ",
+                "then the rows (groups + 1 elements) on the input's device, got ", group_bounds->scalar_type(), " of shape ",
+                group_bounds->sizes(), " on ", group_bounds->device());
+    p.group_start = group_bounds->data_ptr<int64_t>();
+    p.G = int(group_bounds->numel() - 1);
   }
   const int64_t G = p.G;
   // Per-tensor scales and amaxes are 0-dim, or one per group.
@@ -551,7 +553,7 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("x"), pybind11::arg("row_encoding").none(true), pybind11::arg("col_encoding").none(true),
         pybind11::arg("row_key"), pybind11::arg("col_key"), pybind11::arg("dq_source"),
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
-        pybind11::arg("group_sizes"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
+        pybind11::arg("group_bounds"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0, pybind11::arg("runs") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
         pybind11::arg("col_output") = true);
   m.def(

@@ -66,11 +66,12 @@ class GroupPadding(NamedTuple):
         return None if self.gather is None else tile_runs(self.source, GROUP_ROWS)
 
     @property
-    def sizes(self) -> torch.Tensor:
-        """Each group's padded rows, the zero rows after the last group counted as its (they are
-        quantized with it, so that the groups cover every padded row)."""
-        covering = torch.cat([self.ends[:-1], self.ends.new_full((1,), self.padded_rows)])
-        return torch.diff(covering, prepend=self.ends.new_zeros(1))
+    def bounds(self) -> torch.Tensor:
+        """(groups + 1) int64: each group's first padded row, then the padded rows, the zero rows
+        after the last group counted as its (they are quantized with it, so that the groups cover
+        every padded row). Made beside the layout, where a compiler fuses it with it, for the
+        native grouped quantize to read as it is."""
+        return torch.cat([self.ends.new_zeros(1), self.ends[:-1], self.ends.new_full((1,), self.padded_rows)]).long()
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, cols) in the padded layout, zeros between the groups (x itself where no

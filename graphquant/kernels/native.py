@@ -153,7 +153,7 @@ def _run(
     rowwise: bool,
     columnwise: bool,
     dbias: bool = False,
-    group_sizes: Optional[torch.Tensor] = None,
+    group_bounds: Optional[torch.Tensor] = None,
     source: Optional[torch.Tensor] = None,
     runs: Optional[torch.Tensor] = None,
     columnwise_amax: Optional[torch.Tensor] = None,
@@ -161,7 +161,8 @@ def _run(
 ) -> Optional[tuple[Quantized, Optional[torch.Tensor]]]:
     """(both wanted directions and dbias, the columnwise side's amaxes where
     ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
-    source: a padded layout's (groups.padding) row of x for each row to quantize (-1: a zero row),
+    group_bounds: each group's first row, then the rows, int64 (GroupPadding.bounds), where x's
+    row groups are each quantized alone. source: a padded layout's (groups.padding) row of x for each row to quantize (-1: a zero row),
     read by the kernel as ``runs`` of x's rows (GroupPadding.runs), a tile of GROUP_ROWS rows each.
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
@@ -178,7 +179,7 @@ def _run(
     col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise or take_columnwise_amax else None
     if (columnwise or take_columnwise_amax) and col is None:
         return None
-    if group_sizes is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
+    if group_bounds is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
         return None  # delayed scaling has one scale for the whole tensor
     out = ext.quantize(
         x,
@@ -190,7 +191,7 @@ def _run(
         rowwise,
         row.scale if row else None,
         col.scale if col else None,
-        group_sizes,
+        None if group_bounds is None else group_bounds.contiguous(),  # as a compiler may lay it out otherwise
         dbias,
         rng,
         ctx.offset,
@@ -254,22 +255,22 @@ def quantize_pass(
 
 
 def grouped_quantize(
-    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_bounds: torch.Tensor, direction: str, ctx: QuantizeContext
 ) -> Representation:
-    """One representation of ``x`` whose row groups (MoE experts; ``group_sizes`` on the device,
-    summing to x's rows, and ``row_group``, each row's group) are each quantized as if alone:
-    ``reference_grouped_quantize`` says how they combine.
+    """One representation of ``x`` whose row groups (MoE experts; ``group_bounds``, int64 on the
+    device: each group's first row, then x's rows, and ``row_group``, each row's group) are each
+    quantized as if alone: ``reference_grouped_quantize`` says how they combine.
 
-    The native kernel reads the sizes on the device and never waits for them; it needs every
-    size a multiple of 128 (every tile in one group), which graphquant.formats.groups' padded
-    layout gives. Elsewhere ``Quantizer.quantize_groups``, vectorised over the groups, runs.
+    The native kernel reads the bounds on the device and never waits for them; it needs every
+    group's rows a multiple of 128 (every tile in one group), which graphquant.formats.groups'
+    padded layout gives (GroupPadding.bounds). Elsewhere ``Quantizer.quantize_groups``, vectorised over the groups, runs.
     """
-    made = grouped_quantize_pass(quantizer, x, row_group, group_sizes, ctx, rowwise=direction == ROWWISE, columnwise=direction != ROWWISE)
+    made = grouped_quantize_pass(quantizer, x, row_group, group_bounds, ctx, rowwise=direction == ROWWISE, columnwise=direction != ROWWISE)
     return made.rowwise if direction == ROWWISE else made.columnwise
 
 
 def grouped_quantize_pass(
-    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_sizes: torch.Tensor, ctx: QuantizeContext, *,
+    quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_bounds: torch.Tensor, ctx: QuantizeContext, *,
     rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, runs: Optional[torch.Tensor] = None,
     columnwise_amax: Optional[torch.Tensor] = None, take_columnwise_amax: bool = False,
 ) -> GroupedQuantized:
@@ -300,7 +301,7 @@ def grouped_quantize_pass(
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
-    grouped = dict(group_sizes=group_sizes, source=source, runs=runs)
+    grouped = dict(group_bounds=group_bounds, source=source, runs=runs)
     given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
     if rowwise and (columnwise or take_columnwise_amax):
         both = _run(
@@ -323,22 +324,22 @@ def grouped_quantize_pass(
             child, alone = quantizer.child(direction), direction == ROWWISE
             by_kernel = _run(child, x, ctx, rowwise=alone, columnwise=not alone, columnwise_amax=None if alone else given, **grouped)
             if by_kernel is None:
-                made[direction] = child.quantize_groups(in_layout(), row_group, group_sizes.shape[0], direction, ctx)
+                made[direction] = child.quantize_groups(in_layout(), row_group, group_bounds.shape[0] - 1, direction, ctx)
             else:
                 made[direction] = by_kernel[0].rowwise if alone else by_kernel[0].columnwise
     amax = None
     if take_columnwise_amax:
-        amax = quantizer.child(COLUMNWISE).grouped_columnwise_amax(in_layout(), row_group, group_sizes.shape[0])
+        amax = quantizer.child(COLUMNWISE).grouped_columnwise_amax(in_layout(), row_group, group_bounds.shape[0] - 1)
     return GroupedQuantized(made.get(ROWWISE), made.get(COLUMNWISE), amax)
 
 
 def reference_grouped_quantize(
-    quantizer: Quantizer, x: torch.Tensor, group_sizes: torch.Tensor, direction: str, ctx: QuantizeContext
+    quantizer: Quantizer, x: torch.Tensor, group_bounds: torch.Tensor, direction: str, ctx: QuantizeContext
 ) -> Representation:
     """Each group quantized alone by the reference (same ctx), the parts combined: data and block
     scales concatenated along the split dim (columns where the data is transposed), per-tensor
     scales and amaxes (and a columnwise FP8 rowwise's per-column scales) stacked, one per group."""
-    bounds = [0] + torch.cumsum(group_sizes.cpu().long(), 0).tolist()
+    bounds = group_bounds.tolist()
     encode = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
     parts = [encode(x[a:b], ctx) for a, b in zip(bounds, bounds[1:])]
     first = parts[0]

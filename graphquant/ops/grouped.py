@@ -45,16 +45,17 @@ from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantize
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
-    x: torch.Tensor, row_group: torch.Tensor, sizes: torch.Tensor, source: Optional[torch.Tensor], runs: Optional[torch.Tensor],
+    x: torch.Tensor, row_group: torch.Tensor, bounds: torch.Tensor, source: Optional[torch.Tensor], runs: Optional[torch.Tensor],
     spec: str, rowwise: bool, columnwise: bool, rng: Optional[torch.Tensor], rng_stream: int,
     columnwise_amax: Optional[torch.Tensor], take_columnwise_amax: bool, amax_group: Optional[str], scale: Optional[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The wanted directions of ``x`` in the padded layout (``row_group``: each padded row's
-    group; ``sizes``: each group's padded rows, GroupPadding.sizes; ``source``: the row of x each
-    padded row holds, -1 a zero row, or None where x is in the layout already, and ``runs``, its
-    GroupPadding.runs), each group quantized as if alone, in one read of x where a kernel makes
-    both (native.grouped_quantize_pass, which reads x's rows through ``source``: no padded copy of
-    x): [data, scale, amax] of the rowwise representation if wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
+    group; ``bounds``: each group's first padded row, then the padded rows, GroupPadding.bounds;
+    ``source``: the row of x each padded row holds, -1 a zero row, or None where x is in the
+    layout already, and ``runs``, its GroupPadding.runs), each group quantized as if alone, in one
+    read of x where a kernel makes both (native.grouped_quantize_pass, which reads x's rows
+    through ``source``: no padded copy of x): [data, scale, amax] of the rowwise representation if
+    wanted, then of the columnwise one, then with ``take_columnwise_amax`` (rowwise alone) the
     amaxes the columnwise side scales from, which a later call for the same x's columnwise
     representation takes as ``columnwise_amax`` instead of reading x for them. rng: int64 [seed,
     step] and rng_stream pick the stochastic-rounding stream, as for graphquant::quantize; a format
@@ -62,7 +63,7 @@ def grouped_quantize(
     ``scale``: a delayed-scaling format's current scales, one a group."""
     ctx = QuantizeContext(scale=scale, rng=rng, offset=rng_stream, amax_group=amax_group)
     made = native.grouped_quantize_pass(
-        quantizer_of(spec), x, row_group, sizes, ctx, rowwise=rowwise, columnwise=columnwise, source=source, runs=runs,
+        quantizer_of(spec), x, row_group, bounds, ctx, rowwise=rowwise, columnwise=columnwise, source=source, runs=runs,
         columnwise_amax=columnwise_amax, take_columnwise_amax=take_columnwise_amax,
     )
     tensors = [t for rep in (made.rowwise, made.columnwise) if rep is not None for t in rep.tensors()]
@@ -70,14 +71,14 @@ def grouped_quantize(
 
 
 @registry.fake("grouped_quantize")
-def _(x, row_group, sizes, source, runs, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group, scale):
+def _(x, row_group, bounds, source, runs, spec, rowwise, columnwise, rng, rng_stream, columnwise_amax, take_columnwise_amax, amax_group, scale):
     quantizer = quantizer_of(spec)
     padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(padded, row_group, sizes.shape[0], d, QuantizeContext(scale=scale)) for d in wanted]
+    reps = [quantizer.child(d).quantize_groups(padded, row_group, bounds.shape[0] - 1, d, QuantizeContext(scale=scale)) for d in wanted]
     tensors = [t for rep in reps for t in rep.tensors()]
     if take_columnwise_amax:
-        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, sizes.shape[0]))
+        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, bounds.shape[0] - 1))
     return [t.new_empty(t.shape) for t in tensors]
 
 
@@ -155,7 +156,7 @@ def quantize_grouped(
         gather, runs = (layout.gather, layout.runs) if source is x else (None, None)
         given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
-            source, layout.row_group, layout.sizes, gather, runs, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng,
+            source, layout.row_group, layout.bounds, gather, runs, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng,
             made_stream, given, False, amax_group if made.reduces_amax else None, scale if made.keeps_state else None,
         )
         order = [d for d in (ROWWISE, COLUMNWISE) if d in wanted]  # the op's
@@ -183,7 +184,7 @@ def rowwise_and_columnwise_amax(
         return quantize_grouped(x, layout, quantizer, (ROWWISE,), rng, stream, amax_group, scale=scale)[ROWWISE], None
     made_rng, made_stream = (rng, stream) if quantizer.stochastic else (None, 0)
     *tensors, amax = torch.ops.graphquant.grouped_quantize(
-        x, layout.row_group, layout.sizes, layout.gather, layout.runs, quantizer.spec, True, False, made_rng, made_stream, None, True,
+        x, layout.row_group, layout.bounds, layout.gather, layout.runs, quantizer.spec, True, False, made_rng, made_stream, None, True,
         None, None,
     )
     return _operand(tensors, quantizer, ROWWISE, layout, x), amax
