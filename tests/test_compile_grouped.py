@@ -43,6 +43,7 @@ from graphquant.quantizers import (
     ROWWISE,
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
     Float8RowwiseQuantizer,
     IdentityQuantizer,
     MXFP8Quantizer,
@@ -541,6 +542,7 @@ def test_triton_grouped_gemm_under_the_interpreter():
 
 GROUPABLE = {
     "fp8_current": Float8CurrentScalingQuantizer("e4m3"),
+    "fp8_delayed": Float8DelayedScalingQuantizer("e5m2"),  # a slot a group: its own scale
     "fp8_rowwise": Float8RowwiseQuantizer(),
     "fp8_block_1d": Float8BlockQuantizer(block_scaling_dim=1),
     "fp8_block_2d": Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False),
@@ -569,7 +571,8 @@ def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction)
     """Quantizer.quantize_groups (one pass, offsets on the device) gives the numbers of the
     reference that quantizes each padded group alone (native.reference_grouped_quantize),
     non-finite values included; stochastic rounding draws what each padded group draws alone."""
-    quantizer, x, ctx = GROUPABLE[name], inputs(), QuantizeContext(seed=11, offset=5)
+    quantizer, x = GROUPABLE[name], inputs()
+    ctx = QuantizeContext(seed=11, offset=5, scale=torch.linspace(0.25, 40.0, E) if quantizer.keeps_state else None)
     x[5, 3], x[100, 7] = float("inf"), float("nan")  # in groups 0 and 2: the others keep finite scales
     # The reference cannot quantize an empty slice in these formats, so give every group rows.
     sizes = (40, 20, 57, 7) if name.startswith("nvfp4") or (name == "fp8_rowwise" and direction == COLUMNWISE) else SIZES

@@ -408,6 +408,23 @@ def test_grouped_quantize(backend, name, direction):
         assert_same_rep(got, reference, str(dtype))
 
 
+@pytest.mark.parametrize("fp8_dtype", ("e4m3", "e5m2"))
+def test_grouped_delayed_scaling(backend, fp8_dtype):
+    """Delayed scaling keeps a slot a group (an expert): each group quantized with its own scale,
+    each reporting its own amax, as the reference quantizes each group alone; an empty group too."""
+    quantizer = Float8DelayedScalingQuantizer(fp8_dtype=fp8_dtype)
+    sizes = [256, 0, 128, 384]
+    bounds, row_group = grouped_rows(sizes, backend)
+    ctx = QuantizeContext(scale=torch.tensor([3.0, 0.5, 1 / 7, 40.0], device=backend))
+    for n, dtype in enumerate(DTYPES):
+        x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
+        both = native.grouped_quantize_pass(quantizer, x, row_group, bounds, ctx, rowwise=True, columnwise=True)
+        for direction in (ROWWISE, COLUMNWISE):
+            reference = REFERENCE_GROUPED(quantizer, x, bounds, direction, ctx)
+            assert_same_rep(native.grouped_quantize(quantizer, x, row_group, bounds, direction, ctx), reference, f"{dtype} {direction}")
+            assert_same_rep(getattr(both, direction), reference, f"{dtype} {direction} of both")
+
+
 @pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_quantize_of_both_directions_equals_each_alone(backend, name):
     """Both directions from one read of x (native.grouped_quantize_pass, as a grouped site's

@@ -293,6 +293,13 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     p.G = int(group_bounds->numel() - 1);
   }
   const int64_t G = p.G;
+  // A delayed-scaling side quantizes each group with its own slot's scale.
+  for (const auto* scale : {&row_scale, &col_scale}) {
+    TORCH_CHECK(!scale->has_value() || ((*scale)->scalar_type() == at::kFloat && (*scale)->numel() == G && (*scale)->is_contiguous() &&
+                                        (*scale)->device() == x.device()),
+                "graphquant.quantize: a delayed-scaling side takes one contiguous float32 scale a group (", G,
+                ") on the input's device, got ", (*scale)->scalar_type(), " of shape ", (*scale)->sizes(), " on ", (*scale)->device());
+  }
   // Per-tensor scales and amaxes are 0-dim, or one per group.
   auto per_tensor = [&](const at::Tensor& t) { return grouped ? t : t.reshape({}); };
 
@@ -338,7 +345,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
         out_r.scale = at::reciprocal(*row_scale);
         row.enc.scale_inv = out_r.scale.data_ptr<float>();
         during.row_global = bits(need_r.during);
-        out_r.amax = need_r.during.reshape({});
+        out_r.amax = per_tensor(need_r.during);
       } else {
         pre_row.row_global = bits(need_r.pre);
         out_r.amax = per_tensor(need_r.pre);
@@ -382,7 +389,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
         out_c.scale = at::reciprocal(*col_scale);
         col.enc.scale_inv = out_c.scale.data_ptr<float>();
         during.col_global = bits(need_c.during);
-        out_c.amax = need_c.during.reshape({});
+        out_c.amax = per_tensor(need_c.during);
       } else {
         out_c.amax = per_tensor(need_c.pre);
       }

@@ -100,10 +100,12 @@ class _Side(NamedTuple):
 
 
 def _side(
-    ext: Any, quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor, device_rng: Optional[torch.Tensor]
+    ext: Any, quantizer: Quantizer, direction: str, ctx: QuantizeContext, x: torch.Tensor, device_rng: Optional[torch.Tensor],
+    groups: int,
 ) -> Optional[_Side]:
-    """How the kernels make ``quantizer``'s ``direction`` in this call, or None where they cannot;
-    with ``device_rng`` the kernels make the stochastic-rounding key themselves."""
+    """How the kernels make ``quantizer``'s ``direction`` in this call of ``groups`` row groups,
+    or None where they cannot; with ``device_rng`` the kernels make the stochastic-rounding key
+    themselves."""
     if quantizer.reduces_amax and ctx.amax_group is not None:
         return None  # a kernel encodes with the amax it takes of x in the same pass: none to all-reduce first
     encoding = _encoding(ext, quantizer, direction)
@@ -112,8 +114,8 @@ def _side(
     scale = None
     if encoding.described.delayed_scaling:
         scale = ctx.scale
-        if scale is None or scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
-            return None  # the reference raises the error, or handles the odd scale
+        if scale is None or scale.dtype != torch.float32 or scale.numel() != groups or scale.device != x.device:
+            return None  # the reference raises the error, or handles the odd scale (one a group)
         scale = scale.contiguous()
     host_key = encoding.described.stochastic_rounding and device_rng is None
     key = sr_key(*ctx.random_stream(), int(direction == COLUMNWISE)) if host_key else 0
@@ -173,14 +175,13 @@ def _run(
     row_q, col_q = quantizer.child(ROWWISE), quantizer.child(COLUMNWISE)
     dq_source = columnwise and quantizer.columnwise_from_rowwise()
     rng = _device_rng(ctx, x)
-    row = _side(ext, row_q, ROWWISE, ctx, x, rng) if rowwise or dq_source else None
+    groups = 1 if group_bounds is None else group_bounds.shape[0] - 1
+    row = _side(ext, row_q, ROWWISE, ctx, x, rng, groups) if rowwise or dq_source else None
     if (rowwise or dq_source) and row is None:
         return None  # before the other side is asked of the extension
-    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng) if columnwise or take_columnwise_amax else None
+    col = _side(ext, col_q, COLUMNWISE, ctx, x, rng, groups) if columnwise or take_columnwise_amax else None
     if (columnwise or take_columnwise_amax) and col is None:
         return None
-    if group_bounds is not None and ((row and row.scale is not None) or (col and col.scale is not None)):
-        return None  # delayed scaling has one scale for the whole tensor
     out = ext.quantize(
         x,
         row.encoding if row else None,
@@ -336,12 +337,17 @@ def grouped_quantize_pass(
 def reference_grouped_quantize(
     quantizer: Quantizer, x: torch.Tensor, group_bounds: torch.Tensor, direction: str, ctx: QuantizeContext
 ) -> Representation:
-    """Each group quantized alone by the reference (same ctx), the parts combined: data and block
-    scales concatenated along the split dim (columns where the data is transposed), per-tensor
-    scales and amaxes (and a columnwise FP8 rowwise's per-column scales) stacked, one per group."""
+    """Each group quantized alone by the reference (same ctx; a delayed-scaling format with its
+    group's own scale, ctx.scale holding one a group), the parts combined: data and block scales
+    concatenated along the split dim (columns where the data is transposed), per-tensor scales and
+    amaxes (and a columnwise FP8 rowwise's per-column scales) stacked, one per group."""
     bounds = group_bounds.tolist()
     encode = quantizer.quantize_rowwise if direction == ROWWISE else quantizer.quantize_columnwise
-    parts = [encode(x[a:b], ctx) for a, b in zip(bounds, bounds[1:])]
+
+    def group_ctx(g: int) -> QuantizeContext:
+        return dataclasses.replace(ctx, scale=ctx.scale.reshape(-1)[g]) if quantizer.child(direction).keeps_state else ctx
+
+    parts = [encode(x[a:b], group_ctx(g)) for g, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     first = parts[0]
     split_dim = 1 if first.transposed else 0
     child = quantizer.child(direction)
