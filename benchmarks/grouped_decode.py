@@ -8,7 +8,7 @@ The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816),
 rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
 graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
 the three ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
-registers up to triton_grouped_gemm.CODED_BLOCK_M routed rows an expert, chosen from this table.
+registers up to triton_grouped_gemm.CODED_TILING.block_m routed rows an expert, chosen from this table.
 ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernel under Triton's
 interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
 """

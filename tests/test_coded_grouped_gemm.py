@@ -104,7 +104,8 @@ def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_inte
 
 
 def test_codes_are_decoded_in_registers_for_few_tokens_an_expert_of_one_block_format():
-    """Up to 16 tokens an expert on average; MXFP8 by NVFP4 or a columnwise operand takes the values' path."""
+    """Up to 16 tokens an expert on average; MXFP8 by NVFP4, E5M2 MXFP8 (whose words the decode
+    GEMM's programs do not decode) or a columnwise operand takes the values' path."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_grouped_gemm
 
@@ -113,6 +114,8 @@ def test_codes_are_decoded_in_registers_for_few_tokens_an_expert_of_one_block_fo
     assert triton_grouped_gemm.decodes(a, b, 64, 4) and triton_grouped_gemm.decodes(a4, b4, 64, 4)
     assert not triton_grouped_gemm.decodes(a, b, 65, 4)
     assert not triton_grouped_gemm.decodes(a, b4, 3, 4)
+    e5m2 = MXFP8Quantizer(fp8_dtype="e5m2").quantize_rowwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
+    assert not triton_grouped_gemm.decodes(a, e5m2, 3, 4)
     columnwise = MXFP8Quantizer().quantize_columnwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
     assert not triton_grouped_gemm.decodes(a, columnwise, 3, 4)
 

@@ -650,7 +650,7 @@ def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums(
+def tile_sums(
     a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr,
     SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr,
@@ -659,7 +659,9 @@ def _tile_sums(
 ):
     """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
     against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
-    ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None."""
+    ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None.
+    Also the grouped GEMM's (triton_grouped_gemm.tokens_by_coded_experts), whose ``n`` are one
+    expert's rows of a stack."""
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
@@ -796,7 +798,7 @@ def _decode_kernel(
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     _wait_for_the_kernel_before(DEPENDENT)
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
-    total = _tile_sums(
+    total = tile_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
         b_scale_col_stride, n, m, rows, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
         A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
@@ -1001,7 +1003,7 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
 
 
-def _in_words(args: tuple) -> tuple:
+def as_words(args: tuple) -> tuple:
     """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
     words, its data copied where it is not aligned to them (zeros past its columns: a word's
     codes past K are multiplied with the block's scale)."""
@@ -1012,7 +1014,7 @@ def _in_words(args: tuple) -> tuple:
 
 
 def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple:
-    """MXFP8's or NVFP4's A (its arguments in words, _in_words) decoded by _a_values_kernel: the
+    """MXFP8's or NVFP4's A (its arguments in words, as_words) decoded by _a_values_kernel: the
     same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
     Triton's interpreter) in place of the codes, their row stride in values."""
     data, scale, factor, stride_words, *scale_strides = args
@@ -1132,7 +1134,7 @@ def gemm(
     # which runs none; unmasked where every weight tile lies inside the weight.
     in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
     if in_words:
-        a_args, b_args = _in_words(a_args), _in_words(b_args)
+        a_args, b_args = as_words(a_args), as_words(b_args)
     a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
     if a_first:
         a_args = _a_values(a_args, m, k, b_layout.operand, config.one_dot)
@@ -1222,8 +1224,8 @@ def _one_row_pair(
     arrivals = _arrivals(device, tiles) if splits > 1 else ends[0][2]
     whole_tiles = k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0 and n2 % config.block_n == 0
     _launch_fma(
-        config, (tiles, splits, 1), _in_words(a_args), b_layout, _in_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
-        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*_in_words(second[1]), *ends[1]))),
+        config, (tiles, splits, 1), as_words(a_args), b_layout, as_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
+        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*as_words(second[1]), *ends[1]))),
         N2=n2,
     )
     return [out for _, _, out, _ in ends]
@@ -1233,7 +1235,7 @@ def _launch_fma(
     config: DecodeConfig, grid: tuple, a_args: tuple, b_layout: _Layout, b_args: tuple, ends: tuple, arrivals: torch.Tensor,
     m: int, n: int, k: int, k_chunks: int, factors: dict, whole_tiles: bool, **pair,
 ) -> None:
-    """One launch of _fma_kernel under ``config`` (operands read as words: _in_words)."""
+    """One launch of _fma_kernel under ``config`` (operands read as words: as_words)."""
     launch(
         _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
         **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,

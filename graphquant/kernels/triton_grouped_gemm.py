@@ -10,11 +10,13 @@ device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32
 fp32) operands, fp32 accumulation, fp32 output: exact up to fp32 accumulation.
 
 MXFP8 and NVFP4 operands whose reduction dim is stored last need no values in memory at all:
-``tokens_by_coded_experts`` reads their codes and block scales, decodes a tile in registers into
-the emulation's values (exact in bf16), multiplies on the tensor cores with fp32 accumulation and
-applies the factors the values leave out (NVFP4's global decode) once, writing each token's row
-of the output. Programs whose rows are all padding return at once, so a decode step reads only
-the experts its tokens were routed to, once.
+``tokens_by_coded_experts`` runs the decode GEMM's programs (graphquant.kernels.triton_decode:
+codes and block scales read as 64-bit words, decoded in registers into the emulation's values,
+exact in bf16 and fp16, multiplied on the tensor cores with fp32 accumulation) on each tile of
+tokens against its expert's rows of the stack, and applies the factors the values leave out
+(NVFP4's global decode) once, writing each token's row of the output. Programs whose rows are
+all padding return at once, so a decode step reads only the experts its tokens were routed to,
+once.
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from graphquant.formats import fp8
 from graphquant.formats.groups import GroupPadding
-from graphquant.kernels.triton_dequantize import e2m1_value_over_2_14, e8m0_value
-from graphquant.kernels.triton_launch import ceil_div
+from graphquant.kernels import triton_decode
+from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.quantizers import ROWWISE, Representation
 
 # Tiles along the grouped rows divide the layout's 128-row alignment.
@@ -124,92 +125,67 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
     return out
 
 
-# The operands tokens_by_coded_experts decodes: the layout families of emulation's block values.
-CODED = {"mxfp8": 1, "nvfp4": 2, "nvfp4_row_scaled": 2}
-# Its tiles: 16 rows, so that a decode step's 1-row group multiplies 16 rows, not 64; K tiles of
-# whole scale blocks. It runs where the tokens are at most CODED_BLOCK_M an expert on average:
-# from 8 to 1024 routed rows among 64 experts it ties (NVFP4 at 8) or beats (up to 2.8x) writing
-# the routed experts' values first, and at 16384 it is slower (benchmarks/grouped_decode.py).
-CODED_BLOCK_M, CODED_BLOCK_N, CODED_BLOCK_K = 16, 64, 128
-
-
-@triton.jit
-def _coded_tile(ptr, scale_ptr, rows, start, k, stride_r, stride_k, scale_r, scale_k, FORMAT: tl.constexpr, BF16: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(ROWS, BLOCK_K) values of a k-last MXFP8 (FORMAT 1) or NVFP4 (2) operand's ``rows`` at
-    reductions start.. (zeros past k): codes times block scales, exact in bf16 (BF16) and fp32."""
-    if FORMAT == 1:  # a scale per 32 codes, loaded once and broadcast
-        ks = start + tl.arange(0, BLOCK_K)
-        in_k = ks[None, :] < k
-        codes = tl.load(ptr + rows[:, None] * stride_r + ks[None, :] * stride_k, mask=in_k, other=0.0)
-        blocks = start // 32 + tl.arange(0, BLOCK_K // 32)
-        biased = tl.load(scale_ptr + rows[:, None] * scale_r + blocks[None, :] * scale_k, mask=blocks[None, :] < k // 32, other=127)
-        scale = tl.reshape(tl.broadcast_to(e8m0_value(biased)[:, :, None], (ROWS, BLOCK_K // 32, 32)), (ROWS, BLOCK_K))
-        values = codes.to(tl.float32) * scale  # codes typed E4M3 or E5M2
-    else:  # two codes a byte, the even column in the low nibble; a scale per 16 codes (8 bytes)
-        byte = start // 2 + tl.arange(0, BLOCK_K // 2)
-        in_k = byte[None, :] < k // 2
-        packed = tl.load(ptr + rows[:, None] * stride_r + byte[None, :] * stride_k, mask=in_k, other=0).to(tl.int32)
-        blocks = start // 16 + tl.arange(0, BLOCK_K // 16)
-        scale = tl.load(scale_ptr + rows[:, None] * scale_r + blocks[None, :] * scale_k, mask=blocks[None, :] < k // 16, other=0.0)
-        scale = scale.to(tl.float32) * 16384.0  # undoes the decoded codes' 2^-14, exactly
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // 16, 8)), (ROWS, BLOCK_K // 2))
-        low = e2m1_value_over_2_14(packed & 0xF).to(tl.float32) * scale
-        values = tl.interleave(low, e2m1_value_over_2_14(packed >> 4).to(tl.float32) * scale)
-    if BF16:
-        values = values.to(tl.bfloat16)
-    return values
+# Its programs: the decode GEMM's default tiling (64 rows of an expert's weights, 16 of tokens, K
+# in steps of 256), so that a decode step's one-token groups multiply 16 rows, not 64. It runs
+# where the tokens are at most CODED_TILING.block_m an expert on average: from 8 to 1024 routed
+# rows among 64 experts the kernel it replaced tied (NVFP4 at 8) or beat (up to 2.8x) writing the
+# routed experts' values first, and at 16384 it was slower (benchmarks/grouped_decode.py).
+CODED_TILING = triton_decode.DecodeConfig()
 
 
 @triton.jit
 def _tokens_by_coded_experts(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, fa_ptr, fb_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr,
-    groups, per_group, n, k,
-    stride_am, stride_ak, sa_m, sa_k, stride_bn, stride_bk, sb_n, sb_k, stride_om,
-    FORMAT: tl.constexpr, HAS_FA: tl.constexpr, HAS_FB: tl.constexpr,
-    BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, a_scale_ptr, a_stride, sa_m, sa_k, b_ptr, b_scale_ptr, b_stride, sb_n, sb_k, fa_ptr, fb_ptr, out_ptr,
+    row_group_ptr, source_ptr, ends_ptr, groups, per_group, n, rows, stack_rows, k, k_chunks, stride_om,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_FA: tl.constexpr, HAS_FB: tl.constexpr, ASM: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[source[r], c] = (A[r] . B_g[c]) * fa[r] * fb[g, c] for the padded rows r of one tile
-    (g their group); a tile of pad rows alone returns at once."""
+    (g their group); a tile of pad rows alone returns at once. The products are the decode GEMM's
+    (triton_decode.tile_sums over all of K): the weights its left operand, decoded from 64-bit
+    words in registers (by inline PTX where ASM), the tokens' few rows the tensor cores' other."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     first = pid_m * BLOCK_M
     if _pad_rows_alone(first, source_ptr, ends_ptr, groups):
         return
-    rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows_here = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < n
     group = tl.load(row_group_ptr + first).to(tl.int64)
     b_rows = group * per_group + tl.where(in_cols, cols, 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        a = _coded_tile(a_ptr, a_scale_ptr, rows, start, k, stride_am, stride_ak, sa_m, sa_k, FORMAT, BF16, BLOCK_M, BLOCK_K)
-        b = _coded_tile(b_ptr, b_scale_ptr, b_rows, start, k, stride_bn, stride_bk, sb_n, sb_k, FORMAT, BF16, BLOCK_N, BLOCK_K)
-        acc = _dot(a, tl.trans(b), acc, not BF16)
+    acc = triton_decode.tile_sums(
+        a_ptr, a_scale_ptr, a_stride, sa_m, sa_k, b_ptr, b_scale_ptr, b_stride, sb_n, sb_k, b_rows[:, None], rows_here[:, None],
+        stack_rows, rows, k, 0, k_chunks, None, CHUNK, OPERAND, SCALE_COLS, 1, 1, 0, 0, "", "", ASM, WHOLE_TILES,
+        BLOCK_M, BLOCK_N, BLOCK_K, None, False, False,
+    )
     if HAS_FA or HAS_FB:  # one factor, fa * fb, as the emulation's alpha
         if HAS_FA and HAS_FB:
-            alpha = tl.load(fa_ptr + rows)[:, None] * tl.load(fb_ptr + b_rows)[None, :]
+            alpha = tl.load(fa_ptr + rows_here)[None, :] * tl.load(fb_ptr + b_rows)[:, None]
         elif HAS_FA:
-            alpha = tl.load(fa_ptr + rows)[:, None]
+            alpha = tl.load(fa_ptr + rows_here)[None, :]
         else:
-            alpha = tl.load(fb_ptr + b_rows)[None, :]
+            alpha = tl.load(fb_ptr + b_rows)[:, None]
         acc = acc * alpha
-    source = tl.load(source_ptr + rows)
-    tl.store(out_ptr + source[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(source[:, None] >= 0) & in_cols[None, :])
+    source = tl.load(source_ptr + rows_here)
+    tl.store(out_ptr + source[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=(source[None, :] >= 0) & in_cols[:, None])
 
 
-def _coded_format(rep: Representation) -> Optional[int]:
+def _coded_layout(rep: Representation) -> Optional[triton_decode._Layout]:
+    """The decode GEMM's layout of a k-last MXFP8 (E4M3) or NVFP4 operand, or None."""
     gemm_input = rep.quantizer.gemm_input(rep.direction)
-    return None if gemm_input is None or not rep.stored_k_last else CODED.get(gemm_input.family)
+    layout = None if gemm_input is None else triton_decode.LAYOUTS.get(gemm_input.family)
+    coded = layout is not None and layout.operand != triton_decode.FP8_CODES and rep.stored_k_last and triton_decode.reads(gemm_input)
+    return layout if coded else None
 
 
 def decodes(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
     """Whether tokens_by_coded_experts multiplies A (``tokens`` rows, rowwise) by the stack B of
-    ``groups`` experts: both MXFP8 or both NVFP4, each with its reduction dim stored last, B's
-    rows its experts' GEMM rows, and few enough tokens (CODED_BLOCK_M)."""
-    fa = _coded_format(a)
+    ``groups`` experts: both MXFP8 (E4M3) or both NVFP4, each with its reduction dim stored last,
+    B's rows its experts' GEMM rows, and few enough tokens (CODED_TILING.block_m an expert)."""
+    la, lb = _coded_layout(a), _coded_layout(b)
     return (
-        tokens <= CODED_BLOCK_M * groups and fa is not None and fa == _coded_format(b)
+        tokens <= CODED_TILING.block_m * groups and la is not None and lb is not None and la.operand == lb.operand
         and a.direction == ROWWISE and b.direction == ROWWISE
     )
 
@@ -218,6 +194,13 @@ def _flat_factor(rep: Representation, row_group: torch.Tensor) -> Optional[torch
     """The factor of each GEMM row (Quantizer.grouped_factor; (rows, 1) for a rowwise operand), flat fp32."""
     factor = rep.quantizer.grouped_factor(rep, row_group)
     return None if factor is None else factor.float().reshape(-1).contiguous()
+
+
+def _as_words(rep: Representation) -> tuple:
+    """(codes, scales, the codes' row stride in 64-bit words, the scales' strides), as
+    triton_decode.tile_sums reads an operand."""
+    data, scale, _, stride_words, *scale_strides = triton_decode.as_words((rep.data, rep.scale, None, rep.data.stride(0), *rep.scale.stride()))
+    return data, scale, stride_words, *scale_strides
 
 
 def tokens_by_coded_experts(
@@ -229,19 +212,16 @@ def tokens_by_coded_experts(
     groups, rows, k = tokens.groups, a.data.shape[0], a.shape[1]
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
     fa, fb = _flat_factor(a, tokens.row_group), _flat_factor(b, b_group)
-    interpreted = triton.knobs.runtime.interpret  # whose dot multiplies bf16 wrongly: fp32 values there
-    grid = (ceil_div(rows, CODED_BLOCK_M), ceil_div(n, CODED_BLOCK_N))
-    _tokens_by_coded_experts[grid](
-        _codes(a), a.scale, _codes(b), b.scale, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
-        tokens.row_group, tokens.source, tokens.ends, groups, b.data.shape[0] // groups, n, k,
-        *a.data.stride(), *a.scale.stride(), *b.data.stride(), *b.scale.stride(), out.stride(0),
-        FORMAT=_coded_format(a), HAS_FA=fa is not None, HAS_FB=fb is not None,
-        BF16=not interpreted, BLOCK_M=CODED_BLOCK_M, BLOCK_N=CODED_BLOCK_N, BLOCK_K=CODED_BLOCK_K,
+    layout, tiling = _coded_layout(b), CODED_TILING
+    grid = (ceil_div(rows, tiling.block_m), ceil_div(n, tiling.block_n))
+    a_words, b_words = _as_words(a), _as_words(b)
+    k_chunks = ceil_div(k, triton_decode.K_CHUNK)
+    launch(
+        _tokens_by_coded_experts, grid, *a_words, *b_words, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
+        tokens.row_group, tokens.source, tokens.ends, groups, b.data.shape[0] // groups, n, rows, b.data.shape[0], k,
+        k_chunks, out.stride(0),
+        OPERAND=layout.operand, SCALE_COLS=layout.scale_block[1], HAS_FA=fa is not None, HAS_FB=fb is not None,
+        ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=k == k_chunks * triton_decode.K_CHUNK, CHUNK=triton_decode.K_CHUNK,
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.warps, num_stages=tiling.stages,
     )
     return out
-
-
-def _codes(rep: Representation) -> torch.Tensor:
-    """MXFP8 codes typed as their element (so that a load reads their values), NVFP4's bytes as they are."""
-    element = rep.quantizer.gemm_input(rep.direction).element
-    return rep.data.view(fp8.FP8_DTYPES.get(element, rep.data.dtype))
