@@ -1,0 +1,109 @@
+"""How many SASS instructions the MXFP8 and NVFP4 decoding programs spend on each weight value,
+compiled for sm_90 by Triton on this machine (no GPU needed): at decode sizes the decoding
+instructions, not the bytes, set these kernels' pace (benchmarks/NOTES.md, decode_nvfp4.py).
+
+    python benchmarks/sass_per_value.py
+
+For the grouped GEMM's decoding product (triton_grouped_gemm._tokens_by_coded_experts) and the
+dense decode GEMM (triton_decode._decode_kernel) under the same tiling (DecodeConfig()'s): the
+instructions of the main loop (the longest backward branch's body) a warp a step, per weight
+value (times the program's lanes, over the step's BLOCK_N x BLOCK_K weight values), and its
+tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from tabulate import tabulate
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from graphquant.kernels import triton_decode, triton_grouped_gemm
+
+TILING = triton_grouped_gemm.CODED_TILING
+FORMATS = {"mxfp8": triton_decode.BF16_VALUES, "nvfp4": triton_decode.F16_VALUES}
+
+
+def _pointers(operand: int, pointers: dict) -> dict:
+    scale = "*u8" if operand == triton_decode.BF16_VALUES else "*fp8e4nv"
+    return {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": scale, "b_scale_ptr": scale, **pointers}
+
+
+def _common(operand: int) -> dict:
+    return {
+        "OPERAND": operand, "SCALE_COLS": 32 if operand == triton_decode.BF16_VALUES else 16, "ASM": True, "WHOLE_TILES": True,
+        "CHUNK": triton_decode.K_CHUNK, "BLOCK_M": TILING.block_m, "BLOCK_N": TILING.block_n, "BLOCK_K": TILING.block_k,
+    }
+
+
+def grouped(operand: int) -> tuple:
+    constexprs = {**_common(operand), "HAS_FA": False, "HAS_FB": operand == triton_decode.F16_VALUES}
+    pointers = _pointers(operand, {"fa_ptr": "*fp32", "fb_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64",
+                                   "source_ptr": "*i64", "ends_ptr": "*i32"})
+    return triton_grouped_gemm._tokens_by_coded_experts, constexprs, pointers
+
+
+def dense(operand: int) -> tuple:
+    constexprs = {
+        **_common(operand), "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "A_FACTOR": 0, "A_DIVISOR": 1.0, "B_FACTOR": 0, "B_DIVISOR": 1.0,
+        "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
+        "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
+    }
+    pointers = _pointers(operand, {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                                   "partial_ptr": "*fp32", "arrivals_ptr": "*i32"})
+    return triton_decode._decode_kernel, constexprs, pointers
+
+
+def sass(kernel, constexprs: dict, pointers: dict) -> str:
+    """The kernel's SASS for sm_90; the arguments a second GEMM would take (``PAIR``) left None."""
+    constexprs = dict(constexprs)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in constexprs or kernel.params[kernel.arg_names.index(name)].default is None:
+            signature[name] = "constexpr"
+            constexprs.setdefault(name, None)
+        else:
+            signature[name] = "i32"
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value for name, value in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": TILING.warps, "num_stages": TILING.stages})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(text: str) -> collections.Counter:
+    """The opcodes of the longest loop: from a backward branch's target to the branch."""
+    instructions = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", text)]
+    best: list[str] = []
+    for address, text_ in instructions:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text_)
+        if branch and int(branch[1], 16) < address:
+            body = [t for a, t in instructions if int(branch[1], 16) <= a <= address]
+            best = max(best, body, key=len)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+
+
+def main() -> None:
+    rows = []
+    for name, operand in FORMATS.items():
+        for kernel_name, make in (("grouped (tokens_by_coded_experts)", grouped), ("dense (decode GEMM)", dense)):
+            ops = main_loop(sass(*make(operand)))
+            per_value = sum(ops.values()) * TILING.warps * 32 / (TILING.block_n * TILING.block_k)
+            rows.append([name, kernel_name, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"]])
+    print(f"DecodeConfig: {TILING.block_n} weight rows x {TILING.block_k} of K a step, {TILING.block_m} token rows, "
+          f"{TILING.warps} warps, {TILING.stages} stages; sm_90, Triton {triton.__version__}")
+    print(tabulate(rows, headers=["format", "kernel", "loop instructions a warp", "a weight value", "HGMMA", "HMMA"]))
+
+
+if __name__ == "__main__":
+    main()
