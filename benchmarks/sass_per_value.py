@@ -27,36 +27,34 @@ from triton.compiler import ASTSource
 from graphquant.kernels import triton_decode, triton_grouped_gemm
 
 TILING = triton_grouped_gemm.CODED_TILING
-FORMATS = {"mxfp8": triton_decode.BF16_VALUES, "nvfp4": triton_decode.F16_VALUES}
+FORMATS = {"mxfp8": triton_decode.LAYOUTS["mxfp8"], "nvfp4": triton_decode.LAYOUTS["nvfp4"]}
 
 
-def _pointers(operand: int, pointers: dict) -> dict:
-    scale = "*u8" if operand == triton_decode.BF16_VALUES else "*fp8e4nv"
+def _pointers(layout, pointers: dict) -> dict:
+    scale = "*u8" if layout.operand == triton_decode.BF16_VALUES else "*fp8e4nv"
     return {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": scale, "b_scale_ptr": scale, **pointers}
 
 
-def _common(operand: int) -> dict:
+def _common(layout) -> dict:
     return {
-        "OPERAND": operand, "SCALE_COLS": 32 if operand == triton_decode.BF16_VALUES else 16, "ASM": True, "WHOLE_TILES": True,
-        "CHUNK": triton_decode.K_CHUNK, "BLOCK_M": TILING.block_m, "BLOCK_N": TILING.block_n, "BLOCK_K": TILING.block_k,
+        "OPERAND": layout.operand, "SCALE_COLS": layout.scale_block[1], "ASM": True, "WHOLE_TILES": True, "CHUNK": triton_decode.K_CHUNK,
+        "BLOCK_M": TILING.block_m, "BLOCK_N": TILING.block_n, "BLOCK_K": TILING.block_k, **triton_decode.factor_arguments(layout, layout),
     }
 
 
-def grouped(operand: int) -> tuple:
-    constexprs = {**_common(operand), "HAS_FA": False, "HAS_FB": operand == triton_decode.F16_VALUES}
-    pointers = _pointers(operand, {"fa_ptr": "*fp32", "fb_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64",
-                                   "source_ptr": "*i64", "ends_ptr": "*i32"})
-    return triton_grouped_gemm._tokens_by_coded_experts, constexprs, pointers
+def grouped(layout) -> tuple:
+    pointers = _pointers(layout, {"a_amax_ptr": "*fp32", "b_amax_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64",
+                                  "source_ptr": "*i64", "ends_ptr": "*i32"})
+    return triton_grouped_gemm._tokens_by_coded_experts, _common(layout), pointers
 
 
-def dense(operand: int) -> tuple:
+def dense(layout) -> tuple:
     constexprs = {
-        **_common(operand), "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "A_FACTOR": 0, "A_DIVISOR": 1.0, "B_FACTOR": 0, "B_DIVISOR": 1.0,
-        "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
-        "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
+        **_common(layout), "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "",
+        "B_FORMAT": "", "A_RULE": None, "A_VALUES": False, "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
     }
-    pointers = _pointers(operand, {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                                   "partial_ptr": "*fp32", "arrivals_ptr": "*i32"})
+    pointers = _pointers(layout, {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                                  "partial_ptr": "*fp32", "arrivals_ptr": "*i32"})
     return triton_decode._decode_kernel, constexprs, pointers
 
 
@@ -95,9 +93,9 @@ def main_loop(text: str) -> collections.Counter:
 
 def main() -> None:
     rows = []
-    for name, operand in FORMATS.items():
+    for name, layout in FORMATS.items():
         for kernel_name, make in (("grouped (tokens_by_coded_experts)", grouped), ("dense (decode GEMM)", dense)):
-            ops = main_loop(sass(*make(operand)))
+            ops = main_loop(sass(*make(layout)))
             per_value = sum(ops.values()) * TILING.warps * 32 / (TILING.block_n * TILING.block_k)
             rows.append([name, kernel_name, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"]])
     print(f"DecodeConfig: {TILING.block_n} weight rows x {TILING.block_k} of K a step, {TILING.block_m} token rows, "

@@ -494,7 +494,7 @@ def _a_values_kernel(
 
 
 @triton.jit
-def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+def operand_factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
     DIVISOR with one IEEE division, as the format's reference does."""
     if KIND == 1:  # TENSOR_FACTOR
@@ -596,16 +596,16 @@ def _finish(
     a_factor_ptr."""
     if A_FACTOR != 0:
         if a_factor is None:
-            factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
+            factor = operand_factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
         elif A_FACTOR == 1:  # TENSOR_FACTOR
             factor = a_factor
         else:
             factor = tl.reshape(a_factor, m.shape)
         if B_FACTOR != 0:
-            factor = factor * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
+            factor = factor * operand_factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
         total = total * factor
     elif B_FACTOR != 0:
-        total = total * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
+        total = total * operand_factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
     if has_bias:
         total = total + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
@@ -1046,7 +1046,9 @@ def _check_tiling(config: DecodeConfig, operand: int, families: tuple[str, str])
         )
 
 
-def _factors(a: _Layout, b: _Layout) -> dict:
+def factor_arguments(a: _Layout, b: _Layout) -> dict:
+    """The factor constexprs of A and B of these layouts, as _decode_kernel (and the grouped
+    GEMM's decoding product, triton_grouped_gemm) takes them."""
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
 
@@ -1128,7 +1130,7 @@ def gemm(
     if splits > 1:
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
         arrivals = _arrivals(out.device, ceil_div(n, block_n) * row_tiles)
-    factors = _factors(a_layout, b_layout)
+    factors = factor_arguments(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
     # which runs none; unmasked where every weight tile lies inside the weight.
@@ -1225,7 +1227,7 @@ def _one_row_pair(
     whole_tiles = k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0 and n2 % config.block_n == 0
     _launch_fma(
         config, (tiles, splits, 1), as_words(a_args), b_layout, as_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
-        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*as_words(second[1]), *ends[1]))),
+        factor_arguments(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*as_words(second[1]), *ends[1]))),
         N2=n2,
     )
     return [out for _, _, out, _ in ends]
@@ -1311,7 +1313,7 @@ def _launch_autotuned(
         _autotuned, grid, *a_args, *b_and_ends, arrivals, m, n, k, k_chunks, K_CHUNK,
         OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
+        **factor_arguments(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         **_dependent_launch(a_args[0].device), **pair,
     )

@@ -135,15 +135,18 @@ CODED_TILING = triton_decode.DecodeConfig()
 
 @triton.jit
 def _tokens_by_coded_experts(
-    a_ptr, a_scale_ptr, a_stride, sa_m, sa_k, b_ptr, b_scale_ptr, b_stride, sb_n, sb_k, fa_ptr, fb_ptr, out_ptr,
+    a_ptr, a_scale_ptr, a_stride, sa_m, sa_k, b_ptr, b_scale_ptr, b_stride, sb_n, sb_k, a_amax_ptr, b_amax_ptr, out_ptr,
     row_group_ptr, source_ptr, ends_ptr, groups, per_group, n, rows, stack_rows, k, k_chunks, stride_om,
-    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_FA: tl.constexpr, HAS_FB: tl.constexpr, ASM: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr,
+    B_DIVISOR: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[source[r], c] = (A[r] . B_g[c]) * fa[r] * fb[g, c] for the padded rows r of one tile
     (g their group); a tile of pad rows alone returns at once. The products are the decode GEMM's
     (triton_decode.tile_sums over all of K): the weights its left operand, decoded from 64-bit
-    words in registers (by inline PTX where ASM), the tokens' few rows the tensor cores' other."""
+    words in registers (by inline PTX where ASM), the tokens' few rows the tensor cores' other.
+    The factors (Quantizer.grouped_factor) are made from the operands' amaxes here, as the decode
+    GEMM makes them (A_FACTOR, B_FACTOR: _grouped_factor's kinds)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     first = pid_m * BLOCK_M
     if _pad_rows_alone(first, source_ptr, ends_ptr, groups):
@@ -158,17 +161,28 @@ def _tokens_by_coded_experts(
         stack_rows, rows, k, 0, k_chunks, None, CHUNK, OPERAND, SCALE_COLS, 1, 1, 0, 0, "", "", ASM, WHOLE_TILES,
         BLOCK_M, BLOCK_N, BLOCK_K, None, False, False,
     )
-    if HAS_FA or HAS_FB:  # one factor, fa * fb, as the emulation's alpha
-        if HAS_FA and HAS_FB:
-            alpha = tl.load(fa_ptr + rows_here)[None, :] * tl.load(fb_ptr + b_rows)[:, None]
-        elif HAS_FA:
-            alpha = tl.load(fa_ptr + rows_here)[None, :]
-        else:
-            alpha = tl.load(fb_ptr + b_rows)[:, None]
-        acc = acc * alpha
+    if A_FACTOR != 0 and B_FACTOR != 0:  # one factor, fa * fb, as the emulation's alpha
+        fa = _grouped_factor(a_amax_ptr, group, rows_here[None, :], A_FACTOR, A_DIVISOR)
+        acc = acc * (fa * _grouped_factor(b_amax_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR))
+    elif A_FACTOR != 0:
+        acc = acc * _grouped_factor(a_amax_ptr, group, rows_here[None, :], A_FACTOR, A_DIVISOR)
+    elif B_FACTOR != 0:
+        acc = acc * _grouped_factor(b_amax_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR)
     source = tl.load(source_ptr + rows_here)
     tl.store(out_ptr + source[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=(source[None, :] >= 0) & in_cols[:, None])
+
+
+@triton.jit
+def _grouped_factor(amax_ptr, group, rows, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+    """A grouped operand's factor from its amaxes (NVFP4's global decode), as the decode GEMM
+    makes an operand's factor (triton_decode.operand_factor): one a group (KIND 1,
+    TENSOR_FACTOR: the tile's group's), or one a row (``rows``, of the stack or of the tokens)."""
+    if KIND == 1:
+        factor = triton_decode.operand_factor(amax_ptr + group, 0, True, 1, DIVISOR)
+    else:
+        factor = triton_decode.operand_factor(amax_ptr, rows, True, 2, DIVISOR)
+    return factor
 
 
 def _coded_layout(rep: Representation) -> Optional[triton_decode._Layout]:
@@ -190,12 +204,6 @@ def decodes(a: Representation, b: Representation, tokens: int, groups: int) -> b
     )
 
 
-def _flat_factor(rep: Representation, row_group: torch.Tensor) -> Optional[torch.Tensor]:
-    """The factor of each GEMM row (Quantizer.grouped_factor; (rows, 1) for a rowwise operand), flat fp32."""
-    factor = rep.quantizer.grouped_factor(rep, row_group)
-    return None if factor is None else factor.float().reshape(-1).contiguous()
-
-
 def _as_words(rep: Representation) -> tuple:
     """(codes, scales, the codes' row stride in 64-bit words, the scales' strides), as
     triton_decode.tile_sums reads an operand."""
@@ -211,16 +219,15 @@ def tokens_by_coded_experts(
     tokens)."""
     groups, rows, k = tokens.groups, a.data.shape[0], a.shape[1]
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
-    fa, fb = _flat_factor(a, tokens.row_group), _flat_factor(b, b_group)
-    layout, tiling = _coded_layout(b), CODED_TILING
+    la, lb, tiling = _coded_layout(a), _coded_layout(b), CODED_TILING
     grid = (ceil_div(rows, tiling.block_m), ceil_div(n, tiling.block_n))
     a_words, b_words = _as_words(a), _as_words(b)
     k_chunks = ceil_div(k, triton_decode.K_CHUNK)
     launch(
-        _tokens_by_coded_experts, grid, *a_words, *b_words, a.scale if fa is None else fa, b.scale if fb is None else fb, out,
+        _tokens_by_coded_experts, grid, *a_words, *b_words, a.amax if la.factor else a.scale, b.amax if lb.factor else b.scale, out,
         tokens.row_group, tokens.source, tokens.ends, groups, b.data.shape[0] // groups, n, rows, b.data.shape[0], k,
         k_chunks, out.stride(0),
-        OPERAND=layout.operand, SCALE_COLS=layout.scale_block[1], HAS_FA=fa is not None, HAS_FB=fb is not None,
+        OPERAND=lb.operand, SCALE_COLS=lb.scale_block[1], **triton_decode.factor_arguments(la, lb),
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=k == k_chunks * triton_decode.K_CHUNK, CHUNK=triton_decode.K_CHUNK,
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.warps, num_stages=tiling.stages,
     )
