@@ -1,16 +1,18 @@
-"""The emulated MXFP8 and NVFP4 expert product at decode and middle sizes, three ways, beside bf16
-torch._grouped_mm: codes decoded in the GEMM's registers (triton_grouped_gemm.tokens_by_coded_experts),
-the routed experts' values written first, every expert's values written first.
+"""The emulated MXFP8 and NVFP4 expert product at decode and middle sizes, four ways, beside bf16
+torch._grouped_mm: codes decoded in the GEMM's registers (triton_grouped_gemm.tokens_by_coded_experts)
+one token a program or in tiles of 16 tokens, the routed experts' values written first, every
+expert's values written first.
 
     python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,64,128,1024,16384] [--reps 10] [--tiny]
 
 The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816), ``--rows`` routed
 rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
 graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
-the three ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
-registers up to triton_grouped_gemm.CODED_TILING.block_m routed rows an expert, chosen from this table.
-``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernel under Triton's
-interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
+the four ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
+registers up to triton_grouped_gemm.CODED_TILING.block_m routed rows an expert, one token a
+program up to a row for every triton_grouped_gemm.ONE_TOKEN_EXPERTS_A_ROW experts, chosen from
+this table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
+under Triton's interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from common import time_ms  # noqa: E402
 
 from graphquant import recipes  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
-from graphquant.kernels import backends, native, triton_dequantize  # noqa: E402
+from graphquant.kernels import backends, native, triton_dequantize, triton_grouped_gemm  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
 
 DIMS, TINY_DIMS = (64, 4096, 2816), (4, 256, 128)  # experts, k, n
-WAYS = ("decoded in registers", "routed experts' values", "every expert's values")
+WAYS = ("one token a program", "16-token tiles", "routed experts' values", "every expert's values")
+DECODED = WAYS[:2]  # the codes decoded in the GEMM's registers, by either program
 
 
 def stack(quantizer, w: torch.Tensor):
@@ -63,6 +66,7 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(fn, reps=args.reps):.3f}")  # noqa: E731
     decodes, live_arguments = grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments
+    one_token = triton_grouped_gemm.one_token_a_program
     emulated = backends.GemmBackend(backends.EMULATION)
     table = []
     for name in args.formats.split(","):
@@ -75,15 +79,17 @@ def main() -> None:
             times, outputs = {}, {}
             try:
                 for way in WAYS:
-                    grouped_kernels._decodes_in_registers = lambda *given, on=way == WAYS[0]: on
-                    every = way == WAYS[2]
+                    grouped_kernels._decodes_in_registers = lambda *given, on=way in DECODED: on
+                    triton_grouped_gemm.one_token_a_program = lambda *given, on=way == WAYS[0]: on
+                    every = way == WAYS[3]
                     triton_dequantize._live_arguments = (lambda live, data: live_arguments(None, data)) if every else live_arguments
                     run = lambda: grouped_kernels.gemm(a, b, b_group, layout, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
                     outputs[way], times[way] = run(), timed(run)
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments
+                triton_grouped_gemm.one_token_a_program = one_token
             bf16 = timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
-            last = outputs[WAYS[2]].float()
+            last = outputs[WAYS[3]].float()
             diff = max(((out.float() - last).norm() / last.norm()).item() for out in outputs.values())
             table.append([name, rows, *(times[way] for way in WAYS), bf16, f"{diff:.1e}"])
             print(table[-1], flush=True)

@@ -4,11 +4,13 @@ instructions, not the bytes, set these kernels' pace (benchmarks/NOTES.md, decod
 
     python benchmarks/sass_per_value.py
 
-For the grouped GEMM's decoding product (triton_grouped_gemm._tokens_by_coded_experts) and the
-dense decode GEMM (triton_decode._decode_kernel) under the same tiling (DecodeConfig()'s): the
-instructions of the main loop (the longest backward branch's body) a warp a step, per weight
-value (times the program's lanes, over the step's BLOCK_N x BLOCK_K weight values), and its
-tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync).
+For the grouped GEMM's two decoding programs beside the dense decode GEMM's under the same
+tiling: 16-token tiles on the tensor cores (triton_grouped_gemm._tokens_by_coded_experts, beside
+triton_decode._decode_kernel) and one token a program on the FMA units
+(triton_decode._expert_rows_kernel, beside _fma_kernel): the instructions of the main loop (the
+longest backward branch's body) a warp a step, per weight value (times the program's lanes, over
+the step's BLOCK_N x BLOCK_K weight values), and its tensor-core instructions (HGMMA: wgmma;
+HMMA: mma.sync).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from triton.compiler import ASTSource
 
 from graphquant.kernels import triton_decode, triton_grouped_gemm
 
-TILING = triton_grouped_gemm.CODED_TILING
 FORMATS = {"mxfp8": triton_decode.LAYOUTS["mxfp8"], "nvfp4": triton_decode.LAYOUTS["nvfp4"]}
 
 
@@ -35,31 +36,59 @@ def _pointers(layout, pointers: dict) -> dict:
     return {"a_ptr": "*u8", "b_ptr": "*u8", "a_scale_ptr": scale, "b_scale_ptr": scale, **pointers}
 
 
-def _common(layout) -> dict:
+def _common(layout, tiling) -> dict:
     return {
-        "OPERAND": layout.operand, "SCALE_COLS": layout.scale_block[1], "ASM": True, "WHOLE_TILES": True, "CHUNK": triton_decode.K_CHUNK,
-        "BLOCK_M": TILING.block_m, "BLOCK_N": TILING.block_n, "BLOCK_K": TILING.block_k, **triton_decode.factor_arguments(layout, layout),
+        "OPERAND": layout.operand, "ASM": True, "WHOLE_TILES": True, "CHUNK": triton_decode.K_CHUNK, "BLOCK_N": tiling.block_n,
+        "BLOCK_K": tiling.block_k, **triton_decode.factor_arguments(layout, layout),
     }
 
 
-def grouped(layout) -> tuple:
-    pointers = _pointers(layout, {"a_amax_ptr": "*fp32", "b_amax_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64",
-                                  "source_ptr": "*i64", "ends_ptr": "*i32"})
-    return triton_grouped_gemm._tokens_by_coded_experts, _common(layout), pointers
+_DENSE_POINTERS = {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
+                   "arrivals_ptr": "*i32"}
+_GROUPED_POINTERS = {"a_amax_ptr": "*fp32", "b_amax_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64"}
 
 
-def dense(layout) -> tuple:
+def grouped_tiles(layout) -> tuple:
+    tiling = triton_grouped_gemm.CODED_TILING
+    constexprs = {**_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m}
+    pointers = _pointers(layout, {**_GROUPED_POINTERS, "source_ptr": "*i64", "ends_ptr": "*i32"})
+    return triton_grouped_gemm._tokens_by_coded_experts, constexprs, pointers, tiling
+
+
+def dense_tiles(layout) -> tuple:
+    tiling = triton_grouped_gemm.CODED_TILING
     constexprs = {
-        **_common(layout), "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "",
-        "B_FORMAT": "", "A_RULE": None, "A_VALUES": False, "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
+        **_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m, "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1,
+        "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
+        "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
     }
-    pointers = _pointers(layout, {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                                  "partial_ptr": "*fp32", "arrivals_ptr": "*i32"})
-    return triton_decode._decode_kernel, constexprs, pointers
+    return triton_decode._decode_kernel, constexprs, _pointers(layout, _DENSE_POINTERS), tiling
 
 
-def sass(kernel, constexprs: dict, pointers: dict) -> str:
-    """The kernel's SASS for sm_90; the arguments a second GEMM would take (``PAIR``) left None."""
+def grouped_one_row(layout) -> tuple:
+    tiling = triton_decode._ONE_ROW[layout.operand]
+    constexprs = {**_common(layout, tiling), "SPLIT": True, "STAGES": tiling.stages}
+    pointers = _pointers(layout, {**_GROUPED_POINTERS, "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "position_ptr": "*i64"})
+    return triton_decode._expert_rows_kernel, constexprs, pointers, tiling
+
+
+def dense_one_row(layout) -> tuple:
+    tiling = triton_decode._ONE_ROW[layout.operand]
+    constexprs = {**_common(layout, tiling), "SPLIT": True, "STAGES": tiling.stages, "PAIR": False, "DEPENDENT": False}
+    return triton_decode._fma_kernel, constexprs, _pointers(layout, _DENSE_POINTERS), tiling
+
+
+KERNELS = {
+    "grouped, 16-token tiles (tokens_by_coded_experts)": grouped_tiles,
+    "dense, 16-row tiles (decode GEMM)": dense_tiles,
+    "grouped, one token a program (tokens_by_expert_rows)": grouped_one_row,
+    "dense, one row (decode GEMM's FMA program)": dense_one_row,
+}
+
+
+def sass(kernel, constexprs: dict, pointers: dict, tiling) -> str:
+    """The kernel's SASS for sm_90 under ``tiling``; the arguments a second GEMM would take
+    (``PAIR``) left None."""
     constexprs = dict(constexprs)
     signature = {}
     for name in kernel.arg_names:
@@ -71,7 +100,7 @@ def sass(kernel, constexprs: dict, pointers: dict) -> str:
         else:
             signature[name] = "i32"
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value for name, value in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": TILING.warps, "num_stages": TILING.stages})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiling.warps, "num_stages": tiling.stages})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -94,13 +123,14 @@ def main_loop(text: str) -> collections.Counter:
 def main() -> None:
     rows = []
     for name, layout in FORMATS.items():
-        for kernel_name, make in (("grouped (tokens_by_coded_experts)", grouped), ("dense (decode GEMM)", dense)):
-            ops = main_loop(sass(*make(layout)))
-            per_value = sum(ops.values()) * TILING.warps * 32 / (TILING.block_n * TILING.block_k)
-            rows.append([name, kernel_name, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"]])
-    print(f"DecodeConfig: {TILING.block_n} weight rows x {TILING.block_k} of K a step, {TILING.block_m} token rows, "
-          f"{TILING.warps} warps, {TILING.stages} stages; sm_90, Triton {triton.__version__}")
-    print(tabulate(rows, headers=["format", "kernel", "loop instructions a warp", "a weight value", "HGMMA", "HMMA"]))
+        for kernel_name, make in KERNELS.items():
+            kernel, constexprs, pointers, tiling = make(layout)
+            ops = main_loop(sass(kernel, constexprs, pointers, tiling))
+            per_value = sum(ops.values()) * tiling.warps * 32 / (tiling.block_n * tiling.block_k)
+            tile = f"{tiling.block_n}x{tiling.block_k}, {tiling.block_m} rows, {tiling.warps} warps, {tiling.stages} stages"
+            rows.append([name, kernel_name, tile, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"]])
+    print(f"sm_90, Triton {triton.__version__}")
+    print(tabulate(rows, headers=["format", "kernel", "tiling", "loop instructions a warp", "a weight value", "HGMMA", "HMMA"]))
 
 
 if __name__ == "__main__":

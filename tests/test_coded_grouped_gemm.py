@@ -25,8 +25,10 @@ FORMATS = {
     "nvfp4 row scaled": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(row_scaled_nvfp4=True)),
 }
 # (tokens of each group, K): ragged groups with an empty one; a decode step's few tokens, K ending
-# in a partial 128-wide tile.
-SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160)]
+# in a partial 128-wide tile; a decode step's tokens among four times as many experts (one token a
+# program), K ending in a partial step, and split across programs.
+SPARSE = (1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0)
+SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160), (SPARSE, 160), (SPARSE, 2048)]
 STACK_ROWS, N = 128, 112  # each expert's stacked rows, of which the output keeps N
 
 
@@ -86,8 +88,25 @@ def _live_values_are_the_references(name: str, device: str) -> bool:
     return torch.equal(got[rows].float(), want[rows].float())
 
 
+def _one_token_a_program_runs_where_tokens_are_few(device: str) -> bool:
+    """The decode GEMM's one-row program takes a decode step's tokens among four times as many
+    experts (SPARSE), and the tile program more."""
+    from graphquant.kernels import triton_decode, triton_grouped_gemm
+
+    ran, one_row = [], triton_decode.tokens_by_expert_rows
+    triton_decode.tokens_by_expert_rows = lambda *args: ran.append(args) or one_row(*args)
+    try:
+        for sizes in (SPARSE, (1, 0, 2, 0)):
+            layout, a, b, b_group = _operands("nvfp4", sizes, 256, device)
+            triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
+    finally:
+        triton_decode.tokens_by_expert_rows = one_row
+    return len(ran) == 1 and ran[0][2].shape[0] == sum(SPARSE)
+
+
 def _interpreted_results() -> dict:
     results = {f"{name} | {sizes} | {k}": _within_bound(name, sizes, k, "cpu") for name in FORMATS for sizes, k in SHAPES}
+    results["one token a program"] = _one_token_a_program_runs_where_tokens_are_few("cpu")
     return results | {f"{name} | live values": _live_values_are_the_references(name, "cpu") for name in FORMATS}
 
 
@@ -118,6 +137,10 @@ def test_codes_are_decoded_in_registers_for_few_tokens_an_expert_of_one_block_fo
     assert not triton_grouped_gemm.decodes(a, e5m2, 3, 4)
     columnwise = MXFP8Quantizer().quantize_columnwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
     assert not triton_grouped_gemm.decodes(a, columnwise, 3, 4)
+
+
+def test_a_decode_steps_few_tokens_run_one_token_a_program_interpreted(interpreted):
+    assert interpreted["one token a program"]
 
 
 @pytest.mark.parametrize("name", FORMATS)

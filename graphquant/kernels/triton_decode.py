@@ -753,6 +753,46 @@ def _write_paired(
         )
 
 
+@triton.jit
+def fma_row_sums(
+    a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+    b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, ASM: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """_fma_kernel's sums of row ``m`` of A ((1, 1, 1)) against rows ``n`` of B ((1, BLOCK_N, 1))
+    over the k_chunks * CHUNK columns from k_start, (BLOCK_N, 1); also one token's against its
+    expert's rows of a stack (_expert_rows_kernel)."""
+    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
+    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
+    # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
+    # Triton pipeline the loop by itself.
+    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
+        if OPERAND == 1:  # MXFP8
+            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
+            b_codes, b_scale = _mxfp8_blocks(
+                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+            )
+            a_codes, a_scale = _mxfp8_blocks(
+                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
+            )
+            b = e4m3_word_values(b_codes, ASM)
+            a = e4m3_word_values(a_codes, ASM)
+            products = b[0] * (a[0] * a_scale)
+            for j in tl.static_range(1, 8):
+                products += b[j] * (a[j] * a_scale)
+            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
+        else:  # NVFP4
+            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
+            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
+            a = e2m1_pairs(a_codes, ASM)
+            sums += e2m1_block_dot(b_codes, a, ASM) * (b_scale.to(tl.float32) * a_scale.to(tl.float32))
+    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
+    if OPERAND == 2:
+        total = total * 16384.0  # 2^14: e2m1_block_dot's 2^-14, undone exactly
+    return total
+
+
 # M and has_bias stay runtime values (not specialized when 1), so that every row count and both
 # bias cases share one compiled kernel per format and tiling; so does every K split, given as its
 # number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
@@ -851,42 +891,75 @@ def _fma_kernel(
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
-    k_start = tl.program_id(1) * k_chunks * CHUNK
     _wait_for_the_kernel_before(DEPENDENT)
-    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
-    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
-    # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
-    # Triton pipeline the loop by itself.
-    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
-        if OPERAND == 1:  # MXFP8
-            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
-            b_codes, b_scale = _mxfp8_blocks(
-                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
-            )
-            a_codes, a_scale = _mxfp8_blocks(
-                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
-            )
-            b = e4m3_word_values(b_codes, ASM)
-            a = e4m3_word_values(a_codes, ASM)
-            products = b[0] * (a[0] * a_scale)
-            for j in tl.static_range(1, 8):
-                products += b[j] * (a[j] * a_scale)
-            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
-        else:  # NVFP4
-            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
-            a = e2m1_pairs(a_codes, ASM)
-            sums += e2m1_block_dot(b_codes, a, ASM) * (b_scale.to(tl.float32) * a_scale.to(tl.float32))
-    total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
-    if OPERAND == 2:
-        total = total * 16384.0  # 2^14: e2m1_block_dot's 2^-14, undone exactly
+    total = fma_row_sums(
+        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+        b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES,
+        BLOCK_N, BLOCK_K, STAGES,
+    )
     _write_paired(
         total, tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32), N, M, PAIR, second,
         a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr,
         has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT, tl.program_id(1), tl.num_programs(1),
         tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
     )
+
+
+@triton.jit(do_not_specialize=["tokens", "k_chunks"])
+def _expert_rows_kernel(
+    a_ptr, a_scale_ptr, a_amax_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_amax_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    out_ptr, partial_ptr, arrivals_ptr, position_ptr, row_group_ptr, per_group, padded_rows, stack_rows, n_out, tokens, K,
+    k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
+    B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Program (i, s, t): BLOCK_N columns of token t's row of a grouped product, its padded row
+    position[t] of A times the rows of its group's expert in the stack B (per_group rows each),
+    as _fma_kernel's program for one row of A makes them, K split as there. The factors
+    (Quantizer.grouped_factor) come from the amaxes: a group's (TENSOR_FACTOR) or a row's, at the
+    pointers _write reads by output column and token."""
+    t = tl.program_id(2)
+    row = tl.load(position_ptr + t).to(tl.int64)
+    group = tl.load(row_group_ptr + row).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_rows = group * per_group + tl.where(cols < n_out, cols, 0)
+    total = fma_row_sums(
+        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+        b_scale_col_stride, b_rows[None, :, None], row + tl.zeros((1, 1, 1), tl.int64), stack_rows, padded_rows, K,
+        tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES, BLOCK_N, BLOCK_K, STAGES,
+    )
+    a_factor_ptr = a_amax_ptr + group if A_FACTOR == 1 else a_amax_ptr + (row - t)
+    b_factor_ptr = b_amax_ptr + group if B_FACTOR == 1 else b_amax_ptr + group * per_group
+    _write(
+        total, cols[:, None], t + tl.zeros((1, 1), tl.int32), n_out, tokens, a_factor_ptr, b_factor_ptr, out_ptr, out_ptr,
+        partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, 0, SPLIT, tl.program_id(1), tl.num_programs(1),
+        t * tl.num_programs(0) + tl.program_id(0),
+    )
+
+
+def tokens_by_expert_rows(
+    a: Representation, b: Representation, position: torch.Tensor, row_group: torch.Tensor, groups: int, n: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(tokens, n): row t is A's padded row position[t] (row_group: each padded row's group)
+    times the first n rows of its group's expert in the stack B (``groups`` experts of equal
+    rows), both MXFP8 (E4M3) or NVFP4 stored k-last, on the one-row FMA program (one token a
+    program, _ONE_ROW's tiling): for a decode step's tokens, each routed to experts no other
+    token shares."""
+    (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
+    tokens, k = position.shape[0], a.shape[1]
+    config = _ONE_ROW[b_layout.operand]
+    splits, k_chunks = _k_split(n, k, a.data.device, config, tokens)
+    *_, out, partial = _ends(None, torch.empty((tokens, n), dtype=out_dtype, device=a.data.device), splits)
+    arrivals = _arrivals(out.device, ceil_div(n, config.block_n) * tokens) if splits > 1 else out
+    launch(
+        _expert_rows_kernel, (ceil_div(n, config.block_n), splits, tokens), *as_words(a_args), *as_words(b_args), out, partial,
+        arrivals, position, row_group, b.data.shape[0] // groups, a.data.shape[0], b.data.shape[0], n, tokens, k, k_chunks, K_CHUNK,
+        OPERAND=b_layout.operand, **factor_arguments(a_layout, b_layout), SPLIT=splits > 1, ASM=not triton.knobs.runtime.interpret,
+        WHOLE_TILES=k % (k_chunks * K_CHUNK) == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
+        num_warps=config.warps, num_stages=config.stages,
+    )
+    return out
 
 
 class QuantizedOnLoad(NamedTuple):

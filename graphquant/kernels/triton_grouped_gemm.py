@@ -130,7 +130,12 @@ def tokens_by_tokens(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> to
 # where the tokens are at most CODED_TILING.block_m an expert on average: from 8 to 1024 routed
 # rows among 64 experts the kernel it replaced tied (NVFP4 at 8) or beat (up to 2.8x) writing the
 # routed experts' values first, and at 16384 it was slower (benchmarks/grouped_decode.py).
-CODED_TILING = triton_decode.DecodeConfig()
+CODED_TILING = triton_decode.VALUE_TILES[0][1]
+# Routed rows at most a quarter of the experts (a decode step's tokens, each routed to experts few
+# other tokens share) run one token a program instead, on the decode GEMM's one-row FMA program
+# (triton_decode.tokens_by_expert_rows): each reads its expert's rows once, with no tile of 16
+# rows decoded for one. The quarter is a guess no GPU has timed yet (grouped_decode.py).
+ONE_TOKEN_EXPERTS_A_ROW = 4
 
 
 @triton.jit
@@ -211,6 +216,11 @@ def _as_words(rep: Representation) -> tuple:
     return data, scale, stride_words, *scale_strides
 
 
+def one_token_a_program(tokens: int, groups: int) -> bool:
+    """Whether tokens_by_coded_experts runs one token a program (ONE_TOKEN_EXPERTS_A_ROW)."""
+    return tokens * ONE_TOKEN_EXPERTS_A_ROW <= groups
+
+
 def tokens_by_coded_experts(
     a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, n: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -218,6 +228,8 @@ def tokens_by_coded_experts(
     of its GEMM rows: the padding dropped), for operands that ``decodes`` takes (any number of
     tokens)."""
     groups, rows, k = tokens.groups, a.data.shape[0], a.shape[1]
+    if one_token_a_program(tokens.position.shape[0], groups):
+        return triton_decode.tokens_by_expert_rows(a, b, tokens.position, tokens.row_group, groups, n, out_dtype)
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
     la, lb, tiling = _coded_layout(a), _coded_layout(b), CODED_TILING
     grid = (ceil_div(rows, tiling.block_m), ceil_div(n, tiling.block_n))
