@@ -96,10 +96,11 @@ class GemmSite:
 
     def runs_inference_product(self, inference: bool) -> bool:
         """Whether, in a graph that never runs backward where ``inference``, the site runs the
-        inference formula (graphquant.ops.inference: fprop alone, x quantized for it alone): a
-        frozen linear, or a linear outside a body (a body's sites keep the training formula). The
-        rewrite gives it that formula and the plan picks its fprop's backend for it."""
-        return inference and (self.form == FROZEN or (self.form == LINEAR and not self.in_body))
+        inference formula (fprop alone, x and the weight quantized for it alone:
+        graphquant.ops.inference, graphquant.ops.grouped): a frozen linear, or a linear or an
+        expert stack outside a body (a body's sites keep the training formula). The rewrite gives
+        it that formula and the plan picks a linear's fprop backend for it."""
+        return inference and (self.form == FROZEN or (self.form in (LINEAR, GROUPED) and not self.in_body))
 
     def role(self, tensor_type: str) -> QuantizerRole:
         return QuantizerRole(self.module_type, tensor_type, self.name)

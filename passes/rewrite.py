@@ -105,8 +105,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             streams=tuple(3 * index + i for i in range(3)),
             amax_group=amax_group,
             **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
-            # Which of quantized_linear's formulas runs; a frozen linear's function has the inference one alone.
-            inference=site.form == LINEAR and site.runs_inference_product(inference),
+            # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
+            inference=site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference),
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)

@@ -768,6 +768,25 @@ def test_grouped_ops_take_the_layouts_bounds_tile_runs_and_source_rows_from_the_
     assert gemms and all(isinstance(n.args[12], torch.fx.Node) for n in gemms)  # the layout's source rows
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_rowwise_alone_quantize_of_a_traceable_format_is_traced_where_training_keeps_the_op(recipe):
+    """Inference quantizes tokens and weights rowwise alone: FP8 and MXFP8 formats are traced
+    there, so that Inductor fuses the rows' gather, amaxes and cast with their producer (a decode
+    step's grouped quantize kernel was a few launches of its own); training, which makes x's two
+    directions in one read, keeps the op."""
+    graphs = {}
+
+    def keeping(name):
+        return aot_autograd(fw_compiler=lambda gm, example_inputs: graphs.setdefault(name, gm) and make_boxed_func(gm))
+
+    x = inputs()
+    with torch.no_grad():
+        graphquant.compile(Model(), RECIPES[recipe](), mode="inference", backend=keeping("inference"), fullgraph=True)(x)
+    graphquant.compile(Model(), RECIPES[recipe](), backend=keeping("training"), fullgraph=True)(x.clone().requires_grad_())
+    quantizes = {name: [n for n in gm.graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default] for name, gm in graphs.items()}
+    assert not quantizes["inference"] and quantizes["training"]
+
+
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
 
 EXPERTS, DIM, HIDDEN, ROWS = 8, 128, 256, 64  # 64 rows an expert: whole MXFP8 blocks

@@ -151,6 +151,13 @@ def quantize_grouped(
     (``_slot_scales``)."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
+        if wanted == (ROWWISE,) and made.traceable and not made.keeps_state:
+            # Traced: Inductor fuses the rows' gather, amaxes and cast with their producer, in
+            # place of the kernel's few launches (a decode step's tokens: most of the work).
+            padded = layout.pad(source) if source is x else source
+            ctx = QuantizeContext(amax_group=amax_group if made.reduces_amax else None)
+            rep = made.quantize_groups(padded, layout.row_group, layout.groups, ROWWISE, ctx)
+            return {ROWWISE: _operand(rep.tensors(), made, ROWWISE, layout, x)}
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
         # x's rows are read into the layout by the quantize; the dequantized rowwise lies in it.
         gather, runs = (layout.gather, layout.runs) if source is x else (None, None)
@@ -327,19 +334,33 @@ class QuantizedGroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
+def _fprop_alone(x, offs, wq: Operand, stack: groups.GroupPadding, n: int, dtype: torch.dtype, site: Site, states, rng) -> torch.Tensor:
+    """The forward's product of x, quantized rowwise alone as the forward quantizes it, and the
+    expert stack's rowwise operand ``wq`` (of weights of ``dtype``): nothing kept for a backward."""
+    tokens, xq = _tokens_quantized(x.detach(), offs, stack.groups, (ROWWISE,), states[0], rng, site)
+    return _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop")
+
+
 def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=(None, None, None), rng=None):
     """torch._grouped_mm(x, w, offs) for a w (E, K, N) of ``dtype`` that graphquant.freeze stored
     as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
     quantized as QuantizedGroupedMM's forward quantizes it."""
     experts, k, n = shape
-    tokens, xq = _tokens_quantized(x.detach(), offs, experts, (ROWWISE,), states[0], rng, site)
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
-    return refuse_backward(x, _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop"), site.label)
+    return refuse_backward(x, _fprop_alone(x, offs, wq, stack, n, dtype, site, states, rng), site.label)
 
 
 def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), rng=None):
     """torch._grouped_mm(x, w, offs=offs) in the site's formats. states: the delayed-scaling
     state of input, weight and grad_output (None where a slot keeps none), (E, 1 + history) each;
-    rng: the step's int64 [seed, step], for stochastic rounding."""
-    return QuantizedGroupedMM.apply(x, w, offs, *states, rng, site)
+    rng: the step's int64 [seed, step], for stochastic rounding. Where ``site.inference`` (a graph
+    that never runs backward), fprop alone: x and the weights quantized rowwise only (an autograd
+    function's forward cannot tell, since a parameter asks for its gradient under no_grad too)."""
+    if not site.inference:
+        return QuantizedGroupedMM.apply(x, w, offs, *states, rng, site)
+    w_quantizer, n = site.quantizers[1], w.shape[2]
+    stack, w2d = _expert_stack(w.detach())
+    wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=_slot_scales(w_quantizer, states[1]))
+    _roll(w_quantizer, states[1], site.amax_group, wq)
+    return _fprop_alone(x, offs, wq[ROWWISE], stack, n, w.dtype, site, states, rng)

@@ -33,7 +33,8 @@ class Site:
     site's roles name it. streams: the stochastic-rounding streams of x, w and grad_output.
     fprop, dgrad, wgrad: the backend the plan chose for each GEMM; dgrad and wgrad are None where
     the plan has none (a graph that never runs backward).
-    inference: the graph never runs backward, so a linear runs fprop alone (ops.inference).
+    inference: the graph never runs backward, so a linear (ops.inference) or an expert stack
+    (ops.grouped) runs fprop alone.
     """
 
     name: str
