@@ -948,6 +948,8 @@ def tokens_by_expert_rows(
     token shares."""
     (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
     tokens, k = position.shape[0], a.shape[1]
+    if tokens == 0:  # no program to launch
+        return torch.empty((0, n), dtype=out_dtype, device=a.data.device)
     config = _ONE_ROW[b_layout.operand]
     splits, k_chunks = _k_split(n, k, a.data.device, config, tokens)
     *_, out, partial = _ends(None, torch.empty((tokens, n), dtype=out_dtype, device=a.data.device), splits)
