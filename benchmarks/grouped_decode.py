@@ -1,6 +1,6 @@
 """The emulated MXFP8 and NVFP4 expert product at decode and middle sizes, four ways, beside bf16
-torch._grouped_mm: codes decoded in the GEMM's registers (triton_grouped_gemm.tokens_by_coded_experts)
-one token a program or in tiles of 16 tokens, the routed experts' values written first, every
+torch._grouped_mm: codes decoded in the GEMM's registers (triton_decode.experts_gemm) one token a
+program or in tiles of 16 tokens, the routed experts' values written first, every
 expert's values written first.
 
     python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,64,128,1024,16384] [--reps 10] [--tiny]
@@ -9,9 +9,8 @@ The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816),
 rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
 graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
 the four ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
-registers up to triton_grouped_gemm.CODED_TILING.block_m routed rows an expert, one token a
-program up to a row for every triton_grouped_gemm.ONE_TOKEN_EXPERTS_A_ROW experts, chosen from
-this table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
+registers up to triton_decode.EXPERT_TILING.block_m routed rows an expert, one token a program
+up to a row for every triton_decode.ONE_TOKEN_EXPERTS_A_ROW experts, chosen from this table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
 under Triton's interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
 """
 
@@ -28,7 +27,7 @@ from common import time_ms  # noqa: E402
 
 from graphquant import recipes  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
-from graphquant.kernels import backends, native, triton_dequantize, triton_grouped_gemm  # noqa: E402
+from graphquant.kernels import backends, native, triton_decode, triton_dequantize  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
@@ -66,7 +65,7 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(fn, reps=args.reps):.3f}")  # noqa: E731
     decodes, live_arguments = grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments
-    one_token = triton_grouped_gemm.one_token_a_program
+    one_token = triton_decode.one_token_a_program
     emulated = backends.GemmBackend(backends.EMULATION)
     table = []
     for name in args.formats.split(","):
@@ -80,14 +79,14 @@ def main() -> None:
             try:
                 for way in WAYS:
                     grouped_kernels._decodes_in_registers = lambda *given, on=way in DECODED: on
-                    triton_grouped_gemm.one_token_a_program = lambda *given, on=way == WAYS[0]: on
+                    triton_decode.one_token_a_program = lambda *given, on=way == WAYS[0]: on
                     every = way == WAYS[3]
                     triton_dequantize._live_arguments = (lambda live, data: live_arguments(None, data)) if every else live_arguments
                     run = lambda: grouped_kernels.gemm(a, b, b_group, layout, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
                     outputs[way], times[way] = run(), timed(run)
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments
-                triton_grouped_gemm.one_token_a_program = one_token
+                triton_decode.one_token_a_program = one_token
             bf16 = timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
             last = outputs[WAYS[3]].float()
             diff = max(((out.float() - last).norm() / last.norm()).item() for out in outputs.values())

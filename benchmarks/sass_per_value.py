@@ -5,9 +5,9 @@ instructions, not the bytes, set these kernels' pace (benchmarks/NOTES.md, decod
     python benchmarks/sass_per_value.py
 
 For the grouped GEMM's two decoding programs beside the dense decode GEMM's under the same
-tiling: 16-token tiles on the tensor cores (triton_grouped_gemm._tokens_by_coded_experts, beside
-triton_decode._decode_kernel) and one token a program on the FMA units
-(triton_decode._expert_rows_kernel, beside _fma_kernel): the instructions of the main loop (the
+tiling (triton_decode.experts_gemm): 16-token tiles on the tensor cores (_expert_tiles_kernel,
+beside _decode_kernel) and one token a program on the FMA units (_expert_rows_kernel, beside
+_fma_kernel): the instructions of the main loop (the
 longest backward branch's body) a warp a step, per weight value (times the program's lanes, over
 the step's BLOCK_N x BLOCK_K weight values), and its tensor-core instructions (HGMMA: wgmma;
 HMMA: mma.sync).
@@ -26,7 +26,7 @@ from tabulate import tabulate
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphquant.kernels import triton_decode, triton_grouped_gemm
+from graphquant.kernels import triton_decode
 
 FORMATS = {"mxfp8": triton_decode.LAYOUTS["mxfp8"], "nvfp4": triton_decode.LAYOUTS["nvfp4"]}
 
@@ -39,24 +39,24 @@ def _pointers(layout, pointers: dict) -> dict:
 def _common(layout, tiling) -> dict:
     return {
         "OPERAND": layout.operand, "ASM": True, "WHOLE_TILES": True, "CHUNK": triton_decode.K_CHUNK, "BLOCK_N": tiling.block_n,
-        "BLOCK_K": tiling.block_k, **triton_decode.factor_arguments(layout, layout),
+        "BLOCK_K": tiling.block_k, **triton_decode._factors(layout, layout),
     }
 
 
 _DENSE_POINTERS = {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
                    "arrivals_ptr": "*i32"}
-_GROUPED_POINTERS = {"a_amax_ptr": "*fp32", "b_amax_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64"}
+_GROUPED_POINTERS = {"a_factor_ptr": "*fp32", "b_factor_ptr": "*fp32", "out_ptr": "*bf16", "row_group_ptr": "*i64"}
 
 
 def grouped_tiles(layout) -> tuple:
-    tiling = triton_grouped_gemm.CODED_TILING
+    tiling = triton_decode.EXPERT_TILING
     constexprs = {**_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m}
     pointers = _pointers(layout, {**_GROUPED_POINTERS, "source_ptr": "*i64", "ends_ptr": "*i32"})
-    return triton_grouped_gemm._tokens_by_coded_experts, constexprs, pointers, tiling
+    return triton_decode._expert_tiles_kernel, constexprs, pointers, tiling
 
 
 def dense_tiles(layout) -> tuple:
-    tiling = triton_grouped_gemm.CODED_TILING
+    tiling = triton_decode.EXPERT_TILING
     constexprs = {
         **_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m, "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1,
         "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
@@ -79,9 +79,9 @@ def dense_one_row(layout) -> tuple:
 
 
 KERNELS = {
-    "grouped, 16-token tiles (tokens_by_coded_experts)": grouped_tiles,
+    "grouped, 16-token tiles (_expert_tiles_kernel)": grouped_tiles,
     "dense, 16-row tiles (decode GEMM)": dense_tiles,
-    "grouped, one token a program (tokens_by_expert_rows)": grouped_one_row,
+    "grouped, one token a program (_expert_rows_kernel)": grouped_one_row,
     "dense, one row (decode GEMM's FMA program)": dense_one_row,
 }
 

@@ -1,5 +1,5 @@
 """The emulated tokens x experts grouped GEMM of MXFP8 and NVFP4 operands decoded in registers
-(triton_grouped_gemm.tokens_by_coded_experts): each token's row is its expert's product of the
+(triton_decode.experts_gemm): each token's row is its expert's product of the
 emulation's values within fp32 accumulation's bound, with the factors the values leave out
 (NVFP4's global decode, per group or per row) applied once; ragged and empty groups, a stack
 padded past the output's columns, K not a whole number of tiles, and a decode step's few tokens.
@@ -55,10 +55,10 @@ def _factor(rep, row_group, rows: int) -> torch.Tensor:
 
 def _within_bound(name: str, sizes: tuple, k: int, device: str) -> bool:
     """The fp32 product against float64's exact one of the same values times the same factor."""
-    from graphquant.kernels import triton_grouped_gemm
+    from graphquant.kernels import triton_decode
 
     layout, a, b, b_group = _operands(name, sizes, k, device)
-    got = triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
+    got = triton_decode.experts_gemm(a, b, layout, N, torch.float32)
     va = a.quantizer.emulated_values(a).double()[layout.position]
     vb = b.quantizer.emulated_values(b).double().reshape(len(sizes), STACK_ROWS, k)[:, :N]
     group = layout.row_group[layout.position]
@@ -89,19 +89,19 @@ def _live_values_are_the_references(name: str, device: str) -> bool:
 
 
 def _one_token_a_program_runs_where_tokens_are_few(device: str) -> bool:
-    """The decode GEMM's one-row program takes a decode step's tokens among four times as many
-    experts (SPARSE), and the tile program more."""
-    from graphquant.kernels import triton_decode, triton_grouped_gemm
+    """The one-row program takes a decode step's tokens among four times as many experts
+    (SPARSE), and the tile program more."""
+    from graphquant.kernels import triton_decode
 
-    ran, one_row = [], triton_decode.tokens_by_expert_rows
-    triton_decode.tokens_by_expert_rows = lambda *args: ran.append(args) or one_row(*args)
+    ran, launch = [], triton_decode.launch
+    triton_decode.launch = lambda kernel, *args, **kwargs: ran.append(kernel) or launch(kernel, *args, **kwargs)
     try:
         for sizes in (SPARSE, (1, 0, 2, 0)):
-            layout, a, b, b_group = _operands("nvfp4", sizes, 256, device)
-            triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
+            layout, a, b, _ = _operands("nvfp4", sizes, 256, device)
+            triton_decode.experts_gemm(a, b, layout, N, torch.float32)
     finally:
-        triton_decode.tokens_by_expert_rows = one_row
-    return len(ran) == 1 and ran[0][2].shape[0] == sum(SPARSE)
+        triton_decode.launch = launch
+    return ran == [triton_decode._expert_rows_kernel, triton_decode._expert_tiles_kernel]
 
 
 def _interpreted_results() -> dict:
@@ -126,17 +126,17 @@ def test_codes_are_decoded_in_registers_for_few_tokens_an_expert_of_one_block_fo
     """Up to 16 tokens an expert on average; MXFP8 by NVFP4, E5M2 MXFP8 (whose words the decode
     GEMM's programs do not decode) or a columnwise operand takes the values' path."""
     pytest.importorskip("triton")
-    from graphquant.kernels import triton_grouped_gemm
+    from graphquant.kernels import triton_decode
 
     _, a, b, _ = _operands("mxfp8", (1, 0, 2, 0), 256, "cpu")
     _, a4, b4, _ = _operands("nvfp4", (1, 0, 2, 0), 256, "cpu")
-    assert triton_grouped_gemm.decodes(a, b, 64, 4) and triton_grouped_gemm.decodes(a4, b4, 64, 4)
-    assert not triton_grouped_gemm.decodes(a, b, 65, 4)
-    assert not triton_grouped_gemm.decodes(a, b4, 3, 4)
+    assert triton_decode.decodes_experts(a, b, 64, 4) and triton_decode.decodes_experts(a4, b4, 64, 4)
+    assert not triton_decode.decodes_experts(a, b, 65, 4)
+    assert not triton_decode.decodes_experts(a, b4, 3, 4)
     e5m2 = MXFP8Quantizer(fp8_dtype="e5m2").quantize_rowwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
-    assert not triton_grouped_gemm.decodes(a, e5m2, 3, 4)
+    assert not triton_decode.decodes_experts(a, e5m2, 3, 4)
     columnwise = MXFP8Quantizer().quantize_columnwise(torch.randn(4 * STACK_ROWS, 256), QuantizeContext())
-    assert not triton_grouped_gemm.decodes(a, columnwise, 3, 4)
+    assert not triton_decode.decodes_experts(a, columnwise, 3, 4)
 
 
 def test_a_decode_steps_few_tokens_run_one_token_a_program_interpreted(interpreted):
@@ -166,13 +166,13 @@ def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_on_g
 def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_sum_once(name, monkeypatch):
     """grouped.gemm takes the decoding kernel for these operands at a decode step's few tokens
     (the values path would fail here), and its bf16 output is its fp32 output rounded once."""
-    from graphquant.kernels import backends, grouped, triton_grouped_gemm
+    from graphquant.kernels import backends, grouped, triton_decode
 
     layout, a, b, b_group = _operands(name, (1, 0, 2, 0), 256, "cuda")
     monkeypatch.setattr(grouped, "_emulated", lambda *args: pytest.fail("every expert's values were written out"))
     emulated = backends.GemmBackend(backends.EMULATION)
     out = grouped.gemm(a, b, b_group, layout, N, torch.bfloat16, emulated, "moe#0 fprop")
-    fp32 = triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, layout, N, torch.float32)
+    fp32 = triton_decode.experts_gemm(a, b, layout, N, torch.float32)
     assert torch.equal(out, fp32.to(torch.bfloat16))
 
 

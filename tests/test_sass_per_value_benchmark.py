@@ -23,8 +23,8 @@ def test_grouped_decoding_loop_costs_what_the_decode_gemms_does():
     rows = [re.split(r"\s{2,}", line.strip()) for line in run.stdout[run.stdout.index("format "):].splitlines()[2:]]
     cost = {(r[0], r[1]): (float(r[4]), int(r[5]), int(r[6])) for r in rows}
     pairs = {
-        "grouped, 16-token tiles (tokens_by_coded_experts)": ("dense, 16-row tiles (decode GEMM)", True),
-        "grouped, one token a program (tokens_by_expert_rows)": ("dense, one row (decode GEMM's FMA program)", False),
+        "grouped, 16-token tiles (_expert_tiles_kernel)": ("dense, 16-row tiles (decode GEMM)", True),
+        "grouped, one token a program (_expert_rows_kernel)": ("dense, one row (decode GEMM's FMA program)", False),
     }
     for fmt in ("mxfp8", "nvfp4"):
         for grouped, (dense, on_wgmma) in pairs.items():

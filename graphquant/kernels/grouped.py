@@ -25,9 +25,10 @@ values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP
 take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
 fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
 host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
-MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, decode both
-operands' codes in the GEMM's registers instead (triton_grouped_gemm.tokens_by_coded_experts):
-no expert's values are written; with more, only the routed experts' values are. Either way an
+MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, run the decode
+GEMM's programs over the stack instead (triton_decode.experts_gemm), which decode both operands'
+codes in registers: no expert's values are written; with more, only the routed experts' values
+are. Either way an
 expert no token was routed to is not read. On the CPU every product is torch._grouped_mm's fp32
 one.
 """
@@ -96,7 +97,7 @@ def gemm(
             return kernels.tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
     if native is None and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
-        return triton_grouped_gemm.tokens_by_coded_experts(a, b, b_group, tokens, n, out_dtype)
+        return backends.triton_decode.experts_gemm(a, b, tokens, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
@@ -113,10 +114,10 @@ def gemm(
 
 def _decodes_in_registers(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
     """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
-    tiles (triton_grouped_gemm.decodes: few tokens an expert) rather than the routed experts'
+    tiles (triton_decode.decodes_experts: few tokens an expert) rather than the routed experts'
     values written out first."""
     on_gpu = triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device)
-    return on_gpu and triton_grouped_gemm.decodes(a, b, tokens, groups)
+    return on_gpu and backends.triton_decode.decodes_experts(a, b, tokens, groups)
 
 
 def _emulated(

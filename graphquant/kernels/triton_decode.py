@@ -38,6 +38,10 @@ while the kernel before it (A's quantize or producer) finishes and waits for it
 that hides the launch between the two kernels. (Asking L2 for the weight's first steps before
 the wait cost more than it hid.)
 
+The same programs run over an expert stack (experts_gemm, the section at the end): the grouped
+GEMM's tokens x experts product of MXFP8 or NVFP4 operands at few tokens an expert
+(graphquant.kernels.grouped), each token's row times its expert's rows of the stack.
+
 The per-tensor or per-row factors (Quantizer.emulated_factor) multiply each other once and then
 the sum, as the emulated GEMM's alpha does, and the bias is added before the one rounding to the
 output dtype.
@@ -64,10 +68,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from graphquant.formats import fp8, nvfp4
+from graphquant.formats.groups import GroupPadding
 from graphquant.kernels import devices
 from graphquant.kernels.triton_dequantize import (
     e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
 )
+from graphquant.kernels.triton_grouped_gemm import pad_rows_alone
 from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims
@@ -494,7 +500,7 @@ def _a_values_kernel(
 
 
 @triton.jit
-def operand_factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+def _factor(ptr, index, mask, KIND: tl.constexpr, DIVISOR: tl.constexpr):
     """An operand's factor: its one value, or its value at each row ``index``; an amax divided by
     DIVISOR with one IEEE division, as the format's reference does."""
     if KIND == 1:  # TENSOR_FACTOR
@@ -596,16 +602,16 @@ def _finish(
     a_factor_ptr."""
     if A_FACTOR != 0:
         if a_factor is None:
-            factor = operand_factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
+            factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
         elif A_FACTOR == 1:  # TENSOR_FACTOR
             factor = a_factor
         else:
             factor = tl.reshape(a_factor, m.shape)
         if B_FACTOR != 0:
-            factor = factor * operand_factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
+            factor = factor * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
         total = total * factor
     elif B_FACTOR != 0:
-        total = total * operand_factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
+        total = total * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
     if has_bias:
         total = total + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
@@ -650,7 +656,7 @@ def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
 
 
 @triton.jit
-def tile_sums(
+def _tile_sums(
     a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr,
     SCALE_COLS: tl.constexpr, A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr,
@@ -660,8 +666,7 @@ def tile_sums(
     """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
     against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
     ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None.
-    Also the grouped GEMM's (triton_grouped_gemm.tokens_by_coded_experts), whose ``n`` are one
-    expert's rows of a stack."""
+    Also _expert_tiles_kernel's, whose ``n`` are one expert's rows of a stack."""
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
         k0 = k_start + step
@@ -754,7 +759,7 @@ def _write_paired(
 
 
 @triton.jit
-def fma_row_sums(
+def _fma_row_sums(
     a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, ASM: tl.constexpr,
     WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -838,7 +843,7 @@ def _decode_kernel(
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     _wait_for_the_kernel_before(DEPENDENT)
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
-    total = tile_sums(
+    total = _tile_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
         b_scale_col_stride, n, m, rows, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, a_scale, CHUNK, OPERAND, SCALE_COLS,
         A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
@@ -892,7 +897,7 @@ def _fma_kernel(
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
     _wait_for_the_kernel_before(DEPENDENT)
-    total = fma_row_sums(
+    total = _fma_row_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
         b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES,
         BLOCK_N, BLOCK_K, STAGES,
@@ -903,65 +908,6 @@ def _fma_kernel(
         has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT, tl.program_id(1), tl.num_programs(1),
         tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
     )
-
-
-@triton.jit(do_not_specialize=["tokens", "k_chunks"])
-def _expert_rows_kernel(
-    a_ptr, a_scale_ptr, a_amax_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
-    b_ptr, b_scale_ptr, b_amax_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    out_ptr, partial_ptr, arrivals_ptr, position_ptr, row_group_ptr, per_group, padded_rows, stack_rows, n_out, tokens, K,
-    k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
-    B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Program (i, s, t): BLOCK_N columns of token t's row of a grouped product, its padded row
-    position[t] of A times the rows of its group's expert in the stack B (per_group rows each),
-    as _fma_kernel's program for one row of A makes them, K split as there. The factors
-    (Quantizer.grouped_factor) come from the amaxes: a group's (TENSOR_FACTOR) or a row's, at the
-    pointers _write reads by output column and token."""
-    t = tl.program_id(2)
-    row = tl.load(position_ptr + t).to(tl.int64)
-    group = tl.load(row_group_ptr + row).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_rows = group * per_group + tl.where(cols < n_out, cols, 0)
-    total = fma_row_sums(
-        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
-        b_scale_col_stride, b_rows[None, :, None], row + tl.zeros((1, 1, 1), tl.int64), stack_rows, padded_rows, K,
-        tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES, BLOCK_N, BLOCK_K, STAGES,
-    )
-    a_factor_ptr = a_amax_ptr + group if A_FACTOR == 1 else a_amax_ptr + (row - t)
-    b_factor_ptr = b_amax_ptr + group if B_FACTOR == 1 else b_amax_ptr + group * per_group
-    _write(
-        total, cols[:, None], t + tl.zeros((1, 1), tl.int32), n_out, tokens, a_factor_ptr, b_factor_ptr, out_ptr, out_ptr,
-        partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, 0, SPLIT, tl.program_id(1), tl.num_programs(1),
-        t * tl.num_programs(0) + tl.program_id(0),
-    )
-
-
-def tokens_by_expert_rows(
-    a: Representation, b: Representation, position: torch.Tensor, row_group: torch.Tensor, groups: int, n: int, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """(tokens, n): row t is A's padded row position[t] (row_group: each padded row's group)
-    times the first n rows of its group's expert in the stack B (``groups`` experts of equal
-    rows), both MXFP8 (E4M3) or NVFP4 stored k-last, on the one-row FMA program (one token a
-    program, _ONE_ROW's tiling): for a decode step's tokens, each routed to experts no other
-    token shares."""
-    (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
-    tokens, k = position.shape[0], a.shape[1]
-    if tokens == 0:  # no program to launch
-        return torch.empty((0, n), dtype=out_dtype, device=a.data.device)
-    config = _ONE_ROW[b_layout.operand]
-    splits, k_chunks = _k_split(n, k, a.data.device, config, tokens)
-    *_, out, partial = _ends(None, torch.empty((tokens, n), dtype=out_dtype, device=a.data.device), splits)
-    arrivals = _arrivals(out.device, ceil_div(n, config.block_n) * tokens) if splits > 1 else out
-    launch(
-        _expert_rows_kernel, (ceil_div(n, config.block_n), splits, tokens), *as_words(a_args), *as_words(b_args), out, partial,
-        arrivals, position, row_group, b.data.shape[0] // groups, a.data.shape[0], b.data.shape[0], n, tokens, k, k_chunks, K_CHUNK,
-        OPERAND=b_layout.operand, **factor_arguments(a_layout, b_layout), SPLIT=splits > 1, ASM=not triton.knobs.runtime.interpret,
-        WHOLE_TILES=k % (k_chunks * K_CHUNK) == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
-        num_warps=config.warps, num_stages=config.stages,
-    )
-    return out
 
 
 class QuantizedOnLoad(NamedTuple):
@@ -1078,7 +1024,7 @@ def _operand(rep: Representation, operand: str) -> tuple[_Layout, tuple]:
     return layout, (data, scale, factor, data.stride(0), *scale_strides)
 
 
-def as_words(args: tuple) -> tuple:
+def _in_words(args: tuple) -> tuple:
     """An operand's arguments (_operand) with its data read as 64-bit words: its row stride in
     words, its data copied where it is not aligned to them (zeros past its columns: a word's
     codes past K are multiplied with the block's scale)."""
@@ -1089,7 +1035,7 @@ def as_words(args: tuple) -> tuple:
 
 
 def _a_values(args: tuple, m: int, k: int, operand: int, one_dot: bool) -> tuple:
-    """MXFP8's or NVFP4's A (its arguments in words, as_words) decoded by _a_values_kernel: the
+    """MXFP8's or NVFP4's A (its arguments in words, _in_words) decoded by _a_values_kernel: the
     same arguments with the values (bf16 or fp16, as the kernels decode them: MXFP8's fp32 in
     Triton's interpreter) in place of the codes, their row stride in values."""
     data, scale, factor, stride_words, *scale_strides = args
@@ -1121,9 +1067,8 @@ def _check_tiling(config: DecodeConfig, operand: int, families: tuple[str, str])
         )
 
 
-def factor_arguments(a: _Layout, b: _Layout) -> dict:
-    """The factor constexprs of A and B of these layouts, as _decode_kernel (and the grouped
-    GEMM's decoding product, triton_grouped_gemm) takes them."""
+def _factors(a: _Layout, b: _Layout) -> dict:
+    """The factor constexprs of A and B of these layouts, as the kernels take them."""
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
 
@@ -1205,13 +1150,13 @@ def gemm(
     if splits > 1:
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
         arrivals = _arrivals(out.device, ceil_div(n, block_n) * row_tiles)
-    factors = factor_arguments(a_layout, b_layout)
+    factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
     # which runs none; unmasked where every weight tile lies inside the weight.
     in_words = config is not None and b_layout.operand != FP8_CODES and (config.fma or config.mx_products == "values")
     if in_words:
-        a_args, b_args = as_words(a_args), as_words(b_args)
+        a_args, b_args = _in_words(a_args), _in_words(b_args)
     a_first = config is not None and config.a_first and b_layout.operand != FP8_CODES
     if a_first:
         a_args = _a_values(a_args, m, k, b_layout.operand, config.one_dot)
@@ -1301,8 +1246,8 @@ def _one_row_pair(
     arrivals = _arrivals(device, tiles) if splits > 1 else ends[0][2]
     whole_tiles = k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0 and n2 % config.block_n == 0
     _launch_fma(
-        config, (tiles, splits, 1), as_words(a_args), b_layout, as_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
-        factor_arguments(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*as_words(second[1]), *ends[1]))),
+        config, (tiles, splits, 1), _in_words(a_args), b_layout, _in_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
+        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*_in_words(second[1]), *ends[1]))),
         N2=n2,
     )
     return [out for _, _, out, _ in ends]
@@ -1312,7 +1257,7 @@ def _launch_fma(
     config: DecodeConfig, grid: tuple, a_args: tuple, b_layout: _Layout, b_args: tuple, ends: tuple, arrivals: torch.Tensor,
     m: int, n: int, k: int, k_chunks: int, factors: dict, whole_tiles: bool, **pair,
 ) -> None:
-    """One launch of _fma_kernel under ``config`` (operands read as words: as_words)."""
+    """One launch of _fma_kernel under ``config`` (operands read as words: _in_words)."""
     launch(
         _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
         **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,
@@ -1388,7 +1333,169 @@ def _launch_autotuned(
         _autotuned, grid, *a_args, *b_and_ends, arrivals, m, n, k, k_chunks, K_CHUNK,
         OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
-        **factor_arguments(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
+        **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
         **_dependent_launch(a_args[0].device), **pair,
     )
+
+
+# -- The same programs over an expert stack -----------------------------------------------------
+#
+# graphquant.kernels.grouped's tokens x experts product of MXFP8 or NVFP4 operands, few tokens an
+# expert: each token's padded row of A (graphquant.formats.groups' layout) times its group's rows
+# of the stack B, both decoded in registers as the dense programs decode them, with the factors
+# their values leave out (NVFP4's global decode: a group's, or a row's) applied once. A decode
+# step's tokens run one a program on the one-row FMA program (_expert_rows_kernel); more run in
+# tiles of 16 tokens on the tensor-core program (_expert_tiles_kernel), whose tiles of pad rows
+# alone return at once. Either way an expert no token was routed to is not read.
+
+# The tokens' tiles: the 16-row tiling, so that a decode step's one-token groups multiply 16 rows,
+# not 64. The product runs where the tokens are at most EXPERT_TILING.block_m an expert on
+# average: from 8 to 1024 routed rows among 64 experts the kernel it replaced tied (NVFP4 at 8) or
+# beat (up to 2.8x) writing the routed experts' values first, and at 16384 it was slower
+# (benchmarks/grouped_decode.py).
+EXPERT_TILING = VALUE_TILES[0][1]
+# Routed rows at most a quarter of the experts (a decode step's tokens, each routed to experts few
+# other tokens share) run one token a program: each reads its expert's rows once, with no tile of
+# 16 rows decoded for one. The quarter is a guess no GPU has timed yet (grouped_decode.py).
+ONE_TOKEN_EXPERTS_A_ROW = 4
+
+
+@triton.jit
+def _grouped_factor(factor_ptr, group, rows, KIND: tl.constexpr, DIVISOR: tl.constexpr):
+    """A grouped operand's factor from its amaxes, as _factor makes a dense one's: one a group
+    (KIND 1, TENSOR_FACTOR: the tile's group's), or one a row (``rows``, of the stack or of A)."""
+    if KIND == 1:
+        factor = _factor(factor_ptr + group, 0, True, 1, DIVISOR)
+    else:
+        factor = _factor(factor_ptr, rows, True, 2, DIVISOR)
+    return factor
+
+
+@triton.jit
+def _expert_tiles_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, per_group, n_out, padded_rows, stack_rows, K, k_chunks,
+    CHUNK: tl.constexpr, OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
+    B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (i, j): out[source[r], c] = (A[r] . B_g[c]) * fa * fb for the BLOCK_M padded rows r
+    of tile i (g their group) and BLOCK_N columns c, over all of K (_tile_sums: the weights the
+    left operand, the tokens' few rows the tensor cores' other); a tile of pad rows alone returns
+    at once."""
+    first = tl.program_id(0) * BLOCK_M
+    if pad_rows_alone(first, source_ptr, ends_ptr, groups):
+        return
+    rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < n_out
+    group = tl.load(row_group_ptr + first).to(tl.int64)
+    b_rows = group * per_group + tl.where(in_cols, cols, 0)
+    total = _tile_sums(
+        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+        b_scale_col_stride, b_rows[:, None], rows[:, None], stack_rows, padded_rows, K, 0, k_chunks, None, CHUNK, OPERAND,
+        SCALE_COLS, 1, 1, 0, 0, "", "", ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, None, False, False,
+    )
+    if A_FACTOR != 0 and B_FACTOR != 0:  # one factor, fa * fb, as the emulation's alpha
+        fa = _grouped_factor(a_factor_ptr, group, rows[None, :], A_FACTOR, A_DIVISOR)
+        total = total * (fa * _grouped_factor(b_factor_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR))
+    elif A_FACTOR != 0:
+        total = total * _grouped_factor(a_factor_ptr, group, rows[None, :], A_FACTOR, A_DIVISOR)
+    elif B_FACTOR != 0:
+        total = total * _grouped_factor(b_factor_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR)
+    source = tl.load(source_ptr + rows)
+    tl.store(out_ptr + source[None, :] * n_out + cols[:, None], total.to(out_ptr.dtype.element_ty),
+             mask=(source[None, :] >= 0) & in_cols[:, None])
+
+
+@triton.jit(do_not_specialize=["tokens", "k_chunks"])
+def _expert_rows_kernel(
+    a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
+    b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    out_ptr, partial_ptr, arrivals_ptr, position_ptr, row_group_ptr, per_group, n_out, padded_rows, stack_rows, tokens, K,
+    k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr,
+    B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Program (i, s, t): BLOCK_N columns of token t's row, its padded row position[t] of A times
+    its group's rows of B, as _fma_kernel's program for one row of A makes them (_fma_row_sums), K
+    split and finished as there (_write). The factors go to _write at pointers it reads by output
+    column and token: a group's (TENSOR_FACTOR), or the rows' of the group's expert and of A's
+    padded row."""
+    t = tl.program_id(2)
+    row = tl.load(position_ptr + t).to(tl.int64)
+    group = tl.load(row_group_ptr + row).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_rows = group * per_group + tl.where(cols < n_out, cols, 0)
+    total = _fma_row_sums(
+        a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+        b_scale_col_stride, b_rows[None, :, None], row + tl.zeros((1, 1, 1), tl.int64), stack_rows, padded_rows, K,
+        tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES, BLOCK_N, BLOCK_K, STAGES,
+    )
+    a_factor_ptr = a_factor_ptr + group if A_FACTOR == 1 else a_factor_ptr + (row - t)
+    b_factor_ptr = b_factor_ptr + group if B_FACTOR == 1 else b_factor_ptr + group * per_group
+    _write(
+        total, cols[:, None], t + tl.zeros((1, 1), tl.int32), n_out, tokens, a_factor_ptr, b_factor_ptr, out_ptr, out_ptr,
+        partial_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, 0, SPLIT, tl.program_id(1), tl.num_programs(1),
+        t * tl.num_programs(0) + tl.program_id(0),
+    )
+
+
+def _expert_layout(rep: Representation) -> Optional[_Layout]:
+    """The layout of a k-last MXFP8 (E4M3) or NVFP4 operand, or None."""
+    gemm_input = rep.quantizer.gemm_input(rep.direction)
+    layout = None if gemm_input is None else LAYOUTS.get(gemm_input.family)
+    coded = layout is not None and layout.operand != FP8_CODES and rep.stored_k_last and reads(gemm_input)
+    return layout if coded else None
+
+
+def decodes_experts(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
+    """Whether ``experts_gemm`` multiplies A (``tokens`` rows, rowwise) by the stack B of
+    ``groups`` experts: both MXFP8 (E4M3) or both NVFP4, each with its reduction dim stored last,
+    B's rows its experts' GEMM rows, and few enough tokens (EXPERT_TILING.block_m an expert)."""
+    la, lb = _expert_layout(a), _expert_layout(b)
+    return (
+        tokens <= EXPERT_TILING.block_m * groups and la is not None and lb is not None and la.operand == lb.operand
+        and a.direction == ROWWISE and b.direction == ROWWISE
+    )
+
+
+def one_token_a_program(tokens: int, groups: int) -> bool:
+    """Whether ``experts_gemm`` runs one token a program (ONE_TOKEN_EXPERTS_A_ROW)."""
+    return tokens * ONE_TOKEN_EXPERTS_A_ROW <= groups
+
+
+def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """(tokens, n): row t is A's padded row tokens.position[t] (in the layout ``tokens``) times
+    the first n rows of its group's expert in the stack B (its experts of equal rows), for
+    operands that ``decodes_experts`` takes."""
+    (a_layout, a_args), (b_layout, b_args) = _operand(a, "A"), _operand(b, "B")
+    count, groups, k = tokens.position.shape[0], tokens.groups, a.shape[1]
+    out = torch.empty((count, n), dtype=out_dtype, device=a.data.device)
+    if count == 0:  # no program to launch
+        return out
+    per_group, padded_rows, stack_rows = b.data.shape[0] // groups, a.data.shape[0], b.data.shape[0]
+    operands = (*_in_words(a_args), *_in_words(b_args))
+    common = dict(OPERAND=b_layout.operand, **_factors(a_layout, b_layout), ASM=not triton.knobs.runtime.interpret)
+    if one_token_a_program(count, groups):
+        config = _ONE_ROW[b_layout.operand]
+        splits, k_chunks = _k_split(n, k, out.device, config, count)
+        *_, partial = _ends(None, out, splits)
+        arrivals = _arrivals(out.device, ceil_div(n, config.block_n) * count) if splits > 1 else out
+        launch(
+            _expert_rows_kernel, (ceil_div(n, config.block_n), splits, count), *operands, out, partial, arrivals, tokens.position,
+            tokens.row_group, per_group, n, padded_rows, stack_rows, count, k, k_chunks, K_CHUNK, **common, SPLIT=splits > 1,
+            WHOLE_TILES=k % (k_chunks * K_CHUNK) == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.stages,
+            num_warps=config.warps, num_stages=config.stages,
+        )
+        return out
+    config, k_chunks = EXPERT_TILING, ceil_div(k, K_CHUNK)
+    launch(
+        _expert_tiles_kernel, (ceil_div(padded_rows, config.block_m), ceil_div(n, config.block_n)), *operands, out, tokens.row_group,
+        tokens.source, tokens.ends, groups, per_group, n, padded_rows, stack_rows, k, k_chunks, K_CHUNK, **common,
+        SCALE_COLS=b_layout.scale_block[1], WHOLE_TILES=k == k_chunks * K_CHUNK, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages,
+    )
+    return out
