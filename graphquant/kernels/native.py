@@ -164,8 +164,9 @@ def _run(
     """(both wanted directions and dbias, the columnwise side's amaxes where
     ``take_columnwise_amax``) from one native pass, or None where a kernel is missing.
     group_bounds: each group's first row, then the rows, int64 (GroupPadding.bounds), where x's
-    row groups are each quantized alone. source: a padded layout's (groups.padding) row of x for each row to quantize (-1: a zero row),
-    read by the kernel as ``runs`` of x's rows (GroupPadding.runs), a tile of GROUP_ROWS rows each.
+    row groups are each quantized alone. source: a padded layout's (groups.padding) row of x for
+    each row to quantize (-1: a zero row), read by the kernel as ``runs`` of x's rows
+    (GroupPadding.runs), a tile of GROUP_ROWS rows each.
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
     """
@@ -264,7 +265,8 @@ def grouped_quantize(
 
     The native kernel reads the bounds on the device and never waits for them; it needs every
     group's rows a multiple of 128 (every tile in one group), which graphquant.formats.groups'
-    padded layout gives (GroupPadding.bounds). Elsewhere ``Quantizer.quantize_groups``, vectorised over the groups, runs.
+    padded layout gives (GroupPadding.bounds). Elsewhere ``Quantizer.quantize_groups``,
+    vectorised over the groups, runs.
     """
     made = grouped_quantize_pass(quantizer, x, row_group, group_bounds, ctx, rowwise=direction == ROWWISE, columnwise=direction != ROWWISE)
     return made.rowwise if direction == ROWWISE else made.columnwise
