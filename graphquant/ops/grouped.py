@@ -236,10 +236,15 @@ def _stack_layout(experts: int, n: int, device: torch.device) -> groups.GroupPad
 
 def frozen_expert_stack(w: torch.Tensor, quantizer: Quantizer, amax_group: Optional[str]) -> Operand:
     """The rowwise operand an inference call makes of expert stack ``w`` (E, K, N) with the weight
-    quantizer of a stateless format, made once to be stored (graphquant.freeze): the same function
-    as QuantizedGroupedMM's forward, so the same bits."""
+    quantizer of a stateless format, made once to be stored (graphquant.freeze): the same bits,
+    from the native kernel where there is one (a call traces a traceable format's: its bits are
+    the kernel's, tested so), whose memory is the stack's codes alone."""
     stack, w2d = _expert_stack(w.detach())
-    return quantize_grouped(w2d, stack, quantizer, (ROWWISE,), None, 0, amax_group)[ROWWISE]
+    rowwise, ctx = quantizer.child(ROWWISE), QuantizeContext(amax_group=amax_group)
+    made = native.grouped_quantize_pass(
+        rowwise, w2d, stack.row_group, stack.bounds, ctx, rowwise=True, columnwise=False, source=stack.gather, runs=stack.runs
+    )
+    return _operand(made.rowwise.tensors(), rowwise, ROWWISE, stack, w2d)
 
 
 def stored_stack_layout(spec: str, shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
