@@ -1349,11 +1349,9 @@ def _launch_autotuned(
 # tiles of 16 tokens on the tensor-core program (_expert_tiles_kernel), whose tiles of pad rows
 # alone return at once. Either way an expert no token was routed to is not read.
 
-# The tokens' tiles: the 16-row tiling, so that a decode step's one-token groups multiply 16 rows,
-# not 64. The product runs where the tokens are at most EXPERT_TILING.block_m an expert on
-# average: from 8 to 1024 routed rows among 64 experts the kernel it replaced tied (NVFP4 at 8) or
-# beat (up to 2.8x) writing the routed experts' values first, and at 16384 it was slower
-# (benchmarks/grouped_decode.py).
+# The tokens' tiles: the 16-row tiling, so that a few tokens' groups multiply 16 rows, not 64. The
+# product runs where the tokens are at most EXPERT_TILING.block_m an expert on average: with more,
+# writing the routed experts' values first was faster (benchmarks/grouped_decode.py).
 EXPERT_TILING = VALUE_TILES[0][1]
 # Routed rows at most a quarter of the experts (a decode step's tokens, each routed to experts few
 # other tokens share) run one token a program: each reads its expert's rows once, with no tile of
