@@ -151,7 +151,7 @@ def quantize_grouped(
     (``_slot_scales``)."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
-        if wanted == (ROWWISE,) and made.traceable and not made.keeps_state:
+        if wanted == (ROWWISE,) and made.traceable and not (made.keeps_state or made.stochastic):
             # Traced: Inductor fuses the rows' gather, amaxes and cast with their producer, in
             # place of the kernel's few launches (a decode step's tokens: most of the work).
             padded = layout.pad(source) if source is x else source
