@@ -1353,10 +1353,11 @@ def _launch_autotuned(
 # product runs where the tokens are at most EXPERT_TILING.block_m an expert on average: with more,
 # writing the routed experts' values first was faster (benchmarks/grouped_decode.py).
 EXPERT_TILING = VALUE_TILES[0][1]
-# Routed rows at most a quarter of the experts (a decode step's tokens, each routed to experts few
-# other tokens share) run one token a program: each reads its expert's rows once, with no tile of
-# 16 rows decoded for one. The quarter is a guess no GPU has timed yet (grouped_decode.py).
-ONE_TOKEN_EXPERTS_A_ROW = 4
+# Routed rows at most half the experts (a decode step's tokens, each routed to experts few other
+# tokens share) run one token a program: each reads its expert's rows once, with no tile of 16
+# rows decoded for one. Half is reckoned from the dense programs' speeds, not timed
+# (benchmarks/NOTES.md, grouped_decode.py section).
+ONE_TOKEN_EXPERTS_A_ROW = 2
 
 
 @triton.jit
