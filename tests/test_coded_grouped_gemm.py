@@ -176,6 +176,24 @@ def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_s
     assert torch.equal(out, fp32.to(torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_one_token_a_program_replays_in_a_cuda_graph_bit_for_bit(name):
+    """A decode step's product, K split (its arrival counters left zero by each launch), captured
+    in a CUDA graph: every replay gives the eager call's bits."""
+    from graphquant.kernels import triton_decode
+
+    layout, a, b, _ = _operands(name, SPARSE, 2048, "cuda")
+    eager = triton_decode.experts_gemm(a, b, layout, N, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_decode.experts_gemm(a, b, layout, N, torch.bfloat16)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager)
+
+
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them
     triton_interpreter.as_on_the_gpu()
     print(json.dumps(_interpreted_results()))
