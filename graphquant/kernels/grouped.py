@@ -28,9 +28,8 @@ host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is mis
 MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, run the decode
 GEMM's programs over the stack instead (triton_decode.experts_gemm), which decode both operands'
 codes in registers: no expert's values are written; with more, only the routed experts' values
-are. Either way an
-expert no token was routed to is not read. On the CPU every product is torch._grouped_mm's fp32
-one.
+are. Either way an expert no token was routed to is not read. On the CPU every product is
+torch._grouped_mm's fp32 one.
 """
 
 from __future__ import annotations
@@ -116,8 +115,8 @@ def _decodes_in_registers(a: Representation, b: Representation, tokens: int, gro
     """Whether the emulated tokens x experts product reads MXFP8 or NVFP4 codes straight into its
     tiles (triton_decode.decodes_experts: few tokens an expert) rather than the routed experts'
     values written out first."""
-    on_gpu = triton_grouped_gemm is not None and triton_dequantize.runs_on(a.data.device)
-    return on_gpu and backends.triton_decode.decodes_experts(a, b, tokens, groups)
+    decoding = backends.triton_decode
+    return decoding is not None and triton_dequantize.runs_on(a.data.device) and decoding.decodes_experts(a, b, tokens, groups)
 
 
 def _emulated(

@@ -152,8 +152,8 @@ def quantize_grouped(
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         if wanted == (ROWWISE,) and made.traceable and not (made.keeps_state or made.stochastic):
-            # Traced: Inductor fuses the rows' gather, amaxes and cast with their producer, in
-            # place of the kernel's few launches (a decode step's tokens: most of the work).
+            # Traced: Inductor fuses the rows' gather and amaxes with their producer, in place of
+            # the kernel's own launches (which set a decode step's pace more than its bytes).
             padded = layout.pad(source) if source is x else source
             ctx = QuantizeContext(amax_group=amax_group if made.reduces_amax else None)
             rep = made.quantize_groups(padded, layout.row_group, layout.groups, ROWWISE, ctx)
