@@ -3,12 +3,14 @@ torch._grouped_mm: codes decoded in the GEMM's registers (triton_decode.experts_
 program or in tiles of 16 tokens, the routed experts' values written first, every
 expert's values written first.
 
-    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,64,128,1024,16384] [--reps 10] [--tiny]
+    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,32,64,128,256,1024,2048] [--reps 10] [--tiny]
 
 The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816), ``--rows`` routed
 rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
 graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
-the four ways' outputs (fp32 accumulation orders alone). The plan's emulated GEMM decodes in
+the four ways' outputs (fp32 accumulation orders alone). Each way's time is its GPU's: decode_gemm.py's
+CALLS calls replayed from one CUDA graph, as a model's CUDA graph runs the product (without one, a
+call's host time set the pace at a few rows). The plan's emulated GEMM decodes in
 registers up to triton_decode.EXPERT_TILING.block_m routed rows an expert, one token a program
 up to a row for every triton_decode.ONE_TOKEN_EXPERTS_A_ROW experts, chosen from this table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
 under Triton's interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
@@ -24,6 +26,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import time_ms  # noqa: E402
+from decode_gemm import CALLS, graphed  # noqa: E402
 
 from graphquant import recipes  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
@@ -56,14 +59,14 @@ def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default="mxfp8_block_scaling,nvfp4_block_scaling")
-    parser.add_argument("--rows", default="8,64,128,1024,16384")
+    parser.add_argument("--rows", default="8,32,64,128,256,1024,2048")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     experts, k, n = TINY_DIMS if args.tiny else DIMS
     device = torch.device("cpu" if args.tiny else "cuda")
-    timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(fn, reps=args.reps):.3f}")  # noqa: E731
+    timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(graphed(fn), reps=args.reps) / CALLS:.3f}")  # noqa: E731
     decodes, live_arguments = grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments
     one_token = triton_decode.one_token_a_program
     emulated = backends.GemmBackend(backends.EMULATION)
