@@ -3,22 +3,24 @@ torch._grouped_mm: codes decoded in the GEMM's registers (triton_decode.experts_
 program or in tiles of 16 tokens, the routed experts' values written first, every
 expert's values written first.
 
-    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,32,64,128,256,1024,2048] [--reps 10] [--tiny]
+    python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,32,64,128,256,1024,2048,16384] [--reps 10] [--tiny]
 
-The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816), ``--rows`` routed
-rows (tokens times top-k) spread over the experts at random, the product's bf16 output as
-graphquant.kernels.grouped.gemm makes it; ms per product, and the largest relative difference of
-the four ways' outputs (fp32 accumulation orders alone). Each way's time is its GPU's: decode_gemm.py's
-CALLS calls replayed from one CUDA graph, as a model's CUDA graph runs the product (without one, a
-call's host time set the pace at a few rows). The plan's emulated GEMM decodes in
-registers up to triton_decode.EXPERT_TILING.block_m routed rows an expert, one token a program
-up to a row for every triton_decode.ONE_TOKEN_EXPERTS_A_ROW experts, chosen from this table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
+The gate and up projections of moe_step.py's experts (64 experts, 4096 -> 2816) and their down
+projection (1408 -> 4096), ``--rows`` routed rows (tokens times top-k) spread over the experts at
+random, the product's bf16 output as graphquant.kernels.grouped.gemm makes it; ms per product, and
+the largest relative difference of the four ways' outputs (fp32 accumulation orders alone). Each
+way's time is its GPU's: decode_gemm.py's CALLS calls replayed from one CUDA graph, as a model's
+CUDA graph runs the product (without one, a call's host time set the pace at a few rows). The
+plan's emulated GEMM decodes in registers up to triton_decode.TILED_ROWS_AN_EXPERT routed rows an
+expert, one token a program up to triton_decode.ONE_TOKEN_ROWS_AN_EXPERT, both chosen from this
+table. ``--tiny``: the CPU at small dims, each way run once, untimed (the decoding kernels
 under Triton's interpreter: TRITON_INTERPRET=1; tests/test_grouped_decode_benchmark.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -35,7 +37,9 @@ from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
 
-DIMS, TINY_DIMS = (64, 4096, 2816), (4, 256, 128)  # experts, k, n
+# experts, and each product's k and n: moe_step.py's gate and up projections, and its down one
+DIMS = (64, {"gate and up": (4096, 2816), "down": (1408, 4096)})
+TINY_DIMS = (4, {"gate and up": (256, 128), "down": (160, 256)})
 WAYS = ("one token a program", "16-token tiles", "routed experts' values", "every expert's values")
 DECODED = WAYS[:2]  # the codes decoded in the GEMM's registers, by either program
 
@@ -59,19 +63,19 @@ def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default="mxfp8_block_scaling,nvfp4_block_scaling")
-    parser.add_argument("--rows", default="8,32,64,128,256,1024,2048")
+    parser.add_argument("--rows", default="8,32,64,128,256,1024,2048,16384")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    experts, k, n = TINY_DIMS if args.tiny else DIMS
+    experts, products = TINY_DIMS if args.tiny else DIMS
     device = torch.device("cpu" if args.tiny else "cuda")
     timed = (lambda fn: "-") if args.tiny else (lambda fn: f"{time_ms(graphed(fn), reps=args.reps) / CALLS:.3f}")  # noqa: E731
     decodes, live_arguments = grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments
     one_token = triton_decode.one_token_a_program
     emulated = backends.GemmBackend(backends.EMULATION)
     table = []
-    for name in args.formats.split(","):
+    for name, (product, (k, n)) in itertools.product(args.formats.split(","), products.items()):
         factory = getattr(recipes, name)().qfactory
         qx, qw = (factory(QuantizerRole("grouped_linear", tensor, "experts")) for tensor in ("input", "weight"))
         w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16) / k**0.5
@@ -93,9 +97,9 @@ def main() -> None:
             bf16 = timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
             last = outputs[WAYS[3]].float()
             diff = max(((out.float() - last).norm() / last.norm()).item() for out in outputs.values())
-            table.append([name, rows, *(times[way] for way in WAYS), bf16, f"{diff:.1e}"])
+            table.append([name, product, rows, *(times[way] for way in WAYS), bf16, f"{diff:.1e}"])
             print(table[-1], flush=True)
-    print(tabulate(table, headers=["format", "routed rows", *(f"{way} ms" for way in WAYS), "bf16 ms", "max rel diff"], disable_numparse=True))
+    print(tabulate(table, headers=["format", "product", "routed rows", *(f"{way} ms" for way in WAYS), "bf16 ms", "max rel diff"], disable_numparse=True))
 
 
 if __name__ == "__main__":

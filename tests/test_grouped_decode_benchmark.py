@@ -29,5 +29,6 @@ def test_tiny_grouped_decode_table():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     table = run.stdout[run.stdout.index("format "):].splitlines()[2:]
     rows = [re.split(r"\s{2,}", line.strip()) for line in table]
-    assert [(r[0], r[1]) for r in rows] == [(f, rows_) for f in ("mxfp8_block_scaling", "nvfp4_block_scaling") for rows_ in ("8", "64")], run.stdout
+    formats, products = ("mxfp8_block_scaling", "nvfp4_block_scaling"), ("gate and up", "down")
+    assert [tuple(r[:3]) for r in rows] == [(f, p, rows_) for f in formats for p in products for rows_ in ("8", "64")], run.stdout
     assert all(float(r[-1]) <= 1e-5 for r in rows), run.stdout

@@ -1349,15 +1349,14 @@ def _launch_autotuned(
 # tiles of 16 tokens on the tensor-core program (_expert_tiles_kernel), whose tiles of pad rows
 # alone return at once. Either way an expert no token was routed to is not read.
 
-# The tokens' tiles: the 16-row tiling, so that a few tokens' groups multiply 16 rows, not 64. The
-# product runs where the tokens are at most EXPERT_TILING.block_m an expert on average: with more,
-# writing the routed experts' values first was faster (benchmarks/grouped_decode.py).
+# The tokens' tiles: the 16-row tiling, so that a few tokens' groups multiply 16 rows, not 64.
 EXPERT_TILING = VALUE_TILES[0][1]
-# Routed rows at most half the experts (a decode step's tokens, each routed to experts few other
-# tokens share) run one token a program: each reads its expert's rows once, with no tile of 16
-# rows decoded for one. Half is reckoned from the dense programs' speeds, not timed
-# (benchmarks/NOTES.md, grouped_decode.py section).
-ONE_TOKEN_EXPERTS_A_ROW = 2
+# The most routed rows an expert, on average, that the product takes, by operand (MXFP8's
+# BF16_VALUES, NVFP4's F16_VALUES): one token a program up to the first, 16-token tiles up to the
+# second, and past it the routed experts' values written first. Each is the largest count of those
+# timed at which that way was the faster (benchmarks/grouped_decode.py: 64 experts, 4096 -> 2816).
+ONE_TOKEN_ROWS_AN_EXPERT = {BF16_VALUES: 2, F16_VALUES: 1}
+TILED_ROWS_AN_EXPERT = {BF16_VALUES: 32, F16_VALUES: 256}
 
 
 @triton.jit
@@ -1453,17 +1452,17 @@ def _expert_layout(rep: Representation) -> Optional[_Layout]:
 def decodes_experts(a: Representation, b: Representation, tokens: int, groups: int) -> bool:
     """Whether ``experts_gemm`` multiplies A (``tokens`` rows, rowwise) by the stack B of
     ``groups`` experts: both MXFP8 (E4M3) or both NVFP4, each with its reduction dim stored last,
-    B's rows its experts' GEMM rows, and few enough tokens (EXPERT_TILING.block_m an expert)."""
+    B's rows its experts' GEMM rows, and few enough tokens an expert (TILED_ROWS_AN_EXPERT)."""
     la, lb = _expert_layout(a), _expert_layout(b)
     return (
-        tokens <= EXPERT_TILING.block_m * groups and la is not None and lb is not None and la.operand == lb.operand
-        and a.direction == ROWWISE and b.direction == ROWWISE
+        la is not None and lb is not None and la.operand == lb.operand and a.direction == ROWWISE and b.direction == ROWWISE
+        and tokens <= TILED_ROWS_AN_EXPERT[la.operand] * groups
     )
 
 
-def one_token_a_program(tokens: int, groups: int) -> bool:
-    """Whether ``experts_gemm`` runs one token a program (ONE_TOKEN_EXPERTS_A_ROW)."""
-    return tokens * ONE_TOKEN_EXPERTS_A_ROW <= groups
+def one_token_a_program(tokens: int, groups: int, operand: int) -> bool:
+    """Whether ``experts_gemm`` runs one token a program (ONE_TOKEN_ROWS_AN_EXPERT)."""
+    return tokens <= ONE_TOKEN_ROWS_AN_EXPERT[operand] * groups
 
 
 def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -1478,7 +1477,7 @@ def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: 
     per_group, padded_rows, stack_rows = b.data.shape[0] // groups, a.data.shape[0], b.data.shape[0]
     operands = (*_in_words(a_args), *_in_words(b_args))
     common = dict(OPERAND=b_layout.operand, **_factors(a_layout, b_layout), ASM=not triton.knobs.runtime.interpret)
-    if one_token_a_program(count, groups):
+    if one_token_a_program(count, groups, b_layout.operand):
         config = _ONE_ROW[b_layout.operand]
         splits, k_chunks = _k_split(n, k, out.device, config, count)
         *_, partial = _ends(None, out, splits)
