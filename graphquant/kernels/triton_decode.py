@@ -342,11 +342,12 @@ def _nvfp4_blocks(
     INSIDE it: no masks), and each block's E4M3 scale as an fp16 (exact); ``stride_blocks``: the
     data's row stride in blocks."""
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
+    scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride
     if INSIDE:
-        scale = tl.load(scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride)
-        return tl.load(at), scale.to(tl.float16)
-    scale = _block_scales(scale_ptr, row, rows, block, blocks, scale_row_stride, scale_col_stride, 1, False)
-    return tl.load(at, mask=(row < rows) & (block < blocks), other=0), scale.to(tl.float16)
+        return tl.load(at), tl.load(scale_at).to(tl.float16)
+    inside = (row < rows) & (block < blocks)
+    scale = tl.load(scale_at.to(tl.pointer_type(tl.uint8)), mask=inside, other=0).to(scale_ptr.dtype.element_ty, bitcast=True)
+    return tl.load(at, mask=inside, other=0), scale.to(tl.float16)  # a zero byte is +0 in E4M3, as _codes loads
 
 
 @triton.jit
@@ -1351,12 +1352,12 @@ def _launch_autotuned(
 
 # The tokens' tiles: the 16-row tiling, so that a few tokens' groups multiply 16 rows, not 64.
 EXPERT_TILING = VALUE_TILES[0][1]
-# The most routed rows an expert, on average, that the product takes, by operand (MXFP8's
-# BF16_VALUES, NVFP4's F16_VALUES): one token a program up to the first, 16-token tiles up to the
-# second, and past it the routed experts' values written first. Each is the largest count of those
-# timed at which that way was the faster (benchmarks/grouped_decode.py: 64 experts, 4096 -> 2816).
-ONE_TOKEN_ROWS_AN_EXPERT = {BF16_VALUES: 2, F16_VALUES: 1}
-TILED_ROWS_AN_EXPERT = {BF16_VALUES: 32, F16_VALUES: 256}
+# The most routed rows an expert, on average, that take one token a program, by operand (MXFP8's
+# BF16_VALUES, NVFP4's F16_VALUES), and that take 16-token tiles; past those the routed experts'
+# values are written first. Each is the largest count timed at which that way made an expert
+# layer's two products (gate and up, then down) the faster (benchmarks/grouped_decode.py).
+ONE_TOKEN_ROWS_AN_EXPERT = {BF16_VALUES: 1, F16_VALUES: 2}
+TILED_ROWS_AN_EXPERT = 32
 
 
 @triton.jit
@@ -1456,7 +1457,7 @@ def decodes_experts(a: Representation, b: Representation, tokens: int, groups: i
     la, lb = _expert_layout(a), _expert_layout(b)
     return (
         la is not None and lb is not None and la.operand == lb.operand and a.direction == ROWWISE and b.direction == ROWWISE
-        and tokens <= TILED_ROWS_AN_EXPERT[la.operand] * groups
+        and tokens <= TILED_ROWS_AN_EXPERT * groups
     )
 
 
