@@ -9,8 +9,10 @@ tiling (triton_decode.experts_gemm): 16-token tiles on the tensor cores (_expert
 beside _decode_kernel) and one token a program on the FMA units (_expert_rows_kernel, beside
 _fma_kernel): the instructions of the main loop (the
 longest backward branch's body) a warp a step, per weight value (times the program's lanes, over
-the step's BLOCK_N x BLOCK_K weight values), and its tensor-core instructions (HGMMA: wgmma;
-HMMA: mma.sync).
+the step's BLOCK_N x BLOCK_K weight values), its tensor-core instructions (HGMMA: wgmma;
+HMMA: mma.sync) and its shared memory (how many programs fit an SM); the tiles also with the
+masked loads that a K past the last whole triton_decode.K_CHUNK takes (the experts' down
+projection, K 1408).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def grouped_tiles(layout) -> tuple:
     return triton_decode._expert_tiles_kernel, constexprs, pointers, tiling
 
 
+def grouped_tiles_masked(layout) -> tuple:
+    kernel, constexprs, pointers, tiling = grouped_tiles(layout)
+    return kernel, {**constexprs, "WHOLE_TILES": False}, pointers, tiling
+
+
 def dense_tiles(layout) -> tuple:
     tiling = triton_decode.EXPERT_TILING
     constexprs = {
@@ -80,15 +87,16 @@ def dense_one_row(layout) -> tuple:
 
 KERNELS = {
     "grouped, 16-token tiles (_expert_tiles_kernel)": grouped_tiles,
+    "grouped, 16-token tiles, K past the last whole chunk (masked)": grouped_tiles_masked,
     "dense, 16-row tiles (decode GEMM)": dense_tiles,
     "grouped, one token a program (_expert_rows_kernel)": grouped_one_row,
     "dense, one row (decode GEMM's FMA program)": dense_one_row,
 }
 
 
-def sass(kernel, constexprs: dict, pointers: dict, tiling) -> str:
-    """The kernel's SASS for sm_90 under ``tiling``; the arguments a second GEMM would take
-    (``PAIR``) left None."""
+def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int]:
+    """The kernel's SASS for sm_90 under ``tiling``, and its shared memory in bytes (which sets
+    how many programs an SM runs); the arguments a second GEMM would take (``PAIR``) left None."""
     constexprs = dict(constexprs)
     signature = {}
     for name in kernel.arg_names:
@@ -105,7 +113,8 @@ def sass(kernel, constexprs: dict, pointers: dict, tiling) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        return subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    return text, compiled.metadata.shared
 
 
 def main_loop(text: str) -> collections.Counter:
@@ -125,12 +134,13 @@ def main() -> None:
     for name, layout in FORMATS.items():
         for kernel_name, make in KERNELS.items():
             kernel, constexprs, pointers, tiling = make(layout)
-            ops = main_loop(sass(kernel, constexprs, pointers, tiling))
+            text, shared = sass(kernel, constexprs, pointers, tiling)
+            ops = main_loop(text)
             per_value = sum(ops.values()) * tiling.warps * 32 / (tiling.block_n * tiling.block_k)
             tile = f"{tiling.block_n}x{tiling.block_k}, {tiling.block_m} rows, {tiling.warps} warps, {tiling.stages} stages"
-            rows.append([name, kernel_name, tile, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"]])
+            rows.append([name, kernel_name, tile, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"], shared])
     print(f"sm_90, Triton {triton.__version__}")
-    print(tabulate(rows, headers=["format", "kernel", "tiling", "loop instructions a warp", "a weight value", "HGMMA", "HMMA"]))
+    print(tabulate(rows, headers=["format", "kernel", "tiling", "loop instructions a warp", "a weight value", "HGMMA", "HMMA", "shared bytes"]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """benchmarks/sass_per_value.py, which compiles for sm_90 with no GPU: the grouped GEMM's MXFP8 and
 NVFP4 decoding programs are the decode GEMM's, so each main loop (16-token tiles on wgmma, one
 token a program on the FMA units, inline PTX decoding in both) spends no more instructions a
-weight value than the dense decode GEMM's program of the same tiling."""
+weight value than the dense decode GEMM's program of the same tiling; the tiles' masked loads (a K
+past the last whole chunk) take no more shared memory than the whole tiles', so as many programs
+fit an SM."""
 
 import os
 import pathlib
@@ -22,6 +24,7 @@ def test_grouped_decoding_loop_costs_what_the_decode_gemms_does():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     rows = [re.split(r"\s{2,}", line.strip()) for line in run.stdout[run.stdout.index("format "):].splitlines()[2:]]
     cost = {(r[0], r[1]): (float(r[4]), int(r[5]), int(r[6])) for r in rows}
+    shared = {(r[0], r[1]): int(r[7]) for r in rows}
     pairs = {
         "grouped, 16-token tiles (_expert_tiles_kernel)": ("dense, 16-row tiles (decode GEMM)", True),
         "grouped, one token a program (_expert_rows_kernel)": ("dense, one row (decode GEMM's FMA program)", False),
@@ -30,3 +33,5 @@ def test_grouped_decoding_loop_costs_what_the_decode_gemms_does():
         for grouped, (dense, on_wgmma) in pairs.items():
             (per_value, wgmma, mma_sync), (dense_per_value, _, _) = cost[fmt, grouped], cost[fmt, dense]
             assert (wgmma > 0) == on_wgmma and mma_sync == 0 and per_value <= dense_per_value * 1.02, run.stdout
+        tiles = "grouped, 16-token tiles (_expert_tiles_kernel)"
+        assert shared[fmt, "grouped, 16-token tiles, K past the last whole chunk (masked)"] <= shared[fmt, tiles], run.stdout

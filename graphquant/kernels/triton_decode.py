@@ -344,7 +344,8 @@ def _nvfp4_blocks(
     at = data_ptr.to(tl.pointer_type(tl.int64)) + row.to(tl.int64) * stride_blocks + block
     scale_at = scale_ptr + row.to(tl.int64) * scale_row_stride + block.to(tl.int64) * scale_col_stride
     if INSIDE:
-        return tl.load(at), tl.load(scale_at).to(tl.float16)
+        scale = tl.load(scale_at)
+        return tl.load(at), scale.to(tl.float16)
     inside = (row < rows) & (block < blocks)
     scale = tl.load(scale_at.to(tl.pointer_type(tl.uint8)), mask=inside, other=0).to(scale_ptr.dtype.element_ty, bitcast=True)
     return tl.load(at, mask=inside, other=0), scale.to(tl.float16)  # a zero byte is +0 in E4M3, as _codes loads
