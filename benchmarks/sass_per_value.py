@@ -8,11 +8,11 @@ For the grouped GEMM's two decoding programs beside the dense decode GEMM's unde
 tiling (triton_decode.experts_gemm): 16-token tiles on the tensor cores (_expert_tiles_kernel,
 beside _decode_kernel) and one token a program on the FMA units (_expert_rows_kernel, beside
 _fma_kernel): the instructions of the main loop (the
-longest backward branch's body) a warp a step, per weight value (times the program's lanes, over
+first backward branch's body) a warp a step, per weight value (times the program's lanes, over
 the step's BLOCK_N x BLOCK_K weight values), its tensor-core instructions (HGMMA: wgmma;
-HMMA: mma.sync) and its shared memory (how many programs fit an SM); the tiles also with the
-masked loads that a K past the last whole triton_decode.K_CHUNK takes (the experts' down
-projection, K 1408).
+HMMA: mma.sync) and its shared memory (how many programs fit an SM); the tiles also where K
+passes the last whole triton_decode.K_CHUNK (the experts' down projection, K 1408): their steps
+inside K unmasked in the main loop, the rest masked in a loop after it.
 """
 
 from __future__ import annotations
@@ -118,15 +118,14 @@ def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int]:
 
 
 def main_loop(text: str) -> collections.Counter:
-    """The opcodes of the longest loop: from a backward branch's target to the branch."""
+    """The opcodes of the main loop: the first loop (from a backward branch's target to the
+    branch) inside no other; masked tiles run their last steps in a loop after it."""
     instructions = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", text)]
-    best: list[str] = []
-    for address, text_ in instructions:
-        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text_)
-        if branch and int(branch[1], 16) < address:
-            body = [t for a, t in instructions if int(branch[1], 16) <= a <= address]
-            best = max(best, body, key=len)
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+    branches = ((re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text_), address) for address, text_ in instructions)
+    loops = [(int(target[1], 16), address) for target, address in branches if target and int(target[1], 16) < address]
+    first, last = min(loop for loop in loops if not any(o != loop and o[0] <= loop[0] and loop[1] <= o[1] for o in loops))
+    body = [t for a, t in instructions if first <= a <= last]
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
 
 
 def main() -> None:

@@ -24,11 +24,13 @@ FORMATS = {
     "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)),
     "nvfp4 row scaled": (NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(row_scaled_nvfp4=True)),
 }
+SPARSE = (1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0)
 # (tokens of each group, K): ragged groups with an empty one; a decode step's few tokens, K ending
 # in a partial 128-wide tile; a decode step's tokens among four times as many experts (one token a
-# program), K ending in a partial step, and split across programs.
-SPARSE = (1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0)
-SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160), (SPARSE, 160), (SPARSE, 2048)]
+# program), K ending in a partial step, and split across programs; K a whole 512-column chunk and
+# 160 columns more, so that a tile program runs its steps inside K unmasked, then the rest masked,
+# and one token a program runs a K split of each kind.
+SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160), (SPARSE, 160), (SPARSE, 2048), ((3, 0, 5, 1), 672), (SPARSE, 672)]
 STACK_ROWS, N = 128, 112  # each expert's stacked rows, of which the output keeps N
 
 

@@ -658,6 +658,65 @@ def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
 
 
 @triton.jit
+def _tile_step(
+    total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+    b_scale_col_stride, n, m, N, M, K, k0, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr,
+    A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr,
+    B_FORMAT: tl.constexpr, ASM: tl.constexpr, INSIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, A_RULE: tl.constexpr, A_VALUES: tl.constexpr, ONE_DOT: tl.constexpr,
+):
+    """_tile_sums' ``total`` with the BLOCK_K columns from k0 added (INSIDE: the weight's words all
+    inside K, loaded without masks)."""
+    if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
+        col = k0 + tl.arange(0, BLOCK_K)[None, :]
+        b = _codes(b_ptr, n, N, col, K, b_stride)
+        if A_RULE is None:
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+        else:
+            a = _quantized(a_ptr, m, M, col, K, a_stride, quantizing_scale, A_RULE)
+        total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
+    elif OPERAND == 1 and MX == 2:
+        col = k0 + tl.arange(0, BLOCK_K)[None, :]
+        block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+        b = _codes(b_ptr, n, N, col, K, b_stride)
+        a = _codes(a_ptr, m, M, col, K, a_stride)
+        b_scale = _e8m0_bytes(b_scale_ptr, n, N, block, tl.cdiv(K, 32), b_scale_row_stride, b_scale_col_stride)
+        a_scale = _e8m0_bytes(a_scale_ptr, m, M, block, tl.cdiv(K, 32), a_scale_row_stride, a_scale_col_stride)
+        total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
+    elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
+        for j in tl.static_range(BLOCK_K // SCALE_COLS):
+            col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
+            b = _codes(b_ptr, n, N, col, K, b_stride)
+            a = _codes(a_ptr, m, M, col, K, a_stride)
+            if OPERAND == 0:
+                block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
+            else:
+                block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
+            block = k0 // SCALE_COLS + j
+            blocks = tl.cdiv(K, SCALE_COLS)
+            b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
+            a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
+            total += block_sum * b_scale * tl.trans(a_scale)
+    else:  # MXFP8 and NVFP4 (BF16_VALUES, F16_VALUES): their codes as 64-bit words of WORD
+        WORD: tl.constexpr = 8 if OPERAND == 1 else 16
+        b_codes, b_scale = _words(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, OPERAND, BLOCK_K, INSIDE)
+        if ONE_DOT:
+            total = tl.dot(_in_order(b_codes, b_scale, OPERAND, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
+        else:
+            b = _pairs(b_codes, b_scale, OPERAND, ASM)
+            if not A_VALUES:
+                a_codes, a_scale = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
+                a_t = _pairs(a_codes, a_scale, OPERAND, ASM, TRANSPOSED=True)
+            for j in tl.static_range(WORD // 2):
+                if A_VALUES:
+                    a_j = _a_pair(a_ptr, M, K, a_stride, j, k0 // WORD, CHUNK, WORD, BLOCK_M, BLOCK_K // WORD)
+                else:
+                    a_j = a_t[j]
+                total = tl.dot(b[j], a_j, total)
+    return total
+
+
+@triton.jit
 def _tile_sums(
     a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr,
@@ -668,56 +727,29 @@ def _tile_sums(
     """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
     against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
     ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None.
-    Also _expert_tiles_kernel's, whose ``n`` are one expert's rows of a stack."""
+    Also _expert_tiles_kernel's, whose ``n`` are one expert's rows of a stack. Where MXFP8's or
+    NVFP4's weight words may pass K (not WHOLE_TILES), the steps wholly inside K load them
+    unmasked and the rest, after them, masked: the same sums in the same order. Not for ONE_DOT's
+    128-row tiles, whose MXFP8 main loop the second loop made longer (benchmarks/NOTES.md)."""
+    PEELED: tl.constexpr = not WHOLE_TILES and OPERAND != 0 and MX == 0 and not ONE_DOT
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(0, k_chunks * CHUNK, BLOCK_K):  # columns past K load as zeros
-        k0 = k_start + step
-        if OPERAND == 0 and SCALE_COLS == 0:  # FP8_CODES, no block scales
-            col = k0 + tl.arange(0, BLOCK_K)[None, :]
-            b = _codes(b_ptr, n, N, col, K, b_stride)
-            if A_RULE is None:
-                a = _codes(a_ptr, m, M, col, K, a_stride)
-            else:
-                a = _quantized(a_ptr, m, M, col, K, a_stride, quantizing_scale, A_RULE)
-            total = tl.dot(b, tl.trans(a), total, max_num_imprecise_acc=min(PROMOTE_EVERY, BLOCK_K))
-        elif OPERAND == 1 and MX == 2:
-            col = k0 + tl.arange(0, BLOCK_K)[None, :]
-            block = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
-            b = _codes(b_ptr, n, N, col, K, b_stride)
-            a = _codes(a_ptr, m, M, col, K, a_stride)
-            b_scale = _e8m0_bytes(b_scale_ptr, n, N, block, tl.cdiv(K, 32), b_scale_row_stride, b_scale_col_stride)
-            a_scale = _e8m0_bytes(a_scale_ptr, m, M, block, tl.cdiv(K, 32), a_scale_row_stride, a_scale_col_stride)
-            total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
-        elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
-            for j in tl.static_range(BLOCK_K // SCALE_COLS):
-                col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
-                b = _codes(b_ptr, n, N, col, K, b_stride)
-                a = _codes(a_ptr, m, M, col, K, a_stride)
-                if OPERAND == 0:
-                    block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
-                else:
-                    block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
-                block = k0 // SCALE_COLS + j
-                blocks = tl.cdiv(K, SCALE_COLS)
-                b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
-                a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
-                total += block_sum * b_scale * tl.trans(a_scale)
-        else:  # MXFP8 and NVFP4 (BF16_VALUES, F16_VALUES): their codes as 64-bit words of WORD
-            WORD: tl.constexpr = 8 if OPERAND == 1 else 16
-            b_codes, b_scale = _words(b_ptr, b_scale_ptr, n, N, k0, K, b_stride, b_scale_row_stride, b_scale_col_stride, OPERAND, BLOCK_K, WHOLE_TILES)
-            if ONE_DOT:
-                total = tl.dot(_in_order(b_codes, b_scale, OPERAND, ASM), _a_tile(a_ptr, M, K, a_stride, k0, CHUNK, BLOCK_M, BLOCK_K), total)
-            else:
-                b = _pairs(b_codes, b_scale, OPERAND, ASM)
-                if not A_VALUES:
-                    a_codes, a_scale = _words(a_ptr, a_scale_ptr, m, M, k0, K, a_stride, a_scale_row_stride, a_scale_col_stride, OPERAND, BLOCK_K, False)
-                    a_t = _pairs(a_codes, a_scale, OPERAND, ASM, TRANSPOSED=True)
-                for j in tl.static_range(WORD // 2):
-                    if A_VALUES:
-                        a_j = _a_pair(a_ptr, M, K, a_stride, j, k0 // WORD, CHUNK, WORD, BLOCK_M, BLOCK_K // WORD)
-                    else:
-                        a_j = a_t[j]
-                    total = tl.dot(b[j], a_j, total)
+    span = k_chunks * CHUNK
+    inside = tl.minimum(span, (K - k_start) // BLOCK_K * BLOCK_K) if PEELED else span
+    for step in range(0, inside, BLOCK_K):  # other operands' columns past K load as zeros
+        total = _tile_step(
+            total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
+            b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, quantizing_scale, CHUNK, OPERAND, SCALE_COLS,
+            A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES or PEELED, BLOCK_M, BLOCK_N,
+            BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
+        )
+    if PEELED:
+        for step in tl.range(inside, span, BLOCK_K, num_stages=1):  # the words past K load as zeros
+            total = _tile_step(
+                total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
+                b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, quantizing_scale, CHUNK, OPERAND, SCALE_COLS,
+                A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, False, BLOCK_M, BLOCK_N, BLOCK_K, A_RULE,
+                A_VALUES, ONE_DOT,
+            )
     if OPERAND == 2:
         total = total * 268435456.0  # 2^28: the E2M1 values' 2^-14 (e2m1_block_values) on both sides, undone exactly
     return total
@@ -761,6 +793,32 @@ def _write_paired(
 
 
 @triton.jit
+def _fma_row_step(
+    sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
+    b_scale_col_stride, n, m, N, M, K, k0, OPERAND: tl.constexpr, ASM: tl.constexpr, INSIDE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_fma_row_sums' ``sums`` with the BLOCK_K columns from k0 added (INSIDE: all inside K, no masks)."""
+    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
+    if OPERAND == 1:  # MXFP8
+        block = k0 // 32 + tl.arange(0, runs)[:, None, None]
+        b_codes, b_scale = _mxfp8_blocks(b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, INSIDE)
+        a_codes, a_scale = _mxfp8_blocks(a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, INSIDE)
+        b = e4m3_word_values(b_codes, ASM)
+        a = e4m3_word_values(a_codes, ASM)
+        products = b[0] * (a[0] * a_scale)
+        for j in tl.static_range(1, 8):
+            products += b[j] * (a[j] * a_scale)
+        sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
+    else:  # NVFP4
+        word = k0 // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, INSIDE)
+        a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, INSIDE)
+        a = e2m1_pairs(a_codes, ASM)
+        sums += e2m1_block_dot(b_codes, a, ASM) * (b_scale.to(tl.float32) * a_scale.to(tl.float32))
+    return sums
+
+
+@triton.jit
 def _fma_row_sums(
     a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k_start, k_chunks, CHUNK: tl.constexpr, OPERAND: tl.constexpr, ASM: tl.constexpr,
@@ -768,32 +826,24 @@ def _fma_row_sums(
 ):
     """_fma_kernel's sums of row ``m`` of A ((1, 1, 1)) against rows ``n`` of B ((1, BLOCK_N, 1))
     over the k_chunks * CHUNK columns from k_start, (BLOCK_N, 1); also one token's against its
-    expert's rows of a stack (_expert_rows_kernel)."""
-    runs: tl.constexpr = BLOCK_K // 32  # a run: an MXFP8 block, or two NVFP4 blocks
-    sums = tl.zeros((runs, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
+    expert's rows of a stack (_expert_rows_kernel). Where a tile may pass K (not WHOLE_TILES), the
+    steps wholly inside K run unmasked and the rest after them masked, in the same order."""
+    sums = tl.zeros((BLOCK_K // 32, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
+    span = k_chunks * CHUNK
+    inside = span if WHOLE_TILES else tl.minimum(span, (K - k_start) // BLOCK_K * BLOCK_K)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
     # Triton pipeline the loop by itself.
-    for step in tl.range(0, k_chunks * CHUNK, BLOCK_K, num_stages=STAGES):  # columns past K load as zeros
-        if OPERAND == 1:  # MXFP8
-            block = (k_start + step) // 32 + tl.arange(0, runs)[:, None, None]
-            b_codes, b_scale = _mxfp8_blocks(
-                b_ptr, b_scale_ptr, n, N, block, K // 32, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES
+    for step in tl.range(0, inside, BLOCK_K, num_stages=STAGES):
+        sums = _fma_row_step(
+            sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
+            b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, True, BLOCK_K,
+        )
+    if not WHOLE_TILES:
+        for step in tl.range(inside, span, BLOCK_K, num_stages=1):  # columns past K load as zeros
+            sums = _fma_row_step(
+                sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
+                b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, False, BLOCK_K,
             )
-            a_codes, a_scale = _mxfp8_blocks(
-                a_ptr, a_scale_ptr, m, M, block, K // 32, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES
-            )
-            b = e4m3_word_values(b_codes, ASM)
-            a = e4m3_word_values(a_codes, ASM)
-            products = b[0] * (a[0] * a_scale)
-            for j in tl.static_range(1, 8):
-                products += b[j] * (a[j] * a_scale)
-            sums += tl.sum(products, axis=2, keep_dims=True) * b_scale
-        else:  # NVFP4
-            word = (k_start + step) // 16 + tl.arange(0, runs)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
-            b_codes, b_scale = _nvfp4_blocks(b_ptr, b_scale_ptr, n, N, word, K // 16, b_stride, b_scale_row_stride, b_scale_col_stride, WHOLE_TILES)
-            a_codes, a_scale = _nvfp4_blocks(a_ptr, a_scale_ptr, m, M, word, K // 16, a_stride, a_scale_row_stride, a_scale_col_stride, WHOLE_TILES)
-            a = e2m1_pairs(a_codes, ASM)
-            sums += e2m1_block_dot(b_codes, a, ASM) * (b_scale.to(tl.float32) * a_scale.to(tl.float32))
     total = tl.reshape(tl.sum(tl.sum(sums, axis=2), axis=0), (BLOCK_N, 1))
     if OPERAND == 2:
         total = total * 16384.0  # 2^14: e2m1_block_dot's 2^-14, undone exactly
