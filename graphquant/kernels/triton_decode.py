@@ -742,8 +742,8 @@ def _tile_sums(
             A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES or PEELED, BLOCK_M, BLOCK_N,
             BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
         )
-    if PEELED:
-        for step in tl.range(inside, span, BLOCK_K, num_stages=1):  # the words past K load as zeros
+    if PEELED:  # steps wholly past K (a split past the end) add nothing and are not run
+        for step in tl.range(inside, tl.minimum(span, tl.cdiv(K - k_start, BLOCK_K) * BLOCK_K), BLOCK_K, num_stages=1):
             total = _tile_step(
                 total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
                 b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, quantizing_scale, CHUNK, OPERAND, SCALE_COLS,
@@ -838,8 +838,8 @@ def _fma_row_sums(
             sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
             b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, True, BLOCK_K,
         )
-    if not WHOLE_TILES:
-        for step in tl.range(inside, span, BLOCK_K, num_stages=1):  # columns past K load as zeros
+    if not WHOLE_TILES:  # steps wholly past K (a split past the end) add nothing and are not run
+        for step in tl.range(inside, tl.minimum(span, tl.cdiv(K - k_start, BLOCK_K) * BLOCK_K), BLOCK_K, num_stages=1):
             sums = _fma_row_step(
                 sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
                 b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, False, BLOCK_K,
