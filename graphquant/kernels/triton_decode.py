@@ -658,6 +658,14 @@ def _a_scale(a_factor_ptr, m, M, A_FACTOR: tl.constexpr, A_RULE: tl.constexpr):
 
 
 @triton.jit
+def _steps_in_k(K, k_start, span, BLOCK_K: tl.constexpr):
+    """(where a split's steps from k_start stop lying wholly inside K, where they stop reaching
+    into it), each at most ``span``: the unmasked steps, then the masked ones; steps wholly past K
+    add nothing and are not run."""
+    return tl.minimum(span, (K - k_start) // BLOCK_K * BLOCK_K), tl.minimum(span, tl.cdiv(K - k_start, BLOCK_K) * BLOCK_K)
+
+
+@triton.jit
 def _tile_step(
     total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
     b_scale_col_stride, n, m, N, M, K, k0, quantizing_scale, CHUNK: tl.constexpr, OPERAND: tl.constexpr, SCALE_COLS: tl.constexpr,
@@ -734,7 +742,7 @@ def _tile_sums(
     PEELED: tl.constexpr = not WHOLE_TILES and OPERAND != 0 and MX == 0 and not ONE_DOT
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     span = k_chunks * CHUNK
-    inside = tl.minimum(span, (K - k_start) // BLOCK_K * BLOCK_K) if PEELED else span
+    inside, reaching = _steps_in_k(K, k_start, span, BLOCK_K) if PEELED else (span, span)
     for step in range(0, inside, BLOCK_K):  # other operands' columns past K load as zeros
         total = _tile_step(
             total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
@@ -742,8 +750,8 @@ def _tile_sums(
             A_SCALE_ROWS, B_SCALE_ROWS, PROMOTE_EVERY, MX, A_FORMAT, B_FORMAT, ASM, WHOLE_TILES or PEELED, BLOCK_M, BLOCK_N,
             BLOCK_K, A_RULE, A_VALUES, ONE_DOT,
         )
-    if PEELED:  # steps wholly past K (a split past the end) add nothing and are not run
-        for step in tl.range(inside, tl.minimum(span, tl.cdiv(K - k_start, BLOCK_K) * BLOCK_K), BLOCK_K, num_stages=1):
+    if PEELED:
+        for step in tl.range(inside, reaching, BLOCK_K, num_stages=1):
             total = _tile_step(
                 total, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
                 b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, quantizing_scale, CHUNK, OPERAND, SCALE_COLS,
@@ -830,7 +838,7 @@ def _fma_row_sums(
     steps wholly inside K run unmasked and the rest after them masked, in the same order."""
     sums = tl.zeros((BLOCK_K // 32, BLOCK_N, 1 if OPERAND == 1 else 2), dtype=tl.float32)
     span = k_chunks * CHUNK
-    inside = span if WHOLE_TILES else tl.minimum(span, (K - k_start) // BLOCK_K * BLOCK_K)
+    inside, reaching = (span, span) if WHOLE_TILES else _steps_in_k(K, k_start, span, BLOCK_K)
     # Copied ahead STAGES - 1 steps (asynchronously, through shared memory): no dot here to make
     # Triton pipeline the loop by itself.
     for step in tl.range(0, inside, BLOCK_K, num_stages=STAGES):
@@ -838,8 +846,8 @@ def _fma_row_sums(
             sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
             b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, True, BLOCK_K,
         )
-    if not WHOLE_TILES:  # steps wholly past K (a split past the end) add nothing and are not run
-        for step in tl.range(inside, tl.minimum(span, tl.cdiv(K - k_start, BLOCK_K) * BLOCK_K), BLOCK_K, num_stages=1):
+    if not WHOLE_TILES:
+        for step in tl.range(inside, reaching, BLOCK_K, num_stages=1):
             sums = _fma_row_step(
                 sums, a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride,
                 b_scale_row_stride, b_scale_col_stride, n, m, N, M, K, k_start + step, OPERAND, ASM, False, BLOCK_K,
