@@ -92,7 +92,7 @@ def _live_values_are_the_references(name: str, device: str) -> bool:
 
 def _one_token_a_program_runs_where_tokens_are_few(device: str) -> bool:
     """The one-row program takes a decode step's tokens among four times as many experts
-    (SPARSE), and the tile program more than two tokens an NVFP4 expert."""
+    (SPARSE), and the tile program more than two tokens an expert."""
     from graphquant.kernels import triton_decode
 
     ran, launch = [], triton_decode.launch

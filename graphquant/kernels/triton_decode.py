@@ -1411,11 +1411,11 @@ def _launch_autotuned(
 
 # The tokens' tiles: the 16-row tiling, so that a few tokens' groups multiply 16 rows, not 64.
 EXPERT_TILING = VALUE_TILES[0][1]
-# The most routed rows an expert, on average, that take one token a program, by operand (MXFP8's
-# BF16_VALUES, NVFP4's F16_VALUES), and that take 16-token tiles; past those the routed experts'
-# values are written first. Each is the largest count timed at which that way made an expert
-# layer's two products (gate and up, then down) the faster (benchmarks/grouped_decode.py).
-ONE_TOKEN_ROWS_AN_EXPERT = {BF16_VALUES: 1, F16_VALUES: 2}
+# The most routed rows an expert, on average, that take one token a program (MXFP8 and NVFP4
+# alike), and that take 16-token tiles; past those the routed experts' values are written first.
+# Each is the largest count timed at which that way made an expert layer's two products (gate and
+# up, then down) the faster (benchmarks/grouped_decode.py).
+ONE_TOKEN_ROWS_AN_EXPERT = 2
 TILED_ROWS_AN_EXPERT = 32
 
 
@@ -1520,9 +1520,9 @@ def decodes_experts(a: Representation, b: Representation, tokens: int, groups: i
     )
 
 
-def one_token_a_program(tokens: int, groups: int, operand: int) -> bool:
+def one_token_a_program(tokens: int, groups: int) -> bool:
     """Whether ``experts_gemm`` runs one token a program (ONE_TOKEN_ROWS_AN_EXPERT)."""
-    return tokens <= ONE_TOKEN_ROWS_AN_EXPERT[operand] * groups
+    return tokens <= ONE_TOKEN_ROWS_AN_EXPERT * groups
 
 
 def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -1537,7 +1537,7 @@ def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: 
     per_group, padded_rows, stack_rows = b.data.shape[0] // groups, a.data.shape[0], b.data.shape[0]
     operands = (*_in_words(a_args), *_in_words(b_args))
     common = dict(OPERAND=b_layout.operand, **_factors(a_layout, b_layout), ASM=not triton.knobs.runtime.interpret)
-    if one_token_a_program(count, groups, b_layout.operand):
+    if one_token_a_program(count, groups):
         config = _ONE_ROW[b_layout.operand]
         splits, k_chunks = _k_split(n, k, out.device, config, count)
         *_, partial = _ends(None, out, splits)
