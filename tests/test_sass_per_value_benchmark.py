@@ -2,8 +2,9 @@
 NVFP4 decoding programs are the decode GEMM's, so each main loop (16-token tiles on wgmma, one
 token a program on the FMA units, inline PTX decoding in both) spends no more instructions a
 weight value than the dense decode GEMM's program of the same tiling; where K passes the last whole
-chunk, the tiles' main loop costs about what whole tiles' does (its steps inside K unmasked) and
-takes no more shared memory, so as many programs fit an SM."""
+chunk, the tiles take no more shared memory, so as many programs fit an SM, and NVFP4's main loop
+costs about what whole tiles' does (its steps inside K unmasked; MXFP8's tiles keep the masked
+loop, which ran faster on the H200: benchmarks/NOTES.md)."""
 
 import os
 import pathlib
@@ -34,4 +35,5 @@ def test_grouped_decoding_loop_costs_what_the_decode_gemms_does():
             (per_value, wgmma, mma_sync), (dense_per_value, _, _) = cost[fmt, grouped], cost[fmt, dense]
             assert (wgmma > 0) == on_wgmma and mma_sync == 0 and per_value <= dense_per_value * 1.02, run.stdout
         tiles, masked = "grouped, 16-token tiles (_expert_tiles_kernel)", "grouped, 16-token tiles, K past the last whole chunk (masked)"
-        assert shared[fmt, masked] <= shared[fmt, tiles] and cost[fmt, masked][0] <= cost[fmt, tiles][0] * 1.05, run.stdout
+        assert shared[fmt, masked] <= shared[fmt, tiles], run.stdout
+    assert cost["nvfp4", masked][0] <= cost["nvfp4", tiles][0] * 1.05, run.stdout

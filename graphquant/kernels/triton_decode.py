@@ -735,11 +735,12 @@ def _tile_sums(
     """_decode_kernel's sums of one output tile over one K split: rows ``n`` of B (a column)
     against rows ``m`` of A (a column), over the k_chunks * CHUNK columns from k_start;
     ``quantizing_scale``: the scale A is quantized under as it is loaded (A_RULE), else None.
-    Also _expert_tiles_kernel's, whose ``n`` are one expert's rows of a stack. Where MXFP8's or
-    NVFP4's weight words may pass K (not WHOLE_TILES), the steps wholly inside K load them
-    unmasked and the rest, after them, masked: the same sums in the same order. Not for ONE_DOT's
-    128-row tiles, whose MXFP8 main loop the second loop made longer (benchmarks/NOTES.md)."""
-    PEELED: tl.constexpr = not WHOLE_TILES and OPERAND != 0 and MX == 0 and not ONE_DOT
+    Also _expert_tiles_kernel's, whose ``n`` are one expert's rows of a stack. Where NVFP4's
+    weight words may pass K (not WHOLE_TILES), the steps wholly inside K load them unmasked and the
+    rest, after them, masked: the same sums in the same order. Not MXFP8's, whose tiles ran slower
+    so though their main loop is shorter, nor ONE_DOT's 128-row tiles (benchmarks/NOTES.md,
+    grouped_decode.py and sass_per_value.py sections)."""
+    PEELED: tl.constexpr = not WHOLE_TILES and OPERAND == 2 and not ONE_DOT
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     span = k_chunks * CHUNK
     inside, reaching = _steps_in_k(K, k_start, span, BLOCK_K) if PEELED else (span, span)
