@@ -52,10 +52,10 @@ def stack(quantizer, w: torch.Tensor):
 
 
 def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
-    """(the routed rows' padded layout, x's quantized rows in it, x, the offsets)."""
+    """(the routed rows' padded layout, an inference graph's, x's quantized rows in it, x, the offsets)."""
     chosen = torch.randint(0, experts, (rows,), device=device)
     offs = torch.searchsorted(chosen.sort().values, torch.arange(experts, device=device), right=True).to(torch.int32)
-    layout = groups.padding(offs, rows, groups.GROUP_ROWS, groups.padded_bound(rows, experts, groups.GROUP_ROWS))
+    layout = groups.padding(offs, rows, groups.FEW_TOKEN_ROWS, groups.padded_bound(rows, experts, groups.FEW_TOKEN_ROWS))
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.bounds, ROWWISE, QuantizeContext()), x, offs
 
@@ -89,7 +89,7 @@ def main() -> None:
                     triton_decode.one_token_a_program = lambda *given, on=way == WAYS[0]: on
                     every = way == WAYS[3]
                     triton_dequantize._live_arguments = (lambda live, data: live_arguments(None, data)) if every else live_arguments
-                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
+                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, groups.FEW_TOKEN_ROWS, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
                     outputs[way], times[way] = run(), timed(run)
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments

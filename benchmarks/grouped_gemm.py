@@ -119,11 +119,11 @@ def main() -> None:
             for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens).items():
                 def triton_gemm(promote_every):  # as graphquant.kernels.grouped.gemm calls it
                     if a.direction == ROWWISE:
-                        return kernels.tokens_by_experts(a, b, b_group, tokens, width, torch.bfloat16, promote_every)
+                        return kernels.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
                     return kernels.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
 
                 def on(backend):
-                    return grouped_kernels.gemm(a, b, b_group, tokens, width, torch.bfloat16, backend, f"{site} {gemm}")
+                    return grouped_kernels.gemm(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, backend, f"{site} {gemm}")
 
                 runs = {}
                 block_scaled = kernels._block_scaled(a)

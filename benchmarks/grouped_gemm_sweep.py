@@ -32,6 +32,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import time_ms  # noqa: E402
 from grouped_gemm import EXPERTS, SITES, TOKENS, TOP_K, operands, routed  # noqa: E402
 
+from graphquant.formats import groups  # noqa: E402
 from graphquant.kernels import backends  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
 
@@ -163,7 +164,7 @@ def cases(formats: list[str], sites: list[str], fast: bool):
             calls = {}
             for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens).items():
                 def call(backend, a=a, b=b, b_group=b_group, width=width, gemm=gemm):
-                    return grouped_kernels.gemm(a, b, b_group, tokens, width, torch.bfloat16, backend, f"{site} {gemm}")
+                    return grouped_kernels.gemm(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, backend, f"{site} {gemm}")
 
                 planned = backends.select_grouped(a.quantizer, a.direction, b.quantizer, b.direction, x.device, k, fast).backend
                 assert planned.name == KERNELS.BACKEND, planned

@@ -29,18 +29,25 @@ SPARSE = (1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0)
 # in a partial 128-wide tile; a decode step's tokens among four times as many experts (one token a
 # program), K ending in a partial step, and split across programs; K a whole 512-column chunk and
 # 160 columns more, so that a tile program runs its steps inside K unmasked, then the rest masked,
-# and one token a program runs a K split of each kind.
-SHAPES = [((40, 0, 57, 27), 256), ((1, 0, 2, 0), 160), (SPARSE, 160), (SPARSE, 2048), ((3, 0, 5, 1), 672), (SPARSE, 672)]
+# and one token a program runs a K split of each kind. Each in the layout training pads groups to
+# (128 rows), and the first and a few-token one also in an inference graph's (16 rows).
+FEW = groups.FEW_TOKEN_ROWS
+SHAPES = [
+    ((40, 0, 57, 27), 256, groups.GROUP_ROWS), ((1, 0, 2, 0), 160, groups.GROUP_ROWS), (SPARSE, 160, groups.GROUP_ROWS),
+    (SPARSE, 2048, groups.GROUP_ROWS), ((3, 0, 5, 1), 672, groups.GROUP_ROWS), (SPARSE, 672, groups.GROUP_ROWS),
+    ((40, 0, 57, 27), 256, FEW), ((3, 0, 5, 1), 672, FEW), (SPARSE, 672, FEW),
+]
 STACK_ROWS, N = 128, 112  # each expert's stacked rows, of which the output keeps N
 
 
-def _operands(name: str, sizes: tuple, k: int, device: str):
-    """(A's padded layout, A and the expert stack B quantized rowwise, each padded row's group, each stack row's)."""
+def _operands(name: str, sizes: tuple, k: int, device: str, token_rows: int = groups.GROUP_ROWS):
+    """(A's padded layout, its groups starting at multiples of ``token_rows``, A and the expert
+    stack B quantized rowwise, each padded row's group, each stack row's)."""
     qa, qb = FORMATS[name]
     generator = torch.Generator().manual_seed(len(sizes) * k)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
     tokens, experts = sum(sizes), len(sizes)
-    layout = groups.padding(offs, tokens, groups.GROUP_ROWS, groups.padded_bound(tokens, experts, groups.GROUP_ROWS))
+    layout = groups.padding(offs, tokens, token_rows, groups.padded_bound(tokens, experts, token_rows))
     x = (torch.randn(tokens, k, generator=generator) * torch.logspace(-3, 3, k)).to(device)
     w = (torch.randn(experts * STACK_ROWS, k, generator=generator) * torch.logspace(2, -2, experts * STACK_ROWS)[:, None]).to(device)
     stack = groups.uniform_padding(experts, STACK_ROWS, groups.GROUP_ROWS, torch.device(device))
@@ -55,11 +62,11 @@ def _factor(rep, row_group, rows: int) -> torch.Tensor:
     return torch.ones(rows, 1, device=row_group.device) if factor is None else factor.float()
 
 
-def _within_bound(name: str, sizes: tuple, k: int, device: str) -> bool:
+def _within_bound(name: str, sizes: tuple, k: int, token_rows: int, device: str) -> bool:
     """The fp32 product against float64's exact one of the same values times the same factor."""
     from graphquant.kernels import triton_decode
 
-    layout, a, b, b_group = _operands(name, sizes, k, device)
+    layout, a, b, b_group = _operands(name, sizes, k, device, token_rows)
     got = triton_decode.experts_gemm(a, b, layout, N, torch.float32)
     va = a.quantizer.emulated_values(a).double()[layout.position]
     vb = b.quantizer.emulated_values(b).double().reshape(len(sizes), STACK_ROWS, k)[:, :N]
@@ -107,7 +114,9 @@ def _one_token_a_program_runs_where_tokens_are_few(device: str) -> bool:
 
 
 def _interpreted_results() -> dict:
-    results = {f"{name} | {sizes} | {k}": _within_bound(name, sizes, k, "cpu") for name in FORMATS for sizes, k in SHAPES}
+    results = {
+        f"{name} | {sizes} | {k} | {rows}": _within_bound(name, sizes, k, rows, "cpu") for name in FORMATS for sizes, k, rows in SHAPES
+    }
     results["one token a program"] = _one_token_a_program_runs_where_tokens_are_few("cpu")
     return results | {f"{name} | live values": _live_values_are_the_references(name, "cpu") for name in FORMATS}
 
@@ -118,7 +127,7 @@ def interpreted() -> dict:
     return triton_interpreter.results_of(__file__)
 
 
-@pytest.mark.parametrize("shape", [f"{sizes} | {k}" for sizes, k in SHAPES])
+@pytest.mark.parametrize("shape", [f"{sizes} | {k} | {rows}" for sizes, k, rows in SHAPES])
 @pytest.mark.parametrize("name", FORMATS)
 def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_interpreted(interpreted, name, shape):
     assert interpreted[f"{name} | {shape}"]
@@ -157,10 +166,10 @@ def test_an_expert_stacks_values_of_its_routed_experts_alone_are_the_references_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sizes, k", SHAPES)
+@pytest.mark.parametrize("sizes, k, token_rows", SHAPES)
 @pytest.mark.parametrize("name", FORMATS)
-def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_on_gpu(name, sizes, k):
-    assert _within_bound(name, sizes, k, "cuda")
+def test_decoded_experts_product_is_the_emulations_within_fp32_accumulation_on_gpu(name, sizes, k, token_rows):
+    assert _within_bound(name, sizes, k, token_rows, "cuda")
 
 
 @pytest.mark.gpu
@@ -173,7 +182,7 @@ def test_emulated_grouped_gemm_decodes_in_registers_on_gpu_and_rounds_its_fp32_s
     layout, a, b, b_group = _operands(name, (1, 0, 2, 0), 256, "cuda")
     monkeypatch.setattr(grouped, "_emulated", lambda *args: pytest.fail("every expert's values were written out"))
     emulated = backends.GemmBackend(backends.EMULATION)
-    out = grouped.gemm(a, b, b_group, layout, N, torch.bfloat16, emulated, "moe#0 fprop")
+    out = grouped.gemm(a, b, b_group, layout, groups.GROUP_ROWS, N, torch.bfloat16, emulated, "moe#0 fprop")
     fp32 = triton_decode.experts_gemm(a, b, layout, N, torch.float32)
     assert torch.equal(out, fp32.to(torch.bfloat16))
 

@@ -306,7 +306,7 @@ class TritonGroupedFp8OnCpu:
     PROMOTE_EVERY, FAST_ACCUMULATION = fp8.PROMOTED_PRODUCTS, None  # the kernel module's promotion intervals
 
     @staticmethod
-    def tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every):
+    def tokens_by_experts(a, b, b_group, tokens, token_rows, n, out_dtype, promote_every):
         left = grouped_kernels.dequantize(a, tokens.row_group, torch.float64)
         stacked = grouped_kernels.dequantize(b, b_group, torch.float64).reshape(tokens.groups, -1, b.shape[1])
         experts = stacked.transpose(1, 2) if b.direction == ROWWISE else stacked  # (groups, k, n)
@@ -517,8 +517,11 @@ def check(got, pairs):
     bound = torch.stack([fp8.accumulation_bound(p, q, fp8.FP32) + 2.0**-24 * (p.abs() @ q.abs()) for p, q in pairs])
     assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
 
-got = kernels.tokens_by_experts(a, experts, layout)[layout.position]  # pad rows' tiles are skipped
-check(got, [(a[r].double(), experts[layout.row_group[r]].double()) for r in layout.position.tolist()])
+for rows in (groups.GROUP_ROWS, groups.FEW_TOKEN_ROWS):  # a training graph's layout, an inference graph's
+    tokens = groups.padding(offs, 124, rows, groups.padded_bound(124, 4, rows))
+    x = tokens.pad(a[layout.position])
+    got = kernels.tokens_by_experts(x, experts, tokens, rows)[tokens.position]  # pad rows' tiles are skipped
+    check(got, [(x[r].double(), experts[tokens.row_group[r]].double()) for r in tokens.position.tolist()])
 got = kernels.tokens_by_tokens(a, b, layout.ends)
 check(got, [(a[lo:hi].double().t(), b[lo:hi].double()) for lo, hi in zip(bounds, bounds[1:])])
 assert torch.equal(got[1], torch.zeros(64, 96))  # the empty expert
@@ -672,7 +675,7 @@ def test_grouped_ops_pass_opcheck(quantizer):
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
         xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, wq, quantizer.spec, ROWWISE, list(w.shape), stack.row_group,
-        tokens.ends, tokens.position, tokens.source, N, torch.bfloat16, backends.EMULATION, False, "moe#0 fprop",
+        tokens.ends, tokens.position, tokens.source, N, torch.bfloat16, groups.GROUP_ROWS, backends.EMULATION, False, "moe#0 fprop",
     )
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
@@ -785,6 +788,43 @@ def test_a_rowwise_alone_quantize_of_a_traceable_format_is_traced_where_training
     graphquant.compile(Model(), RECIPES[recipe](), backend=keeping("training"), fullgraph=True)(x.clone().requires_grad_())
     quantizes = {name: [n for n in gm.graph.nodes if n.target is torch.ops.graphquant.grouped_quantize.default] for name, gm in graphs.items()}
     assert not quantizes["inference"] and quantizes["training"]
+
+
+# Where an inference graph pads each group of tokens to 16 rows, where to 128: a stateless,
+# deterministic rowwise format of x whose blocks span at most 16 rows.
+TOKEN_ROWS = {
+    "current": groups.FEW_TOKEN_ROWS, "rowwise": groups.FEW_TOKEN_ROWS, "blockwise": groups.FEW_TOKEN_ROWS,
+    "mxfp8": groups.FEW_TOKEN_ROWS,
+    "delayed": groups.GROUP_ROWS,  # on the native grouped quantize, whose tiles are 128 rows
+    "nvfp4": groups.GROUP_ROWS,  # not traced: on the native grouped quantize too
+    "128x128 blocks": groups.GROUP_ROWS,  # x's blocks span 128 rows
+}
+
+
+def _inference_recipe(name):
+    if name == "delayed":
+        return recipes.delayed_scaling()
+    if name == "128x128 blocks":
+        return CustomRecipe(lambda role: Float8BlockQuantizer())
+    return RECIPES[name]()
+
+
+@pytest.mark.parametrize("name", sorted(TOKEN_ROWS))
+def test_an_inference_graph_pads_tokens_to_few_rows_where_the_format_allows_and_gives_the_training_forwards_output(name):
+    """The padding is the plan's (Site.token_rows, in the graph's code) and changes no value: the
+    inference graph's output is the training graph's forward output bit for bit, ragged and empty
+    groups included."""
+    model, x, codes = Model(), inputs(), []
+    training = graphquant.compile(copy.deepcopy(model), _inference_recipe(name), backend="aot_eager", fullgraph=True)
+    expected = training(x.clone().requires_grad_())
+    keep = lambda gm, example_inputs: codes.append(gm.code) or gm  # noqa: E731  (the rewritten graph's code)
+    inference = graphquant.compile(copy.deepcopy(model), _inference_recipe(name), mode="inference", backend=keep, fullgraph=True)
+    with torch.no_grad():
+        actual = inference(x)
+    assert torch.equal(actual, expected.detach())
+    [site] = [line for line in codes[0].splitlines() if "Site(name='moe" in line]
+    rows = TOKEN_ROWS[name]
+    assert (f"token_rows={rows}" in site) == (rows != groups.GROUP_ROWS) and "inference=True" in site, site
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------

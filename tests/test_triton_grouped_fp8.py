@@ -61,7 +61,7 @@ GPU_SHAPE = ((700, 0, 1301, 128, 2900, 61, 1000, 5), 2048, 1408)
 def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
     """How far the kernel's ``gemm`` of a grouped site, its ``sums`` "promoted" or "fast", exceeds
     its bound (<= 0: within it), the operands quantized per group as graphquant.ops.grouped lays
-    them out. The bound: fp8.accumulation_bound of the sums, fp32's under the interpreter (no
+    them out; "fprop alone": fprop in an inference graph's layout (groups.FEW_TOKEN_ROWS). The bound: fp8.accumulation_bound of the sums, fp32's under the interpreter (no
     tensor cores), on the GPU the kernel's, promoted or fast, and 4 u sum |a b| for the factors;
     plus the rounding to ``out_dtype``."""
     kernels = backends.triton_grouped_fp8
@@ -74,9 +74,9 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
     qx, qw, qg = FORMATS[name]
     experts, rows = len(sizes), sum(sizes)
     generator = torch.Generator().manual_seed(0)
+    token_rows = groups.FEW_TOKEN_ROWS if gemm == "fprop alone" else groups.GROUP_ROWS
     tokens = groups.padding(
-        torch.tensor(sizes).cumsum(0).to(torch.int32).to(device), rows, groups.GROUP_ROWS,
-        groups.padded_bound(rows, experts, groups.GROUP_ROWS),
+        torch.tensor(sizes).cumsum(0).to(torch.int32).to(device), rows, token_rows, groups.padded_bound(rows, experts, token_rows)
     )
     padded_n = -(-n // groups.GROUP_ROWS) * groups.GROUP_ROWS
     stack_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * n
@@ -101,13 +101,14 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
         bound = torch.stack([allowed(p, q) for p, q in pairs])[:, :n]
         assert torch.equal(out[1], torch.zeros_like(out[1])), "the empty expert's weight gradient"
     else:
-        a = quantized(qx if gemm == "fprop" else qg, x if gemm == "fprop" else dy, tokens, ROWWISE)
-        b = quantized(qw, w, stack, ROWWISE if gemm == "fprop" else COLUMNWISE)
-        width = n if gemm == "fprop" else k
-        out = kernels.tokens_by_experts(a, b, stack.row_group, tokens, width, out_dtype, promote_every)
+        fprop = gemm != "dgrad"
+        a = quantized(qx if fprop else qg, x if fprop else dy, tokens, ROWWISE)
+        b = quantized(qw, w, stack, ROWWISE if fprop else COLUMNWISE)
+        width = n if fprop else k
+        out = kernels.tokens_by_experts(a, b, stack.row_group, tokens, token_rows, width, out_dtype, promote_every)
         left, stacked = dequantized(a, tokens)[tokens.position], dequantized(b, stack).reshape(experts, padded_n, k)
         ends = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-        pairs = [(left[lo:hi], stacked[g].t() if gemm == "fprop" else stacked[g]) for g, (lo, hi) in enumerate(zip(ends, ends[1:]))]
+        pairs = [(left[lo:hi], stacked[g].t() if fprop else stacked[g]) for g, (lo, hi) in enumerate(zip(ends, ends[1:]))]
         exact = torch.cat([p @ q for p, q in pairs])[:, :width]
         bound = torch.cat([allowed(p, q) for p, q in pairs])[:, :width]
     assert out.shape == exact.shape and out.dtype == out_dtype
@@ -116,7 +117,10 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
 
 
 def _cases():
-    return [(name, gemm, sums) for name in FORMATS for gemm in GEMMS for sums in SUMS[name]]
+    """Every format's GEMMs; fprop alone where x's blocks span one row, as an inference graph pads
+    it (ops.grouped.token_rows)."""
+    alone = [(name, "fprop alone", sums) for name in FORMATS if FORMATS[name][0].block(ROWWISE)[0] <= 1 for sums in SUMS[name]]
+    return [(name, gemm, sums) for name in FORMATS for gemm in GEMMS for sums in SUMS[name]] + alone
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +178,11 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
         return tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=promote_every)
 
     assert all(tile.kwargs["BLOCK_K"] == kernels.SCALE_BLOCK for tile in offered(True, kernels.PROMOTE_EVERY))
+    if kernel == "_tokens_by_experts":  # every tile within a group of its layout's alignment
+        for rows in (groups.GROUP_ROWS, groups.FEW_TOKEN_ROWS):
+            for block_scaled, every in ((True, kernels.PROMOTE_EVERY), (False, kernels.PROMOTE_EVERY), (False, kernels.FAST_ACCUMULATION)):
+                tiles = tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=every, TOKEN_ROWS=rows)
+                assert tiles and all(rows % tile.kwargs["BLOCK_M"] == 0 for tile in tiles), (rows, block_scaled, every)
     fast, promoted = ({str(tile) for tile in offered(False, every)} for every in (kernels.FAST_ACCUMULATION, kernels.PROMOTE_EVERY))
     assert fast > promoted and any("BLOCK_N: 256," in tile for tile in fast - promoted)
     imprecise = {
@@ -183,25 +192,30 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
     assert imprecise == {(None, 64): None, (None, 128): None, (32, 64): 32, (32, 128): 32, (128, 64): 64, (128, 128): 128}
 
 
-def compiled_ptx(promote_every, capability: int = 90) -> str:
+def compiled_ptx(promote_every, capability: int = 90, few_tokens: bool = False) -> str:
     """The PTX of the tokens x tokens kernel compiled for sm_``capability`` by Triton (its own
     ptxas, which assembles it: no GPU) at its first promoted tile, E4M3 operands with per-row
-    scales, promoting every ``promote_every`` products (FAST_ACCUMULATION: never)."""
+    scales, promoting every ``promote_every`` products (FAST_ACCUMULATION: never); with
+    ``few_tokens``, of the tokens x experts kernel at its tile for groups of FEW_TOKEN_ROWS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernels = backends.triton_grouped_fp8
-    jit = kernels._tokens_by_tokens
+    jit = kernels._tokens_by_experts if few_tokens else kernels._tokens_by_tokens
     while not isinstance(jit, triton.runtime.JITFunction):  # under the autotuner and heuristics
         jit = jit.fn
-    tile = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
+    tile = kernels._TOKENS_BY_EXPERTS_TILES["few tokens"][0] if few_tokens else kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
     constexprs = {
         **tile.kwargs, "BLOCK_SCALED": False, "A_ROWS": 1, "B_ROWS": 1, "A_E5M2": False, "B_E5M2": False, "PROMOTE_EVERY": promote_every,
-        "SCALE_BLOCK": kernels.SCALE_BLOCK, "GROUP_TILES": kernels.GROUP_TILES, "GROUP_ROWS": groups.GROUP_ROWS,
+        "SCALE_BLOCK": kernels.SCALE_BLOCK, "GROUP_TILES": kernels.GROUP_TILES,
+        **({"TOKEN_ROWS": groups.FEW_TOKEN_ROWS, "EVEN_K": True, "WEIGHTS_LEFT": True} if few_tokens else {"GROUP_ROWS": groups.GROUP_ROWS}),
     }
     constexprs["IMPRECISE"] = kernels._imprecise_products(constexprs)
-    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ends_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    pointers = {
+        "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ends_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+        "row_group_ptr": "*i64", "source_ptr": "*i64",
+    }
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in jit.arg_names}
     source = ASTSource(jit, signature, {(jit.arg_names.index(name),): value for name, value in constexprs.items()})
     options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
@@ -234,6 +248,23 @@ def test_assembles_for_sm89_on_its_fp8_tensor_cores(promote_every):
         pytest.skip("needs Triton")
     ptx = compiled_ptx(promote_every, capability=89)
     assert "wgmma" not in ptx and re.search(r"mma\.sync\.aligned\.\w+\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
+
+
+@pytest.mark.parametrize("promote_every", [None, 128], ids=["fast", "every 128"])
+def test_few_tokens_an_expert_take_fp8_wgmmas_transposed_on_hopper(promote_every):
+    """Tiles of FEW_TOKEN_ROWS tokens (an inference graph's groups) are too few rows for a wgmma's
+    left operand: on sm_90 the weights take that side and the tokens are its 16 columns, FP8 on
+    the tensor cores, promoted as the other tiles are (one add per accumulator element a thread
+    holds, K tile / P times a tile)."""
+    kernels = backends.triton_grouped_fp8
+    if kernels is None:
+        pytest.skip("needs Triton")
+    ptx = compiled_ptx(promote_every, few_tokens=True)
+    tile = kernels._TOKENS_BY_EXPERTS_TILES["few tokens"][0]
+    held = tile.kwargs["BLOCK_M"] * tile.kwargs["BLOCK_N"] // (32 * tile.num_warps)
+    promotions = 0 if promote_every is kernels.FAST_ACCUMULATION else tile.kwargs["BLOCK_K"] // min(promote_every, tile.kwargs["BLOCK_K"])
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)
+    assert ptx.count("add.f32") + ptx.count("add.rn.f32") == held * promotions
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

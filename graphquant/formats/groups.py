@@ -26,6 +26,11 @@ from graphquant.formats.fp8 import magnitude_bits
 # Rows every group is padded to a multiple of: TE's quantization_alignment, whole blocks of every
 # format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
 GROUP_ROWS = 128
+# Rows a graph that runs fprop alone pads each group of tokens to, where its rowwise format allows
+# (graphquant.ops.grouped.token_rows): one tile of the few-token programs (the decoding programs',
+# the FP8 grouped kernel's), and torch._scaled_grouped_mm's alignment. A decode step's few tokens
+# an expert are then quantized and multiplied in 16 rows, not 128.
+FEW_TOKEN_ROWS = 16
 
 
 class GroupPadding(NamedTuple):

@@ -1,8 +1,9 @@
 """The grouped GEMM: every group's product of two grouped representations in one grouped
 kernel, with the group offsets left on the device.
 
-Grouped representations lie in graphquant.formats.groups' padded layout (each group starts at
-a multiple of 128 rows). Two kinds of product:
+Grouped representations lie in graphquant.formats.groups' padded layout: each group starts at
+a multiple of 128 rows (GROUP_ROWS), or of 16 (FEW_TOKEN_ROWS) for the tokens of a graph that
+runs fprop alone, which each kernel's tiles of rows then divide. Two kinds of product:
 
     tokens x experts (fprop, dgrad)  out[r] = A[r] @ B_g^T for r in group g: A rowwise (rows, k),
                                      B an expert stack (groups * n', k) rowwise or columnwise
@@ -75,6 +76,7 @@ def gemm(
     b: Representation,
     b_group: torch.Tensor,
     tokens: GroupPadding,
+    token_rows: int,
     n: int,
     out_dtype: torch.dtype,
     backend: backends.GemmBackend,
@@ -82,7 +84,8 @@ def gemm(
 ) -> torch.Tensor:
     """The grouped product of the module docstring, without the padding: (tokens, n) for tokens
     x experts, the padded rows at ``tokens.position``; (groups, n, k) for tokens x tokens.
-    ``tokens``: the tokens' padded layout, A's (and B's too for tokens x tokens); ``b_group``:
+    ``tokens``: the tokens' padded layout, A's (and B's too for tokens x tokens), its groups
+    starting at multiples of ``token_rows`` (GROUP_ROWS for tokens x tokens); ``b_group``:
     each padded row of B's group; ``n``: the extent of the dim that W's padded rows make (the
     output columns of fprop, the rows of each wgrad product), padding dropped.
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
@@ -93,14 +96,14 @@ def gemm(
         kernels = backends.triton_grouped_fp8
         promote_every = kernels.FAST_ACCUMULATION if backend.fast_accumulation else kernels.PROMOTE_EVERY
         if a.direction == ROWWISE:
-            return kernels.tokens_by_experts(a, b, b_group, tokens, n, out_dtype, promote_every)
+            return kernels.tokens_by_experts(a, b, b_group, tokens, token_rows, n, out_dtype, promote_every)
         return kernels.tokens_by_tokens(a, a_group, b, b_group, ends, n, out_dtype, promote_every)
     if native is None and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
         return backends.triton_decode.experts_gemm(a, b, tokens, n, out_dtype)
     if native is not None:
         out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
     else:
-        out, alpha = _emulated(a, b, b_group, tokens)
+        out, alpha = _emulated(a, b, b_group, tokens, token_rows)
     if a.direction != ROWWISE:
         # An empty group's product is zeros (some kernels leave it unwritten).
         empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
@@ -120,7 +123,7 @@ def _decodes_in_registers(a: Representation, b: Representation, tokens: int, gro
 
 
 def _emulated(
-    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, token_rows: int
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(product of the factored values, the factors to apply to it), padded (tokens x experts:
     rows of pad rows alone may be left unwritten)."""
@@ -141,7 +144,10 @@ def _emulated(
     if a.direction == ROWWISE:
         experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
         experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
-        out = triton_grouped_gemm.tokens_by_experts(va, experts, tokens) if fp32_out else torch._grouped_mm(va, experts, offs=ends)
+        if fp32_out:
+            out = triton_grouped_gemm.tokens_by_experts(va, experts, tokens, token_rows)
+        else:
+            out = torch._grouped_mm(va, experts, offs=ends)
         if fb is not None:
             fb = fb.reshape(groups, -1)[a_group] if b.direction == ROWWISE else fb[a_group]
         alpha = _joint(fa, fb)

@@ -15,7 +15,8 @@ E4M3 and E5M2 on either side. The result is rounded once, to the output dtype, a
 straight to the unpadded output: no padded fp32 product, no factor tensor, no copy afterwards.
 
 The two products of graphquant.kernels.grouped, on graphquant.formats.groups' padded layout
-(every group starts at a multiple of 128 rows, so a tile of 128 rows lies in one group):
+(every group starts at a multiple of 128 rows, so a tile of 128 rows lies in one group; the
+tokens of a graph that runs fprop alone at multiples of 16, which tiles of 16 rows take):
 
     tokens x experts (fprop, dgrad)  out[source[r]] = A[r] @ B_g for the padded rows r of group g
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's padded rows (an empty group: 0)
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
-from graphquant.formats.groups import GROUP_ROWS, GroupPadding
+from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS, GroupPadding
 from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
 
@@ -64,17 +65,27 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> 
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
-def _kind(block_scaled: bool, promote_every: Optional[int]) -> str:
-    """The kind of a call, which picks its tiles: block scales (whose per-block partial sums take
-    registers: smaller tiles), or per-tensor / per-row factors with promoted or fast sums."""
+_WARPGROUP_ROWS = 64  # the rows of a wgmma's left operand
+
+
+def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GROUP_ROWS) -> str:
+    """The kind of a call, which picks its tiles: groups of tokens that start at multiples of
+    fewer rows than a wgmma's product takes (FEW_TOKEN_ROWS), block scales (whose per-block
+    partial sums take registers: smaller tiles), or per-tensor / per-row factors with promoted or
+    fast sums."""
+    if token_rows < _WARPGROUP_ROWS:
+        return "few tokens"
     return "block scaled" if block_scaled else "promoted" if promote_every is not FAST_ACCUMULATION else "fast"
 
 
 # Each kernel's tiles by kind, the fastest of benchmarks/grouped_gemm_sweep.py's on an H200 at an
 # MoE step's shapes; an autotuner picks among a kind's by shape. Fast sums wait on no promotion,
 # so their candidates add a wider tile. K tiles of one block scale where scales are per block; row
-# tiles of tokens x experts within the layout's 128-row alignment.
+# tiles of tokens x experts within the layout's alignment: 16-row tiles where groups start at
+# multiples of 16, their products taken transposed (the weights a wgmma's 64-row side). A
+# few-token product is bound by its weights' bytes, not by the tensor cores.
 _TOKENS_BY_EXPERTS_TILES = {
+    "few tokens": [_tile(FEW_TOKEN_ROWS, 128, 128, 4, 4)],
     "block scaled": [_tile(64, 64, 128, 4, 3)],
     "promoted": [_tile(128, 128, 128, 8, 3)],
     "fast": [_tile(128, 128, 128, 8, 3), _tile(128, 256, 128, 8, 3)],
@@ -88,15 +99,21 @@ _TOKENS_BY_TOKENS_TILES = {
 
 def _autotune(tiles: dict[str, list[triton.Config]], key: list[str]):
     """An autotuner over the tiles of the call's kind. The interpreter runs a kernel's logic, not
-    its speed: a block-scaled tile (it takes any kind) alone there."""
-    if triton.knobs.runtime.interpret:
-        return triton.autotune(configs=tiles["block scaled"][:1], key=key)
+    its speed: one tile there, untimed, a block-scaled one (it takes any kind but few tokens)."""
+    interpreted = triton.knobs.runtime.interpret
 
-    def of_its_kind(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, **kwargs):
-        return tiles[_kind(BLOCK_SCALED, PROMOTE_EVERY)]
+    def of_its_kind(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS=GROUP_ROWS, **kwargs):
+        kind = _kind(BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS)
+        if interpreted:
+            return tiles[kind if kind == "few tokens" else "block scaled"][:1]
+        return tiles[kind]
+
+    def untimed(kernel_call, quantiles):
+        return [0.0] * len(quantiles)
 
     return triton.autotune(
-        configs=[tile for kind in tiles.values() for tile in kind], key=key, prune_configs_by={"early_config_prune": of_its_kind}
+        configs=[tile for kind in tiles.values() for tile in kind], key=key, prune_configs_by={"early_config_prune": of_its_kind},
+        do_bench=untimed if interpreted else None,
     )
 
 
@@ -154,19 +171,52 @@ def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
     return first + (pid % width) % height, (pid % width) // height
 
 
-@_autotune(_TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS"])
-@triton.heuristics({"EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0, "IMPRECISE": _imprecise_products})
+@triton.jit
+def _dot(a, b, IMPRECISE: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, acc=None):
+    """a @ b (+ acc) in the accumulator's orientation: with WEIGHTS_LEFT, (a @ b)^T = b^T a^T, the
+    weights b the tensor cores' left operand (a wgmma's 64 rows or more) and a's few tokens their
+    right, which a wgmma takes from 8."""
+    if WEIGHTS_LEFT:
+        product = tl.dot(tl.trans(b), tl.trans(a), acc, max_num_imprecise_acc=IMPRECISE)
+    else:
+        product = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+    return product
+
+
+@triton.jit
+def _outer(sa, sb, WEIGHTS_LEFT: tl.constexpr):
+    """The scales of a @ b's elements in _dot's orientation."""
+    if WEIGHTS_LEFT:
+        scales = sb[:, None] * sa[None, :]
+    else:
+        scales = sa[:, None] * sb[None, :]
+    return scales
+
+
+@_autotune(
+    _TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS", "TOKEN_ROWS"]
+)
+@triton.heuristics(
+    {
+        "EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0,
+        "IMPRECISE": _imprecise_products,
+        "WEIGHTS_LEFT": lambda args: args["BLOCK_M"] < _WARPGROUP_ROWS,
+    }
+)
 @triton.jit
 def _tokens_by_experts(
     a_ptr, b_ptr, out_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, k,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om,
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
-    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
+    WEIGHTS_LEFT: tl.constexpr,
 ):
     """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
-    once a tile); tiles past the last group's end hold no rows and return at once."""
+    once a tile; the groups start at multiples of TOKEN_ROWS, which BLOCK_M divides); tiles past
+    the last group's end hold no rows and return at once. A tile of fewer rows than a wgmma's
+    sums its products transposed (WEIGHTS_LEFT, _dot)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
     if pid_m * BLOCK_M >= tl.load(ends_ptr + groups - 1):
         return
@@ -177,7 +227,10 @@ def _tokens_by_experts(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows_at[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + group * stride_bg + offs_k[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHTS_LEFT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         if EVEN_K:
             a = _fp8_tile(a_ptrs, None, A_E5M2)
@@ -192,9 +245,11 @@ def _tokens_by_experts(
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
             sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
-            acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE) * (sa[:, None] * sb[None, :])
+            acc += _dot(a, b, IMPRECISE, WEIGHTS_LEFT) * _outer(sa, sb, WEIGHTS_LEFT)
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+            acc = _dot(a, b, IMPRECISE, WEIGHTS_LEFT, acc)
+    if WEIGHTS_LEFT:
+        acc = tl.trans(acc)
     if not BLOCK_SCALED:
         sa = _scale(sa_ptr, 0, rows_at, 0, sa_g, sa_i, sa_k, None, A_ROWS)
         sb = _scale(sb_ptr, group, cols, 0, sb_g, sb_i, sb_k, in_cols, B_ROWS)
@@ -300,11 +355,12 @@ def _token_scales(rep: Representation, row_group: torch.Tensor, groups: int) -> 
 
 
 def tokens_by_experts(
-    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, n: int, out_dtype: torch.dtype,
-    promote_every: Optional[int],
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, token_rows: int, n: int,
+    out_dtype: torch.dtype, promote_every: Optional[int],
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row tokens.position[t] times its group's B (its first n
-    GEMM rows: the padding dropped). A rowwise (padded rows, k) in the layout ``tokens``; B an
+    GEMM rows: the padding dropped). A rowwise (padded rows, k) in the layout ``tokens``, whose
+    groups start at multiples of ``token_rows`` (GROUP_ROWS or FEW_TOKEN_ROWS); B an
     expert stack, rowwise (groups * n', k) or columnwise, stored transposed (n, groups * n').
     promote_every: the products summed in the tensor cores' accumulator before fp32 takes them
     (PROMOTE_EVERY), or FAST_ACCUMULATION: all of them."""
@@ -323,7 +379,7 @@ def tokens_by_experts(
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES,
+        PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, TOKEN_ROWS=token_rows,
     )
     return out
 

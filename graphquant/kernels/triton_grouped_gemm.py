@@ -3,9 +3,9 @@
 torch._grouped_mm writes bf16 alone without reading the group offsets on the host; the
 emulated product of a format whose values leave out a per-group or per-row factor (per-tensor
 and per-row FP8, NVFP4) needs fp32, so that the factor applied afterwards rounds once. In the
-padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, so a
-tile of rows lies in one group, and each program reads its group, or its group's bounds, on the
-device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as
+padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, or 16
+for a graph's tokens where it runs fprop alone, which the tiles of rows divide: so a tile lies in
+one group, and each program reads its group, or its group's bounds, on the device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as
 fp32) operands, fp32 accumulation, fp32 output: exact up to fp32 accumulation. (MXFP8 and NVFP4
 operands at few tokens an expert multiply on the decode GEMM's programs instead:
 triton_decode.experts_gemm.)
@@ -20,7 +20,8 @@ import triton.language as tl
 from graphquant.formats.groups import GroupPadding
 from graphquant.kernels.triton_launch import ceil_div
 
-# Tiles along the grouped rows divide the layout's 128-row alignment.
+# Tiles along the grouped rows divide the layout's 128-row alignment (tokens x experts: at most the
+# rows its groups start at multiples of).
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 
 
@@ -87,16 +88,18 @@ def _tokens_by_tokens(
     tl.store(out_ptr + out_at, acc, mask=(ms[:, None] < m) & (ns[None, :] < n))
 
 
-def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, tokens: GroupPadding) -> torch.Tensor:
-    """fp32 (rows, n): a (rows, k), in the padded layout ``tokens``, times experts[g] (groups, k,
-    n) for the rows of group g; the pad rows' are left unwritten where a whole tile is pad rows."""
+def tokens_by_experts(a: torch.Tensor, experts: torch.Tensor, tokens: GroupPadding, token_rows: int) -> torch.Tensor:
+    """fp32 (rows, n): a (rows, k), in the padded layout ``tokens`` (its groups starting at
+    multiples of ``token_rows``), times experts[g] (groups, k, n) for the rows of group g; the pad
+    rows' are left unwritten where a whole tile is pad rows."""
     rows, k = a.shape
     n = experts.shape[2]
     out = torch.empty((rows, n), dtype=torch.float32, device=a.device)
-    grid = (rows // BLOCK_M, ceil_div(n, BLOCK_N))
+    block_m = min(BLOCK_M, token_rows)
+    grid = (rows // block_m, ceil_div(n, BLOCK_N))
     _tokens_by_experts[grid](
         a, experts, out, tokens.row_group, tokens.source, tokens.ends, tokens.groups, n, k, *a.stride(), *experts.stride(),
-        IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return out
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from graphquant.formats import groups
-from graphquant.formats.groups import GROUP_ROWS
+from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
 from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.ops import registry
@@ -113,6 +113,7 @@ def grouped_gemm(
     source: torch.Tensor,
     n: int,
     out_dtype: torch.dtype,
+    token_rows: int,
     backend: str,
     fast_accumulation: bool,
     site: str,
@@ -126,13 +127,13 @@ def grouped_gemm(
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
     chosen = backends.named(backend, fast_accumulation)
     tokens = groups.GroupPadding(position, a_group, ends, source)
-    return grouped_kernels.gemm(rep_a, rep_b, b_group, tokens, n, out_dtype, chosen, site)
+    return grouped_kernels.gemm(rep_a, rep_b, b_group, tokens, token_rows, n, out_dtype, chosen, site)
 
 
 @registry.fake("grouped_gemm")
 def _(
     a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, source, n, out_dtype,
-    backend, fast_accumulation, site,
+    token_rows, backend, fast_accumulation, site,
 ):
     shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
     return a[0].new_empty(shape, dtype=out_dtype)
@@ -151,7 +152,7 @@ def quantize_grouped(
     (``_slot_scales``)."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
-        if wanted == (ROWWISE,) and made.traceable and not (made.keeps_state or made.stochastic):
+        if wanted == (ROWWISE,) and _traced(made):
             # Traced: Inductor fuses the rows' gather and amaxes with their producer, in place of
             # the kernel's own launches (which set a decode step's pace more than its bytes).
             padded = layout.pad(source) if source is x else source
@@ -175,6 +176,23 @@ def quantize_grouped(
     if len(directions) == 2 and not quantizer.columnwise_from_rowwise():
         return quantize(x, quantizer, directions)  # both from one read of x
     return hybrid_directions(x, quantizer, directions, lambda source, child, d: quantize(source, child, (d,))[d], rowwise_values)
+
+
+def _traced(rowwise: Quantizer) -> bool:
+    """Whether quantize_grouped traces a rowwise representation alone of this format (stateless and
+    deterministic), which Inductor then fuses, rather than running the native kernel."""
+    return rowwise.traceable and not (rowwise.keeps_state or rowwise.stochastic)
+
+
+def token_rows(x_quantizer: Quantizer, fprop_alone: bool) -> int:
+    """The rows each group of a grouped site's tokens is padded to a multiple of (the plan's, carried
+    as Site.token_rows): FEW_TOKEN_ROWS for a site that runs fprop alone where x's rowwise format is
+    traced and its blocks span no more rows (padding rows then changes no value: the zero rows raise
+    no amax); GROUP_ROWS everywhere else, whose tiles the native grouped quantize and the
+    columnwise blocks of training need."""
+    rowwise = x_quantizer.child(ROWWISE)
+    fits = rowwise.block(ROWWISE)[0] <= FEW_TOKEN_ROWS
+    return FEW_TOKEN_ROWS if fprop_alone and _traced(rowwise) and fits else GROUP_ROWS
 
 
 def rowwise_and_columnwise_amax(
@@ -215,7 +233,7 @@ def _gemm(
     backend, name = site.runs(gemm)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
-        tokens.ends, tokens.position, tokens.source, n, out_dtype, backend.name, backend.fast_accumulation, name,
+        tokens.ends, tokens.position, tokens.source, n, out_dtype, site.token_rows, backend.name, backend.fast_accumulation, name,
     )
 
 
@@ -277,7 +295,8 @@ def _tokens_quantized(
     """(the tokens' padded layout, x's grouped representations in ``directions``), x's
     delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x."""
     groups.check_offsets(offs, x.shape[0], site.label)
-    tokens = groups.padding(offs, x.shape[0], GROUP_ROWS, groups.padded_bound(x.shape[0], experts, GROUP_ROWS))
+    block = site.token_rows
+    tokens = groups.padding(offs, x.shape[0], block, groups.padded_bound(x.shape[0], experts, block))
     x_quantizer = site.quantizers[0]
     xq = quantize_grouped(x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
     _roll(x_quantizer, x_delayed, site.amax_group, xq)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch.fx
 
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels.backends import GemmBackend
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import Quantizer
@@ -35,6 +36,8 @@ class Site:
     the plan has none (a graph that never runs backward).
     inference: the graph never runs backward, so a linear (ops.inference) or an expert stack
     (ops.grouped) runs fprop alone.
+    token_rows: an expert stack's rows each group of tokens is padded to a multiple of
+    (ops.grouped.token_rows).
     """
 
     name: str
@@ -49,6 +52,7 @@ class Site:
     dgrad: Optional[GemmBackend] = None
     wgrad: Optional[GemmBackend] = None
     inference: bool = False
+    token_rows: int = GROUP_ROWS
 
     def __post_init__(self) -> None:
         if (self.weight is None) == (self.other is None):
