@@ -593,15 +593,14 @@ def _wait_for_the_kernel_before(DEPENDENT: tl.constexpr):
 
 
 @triton.jit
-def _finish(
-    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
-    has_bias, a_factor=None,
+def _factored(
+    total, n, m, N, M, a_factor_ptr, b_factor_ptr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr,
+    B_DIVISOR: tl.constexpr, a_factor=None,
 ):
-    """out[m, n] = total[n, m] times both factors (their product first, as one alpha), plus the
-    bias, rounded once to out's dtype. ``a_factor``: A's factor where the program made it (A
-    quantized as it was loaded: one value, or one a row of A as a column), else read at
-    a_factor_ptr."""
+    """total[n, m] times both factors, their product first, as one alpha (_factor: at the
+    pointers, one value or one at each row ``m`` of A and ``n`` of B). ``a_factor``: A's factor
+    where the program made it (A quantized as it was loaded: one value, or one a row of A as a
+    column), else read at a_factor_ptr."""
     if A_FACTOR != 0:
         if a_factor is None:
             factor = _factor(a_factor_ptr, m, m < M, A_FACTOR, A_DIVISOR)
@@ -614,6 +613,18 @@ def _finish(
         total = total * factor
     elif B_FACTOR != 0:
         total = total * _factor(b_factor_ptr, n, n < N, B_FACTOR, B_DIVISOR)
+    return total
+
+
+@triton.jit
+def _finish(
+    total, n, m, N, M, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr,
+    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    has_bias, a_factor=None,
+):
+    """out[m, n] = total[n, m] times both factors (_factored), plus the bias, rounded once to
+    out's dtype."""
+    total = _factored(total, n, m, N, M, a_factor_ptr, b_factor_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, a_factor)
     if has_bias:
         total = total + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=(n < N) & (m < M))
@@ -1421,17 +1432,6 @@ TILED_ROWS_AN_EXPERT = 32
 
 
 @triton.jit
-def _grouped_factor(factor_ptr, group, rows, KIND: tl.constexpr, DIVISOR: tl.constexpr):
-    """A grouped operand's factor from its amaxes, as _factor makes a dense one's: one a group
-    (KIND 1, TENSOR_FACTOR: the tile's group's), or one a row (``rows``, of the stack or of A)."""
-    if KIND == 1:
-        factor = _factor(factor_ptr + group, 0, True, 1, DIVISOR)
-    else:
-        factor = _factor(factor_ptr, rows, True, 2, DIVISOR)
-    return factor
-
-
-@triton.jit
 def _expert_tiles_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
@@ -1457,13 +1457,12 @@ def _expert_tiles_kernel(
         b_scale_col_stride, b_rows[:, None], rows[:, None], stack_rows, padded_rows, K, 0, k_chunks, None, CHUNK, OPERAND,
         SCALE_COLS, 1, 1, 0, 0, "", "", ASM, WHOLE_TILES, BLOCK_M, BLOCK_N, BLOCK_K, None, False, False,
     )
-    if A_FACTOR != 0 and B_FACTOR != 0:  # one factor, fa * fb, as the emulation's alpha
-        fa = _grouped_factor(a_factor_ptr, group, rows[None, :], A_FACTOR, A_DIVISOR)
-        total = total * (fa * _grouped_factor(b_factor_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR))
-    elif A_FACTOR != 0:
-        total = total * _grouped_factor(a_factor_ptr, group, rows[None, :], A_FACTOR, A_DIVISOR)
-    elif B_FACTOR != 0:
-        total = total * _grouped_factor(b_factor_ptr, group, b_rows[:, None], B_FACTOR, B_DIVISOR)
+    # A group's factor (TENSOR_FACTOR) at its group's pointer, a row's at the row.
+    a_factor_ptr = a_factor_ptr + group if A_FACTOR == 1 else a_factor_ptr
+    b_factor_ptr = b_factor_ptr + group if B_FACTOR == 1 else b_factor_ptr
+    total = _factored(
+        total, b_rows[:, None], rows[None, :], stack_rows, padded_rows, a_factor_ptr, b_factor_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR
+    )
     source = tl.load(source_ptr + rows)
     tl.store(out_ptr + source[None, :] * n_out + cols[:, None], total.to(out_ptr.dtype.element_ty),
              mask=(source[None, :] >= 0) & in_cols[:, None])
