@@ -143,6 +143,7 @@ def select(variant: Variant) -> None:
     )
     for kernel in (KERNELS._tokens_by_experts, KERNELS._tokens_by_tokens):
         kernel.configs = [config]
+        kernel.early_config_prune = None  # which would offer the kernel's own tiles of the call's kind
         kernel.cache = {}
     KERNELS.GROUP_TILES = variant.group_tiles
     KERNELS._codes = (lambda rep: rep.data.view(torch.uint8)) if variant.byte_codes else FP8_CODES
