@@ -34,6 +34,7 @@ from graphquant import recipes  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
 from graphquant.kernels import backends, native, triton_decode, triton_dequantize  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
+from graphquant.ops import grouped as grouped_ops  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
 
@@ -51,11 +52,18 @@ def stack(quantizer, w: torch.Tensor):
     return native.grouped_quantize(quantizer, w.reshape(-1, k), layout.row_group, layout.bounds, ROWWISE, QuantizeContext()), layout.row_group
 
 
+def token_rows(quantizer, rows: int, experts: int) -> int:
+    """The rows an inference graph pads each group of ``rows`` routed rows quantized by
+    ``quantizer`` to (graphquant.ops.grouped: few tokens an expert, the plan's rows)."""
+    return grouped_ops.token_rows(quantizer, True) if rows <= groups.FEW_TOKENS_AN_EXPERT * experts else groups.GROUP_ROWS
+
+
 def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):
     """(the routed rows' padded layout, an inference graph's, x's quantized rows in it, x, the offsets)."""
     chosen = torch.randint(0, experts, (rows,), device=device)
     offs = torch.searchsorted(chosen.sort().values, torch.arange(experts, device=device), right=True).to(torch.int32)
-    layout = groups.padding(offs, rows, groups.FEW_TOKEN_ROWS, groups.padded_bound(rows, experts, groups.FEW_TOKEN_ROWS))
+    block = token_rows(quantizer, rows, experts)
+    layout = groups.padding(offs, rows, block, groups.padded_bound(rows, experts, block))
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     return layout, native.grouped_quantize(quantizer, layout.pad(x), layout.row_group, layout.bounds, ROWWISE, QuantizeContext()), x, offs
 
@@ -82,14 +90,14 @@ def main() -> None:
         b, b_group = stack(qw, w)
         for rows in map(int, ("8,64" if args.tiny else args.rows).split(",")):
             layout, a, x, offs = tokens(qx, rows, experts, k, device)
-            times, outputs = {}, {}
+            block, times, outputs = token_rows(qx, rows, experts), {}, {}
             try:
                 for way in WAYS:
                     grouped_kernels._decodes_in_registers = lambda *given, on=way in DECODED: on
                     triton_decode.one_token_a_program = lambda *given, on=way == WAYS[0]: on
                     every = way == WAYS[3]
                     triton_dequantize._live_arguments = (lambda live, data: live_arguments(None, data)) if every else live_arguments
-                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, groups.FEW_TOKEN_ROWS, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
+                    run = lambda: grouped_kernels.gemm(a, b, b_group, layout, block, n, torch.bfloat16, emulated, "experts fprop")  # noqa: E731
                     outputs[way], times[way] = run(), timed(run)
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments

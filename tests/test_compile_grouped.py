@@ -809,15 +809,26 @@ def _inference_recipe(name):
     return RECIPES[name]()
 
 
+@pytest.mark.parametrize("sizes", [SIZES, (200, 0, 57, 27)], ids=["few tokens", "many"])
 @pytest.mark.parametrize("name", sorted(TOKEN_ROWS))
-def test_an_inference_graph_pads_tokens_to_few_rows_where_the_format_allows_and_gives_the_training_forwards_output(name):
-    """The padding is the plan's (Site.token_rows, in the graph's code) and changes no value: the
-    inference graph's output is the training graph's forward output bit for bit, ragged and empty
-    groups included."""
-    model, x, codes = Model(), inputs(), []
+def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_and_gives_the_training_forwards_output(name, sizes):
+    """The padding is the plan's (Site.token_rows, in the graph's code) where the tokens are few
+    (groups.FEW_TOKENS_AN_EXPERT an expert on average), 128 rows where they are more, and changes no
+    value: the inference graph's output is the training graph's forward output bit for bit, ragged
+    and empty groups included."""
+    model, x, codes, gemms = Model(sizes), inputs(sum(sizes)), [], []
     training = graphquant.compile(copy.deepcopy(model), _inference_recipe(name), backend="aot_eager", fullgraph=True)
     expected = training(x.clone().requires_grad_())
-    keep = lambda gm, example_inputs: codes.append(gm.code) or gm  # noqa: E731  (the rewritten graph's code)
+
+    def keep(gm, example_inputs):  # the rewritten graph's code, and its grouped GEMMs' padding
+        codes.append(gm.code)
+
+        def forward(gm, example_inputs):
+            gemms.extend(n.args[15] for n in gm.graph.nodes if n.target is torch.ops.graphquant.grouped_gemm.default)
+            return make_boxed_func(gm)
+
+        return aot_autograd(fw_compiler=forward)(gm, example_inputs)
+
     inference = graphquant.compile(copy.deepcopy(model), _inference_recipe(name), mode="inference", backend=keep, fullgraph=True)
     with torch.no_grad():
         actual = inference(x)
@@ -825,6 +836,7 @@ def test_an_inference_graph_pads_tokens_to_few_rows_where_the_format_allows_and_
     [site] = [line for line in codes[0].splitlines() if "Site(name='moe" in line]
     rows = TOKEN_ROWS[name]
     assert (f"token_rows={rows}" in site) == (rows != groups.GROUP_ROWS) and "inference=True" in site, site
+    assert gemms == [rows if sum(sizes) <= groups.FEW_TOKENS_AN_EXPERT * E else groups.GROUP_ROWS]
 
 
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------

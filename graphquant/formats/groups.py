@@ -27,10 +27,13 @@ from graphquant.formats.fp8 import magnitude_bits
 # format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
 GROUP_ROWS = 128
 # Rows a graph that runs fprop alone pads each group of tokens to, where its rowwise format allows
-# (graphquant.ops.grouped.token_rows): one tile of the few-token programs (the decoding programs',
-# the FP8 grouped kernel's), and torch._scaled_grouped_mm's alignment. A decode step's few tokens
-# an expert are then quantized and multiplied in 16 rows, not 128.
+# (graphquant.ops.grouped.token_rows) and the tokens are few, at most FEW_TOKENS_AN_EXPERT routed
+# rows an expert on average: one tile of the few-token programs (the decoding programs', the FP8
+# grouped kernel's), and torch._scaled_grouped_mm's alignment. A decode step's few tokens an expert
+# are then quantized and multiplied in 16 rows, not 128; more keep 128-row tiles, which read each
+# expert's weights once for up to 128 of its tokens.
 FEW_TOKEN_ROWS = 16
+FEW_TOKENS_AN_EXPERT = 32
 
 
 class GroupPadding(NamedTuple):

@@ -36,8 +36,8 @@ class Site:
     the plan has none (a graph that never runs backward).
     inference: the graph never runs backward, so a linear (ops.inference) or an expert stack
     (ops.grouped) runs fprop alone.
-    token_rows: an expert stack's rows each group of tokens is padded to a multiple of
-    (ops.grouped.token_rows).
+    token_rows: the rows an expert stack pads each group of few tokens to a multiple of
+    (ops.grouped.token_rows; more than groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
     """
 
     name: str
