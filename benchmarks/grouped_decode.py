@@ -55,7 +55,7 @@ def stack(quantizer, w: torch.Tensor):
 def token_rows(quantizer, rows: int, experts: int) -> int:
     """The rows an inference graph pads each group of ``rows`` routed rows quantized by
     ``quantizer`` to (graphquant.ops.grouped: few tokens an expert, the plan's rows)."""
-    return grouped_ops.token_rows(quantizer, True) if rows <= groups.FEW_TOKENS_AN_EXPERT * experts else groups.GROUP_ROWS
+    return groups.token_block(grouped_ops.token_rows(quantizer, True), rows, experts)
 
 
 def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):

@@ -17,8 +17,10 @@ import torch
 from tabulate import tabulate
 
 from graphquant import recipes, user_stack
+from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
+from graphquant.ops import grouped
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -221,7 +223,7 @@ class Planner:
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast)
+                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._few_tokens(site, quantizers[0], training))
                 else:
                     quantize_a = site.runs_inference_product(not training)
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast, quantize_a)
@@ -255,6 +257,13 @@ class Planner:
                 "tensor_type, name); graphquant.explain(model, recipe, *inputs) prints what each slot got"
             )
         return plan
+
+    @staticmethod
+    def _few_tokens(site: GemmSite, x_quantizer: Quantizer, training: bool) -> bool:
+        """Whether a grouped site's tokens lie in groups of FEW_TOKEN_ROWS (graphquant.ops.grouped):
+        its fprop alone, of few tokens an expert, in a format that allows it."""
+        fprop_alone = site.runs_inference_product(not training)
+        return groups.token_block(grouped.token_rows(x_quantizer, fprop_alone), site.x_sizes[1], site.w_sizes[0]) == groups.FEW_TOKEN_ROWS
 
     def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
         """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""

@@ -839,6 +839,38 @@ def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_
     assert gemms == [rows if sum(sizes) <= groups.FEW_TOKENS_AN_EXPERT * E else groups.GROUP_ROWS]
 
 
+MX_CASES = {  # (tokens of each expert, the recipe's fast GEMMs, inference): the plan's fprop backend
+    "few tokens": (SIZES, ("fprop",), True),
+    "many tokens": ((200, 0, 57, 27), ("fprop",), True),
+    "fp32 sums": (SIZES, (), True),
+    "training": (SIZES, ("fprop",), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MX_CASES))
+def test_mxfp8_fprop_of_few_tokens_takes_hoppers_fp8_tensor_cores_where_the_recipe_lets_it_accumulate_fast(case, scaled_grouped_mm_here):
+    """On Hopper, MXFP8's fprop of few tokens an expert in an inference graph runs on the FP8
+    grouped kernel's few-token tiles, each 32-block's sum in the tensor cores' accumulator: only
+    where the recipe lets fprop accumulate fast (its default); with fp32 sums, more tokens or in
+    training, the emulation. The plan says which, and the call runs it (here the kernel's float64
+    stand-in: its numerics are tests/test_triton_grouped_fp8.py's), its output the emulation's
+    up to their sums' rounding."""
+    sizes, fast, inference = MX_CASES[case]
+    scaled_grouped_mm_here((9, 0))
+    recipe = dataclasses.replace(recipes.mxfp8_block_scaling(), fast_accumulation=fast)
+    model, x = Model(sizes), inputs(sum(sizes))
+    compiled = graphquant.compile(copy.deepcopy(model), recipe, mode="inference" if inference else None, backend="aot_eager", fullgraph=True)
+    with torch.set_grad_enabled(not inference):
+        out = compiled(x.clone().requires_grad_(not inference)).detach()
+    [fprop] = [g for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"]
+    mx = backends.TRITON_GROUPED_GEMMS[1].backend
+    assert str(fprop.backend) == (f"{mx} (fast accumulation)" if case == "few tokens" else backends.EMULATION), fprop
+    scaled_grouped_mm_here(None)
+    with torch.no_grad():
+        emulated = graphquant.compile(copy.deepcopy(model), recipe, mode="inference", backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, emulated)
+
+
 # -- an MoE layer's experts: two chained grouped GEMMs ---------------------------------------------
 
 EXPERTS, DIM, HIDDEN, ROWS = 8, 128, 256, 64  # 64 rows an expert: whole MXFP8 blocks

@@ -33,6 +33,7 @@ from graphquant.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8RowwiseQuantizer,
+    MXFP8Quantizer,
     QuantizeContext,
 )
 
@@ -48,10 +49,13 @@ FORMATS = {
         Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False),
     ),
     "128x128 blocks": (Float8BlockQuantizer(), Float8BlockQuantizer(fp8_dtype="e5m2"), Float8BlockQuantizer()),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer()),  # fprop alone, of few tokens an expert
 }
 GEMMS = ("fprop", "dgrad", "wgrad")
 # How each format's GEMMs sum, as the plan can choose: block scales always promote.
 SUMS = {name: ("promoted", "fast") if name in ("tensorwise", "rowwise") else ("promoted",) for name in FORMATS}
+SUMS["mxfp8"] = ("fast",)  # each 32-block in the tensor cores' accumulator, where the recipe lets it
+TRAINED = [name for name in FORMATS if name != "mxfp8"]  # the formats whose every GEMM it runs
 # (group sizes, k: x's columns, n: each expert's output features): ragged groups and an empty
 # one, k with a partial block, n that is no multiple of 128 (the expert stack pads it).
 INTERPRETED_SHAPE = ((40, 0, 57, 27), 192, 160)
@@ -66,7 +70,7 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
     plus the rounding to ``out_dtype``."""
     kernels = backends.triton_grouped_fp8
     promote_every = kernels.PROMOTE_EVERY if sums == "promoted" else kernels.FAST_ACCUMULATION
-    summed = fp8.FP32 if device == "cpu" else promote_every
+    summed = fp8.FP32 if device == "cpu" else kernels.MX_BLOCK if name == "mxfp8" else promote_every
 
     def allowed(p, q):
         return fp8.accumulation_bound(p, q, summed) + 4 * U * (p.abs() @ q.abs())
@@ -120,7 +124,8 @@ def _cases():
     """Every format's GEMMs; fprop alone where x's blocks span one row, as an inference graph pads
     it (ops.grouped.token_rows)."""
     alone = [(name, "fprop alone", sums) for name in FORMATS if FORMATS[name][0].block(ROWWISE)[0] <= 1 for sums in SUMS[name]]
-    return [(name, gemm, sums) for name in FORMATS for gemm in GEMMS for sums in SUMS[name]] + alone
+    return [(name, gemm, sums) for name in TRAINED for gemm in GEMMS for sums in SUMS[name]] + alone
+
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +152,7 @@ def test_grouped_fp8_gemm_matches_float64_reference_on_gpu(name, gemm, sums):
 
 
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["fp32 sums", "fast accumulation"])
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", sorted(TRAINED))
 def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation, monkeypatch):
     """On sm90 every grouped GEMM of these formats runs on the Triton kernel, which sums in the
     tensor cores' accumulator alone where the recipe lets the GEMM and its scales are per tensor
@@ -183,6 +188,8 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
             for block_scaled, every in ((True, kernels.PROMOTE_EVERY), (False, kernels.PROMOTE_EVERY), (False, kernels.FAST_ACCUMULATION)):
                 tiles = tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=block_scaled, PROMOTE_EVERY=every, TOKEN_ROWS=rows)
                 assert tiles and all(rows % tile.kwargs["BLOCK_M"] == 0 for tile in tiles), (rows, block_scaled, every)
+        mx = tuner.early_config_prune(tuner.configs, None, BLOCK_SCALED=True, PROMOTE_EVERY=None, TOKEN_ROWS=16, SCALE_BLOCK=kernels.MX_BLOCK)
+        assert mx and all(tile.kwargs["BLOCK_K"] == kernels.MX_BLOCK for tile in mx)  # a K tile an MXFP8 block
     fast, promoted = ({str(tile) for tile in offered(False, every)} for every in (kernels.FAST_ACCUMULATION, kernels.PROMOTE_EVERY))
     assert fast > promoted and any("BLOCK_N: 256," in tile for tile in fast - promoted)
     imprecise = {
@@ -192,11 +199,12 @@ def test_autotuner_offers_a_call_the_tiles_of_its_kind(kernel):
     assert imprecise == {(None, 64): None, (None, 128): None, (32, 64): 32, (32, 128): 32, (128, 64): 64, (128, 128): 128}
 
 
-def compiled_ptx(promote_every, capability: int = 90, few_tokens: bool = False) -> str:
+def compiled_ptx(promote_every, capability: int = 90, few_tokens: bool = False, mx: bool = False) -> str:
     """The PTX of the tokens x tokens kernel compiled for sm_``capability`` by Triton (its own
     ptxas, which assembles it: no GPU) at its first promoted tile, E4M3 operands with per-row
     scales, promoting every ``promote_every`` products (FAST_ACCUMULATION: never); with
-    ``few_tokens``, of the tokens x experts kernel at its tile for groups of FEW_TOKEN_ROWS."""
+    ``few_tokens``, of the tokens x experts kernel at its tile for groups of FEW_TOKEN_ROWS (``mx``:
+    MXFP8's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -205,16 +213,19 @@ def compiled_ptx(promote_every, capability: int = 90, few_tokens: bool = False) 
     jit = kernels._tokens_by_experts if few_tokens else kernels._tokens_by_tokens
     while not isinstance(jit, triton.runtime.JITFunction):  # under the autotuner and heuristics
         jit = jit.fn
-    tile = kernels._TOKENS_BY_EXPERTS_TILES["few tokens"][0] if few_tokens else kernels._TOKENS_BY_TOKENS_TILES["promoted"][0]
+    if few_tokens:
+        tile = kernels._TOKENS_BY_EXPERTS_TILES["few tokens, MX blocks" if mx else "few tokens"][0]
+        own = {"TOKEN_ROWS": groups.FEW_TOKEN_ROWS, "EVEN_K": True, "WEIGHTS_LEFT": True, "E8M0": mx}
+    else:
+        tile, own = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0], {"GROUP_ROWS": groups.GROUP_ROWS}
     constexprs = {
-        **tile.kwargs, "BLOCK_SCALED": False, "A_ROWS": 1, "B_ROWS": 1, "A_E5M2": False, "B_E5M2": False, "PROMOTE_EVERY": promote_every,
-        "SCALE_BLOCK": kernels.SCALE_BLOCK, "GROUP_TILES": kernels.GROUP_TILES,
-        **({"TOKEN_ROWS": groups.FEW_TOKEN_ROWS, "EVEN_K": True, "WEIGHTS_LEFT": True} if few_tokens else {"GROUP_ROWS": groups.GROUP_ROWS}),
+        **tile.kwargs, "BLOCK_SCALED": mx, "A_ROWS": 1, "B_ROWS": 1, "A_E5M2": False, "B_E5M2": False, "PROMOTE_EVERY": promote_every,
+        "SCALE_BLOCK": kernels.MX_BLOCK if mx else kernels.SCALE_BLOCK, "GROUP_TILES": kernels.GROUP_TILES, **own,
     }
     constexprs["IMPRECISE"] = kernels._imprecise_products(constexprs)
     pointers = {
         "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ends_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
-        "row_group_ptr": "*i64", "source_ptr": "*i64",
+        "row_group_ptr": "*i64", "source_ptr": "*i64", **({"sa_ptr": "*u8", "sb_ptr": "*u8"} if mx else {}),
     }
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in jit.arg_names}
     source = ASTSource(jit, signature, {(jit.arg_names.index(name),): value for name, value in constexprs.items()})
@@ -265,6 +276,15 @@ def test_few_tokens_an_expert_take_fp8_wgmmas_transposed_on_hopper(promote_every
     promotions = 0 if promote_every is kernels.FAST_ACCUMULATION else tile.kwargs["BLOCK_K"] // min(promote_every, tile.kwargs["BLOCK_K"])
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)
     assert ptx.count("add.f32") + ptx.count("add.rn.f32") == held * promotions
+
+
+def test_few_tokens_mxfp8_blocks_take_fp8_wgmmas_on_hopper():
+    """MXFP8's few-token tiles multiply its E4M3 codes on the FP8 tensor cores, a 32-long block a
+    wgmma (the weights its 64-row side), each block's sum scaled in fp32 by the two E8M0 scales."""
+    if backends.triton_grouped_fp8 is None:
+        pytest.skip("needs Triton")
+    ptx = compiled_ptx(None, few_tokens=True, mx=True)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)) == 2  # 128 weight rows, K 32
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

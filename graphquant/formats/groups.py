@@ -36,6 +36,13 @@ FEW_TOKEN_ROWS = 16
 FEW_TOKENS_AN_EXPERT = 32
 
 
+def token_block(few_rows: int, rows: int, groups: int) -> int:
+    """The rows each group of ``rows`` rows (tokens) among ``groups`` starts at a multiple of:
+    ``few_rows`` (a grouped site's Site.token_rows) where they are few, FEW_TOKENS_AN_EXPERT a
+    group on average, else GROUP_ROWS."""
+    return few_rows if rows <= FEW_TOKENS_AN_EXPERT * groups else GROUP_ROWS
+
+
 class GroupPadding(NamedTuple):
     """Where the rows of a grouped tensor go in its padded layout.
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from graphquant.formats.groups import FEW_TOKEN_ROWS
 from graphquant.kernels import emulation, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
@@ -139,7 +140,8 @@ class NativeGemm(NamedTuple):
     own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
     can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
-    accumulate fast)."""
+    accumulate fast); ``few_tokens``: a grouped GEMM that multiplies only tokens in groups of
+    FEW_TOKEN_ROWS (a graph's fprop alone of few tokens an expert: graphquant.formats.groups)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -152,6 +154,7 @@ class NativeGemm(NamedTuple):
     reads: Callable[[GemmInput], bool] = lambda operand: True
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
+    few_tokens: bool = False
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
         """Whether it sums a product of ``a`` and ``b`` in the tensor cores' accumulator where the
@@ -270,10 +273,18 @@ _ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
 # itself. It promotes its partial sums into fp32, or, for per-tensor and per-row scales where the
 # recipe lets the GEMM accumulate fast, leaves the whole sum in the tensor cores' accumulator. It
 # masks every edge: no multiple. Its FP8 products need sm89.
+# On Hopper, which has no MX tensor cores, the same kernel multiplies MXFP8's E4M3 codes of few
+# tokens an expert on the FP8 tensor cores a 32-long block a wgmma, each block's sum in their
+# accumulator: so only where the recipe lets the GEMM accumulate fast (elsewhere, the emulation's
+# fp32 sums), and promoted into fp32 every block, more often than a promoted FP8 GEMM is.
 TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
     NativeGemm(
         triton_grouped_fp8.BACKEND, triton_grouped_fp8.FAMILY_PAIRS, triton_grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm >= (8, 9),
         fast_accumulation=True, fast_families=triton_grouped_fp8.FAST_FAMILIES,
+    ),
+    NativeGemm(
+        triton_grouped_fp8.MX_BACKEND, triton_grouped_fp8.MX_FAMILY_PAIRS, BOTH_E4M3, 1, lambda sm: sm[0] == 9,
+        fast_accumulation=True, promotes=False, few_tokens=True,
     ),
 )
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
@@ -313,12 +324,14 @@ _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 
 def select_grouped(
-    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False
+    a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False,
+    few_tokens: bool = False,
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
     unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on the
     first of NATIVE_GROUPED_GEMMS that multiplies the pair on ``device`` and may sum as the recipe
-    lets this GEMM (``fast_accumulation``: the tensor cores' accumulator allowed); otherwise
+    lets this GEMM (``fast_accumulation``: the tensor cores' accumulator allowed) and, for one of
+    few tokens alone, whose tokens lie in groups of FEW_TOKEN_ROWS (``few_tokens``); otherwise
     emulated, one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
@@ -339,6 +352,11 @@ def select_grouped(
             reasons.append(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
+            )
+        elif native.few_tokens and not few_tokens:
+            reasons.append(
+                f"{native.backend} multiplies only few tokens an expert of a graph's fprop alone (padded to "
+                f"{FEW_TOKEN_ROWS} rows: graphquant.ops.grouped.token_rows)"
             )
         else:
             return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(*inputs, fast_accumulation)))

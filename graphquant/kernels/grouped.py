@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.formats.groups import GroupPadding
+from graphquant.formats.groups import FEW_TOKEN_ROWS, GroupPadding
 from graphquant.kernels import backends, emulation
 
 try:
@@ -91,6 +91,11 @@ def gemm(
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
     backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
     native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
+    if native is not None and native.few_tokens and token_rows != FEW_TOKEN_ROWS:
+        raise backends.GemmMismatch(
+            f"{site}: its plan chose {backend}, which multiplies tokens in groups of {FEW_TOKEN_ROWS} rows; this call's start at "
+            f"multiples of {token_rows} (more tokens an expert than the plan was made for)"
+        )
     a_group, ends = tokens.row_group, tokens.ends
     if native in backends.TRITON_GROUPED_GEMMS:
         kernels = backends.triton_grouped_fp8

@@ -4,7 +4,8 @@ Triton launch, the scales applied inside it, the group offsets read on the devic
 It multiplies the FP8 codes on the tensor cores and applies the formats' scales in fp32:
 per-tensor and per-row scales (one factor per GEMM row of each operand, ``Quantizer.grouped_factor``)
 once in the epilogue; DeepSeek-V3's 1x128 and 128x128 block scales to each 128-long K block's
-partial product, as its recipe does. A GEMM that keeps a recipe's fp32-accumulation contract has
+partial product, as its recipe does; MXFP8's E8M0 scales to each 32-long block's, in the few-token
+tiles alone (MX_FAMILY_PAIRS). A GEMM that keeps a recipe's fp32-accumulation contract has
 its partial sums promoted from the tensor cores' accumulator into fp32 after every
 fp8.PROMOTED_PRODUCTS (128) products, or every K tile where a tile is shorter
 (``max_num_imprecise_acc``), as cuBLASLt's promoted FP8 GEMMs do and DeepSeek-V3's recipe asks
@@ -39,6 +40,7 @@ from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
 
 BACKEND = "triton fp8 grouped"
+MX_BACKEND = "triton fp8 grouped, MXFP8 blocks"
 _ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")
 # fprop and dgrad multiply activations or gradients (1x128) by weights (128x128, or 1x128), wgrad
 # two 1x128 operands; per-tensor and per-row scales in any combination.
@@ -52,6 +54,11 @@ FAST_FAMILIES = frozenset(_ROW_SCALED)
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
+MX_BLOCK = 32  # the K extent of an MXFP8 block scale (E8M0)
+# MXFP8 pairs (E4M3) in the few-token tiles alone, on Hopper's FP8 tensor cores (which have no MX
+# products): each 32-block's sum, which the tensor cores' accumulator takes, scaled by its two
+# powers of two and added in fp32, as a GEMM the recipe lets accumulate fast may sum (backends).
+MX_FAMILY_PAIRS = frozenset({("mxfp8", "mxfp8")})
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS
 # The kernels' PROMOTE_EVERY for fast accumulation: None leaves tl.dot's max_num_imprecise_acc to
 # Triton's FP8 default (2**30 on sm_90), above any tile's K, so that the wgmmas keep no partial
@@ -68,13 +75,13 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int) -> 
 _WARPGROUP_ROWS = 64  # the rows of a wgmma's left operand
 
 
-def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GROUP_ROWS) -> str:
+def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GROUP_ROWS, scale_block: int = SCALE_BLOCK) -> str:
     """The kind of a call, which picks its tiles: groups of tokens that start at multiples of
-    fewer rows than a wgmma's product takes (FEW_TOKEN_ROWS), block scales (whose per-block
-    partial sums take registers: smaller tiles), or per-tensor / per-row factors with promoted or
-    fast sums."""
+    fewer rows than a wgmma's product takes (FEW_TOKEN_ROWS; MXFP8's 32-column blocks a K tile
+    each), block scales (whose per-block partial sums take registers: smaller tiles), or
+    per-tensor / per-row factors with promoted or fast sums."""
     if token_rows < _WARPGROUP_ROWS:
-        return "few tokens"
+        return "few tokens" if scale_block == SCALE_BLOCK else "few tokens, MX blocks"
     return "block scaled" if block_scaled else "promoted" if promote_every is not FAST_ACCUMULATION else "fast"
 
 
@@ -86,6 +93,7 @@ def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GR
 # few-token product is bound by its weights' bytes, not by the tensor cores.
 _TOKENS_BY_EXPERTS_TILES = {
     "few tokens": [_tile(FEW_TOKEN_ROWS, 128, 128, 4, 4)],
+    "few tokens, MX blocks": [_tile(FEW_TOKEN_ROWS, 128, MX_BLOCK, 4, 8)],
     "block scaled": [_tile(64, 64, 128, 4, 3)],
     "promoted": [_tile(128, 128, 128, 8, 3)],
     "fast": [_tile(128, 128, 128, 8, 3), _tile(128, 256, 128, 8, 3)],
@@ -102,10 +110,10 @@ def _autotune(tiles: dict[str, list[triton.Config]], key: list[str]):
     its speed: one tile there, untimed, a block-scaled one (it takes any kind but few tokens)."""
     interpreted = triton.knobs.runtime.interpret
 
-    def of_its_kind(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS=GROUP_ROWS, **kwargs):
-        kind = _kind(BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS)
+    def of_its_kind(configs, named_args, BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS=GROUP_ROWS, SCALE_BLOCK=SCALE_BLOCK, **kwargs):
+        kind = _kind(BLOCK_SCALED, PROMOTE_EVERY, TOKEN_ROWS, SCALE_BLOCK)
         if interpreted:
-            return tiles[kind if kind == "few tokens" else "block scaled"][:1]
+            return tiles[kind if kind.startswith("few tokens") else "block scaled"][:1]
         return tiles[kind]
 
     def untimed(kernel_call, quantiles):
@@ -151,14 +159,18 @@ def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.constexpr):
+def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.constexpr, E8M0: tl.constexpr = False):
     """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see Scales); 0 where masked
-    (mask None: none masked)."""
+    (mask None: none masked). E8M0: stored as MXFP8's exponent bytes, 2^(e - 127) (255: NaN)."""
     at = group * stride_g + (i // ROWS).to(tl.int64) * stride_i + kb * stride_k
     if mask is None:
         scales = tl.load(ptr + at)
     else:
-        scales = tl.load(ptr + at, mask=mask, other=0.0)
+        scales = tl.load(ptr + at, mask=mask, other=0)
+    if E8M0:
+        e = scales.to(tl.int32)
+        bits = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))  # 2^-127 a subnormal
+        scales = bits.to(tl.float32, bitcast=True)
     return scales
 
 
@@ -194,7 +206,8 @@ def _outer(sa, sb, WEIGHTS_LEFT: tl.constexpr):
 
 
 @_autotune(
-    _TOKENS_BY_EXPERTS_TILES, key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS", "TOKEN_ROWS"]
+    _TOKENS_BY_EXPERTS_TILES,
+    key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS", "TOKEN_ROWS", "SCALE_BLOCK"],
 )
 @triton.heuristics(
     {
@@ -209,9 +222,9 @@ def _tokens_by_experts(
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om,
     sa_ptr, sa_g, sa_i, sa_k, sb_ptr, sb_g, sb_i, sb_k,
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
-    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
-    WEIGHTS_LEFT: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, GROUP_TILES: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IMPRECISE: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
 ):
     """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
     once a tile; the groups start at multiples of TOKEN_ROWS, which BLOCK_M divides); tiles past
@@ -243,8 +256,8 @@ def _tokens_by_experts(
         b_ptrs += BLOCK_K * stride_bk
         if BLOCK_SCALED:
             kb = start // SCALE_BLOCK
-            sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS)
-            sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS)
+            sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS, E8M0)
+            sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS, E8M0)
             acc += _dot(a, b, IMPRECISE, WEIGHTS_LEFT) * _outer(sa, sb, WEIGHTS_LEFT)
         else:
             acc = _dot(a, b, IMPRECISE, WEIGHTS_LEFT, acc)
@@ -305,7 +318,12 @@ def _tokens_by_tokens(
 
 
 def _block_scaled(rep: Representation) -> bool:
-    return rep.quantizer.gemm_input(rep.direction).family.startswith("fp8_block")
+    family = rep.quantizer.gemm_input(rep.direction).family
+    return family.startswith("fp8_block") or family == "mxfp8"
+
+
+def _mx(rep: Representation) -> bool:
+    return rep.quantizer.gemm_input(rep.direction).family == "mxfp8"
 
 
 def _scale_rows(rep: Representation) -> int:
@@ -364,6 +382,8 @@ def tokens_by_experts(
     expert stack, rowwise (groups * n', k) or columnwise, stored transposed (n, groups * n').
     promote_every: the products summed in the tensor cores' accumulator before fp32 takes them
     (PROMOTE_EVERY), or FAST_ACCUMULATION: all of them."""
+    if _mx(a) and token_rows >= _WARPGROUP_ROWS:
+        raise ValueError(f"{BACKEND}: MXFP8 takes tokens of at most {_WARPGROUP_ROWS - 1} rows a group, not {token_rows} (MX_FAMILY_PAIRS)")
     groups, (rows, k) = tokens.groups, a.data.shape
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
     if b.direction == ROWWISE:  # B_g[kk, col] = data[g * n' + col, kk]
@@ -379,7 +399,8 @@ def tokens_by_experts(
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
         BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, TOKEN_ROWS=token_rows,
+        PROMOTE_EVERY=promote_every, SCALE_BLOCK=MX_BLOCK if _mx(a) else SCALE_BLOCK, E8M0=_mx(a), GROUP_TILES=GROUP_TILES,
+        TOKEN_ROWS=token_rows,
     )
     return out
 

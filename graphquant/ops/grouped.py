@@ -186,7 +186,7 @@ def _traced(rowwise: Quantizer) -> bool:
 
 def token_rows(x_quantizer: Quantizer, fprop_alone: bool) -> int:
     """The rows each group of a grouped site's few tokens is padded to a multiple of (the plan's,
-    carried as Site.token_rows; many take GROUP_ROWS, _token_rows): FEW_TOKEN_ROWS for a site that
+    carried as Site.token_rows; many take GROUP_ROWS: groups.token_block): FEW_TOKEN_ROWS for a site that
     runs fprop alone where x's rowwise format is traced and its blocks span no more rows (padding
     rows then changes no value: the zero rows raise no amax); GROUP_ROWS everywhere else, whose
     tiles the native grouped quantize and the columnwise blocks of training need."""
@@ -231,17 +231,11 @@ def _gemm(
     """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad) on the backend the
     plan chose for ``gemm`` of ``site``: see grouped_gemm."""
     backend, name = site.runs(gemm)
-    token_rows = _token_rows(site, tokens.position.shape[0], tokens.groups)
+    token_rows = groups.token_block(site.token_rows, tokens.position.shape[0], tokens.groups)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
         tokens.ends, tokens.position, tokens.source, n, out_dtype, token_rows, backend.name, backend.fast_accumulation, name,
     )
-
-
-def _token_rows(site: Site, rows: int, experts: int) -> int:
-    """The rows each group of ``rows`` routed rows among ``experts`` is padded to a multiple of:
-    the site's (Site.token_rows) where they are few (groups.FEW_TOKENS_AN_EXPERT), else GROUP_ROWS."""
-    return site.token_rows if rows <= groups.FEW_TOKENS_AN_EXPERT * experts else GROUP_ROWS
 
 
 def _padded(size: int) -> int:
@@ -302,7 +296,7 @@ def _tokens_quantized(
     """(the tokens' padded layout, x's grouped representations in ``directions``), x's
     delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x."""
     groups.check_offsets(offs, x.shape[0], site.label)
-    block = _token_rows(site, x.shape[0], experts)
+    block = groups.token_block(site.token_rows, x.shape[0], experts)
     tokens = groups.padding(offs, x.shape[0], block, groups.padded_bound(x.shape[0], experts, block))
     x_quantizer = site.quantizers[0]
     xq = quantize_grouped(x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
