@@ -1,7 +1,8 @@
 """The emulated MXFP8 and NVFP4 expert product at decode and middle sizes, four ways, beside bf16
 torch._grouped_mm: codes decoded in the GEMM's registers (triton_decode.experts_gemm) one token a
 program or in tiles of 16 tokens, the routed experts' values written first, every
-expert's values written first.
+expert's values written first; and MXFP8's codes on the FP8 tensor cores a 32-block at a time
+(triton_grouped_fp8, which the plan takes where fprop may accumulate fast) where its tiles apply.
 
     python benchmarks/grouped_decode.py [--formats mxfp8_block_scaling,nvfp4_block_scaling] [--rows 8,32,64,128,256,1024,2048,16384] [--reps 10] [--tiny]
 
@@ -43,6 +44,10 @@ DIMS = (64, {"gate and up": (4096, 2816), "down": (1408, 4096)})
 TINY_DIMS = (4, {"gate and up": (256, 128), "down": (160, 256)})
 WAYS = ("one token a program", "16-token tiles", "routed experts' values", "every expert's values")
 DECODED = WAYS[:2]  # the codes decoded in the GEMM's registers, by either program
+# MXFP8's codes on the FP8 tensor cores a 32-block at a time (triton_grouped_fp8's few-token tiles),
+# where fprop may accumulate fast and the tokens lie in groups of 16: its sums are not fp32's, so
+# the differences column leaves it out.
+MX_WAY = "FP8 tensor cores, 32-blocks"
 
 
 def stack(quantizer, w: torch.Tensor):
@@ -102,12 +107,17 @@ def main() -> None:
             finally:
                 grouped_kernels._decodes_in_registers, triton_dequantize._live_arguments = decodes, live_arguments
                 triton_decode.one_token_a_program = one_token
+            times[MX_WAY] = "n/a"
+            if not args.tiny and qx.gemm_input(ROWWISE).family == "mxfp8" and block == groups.FEW_TOKEN_ROWS:
+                mx = backends.GemmBackend(backends.triton_grouped_fp8.MX_BACKEND, fast_accumulation=True)
+                times[MX_WAY] = timed(lambda: grouped_kernels.gemm(a, b, b_group, layout, block, n, torch.bfloat16, mx, "experts fprop"))
             bf16 = timed(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
             last = outputs[WAYS[3]].float()
             diff = max(((out.float() - last).norm() / last.norm()).item() for out in outputs.values())
-            table.append([name, product, rows, *(times[way] for way in WAYS), bf16, f"{diff:.1e}"])
+            table.append([name, product, rows, *(times[way] for way in (*WAYS, MX_WAY)), bf16, f"{diff:.1e}"])
             print(table[-1], flush=True)
-    print(tabulate(table, headers=["format", "product", "routed rows", *(f"{way} ms" for way in WAYS), "bf16 ms", "max rel diff"], disable_numparse=True))
+    headers = ["format", "product", "routed rows", *(f"{way} ms" for way in (*WAYS, MX_WAY)), "bf16 ms", "max rel diff"]
+    print(tabulate(table, headers=headers, disable_numparse=True))
 
 
 if __name__ == "__main__":

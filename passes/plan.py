@@ -223,7 +223,7 @@ class Planner:
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._few_tokens(site, quantizers[0], training))
+                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._token_tiles(site, quantizers[0], training))
                 else:
                     quantize_a = site.runs_inference_product(not training)
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast, quantize_a)
@@ -259,11 +259,14 @@ class Planner:
         return plan
 
     @staticmethod
-    def _few_tokens(site: GemmSite, x_quantizer: Quantizer, training: bool) -> bool:
-        """Whether a grouped site's tokens lie in groups of FEW_TOKEN_ROWS (graphquant.ops.grouped):
-        its fprop alone, of few tokens an expert, in a format that allows it."""
-        fprop_alone = site.runs_inference_product(not training)
-        return groups.token_block(grouped.token_rows(x_quantizer, fprop_alone), site.x_sizes[1], site.w_sizes[0]) == groups.FEW_TOKEN_ROWS
+    def _token_tiles(site: GemmSite, x_quantizer: Quantizer, training: bool) -> bool:
+        """Whether a grouped site's tokens are tiles of few tokens an expert (NativeGemm.token_tiles):
+        in groups of FEW_TOKEN_ROWS (its fprop alone, of few tokens, in a format that allows it:
+        graphquant.ops.grouped) and more than a decode step's one token a program."""
+        rows, experts = site.x_sizes[1], site.w_sizes[0]
+        few = groups.token_block(grouped.token_rows(x_quantizer, site.runs_inference_product(not training)), rows, experts)
+        decoding = backends.triton_decode
+        return few == groups.FEW_TOKEN_ROWS and decoding is not None and not decoding.one_token_a_program(rows, experts)
 
     def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
         """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""

@@ -842,6 +842,7 @@ def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_
 MX_CASES = {  # (tokens of each expert, the recipe's fast GEMMs, inference): the plan's fprop backend
     "few tokens": (SIZES, ("fprop",), True),
     "many tokens": ((200, 0, 57, 27), ("fprop",), True),
+    "a decode step's tokens": ((1, 0, 2, 1), ("fprop",), True),  # one a program, on the decoding programs
     "fp32 sums": (SIZES, (), True),
     "training": (SIZES, ("fprop",), False),
 }
@@ -851,8 +852,8 @@ MX_CASES = {  # (tokens of each expert, the recipe's fast GEMMs, inference): the
 def test_mxfp8_fprop_of_few_tokens_takes_hoppers_fp8_tensor_cores_where_the_recipe_lets_it_accumulate_fast(case, scaled_grouped_mm_here):
     """On Hopper, MXFP8's fprop of few tokens an expert in an inference graph runs on the FP8
     grouped kernel's few-token tiles, each 32-block's sum in the tensor cores' accumulator: only
-    where the recipe lets fprop accumulate fast (its default); with fp32 sums, more tokens or in
-    training, the emulation. The plan says which, and the call runs it (here the kernel's float64
+    where the recipe lets fprop accumulate fast (its default); with fp32 sums, more tokens, a
+    decode step's (one a program) or in training, the emulation. The plan says which, and the call runs it (here the kernel's float64
     stand-in: its numerics are tests/test_triton_grouped_fp8.py's), its output the emulation's
     up to their sums' rounding."""
     sizes, fast, inference = MX_CASES[case]

@@ -140,8 +140,10 @@ class NativeGemm(NamedTuple):
     own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
     can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
-    accumulate fast); ``few_tokens``: a grouped GEMM that multiplies only tokens in groups of
-    FEW_TOKEN_ROWS (a graph's fprop alone of few tokens an expert: graphquant.formats.groups)."""
+    accumulate fast); ``token_tiles``: a grouped GEMM that multiplies only tiles of few tokens an
+    expert, in groups of FEW_TOKEN_ROWS (a graph's fprop alone: graphquant.formats.groups) and more
+    than a decode step's, which one token a program multiplies faster
+    (triton_decode.one_token_a_program)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -154,7 +156,7 @@ class NativeGemm(NamedTuple):
     reads: Callable[[GemmInput], bool] = lambda operand: True
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
-    few_tokens: bool = False
+    token_tiles: bool = False
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
         """Whether it sums a product of ``a`` and ``b`` in the tensor cores' accumulator where the
@@ -276,7 +278,8 @@ _ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
 # On Hopper, which has no MX tensor cores, the same kernel multiplies MXFP8's E4M3 codes of few
 # tokens an expert on the FP8 tensor cores a 32-long block a wgmma, each block's sum in their
 # accumulator: so only where the recipe lets the GEMM accumulate fast (elsewhere, the emulation's
-# fp32 sums), and promoted into fp32 every block, more often than a promoted FP8 GEMM is.
+# fp32 sums), and promoted into fp32 every block, more often than a promoted FP8 GEMM is. Its
+# tiles run no K split: a decode step's tokens (one a program) take the decoding programs.
 TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
     NativeGemm(
         triton_grouped_fp8.BACKEND, triton_grouped_fp8.FAMILY_PAIRS, triton_grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm >= (8, 9),
@@ -284,7 +287,7 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
     ),
     NativeGemm(
         triton_grouped_fp8.MX_BACKEND, triton_grouped_fp8.MX_FAMILY_PAIRS, BOTH_E4M3, 1, lambda sm: sm[0] == 9,
-        fast_accumulation=True, promotes=False, few_tokens=True,
+        fast_accumulation=True, promotes=False, token_tiles=True,
     ),
 )
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
@@ -325,14 +328,14 @@ _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 def select_grouped(
     a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False,
-    few_tokens: bool = False,
+    token_tiles: bool = False,
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
     unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on the
     first of NATIVE_GROUPED_GEMMS that multiplies the pair on ``device`` and may sum as the recipe
     lets this GEMM (``fast_accumulation``: the tensor cores' accumulator allowed) and, for one of
-    few tokens alone, whose tokens lie in groups of FEW_TOKEN_ROWS (``few_tokens``); otherwise
-    emulated, one grouped product."""
+    tiles of few tokens alone (NativeGemm.token_tiles), whose tokens are such (``token_tiles``);
+    otherwise emulated, one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
         return selection
@@ -353,10 +356,10 @@ def select_grouped(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
             )
-        elif native.few_tokens and not few_tokens:
+        elif native.token_tiles and not token_tiles:
             reasons.append(
-                f"{native.backend} multiplies only few tokens an expert of a graph's fprop alone (padded to "
-                f"{FEW_TOKEN_ROWS} rows: graphquant.ops.grouped.token_rows)"
+                f"{native.backend} multiplies only tiles of few tokens an expert (more than one token a program takes) of a "
+                f"graph's fprop alone, padded to {FEW_TOKEN_ROWS} rows (graphquant.ops.grouped.token_rows)"
             )
         else:
             return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(*inputs, fast_accumulation)))

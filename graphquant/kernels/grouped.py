@@ -91,7 +91,7 @@ def gemm(
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
     backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
     native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
-    if native is not None and native.few_tokens and token_rows != FEW_TOKEN_ROWS:
+    if native is not None and native.token_tiles and token_rows != FEW_TOKEN_ROWS:
         raise backends.GemmMismatch(
             f"{site}: its plan chose {backend}, which multiplies tokens in groups of {FEW_TOKEN_ROWS} rows; this call's start at "
             f"multiples of {token_rows} (more tokens an expert than the plan was made for)"
