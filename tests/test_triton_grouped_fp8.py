@@ -284,7 +284,9 @@ def test_few_tokens_mxfp8_blocks_take_fp8_wgmmas_on_hopper():
     if backends.triton_grouped_fp8 is None:
         pytest.skip("needs Triton")
     ptx = compiled_ptx(None, few_tokens=True, mx=True)
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)) == 2  # 128 weight rows, K 32
+    tile = backends.triton_grouped_fp8._TOKENS_BY_EXPERTS_TILES["few tokens, MX blocks"][0]
+    wgmmas = tile.kwargs["BLOCK_N"] // 64 * tile.kwargs["BLOCK_K"] // 32  # the weight rows 64 a wgmma, K 32
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)) == wgmmas
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

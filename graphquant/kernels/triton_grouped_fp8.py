@@ -93,7 +93,7 @@ def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GR
 # few-token product is bound by its weights' bytes, not by the tensor cores.
 _TOKENS_BY_EXPERTS_TILES = {
     "few tokens": [_tile(FEW_TOKEN_ROWS, 128, 128, 4, 4)],
-    "few tokens, MX blocks": [_tile(FEW_TOKEN_ROWS, 128, MX_BLOCK, 4, 8)],
+    "few tokens, MX blocks": [_tile(FEW_TOKEN_ROWS, 256, MX_BLOCK, 4, 6)],
     "block scaled": [_tile(64, 64, 128, 4, 3)],
     "promoted": [_tile(128, 128, 128, 8, 3)],
     "fast": [_tile(128, 128, 128, 8, 3), _tile(128, 256, 128, 8, 3)],
