@@ -33,7 +33,10 @@ class CustomRecipe:
     fast_accumulation: the GEMMs (of "fprop", "dgrad", "wgrad") whose per-tensor and per-row FP8
         products sum in the tensor cores' own accumulator, never promoted to fp32: faster, and
         looser (TE's use_split_accumulator=False, torchao's use_fast_accum); the default, fprop
-        only, is TE's and torchao's. FP8 block GEMMs always promote (cuBLAS requires it).
+        only, is TE's and torchao's. FP8 block GEMMs always promote (cuBLAS requires it). On Hopper
+        an inference graph's MXFP8 expert products of few tokens take the FP8 tensor cores where
+        this allows their fprop, each 32-block's sum in their accumulator (elsewhere MXFP8 sums in
+        fp32).
     fp8_dpa: quantize attention too: every F.scaled_dot_product_attention becomes a ``dpa`` site
         whose roles (qkv, s, do, dp and the hint-only dpa_output / dpa_grad_input) the factory is
         asked for (TE's fp8_dpa). False leaves attention in high precision and asks for no dpa role.
