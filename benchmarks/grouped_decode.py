@@ -35,7 +35,6 @@ from graphquant import recipes  # noqa: E402
 from graphquant.formats import groups  # noqa: E402
 from graphquant.kernels import backends, native, triton_decode, triton_dequantize  # noqa: E402
 from graphquant.kernels import grouped as grouped_kernels  # noqa: E402
-from graphquant.ops import grouped as grouped_ops  # noqa: E402
 from graphquant.quantizers import ROWWISE, QuantizeContext  # noqa: E402
 from graphquant.roles import QuantizerRole  # noqa: E402
 
@@ -59,8 +58,8 @@ def stack(quantizer, w: torch.Tensor):
 
 def token_rows(quantizer, rows: int, experts: int) -> int:
     """The rows an inference graph pads each group of ``rows`` routed rows quantized by
-    ``quantizer`` to (graphquant.ops.grouped: few tokens an expert, the plan's rows)."""
-    return groups.token_block(grouped_ops.token_rows(quantizer, True), rows, experts)
+    ``quantizer`` to (few tokens an expert: the plan's rows, backends.token_rows)."""
+    return groups.token_block(backends.token_rows(quantizer, True), rows, experts)
 
 
 def tokens(quantizer, rows: int, experts: int, k: int, device: torch.device):

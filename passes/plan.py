@@ -20,7 +20,6 @@ from graphquant import recipes, user_stack
 from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.ops import grouped
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -262,9 +261,9 @@ class Planner:
     def _token_tiles(site: GemmSite, x_quantizer: Quantizer, training: bool) -> bool:
         """Whether a grouped site's tokens are tiles of few tokens an expert (NativeGemm.token_tiles):
         in groups of FEW_TOKEN_ROWS (its fprop alone, of few tokens, in a format that allows it:
-        graphquant.ops.grouped) and more than a decode step's one token a program."""
+        backends.token_rows) and more than a decode step's one token a program."""
         rows, experts = site.x_sizes[1], site.w_sizes[0]
-        few = groups.token_block(grouped.token_rows(x_quantizer, site.runs_inference_product(not training)), rows, experts)
+        few = groups.token_block(backends.token_rows(x_quantizer, site.runs_inference_product(not training)), rows, experts)
         decoding = backends.triton_decode
         return few == groups.FEW_TOKEN_ROWS and decoding is not None and not decoding.one_token_a_program(rows, experts)
 

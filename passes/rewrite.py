@@ -23,6 +23,7 @@ from typing import Callable, Optional
 from torch import fx
 
 from graphquant.formats.groups import GROUP_ROWS
+from graphquant.kernels import backends
 from graphquant.ops import attention, functional, grouped
 from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
@@ -102,7 +103,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         stack = node.meta.get("graphquant_frozen_stack")
         # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
         fprop_alone = site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference)
-        token_rows = grouped.token_rows(plan.quantizer(roles[0]), fprop_alone or stack is not None) if site.form == GROUPED else GROUP_ROWS
+        token_rows = backends.token_rows(plan.quantizer(roles[0]), fprop_alone or stack is not None) if site.form == GROUPED else GROUP_ROWS
         carried = Site(
             name=site.name,
             call=site.call,

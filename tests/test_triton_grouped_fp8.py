@@ -122,7 +122,7 @@ def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: to
 
 def _cases():
     """Every format's GEMMs; fprop alone where x's blocks span one row, as an inference graph pads
-    it (ops.grouped.token_rows)."""
+    it (backends.token_rows)."""
     alone = [(name, "fprop alone", sums) for name in FORMATS if FORMATS[name][0].block(ROWWISE)[0] <= 1 for sums in SUMS[name]]
     return [(name, gemm, sums) for name in TRAINED for gemm in GEMMS for sums in SUMS[name]] + alone
 

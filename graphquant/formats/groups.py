@@ -27,7 +27,7 @@ from graphquant.formats.fp8 import magnitude_bits
 # format, whole tiles of the native grouped quantize, and aligned rows for torch._grouped_mm.
 GROUP_ROWS = 128
 # Rows a graph that runs fprop alone pads each group of tokens to, where its rowwise format allows
-# (graphquant.ops.grouped.token_rows) and the tokens are few, at most FEW_TOKENS_AN_EXPERT routed
+# (graphquant.kernels.backends.token_rows) and the tokens are few, at most FEW_TOKENS_AN_EXPERT routed
 # rows an expert on average: one tile of the few-token programs (the decoding programs', the FP8
 # grouped kernel's), and torch._scaled_grouped_mm's alignment. A decode step's few tokens an expert
 # are then quantized and multiplied in 16 rows, not 128; more keep 128-row tiles, which read each

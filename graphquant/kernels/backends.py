@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from graphquant.formats.groups import FEW_TOKEN_ROWS
+from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
 from graphquant.kernels import emulation, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
@@ -322,6 +322,24 @@ def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     return None
 
 
+def grouped_rowwise_traced(rowwise: Quantizer) -> bool:
+    """Whether a grouped rowwise representation alone of this format is traced (stateless and
+    deterministic: graphquant.ops.grouped.quantize_grouped), which Inductor then fuses with its
+    producer, rather than made by the native grouped quantize."""
+    return rowwise.traceable and not (rowwise.keeps_state or rowwise.stochastic)
+
+
+def token_rows(x_quantizer: Quantizer, fprop_alone: bool) -> int:
+    """The rows each group of a grouped site's few tokens is padded to a multiple of (the plan's,
+    carried as Site.token_rows; many take GROUP_ROWS: formats.groups.token_block): FEW_TOKEN_ROWS
+    for a site that runs fprop alone where x's rowwise format is traced and its blocks span no more
+    rows (padding rows then changes no value: the zero rows raise no amax); GROUP_ROWS everywhere
+    else, whose tiles the native grouped quantize and the columnwise blocks of training need."""
+    rowwise = x_quantizer.child(ROWWISE)
+    fits = rowwise.block(ROWWISE)[0] <= FEW_TOKEN_ROWS
+    return FEW_TOKEN_ROWS if fprop_alone and grouped_rowwise_traced(rowwise) and fits else GROUP_ROWS
+
+
 # Formats whose emulated values leave out a per-group or per-row factor (Quantizer.grouped_factor).
 _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
@@ -359,7 +377,7 @@ def select_grouped(
         elif native.token_tiles and not token_tiles:
             reasons.append(
                 f"{native.backend} multiplies only tiles of few tokens an expert (more than one token a program takes) of a "
-                f"graph's fprop alone, padded to {FEW_TOKEN_ROWS} rows (graphquant.ops.grouped.token_rows)"
+                f"graph's fprop alone, padded to {FEW_TOKEN_ROWS} rows (backends.token_rows)"
             )
         else:
             return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(*inputs, fast_accumulation)))

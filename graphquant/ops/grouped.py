@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from graphquant.formats import groups
-from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
+from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.ops import registry
@@ -152,7 +152,7 @@ def quantize_grouped(
     (``_slot_scales``)."""
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
-        if wanted == (ROWWISE,) and _traced(made):
+        if wanted == (ROWWISE,) and backends.grouped_rowwise_traced(made):
             # Traced: Inductor fuses the rows' gather and amaxes with their producer, in place of
             # the kernel's own launches (which set a decode step's pace more than its bytes).
             padded = layout.pad(source) if source is x else source
@@ -176,23 +176,6 @@ def quantize_grouped(
     if len(directions) == 2 and not quantizer.columnwise_from_rowwise():
         return quantize(x, quantizer, directions)  # both from one read of x
     return hybrid_directions(x, quantizer, directions, lambda source, child, d: quantize(source, child, (d,))[d], rowwise_values)
-
-
-def _traced(rowwise: Quantizer) -> bool:
-    """Whether quantize_grouped traces a rowwise representation alone of this format (stateless and
-    deterministic), which Inductor then fuses, rather than running the native kernel."""
-    return rowwise.traceable and not (rowwise.keeps_state or rowwise.stochastic)
-
-
-def token_rows(x_quantizer: Quantizer, fprop_alone: bool) -> int:
-    """The rows each group of a grouped site's few tokens is padded to a multiple of (the plan's,
-    carried as Site.token_rows; many take GROUP_ROWS: groups.token_block): FEW_TOKEN_ROWS for a site that
-    runs fprop alone where x's rowwise format is traced and its blocks span no more rows (padding
-    rows then changes no value: the zero rows raise no amax); GROUP_ROWS everywhere else, whose
-    tiles the native grouped quantize and the columnwise blocks of training need."""
-    rowwise = x_quantizer.child(ROWWISE)
-    fits = rowwise.block(ROWWISE)[0] <= FEW_TOKEN_ROWS
-    return FEW_TOKEN_ROWS if fprop_alone and _traced(rowwise) and fits else GROUP_ROWS
 
 
 def rowwise_and_columnwise_amax(

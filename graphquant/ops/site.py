@@ -37,7 +37,7 @@ class Site:
     inference: the graph never runs backward, so a linear (ops.inference) or an expert stack
     (ops.grouped) runs fprop alone.
     token_rows: the rows an expert stack pads each group of few tokens to a multiple of
-    (ops.grouped.token_rows; more than groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
+    (kernels.backends.token_rows; more than groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
     """
 
     name: str
