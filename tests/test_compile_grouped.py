@@ -856,6 +856,8 @@ def test_mxfp8_fprop_of_few_tokens_takes_hoppers_fp8_tensor_cores_where_the_reci
     decode step's (one a program) or in training, the emulation. The plan says which, and the call runs it (here the kernel's float64
     stand-in: its numerics are tests/test_triton_grouped_fp8.py's), its output the emulation's
     up to their sums' rounding."""
+    if not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton")
     sizes, fast, inference = MX_CASES[case]
     scaled_grouped_mm_here((9, 0))
     recipe = dataclasses.replace(recipes.mxfp8_block_scaling(), fast_accumulation=fast)
