@@ -9,7 +9,8 @@ w[g] (K, N); each expert is its own GEMM of the design's table, with y = x @ W^T
 
 Every group is quantized as if alone, zero-padded to whole blocks: the ops work on
 graphquant.formats.groups' padded layout, in which every group of tokens, and every expert's N
-rows of W, start at a multiple of ``GROUP_ROWS`` rows. So groups of any size, empty ones
+rows of W, start at a multiple of ``GROUP_ROWS`` rows (a graph's fprop alone of few tokens an
+expert, where the format allows: FEW_TOKEN_ROWS, Site.token_rows). So groups of any size, empty ones
 included, run every groupable format, per-tensor formats get one scale per group (delayed
 scaling: one slot per group, each with its own history), and no scale block spans two groups.
 The offsets never leave the device: the layout's shapes are static bounds, and bad offsets fail
