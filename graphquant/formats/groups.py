@@ -31,7 +31,8 @@ GROUP_ROWS = 128
 # rows an expert on average: one tile of the few-token programs (the decoding programs', the FP8
 # grouped kernel's), and torch._scaled_grouped_mm's alignment. A decode step's few tokens an expert
 # are then quantized and multiplied in 16 rows, not 128; more keep 128-row tiles, which read each
-# expert's weights once for up to 128 of its tokens.
+# expert's weights once for up to 128 of its tokens. FEW_TOKENS_AN_EXPERT is also the most the
+# decoding programs' 16-token tiles take (triton_decode.TILED_ROWS_AN_EXPERT).
 FEW_TOKEN_ROWS = 16
 FEW_TOKENS_AN_EXPERT = 32
 

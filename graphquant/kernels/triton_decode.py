@@ -68,7 +68,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from graphquant.formats import fp8, nvfp4
-from graphquant.formats.groups import GroupPadding
+from graphquant.formats.groups import FEW_TOKENS_AN_EXPERT, GroupPadding
 from graphquant.kernels import devices
 from graphquant.kernels.triton_dequantize import (
     e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
@@ -1429,9 +1429,10 @@ EXPERT_TILING = VALUE_TILES[0][1]
 # The most routed rows an expert, on average, that take one token a program (MXFP8 and NVFP4
 # alike), and that take 16-token tiles; past those the routed experts' values are written first.
 # Each is the largest count timed at which that way made an expert layer's two products (gate and
-# up, then down) the faster (benchmarks/grouped_decode.py).
+# up, then down) the faster (benchmarks/grouped_decode.py); the tiles' is the few tokens an
+# inference graph pads to 16 rows an expert.
 ONE_TOKEN_ROWS_AN_EXPERT = 2
-TILED_ROWS_AN_EXPERT = 32
+TILED_ROWS_AN_EXPERT = FEW_TOKENS_AN_EXPERT
 
 
 @triton.jit
