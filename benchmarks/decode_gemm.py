@@ -21,7 +21,6 @@ and for the FP8 formats (MXFP8 and NVFP4 at one row) two decode GEMM launches ag
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -38,7 +37,6 @@ from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 EMULATION = backends.GemmBackend(backends.EMULATION)
 TENSOR_CORES = triton_decode.DecodeConfig(tiles_per_sm=8)  # one of the autotuned tiles, at 8 programs an SM
 BLOCK_SUMS = triton_decode.DecodeConfig(block_n=128, block_k=128, tiles_per_sm=4, mx_products="block sums")
-FP8_BLOCK_SUMS = dataclasses.replace(BLOCK_SUMS, mx_products="fp8 block sums")  # each block's sum not fp32's
 
 WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 16, 128, 2048]
@@ -112,7 +110,6 @@ def main() -> None:
                         alternatives["tensor cores"] = TENSOR_CORES
                     if name == "mxfp8" and m <= 16:
                         alternatives["block sums"] = BLOCK_SUMS
-                        alternatives["fp8 block sums"] = FP8_BLOCK_SUMS
                     for label, config in alternatives.items():
                         fns[f"decode {name} ({label})"] = lambda a=a, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
                         weight_bytes[f"decode {name} ({label})"] = weight_bytes[f"decode {name}"]

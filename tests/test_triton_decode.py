@@ -82,9 +82,7 @@ def excess(
     rounding = U if out_dtype == torch.float32 else 2.0**-8
     family = qb.gemm_input(direction).family
     fp8_products = device == "cuda" and triton_decode.LAYOUTS[family].operand == triton_decode.FP8_CODES
-    mx_blocks = device == "cuda" and config is not None and config.mx_products == "fp8 block sums"  # each 32-block's sum
-    promoted = fp8.PROMOTED_PRODUCTS if fp8_products else 32 if mx_blocks else fp8.FP32
-    accumulation = fp8.accumulation_bound(left, right.t(), promoted)
+    accumulation = fp8.accumulation_bound(left, right.t(), fp8.PROMOTED_PRODUCTS if fp8_products else fp8.FP32)
     bound = accumulation + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * (U + rounding)
     return ((out.double() - ref).abs() - bound).max().item()
 
@@ -141,12 +139,7 @@ def _configs() -> dict:
         "one dot": DecodeConfig(64, 128, 16, 4, a_first=True, one_dot=True),
     }
     return {
-        "mxfp8": {
-            "block sums": DecodeConfig(block_k=128, mx_products="block sums"),
-            "fp8 block sums": DecodeConfig(block_k=128, mx_products="fp8 block sums"),
-            "fma": DecodeConfig(16, 128, 1, fma=True),
-            **values,
-        },
+        "mxfp8": {"block sums": DecodeConfig(block_k=128, mx_products="block sums"), "fma": DecodeConfig(16, 128, 1, fma=True), **values},
         "nvfp4 x nvfp4 2d": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
         "nvfp4 row-scaled x nvfp4": {"fma": DecodeConfig(16, 128, 1, fma=True), **values},
     }
@@ -183,13 +176,13 @@ def test_decode_gemm_matches_float64_reference_interpreted(interpreted, name, ca
     [
         (name, c, case)
         for name in ("mxfp8", "nvfp4 x nvfp4 2d", "nvfp4 row-scaled x nvfp4")
-        for c in ("block sums", "fp8 block sums", "fma", "a first", "a in programs", "one dot")
+        for c in ("block sums", "fma", "a first", "a in programs", "one dot")
         for case in ("1x96x1024", "3x40x640", "40x64x2560")
-        if ("block sums" not in c or name == "mxfp8") and (case != "40x64x2560" or c in ("a first", "one dot"))
+        if (c != "block sums" or name == "mxfp8") and (case != "40x64x2560" or c in ("a first", "one dot"))
     ],
 )
 def test_decode_gemm_tilings_match_float64_reference_interpreted(interpreted, name, config, case):
-    """MXFP8's block sums (tensor cores: fp16 or FP8), MXFP8 and NVFP4 on the FMA units (one row of A a
+    """MXFP8's block sums (tensor cores), MXFP8 and NVFP4 on the FMA units (one row of A a
     program: three rows, three programs), and on the tensor cores with A decoded first by a kernel
     of its own (its K padded to whole chunks), in pairs or in K's own order (one dot a step), or
     in each program of a tile of 128 rows."""
@@ -223,20 +216,19 @@ def test_decode_gemm_matches_float64_reference_in_several_row_tiles_on_gpu(name,
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "name,config,m",
-    [("mxfp8", config, m) for config in ("block sums", "dot scaled", "fp8 block sums") for m in (1, 4, 16)]
+    [("mxfp8", config, m) for config in ("block sums", "dot scaled") for m in (1, 4, 16)]
     + [(name, "fma", m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for m in (1, 4)]
     + [(name, config, m) for name in ("mxfp8", "nvfp4 x nvfp4 2d") for config in ("a first", "a in programs") for m in (16, 128)],
 )
 def test_decode_gemm_tilings_match_float64_reference_on_gpu(name, config, m):
     """Every other way the decode GEMM can multiply MXFP8 and NVFP4, at the down projection's
-    shape: MXFP8's block sums (fp16 codes, or FP8 within each block's bound) and tl.dot_scaled, the FMA units, A decoded first at 16 rows, and a
+    shape: MXFP8's block sums and tl.dot_scaled, the FMA units, A decoded first at 16 rows, and a
     tile of 128 rows with A decoded in every program."""
     from graphquant.kernels.triton_decode import DecodeConfig
 
     tiling = {
         "block sums": DecodeConfig(mx_products="block sums"),
         "dot scaled": DecodeConfig(mx_products="dot scaled"),
-        "fp8 block sums": DecodeConfig(mx_products="fp8 block sums"),
         "fma": DecodeConfig(32, 256, 1, fma=True, tiles_per_sm=4),
         "a first": DecodeConfig(block_k=128, a_first=True),
         "a in programs": DecodeConfig(128, 128, 128, 8, tiles_per_sm=2),
@@ -742,7 +734,7 @@ def test_a_decode_tiling_names_what_is_wrong_with_it():
 
     with pytest.raises(ValueError, match=r"block_n=48 is not a power of two; block_k=1024 is not from 32 to 512"):
         DecodeConfig(block_n=48, block_k=1024)
-    with pytest.raises(ValueError, match=r"mx_products='sums' is not one of \('values', 'block sums', 'dot scaled', 'fp8 block sums'\)"):
+    with pytest.raises(ValueError, match=r"mx_products='sums' is not one of \('values', 'block sums', 'dot scaled'\)"):
         DecodeConfig(mx_products="sums")
     with pytest.raises(ValueError, match=r"the FMA units multiply one row of A a program \(block_m=8\)"):
         DecodeConfig(block_m=8, fma=True)

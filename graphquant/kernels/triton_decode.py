@@ -179,7 +179,7 @@ def reads(operand: GemmInput) -> bool:
     """Whether the kernels read an operand of this family in this element encoding."""
     return operand.element in FAMILY_ELEMENTS.get(operand.family, (operand.element,))
 
-MX_PRODUCTS = ("values", "block sums", "dot scaled", "fp8 block sums")
+MX_PRODUCTS = ("values", "block sums", "dot scaled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +188,7 @@ class DecodeConfig:
     per program, BLOCK_K columns a step, its warps and pipeline stages, how many programs an SM
     gets (the K split follows from it), and how MXFP8's products are made (MX_PRODUCTS): codes
     times scales dequantized to bf16 ("values"), each 32-block's sum of fp16 codes scaled
-    ("block sums"), Triton's tl.dot_scaled ("dot scaled"), or each 32-block's sum of the E4M3
-    codes on the FP8 tensor cores scaled ("fp8 block sums": those sums in the tensor cores'
-    accumulator, not fp32's, as a GEMM the recipe lets accumulate fast may sum). ``fma``: MXFP8 and NVFP4
+    ("block sums"), or Triton's tl.dot_scaled ("dot scaled"). ``fma``: MXFP8 and NVFP4
     multiplied on the FMA units (_fma_kernel), one row of A a program (block_m 1), instead of
     the tensor cores. ``a_first``: MXFP8's and NVFP4's A decoded once by a kernel of its own
     (_a_values_kernel) into the tensor cores' order of K, which each program then copies as it
@@ -704,12 +702,12 @@ def _tile_step(
         b_scale = _e8m0_bytes(b_scale_ptr, n, N, block, tl.cdiv(K, 32), b_scale_row_stride, b_scale_col_stride)
         a_scale = _e8m0_bytes(a_scale_ptr, m, M, block, tl.cdiv(K, 32), a_scale_row_stride, a_scale_col_stride)
         total = tl.dot_scaled(b, b_scale, B_FORMAT, tl.trans(a), a_scale, A_FORMAT, total)
-    elif OPERAND == 0 or MX == 1 or MX == 3:  # each block's sum times its two scales joins the accumulator
+    elif OPERAND == 0 or MX == 1:  # each block's sum times its two scales joins the accumulator
         for j in tl.static_range(BLOCK_K // SCALE_COLS):
             col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
             b = _codes(b_ptr, n, N, col, K, b_stride)
             a = _codes(a_ptr, m, M, col, K, a_stride)
-            if OPERAND == 0 or MX == 3:
+            if OPERAND == 0:
                 block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
             else:
                 block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
@@ -896,8 +894,7 @@ def _decode_kernel(
     MXFP8's products (the index
     of DecodeConfig.mx_products): 1, codes multiplied as fp16 (exact) a 32-block at a time, each
     block's sum times its two power-of-two scales (exact in fp32's normal range); 2, the codes
-    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled; 3, as 1 with the E4M3 codes
-    on the FP8 tensor cores, each block's sum in their accumulator. NVFP4's strides are counted in
+    (A_FORMAT, B_FORMAT) and E8M0 scales handed to tl.dot_scaled. NVFP4's strides are counted in
     16-code blocks (8 bytes), which it reads as 64-bit words and decodes by inline PTX where ASM
     (not in Triton's interpreter), its weight tiles unmasked where WHOLE_TILES (every one lies
     inside the weight). A_RULE (QuantizedOnLoad.rule): A is high precision, FP8-quantized as it is
