@@ -69,6 +69,9 @@ class GemmPlan:
     bucket: str
     backend: backends.GemmBackend
     reason: str = ""
+    # A grouped site's: the rows each expert's few tokens are padded to a multiple of
+    # (backends.token_rows), which the rewrite carries as Site.token_rows; None elsewhere.
+    token_rows: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +220,13 @@ class Planner:
             _, m, k = site.x_sizes
             n = site.w_sizes[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
+            token_rows = self._token_rows(site, quantizers[0], training) if site.module_type == "grouped_linear" else None
             for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._token_tiles(site, quantizers[0], training))
+                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._token_tiles(site, token_rows))
                 else:
                     quantize_a = site.runs_inference_product(not training)
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast, quantize_a)
@@ -238,7 +242,7 @@ class Planner:
                     )
                 a = (f"{roles[ia].tensor_type}.{da}", quantizers[ia].direction_spec(da))
                 b = (f"{roles[ib].tensor_type}.{db}" + (" (frozen)" if site.weight_frozen else ""), quantizers[ib].direction_spec(db))
-                gemms.append(self._entry(site, gemm, a, b, selection))
+                gemms.append(self._entry(site, gemm, a, b, selection, token_rows))
         for site in attention:
             gemms.extend(self._plan_attention(site, slots, device, training))
         plan = Plan(
@@ -258,14 +262,21 @@ class Planner:
         return plan
 
     @staticmethod
-    def _token_tiles(site: GemmSite, x_quantizer: Quantizer, training: bool) -> bool:
+    def _token_rows(site: GemmSite, x_quantizer: Quantizer, training: bool) -> int:
+        """The rows a grouped site pads each expert's few tokens to a multiple of: few where it runs
+        fprop alone (an inference graph's site, or a stack graphquant.freeze stored) and x's format
+        allows it (backends.token_rows)."""
+        return backends.token_rows(x_quantizer, site.runs_inference_product(not training) or site.stored_stack)
+
+    @staticmethod
+    def _token_tiles(site: GemmSite, token_rows: int) -> bool:
         """Whether a grouped site's tokens are tiles of few tokens an expert (NativeGemm.token_tiles):
-        in groups of FEW_TOKEN_ROWS (its fprop alone, of few tokens, in a format that allows it:
-        backends.token_rows) and more than a decode step's one token a program."""
+        in groups of FEW_TOKEN_ROWS (``token_rows``, and few tokens: groups.token_block) and more
+        than a decode step's one token a program."""
         rows, experts = site.x_sizes[1], site.w_sizes[0]
-        few = groups.token_block(backends.token_rows(x_quantizer, site.runs_inference_product(not training)), rows, experts)
         decoding = backends.triton_decode
-        return few == groups.FEW_TOKEN_ROWS and decoding is not None and not decoding.one_token_a_program(rows, experts)
+        few = groups.token_block(token_rows, rows, experts) == groups.FEW_TOKEN_ROWS
+        return few and decoding is not None and not decoding.one_token_a_program(rows, experts)
 
     def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
         """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""
@@ -321,10 +332,12 @@ class Planner:
             "high precision"
         )
 
-    def _entry(self, site, gemm: str, a: tuple[str, str], b: tuple[str, str], selection: backends.Selection) -> GemmPlan:
+    def _entry(
+        self, site, gemm: str, a: tuple[str, str], b: tuple[str, str], selection: backends.Selection, token_rows: Optional[int] = None
+    ) -> GemmPlan:
         """The plan of one product of ``site``, each operand as (what it is, its format); a
         rejected one fails the compile (unless explaining)."""
-        entry = GemmPlan(site.label, site.module_type, gemm, *a, *b, selection.bucket, selection.backend, selection.reason)
+        entry = GemmPlan(site.label, site.module_type, gemm, *a, *b, selection.bucket, selection.backend, selection.reason, token_rows)
         self._check_bucket(entry)
         return entry
 

@@ -23,7 +23,6 @@ from typing import Callable, Optional
 from torch import fx
 
 from graphquant.formats.groups import GROUP_ROWS
-from graphquant.kernels import backends
 from graphquant.ops import attention, functional, grouped
 from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
@@ -83,6 +82,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
     chosen = {(g.site, g.gemm): g.backend for g in plan.gemms}
+    token_rows = {g.site: g.token_rows for g in plan.gemms if g.token_rows is not None}
     for node in list(graph.nodes):
         body = body_of(gm, node)
         if body is not None:
@@ -103,7 +103,6 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         stack = node.meta.get("graphquant_frozen_stack")
         # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
         fprop_alone = site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference)
-        token_rows = backends.token_rows(plan.quantizer(roles[0]), fprop_alone or stack is not None) if site.form == GROUPED else GROUP_ROWS
         carried = Site(
             name=site.name,
             call=site.call,
@@ -112,7 +111,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             amax_group=amax_group,
             **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
             inference=fprop_alone,
-            token_rows=token_rows,
+            token_rows=token_rows.get(site.label, GROUP_ROWS),
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)

@@ -812,7 +812,7 @@ def _inference_recipe(name):
 @pytest.mark.parametrize("sizes", [SIZES, (200, 0, 57, 27)], ids=["few tokens", "many"])
 @pytest.mark.parametrize("name", sorted(TOKEN_ROWS))
 def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_and_gives_the_training_forwards_output(name, sizes):
-    """The padding is the plan's (Site.token_rows, in the graph's code) where the tokens are few
+    """The padding is the plan's (GemmPlan.token_rows, carried as Site.token_rows in the graph's code) where the tokens are few
     (groups.FEW_TOKENS_AN_EXPERT an expert on average), 128 rows where they are more, and changes no
     value: the inference graph's output is the training graph's forward output bit for bit, ragged
     and empty groups included."""
@@ -836,6 +836,8 @@ def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_
     [site] = [line for line in codes[0].splitlines() if "Site(name='moe" in line]
     rows = TOKEN_ROWS[name]
     assert (f"token_rows={rows}" in site) == (rows != groups.GROUP_ROWS) and "inference=True" in site, site
+    assert [g.token_rows for g in inference.graphquant.plan.gemms] == [rows]
+    assert {g.token_rows for g in training.graphquant.plan.gemms} == {groups.GROUP_ROWS}
     assert gemms == [rows if sum(sizes) <= groups.FEW_TOKENS_AN_EXPERT * E else groups.GROUP_ROWS]
 
 

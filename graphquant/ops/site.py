@@ -37,7 +37,8 @@ class Site:
     inference: the graph never runs backward, so a linear (ops.inference) or an expert stack
     (ops.grouped) runs fprop alone.
     token_rows: the rows an expert stack pads each group of few tokens to a multiple of
-    (kernels.backends.token_rows; more than groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
+    (the plan's GemmPlan.token_rows, from kernels.backends.token_rows; more than
+    groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
     """
 
     name: str
