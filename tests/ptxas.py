@@ -1,5 +1,5 @@
-"""Triton's ptxas on a kernel compiled for Hopper on the CPU: the tests that hold a kernel to its
-registers and spills share it."""
+"""Triton kernels compiled for Hopper on the CPU, and Triton's ptxas on them: the tests that hold a
+kernel to its instructions, registers and spills share it."""
 
 import subprocess
 import tempfile
@@ -17,3 +17,27 @@ def report(ptx: str) -> str:
             capture_output=True, text=True, check=True,
         )
     return done.stderr
+
+
+def compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int, capability: int = 90):
+    """``kernel`` (a JITFunction) compiled for sm_``capability`` (on any machine: Triton compiles
+    without a GPU) with the given pointer types (others fp32), the runtime ints' values (Triton
+    specializes ints divisible by 16, and 1) and constants."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = constants | {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
+        else:  # an int: Triton specializes those divisible by 16 unless told not to
+            signature[name] = "i32"
+            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(
+        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )

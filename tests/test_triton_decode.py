@@ -367,7 +367,9 @@ def _fma_kernel_compiled(pointers: dict, runtime: dict, operand: int, divisor: f
         CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
         ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False, DEPENDENT=False,
     ) | constants
-    return _compiled_for(triton_decode._fma_kernel, pointers, runtime, constants, num_warps=4, num_stages=1, capability=capability)
+    return ptxas.compiled_for(
+        triton_decode._fma_kernel, {"arrivals_ptr": "*i32", **pointers}, runtime, constants, num_warps=4, num_stages=1, capability=capability
+    )
 
 
 def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
@@ -408,7 +410,7 @@ def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm9
 
 
 def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, capability: int = 90, **constants):
-    """_decode_kernel compiled (_compiled_for; for Hopper unless told) over a 64x256 weight tile,
+    """_decode_kernel compiled (ptxas.compiled_for; for Hopper unless told) over a 64x256 weight tile,
     16 rows of A, a K split, factors (unless given)."""
     from graphquant.kernels import triton_decode
 
@@ -417,32 +419,9 @@ def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, c
         SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
         BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False, DEPENDENT=False,
     ) | constants
-    return _compiled_for(
-        triton_decode._decode_kernel, pointers, runtime, constants, num_warps=num_warps, num_stages=3, capability=capability
-    )
-
-
-def _compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int, capability: int):
-    """``kernel`` compiled for sm_``capability`` (on any machine: Triton compiles without a GPU)
-    with the given pointer types, the runtime ints' values (Triton specializes ints divisible by
-    16, and 1) and constants."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    constants = constants | {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name], attrs[(i,)] = pointers.get(name, "*i32" if name == "arrivals_ptr" else "*fp32"), [["tt.divisibility", 16]]
-        else:  # an int: Triton specializes those divisible by 16 unless told not to
-            signature[name] = "i32"
-            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(
-        ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    return ptxas.compiled_for(
+        triton_decode._decode_kernel, {"arrivals_ptr": "*i32", **pointers}, runtime, constants, num_warps=num_warps, num_stages=3,
+        capability=capability,
     )
 
 

@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+import ptxas
 import triton_interpreter
 
 from graphquant import recipes
@@ -215,7 +216,7 @@ def compiled_ptx(promote_every, capability: int = 90, few_tokens: bool = False, 
         jit = jit.fn
     if few_tokens:
         tile = kernels._TOKENS_BY_EXPERTS_TILES["few tokens, MX blocks" if mx else "few tokens"][0]
-        own = {"TOKEN_ROWS": groups.FEW_TOKEN_ROWS, "EVEN_K": True, "WEIGHTS_LEFT": True, "E8M0": mx}
+        own = {"TOKEN_ROWS": groups.FEW_TOKEN_ROWS, "EVEN_K": True, "WEIGHTS_LEFT": True, "E8M0": mx, "B_TILE_SCALE": False}
     else:
         tile, own = kernels._TOKENS_BY_TOKENS_TILES["promoted"][0], {"GROUP_ROWS": groups.GROUP_ROWS}
     constexprs = {
@@ -287,6 +288,40 @@ def test_few_tokens_mxfp8_blocks_take_fp8_wgmmas_on_hopper():
     tile = backends.triton_grouped_fp8._TOKENS_BY_EXPERTS_TILES["few tokens, MX blocks"][0]
     wgmmas = tile.kwargs["BLOCK_N"] // 64 * tile.kwargs["BLOCK_K"] // 32  # the weight rows 64 a wgmma, K 32
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx)) == wgmmas
+
+
+# The gate and up projections' fprop at moe_step.py's shapes, DeepSeek-V3's scales: 1x128 tokens
+# (padded rows, 4096) by a stack of 64 experts' (2816, 4096) weights in 128x128 blocks.
+_BLOCK_SCALED_FPROP = dict(
+    groups=64, rows=139264, n=2816, k=4096, stride_am=4096, stride_ak=1, stride_bg=2816 * 4096, stride_bk=1, stride_bn=4096,
+    stride_om=2816, sa_g=0, sa_i=32, sa_k=1, sb_g=22 * 32, sb_i=32, sb_k=1,
+)
+
+
+def test_block_scaled_tiles_scale_each_k_block_by_one_weight_scale_and_spill_nothing_on_hopper():
+    """Compiled for sm_90 at the kernel's first block-scaled tile, DeepSeek-V3's fprop: B's 128x128
+    block scales span the tile's columns (B_TILE_SCALE), so each K block's partial sums take A's
+    row scales times B's one scale, one fma an element and no product of two scales an element;
+    ptxas spills nothing."""
+    if backends.triton_grouped_fp8 is None:
+        pytest.skip("needs Triton")
+    kernels = backends.triton_grouped_fp8
+    tile = kernels._TOKENS_BY_EXPERTS_TILES["block scaled"][0]
+    args = {
+        **tile.kwargs, "BLOCK_SCALED": True, "A_ROWS": 1, "B_ROWS": kernels.SCALE_BLOCK, "A_E5M2": False, "B_E5M2": False,
+        "PROMOTE_EVERY": kernels.PROMOTE_EVERY, "SCALE_BLOCK": kernels.SCALE_BLOCK, "E8M0": False, "GROUP_TILES": kernels.GROUP_TILES,
+        "TOKEN_ROWS": groups.GROUP_ROWS, **_BLOCK_SCALED_FPROP,
+    }
+    heuristics = kernels._tokens_by_experts.fn  # under the autotuner
+    constants = {name: value for name, value in args.items() if name not in _BLOCK_SCALED_FPROP}
+    constants |= {name: rule(args) for name, rule in heuristics.values.items()}
+    assert constants["B_TILE_SCALE"]
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ends_ptr": "*i32", "row_group_ptr": "*i64", "source_ptr": "*i64"}
+    ptx = ptxas.compiled_for(heuristics.fn, pointers, _BLOCK_SCALED_FPROP, constants, tile.num_warps, tile.num_stages).asm["ptx"]
+    per_thread = tile.kwargs["BLOCK_M"] * tile.kwargs["BLOCK_N"] // (32 * tile.num_warps)
+    assert len(re.findall(r"fma\.rn\.f32", ptx)) == per_thread
+    assert len(re.findall(r"\bmul\.f32", ptx)) < per_thread
+    assert "0 bytes spill stores" in ptxas.report(ptx)
 
 
 def step_backends(name: str, fast: bool) -> list[str]:

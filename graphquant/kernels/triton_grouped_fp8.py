@@ -87,14 +87,16 @@ def _kind(block_scaled: bool, promote_every: Optional[int], token_rows: int = GR
 
 # Each kernel's tiles by kind, the fastest of benchmarks/grouped_gemm_sweep.py's on an H200 at an
 # MoE step's shapes; an autotuner picks among a kind's by shape. Fast sums wait on no promotion,
-# so their candidates add a wider tile. K tiles of one block scale where scales are per block; row
-# tiles of tokens x experts within the layout's alignment: 16-row tiles where groups start at
-# multiples of 16, their products taken transposed (the weights a wgmma's 64-row side). A
-# few-token product is bound by its weights' bytes, not by the tensor cores.
+# so their candidates add a wider tile. K tiles of one block scale where scales are per block: the
+# wider tile where B's 128x128 blocks give a tile one scale (B_TILE_SCALE), the smaller where each
+# of B's rows has its own (the outer product of scales takes registers). Row tiles of tokens x
+# experts within the layout's alignment: 16-row tiles where groups start at multiples of 16, their
+# products taken transposed (the weights a wgmma's 64-row side). A few-token product is bound by
+# its weights' bytes, not by the tensor cores.
 _TOKENS_BY_EXPERTS_TILES = {
     "few tokens": [_tile(FEW_TOKEN_ROWS, 128, 128, 4, 4)],
     "few tokens, MX blocks": [_tile(FEW_TOKEN_ROWS, 256, MX_BLOCK, 4, 6)],
-    "block scaled": [_tile(64, 64, 128, 4, 3)],
+    "block scaled": [_tile(128, 128, 128, 8, 3), _tile(64, 64, 128, 4, 3)],
     "promoted": [_tile(128, 128, 128, 8, 3)],
     "fast": [_tile(128, 128, 128, 8, 3), _tile(128, 256, 128, 8, 3)],
 }
@@ -205,6 +207,16 @@ def _outer(sa, sb, WEIGHTS_LEFT: tl.constexpr):
     return scales
 
 
+@triton.jit
+def _of_rows(scales, WEIGHTS_LEFT: tl.constexpr):
+    """Scales of a's rows (b's one scale for the tile already in them) in _dot's orientation."""
+    if WEIGHTS_LEFT:
+        of_rows = scales[None, :]
+    else:
+        of_rows = scales[:, None]
+    return of_rows
+
+
 @_autotune(
     _TOKENS_BY_EXPERTS_TILES,
     key=["n", "k", "BLOCK_SCALED", "PROMOTE_EVERY", "A_E5M2", "B_E5M2", "A_ROWS", "B_ROWS", "TOKEN_ROWS", "SCALE_BLOCK"],
@@ -214,6 +226,7 @@ def _outer(sa, sb, WEIGHTS_LEFT: tl.constexpr):
         "EVEN_K": lambda args: args["k"] % args["BLOCK_K"] == 0,
         "IMPRECISE": _imprecise_products,
         "WEIGHTS_LEFT": lambda args: args["BLOCK_M"] < _WARPGROUP_ROWS,
+        "B_TILE_SCALE": lambda args: args["BLOCK_SCALED"] and args["B_ROWS"] % args["BLOCK_N"] == 0,
     }
 )
 @triton.jit
@@ -224,12 +237,14 @@ def _tokens_by_experts(
     BLOCK_SCALED: tl.constexpr, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, A_E5M2: tl.constexpr, B_E5M2: tl.constexpr,
     PROMOTE_EVERY: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, GROUP_TILES: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IMPRECISE: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
+    IMPRECISE: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, B_TILE_SCALE: tl.constexpr,
 ):
     """out[source[r], :] = A[r, :] @ B_g for the padded rows r of one tile (g: their group, read
     once a tile; the groups start at multiples of TOKEN_ROWS, which BLOCK_M divides); tiles past
     the last group's end hold no rows and return at once. A tile of fewer rows than a wgmma's
-    sums its products transposed (WEIGHTS_LEFT, _dot)."""
+    sums its products transposed (WEIGHTS_LEFT, _dot). B_TILE_SCALE: B's block scales span the
+    tile's columns (128x128 blocks), so each K block's partial sum takes B's one scale, read
+    once, and A's per row: one multiply-add an element, not an outer product of scales too."""
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
     if pid_m * BLOCK_M >= tl.load(ends_ptr + groups - 1):
         return
@@ -257,8 +272,12 @@ def _tokens_by_experts(
         if BLOCK_SCALED:
             kb = start // SCALE_BLOCK
             sa = _scale(sa_ptr, 0, rows_at, kb, sa_g, sa_i, sa_k, None, A_ROWS, E8M0)
-            sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS, E8M0)
-            acc += _dot(a, b, IMPRECISE, WEIGHTS_LEFT) * _outer(sa, sb, WEIGHTS_LEFT)
+            if B_TILE_SCALE:
+                sb = _scale(sb_ptr, group, pid_n * BLOCK_N, kb, sb_g, sb_i, sb_k, None, B_ROWS)
+                acc += _dot(a, b, IMPRECISE, WEIGHTS_LEFT) * _of_rows(sa * sb, WEIGHTS_LEFT)
+            else:
+                sb = _scale(sb_ptr, group, cols, kb, sb_g, sb_i, sb_k, in_cols, B_ROWS, E8M0)
+                acc += _dot(a, b, IMPRECISE, WEIGHTS_LEFT) * _outer(sa, sb, WEIGHTS_LEFT)
         else:
             acc = _dot(a, b, IMPRECISE, WEIGHTS_LEFT, acc)
     if WEIGHTS_LEFT:
