@@ -837,6 +837,7 @@ def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_
     rows = TOKEN_ROWS[name]
     assert (f"token_rows={rows}" in site) == (rows != groups.GROUP_ROWS) and "inference=True" in site, site
     assert [g.token_rows for g in inference.graphquant.plan.gemms] == [rows]
+    assert graphquant.Plan.from_json(inference.graphquant.plan.to_json()) == inference.graphquant.plan
     assert {g.token_rows for g in training.graphquant.plan.gemms} == {groups.GROUP_ROWS}
     assert gemms == [rows if sum(sizes) <= groups.FEW_TOKENS_AN_EXPERT * E else groups.GROUP_ROWS]
 
