@@ -100,9 +100,6 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
         if site.form == FROZEN:
             _check_stored_format(site, node.args[2], plan.quantizer(roles[1]))
-        stack = node.meta.get("graphquant_frozen_stack")
-        # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
-        fprop_alone = site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference)
         carried = Site(
             name=site.name,
             call=site.call,
@@ -110,13 +107,15 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             streams=tuple(3 * index + i for i in range(3)),
             amax_group=amax_group,
             **{gemm: chosen.get((site.label, gemm)) for gemm in GEMM_NAMES},
-            inference=fprop_alone,
+            # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
+            inference=site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference),
             token_rows=token_rows.get(site.label, GROUP_ROWS),
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
         args, form_kwargs = _arguments(node, site)
         target = _TARGETS.get(site.form, functional.quantized_matmul)
+        stack = node.meta.get("graphquant_frozen_stack")
         if stack is not None:  # a frozen expert stack (graphquant.freeze): its stored tensors in w's place
             _check_stored_format(site, stack.spec, plan.quantizer(roles[1]))
             x, _, offs = args

@@ -812,10 +812,10 @@ def _inference_recipe(name):
 @pytest.mark.parametrize("sizes", [SIZES, (200, 0, 57, 27)], ids=["few tokens", "many"])
 @pytest.mark.parametrize("name", sorted(TOKEN_ROWS))
 def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_and_gives_the_training_forwards_output(name, sizes):
-    """The padding is the plan's (GemmPlan.token_rows, carried as Site.token_rows in the graph's code) where the tokens are few
-    (groups.FEW_TOKENS_AN_EXPERT an expert on average), 128 rows where they are more, and changes no
-    value: the inference graph's output is the training graph's forward output bit for bit, ragged
-    and empty groups included."""
+    """The padding is the plan's (GemmPlan.token_rows, carried as Site.token_rows in the graph's code)
+    where the tokens are few (groups.FEW_TOKENS_AN_EXPERT an expert on average), 128 rows where they
+    are more, and changes no value: the inference graph's output is the training graph's forward
+    output bit for bit, ragged and empty groups included."""
     model, x, codes, gemms = Model(sizes), inputs(sum(sizes)), [], []
     training = graphquant.compile(copy.deepcopy(model), _inference_recipe(name), backend="aot_eager", fullgraph=True)
     expected = training(x.clone().requires_grad_())
@@ -853,12 +853,12 @@ MX_CASES = {  # (tokens of each expert, the recipe's fast GEMMs, inference): the
 
 @pytest.mark.parametrize("case", sorted(MX_CASES))
 def test_mxfp8_fprop_of_few_tokens_takes_hoppers_fp8_tensor_cores_where_the_recipe_lets_it_accumulate_fast(case, scaled_grouped_mm_here):
-    """On Hopper, MXFP8's fprop of few tokens an expert in an inference graph runs on the FP8
-    grouped kernel's few-token tiles, each 32-block's sum in the tensor cores' accumulator: only
-    where the recipe lets fprop accumulate fast (its default); with fp32 sums, more tokens, a
-    decode step's (one a program) or in training, the emulation. The plan says which, and the call runs it (here the kernel's float64
-    stand-in: its numerics are tests/test_triton_grouped_fp8.py's), its output the emulation's
-    up to their sums' rounding."""
+    """On Hopper, MXFP8's fprop of few tokens an expert in an inference graph runs on the FP8 grouped
+    kernel's few-token tiles, each 32-block's sum in the tensor cores' accumulator: only where the
+    recipe lets fprop accumulate fast (its default); with fp32 sums, more tokens, a decode step's
+    (one a program) or in training, the emulation. The plan says which, and the call runs it (here
+    the kernel's float64 stand-in: its numerics are tests/test_triton_grouped_fp8.py's), its output
+    the emulation's up to their sums' rounding."""
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
     sizes, fast, inference = MX_CASES[case]

@@ -5,10 +5,10 @@ emulated product of a format whose values leave out a per-group or per-row facto
 and per-row FP8, NVFP4) needs fp32, so that the factor applied afterwards rounds once. In the
 padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows, or 16
 for a graph's tokens where it runs fprop alone, which the tiles of rows divide: so a tile lies in
-one group, and each program reads its group, or its group's bounds, on the device; a tokens x experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as
-fp32) operands, fp32 accumulation, fp32 output: exact up to fp32 accumulation. (MXFP8 and NVFP4
-operands at few tokens an expert multiply on the decode GEMM's programs instead:
-triton_decode.experts_gemm.)
+one group, and each program reads its group, or its group's bounds, on the device; a tokens x
+experts tile of pad rows alone returns at once. bf16 (or fp32, multiplied as fp32) operands,
+fp32 accumulation, fp32 output: exact up to fp32 accumulation. (MXFP8 and NVFP4 operands at few
+tokens an expert multiply on the decode GEMM's programs instead: triton_decode.experts_gemm.)
 """
 
 from __future__ import annotations
