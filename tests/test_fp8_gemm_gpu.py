@@ -21,8 +21,9 @@ pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TYPE_PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (m, n, k): below the size that is timed, an odd-sized one, and 2 * m * n * k = 2^34 flops, timed.
-SHAPES = [(64, 96, 128), (272, 400, 528), (2048, 2048, 2048)]
+# (m, n, k): below the size that is timed, an odd-sized one, one of rows no multiple of 16 (the
+# plan's cuBLASLt GEMMs take any m), and 2 * m * n * k = 2^34 flops, timed.
+SHAPES = [(64, 96, 128), (272, 400, 528), (17, 400, 528), (2048, 2048, 2048)]
 
 
 def _ext():

@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from graphquant.kernels import native
 from graphquant.formats import nvfp4
-from graphquant.quantizers import Representation
+from graphquant.quantizers import Representation, gemm_dims
 
 if TYPE_CHECKING:
     from graphquant.kernels.backends import GemmBackend
@@ -39,6 +40,21 @@ def k_last(rep: Representation) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 def outer_major(scale: torch.Tensor) -> torch.Tensor:
     """The same (outer, k_blocks) scale with the outer dim contiguous, as 1x128 scaling wants."""
     return scale.t().contiguous().t()
+
+
+# cuBLASLt's 1x128 scaling reads A's scales with the rows contiguous and refuses (NOT_SUPPORTED) an
+# m that is not a multiple of 4: their columns are then not 16-byte aligned.
+BLOCKWISE_ROWS = 4
+
+
+def block_scaled_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's codes (m, k) and 1x128 scales (m, k / 128) for the blockwise GEMM: zero rows (scale 1)
+    up to a multiple of BLOCKWISE_ROWS, whose products ``run`` drops, and the scales outer-major."""
+    missing = -data.shape[0] % BLOCKWISE_ROWS
+    if missing:
+        data = F.pad(data.view(torch.uint8), (0, 0, 0, missing)).view(data.dtype)
+        scale = F.pad(scale, (0, 0, 0, missing), value=1.0)
+    return data, outer_major(scale)
 
 
 def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -69,7 +85,7 @@ def arguments(
     elif backend == ROWWISE_SCALED:  # cuBLASLt's rowwise scaling writes bf16 only
         scale_a, scale_b, out_dtype = a.scale.reshape(-1, 1), b.scale.reshape(1, -1), torch.bfloat16
     elif backend == BLOCKWISE:
-        scale_a = outer_major(a.scale)
+        data_a, scale_a = block_scaled_rows(data_a, a.scale)
         tiles = b.quantizer.gemm_input(b.direction).family == "fp8_block_128x128"
         scale_b = b.scale.t() if tiles else b.scale.t().contiguous()
     elif backend == MXFP8:
@@ -97,6 +113,7 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
         out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
     else:
         out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
+        out = out[: gemm_dims(a, b)[0]]  # block_scaled_rows' zero rows left out
     if epilogue_bias is not None:
         return out.to(out_dtype)
     if backend.name == NVFP4:
