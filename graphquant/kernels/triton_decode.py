@@ -707,14 +707,16 @@ def _tile_step(
             col = k0 + j * SCALE_COLS + tl.arange(0, SCALE_COLS)[None, :]
             b = _codes(b_ptr, n, N, col, K, b_stride)
             a = _codes(a_ptr, m, M, col, K, a_stride)
-            if OPERAND == 0:
-                block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
-            else:
-                block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
+            # The scales are loaded before the product so that their latency passes under it:
+            # loaded after, they wait for the tensor cores to finish on every block.
             block = k0 // SCALE_COLS + j
             blocks = tl.cdiv(K, SCALE_COLS)
             b_scale = _block_scales(b_scale_ptr, n, N, block, blocks, b_scale_row_stride, b_scale_col_stride, B_SCALE_ROWS, OPERAND == 1)
             a_scale = _block_scales(a_scale_ptr, m, M, block, blocks, a_scale_row_stride, a_scale_col_stride, A_SCALE_ROWS, OPERAND == 1)
+            if OPERAND == 0:
+                block_sum = tl.dot(b, tl.trans(a), max_num_imprecise_acc=min(PROMOTE_EVERY, SCALE_COLS))
+            else:
+                block_sum = tl.dot(b.to(tl.float16), tl.trans(a.to(tl.float16)))
             total += block_sum * b_scale * tl.trans(a_scale)
     else:  # MXFP8 and NVFP4 (BF16_VALUES, F16_VALUES): their codes as 64-bit words of WORD
         WORD: tl.constexpr = 8 if OPERAND == 1 else 16
