@@ -73,15 +73,15 @@ def _promote_every(selection: backends.Selection):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [PAST_DECODE_ROWS, PAST_DECODE_ROWS + 17], ids=["m-aligned", "m-odd"])
+@pytest.mark.parametrize("m,k", [(PAST_DECODE_ROWS, 512), (PAST_DECODE_ROWS + 17, 512), (PAST_DECODE_ROWS, 500)], ids=["aligned", "m-odd", "k-odd"])
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS, ids=[p[0] for p in PAIRS])
-def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation, m):
-    """Every backend, at rows that are a multiple of every block and at rows that are not (odd:
-    cuBLASLt's blockwise GEMM gets A's rows padded, scaled_mm.block_scaled_rows)."""
+def test_backend_matches_float64_reference(name, qa, qb, expected, gemm, da, db, fast_accumulation, m, k):
+    """Every backend, at m and k multiples of every block and at an m or a k that is not (the
+    cuBLASLt GEMMs pad them: scaled_mm.block_scaled_rows, scaled_mm.whole_reduction)."""
     torch.manual_seed(0)
-    n, k = 384, 512
+    n = 384
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -178,16 +178,16 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
 
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS[:5], ids=[p[0] for p in PAIRS[:5]])
 def test_cublaslt_fp8_gemms_take_any_number_of_rows(name, qa, qb, expected, monkeypatch):
-    """A call of 17 or 100 rows runs on cuBLASLt, not on the emulation, 5-20x slower there
-    (benchmarks/NOTES.md, decode_gemm.py): only n and k need its multiples."""
+    """A call of 17 or 100 rows, or a reduction over 1000 tokens, runs on cuBLASLt, not on the
+    emulation, 5-20x slower there (benchmarks/NOTES.md, decode_gemm.py): only n needs its multiple."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     backends.select.cache_clear()
     try:
-        for m in (17, 100, PAST_DECODE_ROWS + 17):
-            assert backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, 384, 512)).backend.name == expected
+        for m, k in ((17, 512), (100, 512), (PAST_DECODE_ROWS + 17, 512), (PAST_DECODE_ROWS, 1000)):
+            assert backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, 384, k)).backend.name == expected
         misfit = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (100, 392, 512))
         assert misfit.backend.name == backends.EMULATION
-        assert f"{expected} needs n and k multiples of" in misfit.reason
+        assert f"{expected} needs n a multiple of" in misfit.reason
     finally:
         backends.select.cache_clear()
 

@@ -143,6 +143,8 @@ def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dty
     assert not (use_fast_accum and mode_a not in ("tensorwise", "rowwise")), f"fast accumulation under {mode_a} scaling"
     if mode_a == "rowwise":
         assert out_dtype == torch.bfloat16, "graphquant takes bf16 from per-row scaling"
+    if mode_a == "block 1x128":  # on the H200 cuBLASLt refused 17 rows (CUBLAS_STATUS_NOT_SUPPORTED), took 100
+        assert a.shape[0] % 4 == 0, f"1x128 scaling of {a.shape[0]} rows, not a multiple of 4"
     if bias is not None:
         assert out_dtype in (torch.bfloat16, torch.float16) and bias.dtype in (torch.bfloat16, out_dtype), "bias"
         assert bias.shape == (b.shape[1],)
@@ -225,6 +227,41 @@ def test_every_native_gemm_gets_arguments_its_gemm_takes(fake_gpu, sm, recipe):
     assert collections.Counter(backend for backend, *_ in calls) == planned, f"plan and run disagree\n{plan}"
     if recipe in ONE_FORMAT and ONE_FORMAT[recipe] in GRAPHQUANT_RUNS[sm]:
         assert native == [ONE_FORMAT[recipe]] * len(plan.gemms), str(plan)
+    for backend, out, expected, bound in calls:
+        excess = ((out.double() - expected).abs() - bound).max().item()
+        assert excess <= 0, f"{backend}: the arguments describe another product (by {excess})"
+
+
+class Linears(nn.Module):
+    """fc1 (bias) -> gelu -> fc2: a step's GEMMs whose m (fprop, dgrad) and k (wgrad) are the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(128, 256)
+        self.fc2 = nn.Linear(256, 128, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+FP8_ONE_FORMAT = [name for name, backend in ONE_FORMAT.items() if backend in scaled_mm.FP8_MULTIPLES]
+
+
+@pytest.mark.parametrize("tokens", [100, 33])
+@pytest.mark.parametrize("recipe", FP8_ONE_FORMAT)
+def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tokens):
+    """A step of 100 or 33 tokens (no multiple of 16, nor 33 of 4) runs every FP8 GEMM on cuBLASLt,
+    not on the emulation (5-20x slower on the H200): A's rows padded where the block scaling needs
+    it, and wgrad's reduction over the tokens padded with zero codes, with arguments cuBLASLt takes
+    and the representations' product."""
+    calls = fake_gpu((9, 0))
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    compiled = graphquant.compile(Linears().to(torch.bfloat16), RECIPES[recipe], backend="eager", fullgraph=True)
+    compiled(x).float().square().mean().backward()
+    plan = compiled.graphquant.plan
+    assert [g.backend.name for g in plan.gemms] == [ONE_FORMAT[recipe]] * 6, str(plan)
+    assert len(calls) == 6
     for backend, out, expected, bound in calls:
         excess = ((out.double() - expected).abs() - bound).max().item()
         assert excess <= 0, f"{backend}: the arguments describe another product (by {excess})"

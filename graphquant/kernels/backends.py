@@ -131,7 +131,7 @@ class Selection:
 
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
-    element encodings it multiplies, the multiple n and k must be (and m, unless ``any_rows``), the compute
+    element encodings it multiplies, the multiple m, n and k must be (n alone where it ``pads``), the compute
     capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
     accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
     rows) for each pair (m, known when the plan is made), both operands stored with the
@@ -140,7 +140,8 @@ class NativeGemm(NamedTuple):
     own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
     can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
-    accumulate fast); ``any_rows``: it takes any m; ``token_tiles``: a grouped GEMM that multiplies only tiles of few tokens an
+    accumulate fast); ``pads``: it takes any m and k, padding what its kernel needs itself
+    (scaled_mm.block_scaled_rows, scaled_mm.whole_reduction); ``token_tiles``: a grouped GEMM that multiplies only tiles of few tokens an
     expert, in groups of FEW_TOKEN_ROWS (a graph's fprop alone: graphquant.formats.groups) and more
     than a decode step's, which one token a program multiplies faster
     (triton_decode.one_token_a_program)."""
@@ -156,7 +157,7 @@ class NativeGemm(NamedTuple):
     reads: Callable[[GemmInput], bool] = lambda operand: True
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
-    any_rows: bool = False
+    pads: bool = False
     token_tiles: bool = False
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -186,9 +187,9 @@ class NativeGemm(NamedTuple):
         compiles (and plans) a graph of its own."""
         if batch != 1:
             return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
-        checked = dims[1:] if self.any_rows else dims
+        checked = dims[1:2] if self.pads else dims
         if any(d is not None and d % self.multiple != 0 for d in checked):
-            return f"{self.backend} needs {'n and k' if self.any_rows else 'm, n, k'} multiples of {self.multiple}; got {tuple(dims)}"
+            return f"{self.backend} needs {'n a multiple' if self.pads else 'm, n, k multiples'} of {self.multiple}; got {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
             most = dict(self.max_rows).get(tuple(families), 0)
@@ -239,8 +240,8 @@ DECODE_GEMMS = () if triton_decode is None else (
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
-# one side), at any m (a batch of 100 rows is no reason for the emulation, 5-20x slower); DeepSeek-style
-# block scales on sm90 alone, 1x128 blocks on the left, m padded inside (scaled_mm.block_scaled_rows); the
+# one side) and DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left, at any m and k
+# (a call of 100 rows, or a wgrad over 1000 tokens, is no reason for the emulation, 5-20x slower); the
 # block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
 # runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
@@ -251,27 +252,27 @@ NATIVE_GEMMS = (
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
         BOTH_E4M3 | {("e4m3", "e5m2"), ("e5m2", "e4m3")},
-        16,
+        scaled_mm.FP8_MULTIPLES[scaled_mm.TENSORWISE],
         lambda sm: sm >= (9, 0),
         fast_accumulation=True,
-        any_rows=True,
+        pads=True,
     ),
     NativeGemm(
         scaled_mm.ROWWISE_SCALED,
         frozenset({("fp8_rowwise", "fp8_rowwise")}),
         BOTH_E4M3,
-        16,
+        scaled_mm.FP8_MULTIPLES[scaled_mm.ROWWISE_SCALED],
         lambda sm: sm >= (9, 0),
         fast_accumulation=True,
-        any_rows=True,
+        pads=True,
     ),
     NativeGemm(
         scaled_mm.BLOCKWISE,
         frozenset({("fp8_block_1x128", "fp8_block_1x128"), ("fp8_block_1x128", "fp8_block_128x128")}),
         BOTH_E4M3,
-        128,
+        scaled_mm.FP8_MULTIPLES[scaled_mm.BLOCKWISE],
         lambda sm: sm[0] == 9,
-        any_rows=True,
+        pads=True,
     ),
 )
 

@@ -42,9 +42,19 @@ def outer_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
+# The multiple of n and k that cuBLASLt's FP8 GEMMs take: k is padded to it here (whole_reduction).
+FP8_MULTIPLES = {TENSORWISE: 16, ROWWISE_SCALED: 16, BLOCKWISE: 128}
 # cuBLASLt's 1x128 scaling reads A's scales with the rows contiguous and refuses (NOT_SUPPORTED) an
 # m that is not a multiple of 4: their columns are then not 16-byte aligned.
 BLOCKWISE_ROWS = 4
+
+
+def whole_reduction(data: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Codes (rows, k) with zero columns up to a multiple of ``multiple``: a zero code adds nothing
+    to any sum, and a 1x128 or 128x128 block's scale covers the columns its partial block lacks
+    (a training step of 1000 tokens reduces its wgrad over them)."""
+    missing = -data.shape[1] % multiple
+    return F.pad(data.view(torch.uint8), (0, missing)).view(data.dtype) if missing else data
 
 
 def block_scaled_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +89,8 @@ def arguments(
     fast_accumulation: sum in the tensor cores' accumulator throughout (TE's and torchao's default
     for per-tensor and per-row FP8 fprop: faster), rather than promote partial sums to fp32."""
     (data_a, k_scale_a), (data_b, k_scale_b) = k_last(a), k_last(b)
+    if backend in FP8_MULTIPLES:
+        data_a, data_b = whole_reduction(data_a, FP8_MULTIPLES[backend]), whole_reduction(data_b, FP8_MULTIPLES[backend])
     data_b = data_b.t()
     if backend == TENSORWISE:
         scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
