@@ -5,7 +5,8 @@ for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, th
 
 For each weight N x K of a Llama-3-8B FFN (or of --weights: 28672x4096 is its gate and up
 projections as one weight) and each row count M (each format up to the decode
-GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 thousands), every row is measured in the same
+GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 128; past them the
+GEMM the plan picks, fast accumulation allowed, as "plan"), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
 timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
@@ -90,10 +91,15 @@ def main() -> None:
             fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
             weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
             for name, (qa, qb) in formats.items():
-                if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
-                    continue
                 a = qa(x, columnwise=False).get(ROWWISE)
                 b = qb(w, columnwise=False).get(ROWWISE)
+                plan = backends.select(qa, ROWWISE, qb, ROWWISE, x.device, (m, n, k), 1, fast_accumulation=True)
+                if plan.backend.native not in backends.DECODE_GEMMS:
+                    key = f"plan {name}: {plan.backend}"
+                    fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
+                    weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
+                if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
+                    continue
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
                 weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
                 if not triton_decode.quantize_on_load_refusal(qa):
