@@ -125,7 +125,9 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
         out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
     else:
         out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
-        out = out[: gemm_dims(a, b)[0]]  # block_scaled_rows' zero rows left out
+        m = gemm_dims(a, b)[0]
+        if out.shape[0] != m:  # block_scaled_rows' zero rows
+            out = out[:m]
     if epilogue_bias is not None:
         return out.to(out_dtype)
     if backend.name == NVFP4:
