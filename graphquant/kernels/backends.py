@@ -131,8 +131,8 @@ class Selection:
 
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
-    element encodings it multiplies, the multiple m, n and k must be (n alone where it ``pads``), the compute
-    capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
+    element encodings it multiplies, the multiple m, n and k must be (n alone where it ``pads``),
+    the compute capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
     accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
     rows) for each pair (m, known when the plan is made), both operands stored with the
     reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
@@ -141,10 +141,10 @@ class NativeGemm(NamedTuple):
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
     can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
     accumulate fast); ``pads``: it takes any m and k, padding what its kernel needs itself
-    (scaled_mm.block_scaled_rows, scaled_mm.whole_reduction); ``token_tiles``: a grouped GEMM that multiplies only tiles of few tokens an
-    expert, in groups of FEW_TOKEN_ROWS (a graph's fprop alone: graphquant.formats.groups) and more
-    than a decode step's, which one token a program multiplies faster
-    (triton_decode.one_token_a_program)."""
+    (scaled_mm.block_scaled_rows, scaled_mm.whole_reduction); ``token_tiles``: a grouped GEMM that
+    multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
+    alone: graphquant.formats.groups) and more than a decode step's, which one token a program
+    multiplies faster (triton_decode.one_token_a_program)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
