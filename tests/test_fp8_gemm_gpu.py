@@ -68,6 +68,25 @@ def test_fp8_gemm_bias_in_the_epilogue_matches_scaled_mm(m, n, k, out_dtype):
     assert not torch.equal(out, _ext().fp8_gemm(a, b, sa, sb, out_dtype, True))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["split", "fast"])
+@pytest.mark.parametrize("m,n,k", SHAPES + [(17, 4096, 14336)])
+def test_fp8_gemm_per_row_is_the_float64_product_within_its_bound(m, n, k, fast):
+    """Per-row scales (cuBLASLt's outer-vector scaling): the float64 product of the scaled codes
+    within fp8.accumulation_bound, plus a rounding for each scale and the bf16 output's."""
+    from graphquant.formats import fp8
+
+    torch.manual_seed(5)
+    a, b = _fp8(m, k, E4M3, 4.0), _fp8(n, k, E4M3)
+    sa, sb = torch.rand(m, device="cuda") + 0.5, torch.rand(n, device="cuda") * 2
+    out = _ext().fp8_gemm(a, b, sa, sb, torch.bfloat16, fast)
+    left, right = a.double() * sa.double()[:, None], (b.double() * sb.double()[:, None]).t()
+    ref = left @ right
+    bound = fp8.accumulation_bound(left, right, fp8.FAST if fast else fp8.PROMOTED_PRODUCTS)
+    bound = bound + 3 * 2.0**-24 * (left.abs() @ right.abs()) + ref.abs() * 2.0**-8
+    assert ((out.double() - ref).abs() - bound).max().item() <= 0
+    assert torch.equal(out, _ext().fp8_gemm(a, b, sa, sb, torch.bfloat16, fast))  # the cached choice: same bits
+
+
 def test_fp8_gemm_reads_a_leading_stride_past_k():
     """Rows of a wider buffer (a view): the leading stride, not k, steps from row to row."""
     torch.manual_seed(2)
@@ -159,7 +178,7 @@ def test_fp8_gemm_refuses_bad_arguments():
         ext.fp8_gemm(a.t().contiguous().t(), b, one, one, torch.bfloat16, False)
     with pytest.raises(RuntimeError, match="takes a \\(m, k\\) and b \\(n, k\\)"):
         ext.fp8_gemm(a, _fp8(32, 64, E4M3), one, one, torch.bfloat16, False)
-    with pytest.raises(RuntimeError, match="one float32 value"):
+    with pytest.raises(RuntimeError, match=r"one value each \(per tensor\) or 64 for a and 32 for b \(per row\)"):
         ext.fp8_gemm(a, b, torch.ones(2, device="cuda"), one, torch.bfloat16, False)
     with pytest.raises(RuntimeError, match="contiguous bias of out_dtype"):
         ext.fp8_gemm(a, b, one, one, torch.float32, False, torch.zeros(32, device="cuda"))

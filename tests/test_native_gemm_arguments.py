@@ -153,11 +153,12 @@ def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dty
 
 
 def fake_fp8_gemm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
-    """graphquant._C.fp8_gemm(a (m, k), b (n, k)): per-tensor FP8, k contiguous in both."""
-    assert a.dtype in FP8 and b.dtype in FP8 and scale_a.numel() == scale_b.numel() == 1
+    """graphquant._C.fp8_gemm(a (m, k), b (n, k)): per-tensor or per-row FP8, k contiguous in both."""
+    assert a.dtype in FP8 and b.dtype in FP8 and scale_a.dim() == scale_b.dim() == 1
+    assert scale_a.numel() == scale_b.numel() == 1 or (scale_a.numel(), scale_b.numel()) == (a.shape[0], b.shape[0])
     assert out_dtype in (torch.bfloat16, torch.float16, torch.float32)
     assert bias is None or (bias.dtype == out_dtype != torch.float32 and bias.is_contiguous())
-    return fake_scaled_mm(a, b.t(), scale_a, scale_b, bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return fake_scaled_mm(a, b.t(), scale_a.reshape(-1, 1), scale_b.reshape(1, -1), bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 class Model(nn.Module):

@@ -1,9 +1,11 @@
 // graphquant._C.fp8_gemm: out (m, n) = scale_a * scale_b * (a @ b^T) (+ bias) for FP8 a (m, k) and
-// b (n, k) stored with the reduction dim contiguous (Hopper's TN layout), the per-tensor scales read
-// from the device, fp32 accumulation (the tensor cores' own with fast_accum, else promoted to fp32
-// registers every few steps) and one rounding to out_dtype. The GEMM torch._scaled_mm runs for
-// tensorwise scales, with the algorithm chosen by blaslt::matmul (blaslt.h) instead of the
-// heuristic's first: the same bits, faster where cuBLASLt has a faster kernel for the shape.
+// b (n, k) stored with the reduction dim contiguous (Hopper's TN layout), the scales read from the
+// device (per tensor, or per row of a and of b: cuBLASLt's outer-vector scaling), fp32 accumulation
+// (the tensor cores' own with fast_accum, else promoted to fp32 registers every few steps) and one
+// rounding to out_dtype. Per tensor, the GEMM torch._scaled_mm runs for tensorwise scales, with the
+// algorithm chosen by blaslt::matmul (blaslt.h) instead of the heuristic's first: the same bits,
+// faster where cuBLASLt has a faster kernel for the shape. Per row, cuBLASLt's GEMM where
+// torch._scaled_mm runs CUTLASS's, which splits no K: few rows of a long K leave most SMs idle.
 //
 // CUDA only: the CPU emulation of the kernels (tests/emulation) does not build this file.
 #include <torch/extension.h>
@@ -46,12 +48,16 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
               a.scalar_type(), " and ", b.scalar_type());
   TORCH_CHECK(a.is_cuda() && b.device() == a.device() && scale_a.device() == a.device() && scale_b.device() == a.device(),
               "graphquant.fp8_gemm: a, b and the scales must be on one CUDA device");
-  TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_a.numel() == 1 && scale_b.scalar_type() == at::kFloat &&
-                  scale_b.numel() == 1,
-              "graphquant.fp8_gemm: each scale must be one float32 value (per-tensor scaling)");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.fp8_gemm writes bfloat16, float16 or float32, not ", out_dtype);
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  const bool per_row = scale_a.numel() != 1 || scale_b.numel() != 1;
+  TORCH_CHECK(scale_a.scalar_type() == at::kFloat && scale_b.scalar_type() == at::kFloat && scale_a.is_contiguous() &&
+                  scale_b.is_contiguous() &&
+                  (per_row ? scale_a.numel() == m && scale_b.numel() == n : scale_a.numel() == 1 && scale_b.numel() == 1),
+              "graphquant.fp8_gemm takes contiguous float32 scales, one value each (per tensor) or ", m, " for a and ",
+              n, " for b (per row), got ", scale_a.scalar_type(), " of ", scale_a.numel(), " and ", scale_b.scalar_type(),
+              " of ", scale_b.numel());
   if (bias.has_value()) {
     TORCH_CHECK(out_dtype != at::kFloat && bias->scalar_type() == out_dtype && bias->dim() == 1 && bias->size(0) == n &&
                     bias->is_contiguous() && bias->device() == a.device(),
@@ -76,6 +82,10 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   set(desc.raw, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.const_data_ptr());
   set(desc.raw, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.const_data_ptr());
   set(desc.raw, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum));
+  if (per_row) {  // cuBLAS's A (our b) scaled along its n rows, its B (our a) along its m columns
+    set(desc.raw, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F));
+    set(desc.raw, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F));
+  }
   if (bias.has_value()) {  // bias[j] to every out[i, j]: along the rows of cuBLAS's D (out^T)
     set(desc.raw, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
     set(desc.raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
@@ -89,12 +99,13 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   const float alpha = 1.0f, beta = 0.0f;
   blaslt::Problem p(desc.raw, a, a_layout.raw, b, b_layout.raw, out, d_layout.raw, &alpha, &beta);
   p.key = {1 /* fp8_gemm */, m, n, k, a.stride(0), b.stride(0), int64_t(fp8_type(a)), int64_t(fp8_type(b)),
-           int64_t(d_type), fast_accum, bias.has_value() ? int64_t(blaslt::alignment(*bias)) : 0};
+           int64_t(d_type), fast_accum, bias.has_value() ? int64_t(blaslt::alignment(*bias)) : 0, per_row};
   p.flops = 2.0 * double(m) * double(n) * double(k);
   p.describe = [&] {
     std::ostringstream s;
     s << "fp8_gemm " << fp8_name(a) << " (" << m << " x " << k << ") @ " << fp8_name(b) << " (" << n << " x " << k
-      << ")^T -> " << c10::toString(out_dtype) << (fast_accum ? ", fast accumulation" : "") << (bias.has_value() ? ", bias" : "");
+      << ")^T -> " << c10::toString(out_dtype) << (per_row ? ", per-row scales" : "") << (fast_accum ? ", fast accumulation" : "")
+      << (bias.has_value() ? ", bias" : "");
     return s.str();
   };
   blaslt::matmul(p);
@@ -107,7 +118,8 @@ at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 void register_fp8_gemm(pybind11::module_& m) {
   m.def("fp8_gemm", &gq::fp8_gemm,
         "out (m, n) = scale_a * scale_b * (a @ b^T) + bias: FP8 a (m, k) and b (n, k) with k contiguous (e4m3 x "
-        "e4m3, or e5m2 on one side), float32 device scalars scale_a and scale_b, fp32 accumulation (fast_accum: "
+        "e4m3, or e5m2 on one side), float32 device scales scale_a and scale_b (one value each, or m and n: per "
+        "row), fp32 accumulation (fast_accum: "
         "the tensor cores' own), bias (optional: n values of out_dtype, bfloat16 or float16) in the epilogue, "
         "one rounding to out_dtype (bfloat16, float16 or float32); the fastest cuBLASLt algorithm that writes "
         "the heuristic's first's bits",

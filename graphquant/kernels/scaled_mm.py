@@ -1,6 +1,7 @@
-"""Native low-precision GEMMs through cuBLASLt: torch._scaled_mm, and for per-tensor FP8 our own
-call of the same GEMM (graphquant._C.fp8_gemm), which runs the fastest of cuBLASLt's algorithms
-that write the bits of the heuristic's first choice (torch._scaled_mm's).
+"""Native low-precision GEMMs through cuBLASLt: torch._scaled_mm, and for per-tensor and per-row
+FP8 our own call of cuBLASLt (graphquant._C.fp8_gemm), which runs the fastest of its algorithms
+that write the bits of the heuristic's first choice (per tensor, torch._scaled_mm's; per row,
+torch._scaled_mm runs CUTLASS's GEMM, which splits no K and so idles most SMs at few rows).
 
 Every operand arrives with its reduction dim last, as the representations store it for Hopper's
 TN GEMM; the second operand is passed transposed (a column-major view), and scales are laid out
@@ -120,9 +121,11 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
     args, kwargs = arguments(backend.name, a, b, out_dtype, backend.fast_accumulation)
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
     ext = native.extension_for(a.data.device)
-    if ext is not None and backend.name == TENSORWISE:
+    if ext is not None and backend.name in (TENSORWISE, ROWWISE_SCALED):
         data_a, data_b, scale_a, scale_b = args
-        out = ext.fp8_gemm(data_a, data_b.t(), scale_a, scale_b, kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias)
+        out = ext.fp8_gemm(
+            data_a, data_b.t(), scale_a.reshape(-1), scale_b.reshape(-1), kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias
+        )
     else:
         out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
         m = gemm_dims(a, b)[0]
