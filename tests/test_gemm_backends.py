@@ -185,6 +185,26 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
         backends.select.cache_clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
+@pytest.mark.parametrize("m", [17, 200])
+def test_per_row_gemm_of_few_output_tiles_matches_float64_reference(m, fast_accumulation):
+    """Per row, few rows of a long K (their scales applied after a product per tensor, which splits
+    K: scaled_mm.per_row_splits_k), with and without a bias: the float64 product within the bound."""
+    torch.manual_seed(0)
+    n, k = 512, 4096
+    a, b = _operand(Float8RowwiseQuantizer(), ROWWISE, m, k, "cuda"), _operand(Float8RowwiseQuantizer(), ROWWISE, n, k, "cuda")
+    assert scaled_mm.per_row_splits_k(m, n, torch.device("cuda"))
+    backend = backends.GemmBackend(scaled_mm.ROWWISE_SCALED, fast_accumulation)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    ref = _reference(a, b)
+    bound = _bound(a, b, fp8.FAST if fast_accumulation else fp8.PROMOTED_PRODUCTS)
+    for with_bias in (None, bias):
+        out = backends.gemm(a, b, 1, torch.bfloat16, backend, "per row", with_bias)[0].double()
+        expected = ref + (0 if with_bias is None else with_bias.double())
+        assert ((out - expected).abs() - bound - expected.abs() * 2.0**-8).max().item() <= 0  # and bf16's rounding
+
+
 @pytest.mark.parametrize("name,qa,qb,expected", PAIRS[:5], ids=[p[0] for p in PAIRS[:5]])
 def test_cublaslt_fp8_gemms_take_any_number_of_rows(name, qa, qb, expected, monkeypatch):
     """A call of 17 or 100 rows, or a reduction over 1000 tokens, runs on cuBLASLt, not on the

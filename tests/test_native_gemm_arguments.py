@@ -248,13 +248,17 @@ class Linears(nn.Module):
 FP8_ONE_FORMAT = [name for name, backend in ONE_FORMAT.items() if backend in scaled_mm.FP8_MULTIPLES]
 
 
+@pytest.mark.parametrize("sms", [132, 1], ids=["per-row-scaled-after", "per-row-in-the-gemm"])
 @pytest.mark.parametrize("tokens", [100, 33])
 @pytest.mark.parametrize("recipe", FP8_ONE_FORMAT)
-def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tokens):
+def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tokens, sms, monkeypatch):
     """A step of 100 or 33 tokens (no multiple of 16, nor 33 of 4) runs every FP8 GEMM on cuBLASLt,
     not on the emulation (5-20x slower on the H200): A's rows padded where the block scaling needs
     it, and wgrad's reduction over the tokens padded with zero codes, with arguments cuBLASLt takes
-    and the representations' product."""
+    and the representations' product; per row, with the scales applied after a product per tensor
+    where its tiles would leave most of an H200's SMs idle (scaled_mm.per_row_splits_k), or in the
+    GEMM on a GPU of one SM."""
+    monkeypatch.setattr(scaled_mm.devices, "multiprocessors", lambda device: sms)
     calls = fake_gpu((9, 0))
     torch.manual_seed(0)
     x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)

@@ -1,4 +1,5 @@
-"""A device's compute capability, which decides what each kernel can run there."""
+"""A device's compute capability, which decides what each kernel can run there, and its SMs, which
+decide how a GEMM is split."""
 
 from __future__ import annotations
 
@@ -17,3 +18,9 @@ def capability(device: torch.device) -> Optional[tuple[int, int]]:
 @functools.lru_cache(maxsize=None)
 def _of(device: torch.device) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The SMs of a CUDA device; 4 for any other (Triton's interpreter runs a kernel's logic alone)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

@@ -1146,15 +1146,10 @@ def _factors(a: _Layout, b: _Layout) -> dict:
     return {"A_FACTOR": a.factor, "A_DIVISOR": a.divisor, "B_FACTOR": b.factor, "B_DIVISOR": b.divisor}
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n: int = 64, row_tiles: int = 1) -> int:
     """How many programs share each tile's K: enough for about ``tiles_per_sm`` programs per SM
     (each BLOCK_N rows of B against a tile of A's rows), each split at least K_CHUNK columns."""
-    sms = _multiprocessors(device)
+    sms = devices.multiprocessors(device)
     wanted = ceil_div(tiles_per_sm * sms, ceil_div(n, block_n) * row_tiles)
     return max(1, min(wanted, ceil_div(k, K_CHUNK)))
 
