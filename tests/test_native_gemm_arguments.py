@@ -256,7 +256,7 @@ def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tok
     not on the emulation (5-20x slower on the H200): A's rows padded where the block scaling needs
     it, and wgrad's reduction over the tokens padded with zero codes, with arguments cuBLASLt takes
     and the representations' product; per row, with the scales applied after a product per tensor
-    where its tiles would leave most of an H200's SMs idle (scaled_mm.per_row_splits_k), or in the
+    where its tiles would leave most of an H200's SMs idle (scaled_mm.per_row_scaled_after), or in the
     GEMM on a GPU of one SM."""
     monkeypatch.setattr(scaled_mm.devices, "multiprocessors", lambda device: sms)
     calls = fake_gpu((9, 0))

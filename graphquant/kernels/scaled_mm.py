@@ -68,7 +68,7 @@ def block_scaled_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
     return data, outer_major(scale)
 
 
-def per_row_splits_k(m: int, n: int, device: torch.device) -> bool:
+def per_row_scaled_after(m: int, n: int, device: torch.device) -> bool:
     """Whether a per-row GEMM of out (m, n) runs per tensor first, its scales after it: per-row
     scales keep cuBLASLt's FP8 GEMMs (and CUTLASS's) from splitting K, so a product whose 128x128
     output tiles fill at most half the SMs (a few rows of a 4096 x 14336 weight) ran at bf16's speed
@@ -77,7 +77,7 @@ def per_row_splits_k(m: int, n: int, device: torch.device) -> bool:
 
 
 def _scaled_after(ext, data_a, data_b, scale_a, scale_b, out_dtype, fast_accumulation, bias):
-    """A @ B^T per row as per_row_splits_k says: the codes' product per tensor (unit scales, fp32),
+    """A @ B^T per row as per_row_scaled_after says: the codes' product per tensor (unit scales, fp32),
     then times each row's and column's scale, plus the bias, rounded once."""
     one = torch.ones(1, device=data_a.device)
     out = ext.fp8_gemm(data_a, data_b, one, one, torch.float32, fast_accumulation, None)
@@ -140,7 +140,7 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
     ext = native.extension_for(a.data.device)
     if ext is not None and backend.name in (TENSORWISE, ROWWISE_SCALED):
         data_a, data_b, scale_a, scale_b = args
-        if backend.name == ROWWISE_SCALED and per_row_splits_k(data_a.shape[0], data_b.shape[1], data_a.device):
+        if backend.name == ROWWISE_SCALED and per_row_scaled_after(data_a.shape[0], data_b.shape[1], data_a.device):
             return _scaled_after(ext, data_a, data_b.t(), scale_a, scale_b, out_dtype, kwargs["use_fast_accum"], bias)
         out = ext.fp8_gemm(
             data_a, data_b.t(), scale_a.reshape(-1), scale_b.reshape(-1), kwargs["out_dtype"], kwargs["use_fast_accum"], epilogue_bias
