@@ -189,8 +189,9 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("m", [17, 200])
 def test_per_row_gemm_of_few_output_tiles_matches_float64_reference(m, fast_accumulation):
-    """Per row, few rows of a long K (their scales applied after a product per tensor, which splits
-    K: scaled_mm.per_row_scaled_after), with and without a bias: the float64 product within the bound."""
+    """Per row, few rows of a long K (their scales applied after a product per tensor, which
+    splits K: scaled_mm.per_row_scaled_after), with and without a bias: the float64 product
+    within the bound."""
     torch.manual_seed(0)
     n, k = 512, 4096
     a, b = _operand(Float8RowwiseQuantizer(), ROWWISE, m, k, "cuda"), _operand(Float8RowwiseQuantizer(), ROWWISE, n, k, "cuda")
