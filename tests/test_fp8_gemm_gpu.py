@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from graphquant.formats import fp8
 from graphquant.kernels import native, scaled_mm
 
 pytestmark = pytest.mark.gpu
@@ -73,8 +74,6 @@ def test_fp8_gemm_bias_in_the_epilogue_matches_scaled_mm(m, n, k, out_dtype):
 def test_fp8_gemm_per_row_is_the_float64_product_within_its_bound(m, n, k, fast):
     """Per-row scales (cuBLASLt's outer-vector scaling): the float64 product of the scaled codes
     within fp8.accumulation_bound, plus a rounding for each scale and the bf16 output's."""
-    from graphquant.formats import fp8
-
     torch.manual_seed(5)
     a, b = _fp8(m, k, E4M3, 4.0), _fp8(n, k, E4M3)
     sa, sb = torch.rand(m, device="cuda") + 0.5, torch.rand(n, device="cuda") * 2

@@ -5,7 +5,8 @@
 // rounding to out_dtype. Per tensor, the GEMM torch._scaled_mm runs for tensorwise scales, with the
 // algorithm chosen by blaslt::matmul (blaslt.h) instead of the heuristic's first: the same bits,
 // faster where cuBLASLt has a faster kernel for the shape. Per row, cuBLASLt's GEMM where
-// torch._scaled_mm runs CUTLASS's, which splits no K: few rows of a long K leave most SMs idle.
+// torch._scaled_mm runs CUTLASS's, slower from 1000 rows on the H200 (neither splits K under
+// per-row scales: graphquant.kernels.scaled_mm.per_row_scaled_after).
 //
 // CUDA only: the CPU emulation of the kernels (tests/emulation) does not build this file.
 #include <torch/extension.h>

@@ -1,7 +1,7 @@
 """Native low-precision GEMMs through cuBLASLt: torch._scaled_mm, and for per-tensor and per-row
 FP8 our own call of cuBLASLt (graphquant._C.fp8_gemm), which runs the fastest of its algorithms
 that write the bits of the heuristic's first choice (per tensor, torch._scaled_mm's; per row,
-torch._scaled_mm runs CUTLASS's GEMM, which splits no K and so idles most SMs at few rows).
+where torch._scaled_mm runs CUTLASS's GEMM, slower from 1000 rows on the H200).
 
 Every operand arrives with its reduction dim last, as the representations store it for Hopper's
 TN GEMM; the second operand is passed transposed (a column-major view), and scales are laid out
