@@ -753,8 +753,9 @@ class DecodeCalls(list):
 @pytest.fixture
 def hopper_on_cpu(monkeypatch):
     """A faked Hopper whose decode GEMM, on this CPU, quantizes A by the reference where it is to
-    quantize it and multiplies on the emulated GEMM; gives the calls it got (DecodeCalls)."""
-    from graphquant.kernels import backends, emulation
+    quantize it and multiplies on the emulated GEMM, as its cuBLASLt GEMMs do (the CPU's
+    torch._scaled_mm takes other layouts); gives the decode GEMM's calls (DecodeCalls)."""
+    from graphquant.kernels import backends, emulation, scaled_mm
 
     triton_decode = backends.triton_decode
     if triton_decode is None:
@@ -774,6 +775,7 @@ def hopper_on_cpu(monkeypatch):
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
     monkeypatch.setattr(triton_decode, "gemm", stand_in)
     monkeypatch.setattr(triton_decode, "gemms_sharing_a", shared)
+    monkeypatch.setattr(scaled_mm, "run", lambda backend, a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
     backends.clear_caches()
     yield got
     backends.clear_caches()
