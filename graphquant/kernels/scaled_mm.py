@@ -78,10 +78,10 @@ def per_row_scaled_after(m: int, n: int, device: torch.device) -> bool:
 
 def _scaled_after(ext, data_a, data_b, scale_a, scale_b, out_dtype, fast_accumulation, bias):
     """A @ B^T per row as per_row_scaled_after says: the codes' product per tensor (unit scales, fp32),
-    then times each row's and column's scale, plus the bias, rounded once."""
+    then times each row's scale (``scale_a``, (m, 1)) and each column's (``scale_b``, (1, n)) in
+    place, plus the bias, rounded once."""
     one = torch.ones(1, device=data_a.device)
-    out = ext.fp8_gemm(data_a, data_b, one, one, torch.float32, fast_accumulation, None)
-    out = out.mul_(scale_a.reshape(-1, 1) * scale_b.reshape(1, -1))
+    out = ext.fp8_gemm(data_a, data_b, one, one, torch.float32, fast_accumulation, None).mul_(scale_a).mul_(scale_b)
     return (out if bias is None else out.add_(bias.float())).to(out_dtype)
 
 
