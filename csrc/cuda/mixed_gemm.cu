@@ -1,0 +1,614 @@
+// graphquant._C.mixed_gemm: out (m, n) = alpha * (x @ w^T) (+ bias) for an MXFP8 or NVFP4 weight w
+// (n, k) decoded in registers on Hopper's bf16 tensor cores, against x's values (m, k) already
+// dequantized to bf16 by graphquant._C.mixed_operand. Hopper has no tensor core for either format:
+// the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
+// decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step
+// of its 64 weight rows while the wgmma of this one runs, so the weight's bytes are read once, as
+// stored, at close to bf16's tensor-core rate.
+//
+// Numerics: the emulation's. Every decoded value (E4M3 code times its E8M0 power of two, E2M1 code
+// times its E4M3 block scale) is one correctly rounded bf16 product, exact where it is a bf16
+// number, as graphquant.kernels.emulation's values are; the sums are fp32 (the tensor cores'
+// order, and a K split's partial sums added in split order, so repeated calls give the same bits);
+// alpha (NVFP4's global factors) and the bias are applied to the fp32 sum before its one rounding.
+//
+// Layout: a CTA multiplies 128 weight rows (two warpgroups of 64, the wgmma's register operand) by
+// TOKENS rows of x (the shared-memory operand, 128-byte swizzled) over K steps of 128, through a
+// cp.async pipeline. Each thread decodes 16 consecutive K of each of its two rows an atom (64 K),
+// which the register operand's fragment wants in the order (0 1 8 9)(2 3 10 11)... per thread, so
+// x's values are stored with each 64-wide atom permuted to match (mixed_operand writes them so).
+//
+// CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "launch.cuh"
+
+namespace gq {
+namespace {
+
+constexpr int MXFP8 = 0, NVFP4 = 1;
+constexpr int ROWS = 128;     // weight rows a CTA: two warpgroups of 64
+constexpr int STEP = 128;     // K a pipeline step: two 64-wide swizzle atoms of x
+constexpr int ATOM = 64;      // K of one 128-byte swizzle atom row of bf16
+constexpr int THREADS = 256;
+constexpr int SMEM_BUDGET = 200 * 1024;
+
+// Bytes a weight row has per step (codes, block scales) and the K one block scale covers.
+template <int F>
+struct Weight {
+  static constexpr int code_bytes = F == MXFP8 ? STEP : STEP / 2;
+  static constexpr int block = F == MXFP8 ? 32 : 16;
+  static constexpr int scale_bytes = STEP / block;
+};
+
+template <int F, int TOKENS>
+struct Stage {
+  static constexpr int x_bytes = TOKENS * STEP * 2;  // [2 atoms][TOKENS][64] bf16, 1024-byte aligned atoms
+  static constexpr int w_bytes = ROWS * Weight<F>::code_bytes;
+  static constexpr int s_bytes = ROWS * Weight<F>::scale_bytes;
+  static constexpr int bytes = (x_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
+  static constexpr int count = SMEM_BUDGET / bytes < 8 ? SMEM_BUDGET / bytes : 8;
+  static constexpr int smem = count * bytes + 1024;  // + the base's alignment to 1024
+};
+
+// The position in its 64-wide atom at which the register operand's fragment wants x's value of K
+// offset k within the atom: thread t of a quad decodes K 16t..16t+15, four a k16 slice s, which the
+// fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of the slice.
+__host__ __device__ constexpr int permuted(int k) {
+  const int t = k / 16, s = (k % 16) / 4, i = k % 4;
+  return 16 * s + 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
+// The 16-byte chunk a weight row's chunk q lies at: rows read together by a warp land on distinct banks.
+template <int F>
+__device__ __forceinline__ int weight_chunk(int row, int q) {
+  return F == MXFP8 ? q ^ ((row & 1) << 2) : q ^ (((row >> 1) & 1) << 1);
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// 16 bytes of which the first ``bytes`` are copied and the rest zeroed.
+__device__ __forceinline__ void copy_bytes(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+// A shared-memory matrix descriptor of a K-major bf16 operand in 128-byte swizzle atoms (8 rows of
+// 128 bytes, 1024 bytes apart).
+__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+
+// Registers an in-flight wgmma reads or writes stay theirs until here: the compiler may not give
+// them to other values before a wait that retires it.
+template <int N>
+__device__ __forceinline__ void keep(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void keep(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int TOKENS>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  __device__ static void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  __device__ static void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+// Two bf16 products, each rounded once.
+__device__ __forceinline__ uint32_t bf16_product(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 v = __hmul2_rn(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// bf16 pairs 2^-120 times two E4M3 codes of ``word`` (bytes 0, 1 or 2, 3): the code's exponent and
+// mantissa laid where bf16's lie, so that subnormal codes stay exact too.
+__device__ __forceinline__ uint32_t e4m3_bits(uint32_t word, int high) {
+  const uint32_t x = __byte_perm(word, 0, high ? 0x3424 : 0x1404);  // each code in its half's high byte
+  return ((x >> 4) & 0x07F007F0u) | (x & 0x80008000u);
+}
+
+// bf16 pairs 2^-126 times the two E2M1 codes of byte ``byte`` of ``word`` (low nibble first).
+__device__ __forceinline__ uint32_t e2m1_bits(uint32_t word, int byte) {
+  const uint32_t x = __byte_perm(word, 0, 0x0404 | (byte << 4) | (byte << 12));  // the byte in both halves' high byte
+  return ((x >> 2) & 0x000001C0u) | ((x >> 6) & 0x01C00000u) | ((x << 4) & 0x00008000u) | (x & 0x80000000u);
+}
+
+constexpr uint32_t E4M3_BIAS = 0x7B807B80u;  // 2^120 twice
+constexpr uint32_t E2M1_BIAS = 0x7E807E80u;  // 2^126 twice
+
+// An E8M0 scale as a bf16 pair (2^-127 is bf16's subnormal 0x0040; 255 is NaN).
+__device__ __forceinline__ uint32_t e8m0_pair(uint32_t e) {
+  const uint32_t bits = e == 0 ? 0x0040u : e == 255 ? 0x7FC0u : e << 7;
+  return bits | (bits << 16);
+}
+
+__device__ __forceinline__ uint32_t e4m3_scale_pair(uint8_t code) {
+  __nv_fp8_e4m3 scale;
+  scale.__x = code;
+  const __nv_bfloat16 value = __float2bfloat16_rn(static_cast<float>(scale));
+  const uint32_t bits = *reinterpret_cast<const uint16_t*>(&value);
+  return bits | (bits << 16);
+}
+
+enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
+
+struct Args {
+  const uint8_t* w;
+  const uint8_t* w_scale;
+  const __nv_bfloat16* x;
+  void* out;
+  float* partial;  // (splits, m, n) fp32 where K is split, else null
+  const float* alpha;
+  const void* bias;
+  int64_t w_stride, s_stride, x_stride;  // bytes, bytes, elements
+  int m, n, k, steps_per_split, out_kind, bias_kind;
+};
+
+// alpha * sum (+ bias), rounded once to the output's dtype.
+__device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum) {
+  float v = args.alpha != nullptr ? sum * *args.alpha : sum;
+  if (args.bias != nullptr) {
+    v += args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[row])
+                                : __half2float(static_cast<const __half*>(args.bias)[row]);
+  }
+  if (args.out_kind == BF16) static_cast<__nv_bfloat16*>(args.out)[index] = __float2bfloat16_rn(v);
+  else if (args.out_kind == F16) static_cast<__half*>(args.out)[index] = __float2half_rn(v);
+  else static_cast<float*>(args.out)[index] = v;
+}
+
+template <int F, int TOKENS>
+__global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  using S = Stage<F, TOKENS>;
+  using W = Weight<F>;
+  constexpr int STAGES = S::count;
+  static_assert(STAGES >= 3, "the pipeline keeps a step in flight, one decoded and one or more loading");
+  extern __shared__ uint8_t raw[];
+  const uint32_t raw_address = smem_address(raw);
+  const uint32_t base = (raw_address + 1023) & ~1023u;
+  const uint8_t* base_ptr = raw + (base - raw_address);
+
+  const int tid = threadIdx.x;
+  const int n0 = blockIdx.x * ROWS, m0 = blockIdx.y * TOKENS;
+  const int first = blockIdx.z * args.steps_per_split;
+  const int count = min(args.steps_per_split, args.k / STEP - first);
+
+  // What this thread copies of a step (the same rows and columns every step, at K offset k0): x's
+  // 16-byte chunks c of rows x_row + 16u, the weight's chunks q of rows w_row + (THREADS / chunks)u,
+  // and one row's block scales. Rows past the operand copy zeros (from its first row).
+  constexpr int X_COPIES = TOKENS * (STEP / 8) / THREADS, CHUNKS = W::code_bytes / 16, W_COPIES = ROWS * CHUNKS / THREADS;
+  const int x_row = tid / (STEP / 8), c = tid % (STEP / 8);
+  const int w_row = tid / CHUNKS, q = tid % CHUNKS;
+  const __nv_bfloat16* x_rows[X_COPIES];
+  const uint8_t* w_rows[W_COPIES];
+  uint32_t x_valid = 0, w_valid = 0;
+#pragma unroll
+  for (int u = 0; u < X_COPIES; ++u) {
+    const int row = m0 + x_row + 16 * u;
+    x_valid |= (row < args.m) << u;
+    x_rows[u] = args.x + static_cast<int64_t>(row < args.m ? row : m0) * args.x_stride + c * 8;
+  }
+#pragma unroll
+  for (int u = 0; u < W_COPIES; ++u) {
+    const int row = n0 + w_row + THREADS / CHUNKS * u;
+    w_valid |= (row < args.n) << u;
+    w_rows[u] = args.w + static_cast<int64_t>(row < args.n ? row : n0) * args.w_stride + q * 16;
+  }
+  // The block scales lie block-major (a block's rows contiguous, blocks s_stride apart): 16 rows of
+  // a block a copy, of which those past the weight read as zeros.
+  constexpr int S_COPIES = W::scale_bytes * ROWS / 16;
+  const int s_block = tid / (ROWS / 16), s_rows = n0 + tid % (ROWS / 16) * 16;
+  const int s_bytes = min(max(args.n - s_rows, 0), 16);
+  const uint8_t* s_from = args.w_scale + static_cast<int64_t>(s_block) * args.s_stride + (s_bytes > 0 ? s_rows : n0);
+  const uint32_t x_to = (c / 8) * (TOKENS * 128) + x_row * 128 + (((c % 8) ^ (x_row & 7)) << 4);
+  const uint32_t w_to = S::x_bytes + w_row * W::code_bytes + (weight_chunk<F>(w_row, q) << 4);
+  const uint32_t s_to = S::x_bytes + S::w_bytes + tid * 16;
+
+  auto load = [&](int step, int buffer) {
+    const uint32_t stage = base + buffer * S::bytes;
+    const int k0 = (first + step) * STEP;
+#pragma unroll
+    for (int u = 0; u < X_COPIES; ++u) copy16(stage + x_to + u * 16 * 128, x_rows[u] + k0, (x_valid >> u) & 1);
+#pragma unroll
+    for (int u = 0; u < W_COPIES; ++u) {
+      copy16(stage + w_to + u * (THREADS / CHUNKS) * W::code_bytes, w_rows[u] + k0 / STEP * W::code_bytes, (w_valid >> u) & 1);
+    }
+    if (tid < S_COPIES) copy_bytes(stage + s_to, s_from + static_cast<int64_t>(k0 / W::block) * args.s_stride, s_bytes);
+  };
+
+  const int lane = tid % 32, warp = (tid % 128) / 32, warpgroup = tid / 128;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = warpgroup * 64 + warp * 16 + g;  // this thread's weight rows: r0 and r0 + 8
+
+  // The register operand of a step: k16 slice kk's fragment a[kk] (rows r0, r0 + 8 at the columns
+  // 2t, 2t + 1, then at 2t + 8, 2t + 9).
+  auto decode = [&](int buffer, uint32_t (&a)[8][4]) {
+    const uint8_t* codes = base_ptr + buffer * S::bytes + S::x_bytes;
+    const uint8_t* scales = codes + S::w_bytes;
+    if constexpr (F == MXFP8) {
+      uint4 q[2][2];
+      uint32_t e[2][2];
+      bool large = false;  // a scale of 2^8 or more: 2^120 times it is no bf16, so two products
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          q[h][c] = *reinterpret_cast<const uint4*>(codes + r * W::code_bytes + (weight_chunk<F>(r, c * 4 + t) << 4));
+          e[h][c] = scales[(2 * c + t / 2) * ROWS + r];
+          large |= e[h][c] > 134;
+        }
+      }
+      auto fill = [&](auto two_products) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const uint32_t scale = e8m0_pair(two_products ? e[h][c] : e[h][c] + 120);  // 2^(e - 127), or 2^120 times it
+            const uint32_t words[4] = {q[h][c].x, q[h][c].y, q[h][c].z, q[h][c].w};
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const uint32_t bits = e4m3_bits(words[s], half);
+                a[4 * c + s][2 * half + h] = two_products ? bf16_product(bf16_product(bits, E4M3_BIAS), scale) : bf16_product(bits, scale);
+              }
+            }
+          }
+        }
+      };
+      if (large) {
+        fill(std::true_type{});
+      } else {
+        fill(std::false_type{});
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int unit = c * 4 + t;  // 8 bytes: 16 codes
+          const uint2 q = *reinterpret_cast<const uint2*>(codes + r * W::code_bytes + (weight_chunk<F>(r, unit / 2) << 4) + (unit & 1) * 8);
+          const uint32_t scale = e4m3_scale_pair(scales[unit * ROWS + r]);
+          const uint32_t words[2] = {q.x, q.y};
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            a[4 * c + s][h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2)), E2M1_BIAS), scale);
+            a[4 * c + s][2 + h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2) + 1), E2M1_BIAS), scale);
+          }
+        }
+      }
+    }
+  };
+
+  float acc[TOKENS / 2];
+#pragma unroll
+  for (int i = 0; i < TOKENS / 2; ++i) acc[i] = 0.f;
+  uint32_t a0[8][4], a1[8][4];
+
+  for (int i = 0; i < STAGES - 2; ++i) {
+    if (i < count) load(i, i);
+    commit();
+  }
+  // Step j's copies landed, then step j + STAGES - 2's started into the buffer step j - 2 left
+  // (its wgmmas retired in every warpgroup before the barrier).
+  auto arrive = [&](int j) {
+    wait_copies<STAGES - 3>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the copies, seen by the wgmma's reads
+    __syncthreads();
+    if (j + STAGES - 2 < count) load(j + STAGES - 2, (j + STAGES - 2) % STAGES);
+    commit();
+  };
+  // Step j's wgmmas run while step j + 1 is decoded into the other registers; they retire before
+  // step j + 1's are issued, so that no register a wgmma in flight reads is written meanwhile.
+  auto step = [&](int j, uint32_t (&a)[8][4], uint32_t (&next)[8][4]) {
+    const uint32_t x_stage = base + (j % STAGES) * S::bytes;
+    uint64_t descriptors[8];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) descriptors[kk] = descriptor(x_stage + (kk / 4) * (TOKENS * 128) + (kk % 4) * 32);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) Wgmma<TOKENS>::mma(acc, a[kk], descriptors[kk]);
+    wgmma_commit();
+    if (j + 1 < count) {
+      arrive(j + 1);
+      decode((j + 1) % STAGES, next);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) keep(a[kk]);
+  };
+  arrive(0);
+  decode(0, a0);
+  for (int j = 0; j < count; j += 2) {
+    step(j, a0, a1);
+    if (j + 1 < count) step(j + 1, a1, a0);
+  }
+  wgmma_wait<0>();
+  keep(acc);
+  wait_copies<0>();
+
+#pragma unroll
+  for (int j = 0; j < TOKENS / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int token = m0 + 8 * j + 2 * t + b, row = n0 + r0 + 8 * h;
+        if (token < args.m && row < args.n) {
+          const float sum = acc[4 * j + 2 * h + b];
+          if (args.partial != nullptr) {
+            args.partial[(static_cast<int64_t>(blockIdx.z) * args.m + token) * args.n + row] = sum;
+          } else {
+            finish(args, static_cast<int64_t>(token) * args.n + row, row, sum);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// The K split's partial sums added in split order, then alpha, the bias and the one rounding.
+__global__ void mixed_reduce_kernel(const Args args, int splits) {
+  const int64_t total = static_cast<int64_t>(args.m) * args.n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = args.partial[i];
+    for (int s = 1; s < splits; ++s) sum += args.partial[s * total + i];
+    finish(args, i, static_cast<int>(i % args.n), sum);
+  }
+}
+
+// x's values (m, k) as bf16, each 64-wide atom in the order the register operand's fragment reads
+// (permuted): MXFP8 codes times their E8M0 scales, or NVFP4's E2M1 codes times their E4M3 block
+// scales, each one fp32 product rounded once to bf16 (as graphquant.kernels.triton_dequantize's).
+template <int F>
+__global__ void mixed_operand_kernel(const uint8_t* codes, const uint8_t* scales, __nv_bfloat16* out, int m, int k,
+                                     int64_t c_stride, int64_t s_row_stride, int64_t s_block_stride) {
+  const int groups = k / 16;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(m) * groups) return;
+  const int row = static_cast<int>(i / groups), group = static_cast<int>(i % groups);
+  float v[16];
+  if constexpr (F == MXFP8) {
+    const uint4 q = *reinterpret_cast<const uint4*>(codes + row * c_stride + 16 * group);
+    const uint32_t e = scales[row * s_row_stride + group / 2 * s_block_stride];
+    const float scale = __uint_as_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      __nv_fp8_e4m3 code;
+      code.__x = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
+      v[j] = static_cast<float>(code) * scale;
+    }
+  } else {
+    const uint2 q = *reinterpret_cast<const uint2*>(codes + row * c_stride + 8 * group);
+    __nv_fp8_e4m3 code;
+    code.__x = scales[row * s_row_stride + group * s_block_stride];
+    const float scale = static_cast<float>(code);
+    const uint32_t words[2] = {q.x, q.y};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t nibble = (words[j / 8] >> (4 * (j % 8))) & 0xF, e = (nibble >> 1) & 3, mantissa = nibble & 1;
+      const float magnitude = e == 0 ? 0.5f * mantissa : (1.f + 0.5f * mantissa) * static_cast<float>(1 << (e - 1));
+      v[j] = (nibble & 8 ? -magnitude : magnitude) * scale;
+    }
+  }
+  __nv_bfloat16* atom = out + static_cast<int64_t>(row) * k + group / 4 * ATOM;
+#pragma unroll
+  for (int j = 0; j < 16; j += 2) {
+    const int at = permuted(group % 4 * 16 + j);
+    *reinterpret_cast<__nv_bfloat162*>(atom + at) = __floats2bfloat162_rn(v[j], v[j + 1]);
+  }
+}
+
+}  // namespace
+
+const char* format_name(int64_t format) { return format == MXFP8 ? "MXFP8" : "NVFP4"; }
+
+int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
+
+void check_device(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda(), "graphquant.mixed_gemm: ", what, " must be a CUDA tensor");
+  const auto* properties = at::cuda::getDeviceProperties(t.get_device());
+  TORCH_CHECK(properties->major == 9 && properties->minor == 0,
+              "graphquant.mixed_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
+}
+
+// Codes of an operand (rows, k) as the kernels read them: rows of whole 16-byte groups, k a
+// multiple of the step.
+void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char* name) {
+  const int64_t code_bytes = format == MXFP8 ? k : k / 2;
+  TORCH_CHECK(format == MXFP8 || format == NVFP4, "graphquant.mixed_gemm: format ", format, " is neither MXFP8 (0) nor NVFP4 (1)");
+  TORCH_CHECK(k % STEP == 0, "graphquant.mixed_gemm multiplies a reduction of a multiple of ", STEP, " values, got k = ", k);
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(1) == code_bytes && codes.stride(1) == 1 &&
+                  codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
+              "graphquant.mixed_gemm: ", name, "'s ", format_name(format), " codes must be (rows, ", code_bytes,
+              ") bytes with rows 16-byte aligned, got ", codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides());
+}
+
+int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
+
+at::Tensor mixed_operand(const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t k) {
+  check_device(codes, "the codes");
+  check_codes(codes, format, k, "x");
+  TORCH_CHECK(scales.dim() == 2 && scales.element_size() == 1 && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == scale_blocks(format, k) && scales.device() == codes.device(),
+              "graphquant.mixed_operand: x's ", format_name(format), " scales must be (", codes.size(0), ", ",
+              scale_blocks(format, k), ") bytes on its device, got ", scales.scalar_type(), " ", scales.sizes());
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const int64_t m = codes.size(0);
+  auto out = at::empty({m, k}, codes.options().dtype(at::kBFloat16));
+  const int64_t work = m * (k / 16);
+  if (work == 0) return out;
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>((work + threads - 1) / threads);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto* data = static_cast<const uint8_t*>(codes.data_ptr());
+  auto* block_scales = static_cast<const uint8_t*>(scales.data_ptr());
+  auto* values = static_cast<__nv_bfloat16*>(out.data_ptr());
+  if (format == MXFP8) {
+    mixed_operand_kernel<MXFP8><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
+  } else {
+    mixed_operand_kernel<NVFP4><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
+  }
+  check_launch("mixed_operand");
+  return out;
+}
+
+template <int F, int TOKENS>
+void launch(const Args& args, dim3 grid, cudaStream_t stream) {
+  static const bool sized = [] {
+    cudaFuncSetAttribute(mixed_gemm_kernel<F, TOKENS>, cudaFuncAttributeMaxDynamicSharedMemorySize, Stage<F, TOKENS>::smem);
+    return true;
+  }();
+  (void)sized;
+  mixed_gemm_kernel<F, TOKENS><<<grid, THREADS, Stage<F, TOKENS>::smem, stream>>>(args);
+  check_launch("mixed_gemm");
+}
+
+at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
+                      const std::optional<at::Tensor>& alpha, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                      int64_t tokens, int64_t splits) {
+  check_device(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
+              "graphquant.mixed_gemm: x must be mixed_operand's bf16 values (m, k), rows 16-byte aligned, on w's device, got ", x.scalar_type(), " ",
+              x.sizes(), " strides ", x.strides());
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  check_codes(w, format, k, "w");
+  TORCH_CHECK(w_scale.dim() == 2 && w_scale.element_size() == 1 && w_scale.size(0) == scale_blocks(format, k) &&
+                  w_scale.size(1) == n && w_scale.stride(1) == 1 && w_scale.stride(0) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w_scale.data_ptr()) % 16 == 0 && w_scale.device() == w.device(),
+              "graphquant.mixed_gemm: w's ", format_name(format), " scales must lie block-major, (", scale_blocks(format, k), ", ", n,
+              ") bytes with rows 16-byte aligned, got ", w_scale.scalar_type(), " ", w_scale.sizes(), " strides ", w_scale.strides());
+  TORCH_CHECK(x.numel() < (int64_t{1} << 31) && w.numel() < (int64_t{1} << 31),
+              "graphquant.mixed_gemm takes operands of fewer than 2^31 elements, got x ", x.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "graphquant.mixed_gemm writes bfloat16, float16 or float32, not ", out_dtype);
+  TORCH_CHECK(!alpha || (alpha->scalar_type() == at::kFloat && alpha->numel() == 1 && alpha->device() == w.device()),
+              "graphquant.mixed_gemm: alpha must be one float32 on w's device");
+  TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
+                        bias->is_contiguous() && bias->device() == w.device()),
+              "graphquant.mixed_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on w's device");
+  TORCH_CHECK(tokens == 64 || tokens == 128, "graphquant.mixed_gemm multiplies tiles of 64 or 128 rows of x, not ", tokens);
+  const c10::cuda::CUDAGuard guard(w.device());
+  auto out = at::empty({m, n}, w.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return out;
+  const int64_t steps = k / STEP;
+  const int64_t row_tiles = (n + ROWS - 1) / ROWS, token_tiles = (m + tokens - 1) / tokens;
+  if (splits <= 0) {  // a K split that fills the GPU's SMs once, each split at least four steps
+    const int sms = at::cuda::getDeviceProperties(w.get_device())->multiProcessorCount;
+    splits = std::max<int64_t>(1, std::min<int64_t>(sms / (row_tiles * token_tiles), steps / 4));
+  }
+  splits = std::min(splits, steps);
+  const int64_t per_split = (steps + splits - 1) / splits;
+  splits = (steps + per_split - 1) / per_split;  // none empty
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
+  Args args{static_cast<const uint8_t*>(w.data_ptr()),
+            static_cast<const uint8_t*>(w_scale.data_ptr()),
+            static_cast<const __nv_bfloat16*>(x.data_ptr()),
+            out.data_ptr(),
+            splits > 1 ? partial.data_ptr<float>() : nullptr,
+            alpha ? alpha->data_ptr<float>() : nullptr,
+            bias ? bias->data_ptr() : nullptr,
+            w.stride(0),
+            w_scale.stride(0),
+            x.stride(0),
+            static_cast<int>(m),
+            static_cast<int>(n),
+            static_cast<int>(k),
+            static_cast<int>(per_split),
+            kind(out_dtype),
+            bias ? kind(bias->scalar_type()) : BF16};
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(token_tiles), static_cast<unsigned>(splits));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (format == MXFP8) {
+    tokens == 64 ? launch<MXFP8, 64>(args, grid, stream) : launch<MXFP8, 128>(args, grid, stream);
+  } else {
+    tokens == 64 ? launch<NVFP4, 64>(args, grid, stream) : launch<NVFP4, 128>(args, grid, stream);
+  }
+  if (splits > 1) {
+    const int64_t total = m * n;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
+    mixed_reduce_kernel<<<blocks, 256, 0, stream>>>(args, static_cast<int>(splits));
+    check_launch("mixed_gemm's reduce");
+  }
+  return out;
+}
+
+}  // namespace gq
+
+void register_mixed_gemm(pybind11::module_& m) {
+  m.def("mixed_operand", &gq::mixed_operand,
+        "x's values for mixed_gemm: MXFP8 (format 0: E4M3 codes (m, k), E8M0 scales (m, k/32)) or NVFP4 (1: packed E2M1 "
+        "codes (m, k/2), E4M3 scales (m, k/16)), any strides of the scales, dequantized to bf16 (m, k), each 64-wide atom permuted as mixed_gemm reads it",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("format"), pybind11::arg("k"));
+  m.def("mixed_gemm", &gq::mixed_gemm,
+        "out (m, n) = alpha * (x @ w^T) + bias for x = mixed_operand's bf16 values (m, k) and an MXFP8 (format 0) or NVFP4 "
+        "(1) weight w (n, k) (codes; block scales block-major, (k / block, n)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
+        "split's added in order), alpha (one float32, optional) and bias (n bf16 or float16, optional) before one rounding "
+        "to out_dtype; tokens: the rows of x a CTA multiplies (64 or 128); splits: K's split (0: chosen for the SMs)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("alpha"),
+        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"));
+}
