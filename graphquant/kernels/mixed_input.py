@@ -52,10 +52,13 @@ def gemm(
     m, k = a.shape
     fmt = FORMATS[family]
     x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
-    # The kernel reads a block's scales for consecutive rows: MXFP8's lie so, NVFP4's row-major.
+    # The kernel copies a block's scales of 16 consecutive rows at once: MXFP8's lie so (where the
+    # weight's rows are a multiple of 16), NVFP4's row-major.
     w_scale = _bytes(b.scale).t()
-    if w_scale.stride(1) != 1:
-        w_scale = w_scale.contiguous()
+    if w_scale.stride(1) != 1 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:
+        blocks, n = w_scale.shape
+        padded = torch.empty(blocks, -(-n // 16) * 16, dtype=torch.uint8, device=w_scale.device)
+        w_scale = padded[:, :n].copy_(w_scale)
     factors = [f.float() for f in (a.quantizer.emulated_factor(a), b.quantizer.emulated_factor(b)) if f is not None]
     if any(f.numel() != 1 for f in factors):
         raise ValueError(f"{BACKEND} applies one factor to the product, not a factor per row ({a.quantizer} x {b.quantizer})")
