@@ -284,41 +284,22 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args)
     const uint8_t* codes = base_ptr + buffer * S::bytes + S::x_bytes;
     const uint8_t* scales = codes + S::w_bytes;
     if constexpr (F == MXFP8) {
-      uint4 q[2][2];
-      uint32_t e[2][2];
-      bool large = false;  // a scale of 2^8 or more: 2^120 times it is no bf16, so two products
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          q[h][c] = *reinterpret_cast<const uint4*>(codes + r * W::code_bytes + (weight_chunk<F>(r, c * 4 + t) << 4));
-          e[h][c] = scales[(2 * c + t / 2) * ROWS + r];
-          large |= e[h][c] > 134;
-        }
-      }
-      auto fill = [&](auto two_products) {
+          const uint4 q = *reinterpret_cast<const uint4*>(codes + r * W::code_bytes + (weight_chunk<F>(r, c * 4 + t) << 4));
+          const uint32_t scale = e8m0_pair(scales[(2 * c + t / 2) * ROWS + r]);
+          const uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+          for (int s = 0; s < 4; ++s) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const uint32_t scale = e8m0_pair(two_products ? e[h][c] : e[h][c] + 120);  // 2^(e - 127), or 2^120 times it
-            const uint32_t words[4] = {q[h][c].x, q[h][c].y, q[h][c].z, q[h][c].w};
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const uint32_t bits = e4m3_bits(words[s], half);
-                a[4 * c + s][2 * half + h] = two_products ? bf16_product(bf16_product(bits, E4M3_BIAS), scale) : bf16_product(bits, scale);
-              }
+            for (int half = 0; half < 2; ++half) {
+              a[4 * c + s][2 * half + h] = bf16_product(bf16_product(e4m3_bits(words[s], half), E4M3_BIAS), scale);
             }
           }
         }
-      };
-      if (large) {
-        fill(std::true_type{});
-      } else {
-        fill(std::false_type{});
       }
     } else {
 #pragma unroll
@@ -343,7 +324,6 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args)
   float acc[TOKENS / 2];
 #pragma unroll
   for (int i = 0; i < TOKENS / 2; ++i) acc[i] = 0.f;
-  uint32_t a0[8][4], a1[8][4];
 
   for (int i = 0; i < STAGES - 2; ++i) {
     if (i < count) load(i, i);
@@ -358,9 +338,14 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args)
     if (j + STAGES - 2 < count) load(j + STAGES - 2, (j + STAGES - 2) % STAGES);
     commit();
   };
-  // Step j's wgmmas run while step j + 1 is decoded into the other registers; they retire before
-  // step j + 1's are issued, so that no register a wgmma in flight reads is written meanwhile.
-  auto step = [&](int j, uint32_t (&a)[8][4], uint32_t (&next)[8][4]) {
+  // Step j's wgmmas run while step j + 1 is decoded into other registers; they retire before
+  // those are moved into the operand's, so that no register a wgmma in flight reads is written
+  // meanwhile (one copy of the loop: its decoding fills the instruction cache twice over).
+  uint32_t a[8][4], next[8][4];
+  arrive(0);
+  decode(0, a);
+#pragma unroll 1
+  for (int j = 0; j < count; ++j) {
     const uint32_t x_stage = base + (j % STAGES) * S::bytes;
     uint64_t descriptors[8];
 #pragma unroll
@@ -375,13 +360,11 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args)
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) keep(a[kk]);
-  };
-  arrive(0);
-  decode(0, a0);
-  for (int j = 0; j < count; j += 2) {
-    step(j, a0, a1);
-    if (j + 1 < count) step(j + 1, a1, a0);
+    for (int kk = 0; kk < 8; ++kk) {
+      keep(a[kk]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[kk][i] = next[kk][i];
+    }
   }
   wgmma_wait<0>();
   keep(acc);
