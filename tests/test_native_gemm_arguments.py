@@ -272,6 +272,29 @@ def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tok
         assert excess <= 0, f"{backend}: the arguments describe another product (by {excess})"
 
 
+@pytest.mark.parametrize("recipe", FP8_ONE_FORMAT)
+def test_fp8_gemms_run_on_cublaslt_at_any_number_of_columns(fake_gpu, recipe):
+    """A hidden dim of 200 (no multiple of 16, nor of 128) makes three of a step's GEMMs an n cuBLASLt
+    does not take (fc1's fprop, fc2's dgrad and wgrad): B's rows are padded with zero codes (ones
+    for their scales) and the padded columns dropped, so that every GEMM runs on cuBLASLt with
+    arguments it takes and the representations' product, the bias (fc1's) included."""
+    calls = fake_gpu((9, 0))
+    torch.manual_seed(0)
+    x = torch.randn(100, 128, dtype=torch.bfloat16, requires_grad=True)
+    model = Linears()
+    model.fc1, model.fc2 = nn.Linear(128, 200), nn.Linear(200, 128, bias=False)
+    compiled = graphquant.compile(model.to(torch.bfloat16), RECIPES[recipe], backend="eager", fullgraph=True)
+    out = compiled(x)
+    out.float().square().mean().backward()
+    plan = compiled.graphquant.plan
+    assert [g.backend.name for g in plan.gemms] == [ONE_FORMAT[recipe]] * 6, str(plan)
+    assert len(calls) == 6 and out.shape == (100, 128) and out.is_contiguous()
+    for backend, out, expected, bound in calls:
+        assert out.shape == expected.shape and out.is_contiguous()
+        excess = ((out.double() - expected).abs() - bound).max().item()
+        assert excess <= 0, f"{backend}: the arguments describe another product (by {excess})"
+
+
 def test_block_scale_swizzle_is_torchs():
     """graphquant lays out MXFP8 and NVFP4 scales as torch's own tests do for torch._scaled_mm."""
     to_blocked = getattr(pytest.importorskip("torch.testing._internal.common_quantized"), "to_blocked", None)

@@ -221,11 +221,11 @@ def test_a_call_its_backend_cannot_run_fails_naming_site_shape_format_and_backen
     fake_capability((9, 0))
     with pytest.raises(
         GemmMismatch,
-        match=r"fc#0 fprop: its plan chose cublaslt fp8 tensorwise \(fast accumulation\), which cannot run this call "
+        match=r"fc#0 fprop: its plan chose cublaslt fp8 blockwise, which cannot run this call "
         r"\(1 x \(m, n, k\) = \(40, 40, 64\), fp8_current\(fp8_dtype=e4m3\) x fp8_current\(fp8_dtype=e4m3\) on cpu\): "
-        r"cublaslt fp8 tensorwise needs n a multiple of 16",
+        r"it does not multiply fp8_current\(fp8_dtype=e4m3\) by fp8_current\(fp8_dtype=e4m3\)",
     ):
-        quantized_linear(x, w, site=_site(GemmBackend(scaled_mm.TENSORWISE, fast_accumulation=True)))
+        quantized_linear(x, w, site=_site(GemmBackend(scaled_mm.BLOCKWISE)))
 
 
 @pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")

@@ -131,7 +131,8 @@ class Selection:
 
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
-    element encodings it multiplies, the multiple m, n and k must be (n alone where it ``pads``),
+    element encodings it multiplies, the multiple m, n and k must be (1 where it pads what its
+    kernel needs itself: scaled_mm.block_scaled_rows, whole_reduction, whole_rows),
     the compute capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
     accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
     rows) for each pair (m, known when the plan is made), both operands stored with the
@@ -140,8 +141,7 @@ class NativeGemm(NamedTuple):
     own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
     can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
-    accumulate fast); ``pads``: it takes any m and k, padding what its kernel needs itself
-    (scaled_mm.block_scaled_rows, scaled_mm.whole_reduction); ``token_tiles``: a grouped GEMM that
+    accumulate fast); ``token_tiles``: a grouped GEMM that
     multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program)."""
@@ -157,7 +157,6 @@ class NativeGemm(NamedTuple):
     reads: Callable[[GemmInput], bool] = lambda operand: True
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
-    pads: bool = False
     token_tiles: bool = False
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -187,9 +186,8 @@ class NativeGemm(NamedTuple):
         compiles (and plans) a graph of its own."""
         if batch != 1:
             return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
-        checked = dims[1:2] if self.pads else dims
-        if any(d is not None and d % self.multiple != 0 for d in checked):
-            return f"{self.backend} needs {'n a multiple' if self.pads else 'm, n, k multiples'} of {self.multiple}; got {tuple(dims)}"
+        if any(d is not None and d % self.multiple != 0 for d in dims):
+            return f"{self.backend} needs m, n, k multiples of {self.multiple}; got {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
             most = dict(self.max_rows).get(tuple(families), 0)
@@ -240,10 +238,11 @@ DECODE_GEMMS = () if triton_decode is None else (
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
-# one side) and DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left, at any m and k
-# (a call of 100 rows, or a wgrad over 1000 tokens, is no reason for the emulation, 5-20x slower); the
-# block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120). The first that fits a GEMM
-# runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then cuBLASLt's FP8.
+# one side) and DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left, at any m, n and
+# k (a call of 100 rows, a wgrad over 1000 tokens or an LM head of 32001 rows is no reason for the
+# emulation, 5-20x slower); the block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
+# The first that fits a GEMM runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then
+# cuBLASLt's FP8.
 NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
@@ -252,27 +251,24 @@ NATIVE_GEMMS = (
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
         BOTH_E4M3 | {("e4m3", "e5m2"), ("e5m2", "e4m3")},
-        scaled_mm.FP8_MULTIPLES[scaled_mm.TENSORWISE],
+        1,  # any shape: scaled_mm pads what cuBLASLt needs
         lambda sm: sm >= (9, 0),
         fast_accumulation=True,
-        pads=True,
     ),
     NativeGemm(
         scaled_mm.ROWWISE_SCALED,
         frozenset({("fp8_rowwise", "fp8_rowwise")}),
         BOTH_E4M3,
-        scaled_mm.FP8_MULTIPLES[scaled_mm.ROWWISE_SCALED],
+        1,  # any shape: scaled_mm pads what cuBLASLt needs
         lambda sm: sm >= (9, 0),
         fast_accumulation=True,
-        pads=True,
     ),
     NativeGemm(
         scaled_mm.BLOCKWISE,
         frozenset({("fp8_block_1x128", "fp8_block_1x128"), ("fp8_block_1x128", "fp8_block_128x128")}),
         BOTH_E4M3,
-        scaled_mm.FP8_MULTIPLES[scaled_mm.BLOCKWISE],
+        1,  # any shape: scaled_mm pads what cuBLASLt needs
         lambda sm: sm[0] == 9,
-        pads=True,
     ),
 )
 

@@ -43,7 +43,8 @@ def outer_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
-# The multiple of n and k that cuBLASLt's FP8 GEMMs take: k is padded to it here (whole_reduction).
+# The multiple of n and k that cuBLASLt's FP8 GEMMs take: both are padded to it here
+# (whole_reduction, whole_rows), so that they take any shape.
 FP8_MULTIPLES = {TENSORWISE: 16, ROWWISE_SCALED: 16, BLOCKWISE: 128}
 # cuBLASLt's 1x128 scaling reads A's scales with the rows contiguous and refuses (NOT_SUPPORTED) an
 # m that is not a multiple of 4: their columns are then not 16-byte aligned.
@@ -56,6 +57,19 @@ def whole_reduction(data: torch.Tensor, multiple: int) -> torch.Tensor:
     (a training step of 1000 tokens reduces its wgrad over them)."""
     missing = -data.shape[1] % multiple
     return F.pad(data.view(torch.uint8), (0, missing)).view(data.dtype) if missing else data
+
+
+def whole_rows(data: torch.Tensor, multiple: int) -> torch.Tensor:
+    """B's codes (n, k) with zero rows up to a multiple of ``multiple``, whose output columns ``run``
+    drops: an LM head of 32001 or 50257 rows is no reason for the emulation."""
+    missing = -data.shape[0] % multiple
+    return F.pad(data.view(torch.uint8), (0, 0, 0, missing)).view(data.dtype) if missing else data
+
+
+def padded_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row or 1x128 scales (rows', ...) of B with ones up to ``rows``, for whole_rows' zero rows."""
+    missing = rows - scale.shape[0]
+    return F.pad(scale, (0, 0, 0, missing), value=1.0) if missing else scale
 
 
 def block_scaled_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,16 +122,18 @@ def arguments(
     for per-tensor and per-row FP8 fprop: faster), rather than promote partial sums to fp32."""
     (data_a, k_scale_a), (data_b, k_scale_b) = k_last(a), k_last(b)
     if backend in FP8_MULTIPLES:
-        data_a, data_b = whole_reduction(data_a, FP8_MULTIPLES[backend]), whole_reduction(data_b, FP8_MULTIPLES[backend])
+        multiple = FP8_MULTIPLES[backend]
+        data_a, data_b = whole_reduction(data_a, multiple), whole_rows(whole_reduction(data_b, multiple), multiple)
+    rows_b = data_b.shape[0]
     data_b = data_b.t()
     if backend == TENSORWISE:
         scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
     elif backend == ROWWISE_SCALED:  # cuBLASLt's rowwise scaling writes bf16 only
-        scale_a, scale_b, out_dtype = a.scale.reshape(-1, 1), b.scale.reshape(1, -1), torch.bfloat16
+        scale_a, scale_b, out_dtype = a.scale.reshape(-1, 1), padded_scales(b.scale.reshape(-1, 1), rows_b).reshape(1, -1), torch.bfloat16
     elif backend == BLOCKWISE:
         data_a, scale_a = block_scaled_rows(data_a, a.scale)
         tiles = b.quantizer.gemm_input(b.direction).family == "fp8_block_128x128"
-        scale_b = b.scale.t() if tiles else b.scale.t().contiguous()
+        scale_b = b.scale.t() if tiles else padded_scales(b.scale, rows_b).t().contiguous()
     elif backend == MXFP8:
         scale_a = swizzled_block_scales(k_scale_a).view(torch.float8_e8m0fnu)
         scale_b = swizzled_block_scales(k_scale_b).view(torch.float8_e8m0fnu)
@@ -133,9 +149,20 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
     """out (m, n) = A @ B^T (+ bias) on ``backend``, a native one (graphquant.kernels.backends).
 
     The bias goes into cuBLASLt's epilogue where the call writes bf16 or fp16 and the bias has
-    that dtype; otherwise it is added to the fp32 product, which is then rounded once.
+    that dtype; otherwise it is added to the fp32 product, which is then rounded once. Where B's
+    rows were padded (whole_rows), the bias is too, with zeros, and the padded columns are dropped.
     """
     args, kwargs = arguments(backend.name, a, b, out_dtype, backend.fast_accumulation)
+    n = gemm_dims(a, b)[1]
+    missing = args[1].shape[1] - n
+    if missing and bias is not None:
+        bias = F.pad(bias, (0, missing))
+    out = _product(backend, a, b, args, kwargs, out_dtype, bias)
+    return out[:, :n].contiguous() if missing else out
+
+
+def _product(backend: "GemmBackend", a: Representation, b: Representation, args: tuple, kwargs: dict, out_dtype, bias) -> torch.Tensor:
+    """``run``'s product of the arguments it made, on the GEMM they are for."""
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
     ext = native.extension_for(a.data.device)
     if ext is not None and backend.name in (TENSORWISE, ROWWISE_SCALED):
