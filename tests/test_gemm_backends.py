@@ -75,22 +75,26 @@ def _promote_every(selection: backends.Selection):
 # (m, k) of each pair: multiples of every block; m that is not (17 past them); and, for the FP8
 # formats and high precision, whose quantizers take any k, a k that is not (MXFP8 and NVFP4 refuse it).
 SIZES = [
-    pytest.param(*pair, m, k, id=f"{pair[0]}-{size}")
+    pytest.param(*pair, m, n, k, id=f"{pair[0]}-{size}")
     for pair in PAIRS
-    for m, k, size in [(PAST_DECODE_ROWS, 512, "aligned"), (PAST_DECODE_ROWS + 17, 512, "m-odd"), (PAST_DECODE_ROWS, 500, "k-odd")]
-    if k % 32 == 0 or pair[3] in (*scaled_mm.FP8_MULTIPLES, backends.HIGH_PRECISION)
+    for m, n, k, size in [
+        (PAST_DECODE_ROWS, 384, 512, "aligned"),
+        (PAST_DECODE_ROWS + 17, 384, 512, "m-odd"),
+        (PAST_DECODE_ROWS, 384, 500, "k-odd"),
+        (PAST_DECODE_ROWS, 200, 512, "n-odd"),
+    ]
+    if (k % 32 == 0 and n % 32 == 0) or pair[3] in (*scaled_mm.FP8_MULTIPLES, backends.HIGH_PRECISION)
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("gemm,da,db", LAYOUTS, ids=[g for g, _, _ in LAYOUTS])
-@pytest.mark.parametrize("name,qa,qb,expected,m,k", SIZES)
-def test_backend_matches_float64_reference(name, qa, qb, expected, m, k, gemm, da, db, fast_accumulation):
-    """Every backend, at m and k multiples of every block and at an m or a k that is not (the
-    cuBLASLt GEMMs pad them: scaled_mm.block_scaled_rows, scaled_mm.whole_reduction)."""
+@pytest.mark.parametrize("name,qa,qb,expected,m,n,k", SIZES)
+def test_backend_matches_float64_reference(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumulation):
+    """Every backend, at m, n and k multiples of every block and at an m, an n or a k that is not
+    (the cuBLASLt GEMMs pad them: scaled_mm.block_scaled_rows, whole_reduction, whole_rows)."""
     torch.manual_seed(0)
-    n = 384
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
