@@ -60,14 +60,15 @@ def whole_reduction(data: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def whole_rows(data: torch.Tensor, multiple: int) -> torch.Tensor:
-    """B's codes (n, k) with zero rows up to a multiple of ``multiple``, whose output columns ``run``
-    drops: an LM head of 32001 or 50257 rows is no reason for the emulation."""
+    """Codes (rows, k) with zero rows up to a multiple of ``multiple``, whose outputs ``run`` drops:
+    B's for n (an LM head of 32001 or 50257 rows is no reason for the emulation), A's for the
+    blockwise GEMM's m (block_scaled_rows)."""
     missing = -data.shape[0] % multiple
     return F.pad(data.view(torch.uint8), (0, 0, 0, missing)).view(data.dtype) if missing else data
 
 
 def padded_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """Per-row or 1x128 scales (rows', ...) of B with ones up to ``rows``, for whole_rows' zero rows."""
+    """Per-row or 1x128 scales (rows', ...) with ones up to ``rows``, for whole_rows' zero rows."""
     missing = rows - scale.shape[0]
     return F.pad(scale, (0, 0, 0, missing), value=1.0) if missing else scale
 
@@ -75,11 +76,8 @@ def padded_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
 def block_scaled_rows(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A's codes (m, k) and 1x128 scales (m, k / 128) for the blockwise GEMM: zero rows (scale 1)
     up to a multiple of BLOCKWISE_ROWS, whose products ``run`` drops, and the scales outer-major."""
-    missing = -data.shape[0] % BLOCKWISE_ROWS
-    if missing:
-        data = F.pad(data.view(torch.uint8), (0, 0, 0, missing)).view(data.dtype)
-        scale = F.pad(scale, (0, 0, 0, missing), value=1.0)
-    return data, outer_major(scale)
+    data = whole_rows(data, BLOCKWISE_ROWS)
+    return data, outer_major(padded_scales(scale, data.shape[0]))
 
 
 def per_row_scaled_after(m: int, n: int, device: torch.device) -> bool:
@@ -153,16 +151,18 @@ def run(backend: "GemmBackend", a: Representation, b: Representation, out_dtype:
     rows were padded (whole_rows), the bias is too, with zeros, and the padded columns are dropped.
     """
     args, kwargs = arguments(backend.name, a, b, out_dtype, backend.fast_accumulation)
-    n = gemm_dims(a, b)[1]
+    m, n, _ = gemm_dims(a, b)
     missing = args[1].shape[1] - n
     if missing and bias is not None:
         bias = F.pad(bias, (0, missing))
-    out = _product(backend, a, b, args, kwargs, out_dtype, bias)
+    out = _product(backend, a, b, m, args, kwargs, out_dtype, bias)
     return out[:, :n].contiguous() if missing else out
 
 
-def _product(backend: "GemmBackend", a: Representation, b: Representation, args: tuple, kwargs: dict, out_dtype, bias) -> torch.Tensor:
-    """``run``'s product of the arguments it made, on the GEMM they are for."""
+def _product(
+    backend: "GemmBackend", a: Representation, b: Representation, m: int, args: tuple, kwargs: dict, out_dtype, bias
+) -> torch.Tensor:
+    """``run``'s product of the arguments it made (m rows of output), on the GEMM they are for."""
     epilogue_bias = bias if bias is not None and bias.dtype == kwargs["out_dtype"] != torch.float32 else None
     ext = native.extension_for(a.data.device)
     if ext is not None and backend.name in (TENSORWISE, ROWWISE_SCALED):
@@ -174,7 +174,6 @@ def _product(backend: "GemmBackend", a: Representation, b: Representation, args:
         )
     else:
         out = torch._scaled_mm(*args, bias=epilogue_bias, **kwargs)
-        m = gemm_dims(a, b)[0]
         if out.shape[0] != m:  # block_scaled_rows' zero rows
             out = out[:m]
     if epilogue_bias is not None:
