@@ -6,7 +6,8 @@ for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, th
 For each weight N x K of a Llama-3-8B FFN (or of --weights: 28672x4096 is its gate and up
 projections as one weight) and each row count M (each format up to the decode
 GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 128; past them the
-GEMM the plan picks, fast accumulation allowed, as "plan"), every row is measured in the same
+GEMM the plan picks, fast accumulation allowed, as "plan"; MXFP8 and NVFP4 also on the mixed-input
+wgmma GEMM, graphquant.kernels.mixed_input, where the extension runs), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
 timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
@@ -32,7 +33,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
-from graphquant.kernels import backends, scaled_mm, triton_decode  # noqa: E402
+from graphquant.kernels import backends, mixed_input, native, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 EMULATION = backends.GemmBackend(backends.EMULATION)
@@ -98,6 +99,9 @@ def main() -> None:
                     key = f"plan {name}: {plan.backend}"
                     fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
                     weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
+                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and native.extension_for(x.device) is not None:
+                    fns[f"wgmma mixed-input {name}"] = lambda a=a, b=b: mixed_input.gemm(a, b, torch.bfloat16)
+                    weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
                     continue
                 fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [gemm] [grouped] [experts] [probe] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|sweep ARGS...|moe ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [mixed] [gemm] [grouped] [experts] [probe] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|sweep ARGS...|moe ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: whether a kernel is bound by memory or by issuing instructions).
@@ -32,6 +32,9 @@ for i in "${!steps[@]}"; do
     host) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     inference) python3 benchmarks/inference_weights.py 2>&1 | tee "$OUT/inference_weights.txt" ;;
     decode) python3 benchmarks/decode_gemm.py 2>&1 | tee "$OUT/decode_gemm.txt" ;;
+    mixed) # the mixed-input wgmma GEMM of this branch: its tests, then MXFP8 and NVFP4 beside the plan's GEMMs
+           python3 -m pytest -q tests/test_mixed_gemm_gpu.py 2>&1 | tee "$OUT/mixed_tests.log" | tail -5
+           python3 benchmarks/decode_gemm.py --rows 16,64,128,512,2048 --formats mxfp8,nvfp4 --weights 14336x4096,4096x14336 2>&1 | tee "$OUT/mixed_gemm.txt" ;;
     attention) python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt" ;;
     ncu) for kernel in InBF16ELi4ELi0E InBF16ELi4ELi4E InBF16ELi5ELi5E; do  # MXFP8 rowwise, both; NVFP4 both (first launch of each)
            ncu --clock-control none --kernel-name-base mangled -k "regex:$kernel" --launch-count 1 \

@@ -1,0 +1,655 @@
+// graphquant._C.mixed_gemm: out (m, n) = alpha * (x @ w^T) (+ bias) for an MXFP8 or NVFP4 weight w
+// (n, k) decoded in registers on Hopper's bf16 tensor cores, against x's values (m, k) already
+// dequantized to bf16 by graphquant._C.mixed_operand. Hopper has no tensor core for either format:
+// the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
+// decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step
+// of its 64 weight rows while the wgmma of this one runs, so the weight's bytes are read once, as
+// stored, at close to bf16's tensor-core rate.
+//
+// Numerics: the emulation's. Every decoded value (E4M3 code times its E8M0 power of two, E2M1 code
+// times its E4M3 block scale) is one correctly rounded bf16 product, exact where it is a bf16
+// number, as graphquant.kernels.emulation's values are; the sums are fp32 (the tensor cores'
+// order, and a K split's partial sums added in split order, so repeated calls give the same bits);
+// alpha (NVFP4's global factors) and the bias are applied to the fp32 sum before its one rounding.
+//
+// Layout: a CTA multiplies 128 weight rows (two warpgroups of 64, the wgmma's register operand) by
+// TOKENS rows of x (the shared-memory operand, 128-byte swizzled) over K steps of 128 (64 for 256
+// rows of x), through stages a third warpgroup fills by TMA. Each thread decodes 16 consecutive K
+// of each of its two rows an atom (64 K),
+// which the register operand's fragment wants in the order (0 1 8 9)(2 3 10 11)... per thread, so
+// x's values are stored with each 64-wide atom permuted to match (mixed_operand writes them so).
+//
+// CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "launch.cuh"
+
+namespace gq {
+namespace {
+
+constexpr int MXFP8 = 0, NVFP4 = 1;
+constexpr int ROWS = 128;     // weight rows a CTA: two warpgroups of 64
+constexpr int ATOM = 64;      // K of one 128-byte swizzle atom row of bf16
+constexpr int K_MULTIPLE = 128;  // the K mixed_gemm takes: a whole number of steps of either size
+
+// K a pipeline step: two 64-wide swizzle atoms of x, one for tiles of 256 tokens (whose x, in bf16,
+// fills the shared memory four times as fast as the weight's codes).
+template <int TOKENS>
+constexpr int step_of = TOKENS == 256 ? 64 : 128;
+constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
+constexpr int SMEM_BUDGET = 220 * 1024;  // of the 227 KB a CTA may have, with the base's alignment
+
+// Bytes a weight row has per step (codes, block scales) and the K one block scale covers.
+template <int F, int STEP>
+struct Weight {
+  static constexpr int code_bytes = F == MXFP8 ? STEP : STEP / 2;
+  static constexpr int block = F == MXFP8 ? 32 : 16;
+  static constexpr int scale_bytes = STEP / block;
+};
+
+template <int F, int TOKENS>
+struct Stage {
+  static constexpr int step = step_of<TOKENS>;
+  static constexpr int x_bytes = TOKENS * step * 2;  // [atoms][TOKENS][64] bf16, 1024-byte aligned atoms
+  static constexpr int w_bytes = ROWS * Weight<F, step>::code_bytes;
+  static constexpr int s_bytes = ROWS * Weight<F, step>::scale_bytes;
+  static constexpr int bytes = (x_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
+  static constexpr int count = SMEM_BUDGET / bytes < 8 ? SMEM_BUDGET / bytes : 8;
+  static constexpr int smem = count * (bytes + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
+};
+
+// The position in its 64-wide atom at which the register operand's fragment wants x's value of K
+// offset k within the atom: thread t of a quad decodes K 16t..16t+15, four a k16 slice s, which the
+// fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of the slice.
+__host__ __device__ constexpr int permuted(int k) {
+  const int t = k / 16, s = (k % 16) / 4, i = k % 4;
+  return 16 * s + 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// A shared-memory matrix descriptor of a K-major bf16 operand in 128-byte swizzle atoms (8 rows of
+// 128 bytes, 1024 bytes apart).
+__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
+
+// Registers an in-flight wgmma reads or writes stay theirs until here: the compiler may not give
+// them to other values before a wait that retires it.
+template <int N>
+__device__ __forceinline__ void keep(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void keep(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int TOKENS>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  __device__ static void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  __device__ static void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  __device__ static void mma(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+// Two bf16 products, each rounded once.
+__device__ __forceinline__ uint32_t bf16_product(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 v = __hmul2_rn(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// bf16 pairs 2^-120 times two E4M3 codes of ``word`` (bytes 0, 1 or 2, 3): the code's exponent and
+// mantissa laid where bf16's lie, so that subnormal codes stay exact too.
+__device__ __forceinline__ uint32_t e4m3_bits(uint32_t word, int high) {
+  const uint32_t x = __byte_perm(word, 0, high ? 0x3424 : 0x1404);  // each code in its half's high byte
+  return ((x >> 4) & 0x07F007F0u) | (x & 0x80008000u);
+}
+
+// bf16 pairs 2^-126 times the two E2M1 codes of byte ``byte`` of ``word`` (low nibble first).
+__device__ __forceinline__ uint32_t e2m1_bits(uint32_t word, int byte) {
+  const uint32_t x = __byte_perm(word, 0, 0x0404 | (byte << 4) | (byte << 12));  // the byte in both halves' high byte
+  return ((x >> 2) & 0x000001C0u) | ((x >> 6) & 0x01C00000u) | ((x << 4) & 0x00008000u) | (x & 0x80000000u);
+}
+
+constexpr uint32_t E4M3_BIAS = 0x7B807B80u;  // 2^120 twice
+constexpr uint32_t E2M1_BIAS = 0x7E807E80u;  // 2^126 twice
+
+// An E8M0 scale as a bf16 pair (2^-127 is bf16's subnormal 0x0040; 255 is NaN).
+__device__ __forceinline__ uint32_t e8m0_pair(uint32_t e) {
+  const uint32_t bits = e == 0 ? 0x0040u : e == 255 ? 0x7FC0u : e << 7;
+  return bits | (bits << 16);
+}
+
+__device__ __forceinline__ uint32_t e4m3_scale_pair(uint8_t code) {
+  __nv_fp8_e4m3 scale;
+  scale.__x = code;
+  const __nv_bfloat16 value = __float2bfloat16_rn(static_cast<float>(scale));
+  const uint32_t bits = *reinterpret_cast<const uint16_t*>(&value);
+  return bits | (bits << 16);
+}
+
+enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
+
+struct Args {
+  const uint8_t* w;
+  const uint8_t* w_scale;
+  const __nv_bfloat16* x;
+  void* out;
+  float* partial;  // (splits, m, n) fp32 where K is split, else null
+  const float* alpha;
+  const void* bias;
+  int64_t w_stride, s_stride, x_stride;  // bytes, bytes, elements
+  int m, n, k, steps_per_split, out_kind, bias_kind;
+};
+
+// alpha * sum (+ bias), rounded once to the output's dtype.
+__device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum) {
+  float v = args.alpha != nullptr ? sum * *args.alpha : sum;
+  if (args.bias != nullptr) {
+    v += args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[row])
+                                : __half2float(static_cast<const __half*>(args.bias)[row]);
+  }
+  if (args.out_kind == BF16) static_cast<__nv_bfloat16*>(args.out)[index] = __float2bfloat16_rn(v);
+  else if (args.out_kind == F16) static_cast<__half*>(args.out)[index] = __float2half_rn(v);
+  else static_cast<float*>(args.out)[index] = v;
+}
+
+// mbarriers and TMA copies: a producer warp fills the stages, the consumer warpgroups wait for them.
+__device__ __forceinline__ void barrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void expect_bytes(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, int inner, int outer, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+
+// Warpgroup 0 copies (one thread issuing TMA copies of x's atoms, the weight's codes and its block
+// scales into a stage, counted on the stage's ``full`` barrier); warpgroups 1 and 2 multiply, each
+// on its own: no CTA barrier in the K loop, so that one's products run while the other decodes and
+// moves its operand (each leaves the tensor pipe empty between steps: see the loop), and each marks
+// a stage ``empty`` once its wgmmas that read it retired.
+template <int F, int TOKENS, bool DECODE = true>  // DECODE false: the codes' words unconverted (a timing probe's ceiling)
+__global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap x_map,
+                                                               const __grid_constant__ CUtensorMap w_map,
+                                                               const __grid_constant__ CUtensorMap s_map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  using S = Stage<F, TOKENS>;
+  constexpr int STEP = S::step, ATOMS = STEP / ATOM, SLICES = STEP / 16;
+  using W = Weight<F, STEP>;
+  constexpr int STAGES = S::count;
+  extern __shared__ uint8_t raw[];
+  const uint32_t raw_address = smem_address(raw);
+  const uint32_t base = (raw_address + 1023) & ~1023u;
+  const uint8_t* base_ptr = raw + (base - raw_address);
+  const uint32_t full = base + STAGES * S::bytes, empty = full + 8 * STAGES;  // a barrier a stage each
+
+  const int tid = threadIdx.x;
+  const int n0 = blockIdx.y * ROWS, m0 = blockIdx.x * TOKENS;  // a weight tile's CTAs run together: it is read from memory once
+  const int first = blockIdx.z * args.steps_per_split;
+  const int count = min(args.steps_per_split, args.k / STEP - first);
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      barrier_init(full + 8 * s, 1);
+      barrier_init(empty + 8 * s, CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid < PRODUCERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid == 0) {
+      for (int j = 0; j < count; ++j) {
+        const int s = j % STAGES;
+        if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
+        const uint32_t stage = base + s * S::bytes, bar = full + 8 * s;
+        const int k0 = (first + j) * STEP;
+        expect_bytes(bar, S::x_bytes + S::w_bytes + S::s_bytes);
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), x_map, k0 + a * ATOM, m0, bar);
+        tma_load(stage + S::x_bytes, w_map, k0 / STEP * W::code_bytes, n0, bar);
+        tma_load(stage + S::x_bytes + S::w_bytes, s_map, n0, k0 / W::block, bar);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+  const int consumer = tid - PRODUCERS;
+  const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = warpgroup * 64 + warp * 16 + g;  // this thread's weight rows: r0 and r0 + 8
+
+  // The register operand of a step: k16 slice kk's fragment a[kk] (rows r0, r0 + 8 at the columns
+  // 2t, 2t + 1, then at 2t + 8, 2t + 9). The stage's codes lie row-major, as the TMA copied them.
+  auto decode = [&](int buffer, uint32_t (&a)[SLICES][4]) {
+    const uint8_t* codes = base_ptr + buffer * S::bytes + S::x_bytes;
+    const uint8_t* scales = codes + S::w_bytes;
+    if constexpr (F == MXFP8) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+#pragma unroll
+        for (int c = 0; c < ATOMS; ++c) {
+          const uint4 q = *reinterpret_cast<const uint4*>(codes + r * W::code_bytes + (c * 4 + t) * 16);
+          const uint32_t scale = e8m0_pair(scales[(2 * c + t / 2) * ROWS + r]);
+          const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              a[4 * c + s][2 * half + h] = DECODE ? bf16_product(bf16_product(e4m3_bits(words[s], half), E4M3_BIAS), scale) : words[s] ^ scale;
+            }
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+#pragma unroll
+        for (int c = 0; c < ATOMS; ++c) {
+          const int unit = c * 4 + t;  // 8 bytes: 16 codes
+          const uint2 q = *reinterpret_cast<const uint2*>(codes + r * W::code_bytes + unit * 8);
+          const uint32_t scale = e4m3_scale_pair(scales[unit * ROWS + r]);
+          const uint32_t words[2] = {q.x, q.y};
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            a[4 * c + s][h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2)), E2M1_BIAS), scale);
+            a[4 * c + s][2 + h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2) + 1), E2M1_BIAS), scale);
+          }
+        }
+      }
+    }
+  };
+
+  float acc[TOKENS / 2];
+#pragma unroll
+  for (int i = 0; i < TOKENS / 2; ++i) acc[i] = 0.f;
+
+  // Step j's wgmmas run while step j + 1 is decoded into other registers; they retire before those
+  // are moved into the operand's (ptxas serializes every wgmma where a register feeding one is
+  // written while any is in flight), and the stage is then given back.
+  uint32_t a[SLICES][4], next[SLICES][4];
+  barrier_wait(full, 0);
+  decode(0, a);
+#pragma unroll 1
+  for (int j = 0; j < count; ++j) {
+    const uint32_t x_stage = base + (j % STAGES) * S::bytes;
+    uint64_t descriptors[SLICES];
+#pragma unroll
+    for (int kk = 0; kk < SLICES; ++kk) descriptors[kk] = descriptor(x_stage + (kk / 4) * (TOKENS * 128) + (kk % 4) * 32);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < SLICES; ++kk) Wgmma<TOKENS>::mma(acc, a[kk], descriptors[kk]);
+    wgmma_commit();
+    if (j + 1 < count) {
+      barrier_wait(full + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+      decode((j + 1) % STAGES, next);
+    }
+    wgmma_wait<0>();
+    barrier_arrive(empty + 8 * (j % STAGES));
+#pragma unroll
+    for (int kk = 0; kk < SLICES; ++kk) {
+      keep(a[kk]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[kk][i] = next[kk][i];
+    }
+  }
+  keep(acc);
+
+#pragma unroll
+  for (int j = 0; j < TOKENS / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int token = m0 + 8 * j + 2 * t + b, row = n0 + r0 + 8 * h;
+        if (token < args.m && row < args.n) {
+          const float sum = acc[4 * j + 2 * h + b];
+          if (args.partial != nullptr) {
+            args.partial[(static_cast<int64_t>(blockIdx.z) * args.m + token) * args.n + row] = sum;
+          } else {
+            finish(args, static_cast<int64_t>(token) * args.n + row, row, sum);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// The K split's partial sums added in split order, then alpha, the bias and the one rounding.
+__global__ void mixed_reduce_kernel(const Args args, int splits) {
+  const int64_t total = static_cast<int64_t>(args.m) * args.n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = args.partial[i];
+    for (int s = 1; s < splits; ++s) sum += args.partial[s * total + i];
+    finish(args, i, static_cast<int>(i % args.n), sum);
+  }
+}
+
+// x's values (m, k) as bf16, each 64-wide atom in the order the register operand's fragment reads
+// (permuted): MXFP8 codes times their E8M0 scales, or NVFP4's E2M1 codes times their E4M3 block
+// scales, each one fp32 product rounded once to bf16 (as graphquant.kernels.triton_dequantize's).
+template <int F>
+__global__ void mixed_operand_kernel(const uint8_t* codes, const uint8_t* scales, __nv_bfloat16* out, int m, int k,
+                                     int64_t c_stride, int64_t s_row_stride, int64_t s_block_stride) {
+  const int groups = k / 16;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(m) * groups) return;
+  const int row = static_cast<int>(i / groups), group = static_cast<int>(i % groups);
+  float v[16];
+  if constexpr (F == MXFP8) {
+    const uint4 q = *reinterpret_cast<const uint4*>(codes + row * c_stride + 16 * group);
+    const uint32_t e = scales[row * s_row_stride + group / 2 * s_block_stride];
+    const float scale = __uint_as_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      __nv_fp8_e4m3 code;
+      code.__x = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
+      v[j] = static_cast<float>(code) * scale;
+    }
+  } else {
+    const uint2 q = *reinterpret_cast<const uint2*>(codes + row * c_stride + 8 * group);
+    __nv_fp8_e4m3 code;
+    code.__x = scales[row * s_row_stride + group * s_block_stride];
+    const float scale = static_cast<float>(code);
+    const uint32_t words[2] = {q.x, q.y};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t nibble = (words[j / 8] >> (4 * (j % 8))) & 0xF, e = (nibble >> 1) & 3, mantissa = nibble & 1;
+      const float magnitude = e == 0 ? 0.5f * mantissa : (1.f + 0.5f * mantissa) * static_cast<float>(1 << (e - 1));
+      v[j] = (nibble & 8 ? -magnitude : magnitude) * scale;
+    }
+  }
+  __nv_bfloat16* atom = out + static_cast<int64_t>(row) * k + group / 4 * ATOM;
+#pragma unroll
+  for (int j = 0; j < 16; j += 2) {
+    const int at = permuted(group % 4 * 16 + j);
+    *reinterpret_cast<__nv_bfloat162*>(atom + at) = __floats2bfloat162_rn(v[j], v[j + 1]);
+  }
+}
+
+}  // namespace
+
+const char* format_name(int64_t format) { return format == MXFP8 ? "MXFP8" : "NVFP4"; }
+
+int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
+
+void check_device(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda(), "graphquant.mixed_gemm: ", what, " must be a CUDA tensor");
+  const auto* properties = at::cuda::getDeviceProperties(t.get_device());
+  TORCH_CHECK(properties->major == 9 && properties->minor == 0,
+              "graphquant.mixed_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
+}
+
+// Codes of an operand (rows, k) as the kernels read them: rows of whole 16-byte groups, k a
+// multiple of the step.
+void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char* name) {
+  const int64_t code_bytes = format == MXFP8 ? k : k / 2;
+  TORCH_CHECK(format == MXFP8 || format == NVFP4, "graphquant.mixed_gemm: format ", format, " is neither MXFP8 (0) nor NVFP4 (1)");
+  TORCH_CHECK(k % K_MULTIPLE == 0, "graphquant.mixed_gemm multiplies a reduction of a multiple of ", K_MULTIPLE, " values, got k = ", k);
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(1) == code_bytes && codes.stride(1) == 1 &&
+                  codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
+              "graphquant.mixed_gemm: ", name, "'s ", format_name(format), " codes must be (rows, ", code_bytes,
+              ") bytes with rows 16-byte aligned, got ", codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides());
+}
+
+int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
+
+at::Tensor mixed_operand(const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t k) {
+  check_device(codes, "the codes");
+  check_codes(codes, format, k, "x");
+  TORCH_CHECK(scales.dim() == 2 && scales.element_size() == 1 && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == scale_blocks(format, k) && scales.device() == codes.device(),
+              "graphquant.mixed_operand: x's ", format_name(format), " scales must be (", codes.size(0), ", ",
+              scale_blocks(format, k), ") bytes on its device, got ", scales.scalar_type(), " ", scales.sizes());
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const int64_t m = codes.size(0);
+  auto out = at::empty({m, k}, codes.options().dtype(at::kBFloat16));
+  const int64_t work = m * (k / 16);
+  if (work == 0) return out;
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>((work + threads - 1) / threads);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto* data = static_cast<const uint8_t*>(codes.data_ptr());
+  auto* block_scales = static_cast<const uint8_t*>(scales.data_ptr());
+  auto* values = static_cast<__nv_bfloat16*>(out.data_ptr());
+  if (format == MXFP8) {
+    mixed_operand_kernel<MXFP8><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
+  } else {
+    mixed_operand_kernel<NVFP4><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
+  }
+  check_launch("mixed_operand");
+  return out;
+}
+
+// A 2-D TMA descriptor of a row-major (rows, cols) tensor of ``element`` bytes (row stride in
+// bytes), copied in boxes of (box_rows, box_cols), zeros past its edges.
+CUtensorMap tensor_map(const void* data, CUtensorMapDataType type, int element, int64_t rows, int64_t cols, int64_t stride,
+                       int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    TORCH_CHECK(error == cudaSuccess && found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "graphquant.mixed_gemm: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult result = encode(&map, type, 2, const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "graphquant.mixed_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(result), ") for a (",
+              rows, ", ", cols, ") tensor of ", element, "-byte elements, row stride ", stride, " bytes, box (", box_rows, ", ", box_cols, ")");
+  return map;
+}
+
+template <int F, int TOKENS, bool DECODE = true>
+void launch(const Args& args, dim3 grid, cudaStream_t stream) {
+  using S = Stage<F, TOKENS>;
+  using W = Weight<F, S::step>;
+  static const bool sized = [] {
+    cudaFuncSetAttribute(mixed_gemm_kernel<F, TOKENS, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem);
+    return true;
+  }();
+  (void)sized;
+  const CUtensorMap x_map = tensor_map(args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
+                                       CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap w_map = tensor_map(args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
+                                       ROWS, W::code_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap s_map = tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
+                                       W::scale_bytes, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  mixed_gemm_kernel<F, TOKENS, DECODE><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
+  check_launch("mixed_gemm");
+}
+
+at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
+                      const std::optional<at::Tensor>& alpha, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                      int64_t tokens, int64_t splits, bool decode) {
+  check_device(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
+              "graphquant.mixed_gemm: x must be mixed_operand's bf16 values (m, k), rows 16-byte aligned, on w's device, got ", x.scalar_type(), " ",
+              x.sizes(), " strides ", x.strides());
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  check_codes(w, format, k, "w");
+  TORCH_CHECK(w_scale.dim() == 2 && w_scale.element_size() == 1 && w_scale.size(0) == scale_blocks(format, k) &&
+                  w_scale.size(1) == n && w_scale.stride(1) == 1 && w_scale.stride(0) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w_scale.data_ptr()) % 16 == 0 && w_scale.device() == w.device(),
+              "graphquant.mixed_gemm: w's ", format_name(format), " scales must lie block-major, (", scale_blocks(format, k), ", ", n,
+              ") bytes with rows 16-byte aligned, got ", w_scale.scalar_type(), " ", w_scale.sizes(), " strides ", w_scale.strides());
+  TORCH_CHECK(x.numel() < (int64_t{1} << 31) && w.numel() < (int64_t{1} << 31),
+              "graphquant.mixed_gemm takes operands of fewer than 2^31 elements, got x ", x.sizes(), " and w ", w.sizes());
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "graphquant.mixed_gemm writes bfloat16, float16 or float32, not ", out_dtype);
+  TORCH_CHECK(!alpha || (alpha->scalar_type() == at::kFloat && alpha->numel() == 1 && alpha->device() == w.device()),
+              "graphquant.mixed_gemm: alpha must be one float32 on w's device");
+  TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
+                        bias->is_contiguous() && bias->device() == w.device()),
+              "graphquant.mixed_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on w's device");
+  TORCH_CHECK(tokens == 64 || tokens == 128 || tokens == 256, "graphquant.mixed_gemm multiplies tiles of 64, 128 or 256 rows of x, not ", tokens);
+  const c10::cuda::CUDAGuard guard(w.device());
+  auto out = at::empty({m, n}, w.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return out;
+  const int64_t steps = k / (tokens == 256 ? step_of<256> : step_of<128>);
+  const int64_t row_tiles = (n + ROWS - 1) / ROWS, token_tiles = (m + tokens - 1) / tokens;
+  if (splits <= 0) {  // a K split that fills the GPU's SMs once, each split at least four steps
+    const int sms = at::cuda::getDeviceProperties(w.get_device())->multiProcessorCount;
+    splits = std::max<int64_t>(1, std::min<int64_t>(sms / (row_tiles * token_tiles), steps / 4));
+  }
+  splits = std::min(splits, steps);
+  const int64_t per_split = (steps + splits - 1) / splits;
+  splits = (steps + per_split - 1) / per_split;  // none empty
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
+  Args args{static_cast<const uint8_t*>(w.data_ptr()),
+            static_cast<const uint8_t*>(w_scale.data_ptr()),
+            static_cast<const __nv_bfloat16*>(x.data_ptr()),
+            out.data_ptr(),
+            splits > 1 ? partial.data_ptr<float>() : nullptr,
+            alpha ? alpha->data_ptr<float>() : nullptr,
+            bias ? bias->data_ptr() : nullptr,
+            w.stride(0),
+            w_scale.stride(0),
+            x.stride(0),
+            static_cast<int>(m),
+            static_cast<int>(n),
+            static_cast<int>(k),
+            static_cast<int>(per_split),
+            kind(out_dtype),
+            bias ? kind(bias->scalar_type()) : BF16};
+  const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (!decode) {  // MXFP8 without its decoding: how fast the rest of the kernel runs
+    TORCH_CHECK(format == MXFP8 && tokens != 64, "graphquant.mixed_gemm times MXFP8 at 128 or 256 tokens without decoding");
+    tokens == 128 ? launch<MXFP8, 128, false>(args, grid, stream) : launch<MXFP8, 256, false>(args, grid, stream);
+  } else if (format == MXFP8) {
+    tokens == 64 ? launch<MXFP8, 64>(args, grid, stream) : tokens == 128 ? launch<MXFP8, 128>(args, grid, stream) : launch<MXFP8, 256>(args, grid, stream);
+  } else {
+    tokens == 64 ? launch<NVFP4, 64>(args, grid, stream) : tokens == 128 ? launch<NVFP4, 128>(args, grid, stream) : launch<NVFP4, 256>(args, grid, stream);
+  }
+  if (splits > 1) {
+    const int64_t total = m * n;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
+    mixed_reduce_kernel<<<blocks, 256, 0, stream>>>(args, static_cast<int>(splits));
+    check_launch("mixed_gemm's reduce");
+  }
+  return out;
+}
+
+}  // namespace gq
+
+void register_mixed_gemm(pybind11::module_& m) {
+  m.def("mixed_operand", &gq::mixed_operand,
+        "x's values for mixed_gemm: MXFP8 (format 0: E4M3 codes (m, k), E8M0 scales (m, k/32)) or NVFP4 (1: packed E2M1 "
+        "codes (m, k/2), E4M3 scales (m, k/16)), any strides of the scales, dequantized to bf16 (m, k), each 64-wide atom permuted as mixed_gemm reads it",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("format"), pybind11::arg("k"));
+  m.def("mixed_gemm", &gq::mixed_gemm,
+        "out (m, n) = alpha * (x @ w^T) + bias for x = mixed_operand's bf16 values (m, k) and an MXFP8 (format 0) or NVFP4 "
+        "(1) weight w (n, k) (codes; block scales block-major, (k / block, n)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
+        "split's added in order), alpha (one float32, optional) and bias (n bf16 or float16, optional) before one rounding "
+        "to out_dtype; tokens: the rows of x a CTA multiplies (64, 128 or 256); splits: K's split (0: chosen for the SMs)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("alpha"),
+        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("decode") = true);
+}

@@ -1,0 +1,68 @@
+"""MXFP8 and NVFP4 GEMMs on Hopper's bf16 tensor cores, the weight decoded in registers.
+
+Hopper has no tensor core for either format, so the emulation dequantizes the whole weight to
+bf16 at every call and multiplies it by cuBLAS, and Triton's decode GEMM waits for its own
+decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu) decodes the next
+K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
+stored; x's values are made first by graphquant._C.mixed_operand, in the order the kernel reads.
+The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
+the formats' scalar factors as alpha, the bias before the one rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphquant.kernels import native
+from graphquant.quantizers import Representation
+
+BACKEND = "wgmma mixed-input gemm"
+FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format number
+STEP = 128  # the K the kernel multiplies a pipeline step: k must be a multiple
+
+
+def permuted(k: int) -> int:
+    """Where the kernel reads x's value of K offset ``k`` within its 64-wide atom (mixed_gemm.cu's
+    ``permuted``): thread t of a quad decodes the weight's K 16t..16t+15, which the wgmma's
+    register fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of each k16 slice."""
+    t, s, i = k // 16, k % 16 // 4, k % 4
+    return 16 * s + 2 * t + (i & 1) + 8 * (i >> 1)
+
+
+def _family(rep: Representation) -> str:
+    return rep.quantizer.gemm_input(rep.direction).family
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def gemm(
+    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0,
+    decode: bool = True,
+) -> torch.Tensor:
+    """out (m, n) = A @ B^T (+ bias) for A and B of one format (MXFP8 or NVFP4, rowwise, the
+    reduction dim last), B the weight. ``tokens``: rows of A a CTA multiplies (64, 128 or 256; 0: the
+    fewest that hold m, up to 256); ``splits``: K's split (0: the extension's choice for the SMs)."""
+    family = _family(b)
+    if _family(a) != family or family not in FORMATS:
+        raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {family}")
+    ext = native.extension_for(b.data.device)
+    m, k = a.shape
+    fmt = FORMATS[family]
+    x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
+    # The kernel copies a block's scales of 16 consecutive rows at once: MXFP8's lie so (where the
+    # weight's rows are a multiple of 16), NVFP4's row-major.
+    w_scale = _bytes(b.scale).t()
+    if w_scale.stride(1) != 1 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:
+        blocks, n = w_scale.shape
+        padded = torch.empty(blocks, -(-n // 16) * 16, dtype=torch.uint8, device=w_scale.device)
+        w_scale = padded[:, :n].copy_(w_scale)
+    factors = [f.float() for f in (a.quantizer.emulated_factor(a), b.quantizer.emulated_factor(b)) if f is not None]
+    if any(f.numel() != 1 for f in factors):
+        raise ValueError(f"{BACKEND} applies one factor to the product, not a factor per row ({a.quantizer} x {b.quantizer})")
+    alpha = None if not factors else (factors[0] * factors[1] if len(factors) == 2 else factors[0]).reshape(1)
+    tokens = tokens or (64 if m <= 64 else 128 if m <= 128 else 256)
+    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, alpha, bias, out_dtype, tokens, splits, decode)

@@ -1,0 +1,69 @@
+"""graphquant._C.mixed_gemm (graphquant.kernels.mixed_input): MXFP8 and NVFP4 weights decoded in
+registers on Hopper's bf16 tensor cores, against the float64 product of the reference's values:
+the bound is fp32 accumulation's (the emulation's numerics, summed in another order), at row
+counts and shapes that leave partial tiles of rows, of tokens and of the weight's block scales,
+split K or not; and x's values as the kernel reads them, bit for bit against the reference's."""
+
+import pytest
+import torch
+
+from graphquant.formats import fp8
+from graphquant.kernels import mixed_input, native
+from graphquant.quantizers import ROWWISE, MXFP8Quantizer, NVFP4Quantizer
+
+pytestmark = pytest.mark.gpu
+
+QUANTIZERS = {"mxfp8": MXFP8Quantizer(), "nvfp4": NVFP4Quantizer()}
+U = 2.0**-24
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and native.extension_for(torch.device("cuda")) is not None
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the mixed-input GEMM runs on sm_90 with graphquant's extension built")
+
+
+def _operands(name: str, m: int, n: int, k: int):
+    torch.manual_seed(0)
+    q = QUANTIZERS[name]
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 8).cuda()
+    w = (torch.randn(n, k) * torch.rand(n, 1) / 8).cuda().to(torch.bfloat16)
+    return q(x, rowwise=True, columnwise=False).get(ROWWISE), q(w, rowwise=True, columnwise=False).get(ROWWISE)
+
+
+@needs_sm90
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["whole K", "K in 3", "K split for the SMs"])
+@pytest.mark.parametrize("tokens", [64, 128, 256])
+@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (17, 384, 512), (100, 4096, 1024), (256, 300, 1280), (1000, 1024, 4096)])
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_mixed_gemm_matches_float64_reference(name, m, n, k, tokens, splits):
+    a, b = _operands(name, m, n, k)
+    bias = (torch.randn(n) * 4).cuda().to(torch.bfloat16)
+    out = mixed_input.gemm(a, b, torch.float32, bias, tokens=tokens, splits=splits)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
+    ref = left @ right.t() + bias.double()
+    bound = fp8.accumulation_bound(left, right.t(), fp8.FP32) + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * 2 * U
+    assert ((out.double() - ref).abs() - bound).max().item() <= 0
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_mixed_gemm_writes_bf16_and_repeats_its_bits(name):
+    a, b = _operands(name, 200, 4096, 14336 // 2)
+    first = mixed_input.gemm(a, b, torch.bfloat16)
+    assert torch.equal(first, mixed_input.gemm(a, b, torch.bfloat16))
+    emulated = (a.gemm_operand(torch.float64) @ b.gemm_operand(torch.float64).t()).to(torch.bfloat16)
+    assert (first.double() - emulated.double()).abs().max().item() <= 2**-7 * emulated.double().abs().max().item()
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_x_values_are_the_reference_values_in_the_kernel_order(name):
+    a, _ = _operands(name, 33, 8, 640)
+    ext = native.extension_for(torch.device("cuda"))
+    values = ext.mixed_operand(a.data.view(torch.uint8), a.scale.view(torch.uint8), mixed_input.FORMATS[name], 640)
+    reference = a.quantizer.emulated_values(a).float().to(torch.bfloat16)  # without NVFP4's global factor, as the kernel
+    order = torch.tensor([atom * 64 + mixed_input.permuted(i) for atom in range(10) for i in range(64)], device="cuda")
+    assert torch.equal(values[:, order].view(torch.int16), reference.view(torch.int16))
