@@ -219,16 +219,49 @@ struct Args {
   int m, n, k, steps_per_split, out_kind, bias_kind;
 };
 
+__device__ __forceinline__ float bias_value(const Args& args, int row) {
+  return args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[row])
+                                : __half2float(static_cast<const __half*>(args.bias)[row]);
+}
+
+__device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
+
 // alpha * sum (+ bias), rounded once to the output's dtype.
 __device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum) {
   float v = args.alpha != nullptr ? sum * *args.alpha : sum;
-  if (args.bias != nullptr) {
-    v += args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[row])
-                                : __half2float(static_cast<const __half*>(args.bias)[row]);
+  if (args.bias != nullptr) v += bias_value(args, row);
+  if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
+  else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
+  else store_value(static_cast<float*>(args.out) + index, v);
+}
+
+// What finish applies, read once a thread: alpha, and the bias of each of the thread's two rows.
+struct Scaling {
+  bool has_alpha = false, has_bias = false;
+  float alpha = 1.f, bias[2] = {0.f, 0.f};
+};
+
+// A thread's sums of the wgmma's accumulator (sum 4j + 2h + b: token 8j + 2t + b of the tile, row
+// rows[h]), finished as finish does, into out (m, n) row-major.
+template <typename Out, int N>
+__device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, const Args& args, int m0, int t, const int (&rows)[2],
+                                           const Scaling& scaling) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int token = m0 + 8 * j + 2 * t + b;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = acc[4 * j + 2 * h + b];
+        v = scaling.has_alpha ? v * scaling.alpha : v;
+        v = scaling.has_bias ? v + scaling.bias[h] : v;
+        if (token < args.m && rows[h] < args.n) store_value(out + static_cast<int64_t>(token) * args.n + rows[h], v);
+      }
+    }
   }
-  if (args.out_kind == BF16) static_cast<__nv_bfloat16*>(args.out)[index] = __float2bfloat16_rn(v);
-  else if (args.out_kind == F16) static_cast<__half*>(args.out)[index] = __float2half_rn(v);
-  else static_cast<float*>(args.out)[index] = v;
 }
 
 // mbarriers and TMA copies: a producer warp fills the stages, the consumer warpgroups wait for them.
@@ -393,24 +426,24 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
   }
   keep(acc);
 
-#pragma unroll
-  for (int j = 0; j < TOKENS / 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const int token = m0 + 8 * j + 2 * t + b, row = n0 + r0 + 8 * h;
-        if (token < args.m && row < args.n) {
-          const float sum = acc[4 * j + 2 * h + b];
-          if (args.partial != nullptr) {
-            args.partial[(static_cast<int64_t>(blockIdx.z) * args.m + token) * args.n + row] = sum;
-          } else {
-            finish(args, static_cast<int64_t>(token) * args.n + row, row, sum);
-          }
-        }
-      }
-    }
+  // The epilogue is unrolled over this thread's sums (registers), so each one's work is a few
+  // straight-line instructions: the output's dtype and the bias's are chosen once, outside; a
+  // branch an element made the unrolled code far larger than the instruction cache, and the
+  // epilogue, not the K loop, took most of the kernel's time.
+  const int rows[2] = {n0 + r0, n0 + r0 + 8};
+  if (args.partial != nullptr) {
+    store_sums(acc, args.partial + static_cast<int64_t>(blockIdx.z) * args.m * args.n, args, m0, t, rows, Scaling{});
+    return;
   }
+  Scaling scaling;
+  scaling.has_alpha = args.alpha != nullptr;
+  scaling.alpha = scaling.has_alpha ? *args.alpha : 1.f;
+  scaling.has_bias = args.bias != nullptr;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < args.n ? bias_value(args, rows[h]) : 0.f;
+  if (args.out_kind == BF16) store_sums(acc, static_cast<__nv_bfloat16*>(args.out), args, m0, t, rows, scaling);
+  else if (args.out_kind == F16) store_sums(acc, static_cast<__half*>(args.out), args, m0, t, rows, scaling);
+  else store_sums(acc, static_cast<float*>(args.out), args, m0, t, rows, scaling);
 #endif
 }
 
