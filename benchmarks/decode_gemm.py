@@ -33,7 +33,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
-from graphquant.kernels import backends, mixed_input, native, scaled_mm, triton_decode  # noqa: E402
+from graphquant.kernels import backends, mixed_input, scaled_mm, triton_decode  # noqa: E402
 from graphquant.quantizers import ROWWISE, Float8RowwiseQuantizer  # noqa: E402
 
 EMULATION = backends.GemmBackend(backends.EMULATION)
@@ -99,7 +99,8 @@ def main() -> None:
                     key = f"plan {name}: {plan.backend}"
                     fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
                     weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
-                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and native.extension_for(x.device) is not None:
+                planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
+                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.built() and not planned_mixed:
                     fns[f"wgmma mixed-input {name}"] = lambda a=a, b=b: mixed_input.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:

@@ -17,7 +17,7 @@ from test_native_gemm_arguments import Model  # two linears and a matmul of acti
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, emulation, scaled_mm
+from graphquant.kernels import backends, emulation, mixed_input, scaled_mm
 from graphquant.kernels.backends import GemmBackend, GemmMismatch
 from graphquant.ops.functional import quantized_linear
 from graphquant.ops.site import Site
@@ -35,7 +35,11 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
+    # The mixed-input MXFP8 GEMM (where the extension has it), at a static m of 17 to 1024 rows.
+    mixed_input.BACKEND: recipes.mxfp8_block_scaling(),
 }
+# The GEMMs that need m known when the plan is made (NativeGemm.max_rows).
+SKINNY = {native.backend for native in backends.NATIVE_GEMMS if native.max_rows is not None}
 # The row counts of the two training steps: the decode GEMM's fit it, the others' 128 and 160.
 ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
 CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
@@ -60,7 +64,7 @@ def runs(monkeypatch):
     """The dict that each GEMM call adds its "site gemm" label to, with the backend that ran it (a
     native GemmBackend, or EMULATED_RUN); on the CPU the emulated GEMM stands in for a native one."""
     ran, current = {}, []
-    dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
+    dispatch, native, emulated, mixed = backends.gemm, scaled_mm.run, emulation.gemm, mixed_input.gemm
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
@@ -86,6 +90,10 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
+    def mixed_run(a, b, out_dtype, bias=None):
+        record(GemmBackend(mixed_input.BACKEND))
+        return mixed(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
@@ -94,6 +102,7 @@ def runs(monkeypatch):
         monkeypatch.setattr(triton_decode, "gemm", decode_run)
     monkeypatch.setattr(backends, "gemm", gemm)
     monkeypatch.setattr(scaled_mm, "run", native_run)
+    monkeypatch.setattr(mixed_input, "gemm", mixed_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
     return ran
 
@@ -140,21 +149,22 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
     # Where the capability has the native GEMM, the aligned shapes ran on it.
     runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
     assert (native in {g.backend.name for g in static.gemms}) == runs_here
-    decode = {d.backend for d in backends.DECODE_GEMMS}
-    if native in ROWS_OF:  # the decode GEMM needs m known when the plan is made: not under symbolic rows
-        assert not decode & {g.backend.name for g in symbolic.gemms}
-    # Elsewhere it may take MXFP8's and NVFP4's GEMMs at 128 rows where the tokens are static (x's
+    if native in SKINNY:  # the skinny GEMMs need m known when the plan is made: not under symbolic rows
+        assert native not in {g.backend.name for g in symbolic.gemms}
+    if native in ROWS_OF:  # nor the decode GEMM another of its names
+        assert not set(ROWS_OF) & {g.backend.name for g in symbolic.gemms}
+    # Elsewhere they may take MXFP8's and NVFP4's GEMMs at 128 rows where the tokens are static (x's
     # two dims of 128 share one symbol, which fc1 then makes 128) and not at 160, and say why not.
     for planned, symbolically in zip(static.gemms, symbolic.gemms, strict=True):
-        if decode & {planned.backend.name, symbolically.backend.name}:
+        if SKINNY & {planned.backend.name, symbolically.backend.name}:
             continue
-        if any(name in planned.reason + symbolically.reason for name in decode):
+        if any(name in planned.reason + symbolically.reason for name in SKINNY):
             assert (planned.bucket, planned.backend) == (symbolically.bucket, symbolically.backend)
         else:
             assert planned == symbolically
 
 
-ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF]
+ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF, mixed_input.BACKEND]
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
-from graphquant.kernels import emulation, scaled_mm
+from graphquant.kernels import emulation, mixed_input, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -144,7 +144,9 @@ class NativeGemm(NamedTuple):
     accumulate fast); ``token_tiles``: a grouped GEMM that
     multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
-    multiplies faster (triton_decode.one_token_a_program)."""
+    multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
+    of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
+    any."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -158,6 +160,8 @@ class NativeGemm(NamedTuple):
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
     token_tiles: bool = False
+    min_rows: int = 1
+    k_multiple: int = 1
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
         """Whether it sums a product of ``a`` and ``b`` in the tensor cores' accumulator where the
@@ -188,13 +192,17 @@ class NativeGemm(NamedTuple):
             return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
         if any(d is not None and d % self.multiple != 0 for d in dims):
             return f"{self.backend} needs m, n, k multiples of {self.multiple}; got {tuple(dims)}"
+        k = dims[2] if len(dims) == 3 else None
+        if k is not None and k % self.k_multiple != 0:
+            return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
             most = dict(self.max_rows).get(tuple(families), 0)
-            if not isinstance(m, int) or m > most:
+            if not isinstance(m, int) or not self.min_rows <= m <= most:
+                fewest = f"{self.min_rows} to " if self.min_rows > 1 else "at most "
                 return (
-                    f"{self.backend} multiplies at most {most} rows of A for {families[0]} x {families[1]}, "
-                    "a number known when the plan is made"
+                    f"{self.backend} multiplies {fewest}{most} rows of A for {families[0]} x {families[1]}, "
+                    f"a number known when the plan is made; got m = {m}"
                 )
             if not k_last:
                 return f"{self.backend} reads operands stored with the reduction dim last"
@@ -237,15 +245,33 @@ DECODE_GEMMS = () if triton_decode is None else (
     ),
 )
 
+# graphquant's CUDA GEMM of an MXFP8 weight decoded in registers as the register operand of
+# Hopper's bf16 wgmma (graphquant.kernels.mixed_input), where the extension has it: the weight's
+# bytes read once, as stored, between the decode GEMM's rows (one tile of A, its tensor cores
+# waiting for its decoding) and the emulation's (the whole weight dequantized into memory each
+# call), faster than both there (benchmarks/NOTES.md, decode_gemm.py). Its sums are the
+# emulation's exact bf16 products in fp32, so it has no fast accumulation.
+MIXED_INPUT_GEMM = NativeGemm(
+    mixed_input.BACKEND,
+    mixed_input.PLANNED_FAMILIES,
+    BOTH_E4M3,
+    1,
+    lambda sm: sm == (9, 0) and mixed_input.built(),
+    max_rows=tuple((pair, mixed_input.MAX_ROWS) for pair in mixed_input.PLANNED_FAMILIES),
+    min_rows=mixed_input.MIN_ROWS,
+    k_multiple=mixed_input.K_MULTIPLE,
+)
+
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side) and DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left, at any m, n and
 # k (a call of 100 rows, a wgrad over 1000 tokens or an LM head of 32001 rows is no reason for the
 # emulation, 5-20x slower); the block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
-# The first that fits a GEMM runs it: Blackwell's MXFP8 and NVFP4, then the decode GEMM, then
-# cuBLASLt's FP8.
+# The first that fits a GEMM runs it: Blackwell's MXFP8 and NVFP4, then Hopper's mixed-input
+# MXFP8 GEMM, then the decode GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
+    MIXED_INPUT_GEMM,
     *DECODE_GEMMS,
     NativeGemm(
         scaled_mm.TENSORWISE,
@@ -550,6 +576,8 @@ def gemm(
         return emulation.gemm(a, b, batch, out_dtype, bias)
     if native in DECODE_GEMMS:
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
+    if native is MIXED_INPUT_GEMM:
+        return mixed_input.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 

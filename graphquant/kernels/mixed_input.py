@@ -20,7 +20,21 @@ from graphquant.quantizers import Representation
 
 BACKEND = "wgmma mixed-input gemm"
 FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format number
-STEP = 128  # the K the kernel multiplies a pipeline step: k must be a multiple
+K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must be a multiple
+# The rows of A the plan gives it, for MXFP8 (the pair it runs faster than the alternatives,
+# benchmarks/NOTES.md, decode_gemm.py): from 17 (to 16 the decode GEMM is as fast, and its
+# one-row programs faster) to 1024 (past it the emulation's bf16 GEMM, the products setting the
+# pace). NVFP4's decoding costs more instructions a value and ran slower than the decode GEMM or
+# the emulation at most row counts, so the plan leaves NVFP4 to them.
+PLANNED_FAMILIES = frozenset({("mxfp8", "mxfp8")})
+MIN_ROWS = 17
+MAX_ROWS = 1024
+
+
+def built() -> bool:
+    """Whether graphquant's extension has the kernel, built for sm_90 (sm_90a: wgmma)."""
+    ext = native.extension()
+    return ext is not None and hasattr(ext, "mixed_gemm") and 90 in getattr(ext, "cuda_archs", ())
 
 
 def permuted(k: int) -> int:
@@ -50,7 +64,7 @@ def gemm(
     if _family(a) != family or family not in FORMATS:
         raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {family}")
     ext = native.extension_for(b.data.device)
-    m, k = a.shape
+    m, k = a.data.shape
     fmt = FORMATS[family]
     x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
     # The kernel copies a block's scales of 16 consecutive rows at once: MXFP8's lie so (where the

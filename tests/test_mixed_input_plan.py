@@ -1,0 +1,92 @@
+"""Where the plan runs graphquant's mixed-input MXFP8 GEMM (graphquant.kernels.mixed_input) on a
+faked Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) fprops of 17 to 1024 rows whose k is a
+multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other formats and
+shapes elsewhere, each with the reason in the plan. The kernel's numerics are tested on the GPU
+(tests/test_mixed_gemm_gpu.py); here the call is stood in for by the emulated GEMM."""
+
+import pytest
+import torch
+
+import graphquant
+from graphquant import recipes
+from graphquant.kernels import backends, emulation, mixed_input
+from graphquant.kernels.backends import GemmBackend
+from graphquant.quantizers import COLUMNWISE, ROWWISE, MXFP8Quantizer, NVFP4Quantizer
+
+CUDA = torch.device("cuda")
+MIXED = GemmBackend(mixed_input.BACKEND)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A CUDA device of capability 9.0 whose extension has the mixed-input GEMM (both faked)."""
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(mixed_input, "built", lambda: True)
+    backends.clear_caches()
+    yield
+    backends.clear_caches()
+
+
+def _backend(qa, qb, dims, a_direction=ROWWISE, b_direction=ROWWISE):
+    return backends.select(qa, a_direction, qb, b_direction, CUDA, dims).backend
+
+
+def test_mxfp8_rows_17_to_1024_run_on_it(hopper):
+    mx = MXFP8Quantizer()
+    for m in (17, 100, 128, 512, 1024):
+        for fast in (False, True):  # it sums in fp32 whatever the recipe allows
+            assert backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (m, 4096, 14336), 1, fast).backend == MIXED
+    assert _backend(mx, mx, (100, 200, 256)) == MIXED  # any n: partial tiles of the weight's rows
+    decode = GemmBackend(backends.triton_decode.BACKEND) if backends.DECODE_GEMMS else GemmBackend(backends.EMULATION)
+    assert _backend(mx, mx, (16, 4096, 4096)) == decode
+    assert _backend(mx, mx, (1025, 4096, 4096)) == GemmBackend(backends.EMULATION)
+
+
+def test_what_it_does_not_take_goes_elsewhere_with_the_reason(hopper):
+    mx = MXFP8Quantizer()
+    for qa, qb in ((MXFP8Quantizer("e5m2"), mx), (mx, MXFP8Quantizer("e5m2")), (NVFP4Quantizer(), NVFP4Quantizer())):
+        assert _backend(qa, qb, (100, 4096, 4096)) != MIXED
+    selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (300, 4096, 4000))  # past the decode GEMM's rows
+    assert selection.backend != MIXED and "needs k a multiple of 128; got (m, n, k) = (300, 4096, 4000)" in selection.reason
+    selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (2048, 4096, 4096))
+    assert selection.backend != MIXED and "multiplies 17 to 1024 rows of A for mxfp8 x mxfp8" in selection.reason
+    # A dgrad's weight (MXFP8's columnwise data keeps the reduction dim first), a batch, unknown rows.
+    assert _backend(mx, mx, (100, 4096, 4096), b_direction=COLUMNWISE) != MIXED
+    assert backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (100, 4096, 4096), batch=2).backend != MIXED
+    assert _backend(mx, mx, (None, 4096, 4096)) != MIXED
+
+
+def test_not_where_the_extension_lacks_it_or_on_blackwell(hopper, monkeypatch):
+    mx = MXFP8Quantizer()
+    monkeypatch.setattr(mixed_input, "built", lambda: False)
+    backends.clear_caches()
+    assert _backend(mx, mx, (100, 4096, 4096)) != MIXED
+    monkeypatch.setattr(mixed_input, "built", lambda: True)
+    monkeypatch.setattr(backends, "capability", lambda device: (10, 0))
+    backends.clear_caches()
+    assert _backend(mx, mx, (128, 4096, 4096)) == GemmBackend(backends.scaled_mm.MXFP8)
+
+
+def test_a_frozen_mxfp8_model_runs_its_middle_rows_on_it(hopper, monkeypatch):
+    """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
+    reaching it with its rows (stood in for by the emulated GEMM on this CPU); at 2048 rows not."""
+    rows = []
+
+    def stand_in(a, b, out_dtype, bias=None):
+        rows.append(a.shape[0])
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    monkeypatch.setattr(mixed_input, "gemm", stand_in)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
+    compiled = graphquant.compile(model.to(torch.bfloat16), recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager", dynamic=False)
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        for m in (100, 2048):
+            compiled(torch.randn(m, 256, dtype=torch.bfloat16))
+    plans = compiled.graphquant.plans
+    fprops = [g for g in plans[0].gemms if g.gemm == "fprop"]
+    assert len(fprops) == 2 and all(g.backend == MIXED for g in fprops), str(plans[0])
+    assert sum(mixed_input.BACKEND in line for line in str(plans[0]).splitlines()) == 2, str(plans[0])
+    assert all(g.backend != MIXED for g in plans[1].gemms), str(plans[1])
+    assert rows == [100, 100]
