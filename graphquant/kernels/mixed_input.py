@@ -23,12 +23,12 @@ FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format
 K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must be a multiple
 # The rows of A the plan gives it, for MXFP8 (the pair it runs faster than the alternatives,
 # benchmarks/NOTES.md, decode_gemm.py): from 17 (to 16 the decode GEMM is as fast, and its
-# one-row programs faster) to 1024 (past it the emulation's bf16 GEMM, the products setting the
-# pace). NVFP4's decoding costs more instructions a value and ran slower than the decode GEMM or
-# the emulation at most row counts, so the plan leaves NVFP4 to them.
+# one-row programs faster) to 512 (from about 1024 the emulation's bf16 GEMM is as fast or
+# faster: the products set the pace). NVFP4's decoding costs more instructions a value and ran
+# slower than the decode GEMM or the emulation at most row counts, so the plan leaves NVFP4 to them.
 PLANNED_FAMILIES = frozenset({("mxfp8", "mxfp8")})
 MIN_ROWS = 17
-MAX_ROWS = 1024
+MAX_ROWS = 512
 
 
 def built() -> bool:
@@ -64,7 +64,7 @@ def gemm(
     if _family(a) != family or family not in FORMATS:
         raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {family}")
     ext = native.extension_for(b.data.device)
-    m, k = a.data.shape
+    m, k = a.shape
     fmt = FORMATS[family]
     x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
     # The kernel copies a block's scales of 16 consecutive rows at once: MXFP8's lie so (where the
