@@ -71,9 +71,12 @@ def excess(
     if config is not None:
         out = triton_decode.gemm(a, b, out_dtype, bias, config)
     elif device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
+        # Where graphquant's extension has the mixed-input GEMM, the plan gives it MXFP8's middle
+        # rows; the decode GEMM runs them where it has not.
+        decode = GemmBackend(triton_decode.BACKEND)
         selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
-        assert selection.backend == GemmBackend(triton_decode.BACKEND), selection
-        out = backends.gemm(a, b, 1, out_dtype, selection.backend, f"{name} {gemm}", bias)[0]
+        assert selection.backend in (decode, GemmBackend(backends.mixed_input.BACKEND)), selection
+        out = backends.gemm(a, b, 1, out_dtype, decode, f"{name} {gemm}", bias)[0]
     else:
         out = triton_decode.gemm(a, b, out_dtype, bias)
     assert out.shape == (m, n) and out.dtype == out_dtype
