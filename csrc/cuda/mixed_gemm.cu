@@ -4,7 +4,7 @@
 // the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
 // decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step
 // of its 64 weight rows while the wgmma of this one runs, so the weight's bytes are read once, as
-// stored, at close to bf16's tensor-core rate.
+// stored, and the tensor cores wait less (benchmarks/NOTES.md, decode_gemm.py, has where it stands).
 //
 // Numerics: the emulation's. Every decoded value (E4M3 code times its E8M0 power of two, E2M1 code
 // times its E4M3 block scale) is one correctly rounded bf16 product, exact where it is a bf16
@@ -296,7 +296,7 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, i
 // on its own: no CTA barrier in the K loop, so that one's products run while the other decodes and
 // moves its operand (each leaves the tensor pipe empty between steps: see the loop), and each marks
 // a stage ``empty`` once its wgmmas that read it retired.
-template <int F, int TOKENS, bool DECODE = true>  // DECODE false: the codes' words unconverted (a timing probe's ceiling)
+template <int F, int TOKENS>
 __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap x_map,
                                                                const __grid_constant__ CUtensorMap w_map,
                                                                const __grid_constant__ CUtensorMap s_map) {
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
           for (int s = 0; s < 4; ++s) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              a[4 * c + s][2 * half + h] = DECODE ? bf16_product(bf16_product(e4m3_bits(words[s], half), E4M3_BIAS), scale) : words[s] ^ scale;
+              a[4 * c + s][2 * half + h] = bf16_product(bf16_product(e4m3_bits(words[s], half), E4M3_BIAS), scale);
             }
           }
         }
@@ -578,12 +578,12 @@ CUtensorMap tensor_map(const void* data, CUtensorMapDataType type, int element, 
   return map;
 }
 
-template <int F, int TOKENS, bool DECODE = true>
+template <int F, int TOKENS>
 void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   using S = Stage<F, TOKENS>;
   using W = Weight<F, S::step>;
   static const bool sized = [] {
-    cudaFuncSetAttribute(mixed_gemm_kernel<F, TOKENS, DECODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem);
+    cudaFuncSetAttribute(mixed_gemm_kernel<F, TOKENS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem);
     return true;
   }();
   (void)sized;
@@ -593,13 +593,13 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
                                        ROWS, W::code_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap s_map = tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
                                        W::scale_bytes, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
-  mixed_gemm_kernel<F, TOKENS, DECODE><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
+  mixed_gemm_kernel<F, TOKENS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
   check_launch("mixed_gemm");
 }
 
 at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
                       const std::optional<at::Tensor>& alpha, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                      int64_t tokens, int64_t splits, bool decode) {
+                      int64_t tokens, int64_t splits) {
   check_device(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
@@ -654,10 +654,7 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
             bias ? kind(bias->scalar_type()) : BF16};
   const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (!decode) {  // MXFP8 without its decoding: how fast the rest of the kernel runs
-    TORCH_CHECK(format == MXFP8 && tokens != 64, "graphquant.mixed_gemm times MXFP8 at 128 or 256 tokens without decoding");
-    tokens == 128 ? launch<MXFP8, 128, false>(args, grid, stream) : launch<MXFP8, 256, false>(args, grid, stream);
-  } else if (format == MXFP8) {
+  if (format == MXFP8) {
     tokens == 64 ? launch<MXFP8, 64>(args, grid, stream) : tokens == 128 ? launch<MXFP8, 128>(args, grid, stream) : launch<MXFP8, 256>(args, grid, stream);
   } else {
     tokens == 64 ? launch<NVFP4, 64>(args, grid, stream) : tokens == 128 ? launch<NVFP4, 128>(args, grid, stream) : launch<NVFP4, 256>(args, grid, stream);
@@ -684,5 +681,5 @@ void register_mixed_gemm(pybind11::module_& m) {
         "split's added in order), alpha (one float32, optional) and bias (n bf16 or float16, optional) before one rounding "
         "to out_dtype; tokens: the rows of x a CTA multiplies (64, 128 or 256); splits: K's split (0: chosen for the SMs)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("alpha"),
-        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("decode") = true);
+        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"));
 }

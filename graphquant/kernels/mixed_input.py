@@ -54,8 +54,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(
-    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0,
-    decode: bool = True,
+    a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0
 ) -> torch.Tensor:
     """out (m, n) = A @ B^T (+ bias) for A and B of one format (MXFP8 or NVFP4, rowwise, the
     reduction dim last), B the weight. ``tokens``: rows of A a CTA multiplies (64, 128 or 256; 0: the
@@ -79,4 +78,4 @@ def gemm(
         raise ValueError(f"{BACKEND} applies one factor to the product, not a factor per row ({a.quantizer} x {b.quantizer})")
     alpha = None if not factors else (factors[0] * factors[1] if len(factors) == 2 else factors[0]).reshape(1)
     tokens = tokens or (64 if m <= 64 else 128 if m <= 128 else 256)
-    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, alpha, bias, out_dtype, tokens, splits, decode)
+    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, alpha, bias, out_dtype, tokens, splits)
