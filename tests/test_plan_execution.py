@@ -147,7 +147,8 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
     inference = backends.NATIVE_BY_NAME[native].quantizes_a  # it quantizes an x that no backward keeps
     static, symbolic = _train_steps_run_as_planned(Model().to(torch.bfloat16), RECIPE_OF[native], runs, "cpu", "eager", rows, inference)
     # Where the capability has the native GEMM, the aligned shapes ran on it.
-    runs_here = sm is not None and backends.NATIVE_BY_NAME[native].runs_on(sm)
+    gemm = backends.NATIVE_BY_NAME[native]
+    runs_here = sm is not None and gemm.runs_on(sm) and gemm.available(torch.device("cpu"))
     assert (native in {g.backend.name for g in static.gemms}) == runs_here
     if native in SKINNY:  # the skinny GEMMs need m known when the plan is made: not under symbolic rows
         assert native not in {g.backend.name for g in symbolic.gemms}
@@ -176,7 +177,8 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
     inference = backends.NATIVE_BY_NAME[native].quantizes_a
     static, _ = _train_steps_run_as_planned(Model().to("cuda", torch.bfloat16), RECIPE_OF[native], runs, "cuda", "aot_eager", rows, inference)
     sm = torch.cuda.get_device_capability()
-    assert (native in {g.backend.name for g in static.gemms}) == backends.NATIVE_BY_NAME[native].runs_on(sm)
+    gemm = backends.NATIVE_BY_NAME[native]
+    assert (native in {g.backend.name for g in static.gemms}) == (gemm.runs_on(sm) and gemm.available(torch.device("cuda")))
 
 
 @pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")

@@ -146,7 +146,8 @@ class NativeGemm(NamedTuple):
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
-    any."""
+    any; ``available``: whether it runs on a device of a capability it runs on (a kernel of
+    graphquant's extension: whether the extension has it there)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -162,6 +163,7 @@ class NativeGemm(NamedTuple):
     token_tiles: bool = False
     min_rows: int = 1
     k_multiple: int = 1
+    available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
         """Whether it sums a product of ``a`` and ``b`` in the tensor cores' accumulator where the
@@ -256,10 +258,11 @@ MIXED_INPUT_GEMM = NativeGemm(
     mixed_input.PLANNED_FAMILIES,
     BOTH_E4M3,
     1,
-    lambda sm: sm == (9, 0) and mixed_input.built(),
+    lambda sm: sm == (9, 0),
     max_rows=tuple((pair, mixed_input.MAX_ROWS) for pair in mixed_input.PLANNED_FAMILIES),
     min_rows=mixed_input.MIN_ROWS,
     k_multiple=mixed_input.K_MULTIPLE,
+    available=lambda device: mixed_input.runs_on(device),
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
@@ -456,7 +459,7 @@ def select(
     for native in NATIVE_GEMMS:
         if native.quantizes_a and (not quantize_a or refusal):
             continue
-        if native.runs_on(sm) and native.takes(a_input, b_input):
+        if native.runs_on(sm) and native.available(device) and native.takes(a_input, b_input):
             misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
             if not misfit:
                 reason = f"x quantized first: {refusal}" if refusal and native.backend == triton_decode.BACKEND else ""
@@ -504,6 +507,8 @@ def _refusal(
     sm = capability(device)
     if sm is None or not native.runs_on(sm):
         return f"it does not run on {device.type if sm is None else f'sm_{sm[0]}{sm[1]}'}"
+    if not native.available(device):
+        return f"graphquant's extension does not run it on {device}"
     if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
     families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family)
