@@ -100,7 +100,7 @@ def main() -> None:
                     fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
                     weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
                 planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
-                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.runs_on(x.device) and not planned_mixed:
+                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device) and not planned_mixed:
                     fns[f"wgmma mixed-input {name}"] = lambda a=a, b=b: mixed_input.gemm(a, b, torch.bfloat16)
                     weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:

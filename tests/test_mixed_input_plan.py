@@ -21,7 +21,7 @@ MIXED = GemmBackend(mixed_input.BACKEND)
 def hopper(monkeypatch):
     """A CUDA device of capability 9.0 whose extension has the mixed-input GEMM (both faked)."""
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mixed_input, "runs_on", lambda device: True)
+    monkeypatch.setattr(mixed_input, "extension_runs", lambda device: True)
     backends.clear_caches()
     yield
     backends.clear_caches()
@@ -58,10 +58,10 @@ def test_what_it_does_not_take_goes_elsewhere_with_the_reason(hopper):
 
 def test_not_where_the_extension_lacks_it_or_on_blackwell(hopper, monkeypatch):
     mx = MXFP8Quantizer()
-    monkeypatch.setattr(mixed_input, "runs_on", lambda device: False)
+    monkeypatch.setattr(mixed_input, "extension_runs", lambda device: False)
     backends.clear_caches()
     assert _backend(mx, mx, (100, 4096, 4096)) != MIXED
-    monkeypatch.setattr(mixed_input, "runs_on", lambda device: True)
+    monkeypatch.setattr(mixed_input, "extension_runs", lambda device: True)
     monkeypatch.setattr(backends, "capability", lambda device: (10, 0))
     backends.clear_caches()
     assert _backend(mx, mx, (128, 4096, 4096)) == GemmBackend(backends.scaled_mm.MXFP8)

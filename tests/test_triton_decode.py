@@ -634,7 +634,7 @@ def hopper(monkeypatch):
     if not backends.DECODE_GEMMS:
         pytest.skip("no Triton: no decode GEMM")
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(backends.mixed_input, "runs_on", lambda device: False)
+    monkeypatch.setattr(backends.mixed_input, "extension_runs", lambda device: False)
     backends.clear_caches()
     yield backends.triton_decode
     backends.clear_caches()

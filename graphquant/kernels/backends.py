@@ -262,7 +262,7 @@ MIXED_INPUT_GEMM = NativeGemm(
     max_rows=tuple((pair, mixed_input.MAX_ROWS) for pair in mixed_input.PLANNED_FAMILIES),
     min_rows=mixed_input.MIN_ROWS,
     k_multiple=mixed_input.K_MULTIPLE,
-    available=lambda device: mixed_input.runs_on(device),
+    available=lambda device: mixed_input.extension_runs(device),
 )
 
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most

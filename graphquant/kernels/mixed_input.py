@@ -31,7 +31,7 @@ MIN_ROWS = 17
 MAX_ROWS = 512
 
 
-def runs_on(device: torch.device) -> bool:
+def extension_runs(device: torch.device) -> bool:
     """Whether graphquant's extension runs the kernel on ``device`` (built for its sm_90: sm_90a, wgmma)."""
     ext = native.extension_for(device)
     return ext is not None and hasattr(ext, "mixed_gemm") and 90 in getattr(ext, "cuda_archs", ())
