@@ -65,5 +65,5 @@ def test_x_values_are_the_reference_values_in_the_kernel_order(name):
     ext = native.extension_for(torch.device("cuda"))
     values = ext.mixed_operand(a.data.view(torch.uint8), a.scale.view(torch.uint8), mixed_input.FORMATS[name], 640)
     reference = a.quantizer.emulated_values(a).float().to(torch.bfloat16)  # without NVFP4's global factor, as the kernel
-    order = torch.tensor([atom * 64 + mixed_input.permuted(i) for atom in range(10) for i in range(64)], device="cuda")
+    order = torch.tensor([atom * 64 + mixed_input.permuted(i, name) for atom in range(10) for i in range(64)], device="cuda")
     assert torch.equal(values[:, order].view(torch.int16), reference.view(torch.int16))

@@ -1,7 +1,7 @@
-"""Where the plan runs graphquant's mixed-input MXFP8 GEMM (graphquant.kernels.mixed_input) on a
-faked Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) fprops of 17 to 512 rows whose k is a
-multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other formats and
-shapes elsewhere, each with the reason in the plan. The kernel's numerics are tested on the GPU
+"""Where the plan runs graphquant's mixed-input GEMM (graphquant.kernels.mixed_input) on a faked
+Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) and NVFP4 x NVFP4 fprops of 17 to 1024 rows
+whose k is a multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other
+formats and shapes elsewhere, each with the reason in the plan. The kernel's numerics are tested on the GPU
 (tests/test_mixed_gemm_gpu.py); here the call is stood in for by the emulated GEMM."""
 
 import pytest
@@ -31,25 +31,26 @@ def _backend(qa, qb, dims, a_direction=ROWWISE, b_direction=ROWWISE):
     return backends.select(qa, a_direction, qb, b_direction, CUDA, dims).backend
 
 
-def test_mxfp8_rows_17_to_512_run_on_it(hopper):
-    mx = MXFP8Quantizer()
-    for m in (17, 100, 128, 512):
+@pytest.mark.parametrize("q", [MXFP8Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
+def test_mxfp8_and_nvfp4_rows_17_to_1024_run_on_it(hopper, q):
+    for m in (17, 100, 128, 512, 1024):
         for fast in (False, True):  # it sums in fp32 whatever the recipe allows
-            assert backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (m, 4096, 14336), 1, fast).backend == MIXED
-    assert _backend(mx, mx, (100, 200, 256)) == MIXED  # any n: partial tiles of the weight's rows
+            assert backends.select(q, ROWWISE, q, ROWWISE, CUDA, (m, 4096, 14336), 1, fast).backend == MIXED
+    assert _backend(q, q, (100, 200, 256)) == MIXED  # any n: partial tiles of the weight's rows
     decode = GemmBackend(backends.triton_decode.BACKEND) if backends.DECODE_GEMMS else GemmBackend(backends.EMULATION)
-    assert _backend(mx, mx, (16, 4096, 4096)) == decode
-    assert _backend(mx, mx, (513, 4096, 4096)) == GemmBackend(backends.EMULATION)
+    assert _backend(q, q, (16, 4096, 4096)) == decode
+    assert _backend(q, q, (1025, 4096, 4096)) == GemmBackend(backends.EMULATION)
 
 
 def test_what_it_does_not_take_goes_elsewhere_with_the_reason(hopper):
     mx = MXFP8Quantizer()
-    for qa, qb in ((MXFP8Quantizer("e5m2"), mx), (mx, MXFP8Quantizer("e5m2")), (NVFP4Quantizer(), NVFP4Quantizer())):
+    nv, nv_rows = NVFP4Quantizer(), NVFP4Quantizer(row_scaled_nvfp4=True)  # a factor a row of A: no one alpha
+    for qa, qb in ((MXFP8Quantizer("e5m2"), mx), (mx, MXFP8Quantizer("e5m2")), (nv_rows, nv), (mx, nv), (nv, mx)):
         assert _backend(qa, qb, (100, 4096, 4096)) != MIXED
     selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (300, 4096, 4000))  # past the decode GEMM's rows
     assert selection.backend != MIXED and "needs k a multiple of 128; got (m, n, k) = (300, 4096, 4000)" in selection.reason
     selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (2048, 4096, 4096))
-    assert selection.backend != MIXED and "multiplies 17 to 512 rows of A for mxfp8 x mxfp8" in selection.reason
+    assert selection.backend != MIXED and "multiplies 17 to 1024 rows of A for mxfp8 x mxfp8" in selection.reason
     # A dgrad's weight (MXFP8's columnwise data keeps the reduction dim first), a batch, unknown rows.
     assert _backend(mx, mx, (100, 4096, 4096), b_direction=COLUMNWISE) != MIXED
     assert backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (100, 4096, 4096), batch=2).backend != MIXED
@@ -67,7 +68,8 @@ def test_not_where_the_extension_lacks_it_or_on_blackwell(hopper, monkeypatch):
     assert _backend(mx, mx, (128, 4096, 4096)) == GemmBackend(backends.scaled_mm.MXFP8)
 
 
-def test_a_frozen_mxfp8_model_runs_its_middle_rows_on_it(hopper, monkeypatch):
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
+def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
     reaching it with its rows (stood in for by the emulated GEMM on this CPU); at 2048 rows not."""
     rows = []
@@ -79,7 +81,7 @@ def test_a_frozen_mxfp8_model_runs_its_middle_rows_on_it(hopper, monkeypatch):
     monkeypatch.setattr(mixed_input, "gemm", stand_in)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
-    compiled = graphquant.compile(model.to(torch.bfloat16), recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager", dynamic=False)
+    compiled = graphquant.compile(model.to(torch.bfloat16), recipe(), mode="inference", backend="aot_eager", dynamic=False)
     graphquant.freeze(compiled)
     with torch.no_grad():
         for m in (100, 2048):

@@ -51,12 +51,18 @@ constexpr int step_of = TOKENS == 256 ? 64 : 128;
 constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
 constexpr int SMEM_BUDGET = 220 * 1024;  // of the 227 KB a CTA may have, with the base's alignment
 
-// Bytes a weight row has per step (codes, block scales) and the K one block scale covers.
+// Bytes a weight row has per step (codes, block scales), the K one block scale covers, and how its
+// scales lie, as each format's representation stores them: MXFP8's block-major, (k / 32, n), a
+// stage holding [block][ROWS]; NVFP4's row-major, (n, k / 16), a stage holding [ROWS][16 bytes],
+// the 16-byte aligned bytes that hold this step's (TMA copies rows of 16 bytes from 16-byte
+// aligned addresses; the rest are other steps', unread).
 template <int F, int STEP>
 struct Weight {
   static constexpr int code_bytes = F == MXFP8 ? STEP : STEP / 2;
   static constexpr int block = F == MXFP8 ? 32 : 16;
   static constexpr int scale_bytes = STEP / block;
+  static constexpr bool row_major_scales = F == NVFP4;
+  static constexpr int scale_row = row_major_scales ? 16 : scale_bytes;  // a stage's bytes of scales a weight row
 };
 
 template <int F, int TOKENS>
@@ -64,19 +70,26 @@ struct Stage {
   static constexpr int step = step_of<TOKENS>;
   static constexpr int x_bytes = TOKENS * step * 2;  // [atoms][TOKENS][64] bf16, 1024-byte aligned atoms
   static constexpr int w_bytes = ROWS * Weight<F, step>::code_bytes;
-  static constexpr int s_bytes = ROWS * Weight<F, step>::scale_bytes;
+  static constexpr int s_bytes = ROWS * Weight<F, step>::scale_row;
   static constexpr int bytes = (x_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
   static constexpr int count = SMEM_BUDGET / bytes < 8 ? SMEM_BUDGET / bytes : 8;
   static constexpr int smem = count * (bytes + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 };
 
 // The position in its 64-wide atom at which the register operand's fragment wants x's value of K
-// offset k within the atom: thread t of a quad decodes K 16t..16t+15, four a k16 slice s, which the
-// fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of the slice.
+// offset k within the atom: thread t of a quad decodes K 16t..16t+15, which the fragment holds at
+// columns 2t, 2t + 1, 2t + 8, 2t + 9 of the four k16 slices. Which K share a register (a bf16 pair)
+// is the format's: those its codes' decoding makes together (e4m3_bits, e2m1_bits).
+template <int F>
 __host__ __device__ constexpr int permuted(int k) {
-  const int t = k / 16, s = (k % 16) / 4, i = k % 4;
-  return 16 * s + 2 * t + (i & 1) + 8 * (i >> 1);
+  const int t = k / 16, i = k % 16;
+  if constexpr (F == MXFP8) return 16 * (i / 4) + 2 * t + 8 * (i & 1) + (i >> 1) % 2;  // word i / 4's bytes (0 2)(1 3)
+  else return 16 * (i % 4) + 2 * t + 8 * (i / 8) + (i / 4) % 2;  // word i / 8's nibbles (0 4)(1 5)(2 6)(3 7)
 }
+
+// The K offsets whose values a bf16 pair of the fragment holds: k and k + PAIRED<F>.
+template <int F>
+constexpr int PAIRED = F == MXFP8 ? 2 : 4;
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
@@ -175,17 +188,24 @@ __device__ __forceinline__ uint32_t bf16_product(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// bf16 pairs 2^-120 times two E4M3 codes of ``word`` (bytes 0, 1 or 2, 3): the code's exponent and
-// mantissa laid where bf16's lie, so that subnormal codes stay exact too.
-__device__ __forceinline__ uint32_t e4m3_bits(uint32_t word, int high) {
-  const uint32_t x = __byte_perm(word, 0, high ? 0x3424 : 0x1404);  // each code in its half's high byte
-  return ((x >> 4) & 0x07F007F0u) | (x & 0x80008000u);
+// bf16 pairs 2^-120 times the E4M3 codes B and B + 2 of ``word`` (bytes, the lowest first), 16 bits
+// apart as a pair's halves are: each code's exponent and mantissa laid where bf16's lie, so that
+// subnormal codes stay exact too.
+template <int B>
+__device__ __forceinline__ uint32_t e4m3_bits(uint32_t word) {
+  constexpr int magnitude = 4 - 8 * B, sign = 8 - 8 * B;  // left shifts to bits 4..10 and 15
+  const uint32_t m = magnitude >= 0 ? word << magnitude : word >> -magnitude;
+  return (m & 0x07F007F0u) | ((word << sign) & 0x80008000u);
 }
 
-// bf16 pairs 2^-126 times the two E2M1 codes of byte ``byte`` of ``word`` (low nibble first).
-__device__ __forceinline__ uint32_t e2m1_bits(uint32_t word, int byte) {
-  const uint32_t x = __byte_perm(word, 0, 0x0404 | (byte << 4) | (byte << 12));  // the byte in both halves' high byte
-  return ((x >> 2) & 0x000001C0u) | ((x >> 6) & 0x01C00000u) | ((x << 4) & 0x00008000u) | (x & 0x80000000u);
+// bf16 pairs 2^-126 times the E2M1 codes P and P + 4 of ``word`` (nibbles, the lowest first), 16
+// bits apart as a pair's halves are: each code's exponent and mantissa laid where bf16's lie (two
+// shifts and two masks a pair), so that the subnormal code stays exact too.
+template <int P>
+__device__ __forceinline__ uint32_t e2m1_bits(uint32_t word) {
+  constexpr int magnitude = 6 - 4 * P, sign = 12 - 4 * P;  // left shifts to bits 6..8 and 15
+  const uint32_t m = magnitude >= 0 ? word << magnitude : word >> -magnitude;
+  return (m & 0x01C001C0u) | ((word << sign) & 0x80008000u);
 }
 
 constexpr uint32_t E4M3_BIAS = 0x7B807B80u;  // 2^120 twice
@@ -336,7 +356,8 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
 #pragma unroll
         for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), x_map, k0 + a * ATOM, m0, bar);
         tma_load(stage + S::x_bytes, w_map, k0 / STEP * W::code_bytes, n0, bar);
-        tma_load(stage + S::x_bytes + S::w_bytes, s_map, n0, k0 / W::block, bar);
+        if constexpr (W::row_major_scales) tma_load(stage + S::x_bytes + S::w_bytes, s_map, k0 / W::block / 16 * 16, n0, bar);
+        else tma_load(stage + S::x_bytes + S::w_bytes, s_map, n0, k0 / W::block, bar);
       }
     }
     return;
@@ -350,9 +371,9 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
 
   // The register operand of a step: k16 slice kk's fragment a[kk] (rows r0, r0 + 8 at the columns
   // 2t, 2t + 1, then at 2t + 8, 2t + 9). The stage's codes lie row-major, as the TMA copied them.
-  auto decode = [&](int buffer, uint32_t (&a)[SLICES][4]) {
+  auto decode = [&](int buffer, int step, uint32_t (&a)[SLICES][4]) {
     const uint8_t* codes = base_ptr + buffer * S::bytes + S::x_bytes;
-    const uint8_t* scales = codes + S::w_bytes;
+    const uint8_t* scales = codes + S::w_bytes + (W::row_major_scales ? step * W::scale_bytes % 16 : 0);
     if constexpr (F == MXFP8) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -364,10 +385,8 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
           const uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              a[4 * c + s][2 * half + h] = bf16_product(bf16_product(e4m3_bits(words[s], half), E4M3_BIAS), scale);
-            }
+            a[4 * c + s][h] = bf16_product(bf16_product(e4m3_bits<0>(words[s]), E4M3_BIAS), scale);  // columns 2t, 2t + 1
+            a[4 * c + s][2 + h] = bf16_product(bf16_product(e4m3_bits<1>(words[s]), E4M3_BIAS), scale);  // 2t + 8, 2t + 9
           }
         }
       }
@@ -379,12 +398,14 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
         for (int c = 0; c < ATOMS; ++c) {
           const int unit = c * 4 + t;  // 8 bytes: 16 codes
           const uint2 q = *reinterpret_cast<const uint2*>(codes + r * W::code_bytes + unit * 8);
-          const uint32_t scale = e4m3_scale_pair(scales[unit * ROWS + r]);
+          const uint32_t scale = e4m3_scale_pair(scales[r * W::scale_row + unit]);
           const uint32_t words[2] = {q.x, q.y};
 #pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            a[4 * c + s][h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2)), E2M1_BIAS), scale);
-            a[4 * c + s][2 + h] = bf16_product(bf16_product(e2m1_bits(words[s / 2], 2 * (s % 2) + 1), E2M1_BIAS), scale);
+          for (int w = 0; w < 2; ++w) {  // codes p and p + 4 of word w: slice p, columns 2t, 2t + 1 (+ 8 for w = 1)
+            a[4 * c + 0][2 * w + h] = bf16_product(bf16_product(e2m1_bits<0>(words[w]), E2M1_BIAS), scale);
+            a[4 * c + 1][2 * w + h] = bf16_product(bf16_product(e2m1_bits<1>(words[w]), E2M1_BIAS), scale);
+            a[4 * c + 2][2 * w + h] = bf16_product(bf16_product(e2m1_bits<2>(words[w]), E2M1_BIAS), scale);
+            a[4 * c + 3][2 * w + h] = bf16_product(bf16_product(e2m1_bits<3>(words[w]), E2M1_BIAS), scale);
           }
         }
       }
@@ -400,7 +421,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
   // written while any is in flight), and the stage is then given back.
   uint32_t a[SLICES][4], next[SLICES][4];
   barrier_wait(full, 0);
-  decode(0, a);
+  decode(0, first, a);
 #pragma unroll 1
   for (int j = 0; j < count; ++j) {
     const uint32_t x_stage = base + (j % STAGES) * S::bytes;
@@ -413,7 +434,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
     wgmma_commit();
     if (j + 1 < count) {
       barrier_wait(full + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
-      decode((j + 1) % STAGES, next);
+      decode((j + 1) % STAGES, first + j + 1, next);
     }
     wgmma_wait<0>();
     barrier_arrive(empty + 8 * (j % STAGES));
@@ -494,9 +515,10 @@ __global__ void mixed_operand_kernel(const uint8_t* codes, const uint8_t* scales
   }
   __nv_bfloat16* atom = out + static_cast<int64_t>(row) * k + group / 4 * ATOM;
 #pragma unroll
-  for (int j = 0; j < 16; j += 2) {
-    const int at = permuted(group % 4 * 16 + j);
-    *reinterpret_cast<__nv_bfloat162*>(atom + at) = __floats2bfloat162_rn(v[j], v[j + 1]);
+  for (int j = 0; j < 16; ++j) {
+    if (j % (2 * PAIRED<F>) >= PAIRED<F>) continue;  // the pair's second value
+    const int at = permuted<F>(group % 4 * 16 + j);
+    *reinterpret_cast<__nv_bfloat162*>(atom + at) = __floats2bfloat162_rn(v[j], v[j + PAIRED<F>]);
   }
 }
 
@@ -591,8 +613,11 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
                                        CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap w_map = tensor_map(args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
                                        ROWS, W::code_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const CUtensorMap s_map = tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
-                                       W::scale_bytes, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap s_map = W::row_major_scales
+                                ? tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k / W::block, args.s_stride,
+                                             ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
+                                : tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
+                                             W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
   mixed_gemm_kernel<F, TOKENS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
   check_launch("mixed_gemm");
 }
@@ -607,11 +632,14 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               x.sizes(), " strides ", x.strides());
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   check_codes(w, format, k, "w");
-  TORCH_CHECK(w_scale.dim() == 2 && w_scale.element_size() == 1 && w_scale.size(0) == scale_blocks(format, k) &&
-                  w_scale.size(1) == n && w_scale.stride(1) == 1 && w_scale.stride(0) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(w_scale.data_ptr()) % 16 == 0 && w_scale.device() == w.device(),
-              "graphquant.mixed_gemm: w's ", format_name(format), " scales must lie block-major, (", scale_blocks(format, k), ", ", n,
-              ") bytes with rows 16-byte aligned, got ", w_scale.scalar_type(), " ", w_scale.sizes(), " strides ", w_scale.strides());
+  const bool row_major_scales = format == NVFP4;  // Weight::row_major_scales
+  const int64_t scale_rows = row_major_scales ? n : scale_blocks(format, k), scale_cols = row_major_scales ? scale_blocks(format, k) : n;
+  TORCH_CHECK(w_scale.dim() == 2 && w_scale.element_size() == 1 && w_scale.size(0) == scale_rows && w_scale.size(1) == scale_cols &&
+                  w_scale.stride(1) == 1 && w_scale.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(w_scale.data_ptr()) % 16 == 0 &&
+                  w_scale.device() == w.device(),
+              "graphquant.mixed_gemm: w's ", format_name(format), " scales must lie ", row_major_scales ? "row-major" : "block-major", ", (",
+              scale_rows, ", ", scale_cols, ") bytes with rows 16-byte aligned, got ", w_scale.scalar_type(), " ", w_scale.sizes(), " strides ",
+              w_scale.strides());
   TORCH_CHECK(x.numel() < (int64_t{1} << 31) && w.numel() < (int64_t{1} << 31),
               "graphquant.mixed_gemm takes operands of fewer than 2^31 elements, got x ", x.sizes(), " and w ", w.sizes());
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
@@ -677,7 +705,7 @@ void register_mixed_gemm(pybind11::module_& m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("format"), pybind11::arg("k"));
   m.def("mixed_gemm", &gq::mixed_gemm,
         "out (m, n) = alpha * (x @ w^T) + bias for x = mixed_operand's bf16 values (m, k) and an MXFP8 (format 0) or NVFP4 "
-        "(1) weight w (n, k) (codes; block scales block-major, (k / block, n)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
+        "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
         "split's added in order), alpha (one float32, optional) and bias (n bf16 or float16, optional) before one rounding "
         "to out_dtype; tokens: the rows of x a CTA multiplies (64, 128 or 256); splits: K's split (0: chosen for the SMs)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("alpha"),

@@ -247,7 +247,7 @@ DECODE_GEMMS = () if triton_decode is None else (
     ),
 )
 
-# graphquant's CUDA GEMM of an MXFP8 weight decoded in registers as the register operand of
+# graphquant's CUDA GEMM of an MXFP8 or NVFP4 weight decoded in registers as the register operand of
 # Hopper's bf16 wgmma (graphquant.kernels.mixed_input), where the extension has it: the weight's
 # bytes read once, as stored, between the decode GEMM's rows (one tile of A, its tensor cores
 # waiting for its decoding) and the emulation's (the whole weight dequantized into memory each
@@ -256,7 +256,7 @@ DECODE_GEMMS = () if triton_decode is None else (
 MIXED_INPUT_GEMM = NativeGemm(
     mixed_input.BACKEND,
     mixed_input.PLANNED_FAMILIES,
-    BOTH_E4M3,
+    mixed_input.ELEMENTS,
     1,
     lambda sm: sm == (9, 0),
     max_rows=tuple((pair, mixed_input.MAX_ROWS) for pair in mixed_input.PLANNED_FAMILIES),

@@ -21,14 +21,13 @@ from graphquant.quantizers import Representation
 BACKEND = "wgmma mixed-input gemm"
 FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format number
 K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must be a multiple
-# The rows of A the plan gives it, for MXFP8 (the pair it runs faster than the alternatives,
-# benchmarks/NOTES.md, decode_gemm.py): from 17 (to 16 the decode GEMM is as fast, and its
-# one-row programs faster) to 512 (from about 1024 the emulation's bf16 GEMM is as fast or
-# faster: the products set the pace). NVFP4's decoding costs more instructions a value and ran
-# slower than the decode GEMM or the emulation at most row counts, so the plan leaves NVFP4 to them.
-PLANNED_FAMILIES = frozenset({("mxfp8", "mxfp8")})
+# The rows of A the plan gives it, for MXFP8 and NVFP4 alike (benchmarks/NOTES.md, decode_gemm.py):
+# from 17 (to 16 the decode GEMM is as fast, and at NVFP4 faster) to 1024 (from 2048 the
+# emulation's bf16 GEMM was as fast: the products set the pace there).
+PLANNED_FAMILIES = frozenset({("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")})
+ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
 MIN_ROWS = 17
-MAX_ROWS = 512
+MAX_ROWS = 1024
 
 
 def extension_runs(device: torch.device) -> bool:
@@ -37,12 +36,16 @@ def extension_runs(device: torch.device) -> bool:
     return ext is not None and hasattr(ext, "mixed_gemm") and 90 in getattr(ext, "cuda_archs", ())
 
 
-def permuted(k: int) -> int:
+def permuted(k: int, family: str) -> int:
     """Where the kernel reads x's value of K offset ``k`` within its 64-wide atom (mixed_gemm.cu's
     ``permuted``): thread t of a quad decodes the weight's K 16t..16t+15, which the wgmma's
-    register fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of each k16 slice."""
-    t, s, i = k // 16, k % 16 // 4, k % 4
-    return 16 * s + 2 * t + (i & 1) + 8 * (i >> 1)
+    register fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of each k16 slice, a bf16 pair the two
+    values one decoding step makes: MXFP8's bytes (0 2)(1 3) of a word, NVFP4's nibbles (0 4)(1 5)...
+    of a word."""
+    t, i = divmod(k, 16)
+    if family == "mxfp8":
+        return 16 * (i // 4) + 2 * t + 8 * (i & 1) + (i >> 1) % 2
+    return 16 * (i % 4) + 2 * t + 8 * (i // 8) + (i // 4) % 2
 
 
 def _family(rep: Representation) -> str:
@@ -66,13 +69,13 @@ def gemm(
     m, k = a.shape
     fmt = FORMATS[family]
     x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
-    # The kernel copies a block's scales of 16 consecutive rows at once: MXFP8's lie so (where the
-    # weight's rows are a multiple of 16), NVFP4's row-major.
-    w_scale = _bytes(b.scale).t()
+    # The kernel copies a block's scales as each format's representation lays them (MXFP8's
+    # block-major, NVFP4's row-major), by TMA, whose rows must be 16-byte aligned.
+    w_scale = _bytes(b.scale).t() if family == "mxfp8" else _bytes(b.scale)
     if w_scale.stride(1) != 1 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:
-        blocks, n = w_scale.shape
-        padded = torch.empty(blocks, -(-n // 16) * 16, dtype=torch.uint8, device=w_scale.device)
-        w_scale = padded[:, :n].copy_(w_scale)
+        rows, cols = w_scale.shape
+        padded = torch.empty(rows, -(-cols // 16) * 16, dtype=torch.uint8, device=w_scale.device)
+        w_scale = padded[:, :cols].copy_(w_scale)
     factors = [f.float() for f in (a.quantizer.emulated_factor(a), b.quantizer.emulated_factor(b)) if f is not None]
     if any(f.numel() != 1 for f in factors):
         raise ValueError(f"{BACKEND} applies one factor to the product, not a factor per row ({a.quantizer} x {b.quantizer})")
