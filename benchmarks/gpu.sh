@@ -32,7 +32,7 @@ for i in "${!steps[@]}"; do
     host) python3 benchmarks/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     inference) python3 benchmarks/inference_weights.py 2>&1 | tee "$OUT/inference_weights.txt" ;;
     decode) python3 benchmarks/decode_gemm.py 2>&1 | tee "$OUT/decode_gemm.txt" ;;
-    mixed) # the mixed-input wgmma GEMM (MXFP8's middle rows on Hopper): its tests, then MXFP8 and NVFP4 beside the plan's GEMMs
+    mixed) # the mixed-input wgmma GEMM (MXFP8's and NVFP4's middle rows on Hopper): its tests, then both formats beside bf16 and the decode GEMM
            python3 -m pytest -q tests/test_mixed_gemm_gpu.py 2>&1 | tee "$OUT/mixed_tests.log" | tail -5
            python3 benchmarks/decode_gemm.py --rows 16,64,128,512,2048 --formats mxfp8,nvfp4 --weights 14336x4096,4096x14336 2>&1 | tee "$OUT/mixed_gemm.txt" ;;
     attention) python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt" ;;

@@ -35,7 +35,7 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
-    # The mixed-input MXFP8 GEMM (where the extension has it), at a static m of 17 to 512 rows.
+    # The mixed-input GEMM (where the extension has it), at a static m of 17 to 1024 rows (MXFP8 here, NVFP4 too).
     mixed_input.BACKEND: recipes.mxfp8_block_scaling(),
 }
 # The GEMMs that need m known when the plan is made (NativeGemm.max_rows).
