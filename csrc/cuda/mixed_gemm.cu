@@ -416,34 +416,35 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
 #pragma unroll
   for (int i = 0; i < TOKENS / 2; ++i) acc[i] = 0.f;
 
-  // Step j's wgmmas run while step j + 1 is decoded into other registers; they retire before those
-  // are moved into the operand's (ptxas serializes every wgmma where a register feeding one is
-  // written while any is in flight), and the stage is then given back.
-  uint32_t a[SLICES][4], next[SLICES][4];
-  barrier_wait(full, 0);
-  decode(0, first, a);
-#pragma unroll 1
-  for (int j = 0; j < count; ++j) {
+  // Step j's wgmmas run while step j + 1 is decoded into the other register set (ptxas serializes
+  // every wgmma where a register feeding one is written while any is in flight); they retire
+  // before the stage is given back, and the sets trade roles each step (the loop unrolled twice,
+  // so that no step copies its successor's operand into place).
+  uint32_t even[SLICES][4], odd[SLICES][4];
+  auto step = [&](int j, uint32_t (&operand)[SLICES][4], uint32_t (&successor)[SLICES][4]) {
     const uint32_t x_stage = base + (j % STAGES) * S::bytes;
     uint64_t descriptors[SLICES];
 #pragma unroll
     for (int kk = 0; kk < SLICES; ++kk) descriptors[kk] = descriptor(x_stage + (kk / 4) * (TOKENS * 128) + (kk % 4) * 32);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < SLICES; ++kk) Wgmma<TOKENS>::mma(acc, a[kk], descriptors[kk]);
+    for (int kk = 0; kk < SLICES; ++kk) Wgmma<TOKENS>::mma(acc, operand[kk], descriptors[kk]);
     wgmma_commit();
     if (j + 1 < count) {
       barrier_wait(full + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
-      decode((j + 1) % STAGES, first + j + 1, next);
+      decode((j + 1) % STAGES, first + j + 1, successor);
     }
     wgmma_wait<0>();
     barrier_arrive(empty + 8 * (j % STAGES));
 #pragma unroll
-    for (int kk = 0; kk < SLICES; ++kk) {
-      keep(a[kk]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[kk][i] = next[kk][i];
-    }
+    for (int kk = 0; kk < SLICES; ++kk) keep(operand[kk]);
+  };
+  barrier_wait(full, 0);
+  decode(0, first, even);
+#pragma unroll 1
+  for (int j = 0; j < count; j += 2) {
+    step(j, even, odd);
+    if (j + 1 < count) step(j + 1, odd, even);
   }
   keep(acc);
 
