@@ -15,9 +15,9 @@
 // Layout: a CTA multiplies 128 weight rows (two warpgroups of 64, the wgmma's register operand) by
 // TOKENS rows of x (the shared-memory operand, 128-byte swizzled) over K steps of 128 (64 for 256
 // rows of x), through stages a third warpgroup fills by TMA. Each thread decodes 16 consecutive K
-// of each of its two rows an atom (64 K),
-// which the register operand's fragment wants in the order (0 1 8 9)(2 3 10 11)... per thread, so
-// x's values are stored with each 64-wide atom permuted to match (mixed_operand writes them so).
+// of each of its two rows an atom (64 K) into the register operand's fragment, two codes of a word
+// a bf16 pair (permuted), so x's values are stored with each 64-wide atom permuted to match
+// (mixed_operand writes them so).
 //
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
