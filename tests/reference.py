@@ -741,6 +741,18 @@ def cuda_graph_replays(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, scale
         yield scale, replayed
 
 
+def emulated_stand_in(rows: list[int]) -> Callable:
+    """A stand-in, on this CPU, for a skinny GEMM's ``gemm(a, b, out_dtype, bias)`` (the decode
+    GEMM's, the mixed-input GEMM's): the emulated product, each call's rows of A added to ``rows``."""
+    from graphquant.kernels import emulation
+
+    def stand_in(a, b, out_dtype, bias=None):
+        rows.append(a.shape[0])
+        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    return stand_in
+
+
 class DecodeCalls(list):
     """The A operand of each GEMM the faked decode GEMM ran (``hopper_on_cpu``), in order, and in
     ``launches`` how many GEMMs each of its launches ran (two where they read one A)."""

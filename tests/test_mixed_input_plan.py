@@ -6,10 +6,11 @@ formats and shapes elsewhere, each with the reason in the plan. The kernel's num
 
 import pytest
 import torch
+from reference import emulated_stand_in
 
 import graphquant
 from graphquant import recipes
-from graphquant.kernels import backends, emulation, mixed_input
+from graphquant.kernels import backends, mixed_input
 from graphquant.kernels.backends import GemmBackend
 from graphquant.quantizers import COLUMNWISE, ROWWISE, MXFP8Quantizer, NVFP4Quantizer
 
@@ -73,12 +74,7 @@ def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
     reaching it with its rows (stood in for by the emulated GEMM on this CPU); at 2048 rows not."""
     rows = []
-
-    def stand_in(a, b, out_dtype, bias=None):
-        rows.append(a.shape[0])
-        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
-
-    monkeypatch.setattr(mixed_input, "gemm", stand_in)
+    monkeypatch.setattr(mixed_input, "gemm", emulated_stand_in(rows))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
     compiled = graphquant.compile(model.to(torch.bfloat16), recipe(), mode="inference", backend="aot_eager", dynamic=False)

@@ -679,15 +679,10 @@ def test_a_frozen_model_plans_the_decode_gemm_at_middle_rows(hopper, monkeypatch
     in for by the emulated GEMM on this CPU); at 2048 rows the emulation, and the dump says why."""
     import graphquant
     from graphquant import recipes
-    from graphquant.kernels import emulation
+    from reference import emulated_stand_in
 
     rows = []
-
-    def stand_in(a, b, out_dtype, bias=None):
-        rows.append(a.shape[0])
-        return emulation.gemm(a, b, 1, out_dtype, bias)[0]
-
-    monkeypatch.setattr(hopper, "gemm", stand_in)
+    monkeypatch.setattr(hopper, "gemm", emulated_stand_in(rows))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 128, bias=False))
     compiled = graphquant.compile(model.to(torch.bfloat16), getattr(recipes, recipe)(), mode="inference", backend="aot_eager", dynamic=False)
