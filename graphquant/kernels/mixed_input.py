@@ -24,7 +24,7 @@ K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must
 # The rows of A the plan gives it, for MXFP8 and NVFP4 alike (benchmarks/NOTES.md, decode_gemm.py):
 # from 17 (to 16 the decode GEMM is as fast, and at NVFP4 faster) to 1024 (from 2048 the
 # emulation's bf16 GEMM was as fast: the products set the pace there).
-PLANNED_FAMILIES = frozenset({("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")})
+PLANNED_FAMILIES = frozenset((family, family) for family in FORMATS)
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
 MIN_ROWS = 17
 MAX_ROWS = 1024
