@@ -71,8 +71,8 @@ def excess(
     if config is not None:
         out = triton_decode.gemm(a, b, out_dtype, bias, config)
     elif device == "cuda":  # on the CPU the kernel is called as the GPU's selection would
-        # Where graphquant's extension has the mixed-input GEMM, the plan gives it MXFP8's middle
-        # rows; the decode GEMM runs them where it has not.
+        # Where graphquant's extension has the mixed-input GEMM, the plan gives it MXFP8's and
+        # NVFP4's middle rows; the decode GEMM runs them where it has not.
         decode = GemmBackend(triton_decode.BACKEND)
         selection = backends.select(qa, ROWWISE, qb, direction, torch.device(device), (m, n, k))
         assert selection.backend in (decode, GemmBackend(backends.mixed_input.BACKEND)), selection
@@ -629,7 +629,7 @@ def test_mxfp8_decode_kernel_reads_16_byte_words_and_decodes_them_with_integer_i
 @pytest.fixture
 def hopper(monkeypatch):
     """backends.select on a CUDA device of capability 9.0 (faked) without graphquant's mixed-input
-    GEMM (which takes MXFP8's middle rows where it is built: tests/test_mixed_input_plan.py), what
+    GEMM (which takes MXFP8 and NVFP4 middle rows where it is built: tests/test_mixed_input_plan.py), what
     it worked out forgotten around."""
     if not backends.DECODE_GEMMS:
         pytest.skip("no Triton: no decode GEMM")
