@@ -10,7 +10,8 @@
 // times its E4M3 block scale) is one correctly rounded bf16 product, exact where it is a bf16
 // number, as graphquant.kernels.emulation's values are; the sums are fp32 (the tensor cores'
 // order, and a K split's partial sums added in split order, so repeated calls give the same bits);
-// alpha (NVFP4's global factors) and the bias are applied to the fp32 sum before its one rounding.
+// alpha (NVFP4's global factors, each amax / divisor rounded once, their product rounded once, made
+// here from the operands' amaxes) and the bias are applied to the fp32 sum before its one rounding.
 //
 // Layout: a CTA multiplies 128 weight rows (two warpgroups of 64, the wgmma's register operand) by
 // TOKENS rows of x (the shared-memory operand, 128-byte swizzled) over K steps of 128 (64 for 256
@@ -233,7 +234,8 @@ struct Args {
   const __nv_bfloat16* x;
   void* out;
   float* partial;  // (splits, m, n) fp32 where K is split, else null
-  const float* alpha;
+  const float *a_amax, *w_amax;  // NVFP4's global amaxes (alpha's), or null: no alpha
+  float divisor;
   const void* bias;
   int64_t w_stride, s_stride, x_stride;  // bytes, bytes, elements
   int m, n, k, steps_per_split, out_kind, bias_kind;
@@ -248,9 +250,15 @@ __device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __
 __device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
 
+// The product's factor: (a_amax / divisor) * (w_amax / divisor), each step rounded once, as
+// graphquant.formats.nvfp4.global_decode and the emulated GEMM's alpha make it.
+__device__ __forceinline__ float alpha_of(const Args& args) {
+  return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*args.w_amax, args.divisor));
+}
+
 // alpha * sum (+ bias), rounded once to the output's dtype.
 __device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum) {
-  float v = args.alpha != nullptr ? sum * *args.alpha : sum;
+  float v = args.a_amax != nullptr ? sum * alpha_of(args) : sum;
   if (args.bias != nullptr) v += bias_value(args, row);
   if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
   else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
@@ -458,8 +466,8 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
     return;
   }
   Scaling scaling;
-  scaling.has_alpha = args.alpha != nullptr;
-  scaling.alpha = scaling.has_alpha ? *args.alpha : 1.f;
+  scaling.has_alpha = args.a_amax != nullptr;
+  scaling.alpha = scaling.has_alpha ? alpha_of(args) : 1.f;
   scaling.has_bias = args.bias != nullptr;
 #pragma unroll
   for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < args.n ? bias_value(args, rows[h]) : 0.f;
@@ -624,7 +632,8 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
 }
 
 at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
-                      const std::optional<at::Tensor>& alpha, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                      const std::optional<at::Tensor>& a_amax, const std::optional<at::Tensor>& w_amax, double divisor,
+                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                       int64_t tokens, int64_t splits) {
   check_device(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
@@ -645,8 +654,11 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               "graphquant.mixed_gemm takes operands of fewer than 2^31 elements, got x ", x.sizes(), " and w ", w.sizes());
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.mixed_gemm writes bfloat16, float16 or float32, not ", out_dtype);
-  TORCH_CHECK(!alpha || (alpha->scalar_type() == at::kFloat && alpha->numel() == 1 && alpha->device() == w.device()),
-              "graphquant.mixed_gemm: alpha must be one float32 on w's device");
+  TORCH_CHECK(a_amax.has_value() == w_amax.has_value(), "graphquant.mixed_gemm takes both operands' amaxes or neither");
+  for (const auto* amax : {&a_amax, &w_amax}) {
+    TORCH_CHECK(!*amax || ((*amax)->scalar_type() == at::kFloat && (*amax)->numel() == 1 && (*amax)->device() == w.device()),
+                "graphquant.mixed_gemm: an amax must be one float32 on w's device");
+  }
   TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
                         bias->is_contiguous() && bias->device() == w.device()),
               "graphquant.mixed_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on w's device");
@@ -670,7 +682,9 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
             static_cast<const __nv_bfloat16*>(x.data_ptr()),
             out.data_ptr(),
             splits > 1 ? partial.data_ptr<float>() : nullptr,
-            alpha ? alpha->data_ptr<float>() : nullptr,
+            a_amax ? a_amax->data_ptr<float>() : nullptr,
+            w_amax ? w_amax->data_ptr<float>() : nullptr,
+            static_cast<float>(divisor),
             bias ? bias->data_ptr() : nullptr,
             w.stride(0),
             w_scale.stride(0),
@@ -707,8 +721,9 @@ void register_mixed_gemm(pybind11::module_& m) {
   m.def("mixed_gemm", &gq::mixed_gemm,
         "out (m, n) = alpha * (x @ w^T) + bias for x = mixed_operand's bf16 values (m, k) and an MXFP8 (format 0) or NVFP4 "
         "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
-        "split's added in order), alpha (one float32, optional) and bias (n bf16 or float16, optional) before one rounding "
+        "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
+        "each, optional) and bias (n bf16 or float16, optional) before one rounding "
         "to out_dtype; tokens: the rows of x a CTA multiplies (64, 128 or 256); splits: K's split (0: chosen for the SMs)",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("alpha"),
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amax"), pybind11::arg("divisor"),
         pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"));
 }

@@ -17,6 +17,7 @@ BLOCK_LEN = 16
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+GLOBAL_DIVISOR = E4M3_MAX * E2M1_MAX  # the global decode factor is amax / GLOBAL_DIVISOR (global_decode)
 FLT_MAX = torch.finfo(torch.float32).max
 
 # E2M1 magnitudes by code (bits 0-2); bit 3 is the sign.
@@ -207,7 +208,7 @@ def quantize(
     absx = xf.abs()
     vec_max = _tile_amax(absx, tile_rows)
     amax = global_amax(xf, row_scaled=row_scaled) if amax is None else amax
-    s_enc = torch.minimum(torch.div(_const(E4M3_MAX * E2M1_MAX, amax), amax), _const(FLT_MAX, amax))
+    s_enc = torch.minimum(torch.div(_const(GLOBAL_DIVISOR, amax), amax), _const(FLT_MAX, amax))
     s_enc = torch.where((s_enc == 0) | (amax == 0), _const(1.0, amax), s_enc)
     s_dec = torch.div(_const(1.0, s_enc), s_enc)
     mult = s_enc * _const(1.0 / 6.0, s_enc)  # fp32(1/6) = 0x3E2AAAAB
@@ -231,7 +232,7 @@ def global_decode(amax: torch.Tensor) -> torch.Tensor:
     """The global decode factor amax / (448 * 6), one correctly rounded fp32 division (a divisor
     given as a Python float may become a multiply by its reciprocal on the GPU)."""
     amax = amax.float()
-    return torch.div(amax, _const(E4M3_MAX * E2M1_MAX, amax))
+    return torch.div(amax, _const(GLOBAL_DIVISOR, amax))
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu)
 K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
 stored; x's values are made first by graphquant._C.mixed_operand, in the order the kernel reads.
 The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
-the formats' scalar factors as alpha, the bias before the one rounding.
+NVFP4's global factors as alpha (made in the kernel from the amaxes, so that a call launches
+nothing for it), the bias before the one rounding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.formats import nvfp4
 from graphquant.kernels import native
 from graphquant.quantizers import Representation
 
@@ -76,9 +78,7 @@ def gemm(
         rows, cols = w_scale.shape
         padded = torch.empty(rows, -(-cols // 16) * 16, dtype=torch.uint8, device=w_scale.device)
         w_scale = padded[:, :cols].copy_(w_scale)
-    factors = [f.float() for f in (a.quantizer.emulated_factor(a), b.quantizer.emulated_factor(b)) if f is not None]
-    if any(f.numel() != 1 for f in factors):
-        raise ValueError(f"{BACKEND} applies one factor to the product, not a factor per row ({a.quantizer} x {b.quantizer})")
-    alpha = None if not factors else (factors[0] * factors[1] if len(factors) == 2 else factors[0]).reshape(1)
+    # NVFP4's global amaxes, one a tensor (a factor a row is another family, nvfp4_row_scaled).
+    amaxes = (a.amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
     tokens = tokens or (64 if m <= 64 else 128 if m <= 128 else 256)
-    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, alpha, bias, out_dtype, tokens, splits)
+    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits)

@@ -104,7 +104,7 @@ class _Layout(NamedTuple):
 FP8_CODES, BF16_VALUES, F16_VALUES = 0, 1, 2
 NO_FACTOR, TENSOR_FACTOR, ROW_FACTOR = 0, 1, 2
 
-_NVFP4_DIVISOR = nvfp4.E4M3_MAX * nvfp4.E2M1_MAX  # nvfp4.global_decode: amax / 2688, one IEEE division
+_NVFP4_DIVISOR = nvfp4.GLOBAL_DIVISOR  # nvfp4.global_decode: amax / 2688, one IEEE division
 
 LAYOUTS = {
     "fp8_tensorwise": _Layout(FP8_CODES, (0, 0), TENSOR_FACTOR, False, 1.0),
