@@ -256,9 +256,9 @@ __device__ __forceinline__ float alpha_of(const Args& args) {
   return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*args.w_amax, args.divisor));
 }
 
-// alpha * sum (+ bias), rounded once to the output's dtype.
-__device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum) {
-  float v = args.a_amax != nullptr ? sum * alpha_of(args) : sum;
+// alpha * sum (+ bias), rounded once to the output's dtype (alpha 1 where there is none: exact).
+__device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum, float alpha) {
+  float v = sum * alpha;
   if (args.bias != nullptr) v += bias_value(args, row);
   if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
   else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
@@ -480,10 +480,11 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
 // The K split's partial sums added in split order, then alpha, the bias and the one rounding.
 __global__ void mixed_reduce_kernel(const Args args, int splits) {
   const int64_t total = static_cast<int64_t>(args.m) * args.n;
+  const float alpha = args.a_amax != nullptr ? alpha_of(args) : 1.f;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float sum = args.partial[i];
     for (int s = 1; s < splits; ++s) sum += args.partial[s * total + i];
-    finish(args, i, static_cast<int>(i % args.n), sum);
+    finish(args, i, static_cast<int>(i % args.n), sum, alpha);
   }
 }
 
