@@ -9,7 +9,8 @@ GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 128; past th
 GEMM the plan picks, fast accumulation allowed, as "plan"; MXFP8 and NVFP4 also on the mixed-input
 wgmma GEMM, graphquant.kernels.mixed_input, where the extension runs), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed), and for the FP8 formats the GEMM that quantizes the bf16 activation itself
+timed, nor the mixed-input GEMM's bf16 values of it, which a graph's Inductor kernels make), and
+for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
 GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
@@ -95,13 +96,19 @@ def main() -> None:
                 a = qa(x, columnwise=False).get(ROWWISE)
                 b = qb(w, columnwise=False).get(ROWWISE)
                 plan = backends.select(qa, ROWWISE, qb, ROWWISE, x.device, (m, n, k), 1, fast_accumulation=True)
+                mixed = qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device)
+                # x's values for the mixed-input GEMM made beforehand, as a graph makes them in x's quantize
+                values, amax = (mixed_input.operand(a), mixed_input.a_amax(a)) if mixed else (None, None)
+                planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
                 if plan.backend.native not in backends.DECODE_GEMMS:
                     key = f"plan {name}: {plan.backend}"
-                    fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
+                    if planned_mixed:
+                        fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name)
+                    else:
+                        fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
                     weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
-                planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
-                if qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device) and not planned_mixed:
-                    fns[f"wgmma mixed-input {name}"] = lambda a=a, b=b: mixed_input.gemm(a, b, torch.bfloat16)
+                if mixed and not planned_mixed:
+                    fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, b, torch.bfloat16)
                     weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
                 if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
                     continue

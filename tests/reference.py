@@ -742,13 +742,37 @@ def cuda_graph_replays(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, scale
 
 
 def emulated_stand_in(rows: list[int]) -> Callable:
-    """A stand-in, on this CPU, for a skinny GEMM's ``gemm(a, b, out_dtype, bias)`` (the decode
-    GEMM's, the mixed-input GEMM's): the emulated product, each call's rows of A added to ``rows``."""
+    """A stand-in, on this CPU, for the decode GEMM's ``gemm(a, b, out_dtype, bias)``: the emulated
+    product, each call's rows of A added to ``rows``."""
     from graphquant.kernels import emulation
 
     def stand_in(a, b, out_dtype, bias=None):
         rows.append(a.shape[0])
         return emulation.gemm(a, b, 1, out_dtype, bias)[0]
+
+    return stand_in
+
+
+def mixed_input_stand_in(rows: list[int]) -> Callable:
+    """A stand-in, on this CPU, for the mixed-input GEMM's ``multiply(values, a_amax, b, out_dtype,
+    bias)``: the kernel's numerics (x's values put back in K order, fp32 sums, NVFP4's alpha, the
+    bias, one rounding), each call's rows of A added to ``rows``."""
+    from graphquant.formats import nvfp4
+    from graphquant.kernels import mixed_input
+
+    def stand_in(values, a_amax, b, out_dtype, bias=None):
+        rows.append(values.shape[0])
+        family = b.quantizer.gemm_input(b.direction).family
+        k = values.shape[1]
+        where = mixed_input.atoms_permuted(torch.arange(k).reshape(1, k), family)[0]  # the source K of each position
+        x = torch.empty_like(values)
+        x[:, where] = values
+        product = x.float() @ b.quantizer.emulated_values(b).float().t()
+        if a_amax is not None:
+            product = product * (nvfp4.global_decode(a_amax) * nvfp4.global_decode(b.amax))
+        if bias is not None:
+            product = product + bias.float()
+        return product.to(out_dtype)
 
     return stand_in
 

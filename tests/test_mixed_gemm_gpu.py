@@ -2,7 +2,8 @@
 registers on Hopper's bf16 tensor cores, against the float64 product of the reference's values:
 the bound is fp32 accumulation's (the emulation's numerics, summed in another order), at row
 counts and shapes that leave partial tiles of rows, of tokens and of the weight's block scales,
-split K or not; and x's values as the kernel reads them, bit for bit against the reference's."""
+split K or not (x's values in the kernel's order, mixed_input.operand, are tested on the CPU:
+tests/test_mixed_input_plan.py)."""
 
 import pytest
 import torch
@@ -56,14 +57,3 @@ def test_mixed_gemm_writes_bf16_and_repeats_its_bits(name):
     assert torch.equal(first, mixed_input.gemm(a, b, torch.bfloat16))
     emulated = (a.gemm_operand(torch.float64) @ b.gemm_operand(torch.float64).t()).to(torch.bfloat16)
     assert (first.double() - emulated.double()).abs().max().item() <= 2**-7 * emulated.double().abs().max().item()
-
-
-@needs_sm90
-@pytest.mark.parametrize("name", QUANTIZERS)
-def test_x_values_are_the_reference_values_in_the_kernel_order(name):
-    a, _ = _operands(name, 33, 8, 640)
-    ext = native.extension_for(torch.device("cuda"))
-    values = ext.mixed_operand(a.data.view(torch.uint8), a.scale.view(torch.uint8), mixed_input.FORMATS[name], 640)
-    reference = a.quantizer.emulated_values(a).float().to(torch.bfloat16)  # without NVFP4's global factor, as the kernel
-    order = torch.tensor([atom * 64 + mixed_input.permuted(i, name) for atom in range(10) for i in range(64)], device="cuda")
-    assert torch.equal(values[:, order].view(torch.int16), reference.view(torch.int16))

@@ -1,12 +1,13 @@
 """Where the plan runs graphquant's mixed-input GEMM (graphquant.kernels.mixed_input) on a faked
 Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) and NVFP4 x NVFP4 fprops of 17 to 1024 rows
 whose k is a multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other
-formats and shapes elsewhere, each with the reason in the plan. The kernel's numerics are tested on the GPU
-(tests/test_mixed_gemm_gpu.py); here the call is stood in for by the emulated GEMM."""
+formats and shapes elsewhere, each with the reason in the plan; x's values in the order the kernel
+reads them. The kernel's numerics are tested on the GPU (tests/test_mixed_gemm_gpu.py); here the
+call is stood in for by its numerics in torch (reference.mixed_input_stand_in)."""
 
 import pytest
 import torch
-from reference import emulated_stand_in
+from reference import mixed_input_stand_in
 
 import graphquant
 from graphquant import recipes
@@ -30,6 +31,30 @@ def hopper(monkeypatch):
 
 def _backend(qa, qb, dims, a_direction=ROWWISE, b_direction=ROWWISE):
     return backends.select(qa, a_direction, qb, b_direction, CUDA, dims).backend
+
+
+def _kernel_position(k: int, family: str) -> int:
+    """Where mixed_gemm.cu reads x's value of K offset ``k`` within its 64-wide atom: thread t of a
+    quad decodes the weight's K 16t..16t+15 into fragment columns 2t, 2t+1, 2t+8, 2t+9 of the four
+    k16 slices, a bf16 pair the two values a decoding step makes (MXFP8: bytes (0 2)(1 3) of a
+    word; NVFP4: nibbles (0 4)(1 5)(2 6)(3 7))."""
+    t, i = divmod(k, 16)
+    if family == "mxfp8":
+        return 16 * (i // 4) + 2 * t + 8 * (i & 1) + (i >> 1) % 2
+    return 16 * (i % 4) + 2 * t + 8 * (i // 8) + (i // 4) % 2
+
+
+@pytest.mark.parametrize("q", [MXFP8Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
+def test_x_values_are_the_reference_values_in_the_kernel_order(q):
+    torch.manual_seed(0)
+    a = q(torch.randn(33, 640) * torch.rand(33, 1) * 8, rowwise=True, columnwise=False).get(ROWWISE)
+    values = mixed_input.operand(a)
+    reference = a.quantizer.emulated_values(a).to(torch.bfloat16)  # without NVFP4's global factor, as the kernel
+    family = q.gemm_input(ROWWISE).family
+    order = torch.tensor([atom * 64 + _kernel_position(i, family) for atom in range(10) for i in range(64)])
+    assert values.dtype == torch.bfloat16 and values.is_contiguous()
+    assert torch.equal(values[:, order].view(torch.int16), reference.view(torch.int16))
+    assert torch.equal(a.quantizer.emulated_values(a), reference.float())  # the values are bf16 numbers: exact
 
 
 @pytest.mark.parametrize("q", [MXFP8Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
@@ -74,7 +99,7 @@ def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
     reaching it with its rows (stood in for by the emulated GEMM on this CPU); at 2048 rows not."""
     rows = []
-    monkeypatch.setattr(mixed_input, "gemm", emulated_stand_in(rows))
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in(rows))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
     compiled = graphquant.compile(model.to(torch.bfloat16), recipe(), mode="inference", backend="aot_eager", dynamic=False)

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from reference import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from reference import fresh_dynamo, mixed_input_stand_in  # noqa: F401  (fresh_dynamo: an autouse fixture)
 from test_native_gemm_arguments import Model  # two linears and a matmul of activations, dims of 128 or 256
 
 import graphquant
@@ -64,13 +64,21 @@ def runs(monkeypatch):
     """The dict that each GEMM call adds its "site gemm" label to, with the backend that ran it (a
     native GemmBackend, or EMULATED_RUN); on the CPU the emulated GEMM stands in for a native one."""
     ran, current = {}, []
-    dispatch, native, emulated, mixed = backends.gemm, scaled_mm.run, emulation.gemm, mixed_input.gemm
+    dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
+    mixed_dispatch, mixed = backends.mixed_input_gemm, mixed_input.multiply
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
 
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         current.append(site)
         try:
             return dispatch(a, b, batch, out_dtype, backend, site, bias)
+        finally:
+            current.pop()
+
+    def mixed_input_gemm(values, a_amax, b, out_dtype, site, bias=None):
+        current.append(site)
+        try:
+            return mixed_dispatch(values, a_amax, b, out_dtype, site, bias)
         finally:
             current.pop()
 
@@ -90,9 +98,9 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
-    def mixed_run(a, b, out_dtype, bias=None):
+    def mixed_run(values, a_amax, b, out_dtype, bias=None):
         record(GemmBackend(mixed_input.BACKEND))
-        return mixed(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+        return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, b, out_dtype, bias)
 
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
@@ -102,7 +110,8 @@ def runs(monkeypatch):
         monkeypatch.setattr(triton_decode, "gemm", decode_run)
     monkeypatch.setattr(backends, "gemm", gemm)
     monkeypatch.setattr(scaled_mm, "run", native_run)
-    monkeypatch.setattr(mixed_input, "gemm", mixed_run)
+    monkeypatch.setattr(backends, "mixed_input_gemm", mixed_input_gemm)
+    monkeypatch.setattr(mixed_input, "multiply", mixed_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
     return ran
 

@@ -1,7 +1,7 @@
 // graphquant._C.mixed_gemm: out (m, n) = alpha * (x @ w^T) (+ bias) for an MXFP8 or NVFP4 weight w
 // (n, k) decoded in registers on Hopper's bf16 tensor cores, against x's values (m, k) already
-// dequantized to bf16 by graphquant._C.mixed_operand. Hopper has no tensor core for either format:
-// the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
+// dequantized to bf16 (graphquant.kernels.mixed_input.operand, which a graph fuses into x's
+// quantize). Hopper has no tensor core for either format: the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
 // decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step
 // of its 64 weight rows while the wgmma of this one runs, so the weight's bytes are read once, as
 // stored, and the tensor cores wait less (benchmarks/NOTES.md, decode_gemm.py, has where it stands).
@@ -18,7 +18,7 @@
 // rows of x), through stages a third warpgroup fills by TMA. Each thread decodes 16 consecutive K
 // of each of its two rows an atom (64 K) into the register operand's fragment, two codes of a word
 // a bf16 pair (permuted), so x's values are stored with each 64-wide atom permuted to match
-// (mixed_operand writes them so).
+// (graphquant.kernels.mixed_input.operand writes them so).
 //
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
@@ -77,20 +77,10 @@ struct Stage {
   static constexpr int smem = count * (bytes + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 };
 
-// The position in its 64-wide atom at which the register operand's fragment wants x's value of K
-// offset k within the atom: thread t of a quad decodes K 16t..16t+15, which the fragment holds at
-// columns 2t, 2t + 1, 2t + 8, 2t + 9 of the four k16 slices. Which K share a register (a bf16 pair)
-// is the format's: those its codes' decoding makes together (e4m3_bits, e2m1_bits).
-template <int F>
-__host__ __device__ constexpr int permuted(int k) {
-  const int t = k / 16, i = k % 16;
-  if constexpr (F == MXFP8) return 16 * (i / 4) + 2 * t + 8 * (i & 1) + (i >> 1) % 2;  // word i / 4's bytes (0 2)(1 3)
-  else return 16 * (i % 4) + 2 * t + 8 * (i / 8) + (i / 4) % 2;  // word i / 8's nibbles (0 4)(1 5)(2 6)(3 7)
-}
-
-// The K offsets whose values a bf16 pair of the fragment holds: k and k + PAIRED<F>.
-template <int F>
-constexpr int PAIRED = F == MXFP8 ? 2 : 4;
+// x's values lie with each 64-wide atom permuted (graphquant.kernels.mixed_input.operand): thread t
+// of a quad decodes K 16t..16t+15, which the fragment holds at columns 2t, 2t + 1, 2t + 8, 2t + 9 of
+// the four k16 slices, a bf16 pair the two values one decoding step makes (e4m3_bits: a word's
+// bytes (0 2) and (1 3); e2m1_bits: its nibbles (0 4) ... (3 7)).
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
@@ -488,50 +478,6 @@ __global__ void mixed_reduce_kernel(const Args args, int splits) {
   }
 }
 
-// x's values (m, k) as bf16, each 64-wide atom in the order the register operand's fragment reads
-// (permuted): MXFP8 codes times their E8M0 scales, or NVFP4's E2M1 codes times their E4M3 block
-// scales, each one fp32 product rounded once to bf16 (as graphquant.kernels.triton_dequantize's).
-template <int F>
-__global__ void mixed_operand_kernel(const uint8_t* codes, const uint8_t* scales, __nv_bfloat16* out, int m, int k,
-                                     int64_t c_stride, int64_t s_row_stride, int64_t s_block_stride) {
-  const int groups = k / 16;
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= static_cast<int64_t>(m) * groups) return;
-  const int row = static_cast<int>(i / groups), group = static_cast<int>(i % groups);
-  float v[16];
-  if constexpr (F == MXFP8) {
-    const uint4 q = *reinterpret_cast<const uint4*>(codes + row * c_stride + 16 * group);
-    const uint32_t e = scales[row * s_row_stride + group / 2 * s_block_stride];
-    const float scale = __uint_as_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23);
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      __nv_fp8_e4m3 code;
-      code.__x = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
-      v[j] = static_cast<float>(code) * scale;
-    }
-  } else {
-    const uint2 q = *reinterpret_cast<const uint2*>(codes + row * c_stride + 8 * group);
-    __nv_fp8_e4m3 code;
-    code.__x = scales[row * s_row_stride + group * s_block_stride];
-    const float scale = static_cast<float>(code);
-    const uint32_t words[2] = {q.x, q.y};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const uint32_t nibble = (words[j / 8] >> (4 * (j % 8))) & 0xF, e = (nibble >> 1) & 3, mantissa = nibble & 1;
-      const float magnitude = e == 0 ? 0.5f * mantissa : (1.f + 0.5f * mantissa) * static_cast<float>(1 << (e - 1));
-      v[j] = (nibble & 8 ? -magnitude : magnitude) * scale;
-    }
-  }
-  __nv_bfloat16* atom = out + static_cast<int64_t>(row) * k + group / 4 * ATOM;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (j % (2 * PAIRED<F>) >= PAIRED<F>) continue;  // the pair's second value
-    const int at = permuted<F>(group % 4 * 16 + j);
-    *reinterpret_cast<__nv_bfloat162*>(atom + at) = __floats2bfloat162_rn(v[j], v[j + PAIRED<F>]);
-  }
-}
-
 }  // namespace
 
 const char* format_name(int64_t format) { return format == MXFP8 ? "MXFP8" : "NVFP4"; }
@@ -558,33 +504,6 @@ void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char*
 }
 
 int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
-
-at::Tensor mixed_operand(const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t k) {
-  check_device(codes, "the codes");
-  check_codes(codes, format, k, "x");
-  TORCH_CHECK(scales.dim() == 2 && scales.element_size() == 1 && scales.size(0) == codes.size(0) &&
-                  scales.size(1) == scale_blocks(format, k) && scales.device() == codes.device(),
-              "graphquant.mixed_operand: x's ", format_name(format), " scales must be (", codes.size(0), ", ",
-              scale_blocks(format, k), ") bytes on its device, got ", scales.scalar_type(), " ", scales.sizes());
-  const c10::cuda::CUDAGuard guard(codes.device());
-  const int64_t m = codes.size(0);
-  auto out = at::empty({m, k}, codes.options().dtype(at::kBFloat16));
-  const int64_t work = m * (k / 16);
-  if (work == 0) return out;
-  const int threads = 256;
-  const auto blocks = static_cast<unsigned>((work + threads - 1) / threads);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  auto* data = static_cast<const uint8_t*>(codes.data_ptr());
-  auto* block_scales = static_cast<const uint8_t*>(scales.data_ptr());
-  auto* values = static_cast<__nv_bfloat16*>(out.data_ptr());
-  if (format == MXFP8) {
-    mixed_operand_kernel<MXFP8><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
-  } else {
-    mixed_operand_kernel<NVFP4><<<blocks, threads, 0, stream>>>(data, block_scales, values, m, k, codes.stride(0), scales.stride(0), scales.stride(1));
-  }
-  check_launch("mixed_operand");
-  return out;
-}
 
 // A 2-D TMA descriptor of a row-major (rows, cols) tensor of ``element`` bytes (row stride in
 // bytes), copied in boxes of (box_rows, box_cols), zeros past its edges.
@@ -639,7 +558,7 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   check_device(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
-              "graphquant.mixed_gemm: x must be mixed_operand's bf16 values (m, k), rows 16-byte aligned, on w's device, got ", x.scalar_type(), " ",
+              "graphquant.mixed_gemm: x must be bf16 values (m, k), rows 16-byte aligned, on w's device, got ", x.scalar_type(), " ",
               x.sizes(), " strides ", x.strides());
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   check_codes(w, format, k, "w");
@@ -715,12 +634,8 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 }  // namespace gq
 
 void register_mixed_gemm(pybind11::module_& m) {
-  m.def("mixed_operand", &gq::mixed_operand,
-        "x's values for mixed_gemm: MXFP8 (format 0: E4M3 codes (m, k), E8M0 scales (m, k/32)) or NVFP4 (1: packed E2M1 "
-        "codes (m, k/2), E4M3 scales (m, k/16)), any strides of the scales, dequantized to bf16 (m, k), each 64-wide atom permuted as mixed_gemm reads it",
-        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("format"), pybind11::arg("k"));
   m.def("mixed_gemm", &gq::mixed_gemm,
-        "out (m, n) = alpha * (x @ w^T) + bias for x = mixed_operand's bf16 values (m, k) and an MXFP8 (format 0) or NVFP4 "
+        "out (m, n) = alpha * (x @ w^T) + bias for x's bf16 values (m, k), each 64-wide atom permuted as the kernel reads it (graphquant.kernels.mixed_input.operand), and an MXFP8 (format 0) or NVFP4 "
         "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
         "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
         "each, optional) and bias (n bf16 or float16, optional) before one rounding "

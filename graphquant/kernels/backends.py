@@ -586,6 +586,20 @@ def gemm(
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 
+def mixed_input_gemm(
+    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(m, n) = A @ B^T (+ bias) on the mixed-input GEMM the plan chose for the GEMM ``site``
+    names, A given as ``mixed_input.operand(A)`` and ``mixed_input.a_amax(A)``."""
+    _check_bias(b, 1, site, bias)
+    if not MIXED_INPUT_GEMM.available(values.device):
+        raise GemmMismatch(
+            f"{site}: its plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an sm_90 GPU; "
+            f"this call runs on {values.device}; the plan was made for another device"
+        )
+    return mixed_input.multiply(values, a_amax, b, out_dtype, bias)
+
+
 def gemms_sharing_a(
     a: Representation,
     bs: Sequence[Representation],

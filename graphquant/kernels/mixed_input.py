@@ -4,7 +4,8 @@ Hopper has no tensor core for either format, so the emulation dequantizes the wh
 bf16 at every call and multiplies it by cuBLAS, and Triton's decode GEMM waits for its own
 decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu) decodes the next
 K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
-stored; x's values are made first by graphquant._C.mixed_operand, in the order the kernel reads.
+stored; x's values come in bf16, in the order the kernel reads (``operand``: torch ops, so that an
+inference graph makes them in the kernel that quantizes x, graphquant::mixed_input_gemm).
 The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
 NVFP4's global factors as alpha (made in the kernel from the amaxes, so that a call launches
 nothing for it), the bias before the one rounding.
@@ -38,16 +39,28 @@ def extension_runs(device: torch.device) -> bool:
     return ext is not None and hasattr(ext, "mixed_gemm") and 90 in getattr(ext, "cuda_archs", ())
 
 
-def permuted(k: int, family: str) -> int:
-    """Where the kernel reads x's value of K offset ``k`` within its 64-wide atom (mixed_gemm.cu's
-    ``permuted``): thread t of a quad decodes the weight's K 16t..16t+15, which the wgmma's
-    register fragment holds at columns 2t, 2t+1, 2t+8, 2t+9 of each k16 slice, a bf16 pair the two
-    values one decoding step makes: MXFP8's bytes (0 2)(1 3) of a word, NVFP4's nibbles (0 4)(1 5)...
-    of a word."""
-    t, i = divmod(k, 16)
-    if family == "mxfp8":
-        return 16 * (i // 4) + 2 * t + 8 * (i & 1) + (i >> 1) % 2
-    return 16 * (i % 4) + 2 * t + 8 * (i // 8) + (i // 4) % 2
+# Where the kernel reads x's value of K offset k within its 64-wide atom (mixed_gemm.cu): thread t
+# of a quad decodes the weight's K 16t..16t+15, which the wgmma's register fragment holds at columns
+# 2t, 2t+1, 2t+8, 2t+9 of each k16 slice, a bf16 pair the two values one decoding step makes
+# (MXFP8's bytes (0 2)(1 3) of a word, NVFP4's nibbles (0 4)(1 5)... of a word). So K = 16t + 4a +
+# 2b + c lies at 16a + 8c + 2t + b for MXFP8, K = 16t + 8d + 4e + f at 16f + 8d + 2t + e for NVFP4:
+# a reordering of K's digits (their sizes as the atom's view, then their order where they go), which
+# a graph writes as a permute.
+_DIGITS = {"mxfp8": ((4, 4, 2, 2), (1, 3, 0, 2)), "nvfp4": ((4, 2, 2, 4), (3, 1, 0, 2))}
+
+
+def operand(a: Representation) -> torch.Tensor:
+    """x's values as the kernel reads them: the emulation's (bf16, exact: E4M3 times E8M0, E2M1
+    times E4M3), each 64-wide atom permuted; torch ops, which an inference graph fuses into x's
+    quantize and its producer, so no kernel of its own reads the codes again."""
+    return atoms_permuted(a.quantizer.emulated_values(a).to(torch.bfloat16), _family(a))
+
+
+def atoms_permuted(values: torch.Tensor, family: str) -> torch.Tensor:
+    """``values`` (m, k) with each 64-wide atom in the order the kernel reads ``family``'s x (_DIGITS)."""
+    m, k = values.shape
+    sizes, order = _DIGITS[family]
+    return values.reshape(m, k // 64, *sizes).permute(0, 1, *(2 + d for d in order)).reshape(m, k)
 
 
 def _family(rep: Representation) -> str:
@@ -64,13 +77,28 @@ def gemm(
     """out (m, n) = A @ B^T (+ bias) for A and B of one format (MXFP8 or NVFP4, rowwise, the
     reduction dim last), B the weight. ``tokens``: rows of A a CTA multiplies (64, 128 or 256; 0: the
     fewest that hold m, up to 256); ``splits``: K's split (0: the extension's choice for the SMs)."""
+    if _family(a) != _family(b):
+        raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {_family(b)}")
+    return multiply(operand(a), a_amax(a), b, out_dtype, bias, tokens, splits)
+
+
+def a_amax(a: Representation) -> Optional[torch.Tensor]:
+    """The amax of A that the product's alpha takes: NVFP4's global one (a factor a row is another
+    family, nvfp4_row_scaled), none for MXFP8."""
+    return a.amax if _family(a) == "nvfp4" else None
+
+
+def multiply(
+    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0,
+) -> torch.Tensor:
+    """out (m, n) = A @ B^T (+ bias), A given as ``operand(A)`` and its ``a_amax``; as ``gemm``."""
     family = _family(b)
-    if _family(a) != family or family not in FORMATS:
-        raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {family}")
+    if family not in FORMATS:
+        raise ValueError(f"{BACKEND} multiplies MXFP8 or NVFP4 weights, not {b.quantizer}")
+    if (a_amax is None) != (family != "nvfp4"):
+        raise ValueError(f"{BACKEND}: NVFP4 products take A's global amax, MXFP8 products none; got {b.quantizer} and a_amax {a_amax}")
     ext = native.extension_for(b.data.device)
-    m, k = a.shape
-    fmt = FORMATS[family]
-    x = ext.mixed_operand(_bytes(a.data), _bytes(a.scale), fmt, k)
     # The kernel copies a block's scales as each format's representation lays them (MXFP8's
     # block-major, NVFP4's row-major), by TMA, whose rows must be 16-byte aligned.
     w_scale = _bytes(b.scale).t() if family == "mxfp8" else _bytes(b.scale)
@@ -78,7 +106,7 @@ def gemm(
         rows, cols = w_scale.shape
         padded = torch.empty(rows, -(-cols // 16) * 16, dtype=torch.uint8, device=w_scale.device)
         w_scale = padded[:, :cols].copy_(w_scale)
-    # NVFP4's global amaxes, one a tensor (a factor a row is another family, nvfp4_row_scaled).
-    amaxes = (a.amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
+    amaxes = (a_amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
+    m = values.shape[0]
     tokens = tokens or (64 if m <= 64 else 128 if m <= 128 else 256)
-    return ext.mixed_gemm(x, _bytes(b.data), w_scale, fmt, *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits)
+    return ext.mixed_gemm(values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits)

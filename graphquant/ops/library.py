@@ -186,6 +186,29 @@ def _(x, amax, x_spec, b, b_spec, b_direction, b_shape, out_dtype, backend, site
     return x.new_empty((1, x.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
 
 
+@registry.op("mixed_input_gemm")
+def mixed_input_gemm(
+    values: torch.Tensor,
+    a_amax: Optional[torch.Tensor],
+    b: list[torch.Tensor],
+    b_spec: str,
+    b_direction: str,
+    b_shape: Sequence[int],
+    out_dtype: torch.dtype,
+    site: str,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """(1, m, n) = A @ B^T (+ bias) on the mixed-input GEMM, which the plan chose for the GEMM
+    ``site`` names (graphquant.kernels.mixed_input): A given as its bf16 values in the kernel's
+    order (mixed_input.operand, made in the graph) and, for NVFP4, its global amax."""
+    return backends.mixed_input_gemm(values, a_amax, unflatten(b, b_spec, b_direction, b_shape, out_dtype), out_dtype, site, bias).unsqueeze(0)
+
+
+@registry.fake("mixed_input_gemm")
+def _(values, a_amax, b, b_spec, b_direction, b_shape, out_dtype, site, bias=None):
+    return values.new_empty((1, values.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
+
+
 @registry.op("block_codes")
 def block_codes(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
     """x's rowwise representation in ``spec``'s 1x128 blocks, as the decode GEMM that quantizes A

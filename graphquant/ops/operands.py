@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.kernels import mixed_input
 from graphquant.kernels.backends import GemmBackend
 
 
@@ -33,9 +34,23 @@ def gemm(
 ) -> torch.Tensor:
     """graphquant::gemm of two operands on ``backend``, the plan's choice for the GEMM ``site``
     names ("fc1#0 dgrad"): (batch, m, n), a @ b^T per group (+ bias, one group)."""
+    if backend.name == mixed_input.BACKEND:
+        return _mixed_input_gemm(a, b, out_dtype, site, bias)
     return torch.ops.graphquant.gemm(
         a.tensors, a.spec, a.direction, a.shape, b.tensors, b.spec, b.direction, b.shape, batch, out_dtype,
         backend.name, backend.fast_accumulation, site, bias,
+    )
+
+
+def _mixed_input_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """graphquant::mixed_input_gemm, A's values in the kernel's order made here in torch ops, so
+    that a graph makes them in the kernel that quantizes A, and no kernel of their own reads A's
+    codes again."""
+    from graphquant.ops.library import unflatten  # the library's ops import this module's callers
+
+    rep = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
+    return torch.ops.graphquant.mixed_input_gemm(
+        mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, b.shape, out_dtype, site, bias
     )
 
 
