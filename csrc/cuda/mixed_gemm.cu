@@ -1,7 +1,8 @@
 // graphquant._C.mixed_gemm: out (m, n) = alpha * (x @ w^T) (+ bias) for an MXFP8 or NVFP4 weight w
 // (n, k) decoded in registers on Hopper's bf16 tensor cores, against x's values (m, k) already
-// dequantized to bf16 (graphquant.kernels.mixed_input.operand, which a graph fuses into x's
-// quantize). Hopper has no tensor core for either format: the emulation dequantizes the whole weight to bf16 each call and multiplies it by cuBLAS, and the
+// dequantized to bf16 (graphquant.kernels.mixed_input.operand, torch ops in the graph). Hopper has
+// no tensor core for either format: the emulation dequantizes the whole weight to bf16 each call
+// and multiplies it by cuBLAS, and the
 // decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step
 // of its 64 weight rows while the wgmma of this one runs, so the weight's bytes are read once, as
 // stored, and the tensor cores wait less (benchmarks/NOTES.md, decode_gemm.py, has where it stands).

@@ -4,8 +4,8 @@ Hopper has no tensor core for either format, so the emulation dequantizes the wh
 bf16 at every call and multiplies it by cuBLAS, and Triton's decode GEMM waits for its own
 decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu) decodes the next
 K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
-stored; x's values come in bf16, in the order the kernel reads (``operand``: torch ops, so that an
-inference graph makes them in the kernel that quantizes x, graphquant::mixed_input_gemm).
+stored; x's values come in bf16, in the order the kernel reads (``operand``: torch ops, which a
+graph compiles with its own kernels, graphquant::mixed_input_gemm).
 The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
 NVFP4's global factors as alpha (made in the kernel from the amaxes, so that a call launches
 nothing for it), the bias before the one rounding.
@@ -51,8 +51,8 @@ _DIGITS = {"mxfp8": ((4, 4, 2, 2), (1, 3, 0, 2)), "nvfp4": ((4, 2, 2, 4), (3, 1,
 
 def operand(a: Representation) -> torch.Tensor:
     """x's values as the kernel reads them: the emulation's (bf16, exact: E4M3 times E8M0, E2M1
-    times E4M3), each 64-wide atom permuted; torch ops, which an inference graph fuses into x's
-    quantize and its producer, so no kernel of its own reads the codes again."""
+    times E4M3), each 64-wide atom permuted; torch ops, which Inductor compiles with the graph's
+    other pointwise work rather than a kernel of the extension's of their own."""
     return atoms_permuted(a.quantizer.emulated_values(a).to(torch.bfloat16), _family(a))
 
 

@@ -43,9 +43,8 @@ def gemm(
 
 
 def _mixed_input_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """graphquant::mixed_input_gemm, A's values in the kernel's order made here in torch ops, so
-    that a graph makes them in the kernel that quantizes A, and no kernel of their own reads A's
-    codes again."""
+    """graphquant::mixed_input_gemm, A's values in the kernel's order made here in torch ops,
+    which Inductor compiles with the graph's other pointwise work."""
     from graphquant.ops.library import unflatten  # the library's ops import this module's callers
 
     rep = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
