@@ -97,7 +97,7 @@ def main() -> None:
                 b = qb(w, columnwise=False).get(ROWWISE)
                 plan = backends.select(qa, ROWWISE, qb, ROWWISE, x.device, (m, n, k), 1, fast_accumulation=True)
                 mixed = qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device)
-                # x's values for the mixed-input GEMM made beforehand, as a graph makes them in x's quantize
+                # x's values for the mixed-input GEMM made beforehand, as a graph makes them before the GEMM
                 values, amax = (mixed_input.operand(a), mixed_input.a_amax(a)) if mixed else (None, None)
                 planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
                 if plan.backend.native not in backends.DECODE_GEMMS:

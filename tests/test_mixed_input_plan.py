@@ -97,7 +97,7 @@ def test_not_where_the_extension_lacks_it_or_on_blackwell(hopper, monkeypatch):
 @pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
 def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
-    reaching it with its rows (stood in for by the emulated GEMM on this CPU); at 2048 rows not."""
+    reaching it with its rows (stood in for by reference.mixed_input_stand_in on this CPU); at 2048 rows not."""
     rows = []
     monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in(rows))
     torch.manual_seed(0)

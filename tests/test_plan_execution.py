@@ -68,19 +68,18 @@ def runs(monkeypatch):
     mixed_dispatch, mixed = backends.mixed_input_gemm, mixed_input.multiply
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
 
-    def gemm(a, b, batch, out_dtype, backend, site, bias=None):
+    def at_site(site, call):
         current.append(site)
         try:
-            return dispatch(a, b, batch, out_dtype, backend, site, bias)
+            return call()
         finally:
             current.pop()
 
+    def gemm(a, b, batch, out_dtype, backend, site, bias=None):
+        return at_site(site, lambda: dispatch(a, b, batch, out_dtype, backend, site, bias))
+
     def mixed_input_gemm(values, a_amax, b, out_dtype, site, bias=None):
-        current.append(site)
-        try:
-            return mixed_dispatch(values, a_amax, b, out_dtype, site, bias)
-        finally:
-            current.pop()
+        return at_site(site, lambda: mixed_dispatch(values, a_amax, b, out_dtype, site, bias))
 
     def record(what):
         assert current[-1] not in ran, f"{current[-1]} ran twice"

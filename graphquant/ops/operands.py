@@ -11,6 +11,7 @@ import torch
 
 from graphquant.kernels import mixed_input
 from graphquant.kernels.backends import GemmBackend
+from graphquant.ops.library import unflatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,6 @@ def gemm(
 def _mixed_input_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """graphquant::mixed_input_gemm, A's values in the kernel's order made here in torch ops,
     which Inductor compiles with the graph's other pointwise work."""
-    from graphquant.ops.library import unflatten  # the library's ops import this module's callers
-
     rep = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
     return torch.ops.graphquant.mixed_input_gemm(
         mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, b.shape, out_dtype, site, bias
