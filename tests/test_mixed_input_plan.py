@@ -5,6 +5,8 @@ formats and shapes elsewhere, each with the reason in the plan; x's values in th
 reads them. The kernel's numerics are tested on the GPU (tests/test_mixed_gemm_gpu.py); here the
 call is stood in for by its numerics in torch (reference.mixed_input_stand_in)."""
 
+import copy
+
 import pytest
 import torch
 from reference import mixed_input_stand_in
@@ -113,3 +115,26 @@ def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     assert sum(mixed_input.BACKEND in line for line in str(plans[0]).splitlines()) == 2, str(plans[0])
     assert all(g.backend != MIXED for g in plans[1].gemms), str(plans[1])
     assert rows == [100, 100]
+
+
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
+def test_a_frozen_models_x_values_are_made_from_x_by_one_op(hopper, monkeypatch, recipe):
+    """Each linear's x goes to graphquant::mixed_input_operand whole (mixed_input.operand_of_x on
+    this CPU), and the model's output is the one it gives with x's values made from x's
+    representation, bit for bit."""
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([]))
+    made, operand_of_x = [], mixed_input.operand_of_x
+    monkeypatch.setattr(mixed_input, "operand_of_x", lambda x, amax, q: made.append(tuple(x.shape)) or operand_of_x(x, amax, q))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256)).to(torch.bfloat16)
+    x = torch.randn(100, 256, dtype=torch.bfloat16)
+    outputs = []
+    for from_x in (True, False):
+        monkeypatch.setattr(mixed_input, "values_from_x", lambda q, from_x=from_x: from_x)
+        compiled = graphquant.compile(copy.deepcopy(model), recipe(), mode="inference", backend="aot_eager", dynamic=False)
+        graphquant.freeze(compiled)
+        with torch.no_grad():
+            outputs.append(compiled(x))
+        torch._dynamo.reset()
+    assert made == [(100, 256), (100, 384)]
+    assert torch.equal(outputs[0], outputs[1])

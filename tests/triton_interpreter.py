@@ -79,18 +79,23 @@ def exact_fp8_dot_operands() -> None:
 def round_fp8_to_nearest_even() -> None:
     """The interpreter's float32 -> FP8 casts carry no rounding into the exponent and break ties
     away from zero; the GPU's (cvt.rn.satfinite) round to nearest even, as the reference cast
-    (graphquant.formats.fp8.cast_to_fp8) does: the interpreter's become the reference's."""
+    (graphquant.formats.fp8.cast_to_fp8) does: the interpreter's become the reference's. Its FP8
+    -> float32 casts decode E4M3's NaN (0x7F) as 480: they become torch's."""
     import numpy
     import torch
     import triton.language as tl
     import triton.runtime.interpreter as interpreter
 
+    from graphquant.formats import fp8
     from graphquant.formats.fp8 import cast_to_fp8
 
     formats = {tl.float8e4nv: "e4m3", tl.float8e5: "e5m2"}
     convert = interpreter.InterpreterBuilder.create_fp_to_fp
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar in formats and dst_type.scalar == tl.float32:
+            codes = torch.from_numpy(numpy.ascontiguousarray(src.data)).view(fp8.FP8_DTYPES[formats[src.dtype.scalar]])
+            return interpreter.TensorHandle(codes.float().numpy(), tl.float32)
         if dst_type.scalar not in formats or src.dtype.scalar != tl.float32:
             return convert(self, src, dst_type, rounding_mode)
         data = cast_to_fp8(torch.from_numpy(numpy.ascontiguousarray(src.data)), formats[dst_type.scalar]).view(torch.uint8).numpy()

@@ -19,7 +19,8 @@ import torch
 
 from graphquant.formats import nvfp4
 from graphquant.kernels import native
-from graphquant.quantizers import Representation
+from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
+from graphquant.quantizers.descriptions import KernelEncoding
 
 BACKEND = "wgmma mixed-input gemm"
 FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format number
@@ -31,6 +32,10 @@ PLANNED_FAMILIES = frozenset((family, family) for family in FORMATS)
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
 MIN_ROWS = 17
 MAX_ROWS = 1024
+# The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
+# CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
+# from one global amax (not row-scaled, transformed or rounded stochastically).
+X_ENCODINGS = frozenset({KernelEncoding("mxfp8", "e4m3", block=(1, 32)), KernelEncoding("nvfp4", "e2m1", block=(1, nvfp4.BLOCK_LEN))})
 
 
 def extension_runs(device: torch.device) -> bool:
@@ -54,6 +59,24 @@ def operand(a: Representation) -> torch.Tensor:
     times E4M3), each 64-wide atom permuted; torch ops, which Inductor compiles with the graph's
     other pointwise work rather than a kernel of the extension's of their own."""
     return atoms_permuted(a.quantizer.emulated_values(a).to(torch.bfloat16), _family(a))
+
+
+def values_from_x(quantizer: Quantizer) -> bool:
+    """Whether x's values for an x that ``quantizer`` (x's) encodes rowwise are made from x by
+    one op, graphquant::mixed_input_operand (``operand_of_x``), rather than from its representation."""
+    return quantizer.kernel_encoding(ROWWISE) in X_ENCODINGS and not quantizer.reduces_amax
+
+
+def x_amax(x: torch.Tensor, quantizer: Quantizer) -> Optional[torch.Tensor]:
+    """What ``operand_of_x`` takes of x besides x: NVFP4's global amax (torch ops, which Inductor
+    fuses into x's producer), none for MXFP8."""
+    return nvfp4.global_amax(x) if quantizer.kernel_encoding(ROWWISE).scaling == "nvfp4" else None
+
+
+def operand_of_x(x: torch.Tensor, amax: Optional[torch.Tensor], quantizer: Quantizer) -> torch.Tensor:
+    """``operand`` of 2-D ``x`` quantized rowwise by ``quantizer`` (NVFP4's from ``x_amax``)."""
+    rep = quantizer.quantize_rowwise(x, QuantizeContext()) if amax is None else quantizer.quantize_from_amax(x, amax, ROWWISE)
+    return operand(rep)
 
 
 def atoms_permuted(values: torch.Tensor, family: str) -> torch.Tensor:

@@ -62,23 +62,39 @@ def _scales_kernel(
 
 
 @triton.jit
-def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
+def e8m0_biased(amax, FP8_MAX: tl.constexpr):
+    """mxfp8.e8m0_from_amax of float32 ``amax`` (any shape), the same bits, as int32."""
     v = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     exponent, mantissa = bits >> 23, bits & 0x7FFFFF
     normal = tl.minimum(exponent + (mantissa != 0).to(tl.int32), 254)
     subnormal = (mantissa > 0x400000).to(tl.int32)
     biased = tl.where(exponent == 0, subnormal, normal)
-    biased = tl.where(bits > 0x7F800000, 255, biased)
-    tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
-    # mxfp8.encode_multiplier: 2^(127 - biased) from bits; 0 -> 1.0, 254 -> 2^-127, 255 -> NaN
+    return tl.where(bits > 0x7F800000, 255, biased)
+
+
+@triton.jit
+def e8m0_multiplier(biased):
+    """mxfp8.encode_multiplier: 2^(127 - biased) from bits; 0 -> 1.0, 254 -> 2^-127, 255 -> NaN."""
     multiplier = tl.where(biased == 254, 0x00400000, (254 - biased) << 23)
     multiplier = tl.where(biased == 0, 0x3F800000, multiplier)
-    multiplier = tl.where(biased == 255, 0x7FC00000, multiplier)
-    tl.store(multiplier_ptr + offsets, multiplier.to(tl.float32, bitcast=True), mask=mask)
+    return tl.where(biased == 255, 0x7FC00000, multiplier).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_decode(biased):
+    """mxfp8.decode_scale: 2^(biased - 127) from bits; 0 -> 2^-127, 255 -> NaN."""
+    scale = tl.where(biased == 0, 0x00400000, biased << 23)
+    return tl.where(biased == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    biased = e8m0_biased(tl.load(amax_ptr + offsets, mask=mask, other=0.0), FP8_MAX)
+    tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
+    tl.store(multiplier_ptr + offsets, e8m0_multiplier(biased), mask=mask)
 
 
 def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:

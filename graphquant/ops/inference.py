@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from graphquant.kernels import backends
+from graphquant.kernels import backends, mixed_input
 from graphquant.kernels.backends import GemmBackend
 from graphquant.ops.library import SITES_SEPARATOR
 from graphquant.ops.operands import Operand, gemm
@@ -64,7 +64,8 @@ def quantized_weights_product(
     (graphquant::gemms_sharing_a, gemms_quantizing_a). Where the plan chose a GEMM that quantizes
     x itself, the graph takes the amaxes of x's rows alone where it needs them (a reduction
     Inductor fuses into x's producer) and hands x over in high precision, or (1x128 blocks)
-    quantizes x by that GEMM's kernel in an op of its own."""
+    quantizes x by that GEMM's kernel in an op of its own; for the mixed-input GEMM, x's values are
+    made from x by an op of their own."""
     site = sites[0]
     x_quantizer = site.quantizers[0]
     backend, _ = site.runs("fprop")
@@ -87,6 +88,8 @@ def quantized_weights_product(
                 x2d, amax, x_rowwise.spec, w.tensors, w.spec, w.direction, w.shape, out_dtype, backend.name, labels[0], biases[0],
             )
         ]
+    if backend.name == mixed_input.BACKEND and mixed_input.values_from_x(x_quantizer.child(ROWWISE)):
+        return _mixed_input_products(x2d.detach(), x_quantizer.child(ROWWISE), ws, out_dtype, labels, biases)
     x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
     xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     update_delayed_scaling(x_quantizer, x_state, xq)
@@ -102,6 +105,19 @@ def _products(
     return torch.ops.graphquant.gemms_sharing_a(
         xq.tensors, xq.spec, xq.direction, xq.shape, *_weights(ws), out_dtype, backend.name, SITES_SEPARATOR.join(labels), biases,
     )
+
+
+def _mixed_input_products(
+    x2d: torch.Tensor, x_quantizer: Quantizer, ws: Sequence[Operand], out_dtype: torch.dtype, labels: list[str], biases: list[Optional[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """x times each weight on the mixed-input GEMM, x's values made from x by one op
+    (graphquant::mixed_input_operand), with NVFP4's global amax taken beside x's producer."""
+    amax = mixed_input.x_amax(x2d, x_quantizer)
+    values = torch.ops.graphquant.mixed_input_operand(x2d, amax, x_quantizer.spec)
+    return [
+        torch.ops.graphquant.mixed_input_gemm(values, amax, w.tensors, w.spec, w.direction, w.shape, out_dtype, label, bias)
+        for w, label, bias in zip(ws, labels, biases, strict=True)
+    ]
 
 
 def _weights(ws: Sequence[Operand]) -> tuple[list[torch.Tensor], str, list[int]]:

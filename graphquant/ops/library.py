@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from graphquant.kernels import backends, native
+from graphquant.kernels import backends, mixed_input, native
 from graphquant.ops import registry
 from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, output_rows, parse_spec
 
@@ -207,6 +207,27 @@ def mixed_input_gemm(
 @registry.fake("mixed_input_gemm")
 def _(values, a_amax, b, b_spec, b_direction, b_shape, out_dtype, site, bias=None):
     return values.new_empty((1, values.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
+
+
+@registry.op("mixed_input_operand")
+def mixed_input_operand(x: torch.Tensor, amax: Optional[torch.Tensor], spec: str) -> torch.Tensor:
+    """x's values as the mixed-input GEMM reads them, made from 2-D ``x`` and (NVFP4) its global
+    amax by one op (mixed_input.operand_of_x): on CUDA one kernel that reads x once
+    (graphquant.kernels.triton_mixed_operand, the same bits)."""
+    return mixed_input.operand_of_x(x, amax, quantizer_of(spec))
+
+
+@registry.fake("mixed_input_operand")
+def _(x, amax, spec):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+if backends.HAS_TRITON:
+    from graphquant.kernels import triton_mixed_operand
+
+    @registry.cuda_kernel("mixed_input_operand")
+    def _(x: torch.Tensor, amax: Optional[torch.Tensor], spec: str) -> torch.Tensor:
+        return triton_mixed_operand.values(x, amax, quantizer_of(spec))
 
 
 @registry.op("block_codes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -89,15 +90,17 @@ class NVFP4Quantizer(Quantizer):
                 f"(got {shape[dim]}); NVFP4 does not pad"
             )
 
-    def _encode(self, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
+    def _encode(self, x: torch.Tensor, direction: str, ctx: QuantizeContext, amax: Optional[torch.Tensor] = None) -> Representation:
         columnwise = direction == COLUMNWISE
         source = self.transformed(x.t() if columnwise else x, direction)
+        if amax is None and self.with_amax_reduction:
+            amax = ctx.reduced_amax(nvfp4.global_amax(source))
         data, scale, amax = nvfp4.quantize(
             source,
             tile_rows=BLOCK_LEN if self.with_2d_quantization else 1,
             row_scaled=self.row_scaled_nvfp4 and not columnwise,
             rng=(*ctx.random_stream(), int(columnwise)) if self.stochastic_rounding else None,
-            amax=ctx.reduced_amax(nvfp4.global_amax(source)) if self.with_amax_reduction else None,
+            amax=amax,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale, amax)
 
@@ -141,6 +144,13 @@ class NVFP4Quantizer(Quantizer):
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, ROWWISE, ctx)
+
+    def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
+        """x in ``direction`` encoded from a global ``amax`` taken where x was made (shaped as
+        nvfp4.global_amax gives it, of the transformed values where there is a transform)."""
+        if self.stochastic_rounding:
+            raise ValueError(f"{self}: stochastic rounding draws from a slot's random stream, which quantize_from_amax has none of")
+        return self._encode(x, direction, QuantizeContext(), amax)
 
     def quantize_columnwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, COLUMNWISE, ctx)
