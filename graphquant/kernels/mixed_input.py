@@ -51,7 +51,7 @@ def extension_runs(device: torch.device) -> bool:
 # 2b + c lies at 16a + 8c + 2t + b for MXFP8, K = 16t + 8d + 4e + f at 16f + 8d + 2t + e for NVFP4:
 # a reordering of K's digits (their sizes as the atom's view, then their order where they go), which
 # a graph writes as a permute.
-_DIGITS = {"mxfp8": ((4, 4, 2, 2), (1, 3, 0, 2)), "nvfp4": ((4, 2, 2, 4), (3, 1, 0, 2))}
+DIGITS = {"mxfp8": ((4, 4, 2, 2), (1, 3, 0, 2)), "nvfp4": ((4, 2, 2, 4), (3, 1, 0, 2))}
 
 
 def operand(a: Representation) -> torch.Tensor:
@@ -80,9 +80,9 @@ def operand_of_x(x: torch.Tensor, amax: Optional[torch.Tensor], quantizer: Quant
 
 
 def atoms_permuted(values: torch.Tensor, family: str) -> torch.Tensor:
-    """``values`` (m, k) with each 64-wide atom in the order the kernel reads ``family``'s x (_DIGITS)."""
+    """``values`` (m, k) with each 64-wide atom in the order the kernel reads ``family``'s x (DIGITS)."""
     m, k = values.shape
-    sizes, order = _DIGITS[family]
+    sizes, order = DIGITS[family]
     return values.reshape(m, k // 64, *sizes).permute(0, 1, *(2 + d for d in order)).reshape(m, k)
 
 
