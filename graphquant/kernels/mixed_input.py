@@ -4,8 +4,9 @@ Hopper has no tensor core for either format, so the emulation dequantizes the wh
 bf16 at every call and multiplies it by cuBLAS, and Triton's decode GEMM waits for its own
 decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu) decodes the next
 K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
-stored; x's values come in bf16, in the order the kernel reads (``operand``: torch ops, which a
-graph compiles with its own kernels, graphquant::mixed_input_gemm).
+stored; x's values come in bf16, in the order the kernel reads (graphquant::mixed_input_gemm):
+in inference made from x by one op (``operand_of_x``, graphquant::mixed_input_operand), else from
+x's representation by torch ops (``operand``).
 The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
 NVFP4's global factors as alpha (made in the kernel from the amaxes, so that a call launches
 nothing for it), the bias before the one rounding.
