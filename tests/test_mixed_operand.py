@@ -97,6 +97,15 @@ def test_the_op_is_the_values_of_x_quantized_in_the_kernels_order():
     assert torch.equal(rep.amax, larger) and torch.equal(torch.ops.graphquant.mixed_input_operand(x, larger, NVFP4Quantizer().spec), mixed_input.operand(rep))
 
 
+@pytest.mark.parametrize("case", ["random", "special", "special without its NaN"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_amax_it_takes_is_the_formats_global_amax(dtype, case):
+    x = _x(case.split(" without")[0], DTYPES[dtype], "cpu")
+    x = torch.where(x.isnan(), 0.0, x) if "without" in case else x
+    got, want = mixed_input.x_amax(x, NVFP4Quantizer()), nvfp4.global_amax(x)
+    assert got.dtype == torch.float32 and (torch.equal(got, want) or (case == "special" and got.isnan() and want.isnan()))
+
+
 def test_it_takes_mxfp8_e4m3_and_one_amax_nvfp4_rowwise():
     assert all(mixed_input.values_from_x(q) for q in QUANTIZERS.values())
     assert mixed_input.values_from_x(HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()).child(ROWWISE))

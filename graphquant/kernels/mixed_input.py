@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.formats import nvfp4
+from graphquant.formats import fp8, nvfp4
 from graphquant.kernels import native
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import KernelEncoding
@@ -69,9 +69,11 @@ def values_from_x(quantizer: Quantizer) -> bool:
 
 
 def x_amax(x: torch.Tensor, quantizer: Quantizer) -> Optional[torch.Tensor]:
-    """What ``operand_of_x`` takes of x besides x: NVFP4's global amax (torch ops, which Inductor
-    fuses into x's producer), none for MXFP8."""
-    return nvfp4.global_amax(x) if quantizer.kernel_encoding(ROWWISE).scaling == "nvfp4" else None
+    """What ``operand_of_x`` takes of x besides x: NVFP4's global amax, none for MXFP8. Taken as
+    fp8.tensor_amax takes it (nvfp4.global_amax's number: max is exact in any order), row maxima
+    first, which Inductor fuses into x's producer (a SwiGLU's kernel) where a flat amax is a
+    reduction of its own that reads x again."""
+    return fp8.tensor_amax(x) if quantizer.kernel_encoding(ROWWISE).scaling == "nvfp4" else None
 
 
 def operand_of_x(x: torch.Tensor, amax: Optional[torch.Tensor], quantizer: Quantizer) -> torch.Tensor:
