@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.formats import fp8, nvfp4
+from graphquant.formats import fp8, mxfp8, nvfp4
 from graphquant.kernels import native
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import KernelEncoding
@@ -36,7 +36,7 @@ MAX_ROWS = 1024
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
 # from one global amax (not row-scaled, transformed or rounded stochastically).
-X_ENCODINGS = frozenset({KernelEncoding("mxfp8", "e4m3", block=(1, 32)), KernelEncoding("nvfp4", "e2m1", block=(1, nvfp4.BLOCK_LEN))})
+X_ENCODINGS = frozenset({KernelEncoding("mxfp8", "e4m3", block=(1, mxfp8.BLOCK_LEN)), KernelEncoding("nvfp4", "e2m1", block=(1, nvfp4.BLOCK_LEN))})
 
 
 def extension_runs(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ _E4M3_MAX: tl.constexpr = tl.constexpr(fp8.fp8_max("e4m3"))  # MXFP8's codes and
 def _in_gemm_order(values, BLOCK_M: tl.constexpr, ATOMS: tl.constexpr, SIZES: tl.constexpr, ORDER: tl.constexpr):
     """(BLOCK_M, ATOMS * ATOM) ``values`` with each atom's K digits (of ``SIZES``) reordered as
     ``ORDER`` lists them (mixed_input.DIGITS): in registers, so that the store is contiguous (a
-    store to each value's own column was eight times slower)."""
+    store to each value's own column was several times slower: benchmarks/NOTES.md)."""
     v = tl.reshape(values, (BLOCK_M, ATOMS, SIZES[0], SIZES[1], SIZES[2], SIZES[3]))
     v = tl.permute(v, (0, 1, 2 + ORDER[0], 2 + ORDER[1], 2 + ORDER[2], 2 + ORDER[3]))
     return tl.reshape(v, (BLOCK_M, ATOMS * SIZES[0] * SIZES[1] * SIZES[2] * SIZES[3]))
