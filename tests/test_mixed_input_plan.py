@@ -7,6 +7,7 @@ call is stood in for by its numerics in torch (reference.mixed_input_stand_in)."
 
 import copy
 
+import models
 import pytest
 import torch
 from reference import mixed_input_stand_in
@@ -138,3 +139,29 @@ def test_a_frozen_models_x_values_are_made_from_x_by_one_op(hopper, monkeypatch,
         torch._dynamo.reset()
     assert made == [(100, 256), (100, 384)]
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
+def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkeypatch, recipe):
+    """A frozen SwiGLU compiled by Inductor makes x's values once for the gate and up projections
+    (one op call each forward for x and one for the product) and gives aot_eager's output bit for
+    bit (Inductor rounding the SwiGLU's intermediates to bf16 as eager does)."""
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([]))
+    made, operand_of_x = [], mixed_input.operand_of_x
+    monkeypatch.setattr(mixed_input, "operand_of_x", lambda x, amax, q: made.append(tuple(x.shape)) or operand_of_x(x, amax, q))
+    torch.manual_seed(0)
+    model = models.SwiGLU(dim=256, hidden=384).to(torch.bfloat16)
+    x = torch.randn(100, 256, dtype=torch.bfloat16)
+    outputs = {}
+    for backend in ("inductor", "aot_eager"):
+        compiled = graphquant.compile(copy.deepcopy(model), recipe(), mode="inference", backend=backend, dynamic=False)
+        graphquant.freeze(compiled)
+        made.clear()
+        with torch.no_grad():
+            outputs[backend] = compiled(x)
+        torch._dynamo.reset()
+        if backend == "inductor":
+            assert made == [(100, 256), (100, 384)], made
+    assert torch.equal(outputs["inductor"], outputs["aot_eager"])
