@@ -65,7 +65,7 @@ PARAMS = [(name, dtype, case) for name in QUANTIZERS for dtype in DTYPES for cas
 
 
 def _interpreted_results() -> dict:
-    return {" | ".join(p): _kernel_is_the_reference(*p, "cpu") for p in PARAMS if p[1] != "fp16"}
+    return {" | ".join(p): _kernel_is_the_reference(*p, "cpu") for p in PARAMS}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def interpreted() -> dict:
     return triton_interpreter.results_of(__file__)
 
 
-@pytest.mark.parametrize("name, dtype, case", [p for p in PARAMS if p[1] != "fp16"])
+@pytest.mark.parametrize("name, dtype, case", PARAMS)
 def test_values_are_the_references_bit_for_bit_interpreted(interpreted, name, dtype, case):
     assert interpreted[f"{name} | {dtype} | {case}"]
 
