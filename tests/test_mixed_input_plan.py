@@ -147,7 +147,6 @@ def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkey
     """A frozen SwiGLU compiled by Inductor makes x's values once for the gate and up projections
     (one op call each forward for x and one for the product) and gives aot_eager's output bit for
     bit (Inductor rounding the SwiGLU's intermediates to bf16 as eager does)."""
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
     monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([]))
     made, operand_of_x = [], mixed_input.operand_of_x
     monkeypatch.setattr(mixed_input, "operand_of_x", lambda x, amax, q: made.append(tuple(x.shape)) or operand_of_x(x, amax, q))
@@ -159,7 +158,7 @@ def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkey
         compiled = graphquant.compile(copy.deepcopy(model), recipe(), mode="inference", backend=backend, dynamic=False)
         graphquant.freeze(compiled)
         made.clear()
-        with torch.no_grad():
+        with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):
             outputs[backend] = compiled(x)
         torch._dynamo.reset()
         if backend == "inductor":
