@@ -29,3 +29,23 @@ def _capabilities_asked_afresh():
     from graphquant.kernels import devices
 
     devices._of.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _decode_counters_left_zero():
+    """Every decode GEMM launch on a stream that runs eagerly (CPU, a CUDA device's default stream)
+    leaves its K split's arrival counters at zero (triton_decode._arrivals): a count left over
+    would make the next split launch on that stream add partial sums not yet written, in whichever
+    test runs next. (A GPU run gave a later test's outputs of 1e5 and 1e33 once, whose cause is not
+    known: this says which test left the counters dirty, if that was it.)"""
+    yield
+    from graphquant.kernels import backends
+
+    if backends.triton_decode is None:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    left = [(key, counters) for key, counters in backends.triton_decode._ARRIVALS.items() if key[1] in (None, 0) and bool(counters.any())]
+    for _, counters in left:
+        counters.zero_()  # so that this test alone is reported, not every one after it
+    assert not left, f"decode GEMM launches left arrival counters non-zero on {[key for key, _ in left]}: the next K-split launch there adds partial sums not yet written"
