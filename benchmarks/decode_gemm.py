@@ -9,7 +9,7 @@ GEMM's rows for it: triton_decode.MAX_ROWS, FP8 16, MXFP8 and NVFP4 128; past th
 GEMM the plan picks, fast accumulation allowed, as "plan"; MXFP8 and NVFP4 also on the mixed-input
 wgmma GEMM, graphquant.kernels.mixed_input, where the extension runs), every row is measured in the same
 run, alternating over rounds, on operands quantized beforehand (the activation's quantize is not
-timed, nor the mixed-input GEMM's bf16 values of it, which a graph's Inductor kernels make), and
+timed, nor the mixed-input GEMM's bf16 values of it, which a graph makes by an op of their own), and
 for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the

@@ -1,6 +1,6 @@
 // graphquant._C.mixed_gemm: out (m, n) = alpha * (x @ w^T) (+ bias) for an MXFP8 or NVFP4 weight w
 // (n, k) decoded in registers on Hopper's bf16 tensor cores, against x's values (m, k) already
-// dequantized to bf16 (graphquant.kernels.mixed_input.operand, torch ops in the graph). Hopper has
+// dequantized to bf16 (graphquant::mixed_input_operand, or graphquant.kernels.mixed_input.operand). Hopper has
 // no tensor core for either format: the emulation dequantizes the whole weight to bf16 each call
 // and multiplies it by cuBLAS, and the
 // decode GEMM's Triton loop waits for its own decoding; here each warpgroup decodes the next K step

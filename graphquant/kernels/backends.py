@@ -590,7 +590,8 @@ def mixed_input_gemm(
     values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """(m, n) = A @ B^T (+ bias) on the mixed-input GEMM the plan chose for the GEMM ``site``
-    names, A given as ``mixed_input.operand(A)`` and ``mixed_input.a_amax(A)``."""
+    names, A given as its values in the kernel's order (``mixed_input.operand_of_x`` or
+    ``mixed_input.operand``) and NVFP4's global amax."""
     _check_bias(b, 1, site, bias)
     if not MIXED_INPUT_GEMM.available(values.device):
         raise GemmMismatch(

@@ -33,6 +33,7 @@ PLANNED_FAMILIES = frozenset((family, family) for family in FORMATS)
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
 MIN_ROWS = 17
 MAX_ROWS = 1024
+ATOM = 64  # the K whose order the kernel permutes as one piece (DIGITS)
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
 # from one global amax (not row-scaled, transformed or rounded stochastically).
@@ -86,7 +87,7 @@ def atoms_permuted(values: torch.Tensor, family: str) -> torch.Tensor:
     """``values`` (m, k) with each 64-wide atom in the order the kernel reads ``family``'s x (DIGITS)."""
     m, k = values.shape
     sizes, order = DIGITS[family]
-    return values.reshape(m, k // 64, *sizes).permute(0, 1, *(2 + d for d in order)).reshape(m, k)
+    return values.reshape(m, k // ATOM, *sizes).permute(0, 1, *(2 + d for d in order)).reshape(m, k)
 
 
 def _family(rep: Representation) -> str:

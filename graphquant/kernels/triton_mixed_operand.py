@@ -19,13 +19,14 @@ import triton.language as tl
 from graphquant.formats import fp8, nvfp4
 from graphquant.kernels import mixed_input
 from graphquant.kernels.triton_launch import ceil_div, launch
-from graphquant.kernels.triton_scales import e8m0_biased, e8m0_decode, e8m0_multiplier, fp8_codes
+from graphquant.kernels.triton_dequantize import e8m0_value
+from graphquant.kernels.triton_scales import e8m0_biased, e8m0_multiplier, fp8_codes
 from graphquant.quantizers import ROWWISE, Quantizer
 
-ATOM = 64  # the K the GEMM reorders as one piece (mixed_input.DIGITS)
 _BLOCK_M = 16  # with one atom a program, near the best of the tilings measured at 128 and 512 rows
 _ATOMS = 1
 _FLT_MAX: tl.constexpr = tl.constexpr(nvfp4.FLT_MAX)
+_GLOBAL_DIVISOR: tl.constexpr = tl.constexpr(nvfp4.GLOBAL_DIVISOR)
 _E4M3_MAX: tl.constexpr = tl.constexpr(fp8.fp8_max("e4m3"))  # MXFP8's codes and NVFP4's scales
 
 
@@ -51,7 +52,7 @@ def _mxfp8_values(blocks):
     """mxfp8.quantize's E4M3 codes of (rows, blocks, 32) fp32 ``blocks``, dequantized: fp32."""
     biased = e8m0_biased(_magnitude_max(blocks), _E4M3_MAX)
     codes = fp8_codes(blocks, e8m0_multiplier(biased)[:, :, None], _E4M3_MAX, tl.float8e4nv)
-    return codes.to(tl.float32) * e8m0_decode(biased)[:, :, None]
+    return codes.to(tl.float32) * e8m0_value(biased)[:, :, None]
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def _e2m1_values(v):
 def _nvfp4_values(blocks, amax):
     """nvfp4.quantize's codes of (rows, blocks, 16) fp32 ``blocks`` under global ``amax``, times
     their E4M3 scales (nvfp4.dequantize without the global factor, which the GEMM applies): fp32."""
-    s_enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s_enc = tl.math.div_rn(tl.full(amax.shape, _GLOBAL_DIVISOR, tl.float32), amax)
     s_enc = tl.where(s_enc > _FLT_MAX, _FLT_MAX, s_enc)  # a NaN stays NaN, as torch.minimum keeps it
     s_enc = tl.where((s_enc == 0.0) | (amax == 0.0), 1.0, s_enc)
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
@@ -102,15 +103,15 @@ def values(x: torch.Tensor, amax: Optional[torch.Tensor], quantizer: Quantizer) 
     ``quantizer`` (one that mixed_input.values_from_x takes; NVFP4's from the global ``amax``), in
     the GEMM's order."""
     m, k = x.shape
-    if k % (_ATOMS * ATOM):
-        raise ValueError(f"the mixed-input GEMM's x values take K a multiple of {_ATOMS * ATOM}, not {m}x{k}")
+    if k % (_ATOMS * mixed_input.ATOM):
+        raise ValueError(f"the mixed-input GEMM's x values take K a multiple of {_ATOMS * mixed_input.ATOM}, not {m}x{k}")
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
     amax = out if amax is None else amax.float()  # MXFP8 reads none
     family = quantizer.kernel_encoding(ROWWISE).scaling
     sizes, order = mixed_input.DIGITS[family]
     launch(
-        _values_kernel, (ceil_div(m, _BLOCK_M), k // (_ATOMS * ATOM)), x, amax, out, m, k, x.stride(0),
-        FORMAT=mixed_input.FORMATS[family], SIZES=sizes, ORDER=order, BLOCK_M=_BLOCK_M, ATOMS=_ATOMS, ATOM=ATOM, num_warps=4,
+        _values_kernel, (ceil_div(m, _BLOCK_M), k // (_ATOMS * mixed_input.ATOM)), x, amax, out, m, k, x.stride(0),
+        FORMAT=mixed_input.FORMATS[family], SIZES=sizes, ORDER=order, BLOCK_M=_BLOCK_M, ATOMS=_ATOMS, ATOM=mixed_input.ATOM, num_warps=4,
     )
     return out

@@ -82,13 +82,6 @@ def e8m0_multiplier(biased):
 
 
 @triton.jit
-def e8m0_decode(biased):
-    """mxfp8.decode_scale: 2^(biased - 127) from bits; 0 -> 2^-127, 255 -> NaN."""
-    scale = tl.where(biased == 0, 0x00400000, biased << 23)
-    return tl.where(biased == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n

@@ -200,7 +200,8 @@ def mixed_input_gemm(
 ) -> torch.Tensor:
     """(1, m, n) = A @ B^T (+ bias) on the mixed-input GEMM, which the plan chose for the GEMM
     ``site`` names (graphquant.kernels.mixed_input): A given as its bf16 values in the kernel's
-    order (mixed_input.operand, made in the graph) and, for NVFP4, its global amax."""
+    order (graphquant::mixed_input_operand, or mixed_input.operand of its representation) and,
+    for NVFP4, its global amax."""
     return backends.mixed_input_gemm(values, a_amax, unflatten(b, b_spec, b_direction, b_shape, out_dtype), out_dtype, site, bias).unsqueeze(0)
 
 
