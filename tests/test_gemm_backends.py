@@ -72,14 +72,17 @@ def _promote_every(selection: backends.Selection):
     return fp8.FAST if selection.backend.fast_accumulation else fp8.PROMOTED_PRODUCTS
 
 
-# (m, k) of each pair: multiples of every block; m that is not (17 past them); and, for the FP8
-# formats and high precision, whose quantizers take any k, a k that is not (MXFP8 and NVFP4 refuse it).
+# (m, k) of each pair: multiples of every block; m that is not (17 past them); a k of whole 128-blocks
+# that is no multiple of 512 (cuBLASLt's 128x128 scaling misreads its scales there:
+# scaled_mm.TILE_SCALED_K); and, for the FP8 formats and high precision, whose quantizers take any
+# k, a k that is not (MXFP8 and NVFP4 refuse it).
 SIZES = [
     pytest.param(*pair, m, n, k, id=f"{pair[0]}-{size}")
     for pair in PAIRS
     for m, n, k, size in [
         (PAST_DECODE_ROWS, 384, 512, "aligned"),
         (PAST_DECODE_ROWS + 17, 384, 512, "m-odd"),
+        (PAST_DECODE_ROWS, 384, 640, "k-blocks"),
         (PAST_DECODE_ROWS, 384, 500, "k-odd"),
         (PAST_DECODE_ROWS, 200, 512, "n-odd"),
     ]
@@ -93,7 +96,8 @@ SIZES = [
 @pytest.mark.parametrize("name,qa,qb,expected,m,n,k", SIZES)
 def test_backend_matches_float64_reference(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumulation):
     """Every backend, at m, n and k multiples of every block and at an m, an n or a k that is not
-    (the cuBLASLt GEMMs pad them: scaled_mm.block_scaled_rows, whole_reduction, whole_rows)."""
+    (the cuBLASLt GEMMs pad them: scaled_mm.block_scaled_rows, whole_reduction, whole_rows, and
+    128x128 scaling's k to a multiple of TILE_SCALED_K)."""
     torch.manual_seed(0)
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)

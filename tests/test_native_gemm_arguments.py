@@ -126,6 +126,9 @@ def _scaling_mode(a, b, scale_a, scale_b) -> tuple[str, str]:
         return "block 1x128", "block 1x128"
     assert scale_b.shape == (k_blocks, math.ceil(n / 128)), f"block scale_b of shape {tuple(scale_b.shape)}"
     assert scale_b.stride(0) == 1 and (scale_b.shape[1] == 1 or scale_b.stride(1) == k_blocks), f"128x128 scale_b {scale_b.stride()}"
+    # On the H200 cuBLASLt took 128x128 scales of any k and multiplied by the wrong ones, silently,
+    # where k / 128 was not a multiple of 4 (scaled_mm.TILE_SCALED_K).
+    assert k_blocks % 4 == 0, f"128x128 scaling of k = {k}: {k_blocks} blocks a tile row, not a multiple of 4"
     return "block 1x128", "block 128x128"
 
 
