@@ -46,10 +46,10 @@ def outer_major(scale: torch.Tensor) -> torch.Tensor:
 # The multiple of n and k that cuBLASLt's FP8 GEMMs take: both are padded to it here
 # (whole_reduction, whole_rows), so that they take any shape.
 FP8_MULTIPLES = {TENSORWISE: 16, ROWWISE_SCALED: 16, BLOCKWISE: 128}
-# cuBLASLt's 128x128 scaling reads B's block scales as rows of whole 16 bytes (four of K's blocks)
-# and, where k / 128 is not a multiple of 4, multiplies by the wrong ones without an error (on the
-# H200, relative errors of 0.01-1 at k = 256, 640, 1408 and 11008, at every m and n tried): such a
-# reduction is padded to a multiple of TILE_SCALED_K instead.
+# cuBLASLt's 128x128 scaling (torch 2.11+cu130 on the H200) takes any k but, where k / 128 is not
+# a multiple of 4 (a tile's row of scales not whole 16 bytes), multiplies by the wrong scales
+# without an error: relative errors of 0.01 to 80 at k = 128 to 11008, depending on the kernel it
+# picks. Such a reduction is padded to a multiple of TILE_SCALED_K instead.
 TILE_SCALED_K = 512
 # cuBLASLt's 1x128 scaling reads A's scales with the rows contiguous and refuses (NOT_SUPPORTED) an
 # m that is not a multiple of 4: their columns are then not 16-byte aligned.
