@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphquant.formats import fp8
-from graphquant.kernels import backends, devices, emulation, scaled_mm
+from graphquant.kernels import backends, block_scaled, devices, emulation, scaled_mm
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -50,6 +50,13 @@ def _operand(quantizer, direction, rows, k, device, amplitude=4.0):
     source = (source * torch.rand(source.shape[0], 1) * amplitude).to(torch.bfloat16).to(device)
     qt = quantizer(source, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE, ctx=QuantizeContext())
     return qt.get(direction)
+
+
+def _on_this_machine(expected, qb, k):
+    """``expected``, or graphquant's block-scaled GEMM where it runs the pair instead: B in 128x128
+    tiles, k of whole 16 bytes, and the extension built for an sm_90 GPU (the GPU machine)."""
+    tiles = expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2 and k % block_scaled.K_MULTIPLE == 0
+    return block_scaled.BACKEND if tiles and block_scaled.extension_runs(torch.device("cuda")) else expected
 
 
 def _reference(a, b):
@@ -113,9 +120,35 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         _check_on_the_gpu(name, qa, qb, expected, m, 512, k, gemm, da, db, False)
 
 
-def _check_on_the_gpu(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumulation):
-    """The selected backend is ``expected`` and its out (m, n) lies within _bound of _reference."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("a_element", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (17, 200, 112), (130, 201, 1408), (4113, 1000, 640)])
+def test_block_scaled_gemm_takes_any_m_and_n_and_k_of_whole_16_bytes(m, n, k, a_element, out_dtype):
+    """graphquant's block-scaled GEMM at one row, rows and columns past whole tiles (an odd n), a k
+    of a partial 128-block, more output tiles than SMs (each CTA then takes several), E5M2
+    gradients, each output dtype, with and without a bias: within the bound of the float64 product
+    and the output's one rounding."""
+    if not block_scaled.extension_runs(torch.device("cuda")):
+        pytest.skip("graphquant's extension is not built for this GPU")
     torch.manual_seed(0)
+    a = _operand(Float8BlockQuantizer(a_element, 1), ROWWISE, m, k, "cuda")
+    b = _operand(Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, n, k, "cuda")
+    rounding = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
+    for bias in (None, (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)):
+        out = block_scaled.gemm(a, b, out_dtype, bias)
+        assert out.shape == (m, n) and out.dtype == out_dtype
+        ref = _reference(a, b) + (0 if bias is None else bias.double())
+        bound = _bound(a, b, fp8.PROMOTED_PRODUCTS) + ref.abs() * rounding
+        excess = ((out.double() - ref).abs() - bound).max().item()
+        assert excess <= 0, f"{m}x{n}x{k} {a_element} -> {out_dtype}, bias {bias is not None}: error exceeds the bound by {excess}"
+
+
+def _check_on_the_gpu(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumulation):
+    """The selected backend is ``expected`` (or _on_this_machine's) and its out (m, n) lies within
+    _bound of _reference."""
+    torch.manual_seed(0)
+    expected = _on_this_machine(expected, qb, k)
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -240,7 +273,8 @@ def test_cublaslt_fp8_gemms_take_any_shape(name, qa, qb, expected, monkeypatch):
     try:
         for m, n, k in ((17, 384, 512), (100, 384, 512), (PAST_DECODE_ROWS + 17, 384, 512), (PAST_DECODE_ROWS, 384, 1000),
                         (100, 392, 512), (PAST_DECODE_ROWS, 32001, 4096)):
-            assert backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend.name == expected, (m, n, k)
+            selected = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend.name
+            assert selected == _on_this_machine(expected, qb, k), (m, n, k)
     finally:
         backends.select.cache_clear()
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, emulation, scaled_mm
+from graphquant.kernels import backends, block_scaled, emulation, scaled_mm
 from graphquant.formats import nvfp4
 
 # What torch._scaled_mm runs on each capability graphquant claims (torch's own tests: per-tensor
@@ -34,8 +34,9 @@ TORCH_RUNS = {
     (10, 0): {scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED, scaled_mm.MXFP8, scaled_mm.NVFP4},
     (12, 0): {scaled_mm.TENSORWISE, scaled_mm.ROWWISE_SCALED, scaled_mm.MXFP8, scaled_mm.NVFP4},
 }
-# graphquant runs per-tensor and per-row FP8 natively from Hopper on (none of its GEMMs before).
-GRAPHQUANT_RUNS = {sm: set() if sm < (9, 0) else runs for sm, runs in TORCH_RUNS.items()}
+# graphquant runs per-tensor and per-row FP8 natively from Hopper on (none of its GEMMs before), and
+# on Hopper DeepSeek's fprop and dgrad on its own block-scaled GEMM (graphquant._C.block_gemm).
+GRAPHQUANT_RUNS = {sm: set() if sm < (9, 0) else runs | ({block_scaled.BACKEND} if sm == (9, 0) else set()) for sm, runs in TORCH_RUNS.items()}
 
 RECIPES = {
     "delayed_scaling": recipes.delayed_scaling(),
@@ -45,16 +46,19 @@ RECIPES = {
     "nvfp4_block_scaling": recipes.nvfp4_block_scaling(),
     **{f"zoo.{name}": zoo.recipe(name) for name in zoo.FACTORIES},
 }
-# Recipes of one format: where graphquant runs its GEMM natively, every GEMM of the model does.
+# Recipes of one format: where graphquant runs its GEMMs natively, every GEMM of the model runs on
+# one of them (DeepSeek's blocks: 128x128 weight tiles on graphquant's GEMM on Hopper, 1x128 by
+# 1x128 on cuBLASLt's).
+BLOCKS = frozenset({scaled_mm.BLOCKWISE, block_scaled.BACKEND})
 ONE_FORMAT = {
-    "delayed_scaling": scaled_mm.TENSORWISE,
-    "current_scaling": scaled_mm.TENSORWISE,
-    "zoo.tensorwise": scaled_mm.TENSORWISE,
-    "zoo.rowwise": scaled_mm.ROWWISE_SCALED,
-    "mxfp8_block_scaling": scaled_mm.MXFP8,
-    "float8_block_scaling": scaled_mm.BLOCKWISE,
-    "zoo.deepseek_blockwise": scaled_mm.BLOCKWISE,
-    "nvfp4_block_scaling": scaled_mm.NVFP4,
+    "delayed_scaling": frozenset({scaled_mm.TENSORWISE}),
+    "current_scaling": frozenset({scaled_mm.TENSORWISE}),
+    "zoo.tensorwise": frozenset({scaled_mm.TENSORWISE}),
+    "zoo.rowwise": frozenset({scaled_mm.ROWWISE_SCALED}),
+    "mxfp8_block_scaling": frozenset({scaled_mm.MXFP8}),
+    "float8_block_scaling": BLOCKS,
+    "zoo.deepseek_blockwise": BLOCKS,
+    "nvfp4_block_scaling": frozenset({scaled_mm.NVFP4}),
 }
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -164,6 +168,23 @@ def fake_fp8_gemm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
     return fake_scaled_mm(a, b.t(), scale_a.reshape(-1, 1), scale_b.reshape(1, -1), bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+def fake_block_gemm(a, b, a_scale, b_scale, out_dtype, bias):
+    """graphquant._C.block_gemm(a (m, k), b (n, k)): FP8 codes, k contiguous in rows of whole 16
+    bytes (TMA's), a's 1x128 scales (m, k blocks) and b's 128x128 ones (n tiles, k blocks) in any
+    strides; returns the product they describe (float64, the bias, one rounding to out_dtype)."""
+    m, k = a.shape
+    n, blocks = b.shape[0], math.ceil(k / 128)
+    for codes in (a, b):
+        assert codes.dtype in FP8 and codes.dim() == 2 and codes.shape[1] == k, f"codes {codes.dtype} {tuple(codes.shape)}"
+        assert codes.stride(1) == 1 and codes.stride(0) % 16 == 0, f"codes strides {codes.stride()}: not k-contiguous rows of whole 16 bytes"
+    assert a_scale.dtype == b_scale.dtype == torch.float32
+    assert a_scale.shape == (m, blocks) and b_scale.shape == (math.ceil(n / 128), blocks), f"scales {tuple(a_scale.shape)} {tuple(b_scale.shape)}"
+    assert out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert bias is None or (bias.dtype in (torch.bfloat16, torch.float16) and bias.shape == (n,) and bias.is_contiguous())
+    product = _values(a, a_scale, "block 1x128") @ _values(b, b_scale, "block 128x128").t()
+    return (product + (0 if bias is None else bias.double())).to(out_dtype)
+
+
 class Model(nn.Module):
     """fc1 (bias) -> gelu -> fc2, then a matmul of two activations; every dim 128 or 256, so
     every format's native GEMM takes every GEMM."""
@@ -182,10 +203,15 @@ def fake_gpu(monkeypatch):
     """fake_gpu(sm): CPU tensors run the native GEMMs of compute capability sm, through the stand-ins;
     gives the list of (backend, out, expected, bound) of every native GEMM run."""
     calls = []
-    run = scaled_mm.run
+    run, block_gemm = scaled_mm.run, block_scaled.gemm
 
     def checked_run(backend, a, b, out_dtype, bias=None):
-        out = run(backend, a, b, out_dtype, bias)
+        return recorded(backend.name, run(backend, a, b, out_dtype, bias), a, b, out_dtype, bias)
+
+    def checked_block_gemm(a, b, out_dtype, bias=None):
+        return recorded(block_scaled.BACKEND, block_gemm(a, b, out_dtype, bias), a, b, out_dtype, bias)
+
+    def recorded(backend, out, a, b, out_dtype, bias):
         # The representations' own float64 product: the stand-in's differs by the rounding of each
         # dequantized operand to fp32 and of the scales' products (2^-24 each, four at most), the
         # float64 sums, and the roundings of the output (two of bf16 where a bias follows a bf16 GEMM).
@@ -194,16 +220,18 @@ def fake_gpu(monkeypatch):
         magnitude = left.abs() @ right.abs().t()
         rounding = 2.0**-24 if out_dtype == torch.float32 else 2 * 2.0**-8
         bound = magnitude * 2.0**-21 + (expected.abs() + (0 if bias is None else bias.double().abs())) * rounding
-        calls.append((backend.name, out, expected, bound))
+        calls.append((backend, out, expected, bound))
         return out
 
     def start(sm):
         monkeypatch.setattr(backends, "capability", lambda device: sm)
         monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
-        # graphquant._C's cuBLASLt GEMM for the faked GPU (the CPU tensors' quantizes take the reference)
-        fake_extension = types.SimpleNamespace(fp8_gemm=fake_fp8_gemm)
-        monkeypatch.setattr(scaled_mm, "native", types.SimpleNamespace(extension_for=lambda device: fake_extension))
+        # graphquant._C's GEMMs for the faked GPU (the CPU tensors' quantizes take the reference)
+        fake_extension = types.SimpleNamespace(fp8_gemm=fake_fp8_gemm, block_gemm=fake_block_gemm, cuda_archs=(sm[0] * 10 + sm[1],))
+        for module in (scaled_mm, block_scaled):
+            monkeypatch.setattr(module, "native", types.SimpleNamespace(extension_for=lambda device: fake_extension))
         monkeypatch.setattr(scaled_mm, "run", checked_run)
+        monkeypatch.setattr(block_scaled, "gemm", checked_block_gemm)
         if backends.triton_decode is not None:
             monkeypatch.setattr(backends.triton_decode, "gemm", lambda a, b, out_dtype, bias=None: emulation.gemm(a, b, 1, out_dtype, bias)[0])
         backends.clear_caches()
@@ -229,8 +257,8 @@ def test_every_native_gemm_gets_arguments_its_gemm_takes(fake_gpu, sm, recipe):
     planned = collections.Counter(b for b in native if b not in (backends.HIGH_PRECISION, *decode))
     assert set(planned) <= GRAPHQUANT_RUNS[sm], f"planned {set(planned)} on sm_{sm[0]}{sm[1]}\n{plan}"
     assert collections.Counter(backend for backend, *_ in calls) == planned, f"plan and run disagree\n{plan}"
-    if recipe in ONE_FORMAT and ONE_FORMAT[recipe] in GRAPHQUANT_RUNS[sm]:
-        assert native == [ONE_FORMAT[recipe]] * len(plan.gemms), str(plan)
+    if recipe in ONE_FORMAT and ONE_FORMAT[recipe] & GRAPHQUANT_RUNS[sm]:
+        assert len(native) == len(plan.gemms) and set(native) == ONE_FORMAT[recipe] & GRAPHQUANT_RUNS[sm], str(plan)
     for backend, out, expected, bound in calls:
         excess = ((out.double() - expected).abs() - bound).max().item()
         assert excess <= 0, f"{backend}: the arguments describe another product (by {excess})"
@@ -248,7 +276,7 @@ class Linears(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-FP8_ONE_FORMAT = [name for name, backend in ONE_FORMAT.items() if backend in scaled_mm.FP8_MULTIPLES]
+FP8_ONE_FORMAT = [name for name, natives in ONE_FORMAT.items() if natives & set(scaled_mm.FP8_MULTIPLES)]
 
 
 @pytest.mark.parametrize("sms", [132, 1], ids=["per-row-scaled-after", "per-row-in-the-gemm"])
@@ -268,7 +296,7 @@ def test_fp8_gemms_run_on_cublaslt_at_any_number_of_tokens(fake_gpu, recipe, tok
     compiled = graphquant.compile(Linears().to(torch.bfloat16), RECIPES[recipe], backend="eager", fullgraph=True)
     compiled(x).float().square().mean().backward()
     plan = compiled.graphquant.plan
-    assert [g.backend.name for g in plan.gemms] == [ONE_FORMAT[recipe]] * 6, str(plan)
+    assert {g.backend.name for g in plan.gemms} <= ONE_FORMAT[recipe] and len(plan.gemms) == 6, str(plan)
     assert len(calls) == 6
     for backend, out, expected, bound in calls:
         excess = ((out.double() - expected).abs() - bound).max().item()
@@ -290,7 +318,7 @@ def test_fp8_gemms_run_on_cublaslt_at_any_number_of_columns(fake_gpu, recipe):
     out = compiled(x)
     out.float().square().mean().backward()
     plan = compiled.graphquant.plan
-    assert [g.backend.name for g in plan.gemms] == [ONE_FORMAT[recipe]] * 6, str(plan)
+    assert {g.backend.name for g in plan.gemms} <= ONE_FORMAT[recipe] and len(plan.gemms) == 6, str(plan)
     assert len(calls) == 6 and out.shape == (100, 128) and out.is_contiguous()
     for backend, out, expected, bound in calls:
         assert out.shape == expected.shape and out.is_contiguous()

@@ -17,7 +17,7 @@ from test_native_gemm_arguments import Model  # two linears and a matmul of acti
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, emulation, mixed_input, scaled_mm
+from graphquant.kernels import backends, block_scaled, emulation, mixed_input, scaled_mm
 from graphquant.kernels.backends import GemmBackend, GemmMismatch
 from graphquant.ops.functional import quantized_linear
 from graphquant.ops.site import Site
@@ -37,6 +37,8 @@ RECIPE_OF = {
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
     # The mixed-input GEMM (where the extension has it), at a static m of 17 to 1024 rows (MXFP8 here, NVFP4 too).
     mixed_input.BACKEND: recipes.mxfp8_block_scaling(),
+    # graphquant's block-scaled GEMM (where the extension has it): fprop and dgrad of 128x128 weight tiles.
+    block_scaled.BACKEND: recipes.float8_block_scaling(),
 }
 # The GEMMs that need m known when the plan is made (NativeGemm.max_rows).
 SKINNY = {native.backend for native in backends.NATIVE_GEMMS if native.max_rows is not None}
@@ -66,6 +68,7 @@ def runs(monkeypatch):
     ran, current = {}, []
     dispatch, native, emulated = backends.gemm, scaled_mm.run, emulation.gemm
     mixed_dispatch, mixed = backends.mixed_input_gemm, mixed_input.multiply
+    block = block_scaled.gemm
     decode = triton_decode.gemm if backends.DECODE_GEMMS else None
 
     def at_site(site, call):
@@ -101,6 +104,10 @@ def runs(monkeypatch):
         record(GemmBackend(mixed_input.BACKEND))
         return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, b, out_dtype, bias)
 
+    def block_run(a, b, out_dtype, bias=None):
+        record(GemmBackend(block_scaled.BACKEND))
+        return block(a, b, out_dtype, bias) if a.data.is_cuda else emulated(a, b, 1, out_dtype, bias)[0]
+
     def emulated_run(*args, **kwargs):
         record(EMULATED_RUN)
         return emulated(*args, **kwargs)
@@ -111,6 +118,7 @@ def runs(monkeypatch):
     monkeypatch.setattr(scaled_mm, "run", native_run)
     monkeypatch.setattr(backends, "mixed_input_gemm", mixed_input_gemm)
     monkeypatch.setattr(mixed_input, "multiply", mixed_run)
+    monkeypatch.setattr(block_scaled, "gemm", block_run)
     monkeypatch.setattr(emulation, "gemm", emulated_run)
     return ran
 
@@ -173,7 +181,7 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose(runs, fake_capability, nat
             assert planned == symbolically
 
 
-ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF, mixed_input.BACKEND]
+ON_THIS_GPU = [scaled_mm.TENSORWISE, scaled_mm.BLOCKWISE, *ROWS_OF, mixed_input.BACKEND, block_scaled.BACKEND]
 
 
 @pytest.mark.gpu

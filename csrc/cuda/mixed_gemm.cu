@@ -36,10 +36,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hopper.cuh"
 #include "launch.cuh"
 
 namespace gq {
 namespace {
+
+using namespace hopper;
 
 constexpr int MXFP8 = 0, NVFP4 = 1;
 constexpr int ROWS = 128;     // weight rows a CTA: two warpgroups of 64
@@ -82,33 +85,6 @@ struct Stage {
 // of a quad decodes K 16t..16t+15, which the fragment holds at columns 2t, 2t + 1, 2t + 8, 2t + 9 of
 // the four k16 slices, a bf16 pair the two values one decoding step makes (e4m3_bits: a word's
 // bytes (0 2) and (1 3); e2m1_bits: its nibbles (0 4) ... (3 7)).
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-// A shared-memory matrix descriptor of a K-major bf16 operand in 128-byte swizzle atoms (8 rows of
-// 128 bytes, 1024 bytes apart).
-__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
-  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory"); }
-
-// Registers an in-flight wgmma reads or writes stay theirs until here: the compiler may not give
-// them to other values before a wait that retires it.
-template <int N>
-__device__ __forceinline__ void keep(uint32_t (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void keep(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
 
 template <int TOKENS>
 struct Wgmma;
@@ -237,10 +213,6 @@ __device__ __forceinline__ float bias_value(const Args& args, int row) {
                                 : __half2float(static_cast<const __half*>(args.bias)[row]);
 }
 
-__device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
-
 // The product's factor: (a_amax / divisor) * (w_amax / divisor), each step rounded once, as
 // graphquant.formats.nvfp4.global_decode and the emulated GEMM's alpha make it.
 __device__ __forceinline__ float alpha_of(const Args& args) {
@@ -281,33 +253,6 @@ __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, cons
       }
     }
   }
-}
-
-// mbarriers and TMA copies: a producer warp fills the stages, the consumer warpgroups wait for them.
-__device__ __forceinline__ void barrier_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void expect_bytes(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, int inner, int outer, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(outer), "r"(bar)
-      : "memory");
 }
 
 // Warpgroup 0 copies (one thread issuing TMA copies of x's atoms, the weight's codes and its block
@@ -506,30 +451,6 @@ void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char*
 
 int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
 
-// A 2-D TMA descriptor of a row-major (rows, cols) tensor of ``element`` bytes (row stride in
-// bytes), copied in boxes of (box_rows, box_cols), zeros past its edges.
-CUtensorMap tensor_map(const void* data, CUtensorMapDataType type, int element, int64_t rows, int64_t cols, int64_t stride,
-                       int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
-  static const auto encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    TORCH_CHECK(error == cudaSuccess && found == cudaDriverEntryPointSuccess && fn != nullptr,
-                "graphquant.mixed_gemm: the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit[2] = {1, 1};
-  const CUresult result = encode(&map, type, 2, const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(result == CUDA_SUCCESS, "graphquant.mixed_gemm: cuTensorMapEncodeTiled failed (", static_cast<int>(result), ") for a (",
-              rows, ", ", cols, ") tensor of ", element, "-byte elements, row stride ", stride, " bytes, box (", box_rows, ", ", box_cols, ")");
-  return map;
-}
-
 template <int F, int TOKENS>
 void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   using S = Stage<F, TOKENS>;
@@ -539,14 +460,14 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
     return true;
   }();
   (void)sized;
-  const CUtensorMap x_map = tensor_map(args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
+  const CUtensorMap x_map = tensor_map("graphquant.mixed_gemm", args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
                                        CU_TENSOR_MAP_SWIZZLE_128B);
-  const CUtensorMap w_map = tensor_map(args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
+  const CUtensorMap w_map = tensor_map("graphquant.mixed_gemm", args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
                                        ROWS, W::code_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap s_map = W::row_major_scales
-                                ? tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k / W::block, args.s_stride,
+                                ? tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k / W::block, args.s_stride,
                                              ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
-                                : tensor_map(args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
+                                : tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
                                              W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
   mixed_gemm_kernel<F, TOKENS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
   check_launch("mixed_gemm");

@@ -5,7 +5,8 @@ direction) into native / emulated / rejected and names the backend, a GemmBacken
 shows that choice, the rewritten graph carries it to every GEMM call, and ``gemm`` runs exactly
 it or, where the call cannot run on it, fails. Native backends are cuBLASLt (scaled_mm: through
 torch._scaled_mm, and per-tensor FP8 through graphquant's own call with a timed algorithm
-choice), and Triton's decode GEMM for few rows (graphquant.kernels.triton_decode). The
+choice), Triton's decode GEMM for few rows (graphquant.kernels.triton_decode), and graphquant's
+CUDA GEMMs on Hopper (graphquant.kernels.mixed_input, block_scaled). The
 emulated backend dequantizes both operands exactly and multiplies them in high precision; it runs
 every pair the planner admits, on any device.
 """
@@ -22,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
-from graphquant.kernels import emulation, mixed_input, scaled_mm
+from graphquant.kernels import block_scaled, emulation, mixed_input, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -265,17 +266,33 @@ MIXED_INPUT_GEMM = NativeGemm(
     available=lambda device: mixed_input.extension_runs(device),
 )
 
+# graphquant's CUDA GEMM of DeepSeek-V3's block-scaled FP8 fprop and dgrad (1x128 by 128x128) on
+# Hopper, where the extension has it (graphquant.kernels.block_scaled): ahead of cuBLASLt's
+# blockwise GEMM at prefill shapes, at any m and n without its padding (benchmarks/NOTES.md,
+# gemm.py). Each block's partial sum is promoted into fp32, as the recipe asks, so it has
+# no fast accumulation.
+BLOCK_SCALED_GEMM = NativeGemm(
+    block_scaled.BACKEND,
+    block_scaled.FAMILIES,
+    block_scaled.ELEMENTS,
+    1,
+    lambda sm: sm == (9, 0),
+    k_multiple=block_scaled.K_MULTIPLE,
+    available=lambda device: block_scaled.extension_runs(device),
+)
+
 # torch._scaled_mm runs per-tensor and per-row FP8 from Hopper on (per-tensor with E5M2 on at most
 # one side) and DeepSeek-style block scales on sm90 alone, 1x128 blocks on the left, at any m, n and
 # k (a call of 100 rows, a wgrad over 1000 tokens or an LM head of 32001 rows is no reason for the
 # emulation, 5-20x slower); the block-scaled MXFP8 and NVFP4 paths from Blackwell on (sm100, sm120).
 # The first that fits a GEMM runs it: Blackwell's MXFP8 and NVFP4, then Hopper's mixed-input
-# MXFP8 GEMM, then the decode GEMM, then cuBLASLt's FP8.
+# MXFP8 GEMM, then the decode GEMM, then graphquant's block-scaled GEMM, then cuBLASLt's FP8.
 NATIVE_GEMMS = (
     NativeGemm(scaled_mm.MXFP8, frozenset({("mxfp8", "mxfp8")}), BOTH_E4M3, 128, lambda sm: sm >= (10, 0)),
     NativeGemm(scaled_mm.NVFP4, frozenset({("nvfp4", "nvfp4")}), frozenset({("e2m1", "e2m1")}), 128, lambda sm: sm >= (10, 0)),
     MIXED_INPUT_GEMM,
     *DECODE_GEMMS,
+    BLOCK_SCALED_GEMM,
     NativeGemm(
         scaled_mm.TENSORWISE,
         frozenset({("fp8_tensorwise", "fp8_tensorwise")}),
@@ -583,6 +600,8 @@ def gemm(
         return triton_decode.gemm(a, b, out_dtype, bias).unsqueeze(0)
     if native is MIXED_INPUT_GEMM:
         return mixed_input.gemm(a, b, out_dtype, bias).unsqueeze(0)
+    if native is BLOCK_SCALED_GEMM:
+        return block_scaled.gemm(a, b, out_dtype, bias).unsqueeze(0)
     return scaled_mm.run(backend, a, b, out_dtype, bias).unsqueeze(0)
 
 

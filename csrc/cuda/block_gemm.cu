@@ -1,0 +1,319 @@
+// graphquant._C.block_gemm: out (m, n) = A @ B^T (+ bias) for DeepSeek-V3's block-scaled FP8
+// operands on Hopper: A's codes (m, k) in 1x128 blocks, B's (n, k) in 128x128 tiles, each block's
+// scale an fp32 factor. cuBLASLt's blockwise GEMM ran 13-15% behind its per-tensor one at prefill
+// shapes on the H200 and multiplies by the wrong tile scales where k / 128 is no multiple of 4
+// (scaled_mm.TILE_SCALED_K, which pads such a k each call); this one takes any k that TMA can
+// address (a multiple of 16), any m and n, and reads the scales as the formats store them.
+//
+// Numerics: DeepSeek-V3's recipe, as graphquant.formats' reference multiplies: each 128-long K
+// block's products summed on the FP8 tensor cores (exact products, their accumulator's sums), that
+// partial sum times (A's block scale x B's tile scale) added in fp32, the bias added to the fp32
+// sum, one rounding to the output's dtype.
+//
+// Layout: a persistent CTA walks output tiles of 128 x 128 (GROUP_M tiles of rows a column of
+// tiles, so that the tiles running at once share their operands in L2). A warpgroup copies K
+// blocks of both operands by TMA into STAGES stages; two warpgroups each multiply 64 of the rows:
+// four wgmmas a block into a partial accumulator, then its promotion into the fp32 sums, while the
+// other warpgroup's wgmmas keep the tensor cores busy.
+//
+// CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "hopper.cuh"
+#include "launch.cuh"
+
+namespace gq {
+namespace {
+
+using namespace hopper;
+
+constexpr int TILE = 128;  // a CTA's output tile is TILE x TILE, a stage holds TILE of K: one block of scales
+constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
+constexpr int STAGE_BYTES = 2 * TILE * TILE;  // A's and B's codes, 128 bytes a row (one swizzle atom row)
+constexpr int STAGES = 6;
+constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
+constexpr int GROUP_M = 16;
+constexpr int E4M3 = 0, E5M2 = 1;
+
+// One k32 wgmma of 64 rows of A by 128 of B, both from shared memory: d (+)= A B^T.
+template <int A, int B>
+struct Wgmma;
+
+#define GQ_FP8_WGMMA(A_CODE, B_CODE, A_NAME, B_NAME)                                                                                    \
+  template <>                                                                                                                         \
+  struct Wgmma<A_CODE, B_CODE> {                                                                                                      \
+    __device__ static void mma(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {                                              \
+      asm volatile(                                                                                                                   \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                                \
+          "wgmma.mma_async.sync.aligned.m64n128k32.f32." A_NAME "." B_NAME                                                           \
+          " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, " \
+          "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
+          "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"                                  \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),     \
+            "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),       \
+            "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),       \
+            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
+            "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]),       \
+            "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),       \
+            "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])        \
+          : "l"(a), "l"(b), "r"(accumulate)                                                                                           \
+          : "memory");                                                                                                                \
+    }                                                                                                                                 \
+  };
+GQ_FP8_WGMMA(E4M3, E4M3, "e4m3", "e4m3")
+GQ_FP8_WGMMA(E4M3, E5M2, "e4m3", "e5m2")
+GQ_FP8_WGMMA(E5M2, E4M3, "e5m2", "e4m3")
+GQ_FP8_WGMMA(E5M2, E5M2, "e5m2", "e5m2")
+#undef GQ_FP8_WGMMA
+
+enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
+
+struct Args {
+  const float *a_scale, *b_scale;  // (m, blocks), (ceil(n / 128), blocks), any strides
+  void* out;
+  const void* bias;
+  int64_t a_scale_rows, a_scale_cols, b_scale_rows, b_scale_cols;  // strides, in elements
+  int m, n, blocks, m_tiles, n_tiles, out_kind, bias_kind;
+};
+
+// Tile ``tile``'s rows and columns of tiles: GROUP_M rows of tiles walked a column at a time.
+__device__ __forceinline__ void tile_of(const Args& args, int tile, int& tm, int& tn) {
+  const int per_group = GROUP_M * args.n_tiles;
+  const int first = tile / per_group * GROUP_M;
+  const int rows = min(args.m_tiles - first, GROUP_M);
+  tm = first + tile % per_group % rows;
+  tn = tile % per_group / rows;
+}
+
+template <typename Out>
+__device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both) {
+  if constexpr (sizeof(Out) == 2) {
+    if (both) {
+      using Pair = typename std::conditional<std::is_same<Out, __nv_bfloat16>::value, __nv_bfloat162, __half2>::type;
+      Pair pair;
+      store_value(&pair.x, v0);
+      store_value(&pair.y, v1);
+      *reinterpret_cast<Pair*>(p) = pair;
+      return;
+    }
+  } else if (both) {
+    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    return;
+  }
+  store_value(p, v0);
+}
+
+// A thread's sums (sum 4j + 2h + b: row rows[h], column n0 + 8j + 2t + b), plus the bias, rounded
+// once into out (m, n) row-major; column pairs written as one store where n is even.
+template <typename Out>
+__device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& args, int n0, int t, const int (&rows)[2]) {
+  Out* out = static_cast<Out*>(args.out);
+  const bool even = args.n % 2 == 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int column = n0 + 8 * j + 2 * t;
+    if (column >= args.n) continue;
+    float bias[2] = {0.f, 0.f};
+    if (args.bias != nullptr) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int c = min(column + b, args.n - 1);
+        bias[b] = args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[c])
+                                         : __half2float(static_cast<const __half*>(args.bias)[c]);
+      }
+    }
+    const bool both = column + 1 < args.n;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (rows[h] >= args.m) continue;
+      Out* p = out + static_cast<int64_t>(rows[h]) * args.n + column;
+      const float v0 = acc[4 * j + 2 * h] + bias[0], v1 = acc[4 * j + 2 * h + 1] + bias[1];
+      store_pair(p, v0, v1, both && even);
+      if (both && !even) store_value(p + 1, v1);
+    }
+  }
+}
+
+template <int A, int B>
+__global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap a_map,
+                                                               const __grid_constant__ CUtensorMap b_map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  extern __shared__ uint8_t raw[];
+  const uint32_t raw_address = smem_address(raw);
+  const uint32_t base = (raw_address + 1023) & ~1023u;
+  const uint32_t full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;  // a barrier a stage each
+  const int tid = threadIdx.x;
+  const int tiles = args.m_tiles * args.n_tiles;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      barrier_init(full + 8 * s, 1);
+      barrier_init(empty + 8 * s, CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid < PRODUCERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid == 0) {
+      int j = 0;  // stages filled so far, over every tile
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int tm, tn;
+        tile_of(args, tile, tm, tn);
+        for (int block = 0; block < args.blocks; ++block, ++j) {
+          const int s = j % STAGES;
+          if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
+          const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
+          expect_bytes(bar, STAGE_BYTES);
+          tma_load(stage, a_map, block * TILE, tm * TILE, bar);
+          tma_load(stage + TILE * TILE, b_map, block * TILE, tn * TILE, bar);
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+  const int consumer = tid - PRODUCERS;
+  const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
+  const int g = lane / 4, t = lane % 4;
+  const int row_in_tile = warpgroup * 64 + warp * 16 + g;  // this thread's rows of the tile: it and it + 8
+  int j = 0;  // stages consumed so far, over every tile
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int tm, tn;
+    tile_of(args, tile, tm, tn);
+    const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
+    const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
+                               args.a_scale + static_cast<int64_t>(min(rows[1], args.m - 1)) * args.a_scale_rows};
+    const float* b_scale = args.b_scale + static_cast<int64_t>(tn) * args.b_scale_rows;
+    float acc[64], partial[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int block = 0; block < args.blocks; ++block, ++j) {
+      const int s = j % STAGES;
+      const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
+      // This block's scales, read while its wgmmas run.
+      const int64_t column = static_cast<int64_t>(block);
+      barrier_wait(full + 8 * s, (j / STAGES) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<A, B>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
+      wgmma_commit();
+      const float tile_scale = b_scale[column * args.b_scale_cols];
+      const float factor[2] = {a_scale[0][column * args.a_scale_cols] * tile_scale, a_scale[1][column * args.a_scale_cols] * tile_scale};
+      wgmma_wait<0>();
+      keep(partial);
+      barrier_arrive(empty + 8 * s);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], factor[(i >> 1) & 1], acc[i]);
+    }
+    const int n0 = tn * TILE;
+    if (args.out_kind == BF16) store_tile<__nv_bfloat16>(acc, args, n0, t, rows);
+    else if (args.out_kind == F16) store_tile<__half>(acc, args, n0, t, rows);
+    else store_tile<float>(acc, args, n0, t, rows);
+  }
+#endif
+}
+
+int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
+
+int element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
+
+// FP8 codes (rows, k) as TMA reads them: K contiguous, rows 16-byte aligned.
+void check_codes(const at::Tensor& codes, const char* name) {
+  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && (codes.scalar_type() == at::kFloat8_e4m3fn || codes.scalar_type() == at::kFloat8_e5m2) &&
+                  codes.stride(1) == 1 && codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
+              "graphquant.block_gemm: ", name, " must be CUDA float8_e4m3fn or float8_e5m2 codes (rows, k), k contiguous, rows 16-byte aligned; got ",
+              codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides(), " on ", codes.device());
+}
+
+void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const at::Tensor& codes, const char* name) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == blocks &&
+                  scale.device() == codes.device(),
+              "graphquant.block_gemm: ", name, " must be float32 (", rows, ", ", blocks, ") on ", codes.device(), ", got ", scale.scalar_type(), " ",
+              scale.sizes(), " on ", scale.device());
+}
+
+template <int A, int B>
+void launch(const Args& args, const at::Tensor& a, const at::Tensor& b, int grid, cudaStream_t stream) {
+  static const bool sized = [] {
+    cudaFuncSetAttribute(block_gemm_kernel<A, B>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    return true;
+  }();
+  (void)sized;
+  const CUtensorMap a_map = tensor_map("graphquant.block_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),
+                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap b_map = tensor_map("graphquant.block_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b.size(0), b.size(1),
+                                       b.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+  block_gemm_kernel<A, B><<<grid, THREADS, SMEM, stream>>>(args, a_map, b_map);
+  check_launch("block_gemm");
+}
+
+at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
+                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
+  check_codes(a, "A");
+  check_codes(b, "B");
+  const auto* properties = at::cuda::getDeviceProperties(a.get_device());
+  TORCH_CHECK(properties->major == 9 && properties->minor == 0,
+              "graphquant.block_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
+  TORCH_CHECK(a.device() == b.device() && a.size(1) == b.size(1),
+              "graphquant.block_gemm multiplies A (m, k) by B (n, k) on one device, got A ", a.sizes(), " on ", a.device(), " and B ",
+              b.sizes(), " on ", b.device());
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1), blocks = (k + TILE - 1) / TILE;
+  check_scales(a_scale, m, blocks, a, "A's 1x128 scales");
+  check_scales(b_scale, (n + TILE - 1) / TILE, blocks, b, "B's 128x128 scales");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
+              "graphquant.block_gemm writes bfloat16, float16 or float32, not ", out_dtype);
+  TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
+                        bias->is_contiguous() && bias->device() == a.device()),
+              "graphquant.block_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on A's device");
+  TORCH_CHECK(m < (int64_t{1} << 31) && n < (int64_t{1} << 31), "graphquant.block_gemm takes m and n below 2^31, got ", m, " and ", n);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty({m, n}, a.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return out;
+  if (k == 0) return out.zero_();
+  const int m_tiles = static_cast<int>((m + TILE - 1) / TILE), n_tiles = static_cast<int>((n + TILE - 1) / TILE);
+  Args args{a_scale.data_ptr<float>(),
+            b_scale.data_ptr<float>(),
+            out.data_ptr(),
+            bias ? bias->data_ptr() : nullptr,
+            a_scale.stride(0),
+            a_scale.stride(1),
+            b_scale.stride(0),
+            b_scale.stride(1),
+            static_cast<int>(m),
+            static_cast<int>(n),
+            static_cast<int>(blocks),
+            m_tiles,
+            n_tiles,
+            kind(out_dtype),
+            bias ? kind(bias->scalar_type()) : BF16};
+  const int grid = static_cast<int>(std::min<int64_t>(int64_t{m_tiles} * n_tiles, properties->multiProcessorCount));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int pair = element(a) * 2 + element(b);
+  if (pair == 0) launch<E4M3, E4M3>(args, a, b, grid, stream);
+  else if (pair == 1) launch<E4M3, E5M2>(args, a, b, grid, stream);
+  else if (pair == 2) launch<E5M2, E4M3>(args, a, b, grid, stream);
+  else launch<E5M2, E5M2>(args, a, b, grid, stream);
+  return out;
+}
+
+}  // namespace
+}  // namespace gq
+
+void register_block_gemm(pybind11::module_& m) {
+  m.def("block_gemm", &gq::block_gemm,
+        "out (m, n) = A @ B^T (+ bias) for FP8 codes A (m, k) in 1x128 blocks and B (n, k) in 128x128 tiles (DeepSeek-V3's "
+        "recipe) on sm_90's FP8 tensor cores: each 128-long block's partial sum times a_scale[row, block] * b_scale[row / 128, "
+        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("a_scale"), pybind11::arg("b_scale"), pybind11::arg("out_dtype"),
+        pybind11::arg("bias"));
+}

@@ -1,0 +1,38 @@
+"""DeepSeek-V3's block-scaled FP8 GEMM (A in 1x128 blocks, B in 128x128 tiles: fprop and dgrad)
+on Hopper by graphquant's own kernel, graphquant._C.block_gemm (csrc/cuda/block_gemm.cu).
+
+cuBLASLt's blockwise GEMM (torch._scaled_mm) ran 13-15% behind its per-tensor one at prefill
+shapes on the H200, and where k / 128 is no multiple of 4 it multiplies by the wrong tile scales,
+so scaled_mm pads such a k each call (TILE_SCALED_K); its 1x128 scales must also be copied
+outer-major and m padded to a multiple of 4. This kernel reads the codes and scales as the
+representations store them, at any m and n and any k of whole 16 bytes (TMA's row alignment).
+The numerics are the recipe's: each 128-long block's partial sum on the FP8 tensor cores, promoted
+into fp32 with its two scales (benchmarks/NOTES.md, gemm.py, has where it stands).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphquant.kernels import native, scaled_mm
+from graphquant.quantizers import Representation
+
+BACKEND = "wgmma fp8 block-scaled gemm"
+FAMILIES = frozenset({("fp8_block_1x128", "fp8_block_128x128")})
+ELEMENTS = frozenset((a, b) for a in ("e4m3", "e5m2") for b in ("e4m3", "e5m2"))
+K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
+
+
+def extension_runs(device: torch.device) -> bool:
+    """Whether graphquant's extension runs the kernel on ``device`` (built for its sm_90: sm_90a, wgmma)."""
+    ext = native.extension_for(device)
+    return ext is not None and hasattr(ext, "block_gemm") and 90 in getattr(ext, "cuda_archs", ())
+
+
+def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out (m, n) = A @ B^T (+ bias) for A's 1x128 blocks and B's 128x128 tiles, each with the
+    reduction dim last (scaled_mm.k_last), their scales (outer, k blocks) as stored."""
+    (data_a, _), (data_b, _) = scaled_mm.k_last(a), scaled_mm.k_last(b)
+    return native.extension_for(data_a.device).block_gemm(data_a, data_b, a.scale, b.scale, out_dtype, bias)
