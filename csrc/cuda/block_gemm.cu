@@ -14,7 +14,7 @@
 // tiles, so that the tiles running at once share their operands in L2). A warpgroup copies K
 // blocks of both operands by TMA into STAGES stages; two warpgroups each multiply 64 of the rows:
 // four wgmmas a block into a partial accumulator, then its promotion into the fp32 sums, while the
-// other warpgroup's wgmmas keep the tensor cores busy.
+// other warpgroup's wgmmas keep the tensor cores busy (the two take turns: named_sync).
 //
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
@@ -142,6 +142,14 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& a
   }
 }
 
+// The two multiplying warpgroups take turns on the tensor cores, a block's wgmmas each: one's
+// issued only once the other's retired (named barriers, the retiring one arriving, the issuing one
+// waiting). Issued together, the two groups' wgmmas ran interleaved and retired together, and the
+// tensor cores then sat idle while both promoted their sums.
+constexpr int FIRST_RETIRED = 1, SECOND_RETIRED = 2;
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(CONSUMERS) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(CONSUMERS) : "memory"); }
+
 template <int A, int B>
 __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap a_map,
                                                                const __grid_constant__ CUtensorMap b_map) {
@@ -187,6 +195,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
   const int g = lane / 4, t = lane % 4;
   const int row_in_tile = warpgroup * 64 + warp * 16 + g;  // this thread's rows of the tile: it and it + 8
   int j = 0;  // stages consumed so far, over every tile
+  const int groups = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * args.blocks;  // of wgmmas a warpgroup issues, one a block
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int tm, tn;
     tile_of(args, tile, tm, tn);
@@ -200,17 +209,19 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
     for (int block = 0; block < args.blocks; ++block, ++j) {
       const int s = j % STAGES;
       const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
-      // This block's scales, read while its wgmmas run.
       const int64_t column = static_cast<int64_t>(block);
       barrier_wait(full + 8 * s, (j / STAGES) & 1);
+      if (warpgroup == 1 || j > 0) named_sync(warpgroup == 0 ? SECOND_RETIRED : FIRST_RETIRED);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) Wgmma<A, B>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
       wgmma_commit();
+      // This block's scales, read while its wgmmas run.
       const float tile_scale = b_scale[column * args.b_scale_cols];
       const float factor[2] = {a_scale[0][column * args.a_scale_cols] * tile_scale, a_scale[1][column * args.a_scale_cols] * tile_scale};
       wgmma_wait<0>();
       keep(partial);
+      if (warpgroup == 0 || j + 1 < groups) named_arrive(warpgroup == 0 ? FIRST_RETIRED : SECOND_RETIRED);
       barrier_arrive(empty + 8 * s);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], factor[(i >> 1) & 1], acc[i]);
