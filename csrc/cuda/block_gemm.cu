@@ -14,7 +14,7 @@
 // tiles, so that the tiles running at once share their operands in L2). A warpgroup copies K
 // blocks of both operands by TMA into STAGES stages; two warpgroups each multiply 64 of the rows:
 // four wgmmas a block into a partial accumulator, then its promotion into the fp32 sums, while the
-// other warpgroup's wgmmas keep the tensor cores busy (the two take turns: named_sync).
+// other warpgroup's wgmmas keep the tensor cores busy.
 //
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
@@ -28,7 +28,6 @@
 #include <type_traits>
 
 #include "hopper.cuh"
-#include "launch.cuh"
 
 namespace gq {
 namespace {
@@ -69,9 +68,7 @@ struct Wgmma;
     }                                                                                                                                 \
   };
 GQ_FP8_WGMMA(E4M3, E4M3, "e4m3", "e4m3")
-GQ_FP8_WGMMA(E4M3, E5M2, "e4m3", "e5m2")
 GQ_FP8_WGMMA(E5M2, E4M3, "e5m2", "e4m3")
-GQ_FP8_WGMMA(E5M2, E5M2, "e5m2", "e5m2")
 #undef GQ_FP8_WGMMA
 
 enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
@@ -81,16 +78,20 @@ struct Args {
   void* out;
   const void* bias;
   int64_t a_scale_rows, a_scale_cols, b_scale_rows, b_scale_cols;  // strides, in elements
-  int m, n, blocks, m_tiles, n_tiles, out_kind, bias_kind;
+  int m, n, blocks, n_tiles, out_kind, bias_kind;
+  int cluster_rows, cluster_columns;  // of the output's tiles a cluster's CTAs take together (CM x CN)
 };
 
-// Tile ``tile``'s rows and columns of tiles: GROUP_M rows of tiles walked a column at a time.
-__device__ __forceinline__ void tile_of(const Args& args, int tile, int& tm, int& tn) {
-  const int per_group = GROUP_M * args.n_tiles;
-  const int first = tile / per_group * GROUP_M;
-  const int rows = min(args.m_tiles - first, GROUP_M);
-  tm = first + tile % per_group % rows;
-  tn = tile % per_group / rows;
+// Cluster tile ``tile``'s row and column (of CM x CN tiles each): GROUP_M rows of tiles walked a
+// column at a time.
+template <int CM>
+__device__ __forceinline__ void cluster_tile_of(const Args& args, int tile, int& row, int& column) {
+  constexpr int group = GROUP_M / CM;
+  const int per_group = group * args.cluster_columns;
+  const int first = tile / per_group * group;
+  const int rows = min(args.cluster_rows - first, group);
+  row = first + tile % per_group % rows;
+  column = tile % per_group / rows;
 }
 
 template <typename Out>
@@ -142,95 +143,122 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& a
   }
 }
 
-// The two multiplying warpgroups take turns on the tensor cores, a block's wgmmas each: one's
-// issued only once the other's retired (named barriers, the retiring one arriving, the issuing one
-// waiting). Issued together, the two groups' wgmmas ran interleaved and retired together, and the
-// tensor cores then sat idle while both promoted their sums.
-constexpr int FIRST_RETIRED = 1, SECOND_RETIRED = 2;
-__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(CONSUMERS) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(CONSUMERS) : "memory"); }
-
-template <int A, int B>
+// A cluster of CM x CN CTAs takes CM x CN tiles, each CTA one, so that the CTAs of one row of tiles
+// read A's rows once from L2 between them, and those of one column B's: each copies its share of
+// the tile they have in common into all of them (TMA multicast). Tiles of 128 x 128 read 32 KB
+// from L2 a block of K; at the H200's L2 bandwidth that capped the product near 800 TFLOP/s.
+template <int A, int B, int CM, int CN>
 __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap a_map,
                                                                const __grid_constant__ CUtensorMap b_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  constexpr int CTAS = CM * CN, HALF = TILE * TILE / 2;
+  // The CTAs that copy into this one's stages, which are also those this one copies into: itself,
+  // where CN is 2 the one of its row of tiles (A), where CM is 2 the one of its column (B).
+  constexpr int WRITERS = 1 + (CN == 2) + (CM == 2);
   extern __shared__ uint8_t raw[];
   const uint32_t raw_address = smem_address(raw);
   const uint32_t base = (raw_address + 1023) & ~1023u;
   const uint32_t full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;  // a barrier a stage each
   const int tid = threadIdx.x;
-  const int tiles = args.m_tiles * args.n_tiles;
+  const uint32_t rank = CTAS > 1 ? cluster_rank() : 0;
+  const int rm = rank % CM, rn = rank / CM;
+  const uint32_t a_partner = rm + CM * (1 - rn), b_partner = (1 - rm) + CM * rn;
+  const int cluster_tiles = args.cluster_rows * args.cluster_columns;
+  const int cluster = blockIdx.x / CTAS, clusters = gridDim.x / CTAS;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       barrier_init(full + 8 * s, 1);
-      barrier_init(empty + 8 * s, CONSUMERS);
+      barrier_init(empty + 8 * s, WRITERS * CONSUMERS / 32);  // an arrival a consumer warp of each writer
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (CTAS > 1) cluster_sync();
+  else __syncthreads();
 
   if (tid < PRODUCERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid == 0) {
       int j = 0;  // stages filled so far, over every tile
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int tm, tn;
-        tile_of(args, tile, tm, tn);
+      for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
+        int row, column;
+        cluster_tile_of<CM>(args, tile, row, column);
+        const int tm = row * CM + rm, tn = column * CN + rn;
         for (int block = 0; block < args.blocks; ++block, ++j) {
           const int s = j % STAGES;
-          if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
+          if (j >= STAGES) cluster_wait(empty + 8 * s, (j / STAGES - 1) & 1);
           const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
           expect_bytes(bar, STAGE_BYTES);
-          tma_load(stage, a_map, block * TILE, tm * TILE, bar);
-          tma_load(stage + TILE * TILE, b_map, block * TILE, tn * TILE, bar);
+          if constexpr (CN == 2) {
+            tma_multicast(stage + rn * HALF, a_map, block * TILE, tm * TILE + rn * TILE / 2, bar, (1u << rank) | (1u << a_partner));
+          } else {
+            tma_load(stage, a_map, block * TILE, tm * TILE, bar);
+          }
+          if constexpr (CM == 2) {
+            tma_multicast(stage + TILE * TILE + rm * HALF, b_map, block * TILE, tn * TILE + rm * TILE / 2, bar, (1u << rank) | (1u << b_partner));
+          } else {
+            tma_load(stage + TILE * TILE, b_map, block * TILE, tn * TILE, bar);
+          }
         }
       }
     }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-
-  const int consumer = tid - PRODUCERS;
-  const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
-  const int g = lane / 4, t = lane % 4;
-  const int row_in_tile = warpgroup * 64 + warp * 16 + g;  // this thread's rows of the tile: it and it + 8
-  int j = 0;  // stages consumed so far, over every tile
-  const int groups = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * args.blocks;  // of wgmmas a warpgroup issues, one a block
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int tm, tn;
-    tile_of(args, tile, tm, tn);
-    const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
-    const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
-                               args.a_scale + static_cast<int64_t>(min(rows[1], args.m - 1)) * args.a_scale_rows};
-    const float* b_scale = args.b_scale + static_cast<int64_t>(tn) * args.b_scale_rows;
-    float acc[64], partial[64];
+    __syncwarp();
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int consumer = tid - PRODUCERS;
+    const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
+    const int g = lane / 4, t = lane % 4;
+    const int row_in_tile = warpgroup * 64 + warp * 16 + g;  // this thread's rows of the tile: it and it + 8
+    int j = 0;  // stages consumed so far, over every tile
+    for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
+      int row, column;
+      cluster_tile_of<CM>(args, tile, row, column);
+      const int tm = row * CM + rm, tn = column * CN + rn;  // past the output's edge where a cluster's tiles are: zeros, not stored
+      const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
+      const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
+                                 args.a_scale + static_cast<int64_t>(min(rows[1], args.m - 1)) * args.a_scale_rows};
+      const float* b_scale = args.b_scale + static_cast<int64_t>(min(tn, args.n_tiles - 1)) * args.b_scale_rows;
+      float acc[64], partial[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    for (int block = 0; block < args.blocks; ++block, ++j) {
-      const int s = j % STAGES;
-      const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
-      const int64_t column = static_cast<int64_t>(block);
-      barrier_wait(full + 8 * s, (j / STAGES) & 1);
-      if (warpgroup == 1 || j > 0) named_sync(warpgroup == 0 ? SECOND_RETIRED : FIRST_RETIRED);
-      wgmma_fence();
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      // Block 0's scales; each block's wgmmas then run while the next block's are read.
+      float tile_scale = b_scale[0], row_scale[2] = {a_scale[0][0], a_scale[1][0]};
+      for (int block = 0; block < args.blocks; ++block, ++j) {
+        const int s = j % STAGES;
+        const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
+        barrier_wait(full + 8 * s, (j / STAGES) & 1);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wgmma<A, B>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
-      wgmma_commit();
-      // This block's scales, read while its wgmmas run.
-      const float tile_scale = b_scale[column * args.b_scale_cols];
-      const float factor[2] = {a_scale[0][column * args.a_scale_cols] * tile_scale, a_scale[1][column * args.a_scale_cols] * tile_scale};
-      wgmma_wait<0>();
-      keep(partial);
-      if (warpgroup == 0 || j + 1 < groups) named_arrive(warpgroup == 0 ? FIRST_RETIRED : SECOND_RETIRED);
-      barrier_arrive(empty + 8 * s);
+        for (int kk = 0; kk < 4; ++kk) Wgmma<A, B>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
+        wgmma_commit();
+        const float factor[2] = {row_scale[0] * tile_scale, row_scale[1] * tile_scale};
+        if (block + 1 < args.blocks) {
+          const int64_t next = block + 1;
+          tile_scale = b_scale[next * args.b_scale_cols];
+          row_scale[0] = a_scale[0][next * args.a_scale_cols];
+          row_scale[1] = a_scale[1][next * args.a_scale_cols];
+        }
+        wgmma_wait<0>();
+        keep(partial);
+        if (lane == 0) {  // the stage read: each writer may fill it again
+          if constexpr (CTAS > 1) {
+            cluster_arrive(empty + 8 * s, rank);
+            if constexpr (CN == 2) cluster_arrive(empty + 8 * s, a_partner);
+            if constexpr (CM == 2) cluster_arrive(empty + 8 * s, b_partner);
+          } else {
+            barrier_arrive(empty + 8 * s);
+          }
+        }
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], factor[(i >> 1) & 1], acc[i]);
+        for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], factor[(i >> 1) & 1], acc[i]);
+      }
+      const int n0 = tn * TILE;
+      if (args.out_kind == BF16) store_tile<__nv_bfloat16>(acc, args, n0, t, rows);
+      else if (args.out_kind == F16) store_tile<__half>(acc, args, n0, t, rows);
+      else store_tile<float>(acc, args, n0, t, rows);
     }
-    const int n0 = tn * TILE;
-    if (args.out_kind == BF16) store_tile<__nv_bfloat16>(acc, args, n0, t, rows);
-    else if (args.out_kind == F16) store_tile<__half>(acc, args, n0, t, rows);
-    else store_tile<float>(acc, args, n0, t, rows);
   }
+  // No CTA leaves while another may still copy into its stages or arrive on its barriers.
+  if constexpr (CTAS > 1) cluster_sync();
 #endif
 }
 
@@ -253,25 +281,57 @@ void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const a
               scale.sizes(), " on ", scale.device());
 }
 
-template <int A, int B>
-void launch(const Args& args, const at::Tensor& a, const at::Tensor& b, int grid, cudaStream_t stream) {
-  static const bool sized = [] {
-    cudaFuncSetAttribute(block_gemm_kernel<A, B>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    return true;
+template <int A, int B, int CM, int CN>
+void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, cudaStream_t stream) {
+  constexpr int CTAS = CM * CN;
+  auto* kernel = block_gemm_kernel<A, B, CM, CN>;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = CTAS;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = SMEM;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // The clusters that fit on the GPU at once (a GPC's SMs hold whole clusters): the persistent grid.
+  static const int resident = [&] {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    config.gridDim = dim3(CTAS * sms);
+    int clusters = 0;
+    const cudaError_t error = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    TORCH_CHECK(error == cudaSuccess && clusters > 0, "graphquant.block_gemm: no cluster of ", CTAS, " CTAs fits this GPU (",
+                cudaGetErrorString(error), ")");
+    return clusters;
   }();
-  (void)sized;
+  args.cluster_rows = (m_tiles + CM - 1) / CM;
+  args.cluster_columns = (args.n_tiles + CN - 1) / CN;
+  config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.cluster_columns));
   const CUtensorMap a_map = tensor_map("graphquant.block_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),
-                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+                                       a.stride(0), TILE / CN, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap b_map = tensor_map("graphquant.block_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b.size(0), b.size(1),
-                                       b.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
-  block_gemm_kernel<A, B><<<grid, THREADS, SMEM, stream>>>(args, a_map, b_map);
-  check_launch("block_gemm");
+                                       b.stride(0), TILE / CM, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+  const cudaError_t error = cudaLaunchKernelEx(&config, kernel, args, a_map, b_map);
+  TORCH_CHECK(error == cudaSuccess, "graphquant.block_gemm: the launch failed: ", cudaGetErrorString(error));
+}
+
+template <int A, int B>
+void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, int64_t cluster_m, int64_t cluster_n,
+                     cudaStream_t stream) {
+  if (cluster_m == 1 && cluster_n == 1) launch<A, B, 1, 1>(args, a, b, m_tiles, sms, stream);
+  else if (cluster_m == 2 && cluster_n == 1) launch<A, B, 2, 1>(args, a, b, m_tiles, sms, stream);
+  else if (cluster_m == 1 && cluster_n == 2) launch<A, B, 1, 2>(args, a, b, m_tiles, sms, stream);
+  else launch<A, B, 2, 2>(args, a, b, m_tiles, sms, stream);
 }
 
 at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
-                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
+                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, int64_t cluster_m, int64_t cluster_n) {
   check_codes(a, "A");
   check_codes(b, "B");
+  TORCH_CHECK(b.scalar_type() == at::kFloat8_e4m3fn, "graphquant.block_gemm multiplies E4M3 or E5M2 A by E4M3 B (weights), not ", b.scalar_type());
+  TORCH_CHECK((cluster_m == 1 || cluster_m == 2) && (cluster_n == 1 || cluster_n == 2),
+              "graphquant.block_gemm takes clusters of 1 or 2 tiles each way, not ", cluster_m, " x ", cluster_n);
   const auto* properties = at::cuda::getDeviceProperties(a.get_device());
   TORCH_CHECK(properties->major == 9 && properties->minor == 0,
               "graphquant.block_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
@@ -303,17 +363,15 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
             static_cast<int>(m),
             static_cast<int>(n),
             static_cast<int>(blocks),
-            m_tiles,
             n_tiles,
             kind(out_dtype),
-            bias ? kind(bias->scalar_type()) : BF16};
-  const int grid = static_cast<int>(std::min<int64_t>(int64_t{m_tiles} * n_tiles, properties->multiProcessorCount));
+            bias ? kind(bias->scalar_type()) : BF16,
+            0,
+            0};
+  const int sms = properties->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int pair = element(a) * 2 + element(b);
-  if (pair == 0) launch<E4M3, E4M3>(args, a, b, grid, stream);
-  else if (pair == 1) launch<E4M3, E5M2>(args, a, b, grid, stream);
-  else if (pair == 2) launch<E5M2, E4M3>(args, a, b, grid, stream);
-  else launch<E5M2, E5M2>(args, a, b, grid, stream);
+  if (element(a) == E4M3) launch_clusters<E4M3, E4M3>(args, a, b, m_tiles, sms, cluster_m, cluster_n, stream);
+  else launch_clusters<E5M2, E4M3>(args, a, b, m_tiles, sms, cluster_m, cluster_n, stream);
   return out;
 }
 
@@ -324,7 +382,8 @@ void register_block_gemm(pybind11::module_& m) {
   m.def("block_gemm", &gq::block_gemm,
         "out (m, n) = A @ B^T (+ bias) for FP8 codes A (m, k) in 1x128 blocks and B (n, k) in 128x128 tiles (DeepSeek-V3's "
         "recipe) on sm_90's FP8 tensor cores: each 128-long block's partial sum times a_scale[row, block] * b_scale[row / 128, "
-        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16",
+        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16; "
+        "cluster_m x cluster_n: the output tiles a cluster of CTAs takes, sharing their operands' copies (1 or 2 each)",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("a_scale"), pybind11::arg("b_scale"), pybind11::arg("out_dtype"),
-        pybind11::arg("bias"));
+        pybind11::arg("bias"), pybind11::arg("cluster_m") = 2, pybind11::arg("cluster_n") = 1);
 }

@@ -1,6 +1,6 @@
 // What graphquant's Hopper GEMMs (mixed_gemm.cu, block_gemm.cu) share: shared-memory descriptors of
 // 128-byte swizzled K-major operands, wgmma's fence, commit and wait, mbarriers, TMA copies and
-// their descriptors, and the output's stores. sm_90a only (wgmma, setmaxnreg).
+// their descriptors, clusters, and the output's stores. sm_90a only (wgmma, setmaxnreg).
 #pragma once
 
 #include <torch/extension.h>
@@ -68,6 +68,43 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, i
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+
+// Clusters: a CTA's rank, a barrier of every thread of the cluster, and the mbarrier waits, arrivals
+// and TMA copies that reach the cluster's other CTAs (a stage one copy fills in several of them).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// An arrival on the mbarrier at ``bar`` (this CTA's shared-memory address of it) of the cluster's
+// CTA ``rank``, which releases this thread's reads of shared memory to the cluster.
+__device__ __forceinline__ void cluster_arrive(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+__device__ __forceinline__ void cluster_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// tma_load into the same shared-memory offset of each CTA of the cluster in ``ctas`` (a bit a rank),
+// counted on each one's mbarrier at ``bar``.
+__device__ __forceinline__ void tma_multicast(uint32_t dst, const CUtensorMap& map, int inner, int outer, uint32_t bar, uint16_t ctas) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(outer), "r"(bar), "h"(ctas)
       : "memory");
 }
 

@@ -21,7 +21,7 @@ from graphquant.quantizers import Representation
 
 BACKEND = "wgmma fp8 block-scaled gemm"
 FAMILIES = frozenset({("fp8_block_1x128", "fp8_block_128x128")})
-ELEMENTS = frozenset((a, b) for a in ("e4m3", "e5m2") for b in ("e4m3", "e5m2"))
+ELEMENTS = frozenset({("e4m3", "e4m3"), ("e5m2", "e4m3")})  # E4M3 weights, by E4M3 activations or E5M2 gradients
 K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
 
 
