@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
         const int tm = row * CM + rm, tn = column * CN + rn;
         for (int block = 0; block < args.blocks; ++block, ++j) {
           const int s = j % STAGES;
-          if (j >= STAGES) cluster_wait(empty + 8 * s, (j / STAGES - 1) & 1);
+          if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
           const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
           expect_bytes(bar, STAGE_BYTES);
           if constexpr (CN == 2) {

@@ -71,7 +71,7 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, i
       : "memory");
 }
 
-// Clusters: a CTA's rank, a barrier of every thread of the cluster, and the mbarrier waits, arrivals
+// Clusters: a CTA's rank, a barrier of every thread of the cluster, and the mbarrier arrivals
 // and TMA copies that reach the cluster's other CTAs (a stage one copy fills in several of them).
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t rank;
@@ -82,22 +82,13 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 // An arrival on the mbarrier at ``bar`` (this CTA's shared-memory address of it) of the cluster's
-// CTA ``rank``, which releases this thread's reads of shared memory to the cluster.
+// CTA ``rank``: the default (CTA-scope) release, since what it tells (a stage's wgmmas retired) needs
+// no write of this thread's made visible, and a cluster-scope release first waits for every load
+// this thread has in flight.
 __device__ __forceinline__ void cluster_arrive(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-__device__ __forceinline__ void cluster_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+               "r"(rank)
+               : "memory");
 }
 // tma_load into the same shared-memory offset of each CTA of the cluster in ``ctas`` (a bit a rank),
 // counted on each one's mbarrier at ``bar``.
