@@ -54,9 +54,11 @@ def _operand(quantizer, direction, rows, k, device, amplitude=4.0):
 
 def _on_this_machine(expected, qb, k):
     """``expected``, or graphquant's block-scaled GEMM where it runs the pair instead: B in 128x128
-    tiles, k of whole 16 bytes, and the extension built for an sm_90 GPU (the GPU machine)."""
-    tiles = expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2 and k % block_scaled.K_MULTIPLE == 0
-    return block_scaled.BACKEND if tiles and block_scaled.extension_runs(torch.device("cuda")) else expected
+    tiles, a k of whole 16 bytes that cuBLASLt would pad (no multiple of scaled_mm.TILE_SCALED_K),
+    and the extension built for an sm_90 GPU (the GPU machine)."""
+    tiles = expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2
+    padded = k % block_scaled.K_MULTIPLE == 0 and k % scaled_mm.TILE_SCALED_K != 0
+    return block_scaled.BACKEND if tiles and padded and block_scaled.extension_runs(torch.device("cuda")) else expected
 
 
 def _reference(a, b):
@@ -118,6 +120,32 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
     name, qa, qb, expected = next(pair for pair in PAIRS if pair[0] == "block 1x128 x 128x128")
     for gemm, da, db in LAYOUTS[:2]:  # fprop and dgrad read the weight's 128x128 tiles
         _check_on_the_gpu(name, qa, qb, expected, m, 512, k, gemm, da, db, False)
+
+
+@pytest.mark.parametrize(
+    "a_element,k,expected",
+    [
+        ("e4m3", 640, block_scaled.BACKEND),  # k / 128 = 5: cuBLASLt would pad k to 1024 each call
+        ("e4m3", 11008, block_scaled.BACKEND),
+        ("e4m3", 1024, scaled_mm.BLOCKWISE),  # a multiple of TILE_SCALED_K: cuBLASLt's, faster there
+        ("e4m3", 1000, scaled_mm.BLOCKWISE),  # not whole 16 bytes a row: TMA cannot read it, cuBLASLt pads it
+        ("e5m2", 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take
+        ("e5m2", 1024, backends.EMULATION),
+    ],
+)
+def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, k, expected, monkeypatch):
+    """On Hopper with graphquant's extension, 1x128 x 128x128 GEMMs whose k cuBLASLt takes only padded
+    run on graphquant's block-scaled GEMM; the others stay on cuBLASLt's."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    extension = type("Extension", (), {"block_gemm": None, "cuda_archs": (90,)})
+    monkeypatch.setattr(block_scaled, "native", type("Native", (), {"extension_for": staticmethod(lambda device: extension)}))
+    backends.clear_caches()
+    try:
+        qa, qb = Float8BlockQuantizer(a_element, 1), Float8BlockQuantizer(block_scaling_dim=2)
+        selected = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (PAST_DECODE_ROWS, 4096, k))
+        assert selected.backend.name == expected, selected
+    finally:
+        backends.clear_caches()
 
 
 @pytest.mark.gpu

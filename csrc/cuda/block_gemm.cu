@@ -1,9 +1,11 @@
 // graphquant._C.block_gemm: out (m, n) = A @ B^T (+ bias) for DeepSeek-V3's block-scaled FP8
 // operands on Hopper: A's codes (m, k) in 1x128 blocks, B's (n, k) in 128x128 tiles, each block's
-// scale an fp32 factor. cuBLASLt's blockwise GEMM ran 13-15% behind its per-tensor one at prefill
-// shapes on the H200 and multiplies by the wrong tile scales where k / 128 is no multiple of 4
-// (scaled_mm.TILE_SCALED_K, which pads such a k each call); this one takes any k that TMA can
-// address (a multiple of 16), any m and n, and reads the scales as the formats store them.
+// scale an fp32 factor. cuBLASLt's blockwise GEMM multiplies by the wrong tile scales where k / 128
+// is no multiple of 4, so there graphquant pads k to a multiple of 512 each call
+// (scaled_mm.TILE_SCALED_K), a copy of both operands that made the product 1.1-3.6x slower than
+// this kernel (benchmarks/NOTES.md, gemm.py); this one takes any k of whole 16 bytes (TMA's rows),
+// any m and n, and reads the scales as the formats store them. Where cuBLASLt takes k as it is, it
+// is faster (about 1.3x at large shapes), and the plan leaves those GEMMs to it.
 //
 // Numerics: DeepSeek-V3's recipe, as graphquant.formats' reference multiplies: each 128-long K
 // block's products summed on the FP8 tensor cores (exact products, their accumulator's sums), that
@@ -11,7 +13,8 @@
 // sum, one rounding to the output's dtype.
 //
 // Layout: a persistent CTA walks output tiles of 128 x 128 (GROUP_M tiles of rows a column of
-// tiles, so that the tiles running at once share their operands in L2). A warpgroup copies K
+// tiles, so that the tiles running at once share their operands in L2; two CTAs a cluster share
+// their B tile's copy). A warpgroup copies K
 // blocks of both operands by TMA into STAGES stages; two warpgroups each multiply 64 of the rows:
 // four wgmmas a block into a partial accumulator, then its promotion into the fp32 sums, while the
 // other warpgroup's wgmmas keep the tensor cores busy.
@@ -79,15 +82,15 @@ struct Args {
   const void* bias;
   int64_t a_scale_rows, a_scale_cols, b_scale_rows, b_scale_cols;  // strides, in elements
   int m, n, blocks, n_tiles, out_kind, bias_kind;
-  int cluster_rows, cluster_columns;  // of the output's tiles a cluster's CTAs take together (CM x CN)
+  int cluster_rows;  // rows of the output's tiles, CTAS tiles (a cluster's) a row
 };
 
-// Cluster tile ``tile``'s row and column (of CM x CN tiles each): GROUP_M rows of tiles walked a
-// column at a time.
-template <int CM>
+// Cluster tile ``tile``'s row (of CTAS tiles) and column: GROUP_M rows of tiles walked a column at
+// a time.
+template <int CTAS>
 __device__ __forceinline__ void cluster_tile_of(const Args& args, int tile, int& row, int& column) {
-  constexpr int group = GROUP_M / CM;
-  const int per_group = group * args.cluster_columns;
+  constexpr int group = GROUP_M / CTAS;
+  const int per_group = group * args.n_tiles;
   const int first = tile / per_group * group;
   const int rows = min(args.cluster_rows - first, group);
   row = first + tile % per_group % rows;
@@ -143,32 +146,25 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& a
   }
 }
 
-// A cluster of CM x CN CTAs takes CM x CN tiles, each CTA one, so that the CTAs of one row of tiles
-// read A's rows once from L2 between them, and those of one column B's: each copies its share of
-// the tile they have in common into all of them (TMA multicast). Tiles of 128 x 128 read 32 KB
-// from L2 a block of K; at the H200's L2 bandwidth that capped the product near 800 TFLOP/s.
-template <int A, int B, int CM, int CN>
+// A cluster of CTAS (1 or 2) CTAs takes as many tiles of one column, each CTA one, and reads their
+// B tile from L2 once: each CTA copies its half into both (TMA multicast).
+template <int A, int B, int CTAS>
 __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap a_map,
                                                                const __grid_constant__ CUtensorMap b_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  constexpr int CTAS = CM * CN, HALF = TILE * TILE / 2;
-  // The CTAs that copy into this one's stages, which are also those this one copies into: itself,
-  // where CN is 2 the one of its row of tiles (A), where CM is 2 the one of its column (B).
-  constexpr int WRITERS = 1 + (CN == 2) + (CM == 2);
+  constexpr int HALF = TILE * TILE / 2;
   extern __shared__ uint8_t raw[];
   const uint32_t raw_address = smem_address(raw);
   const uint32_t base = (raw_address + 1023) & ~1023u;
   const uint32_t full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;  // a barrier a stage each
   const int tid = threadIdx.x;
-  const uint32_t rank = CTAS > 1 ? cluster_rank() : 0;
-  const int rm = rank % CM, rn = rank / CM;
-  const uint32_t a_partner = rm + CM * (1 - rn), b_partner = (1 - rm) + CM * rn;
-  const int cluster_tiles = args.cluster_rows * args.cluster_columns;
+  const uint32_t rank = CTAS > 1 ? cluster_rank() : 0, partner = 1 - rank;
+  const int cluster_tiles = args.cluster_rows * args.n_tiles;
   const int cluster = blockIdx.x / CTAS, clusters = gridDim.x / CTAS;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       barrier_init(full + 8 * s, 1);
-      barrier_init(empty + 8 * s, WRITERS * CONSUMERS / 32);  // an arrival a consumer warp of each writer
+      barrier_init(empty + 8 * s, CTAS * CONSUMERS / 32);  // an arrival a consumer warp of each CTA that copies into it
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -181,20 +177,16 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
       int j = 0;  // stages filled so far, over every tile
       for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
         int row, column;
-        cluster_tile_of<CM>(args, tile, row, column);
-        const int tm = row * CM + rm, tn = column * CN + rn;
+        cluster_tile_of<CTAS>(args, tile, row, column);
+        const int tm = row * CTAS + rank, tn = column;
         for (int block = 0; block < args.blocks; ++block, ++j) {
           const int s = j % STAGES;
           if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
           const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
           expect_bytes(bar, STAGE_BYTES);
-          if constexpr (CN == 2) {
-            tma_multicast(stage + rn * HALF, a_map, block * TILE, tm * TILE + rn * TILE / 2, bar, (1u << rank) | (1u << a_partner));
-          } else {
-            tma_load(stage, a_map, block * TILE, tm * TILE, bar);
-          }
-          if constexpr (CM == 2) {
-            tma_multicast(stage + TILE * TILE + rm * HALF, b_map, block * TILE, tn * TILE + rm * TILE / 2, bar, (1u << rank) | (1u << b_partner));
+          tma_load(stage, a_map, block * TILE, tm * TILE, bar);
+          if constexpr (CTAS == 2) {
+            tma_multicast(stage + TILE * TILE + rank * HALF, b_map, block * TILE, tn * TILE + rank * TILE / 2, bar, 3);
           } else {
             tma_load(stage + TILE * TILE, b_map, block * TILE, tn * TILE, bar);
           }
@@ -211,12 +203,12 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
     int j = 0;  // stages consumed so far, over every tile
     for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
       int row, column;
-      cluster_tile_of<CM>(args, tile, row, column);
-      const int tm = row * CM + rm, tn = column * CN + rn;  // past the output's edge where a cluster's tiles are: zeros, not stored
+      cluster_tile_of<CTAS>(args, tile, row, column);
+      const int tm = row * CTAS + rank, tn = column;  // past the output's last row where a cluster's tiles are: zeros, not stored
       const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
       const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
                                  args.a_scale + static_cast<int64_t>(min(rows[1], args.m - 1)) * args.a_scale_rows};
-      const float* b_scale = args.b_scale + static_cast<int64_t>(min(tn, args.n_tiles - 1)) * args.b_scale_rows;
+      const float* b_scale = args.b_scale + static_cast<int64_t>(tn) * args.b_scale_rows;
       float acc[64], partial[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -239,11 +231,10 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
         }
         wgmma_wait<0>();
         keep(partial);
-        if (lane == 0) {  // the stage read: each writer may fill it again
+        if (lane == 0) {  // the stage read: each CTA that copies into it may fill it again
           if constexpr (CTAS > 1) {
             cluster_arrive(empty + 8 * s, rank);
-            if constexpr (CN == 2) cluster_arrive(empty + 8 * s, a_partner);
-            if constexpr (CM == 2) cluster_arrive(empty + 8 * s, b_partner);
+            cluster_arrive(empty + 8 * s, partner);
           } else {
             barrier_arrive(empty + 8 * s);
           }
@@ -281,10 +272,9 @@ void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const a
               scale.sizes(), " on ", scale.device());
 }
 
-template <int A, int B, int CM, int CN>
+template <int A, int B, int CTAS>
 void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, cudaStream_t stream) {
-  constexpr int CTAS = CM * CN;
-  auto* kernel = block_gemm_kernel<A, B, CM, CN>;
+  auto* kernel = block_gemm_kernel<A, B, CTAS>;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -305,33 +295,29 @@ void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, in
                 cudaGetErrorString(error), ")");
     return clusters;
   }();
-  args.cluster_rows = (m_tiles + CM - 1) / CM;
-  args.cluster_columns = (args.n_tiles + CN - 1) / CN;
-  config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.cluster_columns));
+  args.cluster_rows = (m_tiles + CTAS - 1) / CTAS;
+  config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.n_tiles));
   const CUtensorMap a_map = tensor_map("graphquant.block_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),
-                                       a.stride(0), TILE / CN, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap b_map = tensor_map("graphquant.block_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b.size(0), b.size(1),
-                                       b.stride(0), TILE / CM, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+                                       b.stride(0), TILE / CTAS, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
   const cudaError_t error = cudaLaunchKernelEx(&config, kernel, args, a_map, b_map);
   TORCH_CHECK(error == cudaSuccess, "graphquant.block_gemm: the launch failed: ", cudaGetErrorString(error));
 }
 
+// Two CTAs a cluster where A has more than one row of tiles (1.03-1.12x one at 1000 to 16384 rows on
+// the H200; with one row of tiles the second CTA would multiply nothing).
 template <int A, int B>
-void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, int64_t cluster_m, int64_t cluster_n,
-                     cudaStream_t stream) {
-  if (cluster_m == 1 && cluster_n == 1) launch<A, B, 1, 1>(args, a, b, m_tiles, sms, stream);
-  else if (cluster_m == 2 && cluster_n == 1) launch<A, B, 2, 1>(args, a, b, m_tiles, sms, stream);
-  else if (cluster_m == 1 && cluster_n == 2) launch<A, B, 1, 2>(args, a, b, m_tiles, sms, stream);
-  else launch<A, B, 2, 2>(args, a, b, m_tiles, sms, stream);
+void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, cudaStream_t stream) {
+  if (m_tiles > 1) launch<A, B, 2>(args, a, b, m_tiles, sms, stream);
+  else launch<A, B, 1>(args, a, b, m_tiles, sms, stream);
 }
 
 at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
-                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, int64_t cluster_m, int64_t cluster_n) {
+                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
   check_codes(a, "A");
   check_codes(b, "B");
   TORCH_CHECK(b.scalar_type() == at::kFloat8_e4m3fn, "graphquant.block_gemm multiplies E4M3 or E5M2 A by E4M3 B (weights), not ", b.scalar_type());
-  TORCH_CHECK((cluster_m == 1 || cluster_m == 2) && (cluster_n == 1 || cluster_n == 2),
-              "graphquant.block_gemm takes clusters of 1 or 2 tiles each way, not ", cluster_m, " x ", cluster_n);
   const auto* properties = at::cuda::getDeviceProperties(a.get_device());
   TORCH_CHECK(properties->major == 9 && properties->minor == 0,
               "graphquant.block_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
@@ -366,12 +352,11 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
             n_tiles,
             kind(out_dtype),
             bias ? kind(bias->scalar_type()) : BF16,
-            0,
             0};
   const int sms = properties->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (element(a) == E4M3) launch_clusters<E4M3, E4M3>(args, a, b, m_tiles, sms, cluster_m, cluster_n, stream);
-  else launch_clusters<E5M2, E4M3>(args, a, b, m_tiles, sms, cluster_m, cluster_n, stream);
+  if (element(a) == E4M3) launch_clusters<E4M3, E4M3>(args, a, b, m_tiles, sms, stream);
+  else launch_clusters<E5M2, E4M3>(args, a, b, m_tiles, sms, stream);
   return out;
 }
 
@@ -382,8 +367,7 @@ void register_block_gemm(pybind11::module_& m) {
   m.def("block_gemm", &gq::block_gemm,
         "out (m, n) = A @ B^T (+ bias) for FP8 codes A (m, k) in 1x128 blocks and B (n, k) in 128x128 tiles (DeepSeek-V3's "
         "recipe) on sm_90's FP8 tensor cores: each 128-long block's partial sum times a_scale[row, block] * b_scale[row / 128, "
-        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16; "
-        "cluster_m x cluster_n: the output tiles a cluster of CTAs takes, sharing their operands' copies (1 or 2 each)",
+        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("a_scale"), pybind11::arg("b_scale"), pybind11::arg("out_dtype"),
-        pybind11::arg("bias"), pybind11::arg("cluster_m") = 2, pybind11::arg("cluster_n") = 1);
+        pybind11::arg("bias"));
 }

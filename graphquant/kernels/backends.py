@@ -147,7 +147,8 @@ class NativeGemm(NamedTuple):
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
-    any; ``available``: whether it runs on a device of a capability it runs on (a kernel of
+    any; ``k_left``: a multiple of k it leaves to the next GEMM that takes the pair (one that is faster
+    where k is such a multiple and pads k otherwise; 0: none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
     graphquant's extension: whether the extension has it there)."""
 
     backend: str
@@ -164,6 +165,7 @@ class NativeGemm(NamedTuple):
     token_tiles: bool = False
     min_rows: int = 1
     k_multiple: int = 1
+    k_left: int = 0
     available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -198,6 +200,8 @@ class NativeGemm(NamedTuple):
         k = dims[2] if len(dims) == 3 else None
         if k is not None and k % self.k_multiple != 0:
             return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
+        if k is not None and self.k_left and k % self.k_left == 0:
+            return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
             most = dict(self.max_rows).get(tuple(families), 0)
@@ -267,10 +271,11 @@ MIXED_INPUT_GEMM = NativeGemm(
 )
 
 # graphquant's CUDA GEMM of DeepSeek-V3's block-scaled FP8 fprop and dgrad (1x128 by 128x128) on
-# Hopper, where the extension has it (graphquant.kernels.block_scaled): ahead of cuBLASLt's
-# blockwise GEMM at prefill shapes, at any m and n without its padding (benchmarks/NOTES.md,
-# gemm.py). Each block's partial sum is promoted into fp32, as the recipe asks, so it has
-# no fast accumulation.
+# Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
+# blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K): 1.1-3.6x faster than that
+# there, and about 0.75x cuBLASLt's where it takes k as it is, which it is left
+# (benchmarks/NOTES.md, gemm.py). Each block's partial sum is promoted into fp32, as the recipe
+# asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,
     block_scaled.FAMILIES,
@@ -278,6 +283,7 @@ BLOCK_SCALED_GEMM = NativeGemm(
     1,
     lambda sm: sm == (9, 0),
     k_multiple=block_scaled.K_MULTIPLE,
+    k_left=scaled_mm.TILE_SCALED_K,
     available=lambda device: block_scaled.extension_runs(device),
 )
 

@@ -49,7 +49,8 @@ FP8_MULTIPLES = {TENSORWISE: 16, ROWWISE_SCALED: 16, BLOCKWISE: 128}
 # cuBLASLt's 128x128 scaling (torch 2.11+cu130 on the H200) takes any k but, where k / 128 is not
 # a multiple of 4 (a tile's row of scales not whole 16 bytes), multiplies by the wrong scales
 # without an error: relative errors of 0.01 to 80 at k = 128 to 11008, depending on the kernel it
-# picks. Such a reduction is padded to a multiple of TILE_SCALED_K instead.
+# picks. Such a reduction is padded to a multiple of TILE_SCALED_K instead, where graphquant's
+# block-scaled GEMM (backends.BLOCK_SCALED_GEMM) does not run it.
 TILE_SCALED_K = 512
 # cuBLASLt's 1x128 scaling reads A's scales with the rows contiguous and refuses (NOT_SUPPORTED) an
 # m that is not a multiple of 4: their columns are then not 16-byte aligned.
