@@ -8,8 +8,7 @@ transposed copies, dequantization for the emulated formats), on operands quantiz
 for each of a linear's GEMMs asked (``--gemms``: their operands' directions; fprop by default).
 Each format on cuBLASLt is also timed as the raw torch._scaled_mm call of the same GEMM, on the
 same operands (for per-tensor FP8, graphquant's own cuBLASLt call with the algorithm it timed;
-the table after the rows lists those choices; for DeepSeek's blocks, which run graphquant's own
-kernel on Hopper, cuBLASLt's blockwise GEMM); ``--emulated`` also times the emulated GEMM of
+the table after the rows lists those choices); ``--emulated`` also times the emulated GEMM of
 each format the plan runs natively.
 """
 
@@ -24,7 +23,7 @@ from tabulate import tabulate
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import alternate, print_algorithm_choices  # noqa: E402
 
-from graphquant.kernels import backends, block_scaled, scaled_mm  # noqa: E402
+from graphquant.kernels import backends, scaled_mm  # noqa: E402
 from graphquant.quantizers import (  # noqa: E402
     COLUMNWISE,
     ROWWISE,
@@ -84,12 +83,10 @@ def main() -> None:
                     if run in selections:
                         backend = selections[run].backend
                         fns[f"graphquant {run}"] = lambda ra=ra, rb=rb, backend=backend, site=run: backends.gemm(ra, rb, 1, torch.bfloat16, backend, site)
-                # DeepSeek's blocks run graphquant's own kernel on Hopper: cuBLASLt's is its raw row.
-                raw = scaled_mm.BLOCKWISE if selection.backend.name == block_scaled.BACKEND else selection.backend.name
-                if raw in ON_CUBLASLT:
+                if selection.backend.name in ON_CUBLASLT:
                     # The same call on the same operands, its scales laid out beforehand: what
                     # graphquant adds around torch._scaled_mm is the difference.
-                    call, kwargs = scaled_mm.arguments(raw, ra, rb, torch.bfloat16)
+                    call, kwargs = scaled_mm.arguments(selection.backend.name, ra, rb, torch.bfloat16)
                     raw_of[label] = f"raw torch._scaled_mm, {label}"
                     fns[raw_of[label]] = lambda call=call, kwargs=kwargs: torch._scaled_mm(*call, **kwargs)
         times = alternate(fns, rounds=5, inner=10)

@@ -2,8 +2,9 @@
 
 The capability is faked (graphquant.kernels.backends.capability) and so is the GEMM call itself: a stand-in
 for torch._scaled_mm and for graphquant's own fp8_gemm checks what cuBLASLt takes (operand dtypes,
-the reduction dim contiguous in both operands, scale dtypes, shapes, strides and swizzled layout)
-and returns the product those arguments describe, computed in float64. A small model then trains
+the reduction dim contiguous in both operands, scale dtypes, shapes, strides and swizzled layout),
+one for graphquant's block_gemm what its TMA copies and scale reads take, and each returns the
+product those arguments describe, computed in float64. A small model then trains
 one step under every built-in recipe: each native GEMM the plan lists must reach the stand-in with
 valid arguments that describe the product of the two representations, and no other GEMM may.
 The decode GEMM (Triton's, which takes MXFP8 and NVFP4 at these rows) runs the emulated product

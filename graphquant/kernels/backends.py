@@ -147,9 +147,10 @@ class NativeGemm(NamedTuple):
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
-    any; ``k_left``: a multiple of k it leaves to the next GEMM that takes the pair (one that is faster
-    where k is such a multiple and pads k otherwise; 0: none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
-    graphquant's extension: whether the extension has it there)."""
+    any; ``k_left``: a multiple of k it leaves to the next GEMM that takes the pair (one that is
+    faster where k is such a multiple and pads k otherwise; 0: none); ``available``: whether it
+    runs on a device of a capability it runs on (a kernel of graphquant's extension: whether the
+    extension has it there)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -274,7 +275,7 @@ MIXED_INPUT_GEMM = NativeGemm(
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
 # blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K): 1.1-3.6x faster than that
 # there, and about 0.75x cuBLASLt's where it takes k as it is, which it is left
-# (benchmarks/NOTES.md, gemm.py). Each block's partial sum is promoted into fp32, as the recipe
+# (benchmarks/NOTES.md, block_gemm.py). Each block's partial sum is promoted into fp32, as the recipe
 # asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,

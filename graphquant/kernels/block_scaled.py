@@ -9,7 +9,7 @@ representations store them, at any m and n and any k of whole 16 bytes (TMA's ro
 faster than that padded call. Where cuBLASLt takes k as it is, it is faster than this kernel, and
 the plan leaves it those GEMMs (backends.BLOCK_SCALED_GEMM). The numerics are the recipe's: each
 128-long block's partial sum on the FP8 tensor cores, promoted into fp32 with its two scales
-(benchmarks/NOTES.md, gemm.py, has where it stands).
+(benchmarks/NOTES.md, block_gemm.py, has where it stands).
 """
 
 from __future__ import annotations
