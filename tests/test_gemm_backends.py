@@ -129,13 +129,14 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         ("e4m3", 11008, block_scaled.BACKEND),
         ("e4m3", 1024, scaled_mm.BLOCKWISE),  # a multiple of TILE_SCALED_K: cuBLASLt's, faster there
         ("e4m3", 1000, scaled_mm.BLOCKWISE),  # not whole 16 bytes a row: TMA cannot read it, cuBLASLt pads it
-        ("e5m2", 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take
-        ("e5m2", 1024, backends.EMULATION),
+        ("e5m2", 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take,
+        ("e5m2", 1024, block_scaled.BACKEND),  # at any k
     ],
 )
 def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, k, expected, monkeypatch):
-    """On Hopper with graphquant's extension, 1x128 x 128x128 GEMMs whose k cuBLASLt takes only padded
-    run on graphquant's block-scaled GEMM; the others stay on cuBLASLt's."""
+    """On Hopper with graphquant's extension, 1x128 x 128x128 GEMMs whose k cuBLASLt takes only padded,
+    or whose elements it does not take, run on graphquant's block-scaled GEMM; the others stay on
+    cuBLASLt's."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     extension = type("Extension", (), {"block_gemm": None, "cuda_archs": (90,)})
     monkeypatch.setattr(block_scaled, "native", type("Native", (), {"extension_for": staticmethod(lambda device: extension)}))

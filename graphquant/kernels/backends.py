@@ -147,8 +147,9 @@ class NativeGemm(NamedTuple):
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
-    any; ``k_left``: a multiple of k it leaves to the next GEMM that takes the pair (one that is
-    faster where k is such a multiple and pads k otherwise; 0: none); ``available``: whether it
+    any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
+    ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
+    none); ``available``: whether it
     runs on a device of a capability it runs on (a kernel of graphquant's extension: whether the
     extension has it there)."""
 
@@ -167,6 +168,7 @@ class NativeGemm(NamedTuple):
     min_rows: int = 1
     k_multiple: int = 1
     k_left: int = 0
+    k_left_elements: frozenset[tuple[str, str]] = frozenset()
     available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -187,10 +189,13 @@ class NativeGemm(NamedTuple):
         pairs = (a.family, b.family) in self.families and (a.element, b.element) in self.elements
         return pairs and self.reads(a) and self.reads(b)
 
-    def misfit(self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", "")) -> str:
+    def misfit(
+        self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", ""),
+        elements: tuple[str, str] = ("", ""),
+    ) -> str:
         """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k) of operands of
-        ``families`` (GemmInput.family of A and B), both stored with the reduction dim last or
-        not (``k_last``), or "" where it can. A dim may be None
+        ``families`` and ``elements`` (GemmInput.family and .element of A and B), both stored with
+        the reduction dim last or not (``k_last``), or "" where it can. A dim may be None
         (unknown: not tested, except m by a skinny GEMM, which needs it known) or a torch.SymInt,
         whose test becomes a guard of the graph being compiled, so that a size that fails it
         compiles (and plans) a graph of its own."""
@@ -201,7 +206,7 @@ class NativeGemm(NamedTuple):
         k = dims[2] if len(dims) == 3 else None
         if k is not None and k % self.k_multiple != 0:
             return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
-        if k is not None and self.k_left and k % self.k_left == 0:
+        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements:
             return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
@@ -273,8 +278,9 @@ MIXED_INPUT_GEMM = NativeGemm(
 
 # graphquant's CUDA GEMM of DeepSeek-V3's block-scaled FP8 fprop and dgrad (1x128 by 128x128) on
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
-# blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K): 1.1-3.6x faster than that
-# there, and about 0.75x cuBLASLt's where it takes k as it is, which it is left
+# blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K), and for E5M2 gradients,
+# which that one does not take: 1.1-3.6x faster than the padded call, and about 0.75x cuBLASLt's
+# where it takes k as it is, which it is left
 # (benchmarks/NOTES.md, block_gemm.py). Each block's partial sum is promoted into fp32, as the recipe
 # asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
@@ -285,6 +291,7 @@ BLOCK_SCALED_GEMM = NativeGemm(
     lambda sm: sm == (9, 0),
     k_multiple=block_scaled.K_MULTIPLE,
     k_left=scaled_mm.TILE_SCALED_K,
+    k_left_elements=BOTH_E4M3,  # cuBLASLt's blockwise GEMM's
     available=lambda device: block_scaled.extension_runs(device),
 )
 
@@ -484,7 +491,7 @@ def select(
         if native.quantizes_a and (not quantize_a or refusal):
             continue
         if native.runs_on(sm) and native.available(device) and native.takes(a_input, b_input):
-            misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family))
+            misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family), (a_input.element, b_input.element))
             if not misfit:
                 reason = f"x quantized first: {refusal}" if refusal and native.backend == triton_decode.BACKEND else ""
                 return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(a_input, b_input, fast_accumulation)), reason)
@@ -513,8 +520,9 @@ def select_symbolic(
     static = tuple(d if isinstance(d, int) else None for d in sizes)
     selection = select(a, a_direction, b, b_direction, device, static, batch, fast_accumulation, quantize_a)
     native = selection.backend.native
-    families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family) if native is not None else ("", "")
-    misfit = native.misfit(sizes, batch, True, families) if native is not None and None in static else ""
+    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction)) if native is not None else ()
+    families, elements = tuple(i.family for i in inputs), tuple(i.element for i in inputs)
+    misfit = native.misfit(sizes, batch, True, families, elements) if native is not None and None in static else ""
     return Selection(EMULATED, GemmBackend(EMULATION), misfit) if misfit else selection
 
 
@@ -535,8 +543,9 @@ def _refusal(
         return f"graphquant's extension does not run it on {device}"
     if not native.takes(a.gemm_input(a_direction), b.gemm_input(b_direction)):
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
-    families = (a.gemm_input(a_direction).family, b.gemm_input(b_direction).family)
-    return native.misfit(dims, batch, _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction), families)
+    inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
+    k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
+    return native.misfit(dims, batch, k_last, tuple(i.family for i in inputs), tuple(i.element for i in inputs))
 
 
 def clear_caches() -> None:
