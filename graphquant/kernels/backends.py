@@ -149,9 +149,8 @@ class NativeGemm(NamedTuple):
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
-    none); ``available``: whether it
-    runs on a device of a capability it runs on (a kernel of graphquant's extension: whether the
-    extension has it there)."""
+    none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
+    graphquant's extension: whether the extension has it there)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -280,9 +279,8 @@ MIXED_INPUT_GEMM = NativeGemm(
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
 # blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K), and for E5M2 gradients,
 # which that one does not take: 1.1-3.6x faster than the padded call, and about 0.75x cuBLASLt's
-# where it takes k as it is, which it is left
-# (benchmarks/NOTES.md, block_gemm.py). Each block's partial sum is promoted into fp32, as the recipe
-# asks, so it has no fast accumulation.
+# where it takes k as it is, which it is left (benchmarks/NOTES.md, block_gemm.py). Each block's
+# partial sum is promoted into fp32, as the recipe asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,
     block_scaled.FAMILIES,
