@@ -159,6 +159,19 @@ def seconds(fn: Callable[[], object], device: torch.device) -> tuple[float, obje
     return time.perf_counter() - start, result
 
 
+def graphed(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """A function that replays ``calls`` calls of ``fn`` from one CUDA graph (``fn`` run once first,
+    outside the capture, so that Triton tunes and compiles there): the GPU's time alone, where a
+    small kernel's eager calls would time the host's Python that issues them."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def alternate(
     fns: dict[str, Callable[[], object]],
     *,

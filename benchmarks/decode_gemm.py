@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import alternate  # noqa: E402
+from common import alternate, graphed  # noqa: E402
 from gemm import FORMATS as GEMM_FORMATS  # noqa: E402
 
 from graphquant.kernels import backends, mixed_input, scaled_mm, triton_decode  # noqa: E402
@@ -47,18 +47,6 @@ CALLS = 20
 
 # (activation's quantizer, weight's) of each recipe family, as gemm.py times them at large m.
 FORMATS = {name.removesuffix(" (emulated on sm90)"): pair for name, pair in GEMM_FORMATS.items()}
-
-
-def graphed(fn):
-    """A function that replays CALLS calls of ``fn`` from one CUDA graph (``fn`` run once first,
-    outside the capture, so that Triton tunes and compiles there)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return graph.replay
 
 
 def nbytes(*tensors) -> int:
@@ -134,7 +122,7 @@ def main() -> None:
             replays, failed = {}, {}
             for name, fn in fns.items():
                 try:
-                    replays[name] = graphed(fn)
+                    replays[name] = graphed(fn, CALLS)
                 except RuntimeError as error:  # e.g. a shape torch._scaled_mm does not take
                     failed[name] = str(error).splitlines()[0][:60]
             times = alternate(replays, rounds=5)
