@@ -173,6 +173,25 @@ def test_block_scaled_gemm_takes_any_m_and_n_and_k_of_whole_16_bytes(m, n, k, a_
         assert excess <= 0, f"{m}x{n}x{k} {a_element} -> {out_dtype}, bias {bias is not None}: error exceeds the bound by {excess}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
+def test_block_scaled_gemm_runs_on_each_device_of_the_process():
+    """Each device holds its own copy of the kernel, so its shared memory is opted into and its
+    resident clusters counted on each (hopper.cuh's opt_in_shared_memory), not on the first device
+    the process used alone: the same product, bit for bit, on the second device and back on the
+    first."""
+    if not block_scaled.extension_runs(torch.device("cuda:0")):
+        pytest.skip("graphquant's extension is not built for this GPU")
+    outs = []
+    for device in ("cuda:0", "cuda:1", "cuda:0"):
+        torch.manual_seed(0)
+        a = _operand(Float8BlockQuantizer(block_scaling_dim=1), ROWWISE, 300, 640, device)
+        b = _operand(Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, 384, 640, device)
+        outs.append(block_scaled.gemm(a, b, torch.float32))
+        assert outs[-1].device == torch.device(device)
+    assert all(torch.equal(out.cpu(), outs[0].cpu()) for out in outs)
+
+
 def _check_on_the_gpu(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumulation):
     """The selected backend is ``expected`` (or _on_this_machine's) and its out (m, n) lies within
     _bound of _reference."""

@@ -25,11 +25,11 @@ def _sm90() -> bool:
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the mixed-input GEMM runs on sm_90 with graphquant's extension built")
 
 
-def _operands(name: str, m: int, n: int, k: int):
+def _operands(name: str, m: int, n: int, k: int, device: str = "cuda"):
     torch.manual_seed(0)
     q = QUANTIZERS[name]
-    x = (torch.randn(m, k) * torch.rand(m, 1) * 8).cuda()
-    w = (torch.randn(n, k) * torch.rand(n, 1) / 8).cuda().to(torch.bfloat16)
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(device)
+    w = (torch.randn(n, k) * torch.rand(n, 1) / 8).to(device).to(torch.bfloat16)
     return q(x, rowwise=True, columnwise=False).get(ROWWISE), q(w, rowwise=True, columnwise=False).get(ROWWISE)
 
 
@@ -57,3 +57,16 @@ def test_mixed_gemm_writes_bf16_and_repeats_its_bits(name):
     assert torch.equal(first, mixed_input.gemm(a, b, torch.bfloat16))
     emulated = (a.gemm_operand(torch.float64) @ b.gemm_operand(torch.float64).t()).to(torch.bfloat16)
     assert (first.double() - emulated.double()).abs().max().item() <= 2**-7 * emulated.double().abs().max().item()
+
+
+@needs_sm90
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_mixed_gemm_runs_on_each_device_of_the_process(name):
+    """Each device holds its own copy of the kernel, so its shared memory is opted into on each
+    (hopper.cuh's opt_in_shared_memory), not on the first device the process used alone: the same
+    product, bit for bit, on the second device and back on the first."""
+    first = mixed_input.gemm(*_operands(name, 100, 1024, 1024, "cuda:0"), torch.float32)
+    for device in ("cuda:1", "cuda:0"):
+        out = mixed_input.gemm(*_operands(name, 100, 1024, 1024, device), torch.float32)
+        assert out.device == torch.device(device) and torch.equal(out.cpu(), first.cpu()), device

@@ -28,7 +28,10 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "hopper.cuh"
 
@@ -273,6 +276,24 @@ void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const a
               scale.sizes(), " on ", scale.device());
 }
 
+// The clusters of ``kernel`` (``config``'s, of ``ctas`` CTAs each) that fit on the current GPU at
+// once, a GPC's SMs holding whole clusters: the persistent grid. Worked out once a kernel and device.
+int resident_clusters(const void* kernel, cudaLaunchConfig_t config, int ctas, int sms) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> known;
+  int device = 0;
+  TORCH_CHECK(cudaGetDevice(&device) == cudaSuccess, "graphquant.block_gemm: no current CUDA device");
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({kernel, device});
+  if (found != known.end()) return found->second;
+  config.gridDim = dim3(ctas * sms);
+  int clusters = 0;
+  const cudaError_t error = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  TORCH_CHECK(error == cudaSuccess && clusters > 0, "graphquant.block_gemm: no cluster of ", ctas, " CTAs fits device ", device, " (",
+              cudaGetErrorString(error), ")");
+  return known[{kernel, device}] = clusters;
+}
+
 template <int A, int CTAS>
 void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, int sms, cudaStream_t stream) {
   auto* kernel = block_gemm_kernel<A, CTAS>;
@@ -286,16 +307,8 @@ void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, in
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  // The clusters that fit on the GPU at once (a GPC's SMs hold whole clusters): the persistent grid.
-  static const int resident = [&] {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    config.gridDim = dim3(CTAS * sms);
-    int clusters = 0;
-    const cudaError_t error = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-    TORCH_CHECK(error == cudaSuccess && clusters > 0, "graphquant.block_gemm: no cluster of ", CTAS, " CTAs fits this GPU (",
-                cudaGetErrorString(error), ")");
-    return clusters;
-  }();
+  opt_in_shared_memory(reinterpret_cast<const void*>(kernel), SMEM, "graphquant.block_gemm");
+  const int resident = resident_clusters(reinterpret_cast<const void*>(kernel), config, CTAS, sms);
   args.cluster_rows = (m_tiles + CTAS - 1) / CTAS;
   config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.n_tiles));
   const CUtensorMap a_map = tensor_map("graphquant.block_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),

@@ -13,6 +13,9 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
 
 namespace gq {
 namespace hopper {
@@ -102,6 +105,22 @@ __device__ __forceinline__ void tma_multicast(uint32_t dst, const CUtensorMap& m
 __device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
+
+// Opts ``kernel`` into ``bytes`` of dynamic shared memory (past 48 KiB) on the current device,
+// once a device: each device's context holds a copy of the function of its own, so a kernel opted
+// in on one device alone fails to launch on another.
+inline void opt_in_shared_memory(const void* kernel, int bytes, const char* what) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  TORCH_CHECK(cudaGetDevice(&device) == cudaSuccess, what, ": no current CUDA device");
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({kernel, device}) != 0) return;
+  const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  TORCH_CHECK(error == cudaSuccess, what, ": cannot give its kernel ", bytes, " bytes of shared memory on device ", device, " (",
+              cudaGetErrorString(error), ")");
+  done.insert({kernel, device});
+}
 
 // A 2-D TMA descriptor of a row-major (rows, cols) tensor of ``element`` bytes (row stride in
 // bytes), copied in boxes of (box_rows, box_cols), zeros past its edges; ``what`` names the caller

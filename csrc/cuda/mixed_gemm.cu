@@ -455,11 +455,7 @@ template <int F, int TOKENS>
 void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   using S = Stage<F, TOKENS>;
   using W = Weight<F, S::step>;
-  static const bool sized = [] {
-    cudaFuncSetAttribute(mixed_gemm_kernel<F, TOKENS>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem);
-    return true;
-  }();
-  (void)sized;
+  opt_in_shared_memory(reinterpret_cast<const void*>(mixed_gemm_kernel<F, TOKENS>), S::smem, "graphquant.mixed_gemm");
   const CUtensorMap x_map = tensor_map("graphquant.mixed_gemm", args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
                                        CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap w_map = tensor_map("graphquant.mixed_gemm", args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
