@@ -78,8 +78,6 @@ GQ_FP8_WGMMA(E4M3, "e4m3")
 GQ_FP8_WGMMA(E5M2, "e5m2")
 #undef GQ_FP8_WGMMA
 
-enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
-
 struct Args {
   const float *a_scale, *b_scale;  // (m, blocks), (ceil(n / 128), blocks), any strides
   void* out;
@@ -134,8 +132,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& a
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const int c = min(column + b, args.n - 1);
-        bias[b] = args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[c])
-                                         : __half2float(static_cast<const __half*>(args.bias)[c]);
+        bias[b] = bias_value(args.bias, args.bias_kind, c);
       }
     }
     const bool both = column + 1 < args.n;
@@ -256,8 +253,6 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
   if constexpr (CTAS > 1) cluster_sync();
 #endif
 }
-
-int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
 
 int element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
 

@@ -102,6 +102,15 @@ __device__ __forceinline__ void tma_multicast(uint32_t dst, const CUtensorMap& m
       : "memory");
 }
 
+// An output's or a bias's dtype, as the kernels' arguments carry it.
+enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
+inline int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
+
+// Element ``i`` of a bias of ``kind`` (BF16 or F16) as a float.
+__device__ __forceinline__ float bias_value(const void* bias, int kind, int64_t i) {
+  return kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[i]) : __half2float(static_cast<const __half*>(bias)[i]);
+}
+
 __device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }

@@ -193,8 +193,6 @@ __device__ __forceinline__ uint32_t e4m3_scale_pair(uint8_t code) {
   return bits | (bits << 16);
 }
 
-enum Kind { BF16 = 0, F16 = 1, F32 = 2 };
-
 struct Args {
   const uint8_t* w;
   const uint8_t* w_scale;
@@ -208,11 +206,6 @@ struct Args {
   int m, n, k, steps_per_split, out_kind, bias_kind;
 };
 
-__device__ __forceinline__ float bias_value(const Args& args, int row) {
-  return args.bias_kind == BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(args.bias)[row])
-                                : __half2float(static_cast<const __half*>(args.bias)[row]);
-}
-
 // The product's factor: (a_amax / divisor) * (w_amax / divisor), each step rounded once, as
 // graphquant.formats.nvfp4.global_decode and the emulated GEMM's alpha make it.
 __device__ __forceinline__ float alpha_of(const Args& args) {
@@ -222,7 +215,7 @@ __device__ __forceinline__ float alpha_of(const Args& args) {
 // alpha * sum (+ bias), rounded once to the output's dtype (alpha 1 where there is none: exact).
 __device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum, float alpha) {
   float v = sum * alpha;
-  if (args.bias != nullptr) v += bias_value(args, row);
+  if (args.bias != nullptr) v += bias_value(args.bias, args.bias_kind, row);
   if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
   else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
   else store_value(static_cast<float*>(args.out) + index, v);
@@ -406,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
   scaling.alpha = scaling.has_alpha ? alpha_of(args) : 1.f;
   scaling.has_bias = args.bias != nullptr;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < args.n ? bias_value(args, rows[h]) : 0.f;
+  for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < args.n ? bias_value(args.bias, args.bias_kind, rows[h]) : 0.f;
   if (args.out_kind == BF16) store_sums(acc, static_cast<__nv_bfloat16*>(args.out), args, m0, t, rows, scaling);
   else if (args.out_kind == F16) store_sums(acc, static_cast<__half*>(args.out), args, m0, t, rows, scaling);
   else store_sums(acc, static_cast<float*>(args.out), args, m0, t, rows, scaling);
@@ -427,8 +420,6 @@ __global__ void mixed_reduce_kernel(const Args args, int splits) {
 }  // namespace
 
 const char* format_name(int64_t format) { return format == MXFP8 ? "MXFP8" : "NVFP4"; }
-
-int kind(at::ScalarType dtype) { return dtype == at::kBFloat16 ? BF16 : dtype == at::kHalf ? F16 : F32; }
 
 void check_device(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_cuda(), "graphquant.mixed_gemm: ", what, " must be a CUDA tensor");
