@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from graphquant.kernels import native, scaled_mm
+from graphquant.kernels.native import has_sm90_kernel
 from graphquant.quantizers import Representation
 
 BACKEND = "wgmma fp8 block-scaled gemm"
@@ -29,8 +30,7 @@ K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
 
 def extension_runs(device: torch.device) -> bool:
     """Whether graphquant's extension runs the kernel on ``device`` (built for its sm_90: sm_90a, wgmma)."""
-    ext = native.extension_for(device)
-    return ext is not None and hasattr(ext, "block_gemm") and 90 in getattr(ext, "cuda_archs", ())
+    return has_sm90_kernel(native.extension_for(device), "block_gemm")
 
 
 def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from graphquant.formats import fp8, mxfp8, nvfp4
 from graphquant.kernels import native
+from graphquant.kernels.native import has_sm90_kernel
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import KernelEncoding
 
@@ -42,8 +43,7 @@ X_ENCODINGS = frozenset({KernelEncoding("mxfp8", "e4m3", block=(1, mxfp8.BLOCK_L
 
 def extension_runs(device: torch.device) -> bool:
     """Whether graphquant's extension runs the kernel on ``device`` (built for its sm_90: sm_90a, wgmma)."""
-    ext = native.extension_for(device)
-    return ext is not None and hasattr(ext, "mixed_gemm") and 90 in getattr(ext, "cuda_archs", ())
+    return has_sm90_kernel(native.extension_for(device), "mixed_gemm")
 
 
 # Where the kernel reads x's value of K offset k within its 64-wide atom (mixed_gemm.cu): thread t

@@ -60,6 +60,12 @@ def extension_for(device: torch.device) -> Optional[Any]:
     return ext if sm is not None and sm[0] * 10 + sm[1] in ext.cuda_archs else None
 
 
+def has_sm90_kernel(ext: Optional[Any], name: str) -> bool:
+    """Whether ``ext`` (extension_for's) has its Hopper kernel ``name``, built for sm_90 (sm_90a:
+    wgmma), so that it runs there."""
+    return ext is not None and hasattr(ext, name) and 90 in getattr(ext, "cuda_archs", ())
+
+
 def sr_key(seed: int, offset: int, stream: int) -> int:
     """The key of ``nvfp4.random_bits(seed, offset, stream, ...)``: the kernels hash indices with it."""
     key = nvfp4._HASH_IV
