@@ -525,13 +525,18 @@ for rows in (groups.GROUP_ROWS, groups.FEW_TOKEN_ROWS):  # a training graph's la
 got = kernels.tokens_by_tokens(a, b, layout.ends)
 check(got, [(a[lo:hi].double().t(), b[lo:hi].double()) for lo, hi in zip(bounds, bounds[1:])])
 assert torch.equal(got[1], torch.zeros(64, 96))  # the empty expert
+# torch's grouped products may leave an empty group unwritten: zeroed in place, nothing else touched.
+product = torch.randn(4, 64, 96, generator=generator)
+want = product.clone()
+want[1] = 0
+assert kernels.zero_empty_groups(product, layout.ends) is product and torch.equal(product, want)
 print("ok")
 """
 
 
 def test_triton_grouped_gemm_under_the_interpreter():
     """The fp32-output grouped kernels' indexing (each tile's group, each group's bounds read on
-    the device, the empty group) under Triton's CPU interpreter. fp32 operands: the interpreter
+    the device, the empty group) and zero_empty_groups under Triton's CPU interpreter. fp32 operands: the interpreter
     multiplies bf16 wrongly; on the GPU the bf16 ones run in the gpu tests above."""
     pytest.importorskip("triton")
     import os

@@ -110,13 +110,19 @@ def gemm(
     else:
         out, alpha = _emulated(a, b, b_group, tokens, token_rows)
     if a.direction != ROWWISE:
-        # An empty group's product is zeros (some kernels leave it unwritten).
-        empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
-        out = torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
+        out = _empty_groups_zeroed(out, ends)
     if alpha is not None:
         out = out.float() * alpha
     out = out.index_select(0, tokens.position)[:, :n] if a.direction == ROWWISE else out[:, :n]
     return out.to(out_dtype).contiguous()
+
+
+def _empty_groups_zeroed(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A tokens x tokens product with an empty group's zeros (some kernels leave it unwritten)."""
+    if out.is_cuda and out.is_contiguous() and triton_grouped_gemm is not None:
+        return triton_grouped_gemm.zero_empty_groups(out, ends)
+    empty = (torch.diff(ends, prepend=ends.new_zeros(1)) == 0)[:, None, None]
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 def _decodes_in_registers(a: Representation, b: Representation, tokens: int, groups: int) -> bool:

@@ -32,7 +32,7 @@ BLOCK_ROWS, BLOCK_COLS = 16, 256
 
 @triton.jit
 def _mxfp8_kernel(
-    data_ptr, scale_ptr, out_ptr, rows, cols, scale_row_stride, scale_col_stride, ends_ptr, group_rows,
+    data_ptr, scale_ptr, out_ptr, rows, cols, data_row_stride, data_col_stride, scale_row_stride, scale_col_stride, ends_ptr, group_rows,
     ROWWISE: tl.constexpr, LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Each program loads its scales once (a row of BLOCK_C / 32 per row, or the one row of
@@ -53,9 +53,9 @@ def _mxfp8_kernel(
     else:  # BLOCK_R divides 32: a program's rows share one row of scales
         scale_row = (tl.program_id(0) * BLOCK_R // 32).to(tl.int64)
         biased = tl.load(scale_ptr + scale_row * scale_row_stride + col * scale_col_stride, mask=col < cols, other=127)
-    offsets = row64 * cols + col
-    values = tl.load(data_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * e8m0_value(biased)
-    tl.store(out_ptr + offsets, values.to(tl.bfloat16), mask=mask)
+    codes = tl.load(data_ptr + row64 * data_row_stride + col.to(tl.int64) * data_col_stride, mask=mask, other=0.0)
+    values = codes.to(tl.float32) * e8m0_value(biased)
+    tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -360,13 +360,14 @@ def _live_arguments(live: Optional[LiveGroups], data: torch.Tensor) -> dict:
 
 
 def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, live: Optional[LiveGroups] = None) -> torch.Tensor:
-    """bf16 values of MXFP8 ``data`` (stored orientation) with E8M0 ``scale``; with ``live``, of those rows alone."""
-    data = data.contiguous()
+    """bf16 values (contiguous) of MXFP8 ``data`` (stored orientation, any strides: a slice of
+    columns is read in place, not copied) with E8M0 ``scale``; with ``live``, of those rows alone."""
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     rows, cols = data.shape
     grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols, BLOCK_COLS))
     _mxfp8_kernel[grid](
-        data, scale, out, rows, cols, *scale.stride(), **_live_arguments(live, data), ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS
+        data, scale, out, rows, cols, *data.stride(), *scale.stride(), **_live_arguments(live, data),
+        ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
     )
     return out
 
