@@ -520,11 +520,23 @@ def check(got, pairs):
 for rows in (groups.GROUP_ROWS, groups.FEW_TOKEN_ROWS):  # a training graph's layout, an inference graph's
     tokens = groups.padding(offs, 124, rows, groups.padded_bound(124, 4, rows))
     x = tokens.pad(a[layout.position])
-    got = kernels.tokens_by_experts(x, experts, tokens, rows)[tokens.position]  # pad rows' tiles are skipped
-    check(got, [(x[r].double(), experts[tokens.row_group[r]].double()) for r in tokens.position.tolist()])
-got = kernels.tokens_by_tokens(a, b, layout.ends)
-check(got, [(a[lo:hi].double().t(), b[lo:hi].double()) for lo, hi in zip(bounds, bounds[1:])])
-assert torch.equal(got[1], torch.zeros(64, 96))  # the empty expert
+    got = kernels.tokens_by_experts(x, experts, tokens, rows, 90, None, None, torch.float32)  # 90 of the 96 columns
+    check(got, [(x[r].double(), experts[tokens.row_group[r], :, :90].double()) for r in tokens.position.tolist()])
+got = kernels.tokens_by_tokens(a, b, layout.ends, 60, None, None, torch.float32)  # 60 of the 64 rows
+check(got, [(a[lo:hi, :60].double().t(), b[lo:hi].double()) for lo, hi in zip(bounds, bounds[1:])])
+assert torch.equal(got[1], torch.zeros(60, 96))  # the empty expert
+
+# The factors multiply the fp32 sums in the epilogue as torch's ops do after (a_factor * b_factor,
+# then the sums times that): the same bits, unpadded. fp32 out here (the interpreter rounds to
+# bf16 its own way); bf16 in test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu.
+fa = torch.rand(layout.padded_rows, 1, generator=generator) + 0.5  # per padded row
+for fb in (torch.rand(4, 96, generator=generator) + 0.5, torch.rand(4, 1, generator=generator) + 0.5):  # per column, per group
+    sums = kernels.tokens_by_experts(a, experts, layout, 128, 96, None, None, torch.float32)
+    want = sums * (fa[layout.position] * fb[layout.row_group[layout.position]])
+    assert torch.equal(kernels.tokens_by_experts(a, experts, layout, 128, 96, fa, fb, torch.float32), want)
+fa, fb = torch.rand(4, 64, generator=generator) + 0.5, torch.rand(4, 1, generator=generator) + 0.5  # wgrad's: per row, per group
+sums = kernels.tokens_by_tokens(a, b, layout.ends, 64, None, None, torch.float32)
+assert torch.equal(kernels.tokens_by_tokens(a, b, layout.ends, 64, fa, fb, torch.float32), sums * (fa[:, :, None] * fb[:, None, :]))
 # torch's grouped products may leave an empty group unwritten: zeroed in place, nothing else touched.
 product = torch.randn(4, 64, 96, generator=generator)
 want = product.clone()
@@ -532,6 +544,31 @@ want[1] = 0
 assert kernels.zero_empty_groups(product, layout.ends) is product and torch.equal(product, want)
 print("ok")
 """
+
+
+@pytest.mark.gpu
+def test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu():
+    """The fp32-output grouped kernels' factors and bf16 rounding in their epilogue give the bits
+    of torch's ops on their fp32 sums, ragged and empty groups (bf16 operands, 128-row tiles)."""
+    from graphquant.formats import groups
+    from graphquant.kernels import triton_grouped_gemm as kernels
+
+    torch.manual_seed(0)
+    offs = torch.tensor([300, 0, 57, 200], device="cuda").cumsum(0).to(torch.int32)
+    layout = groups.padding(offs, 557, 128, groups.padded_bound(557, 4, 128))
+    a = layout.pad(torch.randn(557, 256, device="cuda")).bfloat16()
+    b = layout.pad(torch.randn(557, 320, device="cuda")).bfloat16()
+    experts = torch.randn(4, 320, 256, device="cuda").bfloat16().transpose(1, 2)
+    fa = torch.rand(layout.padded_rows, 1, device="cuda") + 0.5
+    for fb in (torch.rand(4, 320, device="cuda") + 0.5, torch.rand(4, 1, device="cuda") + 0.5):
+        sums = kernels.tokens_by_experts(a, experts, layout, 128, 300, None, None, torch.float32)
+        want = (sums * (fa[layout.position] * fb[layout.row_group[layout.position], :300])).bfloat16()
+        assert torch.equal(kernels.tokens_by_experts(a, experts, layout, 128, 300, fa, fb, torch.bfloat16), want)
+    fa, fb = torch.rand(4, 256, device="cuda") + 0.5, torch.rand(4, 320, device="cuda") + 0.5
+    sums = kernels.tokens_by_tokens(a, b, layout.ends, 250, None, None, torch.float32)
+    want = (sums * (fa[:, :250, None] * fb[:, None, :])).bfloat16()
+    got = kernels.tokens_by_tokens(a, b, layout.ends, 250, fa, fb, torch.bfloat16)
+    assert torch.equal(got, want) and not got[1].any()  # group 1 is empty
 
 
 def test_triton_grouped_gemm_under_the_interpreter():

@@ -23,9 +23,10 @@ format applies per group or per row (``Quantizer.grouped_factor``: per-tensor FP
 per-row FP8 scales, NVFP4's global decode), the product is taken of the rest with fp32
 accumulation and the factors are applied to it once: exact up to fp32 accumulation. On a GPU,
 values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP8 blocks, bf16)
-take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need an
-fp32 output, which torch._grouped_mm makes only group by group with the offsets read on the
-host, so they take graphquant.kernels.triton_grouped_gemm's (where Triton is missing, torch's).
+take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need their
+factors applied to the fp32 sums, which torch._grouped_mm makes only group by group with the
+offsets read on the host, so they take graphquant.kernels.triton_grouped_gemm's, which applies
+them in its epilogue (where Triton is missing, torch's).
 MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, run the decode
 GEMM's programs over the stack instead (triton_decode.experts_gemm), which decode both operands'
 codes in registers: no expert's values are written; with more, only the routed experts' values
@@ -106,14 +107,19 @@ def gemm(
     if native is None and _decodes_in_registers(a, b, tokens.position.shape[0], tokens.groups):
         return backends.triton_decode.experts_gemm(a, b, tokens, n, out_dtype)
     if native is not None:
-        out, alpha = _scaled_grouped_mm(a, a_group, b, b_group, ends), None
-    else:
-        out, alpha = _emulated(a, b, b_group, tokens, token_rows)
-    if a.direction != ROWWISE:
-        out = _empty_groups_zeroed(out, ends)
+        return _finished(_scaled_grouped_mm(a, a_group, b, b_group, ends), None, a.direction, tokens, n, out_dtype)
+    return _emulated(a, b, b_group, tokens, token_rows, n, out_dtype)
+
+
+def _finished(
+    out: torch.Tensor, alpha: Optional[torch.Tensor], direction: str, tokens: GroupPadding, n: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """gemm's output from a padded product of torch's grouped kernels and the factors to apply to it."""
+    if direction != ROWWISE:
+        out = _empty_groups_zeroed(out, tokens.ends)
     if alpha is not None:
         out = out.float() * alpha
-    out = out.index_select(0, tokens.position)[:, :n] if a.direction == ROWWISE else out[:, :n]
+    out = out.index_select(0, tokens.position)[:, :n] if direction == ROWWISE else out[:, :n]
     return out.to(out_dtype).contiguous()
 
 
@@ -134,10 +140,9 @@ def _decodes_in_registers(a: Representation, b: Representation, tokens: int, gro
 
 
 def _emulated(
-    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, token_rows: int
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(product of the factored values, the factors to apply to it), padded (tokens x experts:
-    rows of pad rows alone may be left unwritten)."""
+    a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, token_rows: int, n: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """gemm's output from the product of the factored values, the factors applied to its sums."""
     a_group, ends = tokens.row_group, tokens.ends
     va, fa = factored(a, a_group)
     live = None
@@ -148,24 +153,25 @@ def _emulated(
     exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
     on_gpu = a.data.is_cuda
     bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's
-    fp32_out = on_gpu and not bf16_product and triton_grouped_gemm is not None
-    bf16_values = bf16_product or (fp32_out and exact_bf16)
+    factored_out = on_gpu and not bf16_product and triton_grouped_gemm is not None
+    bf16_values = bf16_product or (factored_out and exact_bf16)
     va, vb = (t.to(torch.bfloat16 if bf16_values else torch.float32) for t in (va, vb))
     groups = ends.shape[0]
     if a.direction == ROWWISE:
         experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
         experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
-        if fp32_out:
-            out = triton_grouped_gemm.tokens_by_experts(va, experts, tokens, token_rows)
-        else:
-            out = torch._grouped_mm(va, experts, offs=ends)
-        if fb is not None:
-            fb = fb.reshape(groups, -1)[a_group] if b.direction == ROWWISE else fb[a_group]
-        alpha = _joint(fa, fb)
+        if fb is not None and b.direction == ROWWISE:
+            fb = fb.reshape(groups, -1)  # (groups, n'), as columnwise factors already lie
+        if factored_out:
+            return triton_grouped_gemm.tokens_by_experts(va, experts, tokens, token_rows, n, fa, fb, out_dtype)
+        out = torch._grouped_mm(va, experts, offs=ends)
+        alpha = _joint(fa, None if fb is None else fb[a_group])
     else:
-        out = triton_grouped_gemm.tokens_by_tokens(va, vb, ends) if fp32_out else torch._grouped_mm(va.t(), vb, offs=ends)
+        if factored_out:
+            return triton_grouped_gemm.tokens_by_tokens(va, vb, ends, n, fa, fb, out_dtype)
+        out = torch._grouped_mm(va.t(), vb, offs=ends)
         alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
-    return out, alpha
+    return _finished(out, alpha, a.direction, tokens, n, out_dtype)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

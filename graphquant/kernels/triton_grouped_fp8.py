@@ -177,7 +177,7 @@ def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.const
 
 
 @triton.jit
-def _tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
+def tile_of(pid, tiles_m, tiles_n, GROUP_TILES: tl.constexpr):
     """(tile row, tile column) of program ``pid``, GROUP_TILES tile rows per column in turn."""
     width = GROUP_TILES * tiles_n
     first = (pid // width) * GROUP_TILES
@@ -245,7 +245,7 @@ def _tokens_by_experts(
     sums its products transposed (WEIGHTS_LEFT, _dot). B_TILE_SCALE: B's block scales span the
     tile's columns (128x128 blocks), so each K block's partial sum takes B's one scale, read
     once, and A's per row: one multiply-add an element, not an outer product of scales too."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
     if pid_m * BLOCK_M >= tl.load(ends_ptr + groups - 1):
         return
     rows_at = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -305,7 +305,7 @@ def _tokens_by_tokens(
     """out[g] = A_g^T B_g over group g's padded rows (bounds read on the device), A and B stored
     transposed (m and n rows, the tokens contiguous); an empty group's product is 0."""
     group = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_TILES)
     end = tl.load(ends_ptr + group).to(tl.int64)
     # A multiple of GROUP_ROWS, which the compiler must know to load the tokens 16 bytes at a time.
     begin = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0).to(tl.int64), GROUP_ROWS)
