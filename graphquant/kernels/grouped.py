@@ -158,19 +158,20 @@ def _emulated(
     va, vb = (t.to(torch.bfloat16 if bf16_values else torch.float32) for t in (va, vb))
     groups = ends.shape[0]
     if a.direction == ROWWISE:
-        experts = vb.reshape(groups, -1, vb.shape[1])  # (groups, n', k) rowwise, (groups, k, n) columnwise
-        experts = experts.transpose(1, 2) if b.direction == ROWWISE else experts
+        vb = vb.reshape(groups, -1, vb.shape[1])  # the experts: (groups, n', k) rowwise, (groups, k, n) columnwise
+        vb = vb.transpose(1, 2) if b.direction == ROWWISE else vb
         if fb is not None and b.direction == ROWWISE:
             fb = fb.reshape(groups, -1)  # (groups, n'), as columnwise factors already lie
         if factored_out:
-            return triton_grouped_gemm.tokens_by_experts(va, experts, tokens, token_rows, n, fa, fb, out_dtype)
-        out = torch._grouped_mm(va, experts, offs=ends)
+            return triton_grouped_gemm.tokens_by_experts(va, vb, tokens, token_rows, n, fa, fb, out_dtype)
+        out = torch._grouped_mm(va, vb, offs=ends)
         alpha = _joint(fa, None if fb is None else fb[a_group])
     else:
         if factored_out:
             return triton_grouped_gemm.tokens_by_tokens(va, vb, ends, n, fa, fb, out_dtype)
         out = torch._grouped_mm(va.t(), vb, offs=ends)
         alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
+    del va, vb  # freed before _finished makes the output: with them alive, an MXFP8 MoE step peaked 1 GiB higher
     return _finished(out, alpha, a.direction, tokens, n, out_dtype)
 
 
