@@ -500,6 +500,7 @@ TRITON_PROGRAM = """
 import torch
 import triton_interpreter
 triton_interpreter.accept_numpy_scalars()  # a branch on a loaded value
+triton_interpreter.round_bfloat16_to_nearest()
 from graphquant.formats import fp8, groups
 from graphquant.kernels import triton_grouped_gemm as kernels
 
@@ -527,16 +528,29 @@ check(got, [(a[lo:hi, :60].double().t(), b[lo:hi].double()) for lo, hi in zip(bo
 assert torch.equal(got[1], torch.zeros(60, 96))  # the empty expert
 
 # The factors multiply the fp32 sums in the epilogue as torch's ops do after (a_factor * b_factor,
-# then the sums times that): the same bits, unpadded. fp32 out here (the interpreter rounds to
-# bf16 its own way); bf16 in test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu.
+# then the sums times that, then the one rounding): the same bits, unpadded.
 fa = torch.rand(layout.padded_rows, 1, generator=generator) + 0.5  # per padded row
 for fb in (torch.rand(4, 96, generator=generator) + 0.5, torch.rand(4, 1, generator=generator) + 0.5):  # per column, per group
     sums = kernels.tokens_by_experts(a, experts, layout, 128, 96, None, None, torch.float32)
-    want = sums * (fa[layout.position] * fb[layout.row_group[layout.position]])
-    assert torch.equal(kernels.tokens_by_experts(a, experts, layout, 128, 96, fa, fb, torch.float32), want)
+    want = (sums * (fa[layout.position] * fb[layout.row_group[layout.position]])).bfloat16()
+    assert torch.equal(kernels.tokens_by_experts(a, experts, layout, 128, 96, fa, fb, torch.bfloat16), want)
 fa, fb = torch.rand(4, 64, generator=generator) + 0.5, torch.rand(4, 1, generator=generator) + 0.5  # wgrad's: per row, per group
 sums = kernels.tokens_by_tokens(a, b, layout.ends, 64, None, None, torch.float32)
-assert torch.equal(kernels.tokens_by_tokens(a, b, layout.ends, 64, fa, fb, torch.float32), sums * (fa[:, :, None] * fb[:, None, :]))
+want = (sums * (fa[:, :, None] * fb[:, None, :])).bfloat16()
+assert torch.equal(kernels.tokens_by_tokens(a, b, layout.ends, 64, fa, fb, torch.bfloat16), want)
+
+# NVFP4's values times a per-row global decode in the dequantize kernel (a hybrid's columnwise
+# quantized from the rowwise values): torch's values.float() * factor, then the rounding.
+from graphquant.kernels import triton_dequantize
+from graphquant.formats import nvfp4
+from graphquant.quantizers import NVFP4Quantizer
+rep = NVFP4Quantizer(row_scaled_nvfp4=True)(torch.randn(40, 272, generator=generator) * 7, rowwise=True, columnwise=False).rowwise
+q_times_s = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
+factor = torch.rand(40, 1, generator=generator) * 3
+assert torch.equal(triton_dequantize.nvfp4_block_values(rep.data, rep.scale, dtype=torch.float32), q_times_s)
+for dtype in (torch.float32, torch.bfloat16):
+    got = triton_dequantize.nvfp4_block_values(rep.data, rep.scale, row_factor=factor, dtype=dtype)
+    assert torch.equal(got, (q_times_s * factor).to(dtype))
 # torch's grouped products may leave an empty group unwritten: zeroed in place, nothing else touched.
 product = torch.randn(4, 64, 96, generator=generator)
 want = product.clone()
@@ -572,8 +586,9 @@ def test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu():
 
 
 def test_triton_grouped_gemm_under_the_interpreter():
-    """The fp32-output grouped kernels' indexing (each tile's group, each group's bounds read on
-    the device, the empty group) and zero_empty_groups under Triton's CPU interpreter. fp32 operands: the interpreter
+    """The factored grouped kernels' indexing (each tile's group, each group's bounds read on the
+    device, the empty group) and epilogue, zero_empty_groups and NVFP4's values times a per-row
+    factor, under Triton's CPU interpreter. fp32 operands: the interpreter
     multiplies bf16 wrongly; on the GPU the bf16 ones run in the gpu tests above."""
     pytest.importorskip("triton")
     import os

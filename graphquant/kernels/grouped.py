@@ -59,11 +59,10 @@ def factored(rep: Representation, row_group: torch.Tensor, live=None) -> tuple[t
 
 def dequantize(rep: Representation, row_group: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The logical (rows, cols) values of a grouped representation, as ``dtype``."""
-    values, factor = factored(rep, row_group)
-    values = values.float()
-    if factor is not None:
-        values = values * (factor if rep.direction == ROWWISE else factor[row_group])
-    return values.to(dtype)
+    factor = rep.quantizer.grouped_factor(rep, row_group)
+    if factor is not None and rep.direction != ROWWISE:
+        factor = factor[row_group]
+    return emulation.scaled_values(rep, None if factor is None else factor.float(), dtype)
 
 
 def _joint(fa: Optional[torch.Tensor], fb: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -324,10 +324,12 @@ def e4m3_bf16_word_values(codes, biased, ASM: tl.constexpr):
 
 @triton.jit
 def _nvfp4_kernel(
-    packed_ptr, scale_ptr, out_ptr, rows, cols, ends_ptr, group_rows, LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    packed_ptr, scale_ptr, factor_ptr, out_ptr, rows, cols, factor_stride, ends_ptr, group_rows,
+    LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows, loading
-    their BLOCK_B / 8 block scales a row once and broadcasting them. LIVE: see _in_live_group."""
+    their BLOCK_B / 8 block scales a row once and broadcasting them, and multiplies them by their
+    row's factor (a single 1.0 at stride 0 where there is none: exact). LIVE: see _in_live_group."""
     if LIVE:
         if not _in_live_group(ends_ptr, tl.program_id(0) * BLOCK_R // group_rows):
             return
@@ -340,8 +342,9 @@ def _nvfp4_kernel(
     scale = scale.to(tl.float32) * 16384.0  # undoes the 2^-14 of the decoded codes, exactly
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_B // 8, 8)), (BLOCK_R, BLOCK_B))
     values = tl.interleave(e2m1_value_over_2_14(packed & 0xF) * scale, e2m1_value_over_2_14(packed >> 4) * scale)
+    values = values * tl.load(factor_ptr + row64 * factor_stride, mask=row < rows, other=1.0)
     col = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)[None, :]
-    tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=(row < rows) & (col < cols))
+    tl.store(out_ptr + row64 * cols + col, values.to(out_ptr.dtype.element_ty), mask=(row < rows) & (col < cols))
 
 
 class LiveGroups(NamedTuple):
@@ -372,11 +375,27 @@ def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, live
     return out
 
 
-def nvfp4_block_values(packed: torch.Tensor, scale: torch.Tensor, live: Optional[LiveGroups] = None) -> torch.Tensor:
-    """bf16 q * s of NVFP4 ``packed`` codes with E4M3 block ``scale`` (no global factor); with ``live``, of those rows alone."""
+def nvfp4_block_values(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    live: Optional[LiveGroups] = None,
+    row_factor: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """q * s of NVFP4 ``packed`` codes with E4M3 block ``scale`` (exact in bf16), as ``dtype``;
+    with ``row_factor`` (fp32, a (rows, 1) column: the global decode a row takes), times it,
+    rounded to fp32 and then to ``dtype`` as torch's ops round (values.float() * factor); with
+    ``live``, of those rows alone."""
     packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty((rows, cols), dtype=torch.bfloat16, device=packed.device)
+    out = torch.empty((rows, cols), dtype=dtype, device=packed.device)
+    if row_factor is None:
+        factor, factor_stride = torch.ones(1, dtype=torch.float32, device=packed.device), 0
+    else:
+        factor = row_factor.float().expand(rows, 1)
+        factor_stride = factor.stride(0)
     grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols // 2, BLOCK_COLS // 2))
-    _nvfp4_kernel[grid](packed, scale, out, rows, cols, **_live_arguments(live, packed), BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2)
+    _nvfp4_kernel[grid](
+        packed, scale, factor, out, rows, cols, factor_stride, **_live_arguments(live, packed), BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2
+    )
     return out
