@@ -7,8 +7,7 @@ emulated product of a format whose values leave out a per-group or per-row facto
 and per-row FP8, NVFP4) needs that factor applied to the fp32 sums, so that the output rounds
 once. Here the factors (``a_factor * b_factor``, then the sums times that, as the CPU's torch
 ops take them: the same bits) are applied in the kernel's epilogue and the output is written
-unpadded in its own dtype: a fp32 product, a factor matrix of the product's size and their
-passes cost an NVFP4 MoE step's fprop about 25 ms more than its GEMMs before.
+unpadded in its own dtype, so that no fp32 product, factor matrix or un-padding pass is made.
 
 In the padded layout (graphquant.formats.groups) every group starts at a multiple of 128 rows,
 or 16 for a graph's tokens where it runs fprop alone, which the tiles of rows divide: so a tile
@@ -18,8 +17,8 @@ operands, fp32 accumulation: exact up to fp32 accumulation. (MXFP8 and NVFP4 ope
 tokens an expert multiply on the decode GEMM's programs instead: triton_decode.experts_gemm.)
 
 torch's grouped kernels may leave an empty group's tokens x tokens product unwritten;
-zero_empty_groups writes its zeros in place, touching nothing else (a torch.where over the whole
-product cost a full pass: 2.8 ms of an MXFP8 MoE step).
+zero_empty_groups writes its zeros in place, touching nothing else (not a pass over the whole
+product).
 """
 
 from __future__ import annotations
