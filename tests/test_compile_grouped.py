@@ -551,6 +551,14 @@ assert torch.equal(triton_dequantize.nvfp4_block_values(rep.data, rep.scale, dty
 for dtype in (torch.float32, torch.bfloat16):
     got = triton_dequantize.nvfp4_block_values(rep.data, rep.scale, row_factor=factor, dtype=dtype)
     assert torch.equal(got, (q_times_s * factor).to(dtype))
+# MXFP8's rowwise values of gathered rows (the tokens read out of the padded layout), in their order.
+from graphquant.formats import mxfp8
+data, scale = mxfp8.quantize(torch.randn(40, 288, generator=generator) * 5, "e4m3", axis=1)
+values = mxfp8.dequantize(data, scale, axis=1).bfloat16()
+rows = torch.tensor([3, 0, 39, 17, 17, 8, 21, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 30])  # more than a program's 16
+assert torch.equal(triton_dequantize.mxfp8_values(data, scale, rowwise=True), values)
+assert torch.equal(triton_dequantize.mxfp8_values(data, scale, rowwise=True, rows=rows), values[rows])
+
 # torch's grouped products may leave an empty group unwritten: zeroed in place, nothing else touched.
 product = torch.randn(4, 64, 96, generator=generator)
 want = product.clone()
@@ -587,8 +595,8 @@ def test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu():
 
 def test_triton_grouped_gemm_under_the_interpreter():
     """The factored grouped kernels' indexing (each tile's group, each group's bounds read on the
-    device, the empty group) and epilogue, zero_empty_groups and NVFP4's values times a per-row
-    factor, under Triton's CPU interpreter. fp32 operands: the interpreter
+    device, the empty group) and epilogue, zero_empty_groups, NVFP4's values times a per-row
+    factor and MXFP8's values of gathered rows, under Triton's CPU interpreter. fp32 operands: the interpreter
     multiplies bf16 wrongly; on the GPU the bf16 ones run in the gpu tests above."""
     pytest.importorskip("triton")
     import os

@@ -61,6 +61,10 @@ def test_mxfp8_dequantize_kernel_matches_reference(direction, shape):
     cols = slice(256, shape[1])
     sliced = triton_dequantize.mxfp8_values(rep.data[:, cols], rep.scale[:, cols], rowwise=False) if direction == COLUMNWISE else None
     assert sliced is None or (sliced.is_contiguous() and _same_bits(sliced, reference[:, cols]))
+    # Gathered rows (the tokens read out of a grouped padded layout), rowwise alone.
+    rows = torch.randint(0, shape[0], (shape[0] + 7,), device="cuda")
+    gathered = triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=True, rows=rows) if direction == ROWWISE else None
+    assert gathered is None or _same_bits(gathered, reference[rows])
 
 
 @pytest.mark.parametrize("shape", [(128, 256), (40, 272)])

@@ -67,6 +67,19 @@ def values(rep: Representation, live=None) -> torch.Tensor:
     return rep.quantizer.emulated_values(rep) if fast is None else fast(rep, live)
 
 
+def gathers_rows(rep: Representation) -> bool:
+    """Whether ``values_of_rows`` reads a gather of rep's stored rows in its values kernel where
+    it runs (MXFP8's rowwise values: each row's scales are its own), not after as a copy."""
+    return _family(rep) == "mxfp8" and rep.direction == ROWWISE
+
+
+def values_of_rows(rep: Representation, rows: torch.Tensor) -> torch.Tensor:
+    """``values(rep)``'s stored ``rows`` (int64 indices), in that order."""
+    if gathers_rows(rep) and _values_kernel(rep) is _mxfp8_values:
+        return triton_dequantize.mxfp8_values(rep.data, rep.scale, rowwise=True, rows=rows)
+    return values(rep).index_select(0, rows)
+
+
 def scaled_values(rep: Representation, factor: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """``values(rep)`` in the logical (rows, cols) orientation times ``factor`` (fp32, broadcast
     over them; None: no factor), rounded to fp32 and then to ``dtype`` as torch's ops round.

@@ -143,7 +143,7 @@ def _emulated(
 ) -> torch.Tensor:
     """gemm's output from the product of the factored values, the factors applied to its sums."""
     a_group, ends = tokens.row_group, tokens.ends
-    va, fa = factored(a, a_group)
+    fa = a.quantizer.grouped_factor(a, a_group)
     live = None
     if triton_dequantize is not None and a.direction == ROWWISE == b.direction and b.stored_k_last:
         # tokens x experts reads only the experts some token was routed to (a decode step's few)
@@ -154,11 +154,20 @@ def _emulated(
     bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's
     factored_out = on_gpu and not bf16_product and triton_grouped_gemm is not None
     bf16_values = bf16_product or (factored_out and exact_bf16)
-    va, vb = (t.to(torch.bfloat16 if bf16_values else torch.float32) for t in (va, vb))
+    values_dtype = torch.bfloat16 if bf16_values else torch.float32
     groups = ends.shape[0]
+    if a.direction == ROWWISE and fa is None and fb is None and not factored_out and emulation.gathers_rows(a):
+        # The tokens' rows read out of the padded layout by the values kernel: the product is taken
+        # of them alone (no pad rows multiplied) and needs no un-padding after.
+        va = emulation.values_of_rows(a, tokens.position).to(values_dtype)
+        experts = _experts(vb.to(values_dtype), b.direction, groups)
+        del vb
+        unpadded_ends = torch.searchsorted(tokens.position, ends.long()).to(torch.int32)
+        return torch._grouped_mm(va, experts, offs=unpadded_ends)[:, :n].to(out_dtype).contiguous()
+    va = factored(a, a_group)[0]
+    va, vb = (t.to(values_dtype) for t in (va, vb))
     if a.direction == ROWWISE:
-        vb = vb.reshape(groups, -1, vb.shape[1])  # the experts: (groups, n', k) rowwise, (groups, k, n) columnwise
-        vb = vb.transpose(1, 2) if b.direction == ROWWISE else vb
+        vb = _experts(vb, b.direction, groups)
         if fb is not None and b.direction == ROWWISE:
             fb = fb.reshape(groups, -1)  # (groups, n'), as columnwise factors already lie
         if factored_out:
@@ -172,6 +181,14 @@ def _emulated(
         alpha = _joint(None if fa is None else fa[:, :, None], None if fb is None else fb[:, None, :])
     del va, vb  # the values freed before _finished makes the output, not alive beside it at the step's peak
     return _finished(out, alpha, a.direction, tokens, n, out_dtype)
+
+
+def _experts(values: torch.Tensor, direction: str, groups: int) -> torch.Tensor:
+    """An expert stack's (groups * rows, cols) values split by expert as a tokens x experts
+    product reads them, (groups, k, n'): a rowwise stack's (n', k) experts transposed, a
+    columnwise stack's (k, n') as they lie."""
+    experts = values.reshape(groups, -1, values.shape[1])
+    return experts.transpose(1, 2) if direction == ROWWISE else experts
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

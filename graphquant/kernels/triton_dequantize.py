@@ -33,15 +33,21 @@ BLOCK_ROWS, BLOCK_COLS = 16, 256
 @triton.jit
 def _mxfp8_kernel(
     data_ptr, scale_ptr, out_ptr, rows, cols, data_row_stride, data_col_stride, scale_row_stride, scale_col_stride, ends_ptr, group_rows,
-    ROWWISE: tl.constexpr, LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    source_ptr, out_rows,
+    ROWWISE: tl.constexpr, LIVE: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Each program loads its scales once (a row of BLOCK_C / 32 per row, or the one row of
     BLOCK_C its 16 rows share), through their strides (rowwise ones lie outer-dim-major), and
-    broadcasts them, instead of a load per element. LIVE: see _in_live_group."""
+    broadcasts them, instead of a load per element. LIVE: see _in_live_group. GATHER (rowwise):
+    output row r holds stored row source[r]."""
     if LIVE:
         if not _in_live_group(ends_ptr, tl.program_id(0) * BLOCK_R // group_rows):
             return
-    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    out_row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    if GATHER:
+        row = tl.load(source_ptr + out_row, mask=out_row < out_rows, other=rows)  # past the end: masked below
+    else:
+        row = out_row
     col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (row < rows) & (col < cols)
     row64 = row.to(tl.int64)
@@ -55,7 +61,7 @@ def _mxfp8_kernel(
         biased = tl.load(scale_ptr + scale_row * scale_row_stride + col * scale_col_stride, mask=col < cols, other=127)
     codes = tl.load(data_ptr + row64 * data_row_stride + col.to(tl.int64) * data_col_stride, mask=mask, other=0.0)
     values = codes.to(tl.float32) * e8m0_value(biased)
-    tl.store(out_ptr + row64 * cols + col, values.to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + out_row.to(tl.int64) * cols + col, values.to(tl.bfloat16), mask=(out_row < out_rows) & (col < cols))
 
 
 @triton.jit
@@ -362,15 +368,28 @@ def _live_arguments(live: Optional[LiveGroups], data: torch.Tensor) -> dict:
     return dict(ends_ptr=data if live is None else live.ends, group_rows=1 if live is None else live.group_rows, LIVE=live is not None)
 
 
-def mxfp8_values(data: torch.Tensor, scale: torch.Tensor, *, rowwise: bool, live: Optional[LiveGroups] = None) -> torch.Tensor:
+def mxfp8_values(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    rowwise: bool,
+    live: Optional[LiveGroups] = None,
+    rows: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """bf16 values (contiguous) of MXFP8 ``data`` (stored orientation, any strides: a slice of
-    columns is read in place, not copied) with E8M0 ``scale``; with ``live``, of those rows alone."""
-    out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
-    rows, cols = data.shape
-    grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols, BLOCK_COLS))
+    columns is read in place, not copied) with E8M0 ``scale``; with ``live``, of those rows alone;
+    with ``rows`` (rowwise, int64 on the device), of those stored rows in their order (a gather
+    read in place: no copy of the gathered codes or values)."""
+    if rows is not None and not rowwise:
+        raise ValueError("MXFP8 values of gathered rows: a columnwise block's scale spans 32 rows, so only rowwise data gathers")
+    stored_rows, cols = data.shape
+    out_rows = stored_rows if rows is None else rows.shape[0]
+    out = torch.empty((out_rows, cols), dtype=torch.bfloat16, device=data.device)
+    grid = (ceil_div(out_rows, BLOCK_ROWS), ceil_div(cols, BLOCK_COLS))
     _mxfp8_kernel[grid](
-        data, scale, out, rows, cols, *data.stride(), *scale.stride(), **_live_arguments(live, data),
-        ROWWISE=rowwise, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+        data, scale, out, stored_rows, cols, *data.stride(), *scale.stride(), **_live_arguments(live, data),
+        source_ptr=data if rows is None else rows, out_rows=out_rows,
+        ROWWISE=rowwise, GATHER=rows is not None, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
     )
     return out
 
