@@ -26,7 +26,8 @@ values that carry everything and are bf16 numbers (MXFP8, power-of-two-scaled FP
 take torch._grouped_mm's bf16 product, whose one rounding is the output's; the others need their
 factors applied to the fp32 sums, which torch._grouped_mm makes only group by group with the
 offsets read on the host, so they take graphquant.kernels.triton_grouped_gemm's, which applies
-them in its epilogue (where Triton is missing, torch's).
+them in its epilogue (where Triton is missing, torch's). MXFP8 rows of tokens are read out of
+the padded layout by their values kernel, so that torch._grouped_mm multiplies the tokens alone.
 MXFP8 and NVFP4 tokens x experts products there, with few tokens an expert, run the decode
 GEMM's programs over the stack instead (triton_decode.experts_gemm), which decode both operands'
 codes in registers: no expert's values are written; with more, only the routed experts' values
