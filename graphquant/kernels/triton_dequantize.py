@@ -331,11 +331,11 @@ def e4m3_bf16_word_values(codes, biased, ASM: tl.constexpr):
 @triton.jit
 def _nvfp4_kernel(
     packed_ptr, scale_ptr, factor_ptr, out_ptr, rows, cols, factor_stride, ends_ptr, group_rows,
-    LIVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    LIVE: tl.constexpr, SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Each program decodes BLOCK_B packed bytes (2 * BLOCK_B values) of BLOCK_R rows, loading
-    their BLOCK_B / 8 block scales a row once and broadcasting them, and multiplies them by their
-    row's factor (a single 1.0 at stride 0 where there is none: exact). LIVE: see _in_live_group."""
+    their BLOCK_B / 8 block scales a row once and broadcasting them; SCALED: times their row's
+    factor. LIVE: see _in_live_group."""
     if LIVE:
         if not _in_live_group(ends_ptr, tl.program_id(0) * BLOCK_R // group_rows):
             return
@@ -348,7 +348,8 @@ def _nvfp4_kernel(
     scale = scale.to(tl.float32) * 16384.0  # undoes the 2^-14 of the decoded codes, exactly
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_B // 8, 8)), (BLOCK_R, BLOCK_B))
     values = tl.interleave(e2m1_value_over_2_14(packed & 0xF) * scale, e2m1_value_over_2_14(packed >> 4) * scale)
-    values = values * tl.load(factor_ptr + row64 * factor_stride, mask=row < rows, other=1.0)
+    if SCALED:
+        values = values * tl.load(factor_ptr + row64 * factor_stride, mask=row < rows, other=1.0)
     col = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)[None, :]
     tl.store(out_ptr + row64 * cols + col, values.to(out_ptr.dtype.element_ty), mask=(row < rows) & (col < cols))
 
@@ -408,13 +409,10 @@ def nvfp4_block_values(
     packed, scale = packed.contiguous(), scale.contiguous()
     rows, cols = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((rows, cols), dtype=dtype, device=packed.device)
-    if row_factor is None:
-        factor, factor_stride = torch.ones(1, dtype=torch.float32, device=packed.device), 0
-    else:
-        factor = row_factor.float().expand(rows, 1)
-        factor_stride = factor.stride(0)
+    factor = scale if row_factor is None else row_factor.float().expand(rows, 1)  # scale: a pointer not read
     grid = (ceil_div(rows, BLOCK_ROWS), ceil_div(cols // 2, BLOCK_COLS // 2))
     _nvfp4_kernel[grid](
-        packed, scale, factor, out, rows, cols, factor_stride, **_live_arguments(live, packed), BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2
+        packed, scale, factor, out, rows, cols, factor.stride(0), **_live_arguments(live, packed),
+        SCALED=row_factor is not None, BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_COLS // 2,
     )
     return out

@@ -67,10 +67,14 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _factor(ptr, group, i, stride_g, stride_i, mask):
+def _factor(ptr, group, i, stride_g, stride_i, mask, PRESENT: tl.constexpr):
     """A factor of output rows or columns ``i`` of ``group``: ptr[group * stride_g + i * stride_i]
-    (stride 0 where the factor is one for the group or absent, then a single 1.0); 1 where masked."""
-    return tl.load(ptr + group * stride_g + i.to(tl.int64) * stride_i, mask=mask, other=1.0)
+    (stride 0 where the factor is one for the group); 1 where masked or not PRESENT (exact)."""
+    if PRESENT:
+        factor = tl.load(ptr + group * stride_g + i.to(tl.int64) * stride_i, mask=mask, other=1.0)
+    else:
+        factor = tl.full(i.shape, 1.0, tl.float32)
+    return factor
 
 
 @triton.jit
@@ -84,7 +88,8 @@ def pad_rows_alone(first, source_ptr, ends_ptr, groups):
 def _tokens_by_experts(
     a_ptr, b_ptr, out_ptr, fa_ptr, fb_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, k: tl.constexpr,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, fa_i, fb_g, fb_i,
-    IEEE: tl.constexpr, GROUP_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, A_FACTOR: tl.constexpr, B_FACTOR: tl.constexpr, GROUP_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[source[r], :] = (A[r, :] @ B_g) * (fa[r] * fb[g, :]) for the padded rows r of one tile
     (g: their group, read once a tile); a tile of pad rows alone writes nothing."""
@@ -102,8 +107,8 @@ def _tokens_by_experts(
         b_at = group * stride_bg + ks[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn
         b = tl.load(b_ptr + b_at, mask=(ks[:, None] < k) & in_cols[None, :], other=0.0)
         acc = _dot(a, b, acc, IEEE)
-    fa = _factor(fa_ptr, 0, rows_at, 0, fa_i, rows_at < rows)
-    fb = _factor(fb_ptr, group, cols, fb_g, fb_i, in_cols)
+    fa = _factor(fa_ptr, 0, rows_at, 0, fa_i, rows_at < rows, A_FACTOR)
+    fb = _factor(fb_ptr, group, cols, fb_g, fb_i, in_cols, B_FACTOR)
     acc = acc * (fa[:, None] * fb[None, :])
     source = tl.load(source_ptr + rows_at)
     out_at = source[:, None] * n + cols[None, :]
@@ -114,7 +119,8 @@ def _tokens_by_experts(
 def _tokens_by_tokens(
     a_ptr, b_ptr, out_ptr, fa_ptr, fb_ptr, ends_ptr, m, n,
     stride_ar, stride_am, stride_br, stride_bn, fa_g, fa_i, fb_g, fb_i,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, A_FACTOR: tl.constexpr, B_FACTOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[g] = (A_g^T B_g) * (fa[g, :, None] * fb[g, None, :]) over group g's rows (bounds read
     on the device); an empty group's sums are 0."""
@@ -129,8 +135,8 @@ def _tokens_by_tokens(
         a = tl.load(a_ptr + rs[None, :] * stride_ar + ms[:, None] * stride_am, mask=ms[:, None] < m, other=0.0)
         b = tl.load(b_ptr + rs[:, None] * stride_br + ns[None, :] * stride_bn, mask=ns[None, :] < n, other=0.0)
         acc = _dot(a, b, acc, IEEE)
-    fa = _factor(fa_ptr, group, ms, fa_g, fa_i, ms < m)
-    fb = _factor(fb_ptr, group, ns, fb_g, fb_i, ns < n)
+    fa = _factor(fa_ptr, group, ms, fa_g, fa_i, ms < m, A_FACTOR)
+    fb = _factor(fb_ptr, group, ns, fb_g, fb_i, ns < n, B_FACTOR)
     acc = acc * (fa[:, None] * fb[None, :])
     out_at = group.to(tl.int64) * m * n + ms[:, None] * n + ns[None, :]
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=(ms[:, None] < m) & (ns[None, :] < n))
@@ -165,11 +171,11 @@ def zero_empty_groups(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _factor_strides(factor: Optional[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(fp32 tensor, group stride, index stride) of a (groups, count or 1) factor, or of a single
-    1.0 where there is none: a dim of one is read with stride 0."""
+def _factor_strides(factor: Optional[torch.Tensor], absent: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(fp32 tensor, group stride, index stride) of a (groups, count or 1) factor, a dim of one
+    read with stride 0; where there is none, ``absent``: a pointer the kernel does not read."""
     if factor is None:
-        return torch.ones(1, dtype=torch.float32, device=like.device), 0, 0
+        return absent, 0, 0
     factor = factor.float()
     return factor, factor.stride(0), factor.stride(1) if factor.shape[1] > 1 else 0
 
@@ -196,7 +202,8 @@ def tokens_by_experts(
     grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
     _tokens_by_experts[grid](
         a, experts, out, fa, fb, tokens.row_group, tokens.source, tokens.ends, tokens.groups, padded_rows, n, k,
-        *a.stride(), *experts.stride(), fa_i, fb_g, fb_i, IEEE=a.dtype == torch.float32, GROUP_TILES=GROUP_TILES,
+        *a.stride(), *experts.stride(), fa_i, fb_g, fb_i, IEEE=a.dtype == torch.float32,
+        A_FACTOR=a_factor is not None, B_FACTOR=b_factor is not None, GROUP_TILES=GROUP_TILES,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
     )
     return out
@@ -223,6 +230,6 @@ def tokens_by_tokens(
     grid = (groups, ceil_div(m, tile.block_m), ceil_div(n, tile.block_n))
     _tokens_by_tokens[grid](
         a, b, out, fa, fb, ends, m, n, *a.stride(), *b.stride(), fa_g, fa_i, fb_g, fb_i, IEEE=a.dtype == torch.float32,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
+        A_FACTOR=a_factor is not None, B_FACTOR=b_factor is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
     )
     return out
