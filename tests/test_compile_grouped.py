@@ -740,7 +740,8 @@ def test_grouped_ops_pass_opcheck(quantizer):
     dequantize_args = (xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, torch.bfloat16)
     gemm_args = (
         xq, quantizer.spec, ROWWISE, list(xp.shape), tokens.row_group, wq, quantizer.spec, ROWWISE, list(w.shape), stack.row_group,
-        tokens.ends, tokens.position, tokens.source, N, torch.bfloat16, groups.GROUP_ROWS, backends.EMULATION, False, "moe#0 fprop",
+        tokens.ends, tokens.position, tokens.source, tokens.row_ends, N, torch.bfloat16, groups.GROUP_ROWS, backends.EMULATION, False,
+        "moe#0 fprop",
     )
     torch.library.opcheck(torch.ops.graphquant.grouped_dequantize.default, dequantize_args, test_utils=without_schema)
     torch.library.opcheck(torch.ops.graphquant.grouped_gemm.default, gemm_args, test_utils=without_schema)
@@ -889,7 +890,7 @@ def test_an_inference_graph_pads_few_tokens_to_few_rows_where_the_format_allows_
         codes.append(gm.code)
 
         def forward(gm, example_inputs):
-            gemms.extend(n.args[15] for n in gm.graph.nodes if n.target is torch.ops.graphquant.grouped_gemm.default)
+            gemms.extend(n.args[16] for n in gm.graph.nodes if n.target is torch.ops.graphquant.grouped_gemm.default)
             return make_boxed_func(gm)
 
         return aot_autograd(fw_compiler=forward)(gm, example_inputs)

@@ -54,12 +54,15 @@ class GroupPadding(NamedTuple):
         for the padded layout).
     source: (padded_rows,) int64, the row each padded row holds, -1 for a pad row (position's
         inverse: padding is a gather, which a compiler fuses with what makes x).
+    row_ends: (groups,) int32, the cumulative ends of the groups' rows themselves, unpadded
+        (the offs the layout was made from: torch._grouped_mm's offs for the rows as they are).
     """
 
     position: torch.Tensor
     row_group: torch.Tensor
     ends: torch.Tensor
     source: torch.Tensor
+    row_ends: torch.Tensor
 
     @property
     def groups(self) -> int:
@@ -135,7 +138,7 @@ def padding(offs: torch.Tensor, rows: int, block: int, padded_rows: int) -> Grou
     row_group = torch.searchsorted(padded_ends, padded_row, right=True).clamp_max(offs.shape[0] - 1)
     within = padded_row - padded_starts[row_group]
     source = torch.where(within < ends[row_group] - starts[row_group], starts[row_group] + within, -1)
-    return GroupPadding(position, row_group, padded_ends.to(torch.int32), source)
+    return GroupPadding(position, row_group, padded_ends.to(torch.int32), source, offs.to(torch.int32))
 
 
 def uniform_padding(groups: int, rows: int, block: int, device: torch.device) -> GroupPadding:
@@ -147,8 +150,8 @@ def uniform_padding(groups: int, rows: int, block: int, device: torch.device) ->
     padded_row = torch.arange(groups * padded, device=device)
     row_group, within = padded_row // padded, padded_row % padded
     source = torch.where(within < rows, row_group * rows + within, -1)
-    ends = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * padded
-    return GroupPadding(row + row // rows * (padded - rows), row_group, ends, source)
+    ends = torch.arange(1, groups + 1, dtype=torch.int32, device=device)
+    return GroupPadding(row + row // rows * (padded - rows), row_group, ends * padded, source, ends * rows)
 
 
 def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:

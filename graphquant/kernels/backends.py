@@ -278,8 +278,8 @@ MIXED_INPUT_GEMM = NativeGemm(
 # graphquant's CUDA GEMM of DeepSeek-V3's block-scaled FP8 fprop and dgrad (1x128 by 128x128) on
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
 # blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K), and for E5M2 gradients,
-# which that one does not take: 1.1-3.6x faster than the padded call, and about 0.75x cuBLASLt's
-# where it takes k as it is, which it is left (benchmarks/NOTES.md, block_gemm.py). Each block's
+# which that one does not take: faster than the padded call, slower than cuBLASLt's where it takes
+# k as it is, which it is left (benchmarks/NOTES.md, block_gemm.py). Each block's
 # partial sum is promoted into fp32, as the recipe asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,

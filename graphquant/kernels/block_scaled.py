@@ -5,8 +5,8 @@ reductions cuBLASLt's blockwise GEMM takes only padded and the E5M2 gradients it
 Where k / 128 is no multiple of 4 (an MoE expert's 1408 and 2816, Llama-2's 11008), cuBLASLt's
 128x128 scaling multiplies by the wrong scales, so scaled_mm pads such a k to a multiple of
 TILE_SCALED_K each call, a copy of both operands; this kernel reads the codes and scales as the
-representations store them, at any m and n and any k of whole 16 bytes (TMA's rows), 1.1-3.6x
-faster than that padded call. Where cuBLASLt takes k (and E4M3 by E4M3) as it is, it is faster
+representations store them, at any m and n and any k of whole 16 bytes (TMA's rows), faster
+than that padded call. Where cuBLASLt takes k (and E4M3 by E4M3) as it is, it is faster
 than this kernel, and the plan leaves it those GEMMs (backends.BLOCK_SCALED_GEMM). The numerics
 are the recipe's: each 128-long block's partial sum on the FP8 tensor cores, promoted into fp32
 with its two scales (benchmarks/NOTES.md, block_gemm.py, has where it stands).

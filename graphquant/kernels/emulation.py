@@ -67,6 +67,12 @@ def values(rep: Representation, live=None) -> torch.Tensor:
     return rep.quantizer.emulated_values(rep) if fast is None else fast(rep, live)
 
 
+def logical_values(rep: Representation, live=None) -> torch.Tensor:
+    """``values(rep, live)`` in the logical (rows, cols) orientation."""
+    stored = values(rep, live)
+    return stored.t() if rep.transposed else stored
+
+
 def gathers_rows(rep: Representation) -> bool:
     """Whether ``values_of_rows`` reads a gather of rep's stored rows in its values kernel where
     it runs (MXFP8's rowwise values: each row's scales are its own), not after as a copy."""
@@ -88,8 +94,7 @@ def scaled_values(rep: Representation, factor: Optional[torch.Tensor], dtype: to
     per_stored_row = factor is not None and rep.direction == ROWWISE and not rep.transposed and factor.shape[1:] == (1,)
     if per_stored_row and _values_kernel(rep) is _nvfp4_values:
         return triton_dequantize.nvfp4_block_values(rep.data, rep.scale, row_factor=factor, dtype=dtype)
-    logical = values(rep)
-    logical = logical.t() if rep.transposed else logical
+    logical = logical_values(rep)
     return logical.to(dtype) if factor is None else (logical.float() * factor).to(dtype)
 
 

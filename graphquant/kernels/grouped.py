@@ -51,13 +51,6 @@ except ImportError:  # no Triton: fp32 products on torch._grouped_mm, which read
 from graphquant.quantizers import ROWWISE, Representation, gemm_dims
 
 
-def factored(rep: Representation, row_group: torch.Tensor, live=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(values in the logical (rows, cols) orientation, grouped factor) of a grouped
-    representation; ``live``: emulation.values'."""
-    values = emulation.values(rep, live)
-    return (values.t() if rep.transposed else values), rep.quantizer.grouped_factor(rep, row_group)
-
-
 def dequantize(rep: Representation, row_group: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The logical (rows, cols) values of a grouped representation, as ``dtype``."""
     factor = rep.quantizer.grouped_factor(rep, row_group)
@@ -144,12 +137,12 @@ def _emulated(
 ) -> torch.Tensor:
     """gemm's output from the product of the factored values, the factors applied to its sums."""
     a_group, ends = tokens.row_group, tokens.ends
-    fa = a.quantizer.grouped_factor(a, a_group)
+    fa, fb = a.quantizer.grouped_factor(a, a_group), b.quantizer.grouped_factor(b, b_group)
     live = None
     if triton_dequantize is not None and a.direction == ROWWISE == b.direction and b.stored_k_last:
         # tokens x experts reads only the experts some token was routed to (a decode step's few)
         live = triton_dequantize.LiveGroups(ends, b.data.shape[0] // ends.shape[0])
-    vb, fb = factored(b, b_group, live)
+    vb = emulation.logical_values(b, live)
     exact_bf16 = all(rep.quantizer.values_exact_in_bf16(rep) for rep in (a, b))
     on_gpu = a.data.is_cuda
     bf16_product = on_gpu and exact_bf16 and fa is None and fb is None  # its rounding is the output's
@@ -161,12 +154,9 @@ def _emulated(
         # The tokens' rows read out of the padded layout by the values kernel: the product is taken
         # of them alone (no pad rows multiplied) and needs no un-padding after.
         va = emulation.values_of_rows(a, tokens.position).to(values_dtype)
-        experts = _experts(vb.to(values_dtype), b.direction, groups)
-        del vb
-        unpadded_ends = torch.searchsorted(tokens.position, ends.long()).to(torch.int32)
-        return torch._grouped_mm(va, experts, offs=unpadded_ends)[:, :n].to(out_dtype).contiguous()
-    va = factored(a, a_group)[0]
-    va, vb = (t.to(values_dtype) for t in (va, vb))
+        out = torch._grouped_mm(va, _experts(vb.to(values_dtype), b.direction, groups), offs=tokens.row_ends)
+        return out[:, :n].to(out_dtype).contiguous()
+    va, vb = (t.to(values_dtype) for t in (emulation.logical_values(a), vb))
     if a.direction == ROWWISE:
         vb = _experts(vb, b.direction, groups)
         if fb is not None and b.direction == ROWWISE:

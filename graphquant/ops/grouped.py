@@ -112,6 +112,7 @@ def grouped_gemm(
     ends: torch.Tensor,
     position: torch.Tensor,
     source: torch.Tensor,
+    row_ends: torch.Tensor,
     n: int,
     out_dtype: torch.dtype,
     token_rows: int,
@@ -121,20 +122,20 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Each group's A_g @ B_g^T (graphquant.kernels.grouped.gemm), the padding dropped: A
     rowwise, tokens times an expert stack B, (tokens, n); A columnwise (wgrad), tokens times
-    tokens, (groups, n, cols of B). a_group, ends, position, source: the tokens' padded layout
-    (groups.GroupPadding). backend, fast_accumulation: the fields of the GemmBackend the plan
+    tokens, (groups, n, cols of B). a_group, ends, position, source, row_ends: the tokens' padded
+    layout (groups.GroupPadding). backend, fast_accumulation: the fields of the GemmBackend the plan
     chose for this GEMM, which runs it; site names the GEMM in errors ("moe#0 wgrad")."""
     rep_a = unflatten(a, a_spec, a_direction, a_shape, out_dtype)
     rep_b = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
     chosen = backends.named(backend, fast_accumulation)
-    tokens = groups.GroupPadding(position, a_group, ends, source)
+    tokens = groups.GroupPadding(position, a_group, ends, source, row_ends)
     return grouped_kernels.gemm(rep_a, rep_b, b_group, tokens, token_rows, n, out_dtype, chosen, site)
 
 
 @registry.fake("grouped_gemm")
 def _(
-    a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, source, n, out_dtype,
-    token_rows, backend, fast_accumulation, site,
+    a, a_spec, a_direction, a_shape, a_group, b, b_spec, b_direction, b_shape, b_group, ends, position, source, row_ends, n,
+    out_dtype, token_rows, backend, fast_accumulation, site,
 ):
     shape = (position.shape[0], n) if a_direction == ROWWISE else (ends.shape[0], n, b_shape[1])
     return a[0].new_empty(shape, dtype=out_dtype)
@@ -218,7 +219,8 @@ def _gemm(
     token_rows = groups.token_block(site.token_rows, tokens.position.shape[0], tokens.groups)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
-        tokens.ends, tokens.position, tokens.source, n, out_dtype, token_rows, backend.name, backend.fast_accumulation, name,
+        tokens.ends, tokens.position, tokens.source, tokens.row_ends, n, out_dtype, token_rows, backend.name,
+        backend.fast_accumulation, name,
     )
 
 
