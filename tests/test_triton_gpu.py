@@ -78,7 +78,7 @@ def test_nvfp4_block_values_kernel_matches_reference(shape):
     reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
     assert _same_bits(values, reference)
     # A per-row factor (the global decode a row takes) before the one store: torch's values.float() * factor.
-    factor = torch.rand(shape[0], 1, device="cuda") * 3
+    factor = torch.rand(values.shape[0], 1, device="cuda") * 3
     for dtype in (torch.float32, torch.bfloat16):
         scaled = triton_dequantize.nvfp4_block_values(rep.data, rep.scale, row_factor=factor, dtype=dtype)
         assert torch.equal(scaled, (reference * factor).to(dtype))
@@ -103,7 +103,7 @@ def test_columnwise_nvfp4_dequantize_kernel_reads_noncontiguous_inputs():
     reference = nvfp4.e2m1_values(nvfp4.unpack(rep.data)) * rep.scale.float().repeat_interleave(16, dim=1)
     assert _same_bits(values, reference)
     # A per-row factor (the global decode a row takes) before the one store: torch's values.float() * factor.
-    factor = torch.rand(shape[0], 1, device="cuda") * 3
+    factor = torch.rand(values.shape[0], 1, device="cuda") * 3
     for dtype in (torch.float32, torch.bfloat16):
         scaled = triton_dequantize.nvfp4_block_values(rep.data, rep.scale, row_factor=factor, dtype=dtype)
         assert torch.equal(scaled, (reference * factor).to(dtype))
