@@ -377,6 +377,7 @@ def compile(
     compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend
         (e.g. compile_mode="reduce-overhead" for CUDA graphs).
     """
+    model = _uncompiled(model)
     if dump_dir is None:
         dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None
     from torch._inductor import list_mode_options
@@ -404,10 +405,51 @@ def compile(
         context.callback = _failing_past_the_recompile_limit(callback, name)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
+        _kept_whole(compiled, name)
+        twin = functools.partial(
+            compile, recipe=recipe, backend=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir,
+            compile_mode=compile_mode, options=options, **torch_compile_kwargs,
+        )
+        compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
     else:
         compiled = _failing_past_the_recompile_limit(compiled, name)
     compiled.__dict__["graphquant"] = gq_backend
     return compiled
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module a torch.compile'd model wraps (graphquant compiles it itself, and names its
+    sites as the module names them); a graphquant model is refused, not compiled twice."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        if "graphquant" in model.__dict__:
+            raise TypeError(
+                f"graphquant.compile: this {type(model._orig_mod).__name__} is already a graphquant model; to compile it "
+                "under another recipe, pass the module it wraps (model._orig_mod)"
+            )
+        model = model._orig_mod
+    return model
+
+
+def _kept_whole(compiled: torch.nn.Module, name: str) -> None:
+    """Have an enclosing torch.compile call ``compiled`` as it is, quantized, and not inline its
+    module's code into a graph of its own backend, unquantized (Dynamo then breaks the graph at the
+    call); nor unwrap it to its module when it compiles ``compiled`` itself."""
+    compiled.forward._torchdynamo_disable = True
+    compiled.forward._torchdynamo_disable_msg = (
+        f"graphquant.compile compiled {name} with its own backend, which this torch.compile would bypass, so it runs as "
+        "a graph of its own; for one graph, graphquant.compile the enclosing model instead"
+    )
+    for unwrapping in ("_torchdynamo_orig_callable", "get_compiler_config"):
+        compiled.__dict__.pop(unwrapping, None)
+
+
+def _deep_copy(model: torch.nn.Module, backend: "GraphquantBackend", twin: Callable, memo: dict) -> Any:
+    """copy.deepcopy of a graphquant model: a graphquant model of a copy of ``model``, compiled by
+    ``twin`` with the same settings, that continues from this one's delayed-scaling and
+    stochastic-rounding state (its own, not shared)."""
+    copied = twin(copy.deepcopy(model, memo))
+    copied.graphquant.load_state_dict(backend.state_dict())
+    return copied
 
 
 class RecompileLimitError(RuntimeError):

@@ -220,8 +220,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     for name, linear in linears:
         if _is_tied(f"{name}.weight", tied, linear.weight):
             continue
-        quantizer = backend.planner.quantizer(QuantizerRole("linear", "weight", name))
+        quantizer = _weight_quantizer(backend, name)
         _check_freezable(name, quantizer)
+        _check_tiles(name, quantizer, tuple(linear.weight.shape))
         if state_dict is None and linear.weight.is_meta:
             raise ValueError(f"graphquant.freeze: {name}'s weight is on the meta device, with no values to quantize; pass "
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
@@ -322,6 +323,26 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"graphquant.freeze: the checkpoint names the weight dtype {name!r}, which is no torch dtype")
     return dtype
+
+
+def _weight_quantizer(backend: GraphquantBackend, name: str) -> Quantizer:
+    """Linear ``name``'s weight quantizer as the latest graph that ran it planned it (high
+    precision for a small GEMM the recipe keeps so), else the recipe's."""
+    role = QuantizerRole("linear", "weight", name)
+    planned = [dict(plan.slots)[role] for plan in backend.plans if role in dict(plan.slots)]
+    return planned[-1] if planned else backend.planner.quantizer(role)
+
+
+def _check_tiles(name: str, quantizer: Quantizer, shape: tuple[int, int]) -> None:
+    """A linear's weight must tile its format as it is (a planned one does: its plan checked it)."""
+    try:
+        quantizer.check_shape(shape, ROWWISE)
+    except ValueError as error:
+        raise ValueError(
+            f"graphquant.freeze: {name}'s {shape[0]}x{shape[1]} weight cannot be stored as {quantizer}: {error}. No compiled "
+            "graph has run it (a graph's plan keeps GEMMs too small for the recipe's blocks in high precision): call the "
+            "model once before freezing, or give the weight IdentityQuantizer() in the recipe's factory"
+        ) from None
 
 
 def _check_freezable(name: str, quantizer: Quantizer) -> None:

@@ -204,3 +204,16 @@ def test_tied_weight_stays_high_precision():
         graphquant.freeze(compiled)
     assert type(model.lm_head) is torch.nn.Linear
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
+
+
+def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so():
+    model = models.seeded(torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)))
+    x = torch.randn(32, 8)
+    before_a_call = inference_model(copy.deepcopy(model), FAMILIES["mxfp8"]())
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x)  # its plan keeps the 8-long reduction in high precision
+        graphquant.freeze(compiled)
+        assert torch.equal(compiled(x), expected)
+    with pytest.raises(ValueError, match=r"0's 256x8 weight cannot be stored as mxfp8.*call the model once before freezing"):
+        graphquant.freeze(before_a_call)

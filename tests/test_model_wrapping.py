@@ -1,0 +1,73 @@
+"""A graphquant model among torch's own wrappers: a torch.compile around it (a trainer's
+torch_compile=True), a torch.compile'd module given to it, and copy.deepcopy of it.
+
+Each must run quantized as graphquant.compile planned, name sites as the user's module names
+them, and keep its state its own: none of them may run the model unquantized without a word.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from reference import fresh_dynamo  # noqa: F401
+
+import graphquant
+from graphquant import recipes
+
+
+def mlp():
+    return models.seeded(models.MLP())
+
+
+def x2(seed=0):
+    return torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def quantized(model, recipe=None):
+    return graphquant.compile(model, recipe or recipes.mxfp8_block_scaling(), backend="aot_eager")
+
+
+@pytest.mark.parametrize("around", ["the model", "a module holding it"])
+def test_a_torch_compile_around_a_graphquant_model_runs_it_quantized(around):
+    model = quantized(mlp())
+    x = x2()
+    expected = model(x)
+    assert not torch.equal(expected, mlp()(x))  # quantized, not the plain model's bits
+    outer = model if around == "the model" else torch.nn.Sequential(model, torch.nn.Identity())
+    assert torch.equal(torch.compile(outer, backend="aot_eager")(x), expected)
+
+
+def test_a_torch_compiled_module_is_compiled_as_the_module_it_wraps():
+    names = []
+
+    def high_precision_fc2(role):
+        names.append(role.name)
+        return graphquant.IdentityQuantizer() if role.name == "fc2" else graphquant.MXFP8Quantizer()
+
+    x = x2()
+    model = graphquant.compile(torch.compile(mlp()), graphquant.CustomRecipe(high_precision_fc2), backend="aot_eager")
+    direct = graphquant.compile(mlp(), graphquant.CustomRecipe(high_precision_fc2), backend="aot_eager")
+    assert torch.equal(model(x), direct(x))
+    assert set(names) == {"fc1", "fc2"}
+
+
+def test_a_graphquant_model_is_not_compiled_again():
+    with pytest.raises(TypeError, match=r"this MLP is already a graphquant model.*model._orig_mod"):
+        quantized(quantized(mlp()))
+
+
+def test_a_deep_copy_is_a_graphquant_model_of_its_own_that_continues_from_the_original():
+    x = x2()
+    reference = quantized(mlp(), recipes.delayed_scaling())
+    reference(x)
+    second = reference(x)
+
+    original = quantized(mlp(), recipes.delayed_scaling())
+    original(x)
+    twin = copy.deepcopy(original)
+    assert torch.equal(twin(x), second)  # the amax history carried over
+    twin(10 * x)  # the twin's own history, not the original's
+    assert torch.equal(original(x), second)
+    assert len(original.graphquant.plans) == 1 and len(twin.graphquant.plans) == 1
+    assert twin._orig_mod.fc1.weight is not original._orig_mod.fc1.weight
