@@ -147,3 +147,22 @@ def test_delayed_scaling_first_step_uses_scale_one():
     assert not torch.equal(second, second[:1].expand_as(second))
     role = next(r for r in compiled.graphquant.delayed_state if r.name == "fc1" and r.tensor_type == "input")
     assert compiled.graphquant.delayed_state[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
+
+
+def test_a_module_called_twice_updates_its_slots_at_each_call():
+    """fc runs twice a step: its grad_output slot is quantized by both backwards, the later
+    call's first, each with the scale the other left (autograd's saved-tensor check must not
+    stand in the way), and the steps follow the reference."""
+    recipe = recipes.delayed_scaling(amax_history_len=3)
+    model = models.seeded(models.SharedLinear())
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    reference = Reference(copy.deepcopy(model), recipe, tape=tape)
+    for step in range(3):
+        tape.clear()
+        x = step_input(step)
+        actual = forward_backward(compiled, model, x, grad_seed=step)
+        expected = forward_backward(reference, reference.model, x, grad_seed=step)
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"step {step}: ")
+        check_states(compiled, reference, step)

@@ -154,13 +154,15 @@ class QuantizedAttention(torch.autograd.Function):
         kept = (made["Q"][COLUMNWISE], made["K"][COLUMNWISE], made["V"][ROWWISE], p_made[COLUMNWISE]) if training else ()
         ctx.metas = [(len(op.tensors), op.spec, op.direction, op.shape) for op in kept]
         ctx.originals = tensors if recording.listening() else {}
-        ctx.save_for_backward(*[t for op in kept for t in op.tensors], p, o, do_delayed, dp_delayed)
+        ctx.save_for_backward(*[t for op in kept for t in op.tensors], p, o)
+        ctx.delayed = (do_delayed, dp_delayed)  # not saved: see quantize.SlotState
         return o.view(b, h, lq, dv)
 
     @staticmethod
     def backward(ctx, do):
         site, (b, h, lq, lk, d, dv) = ctx.site, ctx.shapes
-        *flat, p, o, do_delayed, dp_delayed = ctx.saved_tensors
+        *flat, p, o = ctx.saved_tensors
+        do_delayed, dp_delayed = ctx.delayed
         kept, start = [], 0
         for count, *meta in ctx.metas:
             kept.append(Operand(flat[start : start + count], *meta))
@@ -212,13 +214,15 @@ class FlashAttention(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
         ctx.originals = {t: x.reshape(-1, d) for t, x in zip("QKV", (q, k, v))} if recording.listening() else {}
-        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse, s_found, do_delayed, dp_delayed)
+        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse, s_found)
+        ctx.delayed = (do_delayed, dp_delayed)  # not saved: see quantize.SlotState
         return o
 
     @staticmethod
     def backward(ctx, do):
         site, (q_shape, k_shape) = ctx.site, ctx.shapes
-        q_data, k_data, v_data, scale_inv, amax, o, lse, s_found, do_delayed, dp_delayed = ctx.saved_tensors
+        q_data, k_data, v_data, scale_inv, amax, o, lse, s_found = ctx.saved_tensors
+        do_delayed, dp_delayed = ctx.delayed
         b, h, lq, d = q_shape
         groups, lk = h // k_shape[1], k_shape[2]
         do_state = SlotState(do_delayed, None, 0, site.amax_group)

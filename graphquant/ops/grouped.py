@@ -315,14 +315,16 @@ class QuantizedGroupedMM(torch.autograd.Function):
         y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
-        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, g_delayed, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, rng)
+        ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, _, (*token_layout, w, w_amax, w_scale, g_delayed, rng) = saved_columnwise(ctx)
+        x_col, _, (*token_layout, w, w_amax, w_scale, rng) = saved_columnwise(ctx)
+        g_delayed = ctx.g_delayed
         site = ctx.site
         tokens = groups.GroupPadding(*token_layout)
         directions = ((ROWWISE,) if need_dx else ()) + ((COLUMNWISE,) if need_dw else ())

@@ -21,7 +21,12 @@ from graphquant.quantizers import (
 
 @dataclasses.dataclass(frozen=True)
 class SlotState:
-    """The tensors a slot's quantize may need: delayed-scaling state and the random stream."""
+    """The tensors a slot's quantize may need: delayed-scaling state and the random stream.
+
+    A backward's delayed state (grad_output's) rides on its autograd ctx, not in
+    save_for_backward: each backward quantize updates it in place, and where the slot's GEMM ran
+    twice before its backwards (a module called twice in one forward), autograd's check that a
+    saved tensor is unchanged would fail the second."""
 
     delayed: Optional[torch.Tensor]  # float32 [scale, amax_history...]
     rng: Optional[torch.Tensor]  # int64 [seed, step]

@@ -42,7 +42,8 @@ class QuantizedGemm(torch.autograd.Function):
 
         # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
         # out), so keeping it gives the backward its forward's step in whatever order backwards run.
-        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), g_delayed, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), rng)
+        ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
         ctx.site, ctx.batch = site, batch
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.originals = (x, w) if recording.listening() else (None, None)
@@ -52,7 +53,8 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw, need_dbias = ctx.needs_input_grad[:3]
-        x_col, w_col, (g_delayed, rng) = saved_columnwise(ctx)
+        x_col, w_col, (rng,) = saved_columnwise(ctx)
+        g_delayed = ctx.g_delayed
         site, batch = ctx.site, ctx.batch
         g_quantizer = site.quantizers[2]
         x, w = ctx.originals
