@@ -44,7 +44,7 @@ import torch
 
 from graphquant.formats import fp8, per_tensor
 from graphquant.kernels import backends
-from graphquant.ops import recording, registry
+from graphquant.ops import autocast, recording, registry
 from graphquant.ops.library import quantizer_of, unflatten
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
@@ -92,6 +92,7 @@ class AttentionSite:
         return quantizer_of(getattr(self, slot))
 
 
+@autocast.operands_cast
 def quantized_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
     site: AttentionSite, states=NO_STATES,

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from graphquant.ops import autocast
 from graphquant.ops.frozen import refuse_backward
 from graphquant.ops.inference import inference_products, quantized_weights_product
 from graphquant.ops.operands import Operand
@@ -23,6 +24,7 @@ from graphquant.quantizers import ROWWISE
 NO_STATES = (None, None, None)
 
 
+@autocast.operands_cast
 def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None):
     """F.linear(x, w, bias) in the site's formats; fprop alone where ``site.inference``."""
     if site.inference:
@@ -32,6 +34,7 @@ def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+@autocast.operands_cast
 def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], states: tuple[tuple, ...], rng=None):
     """quantized_linear's inference formula for linears that read one x (a SwiGLU's gate and up
     projections), each with its weight (quantized from its value at this call), bias, site and
@@ -55,12 +58,18 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
     format and ``dtype``); a tuple of their outputs. Several run their GEMMs in one launch of the
     decode GEMM, x quantized once (passes/gemms_sharing_x.py: x's format keeps no state there, so
     ``states`` and ``rng`` are the first site's)."""
+    cast = autocast.dtype_for(x)
+    if cast is not None:  # x, the biases and the output in autocast's dtype; the weights stay as stored
+        with torch.autocast(x.device.type, enabled=False):
+            biases = tuple(None if b is None else b.to(cast) for b in biases)
+            return quantized_frozen_linears_sharing_x(x.to(cast), weights, shapes, cast, biases, sites=sites, states=states, rng=rng)
     x2d = x.reshape(-1, x.shape[-1])
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
     return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label) for y, s, site in zip(ys, shapes, sites))
 
 
+@autocast.operands_cast
 def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
     """a @ b (matmul, mm, bmm) with a as input and b as other (or weight, where b is a
     Parameter: a linear site); b is quantized as b^T (n, k)."""
@@ -73,6 +82,7 @@ def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
 
+@autocast.operands_cast
 def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, rng=None):
     """beta * c + alpha * (a @ b) (addmm, baddbmm), the product quantized."""
     product = quantized_matmul(a, b, site=site, states=states, rng=rng)
@@ -80,6 +90,7 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, r
     return product + (c if beta == 1 else beta * c)
 
 
+@autocast.operands_cast
 def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
     (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""

@@ -1,0 +1,66 @@
+"""torch.autocast around a graphquant model: every GEMM and attention takes its operands cast to
+autocast's dtype, as eager torch does, and quantizes those (as TransformerEngine does), so that a
+model of float32 master weights under autocast computes the bits of its bf16 copy.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from reference import fresh_dynamo  # noqa: F401
+
+import graphquant
+from graphquant import recipes, zoo
+from graphquant.factories import high_precision_factory
+
+RECIPES = {
+    "high precision": lambda: graphquant.CustomRecipe(high_precision_factory),
+    "mxfp8": recipes.mxfp8_block_scaling,
+    "tensorwise": lambda: zoo.recipe("tensorwise"),
+    "fp8 attention": lambda: zoo.with_fp8_attention(recipes.mxfp8_block_scaling()),
+}
+
+
+def block():
+    """A linear, attention through F.scaled_dot_product_attention and a SwiGLU: x feeds one GEMM
+    (several would sum its gradient in float32 under autocast, in bf16 in the copy), and there is
+    no residual (its float32 input would keep the sum in float32 under autocast too)."""
+    layers = (torch.nn.Linear(64, 64), models.Attention(64, 2, "sdpa", True), models.SwiGLU(64, 128))
+    return models.seeded(torch.nn.Sequential(*layers))
+
+
+def step(model, x, under_autocast):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+        y = model(x)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+    return y, x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_float32_weights_under_autocast_compute_their_bf16_copys_bits(recipe):
+    master = block()
+    twin = copy.deepcopy(master).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    y, dx, grads = step(graphquant.compile(master, RECIPES[recipe](), backend="aot_eager"), x, True)
+    y_twin, dx_twin, grads_twin = step(graphquant.compile(twin, RECIPES[recipe](), backend="aot_eager"), x.to(torch.bfloat16), False)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_twin)
+    assert dx.dtype == torch.float32 and torch.equal(dx, dx_twin.float())
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and torch.equal(grad, grads_twin[name].float()), name
+
+
+def test_a_frozen_model_under_autocast_takes_its_dtype_for_x_and_the_output():
+    """Its weights stay as graphquant.freeze stored them; x is cast, and the product rounds once,
+    to autocast's dtype."""
+    linear = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)))
+    model = graphquant.compile(linear, recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager")
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(x)
+        graphquant.freeze(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        expected = model(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
