@@ -48,8 +48,11 @@ class StoredWeight(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Module.to, .half, .cuda move a stored weight but never cast it: its parts' dtypes are
-        its format's (a cast would make FP8 codes four times larger, or round fp32 scales to fp16)."""
+        its format's (a cast would make FP8 codes four times larger, or round fp32 scales to fp16).
+        A cast changes the dtype the weight stands for, which its products come out in, as a
+        high-precision weight's cast would."""
         kept = {f"weight_{part}": getattr(self, f"weight_{part}") for part in PARTS}
+        self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         super()._apply(fn, recurse)
         for name, before in kept.items():
             if self._buffers[name].dtype != before.dtype:

@@ -217,3 +217,19 @@ def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so():
         assert torch.equal(compiled(x), expected)
     with pytest.raises(ValueError, match=r"0's 256x8 weight cannot be stored as mxfp8.*call the model once before freezing"):
         graphquant.freeze(before_a_call)
+
+
+def test_a_cast_of_a_frozen_model_casts_its_products_not_its_stored_weights():
+    linear = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)))
+    compiled = inference_model(linear, FAMILIES["mxfp8"]())
+    x = x3(torch.float32).to(torch.bfloat16)
+    with torch.no_grad():
+        compiled(x)
+        graphquant.freeze(compiled)
+        before = compiled(x)  # float32: the weight frozen was
+        codes = linear[0].weight_codes.clone()
+        compiled.to(torch.bfloat16)
+        after = compiled(x)
+    assert before.dtype == torch.float32 and after.dtype == torch.bfloat16
+    assert torch.equal(after, before.to(torch.bfloat16))
+    assert torch.equal(linear[0].weight_codes, codes)
