@@ -207,3 +207,11 @@ def _call_name(fn: Callable) -> str:
     """How user code would spell ``fn``: recipes.x for a preset, else its own name."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     return f"recipes.{name}" if getattr(fn, "__module__", None) == __name__ else name
+
+
+def __getattr__(name: str) -> Any:
+    """A zoo recipe's name asked of this module points at graphquant.zoo."""
+    from graphquant import zoo
+
+    hint = f"; {name} is a zoo recipe: zoo.recipe({name!r})" if not name.startswith("__") and name in zoo.FACTORIES else ""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")

@@ -404,7 +404,10 @@ class Planner:
                     try:
                         self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
                     except ValueError as error:
-                        raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}") from None
+                        raise PlanError(
+                            f"{site.label} ({site.module_type}) {role_type}: {error}. To keep this GEMM in high precision, "
+                            f"have the recipe's factory return IdentityQuantizer() for roles named {site.name!r}"
+                        ) from None
                     raise
 
     @staticmethod

@@ -117,6 +117,8 @@ def test_a_preset_given_as_a_factory_and_a_preset_name_given_to_the_zoo_point_at
         zoo.recipe("mxfp8_block_scaling")
     with pytest.raises(ValueError, match="unknown zoo recipe 'tensorwize'; did you mean 'tensorwise'"):
         zoo.recipe("tensorwize")
+    with pytest.raises(AttributeError, match=re.escape("tensorwise is a zoo recipe: zoo.recipe('tensorwise')")):
+        recipes.tensorwise()
 
 
 def test_inference_mode_under_grad_warns_at_the_call_that_no_gradient_will_flow():
@@ -186,6 +188,7 @@ def test_dims_that_do_not_tile_name_module_tensor_and_dim(d_in, seq, tensor, dim
     message = str(error)
     assert message.startswith("fc1#0 (linear) input:"), message
     assert f"{tensor}:" in message and dim in message and size in message and "multiple of 32" in message
+    assert message.endswith("return IdentityQuantizer() for roles named 'fc1'"), message
 
 
 @pytest.mark.slow
