@@ -208,3 +208,30 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
     ops = torch.ops.graphquant
     quantizes = [n for n in graph.nodes if n.target in (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' GPT-2 projection: torch.addmm with the weight (in, out) on the right, a linear
+    site that a graph runs through QuantizedGemm rather than the inference formula."""
+
+    def __init__(self, d_in=64, d_out=96):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.filterwarnings("ignore:graphquant.compile.*mode='inference'.*makes no backward")
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_a_graph_without_backward_quantizes_no_columnwise_for_a_parameter_on_the_right(recipe_name):
+    """Two rows (a decode step) tile no 32-row columnwise block: the plan asked for none."""
+    keep = KeepGraphs()
+    compiled = graphquant.compile(models.seeded(Conv1D()), RECIPES[recipe_name](), backend=keep.backend, mode="inference")
+    with torch.no_grad():
+        compiled(x3(batch=1, seq=2))
+    assert all("columnwise" not in args for _, args in graphquant_calls(keep.graphs[0]))
+    y = compiled(x3(batch=1, seq=32))  # grad enabled: the graph still runs no backward
+    with pytest.raises(RuntimeError, match=r"backward through linear.0#0, a GEMM of a graph compiled to run no backward"):
+        y.sum().backward()

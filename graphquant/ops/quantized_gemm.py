@@ -11,9 +11,12 @@ originals, unless the recipe holds that direction in high precision (Identity).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from graphquant.ops import recording
+from graphquant.ops.frozen import refused_backward
 from graphquant.ops.operands import gemm, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, transposed_operand, update_delayed_scaling
 from graphquant.ops.site import Site
@@ -26,7 +29,10 @@ class QuantizedGemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, x_delayed, w_delayed, g_delayed, rng, site: Site, batch: int):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # A graph planned to run no backward (no_grad, mode="inference") has no dgrad or wgrad, so
+        # no columnwise copy is made for them, though a parameter operand asks for a gradient.
+        need_dx = ctx.needs_input_grad[0] and site.dgrad is not None
+        need_dw = ctx.needs_input_grad[1] and site.wgrad is not None
         x_quantizer, w_quantizer, _ = site.quantizers
         x_state = SlotState(x_delayed, rng, site.streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, site.streams[1], site.amax_group)
@@ -45,6 +51,7 @@ class QuantizedGemm(torch.autograd.Function):
         save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), rng)
         ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
         ctx.site, ctx.batch = site, batch
+        ctx.shapes = (x.shape, w.shape, None if bias is None else bias.shape)
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.originals = (x, w) if recording.listening() else (None, None)
         recording.record(site, "fprop", batch, x, xq[ROWWISE], w, wq[ROWWISE], bias, y)
@@ -56,6 +63,8 @@ class QuantizedGemm(torch.autograd.Function):
         x_col, w_col, (rng,) = saved_columnwise(ctx)
         g_delayed = ctx.g_delayed
         site, batch = ctx.site, ctx.batch
+        if (need_dx and site.dgrad is None) or (need_dw and site.wgrad is None):
+            return (*(_refused(dy, shape, site) if need else None for need, shape in zip(ctx.needs_input_grad, ctx.shapes)), *(None,) * 6)
         g_quantizer = site.quantizers[2]
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -81,3 +90,13 @@ class QuantizedGemm(torch.autograd.Function):
             dx = dx.reshape(-1, w_col.shape[1])
             recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)
         return dx, dw, dbias, None, None, None, None, None, None
+
+
+def _refused(dy: torch.Tensor, shape: Sequence[int], site: Site) -> torch.Tensor:
+    """The gradient of an operand of ``shape`` of a GEMM whose graph was planned without backward:
+    an op that raises when the backward runs (traced, it is a tensor of that shape)."""
+    return refused_backward(
+        dy, tuple(shape), f"graphquant: backward through {site.label}, a GEMM of a graph compiled to run no backward (called "
+        "under torch.no_grad or compiled with mode='inference'); call the model with grad enabled, and without "
+        "mode='inference', to train it",
+    )
