@@ -178,7 +178,18 @@ class GraphquantBackend:
         if not training:
             merge_gemms_sharing_x(gm)
         experts = {str(role): site.w_shape[0] for site in sites if site.form == GROUPED for role in site.roles()}
+        known = {str(role) for role in self.delayed_state} | set(self.waiting)
+        forward = {str(role) for role, _ in plan.slots if role.tensor_type not in ("grad_output", "do", "dp")}
+        fresh = [key for key in keys if key in forward and key not in known]
         providers = [self._provider(key, plan, device, experts.get(key)) for key in keys]
+        if fresh and not training:
+            user_stack.warn(
+                f"graphquant: this inference call starts {len(fresh)} delayed-scaling slot(s) with no amax history "
+                f"({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}) and quantizes them at scale 1, as "
+                "TransformerEngine's first step does, which flushes small values to zero (attention's softmax "
+                "output most of all); load the training run's state first (compiled.graphquant.load_state_dict), "
+                "or make a warm-up call before using the outputs"
+            )
         if self.dump_dir:
             from graphquant.dump import dump_graph
 

@@ -8,6 +8,7 @@ gradients change scale from step to step, so every scale is different and wrong 
 """
 
 import copy
+import warnings
 import itertools
 
 import models
@@ -166,3 +167,23 @@ def test_a_module_called_twice_updates_its_slots_at_each_call():
         tape.assert_all_taken()
         assert_same_results(actual, expected, what=f"step {step}: ")
         check_states(compiled, reference, step)
+
+
+def test_an_inference_call_warns_where_it_starts_delayed_slots_at_scale_one():
+    """TE's first step quantizes at scale 1, which a training run outgrows; an inference call
+    that starts a slot so says it, unless the slot's state was loaded or a call already made it."""
+    recipe = recipes.delayed_scaling(amax_history_len=2)
+    trained = graphquant.compile(models.seeded(models.MLP()), recipe, backend="aot_eager")
+    trained(step_input(0)).sum().backward()
+    state = trained.graphquant.state_dict()
+
+    fresh = graphquant.compile(models.seeded(models.MLP()), recipe, backend="aot_eager")
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"starts 4 delayed-scaling slot\(s\) with no amax history .* at scale 1"):
+            fresh(step_input(0))
+        fresh(step_input(0) * 2)  # a recompile for new shapes would not warn either: the slots have a history
+    loaded = graphquant.compile(models.seeded(models.MLP()), recipe, backend="aot_eager")
+    loaded.graphquant.load_state_dict(state)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded(step_input(0))
