@@ -179,9 +179,14 @@ def _is_softmax(node: fx.Node) -> bool:
 
 
 def _is_cast(node: fx.Node) -> bool:
-    if node.op != "call_method" or node.target not in ("to", "float"):
+    """A dtype cast: .float(), .to(dtype), .type(dtype) (GPT-2's) or .type_as(t) (Meta's Llama code)."""
+    if node.op != "call_method" or node.kwargs or node.target not in ("to", "type", "float", "type_as"):
         return False
-    return node.target == "float" or (len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs)
+    if node.target == "float":
+        return True
+    if node.target == "type_as":
+        return len(node.args) == 2 and isinstance(node.args[1], fx.Node)
+    return len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
 
 
 def _is_dropout(node: fx.Node) -> bool:

@@ -20,15 +20,21 @@ HEADS, LENGTH, DIM = 2, 32, 16
 class Attention(torch.nn.Module):
     """q, k, v projections of x (batch, length, heads * dim) and causal attention over them, the
     products spelled as ``spelling`` says: "sdpa" (an additive mask) or "sdpa_bool" (a bool mask
-    of the positions attended), transformers' eager_attention_forward ("eager"), or "masked_fill"
-    (a scale divided out, the bool mask filled with -inf, Tensor.softmax, the @ operator); the
-    others are near-matches that are not attention as sdpa computes it."""
+    of the positions attended), transformers' eager_attention_forward ("eager"; "gpt2" casts the
+    probabilities back with .type, "llama_reference" with .type_as), or "masked_fill" (a scale
+    divided out, the bool mask filled with -inf, Tensor.softmax, the @ operator); the others are
+    near-matches that are not attention as sdpa computes it."""
 
     def __init__(self, spelling: str):
         super().__init__()
         self.spelling, self.scaling = spelling, DIM**-0.5
         self.qkv = torch.nn.Linear(HEADS * DIM, 3 * HEADS * DIM, bias=False)
         self.temperature = torch.nn.Parameter(torch.tensor(self.scaling))
+
+    def _cast_back(self, probs, q):
+        if self.spelling == "gpt2":
+            return probs.type(q.dtype)
+        return probs.type_as(q) if self.spelling == "llama_reference" else probs.to(q.dtype)
 
     def forward(self, x, mask):
         b, s, _ = x.shape
@@ -44,7 +50,7 @@ class Attention(torch.nn.Module):
         else:
             scores = scores * self.scaling
         scores = scores + mask
-        probs = F.softmax(scores, dim=1 if self.spelling == "other_dim" else -1, dtype=torch.float32).to(q.dtype)
+        probs = self._cast_back(F.softmax(scores, dim=1 if self.spelling == "other_dim" else -1, dtype=torch.float32), q)
         probs = F.dropout(probs, p=0.0, training=self.training)
         out = torch.matmul(probs, v)
         if self.spelling == "scores_twice":
@@ -75,7 +81,7 @@ def _seeded(spelling):
 RECIPE = CustomRecipe(current_dpa_factory, fp8_dpa=True)
 
 
-@pytest.mark.parametrize("spelling, sdpa", [("eager", "sdpa"), ("masked_fill", "sdpa_bool")])
+@pytest.mark.parametrize("spelling, sdpa", [("eager", "sdpa"), ("gpt2", "sdpa"), ("llama_reference", "sdpa"), ("masked_fill", "sdpa_bool")])
 def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     """transformers' eager spelling (matmul, * scaling, + mask, softmax in float32 and back,
     dropout 0, matmul), and one with / and masked_fill, plan and train as the same module written
@@ -121,6 +127,11 @@ def test_without_fp8_dpa_the_eager_spelling_keeps_its_matmul_sites():
 
 
 class DropoutAttention(Attention):
+    def _cast_back(self, probs, q):
+        if self.spelling == "gpt2":
+            return probs.type(q.dtype)
+        return probs.type_as(q) if self.spelling == "llama_reference" else probs.to(q.dtype)
+
     def forward(self, x, mask):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
