@@ -422,6 +422,9 @@ def compile(
             compile_mode=compile_mode, options=options, **torch_compile_kwargs,
         )
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
+        if callable(getattr(type(model), "generate", None)):
+            forward = torch.compile(type(model).forward.__get__(model), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
+            compiled.__dict__["generate"] = _generating_through(model, _failing_past_the_recompile_limit(forward, name))
     else:
         compiled = _failing_past_the_recompile_limit(compiled, name)
     compiled.__dict__["graphquant"] = gq_backend
@@ -452,6 +455,28 @@ def _kept_whole(compiled: torch.nn.Module, name: str) -> None:
     )
     for unwrapping in ("_torchdynamo_orig_callable", "get_compiler_config"):
         compiled.__dict__.pop(unwrapping, None)
+
+
+def _generating_through(model: torch.nn.Module, forward: Callable) -> Callable:
+    """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
+    compiled model) with each call of the module's forward run by ``forward``, graphquant's
+    compile of it; an enclosing torch.compile (generate's own for a static cache) breaks its
+    graph there, as at the model (_kept_whole)."""
+    forward._torchdynamo_disable = True
+
+    @functools.wraps(type(model).generate)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        own = model.__dict__.get("forward")
+        model.forward = forward
+        try:
+            return model.generate(*args, **kwargs)
+        finally:
+            if own is None:
+                del model.forward
+            else:
+                model.forward = own
+
+    return generate
 
 
 def _deep_copy(model: torch.nn.Module, backend: "GraphquantBackend", twin: Callable, memo: dict) -> Any:

@@ -168,3 +168,23 @@ def test_llama_generates_under_inference_mode():
         assert {g.gemm for g in plan.gemms} == {"fprop"}
         assert all(g.a_format == "mxfp8(fp8_dtype=e4m3)" for g in plan.gemms)
     torch.testing.assert_close(out.scores[0], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+def test_the_compiled_models_generate_runs_quantized():
+    """compiled.generate (the module's own generate, which calls the module, not the compiled
+    model) runs each forward through graphquant: the tokens and scores of the compiled forward's
+    generate, and the module keeps its own forward after."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    twin = copy.deepcopy(model)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    twin.forward = graphquant.compile(twin.forward, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    prompt = token_ids(batch=2, seq=16)
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        out = compiled.generate(prompt, **kwargs)
+        expected = twin.generate(prompt, **kwargs)
+    assert len(compiled.graphquant.plans) >= 2 and "forward" not in model.__dict__
+    assert torch.equal(out.sequences, expected.sequences)
+    for a, b in zip(out.scores, expected.scores):
+        assert torch.equal(a, b)
