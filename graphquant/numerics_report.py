@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from tabulate import tabulate
 
+from graphquant import user_stack
 from graphquant.explainer import run_once
 from graphquant.kernels.backends import HIGH_PRECISION, GemmBackend
 from graphquant.ops.library import unflatten
@@ -103,7 +104,14 @@ def numerics(
         leaves = [t for t in (*parameters, *example_inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if leaves:
             torch.autograd.grad(loss, leaves, allow_unused=True)
-    return recorder.report(Plan.combine(compiled.graphquant.plans))
+    plan = Plan.combine(compiled.graphquant.plans)
+    grouped = sorted({g.site for g in plan.gemms if g.module_type == "grouped_linear"})
+    if grouped:
+        user_stack.warn(
+            f"graphquant.numerics does not measure grouped (expert) GEMMs: {', '.join(grouped)} are left out of the "
+            "report; graphquant.explain lists their formats"
+        )
+    return recorder.report(plan)
 
 
 @dataclasses.dataclass

@@ -147,3 +147,19 @@ def test_recording_observes_the_computation_without_changing_it():
         assert torch.equal(recorded[0], y)
         assert all(torch.equal(a, b) for a, b in zip(recorded[1], grads))
     assert torch.equal(seen["fc2#0", "fprop"].reshape(trained[0].shape), trained[0])  # the report sees what trains
+
+
+def test_grouped_sites_it_does_not_measure_are_named_in_a_warning():
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 64, 64, dtype=torch.bfloat16) / 8)
+            self.out = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+
+        def forward(self, x, offs):
+            return self.out(torch._grouped_mm(x, self.w, offs=offs))
+
+    offs = torch.tensor([10, 10, 33, 40], dtype=torch.int32)
+    with pytest.warns(UserWarning, match=r"does not measure grouped \(expert\) GEMMs: grouped_linear.0#0 are left out"):
+        report = graphquant.numerics(Experts(), zoo.recipe("rowwise"), torch.randn(40, 64, dtype=torch.bfloat16), offs)
+    assert {g.site for g in report.gemms} == {"out#0"}
