@@ -156,10 +156,17 @@ def uniform_padding(groups: int, rows: int, block: int, device: torch.device) ->
 
 def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     """Fail (asynchronously on a GPU: no host wait) unless ``offs`` is non-decreasing and ends at
-    ``rows``, as torch._grouped_mm requires."""
+    ``rows``: every row in a group (torch._grouped_mm leaves rows past the last offset unwritten
+    and fails in their backward)."""
     ends = offs.long()
     ordered = torch.all(ends[1:] >= ends[:-1]) & (ends[0] >= 0) & (ends[-1] == rows)
-    torch._assert_async(ordered, f"{what}: torch._grouped_mm offsets must be non-decreasing and end at the {rows} rows of the input")
+    count = f"{rows} rows" if isinstance(rows, int) else "rows"
+    torch._assert_async(
+        ordered,
+        f"{what}: the grouped GEMM's offsets must be non-decreasing and end at the input's {count}, every row in a "
+        "group (torch._grouped_mm leaves rows past the last offset unwritten, and its backward fails on them); slice "
+        "the input to offs[-1] rows, or route the padding rows to an expert",
+    )
 
 
 def group_counters(row_group: torch.Tensor, groups: int, cols: int, *, transposed: bool = False) -> torch.Tensor:
