@@ -404,7 +404,7 @@ def compile(
         seed=seed,
         dump_dir=dump_dir,
         inductor_options=inductor_options,
-        root=model if isinstance(model, torch.nn.Module) else None,
+        root=_named_root(model),
     )
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
@@ -442,6 +442,15 @@ def _uncompiled(model: Any) -> Any:
             )
         model = model._orig_mod
     return model
+
+
+def _named_root(model: Any) -> Optional[torch.nn.Module]:
+    """The module whose names the sites take: a DistributedDataParallel's wrapped module (Dynamo
+    traces its code, whether DDPOptimizer splits the graph or not), else the model itself; None
+    for a function."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model if isinstance(model, torch.nn.Module) else None
 
 
 def _kept_whole(compiled: torch.nn.Module, name: str) -> None:
