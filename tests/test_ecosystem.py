@@ -200,9 +200,11 @@ def distributed_worker(rank, port, out, delayed_recipe):
     results["ddp"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     results["ddp_graphs"] = len(compiled.graphquant.plans)
     results["ddp_sites"] = [g.site for p in compiled.graphquant.plans for g in p.gemms if g.gemm == "fprop"]
-    torch._dynamo.reset()  # DDP's default 25 MB buckets: one graph, traced inside the wrapper
-    whole = graphquant.compile(DistributedDataParallel(stack()), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    torch._dynamo.reset()  # a model within DDP's first bucket: one graph, traced inside the wrapper
+    small = models.seeded(models.MLPStack(dim=256, hidden=256), 0)
+    whole = graphquant.compile(DistributedDataParallel(small), recipes.mxfp8_block_scaling(), backend="aot_eager")
     whole(x).square().mean().backward()
+    results["ddp_whole_graphs"] = len(whole.graphquant.plans)
     results["ddp_whole_sites"] = [g.site for p in whole.graphquant.plans for g in p.gemms if g.gemm == "fprop"]
 
     # FSDP2: every block and the root sharded; the compiled forward sees the unsharded weights.
@@ -325,7 +327,7 @@ def test_ddp_split_graphs_keep_their_sites(distributed):
     wrapped model's names (Dynamo traces DDP's inner module), as one unsplit graph does, so one
     recipe serves both."""
     results = distributed[0]
-    assert results["ddp_graphs"] > 1
+    assert results["ddp_graphs"] > 1 and results["ddp_whole_graphs"] == 1
     names = sorted(f"layers.{i}.mlp.fc{j}#0" for i in range(2) for j in (1, 2))
     assert sorted(results["ddp_sites"]) == names and sorted(results["ddp_whole_sites"]) == names
 
