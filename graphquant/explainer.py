@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -22,15 +22,18 @@ def run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     return gm.forward
 
 
-def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], compile_kwargs: dict) -> tuple[Any, Any]:
-    """(compiled model, output) after one forward of ``model`` under graphquant, run eagerly.
+def run_once(
+    model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], compile_kwargs: dict, example_kwargs: Optional[dict] = None
+) -> tuple[Any, Any]:
+    """(compiled model, output) after one forward of ``model(*example_inputs, **example_kwargs)``
+    under graphquant, run eagerly.
 
     Rejected GEMMs stay in the plan instead of failing the compile; a plan error (a shape a
     format cannot tile, a factory that raised) fails it.
     """
     compiled = compiler.compile(model, recipe, backend=run_eagerly, **(_DEFAULTS | compile_kwargs))
     compiled.graphquant.planner.fail_on_bucket = False
-    output = compiled(*example_inputs)
+    output = compiled(*example_inputs, **(example_kwargs or {}))
     if not compiled.graphquant.plans:
         raise RuntimeError(
             "torch.compile sent graphquant no graph: Dynamo captured nothing of this forward (torch.compiler.disable, "
@@ -39,10 +42,11 @@ def run_once(model: Any, recipe: CustomRecipe, example_inputs: Sequence[Any], co
     return compiled, output
 
 
-def explain(model: Any, recipe: CustomRecipe, *example_inputs: Any, **compile_kwargs: Any) -> Plan:
+def explain(model: Any, recipe: CustomRecipe, *example_inputs: Any, example_kwargs: Optional[dict] = None, **compile_kwargs: Any) -> Plan:
     """The plan of every GEMM of ``model`` under ``recipe``: fprop, dgrad and wgrad per site.
 
-    Runs one forward on ``example_inputs`` with grad enabled and no backward; the model is not
+    Runs one forward on ``example_inputs`` (and the model's keyword inputs ``example_kwargs``,
+    an attention_mask say) with grad enabled and no backward; the model is not
     changed (though a module that updates state in forward, like BatchNorm in train mode, does
     so once). compile_kwargs are graphquant.compile's (strict, mode, dump_dir, ...) and
     torch.compile's; mode="inference" gives the inference plan (fprop only, from a forward
@@ -50,5 +54,5 @@ def explain(model: Any, recipe: CustomRecipe, *example_inputs: Any, **compile_kw
     that compiles into several graphs (graph breaks) gets one plan, in graph order.
     """
     with torch.set_grad_enabled(compile_kwargs.get("mode") != "inference"):
-        compiled, _ = run_once(model, recipe, example_inputs, compile_kwargs)
+        compiled, _ = run_once(model, recipe, example_inputs, compile_kwargs, example_kwargs)
     return Plan.combine(compiled.graphquant.plans)

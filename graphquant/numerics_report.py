@@ -79,11 +79,13 @@ def numerics(
     recipe: CustomRecipe,
     *example_inputs: Any,
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    example_kwargs: Optional[dict] = None,
     **compile_kwargs: Any,
 ) -> NumericsReport:
     """Run ``model`` forward and backward once under ``recipe`` and report every GEMM's numerics.
 
-    loss_fn turns the model's output into the scalar to differentiate (default: output.sum()).
+    loss_fn turns the model's output into the scalar to differentiate (default: output.sum());
+    example_kwargs are the model's keyword inputs (an attention_mask, say).
     Gradients are taken with torch.autograd.grad, so no parameter's .grad changes. compile_kwargs
     are graphquant.compile's and torch.compile's, as for graphquant.explain, but for
     mode="inference" (no backward to measure).
@@ -96,7 +98,7 @@ def numerics(
         )
     recorder = _Recorder()
     with torch.enable_grad(), recording(recorder):
-        compiled, output = run_once(model, recipe, example_inputs, compile_kwargs)
+        compiled, output = run_once(model, recipe, example_inputs, compile_kwargs, example_kwargs)
         if loss_fn is None and not isinstance(output, torch.Tensor):
             raise TypeError(f"the model returned a {type(output).__name__}; pass loss_fn=... that makes it a scalar")
         loss = loss_fn(output) if loss_fn is not None else output.sum()

@@ -214,3 +214,19 @@ def test_repeated_explains_do_not_use_up_the_recompile_limit():
     for _ in range(torch._dynamo.config.recompile_limit + 2):
         model = nn.Sequential(nn.Linear(64, 32))
         assert len(graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp()).gemms) == 3
+
+
+def test_the_models_keyword_inputs_reach_it():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x, *, mask):
+            return self.fc(x * mask)
+
+    x = x_mlp()
+    plan = graphquant.explain(Masked(), zoo.recipe("tensorwise"), x, example_kwargs={"mask": torch.ones_like(x)})
+    assert {(g.site, g.gemm) for g in plan.gemms} == {("fc#0", gemm) for gemm in ("fprop", "dgrad", "wgrad")}
+    report = graphquant.numerics(Masked(), zoo.recipe("tensorwise"), x, example_kwargs={"mask": torch.ones_like(x)})
+    assert {g.site for g in report.gemms} == {"fc#0"}
