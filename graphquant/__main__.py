@@ -7,12 +7,13 @@ MODULE:ATTR is importable from the current directory: a model, or a function of 
 that returns a model or (model, example_inputs). NAME is a zoo recipe (graphquant.zoo.FACTORIES),
 a preset of graphquant.recipes (e.g. mxfp8_block_scaling), or MODULE:ATTR naming a CustomRecipe,
 a function of no arguments that returns one, or a factory(role). Each --input-shape adds one
-random example input.
+random example input. numerics differentiates the sum of every floating tensor the model returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
@@ -47,7 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             inputs = tuple(torch.randn(shape, dtype=getattr(torch, args.dtype)) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
-        result = run(explain if args.command == "explain" else numerics, args.model, model, recipe, inputs)
+        command = explain if args.command == "explain" else functools.partial(numerics, loss_fn=summed_outputs)
+        result = run(command, args.model, model, recipe, inputs)
     except (ValueError, TypeError) as error:  # PlanError included
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -79,6 +81,15 @@ def run(command: Callable, spec: str, model: torch.nn.Module, recipe: CustomReci
         raise
     finally:
         fake_tensor_log.setLevel(level)
+
+
+def summed_outputs(output: Any) -> torch.Tensor:
+    """The command line's loss for numerics: the sum of every floating tensor the model returns
+    (a transformers model's logits, its loss where it has one)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise TypeError(f"the model returned a {type(output).__name__} holding no floating tensor: nothing to differentiate")
+    return sum(t.float().sum() for t in leaves)
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:

@@ -50,3 +50,18 @@ def attention_with_inputs() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 
 MODEL = MLP()  # a model object for the command line: MODULE:MODEL
+
+
+class WithOutputs(MLP):
+    """An MLP that returns a dict of its output and a second tensor, as transformers' models return
+    a ModelOutput: the command line's numerics differentiates the sum of both."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = super().forward(x)
+        return {"logits": y, "doubled": 2 * y}
+
+
+def with_outputs() -> WithOutputs:
+    """MODULE:with_outputs."""
+    torch.manual_seed(0)
+    return WithOutputs()

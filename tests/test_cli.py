@@ -1,5 +1,6 @@
 """python -m graphquant explain / numerics on models named MODULE:ATTR."""
 
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,13 @@ def test_a_factory_that_brings_its_inputs_and_a_factory_recipe(in_tests_dir, cap
 def test_numerics_prints_the_report(in_tests_dir, capsys):
     assert main(["numerics", "explain_models:mlp", "--recipe", "rowwise", "--input-shape", "32,64", "--dtype", "bfloat16"]) == 0
     assert capsys.readouterr().out.splitlines()[0].split()[:4] == ["site", "gemm", "SQNR", "dB"]
+
+
+def test_numerics_of_a_model_returning_several_tensors_differentiates_their_sum(in_tests_dir, capsys):
+    assert main(["numerics", "explain_models:with_outputs", "--recipe", "tensorwise", "--input-shape", "32,64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["gemms"]
+    every = {(s, g) for s in ("fc1#0", "fc2#0") for g in ("fprop", "dgrad", "wgrad")}
+    assert {(g["site"], g["gemm"]) for g in rows} == every - {("fc1#0", "dgrad")}  # the input needs no gradient
 
 
 def test_inputs_are_required_and_names_must_resolve(in_tests_dir, capsys):
