@@ -28,6 +28,13 @@ from graphquant import recipes
 from graphquant.quantizers import Float8DelayedScalingQuantizer
 
 
+def teacher_forced(model, recipe):
+    """(compiled model, its reference, the tape that teacher-forces the reference's GEMMs)."""
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
+    return compiled, Reference(copy.deepcopy(model), recipe, tape=tape), tape
+
+
 def step_input(step):
     return torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step)) * (1.0 + step)
 
@@ -36,17 +43,14 @@ def step_input(step):
 def test_delayed_state_updates_in_graph_and_matches_eager_rule(algo, history):
     recipe = recipes.delayed_scaling(amax_history_len=history, amax_compute_algo=algo, margin=1)
     model = models.seeded(models.MLP())
-    ref_model = copy.deepcopy(model)
-    tape = GemmTape()
-    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
-    reference = Reference(ref_model, recipe, tape=tape)
+    compiled, reference, tape = teacher_forced(model, recipe)
     state = compiled.graphquant.delayed_state
     scales_seen = []
     for step in range(4):
         tape.clear()
         x = step_input(step)
         actual = forward_backward(compiled, model, x, grad_seed=step)
-        expected = forward_backward(reference, ref_model, x, grad_seed=step)
+        expected = forward_backward(reference, reference.model, x, grad_seed=step)
         tape.assert_all_taken()
         assert_same_results(actual, expected, what=f"step {step}: ")
 
@@ -100,9 +104,7 @@ def test_forward_slots_update_across_steps():
     their histories and scales, and the outputs follow the reference step by step."""
     recipe = recipes.delayed_scaling(amax_history_len=3)
     model = models.seeded(models.MLP())
-    tape = GemmTape()
-    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
-    reference = Reference(copy.deepcopy(model), recipe, tape=tape)
+    compiled, reference, tape = teacher_forced(model, recipe)
     for step in range(4):
         tape.clear()
         x = step_input(step)
@@ -156,9 +158,7 @@ def test_a_module_called_twice_updates_its_slots_at_each_call():
     stand in the way), and the steps follow the reference."""
     recipe = recipes.delayed_scaling(amax_history_len=3)
     model = models.seeded(models.SharedLinear())
-    tape = GemmTape()
-    compiled = graphquant.compile(model, recipe, backend=tape.backend, fullgraph=True)
-    reference = Reference(copy.deepcopy(model), recipe, tape=tape)
+    compiled, reference, tape = teacher_forced(model, recipe)
     for step in range(3):
         tape.clear()
         x = step_input(step)
