@@ -27,6 +27,7 @@ from graphquant.quantizers import (
     DelayedScalingRequest,
     IdentityQuantizer,
     Quantizer,
+    mistyped_fields,
     parse_spec,
     quantizer_classes,
 )
@@ -200,6 +201,12 @@ class Planner:
             raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "
                 f"graphquant Quantizer (or a DelayedScalingRequest){_meant_quantizer(answer)}"
+            )
+        mistyped = mistyped_fields(answer)
+        if mistyped:
+            raise FactoryTypeError(
+                f"the recipe's factory returned {type(answer).__name__} for role {role} whose {'; '.join(mistyped)} "
+                "(graphquant's quantizers take no device, TransformerEngine's second argument: pass options by keyword)"
             )
         return answer
 

@@ -176,6 +176,14 @@ def test_factory_returning_a_non_quantizer_names_role_and_type():
     assert "to build one from its spec string, return graphquant.parse_spec('mxfp8')" in str(error)
 
 
+def test_a_quantizer_made_with_transformer_engines_positional_device_is_refused_at_the_factory():
+    te_style = CustomRecipe(lambda role: graphquant.Float8CurrentScalingQuantizer("e4m3", torch.device("cpu")))
+    error = plan_error(models.MLP(), te_style, x3())
+    assert isinstance(error, TypeError)
+    assert "Float8CurrentScalingQuantizer for role" in str(error)
+    assert "force_pow_2_scales must be a bool, got device(type='cpu')" in str(error) and "take no device" in str(error)
+
+
 @pytest.mark.parametrize(
     "d_in, seq, tensor, dim, size",
     [

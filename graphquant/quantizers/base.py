@@ -398,6 +398,22 @@ class Quantizer:
         return f"{self.tag}({', '.join(args)})"
 
 
+_SCALAR_FIELDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def mistyped_fields(quantizer: Quantizer) -> list[str]:
+    """Its bool, int, float and str fields that hold a value of another type, as words: a bool
+    taken for an int, or TransformerEngine's positional (fp8_dtype, device) putting a device in
+    the second field, would otherwise fail only where the value is used."""
+    problems = []
+    for field in dataclasses.fields(quantizer):
+        accepted = _SCALAR_FIELDS.get(field.type if isinstance(field.type, str) else getattr(field.type, "__name__", ""))
+        value = getattr(quantizer, field.name)
+        if accepted and (not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)):
+            problems.append(f"{field.name} must be a {field.type if isinstance(field.type, str) else field.type.__name__}, got {value!r}")
+    return problems
+
+
 def quantizer_classes() -> tuple[type[Quantizer], ...]:
     """Every quantizer class defined so far, built in or user-defined, in the order of definition."""
     return tuple(_REGISTRY.values())
