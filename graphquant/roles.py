@@ -29,3 +29,9 @@ class QuantizerRole:
     def __str__(self) -> str:
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name)]
         return "|".join(fields) if fields else "QuantizerRole()"
+
+    @property
+    def backward(self) -> bool:
+        """Whether the slot's tensor is a gradient (grad_output, do, dp, the dpa_grad_input hint),
+        which a delayed-scaling request under the HYBRID format gives E5M2."""
+        return self.tensor_type in ("grad_output", "do", "dp") or self.name.rpartition(".")[2] == "dpa_grad_input"

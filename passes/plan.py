@@ -196,7 +196,7 @@ class Planner:
                     "request in a recipe must be equal"
                 )
             self._request = answer
-            return answer.resolve(role.tensor_type)
+            return answer.resolve(role)
         if not isinstance(answer, Quantizer):
             raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "

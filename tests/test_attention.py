@@ -12,6 +12,7 @@ dim; a delayed-scaling slot quantizing with its current scale and then recording
 """
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import graphquant
-from graphquant import zoo
+from graphquant import recipes, zoo
 from graphquant.ops.attention import AttentionSite, quantized_attention
 from graphquant.ops.recording import recording
 from graphquant.passes.plan import PlanError
@@ -293,6 +294,17 @@ def test_dpa_roles_are_asked_for_only_under_fp8_dpa():
     doc = json.loads(plan.to_json())
     assert {"role": {"module_type": "", "tensor_type": "", "name": "attn.dpa_output"}, "quantizer": "fp8_current(fp8_dtype=e4m3)"} in doc["slots"]
     assert graphquant.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_delayed_scaling_request_gives_the_backward_slots_and_the_grad_input_hint_e5m2():
+    recipe = dataclasses.replace(recipes.delayed_scaling(), fp8_dpa=True)
+    plan = graphquant.explain(_decoder(), recipe, torch.randn(2, 32, 64))
+    formats = {str(role): quantizer.fp8_dtype for role, quantizer in plan.slots if role.name.startswith("attn") and "proj" not in role.name}
+    assert formats == {
+        "module_type=dpa|tensor_type=qkv|name=attn": "e4m3", "name=attn.dpa_output": "e4m3",
+        "module_type=dpa|tensor_type=s|name=attn": "e4m3", "name=attn.dpa_grad_input": "e5m2",
+        "module_type=dpa|tensor_type=do|name=attn": "e5m2", "module_type=dpa|tensor_type=dp|name=attn": "e5m2",
+    }
 
 
 def test_te_slots_of_a_site():
