@@ -311,6 +311,14 @@ def test_delayed_scaling_history_and_algo(algo, scales):
     assert histories == [[0, 0, 2], [0, 2, 4], [0, 4, 1], [0, 1, 1], [0, 1, 1]]
 
 
+def test_a_nan_amax_in_the_history_is_skipped_as_te_s_fmaxf_skips_it():
+    """One NaN step must not keep the scale until it leaves the window: the third step's amax of
+    2 sets the scale at once."""
+    update = functools.partial(per_tensor.delayed_scaling_update, fp8_dtype="e4m3", margin=0, algo="max")
+    got_scales, _ = run_steps(update, [1.0, NAN, 2.0], 3)
+    assert got_scales == [448.0, 448.0, 224.0]
+
+
 def test_delayed_scaling_under_compile():
     for algo in ("max", "most_recent"):
         eager = functools.partial(per_tensor.delayed_scaling_update, fp8_dtype="e5m2", margin=1, algo=algo)

@@ -34,14 +34,18 @@ def delayed_scaling_update(
     """The next (scale (..., 1), amax_history (..., L)) of a delayed-scaling slot, as TE's C++
     update, for every slot of the leading dims at once (an MoE site's experts: one each).
 
-    amax (...) goes into history[0]; amax_used is the history's max ("max") or history[0]
+    amax (...) goes into history[0]; amax_used is the history's max ("max", skipping NaN as TE's
+    fmaxf does, so that one NaN step does not keep the scale for L steps) or history[0]
     ("most_recent"); new scale = (fp8_max / amax_used) / 2**margin, both fp32 divisions correctly
     rounded; the previous scale is kept where amax_used <= 0 or is not finite; an infinite result
     becomes FLT_MAX. The history then rolls by -1 and slot 0 is zeroed, so it holds the last L
     amaxes. Pure (inputs untouched) and branch-free on values, for torch.compile.
     """
     history = torch.cat([amax.reshape(*amax_history.shape[:-1], 1).to(torch.float32), amax_history[..., 1:]], -1)
-    amax_used = history.amax(-1, keepdim=True) if algo == "max" else history[..., :1]
+    if algo == "max":
+        amax_used = torch.where(torch.isnan(history), 0.0, history).amax(-1, keepdim=True)
+    else:
+        amax_used = history[..., :1]
     new_scale = torch.div(torch.full_like(amax_used, fp8_max(fp8_dtype)), amax_used) / 2.0**margin
     valid = torch.isfinite(amax_used) & (amax_used > 0)
     new_scale = torch.where(valid, new_scale, scale)
