@@ -220,6 +220,7 @@ class Planner:
             quantizers = [self.quantizer(role) for role in roles]
             untileable = self._untileable(site, quantizers, training)
             if untileable:
+                operand_quantizers.update(quantizers)  # the factory's answers: it did ask to quantize
                 quantizers = [IdentityQuantizer()] * len(roles)
             slots.update(zip(roles, quantizers))
             self._check_grouped(site, quantizers)
@@ -357,7 +358,12 @@ class Planner:
         not): only its few output features or its short reduction keep it from tiling the
         formats' blocks and the recipe keeps such sites in high precision
         (CustomRecipe.small_gemms_in_high_precision); any other shape that does not tile is the
-        error it was."""
+        error it was. An empty product (a dim of 0: no rows this call) has nothing to quantize."""
+        batch, m, k = site.x_sizes
+        dims = {"m": m, "n": site.w_sizes[1], "k": k}
+        empty = [name for name, size in dims.items() if isinstance(size, int) and size == 0]
+        if empty:
+            return f"in high precision: it is empty ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
         try:
             self._check_shapes(site, quantizers, training)
         except PlanError:

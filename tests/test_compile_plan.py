@@ -19,7 +19,7 @@ from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
 )
 
 import graphquant
-from graphquant import CustomRecipe, IdentityQuantizer, Plan, factories, recipes
+from graphquant import CustomRecipe, IdentityQuantizer, Plan, factories, recipes, zoo
 
 
 class CountingFactory:
@@ -350,3 +350,14 @@ def test_built_in_recipes_keep_a_short_reduction_in_high_precision_with_the_reas
     with pytest.raises(graphquant.PlanError, match=r"\(matmul\) .*multiple of"):
         with torch.no_grad():
             own(x)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
+def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
+    make = {"rowwise": lambda: zoo.recipe("rowwise"), "mxfp8": recipes.mxfp8_block_scaling, "nvfp4": recipes.nvfp4_block_scaling}
+    linear = torch.nn.Linear(64, 128)
+    compiled = graphquant.compile(linear, make[recipe](), backend="aot_eager")
+    y = compiled(torch.zeros(0, 64))
+    y.sum().backward()
+    assert y.shape == (0, 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
+    assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
