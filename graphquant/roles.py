@@ -31,6 +31,13 @@ class QuantizerRole:
         return "|".join(fields) if fields else "QuantizerRole()"
 
     @property
+    def owner(self) -> str:
+        """The module whose slot this is: the name, without a hint role's .dpa_output or
+        .dpa_grad_input (attention's, as its dpa roles name it)."""
+        head, _, last = self.name.rpartition(".")
+        return head if not self.module_type and last in ("dpa_output", "dpa_grad_input") else self.name
+
+    @property
     def backward(self) -> bool:
         """Whether the slot's tensor is a gradient (grad_output, do, dp, the dpa_grad_input hint),
         which a delayed-scaling request under the HYBRID format gives E5M2."""

@@ -173,11 +173,9 @@ def with_fp8_attention_factory(role: Optional[QuantizerRole], *, factory) -> Qua
 
 
 def with_fp8_attention(recipe: CustomRecipe) -> CustomRecipe:
-    """``recipe`` with attention quantized too (fp8_dpa=True), its roles as fp8_attention_factory.
-
-    Its s and dp requests (delayed scaling, history 1) must equal every other request of the
-    recipe, so a recipe that asks for delayed scaling elsewhere needs its own attention roles.
-    """
+    """``recipe`` with attention quantized too (fp8_dpa=True), its roles as fp8_attention_factory
+    (whose s and dp requests, delayed scaling with history 1, are attention's own: a recipe's
+    requests must agree only within a module)."""
     return dataclasses.replace(
         recipe, qfactory=functools.partial(with_fp8_attention_factory, factory=recipe.qfactory), fp8_dpa=True
     )

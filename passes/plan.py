@@ -168,7 +168,7 @@ class Planner:
         self.fail_on_bucket = True
         self.factory_calls = 0
         self._quantizers: dict[QuantizerRole, Quantizer] = {}
-        self._request: Optional[DelayedScalingRequest] = None
+        self._requests: dict[str, DelayedScalingRequest] = {}  # by the module whose roles asked
 
     def quantizer(self, role: QuantizerRole) -> Quantizer:
         """The slot's quantizer: the factory's answer for ``role``, checked, asked for only once."""
@@ -188,14 +188,15 @@ class Planner:
                 "this slot in high precision, and end the factory with a default for every other role"
             )
         if isinstance(answer, DelayedScalingRequest):
-            if self._request is not None and answer != self._request:
-                field = next(f.name for f in dataclasses.fields(answer) if getattr(answer, f.name) != getattr(self._request, f.name))
+            owner = role.owner
+            earlier = self._requests.setdefault(owner, answer)
+            if answer != earlier:
+                field = next(f.name for f in dataclasses.fields(answer) if getattr(answer, f.name) != getattr(earlier, f.name))
                 raise PlanError(
-                    f"the factory returned a DelayedScalingRequest for role {role} whose {field} differs from an "
-                    f"earlier one ({getattr(answer, field)!r} vs {getattr(self._request, field)!r}); every "
-                    "request in a recipe must be equal"
+                    f"the factory returned a DelayedScalingRequest for role {role} whose {field} differs from the one "
+                    f"for another role of {owner!r} ({getattr(answer, field)!r} vs {getattr(earlier, field)!r}); the "
+                    "requests for one module's roles must be equal (TransformerEngine keeps one recipe state a module)"
                 )
-            self._request = answer
             return answer.resolve(role)
         if not isinstance(answer, Quantizer):
             raise FactoryTypeError(

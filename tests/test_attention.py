@@ -307,6 +307,13 @@ def test_a_delayed_scaling_request_gives_the_backward_slots_and_the_grad_input_h
     }
 
 
+def test_fp8_attention_joins_a_delayed_scaling_recipe_with_its_own_requests():
+    plan = graphquant.explain(_decoder(), zoo.with_fp8_attention(recipes.delayed_scaling()), torch.randn(2, 32, 64))
+    histories = {(role.module_type, role.tensor_type): getattr(q, "amax_history_len", None) for role, q in plan.slots if role.name.startswith("attn")}
+    assert histories[("dpa", "s")] == histories[("dpa", "dp")] == 1
+    assert histories[("linear", "input")] == 1024
+
+
 def test_te_slots_of_a_site():
     """TE's DotProductAttention: 9 forward slots (qkv x3, output boundary x3, s x3) and 6 backward
     (grad_input boundary x2, do x2, dp x2); the factory is asked once per distinct role."""

@@ -192,8 +192,16 @@ def test_delayed_scaling_requests_resolve_by_role_and_must_agree():
 
     planner = Planner(graphquant.CustomRecipe(disagreeing))
     planner.quantizer(QuantizerRole("linear", "input", "a"))
-    with pytest.raises(ValueError, match="margin differs"):
+    with pytest.raises(ValueError, match="margin differs from the one for another role of 'a'"):
         planner.quantizer(QuantizerRole("linear", "weight", "a"))
+
+    def per_module(role):  # TE keeps a recipe state a module: modules may differ
+        return DelayedScalingRequest(amax_history_len=16 if role.owner == "attn" else 1024)
+
+    planner = Planner(graphquant.CustomRecipe(per_module))
+    assert planner.quantizer(QuantizerRole("linear", "input", "fc")).amax_history_len == 1024
+    assert planner.quantizer(QuantizerRole("dpa", "s", "attn")).amax_history_len == 16
+    assert planner.quantizer(QuantizerRole("", "", "attn.dpa_grad_input")).amax_history_len == 16
 
 
 def test_recipes_from_module_level_factories_pickle():

@@ -239,7 +239,8 @@ class DelayedScalingRequest:
     """A factory's way to ask for delayed scaling without choosing the FP8 dtype (TE's request form).
 
     fp8_format "HYBRID" gives E4M3 to forward tensors (input, weight, other; attention's qkv and
-    s) and E5M2 to backward ones (grad_output; attention's do and dp); "E4M3" gives E4M3 everywhere. Every request in one recipe must be equal.
+    s) and E5M2 to backward ones (grad_output; attention's do and dp); "E4M3" gives E4M3 everywhere.
+    The requests for one module's roles must be equal (TE keeps one recipe state a module).
     """
 
     fp8_format: str = "HYBRID"
