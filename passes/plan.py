@@ -197,7 +197,7 @@ class Planner:
                     f"for another role of {owner!r} ({getattr(answer, field)!r} vs {getattr(earlier, field)!r}); the "
                     "requests for one module's roles must be equal (TransformerEngine keeps one recipe state a module)"
                 )
-            return answer.resolve(role)
+            return answer.resolve(role.backward)
         if not isinstance(answer, Quantizer):
             raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "

@@ -512,7 +512,7 @@ class Reference:
             self.factory_calls += 1
             answer = self.factory(role)
             if isinstance(answer, DelayedScalingRequest):
-                answer = answer.resolve(role)
+                answer = answer.resolve(role.backward)
             assert isinstance(answer, Quantizer), (role, answer)
             self.quantizers[role] = answer
             if isinstance(answer, Float8DelayedScalingQuantizer):

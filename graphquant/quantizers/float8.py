@@ -11,7 +11,6 @@ from graphquant.formats import fp8, per_tensor
 from graphquant.formats.groups import group_amax
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
-from graphquant.roles import QuantizerRole
 
 FP8_FORMATS = tuple(fp8.FP8_DTYPES)
 _NAMES = {dtype: name for name, dtype in fp8.FP8_DTYPES.items()}
@@ -253,9 +252,10 @@ class DelayedScalingRequest:
         if self.fp8_format not in ("HYBRID", "E4M3"):
             raise ValueError(f"DelayedScalingRequest.fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
 
-    def resolve(self, role: QuantizerRole) -> Float8DelayedScalingQuantizer:
+    def resolve(self, backward: bool) -> Float8DelayedScalingQuantizer:
+        """The quantizer of a slot whose tensor is a gradient (``backward``: QuantizerRole.backward) or not."""
         return Float8DelayedScalingQuantizer(
-            fp8_dtype="e5m2" if role.backward and self.fp8_format == "HYBRID" else "e4m3",
+            fp8_dtype="e5m2" if backward and self.fp8_format == "HYBRID" else "e4m3",
             margin=self.margin,
             amax_history_len=self.amax_history_len,
             amax_compute_algo=self.amax_compute_algo,
