@@ -71,10 +71,26 @@ class GraphquantBackend:
 
     @property
     def plan(self) -> Plan:
-        """The plan of the latest compiled graph."""
+        """The plan of the latest compiled graph (``plans`` has every graph's: a graph break's
+        graphs, a recompile's)."""
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
+
+    def warn_of_linears_in_no_graph(self) -> None:
+        """Say which of the model's nn.Linear modules no compiled graph holds: torch.compile may
+        have run the code that calls them eagerly, in high precision."""
+        planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
+        linears = [name for name, m in self.root.named_modules() if isinstance(m, torch.nn.Linear)]
+        unplanned = [name for name in linears if name not in planned]
+        if unplanned:
+            user_stack.warn(
+                f"graphquant: {len(unplanned)} of the model's {len(linears)} nn.Linear modules are in no compiled graph "
+                f"({', '.join(unplanned[:4])}{', ...' if len(unplanned) > 4 else ''}): they did not run, or torch.compile "
+                "ran the code that calls them eagerly, in high precision (a graph break it could not take, as inside a "
+                "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
+                "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
+            )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's
@@ -417,6 +433,8 @@ def compile(
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
         _kept_whole(compiled, name)
+        if gq_backend.root is not None:
+            compiled.forward = _checking_the_first_compile(compiled, gq_backend)
         twin = functools.partial(
             compile, recipe=recipe, backend=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir,
             compile_mode=compile_mode, options=options, **torch_compile_kwargs,
@@ -442,6 +460,24 @@ def _uncompiled(model: Any) -> Any:
             )
         model = model._orig_mod
     return model
+
+
+def _checking_the_first_compile(compiled: torch.nn.Module, backend: "GraphquantBackend") -> Callable:
+    """``compiled.forward`` that, once a call of it has compiled graphs, has the backend say which
+    linears those graphs missed and puts the plain forward back: later calls run no frame of ours."""
+    forward = compiled.forward
+
+    @functools.wraps(forward)
+    def first(*args: Any, **kwargs: Any) -> Any:
+        before = len(backend.plans)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if len(backend.plans) > before:
+                compiled.forward = forward
+                backend.warn_of_linears_in_no_graph()
+
+    return first
 
 
 def _named_root(model: Any) -> Optional[torch.nn.Module]:

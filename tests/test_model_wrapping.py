@@ -6,6 +6,7 @@ them, and keep its state its own: none of them may run the model unquantized wit
 """
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -71,3 +72,23 @@ def test_a_deep_copy_is_a_graphquant_model_of_its_own_that_continues_from_the_or
     assert torch.equal(original(x), second)
     assert len(original.graphquant.plans) == 1 and len(twin.graphquant.plans) == 1
     assert twin._orig_mod.fc1.weight is not original._orig_mod.fc1.weight
+
+
+def test_linears_in_no_graph_are_named_after_the_first_compile():
+    """A module run outside any graph (here disabled for torch.compile: as a graph break torch
+    cannot take inside a checkpointed block leaves it) runs in high precision: said once."""
+
+    class Skipping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc2(torch.compiler.disable(self.fc1)(x))
+
+    model = quantized(models.seeded(Skipping()))
+    with pytest.warns(UserWarning, match=r"1 of the model's 2 nn.Linear modules are in no compiled graph \(fc1\)"):
+        model(x2())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x2())
