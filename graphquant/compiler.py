@@ -295,7 +295,10 @@ class GraphquantBackend:
 
     @staticmethod
     def _needs_rng(plan: Plan) -> bool:
-        return any(q.stochastic for _, q in plan.slots)
+        """Whether a GEMM of the plan rounds an operand stochastically: an inference plan's fprop
+        does not, though its grad_output slots would (so it draws nothing and moves no step)."""
+        backward = any(g.gemm not in ("fprop", "qk", "pv") for g in plan.gemms)
+        return any(q.stochastic for role, q in plan.slots if backward or not role.backward)
 
     def _provider(self, key: object, plan: Plan, device: torch.device, experts: Optional[int] = None) -> Callable[[], torch.Tensor]:
         """How the compiled wrapper obtains the extra argument ``key`` at each call; a
@@ -398,7 +401,9 @@ def compile(
     strict: make every GEMM that is not native on this device an error.
     mode: "inference" makes no backward representations even with grad enabled; None decides
         per call from torch.is_grad_enabled().
-    seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible.
+    seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible. The
+        step advances at each call of a graph whose GEMMs round stochastically (an inference call
+        draws nothing and leaves it), so a forward that graph breaks splits into two steps.
     dump_dir: write each captured graph, its rewritten form and its plan there (default: the
         environment variable GRAPHQUANT_DUMP, if set).
     compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend

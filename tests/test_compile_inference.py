@@ -235,3 +235,17 @@ def test_a_graph_without_backward_quantizes_no_columnwise_for_a_parameter_on_the
     y = compiled(x3(batch=1, seq=32))  # grad enabled: the graph still runs no backward
     with pytest.raises(RuntimeError, match=r"backward through linear.0#0, a GEMM of a graph compiled to run no backward"):
         y.sum().backward()
+
+
+def test_an_evaluation_call_draws_nothing_and_leaves_the_rounding_step():
+    """NVFP4 rounds grad_output stochastically; a no_grad call multiplies fprop alone, so it must
+    not move the step, or evaluating between steps would change the training run."""
+    compiled = graphquant.compile(models.seeded(models.MLP()), recipes.nvfp4_block_scaling(), backend="aot_eager")
+    compiled(x3()).sum().backward()
+    step = compiled.graphquant.rng.clone()
+    with torch.no_grad():
+        compiled(x3())
+        compiled(x3(seed=1))
+    assert torch.equal(compiled.graphquant.rng, step)
+    compiled(x3()).sum().backward()
+    assert compiled.graphquant.rng.tolist() == [step[0].item(), step[1].item() + 1]
