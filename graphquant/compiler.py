@@ -195,7 +195,7 @@ class GraphquantBackend:
             merge_gemms_sharing_x(gm)
         experts = {str(role): site.w_shape[0] for site in sites if site.form == GROUPED for role in site.roles()}
         known = {str(role) for role in self.delayed_state} | set(self.waiting)
-        forward = {str(role) for role, _ in plan.slots if role.tensor_type not in ("grad_output", "do", "dp")}
+        forward = {str(role) for role, _ in plan.slots if not role.backward}
         fresh = [key for key in keys if key in forward and key not in known]
         providers = [self._provider(key, plan, device, experts.get(key)) for key in keys]
         if fresh and not training:
