@@ -35,6 +35,16 @@ def teacher_forced(model, recipe):
     return compiled, Reference(copy.deepcopy(model), recipe, tape=tape), tape
 
 
+def same_step(compiled, reference, tape, step):
+    """One training step of both on step_input(step): the same outputs and gradients."""
+    tape.clear()
+    x = step_input(step)
+    actual = forward_backward(compiled, compiled._orig_mod, x, grad_seed=step)
+    expected = forward_backward(reference, reference.model, x, grad_seed=step)
+    tape.assert_all_taken()
+    assert_same_results(actual, expected, what=f"step {step}: ")
+
+
 def step_input(step):
     return torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(step)) * (1.0 + step)
 
@@ -47,12 +57,7 @@ def test_delayed_state_updates_in_graph_and_matches_eager_rule(algo, history):
     state = compiled.graphquant.delayed_state
     scales_seen = []
     for step in range(4):
-        tape.clear()
-        x = step_input(step)
-        actual = forward_backward(compiled, model, x, grad_seed=step)
-        expected = forward_backward(reference, reference.model, x, grad_seed=step)
-        tape.assert_all_taken()
-        assert_same_results(actual, expected, what=f"step {step}: ")
+        same_step(compiled, reference, tape, step)
 
         assert set(state) == set(reference.delayed)
         for role, tensor in state.items():
@@ -160,12 +165,7 @@ def test_a_module_called_twice_updates_its_slots_at_each_call():
     model = models.seeded(models.SharedLinear())
     compiled, reference, tape = teacher_forced(model, recipe)
     for step in range(3):
-        tape.clear()
-        x = step_input(step)
-        actual = forward_backward(compiled, model, x, grad_seed=step)
-        expected = forward_backward(reference, reference.model, x, grad_seed=step)
-        tape.assert_all_taken()
-        assert_same_results(actual, expected, what=f"step {step}: ")
+        same_step(compiled, reference, tape, step)
         check_states(compiled, reference, step)
 
 
