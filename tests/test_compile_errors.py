@@ -221,6 +221,16 @@ def test_dynamic_rows_that_stop_tiling_fail_as_static_ones_do():
     assert len(compiled.graphquant.plans) == 2
 
 
+def test_stochastic_rounding_keeps_the_row_count_dynamic():
+    """NVFP4 draws grad_output's random bits over its element count: a symbolic count, so that a
+    new sequence length runs in the dynamic graph instead of compiling one more (past eight, the
+    recompile limit)."""
+    compiled = graphquant.compile(models.MLP(), recipes.nvfp4_block_scaling(), backend="aot_eager", dynamic=True)
+    for rows in (32, 48, 64, 80):
+        compiled(torch.randn(rows, 64, requires_grad=True)).sum().backward()
+    assert len(compiled.graphquant.plans) == 1
+
+
 def unmatched_rht_factory(role):
     """wgrad operands under different Hadamard transforms: input columnwise NVFP4 with RHT,
     grad_output columnwise NVFP4 without."""

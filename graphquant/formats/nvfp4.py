@@ -9,6 +9,7 @@ with IEEE division (no fast-math) and without flush-to-zero.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -110,7 +111,7 @@ def _fmix32(h):
 def random_bits(seed: int, offset: int, stream: int, shape: Sequence[int], device=None) -> torch.Tensor:
     """Counter-based uniform 32-bit words (int64 in [0, 2^32)) for a tensor of ``shape``: the
     words of ``random_bits_at`` for its row-major linear indices."""
-    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device)
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device)  # symbolic sizes stay symbolic
     return random_bits_at(seed, offset, stream, index).reshape(tuple(shape))
 
 
