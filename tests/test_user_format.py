@@ -205,3 +205,33 @@ def test_a_user_format_that_declares_a_gemm_family_runs_on_that_native_gemm(monk
     for mine, reference in zip(ours[0], theirs[0]):
         assert mine.dtype == reference.dtype and mine.stride() == reference.stride()
         assert torch.equal(mine.float(), reference.float())
+
+
+@dataclasses.dataclass(frozen=True)
+class Flattening(Float8Block64):
+    """Breaks the contract: dequantize returns the values flattened."""
+
+    tag = "test_flattening"
+
+    def dequantize(self, rep: Representation):
+        return super().dequantize(rep).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unwrapped(Float8Block64):
+    """Breaks the contract: quantize_rowwise returns the codes, not a Representation."""
+
+    tag = "test_unwrapped"
+
+    def quantize_rowwise(self, x, ctx):
+        return self._encode(x, ROWWISE).data
+
+
+def test_a_user_format_that_breaks_the_contract_is_named_with_what_it_must_return():
+    x = torch.randn(96, 64)
+    with pytest.raises(ValueError, match=r"Flattening.dequantize returned a tensor of shape \(6144,\) .* it must return 96x64"):
+        Flattening()(x, rowwise=True, columnwise=False).rowwise.dequantize()
+    from graphquant.kernels import native
+
+    with pytest.raises(TypeError, match=r"Unwrapped.quantize_rowwise returned a Tensor; it must return a Representation"):
+        native.reference_quantize(Unwrapped(), x, ROWWISE, QuantizeContext())

@@ -217,9 +217,13 @@ def _run(
 
 
 def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:
-    if direction == ROWWISE:
-        return quantizer.quantize_rowwise(x, ctx)
-    return quantizer.quantize_columnwise(x, ctx)
+    made = quantizer.quantize_rowwise(x, ctx) if direction == ROWWISE else quantizer.quantize_columnwise(x, ctx)
+    if not isinstance(made, Representation):
+        raise TypeError(
+            f"{type(quantizer).__name__}.quantize_{direction} returned a {type(made).__name__}; it must return a "
+            f"Representation (Quantizer.representation(direction, x.shape, x.dtype, data, scale, ...))"
+        )
+    return made
 
 
 def quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ctx: QuantizeContext) -> Representation:

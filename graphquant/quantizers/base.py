@@ -98,7 +98,15 @@ class Representation:
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The values this representation stands for, in stored orientation, as ``dtype``."""
-        return self.quantizer.dequantize(self).to(dtype or self.dtype)
+        values = self.quantizer.dequantize(self)
+        stored = tuple(self.shape[::-1]) if self.transposed else tuple(self.shape)
+        if tuple(values.shape) != stored:
+            raise ValueError(
+                f"{type(self.quantizer).__name__}.dequantize returned a tensor of shape {tuple(values.shape)} for a "
+                f"{self.direction} representation of a {self.shape[0]}x{self.shape[1]} tensor; it must return "
+                f"{stored[0]}x{stored[1]}, the values in stored orientation{' (transposed)' if self.transposed else ''}"
+            )
+        return values.to(dtype or self.dtype)
 
     @property
     def stored_k_last(self) -> bool:
