@@ -235,3 +235,14 @@ def test_a_user_format_that_breaks_the_contract_is_named_with_what_it_must_retur
 
     with pytest.raises(TypeError, match=r"Unwrapped.quantize_rowwise returned a Tensor; it must return a Representation"):
         native.reference_quantize(Unwrapped(), x, ROWWISE, QuantizeContext())
+
+
+def test_a_user_format_cannot_take_a_built_in_tag_even_under_the_built_in_name():
+    with pytest.raises(TypeError, match=r"quantizer tag 'mxfp8' is taken by graphquant.quantizers.mxfp8.MXFP8Quantizer"):
+
+        @dataclasses.dataclass(frozen=True)
+        class MXFP8Quantizer(Float8Block64):
+            __qualname__ = "MXFP8Quantizer"  # the built-in's own name, from another module
+            tag = "mxfp8"
+
+    assert type(parse_spec("mxfp8()")).__module__ == "graphquant.quantizers.mxfp8"

@@ -210,8 +210,9 @@ class Quantizer:
         super().__init_subclass__(**kwargs)
         if not cls.tag:
             raise TypeError(f"{cls.__name__} needs a class attribute tag = '<short name>' for its spec")
-        if cls.tag in _REGISTRY and _REGISTRY[cls.tag].__qualname__ != cls.__qualname__:
-            raise TypeError(f"quantizer tag {cls.tag!r} is taken by {_REGISTRY[cls.tag].__qualname__}")
+        taken = _REGISTRY.get(cls.tag)
+        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"quantizer tag {cls.tag!r} is taken by {taken.__module__}.{taken.__qualname__}")
         _REGISTRY[cls.tag] = cls
 
     # -- what subclasses implement -------------------------------------------------------------
