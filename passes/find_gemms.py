@@ -300,8 +300,9 @@ _ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[0\])?\.?")
 
 def fqn_from_stack_path(path: str) -> str:
     """Dynamo's module path ("L['self'].layers[0].fc1", "L['self'].layers.0.fc1" or "L['args'][0].layers.0.fc1")
-    as named_modules spells it."""
+    as named_modules spells it; a global module's ("G['model'].fc1") after its variable's name."""
     path = _ROOT_PREFIX.sub("", path)
+    path = re.sub(r"^G\['([^']*)'\]", r"\1", path)  # a global module a compiled function calls: its variable's name
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = path.replace("._orig_mod", "").removeprefix("_orig_mod.")

@@ -361,3 +361,12 @@ def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
     y.sum().backward()
     assert y.shape == (0, 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
     assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
+
+
+MODULE_OF_A_FUNCTION = models.seeded(models.MLP())  # a global the compiled function below calls
+
+
+def test_a_function_calling_a_global_module_names_its_sites_after_the_variable():
+    compiled = graphquant.compile(lambda x: MODULE_OF_A_FUNCTION(x), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(torch.randn(32, 64))
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"MODULE_OF_A_FUNCTION.fc1#0", "MODULE_OF_A_FUNCTION.fc2#0"}
