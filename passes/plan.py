@@ -421,6 +421,7 @@ class Planner:
                         raise PlanError(
                             f"{site.label} ({site.module_type}) {role_type}: {error}. To keep this GEMM in high precision, "
                             f"have the recipe's factory return IdentityQuantizer() for roles named {site.name!r}"
+                            + (" (the compiled model's own)" if not site.name else "")
                         ) from None
                     raise
 
