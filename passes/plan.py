@@ -30,6 +30,7 @@ from graphquant.quantizers import (
     mistyped_fields,
     parse_spec,
     quantizer_classes,
+    undeclared_fields,
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
@@ -202,6 +203,12 @@ class Planner:
             raise FactoryTypeError(
                 f"the recipe's factory returned a {type(answer).__name__} for role {role}; it must return a "
                 f"graphquant Quantizer (or a DelayedScalingRequest){_meant_quantizer(answer)}"
+            )
+        undeclared = undeclared_fields(answer)
+        if undeclared:
+            raise FactoryTypeError(
+                f"the recipe's factory returned {type(answer).__name__} for role {role}, whose annotated attributes "
+                f"({', '.join(undeclared)}) are not dataclass fields: decorate the class with @dataclasses.dataclass(frozen=True)"
             )
         mistyped = mistyped_fields(answer)
         if mistyped:

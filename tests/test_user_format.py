@@ -246,3 +246,12 @@ def test_a_user_format_cannot_take_a_built_in_tag_even_under_the_built_in_name()
             tag = "mxfp8"
 
     assert type(parse_spec("mxfp8()")).__module__ == "graphquant.quantizers.mxfp8"
+
+
+def test_a_user_format_without_the_dataclass_decorator_is_refused_at_the_factory():
+    class Undecorated(Float8Block64):
+        tag = "test_undecorated"
+        margin: int = 1
+
+    with pytest.raises(graphquant.PlanError, match=r"Undecorated for role .*whose annotated attributes \(margin\) are not dataclass fields: decorate"):
+        graphquant.explain(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: Undecorated()), torch.randn(32, 64))

@@ -18,6 +18,7 @@ from graphquant.quantizers.base import (
     output_rows,
     parse_spec,
     quantizer_classes,
+    undeclared_fields,
 )
 from graphquant.quantizers.block import Float8BlockQuantizer
 from graphquant.quantizers.descriptions import GEMM_FAMILIES, SCALINGS, GemmInput, KernelEncoding
@@ -58,4 +59,5 @@ __all__ = [
     "output_rows",
     "parse_spec",
     "quantizer_classes",
+    "undeclared_fields",
 ]

@@ -410,6 +410,14 @@ class Quantizer:
 _SCALAR_FIELDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 
+def undeclared_fields(quantizer: Quantizer) -> list[str]:
+    """Annotated attributes of its class that are no dataclass fields: a subclass without
+    @dataclasses.dataclass(frozen=True), whose values would then be in no spec."""
+    declared = {f.name for f in dataclasses.fields(quantizer)}
+    annotations = type(quantizer).__dict__.get("__annotations__", {})
+    return [name for name, kind in annotations.items() if name not in declared and "ClassVar" not in str(kind)]
+
+
 def mistyped_fields(quantizer: Quantizer) -> list[str]:
     """Its bool, int, float and str fields that hold a value of another type, as words: a bool
     taken for an int, or TransformerEngine's positional (fp8_dtype, device) putting a device in
