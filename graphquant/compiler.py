@@ -187,7 +187,7 @@ class GraphquantBackend:
             gm,
             plan,
             lambda role: self._delayed(plan, role),
-            needs_rng=self._needs_rng(plan),
+            needs_rng=self._needs_rng(plan, training),
             inference=not training,
             amax_group=distributed.group_name(self.planner.recipe.amax_reduction_group),
         )
@@ -294,11 +294,10 @@ class GraphquantBackend:
         return plan.quantizer(role).keeps_state
 
     @staticmethod
-    def _needs_rng(plan: Plan) -> bool:
+    def _needs_rng(plan: Plan, training: bool) -> bool:
         """Whether a GEMM of the plan rounds an operand stochastically: an inference plan's fprop
         does not, though its grad_output slots would (so it draws nothing and moves no step)."""
-        backward = any(g.gemm not in ("fprop", "qk", "pv") for g in plan.gemms)
-        return any(q.stochastic for role, q in plan.slots if backward or not role.backward)
+        return any(q.stochastic for role, q in plan.slots if training or not role.backward)
 
     def _provider(self, key: object, plan: Plan, device: torch.device, experts: Optional[int] = None) -> Callable[[], torch.Tensor]:
         """How the compiled wrapper obtains the extra argument ``key`` at each call; a

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# Attention's hint-only boundary roles, named <name>.dpa_output and <name>.dpa_grad_input.
+HINTS = ("dpa_output", "dpa_grad_input")
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantizerRole:
@@ -31,14 +34,19 @@ class QuantizerRole:
         return "|".join(fields) if fields else "QuantizerRole()"
 
     @property
+    def hint(self) -> str:
+        """Which of attention's hint-only boundary roles this is (HINTS), or ""."""
+        last = self.name.rpartition(".")[2]
+        return last if not self.module_type and last in HINTS else ""
+
+    @property
     def owner(self) -> str:
-        """The module whose slot this is: the name, without a hint role's .dpa_output or
-        .dpa_grad_input (attention's, as its dpa roles name it)."""
-        head, _, last = self.name.rpartition(".")
-        return head if not self.module_type and last in ("dpa_output", "dpa_grad_input") else self.name
+        """The module whose slot this is: the name, without a hint role's suffix (attention's, as
+        its dpa roles name it)."""
+        return self.name.rpartition(".")[0] if self.hint else self.name
 
     @property
     def backward(self) -> bool:
         """Whether the slot's tensor is a gradient (grad_output, do, dp, the dpa_grad_input hint),
         which a delayed-scaling request under the HYBRID format gives E5M2."""
-        return self.tensor_type in ("grad_output", "do", "dp") or self.name.rpartition(".")[2] == "dpa_grad_input"
+        return self.tensor_type in ("grad_output", "do", "dp") or self.hint == "dpa_grad_input"

@@ -143,7 +143,7 @@ def nvfp4_row_scaled_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole
 
 def is_attention(role: Optional[QuantizerRole]) -> bool:
     """Whether ``role`` is one of attention's: a dpa role, or a hint-only boundary role."""
-    return role is not None and (role.module_type == "dpa" or role.name.endswith(("dpa_output", "dpa_grad_input")))
+    return role is not None and (role.module_type == "dpa" or bool(role.hint))
 
 
 def fp8_attention_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
@@ -155,7 +155,7 @@ def fp8_attention_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedS
     """
     if role is not None and role.module_type == "dpa" and role.tensor_type in ("s", "dp"):
         return DelayedScalingRequest(fp8_format="HYBRID", amax_history_len=1, amax_compute_algo="most_recent")
-    backward = role is not None and (role.tensor_type in ("do", "dp", "dqkv") or role.name.endswith("dpa_grad_input"))
+    backward = role is not None and (role.backward or role.tensor_type == "dqkv")
     return Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if backward else "e4m3")
 
 

@@ -28,7 +28,7 @@ from torch import fx
 from graphquant.passes.find_gemms import body_of, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
-from graphquant.roles import QuantizerRole
+from graphquant.roles import HINTS, QuantizerRole
 
 ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -37,7 +37,6 @@ DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": No
 # softmax output (s), three each; backward the grad_input boundary, do and dp, two each.
 FORWARD_SLOTS = ("qkv",) * 3 + ("dpa_output",) * 3 + ("s",) * 3
 BACKWARD_SLOTS = ("dpa_grad_input",) * 2 + ("do",) * 2 + ("dp",) * 2
-HINTS = ("dpa_output", "dpa_grad_input")
 # The products of one attention (out = a @ b^T per head), each operand as (tensor, direction):
 # forward S = Q K^T and O = P V, backward dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q.
 FORWARD_PRODUCTS = (
