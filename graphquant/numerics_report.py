@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from tabulate import tabulate
 
-from graphquant import user_stack
 from graphquant.explainer import run_once
+from graphquant.kernels import grouped as grouped_kernels
 from graphquant.kernels.backends import HIGH_PRECISION, GemmBackend
 from graphquant.ops.library import unflatten
 from graphquant.ops.operands import Operand, gemm as operand_gemm
@@ -106,14 +106,7 @@ def numerics(
         leaves = [t for t in (*parameters, *example_inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if leaves:
             torch.autograd.grad(loss, leaves, allow_unused=True)
-    plan = Plan.combine(compiled.graphquant.plans)
-    grouped = sorted({g.site for g in plan.gemms if g.module_type == "grouped_linear"})
-    if grouped:
-        user_stack.warn(
-            f"graphquant.numerics does not measure grouped (expert) GEMMs: {', '.join(grouped)} are left out of the "
-            "report; graphquant.explain lists their formats"
-        )
-    return recorder.report(plan)
+    return recorder.report(Plan.combine(compiled.graphquant.plans))
 
 
 @dataclasses.dataclass
@@ -125,13 +118,19 @@ class _Counts:
     underflow: int = 0
     saturated: int = 0
 
-    def add(self, x: torch.Tensor, operand: Operand) -> None:
+    def add(self, x: torch.Tensor, operand: Operand, row_group: Optional[torch.Tensor] = None, values: Optional[int] = None) -> None:
+        """Count ``operand`` of ``x``; row_group: a grouped operand's (recording.Grouping: x lies
+        in its padded layout, and ``values`` of its values are x's own, not padding)."""
         rep = unflatten(operand.tensors, operand.spec, operand.direction, operand.shape, x.dtype)
-        quantized = rep.dequantize(torch.float32)  # as stored (transposed where the format stores it so)
+        if row_group is None:
+            quantized = rep.dequantize(torch.float32)  # as stored (transposed where the format stores it so)
+        else:
+            quantized = grouped_kernels.dequantize(rep, row_group, torch.float32)
+            quantized = quantized.t() if rep.transposed else quantized
         # Compared with what the format encoded: the values after its transform, if it has one.
         source = rep.quantizer.transformed((x.t() if rep.transposed else x).float(), rep.direction)
         self.amax = max(self.amax, x.abs().max().item() if x.numel() else 0.0)
-        self.values += x.numel()
+        self.values += x.numel() if values is None else values
         self.underflow += int(((source != 0) & (quantized == 0)).sum())
         at_max = rep.quantizer.at_largest_code(rep)
         if at_max is not None:
@@ -152,15 +151,19 @@ class _Recorder:
 
     @torch.no_grad()
     def __call__(self, gemm: RecordedGemm) -> None:
-        key = (gemm.site.label, gemm.gemm)
-        reference = _high_precision_gemm(gemm).double()
+        key, grouping = (gemm.site.label, gemm.gemm), gemm.grouping
+        reference = (_high_precision_gemm(gemm) if grouping is None else grouping.high_precision).double()
         product = reference if gemm.bias is None else reference - gemm.bias.double()
         energy = self.energy.setdefault(key, [0.0, 0.0])
         energy[0] += product.square().sum().item()
         energy[1] += (gemm.out.double().reshape(reference.shape) - reference).square().sum().item()
         counts = self.counts.setdefault(key, (_Counts(), _Counts()))
-        counts[0].add(gemm.a, gemm.a_operand)
-        counts[1].add(gemm.b, gemm.b_operand)
+        if grouping is None:
+            counts[0].add(gemm.a, gemm.a_operand)
+            counts[1].add(gemm.b, gemm.b_operand)
+        else:
+            counts[0].add(gemm.a, gemm.a_operand, grouping.a_group, grouping.values[0])
+            counts[1].add(gemm.b, gemm.b_operand, grouping.b_group, grouping.values[1])
 
     def report(self, plan: Plan) -> NumericsReport:
         planned = {(g.site, g.gemm): g for g in plan.gemms}

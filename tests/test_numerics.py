@@ -149,17 +149,31 @@ def test_recording_observes_the_computation_without_changing_it():
     assert torch.equal(seen["fc2#0", "fprop"].reshape(trained[0].shape), trained[0])  # the report sees what trains
 
 
-def test_grouped_sites_it_does_not_measure_are_named_in_a_warning():
+def test_grouped_gemms_are_measured_group_by_group_against_the_high_precision_product():
     class Experts(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(4, 64, 64, dtype=torch.bfloat16) / 8)
-            self.out = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+            self.w = torch.nn.Parameter(torch.randn(4, 64, 48, dtype=torch.bfloat16) / 8)
 
         def forward(self, x, offs):
-            return self.out(torch._grouped_mm(x, self.w, offs=offs))
+            return torch._grouped_mm(x, self.w, offs=offs)
 
-    offs = torch.tensor([10, 10, 33, 40], dtype=torch.int32)
-    with pytest.warns(UserWarning, match=r"does not measure grouped \(expert\) GEMMs: grouped_linear.0#0 are left out"):
-        report = graphquant.numerics(Experts(), zoo.recipe("rowwise"), torch.randn(40, 64, dtype=torch.bfloat16), offs)
-    assert {g.site for g in report.gemms} == {"out#0"}
+    torch.manual_seed(0)
+    model, x = Experts(), torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([10, 10, 33, 40], dtype=torch.int32)  # an empty group, none of whole blocks
+    report = by_key(graphquant.numerics(model, zoo.recipe("tensorwise"), x, offs))
+
+    # Each expert's input rows and weights quantized alone (one scale a group), as TE's grouped linear does.
+    # Both products are bf16, as the GEMMs' outputs are.
+    e4m3, w = Float8CurrentScalingQuantizer(fp8_dtype="e4m3"), model.w.detach().float()
+    starts, ends = [0, 10, 10, 33], offs.tolist()
+    x_groups = [x.detach().float()[s:e] for s, e in zip(starts, ends)]
+    exact = torch.cat([xg @ w[g] for g, xg in enumerate(x_groups)]).bfloat16()
+    fprop = torch.cat([e4m3(xg).dequantize() @ e4m3(w[g].T).dequantize().T for g, xg in enumerate(x_groups) if xg.numel()])
+    assert report["grouped_linear.0#0", "fprop"].sqnr_db == pytest.approx(sqnr_db(exact, fprop.bfloat16()), abs=1e-3)
+    ones = torch.ones(40, 48)  # grad_output under output.sum(): exact in E5M2
+    dgrad = torch.cat([ones[s:e] @ e4m3(w[g].T).dequantize() for g, (s, e) in enumerate(zip(starts, ends))]).bfloat16()
+    reference = torch.cat([ones[s:e] @ w[g].T for g, (s, e) in enumerate(zip(starts, ends))]).bfloat16()
+    assert report["grouped_linear.0#0", "dgrad"].sqnr_db == pytest.approx(sqnr_db(reference, dgrad), abs=1e-3)
+    wgrad = report["grouped_linear.0#0", "wgrad"]
+    assert 20 < wgrad.sqnr_db < 60 and wgrad.a.operand == "grad_output.columnwise" and wgrad.b.amax == x.abs().max().item()

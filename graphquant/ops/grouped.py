@@ -36,13 +36,13 @@ from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
-from graphquant.ops import registry
+from graphquant.ops import recording, registry
 from graphquant.ops.frozen import refuse_backward
 from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import SlotState, hybrid_directions, update_delayed_scaling
 from graphquant.ops.site import Site
-from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 
 @registry.op("grouped_quantize")
 def grouped_quantize(
@@ -211,17 +211,37 @@ def _operand(tensors: list[torch.Tensor], quantizer: Quantizer, direction: str, 
 
 def _gemm(
     a: Operand, b: Operand, b_group: torch.Tensor, tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype,
-    site: Site, gemm: str,
+    site: Site, gemm: str, backend: Optional[backends.GemmBackend] = None,
 ) -> torch.Tensor:
     """A (tokens, padded layout) times B (an expert stack, or tokens for wgrad) on the backend the
-    plan chose for ``gemm`` of ``site``: see grouped_gemm."""
-    backend, name = site.runs(gemm)
+    plan chose for ``gemm`` of ``site``, or on ``backend``: see grouped_gemm."""
+    planned, name = site.runs(gemm)
+    backend = backend or planned
     token_rows = groups.token_block(site.token_rows, tokens.position.shape[0], tokens.groups)
     return torch.ops.graphquant.grouped_gemm(
         a.tensors, a.spec, a.direction, a.shape, tokens.row_group, b.tensors, b.spec, b.direction, b.shape, b_group,
         tokens.ends, tokens.position, tokens.source, tokens.row_ends, n, out_dtype, token_rows, backend.name,
         backend.fast_accumulation, name,
     )
+
+
+def _recorded_gemm(
+    a_hp: torch.Tensor, a: Operand, a_layout: groups.GroupPadding, b_hp: torch.Tensor, b: Operand, b_layout: groups.GroupPadding,
+    tokens: groups.GroupPadding, n: int, out_dtype: torch.dtype, site: Site, gemm: str,
+) -> torch.Tensor:
+    """``_gemm`` of a and b, which ``a_layout`` and ``b_layout`` made of the high-precision a_hp and
+    b_hp, reported to a listening recorder (graphquant.numerics) with the same product of a_hp and
+    b_hp held in high precision."""
+    out = _gemm(a, b, b_layout.row_group, tokens, n, out_dtype, site, gemm)
+    if recording.listening():
+        held = [
+            quantize_grouped(t, layout, IdentityQuantizer(), (op.direction,), None, 0, None)[op.direction]
+            for t, op, layout in ((a_hp, a, a_layout), (b_hp, b, b_layout))
+        ]
+        high_precision = _gemm(*held, b_layout.row_group, tokens, n, out_dtype, site, gemm, backends.GemmBackend(backends.HIGH_PRECISION))
+        grouping = recording.Grouping(a_layout.row_group, b_layout.row_group, (a_hp.numel(), b_hp.numel()), high_precision)
+        recording.record(site, gemm, 1, a_layout.pad(a_hp), a, b_layout.pad(b_hp), b, None, out, grouping)
+    return out
 
 
 def _padded(size: int) -> int:
@@ -312,12 +332,13 @@ class QuantizedGroupedMM(torch.autograd.Function):
         else:
             wq, w_amax = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=w_scale)[ROWWISE], None
         _roll(w_quantizer, w_delayed, site.amax_group, {ROWWISE: wq})
-        y = _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
+        y = _recorded_gemm(x, xq[ROWWISE], tokens, w2d, wq, stack, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
         save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, rng)
         ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
         ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
+        ctx.originals = (x, w) if recording.listening() else (None, None)
         return y
 
     @staticmethod
@@ -336,14 +357,15 @@ class QuantizedGroupedMM(torch.autograd.Function):
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
+        x, _ = ctx.originals
         if need_dx:
             stack, w2d = _expert_stack(w)
             w_col = quantize_grouped(
                 w2d, stack, site.quantizers[1], (COLUMNWISE,), rng, site.streams[1], site.amax_group, w_amax, w_scale
             )[COLUMNWISE]
-            dx = _gemm(gq[ROWWISE], w_col, stack.row_group, tokens, w_col.shape[1], ctx.dtypes[0], site, "dgrad")
+            dx = _recorded_gemm(dy, gq[ROWWISE], tokens, w2d, w_col, stack, tokens, w_col.shape[1], ctx.dtypes[0], site, "dgrad")
         if need_dw:
-            dw = _gemm(gq[COLUMNWISE], x_col, tokens.row_group, tokens, ctx.n, ctx.dtypes[1], site, "wgrad").transpose(1, 2)
+            dw = _recorded_gemm(dy, gq[COLUMNWISE], tokens, x, x_col, tokens, tokens, ctx.n, ctx.dtypes[1], site, "wgrad").transpose(1, 2)
         return dx, dw, None, None, None, None, None, None
 
 
