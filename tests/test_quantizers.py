@@ -78,6 +78,18 @@ def test_stored_tensors_round_trip_without_copies(quantizer):
                 assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr(), f"{direction} {part}"
 
 
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0), (0, 0)])
+@pytest.mark.parametrize("quantizer", [*QUANTIZERS, NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
+def test_an_empty_tensor_quantizes_to_an_empty_representation(quantizer, shape):
+    """As a compiled model's empty GEMM operand does (no rows routed to a layer, say): nothing to
+    scale, so an amax of 0 (scale 1), and values of the tensor's shape."""
+    ctx = QuantizeContext(seed=3, offset=1, scale=torch.tensor([2.0]))
+    for direction in (ROWWISE, COLUMNWISE):
+        rep = quantizer.quantize_rowwise(torch.randn(shape), ctx) if direction == ROWWISE else quantizer.quantize_columnwise(torch.randn(shape), ctx)
+        values = rep.dequantize(torch.float32)
+        assert values.numel() == 0 and sorted(values.shape) == sorted(shape), direction
+
+
 def test_hybrid_spec_round_trips_and_shows_both_children():
     hybrid = HybridQuantizer(
         rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=NVFP4Quantizer(), columnwise_source="rowwise_dequantized"

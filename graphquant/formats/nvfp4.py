@@ -89,7 +89,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack``: (M, K/2) bytes -> (M, K) codes."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
 # -- random bits -------------------------------------------------------------------------------
@@ -168,13 +168,15 @@ def _tile_amax(absx: torch.Tensor, tile_rows: int) -> torch.Tensor:
         raise ValueError(f"NVFP4 tile_rows must be 1 or {BLOCK_LEN}, got {tile_rows}")
     padded_rows = -(-rows // BLOCK_LEN) * BLOCK_LEN
     padded = torch.nn.functional.pad(block_max, (0, 0, 0, padded_rows - rows))  # zeros: amax >= 0
-    tiles = padded.reshape(padded_rows // BLOCK_LEN, BLOCK_LEN, -1).amax(1)
+    tiles = padded.reshape(padded_rows // BLOCK_LEN, BLOCK_LEN, block_max.shape[1]).amax(1)
     return tiles.repeat_interleave(BLOCK_LEN, dim=0)[:rows]
 
 
 def global_amax(x: torch.Tensor, *, row_scaled: bool = False) -> torch.Tensor:
-    """max |x| in fp32: 0-dim, or (R,) one per row when row_scaled."""
+    """max |x| in fp32: 0-dim, or (R,) one per row when row_scaled; 0 where there is no value."""
     absx = x.float().abs()
+    if x.numel() == 0:
+        return absx.new_zeros(x.shape[:1] if row_scaled else ())
     return absx.amax(1) if row_scaled else absx.amax()
 
 

@@ -45,7 +45,7 @@ class Float8RowwiseQuantizer(Quantizer):
         data, scale_inv = block.quantize(
             source,
             self.fp8_dtype,
-            block=(1, source.shape[1]),
+            block=(1, max(source.shape[1], 1)),  # a row of no values still has its scale
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
             scales=torch.ops.graphquant.fp8_scales,
