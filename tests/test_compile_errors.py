@@ -249,6 +249,20 @@ def test_rejected_gemm_names_module_gemm_and_both_formats():
     assert "both operands" in message  # what would be accepted
 
 
+def test_wgrad_operands_under_different_sign_masks_are_rejected():
+    """Both wgrad operands through the Hadamard transform, one with its random sign mask and one
+    without: H_a^T H_b is no identity, so the product would be wrong by far more than rounding."""
+
+    def factory(role):
+        if role.tensor_type in ("input", "grad_output"):
+            return NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, with_random_sign_mask=role.tensor_type == "input")
+        return NVFP4Quantizer()
+
+    message = str(plan_error(models.MLP(), CustomRecipe(factory), x3()))
+    assert message.startswith("fc1#0 (linear) wgrad:") and "rejected: its operands went through different transforms" in message
+    assert "with its random sign mask" in message and "without its random sign mask" in message
+
+
 def rht_everywhere_but_weights(role):
     """Every non-weight slot NVFP4 with RHT, a matmul's ``other`` included."""
     if factories.is_weight(role):

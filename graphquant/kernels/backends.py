@@ -466,15 +466,20 @@ def select(
     (CustomRecipe.fast_accumulation), which the per-tensor and per-row FP8 GEMMs then do.
     ``quantize_a``: A is quantized from a high-precision tensor for this GEMM alone (an inference
     linear's x), so a GEMM that quantizes it itself (NativeGemm.quantizes_a) may run it."""
-    if a.hadamard(a_direction) != b.hadamard(b_direction):
-        with_rht = a if a.hadamard(a_direction) else b
-        return Selection(
-            REJECTED,
-            GemmBackend(NONE),
-            f"only one operand ({with_rht}) went through a Hadamard transform, so the product would be "
-            "wrong; give both operands of this GEMM the transform (e.g. nvfp4_factory for input and "
-            "grad_output) or neither",
-        )
+    a_transform, b_transform = a.transform(a_direction), b.transform(b_direction)
+    if a_transform != b_transform:
+        if a_transform is None or b_transform is None:
+            with_rht, transform = (a, a_transform) if a_transform else (b, b_transform)
+            reason = (
+                f"only one operand ({with_rht}) went through {transform}, so the product would be wrong; give both "
+                "operands of this GEMM the transform (e.g. nvfp4_factory for input and grad_output) or neither"
+            )
+        else:
+            reason = (
+                f"its operands went through different transforms ({a}: {a_transform}; {b}: {b_transform}), which "
+                "cancel in the product only where they are the same; give both operands the same one"
+            )
+        return Selection(REJECTED, GemmBackend(NONE), reason)
     if a.high_precision and b.high_precision:
         return Selection(NATIVE, GemmBackend(HIGH_PRECISION))
     sm = capability(device)

@@ -271,6 +271,12 @@ class Quantizer:
         """Whether ``direction``'s values went through a random Hadamard transform."""
         return False
 
+    def transform(self, direction: str) -> Optional[str]:
+        """The transform ``direction``'s values went through, named so that two operands of one
+        GEMM are right to multiply only where they name the same one (it then cancels in the
+        product); None: none."""
+        return "a Hadamard transform" if self.hadamard(direction) else None
+
     def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
         """``source`` (laid out as ``direction`` stores it) as the format transforms it before
         encoding ``direction``: itself, unless the direction has a Hadamard transform."""

@@ -101,6 +101,9 @@ class HybridQuantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.child(direction).hadamard(direction)
 
+    def transform(self, direction: str) -> Optional[str]:
+        return self.child(direction).transform(direction)
+
     def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
         return self.child(direction).transformed(source, direction)
 

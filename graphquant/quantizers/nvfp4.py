@@ -76,6 +76,11 @@ class NVFP4Quantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.with_rht and direction == COLUMNWISE
 
+    def transform(self, direction: str) -> Optional[str]:
+        if not self.hadamard(direction):
+            return None
+        return f"the 16-point Hadamard transform {'with' if self.with_random_sign_mask else 'without'} its random sign mask"
+
     def transformed(self, source: torch.Tensor, direction: str) -> torch.Tensor:
         if not self.hadamard(direction):
             return source
