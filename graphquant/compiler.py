@@ -77,9 +77,13 @@ class GraphquantBackend:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
 
-    def warn_of_linears_in_no_graph(self) -> None:
-        """Say which of the model's nn.Linear modules no compiled graph holds: torch.compile may
-        have run the code that calls them eagerly, in high precision."""
+    def check_the_first_compile(self) -> None:
+        """Once the model's first call has compiled its graphs, say which of the recipe's expected
+        names no GEMM of them belongs to, and which of the model's nn.Linear modules no graph holds:
+        torch.compile may have run the code that calls them eagerly, in high precision."""
+        self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
+        if self.root is None:
+            return
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
         linears = [name for name, m in self.root.named_modules() if isinstance(m, torch.nn.Linear)]
         unplanned = [name for name in linears if name not in planned]
@@ -437,8 +441,7 @@ def compile(
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
         _kept_whole(compiled, name)
-        if gq_backend.root is not None:
-            compiled.forward = _checking_the_first_compile(compiled, gq_backend)
+        compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, functools.partial(setattr, compiled, "forward"))
         twin = functools.partial(
             compile, recipe=recipe, backend=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir,
             compile_mode=compile_mode, options=options, **torch_compile_kwargs,
@@ -448,7 +451,7 @@ def compile(
             forward = torch.compile(type(model).forward.__get__(model), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
             compiled.__dict__["generate"] = _generating_through(model, _failing_past_the_recompile_limit(forward, name))
     else:
-        compiled = _failing_past_the_recompile_limit(compiled, name)
+        compiled = _checking_the_first_compile(_failing_past_the_recompile_limit(compiled, name), gq_backend)
     compiled.__dict__["graphquant"] = gq_backend
     return compiled
 
@@ -466,20 +469,27 @@ def _uncompiled(model: Any) -> Any:
     return model
 
 
-def _checking_the_first_compile(compiled: torch.nn.Module, backend: "GraphquantBackend") -> Callable:
-    """``compiled.forward`` that, once a call of it has compiled graphs, has the backend say which
-    linears those graphs missed and puts the plain forward back: later calls run no frame of ours."""
-    forward = compiled.forward
+def _checking_the_first_compile(call: Callable, backend: "GraphquantBackend", put_back: Optional[Callable] = None) -> Callable:
+    """``call`` that, once a call of it has compiled graphs, has the backend check them whole
+    (GraphquantBackend.check_the_first_compile); ``put_back(call)`` then puts the plain call back,
+    so that later calls run no frame of ours (a compiled function, which has no attribute to put
+    it back in, checks a flag instead)."""
+    checked = False
 
-    @functools.wraps(forward)
+    @functools.wraps(call)
     def first(*args: Any, **kwargs: Any) -> Any:
+        nonlocal checked
+        if checked:
+            return call(*args, **kwargs)
         before = len(backend.plans)
         try:
-            return forward(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             if len(backend.plans) > before:
-                compiled.forward = forward
-                backend.warn_of_linears_in_no_graph()
+                checked = True
+                if put_back is not None:
+                    put_back(call)
+                backend.check_the_first_compile()
 
     return first
 

@@ -62,6 +62,9 @@ class CustomRecipe:
         if not accepts(self.qfactory, 1):
             advice = f"; if it makes a recipe, call it instead: {_call_name(self.qfactory)}()" if accepts(self.qfactory, 0) else ""
             raise ValueError(f"CustomRecipe's qfactory is called with one argument, the role, which {_name(self.qfactory)} does not take{advice}")
+        if not isinstance(self.expected_names, tuple) or not all(isinstance(name, str) for name in self.expected_names):
+            example = (self.expected_names,) if isinstance(self.expected_names, str) else tuple(map(str, self.expected_names))
+            raise ValueError(f"CustomRecipe's expected_names must be a tuple of module names, e.g. {example!r}; got {self.expected_names!r}")
         if not isinstance(self.fast_accumulation, tuple) or not set(self.fast_accumulation) <= set(GEMM_NAMES):
             raise ValueError(
                 f"CustomRecipe's fast_accumulation must be a tuple of GEMM names from {GEMM_NAMES}; "

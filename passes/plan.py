@@ -268,7 +268,6 @@ class Planner:
             skipped=tuple(skipped),
             fast_accumulation=self.recipe.fast_accumulation,
         )
-        self._warn_unmatched_names(plan)
         if gemms and not attention and all(q.high_precision for q in operand_quantizers):
             user_stack.warn(
                 f"the recipe quantizes no GEMM of this graph: every operand of its {len(gemms)} GEMMs is "
@@ -454,14 +453,15 @@ class Planner:
             if reason:
                 raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {reason}")
 
-    def _warn_unmatched_names(self, plan: Plan) -> None:
-        """A name filter that matches nothing fails silently inside the factory; say so here."""
+    def warn_of_unmatched_names(self, plan: Plan) -> None:
+        """A name filter that matches nothing fails silently inside the factory; say so here, of
+        the plan of every graph a model's call compiled (a graph break's graphs each hold some)."""
         names = sorted({role.name for role, _ in plan.slots})
         for expected in self.recipe.expected_names:
             if not any(name == expected or name.startswith(expected + ".") for name in names):
                 close = " or ".join(map(repr, difflib.get_close_matches(expected, names, n=3)))
                 listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
                 user_stack.warn(
-                    f"the recipe expects a module named {expected!r}, but no GEMM of the compiled graph belongs to "
+                    f"the recipe expects a module named {expected!r}, but no GEMM of the compiled model belongs to "
                     f"it{f'; did you mean {close}?' if close else ''} (its GEMMs belong to: {listed or 'none'})"
                 )

@@ -206,6 +206,36 @@ def test_expected_names_match_whole_modules_and_their_children():
     assert graphquant_warnings(lambda: graphquant.explain(model, recipe, x_mlp())) == []
 
 
+@pytest.mark.parametrize("names", ["lm_head", ["lm_head"], ("lm_head", 3)])
+def test_expected_names_are_a_tuple_of_names(names):
+    with pytest.raises(ValueError, match=r"expected_names must be a tuple of module names, e\.g\. \('lm_head',"):
+        graphquant.CustomRecipe(factories.mxfp8_factory, expected_names=names)
+
+
+class BrokenMLP(MLP):
+    """MLP whose forward Dynamo compiles as two graphs, fc1's and fc2's."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("how", ["explain", "compile", "function"])
+def test_expected_names_are_checked_against_every_graph_of_the_first_call(how):
+    """Each of two graphs holds one expected name; neither is missing from the model."""
+    model, recipe = BrokenMLP(), graphquant.CustomRecipe(factories.mxfp8_factory, expected_names=("fc1", "fc2", "fc3"))
+    if how == "explain":
+        run = lambda: graphquant.explain(model, recipe, x_mlp())
+    else:
+        compiled = graphquant.compile(model if how == "compile" else model.forward, recipe, backend="aot_eager")
+        run = lambda: compiled(x_mlp())
+    messages = graphquant_warnings(run)
+    assert len(messages) == 1 and "'fc3'" in messages[0] and "fc1, fc2" in messages[0], messages
+    if how != "explain":
+        assert graphquant_warnings(run) == []  # said once, by the call that compiled
+
+
 @pytest.mark.skipif(
     "isolate_recompiles" not in inspect.signature(torch.compile).parameters,
     reason="torch.compile(isolate_recompiles=...) arrived in torch 2.13",
