@@ -291,6 +291,17 @@ def test_each_native_gemm_takes_its_families_elements_and_capabilities(capabilit
         backends.select.cache_clear()
 
 
+def test_an_emulated_pair_of_one_format_names_the_fields_no_native_gemm_takes(monkeypatch):
+    """NVFP4 x NVFP4 is native on sm_100, row-scaled NVFP4 rowwise is not: the reason says which."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    backends.select.cache_clear()
+    try:
+        selection = backends.select(NVFP4Quantizer(row_scaled_nvfp4=True), ROWWISE, NVFP4Quantizer(), ROWWISE, torch.device("cuda"), (PAST_DECODE_ROWS, 384, 512))
+    finally:
+        backends.select.cache_clear()
+    assert selection.reason == "no native nvfp4(row_scaled_nvfp4=True) x nvfp4() GEMM on sm_100"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_accumulation", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("m", [17, 200])

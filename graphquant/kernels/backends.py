@@ -503,7 +503,8 @@ def select(
         return Selection(EMULATED, GemmBackend(EMULATION), "; ".join(misfits))
     if type(a) is not type(b):
         return Selection(EMULATED, GemmBackend(EMULATION), f"no GEMM multiplies {a.tag} by {b.tag}")
-    return Selection(EMULATED, GemmBackend(EMULATION), f"no native {a.tag} x {b.tag} GEMM on sm_{sm[0]}{sm[1]}")
+    pair = f"{a.direction_spec(a_direction)} x {b.direction_spec(b_direction)}"  # the fields decide it, not the tags alone
+    return Selection(EMULATED, GemmBackend(EMULATION), f"no native {pair} GEMM on sm_{sm[0]}{sm[1]}")
 
 
 def select_symbolic(
