@@ -82,6 +82,7 @@ class GraphquantBackend:
         names no GEMM of them belongs to, and which of the model's nn.Linear modules no graph holds:
         torch.compile may have run the code that calls them eagerly, in high precision."""
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
+        self._warn_of_unclaimed_state()
         if self.root is None:
             return
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
@@ -94,6 +95,21 @@ class GraphquantBackend:
                 "ran the code that calls them eagerly, in high precision (a graph break it could not take, as inside a "
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
+            )
+
+    def _warn_of_unclaimed_state(self) -> None:
+        """Say which loaded entries no slot of the graphs compiled so far can take: their slot was
+        planned without delayed-scaling state (saved under another recipe), or names a module those
+        graphs do not hold (saved from a model of other names); either would wait unused."""
+        planned = {str(role): role for plan in self.plans for role, _ in plan.slots}
+        owners = {role.owner for role in planned.values()}
+        unclaimed = [key for key in self.waiting if key in planned or (key != "rng" and QuantizerRole.parse(key).owner not in owners)]
+        if unclaimed:
+            user_stack.warn(
+                f"graphquant: {len(unclaimed)} of the loaded state's entries fit no slot of this model's graphs and are "
+                f"unused ({', '.join(unclaimed[:3])}{', ...' if len(unclaimed) > 3 else ''}); its delayed-scaling slots "
+                f"are {sorted(str(role) for role in self.delayed_state)[:3]}{' ...' if len(self.delayed_state) > 3 else ''}: "
+                "was it saved from a model of other module names, or under another recipe?"
             )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -112,6 +128,13 @@ class GraphquantBackend:
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
+        strangers = [key for key in state if key != "rng" and not _names_a_role(key)]
+        if strangers:
+            raise KeyError(
+                f"graphquant state keys are the delayed-scaling slots' roles ('module_type=linear|tensor_type=input|name=fc1') "
+                f"and 'rng'; got {strangers[:3]}{' ...' if len(strangers) > 3 else ''}: load the model's own state_dict "
+                "into the model, and compiled.graphquant.state_dict()'s here"
+            )
         live = self._live_state()
         unexpected = sorted(state.keys() - live.keys() - self.waiting.keys())
         missing = sorted(live.keys() - state.keys())
@@ -325,6 +348,14 @@ class GraphquantBackend:
         """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
         loaded = self.waiting.pop(key, None)
         return fresh if loaded is None else self._restored(key, loaded, fresh)
+
+
+def _names_a_role(key: str) -> bool:
+    try:
+        QuantizerRole.parse(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _static_shapes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -33,6 +33,18 @@ class QuantizerRole:
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self) if getattr(self, f.name)]
         return "|".join(fields) if fields else "QuantizerRole()"
 
+    @classmethod
+    def parse(cls, text: str) -> "QuantizerRole":
+        """The role whose ``str`` is ``text`` ("module_type=linear|tensor_type=input|name=fc1");
+        ValueError where it is no such string."""
+        if text == str(cls()):
+            return cls()
+        fields = dict(part.partition("=")[::2] for part in text.split("|"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not fields.keys() <= known or "" in fields.values() or len(fields) != text.count("|") + 1:
+            raise ValueError(f"{text!r} is no QuantizerRole string (fields {'|'.join(f'{name}=...' for name in sorted(known))})")
+        return cls(**fields)
+
     @property
     def hint(self) -> str:
         """Which of attention's hint-only boundary roles this is (HINTS), or ""."""

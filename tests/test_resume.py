@@ -151,3 +151,28 @@ def test_stochastic_rounding_state_of_another_seed_fails():
     compiled, optimizer = start(model, "nvfp4_stochastic_rounding", seed=3)
     with pytest.raises(ValueError, match="streams of seed 0, but this model was compiled with seed=3"):
         compiled.graphquant.load_state_dict({"rng": torch.tensor([0, 5])})
+
+
+def test_a_models_own_state_dict_is_refused_naming_its_keys():
+    compiled, _ = start(models.seeded(models.MLP(), 0), "delayed_scaling")
+    with pytest.raises(KeyError, match=r"slots' roles .* got \['fc1.weight', 'fc1.bias', 'fc2.weight'\] \.\.\.: load the model's own state_dict into the model"):
+        compiled.graphquant.load_state_dict(models.MLP().state_dict())
+
+
+@pytest.mark.parametrize("case", ["other module names", "another recipe"])
+def test_loaded_entries_no_slot_takes_are_named_after_the_first_call(case):
+    """Loaded before the first call, the state of a model whose modules are named otherwise (the
+    same MLP wrapped in a Sequential), or of a delayed-scaling run loaded into a current-scaling
+    model, would wait unused while the histories start afresh: the first call says so."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(1))
+    state = compiled.graphquant.state_dict()
+    torch._dynamo.reset()
+    if case == "other module names":
+        resumed = graphquant.compile(torch.nn.Sequential(model), recipes.delayed_scaling(amax_history_len=4), backend="aot_eager")
+    else:
+        resumed = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    resumed.graphquant.load_state_dict(state)
+    with pytest.warns(UserWarning, match=rf"{len(state)} of the loaded state's entries fit no slot of this model's graphs and are unused"):
+        resumed(batch(1)).sum().backward()
