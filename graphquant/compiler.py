@@ -345,9 +345,13 @@ class GraphquantBackend:
         return lambda: state
 
     def _initial(self, key: str, fresh: torch.Tensor) -> torch.Tensor:
-        """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``."""
+        """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``
+        (a loaded entry that does not fit fails the call as a PlanError, not inside Dynamo's)."""
         loaded = self.waiting.pop(key, None)
-        return fresh if loaded is None else self._restored(key, loaded, fresh)
+        try:
+            return fresh if loaded is None else self._restored(key, loaded, fresh)
+        except ValueError as error:
+            raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
 
 
 def _names_a_role(key: str) -> bool:
