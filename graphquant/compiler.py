@@ -241,8 +241,11 @@ class GraphquantBackend:
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
+        stateful = [key for key in keys if isinstance(key, str)]  # delayed-scaling slots and "rng"
 
         def run(*args: Any) -> Any:
+            if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+                raise _recomputed(stateful)
             if stochastic:  # a new tensor, not an in-place step: a pending backward keeps its own
                 with torch.no_grad():
                     self.rng = self.rng + self.rng_step
@@ -352,6 +355,21 @@ class GraphquantBackend:
             return fresh if loaded is None else self._restored(key, loaded, fresh)
         except ValueError as error:
             raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
+
+
+def _recomputed(stateful: list[str]) -> RuntimeError:
+    """The error of a training call of a graph made inside a backward pass: torch.utils.checkpoint
+    recomputing a compiled block from outside it, which would move the graph's state again."""
+    state = "the stochastic-rounding step" if stateful == ["rng"] else f"delayed-scaling state ({stateful[0]}, ...)"
+    return RuntimeError(
+        "graphquant: a compiled graph was called with grad enabled inside a backward pass, as torch.utils.checkpoint "
+        f"does to recompute a compiled module from outside it; its {state} would move a second time this step, so the "
+        "recompute would quantize with other scales or random bits than the forward did and the gradients would be "
+        "wrong. Compile the module whose forward calls torch.utils.checkpoint (graphquant then recomputes inside the "
+        "graph with the forward's stochastic-rounding step; delayed scaling inside a checkpoint it refuses), or give "
+        "the checkpointed modules a stateless recipe (current scaling, MXFP8, blockwise FP8, NVFP4 without "
+        "stochastic rounding)"
+    )
 
 
 def _names_a_role(key: str) -> bool:
