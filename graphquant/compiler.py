@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -14,7 +15,7 @@ from torch import fx
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
-from graphquant.passes.find_gemms import GROUPED, find_gemms, fqn_from_stack_path, parameter_path
+from graphquant.passes.find_gemms import GROUPED, Frame, find_gemms, fqn_from_stack_path, parameter_path, root_local
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -78,9 +79,12 @@ class GraphquantBackend:
         return self.plans[-1]
 
     def check_the_first_compile(self) -> None:
-        """Once the model's first call has compiled its graphs, say which of the recipe's expected
-        names no GEMM of them belongs to, and which of the model's nn.Linear modules no graph holds:
-        torch.compile may have run the code that calls them eagerly, in high precision."""
+        """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
+        (one graph of a graph break's may well hold none), which of the recipe's expected names and
+        loaded state entries none of them takes, and which of the model's nn.Linear modules no
+        graph holds: torch.compile may have run the code that calls them eagerly, in high precision."""
+        if not any(plan.gemms for plan in self.plans):
+            user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self._warn_of_unclaimed_state()
         if self.root is None:
@@ -201,9 +205,7 @@ class GraphquantBackend:
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self.plans.append(plan)
-        if not sites and not attention:
-            user_stack.warn("graphquant found no GEMM in this graph; it runs unchanged")
-        elif self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
+        if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
                 "graphquant.compile(..., mode='inference') makes no backward, but this call runs with grad enabled on "
                 "tensors that require grad: no gradient flows through its GEMMs (backward() fails, or leaves their "
@@ -275,28 +277,44 @@ class GraphquantBackend:
             stacks[id(stand_in)] = frozen.stack()
         return stacks
 
-    def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-        """The qualified name of the module whose code this graph was traced from ("" for the
-        model itself), found by matching a lifted parameter's source with its name in the model.
+    def _frame(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Frame:
+        """Which module of the model each local of the frame that ``gm`` was traced from is (the
+        model itself, a submodule whose code compiles on its own after a graph break inside it,
+        the modules a caller's resumed code still calls), found by matching the sources of the
+        parameters ``gm`` lifts with their names in the model.
 
-        Dynamo would run the graph for any module of that class (a submodule's code compiles on
-        its own after a graph break inside it), but its sites are named after this module: the
-        graph is guarded on the module's identity, so any other module gets a graph of its own.
-        Dynamo counts recompiles per guarded module, so this also gives models compiled from
-        different modules of one class their own counts where compiles are not isolated."""
+        Dynamo would run the graph for any modules of those classes, but its sites are named after
+        these: the graph is guarded on each one's identity, so any other module gets a graph of
+        its own. Dynamo counts recompiles per guarded module, so this also gives models compiled
+        from different modules of one class their own counts where compiles are not isolated."""
         if self.root is None:
-            return ""
-        names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
+            return Frame()
+        names: dict[int, list[str]] = collections.defaultdict(list)  # a tied parameter has several
+        for name, parameter in self.root.named_parameters(remove_duplicate=False):
+            names[id(parameter)].append(name)
+        candidates: dict[str, set[str]] = {}  # each local's modules that hold every parameter it lifts
+        sources = {}
         for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
             grapharg = node.meta.get("grapharg")
-            if not isinstance(value, torch.nn.Parameter) or id(value) not in names or grapharg is None:
+            if not isinstance(value, torch.nn.Parameter) or grapharg is None:
                 continue
-            relative, absolute = parameter_path(_source_name(grapharg.source)), names[id(value)]
-            if absolute != relative and not absolute.endswith("." + relative):
-                return ""
-            _guard_identity(grapharg.source)
-            return absolute[: -len(relative) - 1] if absolute != relative else ""
-        return ""
+            source = _source_name(grapharg.source)
+            local, relative = root_local(source), parameter_path(source)
+            if local is None:
+                continue
+            held = {name.removesuffix(relative).rstrip(".") for name in names[id(value)] if name == relative or name.endswith("." + relative)}
+            candidates[local] = candidates.get(local, held) & held
+            sources.setdefault(local, grapharg.source)
+        kinds = _module_kinds(gm)
+        modules = {}
+        for local, held in candidates.items():
+            if len(held) > 1:  # a tied parameter the local holds as its own: the module's class decides
+                held = {name for name in held if type(self.root.get_submodule(name)) is kinds.get(local)}
+            if len(held) == 1:
+                modules[local] = held.pop()
+                _guard_identity(sources[local])
+        own = next((modules[local] for local in _SELF_LOCALS if local in modules), "")
+        return Frame(tuple(modules.items()), own)
 
     def _inner(self) -> Callable:
         if callable(self.inner):
@@ -399,6 +417,20 @@ def _raising(error: Exception) -> Callable:
         raise error.with_traceback(None)
 
     return run
+
+
+# The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
+_SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
+
+
+def _module_kinds(gm: fx.GraphModule) -> dict[str, type]:
+    """The class of the module each frame local is, where a node's module stack says so."""
+    kinds = {}
+    for node in gm.graph.nodes:
+        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+            if root_local(path) == path:
+                kinds[path] = kind
+    return kinds
 
 
 def _source_name(source: Any) -> str:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.passes.find_gemms import body_of, owner_of
+from graphquant.passes.find_gemms import Frame, body_of, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -110,7 +110,7 @@ def label(name: str, call: int) -> str:
     return f"{name or 'dpa'}#{call}"
 
 
-def find_attention(gm: fx.GraphModule, frame: str = "") -> list[DpaSite]:
+def find_attention(gm: fx.GraphModule, frame: Frame = Frame()) -> list[DpaSite]:
     """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order."""
     sites: list[DpaSite] = []
     _find(gm, collections.Counter(), sites, frame)
@@ -126,7 +126,7 @@ def arguments(node: fx.Node) -> dict[str, object]:
     return DEFAULTS | dict(zip(ARGUMENTS, node.args)) | dict(node.kwargs)
 
 
-def _find(gm: fx.GraphModule, index: collections.Counter, sites: list[DpaSite], frame: str) -> None:
+def _find(gm: fx.GraphModule, index: collections.Counter, sites: list[DpaSite], frame: Frame) -> None:
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:

@@ -109,13 +109,26 @@ class GemmSite:
         return tuple(self.role(t) for t in TENSOR_TYPES[self.module_type])
 
 
-def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object], frame: str = "") -> list[GemmSite]:
-    """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included.
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """Where the modules that a graph's code reaches through its frame's locals sit in the model, so
+    that site names count from the model's root: ``modules`` pairs a local (L['self'], or, in the
+    code Dynamo resumes after a graph break inside a submodule, L['stack0'] and the like: the
+    modules the caller still calls) with the module's qualified name; ``own`` names the module of
+    the frame's own code (a product no module call encloses), and any local not paired."""
 
-    frame: the qualified name of the module whose code ``gm`` was traced from, where that is not
-    the compiled model (Dynamo compiles a submodule's code on its own after a graph break inside
-    it); site names then still count from the model's root.
-    """
+    modules: tuple[tuple[str, str], ...] = ()
+    own: str = ""
+
+    def name(self, path: str) -> str:
+        """The qualified name of the module at Dynamo's ``path`` ("L['stack1'].proj")."""
+        prefix = dict(self.modules).get(root_local(path) or "", self.own)
+        return ".".join(p for p in (prefix, fqn_from_stack_path(path)) if p)
+
+
+def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object], frame: Frame = Frame()) -> list[GemmSite]:
+    """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included,
+    named from the model's root by ``frame``."""
     sites: list[GemmSite] = []
     _find(gm, _parameter_nodes(gm, example_inputs), collections.Counter(), sites, frame)
     return sites
@@ -138,7 +151,7 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
 
 
 def _find(
-    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: str,
+    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
 ) -> None:
     for node in gm.graph.nodes:
@@ -192,7 +205,7 @@ def _find(
         sites.append(site)
 
 
-def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite], frame: str) -> None:
+def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite], frame: Frame) -> None:
     """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped."""
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
     va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
@@ -216,7 +229,7 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
     sites.append(site)
 
 
-def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: str) -> None:
+def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: Frame) -> None:
     """Annotate a graphquant::frozen_linear node: a linear site named after the FrozenLinear that
     called it (graphquant.freeze put it where an nn.Linear was), its weight shape from the op."""
     x = _value(node.args[0])
@@ -309,15 +322,21 @@ def fqn_from_stack_path(path: str) -> str:
     return path.strip(".")
 
 
-def owner_of(node: fx.Node, frame: str) -> tuple[str, int, bool]:
+def root_local(path: str) -> Optional[str]:
+    """The frame's local a Dynamo path starts from ("L['self']", "L['args'][0]"), or None."""
+    match = _ROOT_PREFIX.match(path)
+    return match.group(0).rstrip(".") if match else None
+
+
+def owner_of(node: fx.Node, frame: Frame) -> tuple[str, int, bool]:
     """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return frame, 0, False
+        return frame.own, 0, False
     key, (path, module_type) = list(stack.items())[-1]
     call = int(key.rsplit("@", 1)[1]) if "@" in str(key) else 0
     is_linear = isinstance(module_type, type) and issubclass(module_type, torch.nn.Linear)
-    return ".".join(p for p in (frame, fqn_from_stack_path(path)) if p), call, is_linear
+    return frame.name(path), call, is_linear
 
 
 def _parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:

@@ -123,6 +123,51 @@ def test_graph_break_inside_a_submodule_keeps_names_from_the_root_per_module():
     assert [g.site for g in plan.gemms if g.gemm == "fprop"] == sites
 
 
+class BreakingBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        torch._dynamo.graph_break()  # a print, a .item(), transformers' logger.warning_once
+        return h
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_callers_code_resumed_after_a_submodules_graph_break_names_each_module(tied):
+    """Dynamo resumes the caller after the break with the modules it still calls as locals of
+    their own (L['stack0'], L['stack1']): each is named as named_modules() spells it, and a weight
+    tied to an embedding (named twice in the model) names its own module, not the embedding's."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.body = BreakingBody()
+            self.fc = nn.Linear(32, 32)
+            self.lm_head = nn.Linear(32, 64, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.lm_head(torch.relu(self.fc(self.body(self.embed(tokens)))))
+
+    asked = []
+
+    def factory(role):
+        asked.append(role.name)
+        return IdentityQuantizer() if role.name == "lm_head" else MXFP8Quantizer()
+
+    plans = []
+    messages = graphquant_warnings(lambda: plans.append(graphquant.explain(Net(), graphquant.CustomRecipe(factory), torch.randint(0, 64, (2, 16)))))
+    assert messages == []  # the embedding's graph holds no GEMM, the model's others do
+    [plan] = plans
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["body.fc#0", "fc#0", "lm_head#0"]
+    assert sorted(set(asked)) == ["body.fc", "fc", "lm_head"]
+    assert {g.a_format for g in plan.gemms if g.site == "lm_head#0"} == {"identity()"}
+
+
 def rht_on_grad_output_only(role):
     """wgrad multiplies grad_output through a Hadamard transform by input without one: rejected."""
     if role.tensor_type == "grad_output":
