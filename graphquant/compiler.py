@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from graphquant.passes.attention_spelling import fold_attention
+from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import GROUPED, Frame, find_gemms, fqn_from_stack_path, parameter_path, root_local
@@ -193,6 +194,7 @@ class GraphquantBackend:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
         frame = self._frame(gm, example_inputs)
+        fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame)

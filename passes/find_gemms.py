@@ -130,7 +130,7 @@ def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object], frame: Fram
     """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included,
     named from the model's root by ``frame``."""
     sites: list[GemmSite] = []
-    _find(gm, _parameter_nodes(gm, example_inputs), collections.Counter(), sites, frame)
+    _find(gm, parameter_nodes(gm, example_inputs), collections.Counter(), sites, frame)
     return sites
 
 
@@ -339,7 +339,7 @@ def owner_of(node: fx.Node, frame: Frame) -> tuple[str, int, bool]:
     return frame.name(path), call, is_linear
 
 
-def _parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:
+def parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:
     """Graph nodes that are module parameters (lifted placeholders, or get_attr of a Parameter)."""
     parameters = set()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -223,8 +223,10 @@ def test_site_names_roles_and_one_graph(name):
     assert reference.sites == EXPECTED_SITES[name]
 
 
-def test_matmul_with_a_parameter_is_a_linear():
-    """mm / matmul whose right operand is a 2-D Parameter is a linear (weight = its transpose)."""
+def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
+    """mm / matmul whose right operand is a 2-D Parameter is a linear (weight = its transpose), and
+    so is one whose right operand is a 2-D Parameter transposed (x @ W.T is F.linear(x, W)); a
+    product of an activation stays a matmul. Each computes what eager torch does."""
 
     class ParamMatmul(torch.nn.Module):
         def __init__(self):
@@ -232,12 +234,18 @@ def test_matmul_with_a_parameter_is_a_linear():
             self.proj = torch.nn.Parameter(torch.randn(64, 32) / 8)
 
         def forward(self, x):
-            return torch.relu(x @ self.proj) @ self.proj.t()  # the second operand is not a Parameter
+            h = torch.relu(x @ self.proj)
+            return (h @ self.proj.t() + torch.mm(h.flatten(0, 1), self.proj.T).view_as(x) + h @ self.proj.transpose(-1, -2)) @ x.mT
 
     model = models.Wrapped(ParamMatmul())
+    identity = CustomRecipe(lambda role: IdentityQuantizer())
+    x = x3()
+    with pytest.warns(UserWarning, match="quantizes no GEMM"):
+        assert torch.equal(graphquant.compile(model, identity, backend="aot_eager", fullgraph=True)(x), model(x))
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
-    compiled(x3()).sum().backward()
-    assert sites_of(compiled.graphquant.plan) == [("block.linear.0", 0, L), ("block.matmul.0", 0, M)]
+    compiled(x).sum().backward()
+    linears = [(f"block.linear.{i}", 0, L) for i in range(4)]
+    assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
 def test_not_quantized_products_are_listed():

@@ -1,0 +1,77 @@
+"""Pass 0 (normalise): fold a linear spelled as a product with a transposed weight,
+``x @ W.T``, into the ``F.linear(x, W)`` it computes, so that it is a linear site (roles input,
+weight, grad_output) like an nn.Linear's, not a matmul of an activation (roles input, other).
+
+Expects: a GraphModule captured by Dynamo (torch IR), nodes carrying ``example_value``.
+Guarantees: every matrix product (torch.matmul, torch.mm, ``@``, Tensor.matmul / mm) whose second
+operand is a 2-D parameter transposed (``W.T``, ``W.mT``, ``W.t()``, ``W.transpose(0, 1)``, in
+either dim order, as a method or a torch function) is replaced by ``F.linear(x, W)``, carrying
+the product's meta (so it keeps its owner); in the bodies of higher-order ops (body_of) too.
+The values are the same: F.linear multiplies by the same transposed view.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from graphquant.passes.find_gemms import body_of, parameter_nodes
+
+_PRODUCTS = (torch.matmul, torch.mm, operator.matmul)
+_PRODUCT_METHODS = ("matmul", "mm", "__matmul__")
+
+
+def fold_linears(gm: fx.GraphModule, example_inputs: Sequence[object]) -> None:
+    """Fold every ``x @ W.T`` of ``gm`` (see the module docstring) in place."""
+    _fold(gm, parameter_nodes(gm, example_inputs))
+
+
+def _fold(gm: fx.GraphModule, parameters: set[fx.Node]) -> None:
+    folded = False
+    for node in list(gm.graph.nodes):
+        body = body_of(gm, node)
+        if body is not None:
+            inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
+            _fold(body, {p for p, arg in inner if arg in parameters})
+            continue
+        weight = _transposed_weight(node, parameters)
+        if weight is None:
+            continue
+        with gm.graph.inserting_before(node):
+            linear = gm.graph.call_function(F.linear, (node.args[0], weight))
+        linear.meta.update(node.meta)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        folded = True
+    if folded:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _transposed_weight(node: fx.Node, parameters: set[fx.Node]) -> Optional[fx.Node]:
+    """W where ``node`` is a product x @ W^T of a 2-D parameter W, else None."""
+    is_product = (node.op == "call_function" and node.target in _PRODUCTS) or (node.op == "call_method" and node.target in _PRODUCT_METHODS)
+    if not is_product or len(node.args) != 2 or node.kwargs:
+        return None
+    other = node.args[1]
+    if not isinstance(other, fx.Node) or not other.args:
+        return None
+    weight = other.args[0]
+    if weight not in parameters or getattr(weight.meta.get("example_value"), "ndim", None) != 2:
+        return None
+    return weight if _transposes(other) else None
+
+
+def _transposes(node: fx.Node) -> bool:
+    """Whether ``node`` is a transposed view of its 2-D first argument."""
+    args = node.args[1:]
+    if node.op == "call_function" and node.target is getattr:
+        return args in (("T",), ("mT",))
+    if (node.op == "call_method" and node.target == "t") or (node.op == "call_function" and node.target is torch.t):
+        return not args and not node.kwargs
+    is_transpose = (node.op == "call_method" and node.target == "transpose") or (node.op == "call_function" and node.target is torch.transpose)
+    return is_transpose and not node.kwargs and len(args) == 2 and all(isinstance(d, int) for d in args) and {d % 2 for d in args} == {0, 1}
