@@ -535,8 +535,14 @@ def compile(
         )
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
         if callable(getattr(type(model), "generate", None)):
-            forward = torch.compile(type(model).forward.__get__(model), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
-            compiled.__dict__["generate"] = _generating_through(model, _failing_past_the_recompile_limit(forward, name))
+            forwards = {
+                module: _failing_past_the_recompile_limit(
+                    torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name
+                )
+                for module in _generated_through(model)
+            }
+            generate = _generating_through(model, forwards)
+            compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
         compiled = _checking_the_first_compile(_failing_past_the_recompile_limit(compiled, name), gq_backend)
     compiled.__dict__["graphquant"] = gq_backend
@@ -603,24 +609,34 @@ def _kept_whole(compiled: torch.nn.Module, name: str) -> None:
         compiled.__dict__.pop(unwrapping, None)
 
 
-def _generating_through(model: torch.nn.Module, forward: Callable) -> Callable:
+def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forwards transformers' generate calls: the model, and an
+    encoder-decoder's encoder, which it runs through ``get_encoder()``, not the model's forward."""
+    encoder = model.get_encoder() if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else None
+    return [model] + ([encoder] if isinstance(encoder, torch.nn.Module) and encoder is not model else [])
+
+
+def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, Callable]) -> Callable:
     """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
-    compiled model) with each call of the module's forward run by ``forward``, graphquant's
-    compile of it; an enclosing torch.compile (generate's own for a static cache) breaks its
-    graph there, as at the model (_kept_whole)."""
-    forward._torchdynamo_disable = True
+    compiled model, and an encoder-decoder's encoder by itself) with each call of those modules'
+    forwards run by ``forwards``, graphquant's compiles of them; an enclosing torch.compile
+    (generate's own for a static cache) breaks its graph there, as at the model (_kept_whole)."""
+    for forward in forwards.values():
+        forward._torchdynamo_disable = True
 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        own = model.__dict__.get("forward")
-        model.forward = forward
+        own = {module: module.__dict__.get("forward") for module in forwards}
+        for module, forward in forwards.items():
+            module.forward = forward
         try:
             return model.generate(*args, **kwargs)
         finally:
-            if own is None:
-                del model.forward
-            else:
-                model.forward = own
+            for module, forward in own.items():
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward
 
     return generate
 

@@ -170,6 +170,31 @@ def test_llama_generates_under_inference_mode():
     torch.testing.assert_close(out.scores[0], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
+def test_an_encoder_decoders_generate_runs_its_encoder_quantized():
+    """transformers' generate runs a T5's encoder through get_encoder(), not the model's forward:
+    compiled.generate compiles it too, so its GEMMs are quantized (named from the model's root)
+    and its output is not the unquantized encoder's; the encoder keeps its own forward after."""
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        feed_forward_proj="relu", attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    plain = copy.deepcopy(model)
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    prompt = token_ids(batch=2, seq=32)
+    seen = []
+    model.encoder.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+    with torch.inference_mode():
+        compiled.generate(prompt, max_new_tokens=3, do_sample=False)
+        unquantized = plain.encoder(input_ids=prompt).last_hidden_state
+    sites = {g.site for plan in compiled.graphquant.plans for g in plan.gemms}
+    assert len({site for site in sites if site.startswith("encoder.")}) == 12  # 2 blocks of q, k, v, o, wi, wo
+    assert len(seen) == 1 and not torch.equal(seen[0], unquantized)
+    assert "forward" not in model.encoder.__dict__
+
+
 def test_the_compiled_models_generate_runs_quantized():
     """compiled.generate (the module's own generate, which calls the module, not the compiled
     model) runs each forward through graphquant: the tokens and scores of the compiled forward's
