@@ -263,13 +263,24 @@ def _operands(node: fx.Node, form: str) -> Optional[tuple[fx.Node, fx.Node, bool
     if form == MATMUL:
         return args[0], node.kwargs.get("other", args[1] if len(args) > 1 else node.kwargs.get("mat2")), True
     if form == ADDMM:
-        return args[1], args[2], True
+        _, a, b = addmm_operands(node)
+        return a, b, True
     if form == EINSUM:
         operands = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else [])
         if len(operands) != 2 or not isinstance(args[0], str):
             return None
         return operands[0], operands[1], True
     return None
+
+
+def addmm_operands(node: fx.Node) -> tuple[object, object, object]:
+    """(c, a, b) of an addmm or baddbmm node, beta * c + alpha * (a @ b), however they are passed:
+    torch.addmm(c, a, b), c.addmm(a, b), or by keyword (mat1 / mat2, batch1 / batch2; BLOOM's
+    alibi.baddbmm(batch1=q, batch2=k))."""
+    args, kwargs = list(node.args), node.kwargs
+    names = ("input", "batch1", "batch2") if "batch1" in kwargs or "batch2" in kwargs else ("input", "mat1", "mat2")
+    given = dict(zip(names, args)) | {name: kwargs[name] for name in names if name in kwargs}
+    return given.get("input"), given.get("mat1", given.get("batch1")), given.get("mat2", given.get("batch2"))
 
 
 def _value(node: object) -> Optional[torch.Tensor]:

@@ -26,7 +26,7 @@ from graphquant.formats.groups import GROUP_ROWS
 from graphquant.ops import attention, functional, grouped
 from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
-from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, body_of
+from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, addmm_operands, body_of
 from graphquant.passes.plan import Plan, PlanError
 from graphquant.quantizers import ROWWISE, Quantizer
 from graphquant.recipes import GEMM_NAMES
@@ -195,9 +195,7 @@ def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:
         x, weight, _, shape, dtype, bias, _ = node.args
         return (x, weight, shape, dtype, bias), {}
     if site.form == ADDMM:
-        beta = kwargs.pop("beta", 1)
-        alpha = kwargs.pop("alpha", 1)
-        return tuple(args[:3]), {"beta": beta, "alpha": alpha}
+        return addmm_operands(node), {"beta": kwargs.get("beta", 1), "alpha": kwargs.get("alpha", 1)}
     if site.form == GROUPED:
         named = dict(zip(("mat_a", "mat_b", "offs"), args)) | kwargs
         return (named["mat_a"], named["mat_b"], named["offs"]), {}

@@ -248,6 +248,29 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
+@pytest.mark.parametrize("spelling", ["positional", "keywords", "method keywords"])
+def test_addmm_and_baddbmm_take_their_operands_however_they_are_passed(spelling):
+    """BLOOM's attention calls alibi.baddbmm(batch1=q, batch2=k, beta=..., alpha=...)."""
+
+    class Products(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(64, 32) / 8), torch.nn.Parameter(torch.randn(32))
+
+        def forward(self, x, bias, q, k):
+            if spelling == "positional":
+                return torch.addmm(self.b, x, self.w, beta=0.5, alpha=2.0), torch.baddbmm(bias, q, k, alpha=0.125)
+            if spelling == "keywords":
+                return torch.addmm(self.b, mat1=x, mat2=self.w, beta=0.5, alpha=2.0), torch.baddbmm(bias, batch1=q, batch2=k, alpha=0.125)
+            return self.b.addmm(mat1=x, mat2=self.w, beta=0.5, alpha=2.0), bias.baddbmm(batch1=q, batch2=k, alpha=0.125)
+
+    model, inputs = Products(), (torch.randn(32, 64), torch.randn(4, 32, 32), torch.randn(4, 32, 16), torch.randn(4, 16, 32))
+    with pytest.warns(UserWarning, match="quantizes no GEMM"):
+        held = graphquant.compile(model, CustomRecipe(lambda role: IdentityQuantizer()), backend="aot_eager", fullgraph=True)(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(held, model(*inputs)))
+    assert [g.site for g in graphquant.explain(model, recipes.current_scaling(), *inputs).gemms if g.gemm == "fprop"] == ["linear.0#0", "matmul.0#0"]
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 
