@@ -248,7 +248,21 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if not linears and not stacks:
         user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "
                         f"{type(root).__name__}: nothing was frozen")
+    _warn_of_linear_sites_left(backend, {name for name, _ in linears})
     return model
+
+
+def _warn_of_linear_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
+    """Say which linear sites of the graphs compiled so far are no nn.Linear (transformers' Conv1D,
+    an F.linear of a module's parameter), so keep their high-precision weights, quantized at each call."""
+    planned = {g.site.rpartition("#")[0] for plan in backend.plans for g in plan.gemms if g.module_type == "linear"}
+    left = sorted(planned - linears)
+    if left:
+        user_stack.warn(
+            f"graphquant.freeze stores the weights of nn.Linear modules and expert stacks; {len(left)} linear site(s) of "
+            f"this model are neither ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}: a transformers Conv1D, or "
+            "F.linear of a parameter) and keep their high-precision weights, quantized at each call"
+        )
 
 
 def _freeze_expert_stacks(

@@ -206,6 +206,27 @@ def test_tied_weight_stays_high_precision():
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
 
 
+def test_linear_sites_of_no_nn_linear_are_named_as_left_in_high_precision():
+    """transformers' GPT-2 Conv1D computes torch.addmm(bias, x, weight): a linear site that freeze,
+    which stores nn.Linear weights, leaves with its high-precision weight (quantized at each call)."""
+
+    class Conv1D(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Parameter(torch.zeros(64))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight)
+
+    model = torch.nn.Sequential(Conv1D(), torch.nn.Linear(64, 64))
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        compiled(torch.randn(32, 64))
+    with pytest.warns(UserWarning, match=r"1 linear site\(s\) of this model are neither \(0.linear.0: a transformers Conv1D"):
+        graphquant.freeze(compiled)
+    assert isinstance(model[1], graphquant.FrozenLinear) and isinstance(model[0].weight, torch.nn.Parameter)
+
+
 def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so():
     model = models.seeded(torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)))
     x = torch.randn(32, 8)
