@@ -219,7 +219,11 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     root = backend.root
     amax_group = distributed.group_name(backend.planner.recipe.amax_reduction_group)
     tied = _tied_parameters(root)
+    if state_dict is not None:
+        _check_no_meta_buffer_is_left(root)
     linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    # Every weight is checked before any is replaced: a refusal leaves the model as it was.
+    frozen = []
     for name, linear in linears:
         if _is_tied(f"{name}.weight", tied, linear.weight):
             continue
@@ -229,12 +233,15 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         if state_dict is None and linear.weight.is_meta:
             raise ValueError(f"graphquant.freeze: {name}'s weight is on the meta device, with no values to quantize; pass "
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
+        frozen.append((name, linear, quantizer))
+    expert_stacks = _expert_stacks(root, backend, tied) if state_dict is None else []
+    for name, linear, quantizer in frozen:
         if state_dict is None:
             root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
         else:
             root.set_submodule(name, FrozenLinear.unfilled(name, linear, quantizer))
     if state_dict is None:
-        stacks = _freeze_expert_stacks(root, backend, tied, amax_group)
+        stacks = [_take_place(root, FrozenExperts.quantized(*stack, amax_group)) for stack in expert_stacks]
     else:
         state = dict(state_dict)
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
@@ -265,11 +272,9 @@ def _warn_of_linear_sites_left(backend: GraphquantBackend, linears: set[str]) ->
         )
 
 
-def _freeze_expert_stacks(
-    root: nn.Module, backend: GraphquantBackend, tied: dict[int, list[str]], amax_group: Optional[str]
-) -> list[FrozenExperts]:
-    """Each parameter that the graphs compiled so far read as one grouped site's expert stack,
-    quantized into a FrozenExperts in its place."""
+def _expert_stacks(root: nn.Module, backend: GraphquantBackend, tied: dict[int, list[str]]) -> list[tuple]:
+    """FrozenExperts.quantized's arguments (but the amax group) for each parameter that the graphs
+    compiled so far read as one grouped site's expert stack, each checked to be freezable."""
     parameters = dict(root.named_parameters())
     if not backend.plans and any(p.dim() == 3 for p in parameters.values()):
         user_stack.warn("graphquant.freeze knows expert stacks only from a compiled graph that reads them, and this model "
@@ -289,8 +294,22 @@ def _freeze_expert_stacks(
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
         owner, _, attribute = name.rpartition(".")
         module_name = ".".join(p for p in (owner, f"frozen_{attribute}") if p)
-        stacks.append(_take_place(root, FrozenExperts.quantized(module_name, attribute, parameters[name], read.transposed, quantizer, amax_group)))
+        stacks.append((module_name, attribute, parameters[name], read.transposed, quantizer))
     return stacks
+
+
+def _check_no_meta_buffer_is_left(root: nn.Module) -> None:
+    """Refuse a model built on the meta device whose non-persistent buffers (a rotary embedding's
+    inv_freq), which no checkpoint holds, would stay there and fail its first call."""
+    left = [".".join(p for p in (name, buffer) if p) for name, module in root.named_modules()
+            for buffer in module._non_persistent_buffers_set if getattr(module._buffers.get(buffer), "is_meta", False)]
+    if left:
+        raise ValueError(
+            f"graphquant.freeze: {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} are on the meta device and no checkpoint "
+            "holds them (non-persistent buffers, which the model computes when it is built); build the model with its "
+            "parameters alone on the meta device (accelerate's init_empty_weights() does so), or give these buffers their "
+            "values before freezing"
+        )
 
 
 def _saved_stacks(state: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:

@@ -177,6 +177,36 @@ def test_freeze_refuses_what_it_cannot_freeze():
         graphquant.freeze(inference_model(mlp(), stochastic))
 
 
+def test_a_refused_freeze_leaves_every_linear_as_it_was():
+    """fc2's weight keeps delayed-scaling state, which freeze refuses: fc1, checked first, is not frozen either."""
+    def factory(role):
+        if role.name == "fc2" and role.tensor_type == "weight":
+            return graphquant.Float8DelayedScalingQuantizer()
+        return graphquant.Float8CurrentScalingQuantizer()
+
+    model = mlp()
+    with pytest.raises(ValueError, match=r"fc2.s weight format fp8_delayed"):
+        graphquant.freeze(inference_model(model, graphquant.CustomRecipe(factory)))
+    assert type(model.fc1) is torch.nn.Linear and type(model.fc2) is torch.nn.Linear
+
+
+def test_a_meta_model_whose_buffers_no_checkpoint_holds_is_refused_before_freezing():
+    """A rotary embedding's inv_freq is a non-persistent buffer: built on the meta device it stays
+    there, since no checkpoint holds it, and the first call would fail deep in the graph."""
+    class Rotary(models.MLP):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(8), persistent=False)
+
+    compiled = inference_model(models.seeded(Rotary()), FAMILIES["tensorwise"]())
+    graphquant.freeze(compiled)
+    with torch.device("meta"):
+        skeleton = Rotary()
+    with pytest.raises(ValueError, match=r"inv_freq are on the meta device and no checkpoint holds them"):
+        graphquant.freeze(inference_model(skeleton, FAMILIES["tensorwise"]()), state_dict=compiled.state_dict())
+    assert type(skeleton.fc1) is torch.nn.Linear
+
+
 def test_frozen_model_has_no_backward():
     compiled = inference_model(mlp(torch.float32), FAMILIES["tensorwise"]())
     graphquant.freeze(compiled)
