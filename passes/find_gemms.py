@@ -68,6 +68,8 @@ class GemmSite:
     through them, a dynamic size's check becomes a guard of the compiled graph. An einsum site
     carries its layout as a batched product (rewrite passes it on to the op). in_body: the site
     is in a body (body_of), whose sites run the training formula (runs_inference_product).
+    gradients: whether x and w require a gradient as the graph was traced (Dynamo guards on
+    that), so whether a backward runs dgrad and wgrad: a frozen weight's wgrad never runs.
     """
 
     form: str
@@ -82,6 +84,7 @@ class GemmSite:
     einsum: Optional[EinsumLayout] = None
     in_body: bool = False
     stored_stack: bool = False  # a grouped site whose expert stack graphquant.freeze stored (passes/expert_weights.py)
+    gradients: tuple[bool, bool] = (True, True)
 
     @property
     def weight_frozen(self) -> bool:
@@ -200,6 +203,7 @@ def _find(
             w_sizes=w_sizes,
             einsum=einsum,
             in_body=in_body,
+            gradients=(_requires_grad(a), _requires_grad(b)),
         )
         node.meta["graphquant_site"] = site
         sites.append(site)
@@ -281,6 +285,11 @@ def addmm_operands(node: fx.Node) -> tuple[object, object, object]:
     names = ("input", "batch1", "batch2") if "batch1" in kwargs or "batch2" in kwargs else ("input", "mat1", "mat2")
     given = dict(zip(names, args)) | {name: kwargs[name] for name in names if name in kwargs}
     return given.get("input"), given.get("mat1", given.get("batch1")), given.get("mat2", given.get("batch2"))
+
+
+def _requires_grad(node: object) -> bool:
+    value = _value(node)
+    return value is None or value.requires_grad
 
 
 def _value(node: object) -> Optional[torch.Tensor]:

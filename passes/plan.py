@@ -237,7 +237,8 @@ class Planner:
             n = site.w_sizes[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             token_rows = self._token_rows(site, quantizers[0], training) if site.module_type == "grouped_linear" else None
-            for gemm, (ia, da), (ib, db) in GEMMS if training else GEMMS[:1]:
+            runs = {"fprop": True, "dgrad": training and site.gradients[0], "wgrad": training and site.gradients[1]}
+            for gemm, (ia, da), (ib, db) in (g for g in GEMMS if runs[g[0]]):
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation

@@ -48,18 +48,17 @@ def forward(self, L_self_modules_fc1_parameters_weight_ : torch.nn.parameter.Par
     l_x_ = L_x_
     l_self_modules_fc2_parameters_weight_ = L_self_modules_fc2_parameters_weight_
     l_self_modules_fc2_parameters_bias_ = L_self_modules_fc2_parameters_bias_
-    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, site = Site(name='fc1', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = graphquant_state_0);  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_fc1_parameters_weight_, l_self_modules_fc1_parameters_bias_, site = Site(name='fc1', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = graphquant_state_0);  l_x_ = l_self_modules_fc1_parameters_weight_ = l_self_modules_fc1_parameters_bias_ = None
     relu = torch.nn.functional.relu(quantized_linear);  quantized_linear = None
     quantized_linear_1 = graphquant_ops_functional_quantized_linear(relu, l_self_modules_fc2_parameters_weight_, l_self_modules_fc2_parameters_bias_, site = Site(name='fc2', call=0, input='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(with_rht=True, with_post_rht_amax=True), columnwise_source=original)', weight='hybrid(rowwise_quantizer=mxfp8(fp8_dtype=e4m3), columnwise_quantizer=nvfp4(), columnwise_source=rowwise_dequantized)', grad_output='nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)', streams=(3, 4, 5), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = graphquant_state_0);  relu = l_self_modules_fc2_parameters_weight_ = l_self_modules_fc2_parameters_bias_ = graphquant_state_0 = None
     return (quantized_linear_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
-graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (6 emulated)
+graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (5 emulated)
 
 site    module_type    gemm    operand a                                                                                        operand b                                                        backend                             bucket    why
 ------  -------------  ------  -----------------------------------------------------------------------------------------------  ---------------------------------------------------------------  ----------------------------------  --------  ----------------------------
 fc1#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-fc1#0   linear         dgrad   grad_output.rowwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)     weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc1#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)  input.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc2#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc2#0   linear         dgrad   grad_output.rowwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)     weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
@@ -72,7 +71,7 @@ fc2#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with
 def forward(self, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
     l_self_modules_qkv_parameters_weight_ = L_self_modules_qkv_parameters_weight_
     l_x_ = L_x_
-    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, site = Site(name='qkv', call=0, input='fp8_current(fp8_dtype=e4m3)', weight='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), dgrad=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = None);  l_x_ = l_self_modules_qkv_parameters_weight_ = None
+    quantized_linear = graphquant_ops_functional_quantized_linear(l_x_, l_self_modules_qkv_parameters_weight_, None, site = Site(name='qkv', call=0, input='fp8_current(fp8_dtype=e4m3)', weight='fp8_current(fp8_dtype=e4m3)', grad_output='fp8_current(fp8_dtype=e5m2)', streams=(0, 1, 2), fprop=GemmBackend('dequantize + high-precision matmul'), wgrad=GemmBackend('dequantize + high-precision matmul')), states = (None, None, None), rng = None);  l_x_ = l_self_modules_qkv_parameters_weight_ = None
     chunk = quantized_linear.chunk(3, dim = -1);  quantized_linear = None
     q = chunk[0]
     k = chunk[1]
@@ -85,19 +84,18 @@ def forward(self, L_self_modules_qkv_parameters_weight_ : torch.nn.parameter.Par
     return (quantized_matmul_1,)
 """)
         self.assertExpectedInline(files["graph_000_plan.txt"], """\
-graphquant plan on cpu: 3 GEMM sites, 9 GEMMs (9 emulated)
+graphquant plan on cpu: 3 GEMM sites, 8 GEMMs (8 emulated)
 
-site        module_type    gemm    operand a                                            operand b                                       backend                             bucket    why
-----------  -------------  ------  ---------------------------------------------------  ----------------------------------------------  ----------------------------------  --------  ----------------------------
-qkv#0       linear         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           weight.rowwise: fp8_current(fp8_dtype=e4m3)     dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-qkv#0       linear         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     weight.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-qkv#0       linear         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.0#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)      dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.0#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.0#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.1#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)      dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.1#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-matmul.1#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)   dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+site        module_type    gemm    operand a                                            operand b                                      backend                             bucket    why
+----------  -------------  ------  ---------------------------------------------------  ---------------------------------------------  ----------------------------------  --------  ----------------------------
+qkv#0       linear         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           weight.rowwise: fp8_current(fp8_dtype=e4m3)    dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+qkv#0       linear         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)     dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.0#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         fprop   input.rowwise: fp8_current(fp8_dtype=e4m3)           other.rowwise: fp8_current(fp8_dtype=e4m3)     dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         dgrad   grad_output.rowwise: fp8_current(fp8_dtype=e5m2)     other.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+matmul.1#0  matmul         wgrad   grad_output.columnwise: fp8_current(fp8_dtype=e5m2)  input.columnwise: fp8_current(fp8_dtype=e4m3)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 """)
 
 
@@ -143,9 +141,9 @@ class TestDumps(expecttest.TestCase):
         try:
             with mock.patch.object(backends, "capability", lambda device: (9, 0)), mock.patch.object(scaled_mm, "run", stand_in):
                 everywhere = dataclasses.replace(zoo.recipe("tensorwise"), fast_accumulation=("fprop", "dgrad", "wgrad"))
-                files = dump(MLP(), everywhere, torch.randn(32, 64), dynamic=False)
+                files = dump(MLP(), everywhere, torch.randn(32, 64, requires_grad=True), dynamic=False)
                 torch._dynamo.reset()
-                default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64), dynamic=False)  # fprop only
+                default = dump(MLP(), zoo.recipe("tensorwise"), torch.randn(32, 64, requires_grad=True), dynamic=False)  # fprop only
         finally:
             backends.clear_caches()
         self.assertEqual(files["graph_000_rewritten.py"].count(repr(fast)), 6)

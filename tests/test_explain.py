@@ -21,12 +21,18 @@ def x_mlp():
     return torch.randn(32, 64)
 
 
-def test_training_plan_lists_three_gemms_per_site_without_running_backward():
+def test_training_plan_lists_the_gemms_a_backward_runs_without_running_it():
+    """fprop, dgrad and wgrad per site, but the dgrad of an input that needs no gradient (the
+    model's own input here) and the wgrad of a frozen weight, which no backward runs."""
     model = MLP()
-    plan = graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp())
+    plan = graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp().requires_grad_())
     assert [(g.site, g.gemm) for g in plan.gemms] == [
         (site, gemm) for site in ("fc1#0", "fc2#0") for gemm in ("fprop", "dgrad", "wgrad")
     ]
+    model.fc2.weight.requires_grad_(False)
+    frozen = graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp())
+    assert [(g.site, g.gemm) for g in frozen.gemms] == [("fc1#0", "fprop"), ("fc1#0", "wgrad"), ("fc2#0", "fprop"), ("fc2#0", "dgrad")]
+    model.fc2.weight.requires_grad_(True)
     assert {g.module_type for g in plan.gemms} == {"linear"}
     wgrad = next(g for g in plan.gemms if g.site == "fc2#0" and g.gemm == "wgrad")
     assert (wgrad.a, wgrad.a_format) == ("grad_output.columnwise", "fp8_current(fp8_dtype=e5m2)")
@@ -37,7 +43,7 @@ def test_training_plan_lists_three_gemms_per_site_without_running_backward():
 def test_plan_prints_as_a_table_with_a_summary_line():
     text = str(graphquant.explain(MLP(), zoo.recipe("mxfp8_fwd_high_precision_bwd"), x_mlp()))
     lines = text.splitlines()
-    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (4 native, 2 emulated)"
+    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native, 2 emulated)"  # no dgrad of x
     assert lines[2].split() == ["site", "module_type", "gemm", "operand", "a", "operand", "b", "backend", "bucket", "why"]
     assert "input.columnwise: identity() of rowwise_dequantized" in text
     assert all(line == line.rstrip() for line in lines)
@@ -192,7 +198,7 @@ def test_strict_shows_every_gemm_it_would_reject():
     recipe = zoo.recipe("mxfp8_fwd_high_precision_bwd")  # fprop in MXFP8, dgrad and wgrad in high precision
     plan = graphquant.explain(MLP(), recipe, x_mlp(), strict=True)
     assert {(g.gemm, g.bucket) for g in plan.gemms} == {("fprop", "rejected"), ("dgrad", "native"), ("wgrad", "native")}
-    assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 6 GEMMs (4 native, 2 rejected)"
+    assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native, 2 rejected)"
     fprop = next(g for g in plan.gemms if g.gemm == "fprop")
     assert fprop.reason == (
         "strict=True rejects emulated GEMMs (no low-precision GEMM on cpu); give this GEMM a pair with a native "
@@ -288,7 +294,7 @@ def test_expected_names_are_checked_against_every_graph_of_the_first_call(how):
 def test_repeated_explains_do_not_use_up_the_recompile_limit():
     for _ in range(torch._dynamo.config.recompile_limit + 2):
         model = nn.Sequential(nn.Linear(64, 32))
-        assert len(graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp()).gemms) == 3
+        assert len(graphquant.explain(model, zoo.recipe("tensorwise"), x_mlp().requires_grad_()).gemms) == 3
 
 
 def test_the_models_keyword_inputs_reach_it():
@@ -302,6 +308,6 @@ def test_the_models_keyword_inputs_reach_it():
 
     x = x_mlp()
     plan = graphquant.explain(Masked(), zoo.recipe("tensorwise"), x, example_kwargs={"mask": torch.ones_like(x)})
-    assert {(g.site, g.gemm) for g in plan.gemms} == {("fc#0", gemm) for gemm in ("fprop", "dgrad", "wgrad")}
+    assert {(g.site, g.gemm) for g in plan.gemms} == {("fc#0", "fprop"), ("fc#0", "wgrad")}  # x needs no gradient
     report = graphquant.numerics(Masked(), zoo.recipe("tensorwise"), x, example_kwargs={"mask": torch.ones_like(x)})
     assert {g.site for g in report.gemms} == {"fc#0"}
