@@ -499,6 +499,8 @@ def compile(
     compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend
         (e.g. compile_mode="reduce-overhead" for CUDA graphs).
     """
+    if not callable(model):
+        raise TypeError(f"graphquant.compile takes the nn.Module or function to compile, got {type(model).__name__}")
     model = _uncompiled(model)
     if dump_dir is None:
         dump_dir = os.environ.get("GRAPHQUANT_DUMP") or None

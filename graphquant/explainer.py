@@ -31,6 +31,11 @@ def run_once(
     Rejected GEMMs stay in the plan instead of failing the compile; a plan error (a shape a
     format cannot tile, a factory that raised) fails it.
     """
+    if "backend" in compile_kwargs:
+        raise TypeError(
+            "graphquant.explain and graphquant.numerics run the rewritten graph eagerly, so that each GEMM is seen as it "
+            f"runs; they take no backend (got backend={compile_kwargs['backend']!r})"
+        )
     compiled = compiler.compile(model, recipe, backend=run_eagerly, **(_DEFAULTS | compile_kwargs))
     compiled.graphquant.planner.fail_on_bucket = False
     output = compiled(*example_inputs, **(example_kwargs or {}))

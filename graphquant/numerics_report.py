@@ -33,13 +33,13 @@ from graphquant.recipes import CustomRecipe
 
 @dataclasses.dataclass(frozen=True)
 class OperandStats:
-    """One operand of one GEMM and what its format did to it (fractions of all its values)."""
+    """One operand of one GEMM and what its format did to it."""
 
     operand: str  # "grad_output.columnwise"
     format: str
     amax: float  # max |value| in high precision
-    underflow: float  # nonzero in high precision, zero after quantization
-    saturated: float  # clipped at the largest magnitude the format (and its scale) can hold
+    underflow: float  # of the values nonzero in high precision, those zero after quantization
+    saturated: float  # of all values, those clipped at the largest magnitude the format (and its scale) can hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,7 @@ class _Counts:
 
     amax: float = 0.0
     values: int = 0
+    nonzero: int = 0
     underflow: int = 0
     saturated: int = 0
 
@@ -131,6 +132,7 @@ class _Counts:
         source = rep.quantizer.transformed((x.t() if rep.transposed else x).float(), rep.direction)
         self.amax = max(self.amax, x.abs().max().item() if x.numel() else 0.0)
         self.values += x.numel() if values is None else values
+        self.nonzero += int((source != 0).sum())
         self.underflow += int(((source != 0) & (quantized == 0)).sum())
         at_max = rep.quantizer.at_largest_code(rep)
         if at_max is not None:
@@ -138,7 +140,7 @@ class _Counts:
             self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
 
     def stats(self, operand: str, format: str) -> OperandStats:
-        return OperandStats(operand, format, self.amax, self.underflow / max(self.values, 1), self.saturated / max(self.values, 1))
+        return OperandStats(operand, format, self.amax, self.underflow / max(self.nonzero, 1), self.saturated / max(self.values, 1))
 
 
 class _Recorder:

@@ -40,6 +40,15 @@ def test_training_plan_lists_the_gemms_a_backward_runs_without_running_it():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_what_explain_and_compile_do_not_take_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"run the rewritten graph eagerly.*take no backend \(got backend='aot_eager'\)"):
+        graphquant.explain(MLP(), zoo.recipe("tensorwise"), x_mlp(), backend="aot_eager")
+    with pytest.raises(TypeError, match=r"take no backend"):
+        graphquant.numerics(MLP(), zoo.recipe("tensorwise"), x_mlp(), backend="aot_eager")
+    with pytest.raises(TypeError, match=r"takes the nn.Module or function to compile, got NoneType"):
+        graphquant.compile(None, zoo.recipe("tensorwise"))
+
+
 def test_plan_prints_as_a_table_with_a_summary_line():
     text = str(graphquant.explain(MLP(), zoo.recipe("mxfp8_fwd_high_precision_bwd"), x_mlp()))
     lines = text.splitlines()

@@ -73,11 +73,12 @@ def test_underflow_saturation_and_amax_of_an_operand():
     x = torch.rand(32, 64) + 0.5  # nothing near E4M3's limits but what comes next
     x[0, :8] = 1e-5  # below half the smallest E4M3 subnormal at delayed scaling's first scale (1)
     x[1, :4] = 1000.0  # beyond E4M3's 448
+    x[2] = 0.0  # zeros underflow from nothing: the fraction is of the nonzero values
     report = by_key(graphquant.numerics(MLP(), recipes.delayed_scaling(), x))
     stats = report["fc1#0", "fprop"].a
     assert (stats.operand, stats.format) == ("input.rowwise", "fp8_delayed(fp8_dtype=e4m3)")
     assert stats.amax == 1000.0
-    assert stats.underflow == 8 / x.numel()
+    assert stats.underflow == 8 / (x.numel() - x.shape[1])
     assert stats.saturated == 4 / x.numel()
     assert report["fc1#0", "wgrad"].b.saturated == 4 / x.numel()  # the columnwise copy clips too
 
