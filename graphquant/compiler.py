@@ -16,7 +16,7 @@ from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
-from graphquant.passes.find_gemms import GROUPED, Frame, find_gemms, fqn_from_stack_path, parameter_path, root_local
+from graphquant.passes.find_gemms import GROUPED, Frame, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -202,7 +202,7 @@ class GraphquantBackend:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
         attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
-        skipped = [(n.format_node(), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
+        skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
@@ -390,6 +390,17 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
         "the checkpointed modules a stateless recipe (current scaling, MXFP8, blockwise FP8, NVFP4 without "
         "stochastic rounding)"
     )
+
+
+def _described(node: fx.Node, frame: Frame) -> str:
+    """A node of the plan's "not quantized" list as a reader finds it: its owner as
+    named_modules() spells it ("the model" for its own code), and the call ("layers.0.attn:
+    softmax = softmax(mul, dim=-1)")."""
+    owner = owner_of(node, frame)[0] or "the model"
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
+    arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
+    return f"{owner}: {node.name} = {target}({', '.join(arguments)})"
 
 
 def _names_a_role(key: str) -> bool:
