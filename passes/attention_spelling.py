@@ -85,6 +85,9 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         probs = _user(probs)
         after.append(probs)
     out = next((user for user in probs.users if _is_matmul(user)), None)
+    if out is not None and isinstance(scores, fx.Node) and not _is_matmul(scores) and _product_before(scores):
+        target = scores.target if isinstance(scores.target, str) else getattr(scores.target, "__name__", scores.target)
+        return f"{scores.name} ({target}) between the products is no step attention takes ({', '.join(_ORDER)}), a logit soft-cap's tanh, say"
     if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None:
         return None
     if out.args[0] is not probs:
@@ -205,6 +208,17 @@ def _step(node: fx.Node) -> Optional[str]:
     if target == "masked_fill" and len(node.args) == 3:
         return "mask"
     return "cast" if _is_cast(node) else None
+
+
+def _product_before(node: fx.Node, reach: int = 4) -> bool:
+    """Whether a matmul feeds ``node`` through at most ``reach`` single-path steps of any kind."""
+    for _ in range(reach):
+        node = _input(node)
+        if not isinstance(node, fx.Node):
+            return False
+        if _is_matmul(node):
+            return True
+    return False
 
 
 def _input(node: fx.Node) -> object:

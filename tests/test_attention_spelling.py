@@ -47,6 +47,8 @@ class Attention(torch.nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3))
         if self.spelling == "tensor_scale":
             scores = scores * self.temperature
+        elif self.spelling == "soft_cap":  # Gemma 2's logit soft-cap
+            scores = torch.tanh(scores * self.scaling / 50.0) * 50.0
         else:
             scores = scores * self.scaling
         scores = scores + mask
@@ -108,6 +110,7 @@ def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     ("tensor_scale", "the scores are scaled by the tensor l_self_parameters_temperature_, not a nonzero constant"),
     ("scores_twice", "scores_2 has 2 users"),
     ("probs_twice", "probs_1 has 2 users"),
+    ("soft_cap", "(tanh) between the products is no step attention takes (scale, mask, cast)"),
 ])
 def test_near_matches_stay_matmul_sites_and_say_why(spelling, reason):
     x, mask = _inputs()
