@@ -14,7 +14,9 @@ tuning adds minutes of compile time per config. "graphquant tensorwise" and "tor
 also run with fast accumulation in dgrad and wgrad (the name with " (fast accumulation
 everywhere)"), a user's choice in both libraries, not their default. "graphquant tensorwise" and
 "graphquant mxfp8" also run with attention quantized (the name with " (fp8 attention)":
-zoo.with_fp8_attention, TE's fp8_dpa roles), to compare with the same linears and bf16 attention;
+zoo.with_fp8_attention, TE's fp8_dpa roles), to compare with the same linears and bf16 attention,
+and, with "bf16 torch.compile", with Inductor rounding bf16 intermediates as eager does (the name
+with " (eager casts)": options={"emulate_precision_casts": True});
 ``--seq`` sets the decoder's sequence length (16384 tokens a step at any length).
 """
 
@@ -57,6 +59,10 @@ OPT_IN += [f"{name}{FAST_EVERYWHERE}" for name in ("graphquant tensorwise", "tor
 # With this suffix, a graphquant recipe quantizes attention too (zoo.with_fp8_attention).
 FP8_ATTENTION = " (fp8 attention)"
 OPT_IN += [f"{name}{FP8_ATTENTION}" for name in ("graphquant tensorwise", "graphquant mxfp8")]
+# With this suffix, Inductor rounds each bf16 intermediate of a fused chain as eager does
+# (emulate_precision_casts), so the quantizers see the model's own bf16 values in every graph.
+EAGER_CASTS = " (eager casts)"
+OPT_IN += [f"{name}{EAGER_CASTS}" for name in ("bf16 torch.compile", "graphquant tensorwise", "graphquant mxfp8")]
 # With this suffix, a compiled config runs as CUDA graphs (torch.compile's "reduce-overhead"): the
 # host's launches leave the step, which matters where they outlast the GPU's work (the emulated
 # recipes' many small launches on the decoder). Tensorwise's is in the default list.
@@ -77,6 +83,8 @@ def build(config: str, model: torch.nn.Module, compile_mode: str | None):
     options = {**(list_mode_options(compile_mode) if compile_mode else {})}
     if config.endswith(COORDINATE_DESCENT):
         config, options["coordinate_descent_tuning"] = config.removesuffix(COORDINATE_DESCENT), True
+    if config.endswith(EAGER_CASTS):
+        config, options["emulate_precision_casts"] = config.removesuffix(EAGER_CASTS), True
     fast_everywhere, config = config.endswith(FAST_EVERYWHERE), config.removesuffix(FAST_EVERYWHERE)
     fp8_attention, config = config.endswith(FP8_ATTENTION), config.removesuffix(FP8_ATTENTION)
     if config == "bf16 torch.compile":
