@@ -68,6 +68,7 @@ class GraphquantBackend:
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
+        self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
 
@@ -84,6 +85,9 @@ class GraphquantBackend:
         (one graph of a graph break's may well hold none), which of the recipe's expected names and
         loaded state entries none of them takes, and which of the model's nn.Linear modules no
         graph holds: torch.compile may have run the code that calls them eagerly, in high precision."""
+        if self.first_call_checked:
+            return
+        self.first_call_checked = True
         if not any(plan.gemms for plan in self.plans):
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
@@ -577,22 +581,19 @@ def _uncompiled(model: Any) -> Any:
 
 def _checking_the_first_compile(call: Callable, backend: "GraphquantBackend", put_back: Optional[Callable] = None) -> Callable:
     """``call`` that, once a call of it has compiled graphs, has the backend check them whole
-    (GraphquantBackend.check_the_first_compile); ``put_back(call)`` then puts the plain call back,
-    so that later calls run no frame of ours (a compiled function, which has no attribute to put
-    it back in, checks a flag instead)."""
-    checked = False
+    (GraphquantBackend.check_the_first_compile, once a model: its forward's or its generate's);
+    ``put_back(call)`` then puts the plain call back, so that later calls run no frame of ours (a
+    compiled function, which has no attribute to put it back in, reads the backend's flag)."""
 
     @functools.wraps(call)
     def first(*args: Any, **kwargs: Any) -> Any:
-        nonlocal checked
-        if checked:
+        if backend.first_call_checked:
             return call(*args, **kwargs)
         before = len(backend.plans)
         try:
             return call(*args, **kwargs)
         finally:
             if len(backend.plans) > before:
-                checked = True
                 if put_back is not None:
                     put_back(call)
                 backend.check_the_first_compile()
