@@ -326,9 +326,10 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
     return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True, None
 
 
-# The compiled root: L['self'], L['fn'], or L['args'][0] where a decorator wraps forward(*args)
-# (HuggingFace models): the root module is then the first positional argument.
-_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[0\])?\.?")
+# A frame's local and the subscripts that pick a module out of it: L['self'], L['fn'], L['args'][0]
+# where a decorator wraps forward(*args) (HuggingFace models), a list or dict of modules that a
+# frame resumed after a graph break holds (L['mods'][1], L['heads']['q']).
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*\.?")
 
 
 def fqn_from_stack_path(path: str) -> str:

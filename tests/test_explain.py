@@ -149,6 +149,21 @@ class BreakingBody(nn.Module):
         return h
 
 
+def test_modules_a_frame_holds_in_a_list_or_dict_across_a_graph_break_are_named_as_themselves():
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            listed, named = [self.a, self.b], {"q": self.c}
+            torch._dynamo.graph_break()
+            return named["q"](listed[1](listed[0](x)))
+
+    plan = graphquant.explain(Held(), zoo.recipe("tensorwise"), torch.randn(16, 32))
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["a#0", "b#0", "c#0"]
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_callers_code_resumed_after_a_submodules_graph_break_names_each_module(tied):
     """Dynamo resumes the caller after the break with the modules it still calls as locals of
