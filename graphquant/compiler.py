@@ -16,7 +16,7 @@ from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
-from graphquant.passes.find_gemms import GROUPED, Frame, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local
+from graphquant.passes.find_gemms import GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -69,6 +69,7 @@ class GraphquantBackend:
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
+        self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
 
@@ -201,11 +202,11 @@ class GraphquantBackend:
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
-        sites = find_gemms(gm, example_inputs, frame)
+        sites = find_gemms(gm, example_inputs, frame, self.functional_numbers)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
-        attention = find_attention(gm, frame) if self.planner.recipe.fp8_dpa else []
+        attention = find_attention(gm, frame, self.functional_numbers) if self.planner.recipe.fp8_dpa else []
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()

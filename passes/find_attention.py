@@ -17,15 +17,14 @@ first attention of an owner's call by the owner's name alone and a further one i
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.passes.find_gemms import Frame, body_of, owner_of
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -110,10 +109,11 @@ def label(name: str, call: int) -> str:
     return f"{name or 'dpa'}#{call}"
 
 
-def find_attention(gm: fx.GraphModule, frame: Frame = Frame()) -> list[DpaSite]:
-    """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order."""
+def find_attention(gm: fx.GraphModule, frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None) -> list[DpaSite]:
+    """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order, the
+    second and later of one owner numbered by ``numbers`` (the model's, across its graphs)."""
     sites: list[DpaSite] = []
-    _find(gm, collections.Counter(), sites, frame)
+    _find(gm, (numbers or FunctionalNumbers()).graph(), sites, frame)
     return sites
 
 
@@ -126,17 +126,16 @@ def arguments(node: fx.Node) -> dict[str, object]:
     return DEFAULTS | dict(zip(ARGUMENTS, node.args)) | dict(node.kwargs)
 
 
-def _find(gm: fx.GraphModule, index: collections.Counter, sites: list[DpaSite], frame: Frame) -> None:
+def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Frame) -> None:
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
-            _find(body, index, sites, frame)
+            _find(body, number, sites, frame)
             continue
         if not is_attention(node):
             continue
         owner, call, _ = owner_of(node, frame)
-        i = index[(owner, call)]
-        index[(owner, call)] += 1
+        i = number((owner, call, "dpa"), node)
         name = owner if i == 0 else ".".join(p for p in (owner, "dpa", str(i)) if p)
         site = _site(node, name, call)
         if isinstance(site, str):

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import operator
 import re
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,11 +129,40 @@ class Frame:
         return ".".join(p for p in (prefix, fqn_from_stack_path(path)) if p)
 
 
-def find_gemms(gm: fx.GraphModule, example_inputs: Sequence[object], frame: Frame = Frame()) -> list[GemmSite]:
+class FunctionalNumbers:
+    """The index in a functional product's name ("attn.matmul.1"), per owner, call and kind, in the
+    order first seen over all of a model's graphs, each product known by its place in the source
+    (its stack trace, and which of the products with that trace it is in its graph): the graphs
+    of a graph break number on from each other, and a recompile of the same code finds the same
+    names. ``graph()`` numbers one graph's products."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple, int] = {}
+        self._next: collections.Counter = collections.Counter()
+
+    def graph(self) -> Callable[[tuple, fx.Node], int]:
+        seen: collections.Counter = collections.Counter()
+
+        def number(key: tuple, node: fx.Node) -> int:
+            trace = node.meta.get("stack_trace")
+            place = (key, trace, seen[(key, trace)])
+            seen[(key, trace)] += 1
+            if place not in self._numbers:
+                self._numbers[place] = self._next[key]
+                self._next[key] += 1
+            return self._numbers[place]
+
+        return number
+
+
+def find_gemms(
+    gm: fx.GraphModule, example_inputs: Sequence[object], frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None
+) -> list[GemmSite]:
     """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included,
-    named from the model's root by ``frame``."""
+    named from the model's root by ``frame``, functional products numbered by ``numbers`` (the
+    model's, across its graphs)."""
     sites: list[GemmSite] = []
-    _find(gm, parameter_nodes(gm, example_inputs), collections.Counter(), sites, frame)
+    _find(gm, parameter_nodes(gm, example_inputs), (numbers or FunctionalNumbers()).graph(), sites, frame)
     return sites
 
 
@@ -154,20 +183,20 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
 
 
 def _find(
-    gm: fx.GraphModule, parameters: set[fx.Node], functional_index: collections.Counter, sites: list[GemmSite], frame: Frame,
+    gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
 ) -> None:
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
-            _find(body, {p for p, arg in inner if arg in parameters}, functional_index, sites, frame, in_body=True)
+            _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
             continue
         form = _form(node)
         if form is None:
             continue
         if form == GROUPED:
-            _find_grouped(node, functional_index, sites, frame)
+            _find_grouped(node, number, sites, frame)
             continue
         if form == FROZEN:
             _find_frozen(node, sites, frame)
@@ -188,9 +217,7 @@ def _find(
             name = owner
         else:
             kind = "linear" if is_linear else "matmul"
-            key = (owner, call, kind)
-            name = ".".join(p for p in (owner, kind, str(functional_index[key])) if p)
-            functional_index[key] += 1
+            name = ".".join(p for p in (owner, kind, str(number((owner, call, kind), node))) if p)
         site = GemmSite(
             form=form,
             module_type="linear" if is_linear else "matmul",
@@ -209,7 +236,7 @@ def _find(
         sites.append(site)
 
 
-def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: list[GemmSite], frame: Frame) -> None:
+def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame) -> None:
     """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped."""
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
     va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
@@ -223,9 +250,7 @@ def _find_grouped(node: fx.Node, functional_index: collections.Counter, sites: l
         node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
         return
     owner, call, _ = owner_of(node, frame)
-    key = (owner, call, "grouped_linear")
-    name = ".".join(p for p in (owner, "grouped_linear", str(functional_index[key])) if p)
-    functional_index[key] += 1
+    name = ".".join(p for p in (owner, "grouped_linear", str(number((owner, call, "grouped_linear"), node))) if p)
     experts, k, n = vb.shape
     x_sizes, w_sizes = (1, va.shape[0], k), (experts, n, k)
     site = GemmSite(GROUPED, "grouped_linear", name, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)

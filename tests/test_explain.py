@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphquant
-from graphquant import factories, zoo
+from graphquant import factories, recipes, zoo
 from graphquant import Plan
 from graphquant.quantizers import HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
@@ -147,6 +147,29 @@ class BreakingBody(nn.Module):
         h = torch.relu(self.fc(x))
         torch._dynamo.graph_break()  # a print, a .item(), transformers' logger.warning_once
         return h
+
+
+def test_functional_products_are_numbered_across_graph_breaks_and_kept_by_recompiles():
+    """One owner's functional products on both sides of a graph break are linear.0 and linear.1,
+    not linear.0 twice (one slot for two weights); a recompile for a new shape names them again
+    so, and so continues their delayed-scaling state."""
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(32, 32) / 8), nn.Parameter(torch.randn(32, 32) / 8)
+
+        def forward(self, x):
+            h = x @ self.w1.T
+            torch._dynamo.graph_break()
+            return torch.relu(h) @ self.w2.T
+
+    compiled = graphquant.compile(Functional(), recipes.delayed_scaling(amax_history_len=4), backend="aot_eager")
+    for rows in (16, 24, 40):  # the second compiles the dynamic graphs
+        compiled(torch.randn(rows, 32)).sum().backward()
+    names = [[g.site for g in plan.gemms if g.gemm == "fprop"] for plan in compiled.graphquant.plans]
+    assert names == [["linear.0#0"], ["linear.1#0"]] * 2
+    assert len(compiled.graphquant.state_dict()) == 6  # input, weight, grad_output of each
 
 
 def test_modules_a_frame_holds_in_a_list_or_dict_across_a_graph_break_are_named_as_themselves():
