@@ -253,6 +253,9 @@ class GraphquantBackend:
         stateful = [key for key in keys if isinstance(key, str)]  # delayed-scaling slots and "rng"
 
         def run(*args: Any) -> Any:
+            fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            if fake is not None:  # Dynamo's DDP optimizer runs a compiled piece on fake tensors to compile the next
+                return compiled(*args, *(fake.from_tensor(p()) for p in providers))
             if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
                 raise _recomputed(stateful)
             if stochastic:  # a new tensor, not an in-place step: a pending backward keeps its own

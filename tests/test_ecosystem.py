@@ -229,6 +229,14 @@ def distributed_worker(rank, port, out, delayed_recipe):
     whole(x).square().mean().backward()
     results["ddp_whole_graphs"] = len(whole.graphquant.plans)
     results["ddp_whole_sites"] = [g.site for p in whole.graphquant.plans for g in p.gemms if g.gemm == "fprop"]
+    # Stochastic rounding in split graphs: DDPOptimizer runs each compiled piece on fake tensors
+    # to compile the next, where the step must not move (nor a real state meet fake tensors).
+    torch._dynamo.reset()
+    model = stack()
+    compiled = graphquant.compile(DistributedDataParallel(model, bucket_cap_mb=1), recipes.nvfp4_block_scaling(), backend="aot_eager")
+    compiled(x).square().mean().backward()
+    results["ddp_stochastic"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    results["ddp_stochastic_steps"] = (int(compiled.graphquant.state_dict()["rng"][1]), len(compiled.graphquant.plans))
 
     # FSDP2: every block and the root sharded; the compiled forward sees the unsharded weights.
     torch._dynamo.reset()
@@ -353,6 +361,15 @@ def test_ddp_split_graphs_keep_their_sites(distributed):
     assert results["ddp_graphs"] > 1 and results["ddp_whole_graphs"] == 1
     names = sorted(f"layers.{i}.mlp.fc{j}#0" for i in range(2) for j in (1, 2))
     assert sorted(results["ddp_sites"]) == names and sorted(results["ddp_whole_sites"]) == names
+
+
+@pytest.mark.slow
+def test_stochastic_rounding_runs_in_ddp_split_graphs(distributed):
+    """Each split graph moves the step once (as a graph break's graphs do), and both ranks end
+    with the same all-reduced gradients."""
+    steps, graphs = distributed[0]["ddp_stochastic_steps"]
+    assert graphs > 1 and steps == graphs
+    assert_same_results(distributed[1]["ddp_stochastic"], distributed[0]["ddp_stochastic"], what="rank 1 against rank 0: ")
 
 
 def expected_identity_output(x, amax):
