@@ -194,6 +194,11 @@ def _find(
             continue
         form = _form(node)
         if form is None:
+            if node.op == "call_function" and node.target is F.multi_head_attention_forward:
+                node.meta["graphquant_skip"] = (
+                    "nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call, so its input and output "
+                    "projections and its attention run in high precision"
+                )
             continue
         if form == GROUPED:
             _find_grouped(node, number, sites, frame)

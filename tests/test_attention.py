@@ -398,6 +398,33 @@ def test_dropout_is_a_plan_error():
         graphquant.explain(Block(), CustomRecipe(current_dpa_factory, fp8_dpa=True), q, q, q)
 
 
+class BiasedAttention(torch.nn.Module):
+    """T5's learned relative-position bias as a mask that requires grad; its key and value may be
+    of batch 1 against the query's batch (a shared prefix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(1, 2, 32, 32))
+
+    def forward(self, q, k, v, learned):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias if learned else None)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("learned bias", "its attn_mask requires grad (a learned attention bias"),
+    ("broadcast batch", "key and value of batch 1 and 1 broadcast against the query's 2"),
+])
+def test_attention_fp8_cannot_take_stays_in_high_precision_saying_why(case, reason):
+    q = torch.randn(2, 2, 32, 32, requires_grad=True)
+    kv = q.detach()[:1] if case == "broadcast batch" else q.detach()
+    model = BiasedAttention()
+    plan = graphquant.explain(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), q, kv, kv, case == "learned bias")
+    assert "dpa" not in {g.module_type for g in plan.gemms}
+    assert any(reason in why for _, why in plan.skipped), plan.skipped
+    compiled = graphquant.compile(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager")
+    assert torch.equal(compiled(q, kv, kv, case == "learned bias"), model(q, kv, kv, case == "learned bias"))
+
+
 def test_trains_compiled_and_dumps_the_attention_site(tmp_path):
     """Compiled (aot_eager), the attention runs as graphquant.ops.attention with its formats in the
     graph; two training steps keep every value finite and move the delayed scales."""

@@ -6,6 +6,7 @@ reference (tests/reference.py), which finds GEMMs with a TorchFunctionMode and m
 """
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -269,6 +270,19 @@ def test_addmm_and_baddbmm_take_their_operands_however_they_are_passed(spelling)
         held = graphquant.compile(model, CustomRecipe(lambda role: IdentityQuantizer()), backend="aot_eager", fullgraph=True)(*inputs)
     assert all(torch.equal(a, b) for a, b in zip(held, model(*inputs)))
     assert [g.site for g in graphquant.explain(model, recipes.current_scaling(), *inputs).gemms if g.gemm == "fprop"] == ["linear.0#0", "matmul.0#0"]
+
+
+def test_multihead_attention_is_listed_as_not_quantized():
+    """Dynamo keeps nn.MultiheadAttention's F.multi_head_attention_forward as one call: its
+    projections and attention run in high precision, which the plan says (and no warning calls
+    its out_proj a linear in no graph)."""
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = graphquant.explain(layer, recipes.current_scaling(), torch.randn(2, 16, 64))
+    assert {g.site for g in plan.gemms} == {"linear1#0", "linear2#0"}
+    [(what, why)] = plan.skipped
+    assert what.startswith("self_attn: ") and why.startswith("nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call")
 
 
 def test_not_quantized_products_are_listed():
