@@ -93,6 +93,7 @@ class GraphquantBackend:
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self._warn_of_unclaimed_state()
+        self._warn_of_unreduced_amaxes()
         if self.root is None:
             return
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
@@ -107,6 +108,19 @@ class GraphquantBackend:
                 "ran the code that calls them eagerly, in high precision (a graph break it could not take, as inside a "
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
+            )
+
+    def _warn_of_unreduced_amaxes(self) -> None:
+        """Say where quantizers ask to all-reduce their amaxes in a run of several processes but the
+        recipe names no group to reduce over: each rank then scales from its own amaxes."""
+        if self.planner.recipe.amax_reduction_group is not None or not torch.distributed.is_initialized():
+            return
+        asking = sorted({str(role) for plan in self.plans for role, q in plan.slots if q.reduces_amax})
+        if asking and torch.distributed.get_world_size() > 1:
+            user_stack.warn(
+                f"graphquant: {len(asking)} slot(s) ask to all-reduce their amaxes ({asking[0]}, ...), but the recipe names no "
+                "amax_reduction_group, so each of the run's processes scales from its own: give the recipe one "
+                "(CustomRecipe(..., amax_reduction_group=torch.distributed.group.WORLD) after init_process_group)"
             )
 
     def _warn_of_unclaimed_state(self) -> None:

@@ -19,6 +19,13 @@ def group_name(group: object) -> Optional[str]:
     """The name functional collectives know ``group`` by (a ProcessGroup, or a name already)."""
     if group is None or isinstance(group, str):
         return group
+    from torch.distributed import GroupMember
+
+    if group is GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "amax_reduction_group: this rank is not a member of the group (torch.distributed.new_group gives the ranks "
+            "outside it a placeholder); give each rank a recipe whose group it belongs to, or no group"
+        )
     name = getattr(group, "group_name", None)
     if not isinstance(name, str):
         raise TypeError(f"amax_reduction_group must be a torch.distributed ProcessGroup or its name, got {type(group).__name__}")

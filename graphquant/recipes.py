@@ -80,8 +80,10 @@ class CustomRecipe:
                 "pickle cannot store; define the factory at module level (or use a functools.partial of one) to pickle "
                 "the recipe (torch.multiprocessing.spawn, checkpoints)"
             )
-        # Process groups do not pickle; a restored recipe reduces over nothing until given a group.
-        return {**self.__dict__, "amax_reduction_group": None}
+        # A process group does not pickle (its name does): restored, such a recipe reduces over
+        # nothing until given a group.
+        group = self.amax_reduction_group
+        return {**self.__dict__, "amax_reduction_group": group if isinstance(group, str) else None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import os
 import pickle
+import warnings
 import socket
 import tempfile
 import time
@@ -257,9 +258,11 @@ def distributed_worker(rank, port, out, delayed_recipe):
         tag = "reduced" if group is not None else "local"
         torch._dynamo.reset()
         scales = []
-        with recording(lambda gemm: scales.append(gemm.a_operand.tensors[1].clone())):
+        with recording(lambda gemm: scales.append(gemm.a_operand.tensors[1].clone())), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             graphquant.compile(identity_linear(), recipe, backend=graphquant.explainer.run_eagerly)(x_amax)
         results[f"eager_scale_{tag}"] = scales[0]
+        results[f"warnings_{tag}"] = [str(w.message) for w in caught if "amax_reduction_group" in str(w.message)]
         for backend in ("aot_eager", "inductor") if group is not None else ("aot_eager",):
             torch._dynamo.reset()
             results[f"{backend}_{tag}"] = graphquant.compile(identity_linear(), recipe, backend=backend)(x_amax).detach()
@@ -376,6 +379,14 @@ def expected_identity_output(x, amax):
     """What identity_linear gives for x quantized to E4M3 with the scale of ``amax``."""
     scale, scale_inv = fp8.scales(amax, "e4m3", 0.0, False)
     return fp8.cast_to_fp8(x.float() * scale, "e4m3").float() * scale_inv
+
+
+@pytest.mark.slow
+def test_a_recipe_asking_to_reduce_amaxes_without_a_group_warns_in_a_run_of_several_processes(distributed):
+    for results in distributed:
+        assert results["warnings_reduced"] == []
+        [message] = results["warnings_local"]
+        assert "ask to all-reduce their amaxes" in message and "names no amax_reduction_group" in message
 
 
 @pytest.mark.slow

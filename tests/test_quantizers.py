@@ -221,6 +221,18 @@ def test_recipes_from_module_level_factories_pickle():
         again = pickle.loads(pickle.dumps(recipe))
         role = QuantizerRole("linear", "input", "x")
         assert again.qfactory(role) == recipe.qfactory(role)
+    # A process group's name pickles (to spawned workers, which resolve it); a group object does not.
+    named = graphquant.CustomRecipe(factories.nvfp4_factory, amax_reduction_group="0")
+    assert pickle.loads(pickle.dumps(named)).amax_reduction_group == "0"
+
+
+def test_a_rank_outside_the_recipes_group_is_told_so():
+    from torch.distributed import GroupMember
+
+    from graphquant import distributed
+
+    with pytest.raises(ValueError, match="this rank is not a member of the group"):
+        distributed.group_name(GroupMember.NON_GROUP_MEMBER)
 
 
 @pytest.mark.parametrize("name", sorted(zoo.FACTORIES))
