@@ -27,18 +27,25 @@ _PRODUCT_METHODS = ("matmul", "mm", "__matmul__")
 
 def fold_linears(gm: fx.GraphModule, example_inputs: Sequence[object]) -> None:
     """Fold every ``x @ W.T`` of ``gm`` (see the module docstring) in place."""
-    _fold(gm, parameter_nodes(gm, example_inputs))
+    _fold(gm, parameter_nodes(gm, example_inputs), set())
 
 
-def _fold(gm: fx.GraphModule, parameters: set[fx.Node]) -> None:
+def _fold(gm: fx.GraphModule, parameters: set[fx.Node], transposed: set[fx.Node]) -> None:
+    """``transposed``: a body's inputs that are a parameter transposed outside it (Dynamo hoists
+    a checkpointed ``W.T`` out of the body), whose products are x @ (their transpose)^T."""
     folded = False
     for node in list(gm.graph.nodes):
         body = body_of(gm, node)
         if body is not None:
-            inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
-            _fold(body, {p for p, arg in inner if arg in parameters})
+            inner = list(zip(body.graph.find_nodes(op="placeholder"), node.args[1:]))
+            hoisted = {p for p, arg in inner if isinstance(arg, fx.Node) and _transposed_weight_of(arg, parameters) is not None}
+            _fold(body, {p for p, arg in inner if arg in parameters}, hoisted)
             continue
         weight = _transposed_weight(node, parameters)
+        if weight is None and _is_product(node) and node.args[1] in transposed:
+            with gm.graph.inserting_before(node):
+                weight = gm.graph.call_method("t", (node.args[1],))
+            weight.meta.update({k: v.t() for k, v in node.args[1].meta.items() if k in ("example_value", "val")})
         if weight is None:
             continue
         with gm.graph.inserting_before(node):
@@ -52,12 +59,19 @@ def _fold(gm: fx.GraphModule, parameters: set[fx.Node]) -> None:
         gm.recompile()
 
 
+def _is_product(node: fx.Node) -> bool:
+    """Whether ``node`` is a two-operand matrix product x @ other, without keywords."""
+    is_product = (node.op == "call_function" and node.target in _PRODUCTS) or (node.op == "call_method" and node.target in _PRODUCT_METHODS)
+    return is_product and len(node.args) == 2 and not node.kwargs
+
+
 def _transposed_weight(node: fx.Node, parameters: set[fx.Node]) -> Optional[fx.Node]:
     """W where ``node`` is a product x @ W^T of a 2-D parameter W, else None."""
-    is_product = (node.op == "call_function" and node.target in _PRODUCTS) or (node.op == "call_method" and node.target in _PRODUCT_METHODS)
-    if not is_product or len(node.args) != 2 or node.kwargs:
-        return None
-    other = node.args[1]
+    return _transposed_weight_of(node.args[1], parameters) if _is_product(node) else None
+
+
+def _transposed_weight_of(other: object, parameters: set[fx.Node]) -> Optional[fx.Node]:
+    """W where ``other`` is a 2-D parameter W transposed, else None."""
     if not isinstance(other, fx.Node) or not other.args:
         return None
     weight = other.args[0]

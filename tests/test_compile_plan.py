@@ -249,6 +249,33 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
+def test_a_transposed_parameter_in_a_checkpointed_block_is_a_linear_too():
+    """Dynamo hoists ``W.T`` out of a checkpoint's body and hands it in as an input: the product
+    is a linear site there too, as without the checkpoint, computing what eager torch does."""
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+        def block(self, x):
+            return torch.nn.functional.gelu(x) @ self.w.T
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    model, x = Checkpointed(), torch.randn(4, 8, 64, requires_grad=True)
+    plan = graphquant.explain(model, recipes.mxfp8_block_scaling(), x)
+    assert {(g.site, g.module_type) for g in plan.gemms} == {("linear.0#0", "linear")}
+    with pytest.warns(UserWarning, match="quantizes no GEMM"):
+        held = graphquant.compile(model, CustomRecipe(lambda role: IdentityQuantizer()), backend="aot_eager")(x)
+    held.sum().backward()
+    grad, model.w.grad = model.w.grad, None
+    expected = model(x)
+    expected.sum().backward()
+    assert torch.equal(held, expected) and torch.equal(grad, model.w.grad)
+
+
 @pytest.mark.parametrize("spelling", ["positional", "keywords", "method keywords"])
 def test_addmm_and_baddbmm_take_their_operands_however_they_are_passed(spelling):
     """BLOOM's attention calls alibi.baddbmm(batch1=q, batch2=k, beta=..., alpha=...)."""
