@@ -41,10 +41,10 @@ class CustomRecipe:
         whose roles (qkv, s, do, dp and the hint-only dpa_output / dpa_grad_input) the factory is
         asked for (TE's fp8_dpa). False leaves attention in high precision and asks for no dpa role.
     small_gemms_in_high_precision: a GEMM site with fewer than 128 output features or a
-        reduction shorter than 16, which only that keeps from tiling its formats' blocks (an MoE
-        router's 8 experts under MXFP8, a rotary embedding's outer product of frequencies and
-        positions),
-        runs in high precision, with the reason in the plan, instead of failing the compile. The
+        reduction shorter than 16, which that (and maybe its rows) keeps from tiling its formats'
+        blocks (an MoE router's 8 experts under MXFP8 at any token count, a rotary embedding's
+        outer product of frequencies and positions), runs in high precision, with the reason in
+        the plan, instead of failing the compile. The
         built-in recipes (presets and zoo) set it; a factory of your own decides per slot, so
         there it stays an error.
     """

@@ -1054,6 +1054,14 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
     assert all(g.reason.startswith("in high precision: its 8 output features tile no block of the recipe's formats") for g in router)
     assert all(g.a_format.startswith("mxfp8") for g in plan.gemms if g.module_type == "grouped_linear")
 
+    # A token count no block divides: the router, small, stays in high precision (the grouped
+    # GEMMs pad their groups themselves), where it failed the compile though it would run so.
+    torch._dynamo.reset()
+    ragged = graphquant.compile(RoutedLayer(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    ragged(x[:37])
+    reasons = {g.reason for g in ragged.graphquant.plan.gemms if g.site == "router#0"}
+    assert reasons == {"in high precision: its 8 output features and 37 rows tile no block of the recipe's formats (mxfp8(fp8_dtype=e4m3))"}
+
     # A factory of the user's own decides per slot: the same formats without the built-in default fail.
     torch._dynamo.reset()
     own = graphquant.compile(RoutedLayer(), CustomRecipe(factories.mxfp8_factory), backend="aot_eager", fullgraph=True)
