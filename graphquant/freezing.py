@@ -23,7 +23,7 @@ from graphquant.compiler import GraphquantBackend
 from graphquant.ops.frozen import STORED_PARTS as PARTS  # importing it registers graphquant::frozen_linear
 from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
-from graphquant.passes.expert_weights import FrozenStack
+from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
@@ -255,20 +255,32 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if not linears and not stacks:
         user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "
                         f"{type(root).__name__}: nothing was frozen")
-    _warn_of_linear_sites_left(backend, {name for name, _ in linears})
+    _warn_of_sites_left(backend, {name for name, _ in linears})
     return model
 
 
-def _warn_of_linear_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
+def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
     """Say which linear sites of the graphs compiled so far are no nn.Linear (transformers' Conv1D,
-    an F.linear of a module's parameter), so keep their high-precision weights, quantized at each call."""
-    planned = {g.site.rpartition("#")[0] for plan in backend.plans for g in plan.gemms if g.module_type == "linear"}
-    left = sorted(planned - linears)
+    an F.linear of a module's parameter), and which grouped sites read their expert stack other
+    than as a parameter or its transpose (a slice of a fused stack): both keep their
+    high-precision weights, quantized at each call."""
+    def sites(module_type: str) -> set[str]:
+        return {g.site.rpartition("#")[0] for plan in backend.plans for g in plan.gemms if g.module_type == module_type}
+
+    left = sorted(sites("linear") - linears)
     if left:
         user_stack.warn(
             f"graphquant.freeze stores the weights of nn.Linear modules and expert stacks; {len(left)} linear site(s) of "
             f"this model are neither ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}: a transformers Conv1D, or "
             "F.linear of a parameter) and keep their high-precision weights, quantized at each call"
+        )
+    read = {weight.site for weight in backend.expert_weights.values() if isinstance(weight, ExpertWeight)}
+    unread = sorted(sites("grouped_linear") - read)
+    if unread:
+        user_stack.warn(
+            f"graphquant.freeze stores an expert stack that a grouped GEMM reads as a parameter or its transpose; "
+            f"{len(unread)} grouped site(s) read theirs otherwise ({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: "
+            "a slice of a fused stack, say), which keeps its high-precision values, quantized at each call"
         )
 
 

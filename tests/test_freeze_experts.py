@@ -184,6 +184,28 @@ def test_freeze_leaves_a_stack_it_cannot_store_with_a_warning():
         assert torch.equal(compiled(tokens(), OFFS), per_call)
 
 
+def test_freeze_names_the_grouped_sites_that_read_a_slice_of_a_fused_stack():
+    """Gate and up fused in one stack, each grouped GEMM reading a slice of it: no parameter is
+    a site's stack, so the fused one keeps its values, and freeze says which sites read it."""
+
+    class Fused(Experts):
+        def forward(self, x, offs):
+            half = self.up.shape[1] // 2
+            gate = torch._grouped_mm(x, self.up[:, :half].transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, self.up[:, half:].transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(gate) * up, self.down[:, :half], offs=offs)
+
+    model = Fused(square=True)
+    compiled = inference_model(model, FAMILIES["tensorwise"]())
+    with torch.no_grad():
+        per_call = compiled(tokens(), OFFS)
+    with pytest.warns(UserWarning, match=r"3 grouped site\(s\) read theirs otherwise \(grouped_linear.0, grouped_linear.1, grouped_linear.2"):
+        graphquant.freeze(compiled)
+    assert isinstance(model.up, torch.nn.Parameter)
+    with torch.no_grad():
+        assert torch.equal(compiled(tokens(), OFFS), per_call)
+
+
 def test_a_graph_that_reads_a_frozen_stack_otherwise_fails_to_compile():
     """Its place holds NaN: a new code path that reads it, or reads it the other way round, is an error."""
     model = Experts(square=True)
