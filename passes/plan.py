@@ -313,7 +313,11 @@ class Planner:
                 try:
                     self._check_tiling(quantizers[tensor], direction, batch, shape)
                 except ValueError as error:
-                    raise PlanError(f"{site.label} (dpa) {tensor} ({slot}): {error}") from None
+                    lengths = f"query length {site.q_sizes[2]}, key length {site.k_sizes[2]}, head dims {site.q_sizes[3]} and {site.v_sizes[3]}"
+                    raise PlanError(
+                        f"{site.label} (dpa) {tensor} ({slot}): {error}. This attention's {lengths}: a block format needs "
+                        "them whole blocks (a KV cache that grows a token a step does not stay so; per-tensor FP8 takes any)"
+                    ) from None
         operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
         head_dims = (int(site.q_sizes[3]), int(site.v_sizes[3]))
         entries = []

@@ -374,7 +374,8 @@ def test_mxfp8_blocks_must_tile_the_sequence():
     def factory(role):
         return MXFP8Quantizer() if role is not None and (role.module_type == "dpa" or "dpa_" in role.name) else IdentityQuantizer()
 
-    with pytest.raises(PlanError, match=r"attn#0 \(dpa\) Q \(qkv\): mxfp8.* each of the 4 batch entries has 24 rows; .* multiple of 32"):
+    with pytest.raises(PlanError, match=r"attn#0 \(dpa\) Q \(qkv\): mxfp8.* each of the 4 batch entries has 24 rows; .* multiple of 32"
+                       r".*This attention's query length 24, key length 24, head dims 32 and 32: a block format needs them whole blocks"):
         graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 24, 64))
 
 
