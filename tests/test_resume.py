@@ -176,3 +176,22 @@ def test_loaded_entries_no_slot_takes_are_named_after_the_first_call(case):
     resumed.graphquant.load_state_dict(state)
     with pytest.warns(UserWarning, match=rf"{len(state)} of the loaded state's entries fit no slot of this model's graphs and are unused"):
         resumed(batch(1)).sum().backward()
+
+
+def test_state_loads_after_an_inference_call_that_drew_no_random_bits():
+    """An inference call draws nothing, so the stochastic-rounding step it has not made waits for
+    the first training graph: loading after such a call continues as loading before it."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "nvfp4_stochastic_rounding")
+    train(compiled, optimizer, range(2))
+    weights, state = {k: v.clone() for k, v in model.state_dict().items()}, compiled.graphquant.state_dict()
+    expected = train(compiled, optimizer, range(2, 4))
+
+    resumed_model = models.seeded(models.MLP(), 1)
+    resumed_model.load_state_dict(weights)
+    resumed, _ = start(resumed_model, "nvfp4_stochastic_rounding")
+    sgd = torch.optim.SGD(resumed_model.parameters(), lr=0.0)  # the losses alone are compared
+    with torch.no_grad():
+        resumed(batch(9))
+    resumed.graphquant.load_state_dict(state)
+    assert torch.equal(train(resumed, sgd, range(2, 3)), expected[:1])
