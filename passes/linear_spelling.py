@@ -52,10 +52,12 @@ def _fold(gm: fx.GraphModule, parameters: set[fx.Node], transposed: set[fx.Node]
             linear = gm.graph.call_function(F.linear, (node.args[0], weight))
         linear.meta.update(node.meta)
         node.replace_all_uses_with(linear)
+        transpose = node.args[1]
         gm.graph.erase_node(node)
+        if isinstance(transpose, fx.Node) and transpose.op != "placeholder" and not transpose.users:
+            gm.graph.erase_node(transpose)  # that node alone: FX's dead-code pass would take in-place updates too
         folded = True
     if folded:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
 
 

@@ -249,6 +249,25 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
+def test_folding_a_transposed_weight_keeps_the_graphs_in_place_updates():
+    """BatchNorm's num_batches_tracked.add_(1) has no users, as any in-place update: folding
+    x @ W.T into a linear must not take it with the transpose it drops."""
+
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.bn = torch.nn.Parameter(torch.randn(32, 32) / 8), torch.nn.BatchNorm1d(32)
+
+        def forward(self, x):
+            return self.bn(x @ self.w.T)
+
+    model = Normed()
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        compiled(torch.randn(16, 32))
+    assert model.bn.num_batches_tracked.item() == 3
+
+
 def test_a_transposed_parameter_in_a_checkpointed_block_is_a_linear_too():
     """Dynamo hoists ``W.T`` out of a checkpoint's body and hands it in as an input: the product
     is a linear site there too, as without the checkpoint, computing what eager torch does."""
