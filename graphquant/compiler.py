@@ -7,6 +7,7 @@ import copy
 import functools
 import inspect
 import os
+import re
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -334,12 +335,15 @@ class GraphquantBackend:
             candidates[local] = candidates.get(local, held) & held
             sources.setdefault(local, grapharg.source)
         kinds = _module_kinds(gm)
+        order = {name: i for i, (name, _) in enumerate(self.root.named_modules(remove_duplicate=False))}
         modules = {}
         for local, held in candidates.items():
-            if len(held) > 1:  # a tied parameter the local holds as its own: the module's class decides
-                held = {name for name in held if type(self.root.get_submodule(name)) is kinds.get(local)}
-            if len(held) == 1:
-                modules[local] = held.pop()
+            if len(held) > 1:  # a tied parameter the local holds as its own: the module itself decides
+                value = _frame_local(local)
+                same = {name for name in held if self.root.get_submodule(name) is value}
+                held = same or {name for name in held if type(self.root.get_submodule(name)) is kinds.get(local)}
+            if held:  # one module, or one registered under several names: the first, as named_modules() spells it
+                modules[local] = min(held, key=order.__getitem__)
                 _guard_identity(sources[local])
         own = next((modules[local] for local in _SELF_LOCALS if local in modules), "")
         return Frame(tuple(modules.items()), own)
@@ -460,6 +464,20 @@ def _raising(error: Exception) -> Callable:
 
 # The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
 _SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
+
+
+def _frame_local(local: str) -> object:
+    """The value of the local ``local`` ("L['stack0']", "L['mods'][1]") of the frame Dynamo is
+    compiling, or None where it cannot be read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        value: object = InstructionTranslator.current_tx().f_locals
+        for key in re.findall(r"\[(\d+|'[^']*')\]", local):
+            value = value[int(key)] if key.isdigit() else value[key.strip("'")]
+        return value
+    except Exception:  # no frame being compiled (a graph handed over otherwise), or a local of another form
+        return None
 
 
 def _module_kinds(gm: fx.GraphModule) -> dict[str, type]:

@@ -172,6 +172,36 @@ def test_functional_products_are_numbered_across_graph_breaks_and_kept_by_recomp
     assert len(compiled.graphquant.state_dict()) == 6  # input, weight, grad_output of each
 
 
+def test_a_module_under_two_names_or_two_modules_sharing_a_weight_are_told_apart_across_a_break():
+    """The parameters a resumed frame lifts fit several modules here: one block registered under
+    two names (named as named_modules() spells it, the first) and a second block of its class;
+    two linears sharing one weight. Each graph is still the module's own, named after it."""
+
+    class Block(nn.Module):
+        def __init__(self, lin=None):
+            super().__init__()
+            self.lin = lin or nn.Linear(32, 32)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.lin(x)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = self.again = Block()
+            self.other = Block()
+            self.a = Block()
+            self.b = Block(nn.Linear(32, 32))
+            self.b.lin.weight = self.a.lin.weight
+
+        def forward(self, x):
+            return self.b(self.a(self.other(self.again(x))))
+
+    plan = graphquant.explain(Shared(), zoo.recipe("tensorwise"), torch.randn(16, 32))
+    assert [g.site for g in plan.gemms if g.gemm == "fprop"] == ["first.lin#0", "other.lin#0", "a.lin#0", "b.lin#0"]
+
+
 def test_modules_a_frame_holds_in_a_list_or_dict_across_a_graph_break_are_named_as_themselves():
     class Held(nn.Module):
         def __init__(self):
