@@ -222,7 +222,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is not None:
         _check_no_meta_buffer_is_left(root)
     linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
-    # Every weight is checked before any is replaced: a refusal leaves the model as it was.
+    # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
+    # model as it was (a checkpoint that does not fit is refused by the load, after).
     frozen = []
     for name, linear in linears:
         if _is_tied(f"{name}.weight", tied, linear.weight):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 # Attention's hint-only boundary roles, named <name>.dpa_output and <name>.dpa_grad_input.
 HINTS = ("dpa_output", "dpa_grad_input")
@@ -39,11 +40,11 @@ class QuantizerRole:
         ValueError where it is no such string."""
         if text == str(cls()):
             return cls()
-        fields = dict(part.partition("=")[::2] for part in text.split("|"))
-        known = {f.name for f in dataclasses.fields(cls)}
-        if not fields.keys() <= known or "" in fields.values() or len(fields) != text.count("|") + 1:
-            raise ValueError(f"{text!r} is no QuantizerRole string (fields {'|'.join(f'{name}=...' for name in sorted(known))})")
-        return cls(**fields)
+        # The fields in their order; a module name (last) may hold '|' or '=' itself.
+        match = re.fullmatch(r"(?:module_type=([^|=]+))?(?:(?<!^)\|)?(?:tensor_type=([^|=]+))?(?:(?<!^)\|)?(?:name=(.+))?", text)
+        if match is None or not any(match.groups()) or str(cls(*(g or "" for g in match.groups()))) != text:
+            raise ValueError(f"{text!r} is no QuantizerRole string (module_type=...|tensor_type=...|name=..., the empty ones left out)")
+        return cls(*(g or "" for g in match.groups()))
 
     @property
     def hint(self) -> str:

@@ -178,3 +178,15 @@ def test_grouped_gemms_are_measured_group_by_group_against_the_high_precision_pr
     assert report["grouped_linear.0#0", "dgrad"].sqnr_db == pytest.approx(sqnr_db(reference, dgrad), abs=1e-3)
     wgrad = report["grouped_linear.0#0", "wgrad"]
     assert 20 < wgrad.sqnr_db < 60 and wgrad.a.operand == "grad_output.columnwise" and wgrad.b.amax == x.abs().max().item()
+
+def test_a_recorder_that_starts_listening_after_a_grouped_forward_sees_what_it_can():
+    """The forward kept no high-precision input for a recorder that was not listening: its
+    backward's wgrad is left out, not failed on; dgrad (of grad_output and the weights) reports."""
+    w = torch.nn.Parameter(torch.randn(4, 64, 48, dtype=torch.bfloat16) / 8)
+    compiled = graphquant.compile(lambda x, offs: torch._grouped_mm(x, w, offs=offs), zoo.recipe("tensorwise"), backend=run_eagerly)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = compiled(x, torch.tensor([10, 10, 33, 40], dtype=torch.int32))
+    seen = []
+    with recording.recording(lambda gemm: seen.append(gemm.gemm)):
+        y.float().sum().backward()
+    assert sorted(seen) == ["dgrad"]

@@ -49,6 +49,11 @@ def test_role_is_a_frozen_printable_value():
     assert role == QuantizerRole("linear", "weight", "layers.0.fc1") and len({role, QuantizerRole("linear", "weight", "layers.0.fc1")}) == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         role.name = "other"
+    # The string reads back (a resume's state keys), a module name holding '|' or '=' included.
+    for again in (role, QuantizerRole(), QuantizerRole(name="attn.dpa_output"), QuantizerRole("linear", "weight", "heads.q|k=v")):
+        assert QuantizerRole.parse(str(again)) == again
+    with pytest.raises(ValueError, match="is no QuantizerRole string"):
+        QuantizerRole.parse("fc1.weight")
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS, ids=str)

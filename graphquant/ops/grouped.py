@@ -233,7 +233,7 @@ def _recorded_gemm(
     b_hp, reported to a listening recorder (graphquant.numerics) with the same product of a_hp and
     b_hp held in high precision."""
     out = _gemm(a, b, b_layout.row_group, tokens, n, out_dtype, site, gemm)
-    if recording.listening():
+    if recording.listening() and a_hp is not None and b_hp is not None:  # None: not kept from a forward run unobserved
         held = [
             quantize_grouped(t, layout, IdentityQuantizer(), (op.direction,), None, 0, None)[op.direction]
             for t, op, layout in ((a_hp, a, a_layout), (b_hp, b, b_layout))
