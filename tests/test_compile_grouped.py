@@ -686,8 +686,9 @@ def test_an_expert_stacks_closed_form_layout_is_the_searched_one(experts, rows):
 def test_offsets_that_do_not_end_at_the_rows_fail():
     model = Model(sizes=(40, 0, 57, 26))  # 123 rows in groups, 124 given
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.raises(RuntimeError, match=r"moe\.grouped_linear\.0#0: the grouped GEMM.s offsets must be non-decreasing and end at the input.s 124 rows, every row in a group"):
+    with pytest.raises(RuntimeError, match=r"moe\.grouped_linear\.0#0: the grouped GEMM.s offsets must be non-decreasing and end at the input.s 124 rows \(rows past offs\[-1\] stay unwritten\)") as error:
         compiled(inputs())
+    assert len(str(error.value)) < 255  # CUDA's device-side assert refuses longer messages
 
 
 def test_stochastic_rounding_draws_per_seed_and_step():

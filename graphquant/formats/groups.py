@@ -154,6 +154,9 @@ def uniform_padding(groups: int, rows: int, block: int, device: torch.device) ->
     return GroupPadding(row + row // rows * (padded - rows), row_group, ends * padded, source, ends * rows)
 
 
+_ASSERT_MESSAGE_LENGTH = 254
+
+
 def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     """Fail (asynchronously on a GPU: no host wait) unless ``offs`` is non-decreasing and ends at
     ``rows``: every row in a group (torch._grouped_mm leaves rows past the last offset unwritten
@@ -161,12 +164,12 @@ def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     ends = offs.long()
     ordered = torch.all(ends[1:] >= ends[:-1]) & (ends[0] >= 0) & (ends[-1] == rows)
     count = f"{rows} rows" if isinstance(rows, int) else "rows"
-    torch._assert_async(
-        ordered,
-        f"{what}: the grouped GEMM's offsets must be non-decreasing and end at the input's {count}, every row in a "
-        "group (torch._grouped_mm leaves rows past the last offset unwritten, and its backward fails on them); slice "
-        "the input to offs[-1] rows, or route the padding rows to an expert",
+    message = (
+        f"the grouped GEMM's offsets must be non-decreasing and end at the input's {count} (rows past offs[-1] stay "
+        "unwritten); slice the input to offs[-1] rows, or route the padding rows to an expert"
     )
+    # CUDA's device-side assert takes a message under 255 characters: a long site name is cut.
+    torch._assert_async(ordered, f"{what[: _ASSERT_MESSAGE_LENGTH - len(message) - 2]}: {message}")
 
 
 def group_counters(row_group: torch.Tensor, groups: int, cols: int, *, transposed: bool = False) -> torch.Tensor:
