@@ -131,7 +131,7 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = 
     do_made, _ = quantize_tensor(grad.reshape(-1, HEAD_DIM), e5m2, (ROWWISE, COLUMNWISE), SlotState(None, None, 0))
     do8, dot8 = do_made[ROWWISE].tensors[0].view(q.shape), do_made[COLUMNWISE].tensors[0]
     forward = functools.partial(forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
-    o, lse, _ = forward()
+    o, lse = forward()
     delta = (do8.float() * do_made[ROWWISE].tensors[1] * o.float()).sum(-1)
     ds_scale = e5m2.scale_of_amax(torch.ones(1, device=q.device))
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_made[ROWWISE].tensors[1], p_scale, 1 / p_scale, ds_scale, 1 / ds_scale)])

@@ -257,8 +257,7 @@ class GraphquantBackend:
             user_stack.warn(
                 f"graphquant: this inference call starts {len(fresh)} delayed-scaling slot(s) with no amax history "
                 f"({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}) and quantizes them at scale 1, as "
-                "TransformerEngine's first step does, which flushes small values to zero (attention's softmax "
-                "output most of all); load the training run's state first (compiled.graphquant.load_state_dict), "
+                "TransformerEngine's first step does, which flushes small values to zero; load the training run's state first (compiled.graphquant.load_state_dict), "
                 "or make a warm-up call before using the outputs"
             )
         if self.dump_dir:

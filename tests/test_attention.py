@@ -43,12 +43,14 @@ from graphquant.recipes import CustomRecipe
 import models
 from reference import EPS32, delayed_update, fresh_dynamo, gemm_bound, ref_dequantize, ref_quantize  # noqa: F401
 
-CURRENT = {"qkv": "fp8_current(fp8_dtype=e4m3)", "s": "fp8_current(fp8_dtype=e4m3)", "do": "fp8_current(fp8_dtype=e5m2)", "dp": "fp8_current(fp8_dtype=e5m2)"}
+# What the plan gives a per-tensor s slot, whatever scaling the factory asked for (softmax_output_format).
+P_FORMAT = "fp8_current(fp8_dtype=e4m3, amax_epsilon=1.0)"
+CURRENT = {"qkv": "fp8_current(fp8_dtype=e4m3)", "s": P_FORMAT, "do": "fp8_current(fp8_dtype=e5m2)", "dp": "fp8_current(fp8_dtype=e5m2)"}
 MXFP8 = {"qkv": "mxfp8(fp8_dtype=e4m3)", "s": "mxfp8(fp8_dtype=e4m3)", "do": "mxfp8(fp8_dtype=e5m2)", "dp": "mxfp8(fp8_dtype=e5m2)"}
 DELAYED_S = "fp8_delayed(fp8_dtype=e4m3, amax_history_len=1, amax_compute_algo=most_recent)"
 DELAYED_DP = "fp8_delayed(fp8_dtype=e5m2, amax_history_len=1, amax_compute_algo=most_recent)"
-ZOO = {**CURRENT, "s": DELAYED_S, "dp": DELAYED_DP}  # nvfp4_linear_fp8_dpa's attention
-DELAYED = {"qkv": "fp8_delayed(fp8_dtype=e4m3, amax_history_len=4)", "s": DELAYED_S, "do": "fp8_delayed(fp8_dtype=e5m2, amax_history_len=4)", "dp": DELAYED_DP}
+ZOO = {**CURRENT, "dp": DELAYED_DP}  # nvfp4_linear_fp8_dpa's attention as planned
+DELAYED = {"qkv": "fp8_delayed(fp8_dtype=e4m3, amax_history_len=4)", "s": P_FORMAT, "do": "fp8_delayed(fp8_dtype=e5m2, amax_history_len=4)", "dp": DELAYED_DP}
 FORMATS = {"current": CURRENT, "mxfp8": MXFP8, "zoo": ZOO, "delayed": DELAYED}
 
 
@@ -310,7 +312,7 @@ def test_a_delayed_scaling_request_gives_the_backward_slots_and_the_grad_input_h
 def test_fp8_attention_joins_a_delayed_scaling_recipe_with_its_own_requests():
     plan = graphquant.explain(_decoder(), zoo.with_fp8_attention(recipes.delayed_scaling()), torch.randn(2, 32, 64))
     histories = {(role.module_type, role.tensor_type): getattr(q, "amax_history_len", None) for role, q in plan.slots if role.name.startswith("attn")}
-    assert histories[("dpa", "s")] == histories[("dpa", "dp")] == 1
+    assert histories[("dpa", "dp")] == 1 and histories[("dpa", "s")] is None  # s: softmax_output_format's, no history
     assert histories[("linear", "input")] == 1024
 
 
@@ -334,7 +336,7 @@ def test_zoo_nvfp4_linear_fp8_dpa_reaches_attention():
     plan = graphquant.explain(_decoder(), recipe, torch.randn(2, 32, 64))
     slots = {str(role): q.spec for role, q in plan.slots}
     assert slots["module_type=dpa|tensor_type=qkv|name=attn"] == "fp8_current(fp8_dtype=e4m3)"
-    assert slots["module_type=dpa|tensor_type=s|name=attn"] == DELAYED_S
+    assert slots["module_type=dpa|tensor_type=s|name=attn"] == P_FORMAT  # the factory's DELAYED_S, as P takes it
     assert slots["module_type=dpa|tensor_type=do|name=attn"] == "fp8_current(fp8_dtype=e5m2)"
     assert slots["module_type=dpa|tensor_type=dp|name=attn"] == DELAYED_DP
     assert slots["name=attn.dpa_grad_input"] == "fp8_current(fp8_dtype=e5m2)"
@@ -438,7 +440,33 @@ def test_trains_compiled_and_dumps_the_attention_site(tmp_path):
     rewritten = (tmp_path / "graph_000_rewritten.py").read_text()
     assert "quantized_attention" in rewritten and "AttentionSite(name='attn', call=0, qkv='fp8_current(fp8_dtype=e4m3)'" in rewritten
     states = compiled.graphquant.state_dict()
-    assert states["module_type=dpa|tensor_type=s|name=attn"][0] != 1  # the second step's scale, from the first's amax
+    assert states["module_type=dpa|tensor_type=dp|name=attn"][0] != 1  # the second step's scale, from the first's amax
+    assert "module_type=dpa|tensor_type=s|name=attn" not in states  # P's scale is its bound's, no state
+
+
+def test_p_is_scaled_by_its_bound_whatever_ran_before():
+    """A decode step's P (one query over many keys) peaks far under 1; a delayed-scaling history of
+    P's amax carried it into the next prefill, whose first row's P of 1 then saturated (logits
+    half off after a generate). P's scale is now its bound's: a prefill gives the same bits
+    before and after a generate, and on a fresh model's first call."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    only_attention = zoo.with_fp8_attention(CustomRecipe(lambda role: IdentityQuantizer()))  # the zoo's attention formats
+    compiled = graphquant.compile(model, only_attention, backend="aot_eager")
+    ids = torch.randint(1, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = compiled(ids).logits
+        compiled.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        after_generate = compiled(ids).logits
+        reference = model(ids).logits
+    torch.testing.assert_close(after_generate, first, rtol=0, atol=0)
+    assert (first - reference).norm() / reference.norm() < 0.05
 
 
 def test_numerics_report_lists_attention_products():

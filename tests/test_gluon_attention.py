@@ -38,7 +38,7 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
     constants = dict(HEADS=4 * groups, GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=triton_attention.TILE_ROWS,
                      BLOCK_N=triton_attention.TILE_KEYS, STAGES=config.num_stages, OPERAND_ORDER=config.operand_order,
                      SPECIALIZED=config.warp_specialize)
-    pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", P_AMAX="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
+    pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
     signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 64),

@@ -714,7 +714,7 @@ def _gluon_or_triton(kernel: str, lengths: dict[str, Any]) -> Selection:
 
 def flash_backward_refusal(s: Quantizer, do: Optional[Quantizer], dp: Optional[Quantizer]) -> str:
     """Why the FP8 flash backward cannot run where the flash forward runs ('' where it can)."""
-    for slot, quantizer, delayed in (("s", s, True), ("dp", dp, True), ("do", do, False)):
+    for slot, quantizer, delayed in (("s", s, False), ("dp", dp, True), ("do", do, False)):
         if quantizer is None:
             return f"the FP8 flash backward needs the {slot} format"
         rowwise = quantizer.gemm_input(ROWWISE)

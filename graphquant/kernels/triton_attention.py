@@ -10,9 +10,8 @@ block of BLOCK_M query rows, walks the keys BLOCK_N at a time:
     P tile  = exp2(logit - m), unnormalised, in [0, 1], quantized to E4M3 with ``p_scale``
     O      += P codes @ V codes (fp32)
 
-and writes O = acc * scale_inv / p_scale / l in the output dtype, the natural-log logsumexp of
-each row's scaled logits (what a backward recomputes P from), and the max over rows of 1 / l (the
-amax of the normalised P, which a delayed-scaling ``s`` slot records).
+and writes O = acc * scale_inv / p_scale / l in the output dtype and the natural-log logsumexp of
+each row's scaled logits (what a backward recomputes P from).
 
 V arrives as its columnwise representation (V^T, keys contiguous: the exact transpose of the
 rowwise codes), so the right operand of the PV product is K-major, as Hopper's FP8 wgmma takes it.
@@ -238,7 +237,7 @@ def key_range(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, P_AMAX, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
+    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
@@ -275,11 +274,10 @@ def _forward_kernel(
     tl.store(O + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=rows[:, None])
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
     tl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
-    tl.atomic_max(P_AMAX, tl.max(tl.where(rows, 1.0 / l_i, 0.0), 0))
 
 
 def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torch.dtype) -> tuple[tuple, tuple]:
-    """The outputs a forward fills (O, logsumexp, P's amax: see ``forward``) and the codes
+    """The outputs a forward fills (O, logsumexp: see ``forward``) and the codes
     contiguous; refuses codes it does not take."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -292,8 +290,7 @@ def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torc
         raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
     o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
-    p_amax = torch.zeros(1, device=q.device, dtype=torch.float32)
-    return (o, lse, p_amax), (q.contiguous(), k.contiguous(), vt.contiguous())
+    return (o, lse), (q.contiguous(), k.contiguous(), vt.contiguous())
 
 
 def forward(
@@ -306,21 +303,20 @@ def forward(
     causal: bool,
     out_dtype: torch.dtype,
     config: Optional[ForwardConfig] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32, amax of the
-    normalised P (1,) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
     vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
     ``p_scale`` (both one float32 on the device); ``config`` defaults to ``default_config(causal)``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    (o, lse, p_amax), (q, k, vt) = prepared(q, k, vt, out_dtype)
+    (o, lse), (q, k, vt) = prepared(q, k, vt, out_dtype)
     config = config or default_config(causal)
     launch(
         _forward_kernel, (ceil_div(seq_q, config.block_m), b * heads),
-        q, k, vt, o, lse, p_amax, scale_inv, p_scale, softmax_scale,
+        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale,
         seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
         config.pv_promotion, config.warp_specialize, config.qk_ahead,
         config.operand_order, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return o, lse, p_amax
+    return o, lse
 

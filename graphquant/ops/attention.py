@@ -20,6 +20,12 @@ format quantizes each alone. O and dQ, dK, dV stay in high precision: their quan
 applies. Grouped-query attention repeats each key/value head for its query heads (the same codes
 as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
 
+P is a probability, at most 1, so its range is known before it is computed: the plan gives the s
+slot a per-tensor format that scales P as an amax of 1 would (``softmax_output_format``) in place
+of a scale carried between calls. A delayed history carries one call's P amax into the next call
+of another shape (a decode step's one query row over many keys peaks far under 1, and the next
+prefill's first row, which is 1, saturates), and a fresh slot's scale of 1 flushes P below 2^-9.
+
 The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). Where
 the plan chose an FP8 flash forward (graphquant.kernels.triton_attention, or its Gluon twin
 graphquant.kernels.gluon_attention with the same bits: ``FlashAttention``), it replaces
@@ -49,12 +55,25 @@ from graphquant.ops.library import quantizer_of, unflatten
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
-from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, QuantizeContext, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
 _EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 NO_STATES = (None, None, None, None)
+# P's largest value: a softmax output is a probability.
+P_BOUND = 1.0
+
+
+def softmax_output_format(quantizer: Quantizer) -> Quantizer:
+    """The format P takes for the s slot's ``quantizer``: a per-tensor one (current or delayed
+    scaling) becomes current scaling with the amax floored at P_BOUND, which for P is the scale of
+    an amax of 1 at every call, with no state; a block format scales each block as it is."""
+    if quantizer.block(ROWWISE) != (0, 0):
+        return quantizer
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+        return dataclasses.replace(quantizer, amax_epsilon=max(quantizer.amax_epsilon, P_BOUND), with_amax_reduction=False)
+    return Float8CurrentScalingQuantizer(fp8_dtype=quantizer.fp8_dtype, amax_epsilon=P_BOUND)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +92,12 @@ class AttentionSite:
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __post_init__(self) -> None:
+        s = self.quantizer("s")
+        if softmax_output_format(s) != s:
+            raise ValueError(
+                f"{self.label}: s={self.s} would scale P by its own amax or a history; give s "
+                f"{softmax_output_format(s).spec!r} (softmax_output_format: P's scale is that of its bound, 1)"
+            )
         if self.backward_backend.name in backends.ATTENTION_KERNELS:
             flash_forward = self.backend.name in backends.ATTENTION_KERNELS
             why = "its forward does not run on a flash kernel" if not flash_forward else backends.flash_backward_refusal(
@@ -98,7 +123,7 @@ def quantized_attention(
     site: AttentionSite, states=NO_STATES,
 ):
     """F.scaled_dot_product_attention in the site's formats; ``states`` is the delayed-scaling
-    state of qkv, s, do and dp (None where a format keeps none). Fewer key/value heads than query
+    state of qkv, s, do and dp (None where a format keeps none: always for s). Fewer key/value heads than query
     heads are grouped whatever ``enable_gqa`` says (F.scaled_dot_product_attention would have
     refused them without it when the graph was captured)."""
     if dropout_p:
@@ -108,15 +133,16 @@ def quantized_attention(
         )
     lq, lk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if site.backend.name in backends.ATTENTION_KERNELS and attn_mask is not None:
+        raise ValueError(
+            f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
+            f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={_EMULATED!r})"
+        )
+    qkv_delayed, _, do_delayed, dp_delayed = states
     if site.backend.name in backends.ATTENTION_KERNELS:
-        if attn_mask is not None:
-            raise ValueError(
-                f"{site.label}: the FP8 flash-attention kernel takes is_causal or no mask, not an attn_mask of shape "
-                f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={_EMULATED!r})"
-            )
-        return FlashAttention.apply(query, key, value, *states, site, scale, bool(is_causal))
+        return FlashAttention.apply(query, key, value, qkv_delayed, do_delayed, dp_delayed, site, scale, bool(is_causal))
     mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)
-    return QuantizedAttention.apply(query, key, value, mask, *states, site, scale)
+    return QuantizedAttention.apply(query, key, value, mask, qkv_delayed, do_delayed, dp_delayed, site, scale)
 
 
 def _additive_mask(attn_mask, is_causal: bool, lq: int, lk: int, device) -> Optional[torch.Tensor]:
@@ -136,7 +162,7 @@ class QuantizedAttention(torch.autograd.Function):
     """Attention of 4-D (batch, heads, length, dim) query, key and value in the site's formats."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float):
+    def forward(ctx, q, k, v, mask, qkv_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float):
         training = any(ctx.needs_input_grad[:3])
         groups = q.shape[1] // k.shape[1]
         k, v = (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
@@ -147,8 +173,7 @@ class QuantizedAttention(torch.autograd.Function):
         directions = {t: ds if training else ds[:1] for t, ds in directions.items()}
         qkv_state = SlotState(qkv_delayed, None, 0, site.amax_group)
         made = quantize_qkv(tensors, site.quantizer("qkv"), directions, qkv_state)
-        s_state = SlotState(s_delayed, None, 0, site.amax_group)
-        o, p, p_made = emulated_forward(site, tensors, made, mask, scale, s_state, (b, h, lq, lk), training)
+        o, p, p_made = emulated_forward(site, tensors, made, mask, scale, (b, h, lq, lk), training)
 
         ctx.site, ctx.scale, ctx.groups, ctx.shapes = site, scale, groups, (b, h, lq, lk, d, dv)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
@@ -177,7 +202,7 @@ class QuantizedAttention(torch.autograd.Function):
         )
         dq = dq.view(b, h, lq, d)
         dk, dv_ = (_summed_over_groups(x, b, h, ctx.groups, lk) for x in (dk, dv_))
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None
 
 
 class FlashAttention(torch.autograd.Function):
@@ -189,40 +214,35 @@ class FlashAttention(torch.autograd.Function):
     codes.
 
     Q, K and V are quantized as the emulation quantizes them (their joint per-tensor scale, the
-    same codes: ``flash_qkv``); the kernel quantizes each P tile unnormalised (exp(logit - running max), amax 1)
-    with the scale the s format gives an amax of 1, and records the normalised P's amax (the max
-    over rows of 1 / rowsum) where s keeps delayed-scaling state. The recomputed P of the backward
-    is quantized as the emulation's forward would have (the s state as the forward found it), so
-    the gradients are the emulation's with the kernel's O in D = rowsum(dO * O). The flash
-    backward gets the same codes of Q, K, V and dO and the same D, and quantizes P and dS tile by
-    tile with the s and dp slots' delayed scales (``flash_backward``).
+    same codes: ``flash_qkv``); the kernel quantizes each P tile unnormalised (exp(logit - running
+    max), amax 1) with the s format's scale, the one an amax of 1 gets. The recomputed P of the
+    backward is quantized as the emulation's forward would have, so the gradients are the
+    emulation's with the kernel's O in D = rowsum(dO * O). The flash backward gets the same codes
+    of Q, K, V and dO and the same D, and quantizes P with the s format's scale and dS with the dp
+    slot's delayed one, tile by tile (``flash_backward``).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, qkv_delayed, s_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
+    def forward(ctx, q, k, v, qkv_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
         d = q.shape[-1]
         made = flash_qkv({"Q": q, "K": k, "V": v}, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
-        s_quantizer = site.quantizer("s")
-        s_found = s_delayed.clone() if s_delayed is not None else None
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
-        o, lse, p_amax = FLASH_FORWARDS[site.backend.name](
+        o, lse = FLASH_FORWARDS[site.backend.name](
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
-            q_row.tensors[1], s_quantizer.scale_of_amax(torch.ones(1, device=q.device)), scale, causal, q.dtype,
+            q_row.tensors[1], p_scale(site, q.device), scale, causal, q.dtype,
         )
-        if s_quantizer.keeps_state:
-            record_amax(s_quantizer, SlotState(s_delayed, None, 0, site.amax_group), p_amax)
         ctx.site, ctx.scale, ctx.causal, ctx.shapes = site, scale, causal, (q.shape, k.shape)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
         ctx.originals = {t: x.reshape(-1, d) for t, x in zip("QKV", (q, k, v))} if recording.listening() else {}
-        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse, s_found)
+        ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse)
         ctx.delayed = (do_delayed, dp_delayed)  # not saved: see quantize.SlotState
         return o
 
     @staticmethod
     def backward(ctx, do):
         site, (q_shape, k_shape) = ctx.site, ctx.shapes
-        q_data, k_data, v_data, scale_inv, amax, o, lse, s_found = ctx.saved_tensors
+        q_data, k_data, v_data, scale_inv, amax, o, lse = ctx.saved_tensors
         do_delayed, dp_delayed = ctx.delayed
         b, h, lq, d = q_shape
         groups, lk = h // k_shape[1], k_shape[2]
@@ -232,8 +252,8 @@ class FlashAttention(torch.autograd.Function):
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             # dK and dV come in K's dtype (V's: F.scaled_dot_product_attention takes one) where they are not sums
             # over groups; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it
-            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, s_found, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
-            return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
+            return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
             if name != "Q" and groups != 1:  # the emulation's products take one key/value head per query head
@@ -244,14 +264,13 @@ class FlashAttention(torch.autograd.Function):
         originals = {t: x if t == "Q" or groups == 1 else x.view(k_shape).repeat_interleave(groups, 1).reshape(-1, d)
                      for t, x in ctx.originals.items()}
         mask = _additive_mask(None, ctx.causal, lq, lk, o.device)
-        s_state = SlotState(s_found, None, 0, site.amax_group)  # a copy: the forward already recorded its amax
-        p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, s_state, (b, h, lq, lk), True)
+        p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, (b, h, lq, lk), True)
         dq, dk, dv = emulated_backward(
             site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
         )
         dq = dq.view(q_shape)
         dk, dv = (_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None, None
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None
 
 
 def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int) -> torch.Tensor:
@@ -265,9 +284,9 @@ def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int
 def _flash_forward_elsewhere(
     q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
     causal: bool, out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 flash-attention forward (graphquant.kernels.triton_attention.forward, or
-    gluon_attention.forward): (O, logsumexp, the normalised P's amax) of E4M3 codes under one
+    gluon_attention.forward): (O, logsumexp) of E4M3 codes under one
     scale, P tiles quantized with ``p_scale`` (one float32). CUDA with Triton only."""
     raise NotImplementedError(
         f"graphquant's FP8 flash-attention forwards run on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects "
@@ -282,19 +301,24 @@ FLASH_FORWARDS = {
 }
 
 
-def flash_backward(site, codes, scale_inv, o, lse, s_found, do, softmax_scale, causal, do_state, dp_state, grad_dtype):
+def p_scale(site: AttentionSite, device: torch.device) -> torch.Tensor:
+    """The scale of P's FP8 codes in a flash kernel (float32, (1,)): the s format's for an amax of
+    1, which every unnormalised tile reaches and no normalised P exceeds."""
+    return site.quantizer("s").scale_of_amax(torch.full((1,), P_BOUND, device=device))
+
+
+def flash_backward(site, codes, scale_inv, o, lse, do, softmax_scale, causal, do_state, dp_state, grad_dtype):
     """(dQ (batch, heads, Lq, D) in fp32, dK and dV (batch, kv heads, Lk, D) in ``grad_dtype``, fp32
     under grouped-query attention) from the FP8 flash backward:
     dO quantized (``joint_per_tensor``: quantize_do's codes) and D = rowsum(dO * O) taken as the
-    emulation takes them, P quantized with the s
-    slot's scale as the forward found it and dS with the dp slot's, whose history then records
-    the largest |dS| the kernel saw."""
+    emulation takes them, P quantized with ``p_scale`` and dS with the dp slot's delayed scale,
+    whose history then records the largest |dS| the kernel saw."""
     q, k, v = codes
     b, h, lq, d = q.shape
     do_made = joint_per_tensor({"dO": do}, site.quantizer("do"), do_state, ("dO",))["dO"]
     do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
     delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
-    s_scale, dp_scale = s_found[:1].clone(), dp_state.delayed[:1].clone()
+    s_scale, dp_scale = p_scale(site, o.device), dp_state.delayed[:1].clone()
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_row.tensors[1], s_scale, torch.reciprocal(s_scale), dp_scale, torch.reciprocal(dp_scale))])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, d))  # noqa: E731
     dp_quantizer = site.quantizer("dp")
@@ -357,7 +381,7 @@ def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dty
 @registry.fake("flash_attention")
 def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
     b, h, lq, d = q.shape
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32), q.new_empty(1, dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32)
 
 
 @registry.op("joint_amax")
@@ -471,23 +495,21 @@ def quantize_qkv(
     return made
 
 
-def emulated_forward(site, tensors, made, mask, scale, s_state, shape, training):
+def emulated_forward(site, tensors, made, mask, scale, shape, training):
     """(O as (batch * heads, Lq, Dv) in the inputs' dtype, P in fp32 as (batch * heads * Lq, Lk),
     P's quantized directions) for ``shape`` (batch, heads, Lq, Lk)."""
-    p, p_made = emulated_softmax(site, tensors, made, mask, scale, s_state, shape, training)
+    p, p_made = emulated_softmax(site, tensors, made, mask, scale, shape, training)
     o = _product(site, "pv", p, p_made[ROWWISE], tensors["V"], made["V"][COLUMNWISE], shape[0] * shape[1])
     return o.to(tensors["Q"].dtype), p, p_made
 
 
-def emulated_softmax(site, tensors, made, mask, scale, s_state, shape, training):
+def emulated_softmax(site, tensors, made, mask, scale, shape, training):
     """(P in fp32 as (batch * heads * Lq, Lk), P's quantized directions): S materialised, softmax
     in fp32, P quantized whole (``tensors``, the originals, only for a listening recorder)."""
     s = _product(site, "qk", tensors.get("Q"), made["Q"][ROWWISE], tensors.get("K"), made["K"][ROWWISE], shape[0] * shape[1])
     logits = s.view(shape) * scale if mask is None else s.view(shape) * scale + mask
     p = _safe_softmax(logits).reshape(-1, shape[3])
-    s_quantizer = site.quantizer("s")
-    p_made, _ = quantize_tensor(p, s_quantizer, (ROWWISE, COLUMNWISE) if training else (ROWWISE,), s_state)
-    update_delayed_scaling(s_quantizer, s_state, p_made)
+    p_made, _ = quantize_tensor(p, site.quantizer("s"), (ROWWISE, COLUMNWISE) if training else (ROWWISE,), SlotState(None, None, 0))
     return p, p_made
 
 
