@@ -20,7 +20,6 @@ from graphquant import recipes, user_stack
 from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.ops import attention
 from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -302,7 +301,7 @@ class Planner:
             slots[role] = self.quantizer(role)
         for role in dict.fromkeys(roles):
             self._check_attention_quantizer(site, role, slots[role])
-        slots[site.role("s")] = attention.softmax_output_format(slots[site.role("s")])
+        slots[site.role("s")] = backends.softmax_output_format(slots[site.role("s")])
         tensors = site.tensors()
         quantizers = {t: slots[site.role(slot)] for t, (slot, _, _) in tensors.items()}
         used: dict[str, set[str]] = {}

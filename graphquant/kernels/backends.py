@@ -28,6 +28,7 @@ from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
+    Float8CurrentScalingQuantizer,
     GemmInput,
     Quantizer,
     Representation,
@@ -726,6 +727,20 @@ def flash_backward_refusal(s: Quantizer, do: Optional[Quantizer], dp: Optional[Q
 
 
 PER_TENSOR_E4M3 = GemmInput("fp8_tensorwise", "e4m3")
+# The largest value of attention's P: a softmax output is a probability.
+P_BOUND = 1.0
+
+
+def softmax_output_format(quantizer: Quantizer) -> Quantizer:
+    """The format P takes for the s slot's ``quantizer``: a per-tensor one (current or delayed
+    scaling) becomes current scaling with the amax floored at P_BOUND, which for P is the scale of
+    an amax of 1 at every call, with no state (a scale carried between calls saturates P after
+    calls of another shape: graphquant.ops.attention); a block format scales each block as it is."""
+    if quantizer.block(ROWWISE) != (0, 0):
+        return quantizer
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+        return dataclasses.replace(quantizer, amax_epsilon=max(quantizer.amax_epsilon, P_BOUND), with_amax_reduction=False)
+    return Float8CurrentScalingQuantizer(fp8_dtype=quantizer.fp8_dtype, amax_epsilon=P_BOUND)
 
 
 def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool) -> str:

@@ -21,8 +21,8 @@ applies. Grouped-query attention repeats each key/value head for its query heads
 as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not supported.
 
 P is a probability, at most 1, so its range is known before it is computed: the plan gives the s
-slot a per-tensor format that scales P as an amax of 1 would (``softmax_output_format``) in place
-of a scale carried between calls. A delayed history carries one call's P amax into the next call
+slot a per-tensor format that scales P as an amax of 1 would (``backends.softmax_output_format``)
+in place of a scale carried between calls. A delayed history carries one call's P amax into the next call
 of another shape (a decode step's one query row over many keys peaks far under 1, and the next
 prefill's first row, which is 1, saturates), and a fresh slot's scale of 1 flushes P below 2^-9.
 
@@ -55,27 +55,12 @@ from graphquant.ops.library import quantizer_of, unflatten
 from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, QuantizeContext, Quantizer
+from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
 
 SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
 _EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 NO_STATES = (None, None, None, None)
-# P's largest value: a softmax output is a probability.
-P_BOUND = 1.0
-
-
-def softmax_output_format(quantizer: Quantizer) -> Quantizer:
-    """The format P takes for the s slot's ``quantizer``: a per-tensor one (current or delayed
-    scaling) becomes current scaling with the amax floored at P_BOUND, which for P is the scale of
-    an amax of 1 at every call, with no state; a block format scales each block as it is."""
-    if quantizer.block(ROWWISE) != (0, 0):
-        return quantizer
-    if isinstance(quantizer, Float8CurrentScalingQuantizer):
-        return dataclasses.replace(quantizer, amax_epsilon=max(quantizer.amax_epsilon, P_BOUND), with_amax_reduction=False)
-    return Float8CurrentScalingQuantizer(fp8_dtype=quantizer.fp8_dtype, amax_epsilon=P_BOUND)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionSite:
     """One attention call as the rewritten graph tells it: its owner and the format of each
@@ -93,10 +78,10 @@ class AttentionSite:
 
     def __post_init__(self) -> None:
         s = self.quantizer("s")
-        if softmax_output_format(s) != s:
+        if backends.softmax_output_format(s) != s:
             raise ValueError(
                 f"{self.label}: s={self.s} would scale P by its own amax or a history; give s "
-                f"{softmax_output_format(s).spec!r} (softmax_output_format: P's scale is that of its bound, 1)"
+                f"{backends.softmax_output_format(s).spec!r} (softmax_output_format: P's scale is that of its bound, 1)"
             )
         if self.backward_backend.name in backends.ATTENTION_KERNELS:
             flash_forward = self.backend.name in backends.ATTENTION_KERNELS
@@ -304,7 +289,7 @@ FLASH_FORWARDS = {
 def p_scale(site: AttentionSite, device: torch.device) -> torch.Tensor:
     """The scale of P's FP8 codes in a flash kernel (float32, (1,)): the s format's for an amax of
     1, which every unnormalised tile reaches and no normalised P exceeds."""
-    return site.quantizer("s").scale_of_amax(torch.full((1,), P_BOUND, device=device))
+    return site.quantizer("s").scale_of_amax(torch.full((1,), backends.P_BOUND, device=device))
 
 
 def flash_backward(site, codes, scale_inv, o, lse, do, softmax_scale, causal, do_state, dp_state, grad_dtype):
