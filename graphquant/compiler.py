@@ -124,6 +124,26 @@ class GraphquantBackend:
                 "(CustomRecipe(..., amax_reduction_group=torch.distributed.group.WORLD) after init_process_group)"
             )
 
+    def _warn_of_shared_state(self, frame: Frame, sites: Sequence[Any], plan: Plan) -> None:
+        """Say where a graph's products keep delayed-scaling state but belong to no module the
+        graph is guarded on: code Dynamo resumed after a graph break inside a submodule's method,
+        past which the method reaches no module of its own (attention after a logger call). Every
+        instance of that class runs this one graph, so they would share one slot: amax histories
+        mixed across layers, and a backward after two of them fails (the first's saved state was
+        written over)."""
+        resumed = _resumed_elsewhere(self.root)
+        held = [name for _, name in frame.modules]
+        unowned = [site for site in sites if not any(site.name == name or site.name.startswith(name + ".") for name in held)]
+        stateful = [site.label for site in unowned if any(plan.quantizer(role).keeps_state for role in site.roles())]
+        if resumed and stateful:
+            user_stack.warn(
+                f"graphquant: {', '.join(stateful[:3])}{', ...' if len(stateful) > 3 else ''} keep delayed-scaling state in code "
+                f"Dynamo resumed after a graph break in {resumed}, which reaches no module of its own: every caller of that "
+                "code (each layer of its class) runs this one graph and shares those slots (their amax histories mix, and a "
+                "backward after two calls fails). Remove the graph break (TORCH_LOGS=graph_breaks says where), or give these "
+                "products a stateless quantizer (current scaling, MXFP8, blockwise) in the recipe's factory"
+            )
+
     def _warn_of_unclaimed_state(self) -> None:
         """Say which loaded entries no slot of the graphs compiled so far can take: their slot was
         planned without delayed-scaling state (saved under another recipe), or names a module those
@@ -231,6 +251,7 @@ class GraphquantBackend:
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self.plans.append(plan)
+        self._warn_of_shared_state(frame, [*sites, *attention], plan)
         if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
                 "graphquant.compile(..., mode='inference') makes no backward, but this call runs with grad enabled on "
@@ -463,6 +484,29 @@ def _raising(error: Exception) -> Callable:
 
 # The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
 _SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
+
+
+def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
+    """The function ("forward at attention.py:13") whose code, resumed by Dynamo after a graph
+    break, is the frame being compiled, where that is not the compiled model's own forward; ''
+    otherwise (no frame being compiled, or not resumed code)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:  # no frame being compiled (a graph handed over otherwise)
+        return ""
+    resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", code.co_name)
+    if resumed is None:
+        return ""
+    function, line = resumed[1], int(resumed[2])
+    own = getattr(type(root), "forward", None) if root is not None else None
+    own = getattr(own, "__code__", None)
+    if own is not None and own.co_filename == code.co_filename and own.co_name == function:
+        lines = [line for *_, line in own.co_lines() if line is not None]
+        if min(lines) <= line <= max(lines):
+            return ""
+    return f"{function} at {os.path.basename(code.co_filename)}:{line}"
 
 
 def _frame_local(local: str) -> object:

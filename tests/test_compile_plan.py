@@ -20,7 +20,7 @@ from reference import (  # noqa: F401  (fresh_dynamo is an autouse fixture)
 )
 
 import graphquant
-from graphquant import CustomRecipe, IdentityQuantizer, Plan, factories, recipes, zoo
+from graphquant import CustomRecipe, Float8DelayedScalingQuantizer, IdentityQuantizer, Plan, factories, recipes, zoo
 
 
 class CountingFactory:
@@ -408,6 +408,56 @@ def test_a_graph_break_inside_a_block_keeps_names_and_formats_per_block():
     assert formats[True][("layers.0.fc2#0", "fprop")] == (fp8, fp8)
     assert formats[True][("layers.1.fc2#0", "fprop")] == (high, high)
     assert_same_results(results[True], results[False], slack=0)
+
+
+class ScoresAfterABreak(torch.nn.Module):
+    """Attention scores past a graph break (a logger call), reaching no module of the block's own
+    after it: Dynamo resumes that code as one graph for every block, guarded on none."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        torch._dynamo.graph_break()
+        return (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+
+class ScoresStack(torch.nn.Module):
+    def __init__(self, root_break: bool = False):
+        super().__init__()
+        self.root_break = root_break
+        self.layers = torch.nn.ModuleList([ScoresAfterABreak(), ScoresAfterABreak()])
+
+    def forward(self, x):
+        if self.root_break:  # the model's own code resumed: its products are the model's alone
+            x = torch.relu(self.layers[0].qkv(x)[..., :64])
+            torch._dynamo.graph_break()
+            return x @ x.transpose(-1, -2)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def delayed_products(role):
+    return Float8DelayedScalingQuantizer() if role.module_type == "matmul" else factories.current_scaling_factory(role)
+
+
+def test_delayed_state_in_resumed_code_every_block_shares_is_named():
+    """The blocks' score products run in one graph whose delayed-scaling slots every block shares
+    (a training step then fails in backward): the compile says so, naming the code; the model's
+    own resumed code, and a stateless recipe, hear nothing."""
+    compiled = graphquant.compile(models.seeded(ScoresStack()), CustomRecipe(delayed_products), backend="aot_eager")
+    with pytest.warns(UserWarning, match=r"matmul\.0#0, matmul\.1#0 keep delayed-scaling state in code Dynamo resumed after a graph "
+                                         r"break in forward at test_compile_plan\.py:\d+, which reaches no module of its own"):
+        compiled(x3())
+    for model, recipe in ((ScoresStack(root_break=True), CustomRecipe(delayed_products)), (ScoresStack(), recipes.current_scaling())):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphquant.compile(models.seeded(model), recipe, backend="aot_eager")(x3())
+        assert not [w for w in caught if "keep delayed-scaling state" in str(w.message)]
 
 
 class RotaryLinear(torch.nn.Module):
