@@ -153,10 +153,11 @@ class GraphquantBackend:
         unclaimed = [key for key in self.waiting if key in planned or (key != "rng" and QuantizerRole.parse(key).owner not in owners)]
         if unclaimed:
             user_stack.warn(
-                f"graphquant: {len(unclaimed)} of the loaded state's entries fit no slot of this model's graphs and are "
-                f"unused ({', '.join(unclaimed[:3])}{', ...' if len(unclaimed) > 3 else ''}); its delayed-scaling slots "
-                f"are {sorted(str(role) for role in self.delayed_state)[:3]}{' ...' if len(self.delayed_state) > 3 else ''}: "
-                "was it saved from a model of other module names, or under another recipe?"
+                f"graphquant: {len(unclaimed)} of the loaded state's entries fit no slot of the graphs of this model's first "
+                f"call and wait unused ({', '.join(unclaimed[:3])}{', ...' if len(unclaimed) > 3 else ''}); its delayed-scaling "
+                f"slots are {sorted(str(role) for role in self.delayed_state)[:3]}{' ...' if len(self.delayed_state) > 3 else ''}: "
+                "was it saved from a model of other module names, or under another recipe? (A module only a later call runs, "
+                "as a training-only head after an evaluation call, takes its entries then.)"
             )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -174,7 +174,7 @@ def test_loaded_entries_no_slot_takes_are_named_after_the_first_call(case):
     else:
         resumed = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
     resumed.graphquant.load_state_dict(state)
-    with pytest.warns(UserWarning, match=rf"{len(state)} of the loaded state's entries fit no slot of this model's graphs and are unused"):
+    with pytest.warns(UserWarning, match=rf"{len(state)} of the loaded state's entries fit no slot of the graphs of this model's first call and wait unused"):
         resumed(batch(1)).sum().backward()
 
 
