@@ -17,7 +17,9 @@ from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
-from graphquant.passes.find_gemms import GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local
+from graphquant.passes.find_gemms import (
+    GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, target_name,
+)
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.passes.rewrite import rewrite
@@ -448,10 +450,9 @@ def _described(node: fx.Node, frame: Frame) -> str:
     named_modules() spells it ("the model" for its own code), and the call ("layers.0.attn:
     softmax = softmax(mul, dim=-1)")."""
     owner = owner_of(node, frame)[0] or "the model"
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
     arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
-    return f"{owner}: {node.name} = {target}({', '.join(arguments)})"
+    return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"
 
 
 def _names_a_role(key: str) -> bool:

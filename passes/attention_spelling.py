@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.passes.find_gemms import body_of
+from graphquant.passes.find_gemms import body_of, target_name
 
 _MATMULS = (torch.matmul, operator.matmul)
 _SOFTMAXES = (F.softmax, torch.softmax)
@@ -86,8 +86,7 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         after.append(probs)
     out = next((user for user in probs.users if _is_matmul(user)), None)
     if out is not None and isinstance(scores, fx.Node) and not _is_matmul(scores) and _product_before(scores):
-        target = scores.target if isinstance(scores.target, str) else getattr(scores.target, "__name__", scores.target)
-        return f"{scores.name} ({target}) between the products is no step attention takes ({', '.join(_ORDER)}), a logit soft-cap's tanh, say"
+        return f"{scores.name} ({target_name(scores)}) between the products is no step attention takes ({', '.join(_ORDER)}), a logit soft-cap's tanh, say"
     if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None:
         return None
     if out.args[0] is not probs:

@@ -379,6 +379,11 @@ def root_local(path: str) -> Optional[str]:
     return match.group(0).rstrip(".") if match else None
 
 
+def target_name(node: fx.Node) -> str:
+    """What a node calls as a reader knows it: a method's name, a function's ("softmax")."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
 def owner_of(node: fx.Node, frame: Frame) -> tuple[str, int, bool]:
     """(owner's qualified name, which call of the owner this is, whether the owner is an nn.Linear)."""
     stack = node.meta.get("nn_module_stack") or {}
