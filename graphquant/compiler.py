@@ -73,6 +73,7 @@ class GraphquantBackend:
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
+        self.read_parameters: set[int] = set()  # the ids of the parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
 
@@ -103,6 +104,7 @@ class GraphquantBackend:
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         inside_attention = {f"{name}.out_proj" for name, m in self.root.named_modules() if isinstance(m, torch.nn.MultiheadAttention)}
         linears = [name for name, m in self.root.named_modules() if isinstance(m, torch.nn.Linear) and name not in inside_attention]
+        self._warn_of_unread_parameters()
         unplanned = [name for name in linears if name not in planned]
         if unplanned:
             user_stack.warn(
@@ -111,6 +113,27 @@ class GraphquantBackend:
                 "ran the code that calls them eagerly, in high precision (a graph break it could not take, as inside a "
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
+            )
+
+    def _warn_of_unread_parameters(self) -> None:
+        """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert
+        stack, a LoRA factor, a weight a model multiplies itself) no compiled graph reads: the code
+        using them did not run, or torch.compile ran it eagerly, where its products were not
+        quantized. nn.Linear's weights have their own check; torch.nn's other modules' parameters
+        (embeddings, norms, convolutions) feed no GEMM graphquant quantizes."""
+        unread = [
+            f"{owner}.{name}" if owner else name
+            for owner, module in self.root.named_modules()
+            if not type(module).__module__.startswith("torch.nn")
+            for name, parameter in module.named_parameters(recurse=False)
+            if parameter.dim() >= 2 and id(parameter) not in self.read_parameters
+        ]
+        if unread:
+            user_stack.warn(
+                f"graphquant: {len(unread)} parameter(s) of 2 or more dims that no compiled graph reads "
+                f"({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}): the code using them did not run, or "
+                "torch.compile ran it eagerly, where their products run in high precision (TORCH_LOGS=graph_breaks says "
+                "where a frame was skipped)"
             )
 
     def _warn_of_unreduced_amaxes(self) -> None:
@@ -240,6 +263,7 @@ class GraphquantBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
+        self.read_parameters.update(id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter))
         frame = self._frame(gm, example_inputs)
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:

@@ -92,3 +92,28 @@ def test_linears_in_no_graph_are_named_after_the_first_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(x2())
+
+
+def test_parameters_a_model_multiplies_itself_in_no_graph_are_named():
+    """A weight of the model's own module (not nn.Linear) whose product runs outside any graph is
+    named once; torch.nn's own modules (an embedding) are not, nor a weight a graph reads."""
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Parameter(torch.zeros(64))
+
+        def forward(self, x):
+            return x @ self.w.T + self.b
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.skipped, self.compiled, self.embedding = Experts(), Experts(), torch.nn.Embedding(8, 64)
+
+        def forward(self, x):
+            return self.compiled(torch.compiler.disable(self.skipped)(x))
+
+    model = quantized(models.seeded(Model()))
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) of 2 or more dims that no compiled graph reads \(skipped\.w\)"):
+        model(x2())
