@@ -593,6 +593,26 @@ def test_triton_grouped_gemm_epilogue_is_torch_ops_on_gpu():
     assert torch.equal(got, want) and not got[1].any()  # group 1 is empty
 
 
+@pytest.mark.gpu
+def test_tokens_by_experts_through_tma_gives_the_strided_kernels_bits(monkeypatch):
+    """bf16 tokens x experts whose operands TMA copies (wider tiles) computes the strided kernel's
+    bits: zeros past k (100, not a multiple of the tile's 64), a tile's columns past n read from
+    the next expert's rows and not written, pad rows and an empty expert."""
+    from graphquant.kernels import triton_grouped_gemm as kernels
+
+    generator = torch.Generator().manual_seed(0)
+    offs = torch.tensor([300, 0, 517, 270]).cumsum(0).to(torch.int32).cuda()
+    layout = groups.padding(offs, 1087, 128, groups.padded_bound(1087, 4, 128))
+    a = layout.pad(torch.randn(1087, 104, generator=generator).cuda().bfloat16())
+    stack = torch.randn(4, 300, 104, generator=generator).cuda().bfloat16()
+    fa = torch.rand(layout.padded_rows, 1, generator=generator).cuda() + 0.5
+    fb = torch.rand(4, 300, generator=generator).cuda() + 0.5
+    assert kernels._tma_operands(a, stack.transpose(1, 2), kernels._tile(torch.bfloat16, 128))
+    tma = kernels.tokens_by_experts(a, stack.transpose(1, 2), layout, 128, 290, fa, fb, torch.bfloat16)
+    monkeypatch.setattr(kernels, "_tma_operands", lambda *args: False)
+    assert torch.equal(tma, kernels.tokens_by_experts(a, stack.transpose(1, 2), layout, 128, 290, fa, fb, torch.bfloat16))
+
+
 def test_triton_grouped_gemm_under_the_interpreter():
     """The factored grouped kernels' indexing (each tile's group, each group's bounds read on the
     device, the empty group) and epilogue, zero_empty_groups, NVFP4's values times a per-row

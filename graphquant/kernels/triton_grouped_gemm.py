@@ -48,6 +48,9 @@ class Tile(NamedTuple):
 # bf16 operands on the wgmma tensor cores in 128-row tiles where the layout allows; fp32 operands
 # (multiplied as fp32, twice the bytes a stage) and 16-row tiles of few tokens in smaller ones.
 _BF16_TILE = Tile(128, 128, 64, 8, 4)
+# Tokens x experts where the tensor memory accelerator reads both operands (``_tma_operands``):
+# wider tiles, which its copies keep fed (grouped_gemm.py's section of benchmarks/NOTES.md).
+_TMA_TILE = Tile(128, 256, 64, 8, 4)
 _FEW_ROWS_TILE = Tile(16, 64, 64, 4, 4)
 _FP32_TILE = Tile(64, 64, 32, 4, 3)
 
@@ -107,6 +110,37 @@ def _tokens_by_experts(
         b_at = group * stride_bg + ks[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn
         b = tl.load(b_ptr + b_at, mask=(ks[:, None] < k) & in_cols[None, :], other=0.0)
         acc = _dot(a, b, acc, IEEE)
+    _tokens_epilogue(acc, out_ptr, fa_ptr, fb_ptr, source_ptr, rows_at, cols, group, rows, n, fa_i, fb_g, fb_i, A_FACTOR, B_FACTOR)
+
+
+@triton.jit
+def _tokens_by_experts_tma(
+    a_desc, b_desc, out_ptr, fa_ptr, fb_ptr, row_group_ptr, source_ptr, ends_ptr, groups, rows, n, n_stack, k: tl.constexpr,
+    fa_i, fb_g, fb_i, A_FACTOR: tl.constexpr, B_FACTOR: tl.constexpr, GROUP_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``_tokens_by_experts`` with both operands' tiles copied by TMA (zeros past k, and past the
+    stack's last row; columns past n, the next expert's rows, are read and not written): the same
+    products, summed in the same order, so the same bits. b_desc reads the experts' stack as
+    (groups * n_stack, k) rows."""
+    pid_m, pid_n = tile_of(tl.program_id(0), rows // BLOCK_M, tl.cdiv(n, BLOCK_N), GROUP_TILES)
+    if pad_rows_alone(pid_m * BLOCK_M, source_ptr, ends_ptr, groups):
+        return
+    rows_at = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.load(row_group_ptr + pid_m * BLOCK_M).to(tl.int32)  # TMA coordinates are 32-bit
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, start])
+        b = b_desc.load([group * n_stack + pid_n * BLOCK_N, start])
+        acc = tl.dot(a, b.T, acc)
+    _tokens_epilogue(acc, out_ptr, fa_ptr, fb_ptr, source_ptr, rows_at, cols, group.to(tl.int64), rows, n, fa_i, fb_g, fb_i, A_FACTOR, B_FACTOR)
+
+
+@triton.jit
+def _tokens_epilogue(acc, out_ptr, fa_ptr, fb_ptr, source_ptr, rows_at, cols, group, rows, n, fa_i, fb_g, fb_i, A_FACTOR: tl.constexpr, B_FACTOR: tl.constexpr):
+    """A tokens x experts tile's sums times fa[r] * fb[g, :], written to its tokens' rows of out."""
+    in_cols = cols < n
     fa = _factor(fa_ptr, 0, rows_at, 0, fa_i, rows_at < rows, A_FACTOR)
     fb = _factor(fb_ptr, group, cols, fb_g, fb_i, in_cols, B_FACTOR)
     acc = acc * (fa[:, None] * fb[None, :])
@@ -199,6 +233,19 @@ def tokens_by_experts(
     fa, _, fa_i = _factor_strides(None if a_factor is None else a_factor.reshape(1, -1), a)
     fb, fb_g, fb_i = _factor_strides(b_factor, a)
     tile = _tile(a.dtype, token_rows)
+    if _tma_operands(a, experts, tile):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        tile, stack = _TMA_TILE, experts.transpose(1, 2)
+        grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
+        _tokens_by_experts_tma[grid](
+            TensorDescriptor.from_tensor(a, [tile.block_m, tile.block_k]),
+            TensorDescriptor.from_tensor(stack.reshape(-1, k), [tile.block_n, tile.block_k]),
+            out, fa, fb, tokens.row_group, tokens.source, tokens.ends, tokens.groups, padded_rows, n, stack.shape[1], k,
+            fa_i, fb_g, fb_i, A_FACTOR=a_factor is not None, B_FACTOR=b_factor is not None, GROUP_TILES=GROUP_TILES,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
+        )
+        return out
     grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
     _tokens_by_experts[grid](
         a, experts, out, fa, fb, tokens.row_group, tokens.source, tokens.ends, tokens.groups, padded_rows, n, k,
@@ -207,6 +254,16 @@ def tokens_by_experts(
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
     )
     return out
+
+
+def _tma_operands(a: torch.Tensor, experts: torch.Tensor, tile: Tile) -> bool:
+    """Whether TMA can copy both operands' tiles: bf16 in 128-row tiles, a's rows and the experts'
+    (groups, n', k) stack each contiguous, 16-byte aligned, k a multiple of 8 (16 bytes)."""
+    stack = experts.transpose(1, 2)
+    return (
+        a.dtype == experts.dtype == torch.bfloat16 and tile.block_m == _TMA_TILE.block_m and a.shape[1] % 8 == 0
+        and a.is_contiguous() and stack.is_contiguous() and a.data_ptr() % 16 == 0 and stack.data_ptr() % 16 == 0
+    )
 
 
 def tokens_by_tokens(
