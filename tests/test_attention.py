@@ -444,19 +444,25 @@ def test_trains_compiled_and_dumps_the_attention_site(tmp_path):
     assert "module_type=dpa|tensor_type=s|name=attn" not in states  # P's scale is its bound's, no state
 
 
+def _tiny_llama(layers: int):
+    """A transformers Llama of ``layers`` layers with sdpa attention, grouped-query (2 query heads,
+    1 key/value head), seeded."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def test_p_is_scaled_by_its_bound_whatever_ran_before():
     """A decode step's P (one query over many keys) peaks far under 1; a delayed-scaling history of
     P's amax carried it into the next prefill, whose first row's P of 1 then saturated (logits
     half off after a generate). P's scale is now its bound's: a prefill gives the same bits
     before and after a generate, and on a fresh model's first call."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
-        eos_token_id=None, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(layers=1).eval()
     only_attention = zoo.with_fp8_attention(CustomRecipe(lambda role: IdentityQuantizer()))  # the zoo's attention formats
     compiled = graphquant.compile(model, only_attention, backend="aot_eager")
     ids = torch.randint(1, 256, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -479,14 +485,7 @@ def test_hugging_face_llama_trains_with_fp8_attention():
     """A transformers Llama (sdpa attention, grouped-query: 2 query heads, 1 key/value head)
     compiles in one graph with a dpa site per layer named as named_modules() names its attention,
     and trains a step."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, attn_implementation="sdpa", bos_token_id=0,
-        eos_token_id=None, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _tiny_llama(layers=2)
     compiled = graphquant.compile(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager", fullgraph=True)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
