@@ -149,7 +149,8 @@ def is_attention(role: Optional[QuantizerRole]) -> bool:
 def fp8_attention_factory(role: Optional[QuantizerRole]) -> Quantizer | DelayedScalingRequest:
     """Attention as TE's validated combination quantizes it (asked only for attention's roles).
 
-    s and dp: delayed scaling (history 1, most recent). qkv, do and the dpa_output /
+    s and dp: delayed scaling (history 1, most recent; the plan scales P, s's tensor, by its
+    bound instead: kernels.backends.softmax_output_format). qkv, do and the dpa_output /
     dpa_grad_input hint roles: FP8 current scaling, E5M2 for do, dp, dqkv and dpa_grad_input,
     E4M3 otherwise.
     """

@@ -34,7 +34,7 @@ quantizes P tile by tile as its online softmax sees it, so O can differ from the
 (within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
 (graphquant.kernels.triton_attention_backward, or its Gluon twin
 graphquant.kernels.gluon_attention_backward with the same bits but for the order of dQ's atomic
-adds: ``FLASH_BACKWARDS``) where the plan chose it (s and dp under delayed scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
+adds: ``FLASH_BACKWARDS``) where the plan chose it (dp under delayed scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
 logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
 differ from the emulation's (within the bound ``backward_bound`` there derives); elsewhere the
 backward recomputes S and P through the emulation.
