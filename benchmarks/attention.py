@@ -74,20 +74,20 @@ EMULATED_RECIPES = {
 
 
 def attention_site(recipe: CustomRecipe, device: str = "cuda", planned: bool = False, seq: int = 128) -> tuple[AttentionSite, tuple]:
-    """The site a compiled graph would carry for ``recipe``'s attention (``planned``: on the
-    backend the plan picks for ``device`` and ``seq`` keys, else the emulation), and its fresh
-    state."""
-    planner = Planner(recipe)
-    site = DpaSite("attn", 0, (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM), (1, HEADS, 128, HEAD_DIM))
-    quantizers = {slot: planner.quantizer(site.role(slot)) for slot in SLOTS}
+    """The site a compiled graph would carry for ``recipe``'s attention, its formats as the plan
+    gives them (``planned``: on the backends the plan picks for ``device`` and ``seq`` tokens,
+    else the emulation), and its fresh state."""
+    shape = (1, HEADS, seq, HEAD_DIM)
+    site = DpaSite("attn", 0, shape, shape, shape)
+    plan = Planner(recipe).plan([], torch.device(device), training=True, attention=[site])
+    quantizers = {slot: plan.quantizer(site.role(slot)) for slot in SLOTS}
     states = tuple(
         torch.cat(q.initial_state(torch.device(device))) if q.keeps_state else None for q in quantizers.values()
     )
     backend = backward = backends.GemmBackend(backends.ATTENTION_EMULATION)
     if planned:
-        select = functools.partial(backends.select_attention, torch.device(device), quantizers["qkv"], quantizers["s"], (HEAD_DIM, HEAD_DIM), False,
-                                   query_length=seq, key_length=seq)
-        backend, backward = select().backend, select(True, quantizers["do"], quantizers["dp"]).backend
+        chosen = {g.gemm: g.backend for g in plan.gemms}
+        backend, backward = chosen["qk"], chosen["dq"]
     formats = {slot: q.spec for slot, q in quantizers.items()}
     return AttentionSite(name="attn", call=0, **formats, backend=backend, backward_backend=backward), states
 
