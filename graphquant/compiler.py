@@ -514,8 +514,11 @@ _SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
 
 def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
     """The function ("forward at attention.py:13") whose code, resumed by Dynamo after a graph
-    break, is the frame being compiled, where that is not the compiled model's own forward; ''
-    otherwise (no frame being compiled, or not resumed code)."""
+    break, is the frame being compiled, where that is not a method of the compiled model's own
+    class (which one instance runs); '' otherwise (no model: a compiled function; no frame being
+    compiled; not resumed code)."""
+    if root is None:
+        return ""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -526,9 +529,8 @@ def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
     if resumed is None:
         return ""
     function, line = resumed[1], int(resumed[2])
-    own = getattr(type(root), "forward", None) if root is not None else None
-    own = getattr(own, "__code__", None)
-    if own is not None and own.co_filename == code.co_filename and own.co_name == function:
+    own = getattr(inspect.unwrap(getattr(type(root), function, None) or (lambda: None)), "__code__", None)
+    if own is not None and own.co_filename == code.co_filename:
         lines = [line for *_, line in own.co_lines() if line is not None]
         if min(lines) <= line <= max(lines):
             return ""
