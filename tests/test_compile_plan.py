@@ -431,13 +431,17 @@ class ScoresStack(torch.nn.Module):
         self.layers = torch.nn.ModuleList([ScoresAfterABreak(), ScoresAfterABreak()])
 
     def forward(self, x):
-        if self.root_break:  # the model's own code resumed: its products are the model's alone
+        if self.root_break:  # the model's own code resumed, a helper method's too: the model's alone
             x = torch.relu(self.layers[0].qkv(x)[..., :64])
             torch._dynamo.graph_break()
-            return x @ x.transpose(-1, -2)
+            return x @ x.transpose(-1, -2) + self.helper(x)
         for layer in self.layers:
             x = x + layer(x)
         return x
+
+    def helper(self, x):
+        torch._dynamo.graph_break()
+        return x @ x.transpose(-1, -2)
 
 
 def delayed_products(role):
