@@ -73,7 +73,7 @@ class GraphquantBackend:
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
-        self.read_parameters: set[int] = set()  # the ids of the parameters some compiled graph reads
+        self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
 
@@ -115,6 +115,14 @@ class GraphquantBackend:
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
             )
 
+    def _note_read_parameters(self, example_inputs: Sequence[Any]) -> None:
+        """Note the names of the model's parameters a graph reads, as the model holds them now
+        (FSDP2 holds its unsharded copies during the forward, the shards after)."""
+        if self.root is None:
+            return
+        lifted = {id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)}
+        self.read_parameters.update(name for name, p in self.root.named_parameters(remove_duplicate=False) if id(p) in lifted)
+
     def _warn_of_unread_parameters(self) -> None:
         """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert
         stack, a LoRA factor, a weight a model multiplies itself) no compiled graph reads: the code
@@ -126,7 +134,7 @@ class GraphquantBackend:
             for owner, module in self.root.named_modules()
             if not type(module).__module__.startswith("torch.nn")
             for name, parameter in module.named_parameters(recurse=False)
-            if parameter.dim() >= 2 and id(parameter) not in self.read_parameters
+            if parameter.dim() >= 2 and (f"{owner}.{name}" if owner else name) not in self.read_parameters
         ]
         if unread:
             user_stack.warn(
@@ -263,7 +271,7 @@ class GraphquantBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
-        self.read_parameters.update(id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter))
+        self._note_read_parameters(example_inputs)
         frame = self._frame(gm, example_inputs)
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:

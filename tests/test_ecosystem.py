@@ -189,6 +189,27 @@ class IdentityExperts(torch.nn.Module):
         return torch._grouped_mm(x, self.w, offs=torch.tensor([32, 64], dtype=torch.int32))
 
 
+class OwnWeight(torch.nn.Module):
+    """A weight the module multiplies itself (no nn.Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+class OwnWeights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([OwnWeight(), OwnWeight()])
+
+    def forward(self, x):
+        return self.layers[1](torch.relu(self.layers[0](x)))
+
+
 def reducing_current_factory(role):
     return graphquant.Float8CurrentScalingQuantizer(fp8_dtype="e5m2" if factories.is_gradient(role) else "e4m3", with_amax_reduction=True)
 
@@ -248,6 +269,20 @@ def distributed_worker(rank, port, out, delayed_recipe):
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
     compiled(x).square().mean().backward()
     results["fsdp"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    # FSDP2 around modules that multiply their own weights: named per module, and the weights the
+    # graphs read (the unsharded copies, which the model holds during the forward) are not named
+    # as unread after it (when it holds the shards).
+    torch._dynamo.reset()
+    own = OwnWeights()
+    for layer in own.layers:
+        fully_shard(layer)
+    fully_shard(own)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = graphquant.compile(own, recipes.current_scaling(), backend="aot_eager")
+        compiled(x[..., :64]).square().mean().backward()
+    results["fsdp_own_sites"] = sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms})
+    results["fsdp_own_warnings"] = [str(w.message) for w in caught if "graphquant" in str(w.message)]
 
     # Current scaling with the amax all-reduced over the recipe's group: rank 1's input is 100x
     # rank 0's. Eagerly (graphquant.ops.recording sees the scales), then aot_eager and Inductor.
@@ -353,6 +388,13 @@ def test_ddp_and_fsdp2_gradients_equal_a_single_process_run(distributed, kind):
     expected = single_process_grads()
     for rank, results in enumerate(distributed):
         assert_same_results(results[kind], expected, what=f"{kind} rank {rank}: ")
+
+
+@pytest.mark.slow
+def test_fsdp2_names_what_modules_multiply_by_their_own_weights(distributed):
+    results = distributed[0]
+    assert results["fsdp_own_sites"] == ["layers.0.linear.0#0", "layers.1.linear.0#0"]
+    assert results["fsdp_own_warnings"] == []
 
 
 @pytest.mark.slow
