@@ -115,12 +115,14 @@ class GraphquantBackend:
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
             )
 
-    def _note_read_parameters(self, example_inputs: Sequence[Any]) -> None:
+    def _note_read_parameters(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         """Note the names of the model's parameters a graph reads, as the model holds them now
-        (FSDP2 holds its unsharded copies during the forward, the shards after)."""
+        (FSDP2 holds its unsharded copies during the forward, the shards after): its inputs, or
+        where they are fake tensors (DDP's split graphs), what their sources name in the frame."""
         if self.root is None:
             return
-        lifted = {id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)}
+        sources = [node.meta["grapharg"].source for node in gm.graph.find_nodes(op="placeholder") if node.meta.get("grapharg") is not None]
+        lifted = {id(t) for t in (*example_inputs, *map(_frame_value, map(_source_name, sources))) if isinstance(t, torch.nn.Parameter)}
         self.read_parameters.update(name for name, p in self.root.named_parameters(remove_duplicate=False) if id(p) in lifted)
 
     def _warn_of_unread_parameters(self) -> None:
@@ -271,7 +273,7 @@ class GraphquantBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
-        self._note_read_parameters(example_inputs)
+        self._note_read_parameters(gm, example_inputs)
         frame = self._frame(gm, example_inputs)
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
@@ -394,7 +396,7 @@ class GraphquantBackend:
         modules = {}
         for local, held in candidates.items():
             if len(held) > 1:  # a tied parameter the local holds as its own: the module itself decides
-                value = _frame_local(local)
+                value = _frame_value(local)
                 same = {name for name in held if self.root.get_submodule(name) is value}
                 held = same or {name for name in held if type(self.root.get_submodule(name)) is kinds.get(local)}
             if held:  # one module, or one registered under several names: the first, as named_modules() spells it
@@ -545,17 +547,19 @@ def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
     return f"{function} at {os.path.basename(code.co_filename)}:{line}"
 
 
-def _frame_local(local: str) -> object:
-    """The value of the local ``local`` ("L['stack0']", "L['mods'][1]") of the frame Dynamo is
-    compiling, or None where it cannot be read."""
+def _frame_value(source: str) -> object:
+    """The value a source of the frame Dynamo is compiling names ("L['stack0']", "L['mods'][1]",
+    "L['self']._modules['fc']._parameters['weight']"), or None where it cannot be read."""
+    if not source.startswith("L["):
+        return None
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         value: object = InstructionTranslator.current_tx().f_locals
-        for key in re.findall(r"\[(\d+|'[^']*')\]", local):
-            value = value[int(key)] if key.isdigit() else value[key.strip("'")]
+        for attribute, index, key in re.findall(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]", source[1:]):
+            value = getattr(value, attribute) if attribute else value[int(index)] if index else value[key]
         return value
-    except Exception:  # no frame being compiled (a graph handed over otherwise), or a local of another form
+    except Exception:  # no frame being compiled (a graph handed over otherwise), or a source of another form
         return None
 
 

@@ -192,19 +192,19 @@ class IdentityExperts(torch.nn.Module):
 class OwnWeight(torch.nn.Module):
     """A weight the module multiplies itself (no nn.Linear)."""
 
-    def __init__(self):
+    def __init__(self, dim: int):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.weight = torch.nn.Parameter(torch.randn(dim, dim) / dim**0.5)
 
     def forward(self, x):
         return x @ self.weight.T
 
 
 class OwnWeights(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int = 64):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList([OwnWeight(), OwnWeight()])
+        self.layers = torch.nn.ModuleList([OwnWeight(dim), OwnWeight(dim)])
 
     def forward(self, x):
         return self.layers[1](torch.relu(self.layers[0](x)))
@@ -283,6 +283,14 @@ def distributed_worker(rank, port, out, delayed_recipe):
         compiled(x[..., :64]).square().mean().backward()
     results["fsdp_own_sites"] = sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms})
     results["fsdp_own_warnings"] = [str(w.message) for w in caught if "graphquant" in str(w.message)]
+    # The same under DDP with a bucket a weight (4 MB each): its split graphs run on fake tensors.
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = graphquant.compile(DistributedDataParallel(OwnWeights(1024), bucket_cap_mb=1), recipes.current_scaling(), backend="aot_eager")
+        compiled(torch.randn(8, 1024)).square().mean().backward()
+    results["ddp_own_sites"] = (len(compiled.graphquant.plans), sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms}))
+    results["ddp_own_warnings"] = [str(w.message) for w in caught if "graphquant" in str(w.message)]
 
     # Current scaling with the amax all-reduced over the recipe's group: rank 1's input is 100x
     # rank 0's. Eagerly (graphquant.ops.recording sees the scales), then aot_eager and Inductor.
@@ -391,10 +399,14 @@ def test_ddp_and_fsdp2_gradients_equal_a_single_process_run(distributed, kind):
 
 
 @pytest.mark.slow
-def test_fsdp2_names_what_modules_multiply_by_their_own_weights(distributed):
+def test_fsdp2_and_split_ddp_name_what_modules_multiply_by_their_own_weights(distributed):
+    """Under FSDP2 and DDP's split graphs, a module's own weight is named per module, and the
+    first call names none as read by no graph (they read the unsharded copies, or fake tensors)."""
     results = distributed[0]
     assert results["fsdp_own_sites"] == ["layers.0.linear.0#0", "layers.1.linear.0#0"]
-    assert results["fsdp_own_warnings"] == []
+    assert results["fsdp_own_warnings"] == [] and results["ddp_own_warnings"] == []
+    graphs, sites = results["ddp_own_sites"]
+    assert graphs > 1 and sites == ["layers.0.linear.0#0", "layers.1.linear.0#0"]
 
 
 @pytest.mark.slow
