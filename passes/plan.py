@@ -301,7 +301,10 @@ class Planner:
             slots[role] = self.quantizer(role)
         for role in dict.fromkeys(roles):
             self._check_attention_quantizer(site, role, slots[role])
-        slots[site.role("s")] = backends.softmax_output_format(slots[site.role("s")])
+        try:
+            slots[site.role("s")] = backends.softmax_output_format(slots[site.role("s")])
+        except ValueError as error:
+            raise PlanError(f"{site.label} (dpa) s: {error}") from None
         tensors = site.tensors()
         quantizers = {t: slots[site.role(slot)] for t, (slot, _, _) in tensors.items()}
         used: dict[str, set[str]] = {}

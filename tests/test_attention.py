@@ -39,6 +39,7 @@ from graphquant.quantizers import (
     QuantizeContext,
 )
 from graphquant.recipes import CustomRecipe
+from graphquant.roles import QuantizerRole
 
 import models
 from reference import EPS32, delayed_update, fresh_dynamo, gemm_bound, ref_dequantize, ref_quantize  # noqa: F401
@@ -370,6 +371,31 @@ def _with_dpa(dpa_answer, hint_answer=None, tensor_type="s"):
 def test_te_constraints_are_plan_errors(factory, message):
     with pytest.raises(PlanError, match=message):
         graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnDelayed(Float8DelayedScalingQuantizer):
+    """A user's delayed-scaling format (its own class, so its own scaling)."""
+
+    tag = "own_delayed"
+    attention_format = True
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnCurrent(Float8CurrentScalingQuantizer):
+    """A user's stateless per-tensor format."""
+
+    tag = "own_current"
+    attention_format = True
+
+
+def test_p_takes_a_stateless_format_of_the_users_own_and_refuses_one_with_state():
+    """The built-in per-tensor formats scale P by its bound; a user's own stateless format scales
+    P as it does; a user's format keeping state (carried between calls) is refused."""
+    plan = graphquant.explain(_decoder(), CustomRecipe(_with_dpa(OwnCurrent), fp8_dpa=True), torch.randn(2, 32, 64))
+    assert dict(plan.slots)[QuantizerRole("dpa", "s", "attn")] == OwnCurrent()
+    with pytest.raises(PlanError, match=r"attn#0 \(dpa\) s: the s slot takes a format that keeps no state .*, not own_delayed\("):
+        graphquant.explain(_decoder(), CustomRecipe(_with_dpa(lambda: OwnDelayed(amax_history_len=1)), fp8_dpa=True), torch.randn(2, 32, 64))
 
 
 def test_mxfp8_blocks_must_tile_the_sequence():

@@ -29,6 +29,7 @@ from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
     Float8CurrentScalingQuantizer,
+    Float8DelayedScalingQuantizer,
     GemmInput,
     Quantizer,
     Representation,
@@ -732,15 +733,22 @@ P_BOUND = 1.0
 
 
 def softmax_output_format(quantizer: Quantizer) -> Quantizer:
-    """The format P takes for the s slot's ``quantizer``: a per-tensor one (current or delayed
-    scaling) becomes current scaling with the amax floored at P_BOUND, which for P is the scale of
-    an amax of 1 at every call, with no state (a scale carried between calls saturates P after
-    calls of another shape: graphquant.ops.attention); a block format scales each block as it is."""
-    if quantizer.block(ROWWISE) != (0, 0):
-        return quantizer
-    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+    """The format P takes for the s slot's ``quantizer``: the built-in per-tensor ones (current or
+    delayed scaling) become current scaling with the amax floored at P_BOUND, which for P is the
+    scale of an amax of 1 at every call, with no state (a scale carried between calls saturates P
+    after calls of another shape: graphquant.ops.attention); any other format scales P as it
+    does, if it keeps no state (ValueError if it does)."""
+    if type(quantizer) is Float8CurrentScalingQuantizer:
         return dataclasses.replace(quantizer, amax_epsilon=max(quantizer.amax_epsilon, P_BOUND), with_amax_reduction=False)
-    return Float8CurrentScalingQuantizer(fp8_dtype=quantizer.fp8_dtype, amax_epsilon=P_BOUND)
+    if type(quantizer) is Float8DelayedScalingQuantizer:
+        return Float8CurrentScalingQuantizer(fp8_dtype=quantizer.fp8_dtype, amax_epsilon=P_BOUND)
+    if quantizer.keeps_state:
+        raise ValueError(
+            f"the s slot takes a format that keeps no state (P, at most 1, is scaled by that bound or by its own amax at "
+            f"every call), not {quantizer}: give it Float8DelayedScalingQuantizer or Float8CurrentScalingQuantizer (both "
+            "scaled as an amax of 1), MXFP8, or a stateless format of your own"
+        )
+    return quantizer
 
 
 def _no_flash_attention(device, qkv: Quantizer, s: Quantizer, head_dims: tuple[int, int], masked: bool) -> str:
