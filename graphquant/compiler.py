@@ -218,6 +218,14 @@ class GraphquantBackend:
                 f"and 'rng'; got {strangers[:3]}{' ...' if len(strangers) > 3 else ''}: load the model's own state_dict "
                 "into the model, and compiled.graphquant.state_dict()'s here"
             )
+        stale = [key for key in state if key != "rng" and _softmax_output_role(QuantizerRole.parse(key))]
+        if stale:
+            user_stack.warn(
+                f"graphquant: the loaded state's attention s entries ({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}) "
+                "are left out: that slot keeps no state now (P, at most 1, is scaled by that bound at every call); they "
+                "come from a checkpoint saved by an earlier graphquant"
+            )
+            state = {key: value for key, value in state.items() if key not in stale}
         live = self._live_state()
         # The step waits for the first graph that draws (an inference call draws nothing).
         waits = {"rng"} if self.rng is None else set()
@@ -487,6 +495,12 @@ def _described(node: fx.Node, frame: Frame) -> str:
     arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
     arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
     return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"
+
+
+def _softmax_output_role(role: QuantizerRole) -> bool:
+    """Whether ``role`` is attention's s slot, which kept delayed-scaling state before P was scaled
+    by its bound."""
+    return role.module_type == "dpa" and role.tensor_type == "s"
 
 
 def _names_a_role(key: str) -> bool:

@@ -483,6 +483,23 @@ def _tiny_llama(layers: int):
     return transformers.LlamaForCausalLM(config)
 
 
+def test_a_checkpoint_with_an_s_entry_loads_leaving_it_out():
+    """A state saved when the s slot kept delayed-scaling state loads, before the first call or
+    after it, its s entry left out with a word."""
+    compiled = graphquant.compile(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager")
+    x = torch.randn(2, 32, 64)
+    compiled(x).square().mean().backward()
+    old = compiled.graphquant.state_dict() | {"module_type=dpa|tensor_type=s|name=attn": torch.tensor([448.0, 1.0])}
+    for calls_first in (False, True):
+        resumed = graphquant.compile(_decoder(), zoo.recipe("nvfp4_linear_fp8_dpa"), backend="aot_eager")
+        if calls_first:
+            resumed(x).square().mean().backward()
+        with pytest.warns(UserWarning, match=r"attention s entries \(module_type=dpa\|tensor_type=s\|name=attn\) are left out"):
+            resumed.graphquant.load_state_dict(old)
+        resumed(x).square().mean().backward()
+        assert "module_type=dpa|tensor_type=s|name=attn" not in resumed.graphquant.state_dict()
+
+
 def test_p_is_scaled_by_its_bound_whatever_ran_before():
     """A decode step's P (one query over many keys) peaks far under 1; a delayed-scaling history of
     P's amax carried it into the next prefill, whose first row's P of 1 then saturated (logits

@@ -5,8 +5,8 @@ Its inputs are quantized by graphquant exactly as the emulation quantizes them
 (graphquant.ops.attention): Q, K and V per tensor under one scale, Q and K also transposed
 (their columnwise codes), dO per tensor (rowwise and transposed), and D = rowsum(dO * O) per query row
 (dO's dequantized values, the forward's O). Per (batch, query head), P and dS are quantized as
-the tiles see them, with per-tensor scales known before the kernel runs (delayed scaling: the s
-and dp slots' current scales).
+the tiles see them, with per-tensor scales known before the kernel runs (P's: the s format's for
+its bound, an amax of 1; dS's: the dp slot's delayed scale).
 
 One program per key tile walks the query tiles, so each tile pair's S, P, dP and dS are computed
 once, in five products:
