@@ -161,22 +161,22 @@ class GraphquantBackend:
 
     def _warn_of_shared_state(self, frame: Frame, sites: Sequence[Any], plan: Plan) -> None:
         """Say where a graph's products keep delayed-scaling state but belong to no module the
-        graph is guarded on: code Dynamo resumed after a graph break inside a submodule's method,
-        past which the method reaches no module of its own (attention after a logger call). Every
-        instance of that class runs this one graph, so they would share one slot: amax histories
-        mixed across layers, and a backward after two of them fails (the first's saved state was
-        written over)."""
-        resumed = _resumed_elsewhere(self.root)
+        graph is guarded on, in code several modules of the model run: a method Dynamo resumed
+        after a graph break past which it reaches no module of its own (attention after a logger
+        call), or the whole method of a module that lifts no parameter. Every such module runs
+        this one graph, so they would share one slot: amax histories mixed across layers, and a
+        backward after two of them fails (the first's saved state was written over)."""
+        shared = _code_several_modules_run(self.root)
         held = [name for _, name in frame.modules]
         unowned = [site for site in sites if not any(site.name == name or site.name.startswith(name + ".") for name in held)]
         stateful = [site.label for site in unowned if any(plan.quantizer(role).keeps_state for role in site.roles())]
-        if resumed and stateful:
+        if shared and stateful:
             user_stack.warn(
-                f"graphquant: {', '.join(stateful[:3])}{', ...' if len(stateful) > 3 else ''} keep delayed-scaling state in code "
-                f"Dynamo resumed after a graph break in {resumed}, which reaches no module of its own: every caller of that "
-                "code (each layer of its class) runs this one graph and shares those slots (their amax histories mix, and a "
-                "backward after two calls fails). Remove the graph break (TORCH_LOGS=graph_breaks says where), or give these "
-                "products a stateless quantizer (current scaling, MXFP8, blockwise) in the recipe's factory"
+                f"graphquant: {', '.join(stateful[:3])}{', ...' if len(stateful) > 3 else ''} keep delayed-scaling state in "
+                f"{shared} through this one graph, which holds none of them: they share those slots (their amax histories "
+                "mix, and a backward after two calls fails). Remove the graph break that split the method "
+                "(TORCH_LOGS=graph_breaks says where), or give these products a stateless quantizer (current scaling, MXFP8, "
+                "blockwise) in the recipe's factory"
             )
 
     def _warn_of_unclaimed_state(self) -> None:
@@ -536,11 +536,10 @@ def _raising(error: Exception) -> Callable:
 _SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
 
 
-def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
-    """The function ("forward at attention.py:13") whose code, resumed by Dynamo after a graph
-    break, is the frame being compiled, where that is not a method of the compiled model's own
-    class (which one instance runs); '' otherwise (no model: a compiled function; no frame being
-    compiled; not resumed code)."""
+def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:
+    """The method ("Attn.forward at attention.py:13, which 2 modules of the model run") whose code
+    is the frame Dynamo is compiling (resumed after a graph break, or whole), where more than one
+    module of the model runs it; '' otherwise (one module or none, no model, no frame)."""
     if root is None:
         return ""
     try:
@@ -550,15 +549,19 @@ def _resumed_elsewhere(root: Optional[torch.nn.Module]) -> str:
     except Exception:  # no frame being compiled (a graph handed over otherwise)
         return ""
     resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", code.co_name)
-    if resumed is None:
-        return ""
-    function, line = resumed[1], int(resumed[2])
-    own = getattr(inspect.unwrap(getattr(type(root), function, None) or (lambda: None)), "__code__", None)
-    if own is not None and own.co_filename == code.co_filename:
+    function, line = (resumed[1], int(resumed[2])) if resumed else (code.co_name, code.co_firstlineno)
+
+    def runs_it(module: torch.nn.Module) -> bool:
+        own = getattr(inspect.unwrap(getattr(type(module), function, None) or (lambda: None)), "__code__", None)
+        if resumed is None or own is None or own.co_filename != code.co_filename:
+            return own is code
         lines = [line for *_, line in own.co_lines() if line is not None]
-        if min(lines) <= line <= max(lines):
-            return ""
-    return f"{function} at {os.path.basename(code.co_filename)}:{line}"
+        return min(lines) <= line <= max(lines)
+
+    runners = [module for module in root.modules() if runs_it(module)]
+    if len(runners) < 2:
+        return ""
+    return f"{type(runners[0]).__name__}.{function} at {os.path.basename(code.co_filename)}:{line}, which {len(runners)} modules of the model run"
 
 
 def _frame_value(source: str) -> object:

@@ -424,11 +424,21 @@ class ScoresAfterABreak(torch.nn.Module):
         return (q @ k.transpose(-1, -2)).softmax(-1) @ v
 
 
+class ScoresBeforeABreak(torch.nn.Module):
+    """Scores then a graph break in a module of no parameters: Dynamo compiles its forward as a
+    frame of its own, guarded on no module."""
+
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2)
+        torch._dynamo.graph_break()
+        return scores.softmax(-1) @ x
+
+
 class ScoresStack(torch.nn.Module):
-    def __init__(self, root_break: bool = False):
+    def __init__(self, root_break: bool = False, layers: int = 2, kind: type = ScoresAfterABreak):
         super().__init__()
         self.root_break = root_break
-        self.layers = torch.nn.ModuleList([ScoresAfterABreak(), ScoresAfterABreak()])
+        self.layers = torch.nn.ModuleList([kind() for _ in range(layers)])
 
     def forward(self, x):
         if self.root_break:  # the model's own code resumed, a helper method's too: the model's alone
@@ -448,15 +458,19 @@ def delayed_products(role):
     return Float8DelayedScalingQuantizer() if role.module_type == "matmul" else factories.current_scaling_factory(role)
 
 
-def test_delayed_state_in_resumed_code_every_block_shares_is_named():
+def test_delayed_state_in_code_several_blocks_run_through_one_graph_is_named():
     """The blocks' score products run in one graph whose delayed-scaling slots every block shares
-    (a training step then fails in backward): the compile says so, naming the code; the model's
-    own resumed code, and a stateless recipe, hear nothing."""
-    compiled = graphquant.compile(models.seeded(ScoresStack()), CustomRecipe(delayed_products), backend="aot_eager")
-    with pytest.warns(UserWarning, match=r"matmul\.0#0, matmul\.1#0 keep delayed-scaling state in code Dynamo resumed after a graph "
-                                         r"break in forward at test_compile_plan\.py:\d+, which reaches no module of its own"):
-        compiled(x3())
-    for model, recipe in ((ScoresStack(root_break=True), CustomRecipe(delayed_products)), (ScoresStack(), recipes.current_scaling())):
+    (a training step then fails in backward): the compile says so, naming the code and how many
+    modules run it; the model's own resumed code (one instance runs it), and a stateless recipe,
+    hear nothing."""
+    for kind in (ScoresAfterABreak, ScoresBeforeABreak):
+        torch._dynamo.reset()
+        compiled = graphquant.compile(models.seeded(ScoresStack(kind=kind)), CustomRecipe(delayed_products), backend="aot_eager")
+        with pytest.warns(UserWarning, match=rf"matmul\.\d#0.* keep delayed-scaling state in {kind.__name__}\.forward at "
+                                             r"test_compile_plan\.py:\d+, which 2 modules of the model run through this one graph"):
+            compiled(x3())
+    for model, recipe in ((ScoresStack(root_break=True), CustomRecipe(delayed_products)), (ScoresStack(), recipes.current_scaling()),
+                          (ScoresStack(layers=1), CustomRecipe(delayed_products))):
         torch._dynamo.reset()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
