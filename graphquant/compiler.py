@@ -410,6 +410,16 @@ class GraphquantBackend:
             if held:  # one module, or one registered under several names: the first, as named_modules() spells it
                 modules[local] = min(held, key=order.__getitem__)
                 _guard_identity(sources[local])
+        value = _frame_value(_SELF)
+        if _SELF not in modules and isinstance(value, torch.nn.Module) and value is not self.root:
+            # A module's own frame that lifts no parameter (one of none, whose method breaks): named
+            # and guarded by the module itself, so that each instance gets its own graph and slots.
+            held = [name for name in order if self.root.get_submodule(name) is value]
+            if held:
+                from torch._dynamo.source import LocalSource
+
+                modules[_SELF] = held[0]
+                _guard_identity(LocalSource("self"))
         own = next((modules[local] for local in _SELF_LOCALS if local in modules), "")
         return Frame(tuple(modules.items()), own)
 
@@ -533,7 +543,8 @@ def _raising(error: Exception) -> Callable:
 
 
 # The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
-_SELF_LOCALS = ("L['self']", "L['fn']", "L['args'][0]")
+_SELF = "L['self']"
+_SELF_LOCALS = (_SELF, "L['fn']", "L['args'][0]")
 
 
 def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:

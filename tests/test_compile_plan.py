@@ -478,6 +478,35 @@ def test_delayed_state_in_code_several_blocks_run_through_one_graph_is_named():
         assert not [w for w in caught if "keep delayed-scaling state" in str(w.message)]
 
 
+class ScoresThenABreak(torch.nn.Module):
+    """Scores, then a graph break (a logger call), in a module of no parameters."""
+
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2)
+        torch._dynamo.graph_break()
+        return scores.softmax(-1)
+
+
+def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_instance():
+    """Its frame lifts no parameter to name it by: the module itself names its products and
+    guards its graph, so each instance keeps its own delayed-scaling slots and trains."""
+    class TwoScores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = ScoresThenABreak(), ScoresThenABreak()
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    compiled = graphquant.compile(TwoScores(), CustomRecipe(delayed_products), backend="aot_eager")
+    for _ in range(2):
+        compiled(x3(dim=32).requires_grad_()).square().mean().backward()
+    sites = sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms})
+    assert sites == ["first.matmul.0#0", "second.matmul.0#0"]
+    assert {str(role) for role in compiled.graphquant.delayed_state} >= {
+        "module_type=matmul|tensor_type=input|name=first.matmul.0", "module_type=matmul|tensor_type=input|name=second.matmul.0"}
+
+
 class RotaryLinear(torch.nn.Module):
     """A rotary embedding's angles, frequencies times positions (an outer product: a matmul whose
     reduction is 1 long, as transformers' Llama computes them), then a linear."""
