@@ -104,7 +104,6 @@ class GraphquantBackend:
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         inside_attention = {f"{name}.out_proj" for name, m in self.root.named_modules() if isinstance(m, torch.nn.MultiheadAttention)}
         linears = [name for name, m in self.root.named_modules() if isinstance(m, torch.nn.Linear) and name not in inside_attention]
-        self._warn_of_unread_parameters()
         unplanned = [name for name in linears if name not in planned]
         if unplanned:
             user_stack.warn(
@@ -114,6 +113,7 @@ class GraphquantBackend:
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
             )
+        self._warn_of_unread_parameters()
 
     def _note_read_parameters(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         """Note the names of the model's parameters a graph reads, as the model holds them now
@@ -166,11 +166,11 @@ class GraphquantBackend:
         call), or the whole method of a module that lifts no parameter. Every such module runs
         this one graph, so they would share one slot: amax histories mixed across layers, and a
         backward after two of them fails (the first's saved state was written over)."""
-        shared = _code_several_modules_run(self.root)
         held = [name for _, name in frame.modules]
         unowned = [site for site in sites if not any(site.name == name or site.name.startswith(name + ".") for name in held)]
         stateful = [site.label for site in unowned if any(plan.quantizer(role).keeps_state for role in site.roles())]
-        if shared and stateful:
+        shared = _code_several_modules_run(self.root) if stateful else ""
+        if shared:
             user_stack.warn(
                 f"graphquant: {', '.join(stateful[:3])}{', ...' if len(stateful) > 3 else ''} keep delayed-scaling state in "
                 f"{shared} through this one graph, which holds none of them: they share those slots (their amax histories "
@@ -323,8 +323,8 @@ class GraphquantBackend:
             user_stack.warn(
                 f"graphquant: this inference call starts {len(fresh)} delayed-scaling slot(s) with no amax history "
                 f"({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}) and quantizes them at scale 1, as "
-                "TransformerEngine's first step does, which flushes small values to zero; load the training run's state first (compiled.graphquant.load_state_dict), "
-                "or make a warm-up call before using the outputs"
+                "TransformerEngine's first step does, which flushes small values to zero; load the training run's state "
+                "first (compiled.graphquant.load_state_dict), or make a warm-up call before using the outputs"
             )
         if self.dump_dir:
             from graphquant.dump import dump_graph
@@ -400,13 +400,14 @@ class GraphquantBackend:
             candidates[local] = candidates.get(local, held) & held
             sources.setdefault(local, grapharg.source)
         kinds = _module_kinds(gm)
-        order = {name: i for i, (name, _) in enumerate(self.root.named_modules(remove_duplicate=False))}
+        named = dict(self.root.named_modules(remove_duplicate=False))
+        order = {name: i for i, name in enumerate(named)}
         modules = {}
         for local, held in candidates.items():
             if len(held) > 1:  # a tied parameter the local holds as its own: the module itself decides
                 value = _frame_value(local)
-                same = {name for name in held if self.root.get_submodule(name) is value}
-                held = same or {name for name in held if type(self.root.get_submodule(name)) is kinds.get(local)}
+                same = {name for name in held if named[name] is value}
+                held = same or {name for name in held if type(named[name]) is kinds.get(local)}
             if held:  # one module, or one registered under several names: the first, as named_modules() spells it
                 modules[local] = min(held, key=order.__getitem__)
                 _guard_identity(sources[local])
@@ -414,7 +415,7 @@ class GraphquantBackend:
         if _SELF not in modules and isinstance(value, torch.nn.Module) and value is not self.root:
             # A module's own frame that lifts no parameter (one of none, whose method breaks): named
             # and guarded by the module itself, so that each instance gets its own graph and slots.
-            held = [name for name in order if self.root.get_submodule(name) is value]
+            held = [name for name, module in named.items() if module is value]
             if held:
                 from torch._dynamo.source import LocalSource
 

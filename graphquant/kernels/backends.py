@@ -685,8 +685,8 @@ def select_attention(
     instead where Triton has Gluon and the key length is a multiple of GLUON_LENGTH_MULTIPLE, else
     the Triton forward does and says why. The backward is the FP8 flash backward where s and do are
     per-tensor FP8 and dp per-tensor FP8 under delayed scaling (P's and dS's scales known before
-    the kernel sees them: P's is its bound's, softmax_output_format): the Gluon one (graphquant.kernels.gluon_attention_backward, the Triton
-    backward's bits but for the order of dQ's atomic adds) under either mask where Triton has Gluon
+    the kernel sees them: P's is its bound's, softmax_output_format): the Gluon one
+    (graphquant.kernels.gluon_attention_backward, the Triton backward's bits but for the order of dQ's atomic adds) under either mask where Triton has Gluon
     and both lengths are multiples of GLUON_LENGTH_MULTIPLE, else the Triton one
     (graphquant.kernels.triton_attention_backward), which says why; else it recomputes S and P
     through the emulation."""

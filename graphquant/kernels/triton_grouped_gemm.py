@@ -233,11 +233,13 @@ def tokens_by_experts(
     fa, _, fa_i = _factor_strides(None if a_factor is None else a_factor.reshape(1, -1), a)
     fb, fb_g, fb_i = _factor_strides(b_factor, a)
     tile = _tile(a.dtype, token_rows)
-    if _tma_operands(a, experts, tile):
+    tma = _tma_operands(a, experts, tile)
+    tile = _TMA_TILE if tma else tile
+    grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        tile, stack = _TMA_TILE, experts.transpose(1, 2)
-        grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
+        stack = experts.transpose(1, 2)
         _tokens_by_experts_tma[grid](
             TensorDescriptor.from_tensor(a, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(stack.reshape(-1, k), [tile.block_n, tile.block_k]),
@@ -246,7 +248,6 @@ def tokens_by_experts(
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
         )
         return out
-    grid = ((padded_rows // tile.block_m) * ceil_div(n, tile.block_n),)
     _tokens_by_experts[grid](
         a, experts, out, fa, fb, tokens.row_group, tokens.source, tokens.ends, tokens.groups, padded_rows, n, k,
         *a.stride(), *experts.stride(), fa_i, fb_g, fb_i, IEEE=a.dtype == torch.float32,

@@ -22,9 +22,10 @@ as K and V themselves) and sums dK and dV over the group in fp32. Dropout is not
 
 P is a probability, at most 1, so its range is known before it is computed: the plan gives the s
 slot a per-tensor format that scales P as an amax of 1 would (``backends.softmax_output_format``)
-in place of a scale carried between calls. A delayed history carries one call's P amax into the next call
-of another shape (a decode step's one query row over many keys peaks far under 1, and the next
-prefill's first row, which is 1, saturates), and a fresh slot's scale of 1 flushes P below 2^-9.
+in place of a scale carried between calls. A delayed history carries one call's P amax into the
+next call of another shape (a decode step's one query row over many keys peaks far under 1, and
+the next prefill's first row, which is 1, saturates), and a fresh slot's scale of 1 flushes P
+below 2^-9.
 
 The emulation materialises S and P and multiplies dequantized operands (graphquant::gemm). Where
 the plan chose an FP8 flash forward (graphquant.kernels.triton_attention, or its Gluon twin
@@ -34,8 +35,8 @@ quantizes P tile by tile as its online softmax sees it, so O can differ from the
 (within the bound tests/test_triton_attention.py derives). Its backward is the FP8 flash backward
 (graphquant.kernels.triton_attention_backward, or its Gluon twin
 graphquant.kernels.gluon_attention_backward with the same bits but for the order of dQ's atomic
-adds: ``FLASH_BACKWARDS``) where the plan chose it (dp under delayed scaling): the same codes of Q, K, V and dO and the same D, but P recomputed from the forward's
-logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
+adds: ``FLASH_BACKWARDS``) where the plan chose it (dp under delayed scaling): the same codes of
+Q, K, V and dO and the same D, but P recomputed from the forward's logsumexp and P and dS quantized as the tiles see them, so dQ, dK, dV and dp's recorded amax can
 differ from the emulation's (within the bound ``backward_bound`` there derives); elsewhere the
 backward recomputes S and P through the emulation.
 """
@@ -61,6 +62,8 @@ SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
 _EMULATED = backends.GemmBackend(backends.ATTENTION_EMULATION)
 NO_STATES = (None, None, None, None)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionSite:
     """One attention call as the rewritten graph tells it: its owner and the format of each
@@ -77,11 +80,11 @@ class AttentionSite:
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
 
     def __post_init__(self) -> None:
-        s = self.quantizer("s")
-        if backends.softmax_output_format(s) != s:
+        planned = backends.softmax_output_format(self.quantizer("s"))
+        if planned.spec != self.s:
             raise ValueError(
                 f"{self.label}: s={self.s} would scale P by its own amax or a history; give s "
-                f"{backends.softmax_output_format(s).spec!r} (softmax_output_format: P's scale is that of its bound, 1)"
+                f"{planned.spec!r} (softmax_output_format: P's scale is that of its bound, 1)"
             )
         if self.backward_backend.name in backends.ATTENTION_KERNELS:
             flash_forward = self.backend.name in backends.ATTENTION_KERNELS
@@ -108,9 +111,9 @@ def quantized_attention(
     site: AttentionSite, states=NO_STATES,
 ):
     """F.scaled_dot_product_attention in the site's formats; ``states`` is the delayed-scaling
-    state of qkv, s, do and dp (None where a format keeps none: always for s). Fewer key/value heads than query
-    heads are grouped whatever ``enable_gqa`` says (F.scaled_dot_product_attention would have
-    refused them without it when the graph was captured)."""
+    state of qkv, s, do and dp (None where a format keeps none: always for s). Fewer key/value
+    heads than query heads are grouped whatever ``enable_gqa`` says (F.scaled_dot_product_attention
+    would have refused them without it when the graph was captured)."""
     if dropout_p:
         raise ValueError(
             f"{site.label}: FP8 attention runs without dropout, got dropout_p={dropout_p}; pass dropout_p=0.0, or build "
