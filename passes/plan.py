@@ -392,9 +392,10 @@ class Planner:
 
     def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
         """The site's few output features (below FEW_OUTPUTS) and short reduction (below
-        SHORT_REDUCTION), as words, where with 128 of each it would tile every format, its rows
-        too where they also do not (an MoE router of any token count: the site stays small, so
-        cheap in high precision); "" otherwise."""
+        SHORT_REDUCTION), as words, where they keep it from tiling (with 128 of each it would tile
+        every format), its rows too where they also do not (an MoE router of any token count: the
+        site stays small, so cheap in high precision); "" otherwise, rows that alone keep it from
+        tiling included (the error any site's would be)."""
         batch, n, k = site.w_sizes
         small = {"n": isinstance(n, int) and n < FEW_OUTPUTS, "k": isinstance(k, int) and k < SHORT_REDUCTION}
         if not any(small.values()):
@@ -402,15 +403,17 @@ class Planner:
         widened = (batch, 128 if small["n"] else n, 128 if small["k"] else k)
         x_batch, m, _ = site.x_sizes
 
-        def tiles(rows: object) -> bool:
+        def tiles(rows: object, w_sizes: tuple = widened) -> bool:
             try:
-                self._check_shapes(dataclasses.replace(site, w_sizes=widened, x_sizes=(x_batch, rows, widened[2])), quantizers, training)
+                self._check_shapes(dataclasses.replace(site, w_sizes=w_sizes, x_sizes=(x_batch, rows, w_sizes[2])), quantizers, training)
             except (PlanError, ValueError):
                 return False
             return True
 
         rows = tiles(m)
         if not rows and not (isinstance(m, int) and tiles(-(-m // 128) * 128)):
+            return ""
+        if not rows and tiles(-(-m // 128) * 128, site.w_sizes):  # its rows alone keep it from tiling, as any site's would
             return ""
         words = [f"{n} output features" if small["n"] else "", f"{k}-long reduction" if small["k"] else "", "" if rows else f"{m} rows"]
         return " and ".join(w for w in words if w)

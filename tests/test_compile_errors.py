@@ -249,6 +249,17 @@ def test_rejected_gemm_names_module_gemm_and_both_formats():
     assert "both operands" in message  # what would be accepted
 
 
+def test_rht_on_every_role_is_rejected_in_dgrad_naming_the_side_that_has_it():
+    """NVFP4 with RHT for every role: dgrad meets grad_output's rowwise side (no transform) with the
+    weight's columnwise one (transformed); the message says which operand and side has it, and
+    to leave it off the weight (asking for it on both, which the user did, would not help)."""
+    recipe = CustomRecipe(lambda role: NVFP4Quantizer(with_rht=True, with_post_rht_amax=True))
+    message = str(plan_error(models.MLP(), recipe, x3()))
+    assert message.startswith("fc1#0 (linear) dgrad:"), message
+    assert "only the second operand (its columnwise side) went through the 16-point Hadamard transform" in message
+    assert "leave it off this tensor (a linear's weight" in message and "both operands" not in message
+
+
 def test_wgrad_operands_under_different_sign_masks_are_rejected():
     """Both wgrad operands through the Hadamard transform, one with its random sign mask and one
     without: H_a^T H_b is no identity, so the product would be wrong by far more than rounding."""

@@ -540,6 +540,17 @@ def test_built_in_recipes_keep_a_short_reduction_in_high_precision_with_the_reas
             own(x)
 
 
+@pytest.mark.parametrize("features", [96, 256])
+def test_rows_alone_that_tile_no_block_are_the_error_they_are_for_a_narrow_linear_too(features):
+    """A linear whose 96 outputs tile MXFP8's 32-blocks, trained on 8 rows (the input's columnwise
+    32x1 blocks fail): its outputs do not keep it from tiling, so it is the error a 256-wide one
+    gets, not high precision with a reason blaming its features."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, features))
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with pytest.raises(graphquant.PlanError, match=r"dim 0 of the 8x64 tensor must be a multiple of 32"):
+        compiled(torch.randn(8, 64, requires_grad=True)).sum().backward()
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
 def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
     make = {"rowwise": lambda: zoo.recipe("rowwise"), "mxfp8": recipes.mxfp8_block_scaling, "nvfp4": recipes.nvfp4_block_scaling}

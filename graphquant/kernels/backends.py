@@ -471,11 +471,15 @@ def select(
     a_transform, b_transform = a.transform(a_direction), b.transform(b_direction)
     if a_transform != b_transform:
         if a_transform is None or b_transform is None:
-            with_rht, transform = (a, a_transform) if a_transform else (b, b_transform)
-            reason = (
-                f"only one operand ({with_rht}) went through {transform}, so the product would be wrong; give both "
-                "operands of this GEMM the transform (e.g. nvfp4_factory for input and grad_output) or neither"
-            )
+            which, direction, transform = ("first", a_direction, a_transform) if a_transform else ("second", b_direction, b_transform)
+            if a_direction == b_direction == COLUMNWISE:
+                remedy = "give both operands the transform or neither (nvfp4_factory gives it to input and grad_output)"
+            else:  # a format applies it to its columnwise side alone, which here meets a rowwise one
+                remedy = (
+                    f"the transform applies to a {COLUMNWISE} side alone, so it is right only where two meet (wgrad): "
+                    "leave it off this tensor (a linear's weight; nvfp4_factory gives it to input and grad_output alone)"
+                )
+            reason = f"only the {which} operand (its {direction} side) went through {transform}, so the product would be wrong; {remedy}"
         else:
             reason = (
                 f"its operands went through different transforms ({a}: {a_transform}; {b}: {b_transform}), which "
