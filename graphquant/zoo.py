@@ -203,10 +203,11 @@ def rowwise_factory(role: Optional[QuantizerRole]) -> Float8RowwiseQuantizer:
 def rowwise_with_gw_hp_factory(role: Optional[QuantizerRole]) -> Quantizer:
     """torchao "rowwise_with_gw_hp": rowwise E4M3 fprop and dgrad, wgrad in high precision.
 
-    weight: rowwise FP8 both directions (fprop, dgrad). input and grad_output: rowwise FP8 for
-    the GEMM they feed rowwise, columnwise Identity (the original) for wgrad.
+    weight, and an activation x activation matmul's right operand (``other``, in its place):
+    rowwise FP8 both directions (fprop, dgrad). input and grad_output: rowwise FP8 for the GEMM
+    they feed rowwise, columnwise Identity (the original) for wgrad.
     """
-    if _tensor_type(role, ("linear", "grouped_linear", "matmul")) == "weight":
+    if _tensor_type(role) == "weight" or _tensor_type(role, ("matmul",)) == "other":
         return Float8RowwiseQuantizer(fp8_dtype="e4m3")
     return HybridQuantizer(
         rowwise_quantizer=Float8RowwiseQuantizer(fp8_dtype="e4m3"),

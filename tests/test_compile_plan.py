@@ -551,6 +551,25 @@ def test_rows_alone_that_tile_no_block_are_the_error_they_are_for_a_narrow_linea
         compiled(torch.randn(8, 64, requires_grad=True)).sum().backward()
 
 
+def test_rowwise_with_gw_hp_quantizes_a_matmuls_dgrad_as_a_linears():
+    """rowwise_with_gw_hp on an activation x activation matmul: its right operand (other) takes
+    the weight's formats, so fprop and dgrad are FP8 x FP8 and its wgrad high precision, as for a
+    linear (other's columnwise side was the original, which left dgrad FP8 x bf16)."""
+
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.q(x) @ self.k(x).t()
+
+    plan = graphquant.explain(Scores(), zoo.recipe("rowwise_with_gw_hp"), torch.randn(64, 64))
+    formats = {g.gemm: (g.a_format, g.b_format) for g in plan.gemms if g.site == "matmul.0#0"}
+    assert formats["fprop"] == formats["dgrad"] == ("fp8_rowwise(fp8_dtype=e4m3)",) * 2, formats
+    assert formats["wgrad"] == ("identity()", "identity()"), formats
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
 def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
     make = {"rowwise": lambda: zoo.recipe("rowwise"), "mxfp8": recipes.mxfp8_block_scaling, "nvfp4": recipes.nvfp4_block_scaling}
