@@ -3,7 +3,10 @@
 The first seven are TransformerEngine's zoo (illustrative, not validated by TE either); then a
 DeepSeek-style blockwise recipe and three torchao-equivalent FP8 recipes. Every factory builds
 fresh quantizers per call, accepts role=None, and is module level so recipes pickle. "linear"
-below means module_type "linear" or "grouped_linear".
+below means module_type "linear" or "grouped_linear". TE has no activation x activation matmul;
+the recipes that name their forward's and backward's formats give one the roles of a linear, its
+right operand (other) the weight's (_as_linear), so that its dgrad and wgrad run the formats the
+recipe names for them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ def _tensor_type(role: Optional[QuantizerRole], module_types: tuple[str, ...] = 
     return role.tensor_type if role is not None and role.module_type in module_types else ""
 
 
+def _as_linear(role: Optional[QuantizerRole]) -> str:
+    """The tensor type ``role`` plays in a linear's terms: a linear's or grouped linear's own, and
+    an activation x activation matmul's with its right operand (other) as the weight, so that a
+    recipe's fprop, dgrad and wgrad mean the same GEMMs there ("" for other module types)."""
+    if role is not None and role.module_type == "matmul":
+        return "weight" if role.tensor_type == "other" else role.tensor_type
+    return _tensor_type(role)
+
+
 def _plain_nvfp4(row_scaled: bool = False) -> NVFP4Quantizer:
     return NVFP4Quantizer(row_scaled_nvfp4=row_scaled)
 
@@ -45,7 +57,7 @@ def high_precision_fwd_mxfp8_bwd_factory(role: Optional[QuantizerRole]) -> Quant
     linear grad_output: MXFP8 both directions. Every other role: rowwise Identity (fprop in high
     precision), columnwise MXFP8 from the original tensor.
     """
-    if _tensor_type(role) == "grad_output":
+    if _as_linear(role) == "grad_output":
         return MXFP8Quantizer()
     return HybridQuantizer(
         rowwise_quantizer=IdentityQuantizer(), columnwise_quantizer=MXFP8Quantizer(), columnwise_source="original"
@@ -60,7 +72,7 @@ def mxfp8_fwd_nvfp4_bwd_factory(role: Optional[QuantizerRole]) -> Quantizer:
     grad_output: nvfp4_factory (rowwise plain for dgrad; columnwise RHT + stochastic rounding).
     Other roles: MXFP8.
     """
-    tensor_type = _tensor_type(role)
+    tensor_type = _as_linear(role)
     if tensor_type == "input":
         return HybridQuantizer(
             rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=nvfp4_factory(role), columnwise_source="original"
@@ -95,7 +107,7 @@ def mxfp8_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole]) -> Quant
     input, weight: rowwise MXFP8, columnwise Identity of the dequantized MXFP8.
     grad_output: Identity. Other roles: MXFP8.
     """
-    tensor_type = _tensor_type(role)
+    tensor_type = _as_linear(role)
     if tensor_type in ("input", "weight"):
         return HybridQuantizer(
             rowwise_quantizer=MXFP8Quantizer(), columnwise_quantizer=IdentityQuantizer(), columnwise_source="rowwise_dequantized"
@@ -129,7 +141,7 @@ def nvfp4_row_scaled_fwd_high_precision_bwd_factory(role: Optional[QuantizerRole
     weight: rowwise plain NVFP4, columnwise Identity of the dequantized rowwise.
     grad_output: Identity. Other roles: plain NVFP4.
     """
-    tensor_type = _tensor_type(role)
+    tensor_type = _as_linear(role)
     if tensor_type in ("input", "weight"):
         return HybridQuantizer(
             rowwise_quantizer=_plain_nvfp4(row_scaled=tensor_type == "input"),
@@ -207,7 +219,7 @@ def rowwise_with_gw_hp_factory(role: Optional[QuantizerRole]) -> Quantizer:
     rowwise FP8 both directions (fprop, dgrad). input and grad_output: rowwise FP8 for the GEMM
     they feed rowwise, columnwise Identity (the original) for wgrad.
     """
-    if _tensor_type(role) == "weight" or _tensor_type(role, ("matmul",)) == "other":
+    if _as_linear(role) == "weight":
         return Float8RowwiseQuantizer(fp8_dtype="e4m3")
     return HybridQuantizer(
         rowwise_quantizer=Float8RowwiseQuantizer(fp8_dtype="e4m3"),

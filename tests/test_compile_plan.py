@@ -551,10 +551,16 @@ def test_rows_alone_that_tile_no_block_are_the_error_they_are_for_a_narrow_linea
         compiled(torch.randn(8, 64, requires_grad=True)).sum().backward()
 
 
-def test_rowwise_with_gw_hp_quantizes_a_matmuls_dgrad_as_a_linears():
-    """rowwise_with_gw_hp on an activation x activation matmul: its right operand (other) takes
-    the weight's formats, so fprop and dgrad are FP8 x FP8 and its wgrad high precision, as for a
-    linear (other's columnwise side was the original, which left dgrad FP8 x bf16)."""
+@pytest.mark.parametrize(
+    "name",
+    ["rowwise_with_gw_hp", "high_precision_fwd_mxfp8_bwd", "mxfp8_fwd_high_precision_bwd", "mxfp8_fwd_nvfp4_bwd",
+     "nvfp4_row_scaled_fwd_high_precision_bwd"],
+)
+def test_zoo_recipes_give_a_matmul_the_formats_of_a_linear(name):
+    """A zoo recipe that names its forward's and backward's formats gives an activation x
+    activation matmul's fprop, dgrad and wgrad the formats of a linear's beside it (its right
+    operand, other, the weight's): TE's recipes have no matmul, and their "other roles" branch
+    left, for example, a high-precision backward in MXFP8 and a dgrad of bf16 x MXFP8."""
 
     class Scores(torch.nn.Module):
         def __init__(self):
@@ -564,10 +570,9 @@ def test_rowwise_with_gw_hp_quantizes_a_matmuls_dgrad_as_a_linears():
         def forward(self, x):
             return self.q(x) @ self.k(x).t()
 
-    plan = graphquant.explain(Scores(), zoo.recipe("rowwise_with_gw_hp"), torch.randn(64, 64))
-    formats = {g.gemm: (g.a_format, g.b_format) for g in plan.gemms if g.site == "matmul.0#0"}
-    assert formats["fprop"] == formats["dgrad"] == ("fp8_rowwise(fp8_dtype=e4m3)",) * 2, formats
-    assert formats["wgrad"] == ("identity()", "identity()"), formats
+    plan = graphquant.explain(Scores(), zoo.recipe(name), torch.randn(64, 64, requires_grad=True))
+    formats = {site: {g.gemm: (g.a_format, g.b_format) for g in plan.gemms if g.site == site} for site in ("q#0", "matmul.0#0")}
+    assert formats["matmul.0#0"] == formats["q#0"] and len(formats["q#0"]) == 3, formats
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
