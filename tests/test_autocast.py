@@ -38,17 +38,44 @@ def step(model, x, under_autocast):
     return y, x.grad, {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_float32_weights_under_autocast_compute_their_bf16_copys_bits(recipe):
+def test_float32_weights_under_autocast_compute_their_bf16_copys_bits(recipe, backend):
+    """Under Inductor too, which fuses a plain .to(bf16) into the quantize reading it and keeps
+    the unrounded fp32 value there (autocast.cast rounds in ops it keeps)."""
     master = block()
     twin = copy.deepcopy(master).to(torch.bfloat16)
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
-    y, dx, grads = step(graphquant.compile(master, RECIPES[recipe](), backend="aot_eager"), x, True)
-    y_twin, dx_twin, grads_twin = step(graphquant.compile(twin, RECIPES[recipe](), backend="aot_eager"), x.to(torch.bfloat16), False)
+    y, dx, grads = step(graphquant.compile(master, RECIPES[recipe](), backend=backend), x, True)
+    y_twin, dx_twin, grads_twin = step(graphquant.compile(twin, RECIPES[recipe](), backend=backend), x.to(torch.bfloat16), False)
     assert y.dtype == torch.bfloat16 and torch.equal(y, y_twin)
     assert dx.dtype == torch.float32 and torch.equal(dx, dx_twin.float())
     for name, grad in grads.items():
         assert grad.dtype == torch.float32 and torch.equal(grad, grads_twin[name].float()), name
+
+
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.99, 65520.0, -65520.0, 2.0**-14, 2.0**-25,
+           3 * 2.0**-26, 1.5 * 2.0**-24, 3.4e38, -3.4e38, 1e-45]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocasts_cast_rounds_as_to_does_eagerly_and_under_inductor(dtype):
+    """Every float32 bit pattern class (normal, subnormal in the target, overflowing, NaNs of
+    any payload, infinities, zeros) rounds to ``.to(dtype)``'s bits, also where Inductor fuses the
+    cast into what reads it; the gradient passes as .to's."""
+    from graphquant.ops.autocast import cast
+
+    generator = torch.Generator().manual_seed(0)
+    scaled = torch.randn(1 << 14, generator=generator) * 10.0 ** torch.randint(-9, 6, (1 << 14,), generator=generator)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (1 << 14,), generator=generator, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([scaled, patterns, torch.tensor(SPECIAL)])
+    want = x.to(dtype)
+    assert torch.equal(cast(x, dtype).view(torch.int16), want.view(torch.int16))
+    fused = torch.compile(lambda t: cast(t, dtype).float() * 3.0, backend="inductor")(x)
+    assert torch.equal(fused.isnan(), want.isnan()) and torch.equal(fused[~fused.isnan()], want.float()[~want.isnan()] * 3.0)
+    leaf = torch.randn(8, requires_grad=True)
+    cast(leaf, dtype).float().mul(2.0).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((8,), 2.0))
 
 
 def test_a_frozen_model_under_autocast_takes_its_dtype_for_x_and_the_output():

@@ -21,11 +21,56 @@ def dtype_for(x: torch.Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` with its rounding made in integer and fp32 ops Inductor keeps: Inductor
+    fuses a ``.to(bf16)`` into the quantize that reads it and leaves the value in fp32 (unless
+    emulate_precision_casts), which would quantize float32 master weights other than their bf16
+    copy. The gradient passes as ``.to``'s does, rounded to ``dtype`` as eagerly."""
+    if x.dtype == dtype or dtype not in _ROUNDED or not x.is_floating_point():
+        return x.to(dtype)
+    return _RoundedCast.apply(x, dtype)
+
+
+def _bf16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to bf16's 8 significant bits, to nearest even (NaN kept), as fp32."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)
+
+
+def _fp16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to fp16's values, to nearest even, as fp32: 11 significant bits in its
+    normal range, steps of 2^-24 below it, infinity past its largest finite value (NaN kept)."""
+    bits = x.view(torch.int32)
+    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -0x2000).view(torch.float32)
+    subnormal = torch.round(x * 2.0**24) * 2.0**-24
+    rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
+    rounded = torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded.sign() * torch.inf, rounded)
+    return torch.where(x.isnan(), x, rounded)
+
+
+_ROUNDED = {torch.bfloat16: _bf16_rounded, torch.float16: _fp16_rounded}
+
+
+class _RoundedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return _ROUNDED[dtype](x.float()).to(dtype)  # exact: the value is one of dtype's
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # grad is of the cast's dtype, but where Inductor made it (a bias gradient's sum) it may
+        # hold its fp32 value unrounded: rounded here, so that float32 master weights get the
+        # bits of their bf16 copy's gradient
+        return _ROUNDED[grad.dtype](grad.float()).to(ctx.dtype), None
+
+
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, tuple):
         return tuple(_cast(v, dtype) for v in value)
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
+        return cast(value, dtype)
     return value
 
 

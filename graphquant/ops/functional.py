@@ -61,8 +61,8 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
     cast = autocast.dtype_for(x)
     if cast is not None:  # x, the biases and the output in autocast's dtype; the weights stay as stored
         with torch.autocast(x.device.type, enabled=False):
-            biases = tuple(None if b is None else b.to(cast) for b in biases)
-            return quantized_frozen_linears_sharing_x(x.to(cast), weights, shapes, cast, biases, sites=sites, states=states, rng=rng)
+            biases = tuple(None if b is None else autocast.cast(b, cast) for b in biases)
+            return quantized_frozen_linears_sharing_x(autocast.cast(x, cast), weights, shapes, cast, biases, sites=sites, states=states, rng=rng)
     x2d = x.reshape(-1, x.shape[-1])
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
