@@ -8,7 +8,7 @@ import functools
 import inspect
 import os
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
 from torch import fx
@@ -703,6 +703,7 @@ def compile(
             compile_mode=compile_mode, options=options, **torch_compile_kwargs,
         )
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
+        compiled.__dict__["__reduce_ex__"] = _not_pickled
         if callable(getattr(type(model), "generate", None)):
             forwards = {
                 module: _failing_past_the_recompile_limit(
@@ -818,6 +819,18 @@ def _deep_copy(model: torch.nn.Module, backend: "GraphquantBackend", twin: Calla
 
 class RecompileLimitError(RuntimeError):
     """Dynamo reached its recompile limit in a graphquant model, which would then run unquantized."""
+
+
+def _not_pickled(protocol: int) -> NoReturn:
+    """A graphquant model's pickling (torch.save of the model, or of a module holding it) and
+    copy.copy: its compiled graphs and the backend's closures do not pickle, and a shallow copy
+    would lose the backend, so say what a copy and a checkpoint take instead."""
+    raise TypeError(
+        "a graphquant model does not pickle or shallow-copy (torch.save(model), pickle.dumps, copy.copy, or a module "
+        "holding it): copy.deepcopy(model) makes a graphquant model of its own; to checkpoint, save "
+        "model.state_dict() and compiled.graphquant.state_dict() (its delayed-scaling and stochastic-rounding state), "
+        "then load them into the module and into graphquant.compile(module, recipe) again, as README's checkpoint example does"
+    )
 
 
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:

@@ -620,3 +620,19 @@ def test_recipes_pickle_and_lambdas_say_why_not():
     for bad in (graphquant.CustomRecipe(lambda role: graphquant.IdentityQuantizer()), local_factory_recipe()):
         with pytest.raises(pickle.PicklingError, match="define the factory at module level"):
             pickle.dumps(bad)
+
+
+def test_a_graphquant_model_refuses_pickling_saying_what_a_checkpoint_saves():
+    """torch.save(model), pickle and copy.copy of a graphquant model (or of a module holding it)
+    fail with a message naming the checkpoint's parts, not Python's "can't pickle local object";
+    copy.deepcopy still gives a model of its own."""
+    import copy
+    import io
+
+    compiled = graphquant.compile(torch.nn.Sequential(torch.nn.Linear(64, 64)), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(torch.randn(32, 64))
+    for attempt in (lambda: torch.save(compiled, io.BytesIO()), lambda: pickle.dumps(compiled), lambda: copy.copy(compiled),
+                    lambda: torch.save(torch.nn.ModuleDict({"model": compiled}), io.BytesIO())):
+        with pytest.raises(TypeError, match=r"does not pickle or shallow-copy .*compiled\.graphquant\.state_dict\(\)"):
+            attempt()
+    assert copy.deepcopy(compiled).graphquant is not compiled.graphquant
