@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sub.add_argument("model", help="MODULE:ATTR: a model, or a function returning a model or (model, example_inputs)")
         sub.add_argument("--recipe", required=True, help="a zoo name, a graphquant.recipes preset, or MODULE:ATTR")
         sub.add_argument("--input-shape", action="append", type=_shape, default=[], help="e.g. 4,128,512; repeat per input")
-        sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="of the random inputs")
+        sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="of the random inputs, and the model's floating tensors cast to it (torch's products take one dtype)")
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -45,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model, inputs = load_model(args.model)
         recipe = load_recipe(args.recipe)
         if args.input_shape:
-            inputs = tuple(torch.randn(shape, dtype=getattr(torch, args.dtype)) for shape in args.input_shape)
+            dtype = getattr(torch, args.dtype)
+            model = model.to(dtype)
+            inputs = tuple(torch.randn(shape, dtype=dtype) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
         command = explain if args.command == "explain" else functools.partial(numerics, loss_fn=summed_outputs)

@@ -22,6 +22,7 @@ from graphquant.passes.find_gemms import (
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
+from graphquant.ops.functional import MixedDtypesError
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
 from graphquant.recipes import CustomRecipe
@@ -275,7 +276,7 @@ class GraphquantBackend:
         or, under suppress_errors, run the model eagerly and unquantized."""
         try:
             return self._compile(gm, example_inputs)
-        except PlanError as error:
+        except (PlanError, MixedDtypesError) as error:
             return _raising(error)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

@@ -470,3 +470,16 @@ def test_a_call_that_compiles_nothing_runs_no_python_of_graphquant_compile():
         finally:
             sys.setprofile(None)
     assert files and graphquant.compiler.__file__ not in files
+
+
+@pytest.mark.parametrize("weights, inputs", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float64)])
+def test_operands_of_different_dtypes_are_refused_as_torch_refuses_them(weights, inputs):
+    """Outside autocast torch's linear refuses an input of another dtype than its weight (an
+    input left in float32 after model.to(torch.bfloat16)); a quantized one says so, naming the
+    site and both dtypes, rather than promote them. The same call with the input cast runs."""
+    model = models.MLP().to(weights)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    x = x3().to(inputs)
+    with pytest.raises(TypeError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight or other {weights}"):
+        compiled(x)
+    assert compiled(x.to(weights)).dtype == weights

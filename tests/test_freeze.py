@@ -273,11 +273,11 @@ def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so():
 def test_a_cast_of_a_frozen_model_casts_its_products_not_its_stored_weights():
     linear = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)))
     compiled = inference_model(linear, FAMILIES["mxfp8"]())
-    x = x3(torch.float32).to(torch.bfloat16)
+    x = x3(torch.float32).to(torch.bfloat16)  # bf16 values, given in float32 to the float32 model
     with torch.no_grad():
-        compiled(x)
+        compiled(x.float())
         graphquant.freeze(compiled)
-        before = compiled(x)  # float32: the weight frozen was
+        before = compiled(x.float())  # float32: the weight frozen was
         codes = linear[0].weight_codes.clone()
         compiled.to(torch.bfloat16)
         after = compiled(x)

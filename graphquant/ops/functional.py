@@ -41,6 +41,8 @@ def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], 
     slot states (``states``: one tuple each), their weights of one dtype; a tuple of their
     outputs. Several run their GEMMs in one launch of the decode GEMM, x quantized once
     (passes/gemms_sharing_x.py: x's format keeps no state there)."""
+    for w, b, site in zip(weights, biases, sites):
+        _same_dtype(site, x, w, b)
     ys = inference_products(x.reshape(-1, x.shape[-1]), weights, biases, sites, states, rng)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights))
 
@@ -104,4 +106,24 @@ def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
 def _product(
     x2d: torch.Tensor, w2d: torch.Tensor, batch: int, site: Site, states: tuple, rng: Optional[torch.Tensor], bias=None
 ) -> torch.Tensor:
+    _same_dtype(site, x2d, w2d, bias)
     return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, batch)
+
+
+class MixedDtypesError(TypeError):
+    """A product's operands are of different dtypes, which torch's products refuse outside
+    autocast (the compiled model raises it at each call, as it does a PlanError)."""
+
+
+def _same_dtype(site: Site, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """torch's products refuse operands of different dtypes (outside autocast, which casts them
+    first: autocast.operands_cast); so does a quantized one, rather than promote them silently
+    (an input left in float32 after model.to(torch.bfloat16))."""
+    dtypes = [t.dtype for t in (x, w, bias) if t is not None]
+    if len(set(dtypes)) > 1:
+        names = ("input", "weight or other", "bias")
+        described = ", ".join(f"{name} {t.dtype}" for name, t in zip(names, (x, w, bias)) if t is not None)
+        raise MixedDtypesError(
+            f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (\"mat1 and "
+            "mat2 must have the same dtype\"); cast the input to the model's dtype, or run the model under torch.autocast"
+        )
