@@ -698,7 +698,7 @@ def compile(
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
         _kept_whole(compiled, name)
-        compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, functools.partial(setattr, compiled, "forward"))
+        compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, name, functools.partial(setattr, compiled, "forward"))
         twin = functools.partial(
             compile, recipe=recipe, backend=backend, strict=strict, mode=mode, seed=seed, dump_dir=dump_dir,
             compile_mode=compile_mode, options=options, **torch_compile_kwargs,
@@ -713,9 +713,9 @@ def compile(
                 for module in _generated_through(model)
             }
             generate = _generating_through(model, forwards)
-            compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, functools.partial(compiled.__dict__.__setitem__, "generate"))
+            compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, name, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
-        compiled = _checking_the_first_compile(_failing_past_the_recompile_limit(compiled, name), gq_backend)
+        compiled = _checking_the_first_compile(_failing_past_the_recompile_limit(compiled, name), gq_backend, name)
     compiled.__dict__["graphquant"] = gq_backend
     return compiled
 
@@ -733,13 +733,18 @@ def _uncompiled(model: Any) -> Any:
     return model
 
 
-def _checking_the_first_compile(call: Callable, backend: "GraphquantBackend", put_back: Optional[Callable] = None) -> Callable:
+def _checking_the_first_compile(
+    call: Callable, backend: "GraphquantBackend", name: str, put_back: Optional[Callable] = None
+) -> Callable:
     """``call`` that, once a call of it has compiled graphs, has the backend check them whole
     (GraphquantBackend.check_the_first_compile, once a model: its forward's or its generate's);
     ``put_back(call)`` then puts the plain call back, so that later calls run no frame of ours (a
-    compiled function, which has no attribute to put it back in, reads the backend's flag)."""
+    compiled function, which has no attribute to put it back in, reads the backend's flag).
+    Dynamo does not trace it: an enclosing torch.compile making the model's first call would
+    otherwise inline ``call``'s code (whose attributes a plain wrapper copies) into its own graph,
+    unquantized; it breaks its graph here instead, as _kept_whole has it do at the model."""
 
-    @functools.wraps(call)
+    @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def first(*args: Any, **kwargs: Any) -> Any:
         if backend.first_call_checked:
             return call(*args, **kwargs)
@@ -752,7 +757,7 @@ def _checking_the_first_compile(call: Callable, backend: "GraphquantBackend", pu
                     put_back(call)
                 backend.check_the_first_compile()
 
-    return first
+    return torch._dynamo.disable(first, reason=_own_graph_reason(name))
 
 
 def _named_root(model: Any) -> Optional[torch.nn.Module]:
@@ -769,12 +774,17 @@ def _kept_whole(compiled: torch.nn.Module, name: str) -> None:
     module's code into a graph of its own backend, unquantized (Dynamo then breaks the graph at the
     call); nor unwrap it to its module when it compiles ``compiled`` itself."""
     compiled.forward._torchdynamo_disable = True
-    compiled.forward._torchdynamo_disable_msg = (
+    compiled.forward._torchdynamo_disable_msg = _own_graph_reason(name)
+    for unwrapping in ("_torchdynamo_orig_callable", "get_compiler_config"):
+        compiled.__dict__.pop(unwrapping, None)
+
+
+def _own_graph_reason(name: str) -> str:
+    """Why an enclosing torch.compile breaks its graph at a graphquant model (Dynamo's message)."""
+    return (
         f"graphquant.compile compiled {name} with its own backend, which this torch.compile would bypass, so it runs as "
         "a graph of its own; for one graph, graphquant.compile the enclosing model instead"
     )
-    for unwrapping in ("_torchdynamo_orig_callable", "get_compiler_config"):
-        compiled.__dict__.pop(unwrapping, None)
 
 
 def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -29,14 +29,40 @@ def quantized(model, recipe=None):
     return graphquant.compile(model, recipe or recipes.mxfp8_block_scaling(), backend="aot_eager")
 
 
+@pytest.mark.parametrize("first_call", ["direct", "through the torch.compile"])
 @pytest.mark.parametrize("around", ["the model", "a module holding it"])
-def test_a_torch_compile_around_a_graphquant_model_runs_it_quantized(around):
-    model = quantized(mlp())
+def test_a_torch_compile_around_a_graphquant_model_runs_it_quantized(around, first_call):
+    """Also where the enclosing torch.compile makes the model's first call (a trainer wraps the
+    model before any step): its frame then held graphquant's first-call wrapper, which Dynamo
+    inlined, and the model ran unquantized at every call."""
     x = x2()
-    expected = model(x)
+    expected = quantized(mlp())(x)
     assert not torch.equal(expected, mlp()(x))  # quantized, not the plain model's bits
+    model = quantized(mlp())
+    if first_call == "direct":
+        model(x)
     outer = model if around == "the model" else torch.nn.Sequential(model, torch.nn.Identity())
     assert torch.equal(torch.compile(outer, backend="aot_eager")(x), expected)
+    assert len(model.graphquant.plans) == 1
+
+
+def test_a_graphquant_compiled_function_inside_a_torch_compile_runs_quantized():
+    weight = mlp().fc1.weight.detach()
+    product = graphquant.compile(lambda a, w: a @ w.t(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    x = x2()
+    expected = product(x, weight)
+    assert not torch.equal(expected, x @ weight.t())
+    assert torch.equal(torch.compile(lambda a, w: product(a, w) * 2, backend="aot_eager")(x, weight), expected * 2)
+
+
+def test_a_graphquant_model_inside_another_keeps_its_own_recipe_when_the_outer_calls_it_first():
+    """A model of one recipe held by a model compiled under another: the inner one runs its own
+    recipe and names its own sites, even when the outer model's first call makes its first."""
+    x = x2()
+    inner = quantized(mlp())
+    outer = graphquant.compile(torch.nn.Sequential(inner, torch.nn.Identity()), recipes.current_scaling(), backend="aot_eager")
+    assert torch.equal(outer(x), quantized(mlp())(x))
+    assert [g.site for g in inner.graphquant.plan.gemms if g.gemm == "fprop"] == ["fc1#0", "fc2#0"]
 
 
 def test_a_torch_compiled_module_is_compiled_as_the_module_it_wraps():
