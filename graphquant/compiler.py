@@ -854,6 +854,12 @@ def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise RuntimeError(
+                f"graphquant: {name} does not run under torch.func transforms (grad, vmap, jacrev, ...): Dynamo would run "
+                "its code eagerly, unquantized, and skip that code for good, so that later calls also ran unquantized; "
+                "call the model outside the transform (torch.autograd.grad gives gradients; functional_call works)"
+            )
         restore = failing()
         try:
             return call(*args, **kwargs)

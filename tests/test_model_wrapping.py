@@ -143,3 +143,17 @@ def test_parameters_a_model_multiplies_itself_in_no_graph_are_named():
     model = quantized(models.seeded(Model()))
     with pytest.warns(UserWarning, match=r"1 parameter\(s\) of 2 or more dims that no compiled graph reads \(skipped\.w\)"):
         model(x2())
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_and_leave_the_model_quantized(transform):
+    """Under torch.func's grad or vmap Dynamo runs a model's code eagerly, unquantized, and skips
+    that code for good: graphquant refuses the call instead, and the model's later calls (and a
+    first call after the refusal) run quantized."""
+    x = x2()
+    expected = quantized(mlp())(x)
+    model = quantized(mlp())
+    transformed = torch.func.grad(lambda t: model(t).sum()) if transform == "grad" else torch.func.vmap(model)
+    with pytest.raises(RuntimeError, match=r"^graphquant: MLP does not run under torch.func transforms"):
+        transformed(x if transform == "grad" else x[None])
+    assert torch.equal(model(x), expected)
