@@ -847,10 +847,12 @@ def _not_pickled(protocol: int) -> NoReturn:
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
     """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
     reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
-    ``call`` is Dynamo's callback for a frame it has no graph for (a module's), or the compiled
-    function itself. The flag is Dynamo's own and is read only when it compiles."""
+    Dynamo's suppress_errors is off for it too: a failure to compile the model's code would run
+    that code eagerly, unquantized, with a log line alone. ``call`` is Dynamo's callback for a
+    frame it has no graph for (a module's), or the compiled function itself. The flags are
+    Dynamo's own and are read only when it compiles."""
     config = torch._dynamo.config
-    failing = config._make_closure_patcher(fail_on_recompile_limit_hit=True)
+    failing = config._make_closure_patcher(fail_on_recompile_limit_hit=True, suppress_errors=False)
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -441,6 +441,22 @@ def test_running_past_the_recompile_limit_is_an_error(recompile_counts):
     assert not torch.equal(y, model(x3(batch=3))) and len(compiled.graphquant.plans) == 2
 
 
+def test_dynamos_suppress_errors_does_not_run_a_graphquant_model_unquantized():
+    """torch._dynamo.config.suppress_errors runs code eagerly, with a log line, where compiling it
+    fails: for a graphquant model that is its products unquantized, so its compiles keep raising
+    (past the recompile limit, and where the inner backend fails), and the flag is the user's again after."""
+    model = models.seeded(models.MLP())
+    with torch._dynamo.config.patch(suppress_errors=True, recompile_limit=1):
+        compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=False)
+        compiled(x3(batch=2))
+        with pytest.raises(graphquant.RecompileLimitError):
+            compiled(x3(batch=3))
+        failing = graphquant.compile(models.seeded(models.MLP()), recipes.mxfp8_block_scaling(), options={"not_an_option": 1})
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="not_an_option"):
+            failing(x3())
+        assert torch._dynamo.config.suppress_errors is True
+
+
 def test_a_function_running_past_the_recompile_limit_is_an_error():
     """A compiled function (no module whose Dynamo callback graphquant can wrap) fails the same way."""
     model = models.seeded(models.MLP())
