@@ -19,6 +19,7 @@ from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_w
 from graphquant.passes.find_attention import find_attention
 from graphquant.passes.find_gemms import (
     GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, target_name,
+    without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -59,7 +60,9 @@ class GraphquantBackend:
         root: Optional[torch.nn.Module] = None,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            compile_modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+            hint = f"; torch.compile's mode is graphquant.compile's compile_mode={mode!r}" if mode in compile_modes else ""
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}{hint}")
         self.planner = Planner(recipe, strict=strict)
         self.inner = inner
         self.mode = mode
@@ -103,8 +106,9 @@ class GraphquantBackend:
             return
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
-        inside_attention = {f"{name}.out_proj" for name, m in self.root.named_modules() if isinstance(m, torch.nn.MultiheadAttention)}
-        linears = [name for name, m in self.root.named_modules() if isinstance(m, torch.nn.Linear) and name not in inside_attention]
+        named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
+        inside_attention = {f"{name}.out_proj" for name, m in named if isinstance(m, torch.nn.MultiheadAttention)}
+        linears = [name for name, m in named if isinstance(m, torch.nn.Linear) and name not in inside_attention]
         unplanned = [name for name in linears if name not in planned]
         if unplanned:
             user_stack.warn(

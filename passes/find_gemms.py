@@ -369,8 +369,13 @@ def fqn_from_stack_path(path: str) -> str:
     path = re.sub(r"^G\['([^']*)'\]", r"\1", path)  # a global module a compiled function calls: its variable's name
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
-    path = path.replace("._orig_mod", "").removeprefix("_orig_mod.")
-    return path.strip(".")
+    return without_compile_wrappers(path).strip(".")
+
+
+def without_compile_wrappers(name: str) -> str:
+    """A module's name without the ``_orig_mod`` of the torch.compile wrappers on its path: the
+    name its sites take ("a.fc1" for named_modules' "a._orig_mod.fc1")."""
+    return name.replace("._orig_mod", "").removeprefix("_orig_mod.")
 
 
 def root_local(path: str) -> Optional[str]:

@@ -499,3 +499,8 @@ def test_operands_of_different_dtypes_are_refused_as_torch_refuses_them(weights,
     with pytest.raises(TypeError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight or other {weights}"):
         compiled(x)
     assert compiled(x.to(weights)).dtype == weights
+
+
+def test_torch_compiles_mode_given_as_mode_points_to_compile_mode():
+    with pytest.raises(ValueError, match=r"got 'max-autotune'; torch.compile's mode is graphquant.compile's compile_mode='max-autotune'"):
+        graphquant.compile(models.MLP(), recipes.mxfp8_block_scaling(), mode="max-autotune")

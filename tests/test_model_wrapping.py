@@ -79,6 +79,31 @@ def test_a_torch_compiled_module_is_compiled_as_the_module_it_wraps():
     assert set(names) == {"fc1", "fc2"}
 
 
+def test_a_torch_compiled_submodule_runs_quantized_and_is_not_named_as_in_no_graph():
+    """A submodule torch.compile'd before graphquant.compile of its model: its linears are
+    quantized under its own name (no _orig_mod), and the check for linears in no compiled graph
+    reads them so too (it named them as run in high precision)."""
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = mlp(), mlp()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    x = x2()
+    expected = quantized(Pair())(x)
+    pair = Pair()
+    pair.a = torch.compile(pair.a)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = quantized(pair)
+        assert torch.equal(model(x), expected)
+    assert not [str(w.message) for w in caught if "graphquant" in str(w.message)]
+    assert sorted({g.site for g in model.graphquant.plan.gemms}) == ["a.fc1#0", "a.fc2#0", "b.fc1#0", "b.fc2#0"]
+
+
 def test_a_graphquant_model_is_not_compiled_again():
     with pytest.raises(TypeError, match=r"this MLP is already a graphquant model.*model._orig_mod"):
         quantized(quantized(mlp()))
