@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import inspect
 import math
 import operator
 import re
@@ -144,7 +146,7 @@ class FunctionalNumbers:
         seen: collections.Counter = collections.Counter()
 
         def number(key: tuple, node: fx.Node) -> int:
-            trace = node.meta.get("stack_trace")
+            trace = _place_in_owner(node)
             place = (key, trace, seen[(key, trace)])
             seen[(key, trace)] += 1
             if place not in self._numbers:
@@ -153,6 +155,34 @@ class FunctionalNumbers:
             return self._numbers[place]
 
         return number
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _place_in_owner(node: fx.Node) -> object:
+    """A product's place in the source as its owner module's code sees it: the frames of its
+    stack trace from the first in the owner class's file on ((file, line, function) each), so that
+    the frames of whatever called the owner (a decorator's wrapper that one graph entered through
+    and another did not: transformers' generate and eval) do not make the same product another;
+    the whole trace where the owner's file is not in it."""
+    trace = node.meta.get("stack_trace")
+    stack = node.meta.get("nn_module_stack") or {}
+    if not trace or not stack:
+        return trace
+    owner_type = list(stack.values())[-1][1]
+    frames = _FRAME.findall(trace)
+    owner_file = _source_file(owner_type) if isinstance(owner_type, type) else None
+    first = next((i for i, (file, _, _) in enumerate(frames) if file == owner_file), None)
+    return trace if first is None else tuple(frames[first:])
+
+
+@functools.cache
+def _source_file(cls: type) -> Optional[str]:
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):  # a class of no file (built in, or made at run time)
+        return None
 
 
 def find_gemms(

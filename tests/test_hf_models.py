@@ -213,3 +213,23 @@ def test_the_compiled_models_generate_runs_quantized():
     assert torch.equal(out.sequences, expected.sequences)
     for a, b in zip(out.scores, expected.scores):
         assert torch.equal(a, b)
+
+
+def test_gpt2s_functional_linears_keep_their_names_and_state_in_evaluation():
+    """GPT-2's Conv1D multiplies by torch.addmm, a functional linear named by its place in the
+    source. Its evaluation graph enters through transformers' decorators, frames its training graph
+    did not have: the same products were named anew (".linear.1"), so under delayed scaling the
+    evaluation started fresh slots at scale 1 beside the training's history."""
+    import warnings
+
+    model = gpt2()
+    compiled = graphquant.compile(model, recipes.delayed_scaling(), backend="aot_eager")
+    ids = token_ids()
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    trained = {g.site for g in compiled.graphquant.plans[0].gemms}
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(input_ids=ids)
+    assert {g.site for g in compiled.graphquant.plans[-1].gemms} <= trained
+    assert not [w for w in caught if "with no amax history" in str(w.message)]
