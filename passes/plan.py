@@ -96,9 +96,13 @@ class Plan:
         ]
 
     def summary(self) -> str:
-        """One line: how many sites and GEMMs, and how many of them fall in each bucket."""
+        """One line: how many sites and GEMMs, how many of them fall in each bucket, and how many
+        of the native ones the recipe keeps in high precision (a reader counting what is quantized
+        would otherwise take them for low-precision GEMMs)."""
         buckets = collections.Counter(g.bucket for g in self.gemms)
-        counts = ", ".join(f"{buckets[b]} {b}" for b in (backends.NATIVE, backends.EMULATED, backends.REJECTED) if buckets[b])
+        high = sum(g.backend.name == backends.HIGH_PRECISION for g in self.gemms)
+        words = {backends.NATIVE: f" ({high} in high precision)" if high else ""}
+        counts = ", ".join(f"{buckets[b]} {b}{words.get(b, '')}" for b in (backends.NATIVE, backends.EMULATED, backends.REJECTED) if buckets[b])
         sites = len({g.site for g in self.gemms})
         return f"graphquant plan on {self.device}: {sites} GEMM sites, {len(self.gemms)} GEMMs ({counts or 'none'})"
 

@@ -52,7 +52,7 @@ def test_what_explain_and_compile_do_not_take_is_refused_naming_it():
 def test_plan_prints_as_a_table_with_a_summary_line():
     text = str(graphquant.explain(MLP(), zoo.recipe("mxfp8_fwd_high_precision_bwd"), x_mlp()))
     lines = text.splitlines()
-    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native, 2 emulated)"  # no dgrad of x
+    assert lines[0] == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native (3 in high precision), 2 emulated)"  # no dgrad of x
     assert lines[2].split() == ["site", "module_type", "gemm", "operand", "a", "operand", "b", "backend", "bucket", "why"]
     assert "input.columnwise: identity() of rowwise_dequantized" in text
     assert all(line == line.rstrip() for line in lines)
@@ -275,7 +275,7 @@ def test_strict_shows_every_gemm_it_would_reject():
     recipe = zoo.recipe("mxfp8_fwd_high_precision_bwd")  # fprop in MXFP8, dgrad and wgrad in high precision
     plan = graphquant.explain(MLP(), recipe, x_mlp(), strict=True)
     assert {(g.gemm, g.bucket) for g in plan.gemms} == {("fprop", "rejected"), ("dgrad", "native"), ("wgrad", "native")}
-    assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native, 2 rejected)"
+    assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native (3 in high precision), 2 rejected)"
     fprop = next(g for g in plan.gemms if g.gemm == "fprop")
     assert fprop.reason == (
         "strict=True rejects emulated GEMMs (no low-precision GEMM on cpu); give this GEMM a pair with a native "
