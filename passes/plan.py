@@ -446,12 +446,28 @@ class Planner:
                     try:
                         self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
                     except ValueError as error:
+                        rows = int(shape[0])
+                        tokens = role_type != TENSOR_TYPES[site.module_type][1] and self._tiles(
+                            quantizer, direction, int(batch), (-(-rows // 128) * 128, int(shape[1]))
+                        )
+                        advice = (
+                            f"Its {rows} rows are this call's tokens, which the model's other GEMMs take too: give the "
+                            "model a token count that tiles (pad the batch). " if tokens else ""
+                        )
                         raise PlanError(
-                            f"{site.label} ({site.module_type}) {role_type}: {error}. To keep this GEMM in high precision, "
-                            f"have the recipe's factory return IdentityQuantizer() for roles named {site.name!r}"
+                            f"{site.label} ({site.module_type}) {role_type}: {error}. {advice}To keep this GEMM in high "
+                            f"precision, have the recipe's factory return IdentityQuantizer() for roles named {site.name!r}"
                             + (" (the compiled model's own)" if not site.name else "")
                         ) from None
                     raise
+
+    @classmethod
+    def _tiles(cls, quantizer: Quantizer, direction: str, batch: int, shape: tuple[int, int]) -> bool:
+        try:
+            cls._check_tiling(quantizer, direction, batch, shape)
+        except ValueError:
+            return False
+        return True
 
     @staticmethod
     def _check_tiling(quantizer: Quantizer, direction: str, batch: int, shape: tuple[int, int]) -> None:
