@@ -275,7 +275,8 @@ class GraphquantBackend:
         return value.to(device=like.device, copy=True)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        """The compiled graph, or where its plan fails, a graph that raises the PlanError when run:
+        """The compiled graph, or where its plan fails, a graph that raises the PlanError (or the
+        MixedDtypesError of operands that torch would refuse) when run:
         raised here, Dynamo would wrap it in BackendCompilerFailed (its message on the second line)
         or, under suppress_errors, run the model eagerly and unquantized."""
         try:
@@ -761,7 +762,9 @@ def _checking_the_first_compile(
                     put_back(call)
                 backend.check_the_first_compile()
 
-    return torch._dynamo.disable(first, reason=_own_graph_reason(name))
+    disabled = torch._dynamo.disable(first, reason=_own_graph_reason(name))
+    disabled.__dict__.pop("_torchdynamo_orig_callable", None)  # torch.compile(it) would unwrap it to first, and trace that
+    return disabled
 
 
 def _named_root(model: Any) -> Optional[torch.nn.Module]:

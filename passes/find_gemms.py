@@ -162,26 +162,30 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 def _place_in_owner(node: fx.Node) -> object:
     """A product's place in the source as its owner module's code sees it: the frames of its
-    stack trace from the first in the owner class's file on ((file, line, function) each), so that
-    the frames of whatever called the owner (a decorator's wrapper that one graph entered through
-    and another did not: transformers' generate and eval) do not make the same product another;
-    the whole trace where the owner's file is not in it."""
+    stack trace ((file, line, function) each) from the owner's forward on, so that the frames of
+    whatever called the owner (a decorator's wrapper, or a checkpointing layer's line, that one
+    graph entered through and another did not: transformers' training and evaluation) do not make
+    the same product another; the whole trace where the owner's forward is not in it."""
     trace = node.meta.get("stack_trace")
     stack = node.meta.get("nn_module_stack") or {}
-    if not trace or not stack:
+    forward = _forward_lines(list(stack.values())[-1][1]) if trace and stack else None
+    if forward is None:
         return trace
-    owner_type = list(stack.values())[-1][1]
     frames = _FRAME.findall(trace)
-    owner_file = _source_file(owner_type) if isinstance(owner_type, type) else None
-    first = next((i for i, (file, _, _) in enumerate(frames) if file == owner_file), None)
-    return trace if first is None else tuple(frames[first:])
+    file, first, last = forward
+    inside = [i for i, (f, line, _) in enumerate(frames) if f == file and first <= int(line) <= last]
+    return tuple(frames[inside[-1]:]) if inside else trace
 
 
 @functools.cache
-def _source_file(cls: type) -> Optional[str]:
+def _forward_lines(owner: object) -> Optional[tuple[str, int, int]]:
+    """(file, first line, last line) of the forward a module class runs (its own or inherited;
+    a resumed frame's code lies within it too), or None where it has no source."""
     try:
-        return inspect.getsourcefile(cls)
-    except (TypeError, OSError):  # a class of no file (built in, or made at run time)
+        forward = inspect.unwrap(owner.forward)
+        lines, first = inspect.getsourcelines(forward)
+        return inspect.getsourcefile(forward), first, first + len(lines) - 1
+    except (AttributeError, TypeError, OSError):  # not a class with a forward, or one of no file
         return None
 
 

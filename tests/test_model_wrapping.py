@@ -53,6 +53,9 @@ def test_a_graphquant_compiled_function_inside_a_torch_compile_runs_quantized():
     expected = product(x, weight)
     assert not torch.equal(expected, x @ weight.t())
     assert torch.equal(torch.compile(lambda a, w: product(a, w) * 2, backend="aot_eager")(x, weight), expected * 2)
+    fresh = graphquant.compile(lambda a, w: a @ w.t(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    assert torch.equal(torch.compile(fresh, backend="aot_eager")(x, weight), expected)  # torch.compile of it, its first call
+    assert len(fresh.graphquant.plans) == 1
 
 
 def test_a_graphquant_model_inside_another_keeps_its_own_recipe_when_the_outer_calls_it_first():
