@@ -215,21 +215,28 @@ def test_the_compiled_models_generate_runs_quantized():
         assert torch.equal(a, b)
 
 
-def test_gpt2s_functional_linears_keep_their_names_and_state_in_evaluation():
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_gpt2s_functional_products_keep_their_names_and_state_in_evaluation(checkpointed):
     """GPT-2's Conv1D multiplies by torch.addmm, a functional linear named by its place in the
-    source. Its evaluation graph enters through transformers' decorators, frames its training graph
-    did not have: the same products were named anew (".linear.1"), so under delayed scaling the
-    evaluation started fresh slots at scale 1 beside the training's history."""
+    source, as are its eager attention's matmuls. Its evaluation graph enters through transformers'
+    decorators, frames its training graph did not have, and a checkpointing layer calls a block
+    from another line: the same products were named anew (".linear.1", "matmul.2"), so under
+    delayed scaling the evaluation started fresh slots at scale 1 beside the training's history."""
     import warnings
 
     model = gpt2()
-    compiled = graphquant.compile(model, recipes.delayed_scaling(), backend="aot_eager")
+    model.config._attn_implementation = "eager"
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    recipe = recipes.mxfp8_block_scaling() if checkpointed else recipes.delayed_scaling()  # no delayed state under a checkpoint
+    compiled = graphquant.compile(model, recipe, backend="aot_eager")
     ids = token_ids()
     compiled(input_ids=ids, labels=ids).loss.backward()
-    trained = {g.site for g in compiled.graphquant.plans[0].gemms}
+    trained = {g.site for plan in compiled.graphquant.plans for g in plan.gemms}
+    graphs = len(compiled.graphquant.plans)
     model.eval()
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         compiled(input_ids=ids)
-    assert {g.site for g in compiled.graphquant.plans[-1].gemms} <= trained
+    assert {g.site for plan in compiled.graphquant.plans[graphs:] for g in plan.gemms} <= trained
     assert not [w for w in caught if "with no amax history" in str(w.message)]
