@@ -9,6 +9,7 @@ import torch  # noqa: F401  (the native extension links against torch's librarie
 
 from graphquant import factories, recipes, zoo
 from graphquant.compiler import RecompileLimitError, compile
+from graphquant.ops.functional import MixedDtypesError
 from graphquant.explainer import explain
 from graphquant.freezing import FrozenExperts, FrozenLinear, freeze
 from graphquant.ops import library as _library, scales as _scales  # noqa: F401  (registers the custom ops)
@@ -49,6 +50,7 @@ __all__ = [
     "HybridQuantizer",
     "IdentityQuantizer",
     "MXFP8Quantizer",
+    "MixedDtypesError",
     "NVFP4Quantizer",
     "Plan",
     "PlanError",

@@ -37,7 +37,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sub.add_argument("model", help="MODULE:ATTR: a model, or a function returning a model or (model, example_inputs)")
         sub.add_argument("--recipe", required=True, help="a zoo name, a graphquant.recipes preset, or MODULE:ATTR")
         sub.add_argument("--input-shape", action="append", type=_shape, default=[], help="e.g. 4,128,512; repeat per input")
-        sub.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="of the random inputs, and the model's floating tensors cast to it (torch's products take one dtype)")
+        sub.add_argument(
+            "--dtype", choices=("float32", "bfloat16", "float16"),
+            help="of the random inputs, the model's floating tensors cast to it (default: the model's own dtype)",
+        )
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -45,8 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model, inputs = load_model(args.model)
         recipe = load_recipe(args.recipe)
         if args.input_shape:
-            dtype = getattr(torch, args.dtype)
-            model = model.to(dtype)
+            dtype = getattr(torch, args.dtype) if args.dtype else _floating_dtype(model)
+            model = model.to(dtype)  # torch's products take operands of one dtype
             inputs = tuple(torch.randn(shape, dtype=dtype) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
@@ -57,6 +60,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(result.to_json() if args.json else result)
     return 0
+
+
+def _floating_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter (float32 where it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def run(command: Callable, spec: str, model: torch.nn.Module, recipe: CustomRecipe, inputs: tuple[Any, ...]) -> Any:

@@ -447,18 +447,18 @@ class Planner:
                         self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
                     except ValueError as error:
                         rows = int(shape[0])
-                        tokens = role_type != TENSOR_TYPES[site.module_type][1] and self._tiles(
-                            quantizer, direction, int(batch), (-(-rows // 128) * 128, int(shape[1]))
+                        tokens = site.module_type == "linear" and int(batch) == 1 and role_type != "weight" and self._tiles(
+                            quantizer, direction, 1, (-(-rows // 128) * 128, int(shape[1]))
                         )
-                        advice = (
-                            f"Its {rows} rows are this call's tokens, which the model's other GEMMs take too: give the "
-                            "model a token count that tiles (pad the batch). " if tokens else ""
+                        remedy = (
+                            f"Its {rows} rows are this call's tokens, which the model's other linears take too: give the "
+                            "model a token count that tiles (pad the batch), or have the recipe's factory return "
+                            "IdentityQuantizer() for the input and grad_output roles of every linear they reach"
+                            if tokens else
+                            "To keep this GEMM in high precision, have the recipe's factory return IdentityQuantizer() for "
+                            f"roles named {site.name!r}" + (" (the compiled model's own)" if not site.name else "")
                         )
-                        raise PlanError(
-                            f"{site.label} ({site.module_type}) {role_type}: {error}. {advice}To keep this GEMM in high "
-                            f"precision, have the recipe's factory return IdentityQuantizer() for roles named {site.name!r}"
-                            + (" (the compiled model's own)" if not site.name else "")
-                        ) from None
+                        raise PlanError(f"{site.label} ({site.module_type}) {role_type}: {error}. {remedy}") from None
                     raise
 
     @classmethod

@@ -185,18 +185,20 @@ def test_a_quantizer_made_with_transformer_engines_positional_device_is_refused_
 
 
 @pytest.mark.parametrize(
-    "d_in, seq, tensor, dim, size",
+    "d_in, seq, tensor, dim, size, remedy",
     [
-        (48, 32, "input", "dim 1", "64x48"),  # K = 48: rowwise 1x32 blocks along K
-        (64, 24, "input", "dim 0", "48x64"),  # 2 x 24 tokens: columnwise 32x1 blocks along tokens
+        # K = 48: rowwise 1x32 blocks along K, this module's own
+        (48, 32, "input", "dim 1", "64x48", "return IdentityQuantizer() for roles named 'fc1'"),
+        # 2 x 24 tokens: columnwise 32x1 blocks along the tokens, which every linear takes
+        (64, 24, "input", "dim 0", "48x64", "IdentityQuantizer() for the input and grad_output roles of every linear they reach"),
     ],
 )
-def test_dims_that_do_not_tile_name_module_tensor_and_dim(d_in, seq, tensor, dim, size):
+def test_dims_that_do_not_tile_name_module_tensor_and_dim(d_in, seq, tensor, dim, size, remedy):
     error = plan_error(models.MLP(d_in=d_in), recipes.mxfp8_block_scaling(), x3(seq=seq, dim=d_in))
     message = str(error)
     assert message.startswith("fc1#0 (linear) input:"), message
     assert f"{tensor}:" in message and dim in message and size in message and "multiple of 32" in message
-    assert message.endswith("return IdentityQuantizer() for roles named 'fc1'"), message
+    assert message.endswith(remedy), message
 
 
 @pytest.mark.slow
@@ -496,9 +498,30 @@ def test_operands_of_different_dtypes_are_refused_as_torch_refuses_them(weights,
     model = models.MLP().to(weights)
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
     x = x3().to(inputs)
-    with pytest.raises(TypeError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight or other {weights}"):
+    with pytest.raises(graphquant.MixedDtypesError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight {weights}"):
         compiled(x)
     assert compiled(x.to(weights)).dtype == weights
+
+
+def test_a_frozen_model_and_addmm_refuse_operands_of_different_dtypes_too():
+    """A frozen linear's input against the dtype its weight was frozen from, and addmm's added
+    tensor against its product's operands."""
+    model = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager")
+    with torch.no_grad():
+        compiled(x3())
+        graphquant.freeze(compiled)
+        with pytest.raises(graphquant.MixedDtypesError, match=r"input torch.bfloat16, weight torch.float32, bias torch.float32"):
+            compiled(x3().bfloat16())
+
+    class AddMm(torch.nn.Module):
+        def forward(self, c, a, b):
+            return torch.addmm(c, a, b)
+
+    addmm = graphquant.compile(AddMm(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    a, b = torch.randn(32, 64), torch.randn(64, 32)
+    with pytest.raises(graphquant.MixedDtypesError, match=r"input torch.float32, other torch.float32, added torch.bfloat16"):
+        addmm(torch.zeros(32, 32, dtype=torch.bfloat16), a, b)
 
 
 def test_torch_compiles_mode_given_as_mode_points_to_compile_mode():

@@ -42,7 +42,7 @@ def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], 
     outputs. Several run their GEMMs in one launch of the decode GEMM, x quantized once
     (passes/gemms_sharing_x.py: x's format keeps no state there)."""
     for w, b, site in zip(weights, biases, sites):
-        _same_dtype(site, x, w, b)
+        _same_dtype(site, input=x.dtype, weight=w.dtype, bias=_dtype(b))
     ys = inference_products(x.reshape(-1, x.shape[-1]), weights, biases, sites, states, rng)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights))
 
@@ -65,6 +65,8 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
         with torch.autocast(x.device.type, enabled=False):
             biases = tuple(None if b is None else autocast.cast(b, cast) for b in biases)
             return quantized_frozen_linears_sharing_x(autocast.cast(x, cast), weights, shapes, cast, biases, sites=sites, states=states, rng=rng)
+    for b, site in zip(biases, sites):
+        _same_dtype(site, input=x.dtype, weight=dtype, bias=_dtype(b))
     x2d = x.reshape(-1, x.shape[-1])
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
@@ -87,6 +89,7 @@ def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
 @autocast.operands_cast
 def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, rng=None):
     """beta * c + alpha * (a @ b) (addmm, baddbmm), the product quantized."""
+    _same_dtype(site, input=a.dtype, other=b.dtype, added=c.dtype)
     product = quantized_matmul(a, b, site=site, states=states, rng=rng)
     product = product if alpha == 1 else alpha * product
     return product + (c if beta == 1 else beta * c)
@@ -106,7 +109,7 @@ def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
 def _product(
     x2d: torch.Tensor, w2d: torch.Tensor, batch: int, site: Site, states: tuple, rng: Optional[torch.Tensor], bias=None
 ) -> torch.Tensor:
-    _same_dtype(site, x2d, w2d, bias)
+    _same_dtype(site, input=x2d.dtype, weight=w2d.dtype, bias=_dtype(bias))
     return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, batch)
 
 
@@ -115,15 +118,19 @@ class MixedDtypesError(TypeError):
     autocast (the compiled model raises it at each call, as it does a PlanError)."""
 
 
-def _same_dtype(site: Site, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _dtype(t: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    return None if t is None else t.dtype
+
+
+def _same_dtype(site: Site, **operands: Optional[torch.dtype]) -> None:
     """torch's products refuse operands of different dtypes (outside autocast, which casts them
     first: autocast.operands_cast); so does a quantized one, rather than promote them silently
-    (an input left in float32 after model.to(torch.bfloat16))."""
-    dtypes = [t.dtype for t in (x, w, bias) if t is not None]
-    if len(set(dtypes)) > 1:
-        names = ("input", "weight or other", "bias")
-        described = ", ".join(f"{name} {t.dtype}" for name, t in zip(names, (x, w, bias)) if t is not None)
+    (an input left in float32 after model.to(torch.bfloat16)). ``operands``: each one's dtype by
+    its name, None where it is absent."""
+    given = {name: dtype for name, dtype in operands.items() if dtype is not None}
+    if len(set(given.values())) > 1:
+        described = ", ".join(f"{name} {dtype}" for name, dtype in given.items())
         raise MixedDtypesError(
-            f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (\"mat1 and "
-            "mat2 must have the same dtype\"); cast the input to the model's dtype, or run the model under torch.autocast"
+            f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (they take "
+            "operands of one dtype); cast the input to the model's dtype, or run the model under torch.autocast"
         )
