@@ -31,20 +31,24 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _RoundedCast.apply(x, dtype)
 
 
-def _bf16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """fp32 x rounded to bf16's 8 significant bits, to nearest even (NaN kept), as fp32."""
+def _significand_rounded(x: torch.Tensor, dropped: int) -> torch.Tensor:
+    """fp32 x with its ``dropped`` low significand bits rounded away, to nearest even, as fp32
+    (a carry into the exponent rounds up a binade, or to infinity)."""
     bits = x.view(torch.int32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
-    return torch.where(x.isnan(), x, rounded)
+    half = (1 << (dropped - 1)) - 1
+    return ((bits + half + ((bits >> dropped) & 1)) & -(1 << dropped)).view(torch.float32)
+
+
+def _bf16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to bf16's 8 significant bits (NaN kept), as fp32."""
+    return torch.where(x.isnan(), x, _significand_rounded(x, 16))
 
 
 def _fp16_rounded(x: torch.Tensor) -> torch.Tensor:
     """fp32 x rounded to fp16's values, to nearest even, as fp32: 11 significant bits in its
     normal range, steps of 2^-24 below it, infinity past its largest finite value (NaN kept)."""
-    bits = x.view(torch.int32)
-    normal = ((bits + 0xFFF + ((bits >> 13) & 1)) & -0x2000).view(torch.float32)
     subnormal = torch.round(x * 2.0**24) * 2.0**-24
-    rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
+    rounded = torch.where(x.abs() < 2.0**-14, subnormal, _significand_rounded(x, 13))
     rounded = torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded.sign() * torch.inf, rounded)
     return torch.where(x.isnan(), x, rounded)
 

@@ -89,7 +89,7 @@ def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
 @autocast.operands_cast
 def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, rng=None):
     """beta * c + alpha * (a @ b) (addmm, baddbmm), the product quantized."""
-    _same_dtype(site, input=a.dtype, other=b.dtype, added=c.dtype)
+    _same_dtype(site, input=a.dtype, added=c.dtype)  # a's and b's: the product's own check
     product = quantized_matmul(a, b, site=site, states=states, rng=rng)
     product = product if alpha == 1 else alpha * product
     return product + (c if beta == 1 else beta * c)
