@@ -702,6 +702,7 @@ def compile(
         context.callback = _failing_past_the_recompile_limit(callback, name)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
+        compiled.forward = _refusing_other_tracers(compiled.forward, name)
         _kept_whole(compiled, name)
         compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, name, functools.partial(setattr, compiled, "forward"))
         twin = functools.partial(
@@ -712,7 +713,7 @@ def compile(
         compiled.__dict__["__reduce_ex__"] = _not_pickled
         if callable(getattr(type(model), "generate", None)):
             forwards = {
-                module: _failing_past_the_recompile_limit(
+                module: _compiled_function(
                     torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name
                 )
                 for module in _generated_through(model)
@@ -720,7 +721,7 @@ def compile(
             generate = _generating_through(model, forwards)
             compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, name, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
-        compiled = _checking_the_first_compile(_failing_past_the_recompile_limit(compiled, name), gq_backend, name)
+        compiled = _checking_the_first_compile(_compiled_function(compiled, name), gq_backend, name)
     compiled.__dict__["graphquant"] = gq_backend
     return compiled
 
@@ -851,6 +852,38 @@ def _not_pickled(protocol: int) -> NoReturn:
     )
 
 
+def _compiled_function(compiled: Callable, name: str) -> Callable:
+    """A torch.compile'd function as graphquant runs it: checked at each call as a module's forward is."""
+    return _refusing_other_tracers(_failing_past_the_recompile_limit(compiled, name), name)
+
+
+def _refusing_other_tracers(call: Callable, name: str) -> Callable:
+    """``call`` refusing what would run the model's code unquantized, past graphquant's backend:
+    torch.export (and what exports through it: ONNX, AOTInductor), which runs a compiled module's
+    code as it is for its own trace, and torch.func's transforms, under which Dynamo runs it
+    eagerly and skips that code for good. Either may come at any call, so each call reads the two
+    flags: the only Python of graphquant's on a call that compiles nothing."""
+
+    @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_exporting():
+            raise RuntimeError(
+                f"graphquant: torch.export of {name} would export its code unquantized (graphquant quantizes in "
+                "torch.compile's backend, which export does not run); export the module without graphquant, or serve the "
+                "graphquant model itself: mode='inference', graphquant.freeze for its quantized weights alone, "
+                "compile_mode='reduce-overhead' for CUDA graphs"
+            )
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise RuntimeError(
+                f"graphquant: {name} does not run under torch.func transforms (grad, vmap, jacrev, ...): Dynamo would run "
+                "its code eagerly, unquantized, and skip that code for good, so that later calls also ran unquantized; "
+                "call the model outside the transform (torch.autograd.grad gives gradients; functional_call works)"
+            )
+        return call(*args, **kwargs)
+
+    return run
+
+
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
     """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
     reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
@@ -863,12 +896,6 @@ def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._functorch.peek_interpreter_stack() is not None:
-            raise RuntimeError(
-                f"graphquant: {name} does not run under torch.func transforms (grad, vmap, jacrev, ...): Dynamo would run "
-                "its code eagerly, unquantized, and skip that code for good, so that later calls also ran unquantized; "
-                "call the model outside the transform (torch.autograd.grad gives gradients; functional_call works)"
-            )
         restore = failing()
         try:
             return call(*args, **kwargs)

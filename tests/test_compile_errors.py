@@ -473,21 +473,23 @@ def test_a_function_running_past_the_recompile_limit_is_an_error():
             compiled(x3(batch=3))
     assert torch._dynamo.config.fail_on_recompile_limit_hit is False
 
-def test_a_call_that_compiles_nothing_runs_no_python_of_graphquant_compile():
+def test_a_call_that_compiles_nothing_runs_no_python_of_graphquant_compile_but_its_entry_check():
     """Checking the recompile limit and feeding per-call state are compile-time matters where the
-    graph keeps no state: a decode step under CUDA graphs, which Python sets the pace of, runs no
-    frame of graphquant/compiler.py."""
+    graph keeps no state: a decode step under CUDA graphs, which Python sets the pace of, runs one
+    frame of graphquant/compiler.py, the forward's two flag reads that refuse torch.export and
+    torch.func, which may come at any call."""
     compiled = graphquant.compile(models.seeded(models.MLP()), recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
     x = x3()
-    files = []
+    codes = []
     with torch.no_grad():
         compiled(x)
-        sys.setprofile(lambda frame, event, arg: files.append(frame.f_code.co_filename) if event == "call" else None)
+        sys.setprofile(lambda frame, event, arg: codes.append(frame.f_code) if event == "call" else None)
         try:
             compiled(x)
         finally:
             sys.setprofile(None)
-    assert files and graphquant.compiler.__file__ not in files
+    ours = [code for code in codes if code.co_filename == graphquant.compiler.__file__]
+    assert len(codes) > 1 and ours == [compiled.forward.__code__]
 
 
 @pytest.mark.parametrize("weights, inputs", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float64)])

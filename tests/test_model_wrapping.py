@@ -185,3 +185,31 @@ def test_torch_func_transforms_are_refused_and_leave_the_model_quantized(transfo
     with pytest.raises(RuntimeError, match=r"^graphquant: MLP does not run under torch.func transforms"):
         transformed(x if transform == "grad" else x[None])
     assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("called_before", [False, True])
+@pytest.mark.parametrize("exported", ["the model", "a module holding it", "a graphquant function"])
+def test_torch_export_of_a_graphquant_model_is_refused(exported, called_before):
+    """torch.export (non-strict, its default) runs a compiled model's code as it is, not through
+    graphquant's backend, and gave an unquantized program without a word; ONNX and AOTInductor
+    export through it. It is refused at any call, and the model runs quantized after."""
+    x = x2()
+    expected = quantized(mlp())(x)
+    model = quantized(mlp())
+    if exported == "a graphquant function":
+        model = quantized(mlp().forward)
+        expected = quantized(mlp().forward)(x)
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model if isinstance(model, torch.nn.Module) else None
+
+        def forward(self, t):
+            return model(t)
+
+    if called_before:
+        model(x)
+    with pytest.raises(RuntimeError, match=r"^graphquant: torch.export of (MLP|forward) would export its code unquantized"):
+        torch.export.export(Holder() if exported != "the model" else model, (x,))
+    assert torch.equal(model(x), expected)
