@@ -17,6 +17,7 @@ from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention
+from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.find_gemms import (
     GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, target_name,
     without_compile_wrappers,
@@ -297,6 +298,8 @@ class GraphquantBackend:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
         attention = find_attention(gm, frame, self.functional_numbers) if self.planner.recipe.fp8_dpa else []
+        for node in mark_opaque_products(gm):
+            user_stack.warn(f"graphquant: {_described(node, frame)}: {node.meta['graphquant_skip']}")
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()

@@ -331,6 +331,41 @@ def test_multihead_attention_is_listed_as_not_quantized():
     assert what.startswith("self_attn: ") and why.startswith("nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call")
 
 
+@torch.compiler.allow_in_graph
+def _scores_in_one_call(q, k):
+    return torch.einsum("bhid,bhjd->bhij", q, k)
+
+
+@torch.compiler.allow_in_graph
+def _heads_in_one_call(t):
+    return t.view(2, 16, 4, 16).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_products_inside_a_call_dynamo_keeps_whole_are_listed_and_warned_of(dynamic):
+    """A function given to torch.compiler.allow_in_graph (as einops gives its einsum) is one node
+    whose code the passes never see: its products ran in high precision without a word. The plan
+    lists it with what it multiplies and the first call warns; one that multiplies nothing (a
+    reshape) is neither listed nor warned of."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return _scores_in_one_call(_heads_in_one_call(self.q(x)), _heads_in_one_call(self.k(x)))
+
+    compiled = graphquant.compile(models.seeded(Attention()), recipes.current_scaling(), backend="aot_eager", dynamic=dynamic)
+    with pytest.warns(UserWarning, match=r"_scores_in_one_call is one call in the graph \(torch.compiler.allow_in_graph\)") as warned:
+        compiled(torch.randn(2, 16, 64))
+    assert len([w for w in warned if "is one call in the graph" in str(w.message)]) == 1
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"q#0", "k#0"}
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert what.startswith("the model: ") and "_scores_in_one_call(" in what
+    assert "its matrix products (1 bmm) run in high precision" in why
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 
