@@ -24,6 +24,7 @@ from graphquant.passes.find_gemms import (
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
+from graphquant.eager_products import eager_products
 from graphquant.ops.functional import MixedDtypesError
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
@@ -90,11 +91,13 @@ class GraphquantBackend:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
 
-    def check_the_first_compile(self) -> None:
+    def check_the_first_compile(self, eager: collections.Counter) -> None:
         """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
         (one graph of a graph break's may well hold none), which of the recipe's expected names and
-        loaded state entries none of them takes, and which of the model's nn.Linear modules no
-        graph holds: torch.compile may have run the code that calls them eagerly, in high precision."""
+        loaded state entries none of them takes, and which of the model's nn.Linear modules and
+        parameters no graph holds: torch.compile may have run the code that calls them eagerly, in
+        high precision. Where neither is named, ``eager`` (the call's products outside its graphs,
+        graphquant.eager_products) still tells of such code, in modules without parameters."""
         if self.first_call_checked:
             return
         self.first_call_checked = True
@@ -103,8 +106,17 @@ class GraphquantBackend:
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self._warn_of_unclaimed_state()
         self._warn_of_unreduced_amaxes()
-        if self.root is None:
-            return
+        named = self.root is not None and (self._warn_of_unplanned_linears() | self._warn_of_unread_parameters())
+        if eager and not named and _graphs_are_one_autograd_node(self.inner):
+            products = ", ".join(f"{count} {op}" for op, count in sorted(eager.items()))
+            user_stack.warn(
+                f"graphquant: this first call ran {sum(eager.values())} matrix product(s) outside the compiled graphs, in "
+                f"high precision ({products}): torch.compile ran the code computing them eagerly (under "
+                "torch.compiler.disable, or past a graph break it could not take; TORCH_LOGS=graph_breaks says where)"
+            )
+
+    def _warn_of_unplanned_linears(self) -> bool:
+        """Say which of the model's nn.Linear modules no graph holds; whether any."""
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
@@ -119,7 +131,7 @@ class GraphquantBackend:
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
             )
-        self._warn_of_unread_parameters()
+        return bool(unplanned)
 
     def _note_read_parameters(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         """Note the names of the model's parameters a graph reads, as the model holds them now
@@ -131,7 +143,7 @@ class GraphquantBackend:
         lifted = {id(t) for t in (*example_inputs, *map(_frame_value, map(_source_name, sources))) if isinstance(t, torch.nn.Parameter)}
         self.read_parameters.update(name for name, p in self.root.named_parameters(remove_duplicate=False) if id(p) in lifted)
 
-    def _warn_of_unread_parameters(self) -> None:
+    def _warn_of_unread_parameters(self) -> bool:
         """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert
         stack, a LoRA factor, a weight a model multiplies itself) no compiled graph reads: the code
         using them did not run, or torch.compile ran it eagerly, where its products were not
@@ -151,6 +163,7 @@ class GraphquantBackend:
                 "torch.compile ran it eagerly, where their products run in high precision (TORCH_LOGS=graph_breaks says "
                 "where a frame was skipped)"
             )
+        return bool(unread)
 
     def _warn_of_unreduced_amaxes(self) -> None:
         """Say where quantizers ask to all-reduce their amaxes in a run of several processes but the
@@ -492,6 +505,13 @@ class GraphquantBackend:
             raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
 
 
+def _graphs_are_one_autograd_node(inner: Union[str, Callable]) -> bool:
+    """Whether the backend ``inner`` compiles a graph through AOT autograd, so that a compiled
+    graph's products are not in the autograd graph of a call's outputs (where a graph runs as it
+    is, as under "eager" or explain's, its products stand there beside the eager code's)."""
+    return isinstance(inner, str) and (inner in ("inductor", "cudagraphs") or inner.startswith("aot_"))
+
+
 def _recomputed(stateful: list[str]) -> RuntimeError:
     """The error of a training call of a graph made inside a backward pass: torch.utils.checkpoint
     recomputing a compiled block from outside it, which would move the graph's state again."""
@@ -714,6 +734,7 @@ def compile(
         )
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
         compiled.__dict__["__reduce_ex__"] = _not_pickled
+        compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
         if callable(getattr(type(model), "generate", None)):
             forwards = {
                 module: _compiled_function(
@@ -757,14 +778,15 @@ def _checking_the_first_compile(
     def first(*args: Any, **kwargs: Any) -> Any:
         if backend.first_call_checked:
             return call(*args, **kwargs)
-        before = len(backend.plans)
+        before, result = len(backend.plans), None
         try:
-            return call(*args, **kwargs)
+            result = call(*args, **kwargs)
+            return result
         finally:
             if len(backend.plans) > before:
                 if put_back is not None:
                     put_back(call)
-                backend.check_the_first_compile()
+                backend.check_the_first_compile(eager_products(result, (args, kwargs)))
 
     disabled = torch._dynamo.disable(first, reason=_own_graph_reason(name))
     disabled.__dict__.pop("_torchdynamo_orig_callable", None)  # torch.compile(it) would unwrap it to first, and trace that
@@ -885,6 +907,16 @@ def _refusing_other_tracers(call: Callable, name: str) -> Callable:
         return call(*args, **kwargs)
 
     return run
+
+
+def _not_scripted(name: str) -> NoReturn:
+    """torch.jit.script of a graphquant model (or of a module holding it), which asks each module
+    to prepare itself first: TorchScript would compile the module's code by itself, unquantized,
+    and fails on the compiled wrapper with a message of inspect's."""
+    raise TypeError(
+        f"graphquant: torch.jit.script cannot take the graphquant model of {name}: TorchScript compiles a module's own code, "
+        "which would run unquantized; run the graphquant model itself (compile_mode='reduce-overhead' for CUDA graphs)"
+    )
 
 
 def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:

@@ -148,6 +148,42 @@ def test_linears_in_no_graph_are_named_after_the_first_compile():
         model(x2())
 
 
+@pytest.mark.parametrize("call", ["a graphquant model", "a graphquant function"])
+def test_products_of_parameterless_code_run_eagerly_are_counted_after_the_first_call(call):
+    """Attention's products in a module of no parameters, under torch.compiler.disable, ran in
+    high precision where no check of modules or parameters sees them: the first training call
+    counts the products its outputs' autograd graph holds outside the compiled graphs (not those
+    of the inputs' own history), once; a model whose products are all in its graphs says nothing."""
+
+    class Scores(torch.nn.Module):
+        def forward(self, q, k):
+            return q @ k.transpose(-1, -2)
+
+    class Attention(torch.nn.Module):
+        def __init__(self, disabled):
+            super().__init__()
+            self.q, self.k, self.scores = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), Scores()
+            self.disabled = disabled
+
+        def forward(self, x):
+            q, k = (p(x).view(2, 16, 4, 16).transpose(1, 2) for p in (self.q, self.k))
+            return (torch.compiler.disable(self.scores) if self.disabled else self.scores)(q, k)
+
+    def compiled(disabled):
+        model = models.seeded(Attention(disabled))
+        recipe = recipes.current_scaling()  # no blocks for the heads' 16 dims to fill
+        return quantized(model, recipe) if call == "a graphquant model" else quantized(model.forward, recipe)
+
+    x = torch.randn(32, 64, requires_grad=True) @ torch.randn(64, 64)  # an input with a product of its own
+    model = compiled(disabled=True)
+    with pytest.warns(UserWarning, match=r"first call ran 1 matrix product\(s\) outside the compiled graphs, in high precision \(1 bmm\)"):
+        model(x)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphquant")
+        model(x)
+        compiled(disabled=False)(x)
+
+
 def test_parameters_a_model_multiplies_itself_in_no_graph_are_named():
     """A weight of the model's own module (not nn.Linear) whose product runs outside any graph is
     named once; torch.nn's own modules (an embedding) are not, nor a weight a graph reads."""
@@ -213,3 +249,12 @@ def test_torch_export_of_a_graphquant_model_is_refused(exported, called_before):
     with pytest.raises(RuntimeError, match=r"^graphquant: torch.export of (MLP|forward) would export its code unquantized"):
         torch.export.export(Holder() if exported != "the model" else model, (x,))
     assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("scripted", ["the model", "a module holding it"])
+def test_torch_jit_script_of_a_graphquant_model_says_why_it_cannot(scripted):
+    """TorchScript compiles a module's own code (unquantized) and failed on the compiled wrapper
+    with inspect's message about a module, class or method it expected."""
+    model = quantized(mlp())
+    with pytest.raises(TypeError, match=r"^graphquant: torch.jit.script cannot take the graphquant model of MLP"):
+        torch.jit.script(torch.nn.Sequential(model) if scripted == "a module holding it" else model)
