@@ -2,7 +2,7 @@
 // operands on Hopper: A's codes (m, k) in 1x128 blocks, B's (n, k) in 128x128 tiles, each block's
 // scale an fp32 factor. cuBLASLt's blockwise GEMM multiplies by the wrong tile scales where k / 128
 // is no multiple of 4, so there graphquant pads k to a multiple of 512 each call
-// (scaled_mm.TILE_SCALED_K), a copy of both operands that made the product 1.1-3.6x slower than
+// (scaled_mm.TILE_SCALED_K), a copy of both operands that made the product 1.04-3.73x slower than
 // this kernel (benchmarks/NOTES.md, block_gemm.py); this one takes any k of whole 16 bytes (TMA's rows),
 // any m and n, and reads the scales as the formats store them. Where cuBLASLt takes k as it is, it
 // is faster (about 1.3x at large shapes), and the plan leaves those GEMMs to it.
