@@ -78,6 +78,10 @@ class GraphquantBackend:
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
+        self.eager_code_named = False  # it warned of linears or parameters that no graph holds
+        # check_eager_products ran on a training call, or has nothing to find: an inference model's
+        # calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
+        self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
         self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
         self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
@@ -91,13 +95,12 @@ class GraphquantBackend:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
 
-    def check_the_first_compile(self, eager: collections.Counter) -> None:
+    def check_the_first_compile(self) -> None:
         """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
         (one graph of a graph break's may well hold none), which of the recipe's expected names and
         loaded state entries none of them takes, and which of the model's nn.Linear modules and
         parameters no graph holds: torch.compile may have run the code that calls them eagerly, in
-        high precision. Where neither is named, ``eager`` (the call's products outside its graphs,
-        graphquant.eager_products) still tells of such code, in modules without parameters."""
+        high precision."""
         if self.first_call_checked:
             return
         self.first_call_checked = True
@@ -106,12 +109,22 @@ class GraphquantBackend:
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self._warn_of_unclaimed_state()
         self._warn_of_unreduced_amaxes()
-        named = self.root is not None and (self._warn_of_unplanned_linears() | self._warn_of_unread_parameters())
-        if eager and not named and _graphs_are_one_autograd_node(self.inner):
+        self.eager_code_named = self.root is not None and (self._warn_of_unplanned_linears() | self._warn_of_unread_parameters())
+
+    def check_eager_products(self, outputs: Any, inputs: Any) -> None:
+        """After the first compile, on the first call whose outputs carry an autograd graph (a
+        training call: an evaluation under no_grad may come first), say how many matrix products it
+        ran outside the compiled graphs (graphquant.eager_products), where the first compile's
+        checks named no code run eagerly: a module of no parameters under torch.compiler.disable."""
+        eager = eager_products(outputs, inputs)
+        if eager is None:
+            return
+        self.eager_products_checked = True
+        if eager and not self.eager_code_named:
             products = ", ".join(f"{count} {op}" for op, count in sorted(eager.items()))
             user_stack.warn(
-                f"graphquant: this first call ran {sum(eager.values())} matrix product(s) outside the compiled graphs, in "
-                f"high precision ({products}): torch.compile ran the code computing them eagerly (under "
+                f"graphquant: this training call ran {sum(eager.values())} matrix product(s) outside the compiled graphs, "
+                f"in high precision ({products}): torch.compile ran the code computing them eagerly (under "
                 "torch.compiler.disable, or past a graph break it could not take; TORCH_LOGS=graph_breaks says where)"
             )
 
@@ -767,26 +780,29 @@ def _checking_the_first_compile(
     call: Callable, backend: "GraphquantBackend", name: str, put_back: Optional[Callable] = None
 ) -> Callable:
     """``call`` that, once a call of it has compiled graphs, has the backend check them whole
-    (GraphquantBackend.check_the_first_compile, once a model: its forward's or its generate's);
-    ``put_back(call)`` then puts the plain call back, so that later calls run no frame of ours (a
-    compiled function, which has no attribute to put it back in, reads the backend's flag).
+    (GraphquantBackend.check_the_first_compile, once a model: its forward's or its generate's),
+    and the first training call's products outside them (check_eager_products); ``put_back(call)``
+    then puts the plain call back, so that later calls run no frame of ours (a compiled function,
+    which has no attribute to put it back in, reads the backend's flags).
     Dynamo does not trace it: an enclosing torch.compile making the model's first call would
     otherwise inline ``call``'s code (whose attributes a plain wrapper copies) into its own graph,
     unquantized; it breaks its graph here instead, as _kept_whole has it do at the model."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def first(*args: Any, **kwargs: Any) -> Any:
-        if backend.first_call_checked:
+        if backend.first_call_checked and backend.eager_products_checked:
             return call(*args, **kwargs)
-        before, result = len(backend.plans), None
+        before = len(backend.plans)
         try:
             result = call(*args, **kwargs)
-            return result
         finally:
             if len(backend.plans) > before:
-                if put_back is not None:
-                    put_back(call)
-                backend.check_the_first_compile(eager_products(result, (args, kwargs)))
+                backend.check_the_first_compile()
+        if backend.first_call_checked and not backend.eager_products_checked:
+            backend.check_eager_products(result, (args, kwargs))
+        if backend.first_call_checked and backend.eager_products_checked and put_back is not None:
+            put_back(call)
+        return result
 
     disabled = torch._dynamo.disable(first, reason=_own_graph_reason(name))
     disabled.__dict__.pop("_torchdynamo_orig_callable", None)  # torch.compile(it) would unwrap it to first, and trace that

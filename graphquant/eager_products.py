@@ -11,7 +11,7 @@ in modules with parameters or without.
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -19,11 +19,14 @@ import torch
 _PRODUCT_NODES = {"MmBackward0": "mm", "BmmBackward0": "bmm", "AddmmBackward0": "addmm", "BaddbmmBackward0": "baddbmm", "GroupedMmBackward0": "_grouped_mm"}
 
 
-def eager_products(outputs: Any, inputs: Any) -> collections.Counter:
+def eager_products(outputs: Any, inputs: Any) -> Optional[collections.Counter]:
     """The products, by op, that produced ``outputs`` from ``inputs`` outside compiled graphs (the
-    inputs' own history is not the call's)."""
+    inputs' own history is not the call's); None where no output carries an autograd graph (a
+    call under no_grad), which tells nothing."""
     before = {t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None}
     todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    if not todo:
+        return None
     seen, found = set(), collections.Counter()
     while todo:
         node = todo.pop()

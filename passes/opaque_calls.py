@@ -11,6 +11,7 @@ Expects: a Dynamo graph whose nodes carry ``example_value``. Guarantees: the gra
 
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import Optional
 
@@ -55,7 +56,7 @@ def _hidden_products(node: fx.Node) -> Optional[str]:
     fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)  # Dynamo's, not the backend's
     if fake_mode is None:
         return f"{whole}; it has no example values to run on, so any product inside it runs in high precision"
-    products = _Products()
+    products = ProductCounter()
     try:
         with fake_mode, products, torch.no_grad():
             node.target(*args, **kwargs)
@@ -70,15 +71,14 @@ def _hidden_products(node: fx.Node) -> Optional[str]:
     )
 
 
-class _Products(TorchDispatchMode):
+class ProductCounter(TorchDispatchMode):
     """Counts the matrix products that run under it, by aten op name."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: dict[str, int] = {}
+        self.seen: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in _PRODUCTS:
-            name = func.overloadpacket.__name__
-            self.seen[name] = self.seen.get(name, 0) + 1
+            self.seen[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))

@@ -148,12 +148,14 @@ def test_linears_in_no_graph_are_named_after_the_first_compile():
         model(x2())
 
 
+@pytest.mark.parametrize("evaluated_first", [False, True])
 @pytest.mark.parametrize("call", ["a graphquant model", "a graphquant function"])
-def test_products_of_parameterless_code_run_eagerly_are_counted_after_the_first_call(call):
+def test_products_of_parameterless_code_run_eagerly_are_counted_at_the_first_training_call(call, evaluated_first):
     """Attention's products in a module of no parameters, under torch.compiler.disable, ran in
     high precision where no check of modules or parameters sees them: the first training call
     counts the products its outputs' autograd graph holds outside the compiled graphs (not those
-    of the inputs' own history), once; a model whose products are all in its graphs says nothing."""
+    of the inputs' own history), once, also where an evaluation under no_grad (which makes no
+    autograd graph) came first; a model whose products are all in its graphs says nothing."""
 
     class Scores(torch.nn.Module):
         def forward(self, q, k):
@@ -176,7 +178,11 @@ def test_products_of_parameterless_code_run_eagerly_are_counted_after_the_first_
 
     x = torch.randn(32, 64, requires_grad=True) @ torch.randn(64, 64)  # an input with a product of its own
     model = compiled(disabled=True)
-    with pytest.warns(UserWarning, match=r"first call ran 1 matrix product\(s\) outside the compiled graphs, in high precision \(1 bmm\)"):
+    if evaluated_first:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="graphquant")
+            model(x)
+    with pytest.warns(UserWarning, match=r"training call ran 1 matrix product\(s\) outside the compiled graphs, in high precision \(1 bmm\)"):
         model(x)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="graphquant")
@@ -258,3 +264,4 @@ def test_torch_jit_script_of_a_graphquant_model_says_why_it_cannot(scripted):
     model = quantized(mlp())
     with pytest.raises(TypeError, match=r"^graphquant: torch.jit.script cannot take the graphquant model of MLP"):
         torch.jit.script(torch.nn.Sequential(model) if scripted == "a module holding it" else model)
+
