@@ -60,12 +60,13 @@ def rewrite(
     """
     graph = gm.graph
     extra: dict[object, fx.Node] = {}
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    # A graph of no inputs (a piece before a graph break that builds a tensor from constants) takes them first.
+    last_placeholder = ([None] + [n for n in graph.nodes if n.op == "placeholder"])[-1]
 
     def placeholder(key: object) -> fx.Node:
         nonlocal last_placeholder
         if key not in extra:
-            with graph.inserting_after(last_placeholder):
+            with graph.inserting_after(last_placeholder) if last_placeholder is not None else graph.inserting_before(None):
                 node = graph.placeholder(f"graphquant_state_{len(extra)}")
             node._dynamo_source = None  # not from user code: the compiled wrapper supplies it
             node.meta["graphquant_state"] = key

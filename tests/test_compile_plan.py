@@ -390,6 +390,30 @@ def test_not_quantized_products_are_listed():
 # -- a graph break inside a module ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", [None, "inference"])
+def test_a_graph_of_no_inputs_before_a_graph_break_compiles(mode):
+    """A piece of a forward that builds a tensor from constants alone, then breaks (Llama 4's first
+    call does), is a graph with no placeholder: the rewrite's search for the last one failed with
+    an IndexError."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            mask = torch.ones(4, 4).tril()
+            torch._dynamo.graph_break()
+            return self.fc(x) + mask.sum()
+
+    model = models.seeded(Masked())
+    x = x3()
+    with torch.no_grad():
+        y = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", mode=mode)(x)
+        expected = graphquant.compile(models.seeded(Masked()).fc, recipes.current_scaling(), backend="aot_eager", mode=mode)(x) + 10
+    assert torch.equal(y, expected)
+
+
 class BreakingBlock(torch.nn.Module):
     """fc1, then (if asked) a graph break, then fc2. With the break, Dynamo compiles this code
     on its own, and without a guard on the block it runs that graph for every BreakingBlock."""
