@@ -25,6 +25,7 @@ from graphquant.passes.find_gemms import (
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
 from graphquant.eager_products import eager_products
+from graphquant.model_methods import GraphquantModule
 from graphquant.ops.functional import MixedDtypesError
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
@@ -79,6 +80,7 @@ class GraphquantBackend:
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         self.eager_code_named = False  # it warned of linears or parameters that no graph holds
+        self.methods_watched: set[str] = set()  # the model's own methods whose first call was watched (model_methods)
         # check_eager_products ran on a training call, or has nothing to find: an inference model's
         # calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
@@ -737,6 +739,7 @@ def compile(
         callback = context.callback
         context.callback = _failing_past_the_recompile_limit(callback, name)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
+        compiled.__class__ = GraphquantModule
         compiled._initialize()
         compiled.forward = _refusing_other_tracers(compiled.forward, name)
         _kept_whole(compiled, name)

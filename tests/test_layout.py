@@ -33,7 +33,7 @@ SOURCES = {"graphquant": "graphquant", "passes": "graphquant.passes"}
 
 LAYERS = (
     ("face", ("graphquant", "graphquant.compiler", "graphquant.explainer", "graphquant.numerics_report", "graphquant.dump", "graphquant.freezing",
-              "graphquant.eager_products", "graphquant.__main__")),
+              "graphquant.eager_products", "graphquant.model_methods", "graphquant.__main__")),
     ("passes", ("graphquant.passes",)),
     ("ops", ("graphquant.ops",)),
     ("recipes", ("graphquant.roles", "graphquant.recipes", "graphquant.factories", "graphquant.zoo", "graphquant.user_stack")),

@@ -265,3 +265,37 @@ def test_torch_jit_script_of_a_graphquant_model_says_why_it_cannot(scripted):
     with pytest.raises(TypeError, match=r"^graphquant: torch.jit.script cannot take the graphquant model of MLP"):
         torch.jit.script(torch.nn.Sequential(model) if scripted == "a module holding it" else model)
 
+
+def test_a_method_of_the_model_called_through_it_says_it_ran_unquantized():
+    """torch.compile's wrapper hands every attribute but forward to the module, so a two-tower
+    model trained through compiled.encode_a(x) ran the module's own code eagerly, unquantized,
+    with no graph and no check: the method's first call given tensors counts its products and
+    says so, once; a method given no tensors, and nn.Module's own, run unwatched."""
+
+    class TwoTower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = models.MLP(), models.MLP()
+
+        def encode_a(self, x):
+            return self.a(x)
+
+        def towers(self):
+            return [self.a, self.b]
+
+        def forward(self, x):
+            return self.encode_a(x) + self.b(x)
+
+    module = models.seeded(TwoTower())
+    model = quantized(module)
+    x = x2()
+    with pytest.warns(UserWarning, match=r"^graphquant: encode_a ran 2 matrix product\(s\) in high precision \(2 addmm\).*"
+                                         r"graphquant.compile\(module.encode_a, recipe\)"):
+        assert torch.equal(model.encode_a(x), module.encode_a(x))  # unquantized: the module's own code
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphquant")
+        model.encode_a(x)
+        assert model.towers() == [module.a, module.b]
+        model.train()
+        assert not model.graphquant.plans
+        assert not torch.equal(model(x), module(x))  # the forward, quantized
