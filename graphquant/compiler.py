@@ -753,8 +753,11 @@ def compile(
         compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
         if callable(getattr(type(model), "generate", None)):
             forwards = {
-                module: _compiled_function(
-                    torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name
+                module: _own_graph(
+                    _compiled_function(
+                        torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name
+                    ),
+                    name,
                 )
                 for module in _generated_through(model)
             }
@@ -807,8 +810,15 @@ def _checking_the_first_compile(
             put_back(call)
         return result
 
-    disabled = torch._dynamo.disable(first, reason=_own_graph_reason(name))
-    disabled.__dict__.pop("_torchdynamo_orig_callable", None)  # torch.compile(it) would unwrap it to first, and trace that
+    return _own_graph(first, name)
+
+
+def _own_graph(call: Callable, name: str) -> Callable:
+    """``call``, at which an enclosing torch.compile breaks its graph and which it calls as it is:
+    it would otherwise inline the code, and graphquant's compiled function inside it, into its own
+    graph, unquantized (a flag of Dynamo's on a plain function is not enough: it traces into it)."""
+    disabled = torch._dynamo.disable(call, reason=_own_graph_reason(name))
+    disabled.__dict__.pop("_torchdynamo_orig_callable", None)  # torch.compile(it) would unwrap it to call, and trace that
     return disabled
 
 
@@ -849,10 +859,8 @@ def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, Callable]) -> Callable:
     """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
     compiled model, and an encoder-decoder's encoder by itself) with each call of those modules'
-    forwards run by ``forwards``, graphquant's compiles of them; an enclosing torch.compile
-    (generate's own for a static cache) breaks its graph there, as at the model (_kept_whole)."""
-    for forward in forwards.values():
-        forward._torchdynamo_disable = True
+    forwards run by ``forwards``, graphquant's compiles of them, each its own graph (_own_graph):
+    transformers compiles the decode step of a static cache itself."""
 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
