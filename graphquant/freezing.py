@@ -24,6 +24,7 @@ from graphquant.ops.frozen import STORED_PARTS as PARTS  # importing it register
 from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
+from graphquant.passes.plan import EMPTY_PRODUCT
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
@@ -125,6 +126,13 @@ class FrozenLinear(StoredWeight):
         tensors = [torch.empty(t.shape, dtype=t.dtype, device=linear.weight.device) for t in layout]
         return cls(name, rowwise.spec, tuple(linear.weight.shape), linear.weight.dtype, tensors, linear.bias)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in of the weight's shape, dtype and device whose values are NaN, in one
+        element's memory: model code that reads a linear's weight.dtype (T5's feed-forward casts to
+        it) runs as before, and a product of it gives NaN, never a plausible number."""
+        return torch.full((1, 1), float("nan"), dtype=self.weight_dtype, device=self.weight_codes.device).expand(self.weight_shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [self.out_features, self.in_features]
         return torch.ops.graphquant.frozen_linear.default(x, self.stored(), self.weight_format, shape, self.weight_dtype, self.bias, self.name)
@@ -206,8 +214,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     every other tensor are loaded from it, keys with or without torch.compile's ``_orig_mod.``
     prefix. A model built on the meta device takes the checkpoint's tensors themselves.
 
-    A weight tied to another module's (a tied LM head) stays as it is, with a warning, as does an
-    expert stack that the model's graphs read other than as one grouped site's weight.
+    A weight tied to another module's (a tied LM head) stays as it is, with a warning, as do an
+    nn.Linear subclass with a forward or parameters of its own and an expert stack that the
+    model's graphs read other than as one grouped site's weight.
     """
     backend = model.__dict__.get("graphquant") if isinstance(model, nn.Module) else None
     if not isinstance(backend, GraphquantBackend) or backend.root is None:
@@ -221,7 +230,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     tied = _tied_parameters(root)
     if state_dict is not None:
         _check_no_meta_buffer_is_left(root)
-    linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear) and _stores_as_frozen(m)]
+    kept = [(name, type(m).__name__) for name, m in root.named_modules() if isinstance(m, nn.Linear) and not _stores_as_frozen(m)]
+    stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
     # model as it was (a checkpoint that does not fit is refused by the load, after).
     frozen = []
@@ -253,11 +264,25 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     stand_ins: dict[tuple, torch.Tensor] = {}
     for frozen in (m for m in root.modules() if isinstance(m, FrozenExperts)):
         root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
-    if not linears and not stacks:
+    if not linears and not stacks and not stored_before:
         user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "
                         f"{type(root).__name__}: nothing was frozen")
-    _warn_of_sites_left(backend, {name for name, _ in linears})
+    if kept:
+        user_stack.warn(
+            f"graphquant.freeze keeps {len(kept)} nn.Linear subclass(es) with a forward or parameters of their own as they "
+            f"are ({', '.join(f'{name}: {kind}' for name, kind in kept[:4])}{', ...' if len(kept) > 4 else ''}), which a "
+            "FrozenLinear would drop: their weights stay in high precision, quantized at each call"
+        )
+    _warn_of_sites_left(backend, {name for name, _ in linears} | {name for name, _ in kept} | stored_before)
     return model
+
+
+def _stores_as_frozen(linear: nn.Linear) -> bool:
+    """Whether a FrozenLinear computes what ``linear`` does: an nn.Linear, or a subclass that adds
+    no forward, parameter, buffer or submodule of its own (a learned logit scale, a router
+    returning a tuple would be lost)."""
+    own = {name for name, _ in itertools.chain(linear.named_parameters(recurse=False), linear.named_buffers(recurse=False))}
+    return type(linear).forward is nn.Linear.forward and own <= {"weight", "bias"} and not any(True for _ in linear.children())
 
 
 def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
@@ -375,10 +400,14 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _weight_quantizer(backend: GraphquantBackend, name: str) -> Quantizer:
-    """Linear ``name``'s weight quantizer as the latest graph that ran it planned it (high
-    precision for a small GEMM the recipe keeps so), else the recipe's."""
+    """Linear ``name``'s weight quantizer as the latest graph that ran it on rows planned it (high
+    precision for a small GEMM the recipe keeps so), else the recipe's: a call of no rows (an
+    empty batch) keeps its product in high precision for that call alone."""
     role = QuantizerRole("linear", "weight", name)
-    planned = [dict(plan.slots)[role] for plan in backend.plans if role in dict(plan.slots)]
+    planned = [
+        dict(plan.slots)[role] for plan in backend.plans
+        if role in dict(plan.slots) and not any(g.site.rpartition("#")[0] == name and g.reason.startswith(EMPTY_PRODUCT) for g in plan.gemms)
+    ]
     return planned[-1] if planned else backend.planner.quantizer(role)
 
 

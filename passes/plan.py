@@ -57,6 +57,11 @@ class FactoryTypeError(PlanError, TypeError):
     """The recipe's factory returned something that is not a quantizer."""
 
 
+# How a GEMM of no rows (or no columns) this call begins its reason: its slots' quantizers are
+# the identity for this call alone, not the recipe's (graphquant.freeze looks past such a plan).
+EMPTY_PRODUCT = "in high precision: it is empty"
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """One GEMM of one site: its operands' formats and how it runs."""
@@ -383,7 +388,7 @@ class Planner:
         dims = {"m": m, "n": site.w_sizes[1], "k": k}
         empty = [name for name, size in dims.items() if isinstance(size, int) and size == 0]
         if empty:
-            return f"in high precision: it is empty ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
+            return f"{EMPTY_PRODUCT} ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
         try:
             self._check_shapes(site, quantizers, training)
         except PlanError:

@@ -6,6 +6,7 @@ checkpoint without quantizing anything.
 """
 
 import copy
+import warnings
 
 import models
 import pytest
@@ -284,3 +285,66 @@ def test_a_cast_of_a_frozen_model_casts_its_products_not_its_stored_weights():
     assert before.dtype == torch.float32 and after.dtype == torch.bfloat16
     assert torch.equal(after, before.to(torch.bfloat16))
     assert torch.equal(linear[0].weight_codes, codes)
+
+
+def test_a_linear_subclass_with_a_forward_or_parameters_of_its_own_is_kept_as_it_is():
+    """A head that scales its logits by a learned parameter (transformers' DoryLMHead) is an
+    nn.Linear whose forward a FrozenLinear dropped, with the parameter: the frozen output was a
+    third of the per-call one, without a word. Such a subclass keeps its weight, said once."""
+
+    class ScaledHead(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(64, 128, bias=False)
+            self.logit_scale = torch.nn.Parameter(torch.full((128,), 3.0))
+
+        def forward(self, x):
+            return super().forward(x) * self.logit_scale
+
+    class ZeroInitialised(torch.nn.Linear):  # a subclass for its initialisation alone is frozen as any linear
+        pass
+
+    model = models.seeded(torch.nn.Sequential(ZeroInitialised(64, 64), torch.nn.ReLU(), ScaledHead())).to(torch.bfloat16)
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+        with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear subclass\(es\) with a forward or parameters of their own as they are \(2: ScaledHead\)"):
+            graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected)
+    assert isinstance(model[0], graphquant.FrozenLinear) and type(model[2]) is ScaledHead
+
+
+def test_a_freeze_after_an_empty_batch_stores_the_recipes_formats():
+    """A call of no rows keeps its products in high precision for that call alone: freezing after
+    it stored every weight unquantized (identity), and the next call was refused."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+        compiled(x3()[:, :0])
+        graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected)
+    assert compiled._orig_mod.fc1.weight_format.startswith("mxfp8")
+
+
+def test_a_second_freeze_says_nothing_false():
+    """README has freeze called again after model.to(device): it said nothing was frozen and that
+    every linear site kept its high-precision weight."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+        graphquant.freeze(compiled)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="graphquant")
+            graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected)
+
+
+def test_a_frozen_linears_weight_is_a_stand_in_of_its_shape_and_dtype():
+    """Model code reads a linear's weight.dtype (T5's feed-forward casts to it): a FrozenLinear had
+    no weight. Its stand-in has the weight's shape, dtype and device, one element's memory, and
+    NaN values, so that a product of it is never a plausible number."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(compiled)
+    weight = compiled._orig_mod.fc1.weight
+    assert (weight.shape, weight.dtype, weight.device) == ((128, 64), torch.bfloat16, torch.device("cpu"))
+    assert weight.untyped_storage().nbytes() == 2 and weight.isnan().all()
+    assert "fc1.weight" not in compiled._orig_mod.state_dict()
