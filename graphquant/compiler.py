@@ -16,7 +16,7 @@ from torch import fx
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
-from graphquant.passes.find_attention import find_attention
+from graphquant.passes.find_attention import find_attention, leave_attention_in_high_precision
 from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.find_gemms import (
     GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, target_name,
@@ -325,7 +325,11 @@ class GraphquantBackend:
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
-        attention = find_attention(gm, frame, self.functional_numbers) if self.planner.recipe.fp8_dpa else []
+        if self.planner.recipe.fp8_dpa:
+            attention = find_attention(gm, frame, self.functional_numbers)
+        else:
+            attention = []
+            leave_attention_in_high_precision(gm)
         for node in mark_opaque_products(gm):
             user_stack.warn(f"graphquant: {_described(node, frame)}: {node.meta['graphquant_skip']}")
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]

@@ -117,6 +117,14 @@ def find_attention(gm: fx.GraphModule, frame: Frame = Frame(), numbers: Optional
     return sites
 
 
+def leave_attention_in_high_precision(gm: fx.GraphModule) -> None:
+    """Mark each attention of ``gm`` for the plan's "not quantized" list, where the recipe does not
+    ask for FP8 attention: it runs as torch's, which the plan would not otherwise show."""
+    for node in gm.graph.nodes:
+        if is_attention(node):
+            node.meta["graphquant_skip"] = "attention in high precision: the recipe has fp8_dpa=False (CustomRecipe(..., fp8_dpa=True) quantizes it)"
+
+
 def is_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.scaled_dot_product_attention
 

@@ -331,6 +331,26 @@ def test_multihead_attention_is_listed_as_not_quantized():
     assert what.startswith("self_attn: ") and why.startswith("nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call")
 
 
+def test_attention_of_a_recipe_without_fp8_dpa_is_listed_as_not_quantized():
+    """F.scaled_dot_product_attention (transformers' default attention) runs as torch's unless the
+    recipe asks for FP8 attention: the plan said nothing of it, where an eager attention's
+    matmuls are sites."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 32, 3, 2, 32).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    plan = graphquant.explain(Attention(), recipes.current_scaling(), x3())
+    [(what, why)] = plan.skipped
+    assert what.startswith("the model: ") and "scaled_dot_product_attention(" in what
+    assert why == "attention in high precision: the recipe has fp8_dpa=False (CustomRecipe(..., fp8_dpa=True) quantizes it)"
+
+
 @torch.compiler.allow_in_graph
 def _scores_in_one_call(q, k):
     return torch.einsum("bhid,bhjd->bhij", q, k)
