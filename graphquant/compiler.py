@@ -779,8 +779,8 @@ def _uncompiled(model: Any) -> Any:
     while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         if "graphquant" in model.__dict__:
             raise TypeError(
-                f"graphquant.compile: this {type(model._orig_mod).__name__} is already a graphquant model; to compile it "
-                "under another recipe, pass the module it wraps (model._orig_mod)"
+                f"graphquant: this {type(model._orig_mod).__name__} is already a graphquant model; to compile, explain or "
+                "report it under another recipe, pass the module it wraps (model._orig_mod)"
             )
         model = model._orig_mod
     return model

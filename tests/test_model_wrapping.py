@@ -107,9 +107,12 @@ def test_a_torch_compiled_submodule_runs_quantized_and_is_not_named_as_in_no_gra
     assert sorted({g.site for g in model.graphquant.plan.gemms}) == ["a.fc1#0", "a.fc2#0", "b.fc1#0", "b.fc2#0"]
 
 
-def test_a_graphquant_model_is_not_compiled_again():
-    with pytest.raises(TypeError, match=r"this MLP is already a graphquant model.*model._orig_mod"):
+def test_a_graphquant_model_is_not_compiled_or_explained_again():
+    """The message named graphquant.compile where graphquant.explain was called."""
+    with pytest.raises(TypeError, match=r"^graphquant: this MLP is already a graphquant model.*model._orig_mod"):
         quantized(quantized(mlp()))
+    with pytest.raises(TypeError, match=r"^graphquant: this MLP is already a graphquant model; to compile, explain"):
+        graphquant.explain(quantized(mlp()), recipes.current_scaling(), x2())
 
 
 def test_a_deep_copy_is_a_graphquant_model_of_its_own_that_continues_from_the_original():
