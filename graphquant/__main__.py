@@ -42,6 +42,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             help="of the random inputs, the model's floating tensors cast to it (default: the model's own dtype)",
         )
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    commands.choices["explain"].add_argument(
+        "--mode", choices=("training", "inference"), default="training",
+        help="the plan of a training call (fprop, dgrad, wgrad) or of an inference one (fprop alone, as mode='inference' compiles)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -53,7 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             inputs = tuple(torch.randn(shape, dtype=dtype) for shape in args.input_shape)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
-        command = explain if args.command == "explain" else functools.partial(numerics, loss_fn=summed_outputs)
+        if args.command == "explain":
+            command = functools.partial(explain, mode="inference") if args.mode == "inference" else explain
+        else:
+            command = functools.partial(numerics, loss_fn=summed_outputs)
         result = run(command, args.model, model, recipe, inputs)
     except (ValueError, TypeError) as error:  # PlanError included
         print(f"error: {error}", file=sys.stderr)
@@ -107,8 +114,13 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     target = _load(spec)
     if isinstance(target, torch.nn.Module):
         return target, ()
+    if not callable(target):
+        raise TypeError(f"{spec} is of type {type(target).__name__}: name an nn.Module, or a function of no arguments returning one")
     made = target()
-    return (made[0], tuple(made[1])) if isinstance(made, tuple) else (made, ())
+    model, inputs = (made[0], tuple(made[1])) if isinstance(made, tuple) else (made, ())
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{spec}() returned an object of type {type(model).__name__}, not an nn.Module (or a tuple (model, example_inputs))")
+    return model, inputs
 
 
 def load_recipe(name: str) -> CustomRecipe:

@@ -65,3 +65,10 @@ def with_outputs() -> WithOutputs:
     """MODULE:with_outputs."""
     torch.manual_seed(0)
     return WithOutputs()
+
+
+NOT_A_MODEL = 3
+
+
+def not_a_model():
+    return 3

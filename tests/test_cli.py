@@ -93,3 +93,21 @@ def test_a_recipe_of_the_wrong_type_fails_in_one_line(in_tests_dir, capsys):
     assert main(["explain", "explain_models:mlp", "--recipe", "graphquant:MXFP8Quantizer", "--input-shape", "32,64"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: graphquant needs a CustomRecipe, got the class") and err.count("\n") == 1, err
+
+
+def test_explain_in_inference_mode_plans_fprop_alone_where_rows_would_not_tile_a_backward(in_tests_dir, capsys):
+    """33 tokens under MXFP8 tile no training backward (32-row columnwise blocks) but run in
+    inference, which the command line could not ask for."""
+    assert main(["explain", "explain_models:mlp", "--recipe", "mxfp8_block_scaling", "--input-shape", "33,64"]) == 1
+    assert main(["explain", "explain_models:mlp", "--recipe", "mxfp8_block_scaling", "--input-shape", "33,64", "--mode", "inference", "--json"]) == 0
+    assert {g.gemm for g in Plan.from_json(capsys.readouterr().out).gemms} == {"fprop"}
+
+
+def test_a_model_name_that_gives_no_module_fails_in_one_line(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:NOT_A_MODEL", "--recipe", "tensorwise", "--input-shape", "4,64"]) == 1
+    assert main(["explain", "explain_models:not_a_model", "--recipe", "tensorwise", "--input-shape", "4,64"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "error: explain_models:NOT_A_MODEL is of type int: name an nn.Module, or a function of no arguments returning one",
+        "error: explain_models:not_a_model() returned an object of type int, not an nn.Module (or a tuple (model, example_inputs))",
+    ]
