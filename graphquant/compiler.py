@@ -17,15 +17,16 @@ from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention, leave_attention_in_high_precision
+from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.find_gemms import (
-    GROUPED, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, target_name,
-    without_compile_wrappers,
+    GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, site_weight,
+    target_name, without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
-from graphquant.eager_products import eager_products
-from graphquant.model_methods import GraphquantModule
+from graphquant.eager_products import eager_products, next_node_number
+from graphquant.model_methods import watch_methods
 from graphquant.ops.functional import MixedDtypesError
 from graphquant.passes.rewrite import rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
@@ -79,10 +80,9 @@ class GraphquantBackend:
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
-        self.eager_code_named = False  # it warned of linears or parameters that no graph holds
-        self.methods_watched: set[str] = set()  # the model's own methods whose first call was watched (model_methods)
-        # check_eager_products ran on a training call, or has nothing to find: an inference model's
-        # calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
+        self.weights_read_otherwise: set[str] = set()  # parameters some graph reads other than as its linear's weight
+        # check_eager_products ran at a call with grad enabled, or has nothing to find: an inference
+        # model's calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
         self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
         self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
@@ -111,27 +111,26 @@ class GraphquantBackend:
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self._warn_of_unclaimed_state()
         self._warn_of_unreduced_amaxes()
-        self.eager_code_named = self.root is not None and (self._warn_of_unplanned_linears() | self._warn_of_unread_parameters())
+        if self.root is not None:
+            self._warn_of_unplanned_linears()
+            self._warn_of_unread_parameters()
 
-    def check_eager_products(self, outputs: Any, inputs: Any) -> None:
-        """After the first compile, on the first call whose outputs carry an autograd graph (a
-        training call: an evaluation under no_grad may come first), say how many matrix products it
-        ran outside the compiled graphs (graphquant.eager_products), where the first compile's
-        checks named no code run eagerly: a module of no parameters under torch.compiler.disable."""
-        eager = eager_products(outputs, inputs)
-        if eager is None:
-            return
+    def check_eager_products(self, outputs: Any, since: int) -> None:
+        """After the first compile, at the first call with grad enabled (an evaluation under
+        no_grad may come first), say how many matrix products it ran outside the compiled graphs
+        (graphquant.eager_products: its autograd nodes from ``since`` on), which no check of
+        modules or parameters sees in a module of none (attention under torch.compiler.disable)."""
         self.eager_products_checked = True
-        if eager and not self.eager_code_named:
-            products = ", ".join(f"{count} {op}" for op, count in sorted(eager.items()))
+        eager = eager_products(outputs, since)
+        if eager:
             user_stack.warn(
-                f"graphquant: this training call ran {sum(eager.values())} matrix product(s) outside the compiled graphs, "
-                f"in high precision ({products}): torch.compile ran the code computing them eagerly (under "
-                "torch.compiler.disable, or past a graph break it could not take; TORCH_LOGS=graph_breaks says where)"
+                f"graphquant: this training call ran {matrix_products.described(eager)} outside the compiled graphs, in "
+                "high precision: torch.compile ran the code computing them eagerly (under torch.compiler.disable, or past "
+                "a graph break it could not take; TORCH_LOGS=graph_breaks says where)"
             )
 
-    def _warn_of_unplanned_linears(self) -> bool:
-        """Say which of the model's nn.Linear modules no graph holds; whether any."""
+    def _warn_of_unplanned_linears(self) -> None:
+        """Say which of the model's nn.Linear modules no graph holds."""
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
@@ -146,7 +145,6 @@ class GraphquantBackend:
                 "checkpointed block; TORCH_LOGS=graph_breaks says where, and for transformers' gradient checkpointing "
                 "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets it compile)"
             )
-        return bool(unplanned)
 
     def _note_read_parameters(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         """Note the names of the model's parameters a graph reads, as the model holds them now
@@ -158,7 +156,19 @@ class GraphquantBackend:
         lifted = {id(t) for t in (*example_inputs, *map(_frame_value, map(_source_name, sources))) if isinstance(t, torch.nn.Parameter)}
         self.read_parameters.update(name for name, p in self.root.named_parameters(remove_duplicate=False) if id(p) in lifted)
 
-    def _warn_of_unread_parameters(self) -> bool:
+    def _note_weights_read_otherwise(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        """Note each weight a graph reads other than as its own module's linear site (an
+        nn.MultiheadAttention's out_proj, whose weight its one call reads; a model's product of a
+        module's weight): graphquant.freeze keeps such a linear, whose weight that code reads."""
+        if self.root is None:
+            return
+        names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
+        for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            name = names.get(id(value)) if isinstance(value, torch.nn.Parameter) else None
+            if name is not None and not all(_reads_as_its_linear(user, node, name.rpartition(".")[0]) for user in node.users):
+                self.weights_read_otherwise.add(name)
+
+    def _warn_of_unread_parameters(self) -> None:
         """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert
         stack, a LoRA factor, a weight a model multiplies itself) no compiled graph reads: the code
         using them did not run, or torch.compile ran it eagerly, where its products were not
@@ -178,7 +188,6 @@ class GraphquantBackend:
                 "torch.compile ran it eagerly, where their products run in high precision (TORCH_LOGS=graph_breaks says "
                 "where a frame was skipped)"
             )
-        return bool(unread)
 
     def _warn_of_unreduced_amaxes(self) -> None:
         """Say where quantizers ask to all-reduce their amaxes in a run of several processes but the
@@ -322,6 +331,7 @@ class GraphquantBackend:
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame, self.functional_numbers)
+        self._note_weights_read_otherwise(gm, example_inputs)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
@@ -330,8 +340,11 @@ class GraphquantBackend:
         else:
             attention = []
             leave_attention_in_high_precision(gm)
+        hidden: dict[str, list[str]] = collections.defaultdict(list)  # one warning a function, not a call
         for node in mark_opaque_products(gm):
-            user_stack.warn(f"graphquant: {_described(node, frame)}: {node.meta['graphquant_skip']}")
+            hidden[node.meta["graphquant_skip"]].append(_described(node, frame))
+        for why, calls in hidden.items():
+            user_stack.warn(f"graphquant: {why} ({len(calls)} call(s) in this graph, the first {calls[0]})")
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
@@ -522,6 +535,12 @@ class GraphquantBackend:
             return fresh if loaded is None else self._restored(key, loaded, fresh)
         except ValueError as error:
             raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
+
+
+def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:
+    """Whether ``user`` reads ``weight`` as the weight of the linear site of module ``owner``."""
+    site = user.meta.get("graphquant_site")
+    return site is not None and site.form == LINEAR and site.name == owner and site_weight(user) is weight
 
 
 def _graphs_are_one_autograd_node(inner: Union[str, Callable]) -> bool:
@@ -743,7 +762,6 @@ def compile(
         callback = context.callback
         context.callback = _failing_past_the_recompile_limit(callback, name)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
-        compiled.__class__ = GraphquantModule
         compiled._initialize()
         compiled.forward = _refusing_other_tracers(compiled.forward, name)
         _kept_whole(compiled, name)
@@ -755,7 +773,9 @@ def compile(
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
         compiled.__dict__["__reduce_ex__"] = _not_pickled
         compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
-        if callable(getattr(type(model), "generate", None)):
+        generates = callable(getattr(type(model), "generate", None))
+        watch_methods(compiled, model, "forward and generate" if generates else "forward")
+        if generates:
             forwards = {
                 module: _own_graph(
                     _compiled_function(
@@ -791,25 +811,27 @@ def _checking_the_first_compile(
 ) -> Callable:
     """``call`` that, once a call of it has compiled graphs, has the backend check them whole
     (GraphquantBackend.check_the_first_compile, once a model: its forward's or its generate's),
-    and the first training call's products outside them (check_eager_products); ``put_back(call)``
-    then puts the plain call back, so that later calls run no frame of ours (a compiled function,
-    which has no attribute to put it back in, reads the backend's flags).
+    and the first call with grad enabled its products outside them (check_eager_products);
+    ``put_back(call)`` then puts the plain call back, so that later calls run no frame of ours (a
+    compiled function, which has no attribute to put it back in, reads the backend's flags). A
+    model of mode=None called under no_grad alone keeps this frame at each call: the first
+    training call may come at any time.
     Dynamo does not trace it: an enclosing torch.compile making the model's first call would
     otherwise inline ``call``'s code (whose attributes a plain wrapper copies) into its own graph,
     unquantized; it breaks its graph here instead, as _kept_whole has it do at the model."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def first(*args: Any, **kwargs: Any) -> Any:
-        if backend.first_call_checked and backend.eager_products_checked:
-            return call(*args, **kwargs)
+        checking = not backend.eager_products_checked and torch.is_grad_enabled()
+        since = next_node_number() if checking else 0
         before = len(backend.plans)
         try:
             result = call(*args, **kwargs)
         finally:
             if len(backend.plans) > before:
                 backend.check_the_first_compile()
-        if backend.first_call_checked and not backend.eager_products_checked:
-            backend.check_eager_products(result, (args, kwargs))
+        if checking and backend.first_call_checked:
+            backend.check_eager_products(result, since)
         if backend.first_call_checked and backend.eager_products_checked and put_back is not None:
             put_back(call)
         return result
@@ -849,7 +871,8 @@ def _own_graph_reason(name: str) -> str:
     """Why an enclosing torch.compile breaks its graph at a graphquant model (Dynamo's message)."""
     return (
         f"graphquant.compile compiled {name} with its own backend, which this torch.compile would bypass, so it runs as "
-        "a graph of its own; for one graph, graphquant.compile the enclosing model instead"
+        "a graph of its own; for one graph, graphquant.compile the enclosing model instead (torch.export cannot take a "
+        "graphquant model: export the module without graphquant)"
     )
 
 
@@ -918,7 +941,7 @@ def _refusing_other_tracers(call: Callable, name: str) -> Callable:
     torch.export (and what exports through it: ONNX, AOTInductor), which runs a compiled module's
     code as it is for its own trace, and torch.func's transforms, under which Dynamo runs it
     eagerly and skips that code for good. Either may come at any call, so each call reads the two
-    flags: the only Python of graphquant's on a call that compiles nothing."""
+    flags: the only Python of graphquant's on a compiled call once the first call's checks are done."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -3,45 +3,51 @@ autograd graph.
 
 Code torch.compile runs eagerly (under torch.compiler.disable, or a call past a graph break it could
 not take) leaves its products in the autograd graph as MmBackward0 and its kind, while a graph
-compiled through AOT autograd is one node whose products are its own: so the nodes between the
-call's inputs and its outputs tell the products graphquant never saw, which ran in high precision,
-in modules with parameters or without.
+compiled through AOT autograd is one node whose products are its own: so the nodes the call made
+tell the products graphquant never saw, which ran in high precision, in modules with parameters or
+without.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-# What linear, matmul, einsum and the grouped product leave in an eager autograd graph.
-_PRODUCT_NODES = {"MmBackward0": "mm", "BmmBackward0": "bmm", "AddmmBackward0": "addmm", "BaddbmmBackward0": "baddbmm", "GroupedMmBackward0": "_grouped_mm"}
+from graphquant.passes import matrix_products
 
 
-def eager_products(outputs: Any, inputs: Any) -> Optional[collections.Counter]:
-    """The products, by op, that produced ``outputs`` from ``inputs`` outside compiled graphs (the
-    inputs' own history is not the call's); None where no output carries an autograd graph (a
-    call under no_grad), which tells nothing."""
-    before = {t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None}
+def next_node_number() -> int:
+    """The sequence number the autograd graph's next node takes: a call's nodes take this one on,
+    what its inputs (in whatever container, or closed over) came from took earlier ones."""
+    with torch.enable_grad():
+        return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr() + 1
+
+
+def eager_products(outputs: Any, since: int) -> Optional[collections.Counter]:
+    """The products, by op, among the autograd nodes numbered ``since`` on that produced
+    ``outputs``; None where no output carries an autograd graph (a call under no_grad, a model with
+    nothing to train), which tells nothing."""
     todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
     if not todo:
         return None
     seen, found = set(), collections.Counter()
     while todo:
         node = todo.pop()
-        if node in seen or node in before:
+        if node in seen or node._sequence_nr() < since:
             continue
         seen.add(node)
-        if node.name() in _PRODUCT_NODES:
-            found[_PRODUCT_NODES[node.name()]] += 1
+        if node.name() in matrix_products.OP_OF_NODE:
+            found[matrix_products.OP_OF_NODE[node.name()]] += 1
         todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return found
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a call's arguments or outputs: nested tuples, lists and mappings (a
-    transformers ModelOutput is one)."""
+    """The tensors in a call's outputs: nested tuples, lists, mappings (a transformers ModelOutput
+    is one) and dataclasses."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
@@ -50,3 +56,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name))

@@ -128,10 +128,11 @@ class FrozenLinear(StoredWeight):
 
     @property
     def weight(self) -> torch.Tensor:
-        """A stand-in of the weight's shape, dtype and device whose values are NaN, in one
-        element's memory: model code that reads a linear's weight.dtype (T5's feed-forward casts to
-        it) runs as before, and a product of it gives NaN, never a plausible number."""
-        return torch.full((1, 1), float("nan"), dtype=self.weight_dtype, device=self.weight_codes.device).expand(self.weight_shape)
+        """A stand-in of the weight's shape and dtype on the meta device, which holds no values:
+        model code that reads a linear's weight.dtype (T5's feed-forward casts to it) runs as
+        before, and anything that reads its values fails (freeze keeps a linear whose weight the
+        compiled graphs read other than through its forward)."""
+        return torch.empty(self.weight_shape, dtype=self.weight_dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [self.out_features, self.in_features]
@@ -230,8 +231,11 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     tied = _tied_parameters(root)
     if state_dict is not None:
         _check_no_meta_buffer_is_left(root)
-    linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear) and _stores_as_frozen(m)]
-    kept = [(name, type(m).__name__) for name, m in root.named_modules() if isinstance(m, nn.Linear) and not _stores_as_frozen(m)]
+    linears, kept = [], []
+    for name, m in root.named_modules():
+        if isinstance(m, nn.Linear):
+            why = _kept_because(name, m, backend)
+            (kept.append((name, why)) if why else linears.append((name, m)))
     stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
     # model as it was (a checkpoint that does not fit is refused by the load, after).
@@ -269,20 +273,27 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
                         f"{type(root).__name__}: nothing was frozen")
     if kept:
         user_stack.warn(
-            f"graphquant.freeze keeps {len(kept)} nn.Linear subclass(es) with a forward or parameters of their own as they "
-            f"are ({', '.join(f'{name}: {kind}' for name, kind in kept[:4])}{', ...' if len(kept) > 4 else ''}), which a "
-            "FrozenLinear would drop: their weights stay in high precision, quantized at each call"
+            f"graphquant.freeze keeps {len(kept)} nn.Linear module(s) as they are "
+            f"({'; '.join(f'{name}: {why}' for name, why in kept[:4])}{'; ...' if len(kept) > 4 else ''}): their weights stay in "
+            "high precision, quantized at each call"
         )
     _warn_of_sites_left(backend, {name for name, _ in linears} | {name for name, _ in kept} | stored_before)
     return model
 
 
-def _stores_as_frozen(linear: nn.Linear) -> bool:
-    """Whether a FrozenLinear computes what ``linear`` does: an nn.Linear, or a subclass that adds
-    no forward, parameter, buffer or submodule of its own (a learned logit scale, a router
-    returning a tuple would be lost)."""
-    own = {name for name, _ in itertools.chain(linear.named_parameters(recurse=False), linear.named_buffers(recurse=False))}
-    return type(linear).forward is nn.Linear.forward and own <= {"weight", "bias"} and not any(True for _ in linear.children())
+def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend) -> str:
+    """Why a FrozenLinear would not compute what ``linear`` does ("" where it would): a subclass's
+    forward, parameters, buffers or submodules (a learned logit scale, a router returning a
+    tuple), hooks, or a weight the compiled graphs read other than through the linear's forward
+    (nn.MultiheadAttention reads its out_proj's), which would read the stored weight's stand-in."""
+    own = {n for n, _ in itertools.chain(linear.named_parameters(recurse=False), linear.named_buffers(recurse=False))}
+    if type(linear).forward is not nn.Linear.forward or not own <= {"weight", "bias"} or any(True for _ in linear.children()):
+        return f"a {type(linear).__name__} with a forward or state of its own, which a FrozenLinear would drop"
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return "hooks, which a FrozenLinear would drop"
+    if f"{name}.weight" in backend.weights_read_otherwise:
+        return "its weight is read other than by its own forward"
+    return ""
 
 
 def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:

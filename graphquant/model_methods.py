@@ -3,55 +3,60 @@
 ``compiled.encode_text(x)`` (a two-tower model trained through its encoders) runs the module's own
 code eagerly, unquantized, with no graph compiled and no check run.
 
-GraphquantModule is that wrapper, whose methods of the model's own given tensors count the matrix
-products their first call runs and warn of them, saying how to quantize the method.
+watch_methods puts, in the graphquant model's own attributes (which come before those it hands
+on), each method of the module's class bound to the module, run by a function that at the
+method's first call with grad enabled counts the matrix products its outputs' autograd graph
+holds, warns of them saying how to quantize the method, and takes itself away. It reads the
+autograd graph after the call, not the ops as they run: a dispatch mode around the call would make
+Dynamo skip, for good, any compiled code the method reaches (a tower compiled by itself).
 """
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Any, Callable
 
 import torch
 
 from graphquant import user_stack
-from graphquant.passes.opaque_calls import ProductCounter
+from graphquant.eager_products import eager_products, next_node_number
+from graphquant.passes import matrix_products
 
 
-class GraphquantModule(torch._dynamo.eval_frame.OptimizedModule):
-    """The model graphquant.compile returns: torch.compile's wrapper, whose own methods the
-    module's class defines (not nn.Module's) are watched at their first call with tensors."""
-
-    def __getattr__(self, name: str) -> Any:
-        value = super().__getattr__(name)
-        module = self.__dict__["_modules"]["_orig_mod"]
-        if isinstance(value, types.MethodType) and value.__self__ is module and not hasattr(torch.nn.Module, name):
-            return _watched(value, name, self.__dict__["graphquant"].methods_watched)
-        return value
+def watch_methods(compiled: torch.nn.Module, module: torch.nn.Module, quantized: str) -> None:
+    """Watch each method of ``module``'s class (and its bases short of nn.Module) that
+    ``compiled``, torch.compile's wrapper, does not run itself; ``quantized`` says what it does run
+    ("forward and generate")."""
+    for name, function in _own_methods(type(module)).items():
+        if not hasattr(type(compiled), name) and name not in compiled.__dict__:
+            compiled.__dict__[name] = types.MethodType(_watched(name, function, compiled.__dict__, quantized), module)
 
 
-def _watched(method: Callable, name: str, watched: set[str]) -> Callable:
-    """``method``, whose first call given a tensor counts the products it runs (eagerly: the module's
-    own code) and warns of them; later calls run it as it is."""
+def _own_methods(module_class: type) -> dict[str, Callable]:
+    """The plain functions ``module_class`` and its bases short of nn.Module define, a subclass's
+    over its base's."""
+    return {
+        name: function for klass in reversed(module_class.__mro__) if not issubclass(torch.nn.Module, klass)
+        for name, function in vars(klass).items() if isinstance(function, types.FunctionType) and not name.startswith("__")
+    }
 
-    @functools.wraps(method)
-    def first_call_watched(*args: Any, **kwargs: Any) -> Any:
-        given_tensors = any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
-        if name in watched or not given_tensors:
-            return method(*args, **kwargs)
-        watched.add(name)
-        with ProductCounter() as counter:
-            result = method(*args, **kwargs)
-        if counter.seen:
-            products = ", ".join(f"{count} {op}" for op, count in sorted(counter.seen.items()))
-            owner = type(method.__self__).__name__
+
+def _watched(name: str, method: Callable, attributes: dict, quantized: str) -> Callable:
+    def first_call_watched(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # under no_grad there is no autograd graph to read
+            return method(module, *args, **kwargs)
+        since = next_node_number()
+        result = method(module, *args, **kwargs)
+        attributes.pop(name, None)
+        eager = eager_products(result, since)
+        if eager:
             user_stack.warn(
-                f"graphquant: {name} ran {sum(counter.seen.values())} matrix product(s) in high precision ({products}): a "
-                f"graphquant model quantizes {owner}'s forward (and generate) alone, and runs its other methods as the "
-                f"module's own code, eagerly; call the model itself, or quantize the method: "
-                f"graphquant.compile(module.{name}, recipe)"
+                f"graphquant: {name} ran {matrix_products.described(eager)} in high precision: a graphquant model quantizes "
+                f"{type(module).__name__}'s {quantized} alone, and runs its other methods as the module's own code, "
+                f"eagerly; call the model itself, or quantize the method: graphquant.compile(module.{name}, recipe)"
             )
         return result
 
+    first_call_watched.__name__ = first_call_watched.__qualname__ = name
+    first_call_watched.__doc__ = method.__doc__
     return first_call_watched

@@ -1,6 +1,7 @@
 """Pass 1b (annotate): find every F.scaled_dot_product_attention of a Dynamo graph and give it a
-``dpa`` site, as TransformerEngine's DotProductAttention has one (run only under
-``CustomRecipe(fp8_dpa=True)``).
+``dpa`` site, as TransformerEngine's DotProductAttention has one, under
+``CustomRecipe(fp8_dpa=True)``; without it, mark each for the plan's "not quantized" list
+(leave_attention_in_high_precision).
 
 Expects: a GraphModule captured by Dynamo, nodes carrying ``example_value`` and, inside modules,
 ``nn_module_stack``.

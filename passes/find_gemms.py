@@ -341,6 +341,12 @@ def _operands(node: fx.Node, form: str) -> Optional[tuple[fx.Node, fx.Node, bool
     return None
 
 
+def site_weight(node: fx.Node) -> Optional[fx.Node]:
+    """The node a site reads as its weight (or other operand), as the site's form says."""
+    operands = _operands(node, node.meta["graphquant_site"].form)
+    return operands[1] if operands is not None else None
+
+
 def addmm_operands(node: fx.Node) -> tuple[object, object, object]:
     """(c, a, b) of an addmm or baddbmm node, beta * c + alpha * (a @ b), however they are passed:
     torch.addmm(c, a, b), c.addmm(a, b), or by keyword (mat1 / mat2, batch1 / batch2; BLOOM's

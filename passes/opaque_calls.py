@@ -1,4 +1,4 @@
-"""Pass 1b (annotate): the calls Dynamo keeps whole whose matrix products graphquant cannot see.
+"""Pass 1c (annotate): the calls Dynamo keeps whole whose matrix products graphquant cannot see.
 
 A function given to ``torch.compiler.allow_in_graph`` (einops does it to its own functions, its
 einsum among them) is one node of the Dynamo graph: the passes never see its code, so its products
@@ -12,19 +12,18 @@ Expects: a Dynamo graph whose nodes carry ``example_value``. Guarantees: the gra
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 from typing import Optional
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# What linear, matmul, einsum and the grouped product reach at the dispatcher.
-_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm}
-if hasattr(torch.ops.aten, "_grouped_mm"):
-    _PRODUCTS.add(torch.ops.aten._grouped_mm)
+from graphquant.passes import matrix_products
 
 
 def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
@@ -49,26 +48,36 @@ def _opaque(target: object) -> bool:
 
 def _hidden_products(node: fx.Node) -> Optional[str]:
     """Why ``node``'s products run in high precision, or None where it multiplies no matrices."""
-    name = getattr(node.target, "__qualname__", node.target.__name__)
-    whole = f"{name} is one call in the graph (torch.compiler.allow_in_graph), whose code graphquant does not see"
+    whole = f"{node.target.__qualname__} is one call in the graph (torch.compiler.allow_in_graph), whose code graphquant does not see"
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), lambda a: a.meta.get("example_value") if isinstance(a, fx.Node) else a)
-    values = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-    fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)  # Dynamo's, not the backend's
+    values = [v for v in tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
+    # The example values' own fake mode (the backend's is another); a call given no tensor, the graph's.
+    fake_mode = values[0].fake_mode if values else getattr(torch._guards.TracingContext.try_get(), "fake_mode", None)
     if fake_mode is None:
         return f"{whole}; it has no example values to run on, so any product inside it runs in high precision"
     products = ProductCounter()
     try:
-        with fake_mode, products, torch.no_grad():
+        with fake_mode, _no_new_symbols(fake_mode.shape_env), products, torch.no_grad():
             node.target(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure means we cannot tell
         return f"{whole}; running it on fake tensors to find its products failed ({type(error).__name__}), so any product inside it runs in high precision"
     if not products.seen:
         return None
-    counts = ", ".join(f"{n} {op}" for op, n in sorted(products.seen.items()))
     return (
-        f"{whole}: its matrix products ({counts}) run in high precision; graphquant quantizes them where Dynamo traces "
-        "the code (a function not given to allow_in_graph; torch.einsum in place of einops.einsum)"
+        f"{whole}: its {matrix_products.described(products.seen)} run in high precision; graphquant quantizes them where "
+        "Dynamo traces the code (a function not given to allow_in_graph; torch.einsum in place of einops.einsum)"
     )
+
+
+def _no_new_symbols(shape_env: Optional[ShapeEnv]) -> contextlib.AbstractContextManager:
+    """A run that adds no guard and leaves no unbacked symbol (a data-dependent size) to the graph's
+    shape environment: the graph's own trace already took its call."""
+    if shape_env is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(shape_env.suppress_guards())
+    stack.enter_context(shape_env.ignore_fresh_unbacked_symbols())
+    return stack
 
 
 class ProductCounter(TorchDispatchMode):
@@ -79,6 +88,6 @@ class ProductCounter(TorchDispatchMode):
         self.seen: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in _PRODUCTS:
+        if func.overloadpacket in matrix_products.OPS:
             self.seen[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))

@@ -57,8 +57,9 @@ class FactoryTypeError(PlanError, TypeError):
     """The recipe's factory returned something that is not a quantizer."""
 
 
-# How a GEMM of no rows (or no columns) this call begins its reason: its slots' quantizers are
-# the identity for this call alone, not the recipe's (graphquant.freeze looks past such a plan).
+# The start of the reason a GEMM with an empty dim (no rows this call) runs in high precision: its
+# slots hold the identity for this call alone, not the recipe's formats, so graphquant.freeze
+# takes a weight's format from another plan.
 EMPTY_PRODUCT = "in high precision: it is empty"
 
 

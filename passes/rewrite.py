@@ -60,13 +60,16 @@ def rewrite(
     """
     graph = gm.graph
     extra: dict[object, fx.Node] = {}
-    # A graph of no inputs (a piece before a graph break that builds a tensor from constants) takes them first.
-    last_placeholder = ([None] + [n for n in graph.nodes if n.op == "placeholder"])[-1]
+    placeholders = graph.find_nodes(op="placeholder")
+    last_placeholder = placeholders[-1] if placeholders else None
 
     def placeholder(key: object) -> fx.Node:
         nonlocal last_placeholder
         if key not in extra:
-            with graph.inserting_after(last_placeholder) if last_placeholder is not None else graph.inserting_before(None):
+            # After the graph's inputs; first, in a graph of none (a piece before a graph break that
+            # builds a tensor from constants).
+            at = graph.inserting_after(last_placeholder) if last_placeholder is not None else graph.inserting_before(next(iter(graph.nodes)))
+            with at:
                 node = graph.placeholder(f"graphquant_state_{len(extra)}")
             node._dynamo_source = None  # not from user code: the compiled wrapper supplies it
             node.meta["graphquant_state"] = key

@@ -307,7 +307,7 @@ def test_a_linear_subclass_with_a_forward_or_parameters_of_its_own_is_kept_as_it
     compiled = inference_model(model, FAMILIES["mxfp8"]())
     with torch.no_grad():
         expected = compiled(x3())
-        with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear subclass\(es\) with a forward or parameters of their own as they are \(2: ScaledHead\)"):
+        with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear module\(s\) as they are \(2: a ScaledHead with a forward or state of its own"):
             graphquant.freeze(compiled)
         assert torch.equal(compiled(x3()), expected)
     assert isinstance(model[0], graphquant.FrozenLinear) and type(model[2]) is ScaledHead
@@ -340,11 +340,39 @@ def test_a_second_freeze_says_nothing_false():
 
 def test_a_frozen_linears_weight_is_a_stand_in_of_its_shape_and_dtype():
     """Model code reads a linear's weight.dtype (T5's feed-forward casts to it): a FrozenLinear had
-    no weight. Its stand-in has the weight's shape, dtype and device, one element's memory, and
-    NaN values, so that a product of it is never a plausible number."""
+    no weight. Its stand-in has the weight's shape and dtype on the meta device: no values to
+    read, so that code reading them fails rather than compute with them."""
     compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
     graphquant.freeze(compiled)
     weight = compiled._orig_mod.fc1.weight
-    assert (weight.shape, weight.dtype, weight.device) == ((128, 64), torch.bfloat16, torch.device("cpu"))
-    assert weight.untyped_storage().nbytes() == 2 and weight.isnan().all()
+    assert (weight.shape, weight.dtype, weight.device) == ((128, 64), torch.bfloat16, torch.device("meta"))
     assert "fc1.weight" not in compiled._orig_mod.state_dict()
+
+
+def test_linears_whose_weight_other_code_reads_or_that_have_hooks_are_kept():
+    """nn.MultiheadAttention's one call reads its out_proj's weight, and a model may multiply a
+    module's weight itself: a frozen one gave that code a stand-in. A linear with hooks lost them.
+    freeze keeps all three, saying why, and the outputs are the per-call ones."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(64, 2, batch_first=True)
+            self.fc, self.hooked, self.out = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.hooked.register_forward_hook(lambda module, args, out: out * 3)
+
+        def forward(self, x):
+            h = self.attention(x, x, x, need_weights=False)[0]
+            h = self.hooked(self.fc(h)) + torch.nn.functional.linear(h, self.fc.weight)
+            return self.out(h)
+
+    model = models.seeded(Model()).to(torch.bfloat16)
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+        with pytest.warns(UserWarning, match=r"keeps 3 nn.Linear module\(s\) as they are \(attention.out_proj: its weight is read "
+                                             r"other than by its own forward; fc: its weight is read other than by its own forward; "
+                                             r"hooked: hooks"):
+            graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected)
+    assert isinstance(model.out, graphquant.FrozenLinear) and type(model.fc) is torch.nn.Linear

@@ -185,7 +185,7 @@ def test_products_of_parameterless_code_run_eagerly_are_counted_at_the_first_tra
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("error", message="graphquant")
             model(x)
-    with pytest.warns(UserWarning, match=r"training call ran 1 matrix product\(s\) outside the compiled graphs, in high precision \(1 bmm\)"):
+    with pytest.warns(UserWarning, match=r"training call ran 1 matrix product\(s\) \(1 bmm\) outside the compiled graphs, in high precision"):
         model(x)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="graphquant")
@@ -272,8 +272,9 @@ def test_torch_jit_script_of_a_graphquant_model_says_why_it_cannot(scripted):
 def test_a_method_of_the_model_called_through_it_says_it_ran_unquantized():
     """torch.compile's wrapper hands every attribute but forward to the module, so a two-tower
     model trained through compiled.encode_a(x) ran the module's own code eagerly, unquantized,
-    with no graph and no check: the method's first call given tensors counts its products and
-    says so, once; a method given no tensors, and nn.Module's own, run unwatched."""
+    with no graph and no check: the method's first call with grad enabled counts the products its
+    outputs' autograd graph holds and says so, once (a call under no_grad first does not end the
+    watch); the method stays a bound method of the module, equal at each access."""
 
     class TwoTower(torch.nn.Module):
         def __init__(self):
@@ -283,22 +284,44 @@ def test_a_method_of_the_model_called_through_it_says_it_ran_unquantized():
         def encode_a(self, x):
             return self.a(x)
 
-        def towers(self):
-            return [self.a, self.b]
-
         def forward(self, x):
             return self.encode_a(x) + self.b(x)
 
     module = models.seeded(TwoTower())
     model = quantized(module)
     x = x2()
-    with pytest.warns(UserWarning, match=r"^graphquant: encode_a ran 2 matrix product\(s\) in high precision \(2 addmm\).*"
+    assert model.encode_a == model.encode_a and model.encode_a.__self__ is module
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphquant")
+        model.encode_a(x)
+    with pytest.warns(UserWarning, match=r"^graphquant: encode_a ran 2 matrix product\(s\) \(2 addmm\) in high precision.*"
                                          r"graphquant.compile\(module.encode_a, recipe\)"):
         assert torch.equal(model.encode_a(x), module.encode_a(x))  # unquantized: the module's own code
+    assert "encode_a" not in model.__dict__ and model.encode_a == module.encode_a
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="graphquant")
         model.encode_a(x)
-        assert model.towers() == [module.a, module.b]
-        model.train()
         assert not model.graphquant.plans
         assert not torch.equal(model(x), module(x))  # the forward, quantized
+
+
+def test_a_method_reaching_a_compiled_tower_leaves_it_compiled():
+    """The watch reads the autograd graph after the call: a dispatch mode around it made Dynamo
+    skip, for good, a tower the method calls that graphquant compiled by itself."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tower = quantized(models.seeded(models.MLP()))
+
+        def encode(self, x):
+            return self.tower(x)
+
+        def forward(self, x):
+            return self.encode(x)
+
+    holder = quantized(Holder())
+    x = x2()
+    expected = quantized(models.seeded(models.MLP()))(x)
+    assert torch.equal(holder.encode(x), expected)
+    assert torch.equal(holder._orig_mod.tower(x), expected)
