@@ -55,7 +55,7 @@ def _hidden_products(node: fx.Node) -> Optional[str]:
     fake_mode = values[0].fake_mode if values else getattr(torch._guards.TracingContext.try_get(), "fake_mode", None)
     if fake_mode is None:
         return f"{whole}; it has no example values to run on, so any product inside it runs in high precision"
-    products = ProductCounter()
+    products = _ProductCounter()
     try:
         with fake_mode, _no_new_symbols(fake_mode.shape_env), products, torch.no_grad():
             node.target(*args, **kwargs)
@@ -80,7 +80,7 @@ def _no_new_symbols(shape_env: Optional[ShapeEnv]) -> contextlib.AbstractContext
     return stack
 
 
-class ProductCounter(TorchDispatchMode):
+class _ProductCounter(TorchDispatchMode):
     """Counts the matrix products that run under it, by aten op name."""
 
     def __init__(self) -> None:
