@@ -93,6 +93,8 @@ class GraphquantBackend:
     def plan(self) -> Plan:
         """The plan of the latest compiled graph (``plans`` has every graph's: a graph break's
         graphs, a recompile's)."""
+        if not self.plans and self.first_call_checked:
+            raise RuntimeError("torch.compile gave graphquant no graph: the model ran eagerly, unquantized (its first call warned why)")
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
         return self.plans[-1]
@@ -106,6 +108,16 @@ class GraphquantBackend:
         if self.first_call_checked:
             return
         self.first_call_checked = True
+        if not self.plans:
+            self.eager_products_checked = True  # every product ran eagerly: nothing more to tell
+            user_stack.warn(
+                "graphquant: torch.compile gave graphquant no graph in this model's first call, so it ran the model's code "
+                "eagerly, unquantized: Dynamo compiles no frame of torch.nn's own code by itself, and a "
+                "DistributedDataParallel (or another torch.nn wrapper) of a torch.nn container such as Sequential leaves "
+                "it none; graphquant.compile the module and wrap that (DistributedDataParallel(graphquant.compile(model, "
+                "recipe))), or give the container a forward of your own"
+            )
+            return
         if not any(plan.gemms for plan in self.plans):
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
@@ -194,7 +206,7 @@ class GraphquantBackend:
         recipe names no group to reduce over: each rank then scales from its own amaxes."""
         if self.planner.recipe.amax_reduction_group is not None or not torch.distributed.is_initialized():
             return
-        asking = sorted({str(role) for plan in self.plans for role, q in plan.slots if q.reduces_amax})
+        asking = sorted({str(role) for plan in self.plans for role, q in plan.slots if q.asks_amax_reduction})
         if asking and torch.distributed.get_world_size() > 1:
             user_stack.warn(
                 f"graphquant: {len(asking)} slot(s) ask to all-reduce their amaxes ({asking[0]}, ...), but the recipe names no "
@@ -830,7 +842,9 @@ def _checking_the_first_compile(
         finally:
             if len(backend.plans) > before:
                 backend.check_the_first_compile()
-        if checking and backend.first_call_checked:
+        if not backend.plans:
+            backend.check_the_first_compile()  # a call that compiled no graph at all
+        if checking and backend.first_call_checked and not backend.eager_products_checked:
             backend.check_eager_products(result, since)
         if backend.first_call_checked and backend.eager_products_checked and put_back is not None:
             put_back(call)

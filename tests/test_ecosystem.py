@@ -355,10 +355,13 @@ def distributed_worker(rank, port, out, delayed_recipe):
         recipe = dataclasses.replace(delayed_recipe, amax_reduction_group=group)
         model = models.seeded(models.MLP(), 0)
         compiled = graphquant.compile(model, recipe, backend="aot_eager")
-        for _ in range(2):
-            compiled(x3(seed=rank) * (1 + 9 * rank)).square().mean().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(x3(seed=rank) * (1 + 9 * rank)).square().mean().backward()
         tag = "reduced" if group is not None else "local"
         results[f"delayed_{tag}"] = {str(role): state.clone() for role, state in compiled.graphquant.delayed_state.items()}
+        results[f"delayed_warnings_{tag}"] = [str(w.message) for w in caught if "amax_reduction_group" in str(w.message)]
 
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
@@ -532,13 +535,18 @@ def test_nvfp4_inference_reduces_the_weight_amax_as_training_does(distributed):
 @pytest.mark.slow
 def test_delayed_scaling_reduces_the_amax_over_the_recipes_group(distributed):
     """Delayed scaling (reduce_amax, the default): after two steps on different data the ranks
-    hold the same scale and amax history in every slot; without a group they differ."""
+    hold the same scale and amax history in every slot; without a group they differ, which the
+    first call says (it said nothing: only current scaling's with_amax_reduction counted as asking)."""
     reduced = [r["delayed_reduced"] for r in distributed]
     local = [r["delayed_local"] for r in distributed]
     assert reduced[0].keys() == reduced[1].keys() and len(reduced[0]) == 6
     assert all(torch.equal(reduced[0][k], reduced[1][k]) for k in reduced[0])
     assert all(reduced[0][k][1:].amax() > 0 for k in reduced[0])  # amaxes were recorded
     assert not all(torch.equal(local[0][k], local[1][k]) for k in local[0])
+    for results in distributed:
+        assert results["delayed_warnings_reduced"] == []
+        [message] = results["delayed_warnings_local"]
+        assert "ask to all-reduce their amaxes" in message
 
 
 # -- checkpoints and pickling ------------------------------------------------------------------
@@ -636,3 +644,26 @@ def test_a_graphquant_model_refuses_pickling_saying_what_a_checkpoint_saves():
         with pytest.raises(TypeError, match=r"does not pickle or shallow-copy .*compiled\.graphquant\.state_dict\(\)"):
             attempt()
     assert copy.deepcopy(compiled).graphquant is not compiled.graphquant
+
+
+def test_graphquant_around_ddp_of_a_torch_nn_container_says_it_compiled_no_graph():
+    """Dynamo compiles no frame of torch.nn's own code by itself: graphquant.compile of a
+    DistributedDataParallel around an nn.Sequential ran the model eagerly, unquantized, with no
+    word, and its plan said to run the model once (one process of gloo here)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        sequential = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)))
+        model = graphquant.compile(torch.nn.parallel.DistributedDataParallel(sequential), recipes.mxfp8_block_scaling(), backend="aot_eager")
+        x = x3()
+        with pytest.warns(UserWarning, match=r"^graphquant: torch.compile gave graphquant no graph in this model's first call") as warned:
+            y = model(x)
+            y.sum().backward()
+        assert len([w for w in warned if "graphquant" in str(w.message)]) == 1
+        assert torch.equal(y, sequential(x))
+        with pytest.raises(RuntimeError, match="gave graphquant no graph: the model ran eagerly"):
+            model.graphquant.plan
+    finally:
+        dist.destroy_process_group()

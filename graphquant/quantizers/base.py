@@ -215,6 +215,12 @@ class Quantizer:
             raise TypeError(f"quantizer tag {cls.tag!r} is taken by {taken.__module__}.{taken.__qualname__}")
         _REGISTRY[cls.tag] = cls
 
+    @property
+    def asks_amax_reduction(self) -> bool:
+        """Whether its amaxes are to be all-reduced over the recipe's group: before it encodes
+        (reduces_amax), or into a delayed-scaling history (reduce_amax)."""
+        return self.reduces_amax
+
     # -- what subclasses implement -------------------------------------------------------------
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:

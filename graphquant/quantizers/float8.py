@@ -177,6 +177,10 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be at least 1, got {self.amax_history_len}")
 
+    @property
+    def asks_amax_reduction(self) -> bool:  # type: ignore[override]
+        return self.reduce_amax
+
     def _scales(self, ctx: QuantizeContext) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx.scale is None:
             raise ValueError(

@@ -77,6 +77,10 @@ class HybridQuantizer(Quantizer):
     def reduces_amax(self) -> bool:  # type: ignore[override]
         return self.rowwise_quantizer.reduces_amax or self.columnwise_quantizer.reduces_amax
 
+    @property
+    def asks_amax_reduction(self) -> bool:  # type: ignore[override]
+        return self.rowwise_quantizer.asks_amax_reduction or self.columnwise_quantizer.asks_amax_reduction
+
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
 
