@@ -133,7 +133,7 @@ class GraphquantBackend:
         (graphquant.eager_products: its autograd nodes from ``since`` on), which no check of
         modules or parameters sees in a module of none (attention under torch.compiler.disable)."""
         self.eager_products_checked = True
-        eager = eager_products(outputs, since)
+        eager = eager_products(outputs, since, attention=self.planner.recipe.fp8_dpa)
         if eager:
             user_stack.warn(
                 f"graphquant: this training call ran {matrix_products.described(eager)} outside the compiled graphs, in "
@@ -786,7 +786,7 @@ def compile(
         compiled.__dict__["__reduce_ex__"] = _not_pickled
         compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
         generates = callable(getattr(type(model), "generate", None))
-        watch_methods(compiled, model, "forward and generate" if generates else "forward")
+        watch_methods(compiled, model, "forward and generate" if generates else "forward", attention=recipe.fp8_dpa)
         if generates:
             forwards = {
                 module: _own_graph(

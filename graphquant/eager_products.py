@@ -26,10 +26,11 @@ def next_node_number() -> int:
         return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr() + 1
 
 
-def eager_products(outputs: Any, since: int) -> Optional[collections.Counter]:
+def eager_products(outputs: Any, since: int, attention: bool) -> Optional[collections.Counter]:
     """The products, by op, among the autograd nodes numbered ``since`` on that produced
-    ``outputs``; None where no output carries an autograd graph (a call under no_grad, a model with
-    nothing to train), which tells nothing."""
+    ``outputs`` (F.scaled_dot_product_attention among them where ``attention``: a recipe that
+    quantizes it); None where no output carries an autograd graph (a call under no_grad, a model
+    with nothing to train), which tells nothing."""
     todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
     if not todo:
         return None
@@ -41,6 +42,8 @@ def eager_products(outputs: Any, since: int) -> Optional[collections.Counter]:
         seen.add(node)
         if node.name() in matrix_products.OP_OF_NODE:
             found[matrix_products.OP_OF_NODE[node.name()]] += 1
+        elif attention and node.name().startswith(matrix_products.ATTENTION_NODE_PREFIX):
+            found[matrix_products.ATTENTION] += 1
         todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return found
 

@@ -23,13 +23,13 @@ from graphquant.eager_products import eager_products, next_node_number
 from graphquant.passes import matrix_products
 
 
-def watch_methods(compiled: torch.nn.Module, module: torch.nn.Module, quantized: str) -> None:
+def watch_methods(compiled: torch.nn.Module, module: torch.nn.Module, quantized: str, attention: bool) -> None:
     """Watch each method of ``module``'s class (and its bases short of nn.Module) that
     ``compiled``, torch.compile's wrapper, does not run itself; ``quantized`` says what it does run
-    ("forward and generate")."""
+    ("forward and generate"); ``attention``: the recipe quantizes attention too."""
     for name, function in _own_methods(type(module)).items():
         if not hasattr(type(compiled), name) and name not in compiled.__dict__:
-            compiled.__dict__[name] = types.MethodType(_watched(name, function, compiled.__dict__, quantized), module)
+            compiled.__dict__[name] = types.MethodType(_watched(name, function, compiled.__dict__, quantized, attention), module)
 
 
 def _own_methods(module_class: type) -> dict[str, Callable]:
@@ -41,14 +41,14 @@ def _own_methods(module_class: type) -> dict[str, Callable]:
     }
 
 
-def _watched(name: str, method: Callable, attributes: dict, quantized: str) -> Callable:
+def _watched(name: str, method: Callable, attributes: dict, quantized: str, attention: bool) -> Callable:
     def first_call_watched(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # under no_grad there is no autograd graph to read
             return method(module, *args, **kwargs)
         since = next_node_number()
         result = method(module, *args, **kwargs)
         attributes.pop(name, None)
-        eager = eager_products(result, since)
+        eager = eager_products(result, since, attention)
         if eager:
             user_stack.warn(
                 f"graphquant: {name} ran {matrix_products.described(eager)} in high precision: a graphquant model quantizes "

@@ -19,6 +19,10 @@ if hasattr(torch.ops.aten, "_grouped_mm"):
     _BACKWARD_NODES[torch.ops.aten._grouped_mm] = "GroupedMmBackward0"
 OPS = frozenset(_BACKWARD_NODES)
 OP_OF_NODE = {node: op.__name__ for op, node in _BACKWARD_NODES.items()}
+# F.scaled_dot_product_attention's nodes, one a backend (ScaledDotProductFlashAttentionBackward0, ...):
+# products where the recipe quantizes attention (fp8_dpa).
+ATTENTION_NODE_PREFIX = "ScaledDotProduct"
+ATTENTION = "scaled_dot_product_attention"
 
 
 def described(counts: collections.Counter) -> str:

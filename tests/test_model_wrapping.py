@@ -325,3 +325,30 @@ def test_a_method_reaching_a_compiled_tower_leaves_it_compiled():
     expected = quantized(models.seeded(models.MLP()))(x)
     assert torch.equal(holder.encode(x), expected)
     assert torch.equal(holder._orig_mod.tower(x), expected)
+
+
+@pytest.mark.parametrize("fp8_dpa", [False, True])
+def test_attention_run_eagerly_counts_as_a_product_where_the_recipe_quantizes_attention(fp8_dpa):
+    """F.scaled_dot_product_attention under torch.compiler.disable runs as torch's: in high
+    precision, which only a recipe with fp8_dpa asked otherwise, so only there is it counted."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 16, 3, 2, 32).permute(2, 0, 3, 1, 4)
+            return torch.compiler.disable(torch.nn.functional.scaled_dot_product_attention)(q, k, v)
+
+    recipe = graphquant.CustomRecipe(graphquant.factories.current_scaling_factory, fp8_dpa=fp8_dpa)
+    model = quantized(models.seeded(Attention()), recipe)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x2()).sum().backward()
+    counted = [str(w.message) for w in caught if "outside the compiled graphs" in str(w.message)]
+    assert counted == ([
+        "graphquant: this training call ran 1 matrix product(s) (1 scaled_dot_product_attention) outside the compiled graphs, "
+        "in high precision: torch.compile ran the code computing them eagerly (under torch.compiler.disable, or past a graph "
+        "break it could not take; TORCH_LOGS=graph_breaks says where)"
+    ] if fp8_dpa else [])
