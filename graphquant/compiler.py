@@ -80,6 +80,7 @@ class GraphquantBackend:
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
+        self.state_loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
         self.weights_read_otherwise: set[str] = set()  # parameters some graph reads other than as its linear's weight
         # check_eager_products ran at a call with grad enabled, or has nothing to find: an inference
         # model's calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
@@ -263,9 +264,12 @@ class GraphquantBackend:
         """Continue from a ``state_dict()``. An entry whose slot no graph has planned yet (all of them
         before the model's first call) waits for it; after the first call, every planned slot needs
         its entry and every entry a slot (planned, or loaded before and still waiting)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"graphquant state is a mapping of names to tensors (compiled.graphquant.state_dict()), got {type(state).__name__}")
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
+        self.state_loaded = True
         strangers = [key for key in state if key != "rng" and not _names_a_role(key)]
         if strangers:
             raise KeyError(
@@ -322,6 +326,7 @@ class GraphquantBackend:
                 f"graphquant state 'rng' continues the stochastic-rounding streams of seed {int(value[0])}, but this "
                 f"model was compiled with seed={self.seed}: compile with seed={int(value[0])} to resume that run"
             )
+        _check_values(key, value)
         return value.to(device=like.device, copy=True)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -384,8 +389,16 @@ class GraphquantBackend:
         known = {str(role) for role in self.delayed_state} | set(self.waiting)
         forward = {str(role) for role, _ in plan.slots if not role.backward}
         fresh = [key for key in keys if key in forward and key not in known]
+        unloaded = [key for key in keys if isinstance(key, str) and key not in known] if self.state_loaded else []
         providers = [self._provider(key, plan, device, experts.get(key)) for key in keys]
-        if fresh and not training:
+        if unloaded:
+            user_stack.warn(
+                f"graphquant: this graph starts {len(unloaded)} slot(s) that the loaded state has no entry for "
+                f"({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}), afresh (delayed scaling at scale 1 with no "
+                "history, stochastic rounding from step 0), so the run does not continue the saved one bit for bit: was the "
+                "state saved from a model of other module names, under another recipe, or before these modules ran?"
+            )
+        elif fresh and not training:
             user_stack.warn(
                 f"graphquant: this inference call starts {len(fresh)} delayed-scaling slot(s) with no amax history "
                 f"({', '.join(fresh[:3])}{', ...' if len(fresh) > 3 else ''}) and quantizes them at scale 1, as "
@@ -547,6 +560,25 @@ class GraphquantBackend:
             return fresh if loaded is None else self._restored(key, loaded, fresh)
         except ValueError as error:
             raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
+
+
+def _check_values(key: str, value: torch.Tensor) -> None:
+    """Refuse a loaded entry whose values no run makes: a delayed-scaling slot's scale (its first
+    value, one an expert) finite and positive, its amax history no NaN and nothing negative (an
+    infinite amax may stand there, as an overflowing fp16 gradient leaves it); rng's step not
+    negative. The next call would quantize with them, some to NaN."""
+    if key == "rng":
+        if int(value[1]) < 0:
+            raise ValueError(f"graphquant state 'rng' is [seed, step] with a step of 0 or more, got {value.tolist()}")
+        return
+    scale, history = value[..., 0], value[..., 1:]
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"graphquant state {key!r}: a delayed-scaling slot's scale (its first value, one an expert) is finite and "
+            f"positive, got {scale.reshape(-1)[:4].tolist()}"
+        )
+    if bool((torch.isnan(history) | (history < 0)).any()):
+        raise ValueError(f"graphquant state {key!r}: its amax history holds a NaN or a negative amax")
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:

@@ -136,6 +136,9 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         """The plan ``to_json`` wrote (quantizers come back from their specs)."""
         doc = json.loads(text)
+        missing = [key for key in ("device", "slots", "gemms", "skipped") if not isinstance(doc, dict) or key not in doc]
+        if missing:
+            raise ValueError(f"not the JSON of a graphquant plan (Plan.to_json, explain --json): it has no {', '.join(missing)}")
         return cls(
             device=doc["device"],
             slots=tuple((QuantizerRole(**s["role"]), parse_spec(s["quantizer"])) for s in doc["slots"]),

@@ -388,3 +388,8 @@ def test_the_models_keyword_inputs_reach_it():
     assert {(g.site, g.gemm) for g in plan.gemms} == {("fc#0", "fprop"), ("fc#0", "wgrad")}  # x needs no gradient
     report = graphquant.numerics(Masked(), zoo.recipe("tensorwise"), x, example_kwargs={"mask": torch.ones_like(x)})
     assert {g.site for g in report.gemms} == {"fc#0"}
+
+
+def test_json_that_is_no_plan_is_refused_saying_so():
+    with pytest.raises(ValueError, match="not the JSON of a graphquant plan .* it has no device, slots, gemms, skipped"):
+        graphquant.Plan.from_json("{}")

@@ -195,3 +195,44 @@ def test_state_loads_after_an_inference_call_that_drew_no_random_bits():
         resumed(batch(9))
     resumed.graphquant.load_state_dict(state)
     assert torch.equal(train(resumed, sgd, range(2, 3)), expected[:1])
+
+
+@pytest.mark.parametrize("corrupt", ["NaN scale", "zero scale", "infinite scale", "negative scale", "NaN amax", "negative amax"])
+def test_a_state_of_values_no_run_makes_is_refused(corrupt):
+    """A slot's scale of NaN or 0 made every output non-finite at the next call, an infinite one
+    quantized to nonsense, all without a word; an infinite amax in the history stays allowed (an
+    overflowing fp16 gradient leaves one)."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(1))
+    state = compiled.graphquant.state_dict()
+    key = "module_type=linear|tensor_type=weight|name=fc1"
+    value = state[key].clone()
+    position, number = {
+        "NaN scale": (0, float("nan")), "zero scale": (0, 0.0), "infinite scale": (0, float("inf")), "negative scale": (0, -1.0),
+        "NaN amax": (1, float("nan")), "negative amax": (1, -1.0),
+    }[corrupt]
+    value[position] = number
+    match = "scale .* is finite and positive" if position == 0 else "amax history holds a NaN or a negative amax"
+    with pytest.raises(ValueError, match=rf"^graphquant state '{key}': .*{match}"):
+        compiled.graphquant.load_state_dict({**state, key: value})
+    value[1] = float("inf")
+    compiled.graphquant.load_state_dict({**state, key: torch.cat([state[key][:1], value[1:]])})
+    with pytest.raises(ValueError, match=r"'rng' is \[seed, step\] with a step of 0 or more"):
+        compiled.graphquant.load_state_dict({**state, "rng": torch.tensor([0, -5])})
+    with pytest.raises(TypeError, match="is a mapping of names to tensors .* got list"):
+        compiled.graphquant.load_state_dict([1, 2])
+
+
+def test_slots_a_state_loaded_before_the_first_call_has_no_entry_for_are_said_to_start_afresh():
+    """A state without one slot's entry, loaded before the first call, started that slot at scale 1
+    with no history without a word: the run did not continue bit for bit."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(1))
+    state = compiled.graphquant.state_dict()
+    del state["module_type=linear|tensor_type=input|name=fc1"]
+    resumed, resumed_optimizer = start(models.seeded(models.MLP(), 0), "delayed_scaling")
+    resumed.graphquant.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"starts 1 slot\(s\) that the loaded state has no entry for \(module_type=linear\|tensor_type=input\|name=fc1\)"):
+        train(resumed, resumed_optimizer, range(1, 2))
