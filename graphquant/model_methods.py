@@ -42,6 +42,9 @@ def _own_methods(module_class: type) -> dict[str, Callable]:
 
 
 def _watched(name: str, method: Callable, attributes: dict, quantized: str, attention: bool) -> Callable:
+    """``method``, which at its first call with grad enabled warns of the products it ran and takes
+    itself out of ``attributes`` (the graphquant model's own), so later calls reach the module's."""
+
     def first_call_watched(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # under no_grad there is no autograd graph to read
             return method(module, *args, **kwargs)
