@@ -239,9 +239,14 @@ class GraphquantBackend:
         """Say which loaded entries no slot of the graphs compiled so far can take: their slot was
         planned without delayed-scaling state (saved under another recipe), or names a module those
         graphs do not hold (saved from a model of other names); either would wait unused."""
-        planned = {str(role): role for plan in self.plans for role, _ in plan.slots}
-        owners = {role.owner for role in planned.values()}
-        unclaimed = [key for key in self.waiting if key in planned or (key != "rng" and QuantizerRole.parse(key).owner not in owners)]
+        planned = {str(role): (role, quantizer) for plan in self.plans for role, quantizer in plan.slots}
+        owners = {role.owner for role, _ in planned.values()}
+        # A planned slot that keeps state and still waits did not take its entry only because its
+        # graph failed first (a PlanError, which says why): not an entry that fits no slot.
+        unclaimed = [
+            key for key in self.waiting
+            if (key in planned and not planned[key][1].keeps_state) or (key != "rng" and QuantizerRole.parse(key).owner not in owners)
+        ]
         if unclaimed:
             user_stack.warn(
                 f"graphquant: {len(unclaimed)} of the loaded state's entries fit no slot of the graphs of this model's first "
