@@ -203,16 +203,26 @@ class GraphquantBackend:
             )
 
     def _warn_of_unreduced_amaxes(self) -> None:
-        """Say where quantizers ask to all-reduce their amaxes in a run of several processes but the
-        recipe names no group to reduce over: each rank then scales from its own amaxes."""
-        if self.planner.recipe.amax_reduction_group is not None or not torch.distributed.is_initialized():
+        """Say where a run of several processes reduces no amax though the user meant it to: its
+        quantizers ask for the reduction but the recipe names no group, or the recipe names a group
+        but none of its quantizers asks. Either way each rank scales from its own amaxes."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
             return
         asking = sorted({str(role) for plan in self.plans for role, q in plan.slots if q.asks_amax_reduction})
-        if asking and torch.distributed.get_world_size() > 1:
+        if asking and self.planner.recipe.amax_reduction_group is None:
             user_stack.warn(
                 f"graphquant: {len(asking)} slot(s) ask to all-reduce their amaxes ({asking[0]}, ...), but the recipe names no "
                 "amax_reduction_group, so each of the run's processes scales from its own: give the recipe one "
                 "(CustomRecipe(..., amax_reduction_group=torch.distributed.group.WORLD) after init_process_group)"
+            )
+            return
+        per_tensor = sorted({str(role) for plan in self.plans for role, q in plan.slots if q.per_tensor_amax})
+        if per_tensor and not asking and self.planner.recipe.amax_reduction_group is not None:
+            user_stack.warn(
+                f"graphquant: the recipe names an amax_reduction_group, but none of its {len(per_tensor)} per-tensor slot(s) "
+                f"({per_tensor[0]}, ...) asks to all-reduce its amax, so each of the run's processes scales from its own: "
+                "ask in the factory (Float8CurrentScalingQuantizer(..., with_amax_reduction=True), "
+                "NVFP4Quantizer(..., with_amax_reduction=True), delayed scaling's reduce_amax=True)"
             )
 
     def _warn_of_shared_state(self, frame: Frame, sites: Sequence[Any], plan: Plan) -> None:

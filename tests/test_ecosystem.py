@@ -310,6 +310,14 @@ def distributed_worker(rank, port, out, delayed_recipe):
             torch._dynamo.reset()
             results[f"{backend}_{tag}"] = graphquant.compile(identity_linear(), recipe, backend=backend)(x_amax).detach()
 
+    # A group named while no quantizer asks to reduce: per-tensor scaling says so, MXFP8 (local blocks) does not.
+    for tag, recipe in (("unasked", recipes.current_scaling()), ("blocks", recipes.mxfp8_block_scaling())):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphquant.compile(identity_linear(), dataclasses.replace(recipe, amax_reduction_group=dist.group.WORLD), backend="aot_eager")(x_amax)
+        results[f"warnings_{tag}"] = [str(w.message) for w in caught if "amax_reduction_group" in str(w.message)]
+
     # NVFP4 with its global amaxes all-reduced over the recipe's group (the same inputs): a training
     # step eagerly, where graphquant.ops.recording sees each GEMM operand's amax, then in aot_eager and
     # Inductor graphs.
@@ -444,6 +452,17 @@ def test_a_recipe_asking_to_reduce_amaxes_without_a_group_warns_in_a_run_of_seve
         assert results["warnings_reduced"] == []
         [message] = results["warnings_local"]
         assert "ask to all-reduce their amaxes" in message and "names no amax_reduction_group" in message
+
+
+@pytest.mark.slow
+def test_a_group_no_quantizer_reduces_over_warns_in_a_run_of_several_processes(distributed):
+    """A recipe naming an amax_reduction_group whose per-tensor quantizers do not ask to reduce
+    (current scaling's with_amax_reduction defaults to False, as TE's) reduces nothing: said, with
+    what to ask for; a recipe of block formats, which need no reduction, is left alone."""
+    for results in distributed:
+        [message] = results["warnings_unasked"]
+        assert "names an amax_reduction_group" in message and "with_amax_reduction=True" in message
+        assert results["warnings_blocks"] == []
 
 
 @pytest.mark.slow

@@ -188,6 +188,8 @@ class Quantizer:
     stochastic: ClassVar[bool] = False
     # True when quantizing all-reduces its amax over QuantizeContext.amax_group (with_amax_reduction).
     reduces_amax: ClassVar[bool] = False
+    # True when a whole tensor's scale comes from one amax, which processes may all-reduce.
+    per_tensor_amax: ClassVar[bool] = False
     # True for the formats TE's FP8 attention takes in its dpa roles (per-tensor FP8, MXFP8).
     attention_format: ClassVar[bool] = False
     # True when quantize_* are torch ops a graph compiler may trace and fuse with their neighbours

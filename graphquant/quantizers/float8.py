@@ -31,6 +31,7 @@ class _PerTensorFloat8(Quantizer):
     """Shared layout of per-tensor FP8: one scale, columnwise is the exact transpose."""
 
     tag = "_fp8_per_tensor"  # abstract; never in a spec
+    per_tensor_amax = True
 
     def _encode(
         self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], direction: str, amax: torch.Tensor

@@ -78,6 +78,10 @@ class HybridQuantizer(Quantizer):
         return self.rowwise_quantizer.reduces_amax or self.columnwise_quantizer.reduces_amax
 
     @property
+    def per_tensor_amax(self) -> bool:  # type: ignore[override]
+        return self.rowwise_quantizer.per_tensor_amax or self.columnwise_quantizer.per_tensor_amax
+
+    @property
     def asks_amax_reduction(self) -> bool:  # type: ignore[override]
         return self.rowwise_quantizer.asks_amax_reduction or self.columnwise_quantizer.asks_amax_reduction
 

@@ -68,6 +68,10 @@ class NVFP4Quantizer(Quantizer):
     def reduces_amax(self) -> bool:  # type: ignore[override]
         return self.with_amax_reduction
 
+    @property
+    def per_tensor_amax(self) -> bool:  # type: ignore[override]
+        return not self.row_scaled_nvfp4
+
     def block(self, direction: str) -> tuple[int, int]:
         if self.with_2d_quantization:
             return (BLOCK_LEN, BLOCK_LEN)
