@@ -6,6 +6,11 @@ would run in high precision without a word. Running it on the node's fake exampl
 dispatch mode finds them; its node carries ``"graphquant_skip"`` with what it multiplies, for the
 plan's "not quantized" list, and the compiler warns of it.
 
+A custom op of another library (``torch.library``; transformers' ``grouped_mm_fallback`` runs
+Mixtral's float32 experts) is one node too, and its fake implementation computes nothing, so
+running it tells nothing: one that takes a floating-point matrix is listed as not quantized, as
+something graphquant cannot see into, without a warning (most such ops multiply nothing).
+
 Expects: a Dynamo graph whose nodes carry ``example_value``. Guarantees: the graph is unchanged.
 """
 
@@ -31,12 +36,17 @@ def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
     listed as not quantized; returns those nodes."""
     marked = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not _opaque(node.target):
+        if node.op != "call_function":
             continue
-        reason = _hidden_products(node)
-        if reason is not None:
-            node.meta["graphquant_skip"] = reason
-            marked.append(node)
+        if _opaque(node.target):
+            reason = _hidden_products(node)
+            if reason is not None:
+                node.meta["graphquant_skip"] = reason
+                marked.append(node)
+        elif _foreign_op(node.target) and _takes_a_matrix(node):
+            node.meta["graphquant_skip"] = (
+                f"{_op_name(node.target)} is a custom op whose code graphquant does not see: any product inside it runs in high precision"
+            )
     return marked
 
 
@@ -44,6 +54,35 @@ def _opaque(target: object) -> bool:
     """Whether a graph node's target is a Python function of the user's or a library's, which Dynamo
     put in the graph as it is (torch's own functions are torch's ops, which the passes know)."""
     return inspect.isfunction(target) and not (target.__module__ or "").startswith("torch")
+
+
+# graphquant's ops and torch's own (the namespaces of torch._C._dispatch_get_all_op_names() after
+# importing torch and torch.distributed), which are not another library's code.
+_KNOWN_NAMESPACES = frozenset({
+    "graphquant", "aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor",
+    "_native", "_quantized", "quantized", "quantization", "debug_mode_ops", "debugprims", "export", "fsdp", "inductor",
+    "inductor_prims", "mkl", "mkldnn", "mkldnn_prepacked", "onednn", "profiler", "rngprims", "sparse", "static_runtime",
+    "symm_mem",
+})
+
+
+def _foreign_op(target: object) -> bool:
+    """Whether a graph node's target is an op another library registered with torch.library (Dynamo
+    puts an op called without its overload in the graph as its packet)."""
+    if not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    return _op_name(target).split("::")[0] not in _KNOWN_NAMESPACES
+
+
+def _op_name(target: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str:
+    """"namespace::name" of an op or its packet."""
+    return (target if isinstance(target, torch._ops.OpOverloadPacket) else target.overloadpacket)._qualified_op_name
+
+
+def _takes_a_matrix(node: fx.Node) -> bool:
+    """Whether any of ``node``'s tensor inputs is a floating-point matrix (or a stack of them)."""
+    values = [a.meta.get("example_value") for a in node.all_input_nodes]
+    return any(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.is_floating_point() for v in values)
 
 
 def _hidden_products(node: fx.Node) -> Optional[str]:

@@ -386,6 +386,50 @@ def test_products_inside_a_call_dynamo_keeps_whole_are_listed_and_warned_of(dyna
     assert "its 1 matrix product(s) (1 bmm) run in high precision" in why
 
 
+@torch.library.custom_op("graphquant_test::scores", mutates_args=())
+def _scores_in_a_custom_op(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q @ k.transpose(-1, -2)
+
+
+@_scores_in_a_custom_op.register_fake
+def _(q, k):
+    return q.new_empty(*q.shape[:-1], k.shape[-2])
+
+
+@torch.library.custom_op("graphquant_test::scale", mutates_args=())
+def _scale_in_a_custom_op(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@_scale_in_a_custom_op.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+def test_custom_ops_of_other_libraries_that_take_matrices_are_listed_as_not_seen():
+    """A custom op another library registers (transformers' grouped_mm_fallback runs Mixtral's
+    float32 experts) is one node whose code graphquant cannot run to tell what it multiplies (its
+    fake implementation computes nothing): one that takes a matrix is listed as not seen into,
+    without a warning; one that takes none (a scale) is not listed."""
+
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(64, 64)
+
+        def forward(self, x, factor):
+            q = self.q(x)
+            return _scores_in_a_custom_op(q, q) + _scale_in_a_custom_op(factor, 2.0).sum()
+
+    compiled = graphquant.compile(models.seeded(Scores()), recipes.current_scaling(), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(), torch.no_grad():  # the ops have no autograd formula
+        warnings.simplefilter("error")
+        compiled(x3(), torch.ones(3))
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert what.startswith("the model: ") and "scores" in what
+    assert why == "graphquant_test::scores is a custom op whose code graphquant does not see: any product inside it runs in high precision"
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 

@@ -166,13 +166,15 @@ def test_grouped_mm_under_mxfp8_keeps_the_router_high_precision():
 def test_grouped_mm_in_float32_hides_the_experts_in_transformers_op(name):
     """grouped_mm with float32 weights: under torch.compile transformers calls its custom op
     transformers::grouped_mm_fallback, opaque to graphquant: no expert sites, the experts' products
-    run in float32 unquantized, and the rest of the model is still quantized."""
+    run in float32 unquantized (the plan lists the op as not seen into), and the rest of the model
+    is still quantized."""
     model = build(name, "grouped_mm", torch.float32)
     compiled, _, targets = step(model, zoo.recipe("rowwise"))
 
     assert not counters["graph_break"]
     assert "grouped_mm_fallback" in targets and "quantized_grouped_mm" not in targets
     assert expert_gemms(compiled) == {}
+    assert any("transformers::grouped_mm_fallback is a custom op" in why for _, why in compiled.graphquant.plan.skipped)
     assert any(g.site.startswith("model.layers.0.self_attn.q_proj") for g in compiled.graphquant.plan.gemms)
     assert_experts_trained(model)
 
