@@ -19,6 +19,7 @@ from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_w
 from graphquant.passes.find_attention import find_attention, leave_attention_in_high_precision
 from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
+from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
     GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, site_weight,
     target_name, without_compile_wrappers,
@@ -359,6 +360,7 @@ class GraphquantBackend:
         captured = gm.code if self.dump_dir else ""
         self._note_read_parameters(gm, example_inputs)
         frame = self._frame(gm, example_inputs)
+        make_operands_positional(gm)
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)

@@ -91,3 +91,43 @@ def test_a_frozen_model_under_autocast_takes_its_dtype_for_x_and_the_output():
             y = model(x)
         expected = model(x.to(torch.bfloat16).float())  # the cast values, in the stored weights' dtype (one dtype outside autocast)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected.to(torch.bfloat16))
+
+
+class Spelled(torch.nn.Module):
+    """A linear, an activation product and attention with a float mask (an ALiBi-like bias, which
+    transformers passes as attn_mask=), the operands passed by keyword or by position."""
+
+    def __init__(self, by_keyword: bool):
+        super().__init__()
+        self.by_keyword = by_keyword
+        self.weight, self.bias = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Parameter(torch.randn(64))
+        self.register_buffer("mask", torch.linspace(-1, 0, 32).expand(32, 32).clone())
+
+    def forward(self, x):
+        if self.by_keyword:
+            h = torch.nn.functional.linear(input=x, weight=self.weight, bias=self.bias)
+            h = torch.matmul(input=h, other=h.transpose(1, 2)) @ h / 64
+            q = h.view(2, 32, 2, 32).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(query=q, key=q, value=q, attn_mask=self.mask)
+        h = torch.nn.functional.linear(x, self.weight, self.bias)
+        h = torch.matmul(h, h.transpose(1, 2)) @ h / 64
+        q = h.view(2, 32, 2, 32).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, self.mask)
+
+
+def test_operands_given_by_keyword_are_quantized_and_cast_as_given_by_position():
+    """F.linear(input=, weight=) and torch.matmul(input=, other=) failed planning (an IndexError),
+    F.scaled_dot_product_attention(query=, ...) failed under fp8_dpa, and attn_mask= kept its
+    float32 under autocast (torch casts it): the same bits as the positional spelling now."""
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    results = []
+    for by_keyword in (True, False):
+        model = models.seeded(Spelled(by_keyword))
+        compiled = graphquant.compile(model, RECIPES["fp8 attention"](), backend="aot_eager")
+        results.append(step(compiled, x, True))
+        plan = compiled.graphquant.plan
+        assert {g.module_type for g in plan.gemms} == {"linear", "matmul", "dpa"} and not plan.skipped
+    (y, dx, grads), (y_positional, dx_positional, grads_positional) = results
+    assert torch.equal(y, y_positional) and torch.equal(dx, dx_positional)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_positional[name]), name
