@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from graphquant import user_stack
 from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
@@ -122,12 +123,17 @@ def leave_attention_in_high_precision(gm: fx.GraphModule) -> None:
     """Mark each attention of ``gm`` for the plan's "not quantized" list, where the recipe does not
     ask for FP8 attention: it runs as torch's, which the plan would not otherwise show."""
     for node in gm.graph.nodes:
-        if is_attention(node):
+        if is_attention(node) or _is_flex_attention(node):
             node.meta["graphquant_skip"] = "attention in high precision: the recipe has fp8_dpa=False (CustomRecipe(..., fp8_dpa=True) quantizes it)"
 
 
 def is_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+
+
+def _is_flex_attention(node: fx.Node) -> bool:
+    """flex_attention (transformers' attn_implementation="flex_attention"): Dynamo's higher-order op."""
+    return node.op == "call_function" and node.target is getattr(torch.ops.higher_order, "flex_attention", None)
 
 
 def arguments(node: fx.Node) -> dict[str, object]:
@@ -140,6 +146,11 @@ def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Fra
         body = body_of(gm, node)
         if body is not None:
             _find(body, number, sites, frame)
+            continue
+        if _is_flex_attention(node):
+            owner, _, _ = owner_of(node, frame)
+            node.meta["graphquant_skip"] = "flex_attention runs in high precision: FP8 attention (fp8_dpa) takes F.scaled_dot_product_attention"
+            user_stack.warn(f"graphquant: the recipe asks for FP8 attention (fp8_dpa), but {owner or 'the model'} calls flex_attention, which runs in high precision; FP8 attention takes F.scaled_dot_product_attention (transformers: attn_implementation=\"sdpa\")")
             continue
         if not is_attention(node):
             continue

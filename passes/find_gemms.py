@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from graphquant.passes import matrix_products
 from graphquant.passes.einsum import EinsumLayout, einsum_layout
 from graphquant.roles import QuantizerRole
 
@@ -51,6 +52,26 @@ _FUNCTIONS = {
 if hasattr(torch, "_grouped_mm"):
     _FUNCTIONS[torch._grouped_mm] = GROUPED
 _METHODS = {"matmul": MATMUL, "mm": MATMUL, "bmm": MATMUL, "__matmul__": MATMUL, "addmm": ADDMM, "baddbmm": ADDMM}
+_FUNCTIONS[torch.linalg.matmul] = MATMUL
+
+# Products graphquant makes no site of: listed as not quantized, each with what to write instead.
+_RESPELL = "spell it as F.linear, torch.matmul / @, torch.addmm / baddbmm or a two-operand torch.einsum, which graphquant quantizes"
+_UNQUANTIZED_FUNCTIONS = {
+    F.multi_head_attention_forward: (
+        "nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call, so its input and output "
+        "projections and its attention run in high precision"
+    ),
+    **{
+        function: f"torch.{name} runs in high precision: {_RESPELL}"
+        for function, name in (
+            (torch.tensordot, "tensordot"), (torch.inner, "inner"), (torch.outer, "outer"), (torch.ger, "ger"), (torch.dot, "dot"),
+            (torch.vdot, "vdot"), (torch.mv, "mv"), (torch.addmv, "addmv"), (torch.addr, "addr"), (torch.addbmm, "addbmm"),
+            (torch.chain_matmul, "chain_matmul"), (torch.linalg.multi_dot, "linalg.multi_dot"), (torch.linalg.vecdot, "linalg.vecdot"),
+            (F.bilinear, "nn.functional.bilinear (nn.Bilinear)"),
+        )
+    },
+}
+_UNQUANTIZED_METHODS = frozenset({"mv", "dot", "vdot", "outer", "ger", "inner", "addmv", "addr", "addbmm"})
 
 TENSOR_TYPES = {
     "linear": ("input", "weight", "grad_output"),
@@ -228,11 +249,9 @@ def _find(
             continue
         form = _form(node)
         if form is None:
-            if node.op == "call_function" and node.target is F.multi_head_attention_forward:
-                node.meta["graphquant_skip"] = (
-                    "nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call, so its input and output "
-                    "projections and its attention run in high precision"
-                )
+            why = _unquantized_product(node)
+            if why is not None:
+                node.meta["graphquant_skip"] = why
             continue
         if form == GROUPED:
             _find_grouped(node, number, sites, frame)
@@ -320,6 +339,20 @@ def _form(node: fx.Node) -> Optional[str]:
         return _FUNCTIONS.get(node.target)
     if node.op == "call_method":
         return _METHODS.get(node.target)
+    return None
+
+
+def _unquantized_product(node: fx.Node) -> Optional[str]:
+    """Why ``node``, a product graphquant has no site for, runs in high precision; None for others."""
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            target = target.overloadpacket
+        if target in matrix_products.OPS or target in (torch.ops.aten.matmul, torch.ops.aten.linear):
+            return f"torch.ops.aten.{target.__name__} called as an op runs in high precision: {_RESPELL}"
+        return _UNQUANTIZED_FUNCTIONS.get(node.target)
+    if node.op == "call_method" and node.target in _UNQUANTIZED_METHODS:
+        return f"Tensor.{node.target} runs in high precision: {_RESPELL}"
     return None
 
 

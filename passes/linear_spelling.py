@@ -21,7 +21,7 @@ from torch import fx
 
 from graphquant.passes.find_gemms import body_of, parameter_nodes
 
-_PRODUCTS = (torch.matmul, torch.mm, operator.matmul)
+_PRODUCTS = (torch.matmul, torch.linalg.matmul, torch.mm, operator.matmul)
 _PRODUCT_METHODS = ("matmul", "mm", "__matmul__")
 
 

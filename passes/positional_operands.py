@@ -18,6 +18,7 @@ from torch import fx
 _FUNCTIONS = {
     F.linear: ("input", "weight"),
     torch.matmul: ("input", "other"),
+    torch.linalg.matmul: ("input", "other"),
     torch.mm: ("input", "mat2"),
     torch.bmm: ("input", "mat2"),
     F.scaled_dot_product_attention: ("query", "key", "value", "attn_mask"),

@@ -430,6 +430,78 @@ def test_custom_ops_of_other_libraries_that_take_matrices_are_listed_as_not_seen
     assert why == "graphquant_test::scores is a custom op whose code graphquant does not see: any product inside it runs in high precision"
 
 
+_OTHER_SPELLINGS = {
+    "torch.tensordot": lambda h, w: torch.tensordot(h, w, dims=([2], [1])),
+    "torch.inner": lambda h, w: torch.inner(h, w),
+    "torch.linalg.multi_dot": lambda h, w: torch.linalg.multi_dot([h.reshape(-1, 64), w.t()]),
+    "Tensor.mv": lambda h, w: w.mv(h[0, 0]),
+    "torch.ops.aten.mm": lambda h, w: torch.ops.aten.mm(h.reshape(-1, 64), w.t()),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_OTHER_SPELLINGS))
+def test_products_of_functions_with_no_site_are_listed_with_what_to_write(spelling):
+    """Products written with torch functions graphquant makes no site of ran in high precision
+    with nothing in the plan: each is listed now, saying how to spell it to be quantized."""
+
+    class Product(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.w = torch.nn.Linear(64, 64), torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            return _OTHER_SPELLINGS[spelling](self.fc(x), self.w)
+
+    plan = graphquant.explain(Product(), recipes.current_scaling(), x3())
+    assert {g.site for g in plan.gemms} == {"fc#0"}
+    [(what, why)] = plan.skipped
+    assert why.startswith(f"{spelling} ") and "runs in high precision: spell it as F.linear, torch.matmul / @" in why, why
+
+
+def test_linalg_matmul_is_a_site_as_matmul_is():
+    """torch.linalg.matmul is torch.matmul: a linear site with a transposed parameter, a matmul of
+    activations otherwise (it ran in high precision, unlisted)."""
+
+    class Products(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            h = torch.linalg.matmul(x, self.w.t())
+            return torch.linalg.matmul(h, h.transpose(1, 2))
+
+    plan = graphquant.explain(Products(), recipes.current_scaling(), x3())
+    assert sorted((g.site, g.module_type) for g in plan.gemms if g.gemm == "fprop") == [("linear.0#0", "linear"), ("matmul.0#0", "matmul")]
+    assert not plan.skipped
+
+
+def test_flex_attention_is_listed_and_under_fp8_dpa_warned_of():
+    """flex_attention (transformers' attn_implementation="flex_attention") is no dpa site: it was in
+    no list, and a recipe asking for FP8 attention said nothing of running it in high precision."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class Flex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 32, 3, 2, 32).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v)
+
+    def plan_of(recipe):
+        compiled = graphquant.compile(Flex(), recipe, backend="aot_eager", mode="inference")
+        with torch.no_grad():  # flex_attention has no backward on the CPU
+            compiled(x3())
+        [(_, why)] = compiled.graphquant.plan.skipped
+        return why
+
+    assert plan_of(recipes.current_scaling()).startswith("attention in high precision: the recipe has fp8_dpa=False")
+    with pytest.warns(UserWarning, match=r"asks for FP8 attention \(fp8_dpa\), but the model calls flex_attention"):
+        assert plan_of(zoo.with_fp8_attention(recipes.current_scaling())).startswith("flex_attention runs in high precision")
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 
