@@ -518,7 +518,11 @@ class GraphquantBackend:
                 modules[_SELF] = held[0]
                 _guard_identity(LocalSource("self"))
         own = next((modules[local] for local in _SELF_LOCALS if local in modules), "")
-        return Frame(tuple(modules.items()), own)
+        names_of: dict[int, list[str]] = collections.defaultdict(list)
+        for name, module in named.items():
+            names_of[id(module)].append(name)
+        aliases = tuple((name, names[0], len(names), place) for names in names_of.values() for place, name in enumerate(names) if place)
+        return Frame(tuple(modules.items()), own, aliases)
 
     def _inner(self) -> Callable:
         if callable(self.inner):

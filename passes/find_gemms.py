@@ -145,11 +145,22 @@ class Frame:
 
     modules: tuple[tuple[str, str], ...] = ()
     own: str = ""
+    # A module registered under several names (one instance placed twice in a ModuleList): each
+    # later name, the first (as named_modules() names it) and the names' count and its place.
+    aliases: tuple[tuple[str, str, int, int], ...] = ()
 
     def name(self, path: str) -> str:
         """The qualified name of the module at Dynamo's ``path`` ("L['stack1'].proj")."""
         prefix = dict(self.modules).get(root_local(path) or "", self.own)
         return ".".join(p for p in (prefix, fqn_from_stack_path(path)) if p)
+
+    def call_of(self, name: str, call: int) -> tuple[str, int]:
+        """(name, call) of a module's call as its first name counts it: a call through a later name
+        is a call of the same module (one slot a role, as for a module called twice)."""
+        for alias, first, names, place in self.aliases:
+            if name == alias:
+                return first, call * names + place
+        return name, call
 
 
 class FunctionalNumbers:
@@ -470,7 +481,7 @@ def owner_of(node: fx.Node, frame: Frame) -> tuple[str, int, bool]:
     key, (path, module_type) = list(stack.items())[-1]
     call = int(key.rsplit("@", 1)[1]) if "@" in str(key) else 0
     is_linear = isinstance(module_type, type) and issubclass(module_type, torch.nn.Linear)
-    return frame.name(path), call, is_linear
+    return *frame.call_of(frame.name(path), call), is_linear
 
 
 def parameter_nodes(gm: fx.GraphModule, example_inputs: Sequence[object]) -> set[fx.Node]:

@@ -78,6 +78,30 @@ def test_factory_called_once_per_slot_then_never_again():
     assert len(factory.roles) == 6
 
 
+def test_one_module_placed_twice_in_a_module_list_is_one_module_called_twice():
+    """ModuleList([block] * 2): named_modules() names the block once (layers.0), so its second place
+    is its second call, layers.0#1, as for a module called twice, and shares its slots (a factory
+    keeping layers.0 in high precision keeps both calls so; delayed scaling keeps one history). Its
+    second call was named layers.1, a name no module has, and asked of the factory on its own."""
+
+    class Repeated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            block = torch.nn.Linear(64, 64)
+            self.layers = torch.nn.ModuleList([block, block, torch.nn.Linear(64, 64)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    factory = CountingFactory()
+    compiled = graphquant.compile(models.seeded(Repeated()), CustomRecipe(factory), backend="aot_eager", fullgraph=True)
+    train_step(compiled, x3())
+    assert {r.name for r in factory.roles} == {"layers.0", "layers.2"} and len(factory.roles) == 6
+    assert sites_of(compiled.graphquant.plan) == [("layers.0", 0, "linear"), ("layers.0", 1, "linear"), ("layers.2", 0, "linear")]
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_recompile_reuses_the_plan(dynamic):
     """A new batch size (a recompile with dynamic=False; a symbolic batch with dynamic=True) and a
