@@ -8,6 +8,7 @@ import functools
 import inspect
 import os
 import re
+import threading
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
@@ -954,21 +955,35 @@ def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, 
     """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
     compiled model, and an encoder-decoder's encoder by itself) with each call of those modules'
     forwards run by ``forwards``, graphquant's compiles of them, each its own graph (_own_graph):
-    transformers compiles the decode step of a static cache itself."""
+    transformers compiles the decode step of a static cache itself. Calls that overlap (a server's
+    threads) share one installation: the first puts the forwards in, the last takes them out (each
+    putting back what it found let the first to end take the others' forwards away, whose later
+    steps then ran unquantized, and left graphquant's forward in the module for good)."""
+    lock = threading.Lock()
+    running = 0
+    own: dict[torch.nn.Module, Optional[Callable]] = {}
 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        own = {module: module.__dict__.get("forward") for module in forwards}
-        for module, forward in forwards.items():
-            module.forward = forward
+        nonlocal running
+        with lock:
+            if not running:
+                own.update({module: module.__dict__.get("forward") for module in forwards})
+                for module, forward in forwards.items():
+                    module.forward = forward
+            running += 1
         try:
             return model.generate(*args, **kwargs)
         finally:
-            for module, forward in own.items():
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
+            with lock:
+                running -= 1
+                if not running:
+                    for module, forward in own.items():
+                        if forward is None:
+                            del module.forward
+                        else:
+                            module.forward = forward
+                    own.clear()
 
     return generate
 

@@ -222,6 +222,58 @@ def test_the_compiled_models_generate_runs_quantized(cache):
         assert torch.equal(a, b)
 
 
+def test_generate_calls_that_overlap_in_threads_run_every_step_quantized():
+    """Two compiled.generate calls of a server's threads, the first ending while the second runs:
+    each call put in graphquant's forward and put back what it found when it ended, so the first
+    to end took the second's away (its later steps ran unquantized) and the last left graphquant's
+    in the module for good. Every step of both runs quantized now, and the module keeps its own."""
+    import threading
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    prompts = {"first": token_ids(batch=1, seq=8), "second": token_ids(batch=1, seq=8, seed=2)}
+    kwargs = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        alone = {name: compiled.generate(prompt, max_new_tokens=4, **kwargs) for name, prompt in prompts.items()}
+    second_started, first_ended = threading.Event(), threading.Event()
+    calls = {"first": 0, "second": 0}
+
+    class Pacing(transformers.LogitsProcessor):
+        """Holds the second call's steps after its first until the first call has ended."""
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, input_ids, scores):
+            calls[self.name] += 1
+            if self.name == "second" and calls["second"] == 1:
+                second_started.set()
+                assert first_ended.wait(60)
+            if self.name == "first" and calls["first"] == 1:
+                assert second_started.wait(60)
+            return scores
+
+    out = {}
+
+    def run(name):
+        with torch.inference_mode():
+            out[name] = compiled.generate(prompts[name], max_new_tokens=4, logits_processor=[Pacing(name)], **kwargs)
+        if name == "first":
+            first_ended.set()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for name in prompts:
+        assert torch.equal(out[name].sequences, alone[name].sequences), name
+        for a, b in zip(out[name].scores, alone[name].scores):
+            assert torch.equal(a, b), name
+    assert "forward" not in model.__dict__
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_gpt2s_functional_products_keep_their_names_and_state_in_evaluation(checkpointed):
     """GPT-2's Conv1D multiplies by torch.addmm, a functional linear named by its place in the
