@@ -13,6 +13,7 @@ quantizing anything.
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any, Mapping, Optional
 
 import torch
@@ -23,9 +24,10 @@ from graphquant.compiler import GraphquantBackend
 from graphquant.ops.frozen import STORED_PARTS as PARTS  # importing it registers graphquant::frozen_linear
 from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
+from graphquant.ops.library import quantizer_of
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
 from graphquant.passes.plan import EMPTY_PRODUCT
-from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer
+from graphquant.quantizers import ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
 
@@ -33,7 +35,9 @@ class StoredWeight(nn.Module):
     """A weight stored as the rowwise representation its inference GEMM reads, in the buffers
     ``weight_codes``, ``weight_scale`` and ``weight_amax`` (empty where the format has no such
     part), with no high-precision copy. Its state_dict carries the format, the logical shape and
-    the dtype as extra state: a checkpoint loads only into a stored weight of the same ones."""
+    the dtype as extra state (their JSON's bytes, a tensor: safetensors and transformers'
+    save_pretrained take tensors alone): a checkpoint loads only into a stored weight of the same
+    ones."""
 
     def __init__(self, name: str, weight_format: str, shape: tuple[int, ...], dtype: torch.dtype, tensors: list[torch.Tensor]) -> None:
         super().__init__()
@@ -52,7 +56,11 @@ class StoredWeight(nn.Module):
         its format's (a cast would make FP8 codes four times larger, or round fp32 scales to fp16).
         A cast changes the dtype the weight stands for, which its products come out in, as a
         high-precision weight's cast would."""
-        kept = {f"weight_{part}": getattr(self, f"weight_{part}") for part in PARTS}
+        # IdentityQuantizer()'s codes are the weight's values: they take the cast as a weight would
+        # (IdentityQuantizer(dtype=...)'s keep their dtype, as a quantized format's do).
+        format_ = quantizer_of(self.weight_format)
+        values = format_.high_precision and getattr(format_, "dtype", None) is None
+        kept = {f"weight_{part}": getattr(self, f"weight_{part}") for part in PARTS if not (values and part == "codes")}
         self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         super()._apply(fn, recurse)
         for name, before in kept.items():
@@ -60,8 +68,12 @@ class StoredWeight(nn.Module):
                 self._buffers[name] = before.to(self._buffers[name].device)
         return self
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def description(self) -> dict[str, Any]:
+        """What the extra state says: the format, the logical shape and the dtype."""
         return {"format": self.weight_format, "shape": list(self.weight_shape), "dtype": str(self.weight_dtype)}
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(self.description(), sort_keys=True).encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
         """Nothing to set: ``_load_from_state_dict`` checked the state against this module's own
@@ -82,8 +94,8 @@ class StoredWeight(nn.Module):
         if prefix + "weight" in state_dict:
             return (f"the checkpoint holds a high-precision {prefix}weight instead: load it into the model before "
                     "graphquant.freeze, or save the frozen model's state_dict")
-        saved = state_dict.get(prefix + "_extra_state")
-        if saved is not None and saved != self.get_extra_state():
+        saved = described(state_dict.get(prefix + "_extra_state"))
+        if saved is not None and saved != self.description():
             return (f"the checkpoint's {prefix[:-1]} is {saved.get('format')} of a {saved.get('dtype')} weight of shape "
                     f"{tuple(saved.get('shape', ()))}: load a checkpoint of this model frozen under this recipe")
         for part in PARTS:
@@ -194,8 +206,8 @@ class FrozenExperts(StoredWeight):
     def stack(self) -> FrozenStack:
         return FrozenStack(self.name, self.weight_format, self.weight_shape, self.weight_dtype, self.transposed)
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return super().get_extra_state() | {"parameter": self.parameter, "transposed": self.transposed}
+    def description(self) -> dict[str, Any]:
+        return super().description() | {"parameter": self.parameter, "transposed": self.transposed}
 
     def extra_repr(self) -> str:
         return f"parameter={self.parameter}, experts={self.weight_shape[0]}, k={self.weight_shape[1]}, n={self.weight_shape[2]}, transposed={self.transposed}, weight={self.weight_format}"
@@ -239,11 +251,20 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
     # model as it was (a checkpoint that does not fit is refused by the load, after).
+    state = None
+    if state_dict is not None:
+        state = dict(state_dict)
+        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
     frozen = []
     for name, linear in linears:
         if _is_tied(f"{name}.weight", tied, linear.weight):
             continue
         quantizer = _weight_quantizer(backend, name)
+        saved = described(state.get(f"{name}._extra_state")) if state is not None else None
+        if saved is not None and saved["format"] == IdentityQuantizer().spec and not _tiled(quantizer, tuple(linear.weight.shape)):
+            # A weight too small for the recipe's blocks, which the checkpoint's plan kept in high
+            # precision, as a plan of this model would: no plan of a model not yet called says so.
+            quantizer = IdentityQuantizer()
         _check_freezable(name, quantizer)
         _check_tiles(name, quantizer, tuple(linear.weight.shape))
         if state_dict is None and linear.weight.is_meta:
@@ -259,8 +280,6 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is None:
         stacks = [_take_place(root, FrozenExperts.quantized(*stack, amax_group)) for stack in expert_stacks]
     else:
-        state = dict(state_dict)
-        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
         stacks = [_take_place(root, FrozenExperts.unfilled(name, saved, _parameter_of(root, name, saved).device)) for name, saved in _saved_stacks(state)]
         root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
     # After loading (a stack loaded onto the meta device is on the checkpoint's now), and for the
@@ -361,11 +380,21 @@ def _check_no_meta_buffer_is_left(root: nn.Module) -> None:
         )
 
 
+def described(saved: Any) -> Optional[dict[str, Any]]:
+    """The description a stored weight's extra state in a checkpoint holds (None where it is none)."""
+    if not (isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1):
+        return None
+    try:
+        return json.loads(bytes(saved.tolist()).decode())
+    except ValueError:
+        return None
+
+
 def _saved_stacks(state: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(module name, extra state) of each FrozenExperts a checkpoint holds."""
+    """(module name, description) of each FrozenExperts a checkpoint holds."""
     suffix = "._extra_state"
-    return [(key[: -len(suffix)], saved) for key, saved in state.items()
-            if key.endswith(suffix) and isinstance(saved, dict) and "parameter" in saved]
+    saved = [(key[: -len(suffix)], described(value)) for key, value in state.items() if key.endswith(suffix)]
+    return [(name, description) for name, description in saved if description is not None and "parameter" in description]
 
 
 def _parameter_of(root: nn.Module, name: str, saved: Mapping[str, Any]) -> nn.Parameter:
@@ -420,6 +449,14 @@ def _weight_quantizer(backend: GraphquantBackend, name: str) -> Quantizer:
         if role in dict(plan.slots) and not any(g.site.rpartition("#")[0] == name and g.reason.startswith(EMPTY_PRODUCT) for g in plan.gemms)
     ]
     return planned[-1] if planned else backend.planner.quantizer(role)
+
+
+def _tiled(quantizer: Quantizer, shape: tuple[int, int]) -> bool:
+    try:
+        quantizer.check_shape(shape, ROWWISE)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_tiles(name: str, quantizer: Quantizer, shape: tuple[int, int]) -> None:

@@ -133,6 +133,75 @@ def test_frozen_checkpoint_loads_weights_only_without_quantizing(family, tmp_pat
     assert not any(t.is_meta for t in loaded.state_dict().values() if isinstance(t, torch.Tensor))
 
 
+def test_a_frozen_checkpoint_is_tensors_alone_which_safetensors_saves():
+    """A frozen model's state_dict held its stored weights' descriptions as dicts, which safetensors
+    (and transformers' save_pretrained through it) refused with an unrelated message: they are
+    tensors of their JSON now, and a safetensors file loads as a torch.save one does."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        expected = compiled(x3())
+    state = compiled.state_dict()
+    assert all(isinstance(t, torch.Tensor) for t in state.values())
+    with torch.device("meta"):
+        skeleton = models.MLP().to(torch.bfloat16)
+    loaded = inference_model(skeleton, FAMILIES["mxfp8"]())
+    graphquant.freeze(loaded, state_dict=safetensors.load(safetensors.save(state)))
+    with torch.no_grad():
+        assert torch.equal(loaded(x3()), expected)
+
+
+class ShortReduction(torch.nn.Module):
+    """A linear of an 8-long reduction, which no MXFP8 or NVFP4 block tiles: the plan keeps it in
+    high precision (IdentityQuantizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.head = torch.nn.Linear(8, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
+def test_a_checkpoint_of_a_weight_its_plan_kept_in_high_precision_loads_into_a_model_not_yet_called(family):
+    """Built on the meta device, the model cannot be called, so no plan says that up stays in high
+    precision, and freeze refused the recipe's format for it, asking for a call it cannot make: the
+    checkpoint's high-precision format is taken where the recipe's cannot tile the weight."""
+    compiled = inference_model(models.seeded(ShortReduction()), FAMILIES[family]())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        compiled(x)
+        graphquant.freeze(compiled)
+        expected = compiled(x)
+    assert compiled._orig_mod.up.weight_format == "identity()"
+    with torch.device("meta"):
+        skeleton = ShortReduction()
+    loaded = inference_model(skeleton, FAMILIES[family]())
+    graphquant.freeze(loaded, state_dict=compiled.state_dict())
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)
+
+
+def test_a_weight_frozen_in_high_precision_takes_the_models_cast():
+    """IdentityQuantizer's stored codes are the weight's values: .half() after freeze left them
+    float32 (twice the memory, other numbers than freezing the half model, a checkpoint that loads
+    into neither build); they take the cast now, as a quantized format's codes do not."""
+    def keep_fc2(role):
+        return graphquant.IdentityQuantizer() if role.name == "fc2" else recipes.mxfp8_block_scaling().qfactory(role)
+
+    recipe = graphquant.CustomRecipe(keep_fc2)
+    frozen_then_cast = inference_model(mlp(torch.float32), recipe)
+    graphquant.freeze(frozen_then_cast)
+    frozen_then_cast.half()
+    cast_then_frozen = inference_model(mlp(torch.float32).half(), recipe)
+    graphquant.freeze(cast_then_frozen)
+    assert torch.equal(frozen_then_cast._orig_mod.fc2.weight_codes, cast_then_frozen._orig_mod.fc2.weight_codes)
+    assert frozen_then_cast._orig_mod.fc1.weight_codes.dtype == torch.float8_e4m3fn  # codes of FP8 values keep theirs
+    cast_then_frozen.load_state_dict(frozen_then_cast.state_dict())  # one layout: the checkpoint loads
+
+
 def test_frozen_checkpoint_loads_into_a_frozen_model():
     compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
     graphquant.freeze(compiled)
