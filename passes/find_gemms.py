@@ -252,17 +252,28 @@ def _find(
     gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
 ) -> None:
+    transforms: list[str] = []  # the torch.func transforms (vmap, grad, jvp) the walk is inside
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
             _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
             continue
+        entered = _transform_entered(node)
+        if entered is not None:
+            transforms.append(entered) if entered else transforms.pop()
+            continue
         form = _form(node)
         if form is None:
             why = _unquantized_product(node)
             if why is not None:
                 node.meta["graphquant_skip"] = why
+            continue
+        if transforms:
+            node.meta["graphquant_skip"] = (
+                f"inside torch.func's {transforms[-1]}, which graphquant's quantized products do not run under: it runs in "
+                "high precision"
+            )
             continue
         if form == GROUPED:
             _find_grouped(node, number, sites, frame)
@@ -350,6 +361,16 @@ def _form(node: fx.Node) -> Optional[str]:
         return _FUNCTIONS.get(node.target)
     if node.op == "call_method":
         return _METHODS.get(node.target)
+    return None
+
+
+def _transform_entered(node: fx.Node) -> Optional[str]:
+    """The torch.func transform ("vmap", "grad", "jvp") whose level ``node`` enters as Dynamo
+    traces it, "" where it leaves one, None for any other node."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    for suffix, entering in (("_increment_nesting", True), ("_decrement_nesting", False)):
+        if name.startswith("_") and name.endswith(suffix) and "functorch" in (getattr(node.target, "__module__", None) or ""):
+            return name[1 : -len(suffix)] if entering else ""
     return None
 
 

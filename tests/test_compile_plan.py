@@ -526,6 +526,31 @@ def test_flex_attention_is_listed_and_under_fp8_dpa_warned_of():
         assert plan_of(zoo.with_fp8_attention(recipes.current_scaling())).startswith("flex_attention runs in high precision")
 
 
+def test_products_inside_torch_vmap_run_in_high_precision_and_are_listed():
+    """A product inside torch.vmap (an ensemble's linear over a stack of weights) failed at the first
+    call with functorch's message about autograd.Function (graphquant's products do not run under
+    vmap): it runs in high precision now, listed so, and the model trains."""
+
+    class Ensemble(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.members = torch.nn.Linear(64, 64), torch.nn.Parameter(torch.randn(3, 64, 64) / 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.vmap(lambda w: torch.nn.functional.linear(h, w))(self.members)
+
+    model = models.seeded(Ensemble())
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    x = x3()
+    y = compiled(x)
+    y.sum().backward()
+    assert sites_of(compiled.graphquant.plan) == [("fc", 0, L)]
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert "linear(" in what and why.startswith("inside torch.func's vmap")
+    assert model.members.grad is not None and y.shape == (3, 2, 32, 64)
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 
