@@ -170,11 +170,14 @@ def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[obje
     nodes: dict[object, fx.Node] = {}
 
     def state(key: object) -> fx.Node:
-        if isinstance(key, str) and key != "rng":
+        # A gradient's slot (grad_output, attention's do and dp) is quantized in the backward alone,
+        # which the recompute does not run; a forward slot's recompute would quantize again.
+        if isinstance(key, str) and key != "rng" and not QuantizerRole.parse(key).backward:
             raise PlanError(
                 f"{key} uses delayed scaling inside torch.utils.checkpoint: the recompute in backward would quantize "
-                "with the scale this step's forward already updated. Give the checkpointed modules a stateless "
-                "quantizer (current scaling, MXFP8, blockwise) in the recipe's factory, or checkpoint other modules"
+                "with the scale this step's forward already updated. Give the checkpointed modules' forward slots "
+                "(input, weight, other, qkv, s) a stateless quantizer (current scaling, MXFP8, blockwise) in the "
+                "recipe's factory, or checkpoint other modules"
             )
         if key not in nodes:
             outer = outer_state(key)
