@@ -9,6 +9,7 @@ import inspect
 import os
 import re
 import threading
+import weakref
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
@@ -22,8 +23,8 @@ from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
-    GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, owner_of, parameter_path, root_local, site_weight,
-    target_name, without_compile_wrappers,
+    GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
+    site_weight, target_name, without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -380,7 +381,7 @@ class GraphquantBackend:
             hidden[node.meta["graphquant_skip"]].append(_described(node, frame))
         for why, calls in hidden.items():
             user_stack.warn(f"graphquant: {why} ({len(calls)} call(s) in this graph, the first {calls[0]})")
-        skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in gm.graph.nodes if "graphquant_skip" in n.meta]
+        skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
@@ -522,7 +523,7 @@ class GraphquantBackend:
         names_of: dict[int, list[str]] = collections.defaultdict(list)
         for name, module in named.items():
             names_of[id(module)].append(name)
-        aliases = tuple((name, names[0], len(names), place) for names in names_of.values() for place, name in enumerate(names) if place)
+        aliases = tuple((name, names[0], len(names), place) for names in names_of.values() if len(names) > 1 for place, name in enumerate(names))
         return Frame(tuple(modules.items()), own, aliases)
 
     def _inner(self) -> Callable:
@@ -951,6 +952,12 @@ def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [model] + ([encoder] if isinstance(encoder, torch.nn.Module) and encoder is not model else [])
 
 
+# The modules a graphquant generate runs through now: each one's installation (the generate that
+# made it, its calls running, the module's own forward), under one lock for every model.
+_GENERATING: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_GENERATING_LOCK = threading.Lock()
+
+
 def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, Callable]) -> Callable:
     """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
     compiled model, and an encoder-decoder's encoder by itself) with each call of those modules'
@@ -958,32 +965,36 @@ def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, 
     transformers compiles the decode step of a static cache itself. Calls that overlap (a server's
     threads) share one installation: the first puts the forwards in, the last takes them out (each
     putting back what it found let the first to end take the others' forwards away, whose later
-    steps then ran unquantized, and left graphquant's forward in the module for good)."""
-    lock = threading.Lock()
-    running = 0
-    own: dict[torch.nn.Module, Optional[Callable]] = {}
+    steps then ran unquantized, and left graphquant's forward in the module for good). Another
+    graphquant model of the same module cannot generate meanwhile: the module has one forward."""
 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        nonlocal running
-        with lock:
-            if not running:
-                own.update({module: module.__dict__.get("forward") for module in forwards})
-                for module, forward in forwards.items():
+        with _GENERATING_LOCK:
+            if any(_GENERATING.get(module, [generate])[0] is not generate for module in forwards):
+                raise RuntimeError(
+                    f"graphquant: another graphquant model of this {type(model).__name__} is generating: generate runs "
+                    "through the module's forward, which one model at a time can hold; generate with one model at a time, "
+                    "or compile a copy of the module (copy.deepcopy) for the other"
+                )
+            for module, forward in forwards.items():
+                installed = _GENERATING.setdefault(module, [generate, 0, module.__dict__.get("forward")])
+                if not installed[1]:
                     module.forward = forward
-            running += 1
+                installed[1] += 1
         try:
             return model.generate(*args, **kwargs)
         finally:
-            with lock:
-                running -= 1
-                if not running:
-                    for module, forward in own.items():
-                        if forward is None:
+            with _GENERATING_LOCK:
+                for module in forwards:
+                    installed = _GENERATING[module]
+                    installed[1] -= 1
+                    if not installed[1]:
+                        if installed[2] is None:
                             del module.forward
                         else:
-                            module.forward = forward
-                    own.clear()
+                            module.forward = installed[2]
+                        del _GENERATING[module]
 
     return generate
 

@@ -381,7 +381,10 @@ def _check_no_meta_buffer_is_left(root: nn.Module) -> None:
 
 
 def described(saved: Any) -> Optional[dict[str, Any]]:
-    """The description a stored weight's extra state in a checkpoint holds (None where it is none)."""
+    """The description a stored weight's extra state in a checkpoint holds (None where it is none;
+    checkpoints frozen before it was a tensor hold the dict itself)."""
+    if isinstance(saved, dict):
+        return saved
     if not (isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1):
         return None
     try:

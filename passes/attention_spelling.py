@@ -161,8 +161,8 @@ def _fold(graph: fx.Graph, chain: _Chain) -> None:
             mask = graph.call_function(torch.logical_not, (mask,))
             with value.fake_mode:
                 mask.meta["example_value"] = torch.logical_not(value)
-        kwargs = {"attn_mask": mask, "dropout_p": chain.dropout_p, "is_causal": False, "scale": chain.scale}
-        attention = graph.call_function(F.scaled_dot_product_attention, (chain.q, chain.k, chain.v), kwargs)
+        kwargs = {"dropout_p": chain.dropout_p, "is_causal": False, "scale": chain.scale}  # the mask positional, as autocast casts it
+        attention = graph.call_function(F.scaled_dot_product_attention, (chain.q, chain.k, chain.v, mask), kwargs)
     attention.meta.update(out.meta)
     out.replace_all_uses_with(attention)
     transposed = chain.nodes[0].args[1]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, owner_of
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, nodes_and_bodies, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -122,7 +122,7 @@ def find_attention(gm: fx.GraphModule, frame: Frame = Frame(), numbers: Optional
 def leave_attention_in_high_precision(gm: fx.GraphModule) -> None:
     """Mark each attention of ``gm`` for the plan's "not quantized" list, where the recipe does not
     ask for FP8 attention: it runs as torch's, which the plan would not otherwise show."""
-    for node in gm.graph.nodes:
+    for node in nodes_and_bodies(gm):
         if is_attention(node) or _is_flex_attention(node):
             node.meta["graphquant_skip"] = "attention in high precision: the recipe has fp8_dpa=False (CustomRecipe(..., fp8_dpa=True) quantizes it)"
 

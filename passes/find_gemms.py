@@ -64,14 +64,12 @@ _UNQUANTIZED_FUNCTIONS = {
     **{
         function: f"torch.{name} runs in high precision: {_RESPELL}"
         for function, name in (
-            (torch.tensordot, "tensordot"), (torch.inner, "inner"), (torch.outer, "outer"), (torch.ger, "ger"), (torch.dot, "dot"),
-            (torch.vdot, "vdot"), (torch.mv, "mv"), (torch.addmv, "addmv"), (torch.addr, "addr"), (torch.addbmm, "addbmm"),
-            (torch.chain_matmul, "chain_matmul"), (torch.linalg.multi_dot, "linalg.multi_dot"), (torch.linalg.vecdot, "linalg.vecdot"),
-            (F.bilinear, "nn.functional.bilinear (nn.Bilinear)"),
+            (torch.tensordot, "tensordot"), (torch.inner, "inner"), (torch.addbmm, "addbmm"), (torch.chain_matmul, "chain_matmul"),
+            (torch.linalg.multi_dot, "linalg.multi_dot"), (F.bilinear, "nn.functional.bilinear (nn.Bilinear)"),
         )
     },
 }
-_UNQUANTIZED_METHODS = frozenset({"mv", "dot", "vdot", "outer", "ger", "inner", "addmv", "addr", "addbmm"})
+_UNQUANTIZED_METHODS = frozenset({"inner", "addbmm"})
 
 TENSOR_TYPES = {
     "linear": ("input", "weight", "grad_output"),
@@ -145,8 +143,8 @@ class Frame:
 
     modules: tuple[tuple[str, str], ...] = ()
     own: str = ""
-    # A module registered under several names (one instance placed twice in a ModuleList): each
-    # later name, the first (as named_modules() names it) and the names' count and its place.
+    # A module registered under several names (one instance placed twice in a ModuleList): each of
+    # its names, the first (as named_modules() names it), the names' count and the name's place.
     aliases: tuple[tuple[str, str, int, int], ...] = ()
 
     def name(self, path: str) -> str:
@@ -156,7 +154,8 @@ class Frame:
 
     def call_of(self, name: str, call: int) -> tuple[str, int]:
         """(name, call) of a module's call as its first name counts it: a call through a later name
-        is a call of the same module (one slot a role, as for a module called twice)."""
+        is a call of the same module (one slot a role, as for a module called twice); the k-th call
+        through a module's i-th of n names is its call k * n + i, distinct from every other."""
         for alias, first, names, place in self.aliases:
             if name == alias:
                 return first, call * names + place
@@ -236,6 +235,11 @@ def parameter_path(source: str) -> str:
     """A lifted parameter's Dynamo source ("L['self']._modules['fc1']._parameters['weight']") as
     named_parameters spells it relative to the frame's module ("fc1.weight")."""
     return re.sub(r"(^|\.)_(modules|parameters)(?=\.)", "", fqn_from_stack_path(source)).strip(".")
+
+
+def nodes_and_bodies(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` and of the graphs its higher-order ops call (a checkpointed block's)."""
+    return [node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes]
 
 
 def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
@@ -375,7 +379,12 @@ def _transform_entered(node: fx.Node) -> Optional[str]:
 
 
 def _unquantized_product(node: fx.Node) -> Optional[str]:
-    """Why ``node``, a product graphquant has no site for, runs in high precision; None for others."""
+    """Why ``node``, a matrix product of floating-point values graphquant has no site for, runs in
+    high precision; None for others (vector products, as a rotary embedding's torch.outer, are no
+    GEMMs; integer products run exactly)."""
+    value = _value(node)
+    if isinstance(value, torch.Tensor) and not value.is_floating_point():
+        return None
     if node.op == "call_function":
         target = node.target
         if isinstance(target, torch._ops.OpOverload):

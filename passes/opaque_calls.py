@@ -29,13 +29,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphquant.passes import matrix_products
+from graphquant.passes.find_gemms import nodes_and_bodies
 
 
 def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
     """Give each opaque call that multiplies matrices (or cannot be run to tell) its reason to be
     listed as not quantized; returns those nodes."""
     marked = []
-    for node in gm.graph.nodes:
+    for node in nodes_and_bodies(gm):
         if node.op != "call_function":
             continue
         if _opaque(node.target):

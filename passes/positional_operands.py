@@ -24,7 +24,7 @@ _FUNCTIONS = {
     F.scaled_dot_product_attention: ("query", "key", "value", "attn_mask"),
 }
 if hasattr(torch, "_grouped_mm"):
-    _FUNCTIONS[torch._grouped_mm] = ("mat_a", "mat_b")
+    _FUNCTIONS[torch._grouped_mm] = ("input", "mat2")
 _METHODS = {"matmul": ("self", "other"), "mm": ("self", "mat2"), "bmm": ("self", "mat2")}
 
 

@@ -138,6 +138,24 @@ def test_grouped_mm_matches_per_group_reference(name):
     assert all((g.bucket == "native") == (g.backend.name == "high-precision matmul") for g in plan.gemms)
 
 
+class KeywordMoE(MoE):
+    def forward(self, x, offs):
+        return torch._grouped_mm(input=x, mat2=self.experts, offs=offs)
+
+
+def test_grouped_mm_with_operands_by_keyword_is_a_grouped_site():
+    """torch._grouped_mm(input=x, mat2=w, offs=offs) was listed as not of the quantized form and
+    ran in high precision: the same site and bits as the positional call now."""
+    model, keyword = Model(), Model()
+    keyword.moe = KeywordMoE()
+    outputs = []
+    for m in (model, keyword):
+        compiled = graphquant.compile(m, RECIPES["current"](), backend="aot_eager", fullgraph=True)
+        outputs.append(compiled(inputs()))
+        assert [g.site for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"] == ["moe.grouped_linear.0#0"]
+    assert torch.equal(*outputs)
+
+
 @pytest.mark.slow
 def test_identity_recipe_equals_eager_grouped_mm():
     """torch._grouped_mm's own CPU backward fails in torch 2.13, so forward only."""

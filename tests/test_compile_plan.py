@@ -101,6 +101,13 @@ def test_one_module_placed_twice_in_a_module_list_is_one_module_called_twice():
     assert {r.name for r in factory.roles} == {"layers.0", "layers.2"} and len(factory.roles) == 6
     assert sites_of(compiled.graphquant.plan) == [("layers.0", 0, "linear"), ("layers.0", 1, "linear"), ("layers.2", 0, "linear")]
 
+    class FirstPlaceTwice(Repeated):  # layers[0] called twice, then layers[1]: three distinct calls
+        def forward(self, x):
+            return self.layers[1](torch.tanh(self.layers[0](torch.tanh(self.layers[0](x)))))
+
+    plan = graphquant.explain(models.seeded(FirstPlaceTwice()), CustomRecipe(CountingFactory()), x3())
+    assert sorted(sites_of(plan)) == [("layers.0", 0, "linear"), ("layers.0", 1, "linear"), ("layers.0", 2, "linear")]
+
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_recompile_reuses_the_plan(dynamic):
@@ -458,7 +465,7 @@ _OTHER_SPELLINGS = {
     "torch.tensordot": lambda h, w: torch.tensordot(h, w, dims=([2], [1])),
     "torch.inner": lambda h, w: torch.inner(h, w),
     "torch.linalg.multi_dot": lambda h, w: torch.linalg.multi_dot([h.reshape(-1, 64), w.t()]),
-    "Tensor.mv": lambda h, w: w.mv(h[0, 0]),
+    "Tensor.inner": lambda h, w: h.inner(w),
     "torch.ops.aten.mm": lambda h, w: torch.ops.aten.mm(h.reshape(-1, 64), w.t()),
 }
 
@@ -480,6 +487,18 @@ def test_products_of_functions_with_no_site_are_listed_with_what_to_write(spelli
     assert {g.site for g in plan.gemms} == {"fc#0"}
     [(what, why)] = plan.skipped
     assert why.startswith(f"{spelling} ") and "runs in high precision: spell it as F.linear, torch.matmul / @" in why, why
+
+    class Checkpointed(torch.nn.Module):  # inside a checkpointed block too, whose body the plan lists from
+        def __init__(self):
+            super().__init__()
+            self.block = Product()
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    plan = graphquant.explain(Checkpointed(), recipes.current_scaling(), x3())
+    [(what, why)] = plan.skipped
+    assert what.startswith("block: ") and why.startswith(f"{spelling} "), (what, why)
 
 
 def test_linalg_matmul_is_a_site_as_matmul_is():

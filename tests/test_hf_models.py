@@ -274,6 +274,31 @@ def test_generate_calls_that_overlap_in_threads_run_every_step_quantized():
     assert "forward" not in model.__dict__
 
 
+def test_two_graphquant_models_of_one_module_do_not_generate_at_once():
+    """generate runs through the module's own forward attribute, which holds one model's forward:
+    a second graphquant model of the module (another recipe) generating meanwhile took it away
+    (its steps ran the other recipe, the first's later ones none). It is refused, saying why."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    first = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    second = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", mode="inference")
+    refused = []
+
+    class Meanwhile(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not refused:
+                with pytest.raises(RuntimeError, match="another graphquant model of this LlamaForCausalLM is generating") as error:
+                    second.generate(token_ids(batch=1, seq=8), max_new_tokens=1)
+                refused.append(error)
+            return scores
+
+    with torch.inference_mode():
+        alone = first.generate(token_ids(batch=1, seq=8), max_new_tokens=3, do_sample=False)
+        out = first.generate(token_ids(batch=1, seq=8), max_new_tokens=3, do_sample=False, logits_processor=[Meanwhile()])
+        assert refused and torch.equal(out, alone) and "forward" not in model.__dict__
+        second.generate(token_ids(batch=1, seq=8), max_new_tokens=1)  # once the first has ended
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_gpt2s_functional_products_keep_their_names_and_state_in_evaluation(checkpointed):
     """GPT-2's Conv1D multiplies by torch.addmm, a functional linear named by its place in the
