@@ -143,8 +143,16 @@ class FrozenLinear(StoredWeight):
         """A stand-in of the weight's shape and dtype on the meta device, which holds no values:
         model code that reads a linear's weight.dtype (T5's feed-forward casts to it) runs as
         before, and anything that reads its values fails (freeze keeps a linear whose weight the
-        compiled graphs read other than through its forward)."""
+        compiled graphs read other than through its forward). A write into it changes nothing."""
         return torch.empty(self.weight_shape, dtype=self.weight_dtype, device="meta")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight":  # nn.Module's own message would be "attribute 'weight' already exists"
+            raise AttributeError(
+                f"graphquant: {self.name} is frozen, its weight stored as {self.weight_format}: a weight given to it would "
+                "never be read; give the model its weights before graphquant.freeze, or load a frozen checkpoint (load_state_dict)"
+            )
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [self.out_features, self.in_features]
@@ -213,6 +221,8 @@ class FrozenExperts(StoredWeight):
         return f"parameter={self.parameter}, experts={self.weight_shape[0]}, k={self.weight_shape[1]}, n={self.weight_shape[2]}, transposed={self.transposed}, weight={self.weight_format}"
 
 
+# Under a serving script's inference_mode the stored weights would be inference tensors, which no later load can write.
+@torch.inference_mode(False)
 def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = None) -> nn.Module:
     """Replace, in place, every nn.Linear of ``model`` (what ``graphquant.compile(...,
     mode="inference")`` returned) by a FrozenLinear that stores its weight quantized and drops the

@@ -202,6 +202,27 @@ def test_a_weight_frozen_in_high_precision_takes_the_models_cast():
     cast_then_frozen.load_state_dict(frozen_then_cast.state_dict())  # one layout: the checkpoint loads
 
 
+def test_a_model_frozen_under_inference_mode_loads_a_checkpoint_after():
+    """A serving script that runs everything under torch.inference_mode froze inference tensors,
+    which a later load_state_dict outside it could not write (torch's in-place error)."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    with torch.inference_mode():
+        compiled(x3())
+        graphquant.freeze(compiled)
+    other = inference_model(models.seeded(models.MLP(), seed=1).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    graphquant.freeze(other)
+    compiled.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(compiled(x3()), other(x3()))
+
+
+def test_a_weight_given_to_a_frozen_linear_is_refused_saying_why():
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(compiled)
+    with pytest.raises(AttributeError, match=r"fc1 is frozen, its weight stored as mxfp8\(fp8_dtype=e4m3\): a weight given to it"):
+        compiled._orig_mod.fc1.weight = torch.nn.Parameter(torch.zeros(128, 64, dtype=torch.bfloat16))
+
+
 def test_frozen_checkpoint_loads_into_a_frozen_model():
     compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
     graphquant.freeze(compiled)
