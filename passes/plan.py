@@ -329,12 +329,20 @@ class Planner:
             for direction in sorted(directions, reverse=True):
                 try:
                     self._check_tiling(quantizers[tensor], direction, batch, shape)
-                except ValueError as error:
-                    lengths = f"query length {site.q_sizes[2]}, key length {site.k_sizes[2]}, head dims {site.q_sizes[3]} and {site.v_sizes[3]}"
-                    raise PlanError(
-                        f"{site.label} (dpa) {tensor} ({slot}): {error}. This attention's {lengths}: a block format needs "
-                        "them whole blocks (a KV cache that grows a token a step does not stay so; per-tensor FP8 takes any)"
-                    ) from None
+                except ValueError:
+                    # Once more on this call's sizes, so that the message names them (int() of a
+                    # symbolic size keeps the failing graph to them alone).
+                    try:
+                        self._check_tiling(quantizers[tensor], direction, int(batch), (int(shape[0]), int(shape[1])))
+                    except ValueError as error:
+                        lengths = (f"query length {int(site.q_sizes[2])}, key length {int(site.k_sizes[2])}, head dims "
+                                   f"{int(site.q_sizes[3])} and {int(site.v_sizes[3])}")
+                        raise PlanError(
+                            f"{site.label} (dpa) {tensor} ({slot}): {error}. This attention's {lengths}: a block format "
+                            "needs them whole blocks (a KV cache that grows a token a step does not stay so; per-tensor FP8 "
+                            "takes any)"
+                        ) from None
+                    raise
         operand = lambda t, d: (f"{t}: {tensors[t][0]}.{d}", quantizers[t].direction_spec(d))  # noqa: E731
         head_dims = (int(site.q_sizes[3]), int(site.v_sizes[3]))
         entries = []

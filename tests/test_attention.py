@@ -405,6 +405,11 @@ def test_mxfp8_blocks_must_tile_the_sequence():
     with pytest.raises(PlanError, match=r"attn#0 \(dpa\) Q \(qkv\): mxfp8.* each of the 4 batch entries has 24 rows; .* multiple of 32"
                        r".*This attention's query length 24, key length 24, head dims 32 and 32: a block format needs them whole blocks"):
         graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 24, 64))
+    # In a dynamic graph the message names this call's sizes, not the graph's symbols ("s27 rows").
+    compiled = graphquant.compile(_decoder(), CustomRecipe(factory, fp8_dpa=True), backend="aot_eager", dynamic=True)
+    compiled(torch.randn(2, 32, 64))
+    with pytest.raises(PlanError, match=r"each of the 4 batch entries has 24 rows; .* query length 24, key length 24, head dims 32"):
+        compiled(torch.randn(2, 24, 64))
 
 
 class DropoutAttention(torch.nn.Module):
