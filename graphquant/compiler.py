@@ -432,7 +432,9 @@ class GraphquantBackend:
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
-        stateful = [key for key in keys if isinstance(key, str)]  # delayed-scaling slots and "rng"
+        # "rng" and the delayed-scaling slots a recompute would move again: a gradient's is moved
+        # by the backward alone, which runs once either way.
+        stateful = [key for key in keys if key == "rng" or (isinstance(key, str) and not QuantizerRole.parse(key).backward)]
 
         def run(*args: Any) -> Any:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
@@ -626,9 +628,9 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
         f"does to recompute a compiled module from outside it; its {state} would move a second time this step, so the "
         "recompute would quantize with other scales or random bits than the forward did and the gradients would be "
         "wrong. Compile the module whose forward calls torch.utils.checkpoint (graphquant then recomputes inside the "
-        "graph with the forward's stochastic-rounding step; delayed scaling inside a checkpoint it refuses), or give "
-        "the checkpointed modules a stateless recipe (current scaling, MXFP8, blockwise FP8, NVFP4 without "
-        "stochastic rounding)"
+        "graph with the forward's stochastic-rounding step; delayed scaling of forward slots inside a checkpoint it "
+        "refuses), or give the checkpointed modules' forward slots a stateless recipe (current scaling, MXFP8, "
+        "blockwise FP8, NVFP4 without stochastic rounding)"
     )
 
 

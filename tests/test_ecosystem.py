@@ -141,22 +141,26 @@ def test_delayed_scaling_of_gradients_alone_runs_inside_a_checkpoint(use_reentra
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("recipe", ["delayed_scaling", "nvfp4_block_scaling", "mxfp8_block_scaling"])
+@pytest.mark.parametrize("recipe", ["delayed_scaling", "nvfp4_block_scaling", "mxfp8_block_scaling", "delayed gradients"])
 def test_a_checkpoint_around_a_compiled_module_recomputes_only_stateless_graphs(recipe, use_reentrant):
     """A per-block compile checkpointed from outside: the recompute is a second call of the graph
     in backward, which would move a delayed-scaling slot or the stochastic-rounding step again and
     change the gradients without a word; graphquant refuses it. A stateless recipe recomputes the
-    same bits: the gradients are those of the same model without checkpointing."""
+    same bits: the gradients are those of the same model without checkpointing; so does delayed
+    scaling of grad_output alone, which the backward moves once either way."""
     def step(checkpointed):
         torch._dynamo.reset()
         model = models.seeded(models.MLP(), 0)
-        compiled = graphquant.compile(model, getattr(recipes, recipe)(), backend="aot_eager")
-        x = x3().requires_grad_()
-        y = checkpoint(compiled, x, use_reentrant=use_reentrant) if checkpointed else compiled(x)
-        y.square().sum().backward()
-        return [x.grad, *(p.grad for p in model.parameters())]
+        made = graphquant.CustomRecipe(delayed_gradients_factory) if recipe == "delayed gradients" else getattr(recipes, recipe)()
+        compiled = graphquant.compile(model, made, backend="aot_eager")
+        for _ in range(3):  # the third step quantizes with the scales the first two left
+            model.zero_grad()
+            x = x3().requires_grad_()
+            y = checkpoint(compiled, x, use_reentrant=use_reentrant) if checkpointed else compiled(x)
+            y.square().sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters()), *compiled.graphquant.delayed_state.values()]
 
-    if recipe == "mxfp8_block_scaling":
+    if recipe in ("mxfp8_block_scaling", "delayed gradients"):
         assert all(torch.equal(a, b) for a, b in zip(step(True), step(False)))
     else:
         with pytest.raises(RuntimeError, match="called with grad enabled inside a backward pass, as torch.utils.checkpoint does"):
