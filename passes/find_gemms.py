@@ -48,11 +48,11 @@ _FUNCTIONS = {
     torch.addmm: ADDMM,
     torch.baddbmm: ADDMM,
     torch.einsum: EINSUM,
+    torch.linalg.matmul: MATMUL,
 }
 if hasattr(torch, "_grouped_mm"):
     _FUNCTIONS[torch._grouped_mm] = GROUPED
 _METHODS = {"matmul": MATMUL, "mm": MATMUL, "bmm": MATMUL, "__matmul__": MATMUL, "addmm": ADDMM, "baddbmm": ADDMM}
-_FUNCTIONS[torch.linalg.matmul] = MATMUL
 
 # Products graphquant makes no site of: listed as not quantized, each with what to write instead.
 _RESPELL = "spell it as F.linear, torch.matmul / @, torch.addmm / baddbmm or a two-operand torch.einsum, which graphquant quantizes"
@@ -264,8 +264,11 @@ def _find(
             _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
             continue
         entered = _transform_entered(node)
+        if entered:
+            transforms.append(entered)
+        elif entered == "" and transforms:  # a graph may start inside one (a graph break in its function)
+            transforms.pop()
         if entered is not None:
-            transforms.append(entered) if entered else transforms.pop()
             continue
         form = _form(node)
         if form is None:
