@@ -1,7 +1,6 @@
 """Pass 0 (normalise): a product's or an attention's operands given by keyword become positional,
-as the other passes and graphquant's ops read them (``F.linear(input=x, weight=w)`` failed in
-find_gemms, ``F.scaled_dot_product_attention(query=q, ...)`` in autocast's cast of the operands, and
-an ``attn_mask=`` kept its float32 under autocast, where torch casts it).
+as the other passes read them (``F.linear(input=x, weight=w)``) and as graphquant's ops cast them
+under autocast (an ``attn_mask=``, which torch casts too).
 
 Expects: a GraphModule captured by Dynamo. Guarantees: in it and the bodies of its higher-order
 ops, each call below has its leading operands positional (a keyword moves only where every
@@ -13,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import fx
+
+from graphquant.passes.find_gemms import nodes_and_bodies
 
 # The leading parameters of each call, in order, as torch names them.
 _FUNCTIONS = {
@@ -30,16 +31,13 @@ _METHODS = {"matmul": ("self", "other"), "mm": ("self", "mat2"), "bmm": ("self",
 
 def make_operands_positional(gm: fx.GraphModule) -> None:
     """Move every call's leading keyword operands (see the module docstring) into its positional args."""
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
+    for node in nodes_and_bodies(gm):
+        names = _FUNCTIONS.get(node.target) if node.op == "call_function" else _METHODS.get(node.target) if node.op == "call_method" else None
+        if names is None or not node.kwargs:
             continue
-        for node in module.graph.nodes:
-            names = _FUNCTIONS.get(node.target) if node.op == "call_function" else _METHODS.get(node.target) if node.op == "call_method" else None
-            if names is None or not node.kwargs:
-                continue
-            args, kwargs = list(node.args), dict(node.kwargs)
-            for name in names[len(args):]:
-                if name not in kwargs:
-                    break
-                args.append(kwargs.pop(name))
-            node.args, node.kwargs = tuple(args), kwargs
+        args, kwargs = list(node.args), dict(node.kwargs)
+        for name in names[len(args):]:
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        node.args, node.kwargs = tuple(args), kwargs
