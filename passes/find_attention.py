@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, nodes_and_bodies, owner_of
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, inside_transforms, nodes_and_bodies, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -142,10 +142,14 @@ def arguments(node: fx.Node) -> dict[str, object]:
 
 
 def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Frame) -> None:
+    transformed = inside_transforms(gm)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             _find(body, number, sites, frame)
+            continue
+        if node in transformed and is_attention(node):
+            node.meta["graphquant_skip"] = transformed[node]
             continue
         if _is_flex_attention(node):
             owner, _, _ = owner_of(node, frame)

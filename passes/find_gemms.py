@@ -256,19 +256,12 @@ def _find(
     gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
 ) -> None:
-    transforms: list[str] = []  # the torch.func transforms (vmap, grad, jvp) the walk is inside
+    transformed = inside_transforms(gm)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
             _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
-            continue
-        entered = _transform_entered(node)
-        if entered:
-            transforms.append(entered)
-        elif entered == "" and transforms:  # a graph may start inside one (a graph break in its function)
-            transforms.pop()
-        if entered is not None:
             continue
         form = _form(node)
         if form is None:
@@ -276,11 +269,8 @@ def _find(
             if why is not None:
                 node.meta["graphquant_skip"] = why
             continue
-        if transforms:
-            node.meta["graphquant_skip"] = (
-                f"inside torch.func's {transforms[-1]}, which graphquant's quantized products do not run under: it runs in "
-                "high precision"
-            )
+        if node in transformed:
+            node.meta["graphquant_skip"] = transformed[node]
             continue
         if form == GROUPED:
             _find_grouped(node, number, sites, frame)
@@ -369,6 +359,22 @@ def _form(node: fx.Node) -> Optional[str]:
     if node.op == "call_method":
         return _METHODS.get(node.target)
     return None
+
+
+def inside_transforms(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The nodes of ``gm`` that run inside a torch.func transform (vmap, grad, jvp), which
+    graphquant's quantized products and attention do not run under, each with that reason."""
+    transforms: list[str] = []
+    inside = {}
+    for node in gm.graph.nodes:
+        entered = _transform_entered(node)
+        if entered:
+            transforms.append(entered)
+        elif entered == "" and transforms:  # a graph may start inside one (a graph break in its function)
+            transforms.pop()
+        elif transforms:
+            inside[node] = f"inside torch.func's {transforms[-1]}, which graphquant's quantized ops do not run under: it runs in high precision"
+    return inside
 
 
 def _transform_entered(node: fx.Node) -> Optional[str]:

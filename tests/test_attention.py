@@ -623,3 +623,25 @@ def test_the_compiled_graph_runs_the_op_with_the_plan_s_formats_and_state():
     for slot, state in zip(("qkv", "s", "do", "dp"), states):
         if state is not None:
             torch.testing.assert_close(kept[f"module_type=dpa|tensor_type={slot}|name=attn"], state, rtol=0, atol=0)
+
+
+def test_attention_inside_torch_vmap_runs_in_high_precision_and_is_listed():
+    """Attention vmapped over a stack of (batch, heads, length, dim) operands became a dpa site,
+    whose op then failed under vmap with functorch's message about autograd.Function: it runs in
+    high precision, listed with why, and the model trains."""
+
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 32, 3, 2, 32).permute(2, 0, 3, 1, 4).unsqueeze(1).expand(3, 3, 2, 2, 32, 32)
+            attend = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+            return torch.vmap(attend)(q, k, v)
+
+    compiled = graphquant.compile(Stacked(), CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager")
+    compiled(torch.randn(2, 32, 64)).sum().backward()
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert "scaled_dot_product_attention(" in what and why.startswith("inside torch.func's vmap")
+    assert {g.module_type for g in compiled.graphquant.plan.gemms} == {"linear"}
