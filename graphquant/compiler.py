@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import inspect
 import os
@@ -31,7 +32,7 @@ from graphquant import distributed, user_stack
 from graphquant.eager_products import eager_products, next_node_number
 from graphquant.model_methods import watch_methods
 from graphquant.ops.functional import MixedDtypesError
-from graphquant.passes.rewrite import rewrite
+from graphquant.passes.rewrite import moved_by_a_recompute, rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
@@ -432,9 +433,7 @@ class GraphquantBackend:
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
-        # "rng" and the delayed-scaling slots a recompute would move again: a gradient's is moved
-        # by the backward alone, which runs once either way.
-        stateful = [key for key in keys if key == "rng" or (isinstance(key, str) and not QuantizerRole.parse(key).backward)]
+        stateful = [key for key in keys if moved_by_a_recompute(key)]
 
         def run(*args: Any) -> Any:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
@@ -954,9 +953,18 @@ def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [model] + ([encoder] if isinstance(encoder, torch.nn.Module) and encoder is not model else [])
 
 
-# The modules a graphquant generate runs through now: each one's installation (the generate that
-# made it, its calls running, the module's own forward), under one lock for every model.
-_GENERATING: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class _Installed:
+    """graphquant's forward in a module a generate runs through: whose generate put it there, how
+    many of its calls run now, and the module's own forward attribute (None: the class's)."""
+
+    generate: Callable
+    calls: int
+    own_forward: Optional[Callable]
+
+
+# The modules graphquant generates run through now, under one lock for every model.
+_GENERATING: "weakref.WeakKeyDictionary[torch.nn.Module, _Installed]" = weakref.WeakKeyDictionary()
 _GENERATING_LOCK = threading.Lock()
 
 
@@ -973,29 +981,29 @@ def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
         with _GENERATING_LOCK:
-            if any(_GENERATING.get(module, [generate])[0] is not generate for module in forwards):
+            if any(module in _GENERATING and _GENERATING[module].generate is not generate for module in forwards):
                 raise RuntimeError(
                     f"graphquant: another graphquant model of this {type(model).__name__} is generating: generate runs "
                     "through the module's forward, which one model at a time can hold; generate with one model at a time, "
                     "or compile a copy of the module (copy.deepcopy) for the other"
                 )
             for module, forward in forwards.items():
-                installed = _GENERATING.setdefault(module, [generate, 0, module.__dict__.get("forward")])
-                if not installed[1]:
+                if module not in _GENERATING:
+                    _GENERATING[module] = _Installed(generate, 0, module.__dict__.get("forward"))
                     module.forward = forward
-                installed[1] += 1
+                _GENERATING[module].calls += 1
         try:
             return model.generate(*args, **kwargs)
         finally:
             with _GENERATING_LOCK:
                 for module in forwards:
                     installed = _GENERATING[module]
-                    installed[1] -= 1
-                    if not installed[1]:
-                        if installed[2] is None:
+                    installed.calls -= 1
+                    if not installed.calls:
+                        if installed.own_forward is None:
                             del module.forward
                         else:
-                            module.forward = installed[2]
+                            module.forward = installed.own_forward
                         del _GENERATING[module]
 
     return generate

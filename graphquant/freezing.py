@@ -26,7 +26,7 @@ from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
 from graphquant.ops.library import quantizer_of
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
-from graphquant.passes.plan import EMPTY_PRODUCT
+from graphquant.passes.plan import EMPTY_PRODUCT, Planner
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
@@ -271,7 +271,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             continue
         quantizer = _weight_quantizer(backend, name)
         saved = described(state.get(f"{name}._extra_state")) if state is not None else None
-        if saved is not None and saved["format"] == IdentityQuantizer().spec and not _tiled(quantizer, tuple(linear.weight.shape)):
+        if saved is not None and saved["format"] == IdentityQuantizer().spec and not Planner.tiles(quantizer, ROWWISE, 1, tuple(linear.weight.shape)):
             # A weight too small for the recipe's blocks, which the checkpoint's plan kept in high
             # precision, as a plan of this model would: no plan of a model not yet called says so.
             quantizer = IdentityQuantizer()
@@ -462,14 +462,6 @@ def _weight_quantizer(backend: GraphquantBackend, name: str) -> Quantizer:
         if role in dict(plan.slots) and not any(g.site.rpartition("#")[0] == name and g.reason.startswith(EMPTY_PRODUCT) for g in plan.gemms)
     ]
     return planned[-1] if planned else backend.planner.quantizer(role)
-
-
-def _tiled(quantizer: Quantizer, shape: tuple[int, int]) -> bool:
-    try:
-        quantizer.check_shape(shape, ROWWISE)
-    except ValueError:
-        return False
-    return True
 
 
 def _check_tiles(name: str, quantizer: Quantizer, shape: tuple[int, int]) -> None:

@@ -154,7 +154,10 @@ def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Fra
         if _is_flex_attention(node):
             owner, _, _ = owner_of(node, frame)
             node.meta["graphquant_skip"] = "flex_attention runs in high precision: FP8 attention (fp8_dpa) takes F.scaled_dot_product_attention"
-            user_stack.warn(f"graphquant: the recipe asks for FP8 attention (fp8_dpa), but {owner or 'the model'} calls flex_attention, which runs in high precision; FP8 attention takes F.scaled_dot_product_attention (transformers: attn_implementation=\"sdpa\")")
+            user_stack.warn(
+                f"graphquant: the recipe asks for FP8 attention (fp8_dpa), but {owner or 'the model'} calls flex_attention, "
+                'which runs in high precision; FP8 attention takes F.scaled_dot_product_attention (transformers: attn_implementation="sdpa")'
+            )
             continue
         if not is_attention(node):
             continue

@@ -464,7 +464,7 @@ class Planner:
                         self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
                     except ValueError as error:
                         rows = int(shape[0])
-                        tokens = site.module_type == "linear" and int(batch) == 1 and role_type != "weight" and self._tiles(
+                        tokens = site.module_type == "linear" and int(batch) == 1 and role_type != "weight" and self.tiles(
                             quantizer, direction, 1, (-(-rows // 128) * 128, int(shape[1]))
                         )
                         remedy = (
@@ -479,7 +479,8 @@ class Planner:
                     raise
 
     @classmethod
-    def _tiles(cls, quantizer: Quantizer, direction: str, batch: int, shape: tuple[int, int]) -> bool:
+    def tiles(cls, quantizer: Quantizer, direction: str, batch: int, shape: tuple[int, int]) -> bool:
+        """Whether ``quantizer`` tiles ``shape`` in ``direction`` (graphquant.freeze asks it too)."""
         try:
             cls._check_tiling(quantizer, direction, batch, shape)
         except ValueError:

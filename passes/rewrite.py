@@ -164,15 +164,20 @@ def _check_stored_format(site: GemmSite, stored: str, quantizer: Quantizer) -> N
         )
 
 
+def moved_by_a_recompute(key: object) -> bool:
+    """Whether a recompute of the forward (torch.utils.checkpoint's) would move the state ``key``
+    (rewrite's placeholders') again: rng's step, and a forward slot's delayed scaling; a gradient's
+    slot (grad_output, attention's do and dp) is moved by the backward alone, which runs once."""
+    return key == "rng" or (isinstance(key, str) and not QuantizerRole.parse(key).backward)
+
+
 def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[object], fx.Node]) -> Callable[[object], fx.Node]:
     """``state`` for a body: each state becomes one more placeholder of the body and one more
     argument of the higher-order op ``call`` that passes the outer graph's node for it."""
     nodes: dict[object, fx.Node] = {}
 
     def state(key: object) -> fx.Node:
-        # A gradient's slot (grad_output, attention's do and dp) is quantized in the backward alone,
-        # which the recompute does not run; a forward slot's recompute would quantize again.
-        if isinstance(key, str) and key != "rng" and not QuantizerRole.parse(key).backward:
+        if key != "rng" and moved_by_a_recompute(key):  # the body's recompute takes the forward's rng step
             raise PlanError(
                 f"{key} uses delayed scaling inside torch.utils.checkpoint: the recompute in backward would quantize "
                 "with the scale this step's forward already updated. Give the checkpointed modules' forward slots "

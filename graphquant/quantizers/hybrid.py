@@ -65,25 +65,12 @@ class HybridQuantizer(Quantizer):
         for child in (self.rowwise_quantizer, self.columnwise_quantizer):
             _OWNED_CHILDREN[id(child)] = child
 
-    @property
-    def requantization_safe(self) -> bool:  # type: ignore[override]
-        return self.rowwise_quantizer.requantization_safe and self.columnwise_quantizer.requantization_safe
-
-    @property
-    def stochastic(self) -> bool:  # type: ignore[override]
-        return self.rowwise_quantizer.stochastic or self.columnwise_quantizer.stochastic
-
-    @property
-    def reduces_amax(self) -> bool:  # type: ignore[override]
-        return self.rowwise_quantizer.reduces_amax or self.columnwise_quantizer.reduces_amax
-
-    @property
-    def per_tensor_amax(self) -> bool:  # type: ignore[override]
-        return self.rowwise_quantizer.per_tensor_amax or self.columnwise_quantizer.per_tensor_amax
-
-    @property
-    def asks_amax_reduction(self) -> bool:  # type: ignore[override]
-        return self.rowwise_quantizer.asks_amax_reduction or self.columnwise_quantizer.asks_amax_reduction
+    # A hybrid has a property when both children have it (requantization_safe) or either does.
+    requantization_safe = property(lambda self: _children(self, all, "requantization_safe"))  # type: ignore[assignment]
+    stochastic = property(lambda self: _children(self, any, "stochastic"))  # type: ignore[assignment]
+    reduces_amax = property(lambda self: _children(self, any, "reduces_amax"))  # type: ignore[assignment]
+    per_tensor_amax = property(lambda self: _children(self, any, "per_tensor_amax"))  # type: ignore[assignment]
+    asks_amax_reduction = property(lambda self: _children(self, any, "asks_amax_reduction"))  # type: ignore[assignment]
 
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
@@ -147,3 +134,8 @@ class HybridQuantizer(Quantizer):
 
     def dequantize(self, rep: Representation) -> torch.Tensor:
         return rep.quantizer.dequantize(rep)
+
+
+def _children(hybrid: HybridQuantizer, combine, name: str) -> bool:
+    """``combine`` (all or any) of the two children's ``name``."""
+    return combine(getattr(child, name) for child in (hybrid.rowwise_quantizer, hybrid.columnwise_quantizer))
