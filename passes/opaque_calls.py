@@ -58,12 +58,12 @@ def _opaque(target: object) -> bool:
 
 
 # graphquant's ops and torch's own (the namespaces of torch._C._dispatch_get_all_op_names() after
-# importing torch and torch.distributed), which are not another library's code.
+# importing torch, torch.distributed and torch._dynamo), which are not another library's code.
 _KNOWN_NAMESPACES = frozenset({
     "graphquant", "aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor",
-    "_native", "_quantized", "quantized", "quantization", "debug_mode_ops", "debugprims", "export", "fsdp", "inductor",
-    "inductor_prims", "mkl", "mkldnn", "mkldnn_prepacked", "onednn", "profiler", "rngprims", "sparse", "static_runtime",
-    "symm_mem",
+    "_native", "_quantized", "quantized", "quantization", "debug_mode_ops", "debugprims", "export", "flex_lib", "fsdp",
+    "inductor", "inductor_prims", "mkl", "mkldnn", "mkldnn_prepacked", "onednn", "onnx", "onnx_symbolic", "profiler",
+    "rngprims", "sparse", "static_runtime", "streams", "symm_mem",
 })
 
 

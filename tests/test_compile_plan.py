@@ -570,6 +570,20 @@ def test_products_inside_torch_vmap_run_in_high_precision_and_are_listed():
     assert model.members.grad is not None and y.shape == (3, 2, 32, 64)
 
 
+def test_every_op_namespace_torch_registers_is_known_as_torchs_own():
+    """torch's own ops (Dynamo's streams ops for user CUDA streams, FSDP2's) are no other library's
+    custom ops to list: every namespace a bare torch registers is known as its own."""
+    import subprocess
+    import sys
+
+    from graphquant.passes import opaque_calls
+
+    code = ("import torch, torch.distributed, torch._dynamo; "
+            "print(' '.join(sorted({n.split('::')[0] for n in torch._C._dispatch_get_all_op_names()})))")
+    torchs = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert torchs - {"_test", "_inductor_test"} <= opaque_calls._KNOWN_NAMESPACES
+
+
 def test_not_quantized_products_are_listed():
     """A matrix-vector product is not a GEMM site; the plan lists it as not quantized."""
 
