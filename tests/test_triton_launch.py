@@ -1,7 +1,7 @@
 """graphquant.kernels.triton_launch: a kernel launched again by its remembered launcher writes what
-Triton's own launch writes, to the call's tensors (not the first call's), with its own compile for
-a tensor of another alignment, and an autotuner's chosen config and grid. GPU only: Triton's
-interpreter (the CPU) takes Triton's own path."""
+Triton's own launch writes, to the call's tensors and TMA descriptors (not the first call's), with
+its own compile for a tensor of another alignment, and an autotuner's chosen config and grid. GPU
+only: Triton's interpreter (the CPU) takes Triton's own path."""
 
 import pytest
 import torch
@@ -10,6 +10,10 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
 
 import triton.language as tl  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from graphquant.kernels import triton_launch  # noqa: E402
 
@@ -21,6 +25,17 @@ def _scaled_copy(src, dst, n, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr 
     if NEGATE:
         value = -value
     tl.store(dst + at, value, mask=at < n)
+
+
+@gluon.jit
+def _filled_block(dst, value):
+    """Block (0, 0, 0) of ``dst`` (a TMA descriptor of fp32, 4 warps) filled with ``value``."""
+    block = gl.allocate_shared_memory(gl.float32, dst.block_type.shape, dst.layout)
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, 4, 1], [2, 1, 0])
+    block.store(gl.full(dst.block_type.shape, value, gl.float32, layout))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dst, [0, 0, 0], block)
+    tma.store_wait(0)
 
 
 _autotuned_copy = triton.autotune(
@@ -40,6 +55,16 @@ def test_every_call_writes_its_own_tensors():
         dst = torch.empty_like(src)
         triton_launch.launch(_scaled_copy, (triton.cdiv(1000, 128),), src, dst, 1000, 2.0, BLOCK=128, NEGATE=call % 2 == 1)
         torch.testing.assert_close(dst, src * (-2.0 if call % 2 else 2.0), rtol=0, atol=0)
+
+
+def test_every_call_writes_through_its_own_descriptor():
+    for call in range(3):
+        dst = torch.zeros(2, 64, 32, device="cuda")  # (rows 64 to 127 of the first block fall outside: the second block's untouched)
+        layout = gl.NVMMASharedLayout.get_default_for([1, 128, 32], gl.float32)
+        triton_launch.launch(_filled_block, (1,), TensorDescriptor.from_tensor(dst, [1, 128, 32], layout), float(call + 1))
+        expected = torch.zeros_like(dst)
+        expected[0] = call + 1
+        torch.testing.assert_close(dst, expected, rtol=0, atol=0)
 
 
 def test_a_misaligned_tensor_gets_its_own_compile():

@@ -10,8 +10,9 @@ logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
     wait for S^T; P^T                                  meanwhile dP^T
     wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
     shared memory, the A operands of the next products
-    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, add it into DQ by atomic adds;
-    then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
+    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ and store it into shared memory,
+    from where one TMA reduction adds it into DQ after the next tile's first barrier (no barrier
+    of its own); then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
     adding the one it waited for into its fp32 accumulator
 
 Every value is the Triton backward's in its default configuration (``triton_config``): each
@@ -20,9 +21,11 @@ dK over the BLOCK_M rows, dQ over the BLOCK_N keys) and added in fp32 as Triton 
 query tiles walked in the same order, the elementwise steps the Triton kernel's own helpers. dK
 and dV are kept in halves of the head dim (a product's columns are independent sums: the same
 bits) so that two products' partial sums fit in the registers beside them. Every tile is masked
-(where Triton's is not, every row sees every key: the same bits). dQ's atomic adds, as Triton's,
-meet in no fixed order: two key tiles' sums are the same bits either way, more may differ in
-dQ's last bits (tests/test_gluon_attention_backward.py).
+(where Triton's is not, every row sees every key: the same bits). dQ's tiles, as Triton's atomic
+adds, meet in DQ in no fixed order: two key tiles' sums are the same bits either way, more may
+differ in dQ's last bits (tests/test_gluon_attention_backward.py). A TMA reduction adds a tile in
+whole lines: a thread's atomic adds of the same tile, one 32-byte sector a request, were a quarter
+of the backward's time and held L2 busy (benchmarks/NOTES.md).
 
 Q^T, dO^T and K^T arrive by cp.async, 16 bytes a thread, so query and key lengths must be
 multiples of 16 (GLUON_LENGTH_MULTIPLE).
@@ -36,8 +39,11 @@ from typing import Optional
 import torch
 import triton
 from triton.experimental import gluon
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from graphquant.kernels import triton_attention, triton_attention_backward
 from graphquant.kernels.backends import GLUON_LENGTH_MULTIPLE
@@ -56,9 +62,9 @@ class GluonBackwardConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        # K, V, K^T and dS stay in shared memory beside the stages: 5 stages of 32 KB fill it at head dim 128
-        if not 2 <= self.num_stages <= 4:
-            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: num_stages from 2 to 4")
+        # K, V, K^T, P^T, dS and dQ's tile stay in shared memory beside the stages: 4 stages of 32 KB overfill it at head dim 128
+        if self.num_stages not in (2, 3):
+            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: num_stages 2 or 3")
 
 
 DEFAULT_CONFIG = GluonBackwardConfig()
@@ -67,6 +73,21 @@ DEFAULT_CONFIG = GluonBackwardConfig()
 def triton_config() -> triton_attention_backward.BackwardConfig:
     """The Triton backward's configuration whose bits the Gluon backward's are."""
     return triton_attention_backward.BackwardConfig(block_m=BLOCK_M.value, block_n=BLOCK_N.value, num_warps=NUM_WARPS.value)
+
+
+@builtin
+def _reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared memory ``src`` into ``tensor_desc``'s block at ``coord`` by one TMA reduction
+    (cp.reduce.async.bulk.tensor .add): Triton 3.6 builds it, Gluon does not name it yet."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _add_dq_tile(DQ_TILES, dq_smem, bh, start_m):
+    """Add the dQ tile in shared memory into query rows [start_m, start_m + BLOCK_M) of (batch,
+    head) ``bh``: one TMA reduction, issued by one thread, that drops the rows from seq_q on."""
+    _reduce_add(DQ_TILES, [bh.to(gl.int32), start_m, 0], dq_smem)
 
 
 @gluon.jit
@@ -135,7 +156,7 @@ def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
 
 @gluon.jit
 def _backward_kernel(
-    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
+    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
     P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
 ):
@@ -187,6 +208,7 @@ def _backward_kernel(
     dst_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_N, BLOCK_M], TRANSPOSED_SMEM)
     ds_smem = gl.allocate_shared_memory(DS_CODE, [BLOCK_M, BLOCK_N], DS_SMEM)
     VECTOR_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    dq_smem = gl.allocate_shared_memory(gl.float32, DQ_TILES.block_type.shape, DQ_TILES.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], VECTOR_SMEM)
 
@@ -206,16 +228,17 @@ def _backward_kernel(
     dk0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     dk1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     ds_amax = gl.zeros([BLOCK_N], gl.int32, KEYS)
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, DQ_LAYOUT))
-    dq_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, DQ_LAYOUT))
     kt = kt_smem.permute((1, 0))
-    dq_base = DQ + first * HEAD_DIM
+    dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM])
 
     for j in range(steps):
-        # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
-        # the stage the next copy overwrites, whose products it waited for in the previous iteration).
+        # Tile j in shared memory (the barrier: every thread's copies of it, every warp done with the
+        # stage the next copy overwrites, whose products it waited for in the previous iteration, and
+        # every thread's share of the previous dQ tile stored, which one reduction now adds into DQ).
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
+        if j > 0:
+            _add_dq_tile(DQ_TILES, dq_smem, bh, lo + (j - 1) * BLOCK_M)
         ahead = j + STAGES - 1
         _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
                          HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
@@ -238,6 +261,7 @@ def _backward_kernel(
         dst_smem.store(ds8)
         ds_smem.store(gl.permute(ds8, (1, 0)))
         fence_async_shared()
+        tma.store_wait(0)  # the previous dQ tile's reduction has read it: this tile's may overwrite it after the barrier
         gl.thread_barrier()
 
         dot = dot_smem.index(stage)
@@ -245,9 +269,8 @@ def _backward_kernel(
         dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(1, deps=[dq])
-        dq = dq * grad_factor
-        m = start_m + dq_rows
-        gl.atomic_add(dq_base + m[:, None] * HEAD_DIM + dq_d[None, :], dq, mask=(m < seq_q)[:, None], sem="relaxed")
+        dq_tile.store(dq * grad_factor)
+        fence_async_shared()
         dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
         dv0 = dv0 + dv0_tile
@@ -260,6 +283,10 @@ def _backward_kernel(
         dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
         dk1 = dk1 + dk1_tile
     async_copy.wait_group(0)
+    gl.thread_barrier()
+    if steps > 0:
+        _add_dq_tile(DQ_TILES, dq_smem, bh, lo + (steps - 1) * BLOCK_M)
+    tma.store_wait(0)
 
     keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
     d_out = gl.arange(0, HALF, layout=gl.SliceLayout(0, KV_LAYOUT))
@@ -271,6 +298,14 @@ def _backward_kernel(
     _store_half(DK, out, dk0, grad_factor, keys, GROUPS)
     _store_half(DK, out + HALF, dk1, grad_factor, keys, GROUPS)
     gl.atomic_max(DS_AMAX_BITS, gl.max(gl.where(offs_n < seq_k, ds_amax, 0), 0))
+
+
+def dq_tiles(dq: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of dQ (batch, heads, Lq, D) in fp32 that the kernel adds its tiles into:
+    one (batch, head) at a time, so that a tile's rows past Lq fall outside, not into the next head."""
+    b, heads, seq_q, head_dim = dq.shape
+    block = [1, BLOCK_M.value, head_dim]
+    return TensorDescriptor.from_tensor(dq.view(b * heads, seq_q, head_dim), block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
 def backward(
@@ -289,7 +324,7 @@ def backward(
     b, heads, _, head_dim = q.shape
     launch(
         _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),
-        *inputs, dq, dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
+        *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
         heads // k.shape[1], head_dim, causal, (config or DEFAULT_CONFIG).num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
         num_warps=NUM_WARPS.value,

@@ -5,9 +5,10 @@ value where it is 1 or a multiple of 16, a tensor's dtype and 16-byte alignment)
 compiled kernel up again at every call, behind the autotuner's own key; for a decode GEMM's
 forty-odd arguments that is far more host time than the kernel's few microseconds of GPU time,
 and without CUDA graphs it set the pace of a decode step. ``launch`` does that work once per
-call signature (every argument that is not a tensor, by value; each tensor's dtype and
-alignment), remembers the compiled kernel, its grid and its arguments in order, and afterwards
-hands the call's tensors straight to the compiled kernel's launcher. Triton's interpreter, and
+call signature (every argument that is not a tensor or a TMA descriptor, by value; each tensor's
+dtype and alignment; each descriptor's dtype, block and layout), remembers the compiled kernel,
+its grid and its arguments in order, and afterwards hands the call's tensors and descriptors
+straight to the compiled kernel's launcher. Triton's interpreter, and
 launch hooks (a profiler's), get Triton's own path.
 """
 
@@ -19,9 +20,11 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import JITFunction
 
 Grid = Union[tuple[int, ...], Callable[[dict[str, Any]], tuple[int, ...]]]
+PER_CALL = (torch.Tensor, TensorDescriptor)  # arguments handed over at every call, not kept by value
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -48,8 +51,16 @@ _LAUNCHES: dict[tuple, _Launch] = {}
 
 def _signature(values: Any) -> tuple:
     """What Triton's specialization may read of each argument: a tensor's dtype and whether it is
-    16-byte aligned, any other argument itself."""
-    return tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in values)
+    16-byte aligned, a TMA descriptor's dtype, block and layout, any other argument itself."""
+    return tuple(_specialized(v) for v in values)
+
+
+def _specialized(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, TensorDescriptor):  # its base, shape and strides travel at every call
+        return v.base.dtype, tuple(v.block_shape), v.layout
+    return v
 
 
 def _hooked(hook: Any) -> bool:
@@ -93,7 +104,7 @@ def _first(kernel: Any, grid: Grid, args: tuple, kwargs: dict) -> _Launch:
     tensors = tuple(
         (position, position if position < len(args) else name)
         for position, (name, value) in enumerate(named.items())
-        if isinstance(value, torch.Tensor)
+        if isinstance(value, PER_CALL)
     )
-    values = tuple(None if isinstance(value, torch.Tensor) else value for value in named.values())
+    values = tuple(None if isinstance(value, PER_CALL) else value for value in named.values())
     return _Launch(compiled.run, compiled.function, compiled.packed_metadata, (*shape, 1, 1)[:3], values, tensors)
