@@ -315,7 +315,7 @@ def backward(
     config: Optional[GluonBackwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triton_attention_backward.backward``'s results and arguments, bit for bit those of its
-    ``triton_config()`` but for the order of dQ's atomic adds (``config`` defaults to
+    ``triton_config()`` but for the order in which dQ's tiles meet (``config`` defaults to
     DEFAULT_CONFIG), on Hopper only, for query and key lengths that are multiples of 16."""
     seq_q, seq_k = q.shape[2], k.shape[2]
     if seq_q % GLUON_LENGTH_MULTIPLE or seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
