@@ -107,6 +107,32 @@ class StoredWeight(nn.Module):
         return ""
 
 
+class WriteRefusing(torch.Tensor):
+    """A tensor whose in-place ops (``copy_``, ``normal_``, item assignment, ``out=``, through
+    ``.data`` too) raise ``refusal``: a frozen weight's stand-in, where a write would be lost."""
+
+    refusal: str
+
+    @staticmethod
+    def of(tensor: torch.Tensor, refusal: str) -> "WriteRefusing":
+        refusing = torch.Tensor._make_subclass(WriteRefusing, tensor)
+        refusing.refusal = refusal
+        return refusing
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+        target = next(iter((*args, *kwargs.values())), None) if in_place else kwargs.get("out")  # nn.init's by keyword
+        if isinstance(target, WriteRefusing):
+            raise RuntimeError(target.refusal)
+        if func == torch.Tensor.data.__get__:  # .data's writes are the stand-in's
+            return args[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 class FrozenLinear(StoredWeight):
     """An nn.Linear whose weight is a StoredWeight; the bias stays as it was.
 
@@ -143,16 +169,19 @@ class FrozenLinear(StoredWeight):
         """A stand-in of the weight's shape and dtype on the meta device, which holds no values:
         model code that reads a linear's weight.dtype (T5's feed-forward casts to it) runs as
         before, and anything that reads its values fails (freeze keeps a linear whose weight the
-        compiled graphs read other than through its forward). A write into it changes nothing."""
-        return torch.empty(self.weight_shape, dtype=self.weight_dtype, device="meta")
+        compiled graphs read other than through its forward). Outside compiled code it refuses a
+        write (``copy_``, nn.init, ``.data.normal_()``), which a bare meta tensor takes silently."""
+        stand_in = torch.empty(self.weight_shape, dtype=self.weight_dtype, device="meta")
+        return stand_in if torch.compiler.is_compiling() else WriteRefusing.of(stand_in, self._refusal("a weight written into it"))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "weight":  # nn.Module's own message would be "attribute 'weight' already exists"
-            raise AttributeError(
-                f"graphquant: {self.name} is frozen, its weight stored as {self.weight_format}: a weight given to it would "
-                "never be read; give the model its weights before graphquant.freeze, or load a frozen checkpoint (load_state_dict)"
-            )
+            raise AttributeError(self._refusal("a weight given to it"))
         super().__setattr__(name, value)
+
+    def _refusal(self, what: str) -> str:
+        return (f"graphquant: {self.name} is frozen, its weight stored as {self.weight_format}: {what} would never be read; "
+                "give the model its weights before graphquant.freeze, or load a frozen checkpoint (load_state_dict)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = [self.out_features, self.in_features]
