@@ -10,9 +10,8 @@ logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
     wait for S^T; P^T                                  meanwhile dP^T
     wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
     shared memory, the A operands of the next products
-    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ and store it into shared memory,
-    from where one TMA reduction adds it into DQ after the next tile's first barrier (no barrier
-    of its own); then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
+    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, store it into shared memory and
+    add it into DQ by one TMA reduction; then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
     adding the one it waited for into its fp32 accumulator
 
 Every value is the Triton backward's in its default configuration (``triton_config``): each
@@ -234,11 +233,10 @@ def _backward_kernel(
     for j in range(steps):
         # Tile j in shared memory (the barrier: every thread's copies of it, every warp done with the
         # stage the next copy overwrites, whose products it waited for in the previous iteration, and
-        # every thread's share of the previous dQ tile stored, which one reduction now adds into DQ).
+        # the previous dQ tile's reduction done reading shared memory).
         async_copy.wait_group(STAGES - 2)
+        tma.store_wait(0)
         gl.thread_barrier()
-        if j > 0:
-            _add_dq_tile(DQ_TILES, dq_smem, bh, lo + (j - 1) * BLOCK_M)
         ahead = j + STAGES - 1
         _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
                          HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
@@ -261,7 +259,6 @@ def _backward_kernel(
         dst_smem.store(ds8)
         ds_smem.store(gl.permute(ds8, (1, 0)))
         fence_async_shared()
-        tma.store_wait(0)  # the previous dQ tile's reduction has read it: this tile's may overwrite it after the barrier
         gl.thread_barrier()
 
         dot = dot_smem.index(stage)
@@ -269,8 +266,12 @@ def _backward_kernel(
         dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(1, deps=[dq])
+        # Issued here, after a barrier of its own: issued after the next tile's first barrier instead,
+        # it was 4-7% slower without a mask (benchmarks/NOTES.md).
         dq_tile.store(dq * grad_factor)
         fence_async_shared()
+        gl.thread_barrier()
+        _add_dq_tile(DQ_TILES, dq_smem, bh, start_m)
         dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
         dv0 = dv0 + dv0_tile
@@ -283,9 +284,6 @@ def _backward_kernel(
         dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
         dk1 = dk1 + dk1_tile
     async_copy.wait_group(0)
-    gl.thread_barrier()
-    if steps > 0:
-        _add_dq_tile(DQ_TILES, dq_smem, bh, lo + (steps - 1) * BLOCK_M)
     tma.store_wait(0)
 
     keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
