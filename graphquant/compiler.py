@@ -845,15 +845,10 @@ def compile(
         watch_methods(compiled, model, "forward and generate" if generates else "forward", attention=recipe.fp8_dpa)
         if generates:
             forwards = {
-                module: _own_graph(
-                    _compiled_function(
-                        torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name
-                    ),
-                    name,
-                )
+                module: _compiled_function(torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name)
                 for module in _generated_through(model)
             }
-            generate = _generating_through(model, forwards)
+            generate = _generating_through(model, forwards, name)
             compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, name, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
         compiled = _checking_the_first_compile(_compiled_function(compiled, name), gq_backend, name)
@@ -955,12 +950,24 @@ def _generated_through(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @dataclasses.dataclass
 class _Installed:
-    """graphquant's forward in a module a generate runs through: whose generate put it there, how
-    many of its calls run now, and the module's own forward attribute (None: the class's)."""
+    """graphquant's forward in a module a generate runs through: whose generate put it there, the
+    threads whose calls of it run now (how many each), and the module's own forward attribute
+    (None: the class's)."""
 
     generate: Callable
-    calls: int
+    threads: collections.Counter
     own_forward: Optional[Callable]
+
+    def forward_of(self, module: torch.nn.Module, quantized: Callable) -> Callable:
+        """The module's forward while installed: ``quantized`` in the threads generating, its own
+        in any other (a server's thread calling the plain module meanwhile asked for that)."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() in self.threads:
+                return quantized(*args, **kwargs)
+            return (self.own_forward or type(module).forward.__get__(module))(*args, **kwargs)
+
+        return forward
 
 
 # The modules graphquant generates run through now, under one lock for every model.
@@ -968,15 +975,16 @@ _GENERATING: "weakref.WeakKeyDictionary[torch.nn.Module, _Installed]" = weakref.
 _GENERATING_LOCK = threading.Lock()
 
 
-def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, Callable]) -> Callable:
+def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, Callable], name: str) -> Callable:
     """``model.generate`` (transformers' GenerationMixin, which calls the module itself, not the
     compiled model, and an encoder-decoder's encoder by itself) with each call of those modules'
     forwards run by ``forwards``, graphquant's compiles of them, each its own graph (_own_graph):
     transformers compiles the decode step of a static cache itself. Calls that overlap (a server's
     threads) share one installation: the first puts the forwards in, the last takes them out (each
     putting back what it found let the first to end take the others' forwards away, whose later
-    steps then ran unquantized, and left graphquant's forward in the module for good). Another
-    graphquant model of the same module cannot generate meanwhile: the module has one forward."""
+    steps then ran unquantized, and left graphquant's forward in the module for good), and other
+    threads calling the module meanwhile get its own forward. Another graphquant model of the same
+    module cannot generate meanwhile: the module has one forward."""
 
     @functools.wraps(type(model).generate)
     def generate(*args: Any, **kwargs: Any) -> Any:
@@ -989,17 +997,17 @@ def _generating_through(model: torch.nn.Module, forwards: dict[torch.nn.Module, 
                 )
             for module, forward in forwards.items():
                 if module not in _GENERATING:
-                    _GENERATING[module] = _Installed(generate, 0, module.__dict__.get("forward"))
-                    module.forward = forward
-                _GENERATING[module].calls += 1
+                    installed = _GENERATING[module] = _Installed(generate, collections.Counter(), module.__dict__.get("forward"))
+                    module.forward = _own_graph(installed.forward_of(module, forward), name)
+                _GENERATING[module].threads[threading.get_ident()] += 1
         try:
             return model.generate(*args, **kwargs)
         finally:
             with _GENERATING_LOCK:
                 for module in forwards:
                     installed = _GENERATING[module]
-                    installed.calls -= 1
-                    if not installed.calls:
+                    installed.threads -= collections.Counter({threading.get_ident(): 1})  # drops a count that reaches 0
+                    if not installed.threads:
                         if installed.own_forward is None:
                             del module.forward
                         else:

@@ -274,6 +274,43 @@ def test_generate_calls_that_overlap_in_threads_run_every_step_quantized():
     assert "forward" not in model.__dict__
 
 
+def test_a_thread_calling_the_plain_module_while_another_generates_gets_its_own_forward():
+    """generate puts graphquant's forward into the module, which every thread calls: a server's
+    other thread calling the plain module meanwhile ran quantized, which it never asked for. It
+    gets the module's own forward now, and the generate every step quantized."""
+    import threading
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    prompt, plain_input = token_ids(batch=1, seq=8), token_ids(batch=1, seq=8, seed=2)
+    kwargs = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        plain_expected = model(plain_input).logits
+        generated_expected = compiled.generate(prompt, **kwargs)
+    plain_ran, plain = threading.Event(), {}
+
+    def call_the_plain_module():
+        with torch.inference_mode():
+            plain["logits"] = model(plain_input).logits
+        plain_ran.set()
+
+    class Meanwhile(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not plain_ran.is_set():
+                threading.Thread(target=call_the_plain_module).start()
+                assert plain_ran.wait(60)
+            return scores
+
+    with torch.inference_mode():
+        out = compiled.generate(prompt, logits_processor=[Meanwhile()], **kwargs)
+    assert torch.equal(plain["logits"], plain_expected)
+    assert torch.equal(out.sequences, generated_expected.sequences)
+    for a, b in zip(out.scores, generated_expected.scores):
+        assert torch.equal(a, b)
+    assert "forward" not in model.__dict__
+
+
 def test_two_graphquant_models_of_one_module_do_not_generate_at_once():
     """generate runs through the module's own forward attribute, which holds one model's forward:
     a second graphquant model of the module (another recipe) generating meanwhile took it away
