@@ -89,8 +89,9 @@ class GemmSite:
     through them, a dynamic size's check becomes a guard of the compiled graph. An einsum site
     carries its layout as a batched product (rewrite passes it on to the op). in_body: the site
     is in a body (body_of), whose sites run the training formula (runs_inference_product).
-    gradients: whether x and w require a gradient as the graph was traced (Dynamo guards on
-    that), so whether a backward runs dgrad and wgrad: a frozen weight's wgrad never runs.
+    gradients: whether x and w get a gradient as the graph was traced (each requires one and so
+    does the product: none under no_grad; Dynamo guards on both), so whether a backward runs
+    dgrad and wgrad: a frozen weight's wgrad never runs, nor a no_grad teacher's backward.
     """
 
     form: str
@@ -290,6 +291,7 @@ def _find(
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
         owner, call, module_is_linear = owner_of(node, frame)
+        backward = _requires_grad(node)  # not under no_grad (a distillation's teacher)
         if is_linear and module_is_linear:
             name = owner
         else:
@@ -307,7 +309,7 @@ def _find(
             w_sizes=w_sizes,
             einsum=einsum,
             in_body=in_body,
-            gradients=(_requires_grad(a), _requires_grad(b)),
+            gradients=(backward and _requires_grad(a), backward and _requires_grad(b)),
         )
         node.meta["graphquant_site"] = site
         sites.append(site)

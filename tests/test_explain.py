@@ -40,6 +40,26 @@ def test_training_plan_lists_the_gemms_a_backward_runs_without_running_it():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_plan_lists_no_backward_gemms_of_a_product_under_no_grad():
+    """A distillation step runs its teacher under torch.no_grad: no backward runs its GEMMs, though
+    its weight requires a gradient; the plan listed its dgrad and wgrad as if one did."""
+
+    class Distilling(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher, self.student = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            with torch.no_grad():
+                target = self.teacher(x)
+            return ((self.student(x) - target) ** 2).mean()
+
+    compiled = graphquant.compile(Distilling(), zoo.recipe("tensorwise"), backend="aot_eager")
+    compiled(x_mlp().requires_grad_()).backward()
+    (plan,) = compiled.graphquant.plans
+    assert [(g.site, g.gemm) for g in plan.gemms] == [("teacher#0", "fprop")] + [("student#0", gemm) for gemm in ("fprop", "dgrad", "wgrad")]
+
+
 def test_what_explain_and_compile_do_not_take_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"run the rewritten graph eagerly.*take no backend \(got backend='aot_eager'\)"):
         graphquant.explain(MLP(), zoo.recipe("tensorwise"), x_mlp(), backend="aot_eager")
