@@ -962,6 +962,7 @@ class _Installed:
         """The module's forward while installed: ``quantized`` in the threads generating, its own
         in any other (a server's thread calling the plain module meanwhile asked for that)."""
 
+        @functools.wraps(quantized)  # generate reads the forward's signature (logits_to_keep, position_ids)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() in self.threads:
                 return quantized(*args, **kwargs)

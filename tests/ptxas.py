@@ -33,9 +33,11 @@ def loop_spills(cubin: bytes) -> list[str]:
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
     in_loops = set()
     for i, line in enumerate(lines):
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        target = re.search(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)", line)  # BRA, BRA.U, BRA.DIV, predicated or not
         if target and labels.get(target.group(1), i) < i:
             in_loops.update(range(labels[target.group(1)], i))
+    if not in_loops:
+        raise ValueError("no loop (a branch back to a label) in this kernel's SASS")
     return [lines[i].strip() for i in sorted(in_loops) if re.search(r"\b(STL|LDL)\b", lines[i])]
 
 

@@ -11,6 +11,7 @@ so the compiled and reference runs see the same values.
 """
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -295,8 +296,11 @@ def test_a_thread_calling_the_plain_module_while_another_generates_gets_its_own_
             plain["logits"] = model(plain_input).logits
         plain_ran.set()
 
+    signatures = []
+
     class Meanwhile(transformers.LogitsProcessor):
         def __call__(self, input_ids, scores):
+            signatures.append(inspect.signature(model.forward))  # generate reads it to pass logits_to_keep and position_ids
             if not plain_ran.is_set():
                 threading.Thread(target=call_the_plain_module).start()
                 assert plain_ran.wait(60)
@@ -305,6 +309,7 @@ def test_a_thread_calling_the_plain_module_while_another_generates_gets_its_own_
     with torch.inference_mode():
         out = compiled.generate(prompt, logits_processor=[Meanwhile()], **kwargs)
     assert torch.equal(plain["logits"], plain_expected)
+    assert signatures and all(signature == inspect.signature(type(model).forward.__get__(model)) for signature in signatures)
     assert torch.equal(out.sequences, generated_expected.sequences)
     for a, b in zip(out.scores, generated_expected.scores):
         assert torch.equal(a, b)

@@ -10,9 +10,9 @@ logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
     wait for S^T; P^T                                  meanwhile dP^T
     wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
     shared memory, the A operands of the next products
-    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, store it into shared memory and
-    add it into DQ by one TMA reduction; then dV's second half and dK's halves (dS^T @ Q), each wait leaving one product in flight and
-    adding the one it waited for into its fp32 accumulator
+    issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, store it into shared memory
+    and add it into DQ by TMA reduction; then dV's second half and dK's halves (dS^T @ Q), each
+    wait leaving one product in flight and adding the one it waited for into its fp32 accumulator
 
 Every value is the Triton backward's in its default configuration (``triton_config``): each
 product from zero over the same depth in the same order (S^T and dP^T over the head dim, dV and
@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import triton
 from triton.experimental import gluon
-from triton._C.libtriton import ir
+from triton._C.libtriton import gluon_ir, ir
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
@@ -48,6 +48,9 @@ from graphquant.kernels import triton_attention, triton_attention_backward
 from graphquant.kernels.backends import GLUON_LENGTH_MULTIPLE
 from graphquant.kernels.gluon_attention import copy_layout
 from graphquant.kernels.triton_launch import ceil_div, launch
+
+if not (hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")):
+    raise ImportError("the Gluon FP8 flash backward adds dQ's tiles by TMA reductions, which this Triton's Gluon cannot build")
 
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, 64 keys each of the program's 128
 BLOCK_M = gl.constexpr(64)  # query rows a tile: the Triton backward's default
@@ -85,7 +88,7 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _add_dq_tile(DQ_TILES, dq_smem, bh, start_m):
     """Add the dQ tile in shared memory into query rows [start_m, start_m + BLOCK_M) of (batch,
-    head) ``bh``: one TMA reduction, issued by one thread, that drops the rows from seq_q on."""
+    head) ``bh`` by TMA reduction, issued by one thread, which drops the rows from seq_q on."""
     _reduce_add(DQ_TILES, [bh.to(gl.int32), start_m, 0], dq_smem)
 
 
@@ -319,6 +322,8 @@ def backward(
     if seq_q % GLUON_LENGTH_MULTIPLE or seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of Q^T's, dO^T's and K^T's rows
         raise ValueError(f"the Gluon FP8 flash backward takes query and key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_q} and {seq_k}")
     (dq, dk, dv, ds_amax), inputs = triton_attention_backward.prepared(q, qt, k, kt, v, do, dot, lse, delta, grad_dtype)
+    if dq.numel() == 0:  # no query: no dQ tile to describe, dK and dV zero
+        return dq, dk.zero_(), dv.zero_(), ds_amax.view(torch.float32)
     b, heads, _, head_dim = q.shape
     launch(
         _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),

@@ -20,8 +20,12 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import JITFunction
+
+try:  # Gluon's TMA descriptors (Triton 3.6): handed over per call like tensors
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:
+    TensorDescriptor = torch.Tensor
 
 Grid = Union[tuple[int, ...], Callable[[dict[str, Any]], tuple[int, ...]]]
 PER_CALL = (torch.Tensor, TensorDescriptor)  # arguments handed over at every call, not kept by value
@@ -35,8 +39,8 @@ def ceil_div(a: int, b: int) -> int:
 
 class _Launch(NamedTuple):
     """One call signature's compiled kernel (its launcher, function and metadata) and grid, the
-    arguments in the kernel's order with None where the call's tensors go, and where those come
-    from (a position in the call's arguments, or a keyword)."""
+    arguments in the kernel's order with None where the call's tensors and descriptors go, and
+    where those come from (a position in the call's arguments, or a keyword)."""
 
     launcher: Callable[..., None]
     function: Any
