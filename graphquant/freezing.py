@@ -108,10 +108,12 @@ class StoredWeight(nn.Module):
 
 
 class WriteRefusing(torch.Tensor):
-    """A tensor whose in-place ops (``copy_``, ``normal_``, item assignment, ``out=``, through
-    ``.data`` too) raise ``refusal``: a frozen weight's stand-in, where a write would be lost."""
+    """A tensor whose in-place ops (``copy_``, ``normal_``, item assignment, ``out=``, ``.data``'s
+    and its views' too) and ``.data =`` raise ``refusal``: a frozen weight's stand-in, where a
+    write would be lost. Ops that write no values (``requires_grad_``) run."""
 
     refusal: str
+    _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_"})
 
     @staticmethod
     def of(tensor: torch.Tensor, refusal: str) -> "WriteRefusing":
@@ -123,14 +125,25 @@ class WriteRefusing(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
-        target = next(iter((*args, *kwargs.values())), None) if in_place else kwargs.get("out")  # nn.init's by keyword
-        if isinstance(target, WriteRefusing):
-            raise RuntimeError(target.refusal)
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and name not in cls._NOT_WRITES)
+        first = next(iter((*args, *kwargs.values())), None)  # nn.init's by keyword
+        targets = (first if in_place else kwargs.get("out")) if func != torch.Tensor.data.__set__ else args[0]
+        refusing = next((t for t in (targets if isinstance(targets, (list, tuple)) else [targets]) if isinstance(t, cls)), None)
+        if refusing is not None:  # a list: torch._foreach_*_'s; a tuple: out= of several
+            raise RuntimeError(refusing.refusal)
         if func == torch.Tensor.data.__get__:  # .data's writes are the stand-in's
             return args[0]
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if isinstance(first, cls) and isinstance(result, torch.Tensor) and (result._is_view() or name == "detach"):
+            return cls.of(result, first.refusal)  # w[0], w.t(), w.view(-1), w.detach(): its memory
+        return result
+
+    def __deepcopy__(self, memo: dict) -> "WriteRefusing":
+        return WriteRefusing.of(torch.empty_like(self.as_subclass(torch.Tensor)), self.refusal)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return torch.empty_like(self.as_subclass(torch.Tensor)).__reduce_ex__(protocol)  # saved as the plain meta tensor it stands for
 
 
 class FrozenLinear(StoredWeight):

@@ -223,7 +223,7 @@ def test_a_weight_given_to_a_frozen_linear_is_refused_saying_why():
         compiled._orig_mod.fc1.weight = torch.nn.Parameter(torch.zeros(128, 64, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("write", ["copy_", "nn.init", "data", "item", "out"])
+@pytest.mark.parametrize("write", ["copy_", "nn.init", "data", "item", "out", "view", "detached", "data=", "foreach"])
 def test_a_write_into_a_frozen_linears_weight_is_refused_not_lost(write):
     """The stand-in is a meta tensor, which takes any in-place op and keeps nothing: a weight
     loaded by ``copy_`` (or initialized, as a model's _init_weights does through ``.data``) after
@@ -235,9 +235,12 @@ def test_a_write_into_a_frozen_linears_weight_is_refused_not_lost(write):
     writes = {
         "copy_": lambda: weight.copy_(zeros), "nn.init": lambda: torch.nn.init.normal_(weight), "data": lambda: weight.data.normal_(),
         "item": lambda: weight.__setitem__(0, 1.0), "out": lambda: torch.mul(zeros.to("meta"), 2, out=weight),
+        "view": lambda: weight.t()[0].fill_(1.0), "detached": lambda: weight.detach().zero_(),
+        "data=": lambda: setattr(weight, "data", zeros.to("meta")), "foreach": lambda: torch._foreach_mul_([weight], 2.0),
     }
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"fc1 is frozen, its weight stored as mxfp8\(fp8_dtype=e4m3\): a weight written into it would never be read"):
         writes[write]()
+    weight.requires_grad_(False)  # writes no value
     assert torch.equal(compiled(x3()), expected)
 
 
