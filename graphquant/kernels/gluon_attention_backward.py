@@ -37,8 +37,8 @@ from typing import Optional
 
 import torch
 import triton
-from triton.experimental import gluon
 from triton._C.libtriton import gluon_ir, ir
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
