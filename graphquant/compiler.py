@@ -85,7 +85,8 @@ class GraphquantBackend:
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         self.state_loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
-        self.weights_read_otherwise: set[str] = set()  # parameters some graph reads other than as its linear's weight
+        # Parameters some graph reads other than as its linear's weight, each with the sites that multiply it.
+        self.weights_read_otherwise: dict[str, set[str]] = {}
         # check_eager_products ran at a call with grad enabled, or has nothing to find: an inference
         # model's calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
@@ -147,13 +148,24 @@ class GraphquantBackend:
             )
 
     def _warn_of_unplanned_linears(self) -> None:
-        """Say which of the model's nn.Linear modules no graph holds."""
+        """Say which of the model's nn.Linear modules no graph holds: a module whose weight the
+        model's code multiplies itself, by the sites that do; any other, as not compiled."""
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
         inside_attention = {f"{name}.out_proj" for name, m in named if isinstance(m, torch.nn.MultiheadAttention)}
         linears = [name for name, m in named if isinstance(m, torch.nn.Linear) and name not in inside_attention]
         unplanned = [name for name in linears if name not in planned]
+        read = {name: self.weights_read_otherwise[f"{name}.weight"] for name in unplanned if f"{name}.weight" in self.weights_read_otherwise}
+        if read:
+            user_stack.warn(
+                "graphquant: the model's code reads these nn.Linear modules' weights itself, without calling them: "
+                + "; ".join(f"{name} ({'multiplied in ' + ', '.join(sorted(sites)) if sites else 'through other ops first'})" for name, sites in read.items())
+                + ". Their products are planned by the names of the sites that multiply them (the modules whose code does), "
+                "so a recipe's rule for the linear's own name does not reach them; call the module (self.lm_head(x), not "
+                "F.linear(x, self.lm_head.weight)) to plan it by its name"
+            )
+        unplanned = [name for name in unplanned if name not in read]
         if unplanned:
             user_stack.warn(
                 f"graphquant: {len(unplanned)} of the model's {len(linears)} nn.Linear modules are in no compiled graph "
@@ -183,7 +195,8 @@ class GraphquantBackend:
         for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
             name = names.get(id(value)) if isinstance(value, torch.nn.Parameter) else None
             if name is not None and not all(_reads_as_its_linear(user, node, name.rpartition(".")[0]) for user in node.users):
-                self.weights_read_otherwise.add(name)
+                sites = {site.name for user in _users_through_views(node) if (site := user.meta.get("graphquant_site"))}
+                self.weights_read_otherwise.setdefault(name, set()).update(sites)
 
     def _warn_of_unread_parameters(self) -> None:
         """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert
@@ -603,6 +616,19 @@ def _check_values(key: str, value: torch.Tensor) -> None:
         )
     if bool((torch.isnan(history) | (history < 0)).any()):
         raise ValueError(f"graphquant state {key!r}: its amax history holds a NaN or a negative amax")
+
+
+def _users_through_views(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``, through any chain of ops that only reshape or transpose it
+    (a weight multiplied as ``w.t()``); the elementwise ops a model may apply first stay users."""
+    users = []
+    for user in node.users:
+        viewing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in _VIEWS
+        users.extend(_users_through_views(user) if viewing else [user])
+    return users
+
+
+_VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "T", "mT"}
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:

@@ -6,6 +6,7 @@ them, and keep its state its own: none of them may run the model unquantized wit
 """
 
 import copy
+import re
 import warnings
 
 import models
@@ -149,6 +150,33 @@ def test_linears_in_no_graph_are_named_after_the_first_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(x2())
+
+
+@pytest.mark.parametrize("spelling", ["F.linear", "weight * mask"])
+def test_a_linear_whose_weight_the_model_multiplies_itself_is_named_with_its_sites(spelling):
+    """A model that reads a head's weight itself (``F.linear(h, self.head.weight)``, as fused-loss
+    code does) never calls the head: its product is planned by the site that multiplies it, which
+    a recipe's rule for "head" does not reach. The warning said the head ran eagerly in high
+    precision, the opposite of what happened; it says where the weight is read now."""
+
+    class ReadingItsHeadsWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64, bias=False)
+            self.register_buffer("mask", torch.ones(64, 64))
+
+        def forward(self, x):
+            h = self.fc1(x)
+            return torch.nn.functional.linear(h, self.head.weight if spelling == "F.linear" else self.head.weight * self.mask)
+
+    model = quantized(models.seeded(ReadingItsHeadsWeight()))
+    where = r"multiplied in linear\.0" if spelling == "F.linear" else r"through other ops first"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x2())
+    messages = [str(w.message) for w in caught]
+    assert any(re.search(rf"reads these nn.Linear modules' weights itself, without calling them: head \({where}\)", m) for m in messages), messages
+    assert not any("in no compiled graph" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("evaluated_first", [False, True])
