@@ -619,16 +619,17 @@ def _check_values(key: str, value: torch.Tensor) -> None:
 
 
 def _users_through_views(node: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``node``, through any chain of ops that only reshape or transpose it
-    (a weight multiplied as ``w.t()``); the elementwise ops a model may apply first stay users."""
+    """The nodes that read ``node``, through any chain of ops that only reshape, transpose or cast
+    it (a weight multiplied as ``w.t()``, or cast by autocast); other ops a model applies first
+    (a mask's product) stay users."""
     users = []
     for user in node.users:
-        viewing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in _VIEWS
-        users.extend(_users_through_views(user) if viewing else [user])
+        passing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in _RESHAPING
+        users.extend(_users_through_views(user) if passing else [user])
     return users
 
 
-_VIEWS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "T", "mT"}
+_RESHAPING = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "T", "mT"}
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:
