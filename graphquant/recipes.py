@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -87,6 +88,13 @@ class CustomRecipe:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+    def __copy__(self) -> "CustomRecipe":
+        return dataclasses.replace(self)  # the same process: the group itself, not pickle's None
+
+    def __deepcopy__(self, memo: dict) -> "CustomRecipe":
+        fields = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self) if f.name != "amax_reduction_group"}
+        return dataclasses.replace(self, **fields)
 
 
 def delayed_scaling(*, margin: int = 0, amax_history_len: int = 1024, amax_compute_algo: str = "max") -> CustomRecipe:

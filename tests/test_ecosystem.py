@@ -7,6 +7,7 @@ tests below check them against single-process runs.
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -672,6 +673,16 @@ def test_recipes_pickle_and_lambdas_say_why_not():
     for bad in (graphquant.CustomRecipe(lambda role: graphquant.IdentityQuantizer()), local_factory_recipe()):
         with pytest.raises(pickle.PicklingError, match="define the factory at module level"):
             pickle.dumps(bad)
+
+
+def test_a_copied_recipe_keeps_its_process_group():
+    """Pickling drops a process group (it does not pickle; spawned workers give theirs by name), but
+    copy.copy and copy.deepcopy in the same process went through pickle's state too: a config
+    system's deep copy of a recipe then reduced no amax, and only a run of several processes warned."""
+    group = object()  # a ProcessGroup stands here: only its identity matters to a copy
+    recipe = dataclasses.replace(recipes.current_scaling(), amax_reduction_group=group, expected_names=("fc1",))
+    for copied in (copy.copy(recipe), copy.deepcopy(recipe)):
+        assert copied.amax_reduction_group is group and copied == recipe
 
 
 def test_a_graphquant_model_refuses_pickling_saying_what_a_checkpoint_saves():
