@@ -401,14 +401,23 @@ class Planner:
         empty = [name for name, size in dims.items() if isinstance(size, int) and size == 0]
         if empty:
             return f"{EMPTY_PRODUCT} ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
+        formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
         try:
             self._check_shapes(site, quantizers, training)
         except PlanError:
             small = self._small_dims(site, quantizers, training) if self.recipe.small_gemms_in_high_precision else ""
             if not small:
                 raise
-            formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
             return f"in high precision: its {small} tile no block of the recipe's formats ({formats})"
+        # Rowwise blocks alone may tile a router that training's columnwise ones do not: quantized
+        # here it would route evaluation and serving otherwise than training did.
+        if not training and self.recipe.small_gemms_in_high_precision:
+            try:
+                self._check_shapes(site, quantizers, True)
+            except PlanError:
+                small = self._small_dims(site, quantizers, True)
+                if small:
+                    return f"in high precision, as in training: its {small} tile no block of the recipe's formats ({formats}) there"
         return ""
 
     def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:

@@ -1101,6 +1101,17 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
     reasons = {g.reason for g in ragged.graphquant.plan.gemms if g.site == "router#0"}
     assert reasons == {"in high precision: its 8 output features and 37 rows tile no block of the recipe's formats (mxfp8(fp8_dtype=e4m3))"}
 
+    # Evaluated or served, the router stays in high precision as in training: rowwise blocks alone
+    # tile its 8-row weight, and quantized it routed other tokens than the training plan did.
+    for mode in (None, "inference"):
+        torch._dynamo.reset()
+        evaluated = graphquant.compile(RoutedLayer(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True, mode=mode)
+        with torch.no_grad():
+            evaluated(x)
+        assert [(g.gemm, g.a_format, g.reason) for g in evaluated.graphquant.plan.gemms if g.site == "router#0"] == [(
+            "fprop", "identity()", "in high precision, as in training: its 8 output features tile no block of the recipe's formats (mxfp8(fp8_dtype=e4m3)) there"
+        )]
+
     # A factory of the user's own decides per slot: the same formats without the built-in default fail.
     torch._dynamo.reset()
     own = graphquant.compile(RoutedLayer(), CustomRecipe(factories.mxfp8_factory), backend="aot_eager", fullgraph=True)
