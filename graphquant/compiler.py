@@ -116,12 +116,24 @@ class GraphquantBackend:
         self.first_call_checked = True
         if not self.plans:
             self.eager_products_checked = True  # every product ran eagerly: nothing more to tell
+            inner = self.root.module if isinstance(self.root, torch.nn.parallel.DistributedDataParallel) else self.root
+            if inner is not None and type(inner).__module__.startswith("torch.nn"):
+                why = (
+                    "Dynamo compiles no frame of torch.nn's own code by itself, and a DistributedDataParallel (or another "
+                    "torch.nn wrapper) of a torch.nn container such as Sequential leaves it none; graphquant.compile the module "
+                    "and wrap that (DistributedDataParallel(graphquant.compile(model, recipe))), or give the container a "
+                    "forward of your own"
+                )
+            else:
+                why = (
+                    "Dynamo skipped the model's frames, as it does a frame whose graph break it cannot take (one inside a loop, "
+                    "such as a per-expert loop over token indices that torch.where finds); TORCH_LOGS=graph_breaks says where. "
+                    "Write that code without the break: experts as one torch._grouped_mm over the tokens sorted by expert, as "
+                    "transformers' grouped_mm experts are"
+                )
             user_stack.warn(
-                "graphquant: torch.compile gave graphquant no graph in this model's first call, so it ran the model's code "
-                "eagerly, unquantized: Dynamo compiles no frame of torch.nn's own code by itself, and a "
-                "DistributedDataParallel (or another torch.nn wrapper) of a torch.nn container such as Sequential leaves "
-                "it none; graphquant.compile the module and wrap that (DistributedDataParallel(graphquant.compile(model, "
-                "recipe))), or give the container a forward of your own"
+                f"graphquant: torch.compile gave graphquant no graph in this model's first call, so it ran the model's code "
+                f"eagerly, unquantized: {why}"
             )
             return
         if not any(plan.gemms for plan in self.plans):

@@ -701,6 +701,32 @@ def test_a_graphquant_model_refuses_pickling_saying_what_a_checkpoint_saves():
     assert copy.deepcopy(compiled).graphquant is not compiled.graphquant
 
 
+def test_a_model_whose_frames_dynamo_skips_is_said_to_run_eagerly_saying_why():
+    """A per-expert loop over the token indices torch.where finds breaks the graph inside a loop,
+    where Dynamo skips the whole frame: no graph, the model eager and unquantized. The warning gave
+    the reason of a DistributedDataParallel around a torch.nn container, which this is not."""
+
+    class LoopedExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(64, 4)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+        def forward(self, x):
+            choice, out = self.router(x).argmax(-1), torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                (tokens,) = torch.where(choice == e)
+                out = out.index_add(0, tokens, expert(x[tokens]))
+            return out
+
+    model, tokens = models.seeded(LoopedExperts()), torch.randn(32, 64)
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with pytest.warns(UserWarning, match=r"no graph in this model's first call.*Dynamo skipped the model's frames.*loop") as warned:
+        y = compiled(tokens)
+    assert not any("torch.nn container" in str(w.message) for w in warned)
+    assert torch.equal(y, model(tokens))
+
+
 def test_graphquant_around_ddp_of_a_torch_nn_container_says_it_compiled_no_graph():
     """Dynamo compiles no frame of torch.nn's own code by itself: graphquant.compile of a
     DistributedDataParallel around an nn.Sequential ran the model eagerly, unquantized, with no
