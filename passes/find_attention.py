@@ -57,7 +57,9 @@ class DpaSite:
     """One F.scaled_dot_product_attention call: its owner, its shapes, its mask.
 
     q_sizes is (batch, query heads, query length, head dim), k_sizes and v_sizes the same of key
-    and value, each symbolic dim as its torch.SymInt (a check on it becomes a guard).
+    and value, each symbolic dim as its torch.SymInt (a check on it becomes a guard). gradients:
+    whether Q, K and V get a gradient as the graph was traced (each requires one and so does the
+    output: none under no_grad), so which backward products run.
     """
 
     name: str
@@ -67,6 +69,7 @@ class DpaSite:
     v_sizes: tuple = dataclasses.field(compare=False)
     causal: bool = False
     masked: bool = False
+    gradients: tuple[bool, bool, bool] = (True, True, True)
 
     module_type = "dpa"
 
@@ -87,8 +90,12 @@ class DpaSite:
         return tuple(self.role(slot) for slot in FORWARD_SLOTS + BACKWARD_SLOTS)
 
     def products(self, training: bool = True) -> tuple:
-        """The products that run: (name, (tensor, direction) of a, of b), out = a @ b^T per head."""
-        return FORWARD_PRODUCTS + (BACKWARD_PRODUCTS if training else ())
+        """The products that run: (name, (tensor, direction) of a, of b), out = a @ b^T per head;
+        of the backward's, dV's where V gets a gradient, dP's where Q or K does (dS needs it), dQ's
+        and dK's where theirs do."""
+        dq, dk, dv = self.gradients if training else (False, False, False)
+        runs = {"dv": dv, "dp": dq or dk, "dq": dq, "dk": dk}
+        return FORWARD_PRODUCTS + tuple(product for product in BACKWARD_PRODUCTS if runs[product[0]])
 
     def tensors(self) -> dict[str, tuple[str, int, tuple]]:
         """Each tensor the site quantizes: (its slot, the groups its rows fall in, its 2-D (rows,
@@ -199,7 +206,10 @@ def _site(node: fx.Node, name: str, call: int):
         )
     if not all(t.dtype.is_floating_point and t.dtype.itemsize > 1 for t in (q, k, v)):
         return f"attention of {q.dtype}, {k.dtype}, {v.dtype} operands is not quantized"
-    return DpaSite(name, call, tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(args["is_causal"]), mask is not None)
+    output = _value(node)
+    backward = output is None or output.requires_grad  # none under no_grad
+    gradients = tuple(backward and t.requires_grad for t in (q, k, v))
+    return DpaSite(name, call, tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(args["is_causal"]), mask is not None, gradients)
 
 
 def _value(node: object) -> Optional[torch.Tensor]:

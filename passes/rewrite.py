@@ -141,8 +141,8 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     roles = [site.role(slot) for slot in attention.SLOTS]
     formats = {slot: plan.quantizer(role).spec for slot, role in zip(attention.SLOTS, roles)}
     forward = next(g.backend for g in plan.gemms if g.site == site.label and g.gemm == "qk")
-    # The backward's backend where the plan has one (none where nothing runs backward).
-    backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm == "dq"}
+    # The backward's backend where the plan has one (none where nothing runs backward), the same for each of its products.
+    backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm not in ("qk", "pv")}
     carried = attention.AttentionSite(name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward)
     states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
     with graph.inserting_before(node):

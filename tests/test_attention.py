@@ -576,6 +576,38 @@ def test_inference_runs_the_forward_products_alone():
     assert torch.isfinite(out).all()
 
 
+class _FixedQueries(torch.nn.Module):
+    """Attention of fixed queries (a buffer: no gradient) over keys and values of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = torch.nn.Linear(64, 128)
+        self.register_buffer("queries", torch.randn(2, 2, 32, 32, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x):
+        k, v = self.kv(x).view(2, 32, 2, 2, 32).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(self.queries, k, v).sum()
+
+
+@pytest.mark.parametrize("case", ["fixed queries", "frozen projections"])
+def test_the_plan_lists_the_backward_products_that_run(case):
+    """The backward runs dQ where Q gets a gradient, dK and dV where theirs do, dP for either: the
+    plan listed all four whenever a graph trained, and graphquant.numerics reported a dQ the
+    compiled model never ran (its eager backward computed it anyway)."""
+    recipe = CustomRecipe(current_dpa_factory, fp8_dpa=True)
+    if case == "fixed queries":
+        model, x, expected = models.seeded(_FixedQueries()), torch.randn(2, 32, 64), ["qk", "pv", "dv", "dp", "dk"]
+    else:
+        model, x, expected = _decoder(), torch.randn(2, 32, 64), ["qk", "pv"]
+        for frozen in (model.norm1, model.attn.q_proj, model.attn.k_proj, model.attn.v_proj):  # o_proj and the MLP train
+            frozen.requires_grad_(False)
+    compiled = graphquant.compile(model, recipe, backend="aot_eager")
+    compiled(x).sum().backward()
+    assert [g.gemm for g in compiled.graphquant.plan.gemms if g.module_type == "dpa"] == expected
+    report = graphquant.numerics(model, recipe, x)
+    assert sorted(g.gemm for g in report.gemms if g.module_type == "dpa") == sorted(expected)
+
+
 def test_strict_rejects_the_emulated_attention():
     plan = graphquant.explain(_decoder(), CustomRecipe(current_dpa_factory, fp8_dpa=True), torch.randn(2, 32, 64), strict=True)
     rows = [g for g in plan.gemms if g.module_type == "dpa"]

@@ -186,11 +186,10 @@ class QuantizedAttention(torch.autograd.Function):
         do_state = SlotState(do_delayed, None, 0, site.amax_group)
         dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
         dq, dk, dv_ = emulated_backward(
-            site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h
+            site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h, ctx.needs_input_grad[:3]
         )
-        dq = dq.view(b, h, lq, d)
-        dk, dv_ = (_summed_over_groups(x, b, h, ctx.groups, lk) for x in (dk, dv_))
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv_.to(ctx.dtypes[2]), None, None, None, None, None, None
+        dq = None if dq is None else dq.view(b, h, lq, d)
+        return (*_gradients(dq, dk, dv_, ctx.dtypes, b, h, ctx.groups, lk), None, None, None, None, None, None)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -254,11 +253,11 @@ class FlashAttention(torch.autograd.Function):
         mask = _additive_mask(None, ctx.causal, lq, lk, o.device)
         p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, (b, h, lq, lk), True)
         dq, dk, dv = emulated_backward(
-            site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h
+            site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h,
+            ctx.needs_input_grad[:3],
         )
-        dq = dq.view(q_shape)
-        dk, dv = (_summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None
+        dq = None if dq is None else dq.view(q_shape)
+        return (*_gradients(dq, dk, dv, ctx.dtypes, b, h, groups, lk), None, None, None, None, None, None)
 
 
 def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int) -> torch.Tensor:
@@ -518,19 +517,31 @@ def rowsum_do_o(do_made: dict[str, Operand], o: torch.Tensor) -> torch.Tensor:
     return (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
 
 
-def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch):
-    """(dQ, dK, dV) in fp32, per query head (batch, L, D)."""
-    dp_quantizer = site.quantizer("dp")
+def emulated_backward(site, originals, made, p, p_col, o, do, scale, do_state, dp_state, batch, needs=(True, True, True)):
+    """(dQ, dK, dV) in fp32, per query head (batch, L, D), each where ``needs`` asks for it (None
+    elsewhere): the products the plan lists (DpaSite.products), dS and its product dP only for dQ
+    or dK."""
+    need_dq, need_dk, need_dv = needs
     do_made = quantize_do(site, do, do_state)
-    dv = _product(site, "dv", p, p_col, do, do_made[COLUMNWISE], batch)
+    dv = _product(site, "dv", p, p_col, do, do_made[COLUMNWISE], batch) if need_dv else None
+    if not (need_dq or need_dk):
+        return None, None, dv
+    dp_quantizer = site.quantizer("dp")
     dp = _product(site, "dp", do, do_made[ROWWISE], originals.get("V"), made["V"][ROWWISE], batch)
     d = rowsum_do_o(do_made, o)
     ds = (p.view(dp.shape) * (dp - d)).reshape(-1, dp.shape[-1])
     ds_made, _ = quantize_tensor(ds, dp_quantizer, (ROWWISE, COLUMNWISE), dp_state)
     update_delayed_scaling(dp_quantizer, dp_state, ds_made)
-    dq = _product(site, "dq", ds, ds_made[ROWWISE], originals.get("K"), made["K"][COLUMNWISE], batch) * scale
-    dk = _product(site, "dk", ds, ds_made[COLUMNWISE], originals.get("Q"), made["Q"][COLUMNWISE], batch) * scale
+    dq = _product(site, "dq", ds, ds_made[ROWWISE], originals.get("K"), made["K"][COLUMNWISE], batch) * scale if need_dq else None
+    dk = _product(site, "dk", ds, ds_made[COLUMNWISE], originals.get("Q"), made["Q"][COLUMNWISE], batch) * scale if need_dk else None
     return dq, dk, dv
+
+
+def _gradients(dq, dk, dv, dtypes, b, h, groups, lk) -> tuple:
+    """The emulated backward's gradients in their operands' dtypes, dK and dV summed over each
+    key/value head's query heads, None where not asked for."""
+    dk, dv = (None if x is None else _summed_over_groups(x, b, h, groups, lk) for x in (dk, dv))
+    return tuple(None if x is None else x.to(dtype) for x, dtype in zip((dq, dk, dv), dtypes))
 
 
 def _product(site, name, a, a_operand, b, b_operand, batch) -> torch.Tensor:
