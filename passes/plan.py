@@ -394,7 +394,8 @@ class Planner:
         """Why the site runs in high precision although the factory quantized it ("" if it does
         not): only its few output features or its short reduction keep it from tiling the
         formats' blocks and the recipe keeps such sites in high precision
-        (CustomRecipe.small_gemms_in_high_precision); any other shape that does not tile is the
+        (CustomRecipe.small_gemms_in_high_precision), in inference too where its training formats
+        would (the same precision in every mode); any other shape that does not tile is the
         error it was. An empty product (a dim of 0: no rows this call) has nothing to quantize."""
         batch, m, k = site.x_sizes
         dims = {"m": m, "n": site.w_sizes[1], "k": k}
@@ -410,12 +411,16 @@ class Planner:
                 raise
             return f"in high precision: its {small} tile no block of the recipe's formats ({formats})"
         # Rowwise blocks alone may tile a router that training's columnwise ones do not: quantized
-        # here it would route evaluation and serving otherwise than training did.
-        if not training and self.recipe.small_gemms_in_high_precision:
+        # here it would route evaluation and serving otherwise than training did. Checked on whole
+        # rows (128), so that the token count takes no guard: its weight's dims decide.
+        n, k = site.w_sizes[1], site.w_sizes[2]
+        few = (isinstance(n, int) and n < FEW_OUTPUTS) or (isinstance(k, int) and k < SHORT_REDUCTION)
+        if not training and few and self.recipe.small_gemms_in_high_precision:
+            whole_rows = dataclasses.replace(site, x_sizes=(site.x_sizes[0], 128, site.x_sizes[2]))
             try:
-                self._check_shapes(site, quantizers, True)
+                self._check_shapes(whole_rows, quantizers, True)
             except PlanError:
-                small = self._small_dims(site, quantizers, True)
+                small = self._small_dims(whole_rows, quantizers, True)
                 if small:
                     return f"in high precision, as in training: its {small} tile no block of the recipe's formats ({formats}) there"
         return ""

@@ -1112,6 +1112,16 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
             "fprop", "identity()", "in high precision, as in training: its 8 output features tile no block of the recipe's formats (mxfp8(fp8_dtype=e4m3)) there"
         )]
 
+    # Token counts that tile no block take no guard of that check: evaluation compiles the first
+    # size's graphs and dynamic ones (two each: the routing breaks the graph), not graphs a count
+    # up to the recompile limit.
+    torch._dynamo.reset()
+    evaluated = graphquant.compile(RoutedLayer(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with torch.no_grad():
+        for rows in (64, 96, 37, 45, 53, 61, 69, 77, 85, 93):
+            evaluated(torch.cat([x] * 2)[:rows])
+    assert len(evaluated.graphquant.plans) <= 4
+
     # A factory of the user's own decides per slot: the same formats without the built-in default fail.
     torch._dynamo.reset()
     own = graphquant.compile(RoutedLayer(), CustomRecipe(factories.mxfp8_factory), backend="aot_eager", fullgraph=True)
