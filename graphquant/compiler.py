@@ -117,7 +117,7 @@ class GraphquantBackend:
         if not self.plans:
             self.eager_products_checked = True  # every product ran eagerly: nothing more to tell
             inner = self.root.module if isinstance(self.root, torch.nn.parallel.DistributedDataParallel) else self.root
-            if inner is not None and type(inner).__module__.startswith("torch.nn"):
+            if inner is not None and type(inner).forward.__module__.startswith("torch.nn"):  # nn.Sequential's own, or a subclass's
                 why = (
                     "Dynamo compiles no frame of torch.nn's own code by itself, and a DistributedDataParallel (or another "
                     "torch.nn wrapper) of a torch.nn container such as Sequential leaves it none; graphquant.compile the module "
@@ -172,7 +172,7 @@ class GraphquantBackend:
         if read:
             user_stack.warn(
                 "graphquant: the model's code reads these nn.Linear modules' weights itself, without calling them: "
-                + "; ".join(f"{name} ({'multiplied in ' + ', '.join(sorted(sites)) if sites else 'through other ops first'})" for name, sites in read.items())
+                + "; ".join(f"{name} ({'multiplied in ' + ', '.join(sorted(sites)) if sites else 'read by other ops, or multiplied after them'})" for name, sites in read.items())
                 + ". Their products are planned by the names of the sites that multiply them (the modules whose code does), "
                 "so a recipe's rule for the linear's own name does not reach them; call the module (self.lm_head(x), not "
                 "F.linear(x, self.lm_head.weight)) to plan it by its name"
@@ -641,7 +641,10 @@ def _users_through_views(node: fx.Node) -> list[fx.Node]:
     return users
 
 
-_RESHAPING = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "T", "mT"}
+_RESHAPING = {
+    "t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "view_as", "reshape_as",
+    "to", "float", "half", "bfloat16", "type_as",
+}
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:

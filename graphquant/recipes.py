@@ -90,11 +90,15 @@ class CustomRecipe:
         self.__dict__.update(state)
 
     def __copy__(self) -> "CustomRecipe":
-        return dataclasses.replace(self)  # the same process: the group itself, not pickle's None
+        """A copy in this process keeps the process group itself (pickling's state drops it)."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __deepcopy__(self, memo: dict) -> "CustomRecipe":
-        fields = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self) if f.name != "amax_reduction_group"}
-        return dataclasses.replace(self, **fields)
+        copied = memo[id(self)] = object.__new__(type(self))
+        copied.__dict__.update({name: value if name == "amax_reduction_group" else copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copied
 
 
 def delayed_scaling(*, margin: int = 0, amax_history_len: int = 1024, amax_compute_algo: str = "max") -> CustomRecipe:

@@ -683,6 +683,8 @@ def test_a_copied_recipe_keeps_its_process_group():
     recipe = dataclasses.replace(recipes.current_scaling(), amax_reduction_group=group, expected_names=("fc1",))
     for copied in (copy.copy(recipe), copy.deepcopy(recipe)):
         assert copied.amax_reduction_group is group and copied == recipe
+    plain = recipes.current_scaling()  # no group: every other field still copied
+    assert copy.deepcopy(plain) == plain and copy.deepcopy(plain).amax_reduction_group is None
 
 
 def test_a_graphquant_model_refuses_pickling_saying_what_a_checkpoint_saves():
