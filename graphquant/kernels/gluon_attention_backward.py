@@ -86,13 +86,6 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add_dq_tile(DQ_TILES, dq_smem, bh, start_m):
-    """Add the dQ tile in shared memory into query rows [start_m, start_m + BLOCK_M) of (batch,
-    head) ``bh`` by TMA reduction, issued by one thread, which drops the rows from seq_q on."""
-    _reduce_add(DQ_TILES, [bh.to(gl.int32), start_m, 0], dq_smem)
-
-
-@gluon.jit
 def _load_query_tile(
     stages, slot, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, seq_q, qt_stride,
     HEAD_DIM: gl.constexpr, ROWS_LOAD: gl.constexpr, COLUMNS_LOAD: gl.constexpr, VECTOR_LOAD: gl.constexpr,
@@ -274,7 +267,7 @@ def _backward_kernel(
         dq_tile.store(dq * grad_factor)
         fence_async_shared()
         gl.thread_barrier()
-        _add_dq_tile(DQ_TILES, dq_smem, bh, start_m)
+        _reduce_add(DQ_TILES, [bh.to(gl.int32), start_m, 0], dq_smem)  # one thread issues it; rows from seq_q on fall outside
         dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
         dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
         dv0 = dv0 + dv0_tile
