@@ -11,7 +11,7 @@ logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
     wait for dP^T; dS^T and its largest |dS|; P^T, dS^T and dS (keys contiguous) quantized into
     shared memory, the A operands of the next products
     issue dQ = dS @ K and dV's first half (P^T @ dO); wait for dQ, store it into shared memory
-    and add it into DQ by TMA reduction; then dV's second half and dK's halves (dS^T @ Q), each
+    (once the previous tile's reduction has read it) and add it into DQ by TMA reduction; then dV's second half and dK's halves (dS^T @ Q), each
     wait leaving one product in flight and adding the one it waited for into its fp32 accumulator
 
 Every value is the Triton backward's in its default configuration (``triton_config``): each
@@ -227,11 +227,9 @@ def _backward_kernel(
     dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM])
 
     for j in range(steps):
-        # Tile j in shared memory (the barrier: every thread's copies of it, every warp done with the
-        # stage the next copy overwrites, whose products it waited for in the previous iteration, and
-        # the previous dQ tile's reduction done reading shared memory).
+        # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
+        # the stage the next copy overwrites, whose products it waited for in the previous iteration).
         async_copy.wait_group(STAGES - 2)
-        tma.store_wait(0)
         gl.thread_barrier()
         ahead = j + STAGES - 1
         _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
@@ -255,6 +253,9 @@ def _backward_kernel(
         dst_smem.store(ds8)
         ds_smem.store(gl.permute(ds8, (1, 0)))
         fence_async_shared()
+        # The previous dQ tile's reduction done reading shared memory before any warp writes this one:
+        # waited for at the top of the tile instead, it stalled every warp there (benchmarks/NOTES.md).
+        tma.store_wait(0)
         gl.thread_barrier()
 
         dot = dot_smem.index(stage)
