@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 from tabulate import tabulate
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from graphquant import recipes, user_stack
 from graphquant.formats import groups
@@ -471,6 +472,17 @@ class Planner:
             for direction in directions:
                 try:
                     self._check_tiling(quantizer, direction, batch, shape)
+                except GuardOnDataDependentSymNode:
+                    rows, cols = quantizer.child(direction).block(direction)
+                    raise PlanError(
+                        f"{site.label} ({site.module_type}) {role_type}: {quantizer} makes its {direction} representation in "
+                        f"{rows}x{cols} blocks, but the {shape[0]}x{shape[1]} tensor's size is chosen at run time by a "
+                        "data-dependent op (torch.where, nonzero or a boolean index, which Dynamo keeps in the graph under "
+                        "capture_dynamic_output_shape_ops), so no check that it tiles can be made. Pad each such group of rows "
+                        "to a multiple of the block in the model, run the experts through torch._grouped_mm (graphquant pads "
+                        "its groups inside the op), or have the recipe's factory return IdentityQuantizer() for roles named "
+                        f"{site.name!r}"
+                    ) from None
                 except ValueError:
                     # Once more on this call's sizes, so that the message names them; int() also
                     # keeps the failing graph to these sizes alone.

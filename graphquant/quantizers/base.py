@@ -349,12 +349,17 @@ class Quantizer:
         self, direction: str, shape: tuple[int, int], dtype: torch.dtype, tensors: Sequence[torch.Tensor]
     ) -> Representation:
         """The representation behind ``Representation.tensors()``: data, scale and amax, empty
-        where absent, an outer-dim-major scale transposed."""
+        where absent, an outer-dim-major scale transposed. Where the data is empty (an expert no
+        token reached) so are its scales and amaxes, which are then kept: a GEMM of no rows still
+        reads its operand's per-row scales."""
         data, scale, amax = tensors
-        scale = scale if scale.numel() else None
+        def part(t: torch.Tensor) -> Optional[torch.Tensor]:
+            return t if t.numel() or not data.numel() else None
+
+        scale = part(scale)
         if scale is not None and self.scale_outer_major(direction):
             scale = scale.t()
-        return self.representation(direction, shape, dtype, data, scale, amax if amax.numel() else None)
+        return self.representation(direction, shape, dtype, data, scale, part(amax))
 
     # -- how GEMMs read it ---------------------------------------------------------------------
 

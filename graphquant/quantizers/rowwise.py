@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphquant.formats import block, fp8
 from graphquant.formats.groups import group_amax
@@ -42,15 +43,20 @@ class Float8RowwiseQuantizer(Quantizer):
 
     def _encode(self, x: torch.Tensor, direction: str) -> Representation:
         source = x.t() if self.transposed(direction) else x
+        length = source.shape[1]
+        if not statically_known_true(length != 0):
+            # A row of no values still has its scale (a wgrad operand of an expert no token reached):
+            # rows that may be empty, where a data-dependent op chose the length, get a zero each.
+            source = torch.nn.functional.pad(source, (0, 1))
         data, scale_inv = block.quantize(
             source,
             self.fp8_dtype,
-            block=(1, max(source.shape[1], 1)),  # a row of no values still has its scale
+            block=(1, source.shape[1]),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
             scales=torch.ops.graphquant.fp8_scales,
         )
-        return self.representation(direction, x.shape, x.dtype, data, scale_inv)
+        return self.representation(direction, x.shape, x.dtype, data[:, :length], scale_inv)
 
     def quantize_rowwise(self, x: torch.Tensor, ctx: QuantizeContext) -> Representation:
         return self._encode(x, "rowwise")
