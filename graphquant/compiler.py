@@ -25,7 +25,7 @@ from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
     GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
-    site_weight, target_name, without_compile_wrappers,
+    VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -550,7 +550,11 @@ class GraphquantBackend:
         for name, module in named.items():
             names_of[id(module)].append(name)
         aliases = tuple((name, names[0], len(names), place) for names in names_of.values() if len(names) > 1 for place, name in enumerate(names))
-        return Frame(tuple(modules.items()), own, aliases)
+        weights = tuple(
+            (node.name, tuple(map(without_compile_wrappers, names[id(value)])))
+            for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if names.get(id(value))
+        )
+        return Frame(tuple(modules.items()), own, aliases, weights)
 
     def _inner(self) -> Callable:
         if callable(self.inner):
@@ -636,15 +640,9 @@ def _users_through_views(node: fx.Node) -> list[fx.Node]:
     (a mask's product) stay users."""
     users = []
     for user in node.users:
-        passing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in _RESHAPING
+        passing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in VIEWS_AND_CASTS
         users.extend(_users_through_views(user) if passing else [user])
     return users
-
-
-_RESHAPING = {
-    "t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "view_as", "reshape_as",
-    "to", "float", "half", "bfloat16", "type_as",
-}
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:

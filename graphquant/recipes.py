@@ -95,10 +95,28 @@ class CustomRecipe:
         copied.__dict__.update(self.__dict__)
         return copied
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def _value(self) -> tuple:
+        """The fields it compares by, a factory made by functools.partial (a preset's) by its function
+        and arguments: partials compare by identity, so two calls of one preset were unequal."""
+        return tuple(_factory_value(getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
+
     def __deepcopy__(self, memo: dict) -> "CustomRecipe":
         copied = memo[id(self)] = object.__new__(type(self))
         copied.__dict__.update({name: value if name == "amax_reduction_group" else copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
         return copied
+
+
+def _factory_value(factory: object) -> object:
+    """A functools.partial as its function and arguments (each such a value too); anything else as it is."""
+    if not isinstance(factory, functools.partial):
+        return factory
+    return (_factory_value(factory.func), tuple(map(_factory_value, factory.args)), tuple(sorted((k, _factory_value(v)) for k, v in factory.keywords.items())))
 
 
 def delayed_scaling(*, margin: int = 0, amax_history_len: int = 1024, amax_compute_algo: str = "max") -> CustomRecipe:

@@ -199,6 +199,8 @@ def _site(node: fx.Node, name: str, call: int):
         return "its attn_mask requires grad (a learned attention bias, as T5's relative position bias), and FP8 attention takes a fixed mask"
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         return f"key and value of batch {k.shape[0]} and {v.shape[0]} broadcast against the query's {q.shape[0]}; FP8 attention takes one batch"
+    if q.shape[1] == 1 < k.shape[1] == v.shape[1]:
+        return f"a query of 1 head broadcast against {k.shape[1]} key and value heads; FP8 attention takes a query head or more a key head"
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise PlanError(
             f"{label(name, call)}: {q.shape[1]} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads; grouped-query "

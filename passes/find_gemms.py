@@ -147,6 +147,9 @@ class Frame:
     # A module registered under several names (one instance placed twice in a ModuleList): each of
     # its names, the first (as named_modules() names it), the names' count and the name's place.
     aliases: tuple[tuple[str, str, int, int], ...] = ()
+    # Each parameter the graph lifts (its placeholder's name) with its names in the model (a tied
+    # one has several).
+    weights: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def name(self, path: str) -> str:
         """The qualified name of the module at Dynamo's ``path`` ("L['stack1'].proj")."""
@@ -161,6 +164,22 @@ class Frame:
             if name == alias:
                 return first, call * names + place
         return name, call
+
+    def multiplies_own_weight(self, w: fx.Node, owner: str) -> bool:
+        """Whether ``w``, the weight a product in nn.Linear ``owner``'s code multiplies, is the
+        module's own (through views and casts): a subclass may multiply other parameters too (a
+        LoRA adapter's), each a product of its own. A weight the frame cannot name counts as its own."""
+        while target_name(w) in VIEWS_AND_CASTS and w.args and isinstance(w.args[0], fx.Node):
+            w = w.args[0]
+        names = dict(self.weights).get(w.name) if w.op == "placeholder" else None
+        return names is None or ".".join(p for p in (owner, "weight") if p) in names
+
+
+# Ops that only reshape, transpose or cast a tensor: a weight read through them is still read as itself.
+VIEWS_AND_CASTS = {
+    "t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "view_as", "reshape_as",
+    "to", "float", "half", "bfloat16", "type_as",
+}
 
 
 class FunctionalNumbers:
@@ -292,7 +311,7 @@ def _find(
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
         owner, call, module_is_linear = owner_of(node, frame)
         backward = _requires_grad(node)  # not under no_grad (a distillation's teacher)
-        if is_linear and module_is_linear:
+        if is_linear and module_is_linear and frame.multiplies_own_weight(b, owner):
             name = owner
         else:
             kind = "linear" if is_linear else "matmul"

@@ -92,6 +92,10 @@ class Plan:
     gemms: tuple[GemmPlan, ...]
     skipped: tuple[tuple[str, str], ...] = ()
     fast_accumulation: tuple[str, ...] = DEFAULT_FAST_ACCUMULATION  # the recipe's (CustomRecipe)
+    # The calls ("name#call") that run in high precision although their roles' slots may hold the
+    # recipe's formats, which another call of the same module runs: a product too small to tile
+    # them, or empty this call (their GEMMs' reasons say which).
+    high_precision_calls: tuple[str, ...] = ()
 
     def quantizer(self, role: QuantizerRole) -> Quantizer:
         return dict(self.slots)[role]
@@ -129,6 +133,7 @@ class Plan:
                 "gemms": [dataclasses.asdict(g) for g in self.gemms],
                 "skipped": [{"node": what, "reason": why} for what, why in self.skipped],
                 "fast_accumulation": list(self.fast_accumulation),
+                "high_precision_calls": list(self.high_precision_calls),
             },
             indent=2,
         )
@@ -146,18 +151,23 @@ class Plan:
             gemms=tuple(GemmPlan(**{**g, "backend": backends.GemmBackend(**g["backend"])}) for g in doc["gemms"]),
             skipped=tuple((s["node"], s["reason"]) for s in doc["skipped"]),
             fast_accumulation=tuple(doc.get("fast_accumulation", DEFAULT_FAST_ACCUMULATION)),  # older dumps lack it
+            high_precision_calls=tuple(doc.get("high_precision_calls", ())),
         )
 
     @classmethod
     def combine(cls, plans: Sequence["Plan"]) -> "Plan":
         """One plan for a model that compiled into several graphs (graph breaks), in graph order."""
-        slots = {role: q for plan in plans for role, q in plan.slots}
+        slots: dict[QuantizerRole, Quantizer] = {}
+        for role, q in (slot for plan in plans for slot in plan.slots):
+            if role not in slots or slots[role].high_precision:  # a graph whose calls of it all ran in high precision yields
+                slots[role] = q
         return cls(
             device=plans[0].device,
             slots=tuple(slots.items()),
             gemms=tuple(g for plan in plans for g in plan.gemms),
             skipped=tuple(s for plan in plans for s in plan.skipped),
             fast_accumulation=plans[0].fast_accumulation,
+            high_precision_calls=tuple(c for plan in plans for c in plan.high_precision_calls),
         )
 
 
@@ -221,8 +231,9 @@ class Planner:
         undeclared = undeclared_fields(answer)
         if undeclared:
             raise FactoryTypeError(
-                f"the recipe's factory returned {type(answer).__name__} for role {role}, whose annotated attributes "
-                f"({', '.join(undeclared)}) are not dataclass fields: decorate the class with @dataclasses.dataclass(frozen=True)"
+                f"the recipe's factory returned {type(answer).__name__} for role {role}, whose attributes "
+                f"({', '.join(undeclared)}) are not dataclass fields, so its spec ({answer.spec}) does not hold them: decorate "
+                "the class with @dataclasses.dataclass(frozen=True) and declare them as fields"
             )
         mistyped = mistyped_fields(answer)
         if mistyped:
@@ -237,14 +248,19 @@ class Planner:
         slots: dict[QuantizerRole, Quantizer] = {}
         gemms = []
         operand_quantizers: set[Quantizer] = set()
+        high_precision_calls = []
         for site in sites:
             roles = site.roles()
             quantizers = [self.quantizer(role) for role in roles]
             untileable = self._untileable(site, quantizers, training)
             if untileable:
                 operand_quantizers.update(quantizers)  # the factory's answers: it did ask to quantize
+                high_precision_calls.append(site.label)
                 quantizers = [IdentityQuantizer()] * len(roles)
-            slots.update(zip(roles, quantizers))
+                for role in roles:  # this call's alone: another call of the module may run the recipe's formats
+                    slots.setdefault(role, quantizers[0])
+            else:
+                slots.update(zip(roles, quantizers))
             self._check_grouped(site, quantizers)
             batch = site.x_shape[0]
             _, m, k = site.x_sizes
@@ -282,6 +298,7 @@ class Planner:
             gemms=tuple(gemms),
             skipped=tuple(skipped),
             fast_accumulation=self.recipe.fast_accumulation,
+            high_precision_calls=tuple(high_precision_calls),
         )
         if gemms and not attention and all(q.high_precision for q in operand_quantizers):
             user_stack.warn(

@@ -28,9 +28,11 @@ from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, addmm_operands, body_of
 from graphquant.passes.plan import Plan, PlanError
-from graphquant.quantizers import ROWWISE, Quantizer
+from graphquant.quantizers import ROWWISE, IdentityQuantizer, Quantizer
 from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
+
+IDENTITY = IdentityQuantizer().spec  # the formats of a call the plan keeps in high precision
 
 _TARGETS = {
     LINEAR: functional.quantized_linear,
@@ -101,7 +103,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         site: GemmSite = node.meta["graphquant_site"]
         index = next(counter)
         roles = site.roles()
-        formats = {t: plan.quantizer(r).spec for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
+        high_precision = site.label in plan.high_precision_calls
+        formats = {t: (IDENTITY if high_precision else plan.quantizer(r).spec) for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
         if site.form == FROZEN:
             _check_stored_format(site, node.args[2], plan.quantizer(roles[1]))
         carried = Site(
@@ -115,7 +118,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             inference=site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference),
             token_rows=token_rows.get(site.label, GROUP_ROWS),
         )
-        states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
+        states = tuple(state(str(r)) if needs_delayed_state(r) and not high_precision else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
         args, form_kwargs = _arguments(node, site)
         target = _TARGETS.get(site.form, functional.quantized_matmul)
@@ -143,7 +146,9 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     forward = next(g.backend for g in plan.gemms if g.site == site.label and g.gemm == "qk")
     # The backward's backend where the plan has one (none where nothing runs backward), the same for each of its products.
     backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm not in ("qk", "pv")}
-    carried = attention.AttentionSite(name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward)
+    carried = attention.AttentionSite(
+        name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward, forward_only=not backward
+    )
     states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
     with graph.inserting_before(node):
         replacement = graph.call_function(

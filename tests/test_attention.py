@@ -447,10 +447,13 @@ class BiasedAttention(torch.nn.Module):
 @pytest.mark.parametrize("case, reason", [
     ("learned bias", "its attn_mask requires grad (a learned attention bias"),
     ("broadcast batch", "key and value of batch 1 and 1 broadcast against the query's 2"),
+    ("broadcast query head", "a query of 1 head broadcast against 2 key and value heads"),  # was an error blaming the key/value heads
 ])
 def test_attention_fp8_cannot_take_stays_in_high_precision_saying_why(case, reason):
     q = torch.randn(2, 2, 32, 32, requires_grad=True)
     kv = q.detach()[:1] if case == "broadcast batch" else q.detach()
+    if case == "broadcast query head":
+        q = torch.randn(2, 1, 32, 32, requires_grad=True)
     model = BiasedAttention()
     plan = graphquant.explain(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), q, kv, kv, case == "learned bias")
     assert "dpa" not in {g.module_type for g in plan.gemms}
@@ -574,6 +577,23 @@ def test_inference_runs_the_forward_products_alone():
         out = graphquant.compile(model, recipe, backend="aot_eager")(x)
     assert [g.gemm for g in plan.gemms if g.module_type == "dpa"] == ["qk", "pv"]
     assert torch.isfinite(out).all()
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_inference_mode_runs_no_attention_backward_as_it_runs_no_linear_backward():
+    """mode="inference" plans qk and pv alone: with inputs that require a gradient the attention's
+    output required one too, and backward() ran dQ, dK and dV, which the plan did not list."""
+    recipe = CustomRecipe(current_dpa_factory, fp8_dpa=True)
+    q, k, v = (torch.randn(2, 2, 32, 32, requires_grad=True) for _ in range(3))
+    compiled = graphquant.compile(_Attention(), recipe, backend="aot_eager", mode="inference")
+    with pytest.warns(UserWarning, match="no gradient flows"):
+        out = compiled(q, k, v)
+    assert [g.gemm for g in compiled.graphquant.plan.gemms] == ["qk", "pv"]
+    assert not out.requires_grad
 
 
 class _FixedQueries(torch.nn.Module):

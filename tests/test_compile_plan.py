@@ -5,6 +5,7 @@ GEMMs as "<owner>.<linear|matmul>.<i>") and are also checked against the indepen
 reference (tests/reference.py), which finds GEMMs with a TorchFunctionMode and module hooks.
 """
 
+import collections
 import copy
 import warnings
 
@@ -864,6 +865,85 @@ def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
     y.sum().backward()
     assert y.shape == (0, 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
     assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
+
+
+class TwiceCalled(torch.nn.Module):
+    """One module called on two shapes in a forward: both calls share its roles."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, first, second):
+        return self.module(*first), self.module(*second)
+
+
+class Product(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+@pytest.mark.parametrize("small_first", [False, True])
+def test_each_call_of_a_module_runs_the_formats_its_plan_row_names(small_first):
+    """A matmul called with 128 outputs and with 8: the small call runs in high precision (its
+    outputs tile no MXFP8 block), the other in MXFP8. The small call's high precision was written
+    into the roles both calls share, so the other call ran in high precision too while the plan
+    said MXFP8 (or failed, the small call first)."""
+    big = (torch.randn(64, 64), torch.randn(64, 128))
+    small = (torch.randn(64, 64), torch.randn(64, 8))
+    calls = (small, big) if small_first else (big, small)
+    compiled = graphquant.compile(TwiceCalled(Product()), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with torch.no_grad():
+        outputs = dict(zip(("small", "big") if small_first else ("big", "small"), compiled(*calls)))
+    formats = {g.site: g.a_format for g in compiled.graphquant.plan.gemms}
+    assert sorted(formats.values()) == ["identity()", "mxfp8(fp8_dtype=e4m3)"]
+    mxfp8 = graphquant.MXFP8Quantizer()
+    a, b = big
+    assert torch.equal(outputs["big"], mxfp8(a).rowwise.dequantize() @ mxfp8(b.t().contiguous()).rowwise.dequantize().t())
+    assert torch.equal(outputs["small"], small[0] @ small[1])
+
+
+def test_a_linear_called_on_no_rows_and_on_rows_quantizes_the_call_with_rows():
+    """An empty call keeps its product in high precision for that call alone, not for the call
+    before it (the last call's choice was written into the roles both share)."""
+    linear = models.seeded(torch.nn.Linear(64, 128))
+    x = torch.randn(32, 64)
+    both = graphquant.compile(TwiceCalled(linear), zoo.recipe("rowwise"), backend="aot_eager")
+    with torch.no_grad():
+        y, _ = both((x,), (torch.zeros(0, 64),))
+    torch._dynamo.reset()
+    alone = graphquant.compile(linear, zoo.recipe("rowwise"), backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(y, alone(x)) and not torch.equal(y, linear(x))
+
+
+class LowRankAdapted(torch.nn.Linear):
+    """An nn.Linear subclass that multiplies a low-rank adapter's weights beside its own (LoRA)."""
+
+    def __init__(self, features_in, features_out, rank=8):
+        super().__init__(features_in, features_out)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, features_in) / features_in**0.5)
+        self.lora_b = torch.nn.Parameter(torch.randn(features_out, rank) / rank**0.5)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
+
+
+def test_an_nn_linear_subclass_names_only_its_own_weights_product_after_itself():
+    """Its adapter's products are products of the module's code, named as a module's functional
+    products are: all three were "fc#0", one set of roles, and the rank-8 products' high precision
+    was the main product's too."""
+    model = models.seeded(torch.nn.Sequential(collections.OrderedDict(fc=LowRankAdapted(64, 128))))
+    x = torch.randn(64, 64)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with torch.no_grad():
+        y = compiled(x)
+    formats = {g.site: g.b_format for g in compiled.graphquant.plan.gemms}
+    assert formats == {"fc#0": "mxfp8(fp8_dtype=e4m3)", "fc.linear.0#0": "identity()", "fc.linear.1#0": "identity()"}
+    fc, mxfp8 = model.fc, graphquant.MXFP8Quantizer()
+    main = torch.nn.functional.linear(mxfp8(x).rowwise.dequantize(), mxfp8(fc.weight.detach()).rowwise.dequantize(), fc.bias)
+    with torch.no_grad():
+        assert torch.equal(y, main + torch.nn.functional.linear(torch.nn.functional.linear(x, fc.lora_a), fc.lora_b))
 
 
 MODULE_OF_A_FUNCTION = models.seeded(models.MLP())  # a global the compiled function below calls

@@ -675,6 +675,18 @@ def test_recipes_pickle_and_lambdas_say_why_not():
             pickle.dumps(bad)
 
 
+def test_recipes_are_values_that_equal_their_copies_and_pickles():
+    """Presets whose factories are functools.partials (delayed scaling, a zoo recipe with FP8
+    attention) compared by the partial's identity: two calls of one preset, a pickle round trip
+    and a deep copy were all unequal, which code that rebuilds when the recipe changes is misled by."""
+    for make in (recipes.delayed_scaling, lambda: graphquant.zoo.with_fp8_attention(recipes.mxfp8_block_scaling())):
+        recipe = make()
+        for same in (make(), pickle.loads(pickle.dumps(recipe)), copy.deepcopy(recipe)):
+            assert same == recipe and hash(same) == hash(recipe)
+    assert recipes.delayed_scaling(margin=1) != recipes.delayed_scaling()
+    assert recipes.delayed_scaling() != dataclasses.replace(recipes.delayed_scaling(), fp8_dpa=True)
+
+
 def test_a_copied_recipe_keeps_its_process_group():
     """Pickling drops a process group (it does not pickle; spawned workers give theirs by name), but
     copy.copy and copy.deepcopy in the same process went through pickle's state too: a config

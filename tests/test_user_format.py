@@ -253,5 +253,19 @@ def test_a_user_format_without_the_dataclass_decorator_is_refused_at_the_factory
         tag = "test_undecorated"
         margin: int = 1
 
-    with pytest.raises(graphquant.PlanError, match=r"Undecorated for role .*whose annotated attributes \(margin\) are not dataclass fields: decorate"):
+    with pytest.raises(graphquant.PlanError, match=r"Undecorated for role .*whose attributes \(margin\) are not dataclass fields, so its spec \(test_undecorated\(\)\) does not hold them: decorate"):
         graphquant.explain(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: Undecorated()), torch.randn(32, 64))
+
+
+def test_a_user_format_keeping_its_options_in_an_init_of_its_own_is_refused_at_the_factory():
+    """Its step, set in __init__, was in no spec: the compiled graph, which rebuilds each quantizer
+    from its spec, ran the default step without a word."""
+
+    class Stepped(Float8Block64):
+        tag = "test_stepped"
+
+        def __init__(self, step=0.5):
+            object.__setattr__(self, "step", step)
+
+    with pytest.raises(graphquant.PlanError, match=r"Stepped for role .*whose attributes \(step\) are not dataclass fields"):
+        graphquant.explain(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: Stepped(step=0.25)), torch.randn(32, 64))

@@ -78,6 +78,9 @@ class AttentionSite:
     backend: backends.GemmBackend = _EMULATED  # how the forward runs, as the plan chose (backends.select_attention)
     backward_backend: backends.GemmBackend = _EMULATED  # how the backward runs (on a flash forward's site only)
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
+    # The plan runs no backward product here (mode="inference", or no input gets a gradient): the
+    # inputs are taken detached, so that no gradient flows where the plan lists none.
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         planned = backends.softmax_output_format(self.quantizer("s"))
@@ -127,6 +130,8 @@ def quantized_attention(
             f"{tuple(attn_mask.shape)}; a site with a mask runs the emulation (backend={_EMULATED!r})"
         )
     qkv_delayed, _, do_delayed, dp_delayed = states
+    if site.forward_only:
+        query, key, value = query.detach(), key.detach(), value.detach()
     if site.backend.name in backends.ATTENTION_KERNELS:
         return FlashAttention.apply(query, key, value, qkv_delayed, do_delayed, dp_delayed, site, scale, bool(is_causal))
     mask = _additive_mask(attn_mask, is_causal, lq, lk, query.device)

@@ -430,11 +430,14 @@ _SCALAR_FIELDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": 
 
 
 def undeclared_fields(quantizer: Quantizer) -> list[str]:
-    """Annotated attributes of its class that are no dataclass fields: a subclass without
-    @dataclasses.dataclass(frozen=True), whose values would then be in no spec."""
+    """Annotated attributes of its class, and attributes the instance holds (set in an __init__ of
+    its own), that are no dataclass fields: a subclass without @dataclasses.dataclass(frozen=True),
+    whose values would then be in no spec, so that a compiled graph, which rebuilds the quantizer
+    from its spec, would run its defaults."""
     declared = {f.name for f in dataclasses.fields(quantizer)}
     annotations = type(quantizer).__dict__.get("__annotations__", {})
-    return [name for name, kind in annotations.items() if name not in declared and "ClassVar" not in str(kind)]
+    annotated = [name for name, kind in annotations.items() if name not in declared and "ClassVar" not in str(kind)]
+    return annotated + sorted(set(vars(quantizer)) - declared - set(annotated))
 
 
 def mistyped_fields(quantizer: Quantizer) -> list[str]:
