@@ -66,7 +66,7 @@ def fold_attention(gm: fx.GraphModule) -> None:
         elif _is_softmax(node):
             chain = _match(node)
             if isinstance(chain, str):
-                node.meta["graphquant_skip"] = f"matmul-softmax-matmul not folded into attention ({chain}); its matmuls stay matmul sites"
+                node.meta["graphquant_skip"] = f"matmul-softmax-matmul not folded into attention ({chain}); its matmuls stay matmul sites, in the formats the recipe gives matmul roles (the table's rows), not the dpa roles"
             elif chain is not None:
                 _fold(gm.graph, chain)
     gm.recompile()

@@ -130,12 +130,19 @@ def leave_attention_in_high_precision(gm: fx.GraphModule) -> None:
     """Mark each attention of ``gm`` for the plan's "not quantized" list, where the recipe does not
     ask for FP8 attention: it runs as torch's, which the plan would not otherwise show."""
     for node in nodes_and_bodies(gm):
-        if is_attention(node) or _is_flex_attention(node):
+        if is_attention(node) or _is_flex_attention(node) or _is_aten_attention(node):
             node.meta["graphquant_skip"] = "attention in high precision: the recipe has fp8_dpa=False (CustomRecipe(..., fp8_dpa=True) quantizes it)"
 
 
 def is_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+
+
+def _is_aten_attention(node: fx.Node) -> bool:
+    """An aten attention op called as an op (torch.ops.aten.scaled_dot_product_attention, or a
+    backend's, as _scaled_dot_product_flash_attention): no site, as torch.ops.aten.mm is none."""
+    target = getattr(node.target, "overloadpacket", node.target)
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverloadPacket) and "scaled_dot_product" in target.__name__
 
 
 def _is_flex_attention(node: fx.Node) -> bool:
@@ -164,6 +171,12 @@ def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Fra
             user_stack.warn(
                 f"graphquant: the recipe asks for FP8 attention (fp8_dpa), but {owner or 'the model'} calls flex_attention, "
                 'which runs in high precision; FP8 attention takes F.scaled_dot_product_attention (transformers: attn_implementation="sdpa")'
+            )
+            continue
+        if _is_aten_attention(node):
+            node.meta["graphquant_skip"] = (
+                f"torch.ops.aten.{getattr(node.target, 'overloadpacket', node.target).__name__} called as an op runs in high precision: "
+                "call torch.nn.functional.scaled_dot_product_attention, which FP8 attention (fp8_dpa) quantizes"
             )
             continue
         if not is_attention(node):

@@ -432,7 +432,7 @@ class Planner:
         # here it would route evaluation and serving otherwise than training did. Checked on whole
         # rows (128), so that the token count takes no guard: its weight's dims decide.
         n, k = site.w_sizes[1], site.w_sizes[2]
-        few = (isinstance(n, int) and n < FEW_OUTPUTS) or (isinstance(k, int) and k < SHORT_REDUCTION)
+        few = bool(n < FEW_OUTPUTS) or bool(k < SHORT_REDUCTION)  # dynamic dims as guards, as _small_dims tests them
         if not training and few and self.recipe.small_gemms_in_high_precision:
             whole_rows = dataclasses.replace(site, x_sizes=(site.x_sizes[0], 128, site.x_sizes[2]))
             try:
@@ -450,7 +450,8 @@ class Planner:
         site stays small, so cheap in high precision); "" otherwise, rows that alone keep it from
         tiling included (the error any site's would be)."""
         batch, n, k = site.w_sizes
-        small = {"n": isinstance(n, int) and n < FEW_OUTPUTS, "k": isinstance(k, int) and k < SHORT_REDUCTION}
+        # A dynamic size is tested too: the test becomes a guard, so a size past the bound recompiles.
+        small = {"n": bool(n < FEW_OUTPUTS), "k": bool(k < SHORT_REDUCTION)}
         if not any(small.values()):
             return ""
         widened = (batch, 128 if small["n"] else n, 128 if small["k"] else k)

@@ -596,6 +596,22 @@ def test_inference_mode_runs_no_attention_backward_as_it_runs_no_linear_backward
     assert not out.requires_grad
 
 
+class _AtenAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.ops.aten.scaled_dot_product_attention(q, k, v)
+
+
+def test_attention_called_as_an_aten_op_is_listed_as_in_high_precision_with_what_to_call():
+    """It was neither a site nor listed under fp8_dpa, as torch.ops.aten.mm is listed."""
+    q = torch.randn(1, 2, 32, 32)
+    plan = graphquant.explain(_AtenAttention(), CustomRecipe(current_dpa_factory, fp8_dpa=True), q, q, q)
+    assert not plan.gemms
+    assert [why for _, why in plan.skipped] == [
+        "torch.ops.aten.scaled_dot_product_attention called as an op runs in high precision: call "
+        "torch.nn.functional.scaled_dot_product_attention, which FP8 attention (fp8_dpa) quantizes"
+    ]
+
+
 class _FixedQueries(torch.nn.Module):
     """Attention of fixed queries (a buffer: no gradient) over keys and values of the input."""
 

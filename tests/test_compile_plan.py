@@ -917,6 +917,23 @@ def test_a_linear_called_on_no_rows_and_on_rows_quantizes_the_call_with_rows():
         assert torch.equal(y, alone(x)) and not torch.equal(y, linear(x))
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_few_output_features_stay_in_high_precision_when_their_count_turns_dynamic(training):
+    """8, then 16 output features: Dynamo recompiles the second with a symbolic count, which the
+    tests for few features (an int's alone) did not take: training failed the plan, evaluation
+    quantized what training keeps in high precision."""
+    compiled = graphquant.compile(Product(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    a = torch.randn(64, 64, requires_grad=training)
+    for n in (8, 16, 24, 64):
+        b = torch.randn(64, n, requires_grad=training)
+        with torch.set_grad_enabled(training):
+            y = compiled(a, b).detach()
+        high_precision = (y - a.detach() @ b.detach()).abs().max() < 1e-4  # MXFP8's rounding errors are some 1e-2 of these products
+        assert high_precision == (n < 32), n  # 64 tiles MXFP8's blocks: quantized
+    reasons = [g.reason for g in compiled.graphquant.plans[1].gemms]
+    assert reasons and all("output features tile no block" in why for why in reasons), reasons
+
+
 class LowRankAdapted(torch.nn.Linear):
     """An nn.Linear subclass that multiplies a low-rank adapter's weights beside its own (LoRA)."""
 
