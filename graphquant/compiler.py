@@ -263,7 +263,10 @@ class GraphquantBackend:
         backward after two of them fails (the first's saved state was written over)."""
         held = [name for _, name in frame.modules]
         unowned = [site for site in sites if not any(site.name == name or site.name.startswith(name + ".") for name in held)]
-        stateful = [site.label for site in unowned if any(plan.quantizer(role).keeps_state for role in site.roles())]
+        stateful = [
+            site.label for site in unowned
+            if site.label not in plan.high_precision_calls and any(plan.quantizer(role).keeps_state for role in site.roles())
+        ]
         shared = _code_several_modules_run(self.root) if stateful else ""
         if shared:
             user_stack.warn(
