@@ -38,6 +38,7 @@ from torch import fx
 from graphquant.passes.find_gemms import body_of, target_name
 
 _MATMULS = (torch.matmul, operator.matmul)
+_BATCHED_PRODUCTS = (torch.bmm, torch.baddbmm)  # the 3-D spelling (BLOOM's, DeBERTa's), which is not folded
 _SOFTMAXES = (F.softmax, torch.softmax)
 # The steps allowed between the scores product and the softmax, in the order they must come.
 _ORDER = ("scale", "mask", "cast")
@@ -85,6 +86,10 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         probs = _user(probs)
         after.append(probs)
     out = next((user for user in probs.users if _is_matmul(user)), None)
+    batched = [n for n in (scores, *probs.users) if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _BATCHED_PRODUCTS]
+    if batched and (out is not None or _is_matmul(scores) or len(batched) == 2):
+        names = ", ".join(target_name(n) for n in batched)
+        return f"its products ({names}) multiply 3-D (batch * heads, length, dim) tensors; attention folds matmuls of 4-D ones"
     if out is not None and isinstance(scores, fx.Node) and not _is_matmul(scores) and _product_before(scores):
         return f"{scores.name} ({target_name(scores)}) between the products is no step attention takes ({', '.join(_ORDER)}), a logit soft-cap's tanh, say"
     if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None:

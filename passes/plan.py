@@ -465,7 +465,7 @@ class Planner:
             return True
 
         rows = tiles(m)
-        if not rows and not (isinstance(m, int) and tiles(-(-m // 128) * 128)):
+        if not rows and not tiles(-(-m // 128) * 128):  # a dynamic count too: its multiple of 128 is one for any count
             return ""
         if not rows and tiles(-(-m // 128) * 128, site.w_sizes):  # its rows alone keep it from tiling, as any site's would
             return ""

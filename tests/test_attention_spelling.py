@@ -44,6 +44,10 @@ class Attention(torch.nn.Module):
         if self.spelling == "masked_fill":
             scores = (q @ k.transpose(-1, -2)) / DIM**0.5
             return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        if self.spelling == "bmm":  # on 3-D (batch * heads) tensors, as DeBERTa spells it
+            q, k, v = (t.reshape(b * HEADS, s, DIM) for t in (q, k, v))
+            probs = F.softmax(torch.bmm(q, k.transpose(1, 2)) * self.scaling + mask[0], dim=-1)
+            return torch.bmm(probs, v).view(b, HEADS, s, DIM)
         scores = torch.matmul(q, k.transpose(2, 3))
         if self.spelling == "tensor_scale":
             scores = scores * self.temperature
@@ -111,6 +115,7 @@ def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     ("scores_twice", "scores_2 has 2 users"),
     ("probs_twice", "probs_1 has 2 users"),
     ("soft_cap", "(tanh) between the products is no step attention takes (scale, mask, cast)"),
+    ("bmm", "its products (bmm, bmm) multiply 3-D (batch * heads, length, dim) tensors"),  # said nothing
 ])
 def test_near_matches_stay_matmul_sites_and_say_why(spelling, reason):
     x, mask = _inputs()

@@ -934,6 +934,18 @@ def test_few_output_features_stay_in_high_precision_when_their_count_turns_dynam
     assert reasons and all("output features tile no block" in why for why in reasons), reasons
 
 
+def test_a_router_stays_in_high_precision_at_token_counts_that_turn_dynamic():
+    """8 outputs under MXFP8 at 64, 96, then 40 tokens: the third compile has a symbolic count, for
+    which the rows' multiple of 128 was not tried, so the router failed the plan; a fresh compile
+    at 40 tokens keeps it in high precision."""
+    router = models.seeded(torch.nn.Linear(64, 8, bias=False))
+    compiled = graphquant.compile(router, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    for tokens in (64, 96, 40):
+        x = torch.randn(tokens, 64, requires_grad=True)
+        compiled(x).sum().backward()
+        assert all(g.backend.name == "high-precision matmul" for g in compiled.graphquant.plans[-1].gemms)
+
+
 class LowRankAdapted(torch.nn.Linear):
     """An nn.Linear subclass that multiplies a low-rank adapter's weights beside its own (LoRA)."""
 

@@ -77,6 +77,19 @@ def test_experts_over_rows_a_data_dependent_op_chose_equal_the_same_experts_over
     assert looped[2][-1].abs().sum() == 0  # the empty expert's weights: a zero gradient
 
 
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling])
+def test_block_formats_run_inference_over_rows_a_data_dependent_op_chose_as_over_static_slices(recipe):
+    """Inference quantizes rowwise alone, whose blocks run along the columns: any row count tiles.
+    NVFP4's global amax took a guard on the unbacked count and failed the compile."""
+    x, choice, bounds = routed_tokens()
+    outputs = []
+    for model, routing in ((LoopedExperts(), choice), (SlicedExperts(), bounds)):
+        compiled = graphquant.compile(models.seeded(model), recipe(), backend="aot_eager")
+        with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            outputs.append(compiled(x, routing))
+    assert torch.equal(*outputs)
+
+
 def test_a_block_format_on_rows_a_data_dependent_op_chose_is_refused_naming_the_site_and_the_remedies():
     x, choice, _ = routed_tokens()
     model = models.seeded(LoopedExperts())

@@ -13,6 +13,7 @@ import math
 from typing import Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 BLOCK_LEN = 16
 
@@ -175,9 +176,11 @@ def _tile_amax(absx: torch.Tensor, tile_rows: int) -> torch.Tensor:
 def global_amax(x: torch.Tensor, *, row_scaled: bool = False) -> torch.Tensor:
     """max |x| in fp32: 0-dim, or (R,) one per row when row_scaled; 0 where there is no value."""
     absx = x.float().abs()
-    if x.numel() == 0:
+    if guard_or_false(x.numel() == 0):
         return absx.new_zeros(x.shape[:1] if row_scaled else ())
-    return absx.amax(1) if row_scaled else absx.amax()
+    if row_scaled or statically_known_true(x.numel() != 0):
+        return absx.amax(1) if row_scaled else absx.amax()
+    return torch.nn.functional.pad(absx.flatten(), (0, 1)).amax()  # rows a data-dependent op chose, maybe none: 0 then
 
 
 def quantize(
