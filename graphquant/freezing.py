@@ -298,7 +298,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     linears, kept = [], []
     for name, m in root.named_modules():
         if isinstance(m, nn.Linear):
-            why = _kept_because(name, m, backend)
+            why = _kept_because(name, m, backend, tied)
             (kept.append((name, why)) if why else linears.append((name, m)))
     stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
@@ -309,8 +309,6 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
     frozen = []
     for name, linear in linears:
-        if _is_tied(f"{name}.weight", tied, linear.weight):
-            continue
         quantizer = _weight_quantizer(backend, name)
         saved = described(state.get(f"{name}._extra_state")) if state is not None else None
         if saved is not None and saved["format"] == IdentityQuantizer().spec and not Planner.tiles(quantizer, ROWWISE, 1, tuple(linear.weight.shape)):
@@ -340,8 +338,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     for frozen in (m for m in root.modules() if isinstance(m, FrozenExperts)):
         root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
     if not linears and not stacks and not stored_before:
-        user_stack.warn(f"graphquant.freeze found no nn.Linear and no expert stack read by torch._grouped_mm in "
-                        f"{type(root).__name__}: nothing was frozen")
+        user_stack.warn(f"graphquant.freeze found no nn.Linear{' it can store' if kept else ''} and no expert stack read by "
+                        f"torch._grouped_mm in {type(root).__name__}: nothing was frozen")
     if kept:
         user_stack.warn(
             f"graphquant.freeze keeps {len(kept)} nn.Linear module(s) as they are "
@@ -352,7 +350,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     return model
 
 
-def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend) -> str:
+def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied: dict[int, list[str]]) -> str:
     """Why a FrozenLinear would not compute what ``linear`` does ("" where it would): a subclass's
     forward, parameters, buffers or submodules (a learned logit scale, a router returning a
     tuple), hooks, or a weight the compiled graphs read other than through the linear's forward
@@ -362,6 +360,8 @@ def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend) -> s
         return f"a {type(linear).__name__} with a forward or state of its own, which a FrozenLinear would drop"
     if linear._forward_hooks or linear._forward_pre_hooks:
         return "hooks, which a FrozenLinear would drop"
+    if id(linear.weight) in tied:  # before the graphs' other reads of it: its twin's
+        return f"its weight is tied to {', '.join(other for other in tied[id(linear.weight)] if other != f'{name}.weight')}, which needs it"
     if f"{name}.weight" in backend.weights_read_otherwise:
         return "its weight is read other than by its own forward"
     return ""

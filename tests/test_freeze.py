@@ -342,10 +342,31 @@ def test_frozen_linear_runs_only_in_its_compiled_model():
 def test_tied_weight_stays_high_precision():
     model = models.seeded(models.TinyLM()).to(torch.bfloat16)
     compiled = inference_model(model, FAMILIES["mxfp8"]())
-    with pytest.warns(UserWarning, match=r"leaves lm_head.weight with its high-precision values: it is tied to embed.weight"):
+    with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear module\(s\) as they are \(lm_head: its weight is tied to embed.weight, which needs it\)"):
         graphquant.freeze(compiled)
     assert type(model.lm_head) is torch.nn.Linear
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
+
+
+class TiedHeadOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_model_whose_one_linear_is_a_tied_head_is_said_to_have_none_freeze_can_store():
+    """GPT-2's case: freeze said it found no nn.Linear, then named lm_head, an nn.Linear, as kept
+    because its weight "is read other than by its own forward" rather than because it is tied."""
+    compiled = inference_model(models.seeded(TiedHeadOnly()), FAMILIES["mxfp8"]())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphquant.freeze(compiled)
+    said = " | ".join(str(w.message) for w in caught)
+    assert "found no nn.Linear it can store" in said and "head: its weight is tied to embed.weight" in said, said
 
 
 def test_linear_sites_of_no_nn_linear_are_named_as_left_in_high_precision():
