@@ -298,7 +298,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     linears, kept = [], []
     for name, m in root.named_modules():
         if isinstance(m, nn.Linear):
-            why = _kept_because(name, m, backend, tied)
+            why = _kept_because(name, m, backend, tied) if name else "the compiled model itself, which no FrozenLinear can take the place of (freeze a model that holds it)"
             (kept.append((name, why)) if why else linears.append((name, m)))
     stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the

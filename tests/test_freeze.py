@@ -348,6 +348,26 @@ def test_tied_weight_stays_high_precision():
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
 
 
+def test_a_frozen_model_called_on_no_rows_gives_an_empty_output():
+    """An empty call keeps its product in high precision, which reads none of the weight: its plan
+    was refused for the weight's stored format ("the recipe gives this slot identity()")."""
+    model = torch.nn.Sequential(models.seeded(torch.nn.Linear(64, 128))).to(torch.bfloat16)
+    compiled = inference_model(model, zoo.recipe("rowwise"))
+    with torch.no_grad():
+        before = compiled(x3())
+        graphquant.freeze(compiled)
+        assert compiled(x3()[:0]).shape == (0, 32, 128) and torch.equal(compiled(x3()), before)
+
+
+def test_freezing_a_model_that_is_an_nn_linear_keeps_it_saying_why():
+    """It failed in torch's set_submodule ("Cannot set the submodule without a target name!")."""
+    compiled = inference_model(models.seeded(torch.nn.Linear(64, 128)).to(torch.bfloat16), zoo.recipe("rowwise"))
+    with torch.no_grad():
+        compiled(x3())
+    with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear module\(s\) as they are \(: the compiled model itself"):
+        graphquant.freeze(compiled)
+
+
 class TiedHeadOnly(torch.nn.Module):
     def __init__(self):
         super().__init__()
