@@ -79,6 +79,9 @@ class GraphquantBackend:
         self.inductor_options = inductor_options or {}
         self.root = root
         self.plans: list[Plan] = []
+        # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
+        # of Dynamo's recompiles of the code, which the recompile limit's error then names.
+        self.refusals: list[str] = []
         self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
@@ -384,6 +387,7 @@ class GraphquantBackend:
         try:
             return self._compile(gm, example_inputs)
         except (PlanError, MixedDtypesError) as error:
+            self.refusals.append(str(error))
             return _raising(error)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -871,7 +875,7 @@ def compile(
         # it may not): the flag is set there, and a call that runs a compiled graph pays nothing.
         context = compiled.dynamo_ctx
         callback = context.callback
-        context.callback = _failing_past_the_recompile_limit(callback, name)
+        context.callback = _failing_past_the_recompile_limit(callback, name, gq_backend)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
         compiled.forward = _refusing_other_tracers(compiled.forward, name)
@@ -888,13 +892,13 @@ def compile(
         watch_methods(compiled, model, "forward and generate" if generates else "forward", attention=recipe.fp8_dpa)
         if generates:
             forwards = {
-                module: _compiled_function(torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name)
+                module: _compiled_function(torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name, gq_backend)
                 for module in _generated_through(model)
             }
             generate = _generating_through(model, forwards, name)
             compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, name, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
-        compiled = _checking_the_first_compile(_compiled_function(compiled, name), gq_backend, name)
+        compiled = _checking_the_first_compile(_compiled_function(compiled, name, gq_backend), gq_backend, name)
     compiled.__dict__["graphquant"] = gq_backend
     return compiled
 
@@ -1086,9 +1090,9 @@ def _not_pickled(protocol: int) -> NoReturn:
     )
 
 
-def _compiled_function(compiled: Callable, name: str) -> Callable:
+def _compiled_function(compiled: Callable, name: str, backend: "GraphquantBackend") -> Callable:
     """A torch.compile'd function as graphquant runs it: checked at each call as a module's forward is."""
-    return _refusing_other_tracers(_failing_past_the_recompile_limit(compiled, name), name)
+    return _refusing_other_tracers(_failing_past_the_recompile_limit(compiled, name, backend), name)
 
 
 def _refusing_other_tracers(call: Callable, name: str) -> Callable:
@@ -1128,7 +1132,7 @@ def _not_scripted(name: str) -> NoReturn:
     )
 
 
-def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
+def _failing_past_the_recompile_limit(call: Callable, name: str, backend: "GraphquantBackend") -> Callable:
     """``call`` with Dynamo told to fail where it would run a frame eagerly, unquantized, having
     reached its recompile limit; the failure becomes a RecompileLimitError saying what to change.
     Dynamo's suppress_errors is off for it too: a failure to compile the model's code would run
@@ -1148,6 +1152,11 @@ def _failing_past_the_recompile_limit(call: Callable, name: str) -> Callable:
                 " Before torch 2.13, the count of a module's code takes in the compiles of every model compiled from "
                 "that module (graphquant.compile of it under several recipes, or torch.compile)."
             )
+            if backend.refusals:
+                shared += (
+                    f" {len(backend.refusals)} of this model's graphs only raise the plan's refusal of the sizes they were "
+                    f"compiled for, each for its sizes alone, so a raised limit brings that error back; the last: {backend.refusals[-1]}"
+                )
             raise RecompileLimitError(
                 f"graphquant: {name} would run unquantized: Dynamo reached its recompile limit for code this model "
                 f"runs (torch._dynamo.config.recompile_limit = {config.recompile_limit} graphs of one code for one "

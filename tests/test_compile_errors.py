@@ -443,6 +443,21 @@ def test_running_past_the_recompile_limit_is_an_error(recompile_counts):
     assert not torch.equal(y, model(x3(batch=3))) and len(compiled.graphquant.plans) == 2
 
 
+def test_the_recompile_limit_reached_by_refused_sizes_says_so_with_the_refusal(recompile_counts):
+    """Each token count that tiles no MXFP8 block installs a graph that raises the plan's refusal
+    for that count alone; the limit's error then said to raise the limit, which only brings the
+    refusal back."""
+    model = models.seeded(models.MLP())
+    with torch._dynamo.config.patch(recompile_limit=3):
+        compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=False)
+        compiled(torch.randn(64, 64, requires_grad=True)).sum().backward()
+        for tokens in (40, 48):
+            with pytest.raises(graphquant.PlanError, match=f"{tokens}x64 tensor must be a multiple of 32"):
+                compiled(torch.randn(tokens, 64, requires_grad=True))
+        with pytest.raises(graphquant.RecompileLimitError, match=r"2 of this model's graphs only raise the plan's refusal .*48x64 tensor"):
+            compiled(torch.randn(72, 64, requires_grad=True))
+
+
 def test_dynamos_suppress_errors_does_not_run_a_graphquant_model_unquantized():
     """torch._dynamo.config.suppress_errors runs code eagerly, with a log line, where compiling it
     fails: for a graphquant model that is its products unquantized, so its compiles keep raising
