@@ -497,9 +497,10 @@ class Planner:
                         f"{rows}x{cols} blocks, but the {shape[0]}x{shape[1]} tensor's size is chosen at run time by a "
                         "data-dependent op (torch.where, nonzero or a boolean index, which Dynamo keeps in the graph under "
                         "capture_dynamic_output_shape_ops), so no check that it tiles can be made. Pad each such group of rows "
-                        "to a multiple of the block in the model, run the experts through torch._grouped_mm (graphquant pads "
-                        "its groups inside the op), or have the recipe's factory return IdentityQuantizer() for roles named "
-                        f"{site.name!r}"
+                        "to a multiple of the block in the model (as (n + b - 1) // b * b, which the symbolic shapes can "
+                        "prove a multiple), run the experts through torch._grouped_mm (graphquant pads its groups inside the "
+                        "op), or have the recipe's factory return IdentityQuantizer() for the input and grad_output roles of "
+                        f"every such linear (this one: {site.name!r})"
                     ) from None
                 except ValueError:
                     # Once more on this call's sizes, so that the message names them; int() also
