@@ -624,9 +624,9 @@ class GraphquantBackend:
 
 def _check_values(key: str, value: torch.Tensor) -> None:
     """Refuse a loaded entry whose values no run makes: a delayed-scaling slot's scale (its first
-    value, one an expert) finite and positive, its amax history no NaN and nothing negative (an
-    infinite amax may stand there, as an overflowing fp16 gradient leaves it); rng's step not
-    negative. The next call would quantize with them, some to NaN."""
+    value, one an expert) finite and positive, its amax history nothing negative (an infinite or
+    NaN amax may stand there, as an overflowing or NaN fp16 gradient leaves it, and the run goes on
+    past it); rng's step not negative. The next call would quantize with them, some to NaN."""
     if key == "rng":
         if int(value[1]) < 0:
             raise ValueError(f"graphquant state 'rng' is [seed, step] with a step of 0 or more, got {value.tolist()}")
@@ -637,8 +637,8 @@ def _check_values(key: str, value: torch.Tensor) -> None:
             f"graphquant state {key!r}: a delayed-scaling slot's scale (its first value, one an expert) is finite and "
             f"positive, got {scale.reshape(-1)[:4].tolist()}"
         )
-    if bool((torch.isnan(history) | (history < 0)).any()):
-        raise ValueError(f"graphquant state {key!r}: its amax history holds a NaN or a negative amax")
+    if bool((history < 0).any()):
+        raise ValueError(f"graphquant state {key!r}: its amax history holds a negative amax")
 
 
 def _users_through_views(node: fx.Node) -> list[fx.Node]:

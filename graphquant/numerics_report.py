@@ -130,7 +130,8 @@ class _Counts:
             quantized = quantized.t() if rep.transposed else quantized
         # Compared with what the format encoded: the values after its transform, if it has one.
         source = rep.quantizer.transformed((x.t() if rep.transposed else x).float(), rep.direction)
-        self.amax = max(self.amax, x.abs().max().item() if x.numel() else 0.0)
+        seen = x.abs().max().item() if x.numel() else 0.0
+        self.amax = math.nan if math.isnan(seen) or math.isnan(self.amax) else max(self.amax, seen)  # Python's max drops a NaN
         self.values += x.numel() if values is None else values
         self.nonzero += int((source != 0).sum())
         self.underflow += int(((source != 0) & (quantized == 0)).sum())

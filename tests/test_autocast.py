@@ -131,3 +131,14 @@ def test_operands_given_by_keyword_are_quantized_and_cast_as_given_by_position()
     assert torch.equal(y, y_positional) and torch.equal(dx, dx_positional)
     for name, grad in grads.items():
         assert torch.equal(grad, grads_positional[name]), name
+
+
+def test_autocast_leaves_float64_operands_as_eager_torch_does():
+    """Autocast casts float32, float16 and bfloat16 operands, never float64: graphquant cast a
+    float64 model's to bf16 (its output came back in bf16, where eager's stays float64) and ran a
+    float64 input against float32 weights, which eager refuses."""
+    model = models.seeded(torch.nn.Linear(64, 64)).double()
+    x = torch.randn(32, 64, dtype=torch.float64)
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(x).dtype == model(x).dtype == torch.float64

@@ -40,6 +40,16 @@ def test_sqnr_is_that_of_the_quantized_gemm_against_the_high_precision_one():
     assert report["fc2#0", "dgrad"].sqnr_db == pytest.approx(dgrad, abs=1e-3)
 
 
+def test_an_operand_holding_a_nan_reports_a_nan_amax():
+    """Python's max(0.0, nan) is 0.0: a NaN-poisoned operand was reported with amax 0, as an
+    all-zero one would be."""
+    x = torch.randn(32, 64)
+    x[0, 0] = float("nan")
+    report = by_key(graphquant.numerics(nn.Linear(64, 64), recipes.current_scaling(), x))
+    fprop = report["#0", "fprop"]
+    assert fprop.a.operand.startswith("input") and math.isnan(fprop.a.amax) and not math.isnan(fprop.b.amax), fprop
+
+
 def test_every_gemm_that_ran_is_reported_worst_first():
     x = torch.randn(32, 64)
     report = graphquant.numerics(MLP(), zoo.recipe("tensorwise"), x)

@@ -4,6 +4,7 @@ stochastic-rounding step included (``compiled.graphquant.state_dict()``, saved b
 model's own state_dict, which stays the plain weights).
 """
 
+import copy
 import warnings
 
 import models
@@ -205,11 +206,11 @@ def test_state_loads_after_an_inference_call_that_drew_no_random_bits():
     assert torch.equal(train(resumed, sgd, range(2, 3)), expected[:1])
 
 
-@pytest.mark.parametrize("corrupt", ["NaN scale", "zero scale", "infinite scale", "negative scale", "NaN amax", "negative amax"])
+@pytest.mark.parametrize("corrupt", ["NaN scale", "zero scale", "infinite scale", "negative scale", "negative amax"])
 def test_a_state_of_values_no_run_makes_is_refused(corrupt):
     """A slot's scale of NaN or 0 made every output non-finite at the next call, an infinite one
-    quantized to nonsense, all without a word; an infinite amax in the history stays allowed (an
-    overflowing fp16 gradient leaves one)."""
+    quantized to nonsense, all without a word; an infinite or NaN amax in the history stays allowed
+    (an overflowing or NaN fp16 gradient leaves one, and the run goes on past it)."""
     model = models.seeded(models.MLP(), 0)
     compiled, optimizer = start(model, "delayed_scaling")
     train(compiled, optimizer, range(1))
@@ -218,14 +219,32 @@ def test_a_state_of_values_no_run_makes_is_refused(corrupt):
     value = state[key].clone()
     position, number = {
         "NaN scale": (0, float("nan")), "zero scale": (0, 0.0), "infinite scale": (0, float("inf")), "negative scale": (0, -1.0),
-        "NaN amax": (1, float("nan")), "negative amax": (1, -1.0),
+        "negative amax": (1, -1.0),
     }[corrupt]
     value[position] = number
-    match = "scale .* is finite and positive" if position == 0 else "amax history holds a NaN or a negative amax"
+    match = "scale .* is finite and positive" if position == 0 else "amax history holds a negative amax"
     with pytest.raises(ValueError, match=rf"^graphquant state '{key}': .*{match}"):
         compiled.graphquant.load_state_dict({**state, key: value})
-    value[1] = float("inf")
-    compiled.graphquant.load_state_dict({**state, key: torch.cat([state[key][:1], value[1:]])})
+    for amax in (float("inf"), float("nan")):
+        value[1] = amax
+        compiled.graphquant.load_state_dict({**state, key: torch.cat([state[key][:1], value[1:]])})
+
+
+def test_a_state_saved_after_a_nan_input_loads_and_resumes_as_the_run_went_on():
+    """A NaN input puts a NaN amax into the delayed-scaling history; the run goes on past it, but
+    its state_dict was refused by the load ("its amax history holds a NaN") for the history's length."""
+    model = models.seeded(models.MLP(), 0)
+    compiled = graphquant.compile(model, recipes.delayed_scaling(amax_history_len=4), backend="aot_eager")
+    poisoned = torch.randn(2, 32, 64)
+    poisoned[0, 0, 0] = float("nan")
+    for x in (torch.randn(2, 32, 64), poisoned):
+        compiled(x).sum().backward()
+    state = compiled.graphquant.state_dict()
+    assert any(torch.isnan(v[1:]).any() for k, v in state.items() if k != "rng")
+    resumed = graphquant.compile(copy.deepcopy(model), recipes.delayed_scaling(amax_history_len=4), backend="aot_eager")
+    resumed.graphquant.load_state_dict(state)
+    x = torch.randn(2, 32, 64)
+    assert torch.equal(resumed(x), compiled(x))
     with pytest.raises(ValueError, match=r"'rng' is \[seed, step\] with a step of 0 or more"):
         compiled.graphquant.load_state_dict({**state, "rng": torch.tensor([0, -5])})
     with pytest.raises(TypeError, match="is a mapping of names to tensors .* got list"):

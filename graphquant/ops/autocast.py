@@ -73,7 +73,7 @@ class _RoundedCast(torch.autograd.Function):
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, tuple):
         return tuple(_cast(v, dtype) for v in value)
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:  # autocast leaves float64 as it is
         return cast(value, dtype)
     return value
 
