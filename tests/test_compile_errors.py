@@ -515,9 +515,18 @@ def test_operands_of_different_dtypes_are_refused_as_torch_refuses_them(weights,
     model = models.MLP().to(weights)
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager")
     x = x3().to(inputs)
-    with pytest.raises(graphquant.MixedDtypesError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight {weights}"):
+    with pytest.raises(graphquant.MixedDtypesError, match=rf"^fc1#0: its operands are of different dtypes \(input {inputs}, weight {weights}.*cast the input to the model's dtype \({weights}\)"):
         compiled(x)
     assert compiled(x.to(weights)).dtype == weights
+
+
+def test_a_bias_of_another_dtype_is_refused_naming_the_parameters_not_the_input():
+    """The input matched the weight; the advice was still to cast the input."""
+    linear = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    linear[0].bias.data = linear[0].bias.data.double()
+    compiled = graphquant.compile(linear, recipes.current_scaling(), backend="aot_eager")
+    with pytest.raises(graphquant.MixedDtypesError, match=r"bias torch.float64\).*give the module's parameters one dtype \(model.to\(dtype\)\)"):
+        compiled(torch.randn(4, 64))
 
 
 def test_a_frozen_model_and_addmm_refuse_operands_of_different_dtypes_too():

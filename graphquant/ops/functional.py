@@ -130,7 +130,12 @@ def _same_dtype(site: Site, **operands: Optional[torch.dtype]) -> None:
     given = {name: dtype for name, dtype in operands.items() if dtype is not None}
     if len(set(given.values())) > 1:
         described = ", ".join(f"{name} {dtype}" for name, dtype in given.items())
+        others = {dtype for name, dtype in given.items() if name != "input"}
+        remedy = (  # the input alone differs, or the operands besides it (a bias left in another dtype) do
+            f"cast the input to the model's dtype ({others.pop()})" if len(others) == 1
+            else "give the module's parameters one dtype (model.to(dtype))"
+        )
         raise MixedDtypesError(
             f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (they take "
-            "operands of one dtype); cast the input to the model's dtype, or run the model under torch.autocast"
+            f"operands of one dtype); {remedy}, or run the model under torch.autocast"
         )
