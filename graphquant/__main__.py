@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sub.add_argument("--input-shape", action="append", type=_shape, default=[], help="e.g. 4,128,512; repeat per input")
         sub.add_argument(
             "--dtype", choices=("float32", "bfloat16", "float16"),
-            help="of the random inputs, the model's floating tensors cast to it (default: the model's own dtype)",
+            help="of the inputs (random, or those the model brings), the model's floating tensors cast to it (default: the model's own dtype)",
         )
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
     commands.choices["explain"].add_argument(
@@ -55,6 +55,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dtype = getattr(torch, args.dtype) if args.dtype else _floating_dtype(model)
             model = model.to(dtype)  # torch's products take operands of one dtype
             inputs = tuple(torch.randn(shape, dtype=dtype) for shape in args.input_shape)
+        elif args.dtype:  # the inputs the model brings, cast with it
+            dtype = getattr(torch, args.dtype)
+            model = model.to(dtype)
+            inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
         if not inputs:
             raise ValueError(f"{args.model} brings no example inputs: give --input-shape")
         if args.command == "explain":

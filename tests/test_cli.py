@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from graphquant.__main__ import load_recipe, main
 from graphquant import Plan
@@ -61,6 +62,17 @@ def test_a_factory_that_brings_its_inputs_and_a_factory_recipe(in_tests_dir, cap
     assert main(["explain", "explain_models:attention_with_inputs", "--recipe", "graphquant.factories:current_scaling_factory"]) == 0
     out = capsys.readouterr().out
     assert "matmul.1#0" in out and "fp8_current(fp8_dtype=e5m2)" in out
+
+
+def test_dtype_casts_the_inputs_a_factory_brings_and_its_model(in_tests_dir, capsys, monkeypatch):
+    """--dtype was applied to random inputs alone: a model bringing its own ran in its own dtype."""
+    import graphquant.__main__ as cli
+
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda command, spec, model, recipe, inputs: ran.append((model, inputs)) or Plan("cpu", (), ()))
+    assert main(["explain", "explain_models:attention_with_inputs", "--recipe", "tensorwise", "--dtype", "bfloat16"]) == 0
+    (model, inputs), = ran
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and {x.dtype for x in inputs} == {torch.bfloat16}
 
 
 def test_numerics_prints_the_report(in_tests_dir, capsys):
