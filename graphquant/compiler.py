@@ -647,7 +647,7 @@ def _users_through_views(node: fx.Node) -> list[fx.Node]:
     (a mask's product) stay users."""
     users = []
     for user in node.users:
-        passing = user.op in ("call_function", "call_method") and getattr(user.target, "__name__", user.target) in VIEWS_AND_CASTS
+        passing = user.op in ("call_function", "call_method") and target_name(user) in VIEWS_AND_CASTS
         users.extend(_users_through_views(user) if passing else [user])
     return users
 

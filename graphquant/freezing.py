@@ -360,8 +360,9 @@ def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied
         return f"a {type(linear).__name__} with a forward or state of its own, which a FrozenLinear would drop"
     if linear._forward_hooks or linear._forward_pre_hooks:
         return "hooks, which a FrozenLinear would drop"
-    if id(linear.weight) in tied:  # before the graphs' other reads of it: its twin's
-        return f"its weight is tied to {', '.join(other for other in tied[id(linear.weight)] if other != f'{name}.weight')}, which needs it"
+    tie = _tie(f"{name}.weight", tied, linear.weight)
+    if tie:  # before the graphs' other reads of it: its twin's
+        return f"its weight is {tie}"
     if f"{name}.weight" in backend.weights_read_otherwise:
         return "its weight is read other than by its own forward"
     return ""
@@ -478,13 +479,19 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _tie(name: str, tied: dict[int, list[str]], parameter: nn.Parameter) -> str:
+    """Why ``parameter`` (named ``name``) keeps its values where another module shares it ("" where
+    none does)."""
+    others = [other for other in tied.get(id(parameter), ()) if other != name]
+    return f"tied to {', '.join(others)}, which needs it" if others else ""
+
+
 def _is_tied(name: str, tied: dict[int, list[str]], parameter: nn.Parameter) -> bool:
     """Whether ``parameter`` (named ``name``) is shared with another module, which needs it; warns."""
-    if id(parameter) not in tied:
-        return False
-    others = [other for other in tied[id(parameter)] if other != name]
-    user_stack.warn(f"graphquant.freeze leaves {name} with its high-precision values: it is tied to {', '.join(others)}, which needs it")
-    return True
+    tie = _tie(name, tied, parameter)
+    if tie:
+        user_stack.warn(f"graphquant.freeze leaves {name} with its high-precision values: it is {tie}")
+    return bool(tie)
 
 
 def _dtype(name: str) -> torch.dtype:

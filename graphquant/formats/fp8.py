@@ -15,7 +15,7 @@ import math
 from typing import Callable, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -119,11 +119,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     is the max of the rounded values, as eager computes it. fp16 keeps a float max in its own
     dtype (exact too), whose partial maxima Inductor stores, and so rounds, as fp16.
     """
-    if guard_or_false(x.numel() == 0):
-        return torch.zeros((), dtype=torch.float32, device=x.device)
     if statically_known_true(x.numel() != 0):
         return reduced_amax(x, _max_of_all)
-    return reduced_amax(x, _max_with_zero)  # a size known only at run time (rows a data-dependent op chose)
+    return reduced_amax(x, _max_with_zero)  # empty, or of a size known only at run time (rows a data-dependent op chose)
 
 
 def reduced_amax(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -168,8 +166,8 @@ def _max_of_all(t: torch.Tensor) -> torch.Tensor:
 
 
 def _max_with_zero(t: torch.Tensor) -> torch.Tensor:
-    """The max of all of non-negative ``t`` and a zero: 0 where t turns out empty at run time, which
-    a plain max refuses, for a size the graph does not know (no guard can be taken on it)."""
+    """The max of all of non-negative ``t`` and a zero: 0 where t is empty, which a plain max
+    refuses, for a size the graph may not know (no guard can be taken on it)."""
     if t.dim() > 1 and statically_known_true(t.shape[-1] != 0):
         t = t.amax(-1)  # rows of known length: their maxima, few values to pad
     return torch.nn.functional.pad(t.flatten(), (0, 1)).amax()
