@@ -110,7 +110,7 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
 
     forward = forward or triton_attention.forward
     codes = flash_codes(q, k, v)
-    return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config)
+    return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config=config)
 
 
 def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False):

@@ -97,7 +97,7 @@ def _runner(inputs: list[torch.Tensor], causal: bool, config):
     if isinstance(config, BackwardConfig):
         return flash_kernels_alone(q, k, v, grad, causal, config)
     codes = flash_codes(q, k, v)
-    return lambda: triton_attention.forward(*codes, SOFTMAX_SCALE, causal, torch.bfloat16, config)
+    return lambda: triton_attention.forward(*codes, SOFTMAX_SCALE, causal, torch.bfloat16, config=config)
 
 
 def _compile(config, kv_heads: int) -> str:

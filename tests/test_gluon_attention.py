@@ -39,8 +39,9 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
                      BLOCK_N=triton_attention.TILE_KEYS, STAGES=config.num_stages, OPERAND_ORDER=config.operand_order,
                      SPECIALIZED=config.warp_specialize)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
-    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "vt_stride": "i32", **dict.fromkeys(constants, "constexpr")}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", "vt_stride"}}
+    strides = dict.fromkeys(("vt_stride", "o_batch_stride", "o_head_stride", "o_row_stride"), "i32")
+    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", **strides, **dict.fromkeys(constants, "constexpr")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", *strides}}
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 64),
                           options={"num_warps": gluon_attention.launch_warps(config)})
 
@@ -193,25 +194,27 @@ def test_gluon_forward_is_the_triton_forward_bit_for_bit(case, causal, operand_o
 
     codes = _codes(*case)
     config = gluon_attention.GluonForwardConfig(operand_order=operand_order, **SCHEDULES[schedule])
-    gluon = gluon_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, config)
-    expected = triton_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, gluon_attention.triton_config(config))
+    gluon = gluon_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, config=config)
+    expected = triton_attention.forward(*codes, case[-1] ** -0.5, causal, torch.bfloat16, config=gluon_attention.triton_config(config))
     for name, x, y in zip(("O", "logsumexp", "P amax"), gluon, expected):
         differ = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32) != y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)
         assert not differ.any(), f"{name}: {differ.sum().item()} of {differ.numel()} differ, first at {differ.nonzero()[0].tolist()}"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
 @pytest.mark.parametrize("specialized", [False, True], ids=["copying", "ws"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_default_is_the_triton_default_bit_for_bit(causal, specialized):
+def test_gluon_default_is_the_triton_default_bit_for_bit(causal, specialized, token_major):
     """Each side's default configuration for the mask (the Gluon one warp-specialized or not), in
-    float32 out: the same bits."""
+    float32 out: the same bits, the Gluon O also where it is written token by token."""
     from graphquant.kernels import gluon_attention, triton_attention
 
     codes = _codes(2, 8, 2, 1000, 1008, 128, seed=1)
     config = dataclasses.replace(gluon_attention.default_config(causal), warp_specialize=specialized)
-    gluon = gluon_attention.forward(*codes, 128**-0.5, causal, torch.float32, config)
+    gluon = gluon_attention.forward(*codes, 128**-0.5, causal, torch.float32, token_major, config=config)
     expected = triton_attention.forward(*codes, 128**-0.5, causal, torch.float32)
+    assert gluon[0].transpose(1, 2).is_contiguous() if token_major else gluon[0].is_contiguous()
     assert dataclasses.replace(triton_attention.default_config(causal), qk_ahead=False) == gluon_attention.triton_config(gluon_attention.default_config(causal))
     for name, x, y in zip(("O", "logsumexp", "P amax"), gluon, expected):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name

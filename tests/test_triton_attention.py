@@ -68,7 +68,7 @@ def emulated_kernel():
     library = torch.library.Library("graphquant", "IMPL")
     context = {}
 
-    def kernel(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
+    def kernel(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype, token_major):
         context["calls"] = context.get("calls", 0) + 1
         site = context.get("site", AttentionSite(name="attn", call=0, **CURRENT))
         b, h, lq, d = q.shape
@@ -82,7 +82,7 @@ def emulated_kernel():
         o, _, _ = attention.emulated_forward(site, {"Q": torch.empty(0, dtype=out_dtype), "V": None}, made, mask, softmax_scale, (b, h, lq, lk), False)
         logits = (q.float() * scale_inv) @ (grouped(k).float() * scale_inv).view(b, h, lk, d).transpose(-1, -2) * softmax_scale
         lse = torch.logsumexp(logits if mask is None else logits + mask, -1)
-        return o.view(b, h, lq, d), lse
+        return backends.empty_attention(q.shape, out_dtype, q.device, token_major).copy_(o.view(b, h, lq, d)), lse
 
     def backward_kernel(*args):
         context["backward calls"] = context.get("backward calls", 0) + 1
@@ -353,6 +353,28 @@ def test_backward_is_the_emulations(emulated_kernel, formats, causal, layout):
                 torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"step {step}, {slot}'s state: {m}")
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped"])
+def test_outputs_and_converted_gradients_lie_as_their_inputs(emulated_kernel, kv_heads):
+    """Q, K and V viewed token by token (a model's projections transposed): the flash path's O lies
+    token by token too, so that the model's transpose back is a view (and the gradient it gets back
+    fits O without a copy), and so does each gradient converted from an fp32 sum (dQ; dK and dV
+    under grouped-query attention); dK and dV the kernel writes in bf16 stay as written. Every value
+    is that of contiguous inputs, bit for bit."""
+    site = AttentionSite(name="attn", call=0, **ZOO, backend=FLASH, backward_backend=FLASH)
+    q, k, v, dout = _inputs(hkv=kv_heads, dtype=torch.bfloat16)
+    results = {}
+    for layout in ("contiguous", "token-major"):
+        if layout == "token-major":
+            q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = quantized_attention(*leaves, is_causal=True, site=site, states=_states(ZOO))
+        results[layout] = (o, *torch.autograd.grad(o, leaves, dout))
+    token_major = dict(zip(("O", "dQ", "dK", "dV"), (True, True, kv_heads != 4, kv_heads != 4)))
+    for (name, laid_out), a, e in zip(token_major.items(), results["token-major"], results["contiguous"]):
+        assert a.transpose(1, 2).is_contiguous() if laid_out else a.is_contiguous(), f"{name}: strides {a.stride()}"
+        assert torch.equal(a, e), name
+
+
 # -- the kernel under the Triton interpreter ---------------------------------------------------
 
 # Triton's interpreter as the GPU runs a kernel: the setup every interpreted check starts with.
@@ -618,11 +640,14 @@ def check_against_the_emulation(b, heads, kv_heads, lq, lk, d, causal, device, c
     codes = [made[t][ROWWISE].tensors[0].view(x.shape) for t, x in zip("QKV", (q, k, v))]
     scale_inv = made["Q"][ROWWISE].tensors[1]
     p_scale = E4M3.scale_of_amax(torch.ones(1, device=device))
-    o_kernel, lse = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, config)
+    o_kernel, lse = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, config=config)
     if config is None:
         assert torch.equal(o_kernel, o_flash)
+        o_token_major, lse_token_major = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, True)
+        assert o_token_major.transpose(1, 2).is_contiguous(), f"O written token by token has strides {o_token_major.stride()}"
+        assert torch.equal(o_token_major, o_kernel) and torch.equal(lse_token_major, lse), "O written token by token: other bits"
     elif config.qk_ahead:  # the same products and softmax, QK^T only issued earlier
-        same_order = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, dataclasses.replace(config, qk_ahead=False))
+        same_order = triton_attention.forward(*codes[:2], made["V"][COLUMNWISE].tensors[0], scale_inv, p_scale, scale, causal, dtype, config=dataclasses.replace(config, qk_ahead=False))
         assert all(map(torch.equal, (o_kernel, lse), same_order)), f"{config}: not the bits of the key loop without qk_ahead"
     o_flash = o_kernel
 

@@ -59,6 +59,16 @@ GLUON_LENGTH_MULTIPLE = 16  # the query and key lengths the Gluon kernels take a
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def empty_attention(shape: Sequence[int], dtype: torch.dtype, device: torch.device, token_major: bool) -> torch.Tensor:
+    """An empty (batch, heads, L, D) tensor of attention (a flash forward's O, a gradient), token by
+    token in memory ((batch, L, heads, D), as a model's projection gives Q, K and V, so that the
+    model's transpose back is a view) where ``token_major`` says."""
+    if token_major:
+        b, heads, seq_q, head_dim = shape
+        return torch.empty((b, seq_q, heads, head_dim), device=device, dtype=dtype).transpose(1, 2)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
 def _imports(module: str) -> bool:
     """Whether ``module`` imports here."""
     try:

@@ -146,7 +146,8 @@ def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, masked, CAUSAL: gl.co
 
 @gluon.jit
 def _consume(
-    q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end, end,
+    q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k,
+    full_end, end,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr,
 ):
@@ -215,7 +216,8 @@ def _consume(
     o = acc * (scale_inv / p_scale) / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
     o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
-    gl.store(O + (bh * seq_q + o_rows)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=(o_rows < seq_q)[:, None])
+    o_ptrs = o_base + o_rows[:, None] * o_row_stride + offs_d[None, :]
+    gl.store(o_ptrs, o.to(o_base.dtype.element_ty), mask=(o_rows < seq_q)[:, None])
     rows = offs_m < seq_q
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
     gl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
@@ -268,7 +270,7 @@ def _produce(
 
 @gluon.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
+    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride, o_batch_stride, o_head_stride, o_row_stride,
     HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr, SPECIALIZED: gl.constexpr,
 ):
@@ -279,6 +281,7 @@ def _forward_kernel(
     kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
+    o_base = O + (bh // HEADS) * o_batch_stride + (bh % HEADS) * o_head_stride
     scale_inv = gl.load(SCALE_INV)
     p_scale = gl.load(P_SCALE)
     qk_scale = triton_attention.logit_scale(scale_inv, softmax_scale)
@@ -298,10 +301,10 @@ def _forward_kernel(
         # at setmaxnreg's least (24) they spill them every tile; 40 keep V^T's, and each consumer has the rest of the SM's 64K over
         # 384 threads (232 + 232 + 40 = 3 * 168), which its loop fits without spills.
         gl.warp_specialize([
-            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, O, LSE, scale_inv, p_scale, qk_scale, bh, row0,
-                        seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
-            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, O, LSE, scale_inv, p_scale, qk_scale, bh,
-                        row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
+            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale,
+                        qk_scale, bh, row0, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
+            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale,
+                        qk_scale, bh, row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
         ], [4, COPY_WARPS], [232, 40])
@@ -310,12 +313,13 @@ def _forward_kernel(
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
             _load_tile(k_smem.index(i), vt_smem.index(i), k_base, vt_base, vt_stride, i * BLOCK_N, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER,
                        copy_layout(HEAD_DIM, NUM_WARPS), copy_layout(BLOCK_N, NUM_WARPS))
-        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, O, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k, full_end,
-                 end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
+        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q,
+                 seq_k, full_end, end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
-            causal: bool, out_dtype: torch.dtype, config: Optional[GluonForwardConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            causal: bool, out_dtype: torch.dtype, token_major: bool = False, *,
+            config: Optional[GluonForwardConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``triton_attention.forward``'s results, bit for bit those of its ``triton_config(config)``
     (``config`` defaults to ``default_config(causal)``, whose bits are the Triton forward's
     default's), on Hopper only, for key lengths that are multiples of 16."""
@@ -323,11 +327,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if seq_k % GLUON_LENGTH_MULTIPLE:  # cp.async copies 16 bytes of V^T's rows, which start every seq_k bytes
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_k}")
-    (o, lse), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype)
+    (o, lse), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype, token_major)
     config = config or default_config(causal)
     launch(
         _forward_kernel, (ceil_div(seq_q, triton_attention.TILE_ROWS) * b * heads,),
-        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1],
+        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2),
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
         config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),

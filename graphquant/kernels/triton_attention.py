@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from graphquant.formats import fp8
-from graphquant.kernels.backends import FLASH_HEAD_DIMS
+from graphquant.kernels.backends import FLASH_HEAD_DIMS, empty_attention
 from graphquant.kernels.triton_launch import ceil_div, launch
 
 # The default tile: 128 query rows a program over 128 keys at a time.
@@ -237,7 +237,7 @@ def key_range(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride,
+    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride, o_batch_stride, o_head_stride, o_row_stride,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     QK_AHEAD: tl.constexpr, OPERAND_ORDER: tl.constexpr,
@@ -271,12 +271,13 @@ def _forward_kernel(
     )
 
     o = acc * (scale_inv / p_scale) / l_i[:, None]
-    tl.store(O + (bh * seq_q + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty), mask=rows[:, None])
+    o_base = O + (bh // HEADS) * o_batch_stride + (bh % HEADS) * o_head_stride
+    tl.store(o_base + offs_m[:, None] * o_row_stride + offs_d[None, :], o.to(O.dtype.element_ty), mask=rows[:, None])
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
     tl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
 
 
-def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torch.dtype) -> tuple[tuple, tuple]:
+def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torch.dtype, token_major: bool) -> tuple[tuple, tuple]:
     """The outputs a forward fills (O, logsumexp: see ``forward``) and the codes
     contiguous; refuses codes it does not take."""
     b, heads, seq_q, head_dim = q.shape
@@ -288,7 +289,7 @@ def prepared(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out_dtype: torc
         )
     if heads % kv_heads or seq_k == 0:
         raise ValueError(f"FP8 flash attention: {heads} query heads over {kv_heads} key/value heads of {seq_k} keys")
-    o = torch.empty((b, heads, seq_q, head_dim), device=q.device, dtype=out_dtype)
+    o = empty_attention(q.shape, out_dtype, q.device, token_major)
     lse = torch.empty((b, heads, seq_q), device=q.device, dtype=torch.float32)
     return (o, lse), (q.contiguous(), k.contiguous(), vt.contiguous())
 
@@ -302,20 +303,23 @@ def forward(
     softmax_scale: float,
     causal: bool,
     out_dtype: torch.dtype,
+    token_major: bool = False,
+    *,
     config: Optional[ForwardConfig] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O (batch, heads, Lq, D) in out_dtype, logsumexp (batch, heads, Lq) fp32) of E4M3 codes q (batch, heads, Lq, D), k (batch, kv heads, Lk, D) and
-    vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
+    """(O (batch, heads, Lq, D) in out_dtype, token by token in memory where ``token_major`` says
+    (``backends.empty_attention``), logsumexp (batch, heads, Lq) fp32) of E4M3 codes q (batch, heads, Lq, D), k
+    (batch, kv heads, Lk, D) and vt (D, batch * kv heads * Lk), all three under the one ``scale_inv``, P tiles quantized with
     ``p_scale`` (both one float32 on the device); ``config`` defaults to ``default_config(causal)``."""
     b, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    (o, lse), (q, k, vt) = prepared(q, k, vt, out_dtype)
+    (o, lse), (q, k, vt) = prepared(q, k, vt, out_dtype, token_major)
     config = config or default_config(causal)
     launch(
         _forward_kernel, (ceil_div(seq_q, config.block_m), b * heads),
         q, k, vt, o, lse, scale_inv, p_scale, softmax_scale,
-        seq_q, seq_k, vt.shape[1], heads, heads // kv_heads, head_dim, causal, config.block_m, config.block_n,
-        config.pv_promotion, config.warp_specialize, config.qk_ahead,
+        seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2), heads, heads // kv_heads, head_dim, causal,
+        config.block_m, config.block_n, config.pv_promotion, config.warp_specialize, config.qk_ahead,
         config.operand_order, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, lse

@@ -221,10 +221,10 @@ class FlashAttention(torch.autograd.Function):
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
         o, lse = FLASH_FORWARDS[site.backend.name](
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
-            q_row.tensors[1], p_scale(site, q.device), scale, causal, q.dtype,
+            q_row.tensors[1], p_scale(site, q.device), scale, causal, q.dtype, _token_major(q),
         )
         ctx.site, ctx.scale, ctx.causal, ctx.shapes = site, scale, causal, (q.shape, k.shape)
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.dtypes, ctx.token_major = (q.dtype, k.dtype, v.dtype), tuple(map(_token_major, (q, k, v)))
         ctx.metas = [(op.spec, op.shape) for op in (q_row, k_row, v_row)]
         ctx.originals = {t: x.reshape(-1, d) for t, x in zip("QKV", (q, k, v))} if recording.listening() else {}
         ctx.save_for_backward(q_row.tensors[0], k_row.tensors[0], v_row.tensors[0], *q_row.tensors[1:], o, lse)
@@ -243,9 +243,9 @@ class FlashAttention(torch.autograd.Function):
         if site.backward_backend.name in backends.ATTENTION_KERNELS:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             # dK and dV come in K's dtype (V's: F.scaled_dot_product_attention takes one) where they are not sums
-            # over groups; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it
-            dq, dk, dv = flash_backward(site, codes, scale_inv, o, lse, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
-            return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None, None, None
+            # over groups; the fp32 sums (dQ, grouped dK and dV) are rounded here, where Inductor can fuse it and its layout
+            grads = flash_backward(site, codes, scale_inv, o, lse, do, ctx.scale, ctx.causal, do_state, dp_state, ctx.dtypes[1])
+            return *map(_gradient, grads, ctx.dtypes, ctx.token_major), None, None, None, None, None, None
         made = {}
         for name, data, (spec, shape) in zip("QKV", (q_data, k_data, v_data), ctx.metas):
             if name != "Q" and groups != 1:  # the emulation's products take one key/value head per query head
@@ -258,11 +258,26 @@ class FlashAttention(torch.autograd.Function):
         mask = _additive_mask(None, ctx.causal, lq, lk, o.device)
         p, p_made = emulated_softmax(site, originals, made, mask, ctx.scale, (b, h, lq, lk), True)
         dq, dk, dv = emulated_backward(
-            site, originals, made, p, p_made[COLUMNWISE], o.view(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h,
+            site, originals, made, p, p_made[COLUMNWISE], o.reshape(b * h, lq, d), do.reshape(-1, d), ctx.scale, do_state, dp_state, b * h,
             ctx.needs_input_grad[:3],
         )
         dq = None if dq is None else dq.view(q_shape)
         return (*_gradients(dq, dk, dv, ctx.dtypes, b, h, groups, lk), None, None, None, None, None, None)
+
+
+def _token_major(x: torch.Tensor) -> bool:
+    """Whether x (batch, heads, L, D) lies token by token in memory, as a model's projection viewed
+    and transposed gives it (and not head by head as well, as one head or one token does)."""
+    return not x.is_contiguous() and x.transpose(1, 2).is_contiguous()
+
+
+def _gradient(grad: torch.Tensor, dtype: torch.dtype, token_major: bool) -> torch.Tensor:
+    """A flash backward's gradient in its input's dtype. One that takes a conversion (an fp32 sum)
+    lies token by token in memory where its input did, so that the model's transpose back is a
+    view; one in its dtype already stays as the kernel wrote it (a layout alone is not worth a copy)."""
+    if grad.dtype == dtype or not token_major:
+        return grad.to(dtype)
+    return backends.empty_attention(grad.shape, dtype, grad.device, True).copy_(grad)
 
 
 def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int) -> torch.Tensor:
@@ -275,11 +290,12 @@ def _summed_over_groups(grad: torch.Tensor, b: int, h: int, groups: int, lk: int
 
 def _flash_forward_elsewhere(
     q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch.Tensor, p_scale: torch.Tensor, softmax_scale: float,
-    causal: bool, out_dtype: torch.dtype,
+    causal: bool, out_dtype: torch.dtype, token_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 flash-attention forward (graphquant.kernels.triton_attention.forward, or
-    gluon_attention.forward): (O, logsumexp) of E4M3 codes under one
-    scale, P tiles quantized with ``p_scale`` (one float32). CUDA with Triton only."""
+    gluon_attention.forward): (O, token by token in memory where ``token_major`` says, and the
+    logsumexp) of E4M3 codes under one scale, P tiles quantized with ``p_scale`` (one float32).
+    CUDA with Triton only."""
     raise NotImplementedError(
         f"graphquant's FP8 flash-attention forwards run on CUDA (Hopper) with Triton; got {q.device.type} tensors. The plan selects "
         "them only there (graphquant.kernels.backends.select_attention); elsewhere attention runs the emulation"
@@ -309,7 +325,7 @@ def flash_backward(site, codes, scale_inv, o, lse, do, softmax_scale, causal, do
     b, h, lq, d = q.shape
     do_made = joint_per_tensor({"dO": do}, site.quantizer("do"), do_state, ("dO",))["dO"]
     do_row, do_col = do_made[ROWWISE], do_made[COLUMNWISE]
-    delta = rowsum_do_o(do_made, o.view(b * h, lq, d)).view(b, h, lq)
+    delta = rowsum_do_o(do_made, o).view(b, h, lq)
     s_scale, dp_scale = p_scale(site, o.device), dp_state.delayed[:1].clone()
     scales = torch.cat([x.reshape(1) for x in (scale_inv, do_row.tensors[1], s_scale, torch.reciprocal(s_scale), dp_scale, torch.reciprocal(dp_scale))])
     transposed = lambda x: torch.ops.graphquant.transposed(x.reshape(-1, d))  # noqa: E731
@@ -371,9 +387,9 @@ def _(q, qt, k, kt, v, do, dot, lse, delta, scales, softmax_scale, causal, p_dty
 
 @registry.fake("gluon_flash_attention")
 @registry.fake("flash_attention")
-def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype):
+def _(q, k, vt, scale_inv, p_scale, softmax_scale, causal, out_dtype, token_major):
     b, h, lq, d = q.shape
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((b, h, lq), dtype=torch.float32)
+    return backends.empty_attention(q.shape, out_dtype, q.device, token_major), q.new_empty((b, h, lq), dtype=torch.float32)
 
 
 @registry.op("joint_amax")
@@ -514,9 +530,9 @@ def quantize_do(site, do: torch.Tensor, do_state: SlotState) -> dict[str, Operan
 
 
 def rowsum_do_o(do_made: dict[str, Operand], o: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dO * O) in fp32, (batch * heads, Lq, 1) for o (batch * heads, Lq, Dv), with dO's
-    rowwise values decoded by its format's reference numerics (graphquant::dequantize's values bit
-    for bit) in plain ops, which Inductor fuses into the sum instead of writing the values out."""
+    """D = rowsum(dO * O) in fp32, shaped as o (..., Lq, Dv; any strides) with a last dim of 1, with
+    dO's rowwise values decoded by its format's reference numerics (graphquant::dequantize's values
+    bit for bit) in plain ops, which Inductor fuses into the sum instead of writing the values out."""
     row = do_made[ROWWISE]
     do_values = unflatten(row.tensors, row.spec, ROWWISE, row.shape, torch.float32).dequantize()
     return (do_values.view(o.shape) * o.float()).sum(-1, keepdim=True)
