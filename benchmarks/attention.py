@@ -10,7 +10,9 @@ shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq se
 tokens), causal and not, forward alone and forward + backward. TFLOP/s count the products (4 b h
 Lq Lk d forward, 2.5 times that backward) and a causal attention as half of those. Q, K and V are
 contiguous (batch, heads, length, dim) tensors, or (``--layouts transposed``) views of (batch,
-length, heads, dim) ones, as a model's projections reach attention after transpose(1, 2). The FP8
+length, heads, dim) ones, as a model's projections reach attention after transpose(1, 2), the
+output then merged back to (batch, length, heads * dim) as the model's output projection takes it
+(so that the gradient arrives as a model's would, not as a compiled graph's output's). The FP8
 rows are nvfp4_linear_fp8_dpa's attention formats (per-tensor FP8, s and dp delayed) on the
 backend the plan picks here: on Hopper the FP8 flash forward (graphquant.kernels.triton_attention,
 or its Gluon twin graphquant.kernels.gluon_attention where Triton has Gluon), Q, K and V quantized first,
@@ -141,27 +143,36 @@ def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = 
     return lambda: (forward(), backward())
 
 
-class Attention(torch.nn.Module):
-    """F.scaled_dot_product_attention of (batch, heads, length, dim) Q, K and V: what
-    graphquant.compile finds in a model."""
+def merged_heads(o: torch.Tensor) -> torch.Tensor:
+    """Attention's (batch, heads, length, dim) output as a model's output projection takes it,
+    (batch, length, heads * dim)."""
+    return o.transpose(1, 2).flatten(2)
 
-    def __init__(self, causal: bool):
+
+class Attention(torch.nn.Module):
+    """F.scaled_dot_product_attention of (batch, heads, length, dim) Q, K and V, its output's
+    heads merged (``merged_heads``) where ``merge`` says: what graphquant.compile finds in a model."""
+
+    def __init__(self, causal: bool, merge: bool):
         super().__init__()
-        self.causal = causal
+        self.causal, self.merge = causal, merge
 
     def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1])
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=q.shape[1] != k.shape[1])
+        return merged_heads(o) if self.merge else o
 
 
 def inputs(batch: int, seq: int, kv_heads: int, layout: str, backward: bool) -> tuple:
-    """Q, K, V and dO, (batch, heads, seq, HEAD_DIM) bf16: contiguous, or ``layout`` "transposed":
-    views of (batch, seq, heads, HEAD_DIM) tensors."""
+    """Q, K and V, (batch, heads, seq, HEAD_DIM) bf16: contiguous, or ``layout`` "transposed":
+    views of (batch, seq, heads, HEAD_DIM) tensors; and the output's gradient, shaped as Q or
+    (transposed) as its merged heads."""
     def tensor(heads):
         if layout == "contiguous":
             return torch.randn(batch, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
     q, k, v, grad = (tensor(heads) for heads in (HEADS, kv_heads, kv_heads, HEADS))
+    grad = grad if layout == "contiguous" else merged_heads(grad).contiguous()
     return (*(x.requires_grad_(backward) for x in (q, k, v)), grad)
 
 
@@ -170,9 +181,12 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
     batch = max(1, TOKENS // seq)
     q, k, v, grad = inputs(batch, seq, kv_heads, layout, backward)
 
-    def step(attend):
+    merge = layout == "transposed"
+
+    def step(attend, merges: bool = merge):  # the compiled module merges the heads itself, in its graph
         def run():
             out = attend(q, k, v)
+            out = merged_heads(out) if merges else out
             if backward:
                 torch.autograd.grad(out, (q, k, v), grad)
 
@@ -185,7 +199,7 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != HEADS)
 
         fns[name] = step(attend)
-    fns["graphquant fp8 planned, compiled (nvfp4_linear_fp8_dpa)"] = step(graphquant.compile(Attention(causal), ZOO))
+    fns["graphquant fp8 planned, compiled (nvfp4_linear_fp8_dpa)"] = step(graphquant.compile(Attention(causal, merge), ZOO), merges=False)
     sites = {f"graphquant fp8 planned, eager (nvfp4_linear_fp8_dpa): {{}}": attention_site(ZOO, planned=True, seq=seq)}
     if emulated:
         sites |= {name: attention_site(recipe) for name, recipe in EMULATED_RECIPES.items()}
