@@ -546,8 +546,21 @@ def test_a_frozen_model_and_addmm_refuse_operands_of_different_dtypes_too():
 
     addmm = graphquant.compile(AddMm(), recipes.mxfp8_block_scaling(), backend="aot_eager")
     a, b = torch.randn(32, 64), torch.randn(64, 32)
-    with pytest.raises(graphquant.MixedDtypesError, match=r"input torch.float32, added torch.bfloat16"):
+    with pytest.raises(graphquant.MixedDtypesError, match=r"input torch.float32, added torch.bfloat16\).*cast one operand to the other's dtype"):
         addmm(torch.zeros(32, 32, dtype=torch.bfloat16), a, b)
+
+
+def test_a_matmul_of_two_activations_names_its_operands_as_the_plan_does():
+    """A matmul's right operand is an activation, the site's "other": the error called it the
+    weight and advised casting the input to "the model's dtype", which no parameter sets here."""
+
+    class MatMul(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    compiled = graphquant.compile(MatMul(), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    with pytest.raises(graphquant.MixedDtypesError, match=r"\(input torch.float32, other torch.bfloat16\).*; cast one operand to the other's dtype, or run"):
+        compiled(torch.randn(32, 64), torch.randn(64, 32, dtype=torch.bfloat16))
 
 
 def test_torch_compiles_mode_given_as_mode_points_to_compile_mode():

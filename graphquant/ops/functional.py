@@ -109,7 +109,8 @@ def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
 def _product(
     x2d: torch.Tensor, w2d: torch.Tensor, batch: int, site: Site, states: tuple, rng: Optional[torch.Tensor], bias=None
 ) -> torch.Tensor:
-    _same_dtype(site, input=x2d.dtype, weight=w2d.dtype, bias=_dtype(bias))
+    second = "weight" if site.weight is not None else "other"  # a matmul of two activations has no weight
+    _same_dtype(site, input=x2d.dtype, **{second: w2d.dtype}, bias=_dtype(bias))
     return QuantizedGemm.apply(x2d, w2d, bias, *states, rng, site, batch)
 
 
@@ -131,10 +132,12 @@ def _same_dtype(site: Site, **operands: Optional[torch.dtype]) -> None:
     if len(set(given.values())) > 1:
         described = ", ".join(f"{name} {dtype}" for name, dtype in given.items())
         others = {dtype for name, dtype in given.items() if name != "input"}
-        remedy = (  # the input alone differs, or the operands besides it (a bias left in another dtype) do
-            f"cast the input to the model's dtype ({others.pop()})" if len(others) == 1
-            else "give the module's parameters one dtype (model.to(dtype))"
-        )
+        if "weight" not in given:  # a product of two activations (or addmm's added tensor): no parameter sets the dtype
+            remedy = "cast one operand to the other's dtype"
+        elif len(others) == 1:  # the input alone differs
+            remedy = f"cast the input to the model's dtype ({others.pop()})"
+        else:  # the operands besides the input differ (a bias left in another dtype)
+            remedy = "give the module's parameters one dtype (model.to(dtype))"
         raise MixedDtypesError(
             f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (they take "
             f"operands of one dtype); {remedy}, or run the model under torch.autocast"
