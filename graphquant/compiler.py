@@ -24,7 +24,7 @@ from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
-    GROUPED, LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
+    GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
     VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
@@ -90,6 +90,7 @@ class GraphquantBackend:
         self.state_loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
         # Parameters some graph reads other than as its linear's weight, each with the sites that multiply it.
         self.weights_read_otherwise: dict[str, set[str]] = {}
+        self.unquantized_linears: set[str] = set()  # nn.Linear modules whose own product is no site (the plan says why)
         # check_eager_products ran at a call with grad enabled, or has nothing to find: an inference
         # model's calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
@@ -165,7 +166,7 @@ class GraphquantBackend:
     def _warn_of_unplanned_linears(self) -> None:
         """Say which of the model's nn.Linear modules no graph holds: a module whose weight the
         model's code multiplies itself, by the sites that do; any other, as not compiled."""
-        planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms}
+        planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms} | self.unquantized_linears
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
         named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
         inside_attention = {f"{name}.out_proj" for name, m in named if isinstance(m, torch.nn.MultiheadAttention)}
@@ -401,6 +402,7 @@ class GraphquantBackend:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame, self.functional_numbers)
         self._note_weights_read_otherwise(gm, example_inputs)
+        self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
@@ -653,7 +655,10 @@ def _users_through_views(node: fx.Node) -> list[fx.Node]:
 
 
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:
-    """Whether ``user`` reads ``weight`` as the weight of the linear site of module ``owner``."""
+    """Whether ``user`` reads ``weight`` as the weight of the linear site of module ``owner``, or
+    is that module's own product left unquantized (the plan lists it and why)."""
+    if user.meta.get(UNQUANTIZED_LINEAR) == owner:
+        return True
     site = user.meta.get("graphquant_site")
     return site is not None and site.form == LINEAR and site.name == owner and site_weight(user) is weight
 

@@ -272,6 +272,10 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
     return None
 
 
+# The meta key of an nn.Linear's own product that is no site (an integer input's), naming the module.
+UNQUANTIZED_LINEAR = "graphquant_unquantized_linear"
+
+
 def _find(
     gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
@@ -304,12 +308,14 @@ def _find(
             continue
         a, b, w_is_transposed = operands
         shapes = _shapes(node, form, a, b, w_is_transposed)
+        owner, call, module_is_linear = owner_of(node, frame)
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
+            if form == LINEAR and module_is_linear and frame.multiplies_own_weight(b, owner):
+                node.meta[UNQUANTIZED_LINEAR] = owner  # the module's own product, listed unquantized: no other code reads its weight
             continue
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        owner, call, module_is_linear = owner_of(node, frame)
         backward = _requires_grad(node)  # not under no_grad (a distillation's teacher)
         if is_linear and module_is_linear and frame.multiplies_own_weight(b, owner):
             name = owner
@@ -482,7 +488,8 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
     if va is None or vb is None:
         return "operand shapes unknown"
     if not (va.dtype.is_floating_point and vb.dtype.is_floating_point):
-        return f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
+        outcome = "torch refuses operands of different dtypes" if va.dtype != vb.dtype else "it runs exactly, unquantized"
+        return f"{va.dtype} x {vb.dtype} is not a floating-point product; {outcome}"
     if form == EINSUM:
         layout = einsum_layout(node.args[0], tuple(va.shape), tuple(vb.shape))
         if layout is None:

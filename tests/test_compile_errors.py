@@ -340,6 +340,20 @@ def test_integer_operands_are_not_quantized():
     assert any("no GEMM" in str(w.message) for w in caught)
 
 
+def test_an_integer_input_to_a_linear_draws_torchs_error_alone():
+    """An integer input reaching nn.Linear: its product is no site (the plan lists it unquantized)
+    and torch refuses it. graphquant first warned, falsely, that the model's code read the
+    linear's weight itself (or that the linear was in no compiled graph)."""
+    model = models.seeded(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="same dtype"):
+            compiled(torch.randint(0, 5, (4, 64)))
+    graphquant_warnings = [str(w.message) for w in caught if "graphquant" in str(w.message)]
+    assert not any("nn.Linear" in w for w in graphquant_warnings), graphquant_warnings
+
+
 def test_quantizers_refuse_integer_tensors():
     with pytest.raises(TypeError, match="int64"):
         MXFP8Quantizer()(torch.ones(32, 32, dtype=torch.int64))
