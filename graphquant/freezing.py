@@ -26,7 +26,7 @@ from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
 from graphquant.ops.library import quantizer_of
 from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
-from graphquant.passes.plan import EMPTY_PRODUCT, Planner
+from graphquant.passes.plan import EMPTY_PRODUCT
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
 
@@ -309,12 +309,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
     frozen = []
     for name, linear in linears:
-        quantizer = _weight_quantizer(backend, name)
-        saved = described(state.get(f"{name}._extra_state")) if state is not None else None
-        if saved is not None and saved["format"] == IdentityQuantizer().spec and not Planner.tiles(quantizer, ROWWISE, 1, tuple(linear.weight.shape)):
-            # A weight too small for the recipe's blocks, which the checkpoint's plan kept in high
-            # precision, as a plan of this model would: no plan of a model not yet called says so.
-            quantizer = IdentityQuantizer()
+        quantizer = _weight_quantizer(backend, name, tuple(linear.weight.shape))
         _check_freezable(name, quantizer)
         _check_tiles(name, quantizer, tuple(linear.weight.shape))
         if state_dict is None and linear.weight.is_meta:
@@ -501,27 +496,32 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _weight_quantizer(backend: GraphquantBackend, name: str) -> Quantizer:
+def _weight_quantizer(backend: GraphquantBackend, name: str, shape: tuple[int, int]) -> Quantizer:
     """Linear ``name``'s weight quantizer as the latest graph that ran it on rows planned it (high
-    precision for a small GEMM the recipe keeps so), else the recipe's: a call of no rows (an
-    empty batch) keeps its product in high precision for that call alone."""
+    precision for a small GEMM the recipe keeps so; a call of no rows, an empty batch, keeps its
+    product in high precision for that call alone); where none has, as the first call's plan
+    will: the recipe's, or high precision for a weight whose shape alone the plan keeps so (a
+    router's few outputs), which a checkpoint of the model frozen after a call stores so too."""
     role = QuantizerRole("linear", "weight", name)
     planned = [
         dict(plan.slots)[role] for plan in backend.plans
         if role in dict(plan.slots) and not any(g.site.rpartition("#")[0] == name and g.reason.startswith(EMPTY_PRODUCT) for g in plan.gemms)
     ]
-    return planned[-1] if planned else backend.planner.quantizer(role)
+    if planned:
+        return planned[-1]
+    return IdentityQuantizer() if backend.planner.keeps_linear_in_high_precision(name, shape) else backend.planner.quantizer(role)
 
 
 def _check_tiles(name: str, quantizer: Quantizer, shape: tuple[int, int]) -> None:
-    """A linear's weight must tile its format as it is (a planned one does: its plan checked it)."""
+    """A linear's weight must tile its format as it is (a planned one does: its plan checked it;
+    one the plan keeps in high precision for its shape is stored so: _weight_quantizer)."""
     try:
         quantizer.check_shape(shape, ROWWISE)
     except ValueError as error:
         raise ValueError(
-            f"graphquant.freeze: {name}'s {shape[0]}x{shape[1]} weight cannot be stored as {quantizer}: {error}. No compiled "
-            "graph has run it (a graph's plan keeps GEMMs too small for the recipe's blocks in high precision): call the "
-            "model once before freezing, or give the weight IdentityQuantizer() in the recipe's factory"
+            f"graphquant.freeze: {name}'s {shape[0]}x{shape[1]} weight cannot be stored as {quantizer}: {error} (nor would "
+            "a call multiply it so: the plan refuses such a GEMM). Give the weight IdentityQuantizer() in the recipe's "
+            "factory to keep it in high precision"
         ) from None
 
 

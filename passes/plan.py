@@ -21,7 +21,7 @@ from graphquant import recipes, user_stack
 from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.passes.find_gemms import TENSOR_TYPES, GemmSite
+from graphquant.passes.find_gemms import LINEAR, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -407,6 +407,19 @@ class Planner:
     def _check_bucket(self, g: GemmPlan) -> None:
         if self.fail_on_bucket and g.bucket == backends.REJECTED:
             raise PlanError(f"{g.site} ({g.module_type}) {g.gemm}: {g.a} is {g.a_format} and {g.b} is {g.b_format}: rejected: {g.reason}")
+
+    def keeps_linear_in_high_precision(self, name: str, weight_shape: tuple[int, int]) -> bool:
+        """Whether an inference plan would keep linear ``name`` of that weight in high precision for
+        its shape alone (a router's few outputs, a short reduction), on a whole tile of rows: what
+        graphquant.freeze asks of a linear no graph has run yet, so that its stored format is the
+        one the first call's plan runs."""
+        n, k = weight_shape
+        site = GemmSite(form=LINEAR, module_type="linear", name=name, call=0, batched=False, x_shape=(1, 128, k),
+                        w_shape=(1, n, k), x_sizes=(1, 128, k), w_sizes=(1, n, k))
+        try:
+            return bool(self._untileable(site, [self.quantizer(role) for role in site.roles()], training=False))
+        except PlanError:
+            return False  # not its shape alone: the weight does not tile (graphquant.freeze says so)
 
     def _untileable(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
         """Why the site runs in high precision although the factory quantized it ("" if it does

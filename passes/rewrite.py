@@ -105,8 +105,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         roles = site.roles()
         high_precision = site.label in plan.high_precision_calls
         formats = {t: (IDENTITY if high_precision else plan.quantizer(r).spec) for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
-        if site.form == FROZEN and not high_precision:  # an empty call of a frozen linear reads none of its weight
-            _check_stored_format(site, node.args[2], plan.quantizer(roles[1]))
+        if site.form == FROZEN and not _empty(site):  # an empty call of a frozen linear reads none of its weight
+            _check_stored_format(site, node.args[2], IdentityQuantizer() if high_precision else plan.quantizer(roles[1]), high_precision)
         carried = Site(
             name=site.name,
             call=site.call,
@@ -159,13 +159,20 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     graph.erase_node(node)
 
 
-def _check_stored_format(site: GemmSite, stored: str, quantizer: Quantizer) -> None:
-    """A frozen weight's stored format must be the one the plan's weight quantizer makes for fprop."""
+def _empty(site: GemmSite) -> bool:
+    """Whether the site's product has a dim of 0 (no rows this call)."""
+    return any(isinstance(size, int) and size == 0 for size in (site.x_sizes[1], *site.w_sizes[1:]))
+
+
+def _check_stored_format(site: GemmSite, stored: str, quantizer: Quantizer, kept: bool = False) -> None:
+    """A frozen weight's stored format must be the one this call's plan multiplies it in: its
+    weight quantizer's for fprop, or high precision where the plan ``kept`` the call so."""
     planned = quantizer.child(ROWWISE).spec
     if stored != planned:
+        runs = "this call's plan keeps it in high precision (too small for the recipe's blocks)" if kept else f"the recipe gives this slot {planned} for fprop"
         raise PlanError(
-            f"{site.label} ({site.module_type}) weight: stored frozen as {stored}, but the recipe gives this slot {planned} "
-            "for fprop; compile with the recipe the model was frozen under, or freeze its high-precision weights under this one"
+            f"{site.label} ({site.module_type}) weight: stored frozen as {stored}, but {runs}; compile with the recipe the "
+            "model was frozen under, or freeze its high-precision weights under this one"
         )
 
 

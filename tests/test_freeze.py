@@ -410,17 +410,73 @@ def test_linear_sites_of_no_nn_linear_are_named_as_left_in_high_precision():
     assert isinstance(model[1], graphquant.FrozenLinear) and isinstance(model[0].weight, torch.nn.Parameter)
 
 
-def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so():
-    model = models.seeded(torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)))
-    x = torch.randn(32, 8)
-    before_a_call = inference_model(copy.deepcopy(model), FAMILIES["mxfp8"]())
-    compiled = inference_model(model, FAMILIES["mxfp8"]())
+class Routed(torch.nn.Module):
+    """A router of 8 outputs beside an MLP: rowwise MXFP8 and NVFP4 blocks tile its weight, but
+    the plan keeps it in high precision, in inference as in training (its few outputs tile no
+    columnwise block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.router = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))), self.router(x)
+
+
+@pytest.mark.parametrize("shape", ["short reduction", "few outputs"])
+@pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
+def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so_before_a_call_too(family, shape):
+    """Frozen before the model's first call (README's order), a linear the first call's plan keeps
+    in high precision for its shape alone is stored so: a router's 8 outputs were stored in the
+    recipe's format, which the plan's high-precision call then multiplied as if they were values
+    (outputs 1000x off under MXFP8, a shape error under NVFP4); a short reduction was refused."""
+    if shape == "short reduction":
+        model, x, small = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)), torch.randn(32, 8), "0"
+    else:
+        model, x, small = Routed(), torch.randn(64, 128), "router"
+    model = models.seeded(model)
+    frozen_first = inference_model(copy.deepcopy(model), FAMILIES[family]())
+    compiled = inference_model(model, FAMILIES[family]())
     with torch.no_grad():
-        expected = compiled(x)  # its plan keeps the 8-long reduction in high precision
+        expected = compiled(x)
         graphquant.freeze(compiled)
-        assert torch.equal(compiled(x), expected)
-    with pytest.raises(ValueError, match=r"0's 256x8 weight cannot be stored as mxfp8.*call the model once before freezing"):
-        graphquant.freeze(before_a_call)
+        graphquant.freeze(frozen_first)
+        for frozen in (compiled, frozen_first):
+            assert frozen._orig_mod.get_submodule(small).weight_format == "identity()"
+            assert all(map(torch.equal, torch.utils._pytree.tree_leaves(frozen(x)), torch.utils._pytree.tree_leaves(expected)))
+
+
+def test_a_stored_format_a_call_does_not_run_is_refused_not_multiplied(monkeypatch):
+    """Should a linear be stored in a format its call's plan does not run (here: freeze made to store
+    the router as the recipe says, as it did), the call refuses rather than multiply the codes as
+    values."""
+    from graphquant.passes.plan import Planner, PlanError
+
+    monkeypatch.setattr(Planner, "keeps_linear_in_high_precision", lambda self, name, shape: False)
+    compiled = inference_model(models.seeded(Routed()), FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        graphquant.freeze(compiled)
+        with pytest.raises(PlanError, match=r"router#0 \(linear\) weight: stored frozen as mxfp8.*this call's plan keeps it in high precision"):
+            compiled(torch.randn(64, 128))
+
+
+@pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
+def test_a_routers_checkpoint_loads_into_a_model_built_on_the_meta_device(family):
+    """The router's high-precision weight in a checkpoint of the model frozen after a call was
+    refused by a model not yet called ("frozen as mxfp8 ... the checkpoint's router is identity()"):
+    only a weight its format cannot tile was taken so, not one the plan keeps for its few outputs."""
+    compiled = inference_model(models.seeded(Routed()), FAMILIES[family]())
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        compiled(x)
+        graphquant.freeze(compiled)
+        expected = compiled(x)
+    with torch.device("meta"):
+        skeleton = Routed()
+    loaded = inference_model(skeleton, FAMILIES[family]())
+    graphquant.freeze(loaded, state_dict=compiled.state_dict())
+    with torch.no_grad():
+        assert all(map(torch.equal, loaded(x), expected))
 
 
 def test_a_cast_of_a_frozen_model_casts_its_products_not_its_stored_weights():
