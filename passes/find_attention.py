@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, inside_transforms, nodes_and_bodies, owner_of
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaches, inside_transforms, nodes_and_bodies, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -222,7 +222,7 @@ def _site(node: fx.Node, name: str, call: int):
     if not all(t.dtype.is_floating_point and t.dtype.itemsize > 1 for t in (q, k, v)):
         return f"attention of {q.dtype}, {k.dtype}, {v.dtype} operands is not quantized"
     output = _value(node)
-    backward = output is None or output.requires_grad  # none under no_grad
+    backward = (output is None or output.requires_grad) and gradient_reaches(node)  # none under no_grad, nor past a detach
     gradients = tuple(backward and t.requires_grad for t in (q, k, v))
     return DpaSite(name, call, tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(args["is_causal"]), mask is not None, gradients)
 

@@ -316,7 +316,7 @@ def _find(
             continue
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        backward = _requires_grad(node)  # not under no_grad (a distillation's teacher)
+        backward = _requires_grad(node) and gradient_reaches(node)  # not under no_grad, nor cut off by detach (a teacher)
         if is_linear and module_is_linear and frame.multiplies_own_weight(b, owner):
             name = owner
         else:
@@ -470,6 +470,26 @@ def addmm_operands(node: fx.Node) -> tuple[object, object, object]:
 def _requires_grad(node: object) -> bool:
     value = _value(node)
     return value is None or value.requires_grad
+
+
+_DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach, torch.ops.aten.detach.default}
+
+
+def gradient_reaches(node: fx.Node) -> bool:
+    """Whether a backward can reach ``node``: some path of its users leads to the graph's output,
+    or to a node of no users (an effect: assumed to), that no detach cuts (a target network's or
+    an EMA teacher's output, detached, gets no gradient, so its product runs no dgrad or wgrad)."""
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current.op == "output" or not current.users:
+            return True
+        for user in current.users:
+            detaches = (user.op == "call_method" and user.target == "detach") or (user.op == "call_function" and user.target in _DETACH)
+            if user not in seen and not detaches:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _value(node: object) -> Optional[torch.Tensor]:

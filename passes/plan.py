@@ -50,6 +50,15 @@ GEMMS = (
 )
 
 
+ALL_GEMMS = frozenset(g[0] for g in GEMMS)
+
+
+def gemms_run(site: GemmSite, training: bool) -> frozenset[str]:
+    """The GEMMs a call of the site runs: fprop, and in training dgrad where x gets a gradient and
+    wgrad where the weight does (GemmSite.gradients)."""
+    return frozenset(g for g, runs in (("fprop", True), ("dgrad", training and site.gradients[0]), ("wgrad", training and site.gradients[1])) if runs)
+
+
 class PlanError(ValueError):
     """The recipe cannot run this model as asked; the message says where and what to change."""
 
@@ -267,8 +276,8 @@ class Planner:
             n = site.w_sizes[1]
             dims = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
             token_rows = self._token_rows(site, quantizers[0], training) if site.module_type == "grouped_linear" else None
-            runs = {"fprop": True, "dgrad": training and site.gradients[0], "wgrad": training and site.gradients[1]}
-            for gemm, (ia, da), (ib, db) in (g for g in GEMMS if runs[g[0]]):
+            runs = gemms_run(site, training)
+            for gemm, (ia, da), (ib, db) in (g for g in GEMMS if g[0] in runs):
                 qa, qb = quantizers[ia].child(da), quantizers[ib].child(db)
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
@@ -434,10 +443,11 @@ class Planner:
         if empty:
             return f"{EMPTY_PRODUCT} ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
         formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
+        runs = gemms_run(site, training)
         try:
-            self._check_shapes(site, quantizers, training)
+            self._check_shapes(site, quantizers, runs)
         except PlanError:
-            small = self._small_dims(site, quantizers, training) if self.recipe.small_gemms_in_high_precision else ""
+            small = self._small_dims(site, quantizers, runs) if self.recipe.small_gemms_in_high_precision else ""
             if not small:
                 raise
             return f"in high precision: its {small} tile no block of the recipe's formats ({formats})"
@@ -449,14 +459,14 @@ class Planner:
         if not training and few and self.recipe.small_gemms_in_high_precision:
             whole_rows = dataclasses.replace(site, x_sizes=(site.x_sizes[0], 128, site.x_sizes[2]))
             try:
-                self._check_shapes(whole_rows, quantizers, True)
+                self._check_shapes(whole_rows, quantizers, ALL_GEMMS)
             except PlanError:
-                small = self._small_dims(whole_rows, quantizers, True)
+                small = self._small_dims(whole_rows, quantizers, ALL_GEMMS)
                 if small:
                     return f"in high precision, as in training: its {small} tile no block of the recipe's formats ({formats}) there"
         return ""
 
-    def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> str:
+    def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], runs: frozenset[str]) -> str:
         """The site's few output features (below FEW_OUTPUTS) and short reduction (below
         SHORT_REDUCTION), as words, where they keep it from tiling (with 128 of each it would tile
         every format), its rows too where they also do not (an MoE router of any token count: the
@@ -472,7 +482,7 @@ class Planner:
 
         def tiles(rows: object, w_sizes: tuple = widened) -> bool:
             try:
-                self._check_shapes(dataclasses.replace(site, w_sizes=w_sizes, x_sizes=(x_batch, rows, w_sizes[2])), quantizers, training)
+                self._check_shapes(dataclasses.replace(site, w_sizes=w_sizes, x_sizes=(x_batch, rows, w_sizes[2])), quantizers, runs)
             except (PlanError, ValueError):
                 return False
             return True
@@ -485,8 +495,9 @@ class Planner:
         words = [f"{n} output features" if small["n"] else "", f"{k}-long reduction" if small["k"] else "", "" if rows else f"{m} rows"]
         return " and ".join(w for w in words if w)
 
-    def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], training: bool) -> None:
-        """Each tensor the site quantizes must tile the block of every direction it is made in.
+    def _check_shapes(self, site: GemmSite, quantizers: list[Quantizer], runs: frozenset[str]) -> None:
+        """Each tensor the site quantizes must tile the block of every direction a GEMM that
+        ``runs`` makes it in (a frozen weight's transpose, which no wgrad reads, need not).
 
         Dynamic sizes are checked as symbols: each test on one becomes a guard of the compiled
         graph, so a later size that fails it recompiles the graph and fails here.
@@ -496,10 +507,9 @@ class Planner:
         shapes = ((batch * m, k), (batch * n, k), (batch * m, n))
         if site.module_type == "grouped_linear":  # the op pads every group's rows, and grad_output's columns
             shapes = ((GROUP_ROWS, k), (GROUP_ROWS, k), (GROUP_ROWS, GROUP_ROWS))
-        for role_type, quantizer, shape in zip(TENSOR_TYPES[site.module_type], quantizers, shapes):
-            if role_type == "grad_output" and not training:
-                continue
-            directions = (ROWWISE, COLUMNWISE) if training else (ROWWISE,)
+        made = {(tensor, direction) for gemm, *operands in GEMMS if gemm in runs for tensor, direction in operands}
+        for index, (role_type, quantizer, shape) in enumerate(zip(TENSOR_TYPES[site.module_type], quantizers, shapes)):
+            directions = [d for d in (ROWWISE, COLUMNWISE) if (index, d) in made]
             for direction in directions:
                 try:
                     self._check_tiling(quantizer, direction, batch, shape)

@@ -60,6 +60,51 @@ def test_a_plan_lists_no_backward_gemms_of_a_product_under_no_grad():
     assert [(g.site, g.gemm) for g in plan.gemms] == [("teacher#0", "fprop")] + [("student#0", gemm) for gemm in ("fprop", "dgrad", "wgrad")]
 
 
+def test_a_plan_lists_no_backward_gemms_of_a_detached_product():
+    """A target network's (an EMA teacher's) output detached: no backward reaches its GEMMs, though
+    its weight requires a gradient; the plan listed its dgrad and wgrad as under no_grad it does not."""
+
+    class Target(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.target, self.online = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return ((self.online(x) - self.target(x).detach()) ** 2).mean()
+
+    plan = graphquant.explain(Target(), zoo.recipe("tensorwise"), x_mlp().requires_grad_())
+    assert [(g.site, g.gemm) for g in plan.gemms] == [("online#0", g) for g in ("fprop", "dgrad", "wgrad")] + [("target#0", "fprop")]
+
+
+class FrozenEncoder(torch.nn.Module):
+    """A frozen conditioning encoder (a text tower's 2 x 77 prompt tokens) beside a trainable linear,
+    and a stem of 200 outputs whose weight is frozen, on an input that needs no gradient: no backward
+    makes the encoder's or the stem's operands columnwise (the stem's bias alone trains)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.stem, self.fc = torch.nn.Linear(256, 256), torch.nn.Linear(256, 200), torch.nn.Linear(256, 256)
+        self.encoder.requires_grad_(False)
+        self.stem.weight.requires_grad_(False)
+
+    def forward(self, x, prompt):
+        return self.fc(x) + self.stem(x).mean(-1, keepdim=True) + self.encoder(prompt).mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8_block_scaling", "nvfp4_block_scaling"])
+def test_a_training_call_tiles_only_the_representations_its_backward_makes(recipe):
+    """A frozen encoder's 154 prompt rows tile MXFP8's 1x32 rowwise blocks but not the 32x1
+    columnwise ones only a wgrad would make, and the stem's 200 output rows not the columnwise ones
+    only a dgrad would (its input needs no gradient): the training call failed the plan for representations
+    nothing makes; it runs, planning what its backward runs."""
+    model = FrozenEncoder()
+    compiled = graphquant.compile(model, getattr(recipes, recipe)(), backend="aot_eager")
+    compiled(torch.randn(2, 64, 256), torch.randn(2, 77, 256)).sum().backward()
+    (plan,) = compiled.graphquant.plans
+    assert sorted((g.site, g.gemm) for g in plan.gemms) == sorted([("encoder#0", "fprop"), ("stem#0", "fprop"), ("fc#0", "fprop"), ("fc#0", "wgrad")])
+    assert model.stem.weight.grad is None and model.fc.weight.grad is not None
+
+
 def test_what_explain_and_compile_do_not_take_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"run the rewritten graph eagerly.*take no backend \(got backend='aot_eager'\)"):
         graphquant.explain(MLP(), zoo.recipe("tensorwise"), x_mlp(), backend="aot_eager")
