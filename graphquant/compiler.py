@@ -168,7 +168,7 @@ class GraphquantBackend:
         model's code multiplies itself, by the sites that do; any other, as not compiled."""
         planned = {g.site.rpartition("#")[0] for plan in self.plans for g in plan.gemms} | self.unquantized_linears
         # An nn.MultiheadAttention's out_proj runs inside its one call, which the plan lists as not quantized.
-        named = [(without_compile_wrappers(name), m) for name, m in self.root.named_modules()]  # as sites name them
+        named = [(without_compile_wrappers(name), m) for name, m in _outside_nested_models(self.root)]  # as sites name them
         inside_attention = {f"{name}.out_proj" for name, m in named if isinstance(m, torch.nn.MultiheadAttention)}
         linears = [name for name, m in named if isinstance(m, torch.nn.Linear) and name not in inside_attention]
         unplanned = [name for name in linears if name not in planned]
@@ -222,7 +222,7 @@ class GraphquantBackend:
         (embeddings, norms, convolutions) feed no GEMM graphquant quantizes."""
         unread = [
             f"{owner}.{name}" if owner else name
-            for owner, module in self.root.named_modules()
+            for owner, module in _outside_nested_models(self.root)
             if not type(module).__module__.startswith("torch.nn")
             for name, parameter in module.named_parameters(recurse=False)
             if parameter.dim() >= 2 and (f"{owner}.{name}" if owner else name) not in self.read_parameters
@@ -654,6 +654,19 @@ def _users_through_views(node: fx.Node) -> list[fx.Node]:
     return users
 
 
+def _outside_nested_models(root: torch.nn.Module):
+    """root's named modules but those of a graphquant model inside it (graphquant.compile of a
+    submodule, which plans them under its own recipe in its own graphs)."""
+    nested: list[str] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix) for prefix in nested):
+            continue
+        if name and isinstance(module.__dict__.get("graphquant"), GraphquantBackend):
+            nested.append(f"{name}.")
+            continue
+        yield name, module
+
+
 def _reads_as_its_linear(user: fx.Node, weight: fx.Node, owner: str) -> bool:
     """Whether ``user`` reads ``weight`` as the weight of the linear site of module ``owner``, or
     is that module's own product left unquantized (the plan lists it and why)."""
@@ -673,7 +686,7 @@ def _graphs_are_one_autograd_node(inner: Union[str, Callable]) -> bool:
 def _recomputed(stateful: list[str]) -> RuntimeError:
     """The error of a training call of a graph made inside a backward pass: torch.utils.checkpoint
     recomputing a compiled block from outside it, which would move the graph's state again."""
-    state = "the stochastic-rounding step" if stateful == ["rng"] else f"delayed-scaling state ({stateful[0]}, ...)"
+    state = "stochastic-rounding step" if stateful == ["rng"] else f"delayed-scaling state ({stateful[0]}, ...)"
     return RuntimeError(
         "graphquant: a compiled graph was called with grad enabled inside a backward pass, as torch.utils.checkpoint "
         f"does to recompute a compiled module from outside it; its {state} would move a second time this step, so the "

@@ -152,6 +152,30 @@ def test_linears_in_no_graph_are_named_after_the_first_compile():
         model(x2())
 
 
+def test_the_linears_of_a_graphquant_model_inside_the_model_are_its_own():
+    """A block compiled by graphquant.compile on its own, then the model around it: the block's
+    linears run quantized under the block's recipe, in its own graphs; the outer model's first call
+    said they were in no compiled graph, "eagerly, in high precision"."""
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.head(self.block(x))
+
+    model = models.seeded(Outer())
+    model.block = graphquant.compile(model.block, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    outer = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outer(x2())
+    assert not [w for w in caught if "graphquant" in str(w.message)], [str(w.message) for w in caught]
+    assert [g.site for g in outer.graphquant.plan.gemms] == ["head#0"] * 3
+    assert {g.site for g in model.block.graphquant.plan.gemms} == {"0#0", "2#0"}
+
+
 @pytest.mark.parametrize("spelling", ["F.linear", "weight * mask"])
 def test_a_linear_whose_weight_the_model_multiplies_itself_is_named_with_its_sites(spelling):
     """A model that reads a head's weight itself (``F.linear(h, self.head.weight)``, as fused-loss
