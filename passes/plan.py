@@ -443,10 +443,12 @@ class Planner:
         if empty:
             return f"{EMPTY_PRODUCT} ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
         formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))
-        runs = gemms_run(site, training)
         try:
-            self._check_shapes(site, quantizers, runs)
+            self._check_shapes(site, quantizers, gemms_run(site, training))
         except PlanError:
+            # Whether it is a small site is a matter of its shape, not of which gradients this call
+            # takes: a router stays in high precision whether or not its input gets a gradient.
+            runs = ALL_GEMMS if training else gemms_run(site, training)
             small = self._small_dims(site, quantizers, runs) if self.recipe.small_gemms_in_high_precision else ""
             if not small:
                 raise
