@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import json
 import os
 import re
 import threading
@@ -45,6 +46,10 @@ MODES = (None, "training", "inference")
 # keep their own count; before, models compiled from different modules keep theirs through the
 # guard on each graph's module (_guard_identity).
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+# The key of the functional products' numbers in graphquant's state_dict.
+NUMBERS = "functional_numbers"
 
 
 class GraphquantBackend:
@@ -304,11 +309,16 @@ class GraphquantBackend:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's
-        float32 [scale, amax_history...] under its role's string, and the stochastic-rounding int64
-        [seed, step] under "rng" (entries loaded for slots not planned yet included). Save it beside
-        the model's own state_dict, which stays the plain weights."""
+        float32 [scale, amax_history...] under its role's string, the stochastic-rounding int64
+        [seed, step] under "rng" (entries loaded for slots not planned yet included), and the
+        numbers of the functional products met so far (their JSON's bytes, under NUMBERS: a
+        resumed run names them as this one did, whichever of its calls meets them first). Save it
+        beside the model's own state_dict, which stays the plain weights."""
         state = {key: value.clone() for key, value in self.waiting.items()}
         state.update({key: value.detach().clone() for key, value in self._live_state().items()})
+        numbers = self.functional_numbers.saved()
+        if numbers:
+            state[NUMBERS] = torch.tensor(list(json.dumps(numbers).encode()), dtype=torch.uint8)
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -321,6 +331,10 @@ class GraphquantBackend:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
         self.state_loaded = True
+        if NUMBERS in state:
+            if not self.plans:  # a graph has numbered its products already: its slots must match the entries
+                self.functional_numbers.restore(json.loads(bytes(state[NUMBERS].tolist())))
+            state = {key: value for key, value in state.items() if key != NUMBERS}
         strangers = [key for key in state if key != "rng" and not _names_a_role(key)]
         if strangers:
             raise KeyError(

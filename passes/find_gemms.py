@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import operator
 import re
 from typing import Callable, Optional, Sequence
@@ -193,6 +194,20 @@ class FunctionalNumbers:
         self._numbers: dict[tuple, int] = {}
         self._next: collections.Counter = collections.Counter()
 
+    def saved(self) -> list:
+        """The numbers given so far, as JSON values: what a resumed run starts from (``restore``)."""
+        return [[list(key), place if isinstance(place, (str, type(None))) else [list(f) for f in place], seen, number]
+                for (key, place, seen), number in self._numbers.items()]
+
+    def restore(self, saved: list) -> None:
+        """Start from a saved run's numbers (before this run's graphs give any), so that each
+        product the saving run had met keeps its number whichever graph meets it first here (an
+        evaluation that skips a training-only product before it)."""
+        for key, place, seen, number in saved:
+            key = tuple(key)
+            self._numbers[(key, place if isinstance(place, (str, type(None))) else tuple(map(tuple, place)), seen)] = number
+            self._next[key] = max(self._next[key], number + 1)
+
     def graph(self) -> Callable[[tuple, fx.Node], int]:
         seen: collections.Counter = collections.Counter()
 
@@ -225,7 +240,8 @@ def _place_in_owner(node: fx.Node) -> object:
     frames = _FRAME.findall(trace)
     file, first, last = forward
     inside = [i for i, (f, line, _) in enumerate(frames) if f == file and first <= int(line) <= last]
-    return tuple(frames[inside[-1]:]) if inside else trace
+    # Files by their names alone: a run resumed from another checkout finds the same places.
+    return tuple((os.path.basename(f), line, function) for f, line, function in frames[inside[-1]:]) if inside else trace
 
 
 @functools.cache

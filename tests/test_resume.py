@@ -101,6 +101,58 @@ def test_state_dict_holds_each_delayed_slot_and_the_step():
     assert sr.graphquant.state_dict()["rng"].tolist() == [7, 2]  # seed 7, two steps taken
 
 
+class AuxiliaryProduct(torch.nn.Module):
+    """A training-only functional product (an auxiliary loss term) before the main one: a module's
+    functional products are numbered in the order its graphs first meet them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 128), torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        h, k = torch.nn.functional.gelu(self.fc1(x)), self.fc2(x)
+        aux = torch.matmul(h * 1000.0, h.transpose(-1, -2)).mean() * 1e-6 if self.training else 0.0
+        return torch.matmul(h, k.transpose(-1, -2)).square().mean() + aux
+
+
+def test_a_run_resumed_with_an_evaluation_first_names_its_products_as_the_saved_run_did():
+    """Resumed, the model evaluated before it trained: its evaluation graph, which skips the
+    auxiliary product, numbered the main one matmul.0 and took the auxiliary's delayed-scaling
+    entry (and training then the main one's): other outputs and losses, silently. The state
+    carries the saved run's numbers now, so both runs go on alike, bit for bit."""
+    def evaluate(compiled):
+        compiled.eval()
+        with torch.no_grad():
+            out = compiled(batch(100))
+        compiled.train()
+        return out
+
+    def steps(compiled, optimizer, numbers):
+        losses = []
+        for step in numbers:
+            optimizer.zero_grad()
+            loss = compiled(batch(step))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    model = models.seeded(AuxiliaryProduct(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    steps(compiled, optimizer, range(3))
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), compiled.graphquant.state_dict())
+    expected = (evaluate(compiled), steps(compiled, optimizer, range(3, 5)))
+
+    resumed_model = AuxiliaryProduct()
+    resumed_model.load_state_dict(saved[0])
+    resumed, resumed_optimizer = start(resumed_model, "delayed_scaling")
+    resumed_optimizer.load_state_dict(saved[1])
+    resumed.graphquant.load_state_dict(saved[2])
+    got = (evaluate(resumed), steps(resumed, resumed_optimizer, range(3, 5)))
+    assert all(map(torch.equal, got, expected)), (got, expected)
+    assert same_state(resumed.graphquant.state_dict(), compiled.graphquant.state_dict())
+
+
 def test_loading_into_a_model_that_ran_replaces_its_state():
     """After the first call a loaded state is copied into the live slots: the next steps continue
     from it, and a checkpoint taken right away gives it back."""
