@@ -1102,7 +1102,9 @@ def _deep_copy(model: torch.nn.Module, backend: "GraphquantBackend", twin: Calla
     ``twin`` with the same settings, that continues from this one's delayed-scaling and
     stochastic-rounding state (its own, not shared)."""
     copied = twin(copy.deepcopy(model, memo))
-    copied.graphquant.load_state_dict(backend.state_dict())
+    state = backend.state_dict()
+    if state:  # a model not called yet has none: its copy starts afresh as it would, saying nothing
+        copied.graphquant.load_state_dict(state)
     return copied
 
 

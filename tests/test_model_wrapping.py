@@ -132,6 +132,16 @@ def test_a_deep_copy_is_a_graphquant_model_of_its_own_that_continues_from_the_or
     assert twin._orig_mod.fc1.weight is not original._orig_mod.fc1.weight
 
 
+def test_a_deep_copy_of_a_model_not_called_yet_starts_afresh_saying_nothing():
+    """Copied before its first call, the model has no state to carry: its copy's first call said
+    that a loaded state had no entry for its slots, so that the run did not continue the saved one."""
+    twin = copy.deepcopy(quantized(mlp(), recipes.delayed_scaling()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        twin(x2())
+    assert not [str(w.message) for w in caught if "graphquant" in str(w.message)]
+
+
 def test_linears_in_no_graph_are_named_after_the_first_compile():
     """A module run outside any graph (here disabled for torch.compile: as a graph break torch
     cannot take inside a checkpointed block leaves it) runs in high precision: said once."""
