@@ -164,24 +164,44 @@ class ShortReduction(torch.nn.Module):
         return self.head(torch.relu(self.up(x)))
 
 
+class Routed(torch.nn.Module):
+    """A router of 8 outputs beside an MLP: rowwise MXFP8 and NVFP4 blocks tile its weight, but
+    the plan keeps it in high precision, in inference as in training (its few outputs tile no
+    columnwise block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.router = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))), self.router(x)
+
+
+# The linears a plan keeps in high precision for their shape alone: (the model, its input's size, the linear).
+SMALL_LINEARS = {"short reduction": (ShortReduction, (4, 8), "up"), "few outputs": (Routed, (64, 128), "router")}
+
+
+@pytest.mark.parametrize("shape", ["short reduction", "few outputs"])
 @pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
-def test_a_checkpoint_of_a_weight_its_plan_kept_in_high_precision_loads_into_a_model_not_yet_called(family):
-    """Built on the meta device, the model cannot be called, so no plan says that up stays in high
-    precision, and freeze refused the recipe's format for it, asking for a call it cannot make: the
-    checkpoint's high-precision format is taken where the recipe's cannot tile the weight."""
-    compiled = inference_model(models.seeded(ShortReduction()), FAMILIES[family]())
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+def test_a_checkpoint_of_a_weight_its_plan_kept_in_high_precision_loads_into_a_model_not_yet_called(family, shape):
+    """Built on the meta device, the model cannot be called: freeze refused the checkpoint's high
+    precision for a short reduction, asking for a call it cannot make, and for a router's few
+    outputs ("frozen as mxfp8 ... the checkpoint's router is identity()"); it asks the planner what
+    the first call's plan will keep now, as the checkpoint's did."""
+    build, rows, small = SMALL_LINEARS[shape]
+    compiled = inference_model(models.seeded(build()), FAMILIES[family]())
+    x = torch.randn(*rows, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         compiled(x)
         graphquant.freeze(compiled)
         expected = compiled(x)
-    assert compiled._orig_mod.up.weight_format == "identity()"
+    assert compiled._orig_mod.get_submodule(small).weight_format == "identity()"
     with torch.device("meta"):
-        skeleton = ShortReduction()
+        skeleton = build()
     loaded = inference_model(skeleton, FAMILIES[family]())
     graphquant.freeze(loaded, state_dict=compiled.state_dict())
     with torch.no_grad():
-        assert torch.equal(loaded(x), expected)
+        assert all(map(torch.equal, torch.utils._pytree.tree_leaves(loaded(x)), torch.utils._pytree.tree_leaves(expected)))
 
 
 def test_a_weight_frozen_in_high_precision_takes_the_models_cast():
@@ -410,19 +430,6 @@ def test_linear_sites_of_no_nn_linear_are_named_as_left_in_high_precision():
     assert isinstance(model[1], graphquant.FrozenLinear) and isinstance(model[0].weight, torch.nn.Parameter)
 
 
-class Routed(torch.nn.Module):
-    """A router of 8 outputs beside an MLP: rowwise MXFP8 and NVFP4 blocks tile its weight, but
-    the plan keeps it in high precision, in inference as in training (its few outputs tile no
-    columnwise block)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.router = torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))), self.router(x)
-
-
 @pytest.mark.parametrize("shape", ["short reduction", "few outputs"])
 @pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
 def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so_before_a_call_too(family, shape):
@@ -430,11 +437,8 @@ def test_a_linear_its_plan_keeps_in_high_precision_is_frozen_so_before_a_call_to
     in high precision for its shape alone is stored so: a router's 8 outputs were stored in the
     recipe's format, which the plan's high-precision call then multiplied as if they were values
     (outputs 1000x off under MXFP8, a shape error under NVFP4); a short reduction was refused."""
-    if shape == "short reduction":
-        model, x, small = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)), torch.randn(32, 8), "0"
-    else:
-        model, x, small = Routed(), torch.randn(64, 128), "router"
-    model = models.seeded(model)
+    build, rows, small = SMALL_LINEARS[shape]
+    model, x = models.seeded(build()), torch.randn(*rows)
     frozen_first = inference_model(copy.deepcopy(model), FAMILIES[family]())
     compiled = inference_model(model, FAMILIES[family]())
     with torch.no_grad():
@@ -458,25 +462,6 @@ def test_a_stored_format_a_call_does_not_run_is_refused_not_multiplied(monkeypat
         graphquant.freeze(compiled)
         with pytest.raises(PlanError, match=r"router#0 \(linear\) weight: stored frozen as mxfp8.*this call's plan keeps it in high precision"):
             compiled(torch.randn(64, 128))
-
-
-@pytest.mark.parametrize("family", ["mxfp8", "nvfp4"])
-def test_a_routers_checkpoint_loads_into_a_model_built_on_the_meta_device(family):
-    """The router's high-precision weight in a checkpoint of the model frozen after a call was
-    refused by a model not yet called ("frozen as mxfp8 ... the checkpoint's router is identity()"):
-    only a weight its format cannot tile was taken so, not one the plan keeps for its few outputs."""
-    compiled = inference_model(models.seeded(Routed()), FAMILIES[family]())
-    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        compiled(x)
-        graphquant.freeze(compiled)
-        expected = compiled(x)
-    with torch.device("meta"):
-        skeleton = Routed()
-    loaded = inference_model(skeleton, FAMILIES[family]())
-    graphquant.freeze(loaded, state_dict=compiled.state_dict())
-    with torch.no_grad():
-        assert all(map(torch.equal, loaded(x), expected))
 
 
 def test_a_cast_of_a_frozen_model_casts_its_products_not_its_stored_weights():
