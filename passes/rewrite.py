@@ -124,7 +124,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         target = _TARGETS.get(site.form, functional.quantized_matmul)
         stack = node.meta.get("graphquant_frozen_stack")
         if stack is not None:  # a frozen expert stack (graphquant.freeze): its stored tensors in w's place
-            _check_stored_format(site, stack.spec, plan.quantizer(roles[1]))
+            if not _empty(site):  # an empty call reads none of its stack, as a frozen linear's
+                _check_stored_format(site, stack.spec, IdentityQuantizer() if high_precision else plan.quantizer(roles[1]), high_precision)
             x, _, offs = args
             args, target = (x, [state(("frozen", stack.module, part)) for part in FROZEN_PARTS], offs), grouped.quantized_frozen_grouped_mm
             form_kwargs = {"shape": stack.shape, "dtype": stack.dtype}

@@ -368,11 +368,13 @@ def test_tied_weight_stays_high_precision():
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
 
 
-def test_a_frozen_model_called_on_no_rows_gives_an_empty_output():
+@pytest.mark.parametrize("family", ["rowwise", "nvfp4"])
+def test_a_frozen_model_called_on_no_rows_gives_an_empty_output(family):
     """An empty call keeps its product in high precision, which reads none of the weight: its plan
-    was refused for the weight's stored format ("the recipe gives this slot identity()")."""
+    was refused for the weight's stored format ("the recipe gives this slot identity()"), and NVFP4's
+    packed codes, read as high-precision values, failed the product's shapes."""
     model = torch.nn.Sequential(models.seeded(torch.nn.Linear(64, 128))).to(torch.bfloat16)
-    compiled = inference_model(model, zoo.recipe("rowwise"))
+    compiled = inference_model(model, FAMILIES[family]())
     with torch.no_grad():
         before = compiled(x3())
         graphquant.freeze(compiled)

@@ -237,6 +237,16 @@ def test_freeze_refuses_a_stack_whose_quantize_draws_random_numbers():
         graphquant.freeze(compiled)
 
 
+@pytest.mark.parametrize("family", ["tensorwise", "mxfp8", "nvfp4"])
+def test_frozen_experts_called_on_no_tokens_give_an_empty_output(family):
+    """An empty batch keeps its products in high precision for that call alone: the frozen stack's
+    call refused it ("stored frozen as fp8_current ... the recipe gives this slot identity()"),
+    where a frozen linear, and the stack per call, run it."""
+    compiled, _ = called_then_frozen(Experts(), FAMILIES[family]())
+    with torch.no_grad():
+        assert compiled(tokens()[:0], torch.zeros(E, dtype=torch.int32)).shape == (0, K)
+
+
 def test_frozen_experts_have_no_backward():
     compiled, _ = called_then_frozen(Experts(), FAMILIES["mxfp8"]())
     x = tokens().requires_grad_()

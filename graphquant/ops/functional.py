@@ -67,6 +67,8 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
             return quantized_frozen_linears_sharing_x(autocast.cast(x, cast), weights, shapes, cast, biases, sites=sites, states=states, rng=rng)
     for b, site in zip(biases, sites):
         _same_dtype(site, input=x.dtype, weight=dtype, bias=_dtype(b))
+    if math.prod(x.shape[:-1]) == 0:  # no rows: nothing reads the stored codes (which no high-precision format could)
+        return tuple(x.new_empty((*x.shape[:-1], s[0])) for s in shapes)
     x2d = x.reshape(-1, x.shape[-1])
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)

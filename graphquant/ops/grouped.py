@@ -381,6 +381,8 @@ def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[
     as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
     quantized as QuantizedGroupedMM's forward quantizes it."""
     experts, k, n = shape
+    if x.shape[0] == 0:  # no tokens: nothing reads the stored codes (which no high-precision format could)
+        return x.new_empty((0, n), dtype=dtype)
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
     return refuse_backward(x, _fprop_alone(x, offs, wq, stack, n, dtype, site, states, rng), site.label)
