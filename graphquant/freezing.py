@@ -82,12 +82,16 @@ class StoredWeight(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Refuse a checkpoint whose weight is not this one's format, shape and layout, naming what
         differs: a tensor of another dtype would otherwise be converted silently."""
-        error = self._mismatch(state_dict, prefix)
-        if error:
-            error_msgs.append(f"graphquant: {self.name} is frozen as {self.weight_format} of a {self.weight_dtype} weight "
-                              f"of shape {self.weight_shape}; {error}")
+        refusal = self.refusal(state_dict, prefix)
+        if refusal:
+            error_msgs.append(refusal)
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def refusal(self, state_dict: Mapping[str, Any], prefix: str) -> str:
+        """Why this module refuses ``state_dict``'s entries under ``prefix`` ("" where it takes them)."""
+        error = self._mismatch(state_dict, prefix)
+        return error and f"graphquant: {self.name} is frozen as {self.weight_format} of a {self.weight_dtype} weight of shape {self.weight_shape}; {error}"
 
     def _mismatch(self, state_dict: Mapping[str, Any], prefix: str) -> str:
         """What in ``state_dict`` differs from this module's stored weight ("" if nothing)."""
@@ -316,17 +320,13 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             raise ValueError(f"graphquant.freeze: {name}'s weight is on the meta device, with no values to quantize; pass "
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
         frozen.append((name, linear, quantizer))
-    expert_stacks = _expert_stacks(root, backend, tied) if state_dict is None else []
-    for name, linear, quantizer in frozen:
-        if state_dict is None:
-            root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
-        else:
-            root.set_submodule(name, FrozenLinear.unfilled(name, linear, quantizer))
     if state_dict is None:
+        expert_stacks = _expert_stacks(root, backend, tied)
+        for name, linear, quantizer in frozen:
+            root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
         stacks = [_take_place(root, FrozenExperts.quantized(*stack, amax_group)) for stack in expert_stacks]
     else:
-        stacks = [_take_place(root, FrozenExperts.unfilled(name, saved, _parameter_of(root, name, saved).device)) for name, saved in _saved_stacks(state)]
-        root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
+        stacks = _loaded(root, state, [(name, linear, FrozenLinear.unfilled(name, linear, quantizer)) for name, linear, quantizer in frozen])
     # After loading (a stack loaded onto the meta device is on the checkpoint's now), and for the
     # stacks frozen before too, whose stand-ins Module.to copies to full size.
     stand_ins: dict[tuple, torch.Tensor] = {}
@@ -460,6 +460,34 @@ def _parameter_of(root: nn.Module, name: str, saved: Mapping[str, Any]) -> nn.Pa
         raise ValueError(f"graphquant.freeze: the checkpoint stores {qualified} as an "
                          f"expert stack of shape {shape}, but the model has {found} there: load a checkpoint of this model")
     return parameter
+
+
+def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.Linear, "FrozenLinear"]]) -> list["FrozenExperts"]:
+    """Put ``linears``' frozen modules and the checkpoint's stacks in place and load ``state``
+    into ``root``; the stacks. A checkpoint a frozen linear refuses is refused before anything is
+    replaced, and a load that fails otherwise puts the linears and the stacks' parameters back:
+    either way the model stays as it was (not frozen on empty memory)."""
+    refusals = [refusal for name, _, module in linears if (refusal := module.refusal(state, f"{name}."))]
+    if refusals:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(refusals))
+    taken: list[tuple[nn.Module, str, nn.Parameter, str]] = []
+    try:
+        for name, _, module in linears:
+            root.set_submodule(name, module)
+        stacks = []
+        for name, saved in _saved_stacks(state):
+            parameter = _parameter_of(root, name, saved)
+            stacks.append(_take_place(root, FrozenExperts.unfilled(name, saved, parameter.device)))
+            taken.append((root.get_submodule(_owner(name)), saved["parameter"], parameter, name.rpartition(".")[2]))
+        root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
+    except Exception:
+        for name, linear, _ in linears:
+            root.set_submodule(name, linear)
+        for owner, parameter_name, parameter, added in taken:
+            delattr(owner, added)
+            owner.register_parameter(parameter_name, parameter)
+        raise
+    return stacks
 
 
 def _take_place(root: nn.Module, frozen: FrozenExperts) -> FrozenExperts:

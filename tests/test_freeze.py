@@ -322,6 +322,29 @@ def test_a_refused_freeze_leaves_every_linear_as_it_was():
     assert type(model.fc1) is torch.nn.Linear and type(model.fc2) is torch.nn.Linear
 
 
+@pytest.mark.parametrize("checkpoint", ["plain weights", "another recipe's", "another shape's", "missing a bias"])
+def test_a_refused_checkpoint_leaves_the_model_as_it_was(checkpoint):
+    """freeze replaced every linear by one with room for its stored weight, then the load refused
+    the checkpoint: the model was left frozen on empty memory (NaN or garbage outputs, and a
+    freeze(model) after it kept them). A checkpoint a frozen linear refuses is refused before any
+    linear is replaced, and a load failing otherwise puts them back."""
+    recipe = FAMILIES["rowwise" if checkpoint == "missing a bias" else "tensorwise"]()
+    source = inference_model(mlp(hidden=256 if checkpoint == "another shape's" else 128), recipe)
+    if checkpoint != "plain weights":
+        graphquant.freeze(source)
+    state = {key: value for key, value in source.state_dict().items() if key != "_orig_mod.fc2.bias"}
+    model = mlp()
+    compiled = inference_model(model, FAMILIES["rowwise"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+        with pytest.raises(RuntimeError, match="Missing key.*fc2.bias" if checkpoint == "missing a bias" else "graphquant: fc1 is frozen as"):
+            graphquant.freeze(compiled, state_dict=state)
+        assert type(model.fc1) is torch.nn.Linear and type(model.fc2) is torch.nn.Linear
+        assert torch.equal(compiled(x3()), expected)
+        graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected)
+
+
 def test_a_meta_model_whose_buffers_no_checkpoint_holds_is_refused_before_freezing():
     """A rotary embedding's inv_freq is a non-persistent buffer: built on the meta device it stays
     there, since no checkpoint holds it, and the first call would fail deep in the graph."""
