@@ -69,6 +69,11 @@ _UNQUANTIZED_FUNCTIONS = {
             (torch.linalg.multi_dot, "linalg.multi_dot"), (F.bilinear, "nn.functional.bilinear (nn.Bilinear)"),
         )
     },
+    **dict.fromkeys(
+        (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d),
+        "a convolution (nn.Conv1d, Conv2d, Conv3d and their transposes: a ViT's patch embedding, an audio model's stem) runs in "
+        "high precision: graphquant quantizes matrix products, not convolutions",
+    ),
 }
 _UNQUANTIZED_METHODS = frozenset({"inner", "addbmm"})
 

@@ -462,6 +462,27 @@ def test_custom_ops_of_other_libraries_that_take_matrices_are_listed_as_not_seen
     assert why == "graphquant_test::scores is a custom op whose code graphquant does not see: any product inside it runs in high precision"
 
 
+@pytest.mark.parametrize("conv", ["Conv1d", "Conv2d", "ConvTranspose2d"])
+def test_convolutions_are_listed_as_left_in_high_precision(conv):
+    """A ViT's patch embedding or Whisper's audio stem ran in high precision with nothing in the
+    plan (convolutions are no sites): each is listed now, saying so."""
+    layer, x = {"Conv1d": (torch.nn.Conv1d(8, 64, 3), torch.randn(2, 8, 32)), "Conv2d": (torch.nn.Conv2d(3, 64, 4, stride=4), torch.randn(2, 3, 16, 16)),
+                "ConvTranspose2d": (torch.nn.ConvTranspose2d(3, 64, 2), torch.randn(2, 3, 8, 8))}[conv]
+
+    class Stem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.fc = layer, torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(self.stem(x).flatten(2).transpose(1, 2))
+
+    plan = graphquant.explain(Stem(), recipes.current_scaling(), x)
+    assert {g.site for g in plan.gemms} == {"fc#0"}
+    [(what, why)] = plan.skipped
+    assert "stem" in what and why.startswith("a convolution (nn.Conv1d") and "runs in high precision" in why, (what, why)
+
+
 _OTHER_SPELLINGS = {
     "torch.tensordot": lambda h, w: torch.tensordot(h, w, dims=([2], [1])),
     "torch.inner": lambda h, w: torch.inner(h, w),
