@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaches, inside_transforms, nodes_and_bodies, owner_of
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaching, inside_transforms, nodes_and_bodies, owner_of
 from graphquant.passes.plan import PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -156,7 +156,7 @@ def arguments(node: fx.Node) -> dict[str, object]:
 
 
 def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Frame) -> None:
-    transformed = inside_transforms(gm)
+    transformed, reaching = inside_transforms(gm), gradient_reaching(gm.graph)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
@@ -184,7 +184,7 @@ def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Fra
         owner, call, _ = owner_of(node, frame)
         i = number((owner, call, "dpa"), node)
         name = owner if i == 0 else ".".join(p for p in (owner, "dpa", str(i)) if p)
-        site = _site(node, name, call)
+        site = _site(node, name, call, node in reaching)
         if isinstance(site, str):
             node.meta["graphquant_skip"] = site
             continue
@@ -192,8 +192,9 @@ def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Fra
         sites.append(site)
 
 
-def _site(node: fx.Node, name: str, call: int):
-    """The node's DpaSite, or the reason it stays in high precision."""
+def _site(node: fx.Node, name: str, call: int, reached: bool):
+    """The node's DpaSite, or the reason it stays in high precision (``reached``: whether a backward
+    can reach it: find_gemms.gradient_reaching)."""
     args = arguments(node)
     q, k, v = (_value(args[a]) for a in ("query", "key", "value"))
     if q is None or k is None or v is None:
@@ -222,7 +223,7 @@ def _site(node: fx.Node, name: str, call: int):
     if not all(t.dtype.is_floating_point and t.dtype.itemsize > 1 for t in (q, k, v)):
         return f"attention of {q.dtype}, {k.dtype}, {v.dtype} operands is not quantized"
     output = _value(node)
-    backward = (output is None or output.requires_grad) and gradient_reaches(node)  # none under no_grad, nor past a detach
+    backward = (output is None or output.requires_grad) and reached  # none under no_grad, nor past a detach
     gradients = tuple(backward and t.requires_grad for t in (q, k, v))
     return DpaSite(name, call, tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(args["is_causal"]), mask is not None, gradients)
 

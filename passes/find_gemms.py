@@ -301,7 +301,7 @@ def _find(
     gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
     in_body: bool = False,
 ) -> None:
-    transformed = inside_transforms(gm)
+    transformed, reaching = inside_transforms(gm), gradient_reaching(gm.graph)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
@@ -337,7 +337,7 @@ def _find(
             continue
         x_sizes, w_sizes, batched, einsum = shapes
         is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
-        backward = _requires_grad(node) and gradient_reaches(node)  # not under no_grad, nor cut off by detach (a teacher)
+        backward = _requires_grad(node) and node in reaching  # not under no_grad, nor cut off by detach (a teacher)
         if is_linear and module_is_linear and frame.multiplies_own_weight(b, owner):
             name = owner
         else:
@@ -496,21 +496,21 @@ def _requires_grad(node: object) -> bool:
 _DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach, torch.ops.aten.detach.default}
 
 
-def gradient_reaches(node: fx.Node) -> bool:
-    """Whether a backward can reach ``node``: some path of its users leads to the graph's output,
-    or to a node of no users (an effect: assumed to), that no detach cuts (a target network's or
-    an EMA teacher's output, detached, gets no gradient, so its product runs no dgrad or wgrad)."""
-    seen, todo = set(), [node]
+def gradient_reaching(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes a backward can reach: those with a path of users to the graph's output, or to a
+    node of no users (an effect: assumed to), that no detach cuts (a target network's or an EMA
+    teacher's output, detached, gets no gradient, so its product runs no dgrad or wgrad)."""
+    todo = [node for node in graph.nodes if node.op == "output" or not node.users]
+    reached = set(todo)
     while todo:
-        current = todo.pop()
-        if current.op == "output" or not current.users:
-            return True
-        for user in current.users:
-            detaches = (user.op == "call_method" and user.target == "detach") or (user.op == "call_function" and user.target in _DETACH)
-            if user not in seen and not detaches:
-                seen.add(user)
-                todo.append(user)
-    return False
+        node = todo.pop()
+        if (node.op == "call_method" and node.target == "detach") or (node.op == "call_function" and node.target in _DETACH):
+            continue  # its input gets no gradient through it
+        for source in node.all_input_nodes:
+            if source not in reached:
+                reached.add(source)
+                todo.append(source)
+    return reached
 
 
 def _value(node: object) -> Optional[torch.Tensor]:
