@@ -463,8 +463,8 @@ def _parameter_of(root: nn.Module, name: str, saved: Mapping[str, Any]) -> nn.Pa
 
 
 def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.Linear, "FrozenLinear"]]) -> list["FrozenExperts"]:
-    """Put ``linears``' frozen modules and the checkpoint's stacks in place and load ``state``
-    into ``root``; the stacks. A checkpoint a frozen linear refuses is refused before anything is
+    """The checkpoint's stacks, put in place with ``linears``' frozen modules and loaded with
+    ``state`` into ``root``. A checkpoint a frozen linear refuses is refused before anything is
     replaced, and a load that fails otherwise puts the linears and the stacks' parameters back:
     either way the model stays as it was (not frozen on empty memory)."""
     refusals = [refusal for name, _, module in linears if (refusal := module.refusal(state, f"{name}."))]
