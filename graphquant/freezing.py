@@ -306,7 +306,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             (kept.append((name, why)) if why else linears.append((name, m)))
     stored_before = {name for name, m in root.named_modules() if isinstance(m, StoredWeight)}  # a freeze again, after model.to
     # Every weight's format and shape is checked before any is replaced: such a refusal leaves the
-    # model as it was (a checkpoint that does not fit is refused by the load, after).
+    # model as it was, as a checkpoint that does not fit does (_loaded).
     state = None
     if state_dict is not None:
         state = dict(state_dict)

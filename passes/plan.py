@@ -59,6 +59,13 @@ def gemms_run(site: GemmSite, training: bool) -> frozenset[str]:
     return frozenset(g for g, runs in (("fprop", True), ("dgrad", training and site.gradients[0]), ("wgrad", training and site.gradients[1])) if runs)
 
 
+def empty_dims(site: GemmSite) -> list[str]:
+    """The names of the site's product dims that are 0 this call (m: no rows), whose product the
+    plan keeps in high precision with nothing to quantize and whose frozen weight no call reads."""
+    _, m, k = site.x_sizes
+    return [name for name, size in (("m", m), ("n", site.w_sizes[1]), ("k", k)) if isinstance(size, int) and size == 0]
+
+
 class PlanError(ValueError):
     """The recipe cannot run this model as asked; the message says where and what to change."""
 
@@ -437,9 +444,7 @@ class Planner:
         (CustomRecipe.small_gemms_in_high_precision), in inference too where its training formats
         would (the same precision in every mode); any other shape that does not tile is the
         error it was. An empty product (a dim of 0: no rows this call) has nothing to quantize."""
-        batch, m, k = site.x_sizes
-        dims = {"m": m, "n": site.w_sizes[1], "k": k}
-        empty = [name for name, size in dims.items() if isinstance(size, int) and size == 0]
+        empty = empty_dims(site)
         if empty:
             return f"{EMPTY_PRODUCT} ({', '.join(f'{name} = 0' for name in empty)}), nothing to quantize"
         formats = ", ".join(dict.fromkeys(q.spec for q in quantizers))

@@ -27,8 +27,8 @@ from graphquant.ops import attention, functional, grouped
 from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, addmm_operands, body_of
-from graphquant.passes.plan import Plan, PlanError
-from graphquant.quantizers import ROWWISE, IdentityQuantizer, Quantizer
+from graphquant.passes.plan import Plan, PlanError, empty_dims
+from graphquant.quantizers import ROWWISE, IdentityQuantizer
 from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
 
@@ -105,8 +105,8 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         roles = site.roles()
         high_precision = site.label in plan.high_precision_calls
         formats = {t: (IDENTITY if high_precision else plan.quantizer(r).spec) for t, r in zip(TENSOR_TYPES[site.module_type], roles)}
-        if site.form == FROZEN and not _empty(site):  # an empty call of a frozen linear reads none of its weight
-            _check_stored_format(site, node.args[2], IdentityQuantizer() if high_precision else plan.quantizer(roles[1]), high_precision)
+        if site.form == FROZEN:
+            _check_stored_format(site, node.args[2], plan, high_precision)
         carried = Site(
             name=site.name,
             call=site.call,
@@ -124,8 +124,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         target = _TARGETS.get(site.form, functional.quantized_matmul)
         stack = node.meta.get("graphquant_frozen_stack")
         if stack is not None:  # a frozen expert stack (graphquant.freeze): its stored tensors in w's place
-            if not _empty(site):  # an empty call reads none of its stack, as a frozen linear's
-                _check_stored_format(site, stack.spec, IdentityQuantizer() if high_precision else plan.quantizer(roles[1]), high_precision)
+            _check_stored_format(site, stack.spec, plan, high_precision)
             x, _, offs = args
             args, target = (x, [state(("frozen", stack.module, part)) for part in FROZEN_PARTS], offs), grouped.quantized_frozen_grouped_mm
             form_kwargs = {"shape": stack.shape, "dtype": stack.dtype}
@@ -160,15 +159,13 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     graph.erase_node(node)
 
 
-def _empty(site: GemmSite) -> bool:
-    """Whether the site's product has a dim of 0 (no rows this call)."""
-    return any(isinstance(size, int) and size == 0 for size in (site.x_sizes[1], *site.w_sizes[1:]))
-
-
-def _check_stored_format(site: GemmSite, stored: str, quantizer: Quantizer, kept: bool = False) -> None:
+def _check_stored_format(site: GemmSite, stored: str, plan: Plan, kept: bool) -> None:
     """A frozen weight's stored format must be the one this call's plan multiplies it in: its
-    weight quantizer's for fprop, or high precision where the plan ``kept`` the call so."""
-    planned = quantizer.child(ROWWISE).spec
+    weight quantizer's for fprop, or high precision where the plan ``kept`` the call so; an empty
+    call reads none of it."""
+    if empty_dims(site):
+        return
+    planned = (IdentityQuantizer() if kept else plan.quantizer(site.roles()[1])).child(ROWWISE).spec
     if stored != planned:
         runs = "this call's plan keeps it in high precision (too small for the recipe's blocks)" if kept else f"the recipe gives this slot {planned} for fprop"
         raise PlanError(
