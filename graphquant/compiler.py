@@ -48,8 +48,10 @@ MODES = (None, "training", "inference")
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
-# The key of the functional products' numbers in graphquant's state_dict.
+# The keys of graphquant's state_dict that are no slot's: the functional products' numbers, and
+# what each delayed-scaling slot's scale was computed for (Float8DelayedScalingQuantizer.scaling).
 NUMBERS = "functional_numbers"
+SCALINGS = "delayed_scalings"
 
 
 class GraphquantBackend:
@@ -91,6 +93,7 @@ class GraphquantBackend:
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
+        self.scalings: dict[str, str] = {}  # what each delayed-scaling entry's scale is for, planned or waiting
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
         self.state_loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
         # Parameters some graph reads other than as its linear's weight, each with the sites that multiply it.
@@ -310,15 +313,16 @@ class GraphquantBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's
         float32 [scale, amax_history...] under its role's string, the stochastic-rounding int64
-        [seed, step] under "rng" (entries loaded for slots not planned yet included), and the
-        numbers of the functional products met so far (their JSON's bytes, under NUMBERS: a
-        resumed run names them as this one did, whichever of its calls meets them first). Save it
-        beside the model's own state_dict, which stays the plain weights."""
+        [seed, step] under "rng" (entries loaded for slots not planned yet included), the numbers
+        of the functional products met so far (under NUMBERS: a resumed run names them as this one
+        did, whichever of its calls meets them first) and what each slot's scale was computed for
+        (under SCALINGS), each as its JSON's bytes. Save it beside the model's own state_dict,
+        which stays the plain weights."""
         state = {key: value.clone() for key, value in self.waiting.items()}
         state.update({key: value.detach().clone() for key, value in self._live_state().items()})
-        numbers = self.functional_numbers.saved()
-        if numbers:
-            state[NUMBERS] = torch.tensor(list(json.dumps(numbers).encode()), dtype=torch.uint8)
+        for key, record in ((NUMBERS, self.functional_numbers.saved()), (SCALINGS, self.scalings)):
+            if record:
+                state[key] = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -331,10 +335,11 @@ class GraphquantBackend:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
         self.state_loaded = True
-        if NUMBERS in state:
-            if not self.plans:  # a graph has numbered its products already: its slots must match the entries
-                self.functional_numbers.restore(json.loads(bytes(state[NUMBERS].tolist())))
-            state = {key: value for key, value in state.items() if key != NUMBERS}
+        if NUMBERS in state and not self.plans:  # a graph has numbered its products already: its slots must match the entries
+            self.functional_numbers.restore(_decoded(state[NUMBERS]))
+        # A checkpoint of an earlier graphquant says nothing of its scales' formats.
+        saved_scalings = _decoded(state[SCALINGS]) if SCALINGS in state else {}
+        state = {key: value for key, value in state.items() if key not in (NUMBERS, SCALINGS)}
         strangers = [key for key in state if key != "rng" and not _names_a_role(key)]
         if strangers:
             raise KeyError(
@@ -361,11 +366,13 @@ class GraphquantBackend:
                 f"{missing}; the plan's slots: {sorted(live)}. Load the state before the model's first call (each slot "
                 "then takes its entry when it is planned), into a model compiled with the recipe it was saved under"
             )
-        restored = {key: self._restored(key, state[key], like) for key, like in live.items()}
+        restored = {key: self._restored(key, state[key], like, saved_scalings.get(key)) for key, like in live.items()}
         waiting = {key: value.detach().clone() for key, value in state.items() if key not in live}
         if "rng" in waiting:  # a wrong seed fails here, not at the first call
             self._restored("rng", waiting["rng"], torch.tensor([self.seed, 0]))
         self.waiting = waiting
+        self.scalings = {key: scaling for key, scaling in self.scalings.items() if key in live}
+        self.scalings.update((key, saved_scalings[key]) for key in waiting if key in saved_scalings)
         roles = {str(role): role for role in self.delayed_state}
         for key, value in restored.items():
             if key == "rng":
@@ -378,8 +385,15 @@ class GraphquantBackend:
         live = {str(role): tensor for role, tensor in self.delayed_state.items()}
         return live | ({"rng": self.rng} if self.rng is not None else {})
 
-    def _restored(self, key: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """A copy of the loaded ``value`` for the slot whose state looks like ``like``, on its device."""
+    def _restored(self, key: str, value: torch.Tensor, like: torch.Tensor, scaling: Optional[str] = None) -> torch.Tensor:
+        """A copy of the loaded ``value`` for the slot whose state looks like ``like``, on its device;
+        ``scaling``: what the saved scale was computed for, where the checkpoint says."""
+        if scaling is not None and scaling != self.scalings[key]:
+            raise ValueError(
+                f"graphquant state {key!r} holds a scale computed for {scaling}, but this model's slot computes "
+                f"{self.scalings[key]}: its next step would quantize with a scale meant for another format. Compile "
+                "with the recipe it was saved under, or load the state without this entry (its slot then starts afresh)"
+            )
         if value.shape != like.shape or value.dtype != like.dtype:
             raise ValueError(
                 f"graphquant state {key!r} is {value.dtype} of shape {tuple(value.shape)}, but this model keeps "
@@ -623,19 +637,27 @@ class GraphquantBackend:
             return lambda: self.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
         if role not in self.delayed_state:
-            scale, history = plan.quantizer(role).initial_state(device, experts)
-            self.delayed_state[role] = self._initial(key, torch.cat([scale, history], -1))
+            quantizer = plan.quantizer(role)
+            saved_scaling = self.scalings.get(key)
+            self.scalings[key] = quantizer.scaling
+            scale, history = quantizer.initial_state(device, experts)
+            self.delayed_state[role] = self._initial(key, torch.cat([scale, history], -1), saved_scaling)
         state = self.delayed_state[role]
         return lambda: state
 
-    def _initial(self, key: str, fresh: torch.Tensor) -> torch.Tensor:
+    def _initial(self, key: str, fresh: torch.Tensor, saved_scaling: Optional[str] = None) -> torch.Tensor:
         """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``
         (a loaded entry that does not fit fails the call as a PlanError, not inside Dynamo's)."""
         loaded = self.waiting.pop(key, None)
         try:
-            return fresh if loaded is None else self._restored(key, loaded, fresh)
+            return fresh if loaded is None else self._restored(key, loaded, fresh, saved_scaling)
         except ValueError as error:
             raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
+
+
+def _decoded(record: torch.Tensor):
+    """A state_dict record (NUMBERS, SCALINGS) from its JSON's bytes."""
+    return json.loads(bytes(record.tolist()))
 
 
 def _check_values(key: str, value: torch.Tensor) -> None:

@@ -234,7 +234,7 @@ def test_functional_products_are_numbered_across_graph_breaks_and_kept_by_recomp
         compiled(torch.randn(rows, 32)).sum().backward()
     names = [[g.site for g in plan.gemms if g.gemm == "fprop"] for plan in compiled.graphquant.plans]
     assert names == [["linear.0#0"], ["linear.1#0"]] * 2
-    assert len(compiled.graphquant.state_dict()) == 7  # input, weight, grad_output of each, and the numbers
+    assert len(compiled.graphquant.state_dict()) == 8  # input, weight, grad_output of each, the numbers and the scalings
 
 
 def test_a_module_under_two_names_or_two_modules_sharing_a_weight_are_told_apart_across_a_break():

@@ -5,6 +5,7 @@ model's own state_dict, which stays the plain weights).
 """
 
 import copy
+import json
 import warnings
 
 import models
@@ -14,6 +15,7 @@ from reference import fresh_dynamo  # noqa: F401  (autouse)
 
 import graphquant
 from graphquant import recipes
+from graphquant.compiler import SCALINGS
 
 RECIPES = {
     "delayed_scaling": lambda seed=0: (recipes.delayed_scaling(amax_history_len=4), seed),
@@ -87,8 +89,11 @@ def test_state_dict_holds_each_delayed_slot_and_the_step():
     compiled, optimizer = start(model, "delayed_scaling")
     train(compiled, optimizer, range(2))
     state = compiled.graphquant.state_dict()
-    assert set(state) == {str(role) for role in compiled.graphquant.delayed_state}
-    assert len(state) == 6  # fc1 and fc2: input, weight, grad_output
+    slots = {str(role) for role in compiled.graphquant.delayed_state}
+    assert set(state) == slots | {SCALINGS} and len(slots) == 6  # fc1 and fc2: input, weight, grad_output
+    scalings = json.loads(bytes(state[SCALINGS].tolist()))
+    assert scalings["module_type=linear|tensor_type=grad_output|name=fc2"] == "fp8_dtype=e5m2, margin=0, amax_compute_algo=max"
+    assert scalings.keys() == slots
     role = next(r for r in compiled.graphquant.delayed_state if str(r) == "module_type=linear|tensor_type=input|name=fc1")
     assert torch.equal(state[str(role)], compiled.graphquant.delayed_state[role])
     train(compiled, optimizer, range(2, 3))
@@ -235,7 +240,7 @@ def test_loaded_entries_no_slot_takes_are_named_after_the_first_call(case):
     else:
         resumed = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
     resumed.graphquant.load_state_dict(state)
-    with pytest.warns(UserWarning, match=rf"{len(state)} of the loaded state's entries fit no slot of the graphs of this model's first call and wait unused"):
+    with pytest.warns(UserWarning, match=rf"{len(state) - 1} of the loaded state's entries fit no slot of the graphs of this model's first call and wait unused"):
         resumed(batch(1)).sum().backward()
 
 
@@ -315,3 +320,35 @@ def test_slots_a_state_loaded_before_the_first_call_has_no_entry_for_are_said_to
     resumed.graphquant.load_state_dict(state)
     with pytest.warns(UserWarning, match=r"starts 1 slot\(s\) that the loaded state has no entry for \(module_type=linear\|tensor_type=input\|name=fc1\)"):
         train(resumed, resumed_optimizer, range(1, 2))
+
+
+def test_a_state_whose_scales_were_computed_for_another_format_is_refused():
+    """A delayed-scaling slot's scale is (fp8_max / amax) / 2**margin of the format it was saved
+    under: loaded into a model whose recipe has another margin, it quantized the next step with
+    the old format's scale without a word. Refused, before the first call (at the plan) or after it
+    (at once, nothing half-loaded)."""
+    model = models.seeded(models.MLP(), 0)
+    compiled, optimizer = start(model, "delayed_scaling")
+    train(compiled, optimizer, range(2))
+    state = compiled.graphquant.state_dict()
+    other = recipes.delayed_scaling(amax_history_len=4, margin=1)
+    refused = (
+        r"'module_type=linear\|tensor_type=input\|name=fc1' holds a scale computed for fp8_dtype=e4m3, margin=0, "
+        r"amax_compute_algo=max, but this model's slot computes fp8_dtype=e4m3, margin=1, amax_compute_algo=max"
+    )
+
+    torch._dynamo.reset()
+    before = graphquant.compile(models.seeded(models.MLP(), 0), other, backend="aot_eager")
+    before.graphquant.load_state_dict(state)
+    assert same_state(before.graphquant.state_dict(), state)  # waiting entries keep what their scales are for
+    with pytest.raises(graphquant.PlanError, match=refused):
+        before(batch(2))
+
+    torch._dynamo.reset()
+    after = graphquant.compile(models.seeded(models.MLP(), 0), other, backend="aot_eager")
+    after(batch(2)).sum().backward()
+    fresh = after.graphquant.state_dict()
+    with pytest.raises(ValueError, match=refused):
+        after.graphquant.load_state_dict(state)
+    assert same_state(after.graphquant.state_dict(), fresh)
+

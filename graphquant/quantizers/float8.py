@@ -209,6 +209,12 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
     def kernel_encoding(self, direction: str) -> KernelEncoding:
         return KernelEncoding("tensor", self.fp8_dtype, transposed=self.transposed(direction), delayed_scaling=True)
 
+    @property
+    def scaling(self) -> str:
+        """What a slot's scale is computed for (its state's scale means nothing under another):
+        kept beside the state in a checkpoint, so that a run resumed under another format refuses it."""
+        return f"fp8_dtype={self.fp8_dtype}, margin={self.margin}, amax_compute_algo={self.amax_compute_algo}"
+
     def initial_state(self, device: Optional[torch.device] = None, groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh (scale, amax_history): scale 1, history zeros, as TE starts; with ``groups``, one
         of each a group ((groups, 1), (groups, L)), for an MoE site's experts."""
