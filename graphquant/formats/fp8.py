@@ -121,7 +121,7 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """
     if statically_known_true(x.numel() != 0):
         return reduced_amax(x, _max_of_all)
-    return reduced_amax(x, _max_with_zero)  # empty, or of a size known only at run time (rows a data-dependent op chose)
+    return reduced_amax(x, max_with_zero)  # empty, or of a size known only at run time (rows a data-dependent op chose)
 
 
 def reduced_amax(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -165,7 +165,7 @@ def _max_of_all(t: torch.Tensor) -> torch.Tensor:
     return t.amax(-1).amax()
 
 
-def _max_with_zero(t: torch.Tensor) -> torch.Tensor:
+def max_with_zero(t: torch.Tensor) -> torch.Tensor:
     """The max of all of non-negative ``t`` and a zero: 0 where t is empty, which a plain max
     refuses, for a size the graph may not know (no guard can be taken on it)."""
     if t.dim() > 1 and statically_known_true(t.shape[-1] != 0):

@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
+from graphquant.formats.fp8 import max_with_zero
+
 BLOCK_LEN = 16
 
 E4M3_MAX = 448.0
@@ -180,7 +182,7 @@ def global_amax(x: torch.Tensor, *, row_scaled: bool = False) -> torch.Tensor:
         return absx.new_zeros(x.shape[:1] if row_scaled else ())
     if row_scaled or statically_known_true(x.numel() != 0):
         return absx.amax(1) if row_scaled else absx.amax()
-    return torch.nn.functional.pad(absx.flatten(), (0, 1)).amax()  # rows a data-dependent op chose, maybe none: 0 then
+    return max_with_zero(absx)  # rows a data-dependent op chose, maybe none: 0 then
 
 
 def quantize(
