@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import json
 import os
 import re
 import threading
@@ -25,7 +24,7 @@ from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
-    GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, FunctionalNumbers, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
+    GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
     VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
@@ -37,6 +36,7 @@ from graphquant.passes.rewrite import moved_by_a_recompute, rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
 from graphquant.recipes import CustomRecipe
 from graphquant.roles import QuantizerRole
+from graphquant.run_state import RunState
 
 MODES = (None, "training", "inference")
 
@@ -48,18 +48,12 @@ MODES = (None, "training", "inference")
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
-# The keys of graphquant's state_dict that are no slot's: the functional products' numbers, and
-# what each delayed-scaling slot's scale was computed for (Float8DelayedScalingQuantizer.scaling).
-NUMBERS = "functional_numbers"
-SCALINGS = "delayed_scalings"
-
-
 class GraphquantBackend:
     """A torch.compile backend: find GEMMs, plan, rewrite, then hand the graph to ``inner``.
 
     It owns what outlives one graph: the planner (so the factory is asked once per slot across
-    recompiles), the delayed-scaling state of each slot, and the stochastic-rounding step counter;
-    ``state_dict`` / ``load_state_dict`` carry the last two across a checkpoint.
+    recompiles) and the slots' state (``run_state``: delayed scaling's, the stochastic-rounding
+    step), which ``state_dict`` / ``load_state_dict`` carry across a checkpoint.
     """
 
     def __init__(
@@ -81,7 +75,6 @@ class GraphquantBackend:
         self.planner = Planner(recipe, strict=strict)
         self.inner = inner
         self.mode = mode
-        self.seed = seed
         self.dump_dir = dump_dir
         self.inductor_options = inductor_options or {}
         self.root = root
@@ -89,20 +82,14 @@ class GraphquantBackend:
         # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
         # of Dynamo's recompiles of the code, which the recompile limit's error then names.
         self.refusals: list[str] = []
-        self.delayed_state: dict[QuantizerRole, torch.Tensor] = {}
-        self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
-        self.rng_step: Optional[torch.Tensor] = None
-        self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
-        self.scalings: dict[str, str] = {}  # what each delayed-scaling entry's scale is for, planned or waiting
+        self.run_state = RunState(seed)  # the slots' state from call to call, and what a checkpoint keeps of it
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
-        self.state_loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
         # Parameters some graph reads other than as its linear's weight, each with the sites that multiply it.
         self.weights_read_otherwise: dict[str, set[str]] = {}
         self.unquantized_linears: set[str] = set()  # nn.Linear modules whose own product is no site (the plan says why)
         # check_eager_products ran at a call with grad enabled, or has nothing to find: an inference
         # model's calls make no autograd graph, and a backend that runs graphs as they are leaves their products in it.
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
-        self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
         self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
@@ -151,7 +138,7 @@ class GraphquantBackend:
         if not any(plan.gemms for plan in self.plans):
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
-        self._warn_of_unclaimed_state()
+        self.run_state.warn_of_unclaimed(self.plans)
         self._warn_of_unreduced_amaxes()
         if self.root is not None:
             self._warn_of_unplanned_linears()
@@ -289,124 +276,14 @@ class GraphquantBackend:
                 "blockwise) in the recipe's factory"
             )
 
-    def _warn_of_unclaimed_state(self) -> None:
-        """Say which loaded entries no slot of the graphs compiled so far can take: their slot was
-        planned without delayed-scaling state (saved under another recipe), or names a module those
-        graphs do not hold (saved from a model of other names); either would wait unused."""
-        planned = {str(role): (role, quantizer) for plan in self.plans for role, quantizer in plan.slots}
-        owners = {role.owner for role, _ in planned.values()}
-        # A planned slot that keeps state and still waits did not take its entry only because its
-        # graph failed first (a PlanError, which says why): not an entry that fits no slot.
-        unclaimed = [
-            key for key in self.waiting
-            if (key in planned and not planned[key][1].keeps_state) or (key != "rng" and QuantizerRole.parse(key).owner not in owners)
-        ]
-        if unclaimed:
-            user_stack.warn(
-                f"graphquant: {len(unclaimed)} of the loaded state's entries fit no slot of the graphs of this model's first "
-                f"call and wait unused ({', '.join(unclaimed[:3])}{', ...' if len(unclaimed) > 3 else ''}); its delayed-scaling "
-                f"slots are {sorted(str(role) for role in self.delayed_state)[:3]}{' ...' if len(self.delayed_state) > 3 else ''}: "
-                "was it saved from a model of other module names, or under another recipe? (A module only a later call runs, "
-                "as a training-only head after an evaluation call, takes its entries then.)"
-            )
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's
-        float32 [scale, amax_history...] under its role's string, the stochastic-rounding int64
-        [seed, step] under "rng" (entries loaded for slots not planned yet included), the numbers
-        of the functional products met so far (under NUMBERS: a resumed run names them as this one
-        did, whichever of its calls meets them first) and what each slot's scale was computed for
-        (under SCALINGS), each as its JSON's bytes. Save it beside the model's own state_dict,
-        which stays the plain weights."""
-        state = {key: value.clone() for key, value in self.waiting.items()}
-        state.update({key: value.detach().clone() for key, value in self._live_state().items()})
-        for key, record in ((NUMBERS, self.functional_numbers.saved()), (SCALINGS, self.scalings)):
-            if record:
-                state[key] = torch.tensor(list(json.dumps(record).encode()), dtype=torch.uint8)
-        return state
+        """What a resumed run needs to continue bit for bit (RunState.state_dict): save it beside the
+        model's own state_dict, which stays the plain weights."""
+        return self.run_state.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Continue from a ``state_dict()``. An entry whose slot no graph has planned yet (all of them
-        before the model's first call) waits for it; after the first call, every planned slot needs
-        its entry and every entry a slot (planned, or loaded before and still waiting)."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"graphquant state is a mapping of names to tensors (compiled.graphquant.state_dict()), got {type(state).__name__}")
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"graphquant state {key!r} must be a tensor, got {type(value).__name__}")
-        self.state_loaded = True
-        if NUMBERS in state and not self.plans:  # a graph has numbered its products already: its slots must match the entries
-            self.functional_numbers.restore(_decoded(state[NUMBERS]))
-        # A checkpoint of an earlier graphquant says nothing of its scales' formats.
-        saved_scalings = _decoded(state[SCALINGS]) if SCALINGS in state else {}
-        state = {key: value for key, value in state.items() if key not in (NUMBERS, SCALINGS)}
-        strangers = [key for key in state if key != "rng" and not _names_a_role(key)]
-        if strangers:
-            raise KeyError(
-                f"graphquant state keys are the delayed-scaling slots' roles ('module_type=linear|tensor_type=input|name=fc1') "
-                f"and 'rng'; got {strangers[:3]}{' ...' if len(strangers) > 3 else ''}: load the model's own state_dict "
-                "into the model, and compiled.graphquant.state_dict()'s here"
-            )
-        stale = [key for key in state if key != "rng" and _softmax_output_role(QuantizerRole.parse(key))]
-        if stale:
-            user_stack.warn(
-                f"graphquant: the loaded state's attention s entries ({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}) "
-                "are left out: that slot keeps no state now (P, at most 1, is scaled by that bound at every call); they "
-                "come from a checkpoint saved by an earlier graphquant"
-            )
-            state = {key: value for key, value in state.items() if key not in stale}
-        live = self._live_state()
-        # The step waits for the first graph that draws (an inference call draws nothing).
-        waits = {"rng"} if self.rng is None else set()
-        unexpected = sorted(state.keys() - live.keys() - self.waiting.keys() - waits)
-        missing = sorted(live.keys() - state.keys())
-        if self.plans and (unexpected or missing):
-            raise KeyError(
-                f"graphquant state does not match the slots of this model's plan: unexpected {unexpected}, missing "
-                f"{missing}; the plan's slots: {sorted(live)}. Load the state before the model's first call (each slot "
-                "then takes its entry when it is planned), into a model compiled with the recipe it was saved under"
-            )
-        restored = {key: self._restored(key, state[key], like, saved_scalings.get(key)) for key, like in live.items()}
-        waiting = {key: value.detach().clone() for key, value in state.items() if key not in live}
-        if "rng" in waiting:  # a wrong seed fails here, not at the first call
-            self._restored("rng", waiting["rng"], torch.tensor([self.seed, 0]))
-        self.waiting = waiting
-        self.scalings = {key: scaling for key, scaling in self.scalings.items() if key in live}
-        self.scalings.update((key, saved_scalings[key]) for key in waiting if key in saved_scalings)
-        roles = {str(role): role for role in self.delayed_state}
-        for key, value in restored.items():
-            if key == "rng":
-                self.rng = value  # a new tensor: a pending backward keeps the step of its forward
-            else:
-                self.delayed_state[roles[key]].copy_(value)
-
-    def _live_state(self) -> dict[str, torch.Tensor]:
-        """The state of the slots planned so far, keyed as in ``state_dict``."""
-        live = {str(role): tensor for role, tensor in self.delayed_state.items()}
-        return live | ({"rng": self.rng} if self.rng is not None else {})
-
-    def _restored(self, key: str, value: torch.Tensor, like: torch.Tensor, scaling: Optional[str] = None) -> torch.Tensor:
-        """A copy of the loaded ``value`` for the slot whose state looks like ``like``, on its device;
-        ``scaling``: what the saved scale was computed for, where the checkpoint says."""
-        if scaling is not None and scaling != self.scalings[key]:
-            raise ValueError(
-                f"graphquant state {key!r} holds a scale computed for {scaling}, but this model's slot computes "
-                f"{self.scalings[key]}: its next step would quantize with a scale meant for another format. Compile "
-                "with the recipe it was saved under, or load the state without this entry (its slot then starts afresh)"
-            )
-        if value.shape != like.shape or value.dtype != like.dtype:
-            raise ValueError(
-                f"graphquant state {key!r} is {value.dtype} of shape {tuple(value.shape)}, but this model keeps "
-                f"{like.dtype} of shape {tuple(like.shape)} there (a delayed-scaling slot: [scale, amax_history...]; "
-                "rng: [seed, step]): was it saved under another recipe?"
-            )
-        if key == "rng" and int(value[0]) != self.seed:
-            raise ValueError(
-                f"graphquant state 'rng' continues the stochastic-rounding streams of seed {int(value[0])}, but this "
-                f"model was compiled with seed={self.seed}: compile with seed={int(value[0])} to resume that run"
-            )
-        _check_values(key, value)
-        return value.to(device=like.device, copy=True)
+        """Continue from a ``state_dict()`` (RunState.load_state_dict)."""
+        self.run_state.load_state_dict(state, planned=bool(self.plans))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """The compiled graph, or where its plan fails, a graph that raises the PlanError (or the
@@ -428,14 +305,14 @@ class GraphquantBackend:
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
-        sites = find_gemms(gm, example_inputs, frame, self.functional_numbers)
+        sites = find_gemms(gm, example_inputs, frame, self.run_state.functional_numbers)
         self._note_weights_read_otherwise(gm, example_inputs)
         self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
         if self.planner.recipe.fp8_dpa:
-            attention = find_attention(gm, frame, self.functional_numbers)
+            attention = find_attention(gm, frame, self.run_state.functional_numbers)
         else:
             attention = []
             leave_attention_in_high_precision(gm)
@@ -468,10 +345,7 @@ class GraphquantBackend:
         if not training:
             merge_gemms_sharing_x(gm)
         experts = {str(role): site.w_shape[0] for site in sites if site.form == GROUPED for role in site.roles()}
-        known = {str(role) for role in self.delayed_state} | set(self.waiting)
-        forward = {str(role) for role, _ in plan.slots if not role.backward}
-        fresh = [key for key in keys if key in forward and key not in known]
-        unloaded = [key for key in keys if isinstance(key, str) and key not in known] if self.state_loaded else []
+        fresh, unloaded = self.run_state.starting_afresh(keys, {str(role) for role, _ in plan.slots if not role.backward})
         providers = [self._provider(key, plan, device, experts.get(key)) for key in keys]
         if unloaded:
             user_stack.warn(
@@ -503,9 +377,8 @@ class GraphquantBackend:
                 return compiled(*args, *(fake.from_tensor(p()) for p in providers))
             if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
                 raise _recomputed(stateful)
-            if stochastic:  # a new tensor, not an in-place step: a pending backward keeps its own
-                with torch.no_grad():
-                    self.rng = self.rng + self.rng_step
+            if stochastic:
+                self.run_state.advance()
             return compiled(*args, *(p() for p in providers))
 
         return run
@@ -631,52 +504,11 @@ class GraphquantBackend:
             stored, attribute = self.root.get_submodule(key[1]), f"weight_{key[2]}"
             return lambda: getattr(stored, attribute)
         if key == "rng":
-            if self.rng is None:
-                self.rng = self._initial(key, torch.tensor([self.seed, 0], dtype=torch.int64, device=device))
-                self.rng_step = torch.tensor([0, 1], dtype=torch.int64, device=device)  # made once: no copy per call
-            return lambda: self.rng
+            self.run_state.start_drawing(device)
+            return lambda: self.run_state.rng
         role = next(r for r, _ in plan.slots if str(r) == key)
-        if role not in self.delayed_state:
-            quantizer = plan.quantizer(role)
-            saved_scaling = self.scalings.get(key)
-            self.scalings[key] = quantizer.scaling
-            scale, history = quantizer.initial_state(device, experts)
-            self.delayed_state[role] = self._initial(key, torch.cat([scale, history], -1), saved_scaling)
-        state = self.delayed_state[role]
+        state = self.run_state.slot(role, plan.quantizer(role), device, experts)
         return lambda: state
-
-    def _initial(self, key: str, fresh: torch.Tensor, saved_scaling: Optional[str] = None) -> torch.Tensor:
-        """A new slot's state: its loaded entry where ``load_state_dict`` kept one, else ``fresh``
-        (a loaded entry that does not fit fails the call as a PlanError, not inside Dynamo's)."""
-        loaded = self.waiting.pop(key, None)
-        try:
-            return fresh if loaded is None else self._restored(key, loaded, fresh, saved_scaling)
-        except ValueError as error:
-            raise PlanError(f"compiled.graphquant.load_state_dict: {error}") from None
-
-
-def _decoded(record: torch.Tensor):
-    """A state_dict record (NUMBERS, SCALINGS) from its JSON's bytes."""
-    return json.loads(bytes(record.tolist()))
-
-
-def _check_values(key: str, value: torch.Tensor) -> None:
-    """Refuse a loaded entry whose values no run makes: a delayed-scaling slot's scale (its first
-    value, one an expert) finite and positive, its amax history nothing negative (an infinite or
-    NaN amax may stand there, as an overflowing or NaN fp16 gradient leaves it, and the run goes on
-    past it); rng's step not negative. The next call would quantize with them, some to NaN."""
-    if key == "rng":
-        if int(value[1]) < 0:
-            raise ValueError(f"graphquant state 'rng' is [seed, step] with a step of 0 or more, got {value.tolist()}")
-        return
-    scale, history = value[..., 0], value[..., 1:]
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-        raise ValueError(
-            f"graphquant state {key!r}: a delayed-scaling slot's scale (its first value, one an expert) is finite and "
-            f"positive, got {scale.reshape(-1)[:4].tolist()}"
-        )
-    if bool((history < 0).any()):
-        raise ValueError(f"graphquant state {key!r}: its amax history holds a negative amax")
 
 
 def _users_through_views(node: fx.Node) -> list[fx.Node]:
@@ -742,20 +574,6 @@ def _described(node: fx.Node, frame: Frame) -> str:
     arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
     arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
     return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"
-
-
-def _softmax_output_role(role: QuantizerRole) -> bool:
-    """Whether ``role`` is attention's s slot, which kept delayed-scaling state before P was scaled
-    by its bound."""
-    return role.module_type == "dpa" and role.tensor_type == "s"
-
-
-def _names_a_role(key: str) -> bool:
-    try:
-        QuantizerRole.parse(key)
-    except ValueError:
-        return False
-    return True
 
 
 def _static_shapes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

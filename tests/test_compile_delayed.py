@@ -54,7 +54,7 @@ def test_delayed_state_updates_in_graph_and_matches_eager_rule(algo, history):
     recipe = recipes.delayed_scaling(amax_history_len=history, amax_compute_algo=algo, margin=1)
     model = models.seeded(models.MLP())
     compiled, reference, tape = teacher_forced(model, recipe)
-    state = compiled.graphquant.delayed_state
+    state = compiled.graphquant.run_state.delayed
     scales_seen = []
     for step in range(4):
         same_step(compiled, reference, tape, step)
@@ -85,17 +85,17 @@ def test_slot_states_are_static_inputs_and_the_rounding_step_is_not():
     static = StaticInputs()
     compiled = graphquant.compile(models.seeded(models.MLP()), recipes.delayed_scaling(amax_history_len=2), backend=static.backend)
     compiled(step_input(0)).sum().backward()
-    forward_states = {t.data_ptr() for r, t in compiled.graphquant.delayed_state.items() if r.tensor_type != "grad_output"}
+    forward_states = {t.data_ptr() for r, t in compiled.graphquant.run_state.delayed.items() if r.tensor_type != "grad_output"}
     assert len(forward_states) == 4 and forward_states <= static.static
 
     static = StaticInputs()
     compiled = graphquant.compile(models.seeded(models.MLP()), recipes.nvfp4_block_scaling(), backend=static.backend)
     compiled(step_input(0)).sum().backward()
-    assert compiled.graphquant.rng.data_ptr() in static.given - static.static
+    assert compiled.graphquant.run_state.rng.data_ptr() in static.given - static.static
 
 
 def check_states(compiled, reference, step, roles=None):
-    state = compiled.graphquant.delayed_state
+    state = compiled.graphquant.run_state.delayed
     roles = set(state) if roles is None else roles
     for role in roles:
         tensor = state[role]
@@ -117,7 +117,7 @@ def test_forward_slots_update_across_steps():
         y_ref = reference(x)
         tape.assert_all_taken()
         assert_same_results({"output": y.detach()}, {"output": y_ref.detach()}, what=f"step {step}: ")
-        forward_roles = {r for r in compiled.graphquant.delayed_state if r.tensor_type != "grad_output"}
+        forward_roles = {r for r in compiled.graphquant.run_state.delayed if r.tensor_type != "grad_output"}
         assert len(forward_roles) == 4
         check_states(compiled, reference, step, forward_roles)
     assert len(compiled.graphquant.plans) == 1
@@ -135,10 +135,10 @@ def test_grad_output_slot_updates_across_steps():
         x = step_input(step)
         compiled(x).backward(torch.full((2, 32, 64), 0.5 * (step + 1)))
         reference(x).backward(torch.full((2, 32, 64), 0.5 * (step + 1)))
-        g_role = next(r for r in compiled.graphquant.delayed_state if r.tensor_type == "grad_output")
+        g_role = next(r for r in compiled.graphquant.run_state.delayed if r.tensor_type == "grad_output")
         check_states(compiled, reference, step, {g_role})
         # |dy| grows every step, so the history's max is this step's amax
-        assert compiled.graphquant.delayed_state[g_role][0].item() == pytest.approx(57344.0 / (0.5 * (step + 1)), rel=1e-6)
+        assert compiled.graphquant.run_state.delayed[g_role][0].item() == pytest.approx(57344.0 / (0.5 * (step + 1)), rel=1e-6)
 
 
 def test_delayed_scaling_first_step_uses_scale_one():
@@ -153,8 +153,8 @@ def test_delayed_scaling_first_step_uses_scale_one():
         second = compiled(x).reshape(-1, 64)
     assert torch.equal(first, first[:1].expand_as(first))
     assert not torch.equal(second, second[:1].expand_as(second))
-    role = next(r for r in compiled.graphquant.delayed_state if r.name == "fc1" and r.tensor_type == "input")
-    assert compiled.graphquant.delayed_state[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
+    role = next(r for r in compiled.graphquant.run_state.delayed if r.name == "fc1" and r.tensor_type == "input")
+    assert compiled.graphquant.run_state.delayed[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
 
 
 def test_a_module_called_twice_updates_its_slots_at_each_call():

@@ -1250,12 +1250,12 @@ def test_delayed_scaling_keeps_a_slot_per_expert():
         expected = forward_backward(reference, ref_model, x, grad_seed=step)
         tape.assert_all_taken()
         assert_same_results(actual, expected, what=f"step {step}: ")
-        for role, state in compiled.graphquant.delayed_state.items():
+        for role, state in compiled.graphquant.run_state.delayed.items():
             assert state.shape == (E, 1 + 3)
             for group in range(E):
                 scale, history = reference.delayed[(role, group)]
                 assert torch.equal(state[group, :1], scale) and torch.equal(state[group, 1:], history), (step, str(role), group)
-    scales = compiled.graphquant.delayed_state
+    scales = compiled.graphquant.run_state.delayed
     assert {r.tensor_type for r in scales} == {"input", "weight", "grad_output"}
     assert all(len(set(state[:, 0].tolist())) > 2 for state in scales.values())  # the experts' scales differ
     assert len(compiled.graphquant.plans) == 1

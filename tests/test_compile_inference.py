@@ -242,10 +242,10 @@ def test_an_evaluation_call_draws_nothing_and_leaves_the_rounding_step():
     not move the step, or evaluating between steps would change the training run."""
     compiled = graphquant.compile(models.seeded(models.MLP()), recipes.nvfp4_block_scaling(), backend="aot_eager")
     compiled(x3()).sum().backward()
-    step = compiled.graphquant.rng.clone()
+    step = compiled.graphquant.run_state.rng.clone()
     with torch.no_grad():
         compiled(x3())
         compiled(x3(seed=1))
-    assert torch.equal(compiled.graphquant.rng, step)
+    assert torch.equal(compiled.graphquant.run_state.rng, step)
     compiled(x3()).sum().backward()
-    assert compiled.graphquant.rng.tolist() == [step[0].item(), step[1].item() + 1]
+    assert compiled.graphquant.run_state.rng.tolist() == [step[0].item(), step[1].item() + 1]

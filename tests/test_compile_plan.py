@@ -804,7 +804,7 @@ def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_
         compiled(x3(dim=32).requires_grad_()).square().mean().backward()
     sites = sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms})
     assert sites == ["first.matmul.0#0", "second.matmul.0#0"]
-    assert {str(role) for role in compiled.graphquant.delayed_state} >= {
+    assert {str(role) for role in compiled.graphquant.run_state.delayed} >= {
         "module_type=matmul|tensor_type=input|name=first.matmul.0", "module_type=matmul|tensor_type=input|name=second.matmul.0"}
 
 

@@ -136,7 +136,7 @@ def test_delayed_scaling_of_gradients_alone_runs_inside_a_checkpoint(use_reentra
     expected, plain, _ = run_steps(None, delayed_gradients_factory, "aot_eager", steps=3)
     actual, compiled, _ = run_steps(use_reentrant, delayed_gradients_factory, "aot_eager", steps=3)
     assert_same_results(actual, expected, what="checkpointed: ")
-    state, plain_state = compiled.graphquant.delayed_state, plain.graphquant.delayed_state
+    state, plain_state = compiled.graphquant.run_state.delayed, plain.graphquant.run_state.delayed
     assert state.keys() == plain_state.keys() and len(state) == 4
     assert all(torch.equal(state[key], plain_state[key]) and state[key][1:].count_nonzero() >= 3 for key in state)  # 3 amaxes recorded
 
@@ -159,7 +159,7 @@ def test_a_checkpoint_around_a_compiled_module_recomputes_only_stateless_graphs(
             x = x3().requires_grad_()
             y = checkpoint(compiled, x, use_reentrant=use_reentrant) if checkpointed else compiled(x)
             y.square().sum().backward()
-        return [x.grad, *(p.grad for p in model.parameters()), *compiled.graphquant.delayed_state.values()]
+        return [x.grad, *(p.grad for p in model.parameters()), *compiled.graphquant.run_state.delayed.values()]
 
     if recipe in ("mxfp8_block_scaling", "delayed gradients"):
         assert all(torch.equal(a, b) for a, b in zip(step(True), step(False)))
@@ -394,7 +394,7 @@ def distributed_worker(rank, port, out, delayed_recipe):
             for _ in range(2):
                 compiled(x3(seed=rank) * (1 + 9 * rank)).square().mean().backward()
         tag = "reduced" if group is not None else "local"
-        results[f"delayed_{tag}"] = {str(role): state.clone() for role, state in compiled.graphquant.delayed_state.items()}
+        results[f"delayed_{tag}"] = {str(role): state.clone() for role, state in compiled.graphquant.run_state.delayed.items()}
         results[f"delayed_warnings_{tag}"] = [str(w.message) for w in caught if "amax_reduction_group" in str(w.message)]
 
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))

@@ -15,7 +15,7 @@ from reference import fresh_dynamo  # noqa: F401  (autouse)
 
 import graphquant
 from graphquant import recipes
-from graphquant.compiler import SCALINGS
+from graphquant.run_state import SCALINGS
 
 RECIPES = {
     "delayed_scaling": lambda seed=0: (recipes.delayed_scaling(amax_history_len=4), seed),
@@ -89,15 +89,15 @@ def test_state_dict_holds_each_delayed_slot_and_the_step():
     compiled, optimizer = start(model, "delayed_scaling")
     train(compiled, optimizer, range(2))
     state = compiled.graphquant.state_dict()
-    slots = {str(role) for role in compiled.graphquant.delayed_state}
+    slots = {str(role) for role in compiled.graphquant.run_state.delayed}
     assert set(state) == slots | {SCALINGS} and len(slots) == 6  # fc1 and fc2: input, weight, grad_output
     scalings = json.loads(bytes(state[SCALINGS].tolist()))
     assert scalings["module_type=linear|tensor_type=grad_output|name=fc2"] == "fp8_dtype=e5m2, margin=0, amax_compute_algo=max"
     assert scalings.keys() == slots
-    role = next(r for r in compiled.graphquant.delayed_state if str(r) == "module_type=linear|tensor_type=input|name=fc1")
-    assert torch.equal(state[str(role)], compiled.graphquant.delayed_state[role])
+    role = next(r for r in compiled.graphquant.run_state.delayed if str(r) == "module_type=linear|tensor_type=input|name=fc1")
+    assert torch.equal(state[str(role)], compiled.graphquant.run_state.delayed[role])
     train(compiled, optimizer, range(2, 3))
-    assert not torch.equal(state[str(role)], compiled.graphquant.delayed_state[role])  # a copy, not the live state
+    assert not torch.equal(state[str(role)], compiled.graphquant.run_state.delayed[role])  # a copy, not the live state
 
     sr_model = models.seeded(models.MLP(), 0)
     sr, sr_optimizer = start(sr_model, "nvfp4_stochastic_rounding", seed=7)
