@@ -24,6 +24,7 @@ import torch
 from graphquant import recipes, zoo
 from graphquant.explainer import explain
 from graphquant.numerics_report import numerics
+from graphquant.quantizers import Quantizer
 from graphquant.recipes import CustomRecipe
 
 
@@ -136,7 +137,7 @@ def load_recipe(name: str) -> CustomRecipe:
         return recipes.PRESETS[name]()
     if ":" in name:
         target = _load(name)
-        if callable(target) and not isinstance(target, (type, CustomRecipe)):
+        if callable(target) and not isinstance(target, (type, CustomRecipe, Quantizer)):  # a quantizer: require says what to do
             if recipes.accepts(target, 1):
                 target = CustomRecipe(target)
             elif recipes.accepts(target, 0):

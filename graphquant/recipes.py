@@ -60,6 +60,11 @@ class CustomRecipe:
     def __post_init__(self) -> None:
         if self.qfactory is None or not callable(self.qfactory):
             raise ValueError("CustomRecipe requires a callable qfactory(role) -> Quantizer")
+        if isinstance(self.qfactory, Quantizer):  # callable on a tensor, not on a role
+            raise ValueError(
+                f"CustomRecipe's qfactory is a factory(role) that returns a quantizer, got the quantizer {self.qfactory} "
+                f"itself: CustomRecipe(lambda role: {self.qfactory!r}) gives it every slot"
+            )
         if not accepts(self.qfactory, 1):
             advice = f"; if it makes a recipe, call it instead: {_call_name(self.qfactory)}()" if accepts(self.qfactory, 0) else ""
             raise ValueError(f"CustomRecipe's qfactory is called with one argument, the role, which {_name(self.qfactory)} does not take{advice}")

@@ -1,4 +1,5 @@
-"""Small models for the explain, dump, numerics and command-line tests (plain torch).
+"""Small models for the explain, dump, numerics and command-line tests (plain torch; one quantizer
+for the command line to be given where it asks for a recipe).
 
 Kept apart from other test models because golden tests pin their graphs: changing one here
 changes those goldens. Sizes are multiples of 32 so every format tiles every operand.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from graphquant import MXFP8Quantizer
 
 
 class MLP(nn.Module):
@@ -68,6 +71,7 @@ def with_outputs() -> WithOutputs:
 
 
 NOT_A_MODEL = 3
+A_QUANTIZER = MXFP8Quantizer()  # a quantizer named where a recipe is asked for
 
 
 def not_a_model():

@@ -123,3 +123,8 @@ def test_a_model_name_that_gives_no_module_fails_in_one_line(in_tests_dir, capsy
         "error: explain_models:NOT_A_MODEL is of type int: name an nn.Module, or a function of no arguments returning one",
         "error: explain_models:not_a_model() returned an object of type int, not an nn.Module (or a tuple (model, example_inputs))",
     ]
+
+
+def test_a_quantizer_named_as_the_recipe_fails_saying_what_a_recipe_is(in_tests_dir, capsys):
+    assert main(["explain", "explain_models:mlp", "--recipe", "explain_models:A_QUANTIZER", "--input-shape", "4,64"]) == 1
+    assert "a recipe picks a quantizer for every slot: CustomRecipe(factory) with a factory(role) that returns it" in capsys.readouterr().err

@@ -113,6 +113,9 @@ def test_explain_and_numerics_say_the_same(entry):
 def test_a_preset_given_as_a_factory_and_a_preset_name_given_to_the_zoo_point_at_the_preset():
     with pytest.raises(ValueError, match=re.escape("does not take; if it makes a recipe, call it instead: recipes.mxfp8_block_scaling()")):
         CustomRecipe(recipes.mxfp8_block_scaling)
+    # A quantizer takes one argument too (a tensor): it was taken, and the first call failed inside the factory's call.
+    with pytest.raises(ValueError, match=re.escape("got the quantizer mxfp8(fp8_dtype=e4m3) itself: CustomRecipe(lambda role: MXFP8Quantizer(fp8_dtype='e4m3'))")):
+        CustomRecipe(MXFP8Quantizer())
     with pytest.raises(ValueError, match=re.escape("a preset of graphquant.recipes: call recipes.mxfp8_block_scaling()")):
         zoo.recipe("mxfp8_block_scaling")
     with pytest.raises(ValueError, match="unknown zoo recipe 'tensorwize'; did you mean 'tensorwise'"):

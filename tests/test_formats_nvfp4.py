@@ -408,9 +408,15 @@ def test_quantizer_rht_wgrad():
 
 
 @pytest.mark.parametrize(
-    "shape, direction, dim",
-    [((32, 24), "rowwise", 1), ((24, 32), "columnwise", 0)],
+    "shape, direction, dim, tiles",
+    [
+        ((32, 24), "rowwise", 1, False), ((24, 32), "columnwise", 0, False),
+        # 16x16 tiles must be whole in both dims whichever direction is made: a 24-row weight's
+        # rowwise was taken with its last tile 8 rows short, while its columnwise was refused.
+        ((24, 32), "rowwise", 0, True), ((32, 24), "columnwise", 1, True),
+    ],
 )
-def test_quantizer_shape_errors(shape, direction, dim):
-    with pytest.raises(ValueError, match=rf"16-element blocks along dim {dim}.*multiple of 16 \(got 24\)"):
-        NVFP4Quantizer()(torch.zeros(shape), rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+def test_quantizer_shape_errors(shape, direction, dim, tiles):
+    blocks = "16x16" if tiles else ("1x16" if direction == "rowwise" else "16x1")
+    with pytest.raises(ValueError, match=rf"{blocks} blocks, so dim {dim} of the {shape[0]}x{shape[1]} tensor must be a multiple of 16 \(got 24\)"):
+        NVFP4Quantizer(with_2d_quantization=tiles)(torch.zeros(shape), rowwise=direction == "rowwise", columnwise=direction == "columnwise")
