@@ -79,6 +79,7 @@ class GraphquantBackend:
         self.inductor_options = inductor_options or {}
         self.root = root
         self.plans: list[Plan] = []
+        self.ran: Optional[Plan] = None  # the plan of the graph that ran last, which ``plan`` shows
         # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
         # of Dynamo's recompiles of the code, which the recompile limit's error then names.
         self.refusals: list[str] = []
@@ -96,13 +97,14 @@ class GraphquantBackend:
 
     @property
     def plan(self) -> Plan:
-        """The plan of the latest compiled graph (``plans`` has every graph's: a graph break's
-        graphs, a recompile's)."""
+        """The plan of the graph that ran last, or of the latest compiled where none has run
+        (``plans`` has every graph's: a graph break's graphs, a recompile's, a training and an
+        evaluation call's)."""
         if not self.plans and self.first_call_checked:
             raise RuntimeError("torch.compile gave graphquant no graph: the model ran eagerly, unquantized (its first call warned why)")
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
-        return self.plans[-1]
+        return self.plans[-1] if self.ran is None else self.ran
 
     def check_the_first_compile(self) -> None:
         """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
@@ -366,8 +368,6 @@ class GraphquantBackend:
 
             dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *_static_shapes([p() for p in providers])])
-        if not providers:  # nothing to add at each call: no frame of ours on the call's path
-            return compiled
         stochastic = "rng" in keys
         stateful = [key for key in keys if moved_by_a_recompute(key)]
 
@@ -375,6 +375,7 @@ class GraphquantBackend:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             if fake is not None:  # Dynamo's DDP optimizer runs a compiled piece on fake tensors to compile the next
                 return compiled(*args, *(fake.from_tensor(p()) for p in providers))
+            self.ran = plan
             if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
                 raise _recomputed(stateful)
             if stochastic:
@@ -703,8 +704,8 @@ def compile(
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
 
-    The first call compiles; then ``model.graphquant.plan`` is the plan of the latest compiled
-    graph (print it for the table: each GEMM's formats, backend and bucket) and
+    The first call compiles; then ``model.graphquant.plan`` is the plan of the graph that ran
+    last (print it for the table: each GEMM's formats, backend and bucket) and
     ``model.graphquant.plans`` lists every graph's. ``graphquant.explain`` gives the plan without
     a training step. A recipe the model cannot run raises graphquant.PlanError on that first call.
 

@@ -133,6 +133,21 @@ def test_recompile_reuses_the_plan(dynamic):
     assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
 
 
+def test_the_plan_is_that_of_the_graph_that_ran_last():
+    """A training call after a no_grad evaluation runs the training graph compiled first: ``plan``
+    showed the evaluation's, compiled last, with fprop alone."""
+    compiled = graphquant.compile(models.seeded(models.MLP()), recipes.current_scaling(), backend="aot_eager")
+    compiled(x3()).sum().backward()
+    training = compiled.graphquant.plan
+    with torch.no_grad():
+        compiled(x3())
+    evaluation = compiled.graphquant.plan
+    assert evaluation is compiled.graphquant.plans[-1] and {g.gemm for g in evaluation.gemms} == {"fprop"}
+    compiled(x3()).sum().backward()
+    assert compiled.graphquant.plan is training and {g.gemm for g in training.gemms} == {"fprop", "dgrad", "wgrad"}
+    assert len(compiled.graphquant.plans) == 2
+
+
 def test_dynamic_batch_is_one_graph():
     """dynamic=True: several batch sizes run through one captured graph (no recompile)."""
     model = torch.nn.Linear(64, 64)
