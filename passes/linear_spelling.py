@@ -6,7 +6,9 @@ Expects: a GraphModule captured by Dynamo (torch IR), nodes carrying ``example_v
 Guarantees: every matrix product (torch.matmul, torch.mm, ``@``, Tensor.matmul / mm) whose second
 operand is a 2-D parameter transposed (``W.T``, ``W.mT``, ``W.t()``, ``W.transpose(0, 1)``, in
 either dim order, as a method or a torch function) is replaced by ``F.linear(x, W)``, carrying
-the product's meta (so it keeps its owner); in the bodies of higher-order ops (body_of) too.
+the product's meta (so it keeps its owner); in the bodies of higher-order ops (body_of) too. A
+chain of such views counts by its parity: transposed twice (a tied decoder's ``W.t()`` of an
+encoder's ``W.t()``) is ``x @ W``, which is a linear site as it stands, and multiplies W itself.
 The values are the same: F.linear multiplies by the same transposed view.
 """
 
@@ -38,24 +40,31 @@ def _fold(gm: fx.GraphModule, parameters: set[fx.Node], transposed: set[fx.Node]
         body = body_of(gm, node)
         if body is not None:
             inner = list(zip(body.graph.find_nodes(op="placeholder"), node.args[1:]))
-            hoisted = {p for p, arg in inner if isinstance(arg, fx.Node) and _transposed_weight_of(arg, parameters) is not None}
+            hoisted = {p for p, arg in inner if _parameter_under_transposes(arg, parameters)[1]}
             _fold(body, {p for p, arg in inner if arg in parameters}, hoisted)
             continue
-        weight = _transposed_weight(node, parameters)
-        if weight is None and _is_product(node) and node.args[1] in transposed:
-            with gm.graph.inserting_before(node):
-                weight = gm.graph.call_method("t", (node.args[1],))
-            weight.meta.update({k: v.t() for k, v in node.args[1].meta.items() if k in ("example_value", "val")})
-        if weight is None:
+        if not _is_product(node):
             continue
-        with gm.graph.inserting_before(node):
-            linear = gm.graph.call_function(F.linear, (node.args[0], weight))
-        linear.meta.update(node.meta)
-        node.replace_all_uses_with(linear)
-        transpose = node.args[1]
-        gm.graph.erase_node(node)
-        if isinstance(transpose, fx.Node) and transpose.op != "placeholder" and not transpose.users:
-            gm.graph.erase_node(transpose)  # that node alone: FX's dead-code pass would take in-place updates too
+        views = node.args[1]
+        weight, odd = _parameter_under_transposes(views, parameters)
+        if weight is None and views in transposed:
+            with gm.graph.inserting_before(node):
+                weight, odd = gm.graph.call_method("t", (views,)), True
+            weight.meta.update({k: v.t() for k, v in views.meta.items() if k in ("example_value", "val")})
+        if weight is None or weight is views:
+            continue
+        if odd:
+            with gm.graph.inserting_before(node):
+                linear = gm.graph.call_function(F.linear, (node.args[0], weight))
+            linear.meta.update(node.meta)
+            node.replace_all_uses_with(linear)
+            gm.graph.erase_node(node)
+        else:
+            node.replace_input_with(views, weight)
+        while isinstance(views, fx.Node) and views.op != "placeholder" and not views.users:
+            # the views alone: FX's dead-code pass would take in-place updates too
+            unused, views = views, views.args[0]
+            gm.graph.erase_node(unused)
         folded = True
     if folded:
         gm.recompile()
@@ -67,19 +76,17 @@ def _is_product(node: fx.Node) -> bool:
     return is_product and len(node.args) == 2 and not node.kwargs
 
 
-def _transposed_weight(node: fx.Node, parameters: set[fx.Node]) -> Optional[fx.Node]:
-    """W where ``node`` is a product x @ W^T of a 2-D parameter W, else None."""
-    return _transposed_weight_of(node.args[1], parameters) if _is_product(node) else None
-
-
-def _transposed_weight_of(other: object, parameters: set[fx.Node]) -> Optional[fx.Node]:
-    """W where ``other`` is a 2-D parameter W transposed, else None."""
-    if not isinstance(other, fx.Node) or not other.args:
-        return None
-    weight = other.args[0]
-    if weight not in parameters or getattr(weight.meta.get("example_value"), "ndim", None) != 2:
-        return None
-    return weight if _transposes(other) else None
+def _parameter_under_transposes(other: object, parameters: set[fx.Node]) -> tuple[Optional[fx.Node], bool]:
+    """(W, odd) where ``other`` is a 2-D parameter W under a chain of transposed views (none: W
+    itself), ``odd`` where the chain transposes it; (None, False) where it is not."""
+    odd = False
+    while isinstance(other, fx.Node) and other not in parameters:
+        if not other.args or not _transposes(other):
+            return None, False
+        other, odd = other.args[0], not odd
+    if not isinstance(other, fx.Node) or getattr(other.meta.get("example_value"), "ndim", None) != 2:
+        return None, False
+    return other, odd
 
 
 def _transposes(node: fx.Node) -> bool:

@@ -273,8 +273,10 @@ def test_site_names_roles_and_one_graph(name):
 
 def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     """mm / matmul whose right operand is a 2-D Parameter is a linear (weight = its transpose), and
-    so is one whose right operand is a 2-D Parameter transposed (x @ W.T is F.linear(x, W)); a
-    product of an activation stays a matmul. Each computes what eager torch does."""
+    so is one whose right operand is a 2-D Parameter transposed (x @ W.T is F.linear(x, W)), or
+    transposed twice (a tied decoder's transpose of an encoder's W.t(): x @ W, which was a matmul of
+    roles input and other); a product of an activation stays a matmul. Each computes what eager
+    torch does."""
 
     class ParamMatmul(torch.nn.Module):
         def __init__(self):
@@ -283,7 +285,11 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
 
         def forward(self, x):
             h = torch.relu(x @ self.proj)
-            return (h @ self.proj.t() + torch.mm(h.flatten(0, 1), self.proj.T).view_as(x) + h @ self.proj.transpose(-1, -2)) @ x.mT
+            encoder = self.proj.t()
+            return (
+                h @ self.proj.t() + torch.mm(h.flatten(0, 1), self.proj.T).view_as(x) + h @ self.proj.transpose(-1, -2)
+                + torch.relu(x @ encoder.t()) @ encoder
+            ) @ x.mT
 
     model = models.Wrapped(ParamMatmul())
     identity = CustomRecipe(lambda role: IdentityQuantizer())
@@ -292,7 +298,7 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
         assert torch.equal(graphquant.compile(model, identity, backend="aot_eager", fullgraph=True)(x), model(x))
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
     compiled(x).sum().backward()
-    linears = [(f"block.linear.{i}", 0, L) for i in range(4)]
+    linears = [(f"block.linear.{i}", 0, L) for i in range(6)]
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
