@@ -79,7 +79,8 @@ class GraphquantBackend:
         self.inductor_options = inductor_options or {}
         self.root = root
         self.plans: list[Plan] = []
-        self.ran: Optional[Plan] = None  # the plan of the graph that ran last, which ``plan`` shows
+        self.training_plans: list[bool] = []  # whether each of ``plans`` is a training graph's
+        self.training_call = False  # whether the latest call runs training graphs (the forward's entry sets it)
         # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
         # of Dynamo's recompiles of the code, which the recompile limit's error then names.
         self.refusals: list[str] = []
@@ -97,14 +98,16 @@ class GraphquantBackend:
 
     @property
     def plan(self) -> Plan:
-        """The plan of the graph that ran last, or of the latest compiled where none has run
+        """The plan of the latest graph compiled for calls such as the latest one, training or not: a
+        training call after an evaluation under no_grad runs the training graph compiled before it
         (``plans`` has every graph's: a graph break's graphs, a recompile's, a training and an
         evaluation call's)."""
         if not self.plans and self.first_call_checked:
             raise RuntimeError("torch.compile gave graphquant no graph: the model ran eagerly, unquantized (its first call warned why)")
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
-        return self.plans[-1] if self.ran is None else self.ran
+        alike = [plan for plan, training in zip(self.plans, self.training_plans) if training == self.training_call]
+        return alike[-1] if alike else self.plans[-1]
 
     def check_the_first_compile(self) -> None:
         """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
@@ -328,6 +331,7 @@ class GraphquantBackend:
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self.plans.append(plan)
+        self.training_plans.append(training)
         self._warn_of_shared_state(frame, [*sites, *attention], plan)
         if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
@@ -368,6 +372,8 @@ class GraphquantBackend:
 
             dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *_static_shapes([p() for p in providers])])
+        if not providers:  # nothing to add at each call: no frame of ours on the call's path
+            return compiled
         stochastic = "rng" in keys
         stateful = [key for key in keys if moved_by_a_recompute(key)]
 
@@ -375,7 +381,6 @@ class GraphquantBackend:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             if fake is not None:  # Dynamo's DDP optimizer runs a compiled piece on fake tensors to compile the next
                 return compiled(*args, *(fake.from_tensor(p()) for p in providers))
-            self.ran = plan
             if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
                 raise _recomputed(stateful)
             if stochastic:
@@ -704,8 +709,9 @@ def compile(
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
 
-    The first call compiles; then ``model.graphquant.plan`` is the plan of the graph that ran
-    last (print it for the table: each GEMM's formats, backend and bucket) and
+    The first call compiles; then ``model.graphquant.plan`` is the plan of the latest graph
+    compiled for calls such as the latest, training or not (print it for the table: each GEMM's
+    formats, backend and bucket) and
     ``model.graphquant.plans`` lists every graph's. ``graphquant.explain`` gives the plan without
     a training step. A recipe the model cannot run raises graphquant.PlanError on that first call.
 
@@ -751,7 +757,7 @@ def compile(
         context.callback = _failing_past_the_recompile_limit(callback, name, gq_backend)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
-        compiled.forward = _refusing_other_tracers(compiled.forward, name)
+        compiled.forward = _each_call(compiled.forward, name, gq_backend)
         _kept_whole(compiled, name)
         compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, name, functools.partial(setattr, compiled, "forward"))
         twin = functools.partial(
@@ -967,18 +973,20 @@ def _not_pickled(protocol: int) -> NoReturn:
 
 def _compiled_function(compiled: Callable, name: str, backend: "GraphquantBackend") -> Callable:
     """A torch.compile'd function as graphquant runs it: checked at each call as a module's forward is."""
-    return _refusing_other_tracers(_failing_past_the_recompile_limit(compiled, name, backend), name)
+    return _each_call(_failing_past_the_recompile_limit(compiled, name, backend), name, backend)
 
 
-def _refusing_other_tracers(call: Callable, name: str) -> Callable:
-    """``call`` refusing what would run the model's code unquantized, past graphquant's backend:
-    torch.export (and what exports through it: ONNX, AOTInductor), which runs a compiled module's
-    code as it is for its own trace, and torch.func's transforms, under which Dynamo runs it
-    eagerly and skips that code for good. Either may come at any call, so each call reads the two
-    flags: the only Python of graphquant's on a compiled call once the first call's checks are done."""
+def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Callable:
+    """``call`` with what graphquant does at every call, the only Python of graphquant's on a
+    compiled call once the first call's checks are done: refuse what would run the model's code
+    unquantized, past graphquant's backend (torch.export, and what exports through it: ONNX,
+    AOTInductor, which runs a compiled module's code as it is for its own trace; torch.func's
+    transforms, under which Dynamo runs it eagerly and skips that code for good), either of which
+    may come at any call; and note whether the call trains, for ``backend.plan``."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
+        backend.training_call = backend.mode != "inference" and torch.is_grad_enabled()
         if torch.compiler.is_exporting():
             raise RuntimeError(
                 f"graphquant: torch.export of {name} would export its code unquantized (graphquant quantizes in "

@@ -133,7 +133,7 @@ def test_recompile_reuses_the_plan(dynamic):
     assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
 
 
-def test_the_plan_is_that_of_the_graph_that_ran_last():
+def test_the_plan_is_that_of_the_latest_graph_of_the_last_calls_kind():
     """A training call after a no_grad evaluation runs the training graph compiled first: ``plan``
     showed the evaluation's, compiled last, with fprop alone."""
     compiled = graphquant.compile(models.seeded(models.MLP()), recipes.current_scaling(), backend="aot_eager")

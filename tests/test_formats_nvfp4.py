@@ -407,16 +407,14 @@ def test_quantizer_rht_wgrad():
     assert relative(a_op @ plain_b.t(), ref) > 0.9
 
 
-@pytest.mark.parametrize(
-    "shape, direction, dim, tiles",
-    [
-        ((32, 24), "rowwise", 1, False), ((24, 32), "columnwise", 0, False),
-        # 16x16 tiles must be whole in both dims whichever direction is made: a 24-row weight's
-        # rowwise was taken with its last tile 8 rows short, while its columnwise was refused.
-        ((24, 32), "rowwise", 0, True), ((32, 24), "columnwise", 1, True),
-    ],
-)
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("shape, direction, dim", [((32, 24), "rowwise", 1), ((24, 32), "columnwise", 0)])
 def test_quantizer_shape_errors(shape, direction, dim, tiles):
+    """The dim a GEMM sums over holds whole blocks, 16x16 tiles' too (whose message said they were
+    16-element blocks along that dim); a tile may end short along the other dim."""
     blocks = "16x16" if tiles else ("1x16" if direction == "rowwise" else "16x1")
-    with pytest.raises(ValueError, match=rf"{blocks} blocks, so dim {dim} of the {shape[0]}x{shape[1]} tensor must be a multiple of 16 \(got 24\)"):
-        NVFP4Quantizer(with_2d_quantization=tiles)(torch.zeros(shape), rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+    quantizer = NVFP4Quantizer(with_2d_quantization=tiles)
+    with pytest.raises(ValueError, match=rf"{blocks} blocks, 16 elements along dim {dim}, which a GEMM sums over, so dim {dim} of the {shape[0]}x{shape[1]} tensor must be a multiple of 16 \(got 24\)"):
+        quantizer(torch.zeros(shape), rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+    short = shape[::-1]  # the other dim 24: the summed dim whole
+    quantizer(torch.zeros(short), rowwise=direction == "rowwise", columnwise=direction == "columnwise")

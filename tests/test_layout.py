@@ -3,7 +3,8 @@
 Layers, from the one users import down to the numerics. A module imports modules of its own
 layer and of the layers below it, never of a layer above:
 
-    face        graphquant (the package), compiler, explainer, numerics_report, dump, __main__
+    face        graphquant (the package), compiler, run_state (what a run keeps from call to call),
+                explainer, numerics_report, dump, __main__
     passes      graphquant.passes: find GEMMs, plan, rewrite, the saturating cast
     ops         graphquant.ops: the custom ops and the autograd formulas that compose them
     recipes     roles, recipes, factories, zoo (what a recipe says: data), user_stack (warnings
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"graphquant": "graphquant", "passes": "graphquant.passes"}
 
 LAYERS = (
-    ("face", ("graphquant", "graphquant.compiler", "graphquant.explainer", "graphquant.numerics_report", "graphquant.dump", "graphquant.freezing",
+    ("face", ("graphquant", "graphquant.compiler", "graphquant.run_state", "graphquant.explainer", "graphquant.numerics_report", "graphquant.dump", "graphquant.freezing",
               "graphquant.eager_products", "graphquant.model_methods", "graphquant.__main__")),
     ("passes", ("graphquant.passes",)),
     ("ops", ("graphquant.ops",)),

@@ -91,16 +91,17 @@ class NVFP4Quantizer(Quantizer):
         return nvfp4.hadamard_transform(source, random_sign_mask=self.with_random_sign_mask)
 
     def check_shape(self, shape: tuple[int, int], direction: str) -> None:
-        """Every block whole, in both dims for 16x16 tiles: the same answer in either direction, as
-        TE's is_quantizable (a tile a dim cuts short was taken over its rows alone rowwise, and
-        refused columnwise)."""
-        blocks = self.block(direction)
-        for dim in (0, 1):
-            if shape[dim] % blocks[dim]:
-                raise ValueError(
-                    f"{self}: the {direction} representation has {blocks[0]}x{blocks[1]} blocks, so dim {dim} of the "
-                    f"{shape[0]}x{shape[1]} tensor must be a multiple of {BLOCK_LEN} (got {shape[dim]}); NVFP4 does not pad"
-                )
+        """The dim a GEMM sums over in ``direction`` (1 rowwise, 0 columnwise) holds whole 16-element
+        blocks; a 16x16 tile may end short along the other dim, its scale then taken over the rows
+        there are (as zero rows would give it)."""
+        dim = 1 if direction == ROWWISE else 0
+        if shape[dim] % BLOCK_LEN:
+            rows, cols = self.block(direction)
+            raise ValueError(
+                f"{self}: the {direction} representation has {rows}x{cols} blocks, {BLOCK_LEN} elements along dim {dim}, "
+                f"which a GEMM sums over, so dim {dim} of the {shape[0]}x{shape[1]} tensor must be a multiple of {BLOCK_LEN} "
+                f"(got {shape[dim]}); NVFP4 does not pad"
+            )
 
     def _encode(self, x: torch.Tensor, direction: str, ctx: QuantizeContext, amax: Optional[torch.Tensor] = None) -> Representation:
         columnwise = direction == COLUMNWISE
