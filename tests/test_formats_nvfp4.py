@@ -323,6 +323,17 @@ def test_hadamard_is_the_signed_sylvester_matrix():
         assert torch.allclose(out, expected, rtol=0, atol=1e-5 * x.abs().max().item())
 
 
+def test_the_random_sign_mask_is_transformer_engines():
+    """TE's wgrad sign vector flips elements 3, 5-10, 12, 14 and 15 of each chunk: a chunk of ones
+    at 0 and 7 becomes e0 - e7, which the Sylvester matrix sends to 1/2 where popcount(i & 7) is
+    odd. graphquant's own mask had kept element 7 (and flipped 13 instead of 7, 9, 10 and 14), so
+    its columnwise codes were not TE's."""
+    chunk = torch.zeros(1, 16)
+    chunk[0, 0] = chunk[0, 7] = 1.0
+    odd = [bin(i & 7).count("1") % 2 for i in range(16)]
+    assert nvfp4.hadamard_transform(chunk, random_sign_mask=True).tolist() == [[0.5 * o for o in odd]]
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31), signs=st.booleans())
 def test_hadamard_on_both_operands_preserves_the_product(seed, signs):

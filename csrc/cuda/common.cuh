@@ -366,7 +366,8 @@ GQ_HD uint32_t sr_key_of(const Encoder& e) {
 
 // -- random Hadamard transform of one 16-element chunk (nvfp4.hadamard_transform) ---------------
 
-constexpr uint32_t kRhtNegative = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 8) | (1u << 12) | (1u << 13) | (1u << 15);
+constexpr uint32_t kRhtNegative =
+    (1u << 3) | (1u << 5) | (1u << 6) | (1u << 7) | (1u << 8) | (1u << 9) | (1u << 10) | (1u << 12) | (1u << 14) | (1u << 15);
 
 // The chunk's elements first .. first + N - 1 in y, their signs flipped by the random sign mask,
 // then hadamard16's butterflies of strides 1 .. N / 2 in its order (all of them for N = 16; the

@@ -28,8 +28,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_NAN_CODE = 0x7  # E2M1 has no NaN: a NaN saturates to +6, like any out-of-range value.
 
-# The fixed +-1 sign mask of the random Hadamard transform (element j of each 16-chunk).
-RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, 1, -1, 1, 1, 1, -1, -1, 1, -1)
+# The fixed +-1 sign mask of the random Hadamard transform (element j of each 16-chunk): TE's
+# (its get_wgrad_sign_vector), so that the transformed columnwise codes are TE's.
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
