@@ -62,7 +62,7 @@ def _opaque(target: object) -> bool:
 _KNOWN_NAMESPACES = frozenset({
     "graphquant", "aten", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d", "c10d_functional", "_dtensor",
     "_native", "_quantized", "quantized", "quantization", "debug_mode_ops", "debugprims", "export", "flex_lib", "fsdp",
-    "inductor", "inductor_prims", "mkl", "mkldnn", "mkldnn_prepacked", "onednn", "onnx", "onnx_symbolic", "profiler",
+    "inductor", "inductor_prims", "mkl", "mkldnn", "mkldnn_prepacked", "onednn", "onnx", "onnx_symbolic", "prepacked", "profiler",
     "rngprims", "sparse", "static_runtime", "streams", "symm_mem",
 })
 
