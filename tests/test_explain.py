@@ -342,9 +342,9 @@ def test_strict_shows_every_gemm_it_would_reject():
     assert {(g.gemm, g.bucket) for g in plan.gemms} == {("fprop", "rejected"), ("dgrad", "native"), ("wgrad", "native")}
     assert plan.summary() == "graphquant plan on cpu: 2 GEMM sites, 5 GEMMs (3 native (3 in high precision), 2 rejected)"
     fprop = next(g for g in plan.gemms if g.gemm == "fprop")
-    assert fprop.reason == (
-        "strict=True rejects emulated GEMMs (no low-precision GEMM on cpu); give this GEMM a pair with a native "
-        "GEMM on cpu, or compile without strict"
+    assert fprop.reason == (  # not "give this GEMM a pair with a native GEMM on cpu": the CPU has none
+        "strict=True rejects emulated GEMMs, and cpu runs every low-precision GEMM emulated: compile without strict, "
+        "or on a GPU with native GEMMs (Hopper: FP8)"
     )
     compiled = graphquant.compile(MLP(), recipe, backend="aot_eager", strict=True)
     with pytest.raises(graphquant.PlanError, match=r"^fc1#0 \(linear\) fprop: .*: rejected: strict=True rejects"):

@@ -233,7 +233,7 @@ def test_a_user_format_that_breaks_the_contract_is_named_with_what_it_must_retur
         Flattening()(x, rowwise=True, columnwise=False).rowwise.dequantize()
     from graphquant.kernels import native
 
-    with pytest.raises(TypeError, match=r"Unwrapped.quantize_rowwise returned a Tensor; it must return a Representation"):
+    with pytest.raises(TypeError, match=r"Unwrapped.quantize_rowwise returned an object of type Tensor; it must return a Representation"):
         native.reference_quantize(Unwrapped(), x, ROWWISE, QuantizeContext())
 
 

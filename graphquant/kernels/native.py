@@ -220,7 +220,7 @@ def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ct
     made = quantizer.quantize_rowwise(x, ctx) if direction == ROWWISE else quantizer.quantize_columnwise(x, ctx)
     if not isinstance(made, Representation):
         raise TypeError(
-            f"{type(quantizer).__name__}.quantize_{direction} returned a {type(made).__name__}; it must return a "
+            f"{type(quantizer).__name__}.quantize_{direction} returned an object of type {type(made).__name__}; it must return a "
             f"Representation (Quantizer.representation(direction, x.shape, x.dtype, data, scale, ...))"
         )
     return made
