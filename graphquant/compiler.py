@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
 import torch
 from torch import fx
+from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
@@ -35,6 +37,7 @@ from graphquant.ops.functional import MixedDtypesError
 from graphquant.passes.rewrite import moved_by_a_recompute, rewrite
 from graphquant.passes.plan import Plan, PlanError, Planner
 from graphquant.recipes import CustomRecipe
+from graphquant.quantizers import Quantizer
 from graphquant.roles import QuantizerRole
 from graphquant.run_state import RunState
 
@@ -294,12 +297,17 @@ class GraphquantBackend:
         """The compiled graph, or where its plan fails, a graph that raises the PlanError (or the
         MixedDtypesError of operands that torch would refuse) when run:
         raised here, Dynamo would wrap it in BackendCompilerFailed (its message on the second line)
-        or, under suppress_errors, run the model eagerly and unquantized."""
+        or, under suppress_errors, run the model eagerly and unquantized. A failure on fake tensors
+        (a format's quantize reading a value on the host), which Dynamo takes for a graph break and
+        runs eagerly, unquantized, is such a PlanError too."""
         try:
             return self._compile(gm, example_inputs)
+        except exceptions_allowed_to_be_fallback as error:
+            refusal = PlanError(_failed_on_fake_tensors(error))
         except (PlanError, MixedDtypesError) as error:
-            self.refusals.append(str(error))
-            return _raising(error)
+            refusal = error
+        self.refusals.append(str(refusal))
+        return _raising(refusal)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
@@ -515,6 +523,30 @@ class GraphquantBackend:
         role = next(r for r, _ in plan.slots if str(r) == key)
         state = self.run_state.slot(role, plan.quantizer(role), device, experts)
         return lambda: state
+
+
+def _failed_on_fake_tensors(error: Exception) -> str:
+    """What a failure on fake tensors while compiling a graph says: which quantizer's method it came
+    from where it came from one (graphquant traces each format's quantize on fake tensors)."""
+    what = {
+        DataDependentOutputException: "reads a tensor's value on the host (.item(), a Python branch on a tensor, numpy)",
+        DynamicOutputShapeException: "makes a tensor whose shape depends on its values (nonzero, a boolean index)",
+    }.get(type(error), f"calls an op fake tensors do not run ({error})")
+    place = None
+    trace = error.__traceback__
+    while trace is not None:  # the innermost frame of a quantizer's method
+        owner = trace.tb_frame.f_locals.get("self")
+        if isinstance(owner, Quantizer):
+            code = trace.tb_frame.f_code
+            place = f"{type(owner).__name__}.{code.co_name} ({os.path.basename(code.co_filename)}:{trace.tb_lineno})"
+        trace = trace.tb_next
+    if place is None:
+        return f"graphquant could not compile this graph ({type(error).__name__}: {error}); Dynamo would have run it eagerly, unquantized"
+    return (
+        f"{place} {what}: graphquant runs each format's quantize on fake tensors when it compiles a graph, so it must "
+        "compute with tensor ops alone (torch.where keeps a choice that depends on values on the device); the model "
+        "would have run eagerly, unquantized"
+    )
 
 
 def _users_through_views(node: fx.Node) -> list[fx.Node]:

@@ -269,3 +269,53 @@ def test_a_user_format_keeping_its_options_in_an_init_of_its_own_is_refused_at_t
 
     with pytest.raises(graphquant.PlanError, match=r"Stepped for role .*whose attributes \(step\) are not dataclass fields"):
         graphquant.explain(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: Stepped(step=0.25)), torch.randn(32, 64))
+
+
+def _gridded(step: float, reads_a_value: bool = False) -> type:
+    """A format of codes on a grid of ``step`` held in bf16, defined anew at each call as a notebook
+    cell run again defines it (same module, name and tag); ``reads_a_value``: its quantize takes
+    the grid from the tensor's amax on the host, as an eager quantize may."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Gridded(Quantizer):
+        tag = "test_gridded"
+
+        def _encode(self, x, direction):
+            grid = x.abs().max().item() / 64 if reads_a_value else step
+            codes = torch.round(x.float() / grid).to(torch.bfloat16)
+            return self.representation(direction, x.shape, x.dtype, codes, torch.tensor(grid))
+
+        def quantize_rowwise(self, x, ctx):
+            return self._encode(x, ROWWISE)
+
+        def quantize_columnwise(self, x, ctx):
+            return self._encode(x, COLUMNWISE)
+
+        def dequantize(self, rep):
+            return rep.data.float() * rep.scale
+
+    return Gridded
+
+
+def test_a_format_defined_again_is_the_one_its_spec_names():
+    """A model compiled after the class was defined again ran the first definition's quantize: the
+    quantizers the ops make from a spec were cached by the spec alone."""
+    x = torch.randn(64, 64)
+    for step in (0.5, 0.125):
+        gridded = _gridded(step)
+        linear = nn.Linear(64, 64, bias=False)
+        compiled = graphquant.compile(linear, graphquant.CustomRecipe(lambda role: gridded()), backend="aot_eager")
+        with torch.no_grad():
+            expected = gridded()(x).rowwise.dequantize() @ gridded()(linear.weight).rowwise.dequantize().t()
+            torch.testing.assert_close(compiled(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_a_format_whose_quantize_reads_a_value_on_the_host_fails_naming_its_method(grad):
+    """graphquant traces a quantize on fake tensors: one that reads a value (.item()) failed there,
+    and Dynamo took that for a graph break and ran the model eagerly, unquantized (under no_grad
+    without a word)."""
+    gridded = _gridded(0.5, reads_a_value=True)
+    compiled = graphquant.compile(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: gridded()), backend="aot_eager")
+    with torch.set_grad_enabled(grad), pytest.raises(graphquant.PlanError, match=r"^Gridded._encode \(test_user_format.py:\d+\) reads a tensor's value on the host .*must compute with tensor ops alone"):
+        compiled(torch.randn(64, 64))

@@ -391,7 +391,10 @@ def grouped_unsupported(quantizer: Quantizer) -> Optional[str]:
     for child in dict.fromkeys(quantizer.child(direction) for direction in (ROWWISE, COLUMNWISE)):
         if not child.groupable:
             names = ", ".join(cls.__name__ for cls in quantizer_classes() if cls.groupable)
-            return f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them)"
+            return (
+                f"{child} is not supported for torch._grouped_mm yet; use {names} (or a HybridQuantizer of them); a format "
+                "of one's own takes it with groupable = True, each group quantized alone (Quantizer.quantize_groups)"
+            )
     return None
 
 

@@ -15,11 +15,17 @@ import torch
 
 from graphquant.kernels import backends, mixed_input, native
 from graphquant.ops import registry
-from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, output_rows, parse_spec
+from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, class_definitions, output_rows, parse_spec
+
+
+def quantizer_of(spec: str) -> Quantizer:
+    """The quantizer ``spec`` names, made once for each definition of its class: a class defined
+    again (a notebook cell run again) is the one its spec names from then on."""
+    return _parsed(spec, class_definitions())
 
 
 @functools.lru_cache(maxsize=None)
-def quantizer_of(spec: str) -> Quantizer:
+def _parsed(spec: str, definitions: int) -> Quantizer:
     return parse_spec(spec)
 
 

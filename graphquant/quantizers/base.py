@@ -29,6 +29,7 @@ ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
 
 _REGISTRY: dict[str, type["Quantizer"]] = {}
+_DEFINITIONS = 0  # quantizer classes defined so far, a class defined again (a notebook cell run again) included
 
 
 # Random streams per step: with a step counter, a quantize call's stream offset is
@@ -215,7 +216,9 @@ class Quantizer:
         taken = _REGISTRY.get(cls.tag)
         if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(f"quantizer tag {cls.tag!r} is taken by {taken.__module__}.{taken.__qualname__}")
+        global _DEFINITIONS
         _REGISTRY[cls.tag] = cls
+        _DEFINITIONS += 1
 
     @property
     def asks_amax_reduction(self) -> bool:
@@ -451,6 +454,12 @@ def mistyped_fields(quantizer: Quantizer) -> list[str]:
         if accepted and (not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)):
             problems.append(f"{field.name} must be a {field.type if isinstance(field.type, str) else field.type.__name__}, got {value!r}")
     return problems
+
+
+def class_definitions() -> int:
+    """How many quantizer classes have been defined: what a cache of quantizers by their spec keys
+    on, so that a spec names the class its tag was defined by last."""
+    return _DEFINITIONS
 
 
 def quantizer_classes() -> tuple[type[Quantizer], ...]:
