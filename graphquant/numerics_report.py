@@ -39,7 +39,8 @@ class OperandStats:
     format: str
     amax: float  # max |value| in high precision
     underflow: float  # of the values nonzero in high precision, those zero after quantization
-    saturated: float  # of all values, those clipped at the largest magnitude the format (and its scale) can hold
+    saturated: Optional[float]  # of all values, those clipped at the largest magnitude the format (and its scale)
+    # can hold; None where the format cannot say (Quantizer.at_largest_code), shown "n/a"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,7 @@ class _Counts:
     nonzero: int = 0
     underflow: int = 0
     saturated: int = 0
+    saturation_unknown: bool = False  # a format that cannot say which codes are its largest
 
     def add(self, x: torch.Tensor, operand: Operand, row_group: Optional[torch.Tensor] = None, values: Optional[int] = None) -> None:
         """Count ``operand`` of ``x``; row_group: a grouped operand's (recording.Grouping: x lies
@@ -135,13 +137,15 @@ class _Counts:
         self.values += x.numel() if values is None else values
         self.nonzero += int((source != 0).sum())
         self.underflow += int(((source != 0) & (quantized == 0)).sum())
-        at_max = rep.quantizer.at_largest_code(rep)
+        at_max = None if rep.quantizer.high_precision else rep.quantizer.at_largest_code(rep)
         if at_max is not None:
             # Beyond fp32 rounding of the scale: the value was clipped, not rounded.
             self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
+        self.saturation_unknown |= at_max is None and not rep.quantizer.high_precision
 
     def stats(self, operand: str, format: str) -> OperandStats:
-        return OperandStats(operand, format, self.amax, self.underflow / max(self.nonzero, 1), self.saturated / max(self.values, 1))
+        saturated = None if self.saturation_unknown else self.saturated / max(self.values, 1)
+        return OperandStats(operand, format, self.amax, self.underflow / max(self.nonzero, 1), saturated)
 
 
 class _Recorder:
@@ -198,8 +202,12 @@ def _sqnr_db(signal: float, noise: float) -> float:
     return 10 * math.log10(ratio) if ratio > 0 else (math.nan if math.isnan(ratio) else -math.inf)
 
 
-def _percent(fraction: float) -> str:
-    return "0" if fraction == 0 else f"{100 * fraction:.2g}%"
+def _percent(fraction: Optional[float]) -> str:
+    """A share in two significant digits (all of them from 99.5% on: 99.6%, 100%)."""
+    if fraction is None:
+        return "n/a"
+    percent = 100 * fraction
+    return "0" if fraction == 0 else f"{percent:.2g}%" if percent < 99.5 else f"{percent:.3g}%"
 
 
 def _json_number(x: float) -> float | str:

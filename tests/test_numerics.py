@@ -1,6 +1,7 @@
 """graphquant.numerics: per-GEMM SQNR against the high-precision GEMM, and per-operand stats."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import warnings
@@ -13,7 +14,8 @@ import graphquant
 from graphquant import factories, recipes, zoo
 from graphquant.explainer import run_eagerly
 from graphquant.ops import recording
-from graphquant.quantizers import Float8CurrentScalingQuantizer
+from graphquant.numerics_report import _percent
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, Quantizer
 
 from explain_models import MLP, TinyAttention
 
@@ -91,6 +93,39 @@ def test_underflow_saturation_and_amax_of_an_operand():
     assert stats.underflow == 8 / (x.numel() - x.shape[1])
     assert stats.saturated == 4 / x.numel()
     assert report["fc1#0", "wgrad"].b.saturated == 4 / x.numel()  # the columnwise copy clips too
+
+
+def test_a_format_that_cannot_say_which_codes_saturate_shows_n_a_and_nearly_all_is_not_1e_plus_02():
+    """Codes of a format of one's own in no FP8 dtype (int-like codes in bf16) that clipped 59% of
+    x were reported as saturating none; high precision saturates none. A share of 99.5% or more
+    printed as 1e+02%."""
+    @dataclasses.dataclass(frozen=True)
+    class Clipped(Quantizer):
+        tag = "test_numerics_clipped"
+
+        def _encode(self, x, direction):
+            return self.representation(direction, x.shape, x.dtype, x.float().round().clamp(-1, 1).to(torch.bfloat16), torch.tensor(1.0))
+
+        def quantize_rowwise(self, x, ctx):
+            return self._encode(x, ROWWISE)
+
+        def quantize_columnwise(self, x, ctx):
+            return self._encode(x, COLUMNWISE)
+
+        def dequantize(self, rep):
+            return rep.data.float() * rep.scale
+
+    factory = lambda role: Clipped() if role.tensor_type == "input" else graphquant.IdentityQuantizer()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recipe leaves most GEMMs in high precision, and says so
+        report = graphquant.numerics(MLP(), graphquant.CustomRecipe(factory), torch.randn(32, 64) * 4)
+    fprop = by_key(report)["fc1#0", "fprop"]
+    assert (fprop.a.saturated, fprop.b.saturated) == (None, 0)
+    lines = str(report).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.split()[:2] == ["fc1#0", "fprop"])
+    assert [line.split()[-1] for line in lines[first : first + 2]] == ["n/a", "0"]
+    assert {g["a"]["saturated"] for g in json.loads(report.to_json())["gemms"] if g["gemm"] == "fprop"} == {None}
+    assert [_percent(f) for f in (0.994, 0.996, 0.9996, 1.0, 0.0123)] == ["99%", "99.6%", "100%", "100%", "1.2%"]
 
 
 def test_hadamard_operands_are_judged_against_the_transformed_values():

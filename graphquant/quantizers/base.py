@@ -320,7 +320,8 @@ class Quantizer:
 
     def at_largest_code(self, rep: Representation) -> Optional[torch.Tensor]:
         """Where ``rep``'s stored codes are the format's largest magnitude (values that may have
-        saturated), in stored orientation; None where the format has no largest code."""
+        saturated), in stored orientation; None where it cannot say (codes in no FP8 dtype, of a
+        format of one's own that does not implement this: graphquant.numerics shows n/a)."""
         if rep.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             return rep.data.float().abs() == torch.finfo(rep.data.dtype).max
         return None
