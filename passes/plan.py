@@ -33,6 +33,7 @@ from graphquant.quantizers import (
     parse_spec,
     quantizer_classes,
     undeclared_fields,
+    unspecced_fields,
 )
 from graphquant.recipes import DEFAULT_FAST_ACCUMULATION, CustomRecipe
 from graphquant.roles import QuantizerRole
@@ -257,6 +258,13 @@ class Planner:
             raise FactoryTypeError(
                 f"the recipe's factory returned {type(answer).__name__} for role {role} whose {'; '.join(mistyped)} "
                 "(graphquant's quantizers take no device, TransformerEngine's second argument: pass options by keyword)"
+            )
+        unspecced = unspecced_fields(answer)
+        if unspecced:
+            raise FactoryTypeError(
+                f"the recipe's factory returned {type(answer).__name__} for role {role} whose {'; '.join(unspecced)}: the "
+                "compiled graph rebuilds each quantizer from its spec, so its fields hold values a spec gives back (bools, "
+                "ints, floats, strings, tuples of them, quantizers, torch dtypes)"
             )
         return answer
 

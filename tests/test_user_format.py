@@ -9,6 +9,7 @@ emulated. TensorwiseCopy lays out per-tensor FP8 exactly as the built-in format 
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -319,3 +320,44 @@ def test_a_format_whose_quantize_reads_a_value_on_the_host_fails_naming_its_meth
     compiled = graphquant.compile(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: gridded()), backend="aot_eager")
     with torch.set_grad_enabled(grad), pytest.raises(graphquant.PlanError, match=r"^Gridded._encode \(test_user_format.py:\d+\) reads a tensor's value on the host .*must compute with tensor ops alone"):
         compiled(torch.randn(64, 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Clipped(Quantizer):
+    """bf16 values clipped at ``clip`` (inf: not at all), in ``levels`` (empty: any)."""
+
+    tag = "test_clipped"
+
+    clip: float = 1.0
+    levels: tuple = ()
+
+    def _encode(self, x, direction):
+        return self.representation(direction, x.shape, x.dtype, x.clamp(-self.clip, self.clip).to(torch.bfloat16), torch.tensor(1.0))
+
+    def quantize_rowwise(self, x, ctx):
+        return self._encode(x, ROWWISE)
+
+    def quantize_columnwise(self, x, ctx):
+        return self._encode(x, COLUMNWISE)
+
+    def dequantize(self, rep):
+        return rep.data.float()
+
+
+def test_a_non_finite_float_field_survives_its_spec():
+    """clip=inf was written clip=inf and read back as the string 'inf', which the compiled graph's
+    quantize then got (a TypeError inside BackendCompilerFailed)."""
+    for clip in (math.inf, -math.inf):
+        assert parse_spec(Clipped(clip=clip).spec) == Clipped(clip=clip)
+    assert math.isnan(parse_spec(Clipped(clip=math.nan).spec).clip)
+    linear = nn.Linear(64, 64)
+    x = torch.randn(32, 64) * 4
+    compiled = graphquant.compile(linear, graphquant.CustomRecipe(lambda role: Clipped(clip=math.inf)), backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), nn.functional.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias))
+
+
+def test_a_field_no_spec_gives_back_is_refused_at_the_factory_naming_it():
+    """A list field failed with a bare "unhashable type: 'list'" inside BackendCompilerFailed."""
+    with pytest.raises(graphquant.PlanError, match=r"Clipped for role .* whose levels is \[0.5, 1.0\], which is unhashable \(a tuple is not\)"):
+        graphquant.explain(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: Clipped(levels=[0.5, 1.0])), torch.randn(32, 64))

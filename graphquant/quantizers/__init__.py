@@ -20,6 +20,7 @@ from graphquant.quantizers.base import (
     parse_spec,
     quantizer_classes,
     undeclared_fields,
+    unspecced_fields,
 )
 from graphquant.quantizers.block import Float8BlockQuantizer
 from graphquant.quantizers.descriptions import GEMM_FAMILIES, SCALINGS, GemmInput, KernelEncoding
@@ -62,4 +63,5 @@ __all__ = [
     "parse_spec",
     "quantizer_classes",
     "undeclared_fields",
+    "unspecced_fields",
 ]

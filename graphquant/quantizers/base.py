@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
@@ -475,6 +476,8 @@ def _spec_value(value: Any) -> str:
         return str(value).removeprefix("torch.")
     if isinstance(value, str) and value.isidentifier() and value not in ("True", "False", "None"):
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(repr(value))  # 'inf': no literal, read back by _field_value
     return repr(value)
 
 
@@ -504,11 +507,39 @@ def _build(node: ast.AST, spec: str) -> Any:
 
 
 def _field_value(cls: type, name: str, value: Any) -> Any:
-    """Spec text gives dtypes as bare names; turn them back into torch dtypes where a field wants one."""
+    """Spec text gives dtypes as bare names and non-finite floats as strings ('inf'); turn them back
+    where a field wants a torch dtype or a float."""
     field = {f.name: f for f in dataclasses.fields(cls)}.get(name)
-    if field is not None and "dtype" in str(field.type) and "torch" in str(field.type) and isinstance(value, str):
-        return getattr(torch, value)
+    if field is not None and isinstance(value, str):
+        if "dtype" in str(field.type) and "torch" in str(field.type):
+            return getattr(torch, value)
+        if "float" in str(field.type) and value in ("inf", "-inf", "nan"):
+            return float(value)
     return value
+
+
+def unspecced_fields(quantizer: Quantizer) -> list[str]:
+    """Its fields that its spec does not give back as they are, as words: an unhashable value (a
+    list), or one no spec holds, which a compiled graph, rebuilding the quantizer from its spec,
+    would not get."""
+    unhashable = []
+    for field in dataclasses.fields(quantizer):
+        try:
+            hash(getattr(quantizer, field.name))
+        except TypeError:
+            unhashable.append(f"{field.name} is {getattr(quantizer, field.name)!r}, which is unhashable (a tuple is not)")
+    if unhashable:
+        return unhashable
+    try:
+        rebuilt = parse_spec(quantizer.spec)
+    except (ValueError, TypeError) as error:
+        return [f"spec {quantizer.spec} does not read back ({error})"]
+    return [
+        f"{field.name} is {mine!r}, which its spec {quantizer.spec} gives back as {theirs!r}"
+        for field in dataclasses.fields(quantizer)
+        for mine, theirs in [(getattr(quantizer, field.name), getattr(rebuilt, field.name))]
+        if not (mine == theirs or mine != mine and theirs != theirs)  # NaN is NaN's own
+    ]
 
 
 def as_matrix(x: torch.Tensor, quantizer: Quantizer) -> torch.Tensor:
