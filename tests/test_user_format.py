@@ -228,6 +228,16 @@ class Unwrapped(Float8Block64):
         return self._encode(x, ROWWISE).data
 
 
+@dataclasses.dataclass(frozen=True)
+class NumberScaled(Float8Block64):
+    """Its representation's scale a Python number."""
+
+    tag = "test_number_scaled"
+
+    def quantize_rowwise(self, x, ctx):
+        return dataclasses.replace(self._encode(x, ROWWISE), scale=0.5)
+
+
 def test_a_user_format_that_breaks_the_contract_is_named_with_what_it_must_return():
     x = torch.randn(96, 64)
     with pytest.raises(ValueError, match=r"Flattening.dequantize returned a tensor of shape \(6144,\) .* it must return 96x64"):
@@ -236,6 +246,9 @@ def test_a_user_format_that_breaks_the_contract_is_named_with_what_it_must_retur
 
     with pytest.raises(TypeError, match=r"Unwrapped.quantize_rowwise returned an object of type Tensor; it must return a Representation"):
         native.reference_quantize(Unwrapped(), x, ROWWISE, QuantizeContext())
+    # A number for a scale failed inside the ops' fake implementation: "'float' object has no attribute 'new_empty'".
+    with pytest.raises(TypeError, match=r"NumberScaled.quantize_rowwise returned a Representation whose scale is float 0.5; the ops carry it as a tensor \(torch.tensor\(0.5\)"):
+        native.reference_quantize(NumberScaled(), x, ROWWISE, QuantizeContext())
 
 
 def test_a_user_format_cannot_take_a_built_in_tag_even_under_the_built_in_name():

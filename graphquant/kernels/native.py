@@ -223,6 +223,13 @@ def reference_quantize(quantizer: Quantizer, x: torch.Tensor, direction: str, ct
             f"{type(quantizer).__name__}.quantize_{direction} returned an object of type {type(made).__name__}; it must return a "
             f"Representation (Quantizer.representation(direction, x.shape, x.dtype, data, scale, ...))"
         )
+    for name in ("data", "scale", "amax"):
+        value = getattr(made, name)
+        if not isinstance(value, torch.Tensor) and (value is not None or name == "data"):
+            raise TypeError(
+                f"{type(quantizer).__name__}.quantize_{direction} returned a Representation whose {name} is "
+                f"{type(value).__name__} {value!r:.40}; the ops carry it as a tensor (torch.tensor({value!r:.20}) for a number)"
+            )
     return made
 
 
