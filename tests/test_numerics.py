@@ -1,7 +1,6 @@
 """graphquant.numerics: per-GEMM SQNR against the high-precision GEMM, and per-operand stats."""
 
 import contextlib
-import dataclasses
 import json
 import math
 import warnings
@@ -15,9 +14,10 @@ from graphquant import factories, recipes, zoo
 from graphquant.explainer import run_eagerly
 from graphquant.ops import recording
 from graphquant.numerics_report import _percent
-from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8CurrentScalingQuantizer, Quantizer
+from graphquant.quantizers import Float8CurrentScalingQuantizer
 
 from explain_models import MLP, TinyAttention
+from user_formats import Clipped
 
 
 def sqnr_db(reference, quantized):
@@ -96,25 +96,9 @@ def test_underflow_saturation_and_amax_of_an_operand():
 
 
 def test_a_format_that_cannot_say_which_codes_saturate_shows_n_a_and_nearly_all_is_not_1e_plus_02():
-    """Codes of a format of one's own in no FP8 dtype (int-like codes in bf16) that clipped 59% of
-    x were reported as saturating none; high precision saturates none. A share of 99.5% or more
+    """A format of one's own with its codes in no FP8 dtype (x clipped at 1, in bf16), clipping most
+    of x, was reported as saturating none; high precision saturates none. A share of 99.5% or more
     printed as 1e+02%."""
-    @dataclasses.dataclass(frozen=True)
-    class Clipped(Quantizer):
-        tag = "test_numerics_clipped"
-
-        def _encode(self, x, direction):
-            return self.representation(direction, x.shape, x.dtype, x.float().round().clamp(-1, 1).to(torch.bfloat16), torch.tensor(1.0))
-
-        def quantize_rowwise(self, x, ctx):
-            return self._encode(x, ROWWISE)
-
-        def quantize_columnwise(self, x, ctx):
-            return self._encode(x, COLUMNWISE)
-
-        def dequantize(self, rep):
-            return rep.data.float() * rep.scale
-
     factory = lambda role: Clipped() if role.tensor_type == "input" else graphquant.IdentityQuantizer()  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the recipe leaves most GEMMs in high precision, and says so

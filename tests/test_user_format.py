@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from user_formats import Bf16Codes, Clipped
+
 import graphquant
 from graphquant.formats import block, fp8, per_tensor
 from graphquant.kernels import backends, scaled_mm
@@ -291,22 +293,12 @@ def _gridded(step: float, reads_a_value: bool = False) -> type:
     the grid from the tensor's amax on the host, as an eager quantize may."""
 
     @dataclasses.dataclass(frozen=True)
-    class Gridded(Quantizer):
+    class Gridded(Bf16Codes):
         tag = "test_gridded"
 
-        def _encode(self, x, direction):
+        def _codes(self, x):
             grid = x.abs().max().item() / 64 if reads_a_value else step
-            codes = torch.round(x.float() / grid).to(torch.bfloat16)
-            return self.representation(direction, x.shape, x.dtype, codes, torch.tensor(grid))
-
-        def quantize_rowwise(self, x, ctx):
-            return self._encode(x, ROWWISE)
-
-        def quantize_columnwise(self, x, ctx):
-            return self._encode(x, COLUMNWISE)
-
-        def dequantize(self, rep):
-            return rep.data.float() * rep.scale
+            return torch.round(x.float() / grid).to(torch.bfloat16), torch.tensor(grid)
 
     return Gridded
 
@@ -331,30 +323,8 @@ def test_a_format_whose_quantize_reads_a_value_on_the_host_fails_naming_its_meth
     without a word)."""
     gridded = _gridded(0.5, reads_a_value=True)
     compiled = graphquant.compile(nn.Linear(64, 64), graphquant.CustomRecipe(lambda role: gridded()), backend="aot_eager")
-    with torch.set_grad_enabled(grad), pytest.raises(graphquant.PlanError, match=r"^Gridded._encode \(test_user_format.py:\d+\) reads a tensor's value on the host .*must compute with tensor ops alone"):
+    with torch.set_grad_enabled(grad), pytest.raises(graphquant.PlanError, match=r"^Gridded._codes \(test_user_format.py:\d+\) reads a tensor's value on the host .*must compute with tensor ops alone"):
         compiled(torch.randn(64, 64))
-
-
-@dataclasses.dataclass(frozen=True)
-class Clipped(Quantizer):
-    """bf16 values clipped at ``clip`` (inf: not at all), in ``levels`` (empty: any)."""
-
-    tag = "test_clipped"
-
-    clip: float = 1.0
-    levels: tuple = ()
-
-    def _encode(self, x, direction):
-        return self.representation(direction, x.shape, x.dtype, x.clamp(-self.clip, self.clip).to(torch.bfloat16), torch.tensor(1.0))
-
-    def quantize_rowwise(self, x, ctx):
-        return self._encode(x, ROWWISE)
-
-    def quantize_columnwise(self, x, ctx):
-        return self._encode(x, COLUMNWISE)
-
-    def dequantize(self, rep):
-        return rep.data.float()
 
 
 def test_a_non_finite_float_field_survives_its_spec():
