@@ -21,7 +21,6 @@ from graphquant import recipes, user_stack
 from graphquant.formats import groups
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels import backends
-from graphquant.kernels.devices import capability
 from graphquant.passes.find_gemms import LINEAR, TENSOR_TYPES, GemmSite
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -311,7 +310,7 @@ class Planner:
                         selection.backend,
                         f"strict=True rejects emulated GEMMs ({selection.reason}); give this GEMM a pair with a "
                         f"native GEMM on {device.type}, or compile without strict"
-                        if capability(device) is not None else
+                        if backends.capability(device) is not None else
                         f"strict=True rejects emulated GEMMs, and {device.type} runs every low-precision GEMM emulated: "
                         "compile without strict, or on a GPU with native GEMMs (Hopper: FP8)",
                     )
