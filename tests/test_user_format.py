@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from reference import fresh_dynamo  # noqa: F401  (autouse: before torch 2.13, compiles of nn.Linear share one recompile count)
 from user_formats import Bf16Codes, Clipped
 
 import graphquant
