@@ -383,16 +383,25 @@ class GraphquantBackend:
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
-        stateful = [key for key in keys if moved_by_a_recompute(key)]
+        # What a recompute inside a backward pass (torch.utils.checkpoint's, from outside the model)
+        # would quantize otherwise than the forward did: a forward slot's delayed scale, moved by the
+        # forward, and a forward slot's random bits. A step that the backward alone draws from may
+        # be drawn by the recompute where the forward drew none (a reentrant checkpoint's forward
+        # runs under no_grad), not a second time.
+        forward_draws = any(q.stochastic for role, q in plan.slots if not role.backward)
+        recomputed_otherwise = [key for key in keys if moved_by_a_recompute(key) and (key != "rng" or forward_draws)]
+        run_state = self.run_state
 
         def run(*args: Any) -> Any:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             if fake is not None:  # Dynamo's DDP optimizer runs a compiled piece on fake tensors to compile the next
                 return compiled(*args, *(fake.from_tensor(p()) for p in providers))
-            if stateful and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
-                raise _recomputed(stateful)
+            recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            if recompute and (recomputed_otherwise or (stochastic and run_state.forward_drew)):
+                raise _recomputed(recomputed_otherwise or ["rng"])
             if stochastic:
-                self.run_state.advance()
+                run_state.advance()
+                run_state.forward_drew |= not recompute
             return compiled(*args, *(p() for p in providers))
 
         return run
@@ -593,6 +602,8 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
     """The error of a training call of a graph made inside a backward pass: torch.utils.checkpoint
     recomputing a compiled block from outside it, which would move the graph's state again."""
     state = "stochastic-rounding step" if stateful == ["rng"] else f"delayed-scaling state ({stateful[0]}, ...)"
+    # Where only the backward draws, a forward that drew nothing (under no_grad) makes the recompute the one draw.
+    reentrant = ", or checkpoint it with use_reentrant=True" if stateful == ["rng"] else ""
     return RuntimeError(
         "graphquant: a compiled graph was called with grad enabled inside a backward pass, as torch.utils.checkpoint "
         f"does to recompute a compiled module from outside it; its {state} would move a second time this step, so the "
@@ -600,7 +611,7 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
         "wrong. Compile the module whose forward calls torch.utils.checkpoint (graphquant then recomputes inside the "
         "graph with the forward's stochastic-rounding step; delayed scaling of forward slots inside a checkpoint it "
         "refuses), or give the checkpointed modules' forward slots a stateless recipe (current scaling, MXFP8, "
-        "blockwise FP8, NVFP4 without stochastic rounding)"
+        f"blockwise FP8, NVFP4 without stochastic rounding){reentrant}"
     )
 
 
@@ -1014,11 +1025,14 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
     unquantized, past graphquant's backend (torch.export, and what exports through it: ONNX,
     AOTInductor, which runs a compiled module's code as it is for its own trace; torch.func's
     transforms, under which Dynamo runs it eagerly and skips that code for good), either of which
-    may come at any call; and note whether the call trains, for ``backend.plan``."""
+    may come at any call; and note whether the call trains, for ``backend.plan``, and that it has
+    drawn no random bits yet, for a recompute of it inside a backward pass."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
         backend.training_call = backend.mode != "inference" and torch.is_grad_enabled()
+        if torch._C._current_graph_task_id() == -1:  # a call of its own, not a recompute inside a backward pass
+            backend.run_state.forward_drew = False
         if torch.compiler.is_exporting():
             raise RuntimeError(
                 f"graphquant: torch.export of {name} would export its code unquantized (graphquant quantizes in "

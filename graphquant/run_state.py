@@ -30,6 +30,9 @@ class RunState:
         self.delayed: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
+        # Whether the latest call outside a backward pass drew random bits (a training call of a graph
+        # that rounds stochastically): its recompute inside the backward would draw them a second time.
+        self.forward_drew = False
         self.waiting: dict[str, torch.Tensor] = {}  # loaded state whose slot no graph has planned yet
         self.scalings: dict[str, str] = {}  # what each delayed-scaling entry's scale is for, planned or waiting
         self.loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
