@@ -146,7 +146,7 @@ class GraphquantBackend:
         if not any(plan.gemms for plan in self.plans):
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
-        self.run_state.warn_of_unclaimed(self.plans)
+        self.run_state.warn_of_unclaimed(self.plans, any(self.training_plans))
         self._warn_of_unreduced_amaxes()
         if self.root is not None:
             self._warn_of_unplanned_linears()

@@ -140,17 +140,20 @@ class RunState:
         unloaded = [key for key in keys if isinstance(key, str) and key not in known] if self.loaded else []
         return fresh, unloaded
 
-    def warn_of_unclaimed(self, plans: list[Plan]) -> None:
+    def warn_of_unclaimed(self, plans: list[Plan], trained: bool) -> None:
         """Say which loaded entries no slot of ``plans`` can take: their slot was planned without
         delayed-scaling state (saved under another recipe), or names a module those graphs do not
-        hold (saved from a model of other names); either would wait unused."""
+        hold (saved from a model of other names), or, after a call that ``trained``, the
+        stochastic-rounding step that no graph of it drew from; each would wait unused."""
         planned = {str(role): (role, quantizer) for plan in plans for role, quantizer in plan.slots}
         owners = {role.owner for role, _ in planned.values()}
         # A planned slot that keeps state and still waits did not take its entry only because its
         # graph failed first (a PlanError, which says why): not an entry that fits no slot.
         unclaimed = [
             key for key in self.waiting
-            if (key in planned and not planned[key][1].keeps_state) or (key != "rng" and QuantizerRole.parse(key).owner not in owners)
+            if (key in planned and not planned[key][1].keeps_state)
+            or (key == "rng" and trained)
+            or (key != "rng" and QuantizerRole.parse(key).owner not in owners)
         ]
         if unclaimed:
             user_stack.warn(
