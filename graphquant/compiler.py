@@ -390,13 +390,14 @@ class GraphquantBackend:
         # runs under no_grad), not a second time.
         forward_draws = any(q.stochastic for role, q in plan.slots if not role.backward)
         recomputed_otherwise = [key for key in keys if moved_by_a_recompute(key) and (key != "rng" or forward_draws)]
+        watched = bool(recomputed_otherwise) or stochastic  # else a recompute is no concern of this graph's
         run_state = self.run_state
 
         def run(*args: Any) -> Any:
             fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             if fake is not None:  # Dynamo's DDP optimizer runs a compiled piece on fake tensors to compile the next
                 return compiled(*args, *(fake.from_tensor(p()) for p in providers))
-            recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            recompute = watched and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
             if recompute and (recomputed_otherwise or (stochastic and run_state.forward_drew)):
                 raise _recomputed(recomputed_otherwise or ["rng"])
             if stochastic:
@@ -1031,7 +1032,7 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
         backend.training_call = backend.mode != "inference" and torch.is_grad_enabled()
-        if torch._C._current_graph_task_id() == -1:  # a call of its own, not a recompute inside a backward pass
+        if backend.run_state.forward_drew and torch._C._current_graph_task_id() == -1:  # a call, not a recompute in a backward
             backend.run_state.forward_drew = False
         if torch.compiler.is_exporting():
             raise RuntimeError(

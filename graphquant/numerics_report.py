@@ -137,11 +137,12 @@ class _Counts:
         self.values += x.numel() if values is None else values
         self.nonzero += int((source != 0).sum())
         self.underflow += int(((source != 0) & (quantized == 0)).sum())
-        at_max = None if rep.quantizer.high_precision else rep.quantizer.at_largest_code(rep)
-        if at_max is not None:
-            # Beyond fp32 rounding of the scale: the value was clipped, not rounded.
-            self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
-        self.saturation_unknown |= at_max is None and not rep.quantizer.high_precision
+        if not rep.quantizer.high_precision:  # which clips nothing
+            at_max = rep.quantizer.at_largest_code(rep)
+            if at_max is None:
+                self.saturation_unknown = True
+            else:  # beyond fp32 rounding of the scale: the value was clipped, not rounded
+                self.saturated += int((at_max & (source.abs() > quantized.abs() * (1 + 1e-5))).sum())
 
     def stats(self, operand: str, format: str) -> OperandStats:
         saturated = None if self.saturation_unknown else self.saturated / max(self.values, 1)

@@ -8,25 +8,13 @@ the autograd formula of a GEMM.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 
 from graphquant.kernels import backends, mixed_input, native
 from graphquant.ops import registry
-from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Quantizer, Representation, class_definitions, output_rows, parse_spec
-
-
-def quantizer_of(spec: str) -> Quantizer:
-    """The quantizer ``spec`` names, made once for each definition of its class: a class defined
-    again (a notebook cell run again) is the one its spec names from then on."""
-    return _parsed(spec, class_definitions())
-
-
-@functools.lru_cache(maxsize=None)
-def _parsed(spec: str, definitions: int) -> Quantizer:
-    return parse_spec(spec)
+from graphquant.quantizers import ROWWISE, COLUMNWISE, QuantizeContext, Representation, output_rows, quantizer_of
 
 
 def unflatten(tensors: Sequence[torch.Tensor], spec: str, direction: str, shape: Sequence[int], dtype: torch.dtype) -> Representation:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -30,7 +31,6 @@ ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
 
 _REGISTRY: dict[str, type["Quantizer"]] = {}
-_DEFINITIONS = 0  # quantizer classes defined so far, a class defined again (a notebook cell run again) included
 
 
 # Random streams per step: with a step counter, a quantize call's stream offset is
@@ -217,9 +217,9 @@ class Quantizer:
         taken = _REGISTRY.get(cls.tag)
         if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(f"quantizer tag {cls.tag!r} is taken by {taken.__module__}.{taken.__qualname__}")
-        global _DEFINITIONS
+        if taken is not None:  # defined again (a notebook cell run again): its spec names the new class from now on
+            quantizer_of.cache_clear()
         _REGISTRY[cls.tag] = cls
-        _DEFINITIONS += 1
 
     @property
     def asks_amax_reduction(self) -> bool:
@@ -458,12 +458,6 @@ def mistyped_fields(quantizer: Quantizer) -> list[str]:
     return problems
 
 
-def class_definitions() -> int:
-    """How many quantizer classes have been defined: what a cache of quantizers by their spec keys
-    on, so that a spec names the class its tag was defined by last."""
-    return _DEFINITIONS
-
-
 def quantizer_classes() -> tuple[type[Quantizer], ...]:
     """Every quantizer class defined so far, built in or user-defined, in the order of definition."""
     return tuple(_REGISTRY.values())
@@ -488,6 +482,12 @@ def parse_spec(spec: str) -> Quantizer:
     except SyntaxError as error:
         raise ValueError(f"not a quantizer spec: {spec!r} ({error.msg})") from None
     return _build(tree, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def quantizer_of(spec: str) -> Quantizer:
+    """``parse_spec(spec)``, made once: the ops rebuild each call's quantizers from their specs."""
+    return parse_spec(spec)
 
 
 def _build(node: ast.AST, spec: str) -> Any:
