@@ -40,7 +40,8 @@ def _compiled_for_sm90(causal: bool, head_dim: int, config, groups: int = 1):
                      SPECIALIZED=config.warp_specialize)
     pointers = dict(Q="*fp8e4nv", K="*fp8e4nv", VT="*fp8e4nv", O="*bf16", LSE="*fp32", SCALE_INV="*fp32", P_SCALE="*fp32")
     strides = dict.fromkeys(("vt_stride", "o_batch_stride", "o_head_stride", "o_row_stride"), "i32")
-    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", **strides, **dict.fromkeys(constants, "constexpr")}
+    signature = {**pointers, "softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", **strides, "section": "i32",
+                 **dict.fromkeys(constants, "constexpr")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in {*pointers, "seq_k", *strides}}
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 64),
                           options={"num_warps": gluon_attention.launch_warps(config)})
@@ -153,6 +154,8 @@ def test_configurations_refuse_what_the_kernel_cannot_run():
 
     with pytest.raises(ValueError, match=r"GluonForwardConfig\(num_stages=3, .*\) is not a configuration: num_stages from 4 to 6"):
         GluonForwardConfig(num_stages=3)
+    with pytest.raises(ValueError, match=r"heads_a_section=0\) is not a configuration: heads_a_section of at least 1, or None"):
+        GluonForwardConfig(heads_a_section=0)
 
 
 def test_forward_refuses_key_lengths_it_cannot_copy():

@@ -34,7 +34,7 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
     fp32 = dict.fromkeys(("LSE", "DELTA", "SCALES"), "*fp32")
     grads = dict.fromkeys(("DK", "DV"), "*bf16" if groups == 1 else "*fp32")
     pointers = {**e4m3, "DO": "*fp8e5", "DOT": "*fp8e5", **fp32, **grads, "DS_AMAX_BITS": "*i32"}
-    scalars = {"softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "qt_stride": "i32", "kt_stride": "i32"}
+    scalars = {"softmax_scale": "fp32", "seq_q": "i32", "seq_k": "i32", "qt_stride": "i32", "kt_stride": "i32", "section": "i32"}
     dq_tiles = gluon_attention_backward.dq_tiles(torch.empty(1, 1, 64, head_dim, device="meta"))
     descriptors = {"DQ_TILES": f"tensordesc<fp32{dq_tiles.block_shape},{dq_tiles.layout!r}>"}
     signature = {name: {**pointers, **scalars, **descriptors}.get(name, "constexpr") for name in kernel.arg_names}
@@ -72,8 +72,10 @@ def test_configurations_refuse_what_the_kernel_cannot_run():
     pytest.importorskip("triton")
     from graphquant.kernels.gluon_attention_backward import GluonBackwardConfig
 
-    with pytest.raises(ValueError, match=r"GluonBackwardConfig\(num_stages=4\) is not a configuration: num_stages 2 or 3"):
+    with pytest.raises(ValueError, match=r"GluonBackwardConfig\(num_stages=4, .*\) is not a configuration: num_stages 2 or 3"):
         GluonBackwardConfig(num_stages=4)
+    with pytest.raises(ValueError, match=r"heads_a_section=0\) is not a configuration: heads_a_section of at least 1, or None"):
+        GluonBackwardConfig(heads_a_section=0)
 
 
 def test_backward_refuses_lengths_it_cannot_copy():

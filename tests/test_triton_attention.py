@@ -844,6 +844,55 @@ def test_flash_backward_takes_d_from_the_codes_in_plain_ops(emulated_kernel):
     assert "graphquant::dequantize" not in calls.ops, calls.ops
 
 
+WORK_ITEMS = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+
+    from graphquant.kernels import triton_attention
+
+    @triton.jit
+    def items(out, blocks, section):
+        rank, bh = triton_attention.work_item(tl.program_id(0), blocks, section)
+        tl.store(out + 2 * tl.program_id(0), rank)
+        tl.store(out + 2 * tl.program_id(0) + 1, bh.to(tl.int32))
+
+    for blocks, heads, section in %r:
+        out = torch.empty(blocks * heads, 2, dtype=torch.int32)
+        items[(blocks * heads,)](out, blocks, section)
+        print(out.tolist())
+    """
+)
+
+
+def test_work_items_rank_by_block_in_sections_of_heads():
+    """``work_item`` under Triton's interpreter: each (block rank, head) once; sections of one head
+    take a head's blocks one after another; larger sections (one that divides the heads, one that
+    leaves a shorter last section) take each rank of the section's heads before the next rank."""
+    pytest.importorskip("triton")
+    cases = [(5, 6, 1), (5, 6, 2), (5, 6, 4), (3, 2, 8)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", WORK_ITEMS % (cases,)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for (blocks, heads, section), line in zip(cases, run.stdout.splitlines(), strict=True):
+        items = [tuple(item) for item in eval(line)]
+        sections = [range(first, min(first + section, heads)) for first in range(0, heads, section)]
+        assert items == [(rank, head) for heads_here in sections for rank in range(blocks) for head in heads_here], (blocks, heads, section)
+
+
+@pytest.mark.parametrize("blocks, causal, sms, section", [(64, False, 132, 1), (64, True, 132, 8), (128, True, 132, 4), (16, True, 132, 32),
+                                                          (512, True, 132, 1), (64, True, 78, 4)])
+def test_causal_sections_make_two_waves_of_programs(monkeypatch, blocks, causal, sms, section):
+    """A causal grid's sections are the fewest heads, a power of two, whose blocks fill the SMs
+    twice; a grid without a mask, whose blocks are all one length, goes head by head."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "multiprocessors", lambda device: sms)
+    assert triton_attention.heads_a_section(blocks, causal, torch.device("cuda")) == section
+
+
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads (2 and 4

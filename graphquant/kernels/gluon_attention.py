@@ -60,19 +60,24 @@ COPY_WARPS = gl.constexpr(4)  # warp-specialized, the partition that copies the 
 class GluonForwardConfig:
     """The Gluon forward's schedule: num_stages key tiles of K and V^T in shared memory (cp.async),
     operand_order (S's keys in the PV operand's order, as the Triton kernel's
-    ``ForwardConfig.operand_order``) and warp_specialize (the tiles copied by a warpgroup of their
-    own, each consumer warpgroup a partition: the module's docstring). Tiles are 128 query rows
+    ``ForwardConfig.operand_order``), warp_specialize (the tiles copied by a warpgroup of their
+    own, each consumer warpgroup a partition: the module's docstring) and the grid's order
+    (``triton_attention.work_item``; heads_a_section None: that of
+    ``triton_attention.heads_a_section``). Tiles are 128 query rows
     over 128 keys, a warpgroup per 64 rows, PV promoted once a key tile: the Triton kernel's
     default."""
 
     num_stages: int = 4  # 1-4% faster than 5 or 6 at 8k and 16k (benchmarks/NOTES.md, attention.py)
     operand_order: bool = False
     warp_specialize: bool = False
+    heads_a_section: Optional[int] = None
 
     def __post_init__(self) -> None:
         # tiles j - 1 to j + 1 in use, j + 2 on its way; 6 stages of K and V^T and Q fill shared memory
         if not 4 <= self.num_stages <= 6:
             raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6")
+        if self.heads_a_section is not None and self.heads_a_section < 1:
+            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: heads_a_section of at least 1, or None")
 
 
 def launch_warps(config: GluonForwardConfig) -> int:
@@ -224,16 +229,15 @@ def _consume(
 
 
 @gluon.jit
-def _item(w, seq_q, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item w: (its first query row, its (batch, head), ``key_range``'s (full_end, end)). The
-    query blocks of a head come one after another (the programs at work at once share K and V);
-    under a causal mask those with the most key tiles first, so that the last ones are short."""
+def _item(w, seq_q, seq_k, section, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item w: (its first query row, its (batch, head), ``key_range``'s (full_end, end)), in
+    ``triton_attention.work_item``'s order; under a causal mask the query blocks with the most
+    key tiles rank first."""
     blocks = gl.cdiv(seq_q, BLOCK_M)
-    start_m = w % blocks
-    if CAUSAL:
-        start_m = blocks - 1 - start_m
+    rank, bh = triton_attention.work_item(w, blocks, section)
+    start_m = blocks - 1 - rank if CAUSAL else rank
     full_end, end = triton_attention.key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
-    return start_m * BLOCK_M, (w // blocks).to(gl.int64), full_end, end
+    return start_m * BLOCK_M, bh, full_end, end
 
 
 @gluon.constexpr_function
@@ -270,14 +274,14 @@ def _produce(
 
 @gluon.jit
 def _forward_kernel(
-    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride, o_batch_stride, o_head_stride, o_row_stride,
+    Q, K, VT, O, LSE, SCALE_INV, P_SCALE, softmax_scale, seq_q, seq_k, vt_stride, o_batch_stride, o_head_stride, o_row_stride, section,
     HEADS: gl.constexpr, GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OPERAND_ORDER: gl.constexpr, SPECIALIZED: gl.constexpr,
 ):
     ROWS_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float8e4nv)  # Q and K
     VT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
 
-    row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
+    row0, bh, full_end, end = _item(gl.program_id(0), seq_q, seq_k, section, CAUSAL, BLOCK_M, BLOCK_N)
     kv_bh = triton_attention.kv_head(bh, HEADS, GROUPS)
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
@@ -329,9 +333,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
         raise ValueError(f"Gluon FP8 flash attention takes key lengths that are multiples of {GLUON_LENGTH_MULTIPLE}, not {seq_k}")
     (o, lse), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype, token_major)
     config = config or default_config(causal)
+    blocks = ceil_div(seq_q, triton_attention.TILE_ROWS)
+    section = config.heads_a_section or triton_attention.heads_a_section(blocks, causal, q.device)
     launch(
-        _forward_kernel, (ceil_div(seq_q, triton_attention.TILE_ROWS) * b * heads,),
-        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2),
+        _forward_kernel, (blocks * b * heads,),
+        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2), section,
         heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
         config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),

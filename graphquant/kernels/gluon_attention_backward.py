@@ -59,14 +59,19 @@ BLOCK_N = gl.constexpr(128)  # keys a program: the Triton backward's default
 
 @dataclasses.dataclass(frozen=True)
 class GluonBackwardConfig:
-    """The Gluon backward's schedule: num_stages query tiles (Q, Q^T, dO, dO^T) in shared memory."""
+    """The Gluon backward's schedule: num_stages query tiles (Q, Q^T, dO, dO^T) in shared memory,
+    and the grid's order (``triton_attention.work_item``; heads_a_section None: that of
+    ``triton_attention.heads_a_section``)."""
 
     num_stages: int = 3
+    heads_a_section: Optional[int] = None
 
     def __post_init__(self) -> None:
         # K, V, K^T, P^T, dS and dQ's tile stay in shared memory beside the stages: 4 stages of 32 KB overfill it at head dim 128
         if self.num_stages not in (2, 3):
             raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: num_stages 2 or 3")
+        if self.heads_a_section is not None and self.heads_a_section < 1:
+            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: heads_a_section of at least 1, or None")
 
 
 DEFAULT_CONFIG = GluonBackwardConfig()
@@ -151,7 +156,7 @@ def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
 
 @gluon.jit
 def _backward_kernel(
-    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride,
+    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride, section,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
     P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
 ):
@@ -165,10 +170,10 @@ def _backward_kernel(
     COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
     VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
 
-    # A one-dimensional grid, key tiles fastest, as the Triton kernel's.
+    # A one-dimensional grid in work_item's order: under a causal mask the first key tiles, which
+    # the most query tiles see, rank first.
     tiles = gl.cdiv(seq_k, BLOCK_N)
-    tile = gl.program_id(0) % tiles
-    bh = (gl.program_id(0) // tiles).to(gl.int64)  # (batch, query head)
+    tile, bh = triton_attention.work_item(gl.program_id(0), tiles, section)  # bh: (batch, query head)
     kv_bh = bh // GROUPS
     start_n = tile * BLOCK_N
     first = bh * seq_q
@@ -319,10 +324,13 @@ def backward(
     if dq.numel() == 0:  # no query: no dQ tile to describe, dK and dV zero
         return dq, dk.zero_(), dv.zero_(), ds_amax.view(torch.float32)
     b, heads, _, head_dim = q.shape
+    config = config or DEFAULT_CONFIG
+    tiles = ceil_div(seq_k, BLOCK_N.value)
+    section = config.heads_a_section or triton_attention.heads_a_section(tiles, causal, q.device)
     launch(
-        _backward_kernel, (ceil_div(seq_k, BLOCK_N.value) * b * heads,),
-        *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1],
-        heads // k.shape[1], head_dim, causal, (config or DEFAULT_CONFIG).num_stages,
+        _backward_kernel, (tiles * b * heads,),
+        *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1], section,
+        heads // k.shape[1], head_dim, causal, config.num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
         num_warps=NUM_WARPS.value,
     )
