@@ -3,7 +3,7 @@ graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls 
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
         [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-operand-order 0,1] [--layouts contiguous,transposed]
-        [--profile compiled]
+        [--gluon-sections 1,auto] [--profile compiled]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -26,8 +26,10 @@ Each sample is one call issued behind one queued call, as a model's steady state
 ``--profile TEXT`` prints, for every row whose name contains TEXT, where one call's host and GPU
 time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle gaps and whether
 a late launch made them). "fp8 flash kernel(s) alone" are the kernels on codes quantized
-beforehand ("fp8 gluon flash kernels alone": the Gluon backward after the forward the plan
-picks); ``--gluon-stages`` adds the forward kernel's Gluon twin
+beforehand ("fp8 gluon flash kernels alone": the Gluon forward and backward, as the plan picks
+them); ``--gluon-sections`` adds the Gluon kernels alone with their grids in sections of that
+many heads (the default's order against head by head: ``--gluon-sections auto,1``);
+``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), S's keys in operand
 order or not (``--gluon-operand-order``; by default the mask's default order). ``--emulated``
@@ -42,6 +44,7 @@ import dataclasses
 import functools
 import itertools
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -115,24 +118,25 @@ def flash_kernel_alone(q, k, v, causal: bool, config=None, forward=None):
     return lambda: forward(*codes, 1 / HEAD_DIM**0.5, causal, q.dtype, config=config)
 
 
-def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False):
+def flash_kernels_alone(q, k, v, grad, causal: bool, config=None, gluon: bool = False, forward_config=None):
     """The FP8 flash forward then the FP8 flash backward on Q, K, V and dO quantized beforehand
     (their own time: no quantize, no transposes, no D); P's and dS's scales those of amaxes 1;
-    the backward in ``config`` (its kernel's configuration; None: its default). ``gluon``: the
-    Gluon backward (graphquant.kernels.gluon_attention_backward) after the forward the plan picks
-    (the Gluon one without a mask, the Triton one under a causal mask)."""
+    the backward in ``config`` and the forward in ``forward_config`` (their kernels'
+    configurations; None: the defaults). ``gluon``: the Gluon kernels
+    (graphquant.kernels.gluon_attention and gluon_attention_backward), as the plan picks them on
+    Hopper under either mask."""
     from graphquant.kernels import triton_attention, triton_attention_backward
 
     forward, backward = triton_attention.forward, triton_attention_backward.backward
     if gluon:
         from graphquant.kernels import gluon_attention, gluon_attention_backward
 
-        forward, backward = (forward if causal else gluon_attention.forward), gluon_attention_backward.backward
+        forward, backward = gluon_attention.forward, gluon_attention_backward.backward
     q8, k8, vt, scale_inv, p_scale = flash_codes(q, k, v)
     e5m2 = Float8CurrentScalingQuantizer(fp8_dtype="e5m2")
     do_made, _ = quantize_tensor(grad.reshape(-1, HEAD_DIM), e5m2, (ROWWISE, COLUMNWISE), SlotState(None, None, 0))
     do8, dot8 = do_made[ROWWISE].tensors[0].view(q.shape), do_made[COLUMNWISE].tensors[0]
-    forward = functools.partial(forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype)
+    forward = functools.partial(forward, q8, k8, vt, scale_inv, p_scale, 1 / HEAD_DIM**0.5, causal, q.dtype, config=forward_config)
     o, lse = forward()
     delta = (do8.float() * do_made[ROWWISE].tensors[1] * o.float()).sum(-1)
     ds_scale = e5m2.scale_of_amax(torch.ones(1, device=q.device))
@@ -177,7 +181,7 @@ def inputs(batch: int, seq: int, kv_heads: int, layout: str, backward: bool) -> 
 
 
 def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int = HEADS, gluon_schedules: tuple = (),
-         layout: str = "contiguous") -> dict[str, callable]:
+         layout: str = "contiguous", gluon_sections: tuple = ()) -> dict[str, callable]:
     batch = max(1, TOKENS // seq)
     q, k, v, grad = inputs(batch, seq, kv_heads, layout, backward)
 
@@ -223,7 +227,23 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
                 name = (f"fp8 gluon flash kernel alone, {stages} stages{', warp-specialized' if specialized else ''}"
                         f"{'' if order is None else ', operand order' if order else ', key order'}")
                 fns[name] = flash_kernel_alone(q, k, v, causal, config, gluon_attention.forward)
+        for section in gluon_sections if backends.HAS_GLUON else ():
+            fns |= gluon_grid_orders(q, k, v, grad, causal, backward, section)
     return fns
+
+
+def gluon_grid_orders(q, k, v, grad, causal: bool, backward: bool, section: Optional[int]) -> dict[str, callable]:
+    """The Gluon kernels alone with their grids in sections of ``section`` heads
+    (triton_attention.work_item; None: the default's, heads_a_section's)."""
+    from graphquant.kernels import gluon_attention, gluon_attention_backward, triton_attention
+
+    heads = section or triton_attention.heads_a_section(-(-q.shape[2] // triton_attention.TILE_ROWS), causal, q.device)
+    label = f"sections of {heads} head{'s' if heads > 1 else ''}"
+    forward = dataclasses.replace(gluon_attention.default_config(causal), heads_a_section=section)
+    if backward:
+        config = gluon_attention_backward.GluonBackwardConfig(heads_a_section=section)
+        return {f"fp8 gluon flash kernels alone, {label}": flash_kernels_alone(q, k, v, grad, causal, config, True, forward)}
+    return {f"fp8 gluon flash kernel alone, {label}": flash_kernel_alone(q, k, v, causal, forward, gluon_attention.forward)}
 
 
 def flops(seq: int, causal: bool, backward: bool) -> float:
@@ -264,6 +284,8 @@ def main() -> None:
                         "(batch, length, heads, dim) tensors), comma-separated")
     parser.add_argument("--profile", default="", help="profile one call of every row whose name contains this text (stderr)")
     parser.add_argument("--gluon-operand-order", default="", help="the Gluon rows' operand_order, 0 and/or 1 (default: the mask's default)")
+    parser.add_argument("--gluon-sections", default="", help="add the Gluon kernels alone with their grids in sections of these "
+                        "numbers of heads (triton_attention.work_item; auto: the default's), comma-separated")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
@@ -275,8 +297,9 @@ def main() -> None:
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     flags = lambda text: [bool(int(x)) for x in text.split(",") if x]  # noqa: E731
     gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_operand_order) or [None]))
+    sections = tuple(None if x == "auto" else int(x) for x in args.gluon_sections.split(",") if x)
     for layout, kv_heads, seq, causal, backward in cases:
-        host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout)
+        host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout, sections)
         results = measure(fns, args.rounds, host)
         for name in [name for name in fns if args.profile and args.profile in name and name in host]:
             profile(f"{layout} {seq} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}: {name}", fns[name])
