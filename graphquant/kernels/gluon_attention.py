@@ -28,7 +28,8 @@ for the copies, one that Triton's shared-memory analysis adds), so both warpgrou
 Warp-specialized, each warpgroup (64 query rows) is its own partition and a third copies the tiles;
 they meet at mbarriers alone (a tile ready, a stage handed back), so one warpgroup's softmax may
 run beside the other's products. Either way each row's values are the same. A program is a work
-item (a query block of a head: ``_item``), under a causal mask the longest first.
+item (a query block of a head: ``_item``), under a causal mask the longest first across a section
+of heads (``triton_attention.work_item``).
 
 Its configuration is ``GluonForwardConfig``; ``forward`` takes the Triton forward's arguments, and
 its bits are those of ``triton_attention.forward`` in ``triton_config(config)``. K and V^T arrive
