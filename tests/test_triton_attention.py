@@ -594,8 +594,9 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale):
     Q.K on the tensor cores, the emulation in fp32; both exponentiate fp32 logits), and the sums l
     by lk fp32 roundings. Quantization then moves each value by at most half an E4M3 step
     (2^-4 relative) or half a subnormal step over the P scale both take (``p_scale``, the s
-    format's for an amax of 1): the kernel quantizes exp(logit - running max) and divides by
-    l >= 1 after; the emulation quantizes the normalised p. So per key
+    format's for an amax of 1): the kernel quantizes exp(logit - running max) (p_scale entering
+    through the exponent) and divides by l >= 1 after; the emulation quantizes the normalised p.
+    So per key
         |P_flash - P_emulated| <= (2^-3 (1 + eta) + 2 eta (1 + eta)) p + 2^-9 / p_scale
     with eta = exp(2 delta) - 1 + 2 lk eps32, weighted by |V|. The PV sums add their accumulation
     error (``sums_apart``) over P's codes' bounds and |V|, and each side rounds O once to its dtype.
@@ -607,6 +608,9 @@ def flash_bound(q, k, v, o_flash, o_emulated, scale, causal, p_scale):
     visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril() if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     x = x.masked_fill(~visible, -math.inf)
     exponent = 2.0**-20 * (1 + x.abs().masked_fill(~visible, 0).amax(-1, keepdim=True))  # scale, log2(e), exp2 in fp32
+    # The kernel's exponents also carry log2(p_scale) (lg2.approx, within 2^-22, and the two fp32
+    # roundings of the shifted max and of the FMA it enters, each within 2^-24 of log2(p_scale) more).
+    exponent = exponent + (2.0**-22 + 2 * EPS32 * math.log2(p_scale)) * math.log(2)
     logits = scale * sums_apart(q64, k64.transpose(-1, -2), fp8.FAST, 3)
     delta = logits.masked_fill(~visible, 0).amax(-1, keepdim=True) + exponent
     eta = torch.expm1(2 * delta) + 2 * lk * EPS32

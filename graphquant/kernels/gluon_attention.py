@@ -137,22 +137,22 @@ def _copy_tile(
 
 
 @gluon.jit
-def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, masked, CAUSAL: gl.constexpr, OPERAND_ORDER: gl.constexpr):
+def _tile_logits(s, m_i, offs_m, start_n, seq_k, qk_scale, p_shift, masked, CAUSAL: gl.constexpr, OPERAND_ORDER: gl.constexpr):
     """``triton_attention.logits_and_max`` of the key tile from ``start_n``, masked where
     ``masked`` (a tile past the ones every row sees whole), unmasked else (the same bits where no
     key is masked). The keys of S's columns are made where the mask needs them, so that they hold
     no registers across the key loop."""
     if masked:
         keys = start_n + triton_attention.column_keys(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout)), OPERAND_ORDER)
-        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, True, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, p_shift, True, CAUSAL)
     else:
-        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, None, seq_k, qk_scale, False, CAUSAL)
+        logits, m_new = triton_attention.logits_and_max(s, m_i, offs_m, None, seq_k, qk_scale, p_shift, False, CAUSAL)
     return logits, m_new
 
 
 @gluon.jit
 def _consume(
-    q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q, seq_k,
+    q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_shift, qk_scale, bh, row0, seq_q, seq_k,
     full_end, end,
     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     OPERAND_ORDER: gl.constexpr, WARPS: gl.constexpr, SPECIALIZED: gl.constexpr,
@@ -185,7 +185,7 @@ def _consume(
         async_copy.wait_group(STAGES - 3)
         gl.thread_barrier()
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False)
-    logits, m_new = _tile_logits(s, m_i, offs_m, 0, seq_k, qk_scale, full_end == 0, CAUSAL, OPERAND_ORDER)
+    logits, m_new = _tile_logits(s, m_i, offs_m, 0, seq_k, qk_scale, p_shift, full_end == 0, CAUSAL, OPERAND_ORDER)
 
     for j in range(tiles):
         if SPECIALIZED:
@@ -203,14 +203,14 @@ def _consume(
         k_next = k_smem.index((j + 1) % STAGES).permute((1, 0))
         s_next = warpgroup_mma(q_smem, k_next, zeros_s, use_acc=False, is_async=True)
 
-        alpha, l_i, p8 = triton_attention.quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+        alpha, l_i, p8 = triton_attention.quantized_p(m_i, m_new, logits, l_i, BLOCK_N, OPERAND_ORDER)
         m_i = m_new
         vt = vt_smem.index(j % STAGES).permute((1, 0))
         pv = warpgroup_mma(gl.convert_layout(p8, P_OPERAND), vt, zeros_o, use_acc=False, is_async=True)
 
         s_next = warpgroup_mma_wait(1, deps=[s_next])
         start_next = (j + 1) * BLOCK_N
-        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next, seq_k, qk_scale, start_next >= full_end, CAUSAL, OPERAND_ORDER)
+        logits, m_new = _tile_logits(s_next, m_i, offs_m, start_next, seq_k, qk_scale, p_shift, start_next >= full_end, CAUSAL, OPERAND_ORDER)
 
         pv = warpgroup_mma_wait(0, deps=[pv])
         if SPECIALIZED:
@@ -219,14 +219,13 @@ def _consume(
     if not SPECIALIZED:
         async_copy.wait_group(0)
 
-    o = acc * (scale_inv / p_scale) / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    o = acc * scale_inv / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
     o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     o_ptrs = o_base + o_rows[:, None] * o_row_stride + offs_d[None, :]
     gl.store(o_ptrs, o.to(o_base.dtype.element_ty), mask=(o_rows < seq_q)[:, None])
     rows = offs_m < seq_q
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
-    gl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
+    gl.store(LSE + bh * seq_q + offs_m, triton_attention.logsumexp(m_i, l_i, p_shift), mask=rows)
 
 
 @gluon.jit
@@ -288,7 +287,7 @@ def _forward_kernel(
     vt_base = VT + kv_bh * seq_k
     o_base = O + (bh // HEADS) * o_batch_stride + (bh % HEADS) * o_head_stride
     scale_inv = gl.load(SCALE_INV)
-    p_scale = gl.load(P_SCALE)
+    p_shift = triton_attention.p_exponent(gl.load(P_SCALE))
     qk_scale = triton_attention.logit_scale(scale_inv, softmax_scale)
 
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM], ROWS_SMEM)
@@ -306,9 +305,9 @@ def _forward_kernel(
         # at setmaxnreg's least (24) they spill them every tile; 40 keep V^T's, and each consumer has the rest of the SM's 64K over
         # 384 threads (232 + 232 + 40 = 3 * 168), which its loop fits without spills.
         gl.warp_specialize([
-            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale,
+            (_consume, (q_smem.slice(0, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_shift,
                         qk_scale, bh, row0, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
-            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale,
+            (_consume, (q_smem.slice(half, half), k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_shift,
                         qk_scale, bh, row0 + half, seq_q, seq_k, full_end, end, HEAD_DIM, CAUSAL, half, BLOCK_N, STAGES, OPERAND_ORDER, 4, True)),
             (_produce, (q_smem, k_smem, vt_smem, ready, empty, Q, bh, row0, seq_q, k_base, vt_base, vt_stride, end, HEAD_DIM, BLOCK_M,
                         BLOCK_N, STAGES, OPERAND_ORDER)),
@@ -318,7 +317,7 @@ def _forward_kernel(
         for i in gl.static_range(STAGES - 2):  # the first tiles (with Q, in the first group)
             _load_tile(k_smem.index(i), vt_smem.index(i), k_base, vt_base, vt_stride, i * BLOCK_N, end, HEAD_DIM, BLOCK_N, OPERAND_ORDER,
                        copy_layout(HEAD_DIM, NUM_WARPS), copy_layout(BLOCK_N, NUM_WARPS))
-        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_scale, qk_scale, bh, row0, seq_q,
+        _consume(q_smem, k_smem, vt_smem, ready, empty, loads, o_base, o_row_stride, LSE, scale_inv, p_shift, qk_scale, bh, row0, seq_q,
                  seq_k, full_end, end, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, OPERAND_ORDER, NUM_WARPS, False)
 
 

@@ -6,12 +6,15 @@ scale, bit for bit the emulation's, graphquant.ops.attention) and, per (batch, q
 block of BLOCK_M query rows, walks the keys BLOCK_N at a time:
 
     S tile  = Q codes @ K codes^T (fp32)        logits in base 2: S * scale_inv^2 * softmax scale * log2(e)
-    online softmax in fp32: running max m, running sum l of exp2(logit - m), O rescaled by exp2(m_old - m)
-    P tile  = exp2(logit - m), unnormalised, in [0, 1], quantized to E4M3 with ``p_scale``
+    online softmax in fp32: running max m, O rescaled by exp2(m_old - m)
+    P tile  = exp2(logit - m + log2(p_scale)), unnormalised P times ``p_scale``, cast to E4M3
+    running sum l of the P tiles' values
     O      += P codes @ V codes (fp32)
 
-and writes O = acc * scale_inv / p_scale / l in the output dtype and the natural-log logsumexp of
-each row's scaled logits (what a backward recomputes P from).
+and writes O = acc * scale_inv / l in the output dtype and the natural-log logsumexp of each row's
+scaled logits (what a backward recomputes P from). P's scale enters through the exponent, so
+that its values need no product before their cast; they are those of P times p_scale within a few
+fp32 roundings of the exponent (the tests' bound covers them).
 
 V arrives as its columnwise representation (V^T, keys contiguous: the exact transpose of the
 rowwise codes), so the right operand of the PV product is K-major, as Hopper's FP8 wgmma takes it.
@@ -133,9 +136,9 @@ def _scores(q, k_base, keys, offs_d, limit, MASKED: tl.constexpr):
 
 
 @triton.jit
-def logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, p_shift, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """The base-2 logits of one key tile's products ``s`` (Q codes @ K codes^T, column c holding
-    key keys[c]) less the new running max, and that max."""
+    key keys[c]) less the new running max and plus ``p_shift`` (``p_exponent``), and that max."""
     if MASKED:
         visible = keys[None, :] < seq_k
         if CAUSAL:
@@ -144,17 +147,24 @@ def logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED: tl.constexpr, 
     # The max of the raw products, scaled, is the max of the scaled logits bit for bit (rounding a
     # product by a positive factor is monotonic); each logit is then scaled and shifted in one FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    return s * qk_scale - m_new[:, None], m_new
+    return s * qk_scale - (m_new - p_shift)[:, None], m_new
 
 
 @triton.jit
-def quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
+def p_exponent(p_scale):
+    """log2 of P's scale, which the logits take on before their exponentials so that these are
+    P's scaled values, ready for the cast: one subtraction a row in place of a product a value."""
+    return tl.math.log2(p_scale)
+
+
+@triton.jit
+def quantized_p(m_i, m_new, logits, l_i, BLOCK_N: tl.constexpr, OPERAND_ORDER: tl.constexpr):
     """From one key tile's ``logits_and_max``: O's rescaling factor alpha, the new running sum l
-    and the tile's P codes (keys in order), the operand of its PV product."""
+    (of P's scaled values) and the tile's P codes (keys in order), the operand of its PV product."""
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(logits)
     l_i = l_i * alpha + tl.sum(p, 1)
-    p8 = (p * p_scale).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    p8 = p.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     if OPERAND_ORDER:
         p8 = _in_key_order(p8, BLOCK_N)
     return alpha, l_i, p8
@@ -162,12 +172,12 @@ def quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N: tl.constexpr, OPERAND
 
 @triton.jit
 def _fold(
-    acc, l_i, m_i, m_new, logits, vt, p_scale,
+    acc, l_i, m_i, m_new, logits, vt,
     BLOCK_N: tl.constexpr, PV_PROMOTION: tl.constexpr, OPERAND_ORDER: tl.constexpr,
 ):
     """Fold one key tile's ``logits_and_max`` and V^T codes (keys in order) into the running (acc,
     l, m)."""
-    alpha, l_i, p8 = quantized_p(m_i, m_new, logits, l_i, p_scale, BLOCK_N, OPERAND_ORDER)
+    alpha, l_i, p8 = quantized_p(m_i, m_new, logits, l_i, BLOCK_N, OPERAND_ORDER)
     if PV_PROMOTION is None:  # the narrow accumulator carries O across the key loop
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     else:  # the tile's product from zero (promoted every PV_PROMOTION keys within it), added in fp32
@@ -178,7 +188,7 @@ def _fold(
 
 @triton.jit
 def _key_tiles(
-    acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_scale,
+    acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, start, end, seq_k, qk_scale, p_shift,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     PV_PROMOTION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, QK_AHEAD: tl.constexpr,
     OPERAND_ORDER: tl.constexpr,
@@ -201,11 +211,18 @@ def _key_tiles(
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :], mask=offs_n[None, :] < seq_k, other=0.0)
         else:
             vt = tl.load(vt_base + offs_d[:, None] * vt_stride + offs_n[None, :])
-        logits, m_new = logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, MASKED, CAUSAL)
+        logits, m_new = logits_and_max(s, m_i, offs_m, keys, seq_k, qk_scale, p_shift, MASKED, CAUSAL)
         if QK_AHEAD:
             s = _scores(q, k_base, keys + BLOCK_N, offs_d, end, True)
-        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, p_scale, BLOCK_N, PV_PROMOTION, OPERAND_ORDER)
+        acc, l_i, m_i = _fold(acc, l_i, m_i, m_new, logits, vt, BLOCK_N, PV_PROMOTION, OPERAND_ORDER)
     return acc, l_i, m_i
+
+
+@triton.jit
+def logsumexp(m_i, l_i, p_shift):
+    """Each row's natural-log logsumexp of its scaled logits, from the running max and the sum of
+    P's scaled values."""
+    return (m_i + tl.math.log2(l_i) - p_shift) * 0.6931471805599453  # ln(2): back to natural-log units
 
 
 @triton.jit
@@ -280,7 +297,7 @@ def _forward_kernel(
     k_base = K + kv_bh * seq_k * HEAD_DIM
     vt_base = VT + kv_bh * seq_k
     scale_inv = tl.load(SCALE_INV)
-    p_scale = tl.load(P_SCALE)
+    p_shift = p_exponent(tl.load(P_SCALE))
     qk_scale = logit_scale(scale_inv, softmax_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -290,18 +307,18 @@ def _forward_kernel(
     # QK^T a tile ahead there would only add its product of zeros).
     full_end, end = key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _key_tiles(
-        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_scale,
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, 0, full_end, seq_k, qk_scale, p_shift,
         HEAD_DIM, BLOCK_N, False, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, QK_AHEAD, OPERAND_ORDER,
     )
     acc, l_i, m_i = _key_tiles(
-        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_scale,
+        acc, l_i, m_i, q, k_base, vt_base, vt_stride, offs_m, full_end, end, seq_k, qk_scale, p_shift,
         HEAD_DIM, BLOCK_N, True, CAUSAL, PV_PROMOTION, WARP_SPECIALIZE, False, OPERAND_ORDER,
     )
 
-    o = acc * (scale_inv / p_scale) / l_i[:, None]
+    o = acc * scale_inv / l_i[:, None]
     o_base = O + (bh // HEADS) * o_batch_stride + (bh % HEADS) * o_head_stride
     tl.store(o_base + offs_m[:, None] * o_row_stride + offs_d[None, :], o.to(O.dtype.element_ty), mask=rows[:, None])
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # ln(2): back to natural-log units
+    lse = logsumexp(m_i, l_i, p_shift)
     tl.store(LSE + bh * seq_q + offs_m, lse, mask=rows)
 
 
