@@ -236,8 +236,9 @@ def gluon_grid_orders(q, k, v, grad, causal: bool, backward: bool, section: Opti
     """The Gluon kernels alone with their grids in sections of ``section`` heads
     (triton_attention.work_item; None: the default's, heads_a_section's)."""
     from graphquant.kernels import gluon_attention, gluon_attention_backward, triton_attention
+    from graphquant.kernels.triton_launch import ceil_div
 
-    heads = section or triton_attention.heads_a_section(-(-q.shape[2] // triton_attention.TILE_ROWS), causal, q.device)
+    heads = section or triton_attention.heads_a_section(ceil_div(q.shape[2], triton_attention.TILE_ROWS), causal, q.device)
     label = f"sections of {heads} head{'s' if heads > 1 else ''}"
     forward = dataclasses.replace(gluon_attention.default_config(causal), heads_a_section=section)
     if backward:
