@@ -3,7 +3,7 @@ graphquant's FP8 attention (graphquant.ops.attention, as a compiled graph calls 
 
     python benchmarks/attention.py [--seqs 2048,8192,16384] [--passes fwd,fwd+bwd] [--kv-heads 32,8] [--rounds 3] [--emulated]
         [--gluon-stages 4,5,6] [--gluon-warp-specialize 0,1] [--gluon-operand-order 0,1] [--layouts contiguous,transposed]
-        [--gluon-sections 1,auto] [--profile compiled]
+        [--gluon-sections 1,2,4] [--profile compiled]
 
 32 query heads of dim 128 over 32 key/value heads, and over 8 (grouped-query attention, the
 shape of benchmarks/models.py's decoder layer), bf16, a batch of 16384 // seq sequences (16k
@@ -28,7 +28,7 @@ time go (common.profile: the host's functions, the CUDA kernels, the GPU's idle 
 a late launch made them). "fp8 flash kernel(s) alone" are the kernels on codes quantized
 beforehand ("fp8 gluon flash kernels alone": the Gluon forward and backward, as the plan picks
 them); ``--gluon-sections`` adds the Gluon kernels alone with their grids in sections of that
-many heads (the default's order against head by head: ``--gluon-sections auto,1``);
+many heads (the default's, one, against others: ``--gluon-sections 1,2,4``);
 ``--gluon-stages`` adds the forward kernel's Gluon twin
 (graphquant.kernels.gluon_attention: the same bits, the tensor cores overlapped with the softmax)
 at those pipeline depths, warp-specialized or not (``--gluon-warp-specialize``), S's keys in operand
@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import itertools
 import sys
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -232,14 +231,12 @@ def runs(seq: int, causal: bool, backward: bool, emulated: bool, kv_heads: int =
     return fns
 
 
-def gluon_grid_orders(q, k, v, grad, causal: bool, backward: bool, section: Optional[int]) -> dict[str, callable]:
+def gluon_grid_orders(q, k, v, grad, causal: bool, backward: bool, section: int) -> dict[str, callable]:
     """The Gluon kernels alone with their grids in sections of ``section`` heads
-    (triton_attention.work_item; None: the default's, heads_a_section's)."""
-    from graphquant.kernels import gluon_attention, gluon_attention_backward, triton_attention
-    from graphquant.kernels.triton_launch import ceil_div
+    (triton_attention.work_item; the default's: one)."""
+    from graphquant.kernels import gluon_attention, gluon_attention_backward
 
-    heads = section or triton_attention.heads_a_section(ceil_div(q.shape[2], triton_attention.TILE_ROWS), causal, q.device)
-    label = f"sections of {heads} head{'s' if heads > 1 else ''}"
+    label = f"sections of {section} head{'s' if section > 1 else ''}"
     forward = dataclasses.replace(gluon_attention.default_config(causal), heads_a_section=section)
     if backward:
         config = gluon_attention_backward.GluonBackwardConfig(heads_a_section=section)
@@ -286,7 +283,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="profile one call of every row whose name contains this text (stderr)")
     parser.add_argument("--gluon-operand-order", default="", help="the Gluon rows' operand_order, 0 and/or 1 (default: the mask's default)")
     parser.add_argument("--gluon-sections", default="", help="add the Gluon kernels alone with their grids in sections of these "
-                        "numbers of heads (triton_attention.work_item; auto: the default's), comma-separated")
+                        "numbers of heads (triton_attention.work_item; the default's: 1), comma-separated")
     args = parser.parse_args()
     passes = args.passes.split(",")
     if not set(passes) <= {"fwd", "fwd+bwd"}:
@@ -298,7 +295,7 @@ def main() -> None:
     stages = [int(x) for x in args.gluon_stages.split(",") if x]
     flags = lambda text: [bool(int(x)) for x in text.split(",") if x]  # noqa: E731
     gluon_schedules = tuple(itertools.product(stages, flags(args.gluon_warp_specialize), flags(args.gluon_operand_order) or [None]))
-    sections = tuple(None if x == "auto" else int(x) for x in args.gluon_sections.split(",") if x)
+    sections = tuple(int(x) for x in args.gluon_sections.split(",") if x)
     for layout, kv_heads, seq, causal, backward in cases:
         host, fns = {}, runs(seq, causal, backward, args.emulated, kv_heads, gluon_schedules, layout, sections)
         results = measure(fns, args.rounds, host)

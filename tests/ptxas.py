@@ -1,7 +1,6 @@
 """Triton kernels compiled for Hopper on the CPU, and Triton's ptxas on them: the tests that hold a
 kernel to its instructions, registers and spills share it."""
 
-import re
 import subprocess
 import tempfile
 
@@ -18,27 +17,6 @@ def report(ptx: str) -> str:
             capture_output=True, text=True, check=True,
         )
     return done.stderr
-
-
-def loop_spills(cubin: bytes) -> list[str]:
-    """The local-memory loads and stores (spills) inside a kernel's loops: the instructions from a
-    label to a branch back to it, in the SASS nvdisasm (beside Triton's ptxas) reads from ``cubin``."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as folder:
-        with open(f"{folder}/kernel.cubin", "wb") as file:
-            file.write(cubin)
-        sass = subprocess.run([get_ptxas(90).path.replace("ptxas", "nvdisasm"), "-c", f"{folder}/kernel.cubin"], capture_output=True, text=True, check=True).stdout
-    lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
-    in_loops = set()
-    for i, line in enumerate(lines):
-        target = re.search(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)", line)  # BRA, BRA.U, BRA.DIV, predicated or not
-        if target and labels.get(target.group(1), i) < i:
-            in_loops.update(range(labels[target.group(1)], i))
-    if not in_loops:
-        raise ValueError("no loop (a branch back to a label) in this kernel's SASS")
-    return [lines[i].strip() for i in sorted(in_loops) if re.search(r"\b(STL|LDL)\b", lines[i])]
 
 
 def compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int, capability: int = 90):

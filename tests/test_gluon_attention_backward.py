@@ -1,7 +1,7 @@
 """The Gluon FP8 flash-attention backward (graphquant.kernels.gluon_attention_backward).
 
-On the CPU: compiled for Hopper (sm_90; Gluon kernels do not run under Triton's interpreter), it
-spills nothing and ptxas serializes none of its wgmmas. On the GPU: dQ, dK, dV and dS's amax are
+On the CPU: compiled for Hopper (sm_90; Gluon kernels do not run under Triton's interpreter), the
+loop most of its tiles take spills nothing and ptxas serializes none of its wgmmas. On the GPU: dQ, dK, dV and dS's amax are
 the Triton backward's bit for bit (which tests/test_triton_attention.py holds to the emulation's
 bound) wherever the order of the atomic adds cannot change a bit, and dK, dV and dS's amax
 everywhere else, dQ there held to the emulation's bound; dK and dV it stores in bfloat16 or
@@ -14,13 +14,14 @@ import ptxas
 import pytest
 import torch
 
-from test_triton_attention import assert_same_bits, backward_arguments, check_gradients_in_their_dtype
+from test_gluon_attention import _sass
+from test_triton_attention import assert_same_bits, backward_arguments, check_gradients_in_their_dtype, check_nan_in_ds_amax
 
 
-def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
+def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int, whole: bool = False):
     """gluon_attention_backward's kernel compiled for Hopper (on any machine), dO and dS in E5M2,
-    lengths multiples of 16 (as ``backward`` takes them), dK and dV stored in bfloat16 (added
-    into in float32 under groups)."""
+    lengths multiples of 16 (as ``backward`` takes them; ``whole``: of its tiles, so that no key
+    or row needs a mask), dK and dV stored in bfloat16 (added into in float32 under groups)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -29,7 +30,8 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
     from graphquant.kernels import gluon_attention_backward
 
     kernel = gluon_attention_backward._backward_kernel
-    constants = dict(GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=stages, P_CODE=gl.float8e4nv, DS_CODE=gl.float8e5)
+    constants = dict(GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=stages, P_CODE=gl.float8e4nv, DS_CODE=gl.float8e5,
+                     KEYS_WHOLE=whole, ROWS_WHOLE=whole)
     e4m3 = dict.fromkeys(("Q", "QT", "K", "KT", "V"), "*fp8e4nv")
     fp32 = dict.fromkeys(("LSE", "DELTA", "SCALES"), "*fp32")
     grads = dict.fromkeys(("DK", "DV"), "*bf16" if groups == 1 else "*fp32")
@@ -43,29 +45,44 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int):
                           options={"num_warps": gluon_attention_backward.NUM_WARPS.value})
 
 
-SM90_CASES = [(128, 1, False), (128, 1, True), (128, 4, True), (64, 1, False), (64, 2, True)]  # head dim, groups, causal
+SM90_CASES = [  # head dim, groups, causal, lengths whole tiles
+    (128, 1, False, False), (128, 1, False, True), (128, 1, True, False), (128, 1, True, True), (128, 4, True, False),
+    (64, 1, False, False), (64, 2, True, True),
+]
 
 
-@pytest.mark.parametrize("head_dim, groups, causal", SM90_CASES, ids=[f"d{d}-g{g}-{'causal' if c else 'full'}" for d, g, c in SM90_CASES])
-def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal):
+def _query_loops(cubin: bytes) -> list[list[str]]:
+    """The kernel's query-tile loops, in order: each the instructions from a backward branch's
+    target to it, where the span issues a wgmma."""
+    sass = _sass(cubin)
+    spans = sorted((int(m.group(1), 16), address) for address, instruction in sass
+                   if (m := re.search(r"\bBRA (0x[0-9a-f]+)", instruction)) and int(m.group(1), 16) < address)
+    loops = [[instruction for address, instruction in sass if a <= address <= b] for a, b in spans]
+    return [loop for loop in loops if any("QGMMA" in instruction for instruction in loop)]
+
+
+@pytest.mark.parametrize("head_dim, groups, causal, whole", SM90_CASES,
+                         ids=[f"d{d}-g{g}-{'causal' if c else 'full'}{'-whole' if w else ''}" for d, g, c, w in SM90_CASES])
+def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, whole):
     """Compiled for Hopper at the default stages, ptxas serializes no wgmma (each product is
-    waited for where the schedule says, not where ptxas must) and its loop stores no tile's values
-    to local memory: at head dim 128 one word a tile, and reloads of what it spilled before the
-    loop (under a causal mask ten copy offsets a tile, measured faster than dQ's atomic adds
-    without them), 48 bytes spilled in all at most; at head dim 64 nothing."""
+    waited for where the schedule says, not where ptxas must), and the loop most tiles take (without
+    a mask the one loop, under a causal mask the unmasked loop between the masked ones: the
+    diagonal's tiles, a last tile whose rows do not tile) stores at most one word a tile to local
+    memory at head dim 128, nothing at 64; under a causal mask the masked loops at most 10 (the
+    last never runs where the rows tile)."""
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention_backward
 
-    compiled = _compiled_for_sm90(causal, head_dim, groups, gluon_attention_backward.DEFAULT_CONFIG.num_stages)
+    compiled = _compiled_for_sm90(causal, head_dim, groups, gluon_attention_backward.DEFAULT_CONFIG.num_stages, whole)
     report = ptxas.report(compiled.asm["ptx"])
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    spills = ptxas.loop_spills(compiled.asm["cubin"])
-    stores = [s for s in spills if "STL" in s]
-    assert "serialized" not in report and all(re.search(r"\bSTL ", s) for s in stores), (report, spills)  # a word each, not STL.64 or .128
-    if head_dim == 128:
-        assert len(stores) <= 1 and spilled <= 48, (report, spills)
-    else:
-        assert spills == [] and spilled == 0, (report, spills)
+    assert "serialized" not in report, report
+    loops = _query_loops(compiled.asm["cubin"])
+    stores = [sum(bool(re.match(r"(?:@!?P\w+ )?STL\b", i)) for i in loop) for loop in loops]
+    masks = [sum("FSEL" in i for i in loop) for loop in loops]
+    main = 0 if not causal else 1
+    assert len(loops) == (3 if causal else 1) and (not causal or masks[1] == 0 < masks[0]), masks
+    assert stores[main] <= (1 if head_dim == 128 else 0), stores
+    assert max(stores) <= (10 if head_dim == 128 else 0), stores
 
 
 def test_configurations_refuse_what_the_kernel_cannot_run():
@@ -74,7 +91,7 @@ def test_configurations_refuse_what_the_kernel_cannot_run():
 
     with pytest.raises(ValueError, match=r"GluonBackwardConfig\(num_stages=4, .*\) is not a configuration: num_stages 2 or 3"):
         GluonBackwardConfig(num_stages=4)
-    with pytest.raises(ValueError, match=r"heads_a_section=0\) is not a configuration: heads_a_section of at least 1, or None"):
+    with pytest.raises(ValueError, match=r"heads_a_section=0\) is not a configuration: heads_a_section of at least 1"):
         GluonBackwardConfig(heads_a_section=0)
 
 
@@ -134,10 +151,11 @@ def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal):
 @pytest.mark.gpu
 def test_gluon_gradients_in_their_dtype():
     """``check_gradients_in_their_dtype`` of the Gluon backward: dK and dV it stores in bfloat16
-    and float16 are its float32 ones rounded once."""
+    and float16 are its float32 ones rounded once; and ``check_nan_in_ds_amax``."""
     from graphquant.kernels import gluon_attention_backward
 
     print(check_gradients_in_their_dtype(gluon_attention_backward.backward, "cuda"))
+    print(check_nan_in_ds_amax(gluon_attention_backward.backward, "cuda"))
 
 
 @pytest.mark.gpu

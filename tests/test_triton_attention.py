@@ -885,18 +885,6 @@ def test_work_items_rank_by_block_in_sections_of_heads():
         assert items == [(rank, head) for heads_here in sections for rank in range(blocks) for head in heads_here], (blocks, heads, section)
 
 
-@pytest.mark.parametrize("blocks, causal, sms, section", [(64, False, 132, 1), (64, True, 132, 8), (128, True, 132, 4), (16, True, 132, 32),
-                                                          (512, True, 132, 1), (64, True, 78, 4)])
-def test_causal_sections_make_two_waves_of_programs(monkeypatch, blocks, causal, sms, section):
-    """A causal grid's sections are the fewest heads, a power of two, whose blocks fill the SMs
-    twice; a grid without a mask, whose blocks are all one length, goes head by head."""
-    pytest.importorskip("triton")
-    from graphquant.kernels import triton_attention
-
-    monkeypatch.setattr(triton_attention, "multiprocessors", lambda device: sms)
-    assert triton_attention.heads_a_section(blocks, causal, torch.device("cuda")) == section
-
-
 def test_backward_kernel_under_the_interpreter():
     """``check_backward_against_the_emulation`` with both kernels run by Triton's interpreter
     (the reference's float32 -> FP8 casts in place of the interpreter's): grouped heads (2 and 4
@@ -976,6 +964,22 @@ def check_gradients_in_their_dtype(backward, device: str) -> str:
     return f"{len(DTYPE_CASES)} cases"
 
 
+def check_nan_in_ds_amax(backward, device: str) -> str:
+    """``backward`` (a flash backward's function) returns a NaN amax of dS where one code of dO is
+    NaN (one row's dS all NaN), as torch.amax does, and where none is, the amax of a call whose
+    dO has that code zeroed (an amax of finite values: the NaN does not hide behind them)."""
+    b, heads, kv_heads, lq, lk, d, causal = DTYPE_CASES[0]
+    args = list(backward_arguments(b, heads, kv_heads, lq, lk, d, causal, device=device))
+    rest = (d**-0.5, causal, "e4m3", "e5m2", torch.float32)
+    finite = backward(*args, *rest)[3]
+    do = args[5].clone()
+    do.view(torch.uint8)[0, 1, 70, 3] = 0x7F  # an E5M2 NaN
+    args[5], args[6] = do, do.reshape(-1, d).t().contiguous()
+    got = backward(*args, *rest)[3]
+    assert finite.isfinite() and finite > 0 and got.isnan(), (finite, got)
+    return "NaN amax"
+
+
 GRADIENT_DTYPES_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
     """
     triton_interpreter.round_bfloat16_to_nearest()
@@ -983,13 +987,14 @@ GRADIENT_DTYPES_INTERPRETED = INTERPRETER_SETUP + textwrap.dedent(
     from graphquant.kernels import triton_attention_backward
 
     print(test_triton_attention.check_gradients_in_their_dtype(triton_attention_backward.backward, "cpu"))
+    print(test_triton_attention.check_nan_in_ds_amax(triton_attention_backward.backward, "cpu"))
     """
 )
 
 
 def test_backward_gradients_in_their_dtype_under_the_interpreter():
-    """``check_gradients_in_their_dtype`` of the Triton backward run by Triton's interpreter (its
-    float32 -> bfloat16 cast rounding to nearest even, as the GPU's)."""
+    """``check_gradients_in_their_dtype`` and ``check_nan_in_ds_amax`` of the Triton backward run by
+    Triton's interpreter (its float32 -> bfloat16 cast rounding to nearest even, as the GPU's)."""
     pytest.importorskip("triton")
     tests = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}

@@ -28,8 +28,8 @@ for the copies, one that Triton's shared-memory analysis adds), so both warpgrou
 Warp-specialized, each warpgroup (64 query rows) is its own partition and a third copies the tiles;
 they meet at mbarriers alone (a tile ready, a stage handed back), so one warpgroup's softmax may
 run beside the other's products. Either way each row's values are the same. A program is a work
-item (a query block of a head: ``_item``), under a causal mask the longest first across a section
-of heads (``triton_attention.work_item``).
+item (a query block of a head: ``_item``), under a causal mask the longest first within a section
+of heads (``triton_attention.work_item``; one head by default).
 
 Its configuration is ``GluonForwardConfig``; ``forward`` takes the Triton forward's arguments, and
 its bits are those of ``triton_attention.forward`` in ``triton_config(config)``. K and V^T arrive
@@ -63,22 +63,22 @@ class GluonForwardConfig:
     operand_order (S's keys in the PV operand's order, as the Triton kernel's
     ``ForwardConfig.operand_order``), warp_specialize (the tiles copied by a warpgroup of their
     own, each consumer warpgroup a partition: the module's docstring) and the grid's order
-    (``triton_attention.work_item``; heads_a_section None: that of
-    ``triton_attention.heads_a_section``). Tiles are 128 query rows
+    (``triton_attention.work_item``, in sections of heads_a_section heads: one, head by head, as fast
+    as any in benchmarks/attention.py's sweep). Tiles are 128 query rows
     over 128 keys, a warpgroup per 64 rows, PV promoted once a key tile: the Triton kernel's
     default."""
 
     num_stages: int = 4  # 1-4% faster than 5 or 6 at 8k and 16k (benchmarks/NOTES.md, attention.py)
     operand_order: bool = False
     warp_specialize: bool = False
-    heads_a_section: Optional[int] = None
+    heads_a_section: int = 1
 
     def __post_init__(self) -> None:
         # tiles j - 1 to j + 1 in use, j + 2 on its way; 6 stages of K and V^T and Q fill shared memory
         if not 4 <= self.num_stages <= 6:
             raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: num_stages from 4 to 6")
-        if self.heads_a_section is not None and self.heads_a_section < 1:
-            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: heads_a_section of at least 1, or None")
+        if self.heads_a_section < 1:
+            raise ValueError(f"Gluon FP8 flash attention: {self!r} is not a configuration: heads_a_section of at least 1")
 
 
 def launch_warps(config: GluonForwardConfig) -> int:
@@ -334,11 +334,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     (o, lse), (q, k, vt) = triton_attention.prepared(q, k, vt, out_dtype, token_major)
     config = config or default_config(causal)
     blocks = ceil_div(seq_q, triton_attention.TILE_ROWS)
-    section = config.heads_a_section or triton_attention.heads_a_section(blocks, causal, q.device)
     launch(
         _forward_kernel, (blocks * b * heads,),
-        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2), section,
-        heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
+        q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2),
+        config.heads_a_section, heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
         config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),
     )

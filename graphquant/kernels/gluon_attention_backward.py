@@ -19,8 +19,11 @@ product from zero over the same depth in the same order (S^T and dP^T over the h
 dK over the BLOCK_M rows, dQ over the BLOCK_N keys) and added in fp32 as Triton adds it, the
 query tiles walked in the same order, the elementwise steps the Triton kernel's own helpers. dK
 and dV are kept in halves of the head dim (a product's columns are independent sums: the same
-bits) so that two products' partial sums fit in the registers beside them. Every tile is masked
-(where Triton's is not, every row sees every key: the same bits). dQ's tiles, as Triton's atomic
+bits) so that two products' partial sums fit in the registers beside them. The query tiles every
+row of which sees every key run in a loop of their own without masks (most tiles: under a causal
+mask all but those on the diagonal; fewer instructions than the masked loop's, whose comparisons
+and selections were a sixth of the causal loop's), the others masked (where Triton's is not, every
+row sees every key: the same bits). dQ's tiles, as Triton's atomic
 adds, meet in DQ in no fixed order: two key tiles' sums are the same bits either way, more may
 differ in dQ's last bits (tests/test_gluon_attention_backward.py). A TMA reduction adds a tile in
 whole lines: a thread's atomic adds of the same tile, one 32-byte sector a request, were a quarter
@@ -60,18 +63,18 @@ BLOCK_N = gl.constexpr(128)  # keys a program: the Triton backward's default
 @dataclasses.dataclass(frozen=True)
 class GluonBackwardConfig:
     """The Gluon backward's schedule: num_stages query tiles (Q, Q^T, dO, dO^T) in shared memory,
-    and the grid's order (``triton_attention.work_item``; heads_a_section None: that of
-    ``triton_attention.heads_a_section``)."""
+    and the grid's order (``triton_attention.work_item``, in sections of heads_a_section heads: one,
+    head by head, as fast as any in benchmarks/attention.py's sweep)."""
 
     num_stages: int = 3
-    heads_a_section: Optional[int] = None
+    heads_a_section: int = 1
 
     def __post_init__(self) -> None:
         # K, V, K^T, P^T, dS and dQ's tile stay in shared memory beside the stages: 4 stages of 32 KB overfill it at head dim 128
         if self.num_stages not in (2, 3):
             raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: num_stages 2 or 3")
-        if self.heads_a_section is not None and self.heads_a_section < 1:
-            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: heads_a_section of at least 1, or None")
+        if self.heads_a_section < 1:
+            raise ValueError(f"Gluon FP8 flash attention backward: {self!r} is not a configuration: heads_a_section of at least 1")
 
 
 DEFAULT_CONFIG = GluonBackwardConfig()
@@ -133,15 +136,16 @@ def _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, 
 
 
 @gluon.jit
-def _masked(pt, offs_n, offs_m, seq_k, CAUSAL: gl.constexpr):
-    """P^T with 0 where a key is past seq_k or (CAUSAL) after the row: the Triton kernel's mask,
-    one comparison a value. Every tile is masked: where the Triton kernel leaves a tile unmasked,
-    every row sees every key, and the mask changes no bit."""
-    if CAUSAL:
-        visible = offs_n[:, None] <= gl.minimum(offs_m, seq_k - 1)[None, :]
-    else:
-        visible = (offs_n < seq_k)[:, None]
-    return gl.where(visible, pt, 0.0)
+def _masked(pt, offs_n, offs_m, seq_k, CAUSAL_MASK: gl.constexpr, KEY_MASK: gl.constexpr):
+    """P^T with 0 where (KEY_MASK) a key is past seq_k or (CAUSAL_MASK) after the row: the Triton
+    kernel's mask, one comparison a value, or none where no key of the tile can be masked."""
+    if CAUSAL_MASK and KEY_MASK:
+        pt = gl.where(offs_n[:, None] <= gl.minimum(offs_m, seq_k - 1)[None, :], pt, 0.0)
+    elif CAUSAL_MASK:
+        pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+    elif KEY_MASK:
+        pt = gl.where((offs_n < seq_k)[:, None], pt, 0.0)
+    return pt
 
 
 @gluon.jit
@@ -155,17 +159,99 @@ def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
 
 
 @gluon.jit
-def _backward_kernel(
-    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride, section,
-    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-    P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
+def _query_tile(
+    j, state, stages, bases, buffers, offs_n, lo, seq_q, seq_k, qt_stride, bh, scales,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
+    CAUSAL_MASK: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr,
 ):
+    """Query tile j's products and their sums into ``state`` (dV's and dK's halves, each key's
+    largest |dS| so far): the module's docstring, step by step. Masked where this tile may have
+    keys after a row (CAUSAL_MASK), keys past seq_k (KEY_MASK) or rows past seq_q (ROW_MASK)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 32])
     KV_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HALF, 32])
     DQ_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS // 2, 2], instr_shape=[16, HALF, 32])
-    KEYS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROWS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
+    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
+    dv0, dv1, dk0, dk1, ds_amax = state
+    q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem = stages
+    k_smem, v_smem, kt, pt_smem, dst_smem, ds_smem, dq_smem, dq_tiles = buffers
+    qk_scale, dp_factor, grad_factor, s_scale, dp_scale = scales
+    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_LAYOUT)
+    zeros_kv = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
+    zeros_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, DQ_LAYOUT)
+    dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM])
+    # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
+    # the stage the next copy overwrites, whose products it waited for in the previous iteration).
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    ahead = j + STAGES - 1
+    _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
+                     HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
+    stage = j % STAGES
+    start_m = lo + j * BLOCK_M
+    st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+
+    st = warpgroup_mma_wait(1, deps=[st])
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=ROWS)
+    lse = lse_smem.index(stage).load(ROWS)
+    if ROW_MASK:
+        lse = gl.where(offs_m < seq_q, lse, float("inf"))
+    pt = triton_attention_backward.transposed_p(st, lse * 1.4426950408889634, qk_scale)  # log2(e)
+    pt = _masked(pt, offs_n, offs_m, seq_k, CAUSAL_MASK, KEY_MASK)
+    dpt = warpgroup_mma_wait(0, deps=[dpt])
+    dst = triton_attention_backward.transposed_ds(pt, dpt, delta_smem.index(stage).load(ROWS), dp_factor)
+    ds_amax = triton_attention_backward.abs_max(ds_amax, dst)
+    # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory:
+    # the previous tile's products that read them were waited for before this iteration's first barrier.
+    pt_smem.store(triton_attention_backward._cast(pt, s_scale, P_CODE))
+    ds8 = triton_attention_backward._cast(dst, dp_scale, DS_CODE)
+    dst_smem.store(ds8)
+    ds_smem.store(gl.permute(ds8, (1, 0)))
+    fence_async_shared()
+    # The previous dQ tile's reduction done reading shared memory before any warp writes this one:
+    # waited for at the top of the tile instead, it stalled every warp there (benchmarks/NOTES.md).
+    tma.store_wait(0)
+    gl.thread_barrier()
+
+    dot = dot_smem.index(stage)
+    qt = qt_smem.index(stage)
+    dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
+    dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=[dq])
+    # Issued here, after a barrier of its own: issued after the next tile's first barrier instead,
+    # it was 4-7% slower without a mask (benchmarks/NOTES.md).
+    dq_tile.store(dq * grad_factor)
+    fence_async_shared()
+    gl.thread_barrier()
+    _reduce_add(dq_tiles, [bh.to(gl.int32), start_m, 0], dq_smem)  # one thread issues it; rows from seq_q on fall outside
+    dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+    dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
+    dv0 = dv0 + dv0_tile
+    dk0_tile = warpgroup_mma(dst_smem, qt.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+    dv1_tile = warpgroup_mma_wait(1, deps=[dv1_tile])
+    dv1 = dv1 + dv1_tile
+    dk1_tile = warpgroup_mma(dst_smem, qt.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
+    dk0_tile = warpgroup_mma_wait(1, deps=[dk0_tile])
+    dk0 = dk0 + dk0_tile
+    dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
+    dk1 = dk1 + dk1_tile
+    return dv0, dv1, dk0, dk1, ds_amax
+
+
+@gluon.jit
+def _backward_kernel(
+    Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride, section,
+    GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEYS_WHOLE: gl.constexpr, ROWS_WHOLE: gl.constexpr,
+):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 32])
+    KV_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HALF, 32])
+    KEYS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
     COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
     VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
@@ -220,71 +306,36 @@ def _backward_kernel(
                          HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=KEYS)
-    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, S_LAYOUT)
-    zeros_kv = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
-    zeros_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, DQ_LAYOUT)
     dv0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     dv1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     dk0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     dk1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
-    ds_amax = gl.zeros([BLOCK_N], gl.int32, KEYS)
-    kt = kt_smem.permute((1, 0))
-    dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM])
+    ds_amax = gl.zeros([BLOCK_N], gl.float32, KEYS)
+    buffers = (k_smem, v_smem, kt_smem.permute((1, 0)), pt_smem, dst_smem, ds_smem, dq_smem, DQ_TILES)
+    scales = (qk_scale, dp_factor, grad_factor, s_scale, dp_scale)
 
-    for j in range(steps):
-        # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
-        # the stage the next copy overwrites, whose products it waited for in the previous iteration).
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        ahead = j + STAGES - 1
-        _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
-                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
-        stage = j % STAGES
-        start_m = lo + j * BLOCK_M
-        st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-
-        st = warpgroup_mma_wait(1, deps=[st])
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=ROWS)
-        lse = gl.where(offs_m < seq_q, lse_smem.index(stage).load(ROWS), float("inf")) * 1.4426950408889634  # log2(e)
-        pt = _masked(triton_attention_backward.transposed_p(st, lse, qk_scale), offs_n, offs_m, seq_k, CAUSAL)
-        dpt = warpgroup_mma_wait(0, deps=[dpt])
-        dst = triton_attention_backward.transposed_ds(pt, dpt, delta_smem.index(stage).load(ROWS), dp_factor)
-        ds_amax = triton_attention_backward.abs_bits_max(ds_amax, dst)
-        # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory:
-        # the previous tile's products that read them were waited for before this iteration's first barrier.
-        pt_smem.store(triton_attention_backward._cast(pt, s_scale, P_CODE))
-        ds8 = triton_attention_backward._cast(dst, dp_scale, DS_CODE)
-        dst_smem.store(ds8)
-        ds_smem.store(gl.permute(ds8, (1, 0)))
-        fence_async_shared()
-        # The previous dQ tile's reduction done reading shared memory before any warp writes this one:
-        # waited for at the top of the tile instead, it stalled every warp there (benchmarks/NOTES.md).
-        tma.store_wait(0)
-        gl.thread_barrier()
-
-        dot = dot_smem.index(stage)
-        qt = qt_smem.index(stage)
-        dq = warpgroup_mma(ds_smem, kt, zeros_dq, use_acc=False, is_async=True)
-        dv0_tile = warpgroup_mma(pt_smem, dot.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(1, deps=[dq])
-        # Issued here, after a barrier of its own: issued after the next tile's first barrier instead,
-        # it was 4-7% slower without a mask (benchmarks/NOTES.md).
-        dq_tile.store(dq * grad_factor)
-        fence_async_shared()
-        gl.thread_barrier()
-        _reduce_add(DQ_TILES, [bh.to(gl.int32), start_m, 0], dq_smem)  # one thread issues it; rows from seq_q on fall outside
-        dv1_tile = warpgroup_mma(pt_smem, dot.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
-        dv0_tile = warpgroup_mma_wait(1, deps=[dv0_tile])
-        dv0 = dv0 + dv0_tile
-        dk0_tile = warpgroup_mma(dst_smem, qt.slice(0, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
-        dv1_tile = warpgroup_mma_wait(1, deps=[dv1_tile])
-        dv1 = dv1 + dv1_tile
-        dk1_tile = warpgroup_mma(dst_smem, qt.slice(HALF, HALF).permute((1, 0)), zeros_kv, use_acc=False, is_async=True)
-        dk0_tile = warpgroup_mma_wait(1, deps=[dk0_tile])
-        dk0 = dk0 + dk0_tile
-        dk1_tile = warpgroup_mma_wait(0, deps=[dk1_tile])
-        dk1 = dk1 + dk1_tile
+    state = (dv0, dv1, dk0, dk1, ds_amax)
+    tile_args = (stages, bases, buffers, offs_n, lo, seq_q, seq_k, qt_stride, bh, scales)
+    KEY_MASK: gl.constexpr = not KEYS_WHOLE
+    ROW_MASK: gl.constexpr = not ROWS_WHOLE
+    if CAUSAL:
+        # The query tiles every row of which sees every key need no mask (the same bits): those from
+        # the first past the program's keys on, before the last if its rows do not tile; none if
+        # the keys run past seq_k.
+        whole_from = steps
+        if start_n + BLOCK_N <= seq_k:
+            whole_from = gl.minimum(gl.cdiv(start_n + BLOCK_N - lo, BLOCK_M), steps)
+        whole_to = gl.maximum(gl.maximum(seq_q - lo, 0) // BLOCK_M, whole_from)
+        for j in range(whole_from):
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK)
+        for j in range(whole_from, whole_to):
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, False, False)
+        for j in range(whole_to, steps):
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK)
+    else:  # one loop: split as the causal walk, its loops spilled and ran 1-5% slower (benchmarks/NOTES.md)
+        for j in range(steps):
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, KEY_MASK, ROW_MASK)
+    dv0, dv1, dk0, dk1, ds_amax = state
     async_copy.wait_group(0)
     tma.store_wait(0)
 
@@ -297,7 +348,7 @@ def _backward_kernel(
     _store_half(DV, out + HALF, dv1, dv_factor, keys, GROUPS)
     _store_half(DK, out, dk0, grad_factor, keys, GROUPS)
     _store_half(DK, out + HALF, dk1, grad_factor, keys, GROUPS)
-    gl.atomic_max(DS_AMAX_BITS, gl.max(gl.where(offs_n < seq_k, ds_amax, 0), 0))
+    triton_attention_backward.add_amax(DS_AMAX_BITS, ds_amax, offs_n < seq_k)
 
 
 def dq_tiles(dq: torch.Tensor) -> TensorDescriptor:
@@ -326,12 +377,12 @@ def backward(
     b, heads, _, head_dim = q.shape
     config = config or DEFAULT_CONFIG
     tiles = ceil_div(seq_k, BLOCK_N.value)
-    section = config.heads_a_section or triton_attention.heads_a_section(tiles, causal, q.device)
     launch(
         _backward_kernel, (tiles * b * heads,),
-        *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1], section,
+        *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1], config.heads_a_section,
         heads // k.shape[1], head_dim, causal, config.num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
+        KEYS_WHOLE=seq_k % BLOCK_N.value == 0, ROWS_WHOLE=seq_q % BLOCK_M.value == 0,  # no key past seq_k, no row past seq_q to mask
         num_warps=NUM_WARPS.value,
     )
     return dq, dk, dv, ds_amax.view(torch.float32)

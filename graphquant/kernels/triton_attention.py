@@ -46,7 +46,6 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.kernels.backends import FLASH_HEAD_DIMS, empty_attention
-from graphquant.kernels.devices import multiprocessors
 from graphquant.kernels.triton_launch import ceil_div, launch
 
 # The default tile: 128 query rows a program over 128 keys at a time.
@@ -241,9 +240,9 @@ def logit_scale(codes_scale_inv, softmax_scale):
 @triton.jit
 def work_item(w, blocks, section):
     """Work item ``w`` of a one-dimensional grid of (batch, head) x ``blocks``: (its block's rank,
-    its (batch, head)). The heads go in sections of ``section`` (``heads_a_section``), and a
-    section's programs take rank 0 of each of its heads, then rank 1, and so on; with sections of
-    one head, a head's blocks one after another. A kernel whose blocks differ in length (a causal
+    its (batch, head)). The heads go in sections of ``section``, and a section's programs take
+    rank 0 of each of its heads, then rank 1, and so on; with sections of one head (the Gluon
+    kernels' default), a head's blocks one after another. A kernel whose blocks differ in length (a causal
     mask) ranks the longest first, so that the grid ends on the shortest blocks of its last
     section rather than on a head's longest block started near the end."""
     per_section = section * blocks
@@ -251,18 +250,6 @@ def work_item(w, blocks, section):
     within = w % per_section
     heads_here = tl.minimum(section, tl.num_programs(0) // blocks - first)
     return within // heads_here, (first + within % heads_here).to(tl.int64)
-
-
-def heads_a_section(blocks: int, causal: bool, device: torch.device) -> int:
-    """``work_item``'s section: one head without a mask (blocks of one length), else the fewest
-    heads (a power of two) whose blocks make two waves of programs on the device's SMs, so that a
-    section's longest blocks start together while the keys and values that the programs at work
-    at once share stay in L2 (fewer than 4 * SMs * 128 keys: 17 MB of K and V^T at head dim 128
-    on an H100)."""
-    section = 1
-    while causal and section * blocks < 2 * multiprocessors(device):
-        section *= 2
-    return section
 
 
 @triton.jit

@@ -101,9 +101,22 @@ def transposed_ds(pt, dpt, delta, dp_factor):
 
 
 @triton.jit
-def abs_bits_max(ds_amax, dst):
-    """The largest |dS| a key has seen, as the bits of a float32 (NaN above infinity)."""
-    return tl.maximum(ds_amax, tl.max(dst.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1))
+def abs_max(ds_amax, dst):
+    """The largest |dS| each key has seen, NaN above all (as torch.amax): one max a value, the
+    absolute value an operand modifier of it."""
+    return _nan_max(ds_amax, tl.reduce(tl.abs(dst), 1, _nan_max))
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def add_amax(DS_AMAX_BITS, ds_amax, keys):
+    """Add the program's keys' largest |dS| (``abs_max``) into the float32 amax at DS_AMAX_BITS,
+    by an integer atomic max of its bits (a NaN's above infinity's)."""
+    tl.atomic_max(DS_AMAX_BITS, tl.reduce(tl.where(keys, ds_amax, 0.0), 0, _nan_max).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -147,7 +160,7 @@ def _query_tiles(
             pt = tl.where(visible, pt, 0.0)
         dst = transposed_ds(pt, dpt, delta, dp_factor)
         dv += tl.dot(_cast(pt, s_scale, P_CODE), tl.trans(dot))
-        ds_amax = abs_bits_max(ds_amax, dst)
+        ds_amax = abs_max(ds_amax, dst)
         dst8 = _cast(dst, dp_scale, DS_CODE)
         dk += tl.dot(dst8, tl.trans(qt))
         dq = tl.dot(tl.trans(dst8), tl.trans(kt)) * grad_factor
@@ -189,7 +202,7 @@ def _backward_kernel(
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    ds_amax = tl.zeros([BLOCK_N], tl.int32)
+    ds_amax = tl.zeros([BLOCK_N], tl.float32)
     # Query tiles [lo, masked_end) see some of the keys masked, the rest none: under a causal mask no
     # row before start_n sees a key, and rows from start_n + BLOCK_N - 1 on see all; a key tile
     # past seq_k is masked throughout.
@@ -227,7 +240,7 @@ def _backward_kernel(
     else:  # one query head's share of its key/value head's
         tl.atomic_add(DV + out, dv * (s_inv * do_inv), mask=keys[:, None], sem="relaxed")
         tl.atomic_add(DK + out, dk * grad_factor, mask=keys[:, None], sem="relaxed")
-    tl.atomic_max(DS_AMAX_BITS, tl.max(tl.where(keys, ds_amax, 0), 0))
+    add_amax(DS_AMAX_BITS, ds_amax, keys)
 
 
 def prepared(
