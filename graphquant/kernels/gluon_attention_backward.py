@@ -39,7 +39,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-import triton
 from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -93,14 +92,24 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
+@gluon.constexpr_function
+def _accumulator_layout(columns, warps_down):
+    """A wgmma accumulator's layout over NUM_WARPS warps, ``warps_down`` of them down its rows, the
+    rest across, each product ``columns`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_down, NUM_WARPS.value // warps_down], instr_shape=[16, columns, 32])
+
+
 @gluon.jit
 def _load_query_tile(
     stages, slot, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, seq_q, qt_stride,
-    HEAD_DIM: gl.constexpr, ROWS_LOAD: gl.constexpr, COLUMNS_LOAD: gl.constexpr, VECTOR_LOAD: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
 ):
     """Copy query rows [start_m, start_m + BLOCK_M) of Q and dO, their columns of Q^T and dO^T
     and their logsumexp and D (rows from seq_q on as zeros; the bases those of the program's
     (batch, head)) into slot ``slot`` of each of ``stages``, as one cp.async group."""
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
+    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
     q_slot, qt_slot, do_slot, dot_slot = stages[0].index(slot), stages[1].index(slot), stages[2].index(slot), stages[3].index(slot)
     lse_slot, delta_slot = stages[4].index(slot), stages[5].index(slot)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROWS_LOAD))
@@ -168,13 +177,10 @@ def _query_tile(
     largest |dS| so far): the module's docstring, step by step. Masked where this tile may have
     keys after a row (CAUSAL_MASK), keys past seq_k (KEY_MASK) or rows past seq_q (ROW_MASK)."""
     HALF: gl.constexpr = HEAD_DIM // 2
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 32])
-    KV_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HALF, 32])
-    DQ_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS // 2, 2], instr_shape=[16, HALF, 32])
+    S_LAYOUT: gl.constexpr = _accumulator_layout(BLOCK_M, NUM_WARPS)
+    KV_LAYOUT: gl.constexpr = _accumulator_layout(HALF, NUM_WARPS)
+    DQ_LAYOUT: gl.constexpr = _accumulator_layout(HALF, NUM_WARPS // 2)
     ROWS: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
-    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
-    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
     dv0, dv1, dk0, dk1, ds_amax = state
     q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem = stages
     k_smem, v_smem, kt, pt_smem, dst_smem, ds_smem, dq_smem, dq_tiles = buffers
@@ -189,7 +195,7 @@ def _query_tile(
     gl.thread_barrier()
     ahead = j + STAGES - 1
     _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride,
-                     HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
+                     HEAD_DIM)
     stage = j % STAGES
     start_m = lo + j * BLOCK_M
     st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
@@ -249,12 +255,9 @@ def _backward_kernel(
     P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEYS_WHOLE: gl.constexpr, ROWS_WHOLE: gl.constexpr,
 ):
     HALF: gl.constexpr = HEAD_DIM // 2
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_M, 32])
-    KV_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HALF, 32])
+    S_LAYOUT: gl.constexpr = _accumulator_layout(BLOCK_M, NUM_WARPS)
+    KV_LAYOUT: gl.constexpr = _accumulator_layout(HALF, NUM_WARPS)
     KEYS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, NUM_WARPS)
-    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, NUM_WARPS)
-    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [NUM_WARPS], [0])  # 16 bytes a thread (most copy the same)
 
     # A one-dimensional grid in work_item's order: under a causal mask the first key tiles, which
     # the most query tiles see, rank first.
@@ -303,7 +306,7 @@ def _backward_kernel(
     _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM)
     for i in gl.static_range(STAGES - 1):
         _load_query_tile(stages, i, *bases, lo + i * BLOCK_M, seq_q, qt_stride,
-                         HEAD_DIM, ROWS_LOAD, COLUMNS_LOAD, VECTOR_LOAD)
+                         HEAD_DIM)
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=KEYS)
     dv0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
