@@ -336,8 +336,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scale_inv: torch
     launch(
         _forward_kernel, (blocks * b * heads,),
         q, k, vt, o, lse, scale_inv, p_scale, softmax_scale, seq_q, seq_k, vt.shape[1], o.stride(0), o.stride(1), o.stride(2),
-        config.heads_a_section, heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS, config.num_stages,
-        config.operand_order, config.warp_specialize,
+        config.heads_a_section, heads, heads // kv_heads, head_dim, causal, triton_attention.TILE_ROWS, triton_attention.TILE_KEYS,
+        config.num_stages, config.operand_order, config.warp_specialize,
         num_warps=launch_warps(config),
     )
     return o, lse

@@ -96,7 +96,8 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 def _accumulator_layout(columns, warps_down):
     """A wgmma accumulator's layout over NUM_WARPS warps, ``warps_down`` of them down its rows, the
     rest across, each product ``columns`` wide."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_down, NUM_WARPS.value // warps_down], instr_shape=[16, columns, 32])
+    warps = [warps_down, NUM_WARPS.value // warps_down]
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, columns, 32])
 
 
 @gluon.jit
