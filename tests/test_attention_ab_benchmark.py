@@ -12,7 +12,8 @@ def test_a_baseline_copy_loads_as_a_module_of_its_own(tmp_path, monkeypatch):
     the copy gives None."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     attention_ab = importlib.import_module("attention_ab")
-    source = "from __future__ import annotations\n\nimport dataclasses\n\n\n@dataclasses.dataclass(frozen=True)\nclass Config:\n    stages: int = 4\n"
+    source = ("from __future__ import annotations\n\nimport dataclasses\n\n\n"
+              "@dataclasses.dataclass(frozen=True)\nclass Config:\n    stages: int = 4\n")
     (tmp_path / "gluon_attention.py").write_text(source)
     module = attention_ab.baseline_module(str(tmp_path), "gluon_attention")
     assert module.__name__ == "baseline_gluon_attention" and sys.modules[module.__name__] is module
