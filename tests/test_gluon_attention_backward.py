@@ -31,7 +31,7 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int, wh
 
     kernel = gluon_attention_backward._backward_kernel
     constants = dict(GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=stages, P_CODE=gl.float8e4nv, DS_CODE=gl.float8e5,
-                     KEYS_WHOLE=whole, ROWS_WHOLE=whole)
+                     KEY_MASK=not whole, ROW_MASK=not whole)
     e4m3 = dict.fromkeys(("Q", "QT", "K", "KT", "V"), "*fp8e4nv")
     fp32 = dict.fromkeys(("LSE", "DELTA", "SCALES"), "*fp32")
     grads = dict.fromkeys(("DK", "DV"), "*bf16" if groups == 1 else "*fp32")

@@ -966,8 +966,8 @@ def check_gradients_in_their_dtype(backward, device: str) -> str:
 
 def check_nan_in_ds_amax(backward, device: str) -> str:
     """``backward`` (a flash backward's function) returns a NaN amax of dS where one code of dO is
-    NaN (one row's dS all NaN), as torch.amax does, and where none is, the amax of a call whose
-    dO has that code zeroed (an amax of finite values: the NaN does not hide behind them)."""
+    NaN (one row's dS all NaN), as torch.amax does, where the same call without it returns a
+    finite, positive amax (so the NaN does not hide behind finite values)."""
     b, heads, kv_heads, lq, lk, d, causal = DTYPE_CASES[0]
     args = list(backward_arguments(b, heads, kv_heads, lq, lk, d, causal, device=device))
     rest = (d**-0.5, causal, "e4m3", "e5m2", torch.float32)

@@ -253,7 +253,7 @@ def _query_tile(
 def _backward_kernel(
     Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride, section,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEYS_WHOLE: gl.constexpr, ROWS_WHOLE: gl.constexpr,
+    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr,
 ):
     HALF: gl.constexpr = HEAD_DIM // 2
     S_LAYOUT: gl.constexpr = _accumulator_layout(BLOCK_M, NUM_WARPS)
@@ -320,8 +320,6 @@ def _backward_kernel(
 
     state = (dv0, dv1, dk0, dk1, ds_amax)
     tile_args = (stages, bases, buffers, offs_n, lo, seq_q, seq_k, qt_stride, bh, scales)
-    KEY_MASK: gl.constexpr = not KEYS_WHOLE
-    ROW_MASK: gl.constexpr = not ROWS_WHOLE
     if CAUSAL:
         # The query tiles every row of which sees every key need no mask (the same bits): those from
         # the first past the program's keys on, before the last if its rows do not tile; none if
@@ -386,7 +384,7 @@ def backward(
         *inputs, dq_tiles(dq), dk, dv, ds_amax, scales, softmax_scale, seq_q, seq_k, qt.shape[1], kt.shape[1], config.heads_a_section,
         heads // k.shape[1], head_dim, causal, config.num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
-        KEYS_WHOLE=seq_k % BLOCK_N.value == 0, ROWS_WHOLE=seq_q % BLOCK_M.value == 0,  # no key past seq_k, no row past seq_q to mask
+        KEY_MASK=seq_k % BLOCK_N.value != 0, ROW_MASK=seq_q % BLOCK_M.value != 0,  # a key past seq_k, a row past seq_q to mask
         num_warps=NUM_WARPS.value,
     )
     return dq, dk, dv, ds_amax.view(torch.float32)

@@ -242,9 +242,9 @@ def work_item(w, blocks, section):
     """Work item ``w`` of a one-dimensional grid of (batch, head) x ``blocks``: (its block's rank,
     its (batch, head)). The heads go in sections of ``section``, and a section's programs take
     rank 0 of each of its heads, then rank 1, and so on; with sections of one head (the Gluon
-    kernels' default), a head's blocks one after another. A kernel whose blocks differ in length (a causal
-    mask) ranks the longest first, so that the grid ends on the shortest blocks of its last
-    section rather than on a head's longest block started near the end."""
+    kernels' default), a head's blocks one after another. A kernel whose blocks differ in length
+    (a causal mask) ranks the longest first, so that the grid ends on the shortest blocks of its
+    last section rather than on a head's longest block started near the end."""
     per_section = section * blocks
     first = w // per_section * section
     within = w % per_section
