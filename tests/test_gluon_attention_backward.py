@@ -18,7 +18,7 @@ from test_gluon_attention import _sass
 from test_triton_attention import assert_same_bits, backward_arguments, check_gradients_in_their_dtype, check_nan_in_ds_amax
 
 
-def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int, whole: bool = False):
+def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int, whole: bool = False, specialized: bool = False):
     """gluon_attention_backward's kernel compiled for Hopper (on any machine), dO and dS in E5M2,
     lengths multiples of 16 (as ``backward`` takes them; ``whole``: of its tiles, so that no key
     or row needs a mask), dK and dV stored in bfloat16 (added into in float32 under groups)."""
@@ -31,7 +31,7 @@ def _compiled_for_sm90(causal: bool, head_dim: int, groups: int, stages: int, wh
 
     kernel = gluon_attention_backward._backward_kernel
     constants = dict(GROUPS=groups, HEAD_DIM=head_dim, CAUSAL=causal, STAGES=stages, P_CODE=gl.float8e4nv, DS_CODE=gl.float8e5,
-                     KEY_MASK=not whole, ROW_MASK=not whole)
+                     KEY_MASK=not whole, ROW_MASK=not whole, SPECIALIZED=specialized)
     e4m3 = dict.fromkeys(("Q", "QT", "K", "KT", "V"), "*fp8e4nv")
     fp32 = dict.fromkeys(("LSE", "DELTA", "SCALES"), "*fp32")
     grads = dict.fromkeys(("DK", "DV"), "*bf16" if groups == 1 else "*fp32")
@@ -117,14 +117,15 @@ def test_backward_of_no_query_is_zero_without_a_launch():
 
 # -- on the GPU ----------------------------------------------------------------------------------
 
-def _backwards(case, causal, grad_dtype, seed=0):
+def _backwards(case, causal, grad_dtype, specialized=False, seed=0):
     """(Gluon's, Triton's) dQ, dK, dV and dS's amax of ``case`` (batch, heads, kv heads, Lq, Lk,
-    head dim), P in E4M3 and dS in E5M2, dK and dV in ``grad_dtype``, the Triton backward in the
-    configuration with the Gluon backward's bits."""
+    head dim), P in E4M3 and dS in E5M2, dK and dV in ``grad_dtype``, the Gluon backward
+    warp-specialized or not, the Triton backward in the configuration with its bits."""
     from graphquant.kernels import gluon_attention_backward, triton_attention_backward
 
     args = (*backward_arguments(*case, causal, seed), case[-1] ** -0.5, causal, "e4m3", "e5m2", grad_dtype)
-    return gluon_attention_backward.backward(*args), triton_attention_backward.backward(*args, gluon_attention_backward.triton_config())
+    config = gluon_attention_backward.GluonBackwardConfig(warp_specialize=specialized)
+    return gluon_attention_backward.backward(*args, config), triton_attention_backward.backward(*args, gluon_attention_backward.triton_config())
 
 
 # At most two key tiles add into a dQ tile and two query heads into a key/value head's dK and dV:
@@ -137,14 +138,18 @@ EXACT_CASES = [  # batch, heads, kv heads, Lq, Lk (multiples of 16), head dim
 ]
 
 
+SCHEDULES = pytest.mark.parametrize("specialized", [False, True], ids=["one-partition", "warp-specialized"])
+
+
 @pytest.mark.gpu
+@SCHEDULES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", EXACT_CASES, ids=[f"b{b}-h{h}/{kv}-{lq}x{lk}-d{d}" for b, h, kv, lq, lk, d in EXACT_CASES])
-def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal):
-    """dQ, dK, dV and dS's amax of the Gluon backward are the Triton backward's bit for bit, dK
-    and dV asked in float32 and in bfloat16."""
+def test_gluon_backward_is_the_triton_backward_bit_for_bit(case, causal, specialized):
+    """dQ, dK, dV and dS's amax of the Gluon backward (either schedule) are the Triton backward's
+    bit for bit, dK and dV asked in float32 and in bfloat16."""
     for grad_dtype in (torch.float32, torch.bfloat16):
-        gluon, triton = _backwards(case, causal, grad_dtype)
+        gluon, triton = _backwards(case, causal, grad_dtype, specialized)
         assert_same_bits(("dQ", "dK", "dV", "dS amax"), gluon, triton, f"{grad_dtype}: ")
 
 
@@ -159,13 +164,14 @@ def test_gluon_gradients_in_their_dtype():
 
 
 @pytest.mark.gpu
+@SCHEDULES
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [(2, 4, 2, 2048, 2048, 128), (1, 4, 4, 1024, 1008, 64)], ids=["gqa-l2048-d128", "l1024x1008-d64"])
-def test_gluon_backward_is_the_triton_backward_but_for_dq(case, causal):
+def test_gluon_backward_is_the_triton_backward_but_for_dq(case, causal, specialized):
     """Many key tiles a dQ tile (whose atomic adds meet in no fixed order on either side): dK, dV
     and dS's amax are the Triton backward's bit for bit, dK and dV asked in float32 and in bfloat16."""
     for grad_dtype in (torch.float32, torch.bfloat16):
-        gluon, triton = _backwards(case, causal, grad_dtype)
+        gluon, triton = _backwards(case, causal, grad_dtype, specialized)
         assert_same_bits(("dK", "dV", "dS amax"), gluon[1:], triton[1:], f"{grad_dtype}: ")
 
 
