@@ -3,8 +3,7 @@
 
 Triton waits for each wgmma whose operand is in registers, so its backward runs its five products
 one after another. Here a program (a key tile of BLOCK_N keys of one (batch, query head), two
-warpgroups of 64 keys each) walks the query tiles BLOCK_M rows at a time, their Q, Q^T, dO, dO^T,
-logsumexp and D copied STAGES - 1 tiles ahead by cp.async, and for each tile:
+warpgroups of 64 keys each) walks the query tiles BLOCK_M rows at a time, and for each tile:
 
     issue S^T = K @ Q^T and dP^T = V @ dO^T           tensor cores
     wait for S^T; P^T                                  meanwhile dP^T
@@ -29,7 +28,12 @@ differ in dQ's last bits (tests/test_gluon_attention_backward.py). A TMA reducti
 whole lines: a thread's atomic adds of the same tile, one 32-byte sector a request, were a quarter
 of the backward's time and held L2 busy (benchmarks/NOTES.md).
 
-Q^T, dO^T and K^T arrive by cp.async, 16 bytes a thread, so query and key lengths must be
+The program is warp-specialized: a warpgroup of its own copies the keys and then each query
+tile's Q, Q^T, dO, dO^T, logsumexp and D by cp.async into one of STAGES stages, each tile's arrival
+on an mbarrier, and the products' 8 warps hand a stage back through another once every warp is
+done with its tile. Copying the tiles themselves, the products' warps queued behind the copies and
+met at a CTA barrier more a tile: the copying partition made the backward 1.03-1.15x faster
+(benchmarks/NOTES.md). Q^T, dO^T and K^T arrive 16 bytes a thread, so query and key lengths must be
 multiples of 16 (GLUON_LENGTH_MULTIPLE).
 """
 
@@ -57,8 +61,10 @@ if not (hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(
 NUM_WARPS = gl.constexpr(8)  # two warpgroups, 64 keys each of the program's 128
 BLOCK_M = gl.constexpr(64)  # query rows a tile: the Triton backward's default
 BLOCK_N = gl.constexpr(128)  # keys a program: the Triton backward's default
-COPY_WARPS = gl.constexpr(4)  # warp-specialized, the partition that copies the tiles: one warpgroup
-COPY_REGISTERS = gl.constexpr(24)  # its registers a thread: the rest of the SM's are the products' (232 a thread)
+COPY_WARPS = gl.constexpr(4)  # the partition that copies the tiles: one warpgroup
+# Its registers a thread, setmaxnreg's least: the products' warps get 240. With 40 (the products at 232) their loops
+# under a causal mask spilled and ran 0.84x (benchmarks/NOTES.md).
+COPY_REGISTERS = gl.constexpr(24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +73,8 @@ class GluonBackwardConfig:
     and the grid's order (``triton_attention.work_item``, in sections of heads_a_section heads: one,
     head by head, as fast as any in benchmarks/attention.py's sweep)."""
 
-    num_stages: int = 3
+    num_stages: int = 2  # 1-2.5% faster than 3 at 8k and 16k (benchmarks/NOTES.md, attention_ab.py)
     heads_a_section: int = 1
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         # K, V, K^T, P^T, dS and dQ's tile stay in shared memory beside the stages: 4 stages of 32 KB overfill it at head dim 128
@@ -106,14 +111,14 @@ def _accumulator_layout(columns, warps_down):
 @gluon.jit
 def _load_query_tile(
     stages, slot, q_base, qt_base, do_base, dot_base, lse_base, delta_base, start_m, seq_q, qt_stride,
-    HEAD_DIM: gl.constexpr, WARPS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
 ):
     """Copy query rows [start_m, start_m + BLOCK_M) of Q and dO, their columns of Q^T and dO^T
     and their logsumexp and D (rows from seq_q on as zeros; the bases those of the program's
-    (batch, head)) into slot ``slot`` of each of ``stages``, as one cp.async group of WARPS warps."""
-    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
-    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, WARPS)
-    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])  # 16 bytes a thread (most copy the same)
+    (batch, head)) into slot ``slot`` of each of ``stages``, as one cp.async group of the copying warps."""
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, COPY_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_M, COPY_WARPS)
+    VECTOR_LOAD: gl.constexpr = gl.BlockedLayout([4], [32], [COPY_WARPS], [0])  # 16 bytes a thread (most copy the same)
     q_slot, qt_slot, do_slot, dot_slot = stages[0].index(slot), stages[1].index(slot), stages[2].index(slot), stages[3].index(slot)
     lse_slot, delta_slot = stages[4].index(slot), stages[5].index(slot)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROWS_LOAD))
@@ -133,11 +138,11 @@ def _load_query_tile(
 
 
 @gluon.jit
-def _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
+def _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM: gl.constexpr):
     """Copy the program's keys of K, V and K^T (keys from seq_k on as zeros), as one cp.async group
-    of WARPS warps."""
-    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
-    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_N, WARPS)
+    of the copying warps."""
+    ROWS_LOAD: gl.constexpr = copy_layout(HEAD_DIM, COPY_WARPS)
+    COLUMNS_LOAD: gl.constexpr = copy_layout(BLOCK_N, COPY_WARPS)
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROWS_LOAD))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS_LOAD))
     offsets = (kv_first + keys)[:, None] * HEAD_DIM + d[None, :]
@@ -174,15 +179,15 @@ def _store_half(X, out, x, factor, keys, GROUPS: gl.constexpr):
 
 @gluon.jit
 def _query_tile(
-    j, state, stages, bases, buffers, offs_n, lo, seq_q, seq_k, qt_stride, bh, scales, ready, empty,
+    j, state, stages, buffers, offs_n, lo, seq_q, seq_k, bh, scales, ready, empty,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, P_CODE: gl.constexpr, DS_CODE: gl.constexpr,
-    CAUSAL_MASK: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr, SPECIALIZED: gl.constexpr,
+    CAUSAL_MASK: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr,
 ):
     """Query tile j's products and their sums into ``state`` (dV's and dK's halves, each key's
     largest |dS| so far): the module's docstring, step by step. Masked where this tile may have
-    keys after a row (CAUSAL_MASK), keys past seq_k (KEY_MASK) or rows past seq_q (ROW_MASK).
-    SPECIALIZED: the tile arrives from ``_produce`` (``ready``, a barrier a stage) and the stage of
-    tile j - 1 goes back through ``empty``; else these warps copy the tiles, STAGES - 1 ahead."""
+    keys after a row (CAUSAL_MASK), keys past seq_k (KEY_MASK) or rows past seq_q (ROW_MASK). The
+    tile arrives from ``_produce`` (``ready``, a barrier a stage); the stage of tile j - 1 goes
+    back through ``empty``."""
     HALF: gl.constexpr = HEAD_DIM // 2
     S_LAYOUT: gl.constexpr = _accumulator_layout(BLOCK_M, NUM_WARPS)
     KV_LAYOUT: gl.constexpr = _accumulator_layout(HALF, NUM_WARPS)
@@ -197,15 +202,7 @@ def _query_tile(
     zeros_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, DQ_LAYOUT)
     dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM])
     stage = j % STAGES
-    if SPECIALIZED:
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-    else:
-        # Tile j in shared memory (the barrier: every thread's copies of it, and every warp done with
-        # the stage the next copy overwrites, whose products it waited for in the previous iteration).
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        ahead = j + STAGES - 1
-        _load_query_tile(stages, ahead % STAGES, *bases, lo + ahead * BLOCK_M, seq_q, qt_stride, HEAD_DIM, NUM_WARPS)
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     start_m = lo + j * BLOCK_M
     st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
@@ -220,12 +217,11 @@ def _query_tile(
     dpt = warpgroup_mma_wait(0, deps=[dpt])
     dst = triton_attention_backward.transposed_ds(pt, dpt, delta_smem.index(stage).load(ROWS), dp_factor)
     ds_amax = triton_attention_backward.abs_max(ds_amax, dst)
-    # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory:
-    # the previous tile's products that read them were waited for before this iteration's first barrier
-    # (warp-specialized, this one: every warp done with tile j - 1, whose stage goes back).
-    if SPECIALIZED:
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
+    # P^T and dS^T as the A operands of dV and dK, dS (keys contiguous) as dQ's, in shared memory,
+    # once every warp is done with tile j - 1's products, which read them (the barrier; that tile's
+    # stage then goes back to the copying warps).
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
     pt_smem.store(triton_attention_backward._cast(pt, s_scale, P_CODE))
     ds8 = triton_attention_backward._cast(dst, dp_scale, DS_CODE)
     dst_smem.store(ds8)
@@ -265,7 +261,7 @@ def _query_tile(
 def _backward_kernel(
     Q, QT, K, KT, V, DO, DOT, LSE, DELTA, DQ_TILES, DK, DV, DS_AMAX_BITS, SCALES, softmax_scale, seq_q, seq_k, qt_stride, kt_stride, section,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr, SPECIALIZED: gl.constexpr,
+    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr,
 ):
     # A one-dimensional grid in work_item's order: under a causal mask the first key tiles, which
     # the most query tiles see, rank first.
@@ -316,23 +312,16 @@ def _backward_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     keys_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    if SPECIALIZED:  # the products' 8 warps, and a warpgroup copying the tiles
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(keys_ready.index(0), count=COPY_WARPS * 32)
-        gl.warp_specialize([
-            (_consume, (stages, bases, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, qt_stride, bh, scales, ready, empty, keys_ready, DK, DV, DS_AMAX_BITS,
-                        SCALES, GROUPS, HEAD_DIM, CAUSAL, STAGES, P_CODE, DS_CODE, KEY_MASK, ROW_MASK, True)),
-            (_produce, (stages, bases, k_smem, v_smem, kt_smem, K, V, KT, ready, empty, keys_ready, kv_first, start_n, lo, steps, seq_q,
-                        seq_k, qt_stride, kt_stride, HEAD_DIM, STAGES)),
-        ], [COPY_WARPS], [COPY_REGISTERS])
-    else:
-        _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM, NUM_WARPS)
-        for i in gl.static_range(STAGES - 1):
-            _load_query_tile(stages, i, *bases, lo + i * BLOCK_M, seq_q, qt_stride, HEAD_DIM, NUM_WARPS)
-        _consume(stages, bases, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, qt_stride, bh, scales, ready, empty, keys_ready, DK, DV,
-                 DS_AMAX_BITS, SCALES, GROUPS, HEAD_DIM, CAUSAL, STAGES, P_CODE, DS_CODE, KEY_MASK, ROW_MASK, False)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(keys_ready.index(0), count=COPY_WARPS * 32)
+    gl.warp_specialize([
+        (_consume, (stages, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, bh, scales, ready, empty, keys_ready, DK, DV, DS_AMAX_BITS,
+                    SCALES, GROUPS, HEAD_DIM, CAUSAL, STAGES, P_CODE, DS_CODE, KEY_MASK, ROW_MASK)),
+        (_produce, (stages, bases, k_smem, v_smem, kt_smem, K, V, KT, ready, empty, keys_ready, kv_first, start_n, lo, steps, seq_q,
+                    seq_k, qt_stride, kt_stride, HEAD_DIM, STAGES)),
+    ], [COPY_WARPS], [COPY_REGISTERS])
 
 
 @gluon.jit
@@ -342,24 +331,23 @@ def _produce(
 ):
     """The copying partition (COPY_WARPS warps): the program's keys, then each query tile into its
     stage once the products handed it back, each arrival on its barrier."""
-    _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM, COPY_WARPS)
+    _load_key_tile(k_smem, v_smem, kt_smem, K, V, KT, kv_first, start_n, seq_k, kt_stride, HEAD_DIM)
     async_copy.mbarrier_arrive(keys_ready.index(0), increment_count=False)
     for j in range(steps):
         stage = j % STAGES
         mbarrier.wait(empty.index(stage), (j // STAGES + 1) & 1, pred=j >= STAGES)
-        _load_query_tile(stages, stage, *bases, lo + j * BLOCK_M, seq_q, qt_stride, HEAD_DIM, COPY_WARPS)
+        _load_query_tile(stages, stage, *bases, lo + j * BLOCK_M, seq_q, qt_stride, HEAD_DIM)
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
 @gluon.jit
 def _consume(
-    stages, bases, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, qt_stride, bh, scales, ready, empty, keys_ready,
-    DK, DV, DS_AMAX_BITS, SCALES,
+    stages, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, bh, scales, ready, empty, keys_ready, DK, DV, DS_AMAX_BITS, SCALES,
     GROUPS: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr, SPECIALIZED: gl.constexpr,
+    P_CODE: gl.constexpr, DS_CODE: gl.constexpr, KEY_MASK: gl.constexpr, ROW_MASK: gl.constexpr,
 ):
-    """The products of the program's query tiles (NUM_WARPS warps), then dK, dV and dS's amax out.
-    SPECIALIZED: the tiles arrive from ``_produce``; else these warps copy them."""
+    """The products' partition (NUM_WARPS warps): the program's query tiles as ``_produce`` copies
+    them, then dK, dV and dS's amax out."""
     HALF: gl.constexpr = HEAD_DIM // 2
     S_LAYOUT: gl.constexpr = _accumulator_layout(BLOCK_M, NUM_WARPS)
     KV_LAYOUT: gl.constexpr = _accumulator_layout(HALF, NUM_WARPS)
@@ -370,11 +358,10 @@ def _consume(
     dk0 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     dk1 = gl.zeros([BLOCK_N, HALF], gl.float32, KV_LAYOUT)
     ds_amax = gl.zeros([BLOCK_N], gl.float32, KEYS)
-    if SPECIALIZED:
-        mbarrier.wait(keys_ready.index(0), 0)
+    mbarrier.wait(keys_ready.index(0), 0)
 
     state = (dv0, dv1, dk0, dk1, ds_amax)
-    tile_args = (stages, bases, buffers, offs_n, lo, seq_q, seq_k, qt_stride, bh, scales, ready, empty)
+    tile_args = (stages, buffers, offs_n, lo, seq_q, seq_k, bh, scales, ready, empty)
     if CAUSAL:
         # The query tiles every row of which sees every key need no mask (the same bits): those from
         # the first past the program's keys on, before the last if its rows do not tile; none if
@@ -384,17 +371,15 @@ def _consume(
             whole_from = gl.minimum(gl.cdiv(start_n + BLOCK_N - lo, BLOCK_M), steps)
         whole_to = gl.maximum(gl.maximum(seq_q - lo, 0) // BLOCK_M, whole_from)
         for j in range(whole_from):
-            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK, SPECIALIZED)
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK)
         for j in range(whole_from, whole_to):
-            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, False, False, SPECIALIZED)
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, False, False)
         for j in range(whole_to, steps):
-            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK, SPECIALIZED)
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, True, KEY_MASK, ROW_MASK)
     else:  # one loop: split as the causal walk, its loops spilled and ran 1-5% slower (benchmarks/NOTES.md)
         for j in range(steps):
-            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, KEY_MASK, ROW_MASK, SPECIALIZED)
+            state = _query_tile(j, state, *tile_args, HEAD_DIM, STAGES, P_CODE, DS_CODE, False, KEY_MASK, ROW_MASK)
     dv0, dv1, dk0, dk1, ds_amax = state
-    if not SPECIALIZED:
-        async_copy.wait_group(0)
     tma.store_wait(0)
 
     keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KV_LAYOUT))
@@ -404,8 +389,9 @@ def _consume(
     dv_factor = gl.load(SCALES + 3) * gl.load(SCALES + 1)  # loaded again: registers the loop needs
     _store_half(DV, out, dv0, dv_factor, keys, GROUPS)
     _store_half(DV, out + HALF, dv1, dv_factor, keys, GROUPS)
-    _store_half(DK, out, dk0, scales[2], keys, GROUPS)
-    _store_half(DK, out + HALF, dk1, scales[2], keys, GROUPS)
+    grad_factor = scales[2]
+    _store_half(DK, out, dk0, grad_factor, keys, GROUPS)
+    _store_half(DK, out + HALF, dk1, grad_factor, keys, GROUPS)
     triton_attention_backward.add_amax(DS_AMAX_BITS, ds_amax, offs_n < seq_k)
 
 
@@ -441,7 +427,6 @@ def backward(
         heads // k.shape[1], head_dim, causal, config.num_stages,
         P_CODE=triton_attention_backward.CODES[p_dtype], DS_CODE=triton_attention_backward.CODES[ds_dtype],
         KEY_MASK=seq_k % BLOCK_N.value != 0, ROW_MASK=seq_q % BLOCK_M.value != 0,  # a key past seq_k, a row past seq_q to mask
-        SPECIALIZED=config.warp_specialize,
         num_warps=NUM_WARPS.value,
     )
     return dq, dk, dv, ds_amax.view(torch.float32)
