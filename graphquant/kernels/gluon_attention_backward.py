@@ -31,8 +31,8 @@ of the backward's time and held L2 busy (benchmarks/NOTES.md).
 The program is warp-specialized: a warpgroup of its own copies the keys and then each query
 tile's Q, Q^T, dO, dO^T, logsumexp and D by cp.async into one of STAGES stages, each tile's arrival
 on an mbarrier, and the products' 8 warps hand a stage back through another once every warp is
-done with its tile. Copying the tiles themselves, the products' warps queued behind the copies and
-met at a CTA barrier more a tile: the copying partition made the backward 1.03-1.15x faster
+done with its tile. Copying the tiles themselves, the products' warps stalled behind their copies
+and met at one more CTA barrier a tile: the copying partition made the backward 1.05-1.17x faster
 (benchmarks/NOTES.md). Q^T, dO^T and K^T arrive 16 bytes a thread, so query and key lengths must be
 multiples of 16 (GLUON_LENGTH_MULTIPLE).
 """
