@@ -314,7 +314,7 @@ def _backward_kernel(
     keys_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=COPY_WARPS * 32)  # every copying thread's copies
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)  # one thread of the products' partition, once every warp has left the tile
     mbarrier.init(keys_ready.index(0), count=COPY_WARPS * 32)
     gl.warp_specialize([
         (_consume, (stages, buffers, start_n, kv_first, lo, steps, seq_q, seq_k, bh, scales, ready, empty, keys_ready, DK, DV, DS_AMAX_BITS,
