@@ -54,7 +54,7 @@ SM90_CASES = [  # head dim, groups, causal, lengths whole tiles
 def _query_loops(cubin: bytes) -> list[list[str]]:
     """The kernel's query-tile loops, in order: each the instructions from a backward branch's
     target to it, where the span issues a wgmma and holds no other such span (the partitions'
-    dispatch branches span the loops), a branch that does not return from an mbarrier wait's retry
+    dispatch branches span the loops), and the branch is no return from an mbarrier wait's retry
     (a try-wait placed after the kernel's code)."""
     sass = _sass(cubin)
     spans = sorted((int(m.group(1), 16), address) for k, (address, instruction) in enumerate(sass)
@@ -73,7 +73,8 @@ def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, who
     (without a mask the one loop, under a causal mask the unmasked loop between the masked ones: the
     diagonal's tiles, a last tile whose rows do not tile) stores at most 4 words a tile to local
     memory at head dim 128 without a mask and 8 under a causal mask (the products' warps have 240
-    registers), the masked loops at most 8 too, nothing at head dim 64."""
+    registers), the masked loops at most 8 too, nothing at head dim 64. Each loop waits for its tile
+    on an mbarrier and copies nothing itself (no LDGSTS: the copying partition's cp.async)."""
     pytest.importorskip("triton")
     from graphquant.kernels import gluon_attention_backward
 
@@ -87,6 +88,8 @@ def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, who
     assert len(loops) == (3 if causal else 1) and (not causal or masks[1] == 0 < masks[0]), masks
     assert stores[main] <= (0 if head_dim == 64 else 8 if causal else 4), stores
     assert max(stores) <= (8 if head_dim == 128 else 0), stores
+    assert all(any("SYNCS.PHASECHK" in i for i in loop) and not any("LDGSTS" in i for i in loop) for loop in loops)
+    assert any("LDGSTS" in i for _, i in _sass(compiled.asm["cubin"]))
 
 
 def test_configurations_refuse_what_the_kernel_cannot_run():
