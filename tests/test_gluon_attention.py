@@ -62,15 +62,16 @@ def _sass(cubin: bytes) -> list[tuple[int, str]]:
 _PV = re.compile(r"QGMMA\S* R\d+, R(\d+), gdesc")  # a wgmma whose A operand is in registers: P (its first register captured)
 
 
-def _key_loops(sass: list[tuple[int, str]]) -> list[list[str]]:
-    """Each key loop's instructions (one a consumer warpgroup's where the loop is warp-specialized):
-    the spans from a backward branch's target to it that issue a PV wgmma, shortest first, each
-    overlapping none taken before it (the partitions' dispatch branches span several loops)."""
+def loops_issuing(sass: list[tuple[int, str]], wgmma: re.Pattern) -> list[list[str]]:
+    """Each loop's instructions that issues a ``wgmma`` (one a consumer partition's where the loop
+    is warp-specialized), in order: the spans from a backward branch's target to it, shortest first,
+    each overlapping none taken before it (the partitions' dispatch branches span several loops, an
+    mbarrier wait's retry, placed after the kernel's code, branches back into one)."""
     spans = [(int(m.group(1), 16), address) for address, instruction in sass
              if (m := re.search(r"\bBRA (0x[0-9a-f]+)", instruction)) and int(m.group(1), 16) < address]
     loops = []
     for a, b in sorted(spans, key=lambda span: span[1] - span[0]):
-        if any(a <= address <= b and _PV.search(i) for address, i in sass) and all(b < c or d < a for c, d in loops):
+        if any(a <= address <= b and wgmma.search(i) for address, i in sass) and all(b < c or d < a for c, d in loops):
             loops.append((a, b))
     return [[instruction for address, instruction in sass if a <= address <= b] for a, b in sorted(loops)]
 
@@ -115,7 +116,7 @@ def test_key_loop_overlaps_the_tensor_cores_with_the_softmax_on_sm90(head_dim, g
     compiled = _compiled_for_sm90(causal, head_dim, config, groups)
     report = ptxas.report(compiled.asm["ptx"])
     assert "serialized" not in report and (specialized or "0 bytes spill stores" in report), report
-    loops = _key_loops(_sass(compiled.asm["cubin"]))
+    loops = loops_issuing(_sass(compiled.asm["cubin"]), _PV)
     assert len(loops) == (2 if specialized else 1)
     for loop in loops:
         events = _events(loop)

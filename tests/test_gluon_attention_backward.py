@@ -14,7 +14,7 @@ import ptxas
 import pytest
 import torch
 
-from test_gluon_attention import _sass
+from test_gluon_attention import _sass, loops_issuing
 from test_triton_attention import assert_same_bits, backward_arguments, check_gradients_in_their_dtype, check_nan_in_ds_amax
 
 
@@ -51,20 +51,6 @@ SM90_CASES = [  # head dim, groups, causal, lengths whole tiles
 ]
 
 
-def _query_loops(cubin: bytes) -> list[list[str]]:
-    """The kernel's query-tile loops, in order: each the instructions from a backward branch's
-    target to it, where the span issues a wgmma and holds no other such span (the partitions'
-    dispatch branches span the loops), and the branch is no return from an mbarrier wait's retry
-    (a try-wait placed after the kernel's code)."""
-    sass = _sass(cubin)
-    spans = sorted((int(m.group(1), 16), address) for k, (address, instruction) in enumerate(sass)
-                   if (m := re.search(r"\bBRA (0x[0-9a-f]+)", instruction)) and int(m.group(1), 16) < address
-                   and not any("SYNCS.PHASECHK" in i for _, i in sass[max(k - 2, 0):k]))
-    spans = [(a, b) for a, b in spans if any(a <= address <= b and "QGMMA" in i for address, i in sass)]
-    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b for c, d in spans if (c, d) != (a, b))]
-    return [[instruction for address, instruction in sass if a <= address <= b] for a, b in innermost]
-
-
 @pytest.mark.parametrize("head_dim, groups, causal, whole", SM90_CASES,
                          ids=[f"d{d}-g{g}-{'causal' if c else 'full'}{'-whole' if w else ''}" for d, g, c, w in SM90_CASES])
 def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, whole):
@@ -81,7 +67,8 @@ def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, who
     compiled = _compiled_for_sm90(causal, head_dim, groups, gluon_attention_backward.DEFAULT_CONFIG.num_stages, whole)
     report = ptxas.report(compiled.asm["ptx"])
     assert "serialized" not in report, report
-    loops = _query_loops(compiled.asm["cubin"])
+    sass = _sass(compiled.asm["cubin"])
+    loops = loops_issuing(sass, re.compile("QGMMA"))
     stores = [sum(bool(re.match(r"(?:@!?P\w+ )?STL\b", i)) for i in loop) for loop in loops]
     masks = [sum("FSEL" in i for i in loop) for loop in loops]
     main = 0 if not causal else 1
@@ -89,7 +76,7 @@ def test_backward_compiles_for_sm90_without_spills(head_dim, groups, causal, who
     assert stores[main] <= (0 if head_dim == 64 else 8 if causal else 4), stores
     assert max(stores) <= (8 if head_dim == 128 else 0), stores
     assert all(any("SYNCS.PHASECHK" in i for i in loop) and not any("LDGSTS" in i for i in loop) for loop in loops)
-    assert any("LDGSTS" in i for _, i in _sass(compiled.asm["cubin"]))
+    assert any("LDGSTS" in i for _, i in sass)
 
 
 def test_configurations_refuse_what_the_kernel_cannot_run():
