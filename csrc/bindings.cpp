@@ -12,6 +12,7 @@ void register_bf16_gemm(pybind11::module_& m);
 void register_fp8_gemm(pybind11::module_& m);
 void register_mixed_gemm(pybind11::module_& m);
 void register_block_gemm(pybind11::module_& m);
+void register_grouped_gemm(pybind11::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "graphquant native kernels";
@@ -22,4 +23,5 @@ PYBIND11_MODULE(_C, m) {
   register_fp8_gemm(m);
   register_mixed_gemm(m);
   register_block_gemm(m);
+  register_grouped_gemm(m);
 }

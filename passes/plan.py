@@ -297,7 +297,8 @@ class Planner:
                 operand_quantizers.update((qa, qb))
                 fast = gemm in self.recipe.fast_accumulation
                 if site.module_type == "grouped_linear":
-                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._token_tiles(site, token_rows))
+                    block = groups.token_block(token_rows, site.x_sizes[1], site.w_sizes[0])
+                    selection = backends.select_grouped(qa, da, qb, db, device, k, fast, self._token_tiles(site, block), block)
                 else:
                     quantize_a = site.runs_inference_product(not training)
                     selection = backends.select_symbolic(qa, da, qb, db, device, dims[gemm], batch, fast, quantize_a)
@@ -343,14 +344,13 @@ class Planner:
         return backends.token_rows(x_quantizer, site.runs_inference_product(not training) or site.stored_stack)
 
     @staticmethod
-    def _token_tiles(site: GemmSite, token_rows: int) -> bool:
+    def _token_tiles(site: GemmSite, block: int) -> bool:
         """Whether a grouped site's tokens are tiles of few tokens an expert (NativeGemm.token_tiles):
-        in groups of FEW_TOKEN_ROWS (``token_rows``, and few tokens: groups.token_block) and more
-        than a decode step's one token a program."""
-        rows, experts = site.x_sizes[1], site.w_sizes[0]
+        in groups of FEW_TOKEN_ROWS (``block``: groups.token_block of its tokens) and more than a
+        decode step's one token a program."""
         decoding = backends.triton_decode
-        few = groups.token_block(token_rows, rows, experts) == groups.FEW_TOKEN_ROWS
-        return few and decoding is not None and not decoding.one_token_a_program(rows, experts)
+        few = block == groups.FEW_TOKEN_ROWS
+        return few and decoding is not None and not decoding.one_token_a_program(site.x_sizes[1], site.w_sizes[0])
 
     def _plan_attention(self, site, slots: dict, device: torch.device, training: bool) -> list[GemmPlan]:
         """An attention site's slots, checked as TE checks DotProductAttention's, and its products."""

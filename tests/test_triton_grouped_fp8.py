@@ -63,13 +63,16 @@ INTERPRETED_SHAPE = ((40, 0, 57, 27), 192, 160)
 GPU_SHAPE = ((700, 0, 1301, 128, 2900, 61, 1000, 5), 2048, 1408)
 
 
-def excess(name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str) -> float:
+def excess(
+    name: str, gemm: str, sums: str, sizes, k: int, n: int, out_dtype: torch.dtype, device: str, kernels=None
+) -> float:
     """How far the kernel's ``gemm`` of a grouped site, its ``sums`` "promoted" or "fast", exceeds
     its bound (<= 0: within it), the operands quantized per group as graphquant.ops.grouped lays
-    them out; "fprop alone": fprop in an inference graph's layout (groups.FEW_TOKEN_ROWS). The bound: fp8.accumulation_bound of the sums, fp32's under the interpreter (no
-    tensor cores), on the GPU the kernel's, promoted or fast, and 4 u sum |a b| for the factors;
-    plus the rounding to ``out_dtype``."""
-    kernels = backends.triton_grouped_fp8
+    them out; "fprop alone": fprop in an inference graph's layout (groups.FEW_TOKEN_ROWS). The
+    bound: fp8.accumulation_bound of the sums, fp32's under the interpreter (no tensor cores), on
+    the GPU the kernel's, promoted or fast, and 4 u sum |a b| for the factors; plus the rounding
+    to ``out_dtype``. ``kernels``: the Triton kernel's module (None) or one with its functions."""
+    kernels = kernels or backends.triton_grouped_fp8
     promote_every = kernels.PROMOTE_EVERY if sums == "promoted" else kernels.FAST_ACCUMULATION
     summed = fp8.FP32 if device == "cpu" else kernels.MX_BLOCK if name == "mxfp8" else promote_every
 
@@ -161,6 +164,7 @@ def test_plan_runs_grouped_fp8_gemms_natively_on_hopper(name, fast_accumulation,
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
     monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(backends.grouped_fp8, "extension_runs", lambda device: False)  # the CUDA kernel's: test_grouped_fp8
     qx, qw, qg = FORMATS[name]
     pairs = {"fprop": (qx, ROWWISE, qw, ROWWISE), "dgrad": (qg, ROWWISE, qw, COLUMNWISE), "wgrad": (qg, COLUMNWISE, qx, COLUMNWISE)}
     for gemm, (qa, da, qb, db) in pairs.items():

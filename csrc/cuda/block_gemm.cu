@@ -46,37 +46,6 @@ constexpr int STAGE_BYTES = 2 * TILE * TILE;  // A's and B's codes, 128 bytes a 
 constexpr int STAGES = 6;
 constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 constexpr int GROUP_M = 16;
-constexpr int E4M3 = 0, E5M2 = 1;
-
-// One k32 wgmma of 64 rows of A (E4M3 or E5M2) by 128 of B (E4M3 weights), both from shared
-// memory: d (+)= A B^T.
-template <int A>
-struct Wgmma;
-
-#define GQ_FP8_WGMMA(A_CODE, A_NAME)                                                                                                    \
-  template <>                                                                                                                         \
-  struct Wgmma<A_CODE> {                                                                                                              \
-    __device__ static void mma(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {                                              \
-      asm volatile(                                                                                                                   \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                                \
-          "wgmma.mma_async.sync.aligned.m64n128k32.f32." A_NAME ".e4m3"                                                            \
-          " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, " \
-          "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, " \
-          "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"                                  \
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),     \
-            "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),       \
-            "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),       \
-            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
-            "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]),       \
-            "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),       \
-            "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])        \
-          : "l"(a), "l"(b), "r"(accumulate)                                                                                           \
-          : "memory");                                                                                                                \
-    }                                                                                                                                 \
-  };
-GQ_FP8_WGMMA(E4M3, "e4m3")
-GQ_FP8_WGMMA(E5M2, "e5m2")
-#undef GQ_FP8_WGMMA
 
 struct Args {
   const float *a_scale, *b_scale;  // (m, blocks), (ceil(n / 128), blocks), any strides
@@ -86,36 +55,6 @@ struct Args {
   int m, n, blocks, n_tiles, out_kind, bias_kind;
   int cluster_rows;  // rows of the output's tiles, CTAS tiles (a cluster's) a row
 };
-
-// Cluster tile ``tile``'s row (of CTAS tiles) and column: GROUP_M rows of tiles walked a column at
-// a time.
-template <int CTAS>
-__device__ __forceinline__ void cluster_tile_of(const Args& args, int tile, int& row, int& column) {
-  constexpr int group = GROUP_M / CTAS;
-  const int per_group = group * args.n_tiles;
-  const int first = tile / per_group * group;
-  const int rows = min(args.cluster_rows - first, group);
-  row = first + tile % per_group % rows;
-  column = tile % per_group / rows;
-}
-
-template <typename Out>
-__device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both) {
-  if constexpr (sizeof(Out) == 2) {
-    if (both) {
-      using Pair = typename std::conditional<std::is_same<Out, __nv_bfloat16>::value, __nv_bfloat162, __half2>::type;
-      Pair pair;
-      store_value(&pair.x, v0);
-      store_value(&pair.y, v1);
-      *reinterpret_cast<Pair*>(p) = pair;
-      return;
-    }
-  } else if (both) {
-    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-    return;
-  }
-  store_value(p, v0);
-}
 
 // A thread's sums (sum 4j + 2h + b: row rows[h], column n0 + 8j + 2t + b), plus the bias, rounded
 // once into out (m, n) row-major; column pairs written as one store where n is even.
@@ -178,7 +117,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
       int j = 0;  // stages filled so far, over every tile
       for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
         int row, column;
-        cluster_tile_of<CTAS>(args, tile, row, column);
+        tile_in_bands<GROUP_M / CTAS>(tile, args.cluster_rows, args.n_tiles, row, column);
         const int tm = row * CTAS + rank, tn = column;
         for (int block = 0; block < args.blocks; ++block, ++j) {
           const int s = j % STAGES;
@@ -204,7 +143,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
     int j = 0;  // stages consumed so far, over every tile
     for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
       int row, column;
-      cluster_tile_of<CTAS>(args, tile, row, column);
+      tile_in_bands<GROUP_M / CTAS>(tile, args.cluster_rows, args.n_tiles, row, column);
       const int tm = row * CTAS + rank, tn = column;  // past the output's last row where a cluster's tiles are: zeros, not stored
       const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
       const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
@@ -221,7 +160,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
         barrier_wait(full + 8 * s, (j / STAGES) & 1);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wgmma<A>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
+        for (int kk = 0; kk < 4; ++kk) Fp8Wgmma<A, E4M3>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
         wgmma_commit();
         const float factor[2] = {row_scale[0] * tile_scale, row_scale[1] * tile_scale};
         if (block + 1 < args.blocks) {

@@ -1,4 +1,4 @@
-// What graphquant's Hopper GEMMs (mixed_gemm.cu, block_gemm.cu) share: shared-memory descriptors of
+// What graphquant's Hopper GEMMs (mixed_gemm.cu, block_gemm.cu, grouped_gemm.cu) share: shared-memory descriptors of
 // 128-byte swizzled K-major operands, wgmma's fence, commit and wait, mbarriers, TMA copies and
 // their descriptors, clusters, and the output's stores. sm_90a only (wgmma, setmaxnreg).
 #pragma once
@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <mutex>
 #include <set>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace gq {
 namespace hopper {
@@ -47,6 +49,48 @@ __device__ __forceinline__ void keep(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+constexpr int E4M3 = 0, E5M2 = 1;  // an FP8 operand's element, as the kernels' templates take it
+
+// One k32 wgmma of 64 rows of A by 128 rows of B, FP8 codes of elements A and B (E4M3 or E5M2),
+// both K-major in shared memory: d (+)= A B^T, d's sums in the tensor cores' FP8 accumulator.
+template <int A, int B>
+struct Fp8Wgmma {
+  __device__ static void mma(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+#define GQ_FP8_WGMMA(TYPES)                                                                                                           \
+  asm volatile(                                                                                                                       \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                                    \
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES                                                                            \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "     \
+      "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, "     \
+      "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"                                      \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),         \
+        "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),           \
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),           \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),           \
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]),           \
+        "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),           \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])            \
+      : "l"(a), "l"(b), "r"(accumulate)                                                                                               \
+      : "memory")
+    if constexpr (A == E4M3 && B == E4M3) GQ_FP8_WGMMA("e4m3.e4m3");
+    else if constexpr (A == E4M3) GQ_FP8_WGMMA("e4m3.e5m2");
+    else if constexpr (B == E4M3) GQ_FP8_WGMMA("e5m2.e4m3");
+    else GQ_FP8_WGMMA("e5m2.e5m2");
+#undef GQ_FP8_WGMMA
+  }
+};
+
+// Tile ``tile`` of a (rows, columns) grid of tiles, walked BAND rows of tiles a column at a time,
+// so that the tiles running at once share their operands in L2: its row and column.
+template <int BAND>
+__device__ __forceinline__ void tile_in_bands(int tile, int rows, int columns, int& row, int& column) {
+  const int per_band = BAND * columns;
+  const int first = tile / per_band * BAND;
+  const int height = min(rows - first, BAND);
+  row = first + tile % per_band % height;
+  column = tile % per_band / height;
+}
+
 // mbarriers and TMA copies: a producer warp fills the stages, the consumer warpgroups wait for them.
 __device__ __forceinline__ void barrier_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -71,6 +115,12 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, i
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, int inner, int middle, int outer, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(inner), "r"(middle), "r"(outer), "r"(bar)
       : "memory");
 }
 
@@ -115,6 +165,26 @@ __device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __
 __device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
 
+// Two adjacent values of an output row rounded once each, as one store where ``both`` (and p is
+// aligned for it), else the first alone.
+template <typename Out>
+__device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both) {
+  if constexpr (sizeof(Out) == 2) {
+    if (both) {
+      using Pair = typename std::conditional<std::is_same<Out, __nv_bfloat16>::value, __nv_bfloat162, __half2>::type;
+      Pair pair;
+      store_value(&pair.x, v0);
+      store_value(&pair.y, v1);
+      *reinterpret_cast<Pair*>(p) = pair;
+      return;
+    }
+  } else if (both) {
+    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    return;
+  }
+  store_value(p, v0);
+}
+
 // Opts ``kernel`` into ``bytes`` of dynamic shared memory (past 48 KiB) on the current device,
 // once a device: each device's context holds a copy of the function of its own, so a kernel opted
 // in on one device alone fails to launch on another.
@@ -131,11 +201,11 @@ inline void opt_in_shared_memory(const void* kernel, int bytes, const char* what
   done.insert({kernel, device});
 }
 
-// A 2-D TMA descriptor of a row-major (rows, cols) tensor of ``element`` bytes (row stride in
-// bytes), copied in boxes of (box_rows, box_cols), zeros past its edges; ``what`` names the caller
-// in errors.
-inline CUtensorMap tensor_map(const char* what, const void* data, CUtensorMapDataType type, int element, int64_t rows, int64_t cols,
-                              int64_t stride, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
+// A TMA descriptor of a tensor of ``rank`` (2 or 3) dims of ``element``-byte values, innermost
+// first (``dims``; ``strides``: the outer dims' in bytes), copied in boxes of ``box``, zeros past
+// its edges; ``what`` names the caller in errors.
+inline CUtensorMap tensor_map(const char* what, const void* data, CUtensorMapDataType type, int element, int rank, const int64_t* dims,
+                              const int64_t* strides, const int* box, CUtensorMapSwizzle swizzle) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -144,16 +214,30 @@ inline CUtensorMap tensor_map(const char* what, const void* data, CUtensorMapDat
                 "graphquant: the CUDA driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  TORCH_CHECK(rank == 2 || rank == 3, what, ": TMA descriptors of 2 or 3 dims, not ", rank);
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit[2] = {1, 1};
-  const CUresult result = encode(&map, type, 2, const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(result == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (", static_cast<int>(result), ") for a (", rows, ", ", cols,
-              ") tensor of ", element, "-byte elements, row stride ", stride, " bytes, box (", box_rows, ", ", box_cols, ")");
+  cuuint64_t sizes[3], outer[2];
+  cuuint32_t boxes[3];
+  const cuuint32_t unit[3] = {1, 1, 1};
+  for (int d = 0; d < rank; ++d) {
+    sizes[d] = static_cast<cuuint64_t>(dims[d]);
+    boxes[d] = static_cast<cuuint32_t>(box[d]);
+    if (d > 0) outer[d - 1] = static_cast<cuuint64_t>(strides[d - 1]);
+  }
+  const CUresult result = encode(&map, type, rank, const_cast<void*>(data), sizes, outer, boxes, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (", static_cast<int>(result), ") for a tensor of ", element,
+              "-byte elements, dims (innermost first) ", c10::IntArrayRef(dims, rank), ", outer strides ", c10::IntArrayRef(strides, rank - 1),
+              " bytes, box ", std::vector<int>(box, box + rank));
   return map;
+}
+
+// A 2-D one: a row-major (rows, cols) tensor (row stride in bytes) in boxes of (box_rows, box_cols).
+inline CUtensorMap tensor_map(const char* what, const void* data, CUtensorMapDataType type, int element, int64_t rows, int64_t cols,
+                              int64_t stride, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
+  const int64_t dims[2] = {cols, rows};
+  const int box[2] = {box_cols, box_rows};
+  return tensor_map(what, data, type, element, 2, dims, &stride, box, swizzle);
 }
 
 }  // namespace hopper

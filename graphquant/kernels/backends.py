@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
-from graphquant.kernels import block_scaled, emulation, mixed_input, scaled_mm
+from graphquant.kernels import block_scaled, emulation, grouped_fp8, mixed_input, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -157,7 +157,8 @@ class NativeGemm(NamedTuple):
     accumulate fast); ``token_tiles``: a grouped GEMM that
     multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
-    multiplies faster (triton_decode.one_token_a_program). ``min_rows``: a skinny GEMM's fewest rows
+    multiplies faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only
+    groups of tokens that start at multiples of GROUP_ROWS. ``min_rows``: a skinny GEMM's fewest rows
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
@@ -176,6 +177,7 @@ class NativeGemm(NamedTuple):
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
     token_tiles: bool = False
+    whole_tiles: bool = False
     min_rows: int = 1
     k_multiple: int = 1
     k_left: int = 0
@@ -363,6 +365,16 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
         fast_accumulation=True, promotes=False, token_tiles=True,
     ),
 )
+# graphquant's CUDA FP8 grouped GEMM (graphquant.kernels.grouped_fp8) on Hopper, where the extension
+# has it: the Triton kernel's products and numerics (per-tensor and per-row scales summed fast or
+# promoted, DeepSeek-V3's 1x128 by 128x128 blocks in fprop and dgrad), persistent, a warpgroup
+# copying by TMA beside two multiplying, so faster (benchmarks/NOTES.md, grouped_gemm.py). Groups of
+# whole 128-row tiles alone: an inference graph's few tokens an expert take the Triton kernel's.
+WGMMA_GROUPED_GEMM = NativeGemm(
+    grouped_fp8.BACKEND, grouped_fp8.FAMILY_PAIRS, grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm == (9, 0),
+    fast_accumulation=True, fast_families=grouped_fp8.FAST_FAMILIES, whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,
+    available=lambda device: grouped_fp8.extension_runs(device),
+)
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
 # with one scale per row of each group (a per-tensor format's group scale repeated over its rows).
 # The grouped layout pads every group's rows to whole 128-row blocks, so of each product's m, n
@@ -382,7 +394,7 @@ NATIVE_GROUPED_GEMM = NativeGemm(
 )
 SCALED_GROUPED_MM = NATIVE_GROUPED_GEMM.backend
 # In the order select_grouped tries them: the first that takes a GEMM runs it.
-NATIVE_GROUPED_GEMMS = (*TRITON_GROUPED_GEMMS, NATIVE_GROUPED_GEMM)
+NATIVE_GROUPED_GEMMS = (WGMMA_GROUPED_GEMM, *TRITON_GROUPED_GEMMS, NATIVE_GROUPED_GEMM)
 NATIVE_BY_NAME = {native.backend: native for native in (*NATIVE_GEMMS, *NATIVE_GROUPED_GEMMS)}
 
 
@@ -422,14 +434,16 @@ _FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
 
 def select_grouped(
     a: Quantizer, a_direction: str, b: Quantizer, b_direction: str, device: torch.device, k: Any, fast_accumulation: bool = False,
-    token_tiles: bool = False,
+    token_tiles: bool = False, token_rows: int = GROUP_ROWS,
 ) -> Selection:
     """``select`` for a GEMM of a torch._grouped_mm site whose x has ``k`` columns (None where
     unknown; a torch.SymInt is tested on its symbol, as NativeGemm.misfit does): native on the
     first of NATIVE_GROUPED_GEMMS that multiplies the pair on ``device`` and may sum as the recipe
     lets this GEMM (``fast_accumulation``: the tensor cores' accumulator allowed) and, for one of
-    tiles of few tokens alone (NativeGemm.token_tiles), whose tokens are such (``token_tiles``);
-    otherwise emulated, one grouped product."""
+    tiles of few tokens alone (NativeGemm.token_tiles), whose tokens are such (``token_tiles``),
+    for one of whole tiles alone (NativeGemm.whole_tiles), whose groups of tokens start at
+    multiples of GROUP_ROWS (``token_rows``: formats.groups.token_block's); otherwise emulated,
+    one grouped product."""
     selection = select(a, a_direction, b, b_direction, device)
     if selection.bucket == REJECTED or selection.backend.name == HIGH_PRECISION:
         return selection
@@ -443,12 +457,19 @@ def select_grouped(
             reasons.append(f"{native.backend} does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}")
         elif not native.runs_on(sm):
             reasons.append(f"{native.backend} does not run on sm_{sm[0]}{sm[1]}")
-        elif k is not None and k % native.multiple != 0:
-            reasons.append(f"{native.backend} needs x's columns a multiple of {native.multiple}; got {k}")
+        elif not native.available(device):
+            reasons.append(f"graphquant's extension does not run {native.backend} on {device}")
+        elif k is not None and k % max(native.multiple, native.k_multiple) != 0:
+            reasons.append(f"{native.backend} needs x's columns a multiple of {max(native.multiple, native.k_multiple)}; got {k}")
         elif not native.promotes and not fast_accumulation:
             reasons.append(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
+            )
+        elif native.whole_tiles and token_rows != GROUP_ROWS:
+            reasons.append(
+                f"{native.backend} multiplies groups of tokens that start at multiples of {GROUP_ROWS} rows; this site's few "
+                f"tokens an expert start at multiples of {token_rows} (backends.token_rows)"
             )
         elif native.token_tiles and not token_tiles:
             reasons.append(

@@ -12,8 +12,9 @@ runs fprop alone, which each kernel's tiles of rows then divide. Two kinds of pr
 Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
 
 Native (backends.NATIVE_GROUPED_GEMMS): FP8 with per-tensor, per-row or block scales on
-graphquant.kernels.triton_grouped_fp8, which writes the unpadded output itself, its sums promoted
-into fp32 or, where the plan's backend accumulates fast, left in the tensor cores' accumulator;
+graphquant.kernels.grouped_fp8 (Hopper, groups of whole tiles) or graphquant.kernels.triton_grouped_fp8,
+which write the unpadded output themselves, their sums promoted into fp32 or, where the plan's
+backend accumulates fast, left in the tensor cores' accumulator;
 where Triton is not installed, E4M3 with per-tensor or per-row scales on torch._scaled_grouped_mm,
 summing in the tensor cores' accumulator, the scales in its epilogue, its padded product
 un-padded afterwards.
@@ -41,8 +42,8 @@ from typing import Optional
 
 import torch
 
-from graphquant.formats.groups import FEW_TOKEN_ROWS, GroupPadding
-from graphquant.kernels import backends, emulation
+from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS, GroupPadding
+from graphquant.kernels import backends, emulation, grouped_fp8
 
 try:
     from graphquant.kernels import triton_dequantize, triton_grouped_gemm
@@ -90,9 +91,14 @@ def gemm(
             f"{site}: its plan chose {backend}, which multiplies tokens in groups of {FEW_TOKEN_ROWS} rows; this call's start at "
             f"multiples of {token_rows} (more tokens an expert than the plan was made for)"
         )
+    if native is not None and native.whole_tiles and token_rows != GROUP_ROWS:
+        raise backends.GemmMismatch(
+            f"{site}: its plan chose {backend}, which multiplies groups of tokens that start at multiples of {GROUP_ROWS} rows; "
+            f"this call's start at multiples of {token_rows} (fewer tokens an expert than the plan was made for)"
+        )
     a_group, ends = tokens.row_group, tokens.ends
-    if native in backends.TRITON_GROUPED_GEMMS:
-        kernels = backends.triton_grouped_fp8
+    if native is backends.WGMMA_GROUPED_GEMM or native in backends.TRITON_GROUPED_GEMMS:
+        kernels = grouped_fp8 if native is backends.WGMMA_GROUPED_GEMM else backends.triton_grouped_fp8
         promote_every = kernels.FAST_ACCUMULATION if backend.fast_accumulation else kernels.PROMOTE_EVERY
         if a.direction == ROWWISE:
             return kernels.tokens_by_experts(a, b, b_group, tokens, token_rows, n, out_dtype, promote_every)

@@ -28,7 +28,7 @@ these formats stores it (rowwise data as is, columnwise data transposed).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -36,6 +36,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS, GroupPadding
+from graphquant.kernels import grouped_operands as operands
 from graphquant.kernels.triton_launch import ceil_div
 from graphquant.quantizers import ROWWISE, Representation
 
@@ -53,7 +54,7 @@ FAMILY_PAIRS = frozenset(
 FAST_FAMILIES = frozenset(_ROW_SCALED)
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
-SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
+SCALE_BLOCK = operands.SCALE_BLOCK
 MX_BLOCK = 32  # the K extent of an MXFP8 block scale (E8M0)
 # MXFP8 pairs (E4M3) in the few-token tiles alone, on Hopper's FP8 tensor cores (which have no MX
 # products): each 32-block's sum, which the tensor cores' accumulator takes, scaled by its two
@@ -138,18 +139,6 @@ def _imprecise_products(args: dict) -> Optional[int]:
     return promote_every if promote_every is FAST_ACCUMULATION else min(promote_every, args["BLOCK_K"])
 
 
-class Scales(NamedTuple):
-    """Where an operand's scales lie: the scale of its GEMM row i (in group g) and K block kb is at
-    ``tensor + g * group + (i // rows) * row + kb * block``. A per-tensor or per-row factor has
-    block 0 (applied once, after the sum); a block scale's rows are 1 or 128."""
-
-    tensor: torch.Tensor
-    group: int
-    row: int
-    block: int
-    rows: int = 1
-
-
 @triton.jit
 def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
     """FP8 codes (masked lanes +0; mask None: none masked) read as E4M3 or E5M2."""
@@ -162,7 +151,7 @@ def _fp8_tile(ptrs, mask, E5M2: tl.constexpr):
 
 @triton.jit
 def _scale(ptr, group, i, kb, stride_g, stride_i, stride_k, mask, ROWS: tl.constexpr, E8M0: tl.constexpr = False):
-    """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see Scales); 0 where masked
+    """The scales of GEMM rows ``i`` of ``group`` in K block ``kb`` (see grouped_operands.Scales); 0 where masked
     (mask None: none masked). E8M0: stored as MXFP8's exponent bytes, 2^(e - 127) (255: NaN)."""
     at = group * stride_g + (i // ROWS).to(tl.int64) * stride_i + kb * stride_k
     if mask is None:
@@ -336,61 +325,6 @@ def _tokens_by_tokens(
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-def _block_scaled(rep: Representation) -> bool:
-    family = rep.quantizer.gemm_input(rep.direction).family
-    return family.startswith("fp8_block") or family == "mxfp8"
-
-
-def _mx(rep: Representation) -> bool:
-    return rep.quantizer.gemm_input(rep.direction).family == "mxfp8"
-
-
-def _scale_rows(rep: Representation) -> int:
-    """The GEMM rows one block scale covers: 128 for 128x128 tiles, 1 for 1x128 blocks (both
-    directions: a columnwise 128x1 block is a 1x128 one of the stored transpose)."""
-    return SCALE_BLOCK if rep.quantizer.gemm_input(rep.direction).family == "fp8_block_128x128" else 1
-
-
-def _e5m2(rep: Representation) -> bool:
-    return rep.quantizer.gemm_input(rep.direction).element == "e5m2"
-
-
-def _codes(rep: Representation) -> torch.Tensor:
-    """The FP8 codes typed as their element, so that the tensor cores read them straight from
-    the shared memory the loads fill (bytes would be cast in registers and stored back first)."""
-    return rep.data.view(torch.float8_e5m2 if _e5m2(rep) else torch.float8_e4m3fn)
-
-
-def _expert_scales(b: Representation, b_group: torch.Tensor, groups: int) -> Scales:
-    """B's scales for tokens x experts: B_g's GEMM rows are the output columns. Rowwise data
-    (groups * n', k) has group g's rows from g * n' on; columnwise data (cols, groups * n'),
-    stored transposed, group g's K from g * n' on."""
-    per_group = (b.data.shape[0] if b.direction == ROWWISE else b.data.shape[1]) // groups
-    if _block_scaled(b):
-        rows = _scale_rows(b)
-        row, block = b.scale.stride()
-        group = per_group // rows * row if b.direction == ROWWISE else per_group // SCALE_BLOCK * block
-        return Scales(b.scale, group, row, block, rows)
-    factor = b.quantizer.grouped_factor(b, b_group).float()
-    if b.direction == ROWWISE:  # (groups * n', 1): one per row of the stack
-        return Scales(factor, per_group * factor.stride(0), factor.stride(0), 0)
-    factor = factor.expand(groups, b.data.shape[0])  # (groups, cols or 1): one per column of each group
-    return Scales(factor, factor.stride(0), factor.stride(1), 0)
-
-
-def _token_scales(rep: Representation, row_group: torch.Tensor, groups: int) -> Scales:
-    """The scales of a token operand: rowwise (tokens x experts' A), its rows; columnwise
-    (either side of tokens x tokens), its columns in each group."""
-    if _block_scaled(rep):
-        row, block = rep.scale.stride()
-        return Scales(rep.scale, 0, row, block, _scale_rows(rep))
-    factor = rep.quantizer.grouped_factor(rep, row_group).float()
-    if rep.direction == ROWWISE:
-        return Scales(factor, 0, factor.stride(0), 0)
-    factor = factor.expand(groups, rep.data.shape[0])
-    return Scales(factor, factor.stride(0), factor.stride(1), 0)
-
-
 def tokens_by_experts(
     a: Representation, b: Representation, b_group: torch.Tensor, tokens: GroupPadding, token_rows: int, n: int,
     out_dtype: torch.dtype, promote_every: Optional[int],
@@ -401,7 +335,7 @@ def tokens_by_experts(
     expert stack, rowwise (groups * n', k) or columnwise, stored transposed (n, groups * n').
     promote_every: the products summed in the tensor cores' accumulator before fp32 takes them
     (PROMOTE_EVERY), or FAST_ACCUMULATION: all of them."""
-    if _mx(a) and token_rows >= _WARPGROUP_ROWS:
+    if operands.mx(a) and token_rows >= _WARPGROUP_ROWS:
         raise ValueError(f"{BACKEND}: MXFP8 takes tokens of at most {_WARPGROUP_ROWS - 1} rows a group, not {token_rows} (MX_FAMILY_PAIRS)")
     groups, (rows, k) = tokens.groups, a.data.shape
     out = torch.empty((tokens.position.shape[0], n), dtype=out_dtype, device=a.data.device)
@@ -411,14 +345,14 @@ def tokens_by_experts(
     else:  # B_g[kk, col] = data[col, g * n' + kk]
         per_group = b.data.shape[1] // groups
         strides = (per_group * b.data.stride(1), b.data.stride(1), b.data.stride(0))
-    sa, sb = _token_scales(a, tokens.row_group, groups), _expert_scales(b, b_group, groups)
+    sa, sb = operands.token_scales(a, tokens.row_group, groups), operands.expert_scales(b, b_group, groups)
     grid = lambda meta: (ceil_div(rows, meta["BLOCK_M"]) * ceil_div(n, meta["BLOCK_N"]),)  # noqa: E731
     _tokens_by_experts[grid](
-        _codes(a), _codes(b), out, tokens.row_group, tokens.source, tokens.ends, groups, rows, n, k,
+        operands.codes(a), operands.codes(b), out, tokens.row_group, tokens.source, tokens.ends, groups, rows, n, k,
         *a.data.stride(), *strides, out.stride(0),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
-        BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
-        PROMOTE_EVERY=promote_every, SCALE_BLOCK=MX_BLOCK if _mx(a) else SCALE_BLOCK, E8M0=_mx(a), GROUP_TILES=GROUP_TILES,
+        BLOCK_SCALED=operands.block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=operands.e5m2(a), B_E5M2=operands.e5m2(b),
+        PROMOTE_EVERY=promote_every, SCALE_BLOCK=MX_BLOCK if operands.mx(a) else SCALE_BLOCK, E8M0=operands.mx(a), GROUP_TILES=GROUP_TILES,
         TOKEN_ROWS=token_rows,
     )
     return out
@@ -434,12 +368,12 @@ def tokens_by_tokens(
     groups = ends.shape[0]
     n = b.data.shape[0]
     out = torch.empty((groups, m, n), dtype=out_dtype, device=a.data.device)
-    sa, sb = _token_scales(a, a_group, groups), _token_scales(b, b_group, groups)
+    sa, sb = operands.token_scales(a, a_group, groups), operands.token_scales(b, b_group, groups)
     grid = lambda meta: (ceil_div(m, meta["BLOCK_M"]) * ceil_div(n, meta["BLOCK_N"]), groups)  # noqa: E731
     _tokens_by_tokens[grid](
-        _codes(a), _codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
+        operands.codes(a), operands.codes(b), out, ends, m, n, *a.data.stride(), *b.data.stride(),
         sa.tensor, sa.group, sa.row, sa.block, sb.tensor, sb.group, sb.row, sb.block,
-        BLOCK_SCALED=_block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=_e5m2(a), B_E5M2=_e5m2(b),
+        BLOCK_SCALED=operands.block_scaled(a), A_ROWS=sa.rows, B_ROWS=sb.rows, A_E5M2=operands.e5m2(a), B_E5M2=operands.e5m2(b),
         PROMOTE_EVERY=promote_every, SCALE_BLOCK=SCALE_BLOCK, GROUP_TILES=GROUP_TILES, GROUP_ROWS=GROUP_ROWS,
     )
     return out

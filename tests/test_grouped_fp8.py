@@ -1,0 +1,111 @@
+"""graphquant's CUDA FP8 grouped GEMM (graphquant.kernels.grouped_fp8) on Hopper: which grouped
+GEMMs the plan gives it; on the GPU, every product it takes within the float64 reference's bound
+(test_triton_grouped_fp8.excess, which also checks an empty expert's weight gradient), and bit for
+bit the Triton kernel's wherever the two promote at the same K blocks: the same wgmmas, sums and
+factors in the same order."""
+
+import pytest
+import torch
+from test_triton_grouped_fp8 import FORMATS, GPU_SHAPE, SUMS, excess
+
+from graphquant.formats import groups
+from graphquant.kernels import backends, grouped_fp8
+from graphquant.kernels import grouped as grouped_kernels
+from graphquant.quantizers import COLUMNWISE, ROWWISE
+
+CASES = [
+    (name, gemm, sums)
+    for name in ("tensorwise", "rowwise", "blockwise")
+    for gemm in ("fprop", "dgrad", "wgrad")
+    for sums in SUMS[name]
+    if not (name == "blockwise" and gemm == "wgrad")  # block-scaled tokens x tokens: the Triton kernel's
+]
+
+
+class BesideTriton:
+    """grouped_fp8's functions, each output checked against the Triton kernel's on the same operands."""
+
+    PROMOTE_EVERY = grouped_fp8.PROMOTE_EVERY
+    FAST_ACCUMULATION = grouped_fp8.FAST_ACCUMULATION
+
+    def __init__(self):
+        self.compared = 0
+
+    def tokens_by_experts(self, *args):
+        ours = grouped_fp8.tokens_by_experts(*args)
+        assert torch.equal(ours, backends.triton_grouped_fp8.tokens_by_experts(*args)), "the Triton kernel's bits"
+        self.compared += 1
+        return ours
+
+    def tokens_by_tokens(self, *args):
+        ours = grouped_fp8.tokens_by_tokens(*args)
+        theirs = backends.triton_grouped_fp8.tokens_by_tokens(*args)
+        # Its autotuner may take a 64-long K tile, which promotes every 64 products.
+        tile = backends.triton_grouped_fp8._tokens_by_tokens.best_config.kwargs["BLOCK_K"]
+        if args[-1] is grouped_fp8.FAST_ACCUMULATION or tile == grouped_fp8.PROMOTE_EVERY:
+            assert torch.equal(ours, theirs), "the Triton kernel's bits"
+            self.compared += 1
+        return ours
+
+
+def selections(name: str, token_rows: int = groups.GROUP_ROWS) -> dict:
+    """{GEMM: the plan's backend} of a grouped site of FORMATS[name] on sm90, every GEMM let
+    accumulate fast where its scales allow, the extension pretended to run the CUDA kernel."""
+    qx, qw, qg = FORMATS[name]
+    pairs = {"fprop": (qx, ROWWISE, qw, ROWWISE), "dgrad": (qg, ROWWISE, qw, COLUMNWISE), "wgrad": (qg, COLUMNWISE, qx, COLUMNWISE)}
+    chosen = {}
+    for gemm, (qa, da, qb, db) in pairs.items():
+        selection = backends.select_grouped(qa, da, qb, db, torch.device("cuda"), 4096, True, False, token_rows)
+        assert selection.bucket == backends.NATIVE, selection
+        chosen[gemm] = selection.backend
+    return chosen
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    if not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton")
+    monkeypatch.setattr(backends, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(grouped_fp8, "extension_runs", lambda device: True)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
+def test_plan_gives_it_every_grouped_gemm_of_whole_tiles_but_block_scaled_wgrad(hopper, name):
+    fast = "fast" in SUMS[name]
+    expected = {gemm: backends.GemmBackend(grouped_fp8.BACKEND, fast_accumulation=fast) for gemm in ("fprop", "dgrad", "wgrad")}
+    if name == "blockwise":
+        expected["wgrad"] = backends.GemmBackend(backends.triton_grouped_fp8.BACKEND)
+    assert selections(name) == expected
+
+
+def test_plan_leaves_few_tokens_an_expert_to_the_triton_kernel(hopper):
+    chosen = selections("rowwise", groups.FEW_TOKEN_ROWS)
+    assert {backend.name for backend in chosen.values()} == {backends.triton_grouped_fp8.BACKEND}
+
+
+@pytest.fixture
+def device():
+    if not (torch.cuda.is_available() and grouped_fp8.extension_runs(torch.device("cuda"))):
+        pytest.skip("needs graphquant's extension on an sm_90 GPU")
+    if not backends.TRITON_GROUPED_GEMMS:
+        pytest.skip("needs Triton, to compare with")
+    return "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,gemm,sums", CASES, ids=["-".join(case) for case in CASES])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, sums, out_dtype):
+    kernels = BesideTriton()
+    assert excess(name, gemm, sums, *GPU_SHAPE, out_dtype, device, kernels) <= 0
+    assert kernels.compared == 1 or (gemm == "wgrad" and sums == "promoted")
+
+
+@pytest.mark.gpu
+def test_a_call_of_fewer_rows_a_group_than_its_plan_was_made_for_fails_clearly(device):
+    qx, qw, _ = FORMATS["rowwise"]
+    tokens = groups.padding(torch.tensor([3, 5], dtype=torch.int32, device=device), 5, groups.FEW_TOKEN_ROWS, 32)
+    x = qx.quantize_groups(tokens.pad(torch.randn(5, 64, device=device)), tokens.row_group, 2, ROWWISE, None)
+    with pytest.raises(backends.GemmMismatch, match="multiples of 128 rows; this call's start at multiples of 16"):
+        grouped_kernels.gemm(x, x, tokens.row_group, tokens, groups.FEW_TOKEN_ROWS, 64, torch.bfloat16,
+                             backends.GemmBackend(grouped_fp8.BACKEND), "moe#0 fprop")
