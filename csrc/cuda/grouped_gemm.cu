@@ -50,6 +50,8 @@ struct Scales {
   int64_t group, row, block;
   int rows;
   __device__ __forceinline__ float at(int64_t g, int64_t i, int64_t kb) const { return tensor[g * group + i / rows * row + kb * block]; }
+  // A per-tensor or per-row factor (one a row, no K block): no division.
+  __device__ __forceinline__ float factor(int64_t g, int64_t i) const { return tensor[g * group + i * row]; }
 };
 
 struct Args {
@@ -86,7 +88,7 @@ struct Epilogue {
       const int row = w.tm * TILE + rows[h];
       const int64_t source = args.source[static_cast<int64_t>(row)];
       out_row[h] = source < 0 ? -1 : source * args.n;
-      row_factor[h] = MODE == BLOCK ? 1.f : args.a_scale.at(0, row, 0);
+      row_factor[h] = MODE == BLOCK ? 1.f : args.a_scale.factor(0, row);
     }
   }
 };
@@ -99,7 +101,7 @@ __device__ __forceinline__ void store_half(const float (&acc)[64], const Args& a
   Out* out = static_cast<Out*>(args.out);
   float column_factor[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) column_factor[i] = MODE == BLOCK ? 1.f : args.b_scale.at(w.group, min(n0 + 8 * (i / 2) + 2 * t + i % 2, args.n - 1), 0);
+  for (int i = 0; i < 32; ++i) column_factor[i] = MODE == BLOCK ? 1.f : args.b_scale.factor(w.group, min(n0 + 8 * (i / 2) + 2 * t + i % 2, args.n - 1));
   const bool even = args.n % 2 == 0;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -277,6 +279,8 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
   TORCH_CHECK(mode == PROMOTED || mode == BLOCK, "graphquant.grouped_fp8_gemm: mode is 1 (promoted) or 2 (block scales), not ", mode);
   TORCH_CHECK(mode != BLOCK || (a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == TILE),
               "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (DeepSeek-V3's fprop and dgrad)");
+  TORCH_CHECK(mode != PROMOTED || (a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == 1),
+              "graphquant.grouped_fp8_gemm: per-tensor and per-row factors are one a GEMM row of each operand");
   const int64_t groups = ends.numel(), rows = a.size(0), k = a.size(1);
   const int64_t stack = b_rowwise ? b.size(0) : b.size(1);
   TORCH_CHECK(stack % groups == 0, "graphquant.grouped_fp8_gemm: B's stack of ", stack, " rows does not split into ", groups, " experts");
