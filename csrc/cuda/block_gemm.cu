@@ -193,16 +193,6 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
 #endif
 }
 
-int element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
-
-// FP8 codes (rows, k) as TMA reads them: K contiguous, rows 16-byte aligned.
-void check_codes(const at::Tensor& codes, const char* name) {
-  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && (codes.scalar_type() == at::kFloat8_e4m3fn || codes.scalar_type() == at::kFloat8_e5m2) &&
-                  codes.stride(1) == 1 && codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
-              "graphquant.block_gemm: ", name, " must be CUDA float8_e4m3fn or float8_e5m2 codes (rows, k), k contiguous, rows 16-byte aligned; got ",
-              codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides(), " on ", codes.device());
-}
-
 void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const at::Tensor& codes, const char* name) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == blocks &&
                   scale.device() == codes.device(),
@@ -263,8 +253,8 @@ void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b,
 
 at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
                       at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
-  check_codes(a, "A");
-  check_codes(b, "B");
+  check_fp8_codes(a, "graphquant.block_gemm", "A");
+  check_fp8_codes(b, "graphquant.block_gemm", "B");
   TORCH_CHECK(b.scalar_type() == at::kFloat8_e4m3fn, "graphquant.block_gemm multiplies E4M3 or E5M2 A by E4M3 B (weights), not ", b.scalar_type());
   const auto* properties = at::cuda::getDeviceProperties(a.get_device());
   TORCH_CHECK(properties->major == 9 && properties->minor == 0,
@@ -303,7 +293,7 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
             0};
   const int sms = properties->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (element(a) == E4M3) launch_clusters<E4M3>(args, a, b, m_tiles, sms, stream);
+  if (fp8_element(a) == E4M3) launch_clusters<E4M3>(args, a, b, m_tiles, sms, stream);
   else launch_clusters<E5M2>(args, a, b, m_tiles, sms, stream);
   return out;
 }

@@ -32,8 +32,8 @@ namespace {
 
 using namespace hopper;
 
-// A CTA's output tile is TILE rows by HALVES * TILE columns (L2's bandwidth bounds 128 x 128 FP8
-// tiles below bf16's speed: a stage's 32 KB a 4.2 MFLOP); a stage holds TILE of K of both operands,
+// A CTA's output tile is TILE rows by HALVES * TILE columns (L2's bandwidth held 128 x 128 FP8
+// tiles near bf16's speed: a stage's 32 KB a 4.2 MFLOP); a stage holds TILE of K of both operands,
 // 128 bytes a row (one swizzle atom row).
 constexpr int TILE = 128, HALVES = 2, TILE_N = HALVES * TILE;
 constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
@@ -228,14 +228,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
 #endif
 }
 
-// FP8 codes (rows, cols) as TMA reads them: the reduction dim contiguous, rows 16-byte aligned.
-void check_codes(const at::Tensor& codes, const char* name) {
-  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && (codes.scalar_type() == at::kFloat8_e4m3fn || codes.scalar_type() == at::kFloat8_e5m2) &&
-                  codes.stride(1) == 1 && codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
-              "graphquant.grouped_fp8_gemm: ", name, " must be CUDA float8_e4m3fn or float8_e5m2 codes (rows, cols), cols contiguous, rows ",
-              "16-byte aligned; got ", codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides(), " on ", codes.device());
-}
-
 Scales scales_of(const at::Tensor& tensor, const std::vector<int64_t>& layout, const at::Tensor& codes, const char* name) {
   TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.device() == codes.device() && layout.size() == 4 && layout[3] >= 1,
               "graphquant.grouped_fp8_gemm: ", name, "'s scales must be float32 on ", codes.device(),
@@ -261,15 +253,13 @@ void launch_elements(const Args& args, int a, int b, const CUtensorMap& a_map, c
   else launch<E5M2, E5M2, MODE>(args, a_map, b_map, sms, stream);
 }
 
-int element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
-
 // out (tokens, n), row source[r] = A[r] @ B_g^T. B: an expert stack, rowwise (groups * n', k) or
 // columnwise, stored transposed (n, groups * n'); per_group: n'.
 at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_rowwise, int64_t n, int64_t tokens, const at::Tensor& row_group,
                              const at::Tensor& source, const at::Tensor& ends, const at::Tensor& a_scale, const std::vector<int64_t>& a_layout,
                              const at::Tensor& b_scale, const std::vector<int64_t>& b_layout, int64_t mode, at::ScalarType out_dtype) {
-  check_codes(a, "A");
-  check_codes(b, "B");
+  check_fp8_codes(a, "graphquant.grouped_fp8_gemm", "A");
+  check_fp8_codes(b, "graphquant.grouped_fp8_gemm", "B");
   TORCH_CHECK(a.device() == b.device() && ends.device() == a.device() && ends.scalar_type() == at::kInt && ends.dim() == 1 &&
                   ends.is_contiguous() && ends.numel() >= 1,
               "graphquant.grouped_fp8_gemm: A, B and the groups' int32 ends must lie on one device; got ", a.device(), ", ", b.device(),
@@ -322,8 +312,8 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
                                        CU_TENSOR_MAP_SWIZZLE_128B);
   const int sms = properties->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (mode == PROMOTED) launch_elements<PROMOTED>(args, element(a), element(b), a_map, b_map, sms, stream);
-  else launch_elements<BLOCK>(args, element(a), element(b), a_map, b_map, sms, stream);
+  if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  else launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
   return out;
 }
 

@@ -185,6 +185,18 @@ __device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both
   store_value(p, v0);
 }
 
+// FP8 codes (rows, k) as a GEMM's TMA reads them: k contiguous, rows 16-byte aligned; ``what``
+// names the caller and ``name`` the operand in errors.
+inline void check_fp8_codes(const at::Tensor& codes, const char* what, const char* name) {
+  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && (codes.scalar_type() == at::kFloat8_e4m3fn || codes.scalar_type() == at::kFloat8_e5m2) &&
+                  codes.stride(1) == 1 && codes.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0,
+              what, ": ", name, " must be CUDA float8_e4m3fn or float8_e5m2 codes (rows, k), k contiguous, rows 16-byte aligned; got ",
+              codes.scalar_type(), " ", codes.sizes(), " strides ", codes.strides(), " on ", codes.device());
+}
+
+// The element of FP8 codes, as the kernels' templates take it.
+inline int fp8_element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
+
 // Opts ``kernel`` into ``bytes`` of dynamic shared memory (past 48 KiB) on the current device,
 // once a device: each device's context holds a copy of the function of its own, so a kernel opted
 // in on one device alone fails to launch on another.
