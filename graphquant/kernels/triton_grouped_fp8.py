@@ -1,4 +1,4 @@
-"""The native FP8 grouped GEMM: every group's product of two FP8 grouped representations in one
+"""The Triton FP8 grouped GEMM: every group's product of two FP8 grouped representations in one
 Triton launch, the scales applied inside it, the group offsets read on the device.
 
 It multiplies the FP8 codes on the tensor cores and applies the formats' scales in fp32:
@@ -23,7 +23,9 @@ tokens of a graph that runs fprop alone at multiples of 16, which tiles of 16 ro
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's padded rows (an empty group: 0)
 
 Both operands are read with the reduction dim contiguous, as every grouped representation of
-these formats stores it (rowwise data as is, columnwise data transposed).
+these formats stores it (rowwise data as is, columnwise data transposed). On Hopper the plan gives
+its promoted tokens x experts products of whole tiles to graphquant.kernels.grouped_fp8, which
+computes the same bits faster.
 """
 
 from __future__ import annotations
