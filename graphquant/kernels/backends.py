@@ -159,9 +159,9 @@ class NativeGemm(NamedTuple):
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only
     groups of tokens that start at multiples of GROUP_ROWS; ``tokens_by_experts_only``: one that
-    multiplies tokens by experts (fprop, dgrad), not tokens by tokens (wgrad). ``min_rows``: a skinny GEMM's fewest rows
-    of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
-    any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
+    multiplies tokens by experts (fprop, dgrad), not tokens by tokens (wgrad). ``min_rows``: a
+    skinny GEMM's fewest rows of A (fewer run faster on another); ``k_multiple``: the multiple k
+    must be where m and n may be any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
     none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
     graphquant's extension: whether the extension has it there)."""
@@ -455,7 +455,9 @@ def select_grouped(
         return Selection(EMULATED, GemmBackend(EMULATION), selection.reason)
     inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
     # A GEMM the recipe lets accumulate fast goes to a native GEMM that sums it so, where one takes it: faster.
-    fast = [n for n in NATIVE_GROUPED_GEMMS if fast_accumulation and n.takes(*inputs) and n.runs_on(sm) and n.accumulates_fast(*inputs, True)]
+    fast = [
+        n for n in NATIVE_GROUPED_GEMMS if fast_accumulation and n.takes(*inputs) and n.runs_on(sm) and n.accumulates_fast(*inputs, True)
+    ]
     reasons = []
     for native in NATIVE_GROUPED_GEMMS:
         if not native.takes(*inputs):
