@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
-from graphquant.kernels import block_scaled, emulation, grouped_fp8, mixed_input, scaled_mm
+from graphquant.kernels import block_scaled, emulation, grouped_fp8, grouped_operands, mixed_input, scaled_mm
 from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
@@ -346,7 +346,6 @@ NATIVE_GEMMS = (
     ),
 )
 
-_ROW_SCALED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise")
 # Triton's FP8 grouped GEMM (graphquant.kernels.triton_grouped_fp8), where Triton is installed:
 # per-tensor, per-row and DeepSeek's block scales, E4M3 or E5M2, writing the unpadded output
 # itself. It promotes its partial sums into fp32, or, for per-tensor and per-row scales where the
@@ -388,7 +387,7 @@ WGMMA_GROUPED_GEMM = NativeGemm(
 # Triton GEMM, which takes every pair it takes, is not installed.
 NATIVE_GROUPED_GEMM = NativeGemm(
     "torch._scaled_grouped_mm fp8 rowwise",
-    frozenset(itertools.product(_ROW_SCALED_FAMILIES, repeat=2)),
+    frozenset(itertools.product(grouped_operands.ROW_SCALED, repeat=2)),
     BOTH_E4M3,
     16,
     lambda sm: sm[0] in (9, 10) and hasattr(torch, "_scaled_grouped_mm"),
@@ -432,7 +431,7 @@ def token_rows(x_quantizer: Quantizer, fprop_alone: bool) -> int:
 
 
 # Formats whose emulated values leave out a per-group or per-row factor (Quantizer.grouped_factor).
-_FACTORED_FAMILIES = (*_ROW_SCALED_FAMILIES, "nvfp4", "nvfp4_row_scaled")
+_FACTORED_FAMILIES = (*grouped_operands.ROW_SCALED, "nvfp4", "nvfp4_row_scaled")
 
 
 def select_grouped(

@@ -14,6 +14,7 @@ accumulator and the tokens x tokens weight gradients run faster on the Triton ke
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -25,10 +26,8 @@ from graphquant.kernels import native
 from graphquant.quantizers import ROWWISE, Representation
 
 BACKEND = "wgmma fp8 grouped gemm"
-_ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")
-FAMILY_PAIRS = frozenset({(x, y) for x in _ROW_SCALED for y in _ROW_SCALED} | {("fp8_block_1x128", "fp8_block_128x128")})
-_FP8 = ("e4m3", "e5m2")
-ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
+FAMILY_PAIRS = frozenset({*itertools.product(operands.ROW_SCALED, repeat=2), ("fp8_block_1x128", "fp8_block_128x128")})
+ELEMENT_PAIRS = operands.ELEMENT_PAIRS
 K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS  # one 128-long K block a promotion
 PROMOTED, BLOCK = 1, 2  # the kernel's modes: per-tensor or per-row factors after the sum, block scales in it

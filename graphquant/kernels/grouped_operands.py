@@ -11,6 +11,9 @@ import torch
 from graphquant.quantizers import ROWWISE, Representation
 
 SCALE_BLOCK = 128  # the K extent of a block scale, and the rows of a 128x128 one
+ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")  # the families whose factors are one a GEMM row (or tensor)
+_FP8 = ("e4m3", "e5m2")
+ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)  # FP8 codes of either element on either side
 
 
 class Scales(NamedTuple):

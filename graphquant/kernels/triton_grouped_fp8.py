@@ -44,18 +44,16 @@ from graphquant.quantizers import ROWWISE, Representation
 
 BACKEND = "triton fp8 grouped"
 MX_BACKEND = "triton fp8 grouped, MXFP8 blocks"
-_ROW_SCALED = ("fp8_tensorwise", "fp8_rowwise")
 # fprop and dgrad multiply activations or gradients (1x128) by weights (128x128, or 1x128), wgrad
 # two 1x128 operands; per-tensor and per-row scales in any combination.
 FAMILY_PAIRS = frozenset(
-    {(x, y) for x in _ROW_SCALED for y in _ROW_SCALED}
+    {(x, y) for x in operands.ROW_SCALED for y in operands.ROW_SCALED}
     | {(x, y) for x in ("fp8_block_1x128", "fp8_block_128x128") for y in ("fp8_block_1x128", "fp8_block_128x128")}
 )
 # The families whose sums it leaves in the tensor cores' accumulator where the recipe allows: block
 # scales always promote (as cuBLAS's block-scaled GEMMs do).
-FAST_FAMILIES = frozenset(_ROW_SCALED)
-_FP8 = ("e4m3", "e5m2")
-ELEMENT_PAIRS = frozenset((x, y) for x in _FP8 for y in _FP8)
+FAST_FAMILIES = frozenset(operands.ROW_SCALED)
+ELEMENT_PAIRS = operands.ELEMENT_PAIRS
 SCALE_BLOCK = operands.SCALE_BLOCK
 MX_BLOCK = 32  # the K extent of an MXFP8 block scale (E8M0)
 # MXFP8 pairs (E4M3) in the few-token tiles alone, on Hopper's FP8 tensor cores (which have no MX
