@@ -43,14 +43,15 @@ constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a st
 constexpr int BAND = 16;  // tile rows walked a column at a time
 enum Mode { PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
 
-// Where an operand's scales lie: GEMM row i of group g in K block kb scaled by
-// tensor[g * group + (i / rows) * row + kb * block] (graphquant.kernels.grouped_operands.Scales).
+// Where an operand's scales lie (graphquant.kernels.grouped_operands.Scales): GEMM row i of group g
+// in K block kb scaled by tensor[g * group + (i / ROWS) * row + kb * block], ROWS the rows a scale
+// spans as the mode fixes them (the host checks the layout against it): 1 for per-row factors and
+// A's 1x128 blocks, TILE for B's 128x128 ones; per-tensor and per-row factors have no K block.
 struct Scales {
   const float* tensor;
   int64_t group, row, block;
-  int rows;
-  __device__ __forceinline__ float at(int64_t g, int64_t i, int64_t kb) const { return tensor[g * group + i / rows * row + kb * block]; }
-  // A per-tensor or per-row factor (one a row, no K block): no division.
+  template <int ROWS>
+  __device__ __forceinline__ float block_scale(int64_t g, int64_t i, int64_t kb) const { return tensor[g * group + i / ROWS * row + kb * block]; }
   __device__ __forceinline__ float factor(int64_t g, int64_t i) const { return tensor[g * group + i * row]; }
 };
 
@@ -178,8 +179,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
       // BLOCK: each block's scales (B's 128x128 tile of each half) read while the block before it multiplies.
       float tile_scale[HALVES] = {0.f, 0.f}, row_scale[2] = {0.f, 0.f};
       const auto read_scales = [&](int64_t kb) {
-        for (int h = 0; h < HALVES; ++h) tile_scale[h] = args.b_scale.at(w.group, min(w.tn * TILE_N + h * TILE, args.n - 1), kb);
-        for (int r = 0; r < 2; ++r) row_scale[r] = args.a_scale.at(0, static_cast<int64_t>(w.tm) * TILE + rows[r], kb);
+        for (int h = 0; h < HALVES; ++h) tile_scale[h] = args.b_scale.block_scale<TILE>(w.group, min(w.tn * TILE_N + h * TILE, args.n - 1), kb);
+        for (int r = 0; r < 2; ++r) row_scale[r] = args.a_scale.block_scale<1>(0, static_cast<int64_t>(w.tm) * TILE + rows[r], kb);
       };
       if constexpr (MODE == BLOCK) read_scales(0);
       for (int block = 0; block < args.k_blocks; ++block, ++j) {
@@ -233,7 +234,7 @@ Scales scales_of(const at::Tensor& tensor, const std::vector<int64_t>& layout, c
               "graphquant.grouped_fp8_gemm: ", name, "'s scales must be float32 on ", codes.device(),
               " with a layout (group, row, block strides, rows a scale); got ", tensor.scalar_type(), " on ", tensor.device(), " and ",
               layout.size(), " layout values");
-  return Scales{tensor.data_ptr<float>(), layout[0], layout[1], layout[2], static_cast<int>(layout[3])};
+  return Scales{tensor.data_ptr<float>(), layout[0], layout[1], layout[2]};
 }
 
 template <int A, int B, int MODE>
