@@ -1,6 +1,6 @@
 """The grouped GEMMs of an MoE layer's experts, alone: bf16 torch._grouped_mm against graphquant's
 native FP8 grouped GEMMs (the Triton FP8 grouped GEMM at each promotion interval asked for,
-graphquant's CUDA one (grouped_fp8: tokens x experts, promoted) where the extension has it,
+graphquant's CUDA one (grouped_fp8) where the extension has it,
 torch._scaled_grouped_mm) on quantized operands in the padded layout, fprop, dgrad and wgrad.
 
     python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,mxfp8_block_scaling] [--promote fast,32,128] [--emulated]
@@ -128,18 +128,20 @@ def main() -> None:
                     return grouped_kernels.gemm(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, backend, f"{site} {gemm}")
 
                 def cuda_gemm(promote_every):
-                    return grouped_fp8.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
+                    if a.direction == ROWWISE:
+                        return grouped_fp8.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
+                    return grouped_fp8.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
 
                 runs = {}
                 block_scaled = grouped_operands.block_scaled(a)
                 inputs = (a.quantizer.gemm_input(a.direction), b.quantizer.gemm_input(b.direction))
-                cuda = grouped_fp8.extension_runs(a.data.device) and backends.WGMMA_GROUPED_GEMM.takes(*inputs) and a.direction == ROWWISE
+                cuda = grouped_fp8.extension_runs(a.data.device) and backends.WGMMA_GROUPED_GEMM.takes(*inputs)
                 for interval in intervals(args.promote):
                     if interval is kernels.FAST_ACCUMULATION and block_scaled:
                         continue  # block scales always promote: no plan runs them fast
                     label = "fast accumulation" if interval is kernels.FAST_ACCUMULATION else f"promoted every {interval}"
                     runs[f"{kernels.BACKEND}, {label}"] = functools.partial(triton_gemm, interval)
-                    if cuda and interval == grouped_fp8.PROMOTE_EVERY:
+                    if cuda and interval in (grouped_fp8.PROMOTE_EVERY, grouped_fp8.FAST_ACCUMULATION):
                         runs[f"{grouped_fp8.BACKEND}, {label}"] = functools.partial(cuda_gemm, interval)
                 if scaled.takes(*inputs) and scaled.runs_on(torch.cuda.get_device_capability()):
                     runs[str(scaled_backend)] = functools.partial(on, scaled_backend)

@@ -12,14 +12,21 @@ from graphquant.kernels import backends, grouped_fp8
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 
-CASES = [(name, gemm) for name in ("tensorwise", "rowwise", "blockwise") for gemm in ("fprop", "dgrad")]
+CASES = [
+    (name, gemm, sums)
+    for name in ("tensorwise", "rowwise", "blockwise")
+    for gemm in ("fprop", "dgrad", "wgrad")
+    for sums in SUMS[name]
+    if not (name == "blockwise" and gemm == "wgrad")  # block-scaled tokens x tokens: the Triton kernel's
+]
 
 
 class BesideTriton:
-    """grouped_fp8's tokens_by_experts, its output checked bit for bit against the Triton kernel's
-    on the same operands (test_triton_grouped_fp8.excess calls it as the Triton kernel's module)."""
+    """grouped_fp8's functions, each output checked bit for bit against the Triton kernel's on the
+    same operands (test_triton_grouped_fp8.excess calls it as the Triton kernel's module)."""
 
     PROMOTE_EVERY = grouped_fp8.PROMOTE_EVERY
+    FAST_ACCUMULATION = grouped_fp8.FAST_ACCUMULATION
 
     def __init__(self):
         self.compared = 0
@@ -28,6 +35,16 @@ class BesideTriton:
         ours = grouped_fp8.tokens_by_experts(*args)
         assert torch.equal(ours, backends.triton_grouped_fp8.tokens_by_experts(*args)), "the Triton kernel's bits"
         self.compared += 1
+        return ours
+
+    def tokens_by_tokens(self, *args):
+        ours = grouped_fp8.tokens_by_tokens(*args)
+        theirs = backends.triton_grouped_fp8.tokens_by_tokens(*args)
+        # Its autotuner may take a 64-long K tile, which promotes every 64 products.
+        tile = backends.triton_grouped_fp8._tokens_by_tokens.best_config.kwargs["BLOCK_K"]
+        if args[-1] is grouped_fp8.FAST_ACCUMULATION or tile == grouped_fp8.PROMOTE_EVERY:
+            assert torch.equal(ours, theirs), "the Triton kernel's bits"
+            self.compared += 1
         return ours
 
 
@@ -54,13 +71,11 @@ def hopper(monkeypatch):
 
 @pytest.mark.parametrize("fast", [False, True], ids=["fp32 sums", "fast accumulation"])
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
-def test_plan_gives_it_promoted_tokens_by_experts_and_the_rest_to_triton(hopper, name, fast):
-    """Its products are fprop and dgrad with promoted sums; the weight gradients and the sums a
-    recipe lets accumulate fast run faster on the Triton kernel (block scales always promote)."""
+def test_plan_gives_it_every_grouped_gemm_of_whole_tiles_but_block_scaled_wgrad(hopper, name, fast):
     fast = fast and "fast" in SUMS[name]
-    triton = backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=fast)
-    ours = triton if fast else backends.GemmBackend(grouped_fp8.BACKEND)
-    assert selections(name, fast) == {"fprop": ours, "dgrad": ours, "wgrad": triton}
+    ours = backends.GemmBackend(grouped_fp8.BACKEND, fast_accumulation=fast)
+    wgrad = ours if name != "blockwise" else backends.GemmBackend(backends.triton_grouped_fp8.BACKEND)
+    assert selections(name, fast) == {"fprop": ours, "dgrad": ours, "wgrad": wgrad}
 
 
 def test_plan_leaves_few_tokens_an_expert_to_the_triton_kernel(hopper):
@@ -78,16 +93,15 @@ def device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,gemm", CASES, ids=["-".join(case) for case in CASES])
-@pytest.mark.parametrize("shape", [GPU_SHAPE, ((300, 0, 513, 64), 720, 199)], ids=["moe", "edges"])
+@pytest.mark.parametrize("name,gemm,sums", CASES, ids=["-".join(case) for case in CASES])
+@pytest.mark.parametrize("shape", [GPU_SHAPE, ((300, 0, 513, 64), 720, 200)], ids=["moe", "edges"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, shape, out_dtype):
-    """Ragged groups and an empty one; "edges": a K of a partial block and an expert of an odd
-    number of output features, fewer than a tile (TMA zero-fills past its edges; its output rows
-    are stored a value at a time)."""
+def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, sums, shape, out_dtype):
+    """Ragged groups and an empty one; "edges": a K of a partial block and an expert of fewer
+    output features than a tile (a half tile of columns past it), which TMA zero-fills."""
     kernels = BesideTriton()
-    assert excess(name, gemm, "promoted", *shape, out_dtype, device, kernels) <= 0
-    assert kernels.compared == 1
+    assert excess(name, gemm, sums, *shape, out_dtype, device, kernels) <= 0
+    assert kernels.compared == 1 or (gemm == "wgrad" and sums == "promoted")
 
 
 @pytest.mark.gpu

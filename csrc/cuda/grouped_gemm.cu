@@ -41,7 +41,7 @@ constexpr int STAGE_BYTES = (TILE + TILE_N) * TILE;
 constexpr int STAGES = 4;
 constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 constexpr int BAND = 16;  // tile rows walked a column at a time
-enum Mode { PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
+enum Mode { FAST = 0, PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
 
 // Where an operand's scales lie (graphquant.kernels.grouped_operands.Scales): GEMM row i of group g
 // in K block kb scaled by tensor[g * group + (i / ROWS) * row + kb * block], ROWS the rows a scale
@@ -57,22 +57,34 @@ struct Scales {
 
 struct Args {
   void* out;
-  const int64_t* row_group;  // each padded row's group
-  const int64_t* source;     // the output row of each padded row, -1 for a pad row
+  const int64_t* row_group;  // tokens x experts: each padded row's group
+  const int64_t* source;     // tokens x experts: the output row of each padded row, -1 for a pad row
   const int32_t* ends;       // each group's cumulative padded end
   Scales a_scale, b_scale;
-  int groups, n, k_blocks, n_tiles, out_kind;
+  int groups, m, n, k_blocks, m_tiles, n_tiles, out_kind;  // m, m_tiles: tokens x tokens'; k_blocks: tokens x experts'
+  bool tokens_by_tokens;
 };
 
-// What one output tile multiplies: its group, tile row and column.
+// What one output tile multiplies: its group, tile row and column, its first K (A's and B's
+// column) and number of K blocks.
 struct Work {
-  int group, tm, tn;
+  int group, tm, tn, k0, blocks;
 };
 
 __device__ __forceinline__ Work work_of(const Args& args, int tile, int m_tiles) {
   Work w;
-  tile_in_bands<BAND>(tile, m_tiles, args.n_tiles, w.tm, w.tn);
-  w.group = static_cast<int>(args.row_group[static_cast<int64_t>(w.tm) * TILE]);
+  if (args.tokens_by_tokens) {
+    const int per_group = m_tiles * args.n_tiles;
+    w.group = tile / per_group;
+    tile_in_bands<BAND>(tile % per_group, m_tiles, args.n_tiles, w.tm, w.tn);
+    w.k0 = w.group == 0 ? 0 : args.ends[w.group - 1];
+    w.blocks = (args.ends[w.group] - w.k0) / TILE;
+  } else {
+    tile_in_bands<BAND>(tile, m_tiles, args.n_tiles, w.tm, w.tn);
+    w.group = static_cast<int>(args.row_group[static_cast<int64_t>(w.tm) * TILE]);
+    w.k0 = 0;
+    w.blocks = args.k_blocks;
+  }
   return w;
 }
 
@@ -87,9 +99,13 @@ struct Epilogue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = w.tm * TILE + rows[h];
-      const int64_t source = args.source[static_cast<int64_t>(row)];
-      out_row[h] = source < 0 ? -1 : source * args.n;
-      row_factor[h] = MODE == BLOCK ? 1.f : args.a_scale.factor(0, row);
+      if (args.tokens_by_tokens) {
+        out_row[h] = row < args.m ? (static_cast<int64_t>(w.group) * args.m + row) * args.n : -1;
+      } else {
+        const int64_t source = args.source[static_cast<int64_t>(row)];
+        out_row[h] = source < 0 ? -1 : source * args.n;
+      }
+      row_factor[h] = MODE == BLOCK || out_row[h] < 0 ? 1.f : args.a_scale.factor(args.tokens_by_tokens ? w.group : 0, row);
     }
   }
 };
@@ -140,8 +156,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  // The rows of tiles up to the last group's end, read on the device.
-  const int m_tiles = (args.ends[args.groups - 1] + TILE - 1) / TILE, tiles = m_tiles * args.n_tiles;
+  // tokens x experts: the rows of tiles up to the last group's end, read on the device; tokens x
+  // tokens: every group's tiles.
+  const int m_tiles = args.tokens_by_tokens ? args.m_tiles : (args.ends[args.groups - 1] + TILE - 1) / TILE;
+  const int tiles = (args.tokens_by_tokens ? args.groups : 1) * m_tiles * args.n_tiles;
 
   if (tid < PRODUCERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -149,13 +167,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
       int j = 0;  // stages filled so far, over every tile
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const Work w = work_of(args, tile, m_tiles);
-        for (int block = 0; block < args.k_blocks; ++block, ++j) {
+        for (int block = 0; block < w.blocks; ++block, ++j) {
           const int s = j % STAGES;
           if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
           const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
+          const int k = w.k0 + block * TILE;
           expect_bytes(bar, STAGE_BYTES);
-          tma_load(stage, a_map, block * TILE, w.tm * TILE, bar);
-          tma_load(stage + TILE * TILE, b_map, block * TILE, w.tn * TILE_N, w.group, bar);
+          tma_load(stage, a_map, k, w.tm * TILE, bar);
+          tma_load(stage + TILE * TILE, b_map, k, w.tn * TILE_N, args.tokens_by_tokens ? 0 : w.group, bar);
         }
       }
     }
@@ -183,10 +202,27 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
         for (int r = 0; r < 2; ++r) row_scale[r] = args.a_scale.block_scale<1>(0, static_cast<int64_t>(w.tm) * TILE + rows[r], kb);
       };
       if constexpr (MODE == BLOCK) read_scales(0);
-      for (int block = 0; block < args.k_blocks; ++block, ++j) {
+      for (int block = 0; block < w.blocks; ++block, ++j) {
         const int s = j % STAGES;
         const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
         barrier_wait(full + 8 * s, (j / STAGES) & 1);
+        if constexpr (MODE == FAST) {
+          // One block's wgmmas left in flight: the previous block's stage handed back once they retire.
+          wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              Fp8Wgmma<A, B>::mma(acc[h], descriptor(a_stage + 32 * kk), descriptor(b_stage + h * TILE * TILE + 32 * kk), block + kk);
+            }
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+          keep(acc[0]);
+          keep(acc[1]);
+          if (block > 0 && lane == 0) barrier_arrive(empty + 8 * ((j - 1) % STAGES));
+          continue;
+        }
         float factor[HALVES][2];
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) {
@@ -194,7 +230,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
           for (int r = 0; r < 2; ++r) factor[h][r] = row_scale[r] * tile_scale[h];
         }
         if constexpr (MODE == BLOCK) {
-          if (block + 1 < args.k_blocks) read_scales(block + 1);
+          if (block + 1 < w.blocks) read_scales(block + 1);
         }
         // Each half's partial sum promoted in turn (both at once would take 256 registers a thread).
 #pragma unroll
@@ -216,6 +252,12 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
             for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(partial[i], factor[h][(i >> 1) & 1], acc[h][i]);
           }
         }
+      }
+      if constexpr (MODE == FAST) {
+        wgmma_wait<0>();
+        keep(acc[0]);
+        keep(acc[1]);
+        if (w.blocks > 0 && lane == 0) barrier_arrive(empty + 8 * ((j - 1) % STAGES));
       }
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) {
@@ -256,9 +298,9 @@ void launch_elements(const Args& args, int a, int b, const CUtensorMap& a_map, c
 
 // out (tokens, n), row source[r] = A[r] @ B_g^T. B: an expert stack, rowwise (groups * n', k) or
 // columnwise, stored transposed (n, groups * n'); per_group: n'.
-at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_rowwise, int64_t n, int64_t tokens, const at::Tensor& row_group,
-                             const at::Tensor& source, const at::Tensor& ends, const at::Tensor& a_scale, const std::vector<int64_t>& a_layout,
-                             const at::Tensor& b_scale, const std::vector<int64_t>& b_layout, int64_t mode, at::ScalarType out_dtype) {
+// Checks both products share: the operands, the ends, the output's dtype, the mode and the scales' layouts.
+void check_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends, const std::vector<int64_t>& a_layout,
+                const std::vector<int64_t>& b_layout, int64_t mode, at::ScalarType out_dtype) {
   check_fp8_codes(a, "graphquant.grouped_fp8_gemm", "A");
   check_fp8_codes(b, "graphquant.grouped_fp8_gemm", "B");
   TORCH_CHECK(a.device() == b.device() && ends.device() == a.device() && ends.scalar_type() == at::kInt && ends.dim() == 1 &&
@@ -267,11 +309,30 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
               " and ", ends.scalar_type(), " ", ends.sizes(), " on ", ends.device());
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.grouped_fp8_gemm writes bfloat16, float16 or float32, not ", out_dtype);
-  TORCH_CHECK(mode == PROMOTED || mode == BLOCK, "graphquant.grouped_fp8_gemm: mode is 1 (promoted) or 2 (block scales), not ", mode);
-  TORCH_CHECK(mode != BLOCK || (a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == TILE),
-              "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (DeepSeek-V3's fprop and dgrad)");
-  TORCH_CHECK(mode != PROMOTED || (a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == 1),
-              "graphquant.grouped_fp8_gemm: per-tensor and per-row factors are one a GEMM row of each operand");
+  TORCH_CHECK(mode == FAST || mode == PROMOTED || mode == BLOCK,
+              "graphquant.grouped_fp8_gemm: mode is 0 (fast), 1 (promoted) or 2 (block scales), not ", mode);
+  TORCH_CHECK(a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == (mode == BLOCK ? TILE : 1),
+              "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (DeepSeek-V3's fprop and dgrad), per-tensor and "
+              "per-row factors one a GEMM row of each operand");
+  const auto* properties = at::cuda::getDeviceProperties(a.get_device());
+  TORCH_CHECK(properties->major == 9 && properties->minor == 0,
+              "graphquant.grouped_fp8_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
+}
+
+void launch_mode(const Args& args, const at::Tensor& a, const at::Tensor& b, const CUtensorMap& a_map, const CUtensorMap& b_map, int64_t mode) {
+  const int sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (mode == FAST) launch_elements<FAST>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  else if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  else launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+}
+
+// tokens x experts: out (tokens, n), row source[r] = A[r] @ B_g^T. B: an expert stack, rowwise
+// (groups * n', k) or columnwise, stored transposed (n, groups * n'); per_group: n'.
+at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_rowwise, int64_t n, int64_t tokens, const at::Tensor& row_group,
+                             const at::Tensor& source, const at::Tensor& ends, const at::Tensor& a_scale, const std::vector<int64_t>& a_layout,
+                             const at::Tensor& b_scale, const std::vector<int64_t>& b_layout, int64_t mode, at::ScalarType out_dtype) {
+  check_call(a, b, ends, a_layout, b_layout, mode, out_dtype);
   const int64_t groups = ends.numel(), rows = a.size(0), k = a.size(1);
   const int64_t stack = b_rowwise ? b.size(0) : b.size(1);
   TORCH_CHECK(stack % groups == 0, "graphquant.grouped_fp8_gemm: B's stack of ", stack, " rows does not split into ", groups, " experts");
@@ -285,9 +346,6 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
   TORCH_CHECK(row_group.scalar_type() == at::kLong && source.scalar_type() == at::kLong && row_group.numel() == rows &&
                   source.numel() == rows && row_group.is_contiguous() && source.is_contiguous(),
               "graphquant.grouped_fp8_gemm: row_group and source must be contiguous int64 of A's ", rows, " padded rows");
-  const auto* properties = at::cuda::getDeviceProperties(a.get_device());
-  TORCH_CHECK(properties->major == 9 && properties->minor == 0,
-              "graphquant.grouped_fp8_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
   const c10::cuda::CUDAGuard guard(a.device());
   auto out = at::empty({tokens, n}, a.options().dtype(out_dtype));
   if (tokens == 0 || n == 0) return out;
@@ -299,10 +357,13 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
                   scales_of(a_scale, a_layout, a, "A"),
                   scales_of(b_scale, b_layout, b, "B"),
                   static_cast<int>(groups),
+                  0,
                   static_cast<int>(n),
                   static_cast<int>((k + TILE - 1) / TILE),
+                  0,
                   static_cast<int>((n + TILE_N - 1) / TILE_N),
-                  kind(out_dtype)};
+                  kind(out_dtype),
+                  false};
   const CUtensorMap a_map = tensor_map("graphquant.grouped_fp8_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, k, a.stride(0),
                                        TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
   // (K, n', groups), innermost first: each expert's edges zero-filled, not read from the next one.
@@ -311,10 +372,46 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
   const int box[3] = {TILE, TILE_N, 1};
   const CUtensorMap b_map = tensor_map("graphquant.grouped_fp8_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 3, dims, strides, box,
                                        CU_TENSOR_MAP_SWIZZLE_128B);
-  const int sms = properties->multiProcessorCount;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
-  else launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  launch_mode(args, a, b, a_map, b_map, mode);
+  return out;
+}
+
+// tokens x tokens: out (groups, m, n), out[g] = A_g B_g^T over group g's padded rows (an empty
+// group: 0), A (m', rows) and B (n, rows) stored with the rows contiguous; A's first m rows.
+at::Tensor tokens_by_tokens(const at::Tensor& a, const at::Tensor& b, int64_t m, const at::Tensor& ends, const at::Tensor& a_scale,
+                            const std::vector<int64_t>& a_layout, const at::Tensor& b_scale, const std::vector<int64_t>& b_layout, int64_t mode,
+                            at::ScalarType out_dtype) {
+  check_call(a, b, ends, a_layout, b_layout, mode, out_dtype);
+  TORCH_CHECK(mode != BLOCK, "graphquant.grouped_fp8_gemm: tokens x tokens takes per-tensor and per-row factors, not block scales");
+  const int64_t groups = ends.numel(), n = b.size(0), rows = a.size(1);
+  TORCH_CHECK(b.size(1) == rows && m <= a.size(0) && rows % TILE == 0,
+              "graphquant.grouped_fp8_gemm multiplies A (m', padded rows) by B (n, padded rows) over groups of whole ", TILE,
+              "-row tiles, m <= m'; got A ", a.sizes(), ", B ", b.sizes(), " and m = ", m);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto out = at::empty({groups, m, n}, a.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return out;
+  const Args args{out.data_ptr(),
+                  nullptr,
+                  nullptr,
+                  ends.data_ptr<int32_t>(),
+                  scales_of(a_scale, a_layout, a, "A"),
+                  scales_of(b_scale, b_layout, b, "B"),
+                  static_cast<int>(groups),
+                  static_cast<int>(m),
+                  static_cast<int>(n),
+                  0,
+                  static_cast<int>((m + TILE - 1) / TILE),
+                  static_cast<int>((n + TILE_N - 1) / TILE_N),
+                  kind(out_dtype),
+                  true};
+  const CUtensorMap a_map = tensor_map("graphquant.grouped_fp8_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), rows,
+                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+  const int64_t dims[3] = {rows, n, 1};
+  const int64_t strides[2] = {b.stride(0), n * b.stride(0)};
+  const int box[3] = {TILE, TILE_N, 1};
+  const CUtensorMap b_map = tensor_map("graphquant.grouped_fp8_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 3, dims, strides, box,
+                                       CU_TENSOR_MAP_SWIZZLE_128B);
+  launch_mode(args, a, b, a_map, b_map, mode);
   return out;
 }
 
@@ -325,8 +422,14 @@ void register_grouped_gemm(pybind11::module_& m) {
   m.def("grouped_fp8_tokens_by_experts", &gq::tokens_by_experts,
         "out (tokens, n): row source[r] = A[r] @ B_g^T for the padded rows r of group g (row_group), FP8 codes on sm_90's tensor cores; "
         "B an expert stack, rowwise (groups * n', k) or columnwise (n, groups * n'); scales as (tensor, [group, row, block strides, rows "
-        "a scale]); mode 1: sums promoted every 128 products, per-tensor or per-row factors after; 2: DeepSeek-V3's block scales",
+        "a scale]); mode 0: sums in the tensor cores' accumulator, 1: promoted every 128 products (both: per-tensor or per-row factors "
+        "after), 2: DeepSeek-V3's block scales",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("b_rowwise"), pybind11::arg("n"), pybind11::arg("tokens"),
         pybind11::arg("row_group"), pybind11::arg("source"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
+        pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
+  m.def("grouped_fp8_tokens_by_tokens", &gq::tokens_by_tokens,
+        "out (groups, m, n): A_g B_g^T over group g's padded rows (ends), A (m', rows) and B (n, rows) FP8 codes with the rows "
+        "contiguous; per-tensor or per-row factors as (tensor, [group, row, block strides, rows a scale]); mode 0 fast, 1 promoted",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("m"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
         pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
 }

@@ -158,10 +158,9 @@ class NativeGemm(NamedTuple):
     multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only
-    groups of tokens that start at multiples of GROUP_ROWS; ``tokens_by_experts_only``: one that
-    multiplies tokens by experts (fprop, dgrad), not tokens by tokens (wgrad). ``min_rows``: a
-    skinny GEMM's fewest rows of A (fewer run faster on another); ``k_multiple``: the multiple k
-    must be where m and n may be any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
+    groups of tokens that start at multiples of GROUP_ROWS. ``min_rows``: a skinny GEMM's fewest rows
+    of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
+    any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
     none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
     graphquant's extension: whether the extension has it there)."""
@@ -179,7 +178,6 @@ class NativeGemm(NamedTuple):
     promotes: bool = True
     token_tiles: bool = False
     whole_tiles: bool = False
-    tokens_by_experts_only: bool = False
     min_rows: int = 1
     k_multiple: int = 1
     k_left: int = 0
@@ -367,14 +365,13 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
     ),
 )
 # graphquant's CUDA FP8 grouped GEMM (graphquant.kernels.grouped_fp8) on Hopper, where the extension
-# has it: the Triton kernel's tokens x experts products with promoted sums, and its bits
-# (per-tensor and per-row scales, DeepSeek-V3's 1x128 by 128x128 blocks), persistent, a warpgroup
-# copying by TMA beside two multiplying, so faster (benchmarks/NOTES.md, grouped_gemm.py). The
-# Triton kernel keeps what it runs faster: sums the recipe lets accumulate fast, the weight
-# gradients, and an inference graph's few tokens an expert (groups of less than a whole tile).
+# has it: the Triton kernel's products and bits (per-tensor and per-row scales summed fast or
+# promoted, DeepSeek-V3's 1x128 by 128x128 blocks in fprop and dgrad), persistent, a warpgroup
+# copying by TMA beside two multiplying (benchmarks/NOTES.md, grouped_gemm.py). An inference graph's
+# few tokens an expert (groups of less than a whole tile) take the Triton kernel's.
 WGMMA_GROUPED_GEMM = NativeGemm(
     grouped_fp8.BACKEND, grouped_fp8.FAMILY_PAIRS, grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm == (9, 0),
-    whole_tiles=True, tokens_by_experts_only=True, k_multiple=grouped_fp8.K_MULTIPLE,
+    fast_accumulation=True, fast_families=grouped_fp8.FAST_FAMILIES, whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,
     available=lambda device: grouped_fp8.extension_runs(device),
 )
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3
@@ -472,8 +469,6 @@ def select_grouped(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
             )
-        elif native.tokens_by_experts_only and a_direction != ROWWISE:
-            reasons.append(f"{native.backend} multiplies tokens by experts (fprop, dgrad), not tokens by tokens (wgrad)")
         elif fast and not native.accumulates_fast(*inputs, fast_accumulation):
             reasons.append(
                 f"{native.backend} promotes its sums; the recipe lets this GEMM accumulate fast, which {fast[0].backend} does"

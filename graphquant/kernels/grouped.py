@@ -12,8 +12,8 @@ runs fprop alone, which each kernel's tiles of rows then divide. Two kinds of pr
 Each call runs the backend its plan chose (backends.select_grouped) or fails (GemmMismatch).
 
 Native (backends.NATIVE_GROUPED_GEMMS): FP8 with per-tensor, per-row or block scales on
-graphquant.kernels.triton_grouped_fp8, or on Hopper graphquant.kernels.grouped_fp8 (tokens x
-experts in groups of whole tiles, sums promoted), which write the unpadded output themselves, their
+graphquant.kernels.triton_grouped_fp8, or on Hopper graphquant.kernels.grouped_fp8 (groups of
+whole tiles), which write the unpadded output themselves, their
 sums promoted into fp32 or, where the plan's backend accumulates fast, left in the tensor cores'
 accumulator;
 where Triton is not installed, E4M3 with per-tensor or per-row scales on torch._scaled_grouped_mm,
@@ -98,10 +98,8 @@ def gemm(
             f"this call's start at multiples of {token_rows} (fewer tokens an expert than the plan was made for)"
         )
     a_group, ends = tokens.row_group, tokens.ends
-    if native is backends.WGMMA_GROUPED_GEMM:
-        return grouped_fp8.tokens_by_experts(a, b, b_group, tokens, token_rows, n, out_dtype, grouped_fp8.PROMOTE_EVERY)
-    if native in backends.TRITON_GROUPED_GEMMS:
-        kernels = backends.triton_grouped_fp8
+    if native is backends.WGMMA_GROUPED_GEMM or native in backends.TRITON_GROUPED_GEMMS:
+        kernels = grouped_fp8 if native is backends.WGMMA_GROUPED_GEMM else backends.triton_grouped_fp8
         promote_every = kernels.FAST_ACCUMULATION if backend.fast_accumulation else kernels.PROMOTE_EVERY
         if a.direction == ROWWISE:
             return kernels.tokens_by_experts(a, b, b_group, tokens, token_rows, n, out_dtype, promote_every)

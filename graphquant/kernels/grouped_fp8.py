@@ -1,15 +1,13 @@
-"""The promoted FP8 grouped GEMM of an MoE layer's tokens x experts products (fprop, dgrad) on
-Hopper by graphquant's own kernel, graphquant._C.grouped_fp8_tokens_by_experts
-(csrc/cuda/grouped_gemm.cu).
+"""The FP8 grouped GEMM of an MoE layer's experts on Hopper by graphquant's own kernel,
+graphquant._C.grouped_fp8_tokens_by_experts / _tokens_by_tokens (csrc/cuda/grouped_gemm.cu).
 
-The product, layout and numerics of graphquant.kernels.triton_grouped_fp8.tokens_by_experts, whose
-signature this mirrors, for sums promoted into fp32: per-tensor and per-row scales every 128
-products, DeepSeek-V3's 1x128 by 128x128 block scales. The Triton kernel waits for each K tile's
-wgmmas before promoting them; this one is persistent, a warpgroup copying the operands by TMA
-while two multiply 128 x 256 tiles, so one warpgroup's promotion runs beside the other's products.
-It takes groups of whole 128-row tiles (formats.groups.GROUP_ROWS). Sums left in the tensor cores'
-accumulator and the tokens x tokens weight gradients run faster on the Triton kernel
-(benchmarks/NOTES.md, grouped_gemm.py), which the plan gives them (backends.WGMMA_GROUPED_GEMM).
+The products, layouts and numerics of graphquant.kernels.triton_grouped_fp8, whose functions these
+mirror: per-tensor and per-row scales summed in the tensor cores' accumulator or promoted every
+128 products, DeepSeek-V3's 1x128 by 128x128 block scales in tokens x experts (fprop, dgrad). The
+Triton kernel waits for each K tile's wgmmas before promoting them; this one is persistent, a
+warpgroup copying the operands by TMA while two multiply 128 x 256 tiles, so one warpgroup's
+promotion runs beside the other's products (benchmarks/NOTES.md, grouped_gemm.py). It takes
+groups of whole 128-row tiles (formats.groups.GROUP_ROWS).
 """
 
 from __future__ import annotations
@@ -28,14 +26,24 @@ from graphquant.quantizers import ROWWISE, Representation
 BACKEND = "wgmma fp8 grouped gemm"
 FAMILY_PAIRS = frozenset({*itertools.product(operands.ROW_SCALED, repeat=2), ("fp8_block_1x128", "fp8_block_128x128")})
 ELEMENT_PAIRS = operands.ELEMENT_PAIRS
+FAST_FAMILIES = frozenset(operands.ROW_SCALED)
 K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS  # one 128-long K block a promotion
-PROMOTED, BLOCK = 1, 2  # the kernel's modes: per-tensor or per-row factors after the sum, block scales in it
+FAST_ACCUMULATION = None  # promote_every for the tensor cores' accumulator alone
+FAST, PROMOTED, BLOCK = 0, 1, 2  # the kernel's modes
 
 
 def extension_runs(device: torch.device) -> bool:
     """Whether graphquant's extension runs the kernel on ``device`` (built for its sm_90: sm_90a, wgmma)."""
     return native.has_sm90_kernel(native.extension_for(device), "grouped_fp8_tokens_by_experts")
+
+
+def _mode(a: Representation, promote_every: Optional[int]) -> int:
+    if operands.block_scaled(a):
+        return BLOCK
+    if promote_every not in (PROMOTE_EVERY, FAST_ACCUMULATION):
+        raise ValueError(f"{BACKEND} promotes every {PROMOTE_EVERY} products or never, not every {promote_every}")
+    return FAST if promote_every is FAST_ACCUMULATION else PROMOTED
 
 
 def tokens_by_experts(
@@ -44,14 +52,25 @@ def tokens_by_experts(
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row tokens.position[t] times its group's B, as
     triton_grouped_fp8.tokens_by_experts, its groups starting at multiples of ``token_rows``,
-    which must be GROUP_ROWS, its sums promoted every ``promote_every`` (PROMOTE_EVERY) products."""
+    which must be GROUP_ROWS; promote_every: PROMOTE_EVERY or FAST_ACCUMULATION."""
     if token_rows != GROUP_ROWS:
         raise ValueError(f"{BACKEND} multiplies groups of tokens that start at multiples of {GROUP_ROWS} rows, not {token_rows}")
-    if promote_every != PROMOTE_EVERY:
-        raise ValueError(f"{BACKEND} promotes its sums every {PROMOTE_EVERY} products, not every {promote_every}")
     groups = tokens.groups
     sa, sb = operands.token_scales(a, tokens.row_group, groups), operands.expert_scales(b, b_group, groups)
     return native.extension_for(a.data.device).grouped_fp8_tokens_by_experts(
         operands.codes(a), operands.codes(b), b.direction == ROWWISE, n, tokens.position.shape[0], tokens.row_group, tokens.source,
-        tokens.ends, sa.tensor, list(sa[1:]), sb.tensor, list(sb[1:]), BLOCK if operands.block_scaled(a) else PROMOTED, out_dtype,
+        tokens.ends, sa.tensor, list(sa[1:]), sb.tensor, list(sb[1:]), _mode(a, promote_every), out_dtype,
+    )
+
+
+def tokens_by_tokens(
+    a: Representation, a_group: torch.Tensor, b: Representation, b_group: torch.Tensor, ends: torch.Tensor, m: int,
+    out_dtype: torch.dtype, promote_every: Optional[int],
+) -> torch.Tensor:
+    """(groups, m, cols of B): A_g^T B_g for each group g, as triton_grouped_fp8.tokens_by_tokens
+    (per-tensor and per-row scales)."""
+    groups = ends.shape[0]
+    sa, sb = operands.token_scales(a, a_group, groups), operands.token_scales(b, b_group, groups)
+    return native.extension_for(a.data.device).grouped_fp8_tokens_by_tokens(
+        operands.codes(a), operands.codes(b), m, ends, sa.tensor, list(sa[1:]), sb.tensor, list(sb[1:]), _mode(a, promote_every), out_dtype
     )
