@@ -1,6 +1,6 @@
 """The grouped GEMMs of an MoE layer's experts, alone: bf16 torch._grouped_mm against graphquant's
 native FP8 grouped GEMMs (the Triton FP8 grouped GEMM at each promotion interval asked for,
-graphquant's CUDA one (grouped_fp8) where the extension has it,
+graphquant's CUDA one (grouped_fp8: promoted) where the extension has it,
 torch._scaled_grouped_mm) on quantized operands in the padded layout, fprop, dgrad and wgrad.
 
     python benchmarks/grouped_gemm.py [--sites gate_up,down] [--formats rowwise,mxfp8_block_scaling] [--promote fast,32,128] [--emulated]
@@ -141,7 +141,7 @@ def main() -> None:
                         continue  # block scales always promote: no plan runs them fast
                     label = "fast accumulation" if interval is kernels.FAST_ACCUMULATION else f"promoted every {interval}"
                     runs[f"{kernels.BACKEND}, {label}"] = functools.partial(triton_gemm, interval)
-                    if cuda and interval in (grouped_fp8.PROMOTE_EVERY, grouped_fp8.FAST_ACCUMULATION):
+                    if cuda and interval == grouped_fp8.PROMOTE_EVERY:
                         runs[f"{grouped_fp8.BACKEND}, {label}"] = functools.partial(cuda_gemm, interval)
                 if scaled.takes(*inputs) and scaled.runs_on(torch.cuda.get_device_capability()):
                     runs[str(scaled_backend)] = functools.partial(on, scaled_backend)

@@ -5,7 +5,7 @@ and factors in the same order."""
 
 import pytest
 import torch
-from test_triton_grouped_fp8 import FORMATS, GPU_SHAPE, SUMS, excess
+from test_triton_grouped_fp8 import FORMATS, GPU_SHAPE, excess
 
 from graphquant.formats import groups
 from graphquant.kernels import backends, grouped_fp8
@@ -13,10 +13,9 @@ from graphquant.kernels import grouped as grouped_kernels
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 
 CASES = [
-    (name, gemm, sums)
+    (name, gemm)
     for name in ("tensorwise", "rowwise", "blockwise")
     for gemm in ("fprop", "dgrad", "wgrad")
-    for sums in SUMS[name]
     if not (name == "blockwise" and gemm == "wgrad")  # block-scaled tokens x tokens: the Triton kernel's
 ]
 
@@ -26,7 +25,6 @@ class BesideTriton:
     same operands (test_triton_grouped_fp8.excess calls it as the Triton kernel's module)."""
 
     PROMOTE_EVERY = grouped_fp8.PROMOTE_EVERY
-    FAST_ACCUMULATION = grouped_fp8.FAST_ACCUMULATION
 
     def __init__(self):
         self.compared = 0
@@ -42,7 +40,7 @@ class BesideTriton:
         theirs = backends.triton_grouped_fp8.tokens_by_tokens(*args)
         # Its autotuner may take a 64-long K tile, which promotes every 64 products.
         tile = backends.triton_grouped_fp8._tokens_by_tokens.best_config.kwargs["BLOCK_K"]
-        if args[-1] is grouped_fp8.FAST_ACCUMULATION or tile == grouped_fp8.PROMOTE_EVERY:
+        if tile == grouped_fp8.PROMOTE_EVERY:
             assert torch.equal(ours, theirs), "the Triton kernel's bits"
             self.compared += 1
         return ours
@@ -69,13 +67,16 @@ def hopper(monkeypatch):
     monkeypatch.setattr(grouped_fp8, "extension_runs", lambda device: True)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["fp32 sums", "fast accumulation"])
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
-def test_plan_gives_it_every_grouped_gemm_of_whole_tiles_but_block_scaled_wgrad(hopper, name, fast):
-    fast = fast and "fast" in SUMS[name]
-    ours = backends.GemmBackend(grouped_fp8.BACKEND, fast_accumulation=fast)
-    wgrad = ours if name != "blockwise" else backends.GemmBackend(backends.triton_grouped_fp8.BACKEND)
-    assert selections(name, fast) == {"fprop": ours, "dgrad": ours, "wgrad": wgrad}
+def test_plan_gives_it_every_promoted_grouped_gemm_of_whole_tiles_but_block_scaled_wgrad(hopper, name):
+    ours, triton = backends.GemmBackend(grouped_fp8.BACKEND), backends.GemmBackend(backends.triton_grouped_fp8.BACKEND)
+    assert selections(name, False) == {"fprop": ours, "dgrad": ours, "wgrad": ours if name != "blockwise" else triton}
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_plan_leaves_sums_the_recipe_lets_accumulate_fast_to_the_triton_kernel(hopper, name):
+    chosen = selections(name, True)
+    assert chosen == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=True))
 
 
 def test_plan_leaves_few_tokens_an_expert_to_the_triton_kernel(hopper):
@@ -93,16 +94,16 @@ def device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,gemm,sums", CASES, ids=["-".join(case) for case in CASES])
+@pytest.mark.parametrize("name,gemm", CASES, ids=["-".join(case) for case in CASES])
 @pytest.mark.parametrize("shape", [GPU_SHAPE, ((300, 0, 513, 64), 720, 199)], ids=["moe", "edges"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, sums, shape, out_dtype):
+def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, shape, out_dtype):
     """Ragged groups and an empty one; "edges": a K of a partial block and an expert of an odd
     number of output features, fewer than a tile (TMA zero-fills past its edges; its output rows
     are stored a value at a time)."""
     kernels = BesideTriton()
-    assert excess(name, gemm, sums, *shape, out_dtype, device, kernels) <= 0
-    assert kernels.compared == 1 or (gemm == "wgrad" and sums == "promoted")
+    assert excess(name, gemm, "promoted", *shape, out_dtype, device, kernels) <= 0
+    assert kernels.compared == 1 or gemm == "wgrad"
 
 
 @pytest.mark.gpu

@@ -41,7 +41,7 @@ constexpr int STAGE_BYTES = (TILE + TILE_N) * TILE;
 constexpr int STAGES = 4;
 constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 constexpr int BAND = 16;  // tile rows walked a column at a time
-enum Mode { FAST = 0, PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
+enum Mode { PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
 
 // Where an operand's scales lie (graphquant.kernels.grouped_operands.Scales): GEMM row i of group g
 // in K block kb scaled by tensor[g * group + (i / ROWS) * row + kb * block], ROWS the rows a scale
@@ -206,23 +206,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
         const int s = j % STAGES;
         const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
         barrier_wait(full + 8 * s, (j / STAGES) & 1);
-        if constexpr (MODE == FAST) {
-          // One block's wgmmas left in flight: the previous block's stage handed back once they retire.
-          wgmma_fence();
-#pragma unroll
-          for (int h = 0; h < HALVES; ++h) {
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-              Fp8Wgmma<A, B>::mma(acc[h], descriptor(a_stage + 32 * kk), descriptor(b_stage + h * TILE * TILE + 32 * kk), block + kk);
-            }
-          }
-          wgmma_commit();
-          wgmma_wait<1>();
-          keep(acc[0]);
-          keep(acc[1]);
-          if (block > 0 && lane == 0) barrier_arrive(empty + 8 * ((j - 1) % STAGES));
-          continue;
-        }
         float factor[HALVES][2];
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) {
@@ -252,12 +235,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
             for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(partial[i], factor[h][(i >> 1) & 1], acc[h][i]);
           }
         }
-      }
-      if constexpr (MODE == FAST) {
-        wgmma_wait<0>();
-        keep(acc[0]);
-        keep(acc[1]);
-        if (w.blocks > 0 && lane == 0) barrier_arrive(empty + 8 * ((j - 1) % STAGES));
       }
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) {
@@ -309,8 +286,7 @@ void check_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends
               " and ", ends.scalar_type(), " ", ends.sizes(), " on ", ends.device());
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.grouped_fp8_gemm writes bfloat16, float16 or float32, not ", out_dtype);
-  TORCH_CHECK(mode == FAST || mode == PROMOTED || mode == BLOCK,
-              "graphquant.grouped_fp8_gemm: mode is 0 (fast), 1 (promoted) or 2 (block scales), not ", mode);
+  TORCH_CHECK(mode == PROMOTED || mode == BLOCK, "graphquant.grouped_fp8_gemm: mode is 1 (promoted) or 2 (block scales), not ", mode);
   TORCH_CHECK(a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == (mode == BLOCK ? TILE : 1),
               "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (DeepSeek-V3's fprop and dgrad), per-tensor and "
               "per-row factors one a GEMM row of each operand");
@@ -322,8 +298,7 @@ void check_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends
 void launch_mode(const Args& args, const at::Tensor& a, const at::Tensor& b, const CUtensorMap& a_map, const CUtensorMap& b_map, int64_t mode) {
   const int sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (mode == FAST) launch_elements<FAST>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
-  else if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
   else launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
 }
 
@@ -422,14 +397,13 @@ void register_grouped_gemm(pybind11::module_& m) {
   m.def("grouped_fp8_tokens_by_experts", &gq::tokens_by_experts,
         "out (tokens, n): row source[r] = A[r] @ B_g^T for the padded rows r of group g (row_group), FP8 codes on sm_90's tensor cores; "
         "B an expert stack, rowwise (groups * n', k) or columnwise (n, groups * n'); scales as (tensor, [group, row, block strides, rows "
-        "a scale]); mode 0: sums in the tensor cores' accumulator, 1: promoted every 128 products (both: per-tensor or per-row factors "
-        "after), 2: DeepSeek-V3's block scales",
+        "a scale]); mode 1: sums promoted every 128 products, per-tensor or per-row factors after; 2: DeepSeek-V3's block scales",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("b_rowwise"), pybind11::arg("n"), pybind11::arg("tokens"),
         pybind11::arg("row_group"), pybind11::arg("source"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
         pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
   m.def("grouped_fp8_tokens_by_tokens", &gq::tokens_by_tokens,
         "out (groups, m, n): A_g B_g^T over group g's padded rows (ends), A (m', rows) and B (n, rows) FP8 codes with the rows "
-        "contiguous; per-tensor or per-row factors as (tensor, [group, row, block strides, rows a scale]); mode 0 fast, 1 promoted",
+        "contiguous; per-tensor or per-row factors as (tensor, [group, row, block strides, rows a scale]); mode 1 (promoted)",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("m"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
         pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
 }

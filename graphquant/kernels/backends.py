@@ -365,13 +365,14 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
     ),
 )
 # graphquant's CUDA FP8 grouped GEMM (graphquant.kernels.grouped_fp8) on Hopper, where the extension
-# has it: the Triton kernel's products and bits (per-tensor and per-row scales summed fast or
-# promoted, DeepSeek-V3's 1x128 by 128x128 blocks in fprop and dgrad), persistent, a warpgroup
-# copying by TMA beside two multiplying (benchmarks/NOTES.md, grouped_gemm.py). An inference graph's
-# few tokens an expert (groups of less than a whole tile) take the Triton kernel's.
+# has it: the Triton kernel's products with promoted sums, and its bits (per-tensor and per-row
+# scales, DeepSeek-V3's 1x128 by 128x128 blocks in fprop and dgrad), persistent, a warpgroup copying
+# by TMA beside two multiplying, so faster (benchmarks/NOTES.md, grouped_gemm.py). The Triton kernel
+# keeps what it runs faster: sums the recipe lets accumulate fast, and an inference graph's few
+# tokens an expert (groups of less than a whole tile).
 WGMMA_GROUPED_GEMM = NativeGemm(
     grouped_fp8.BACKEND, grouped_fp8.FAMILY_PAIRS, grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm == (9, 0),
-    fast_accumulation=True, fast_families=grouped_fp8.FAST_FAMILIES, whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,
+    whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,
     available=lambda device: grouped_fp8.extension_runs(device),
 )
 # torch._scaled_grouped_mm (sm90, sm100) multiplies the groups of a torch._grouped_mm site, E4M3

@@ -1,13 +1,14 @@
-"""The FP8 grouped GEMM of an MoE layer's experts on Hopper by graphquant's own kernel,
+"""The promoted FP8 grouped GEMMs of an MoE layer's experts on Hopper by graphquant's own kernel,
 graphquant._C.grouped_fp8_tokens_by_experts / _tokens_by_tokens (csrc/cuda/grouped_gemm.cu).
 
 The products, layouts and numerics of graphquant.kernels.triton_grouped_fp8, whose functions these
-mirror: per-tensor and per-row scales summed in the tensor cores' accumulator or promoted every
-128 products, DeepSeek-V3's 1x128 by 128x128 block scales in tokens x experts (fprop, dgrad). The
-Triton kernel waits for each K tile's wgmmas before promoting them; this one is persistent, a
-warpgroup copying the operands by TMA while two multiply 128 x 256 tiles, so one warpgroup's
-promotion runs beside the other's products (benchmarks/NOTES.md, grouped_gemm.py). It takes
-groups of whole 128-row tiles (formats.groups.GROUP_ROWS).
+mirror, for sums promoted into fp32: per-tensor and per-row scales every 128 products, DeepSeek-V3's
+1x128 by 128x128 block scales in tokens x experts (fprop, dgrad). The Triton kernel waits for each
+K tile's wgmmas before promoting them; this one is persistent, a warpgroup copying the operands by
+TMA while two multiply 128 x 256 tiles, so one warpgroup's promotion runs beside the other's
+products. It takes groups of whole 128-row tiles (formats.groups.GROUP_ROWS). Sums left in the
+tensor cores' accumulator run faster on the Triton kernel (benchmarks/NOTES.md, grouped_gemm.py),
+which the plan gives them (backends.WGMMA_GROUPED_GEMM).
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from graphquant.quantizers import ROWWISE, Representation
 BACKEND = "wgmma fp8 grouped gemm"
 FAMILY_PAIRS = frozenset({*itertools.product(operands.ROW_SCALED, repeat=2), ("fp8_block_1x128", "fp8_block_128x128")})
 ELEMENT_PAIRS = operands.ELEMENT_PAIRS
-FAST_FAMILIES = frozenset(operands.ROW_SCALED)
 K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
 PROMOTE_EVERY = fp8.PROMOTED_PRODUCTS  # one 128-long K block a promotion
-FAST_ACCUMULATION = None  # promote_every for the tensor cores' accumulator alone
-FAST, PROMOTED, BLOCK = 0, 1, 2  # the kernel's modes
+PROMOTED, BLOCK = 1, 2  # the kernel's modes: per-tensor or per-row factors after the sum, block scales in it
 
 
 def extension_runs(device: torch.device) -> bool:
@@ -41,9 +40,9 @@ def extension_runs(device: torch.device) -> bool:
 def _mode(a: Representation, promote_every: Optional[int]) -> int:
     if operands.block_scaled(a):
         return BLOCK
-    if promote_every not in (PROMOTE_EVERY, FAST_ACCUMULATION):
-        raise ValueError(f"{BACKEND} promotes every {PROMOTE_EVERY} products or never, not every {promote_every}")
-    return FAST if promote_every is FAST_ACCUMULATION else PROMOTED
+    if promote_every != PROMOTE_EVERY:
+        raise ValueError(f"{BACKEND} promotes its sums every {PROMOTE_EVERY} products, not every {promote_every}")
+    return PROMOTED
 
 
 def tokens_by_experts(
@@ -52,7 +51,7 @@ def tokens_by_experts(
 ) -> torch.Tensor:
     """(tokens, n): row t is A's padded row tokens.position[t] times its group's B, as
     triton_grouped_fp8.tokens_by_experts, its groups starting at multiples of ``token_rows``,
-    which must be GROUP_ROWS; promote_every: PROMOTE_EVERY or FAST_ACCUMULATION."""
+    which must be GROUP_ROWS, its sums promoted every ``promote_every`` (PROMOTE_EVERY) products."""
     if token_rows != GROUP_ROWS:
         raise ValueError(f"{BACKEND} multiplies groups of tokens that start at multiples of {GROUP_ROWS} rows, not {token_rows}")
     groups = tokens.groups
