@@ -280,9 +280,8 @@ def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(n
 @pytest.mark.parametrize("name", ["rowwise", "current", "blockwise"])
 def test_fp8_grouped_gemms_that_promote_run_natively_on_gpu(name, monkeypatch):
     """With every GEMM's sums kept in fp32, every FP8 grouped GEMM runs natively, partial sums
-    promoted into fp32: on graphquant's CUDA grouped GEMM where the extension has it (but block
-    scales' wgrad), elsewhere on the Triton FP8 grouped GEMM; the step equals the emulated one to
-    within those sums' error (tests/test_triton_grouped_fp8.py and test_grouped_fp8.py bound each GEMM; a wrong
+    promoted into fp32: on graphquant's CUDA grouped GEMM where the extension has it, elsewhere on
+    the Triton FP8 grouped GEMM; the step equals the emulated one to within those sums' error (tests/test_triton_grouped_fp8.py and test_grouped_fp8.py bound each GEMM; a wrong
     layout or scale misses this by orders of magnitude)."""
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
@@ -292,8 +291,7 @@ def test_fp8_grouped_gemms_that_promote_run_natively_on_gpu(name, monkeypatch):
     compiled = graphquant.compile(native, recipe, backend="aot_eager", fullgraph=True)
     actual = forward_backward(compiled, native, x)
     triton, ours = backends.TRITON_GROUPED_GEMMS[0].backend, backends.WGMMA_GROUPED_GEMM
-    ours_runs = ours.available(x.device)
-    runs = {gemm: ours.backend if ours_runs and (gemm != "wgrad" or name != "blockwise") else triton for gemm in ("fprop", "dgrad", "wgrad")}
+    runs = dict.fromkeys(("fprop", "dgrad", "wgrad"), ours.backend if ours.available(x.device) else triton)
     assert {(g.gemm, g.backend.name) for g in compiled.graphquant.plan.gemms} == set(runs.items())
     monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
     expected = forward_backward(graphquant.compile(emulated, recipe, backend="aot_eager", fullgraph=True), emulated, x)

@@ -12,8 +12,9 @@
 // Numerics: the Triton kernel's, bit for bit. Each 128-long K block's products are summed on the
 // FP8 tensor cores (four m64n128k32 wgmmas a half of the tile); PROMOTED adds each block's partial
 // sum into fp32 (fp8.PROMOTED_PRODUCTS), BLOCK adds it times its two block scales (DeepSeek-V3's
-// 1x128 A by 128x128 B). Per-tensor and per-row factors multiply the fp32 sum once, acc * (a's x
-// b's); one rounding to the output's dtype.
+// 1x128 A by 128x128 B), BLOCK_COLUMNS times A's row's by B's column's (1x128 both: the weight
+// gradient's), fma(partial, a's x b's, acc). Per-tensor and per-row factors multiply the fp32 sum
+// once, acc * (a's x b's); one rounding to the output's dtype.
 //
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
@@ -39,14 +40,18 @@ constexpr int TILE = 128, HALVES = 2, TILE_N = HALVES * TILE;
 constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
 constexpr int STAGE_BYTES = (TILE + TILE_N) * TILE;
 constexpr int STAGES = 4;
-constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
+// BLOCK_COLUMNS: each multiplying warpgroup's two buffers of a K block's column scales, one read
+// while the next is filled.
+constexpr int COLUMN_SCALE_BYTES = 2 * 2 * TILE_N * 4;
+// + two barriers a stage, + the column scales, + the base's alignment to 1024
+constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + COLUMN_SCALE_BYTES + 1024;
 constexpr int BAND = 16;  // tile rows walked a column at a time
-enum Mode { PROMOTED = 1, BLOCK = 2 };  // graphquant.kernels.grouped_fp8's
+enum Mode { PROMOTED = 1, BLOCK = 2, BLOCK_COLUMNS = 3 };  // graphquant.kernels.grouped_fp8's
 
 // Where an operand's scales lie (graphquant.kernels.grouped_operands.Scales): GEMM row i of group g
 // in K block kb scaled by tensor[g * group + (i / ROWS) * row + kb * block], ROWS the rows a scale
 // spans as the mode fixes them (the host checks the layout against it): 1 for per-row factors and
-// A's 1x128 blocks, TILE for B's 128x128 ones; per-tensor and per-row factors have no K block.
+// 1x128 blocks, TILE for B's 128x128 ones; per-tensor and per-row factors have no K block.
 struct Scales {
   const float* tensor;
   int64_t group, row, block;
@@ -88,7 +93,7 @@ __device__ __forceinline__ Work work_of(const Args& args, int tile, int m_tiles)
   return w;
 }
 
-// Where a thread's sums of a tile go and its rows' per-tensor or per-row factors (none under BLOCK),
+// Where a thread's sums of a tile go and its rows' per-tensor or per-row factors (none under block scales),
 // read when the tile starts, so that the loads' latency hides behind its products.
 template <int MODE>
 struct Epilogue {
@@ -105,7 +110,7 @@ struct Epilogue {
         const int64_t source = args.source[static_cast<int64_t>(row)];
         out_row[h] = source < 0 ? -1 : source * args.n;
       }
-      row_factor[h] = MODE == BLOCK || out_row[h] < 0 ? 1.f : args.a_scale.factor(args.tokens_by_tokens ? w.group : 0, row);
+      row_factor[h] = MODE != PROMOTED || out_row[h] < 0 ? 1.f : args.a_scale.factor(args.tokens_by_tokens ? w.group : 0, row);
     }
   }
 };
@@ -118,7 +123,7 @@ __device__ __forceinline__ void store_half(const float (&acc)[64], const Args& a
   Out* out = static_cast<Out*>(args.out);
   float column_factor[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) column_factor[i] = MODE == BLOCK ? 1.f : args.b_scale.factor(w.group, min(n0 + 8 * (i / 2) + 2 * t + i % 2, args.n - 1));
+  for (int i = 0; i < 32; ++i) column_factor[i] = MODE != PROMOTED ? 1.f : args.b_scale.factor(w.group, min(n0 + 8 * (i / 2) + 2 * t + i % 2, args.n - 1));
   const bool even = args.n % 2 == 0;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -130,7 +135,7 @@ __device__ __forceinline__ void store_half(const float (&acc)[64], const Args& a
       if (e.out_row[r] < 0) continue;
       Out* p = out + e.out_row[r] + column;
       float v[2] = {acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]};
-      if constexpr (MODE != BLOCK) {
+      if constexpr (MODE == PROMOTED) {
 #pragma unroll
         for (int b = 0; b < 2; ++b) v[b] = v[b] * (e.row_factor[r] * column_factor[2 * j + b]);
       }
@@ -147,6 +152,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
   extern __shared__ uint8_t raw[];
   const uint32_t base = (smem_address(raw) + 1023) & ~1023u;
   const uint32_t full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;  // a barrier a stage each
+  float* const column_scales = reinterpret_cast<float*>(raw + (base - smem_address(raw)) + STAGES * (STAGE_BYTES + 16));
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -195,13 +201,33 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
       }
-      // BLOCK: each block's scales (B's 128x128 tile of each half) read while the block before it multiplies.
-      float tile_scale[HALVES] = {0.f, 0.f}, row_scale[2] = {0.f, 0.f};
+      // Block scales: each block's (A's of this thread's rows; B's 128x128 tile of each half, or the
+      // columns this thread stages for its warpgroup) read while the block before it multiplies.
+      const int kb0 = w.k0 / TILE, staging = consumer % 128;
+      float tile_scale[HALVES] = {1.f, 1.f}, row_scale[2] = {0.f, 0.f}, staged[2] = {0.f, 0.f};
+      float* const warpgroup_scales = column_scales + warpgroup * 2 * TILE_N;
       const auto read_scales = [&](int64_t kb) {
-        for (int h = 0; h < HALVES; ++h) tile_scale[h] = args.b_scale.block_scale<TILE>(w.group, min(w.tn * TILE_N + h * TILE, args.n - 1), kb);
-        for (int r = 0; r < 2; ++r) row_scale[r] = args.a_scale.block_scale<1>(0, static_cast<int64_t>(w.tm) * TILE + rows[r], kb);
+        if constexpr (MODE == BLOCK) {
+          for (int h = 0; h < HALVES; ++h) tile_scale[h] = args.b_scale.block_scale<TILE>(w.group, min(w.tn * TILE_N + h * TILE, args.n - 1), kb);
+        }
+        if constexpr (MODE == BLOCK_COLUMNS) {
+          for (int s = 0; s < 2; ++s) staged[s] = args.b_scale.block_scale<1>(w.group, min(w.tn * TILE_N + staging + 128 * s, args.n - 1), kb);
+        }
+        for (int r = 0; r < 2; ++r) {
+          const int row = w.tm * TILE + rows[r];  // tokens x tokens: A's rows past m are not stored, nor their scales read
+          row_scale[r] = args.a_scale.block_scale<1>(0, args.tokens_by_tokens ? min(row, args.m - 1) : row, kb);
+        }
       };
-      if constexpr (MODE == BLOCK) read_scales(0);
+      // BLOCK_COLUMNS: the staged column scales written to a buffer once every thread of the warpgroup has read what it held.
+      const auto publish = [&](int buffer) {
+        for (int s = 0; s < 2; ++s) warpgroup_scales[buffer * TILE_N + staging + 128 * s] = staged[s];
+        named_barrier_sync(1 + warpgroup, 128);
+      };
+      if constexpr (MODE != PROMOTED) read_scales(kb0);
+      if constexpr (MODE == BLOCK_COLUMNS) {
+        named_barrier_sync(1 + warpgroup, 128);  // the tile before's reads of buffer 0 done
+        publish(0);
+      }
       for (int block = 0; block < w.blocks; ++block, ++j) {
         const int s = j % STAGES;
         const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
@@ -212,8 +238,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
 #pragma unroll
           for (int r = 0; r < 2; ++r) factor[h][r] = row_scale[r] * tile_scale[h];
         }
-        if constexpr (MODE == BLOCK) {
-          if (block + 1 < w.blocks) read_scales(block + 1);
+        if constexpr (MODE != PROMOTED) {
+          if (block + 1 < w.blocks) read_scales(kb0 + block + 1);
         }
         // Each half's partial sum promoted in turn (both at once would take 256 registers a thread).
 #pragma unroll
@@ -230,10 +256,25 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
           if constexpr (MODE == PROMOTED) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[h][i] += partial[i];
-          } else {
+          } else if constexpr (MODE == BLOCK) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(partial[i], factor[h][(i >> 1) & 1], acc[h][i]);
+          } else {
+            // sum 4j + 2r + b: row r's scale times column 8j + 2t + b's.
+            const float* columns = warpgroup_scales + (block % 2) * TILE_N + h * TILE + 2 * t;
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj) {
+              const float2 c = *reinterpret_cast<const float2*>(columns + 8 * jj);
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                acc[h][4 * jj + 2 * r] = fmaf(partial[4 * jj + 2 * r], factor[h][r] * c.x, acc[h][4 * jj + 2 * r]);
+                acc[h][4 * jj + 2 * r + 1] = fmaf(partial[4 * jj + 2 * r + 1], factor[h][r] * c.y, acc[h][4 * jj + 2 * r + 1]);
+              }
+            }
           }
+        }
+        if constexpr (MODE == BLOCK_COLUMNS) {
+          if (block + 1 < w.blocks) publish((block + 1) % 2);
         }
       }
 #pragma unroll
@@ -286,10 +327,11 @@ void check_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends
               " and ", ends.scalar_type(), " ", ends.sizes(), " on ", ends.device());
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.grouped_fp8_gemm writes bfloat16, float16 or float32, not ", out_dtype);
-  TORCH_CHECK(mode == PROMOTED || mode == BLOCK, "graphquant.grouped_fp8_gemm: mode is 1 (promoted) or 2 (block scales), not ", mode);
+  TORCH_CHECK(mode == PROMOTED || mode == BLOCK || mode == BLOCK_COLUMNS,
+              "graphquant.grouped_fp8_gemm: mode is 1 (promoted), 2 (block scales, B's 128x128) or 3 (block scales, B's 1x128), not ", mode);
   TORCH_CHECK(a_layout.size() == 4 && b_layout.size() == 4 && a_layout[3] == 1 && b_layout[3] == (mode == BLOCK ? TILE : 1),
-              "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (DeepSeek-V3's fprop and dgrad), per-tensor and "
-              "per-row factors one a GEMM row of each operand");
+              "graphquant.grouped_fp8_gemm: block scales are A's 1x128 by B's 128x128 (mode 2: DeepSeek-V3's fprop and dgrad) or 1x128 "
+              "(mode 3: its wgrad), per-tensor and per-row factors one a GEMM row of each operand");
   const auto* properties = at::cuda::getDeviceProperties(a.get_device());
   TORCH_CHECK(properties->major == 9 && properties->minor == 0,
               "graphquant.grouped_fp8_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
@@ -299,7 +341,8 @@ void launch_mode(const Args& args, const at::Tensor& a, const at::Tensor& b, con
   const int sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
-  else launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  else if (mode == BLOCK) launch_elements<BLOCK>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
+  else launch_elements<BLOCK_COLUMNS>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
 }
 
 // tokens x experts: out (tokens, n), row source[r] = A[r] @ B_g^T. B: an expert stack, rowwise
@@ -357,7 +400,7 @@ at::Tensor tokens_by_tokens(const at::Tensor& a, const at::Tensor& b, int64_t m,
                             const std::vector<int64_t>& a_layout, const at::Tensor& b_scale, const std::vector<int64_t>& b_layout, int64_t mode,
                             at::ScalarType out_dtype) {
   check_call(a, b, ends, a_layout, b_layout, mode, out_dtype);
-  TORCH_CHECK(mode != BLOCK, "graphquant.grouped_fp8_gemm: tokens x tokens takes per-tensor and per-row factors, not block scales");
+  TORCH_CHECK(mode != BLOCK, "graphquant.grouped_fp8_gemm: tokens x tokens takes per-tensor and per-row factors or 1x128 block scales, not 128x128 ones");
   const int64_t groups = ends.numel(), n = b.size(0), rows = a.size(1);
   TORCH_CHECK(b.size(1) == rows && m <= a.size(0) && rows % TILE == 0,
               "graphquant.grouped_fp8_gemm multiplies A (m', padded rows) by B (n, padded rows) over groups of whole ", TILE,
@@ -397,13 +440,15 @@ void register_grouped_gemm(pybind11::module_& m) {
   m.def("grouped_fp8_tokens_by_experts", &gq::tokens_by_experts,
         "out (tokens, n): row source[r] = A[r] @ B_g^T for the padded rows r of group g (row_group), FP8 codes on sm_90's tensor cores; "
         "B an expert stack, rowwise (groups * n', k) or columnwise (n, groups * n'); scales as (tensor, [group, row, block strides, rows "
-        "a scale]); mode 1: sums promoted every 128 products, per-tensor or per-row factors after; 2: DeepSeek-V3's block scales",
+        "a scale]); mode 1: sums promoted every 128 products, per-tensor or per-row factors after; 2: DeepSeek-V3's block scales (B's "
+        "128x128); 3: 1x128 block scales on both sides",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("b_rowwise"), pybind11::arg("n"), pybind11::arg("tokens"),
         pybind11::arg("row_group"), pybind11::arg("source"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
         pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
   m.def("grouped_fp8_tokens_by_tokens", &gq::tokens_by_tokens,
         "out (groups, m, n): A_g B_g^T over group g's padded rows (ends), A (m', rows) and B (n, rows) FP8 codes with the rows "
-        "contiguous; per-tensor or per-row factors as (tensor, [group, row, block strides, rows a scale]); mode 1 (promoted)",
+        "contiguous; scales as (tensor, [group, row, block strides, rows a scale]); mode 1: per-tensor or per-row factors, sums promoted; "
+        "3: 1x128 block scales on both sides (DeepSeek-V3's wgrad)",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("m"), pybind11::arg("ends"), pybind11::arg("a_scale"), pybind11::arg("a_layout"),
         pybind11::arg("b_scale"), pybind11::arg("b_layout"), pybind11::arg("mode"), pybind11::arg("out_dtype"));
 }

@@ -101,6 +101,10 @@ __device__ __forceinline__ void expect_bytes(uint32_t bar, int bytes) {
 __device__ __forceinline__ void barrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// The threads of one warpgroup (or any multiple of 32) meet at named barrier ``id`` (0 is __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
