@@ -223,7 +223,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
         for (int s = 0; s < 2; ++s) warpgroup_scales[buffer * TILE_N + staging + 128 * s] = staged[s];
         named_barrier_sync(1 + warpgroup, 128);
       };
-      if constexpr (MODE != PROMOTED) read_scales(kb0);
+      if constexpr (MODE != PROMOTED) {
+        if (w.blocks > 0) read_scales(kb0);  // an empty group's (tokens x tokens) K block may lie past the scales
+      }
       if constexpr (MODE == BLOCK_COLUMNS) {
         named_barrier_sync(1 + warpgroup, 128);  // the tile before's reads of buffer 0 done
         publish(0);
