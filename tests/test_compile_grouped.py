@@ -281,8 +281,9 @@ def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(n
 def test_fp8_grouped_gemms_that_promote_run_natively_on_gpu(name, monkeypatch):
     """With every GEMM's sums kept in fp32, every FP8 grouped GEMM runs natively, partial sums
     promoted into fp32: on graphquant's CUDA grouped GEMM where the extension has it, elsewhere on
-    the Triton FP8 grouped GEMM; the step equals the emulated one to within those sums' error (tests/test_triton_grouped_fp8.py and test_grouped_fp8.py bound each GEMM; a wrong
-    layout or scale misses this by orders of magnitude)."""
+    the Triton FP8 grouped GEMM; the step equals the emulated one to within those sums' error
+    (tests/test_triton_grouped_fp8.py and test_grouped_fp8.py bound each GEMM; a wrong layout or
+    scale misses this by orders of magnitude)."""
     if not backends.TRITON_GROUPED_GEMMS:
         pytest.skip("needs Triton")
     model, x = Model().cuda(), inputs().cuda()

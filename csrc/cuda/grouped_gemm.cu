@@ -1,13 +1,14 @@
-// graphquant._C.grouped_fp8_tokens_by_experts: the promoted FP8 grouped GEMM of an MoE layer's
-// experts on Hopper, out[source[r]] = A[r] @ B_g^T for the padded rows r of each group g
-// (graphquant.formats.groups' layout: every group starts at a multiple of 128 rows, so a tile of
-// 128 rows lies in one group), B an expert stack read as (groups, n', K) by a 3-D TMA descriptor,
-// every group's product in one persistent launch, the group offsets read on the device. The
-// Triton grouped GEMM (graphquant.kernels.triton_grouped_fp8) waits for each K tile's wgmmas
-// before it promotes them and no other warps keep the tensor cores busy meanwhile; here a
-// warpgroup copies the operands by TMA and two multiply, one promoting while the other's wgmmas
-// run (benchmarks/NOTES.md, grouped_gemm.py, has where it stands, and the sums and products it
-// leaves to the Triton kernel).
+// graphquant._C.grouped_fp8_tokens_by_experts / _tokens_by_tokens: the promoted FP8 grouped GEMMs
+// of an MoE layer's experts on Hopper. Tokens x experts (fprop, dgrad): out[source[r]] = A[r] @
+// B_g^T for the padded rows r of each group g (graphquant.formats.groups' layout: every group starts
+// at a multiple of 128 rows, so a tile of 128 rows lies in one group), B an expert stack read as
+// (groups, n', K) by a 3-D TMA descriptor. Tokens x tokens (wgrad): out[g] = A_g B_g^T over group
+// g's padded rows, its K. Every group's product in one persistent launch, the group offsets read on
+// the device. The Triton grouped GEMM (graphquant.kernels.triton_grouped_fp8) waits for each K
+// tile's wgmmas before it promotes them and no other warps keep the tensor cores busy meanwhile;
+// here a warpgroup copies the operands by TMA and two multiply, one promoting while the other's
+// wgmmas run (benchmarks/NOTES.md, grouped_gemm.py, has where it stands; sums left in the tensor
+// cores' accumulator run faster on the Triton kernel).
 //
 // Numerics: the Triton kernel's, bit for bit. Each 128-long K block's products are summed on the
 // FP8 tensor cores (four m64n128k32 wgmmas a half of the tile); PROMOTED adds each block's partial

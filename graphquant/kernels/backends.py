@@ -366,10 +366,10 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
 )
 # graphquant's CUDA FP8 grouped GEMM (graphquant.kernels.grouped_fp8) on Hopper, where the extension
 # has it: the Triton kernel's products with promoted sums, and its bits (per-tensor and per-row
-# scales, DeepSeek-V3's blocks: 1x128 by 128x128 in fprop and dgrad, 1x128 by 1x128 in wgrad), persistent, a warpgroup copying
-# by TMA beside two multiplying, so faster (benchmarks/NOTES.md, grouped_gemm.py). The Triton kernel
-# keeps what it runs faster: sums the recipe lets accumulate fast, and an inference graph's few
-# tokens an expert (groups of less than a whole tile).
+# scales; DeepSeek-V3's blocks, 1x128 by 128x128 in fprop and dgrad, 1x128 by 1x128 in wgrad),
+# persistent, a warpgroup copying by TMA beside two multiplying, so faster (benchmarks/NOTES.md,
+# grouped_gemm.py). The Triton kernel keeps what it runs faster: sums the recipe lets accumulate
+# fast, and an inference graph's few tokens an expert (groups of less than a whole tile).
 WGMMA_GROUPED_GEMM = NativeGemm(
     grouped_fp8.BACKEND, grouped_fp8.FAMILY_PAIRS, grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm == (9, 0),
     whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,

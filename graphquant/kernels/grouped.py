@@ -13,9 +13,8 @@ Each call runs the backend its plan chose (backends.select_grouped) or fails (Ge
 
 Native (backends.NATIVE_GROUPED_GEMMS): FP8 with per-tensor, per-row or block scales on
 graphquant.kernels.triton_grouped_fp8, or on Hopper graphquant.kernels.grouped_fp8 (groups of
-whole tiles), which write the unpadded output themselves, their
-sums promoted into fp32 or, where the plan's backend accumulates fast, left in the tensor cores'
-accumulator;
+whole tiles, sums promoted), which write the unpadded output themselves, their sums promoted into
+fp32 or, where the plan's backend accumulates fast, left in the tensor cores' accumulator;
 where Triton is not installed, E4M3 with per-tensor or per-row scales on torch._scaled_grouped_mm,
 summing in the tensor cores' accumulator, the scales in its epilogue, its padded product
 un-padded afterwards.
