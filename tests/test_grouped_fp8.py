@@ -10,7 +10,7 @@ from test_triton_grouped_fp8 import FORMATS, GPU_SHAPE, excess
 from graphquant.formats import groups
 from graphquant.kernels import backends, grouped_fp8
 from graphquant.kernels import grouped as grouped_kernels
-from graphquant.quantizers import COLUMNWISE, ROWWISE
+from graphquant.quantizers import COLUMNWISE, ROWWISE, Float8BlockQuantizer
 
 CASES = [(name, gemm) for name in ("tensorwise", "rowwise", "blockwise") for gemm in ("fprop", "dgrad", "wgrad")]
 
@@ -73,6 +73,19 @@ def test_plan_leaves_sums_the_recipe_lets_accumulate_fast_to_the_triton_kernel(h
     assert chosen == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=True))
 
 
+@pytest.fixture
+def one_by_128_weights(monkeypatch):
+    """FORMATS' "1x128 weights": 1x128 blocks on every operand (TE's 1-D weight block scaling), so
+    that fprop and dgrad scale B a column at a time as the wgrad does."""
+    quantizer = Float8BlockQuantizer(block_scaling_dim=1, force_pow_2_scales=False)
+    monkeypatch.setitem(FORMATS, "1x128 weights", (quantizer,) * 3)
+    return "1x128 weights"
+
+
+def test_plan_gives_it_the_gemms_of_1x128_weights(hopper, one_by_128_weights):
+    assert selections(one_by_128_weights, False) == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(grouped_fp8.BACKEND))
+
+
 def test_plan_leaves_few_tokens_an_expert_to_the_triton_kernel(hopper):
     chosen = selections("rowwise", False, groups.FEW_TOKEN_ROWS)
     assert chosen == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(backends.triton_grouped_fp8.BACKEND))
@@ -98,6 +111,14 @@ def test_grouped_fp8_gemm_within_bound_and_triton_bits(device, name, gemm, shape
     kernels = BesideTriton()
     assert excess(name, gemm, "promoted", *shape, out_dtype, device, kernels) <= 0
     assert kernels.compared == 1 or gemm == "wgrad"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad"])
+def test_grouped_fp8_gemm_of_1x128_weights_within_bound_and_triton_bits(device, one_by_128_weights, gemm):
+    kernels = BesideTriton()
+    assert excess(one_by_128_weights, gemm, "promoted", *GPU_SHAPE, torch.bfloat16, device, kernels) <= 0
+    assert kernels.compared == 1
 
 
 @pytest.mark.gpu
