@@ -193,6 +193,11 @@ class NativeGemm(NamedTuple):
         families_fast = self.fast_families is None or {a.family, b.family} <= self.fast_families
         return allowed and self.fast_accumulation and families_fast
 
+    def token_block(self) -> Optional[int]:
+        """The rows a grouped GEMM's groups of tokens must start at multiples of, where it takes only
+        such (token_tiles: FEW_TOKEN_ROWS, whole_tiles: GROUP_ROWS); None: any."""
+        return FEW_TOKEN_ROWS if self.token_tiles else GROUP_ROWS if self.whole_tiles else None
+
     def takes(self, a: Optional[GemmInput], b: Optional[GemmInput]) -> bool:
         """Whether it multiplies operands read as ``a`` and ``b`` (None: no kernel reads it);
         ``reads``: whether its kernels read one operand's family in its element encoding, where

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS, GroupPadding
+from graphquant.formats.groups import GroupPadding
 from graphquant.kernels import backends, emulation, grouped_fp8
 
 try:
@@ -86,15 +86,11 @@ def gemm(
     ``backend``: the plan's choice for the GEMM ``site`` names ("moe#0 dgrad"), checked as
     backends.checked does (the padded stacks' dims: only x's columns can misalign)."""
     native = backends.checked(backend, a, b, gemm_dims(a, b), 1, site, backends.NATIVE_GROUPED_GEMMS)
-    if native is not None and native.token_tiles and token_rows != FEW_TOKEN_ROWS:
+    block = native.token_block() if native is not None else None
+    if block is not None and token_rows != block:
         raise backends.GemmMismatch(
-            f"{site}: its plan chose {backend}, which multiplies tokens in groups of {FEW_TOKEN_ROWS} rows; this call's start at "
-            f"multiples of {token_rows} (more tokens an expert than the plan was made for)"
-        )
-    if native is not None and native.whole_tiles and token_rows != GROUP_ROWS:
-        raise backends.GemmMismatch(
-            f"{site}: its plan chose {backend}, which multiplies groups of tokens that start at multiples of {GROUP_ROWS} rows; "
-            f"this call's start at multiples of {token_rows} (fewer tokens an expert than the plan was made for)"
+            f"{site}: its plan chose {backend}, which multiplies groups of tokens that start at multiples of {block} rows; "
+            f"this call's start at multiples of {token_rows} (not the tokens an expert the plan was made for)"
         )
     a_group, ends = tokens.row_group, tokens.ends
     if native is backends.WGMMA_GROUPED_GEMM or native in backends.TRITON_GROUPED_GEMMS:
