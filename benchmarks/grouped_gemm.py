@@ -119,18 +119,13 @@ def main() -> None:
             table.append([site, gemm, "bf16 torch._grouped_mm", f"{bf16_ms[gemm]:.3f}", f"{flops / bf16_ms[gemm] / 1e9:.0f}", "1.00x", ""])
         for name in args.formats.split(","):
             for gemm, (a, b, b_group, width) in operands(name, x, w, dy, tokens).items():
-                def triton_gemm(promote_every):  # as graphquant.kernels.grouped.gemm calls it
+                def direct(module, promote_every):  # the Triton or CUDA kernel, as grouped.gemm calls it
                     if a.direction == ROWWISE:
-                        return kernels.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
-                    return kernels.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
+                        return module.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
+                    return module.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
 
                 def on(backend):
                     return grouped_kernels.gemm(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, backend, f"{site} {gemm}")
-
-                def cuda_gemm(promote_every):
-                    if a.direction == ROWWISE:
-                        return grouped_fp8.tokens_by_experts(a, b, b_group, tokens, groups.GROUP_ROWS, width, torch.bfloat16, promote_every)
-                    return grouped_fp8.tokens_by_tokens(a, tokens.row_group, b, b_group, tokens.ends, width, torch.bfloat16, promote_every)
 
                 runs = {}
                 block_scaled = grouped_operands.block_scaled(a)
@@ -140,14 +135,14 @@ def main() -> None:
                     if interval is kernels.FAST_ACCUMULATION and block_scaled:
                         continue  # block scales always promote: no plan runs them fast
                     label = "fast accumulation" if interval is kernels.FAST_ACCUMULATION else f"promoted every {interval}"
-                    runs[f"{kernels.BACKEND}, {label}"] = functools.partial(triton_gemm, interval)
+                    runs[f"{kernels.BACKEND}, {label}"] = functools.partial(direct, kernels, interval)
                     if cuda and interval == grouped_fp8.PROMOTE_EVERY:
-                        runs[f"{grouped_fp8.BACKEND}, {label}"] = functools.partial(cuda_gemm, interval)
+                        runs[f"{grouped_fp8.BACKEND}, {label}"] = functools.partial(direct, grouped_fp8, interval)
                 if scaled.takes(*inputs) and scaled.runs_on(torch.cuda.get_device_capability()):
                     runs[str(scaled_backend)] = functools.partial(on, scaled_backend)
                 if args.emulated:
                     runs[backends.EMULATION] = functools.partial(on, backends.GemmBackend(backends.EMULATION))
-                promoted = triton_gemm(kernels.PROMOTE_EVERY).double()
+                promoted = direct(kernels, kernels.PROMOTE_EVERY).double()
                 for label, fn in runs.items():
                     difference = (fn().double() - promoted).norm() / promoted.norm()
                     ms = time_ms(fn, reps=args.reps)
