@@ -41,8 +41,8 @@ constexpr int TILE = 128, HALVES = 2, TILE_N = HALVES * TILE;
 constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
 constexpr int STAGE_BYTES = (TILE + TILE_N) * TILE;
 constexpr int STAGES = 4;
-// BLOCK_COLUMNS: each multiplying warpgroup's two buffers of a K block's column scales, one read
-// while the next is filled.
+// Each multiplying warpgroup's two buffers of column scales, one read while the next is filled:
+// BLOCK_COLUMNS' of a K block, PROMOTED's column factors of a tile.
 constexpr int COLUMN_SCALE_BYTES = 2 * 2 * TILE_N * 4;
 // + two barriers a stage, + the column scales, + the base's alignment to 1024
 constexpr int SMEM = STAGES * (STAGE_BYTES + 16) + COLUMN_SCALE_BYTES + 1024;
@@ -117,14 +117,44 @@ struct Epilogue {
 };
 
 // A thread's sums of one half of the tile (sum 4j + 2r + b: tile row rows[r], column n0 + 8j + 2t
-// + b) times their factors, acc * (a's x b's), rounded once into the output; the columns' factors
-// read first, all at once.
+// + b) times their factors, acc * (a's x b's), rounded once into the output; ``columns``: the
+// half's column factors (PROMOTED), staged in shared memory while the tile multiplied. Where the
+// half lies whole in rows aligned to 16 bytes, each quad of lanes trades its pairs so that a lane
+// writes 8 adjacent columns at once (whole sectors, a quarter of the stores); else pair by pair.
 template <typename Out, int MODE>
-__device__ __forceinline__ void store_half(const float (&acc)[64], const Args& args, const Work& w, int n0, int t, const Epilogue<MODE>& e) {
+__device__ __forceinline__ void store_half(const float (&acc)[64], const Args& args, int n0, int t, const Epilogue<MODE>& e, const float* columns) {
   Out* out = static_cast<Out*>(args.out);
-  float column_factor[32];
+  const auto value = [&](int i, int r) { return MODE == PROMOTED ? acc[i] * (e.row_factor[r] * columns[8 * (i / 4) + 2 * t + i % 2]) : acc[i]; };
+  if (args.n % 8 == 0 && n0 + TILE <= args.n) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) column_factor[i] = MODE != PROMOTED ? 1.f : args.b_scale.factor(w.group, min(n0 + 8 * (i / 2) + 2 * t + i % 2, args.n - 1));
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // blocks 4q .. 4q + 3: lane t writes block 4q + t
+        Out* p = out + e.out_row[r] + n0 + 32 * q + 8 * t;
+        if constexpr (sizeof(Out) == 2) {
+          uint32_t w[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) w[u] = packed_pair<Out>(value(16 * q + 4 * u + 2 * r, r), value(16 * q + 4 * u + 2 * r + 1, r));
+          quad_transpose(w, t);
+          if (e.out_row[r] >= 0) *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+          uint32_t x[4], y[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            x[u] = __float_as_uint(value(16 * q + 4 * u + 2 * r, r));
+            y[u] = __float_as_uint(value(16 * q + 4 * u + 2 * r + 1, r));
+          }
+          quad_transpose(x, t);
+          quad_transpose(y, t);
+          if (e.out_row[r] >= 0) {
+            reinterpret_cast<uint4*>(p)[0] = make_uint4(x[0], y[0], x[1], y[1]);
+            reinterpret_cast<uint4*>(p)[1] = make_uint4(x[2], y[2], x[3], y[3]);
+          }
+        }
+      }
+    }
+    return;
+  }
   const bool even = args.n % 2 == 0;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -135,13 +165,8 @@ __device__ __forceinline__ void store_half(const float (&acc)[64], const Args& a
     for (int r = 0; r < 2; ++r) {
       if (e.out_row[r] < 0) continue;
       Out* p = out + e.out_row[r] + column;
-      float v[2] = {acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]};
-      if constexpr (MODE == PROMOTED) {
-#pragma unroll
-        for (int b = 0; b < 2; ++b) v[b] = v[b] * (e.row_factor[r] * column_factor[2 * j + b]);
-      }
-      store_pair(p, v[0], v[1], both && even);
-      if (both && !even) store_value(p + 1, v[1]);
+      store_pair(p, value(4 * j + 2 * r, r), value(4 * j + 2 * r + 1, r), both && even);
+      if (both && !even) store_value(p + 1, value(4 * j + 2 * r + 1, r));
     }
   }
 }
@@ -192,7 +217,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
     const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
     const int g = lane / 4, t = lane % 4;
     const int rows[2] = {warpgroup * 64 + warp * 16 + g, warpgroup * 64 + warp * 16 + g + 8};  // this thread's rows of the tile
-    int j = 0;  // stages consumed so far, over every tile
+    int j = 0, tiles_done = 0;  // stages consumed and tiles multiplied so far
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Work w = work_of(args, tile, m_tiles);
       const Epilogue<MODE> epilogue(args, w, rows);
@@ -207,6 +232,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
       const int kb0 = w.k0 / TILE, staging = consumer % 128;
       float tile_scale[HALVES] = {1.f, 1.f}, row_scale[2] = {0.f, 0.f}, staged[2] = {0.f, 0.f};
       float* const warpgroup_scales = column_scales + warpgroup * 2 * TILE_N;
+      // PROMOTED: this thread's two of the tile's column factors, read now for the epilogue.
+      float held_factor[2] = {1.f, 1.f};
+      if constexpr (MODE == PROMOTED) {
+        for (int s = 0; s < 2; ++s) held_factor[s] = args.b_scale.factor(w.group, min(w.tn * TILE_N + staging + 128 * s, args.n - 1));
+      }
       const auto read_scales = [&](int64_t kb) {
         if constexpr (MODE == BLOCK) {
           for (int h = 0; h < HALVES; ++h) tile_scale[h] = args.b_scale.block_scale<TILE>(w.group, min(w.tn * TILE_N + h * TILE, args.n - 1), kb);
@@ -280,12 +310,19 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_kernel(const Args arg
           if (block + 1 < w.blocks) publish((block + 1) % 2);
         }
       }
+      // PROMOTED: the column factors shared through one of the warpgroup's two buffers, a tile's
+      // in turn (its barrier a tile keeps a buffer from being written while the tile before reads it).
+      float* const columns = warpgroup_scales + (tiles_done++ % 2) * TILE_N;
+      if constexpr (MODE == PROMOTED) {
+        for (int s = 0; s < 2; ++s) columns[staging + 128 * s] = held_factor[s];
+        named_barrier_sync(1 + warpgroup, 128);
+      }
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) {
         const int n0 = w.tn * TILE_N + h * TILE;
-      if (args.out_kind == BF16) store_half<__nv_bfloat16, MODE>(acc[h], args, w, n0, t, epilogue);
-        else if (args.out_kind == F16) store_half<__half, MODE>(acc[h], args, w, n0, t, epilogue);
-        else store_half<float, MODE>(acc[h], args, w, n0, t, epilogue);
+        if (args.out_kind == BF16) store_half<__nv_bfloat16, MODE>(acc[h], args, n0, t, epilogue, columns + h * TILE);
+        else if (args.out_kind == F16) store_half<__half, MODE>(acc[h], args, n0, t, epilogue, columns + h * TILE);
+        else store_half<float, MODE>(acc[h], args, n0, t, epilogue, columns + h * TILE);
       }
     }
   }

@@ -189,6 +189,36 @@ __device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both
   store_value(p, v0);
 }
 
+// Two adjacent values rounded once each into the output's 2-byte type, as one 32-bit word (the
+// first in the low half, as store_pair lays them out).
+template <typename Out>
+__device__ __forceinline__ uint32_t packed_pair(float v0, float v1) {
+  static_assert(sizeof(Out) == 2, "a pair of 2-byte values");
+  using Pair = typename std::conditional<std::is_same<Out, __nv_bfloat16>::value, __nv_bfloat162, __half2>::type;
+  Pair pair;
+  store_value(&pair.x, v0);
+  store_value(&pair.y, v1);
+  return *reinterpret_cast<uint32_t*>(&pair);
+}
+
+// A quad of lanes (t = lane % 4) trades words so that lane t's word u becomes lane u's word t: a
+// wgmma accumulator's quad holds each 8-column block as four lanes' pairs, and afterwards a lane
+// holds one block whole, to store as one contiguous run. Two exchanges, one per bit of t.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit *= 2) {
+    const bool high = t & bit;
+#pragma unroll
+    for (int low = 0; low < 4; ++low) {
+      if (low & bit) continue;
+      // of words low and low | bit, the one whose bit differs from t's goes to lane t ^ bit, and the partner's comes back in its place
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[low] : w[low | bit], bit);
+      if (high) w[low] = got;
+      else w[low | bit] = got;
+    }
+  }
+}
+
 // FP8 codes (rows, k) as a GEMM's TMA reads them: k contiguous, rows 16-byte aligned; ``what``
 // names the caller and ``name`` the operand in errors.
 inline void check_fp8_codes(const at::Tensor& codes, const char* what, const char* name) {
