@@ -256,9 +256,10 @@ def test_grouped_gemms_that_promote_match_per_group_reference_on_gpu(name, witho
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
 def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(name, grouped_gemm, monkeypatch):
-    """The Triton FP8 grouped GEMM with fast accumulation (every GEMM; torch._scaled_grouped_mm
-    where Triton is not installed: E4M3 per-row GEMMs, per-tensor fprop, the E5M2 gradients'
-    GEMMs emulated) where the recipe lets every GEMM accumulate fast: the step equals the
+    """Where the recipe lets every GEMM accumulate fast: graphquant's CUDA grouped GEMM, promoted,
+    where the extension runs it; else the Triton FP8 grouped GEMM with fast accumulation (every
+    GEMM; torch._scaled_grouped_mm where Triton is not installed: E4M3 per-row GEMMs, per-tensor
+    fprop, the E5M2 gradients' GEMMs emulated): the step equals the
     promoted, emulated one to within fast accumulation's error (no element bound is claimed for
     the step; tests/test_triton_grouped_fp8.py bounds each GEMM; a wrong layout or scale misses
     this by orders of magnitude)."""
@@ -266,7 +267,10 @@ def test_native_fp8_grouped_gemms_run_where_the_recipe_accumulates_fast_on_gpu(n
     promoted, fast = (copy.deepcopy(model) for _ in range(2))
     compiled = graphquant.compile(fast, fast_everywhere(RECIPES[name]()), backend="aot_eager", fullgraph=True)
     actual = forward_backward(compiled, fast, x)
-    assert {g.gemm: str(g.backend) for g in compiled.graphquant.plan.gemms} == expected_backends(name, torch.cuda.get_device_capability(), grouped_gemm)
+    cuda_kernel = backends.WGMMA_GROUPED_GEMM.available(x.device)
+    assert {g.gemm: str(g.backend) for g in compiled.graphquant.plan.gemms} == expected_backends(
+        name, torch.cuda.get_device_capability(), grouped_gemm, cuda_kernel
+    )
     monkeypatch.setattr(backends, "NATIVE_GROUPED_GEMMS", (backends.NATIVE_GROUPED_GEMM,))
     expected = forward_backward(
         graphquant.compile(promoted, dataclasses.replace(RECIPES[name](), fast_accumulation=()), backend="aot_eager", fullgraph=True), promoted, x
@@ -376,11 +380,15 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 NATIVE_ON_HOPPER = {"rowwise": {"fprop", "dgrad", "wgrad"}, "current": {"fprop"}, "blockwise": set(), "mxfp8": set()}
 
 
-def expected_backends(name: str, sm, triton: bool) -> dict[str, str]:
+def expected_backends(name: str, sm, triton: bool, cuda_kernel: bool = False) -> dict[str, str]:
     """{GEMM: its backend as the plan prints it} of Model() under fast_everywhere(RECIPES[name]())
-    on compute capability ``sm``: with Triton, every FP8 GEMM on its grouped GEMM from sm89 on,
-    fast but where the scales are per block; without, NATIVE_ON_HOPPER's on torch._scaled_grouped_mm."""
+    on compute capability ``sm``: where graphquant's extension runs its CUDA grouped GEMM
+    (``cuda_kernel``), every FP8 GEMM there, promoted; else with Triton, every FP8 GEMM on its
+    grouped GEMM from sm89 on, fast but where the scales are per block; without,
+    NATIVE_ON_HOPPER's on torch._scaled_grouped_mm."""
     emulated = str(GemmBackend(backends.EMULATION))
+    if cuda_kernel and triton:
+        return {gemm: str(backends.WGMMA_GROUPED_GEMM.backend) if name != "mxfp8" else emulated for gemm in GEMMS}
     if triton:
         on_triton = name != "mxfp8" and sm is not None and sm >= (8, 9)
         native = GemmBackend(backends.TRITON_GROUPED_GEMMS[0].backend, fast_accumulation=name != "blockwise")

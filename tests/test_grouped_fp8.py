@@ -68,7 +68,15 @@ def test_plan_gives_it_every_promoted_grouped_gemm_of_whole_tiles(hopper, name):
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
-def test_plan_leaves_sums_the_recipe_lets_accumulate_fast_to_the_triton_kernel(hopper, name):
+def test_plan_gives_it_the_sums_a_recipe_lets_accumulate_fast_too_promoted(hopper, name):
+    """Its promoted products run faster than the Triton kernel's fast ones (benchmarks/NOTES.md,
+    grouped_gemm.py), so the permission to accumulate fast buys nothing there."""
+    assert selections(name, True) == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(grouped_fp8.BACKEND))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_plan_leaves_fast_sums_to_the_triton_kernel_where_the_extension_has_no_cuda_kernel(hopper, monkeypatch, name):
+    monkeypatch.setattr(grouped_fp8, "extension_runs", lambda device: False)
     chosen = selections(name, True)
     assert chosen == dict.fromkeys(("fprop", "dgrad", "wgrad"), backends.GemmBackend(backends.triton_grouped_fp8.BACKEND, fast_accumulation=True))
 

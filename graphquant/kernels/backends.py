@@ -373,8 +373,9 @@ TRITON_GROUPED_GEMMS = () if triton_grouped_fp8 is None else (
 # has it: the Triton kernel's products with promoted sums, and its bits (per-tensor and per-row
 # scales; DeepSeek-V3's blocks, 1x128 by 128x128 in fprop and dgrad, 1x128 by 1x128 in wgrad),
 # persistent, a warpgroup copying by TMA beside two multiplying, so faster (benchmarks/NOTES.md,
-# grouped_gemm.py). The Triton kernel keeps what it runs faster: sums the recipe lets accumulate
-# fast, and an inference graph's few tokens an expert (groups of less than a whole tile).
+# grouped_gemm.py): faster too than the Triton kernel's sums left in the accumulator, so it also
+# takes, promoted, the GEMMs a recipe lets accumulate fast. The Triton kernel keeps an inference
+# graph's few tokens an expert (groups of less than a whole tile) and the GPUs it does not run on.
 WGMMA_GROUPED_GEMM = NativeGemm(
     grouped_fp8.BACKEND, grouped_fp8.FAMILY_PAIRS, grouped_fp8.ELEMENT_PAIRS, 1, lambda sm: sm == (9, 0),
     whole_tiles=True, k_multiple=grouped_fp8.K_MULTIPLE,
@@ -456,10 +457,6 @@ def select_grouped(
     if sm is None:
         return Selection(EMULATED, GemmBackend(EMULATION), selection.reason)
     inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
-    # A GEMM the recipe lets accumulate fast goes to a native GEMM that sums it so, where one takes it: faster.
-    fast = [
-        n for n in NATIVE_GROUPED_GEMMS if fast_accumulation and n.takes(*inputs) and n.runs_on(sm) and n.accumulates_fast(*inputs, True)
-    ]
     reasons = []
     for native in NATIVE_GROUPED_GEMMS:
         if not native.takes(*inputs):
@@ -474,10 +471,6 @@ def select_grouped(
             reasons.append(
                 f"{native.backend} sums in the tensor cores' accumulator, and the recipe keeps this GEMM's sums in fp32 "
                 "(CustomRecipe.fast_accumulation)"
-            )
-        elif fast and not native.accumulates_fast(*inputs, fast_accumulation):
-            reasons.append(
-                f"{native.backend} promotes its sums; the recipe lets this GEMM accumulate fast, which {fast[0].backend} does"
             )
         elif native.whole_tiles and token_rows != GROUP_ROWS:
             reasons.append(
