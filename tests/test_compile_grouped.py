@@ -470,6 +470,17 @@ def grouped_runs(monkeypatch):
         recorded = {name: triton_run(getattr(triton_kernels, name)) for name in ("tokens_by_experts", "tokens_by_tokens")}
         constants = {name: getattr(triton_kernels, name) for name in ("PROMOTE_EVERY", "FAST_ACCUMULATION")}
         monkeypatch.setattr(backends, "triton_grouped_fp8", types.SimpleNamespace(**recorded, **constants))
+
+    def cuda_run(product):
+        def run(*args):
+            record(GemmBackend(cuda_kernel.BACKEND))
+            return product(*args)
+
+        return run
+
+    cuda_kernel = grouped_kernels.grouped_fp8
+    recorded = {name: cuda_run(getattr(cuda_kernel, name)) for name in ("tokens_by_experts", "tokens_by_tokens")}
+    monkeypatch.setattr(grouped_kernels, "grouped_fp8", types.SimpleNamespace(**recorded, PROMOTE_EVERY=cuda_kernel.PROMOTE_EVERY))
     return ran
 
 
@@ -490,9 +501,12 @@ def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose(name, sm, grouped_
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rowwise", "current"])
 def test_each_grouped_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(name, grouped_gemm, grouped_runs):
-    """The same on the GPU, with torch._scaled_grouped_mm and the Triton kernel themselves."""
-    plan = _grouped_step_runs_as_planned(Model().cuda(), inputs().cuda(), fast_everywhere(RECIPES[name]()), grouped_runs)
-    assert {g.gemm: str(g.backend) for g in plan.gemms} == expected_backends(name, torch.cuda.get_device_capability(), grouped_gemm)
+    """The same on the GPU, with torch._scaled_grouped_mm, the Triton kernel and graphquant's CUDA
+    kernel themselves."""
+    x = inputs().cuda()
+    plan = _grouped_step_runs_as_planned(Model().cuda(), x, fast_everywhere(RECIPES[name]()), grouped_runs)
+    cuda_kernel = backends.WGMMA_GROUPED_GEMM.available(x.device)
+    assert {g.gemm: str(g.backend) for g in plan.gemms} == expected_backends(name, torch.cuda.get_device_capability(), grouped_gemm, cuda_kernel)
 
 
 def _grouped_step_runs_as_planned(model, x, recipe, ran):
