@@ -7,8 +7,9 @@
 // the device. The Triton grouped GEMM (graphquant.kernels.triton_grouped_fp8) waits for each K
 // tile's wgmmas before it promotes them and no other warps keep the tensor cores busy meanwhile;
 // here a warpgroup copies the operands by TMA and two multiply, one promoting while the other's
-// wgmmas run (benchmarks/NOTES.md, grouped_gemm.py, has where it stands; sums left in the tensor
-// cores' accumulator run faster on the Triton kernel).
+// wgmmas run, and each quad of lanes writes its rows in 16-byte runs (benchmarks/NOTES.md,
+// grouped_gemm.py, has where it stands: ahead of the Triton kernel's products even where those
+// leave the sums in the tensor cores' accumulator).
 //
 // Numerics: the Triton kernel's, bit for bit. Each 128-long K block's products are summed on the
 // FP8 tensor cores (four m64n128k32 wgmmas a half of the tile); PROMOTED adds each block's partial

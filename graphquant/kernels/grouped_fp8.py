@@ -6,9 +6,10 @@ mirror, for sums promoted into fp32: per-tensor and per-row scales every 128 pro
 block scales (1x128 by 128x128 in fprop and dgrad, 1x128 by 1x128 in wgrad). The Triton kernel
 waits for each K tile's wgmmas before promoting them; this one is persistent, a warpgroup copying
 the operands by TMA while two multiply 128 x 256 tiles, so one warpgroup's promotion runs beside
-the other's products. It takes groups of whole 128-row tiles (formats.groups.GROUP_ROWS). Sums left
-in the tensor cores' accumulator run faster on the Triton kernel (benchmarks/NOTES.md,
-grouped_gemm.py), which the plan gives them (backends.WGMMA_GROUPED_GEMM).
+the other's products. It takes groups of whole 128-row tiles (formats.groups.GROUP_ROWS). Its
+promoted products run faster than the Triton kernel's even where those leave the sums in the
+tensor cores' accumulator (benchmarks/NOTES.md, grouped_gemm.py), so the plan gives it the GEMMs a
+recipe lets accumulate fast too (backends.WGMMA_GROUPED_GEMM).
 """
 
 from __future__ import annotations
