@@ -33,7 +33,8 @@ class BesideTriton:
     def tokens_by_tokens(self, *args):
         ours = grouped_fp8.tokens_by_tokens(*args)
         theirs = backends.triton_grouped_fp8.tokens_by_tokens(*args)
-        assert backends.triton_grouped_fp8._tokens_by_tokens.best_config.kwargs["BLOCK_K"] == grouped_fp8.PROMOTE_EVERY, "k_tiles_of_128"
+        tile = backends.triton_grouped_fp8._tokens_by_tokens.best_config.kwargs["BLOCK_K"]
+        assert tile == grouped_fp8.PROMOTE_EVERY, f"the Triton kernel took {tile}-long K tiles: hold it to 128 (k_tiles_of_128)"
         assert torch.equal(ours, theirs), "the Triton kernel's bits"
         self.compared += 1
         return ours
