@@ -10,7 +10,8 @@ Shapes: moe_step.py's (16384 tokens, top-8 of 64 experts, dim 4096, expert hidde
 sums promoted into fp32 every so many products, or every K tile where a tile is shorter (128,
 fp8.PROMOTED_PRODUCTS, is what the plan picks where a recipe keeps fp32 sums), or ``fast``, never
 (the tensor cores' accumulator alone, which the plan picks where a recipe lets a per-tensor or
-per-row GEMM accumulate fast; block scales always promote, so their GEMMs are not timed fast).
+per-row GEMM accumulate fast and graphquant's CUDA kernel does not run; block scales always
+promote, so their GEMMs are not timed fast).
 torch._scaled_grouped_mm (fast accumulation, its padded product un-padded afterwards; the plan's
 choice only where Triton is not installed) is timed for the pairs it takes; ``--emulated`` also
 times the emulated GEMM (dequantize, then bf16) of each. A format is a zoo recipe or one of

@@ -23,9 +23,10 @@ tokens of a graph that runs fprop alone at multiples of 16, which tiles of 16 ro
     tokens x tokens (wgrad)          out[g] = A_g^T B_g over group g's padded rows (an empty group: 0)
 
 Both operands are read with the reduction dim contiguous, as every grouped representation of
-these formats stores it (rowwise data as is, columnwise data transposed). On Hopper the plan gives
-its promoted tokens x experts products of whole tiles to graphquant.kernels.grouped_fp8, which
-computes the same bits faster.
+these formats stores it (rowwise data as is, columnwise data transposed). On Hopper, where
+graphquant's extension runs it, the plan gives every product of whole tiles to
+graphquant.kernels.grouped_fp8, promoted: the same bits as the promoted products here, faster even
+than the fast ones. This kernel keeps a graph's few tokens an expert and the other GPUs.
 """
 
 from __future__ import annotations
