@@ -169,28 +169,8 @@ __device__ __forceinline__ void store_value(__nv_bfloat16* p, float v) { *p = __
 __device__ __forceinline__ void store_value(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
 
-// Two adjacent values of an output row rounded once each, as one store where ``both`` (and p is
-// aligned for it), else the first alone.
-template <typename Out>
-__device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both) {
-  if constexpr (sizeof(Out) == 2) {
-    if (both) {
-      using Pair = typename std::conditional<std::is_same<Out, __nv_bfloat16>::value, __nv_bfloat162, __half2>::type;
-      Pair pair;
-      store_value(&pair.x, v0);
-      store_value(&pair.y, v1);
-      *reinterpret_cast<Pair*>(p) = pair;
-      return;
-    }
-  } else if (both) {
-    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-    return;
-  }
-  store_value(p, v0);
-}
-
 // Two adjacent values rounded once each into the output's 2-byte type, as one 32-bit word (the
-// first in the low half, as store_pair lays them out).
+// first in the low half: at the lower address once stored).
 template <typename Out>
 __device__ __forceinline__ uint32_t packed_pair(float v0, float v1) {
   static_assert(sizeof(Out) == 2, "a pair of 2-byte values");
@@ -199,6 +179,22 @@ __device__ __forceinline__ uint32_t packed_pair(float v0, float v1) {
   store_value(&pair.x, v0);
   store_value(&pair.y, v1);
   return *reinterpret_cast<uint32_t*>(&pair);
+}
+
+// Two adjacent values of an output row rounded once each, as one store where ``both`` (and p is
+// aligned for it), else the first alone.
+template <typename Out>
+__device__ __forceinline__ void store_pair(Out* p, float v0, float v1, bool both) {
+  if constexpr (sizeof(Out) == 2) {
+    if (both) {
+      *reinterpret_cast<uint32_t*>(p) = packed_pair<Out>(v0, v1);
+      return;
+    }
+  } else if (both) {
+    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    return;
+  }
+  store_value(p, v0);
 }
 
 // A quad of lanes (t = lane % 4) trades words so that lane t's word u becomes lane u's word t: a

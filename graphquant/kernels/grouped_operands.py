@@ -28,7 +28,6 @@ class Scales(NamedTuple):
     rows: int = 1
 
 
-
 def block_scaled(rep: Representation) -> bool:
     """Whether its scales are per K block (DeepSeek-V3's FP8 blocks, MXFP8), not per row or tensor."""
     family = rep.quantizer.gemm_input(rep.direction).family
