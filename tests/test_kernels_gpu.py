@@ -465,6 +465,72 @@ def test_grouped_quantize_through_a_gather(backend, name):
                 assert_same_rep(getattr(got, direction), getattr(want, direction), what)
 
 
+# GROUPED's formats whose pre-pass shares the main pass's launch (csrc/cuda/params.h, GroupOrder),
+# and one hybrid of both.
+ORDERED = ("fp8_current_e4m3", "fp8_current_e5m2_pow2_eps", "fp8_rowwise", "fp8_rowwise_nopow2")
+ORDERED_HYBRID = "hybrid fp8 rowwise / fp8 current"
+
+
+@pytest.fixture
+def launches_one_after_another():
+    """Runs its argument with each grouped pre-pass in a launch of its own before the main pass."""
+    ext = native.extension()
+
+    def run(call):
+        before = ext.set_ordered_groups(False)
+        try:
+            return call()
+        finally:
+            ext.set_ordered_groups(before)
+
+    return run
+
+
+@pytest.mark.parametrize("name", [*ORDERED, ORDERED_HYBRID])
+def test_grouped_quantize_in_group_order_is_the_pre_pass_then_the_main_pass(backend, name, launches_one_after_another):
+    """A grouped quantize whose amaxes are taken group by group in the main pass's launch, each
+    group's scales made by the CTA that finishes its amaxes, gives the bits of the pre-pass, the
+    finalize launches and the main pass run one after another: every wanted direction, the
+    columnwise amaxes taken for later, empty groups first, between and last (their per-group and
+    per-column scales too), through a layout's gather and from x itself."""
+    quantizer = (
+        HybridQuantizer(Float8RowwiseQuantizer(), Float8CurrentScalingQuantizer(), "original")
+        if name == ORDERED_HYBRID else QUANTIZERS[name]()
+    )
+    rows = 900
+    offs = torch.tensor([0, 200, 200, 333, 640, rows, rows], dtype=torch.int32, device=backend)
+    layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 7, GROUP_ROWS))
+    sizes = [0, 256, 0, 128, 384, 0]  # whole tiles, the last group empty too
+    bounds, row_group = grouped_rows(sizes, backend)
+    ext = native.extension()
+    for cols, dtype in ((160, torch.bfloat16), (131, torch.float16), (256, torch.float32)):
+        x = make_input((rows, cols), dtype, "special_finite", backend)
+        cases = {
+            "through the gather": (x, layout.row_group, layout.bounds, dict(source=layout.source, runs=layout.runs)),
+            "padded": (layout.pad(x), layout.row_group, layout.bounds, {}),
+            f"in groups of {sizes} rows": (x[: sum(sizes)], row_group, bounds, {}),
+        }
+        for wanted in (dict(rowwise=True, columnwise=True), dict(rowwise=True, columnwise=False, take_columnwise_amax=True),
+                       dict(rowwise=True, columnwise=False), dict(rowwise=False, columnwise=True)):
+            for case, (operand, each_row_group, group_bounds, source) in cases.items():
+
+                def call():
+                    return native.grouped_quantize_pass(quantizer, operand, each_row_group, group_bounds, CTX, **source, **wanted)
+
+                if hasattr(ext, "take_launches"):  # the CPU build says which launches ran
+                    ext.take_launches()
+                got = call()
+                if hasattr(ext, "take_launches"):
+                    assert "ordered tile" in ext.take_launches(), "the grouped launch in group order did not run"
+                want = launches_one_after_another(call)
+                what = f"{wanted}, {cols} {dtype}, {case}"
+                for direction in (ROWWISE, COLUMNWISE):
+                    if wanted[direction]:
+                        assert_same_rep(getattr(got, direction), getattr(want, direction), f"{direction} of {what}")
+                if wanted.get("take_columnwise_amax"):
+                    assert_same(got.columnwise_amax, want.columnwise_amax, f"amaxes of {what}")
+
+
 @pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])
 def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name):
     """The amaxes a columnwise side scales from, taken in the same read of x as the rowwise

@@ -1,4 +1,5 @@
-// Tile-program instantiations for f16 inputs: every (rowwise, columnwise) format pair.
+// Tile-program instantiations for f16 inputs: every (rowwise, columnwise) format pair, and
+// the ordered grouped launch's.
 #include "tile.cuh"
 
 namespace gq {
@@ -8,4 +9,5 @@ GQ_INSTANTIATE_ROW(InF16, kBlock)
 GQ_INSTANTIATE_ROW(InF16, kRowScaled)
 GQ_INSTANTIATE_ROW(InF16, kMX)
 GQ_INSTANTIATE_ROW(InF16, kNV)
+GQ_INSTANTIATE_ORDERED(InF16)
 }  // namespace gq
