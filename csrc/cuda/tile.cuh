@@ -62,8 +62,8 @@ struct TileSmem {
   uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
   uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
   uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
-  int64_t item;             // run_ordered: the item this CTA took
-  int finished;             // run_ordered: the tile it ran was its group's last amax tile
+  int64_t item[2];          // run_ordered: the item this CTA runs, and the one it takes next
+  int finished;             // run_ordered: its last count finished a group's amaxes
   alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
 };
 
@@ -225,23 +225,48 @@ struct TileProgram {
   }
 
   // One launch of a grouped pre-pass and main pass (GroupOrder). Items, claimed in order: the
-  // amax tiles of group 0, then for each group g > 0 its amax tiles followed by group g - 1's
-  // encode tiles, then the last group's encode tiles. A group's encoding thus waits only on amax
-  // tiles claimed before it, which never wait, so the launch always progresses, and by the time
-  // the encoding starts one group's reads have passed since its rows were read (group_start:
-  // whole 128-row tiles, as GroupPadding lays them out).
+  // amax tiles of group 0, then for each group g > 0 its amax tiles taking turns with group
+  // g - 1's encode tiles (reads from DRAM beside writes), then the last group's encode tiles. A
+  // group's encoding thus waits only on amax tiles claimed before it, which never wait, so the
+  // launch always progresses, and a tile is read again about two groups' tiles after its first
+  // read (group_start: whole 128-row tiles, as GroupPadding lays them out).
+  //
+  // A CTA's own latencies hide behind its tile's fetch: the next item is claimed, and the
+  // previous amax tile counted, while the fetch is in flight, and a group finished by that count
+  // gets its scales before this CTA waits on any group.
   template <class Runner>
   GQ_HD static void run_ordered(const Runner& phase, const TileParams& p, const GroupOrder& o, Smem& s) {
     const int64_t tiles_x = cdiv(p.K, kTile), items = 2 * tiles_x * cdiv(p.M, kTile);
-    for (;;) {
+    int32_t* const done = o.state + 1;
+    int32_t* const ready = o.state + 1 + p.G;
+    phase([&](int tid) {
+      if (tid == 0) s.item[0] = claim_item(o.state);
+    });
+    int counted = -1;  // the group of the amax tile this CTA ran last and has yet to count
+    for (int turn = 0;; turn ^= 1) {
+      const int64_t taken = s.item[turn];
+      const bool more = taken < items;
+      const OrderedItem item = more ? ordered_item(p, taken, tiles_x) : OrderedItem{false, 0, -1};
+      int64_t next = 0;
+      bool finished = false;
       phase([&](int tid) {
-        if (tid == 0) s.item = claim_item(o.state);
+        if (more) fetch(p, position(item.tile, tiles_x), s.tiles[0], tid);
+        if (tid == 0 && more) next = claim_item(o.state);
+        if (tid == kCounter && counted >= 0) finished = count_amax_tile(done + counted, group_tiles(p, counted, tiles_x));
       });
-      if (s.item >= items) return;
-      const OrderedItem item = ordered_item(p, s.item, tiles_x);
       phase([&](int tid) {
-        fetch(p, position(item.tile, tiles_x), s.tiles[0], tid);
-        if (!item.amax && tid == 0) await_group(o.state + 1 + p.G + item.g);
+        if (tid == 0) s.item[turn ^ 1] = next;
+        if (tid == kCounter) s.finished = finished;
+      });
+      if (s.finished) {
+        phase([&](int tid) { finalize_groups(p, o, counted, tid); });
+        phase([&](int tid) {
+          if (tid == 0) mark_ready(ready + counted);
+        });
+      }
+      if (!more) return;
+      phase([&](int tid) {
+        if (!item.amax && tid == 0) await_group(ready + item.g);
         await_fetch(false);
         if (tid == 0) {
           s.current = 0;
@@ -250,17 +275,12 @@ struct TileProgram {
       });
       const TilePosition at = position(item.tile, tiles_x);
       run(phase, item.amax ? o.amax : p, at.bx, at.by, s);
-      if (!item.amax) continue;
-      phase([&](int tid) {
-        if (tid == 0) s.finished = count_amax_tile(o.state + 1 + item.g, group_tiles(p, item.g, tiles_x));
-      });
-      if (!s.finished) continue;
-      phase([&](int tid) { finalize_groups(p, o, item.g, tid); });
-      phase([&](int tid) {
-        if (tid == 0) mark_ready(o.state + 1 + p.G + item.g);
-      });
+      counted = item.amax ? item.g : -1;
     }
   }
+
+  // The thread that counts amax tiles: in another warp than the one that claims items.
+  static constexpr int kCounter = 32;
 
   struct OrderedItem {
     bool amax;     // an amax tile, else an encode tile
@@ -276,18 +296,22 @@ struct TileProgram {
     return tiles_before(p, g + 1, tiles_x) - tiles_before(p, g, tiles_x);
   }
 
-  // Segment k (0..G) holds group k's amax tiles (none for k = G), then group k - 1's encode tiles
-  // (none for k = 0), and starts at item tiles_before(k) + tiles_before(k - 1).
+  // Segment k (0..G) holds group k's amax tiles (none for k = G) and group k - 1's encode tiles
+  // (none for k = 0), one of each in turn while both last, and starts at item tiles_before(k) +
+  // tiles_before(k - 1).
   GQ_HD static OrderedItem ordered_item(const TileParams& p, int64_t item, int64_t tiles_x) {
     auto start = [&](int k) { return tiles_before(p, k, tiles_x) + tiles_before(p, k - 1, tiles_x); };
-    int lo = 0, hi = p.G;  // the last segment starting at or before item
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (start(mid) <= item) lo = mid; else hi = mid - 1;
+    int k = 0, hi = p.G;  // the last segment starting at or before item
+    while (k < hi) {
+      const int mid = (k + hi + 1) / 2;
+      if (start(mid) <= item) k = mid; else hi = mid - 1;
     }
-    const int64_t offset = item - start(lo), amax_tiles = lo < p.G ? group_tiles(p, lo, tiles_x) : 0;
-    if (offset < amax_tiles) return {true, tiles_before(p, lo, tiles_x) + offset, lo};
-    return {false, tiles_before(p, lo - 1, tiles_x) + offset - amax_tiles, lo - 1};
+    const int64_t offset = item - start(k);
+    const int64_t amax_tiles = k < p.G ? group_tiles(p, k, tiles_x) : 0, encode_tiles = k > 0 ? group_tiles(p, k - 1, tiles_x) : 0;
+    const int64_t both = amax_tiles < encode_tiles ? amax_tiles : encode_tiles;
+    const bool amax = offset < 2 * both ? offset % 2 == 0 : amax_tiles > encode_tiles;
+    const int64_t index = offset < 2 * both ? offset / 2 : offset - both;
+    return amax ? OrderedItem{true, tiles_before(p, k, tiles_x) + index, k} : OrderedItem{false, tiles_before(p, k - 1, tiles_x) + index, k - 1};
   }
 
   // The scales of group g, from its amaxes, and those of the empty groups that no item names: the
