@@ -225,11 +225,11 @@ struct TileProgram {
   }
 
   // One launch of a grouped pre-pass and main pass (GroupOrder). Items, claimed in order: the
-  // amax tiles of group 0, then for each group g > 0 its amax tiles taking turns with group
-  // g - 1's encode tiles (reads from DRAM beside writes), then the last group's encode tiles. A
-  // group's encoding thus waits only on amax tiles claimed before it, which never wait, so the
-  // launch always progresses, and a tile is read again about two groups' tiles after its first
-  // read (group_start: whole 128-row tiles, as GroupPadding lays them out).
+  // amax tiles of group 0, then for each group g > 0 its amax tiles followed by group g - 1's
+  // encode tiles, then the last group's encode tiles. A group's encoding thus waits only on amax
+  // tiles claimed before it, which never wait, so the launch always progresses; group g's amax
+  // tiles between a group's last amax tile and its first encode tile give the CTAs something to
+  // do meanwhile (group_start: whole 128-row tiles, as GroupPadding lays them out).
   //
   // A CTA's own latencies hide behind its tile's fetch: the next item is claimed, and the
   // previous amax tile counted, while the fetch is in flight, and a group finished by that count
@@ -296,9 +296,8 @@ struct TileProgram {
     return tiles_before(p, g + 1, tiles_x) - tiles_before(p, g, tiles_x);
   }
 
-  // Segment k (0..G) holds group k's amax tiles (none for k = G) and group k - 1's encode tiles
-  // (none for k = 0), one of each in turn while both last, and starts at item tiles_before(k) +
-  // tiles_before(k - 1).
+  // Segment k (0..G) holds group k's amax tiles (none for k = G), then group k - 1's encode tiles
+  // (none for k = 0), and starts at item tiles_before(k) + tiles_before(k - 1).
   GQ_HD static OrderedItem ordered_item(const TileParams& p, int64_t item, int64_t tiles_x) {
     auto start = [&](int k) { return tiles_before(p, k, tiles_x) + tiles_before(p, k - 1, tiles_x); };
     int k = 0, hi = p.G;  // the last segment starting at or before item
@@ -306,12 +305,9 @@ struct TileProgram {
       const int mid = (k + hi + 1) / 2;
       if (start(mid) <= item) k = mid; else hi = mid - 1;
     }
-    const int64_t offset = item - start(k);
-    const int64_t amax_tiles = k < p.G ? group_tiles(p, k, tiles_x) : 0, encode_tiles = k > 0 ? group_tiles(p, k - 1, tiles_x) : 0;
-    const int64_t both = amax_tiles < encode_tiles ? amax_tiles : encode_tiles;
-    const bool amax = offset < 2 * both ? offset % 2 == 0 : amax_tiles > encode_tiles;
-    const int64_t index = offset < 2 * both ? offset / 2 : offset - both;
-    return amax ? OrderedItem{true, tiles_before(p, k, tiles_x) + index, k} : OrderedItem{false, tiles_before(p, k - 1, tiles_x) + index, k - 1};
+    const int64_t offset = item - start(k), amax_tiles = k < p.G ? group_tiles(p, k, tiles_x) : 0;
+    if (offset < amax_tiles) return {true, tiles_before(p, k, tiles_x) + offset, k};
+    return {false, tiles_before(p, k - 1, tiles_x) + offset - amax_tiles, k - 1};
   }
 
   // The scales of group g, from its amaxes, and those of the empty groups that no item names: the
