@@ -13,8 +13,6 @@ namespace gq {
 
 template <class In, int R, int C>
 void launch_tile_t(const TileParams& p, void* stream);  // tile.cuh, instantiated in tile_<dtype>.cu
-template <class In, int R, int C>
-void launch_ordered_tile_t(const TileParams& p, const GroupOrder& o, void* stream);  // likewise
 
 namespace {
 
@@ -55,21 +53,6 @@ TileLauncher tile_launcher(int row_format, int col_format) {
   }
 }
 
-using OrderedLauncher = void (*)(const TileParams&, const GroupOrder&, void*);
-
-// ordered_serves' format pairs: kNone, kPerTensor, kRowScaled on either side.
-template <class In>
-OrderedLauncher ordered_launcher(int row_format, int col_format) {
-  auto side = [](int format) { return format == kNone ? 0 : format == kPerTensor ? 1 : 2; };
-  constexpr OrderedLauncher kLaunchers[3][3] = {
-      {nullptr, &launch_ordered_tile_t<In, kNone, kPerTensor>, &launch_ordered_tile_t<In, kNone, kRowScaled>},
-      {&launch_ordered_tile_t<In, kPerTensor, kNone>, &launch_ordered_tile_t<In, kPerTensor, kPerTensor>,
-       &launch_ordered_tile_t<In, kPerTensor, kRowScaled>},
-      {&launch_ordered_tile_t<In, kRowScaled, kNone>, &launch_ordered_tile_t<In, kRowScaled, kPerTensor>,
-       &launch_ordered_tile_t<In, kRowScaled, kRowScaled>}};
-  return kLaunchers[side(row_format)][side(col_format)];
-}
-
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 }  // namespace
@@ -80,14 +63,6 @@ void launch_tile(int dtype, int row_format, int col_format, const TileParams& p,
                               : dtype == kF16 ? tile_launcher<InF16>(row_format, col_format)
                                               : tile_launcher<InF32>(row_format, col_format);
   launch(p, stream);
-}
-
-void launch_ordered_tile(int dtype, int row_format, int col_format, const TileParams& p, const GroupOrder& o, void* stream) {
-  if (!ordered_serves(row_format, col_format)) throw std::invalid_argument("graphquant: no ordered grouped quantize for these formats");
-  const OrderedLauncher launch = dtype == kBF16  ? ordered_launcher<InBF16>(row_format, col_format)
-                                 : dtype == kF16 ? ordered_launcher<InF16>(row_format, col_format)
-                                                 : ordered_launcher<InF32>(row_format, col_format);
-  launch(p, o, stream);
 }
 
 void launch_finalize(const FinalizeParams& p, void* stream) {

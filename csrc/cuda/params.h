@@ -69,23 +69,6 @@ struct FinalizeParams {
   int pow2 = 0;
 };
 
-// A grouped quantize whose amax pre-pass and main pass are one launch (TileProgram::run_ordered):
-// each group's amax tiles, then, a group later, its encoding, so that the encoding reads the
-// group's rows again while they are still in L2 rather than from DRAM. The CTA that finishes a
-// group's amaxes makes its scales and marks it ready; the group's encode tiles wait for that.
-struct GroupOrder {
-  TileParams amax;           // the pre-pass: main = 0, its accumulators set
-  FinalizeParams row, col;   // each side's scales from its amaxes (n = 0: none)
-  int32_t* state = nullptr;  // 1 + 2G zeros: the next item, each group's finished amax tiles, each group's ready flag
-};
-
-// The (rowwise, columnwise) formats whose pre-pass run_ordered takes: those scaled from a
-// per-group, per-row or per-column amax alone.
-inline bool ordered_serves(int row_format, int col_format) {
-  auto scaled_from_amax = [](int f) { return f == kNone || f == kPerTensor || f == kRowScaled; };
-  return scaled_from_amax(row_format) && scaled_from_amax(col_format) && !(row_format == kNone && col_format == kNone);
-}
-
 struct DbiasParams {
   const float* partial = nullptr;
   void* out = nullptr;
@@ -148,7 +131,6 @@ struct DequantParams {
 
 // Host entry points (register.cpp calls these; the CUDA build and the CPU test build define them).
 void launch_tile(int dtype, int row_format, int col_format, const TileParams& p, void* stream);
-void launch_ordered_tile(int dtype, int row_format, int col_format, const TileParams& p, const GroupOrder& o, void* stream);
 void launch_finalize(const FinalizeParams& p, void* stream);
 void launch_dbias(const DbiasParams& p, void* stream);
 void launch_dequantize(const DequantParams& p, void* stream);

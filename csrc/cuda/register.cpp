@@ -157,15 +157,13 @@ struct AmaxArena {
   }
 };
 
-// Scales to be made from amaxes, and the finalize launch (or run_ordered's groups) that makes them.
 struct ScaledOutputs {
   at::Tensor scale, scale_inv;
-  FinalizeParams finalize;
 };
 
-ScaledOutputs scales_from(const at::Tensor& amax, const Encoder& e) {
-  ScaledOutputs out{at::empty_like(amax), at::empty_like(amax), {}};
-  FinalizeParams& f = out.finalize;
+ScaledOutputs finalize(const at::Tensor& amax, const Encoder& e, void* stream) {
+  ScaledOutputs out{at::empty_like(amax), at::empty_like(amax)};
+  FinalizeParams f;
   f.amax = bits(amax);
   f.scale = out.scale.data_ptr<float>();
   f.scale_inv = out.scale_inv.data_ptr<float>();
@@ -173,6 +171,7 @@ ScaledOutputs scales_from(const at::Tensor& amax, const Encoder& e) {
   f.fp8 = e.fp8;
   f.epsilon = e.epsilon;
   f.pow2 = e.pow2;
+  launch_finalize(f, stream);
   return out;
 }
 
@@ -180,10 +179,6 @@ ScaledOutputs scales_from(const at::Tensor& amax, const Encoder& e) {
 // (small_rowwise.cuh); the benchmarks and tests turn it off to run the tile programs' launches
 // instead (the same bits).
 bool small_rowwise_on = true;
-
-// Whether a grouped pre-pass shares its launch with the main pass (GroupOrder); the benchmarks
-// and tests turn it off to run them one after the other (the same bits).
-bool ordered_groups_on = true;
 
 // The small rowwise program's CTAs for x's rowwise side, 0 where it does not take x: NVFP4 in 1x16
 // blocks rounded to nearest (an activation's), or MXFP8.
@@ -422,54 +417,45 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
       break;
   }
 
-  // Scales from pre-pass amaxes, once those exist: the finalize to launch (n = 0: none).
-  auto row_scales = [&]() -> FinalizeParams {
-    if (!((row.format == kPerTensor && !row_delayed) || row.format == kRowScaled)) return {};
-    ScaledOutputs s = scales_from(need_r.pre, row.enc);
-    row.enc.scale = s.scale.data_ptr<float>();
-    row.enc.scale_inv = s.scale_inv.data_ptr<float>();
-    out_r.scale = row.format == kRowScaled ? s.scale_inv.view({M, 1}) : per_tensor(s.scale_inv);
-    keep_alive.push_back(s.scale);
-    return s.finalize;
+  // Scales from pre-pass amaxes, once those exist.
+  auto finalize_row = [&] {
+    if (row.format == kPerTensor && !row_delayed) {
+      ScaledOutputs s = finalize(need_r.pre, row.enc, stream);
+      row.enc.scale = s.scale.data_ptr<float>();
+      row.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_r.scale = per_tensor(s.scale_inv);
+      keep_alive.push_back(s.scale);
+    } else if (row.format == kRowScaled) {
+      ScaledOutputs s = finalize(need_r.pre, row.enc, stream);
+      row.enc.scale = s.scale.data_ptr<float>();
+      row.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_r.scale = s.scale_inv.view({M, 1});
+      keep_alive.push_back(s.scale);
+    }
   };
-  auto col_scales = [&]() -> FinalizeParams {
-    if (!((col_format == kPerTensor && !col_delayed) || col_format == kRowScaled)) return {};
-    ScaledOutputs s = scales_from(need_c.pre, col.enc);
-    col.enc.scale = s.scale.data_ptr<float>();
-    col.enc.scale_inv = s.scale_inv.data_ptr<float>();
-    out_c.scale = col.format == kRowScaled ? (grouped ? s.scale_inv.view({G, K, 1}) : s.scale_inv.view({K, 1}))
-                                           : per_tensor(s.scale_inv);
-    keep_alive.push_back(s.scale);
-    return s.finalize;
-  };
-  auto finalize = [&](const FinalizeParams& f) {
-    if (f.n > 0) launch_finalize(f, stream);
+  auto finalize_col = [&] {
+    if ((col_format == kPerTensor && !col_delayed) || col_format == kRowScaled) {
+      ScaledOutputs s = finalize(need_c.pre, col.enc, stream);
+      col.enc.scale = s.scale.data_ptr<float>();
+      col.enc.scale_inv = s.scale_inv.data_ptr<float>();
+      out_c.scale = col.format == kRowScaled ? (grouped ? s.scale_inv.view({G, K, 1}) : s.scale_inv.view({K, 1}))
+                                             : per_tensor(s.scale_inv);
+      keep_alive.push_back(s.scale);
+    }
   };
   auto any = [](const Accumulators& a) { return a.row_global || a.rows || a.col_global || a.cols; };
-  const bool main_pass = row.format != kNone || col_format != kNone || want_dbias;
 
-  // Pre-passes: the amaxes of x for both sides at once, in the main pass's launch where groups
-  // allow (GroupOrder); for a dequantized source, the column side's amaxes come from a second
-  // pass that runs the rowwise encoder without writing.
-  GroupOrder order;
-  at::Tensor order_state;
+  // Pre-passes: the amaxes of x for both sides at once; for a dequantized source, the column
+  // side's amaxes come from a second pass that runs the rowwise encoder without writing.
   if (!dq_source) {
-    TileParams q = p;
-    q.main = 0;
-    q.acc = {pre_row.row_global, pre_row.rows, pre_col.col_global, pre_col.cols};
-    const bool pre = any(q.acc);
-    const FinalizeParams fr = row_scales(), fc = col_scales();
-    if (pre && grouped && main_pass && M > 0 && ordered_groups_on && ordered_serves(row.format, col_format)) {
-      order.amax = q;
-      order.row = fr;
-      order.col = fc;
-      order_state = at::zeros({1 + 2 * G}, opts.dtype(at::kInt));
-      order.state = order_state.data_ptr<int32_t>();
-    } else {
-      if (pre) launch_tile(dtype, kNone, kNone, q, stream);
-      finalize(fr);
-      finalize(fc);
+    if (any(pre_row) || any(pre_col)) {
+      TileParams q = p;
+      q.main = 0;
+      q.acc = {pre_row.row_global, pre_row.rows, pre_col.col_global, pre_col.cols};
+      launch_tile(dtype, kNone, kNone, q, stream);
     }
+    finalize_row();
+    finalize_col();
   } else {
     if (any(pre_row)) {
       TileParams q = p;
@@ -477,7 +463,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
       q.acc = pre_row;
       launch_tile(dtype, kNone, kNone, q, stream);
     }
-    finalize(row_scales());
+    finalize_row();
     if (any(pre_col)) {
       TileParams q = p;
       q.main = 0;
@@ -485,7 +471,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
       q.acc = pre_col;
       launch_tile(dtype, row.format, kNone, q, stream);
     }
-    finalize(col_scales());
+    finalize_col();
   }
 
   at::Tensor partial, dbias;
@@ -498,8 +484,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     partial = at::empty({cdiv(M, 128), K}, opts.dtype(at::kFloat));
     q.dbias_partial = partial.data_ptr<float>();
   }
-  if (order.state != nullptr) launch_ordered_tile(dtype, row.format, col_format, q, order, stream);
-  else if (main_pass) launch_tile(dtype, row.format, col_format, q, stream);
+  if (row.format != kNone || col_format != kNone || want_dbias) launch_tile(dtype, row.format, col_format, q, stream);
   if (want_dbias) {
     dbias = at::empty({K}, opts);
     DbiasParams d;
@@ -583,12 +568,6 @@ void register_cuda_kernels(pybind11::module_& m) {
       [](bool on) { return std::exchange(gq::small_rowwise_on, on); },
       "Whether a small input's rowwise NVFP4 or MXFP8 takes one launch (csrc/cuda/small_rowwise.cuh) rather than "
       "the tile programs' (the same bits); returns the previous setting",
-      pybind11::arg("on"));
-  m.def(
-      "set_ordered_groups",
-      [](bool on) { return std::exchange(gq::ordered_groups_on, on); },
-      "Whether a grouped quantize's amax pre-pass shares one launch with its main pass, group by group "
-      "(GroupOrder in csrc/cuda/params.h), rather than running before it (the same bits); returns the previous setting",
       pybind11::arg("on"));
   m.def("dequantize", &gq::dequantize, "Dequantize one stored representation (see graphquant/kernels/native.py)");
 }

@@ -28,7 +28,6 @@
 #pragma once
 
 #include "common.cuh"
-#include "finish.cuh"
 #include "params.h"
 #if defined(__CUDACC__)
 #include <algorithm>
@@ -62,8 +61,6 @@ struct TileSmem {
   uint32_t t16r[8][8];      // 16x16 amax from row chunks [row/16][col/16]
   uint32_t t16c[8][8];      // 16x16 amax from column chunks [row/16][col/16]
   uint32_t tile_r, tile_c;  // amax of the whole tile, row side (x) and column side (source)
-  int64_t item[2];          // run_ordered: the item this CTA runs, and the one it takes next
-  int finished;             // run_ordered: its last count finished a group's amaxes
   alignas(16) uint8_t stage[kColumns ? kTile : 1][kStagePitch];  // column-side output
 };
 
@@ -138,48 +135,6 @@ struct Fp8Scale {
   float scale, scale_inv;
 };
 
-// -- run_ordered's coordination through GroupOrder::state; sequential on the host, where items
-// run in order and a group is always ready before its encode tiles -----------------------------
-
-GQ_HD int64_t claim_item(int32_t* state) {
-#if defined(__CUDA_ARCH__)
-  return atomicAdd(state, 1);
-#else
-  return (*state)++;
-#endif
-}
-
-// Counts one finished amax tile of a group of `tiles`; true for its last. After the CTA's barrier,
-// so that every thread's amaxes are in before the count (a release), and read after it (an acquire).
-GQ_HD bool count_amax_tile(int32_t* done, int64_t tiles) {
-#if defined(__CUDA_ARCH__)
-  __threadfence();
-  const bool last = atomicAdd(done, 1) + 1 == tiles;
-  __threadfence();
-  return last;
-#else
-  return ++*done == tiles;
-#endif
-}
-
-GQ_HD void mark_ready(int32_t* ready) {
-#if defined(__CUDA_ARCH__)
-  __threadfence();
-  atomicExch(ready, 1);
-#else
-  *ready = 1;
-#endif
-}
-
-GQ_HD void await_group(const int32_t* ready) {
-#if defined(__CUDA_ARCH__)
-  while (*reinterpret_cast<const volatile int32_t*>(ready) == 0) __nanosleep(256);
-  __threadfence();
-#else
-  (void)ready;
-#endif
-}
-
 template <class In, int R, int C>
 struct TileProgram {
   static constexpr bool kPersistent = C == kNone && R != kNV;
@@ -220,113 +175,6 @@ struct TileProgram {
         });
         const TilePosition at = position(tile, tiles_x);
         run(phase, p, at.bx, at.by, s);
-      }
-    }
-  }
-
-  // One launch of a grouped pre-pass and main pass (GroupOrder). Items, claimed in order: the
-  // amax tiles of group 0, then for each group g > 0 its amax tiles followed by group g - 1's
-  // encode tiles, then the last group's encode tiles. A group's encoding thus waits only on amax
-  // tiles claimed before it, which never wait, so the launch always progresses; group g's amax
-  // tiles between a group's last amax tile and its first encode tile give the CTAs something to
-  // do meanwhile (group_start: whole 128-row tiles, as GroupPadding lays them out).
-  //
-  // A CTA's own latencies hide behind its tile's fetch: the next item is claimed, and the
-  // previous amax tile counted, while the fetch is in flight, and a group finished by that count
-  // gets its scales before this CTA waits on any group.
-  template <class Runner>
-  GQ_HD static void run_ordered(const Runner& phase, const TileParams& p, const GroupOrder& o, Smem& s) {
-    const int64_t tiles_x = cdiv(p.K, kTile), items = 2 * tiles_x * cdiv(p.M, kTile);
-    int32_t* const done = o.state + 1;
-    int32_t* const ready = o.state + 1 + p.G;
-    phase([&](int tid) {
-      if (tid == 0) s.item[0] = claim_item(o.state);
-    });
-    int counted = -1;  // the group of the amax tile this CTA ran last and has yet to count
-    for (int turn = 0;; turn ^= 1) {
-      const int64_t taken = s.item[turn];
-      const bool more = taken < items;
-      const OrderedItem item = more ? ordered_item(p, taken, tiles_x) : OrderedItem{false, 0, -1};
-      int64_t next = 0;
-      bool finished = false;
-      phase([&](int tid) {
-        if (more) fetch(p, position(item.tile, tiles_x), s.tiles[0], tid);
-        if (tid == 0 && more) next = claim_item(o.state);
-        if (tid == kCounter && counted >= 0) finished = count_amax_tile(done + counted, group_tiles(p, counted, tiles_x));
-      });
-      phase([&](int tid) {
-        if (tid == 0) s.item[turn ^ 1] = next;
-        if (tid == kCounter) s.finished = finished;
-      });
-      if (s.finished) {
-        phase([&](int tid) { finalize_groups(p, o, counted, tid); });
-        phase([&](int tid) {
-          if (tid == 0) mark_ready(ready + counted);
-        });
-      }
-      if (!more) return;
-      phase([&](int tid) {
-        if (!item.amax && tid == 0) await_group(ready + item.g);
-        await_fetch(false);
-        if (tid == 0) {
-          s.current = 0;
-          s.tile_r = s.tile_c = 0;
-        }
-      });
-      const TilePosition at = position(item.tile, tiles_x);
-      run(phase, item.amax ? o.amax : p, at.bx, at.by, s);
-      counted = item.amax ? item.g : -1;
-    }
-  }
-
-  // The thread that counts amax tiles: in another warp than the one that claims items.
-  static constexpr int kCounter = 32;
-
-  struct OrderedItem {
-    bool amax;     // an amax tile, else an encode tile
-    int64_t tile;  // row-major in the tile grid
-    int g;         // its group
-  };
-
-  // Tiles before group g's (g = G: all of them).
-  GQ_HD static int64_t tiles_before(const TileParams& p, int g, int64_t tiles_x) {
-    return g <= 0 ? 0 : p.group_start[g < p.G ? g : p.G] / kTile * tiles_x;
-  }
-  GQ_HD static int64_t group_tiles(const TileParams& p, int g, int64_t tiles_x) {
-    return tiles_before(p, g + 1, tiles_x) - tiles_before(p, g, tiles_x);
-  }
-
-  // Segment k (0..G) holds group k's amax tiles (none for k = G), then group k - 1's encode tiles
-  // (none for k = 0), and starts at item tiles_before(k) + tiles_before(k - 1).
-  GQ_HD static OrderedItem ordered_item(const TileParams& p, int64_t item, int64_t tiles_x) {
-    auto start = [&](int k) { return tiles_before(p, k, tiles_x) + tiles_before(p, k - 1, tiles_x); };
-    int k = 0, hi = p.G;  // the last segment starting at or before item
-    while (k < hi) {
-      const int mid = (k + hi + 1) / 2;
-      if (start(mid) <= item) k = mid; else hi = mid - 1;
-    }
-    const int64_t offset = item - start(k), amax_tiles = k < p.G ? group_tiles(p, k, tiles_x) : 0;
-    if (offset < amax_tiles) return {true, tiles_before(p, k, tiles_x) + offset, k};
-    return {false, tiles_before(p, k - 1, tiles_x) + offset - amax_tiles, k - 1};
-  }
-
-  // The scales of group g, from its amaxes, and those of the empty groups that no item names: the
-  // ones after g up to the next group with rows, and, for the first group with rows, those before it.
-  GQ_HD static void finalize_groups(const TileParams& p, const GroupOrder& o, int g, int tid) {
-    int first = g, last = g;
-    if (p.group_start[g] == 0) first = 0;
-    while (last + 1 < p.G && p.group_start[last + 2] == p.group_start[last + 1]) ++last;
-    if constexpr (R == kRowScaled) {
-      for (int64_t r = p.group_start[g] + tid; r < p.group_start[g + 1]; r += kThreads) finalize_one(o.row, r);
-    }
-    for (int h = first; h <= last; ++h) {
-      if constexpr (R == kPerTensor) {
-        if (tid == 0) finalize_one(o.row, h);
-      }
-      if constexpr (C == kPerTensor) {
-        if (tid == 0) finalize_one(o.col, h);
-      } else if constexpr (C == kRowScaled) {
-        for (int64_t c = tid; c < p.K; c += kThreads) finalize_one(o.col, h * p.K + c);
       }
     }
   }
@@ -723,40 +571,6 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
 }
 
 template <class In, int R, int C>
-__global__ void __launch_bounds__(kThreads) ordered_tile_kernel(const TileParams p, const GroupOrder o) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  using Program = TileProgram<In, R, C>;
-  Program::run_ordered(DeviceRunner{}, p, o, *reinterpret_cast<typename Program::Smem*>(smem));
-}
-
-// As many CTAs as fit at once: each takes items until none is left.
-template <class In, int R, int C>
-void launch_ordered_tile_t(const TileParams& p, const GroupOrder& o, void* stream) {
-  using Program = TileProgram<In, R, C>;
-  constexpr int smem = sizeof(typename Program::Smem);
-  static std::atomic<uint64_t> configured{0};  // as launch_tile_t's
-  static std::atomic<int64_t> resident[64];
-  int device = 0;
-  cudaGetDevice(&device);
-  if (!(configured.load() >> device & 1)) {
-    cudaFuncSetAttribute(ordered_tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    int per_sm = 0, sms = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ordered_tile_kernel<In, R, C>, kThreads, smem);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    resident[device % 64] = std::max<int64_t>(1, int64_t(per_sm) * sms);
-    configured.fetch_or(uint64_t(1) << device);
-  }
-  const int64_t items = 2 * cdiv(p.K, kTile) * cdiv(p.M, kTile);
-  if (items > INT32_MAX) {  // claimed by a 32-bit counter
-    throw std::invalid_argument("graphquant grouped quantize: a " + std::to_string(p.M) + "x" + std::to_string(p.K) +
-                                " input has more than 2^30 tiles of 128x128");
-  }
-  const int64_t grid = std::min(items, resident[device % 64].load());
-  ordered_tile_kernel<In, R, C><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p, o);
-  check_launch("grouped quantize");
-}
-
-template <class In, int R, int C>
 void launch_tile_t(const TileParams& p, void* stream) {
   using Program = TileProgram<In, R, C>;
   constexpr int smem = sizeof(typename Program::Smem);
@@ -785,17 +599,6 @@ void launch_tile_t(const TileParams& p, void* stream) {
   tile_kernel<In, R, C><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
 }
-
-// run_ordered's formats (ordered_serves).
-#define GQ_INSTANTIATE_ORDERED(In)                                                                            \
-  template void launch_ordered_tile_t<In, kNone, kPerTensor>(const TileParams&, const GroupOrder&, void*);      \
-  template void launch_ordered_tile_t<In, kNone, kRowScaled>(const TileParams&, const GroupOrder&, void*);      \
-  template void launch_ordered_tile_t<In, kPerTensor, kNone>(const TileParams&, const GroupOrder&, void*);      \
-  template void launch_ordered_tile_t<In, kPerTensor, kPerTensor>(const TileParams&, const GroupOrder&, void*); \
-  template void launch_ordered_tile_t<In, kPerTensor, kRowScaled>(const TileParams&, const GroupOrder&, void*); \
-  template void launch_ordered_tile_t<In, kRowScaled, kNone>(const TileParams&, const GroupOrder&, void*);      \
-  template void launch_ordered_tile_t<In, kRowScaled, kPerTensor>(const TileParams&, const GroupOrder&, void*); \
-  template void launch_ordered_tile_t<In, kRowScaled, kRowScaled>(const TileParams&, const GroupOrder&, void*);
 
 #define GQ_INSTANTIATE_ROW(In, R)                                                      \
   template void launch_tile_t<In, R, kNone>(const TileParams&, void*);                 \

@@ -1,5 +1,4 @@
-// Tile-program instantiations for f16 inputs: every (rowwise, columnwise) format pair, and
-// the ordered grouped launch's.
+// Tile-program instantiations for f16 inputs: every (rowwise, columnwise) format pair.
 #include "tile.cuh"
 
 namespace gq {
@@ -9,5 +8,4 @@ GQ_INSTANTIATE_ROW(InF16, kBlock)
 GQ_INSTANTIATE_ROW(InF16, kRowScaled)
 GQ_INSTANTIATE_ROW(InF16, kMX)
 GQ_INSTANTIATE_ROW(InF16, kNV)
-GQ_INSTANTIATE_ORDERED(InF16)
 }  // namespace gq

@@ -1,5 +1,4 @@
-// Tile-program instantiations for f32 inputs: every (rowwise, columnwise) format pair, and
-// the ordered grouped launch's.
+// Tile-program instantiations for f32 inputs: every (rowwise, columnwise) format pair.
 #include "tile.cuh"
 
 namespace gq {
@@ -9,5 +8,4 @@ GQ_INSTANTIATE_ROW(InF32, kBlock)
 GQ_INSTANTIATE_ROW(InF32, kRowScaled)
 GQ_INSTANTIATE_ROW(InF32, kMX)
 GQ_INSTANTIATE_ROW(InF32, kNV)
-GQ_INSTANTIATE_ORDERED(InF32)
 }  // namespace gq

@@ -37,28 +37,6 @@ void emulate_tile(const TileParams& p) {
   for (int64_t cta = 0; cta < ctas; ++cta) Program::run_tiles(HostRunner{}, p, cta, ctas, *smem);
 }
 
-// One CTA takes every item, in order.
-template <class In, int R, int C>
-void emulate_ordered(const TileParams& p, const GroupOrder& o) {
-  using Program = TileProgram<In, R, C>;
-  auto smem = std::make_unique<typename Program::Smem>();
-  Program::run_ordered(HostRunner{}, p, o, *smem);
-}
-
-template <class In, int R>
-void emulate_ordered_row(int col_format, const TileParams& p, const GroupOrder& o) {
-  if (col_format == kNone) return emulate_ordered<In, R, kNone>(p, o);
-  if (col_format == kPerTensor) return emulate_ordered<In, R, kPerTensor>(p, o);
-  return emulate_ordered<In, R, kRowScaled>(p, o);
-}
-
-template <class In>
-void emulate_ordered_formats(int row_format, int col_format, const TileParams& p, const GroupOrder& o) {
-  if (row_format == kNone) return emulate_ordered_row<In, kNone>(col_format, p, o);
-  if (row_format == kPerTensor) return emulate_ordered_row<In, kPerTensor>(col_format, p, o);
-  return emulate_ordered_row<In, kRowScaled>(col_format, p, o);
-}
-
 template <class In, int R>
 void emulate_row(int col_format, const TileParams& p) {
   switch (col_format) {
@@ -111,14 +89,6 @@ void launch_tile(int dtype, int row_format, int col_format, const TileParams& p,
   if (dtype == kBF16) emulate<InBF16>(row_format, col_format, p);
   else if (dtype == kF16) emulate<InF16>(row_format, col_format, p);
   else emulate<InF32>(row_format, col_format, p);
-}
-
-void launch_ordered_tile(int dtype, int row_format, int col_format, const TileParams& p, const GroupOrder& o, void*) {
-  if (!ordered_serves(row_format, col_format)) throw std::invalid_argument("graphquant: no ordered grouped quantize for these formats");
-  launched.push_back("ordered tile");
-  if (dtype == kBF16) emulate_ordered_formats<InBF16>(row_format, col_format, p, o);
-  else if (dtype == kF16) emulate_ordered_formats<InF16>(row_format, col_format, p, o);
-  else emulate_ordered_formats<InF32>(row_format, col_format, p, o);
 }
 
 void launch_finalize(const FinalizeParams& p, void*) {
