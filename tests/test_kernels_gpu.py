@@ -378,6 +378,9 @@ GROUPED = (
 
 
 GROUPED_HYBRID = "hybrid mxfp8 / nvfp4 rht sr"
+# Columns of grouped inputs: partial tiles (the generic tile program), and whole ones (where the
+# register tile program takes 2-byte inputs of per-tensor and row-scaled FP8).
+GROUPED_COLUMNS = (160, 256)
 
 
 def grouped_quantizer(name):
@@ -401,8 +404,8 @@ def test_grouped_quantize(backend, name, direction):
     allows_empty = name.startswith(("fp8_current", "fp8_block", "mxfp8")) or (name == "fp8_rowwise" and direction == ROWWISE)
     sizes = [256, 0, 128, 384] if allows_empty else [256, 128, 384]
     bounds, row_group = grouped_rows(sizes, backend)
-    for n, dtype in enumerate(DTYPES):
-        x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
+    for n, (dtype, cols) in enumerate(itertools.product(DTYPES, GROUPED_COLUMNS)):
+        x = make_input((sum(sizes), cols), dtype, "special", backend, seed=n)
         got = native.grouped_quantize(quantizer, x, row_group, bounds, direction, CTX)
         reference = REFERENCE_GROUPED(quantizer, x, bounds, direction, CTX)
         assert_same_rep(got, reference, str(dtype))
@@ -416,8 +419,8 @@ def test_grouped_delayed_scaling(backend, fp8_dtype):
     sizes = [256, 0, 128, 384]
     bounds, row_group = grouped_rows(sizes, backend)
     ctx = QuantizeContext(scale=torch.tensor([3.0, 0.5, 1 / 7, 40.0], device=backend))
-    for n, dtype in enumerate(DTYPES):
-        x = make_input((sum(sizes), 160), dtype, "special", backend, seed=n)
+    for n, (dtype, cols) in enumerate(itertools.product(DTYPES, GROUPED_COLUMNS)):
+        x = make_input((sum(sizes), cols), dtype, "special", backend, seed=n)
         both = native.grouped_quantize_pass(quantizer, x, row_group, bounds, ctx, rowwise=True, columnwise=True)
         for direction in (ROWWISE, COLUMNWISE):
             reference = REFERENCE_GROUPED(quantizer, x, bounds, direction, ctx)
@@ -445,13 +448,13 @@ def test_grouped_quantize_through_a_gather(backend, name):
     """A MoE site's rows quantized into the padded layout as the kernel reads them through the
     layout's gather (groups.padding's source: pad rows, and an empty group, read nothing) are what
     the quantize of the padded copy makes, bit for bit, each direction alone and both at once; rows
-    of 16-byte pieces and rows read element by element."""
+    of 16-byte pieces and rows read element by element; whole tiles (the register tile program)."""
     quantizer = grouped_quantizer(name)
     rows = 700
     offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
     layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
     bounds = layout.bounds
-    for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16)):
+    for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16), (256, torch.bfloat16)):
         directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
         if not directions:
             continue

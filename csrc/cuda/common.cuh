@@ -397,6 +397,19 @@ GQ_HD void hadamard16(float y[16], bool sign_mask) {
   for (int j = 0; j < 16; ++j) y[j] = y[j] * 0.25f;
 }
 
+// -- row groups ------------------------------------------------------------------------------
+
+// The group of `row` in a grouped launch (TileParams::group_start): the last group starting at or
+// before it, which skips empty groups.
+GQ_HD int group_of(const TileParams& p, int64_t row) {
+  int lo = 0, hi = p.G - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.group_start[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // -- atomics and block reductions, with a sequential meaning on the host ------------------------
 
 GQ_HD void atomic_umax(uint32_t* address, uint32_t value) {

@@ -36,23 +36,28 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
   const int r = slot_of(row_format), c = slot_of(col_format);
   const bool whole_tiles = p.M > 0 && p.K > 0 && p.M % register_tile::kTile == 0 && p.K % register_tile::kTile == 0 &&
                            (p.M / register_tile::kTile) * (p.K / register_tile::kTile) <= INT32_MAX;
-  // None of what only the generic program does: transforms of 16x16 blocks, groups, runs of rows,
-  // dbias, per-row or per-column amaxes, unaligned rows, pre-passes (but a dequantized source's
-  // column amax without a transform), directions without an output (a dequantized source's
-  // rowwise one included), and random bits whose index passes 2^32 (which would take a second stream).
+  // None of what only the generic program does: transforms of 16x16 blocks, groups and runs of rows
+  // but for formats scaled a group (or its rows or columns) at a time from x itself, dbias, per-row
+  // or per-column amaxes, unaligned rows, pre-passes (but a dequantized source's column amax
+  // without a transform), directions without an output (a dequantized source's rowwise one
+  // included), and random bits whose index passes 2^32 (which would take a second stream).
   const bool stochastic = (row_format == kNV && p.row.sr) || (col_format == kNV && p.col.sr);
   const bool transform_here = col_format == kNV && !p.col.two_d && p.acc.col_global == nullptr;  // a 1x16 chunk in two lanes
   const bool dq_amax = p.dq_source && col_format == kNone;  // kAmaxPass: no rows stored
   const bool pass = dq_amax ? !p.main && !p.col_rht && !(row_format == kNV && p.row.sr) && p.acc.col_global != nullptr &&
                                   p.acc.row_global == nullptr
                             : p.main;
-  const bool options = pass && (!p.col_rht || transform_here) && p.vec_load && p.group_start == nullptr && p.runs == nullptr &&
+  using register_tile::group_scaled;
+  const bool grouped = p.group_start != nullptr || p.runs != nullptr;
+  const bool options = pass && (!p.col_rht || transform_here) && p.vec_load &&
+                       (!grouped || (!p.dq_source && group_scaled(row_format) && group_scaled(col_format))) &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&
                        !(stochastic && uint64_t(p.M) * uint64_t(p.K) > (1ull << 32)) &&
                        (row_format == kNone || p.row.data != nullptr || dq_amax) && (col_format == kNone || p.col.data != nullptr);
-  // FP8 blocks here are 128 long (or 128x128), their column side stored transposed.
+  // FP8 blocks here are 128 long (or 128x128), their column side stored transposed, as row-scaled FP8's.
   const bool blocks = (row_format != kBlock || p.row.block_chunks == 8) &&
-                      (col_format != kBlock || (p.col.block_chunks == 8 && p.col.transposed));
+                      (col_format != kBlock || (p.col.block_chunks == 8 && p.col.transposed)) &&
+                      (col_format != kRowScaled || p.col.transposed);
   const bool formats = r >= 0 && c >= 0 && blocks;  // none and none: no kernel (launcher gives null)
   if (!enabled() || !formats || (dtype != kBF16 && dtype != kF16) || !whole_tiles || !options) return false;
   const bool dq = p.dq_source;

@@ -1,6 +1,8 @@
 // The register tile program: one or both directions of the formats training quantizes most
-// (per-tensor FP8, FP8 blocks of 1x128 or 128x128, MXFP8, and NVFP4 in 1x16 or 16x16 blocks,
-// rounded to nearest or stochastically) for a 2-byte input whose 128x128 tiles are all whole.
+// (per-tensor FP8, FP8 blocks of 1x128 or 128x128, MXFP8, NVFP4 in 1x16 or 16x16 blocks, rounded
+// to nearest or stochastically, and row-scaled FP8 from its pre-pass's scales) for a 2-byte input
+// whose 128x128 tiles are all whole. Per-tensor and row-scaled FP8 also take row groups (a scale,
+// or a row of column scales, a group) and a padded layout's runs of x's rows (MoE experts).
 //
 // The generic tile program (tile.cuh) serves every format, edge and option from a shared-memory
 // tile that each phase reads again, which leaves it bound by the ALU pipe rather than by memory,
@@ -46,14 +48,19 @@ constexpr uint32_t kMagnitudes = 0x7FFF7FFFu;  // |x| of two 2-byte floats in a 
 constexpr unsigned kWarp = 0xFFFFFFFFu;
 
 template <int F>
-constexpr bool kEightBit = F == kPerTensor || F == kBlock || F == kMX;
+constexpr bool kEightBit = F == kPerTensor || F == kBlock || F == kMX || F == kRowScaled;
+// Formats scaled a group (or a row or column of it) at a time, from amaxes taken before: the only
+// ones a grouped launch runs here.
+constexpr bool group_scaled(int format) { return format == kNone || format == kPerTensor || format == kRowScaled; }
+template <int F>
+constexpr bool kGroupScaled = group_scaled(F);
 // The blocks of a tile row (or column) whose amaxes and factors a side keeps: 16 elements long for
 // NVFP4, else 32 (MXFP8's, and four per FP8 1x128 block).
 template <int F>
 constexpr int kBlocks = F == kNV ? 8 : 4;
 // Columnwise outputs transposed to (K, M), through the stage; MXFP8 keeps x's (M, K) layout.
 template <int F>
-constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV;
+constexpr bool kStaged = F == kPerTensor || F == kBlock || F == kNV || F == kRowScaled;
 // A column side that reads the dequantized rowwise values (a rowwise_dequantized source, kDq)
 // has kernels of its own, one for each row format, so that the others keep their registers. With
 // no column format, such a kernel is the amax pre-pass of the source (per-tensor FP8 or NVFP4
@@ -240,10 +247,15 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   const bool row_16 = R == kNV && p.row.two_d, col_16 = C == kNV && p.col.two_d;        // 16x16 blocks
   const Encoder &er = p.row, &ec = p.col;
 
+  // A grouped launch's tile lies in one group; in a padded layout it holds a run of x's rows, then zero rows.
+  const int g = p.group_start != nullptr ? group_of(p, row0) : 0;
+  const int64_t first_row = p.runs != nullptr ? p.runs[2 * by] : row0;
+  const int rows_in = p.runs != nullptr ? p.runs[2 * by + 1] : kTile;
+
   uint4 d[8];
-  const uint16_t* x = static_cast<const uint16_t*>(p.x) + (row0 + r0) * p.K + col0 + c0;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + (first_row + r0) * p.K + col0 + c0;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) d[k] = __ldcs(reinterpret_cast<const uint4*>(x + k * p.K));
+  for (int k = 0; k < 8; ++k) d[k] = r0 + k < rows_in ? __ldcs(reinterpret_cast<const uint4*>(x + k * p.K)) : make_uint4(0, 0, 0, 0);
 
   // Column amaxes of d over the thread's 8 rows, then the warp's 16 (and the 16x16 blocks'); says
   // whether the thread's values are all finite.
@@ -300,8 +312,8 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
     for (int offset = 16; offset > 0; offset >>= 1) m = umax_halves(m, __shfl_xor_sync(kWarp, m, offset));
     const uint32_t amax = amax_bits<In>(fold(m));
     if (lane != 0) return;
-    if (rows && p.acc.row_global) atomic_umax(p.acc.row_global, amax);
-    if (cols && p.acc.col_global) atomic_umax(p.acc.col_global, amax);
+    if (rows && p.acc.row_global) atomic_umax(p.acc.row_global + g, amax);
+    if (cols && p.acc.col_global) atomic_umax(p.acc.col_global + g, amax);
     if (rows && row_2d) keep_row(0, 0, block_factor(er, amax, static_cast<float*>(er.scales) + int64_t(by) * tiles_x + col0 / kTile));
     if (cols && col_2d) s.colmult[0][0] = block_factor(ec, amax, static_cast<float*>(ec.scales) + (col0 / kTile) * (p.M / kTile) + by).encode;
   };
@@ -373,7 +385,8 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   float fr[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    fr[i] = R == kNV ? s.rowmult[r0 + i][c0 >> 4] : R == kMX ? s.rowmult[r0 + i][c0 >> 5] : R == kBlock ? s.rowmult[row_2d ? 0 : r0 + i][0] : R == kPerTensor ? er.scale[0] : 1.0f;
+    fr[i] = R == kNV ? s.rowmult[r0 + i][c0 >> 4] : R == kMX ? s.rowmult[r0 + i][c0 >> 5] : R == kBlock ? s.rowmult[row_2d ? 0 : r0 + i][0]
+          : R == kPerTensor ? er.scale[g] : R == kRowScaled ? er.scale[row0 + r0 + i] : 1.0f;
   // Stochastic rounding's bits: element (r, c) of x draws index r * K + c rowwise and c * M + r
   // columnwise (x^T's), all below 2^32 here, so one stream (index_hi = 0) serves the launch.
   const uint32_t row_stream = R == kNV && er.sr ? random_stream(sr_key_of(er), 0) : 0;
@@ -411,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float dec = R == kNV ? s.rowdec[r0 + k][c0 >> 4] : R == kMX ? s.rowdec[r0 + k][c0 >> 5]
-                          : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[0];
+                          : R == kBlock ? s.rowdec[row_2d ? 0 : r0 + k][0] : er.scale_inv[g];
           const float g_dec = R == kNV && er.row_scaled ? nv_global(u2f(er.amax[row0 + r0 + k])).g_dec : tensor_g_dec;
           float v[8], grid[8];
           unpack8<In>(d[k], v);
@@ -433,7 +446,8 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   bool plain = finite;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    fc[i] = C == kNV ? s.colmult[warp][c0 + i] : C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i] : C == kPerTensor ? ec.scale[0] : 1.0f;
+    fc[i] = C == kNV ? s.colmult[warp][c0 + i] : C == kMX ? s.colmult[r0 >> 5][c0 + i] : C == kBlock ? s.colmult[0][col_2d ? 0 : c0 + i]
+          : C == kPerTensor ? ec.scale[g] : C == kRowScaled ? ec.scale[g * p.K + col0 + c0 + i] : 1.0f;
     if constexpr (kEightBit<C>) plain = plain && usable(fc[i]);
   }
   if constexpr (!kDq) plain = plain && row_plain;
@@ -541,18 +555,21 @@ using Launcher = void (*)(const TileParams&, void*);
 // The formats the program encodes (a direction may be none), in the order of the tables below;
 // -1: not one of them.
 constexpr int slot_of(int format) {
-  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : -1;
+  return format == kPerTensor ? 0 : format == kBlock ? 1 : format == kMX ? 2 : format == kNV ? 3 : format == kNone ? 4 : format == kRowScaled ? 5 : -1;
 }
 
 template <class In, int R, int C, bool kDq>
 constexpr Launcher launcher_of() {
   if constexpr (R == kNone && (C == kNone || kDq)) return nullptr;  // nothing to encode, or nothing to dequantize
+  // Row-scaled FP8 beside formats scaled as it is, from x itself.
+  else if constexpr ((R == kRowScaled || C == kRowScaled) && (kDq || !kGroupScaled<R> || !kGroupScaled<C>)) return nullptr;
   else return &launch<In, R, C, kDq>;
 }
 
 template <class In, int R, bool kDq>
-constexpr Launcher kLaunchers[5] = {launcher_of<In, R, kPerTensor, kDq>(), launcher_of<In, R, kBlock, kDq>(),
-                                    launcher_of<In, R, kMX, kDq>(), launcher_of<In, R, kNV, kDq>(), launcher_of<In, R, kNone, kDq>()};
+constexpr Launcher kLaunchers[6] = {launcher_of<In, R, kPerTensor, kDq>(), launcher_of<In, R, kBlock, kDq>(),
+                                    launcher_of<In, R, kMX, kDq>(),        launcher_of<In, R, kNV, kDq>(),
+                                    launcher_of<In, R, kNone, kDq>(),      launcher_of<In, R, kRowScaled, kDq>()};
 
 // The kernel of a (row slot, column slot) pair, null where none is: instantiated per input dtype
 // and source in register_tile_<dtype>[_dequantized].cu, so that the four compile in parallel.
@@ -563,6 +580,7 @@ Launcher launcher(int row_slot, int col_slot) {
     case 1: return kLaunchers<In, kBlock, kDq>[col_slot];
     case 2: return kLaunchers<In, kMX, kDq>[col_slot];
     case 3: return kLaunchers<In, kNV, kDq>[col_slot];
+    case 5: return kLaunchers<In, kRowScaled, kDq>[col_slot];
     default: return kLaunchers<In, kNone, kDq>[col_slot];
   }
 }

@@ -78,15 +78,10 @@ GQ_HD TileCoords tile_coords(const TileParams& p, int64_t bx, int64_t by) {
   t.g = 0;
   t.gstart = 0;
   t.gsize = p.M;
-  if (p.group_start) {  // the last group starting at or before row0 (skips empty groups)
-    int lo = 0, hi = p.G - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.group_start[mid] <= t.row0) lo = mid; else hi = mid - 1;
-    }
-    t.g = lo;
-    t.gstart = p.group_start[lo];
-    t.gsize = p.group_start[lo + 1] - t.gstart;
+  if (p.group_start) {
+    t.g = group_of(p, t.row0);
+    t.gstart = p.group_start[t.g];
+    t.gsize = p.group_start[t.g + 1] - t.gstart;
   }
   return t;
 }
