@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the GPU tests, then the benchmarks
 # (tables last). Logs go to $OUT. Wheels the machine lacks (expecttest, torchao) travel in .whl/.
-#   bash benchmarks/gpu.sh [build] [tests] [mixed] [gemm] [blockgemm] [grouped] [experts] [probe] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|sweep ARGS...|moe ARGS...]
+#   bash benchmarks/gpu.sh [build] [tests] [mixed] [gemm] [blockgemm] [grouped] [grouped_quantize] [experts] [probe] [quantize] [inductor] [cast] [host] [inference] [decode] [attention] [ncu] [train ARGS...|generate ARGS...|sweep ARGS...|moe ARGS...]
 # ncu: hardware counters of the MXFP8 rowwise and both-directions and the NVFP4 both-directions
 # quantize kernels (shared-memory bank conflicts, scheduler statistics, stall reasons and pipe
 # utilization: whether a kernel is bound by memory or by issuing instructions).
@@ -24,6 +24,7 @@ for i in "${!steps[@]}"; do
     gemm) python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     blockgemm) python3 benchmarks/block_gemm.py 2>&1 | tee "$OUT/block_gemm.txt" ;;
     grouped) python3 benchmarks/grouped_gemm.py --promote fast,128 2>&1 | tee "$OUT/grouped_gemm.txt" ;;
+    grouped_quantize) python3 benchmarks/grouped_quantize.py 2>&1 | tee "$OUT/grouped_quantize.txt" ;;
     experts) python3 benchmarks/grouped_decode.py 2>&1 | tee "$OUT/grouped_decode.txt" ;;
     probe) python3 benchmarks/accumulation_probe.py 2>&1 | tee "$OUT/accumulation_probe.txt" ;;
     quantize) # GRAPHQUANT_REGISTER_TILE=0 (the generic tile program alone) writes its own table
