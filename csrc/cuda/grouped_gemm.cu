@@ -378,7 +378,17 @@ void check_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ends
               "graphquant.grouped_fp8_gemm runs on sm_90 (Hopper's wgmma) alone, not on sm_", properties->major, properties->minor);
 }
 
-void launch_mode(const Args& args, const at::Tensor& a, const at::Tensor& b, const CUtensorMap& a_map, const CUtensorMap& b_map, int64_t mode) {
+// A's map (rows, K), in 128 x 128 tiles, and B's as (K, n', groups), innermost first, so that each
+// group's edges are zero-filled rather than read from the next one; then the mode's kernel.
+void launch_mode(const Args& args, const at::Tensor& a, const at::Tensor& b, int64_t b_k, int64_t b_n, int64_t b_groups,
+                 int64_t b_group_stride, int64_t mode) {
+  const CUtensorMap a_map = tensor_map("graphquant.grouped_fp8_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),
+                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
+  const int64_t dims[3] = {b_k, b_n, b_groups};
+  const int64_t strides[2] = {b.stride(0), b_group_stride};
+  const int box[3] = {TILE, TILE_N, 1};
+  const CUtensorMap b_map = tensor_map("graphquant.grouped_fp8_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 3, dims, strides, box,
+                                       CU_TENSOR_MAP_SWIZZLE_128B);
   const int sms = at::cuda::getDeviceProperties(a.get_device())->multiProcessorCount;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mode == PROMOTED) launch_elements<PROMOTED>(args, fp8_element(a), fp8_element(b), a_map, b_map, sms, stream);
@@ -423,15 +433,7 @@ at::Tensor tokens_by_experts(const at::Tensor& a, const at::Tensor& b, bool b_ro
                   static_cast<int>((n + TILE_N - 1) / TILE_N),
                   kind(out_dtype),
                   false};
-  const CUtensorMap a_map = tensor_map("graphquant.grouped_fp8_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, k, a.stride(0),
-                                       TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
-  // (K, n', groups), innermost first: each expert's edges zero-filled, not read from the next one.
-  const int64_t dims[3] = {b_k, b_n, groups};
-  const int64_t strides[2] = {b.stride(0), b_rowwise ? per_group * b.stride(0) : per_group};
-  const int box[3] = {TILE, TILE_N, 1};
-  const CUtensorMap b_map = tensor_map("graphquant.grouped_fp8_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 3, dims, strides, box,
-                                       CU_TENSOR_MAP_SWIZZLE_128B);
-  launch_mode(args, a, b, a_map, b_map, mode);
+  launch_mode(args, a, b, b_k, b_n, groups, b_rowwise ? per_group * b.stride(0) : per_group, mode);
   return out;
 }
 
@@ -463,14 +465,7 @@ at::Tensor tokens_by_tokens(const at::Tensor& a, const at::Tensor& b, int64_t m,
                   static_cast<int>((n + TILE_N - 1) / TILE_N),
                   kind(out_dtype),
                   true};
-  const CUtensorMap a_map = tensor_map("graphquant.grouped_fp8_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), rows,
-                                       a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
-  const int64_t dims[3] = {rows, n, 1};
-  const int64_t strides[2] = {b.stride(0), n * b.stride(0)};
-  const int box[3] = {TILE, TILE_N, 1};
-  const CUtensorMap b_map = tensor_map("graphquant.grouped_fp8_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, 3, dims, strides, box,
-                                       CU_TENSOR_MAP_SWIZZLE_128B);
-  launch_mode(args, a, b, a_map, b_map, mode);
+  launch_mode(args, a, b, rows, n, 1, n * b.stride(0), mode);  // B as one group: each tile reads its own group's K range
   return out;
 }
 
