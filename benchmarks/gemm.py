@@ -1,6 +1,6 @@
 """TFLOP/s of graphquant's GEMM backends beside bf16 torch.mm and raw torch._scaled_mm.
 
-    python benchmarks/gemm.py [--gemms fprop,dgrad,wgrad] [--formats "fp8 rowwise,fp8 tensorwise"] [--emulated]
+    python benchmarks/gemm.py [--shapes 8192x8192x8192,...] [--gemms fprop,dgrad,wgrad] [--formats "fp8 rowwise,fp8 tensorwise"] [--emulated]
 
 For each shape (m, n, k) of out = A @ B^T, every row is measured in the same run, alternating
 over rounds; graphquant's rows include everything its gemm op does per call (scale layout,
@@ -60,12 +60,13 @@ def operand(quantizer, values: torch.Tensor, direction: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, shape)) for shape in SHAPES), help="m x n x k of each GEMM, comma-separated")
     parser.add_argument("--gemms", default="fprop", help="a linear's GEMMs whose operand directions to time, comma-separated")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
     parser.add_argument("--emulated", action="store_true", help="also time the emulated GEMM where the plan runs a native one")
     args = parser.parse_args()
     rows = []
-    for m, n, k in SHAPES:
+    for m, n, k in (map(int, shape.split("x")) for shape in args.shapes.split(",")):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         fns = {"bf16 torch.mm": lambda: torch.mm(a, b.t())}

@@ -1,5 +1,7 @@
-"""The MoE step's grouped quantizes (moe_step.py's shapes) on the register tile program beside the
-generic tile program (GRAPHQUANT_REGISTER_TILE=0), in alternating rounds of a process each.
+"""The MoE step's grouped quantizes (moe_step.py's shapes) on each of the extension's programs, in
+alternating rounds of a process each: the generic tile program alone (GRAPHQUANT_REGISTER_TILE=0
+GRAPHQUANT_ROW_STRIP=0), beside it the register tile program (GRAPHQUANT_ROW_STRIP=0), and every
+program the extension has (row-scaled FP8's rowwise calls on the row strip program too).
 
     python benchmarks/grouped_quantize.py [--formats rowwise,tensorwise] [--rounds 2] [--reps 10]
 
@@ -24,7 +26,12 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-PROGRAMS = ("generic", "register")
+# Each program's environment: the switches that turn programs off (read once a process).
+PROGRAMS = {
+    "generic": {"GRAPHQUANT_REGISTER_TILE": "0", "GRAPHQUANT_ROW_STRIP": "0"},
+    "register": {"GRAPHQUANT_ROW_STRIP": "0"},
+    "all": {},
+}
 
 
 def calls(name: str):
@@ -66,33 +73,33 @@ def child(formats: list[str], reps: int) -> None:
     print(json.dumps({name: {operand: time_ms(call, reps=reps, inner=3) for operand, call in calls(name)} for name in formats}))
 
 
-def measure(register: bool, formats: list[str], reps: int) -> dict:
-    """One round in a process of its own, on the register tile program or the generic one."""
-    env = dict(os.environ)
-    env.pop("GRAPHQUANT_REGISTER_TILE", None)
-    if not register:
-        env["GRAPHQUANT_REGISTER_TILE"] = "0"
+def measure(program: str, formats: list[str], reps: int) -> dict:
+    """One round in a process of its own, with ``program``'s switches."""
+    env = {name: value for name, value in os.environ.items() if name not in PROGRAMS["generic"]}
+    env.update(PROGRAMS[program])
     run = subprocess.run([sys.executable, __file__, "--child", "--formats", ",".join(formats), "--reps", str(reps)],
                          env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        raise RuntimeError(f"the {PROGRAMS[register]} round failed:\n{run.stdout}{run.stderr}")
+        raise RuntimeError(f"the {program} round failed:\n{run.stdout}{run.stderr}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def table(rounds: dict[str, list[dict]]) -> str:
-    """The median ms of each format's operands on both programs, their ratio, and each format's total."""
+    """The median ms of each format's operands on each program, the others' speedups over the
+    first, and each format's total."""
     ms = {program: {(name, operand): statistics.median(r[name][operand] for r in samples) for name in samples[0] for operand in samples[0][name]}
           for program, samples in rounds.items()}
-    rows, totals = [], {}
-    for name, operand in ms["generic"]:
-        generic, register = ms["generic"][name, operand], ms["register"][name, operand]
-        total = totals.setdefault(name, [0.0, 0.0])
-        total[0] += generic
-        total[1] += register
-        rows.append([name, operand, f"{generic:.3f}", f"{register:.3f}", f"{generic / register:.2f}x"])
-    rows += [[name, "all", f"{generic:.3f}", f"{register:.3f}", f"{generic / register:.2f}x"] for name, (generic, register) in totals.items()]
-    return tabulate(rows, headers=["format", "operand", "generic ms", "register ms", "register's speedup"], tablefmt="github",
-                    disable_numparse=True)
+    programs = list(ms)
+    totals = {}
+    for (name, operand) in ms[programs[0]]:
+        for program in programs:
+            totals.setdefault((name, "all"), {}).setdefault(program, 0.0)
+            totals[name, "all"][program] += ms[program][name, operand]
+    cells = {key: {program: ms[program][key] for program in programs} for key in ms[programs[0]]} | totals
+    rows = [[name, operand, *(f"{times[p]:.3f}" for p in programs), *(f"{times[programs[0]] / times[p]:.2f}x" for p in programs[1:])]
+            for (name, operand), times in cells.items()]
+    headers = ["format", "operand", *(f"{p} ms" for p in programs), *(f"{p}'s speedup" for p in programs[1:])]
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
 def main() -> None:
@@ -109,7 +116,7 @@ def main() -> None:
     rounds = {program: [] for program in PROGRAMS}
     for _ in range(args.rounds):
         for program in PROGRAMS:
-            rounds[program].append(measure(program == "register", formats, args.reps))
+            rounds[program].append(measure(program, formats, args.reps))
     print(table(rounds))
 
 

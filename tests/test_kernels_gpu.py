@@ -502,6 +502,27 @@ def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name
             assert not torch.equal(columnwise(first.columnwise_amax * 4).scale, alone.scale), "the given amaxes were not taken"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("take_columnwise_amax", (False, True))
+def test_row_scaled_fp8_rowwise_is_one_launch(take_columnwise_amax):
+    """Row-scaled FP8's rowwise side, alone or with the amaxes its columnwise scales from, runs as
+    the row strip program's one launch (beside the zeroed amaxes), with no pre-pass or main pass:
+    the reference tests above then check that program's bits."""
+    assert native.extension() is not None
+    bounds, row_group = grouped_rows([256, 384], "cuda")
+    x = make_input((640, 4096), torch.bfloat16, "normal", "cuda")
+    quantizer = QUANTIZERS["fp8_rowwise"]()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        made = native.grouped_quantize_pass(
+            quantizer, x, row_group, bounds, CTX, rowwise=True, columnwise=False, take_columnwise_amax=take_columnwise_amax
+        )
+        torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert [name for name in kernels if "tile" in name or "finalize" in name] == [], kernels
+    assert sum("row_strip_kernel" in name for name in kernels) == 1, kernels
+    assert_same_rep(made.rowwise, REFERENCE_GROUPED(quantizer, x, bounds, ROWWISE, CTX))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("direction", (ROWWISE, COLUMNWISE))
 @pytest.mark.parametrize("name", QUANTIZERS)

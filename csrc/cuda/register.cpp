@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "params.h"
+#include "row_strip.h"
 
 #ifndef GRAPHQUANT_EMULATE
 #include <c10/cuda/CUDAGuard.h>
@@ -416,6 +417,23 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
     default:
       break;
   }
+
+  // Row-scaled FP8's rowwise side, with at most the amaxes its column side scales from: one launch
+  // that takes each row's amax while it holds the row (row_strip.cu), in place of a pre-pass, the
+  // scales' launch and a main pass that reads x again.
+#ifndef GRAPHQUANT_EMULATE
+  if (row.format == kRowScaled && row_output && !dq_source && !want_dbias && !col_given &&
+      (col.format == kNone || (col.format == kRowScaled && !col_output))) {
+    const at::Tensor scale_inv = at::empty({M}, opts.dtype(at::kFloat));
+    TileParams q = p;
+    q.row = row.enc;
+    q.row.scales = scale_inv.data_ptr();
+    q.acc.cols = pre_col.cols;
+    if (launch_row_strip(dtype, q, stream)) {
+      return {out_r.data, scale_inv.view({M, 1}), out_r.amax, out_c.data, out_c.scale, out_c.amax, at::Tensor(), col_output ? at::Tensor() : need_c.pre};
+    }
+  }
+#endif
 
   // Scales from pre-pass amaxes, once those exist.
   auto finalize_row = [&] {
