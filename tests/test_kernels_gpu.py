@@ -503,14 +503,15 @@ def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cols", (4096, 1408, 384))  # one row a warp, two, four
 @pytest.mark.parametrize("take_columnwise_amax", (False, True))
-def test_row_scaled_fp8_rowwise_is_one_launch(take_columnwise_amax):
+def test_row_scaled_fp8_rowwise_is_one_launch(take_columnwise_amax, cols):
     """Row-scaled FP8's rowwise side, alone or with the amaxes its columnwise scales from, runs as
-    the row strip program's one launch (beside the zeroed amaxes), with no pre-pass or main pass:
-    the reference tests above then check that program's bits."""
+    the row strip program's one launch (beside the zeroed amaxes), with no pre-pass or main pass,
+    and gives the reference's bits, for rows a warp holds one, two or four at a time."""
     assert native.extension() is not None
     bounds, row_group = grouped_rows([256, 384], "cuda")
-    x = make_input((640, 4096), torch.bfloat16, "normal", "cuda")
+    x = make_input((640, cols), torch.bfloat16, "special", "cuda")
     quantizer = QUANTIZERS["fp8_rowwise"]()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         made = native.grouped_quantize_pass(
@@ -521,6 +522,8 @@ def test_row_scaled_fp8_rowwise_is_one_launch(take_columnwise_amax):
     assert [name for name in kernels if "tile" in name or "finalize" in name] == [], kernels
     assert sum("row_strip_kernel" in name for name in kernels) == 1, kernels
     assert_same_rep(made.rowwise, REFERENCE_GROUPED(quantizer, x, bounds, ROWWISE, CTX))
+    if take_columnwise_amax:
+        assert_same(made.columnwise_amax, groups.group_amax(x, row_group, 2, per_column=True).reshape(-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
