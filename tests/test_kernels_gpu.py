@@ -503,12 +503,12 @@ def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cols", (4096, 1408, 384))  # one row a warp, two, four
+@pytest.mark.parametrize("cols", (4096, 1408, 384))  # every lane's 16 words a row; 5 or 6; one or two
 @pytest.mark.parametrize("take_columnwise_amax", (False, True))
 def test_row_scaled_fp8_rowwise_is_one_launch(take_columnwise_amax, cols):
     """Row-scaled FP8's rowwise side, alone or with the amaxes its columnwise scales from, runs as
     the row strip program's one launch (beside the zeroed amaxes), with no pre-pass or main pass,
-    and gives the reference's bits, for rows a warp holds one, two or four at a time."""
+    and gives the reference's bits, for rows that fill a warp's registers and rows that do not."""
     assert native.extension() is not None
     bounds, row_group = grouped_rows([256, 384], "cuda")
     x = make_input((640, cols), torch.bfloat16, "special", "cuda")
