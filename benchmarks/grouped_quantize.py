@@ -52,7 +52,7 @@ def calls(name: str):
                 source=tokens.source, runs=tokens.runs,
             )
         w = torch.randn(EXPERTS * n, k, device="cuda", dtype=torch.bfloat16)
-        stack = groups.padding(torch.arange(1, EXPERTS + 1, dtype=torch.int32, device="cuda") * n, EXPERTS * n, groups.GROUP_ROWS, EXPERTS * n)
+        stack = groups.uniform_padding(EXPERTS, n, groups.GROUP_ROWS, torch.device("cuda"))
 
         def rowwise():
             return native.grouped_quantize_pass(
@@ -90,12 +90,9 @@ def table(rounds: dict[str, list[dict]]) -> str:
     ms = {program: {(name, operand): statistics.median(r[name][operand] for r in samples) for name in samples[0] for operand in samples[0][name]}
           for program, samples in rounds.items()}
     programs = list(ms)
-    totals = {}
-    for (name, operand) in ms[programs[0]]:
-        for program in programs:
-            totals.setdefault((name, "all"), {}).setdefault(program, 0.0)
-            totals[name, "all"][program] += ms[program][name, operand]
-    cells = {key: {program: ms[program][key] for program in programs} for key in ms[programs[0]]} | totals
+    cells = {key: {program: ms[program][key] for program in programs} for key in ms[programs[0]]}
+    names = dict.fromkeys(name for name, _ in cells)
+    cells |= {(name, "all"): {p: sum(t[p] for (n, _), t in cells.items() if n == name) for p in programs} for name in names}
     rows = [[name, operand, *(f"{times[p]:.3f}" for p in programs), *(f"{times[programs[0]] / times[p]:.2f}x" for p in programs[1:])]
             for (name, operand), times in cells.items()]
     headers = ["format", "operand", *(f"{p} ms" for p in programs), *(f"{p}'s speedup" for p in programs[1:])]

@@ -123,7 +123,8 @@ bool enabled() {
 }  // namespace row_strip
 
 bool launch_row_strip(int dtype, const TileParams& p, void* stream) {
-  const bool shape = p.M > 0 && p.K > 0 && p.K <= kMaxColumns && p.K % 8 == 0 && p.vec_load && (p.M + 127) / 128 <= INT32_MAX;
+  const bool shape = p.M > 0 && p.K > 0 && p.K <= kMaxColumns && p.K % 8 == 0 && p.vec_load &&
+                     (p.M + row_strip::kRows - 1) / row_strip::kRows <= INT32_MAX;
   if (!row_strip::enabled() || !shape || (dtype != kBF16 && dtype != kF16)) return false;
   const bool columns = p.acc.cols != nullptr;
   if (dtype == kBF16) (columns ? row_strip::launch<InBF16, true> : row_strip::launch<InBF16, false>)(p, stream);
