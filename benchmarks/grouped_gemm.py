@@ -69,8 +69,7 @@ def operands(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, toke
     lays them out (tokens padded, the weights as a stack of experts)."""
     experts, n, k = w.shape
     qx, qw, qg = quantizers(name)
-    stack_ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
-    stack = groups.padding(stack_ends, experts * n, groups.GROUP_ROWS, experts * n)
+    stack = groups.uniform_padding(experts, n, groups.GROUP_ROWS, w.device)
 
     def quantized(quantizer, values, layout, direction):
         return native.grouped_quantize(quantizer, values, layout.row_group, layout.bounds, direction, QuantizeContext())
