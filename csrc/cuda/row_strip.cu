@@ -29,9 +29,12 @@ using register_tile::kWarp;
 using register_tile::unpack8;
 using register_tile::usable;
 
-constexpr int kThreads = 256, kRows = 128, kRowsAWarp = kRows / (kThreads / 32);
+constexpr int kThreads = 256, kRows = 128, kRowsAWarp = kRows / (kThreads / 32), kShortWords = 8;
 
-template <class In, bool kColumnAmax>
+// kWords: the 16-byte words a lane holds of a row (rows of up to 256 * kWords 2-byte elements);
+// kShortWords for short rows, whose fewer registers let two CTAs share an SM and so keep more
+// loads in flight (an expert stack's down projection weights, K = 1408).
+template <class In, bool kColumnAmax, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams p) {
   __shared__ uint32_t column_amax[kColumnAmax ? kMaxColumns : 1];  // fp32 bits
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
@@ -43,9 +46,9 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
     for (int c = int(threadIdx.x); c < p.K; c += kThreads) column_amax[c] = 0;
     __syncthreads();
   }
-  uint32_t cm[kColumnAmax ? 4 * kMaxWords : 1];  // the lane's columns' maxima, |x| halves packed in pairs
+  uint32_t cm[kColumnAmax ? 4 * kWords : 1];  // the lane's columns' maxima, |x| halves packed in pairs
 #pragma unroll
-  for (int i = 0; i < (kColumnAmax ? 4 * kMaxWords : 1); ++i) cm[i] = 0;
+  for (int i = 0; i < (kColumnAmax ? 4 * kWords : 1); ++i) cm[i] = 0;
 
   for (int i = 0; i < kRowsAWarp; ++i) {
     const int r = warp * kRowsAWarp + i;
@@ -53,12 +56,12 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
     if (row >= p.M) break;
     const bool in = r < rows_in;
     const uint4* x = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + (first_row + (in ? r : 0)) * p.K);
-    uint4 d[kMaxWords];
+    uint4 d[kWords];
 #pragma unroll
-    for (int j = 0; j < kMaxWords; ++j) d[j] = in && lane + 32 * j < words ? __ldcs(x + lane + 32 * j) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < kWords; ++j) d[j] = in && lane + 32 * j < words ? __ldcs(x + lane + 32 * j) : make_uint4(0, 0, 0, 0);
     uint32_t m = 0;
 #pragma unroll
-    for (int j = 0; j < kMaxWords; ++j) {
+    for (int j = 0; j < kWords; ++j) {
       const uint32_t u[4] = {d[j].x & kMagnitudes, d[j].y & kMagnitudes, d[j].z & kMagnitudes, d[j].w & kMagnitudes};
       m = umax_halves(m, umax_halves(umax_halves(u[0], u[1]), umax_halves(u[2], u[3])));
       if constexpr (kColumnAmax) {
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
     const bool plain = amax <= 0x7F800000u && usable(scale);  // as the tile programs' rule: no product is NaN
     uint2* out = reinterpret_cast<uint2*>(p.row.data + row * p.K);
 #pragma unroll
-    for (int j = 0; j < kMaxWords; ++j) {
+    for (int j = 0; j < kWords; ++j) {
       if (lane + 32 * j >= words) break;
       float v[8];
       unpack8<In>(d[j], v);
@@ -88,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
 
   if constexpr (kColumnAmax) {
 #pragma unroll
-    for (int j = 0; j < kMaxWords; ++j) {
+    for (int j = 0; j < kWords; ++j) {
       if (lane + 32 * j >= words) break;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -107,7 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
 
 template <class In, bool kColumnAmax>
 void launch(const TileParams& p, void* stream) {
-  row_strip_kernel<In, kColumnAmax><<<unsigned((p.M + kRows - 1) / kRows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  const unsigned ctas = unsigned((p.M + kRows - 1) / kRows);
+  auto* kernel = p.K <= 256 * kShortWords ? row_strip_kernel<In, kColumnAmax, kShortWords> : row_strip_kernel<In, kColumnAmax, kMaxWords>;
+  kernel<<<ctas, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
 }
 
 // GRAPHQUANT_ROW_STRIP=0 sends these calls to the tile programs (the same bits): to compare them
