@@ -38,7 +38,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import cuda_kernels, seconds, turns  # noqa: E402
-from inference_configs import allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
+from inference_configs import BF16, allow_graphs, build, configs, per_call, weight_bytes  # noqa: E402
 
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -147,15 +147,18 @@ def main(argv: list[str] | None = None) -> None:
             for b in batches:
                 samples[name, b].append(seconds(runs[name].generations[b], device)[0])
 
+    def tokens_per_s(name: str, b: int) -> str:  # with its ratio to bf16's in this run, where bf16 ran
+        rate = {n: args.new_tokens * b / statistics.median(samples[n, b]) for n in (name, BF16) if n in runs}
+        return f"{rate[name]:.0f}" + (f" ({rate[name] / rate[BF16]:.3f}x)" if BF16 in rate else "")
+
     rows = []
     for name, run in runs.items():
         unfrozen = runs.get(per_call(name))
         same = "" if unfrozen is None else "yes" if all(torch.equal(run.tokens[b], unfrozen.tokens[b]) for b in batches) else "NO"
-        rows.append([name, *(args.new_tokens * b / statistics.median(samples[name, b]) for b in batches),
-                     run.weight_gib, *run.first.values(), same])
-    headers = ["config", *(f"tok/s @{b}" for b in batches), "weights GiB", *(f"first gen s @{b}" for b in batches), "= per-call"]
+        rows.append([name, *(tokens_per_s(name, b) for b in batches), f"{run.weight_gib:.3g}", *(f"{s:.1f}" for s in run.first.values()), same])
+    headers = ["config", *(f"tok/s @{b} (x bf16)" for b in batches), "weights GiB", *(f"first gen s @{b}" for b in batches), "= per-call"]
     print()
-    print(tabulate(rows, headers=headers, floatfmt=".3g"))
+    print(tabulate(rows, headers=headers, disable_numparse=True))
     for name, why in failed.items():
         print(f"{name}: failed: {why}")
     for name in filter(None, args.profile.split(",")):

@@ -15,7 +15,9 @@ def test_tiny_generation_table():
                                         "--rounds", "1", "--configs", ",".join(names)])
     assert sorted(rows) == sorted(names), out
     for name, row in rows.items():
-        assert all(float(v) > 0 for v in row[:5]), (name, row)  # tok/s @1, @2, weights, first generations
+        assert all(float(v.split()[0]) > 0 for v in row[:5]), (name, row)  # tok/s @1, @2, weights, first generations
+        assert all(v.endswith("x)") for v in row[:2]), (name, row)  # tok/s beside its ratio to bf16's
         if name.endswith(" frozen"):
             assert float(row[2]) < 0.65 * float(rows["bf16 torch.compile"][2]), out  # weight GiB
+    assert rows["bf16 torch.compile"][:2] == [v.split()[0] + " (1.000x)" for v in rows["bf16 torch.compile"][:2]], out
     assert rows["graphquant tensorwise frozen"][5] == "yes", out  # its per-call model's tokens
