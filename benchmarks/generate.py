@@ -11,7 +11,8 @@ after a random ``--prompt``-token prompt, one compiled forward per step on a tra
 StaticCache, under each configuration of inference_configs.py side by side (bf16 torch.compile,
 torchao's dynamic FP8, graphquant's recipes per-call and frozen). Rounds alternate the
 configurations (each round in its own shuffled order); a generation's time covers its prefill and every decode step, and
-tokens/s counts the generated tokens of the whole batch. "first gen s" is the first generation at
+tokens/s counts the generated tokens of the whole batch, beside its ratio to bf16 torch.compile's
+in the same run where that ran. "first gen s" is the first generation at
 that batch size (its compiles included). "weights GiB" counts every parameter and buffer of the
 model (embedding and norms included; a tensor subclass by its inner tensors), the KV cache not.
 "= per-call" says whether a frozen configuration generated the very tokens its per-call one did.
