@@ -1,6 +1,8 @@
 """How many SASS instructions the MXFP8 and NVFP4 decoding programs spend on each weight value,
 compiled for sm_90 by Triton on this machine (no GPU needed): at decode sizes the decoding
-instructions, not the bytes, set these kernels' pace (benchmarks/NOTES.md, decode_nvfp4.py).
+instructions, not the bytes, set these kernels' pace (benchmarks/NOTES.md, decode_nvfp4.py). The
+FP8 decode GEMM's program beside them (its weight tile the autotuner's first, A quantized first or
+as it is loaded): whether its loop, not the bytes, could set its pace.
 
     python benchmarks/sass_per_value.py
 
@@ -10,9 +12,11 @@ beside _decode_kernel) and one token a program on the FMA units (_expert_rows_ke
 _fma_kernel): the instructions of the main loop (the
 first backward branch's body) a warp a step, per weight value (times the program's lanes, over
 the step's BLOCK_N x BLOCK_K weight values), its tensor-core instructions (HGMMA: wgmma;
-HMMA: mma.sync) and its shared memory (how many programs fit an SM); the tiles also where K
+HMMA: mma.sync) and its shared memory and registers (how many programs fit an SM); the tiles also where K
 passes the last whole triton_decode.K_CHUNK (the experts' down projection, K 1408): their steps
-inside K unmasked in the main loop, the rest masked in a loop after it.
+inside K unmasked in the main loop, the rest masked in a loop after it. Each compile takes the
+hints Triton's JIT gives a launch at the FFN's shapes: pointers, strides and K multiples of 16
+(without them FP8 codes would be read a byte at a time).
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from tabulate import tabulate
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import torch
+
 from graphquant.kernels import triton_decode
+from graphquant.quantizers import Float8CurrentScalingQuantizer
 
 FORMATS = {"mxfp8": triton_decode.LAYOUTS["mxfp8"], "nvfp4": triton_decode.LAYOUTS["nvfp4"]}
 
@@ -85,6 +92,25 @@ def dense_one_row(layout) -> tuple:
     return triton_decode._fma_kernel, constexprs, _pointers(layout, _DENSE_POINTERS), tiling
 
 
+def fp8_tiles(quantizing_a: bool) -> tuple:
+    """The decode GEMM's FP8 program (per-tensor scales) under the autotuner's first weight tile,
+    A's codes read, or A's bf16 values quantized as they are loaded (QuantizedOnLoad)."""
+    layout = triton_decode.LAYOUTS["fp8_tensorwise"]
+    block_n, block_k, warps, stages = triton_decode.AUTOTUNED_TILES[0]
+    tiling = triton_decode.DecodeConfig(block_n=block_n, block_k=block_k, warps=warps, stages=stages)
+    rule = None
+    if quantizing_a:
+        x, quantizer = torch.ones(tiling.block_m, 4096, dtype=torch.bfloat16), Float8CurrentScalingQuantizer("e4m3")
+        rule = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, quantizer), quantizer).rule
+    constexprs = {
+        **_common(layout, tiling), "WHOLE_TILES": False, "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m,
+        "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "",
+        "A_RULE": rule, "A_VALUES": False, "ONE_DOT": False, "PAIR": False, "DEPENDENT": True,
+    }
+    codes = {"a_ptr": "*bf16" if quantizing_a else "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
+    return triton_decode._decode_kernel, constexprs, {**_DENSE_POINTERS, **codes}, tiling
+
+
 KERNELS = {
     "grouped, 16-token tiles (_expert_tiles_kernel)": grouped_tiles,
     "grouped, 16-token tiles, K past the last whole chunk (masked)": grouped_tiles_masked,
@@ -94,9 +120,16 @@ KERNELS = {
 }
 
 
-def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int]:
-    """The kernel's SASS for sm_90 under ``tiling``, and its shared memory in bytes (which sets
-    how many programs an SM runs); the arguments a second GEMM would take (``PAIR``) left None."""
+FP8_KERNELS = {
+    "dense, 16-row tiles (decode GEMM), A's codes": lambda: fp8_tiles(False),
+    "dense, 16-row tiles (decode GEMM), A quantized as loaded": lambda: fp8_tiles(True),
+}
+
+
+def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int, int]:
+    """The kernel's SASS for sm_90 under ``tiling``, its shared memory in bytes and its registers
+    a thread (which set how many programs an SM runs); the arguments a second GEMM would take
+    (``PAIR``) left None."""
     constexprs = dict(constexprs)
     signature = {}
     for name in kernel.arg_names:
@@ -107,14 +140,17 @@ def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int]:
             constexprs.setdefault(name, None)
         else:
             signature[name] = "i32"
-    source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value for name, value in constexprs.items()})
+    aligned = [name for name in kernel.arg_names if signature[name] != "constexpr" and (name in pointers or name.endswith("_stride") or name == "K")]
+    hints = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}, hints)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiling.warps, "num_stages": tiling.stages})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         text = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    return text, compiled.metadata.shared
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    return text, compiled.metadata.shared, int(re.search(r"REG:(\d+)", usage)[1])
 
 
 def main_loop(text: str) -> collections.Counter:
@@ -129,17 +165,20 @@ def main_loop(text: str) -> collections.Counter:
 
 
 def main() -> None:
+    programs = [(name, kernel_name, lambda make=make, layout=layout: make(layout)) for name, layout in FORMATS.items() for kernel_name, make in KERNELS.items()]
+    programs += [("fp8 tensorwise", kernel_name, make) for kernel_name, make in FP8_KERNELS.items()]
     rows = []
-    for name, layout in FORMATS.items():
-        for kernel_name, make in KERNELS.items():
-            kernel, constexprs, pointers, tiling = make(layout)
-            text, shared = sass(kernel, constexprs, pointers, tiling)
-            ops = main_loop(text)
-            per_value = sum(ops.values()) * tiling.warps * 32 / (tiling.block_n * tiling.block_k)
-            tile = f"{tiling.block_n}x{tiling.block_k}, {tiling.block_m} rows, {tiling.warps} warps, {tiling.stages} stages"
-            rows.append([name, kernel_name, tile, sum(ops.values()), f"{per_value:.2f}", ops["HGMMA"], ops["HMMA"], shared])
+    for name, kernel_name, make in programs:
+        kernel, constexprs, pointers, tiling = make()
+        text, shared, registers = sass(kernel, constexprs, pointers, tiling)
+        ops = main_loop(text)
+        per_value = sum(ops.values()) * tiling.warps * 32 / (tiling.block_n * tiling.block_k)
+        tile = f"{tiling.block_n}x{tiling.block_k}, {tiling.block_m} rows, {tiling.warps} warps, {tiling.stages} stages"
+        wgmma = ops["HGMMA"] + ops["QGMMA"]  # QGMMA: FP8 operands
+        rows.append([name, kernel_name, tile, sum(ops.values()), f"{per_value:.2f}", wgmma, ops["HMMA"], shared, registers])
     print(f"sm_90, Triton {triton.__version__}")
-    print(tabulate(rows, headers=["format", "kernel", "tiling", "loop instructions a warp", "a weight value", "HGMMA", "HMMA", "shared bytes"]))
+    headers = ["format", "kernel", "tiling", "loop instructions a warp", "a weight value", "wgmma", "HMMA", "shared bytes", "registers"]
+    print(tabulate(rows, headers=headers))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ token a program on the FMA units, inline PTX decoding in both) spends no more in
 weight value than the dense decode GEMM's program of the same tiling; where K passes the last whole
 chunk, the tiles take no more shared memory, so as many programs fit an SM, and NVFP4's main loop
 costs about what whole tiles' does (its steps inside K unmasked; MXFP8's tiles keep the masked
-loop, which ran faster on the H200: benchmarks/NOTES.md)."""
+loop, which ran faster on the H200: benchmarks/NOTES.md). The FP8 decode GEMM's program, decoding
+nothing, multiplies its codes on wgmma in fewer instructions a weight value than either (its weight
+tile copied 16 bytes at a time under the alignment Triton's JIT gives a launch)."""
 
 import os
 import pathlib
@@ -37,3 +39,6 @@ def test_grouped_decoding_loop_costs_what_the_decode_gemms_does():
         tiles, masked = "grouped, 16-token tiles (_expert_tiles_kernel)", "grouped, 16-token tiles, K past the last whole chunk (masked)"
         assert shared[fmt, masked] <= shared[fmt, tiles], run.stdout
     assert cost["nvfp4", masked][0] <= cost["nvfp4", tiles][0] * 1.05, run.stdout
+    for a in ("A's codes", "A quantized as loaded"):
+        per_value, wgmma, _ = cost["fp8 tensorwise", f"dense, 16-row tiles (decode GEMM), {a}"]
+        assert wgmma > 0 and per_value < min(cost[fmt, "dense, 16-row tiles (decode GEMM)"][0] for fmt in ("mxfp8", "nvfp4")), run.stdout
