@@ -69,8 +69,7 @@ def grouped_tiles_masked(layout) -> tuple:
     return kernel, {**constexprs, "WHOLE_TILES": False}, pointers, tiling
 
 
-def dense_tiles(layout) -> tuple:
-    tiling = triton_decode.EXPERT_TILING
+def dense_tiles(layout, tiling=triton_decode.EXPERT_TILING) -> tuple:
     constexprs = {
         **_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m, "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1,
         "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
@@ -95,20 +94,15 @@ def dense_one_row(layout) -> tuple:
 def fp8_tiles(quantizing_a: bool) -> tuple:
     """The decode GEMM's FP8 program (per-tensor scales) under the autotuner's first weight tile,
     A's codes read, or A's bf16 values quantized as they are loaded (QuantizedOnLoad)."""
-    layout = triton_decode.LAYOUTS["fp8_tensorwise"]
     block_n, block_k, warps, stages = triton_decode.AUTOTUNED_TILES[0]
     tiling = triton_decode.DecodeConfig(block_n=block_n, block_k=block_k, warps=warps, stages=stages)
+    kernel, constexprs, pointers, tiling = dense_tiles(triton_decode.LAYOUTS["fp8_tensorwise"], tiling)
     rule = None
     if quantizing_a:
         x, quantizer = torch.ones(tiling.block_m, 4096, dtype=torch.bfloat16), Float8CurrentScalingQuantizer("e4m3")
         rule = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, quantizer), quantizer).rule
-    constexprs = {
-        **_common(layout, tiling), "WHOLE_TILES": False, "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m,
-        "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1, "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "",
-        "A_RULE": rule, "A_VALUES": False, "ONE_DOT": False, "PAIR": False, "DEPENDENT": True,
-    }
     codes = {"a_ptr": "*bf16" if quantizing_a else "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32"}
-    return triton_decode._decode_kernel, constexprs, {**_DENSE_POINTERS, **codes}, tiling
+    return kernel, {**constexprs, "WHOLE_TILES": False, "A_RULE": rule, "DEPENDENT": True}, {**pointers, **codes}, tiling
 
 
 KERNELS = {
