@@ -547,9 +547,9 @@ def _quantized(ptr, row, rows, col, K, stride, scale, RULE: tl.constexpr):
 def _encoded(x, scale, RULE: tl.constexpr):
     """x's FP8 codes (RULE's element) under ``scale``."""
     if RULE[0] == "e4m3":
-        codes = fp8_codes(x, scale, RULE[1], tl.float8e4nv)
+        codes = fp8_codes(x, scale, tl.float8e4nv)
     else:
-        codes = fp8_codes(x, scale, RULE[1], tl.float8e5)
+        codes = fp8_codes(x, scale, tl.float8e5)
     return codes
 
 

@@ -37,7 +37,7 @@ _CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 @triton.jit
 def _tile(
     X, CODES, SCALE, AMAX_BITS, tile, heads, length, stride_b, stride_h, stride_l,
-    COLS: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr, CODE: tl.constexpr,
+    COLS: tl.constexpr, ROWS: tl.constexpr, CODE: tl.constexpr,
 ):
     """Tile ``tile`` of a (batch, heads, length, COLS) tensor, ROWS positions of one head: given
     AMAX_BITS, its amax there (atomic max of the magnitude bits); given CODES, its codes there
@@ -53,7 +53,7 @@ def _tile(
     if AMAX_BITS is not None:
         tl.atomic_max(AMAX_BITS, tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1), 0), sem="relaxed")
     if CODES is not None:
-        codes = fp8_codes(x, tl.load(SCALE), FP8_MAX, CODE)
+        codes = fp8_codes(x, tl.load(SCALE), CODE)
         tl.store(CODES + (head.to(tl.int64) * length + l[:, None]) * COLS + c[None, :], codes, mask=inside)
 
 
@@ -64,19 +64,19 @@ def _pass_kernel(
     X1, CODES1, tiles1, heads1, length1, stride_b1, stride_h1, stride_l1,
     X2, CODES2, tiles2, heads2, length2, stride_b2, stride_h2, stride_l2,
     COLS0: tl.constexpr, COLS1: tl.constexpr, COLS2: tl.constexpr,
-    ROWS: tl.constexpr, FP8_MAX: tl.constexpr, CODE: tl.constexpr,
+    ROWS: tl.constexpr, CODE: tl.constexpr,
 ):
     """One tile of up to three tensors (X1 and X2 None where absent): the first tiles0 programs
     take X0's tiles, the next tiles1 X1's, the rest X2's."""
     tile = tl.program_id(0)
     if tile < tiles0:
-        _tile(X0, CODES0, SCALE, AMAX_BITS, tile, heads0, length0, stride_b0, stride_h0, stride_l0, COLS0, ROWS, FP8_MAX, CODE)
+        _tile(X0, CODES0, SCALE, AMAX_BITS, tile, heads0, length0, stride_b0, stride_h0, stride_l0, COLS0, ROWS, CODE)
     elif X1 is not None:
         tile -= tiles0
         if tile < tiles1:
-            _tile(X1, CODES1, SCALE, AMAX_BITS, tile, heads1, length1, stride_b1, stride_h1, stride_l1, COLS1, ROWS, FP8_MAX, CODE)
+            _tile(X1, CODES1, SCALE, AMAX_BITS, tile, heads1, length1, stride_b1, stride_h1, stride_l1, COLS1, ROWS, CODE)
         elif X2 is not None:
-            _tile(X2, CODES2, SCALE, AMAX_BITS, tile - tiles1, heads2, length2, stride_b2, stride_h2, stride_l2, COLS2, ROWS, FP8_MAX, CODE)
+            _tile(X2, CODES2, SCALE, AMAX_BITS, tile - tiles1, heads2, length2, stride_b2, stride_h2, stride_l2, COLS2, ROWS, CODE)
 
 
 def _heads(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int, int, int]:
@@ -107,7 +107,7 @@ def _launch(tensors: list[torch.Tensor], amax_bits=None, codes=None, scale=None,
                 args += [None, None, 0, 1, 1, 0, 0, 0]
                 cols.append(16)
         if programs:
-            launch(_pass_kernel, (programs,), scale, amax_bits, *args, *cols, _ROWS, fp8.fp8_max(fp8_dtype), _CODES[fp8_dtype], num_warps=4)
+            launch(_pass_kernel, (programs,), scale, amax_bits, *args, *cols, _ROWS, _CODES[fp8_dtype], num_warps=4)
 
 
 def joint_amax(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ _BLOCK_M = 16  # with one atom a program, near the best of the tilings measured 
 _ATOMS = 1
 _FLT_MAX: tl.constexpr = tl.constexpr(nvfp4.FLT_MAX)
 _GLOBAL_DIVISOR: tl.constexpr = tl.constexpr(nvfp4.GLOBAL_DIVISOR)
-_E4M3_MAX: tl.constexpr = tl.constexpr(fp8.fp8_max("e4m3"))  # MXFP8's codes and NVFP4's scales
+_E4M3_MAX: tl.constexpr = tl.constexpr(fp8.fp8_max("e4m3"))  # MXFP8's E8M0 scale rule
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _magnitude_max(blocks):
 def _mxfp8_values(blocks):
     """mxfp8.quantize's E4M3 codes of (rows, blocks, 32) fp32 ``blocks``, dequantized: fp32."""
     biased = e8m0_biased(_magnitude_max(blocks), _E4M3_MAX)
-    codes = fp8_codes(blocks, e8m0_multiplier(biased)[:, :, None], _E4M3_MAX, tl.float8e4nv)
+    codes = fp8_codes(blocks, e8m0_multiplier(biased)[:, :, None], tl.float8e4nv)
     return codes.to(tl.float32) * e8m0_value(biased)[:, :, None]
 
 
@@ -74,7 +74,7 @@ def _nvfp4_values(blocks, amax):
     s_enc = tl.where(s_enc > _FLT_MAX, _FLT_MAX, s_enc)  # a NaN stays NaN, as torch.minimum keeps it
     s_enc = tl.where((s_enc == 0.0) | (amax == 0.0), 1.0, s_enc)
     s_dec = tl.math.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
-    scale = fp8_codes(_magnitude_max(blocks), s_enc * (1.0 / 6.0), _E4M3_MAX, tl.float8e4nv).to(tl.float32)
+    scale = fp8_codes(_magnitude_max(blocks), s_enc * (1.0 / 6.0), tl.float8e4nv).to(tl.float32)
     denom = scale * s_dec
     encode = tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
     encode = tl.where(encode > _FLT_MAX, _FLT_MAX, encode)
