@@ -54,6 +54,7 @@ from graphquant.kernels import triton_attention, triton_attention_backward
 from graphquant.kernels.backends import GLUON_LENGTH_MULTIPLE
 from graphquant.kernels.gluon_attention import copy_layout
 from graphquant.kernels.triton_launch import ceil_div, launch
+from graphquant.kernels.triton_scales import fp8_codes
 
 if not (hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")):
     raise ImportError("the Gluon FP8 flash backward adds dQ's tiles by TMA reductions, which this Triton's Gluon cannot build")
@@ -222,8 +223,8 @@ def _query_tile(
     # stage then goes back to the copying warps).
     gl.thread_barrier()
     mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
-    pt_smem.store(triton_attention_backward._cast(pt, s_scale, P_CODE))
-    ds8 = triton_attention_backward._cast(dst, dp_scale, DS_CODE)
+    pt_smem.store(fp8_codes(pt, s_scale, P_CODE))
+    ds8 = fp8_codes(dst, dp_scale, DS_CODE)
     dst_smem.store(ds8)
     ds_smem.store(gl.permute(ds8, (1, 0)))
     fence_async_shared()

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from graphquant.kernels.triton_attention import logit_scale
 from graphquant.kernels.triton_launch import ceil_div, launch
+from graphquant.kernels.triton_scales import fp8_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +80,6 @@ class BackwardConfig:
 # The H200's best of benchmarks/attention_tune.py --pass bwd at head dim 128 (NOTES.md).
 DEFAULT_CONFIG = BackwardConfig()
 CODES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
-
-
-@triton.jit
-def _cast(x, scale, CODE: tl.constexpr):
-    """graphquant.formats.per_tensor.quantize of an fp32 tile: one product, then the RNE cast,
-    which saturates on sm_90 (cvt.rn.satfinite) as the reference clamps, so needs no clamp."""
-    return (x * scale).to(CODE, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -159,9 +153,9 @@ def _query_tiles(
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
             pt = tl.where(visible, pt, 0.0)
         dst = transposed_ds(pt, dpt, delta, dp_factor)
-        dv += tl.dot(_cast(pt, s_scale, P_CODE), tl.trans(dot))
+        dv += tl.dot(fp8_codes(pt, s_scale, P_CODE), tl.trans(dot))
         ds_amax = abs_max(ds_amax, dst)
-        dst8 = _cast(dst, dp_scale, DS_CODE)
+        dst8 = fp8_codes(dst, dp_scale, DS_CODE)
         dk += tl.dot(dst8, tl.trans(qt))
         dq = tl.dot(tl.trans(dst8), tl.trans(kt)) * grad_factor
         tl.atomic_add(DQ + (first + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=rows[:, None], sem="relaxed")
