@@ -503,7 +503,7 @@ def test_grouped_columnwise_takes_the_amaxes_the_rowwise_call_took(backend, name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cols", (4096, 1408, 384, 4608))  # every lane's 16 words a row; 5 or 6; one or two; too long
+@pytest.mark.parametrize("cols", (4096, 1408, 384, 4608))  # 16 words a lane (the long rows' kernel); 5-6 and 1-2 of the short rows' 8; too long
 @pytest.mark.parametrize("take_columnwise_amax", (False, True))
 def test_row_scaled_fp8_rowwise_program(take_columnwise_amax, cols):
     """Row-scaled FP8's rowwise side, alone or with the amaxes its columnwise scales from, runs as
