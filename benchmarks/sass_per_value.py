@@ -25,17 +25,19 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
 from tabulate import tabulate
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import torch
 
 from graphquant.kernels import triton_decode
 from graphquant.quantizers import Float8CurrentScalingQuantizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import ptxas  # noqa: E402  (Triton kernels compiled for Hopper on any machine)
 
 FORMATS = {"mxfp8": triton_decode.LAYOUTS["mxfp8"], "nvfp4": triton_decode.LAYOUTS["nvfp4"]}
 
@@ -123,21 +125,10 @@ FP8_KERNELS = {
 def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int, int]:
     """The kernel's SASS for sm_90 under ``tiling``, its shared memory in bytes and its registers
     a thread (which set how many programs an SM runs); the arguments a second GEMM would take
-    (``PAIR``) left None."""
-    constexprs = dict(constexprs)
-    signature = {}
-    for name in kernel.arg_names:
-        if name in pointers:
-            signature[name] = pointers[name]
-        elif name in constexprs or kernel.params[kernel.arg_names.index(name)].default is None:
-            signature[name] = "constexpr"
-            constexprs.setdefault(name, None)
-        else:
-            signature[name] = "i32"
-    aligned = [name for name in kernel.arg_names if signature[name] != "constexpr" and (name in pointers or name.endswith("_stride") or name == "K")]
-    hints = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}, hints)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tiling.warps, "num_stages": tiling.stages})
+    (``PAIR``) left None. Strides and K are multiples of 16, as at the FFN's shapes."""
+    second_gemms = {p.name: None for p in kernel.params if p.default is None}
+    aligned = {name: 4096 for name in kernel.arg_names if name.endswith("_stride") or name == "K"}
+    compiled = ptxas.compiled_for(kernel, pointers, aligned, second_gemms | constexprs, tiling.warps, tiling.stages)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

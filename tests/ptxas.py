@@ -1,6 +1,7 @@
 """Triton kernels compiled for Hopper on the CPU, and Triton's ptxas on them: the tests that hold a
 kernel to its instructions, registers and spills share it."""
 
+import inspect
 import subprocess
 import tempfile
 
@@ -22,12 +23,14 @@ def report(ptx: str) -> str:
 def compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_warps: int, num_stages: int, capability: int = 90):
     """``kernel`` (a JITFunction) compiled for sm_``capability`` (on any machine: Triton compiles
     without a GPU) with the given pointer types (others fp32), the runtime ints' values (Triton
-    specializes ints divisible by 16, and 1) and constants."""
+    specializes ints divisible by 16, and 1; an int not given: neither) and constants (a constexpr
+    parameter not given: its default). benchmarks/sass_per_value.py compiles through it too."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = constants | {name: 1 for name, value in runtime.items() if value == 1 and name not in kernel.do_not_specialize}
+    constants = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty} | constants
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -36,7 +39,7 @@ def compiled_for(kernel, pointers: dict, runtime: dict, constants: dict, num_war
             signature[name], attrs[(i,)] = pointers.get(name, "*fp32"), [["tt.divisibility", 16]]
         else:  # an int: Triton specializes those divisible by 16 unless told not to
             signature[name] = "i32"
-            if name not in kernel.do_not_specialize and runtime.get(name, 0) % 16 == 0:
+            if name not in kernel.do_not_specialize and name in runtime and runtime[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(
         ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages}
