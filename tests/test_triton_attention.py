@@ -1031,19 +1031,20 @@ def test_backward_kernel_at_the_first_step(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_dtype", ["e4m3", "e5m2"])
 def test_backward_casts_saturate(fp8_dtype):
-    """The backward's P and dS casts (no clamp of their own) are per_tensor.quantize bit for bit
-    on the GPU: round to nearest even, values beyond the format's largest (inf included)
-    saturate to it, NaN stays NaN."""
+    """The backward's P and dS casts (triton_scales.fp8_codes, no clamp of its own) are
+    per_tensor.quantize bit for bit on the GPU: round to nearest even, values beyond the format's
+    largest (inf included) saturate to it, NaN stays NaN."""
     import triton
     import triton.language as tl
 
     from graphquant.formats import per_tensor
     from graphquant.kernels import triton_attention_backward
+    from graphquant.kernels.triton_scales import fp8_codes
 
     @triton.jit
     def cast(X, Y, scale, CODE: tl.constexpr, N: tl.constexpr):
         offs = tl.arange(0, N)
-        tl.store(Y + offs, triton_attention_backward._cast(tl.load(X + offs), scale, CODE))
+        tl.store(Y + offs, fp8_codes(tl.load(X + offs), scale, CODE))
 
     big, tie = (448.0, 464.0) if fp8_dtype == "e4m3" else (57344.0, 61440.0)  # the largest, and halfway past it
     scaled = [0.0, -0.0, 1.0, -1.0, big, -big, big * 1.03, tie, -tie, tie * 1.001, big * 1.2, -big * 1.2, 1e30, -1e30,
