@@ -4,6 +4,8 @@ The GPU cases run every native cuBLASLt path and the emulated path in fprop, dgr
 layouts; the CPU cases pin the block-scale swizzle of the sm100 paths and the planner's choices.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -419,6 +421,16 @@ def test_a_bias_must_be_one_vector_over_the_outputs():
     a, b = _operand(MXFP8Quantizer(), ROWWISE, 64, 128, "cpu"), _operand(MXFP8Quantizer(), ROWWISE, 96, 128, "cpu")
     with pytest.raises(ValueError, match=r"shape \(96,\) of its output's last dim.*got a bias of shape \(64,\) for 1 group"):
         backends.gemm(a, b, 1, torch.float32, backends.GemmBackend(backends.EMULATION), "fc#0 fprop", torch.zeros(64))
+
+
+@pytest.mark.parametrize("b_direction", [ROWWISE, COLUMNWISE])
+def test_a_and_b_must_reduce_over_one_extent(b_direction):
+    """A native kernel would read past the shorter operand: the call names both before any runs."""
+    a = _operand(Float8CurrentScalingQuantizer(), ROWWISE, 64, 128, "cpu")
+    b = _operand(Float8CurrentScalingQuantizer(), b_direction, 96, 256, "cpu")
+    b_shape = (96, 256) if b_direction == ROWWISE else (256, 96)
+    with pytest.raises(ValueError, match=rf"fc#0 fprop: .*A rowwise of shape \(64, 128\) .* over 128, B {b_direction} of shape {re.escape(str(b_shape))} .* over 256"):
+        backends.gemm(a, b, 1, torch.float32, backends.GemmBackend(backends.EMULATION), "fc#0 fprop")
 
 
 SLICED = [p for p in PAIRS if isinstance(p[1], (MXFP8Quantizer, NVFP4Quantizer)) or isinstance(p[2], (MXFP8Quantizer, NVFP4Quantizer))]

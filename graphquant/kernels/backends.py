@@ -35,6 +35,7 @@ from graphquant.quantizers import (
     Representation,
     gemm_dims,
     output_rows,
+    reduced_extent,
     quantizer_classes,
 )
 
@@ -658,7 +659,7 @@ def gemm(
     triton_decode.QuantizedOnLoad where the backend quantizes A itself, or the codes of the kernel
     it quantizes A with first, triton_decode.quantizes_first); every backend adds the
     bias before rounding to out_dtype."""
-    _check_bias(b, batch, site, bias)
+    _check_operands(a, b, batch, site, bias)
     native = checked(backend, a, b, gemm_dims(a, b, batch), batch, site, NATIVE_GEMMS)
     if native is None:
         return emulation.gemm(a, b, batch, out_dtype, bias)
@@ -699,11 +700,24 @@ def gemms_sharing_a(
     (triton_decode.gemms_sharing_a; passes/gemms_sharing_x.py), ``backend`` the plan's choice for
     each, every call checked as ``gemm`` checks it."""
     for b, site, bias in zip(bs, sites, biases, strict=True):
-        _check_bias(b, 1, site, bias)
+        _check_operands(a, b, 1, site, bias)
         native = checked(backend, a, b, gemm_dims(a, b, 1), 1, site, NATIVE_GEMMS)
         if native not in DECODE_GEMMS:
             raise GemmMismatch(f"{site}: GEMMs that share a launch run on the decode GEMM; its plan chose {backend}")
     return [out.unsqueeze(0) for out in triton_decode.gemms_sharing_a(a, bs, out_dtype, biases)]
+
+
+def _check_operands(a: Representation, b: Representation, batch: int, site: str, bias: Optional[torch.Tensor]) -> None:
+    """A and B reduce over one extent (a native kernel would read past the shorter), and the bias
+    fits the output."""
+    k, b_k = (reduced_extent(r.direction, r.shape, batch) for r in (a, b))
+    if k != b_k:
+        raise ValueError(
+            f"{site}: A @ B^T needs A and B to reduce over one extent; A {a.direction} of shape {tuple(a.shape)} "
+            f"({a.quantizer.direction_spec(a.direction)}) reduces over {k}, B {b.direction} of shape {tuple(b.shape)} "
+            f"({b.quantizer.direction_spec(b.direction)}) over {b_k}, in {batch} group(s)"
+        )
+    _check_bias(b, batch, site, bias)
 
 
 def _check_bias(b: Representation, batch: int, site: str, bias: Optional[torch.Tensor]) -> None:

@@ -140,10 +140,15 @@ def output_rows(direction: str, shape: Sequence[int], batch: int = 1) -> int:
     return shape[0] // batch if direction == ROWWISE else shape[1]
 
 
+def reduced_extent(direction: str, shape: Sequence[int], batch: int = 1) -> int:
+    """The extent an operand of logical ``shape`` reduces over in each group's product."""
+    return shape[1] if direction == ROWWISE else shape[0] // batch
+
+
 def gemm_dims(a: Representation, b: Representation, batch: int = 1) -> tuple[int, int, int]:
-    """(m, n, k) of each group's product A @ B^T."""
-    k = a.shape[1] if a.direction == ROWWISE else a.shape[0] // batch
-    return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), k
+    """(m, n, k) of each group's product A @ B^T (k as A reduces: a grouped B, an expert stack,
+    reduces over each expert's rows of its own)."""
+    return output_rows(a.direction, a.shape, batch), output_rows(b.direction, b.shape, batch), reduced_extent(a.direction, a.shape, batch)
 
 
 @dataclasses.dataclass(frozen=True)
