@@ -75,7 +75,7 @@ def dense_tiles(layout, tiling=triton_decode.EXPERT_TILING) -> tuple:
     constexprs = {
         **_common(layout, tiling), "SCALE_COLS": layout.scale_block[1], "BLOCK_M": tiling.block_m, "A_SCALE_ROWS": 1, "B_SCALE_ROWS": 1,
         "SPLIT": True, "PROMOTE_EVERY": 128, "MX": 0, "A_FORMAT": "", "B_FORMAT": "", "A_RULE": None, "A_VALUES": False,
-        "ONE_DOT": False, "PAIR": False, "DEPENDENT": False,
+        "ONE_DOT": False, "GEMMS": 1, "DEPENDENT": False,
     }
     return triton_decode._decode_kernel, constexprs, _pointers(layout, _DENSE_POINTERS), tiling
 
@@ -89,7 +89,7 @@ def grouped_one_row(layout) -> tuple:
 
 def dense_one_row(layout) -> tuple:
     tiling = triton_decode._ONE_ROW[layout.operand]
-    constexprs = {**_common(layout, tiling), "SPLIT": True, "STAGES": tiling.stages, "PAIR": False, "DEPENDENT": False}
+    constexprs = {**_common(layout, tiling), "SPLIT": True, "STAGES": tiling.stages, "GEMMS": 1, "DEPENDENT": False}
     return triton_decode._fma_kernel, constexprs, _pointers(layout, _DENSE_POINTERS), tiling
 
 
@@ -124,11 +124,11 @@ FP8_KERNELS = {
 
 def sass(kernel, constexprs: dict, pointers: dict, tiling) -> tuple[str, int, int]:
     """The kernel's SASS for sm_90 under ``tiling``, its shared memory in bytes and its registers
-    a thread (which set how many programs an SM runs); the arguments a second GEMM would take
-    (``PAIR``) left None. Strides and K are multiples of 16, as at the FFN's shapes."""
-    second_gemms = {p.name: None for p in kernel.params if p.default is None}
+    a thread (which set how many programs an SM runs); the arguments later GEMMs of the launch
+    would take (``GEMMS``) left None. Strides and K are multiples of 16, as at the FFN's shapes."""
+    later_gemms = {p.name: None for p in kernel.params if p.default is None}
     aligned = {name: 4096 for name in kernel.arg_names if name.endswith("_stride") or name == "K"}
-    compiled = ptxas.compiled_for(kernel, pointers, aligned, second_gemms | constexprs, tiling.warps, tiling.stages)
+    compiled = ptxas.compiled_for(kernel, pointers, aligned, later_gemms | constexprs, tiling.warps, tiling.stages)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

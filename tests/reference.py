@@ -779,7 +779,7 @@ def mixed_input_stand_in(rows: list[int]) -> Callable:
 
 class DecodeCalls(list):
     """The A operand of each GEMM the faked decode GEMM ran (``hopper_on_cpu``), in order, and in
-    ``launches`` how many GEMMs each of its launches ran (two where they read one A)."""
+    ``launches`` how many GEMMs each of its launches ran (several where they read one A)."""
 
     def __init__(self) -> None:
         super().__init__()

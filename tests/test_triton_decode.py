@@ -368,7 +368,7 @@ def _fma_kernel_compiled(pointers: dict, runtime: dict, operand: int, divisor: f
 
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, OPERAND=operand, A_FACTOR=1, A_DIVISOR=divisor, B_FACTOR=1, B_DIVISOR=divisor, SPLIT=True,
-        ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, PAIR=False, DEPENDENT=False,
+        ASM=True, WHOLE_TILES=True, BLOCK_N=64, BLOCK_K=block_k, STAGES=1, GEMMS=1, DEPENDENT=False,
     ) | constants
     return ptxas.compiled_for(
         triton_decode._fma_kernel, {"arrivals_ptr": "*i32", **pointers}, runtime, constants, num_warps=4, num_stages=1, capability=capability
@@ -379,8 +379,9 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     """The kernel compiled for Hopper (on any machine: Triton compiles without a GPU) copies the
     weight's codes 16 bytes at a time, asynchronously: every split of K starts at a column the
     compiler knows to be aligned. A split length it cannot see turns every load into a byte load,
-    at a quarter of the speed. A lone GEMM's launch leaves a PAIR's second arguments at their
-    defaults (None pointers), so the code for a second GEMM must not be compiled for it."""
+    at a quarter of the speed. A lone GEMM's launch leaves the later GEMMs' arguments (GEMMS) at
+    their defaults (None pointers), so the code for a second or third GEMM must not be compiled
+    for it."""
     pytest.importorskip("triton")
     import inspect
 
@@ -389,27 +390,33 @@ def test_decode_kernel_reads_fp8_weights_in_16_byte_copies_on_sm90():
     pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 1, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
     parameters = inspect.signature(triton_decode._decode_kernel.fn).parameters
-    lone = {name: None for name in triton_decode._SECOND_GEMMS_ARGUMENTS if name.endswith("_ptr") and parameters[name].default is None}
+    later = [name for names in triton_decode._LATER_GEMMS_ARGUMENTS for name in names]
+    lone = {name: None for name in later if name.endswith("_ptr") and parameters[name].default is None}
     ptx = _decode_kernel_compiled(
         pointers, runtime, OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, **lone
     ).asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
 
 
-def test_two_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm90():
-    """The kernel that runs two GEMMs of one A (PAIR: each program picks its weight's pointer
-    and rows from its program id) keeps the single GEMM's 16-byte asynchronous copies:
-    both weights' pointers and strides are aligned, so the one it picks is too."""
+@pytest.mark.parametrize("gemms", [2, 3])
+def test_gemms_in_one_launch_read_their_fp8_weights_in_16_byte_copies_on_sm90(gemms):
+    """The kernel that runs two or three GEMMs of one A (GEMMS: each program picks its weight's
+    pointer and rows from its program id) keeps the single GEMM's 16-byte asynchronous copies:
+    every weight's pointer and strides are aligned, so the one it picks is too; and it spills
+    nothing."""
     pytest.importorskip("triton")
     from graphquant.kernels import triton_decode
 
-    pointers = {name: "*fp8e4nv" for name in ("a_ptr", "b_ptr", "b2_ptr")}
-    pointers |= {name: "*bf16" for name in ("bias_ptr", "out_ptr", "bias2_ptr", "out2_ptr")}
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     runtime = {"M": 1, "has_bias": 0, "k_chunks": 4, "N": 14336, "K": 4096, "a_stride": 4096, "b_stride": 4096}
-    runtime |= {"has_bias2": 0, "N2": 14336, "b2_stride": 4096}
-    constants = dict(OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, PAIR=True)
-    compiled = _decode_kernel_compiled(pointers, runtime, **constants)
-    assert "cp.async.cg.shared.global" in compiled.asm["ptx"] and "ld.global.b8" not in compiled.asm["ptx"]
+    for i in range(2, gemms + 1):
+        pointers |= {f"b{i}_ptr": "*fp8e4nv", f"bias{i}_ptr": "*bf16", f"out{i}_ptr": "*bf16"}
+        runtime |= {f"has_bias{i}": 0, f"N{i}": 14336, f"b{i}_stride": 4096}
+    unused = {name: None for names in triton_decode._LATER_GEMMS_ARGUMENTS[gemms - 1:] for name in names if name.endswith("_ptr")}
+    constants = dict(OPERAND=triton_decode.FP8_CODES, SCALE_COLS=0, A_DIVISOR=1.0, B_DIVISOR=1.0, GEMMS=gemms, **unused)
+    ptx = _decode_kernel_compiled(pointers, runtime, **constants).asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+    assert "0 bytes spill stores" in ptxas.report(ptx)
 
 
 def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, capability: int = 90, **constants):
@@ -420,7 +427,7 @@ def _decode_kernel_compiled(pointers: dict, runtime: dict, num_warps: int = 4, c
     constants = dict(
         CHUNK=triton_decode.K_CHUNK, A_SCALE_ROWS=1, B_SCALE_ROWS=1, A_FACTOR=1, B_FACTOR=1,
         SPLIT=True, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="", ASM=True, WHOLE_TILES=True, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, PAIR=False, DEPENDENT=False,
+        BLOCK_K=256, A_RULE=None, A_VALUES=False, ONE_DOT=False, GEMMS=1, DEPENDENT=False,
     ) | constants
     return ptxas.compiled_for(
         triton_decode._decode_kernel, {"arrivals_ptr": "*i32", **pointers}, runtime, constants, num_warps=num_warps, num_stages=3,

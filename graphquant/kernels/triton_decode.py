@@ -149,12 +149,12 @@ QUANTIZED_ON_LOAD = {("tensor", (0, 0)): "fp8_tensorwise", ("row", (1, -1)): "fp
 MEASURED_SLOWER = ("mxfp8", "nvfp4")
 QUANTIZING_PAIRS = frozenset(pair for pair in MAX_ROWS if pair[0] in QUANTIZED_ON_LOAD.values())
 # The weight families whose GEMMs that read one A run in one launch (gemms_sharing_a): FP8 codes,
-# multiplied as stored on the tensor cores by one kernel (_decode_kernel's PAIR) at every row
+# multiplied as stored on the tensor cores by one kernel (_decode_kernel's GEMMS) at every row
 # count it takes. MXFP8 shares a launch at one row only (on the FMA units' kernel): at more it runs
 # on tilings (VALUE_TILES) whose A may be decoded by a kernel of its own first.
 SHARED_FAMILIES = ("fp8_tensorwise", "fp8_rowwise", "fp8_block_128x128", "fp8_block_1x128")
 # The weight families whose GEMMs that read one A run in one launch at one row of A alone: the
-# FMA units' program (_fma_kernel's PAIR). MXFP8's pair of FFN weights ran 1.45x faster in one
+# FMA units' program (_fma_kernel's GEMMS). MXFP8's pair of FFN weights ran 1.45x faster in one
 # launch; NVFP4's 1.21x slower under its one-row tiling (benchmarks/NOTES.md, decode_gemm.py).
 ONE_ROW_SHARED_FAMILIES = ("mxfp8",)
 
@@ -165,8 +165,9 @@ def shares_launch(family: str, rows: Optional[int]) -> bool:
     return family in SHARED_FAMILIES or (family in ONE_ROW_SHARED_FAMILIES and rows == 1)
 
 
-# The most GEMMs that read one A one launch runs (gemms_sharing_a: _decode_kernel's PAIR).
-SHARED_LAUNCH = 2
+# The most GEMMs that read one A one launch runs (gemms_sharing_a: the kernels' GEMMS): an
+# attention layer's q, k and v projections (a SwiGLU's gate and up take two).
+SHARED_LAUNCH = 3
 _FP8 = ("e4m3", "e5m2")
 ELEMENT_PAIRS = frozenset({(x, y) for x in _FP8 for y in _FP8} | {("e2m1", "e2m1")})
 # The elements each family's codes are read as, where the pairs above admit more: MXFP8's words
@@ -778,31 +779,54 @@ def _tile_sums(
 
 
 @triton.jit
-def _paired_b(
-    tile, N, BLOCK_N: tl.constexpr, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-    b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+def _of_gemm(second, third, value, value2, value3, GEMMS: tl.constexpr):
+    """Of the values of a launch's first, second and third GEMMs (GEMMS of them), its program's
+    GEMM's (``second``, ``third``: whether the program is that GEMM's, _shared_b)."""
+    value = tl.where(second, value2, value)
+    if GEMMS == 3:
+        value = tl.where(third, value3, value)
+    return value
+
+
+@triton.jit
+def _shared_b(
+    tile, BLOCK_N: tl.constexpr, GEMMS: tl.constexpr, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+    N2, b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride,
+    N3, b3_ptr, b3_scale_ptr, b3_stride, b3_scale_row_stride, b3_scale_col_stride,
 ):
-    """A PAIR's program ``tile`` of the grid's first axis, which takes the first GEMM's tiles, then
-    the second's: whether it is the second's, its tile there, and that GEMM's rows and B."""
-    second = tile >= tl.cdiv(N, BLOCK_N)
+    """A launch of GEMMS GEMMs' program ``tile`` of the grid's first axis, which takes the first
+    GEMM's tiles, then the second's, then the third's: whether it is the second's or the third's,
+    its tile there, and that GEMM's rows and B."""
+    second_start = tl.cdiv(N, BLOCK_N)
+    third_start = second_start + tl.cdiv(N2, BLOCK_N)
+    second, third = tile >= second_start, False
+    if GEMMS == 3:
+        third = tile >= third_start
     return (
-        second, tl.where(second, tile - tl.cdiv(N, BLOCK_N), tile), tl.where(second, N2, N), tl.where(second, b2_ptr, b_ptr),
-        tl.where(second, b2_scale_ptr, b_scale_ptr), tl.where(second, b2_stride, b_stride),
-        tl.where(second, b2_scale_row_stride, b_scale_row_stride), tl.where(second, b2_scale_col_stride, b_scale_col_stride),
+        second, third, _of_gemm(second, third, tile, tile - second_start, tile - third_start, GEMMS),
+        _of_gemm(second, third, N, N2, N3, GEMMS), _of_gemm(second, third, b_ptr, b2_ptr, b3_ptr, GEMMS),
+        _of_gemm(second, third, b_scale_ptr, b2_scale_ptr, b3_scale_ptr, GEMMS), _of_gemm(second, third, b_stride, b2_stride, b3_stride, GEMMS),
+        _of_gemm(second, third, b_scale_row_stride, b2_scale_row_stride, b3_scale_row_stride, GEMMS),
+        _of_gemm(second, third, b_scale_col_stride, b2_scale_col_stride, b3_scale_col_stride, GEMMS),
     )
 
 
 @triton.jit
-def _write_paired(
-    total, n, m, N, M, PAIR: tl.constexpr, second, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
-    b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, arrivals_ptr,
-    A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr, SPLIT: tl.constexpr,
-    split, splits, arrival, a_factor=None,
+def _write_shared(
+    total, n, m, N, M, GEMMS: tl.constexpr, second, third, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
+    b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, b3_factor_ptr, bias3_ptr, out3_ptr, partial3_ptr, has_bias3,
+    arrivals_ptr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
+    SPLIT: tl.constexpr, split, splits, arrival, a_factor=None,
 ):
-    """_write into the first GEMM's factor, bias and output, or a PAIR's second GEMM's (a bias may
-    differ from the first's in dtype). The branch is static apart from PAIR: a lone GEMM's second
-    arguments are None."""
-    if PAIR and second:
+    """_write into the factor, bias and output of the program's GEMM of the GEMMS (_shared_b: a
+    bias may differ from another's in dtype, so each GEMM writes in a branch of its own). The
+    branches are static apart from GEMMS: a lone GEMM's later arguments are None."""
+    if GEMMS == 3 and third:
+        _write(
+            total, n, m, N, M, a_factor_ptr, b3_factor_ptr, bias3_ptr, out3_ptr, partial3_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
+            B_FACTOR, B_DIVISOR, has_bias3, SPLIT, split, splits, arrival, a_factor,
+        )
+    elif GEMMS > 1 and second:
         _write(
             total, n, m, N, M, a_factor_ptr, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, arrivals_ptr, A_FACTOR, A_DIVISOR,
             B_FACTOR, B_DIVISOR, has_bias2, SPLIT, split, splits, arrival, a_factor,
@@ -876,7 +900,7 @@ def _fma_row_sums(
 # bias cases share one compiled kernel per format and tiling; so does every K split, given as its
 # number of CHUNK columns (k_chunks): a split's columns start at a multiple of CHUNK the compiler
 # sees, so that its loads (codes and scales) are aligned, vectorized and pipelined.
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "has_bias3"])
 def _decode_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
@@ -886,9 +910,11 @@ def _decode_kernel(
     SPLIT: tl.constexpr, PROMOTE_EVERY: tl.constexpr, MX: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     ASM: tl.constexpr, WHOLE_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_RULE: tl.constexpr = None, A_VALUES: tl.constexpr = False,
-    ONE_DOT: tl.constexpr = False, PAIR: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, GEMMS: tl.constexpr = 1, DEPENDENT: tl.constexpr = False,
     b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
     bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
+    b3_ptr=None, b3_scale_ptr=None, b3_factor_ptr=None, b3_stride=0, b3_scale_row_stride=0, b3_scale_col_stride=0,
+    bias3_ptr=None, has_bias3=0, out3_ptr=None, partial3_ptr=None, N3=0,
 ):
     """Program (i, s, j): the sums over the s-th k_chunks * CHUNK columns of BLOCK_N rows of B
     against BLOCK_M rows of A, finished into out where K is not SPLIT, else reduced by _write.
@@ -903,15 +929,17 @@ def _decode_kernel(
     loaded under the scale (per tensor or per row) that rule makes from the amaxes of A's rows,
     which stand in A's factor at a_factor_ptr. A_VALUES: MXFP8's or NVFP4's A decoded first
     (_a_values_kernel), its stride in values; ONE_DOT: in K's own order, as the weight's step is
-    decoded then, one dot a step. PAIR: the launch runs a second GEMM of the same A (FP8 codes)
-    and kind of B, its own arguments those named 2 (b2_ptr to N2): the grid's first axis takes
-    the first GEMM's tiles, then the second's, all K-split alike, so that each output is its rows
-    of one GEMM over the two B's stacked, bit for bit."""
-    second, tile, rows = False, tl.program_id(0), N
-    if PAIR:  # the B and rows of this program's tile: the first GEMM's or the second's
-        second, tile, rows, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _paired_b(
-            tile, N, BLOCK_N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-            b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+    decoded then, one dot a step. GEMMS: the launch runs that many GEMMs (up to SHARED_LAUNCH) of
+    the same A (FP8 codes) and kind of B, the second's and third's own arguments those named 2
+    (b2_ptr to N2) and 3: the grid's first axis takes the first GEMM's tiles, then the second's,
+    then the third's, all K-split alike, so that each output is its rows of one GEMM over the B's
+    stacked, bit for bit."""
+    second, third, tile, rows = False, False, tl.program_id(0), N
+    if GEMMS > 1:  # the B and rows of this program's tile: its GEMM's
+        second, third, tile, rows, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _shared_b(
+            tile, BLOCK_N, GEMMS, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+            N2, b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride,
+            N3, b3_ptr, b3_scale_ptr, b3_stride, b3_scale_row_stride, b3_scale_col_stride,
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
@@ -926,29 +954,31 @@ def _decode_kernel(
     m_row = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     a_factor = reciprocal(a_scale) if A_RULE is not None else None  # A's factor, as A was quantized
     split, splits, arrival = tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    _write_paired(
-        total, n, m_row, rows, M, PAIR, second, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
-        b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT,
-        split, splits, arrival, a_factor,
+    _write_shared(
+        total, n, m_row, rows, M, GEMMS, second, third, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias,
+        b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr, has_bias2, b3_factor_ptr, bias3_ptr, out3_ptr, partial3_ptr, has_bias3,
+        arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT, split, splits, arrival, a_factor,
     )
 
 
 _autotuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in AUTOTUNED_TILES],
-    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT", "N2"],
+    key=["N", "K", "k_chunks", "OPERAND", "SCALE_COLS", "SPLIT", "N2", "N3"],
 )(_decode_kernel)
 
 
-@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2"])  # as _decode_kernel
+@triton.jit(do_not_specialize=["M", "has_bias", "k_chunks", "has_bias2", "has_bias3"])  # as _decode_kernel
 def _fma_kernel(
     a_ptr, a_scale_ptr, a_factor_ptr, a_stride, a_scale_row_stride, a_scale_col_stride,
     b_ptr, b_scale_ptr, b_factor_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
     bias_ptr, has_bias, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_chunks, CHUNK: tl.constexpr,
     OPERAND: tl.constexpr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr, B_DIVISOR: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, WHOLE_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, PAIR: tl.constexpr = False, DEPENDENT: tl.constexpr = False,
+    STAGES: tl.constexpr, GEMMS: tl.constexpr = 1, DEPENDENT: tl.constexpr = False,
     b2_ptr=None, b2_scale_ptr=None, b2_factor_ptr=None, b2_stride=0, b2_scale_row_stride=0, b2_scale_col_stride=0,
     bias2_ptr=None, has_bias2=0, out2_ptr=None, partial2_ptr=None, N2=0,
+    b3_ptr=None, b3_scale_ptr=None, b3_factor_ptr=None, b3_stride=0, b3_scale_row_stride=0, b3_scale_col_stride=0,
+    bias3_ptr=None, has_bias3=0, out3_ptr=None, partial3_ptr=None, N3=0,
 ):
     """_decode_kernel's program for MXFP8 and NVFP4 on the FMA units, one row of A (program
     (i, s, j) takes row j): the codes read as 64-bit words (8 E4M3 or 16 E2M1 codes; strides
@@ -960,13 +990,14 @@ def _fma_kernel(
     both blocks' scales (exact), into one partial sum per (run, row, word); MXFP8: A's values
     times their scale (exact), each block's 32 products summed in fp32, then times the weight's
     power-of-two scale (exact in fp32's normal range) into one partial sum per (run, row). All
-    summed at the end. WHOLE_TILES: every tile lies inside both operands (no masks). PAIR: as
-    _decode_kernel's, a second GEMM of the same A."""
-    second, tile = False, tl.program_id(0)
-    if PAIR:
-        second, tile, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _paired_b(
-            tile, N, BLOCK_N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
-            b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride, N2,
+    summed at the end. WHOLE_TILES: every tile lies inside both operands (no masks). GEMMS: as
+    _decode_kernel's, GEMMs of the same A."""
+    second, third, tile = False, False, tl.program_id(0)
+    if GEMMS > 1:
+        second, third, tile, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride = _shared_b(
+            tile, BLOCK_N, GEMMS, N, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride, b_scale_col_stride,
+            N2, b2_ptr, b2_scale_ptr, b2_stride, b2_scale_row_stride, b2_scale_col_stride,
+            N3, b3_ptr, b3_scale_ptr, b3_stride, b3_scale_row_stride, b3_scale_col_stride,
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
@@ -976,11 +1007,11 @@ def _fma_kernel(
         b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES,
         BLOCK_N, BLOCK_K, STAGES,
     )
-    _write_paired(
-        total, tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32), N, M, PAIR, second,
-        a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr,
-        has_bias2, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR, B_DIVISOR, SPLIT, tl.program_id(1), tl.num_programs(1),
-        tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
+    _write_shared(
+        total, tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], tl.program_id(2) + tl.zeros((1, 1), tl.int32), N, M, GEMMS, second,
+        third, a_factor_ptr, b_factor_ptr, bias_ptr, out_ptr, partial_ptr, has_bias, b2_factor_ptr, bias2_ptr, out2_ptr, partial2_ptr,
+        has_bias2, b3_factor_ptr, bias3_ptr, out3_ptr, partial3_ptr, has_bias3, arrivals_ptr, A_FACTOR, A_DIVISOR, B_FACTOR,
+        B_DIVISOR, SPLIT, tl.program_id(1), tl.num_programs(1), tl.program_id(2) * tl.num_programs(0) + tl.program_id(0),
     )
 
 
@@ -1258,13 +1289,14 @@ def gemm(
 def gemms_sharing_a(
     a: Representation | QuantizedOnLoad, bs: Sequence[Representation], out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """[A @ B^T (+ bias) for each B and bias], for one or SHARED_LAUNCH B's (a SwiGLU's gate and
-    up projections) that read one A: two run in one launch of _decode_kernel (PAIR) whose grid
-    covers both weights' tiles, K split once for all their rows, so that the outputs are, bit for
-    bit, ``gemm`` of A and the B's stacked (one B of both's rows), split apart. Both B's of one
-    layout family of FP8 codes (SHARED_FAMILIES) and one element, A at most one tile of rows
-    (MAX_ROWS), as ``gemm`` takes them with no config; or of MXFP8 against one row of A
-    (ONE_ROW_SHARED_FAMILIES: _fma_kernel's PAIR, under the one-row tiling)."""
+    """[A @ B^T (+ bias) for each B and bias], for one to SHARED_LAUNCH B's that read one A (a
+    SwiGLU's gate and up projections, an attention layer's q, k and v): several run in one launch
+    of _decode_kernel (GEMMS) whose grid covers all their weights' tiles, K split once for all
+    their rows, so that the outputs are, bit for bit, ``gemm`` of A and the B's stacked (one B of
+    all their rows), split apart. All B's of one layout family of FP8 codes (SHARED_FAMILIES) and
+    one element, A at most one tile of rows (MAX_ROWS), as ``gemm`` takes them with no config; or
+    of MXFP8 against one row of A (ONE_ROW_SHARED_FAMILIES: _fma_kernel's GEMMS, under the one-row
+    tiling)."""
     if len(bs) != len(biases) or not 1 <= len(bs) <= SHARED_LAUNCH:
         raise ValueError(
             f"the decode GEMM runs one to {SHARED_LAUNCH} GEMMs that read one A in a launch, each with its bias or None; "
@@ -1273,74 +1305,95 @@ def gemms_sharing_a(
     if len(bs) == 1:
         return [gemm(a, bs[0], out_dtype, biases[0])]
     a, rule = _a_as_read(a, None)
-    (a_layout, a_args), (first, second) = _operand(a, "A"), [_operand(b, "B") for b in bs]
+    (a_layout, a_args), operands = _operand(a, "A"), [_operand(b, "B") for b in bs]
     kinds = [(b.quantizer.gemm_input(b.direction).family, b.data.dtype) for b in bs]
-    (m, n, k), (_, n2, k2) = (gemm_dims(a, b) for b in bs)
-    if kinds[0] != kinds[1] or not shares_launch(kinds[0][0], m):
+    dims = [gemm_dims(a, b) for b in bs]
+    (m, _, k), rows = dims[0], [n for _, n, _ in dims]
+    if len(set(kinds)) > 1 or not shares_launch(kinds[0][0], m):
+        got = ", ".join(f"{b.quantizer} ({kind})" for b, kind in zip(bs, kinds))
         raise ValueError(
-            f"the decode GEMM runs two GEMMs in one launch where both B's are of one family of {SHARED_FAMILIES} "
-            f"(or of {ONE_ROW_SHARED_FAMILIES} against one row of A) and one element dtype; got {bs[0].quantizer} ({kinds[0]}) "
-            f"and {bs[1].quantizer} ({kinds[1]}) against {m} rows"
+            f"the decode GEMM runs GEMMs in one launch where all B's are of one family of {SHARED_FAMILIES} "
+            f"(or of {ONE_ROW_SHARED_FAMILIES} against one row of A) and one element dtype; got {got} against {m} rows"
         )
-    if k != k2:
-        raise ValueError(f"the two B's of one A reduce over its {k} columns; got B's of shapes {bs[0].shape} and {bs[1].shape}")
+    if any(b.shape[1 if b.direction == ROWWISE else 0] != k for b in bs):  # each B's own reduced extent
+        raise ValueError(f"the B's of one A reduce over its {k} columns; got B's of shapes {[tuple(b.shape) for b in bs]}")
     _families(a, bs[0], m, None)
     if kinds[0][0] not in SHARED_FAMILIES:
-        return _one_row_pair(a_layout, a_args, first, second, out_dtype, biases, n, n2, k)
+        return _one_row_shared(a_layout, a_args, operands, out_dtype, biases, rows, k)
     row_tiles = ceil_div(m, ONE_TILE_ROWS)
-    splits, k_chunks = _k_split(n + n2, k, a.data.device, None, row_tiles)
-    ends = [_ends(bias, torch.empty((m, rows), dtype=out_dtype, device=a.data.device), splits) for bias, rows in zip(biases, (n, n2))]
+    splits, k_chunks = _k_split(sum(rows), k, a.data.device, None, row_tiles)
+    ends = [_ends(bias, torch.empty((m, n), dtype=out_dtype, device=a.data.device), splits) for bias, n in zip(biases, rows)]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
-    arrivals = _arrivals(a.data.device, (ceil_div(n, least_block_n) + ceil_div(n2, least_block_n)) * row_tiles)
+    arrivals = _arrivals(a.data.device, _tiles(rows, least_block_n) * row_tiles)
     _launch_autotuned(
-        lambda meta: (ceil_div(n, meta["BLOCK_N"]) + ceil_div(n2, meta["BLOCK_N"]), splits, row_tiles),
-        a_layout, a_args, first[0], (*first[1], *ends[0]), arrivals, m, n, k, k_chunks, splits > 1, rule,
-        PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*second[1], *ends[1]))), N2=n2,
+        lambda meta: (_tiles(rows, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, operands[0][0],
+        (*operands[0][1], *ends[0]), arrivals, m, rows[0], k, k_chunks, splits > 1, rule,
+        **_later_gemms([args for _, args in operands[1:]], ends[1:], rows[1:]),
     )
     return [out for _, _, out, _ in ends]
 
 
-def _one_row_pair(
-    a_layout: _Layout, a_args: tuple, first: tuple, second: tuple, out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
-    n: int, n2: int, k: int,
+def _one_row_shared(
+    a_layout: _Layout, a_args: tuple, operands: list, out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]],
+    rows: list[int], k: int,
 ) -> list[torch.Tensor]:
-    """gemms_sharing_a's two GEMMs of one row of A (ONE_ROW_SHARED_FAMILIES): one launch of
-    _fma_kernel's PAIR under the one-row tiling, K split once for both weights' rows."""
-    b_layout = first[0]
+    """gemms_sharing_a's GEMMs of one row of A (ONE_ROW_SHARED_FAMILIES): one launch of
+    _fma_kernel's GEMMS under the one-row tiling, K split once for all their weights' rows."""
+    b_layout = operands[0][0]
     config = _ONE_ROW[b_layout.operand]
     device = a_args[0].device
-    splits, k_chunks = _k_split(n + n2, k, device, config, 1)
-    ends = [_ends(bias, torch.empty((1, rows), dtype=out_dtype, device=device), splits) for bias, rows in zip(biases, (n, n2))]
-    tiles = ceil_div(n, config.block_n) + ceil_div(n2, config.block_n)
+    splits, k_chunks = _k_split(sum(rows), k, device, config, 1)
+    ends = [_ends(bias, torch.empty((1, n), dtype=out_dtype, device=device), splits) for bias, n in zip(biases, rows)]
+    tiles = _tiles(rows, config.block_n)
     arrivals = _arrivals(device, tiles) if splits > 1 else ends[0][2]
-    whole_tiles = k % (k_chunks * K_CHUNK) == 0 and n % config.block_n == 0 and n2 % config.block_n == 0
+    whole_tiles = k % (k_chunks * K_CHUNK) == 0 and all(n % config.block_n == 0 for n in rows)
+    b_args = [_in_words(args) for _, args in operands]
     _launch_fma(
-        config, (tiles, splits, 1), _in_words(a_args), b_layout, _in_words(first[1]), ends[0], arrivals, 1, n, k, k_chunks,
-        _factors(a_layout, b_layout), whole_tiles, PAIR=True, **dict(zip(_SECOND_GEMMS_ARGUMENTS, (*_in_words(second[1]), *ends[1]))),
-        N2=n2,
+        config, (tiles, splits, 1), _in_words(a_args), b_layout, b_args[0], ends[0], arrivals, 1, rows[0], k, k_chunks,
+        _factors(a_layout, b_layout), whole_tiles, **_later_gemms(b_args[1:], ends[1:], rows[1:]),
     )
     return [out for _, _, out, _ in ends]
 
 
 def _launch_fma(
     config: DecodeConfig, grid: tuple, a_args: tuple, b_layout: _Layout, b_args: tuple, ends: tuple, arrivals: torch.Tensor,
-    m: int, n: int, k: int, k_chunks: int, factors: dict, whole_tiles: bool, **pair,
+    m: int, n: int, k: int, k_chunks: int, factors: dict, whole_tiles: bool, **later,
 ) -> None:
-    """One launch of _fma_kernel under ``config`` (operands read as words: _in_words)."""
+    """One launch of _fma_kernel under ``config`` (operands read as words: _in_words); ``later``:
+    its later GEMMs' arguments (_later_gemms)."""
     launch(
         _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
         **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, STAGES=config.stages, **pair,
+        BLOCK_K=config.block_k, STAGES=config.stages, **later,
         num_warps=config.warps, num_stages=config.stages, **_dependent_launch(a_args[0].device),
     )
 
 
-# _decode_kernel's and _fma_kernel's arguments of a PAIR's second GEMM, in the order of the first's
-# (_operand, _ends).
-_SECOND_GEMMS_ARGUMENTS = (
-    "b2_ptr", "b2_scale_ptr", "b2_factor_ptr", "b2_stride", "b2_scale_row_stride", "b2_scale_col_stride",
-    "bias2_ptr", "has_bias2", "out2_ptr", "partial2_ptr",
+def _tiles(rows: Sequence[int], block_n: int) -> int:
+    """The grid's first axis for GEMMs of weights of these ``rows``, each in tiles of block_n rows."""
+    return sum(ceil_div(n, block_n) for n in rows)
+
+
+# _decode_kernel's and _fma_kernel's arguments of a launch's second GEMM and third (GEMMS), each in
+# the order of the first's (_operand, _ends), then its rows.
+_LATER_GEMMS_ARGUMENTS = tuple(
+    tuple(
+        name.format(i) for name in (
+            "b{}_ptr", "b{}_scale_ptr", "b{}_factor_ptr", "b{}_stride", "b{}_scale_row_stride", "b{}_scale_col_stride",
+            "bias{}_ptr", "has_bias{}", "out{}_ptr", "partial{}_ptr", "N{}",
+        )
+    )
+    for i in (2, 3)
 )
+
+
+def _later_gemms(b_args: Sequence[tuple], ends: Sequence[tuple], rows: Sequence[int]) -> dict:
+    """The kernels' GEMMS and the arguments of a launch's later GEMMs (_LATER_GEMMS_ARGUMENTS)
+    from each one's B (_operand's arguments), ends (_ends) and rows."""
+    later = {"GEMMS": 1 + len(rows)}
+    for names, b, end, n in zip(_LATER_GEMMS_ARGUMENTS, b_args, ends, rows):
+        later.update(zip(names, (*b, *end, n), strict=True))
+    return later
 
 
 def _ends(bias: Optional[torch.Tensor], out: torch.Tensor, splits: int) -> tuple:
@@ -1393,18 +1446,18 @@ def _k_split(n: int, k: int, device: torch.device, config: Optional[DecodeConfig
 
 def _launch_autotuned(
     grid, a_layout: _Layout, a_args: tuple, b_layout: _Layout, b_and_ends: tuple, arrivals: torch.Tensor,
-    m: int, n: int, k: int, k_chunks: int, split: bool, rule: Optional[tuple], **pair,
+    m: int, n: int, k: int, k_chunks: int, split: bool, rule: Optional[tuple], **later,
 ) -> None:
     """_decode_kernel on FP8 codes, its weight tile autotuned: A's arguments, the first B's with
-    its bias, has_bias, out and partial sums (``b_and_ends``), and ``pair``, the second GEMM's
-    (PAIR)."""
+    its bias, has_bias, out and partial sums (``b_and_ends``), and ``later``, the later GEMMs'
+    (_later_gemms)."""
     launch(
         _autotuned, grid, *a_args, *b_and_ends, arrivals, m, n, k, k_chunks, K_CHUNK,
         OPERAND=b_layout.operand, SCALE_COLS=b_layout.scale_block[1],
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
         **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
-        **_dependent_launch(a_args[0].device), **pair,
+        **_dependent_launch(a_args[0].device), **later,
     )
 
 
