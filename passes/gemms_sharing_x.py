@@ -4,8 +4,9 @@ A SwiGLU's gate and up projections read one activation, as an attention layer's 
 projections do. At decode sizes each GEMM's time is mostly its weight's bytes plus the ramp and
 tail of its launch; one launch of the decode GEMM whose grid covers all their weights pays the
 latter once, and splits K for their rows together, as one GEMM over the weights stacked
-(graphquant.kernels.triton_decode.gemms_sharing_a: its outputs are that GEMM's bits). The pass makes that choice where the plan's choices allow it, so the graph
-(and its dump) carries it; frozen and per-call models make it alike, so they compute the same bits.
+(graphquant.kernels.triton_decode.gemms_sharing_a: its outputs are that GEMM's bits). The pass
+makes that choice where the plan's choices allow it, so the graph (and its dump) carries it; frozen
+and per-call models make it alike, so they compute the same bits.
 
 Expects: a rewritten inference graph (passes/rewrite.py): frozen linears as calls of
 graphquant.ops.functional.quantized_frozen_linear, the others as calls of quantized_linear with

@@ -76,7 +76,7 @@ from graphquant.kernels.triton_dequantize import (
 from graphquant.kernels.triton_grouped_gemm import pad_rows_alone
 from graphquant.kernels.triton_launch import ceil_div, launch
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
-from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims
+from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims, reduced_extent
 
 BACKEND = "triton decode gemm"
 # The same kernels given A in high precision with the amaxes of its rows, which they quantize
@@ -1315,7 +1315,7 @@ def gemms_sharing_a(
             f"the decode GEMM runs GEMMs in one launch where all B's are of one family of {SHARED_FAMILIES} "
             f"(or of {ONE_ROW_SHARED_FAMILIES} against one row of A) and one element dtype; got {got} against {m} rows"
         )
-    if any(b.shape[1 if b.direction == ROWWISE else 0] != k for b in bs):  # each B's own reduced extent
+    if any(reduced_extent(b.direction, b.shape) != k for b in bs):
         raise ValueError(f"the B's of one A reduce over its {k} columns; got B's of shapes {[tuple(b.shape) for b in bs]}")
     _families(a, bs[0], m, None)
     if kinds[0][0] not in SHARED_FAMILIES:
