@@ -12,14 +12,18 @@ weight quantized from its current value on every call); a frozen linear (graphqu
 its stored quantized weight, which must be in the plan's format, and so does a grouped site that
 passes/expert_weights.py found reading a frozen expert stack (its stored tensors enter as extra
 placeholders too, read from its FrozenExperts at each call). An einsum's equation becomes the layout
-find_gemms worked out for it. Nothing else in the graph changes.
+find_gemms worked out for it. A grouped site's tokens gathered by indexing for it alone (x =
+source[index], a 1-D integer index of a 2-D source: an MoE layer's tokens sorted by expert) are read
+through that index by the site (its ``rows``), and the gather goes; nothing else in the graph changes.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Callable, Optional
 
+import torch
 from torch import fx
 
 from graphquant.formats.groups import GROUP_ROWS
@@ -121,18 +125,23 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         states = tuple(state(str(r)) if needs_delayed_state(r) and not high_precision else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
         args, form_kwargs = _arguments(node, site)
+        gather = _tokens_gather(args[0]) if site.form == GROUPED else None
+        if gather is not None:
+            args, form_kwargs = (gather.args[0], *args[1:]), {**form_kwargs, "rows": gather.args[1]}
         target = _TARGETS.get(site.form, functional.quantized_matmul)
         stack = node.meta.get("graphquant_frozen_stack")
         if stack is not None:  # a frozen expert stack (graphquant.freeze): its stored tensors in w's place
             _check_stored_format(site, stack.spec, plan, high_precision)
             x, _, offs = args
             args, target = (x, [state(("frozen", stack.module, part)) for part in FROZEN_PARTS], offs), grouped.quantized_frozen_grouped_mm
-            form_kwargs = {"shape": stack.shape, "dtype": stack.dtype}
+            form_kwargs = {**form_kwargs, "shape": stack.shape, "dtype": stack.dtype}
         with graph.inserting_before(node):
             replacement = graph.call_function(target, args, {**form_kwargs, **kwargs})
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
+        if gather is not None:
+            graph.erase_node(gather)
     graph.lint()
     gm.recompile()
 
@@ -204,6 +213,20 @@ def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[obje
         return nodes[key]
 
     return state
+
+
+def _tokens_gather(x: object) -> Optional[fx.Node]:
+    """The node x = source[index] where a grouped site alone reads it, a 1-D integer index of a
+    2-D source (an MoE layer's tokens sorted by expert): the site reads source through the index
+    instead, so that no copy of the tokens is written first; else None."""
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem and len(x.users) == 1):
+        return None
+    source, index = x.args
+    values = [a.meta.get("example_value") if isinstance(a, fx.Node) else None for a in (source, index)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    source_value, index_value = values
+    return x if source_value.dim() == 2 and index_value.dim() == 1 and index_value.dtype in (torch.int32, torch.int64) else None
 
 
 def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:

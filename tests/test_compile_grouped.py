@@ -1105,6 +1105,53 @@ class RoutedLayer(torch.nn.Module):
         return y[order.argsort()] * gate[:, None]
 
 
+class GatheredLayer(RoutedLayer):
+    """RoutedLayer whose gather indexes from the end (negative indices, as x[i - T]) where
+    ``from_end``."""
+
+    def __init__(self, from_end=False):
+        super().__init__()
+        self.from_end = from_end
+
+    def forward(self, x):
+        gate, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        offs = torch.bincount(expert, minlength=EXPERTS).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x[order - x.shape[0] if self.from_end else order], self.up, offs=offs)
+        return y[order.argsort()] * gate[:, None]
+
+
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise", "mxfp8"])
+def test_tokens_gathered_for_a_grouped_site_alone_are_read_through_the_gather(name, monkeypatch):
+    """x[order] that only a grouped site reads (an MoE layer's tokens sorted by expert) reaches
+    the site as x and the index, which the quantize reads x's rows through: no copy of the
+    gathered tokens is written, and the output and every gradient are the bits of the copied
+    tokens' path; an index counted from the end reads the same rows."""
+    recipe = recipes.mxfp8_block_scaling() if name == "mxfp8" else zoo.recipe(name)
+    x = chain_input("cpu")
+    rows = x.shape[0]
+
+    def run(model):
+        graphs = []
+        keep = lambda gm, example_inputs: graphs.append(gm) or make_boxed_func(gm)  # noqa: E731
+        compiled = graphquant.compile(model, recipe, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+        torch._dynamo.reset()
+        return forward_backward(compiled, model, x), graphs
+
+    layer = GatheredLayer()
+    through, graphs = run(copy.deepcopy(layer))
+    forward = graphs[0].graph.nodes
+    copies = [n for n in forward if n.target is torch.ops.aten.index.Tensor and n.args[0].op == "placeholder"]  # x[order]
+    assert not copies, "the gathered tokens were copied"
+    quantizes = [n for n in forward if n.target is torch.ops.graphquant.grouped_quantize.default and n.args[0].meta["val"].shape == (rows, DIM)]
+    assert quantizes and all(n.args[3] is not None and n.args[4] is None for n in quantizes)  # a source, no runs
+    from_end = copy.deepcopy(layer)
+    from_end.from_end = True
+    assert_same_results(run(from_end)[0], through, what="an index from the end: ")
+    monkeypatch.setattr("graphquant.passes.rewrite._tokens_gather", lambda x: None)
+    assert_same_results(run(copy.deepcopy(layer))[0], through, what="the copied tokens: ")
+
+
 def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason():
     model, x = RoutedLayer(), chain_input("cpu")
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)

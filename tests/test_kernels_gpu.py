@@ -448,12 +448,14 @@ def test_grouped_quantize_through_a_gather(backend, name):
     """A MoE site's rows quantized into the padded layout as the kernel reads them through the
     layout's gather (groups.padding's source: pad rows, and an empty group, read nothing) are what
     the quantize of the padded copy makes, bit for bit, each direction alone and both at once; rows
-    of 16-byte pieces and rows read element by element; whole tiles (the register tile program)."""
+    of 16-byte pieces and rows read element by element; whole tiles (the register tile program);
+    and rows read one by one through a gather of the model's own (a shuffled source, no runs)."""
     quantizer = grouped_quantizer(name)
     rows = 700
     offs = torch.tensor([200, 200, 333, rows], dtype=torch.int32, device=backend)  # an empty group
     layout = groups.padding(offs, rows, GROUP_ROWS, groups.padded_bound(rows, 4, GROUP_ROWS))
     bounds = layout.bounds
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).to(backend)
     for cols, dtype in ((160, torch.bfloat16), (160, torch.float32), (131, torch.float16), (256, torch.bfloat16)):
         directions = [d for d in (ROWWISE, COLUMNWISE) if supported(quantizer, (layout.padded_rows, cols), d)]
         if not directions:
@@ -463,9 +465,14 @@ def test_grouped_quantize_through_a_gather(backend, name):
             both = dict(rowwise=ROWWISE in wanted, columnwise=COLUMNWISE in wanted)
             got = native.grouped_quantize_pass(quantizer, x, layout.row_group, bounds, CTX, source=layout.source, runs=layout.runs, **both)
             want = native.grouped_quantize_pass(quantizer, layout.pad(x), layout.row_group, bounds, CTX, **both)
+            # A gather of the model's own in front (tokens sorted by expert): each row read through it.
+            shuffled = torch.where(layout.source >= 0, order[layout.source.clamp_min(0)], -1)
+            through = native.grouped_quantize_pass(quantizer, x, layout.row_group, bounds, CTX, source=shuffled, **both)
+            want_through = native.grouped_quantize_pass(quantizer, groups.gather_rows(x, shuffled), layout.row_group, bounds, CTX, **both)
             for direction in wanted:
                 what = f"{direction} of {wanted}, {cols} {dtype}"
                 assert_same_rep(getattr(got, direction), getattr(want, direction), what)
+                assert_same_rep(getattr(through, direction), getattr(want_through, direction), f"{what}, through a gather")
 
 
 @pytest.mark.parametrize("name", [*GROUPED, GROUPED_HYBRID])

@@ -55,6 +55,9 @@ struct TileParams {
   // A padded layout's 128-row tiles (graphquant.formats.groups.tile_runs): tile i's rows are x's
   // rows runs[2i], runs[2i] + 1, ..., runs[2i + 1] of them, then zero rows (null: row r is x's row r).
   const int32_t* runs = nullptr;
+  // A padded layout read through a gather of its own (an MoE layer's tokens, sorted by expert):
+  // row r is x's row rows[r], a zero row where that is -1 (null: runs, or row r is x's row r).
+  const int64_t* rows = nullptr;
   int G = 1;
   float* dbias_partial = nullptr;  // (row tiles, K) column sums of x per tile, or null
 };

@@ -232,7 +232,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
                                  const c10::optional<at::Tensor>& group_bounds, bool want_dbias,
                                  const c10::optional<at::Tensor>& rng, int64_t rng_offset,
                                  const c10::optional<at::Tensor>& runs, const c10::optional<at::Tensor>& col_amax,
-                                 bool col_output) {
+                                 bool col_output, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(input.dim() == 2, "graphquant.quantize takes a 2-D tensor");
 #ifndef GRAPHQUANT_EMULATE
   const c10::cuda::CUDAGuard guard(input.device());
@@ -245,7 +245,14 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
                 "graphquant.quantize: runs must be a contiguous (tiles, 2) int32 tensor on the input's device, got ",
                 runs->scalar_type(), " of shape ", runs->sizes(), " on ", runs->device());
   }
-  const int64_t M = runs.has_value() ? runs->size(0) * 128 : x.size(0), K = x.size(1);
+  // ... or each row read through a gather of its own: x's row, -1 a zero row.
+  if (rows.has_value()) {
+    TORCH_CHECK(!runs.has_value() && rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) % 128 == 0 &&
+                    rows->is_contiguous() && rows->device() == x.device(),
+                "graphquant.quantize: rows must be a contiguous 1-D int64 tensor of whole 128-row tiles on the input's device, ",
+                "given without runs; got ", rows->scalar_type(), " of shape ", rows->sizes(), " on ", rows->device());
+  }
+  const int64_t M = runs.has_value() ? runs->size(0) * 128 : rows.has_value() ? rows->size(0) : x.size(0), K = x.size(1);
   TORCH_CHECK(cdiv(M, 128) < 65536, "graphquant.quantize: at most 65535 * 128 rows, got ", M);
   const int dtype = dtype_code(x.scalar_type());
   const auto opts = x.options();
@@ -268,13 +275,14 @@ std::vector<at::Tensor> quantize(const at::Tensor& input, const Encoding* row_en
   }
 
   // The rowwise side alone, nothing else asked of the pass: a small x may take the one-launch program.
-  const bool rowwise_alone = row_output && col.format == kNone && !col_given && !dq_source && !runs.has_value() &&
+  const bool rowwise_alone = row_output && col.format == kNone && !col_given && !dq_source && !runs.has_value() && !rows.has_value() &&
                              !group_bounds.has_value() && !want_dbias;
   if (const int ctas = rowwise_alone ? small_rowwise_ctas_for(x, row) : 0; ctas > 0) return small_rowwise(x, row, ctas, dtype, stream);
 
   TileParams p;
   p.x = x.data_ptr();
   p.runs = runs.has_value() ? runs->data_ptr<int32_t>() : nullptr;
+  p.rows = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
   p.M = M;
   p.K = K;
   p.vec_load = (K * int64_t(x.element_size())) % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
@@ -580,7 +588,7 @@ void register_cuda_kernels(pybind11::module_& m) {
         pybind11::arg("row_output"), pybind11::arg("row_scale"), pybind11::arg("col_scale"),
         pybind11::arg("group_bounds"), pybind11::arg("dbias"), pybind11::arg("rng") = pybind11::none(),
         pybind11::arg("rng_offset") = 0, pybind11::arg("runs") = pybind11::none(), pybind11::arg("col_amax") = pybind11::none(),
-        pybind11::arg("col_output") = true);
+        pybind11::arg("col_output") = true, pybind11::arg("rows") = pybind11::none());
   m.def(
       "set_small_rowwise",
       [](bool on) { return std::exchange(gq::small_rowwise_on, on); },

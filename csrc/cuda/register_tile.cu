@@ -48,7 +48,7 @@ bool launch_register_tile(int dtype, int row_format, int col_format, const TileP
                                   p.acc.row_global == nullptr
                             : p.main;
   using register_tile::group_scaled;
-  const bool grouped = p.group_start != nullptr || p.runs != nullptr;
+  const bool grouped = p.group_start != nullptr || p.runs != nullptr || p.rows != nullptr;
   const bool options = pass && (!p.col_rht || transform_here) && p.vec_load &&
                        (!grouped || (!p.dq_source && group_scaled(row_format) && group_scaled(col_format))) &&
                        p.dbias_partial == nullptr && p.acc.rows == nullptr && p.acc.cols == nullptr &&

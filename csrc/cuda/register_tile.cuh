@@ -247,15 +247,25 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
   const bool row_16 = R == kNV && p.row.two_d, col_16 = C == kNV && p.col.two_d;        // 16x16 blocks
   const Encoder &er = p.row, &ec = p.col;
 
-  // A grouped launch's tile lies in one group; in a padded layout it holds a run of x's rows, then zero rows.
+  // A grouped launch's tile lies in one group; in a padded layout it holds a run of x's rows, then
+  // zero rows, or rows read through a gather (p.rows).
   const int g = p.group_start != nullptr ? group_of(p, row0) : 0;
   const int64_t first_row = p.runs != nullptr ? p.runs[2 * by] : row0;
   const int rows_in = p.runs != nullptr ? p.runs[2 * by + 1] : kTile;
 
   uint4 d[8];
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + (first_row + r0) * p.K + col0 + c0;
+  if (!(kGroupScaled<R> && kGroupScaled<C>) || p.rows == nullptr) {
 #pragma unroll
-  for (int k = 0; k < 8; ++k) d[k] = r0 + k < rows_in ? __ldcs(reinterpret_cast<const uint4*>(x + k * p.K)) : make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < 8; ++k) d[k] = r0 + k < rows_in ? __ldcs(reinterpret_cast<const uint4*>(x + k * p.K)) : make_uint4(0, 0, 0, 0);
+  } else {  // through a gather (grouped launches alone): each row where its index says, a zero row at -1
+    int64_t source[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) source[k] = p.rows[row0 + r0 + k];
+    const uint16_t* base = static_cast<const uint16_t*>(p.x) + col0 + c0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) d[k] = source[k] >= 0 ? __ldcs(reinterpret_cast<const uint4*>(base + source[k] * p.K)) : make_uint4(0, 0, 0, 0);
+  }
 
   // Column amaxes of d over the thread's 8 rows, then the warp's 16 (and the 16x16 blocks'); says
   // whether the thread's values are all finite.

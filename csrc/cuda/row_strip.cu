@@ -6,10 +6,11 @@
 // weights: rowwise in forward, columnwise in backward from those amaxes).
 //
 // A CTA takes a tile's 128 rows (16 a warp), all in one group; in a padded layout (p.runs) a run
-// of x's rows and then zero rows. Lane l holds the row's 16-byte words l, l + 32, ..., so a
-// warp's loads and its code stores are contiguous runs, and a lane's columns are the same in
-// every row: it keeps their maxima in registers, and the CTA's warps meet only once, at the end,
-// to max them together in shared memory before one atomic max per column into the group's.
+// of x's rows and then zero rows, or rows read through a gather (p.rows). Lane l holds the row's
+// 16-byte words l, l + 32, ..., so a warp's loads and its code stores are contiguous runs, and a
+// lane's columns are the same in every row: it keeps their maxima in registers, and the CTA's
+// warps meet only once, at the end, to max them together in shared memory before one atomic max
+// per column into the group's.
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -54,8 +55,9 @@ __global__ void __launch_bounds__(kThreads, 1) row_strip_kernel(const TileParams
     const int r = warp * kRowsAWarp + i;
     const int64_t row = row0 + r;
     if (row >= p.M) break;
-    const bool in = r < rows_in;
-    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + (first_row + (in ? r : 0)) * p.K);
+    const int64_t source = p.rows != nullptr ? p.rows[row] : first_row + r;  // through a gather: -1 a zero row
+    const bool in = p.rows != nullptr ? source >= 0 : r < rows_in;
+    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + (in ? source : 0) * p.K);
     uint4 d[kWords];
 #pragma unroll
     for (int j = 0; j < kWords; ++j) d[j] = in && lane + 32 * j < words ? __ldcs(x + lane + 32 * j) : make_uint4(0, 0, 0, 0);

@@ -27,6 +27,9 @@
 //                a transposed chunk straight to global memory would write half sectors).
 #pragma once
 
+#include <stdexcept>
+#include <string>
+
 #include "common.cuh"
 #include "params.h"
 #if defined(__CUDACC__)
@@ -130,7 +133,9 @@ struct Fp8Scale {
   float scale, scale_inv;
 };
 
-template <class In, int R, int C>
+// kGathered: the rows read through a gather (TileParams.rows), in programs of their own (kGathers
+// says which), so that the lookup leaves the others' code as it is.
+template <class In, int R, int C, bool kGathered = false>
 struct TileProgram {
   static constexpr bool kPersistent = C == kNone && R != kNV;
   using Smem = TileSmem<In, C != kNone, kPersistent ? 2 : 1>;
@@ -224,7 +229,8 @@ struct TileProgram {
   // one bounds check of the column serve them all (each piece's 64-bit address and bounds computed
   // afresh would make the fetch a large share of a rowwise kernel's instructions). In a padded
   // layout (p.runs) a tile's rows are a run of x's rows and then zero rows: only where the run
-  // starts and how long it is change, once a tile.
+  // starts and how long it is change, once a tile. A gathered program (p.rows) looks each
+  // piece's row up.
   GQ_HD static void fetch(const TileParams& p, TilePosition at, typename Smem::Tile& dst, int tid) {
     constexpr int kPer = 16 / sizeof(S);        // elements per 16-byte piece
     constexpr int kPerRow = kTile / kPer;       // pieces per tile row
@@ -243,7 +249,8 @@ struct TileProgram {
       const S* src = first;
 #pragma unroll
       for (int k = 0; k < kTile / kRows; ++k, src += step) {
-        const bool in = col_in && k * kRows < rows_in;
+        bool in = col_in && k * kRows < rows_in;
+        if constexpr (kGathered) src = gathered(p, x, gr0 + k * kRows, gc, in);
 #if defined(__CUDA_ARCH__)
         const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(&dst[r0 + k * kRows][c]));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(in ? src : x), "r"(in ? 16 : 0));
@@ -254,14 +261,28 @@ struct TileProgram {
 #if defined(__CUDA_ARCH__)
       asm volatile("cp.async.commit_group;\n" ::);
 #endif
-    } else {
+    } else if constexpr (!kGathered) {
       for (int k = 0; k < kTile / kRows; ++k) {
         for (int e = 0; e < kPer; ++e) {
           const bool in = gc + e < p.K && k * kRows < rows_in;
           dst[r0 + k * kRows][c + e] = in ? first[k * step + e] : S(0);
         }
       }
+    } else {  // a loop of its own: the one above sharing the gather's pointer compiles differently
+      for (int k = 0; k < kTile / kRows; ++k) {
+        bool row_in = k * kRows < rows_in;
+        const S* src = gathered(p, x, gr0 + k * kRows, gc, row_in);
+        for (int e = 0; e < kPer; ++e) dst[r0 + k * kRows][c + e] = gc + e < p.K && row_in ? src[e] : S(0);
+      }
     }
+  }
+
+  // The piece of padded row gr at column gc, where the gather puts it: the gather is read only for
+  // a piece `in` the layout, which a zero row (-1) takes out.
+  GQ_HD static const S* gathered(const TileParams& p, const S* x, int64_t gr, int64_t gc, bool& in) {
+    const int64_t row = in ? p.rows[gr] : -1;
+    in = row >= 0;
+    return x + (row * p.K + gc);
   }
 
   // Wait for this thread's fetches but the latest (another tile still loading) or all of them.
@@ -549,6 +570,27 @@ struct TileProgram {
   }
 };
 
+// The programs a grouped site reads through a gather with: 2-byte tokens, one format a pass
+// (graphquant.kernels.native.grouped_quantize_pass routes the rest), so that no other program is
+// compiled twice.
+template <class In, int R, int C>
+constexpr bool kGathers = sizeof(typename In::S) == 2 && (R == C || R == kNone || C == kNone);
+
+// Calls run with (an empty object of) the program that serves p: the gathered one where p reads
+// its rows through a gather; an error where none is compiled, rather than a read past the gather.
+template <class In, int R, int C, class Run>
+void tile_program(const TileParams& p, Run&& run) {
+  if (p.rows == nullptr) {
+    run(TileProgram<In, R, C>{});
+  } else if constexpr (kGathers<In, R, C>) {
+    run(TileProgram<In, R, C, true>{});
+  } else {
+    throw std::invalid_argument("graphquant quantize: no kernel reads rows through a gather (rows=) of a " +
+                                std::to_string(sizeof(typename In::S)) + "-byte input in formats " + std::to_string(R) + " and " +
+                                std::to_string(C) + ": it takes bf16 or fp16, one format a call");
+  }
+}
+
 #if defined(__CUDACC__)
 struct DeviceRunner {
   template <class F>
@@ -558,16 +600,16 @@ struct DeviceRunner {
   }
 };
 
-template <class In, int R, int C>
+template <class In, int R, int C, bool kGathered>
 __global__ void __launch_bounds__(kThreads) tile_kernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  using Program = TileProgram<In, R, C>;
+  using Program = TileProgram<In, R, C, kGathered>;
   Program::run_tiles(DeviceRunner{}, p, blockIdx.x, gridDim.x, *reinterpret_cast<typename Program::Smem*>(smem));
 }
 
-template <class In, int R, int C>
-void launch_tile_t(const TileParams& p, void* stream) {
-  using Program = TileProgram<In, R, C>;
+template <class In, int R, int C, bool kGathered>
+void launch_program(TileProgram<In, R, C, kGathered>, const TileParams& p, void* stream) {
+  using Program = TileProgram<In, R, C, kGathered>;
   constexpr int smem = sizeof(typename Program::Smem);
   // Once per device (the attribute is the current device's), and never again: a call during a
   // CUDA-graph capture would be an error.
@@ -576,10 +618,10 @@ void launch_tile_t(const TileParams& p, void* stream) {
   int device = 0;
   cudaGetDevice(&device);
   if (!(configured.load() >> device & 1)) {
-    cudaFuncSetAttribute(tile_kernel<In, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(tile_kernel<In, R, C, kGathered>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if constexpr (Program::kPersistent) {
       int per_sm = 0, sms = 0;
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C>, kThreads, smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_kernel<In, R, C, kGathered>, kThreads, smem);
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
       resident[device % 64] = std::max<int64_t>(1, int64_t(per_sm) * sms);
     }
@@ -591,8 +633,13 @@ void launch_tile_t(const TileParams& p, void* stream) {
                                 " input has more than 2^31 - 1 tiles of 128x128");
   }
   if constexpr (Program::kPersistent) grid = std::min(grid, resident[device % 64].load());
-  tile_kernel<In, R, C><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  tile_kernel<In, R, C, kGathered><<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   check_launch("quantize");
+}
+
+template <class In, int R, int C>
+void launch_tile_t(const TileParams& p, void* stream) {
+  tile_program<In, R, C>(p, [&](auto program) { launch_program(program, p, stream); });
 }
 
 #define GQ_INSTANTIATE_ROW(In, R)                                                      \

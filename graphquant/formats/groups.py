@@ -172,6 +172,16 @@ def check_offsets(offs: torch.Tensor, rows: int, what: str) -> None:
     torch._assert_async(ordered, f"{what[: _ASSERT_MESSAGE_LENGTH - len(message) - 2]}: {message}")
 
 
+def gather_index(index: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """``index`` (x[index] of an x of ``rows`` rows) as int64 rows of x, negative ones counted from
+    the end as indexing counts them; failing (asynchronously on a GPU) where one lies outside
+    [-rows, rows), as indexing fails, rather than read past x."""
+    index = index.long()
+    message = f"a gather's index must lie in [-{rows}, {rows}), the rows of what it indexes"
+    torch._assert_async(torch.all((index >= -rows) & (index < rows)), f"{what[: _ASSERT_MESSAGE_LENGTH - len(message) - 2]}: {message}")
+    return torch.where(index < 0, index + rows, index)
+
+
 def group_counters(row_group: torch.Tensor, groups: int, cols: int, *, transposed: bool = False) -> torch.Tensor:
     """The linear index of every element of x (padded_rows, cols) within its group's part of the
     layout (its rows and the zero rows after it, up to the next group's start or the layout's

@@ -173,6 +173,8 @@ def _run(
     row groups are each quantized alone. source: a padded layout's (groups.padding) row of x for
     each row to quantize (-1: a zero row), read by the kernel as ``runs`` of x's rows
     (GroupPadding.runs), a tile of GROUP_ROWS rows each.
+    Without ``runs`` the kernel reads each row through ``source`` itself (a gather whose rows
+    make no runs: an MoE layer's tokens sorted by expert).
     columnwise_amax: the amaxes the columnwise side scales from, as an earlier pass took them
     of the same x (``take_columnwise_amax``, with columnwise False: taken in the rowwise's read).
     """
@@ -206,6 +208,7 @@ def _run(
         None if runs is None else runs.contiguous(),  # as a compiler may lay it out otherwise
         columnwise_amax,
         not take_columnwise_amax,
+        None if source is None or runs is not None else source.contiguous(),
     )
     shape = x.shape if source is None else (source.shape[0], x.shape[1])
     made = Quantized(
@@ -289,6 +292,12 @@ def grouped_quantize(
     return made.rowwise if direction == ROWWISE else made.columnwise
 
 
+def _two_formats(quantizer: Quantizer) -> bool:
+    """Whether the native kernels encode ``quantizer``'s rowwise and columnwise in two formats."""
+    rowwise, columnwise = (quantizer.child(d).kernel_encoding(d) for d in (ROWWISE, COLUMNWISE))
+    return rowwise is not None and columnwise is not None and rowwise.scaling != columnwise.scaling
+
+
 def grouped_quantize_pass(
     quantizer: Quantizer, x: torch.Tensor, row_group: torch.Tensor, group_bounds: torch.Tensor, ctx: QuantizeContext, *,
     rowwise: bool, columnwise: bool, source: Optional[torch.Tensor] = None, runs: Optional[torch.Tensor] = None,
@@ -301,8 +310,9 @@ def grouped_quantize_pass(
 
     source: the rows to quantize are x's rows source[r], zeros where it is -1
     (``groups.gather_rows``), a padded layout's (``groups.padding`` with GROUP_ROWS), with
-    ``runs``, its GroupPadding.runs: the native kernel reads them from x, so no gathered copy is
-    made.
+    ``runs``, its GroupPadding.runs, where its rows make runs of x's: the native kernel reads them
+    from x, so no gathered copy is made (without runs, each row through source: bf16 and fp16
+    rows, a direction a read where the two are of different formats; other rows are copied first).
 
     take_columnwise_amax (rowwise alone): also the amaxes the columnwise side scales from
     (``Quantizer.grouped_columnwise_amax``), taken in the rowwise's read of x where the kernel runs, as
@@ -315,15 +325,20 @@ def grouped_quantize_pass(
         raise ValueError(f"{quantizer}: a columnwise made from the dequantized rowwise is quantized from those values, one direction a call")
     if take_columnwise_amax and (columnwise or not rowwise or quantizer.columnwise_from_rowwise()):
         raise ValueError(f"{quantizer}: take_columnwise_amax goes with the rowwise alone, of a columnwise made from x")
-    if (source is None) != (runs is None):
-        raise ValueError("grouped_quantize_pass takes a layout's source rows with their tile runs (GroupPadding.runs), or neither")
+    if source is None and runs is not None:
+        raise ValueError("grouped_quantize_pass takes tile runs (GroupPadding.runs) with the layout's source rows they come from")
     shape = tuple(x.shape) if source is None else (source.shape[0], x.shape[1])
     for direction, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
         if wanted:
             quantizer.child(direction).check_shape(shape, direction)
+    # The kernels read through a gather of its own (source without runs) 2-byte rows, one format a
+    # read (csrc/cuda/tile.cuh's kGathers), so that no other kernel is compiled twice.
+    gathered = source is not None and runs is None
+    if gathered and x.dtype not in (torch.bfloat16, torch.float16):
+        x, source, gathered = groups.gather_rows(x, source), None, False
     grouped = dict(group_bounds=group_bounds, source=source, runs=runs)
     given = columnwise_amax if columnwise_amax is not None and columnwise_amax.numel() else None  # empty: the format has none
-    if rowwise and (columnwise or take_columnwise_amax):
+    if rowwise and (columnwise or take_columnwise_amax) and not (gathered and columnwise and _two_formats(quantizer)):
         both = _run(
             quantizer, x, ctx, rowwise=True, columnwise=columnwise, columnwise_amax=given, take_columnwise_amax=take_columnwise_amax,
             **grouped,

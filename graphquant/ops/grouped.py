@@ -144,26 +144,30 @@ def _(
 def quantize_grouped(
     x: torch.Tensor, layout: groups.GroupPadding, quantizer: Quantizer, directions: tuple[str, ...],
     rng: Optional[torch.Tensor], stream: int, amax_group: Optional[str], columnwise_amax: Optional[torch.Tensor] = None,
-    scale: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
 ) -> dict[str, Operand]:
     """The grouped representations of ``x`` (its rows, which ``layout`` puts in the padded
-    layout) in ``directions``, honouring hybrid children and sources; a stochastic child draws
+    layout; with ``rows``, the rows x[rows], read through that gather rather than copied first)
+    in ``directions``, honouring hybrid children and sources; a stochastic child draws
     from stream ``stream`` of the step ``rng``, and a child that reduces its amaxes all-reduces
     them over ``amax_group``. columnwise_amax: what ``rowwise_and_columnwise_amax`` took of the
     same x, for its columnwise representation; scale: a delayed-scaling child's current scales
     (``_slot_scales``)."""
 
+    # x's row for each padded row: the layout's gather, composed with the model's where given.
+    through = layout.gather if rows is None else torch.where(layout.source >= 0, rows[layout.source.clamp_min(0)], -1)
+
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         if wanted == (ROWWISE,) and backends.grouped_rowwise_traced(made):
             # Traced: Inductor fuses the rows' gather and amaxes with their producer, in place of
             # the kernel's own launches (which set a decode step's pace more than its bytes).
-            padded = layout.pad(source) if source is x else source
+            padded = (source if through is None else groups.gather_rows(source, through)) if source is x else source
             ctx = QuantizeContext(amax_group=amax_group if made.reduces_amax else None)
             rep = made.quantize_groups(padded, layout.row_group, layout.groups, ROWWISE, ctx)
             return {ROWWISE: _operand(rep.tensors(), made, ROWWISE, layout, x)}
         made_rng, made_stream = (rng, stream) if made.stochastic else (None, 0)
         # x's rows are read into the layout by the quantize; the dequantized rowwise lies in it.
-        gather, runs = (layout.gather, layout.runs) if source is x else (None, None)
+        gather, runs = (through, layout.runs if rows is None else None) if source is x else (None, None)
         given = columnwise_amax if source is x and COLUMNWISE in wanted else None
         tensors = torch.ops.graphquant.grouped_quantize(
             source, layout.row_group, layout.bounds, gather, runs, made.spec, ROWWISE in wanted, COLUMNWISE in wanted, made_rng,
@@ -297,15 +301,19 @@ def _roll(quantizer: Quantizer, delayed: Optional[torch.Tensor], amax_group: Opt
 
 def _tokens_quantized(
     x: torch.Tensor, offs: torch.Tensor, experts: int, directions: tuple[str, ...], x_delayed: Optional[torch.Tensor],
-    rng: Optional[torch.Tensor], site: Site,
+    rng: Optional[torch.Tensor], site: Site, rows: Optional[torch.Tensor] = None,
 ) -> tuple[groups.GroupPadding, dict[str, Operand]]:
     """(the tokens' padded layout, x's grouped representations in ``directions``), x's
-    delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x."""
-    groups.check_offsets(offs, x.shape[0], site.label)
-    block = groups.token_block(site.token_rows, x.shape[0], experts)
-    tokens = groups.padding(offs, x.shape[0], block, groups.padded_bound(x.shape[0], experts, block))
+    delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x
+    (with ``rows``, the tokens x[rows], read through that gather)."""
+    count = x.shape[0] if rows is None else rows.shape[0]
+    groups.check_offsets(offs, count, site.label)
+    block = groups.token_block(site.token_rows, count, experts)
+    tokens = groups.padding(offs, count, block, groups.padded_bound(count, experts, block))
     x_quantizer = site.quantizers[0]
-    xq = quantize_grouped(x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed))
+    xq = quantize_grouped(
+        x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed), rows=rows
+    )
     _roll(x_quantizer, x_delayed, site.amax_group, xq)
     return tokens, xq
 
@@ -314,14 +322,18 @@ class QuantizedGroupedMM(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats.
 
     A delayed-scaling slot keeps a scale and an amax history per expert (TE's grouped linear keeps
-    one slot per GEMM): its state is (E, 1 + history) float32, rolled after each quantize."""
+    one slot per GEMM): its state is (E, 1 + history) float32, rolled after each quantize.
+
+    With ``rows`` the tokens are x[rows] (an MoE layer's gather of its tokens sorted by expert),
+    read through that gather by the quantize, so that no copy of them is written first; the
+    gradient of x sums each token's rows (index_add), as indexing's does."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, x_delayed, w_delayed, g_delayed, rng, site: Site):
+    def forward(ctx, x, w, offs, rows, x_delayed, w_delayed, g_delayed, rng, site: Site):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts, _, n = w.shape
         w_quantizer = site.quantizers[1]
-        tokens, xq = _tokens_quantized(x, offs, experts, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_delayed, rng, site)
+        tokens, xq = _tokens_quantized(x, offs, experts, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_delayed, rng, site, rows)
         stack, w2d = _expert_stack(w)
         # The weights' columnwise copy is made in backward from w, which lives anyway (a
         # parameter): kept, it would hold the experts' weights once more from forward to backward.
@@ -332,19 +344,21 @@ class QuantizedGroupedMM(torch.autograd.Function):
         else:
             wq, w_amax = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=w_scale)[ROWWISE], None
         _roll(w_quantizer, w_delayed, site.amax_group, {ROWWISE: wq})
-        y = _recorded_gemm(x, xq[ROWWISE], tokens, w2d, wq, stack, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
+        listening = recording.listening()
+        x_rows = x if rows is None or not listening else x[rows]  # the high-precision tokens, for a recorder alone
+        y = _recorded_gemm(x_rows, xq[ROWWISE], tokens, w2d, wq, stack, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
 
         # rng is this call's own [seed, step]: the backward draws from the forward's step.
-        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), None, *tokens, w if need_dx else None, w_amax, w_scale, rng, rows)
         ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
-        ctx.site, ctx.dtypes, ctx.n = site, (x.dtype, w.dtype), n
-        ctx.originals = (x, w) if recording.listening() else (None, None)
+        ctx.site, ctx.dtypes, ctx.n, ctx.x_rows = site, (x.dtype, w.dtype), n, x.shape[0]
+        ctx.originals = (x_rows, w) if listening else (None, None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_col, _, (*token_layout, w, w_amax, w_scale, rng) = saved_columnwise(ctx)
+        x_col, _, (*token_layout, w, w_amax, w_scale, rng, rows) = saved_columnwise(ctx)
         g_delayed = ctx.g_delayed
         site = ctx.site
         tokens = groups.GroupPadding(*token_layout)
@@ -364,40 +378,52 @@ class QuantizedGroupedMM(torch.autograd.Function):
                 w2d, stack, site.quantizers[1], (COLUMNWISE,), rng, site.streams[1], site.amax_group, w_amax, w_scale
             )[COLUMNWISE]
             dx = _recorded_gemm(dy, gq[ROWWISE], tokens, w2d, w_col, stack, tokens, w_col.shape[1], ctx.dtypes[0], site, "dgrad")
+            if rows is not None:
+                dx = dx.new_zeros((ctx.x_rows, dx.shape[1])).index_add(0, rows, dx)
         if need_dw:
             dw = _recorded_gemm(dy, gq[COLUMNWISE], tokens, x, x_col, tokens, tokens, ctx.n, ctx.dtypes[1], site, "wgrad").transpose(1, 2)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def _fprop_alone(x, offs, wq: Operand, stack: groups.GroupPadding, n: int, dtype: torch.dtype, site: Site, states, rng) -> torch.Tensor:
-    """The forward's product of x, quantized rowwise alone as the forward quantizes it, and the
-    expert stack's rowwise operand ``wq`` (of weights of ``dtype``): nothing kept for a backward."""
-    tokens, xq = _tokens_quantized(x.detach(), offs, stack.groups, (ROWWISE,), states[0], rng, site)
+def _fprop_alone(
+    x, offs, wq: Operand, stack: groups.GroupPadding, n: int, dtype: torch.dtype, site: Site, states, rng, rows=None
+) -> torch.Tensor:
+    """The forward's product of x (x[rows] with ``rows``), quantized rowwise alone as the forward
+    quantizes it, and the expert stack's rowwise operand ``wq`` (of weights of ``dtype``): nothing
+    kept for a backward."""
+    tokens, xq = _tokens_quantized(x.detach(), offs, stack.groups, (ROWWISE,), states[0], rng, site, rows)
     return _gemm(xq[ROWWISE], wq, stack.row_group, tokens, n, torch.promote_types(x.dtype, dtype), site, "fprop")
 
 
-def quantized_frozen_grouped_mm(x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=(None, None, None), rng=None):
-    """torch._grouped_mm(x, w, offs) for a w (E, K, N) of ``dtype`` that graphquant.freeze stored
-    as ``weight``, the tensors of its expert stack's rowwise representation; fprop alone, x
-    quantized as QuantizedGroupedMM's forward quantizes it."""
+def quantized_frozen_grouped_mm(
+    x, weight, offs, *, site: Site, shape: Sequence[int], dtype: torch.dtype, states=(None, None, None), rng=None, rows=None
+):
+    """torch._grouped_mm(x, w, offs) (x[rows] with ``rows``) for a w (E, K, N) of ``dtype`` that
+    graphquant.freeze stored as ``weight``, the tensors of its expert stack's rowwise
+    representation; fprop alone, x quantized as QuantizedGroupedMM's forward quantizes it."""
     experts, k, n = shape
-    if x.shape[0] == 0:  # no tokens: nothing reads the stored codes (which no high-precision format could)
+    if rows is not None:
+        rows = groups.gather_index(rows, x.shape[0], site.label)
+    if (x.shape[0] if rows is None else rows.shape[0]) == 0:  # no tokens: nothing reads the stored codes
         return x.new_empty((0, n), dtype=dtype)
     stack = _stack_layout(experts, n, x.device)
     wq = Operand(list(weight), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (stack.padded_rows, k))
-    return refuse_backward(x, _fprop_alone(x, offs, wq, stack, n, dtype, site, states, rng), site.label)
+    return refuse_backward(x, _fprop_alone(x, offs, wq, stack, n, dtype, site, states, rng, rows), site.label)
 
 
-def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), rng=None):
-    """torch._grouped_mm(x, w, offs=offs) in the site's formats. states: the delayed-scaling
+def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), rng=None, rows=None):
+    """torch._grouped_mm(x, w, offs=offs) in the site's formats; with ``rows``,
+    torch._grouped_mm(x[rows], w, offs=offs), x's rows read through that gather. states: the delayed-scaling
     state of input, weight and grad_output (None where a slot keeps none), (E, 1 + history) each;
     rng: the step's int64 [seed, step], for stochastic rounding. Where ``site.inference`` (a graph
     that never runs backward), fprop alone: x and the weights quantized rowwise only (an autograd
     function's forward cannot tell, since a parameter asks for its gradient under no_grad too)."""
+    if rows is not None:
+        rows = groups.gather_index(rows, x.shape[0], site.label)
     if not site.inference:
-        return QuantizedGroupedMM.apply(x, w, offs, *states, rng, site)
+        return QuantizedGroupedMM.apply(x, w, offs, rows, *states, rng, site)
     w_quantizer, n = site.quantizers[1], w.shape[2]
     stack, w2d = _expert_stack(w.detach())
     wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=_slot_scales(w_quantizer, states[1]))
     _roll(w_quantizer, states[1], site.amax_group, wq)
-    return _fprop_alone(x, offs, wq[ROWWISE], stack, n, w.dtype, site, states, rng)
+    return _fprop_alone(x, offs, wq[ROWWISE], stack, n, w.dtype, site, states, rng, rows)

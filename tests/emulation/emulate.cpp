@@ -28,13 +28,15 @@ struct HostRunner {
 };
 
 // Persistent programs on a few CTAs, so that each runs several tiles through both of its buffers;
-// the others a CTA a tile, as launched.
+// the others a CTA a tile, as launched (the gathered program where the launch reads through a gather).
 template <class In, int R, int C>
 void emulate_tile(const TileParams& p) {
-  using Program = TileProgram<In, R, C>;
-  auto smem = std::make_unique<typename Program::Smem>();
-  const int64_t ctas = Program::kPersistent ? 3 : cdiv(p.K, kTile) * cdiv(p.M, kTile);
-  for (int64_t cta = 0; cta < ctas; ++cta) Program::run_tiles(HostRunner{}, p, cta, ctas, *smem);
+  tile_program<In, R, C>(p, [&](auto program) {
+    using Program = decltype(program);
+    auto smem = std::make_unique<typename Program::Smem>();
+    const int64_t ctas = Program::kPersistent ? 3 : cdiv(p.K, kTile) * cdiv(p.M, kTile);
+    for (int64_t cta = 0; cta < ctas; ++cta) Program::run_tiles(HostRunner{}, p, cta, ctas, *smem);
+  });
 }
 
 template <class In, int R>
