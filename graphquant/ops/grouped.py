@@ -326,7 +326,8 @@ class QuantizedGroupedMM(torch.autograd.Function):
 
     With ``rows`` the tokens are x[rows] (an MoE layer's gather of its tokens sorted by expert),
     read through that gather by the quantize, so that no copy of them is written first; the
-    gradient of x sums each token's rows (index_add), as indexing's does."""
+    gradient of x sums each token's rows as indexing's backward does (an accumulating index_put,
+    which Inductor compiles where it leaves index_add to a slower eager kernel)."""
 
     @staticmethod
     def forward(ctx, x, w, offs, rows, x_delayed, w_delayed, g_delayed, rng, site: Site):
@@ -379,7 +380,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
             )[COLUMNWISE]
             dx = _recorded_gemm(dy, gq[ROWWISE], tokens, w2d, w_col, stack, tokens, w_col.shape[1], ctx.dtypes[0], site, "dgrad")
             if rows is not None:
-                dx = dx.new_zeros((ctx.x_rows, dx.shape[1])).index_add(0, rows, dx)
+                dx = dx.new_zeros((ctx.x_rows, dx.shape[1])).index_put_((rows,), dx, accumulate=True)
         if need_dw:
             dw = _recorded_gemm(dy, gq[COLUMNWISE], tokens, x, x_col, tokens, tokens, ctx.n, ctx.dtypes[1], site, "wgrad").transpose(1, 2)
         return dx, dw, None, None, None, None, None, None, None
