@@ -1,13 +1,15 @@
 """Where the first call of a compiled FFN goes: Dynamo, graphquant's passes, AOT autograd,
 Inductor's lowering and code generation, kernel compiles and autotuning.
 
-    python benchmarks/first_call.py CONFIG [--rows 16384] [--blocks 1] [--grad] [--tiny] [--budget S] [--top 15]
+    python benchmarks/first_call.py CONFIG [--rows 16384[,2048...]] [--blocks 1] [--grad] [--tiny] [--budget S] [--top 15]
 
 CONFIG is a configuration of inference_configs.py ("graphquant mxfp8", "graphquant mxfp8 frozen",
 "bf16 torch.compile", ...). The model is ``--blocks`` FeedForward blocks of models.py, called once
-at ``--rows`` rows under torch.no_grad() (``--grad``: a training step's forward and backward,
-graphquant compiled with mode=None, for comparison) with Inductor's caches off, so that the call
-compiles everything. Prints the call's seconds, Dynamo's compile-time table (cumulative seconds
+at each of ``--rows`` row counts in turn under torch.no_grad() (``--grad``: a training step's
+forward and backward, graphquant compiled with mode=None, for comparison) with Inductor's caches
+off, so that each call compiles everything its shape needs: the first compiles the model, a later
+one what a new batch size costs a server (each shape its own graph, as inference_sweep.py's "next
+rows" column). Prints, for each call, its seconds, Dynamo's compile-time table (cumulative seconds
 of each phase), Inductor's count of generated kernels, Dynamo's counters (graphs, recompiles,
 graph breaks) and the functions that took the most time by cProfile (the main process only:
 Inductor compiles kernels in worker processes, whose wait shows as async_compile.wait). Run it
@@ -28,13 +30,11 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
-from torch._dynamo.utils import compile_times, counters  # noqa: E402
+from torch._dynamo.utils import compilation_time_metrics, compile_times, counters  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import seconds  # noqa: E402
-from inference_configs import BF16, RECIPES, build  # noqa: E402
-from inference_sweep import TINY_DIMS  # noqa: E402
-from models import DIM, HIDDEN, FFNStack  # noqa: E402
+from inference_configs import BF16, RECIPES, build, inference_model  # noqa: E402
 
 import graphquant  # noqa: E402
 
@@ -79,42 +79,17 @@ def model_for(config: str, base: torch.nn.Module, device: torch.device, grad: bo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
-    parser.add_argument("--rows", type=int, default=16384)
+    parser.add_argument("--rows", default="16384", help="row counts, comma-separated: one call at each, in this order")
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--grad", action="store_true", help="a training step's first call (forward and backward)")
     parser.add_argument("--tiny", action="store_true", help="the CPU, dims 128 and 256 (Inductor's C++ backend)")
     parser.add_argument("--budget", type=int, default=None,
-                        help="seconds: if the call is still running then, report what it did so far and where it is, and exit")
+                        help="seconds: if the calls are still running then, report what the current one did so far and where it is, and exit")
     parser.add_argument("--top", type=int, default=15, help="cProfile lines to print (by time in the function itself)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
-    dims = TINY_DIMS if args.tiny else dict(dim=DIM, hidden=HIDDEN)
-    torch.manual_seed(0)
-    base = FFNStack(args.blocks, **dims).to(device, torch.bfloat16)
-    x = torch.randn(args.rows, dims["dim"], device=device, dtype=torch.bfloat16, requires_grad=args.grad)
-    model = model_for(args.config, base, device, args.grad)
-
-    def call() -> None:
-        if args.grad:
-            model(x).sum().backward()
-        else:
-            with torch.no_grad():
-                model(x)
-
-    title = f"{args.config}{' (forward and backward)' if args.grad else ', no_grad'}: {args.blocks} blocks, {args.rows} rows on {device}"
-    profile = cProfile.Profile()
-
-    def report(first: str, frame=None) -> None:
-        profile.disable()
-        print(f"{title}, torch {torch.__version__}: first call {first}")
-        if frame is not None:
-            print("".join(traceback.format_stack(frame)[-args.top :]))
-        print(compile_times(repr="str", aggregate=True))
-        print("Inductor kernels generated:", torch._inductor.metrics.generated_kernel_count)
-        print("Dynamo counters:", {k: dict(v) for k, v in counters.items() if k in ("stats", "frames", "recompiles", "graph_break")})
-        print(tabulate(phases(pstats.Stats(profile)), headers=["phase (cProfile)", "calls", "cumulative s"], floatfmt=".2f"))
-        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
-        sys.stdout.flush()
+    base, dim, described = inference_model("ffn", args.tiny, device, args.blocks)
+    model = model_for(args.config, base.train(args.grad), device, args.grad)
 
     def out_of_time(signum, frame) -> None:
         report(f"still running after {args.budget} s, at:", frame)
@@ -123,10 +98,39 @@ def main() -> None:
     if args.budget:
         signal.signal(signal.SIGALRM, out_of_time)
         signal.alarm(args.budget)
-    profile.enable()
-    first, _ = seconds(call, device)
+    for rows in map(int, args.rows.split(",")):
+        x = torch.randn(rows, dim, device=device, dtype=torch.bfloat16, requires_grad=args.grad)
+
+        def call() -> None:
+            if args.grad:
+                model(x).sum().backward()
+            else:
+                with torch.no_grad():
+                    model(x)
+
+        title = f"{args.config}{' (forward and backward)' if args.grad else ', no_grad'}: {described}, {rows} rows on {device}"
+        profile = cProfile.Profile()
+
+        def report(first: str, frame=None) -> None:
+            profile.disable()
+            print(f"{title}, torch {torch.__version__}: first call {first}")
+            if frame is not None:
+                print("".join(traceback.format_stack(frame)[-args.top :]))
+            print(compile_times(repr="str", aggregate=True))
+            print("Inductor kernels generated:", torch._inductor.metrics.generated_kernel_count)
+            print("Dynamo counters:", {k: dict(v) for k, v in counters.items() if k in ("stats", "frames", "recompiles", "graph_break")})
+            print(tabulate(phases(pstats.Stats(profile)), headers=["phase (cProfile)", "calls", "cumulative s"], floatfmt=".2f"))
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+            sys.stdout.flush()
+
+        # Each call's figures its own: Dynamo's phase times, Inductor's kernel count and the counters start from nothing.
+        compilation_time_metrics.clear()
+        torch._inductor.metrics.reset()
+        counters.clear()
+        profile.enable()
+        first, _ = seconds(call, device)
+        report(f"{first:.1f} s")
     signal.alarm(0)
-    report(f"{first:.1f} s")
 
 
 if __name__ == "__main__":
