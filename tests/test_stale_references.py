@@ -1,0 +1,151 @@
+"""Every name the tests and benchmarks take from graphquant's modules, or from their sibling
+modules, still exists there: read from the sources, not by importing or running them.
+
+GPU tests skip on CI's CPU machines and benchmarks run only on a GPU, so a name renamed or removed
+in the library (a kernel module's helper, a benchmark's constant) would break them unseen until
+a GPU session spends its time finding out. Each ``module.name`` (through ``import`` aliases, ``from
+package import module`` and module aliases assigned at top level, such as ``KERNELS =
+backends.triton_grouped_fp8``) and each ``from module import name`` is checked against the names
+the module's source binds at its top level (definitions, assignments, imports; a module with a
+``__getattr__`` of its own is taken as having any name)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+from typing import Optional
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = {"graphquant": ROOT / "graphquant", "graphquant.passes": ROOT / "passes"}
+CHECKED = sorted([*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")])
+MODULE_ATTRIBUTES = ("__file__", "__name__", "__doc__", "__dict__", "__path__", "__spec__", "__package__", "__loader__")
+
+
+def module_path(name: str, near: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
+    """The source of module ``name``: graphquant's (passes/ as graphquant.passes), or a sibling of
+    the file ``near`` (benchmarks import each other by their bare names, as tests do)."""
+    for package, folder in sorted(PACKAGES.items(), key=lambda item: -len(item[0])):
+        if name == package or name.startswith(package + "."):
+            path = folder.joinpath(*name[len(package) + 1 :].split(".")) if name != package else folder
+            if path.is_dir():
+                return path / "__init__.py"
+            return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
+    if near is not None and "." not in name and (near.parent / f"{name}.py").exists():
+        return near.parent / f"{name}.py"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def top_level(path: pathlib.Path) -> tuple[dict[str, Optional[pathlib.Path]], bool]:
+    """({name: the module it is bound to, where it is one we can read, else None} for every name
+    ``path``'s source binds at its top level, whether it has a module ``__getattr__``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names: dict[str, Optional[pathlib.Path]] = dict.fromkeys(MODULE_ATTRIBUTES)
+    if path.name == "__init__.py":  # a package's submodules are its attributes once imported
+        names.update({p.stem: p for p in path.parent.glob("*.py") if p.stem != "__init__"})
+        names.update({p.name: p / "__init__.py" for p in path.parent.iterdir() if (p / "__init__.py").exists()})
+
+    def bind(target: ast.AST, value: Optional[pathlib.Path] = None) -> None:
+        if isinstance(target, ast.Name):  # a module bound on one path (an import, or None where it fails) stays known
+            names[target.id] = value or names.get(target.id)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                bind(element)
+        elif isinstance(target, ast.Starred):
+            bind(target.value)
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[node.name] = None
+            elif isinstance(node, ast.Assign):
+                value = resolved(node.value, path, names)
+                for target in node.targets:
+                    bind(target, value)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                bind(node.target)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(imported(node, path))
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+    visit(tree.body)
+    return names, "__getattr__" in names
+
+
+def imported(node: ast.Import | ast.ImportFrom, path: pathlib.Path) -> dict[str, Optional[pathlib.Path]]:
+    """The names an import statement in ``path`` binds, each to its module where it is one we can
+    read (graphquant imports nothing relatively, so a relative import's names stay unknown)."""
+    if isinstance(node, ast.Import):
+        return {alias.asname or alias.name.split(".")[0]: module_path(alias.name if alias.asname else alias.name.split(".")[0], path)
+                for alias in node.names}
+    return {alias.asname or alias.name: None if node.level else module_path(f"{node.module}.{alias.name}", path)
+            for alias in node.names if alias.name != "*"}
+
+
+def resolved(expr: ast.AST, path: pathlib.Path, names: dict[str, Optional[pathlib.Path]]) -> Optional[pathlib.Path]:
+    """The module ``expr`` (a name or a chain of attributes) stands for in ``path``, where known."""
+    if isinstance(expr, ast.Name):
+        return names.get(expr.id)
+    if isinstance(expr, ast.IfExp):  # a module where its import can run, else None
+        return resolved(expr.body, path, names) or resolved(expr.orelse, path, names)
+    if (isinstance(expr, ast.Call) and ast.unparse(expr.func) == "importlib.import_module" and expr.args
+            and isinstance(expr.args[0], ast.Constant) and isinstance(expr.args[0].value, str)):
+        return module_path(expr.args[0].value, path)
+    if isinstance(expr, ast.Attribute):
+        module = resolved(expr.value, path, names)
+        if module is not None:
+            bound, _ = top_level(module)
+            return bound.get(expr.attr)
+    return None
+
+
+def stale_references(path: pathlib.Path) -> list[str]:
+    """``path``'s references to names its modules do not bind, as "line: module.name"."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = dict(top_level(path)[0])
+    for node in ast.walk(tree):  # a test's imports inside its functions (GPU tests import their kernels there)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({name: module for name, module in imported(node, path).items() if module is not None})
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            module = module_path(node.module, path)
+            if module is not None:
+                bound, dynamic = top_level(module)
+                found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                          if a.name != "*" and a.name not in bound and not dynamic]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            module = resolved(node.value, path, names)
+            if module is not None:
+                bound, dynamic = top_level(module)
+                if node.attr not in bound and not dynamic:
+                    found.append(f"{node.lineno}: {ast.unparse(node)} ({module.relative_to(ROOT)} binds no {node.attr})")
+    return found
+
+
+@pytest.mark.parametrize("path", CHECKED, ids=[str(p.relative_to(ROOT)) for p in CHECKED])
+def test_names_taken_from_modules_exist(path):
+    assert not stale_references(path)
+
+
+def test_the_check_finds_a_removed_name(tmp_path):
+    """A stand-in of a GPU test that still calls a helper its kernel module no longer has."""
+    test = tmp_path / "test_stand_in.py"
+    test.write_text(
+        "from graphquant.kernels import triton_scales\n"
+        "import graphquant.formats.fp8 as fp8\n"
+        "from graphquant.formats.fp8 import tensor_amax, no_such_name\n"
+        "CODES = triton_scales\n"
+        "def test():\n"
+        "    triton_scales.fp8_codes, fp8.tensor_amax, CODES.fp8_codes\n"
+        "    triton_scales._cast, fp8.no_such_amax, CODES._cast\n"
+    )
+    found = stale_references(test)
+    assert [line.split(":")[0] for line in found] == ["3", "7", "7", "7"], found
+    assert "no_such_name" in found[0] and all("binds no" in f for f in found[1:]), found
