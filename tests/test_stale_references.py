@@ -1,5 +1,6 @@
 """Every name the tests and benchmarks take from graphquant's modules, or from their sibling
-modules, still exists there: read from the sources, not by importing or running them.
+modules, still exists there, and every call of such a module's function passes arguments it
+takes: read from the sources, not by importing or running them.
 
 GPU tests skip on CI's CPU machines and benchmarks run only on a GPU, so a name renamed or removed
 in the library (a kernel module's helper, a benchmark's constant) would break them unseen until
@@ -7,7 +8,9 @@ a GPU session spends its time finding out. Each ``module.name`` (through ``impor
 package import module`` and module aliases assigned at top level, such as ``KERNELS =
 backends.triton_grouped_fp8``) and each ``from module import name`` is checked against the names
 the module's source binds at its top level (definitions, assignments, imports; a module with a
-``__getattr__`` of its own is taken as having any name)."""
+``__getattr__`` of its own is taken as having any name). A call ``module.function(...)`` of a
+function the module defines undecorated (or only cached) is checked for keywords it has no
+parameter of and more positional arguments than it takes."""
 
 from __future__ import annotations
 
@@ -105,8 +108,29 @@ def resolved(expr: ast.AST, path: pathlib.Path, names: dict[str, Optional[pathli
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def signatures(path: pathlib.Path) -> dict[str, ast.arguments]:
+    """The parameters of each function ``path``'s source defines at its top level, undecorated or
+    only cached (a decorator may give a function other parameters)."""
+    tree = ast.parse(path.read_text(), str(path))
+    plain = ("functools.lru_cache", "functools.cache", "lru_cache", "cache")
+    return {node.name: node.args for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and all(ast.unparse(d.func if isinstance(d, ast.Call) else d) in plain for d in node.decorator_list)}
+
+
+def wrong_arguments(call: ast.Call, parameters: ast.arguments) -> list[str]:
+    """What of ``call``'s arguments a function of ``parameters`` would refuse."""
+    named = {a.arg for a in (*parameters.args, *parameters.kwonlyargs)}
+    wrong = [f"no parameter {k.arg}" for k in call.keywords if k.arg is not None and k.arg not in named and parameters.kwarg is None]
+    positional = len(parameters.posonlyargs) + len(parameters.args)
+    if parameters.vararg is None and not any(isinstance(a, ast.Starred) for a in call.args) and len(call.args) > positional:
+        wrong.append(f"{len(call.args)} positional arguments, it takes {positional}")
+    return wrong
+
+
 def stale_references(path: pathlib.Path) -> list[str]:
-    """``path``'s references to names its modules do not bind, as "line: module.name"."""
+    """``path``'s references to names its modules do not bind, and its calls of their functions
+    with arguments those do not take, each as "line: what"."""
     tree = ast.parse(path.read_text(), str(path))
     names = dict(top_level(path)[0])
     for node in ast.walk(tree):  # a test's imports inside its functions (GPU tests import their kernels there)
@@ -120,7 +144,12 @@ def stale_references(path: pathlib.Path) -> list[str]:
                 bound, dynamic = top_level(module)
                 found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
                           if a.name != "*" and a.name not in bound and not dynamic]
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            module = resolved(node.func.value, path, names)
+            parameters = signatures(module).get(node.func.attr) if module is not None else None
+            if parameters is not None:
+                found += [f"{node.lineno}: {ast.unparse(node.func)}(...): {w}" for w in wrong_arguments(node, parameters)]
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             module = resolved(node.value, path, names)
             if module is not None:
                 bound, dynamic = top_level(module)
@@ -142,10 +171,12 @@ def test_the_check_finds_a_removed_name(tmp_path):
         "import graphquant.formats.fp8 as fp8\n"
         "from graphquant.formats.fp8 import tensor_amax, no_such_name\n"
         "CODES = triton_scales\n"
-        "def test():\n"
-        "    triton_scales.fp8_codes, fp8.tensor_amax, CODES.fp8_codes\n"
+        "def test(x):\n"
+        "    triton_scales.fp8_codes, fp8.tensor_amax, CODES.fp8_codes, fp8.tensor_amax(x=x), fp8.tensor_amax(x)\n"
         "    triton_scales._cast, fp8.no_such_amax, CODES._cast\n"
+        "    fp8.tensor_amax(x, 1), fp8.tensor_amax(x, dim=1)\n"
     )
     found = stale_references(test)
-    assert [line.split(":")[0] for line in found] == ["3", "7", "7", "7"], found
-    assert "no_such_name" in found[0] and all("binds no" in f for f in found[1:]), found
+    assert [line.split(":")[0] for line in found] == ["3", "7", "7", "7", "8", "8"], found
+    assert "no_such_name" in found[0] and all("binds no" in f for f in found[1:4]), found
+    assert "2 positional arguments, it takes 1" in found[4] and "no parameter dim" in found[5], found
