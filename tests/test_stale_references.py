@@ -10,13 +10,16 @@ backends.triton_grouped_fp8``) and each ``from module import name`` is checked a
 the module's source binds at its top level (definitions, assignments, imports; a module with a
 ``__getattr__`` of its own is taken as having any name). A call ``module.function(...)`` of a
 function the module defines undecorated (or only cached) is checked for keywords it has no
-parameter of and more positional arguments than it takes."""
+parameter of and more positional arguments than it takes; so is each call of a function of the
+CUDA extension (graphquant._C, which CI never builds) against the arguments its pybind11
+definition names."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import pathlib
+import re
 from typing import Optional
 
 import pytest
@@ -24,7 +27,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {"graphquant": ROOT / "graphquant", "graphquant.passes": ROOT / "passes"}
 CHECKED = sorted([*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")])
+LIBRARY = sorted([*ROOT.glob("graphquant/**/*.py"), *ROOT.glob("passes/*.py"), *CHECKED])  # where the extension is called
 MODULE_ATTRIBUTES = ("__file__", "__name__", "__doc__", "__dict__", "__path__", "__spec__", "__package__", "__loader__")
+
+
+@functools.lru_cache(maxsize=None)
+def tree_of(path: pathlib.Path) -> ast.Module:
+    """``path``'s source parsed (once: most files are read for several others)."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def module_path(name: str, near: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
@@ -45,7 +55,7 @@ def module_path(name: str, near: Optional[pathlib.Path] = None) -> Optional[path
 def top_level(path: pathlib.Path) -> tuple[dict[str, Optional[pathlib.Path]], bool]:
     """({name: the module it is bound to, where it is one we can read, else None} for every name
     ``path``'s source binds at its top level, whether it has a module ``__getattr__``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = tree_of(path)
     names: dict[str, Optional[pathlib.Path]] = dict.fromkeys(MODULE_ATTRIBUTES)
     if path.name == "__init__.py":  # a package's submodules are its attributes once imported
         names.update({p.stem: p for p in path.parent.glob("*.py") if p.stem != "__init__"})
@@ -112,7 +122,7 @@ def resolved(expr: ast.AST, path: pathlib.Path, names: dict[str, Optional[pathli
 def signatures(path: pathlib.Path) -> dict[str, ast.arguments]:
     """The parameters of each function ``path``'s source defines at its top level, undecorated or
     only cached (a decorator may give a function other parameters)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = tree_of(path)
     plain = ("functools.lru_cache", "functools.cache", "lru_cache", "cache")
     return {node.name: node.args for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and all(ast.unparse(d.func if isinstance(d, ast.Call) else d) in plain for d in node.decorator_list)}
@@ -131,7 +141,7 @@ def wrong_arguments(call: ast.Call, parameters: ast.arguments) -> list[str]:
 def stale_references(path: pathlib.Path) -> list[str]:
     """``path``'s references to names its modules do not bind, and its calls of their functions
     with arguments those do not take, each as "line: what"."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = tree_of(path)
     names = dict(top_level(path)[0])
     for node in ast.walk(tree):  # a test's imports inside its functions (GPU tests import their kernels there)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -158,9 +168,78 @@ def stale_references(path: pathlib.Path) -> list[str]:
     return found
 
 
+def _definitions(source: str) -> dict[str, list[tuple[str, bool]]]:
+    """{name: [(argument, whether it has a default)]} of each ``m.def("name", ...)`` in C++
+    ``source`` that names its arguments (pybind11::arg)."""
+    found = {}
+    for match in re.finditer(r'm\.def\(\s*"(\w+)"', source):
+        depth, i, quoted = 1, match.end(), False
+        while depth:  # to the call's closing parenthesis, past the parentheses inside its strings
+            c = source[i]
+            if quoted:
+                i += c == "\\"
+                quoted = c != '"'
+            else:
+                quoted = c == '"'
+                depth += {"(": 1, ")": -1}.get(c, 0)
+            i += 1
+        arguments = re.findall(r'pybind11::arg\("(\w+)"\)(?:\.\w+\([^)]*\))*\s*(=)?', source[match.end() : i])
+        if arguments:
+            found[match.group(1)] = [(name, bool(default)) for name, default in arguments]
+    return found
+
+
+EXTENSION = {name: arguments for path in sorted((ROOT / "csrc").rglob("*.c*")) for name, arguments in _definitions(path.read_text()).items()}
+# How graphquant's modules, tests and benchmarks name the extension module where they call it.
+EXTENSION_RECEIVER = re.compile(r"(ext|extension|graphquant\._C|_C|_ext\(\)|(native\.)?extension_for\(.*\))")
+
+
+def wrong_extension_arguments(call: ast.Call) -> list[str]:
+    """What of ``call``'s arguments, a call of the extension's function, its definition refuses."""
+    arguments = EXTENSION[call.func.attr]
+    names = [name for name, _ in arguments]
+    wrong = [f"no argument {k.arg}" for k in call.keywords if k.arg not in names]
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return wrong
+    given = set(names[: len(call.args)]) | {k.arg for k in call.keywords}
+    if len(call.args) > len(names):
+        wrong.append(f"{len(call.args)} positional arguments, it takes {len(names)}")
+    missing = [name for name, default in arguments if not default and name not in given]
+    return wrong + [f"no {', '.join(missing)}"] * bool(missing)
+
+
+def extension_call_problems(path: pathlib.Path) -> list[str]:
+    """``path``'s calls of the extension's functions with arguments their definitions refuse."""
+    return [f"{node.lineno}: {ast.unparse(node.func)}(...): {w}" for node in ast.walk(tree_of(path))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in EXTENSION
+            and EXTENSION_RECEIVER.fullmatch(ast.unparse(node.func.value)) for w in wrong_extension_arguments(node)]
+
+
 @pytest.mark.parametrize("path", CHECKED, ids=[str(p.relative_to(ROOT)) for p in CHECKED])
 def test_names_taken_from_modules_exist(path):
     assert not stale_references(path)
+
+
+def test_calls_of_the_extension_pass_the_arguments_it_takes():
+    assert {"quantize", "fp8_gemm", "block_gemm", "mixed_gemm", "bf16_gemm", "grouped_fp8_tokens_by_tokens"} <= EXTENSION.keys()
+    problems = {str(path.relative_to(ROOT)): found for path in LIBRARY if (found := extension_call_problems(path))}
+    assert not problems
+
+
+def test_the_check_finds_a_call_the_extension_refuses(tmp_path):
+    """block_gemm (a, b, a_scale, b_scale, out_dtype, bias): one argument short, one too many, a
+    keyword it does not name."""
+    caller = tmp_path / "caller.py"
+    caller.write_text(
+        "def gemm(ext, a, b, s, t, dtype, bias):\n"
+        "    ext.block_gemm(a, b, s, t, dtype, bias)\n"
+        "    ext.block_gemm(a, b, s, t, dtype)\n"
+        "    ext.block_gemm(a, b, s, t, dtype, bias, 0, 1, 2)\n"
+        "    ext.block_gemm(a, b, s, t, dtype, bias=bias, split=2)\n"
+    )
+    found = extension_call_problems(caller)
+    assert [line.split(":")[0] for line in found] == ["3", "4", "5"], found
+    assert "no bias" in found[0] and "positional arguments" in found[1] and "no argument split" in found[2], found
 
 
 def test_the_check_finds_a_removed_name(tmp_path):
