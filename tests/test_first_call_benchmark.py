@@ -2,20 +2,15 @@
 seconds and compile phases of that call alone, the later call compiling its shape's own graph."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from benchmark_tables import BENCHMARKS
+from benchmark_tables import output
 
 
 @pytest.mark.slow
 def test_a_report_for_each_row_count():
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "first_call.py"), "graphquant tensorwise frozen", "--tiny", "--rows", "16,32", "--top", "3"],
-                         capture_output=True, text=True)
-    out = run.stdout
-    assert run.returncode == 0, out + run.stderr
+    out = output("first_call", ["graphquant tensorwise frozen", "--tiny", "--rows", "16,32", "--top", "3"])
     calls = re.findall(r"graphquant tensorwise frozen, no_grad: 1 SwiGLU FFN blocks \(128 -> 256 -> 128\), (\d+) rows on cpu, .*: first call ([\d.]+) s", out)
     assert [rows for rows, _ in calls] == ["16", "32"] and all(float(s) > 0 for _, s in calls), out
     # The counters start again at each call: the second compiles one graph of its own, no graph break.
