@@ -1,18 +1,21 @@
 """DeepSeek-V3's block-scaled FP8 GEMM (1x128 by 128x128) on Hopper: graphquant's own kernel
-(graphquant._C.block_gemm) beside cuBLASLt's blockwise GEMM as the plan calls it (k padded to a
-multiple of scaled_mm.TILE_SCALED_K each call where k / 128 is no multiple of 4) and as a raw
-torch._scaled_mm call of already padded operands, cuBLASLt's per-tensor FP8 GEMM of the same codes
-(the same tensor-core work without block scales to apply: the speed a block-scaled GEMM would
-need to match a per-row one, whose scales cost nothing inside the product), and bf16 torch.mm, in
-the same run, alternating, each replayed from a CUDA graph (GPU time: at a few rows every eager
-call's host time exceeds its kernel's).
+(graphquant._C.block_gemm, its K split where the output's tiles fill few SMs, and unsplit) beside
+cuBLASLt's blockwise GEMM as the plan calls it (k padded to a multiple of scaled_mm.TILE_SCALED_K
+each call where k / 128 is no multiple of 4) and as a raw torch._scaled_mm call of already padded
+operands, cuBLASLt's per-tensor FP8 GEMM of the same codes (the same tensor-core work without
+block scales to apply: the speed a block-scaled GEMM would need to match a per-row one, whose
+scales cost nothing inside the product), and bf16 torch.mm, in the same run, alternating, each
+replayed from a CUDA graph (GPU time: at a few rows every eager call's host time exceeds its
+kernel's).
 
-    python benchmarks/block_gemm.py [--rows 64,256,1024,4096,16384] [--weights 4096x11008,4096x2816,4096x1408,2816x4096,14336x4096]
+    python benchmarks/block_gemm.py [--rows 64,256,1024,4096,16384] [--weights 4096x11008,...,14336x4096,4096x14336]
 
 A weight NxK is B (n, k): 4096x11008 is Llama-2's down projection (its dgrad too), 4096x2816 and
-4096x1408 an MoE shared expert's and an expert's, 2816x4096 and 14336x4096 (Llama-3-8B's gate and
-up projections, at a prefill's rows) a k cuBLASLt takes as it is. The plan runs the first three
-on graphquant's kernel and the last two on cuBLASLt's (backends.BLOCK_SCALED_GEMM).
+4096x1408 an MoE shared expert's and an expert's, 2816x4096, 14336x4096 and 4096x14336 (Llama-3-8B's
+gate and up projections and its down projection) a k cuBLASLt takes as it is. The plan runs the
+first three on graphquant's kernel and the last three on cuBLASLt's (backends.BLOCK_SCALED_GEMM),
+which splits no K: at a few rows "graphquant" against "cuBLASLt raw" says whether the split
+kernel should take those too.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def operand(quantizer, rows: int, k: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="64,256,1024,4096,16384")
-    parser.add_argument("--weights", default="4096x11008,4096x2816,4096x1408,2816x4096,14336x4096")
+    parser.add_argument("--weights", default="4096x11008,4096x2816,4096x1408,2816x4096,14336x4096,4096x14336")
     args = parser.parse_args()
     if not block_scaled.extension_runs(torch.device("cuda")):
         sys.exit("graphquant's extension is not built for this GPU: run `pip install -e .` on an sm_90 machine")
@@ -57,6 +60,7 @@ def main() -> None:
             fns = {
                 "bf16": lambda: torch.mm(x, w.t()),
                 "graphquant": lambda: block_scaled.gemm(a, b, torch.bfloat16),
+                "graphquant, K unsplit": lambda: block_scaled.gemm(a, b, torch.bfloat16, splits=1),
                 "cuBLASLt as planned": lambda: scaled_mm.run(on_cublaslt, a, b, torch.bfloat16),
                 "cuBLASLt raw": lambda: torch._scaled_mm(*call, **kwargs),
                 "cuBLASLt per tensor": lambda: torch._scaled_mm(a.data, b.data.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),

@@ -176,6 +176,31 @@ def test_block_scaled_gemm_takes_any_m_and_n_and_k_of_whole_16_bytes(m, n, k, a_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(1, 256, 16384), (64, 4096, 11008), (130, 201, 1408), (300, 384, 2816)])
+def test_block_scaled_gemm_splits_k_within_the_bound_and_the_same_bits_every_call(m, n, k, out_dtype):
+    """Where the output's tiles fill few SMs the kernel splits K (one row: up to a split an SM; a
+    few rows of a down projection's 86 blocks; 11 blocks in 2; the kernel's choice, 0, beside 1, 3
+    and 7 splits, the last not dividing the blocks evenly): each within the bound of the float64
+    product with the bias and the output's one rounding, and each the same bits at every call (the
+    splits' sums added in split order)."""
+    if not block_scaled.extension_runs(torch.device("cuda")):
+        pytest.skip("graphquant's extension is not built for this GPU")
+    torch.manual_seed(0)
+    a = _operand(Float8BlockQuantizer("e4m3", 1), ROWWISE, m, k, "cuda")
+    b = _operand(Float8BlockQuantizer(block_scaling_dim=2), ROWWISE, n, k, "cuda")
+    bias = (torch.randn(n, device="cuda") * 64).to(torch.bfloat16)
+    rounding = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}[out_dtype]
+    ref = _reference(a, b) + bias.double()
+    bound = _bound(a, b, fp8.PROMOTED_PRODUCTS) + ref.abs() * rounding
+    for splits in (0, 1, 3, 7):
+        out = block_scaled.gemm(a, b, out_dtype, bias, splits=splits)
+        excess = ((out.double() - ref).abs() - bound).max().item()
+        assert excess <= 0, f"{m}x{n}x{k} -> {out_dtype}, {splits} splits: error exceeds the bound by {excess}"
+        assert torch.equal(block_scaled.gemm(a, b, out_dtype, bias, splits=splits), out), f"{m}x{n}x{k}, {splits} splits: other bits"
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
 def test_block_scaled_gemm_runs_on_each_device_of_the_process():
     """Each device holds its own copy of the kernel, so its shared memory is opted into and its

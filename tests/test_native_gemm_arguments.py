@@ -169,10 +169,11 @@ def fake_fp8_gemm(a, b, scale_a, scale_b, out_dtype, fast_accum, bias=None):
     return fake_scaled_mm(a, b.t(), scale_a.reshape(-1, 1), scale_b.reshape(1, -1), bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def fake_block_gemm(a, b, a_scale, b_scale, out_dtype, bias):
+def fake_block_gemm(a, b, a_scale, b_scale, out_dtype, bias, splits):
     """graphquant._C.block_gemm(a (m, k), b (n, k)): FP8 codes, k contiguous in rows of whole 16
     bytes (TMA's), a's 1x128 scales (m, k blocks) and b's 128x128 ones (n tiles, k blocks) in any
-    strides; returns the product they describe (float64, the bias, one rounding to out_dtype)."""
+    strides, K's split (0: the kernel's choice); returns the product they describe (float64, the
+    bias, one rounding to out_dtype)."""
     m, k = a.shape
     n, blocks = b.shape[0], math.ceil(k / 128)
     for codes in (a, b):
@@ -182,6 +183,7 @@ def fake_block_gemm(a, b, a_scale, b_scale, out_dtype, bias):
     assert a_scale.shape == (m, blocks) and b_scale.shape == (math.ceil(n / 128), blocks), f"scales {tuple(a_scale.shape)} {tuple(b_scale.shape)}"
     assert out_dtype in (torch.bfloat16, torch.float16, torch.float32)
     assert bias is None or (bias.dtype in (torch.bfloat16, torch.float16) and bias.shape == (n,) and bias.is_contiguous())
+    assert isinstance(splits, int) and splits >= 0, f"splits {splits!r}"
     product = _values(a, a_scale, "block 1x128") @ _values(b, b_scale, "block 128x128").t()
     return (product + (0 if bias is None else bias.double())).to(out_dtype)
 

@@ -14,7 +14,9 @@
 //
 // Layout: a persistent CTA walks output tiles of 128 x 128 (GROUP_M tiles of rows a column of
 // tiles, so that the tiles running at once share their operands in L2; two CTAs a cluster share
-// their B tile's copy). A warpgroup copies K
+// their B tile's copy). Where the tiles fill few of the SMs (a few rows of A), K is split: each
+// split's tiles are work of their own, their fp32 sums written apart and then added in split order
+// (the same bits every call) before the bias and the one rounding. A warpgroup copies K
 // blocks of both operands by TMA into STAGES stages; two warpgroups each multiply 64 of the rows:
 // four wgmmas a block into a partial accumulator, then its promotion into the fp32 sums, while the
 // other warpgroup's wgmmas keep the tensor cores busy.
@@ -51,27 +53,43 @@ struct Args {
   const float *a_scale, *b_scale;  // (m, blocks), (ceil(n / 128), blocks), any strides
   void* out;
   const void* bias;
+  float* partial;  // (splits, m, n) fp32 where K is split, else null
   int64_t a_scale_rows, a_scale_cols, b_scale_rows, b_scale_cols;  // strides, in elements
   int m, n, blocks, n_tiles, out_kind, bias_kind;
   int cluster_rows;  // rows of the output's tiles, CTAS tiles (a cluster's) a row
+  int splits, blocks_per_split;
 };
+
+// The work item ``item`` of a CTA's cluster: its tile (row, column of tiles) and its K split's blocks.
+struct Work {
+  int row, column, first, blocks;
+};
+template <int CTAS>
+__device__ __forceinline__ Work work_of(int item, const Args& args) {
+  const int cluster_tiles = args.cluster_rows * args.n_tiles, split = item / cluster_tiles;
+  Work w;
+  tile_in_bands<GROUP_M / CTAS>(item % cluster_tiles, args.cluster_rows, args.n_tiles, w.row, w.column);
+  w.first = split * args.blocks_per_split;
+  w.blocks = min(args.blocks_per_split, args.blocks - w.first);
+  return w;
+}
 
 // A thread's sums (sum 4j + 2h + b: row rows[h], column n0 + 8j + 2t + b), plus the bias, rounded
 // once into out (m, n) row-major; column pairs written as one store where n is even.
 template <typename Out>
-__device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& args, int n0, int t, const int (&rows)[2]) {
-  Out* out = static_cast<Out*>(args.out);
+__device__ __forceinline__ void store_tile(const float (&acc)[64], const Args& args, Out* out, const void* bias_values, int n0, int t,
+                                           const int (&rows)[2]) {
   const bool even = args.n % 2 == 0;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int column = n0 + 8 * j + 2 * t;
     if (column >= args.n) continue;
     float bias[2] = {0.f, 0.f};
-    if (args.bias != nullptr) {
+    if (bias_values != nullptr) {
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const int c = min(column + b, args.n - 1);
-        bias[b] = bias_value(args.bias, args.bias_kind, c);
+        bias[b] = bias_value(bias_values, args.bias_kind, c);
       }
     }
     const bool both = column + 1 < args.n;
@@ -99,7 +117,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
   const uint32_t full = base + STAGES * STAGE_BYTES, empty = full + 8 * STAGES;  // a barrier a stage each
   const int tid = threadIdx.x;
   const uint32_t rank = CTAS > 1 ? cluster_rank() : 0, partner = 1 - rank;
-  const int cluster_tiles = args.cluster_rows * args.n_tiles;
+  const int items = args.cluster_rows * args.n_tiles * args.splits;
   const int cluster = blockIdx.x / CTAS, clusters = gridDim.x / CTAS;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -115,11 +133,10 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid == 0) {
       int j = 0;  // stages filled so far, over every tile
-      for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
-        int row, column;
-        tile_in_bands<GROUP_M / CTAS>(tile, args.cluster_rows, args.n_tiles, row, column);
-        const int tm = row * CTAS + rank, tn = column;
-        for (int block = 0; block < args.blocks; ++block, ++j) {
+      for (int item = cluster; item < items; item += clusters) {
+        const Work w = work_of<CTAS>(item, args);
+        const int tm = w.row * CTAS + rank, tn = w.column;
+        for (int block = w.first; block < w.first + w.blocks; ++block, ++j) {
           const int s = j % STAGES;
           if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
           const uint32_t stage = base + s * STAGE_BYTES, bar = full + 8 * s;
@@ -141,10 +158,9 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
     const int g = lane / 4, t = lane % 4;
     const int row_in_tile = warpgroup * 64 + warp * 16 + g;  // this thread's rows of the tile: it and it + 8
     int j = 0;  // stages consumed so far, over every tile
-    for (int tile = cluster; tile < cluster_tiles; tile += clusters) {
-      int row, column;
-      tile_in_bands<GROUP_M / CTAS>(tile, args.cluster_rows, args.n_tiles, row, column);
-      const int tm = row * CTAS + rank, tn = column;  // past the output's last row where a cluster's tiles are: zeros, not stored
+    for (int item = cluster; item < items; item += clusters) {
+      const Work w = work_of<CTAS>(item, args);
+      const int tm = w.row * CTAS + rank, tn = w.column;  // past the output's last row where a cluster's tiles are: zeros, not stored
       const int rows[2] = {tm * TILE + row_in_tile, tm * TILE + row_in_tile + 8};
       const float* a_scale[2] = {args.a_scale + static_cast<int64_t>(min(rows[0], args.m - 1)) * args.a_scale_rows,
                                  args.a_scale + static_cast<int64_t>(min(rows[1], args.m - 1)) * args.a_scale_rows};
@@ -152,9 +168,11 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
       float acc[64], partial[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      // Block 0's scales; each block's wgmmas then run while the next block's are read.
-      float tile_scale = b_scale[0], row_scale[2] = {a_scale[0][0], a_scale[1][0]};
-      for (int block = 0; block < args.blocks; ++block, ++j) {
+      // The split's first block's scales; each block's wgmmas then run while the next block's are read.
+      const int64_t first = w.first, last = w.first + w.blocks;
+      float tile_scale = b_scale[first * args.b_scale_cols];
+      float row_scale[2] = {a_scale[0][first * args.a_scale_cols], a_scale[1][first * args.a_scale_cols]};
+      for (int64_t block = first; block < last; ++block, ++j) {
         const int s = j % STAGES;
         const uint32_t a_stage = base + s * STAGE_BYTES + warpgroup * 64 * TILE, b_stage = base + s * STAGE_BYTES + TILE * TILE;
         barrier_wait(full + 8 * s, (j / STAGES) & 1);
@@ -163,7 +181,7 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
         for (int kk = 0; kk < 4; ++kk) Fp8Wgmma<A, E4M3>::mma(partial, descriptor(a_stage + 32 * kk), descriptor(b_stage + 32 * kk), kk);
         wgmma_commit();
         const float factor[2] = {row_scale[0] * tile_scale, row_scale[1] * tile_scale};
-        if (block + 1 < args.blocks) {
+        if (block + 1 < last) {
           const int64_t next = block + 1;
           tile_scale = b_scale[next * args.b_scale_cols];
           row_scale[0] = a_scale[0][next * args.a_scale_cols];
@@ -183,14 +201,33 @@ __global__ void __launch_bounds__(THREADS, 1) block_gemm_kernel(const Args args,
         for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], factor[(i >> 1) & 1], acc[i]);
       }
       const int n0 = tn * TILE;
-      if (args.out_kind == BF16) store_tile<__nv_bfloat16>(acc, args, n0, t, rows);
-      else if (args.out_kind == F16) store_tile<__half>(acc, args, n0, t, rows);
-      else store_tile<float>(acc, args, n0, t, rows);
+      if (args.partial != nullptr) {  // a K split's sums, the bias and rounding left to split_sum_kernel
+        const int64_t split = w.first / args.blocks_per_split;
+        store_tile<float>(acc, args, args.partial + split * args.m * args.n, nullptr, n0, t, rows);
+      } else if (args.out_kind == BF16) {
+        store_tile(acc, args, static_cast<__nv_bfloat16*>(args.out), args.bias, n0, t, rows);
+      } else if (args.out_kind == F16) {
+        store_tile(acc, args, static_cast<__half*>(args.out), args.bias, n0, t, rows);
+      } else {
+        store_tile(acc, args, static_cast<float*>(args.out), args.bias, n0, t, rows);
+      }
     }
   }
   // No CTA leaves while another may still copy into its stages or arrive on its barriers.
   if constexpr (CTAS > 1) cluster_sync();
 #endif
+}
+
+// The K splits' sums added in split order, then the bias, and the one rounding to out's dtype.
+template <typename Out>
+__global__ void split_sum_kernel(const Args args) {
+  const int64_t total = static_cast<int64_t>(args.m) * args.n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = args.partial[i];
+    for (int s = 1; s < args.splits; ++s) sum += args.partial[s * total + i];
+    if (args.bias != nullptr) sum += bias_value(args.bias, args.bias_kind, static_cast<int>(i % args.n));
+    store_value(static_cast<Out*>(args.out) + i, sum);
+  }
 }
 
 void check_scales(const at::Tensor& scale, int64_t rows, int64_t blocks, const at::Tensor& codes, const char* name) {
@@ -234,7 +271,7 @@ void launch(Args args, const at::Tensor& a, const at::Tensor& b, int m_tiles, in
   opt_in_shared_memory(reinterpret_cast<const void*>(kernel), SMEM, "graphquant.block_gemm");
   const int resident = resident_clusters(reinterpret_cast<const void*>(kernel), config, CTAS, sms);
   args.cluster_rows = (m_tiles + CTAS - 1) / CTAS;
-  config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.n_tiles));
+  config.gridDim = dim3(CTAS * std::min(resident, args.cluster_rows * args.n_tiles * args.splits));
   const CUtensorMap a_map = tensor_map("graphquant.block_gemm", a.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a.size(0), a.size(1),
                                        a.stride(0), TILE, TILE, CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap b_map = tensor_map("graphquant.block_gemm", b.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b.size(0), b.size(1),
@@ -251,8 +288,16 @@ void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b,
   else launch<A, 1>(args, a, b, m_tiles, sms, stream);
 }
 
+// K's split where the output's tiles fill at most half the SMs: enough splits to fill them once,
+// each at least MIN_SPLIT_BLOCKS blocks long (a split's fixed cost, its first stages' copies and its
+// fp32 sums written and read again, against the blocks it multiplies).
+constexpr int64_t MIN_SPLIT_BLOCKS = 4;
+int64_t auto_splits(int64_t tiles, int64_t blocks, int sms) {
+  return 2 * tiles > sms ? 1 : std::max<int64_t>(1, std::min<int64_t>(sms / tiles, blocks / MIN_SPLIT_BLOCKS));
+}
+
 at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
-                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
+                      at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, int64_t splits) {
   check_fp8_codes(a, "graphquant.block_gemm", "A");
   check_fp8_codes(b, "graphquant.block_gemm", "B");
   TORCH_CHECK(b.scalar_type() == at::kFloat8_e4m3fn, "graphquant.block_gemm multiplies E4M3 or E5M2 A by E4M3 B (weights), not ", b.scalar_type());
@@ -271,15 +316,23 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
                         bias->is_contiguous() && bias->device() == a.device()),
               "graphquant.block_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on A's device");
   TORCH_CHECK(m < (int64_t{1} << 31) && n < (int64_t{1} << 31), "graphquant.block_gemm takes m and n below 2^31, got ", m, " and ", n);
+  TORCH_CHECK(splits >= 0, "graphquant.block_gemm: splits must be 0 (chosen for the GPU) or a count of K splits, got ", splits);
   const c10::cuda::CUDAGuard guard(a.device());
   auto out = at::empty({m, n}, a.options().dtype(out_dtype));
   if (m == 0 || n == 0) return out;
   if (k == 0) return out.zero_();
   const int m_tiles = static_cast<int>((m + TILE - 1) / TILE), n_tiles = static_cast<int>((n + TILE - 1) / TILE);
+  const int sms = properties->multiProcessorCount;
+  if (splits == 0) splits = auto_splits(int64_t{m_tiles} * n_tiles, blocks, sms);
+  const int64_t per_split = (blocks + std::min(splits, blocks) - 1) / std::min(splits, blocks);
+  splits = (blocks + per_split - 1) / per_split;  // none empty
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, m, n}, a.options().dtype(at::kFloat));
   Args args{a_scale.data_ptr<float>(),
             b_scale.data_ptr<float>(),
             out.data_ptr(),
             bias ? bias->data_ptr() : nullptr,
+            splits > 1 ? partial.data_ptr<float>() : nullptr,
             a_scale.stride(0),
             a_scale.stride(1),
             b_scale.stride(0),
@@ -290,11 +343,21 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
             n_tiles,
             kind(out_dtype),
             bias ? kind(bias->scalar_type()) : BF16,
-            0};
-  const int sms = properties->multiProcessorCount;
+            0,
+            static_cast<int>(splits),
+            static_cast<int>(per_split)};
   auto stream = at::cuda::getCurrentCUDAStream();
   if (fp8_element(a) == E4M3) launch_clusters<E4M3>(args, a, b, m_tiles, sms, stream);
   else launch_clusters<E5M2>(args, a, b, m_tiles, sms, stream);
+  if (splits > 1) {
+    const int threads = 256;
+    const int64_t wanted = (m * n + threads - 1) / threads;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(wanted, int64_t{sms} * 8));
+    if (out_dtype == at::kBFloat16) split_sum_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(args);
+    else if (out_dtype == at::kHalf) split_sum_kernel<__half><<<grid, threads, 0, stream>>>(args);
+    else split_sum_kernel<float><<<grid, threads, 0, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return out;
 }
 
@@ -305,7 +368,8 @@ void register_block_gemm(pybind11::module_& m) {
   m.def("block_gemm", &gq::block_gemm,
         "out (m, n) = A @ B^T (+ bias) for FP8 codes A (m, k) in 1x128 blocks and B (n, k) in 128x128 tiles (DeepSeek-V3's "
         "recipe) on sm_90's FP8 tensor cores: each 128-long block's partial sum times a_scale[row, block] * b_scale[row / 128, "
-        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16",
+        "block] added in fp32, the bias (n bfloat16 or float16, optional) added before one rounding to out_dtype; k a multiple of 16; "
+        "splits: K's split, its splits' fp32 sums added in split order (0: chosen for the GPU's SMs)",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("a_scale"), pybind11::arg("b_scale"), pybind11::arg("out_dtype"),
-        pybind11::arg("bias"));
+        pybind11::arg("bias"), pybind11::arg("splits") = 0);
 }

@@ -9,7 +9,9 @@ representations store them, at any m and n and any k of whole 16 bytes (TMA's ro
 than that padded call. Where cuBLASLt takes k (and E4M3 by E4M3) as it is, it is faster
 than this kernel, and the plan leaves it those GEMMs (backends.BLOCK_SCALED_GEMM). The numerics
 are the recipe's: each 128-long block's partial sum on the FP8 tensor cores, promoted into fp32
-with its two scales (benchmarks/NOTES.md, block_gemm.py, has where it stands).
+with its two scales; where the output's tiles fill few SMs (a few rows of A), K is split and the
+splits' fp32 sums added in split order, within the same bound (fp8.accumulation_bound takes the
+promoted sums in any order). benchmarks/NOTES.md, block_gemm.py, has where it stands.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def extension_runs(device: torch.device) -> bool:
     return has_sm90_kernel(native.extension_for(device), "block_gemm")
 
 
-def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gemm(a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
     """out (m, n) = A @ B^T (+ bias) for A's 1x128 blocks and B's 128x128 tiles, each with the
-    reduction dim last (scaled_mm.k_last), their scales (outer, k blocks) as stored."""
+    reduction dim last (scaled_mm.k_last), their scales (outer, k blocks) as stored; ``splits``:
+    K's split (0: the kernel's choice for the GPU's SMs)."""
     (data_a, _), (data_b, _) = scaled_mm.k_last(a), scaled_mm.k_last(b)
-    return native.extension_for(data_a.device).block_gemm(data_a, data_b, a.scale, b.scale, out_dtype, bias)
+    return native.extension_for(data_a.device).block_gemm(data_a, data_b, a.scale, b.scale, out_dtype, bias, splits)
