@@ -288,14 +288,6 @@ void launch_clusters(const Args& args, const at::Tensor& a, const at::Tensor& b,
   else launch<A, 1>(args, a, b, m_tiles, sms, stream);
 }
 
-// K's split where the output's tiles fill at most half the SMs: enough splits to fill them once,
-// each at least MIN_SPLIT_BLOCKS blocks long (a split's fixed cost, its first stages' copies and its
-// fp32 sums written and read again, against the blocks it multiplies).
-constexpr int64_t MIN_SPLIT_BLOCKS = 4;
-int64_t auto_splits(int64_t tiles, int64_t blocks, int sms) {
-  return 2 * tiles > sms ? 1 : std::max<int64_t>(1, std::min<int64_t>(sms / tiles, blocks / MIN_SPLIT_BLOCKS));
-}
-
 at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
                       at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, int64_t splits) {
   check_fp8_codes(a, "graphquant.block_gemm", "A");
@@ -323,9 +315,10 @@ at::Tensor block_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
   if (k == 0) return out.zero_();
   const int m_tiles = static_cast<int>((m + TILE - 1) / TILE), n_tiles = static_cast<int>((n + TILE - 1) / TILE);
   const int sms = properties->multiProcessorCount;
-  if (splits == 0) splits = auto_splits(int64_t{m_tiles} * n_tiles, blocks, sms);
-  const int64_t per_split = (blocks + std::min(splits, blocks) - 1) / std::min(splits, blocks);
-  splits = (blocks + per_split - 1) / per_split;  // none empty
+  // Where the output's tiles fill at most half the SMs, K splits (each at least 4 blocks long).
+  const KSplit split = k_split(splits, int64_t{m_tiles} * n_tiles, blocks, sms, 4);
+  const int64_t per_split = split.steps_per_split;
+  splits = split.splits;
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, m, n}, a.options().dtype(at::kFloat));
   Args args{a_scale.data_ptr<float>(),

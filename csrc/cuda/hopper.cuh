@@ -12,6 +12,7 @@
 
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -226,6 +227,21 @@ inline void check_fp8_codes(const at::Tensor& codes, const char* what, const cha
 
 // The element of FP8 codes, as the kernels' templates take it.
 inline int fp8_element(const at::Tensor& codes) { return codes.scalar_type() == at::kFloat8_e5m2 ? E5M2 : E4M3; }
+
+// A GEMM's K split, its splits' fp32 sums added in split order afterwards: ``requested`` splits or,
+// for 0, enough to fill the GPU's ``sms`` once with ``tiles`` output tiles, each split at least
+// ``least`` of the ``steps`` K steps long (a split's fixed cost, its first copies and its sums
+// written and read again, against the steps it multiplies); then as many as leave none empty.
+struct KSplit {
+  int64_t splits, steps_per_split;
+};
+inline KSplit k_split(int64_t requested, int64_t tiles, int64_t steps, int sms, int64_t least) {
+  steps = std::max<int64_t>(steps, 1);
+  int64_t splits = requested > 0 ? requested : std::max<int64_t>(1, std::min<int64_t>(sms / tiles, steps / least));
+  splits = std::min(splits, steps);
+  const int64_t per_split = (steps + splits - 1) / splits;
+  return {(steps + per_split - 1) / per_split, per_split};
+}
 
 // Opts ``kernel`` into ``bytes`` of dynamic shared memory (past 48 KiB) on the current device,
 // once a device: each device's context holds a copy of the function of its own, so a kernel opted

@@ -497,13 +497,10 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   if (m == 0 || n == 0) return out;
   const int64_t steps = k / (tokens == 256 ? step_of<256> : step_of<128>);
   const int64_t row_tiles = (n + ROWS - 1) / ROWS, token_tiles = (m + tokens - 1) / tokens;
-  if (splits <= 0) {  // a K split that fills the GPU's SMs once, each split at least four steps
-    const int sms = at::cuda::getDeviceProperties(w.get_device())->multiProcessorCount;
-    splits = std::max<int64_t>(1, std::min<int64_t>(sms / (row_tiles * token_tiles), steps / 4));
-  }
-  splits = std::min(splits, steps);
-  const int64_t per_split = (steps + splits - 1) / splits;
-  splits = (steps + per_split - 1) / per_split;  // none empty
+  const int sms = at::cuda::getDeviceProperties(w.get_device())->multiProcessorCount;
+  const KSplit split = k_split(splits, row_tiles * token_tiles, steps, sms, 4);
+  const int64_t per_split = split.steps_per_split;
+  splits = split.splits;
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
   Args args{static_cast<const uint8_t*>(w.data_ptr()),
