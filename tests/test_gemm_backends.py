@@ -54,13 +54,14 @@ def _operand(quantizer, direction, rows, k, device, amplitude=4.0):
     return qt.get(direction)
 
 
-def _on_this_machine(expected, qb, k):
+def _on_this_machine(expected, qb, m, n, k):
     """``expected``, or graphquant's block-scaled GEMM where it runs the pair instead: B in 128x128
-    tiles, a k of whole 16 bytes that cuBLASLt would pad (no multiple of scaled_mm.TILE_SCALED_K),
-    and the extension built for an sm_90 GPU (the GPU machine)."""
+    tiles, a k of whole 16 bytes that cuBLASLt would pad (no multiple of scaled_mm.TILE_SCALED_K) or
+    an output of few tiles (it splits K), and the extension built for an sm_90 GPU (the GPU machine)."""
     tiles = expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2
-    padded = k % block_scaled.K_MULTIPLE == 0 and k % scaled_mm.TILE_SCALED_K != 0
-    return block_scaled.BACKEND if tiles and padded and block_scaled.extension_runs(torch.device("cuda")) else expected
+    its_shape = k % scaled_mm.TILE_SCALED_K != 0 or backends.BLOCK_SCALED_GEMM.splits_k((m, n, k))
+    runs = tiles and its_shape and k % block_scaled.K_MULTIPLE == 0 and block_scaled.extension_runs(torch.device("cuda"))
+    return block_scaled.BACKEND if runs else expected
 
 
 def _reference(a, b):
@@ -125,27 +126,31 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
 
 
 @pytest.mark.parametrize(
-    "a_element,k,expected",
+    "a_element,m,n,k,expected",
     [
-        ("e4m3", 640, block_scaled.BACKEND),  # k / 128 = 5: cuBLASLt would pad k to 1024 each call
-        ("e4m3", 11008, block_scaled.BACKEND),
-        ("e4m3", 1024, scaled_mm.BLOCKWISE),  # a multiple of TILE_SCALED_K: cuBLASLt's, faster there
-        ("e4m3", 1000, scaled_mm.BLOCKWISE),  # not whole 16 bytes a row: TMA cannot read it, cuBLASLt pads it
-        ("e5m2", 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take,
-        ("e5m2", 1024, block_scaled.BACKEND),  # at any k
+        ("e4m3", PAST_DECODE_ROWS, 4096, 640, block_scaled.BACKEND),  # k / 128 = 5: cuBLASLt would pad k to 1024 each call
+        ("e4m3", PAST_DECODE_ROWS, 4096, 11008, block_scaled.BACKEND),
+        ("e4m3", PAST_DECODE_ROWS, 4096, 1024, scaled_mm.BLOCKWISE),  # a multiple of TILE_SCALED_K: cuBLASLt's, faster there
+        ("e4m3", PAST_DECODE_ROWS, 4096, 1000, scaled_mm.BLOCKWISE),  # not whole 16 bytes a row: TMA cannot read it, cuBLASLt pads it
+        ("e5m2", PAST_DECODE_ROWS, 4096, 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take,
+        ("e5m2", PAST_DECODE_ROWS, 4096, 1024, block_scaled.BACKEND),  # at any k
+        ("e4m3", 64, 4096, 14336, block_scaled.BACKEND),  # 32 output tiles: K split fills the SMs cuBLASLt's leaves idle
+        ("e4m3", 256, 4096, 14336, block_scaled.BACKEND),  # 64 tiles, the most it keeps
+        ("e4m3", 257, 4096, 14336, scaled_mm.BLOCKWISE),  # 96 tiles
+        ("e4m3", 64, 14336, 4096, scaled_mm.BLOCKWISE),  # 112 tiles
     ],
 )
-def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, k, expected, monkeypatch):
+def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, m, n, k, expected, monkeypatch):
     """On Hopper with graphquant's extension, 1x128 x 128x128 GEMMs whose k cuBLASLt takes only padded,
-    or whose elements it does not take, run on graphquant's block-scaled GEMM; the others stay on
-    cuBLASLt's."""
+    or whose elements it does not take, or whose output is few enough tiles that graphquant's kernel
+    splits K, run on graphquant's block-scaled GEMM; the others stay on cuBLASLt's."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     extension = type("Extension", (), {"block_gemm": None, "cuda_archs": (90,)})
     monkeypatch.setattr(block_scaled, "native", type("Native", (), {"extension_for": staticmethod(lambda device: extension)}))
     backends.clear_caches()
     try:
         qa, qb = Float8BlockQuantizer(a_element, 1), Float8BlockQuantizer(block_scaling_dim=2)
-        selected = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (PAST_DECODE_ROWS, 4096, k))
+        selected = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k))
         assert selected.backend.name == expected, selected
     finally:
         backends.clear_caches()
@@ -223,7 +228,7 @@ def _check_on_the_gpu(name, qa, qb, expected, m, n, k, gemm, da, db, fast_accumu
     """The selected backend is ``expected`` (or _on_this_machine's) and its out (m, n) lies within
     _bound of _reference."""
     torch.manual_seed(0)
-    expected = _on_this_machine(expected, qb, k)
+    expected = _on_this_machine(expected, qb, m, n, k)
     a, b = _operand(qa, da, m, k, "cuda"), _operand(qb, db, n, k, "cuda")
     selection = backends.select(qa, da, qb, db, torch.device("cuda"), (m, n, k), 1, fast_accumulation)
     fast = selection.backend.fast_accumulation
@@ -369,7 +374,7 @@ def test_cublaslt_fp8_gemms_take_any_shape(name, qa, qb, expected, monkeypatch):
         for m, n, k in ((17, 384, 512), (100, 384, 512), (PAST_DECODE_ROWS + 17, 384, 512), (PAST_DECODE_ROWS, 384, 1000),
                         (100, 392, 512), (PAST_DECODE_ROWS, 32001, 4096)):
             selected = backends.select(qa, ROWWISE, qb, ROWWISE, torch.device("cuda"), (m, n, k)).backend.name
-            assert selected == _on_this_machine(expected, qb, k), (m, n, k)
+            assert selected == _on_this_machine(expected, qb, m, n, k), (m, n, k)
     finally:
         backends.select.cache_clear()
 

@@ -163,8 +163,11 @@ class NativeGemm(NamedTuple):
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
-    none); ``available``: whether it runs on a device of a capability it runs on (a kernel of
-    graphquant's extension: whether the extension has it there)."""
+    none); ``keeps_k_left_tiles``: it keeps such a k where m and n (known when the plan is made)
+    make at most this many output tiles (``tile`` square), which it fills the SMs with by splitting
+    K where the next GEMM leaves most of them idle (0: never); ``available``: whether it runs on a
+    device of a capability it runs on (a kernel of graphquant's extension: whether the extension
+    has it there)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -183,6 +186,8 @@ class NativeGemm(NamedTuple):
     k_multiple: int = 1
     k_left: int = 0
     k_left_elements: frozenset[tuple[str, str]] = frozenset()
+    keeps_k_left_tiles: int = 0
+    tile: int = 1
     available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -208,6 +213,13 @@ class NativeGemm(NamedTuple):
         pairs = (a.family, b.family) in self.families and (a.element, b.element) in self.elements
         return pairs and self.reads(a) and self.reads(b)
 
+    def splits_k(self, dims: Sequence[Any]) -> bool:
+        """Whether m and n of ``dims`` (m, n, k) are known and make at most keeps_k_left_tiles output tiles."""
+        m, n = (tuple(dims) + (None, None))[:2]
+        if not (self.keeps_k_left_tiles and isinstance(m, int) and isinstance(n, int)):
+            return False
+        return -(-m // self.tile) * -(-n // self.tile) <= self.keeps_k_left_tiles
+
     def misfit(
         self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", ""),
         elements: tuple[str, str] = ("", ""),
@@ -225,8 +237,9 @@ class NativeGemm(NamedTuple):
         k = dims[2] if len(dims) == 3 else None
         if k is not None and k % self.k_multiple != 0:
             return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
-        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements:
-            return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM; got (m, n, k) = {tuple(dims)}"
+        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits_k(dims):
+            few = f" unless m and n make at most {self.keeps_k_left_tiles} tiles of {self.tile}" if self.keeps_k_left_tiles else ""
+            return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM{few}; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
             most = dict(self.max_rows).get(tuple(families), 0)
@@ -299,7 +312,9 @@ MIXED_INPUT_GEMM = NativeGemm(
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
 # blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K), and for E5M2 gradients,
 # which that one does not take: faster than the padded call, slower than cuBLASLt's where it takes
-# k as it is, which it is left (benchmarks/NOTES.md, block_gemm.py). Each block's
+# k as it is, which it is left, unless the output's tiles fill at most half of a Hopper's 132 SMs
+# (a few rows of A: 64 by 4096 columns are 32 tiles), where this kernel splits K and cuBLASLt's
+# leaves most SMs idle (benchmarks/NOTES.md, block_gemm.py). Each block's
 # partial sum is promoted into fp32, as the recipe asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,
@@ -310,6 +325,8 @@ BLOCK_SCALED_GEMM = NativeGemm(
     k_multiple=block_scaled.K_MULTIPLE,
     k_left=scaled_mm.TILE_SCALED_K,
     k_left_elements=BOTH_E4M3,  # cuBLASLt's blockwise GEMM's
+    keeps_k_left_tiles=block_scaled.SPLIT_TILES,
+    tile=block_scaled.TILE,
     available=lambda device: block_scaled.extension_runs(device),
 )
 
