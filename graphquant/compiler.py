@@ -495,12 +495,19 @@ class GraphquantBackend:
             return self.inner
         if self.inner == "inductor":
             from torch._inductor import config as inductor_config
+            from torch._inductor import lowering
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            from graphquant.ops import registry
 
             from graphquant.passes.common_subexpressions import merging_common_subexpressions
             from graphquant.passes.result_extraction import ResultExtraction
             from graphquant.passes.saturating_cast import SaturatingCast
 
+            # graphquant's ops are extern kernels that take each operand at its exact strides: a
+            # pointwise operand that several read (x's codes, by a SwiGLU's gate and up) is realized
+            # once, as aten.mm's are, rather than copied into a buffer of each op's own.
+            lowering.add_needs_realized_inputs(registry.OPS)
             options = dict(self.inductor_options)
             options["post_grad_custom_post_pass"] = SaturatingCast(
                 then=options.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)

@@ -8,6 +8,7 @@ directions of its operands; every graphquant::quantize / dequantize node its dir
 
 import copy
 import gc
+import re
 
 import models
 import pytest
@@ -208,6 +209,23 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
     ops = torch.ops.graphquant
     quantizes = [n for n in graph.nodes if n.target in (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])
+def test_inductor_writes_the_codes_two_gemms_share_once(recipe_name):
+    """A frozen SwiGLU's gate and up projections read one x's codes from one buffer: Inductor
+    realizes an operand several of graphquant's ops read once (as it does aten.mm's), rather than
+    copying it into a buffer for each op (per-tensor scaling's codes were written twice)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    recipe = recipes.mxfp8_block_scaling() if recipe_name == "mxfp8" else zoo.recipe(recipe_name)
+    model = torch.nn.Sequential(models.RMSNorm(128), models.SwiGLU(128, 256)).to(torch.bfloat16)
+    compiled = graphquant.freeze(graphquant.compile(model, recipe, mode="inference", dynamic=False))
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        _, code = run_and_get_code(compiled, torch.randn(64, 128, dtype=torch.bfloat16))
+    x_codes = re.findall(r"empty_strided_\w+\(\(64, (?:128|4, 32)\), [^\n]*float8_e4m3fn\)", "\n".join(code))
+    assert len(x_codes) == 1, x_codes
 
 
 class Conv1D(torch.nn.Module):

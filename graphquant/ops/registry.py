@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 LIBRARY = torch.library.Library("graphquant", "DEF")
+OPS: list[torch._ops.OpOverloadPacket] = []  # every op defined here, in order
 
 
 def _untracked(fn: Callable) -> Callable:
@@ -43,7 +44,8 @@ def op(name: str, *, tags: tuple[torch.Tag, ...] = ()) -> Callable[[Callable], t
         schema = name + torch.library.infer_schema(fn, mutates_args=())
         LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
         LIBRARY.impl(name, _untracked(fn), "CompositeExplicitAutograd")
-        return getattr(torch.ops.graphquant, name)
+        OPS.append(getattr(torch.ops.graphquant, name))
+        return OPS[-1]
 
     return define
 
