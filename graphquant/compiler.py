@@ -499,7 +499,6 @@ class GraphquantBackend:
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
             from graphquant.ops import registry
-
             from graphquant.passes.common_subexpressions import merging_common_subexpressions
             from graphquant.passes.result_extraction import ResultExtraction
             from graphquant.passes.saturating_cast import SaturatingCast
