@@ -9,7 +9,7 @@ representations store them, at any m and n and any k of whole 16 bytes (TMA's ro
 than that padded call. Where cuBLASLt takes k (and E4M3 by E4M3) as it is, it is faster
 than this kernel, and the plan leaves it those GEMMs (backends.BLOCK_SCALED_GEMM), except where
 the output's tiles are few (SPLIT_TILES): cuBLASLt leaves most SMs idle there, and this kernel
-splits K (Llama-3's down projection at 64-256 rows: 27-45 us against 41-46). The numerics
+splits K (Llama-3's down projection at 64 to 256 rows: benchmarks/block_gemm.py). The numerics
 are the recipe's: each 128-long block's partial sum on the FP8 tensor cores, promoted into fp32
 with its two scales; where the output's tiles fill few SMs (a few rows of A), K is split and the
 splits' fp32 sums added in split order, within the same bound (fp8.accumulation_bound takes the
