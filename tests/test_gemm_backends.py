@@ -58,10 +58,11 @@ def _on_this_machine(expected, qb, m, n, k):
     """``expected``, or graphquant's block-scaled GEMM where it runs the pair instead: B in 128x128
     tiles, a k of whole 16 bytes that cuBLASLt would pad (no multiple of scaled_mm.TILE_SCALED_K) or
     an output of few tiles (it splits K), and the extension built for an sm_90 GPU (the GPU machine)."""
-    tiles = expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2
-    its_shape = k % scaled_mm.TILE_SCALED_K != 0 or backends.BLOCK_SCALED_GEMM.splits_k((m, n, k))
-    runs = tiles and its_shape and k % block_scaled.K_MULTIPLE == 0 and block_scaled.extension_runs(torch.device("cuda"))
-    return block_scaled.BACKEND if runs else expected
+    cuda = torch.device("cuda")
+    if not (expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2 and block_scaled.extension_runs(cuda)):
+        return expected
+    its_shape = k % scaled_mm.TILE_SCALED_K != 0 or backends.BLOCK_SCALED_GEMM.splits_k((m, n, k), cuda)
+    return block_scaled.BACKEND if its_shape and k % block_scaled.K_MULTIPLE == 0 else expected
 
 
 def _reference(a, b):
@@ -135,7 +136,7 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         ("e5m2", PAST_DECODE_ROWS, 4096, 640, block_scaled.BACKEND),  # E5M2 gradients, which cuBLASLt's blockwise GEMM does not take,
         ("e5m2", PAST_DECODE_ROWS, 4096, 1024, block_scaled.BACKEND),  # at any k
         ("e4m3", 64, 4096, 14336, block_scaled.BACKEND),  # 32 output tiles: K split fills the SMs cuBLASLt's leaves idle
-        ("e4m3", 256, 4096, 14336, block_scaled.BACKEND),  # 64 tiles, the most it keeps
+        ("e4m3", 256, 4096, 14336, block_scaled.BACKEND),  # 64 tiles, at most half of 132 SMs
         ("e4m3", 257, 4096, 14336, scaled_mm.BLOCKWISE),  # 96 tiles
         ("e4m3", 64, 14336, 4096, scaled_mm.BLOCKWISE),  # 112 tiles
     ],
@@ -145,6 +146,7 @@ def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, m, n, k, exp
     or whose elements it does not take, or whose output is few enough tiles that graphquant's kernel
     splits K, run on graphquant's block-scaled GEMM; the others stay on cuBLASLt's."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(devices, "multiprocessors", lambda device: 132)  # an H100's or H200's
     extension = type("Extension", (), {"block_gemm": None, "cuda_archs": (90,)})
     monkeypatch.setattr(block_scaled, "native", type("Native", (), {"extension_for": staticmethod(lambda device: extension)}))
     backends.clear_caches()

@@ -24,7 +24,7 @@ import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
 from graphquant.kernels import block_scaled, emulation, grouped_fp8, grouped_operands, mixed_input, scaled_mm
-from graphquant.kernels.devices import capability
+from graphquant.kernels.devices import capability, few_tiles
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -163,9 +163,9 @@ class NativeGemm(NamedTuple):
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
-    none); ``keeps_k_left_tiles``: it keeps such a k where m and n (known when the plan is made)
-    make at most this many output tiles (``tile`` square), which it fills the SMs with by splitting
-    K where the next GEMM leaves most of them idle (0: never); ``available``: whether it runs on a
+    none); ``split_tile``: the output tile of a kernel that splits K where its tiles are few
+    (devices.few_tiles), and there keeps such a k, m and n known when the plan is made: the next
+    GEMM leaves most SMs idle there (0: none); ``available``: whether it runs on a
     device of a capability it runs on (a kernel of graphquant's extension: whether the extension
     has it there)."""
 
@@ -186,8 +186,7 @@ class NativeGemm(NamedTuple):
     k_multiple: int = 1
     k_left: int = 0
     k_left_elements: frozenset[tuple[str, str]] = frozenset()
-    keeps_k_left_tiles: int = 0
-    tile: int = 1
+    split_tile: int = 0
     available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -213,20 +212,20 @@ class NativeGemm(NamedTuple):
         pairs = (a.family, b.family) in self.families and (a.element, b.element) in self.elements
         return pairs and self.reads(a) and self.reads(b)
 
-    def splits_k(self, dims: Sequence[Any]) -> bool:
-        """Whether m and n of ``dims`` (m, n, k) are known and make at most keeps_k_left_tiles output tiles."""
+    def splits_k(self, dims: Sequence[Any], device: Optional[torch.device]) -> bool:
+        """Whether it splits K for an output of m and n of ``dims`` (m, n, k) on ``device``: both known."""
         m, n = (tuple(dims) + (None, None))[:2]
-        if not (self.keeps_k_left_tiles and isinstance(m, int) and isinstance(n, int)):
+        if not (self.split_tile and device is not None and isinstance(m, int) and isinstance(n, int)):
             return False
-        return -(-m // self.tile) * -(-n // self.tile) <= self.keeps_k_left_tiles
+        return few_tiles(m, n, self.split_tile, device)
 
     def misfit(
         self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", ""),
-        elements: tuple[str, str] = ("", ""),
+        elements: tuple[str, str] = ("", ""), device: Optional[torch.device] = None,
     ) -> str:
         """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k) of operands of
         ``families`` and ``elements`` (GemmInput.family and .element of A and B), both stored with
-        the reduction dim last or not (``k_last``), or "" where it can. A dim may be None
+        the reduction dim last or not (``k_last``), on ``device`` (None: any), or "" where it can. A dim may be None
         (unknown: not tested, except m by a skinny GEMM, which needs it known) or a torch.SymInt,
         whose test becomes a guard of the graph being compiled, so that a size that fails it
         compiles (and plans) a graph of its own."""
@@ -237,8 +236,8 @@ class NativeGemm(NamedTuple):
         k = dims[2] if len(dims) == 3 else None
         if k is not None and k % self.k_multiple != 0:
             return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
-        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits_k(dims):
-            few = f" unless m and n make at most {self.keeps_k_left_tiles} tiles of {self.tile}" if self.keeps_k_left_tiles else ""
+        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits_k(dims, device):
+            few = f" unless its {self.split_tile}-square tiles fill at most half the SMs" if self.split_tile else ""
             return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM{few}; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
@@ -312,9 +311,9 @@ MIXED_INPUT_GEMM = NativeGemm(
 # Hopper, where the extension has it (graphquant.kernels.block_scaled), for the k that cuBLASLt's
 # blockwise GEMM takes only padded each call (scaled_mm.TILE_SCALED_K), and for E5M2 gradients,
 # which that one does not take: faster than the padded call, slower than cuBLASLt's where it takes
-# k as it is, which it is left, unless the output's tiles fill at most half of a Hopper's 132 SMs
-# (a few rows of A: 64 by 4096 columns are 32 tiles), where this kernel splits K and cuBLASLt's
-# leaves most SMs idle (benchmarks/NOTES.md, block_gemm.py). Each block's
+# k as it is, which it is left, unless the output's tiles fill at most half the SMs (a few rows
+# of A: 64 by 4096 columns are 32 tiles), where this kernel splits K and cuBLASLt's leaves most
+# SMs idle (benchmarks/NOTES.md, block_gemm.py). Each block's
 # partial sum is promoted into fp32, as the recipe asks, so it has no fast accumulation.
 BLOCK_SCALED_GEMM = NativeGemm(
     block_scaled.BACKEND,
@@ -325,8 +324,7 @@ BLOCK_SCALED_GEMM = NativeGemm(
     k_multiple=block_scaled.K_MULTIPLE,
     k_left=scaled_mm.TILE_SCALED_K,
     k_left_elements=BOTH_E4M3,  # cuBLASLt's blockwise GEMM's
-    keeps_k_left_tiles=block_scaled.SPLIT_TILES,
-    tile=block_scaled.TILE,
+    split_tile=block_scaled.TILE,
     available=lambda device: block_scaled.extension_runs(device),
 )
 
@@ -558,7 +556,7 @@ def select(
         if native.quantizes_a and (not quantize_a or refusal):
             continue
         if native.runs_on(sm) and native.available(device) and native.takes(a_input, b_input):
-            misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family), (a_input.element, b_input.element))
+            misfit = native.misfit(dims or (), batch, k_last, (a_input.family, b_input.family), (a_input.element, b_input.element), device)
             if not misfit:
                 reason = f"x quantized first: {refusal}" if refusal and native.backend == triton_decode.BACKEND else ""
                 return Selection(NATIVE, GemmBackend(native.backend, native.accumulates_fast(a_input, b_input, fast_accumulation)), reason)
@@ -590,7 +588,7 @@ def select_symbolic(
     native = selection.backend.native
     inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction)) if native is not None else ()
     families, elements = tuple(i.family for i in inputs), tuple(i.element for i in inputs)
-    misfit = native.misfit(sizes, batch, True, families, elements) if native is not None and None in static else ""
+    misfit = native.misfit(sizes, batch, True, families, elements, device) if native is not None and None in static else ""
     return Selection(EMULATED, GemmBackend(EMULATION), misfit) if misfit else selection
 
 
@@ -613,7 +611,7 @@ def _refusal(
         return f"it does not multiply {a.direction_spec(a_direction)} by {b.direction_spec(b_direction)}"
     inputs = (a.gemm_input(a_direction), b.gemm_input(b_direction))
     k_last = _stored_k_last(a, a_direction) and _stored_k_last(b, b_direction)
-    return native.misfit(dims, batch, k_last, tuple(i.family for i in inputs), tuple(i.element for i in inputs))
+    return native.misfit(dims, batch, k_last, tuple(i.family for i in inputs), tuple(i.element for i in inputs), device)
 
 
 def clear_caches() -> None:

@@ -8,7 +8,7 @@ TILE_SCALED_K each call, a copy of both operands; this kernel reads the codes an
 representations store them, at any m and n and any k of whole 16 bytes (TMA's rows), faster
 than that padded call. Where cuBLASLt takes k (and E4M3 by E4M3) as it is, it is faster
 than this kernel, and the plan leaves it those GEMMs (backends.BLOCK_SCALED_GEMM), except where
-the output's tiles are few (SPLIT_TILES): cuBLASLt leaves most SMs idle there, and this kernel
+the output's tiles are few (devices.few_tiles): cuBLASLt leaves most SMs idle there, and this kernel
 splits K (Llama-3's down projection at 64 to 256 rows: benchmarks/block_gemm.py). The numerics
 are the recipe's: each 128-long block's partial sum on the FP8 tensor cores, promoted into fp32
 with its two scales; where the output's tiles fill few SMs (a few rows of A), K is split and the
@@ -30,8 +30,7 @@ BACKEND = "wgmma fp8 block-scaled gemm"
 FAMILIES = frozenset({("fp8_block_1x128", "fp8_block_128x128")})
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e5m2", "e4m3")})  # E4M3 weights, by E4M3 activations or E5M2 gradients
 K_MULTIPLE = 16  # TMA reads rows of whole 16 bytes
-TILE = 128  # the output tile a CTA computes (block_gemm.cu)
-SPLIT_TILES = 64  # the kernel splits K where its output tiles fill at most half the SMs: 66 of an H100's or H200's 132
+TILE = 128  # the output tile a CTA computes (block_gemm.cu), which splits K where they are few (devices.few_tiles)
 
 
 def extension_runs(device: torch.device) -> bool:

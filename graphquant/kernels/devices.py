@@ -24,3 +24,9 @@ def _of(device: torch.device) -> tuple[int, int]:
 def multiprocessors(device: torch.device) -> int:
     """The SMs of a CUDA device; 4 for any other (Triton's interpreter runs a kernel's logic alone)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def few_tiles(m: int, n: int, tile: int, device: torch.device) -> bool:
+    """Whether an output of (m, n) in ``tile`` x ``tile`` tiles fills at most half ``device``'s SMs,
+    where a GEMM gains by splitting K (a few rows of A through a 4096-column weight)."""
+    return 2 * -(-m // tile) * -(-n // tile) <= multiprocessors(device)

@@ -98,7 +98,7 @@ def per_row_scaled_after(m: int, n: int, device: torch.device) -> bool:
     scales keep cuBLASLt's FP8 GEMMs (and CUTLASS's) from splitting K, so a product whose 128x128
     output tiles fill at most half the SMs (a few rows of a 4096 x 14336 weight) ran at bf16's speed
     on the H200, against 1.6x per tensor (benchmarks/NOTES.md, decode_gemm.py)."""
-    return 2 * -(-m // 128) * -(-n // 128) <= devices.multiprocessors(device)
+    return devices.few_tiles(m, n, 128, device)
 
 
 def _scaled_after(ext, data_a, data_b, scale_a, scale_b, out_dtype, fast_accumulation, bias):
