@@ -4,6 +4,7 @@ The GPU cases run every native cuBLASLt path and the emulated path in fprop, dgr
 layouts; the CPU cases pin the block-scale swizzle of the sm100 paths and the planner's choices.
 """
 
+import pathlib
 import re
 
 import pytest
@@ -61,7 +62,7 @@ def _on_this_machine(expected, qb, m, n, k):
     cuda = torch.device("cuda")
     if not (expected == scaled_mm.BLOCKWISE and qb.block_scaling_dim == 2 and block_scaled.extension_runs(cuda)):
         return expected
-    its_shape = k % scaled_mm.TILE_SCALED_K != 0 or backends.BLOCK_SCALED_GEMM.splits_k((m, n, k), cuda)
+    its_shape = k % scaled_mm.TILE_SCALED_K != 0 or block_scaled.splits_k(m, n, k, cuda)
     return block_scaled.BACKEND if its_shape and k % block_scaled.K_MULTIPLE == 0 else expected
 
 
@@ -126,6 +127,14 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         _check_on_the_gpu(name, qa, qb, expected, m, 512, k, gemm, da, db, False)
 
 
+
+def test_the_plan_s_split_rule_is_the_kernel_s():
+    """block_scaled.splits_k predicts block_gemm.cu's own choice, which the plan relies on: the
+    kernel's fewest K blocks a split and its tile are the module's constants."""
+    source = (pathlib.Path(__file__).parents[1] / "csrc/cuda/block_gemm.cu").read_text()
+    assert re.search(r"k_split\(splits, [^;]*, blocks, sms, (\d+)\)", source).group(1) == str(block_scaled.LEAST_SPLIT_BLOCKS)
+    assert re.search(r"constexpr int TILE = (\d+);", source).group(1) == str(block_scaled.TILE)
+
 @pytest.mark.parametrize(
     "a_element,m,n,k,expected",
     [
@@ -139,6 +148,7 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         ("e4m3", 256, 4096, 14336, block_scaled.BACKEND),  # 64 tiles, at most half of 132 SMs
         ("e4m3", 257, 4096, 14336, scaled_mm.BLOCKWISE),  # 96 tiles
         ("e4m3", 64, 14336, 4096, scaled_mm.BLOCKWISE),  # 112 tiles
+        ("e4m3", 64, 4096, 512, scaled_mm.BLOCKWISE),  # 32 tiles, but 4 K blocks: one split, as the kernel takes them
     ],
 )
 def test_block_scaled_gemm_runs_the_k_cublaslt_would_pad(a_element, m, n, k, expected, monkeypatch):

@@ -24,7 +24,7 @@ import torch
 
 from graphquant.formats.groups import FEW_TOKEN_ROWS, GROUP_ROWS
 from graphquant.kernels import block_scaled, emulation, grouped_fp8, grouped_operands, mixed_input, scaled_mm
-from graphquant.kernels.devices import capability, few_tiles
+from graphquant.kernels.devices import capability
 from graphquant.quantizers import (
     COLUMNWISE,
     ROWWISE,
@@ -163,11 +163,10 @@ class NativeGemm(NamedTuple):
     of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
-    none); ``split_tile``: the output tile of a kernel that splits K where its tiles are few
-    (devices.few_tiles), and there keeps such a k, m and n known when the plan is made: the next
-    GEMM leaves most SMs idle there (0: none); ``available``: whether it runs on a
-    device of a capability it runs on (a kernel of graphquant's extension: whether the extension
-    has it there)."""
+    none); ``splits_k``: the rule by which its kernel splits K, (m, n, k, device) -> bool, where it
+    keeps such a k, m, n and k known when the plan is made (the next GEMM leaves most SMs idle
+    there; None: it never splits); ``available``: whether it runs on a device of a capability it
+    runs on (a kernel of graphquant's extension: whether the extension has it there)."""
 
     backend: str
     families: frozenset[tuple[str, str]]
@@ -186,7 +185,7 @@ class NativeGemm(NamedTuple):
     k_multiple: int = 1
     k_left: int = 0
     k_left_elements: frozenset[tuple[str, str]] = frozenset()
-    split_tile: int = 0
+    splits_k: Optional[Callable[[int, int, int, torch.device], bool]] = None
     available: Callable[[torch.device], bool] = lambda device: True
 
     def accumulates_fast(self, a: GemmInput, b: GemmInput, allowed: bool) -> bool:
@@ -212,12 +211,11 @@ class NativeGemm(NamedTuple):
         pairs = (a.family, b.family) in self.families and (a.element, b.element) in self.elements
         return pairs and self.reads(a) and self.reads(b)
 
-    def splits_k(self, dims: Sequence[Any], device: Optional[torch.device]) -> bool:
-        """Whether it splits K for an output of m and n of ``dims`` (m, n, k) on ``device``: both known."""
-        m, n = (tuple(dims) + (None, None))[:2]
-        if not (self.split_tile and device is not None and isinstance(m, int) and isinstance(n, int)):
+    def splits(self, dims: Sequence[Any], device: Optional[torch.device]) -> bool:
+        """Whether its kernel splits K for ``dims`` (m, n, k) on ``device``: all of them known."""
+        if self.splits_k is None or device is None or len(dims) != 3 or not all(isinstance(d, int) for d in dims):
             return False
-        return few_tiles(m, n, self.split_tile, device)
+        return self.splits_k(*dims, device)
 
     def misfit(
         self, dims: Sequence[Any], batch: Any = 1, k_last: bool = True, families: tuple[str, str] = ("", ""),
@@ -225,10 +223,10 @@ class NativeGemm(NamedTuple):
     ) -> str:
         """Why it cannot multiply ``batch`` products of ``dims`` (m, n, k) of operands of
         ``families`` and ``elements`` (GemmInput.family and .element of A and B), both stored with
-        the reduction dim last or not (``k_last``), on ``device`` (None: any), or "" where it can. A dim may be None
-        (unknown: not tested, except m by a skinny GEMM, which needs it known) or a torch.SymInt,
-        whose test becomes a guard of the graph being compiled, so that a size that fails it
-        compiles (and plans) a graph of its own."""
+        the reduction dim last or not (``k_last``), on ``device`` (None: any), or "" where it can. A
+        dim may be None (unknown: not tested, except m by a skinny GEMM, which needs it known) or a
+        torch.SymInt, whose test becomes a guard of the graph being compiled, so that a size that
+        fails it compiles (and plans) a graph of its own."""
         if batch != 1:
             return f"{self.backend} multiplies one matrix pair, not a batch of {batch}"
         if any(d is not None and d % self.multiple != 0 for d in dims):
@@ -236,8 +234,8 @@ class NativeGemm(NamedTuple):
         k = dims[2] if len(dims) == 3 else None
         if k is not None and k % self.k_multiple != 0:
             return f"{self.backend} needs k a multiple of {self.k_multiple}; got (m, n, k) = {tuple(dims)}"
-        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits_k(dims, device):
-            few = f" unless its {self.split_tile}-square tiles fill at most half the SMs" if self.split_tile else ""
+        if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits(dims, device):
+            few = " unless it splits K (an output of few tiles)" if self.splits_k else ""
             return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM{few}; got (m, n, k) = {tuple(dims)}"
         if self.max_rows is not None:
             m = dims[0] if dims else None
@@ -324,7 +322,7 @@ BLOCK_SCALED_GEMM = NativeGemm(
     k_multiple=block_scaled.K_MULTIPLE,
     k_left=scaled_mm.TILE_SCALED_K,
     k_left_elements=BOTH_E4M3,  # cuBLASLt's blockwise GEMM's
-    split_tile=block_scaled.TILE,
+    splits_k=block_scaled.splits_k,
     available=lambda device: block_scaled.extension_runs(device),
 )
 
