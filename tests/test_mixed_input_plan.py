@@ -1,6 +1,6 @@
 """Where the plan runs graphquant's mixed-input GEMM (graphquant.kernels.mixed_input) on a faked
-Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) and NVFP4 x NVFP4 fprops of 17 to 1024 rows
-whose k is a multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other
+Hopper whose extension has it: MXFP8 x MXFP8 (E4M3) fprops of 2 to 1024 rows and NVFP4 x NVFP4 ones
+of 17 to 1024 whose k is a multiple of 128; fewer rows go to the decode GEMM, more to the emulation, other
 formats and shapes elsewhere, each with the reason in the plan; x's values in the order the kernel
 reads them. The kernel's numerics are tested on the GPU (tests/test_mixed_gemm_gpu.py); here the
 call is stood in for by its numerics in torch (reference.mixed_input_stand_in)."""
@@ -60,15 +60,23 @@ def test_x_values_are_the_reference_values_in_the_kernel_order(q):
     assert torch.equal(a.quantizer.emulated_values(a), reference.float())  # the values are bf16 numbers: exact
 
 
-@pytest.mark.parametrize("q", [MXFP8Quantizer(), NVFP4Quantizer(), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
-def test_mxfp8_and_nvfp4_rows_17_to_1024_run_on_it(hopper, q):
-    for m in (17, 100, 128, 512, 1024):
+@pytest.mark.parametrize(
+    "q,fewest",
+    [(MXFP8Quantizer(), 2), (NVFP4Quantizer(), 17), (NVFP4Quantizer(with_2d_quantization=True), 17)],
+    ids=str,
+)
+def test_each_formats_rows_run_on_it(hopper, q, fewest):
+    """MXFP8 from 2 rows, NVFP4 from 17, both to 1024; fewer on the decode GEMM, more emulated."""
+    for m in (m for m in (2, 16, 17, 100, 128, 512, 1024) if m >= fewest):
         for fast in (False, True):  # it sums in fp32 whatever the recipe allows
             assert backends.select(q, ROWWISE, q, ROWWISE, CUDA, (m, 4096, 14336), 1, fast).backend == MIXED
     assert _backend(q, q, (100, 200, 256)) == MIXED  # any n: partial tiles of the weight's rows
     decode = GemmBackend(backends.triton_decode.BACKEND) if backends.DECODE_GEMMS else GemmBackend(backends.EMULATION)
-    assert _backend(q, q, (16, 4096, 4096)) == decode
+    assert _backend(q, q, (fewest - 1, 4096, 4096)) == decode
     assert _backend(q, q, (1025, 4096, 4096)) == GemmBackend(backends.EMULATION)
+    family, element = q.gemm_input(ROWWISE).family, q.gemm_input(ROWWISE).element
+    misfit = backends.MIXED_INPUT_GEMM.misfit((fewest - 1, 4096, 4096), families=(family, family), elements=(element, element))
+    assert misfit.startswith(f"{mixed_input.BACKEND} multiplies {fewest} to 1024 rows of A for {family} x {family}"), misfit
 
 
 def test_what_it_does_not_take_goes_elsewhere_with_the_reason(hopper):
@@ -79,7 +87,7 @@ def test_what_it_does_not_take_goes_elsewhere_with_the_reason(hopper):
     selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (300, 4096, 4000))  # past the decode GEMM's rows
     assert selection.backend != MIXED and "needs k a multiple of 128; got (m, n, k) = (300, 4096, 4000)" in selection.reason
     selection = backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (2048, 4096, 4096))
-    assert selection.backend != MIXED and "multiplies 17 to 1024 rows of A for mxfp8 x mxfp8" in selection.reason
+    assert selection.backend != MIXED and "multiplies 2 to 1024 rows of A for mxfp8 x mxfp8" in selection.reason
     # A dgrad's weight (MXFP8's columnwise data keeps the reduction dim first), a batch, unknown rows.
     assert _backend(mx, mx, (100, 4096, 4096), b_direction=COLUMNWISE) != MIXED
     assert backends.select(mx, ROWWISE, mx, ROWWISE, CUDA, (100, 4096, 4096), batch=2).backend != MIXED
@@ -116,6 +124,23 @@ def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     assert sum(mixed_input.BACKEND in line for line in str(plans[0]).splitlines()) == 2, str(plans[0])
     assert all(g.backend != MIXED for g in plans[1].gemms), str(plans[1])
     assert rows == [100, 100]
+
+
+def test_a_frozen_mxfp8_models_decode_rows_run_on_it_from_two(hopper, monkeypatch):
+    """An MXFP8 model's fprops of 4 rows (a batch of 4 generating) on it (one row is the decode
+    GEMM's: test_each_formats_rows_run_on_it; that GEMM is Triton's, which a CPU tensor cannot
+    reach where Triton is installed)."""
+    rows = []
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in(rows))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
+    compiled = graphquant.compile(model.to(torch.bfloat16), recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager", dynamic=False)
+    graphquant.freeze(compiled)
+    with torch.no_grad():
+        compiled(torch.randn(4, 256, dtype=torch.bfloat16))
+    fprops = [g for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"]
+    assert len(fprops) == 2 and all(g.backend == MIXED for g in fprops), str(compiled.graphquant.plan)
+    assert rows == [4, 4]
 
 
 @pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)

@@ -35,13 +35,13 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
-    # The mixed-input GEMM (where the extension has it), at a static m of 17 to 1024 rows (MXFP8 here, NVFP4 too).
+    # The mixed-input GEMM (where the extension has it), at a static m of 2 to 1024 rows for MXFP8, 17 to 1024 for NVFP4.
     mixed_input.BACKEND: recipes.mxfp8_block_scaling(),
     # graphquant's block-scaled GEMM (where the extension has it): fprop and dgrad of 128x128 weight tiles.
     block_scaled.BACKEND: recipes.float8_block_scaling(),
 }
-# The GEMMs that need m known when the plan is made (NativeGemm.max_rows).
-SKINNY = {native.backend for native in backends.NATIVE_GEMMS if native.max_rows is not None}
+# The GEMMs that need m known when the plan is made (NativeGemm.rows).
+SKINNY = {native.backend for native in backends.NATIVE_GEMMS if native.rows is not None}
 # The row counts of the two training steps: the decode GEMM's fit it, the others' 128 and 160.
 ROWS_OF = {decode.backend: (16, 4) for decode in backends.DECODE_GEMMS}
 CAPABILITIES = [None, (8, 9), (9, 0), (10, 0)]
@@ -200,12 +200,12 @@ def test_each_gemm_runs_on_the_backend_its_plan_chose_on_this_gpu(runs, native):
 @pytest.mark.skipif(not backends.DECODE_GEMMS, reason="no Triton: no decode GEMM")
 @pytest.mark.parametrize(
     "recipe,rows",
-    [(zoo.recipe("rowwise"), 4), (recipes.mxfp8_block_scaling(), 16), (recipes.nvfp4_block_scaling(), 64)],
-    ids=["rowwise 4 rows", "mxfp8 16 rows", "nvfp4 64 rows"],
+    [(zoo.recipe("rowwise"), 4), (recipes.mxfp8_block_scaling(), 1), (recipes.nvfp4_block_scaling(), 16)],
+    ids=["rowwise 4 rows", "mxfp8 1 row", "nvfp4 16 rows"],
 )
 def test_decode_gemm_runs_both_inference_products_as_planned(runs, fake_capability, recipe, rows):
-    """Inference at decode rows (FP8, MXFP8) and middle ones (NVFP4: up to the decode GEMM's
-    rows for it): each linear's product, its weight quantized per call and then frozen
+    """Inference at the decode GEMM's rows (those it keeps from the mixed-input GEMM where the
+    extension has that: MXFP8's one row, NVFP4's 16): each linear's product, its weight quantized per call and then frozen
     (graphquant.freeze), runs on the decode GEMM its plan chose: FP8 current scaling's on the one
     that quantizes x as it loads it."""
     fake_capability((9, 0))

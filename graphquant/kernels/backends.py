@@ -148,9 +148,9 @@ class NativeGemm(NamedTuple):
     element encodings it multiplies, the multiple m, n and k must be (1 where it pads what its
     kernel needs itself: scaled_mm.block_scaled_rows, whole_reduction, whole_rows),
     the compute capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
-    accumulation), and for a skinny GEMM the most rows of A it takes, ((A's family, B's family),
-    rows) for each pair (m, known when the plan is made), both operands stored with the
-    reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
+    accumulation), and for a skinny GEMM the rows of A it takes, ((A's family, B's family),
+    (fewest, most)) for each pair (m, known when the plan is made; fewer run faster on another),
+    both operands stored with the reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
     (triton_decode.QuantizedOnLoad; 1x128 blocks by its kernel that runs first, as a graph op of its
     own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
     families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
@@ -159,8 +159,7 @@ class NativeGemm(NamedTuple):
     multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
     alone: graphquant.formats.groups) and more than a decode step's, which one token a program
     multiplies faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only
-    groups of tokens that start at multiples of GROUP_ROWS. ``min_rows``: a skinny GEMM's fewest rows
-    of A (fewer run faster on another); ``k_multiple``: the multiple k must be where m and n may be
+    groups of tokens that start at multiples of GROUP_ROWS. ``k_multiple``: the multiple k must be where m and n may be
     any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
     none); ``splits_k``: the rule by which its kernel splits K, (m, n, k, device) -> bool, where it
@@ -174,14 +173,13 @@ class NativeGemm(NamedTuple):
     multiple: int
     runs_on: Callable[[tuple[int, int]], bool]
     fast_accumulation: bool = False
-    max_rows: Optional[tuple[tuple[tuple[str, str], int], ...]] = None
+    rows: Optional[tuple[tuple[tuple[str, str], tuple[int, int]], ...]] = None
     quantizes_a: bool = False
     reads: Callable[[GemmInput], bool] = lambda operand: True
     fast_families: Optional[frozenset[str]] = None
     promotes: bool = True
     token_tiles: bool = False
     whole_tiles: bool = False
-    min_rows: int = 1
     k_multiple: int = 1
     k_left: int = 0
     k_left_elements: frozenset[tuple[str, str]] = frozenset()
@@ -237,13 +235,13 @@ class NativeGemm(NamedTuple):
         if k is not None and self.k_left and k % self.k_left == 0 and tuple(elements) in self.k_left_elements and not self.splits(dims, device):
             few = " unless it splits K (an output of few tiles)" if self.splits_k else ""
             return f"{self.backend} leaves a k that is a multiple of {self.k_left} to the next GEMM{few}; got (m, n, k) = {tuple(dims)}"
-        if self.max_rows is not None:
+        if self.rows is not None:
             m = dims[0] if dims else None
-            most = dict(self.max_rows).get(tuple(families), 0)
-            if not isinstance(m, int) or not self.min_rows <= m <= most:
-                fewest = f"{self.min_rows} to " if self.min_rows > 1 else "at most "
+            fewest, most = dict(self.rows).get(tuple(families), (1, 0))
+            if not isinstance(m, int) or not fewest <= m <= most:
+                span = f"{fewest} to {most}" if fewest > 1 else f"at most {most}"
                 return (
-                    f"{self.backend} multiplies {fewest}{most} rows of A for {families[0]} x {families[1]}, "
+                    f"{self.backend} multiplies {span} rows of A for {families[0]} x {families[1]}, "
                     f"a number known when the plan is made; got m = {m}"
                 )
             if not k_last:
@@ -271,7 +269,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         triton_decode.ELEMENT_PAIRS,
         1,
         lambda sm: sm >= (8, 9),
-        max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        rows=tuple((pair, (1, most)) for pair, most in triton_decode.MAX_ROWS.items()),
         quantizes_a=True,
         reads=triton_decode.reads,
     ),
@@ -282,7 +280,7 @@ DECODE_GEMMS = () if triton_decode is None else (
         1,
         lambda sm: sm >= (8, 9),
         fast_accumulation=False,
-        max_rows=tuple(triton_decode.MAX_ROWS.items()),
+        rows=tuple((pair, (1, most)) for pair, most in triton_decode.MAX_ROWS.items()),
         reads=triton_decode.reads,
     ),
 )
@@ -299,8 +297,7 @@ MIXED_INPUT_GEMM = NativeGemm(
     mixed_input.ELEMENTS,
     1,
     lambda sm: sm == (9, 0),
-    max_rows=tuple((pair, mixed_input.MAX_ROWS) for pair in mixed_input.PLANNED_FAMILIES),
-    min_rows=mixed_input.MIN_ROWS,
+    rows=tuple(((family, family), mixed_input.ROWS[family]) for family in mixed_input.FORMATS),
     k_multiple=mixed_input.K_MULTIPLE,
     available=lambda device: mixed_input.extension_runs(device),
 )

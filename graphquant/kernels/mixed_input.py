@@ -27,13 +27,13 @@ from graphquant.quantizers.descriptions import KernelEncoding
 BACKEND = "wgmma mixed-input gemm"
 FORMATS = {"mxfp8": 0, "nvfp4": 1}  # GemmInput.family -> the extension's format number
 K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must be a multiple
-# The rows of A the plan gives it, for MXFP8 and NVFP4 alike (benchmarks/NOTES.md, decode_gemm.py):
-# from 17 (to 16 the decode GEMM is as fast, and at NVFP4 faster) to 1024 (from 2048 the
-# emulation's bf16 GEMM was as fast: the products set the pace there).
 PLANNED_FAMILIES = frozenset((family, family) for family in FORMATS)
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
-MIN_ROWS = 17
-MAX_ROWS = 1024
+# The rows of A the plan gives it, (fewest, most) a format (benchmarks/NOTES.md, decode_gemm.py):
+# MXFP8 from 2 (to 16 rows both it and the decode GEMM run one tile of rows, and it was the faster),
+# NVFP4 from 17 (to 16 its decode GEMM was the faster); one row stays on the decode GEMM's FMA
+# program. To 1024: from 2048 the emulation's bf16 GEMM was as fast, the products setting the pace.
+ROWS = {"mxfp8": (2, 1024), "nvfp4": (17, 1024)}
 ATOM = 64  # the K whose order the kernel permutes as one piece (DIGITS)
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
