@@ -218,6 +218,20 @@ def test_scale_from_amax_elementwise_and_correctly_rounded():
     assert torch.equal(pow2, torch.exp2(torch.floor(torch.log2(expected.double()))).float())
 
 
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("epsilon", [0.0, 1e-12, 2.0**-10, 3.0])
+def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
+    """Every exponent (subnormals, inf and NaN included) with the significands at and around
+    1.75's, the extremes and 4000 random ones: the bits of scales(pow2=True), scale and inverse."""
+    generator = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, 0x600000 - 1, 0x600000, 0x600001, 0x400000, 0x7FFFFF], dtype=torch.int32)
+    significands = torch.cat([edges, torch.randint(0, 1 << 23, (4000,), generator=generator, dtype=torch.int32)])
+    amax = ((torch.arange(256, dtype=torch.int32)[:, None] << 23) | significands).reshape(-1).view(torch.float32)
+    for got, expected in zip(fp8.pow2_scales(amax, fmt, epsilon), fp8.scales(amax, fmt, epsilon, True), strict=True):
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
 # -- per-tensor current scaling ----------------------------------------------------------------
 
 
