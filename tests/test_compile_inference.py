@@ -9,6 +9,7 @@ directions of its operands; every graphquant::quantize / dequantize node its dir
 import copy
 import gc
 import re
+import unittest.mock
 
 import models
 import pytest
@@ -17,6 +18,7 @@ from reference import GemmTape, Reference, assert_same_results, fresh_dynamo  # 
 
 import graphquant
 from graphquant import recipes, zoo
+from graphquant.formats import fp8
 
 
 class KeepGraphs:
@@ -184,6 +186,11 @@ def test_training_after_inference_quantizes_in_graph():
     assert [g.gemm for g in compiled.graphquant.plan.gemms] == ["fprop", "dgrad", "wgrad"] * 2
 
 
+def _casts_to_fp8(node: torch.fx.Node) -> bool:
+    """Whether ``node`` casts to FP8: once a traced quantize whose scales are no op (power-of-two ones)."""
+    return node.target == torch.ops.prims.convert_element_type.default and node.args[1] in fp8.FP8_DTYPES.values()
+
+
 class _Captured(Exception):
     """Stops Inductor once the post-grad graph is in hand: the test needs no C++ build."""
 
@@ -207,8 +214,41 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
     ops = torch.ops.graphquant
-    quantizes = [n for n in graph.nodes if n.target in (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)]
+    scale_ops = (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)
+    quantizes = [n for n in graph.nodes if n.target in scale_ops or (recipe_name == "rowwise" and _casts_to_fp8(n))]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
+
+
+def test_power_of_two_scales_reach_inductor_as_integer_ops():
+    """Rowwise's power-of-two scales come from the amax's bits by plain integer ops, which Inductor
+    fuses into the amax and the cast, in place of an opaque graphquant::fp8_scales between them;
+    the output is the one graphquant::fp8_scales gives, bit for bit."""
+    from torch._inductor import config as inductor_config
+
+    graphs = []
+
+    def capture(graph):
+        graphs.append(graph)
+        raise _Captured
+
+    torch.manual_seed(0)
+    model = models.SwiGLU(128, 256).to(torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    compiled = graphquant.freeze(graphquant.compile(model, zoo.recipe("rowwise"), mode="inference"))
+    with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False), torch.no_grad():
+        with pytest.raises(Exception):  # _Captured
+            compiled(x)
+    (graph,) = graphs
+    targets = {n.target for n in graph.nodes}
+    assert torch.ops.graphquant.fp8_scales.default not in targets, graph
+    assert torch.ops.aten.view.dtype in targets, graph  # the amax's bits
+    outputs = []
+    for pow2 in (fp8.pow2_scales, lambda amax, fmt, epsilon: torch.ops.graphquant.fp8_scales(amax, fmt, epsilon, True)):
+        with unittest.mock.patch.object(fp8, "pow2_scales", pow2), torch.no_grad():
+            torch._dynamo.reset()
+            eager = graphquant.freeze(graphquant.compile(copy.deepcopy(model), zoo.recipe("rowwise"), mode="inference", backend="aot_eager"))
+            outputs.append(eager(x))
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])

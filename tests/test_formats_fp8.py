@@ -18,6 +18,7 @@ from graphquant.quantizers import (
     Float8DelayedScalingQuantizer,
     QuantizeContext,
 )
+from graphquant.quantizers.float8 import traced_scales
 
 FLT_MAX = torch.finfo(torch.float32).max
 NAN, INF = float("nan"), float("inf")
@@ -216,6 +217,47 @@ def test_scale_from_amax_elementwise_and_correctly_rounded():
     assert_same_f32(scale, expected)
     pow2 = fp8.scale_from_amax(amax, "e4m3", pow2=True)
     assert torch.equal(pow2, torch.exp2(torch.floor(torch.log2(expected.double()))).float())
+
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("epsilon", [0.0, 1e-12, 2.0**-10, 3.0])
+def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
+    """Every exponent (subnormals, inf and NaN included) with the significands at and around
+    1.75's, the extremes and 4000 random ones: the bits of scales(pow2=True), scale and inverse."""
+    generator = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, 0x600000 - 1, 0x600000, 0x600001, 0x400000, 0x7FFFFF], dtype=torch.int32)
+    significands = torch.cat([edges, torch.randint(0, 1 << 23, (4000,), generator=generator, dtype=torch.int32)])
+    amax = ((torch.arange(256, dtype=torch.int32)[:, None] << 23) | significands).reshape(-1).view(torch.float32)
+    for got, expected in zip(fp8.pow2_scales(amax, fmt, epsilon), fp8.scales(amax, fmt, epsilon, True), strict=True):
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_pow2_rowwise_quantize_is_the_rules(device, fmt):
+    """Inductor fuses fp8.pow2_scales with the amax and the cast around it (float8.traced_scales):
+    the scales and codes keep the eager rule's bits, rows of amaxes from subnormal to near FLT_MAX,
+    zero, inf and NaN included."""
+    torch._dynamo.reset()
+
+    def quantize(x, scales):
+        return block.quantize(x, fmt, block=(1, x.shape[1]), epsilon=0.0, pow2=True, scales=scales)
+
+    compiled = torch.compile(functools.partial(quantize, scales=traced_scales), dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 640, generator=g) * torch.exp2(torch.randint(-150, 126, (256, 1), generator=g).float())
+    x[:3, 5] = f32([INF, NAN, 0.0])
+    x[3] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).to(device)
+        (codes, scale_inv), (expected_codes, expected_scale_inv) = compiled(xd), quantize(xd, fp8.scales)
+        assert torch.equal(scale_inv.view(torch.int32), expected_scale_inv.view(torch.int32)), dtype
+        nan = expected_codes.float().isnan()  # a NaN's sign bit is the compiler's (the traced op-scaled quantize's too)
+        assert torch.equal(codes.float().isnan(), nan), dtype
+        assert torch.equal(codes.view(torch.uint8)[~nan], expected_codes.view(torch.uint8)[~nan]), dtype
 
 
 # -- per-tensor current scaling ----------------------------------------------------------------

@@ -12,6 +12,7 @@ of an FP8 wgmma in the PTX ISA.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +38,10 @@ _FP32_UNIT_ROUNDOFF = 2.0**-24
 _ACCUMULATOR_ULP = 2.0**-ACCUMULATOR_FRACTION_BITS
 # Sign and exponent bits of an fp32 (0xFF800000 as a signed int32).
 _SIGN_EXPONENT_MASK = -0x800000
+_MANTISSA_MASK = 0x7FFFFF
+_EXPONENT_BIAS = 127
+_MAX_EXPONENT = 254  # biased: 2^127
+_SMALLEST_POW2_BITS = 1 << 22  # 2^-127, subnormal
 
 
 def accumulation_bound(a: torch.Tensor, b: torch.Tensor, promote_every: Optional[int]) -> torch.Tensor:
@@ -211,3 +216,27 @@ def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tu
     """
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
     return scale, torch.reciprocal(scale)
+
+
+
+def pow2_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scales`` with pow2, the same bits, from the amax's bits by integer ops alone: a graph
+    compiler fuses them into the quantize around them and has no division to round otherwise.
+
+    fp8_max / amax lies in [1, 2) times 2^(its exponent - amax's) where amax's significand is at
+    most fp8_max's (1.75 for both FP8 encodings), else in [0.875, 1) times that: the correctly
+    rounded quotient never rounds into the next octave, since 1.75 is not within half an fp32 ulp
+    of a significand's quotient. Past 2^127 the quotient overflows to FLT_MAX, whose power of two
+    is 2^127; its reciprocal 2^-127 is subnormal. amax is non-negative or NaN, as amaxes are.
+    """
+    amax = amax.to(torch.float32)
+    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    bits = amax.view(torch.int32)
+    (top,) = struct.unpack("<i", struct.pack("<f", fp8_max(fp8_dtype)))
+    lower_octave = ((bits & _MANTISSA_MASK) > (top & _MANTISSA_MASK)).to(torch.int32)
+    exponent = ((top >> 23) - (bits >> 23) + _EXPONENT_BIAS - lower_octave).clamp(max=_MAX_EXPONENT)
+    scale = (exponent << 23).view(torch.float32)
+    inverse = torch.where(exponent == _MAX_EXPONENT, _SMALLEST_POW2_BITS, (_MAX_EXPONENT - exponent) << 23)
+    one = torch.ones_like(scale)
+    special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
+    return torch.where(special, one, scale), torch.where(special, one, inverse.view(torch.float32))

@@ -57,6 +57,7 @@ from graphquant.ops.operands import Operand, gemm
 from graphquant.ops.site import rebuilding_repr
 from graphquant.ops.quantize import SlotState, quantize_tensor, record_amax, transposed_operand, update_delayed_scaling
 from graphquant.quantizers import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer
+from graphquant.quantizers.float8 import traced_scales
 
 SLOTS = ("qkv", "s", "do", "dp")
 # The emulation's backend: its products (and those of the flash path's backward) on the emulated GEMM.
@@ -468,7 +469,7 @@ def joint_per_tensor(
         amax = torch.ops.graphquant.joint_amax(xs)
         if rowwise.reduces_amax:
             amax = QuantizeContext(amax_group=state.amax_group).reduced_amax(amax)
-        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
+        scale, scale_inv = traced_scales(amax, encoding.element, encoding.amax_epsilon, encoding.pow2_scales)
     codes, codes_t, seen = torch.ops.graphquant.joint_cast(xs, scale, encoding.element, [t in transposed for t in names], encoding.delayed_scaling)
     if encoding.delayed_scaling:
         amax = seen

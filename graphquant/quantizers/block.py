@@ -9,7 +9,7 @@ import torch
 from graphquant.formats import block
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
-from graphquant.quantizers.float8 import normalize_fp8_dtype
+from graphquant.quantizers.float8 import normalize_fp8_dtype, traced_scales
 
 BLOCK_LEN = 128
 
@@ -54,7 +54,7 @@ class Float8BlockQuantizer(Quantizer):
             block=(rows, cols),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
-            scales=torch.ops.graphquant.fp8_scales,
+            scales=traced_scales,
         )
         return self.representation(direction, x.shape, x.dtype, data, scale_inv)
 

@@ -27,6 +27,16 @@ def normalize_fp8_dtype(owner: object) -> None:
     object.__setattr__(owner, "fp8_dtype", name)
 
 
+def traced_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of each amax for a quantize traced into a graph: power-of-two scales by
+    integer ops on the amax's bits (fp8.pow2_scales), which the graph compiler fuses into the amax
+    and the cast around them; the others by graphquant::fp8_scales, whose division it must not
+    approximate. The same bits either way."""
+    if pow2:
+        return fp8.pow2_scales(amax, fp8_dtype, epsilon)
+    return torch.ops.graphquant.fp8_scales(amax, fp8_dtype, epsilon, pow2)
+
+
 class _PerTensorFloat8(Quantizer):
     """Shared layout of per-tensor FP8: one scale, columnwise is the exact transpose."""
 
@@ -128,9 +138,9 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     def quantize_from_amax(self, x: torch.Tensor, amax: torch.Tensor, direction: str) -> Representation:
         """x in ``direction`` with its amax already taken (by the kernel that made the other
-        direction): the scale follows from it (graphquant::fp8_scales), and x is read once more
+        direction): the scale follows from it (traced_scales), and x is read once more
         for the cast alone."""
-        scales = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        scales = traced_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, scales, direction, amax)
 
     def quantize_groups(
@@ -141,7 +151,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
         amax = group_amax(x, row_group, groups)
         if self.with_amax_reduction:
             amax = ctx.reduced_amax(amax)
-        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        scale, scale_inv = traced_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         return self._encode(x, (scale[row_group, None], scale_inv), direction, amax)
 
 

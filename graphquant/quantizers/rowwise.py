@@ -11,7 +11,7 @@ from graphquant.formats import block, fp8
 from graphquant.formats.groups import group_amax
 from graphquant.quantizers.base import COLUMNWISE, ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import GemmInput, KernelEncoding
-from graphquant.quantizers.float8 import normalize_fp8_dtype
+from graphquant.quantizers.float8 import normalize_fp8_dtype, traced_scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Float8RowwiseQuantizer(Quantizer):
             block=(1, source.shape[1]),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
-            scales=torch.ops.graphquant.fp8_scales,
+            scales=traced_scales,
         )
         return self.representation(direction, x.shape, x.dtype, data[:, :length], scale_inv)
 
@@ -72,7 +72,7 @@ class Float8RowwiseQuantizer(Quantizer):
         if direction == ROWWISE:
             return self.quantize_rowwise(x, ctx)
         amax = group_amax(x, row_group, groups, per_column=True)
-        scale, scale_inv = torch.ops.graphquant.fp8_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
+        scale, scale_inv = traced_scales(amax, self.fp8_dtype, self.amax_epsilon, self.force_pow_2_scales)
         data = fp8.cast_to_fp8(x.float() * scale[row_group], self.fp8_dtype).t().contiguous()
         return self.representation(direction, x.shape, x.dtype, data, scale_inv[:, :, None])
 
