@@ -146,21 +146,21 @@ class Selection:
 class NativeGemm(NamedTuple):
     """A native GEMM: its backend name, the pairs of operand families (GemmInput.family) and of
     element encodings it multiplies, the multiple m, n and k must be (1 where it pads what its
-    kernel needs itself: scaled_mm.block_scaled_rows, whole_reduction, whole_rows),
-    the compute capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
-    accumulation), and for a skinny GEMM the rows of A it takes, ((A's family, B's family),
-    (fewest, most)) for each pair (m, known when the plan is made; fewer run faster on another),
-    both operands stored with the reduction dim last. ``quantizes_a``: it takes A in high precision and quantizes it itself
-    (triton_decode.QuantizedOnLoad; 1x128 blocks by its kernel that runs first, as a graph op of its
-    own: triton_decode.quantizes_first), where A is made for this GEMM alone. ``fast_families``: the
-    families it sums fast where the recipe allows (None: every family it takes); ``promotes``: it
-    can also promote its sums into fp32 (one that cannot runs only the GEMMs a recipe lets
-    accumulate fast); ``token_tiles``: a grouped GEMM that
-    multiplies only tiles of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop
-    alone: graphquant.formats.groups) and more than a decode step's, which one token a program
-    multiplies faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only
-    groups of tokens that start at multiples of GROUP_ROWS. ``k_multiple``: the multiple k must be where m and n may be
-    any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
+    kernel needs itself: scaled_mm.block_scaled_rows, whole_reduction, whole_rows), the compute
+    capabilities it runs on, whether it can sum in the tensor cores' accumulator (fast
+    accumulation), and for a skinny GEMM the rows of A it takes, ((A's family, B's family), (fewest,
+    most)) for each pair (m, known when the plan is made; fewer run faster on another), both
+    operands stored with the reduction dim last. ``quantizes_a``: it takes A in high precision and
+    quantizes it itself (triton_decode.QuantizedOnLoad; 1x128 blocks by its kernel that runs first,
+    as a graph op of its own: triton_decode.quantizes_first), where A is made for this GEMM alone.
+    ``fast_families``: the families it sums fast where the recipe allows (None: every family it
+    takes); ``promotes``: it can also promote its sums into fp32 (one that cannot runs only the
+    GEMMs a recipe lets accumulate fast); ``token_tiles``: a grouped GEMM that multiplies only tiles
+    of few tokens an expert, in groups of FEW_TOKEN_ROWS (a graph's fprop alone:
+    graphquant.formats.groups) and more than a decode step's, which one token a program multiplies
+    faster (triton_decode.one_token_a_program); ``whole_tiles``: one that multiplies only groups of
+    tokens that start at multiples of GROUP_ROWS. ``k_multiple``: the multiple k must be where m and
+    n may be any; ``k_left``: a multiple of k it leaves to the next GEMM, for the element pairs
     ``k_left_elements`` that one takes (faster where k is such a multiple, padding k otherwise; 0:
     none); ``splits_k``: the rule by which its kernel splits K, (m, n, k, device) -> bool, where it
     keeps such a k, m, n and k known when the plan is made (the next GEMM leaves most SMs idle
