@@ -13,7 +13,9 @@ timed, nor the mixed-input GEMM's bf16 values of it, which a graph makes by an o
 for the FP8 formats the GEMM that quantizes the bf16 activation itself
 (triton_decode.QuantizedOnLoad, its amaxes taken beforehand): the difference is what that
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
-GPU's, not the host's launch overhead. GB/s counts the weight's bytes (codes and scales) once: at
+GPU's, not the host's launch overhead; those calls read one weight, so a weight that fits the L2
+(50 MB on Hopper: 4096x4096 in bf16) is read from it after the first, faster than a model's
+layers read theirs. GB/s counts the weight's bytes (codes and scales) once: at
 decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
 from a few hundred rows on the products set the pace instead. --pairs: each weight also as two
 that read one activation (a SwiGLU's gate and up projections), "x2" rows: bf16 F.linear twice,
