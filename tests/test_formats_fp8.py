@@ -219,7 +219,6 @@ def test_scale_from_amax_elementwise_and_correctly_rounded():
     assert torch.equal(pow2, torch.exp2(torch.floor(torch.log2(expected.double()))).float())
 
 
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("epsilon", [0.0, 1e-12, 2.0**-10, 3.0])
 def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
@@ -231,7 +230,6 @@ def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
     amax = ((torch.arange(256, dtype=torch.int32)[:, None] << 23) | significands).reshape(-1).view(torch.float32)
     for got, expected in zip(fp8.pow2_scales(amax, fmt, epsilon), fp8.scales(amax, fmt, epsilon, True), strict=True):
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
-
 
 
 @pytest.mark.slow

@@ -127,13 +127,13 @@ def test_blockwise_gemm_matches_float64_reference_at_real_layers_k(m, k):
         _check_on_the_gpu(name, qa, qb, expected, m, 512, k, gemm, da, db, False)
 
 
-
 def test_the_plan_s_split_rule_is_the_kernel_s():
     """block_scaled.splits_k predicts block_gemm.cu's own choice, which the plan relies on: the
     kernel's fewest K blocks a split and its tile are the module's constants."""
     source = (pathlib.Path(__file__).parents[1] / "csrc/cuda/block_gemm.cu").read_text()
     assert re.search(r"k_split\(splits, [^;]*, blocks, sms, (\d+)\)", source).group(1) == str(block_scaled.LEAST_SPLIT_BLOCKS)
     assert re.search(r"constexpr int TILE = (\d+);", source).group(1) == str(block_scaled.TILE)
+
 
 @pytest.mark.parametrize(
     "a_element,m,n,k,expected",

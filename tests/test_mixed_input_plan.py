@@ -105,10 +105,16 @@ def test_not_where_the_extension_lacks_it_or_on_blackwell(hopper, monkeypatch):
     assert _backend(mx, mx, (128, 4096, 4096)) == GemmBackend(backends.scaled_mm.MXFP8)
 
 
-@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
-def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
-    """Every linear's fprop at 100 rows planned on it, the plan's dump naming it, and each call
-    reaching it with its rows (stood in for by reference.mixed_input_stand_in on this CPU); at 2048 rows not."""
+@pytest.mark.parametrize(
+    "recipe,m",
+    [(recipes.mxfp8_block_scaling, 100), (recipes.nvfp4_block_scaling, 100), (recipes.mxfp8_block_scaling, 4)],
+    ids=["mxfp8 100 rows", "nvfp4 100 rows", "mxfp8 4 rows"],
+)
+def test_a_frozen_model_runs_its_rows_on_it(hopper, monkeypatch, recipe, m):
+    """Every linear's fprop at m rows (MXFP8's 4: a batch of 4 generating) planned on it, the
+    plan's dump naming it, and each call reaching it with its rows (stood in for by
+    reference.mixed_input_stand_in on this CPU); at 2048 rows not. (One row is the decode GEMM's:
+    test_each_formats_rows_run_on_it; a CPU tensor cannot reach Triton's where it is installed.)"""
     rows = []
     monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in(rows))
     torch.manual_seed(0)
@@ -116,31 +122,14 @@ def test_a_frozen_model_runs_its_middle_rows_on_it(hopper, monkeypatch, recipe):
     compiled = graphquant.compile(model.to(torch.bfloat16), recipe(), mode="inference", backend="aot_eager", dynamic=False)
     graphquant.freeze(compiled)
     with torch.no_grad():
-        for m in (100, 2048):
-            compiled(torch.randn(m, 256, dtype=torch.bfloat16))
+        for rows_of_x in (m, 2048):
+            compiled(torch.randn(rows_of_x, 256, dtype=torch.bfloat16))
     plans = compiled.graphquant.plans
     fprops = [g for g in plans[0].gemms if g.gemm == "fprop"]
     assert len(fprops) == 2 and all(g.backend == MIXED for g in fprops), str(plans[0])
     assert sum(mixed_input.BACKEND in line for line in str(plans[0]).splitlines()) == 2, str(plans[0])
     assert all(g.backend != MIXED for g in plans[1].gemms), str(plans[1])
-    assert rows == [100, 100]
-
-
-def test_a_frozen_mxfp8_models_decode_rows_run_on_it_from_two(hopper, monkeypatch):
-    """An MXFP8 model's fprops of 4 rows (a batch of 4 generating) on it (one row is the decode
-    GEMM's: test_each_formats_rows_run_on_it; that GEMM is Triton's, which a CPU tensor cannot
-    reach where Triton is installed)."""
-    rows = []
-    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in(rows))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256))
-    compiled = graphquant.compile(model.to(torch.bfloat16), recipes.mxfp8_block_scaling(), mode="inference", backend="aot_eager", dynamic=False)
-    graphquant.freeze(compiled)
-    with torch.no_grad():
-        compiled(torch.randn(4, 256, dtype=torch.bfloat16))
-    fprops = [g for g in compiled.graphquant.plan.gemms if g.gemm == "fprop"]
-    assert len(fprops) == 2 and all(g.backend == MIXED for g in fprops), str(compiled.graphquant.plan)
-    assert rows == [4, 4]
+    assert rows == [m, m]
 
 
 @pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)

@@ -218,7 +218,6 @@ def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tu
     return scale, torch.reciprocal(scale)
 
 
-
 def pow2_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``scales`` with pow2, the same bits, from the amax's bits by integer ops alone: a graph
     compiler fuses them into the quantize around them and has no division to round otherwise.

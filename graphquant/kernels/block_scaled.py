@@ -13,7 +13,8 @@ and this kernel splits K (Llama-3's down projection at 64 to 256 rows: benchmark
 The numerics are the recipe's: each 128-long block's partial sum on the FP8 tensor cores,
 promoted into fp32 with its two scales; where the output's tiles fill few SMs (a few rows of A), K
 is split and the splits' fp32 sums added in split order, within the same bound
-(fp8.accumulation_bound takes the promoted sums in any order). benchmarks/NOTES.md, block_gemm.py, has where it stands.
+(fp8.accumulation_bound takes the promoted sums in any order). benchmarks/NOTES.md, block_gemm.py,
+has where it stands.
 """
 
 from __future__ import annotations
