@@ -28,13 +28,13 @@ def normalize_fp8_dtype(owner: object) -> None:
 
 
 def traced_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) of each amax for a quantize traced into a graph: power-of-two scales by
-    integer ops on the amax's bits (fp8.pow2_scales), which the graph compiler fuses into the amax
-    and the cast around them; the others by graphquant::fp8_scales, whose division it must not
-    approximate. The same bits either way."""
+    """(scale, scale_inv) of each amax for a quantize traced into a graph, as plain ops the graph
+    compiler fuses with the amax and the cast around them: power-of-two scales by integer ops on
+    the amax's bits (fp8.pow2_scales, cheaper than a division), the others by fp8.scales' float64
+    divisions. The same bits as fp8.scales either way."""
     if pow2:
         return fp8.pow2_scales(amax, fp8_dtype, epsilon)
-    return torch.ops.graphquant.fp8_scales(amax, fp8_dtype, epsilon, pow2)
+    return fp8.scales(amax, fp8_dtype, epsilon, pow2)
 
 
 class _PerTensorFloat8(Quantizer):
