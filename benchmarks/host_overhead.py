@@ -84,7 +84,7 @@ def main() -> None:
         ("gemm", "torch._scaled_mm", lambda: torch._scaled_mm(a.data, b.data.t(), a.scale.reshape(()), b.scale.reshape(()), out_dtype=torch.bfloat16, use_fast_accum=True)),
         ("quantize", "graphquant::quantize", lambda: torch.ops.graphquant.quantize(w, spec, True, True, None, None, 0)),
         ("quantize", "native.quantize_pass", lambda: native.quantize_pass(quantizer, w, ctx)),
-        ("scales", "graphquant::e8m0_scales", lambda: torch.ops.graphquant.e8m0_scales(amax, "e4m3")),
+        ("scales", "graphquant::fp8_scales", lambda: torch.ops.graphquant.fp8_scales(amax, "e4m3", 0.0, False)),
         ("scales", "torch ops (torchao's)", lambda: fp8_max / torch.clamp(amax, min=1e-12)),
         ("transpose", "graphquant::transposed", lambda: torch.ops.graphquant.transposed(a.data)),
         ("transpose", "Tensor.t().contiguous()", lambda: a.data.t().contiguous()),

@@ -214,16 +214,17 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
     ops = torch.ops.graphquant
-    quantize_ops = (ops.quantize.default, ops.e8m0_scales.default)  # MXFP8's casts follow its scales op
-    quantizes = [n for n in graph.nodes if n.target in quantize_ops or (recipe_name != "mxfp8" and _casts_to_fp8(n))]
+    quantize_ops = (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)
+    traced_alone = recipe_name in ("tensorwise", "rowwise")  # scales as plain ops: count the casts
+    quantizes = [n for n in graph.nodes if n.target in quantize_ops or (traced_alone and _casts_to_fp8(n))]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise"])
-def test_fp8_scales_reach_inductor_as_plain_ops(recipe_name):
-    """A traced FP8 quantize's scales are plain ops that Inductor fuses into the amax and the cast
-    (no opaque op between them): rowwise's power-of-two ones from the amax's bits, the others by
-    float64 divisions, which compiled code rounds correctly (test_formats_fp8 checks the bits)."""
+def test_fp8_scales_reach_inductor_as_traced_scales_spells_them(recipe_name):
+    """Inductor sees a tensor's one scale as float64 divisions and power-of-two scales as integer
+    ops on the amax's bits, plain ops it fuses; scales per block through graphquant::fp8_scales,
+    computed once each (float8.traced_scales)."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -238,11 +239,12 @@ def test_fp8_scales_reach_inductor_as_plain_ops(recipe_name):
         with pytest.raises(Exception):  # _Captured
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
-    assert not [n for n in graph.nodes if str(n.target).startswith("graphquant.") and n.target != torch.ops.graphquant.gemm.default], graph
+    targets = [n.target for n in graph.nodes]
     divisions = [n for n in graph.nodes if n.target == torch.ops.aten.div.Tensor and n.meta["val"].dtype == torch.float64]
-    assert bool(divisions) == (recipe_name != "rowwise"), graph
+    assert (torch.ops.graphquant.fp8_scales.default in targets) == (recipe_name == "deepseek_blockwise"), graph
+    assert bool(divisions) == (recipe_name == "tensorwise"), graph
     if recipe_name == "rowwise":
-        assert torch.ops.aten.view.dtype in {n.target for n in graph.nodes}, graph  # the amax's bits
+        assert torch.ops.aten.view.dtype in targets, graph  # the amax's bits
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])

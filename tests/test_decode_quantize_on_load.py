@@ -121,7 +121,7 @@ def _planned_alike_results(device: torch.device) -> dict:
 
 
 def _interpreted_results() -> dict:
-    from fp8_scale_rule import kernel_scales
+    from graphquant.kernels import triton_scales
 
     torch.manual_seed(0)
     results = {}
@@ -136,7 +136,7 @@ def _interpreted_results() -> dict:
             results[f"{name} | {m}x{n}x{k}"] = torch.equal(first, on_load)
     amax = torch.tensor([0.0, 1e-30, 1e-3, 0.7, 1.0, 448.0, 3e38, float("inf"), float("nan"), 2.0**-149])
     for element, epsilon, pow2 in (("e4m3", 0.0, False), ("e4m3", 1e-3, True), ("e5m2", 0.0, True)):
-        scale, inverse = kernel_scales(amax, element, epsilon, pow2)
+        scale, inverse = triton_scales.fp8_scales(amax, element, epsilon, pow2)
         expected, expected_inverse = fp8.scales(amax, element, epsilon, pow2)
         same = torch.equal(scale.view(torch.int32), expected.view(torch.int32)) and torch.equal(
             inverse.view(torch.int32), expected_inverse.view(torch.int32)
@@ -250,7 +250,7 @@ def test_a_decode_step_quantizes_a_tensor_read_by_two_linears_once(hopper_on_cpu
     assert targets.count(ops.block_codes.default) == (2 if blocks else 0), graph
     assert targets.count(ops.gemms_quantizing_a.default) == targets.count(ops.gemm_quantizing_a.default) == (0 if blocks else 1), graph
     assert targets.count(ops.gemms_sharing_a.default) == targets.count(ops.gemm.default) == (1 if blocks else 0), graph
-    assert not {ops.quantize.default, ops.e8m0_scales.default} & set(targets), graph
+    assert not {ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default} & set(targets), graph
 
 
 def test_the_quantizing_gemm_op_passes_opcheck(hopper_on_cpu):

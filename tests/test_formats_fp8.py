@@ -240,13 +240,19 @@ def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
 
+def _assert_same_codes(codes: torch.Tensor, expected: torch.Tensor, message: str) -> None:
+    nan = expected.float().isnan()  # a NaN's sign bit is the compiler's
+    assert torch.equal(codes.float().isnan(), nan), message
+    assert torch.equal(codes.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan]), message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("pow2, cols", [(True, None), (False, None), (False, 128)], ids=["pow2 rows", "rows", "1x128"])
-def test_compiled_traced_scales_are_the_rules(device, fmt, pow2, cols):
-    """Inductor fuses float8.traced_scales (integer ops, or float64 divisions) with the amax and
-    the cast around them: the scales and codes keep the eager rule's bits, blocks of amaxes from
+@pytest.mark.parametrize("pow2, cols", [(True, None), (False, 128)], ids=["pow2 rows", "1x128"])
+def test_compiled_block_quantize_is_the_rules(device, fmt, pow2, cols):
+    """Inductor fuses float8.traced_scales (integer ops, or the scale op) with the amax and the
+    cast around them: the scales and codes keep the eager rule's bits, blocks of amaxes from
     subnormal to near FLT_MAX, zero, inf and NaN included."""
     torch._dynamo.reset()
 
@@ -262,9 +268,31 @@ def test_compiled_traced_scales_are_the_rules(device, fmt, pow2, cols):
         xd = x.to(dtype).to(device)
         (codes, scale_inv), (expected_codes, expected_scale_inv) = compiled(xd), quantize(xd, fp8.scales)
         assert torch.equal(scale_inv.view(torch.int32), expected_scale_inv.view(torch.int32)), dtype
-        nan = expected_codes.float().isnan()  # a NaN's sign bit is the compiler's
-        assert torch.equal(codes.float().isnan(), nan), dtype
-        assert torch.equal(codes.view(torch.uint8)[~nan], expected_codes.view(torch.uint8)[~nan]), dtype
+        _assert_same_codes(codes, expected_codes, str(dtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_tensor_quantize_is_the_rules(device, fmt):
+    """A tensor's one scale, float64 divisions fused by Inductor into the amax and the cast: the
+    bits of the eager rule for tensors whose amaxes span every exponent, with random significands,
+    and for amaxes of zero, inf and NaN."""
+    torch._dynamo.reset()
+
+    def quantize(x, scales):
+        scale, scale_inv = scales(fp8.tensor_amax(x), fmt, 0.0, False)
+        return per_tensor.quantize(x, scale, fmt, transpose=False), scale_inv
+
+    compiled = torch.compile(functools.partial(quantize, scales=traced_scales), dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    magnitudes = [*torch.exp2(torch.arange(-150.0, 128.0, 3.0)) * (1 + torch.rand(93, generator=g)), 0.0, INF, NAN]
+    for magnitude in magnitudes:
+        xd = (x * torch.where(x.abs() == x.abs().max(), 1.0, 0.5) * magnitude / x.abs().max()).to(device)
+        (codes, scale_inv), (expected_codes, expected_scale_inv) = compiled(xd), quantize(xd, fp8.scales)
+        assert torch.equal(scale_inv.view(torch.int32), expected_scale_inv.view(torch.int32)), magnitude
+        _assert_same_codes(codes, expected_codes, str(magnitude))
 
 
 # -- per-tensor current scaling ----------------------------------------------------------------

@@ -133,6 +133,7 @@ def test_dequantize_and_gemm_ops(quantizer):
 
 def test_scale_ops():
     amax = torch.tensor([0.0, 1.0, 448.0, float("inf"), float("nan"), 3e-40])
+    torch.library.opcheck(torch.ops.graphquant.fp8_scales.default, (amax, "e4m3", 0.0, True))
     # opcheck compares outputs without equal_nan, and a NaN amax's multiplier is NaN (test_formats_mxfp8)
     torch.library.opcheck(torch.ops.graphquant.e8m0_scales.default, (amax[~amax.isnan()], "e5m2"))
 

@@ -32,8 +32,8 @@ def quantize(
     Per block: amax = max |fp32(x)| over the elements that exist (the zero padding cannot raise
     it; a NaN propagates), scale = scale_from_amax (TE's current-scaling rule), data =
     cast_to_fp8(fp32(x) * scale) with one fp32 product, scale_inv = reciprocal(scale).
-    ``scales`` makes (scale, scale_inv) from the amaxes: ``fp8.scales``, or the same numbers
-    spelled for a graph compiler (float8.traced_scales) where the quantize is traced into a graph.
+    ``scales`` makes (scale, scale_inv) from the amaxes: ``fp8.scales``, or the same numbers as
+    an op (graphquant::fp8_scales) where the quantize is traced into a graph.
     """
     m, k = x.shape
     blocks = _blocks(x, block)  # the amax in x's dtype is exact (see fp8.tensor_amax)

@@ -220,7 +220,8 @@ def correctly_rounded_quotient(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 
 
 def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, each correctly rounded."""
+    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, each correctly rounded. A
+    quantize traced into a graph takes them by float8.traced_scales, the same numbers."""
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
     return scale, correctly_rounded_quotient(torch.ones_like(scale), scale)
 

@@ -1,8 +1,11 @@
-"""Triton's spelling of the scale rules (graphquant.formats.fp8.scales, mxfp8.e8m0_scales), the
-same bits: the FP8 rule and the codes' cast that other kernels inline (divisions by div_rn, IEEE
-round-to-nearest, every other step exact), and the CUDA kernel of the op graphquant::e8m0_scales
-(functional, so compiled graphs deduplicate it, which they cannot do for wrap_triton's mutating
-launches).
+"""CUDA kernels of the exact scale ops (graphquant.formats.fp8.scales, mxfp8.e8m0_scales).
+
+Their references are a dozen tiny torch ops each; on a GPU inside a training step that is a dozen
+launches per quantize. These kernels compute the same bits in one launch: divisions use div_rn
+(IEEE round-to-nearest), and every other step is exact. graphquant.ops.scales registers them as
+the CUDA implementations of the custom ops graphquant::fp8_scales and graphquant::e8m0_scales
+(functional ops, so compiled graphs deduplicate them, which they cannot do for wrap_triton's
+mutating launches).
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ def fp8_codes(x, scale, CODE: tl.constexpr):
 
 
 @triton.jit
+def _scales_kernel(
+    amax_ptr, scale_ptr, inverse_ptr, n, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = fp8_scale(tl.load(amax_ptr + offsets, mask=mask, other=1.0), FP8_MAX, EPSILON, POW2)
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(inverse_ptr + offsets, reciprocal(scale), mask=mask)
+
+
+@triton.jit
 def e8m0_biased(amax, FP8_MAX: tl.constexpr):
     """mxfp8.e8m0_from_amax of float32 ``amax`` (any shape), the same bits, as int32."""
     v = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
@@ -74,6 +88,16 @@ def _e8m0_kernel(amax_ptr, out_ptr, multiplier_ptr, n, FP8_MAX: tl.constexpr, BL
     biased = e8m0_biased(tl.load(amax_ptr + offsets, mask=mask, other=0.0), FP8_MAX)
     tl.store(out_ptr + offsets, biased.to(tl.uint8), mask=mask)
     tl.store(multiplier_ptr + offsets, e8m0_multiplier(biased), mask=mask)
+
+
+def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = amax.to(torch.float32).contiguous()
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    n = amax.numel()
+    _scales_kernel[(ceil_div(n, _BLOCK),)](
+        amax, scale, inverse, n, FP8_MAX=fp8.fp8_max(fp8_dtype), EPSILON=float(epsilon), POW2=pow2, BLOCK=_BLOCK
+    )
+    return scale, inverse
 
 
 def e8m0_scales(amax: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

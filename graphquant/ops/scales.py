@@ -1,19 +1,32 @@
-"""The exact MXFP8 scale op, graphquant::e8m0_scales.
+"""The exact scale ops, graphquant::fp8_scales and graphquant::e8m0_scales.
 
-A traced MXFP8 quantize takes its scales from this op, so that a graph compiler fusing the rest of
-the quantize (amax, multiply, cast: exact in any order) can neither approximate nor reassociate
-its division. It is functional, so a graph that quantizes one tensor for several GEMMs computes
-its scales once (common-subexpression elimination). Its numbers are mxfp8.e8m0_scales'; on CUDA it
-is one Triton launch where Triton exists (graphquant.kernels.triton_scales, bit-identical). FP8's
-scales need no op: float8.traced_scales spells them as plain ops that keep their bits compiled.
+A quantize traced into a graph takes its scales per block, row or group from these ops (a
+tensor's one FP8 scale and power-of-two ones are plain ops: float8.traced_scales says why), so
+that a graph compiler fusing the rest of the quantize (amax, multiply, clamp, cast: exact in any
+order) can neither approximate nor reassociate the division, nor repeat it for every element. They
+are functional, so a graph that quantizes one tensor for several GEMMs computes its scales once
+(common-subexpression elimination) and writes one copy of each representation. Their numbers are
+graphquant.formats' (fp8.scales, mxfp8.e8m0_scales); on CUDA each is one Triton launch where
+Triton exists (graphquant.kernels.triton_scales, bit-identical).
 """
 
 from __future__ import annotations
 
 import torch
 
-from graphquant.formats import mxfp8
+from graphquant.formats import fp8, mxfp8
 from graphquant.ops import registry
+
+
+@registry.op("fp8_scales")
+def fp8_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.scales`` as one op: (scale, reciprocal(scale)) of each amax."""
+    return fp8.scales(amax, fp8_dtype, epsilon, pow2)
+
+
+@registry.fake("fp8_scales")
+def _(amax, fp8_dtype, epsilon, pow2):
+    return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)
 
 
 @registry.op("e8m0_scales")
@@ -37,4 +50,5 @@ try:
 except ImportError:  # no Triton: CUDA tensors run the reference
     pass
 else:
+    registry.cuda_kernel("fp8_scales")(triton_scales.fp8_scales)
     registry.cuda_kernel("e8m0_scales")(triton_scales.e8m0_scales)

@@ -1,10 +1,10 @@
 """Quantizers: frozen, hashable, printable descriptions of a format (see base.py for the contract).
 
-The traceable ones compute their scales so that a graph compiler fusing them into the quantize
-cannot change a bit: FP8's as plain ops that compile exactly (float8.traced_scales: integer ops on
-the amax's bits for power-of-two scales, float64 divisions for the others), MXFP8's through the op
-torch.ops.graphquant.e8m0_scales (defined in graphquant.ops.scales, registered on importing
-graphquant).
+The traceable ones compute their scales through graphquant's exact scale ops
+(torch.ops.graphquant.fp8_scales and e8m0_scales, defined in graphquant.ops.scales and registered
+on importing graphquant), so that a quantize traced into a graph keeps each division one node;
+power-of-two FP8 scales and a tensor's one FP8 scale as plain ops that keep their bits compiled
+(float8.traced_scales).
 """
 
 from graphquant.quantizers.base import (

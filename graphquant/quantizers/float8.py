@@ -28,13 +28,21 @@ def normalize_fp8_dtype(owner: object) -> None:
 
 
 def traced_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) of each amax for a quantize traced into a graph, as plain ops the graph
-    compiler fuses with the amax and the cast around them: power-of-two scales by integer ops on
-    the amax's bits (fp8.pow2_scales, cheaper than a division), the others by fp8.scales' float64
-    divisions. The same bits as fp8.scales either way."""
+    """(scale, scale_inv) of each amax for a quantize traced into a graph, the bits of fp8.scales,
+    spelled for the graph compiler:
+
+    - power-of-two scales by integer ops on the amax's bits (fp8.pow2_scales), and a tensor's one
+      scale by fp8.scales' float64 divisions: plain ops it fuses with the amax and the cast, and
+      with them the quantize the backward can recompute instead of saving FP8 codes;
+    - a scale per block, row or group by the op graphquant::fp8_scales, once per scale: fused,
+      a cast kernel that reloads each element's scale divides in float64 for every element, which
+      costs a training step more than the fusion saves (benchmarks/NOTES.md, train_step.py's section).
+    """
     if pow2:
         return fp8.pow2_scales(amax, fp8_dtype, epsilon)
-    return fp8.scales(amax, fp8_dtype, epsilon, pow2)
+    if amax.dim() == 0:
+        return fp8.scales(amax, fp8_dtype, epsilon, pow2)
+    return torch.ops.graphquant.fp8_scales(amax, fp8_dtype, epsilon, pow2)
 
 
 class _PerTensorFloat8(Quantizer):
