@@ -35,8 +35,8 @@ def traced_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool
       scale by fp8.scales' float64 divisions: plain ops it fuses with the amax and the cast, and
       with them the quantize the backward can recompute instead of saving FP8 codes;
     - a scale per block, row or group by the op graphquant::fp8_scales, once per scale: fused,
-      a cast kernel that reloads each element's scale divides in float64 for every element, which
-      costs a training step more than the fusion saves (benchmarks/NOTES.md, train_step.py's section).
+      a cast kernel that reloads each element's scale divides in float64 for every element,
+      which costs a training step more than the fusion saves (benchmarks/NOTES.md, train_step.py).
     """
     if pow2:
         return fp8.pow2_scales(amax, fp8_dtype, epsilon)
