@@ -214,17 +214,25 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
     ops = torch.ops.graphquant
-    quantize_ops = (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)
-    traced_alone = recipe_name in ("tensorwise", "rowwise")  # scales as plain ops: count the casts
-    quantizes = [n for n in graph.nodes if n.target in quantize_ops or (traced_alone and _casts_to_fp8(n))]
+    quantize_ops = (ops.quantize.default, ops.e8m0_scales.default)  # MXFP8's casts follow its scales op
+    quantizes = [n for n in graph.nodes if n.target in quantize_ops or (recipe_name != "mxfp8" and _casts_to_fp8(n))]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
 
 
-@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise"])
-def test_fp8_scales_reach_inductor_as_traced_scales_spells_them(recipe_name):
-    """Inductor sees a tensor's one scale as float64 divisions and power-of-two scales as integer
-    ops on the amax's bits, plain ops it fuses; scales per block through graphquant::fp8_scales,
-    computed once each (float8.traced_scales)."""
+@pytest.mark.parametrize(
+    "recipe_name, frozen, scale_op, divisions",
+    [
+        ("tensorwise", True, False, True),
+        ("rowwise", True, False, False),  # power-of-two scales: the amax's bits
+        ("deepseek_blockwise", True, False, True),  # x's 1x128 blocks
+        ("deepseek_blockwise", False, True, True),  # and the weights' 128x128 tiles, by the op
+    ],
+)
+def test_fp8_scales_reach_inductor_as_traced_scales_spells_them(recipe_name, frozen, scale_op, divisions):
+    """Inductor sees a tensor's one scale and the scales of blocks along rows as float64
+    divisions, power-of-two scales as integer ops on the amax's bits (plain ops it fuses), and
+    scales of 128x128 tiles through graphquant::fp8_scales, computed once each
+    (float8.traced_scales)."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -233,18 +241,19 @@ def test_fp8_scales_reach_inductor_as_traced_scales_spells_them(recipe_name):
         graphs.append(graph)
         raise _Captured
 
-    model = models.SwiGLU(128, 256).to(torch.bfloat16)
-    compiled = graphquant.freeze(graphquant.compile(model, zoo.recipe(recipe_name), mode="inference"))
+    compiled = graphquant.compile(models.SwiGLU(128, 256).to(torch.bfloat16), zoo.recipe(recipe_name), mode="inference")
+    if frozen:
+        graphquant.freeze(compiled)
     with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False), torch.no_grad():
         with pytest.raises(Exception):  # _Captured
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
     targets = [n.target for n in graph.nodes]
-    divisions = [n for n in graph.nodes if n.target == torch.ops.aten.div.Tensor and n.meta["val"].dtype == torch.float64]
-    assert (torch.ops.graphquant.fp8_scales.default in targets) == (recipe_name == "deepseek_blockwise"), graph
-    assert bool(divisions) == (recipe_name == "tensorwise"), graph
+    float64_divisions = [n for n in graph.nodes if n.target == torch.ops.aten.div.Tensor and n.meta["val"].dtype == torch.float64]
+    assert (torch.ops.graphquant.fp8_scales.default in targets) == scale_op, graph
+    assert bool(float64_divisions) == divisions, graph
     if recipe_name == "rowwise":
-        assert torch.ops.aten.view.dtype in targets, graph  # the amax's bits
+        assert torch.ops.aten.view.dtype in targets, graph
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])

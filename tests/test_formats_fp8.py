@@ -249,17 +249,21 @@ def _assert_same_codes(codes: torch.Tensor, expected: torch.Tensor, message: str
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("pow2, cols", [(True, None), (False, 128)], ids=["pow2 rows", "1x128"])
-def test_compiled_block_quantize_is_the_rules(device, fmt, pow2, cols):
-    """Inductor fuses float8.traced_scales (integer ops, or the scale op) with the amax and the
-    cast around them: the scales and codes keep the eager rule's bits, blocks of amaxes from
-    subnormal to near FLT_MAX, zero, inf and NaN included."""
+@pytest.mark.parametrize(
+    "pow2, blocking", [(True, (1, None)), (False, (1, None)), (False, (1, 128)), (False, (128, 128))], ids=["pow2 rows", "rows", "1x128", "128x128"]
+)
+def test_compiled_block_quantize_is_the_rules(device, fmt, pow2, blocking):
+    """Inductor fuses float8.traced_scales (integer ops or float64 divisions; the scale op for
+    tiles) with the amax and the cast around them: the scales and codes keep the eager rule's
+    bits, blocks of amaxes from subnormal to near FLT_MAX, zero, inf and NaN included."""
     torch._dynamo.reset()
+    rows, cols = blocking
 
     def quantize(x, scales):
-        return block.quantize(x, fmt, block=(1, cols or x.shape[1]), epsilon=0.0, pow2=pow2, scales=scales)
+        return block.quantize(x, fmt, block=(rows, cols or x.shape[1]), epsilon=0.0, pow2=pow2, scales=scales)
 
-    compiled = torch.compile(functools.partial(quantize, scales=traced_scales), dynamic=False)
+    scales = functools.partial(traced_scales, blocks_in_rows=rows == 1)
+    compiled = torch.compile(functools.partial(quantize, scales=scales), dynamic=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 640, generator=g) * torch.exp2(torch.randint(-150, 126, (256, 1), generator=g).float())
     x[:3, 5] = f32([INF, NAN, 0.0])
