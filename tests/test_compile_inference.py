@@ -187,7 +187,7 @@ def test_training_after_inference_quantizes_in_graph():
 
 
 def _casts_to_fp8(node: torch.fx.Node) -> bool:
-    """Whether ``node`` casts to FP8: once a traced quantize whose scales are no op (power-of-two ones)."""
+    """Whether ``node`` casts to FP8: once a traced FP8 quantize, whose scales are plain ops."""
     return node.target == torch.ops.prims.convert_element_type.default and node.args[1] in fp8.FP8_DTYPES.values()
 
 
@@ -214,15 +214,25 @@ def test_inductor_quantizes_a_tensor_read_by_two_linears_once(recipe_name):
             compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
     ops = torch.ops.graphquant
-    scale_ops = (ops.quantize.default, ops.fp8_scales.default, ops.e8m0_scales.default)
-    quantizes = [n for n in graph.nodes if n.target in scale_ops or (recipe_name == "rowwise" and _casts_to_fp8(n))]
+    quantize_ops = (ops.quantize.default, ops.e8m0_scales.default)  # MXFP8's casts follow its scales op
+    quantizes = [n for n in graph.nodes if n.target in quantize_ops or (recipe_name != "mxfp8" and _casts_to_fp8(n))]
     assert len(quantizes) == 5, graph  # the three weights, x once, and the down projection's input
 
 
-def test_power_of_two_scales_reach_inductor_as_integer_ops():
-    """Rowwise's power-of-two scales come from the amax's bits by plain integer ops, which Inductor
-    fuses into the amax and the cast, in place of an opaque graphquant::fp8_scales between them;
-    the output is the one graphquant::fp8_scales gives, bit for bit."""
+@pytest.mark.parametrize(
+    "recipe_name, frozen, scale_op, divisions",
+    [
+        ("tensorwise", True, False, True),
+        ("rowwise", True, False, False),  # power-of-two scales: the amax's bits
+        ("deepseek_blockwise", True, False, True),  # x's 1x128 blocks
+        ("deepseek_blockwise", False, True, True),  # and the weights' 128x128 tiles, by the op
+    ],
+)
+def test_fp8_scales_reach_inductor_as_traced_scales_spells_them(recipe_name, frozen, scale_op, divisions):
+    """Inductor sees a tensor's one scale and the scales of blocks along rows as float64
+    divisions, power-of-two scales as integer ops on the amax's bits (plain ops it fuses), and
+    scales of 128x128 tiles through graphquant::fp8_scales, computed once each
+    (float8.traced_scales)."""
     from torch._inductor import config as inductor_config
 
     graphs = []
@@ -231,24 +241,19 @@ def test_power_of_two_scales_reach_inductor_as_integer_ops():
         graphs.append(graph)
         raise _Captured
 
-    torch.manual_seed(0)
-    model = models.SwiGLU(128, 256).to(torch.bfloat16)
-    x = torch.randn(32, 128, dtype=torch.bfloat16)
-    compiled = graphquant.freeze(graphquant.compile(model, zoo.recipe("rowwise"), mode="inference"))
+    compiled = graphquant.compile(models.SwiGLU(128, 256).to(torch.bfloat16), zoo.recipe(recipe_name), mode="inference")
+    if frozen:
+        graphquant.freeze(compiled)
     with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False), torch.no_grad():
         with pytest.raises(Exception):  # _Captured
-            compiled(x)
+            compiled(torch.randn(32, 128, dtype=torch.bfloat16))
     (graph,) = graphs
-    targets = {n.target for n in graph.nodes}
-    assert torch.ops.graphquant.fp8_scales.default not in targets, graph
-    assert torch.ops.aten.view.dtype in targets, graph  # the amax's bits
-    outputs = []
-    for pow2 in (fp8.pow2_scales, lambda amax, fmt, epsilon: torch.ops.graphquant.fp8_scales(amax, fmt, epsilon, True)):
-        with unittest.mock.patch.object(fp8, "pow2_scales", pow2), torch.no_grad():
-            torch._dynamo.reset()
-            eager = graphquant.freeze(graphquant.compile(copy.deepcopy(model), zoo.recipe("rowwise"), mode="inference", backend="aot_eager"))
-            outputs.append(eager(x))
-    assert torch.equal(*outputs)
+    targets = [n.target for n in graph.nodes]
+    float64_divisions = [n for n in graph.nodes if n.target == torch.ops.aten.div.Tensor and n.meta["val"].dtype == torch.float64]
+    assert (torch.ops.graphquant.fp8_scales.default in targets) == scale_op, graph
+    assert bool(float64_divisions) == divisions, graph
+    if recipe_name == "rowwise":
+        assert torch.ops.aten.view.dtype in targets, graph
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "deepseek_blockwise", "mxfp8"])

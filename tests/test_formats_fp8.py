@@ -206,45 +206,64 @@ def test_scale_from_amax_golden(fmt, amax, kwargs, expected):
     assert_same_f32(scale, f32(expected))
 
 
-def test_scale_from_amax_elementwise_and_correctly_rounded():
-    amax = spread(0, (64, 128), -126, 120).abs()
-    amax[0, :4] = f32([0.0, INF, NAN, 1e-45])
-    scale = fp8.scale_from_amax(amax, "e4m3")
-    # fp32 division is correctly rounded: it equals the float64 quotient rounded once to fp32
-    # (double has more than 2 * 24 + 2 bits, so no double rounding).
-    expected = (448.0 / amax.double()).float().nan_to_num(posinf=FLT_MAX)
-    expected[0, :4] = f32([1.0, 1.0, 1.0, FLT_MAX])
+def every_exponents_amaxes() -> torch.Tensor:
+    """Every fp32 exponent (subnormals, inf and NaN included) with the significands at and around
+    1.75's (both FP8 maxima's), the extremes and 4000 random ones."""
+    generator = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, 0x600000 - 1, 0x600000, 0x600001, 0x400000, 0x7FFFFF], dtype=torch.int32)
+    significands = torch.cat([edges, torch.randint(0, 1 << 23, (4000,), generator=generator, dtype=torch.int32)])
+    return ((torch.arange(256, dtype=torch.int32)[:, None] << 23) | significands).reshape(-1).view(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("epsilon", [0.0, 1e-12, 3.0])
+def test_scales_are_correctly_rounded_fp32_divisions(fmt, epsilon):
+    """fp8.scales divides in float64 (so that compiled code cannot approximate it): its scale and
+    inverse are the CPU's IEEE fp32 divisions, bit for bit, at every exponent."""
+    amax = every_exponents_amaxes()
+    scale, inverse = fp8.scales(amax, fmt, epsilon, False)
+    floored = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    expected = torch.div(torch.full_like(floored, fp8.fp8_max(fmt)), floored).nan_to_num(nan=1.0, posinf=FLT_MAX)
+    expected = torch.where((floored == 0) | floored.isinf(), 1.0, expected)
     assert_same_f32(scale, expected)
-    pow2 = fp8.scale_from_amax(amax, "e4m3", pow2=True)
-    assert torch.equal(pow2, torch.exp2(torch.floor(torch.log2(expected.double()))).float())
+    assert_same_f32(inverse, torch.reciprocal(expected))
+    pow2 = fp8.scale_from_amax(amax, fmt, epsilon=epsilon, pow2=True)
+    assert_same_f32(pow2, torch.exp2(torch.floor(torch.log2(expected.double()))).float())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("epsilon", [0.0, 1e-12, 2.0**-10, 3.0])
 def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
-    """Every exponent (subnormals, inf and NaN included) with the significands at and around
-    1.75's, the extremes and 4000 random ones: the bits of scales(pow2=True), scale and inverse."""
-    generator = torch.Generator().manual_seed(0)
-    edges = torch.tensor([0, 1, 0x600000 - 1, 0x600000, 0x600001, 0x400000, 0x7FFFFF], dtype=torch.int32)
-    significands = torch.cat([edges, torch.randint(0, 1 << 23, (4000,), generator=generator, dtype=torch.int32)])
-    amax = ((torch.arange(256, dtype=torch.int32)[:, None] << 23) | significands).reshape(-1).view(torch.float32)
+    """The bits of scales(pow2=True), scale and inverse, at every exponent."""
+    amax = every_exponents_amaxes()
     for got, expected in zip(fp8.pow2_scales(amax, fmt, epsilon), fp8.scales(amax, fmt, epsilon, True), strict=True):
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def _assert_same_codes(codes: torch.Tensor, expected: torch.Tensor, message: str) -> None:
+    nan = expected.float().isnan()  # a NaN's sign bit is the compiler's
+    assert torch.equal(codes.float().isnan(), nan), message
+    assert torch.equal(codes.view(torch.uint8)[~nan], expected.view(torch.uint8)[~nan]), message
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_compiled_pow2_rowwise_quantize_is_the_rules(device, fmt):
-    """Inductor fuses fp8.pow2_scales with the amax and the cast around it (float8.traced_scales):
-    the scales and codes keep the eager rule's bits, rows of amaxes from subnormal to near FLT_MAX,
-    zero, inf and NaN included."""
+@pytest.mark.parametrize(
+    "pow2, blocking", [(True, (1, None)), (False, (1, None)), (False, (1, 128)), (False, (128, 128))], ids=["pow2 rows", "rows", "1x128", "128x128"]
+)
+def test_compiled_block_quantize_is_the_rules(device, fmt, pow2, blocking):
+    """Inductor fuses float8.traced_scales (integer ops or float64 divisions; the scale op for
+    tiles) with the amax and the cast around them: the scales and codes keep the eager rule's
+    bits, blocks of amaxes from subnormal to near FLT_MAX, zero, inf and NaN included."""
     torch._dynamo.reset()
+    rows, cols = blocking
 
     def quantize(x, scales):
-        return block.quantize(x, fmt, block=(1, x.shape[1]), epsilon=0.0, pow2=True, scales=scales)
+        return block.quantize(x, fmt, block=(rows, cols or x.shape[1]), epsilon=0.0, pow2=pow2, scales=scales)
 
-    compiled = torch.compile(functools.partial(quantize, scales=traced_scales), dynamic=False)
+    scales = functools.partial(traced_scales, blocks_in_rows=rows == 1)
+    compiled = torch.compile(functools.partial(quantize, scales=scales), dynamic=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 640, generator=g) * torch.exp2(torch.randint(-150, 126, (256, 1), generator=g).float())
     x[:3, 5] = f32([INF, NAN, 0.0])
@@ -253,9 +272,31 @@ def test_compiled_pow2_rowwise_quantize_is_the_rules(device, fmt):
         xd = x.to(dtype).to(device)
         (codes, scale_inv), (expected_codes, expected_scale_inv) = compiled(xd), quantize(xd, fp8.scales)
         assert torch.equal(scale_inv.view(torch.int32), expected_scale_inv.view(torch.int32)), dtype
-        nan = expected_codes.float().isnan()  # a NaN's sign bit is the compiler's (the traced op-scaled quantize's too)
-        assert torch.equal(codes.float().isnan(), nan), dtype
-        assert torch.equal(codes.view(torch.uint8)[~nan], expected_codes.view(torch.uint8)[~nan]), dtype
+        _assert_same_codes(codes, expected_codes, str(dtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_tensor_quantize_is_the_rules(device, fmt):
+    """A tensor's one scale, float64 divisions fused by Inductor into the amax and the cast: the
+    bits of the eager rule for tensors whose amaxes span every exponent, with random significands,
+    and for amaxes of zero, inf and NaN."""
+    torch._dynamo.reset()
+
+    def quantize(x, scales):
+        scale, scale_inv = scales(fp8.tensor_amax(x), fmt, 0.0, False)
+        return per_tensor.quantize(x, scale, fmt, transpose=False), scale_inv
+
+    compiled = torch.compile(functools.partial(quantize, scales=traced_scales), dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    magnitudes = [*torch.exp2(torch.arange(-150.0, 128.0, 3.0)) * (1 + torch.rand(93, generator=g)), 0.0, INF, NAN]
+    for magnitude in magnitudes:
+        xd = (x * torch.where(x.abs() == x.abs().max(), 1.0, 0.5) * magnitude / x.abs().max()).to(device)
+        (codes, scale_inv), (expected_codes, expected_scale_inv) = compiled(xd), quantize(xd, fp8.scales)
+        assert torch.equal(scale_inv.view(torch.int32), expected_scale_inv.view(torch.int32)), magnitude
+        _assert_same_codes(codes, expected_codes, str(magnitude))
 
 
 # -- per-tensor current scaling ----------------------------------------------------------------

@@ -192,15 +192,14 @@ def scale_from_amax(
     """TE's C++ ``compute_scale_from_amax``, elementwise over amaxes of any shape (float32).
 
     1. amax < epsilon -> epsilon.
-    2. scale = fp8_max / amax, one correctly rounded fp32 division. (Not ``fp8_max / amax`` on a
-       Python float: torch computes that as reciprocal(amax) * fp8_max, two roundings.)
+    2. scale = fp8_max / amax, one correctly rounded fp32 division (``correctly_rounded_quotient``).
     3. scale inf -> FLT_MAX; scale NaN (amax NaN) -> 1; amax 0 or inf -> 1.
     4. pow2: keep the fp32 sign and exponent bits, which rounds the (positive) scale down to a
        power of two.
     """
     amax = amax.to(torch.float32)
     amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
-    scale = torch.div(torch.full_like(amax, fp8_max(fp8_dtype)), amax)
+    scale = correctly_rounded_quotient(torch.full_like(amax, fp8_max(fp8_dtype)), amax)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
     one = torch.ones_like(scale)
     scale = torch.where(torch.isnan(scale), one, scale)
@@ -210,12 +209,21 @@ def scale_from_amax(
     return scale
 
 
+def correctly_rounded_quotient(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b of float32 tensors, correctly rounded to float32, as plain ops a graph compiler may
+    fuse: the float64 quotient rounded once to float32 is the correctly rounded one (53 bits hold
+    more than 2 x 24 + 2, so the two roundings never differ from one). Compiled code keeps float64
+    division IEEE (Triton's div.rn) where its float32 division is approximate (div.full). Not
+    ``fp8_max / amax`` on a Python float either: torch computes that as reciprocal(amax) * fp8_max,
+    two roundings."""
+    return torch.div(a.double(), b.double()).float()
+
+
 def scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise. A quantize traced into a
-    graph takes them from graphquant::fp8_scales, the same numbers as one op (graphquant.ops.scales).
-    """
+    """(scale, reciprocal(scale)) from ``scale_from_amax``, elementwise, each correctly rounded. A
+    quantize traced into a graph takes them by float8.traced_scales, the same numbers."""
     scale = scale_from_amax(amax, fp8_dtype, epsilon=epsilon, pow2=pow2)
-    return scale, torch.reciprocal(scale)
+    return scale, correctly_rounded_quotient(torch.ones_like(scale), scale)
 
 
 def pow2_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:

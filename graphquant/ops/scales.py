@@ -1,12 +1,13 @@
 """The exact scale ops, graphquant::fp8_scales and graphquant::e8m0_scales.
 
-A quantize traced into a graph (a traceable quantizer's) takes its scales from these ops, so that
-a graph compiler fusing the rest of the quantize (amax, multiply, clamp, cast: exact in any order)
-can neither approximate nor reassociate the division. They are functional, so a graph that
-quantizes one tensor for several GEMMs computes its scales once (common-subexpression
-elimination) and writes one copy of each representation. Their numbers are graphquant.formats'
-(fp8.scales, mxfp8.e8m0_scales); on CUDA each is one Triton launch where Triton exists
-(graphquant.kernels.triton_scales, bit-identical).
+A quantize traced into a graph takes the scales of FP8's 2-D tiles and groups, and MXFP8's, from
+these ops (FP8's other scales are plain ops: float8.traced_scales says why), so that a graph
+compiler fusing the rest of the quantize (amax, multiply, clamp, cast: exact in any order) can
+neither approximate nor reassociate the division, nor repeat it for every element. They
+are functional, so a graph that quantizes one tensor for several GEMMs computes its scales once
+(common-subexpression elimination) and writes one copy of each representation. Their numbers are
+graphquant.formats' (fp8.scales, mxfp8.e8m0_scales); on CUDA each is one Triton launch where
+Triton exists (graphquant.kernels.triton_scales, bit-identical).
 """
 
 from __future__ import annotations

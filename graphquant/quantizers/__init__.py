@@ -3,8 +3,8 @@
 The traceable ones compute their scales through graphquant's exact scale ops
 (torch.ops.graphquant.fp8_scales and e8m0_scales, defined in graphquant.ops.scales and registered
 on importing graphquant), so that a quantize traced into a graph keeps each division one node;
-power-of-two FP8 scales, which need no division, by integer ops on the amax's bits
-(float8.traced_scales).
+FP8's power-of-two scales, a tensor's one and those of blocks along rows as plain ops that keep
+their bits compiled (float8.traced_scales).
 """
 
 from graphquant.quantizers.base import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -54,7 +55,7 @@ class Float8BlockQuantizer(Quantizer):
             block=(rows, cols),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
-            scales=traced_scales,
+            scales=functools.partial(traced_scales, blocks_in_rows=rows == 1),
         )
         return self.representation(direction, x.shape, x.dtype, data, scale_inv)
 

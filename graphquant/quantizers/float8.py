@@ -27,13 +27,25 @@ def normalize_fp8_dtype(owner: object) -> None:
     object.__setattr__(owner, "fp8_dtype", name)
 
 
-def traced_scales(amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) of each amax for a quantize traced into a graph: power-of-two scales by
-    integer ops on the amax's bits (fp8.pow2_scales), which the graph compiler fuses into the amax
-    and the cast around them; the others by graphquant::fp8_scales, whose division it must not
-    approximate. The same bits either way."""
+def traced_scales(
+    amax: torch.Tensor, fp8_dtype: str, epsilon: float, pow2: bool, *, blocks_in_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of each amax for a quantize traced into a graph, the bits of fp8.scales,
+    spelled for the graph compiler:
+
+    - power-of-two scales by integer ops on the amax's bits (fp8.pow2_scales), and the others by
+      fp8.scales' float64 divisions where each is a tensor's one scale or one of blocks along
+      rows (``blocks_in_rows``): plain ops the compiler fuses with the amax and the cast, so that
+      a row block's amax, scale and cast run in one pass, and a backward recomputes a per-tensor
+      quantize instead of saving its codes;
+    - scales of 2-D tiles or of groups by the op graphquant::fp8_scales, once per scale: their
+      cast runs in a kernel apart from the amax, which would divide in float64 for every element
+      and cost a training step more than the fusion saves (benchmarks/NOTES.md, train_step.py).
+    """
     if pow2:
         return fp8.pow2_scales(amax, fp8_dtype, epsilon)
+    if blocks_in_rows or amax.dim() == 0:
+        return fp8.scales(amax, fp8_dtype, epsilon, pow2)
     return torch.ops.graphquant.fp8_scales(amax, fp8_dtype, epsilon, pow2)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -54,7 +55,7 @@ class Float8RowwiseQuantizer(Quantizer):
             block=(1, source.shape[1]),
             epsilon=self.amax_epsilon,
             pow2=self.force_pow_2_scales,
-            scales=traced_scales,
+            scales=functools.partial(traced_scales, blocks_in_rows=True),
         )
         return self.representation(direction, x.shape, x.dtype, data[:, :length], scale_inv)
 
