@@ -9,7 +9,6 @@ directions of its operands; every graphquant::quantize / dequantize node its dir
 import copy
 import gc
 import re
-import unittest.mock
 
 import models
 import pytest
