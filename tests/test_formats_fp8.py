@@ -206,7 +206,7 @@ def test_scale_from_amax_golden(fmt, amax, kwargs, expected):
     assert_same_f32(scale, f32(expected))
 
 
-def every_exponents_amaxes() -> torch.Tensor:
+def amaxes_of_every_exponent() -> torch.Tensor:
     """Every fp32 exponent (subnormals, inf and NaN included) with the significands at and around
     1.75's (both FP8 maxima's), the extremes and 4000 random ones."""
     generator = torch.Generator().manual_seed(0)
@@ -220,7 +220,7 @@ def every_exponents_amaxes() -> torch.Tensor:
 def test_scales_are_correctly_rounded_fp32_divisions(fmt, epsilon):
     """fp8.scales divides in float64 (so that compiled code cannot approximate it): its scale and
     inverse are the CPU's IEEE fp32 divisions, bit for bit, at every exponent."""
-    amax = every_exponents_amaxes()
+    amax = amaxes_of_every_exponent()
     scale, inverse = fp8.scales(amax, fmt, epsilon, False)
     floored = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
     expected = torch.div(torch.full_like(floored, fp8.fp8_max(fmt)), floored).nan_to_num(nan=1.0, posinf=FLT_MAX)
@@ -235,7 +235,7 @@ def test_scales_are_correctly_rounded_fp32_divisions(fmt, epsilon):
 @pytest.mark.parametrize("epsilon", [0.0, 1e-12, 2.0**-10, 3.0])
 def test_pow2_scales_from_the_bits_are_the_rules(fmt, epsilon):
     """The bits of scales(pow2=True), scale and inverse, at every exponent."""
-    amax = every_exponents_amaxes()
+    amax = amaxes_of_every_exponent()
     for got, expected in zip(fp8.pow2_scales(amax, fmt, epsilon), fp8.scales(amax, fmt, epsilon, True), strict=True):
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
