@@ -191,8 +191,9 @@ def test_linear_bias_is_added_in_the_gemm_and_its_gradient_made_by_the_grad_outp
 )
 def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_call(quantizer, one_call):
     """Traced, each blocking is an Inductor reduction of its own that recomputes the operand's
-    producer; the kernel makes both directions from one read. The weight stays traced, so that
-    backward recomputes its copies from the parameter rather than keep them."""
+    producer; the kernel makes both directions from one read. The weight's rowwise copy comes
+    from a call of its own (quantize_weight); its columnwise copy stays traced, so that backward
+    recomputes it from the parameter rather than keep it."""
     torch.manual_seed(0)
     x, w = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128, requires_grad=True)
     spec = quantizer.spec
@@ -200,17 +201,26 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
     with _OpCalls() as mode:
         quantized_linear(x, w, None, site=site, rng=torch.tensor([1, 2])).backward(torch.randn(128, 64))
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
-    made = [((128, 128), True, True), ((128, 64), True, True)]  # x, grad_output
-    weight = [((64, 128), True, False)] if isinstance(quantizer, Float8CurrentScalingQuantizer) else []  # quantize_weight
-    assert [(tuple(q[0].shape), q[2], q[3]) for q in quantizes] == (made if one_call else []) + weight
+    x, weight, grad_output = [((128, 128), True, True)], [((64, 128), True, False)], [((128, 64), True, True)]
+    assert [(tuple(q[0].shape), q[2], q[3]) for q in quantizes] == (x if one_call else []) + weight + (grad_output if one_call else [])
 
 
-@pytest.mark.parametrize("quantizer", [Float8CurrentScalingQuantizer(), Float8CurrentScalingQuantizer("e5m2", True, 1e-3)])
-def test_per_tensor_weight_takes_its_amax_and_rowwise_copy_from_one_call(quantizer):
-    """A parameter's traced amax and cast fuse with nothing, so a per-tensor current-scaling
-    weight's amax and rowwise copy come from one graphquant::quantize call; its columnwise copy
-    is traced from that amax (the backward recomputes it from the parameter). Both equal the
-    quantizer's own representations, bit for bit."""
+@pytest.mark.parametrize(
+    "quantizer",
+    [
+        Float8CurrentScalingQuantizer(),
+        Float8CurrentScalingQuantizer("e5m2", True, 1e-3),
+        Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False),
+        Float8BlockQuantizer(block_scaling_dim=1),
+        MXFP8Quantizer(),
+    ],
+)
+def test_a_weights_rowwise_copy_comes_from_one_call(quantizer):
+    """A parameter's traced amax and cast fuse with nothing, so a weight's rowwise copy comes from
+    one graphquant::quantize call where the kernel makes it in one read (block-local scales) or
+    with the per-tensor amax; its columnwise copy is traced (per-tensor scaling's from that amax),
+    so that the backward recomputes it from the parameter. Both equal the quantizer's own
+    representations, bit for bit."""
     torch.manual_seed(0)
     w = torch.randn(64, 128) * torch.exp2(torch.randint(-8, 9, (64, 1)).float())
     state = SlotState(None, None, 1)

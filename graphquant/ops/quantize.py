@@ -87,22 +87,27 @@ def quantize_tensor(
 
 
 def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
-    """A linear's weight in ``directions``, each representation traced so that its backward copy
-    is recomputed from the parameter (which lives anyway) instead of kept from forward to backward.
+    """A linear's weight in ``directions``, its columnwise (backward) copy traced so that the
+    backward recomputes it from the parameter (which lives anyway) instead of keeping it from
+    forward to backward.
 
-    Per-tensor current scaling takes its amax and rowwise copy from one graphquant::quantize call
-    instead: traced, a parameter's amax and cast fuse with nothing, and as Inductor kernels of
-    their own they run well below the native kernels' bandwidth. Its columnwise copy stays traced,
-    from that amax.
+    Its rowwise (forward) copy comes from one graphquant::quantize call where the kernel makes it
+    in one read of w (block-local scales) or takes w's per-tensor amax with it: traced, a
+    parameter's amax and cast fuse with nothing, and as Inductor kernels of their own they run
+    well below the native kernels' bandwidth. Per-tensor scaling's columnwise copy is traced from
+    that amax, the others' whole.
     """
     per_tensor = quantizer.encodes_from_tensor_amax()
-    if not (per_tensor and w.is_contiguous()):  # a transposed view would be copied first
+    one_read = quantizer.child(ROWWISE).block_local_scales and not quantizer.columnwise_from_rowwise()
+    if ROWWISE not in directions or not (per_tensor or one_read) or not w.is_contiguous():  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)
-    if COLUMNWISE in directions:
+    if COLUMNWISE in directions and per_tensor:
         amax = operands[ROWWISE].tensors[2]
         columnwise = quantizer.quantize_from_amax(w, amax, COLUMNWISE).tensors()
         operands[COLUMNWISE] = Operand(columnwise, quantizer.spec, COLUMNWISE, (w.shape[0], w.shape[1]))
+    elif COLUMNWISE in directions:
+        operands[COLUMNWISE] = quantize_tensor(w, quantizer, (COLUMNWISE,), state, one_read=False)[0][COLUMNWISE]
     return {d: operands[d] for d in directions}
 
 

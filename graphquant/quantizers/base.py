@@ -214,6 +214,9 @@ class Quantizer:
     # kept as one representation that splits back at the groups' rows, as torch._grouped_mm sites
     # need (one scale per group, or blocks along the rows).
     groupable: ClassVar[bool] = False
+    # block_local_scales: every scale covers a block of the tensor alone (no amax of a whole tensor
+    # or row first), so the native kernel makes a direction in one read of the tensor.
+    block_local_scales: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

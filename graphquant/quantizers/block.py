@@ -28,6 +28,7 @@ class Float8BlockQuantizer(Quantizer):
     tag = "fp8_block"
     traceable = True
     groupable = True
+    block_local_scales = True
     always_shown = ("fp8_dtype", "block_scaling_dim")
 
     fp8_dtype: str = "e4m3"

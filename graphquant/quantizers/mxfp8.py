@@ -29,6 +29,7 @@ class MXFP8Quantizer(Quantizer):
 
     tag = "mxfp8"
     traceable = True
+    block_local_scales = True
     groupable = True
     always_shown = ("fp8_dtype",)
 
