@@ -91,14 +91,19 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
     backward recomputes it from the parameter (which lives anyway) instead of keeping it from
     forward to backward.
 
-    Its rowwise (forward) copy comes from one graphquant::quantize call where the kernel makes it
-    in one read of w (block-local scales) or takes w's per-tensor amax with it: traced, a
-    parameter's amax and cast fuse with nothing, and as Inductor kernels of their own they run
-    well below the native kernels' bandwidth. Per-tensor scaling's columnwise copy is traced from
-    that amax, the others' whole.
+    Its rowwise (forward) copy comes from one graphquant::quantize call where w's device has the
+    kernel that makes it in one read of w (block-local scales), or with w's per-tensor amax:
+    traced, a parameter's amax and cast fuse with nothing, and as Inductor kernels of their own
+    they run well below the native kernels' bandwidth. Per-tensor scaling's columnwise copy is
+    traced from that amax, the others' whole. (Without the kernel the op runs the reference
+    eagerly, slower than Inductor's traced copy.)
     """
     per_tensor = quantizer.encodes_from_tensor_amax()
-    one_read = quantizer.child(ROWWISE).block_local_scales and not quantizer.columnwise_from_rowwise()
+    one_read = (
+        quantizer.child(ROWWISE).block_local_scales
+        and not quantizer.columnwise_from_rowwise()
+        and native.extension_for(w.device) is not None
+    )
     if ROWWISE not in directions or not (per_tensor or one_read) or not w.is_contiguous():  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)
