@@ -82,8 +82,10 @@ class GraphquantBackend:
         self.inductor_options = inductor_options or {}
         self.root = root
         self.plans: list[Plan] = []
-        self.training_plans: list[bool] = []  # whether each of ``plans`` is a training graph's
+        # Whether each of ``plans`` is a training graph's, and the number of the call that compiled it.
+        self.plan_origins: list[tuple[bool, int]] = []
         self.training_call = False  # whether the latest call runs training graphs (the forward's entry sets it)
+        self.calls = 0  # the calls so far (the forward's entry counts them)
         # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
         # of Dynamo's recompiles of the code, which the recompile limit's error then names.
         self.refusals: list[str] = []
@@ -101,16 +103,19 @@ class GraphquantBackend:
 
     @property
     def plan(self) -> Plan:
-        """The plan of the latest graph compiled for calls such as the latest one, training or not: a
-        training call after an evaluation under no_grad runs the training graph compiled before it
-        (``plans`` has every graph's: a graph break's graphs, a recompile's, a training and an
-        evaluation call's)."""
+        """The plan of the graphs that the latest call to compile graphs for calls such as the
+        latest one (training or not) compiled, combined in graph order: a graph break's graphs
+        together (a model's and its loss's, whose plan alone would list no GEMM), a recompile's
+        graphs alone; a training call after an evaluation under no_grad runs the training graphs
+        compiled before it (``plans`` has every graph's)."""
         if not self.plans and self.first_call_checked:
             raise RuntimeError("torch.compile gave graphquant no graph: the model ran eagerly, unquantized (its first call warned why)")
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
-        alike = [plan for plan, training in zip(self.plans, self.training_plans) if training == self.training_call]
-        return alike[-1] if alike else self.plans[-1]
+        alike = [(plan, call) for plan, (training, call) in zip(self.plans, self.plan_origins) if training == self.training_call]
+        alike = alike or [(plan, call) for plan, (_, call) in zip(self.plans, self.plan_origins)]
+        latest = [plan for plan, call in alike if call == alike[-1][1]]
+        return latest[0] if len(latest) == 1 else Plan.combine(latest)
 
     def check_the_first_compile(self) -> None:
         """Once the model's first call has compiled its graphs, say whether they hold no GEMM at all
@@ -146,7 +151,7 @@ class GraphquantBackend:
         if not any(plan.gemms for plan in self.plans):
             user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
-        self.run_state.warn_of_unclaimed(self.plans, any(self.training_plans))
+        self.run_state.warn_of_unclaimed(self.plans, any(training for training, _ in self.plan_origins))
         self._warn_of_unreduced_amaxes()
         if self.root is not None:
             self._warn_of_unplanned_linears()
@@ -339,7 +344,7 @@ class GraphquantBackend:
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self.plans.append(plan)
-        self.training_plans.append(training)
+        self.plan_origins.append((training, self.calls))
         self._warn_of_shared_state(frame, [*sites, *attention], plan)
         if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
@@ -759,9 +764,9 @@ def compile(
 ) -> Any:
     """``model`` under torch.compile with every GEMM quantized as ``recipe`` says.
 
-    The first call compiles; then ``model.graphquant.plan`` is the plan of the latest graph
-    compiled for calls such as the latest, training or not (print it for the table: each GEMM's
-    formats, backend and bucket) and
+    The first call compiles; then ``model.graphquant.plan`` is the plan of the graphs the latest
+    compiling call of the latest call's kind (training or not) compiled, a graph break's together
+    (print it for the table: each GEMM's formats, backend and bucket) and
     ``model.graphquant.plans`` lists every graph's. ``graphquant.explain`` gives the plan without
     a training step. A recipe the model cannot run raises graphquant.PlanError on that first call.
 
@@ -1032,12 +1037,13 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
     unquantized, past graphquant's backend (torch.export, and what exports through it: ONNX,
     AOTInductor, which runs a compiled module's code as it is for its own trace; torch.func's
     transforms, under which Dynamo runs it eagerly and skips that code for good), either of which
-    may come at any call; and note whether the call trains, for ``backend.plan``, and that it has
-    drawn no random bits yet, for a recompute of it inside a backward pass."""
+    may come at any call; and count the call and note whether it trains, for ``backend.plan``, and
+    that it has drawn no random bits yet, for a recompute of it inside a backward pass."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
         backend.training_call = backend.mode != "inference" and torch.is_grad_enabled()
+        backend.calls += 1
         if backend.run_state.forward_drew and torch._C._current_graph_task_id() == -1:  # a call, not a recompute in a backward
             backend.run_state.forward_drew = False
         if torch.compiler.is_exporting():

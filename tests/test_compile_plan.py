@@ -148,6 +148,28 @@ def test_the_plan_is_that_of_the_latest_graph_of_the_last_calls_kind():
     assert len(compiled.graphquant.plans) == 2
 
 
+def test_the_plan_combines_the_graphs_one_call_compiled():
+    """A model whose loss follows a graph break (a transformers model given labels) compiles its
+    layers' graph and then the loss's, which holds no GEMM: ``plan`` lists both graphs' sites, not
+    the loss graph's none. A later call that recompiles (a new batch size) shows its own graphs."""
+
+    class WithLoss(models.MLP):
+        def forward(self, x):
+            y = super().forward(x)
+            torch._dynamo.graph_break()
+            return torch.nn.functional.mse_loss(y, torch.zeros_like(y))
+
+    compiled = graphquant.compile(models.seeded(WithLoss()), recipes.current_scaling(), backend="aot_eager")
+    compiled(x3()).backward()
+    assert len(compiled.graphquant.plans) == 2 and not compiled.graphquant.plans[-1].gemms
+    assert compiled.graphquant.plan == Plan.combine(compiled.graphquant.plans)
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc1#0", "fc2#0"}
+    assert compiled.graphquant.plan.summary().startswith("graphquant plan on cpu: 2 GEMM sites")
+    compiled(x3(batch=5)).backward()
+    recompiled = compiled.graphquant.plans[2:]
+    assert recompiled and compiled.graphquant.plan == (recompiled[0] if len(recompiled) == 1 else Plan.combine(recompiled))
+
+
 def test_dynamic_batch_is_one_graph():
     """dynamic=True: several batch sizes run through one captured graph (no recompile)."""
     model = torch.nn.Linear(64, 64)
