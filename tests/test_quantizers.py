@@ -168,6 +168,8 @@ def test_quantizers_reject_what_no_format_encodes():
         MXFP8Quantizer("e3m4")
     with pytest.raises(ValueError, match="row_scaled_nvfp4 gives each row .* no global amax to all-reduce"):
         NVFP4Quantizer(row_scaled_nvfp4=True, with_amax_reduction=True)
+    with pytest.raises(ValueError, match="pass with_rht=True, with_post_rht_amax=True"):
+        NVFP4Quantizer(with_rht=True)
 
 
 @pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8BlockQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer])

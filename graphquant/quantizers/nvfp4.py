@@ -47,7 +47,8 @@ class NVFP4Quantizer(Quantizer):
         if self.with_rht != self.with_post_rht_amax:
             raise ValueError(
                 f"{self}: with_post_rht_amax must equal with_rht (the columnwise global amax is taken "
-                "after the Hadamard transform exactly when there is one)"
+                "after the Hadamard transform exactly when there is one, as in TransformerEngine, whose "
+                f"constructor takes both too); pass with_rht={self.with_rht}, with_post_rht_amax={self.with_rht}"
             )
         if self.row_scaled_nvfp4 and self.with_amax_reduction:
             raise ValueError(
