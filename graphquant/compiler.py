@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -100,6 +101,9 @@ class GraphquantBackend:
         self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
         self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
+        # graphquant's compile of each module forward a generate runs through (compile sets it for a
+        # model that generates): what a call of the model runs where a generate has put a forward in.
+        self.module_forwards: dict[torch.nn.Module, Callable] = {}
 
     @property
     def plan(self) -> Plan:
@@ -829,6 +833,7 @@ def compile(
                 module: _compiled_function(torch.compile(type(module).forward.__get__(module), backend=gq_backend, **(_ISOLATED | torch_compile_kwargs)), name, gq_backend)
                 for module in _generated_through(model)
             }
+            gq_backend.module_forwards = forwards
             generate = _generating_through(model, forwards, name)
             compiled.__dict__["generate"] = _checking_the_first_compile(generate, gq_backend, name, functools.partial(compiled.__dict__.__setitem__, "generate"))
     else:
@@ -940,17 +945,26 @@ class _Installed:
     own_forward: Optional[Callable]
 
     def forward_of(self, module: torch.nn.Module, quantized: Callable) -> Callable:
-        """The module's forward while installed: ``quantized`` in the threads generating, its own
-        in any other (a server's thread calling the plain module meanwhile asked for that)."""
+        """The module's forward while installed: in a call of a graphquant model of the module
+        (this one's or another recipe's), that model's own forward; else ``quantized`` in the
+        threads generating, and the module's own in any other (a server's thread calling the plain
+        module meanwhile asked for that)."""
 
         @functools.wraps(quantized)  # generate reads the forward's signature (logits_to_keep, position_ids)
         def forward(*args: Any, **kwargs: Any) -> Any:
+            through = _CALLED_THROUGH.get()
+            if through is not None and module in through.module_forwards:
+                return through.module_forwards[module](*args, **kwargs)
             if threading.get_ident() in self.threads:
                 return quantized(*args, **kwargs)
             return (self.own_forward or type(module).forward.__get__(module))(*args, **kwargs)
 
         return forward
 
+
+# The graphquant model (its backend) whose call this thread is in: a module forward that a generate
+# has put in runs that model's forward for it (_Installed.forward_of).
+_CALLED_THROUGH: contextvars.ContextVar[Optional[GraphquantBackend]] = contextvars.ContextVar("graphquant_called_through", default=None)
 
 # The modules graphquant generates run through now, under one lock for every model.
 _GENERATING: "weakref.WeakKeyDictionary[torch.nn.Module, _Installed]" = weakref.WeakKeyDictionary()
@@ -1037,8 +1051,9 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
     unquantized, past graphquant's backend (torch.export, and what exports through it: ONNX,
     AOTInductor, which runs a compiled module's code as it is for its own trace; torch.func's
     transforms, under which Dynamo runs it eagerly and skips that code for good), either of which
-    may come at any call; and count the call and note whether it trains, for ``backend.plan``, and
-    that it has drawn no random bits yet, for a recompute of it inside a backward pass."""
+    may come at any call; count the call and note whether it trains, for ``backend.plan``, and
+    that it has drawn no random bits yet, for a recompute of it inside a backward pass; and note
+    whose call the thread is in, for a forward that a generate has put in (_Installed.forward_of)."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -1059,7 +1074,11 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
                 "its code eagerly, unquantized, and skip that code for good, so that later calls also ran unquantized; "
                 "call the model outside the transform (torch.autograd.grad gives gradients; functional_call works)"
             )
-        return call(*args, **kwargs)
+        token = _CALLED_THROUGH.set(backend)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _CALLED_THROUGH.reset(token)
 
     return run
 

@@ -316,6 +316,42 @@ def test_a_thread_calling_the_plain_module_while_another_generates_gets_its_own_
     assert "forward" not in model.__dict__
 
 
+def test_a_thread_calling_graphquant_models_of_the_module_while_another_generates_runs_them_quantized():
+    """While a generate has put graphquant's forward into the module, a call of the graphquant
+    model from another thread (a server scoring while it generates) ran the module's own forward,
+    unquantized, and so did a call of a second graphquant model of the module (another recipe).
+    Each runs its own recipe's forward now."""
+    import threading
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", mode="inference")
+    other = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", mode="inference")
+    prompt, scored_input = token_ids(batch=1, seq=8), token_ids(batch=1, seq=8, seed=2)
+    with torch.inference_mode():
+        expected = {"compiled": compiled(scored_input).logits, "other": other(scored_input).logits, "plain": model(scored_input).logits}
+    assert not torch.equal(expected["compiled"], expected["plain"]) and not torch.equal(expected["other"], expected["plain"])
+    scored, scored_all = {}, threading.Event()
+
+    def score():
+        with torch.inference_mode():
+            scored.update(compiled=compiled(scored_input).logits, other=other(scored_input).logits, plain=model(scored_input).logits)
+        scored_all.set()
+
+    class Meanwhile(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not scored_all.is_set():
+                threading.Thread(target=score).start()
+                assert scored_all.wait(120)
+            return scores
+
+    with torch.inference_mode():
+        compiled.generate(prompt, max_new_tokens=2, do_sample=False, logits_processor=[Meanwhile()])
+    for name in expected:
+        assert torch.equal(scored[name], expected[name]), name
+    assert "forward" not in model.__dict__
+
+
 def test_two_graphquant_models_of_one_module_do_not_generate_at_once():
     """generate runs through the module's own forward attribute, which holds one model's forward:
     a second graphquant model of the module (another recipe) generating meanwhile took it away
