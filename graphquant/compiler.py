@@ -92,6 +92,7 @@ class GraphquantBackend:
         self.refusals: list[str] = []
         self.run_state = RunState(seed)  # the slots' state from call to call, and what a checkpoint keeps of it
         self.first_call_checked = False  # check_the_first_compile ran (after a forward's or a generate's first call)
+        self.first_compile = threading.RLock()  # held by the calls until the first has compiled (_checking_the_first_compile)
         # Parameters some graph reads other than as its linear's weight, each with the sites that multiply it.
         self.weights_read_otherwise: dict[str, set[str]] = {}
         self.unquantized_linears: set[str] = set()  # nn.Linear modules whose own product is no site (the plan says why)
@@ -867,10 +868,19 @@ def _checking_the_first_compile(
     training call may come at any time.
     Dynamo does not trace it: an enclosing torch.compile making the model's first call would
     otherwise inline ``call``'s code (whose attributes a plain wrapper copies) into its own graph,
-    unquantized; it breaks its graph here instead, as _kept_whole has it do at the model."""
+    unquantized; it breaks its graph here instead, as _kept_whole has it do at the model.
+    Threads that make the first call at once (a server's warm-up) take it in turn: the first
+    compiles, the others run its graphs (Dynamo compiled a graph in each, and past its recompile
+    limit refused the rest)."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def first(*args: Any, **kwargs: Any) -> Any:
+        if backend.first_call_checked:
+            return checked(*args, **kwargs)
+        with backend.first_compile:
+            return checked(*args, **kwargs)
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
         checking = not backend.eager_products_checked and torch.is_grad_enabled()
         since = next_node_number() if checking else 0
         before = len(backend.plans)

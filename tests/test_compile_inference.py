@@ -311,3 +311,34 @@ def test_an_evaluation_call_draws_nothing_and_leaves_the_rounding_step():
     assert torch.equal(compiled.graphquant.run_state.rng, step)
     compiled(x3()).sum().backward()
     assert compiled.graphquant.run_state.rng.tolist() == [step[0].item(), step[1].item() + 1]
+
+
+def test_threads_making_the_first_call_at_once_compile_one_graph():
+    """A server's threads warming a model up at once each compiled a graph of their own in Dynamo
+    (past its recompile limit, graphquant refused the rest): they take the first call in turn
+    now, one graph is compiled, and every thread gets the sequential call's output."""
+    import threading
+
+    model = models.seeded(models.MLP())
+    expected = graphquant.compile(copy.deepcopy(model), recipes.current_scaling(), backend="aot_eager", mode="inference")
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager", mode="inference")
+    xs = [x3(seed=seed) for seed in range(6)]
+    start, outputs, errors = threading.Barrier(len(xs)), {}, []
+
+    def first_call(i):
+        start.wait()
+        try:
+            with torch.inference_mode():
+                outputs[i] = compiled(xs[i])
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(len(xs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(compiled.graphquant.plans) == 1
+    with torch.inference_mode():
+        for i, x in enumerate(xs):
+            assert torch.equal(outputs[i], expected(x)), i
