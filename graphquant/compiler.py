@@ -217,15 +217,19 @@ class GraphquantBackend:
     def _note_weights_read_otherwise(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         """Note each weight a graph reads other than as its own module's linear site (an
         nn.MultiheadAttention's out_proj, whose weight its one call reads; a model's product of a
-        module's weight): graphquant.freeze keeps such a linear, whose weight that code reads."""
+        module's weight): graphquant.freeze keeps such a linear, whose weight that code reads. A
+        linear whose weight a call the plan lists as not quantized reads (nn.TransformerEncoderLayer's
+        fast path) is one of ``unquantized_linears``: the plan says why."""
         if self.root is None:
             return
         names = {id(p): name for name, p in self.root.named_parameters(remove_duplicate=False)}
         for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
             name = names.get(id(value)) if isinstance(value, torch.nn.Parameter) else None
             if name is not None and not all(_reads_as_its_linear(user, node, name.rpartition(".")[0]) for user in node.users):
-                sites = {site.name for user in _users_through_views(node) if (site := user.meta.get("graphquant_site"))}
-                self.weights_read_otherwise.setdefault(name, set()).update(sites)
+                users = _users_through_views(node)
+                self.weights_read_otherwise.setdefault(name, set()).update(site.name for user in users if (site := user.meta.get("graphquant_site")))
+                if any("graphquant_skip" in user.meta for user in users):
+                    self.unquantized_linears.add(name.rpartition(".")[0])
 
     def _warn_of_unread_parameters(self) -> None:
         """Say which parameters of 2 or more dims that modules outside torch.nn hold (an expert

@@ -62,6 +62,11 @@ _UNQUANTIZED_FUNCTIONS = {
         "nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call, so its input and output "
         "projections and its attention run in high precision"
     ),
+    torch._transformer_encoder_layer_fwd: (
+        "nn.TransformerEncoderLayer's fast path (an evaluation without gradients) is one call, "
+        "torch._transformer_encoder_layer_fwd, so the layer's projections, attention and feed-forward run in high "
+        "precision; torch.backends.mha.set_fastpath_enabled(False) has the layer run its modules, which graphquant quantizes"
+    ),
     **{
         function: f"torch.{name} runs in high precision: {_RESPELL}"
         for function, name in (

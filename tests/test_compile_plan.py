@@ -406,6 +406,25 @@ def test_multihead_attention_is_listed_as_not_quantized():
     assert what.startswith("self_attn: ") and why.startswith("nn.MultiheadAttention: Dynamo keeps F.multi_head_attention_forward as one call")
 
 
+def test_the_transformer_encoder_layers_fast_path_is_listed_as_not_quantized():
+    """An nn.TransformerEncoder evaluated without gradients takes PyTorch's fast path, one
+    torch._transformer_encoder_layer_fwd call a layer: its products ran in high precision while
+    the plan listed nothing, and the warning said the model's code read the linears' weights
+    itself. The plan lists each layer's call with the switch that turns it off, and nothing warns."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.nn.Linear(64, 64)).eval()
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            compiled(torch.randn(2, 16, 64))
+    plan = compiled.graphquant.plan
+    assert {g.site for g in plan.gemms} == {"1#0"}
+    assert [what.split(":")[0] for what, _ in plan.skipped] == ["0.layers.0", "0.layers.1"]
+    assert all("torch.backends.mha.set_fastpath_enabled(False)" in why for _, why in plan.skipped)
+
+
 def test_attention_of_a_recipe_without_fp8_dpa_is_listed_as_not_quantized():
     """F.scaled_dot_product_attention (transformers' default attention) runs as torch's unless the
     recipe asks for FP8 attention: the plan said nothing of it, where an eager attention's
