@@ -313,7 +313,7 @@ def _find(
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
             _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
             continue
-        form = _form(node)
+        form = product_form(node)
         if form is None:
             why = _unquantized_product(node)
             if why is not None:
@@ -404,7 +404,8 @@ def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: Frame) -> None:
 _FROZEN_OP = "graphquant::frozen_linear"
 
 
-def _form(node: fx.Node) -> Optional[str]:
+def product_form(node: fx.Node) -> Optional[str]:
+    """The form of site a Dynamo graph's ``node`` is (LINEAR, MATMUL, ...), None for other nodes."""
     if node.op == "call_function":
         if getattr(getattr(node.target, "_schema", None), "name", None) == _FROZEN_OP:
             return FROZEN

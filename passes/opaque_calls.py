@@ -6,6 +6,10 @@ would run in high precision without a word. Running it on the node's fake exampl
 dispatch mode finds them; its node carries ``"graphquant_skip"`` with what it multiplies, for the
 plan's "not quantized" list, and the compiler warns of it.
 
+A custom torch.autograd.Function in a training graph is one call too (Dynamo keeps its forward
+and the backward the model wrote as the bodies of one higher-order op, which graphquant does not
+rewrite): where its forward multiplies matrices, it is listed and warned of alike.
+
 A custom op of another library (``torch.library``; transformers' ``grouped_mm_fallback`` runs
 Mixtral's float32 experts) is one node too, and its fake implementation computes nothing, so
 running it tells nothing: one that takes a floating-point matrix is listed as not quantized, as
@@ -29,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphquant.passes import matrix_products
-from graphquant.passes.find_gemms import nodes_and_bodies
+from graphquant.passes.find_gemms import nodes_and_bodies, product_form
 
 
 def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
@@ -39,8 +43,8 @@ def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
     for node in nodes_and_bodies(gm):
         if node.op != "call_function":
             continue
-        if _opaque(node.target):
-            reason = _hidden_products(node)
+        if _opaque(node.target) or node.target is torch.ops.higher_order.autograd_function_apply:
+            reason = _hidden_products(node) if _opaque(node.target) else _custom_function_products(node)
             if reason is not None:
                 node.meta["graphquant_skip"] = reason
                 marked.append(node)
@@ -106,6 +110,23 @@ def _hidden_products(node: fx.Node) -> Optional[str]:
     return (
         f"{whole}: its {matrix_products.described(products.seen)} run in high precision; graphquant quantizes them where "
         "Dynamo traces the code (a function not given to allow_in_graph; torch.einsum in place of einops.einsum)"
+    )
+
+
+def _custom_function_products(node: fx.Node) -> Optional[str]:
+    """Why the products of a custom torch.autograd.Function's forward (the first body of
+    ``node``) run in high precision, or None where it multiplies no matrices."""
+    body = node.args[0]
+    forward = getattr(node.graph.owning_module, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
+    if not isinstance(forward, fx.GraphModule):
+        return None
+    products = collections.Counter(getattr(n.target, "__name__", str(n.target)) for n in forward.graph.nodes if product_form(n) is not None)
+    if not products:
+        return None
+    return (
+        f"a custom torch.autograd.Function is one call in a training graph, whose code graphquant does not rewrite: its "
+        f"forward's {matrix_products.described(products)} run in high precision (without gradients Dynamo traces the "
+        "forward as the model's own code, quantized); multiply outside the Function, or through an nn.Linear, to quantize it"
     )
 
 

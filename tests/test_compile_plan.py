@@ -480,6 +480,46 @@ def test_products_inside_a_call_dynamo_keeps_whole_are_listed_and_warned_of(dyna
     assert "its 1 matrix product(s) (1 bmm) run in high precision" in why
 
 
+class _ProductOfItsOwn(torch.autograd.Function):
+    """x @ w^T with the backward a model writes itself."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.transpose(-1, -2) @ x
+
+
+def test_products_inside_a_custom_autograd_function_in_training_are_listed_and_warned_of():
+    """A training graph holds a custom torch.autograd.Function as one call whose bodies (its
+    forward and the model's backward) graphquant does not rewrite: its product ran in high
+    precision without a word, where the same model evaluated without gradients quantizes it
+    (Dynamo then traces the forward as plain code). The training plan lists it, and the first
+    call warns."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.fc = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(_ProductOfItsOwn.apply(x, self.w).relu())
+
+    compiled = graphquant.compile(models.seeded(Model()), recipes.current_scaling(), backend="aot_eager")
+    with pytest.warns(UserWarning, match=r"a custom torch.autograd.Function is one call in a training graph"):
+        compiled(torch.randn(2, 16, 64)).sum().backward()
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0"}
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert "autograd_function_apply" in what and "its forward's 1 matrix product(s) (1 matmul) run in high precision" in why
+    with torch.no_grad():
+        compiled(torch.randn(2, 16, 64))
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0", "linear.0#0"} and not compiled.graphquant.plan.skipped  # x @ w.t(): a linear
+
+
 @torch.library.custom_op("graphquant_test::scores", mutates_args=())
 def _scores_in_a_custom_op(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q @ k.transpose(-1, -2)
