@@ -311,6 +311,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is not None:
         state = dict(state_dict)
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
+        _with_tied_entries(state, tied)
     frozen = []
     for name, linear in linears:
         quantizer = _weight_quantizer(backend, name, tuple(linear.weight.shape))
@@ -563,6 +564,17 @@ def _check_freezable(name: str, quantizer: Quantizer) -> None:
             "equals what later calls would compute; give the weight a stateless quantizer in the recipe's factory "
             "(current scaling, rowwise, blockwise, MXFP8, NVFP4 without stochastic rounding)"
         )
+
+
+def _with_tied_entries(state: dict[str, Any], tied: dict[int, list[str]]) -> None:
+    """Give each tied parameter that ``state`` lacks the entry of one it shares, in place:
+    transformers' save_pretrained and safetensors save a tied weight once (an LM head tied to the
+    embedding), and that checkpoint loads."""
+    for names in tied.values():
+        present = next((state[name] for name in names if name in state), None)
+        if present is not None:
+            for name in names:
+                state.setdefault(name, present)
 
 
 def _tied_parameters(root: nn.Module) -> dict[int, list[str]]:

@@ -391,6 +391,26 @@ def test_tied_weight_stays_high_precision():
     assert isinstance(model.layers[0].mlp.down_proj, graphquant.FrozenLinear)
 
 
+def test_a_frozen_checkpoint_that_saves_a_tied_weight_once_loads():
+    """transformers' save_pretrained and safetensors save a tied weight once (the embedding's, not
+    the LM head's): loading such a frozen checkpoint failed on the head's missing key. The head
+    takes the entry of the weight it shares, and the reloaded model gives the same outputs."""
+    model = models.seeded(models.TinyLM()).to(torch.bfloat16)
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied head stays as it is, with a warning
+        graphquant.freeze(compiled)
+        with torch.no_grad():
+            expected = compiled(ids)
+        saved = {name: t for name, t in model.state_dict().items() if name != "lm_head.weight"}
+        skeleton = models.seeded(models.TinyLM(), seed=1).to(torch.bfloat16)
+        reloaded = graphquant.freeze(inference_model(skeleton, FAMILIES["mxfp8"]()), state_dict=saved)
+        with torch.no_grad():
+            assert torch.equal(reloaded(ids), expected)
+    assert skeleton.lm_head.weight is skeleton.embed.weight
+
+
 @pytest.mark.parametrize("family", ["rowwise", "nvfp4"])
 def test_a_frozen_model_called_on_no_rows_gives_an_empty_output(family):
     """An empty call keeps its product in high precision, which reads none of the weight: its plan
