@@ -179,12 +179,25 @@ def test_factory_returning_a_non_quantizer_names_role_and_type():
     assert "to build one from its spec string, return graphquant.parse_spec('mxfp8')" in str(error)
 
 
-def test_a_quantizer_made_with_transformer_engines_positional_device_is_refused_at_the_factory():
-    te_style = CustomRecipe(lambda role: graphquant.Float8CurrentScalingQuantizer("e4m3", torch.device("cpu")))
-    error = plan_error(models.MLP(), te_style, x3())
-    assert isinstance(error, TypeError)
-    assert "Float8CurrentScalingQuantizer for role" in str(error)
-    assert "force_pow_2_scales must be a bool, got device(type='cpu')" in str(error) and "take no device" in str(error)
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (lambda: graphquant.Float8CurrentScalingQuantizer("e4m3", torch.device("cpu")), "force_pow_2_scales must be a bool, got device(type='cpu')"),
+        (lambda: graphquant.Float8CurrentScalingQuantizer("e4m3", "cuda"), "force_pow_2_scales must be a bool, got 'cuda'"),
+        (lambda: graphquant.NVFP4Quantizer(stochastic_rounding="no"), "stochastic_rounding must be a bool, got 'no'"),
+        (lambda: graphquant.Float8BlockQuantizer(block_scaling_dim=True), "block_scaling_dim must be an int, got True"),
+    ],
+)
+def test_a_quantizer_of_a_mistyped_field_is_refused_where_it_is_made(make, said):
+    """TransformerEngine's positional (fp8_dtype, device) put a device in a bool field, which was
+    refused only at a factory's answer: made directly, a truthy "cuda" turned power-of-two scales
+    on, stochastic_rounding="no" turned rounding on and block_scaling_dim=True ran 1x128 blocks.
+    The quantizer is refused when made, and a factory making one names the role."""
+    with pytest.raises(TypeError, match=re.escape(said)) as made:
+        make()
+    assert "take no device" in str(made.value)
+    error = plan_error(models.MLP(), CustomRecipe(lambda role: make()), x3())
+    assert "the recipe's factory raised for role" in str(error) and said in str(error)
 
 
 @pytest.mark.parametrize(

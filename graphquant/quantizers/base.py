@@ -218,6 +218,18 @@ class Quantizer:
     # or row first), so the native kernel makes a direction in one read of the tensor.
     block_local_scales: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        """Refuse a bool, int, float or str field holding a value of another type when the
+        quantizer is made: TransformerEngine's positional (fp8_dtype, device) put a device in a
+        bool field, which as a truthy value changed the numerics (a subclass's own __post_init__
+        calls this, after turning a torch dtype given for fp8_dtype into its name)."""
+        mistyped = mistyped_fields(self)
+        if mistyped:
+            raise TypeError(
+                f"{type(self).__name__}: {'; '.join(mistyped)} (graphquant's quantizers take no device, "
+                "TransformerEngine's second argument: pass options by keyword)"
+            )
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if not cls.tag:
@@ -462,7 +474,8 @@ def mistyped_fields(quantizer: Quantizer) -> list[str]:
         accepted = _SCALAR_FIELDS.get(field.type if isinstance(field.type, str) else getattr(field.type, "__name__", ""))
         value = getattr(quantizer, field.name)
         if accepted and (not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted)):
-            problems.append(f"{field.name} must be a {field.type if isinstance(field.type, str) else field.type.__name__}, got {value!r}")
+            kind = field.type if isinstance(field.type, str) else field.type.__name__
+            problems.append(f"{field.name} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value!r}")
     return problems
 
 

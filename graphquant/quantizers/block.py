@@ -38,6 +38,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def __post_init__(self) -> None:
         normalize_fp8_dtype(self)
+        super().__post_init__()
         if self.block_scaling_dim not in (1, 2):
             raise ValueError(f"Float8BlockQuantizer.block_scaling_dim must be 1 or 2, got {self.block_scaling_dim}")
 

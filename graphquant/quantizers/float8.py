@@ -113,6 +113,7 @@ class Float8CurrentScalingQuantizer(_PerTensorFloat8):
 
     def __post_init__(self) -> None:
         normalize_fp8_dtype(self)
+        super().__post_init__()
 
     @property
     def reduces_amax(self) -> bool:  # type: ignore[override]
@@ -193,6 +194,7 @@ class Float8DelayedScalingQuantizer(_PerTensorFloat8):
 
     def __post_init__(self) -> None:
         normalize_fp8_dtype(self)
+        super().__post_init__()
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"

@@ -36,6 +36,7 @@ class HybridQuantizer(Quantizer):
     columnwise_source: str = "original"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for field in ("rowwise_quantizer", "columnwise_quantizer"):
             child = getattr(self, field)
             if isinstance(child, (DelayedScalingRequest, Float8DelayedScalingQuantizer)):

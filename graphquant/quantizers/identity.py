@@ -25,6 +25,7 @@ class IdentityQuantizer(Quantizer):
     dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.dtype is not None and not (self.dtype.is_floating_point and self.dtype.itemsize >= 2):
             raise ValueError(f"IdentityQuantizer.dtype must be float16, bfloat16 or float32, got {self.dtype}")
 

@@ -37,6 +37,7 @@ class MXFP8Quantizer(Quantizer):
 
     def __post_init__(self) -> None:
         normalize_fp8_dtype(self)
+        super().__post_init__()
 
     def block(self, direction: str) -> tuple[int, int]:
         return (1, BLOCK_LEN) if direction == ROWWISE else (BLOCK_LEN, 1)

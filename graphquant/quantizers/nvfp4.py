@@ -44,6 +44,7 @@ class NVFP4Quantizer(Quantizer):
     with_amax_reduction: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.with_rht != self.with_post_rht_amax:
             raise ValueError(
                 f"{self}: with_post_rht_amax must equal with_rht (the columnwise global amax is taken "

@@ -35,6 +35,7 @@ class Float8RowwiseQuantizer(Quantizer):
 
     def __post_init__(self) -> None:
         normalize_fp8_dtype(self)
+        super().__post_init__()
 
     def block(self, direction: str) -> tuple[int, int]:
         return (-1, 1) if direction == COLUMNWISE else (1, -1)
