@@ -172,6 +172,19 @@ def test_quantizers_reject_what_no_format_encodes():
         NVFP4Quantizer(with_rht=True)
 
 
+def test_a_hadamard_transformed_columnwise_representation_is_not_dequantized_as_the_tensor():
+    """NVFP4's columnwise codes with RHT hold the transformed values: a columnwise-only quantize's
+    dequantize gave them as the tensor's (max error 13 on values under 5.12). It is refused, as
+    TransformerEngine refuses it; the rowwise values, and columnwise ones of no transform, come back."""
+    x = torch.arange(512, dtype=torch.float32).reshape(32, 16) / 100
+    rht = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
+    with pytest.raises(ValueError, match="went through the 16-point Hadamard transform .* quantize with rowwise=True"):
+        rht(x, rowwise=False).dequantize()
+    plain = NVFP4Quantizer()
+    assert torch.equal(rht(x).dequantize(), plain(x).dequantize())  # the transform is the columnwise side's alone
+    assert torch.equal(plain(x, rowwise=False).dequantize(), plain(x.t().contiguous(), columnwise=False).dequantize().t())
+
+
 @pytest.mark.parametrize("cls", [Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer, Float8BlockQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer])
 def test_fp8_dtype_takes_torch_dtypes_too(cls):
     """torch.float8_e4m3fn / torch.float8_e5m2, as torchao and most PyTorch code spell them, make

@@ -168,8 +168,18 @@ class QuantizedTensor:
         return rep
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The rowwise values if present, else the columnwise ones, in the logical orientation."""
+        """The rowwise values if present, else the columnwise ones, in the logical orientation.
+        Columnwise values that went through a transform (NVFP4's Hadamard) are not the tensor's:
+        only a GEMM whose other operand went through the same one undoes it, so those are refused
+        (TransformerEngine refuses a columnwise-only NVFP4 dequantize)."""
         rep = self.rowwise or self.columnwise
+        transform = rep.quantizer.transform(rep.direction)
+        if transform is not None:
+            raise ValueError(
+                f"{rep.quantizer}: its {rep.direction} values went through {transform}, which only a GEMM of two "
+                "operands of that transform undoes, so they are not the tensor's; quantize with rowwise=True to "
+                "dequantize the tensor's values"
+            )
         values = rep.dequantize(dtype)
         return values.t() if rep.transposed else values
 
