@@ -469,19 +469,21 @@ class Planner:
             if not small:
                 raise
             return f"in high precision: its {small} tile no block of the recipe's formats ({formats})"
-        # Rowwise blocks alone may tile a router that training's columnwise ones do not: quantized
-        # here it would route evaluation and serving otherwise than training did. Checked on whole
+        # The GEMMs this call runs may tile a router that all of them do not (rowwise blocks alone
+        # in evaluation; no dgrad where its input takes no gradient, a frozen backbone's): quantized
+        # there it would route otherwise than where its input takes a gradient. Checked on whole
         # rows (128), so that the token count takes no guard: its weight's dims decide.
         n, k = site.w_sizes[1], site.w_sizes[2]
         few = bool(n < FEW_OUTPUTS) or bool(k < SHORT_REDUCTION)  # dynamic dims as guards, as _small_dims tests them
-        if not training and few and self.recipe.small_gemms_in_high_precision:
+        if few and self.recipe.small_gemms_in_high_precision:
             whole_rows = dataclasses.replace(site, x_sizes=(site.x_sizes[0], 128, site.x_sizes[2]))
             try:
                 self._check_shapes(whole_rows, quantizers, ALL_GEMMS)
             except PlanError:
                 small = self._small_dims(whole_rows, quantizers, ALL_GEMMS)
                 if small:
-                    return f"in high precision, as in training: its {small} tile no block of the recipe's formats ({formats}) there"
+                    where = "where its input takes a gradient" if training else "in training"
+                    return f"in high precision, as {where}: its {small} tile no block of the recipe's formats ({formats}) there"
         return ""
 
     def _small_dims(self, site: GemmSite, quantizers: list[Quantizer], runs: frozenset[str]) -> str:

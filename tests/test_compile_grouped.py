@@ -1190,6 +1190,18 @@ def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason
             "fprop", "identity()", "in high precision, as in training: its 8 output features tile no block of the recipe's formats (mxfp8(fp8_dtype=e4m3)) there"
         )]
 
+    # Trained behind a frozen backbone (its input takes no gradient, so no dgrad), the router stays
+    # in high precision too: its weight's rowwise blocks and wgrad's alone tile, and quantized it
+    # routed otherwise than where its input takes a gradient.
+    torch._dynamo.reset()
+    behind_frozen = graphquant.compile(RoutedLayer(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    behind_frozen(x).sum().backward()
+    assert [(g.gemm, g.a_format, g.reason) for g in behind_frozen.graphquant.plan.gemms if g.site == "router#0"] == [
+        (gemm, "identity()", "in high precision, as where its input takes a gradient: its 8 output features tile no block of the "
+         "recipe's formats (mxfp8(fp8_dtype=e4m3)) there")
+        for gemm in ("fprop", "wgrad")
+    ]
+
     # Token counts that tile no block take no guard of that check: evaluation compiles the first
     # size's graphs and dynamic ones (two each: the routing breaks the graph), not graphs a count
     # up to the recompile limit.
