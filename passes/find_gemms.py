@@ -323,7 +323,7 @@ def _find(
             node.meta["graphquant_skip"] = transformed[node]
             continue
         if form == GROUPED:
-            _find_grouped(node, number, sites, frame)
+            _find_grouped(node, number, sites, frame, backward=_requires_grad(node) and node in reaching)
             continue
         if form == FROZEN:
             _find_frozen(node, sites, frame)
@@ -366,8 +366,9 @@ def _find(
         sites.append(site)
 
 
-def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame) -> None:
-    """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped."""
+def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame, backward: bool) -> None:
+    """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped;
+    ``backward``: whether a backward reaches it (its operands' gradients as a linear's)."""
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
     va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
     if va is None or vb is None or va.dim() != 2 or vb.dim() != 3 or args.get("offs") is None:
@@ -383,7 +384,10 @@ def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites:
     name = ".".join(p for p in (owner, "grouped_linear", str(number((owner, call, "grouped_linear"), node))) if p)
     experts, k, n = vb.shape
     x_sizes, w_sizes = (1, va.shape[0], k), (experts, n, k)
-    site = GemmSite(GROUPED, "grouped_linear", name, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
+    site = GemmSite(
+        GROUPED, "grouped_linear", name, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes,
+        gradients=(backward and _requires_grad(args["mat_a"]), backward and _requires_grad(args["mat_b"])),
+    )
     node.meta["graphquant_site"] = site
     sites.append(site)
 

@@ -1158,6 +1158,18 @@ def test_tokens_gathered_for_a_grouped_site_alone_are_read_through_the_gather(na
     assert_same_results(run(copy.deepcopy(layer))[0], through, what="the copied tokens: ")
 
 
+def test_a_frozen_expert_stack_plans_no_wgrad():
+    """A grouped site's plan listed a wgrad for an expert stack that takes no gradient (frozen
+    experts, an adapter trained beside them), where a frozen nn.Linear's lists none; the op skipped
+    it at run time. The plan lists the GEMMs that run: fprop and dgrad."""
+    model = RoutedLayer()
+    model.up.requires_grad_(False)
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    result = forward_backward(compiled, model, chain_input("cpu"))
+    assert model.up.grad is None and torch.isfinite(result["input.grad"]).all()
+    assert sorted(g.gemm for g in compiled.graphquant.plan.gemms if g.module_type == "grouped_linear") == ["dgrad", "fprop"]
+
+
 def test_built_in_recipes_keep_a_narrow_router_in_high_precision_with_the_reason():
     model, x = RoutedLayer(), chain_input("cpu")
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
