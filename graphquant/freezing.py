@@ -367,7 +367,7 @@ def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied
 def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
     """Say which linear sites of the graphs compiled so far are no nn.Linear (transformers' Conv1D,
     an F.linear of a module's parameter), and which grouped sites read their expert stack other
-    than as a parameter or its transpose (a slice of a fused stack): both keep their
+    than as a parameter or its transpose (a slice of a fused stack, a cast): both keep their
     high-precision weights, quantized at each call."""
     def sites(module_type: str) -> set[str]:
         return {g.site.rpartition("#")[0] for plan in backend.plans for g in plan.gemms if g.module_type == module_type}
@@ -385,7 +385,8 @@ def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
         user_stack.warn(
             f"graphquant.freeze stores an expert stack that a grouped GEMM reads as a parameter or its transpose; "
             f"{len(unread)} grouped site(s) read theirs otherwise ({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: "
-            "a slice of a fused stack, say), which keeps its high-precision values, quantized at each call"
+            "a slice of a fused stack, or float32 master weights cast to bfloat16 in the forward, say), which keeps its "
+            "high-precision values, quantized at each call"
         )
 
 
