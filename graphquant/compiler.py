@@ -821,7 +821,8 @@ def compile(
         context.callback = _failing_past_the_recompile_limit(callback, name, gq_backend)
         context.callback._torchdynamo_orig_backend = callback  # where Dynamo finds the backend behind a callback
         compiled._initialize()
-        compiled.forward = _each_call(compiled.forward, name, gq_backend)
+        generates = callable(getattr(type(model), "generate", None))
+        compiled.forward = _each_call(compiled.forward, name, gq_backend, notes_the_thread=generates)
         _kept_whole(compiled, name)
         compiled.forward = _checking_the_first_compile(compiled.forward, gq_backend, name, functools.partial(setattr, compiled, "forward"))
         twin = functools.partial(
@@ -831,7 +832,6 @@ def compile(
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
         compiled.__dict__["__reduce_ex__"] = _not_pickled
         compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
-        generates = callable(getattr(type(model), "generate", None))
         watch_methods(compiled, model, "forward and generate" if generates else "forward", attention=recipe.fp8_dpa)
         if generates:
             forwards = {
@@ -1059,15 +1059,16 @@ def _compiled_function(compiled: Callable, name: str, backend: "GraphquantBacken
     return _each_call(_failing_past_the_recompile_limit(compiled, name, backend), name, backend)
 
 
-def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Callable:
+def _each_call(call: Callable, name: str, backend: "GraphquantBackend", notes_the_thread: bool = False) -> Callable:
     """``call`` with what graphquant does at every call, the only Python of graphquant's on a
     compiled call once the first call's checks are done: refuse what would run the model's code
     unquantized, past graphquant's backend (torch.export, and what exports through it: ONNX,
     AOTInductor, which runs a compiled module's code as it is for its own trace; torch.func's
     transforms, under which Dynamo runs it eagerly and skips that code for good), either of which
     may come at any call; count the call and note whether it trains, for ``backend.plan``, and
-    that it has drawn no random bits yet, for a recompute of it inside a backward pass; and note
-    whose call the thread is in, for a forward that a generate has put in (_Installed.forward_of)."""
+    that it has drawn no random bits yet, for a recompute of it inside a backward pass; and, for a
+    module that generates (``notes_the_thread``), note whose call the thread is in, for a forward
+    that a generate has put in (_Installed.forward_of)."""
 
     @functools.wraps(call, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -1088,6 +1089,8 @@ def _each_call(call: Callable, name: str, backend: "GraphquantBackend") -> Calla
                 "its code eagerly, unquantized, and skip that code for good, so that later calls also ran unquantized; "
                 "call the model outside the transform (torch.autograd.grad gives gradients; functional_call works)"
             )
+        if not notes_the_thread:
+            return call(*args, **kwargs)
         token = _CALLED_THROUGH.set(backend)
         try:
             return call(*args, **kwargs)

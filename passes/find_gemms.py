@@ -292,10 +292,15 @@ def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
     """The subgraph a higher-order op calls on its other arguments, for the ops whose GEMMs are
     sites like any other (torch.utils.checkpoint's tag_activation_checkpoint); else None."""
     if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
-        body = node.args[0]
-        if isinstance(body, fx.Node) and body.op == "get_attr":
-            return getattr(gm, body.target)
+        return first_subgraph(gm, node)
     return None
+
+
+def first_subgraph(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
+    """The graph of ``gm`` that higher-order op ``node`` names first (a checkpoint's body, a custom
+    autograd.Function's forward), else None."""
+    body = node.args[0] if node.args else None
+    return getattr(gm, body.target) if isinstance(body, fx.Node) and body.op == "get_attr" else None
 
 
 # The meta key of an nn.Linear's own product that is no site (an integer input's), naming the module.

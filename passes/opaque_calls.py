@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphquant.passes import matrix_products
-from graphquant.passes.find_gemms import nodes_and_bodies, product_form
+from graphquant.passes.find_gemms import first_subgraph, nodes_and_bodies, product_form
 
 
 def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
@@ -43,15 +43,20 @@ def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
     for node in nodes_and_bodies(gm):
         if node.op != "call_function":
             continue
-        if _opaque(node.target) or node.target is torch.ops.higher_order.autograd_function_apply:
-            reason = _hidden_products(node) if _opaque(node.target) else _custom_function_products(node)
-            if reason is not None:
-                node.meta["graphquant_skip"] = reason
-                marked.append(node)
-        elif _foreign_op(node.target) and _takes_a_matrix(node):
+        if _foreign_op(node.target) and _takes_a_matrix(node):
             node.meta["graphquant_skip"] = (
                 f"{_op_name(node.target)} is a custom op whose code graphquant does not see: any product inside it runs in high precision"
             )
+            continue
+        if _opaque(node.target):
+            reason = _hidden_products(node)
+        elif node.target is torch.ops.higher_order.autograd_function_apply:
+            reason = _custom_function_products(node)
+        else:
+            continue
+        if reason is not None:
+            node.meta["graphquant_skip"] = reason
+            marked.append(node)
     return marked
 
 
@@ -116,8 +121,7 @@ def _hidden_products(node: fx.Node) -> Optional[str]:
 def _custom_function_products(node: fx.Node) -> Optional[str]:
     """Why the products of a custom torch.autograd.Function's forward (the first body of
     ``node``) run in high precision, or None where it multiplies no matrices."""
-    body = node.args[0]
-    forward = getattr(node.graph.owning_module, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
+    forward = first_subgraph(node.graph.owning_module, node)
     if not isinstance(forward, fx.GraphModule):
         return None
     products = collections.Counter(getattr(n.target, "__name__", str(n.target)) for n in forward.graph.nodes if product_form(n) is not None)
