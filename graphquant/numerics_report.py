@@ -131,7 +131,7 @@ class _Counts:
             quantized = grouped_kernels.dequantize(rep, row_group, torch.float32)
             quantized = quantized.t() if rep.transposed else quantized
         # Compared with what the format encoded: the values after its transform, if it has one.
-        source = rep.quantizer.transformed((x.t() if rep.transposed else x).float(), rep.direction)
+        source = rep.quantizer.transformed(x.t() if rep.transposed else x, rep.direction).float()
         seen = x.abs().max().item() if x.numel() else 0.0
         self.amax = math.nan if math.isnan(seen) or math.isnan(self.amax) else max(self.amax, seen)  # Python's max drops a NaN
         self.values += x.numel() if values is None else values

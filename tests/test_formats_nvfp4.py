@@ -334,6 +334,41 @@ def test_the_random_sign_mask_is_transformer_engines():
     assert nvfp4.hadamard_transform(chunk, random_sign_mask=True).tolist() == [[0.5 * o for o in odd]]
 
 
+def _signed_sylvester(signs: bool) -> torch.Tensor:
+    idx = torch.arange(16)
+    popcount = sum(((idx[:, None] & idx[None, :]) >> b) & 1 for b in range(4))
+    h16 = (1 - 2 * (popcount % 2)).double()
+    return h16 @ torch.diag(torch.tensor(nvfp4.RHT_SIGNS, dtype=torch.float64)) if signs else h16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("signs", [False, True])
+def test_hadamard_of_half_precision_input_is_rounded_to_its_dtype(dtype, signs):
+    """TE transforms bf16 x by a bf16 matmul (its reference) or rounds its fp32 products to bf16
+    before any amax or cast (its fused kernels): the values that get codes are the transform
+    rounded to x's dtype, here the exact one rounded once (0.5-1% of codes moved when graphquant
+    kept them in fp32)."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+    exact = (x.double().reshape(-1, 16) @ _signed_sylvester(signs).t() / 4).reshape(x.shape)
+    out = nvfp4.hadamard_transform(x, random_sign_mask=signs)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, exact.to(dtype).float())
+    assert not torch.equal(out, nvfp4.hadamard_transform(x.float(), random_sign_mask=signs))
+
+
+@pytest.mark.slow
+def test_hadamard_of_bf16_input_rounds_the_same_compiled():
+    """Inductor keeps a ``.to(bf16)`` fused into the kernel that reads it unrounded (so did the
+    transform spelled that way here); the transform spells its rounding out."""
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+
+    def transformed_and_read(t):
+        return nvfp4.hadamard_transform(t, random_sign_mask=True) * 1.0001
+
+    compiled = torch.compile(transformed_and_read, backend="inductor", fullgraph=True)
+    assert torch.equal(compiled(x), transformed_and_read(x))
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31), signs=st.booleans())
 def test_hadamard_on_both_operands_preserves_the_product(seed, signs):

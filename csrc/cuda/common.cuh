@@ -391,10 +391,15 @@ GQ_HD void hadamard_steps(float y[N], int first, bool sign_mask) {
   }
 }
 
+// The transformed values rounded to the input's dtype, as the reference rounds them.
+template <class In>
+GQ_HD float rounded_to(float v) { return In::to_float(In::from_float(v)); }
+
+template <class In>
 GQ_HD void hadamard16(float y[16], bool sign_mask) {
   hadamard_steps<16>(y, 0, sign_mask);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) y[j] = y[j] * 0.25f;
+  for (int j = 0; j < 16; ++j) y[j] = rounded_to<In>(y[j] * 0.25f);
 }
 
 // -- row groups ------------------------------------------------------------------------------

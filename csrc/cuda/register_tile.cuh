@@ -197,12 +197,13 @@ __device__ __forceinline__ float column_value(const uint4& row, int i) {
 // nvfp4.hadamard_transform of a 16-row column chunk whose rows 8h .. 8h + 7 this lane holds and
 // lane ^ 16 the others: hadamard16's steps in its order, the last one (rows j and j + 8) across
 // the two lanes.
+template <class In>
 __device__ __forceinline__ void hadamard_halves(float y[8], int h, bool sign_mask) {
   hadamard_steps<8>(y, 8 * h, sign_mask);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const float other = __shfl_xor_sync(kWarp, y[k], 16);
-    y[k] = (h == 0 ? y[k] + other : other - y[k]) * 0.25f;
+    y[k] = rounded_to<In>((h == 0 ? y[k] + other : other - y[k]) * 0.25f);
   }
 }
 
@@ -490,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, 3) register_tile_kernel(const TilePa
         float y[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) y[k] = column_value<In>(d[k], i);
-        hadamard_halves(y, h, p.col_sign_mask);
+        hadamard_halves<In>(y, h, p.col_sign_mask);
         uint32_t m = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) m = umax(m, abs_bits(y[k]));

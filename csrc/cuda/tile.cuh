@@ -469,7 +469,7 @@ struct TileProgram {
     read_col_pair<In>(s, c, i, v);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (p.col_rht) hadamard16(v[h], p.col_sign_mask);
+      if (p.col_rht) hadamard16<In>(v[h], p.col_sign_mask);
       m[h] = chunk_amax(v[h]);
     }
   }
@@ -524,7 +524,7 @@ struct TileProgram {
     const Encoder& e = p.col;
     const int64_t gc = t.col0 + c;
     if constexpr (C == kNV) {
-      if (p.col_rht) hadamard16(v, p.col_sign_mask);
+      if (p.col_rht) hadamard16<In>(v, p.col_sign_mask);
       uint8_t code[16];
       float f[2];
       const uint32_t vec_max = e.two_d ? s.t16c[i][c >> 4] : s.camax_c[i][c];

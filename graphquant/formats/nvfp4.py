@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
+from graphquant.formats import rounding
 from graphquant.formats.fp8 import max_with_zero
 
 BLOCK_LEN = 16
@@ -141,13 +142,18 @@ def random_bits_at(seed: int, offset: int, stream: int, index: torch.Tensor) -> 
 # -- random Hadamard transform -----------------------------------------------------------------
 
 def hadamard_transform(x: torch.Tensor, *, random_sign_mask: bool) -> torch.Tensor:
-    """fp32 (R, C) -> (R, C): each 16-element chunk of a row becomes (D H16 / 4)-transformed.
+    """(R, C) -> fp32 (R, C): each 16-element chunk of a row becomes (D H16 / 4)-transformed,
+    rounded to x's dtype.
 
-    Per chunk y: if random_sign_mask, y[j] *= RHT_SIGNS[j] (exact). Then the Sylvester
+    Per chunk y (in fp32): if random_sign_mask, y[j] *= RHT_SIGNS[j] (exact). Then the Sylvester
     Walsh-Hadamard butterfly, stages h = 1, 2, 4, 8 in that order: for every j with
     (j & h) == 0: (y[j], y[j + h]) = (y[j] + y[j + h], y[j] - y[j + h]) in fp32. Then y *= 0.25
     (exact). So y_out[i] = 1/4 sum_j (-1)^popcount(i & j) s_j y[j]; the matrix is orthogonal,
     so transforming both wgrad operands leaves dY^T X unchanged. C must be a multiple of 16.
+
+    Last, y is rounded to x's dtype (to nearest even; fp32 stays as it is): TE's reference is a
+    matmul in x's dtype, and its fused kernels round their fp32 products to bf16 before the
+    global amax, the block amax and the cast, so the codes are those of the rounded values.
     """
     rows, cols = x.shape
     y = x.float().reshape(rows, cols // BLOCK_LEN, BLOCK_LEN)
@@ -157,7 +163,7 @@ def hadamard_transform(x: torch.Tensor, *, random_sign_mask: bool) -> torch.Tens
         pairs = y.reshape(rows, cols // BLOCK_LEN, BLOCK_LEN // (2 * h), 2, h)
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).reshape(rows, cols // BLOCK_LEN, BLOCK_LEN)
-    return (y * 0.25).reshape(rows, cols)
+    return rounding.rounded((y * 0.25).reshape(rows, cols), x.dtype)
 
 
 # -- quantize / dequantize ---------------------------------------------------------------------
