@@ -1,5 +1,7 @@
 """Every graphquant custom op passes torch.library.opcheck (schema, fake, autograd registration)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -216,26 +218,54 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
         (MXFP8Quantizer(), True),
     ],
 )
-def test_a_weights_rowwise_copy_comes_from_one_call(quantizer, block_local, device):
+def test_a_weights_copies_come_from_the_kernel(quantizer, block_local, device):
     """A parameter's traced amax and cast fuse with nothing, so a weight's rowwise copy comes from
-    one graphquant::quantize call with its per-tensor amax, or where w's device has the kernel
-    that makes it in one read (block-local scales: not the CPU, where the op would run the
-    reference eagerly); its columnwise copy is traced (per-tensor scaling's from that amax), so
-    that the backward recomputes it from the parameter. Both equal the quantizer's own
-    representations, bit for bit."""
+    one graphquant::quantize call with its per-tensor amax, and each copy from a call of its own
+    where w's device has the kernel that makes it in one read (block-local scales: not the CPU,
+    where the op would run the reference eagerly); per-tensor scaling's columnwise copy is traced
+    from that amax, so that the backward recomputes it from the parameter. Both equal the
+    quantizer's own representations, bit for bit."""
     torch.manual_seed(0)
     w = (torch.randn(64, 128) * torch.exp2(torch.randint(-8, 9, (64, 1)).float())).to(device)
     state = SlotState(None, None, 1)
     with _OpCalls() as mode:
         operands = quantize_weight(w, quantizer, (ROWWISE, COLUMNWISE), state)
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
-    one_call = not block_local or native.extension_for(w.device) is not None
-    assert [(q[2], q[3]) for q in quantizes] == ([(True, False)] if one_call else [])
+    kernel = native.extension_for(w.device) is not None
+    calls = [(True, False), (False, True)] if block_local and kernel else [] if block_local else [(True, False)]
+    assert [(q[2], q[3]) for q in quantizes] == calls
     ctx = QuantizeContext()
     for direction, reference in ((ROWWISE, quantizer.quantize_rowwise(w, ctx)), (COLUMNWISE, quantizer.quantize_columnwise(w, ctx))):
         for made, expected in zip(operands[direction].tensors, reference.tensors()):
             assert made.dtype == expected.dtype and made.shape == expected.shape, direction
             assert torch.equal(made.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), direction  # bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantizer", [Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False), MXFP8Quantizer()])
+def test_a_block_scaled_weights_columnwise_copy_is_made_in_backward_from_the_parameter(quantizer):
+    """Where the kernel makes a weight's copies (block-local scales), the forward makes the
+    rowwise one and the backward the columnwise one from the parameter it saved, so nothing of
+    the weight's is kept from forward to backward; dx is the all-traced path's, bit for bit."""
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 128, device="cuda", requires_grad=True), torch.randn(128, 128, device="cuda", requires_grad=True)
+    dy = torch.randn(256, 128, device="cuda")  # w alone is 128x128
+    site = Site(name="fc", call=0, input=quantizer.spec, weight=quantizer.spec, grad_output=quantizer.spec, streams=(0, 1, 2), **EMULATED)
+    with _OpCalls() as forward:
+        y = quantized_linear(x, w, None, site=site)
+    with _OpCalls() as backward:
+        y.backward(dy)
+
+    def weight_calls(mode):
+        return [(q[2], q[3]) for func, q in mode.calls if func is torch.ops.graphquant.quantize.default and tuple(q[0].shape) == (128, 128)]
+
+    assert (weight_calls(forward), weight_calls(backward)) == ([(True, False)], [(False, True)])
+    xt, wt = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with mock.patch("graphquant.ops.quantize.made_in_one_read", return_value=False), mock.patch(
+        "graphquant.ops.quantized_gemm.made_in_one_read", return_value=False
+    ):
+        quantized_linear(xt, wt, None, site=site).backward(dy)
+    assert torch.equal(x.grad, xt.grad) and torch.equal(w.grad, wt.grad)
 
 
 def test_backward_runs_wgrad_before_dgrad():

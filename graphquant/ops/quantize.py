@@ -87,24 +87,19 @@ def quantize_tensor(
 
 
 def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
-    """A linear's weight in ``directions``, its columnwise (backward) copy traced so that the
-    backward recomputes it from the parameter (which lives anyway) instead of keeping it from
-    forward to backward.
+    """A linear's weight in ``directions``.
 
-    Its rowwise (forward) copy comes from one graphquant::quantize call where w's device has the
-    kernel that makes it in one read of w (block-local scales), or with w's per-tensor amax:
-    traced, a parameter's amax and cast fuse with nothing, and as Inductor kernels of their own
-    they run well below the native kernels' bandwidth. Per-tensor scaling's columnwise copy is
-    traced from that amax, the others' whole. (Without the kernel the op runs the reference
-    eagerly, slower than Inductor's traced copy.)
+    Its copies come from graphquant::quantize calls where w's device has the kernel that makes
+    each in one read of w (block-local scales, ``made_in_one_read``), or, with w's per-tensor
+    amax, the rowwise one: traced, a parameter's amax and cast fuse with nothing, and as Inductor
+    kernels of their own they run well below the native kernels' bandwidth. Per-tensor scaling's
+    columnwise copy is traced from that amax, so that the backward recomputes it from the
+    parameter (which lives anyway) instead of keeping it from forward to backward; a block-local
+    one a backward makes itself (``weight_columnwise``). Otherwise both are traced. (Without the
+    kernel the op runs the reference eagerly, slower than Inductor's traced copy.)
     """
     per_tensor = quantizer.encodes_from_tensor_amax()
-    one_read = (
-        quantizer.child(ROWWISE).block_local_scales
-        and not quantizer.columnwise_from_rowwise()
-        and native.extension_for(w.device) is not None
-    )
-    if ROWWISE not in directions or not (per_tensor or one_read) or not w.is_contiguous():  # a transposed view would be copied first
+    if ROWWISE not in directions or not (per_tensor or made_in_one_read(w, quantizer)) or not w.is_contiguous():  # a transposed view would be copied first
         return quantize_tensor(w, quantizer, directions, state, one_read=False)[0]
     operands, _ = _quantize_op(w, quantizer, (ROWWISE,), state)
     if COLUMNWISE in directions and per_tensor:
@@ -112,8 +107,26 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
         columnwise = quantizer.quantize_from_amax(w, amax, COLUMNWISE).tensors()
         operands[COLUMNWISE] = Operand(columnwise, quantizer.spec, COLUMNWISE, (w.shape[0], w.shape[1]))
     elif COLUMNWISE in directions:
-        operands[COLUMNWISE] = quantize_tensor(w, quantizer, (COLUMNWISE,), state, one_read=False)[0][COLUMNWISE]
+        operands[COLUMNWISE] = weight_columnwise(w, quantizer, state)
     return {d: operands[d] for d in directions}
+
+
+def made_in_one_read(w: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether a weight's copies come from graphquant::quantize calls: its scales are block-local
+    (each copy the kernel's one read of w) and w's device has the kernel."""
+    return (
+        quantizer.child(ROWWISE).block_local_scales
+        and not quantizer.columnwise_from_rowwise()
+        and w.is_contiguous()
+        and native.extension_for(w.device) is not None
+    )
+
+
+def weight_columnwise(w: torch.Tensor, quantizer: Quantizer, state: SlotState) -> Operand:
+    """The columnwise copy of a weight ``made_in_one_read``, which a linear's backward makes from
+    the parameter it saved: traced in the forward, the partitioner recomputed it in the backward
+    as Inductor's amax and cast kernels, which read w twice and its scales once an element."""
+    return _quantize_op(w, quantizer, (COLUMNWISE,), state)[0][COLUMNWISE]
 
 
 def transposed_operand(rowwise: Operand) -> Operand:

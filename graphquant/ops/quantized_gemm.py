@@ -18,7 +18,15 @@ import torch
 from graphquant.ops import recording
 from graphquant.ops.frozen import refused_backward
 from graphquant.ops.operands import gemm, save_columnwise, saved_columnwise
-from graphquant.ops.quantize import SlotState, quantize_tensor, quantize_weight, transposed_operand, update_delayed_scaling
+from graphquant.ops.quantize import (
+    SlotState,
+    made_in_one_read,
+    quantize_tensor,
+    quantize_weight,
+    transposed_operand,
+    update_delayed_scaling,
+    weight_columnwise,
+)
 from graphquant.ops.site import Site
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 
@@ -37,7 +45,9 @@ class QuantizedGemm(torch.autograd.Function):
         x_state = SlotState(x_delayed, rng, site.streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, site.streams[1], site.amax_group)
         xq, _ = quantize_tensor(x, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
-        w_directions = (ROWWISE, COLUMNWISE) if need_dx else (ROWWISE,)
+        # A weight made in one read gets its columnwise copy in backward, from the parameter saved.
+        w_later = need_dx and site.weight is not None and made_in_one_read(w, w_quantizer)
+        w_directions = (ROWWISE, COLUMNWISE) if need_dx and not w_later else (ROWWISE,)
         if site.weight is not None:
             wq = quantize_weight(w, w_quantizer, w_directions, w_state)
         else:
@@ -48,7 +58,7 @@ class QuantizedGemm(torch.autograd.Function):
 
         # rng is this call's own [seed, step] (the compiled wrapper never writes into one it handed
         # out), so keeping it gives the backward its forward's step in whatever order backwards run.
-        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), rng)
+        save_columnwise(ctx, xq.get(COLUMNWISE), wq.get(COLUMNWISE), rng, w if w_later else None)
         ctx.g_delayed = g_delayed  # not saved: see quantize.SlotState
         ctx.site, ctx.batch = site, batch
         ctx.shapes = (x.shape, w.shape, None if bias is None else bias.shape)
@@ -60,7 +70,7 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         need_dx, need_dw, need_dbias = ctx.needs_input_grad[:3]
-        x_col, w_col, (rng,) = saved_columnwise(ctx)
+        x_col, w_col, (rng, w_later) = saved_columnwise(ctx)
         g_delayed = ctx.g_delayed
         site, batch = ctx.site, ctx.batch
         if (need_dx and site.dgrad is None) or (need_dw and site.wgrad is None):
@@ -86,6 +96,8 @@ class QuantizedGemm(torch.autograd.Function):
             dw = dw.reshape(-1, x_col.shape[1])
             recording.record(site, "wgrad", batch, dy2d, gq[COLUMNWISE], x, x_col, None, dw)
         if need_dx:
+            if w_later is not None:
+                w_col = weight_columnwise(w_later, site.quantizers[1], SlotState(None, rng, site.streams[1], site.amax_group))
             dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], *site.runs("dgrad"))
             dx = dx.reshape(-1, w_col.shape[1])
             recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)
