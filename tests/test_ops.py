@@ -218,22 +218,21 @@ def test_activations_and_gradients_scaled_over_two_blockings_are_made_in_one_cal
         (MXFP8Quantizer(), True),
     ],
 )
-def test_a_weights_copies_come_from_the_kernel(quantizer, block_local, device):
+def test_a_weights_rowwise_copy_comes_from_one_call(quantizer, block_local, device):
     """A parameter's traced amax and cast fuse with nothing, so a weight's rowwise copy comes from
-    one graphquant::quantize call with its per-tensor amax, and each copy from a call of its own
-    where w's device has the kernel that makes it in one read (block-local scales: not the CPU,
-    where the op would run the reference eagerly); per-tensor scaling's columnwise copy is traced
-    from that amax, so that the backward recomputes it from the parameter. Both equal the
-    quantizer's own representations, bit for bit."""
+    one graphquant::quantize call with its per-tensor amax, or where w's device has the kernel
+    that makes it in one read (block-local scales: not the CPU, where the op would run the
+    reference eagerly); its columnwise copy is traced (per-tensor scaling's from that amax), so
+    that the backward recomputes it from the parameter. Both equal the quantizer's own
+    representations, bit for bit."""
     torch.manual_seed(0)
     w = (torch.randn(64, 128) * torch.exp2(torch.randint(-8, 9, (64, 1)).float())).to(device)
     state = SlotState(None, None, 1)
     with _OpCalls() as mode:
         operands = quantize_weight(w, quantizer, (ROWWISE, COLUMNWISE), state)
     quantizes = [args for func, args in mode.calls if func is torch.ops.graphquant.quantize.default]
-    kernel = native.extension_for(w.device) is not None
-    calls = [(True, False), (False, True)] if block_local and kernel else [] if block_local else [(True, False)]
-    assert [(q[2], q[3]) for q in quantizes] == calls
+    one_call = not block_local or native.extension_for(w.device) is not None
+    assert [(q[2], q[3]) for q in quantizes] == ([(True, False)] if one_call else [])
     ctx = QuantizeContext()
     for direction, reference in ((ROWWISE, quantizer.quantize_rowwise(w, ctx)), (COLUMNWISE, quantizer.quantize_columnwise(w, ctx))):
         for made, expected in zip(operands[direction].tensors, reference.tensors()):
@@ -242,11 +241,18 @@ def test_a_weights_copies_come_from_the_kernel(quantizer, block_local, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantizer", [Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False), MXFP8Quantizer()])
-def test_a_block_scaled_weights_columnwise_copy_is_made_in_backward_from_the_parameter(quantizer):
-    """Where the kernel makes a weight's copies (block-local scales), the forward makes the
-    rowwise one and the backward the columnwise one from the parameter it saved, so nothing of
-    the weight's is kept from forward to backward; dx is the all-traced path's, bit for bit."""
+@pytest.mark.parametrize(
+    "quantizer, in_backward",
+    [
+        (MXFP8Quantizer(), True),  # 1x32 and 32x1
+        (Float8BlockQuantizer(block_scaling_dim=1), True),  # 1x128 and 128x1
+        (Float8BlockQuantizer(block_scaling_dim=2, force_pow_2_scales=False), False),  # one 128x128 tile's scale for both
+    ],
+)
+def test_a_weights_columnwise_copy_over_other_blocks_is_made_in_backward_from_the_parameter(quantizer, in_backward):
+    """Where the kernel makes a weight's rowwise copy and the columnwise one scales other blocks,
+    the backward makes that from the parameter it saved (traced, it was an amax and a cast of its
+    own); 128x128 tiles' stays traced. dx and dw are the all-traced path's, bit for bit."""
     torch.manual_seed(0)
     x, w = torch.randn(256, 128, device="cuda", requires_grad=True), torch.randn(128, 128, device="cuda", requires_grad=True)
     dy = torch.randn(256, 128, device="cuda")  # w alone is 128x128
@@ -259,10 +265,10 @@ def test_a_block_scaled_weights_columnwise_copy_is_made_in_backward_from_the_par
     def weight_calls(mode):
         return [(q[2], q[3]) for func, q in mode.calls if func is torch.ops.graphquant.quantize.default and tuple(q[0].shape) == (128, 128)]
 
-    assert (weight_calls(forward), weight_calls(backward)) == ([(True, False)], [(False, True)])
+    assert (weight_calls(forward), weight_calls(backward)) == ([(True, False)], [(False, True)] if in_backward else [])
     xt, wt = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     with mock.patch("graphquant.ops.quantize.made_in_one_read", return_value=False), mock.patch(
-        "graphquant.ops.quantized_gemm.made_in_one_read", return_value=False
+        "graphquant.ops.quantized_gemm.columnwise_in_backward", return_value=False
     ):
         quantized_linear(xt, wt, None, site=site).backward(dy)
     assert torch.equal(x.grad, xt.grad) and torch.equal(w.grad, wt.grad)

@@ -87,16 +87,16 @@ def quantize_tensor(
 
 
 def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str, ...], state: SlotState) -> dict[str, Operand]:
-    """A linear's weight in ``directions``.
+    """A linear's weight in ``directions``, its columnwise (backward) copy traced so that the
+    backward recomputes it from the parameter (which lives anyway) instead of keeping it from
+    forward to backward (or made there by the backward itself: ``columnwise_in_backward``).
 
-    Its copies come from graphquant::quantize calls where w's device has the kernel that makes
-    each in one read of w (block-local scales, ``made_in_one_read``), or, with w's per-tensor
-    amax, the rowwise one: traced, a parameter's amax and cast fuse with nothing, and as Inductor
+    Its rowwise (forward) copy comes from one graphquant::quantize call where w's device has the
+    kernel that makes it in one read of w (block-local scales, ``made_in_one_read``), or with w's
+    per-tensor amax: traced, a parameter's amax and cast fuse with nothing, and as Inductor
     kernels of their own they run well below the native kernels' bandwidth. Per-tensor scaling's
-    columnwise copy is traced from that amax, so that the backward recomputes it from the
-    parameter (which lives anyway) instead of keeping it from forward to backward; a block-local
-    one a backward makes itself (``weight_columnwise``). Otherwise both are traced. (Without the
-    kernel the op runs the reference eagerly, slower than Inductor's traced copy.)
+    columnwise copy is traced from that amax, the others' whole. (Without the kernel the op runs
+    the reference eagerly, slower than Inductor's traced copy.)
     """
     per_tensor = quantizer.encodes_from_tensor_amax()
     if ROWWISE not in directions or not (per_tensor or made_in_one_read(w, quantizer)) or not w.is_contiguous():  # a transposed view would be copied first
@@ -107,13 +107,13 @@ def quantize_weight(w: torch.Tensor, quantizer: Quantizer, directions: tuple[str
         columnwise = quantizer.quantize_from_amax(w, amax, COLUMNWISE).tensors()
         operands[COLUMNWISE] = Operand(columnwise, quantizer.spec, COLUMNWISE, (w.shape[0], w.shape[1]))
     elif COLUMNWISE in directions:
-        operands[COLUMNWISE] = weight_columnwise(w, quantizer, state)
+        operands[COLUMNWISE] = quantize_tensor(w, quantizer, (COLUMNWISE,), state, one_read=False)[0][COLUMNWISE]
     return {d: operands[d] for d in directions}
 
 
 def made_in_one_read(w: torch.Tensor, quantizer: Quantizer) -> bool:
-    """Whether a weight's copies come from graphquant::quantize calls: its scales are block-local
-    (each copy the kernel's one read of w) and w's device has the kernel."""
+    """Whether the kernel makes a weight's rowwise copy in one read of w: its scales are
+    block-local and w's device has the kernel."""
     return (
         quantizer.child(ROWWISE).block_local_scales
         and not quantizer.columnwise_from_rowwise()
@@ -122,10 +122,17 @@ def made_in_one_read(w: torch.Tensor, quantizer: Quantizer) -> bool:
     )
 
 
+def columnwise_in_backward(w: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether a linear's backward makes the weight's columnwise copy from the parameter, in one
+    graphquant::quantize call (``weight_columnwise``): where the kernel makes the rowwise one and
+    the two directions scale different blocks (MXFP8's 1x32 and 32x1), so that the traced copy
+    is an amax and a cast of its own (benchmarks/NOTES.md, train_step.py's section). A 128x128
+    tile's copy, whose scales are the rowwise tiles', stays traced: the kernel's was slower."""
+    return made_in_one_read(w, quantizer) and _blockings_differ(quantizer, (ROWWISE, COLUMNWISE))
+
+
 def weight_columnwise(w: torch.Tensor, quantizer: Quantizer, state: SlotState) -> Operand:
-    """The columnwise copy of a weight ``made_in_one_read``, which a linear's backward makes from
-    the parameter it saved: traced in the forward, the partitioner recomputed it in the backward
-    as Inductor's amax and cast kernels, which read w twice and its scales once an element."""
+    """The columnwise copy of a weight ``columnwise_in_backward``, from the parameter."""
     return _quantize_op(w, quantizer, (COLUMNWISE,), state)[0][COLUMNWISE]
 
 

@@ -20,7 +20,7 @@ from graphquant.ops.frozen import refused_backward
 from graphquant.ops.operands import gemm, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import (
     SlotState,
-    made_in_one_read,
+    columnwise_in_backward,
     quantize_tensor,
     quantize_weight,
     transposed_operand,
@@ -45,8 +45,7 @@ class QuantizedGemm(torch.autograd.Function):
         x_state = SlotState(x_delayed, rng, site.streams[0], site.amax_group)
         w_state = SlotState(w_delayed, rng, site.streams[1], site.amax_group)
         xq, _ = quantize_tensor(x, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
-        # A weight made in one read gets its columnwise copy in backward, from the parameter saved.
-        w_later = need_dx and site.weight is not None and made_in_one_read(w, w_quantizer)
+        w_later = need_dx and site.weight is not None and columnwise_in_backward(w, w_quantizer)
         w_directions = (ROWWISE, COLUMNWISE) if need_dx and not w_later else (ROWWISE,)
         if site.weight is not None:
             wq = quantize_weight(w, w_quantizer, w_directions, w_state)
