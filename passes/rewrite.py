@@ -84,11 +84,55 @@ def rewrite(
             extra[key] = last_placeholder = node
         return extra[key]
 
-    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, inference, itertools.count(), amax_group)
+    recording_only = _calls_recording_only(gm, plan, needs_delayed_state)
+    _rewrite_sites(gm, plan, placeholder, needs_delayed_state, needs_rng, inference, itertools.count(), amax_group, recording_only)
     return list(extra)
 
 
-def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group) -> None:
+# The slots whose quantize runs in backward, where the calls of a step run in the reverse order.
+_BACKWARD_SLOTS = ("grad_output", "do", "dp")
+
+
+def _calls_recording_only(gm: fx.GraphModule, plan: Plan, needs_delayed_state: Callable[[QuantizerRole], bool]) -> dict[fx.Node, tuple[str, ...]]:
+    """For each call that shares a delayed-scaling slot with a later one of the step (a module
+    called more than once in the graph), the slots it only records its amax in: all calls of a
+    step quantize with the scale the last one then rolls, as TE's. The last call is the slot's
+    last in the graph, or its first for a slot quantized in backward, which runs the calls in
+    reverse order."""
+    calls: dict[str, list[tuple[fx.Node, str]]] = {}
+
+    def visit(graph_module: fx.GraphModule) -> None:
+        for node in graph_module.graph.nodes:
+            body = body_of(graph_module, node)
+            if body is not None:
+                visit(body)
+            for slot, role in _slots(node, plan):
+                if needs_delayed_state(role):
+                    calls.setdefault(str(role), []).append((node, slot))
+
+    visit(gm)
+    recording: dict[fx.Node, tuple[str, ...]] = {}
+    for users in calls.values():
+        last = users[0] if users[0][1] in _BACKWARD_SLOTS else users[-1]
+        for node, slot in users:
+            if (node, slot) != last:
+                recording[node] = (*recording.get(node, ()), slot)
+    return recording
+
+
+def _slots(node: fx.Node, plan: Plan) -> list[tuple[str, QuantizerRole]]:
+    """(slot, role) of each operand an attention or GEMM site quantizes (none for a call the plan
+    keeps in high precision, or a node of no site)."""
+    if "graphquant_attention" in node.meta:
+        site = node.meta["graphquant_attention"]
+        return [(slot, site.role(slot)) for slot in attention.SLOTS]
+    site = node.meta.get("graphquant_site")
+    if site is None or site.label in plan.high_precision_calls:
+        return []
+    return list(zip(TENSOR_TYPES[site.module_type], site.roles()))
+
+
+def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group, recording_only) -> None:
     """Rewrite the sites of ``gm`` and of its bodies; ``state(key)`` gives the node holding a state."""
     graph = gm.graph
     chosen = {(g.site, g.gemm): g.backend for g in plan.gemms}
@@ -97,10 +141,10 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
         body = body_of(gm, node)
         if body is not None:
             body_state = _body_state(body, node, state)
-            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, inference, counter, amax_group)
+            _rewrite_sites(body, plan, body_state, needs_delayed_state, needs_rng, inference, counter, amax_group, recording_only)
             continue
         if "graphquant_attention" in node.meta:
-            _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group)
+            _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group, recording_only.get(node, ()))
             continue
         if "graphquant_site" not in node.meta:
             continue
@@ -121,6 +165,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
             # Which of quantized_linear's (or quantized_grouped_mm's) formulas runs; a frozen site's function has the inference one alone.
             inference=site.form in (LINEAR, GROUPED) and site.runs_inference_product(inference),
             token_rows=token_rows.get(site.label, GROUP_ROWS),
+            records_amax_only=recording_only.get(node, ()),
         )
         states = tuple(state(str(r)) if needs_delayed_state(r) and not high_precision else None for r in roles)
         kwargs = dict(site=carried, states=states, rng=state("rng") if needs_rng else None)
@@ -146,7 +191,7 @@ def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, c
     gm.recompile()
 
 
-def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group) -> None:
+def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group, records_amax_only) -> None:
     """Replace one F.scaled_dot_product_attention with graphquant.ops.attention's, its arguments
     unchanged and its applied roles' formats and state added."""
     site = node.meta["graphquant_attention"]
@@ -156,7 +201,8 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     # The backward's backend where the plan has one (none where nothing runs backward), the same for each of its products.
     backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm not in ("qk", "pv")}
     carried = attention.AttentionSite(
-        name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward, forward_only=not backward
+        name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward, forward_only=not backward,
+        records_amax_only=records_amax_only,
     )
     states = tuple(state(str(r)) if needs_delayed_state(r) else None for r in roles)
     with graph.inserting_before(node):

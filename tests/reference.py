@@ -30,8 +30,9 @@ graphquant.passes.plan or graphquant.compiler. It re-derives, from the design do
     step); quantizing tensor t (0 input, 1 weight/other, 2 grad_output) of the i-th GEMM of the
     graph uses QuantizeContext(seed, offset = s * STREAMS_PER_STEP + 3 i + t);
   * delayed scaling: a slot starts at scale 1 with a zero amax history; each quantize of the
-    slot uses its current scale, then records max|x| and computes the next scale with TE's
-    rule (``delayed_update`` below).
+    slot uses its current scale and records max|x|; the step's largest (a module called twice
+    quantizes twice a step) then computes the next scale with TE's rule (``delayed_update``
+    below), here before the slot's first quantize of the next step or a read of ``delayed``.
 
 Teacher forcing (``GemmTape``): the compiled model's GEMM results are recorded; the
 reference checks each of its GEMMs against the matching recorded result (within the fp32
@@ -145,11 +146,12 @@ class RefSite:
         the expert of a grouped site, whose delayed-scaling slot is its own."""
         quantizer = self.quantizers[t]
         ref = self.reference
-        scale = ref.delayed[self.delayed_key(t, group)][0] if isinstance(quantizer, Float8DelayedScalingQuantizer) else None
+        delayed = isinstance(quantizer, Float8DelayedScalingQuantizer)
+        scale = ref.slot(self.delayed_key(t, group))[0] if delayed else None
         ctx = QuantizeContext(scale=scale, seed=ref.seed, offset=ref.step * STREAMS_PER_STEP + 3 * self.index + t)
         out = {d: ref_dequantize(ref_quantize(x, quantizer, d, ctx)) for d in directions}
         if directions:
-            self.roll_delayed(t, group, x.detach().abs().max())
+            self.record_delayed(t, group, x.detach().abs().max())
         return out
 
     def delayed_key(self, t: int, group: Optional[int]) -> Any:
@@ -157,15 +159,17 @@ class RefSite:
         role = self.roles[t]
         if group is None:
             return role
-        self.reference.delayed.setdefault((role, group), (torch.ones(1), torch.zeros(self.quantizers[t].amax_history_len)))
+        self.reference._delayed.setdefault((role, group), (torch.ones(1), torch.zeros(self.quantizers[t].amax_history_len)))
         return (role, group)
 
-    def roll_delayed(self, t: int, group: Optional[int], amax: torch.Tensor) -> None:
-        """TE's update of tensor ``t``'s delayed-scaling slot (if it keeps one) with ``amax``."""
+    def record_delayed(self, t: int, group: Optional[int], amax: torch.Tensor) -> None:
+        """Record ``amax`` in tensor ``t``'s delayed-scaling slot (if it keeps one) for this step."""
         quantizer = self.quantizers[t]
         if isinstance(quantizer, Float8DelayedScalingQuantizer):
-            key = self.delayed_key(t, group)
-            self.reference.delayed[key] = delayed_update(*self.reference.delayed[key], amax, quantizer)
+            ref, key = self.reference, self.delayed_key(t, group)
+            ref.slot(key)
+            _, seen = ref.pending.get(key, (ref.step, amax))
+            ref.pending[key] = (ref.step, torch.maximum(seen, amax))
 
 
 def _gemm64(a: torch.Tensor, b: torch.Tensor, what: str, site: RefSite, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -427,7 +431,7 @@ def _quantize_group(
     products are empty, or zero), and its delayed-scaling slot sees amax 0."""
     if x.shape[0] == 0:
         if directions:
-            site.roll_delayed(t, group, torch.zeros(()))
+            site.record_delayed(t, group, torch.zeros(()))
         return {d: x.new_zeros(x.shape, dtype=torch.float64) for d in directions}
     padded = F.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
     return {d: v[:, : x.shape[1]] for d, v in site.quantize(t, padded, directions, group).items()}
@@ -500,7 +504,8 @@ class Reference:
         self.step = 0
         self.factory_calls = 0
         self.quantizers: dict[QuantizerRole, Quantizer] = {}
-        self.delayed: dict[QuantizerRole, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._delayed: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[Any, tuple[int, torch.Tensor]] = {}  # slot -> (step, the step's largest amax so far)
         self.sites: list[tuple[str, int, str]] = []
         self.gemm_log: list[tuple] = []
         self.operands: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (site label, x 2-D, w 2-D)
@@ -516,8 +521,26 @@ class Reference:
             assert isinstance(answer, Quantizer), (role, answer)
             self.quantizers[role] = answer
             if isinstance(answer, Float8DelayedScalingQuantizer):
-                self.delayed[role] = (torch.ones(1), torch.zeros(answer.amax_history_len))
+                self._delayed[role] = (torch.ones(1), torch.zeros(answer.amax_history_len))
         return self.quantizers[role]
+
+    @property
+    def delayed(self) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+        """Each delayed-scaling slot's (scale, history) after the steps run so far."""
+        for key in list(self.pending):
+            self._roll(key)
+        return self._delayed
+
+    def slot(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's (scale, history) as this step's quantizes read it: an earlier step's amax rolled in."""
+        if key in self.pending and self.pending[key][0] < self.step:
+            self._roll(key)
+        return self._delayed[key]
+
+    def _roll(self, key: Any) -> None:
+        _, amax = self.pending.pop(key)
+        role = key[0] if isinstance(key, tuple) else key
+        self._delayed[key] = delayed_update(*self._delayed[key], amax, self.quantizers[role])
 
     # running
     def __call__(self, *args, **kwargs):

@@ -157,16 +157,20 @@ def test_delayed_scaling_first_step_uses_scale_one():
     assert compiled.graphquant.run_state.delayed[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
 
 
-def test_a_module_called_twice_updates_its_slots_at_each_call():
-    """fc runs twice a step: its grad_output slot is quantized by both backwards, the later
-    call's first, each with the scale the other left (autograd's saved-tensor check must not
-    stand in the way), and the steps follow the reference."""
-    recipe = recipes.delayed_scaling(amax_history_len=3)
+def test_a_module_called_twice_updates_its_slots_once_a_step():
+    """fc runs twice a step: both calls quantize each slot with the step's one scale, and the
+    slot takes one history entry a step, the larger amax, as TE's (each call had rolled it, so
+    the second quantized with a scale made from the first's amax and clipped). Its grad_output
+    slot is quantized by both backwards, the later call's first (autograd's saved-tensor check
+    must not stand in the way), and the steps follow the reference."""
+    recipe = recipes.delayed_scaling(amax_history_len=4)
     model = models.seeded(models.SharedLinear())
     compiled, reference, tape = teacher_forced(model, recipe)
     for step in range(3):
         same_step(compiled, reference, tape, step)
         check_states(compiled, reference, step)
+        fc_slots = [state for role, state in compiled.graphquant.run_state.delayed.items() if role.name == "fc"]
+        assert [int((state[1:] > 0).sum()) for state in fc_slots] == [step + 1] * 3  # input, weight, grad_output
 
 
 def test_an_inference_call_warns_where_it_starts_delayed_slots_at_scale_one():

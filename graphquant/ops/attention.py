@@ -82,6 +82,8 @@ class AttentionSite:
     # The plan runs no backward product here (mode="inference", or no input gets a gradient): the
     # inputs are taken detached, so that no gradient flows where the plan lists none.
     forward_only: bool = False
+    # The delayed-scaling slots (qkv, do, dp) whose step another call of this graph ends (quantize.SlotState.ends_step).
+    records_amax_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         planned = backends.softmax_output_format(self.quantizer("s"))
@@ -107,6 +109,10 @@ class AttentionSite:
 
     def quantizer(self, slot: str) -> Quantizer:
         return quantizer_of(getattr(self, slot))
+
+    def slot_state(self, slot: str, delayed: Optional[torch.Tensor]) -> SlotState:
+        """The state of ``slot`` as this call reads and updates it."""
+        return SlotState(delayed, None, 0, self.amax_group, ends_step=slot not in self.records_amax_only)
 
 
 @autocast.operands_cast
@@ -165,7 +171,7 @@ class QuantizedAttention(torch.autograd.Function):
         tensors = {"Q": q.reshape(-1, d), "K": k.reshape(-1, d), "V": v.reshape(-1, dv)}
         directions = {"Q": (ROWWISE, COLUMNWISE), "K": (ROWWISE, COLUMNWISE), "V": (COLUMNWISE, ROWWISE)}
         directions = {t: ds if training else ds[:1] for t, ds in directions.items()}
-        qkv_state = SlotState(qkv_delayed, None, 0, site.amax_group)
+        qkv_state = site.slot_state("qkv", qkv_delayed)
         made = quantize_qkv(tensors, site.quantizer("qkv"), directions, qkv_state)
         o, p, p_made = emulated_forward(site, tensors, made, mask, scale, (b, h, lq, lk), training)
 
@@ -189,8 +195,7 @@ class QuantizedAttention(torch.autograd.Function):
             start += count
         q_col, k_col, v_row, p_col = kept
         made = {"Q": {COLUMNWISE: q_col}, "K": {COLUMNWISE: k_col}, "V": {ROWWISE: v_row}}
-        do_state = SlotState(do_delayed, None, 0, site.amax_group)
-        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
+        do_state, dp_state = site.slot_state("do", do_delayed), site.slot_state("dp", dp_delayed)
         dq, dk, dv_ = emulated_backward(
             site, ctx.originals, made, p, p_col, o, do.reshape(-1, dv), ctx.scale, do_state, dp_state, b * h, ctx.needs_input_grad[:3]
         )
@@ -218,7 +223,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, qkv_delayed, do_delayed, dp_delayed, site: AttentionSite, scale: float, causal: bool):
         d = q.shape[-1]
-        made = flash_qkv({"Q": q, "K": k, "V": v}, site.quantizer("qkv"), SlotState(qkv_delayed, None, 0, site.amax_group))
+        made = flash_qkv({"Q": q, "K": k, "V": v}, site.quantizer("qkv"), site.slot_state("qkv", qkv_delayed))
         q_row, k_row, v_row = made["Q"][ROWWISE], made["K"][ROWWISE], made["V"][ROWWISE]
         o, lse = FLASH_FORWARDS[site.backend.name](
             q_row.tensors[0].view(q.shape), k_row.tensors[0].view(k.shape), made["V"][COLUMNWISE].tensors[0],
@@ -239,8 +244,7 @@ class FlashAttention(torch.autograd.Function):
         do_delayed, dp_delayed = ctx.delayed
         b, h, lq, d = q_shape
         groups, lk = h // k_shape[1], k_shape[2]
-        do_state = SlotState(do_delayed, None, 0, site.amax_group)
-        dp_state = SlotState(dp_delayed, None, 0, site.amax_group)
+        do_state, dp_state = site.slot_state("do", do_delayed), site.slot_state("dp", dp_delayed)
         if site.backward_backend.name in backends.ATTENTION_KERNELS:
             codes = (q_data.view(q_shape), k_data.view(k_shape), v_data.view(k_shape))
             # dK and dV come in K's dtype (V's: F.scaled_dot_product_attention takes one) where they are not sums

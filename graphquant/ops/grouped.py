@@ -40,7 +40,7 @@ from graphquant.ops import recording, registry
 from graphquant.ops.frozen import refuse_backward
 from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
-from graphquant.ops.quantize import SlotState, hybrid_directions, update_delayed_scaling
+from graphquant.ops.quantize import hybrid_directions, update_delayed_scaling
 from graphquant.ops.site import Site
 from graphquant.quantizers import COLUMNWISE, ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 
@@ -293,10 +293,10 @@ def _slot_scales(quantizer: Quantizer, delayed: Optional[torch.Tensor]) -> Optio
     return delayed[:, 0].clone() if delayed is not None and quantizer.keeps_state else None
 
 
-def _roll(quantizer: Quantizer, delayed: Optional[torch.Tensor], amax_group: Optional[str], operands: dict[str, Operand]) -> None:
-    """Roll a delayed-scaling slot's histories with each group's amax of this call (in place)."""
+def _roll(quantizer: Quantizer, site: Site, slot: int, delayed: Optional[torch.Tensor], operands: dict[str, Operand]) -> None:
+    """Record each group's amax of this call in a delayed-scaling slot's histories (in place)."""
     if delayed is not None:
-        update_delayed_scaling(quantizer, SlotState(delayed, None, 0, amax_group), operands)
+        update_delayed_scaling(quantizer, site.slot_state(slot, delayed), operands)
 
 
 def _tokens_quantized(
@@ -314,7 +314,7 @@ def _tokens_quantized(
     xq = quantize_grouped(
         x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed), rows=rows
     )
-    _roll(x_quantizer, x_delayed, site.amax_group, xq)
+    _roll(x_quantizer, site, 0, x_delayed, xq)
     return tokens, xq
 
 
@@ -322,7 +322,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
     """y (T, N) = torch._grouped_mm(x (T, K), w (E, K, N), offs), per expert in the site's formats.
 
     A delayed-scaling slot keeps a scale and an amax history per expert (TE's grouped linear keeps
-    one slot per GEMM): its state is (E, 1 + history) float32, rolled after each quantize.
+    one slot per GEMM): its state is (E, 1 + history) float32, rolled once a step.
 
     With ``rows`` the tokens are x[rows] (an MoE layer's gather of its tokens sorted by expert),
     read through that gather by the quantize, so that no copy of them is written first; the
@@ -344,7 +344,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
             wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, w_quantizer, rng, site.streams[1], site.amax_group, w_scale)
         else:
             wq, w_amax = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=w_scale)[ROWWISE], None
-        _roll(w_quantizer, w_delayed, site.amax_group, {ROWWISE: wq})
+        _roll(w_quantizer, site, 1, w_delayed, {ROWWISE: wq})
         listening = recording.listening()
         x_rows = x if rows is None or not listening else x[rows]  # the high-precision tokens, for a recorder alone
         y = _recorded_gemm(x_rows, xq[ROWWISE], tokens, w2d, wq, stack, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
@@ -368,7 +368,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
         g_quantizer = site.quantizers[2]
         gq = quantize_grouped(dy, tokens, g_quantizer, directions, rng, site.streams[2], site.amax_group, scale=_slot_scales(g_quantizer, g_delayed))
-        _roll(g_quantizer, g_delayed, site.amax_group, gq)
+        _roll(g_quantizer, site, 2, g_delayed, gq)
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
@@ -426,5 +426,5 @@ def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), r
     w_quantizer, n = site.quantizers[1], w.shape[2]
     stack, w2d = _expert_stack(w.detach())
     wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=_slot_scales(w_quantizer, states[1]))
-    _roll(w_quantizer, states[1], site.amax_group, wq)
+    _roll(w_quantizer, site, 1, states[1], wq)
     return _fprop_alone(x, offs, wq[ROWWISE], stack, n, w.dtype, site, states, rng, rows)

@@ -40,7 +40,7 @@ def _weight_at_call(w: torch.Tensor, site: Site, states: tuple, rng: Optional[to
     """Weight ``w``'s rowwise operand in its site's format, made from its value at this call (its
     delayed scaling, where it keeps one, rolled on)."""
     w_quantizer = site.quantizers[1]
-    w_state = SlotState(states[1], rng, site.streams[1], site.amax_group)
+    w_state = site.slot_state(1, states[1], rng)
     wq = quantize_weight(w.detach(), w_quantizer, (ROWWISE,), w_state)
     update_delayed_scaling(w_quantizer, w_state, wq)
     return wq[ROWWISE]
@@ -90,7 +90,7 @@ def quantized_weights_product(
         ]
     if backend.name == mixed_input.BACKEND and mixed_input.values_from_x(x_quantizer.child(ROWWISE)):
         return _mixed_input_products(x2d.detach(), x_quantizer.child(ROWWISE), ws, out_dtype, labels, biases)
-    x_state = SlotState(states[0], rng, site.streams[0], site.amax_group)
+    x_state = site.slot_state(0, states[0], rng)
     xq, _ = quantize_tensor(x2d.detach(), x_quantizer, (ROWWISE,), x_state)
     update_delayed_scaling(x_quantizer, x_state, xq)
     return _products(xq[ROWWISE], ws, out_dtype, backend, labels, biases)

@@ -32,6 +32,11 @@ class SlotState:
     rng: Optional[torch.Tensor]  # int64 [seed, step]
     stream: int
     amax_group: Optional[str] = None  # the process group of amax reductions (graphquant.distributed)
+    # Whether this call ends its slot's step (a delayed-scaling slot's last call in the graph; in
+    # backward its first): it rolls the history and rescales. Earlier calls of the step (a module
+    # called twice) record their amax into the history's newest entry and keep the scale, so
+    # every call of a step quantizes with one scale and the step takes one history entry, as TE's.
+    ends_step: bool = True
 
 
 def hybrid_directions(
@@ -144,19 +149,25 @@ def transposed_operand(rowwise: Operand) -> Operand:
 
 
 def update_delayed_scaling(quantizer: Quantizer, state: SlotState, operands: dict[str, Operand]) -> None:
-    """Roll the slot's amax history with this call's amax and store the next scale, in place."""
+    """Record this call's amax in the slot's history (``record_amax``), in place."""
     if quantizer.keeps_state and operands:
         record_amax(quantizer, state, next(iter(operands.values())).tensors[2])
 
 
 def record_amax(quantizer: Quantizer, state: SlotState, amax: torch.Tensor) -> None:
-    """Roll a delayed-scaling slot's amax history with ``amax`` (reduced over the slot's process
-    group where the format asks) and store the next scale, in place."""
+    """Record ``amax`` (reduced over the slot's process group where the format asks) in a
+    delayed-scaling slot's history, with those of the step's earlier calls; where the call ends
+    the step, roll the history and store the next scale. In place."""
     if quantizer.reduce_amax and state.amax_group is not None:
         from graphquant.distributed import all_reduce_amax
 
         amax = all_reduce_amax(amax, state.amax_group)
     with torch.no_grad():  # a grouped site's state has a row a group: [..., scale, history...]
+        newest = state.delayed[..., 1:2]  # zero at a step's start: the update zeroes it
+        amax = torch.maximum(newest, amax.reshape(newest.shape).to(newest.dtype))
+        if not state.ends_step:
+            newest.copy_(amax)
+            return
         scale, history = quantizer.update(state.delayed[..., :1], state.delayed[..., 1:], amax)
         state.delayed.copy_(torch.cat([scale, history], -1))
 

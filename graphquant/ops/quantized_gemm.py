@@ -19,7 +19,6 @@ from graphquant.ops import recording
 from graphquant.ops.frozen import refused_backward
 from graphquant.ops.operands import gemm, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import (
-    SlotState,
     columnwise_in_backward,
     quantize_tensor,
     quantize_weight,
@@ -42,8 +41,7 @@ class QuantizedGemm(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0] and site.dgrad is not None
         need_dw = ctx.needs_input_grad[1] and site.wgrad is not None
         x_quantizer, w_quantizer, _ = site.quantizers
-        x_state = SlotState(x_delayed, rng, site.streams[0], site.amax_group)
-        w_state = SlotState(w_delayed, rng, site.streams[1], site.amax_group)
+        x_state, w_state = site.slot_state(0, x_delayed, rng), site.slot_state(1, w_delayed, rng)
         xq, _ = quantize_tensor(x, x_quantizer, (ROWWISE, COLUMNWISE) if need_dw else (ROWWISE,), x_state)
         w_later = need_dx and site.weight is not None and columnwise_in_backward(w, w_quantizer)
         w_directions = (ROWWISE, COLUMNWISE) if need_dx and not w_later else (ROWWISE,)
@@ -77,7 +75,7 @@ class QuantizedGemm(torch.autograd.Function):
         g_quantizer = site.quantizers[2]
         x, w = ctx.originals
         dy2d = dy.reshape(-1, dy.shape[-1])
-        g_state = SlotState(g_delayed, rng, site.streams[2], site.amax_group)
+        g_state = site.slot_state(2, g_delayed, rng)
         # Where the columnwise copy is the rowwise bits transposed, an op makes it from them:
         # traced together, Inductor wrote both copies in one kernel while grad_output's inputs (a
         # SwiGLU's gate, up and dh) were still alive, a decoder's memory peak.
@@ -96,7 +94,7 @@ class QuantizedGemm(torch.autograd.Function):
             recording.record(site, "wgrad", batch, dy2d, gq[COLUMNWISE], x, x_col, None, dw)
         if need_dx:
             if w_later is not None:
-                w_col = weight_columnwise(w_later, site.quantizers[1], SlotState(None, rng, site.streams[1], site.amax_group))
+                w_col = weight_columnwise(w_later, site.quantizers[1], site.slot_state(1, None, rng))
             dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], *site.runs("dgrad"))
             dx = dx.reshape(-1, w_col.shape[1])
             recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)

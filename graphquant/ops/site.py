@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 import torch.fx
 
 from graphquant.formats.groups import GROUP_ROWS
 from graphquant.kernels.backends import GemmBackend
 from graphquant.ops.library import quantizer_of
+from graphquant.ops.quantize import SlotState
 from graphquant.quantizers import Quantizer
 
 
@@ -39,6 +41,8 @@ class Site:
     token_rows: the rows an expert stack pads each group of few tokens to a multiple of
     (the plan's GemmPlan.token_rows, from kernels.backends.token_rows; more than
     groups.FEW_TOKENS_AN_EXPERT an expert take GROUP_ROWS).
+    records_amax_only: the delayed-scaling slots (by role: "input", "weight" or "other",
+    "grad_output") whose step another call of this graph ends (``SlotState.ends_step``).
     """
 
     name: str
@@ -54,6 +58,7 @@ class Site:
     wgrad: Optional[GemmBackend] = None
     inference: bool = False
     token_rows: int = GROUP_ROWS
+    records_amax_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.weight is None) == (self.other is None):
@@ -74,6 +79,11 @@ class Site:
         """The quantizers of x, w (weight or other) and grad_output."""
         w = self.weight if self.weight is not None else self.other
         return quantizer_of(self.input), quantizer_of(w), quantizer_of(self.grad_output)
+
+    def slot_state(self, slot: int, delayed: Optional[torch.Tensor], rng: Optional[torch.Tensor] = None) -> SlotState:
+        """The state of slot ``slot`` (0 x, 1 w, 2 grad_output) as this call reads and updates it."""
+        role = ("input", "weight" if self.weight is not None else "other", "grad_output")[slot]
+        return SlotState(delayed, rng, self.streams[slot], self.amax_group, ends_step=role not in self.records_amax_only)
 
     def runs(self, gemm: str) -> tuple[GemmBackend, str]:
         """(the backend the plan chose for ``gemm`` ("fprop", "dgrad", "wgrad"), the GEMM's name in
