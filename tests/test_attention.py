@@ -211,6 +211,24 @@ def _check_against_reference(formats: str, mask: str, device: torch.device) -> N
             torch.testing.assert_close(state, torch.cat(slots.delayed[slot]), rtol=0, atol=0, msg=f"{slot}'s delayed state")
 
 
+def test_an_attention_called_twice_a_step_rolls_its_delayed_slots_once():
+    """The first call of a step (records_amax_only qkv) records its amax and keeps the scale, so
+    the second quantizes with the same one; the second rolls the history once with the larger
+    amax and rescales. (The plan marks the second call's do and dp, whose backward runs first.)"""
+    early = AttentionSite(name="layers.0.attn", call=0, **DELAYED, records_amax_only=("qkv",))
+    late = AttentionSite(name="layers.0.attn", call=1, **DELAYED, records_amax_only=("do", "dp"))
+    states = _states(DELAYED)
+    q, k, v, dout = _inputs(seed=0)
+    _run_op(early, states, q, k, v, None)
+    qkv = states[0].clone()
+    amax = torch.cat([t.reshape(-1) for t in (q, k, v)]).abs().max()
+    assert qkv[0] == 1 and qkv[1] == amax and not qkv[2:].any()  # scale kept, the amax recorded
+    _run_op(late, states, q * 4, k, v, None)
+    larger = torch.cat([t.reshape(-1) for t in (q * 4, k, v)]).abs().max()
+    assert larger > amax and states[0][1] == 0 and states[0][-1] == larger  # rolled once, with the larger amax
+    assert states[0][0] == graphquant.parse_spec(DELAYED["qkv"]).update(torch.ones(1), torch.zeros(4), larger)[0]
+
+
 def test_bfloat16_inference_and_custom_scale():
     """bfloat16 inputs (O rounded once from the fp32 product), no grad (no backward directions),
     a scale of the caller's and a query shorter than the keys."""
