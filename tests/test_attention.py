@@ -373,6 +373,18 @@ def test_te_constraints_are_plan_errors(factory, message):
         graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
 
 
+def test_a_delayed_scaling_request_unlike_the_zoo_s_names_both_roles():
+    """The user's qkv request (history 4) against the zoo's s request (history 1): the error named s alone."""
+    def factory(role):
+        if role is not None and role.module_type == "dpa" and role.tensor_type == "qkv":
+            return DelayedScalingRequest(fp8_format="HYBRID", amax_history_len=4)
+        return zoo.fp8_attention_factory(role)
+
+    with pytest.raises(PlanError, match=r"DelayedScalingRequests of different amax_history_len for roles "
+                                        r"module_type=dpa\|tensor_type=qkv\|name=attn \(4\) and module_type=dpa\|tensor_type=s\|name=attn \(1\)"):
+        graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnDelayed(Float8DelayedScalingQuantizer):
     """A user's delayed-scaling format (its own class, so its own scaling)."""
