@@ -11,9 +11,10 @@ carrying the meta of the chain's last product (so it keeps its owner)::
     s = s * c   or   s = s / c         optional, c a Python number: scale=c or 1/c (else 1.0)
     s = s + mask                       optional, a fixed float mask of q's dtype: attn_mask=mask
       or s.masked_fill(m, -inf)        optional, m a bool mask: attn_mask=~m
-    s = s.to(torch.float32)            optional
+      or torch.where(m, s, -inf)       optional, m a bool mask: attn_mask=m (torch.where(m, -inf, s): ~m)
+    s = s.float()                      optional, any cast to float32 (.to, .type, .type_as)
     p = softmax(s, dim=-1)             F.softmax, torch.softmax or Tensor.softmax, dtype None or float32
-    p = p.to(q.dtype)                  optional
+    p = p.type_as(q)                   optional, any cast (.to, .type, .half, .bfloat16...)
     p = F.dropout(p, dropout, train)   optional: dropout_p=dropout where training
     out = p @ v
 
@@ -38,7 +39,14 @@ from torch import fx
 from graphquant.passes.find_gemms import body_of, target_name
 
 _MATMULS = (torch.matmul, operator.matmul)
-_BATCHED_PRODUCTS = (torch.bmm, torch.baddbmm)  # the 3-D spelling (BLOOM's, DeBERTa's), which is not folded
+# Products attention is also spelled with, which are not folded, and why.
+_BATCHED = "multiply 3-D (batch * heads, length, dim) tensors; attention folds matmuls of 4-D ones"  # BLOOM's, DeBERTa's
+_UNFOLDED_PRODUCTS = {
+    torch.bmm: _BATCHED,
+    torch.baddbmm: _BATCHED,
+    torch.einsum: "are einsums, whose subscripts may order and name the dims any way; attention folds matmuls (torch.matmul or @)",
+}
+_CAST_METHODS = ("float", "half", "bfloat16", "double")  # the casts a tensor method spells with no argument
 _SOFTMAXES = (F.softmax, torch.softmax)
 # The steps allowed between the scores product and the softmax, in the order they must come.
 _ORDER = ("scale", "mask", "cast")
@@ -86,10 +94,10 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         probs = _user(probs)
         after.append(probs)
     out = next((user for user in probs.users if _is_matmul(user)), None)
-    batched = [n for n in (scores, *probs.users) if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _BATCHED_PRODUCTS]
-    if batched and (out is not None or _is_matmul(scores) or len(batched) == 2):
-        names = ", ".join(target_name(n) for n in batched)
-        return f"its products ({names}) multiply 3-D (batch * heads, length, dim) tensors; attention folds matmuls of 4-D ones"
+    unfolded = [n for n in (scores, *probs.users) if isinstance(n, fx.Node) and n.op == "call_function" and n.target in _UNFOLDED_PRODUCTS]
+    if unfolded and (out is not None or _is_matmul(scores) or len(unfolded) == 2):
+        names = ", ".join(target_name(n) for n in unfolded)
+        return f"its products ({names}) {_UNFOLDED_PRODUCTS[unfolded[0].target]}"
     if out is not None and isinstance(scores, fx.Node) and not _is_matmul(scores) and _product_before(scores):
         return f"{scores.name} ({target_name(scores)}) between the products is no step attention takes ({', '.join(_ORDER)}), a logit soft-cap's tanh, say"
     if not (isinstance(scores, fx.Node) and _is_matmul(scores)) or out is None:
@@ -138,22 +146,29 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
 
 def _take(step: fx.Node, chain: _Chain, q: torch.Tensor) -> Optional[str]:
     """Record one step's argument in ``chain``, or say why sdpa cannot take it."""
-    kind, other = _step(step), _other(step)
+    kind = _step(step)
     if kind == "scale":
+        other = _other(step)
         if not isinstance(other, (int, float)) or isinstance(other, bool) or other == 0:
             what = f"the tensor {other.name}" if isinstance(other, fx.Node) else repr(other)
             return f"the scores are scaled by {what}, not a nonzero constant"
         chain.scale = float(other) if step.target in (operator.mul, "mul") else 1.0 / other
+    elif kind == "mask" and step.target in (operator.add, "add"):
+        mask = _other(step)
+        if _value(mask) is None or _value(mask).dtype != q.dtype or _value(mask).requires_grad:
+            return "the additive mask is not a fixed tensor of the query's dtype"
+        chain.mask = mask
     elif kind == "mask":
-        mask = _value(other)
-        if step.target in (operator.add, "add"):
-            if mask is None or mask.dtype != q.dtype or mask.requires_grad:
-                return "the additive mask is not a fixed tensor of the query's dtype"
-        elif mask is None or mask.dtype != torch.bool or step.args[2] != -math.inf:
-            return "masked_fill does not fill a bool mask with -inf"
-        chain.mask, chain.negate_mask = other, step.target not in (operator.add, "add")
-    elif kind == "cast" and step.args[1:] not in ((), (torch.float32,)):
-        return f"the scores are cast by {step.format_node()}"
+        # masked_fill(m, -inf) keeps the scores where m is False; torch.where(m, s, -inf) where m is True.
+        where = step.target is torch.where
+        mask, fill = (step.args[0], _other(step)) if where else step.args[1:]
+        if _value(mask) is None or _value(mask).dtype != torch.bool or fill != -math.inf:
+            return f"{'torch.where' if where else 'masked_fill'} does not fill a bool mask with -inf"
+        chain.mask, chain.negate_mask = mask, not (where and step.args[1] is _input(step))
+    elif kind == "cast":
+        cast = _value(step)
+        if cast is None or cast.dtype != torch.float32:
+            return f"the scores are cast to {cast.dtype if cast is not None else 'an unknown dtype'} by {step.name} ({target_name(step)}), not to float32"
     return None
 
 
@@ -169,6 +184,8 @@ def _fold(graph: fx.Graph, chain: _Chain) -> None:
         kwargs = {"dropout_p": chain.dropout_p, "is_causal": False, "scale": chain.scale}  # the mask positional, as autocast casts it
         attention = graph.call_function(F.scaled_dot_product_attention, (chain.q, chain.k, chain.v, mask), kwargs)
     attention.meta.update(out.meta)
+    if chain.dropout_p:  # what the code wrote, for find_attention's error (FP8 attention takes no dropout)
+        attention.meta["graphquant_dropout"] = f"F.dropout(p={chain.dropout_p}) of the probabilities of its matmul-softmax-matmul attention"
     out.replace_all_uses_with(attention)
     transposed = chain.nodes[0].args[1]
     for node in reversed(chain.nodes):
@@ -186,11 +203,12 @@ def _is_softmax(node: fx.Node) -> bool:
 
 
 def _is_cast(node: fx.Node) -> bool:
-    """A dtype cast: .float(), .to(dtype), .type(dtype) (GPT-2's) or .type_as(t) (Meta's Llama code)."""
-    if node.op != "call_method" or node.kwargs or node.target not in ("to", "type", "float", "type_as"):
+    """A dtype cast: .float() (Meta's Llama code, before the softmax), .half(), .bfloat16(),
+    .double(), .to(dtype), .type(dtype) (GPT-2's) or .type_as(t) (Meta's, after the softmax)."""
+    if node.op != "call_method" or node.kwargs or node.target not in ("to", "type", "type_as", *_CAST_METHODS):
         return False
-    if node.target == "float":
-        return True
+    if node.target in _CAST_METHODS:
+        return len(node.args) == 1
     if node.target == "type_as":
         return len(node.args) == 2 and isinstance(node.args[1], fx.Node)
     return len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
@@ -209,7 +227,7 @@ def _step(node: fx.Node) -> Optional[str]:
         return "scale"
     if target in (operator.add, "add") and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
         return "mask"
-    if target == "masked_fill" and len(node.args) == 3:
+    if (target == "masked_fill" or target is torch.where) and len(node.args) == 3:
         return "mask"
     return "cast" if _is_cast(node) else None
 
@@ -226,7 +244,11 @@ def _product_before(node: fx.Node, reach: int = 4) -> bool:
 
 
 def _input(node: fx.Node) -> object:
-    """The scores operand of a step or softmax (the scale or mask may come first in mul and add)."""
+    """The scores operand of a step or softmax (the scale or mask may come first in mul and add,
+    the fill in torch.where)."""
+    if node.target is torch.where and len(node.args) == 3:
+        _, a, b = node.args
+        return b if not isinstance(a, fx.Node) or (_is_products(b) and not _is_products(a)) else a
     if node.target in (operator.mul, operator.add) and len(node.args) == 2:
         a, b = node.args
         if _is_products(b) and not _is_products(a):
@@ -235,9 +257,10 @@ def _input(node: fx.Node) -> object:
 
 
 def _other(node: fx.Node) -> object:
-    """The operand of a step that is not the scores."""
+    """The operand of a step that is not the scores (torch.where's fill), or None where it has none."""
     first = _input(node)
-    return next(a for a in node.args[:2] if a is not first)
+    operands = node.args[1:3] if node.target is torch.where else node.args[:2]
+    return next((a for a in operands if a is not first), None)
 
 
 def _is_products(node: object) -> bool:

@@ -6,7 +6,7 @@
 Expects: a GraphModule captured by Dynamo, nodes carrying ``example_value`` and, inside modules,
 ``nn_module_stack``.
 Guarantees: every attention graphquant can quantize carries ``node.meta["graphquant_attention"]``
-(a DpaSite); one it cannot (not 4-D, not floating point) carries ``"graphquant_skip"`` with the
+(a DpaSite); one it cannot (not 4-D, not floating point, empty) carries ``"graphquant_skip"`` with the
 reason; a call that asks for what FP8 attention cannot give (dropout, a mask that learns) raises
 a PlanError that names its module. The
 graph itself is unchanged.
@@ -27,7 +27,7 @@ from torch import fx
 
 from graphquant import user_stack
 from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaching, inside_transforms, nodes_and_bodies, owner_of
-from graphquant.passes.plan import PlanError
+from graphquant.passes.plan import EMPTY_PRODUCT, PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
 
@@ -203,14 +203,20 @@ def _site(node: fx.Node, name: str, call: int, reached: bool):
         return f"attention of {q.dim()}-D query, {k.dim()}-D key, {v.dim()}-D value: FP8 attention takes (batch, heads, length, dim)"
     dropout = args["dropout_p"]
     if not isinstance(dropout, (int, float)) or dropout != 0:
+        # A folded matmul-softmax-matmul (passes.attention_spelling) says what its dropout was.
+        written = node.meta.get("graphquant_dropout", f"F.scaled_dot_product_attention(..., dropout_p={dropout!r})")
         raise PlanError(
-            f"{label(name, call)} ({node.format_node()}): F.scaled_dot_product_attention with dropout_p={dropout!r} under fp8_dpa; "
-            "FP8 attention runs without dropout: pass dropout_p=0.0 (e.g. attention_dropout=0.0 in a Hugging Face "
-            "config), or build the recipe with fp8_dpa=False to keep attention in high precision"
+            f"{label(name, call)}: {written} under fp8_dpa; FP8 attention runs without dropout: set the model's "
+            "attention dropout to 0 (e.g. attention_dropout or attn_pdrop in a transformers config), or build the "
+            "recipe with fp8_dpa=False to keep attention in high precision"
         )
     mask = _value(args["attn_mask"])
     if mask is not None and mask.requires_grad:
         return "its attn_mask requires grad (a learned attention bias, as T5's relative position bias), and FP8 attention takes a fixed mask"
+    empty = [f"{t} {dim} = 0" for t, shape in (("q", q.shape), ("k", k.shape), ("v", v.shape))
+             for dim, size in zip(("batch", "heads", "length", "head dim"), shape) if isinstance(size, int) and size == 0]
+    if empty:
+        return f"attention {EMPTY_PRODUCT} ({', '.join(empty)}), nothing to quantize"
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         return f"key and value of batch {k.shape[0]} and {v.shape[0]} broadcast against the query's {q.shape[0]}; FP8 attention takes one batch"
     if q.shape[1] == 1 < k.shape[1] == v.shape[1]:

@@ -210,7 +210,7 @@ class Planner:
         self.fail_on_bucket = True
         self.factory_calls = 0
         self._quantizers: dict[QuantizerRole, Quantizer] = {}
-        self._requests: dict[str, DelayedScalingRequest] = {}  # by the module whose roles asked
+        self._requests: dict[str, tuple[QuantizerRole, DelayedScalingRequest]] = {}  # by the module whose roles asked: the first
 
     def quantizer(self, role: QuantizerRole) -> Quantizer:
         """The slot's quantizer: the factory's answer for ``role``, checked, asked for only once."""
@@ -231,12 +231,12 @@ class Planner:
             )
         if isinstance(answer, DelayedScalingRequest):
             owner = role.owner
-            earlier = self._requests.setdefault(owner, answer)
+            first, earlier = self._requests.setdefault(owner, (role, answer))
             if answer != earlier:
                 field = next(f.name for f in dataclasses.fields(answer) if getattr(answer, f.name) != getattr(earlier, f.name))
                 raise PlanError(
-                    f"the factory returned a DelayedScalingRequest for role {role} whose {field} differs from the one "
-                    f"for another role of {owner!r} ({getattr(answer, field)!r} vs {getattr(earlier, field)!r}); the "
+                    f"the factory returned DelayedScalingRequests of different {field} for roles {first} "
+                    f"({getattr(earlier, field)!r}) and {role} ({getattr(answer, field)!r}) of module {owner!r}; the "
                     "requests for one module's roles must be equal (TransformerEngine keeps one recipe state a module)"
                 )
             return answer.resolve(role.backward)

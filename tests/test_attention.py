@@ -391,6 +391,18 @@ def test_te_constraints_are_plan_errors(factory, message):
         graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
 
 
+def test_a_delayed_scaling_request_unlike_the_zoo_s_names_both_roles():
+    """The user's qkv request (history 4) against the zoo's s request (history 1): the error named s alone."""
+    def factory(role):
+        if role is not None and role.module_type == "dpa" and role.tensor_type == "qkv":
+            return DelayedScalingRequest(fp8_format="HYBRID", amax_history_len=4)
+        return zoo.fp8_attention_factory(role)
+
+    with pytest.raises(PlanError, match=r"DelayedScalingRequests of different amax_history_len for roles "
+                                        r"module_type=dpa\|tensor_type=qkv\|name=attn \(4\) and module_type=dpa\|tensor_type=s\|name=attn \(1\)"):
+        graphquant.explain(_decoder(), CustomRecipe(factory, fp8_dpa=True), torch.randn(2, 32, 64))
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnDelayed(Float8DelayedScalingQuantizer):
     """A user's delayed-scaling format (its own class, so its own scaling)."""
@@ -445,8 +457,10 @@ class Block(torch.nn.Module):
 
 
 def test_dropout_is_a_plan_error():
+    """It names the site and the call, not the FX node, and the configs' keys for dropout."""
     q = torch.randn(1, 2, 32, 32)
-    with pytest.raises(PlanError, match=r"^attn#0 \(.*\): F.scaled_dot_product_attention with dropout_p=0.1 under fp8_dpa"):
+    with pytest.raises(PlanError, match=r"^attn#0: F.scaled_dot_product_attention\(\.\.\., dropout_p=0.1\) under fp8_dpa; .*"
+                                        r"\(e.g. attention_dropout or attn_pdrop in a transformers config\)"):
         graphquant.explain(Block(), CustomRecipe(current_dpa_factory, fp8_dpa=True), q, q, q)
 
 
@@ -612,6 +626,24 @@ def test_inference_mode_runs_no_attention_backward_as_it_runs_no_linear_backward
         out = compiled(q, k, v)
     assert [g.gemm for g in compiled.graphquant.plan.gemms] == ["qk", "pv"]
     assert not out.requires_grad
+
+
+@pytest.mark.parametrize("kv_length, empty", [
+    (32, "q batch = 0, k batch = 0, v batch = 0"),  # was a ZeroDivisionError
+    (0, "k length = 0, v length = 0"),  # was "cannot reshape tensor of 0 elements"
+])
+def test_an_empty_attention_runs_in_high_precision_saying_why(kv_length, empty):
+    """As an empty linear does: nothing to quantize, torch's attention runs it."""
+    batch = 0 if kv_length else 2
+    q = torch.randn(batch, 2, 32, 32, requires_grad=True)
+    k, v = (torch.randn(batch, 2, kv_length, 32, requires_grad=True) for _ in range(2))
+    compiled = graphquant.compile(_Attention(), CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager")
+    with pytest.warns(UserWarning, match="found no GEMM"):
+        out = compiled(q, k, v)
+    out.sum().backward()
+    assert torch.equal(out, _Attention()(q, k, v)) and torch.equal(q.grad, torch.zeros_like(q))
+    assert [why for _, why in compiled.graphquant.plan.skipped] == [f"attention in high precision: it is empty ({empty}), nothing to quantize"]
+    assert not compiled.graphquant.plan.gemms
 
 
 class _AtenAttention(torch.nn.Module):

@@ -21,8 +21,10 @@ class Attention(torch.nn.Module):
     """q, k, v projections of x (batch, length, heads * dim) and causal attention over them, the
     products spelled as ``spelling`` says: "sdpa" (an additive mask) or "sdpa_bool" (a bool mask
     of the positions attended), transformers' eager_attention_forward ("eager"; "gpt2" casts the
-    probabilities back with .type, "llama_reference" with .type_as), or "masked_fill" (a scale
-    divided out, the bool mask filled with -inf, Tensor.softmax, the @ operator); the others are
+    probabilities back with .type, "llama_reference" with .type_as), Meta's Llama reference code
+    ("llama_meta": the scores cast with .float(), the softmax in float32, .type_as back), or
+    "masked_fill" (a scale divided out, the bool mask filled with -inf, Tensor.softmax, the @
+    operator; "where" and "where_fill_first" fill it with torch.where); the others are
     near-matches that are not attention as sdpa computes it."""
 
     def __init__(self, spelling: str):
@@ -41,9 +43,18 @@ class Attention(torch.nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
         if self.spelling in ("sdpa", "sdpa_bool"):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        if self.spelling == "masked_fill":
+        if self.spelling in ("masked_fill", "where", "where_fill_first"):
             scores = (q @ k.transpose(-1, -2)) / DIM**0.5
-            return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+            if self.spelling == "where":
+                scores = torch.where(mask, scores, float("-inf"))
+            elif self.spelling == "where_fill_first":
+                scores = torch.where(~mask, float("-inf"), scores)
+            else:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return scores.softmax(-1) @ v
+        if self.spelling == "einsum":
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * self.scaling + mask
+            return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
         if self.spelling == "bmm":  # on 3-D (batch * heads) tensors, as DeBERTa spells it
             q, k, v = (t.reshape(b * HEADS, s, DIM) for t in (q, k, v))
             probs = F.softmax(torch.bmm(q, k.transpose(1, 2)) * self.scaling + mask[0], dim=-1)
@@ -55,8 +66,14 @@ class Attention(torch.nn.Module):
             scores = torch.tanh(scores * self.scaling / 50.0) * 50.0
         else:
             scores = scores * self.scaling
-        scores = scores + mask
-        probs = self._cast_back(F.softmax(scores, dim=1 if self.spelling == "other_dim" else -1, dtype=torch.float32), q)
+        if self.spelling == "where_finfo":  # transformers' GPT-2 fills the masked scores with finfo.min
+            scores = torch.where(mask == 0, scores, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        if self.spelling in ("llama_meta", "scores_double"):
+            probs = F.softmax(scores.float() if self.spelling == "llama_meta" else scores.double(), dim=-1).type_as(q)
+        else:
+            probs = self._cast_back(F.softmax(scores, dim=1 if self.spelling == "other_dim" else -1, dtype=torch.float32), q)
         probs = F.dropout(probs, p=0.0, training=self.training)
         out = torch.matmul(probs, v)
         if self.spelling == "scores_twice":
@@ -87,7 +104,11 @@ def _seeded(spelling):
 RECIPE = CustomRecipe(current_dpa_factory, fp8_dpa=True)
 
 
-@pytest.mark.parametrize("spelling, sdpa", [("eager", "sdpa"), ("gpt2", "sdpa"), ("llama_reference", "sdpa"), ("masked_fill", "sdpa_bool")])
+@pytest.mark.parametrize("spelling, sdpa", [
+    ("eager", "sdpa"), ("gpt2", "sdpa"), ("llama_reference", "sdpa"),
+    ("llama_meta", "sdpa"),  # .float() raised StopIteration
+    ("masked_fill", "sdpa_bool"), ("where", "sdpa_bool"), ("where_fill_first", "sdpa_bool"),  # torch.where was neither folded nor listed
+])
 def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     """transformers' eager spelling (matmul, * scaling, + mask, softmax in float32 and back,
     dropout 0, matmul), and one with / and masked_fill, plan and train as the same module written
@@ -116,6 +137,9 @@ def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     ("probs_twice", "probs_1 has 2 users"),
     ("soft_cap", "(tanh) between the products is no step attention takes (scale, mask, cast)"),
     ("bmm", "its products (bmm, bmm) multiply 3-D (batch * heads, length, dim) tensors"),  # said nothing
+    ("einsum", "its products (einsum, einsum) are einsums"),  # said nothing
+    ("where_finfo", "torch.where does not fill a bool mask with -inf"),  # said nothing
+    ("scores_double", "the scores are cast to torch.float64 by double (double), not to float32"),
 ])
 def test_near_matches_stay_matmul_sites_and_say_why(spelling, reason):
     x, mask = _inputs()
@@ -123,6 +147,26 @@ def test_near_matches_stay_matmul_sites_and_say_why(spelling, reason):
     assert "dpa" not in {g.module_type for g in plan.gemms}
     assert len({g.site for g in plan.gemms if g.module_type == "matmul"}) == 2
     assert any("matmul-softmax-matmul not folded into attention" in why and reason in why for _, why in plan.skipped), plan.skipped
+
+
+class CastBack(torch.nn.Module):
+    """The probabilities cast back with a Tensor method of no argument (.half(), .bfloat16())."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def forward(self, q, k, v):
+        probs = F.softmax((q @ k.transpose(-2, -1) * DIM**-0.5).float(), dim=-1)
+        return getattr(probs, self.method)() @ v
+
+
+@pytest.mark.parametrize("dtype, method", [(torch.bfloat16, "bfloat16"), (torch.float16, "half")])
+def test_the_probabilities_cast_back_by_a_method_of_no_argument_fold(dtype, method):
+    """Such a cast was neither folded nor listed."""
+    q = torch.randn(2, HEADS, LENGTH, DIM, dtype=dtype)
+    plan = graphquant.explain(CastBack(method), RECIPE, q, q, q)
+    assert {g.module_type for g in plan.gemms} == {"dpa"} and not plan.skipped
 
 
 def test_without_fp8_dpa_the_eager_spelling_keeps_its_matmul_sites():
@@ -160,7 +204,7 @@ def test_dropout_is_a_plan_error_naming_the_module():
     """Training, the spelling's dropout is refused as sdpa's is; in eval it is no dropout."""
     torch.manual_seed(0)
     model = Block()
-    with pytest.raises(PlanError, match=r"^attn#0 \(.*\): .*dropout_p=0.1 under fp8_dpa"):
+    with pytest.raises(PlanError, match=r"^attn#0: F.dropout\(p=0.1\) of the probabilities of its matmul-softmax-matmul attention under fp8_dpa; "):
         graphquant.explain(model, RECIPE, *_inputs())
     plan = graphquant.explain(model.eval(), RECIPE, *_inputs())
     assert {g.site for g in plan.gemms if g.module_type == "dpa"} == {"attn#0"}

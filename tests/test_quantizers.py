@@ -224,7 +224,8 @@ def test_delayed_scaling_requests_resolve_by_role_and_must_agree():
 
     planner = Planner(graphquant.CustomRecipe(disagreeing))
     planner.quantizer(QuantizerRole("linear", "input", "a"))
-    with pytest.raises(ValueError, match="margin differs from the one for another role of 'a'"):
+    with pytest.raises(ValueError, match=r"different margin for roles module_type=linear\|tensor_type=input\|name=a \(0\) and "
+                                         r"module_type=linear\|tensor_type=weight\|name=a \(1\) of module 'a'"):
         planner.quantizer(QuantizerRole("linear", "weight", "a"))
 
     def per_module(role):  # TE keeps a recipe state a module: modules may differ
