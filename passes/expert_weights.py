@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import fx
 
-from graphquant.passes.find_gemms import GROUPED, GemmSite
+from graphquant.passes.find_gemms import GROUPED, GemmSite, written_at
 from graphquant.passes.plan import PlanError
 
 # How a grouped site may reach its weight: the placeholder itself, or a swap of its last two dims.
@@ -105,7 +105,7 @@ def _unfreezable(placeholder: fx.Node, sites: list[tuple[fx.Node, ExpertWeight]]
     if len({read for _, read in sites}) > 1:
         return "read by " + " and ".join(sorted({f"{read.site} ({'transposed' if read.transposed else 'as stored'})" for _, read in sites}))
     other = _other_reader(placeholder, [node for node, _ in sites])
-    return f"also read by {other.format_node()}, which would need its high-precision values" if other is not None else ""
+    return f"also read by {written_at(other)}, which would need its high-precision values" if other is not None else ""
 
 
 def _other_reader(placeholder: fx.Node, site_nodes: list[fx.Node]) -> Optional[fx.Node]:
@@ -149,7 +149,7 @@ def mark_frozen_stacks(
         other = _other_reader(placeholder, site_nodes)
         if other is not None:
             raise PlanError(
-                f"{other.format_node()} reads {stands[placeholder].module}'s parameter, an expert stack that graphquant.freeze "
+                f"{written_at(other)} reads {stands[placeholder].module}'s parameter, an expert stack that graphquant.freeze "
                 "stored quantized for torch._grouped_mm alone (its place holds NaN): only grouped GEMMs may read it; freeze "
                 "the model again from its high-precision weights, after a call that runs this code"
             )

@@ -236,6 +236,12 @@ class FunctionalNumbers:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
+def written_at(node: fx.Node) -> str:
+    """What a node calls and the line of the user's code that made it, where its trace says."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    return f"{target_name(node)} at {os.path.basename(frames[-1][0])}:{frames[-1][1]}" if frames else target_name(node)
+
+
 def _place_in_owner(node: fx.Node) -> object:
     """A product's place in the source as its owner module's code sees it: the frames of its
     stack trace ((file, line, function) each) from the owner's forward on, so that the frames of

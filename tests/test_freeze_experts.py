@@ -177,7 +177,7 @@ def test_freeze_leaves_a_stack_it_cannot_store_with_a_warning():
     compiled = inference_model(model, FAMILIES["tensorwise"]())
     with torch.no_grad():
         per_call = compiled(tokens(), OFFS)
-    with pytest.warns(UserWarning, match=r"leaves the expert stack down with its high-precision values: it is also read by .*mean"):
+    with pytest.warns(UserWarning, match=r"leaves the expert stack down with its high-precision values: it is also read by mean at test_freeze_experts.py:\d+, "):
         graphquant.freeze(compiled)
     assert [name for name, _ in model.named_parameters()] == ["down"]
     with torch.no_grad():
@@ -211,7 +211,7 @@ def test_a_graph_that_reads_a_frozen_stack_otherwise_fails_to_compile():
     model = Experts(square=True)
     compiled, _ = called_then_frozen(model, FAMILIES["rowwise"]())
     model.peek = True
-    with pytest.raises(PlanError, match=r"reads frozen_down's parameter, an expert stack that graphquant.freeze stored"):
+    with pytest.raises(PlanError, match=r"^mean at test_freeze_experts.py:\d+ reads frozen_down's parameter, an expert stack that graphquant.freeze stored"):
         with torch.no_grad():
             compiled(tokens(), OFFS)
     model.peek, model.down_alone = False, True  # no grouped GEMM reads it in this graph
