@@ -565,8 +565,10 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
 
 # A frame's local and the subscripts that pick a module out of it: L['self'], L['fn'], L['args'][0]
 # where a decorator wraps forward(*args) (HuggingFace models), a list or dict of modules that a
-# frame resumed after a graph break holds (L['mods'][1], L['heads']['q']).
-_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*\.?")
+# frame resumed after a graph break holds (L['mods'][1], L['heads']['q']), and the module of a bound
+# method it holds (L['___stack0'].__self__: a break inside ``self.merge(f(x))`` leaves self.merge
+# on the stack).
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*(?:\.__self__)?\.?")
 
 
 def fqn_from_stack_path(path: str) -> str:
