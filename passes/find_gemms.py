@@ -338,7 +338,7 @@ def _find(
             node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
             continue
         a, b, w_is_transposed = operands
-        shapes = _shapes(node, form, a, b, w_is_transposed)
+        shapes = _torchao_operand(a, b) or _shapes(node, form, a, b, w_is_transposed)
         owner, call, module_is_linear = owner_of(node, frame)
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
@@ -530,6 +530,22 @@ def gradient_reaching(graph: fx.Graph) -> set[fx.Node]:
 
 def _value(node: object) -> Optional[torch.Tensor]:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _torchao_operand(a: fx.Node, b: fx.Node) -> Optional[str]:
+    """Why a product of a torchao tensor subclass (a weight torchao.quantization.quantize_ made an
+    Int8Tensor or Float8Tensor) is no site: the subclass runs torchao's own quantized product,
+    which graphquant cannot quantize again; None for others. Known by the type's module, since
+    torchao is no dependency of graphquant."""
+    for value in (_value(a), _value(b)):
+        kind = type(value)
+        if kind.__module__.split(".")[0] == "torchao":
+            return (
+                f"an operand is a torchao tensor subclass ({kind.__module__}.{kind.__name__}), which runs torchao's own "
+                "quantized product, not the recipe's: graphquant cannot quantize it again (leave the module out of "
+                "torchao's quantize_, through its filter_fn, for the recipe to quantize it)"
+            )
+    return None
 
 
 def _static_shape(sizes: Sequence[object]) -> tuple[Optional[int], ...]:
