@@ -333,8 +333,6 @@ class GraphquantBackend:
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame, self.run_state.functional_numbers)
-        self._note_weights_read_otherwise(gm, example_inputs)
-        self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
@@ -348,6 +346,8 @@ class GraphquantBackend:
             hidden[node.meta["graphquant_skip"]].append(_described(node, frame))
         for why, calls in hidden.items():
             user_stack.warn(f"graphquant: {why} ({len(calls)} call(s) in this graph, the first {calls[0]})")
+        self._note_weights_read_otherwise(gm, example_inputs)  # once every call the plan lists as not quantized is marked
+        self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()

@@ -602,6 +602,26 @@ def test_a_linear_of_a_torchao_quantized_weight_is_left_to_torchao_and_listed_sa
     torch.testing.assert_close(y, expected)
 
 
+def test_a_torchao_float8_linear_is_listed_and_warned_of_as_running_torchaos_own_fp8():
+    """torchao's Float8Linear (convert_to_float8_training) calls its own autograd Function, which
+    Dynamo keeps whole: it bypassed the recipe with nothing in the plan, and the one warning said
+    the model read fc1's weight itself. The plan lists it now, and a warning names it."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = models.seeded(_TwoLinears())
+    float8.convert_to_float8_training(model, module_filter_fn=lambda module, name: name == "fc1")
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x3(seq=16)).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert _unplanned_linear_warnings(messages) == []
+    assert any("Float8Linear runs torchao's own low-precision linear" in m and "the first fc1: " in m for m in messages), messages
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc2#0"}
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert what.startswith("fc1: ") and why.startswith("torchao.float8.float8_linear.Float8Linear runs torchao's own")
+    assert model.fc1.weight.grad is not None
+
+
 @pytest.mark.parametrize("conv", ["Conv1d", "Conv2d", "ConvTranspose2d"])
 def test_convolutions_are_listed_as_left_in_high_precision(conv):
     """A ViT's patch embedding or Whisper's audio stem ran in high precision with nothing in the
