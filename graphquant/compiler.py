@@ -333,8 +333,6 @@ class GraphquantBackend:
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
         sites = find_gemms(gm, example_inputs, frame, self.run_state.functional_numbers)
-        self._note_weights_read_otherwise(gm, example_inputs)
-        self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
@@ -348,6 +346,8 @@ class GraphquantBackend:
             hidden[node.meta["graphquant_skip"]].append(_described(node, frame))
         for why, calls in hidden.items():
             user_stack.warn(f"graphquant: {why} ({len(calls)} call(s) in this graph, the first {calls[0]})")
+        self._note_weights_read_otherwise(gm, example_inputs)  # once every call the plan lists as not quantized is marked
+        self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
@@ -483,17 +483,18 @@ class GraphquantBackend:
             if held:  # one module, or one registered under several names: the first, as named_modules() spells it
                 modules[local] = min(held, key=order.__getitem__)
                 _guard_identity(sources[local])
-        value = _frame_value(_SELF)
-        if _SELF not in modules and isinstance(value, torch.nn.Module) and value is not self.root:
-            # A module's own frame that lifts no parameter (one of none, whose method breaks): named
-            # and guarded by the module itself, so that each instance gets its own graph and slots.
-            held = [name for name, module in named.items() if module is value]
-            if held:
-                from torch._dynamo.source import LocalSource
-
-                modules[_SELF] = held[0]
-                _guard_identity(LocalSource("self"))
-        own = next((modules[local] for local in _SELF_LOCALS if local in modules), "")
+        owners = _own_module_locals()
+        for local, source in owners:
+            value = _frame_value(local)
+            if local not in modules and isinstance(value, torch.nn.Module) and value is not self.root:
+                # A module's own frame that lifts no parameter (one of none, whose method breaks, or
+                # whose method a resumed frame goes on to run): named and guarded by the module
+                # itself, so that each instance gets its own graph and slots.
+                held = [name for name, module in named.items() if module is value]
+                if held:
+                    modules[local] = held[0]
+                    _guard_identity(source)
+        own = next((modules[local] for local in (*_SELF_LOCALS, *dict(owners)) if local in modules), "")
         names_of: dict[int, list[str]] = collections.defaultdict(list)
         for name, module in named.items():
             names_of[id(module)].append(name)
@@ -670,6 +671,26 @@ def _raising(error: Exception) -> Callable:
 # The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
 _SELF = "L['self']"
 _SELF_LOCALS = (_SELF, "L['fn']", "L['args'][0]")
+
+
+def _own_module_locals() -> list[tuple[str, Any]]:
+    """The locals (with their sources) through which the frame Dynamo is compiling holds the module
+    whose code it runs: L['self'], and in code resumed after a graph break inside an expression
+    (``return self.merge(attend(q, k, v))``), the module of each bound method left on the stack
+    (L['___stack0'].__self__), whose code the frame goes on to run."""
+    from torch._dynamo.source import AttrSource, LocalSource
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        f_locals = InstructionTranslator.current_tx().f_locals
+    except Exception:  # no frame being compiled (a graph handed over otherwise)
+        f_locals = {}
+    stacked = [
+        name for name, value in f_locals.items()
+        if re.fullmatch(r"___stack\d+", name) and isinstance(getattr(value, "__self__", None), torch.nn.Module)
+    ]
+    return [(_SELF, LocalSource("self")), *((f"L['{name}'].__self__", AttrSource(LocalSource(name), "__self__")) for name in stacked)]
 
 
 def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:

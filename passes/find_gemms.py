@@ -344,7 +344,7 @@ def _find(
             node.meta["graphquant_skip"] = "not a two-operand product graphquant can express as x @ w^T"
             continue
         a, b, w_is_transposed = operands
-        shapes = _shapes(node, form, a, b, w_is_transposed)
+        shapes = _torchao_operand(a, b) or _shapes(node, form, a, b, w_is_transposed)
         owner, call, module_is_linear = owner_of(node, frame)
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
@@ -538,6 +538,22 @@ def _value(node: object) -> Optional[torch.Tensor]:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
+def _torchao_operand(a: fx.Node, b: fx.Node) -> Optional[str]:
+    """Why a product of a torchao tensor subclass (a weight torchao.quantization.quantize_ made an
+    Int8Tensor or Float8Tensor) is no site: the subclass runs torchao's own quantized product,
+    which graphquant cannot quantize again; None for others. Known by the type's module, since
+    torchao is no dependency of graphquant."""
+    for value in (_value(a), _value(b)):
+        kind = type(value)
+        if kind.__module__.split(".")[0] == "torchao":
+            return (
+                f"an operand is a torchao tensor subclass ({kind.__module__}.{kind.__name__}), which runs torchao's own "
+                "quantized product, not the recipe's: graphquant cannot quantize it again (leave the module out of "
+                "torchao's quantize_, through its filter_fn, for the recipe to quantize it)"
+            )
+    return None
+
+
 def _static_shape(sizes: Sequence[object]) -> tuple[Optional[int], ...]:
     """``sizes`` with each symbolic one (a torch.SymInt) as None."""
     return tuple(size if isinstance(size, int) else None for size in sizes)
@@ -571,8 +587,10 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
 
 # A frame's local and the subscripts that pick a module out of it: L['self'], L['fn'], L['args'][0]
 # where a decorator wraps forward(*args) (HuggingFace models), a list or dict of modules that a
-# frame resumed after a graph break holds (L['mods'][1], L['heads']['q']).
-_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*\.?")
+# frame resumed after a graph break holds (L['mods'][1], L['heads']['q']), and the module of a bound
+# method it holds (L['___stack0'].__self__: a break inside ``self.merge(f(x))`` leaves self.merge
+# on the stack).
+_ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*(?:\.__self__)?\.?")
 
 
 def fqn_from_stack_path(path: str) -> str:

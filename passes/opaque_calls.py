@@ -8,7 +8,9 @@ plan's "not quantized" list, and the compiler warns of it.
 
 A custom torch.autograd.Function in a training graph is one call too (Dynamo keeps its forward
 and the backward the model wrote as the bodies of one higher-order op, which graphquant does not
-rewrite): where its forward multiplies matrices, it is listed and warned of alike.
+rewrite): where its forward multiplies matrices, it is listed and warned of alike. So is one that a
+torchao module calls (Float8Linear: torchao allows its Functions in graphs, each one call of its
+own), which runs torchao's low-precision linear, not the recipe's.
 
 A custom op of another library (``torch.library``; transformers' ``grouped_mm_fallback`` runs
 Mixtral's float32 experts) is one node too, and its fake implementation computes nothing, so
@@ -50,8 +52,8 @@ def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         if _opaque(node.target):
             reason = _hidden_products(node)
-        elif node.target is torch.ops.higher_order.autograd_function_apply:
-            reason = _custom_function_products(node)
+        elif node.target is torch.ops.higher_order.autograd_function_apply or _allowed_function_apply(node.target):
+            reason = _torchao_function(node) or _custom_function_products(node)
         else:
             continue
         if reason is not None:
@@ -131,6 +133,28 @@ def _custom_function_products(node: fx.Node) -> Optional[str]:
         f"a custom torch.autograd.Function is one call in a training graph, whose code graphquant does not rewrite: its "
         f"forward's {matrix_products.described(products)} run in high precision (without gradients Dynamo traces the "
         "forward as the model's own code, quantized); multiply outside the Function, or through an nn.Linear, to quantize it"
+    )
+
+
+def _allowed_function_apply(target: object) -> bool:
+    """Whether a graph node's target is the function through which Dynamo calls a custom
+    torch.autograd.Function given to torch.compiler.allow_in_graph (as torchao's are), whole."""
+    return inspect.isfunction(target) and target.__name__ == "trampoline_autograd_apply"
+
+
+def _torchao_function(node: fx.Node) -> Optional[str]:
+    """Why a custom torch.autograd.Function that one of torchao's modules calls (the Float8Linear
+    of torchao.float8.convert_to_float8_training) is not quantized: it is torchao's own
+    low-precision linear, which the recipe does not reach; None for a call in any other module.
+    Known by the module class's module, since torchao is no dependency of graphquant."""
+    stack = node.meta.get("nn_module_stack") or {}
+    kind = list(stack.values())[-1][1] if stack else None
+    if not (isinstance(kind, type) and kind.__module__.split(".")[0] == "torchao"):
+        return None
+    return (
+        f"{kind.__module__}.{kind.__name__} runs torchao's own low-precision linear (its autograd Function), not the "
+        "recipe's formats: leave the module out of torchao's conversion (convert_to_float8_training's module_filter_fn) "
+        "for the recipe to quantize it"
     )
 
 

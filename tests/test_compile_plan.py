@@ -564,6 +564,64 @@ def test_custom_ops_of_other_libraries_that_take_matrices_are_listed_as_not_seen
     assert why == "graphquant_test::scores is a custom op whose code graphquant does not see: any product inside it runs in high precision"
 
 
+class _TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def _unplanned_linear_warnings(messages):
+    return [m for m in messages if "nn.Linear modules" in m]
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+def test_a_linear_of_a_torchao_quantized_weight_is_left_to_torchao_and_listed_saying_so(config):
+    """A weight torchao.quantization.quantize_ made a tensor subclass failed deep inside torchao
+    (BackendCompilerFailed: the subclass cannot be quantized again). Its linear is no site now:
+    it runs torchao's own product, listed with the subclass's type, and no warning says the
+    model reads the module's weight itself."""
+    quantization = pytest.importorskip("torchao.quantization")
+    model = models.seeded(_TwoLinears())
+    quantization.quantize_(model, getattr(quantization, config)(), filter_fn=lambda module, name: name == "fc1")
+    x = x3(seq=16)
+    with torch.no_grad():
+        expected = model(x)
+        high_precision = CustomRecipe(lambda role: IdentityQuantizer())  # fc2 as the model runs it: y is torchao's alone
+        compiled = graphquant.compile(model, high_precision, backend="aot_eager", mode="inference")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = compiled(x)
+    assert _unplanned_linear_warnings([str(w.message) for w in caught]) == []
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc2#0"}
+    [(what, why)] = compiled.graphquant.plan.skipped
+    kind = type(model.fc1.weight)
+    assert what.startswith("fc1: ") and f"torchao tensor subclass ({kind.__module__}.{kind.__name__})" in why
+    torch.testing.assert_close(y, expected)
+
+
+def test_a_torchao_float8_linear_is_listed_and_warned_of_as_running_torchaos_own_fp8():
+    """torchao's Float8Linear (convert_to_float8_training) calls its own autograd Function, which
+    Dynamo keeps whole: it bypassed the recipe with nothing in the plan, and the one warning said
+    the model read fc1's weight itself. The plan lists it now, and a warning names it."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = models.seeded(_TwoLinears())
+    float8.convert_to_float8_training(model, module_filter_fn=lambda module, name: name == "fc1")
+    compiled = graphquant.compile(model, recipes.current_scaling(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x3(seq=16)).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert _unplanned_linear_warnings(messages) == []
+    assert any("Float8Linear runs torchao's own low-precision linear" in m and "the first fc1: " in m for m in messages), messages
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc2#0"}
+    [(what, why)] = compiled.graphquant.plan.skipped
+    assert what.startswith("fc1: ") and why.startswith("torchao.float8.float8_linear.Float8Linear runs torchao's own")
+    assert model.fc1.weight.grad is not None
+
+
 @pytest.mark.parametrize("conv", ["Conv1d", "Conv2d", "ConvTranspose2d"])
 def test_convolutions_are_listed_as_left_in_high_precision(conv):
     """A ViT's patch embedding or Whisper's audio stem ran in high precision with nothing in the

@@ -316,6 +316,49 @@ def test_the_callers_code_resumed_after_a_submodules_graph_break_names_each_modu
     assert {g.a_format for g in plan.gemms if g.site == "lm_head#0"} == {"identity()"}
 
 
+@torch.compiler.disable
+def eager_gelu(x):  # a print, a logger call, attention under torch.compiler.disable
+    return torch.nn.functional.gelu(x)
+
+
+def test_a_method_resumed_after_a_graph_break_inside_an_expression_names_its_modules_per_layer():
+    """A break inside ``self.merge(eager_gelu(...))`` leaves the bound method self.merge on the
+    stack: the resumed frame reaches the block as L['___stack0'].__self__. Its linear and its
+    functional products were named __self__.o.linear.0 and matmul.0, one slot for both layers'
+    (delayed scaling mixed their amaxes) that a rule for "layers.0.o" did not reach."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.o = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.merge(eager_gelu(self.fc(x)))
+
+        def merge(self, h):
+            return self.o(h) @ (h.transpose(-1, -2) @ h)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    def factory(role):
+        return IdentityQuantizer() if role.name == "layers.0.o" else factories.delayed_scaling_factory(role, amax_history_len=4)
+
+    compiled = graphquant.compile(Stack(), graphquant.CustomRecipe(factory), backend="aot_eager")
+    messages = graphquant_warnings(lambda: compiled(torch.randn(2, 16, 32)).sum().backward())
+    assert messages == []
+    plan = Plan.combine(compiled.graphquant.plans)
+    names = [f"layers.{i}.{site}#0" for i in (0, 1) for site in ("fc", "o", "matmul.0", "matmul.1")]
+    assert sorted({g.site for g in plan.gemms}) == sorted(names)
+    assert {g.a_format for g in plan.gemms if g.site == "layers.0.o#0"} == {"identity()"}
+    assert "identity()" not in {g.a_format for g in plan.gemms if g.site == "layers.1.o#0"}
+
+
 def rht_on_grad_output_only(role):
     """wgrad multiplies grad_output through a Hadamard transform by input without one: rejected."""
     if role.tensor_type == "grad_output":
