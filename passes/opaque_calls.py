@@ -8,9 +8,10 @@ plan's "not quantized" list, and the compiler warns of it.
 
 A custom torch.autograd.Function in a training graph is one call too (Dynamo keeps its forward
 and the backward the model wrote as the bodies of one higher-order op, which graphquant does not
-rewrite): where its forward multiplies matrices, it is listed and warned of alike. So is one that a
-torchao module calls (Float8Linear: torchao allows its Functions in graphs, each one call of its
-own), which runs torchao's low-precision linear, not the recipe's.
+rewrite): where its forward multiplies matrices, it is listed and warned of alike. One given to
+``torch.compiler.allow_in_graph`` is one call in any graph, run on fake values as a function is;
+one that a torchao module calls (Float8Linear: torchao allows its Functions in graphs) runs
+torchao's low-precision linear, not the recipe's, and is listed and warned of so.
 
 A custom op of another library (``torch.library``; transformers' ``grouped_mm_fallback`` runs
 Mixtral's float32 experts) is one node too, and its fake implementation computes nothing, so
@@ -50,10 +51,13 @@ def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
                 f"{_op_name(node.target)} is a custom op whose code graphquant does not see: any product inside it runs in high precision"
             )
             continue
+        allowed = _allowed_function(node.target)
         if _opaque(node.target):
-            reason = _hidden_products(node)
-        elif node.target is torch.ops.higher_order.autograd_function_apply or _allowed_function_apply(node.target):
-            reason = _torchao_function(node) or _custom_function_products(node)
+            reason = _hidden_products(node, node.target.__qualname__)
+        elif allowed is not None:
+            reason = _torchao_function(node) or _hidden_products(node, f"{allowed.__qualname__}.apply")
+        elif node.target is torch.ops.higher_order.autograd_function_apply:
+            reason = _custom_function_products(node)
         else:
             continue
         if reason is not None:
@@ -97,9 +101,10 @@ def _takes_a_matrix(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.is_floating_point() for v in values)
 
 
-def _hidden_products(node: fx.Node) -> Optional[str]:
-    """Why ``node``'s products run in high precision, or None where it multiplies no matrices."""
-    whole = f"{node.target.__qualname__} is one call in the graph (torch.compiler.allow_in_graph), whose code graphquant does not see"
+def _hidden_products(node: fx.Node, name: str) -> Optional[str]:
+    """Why ``node``'s products (a call of ``name``) run in high precision, or None where it
+    multiplies no matrices."""
+    whole = f"{name} is one call in the graph (torch.compiler.allow_in_graph), whose code graphquant does not see"
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), lambda a: a.meta.get("example_value") if isinstance(a, fx.Node) else a)
     values = [v for v in tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
     # The example values' own fake mode (the backend's is another); a call given no tensor, the graph's.
@@ -136,10 +141,13 @@ def _custom_function_products(node: fx.Node) -> Optional[str]:
     )
 
 
-def _allowed_function_apply(target: object) -> bool:
-    """Whether a graph node's target is the function through which Dynamo calls a custom
-    torch.autograd.Function given to torch.compiler.allow_in_graph (as torchao's are), whole."""
-    return inspect.isfunction(target) and target.__name__ == "trampoline_autograd_apply"
+def _allowed_function(target: object) -> Optional[type]:
+    """The custom torch.autograd.Function given to torch.compiler.allow_in_graph (as torchao's
+    are) that a graph node calls whole, through the function Dynamo makes for it, or None."""
+    if not (inspect.isfunction(target) and target.__name__ == "trampoline_autograd_apply" and target.__closure__):
+        return None
+    function = target.__closure__[0].cell_contents  # the Function class, the one variable the trampoline closes over
+    return function if isinstance(function, type) and issubclass(function, torch.autograd.Function) else None
 
 
 def _torchao_function(node: fx.Node) -> Optional[str]:

@@ -520,6 +520,33 @@ def test_products_inside_a_custom_autograd_function_in_training_are_listed_and_w
     assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0", "linear.0#0"} and not compiled.graphquant.plan.skipped  # x @ w.t(): a linear
 
 
+@torch.compiler.allow_in_graph
+class _ProductAllowedInGraph(_ProductOfItsOwn):
+    """The same Function given to torch.compiler.allow_in_graph: one call in every graph."""
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_products_inside_a_custom_autograd_function_allowed_in_graph_are_listed_and_warned_of(grad):
+    """Dynamo calls a Function given to allow_in_graph through a function of its own, with or
+    without gradients, which graphquant neither listed nor warned of: its product ran in high
+    precision without a word. It is run on fake values as an allowed function is."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.fc = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(_ProductAllowedInGraph.apply(x, self.w).relu())
+
+    compiled = graphquant.compile(models.seeded(Model()), recipes.current_scaling(), backend="aot_eager")
+    with torch.set_grad_enabled(grad), pytest.warns(UserWarning, match=r"_ProductAllowedInGraph.apply is one call in the graph"):
+        compiled(torch.randn(2, 16, 64))
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0"}
+    [(_, why)] = compiled.graphquant.plan.skipped
+    assert "its 1 matrix product(s) (1 mm) run in high precision" in why
+
+
 @torch.library.custom_op("graphquant_test::scores", mutates_args=())
 def _scores_in_a_custom_op(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return q @ k.transpose(-1, -2)
