@@ -494,6 +494,18 @@ class _ProductOfItsOwn(torch.autograd.Function):
         return grad @ w, grad.transpose(-1, -2) @ x
 
 
+class _FunctionThenLinear(torch.nn.Module):
+    """x @ w^T through a custom Function, then a linear."""
+
+    def __init__(self, function: type):
+        super().__init__()
+        self.function = function
+        self.w, self.fc = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(self.function.apply(x, self.w).relu())
+
+
 def test_products_inside_a_custom_autograd_function_in_training_are_listed_and_warned_of():
     """A training graph holds a custom torch.autograd.Function as one call whose bodies (its
     forward and the model's backward) graphquant does not rewrite: its product ran in high
@@ -501,15 +513,7 @@ def test_products_inside_a_custom_autograd_function_in_training_are_listed_and_w
     (Dynamo then traces the forward as plain code). The training plan lists it, and the first
     call warns."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w, self.fc = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.fc(_ProductOfItsOwn.apply(x, self.w).relu())
-
-    compiled = graphquant.compile(models.seeded(Model()), recipes.current_scaling(), backend="aot_eager")
+    compiled = graphquant.compile(models.seeded(_FunctionThenLinear(_ProductOfItsOwn)), recipes.current_scaling(), backend="aot_eager")
     with pytest.warns(UserWarning, match=r"a custom torch.autograd.Function is one call in a training graph"):
         compiled(torch.randn(2, 16, 64)).sum().backward()
     assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0"}
@@ -531,15 +535,7 @@ def test_products_inside_a_custom_autograd_function_allowed_in_graph_are_listed_
     without gradients, which graphquant neither listed nor warned of: its product ran in high
     precision without a word. It is run on fake values as an allowed function is."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w, self.fc = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.fc(_ProductAllowedInGraph.apply(x, self.w).relu())
-
-    compiled = graphquant.compile(models.seeded(Model()), recipes.current_scaling(), backend="aot_eager")
+    compiled = graphquant.compile(models.seeded(_FunctionThenLinear(_ProductAllowedInGraph)), recipes.current_scaling(), backend="aot_eager")
     with torch.set_grad_enabled(grad), pytest.warns(UserWarning, match=r"_ProductAllowedInGraph.apply is one call in the graph"):
         compiled(torch.randn(2, 16, 64))
     assert {g.site for g in compiled.graphquant.plan.gemms} == {"fc#0"}
