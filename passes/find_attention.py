@@ -6,10 +6,9 @@
 Expects: a GraphModule captured by Dynamo, nodes carrying ``example_value`` and, inside modules,
 ``nn_module_stack``.
 Guarantees: every attention graphquant can quantize carries ``node.meta["graphquant_attention"]``
-(a DpaSite); one it cannot (not 4-D, not floating point, empty) carries ``"graphquant_skip"`` with the
-reason; a call that asks for what FP8 attention cannot give (dropout, a mask that learns) raises
-a PlanError that names its module. The
-graph itself is unchanged.
+(a DpaSite); one it cannot (not 4-D, not floating point, empty, a mask that learns) carries
+``"graphquant_skip"`` with the reason; a call that asks for dropout, which FP8 attention cannot
+give, raises a PlanError that names its module. The graph itself is unchanged.
 
 A site is named after its owner as ``named_modules()`` spells it (TE names its DPA module), the
 first attention of an owner's call by the owner's name alone and a further one in the same call
