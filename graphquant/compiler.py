@@ -680,14 +680,8 @@ def _own_module_locals() -> list[tuple[str, Any]]:
     (L['___stack0'].__self__), whose code the frame goes on to run."""
     from torch._dynamo.source import AttrSource, LocalSource
 
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        f_locals = InstructionTranslator.current_tx().f_locals
-    except Exception:  # no frame being compiled (a graph handed over otherwise)
-        f_locals = {}
     stacked = [
-        name for name, value in f_locals.items()
+        name for name, value in _frame_locals().items()
         if re.fullmatch(r"___stack\d+", name) and isinstance(getattr(value, "__self__", None), torch.nn.Module)
     ]
     return [(_SELF, LocalSource("self")), *((f"L['{name}'].__self__", AttrSource(LocalSource(name), "__self__")) for name in stacked)]
@@ -726,15 +720,23 @@ def _frame_value(source: str) -> object:
     "L['self']._modules['fc']._parameters['weight']"), or None where it cannot be read."""
     if not source.startswith("L["):
         return None
+    value: object = _frame_locals()
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        value: object = InstructionTranslator.current_tx().f_locals
         for attribute, index, key in re.findall(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]", source[1:]):
             value = getattr(value, attribute) if attribute else value[int(index)] if index else value[key]
         return value
-    except Exception:  # no frame being compiled (a graph handed over otherwise), or a source of another form
+    except Exception:  # a source of another form
         return None
+
+
+def _frame_locals() -> dict[str, object]:
+    """The locals of the frame Dynamo is compiling ({} where there is none: a graph handed over otherwise)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_locals
+    except Exception:
+        return {}
 
 
 def _module_kinds(gm: fx.GraphModule) -> dict[str, type]:

@@ -100,6 +100,10 @@ class GemmPlan:
     token_rows: Optional[int] = None
 
 
+# The GEMMs a call runs in forward (a linear's, an attention's); the others run in backward.
+FORWARD_GEMMS = ("fprop", "qk", "pv")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every slot's quantizer and every GEMM's classification for one compiled graph."""
@@ -392,7 +396,7 @@ class Planner:
         head_dims = (int(site.q_sizes[3]), int(site.v_sizes[3]))
         entries = []
         for gemm, a, b in site.products(training):
-            backward = gemm not in ("qk", "pv")
+            backward = gemm not in FORWARD_GEMMS
             selection = backends.select_attention(
                 device, quantizers["Q"], quantizers["P"], head_dims, site.masked, backward, quantizers["dO"], quantizers["dS"],
                 query_length=site.q_sizes[2], key_length=site.k_sizes[2],

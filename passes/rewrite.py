@@ -31,7 +31,7 @@ from graphquant.ops import attention, functional, grouped
 from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, addmm_operands, body_of
-from graphquant.passes.plan import Plan, PlanError, empty_dims
+from graphquant.passes.plan import FORWARD_GEMMS, Plan, PlanError, empty_dims
 from graphquant.quantizers import ROWWISE, IdentityQuantizer
 from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
@@ -89,47 +89,44 @@ def rewrite(
     return list(extra)
 
 
-# The slots whose quantize runs in backward, where the calls of a step run in the reverse order.
-_BACKWARD_SLOTS = ("grad_output", "do", "dp")
-
-
 def _calls_recording_only(gm: fx.GraphModule, plan: Plan, needs_delayed_state: Callable[[QuantizerRole], bool]) -> dict[fx.Node, tuple[str, ...]]:
-    """For each call that shares a delayed-scaling slot with a later one of the step (a module
+    """For each call that shares a delayed-scaling slot with another call of the step (a module
     called more than once in the graph), the slots it only records its amax in: all calls of a
-    step quantize with the scale the last one then rolls, as TE's. The last call is the slot's
-    last in the graph, or its first for a slot quantized in backward, which runs the calls in
-    reverse order."""
-    calls: dict[str, list[tuple[fx.Node, str]]] = {}
+    step quantize with the scale the last one then rolls, as TE's. The last is the slot's last
+    call in the graph, or for a gradient's slot its first that runs a backward: the backward runs
+    the calls in reverse order."""
+    backward = {g.site for g in plan.gemms if g.gemm not in FORWARD_GEMMS}
+    calls: dict[QuantizerRole, list[tuple[fx.Node, str]]] = {}
 
     def visit(graph_module: fx.GraphModule) -> None:
         for node in graph_module.graph.nodes:
             body = body_of(graph_module, node)
             if body is not None:
                 visit(body)
-            for slot, role in _slots(node, plan):
-                if needs_delayed_state(role):
-                    calls.setdefault(str(role), []).append((node, slot))
+            for slot, role, label in _slots(node, plan):
+                if needs_delayed_state(role) and (not role.backward or label in backward):
+                    calls.setdefault(role, []).append((node, slot))
 
     visit(gm)
     recording: dict[fx.Node, tuple[str, ...]] = {}
-    for users in calls.values():
-        last = users[0] if users[0][1] in _BACKWARD_SLOTS else users[-1]
+    for role, users in calls.items():
+        last = users[0] if role.backward else users[-1]
         for node, slot in users:
             if (node, slot) != last:
                 recording[node] = (*recording.get(node, ()), slot)
     return recording
 
 
-def _slots(node: fx.Node, plan: Plan) -> list[tuple[str, QuantizerRole]]:
-    """(slot, role) of each operand an attention or GEMM site quantizes (none for a call the plan
-    keeps in high precision, or a node of no site)."""
+def _slots(node: fx.Node, plan: Plan) -> list[tuple[str, QuantizerRole, str]]:
+    """(slot, role, the call's label) of each operand an attention or GEMM site quantizes (none
+    for a call the plan keeps in high precision, or a node of no site)."""
     if "graphquant_attention" in node.meta:
         site = node.meta["graphquant_attention"]
-        return [(slot, site.role(slot)) for slot in attention.SLOTS]
+        return [(slot, site.role(slot), site.label) for slot in attention.SLOTS]
     site = node.meta.get("graphquant_site")
     if site is None or site.label in plan.high_precision_calls:
         return []
-    return list(zip(TENSOR_TYPES[site.module_type], site.roles()))
+    return [(slot, role, site.label) for slot, role in zip(TENSOR_TYPES[site.module_type], site.roles())]
 
 
 def _rewrite_sites(gm, plan, state, needs_delayed_state, needs_rng, inference, counter, amax_group, recording_only) -> None:
@@ -199,7 +196,7 @@ def _rewrite_attention(graph, node, plan, state, needs_delayed_state, amax_group
     formats = {slot: plan.quantizer(role).spec for slot, role in zip(attention.SLOTS, roles)}
     forward = next(g.backend for g in plan.gemms if g.site == site.label and g.gemm == "qk")
     # The backward's backend where the plan has one (none where nothing runs backward), the same for each of its products.
-    backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm not in ("qk", "pv")}
+    backward = {"backward_backend": g.backend for g in plan.gemms if g.site == site.label and g.gemm not in FORWARD_GEMMS}
     carried = attention.AttentionSite(
         name=site.name, call=site.call, **formats, backend=forward, amax_group=amax_group, **backward, forward_only=not backward,
         records_amax_only=records_amax_only,

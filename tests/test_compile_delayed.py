@@ -8,6 +8,7 @@ gradients change scale from step to step, so every scale is different and wrong 
 """
 
 import copy
+import dataclasses
 import warnings
 import itertools
 
@@ -171,6 +172,42 @@ def test_a_module_called_twice_updates_its_slots_once_a_step():
         check_states(compiled, reference, step)
         fc_slots = [state for role, state in compiled.graphquant.run_state.delayed.items() if role.name == "fc"]
         assert [int((state[1:] > 0).sum()) for state in fc_slots] == [step + 1] * 3  # input, weight, grad_output
+
+
+class _FrozenTwice(torch.nn.Module):
+    """fc, frozen, on the input (no backward: nothing before it takes a gradient) and on g's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.fc.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc(x) + self.fc(self.g(x))
+
+
+def test_a_gradient_slot_whose_first_call_runs_no_backward_rolls_at_the_call_that_does():
+    """The backward runs a slot's calls in reverse order, so its first call's ends the step; fc's
+    first call runs no backward, so the second's ends it (had the first been the one, its
+    grad_output slot would have recorded for ever at scale 1)."""
+    compiled = graphquant.compile(models.seeded(_FrozenTwice()), recipes.delayed_scaling(amax_history_len=4), backend="aot_eager")
+    for step in range(3):
+        compiled(step_input(step)).sum().backward()
+        state = next(s for r, s in compiled.graphquant.run_state.delayed.items() if r.name == "fc" and r.tensor_type == "grad_output")
+        assert state[0] != 1 and state[1] == 0 and int((state[2:] > 0).sum()) == step + 1
+
+
+def test_an_attention_called_twice_a_step_takes_one_history_entry_a_step():
+    """A decoder block run twice: each slot of its linears and of its attention (qkv, do, dp)
+    quantizes both calls of a step with one scale and takes one history entry a step."""
+    recipe = dataclasses.replace(recipes.delayed_scaling(amax_history_len=4), fp8_dpa=True)
+    block = models.seeded(models.DecoderBlock(attention="sdpa"))
+    compiled = graphquant.compile(torch.nn.Sequential(block, block), recipe, backend="aot_eager")
+    for step in range(3):
+        compiled(step_input(step)).sum().backward()
+        entries = {str(r): int((s[1:] > 0).sum()) for r, s in compiled.graphquant.run_state.delayed.items()}
+        assert {r for r in entries if "dpa" in r} >= {f"module_type=dpa|tensor_type={t}|name=0.attn" for t in ("qkv", "do", "dp")}
+        assert set(entries.values()) == {step + 1}, entries
 
 
 def test_an_inference_call_warns_where_it_starts_delayed_slots_at_scale_one():

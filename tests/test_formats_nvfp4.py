@@ -356,6 +356,11 @@ def test_hadamard_of_half_precision_input_is_rounded_to_its_dtype(dtype, signs):
     assert not torch.equal(out, nvfp4.hadamard_transform(x.float(), random_sign_mask=signs))
 
 
+def test_hadamard_of_float64_input_is_its_float32_transform():
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    assert torch.equal(nvfp4.hadamard_transform(x, random_sign_mask=True), nvfp4.hadamard_transform(x.float(), random_sign_mask=True))
+
+
 @pytest.mark.slow
 def test_hadamard_of_bf16_input_rounds_the_same_compiled():
     """Inductor keeps a ``.to(bf16)`` fused into the kernel that reads it unrounded (so did the

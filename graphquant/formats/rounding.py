@@ -13,9 +13,11 @@ import torch
 
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``x`` rounded to ``dtype``'s values, to nearest even (NaN kept), as fp32: bf16 and
-    fp16 round, float32 is as it is."""
-    if dtype == torch.float32:
+    fp16 round; float32 and float64 hold every fp32 value, so x is as it is."""
+    if dtype in (torch.float32, torch.float64):
         return x
+    if dtype not in _ROUNDED:
+        raise ValueError(f"graphquant rounds float32 values to bfloat16, float16, float32 or float64, not {dtype}")
     return _ROUNDED[dtype](x)
 
 

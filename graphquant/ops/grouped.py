@@ -293,7 +293,7 @@ def _slot_scales(quantizer: Quantizer, delayed: Optional[torch.Tensor]) -> Optio
     return delayed[:, 0].clone() if delayed is not None and quantizer.keeps_state else None
 
 
-def _roll(quantizer: Quantizer, site: Site, slot: int, delayed: Optional[torch.Tensor], operands: dict[str, Operand]) -> None:
+def _record_amax(quantizer: Quantizer, site: Site, slot: int, delayed: Optional[torch.Tensor], operands: dict[str, Operand]) -> None:
     """Record each group's amax of this call in a delayed-scaling slot's histories (in place)."""
     if delayed is not None:
         update_delayed_scaling(quantizer, site.slot_state(slot, delayed), operands)
@@ -304,7 +304,7 @@ def _tokens_quantized(
     rng: Optional[torch.Tensor], site: Site, rows: Optional[torch.Tensor] = None,
 ) -> tuple[groups.GroupPadding, dict[str, Operand]]:
     """(the tokens' padded layout, x's grouped representations in ``directions``), x's
-    delayed-scaling slot rolled: what the forward and a frozen stack's product both do with x
+    amax recorded in its delayed-scaling slot: what the forward and a frozen stack's product both do with x
     (with ``rows``, the tokens x[rows], read through that gather)."""
     count = x.shape[0] if rows is None else rows.shape[0]
     groups.check_offsets(offs, count, site.label)
@@ -314,7 +314,7 @@ def _tokens_quantized(
     xq = quantize_grouped(
         x, tokens, x_quantizer, directions, rng, site.streams[0], site.amax_group, scale=_slot_scales(x_quantizer, x_delayed), rows=rows
     )
-    _roll(x_quantizer, site, 0, x_delayed, xq)
+    _record_amax(x_quantizer, site, 0, x_delayed, xq)
     return tokens, xq
 
 
@@ -344,7 +344,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
             wq, w_amax = rowwise_and_columnwise_amax(w2d, stack, w_quantizer, rng, site.streams[1], site.amax_group, w_scale)
         else:
             wq, w_amax = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=w_scale)[ROWWISE], None
-        _roll(w_quantizer, site, 1, w_delayed, {ROWWISE: wq})
+        _record_amax(w_quantizer, site, 1, w_delayed, {ROWWISE: wq})
         listening = recording.listening()
         x_rows = x if rows is None or not listening else x[rows]  # the high-precision tokens, for a recorder alone
         y = _recorded_gemm(x_rows, xq[ROWWISE], tokens, w2d, wq, stack, tokens, n, torch.promote_types(x.dtype, w.dtype), site, "fprop")
@@ -368,7 +368,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
             dy = F.pad(dy, (0, _padded(ctx.n) - ctx.n))  # as many columns as W's padded rows
         g_quantizer = site.quantizers[2]
         gq = quantize_grouped(dy, tokens, g_quantizer, directions, rng, site.streams[2], site.amax_group, scale=_slot_scales(g_quantizer, g_delayed))
-        _roll(g_quantizer, site, 2, g_delayed, gq)
+        _record_amax(g_quantizer, site, 2, g_delayed, gq)
         dx = dw = None
         # dgrad first: the weights' columnwise copy lives only for it, and the weight gradient
         # (as large as w, and kept to the end) is made once dgrad's operands are freed.
@@ -426,5 +426,5 @@ def quantized_grouped_mm(x, w, offs, *, site: Site, states=(None, None, None), r
     w_quantizer, n = site.quantizers[1], w.shape[2]
     stack, w2d = _expert_stack(w.detach())
     wq = quantize_grouped(w2d, stack, w_quantizer, (ROWWISE,), rng, site.streams[1], site.amax_group, scale=_slot_scales(w_quantizer, states[1]))
-    _roll(w_quantizer, site, 1, states[1], wq)
+    _record_amax(w_quantizer, site, 1, states[1], wq)
     return _fprop_alone(x, offs, wq[ROWWISE], stack, n, w.dtype, site, states, rng, rows)

@@ -38,7 +38,7 @@ def inference_products(
 
 def _weight_at_call(w: torch.Tensor, site: Site, states: tuple, rng: Optional[torch.Tensor]) -> Operand:
     """Weight ``w``'s rowwise operand in its site's format, made from its value at this call (its
-    delayed scaling, where it keeps one, rolled on)."""
+    delayed scaling, where it keeps one, recorded: ``quantize.record_amax``)."""
     w_quantizer = site.quantizers[1]
     w_state = site.slot_state(1, states[1], rng)
     wq = quantize_weight(w.detach(), w_quantizer, (ROWWISE,), w_state)

@@ -131,8 +131,8 @@ def columnwise_in_backward(w: torch.Tensor, quantizer: Quantizer) -> bool:
     """Whether a linear's backward makes the weight's columnwise copy from the parameter, in one
     graphquant::quantize call (``weight_columnwise``): where the kernel makes the rowwise one and
     the two directions scale different blocks (MXFP8's 1x32 and 32x1), so that the traced copy
-    is an amax and a cast of its own (benchmarks/NOTES.md, train_step.py's section). A 128x128
-    tile's copy, whose scales are the rowwise tiles', stays traced: the kernel's was slower."""
+    is an amax and a cast of its own. A 128x128 tile's copy stays traced, where the kernel's
+    measured slower (benchmarks/NOTES.md, train_step.py's section)."""
     return made_in_one_read(w, quantizer) and _blockings_differ(quantizer, (ROWWISE, COLUMNWISE))
 
 
