@@ -352,8 +352,6 @@ class GraphquantBackend:
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
-        self.plans.append(plan)
-        self.plan_origins.append((training, self.calls))
         self._warn_of_shared_state(frame, [*sites, *attention], plan)
         if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
@@ -394,6 +392,10 @@ class GraphquantBackend:
 
             dump_graph(self.dump_dir, captured, gm, plan)
         compiled = self._inner()(gm, [*example_inputs, *_static_shapes([p() for p in providers])])
+        # Recorded once the graph is compiled: Dynamo abandons a trace whose compile asks it to
+        # restart (Python scalars made tensors under dynamic shapes), and traces the frame again.
+        self.plans.append(plan)
+        self.plan_origins.append((training, self.calls))
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys

@@ -494,6 +494,24 @@ class _ProductOfItsOwn(torch.autograd.Function):
         return grad @ w, grad.transpose(-1, -2) @ x
 
 
+def test_a_trace_dynamo_restarts_leaves_no_plan():
+    """Under dynamic shapes an embedding's Python scalars made tensors have Dynamo abandon its
+    first trace, which graphquant had already planned: every GEMM was listed twice."""
+
+    class Embedded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = torch.nn.Embedding(128, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids))
+
+    compiled = graphquant.compile(models.seeded(Embedded()), recipes.current_scaling(), backend="aot_eager", dynamic=True)
+    compiled(torch.randint(0, 128, (2, 64))).sum().backward()
+    assert len(compiled.graphquant.plans) == 1
+    assert [(g.site, g.gemm) for g in compiled.graphquant.plan.gemms] == [("fc#0", "fprop"), ("fc#0", "dgrad"), ("fc#0", "wgrad")]
+
+
 class _FunctionThenLinear(torch.nn.Module):
     """x @ w^T through a custom Function, then a linear."""
 
