@@ -1,12 +1,14 @@
 """Pass 0 (normalise): fold a linear spelled as a product with a transposed weight,
-``x @ W.T``, into the ``F.linear(x, W)`` it computes, so that it is a linear site (roles input,
-weight, grad_output) like an nn.Linear's, not a matmul of an activation (roles input, other).
+``x @ W.T`` (or ``torch.addmm(b, x, W.T)``), into the ``F.linear(x, W)`` (``F.linear(x, W, b)``)
+it computes, so that it is a linear site (roles input, weight, grad_output) like an nn.Linear's,
+not a matmul of an activation (roles input, other).
 
 Expects: a GraphModule captured by Dynamo (torch IR), nodes carrying ``example_value``.
 Guarantees: every matrix product (torch.matmul, torch.mm, ``@``, Tensor.matmul / mm) whose second
 operand is a 2-D parameter transposed (``W.T``, ``W.mT``, ``W.t()``, ``W.transpose(0, 1)``, in
-either dim order, as a method or a torch function) is replaced by ``F.linear(x, W)``, carrying
-the product's meta (so it keeps its owner); in the bodies of higher-order ops (body_of) too. A
+either dim order, as a method or a torch function) is replaced by ``F.linear(x, W)``, and every
+``torch.addmm(b, x, W.T)`` (Tensor.addmm too, with beta and alpha 1) of a 1-D b by
+``F.linear(x, W, b)``, carrying the product's meta (so it keeps its owner); in the bodies of higher-order ops (body_of) too. A
 chain of such views counts by its parity: transposed twice (a tied decoder's ``W.t()`` of an
 encoder's ``W.t()``) is ``x @ W``, which is a linear site as it stands, and multiplies W itself.
 The values are the same: F.linear multiplies by the same transposed view.
@@ -43,19 +45,22 @@ def _fold(gm: fx.GraphModule, parameters: set[fx.Node], transposed: set[fx.Node]
             hoisted = {p for p, arg in inner if _parameter_under_transposes(arg, parameters)[1]}
             _fold(body, {p for p, arg in inner if arg in parameters}, hoisted)
             continue
-        if not _is_product(node):
+        if _is_product(node):
+            x, views, bias = *node.args, None
+        elif _is_addmm(node):
+            bias, x, views = node.args
+        else:
             continue
-        views = node.args[1]
         weight, odd = _parameter_under_transposes(views, parameters)
         if weight is None and views in transposed:
             with gm.graph.inserting_before(node):
                 weight, odd = gm.graph.call_method("t", (views,)), True
             weight.meta.update({k: v.t() for k, v in views.meta.items() if k in ("example_value", "val")})
-        if weight is None or weight is views:
+        if weight is None or weight is views or (bias is not None and not odd):
             continue
         if odd:
             with gm.graph.inserting_before(node):
-                linear = gm.graph.call_function(F.linear, (node.args[0], weight))
+                linear = gm.graph.call_function(F.linear, (x, weight) if bias is None else (x, weight, bias))
             linear.meta.update(node.meta)
             node.replace_all_uses_with(linear)
             gm.graph.erase_node(node)
@@ -74,6 +79,16 @@ def _is_product(node: fx.Node) -> bool:
     """Whether ``node`` is a two-operand matrix product x @ other, without keywords."""
     is_product = (node.op == "call_function" and node.target in _PRODUCTS) or (node.op == "call_method" and node.target in _PRODUCT_METHODS)
     return is_product and len(node.args) == 2 and not node.kwargs
+
+
+def _is_addmm(node: fx.Node) -> bool:
+    """Whether ``node`` is addmm(b, x, other) of a 1-D b, without keywords (beta and alpha 1):
+    F.linear's x @ other + b."""
+    is_addmm = (node.op == "call_function" and node.target is torch.addmm) or (node.op == "call_method" and node.target == "addmm")
+    if not (is_addmm and len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node)):
+        return False
+    bias = node.args[0].meta.get("example_value")
+    return isinstance(bias, torch.Tensor) and bias.dim() == 1
 
 
 def _parameter_under_transposes(other: object, parameters: set[fx.Node]) -> tuple[Optional[fx.Node], bool]:

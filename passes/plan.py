@@ -560,7 +560,7 @@ class Planner:
                             quantizer, direction, 1, (-(-rows // 128) * 128, int(shape[1]))
                         )
                         remedy = (
-                            f"Its {rows} rows are this call's tokens, which the model's other linears take too: give the "
+                            f"Its {rows} row{'s are' if rows != 1 else ' is'} this call's tokens, which the model's other linears take too: give the "
                             "model a token count that tiles (pad the batch), or have the recipe's factory return "
                             "IdentityQuantizer() for the input and grad_output roles of every linear they reach"
                             if tokens else

@@ -324,6 +324,33 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
+def test_addmm_of_a_bias_and_a_transposed_parameter_is_a_linear_with_its_bias():
+    """torch.addmm(b, x, W.T) (and Tensor.addmm) is F.linear(x, W, b): a linear site, whose
+    weight takes the weight role's format (NVFP4's 16x16 tiles), where it was a matmul whose
+    right operand took the other role's; an addmm of a 2-D c stays an addmm. Each computes
+    what eager torch does, within the product's rounding."""
+
+    class Addmm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(64, 64) / 8), torch.nn.Parameter(torch.randn(64))
+
+        def forward(self, x, c):
+            h = torch.addmm(self.b, x, self.w.T)
+            return self.b.addmm(h, self.w.t()) + torch.addmm(c, h, self.w.T)
+
+    model = models.seeded(Addmm())
+    x, c = torch.randn(32, 64), torch.randn(32, 64)
+    identity = CustomRecipe(lambda role: IdentityQuantizer())
+    with pytest.warns(UserWarning, match="quantizes no GEMM"):
+        torch.testing.assert_close(graphquant.compile(model, identity, backend="aot_eager", fullgraph=True)(x, c), model(x, c))
+    compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend="aot_eager", fullgraph=True)
+    compiled(x, c).sum().backward()
+    assert sites_of(compiled.graphquant.plan) == [("linear.0", 0, L), ("linear.1", 0, L), ("matmul.0", 0, M)]
+    weights = {g.b_format for g in compiled.graphquant.plan.gemms if g.gemm == "fprop" and g.site.startswith("linear")}
+    assert weights == {"nvfp4(with_2d_quantization=True)"}
+
+
 def test_folding_a_transposed_weight_keeps_the_graphs_in_place_updates():
     """BatchNorm's num_batches_tracked.add_(1) has no users, as any in-place update: folding
     x @ W.T into a linear must not take it with the transpose it drops."""
