@@ -247,25 +247,22 @@ class CallNumbers:
 
     def graph(self) -> Callable[[str, int, fx.Node], int]:
         seen: dict[tuple, list[int]] = {}
-        given: dict[tuple[str, int], int] = {}  # each call of the graph its number, from its first node
 
         def number(owner: str, call: int, node: fx.Node) -> int:
             """The number of ``owner``'s ``call`` (its index in this graph) that made ``node``."""
-            if (owner, call) not in given:
-                place = _place_of_call(node)
-                given[owner, call] = call if place is None else self._number(owner, place, seen.setdefault((owner, place), []), call)
-            return given[owner, call]
+            place = _place_of_call(node)
+            if place is None:  # no trace, or a product of the frame's own code: its index in the graph
+                return call
+            calls = seen.setdefault((owner, place), [])
+            if call not in calls:
+                calls.append(call)
+            key = (owner, place, calls.index(call))
+            if key not in self._numbers:
+                self._numbers[key] = self._next[owner]
+                self._next[owner] += 1
+            return self._numbers[key]
 
         return number
-
-    def _number(self, owner: str, place: tuple, calls_there: list[int], call: int) -> int:
-        """The number of the call made from ``place``, the ``len(calls_there)``-th of this graph's there."""
-        calls_there.append(call)
-        key = (owner, place, len(calls_there) - 1)
-        if key not in self._numbers:
-            self._numbers[key] = self._next[owner]
-            self._next[owner] += 1
-        return self._numbers[key]
 
 
 def _place_of_call(node: fx.Node) -> Optional[tuple]:
