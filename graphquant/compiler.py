@@ -332,12 +332,12 @@ class GraphquantBackend:
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
             fold_attention(gm)
-        sites = find_gemms(gm, example_inputs, frame, self.run_state.functional_numbers, self.run_state.call_numbers)
+        sites = find_gemms(gm, example_inputs, frame, self.run_state.functional_numbers)
         if self.root is not None:
             self._record_expert_weights(gm, example_inputs)
             sites = mark_frozen_stacks(gm, example_inputs, sites, self._frozen_stacks())
         if self.planner.recipe.fp8_dpa:
-            attention = find_attention(gm, frame, self.run_state.functional_numbers, self.run_state.call_numbers)
+            attention = find_attention(gm, frame, self.run_state.functional_numbers)
         else:
             attention = []
             leave_attention_in_high_precision(gm)

@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 import torch
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import CallNumbers, FunctionalNumbers
+from graphquant.passes.find_gemms import FunctionalNumbers
 from graphquant.passes.plan import Plan, PlanError
 from graphquant.quantizers import Quantizer
 from graphquant.roles import QuantizerRole
@@ -37,7 +37,6 @@ class RunState:
         self.scalings: dict[str, str] = {}  # what each delayed-scaling entry's scale is for, planned or waiting
         self.loaded = False  # load_state_dict ran: a slot it gave no entry starts afresh, which is said
         self.functional_numbers = FunctionalNumbers()  # the names of functional products, over all graphs
-        self.call_numbers = CallNumbers()  # the indices of modules' calls, over all graphs
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of what a resumed run needs to continue bit for bit: each delayed-scaling slot's

@@ -25,16 +25,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import (
-    CallNumbers,
-    Frame,
-    FunctionalNumbers,
-    body_of,
-    gradient_reaching,
-    inside_transforms,
-    nodes_and_bodies,
-    owner_of,
-)
+from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaching, inside_transforms, nodes_and_bodies, owner_of
 from graphquant.passes.plan import EMPTY_PRODUCT, PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -126,14 +117,11 @@ def label(name: str, call: int) -> str:
     return f"{name or 'dpa'}#{call}"
 
 
-def find_attention(
-    gm: fx.GraphModule, frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None, calls: Optional[CallNumbers] = None
-) -> list[DpaSite]:
+def find_attention(gm: fx.GraphModule, frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None) -> list[DpaSite]:
     """Annotate and return the attention sites of ``gm`` (and of its bodies) in graph order, the
-    second and later of one owner numbered by ``numbers`` and the owners' calls by ``calls`` (the
-    model's, across its graphs)."""
+    second and later of one owner numbered by ``numbers`` (the model's, across its graphs)."""
     sites: list[DpaSite] = []
-    _find(gm, (numbers or FunctionalNumbers()).graph(), (calls or CallNumbers()).graph(), sites, frame)
+    _find(gm, (numbers or FunctionalNumbers()).graph(), sites, frame)
     return sites
 
 
@@ -166,12 +154,12 @@ def arguments(node: fx.Node) -> dict[str, object]:
     return DEFAULTS | dict(zip(ARGUMENTS, node.args)) | dict(node.kwargs)
 
 
-def _find(gm: fx.GraphModule, number: Callable, call_number: Callable, sites: list[DpaSite], frame: Frame) -> None:
+def _find(gm: fx.GraphModule, number: Callable, sites: list[DpaSite], frame: Frame) -> None:
     transformed, reaching = inside_transforms(gm), gradient_reaching(gm.graph)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
-            _find(body, number, call_number, sites, frame)
+            _find(body, number, sites, frame)
             continue
         if node in transformed and is_attention(node):
             node.meta["graphquant_skip"] = transformed[node]
@@ -193,7 +181,6 @@ def _find(gm: fx.GraphModule, number: Callable, call_number: Callable, sites: li
         if not is_attention(node):
             continue
         owner, call, _ = owner_of(node, frame)
-        call = call_number(owner, call, node)
         i = number((owner, call, "dpa"), node)
         name = owner if i == 0 else ".".join(p for p in (owner, "dpa", str(i)) if p)
         site = _site(node, name, call, node in reaching)

@@ -233,55 +233,6 @@ class FunctionalNumbers:
         return number
 
 
-class CallNumbers:
-    """The index of a module's call in a site's label ("fc#1"), in the order first seen over all of
-    a model's graphs, each call known by where it is made (the frames of its stack trace that lead
-    to the module's forward, and which of the module's calls from there it is in its graph): a
-    module called on both sides of a graph break is #0 and #1 (each graph counted from #0, and
-    both were #0), and a recompile of the same code finds the same numbers. Not saved with a run's
-    state: no state is kept by call, only by role. ``graph()`` numbers one graph's calls."""
-
-    def __init__(self) -> None:
-        self._numbers: dict[tuple, int] = {}
-        self._next: collections.Counter = collections.Counter()
-
-    def graph(self) -> Callable[[str, int, fx.Node], int]:
-        seen: dict[tuple, list[int]] = {}
-
-        def number(owner: str, call: int, node: fx.Node) -> int:
-            """The number of ``owner``'s ``call`` (its index in this graph) that made ``node``."""
-            place = _place_of_call(node)
-            if place is None:  # no trace, or a product of the frame's own code: its index in the graph
-                return call
-            calls = seen.setdefault((owner, place), [])
-            if call not in calls:
-                calls.append(call)
-            key = (owner, place, calls.index(call))
-            if key not in self._numbers:
-                self._numbers[key] = self._next[owner]
-                self._next[owner] += 1
-            return self._numbers[key]
-
-        return number
-
-
-def _place_of_call(node: fx.Node) -> Optional[tuple]:
-    """Where the module whose call made ``node`` was called: the frames of its stack trace before
-    the module's forward (all of them for torch's modules, whose frames the trace leaves out),
-    files by their names alone; None without a trace or a module."""
-    trace = node.meta.get("stack_trace")
-    stack = node.meta.get("nn_module_stack") or {}
-    if not trace or not stack:
-        return None
-    frames = _FRAME.findall(trace)
-    forward = _forward_lines(list(stack.values())[-1][1])
-    if forward is not None:
-        file, first, last = forward
-        inside = [i for i, (f, line, _) in enumerate(frames) if f == file and first <= int(line) <= last]
-        frames = frames[: inside[0]] if inside else frames
-    return tuple((os.path.basename(f), line, function) for f, line, function in frames)
-
-
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -322,14 +273,13 @@ def _forward_lines(owner: object) -> Optional[tuple[str, int, int]]:
 
 
 def find_gemms(
-    gm: fx.GraphModule, example_inputs: Sequence[object], frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None,
-    calls: Optional[CallNumbers] = None,
+    gm: fx.GraphModule, example_inputs: Sequence[object], frame: Frame = Frame(), numbers: Optional[FunctionalNumbers] = None
 ) -> list[GemmSite]:
     """Annotate and return the GEMM sites of ``gm`` in graph order, those of bodies (body_of) included,
-    named from the model's root by ``frame``, functional products numbered by ``numbers`` and
-    module calls by ``calls`` (the model's, across its graphs)."""
+    named from the model's root by ``frame``, functional products numbered by ``numbers`` (the
+    model's, across its graphs)."""
     sites: list[GemmSite] = []
-    _find(gm, parameter_nodes(gm, example_inputs), (numbers or FunctionalNumbers()).graph(), (calls or CallNumbers()).graph(), sites, frame)
+    _find(gm, parameter_nodes(gm, example_inputs), (numbers or FunctionalNumbers()).graph(), sites, frame)
     return sites
 
 
@@ -364,15 +314,15 @@ UNQUANTIZED_LINEAR = "graphquant_unquantized_linear"
 
 
 def _find(
-    gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], call_number: Callable[[str, int, fx.Node], int],
-    sites: list[GemmSite], frame: Frame, in_body: bool = False,
+    gm: fx.GraphModule, parameters: set[fx.Node], number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame,
+    in_body: bool = False,
 ) -> None:
     transformed, reaching = inside_transforms(gm), gradient_reaching(gm.graph)
     for node in gm.graph.nodes:
         body = body_of(gm, node)
         if body is not None:
             inner = zip(body.graph.find_nodes(op="placeholder"), node.args[1:])
-            _find(body, {p for p, arg in inner if arg in parameters}, number, call_number, sites, frame, in_body=True)
+            _find(body, {p for p, arg in inner if arg in parameters}, number, sites, frame, in_body=True)
             continue
         form = product_form(node)
         if form is None:
@@ -384,10 +334,10 @@ def _find(
             node.meta["graphquant_skip"] = transformed[node]
             continue
         if form == GROUPED:
-            _find_grouped(node, number, call_number, sites, frame, backward=_requires_grad(node) and node in reaching)
+            _find_grouped(node, number, sites, frame, backward=_requires_grad(node) and node in reaching)
             continue
         if form == FROZEN:
-            _find_frozen(node, call_number, sites, frame)
+            _find_frozen(node, sites, frame)
             continue
         operands = _operands(node, form)
         if operands is None:
@@ -396,7 +346,6 @@ def _find(
         a, b, w_is_transposed = operands
         shapes = _torchao_operand(a, b) or _shapes(node, form, a, b, w_is_transposed)
         owner, call, module_is_linear = owner_of(node, frame)
-        call = call_number(owner, call, node)
         if isinstance(shapes, str):
             node.meta["graphquant_skip"] = shapes
             if form == LINEAR and module_is_linear and frame.multiplies_own_weight(b, owner):
@@ -428,10 +377,7 @@ def _find(
         sites.append(site)
 
 
-def _find_grouped(
-    node: fx.Node, number: Callable[[tuple, fx.Node], int], call_number: Callable[[str, int, fx.Node], int], sites: list[GemmSite],
-    frame: Frame, backward: bool,
-) -> None:
+def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites: list[GemmSite], frame: Frame, backward: bool) -> None:
     """Annotate a torch._grouped_mm node: a site in its MoE form, else the reason it is skipped;
     ``backward``: whether a backward reaches it (its operands' gradients as a linear's)."""
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
@@ -446,7 +392,6 @@ def _find_grouped(
         node.meta["graphquant_skip"] = f"{va.dtype} x {vb.dtype} is not a floating-point product; it runs exactly, unquantized"
         return
     owner, call, _ = owner_of(node, frame)
-    call = call_number(owner, call, node)
     name = ".".join(p for p in (owner, "grouped_linear", str(number((owner, call, "grouped_linear"), node))) if p)
     experts, k, n = vb.shape
     x_sizes, w_sizes = (1, va.shape[0], k), (experts, n, k)
@@ -458,13 +403,12 @@ def _find_grouped(
     sites.append(site)
 
 
-def _find_frozen(node: fx.Node, call_number: Callable[[str, int, fx.Node], int], sites: list[GemmSite], frame: Frame) -> None:
+def _find_frozen(node: fx.Node, sites: list[GemmSite], frame: Frame) -> None:
     """Annotate a graphquant::frozen_linear node: a linear site named after the FrozenLinear that
     called it (graphquant.freeze put it where an nn.Linear was), its weight shape from the op."""
     x = _value(node.args[0])
     n, k = node.args[3]
     owner, call, _ = owner_of(node, frame)
-    call = call_number(owner, call, node)
     x_sizes, w_sizes = (1, math.prod(x.shape[:-1]), k), (1, n, k)
     site = GemmSite(FROZEN, "linear", owner, call, False, _static_shape(x_sizes), _static_shape(w_sizes), x_sizes, w_sizes)
     node.meta["graphquant_site"] = site

@@ -521,30 +521,6 @@ class _ProductOfItsOwn(torch.autograd.Function):
         return grad @ w, grad.transpose(-1, -2) @ x
 
 
-def test_a_module_called_on_both_sides_of_a_graph_break_numbers_its_calls_across_the_graphs():
-    """Each graph counted its calls from #0, so both calls of ``a`` were a#0 (two rows of each of
-    its GEMMs in the plan, one row of both in graphquant.numerics); a recompile of the same code,
-    here for evaluation, finds the same numbers."""
-
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
-
-        def forward(self, x):
-            h = self.a(x)
-            torch._dynamo.graph_break()
-            return self.b(self.a(h))
-
-    compiled = graphquant.compile(models.seeded(Broken()), recipes.current_scaling(), backend="aot_eager")
-    compiled(torch.randn(32, 64)).sum().backward()
-    assert sorted({g.site for g in compiled.graphquant.plan.gemms}) == ["a#0", "a#1", "b#0"]
-    assert len(compiled.graphquant.plan.gemms) == 3 + 2 + 3  # a#0 runs no dgrad: its input takes no gradient
-    with torch.no_grad():
-        compiled(torch.randn(32, 64))
-    assert [g.site for g in compiled.graphquant.plan.gemms] == ["a#0", "a#1", "b#0"]
-
-
 def test_a_trace_dynamo_restarts_leaves_no_plan():
     """Under dynamic shapes an embedding's Python scalars made tensors have Dynamo abandon its
     first trace, which graphquant had already planned: every GEMM was listed twice."""
