@@ -559,6 +559,13 @@ def test_a_bias_of_another_dtype_is_refused_naming_the_parameters_not_the_input(
         compiled(torch.randn(4, 64))
 
 
+def test_a_root_linear_of_mixed_dtypes_is_named_as_the_compiled_model():
+    """A compiled nn.Linear is its own site, named "" ("#0" alone in the message)."""
+    compiled = graphquant.compile(models.seeded(torch.nn.Linear(64, 64)), recipes.current_scaling(), backend="aot_eager")
+    with pytest.raises(graphquant.MixedDtypesError, match=r"^the compiled model itself \(#0\): its operands are of different dtypes"):
+        compiled(torch.randn(4, 64, dtype=torch.float64))
+
+
 def test_a_frozen_model_and_addmm_refuse_operands_of_different_dtypes_too():
     """A frozen linear's input against the dtype its weight was frozen from, and addmm's added
     tensor against its product's operands."""

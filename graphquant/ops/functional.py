@@ -141,6 +141,6 @@ def _same_dtype(site: Site, **operands: Optional[torch.dtype]) -> None:
         else:  # the operands besides the input differ (a bias left in another dtype)
             remedy = "give the module's parameters one dtype (model.to(dtype))"
         raise MixedDtypesError(
-            f"{site.label}: its operands are of different dtypes ({described}), which torch's products refuse (they take "
+            f"{site.label if site.name else f'the compiled model itself ({site.label})'}: its operands are of different dtypes ({described}), which torch's products refuse (they take "
             f"operands of one dtype); {remedy}, or run the model under torch.autocast"
         )
