@@ -47,6 +47,10 @@ _UNFOLDED_PRODUCTS = {
     torch.einsum: "are einsums, whose subscripts may order and name the dims any way; attention folds matmuls (torch.matmul or @)",
 }
 _CAST_METHODS = ("float", "half", "bfloat16", "double")  # the casts a tensor method spells with no argument
+# A step's arithmetic as an operator, a torch function or a method.
+_MULTIPLIES = (operator.mul, torch.mul, "mul")
+_DIVIDES = (operator.truediv, torch.div, "div")
+_ADDS = (operator.add, torch.add, "add")
 _SOFTMAXES = (F.softmax, torch.softmax)
 # The steps allowed between the scores product and the softmax, in the order they must come.
 _ORDER = ("scale", "mask", "cast")
@@ -152,8 +156,8 @@ def _take(step: fx.Node, chain: _Chain, q: torch.Tensor) -> Optional[str]:
         if not isinstance(other, (int, float)) or isinstance(other, bool) or other == 0:
             what = f"the tensor {other.name}" if isinstance(other, fx.Node) else repr(other)
             return f"the scores are scaled by {what}, not a nonzero constant"
-        chain.scale = float(other) if step.target in (operator.mul, "mul") else 1.0 / other
-    elif kind == "mask" and step.target in (operator.add, "add"):
+        chain.scale = float(other) if step.target in _MULTIPLIES else 1.0 / other
+    elif kind == "mask" and step.target in _ADDS:
         mask = _other(step)
         if _value(mask) is None or _value(mask).dtype != q.dtype or _value(mask).requires_grad:
             return "the additive mask is not a fixed tensor of the query's dtype"
@@ -223,9 +227,9 @@ def _step(node: fx.Node) -> Optional[str]:
     if node.op not in ("call_function", "call_method") or node.kwargs:
         return None
     target = node.target
-    if target in (operator.mul, operator.truediv, "mul", "div") and len(node.args) == 2:
+    if target in (*_MULTIPLIES, *_DIVIDES) and len(node.args) == 2:
         return "scale"
-    if target in (operator.add, "add") and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+    if target in _ADDS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
         return "mask"
     if (target == "masked_fill" or target is torch.where) and len(node.args) == 3:
         return "mask"
@@ -249,7 +253,7 @@ def _input(node: fx.Node) -> object:
     if node.target is torch.where and len(node.args) == 3:
         _, a, b = node.args
         return b if not isinstance(a, fx.Node) or (_is_products(b) and not _is_products(a)) else a
-    if node.target in (operator.mul, operator.add) and len(node.args) == 2:
+    if node.target in (operator.mul, torch.mul, operator.add, torch.add) and len(node.args) == 2:
         a, b = node.args
         if _is_products(b) and not _is_products(a):
             return b
@@ -265,7 +269,7 @@ def _other(node: fx.Node) -> object:
 
 def _is_products(node: object) -> bool:
     """Whether ``node`` is a product or a scaled one, as scores are where a mask is added."""
-    return isinstance(node, fx.Node) and (_is_matmul(node) or node.target in (operator.mul, operator.truediv, "mul", "div"))
+    return isinstance(node, fx.Node) and (_is_matmul(node) or node.target in (*_MULTIPLIES, *_DIVIDES))
 
 
 def _transposed_key(node: object) -> Optional[fx.Node]:

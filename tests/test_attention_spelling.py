@@ -62,13 +62,15 @@ class Attention(torch.nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3))
         if self.spelling == "tensor_scale":
             scores = scores * self.temperature
+        elif self.spelling == "torch_functions":  # torch.mul and torch.add for * and +
+            scores = torch.add(torch.mul(scores, self.scaling), mask)
         elif self.spelling == "soft_cap":  # Gemma 2's logit soft-cap
             scores = torch.tanh(scores * self.scaling / 50.0) * 50.0
         else:
             scores = scores * self.scaling
         if self.spelling == "where_finfo":  # transformers' GPT-2 fills the masked scores with finfo.min
             scores = torch.where(mask == 0, scores, torch.finfo(scores.dtype).min)
-        else:
+        elif self.spelling != "torch_functions":
             scores = scores + mask
         if self.spelling in ("llama_meta", "scores_double"):
             probs = F.softmax(scores.float() if self.spelling == "llama_meta" else scores.double(), dim=-1).type_as(q)
@@ -107,6 +109,7 @@ RECIPE = CustomRecipe(current_dpa_factory, fp8_dpa=True)
 @pytest.mark.parametrize("spelling, sdpa", [
     ("eager", "sdpa"), ("gpt2", "sdpa"), ("llama_reference", "sdpa"),
     ("llama_meta", "sdpa"),  # .float() raised StopIteration
+    ("torch_functions", "sdpa"),  # torch.mul and torch.add were no steps
     ("masked_fill", "sdpa_bool"), ("where", "sdpa_bool"), ("where_fill_first", "sdpa_bool"),  # torch.where was neither folded nor listed
 ])
 def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
