@@ -11,7 +11,8 @@ carrying the meta of the chain's last product (so it keeps its owner)::
     s = s * c   or   s = s / c         optional, c a Python number: scale=c or 1/c (else 1.0)
     s = s + mask                       optional, a fixed float mask of q's dtype: attn_mask=mask
       or s.masked_fill(m, -inf)        optional, m a bool mask: attn_mask=~m
-      or torch.where(m, s, -inf)       optional, m a bool mask: attn_mask=m (torch.where(m, -inf, s): ~m)
+      or torch.where(m, s, -inf)       optional, m a bool mask: attn_mask=m (torch.where(m, -inf, s): ~m;
+                                       s.where(m, -inf): m)
     s = s.float()                      optional, any cast to float32 (.to, .type, .type_as)
     p = softmax(s, dim=-1)             F.softmax, torch.softmax or Tensor.softmax, dtype None or float32
     p = p.type_as(q)                   optional, any cast (.to, .type, .half, .bfloat16...)
@@ -163,12 +164,14 @@ def _take(step: fx.Node, chain: _Chain, q: torch.Tensor) -> Optional[str]:
             return "the additive mask is not a fixed tensor of the query's dtype"
         chain.mask = mask
     elif kind == "mask":
-        # masked_fill(m, -inf) keeps the scores where m is False; torch.where(m, s, -inf) where m is True.
+        # masked_fill(m, -inf) keeps the scores where m is False; s.where(m, -inf) and
+        # torch.where(m, s, -inf) where m is True.
         where = step.target is torch.where
         mask, fill = (step.args[0], _other(step)) if where else step.args[1:]
         if _value(mask) is None or _value(mask).dtype != torch.bool or fill != -math.inf:
-            return f"{'torch.where' if where else 'masked_fill'} does not fill a bool mask with -inf"
-        chain.mask, chain.negate_mask = mask, not (where and step.args[1] is _input(step))
+            return f"{'torch.where' if where else step.target} does not fill a bool mask with -inf"
+        keeps = step.args[1] is _input(step) if where else step.target == "where"
+        chain.mask, chain.negate_mask = mask, not keeps
     elif kind == "cast":
         cast = _value(step)
         if cast is None or cast.dtype != torch.float32:
@@ -231,7 +234,7 @@ def _step(node: fx.Node) -> Optional[str]:
         return "scale"
     if target in _ADDS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
         return "mask"
-    if (target == "masked_fill" or target is torch.where) and len(node.args) == 3:
+    if target in ("masked_fill", "where", torch.where) and len(node.args) == 3:
         return "mask"
     return "cast" if _is_cast(node) else None
 

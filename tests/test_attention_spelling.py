@@ -43,10 +43,12 @@ class Attention(torch.nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
         if self.spelling in ("sdpa", "sdpa_bool"):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        if self.spelling in ("masked_fill", "where", "where_fill_first"):
+        if self.spelling in ("masked_fill", "where", "where_fill_first", "where_method"):
             scores = (q @ k.transpose(-1, -2)) / DIM**0.5
             if self.spelling == "where":
                 scores = torch.where(mask, scores, float("-inf"))
+            elif self.spelling == "where_method":
+                scores = scores.where(mask, float("-inf"))
             elif self.spelling == "where_fill_first":
                 scores = torch.where(~mask, float("-inf"), scores)
             else:
@@ -111,6 +113,7 @@ RECIPE = CustomRecipe(current_dpa_factory, fp8_dpa=True)
     ("llama_meta", "sdpa"),  # .float() raised StopIteration
     ("torch_functions", "sdpa"),  # torch.mul and torch.add were no steps
     ("masked_fill", "sdpa_bool"), ("where", "sdpa_bool"), ("where_fill_first", "sdpa_bool"),  # torch.where was neither folded nor listed
+    ("where_method", "sdpa_bool"),  # Tensor.where was listed, not folded
 ])
 def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     """transformers' eager spelling (matmul, * scaling, + mask, softmax in float32 and back,
