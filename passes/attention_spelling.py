@@ -256,7 +256,7 @@ def _input(node: fx.Node) -> object:
     if node.target is torch.where and len(node.args) == 3:
         _, a, b = node.args
         return b if not isinstance(a, fx.Node) or (_is_products(b) and not _is_products(a)) else a
-    if node.target in (operator.mul, torch.mul, operator.add, torch.add) and len(node.args) == 2:
+    if node.target in (*_MULTIPLIES, *_ADDS) and len(node.args) == 2:
         a, b = node.args
         if _is_products(b) and not _is_products(a):
             return b

@@ -541,17 +541,21 @@ def _value(node: object) -> Optional[torch.Tensor]:
 def _torchao_operand(a: fx.Node, b: fx.Node) -> Optional[str]:
     """Why a product of a torchao tensor subclass (a weight torchao.quantization.quantize_ made an
     Int8Tensor or Float8Tensor) is no site: the subclass runs torchao's own quantized product,
-    which graphquant cannot quantize again; None for others. Known by the type's module, since
-    torchao is no dependency of graphquant."""
+    which graphquant cannot quantize again; None for others."""
     for value in (_value(a), _value(b)):
         kind = type(value)
-        if kind.__module__.split(".")[0] == "torchao":
+        if from_torchao(kind):
             return (
                 f"an operand is a torchao tensor subclass ({kind.__module__}.{kind.__name__}), which runs torchao's own "
                 "quantized product, not the recipe's: graphquant cannot quantize it again (leave the module out of "
                 "torchao's quantize_, through its filter_fn, for the recipe to quantize it)"
             )
     return None
+
+
+def from_torchao(kind: object) -> bool:
+    """Whether a class is torchao's, known by its module: torchao is no dependency of graphquant."""
+    return isinstance(kind, type) and kind.__module__.split(".")[0] == "torchao"
 
 
 def _static_shape(sizes: Sequence[object]) -> tuple[Optional[int], ...]:

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphquant.passes import matrix_products
-from graphquant.passes.find_gemms import first_subgraph, nodes_and_bodies, product_form
+from graphquant.passes.find_gemms import first_subgraph, from_torchao, nodes_and_bodies, product_form
 
 
 def mark_opaque_products(gm: fx.GraphModule) -> list[fx.Node]:
@@ -153,11 +153,10 @@ def _allowed_function(target: object) -> Optional[type]:
 def _torchao_function(node: fx.Node) -> Optional[str]:
     """Why a custom torch.autograd.Function that one of torchao's modules calls (the Float8Linear
     of torchao.float8.convert_to_float8_training) is not quantized: it is torchao's own
-    low-precision linear, which the recipe does not reach; None for a call in any other module.
-    Known by the module class's module, since torchao is no dependency of graphquant."""
+    low-precision linear, which the recipe does not reach; None for a call in any other module."""
     stack = node.meta.get("nn_module_stack") or {}
     kind = list(stack.values())[-1][1] if stack else None
-    if not (isinstance(kind, type) and kind.__module__.split(".")[0] == "torchao"):
+    if not from_torchao(kind):
         return None
     return (
         f"{kind.__module__}.{kind.__name__} runs torchao's own low-precision linear (its autograd Function), not the "
