@@ -61,7 +61,7 @@ site    module_type    gemm    operand a                                        
 fc1#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc1#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)  input.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc2#0   linear         fprop   input.rowwise: mxfp8(fp8_dtype=e4m3)                                                             weight.rowwise: mxfp8(fp8_dtype=e4m3)                            dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
-fc2#0   linear         dgrad   grad_output.rowwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)     weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
+fc2#0   linear         dgrad   grad_output.rowwise: nvfp4(stochastic_rounding=True)                                             weight.columnwise: nvfp4() of rowwise_dequantized                dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 fc2#0   linear         wgrad   grad_output.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)  input.columnwise: nvfp4(with_rht=True, with_post_rht_amax=True)  dequantize + high-precision matmul  emulated  no low-precision GEMM on cpu
 """)
 

@@ -40,6 +40,25 @@ def test_training_plan_lists_the_gemms_a_backward_runs_without_running_it():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_plan_names_nvfp4s_hadamard_transform_only_on_the_operands_it_applies_to():
+    """TE's NVFP4 recipe gives input and grad_output the random Hadamard transform, which applies to
+    their columnwise side alone (wgrad's operands): fprop's and dgrad's rowwise operands are
+    plain NVFP4, though the plan named them with_rht=True. The slots keep the whole quantizer."""
+    plan = graphquant.explain(MLP(), recipes.nvfp4_block_scaling(), x_mlp().requires_grad_())
+    formats = {(g.site, g.gemm, operand): fmt for g in plan.gemms for operand, fmt in ((g.a, g.a_format), (g.b, g.b_format))}
+    assert formats[("fc2#0", "fprop", "input.rowwise")] == "nvfp4()"
+    assert formats[("fc2#0", "dgrad", "grad_output.rowwise")] == "nvfp4(stochastic_rounding=True)"
+    assert formats[("fc2#0", "wgrad", "grad_output.columnwise")] == "nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)"
+    assert formats[("fc2#0", "wgrad", "input.columnwise")] == "nvfp4(with_rht=True, with_post_rht_amax=True)"
+    slots = {(role.name, role.tensor_type): q for role, q in plan.slots}
+    for (site, _, operand), fmt in formats.items():
+        tensor_type, direction = operand.split(".")
+        assert ("with_rht=True" in fmt) == slots[(site.split("#")[0], tensor_type)].hadamard(direction), (site, operand, fmt)
+    assert str(slots[("fc2", "grad_output")]) == "nvfp4(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True)"
+    assert "grad_output.rowwise: nvfp4(stochastic_rounding=True) " in str(plan)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
 def test_a_plan_lists_no_backward_gemms_of_a_product_under_no_grad():
     """A distillation step runs its teacher under torch.no_grad: no backward runs its GEMMs, though
     its weight requires a gradient; the plan listed its dgrad and wgrad as if one did."""

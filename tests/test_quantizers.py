@@ -83,6 +83,53 @@ def test_stored_tensors_round_trip_without_copies(quantizer):
                 assert a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr(), f"{direction} {part}"
 
 
+PER_DIRECTION = [
+    *QUANTIZERS,
+    NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, row_scaled_nvfp4=True),
+    HybridQuantizer(rowwise_quantizer=NVFP4Quantizer(with_rht=True, with_post_rht_amax=True), columnwise_quantizer=NVFP4Quantizer(row_scaled_nvfp4=True)),
+]
+
+
+@pytest.mark.parametrize("quantizer", PER_DIRECTION, ids=str)
+def test_for_direction_makes_that_direction_bit_for_bit_and_names_it_in_the_plan(quantizer):
+    """What a plan names an operand by (direction_spec) is a quantizer value of its own, which
+    reads back from its spec and makes that direction's bits as the slot's quantizer does."""
+    x = torch.randn(64, 96) * 3
+    ctx = QuantizeContext(seed=3, offset=1, scale=torch.tensor([2.0]))
+    for direction in (ROWWISE, COLUMNWISE):
+        seen = quantizer.for_direction(direction)
+        assert hash(seen) == hash(parse_spec(seen.spec)) and parse_spec(seen.spec) == seen
+        assert quantizer.direction_spec(direction).startswith(seen.spec)
+        assert seen.hadamard(direction) == quantizer.hadamard(direction)
+        made = [q(x, rowwise=direction == ROWWISE, columnwise=direction == COLUMNWISE, ctx=ctx).get(direction) for q in (quantizer, seen)]
+        for part in ("data", "scale", "amax"):
+            a, b = (getattr(rep, part) for rep in made)
+            assert (a is None) == (b is None), f"{direction} {part}"
+            if a is not None:
+                as_bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+                assert torch.equal(as_bits(a), as_bits(b)), f"{direction} {part}"
+
+
+def test_nvfp4_names_its_hadamard_transform_on_the_columnwise_side_alone():
+    """TE's NVFP4 transforms the columnwise representation alone (wgrad's operands): a rowwise
+    one, which fprop and dgrad read, is plain NVFP4, so the plan did not say RHT there."""
+    gradient = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True, with_random_sign_mask=False)
+    assert gradient.direction_spec(ROWWISE) == "nvfp4(stochastic_rounding=True)"
+    assert gradient.direction_spec(COLUMNWISE) == str(gradient)
+    row_scaled = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True, row_scaled_nvfp4=True)
+    assert row_scaled.direction_spec(ROWWISE) == "nvfp4(row_scaled_nvfp4=True)"
+    assert row_scaled.direction_spec(COLUMNWISE) == "nvfp4(with_rht=True, with_post_rht_amax=True)"
+    assert NVFP4Quantizer(with_random_sign_mask=False).direction_spec(COLUMNWISE) == "nvfp4()"  # no transform to mask
+    hybrid = HybridQuantizer(
+        rowwise_quantizer=NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
+        columnwise_quantizer=NVFP4Quantizer(with_rht=True, with_post_rht_amax=True),
+        columnwise_source="rowwise_dequantized",
+    )
+    assert (hybrid.direction_spec(ROWWISE), hybrid.direction_spec(COLUMNWISE)) == (
+        "nvfp4()", "nvfp4(with_rht=True, with_post_rht_amax=True) of rowwise_dequantized"
+    )
+
+
 @pytest.mark.parametrize("shape", [(0, 64), (64, 0), (0, 0)])
 @pytest.mark.parametrize("quantizer", [*QUANTIZERS, NVFP4Quantizer(row_scaled_nvfp4=True), NVFP4Quantizer(with_2d_quantization=True)], ids=str)
 def test_an_empty_tensor_quantizes_to_an_empty_representation(quantizer, shape):

@@ -345,9 +345,17 @@ class Quantizer:
         that a graph can make it from the rowwise copy instead of from x."""
         return False
 
+    def for_direction(self, direction: str) -> "Quantizer":
+        """The quantizer that makes ``direction`` (``child``) with every field that does nothing to
+        ``direction`` at its default, so that its spec names what that direction's values go
+        through and no more (NVFP4's Hadamard transform is its columnwise side's alone). It makes
+        ``direction`` bit for bit as this quantizer does. Here: the child as it is, for formats
+        whose every field acts on both directions."""
+        return self.child(direction)
+
     def direction_spec(self, direction: str) -> str:
-        """What makes ``direction``, as a plan names it: the spec of that quantizer."""
-        return self.spec
+        """What makes ``direction``, as a plan names it: the spec of ``for_direction``."""
+        return self.for_direction(direction).spec
 
     def at_largest_code(self, rep: Representation) -> Optional[torch.Tensor]:
         """Where ``rep``'s stored codes are the format's largest magnitude (values that may have

@@ -76,8 +76,11 @@ class HybridQuantizer(Quantizer):
     def child(self, direction: str) -> Quantizer:
         return self.rowwise_quantizer if direction == ROWWISE else self.columnwise_quantizer
 
+    def for_direction(self, direction: str) -> Quantizer:
+        return self.child(direction).for_direction(direction)
+
     def direction_spec(self, direction: str) -> str:
-        child = self.child(direction).spec
+        child = self.for_direction(direction).spec
         if direction == COLUMNWISE and self.columnwise_source == "rowwise_dequantized":
             return f"{child} of rowwise_dequantized"
         return child

@@ -82,6 +82,15 @@ class NVFP4Quantizer(Quantizer):
     def hadamard(self, direction: str) -> bool:
         return self.with_rht and direction == COLUMNWISE
 
+    def for_direction(self, direction: str) -> "NVFP4Quantizer":
+        """Without the Hadamard transform's fields where ``direction`` has none (the rowwise side,
+        which the forward GEMM and dgrad read, never has), and without row_scaled_nvfp4 on the
+        columnwise side, whose global amax is the whole tensor's."""
+        unused = set() if self.hadamard(direction) else {"with_rht", "with_post_rht_amax", "with_random_sign_mask"}
+        if direction == COLUMNWISE:
+            unused.add("row_scaled_nvfp4")
+        return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(self) if f.name in unused})
+
     def transform(self, direction: str) -> Optional[str]:
         if not self.hadamard(direction):
             return None
