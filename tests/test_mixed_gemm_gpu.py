@@ -35,7 +35,7 @@ def _operands(name: str, m: int, n: int, k: int, device: str = "cuda"):
 
 @needs_sm90
 @pytest.mark.parametrize("splits", [1, 3, 0], ids=["whole K", "K in 3", "K split for the SMs"])
-@pytest.mark.parametrize("tokens", [64, 128, 256])
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("m,n,k", [(1, 256, 256), (17, 384, 512), (100, 4096, 1024), (256, 300, 1280), (1000, 1024, 4096)])
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_mixed_gemm_matches_float64_reference(name, m, n, k, tokens, splits):

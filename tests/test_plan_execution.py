@@ -35,7 +35,7 @@ RECIPE_OF = {
     scaled_mm.NVFP4: recipes.nvfp4_block_scaling(),
     # Triton's decode GEMM (where Triton is installed), at a static m of at most 16 rows.
     **{decode.backend: zoo.recipe("rowwise") for decode in backends.DECODE_GEMMS},
-    # The mixed-input GEMM (where the extension has it), at a static m of 2 to 1024 rows for MXFP8, 17 to 1024 for NVFP4.
+    # The mixed-input GEMM (where the extension has it), at a static m of 2 to 1024 rows.
     mixed_input.BACKEND: recipes.mxfp8_block_scaling(),
     # graphquant's block-scaled GEMM (where the extension has it): fprop and dgrad of 128x128 weight tiles.
     block_scaled.BACKEND: recipes.float8_block_scaling(),

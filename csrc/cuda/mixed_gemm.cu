@@ -90,6 +90,31 @@ template <int TOKENS>
 struct Wgmma;
 
 template <>
+struct Wgmma<16> {
+  __device__ static void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  __device__ static void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+        : "memory");
+  }
+};
+
+template <>
 struct Wgmma<64> {
   __device__ static void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile(
@@ -460,6 +485,17 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   check_launch("mixed_gemm");
 }
 
+template <int F>
+void launch_tokens(int64_t tokens, const Args& args, dim3 grid, cudaStream_t stream) {
+  switch (tokens) {
+    case 16: return launch<F, 16>(args, grid, stream);
+    case 32: return launch<F, 32>(args, grid, stream);
+    case 64: return launch<F, 64>(args, grid, stream);
+    case 128: return launch<F, 128>(args, grid, stream);
+    default: return launch<F, 256>(args, grid, stream);
+  }
+}
+
 at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
                       const std::optional<at::Tensor>& a_amax, const std::optional<at::Tensor>& w_amax, double divisor,
                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
@@ -491,7 +527,8 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
                         bias->is_contiguous() && bias->device() == w.device()),
               "graphquant.mixed_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on w's device");
-  TORCH_CHECK(tokens == 64 || tokens == 128 || tokens == 256, "graphquant.mixed_gemm multiplies tiles of 64, 128 or 256 rows of x, not ", tokens);
+  TORCH_CHECK(tokens == 16 || tokens == 32 || tokens == 64 || tokens == 128 || tokens == 256,
+              "graphquant.mixed_gemm multiplies tiles of 16, 32, 64, 128 or 256 rows of x, not ", tokens);
   const c10::cuda::CUDAGuard guard(w.device());
   auto out = at::empty({m, n}, w.options().dtype(out_dtype));
   if (m == 0 || n == 0) return out;
@@ -523,11 +560,7 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
             bias ? kind(bias->scalar_type()) : BF16};
   const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (format == MXFP8) {
-    tokens == 64 ? launch<MXFP8, 64>(args, grid, stream) : tokens == 128 ? launch<MXFP8, 128>(args, grid, stream) : launch<MXFP8, 256>(args, grid, stream);
-  } else {
-    tokens == 64 ? launch<NVFP4, 64>(args, grid, stream) : tokens == 128 ? launch<NVFP4, 128>(args, grid, stream) : launch<NVFP4, 256>(args, grid, stream);
-  }
+  format == MXFP8 ? launch_tokens<MXFP8>(tokens, args, grid, stream) : launch_tokens<NVFP4>(tokens, args, grid, stream);
   if (splits > 1) {
     const int64_t total = m * n;
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
@@ -545,7 +578,7 @@ void register_mixed_gemm(pybind11::module_& m) {
         "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
         "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
         "each, optional) and bias (n bf16 or float16, optional) before one rounding "
-        "to out_dtype; tokens: the rows of x a CTA multiplies (64, 128 or 256); splits: K's split (0: chosen for the SMs)",
+        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amax"), pybind11::arg("divisor"),
         pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"));
 }

@@ -30,10 +30,13 @@ K_MULTIPLE = 128  # the K the kernel multiplies a pipeline step (or two): k must
 PLANNED_FAMILIES = frozenset((family, family) for family in FORMATS)
 ELEMENTS = frozenset({("e4m3", "e4m3"), ("e2m1", "e2m1")})
 # The rows of A the plan gives it, (fewest, most) a format (benchmarks/NOTES.md, decode_gemm.py):
-# MXFP8 from 2 (to 16 rows both it and the decode GEMM run one tile of rows, and it was the faster),
-# NVFP4 from 17 (to 16 its decode GEMM was the faster); one row stays on the decode GEMM's FMA
-# program. To 1024: from 2048 the emulation's bf16 GEMM was as fast, the products setting the pace.
-ROWS = {"mxfp8": (2, 1024), "nvfp4": (17, 1024)}
+# from 2 (to 16 rows both it, in tiles of 16 tokens, and the decode GEMM run one tile of rows, and
+# it was the faster for both formats); one row stays on the decode GEMM's FMA program. To 1024:
+# from 2048 the emulation's bf16 GEMM was as fast, the products setting the pace.
+ROWS = {"mxfp8": (2, 1024), "nvfp4": (2, 1024)}
+# The rows of A a CTA may multiply: a small tile where m is small, since its wgmmas are shorter and
+# x's bf16 values fill less of each stage (a 16-token tile ran 1.2x faster than a 64-token one at 16 rows).
+TOKENS = (16, 32, 64, 128, 256)
 ATOM = 64  # the K whose order the kernel permutes as one piece (DIGITS)
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
@@ -102,8 +105,8 @@ def gemm(
     a: Representation, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0
 ) -> torch.Tensor:
     """out (m, n) = A @ B^T (+ bias) for A and B of one format (MXFP8 or NVFP4, rowwise, the
-    reduction dim last), B the weight. ``tokens``: rows of A a CTA multiplies (64, 128 or 256; 0: the
-    fewest that hold m, up to 256); ``splits``: K's split (0: the extension's choice for the SMs)."""
+    reduction dim last), B the weight. ``tokens``: rows of A a CTA multiplies (one of TOKENS; 0:
+    the fewest that hold m, up to 256); ``splits``: K's split (0: the extension's choice for the SMs)."""
     if _family(a) != _family(b):
         raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {_family(b)}")
     return multiply(operand(a), a_amax(a), b, out_dtype, bias, tokens, splits)
@@ -135,5 +138,5 @@ def multiply(
         w_scale = padded[:, :cols].copy_(w_scale)
     amaxes = (a_amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
     m = values.shape[0]
-    tokens = tokens or (64 if m <= 64 else 128 if m <= 128 else 256)
+    tokens = tokens or next(t for t in TOKENS if t >= m or t == TOKENS[-1])
     return ext.mixed_gemm(values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits)
