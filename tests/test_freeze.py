@@ -236,6 +236,28 @@ def test_a_model_frozen_under_inference_mode_loads_a_checkpoint_after():
         assert torch.equal(compiled(x3()), other(x3()))
 
 
+@pytest.mark.parametrize("built", ["on meta", "on cpu"])
+def test_a_checkpoint_loaded_under_inference_mode_freezes_there_without_a_copy(built, tmp_path):
+    """A serving script that loads the checkpoint, builds the model and freezes it all under
+    torch.inference_mode gave freeze inference tensors, which torch refused as parameters (or as a
+    target of the load's copy, in a model built there) outside inference mode."""
+    source = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(source)
+    with torch.no_grad():
+        expected = source(x3())
+    torch.save(source.state_dict(), tmp_path / "frozen.pt")
+    with torch.inference_mode():
+        state = torch.load(tmp_path / "frozen.pt", weights_only=True)
+        with torch.device("meta" if built == "on meta" else "cpu"):
+            skeleton = models.MLP().to(torch.bfloat16)
+        loaded = graphquant.freeze(inference_model(skeleton, FAMILIES["mxfp8"]()), state_dict=state)
+        assert torch.equal(loaded(x3()), expected)
+    assert not any(t.is_inference() for t in loaded.state_dict().values())
+    if built == "on meta":  # the checkpoint's memory itself, not a copy
+        assert loaded._orig_mod.fc1.weight_codes.data_ptr() == state["_orig_mod.fc1.weight_codes"].data_ptr()
+    loaded.load_state_dict(source.state_dict())  # ordinary tensors, which a later load writes
+
+
 def test_a_weight_given_to_a_frozen_linear_is_refused_saying_why():
     compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
     graphquant.freeze(compiled)
