@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import reprlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -296,6 +297,10 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if backend.mode != "inference":
         raise ValueError(f"graphquant.freeze needs a model compiled with mode='inference' (this one: mode={backend.mode!r}): "
                          "a frozen model has no backward; compile it with graphquant.compile(model, recipe, mode='inference')")
+    if state_dict is not None and not isinstance(state_dict, Mapping):
+        raise TypeError(f"graphquant.freeze: state_dict takes a mapping of names to tensors, a frozen model's state_dict as "
+                        f"torch.load(path, weights_only=True) or safetensors.torch.load_file(path) gives it back; got "
+                        f"{type(state_dict).__name__} {reprlib.repr(state_dict)}")
     root = backend.root
     amax_group = distributed.group_name(backend.planner.recipe.amax_reduction_group)
     tied = _tied_parameters(root)

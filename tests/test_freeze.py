@@ -315,6 +315,16 @@ def test_a_checkpoint_of_another_recipe_or_shape_is_refused(tmp_path):
         graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=mlp().state_dict())
 
 
+@pytest.mark.parametrize("given, said", [("frozen.pt", "str 'frozen.pt'"), ([1, 2], r"list \[1, 2\]"), (42, "int 42")])
+def test_a_state_dict_that_is_no_mapping_is_refused_saying_what_it_takes(given, said):
+    """A checkpoint's path (or anything else) failed in dict()'s conversion, naming nothing."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    with pytest.raises(TypeError, match=r"graphquant.freeze: state_dict takes a mapping of names to tensors.*"
+                                        r"torch.load\(path, weights_only=True\).*; got " + said):
+        graphquant.freeze(compiled, state_dict=given)
+    graphquant.freeze(compiled)  # left as it was
+
+
 def test_freeze_refuses_what_it_cannot_freeze():
     with pytest.raises(ValueError, match=r"mode='inference'.*this one: mode=None"):
         graphquant.freeze(graphquant.compile(mlp(), FAMILIES["tensorwise"](), backend="aot_eager"))
