@@ -808,7 +808,7 @@ def compile(
     strict: make every GEMM that is not native on this device an error.
     mode: "inference" makes no backward representations even with grad enabled; None decides
         per call from torch.is_grad_enabled().
-    seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible. The
+    seed: the stochastic-rounding seed, an int64; with the same seed, runs are bit for bit reproducible. The
         step advances at each call of a graph whose GEMMs round stochastically (an inference call
         draws nothing and leaves it), so a forward that graph breaks splits into two steps.
     dump_dir: write each captured graph, its rewritten form and its plan there (default: the
