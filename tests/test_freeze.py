@@ -394,10 +394,13 @@ def test_a_meta_model_whose_buffers_no_checkpoint_holds_is_refused_before_freezi
     assert type(skeleton.fc1) is torch.nn.Linear
 
 
-def test_frozen_model_has_no_backward():
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_frozen_model_has_no_backward(x_requires_grad):
+    """Where the input requires no grad (a data batch), the linears' biases do, and their
+    backward failed with autograd's "does not require grad", naming no frozen linear."""
     compiled = inference_model(mlp(torch.float32), FAMILIES["tensorwise"]())
     graphquant.freeze(compiled)
-    x = x3(torch.float32).requires_grad_()
+    x = x3(torch.float32).requires_grad_(x_requires_grad)
     with pytest.warns(UserWarning, match="makes no backward"):
         y = compiled(x)
     with pytest.raises(RuntimeError, match=r"backward through fc\d#0, whose weight graphquant.freeze stored quantized.*no backward"):
