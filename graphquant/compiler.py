@@ -808,13 +808,15 @@ def compile(
     strict: make every GEMM that is not native on this device an error.
     mode: "inference" makes no backward representations even with grad enabled; None decides
         per call from torch.is_grad_enabled().
-    seed: the stochastic-rounding seed; with the same seed, runs are bit for bit reproducible. The
+    seed: the stochastic-rounding seed, an int64; with the same seed, runs are bit for bit reproducible. The
         step advances at each call of a graph whose GEMMs round stochastically (an inference call
         draws nothing and leaves it), so a forward that graph breaks splits into two steps.
     dump_dir: write each captured graph, its rewritten form and its plan there (default: the
         environment variable GRAPHQUANT_DUMP, if set).
     compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend
         (e.g. compile_mode="reduce-overhead" for CUDA graphs).
+    disable=True (torch.compile's switch, as in ``disable=not args.compile``) returns ``model``
+    itself, as torch.compile does: it runs in high precision, quantizing nothing.
     """
     if not callable(model):
         raise TypeError(f"graphquant.compile takes the nn.Module or function to compile, got {type(model).__name__}")
@@ -836,6 +838,8 @@ def compile(
         inductor_options=inductor_options,
         root=_named_root(model),
     )
+    if torch_compile_kwargs.get("disable"):  # after the checks of the arguments, which the switch hides no error of
+        return model
     compiled = torch.compile(model, backend=gq_backend, **(_ISOLATED | torch_compile_kwargs))
     name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", repr(model))
     if isinstance(compiled, torch.nn.Module):

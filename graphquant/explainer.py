@@ -36,6 +36,9 @@ def run_once(
             "graphquant.explain and graphquant.numerics run the rewritten graph eagerly, so that each GEMM is seen as it "
             f"runs; they take no backend (got backend={compile_kwargs['backend']!r})"
         )
+    if compile_kwargs.get("disable"):
+        raise TypeError("graphquant.explain and graphquant.numerics plan the GEMMs of the graphs torch.compile captures, "
+                        "which disable=True switches off: call them without disable")
     compiled = compiler.compile(model, recipe, backend=run_eagerly, **(_DEFAULTS | compile_kwargs))
     compiled.graphquant.planner.fail_on_bucket = False
     output = compiled(*example_inputs, **(example_kwargs or {}))

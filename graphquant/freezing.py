@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import reprlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -281,7 +282,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     reads them: call the model once before. With ``state_dict`` (a frozen model's, as
     ``torch.load(path, weights_only=True)`` gives it back), nothing is quantized: the weights and
     every other tensor are loaded from it, keys with or without torch.compile's ``_orig_mod.``
-    prefix. A model built on the meta device takes the checkpoint's tensors themselves.
+    prefix. A model built on the meta device takes the checkpoint's tensors themselves. Inference
+    tensors (a checkpoint loaded, or a model built, under torch.inference_mode) become ordinary
+    tensors on the same memory, nothing copied, which a later load_state_dict can write.
 
     A weight tied to another module's (a tied LM head) stays as it is, with a warning, as do an
     nn.Linear subclass with a forward or parameters of its own and an expert stack that the
@@ -294,6 +297,10 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if backend.mode != "inference":
         raise ValueError(f"graphquant.freeze needs a model compiled with mode='inference' (this one: mode={backend.mode!r}): "
                          "a frozen model has no backward; compile it with graphquant.compile(model, recipe, mode='inference')")
+    if state_dict is not None and not isinstance(state_dict, Mapping):
+        raise TypeError(f"graphquant.freeze: state_dict takes a mapping of names to tensors, a frozen model's state_dict as "
+                        f"torch.load(path, weights_only=True) or safetensors.torch.load_file(path) gives it back; got "
+                        f"{type(state_dict).__name__} {reprlib.repr(state_dict)}")
     root = backend.root
     amax_group = distributed.group_name(backend.planner.recipe.amax_reduction_group)
     tied = _tied_parameters(root)
@@ -309,7 +316,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     # model as it was, as a checkpoint that does not fit does (_loaded).
     state = None
     if state_dict is not None:
-        state = dict(state_dict)
+        state = {key: _ordinary(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
         _with_tied_entries(state, tied)
     frozen = []
@@ -321,6 +328,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
             raise ValueError(f"graphquant.freeze: {name}'s weight is on the meta device, with no values to quantize; pass "
                              "the frozen checkpoint to load as graphquant.freeze(model, state_dict=...)")
         frozen.append((name, linear, quantizer))
+    _without_inference_tensors(root)
     if state_dict is None:
         expert_stacks = _expert_stacks(root, backend, tied)
         for name, linear, quantizer in frozen:
@@ -344,6 +352,33 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         )
     _warn_of_sites_left(backend, {name for name, _ in linears} | {name for name, _ in kept} | stored_before)
     return model
+
+
+def _ordinary(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or, where it is an inference tensor (made under torch.inference_mode: a
+    checkpoint a serving script loaded there), an ordinary tensor on its memory, nothing copied:
+    torch refuses an inference tensor as a parameter outside inference mode, and a later
+    load_state_dict could not write it. A frozen model runs no backward, whose version checks an
+    inference tensor's writes would escape."""
+    if not tensor.is_inference():
+        return tensor
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _without_inference_tensors(root: nn.Module) -> None:
+    """Put an ordinary tensor on the same memory (``_ordinary``) in the place of each inference
+    tensor among ``root``'s parameters and buffers (a model built under torch.inference_mode),
+    which a checkpoint's load could not write outside it; tied ones stay tied."""
+    ordinary: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None and tensor.is_inference():
+                    if id(tensor) not in ordinary:
+                        alias = _ordinary(tensor)
+                        ordinary[id(tensor)] = nn.Parameter(alias, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else alias
+                    tensors[name] = ordinary[id(tensor)]
 
 
 def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied: dict[int, list[str]]) -> str:

@@ -6,6 +6,7 @@ scale was computed for; with the entries a checkpoint gave for slots no graph ha
 from __future__ import annotations
 
 import json
+import operator
 from typing import Mapping, Optional
 
 import torch
@@ -26,7 +27,7 @@ class RunState:
     """The state of one graphquant model's slots, over all its graphs."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
+        self.seed = _checked_seed(seed)
         self.delayed: dict[QuantizerRole, torch.Tensor] = {}
         self.rng: Optional[torch.Tensor] = None  # [seed, step] of the latest call
         self.rng_step: Optional[torch.Tensor] = None
@@ -97,7 +98,7 @@ class RunState:
         restored = {key: self._restored(key, state[key], like, saved_scalings.get(key)) for key, like in live.items()}
         waiting = {key: value.detach().clone() for key, value in state.items() if key not in live}
         if "rng" in waiting:  # a wrong seed fails here, not at the first call
-            self._restored("rng", waiting["rng"], torch.tensor([self.seed, 0]))
+            self._restored("rng", waiting["rng"], torch.tensor([self.seed, 0], dtype=torch.int64))
         self.waiting = waiting
         self.scalings = {key: scaling for key, scaling in self.scalings.items() if key in live}
         self.scalings.update((key, saved_scalings[key]) for key in waiting if key in saved_scalings)
@@ -200,6 +201,21 @@ class RunState:
             )
         _check_values(key, value)
         return value.to(device=like.device, copy=True)
+
+
+def _checked_seed(seed: object) -> int:
+    """graphquant.compile's ``seed`` as the int that the int64 [seed, step] state holds: a string
+    or a float failed only at the first call that draws, inside Dynamo, and 1.5 drew as 1."""
+    try:
+        index = None if isinstance(seed, bool) else operator.index(seed)  # numpy's and torch's integers too
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"graphquant.compile: seed is an int (the stochastic-rounding seed), got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= index < 2**63:
+        raise ValueError(f"graphquant.compile: seed is an int64, from -2**63 to 2**63 - 1 (the stochastic-rounding state "
+                         f"holds it as one), got {index}")
+    return index
 
 
 def _decoded(record: torch.Tensor):

@@ -124,6 +124,32 @@ def test_a_preset_given_as_a_factory_and_a_preset_name_given_to_the_zoo_point_at
         recipes.tensorwise()
 
 
+@pytest.mark.parametrize(
+    "seed, error, said",
+    [
+        ("a", TypeError, "got str 'a'"), (None, TypeError, "got NoneType None"), (1.5, TypeError, "got float 1.5"),
+        (True, TypeError, "got bool True"), (2**63, ValueError, f"from -2\\*\\*63 to 2\\*\\*63 - 1 .*got {2**63}"),
+    ],
+)
+def test_a_seed_that_is_no_int64_is_refused_at_compile(seed, error, said):
+    """It failed only at the first call that drew random bits, inside Dynamo (an inference model
+    took it silently), and 1.5 drew as 1."""
+    with pytest.raises(error, match=r"graphquant.compile: seed is an int.*" + said):
+        graphquant.compile(models.MLP(), recipes.nvfp4_block_scaling(), seed=seed)
+
+
+def test_every_int64_seed_draws_a_stream_of_its_own():
+    """The accepted range is the state's: negative seeds and the int64 extremes too."""
+    grads = []
+    for seed in (0, -1, -(2**63), 2**63 - 1):
+        model = models.seeded(models.MLP())
+        compiled = graphquant.compile(model, recipes.nvfp4_block_scaling(), backend="aot_eager", seed=seed)
+        compiled(x3()).sum().backward()
+        assert compiled.graphquant.state_dict()["rng"].tolist() == [seed, 1]
+        grads.append(model.fc1.weight.grad)
+    assert not any(torch.equal(grads[0], grad) for grad in grads[1:])
+
+
 def test_inference_mode_under_grad_warns_at_the_call_that_no_gradient_will_flow():
     """mode="inference" makes no backward: a call with grad enabled on parameters that require it
     would return outputs whose backward fails with torch's generic message, so graphquant says so

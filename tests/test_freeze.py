@@ -236,6 +236,28 @@ def test_a_model_frozen_under_inference_mode_loads_a_checkpoint_after():
         assert torch.equal(compiled(x3()), other(x3()))
 
 
+@pytest.mark.parametrize("built", ["on meta", "on cpu"])
+def test_a_checkpoint_loaded_under_inference_mode_freezes_there_without_a_copy(built, tmp_path):
+    """A serving script that loads the checkpoint, builds the model and freezes it all under
+    torch.inference_mode gave freeze inference tensors, which torch refused as parameters (or as a
+    target of the load's copy, in a model built there) outside inference mode."""
+    source = inference_model(mlp(), FAMILIES["mxfp8"]())
+    graphquant.freeze(source)
+    with torch.no_grad():
+        expected = source(x3())
+    torch.save(source.state_dict(), tmp_path / "frozen.pt")
+    with torch.inference_mode():
+        state = torch.load(tmp_path / "frozen.pt", weights_only=True)
+        with torch.device("meta" if built == "on meta" else "cpu"):
+            skeleton = models.MLP().to(torch.bfloat16)
+        loaded = graphquant.freeze(inference_model(skeleton, FAMILIES["mxfp8"]()), state_dict=state)
+        assert torch.equal(loaded(x3()), expected)
+    assert not any(t.is_inference() for t in loaded.state_dict().values())
+    if built == "on meta":  # the checkpoint's memory itself, not a copy
+        assert loaded._orig_mod.fc1.weight_codes.data_ptr() == state["_orig_mod.fc1.weight_codes"].data_ptr()
+    loaded.load_state_dict(source.state_dict())  # ordinary tensors, which a later load writes
+
+
 def test_a_weight_given_to_a_frozen_linear_is_refused_saying_why():
     compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
     graphquant.freeze(compiled)
@@ -291,6 +313,16 @@ def test_a_checkpoint_of_another_recipe_or_shape_is_refused(tmp_path):
         graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=tampered)
     with pytest.raises(RuntimeError, match=r"high-precision fc1.weight"):
         graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=mlp().state_dict())
+
+
+@pytest.mark.parametrize("given, said", [("frozen.pt", "str 'frozen.pt'"), ([1, 2], r"list \[1, 2\]"), (42, "int 42")])
+def test_a_state_dict_that_is_no_mapping_is_refused_saying_what_it_takes(given, said):
+    """A checkpoint's path (or anything else) failed in dict()'s conversion, naming nothing."""
+    compiled = inference_model(mlp(), FAMILIES["mxfp8"]())
+    with pytest.raises(TypeError, match=r"graphquant.freeze: state_dict takes a mapping of names to tensors.*"
+                                        r"torch.load\(path, weights_only=True\).*; got " + said):
+        graphquant.freeze(compiled, state_dict=given)
+    graphquant.freeze(compiled)  # left as it was
 
 
 def test_freeze_refuses_what_it_cannot_freeze():
@@ -362,10 +394,13 @@ def test_a_meta_model_whose_buffers_no_checkpoint_holds_is_refused_before_freezi
     assert type(skeleton.fc1) is torch.nn.Linear
 
 
-def test_frozen_model_has_no_backward():
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_frozen_model_has_no_backward(x_requires_grad):
+    """Where the input requires no grad (a data batch), the linears' biases do, and their
+    backward failed with autograd's "does not require grad", naming no frozen linear."""
     compiled = inference_model(mlp(torch.float32), FAMILIES["tensorwise"]())
     graphquant.freeze(compiled)
-    x = x3(torch.float32).requires_grad_()
+    x = x3(torch.float32).requires_grad_(x_requires_grad)
     with pytest.warns(UserWarning, match="makes no backward"):
         y = compiled(x)
     with pytest.raises(RuntimeError, match=r"backward through fc\d#0, whose weight graphquant.freeze stored quantized.*no backward"):

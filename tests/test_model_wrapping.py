@@ -116,6 +116,20 @@ def test_a_graphquant_model_is_not_compiled_or_explained_again():
         graphquant.explain(quantized(mlp()), recipes.current_scaling(), x2())
 
 
+def test_disable_true_returns_the_model_itself_as_torch_compile_does():
+    """torch.compile's switch (``disable=not args.compile``) returns the model, which runs in high
+    precision; graphquant.compile failed on it with an AttributeError about dynamo_ctx."""
+    model, x = mlp(), x2()
+    assert graphquant.compile(model, recipes.mxfp8_block_scaling(), disable=True) is model
+    assert torch.equal(model(x), mlp()(x))
+    forward = mlp().forward
+    assert graphquant.compile(forward, recipes.mxfp8_block_scaling(), disable=True) is forward
+    with pytest.raises(TypeError, match=r"graphquant needs a CustomRecipe"):  # the switch hides no mistake in the rest
+        graphquant.compile(mlp(), "mxfp8", disable=True)
+    with pytest.raises(TypeError, match=r"graphquant.explain and graphquant.numerics plan .* disable=True switches off"):
+        graphquant.explain(mlp(), recipes.mxfp8_block_scaling(), x, disable=True)
+
+
 def test_a_deep_copy_is_a_graphquant_model_of_its_own_that_continues_from_the_original():
     x = x2()
     reference = quantized(mlp(), recipes.delayed_scaling())

@@ -56,22 +56,27 @@ def _(grad, shape, message):
 
 class _RefusedBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, y: torch.Tensor, message: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, message: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.x_shape, ctx.message = tuple(x.shape), message
+        ctx.bias_shape = None if bias is None else tuple(bias.shape)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return torch.ops.graphquant.refused_backward(grad, ctx.x_shape, ctx.message), None, None
+        x_grad = torch.ops.graphquant.refused_backward(grad, ctx.x_shape, ctx.message)
+        bias_grad = None if ctx.bias_shape is None else torch.ops.graphquant.refused_backward(grad, ctx.bias_shape, ctx.message)
+        return x_grad, None, None, bias_grad
 
 
-def refuse_backward(x: torch.Tensor, y: torch.Tensor, label: str) -> torch.Tensor:
-    """``y``, computed from ``x`` at the frozen site ``label`` (a linear or an expert stack), with a
-    backward into x that fails."""
+def refuse_backward(x: torch.Tensor, y: torch.Tensor, label: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y``, computed from ``x`` (and ``bias``, which y's product read detached) at the frozen site
+    ``label`` (a linear or an expert stack), with a backward into x and the bias that fails: a
+    bias that requires grad makes y require it too, so that a backward from an input that does
+    not fails here, naming the site, and not with autograd's "does not require grad"."""
     message = (
         f"graphquant: backward through {label}, whose weight graphquant.freeze stored quantized for "
         "the forward alone (no high-precision weight, no columnwise copy), so a frozen model has no backward. Train "
         "the model with its high-precision weights (graphquant.compile without freeze), or call it under "
         "torch.no_grad()"
     )
-    return _RefusedBackward.apply(x, y, message)
+    return _RefusedBackward.apply(x, y, message, bias)

@@ -72,7 +72,7 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
     x2d = x.reshape(-1, x.shape[-1])
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
-    return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label) for y, s, site in zip(ys, shapes, sites))
+    return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label, b) for y, s, site, b in zip(ys, shapes, sites, biases))
 
 
 @autocast.operands_cast
