@@ -11,6 +11,7 @@ import inspect
 import os
 import re
 import threading
+import types
 import weakref
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
 
@@ -85,6 +86,10 @@ class GraphquantBackend:
         self.plans: list[Plan] = []
         # Whether each of ``plans`` is a training graph's, and the number of the call that compiled it.
         self.plan_origins: list[tuple[bool, int]] = []
+        # The code of each of ``plans``' frames, and each module's largest call number among its sites.
+        self.plan_calls: list[tuple[Optional[types.CodeType], dict[str, int]]] = []
+        # Frame.offsets as each code was first compiled for its modules (_counting_on), by code and Frame.modules.
+        self.call_offsets: dict[tuple[types.CodeType, tuple], tuple[tuple[str, int], ...]] = {}
         self.training_call = False  # whether the latest call runs training graphs (the forward's entry sets it)
         self.calls = 0  # the calls so far (the forward's entry counts them)
         # The refusals of the graphs that only raise them (a size that tiles no block): each takes one
@@ -327,7 +332,8 @@ class GraphquantBackend:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
         self._note_read_parameters(gm, example_inputs)
-        frame = self._frame(gm, example_inputs)
+        code = _compiling_code()
+        frame = self._counting_on(self._frame(gm, example_inputs), code)
         make_operands_positional(gm)
         fold_linears(gm, example_inputs)
         if self.planner.recipe.fp8_dpa:
@@ -346,6 +352,7 @@ class GraphquantBackend:
             hidden[node.meta["graphquant_skip"]].append(_described(node, frame))
         for why, calls in hidden.items():
             user_stack.warn(f"graphquant: {why} ({len(calls)} call(s) in this graph, the first {calls[0]})")
+        calls = _largest_calls(gm, frame)
         self._note_weights_read_otherwise(gm, example_inputs)  # once every call the plan lists as not quantized is marked
         self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
         skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
@@ -396,6 +403,7 @@ class GraphquantBackend:
         # restart (Python scalars made tensors under dynamic shapes), and traces the frame again.
         self.plans.append(plan)
         self.plan_origins.append((training, self.calls))
+        self.plan_calls.append((code, calls))
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
@@ -506,6 +514,34 @@ class GraphquantBackend:
             for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if names.get(id(value))
         )
         return Frame(tuple(modules.items()), own, aliases, weights)
+
+    def _counting_on(self, frame: Frame, code: Optional[types.CodeType]) -> Frame:
+        """``frame``, of a graph Dynamo traced from ``code``, with the calls its modules count on
+        from (Frame.offsets): each module's calls in the graphs of other code that this forward call
+        compiled before this one (the graph before a graph break), so that a module called on both
+        sides of the break is a#0 and a#1, not a#0 twice. They are taken at the first compile of the
+        code for these modules and kept, so that a recompile (new shapes, an evaluation), whose
+        earlier graphs run from Dynamo's cache and plan nothing, names its sites as the first
+        compile did. Graphs of the same code are left out: they are pieces of one trace (DDP's
+        split graph), whose module stack counts calls across them, or other modules' (one method
+        that breaks, run by several layers).
+
+        Not covered (calls that share a number, as each graph counting from #0 gave): those of a
+        resumed code first compiled in a forward call whose earlier graph came from the cache (one
+        compiled in a call that took no graph break there); a graph that runs twice in one forward
+        call (a module whose own forward breaks, called twice), or a code compiled twice in one
+        (such a module called again with new shapes)."""
+        if code is None:
+            return frame
+        key = (code, frame.modules)
+        if key not in self.call_offsets:
+            offsets: dict[str, int] = {}
+            for (earlier, calls), (_, call) in zip(self.plan_calls, self.plan_origins):
+                if call == self.calls and earlier is not code:
+                    for name, largest in calls.items():
+                        offsets[name] = max(offsets.get(name, 0), largest + 1)
+            self.call_offsets[key] = tuple(offsets.items())
+        return dataclasses.replace(frame, offsets=self.call_offsets[key])
 
     def _inner(self) -> Callable:
         if callable(self.inner):
@@ -689,17 +725,33 @@ def _own_module_locals() -> list[tuple[str, Any]]:
     return [(_SELF, LocalSource("self")), *((f"L['{name}'].__self__", AttrSource(LocalSource(name), "__self__")) for name in stacked)]
 
 
+def _largest_calls(gm: fx.GraphModule, frame: Frame) -> dict[str, int]:
+    """Each module owning a site of ``gm`` (GEMM or attention) with the largest of its call numbers there."""
+    calls: dict[str, int] = {}
+    for node in nodes_and_bodies(gm):
+        if "graphquant_site" in node.meta or "graphquant_attention" in node.meta:
+            owner, call, _ = owner_of(node, frame)
+            calls[owner] = max(call, calls.get(owner, call))
+    return calls
+
+
+def _compiling_code() -> Optional[types.CodeType]:
+    """The code of the frame Dynamo is compiling (a method, or its code resumed after a graph
+    break); None where there is none (a graph handed over otherwise)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:
+        return None
+
+
 def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:
     """The method ("Attn.forward at attention.py:13, which 2 modules of the model run") whose code
     is the frame Dynamo is compiling (resumed after a graph break, or whole), where more than one
     module of the model runs it; '' otherwise (one module or none, no model, no frame)."""
-    if root is None:
-        return ""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        code = InstructionTranslator.current_tx().f_code
-    except Exception:  # no frame being compiled (a graph handed over otherwise)
+    code = _compiling_code()
+    if root is None or code is None:
         return ""
     resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", code.co_name)
     function, line = (resumed[1], int(resumed[2])) if resumed else (code.co_name, code.co_firstlineno)

@@ -161,6 +161,11 @@ class Frame:
     # Each parameter the graph lifts (its placeholder's name) with its names in the model (a tied
     # one has several).
     weights: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Each module (by its first name) with the calls of it that earlier graphs of the same forward
+    # hold (a graph break's: GraphquantBackend._counting_on): its calls in this graph count on from
+    # there, as the module stack counts them within one graph. The products of the frame's own
+    # module that no module call encloses take none: they go on with the call in progress.
+    offsets: tuple[tuple[str, int], ...] = ()
 
     def name(self, path: str) -> str:
         """The qualified name of the module at Dynamo's ``path`` ("L['stack1'].proj")."""
@@ -168,13 +173,15 @@ class Frame:
         return ".".join(p for p in (prefix, fqn_from_stack_path(path)) if p)
 
     def call_of(self, name: str, call: int) -> tuple[str, int]:
-        """(name, call) of a module's call as its first name counts it: a call through a later name
-        is a call of the same module (one slot a role, as for a module called twice); the k-th call
-        through a module's i-th of n names is its call k * n + i, distinct from every other."""
+        """(name, call) of a module's call as its first name counts it, after its calls in earlier
+        graphs (``offsets``): a call through a later name is a call of the same module (one slot a
+        role, as for a module called twice); the k-th call through a module's i-th of n names is its
+        call k * n + i, distinct from every other."""
         for alias, first, names, place in self.aliases:
             if name == alias:
-                return first, call * names + place
-        return name, call
+                name, call = first, call * names + place
+                break
+        return name, call + dict(self.offsets).get(name, 0)
 
     def multiplies_own_weight(self, w: fx.Node, owner: str) -> bool:
         """Whether ``w``, the weight a product in nn.Linear ``owner``'s code multiplies, is the

@@ -939,6 +939,40 @@ def test_a_graph_break_inside_a_block_keeps_names_and_formats_per_block():
     assert_same_results(results[True], results[False], slack=0)
 
 
+class CalledAcrossABreak(torch.nn.Module):
+    """``a`` called before and after a graph break; ``b`` reads ``y``, which only the graph after
+    the break takes, so a new shape of ``y`` recompiles that graph alone."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.a(h).sum() + self.b(y).sum()
+
+
+def test_a_module_called_on_both_sides_of_a_graph_break_is_numbered_across_the_graphs():
+    """Each graph counted a module's calls from #0, so both calls of ``a`` were a#0: two rows of
+    each of its GEMMs in the plan, and one row of both in graphquant.numerics. A recompile of the
+    graph after the break, whose earlier graph runs from Dynamo's cache, keeps its numbers."""
+    model, recipe = models.seeded(CalledAcrossABreak()), recipes.mxfp8_block_scaling()
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    compiled = graphquant.compile(model, recipe, backend="aot_eager")
+    compiled(x, y).backward()
+    plan = compiled.graphquant.plan
+    rows = [(g.site, g.gemm) for g in plan.gemms]
+    assert sorted({site for site, _ in rows}) == ["a#0", "a#1", "b#0"]
+    assert len(rows) == len(set(rows)) == 2 + 3 + 2  # x and y take no gradient: no dgrad of a#0 or b#0
+    report = graphquant.numerics(models.seeded(CalledAcrossABreak()), recipe, x, y)
+    assert sorted((g.site, g.gemm) for g in report.gemms) == sorted(rows)
+
+    compiled(x, torch.randn(64, 64)).backward()
+    assert len(compiled.graphquant.plans) == 3  # the graph after the break, recompiled alone
+    assert sorted({g.site for g in compiled.graphquant.plan.gemms}) == ["a#1", "b#0"]
+
+
 class ScoresAfterABreak(torch.nn.Module):
     """Attention scores past a graph break (a logger call), reaching no module of the block's own
     after it: Dynamo resumes that code as one graph for every block, guarded on none."""
