@@ -289,8 +289,9 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     loaded so.
 
     A weight tied to another module's (a tied LM head) stays as it is, with a warning, as do an
-    nn.Linear subclass with a forward or parameters of its own and an expert stack that the
-    model's graphs read other than as one grouped site's weight.
+    nn.Linear subclass with a forward or parameters of its own, an nn.MultiheadAttention's
+    out_proj, a linear whose weight the compiled graphs read other than through its forward, and
+    an expert stack that the model's graphs read other than as one grouped site's weight.
     """
     backend = model.__dict__.get("graphquant") if isinstance(model, nn.Module) else None
     if not isinstance(backend, GraphquantBackend) or backend.root is None:
