@@ -29,7 +29,7 @@ from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
     GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
-    VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers,
+    VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers, written_at,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -331,6 +331,7 @@ class GraphquantBackend:
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
         captured = gm.code if self.dump_dir else ""
+        drop_frozen_weight_stand_ins(gm)
         self._note_read_parameters(gm, example_inputs)
         code = _compiling_code()
         frame = self._counting_on(self._frame(gm, example_inputs), code)
@@ -592,6 +593,29 @@ class GraphquantBackend:
         role = next(r for r, _ in plan.slots if str(r) == key)
         state = self.run_state.slot(role, plan.quantizer(role), device, experts)
         return lambda: state
+
+
+def drop_frozen_weight_stand_ins(gm: fx.GraphModule) -> None:
+    """Remove each frozen linear's weight stand-in (graphquant::frozen_weight_stand_in, what a
+    FrozenLinear's ``weight`` gives compiled code) that no node of ``gm`` uses: the model read only
+    its device, dtype or shape. One that a node uses (a product, a cast) has no values to give:
+    raise a PlanError naming the linear. Postcondition: no stand-in is left in ``gm`` or its bodies."""
+    stand_in = torch.ops.graphquant.frozen_weight_stand_in.default
+    for module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        nodes = module.graph.find_nodes(op="call_function", target=stand_in)
+        for node in nodes:
+            if node.users:
+                name = node.args[3]
+                raise PlanError(
+                    f"graphquant: {written_at(next(iter(node.users)))} reads the weight of {name}, which graphquant.freeze "
+                    "stored quantized (a FrozenLinear, whose weight is a stand-in with no values). freeze keeps a linear whose "
+                    "weight the compiled graphs read other than through its forward, once a call has compiled them: give the "
+                    f"model its weights again, call it once, then graphquant.freeze it; or call the module ({name}(x)) "
+                    "instead of reading its weight"
+                )
+            module.graph.erase_node(node)
+        if nodes:
+            module.recompile()
 
 
 def _failed_on_fake_tensors(error: Exception) -> str:

@@ -184,13 +184,16 @@ class FrozenLinear(StoredWeight):
 
     @property
     def weight(self) -> torch.Tensor:
-        """A stand-in of the weight's shape and dtype on the meta device, which holds no values:
-        model code that reads a linear's weight.dtype (T5's feed-forward casts to it) runs as
-        before, and anything that reads its values fails (freeze keeps a linear whose weight the
-        compiled graphs read other than through its forward). Outside compiled code it refuses a
-        write (``copy_``, nn.init, ``.data.normal_()``), which a bare meta tensor takes silently."""
+        """A stand-in of the weight's shape and dtype, which holds no values: model code that reads
+        a linear's weight.dtype (T5's feed-forward casts to it) runs as before. In compiled code it
+        is on the stored weight's device (``x.to(self.fc.weight.device)`` places x as before) and
+        the backend refuses a graph that reads its values, naming the linear. Outside compiled code
+        it is on the meta device and refuses a write (``copy_``, nn.init, ``.data.normal_()``),
+        which a bare meta tensor takes silently."""
+        if torch.compiler.is_compiling():
+            return torch.ops.graphquant.frozen_weight_stand_in.default(self.weight_codes, list(self.weight_shape), self.weight_dtype, self.name)
         stand_in = torch.empty(self.weight_shape, dtype=self.weight_dtype, device="meta")
-        return stand_in if torch.compiler.is_compiling() else WriteRefusing.of(stand_in, self._refusal("a weight written into it"))
+        return WriteRefusing.of(stand_in, self._refusal("a weight written into it"))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "weight":  # nn.Module's own message would be "attribute 'weight' already exists"
@@ -284,11 +287,14 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     every other tensor are loaded from it, keys with or without torch.compile's ``_orig_mod.``
     prefix. A model built on the meta device takes the checkpoint's tensors themselves. Inference
     tensors (a checkpoint loaded, or a model built, under torch.inference_mode) become ordinary
-    tensors on the same memory, nothing copied, which a later load_state_dict can write.
+    tensors on the same memory, nothing copied, which a later load_state_dict can write. A linear
+    whose high-precision weight a frozen checkpoint holds (its frozen model kept it) is kept and
+    loaded so.
 
     A weight tied to another module's (a tied LM head) stays as it is, with a warning, as do an
-    nn.Linear subclass with a forward or parameters of its own and an expert stack that the
-    model's graphs read other than as one grouped site's weight.
+    nn.Linear subclass with a forward or parameters of its own, an nn.MultiheadAttention's
+    out_proj, a linear whose weight the compiled graphs read other than through its forward, and
+    an expert stack that the model's graphs read other than as one grouped site's weight.
     """
     backend = model.__dict__.get("graphquant") if isinstance(model, nn.Module) else None
     if not isinstance(backend, GraphquantBackend) or backend.root is None:
@@ -319,6 +325,10 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         state = {key: _ordinary(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
         _with_tied_entries(state, tied)
+        if _holds_stored_weights(state):  # a frozen model's: a high-precision weight in it is one that model kept
+            kept += [(name, "the frozen checkpoint holds its high-precision weight, as the frozen model kept it")
+                     for name, _ in linears if f"{name}.weight" in state]
+            linears = [(name, m) for name, m in linears if f"{name}.weight" not in state]
     frozen = []
     for name, linear in linears:
         quantizer = _weight_quantizer(backend, name, tuple(linear.weight.shape))
@@ -384,8 +394,10 @@ def _without_inference_tensors(root: nn.Module) -> None:
 def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied: dict[int, list[str]]) -> str:
     """Why a FrozenLinear would not compute what ``linear`` does ("" where it would): a subclass's
     forward, parameters, buffers or submodules (a learned logit scale, a router returning a
-    tuple), hooks, or a weight the compiled graphs read other than through the linear's forward
-    (nn.MultiheadAttention reads its out_proj's), which would read the stored weight's stand-in."""
+    tuple), hooks, or a weight the compiled graphs read other than through the linear's forward,
+    which would read the stored weight's stand-in: nn.MultiheadAttention's out_proj always (its
+    forward reads the weight through F.multi_head_attention_forward), others once a call has
+    compiled the graphs that read them."""
     own = {n for n, _ in itertools.chain(linear.named_parameters(recurse=False), linear.named_buffers(recurse=False))}
     if type(linear).forward is not nn.Linear.forward or not own <= {"weight", "bias"} or any(True for _ in linear.children()):
         return f"a {type(linear).__name__} with a forward or state of its own, which a FrozenLinear would drop"
@@ -394,6 +406,8 @@ def _kept_because(name: str, linear: nn.Linear, backend: GraphquantBackend, tied
     tie = _tie(f"{name}.weight", tied, linear.weight)
     if tie:  # before the graphs' other reads of it: its twin's
         return f"its weight is {tie}"
+    if isinstance(backend.root.get_submodule(_owner(name)), nn.MultiheadAttention):  # known before any graph is
+        return "nn.MultiheadAttention's forward reads its weight itself, not through the linear's forward"
     if f"{name}.weight" in backend.weights_read_otherwise:
         return "its weight is read other than by its own forward"
     return ""
@@ -476,6 +490,12 @@ def described(saved: Any) -> Optional[dict[str, Any]]:
         return json.loads(bytes(saved.tolist()).decode())
     except ValueError:
         return None
+
+
+def _holds_stored_weights(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is a frozen model's checkpoint: it holds some stored weight's extra state."""
+    descriptions = (described(value) for key, value in state.items() if key.rpartition(".")[2] == "_extra_state")
+    return any(isinstance(description, dict) and "format" in description for description in descriptions)
 
 
 def _saved_stacks(state: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:

@@ -643,9 +643,103 @@ def test_linears_whose_weight_other_code_reads_or_that_have_hooks_are_kept():
     compiled = inference_model(model, FAMILIES["mxfp8"]())
     with torch.no_grad():
         expected = compiled(x3())
-        with pytest.warns(UserWarning, match=r"keeps 3 nn.Linear module\(s\) as they are \(attention.out_proj: its weight is read "
-                                             r"other than by its own forward; fc: its weight is read other than by its own forward; "
-                                             r"hooked: hooks"):
+        with pytest.warns(UserWarning, match=r"keeps 3 nn.Linear module\(s\) as they are \(attention.out_proj: nn.MultiheadAttention's "
+                                             r"forward reads its weight itself, not through the linear's forward; fc: its weight is "
+                                             r"read other than by its own forward; hooked: hooks"):
             graphquant.freeze(compiled)
         assert torch.equal(compiled(x3()), expected)
     assert isinstance(model.out, graphquant.FrozenLinear) and type(model.fc) is torch.nn.Linear
+
+
+class ReadsItsWeight(torch.nn.Module):
+    """fc's weight multiplied by the model's own code, as a tied head's often is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(torch.nn.functional.linear(x, self.fc.weight, self.fc.bias)))
+
+
+class WithAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.fc = torch.nn.MultiheadAttention(64, 2, batch_first=True), torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return self.fc(self.attention(x, x, x, need_weights=False)[0])
+
+
+def test_a_weight_the_model_reads_itself_frozen_before_the_first_call_fails_naming_the_linear():
+    """Frozen before any graph showed freeze that the model multiplies fc's weight itself, fc was
+    stored, and the first call failed inside Dynamo on a device mismatch (cpu and meta) naming
+    neither graphquant nor fc. The graph that reads the stand-in's values is refused, naming fc
+    and what to do."""
+    compiled = inference_model(models.seeded(ReadsItsWeight()).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    graphquant.freeze(compiled)
+    with torch.no_grad(), pytest.raises(graphquant.PlanError, match=r"reads the weight of fc, which graphquant.freeze stored "
+                                                                      r"quantized.*call it once, then graphquant.freeze it"):
+        compiled(x3())
+
+
+def test_multihead_attentions_out_proj_is_kept_before_the_first_call_too():
+    """nn.MultiheadAttention's forward reads out_proj's weight itself: freeze kept out_proj only once
+    a graph had shown it so, and frozen before the first call the model failed at that call."""
+    expected = inference_model(models.seeded(WithAttention()).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    model = models.seeded(WithAttention()).to(torch.bfloat16)
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with pytest.warns(UserWarning, match=r"keeps 1 nn.Linear module\(s\) as they are \(attention.out_proj: nn.MultiheadAttention's"):
+        graphquant.freeze(compiled)
+    assert type(model.attention.out_proj) is not graphquant.FrozenLinear and isinstance(model.fc, graphquant.FrozenLinear)
+    with torch.no_grad():
+        assert torch.equal(compiled(x3()), expected(x3()))
+
+
+def test_model_code_that_places_its_input_by_a_frozen_weights_device_runs():
+    """x.to(self.fc1.weight.device) (transformers' ESM contact head, Gemma's) failed after freeze
+    ("unknown device type for autocast"): the stand-in was on the meta device. In compiled code
+    it is on the stored weight's, and the graph drops it."""
+
+    class Placing(models.MLP):
+        def forward(self, x):
+            return super().forward(x.to(self.fc1.weight.device))
+
+    expected = inference_model(models.seeded(Placing()).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    keep = KeepGraphs()
+    compiled = inference_model(models.seeded(Placing()).to(torch.bfloat16), FAMILIES["mxfp8"](), backend=keep.backend)
+    with torch.no_grad():
+        compiled(x3())
+        graphquant.freeze(compiled)
+        assert torch.equal(compiled(x3()), expected(x3()))
+    assert not any("frozen_weight_stand_in" in str(node.target) for node in keep.graphs[-1].graph.nodes)
+    assert compiled._orig_mod.fc1.weight.device == torch.device("meta")  # eagerly, the write-refusing stand-in
+
+
+@pytest.mark.parametrize("model_class", [WithAttention, ReadsItsWeight], ids=["multihead attention", "weight read by F.linear"])
+def test_a_frozen_checkpoint_of_a_model_that_kept_a_linear_loads_on_the_meta_device(model_class, tmp_path):
+    """A model frozen after a call keeps a linear whose weight other code reads, and its checkpoint
+    holds that high-precision weight: freeze(state_dict=...) on a model built on the meta device
+    refused it ("save the frozen model's state_dict", which it was). A frozen checkpoint's
+    high-precision weight is loaded into the linear, kept as the frozen model kept it; a plain
+    checkpoint, with no stored weight, is still refused."""
+    source = inference_model(models.seeded(model_class()).to(torch.bfloat16), FAMILIES["mxfp8"]())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kept linear, said as it is kept
+        source(x3())
+        plain = {name: t.clone() for name, t in source.state_dict().items()}
+        graphquant.freeze(source)
+        expected = source(x3())
+    torch.save(source.state_dict(), tmp_path / "frozen.pt")
+    with torch.device("meta"):
+        skeleton = model_class().to(torch.bfloat16)
+    kept = "attention.out_proj: nn.MultiheadAttention's" if model_class is WithAttention else "fc: the frozen checkpoint holds its high-precision weight"
+    with pytest.warns(UserWarning, match=f"as they are \\({kept}"):
+        reloaded = graphquant.freeze(inference_model(skeleton, FAMILIES["mxfp8"]()), state_dict=torch.load(tmp_path / "frozen.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(reloaded(x3()), expected)
+    with torch.device("meta"):
+        skeleton = model_class().to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"holds a high-precision (fc|out)\.weight instead"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphquant.freeze(inference_model(skeleton, FAMILIES["mxfp8"]()), state_dict=plain)

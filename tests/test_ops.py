@@ -140,6 +140,15 @@ def test_scale_ops():
     torch.library.opcheck(torch.ops.graphquant.e8m0_scales.default, (amax[~amax.isnan()], "e5m2"))
 
 
+def test_frozen_weight_stand_in_op():
+    """A frozen linear's weight in compiled code: its shape and dtype on the codes' device, one element's memory."""
+    codes = torch.zeros(32, 96, dtype=torch.uint8)
+    args = (codes, [32, 96], torch.bfloat16, "fc")
+    torch.library.opcheck(torch.ops.graphquant.frozen_weight_stand_in.default, args)
+    stand_in = torch.ops.graphquant.frozen_weight_stand_in(*args)
+    assert (stand_in.shape, stand_in.dtype, stand_in.device, stand_in.untyped_storage().nbytes()) == ((32, 96), torch.bfloat16, codes.device, 2)
+
+
 def test_an_op_on_tensors_that_require_grad_records_nothing_and_its_backward_warns():
     """The ops are not differentiable (quantized_gemm composes them): called directly in grad mode, the
     reference's torch ops inside must not build a graph, and a backward through one warns."""

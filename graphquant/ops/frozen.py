@@ -5,6 +5,12 @@ find_gemms takes for a linear site and the rewrite replaces with
 graphquant.ops.functional.quantized_frozen_linear, so it never runs itself. A frozen model has no
 backward: ``refuse_backward`` gives a product a backward that fails when it runs, naming the
 module (aot_autograd traces that backward without running it).
+
+``graphquant::frozen_weight_stand_in`` is what a FrozenLinear's ``weight`` gives compiled code: a
+tensor of the weight's shape and dtype on the stored weight's device, so that model code reading
+its ``.device`` (``x.to(self.fc.weight.device)``), ``.dtype`` or ``.shape`` traces as before. The
+backend removes the node where nothing uses it and refuses the graph where something reads its
+values (compiler.drop_frozen_weight_stand_ins).
 """
 
 from __future__ import annotations
@@ -41,6 +47,19 @@ def frozen_linear(
 @registry.fake("frozen_linear")
 def _(x, weight, spec, shape, dtype, bias, name):
     return x.new_empty((*x.shape[:-1], shape[0]), dtype=torch.promote_types(x.dtype, dtype))
+
+
+@registry.op("frozen_weight_stand_in")
+def frozen_weight_stand_in(codes: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Zeros of ``shape`` and ``dtype`` on ``codes``' device in one element's memory (every stride 0):
+    frozen linear ``name``'s weight as compiled code sees it. Only its graph node is used, for its
+    metadata; the backend refuses a graph that reads its values."""
+    return torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=dtype, device=codes.device).zero_()
+
+
+@registry.fake("frozen_weight_stand_in")
+def _(codes, shape, dtype, name):
+    return torch.empty_strided(tuple(shape), (0,) * len(shape), dtype=dtype, device=codes.device)
 
 
 @registry.op("refused_backward")
