@@ -289,10 +289,7 @@ class GraphquantBackend:
         backward after two of them fails (the first's saved state was written over)."""
         held = [name for _, name in frame.modules]
         unowned = [site for site in sites if not any(site.name == name or site.name.startswith(name + ".") for name in held)]
-        stateful = [
-            site.label for site in unowned
-            if site.label not in plan.high_precision_calls and any(plan.quantizer(role).keeps_state for role in site.roles())
-        ]
+        stateful = _keeping_state(unowned, plan)
         shared = _code_several_modules_run(self.root) if stateful else ""
         if shared:
             user_stack.warn(
@@ -301,6 +298,25 @@ class GraphquantBackend:
                 "mix, and a backward after two calls fails). Remove the graph break that split the method "
                 "(TORCH_LOGS=graph_breaks says where), or give these products a stateless quantizer (current scaling, MXFP8, "
                 "blockwise) in the recipe's factory"
+            )
+
+    def _warn_of_names_taken(self, stateful: list[str]) -> None:
+        """Say where sites keeping delayed-scaling state take a name that a graph this forward call
+        compiled before gave its own sites: code compiled anew for another call of it (a helper
+        ``def expert(self, x, w)`` that breaks its graph, called with the up and then the down
+        projection's weight; a module whose own forward breaks, called twice) names its sites as
+        the first compile did, so both calls quantize through one slot, the second weight with the
+        first's scale history."""
+        taken = {g.site for plan, (_, call) in zip(self.plans, self.plan_origins) if call == self.calls for g in plan.gemms}
+        repeated = [label for label in stateful if label in taken]
+        if repeated:
+            user_stack.warn(
+                f"graphquant: {', '.join(repeated[:3])}{', ...' if len(repeated) > 3 else ''} name products of a graph compiled "
+                "again in this forward call (code that breaks its graph and runs for two products, such as one helper "
+                "called with two weights, or a module whose own forward breaks, called twice): they share delayed-scaling "
+                "slots with the earlier graph's, so one quantizes with a scale the other's amaxes made. Remove the graph "
+                "break (TORCH_LOGS=graph_breaks says where), or give these products a stateless quantizer (current "
+                "scaling, MXFP8, blockwise) in the recipe's factory"
             )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -361,6 +377,7 @@ class GraphquantBackend:
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
         self._warn_of_shared_state(frame, [*sites, *attention], plan)
+        self._warn_of_names_taken(_keeping_state([*sites, *attention], plan))
         if self.mode == "inference" and torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs):
             user_stack.warn(
                 "graphquant.compile(..., mode='inference') makes no backward, but this call runs with grad enabled on "
@@ -616,6 +633,11 @@ def drop_frozen_weight_stand_ins(gm: fx.GraphModule) -> None:
             module.graph.erase_node(node)
         if nodes:
             module.recompile()
+
+
+def _keeping_state(sites: Sequence[Any], plan: Plan) -> list[str]:
+    """The labels of ``sites`` (GEMM or attention) whose slots keep delayed-scaling state in ``plan``."""
+    return [site.label for site in sites if site.label not in plan.high_precision_calls and any(plan.quantizer(role).keeps_state for role in site.roles())]
 
 
 def _failed_on_fake_tensors(error: Exception) -> str:

@@ -228,3 +228,39 @@ def test_an_inference_call_warns_where_it_starts_delayed_slots_at_scale_one():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded(step_input(0))
+
+
+class _TwoWeightsThroughOneHelper(torch.nn.Module):
+    """Two products through one helper, whose graph break makes Dynamo compile it again for the
+    second weight: both compiles name their product linear.0#0."""
+
+    def __init__(self, breaks: bool):
+        super().__init__()
+        self.breaks = breaks
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.w2 = torch.nn.Parameter(torch.randn(64, 64) * 4)
+
+    def project(self, x, w):
+        y = torch.nn.functional.linear(x, w)
+        if self.breaks:
+            torch._dynamo.graph_break()
+        return y
+
+    def forward(self, x):
+        return self.project(torch.relu(self.project(x, self.w1)), self.w2)
+
+
+@pytest.mark.parametrize("breaks", [False, True])
+def test_one_name_for_delayed_sites_of_two_graphs_of_one_forward_is_warned_of(fresh_dynamo, breaks):
+    """A helper that breaks its graph, called with two weights, makes one site of both products,
+    whose slots then share one scale history: the compile says so; without the break it has two."""
+    compiled = graphquant.compile(_TwoWeightsThroughOneHelper(breaks), recipes.delayed_scaling(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(32, 64))
+    warned = [str(w.message) for w in caught if "compiled again in this forward call" in str(w.message)]
+    sites = sorted({g.site for g in compiled.graphquant.plan.gemms})
+    if breaks:
+        assert sites == ["linear.0#0"] and len(warned) == 1 and warned[0].startswith("graphquant: linear.0#0 name products"), (sites, warned)
+    else:
+        assert sites == ["linear.0#0", "linear.1#0"] and not warned, (sites, warned)
