@@ -1158,6 +1158,72 @@ def test_tokens_gathered_for_a_grouped_site_alone_are_read_through_the_gather(na
     assert_same_results(run(copy.deepcopy(layer))[0], through, what="the copied tokens: ")
 
 
+# What a model writes between gathering its tokens (tokens = h[tok]) and their grouped GEMM: h or
+# tok in place, by each spelling Dynamo keeps in the graph, or h through a view of it.
+WRITES_AFTER_THE_GATHER = {
+    "none": lambda h, tok: None,
+    "h.mul_": lambda h, tok: h.mul_(0.5),
+    "h[i] = v": lambda h, tok: h.__setitem__(tok[:8], 0.0),
+    "h.index_put_": lambda h, tok: h.index_put_((tok[:8],), h.new_zeros(8, h.shape[1])),
+    "h.copy_": lambda h, tok: h.copy_(h.flip(0)),
+    "out=h": lambda h, tok: torch.mul(h, 2, out=h),
+    "a view of h": lambda h, tok: h.view(4, -1, h.shape[1])[1:].mul_(3),
+    "tok.zero_": lambda h, tok: tok.zero_(),
+}
+
+
+class WrittenAfterGather(torch.nn.Module):
+    """The tokens h[tok] of a grouped GEMM, and then, before it, h or tok written (WRITES_AFTER_THE_GATHER)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = WRITES_AFTER_THE_GATHER[write]
+        self.w = torch.nn.Parameter((torch.randn(4, DIM, 64, generator=torch.Generator().manual_seed(0)) / 8).bfloat16())
+        self.register_buffer("offs", torch.tensor([16, 16, 40, 64], dtype=torch.int32))
+
+    def forward(self, h, tok):
+        tok = tok.clone()
+        tokens = h[tok]
+        self.write(h, tok)
+        return torch._grouped_mm(tokens, self.w, offs=self.offs)
+
+
+def _written_after_gather_runs(write, backend, training, tmp_path):
+    """(eager's output, the compiled one's, its rewritten graph's code) of WrittenAfterGather, high precision."""
+    model = WrittenAfterGather(write)
+    h, tok = torch.randn(64, DIM, generator=torch.Generator().manual_seed(1)).bfloat16(), torch.randperm(64)
+    with torch.no_grad():
+        expected = model(h.clone(), tok)
+    compiled = graphquant.compile(model, CustomRecipe(factories.high_precision_factory), backend=backend, fullgraph=True, dump_dir=str(tmp_path))
+    with torch.set_grad_enabled(training), pytest.warns(UserWarning, match="quantizes no GEMM"):
+        actual = compiled(h.clone(), tok)
+    if training:
+        actual.float().sum().backward()
+        assert torch.isfinite(model.w.grad).all()
+    return expected, actual.detach(), (tmp_path / "graph_000_rewritten.py").read_text()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["no_grad", "training"])
+@pytest.mark.parametrize("write", sorted(WRITES_AFTER_THE_GATHER))
+def test_a_gather_whose_source_or_index_is_written_before_the_grouped_gemm_keeps_its_copy(write, training, tmp_path):
+    """The site read h[tok] where it stood, after the model wrote h or tok in place (the graph
+    Dynamo hands graphquant keeps in-place ops): eager's gathered values were lost, even in high
+    precision. Now the gather is folded into the site only where nothing between writes h, tok
+    or a view of them; otherwise the site reads the gathered copy, so the output is eager's
+    bit for bit. A training step's forward too."""
+    expected, actual, rewritten = _written_after_gather_runs(write, "aot_eager", training, tmp_path)
+    assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+    [call] = [line for line in rewritten.splitlines() if "quantized_grouped_mm(" in line]
+    assert (", rows = " in call) == (write == "none"), call  # folded only where nothing writes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["h.mul_", "none"])
+def test_a_gather_whose_source_is_written_before_the_grouped_gemm_keeps_its_copy_under_inductor(write, tmp_path):
+    expected, actual, _ = _written_after_gather_runs(write, "inductor", False, tmp_path)
+    assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+
+
 def test_a_frozen_expert_stack_plans_no_wgrad():
     """A grouped site's plan listed a wgrad for an expert stack that takes no gradient (frozen
     experts, an adapter trained beside them), where a frozen nn.Linear's lists none; the op skipped
