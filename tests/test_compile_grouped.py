@@ -1224,6 +1224,61 @@ def test_a_gather_whose_source_is_written_before_the_grouped_gemm_keeps_its_copy
     assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
 
 
+class TopTwoLayer(torch.nn.Module):
+    """An MoE layer routing each token to two experts, whose tokens sorted by expert are gathered
+    by indexing (x[order // 2]: read through the gather) for two chained grouped GEMMs."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(DIM, 4, bias=False, dtype=torch.bfloat16)
+        self.up = torch.nn.Parameter((torch.randn(4, DIM, 64, generator=generator) / 8).bfloat16())
+        self.down = torch.nn.Parameter((torch.randn(4, 64, DIM, generator=generator) / 8).bfloat16())
+
+    def forward(self, x):
+        gate, expert = self.router(x).float().softmax(-1).topk(2, -1)
+        order = expert.reshape(-1).argsort(stable=True)
+        offs = torch.bincount(expert.reshape(-1), minlength=4).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(F.silu(torch._grouped_mm(x[order // 2], self.up, offs=offs)), self.down, offs=offs)
+        return torch.zeros_like(x).index_add(0, order // 2, y * gate.reshape(-1)[order, None].to(y.dtype))
+
+
+def _empty_batch_step(name, backend, tmp_path):
+    """(eager's training step on 0 tokens, graphquant's under recipe ``name``, its rewritten graphs' code)."""
+    model, x = TopTwoLayer(), torch.zeros(0, DIM, dtype=torch.bfloat16)
+    compiled_model = copy.deepcopy(model)
+    compiled = graphquant.compile(compiled_model, RECIPES[name](), backend=backend, dump_dir=str(tmp_path))
+    actual = forward_backward(compiled, compiled_model, x)
+    reasons = {g.reason for plan in compiled.graphquant.plans for g in plan.gemms}
+    assert reasons == {"in high precision: it is empty (m = 0), nothing to quantize"}, reasons
+    rewritten = "".join(path.read_text() for path in sorted(tmp_path.glob("graph_*_rewritten.py")))  # bincount breaks the graph
+    return forward_backward(model, model, x), actual, rewritten
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4_block_scaling"])
+def test_a_training_step_of_no_tokens_gathered_by_indexing_gives_eagers_results(name, tmp_path):
+    """0 tokens (a rank or micro-batch that routed none) gathered by indexing: the site read its
+    rows through the gather composed with the padded training layout, whose rows indexed the empty
+    gather (an IndexError naming nothing under aot_eager). Now the step keeps its products in high
+    precision for that call (README), with eager's output and gradients."""
+    expected, actual, rewritten = _empty_batch_step(name, "aot_eager", tmp_path)
+    assert rewritten.count(", rows = ") == 1, rewritten  # the first GEMM reads its tokens through the gather
+    _assert_same_bits(actual, expected)
+
+
+@pytest.mark.slow
+def test_a_training_step_of_no_tokens_gathered_by_indexing_gives_eagers_results_under_inductor(tmp_path):
+    expected, actual, _ = _empty_batch_step("mxfp8", "inductor", tmp_path)
+    _assert_same_bits(actual, expected)
+
+
+def _assert_same_bits(actual, expected):
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    for key, e in expected.items():
+        a = actual[key]
+        assert a.dtype == e.dtype and torch.equal(a, e), f"{key}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
+
+
 def test_a_frozen_expert_stack_plans_no_wgrad():
     """A grouped site's plan listed a wgrad for an expert stack that takes no gradient (frozen
     experts, an adapter trained beside them), where a frozen nn.Linear's lists none; the op skipped
