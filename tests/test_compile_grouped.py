@@ -774,13 +774,40 @@ def test_stochastic_rounding_draws_per_seed_and_step():
 
 
 def test_other_grouped_mm_forms_are_skipped_with_a_reason():
+    """The 3-D x 3-D form (tokens bucketed per expert to a capacity) is torch.bmm's product, which
+    is quantized spelled so: the reason says it, and the warning that nothing was quantized
+    names what was found and skipped, where it said no GEMM was found."""
     a = torch.randn(E, 32, K, dtype=torch.bfloat16)
     b = torch.randn(E, K, N, dtype=torch.bfloat16)
     compiled = graphquant.compile(lambda a, b: torch._grouped_mm(a, b), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="found no GEMM"):
+    with pytest.warns(UserWarning, match=r"found no GEMM it quantizes .*Not quantized: .*_grouped_mm\(l_a_, l_b_\) \(torch._grouped_mm: only"):
         compiled(a, b)
     [(_, reason)] = compiled.graphquant.plan.skipped
-    assert "only x (T, K) with w (E, K, N) and offs" in reason
+    assert "only x (T, K) with w (E, K, N) and offs" in reason and "torch.bmm(x, w) or x @ w" in reason
+    torch._dynamo.reset()
+    bmm = graphquant.compile(lambda a, b: torch.bmm(a, b), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    bmm(a, b)
+    assert [g.module_type for g in bmm.graphquant.plan.gemms] == ["matmul"]
+
+
+def test_a_hidden_size_no_block_tiles_is_named_with_the_models_tokens():
+    """K = 72 tiles no MXFP8 block: the error named "the 128x72 tensor", the op's padded layout,
+    where the model passed 45 tokens."""
+    class OddK(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 72, N).bfloat16())
+
+        def forward(self, x):
+            return torch._grouped_mm(x, self.w, offs=torch.tensor([10, 10, 30, 45], dtype=torch.int32))
+
+    compiled = graphquant.compile(OddK(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(PlanError) as error:
+        compiled(torch.randn(45, 72).bfloat16())
+    assert str(error.value).startswith(
+        "grouped_linear.0#0 (grouped_linear) input: mxfp8(fp8_dtype=e4m3): the rowwise representation has 1x32 blocks, "
+        "so dim 1 of the 45x72 tensor must be a multiple of 32 (got 72)"
+    ), error.value
 
 
 @pytest.mark.parametrize("quantizer", [MXFP8Quantizer(), Float8CurrentScalingQuantizer("e5m2")], ids=str)
