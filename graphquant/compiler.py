@@ -159,7 +159,13 @@ class GraphquantBackend:
             )
             return
         if not any(plan.gemms for plan in self.plans):
-            user_stack.warn("graphquant found no GEMM in the graphs of this model's first call; it runs unchanged")
+            # A product it found but does not quantize says why (graphquant.explain lists them all).
+            skipped = [f"{what} ({why})" for plan in self.plans for what, why in plan.skipped]
+            listed = "; ".join(skipped[:3]) + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+            user_stack.warn(
+                f"graphquant found no GEMM {'it quantizes ' if skipped else ''}in the graphs of this model's first call; it runs unchanged"
+                + (f". Not quantized: {listed}" if skipped else "")
+            )
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
         self.run_state.warn_of_unclaimed(self.plans, any(training for training, _ in self.plan_origins))
         self._warn_of_unreduced_amaxes()

@@ -390,7 +390,11 @@ def _find_grouped(node: fx.Node, number: Callable[[tuple, fx.Node], int], sites:
     args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
     va, vb = _value(args.get("mat_a")), _value(args.get("mat_b"))
     if va is None or vb is None or va.dim() != 2 or vb.dim() != 3 or args.get("offs") is None:
-        node.meta["graphquant_skip"] = "torch._grouped_mm: only x (T, K) with w (E, K, N) and offs is quantized"
+        batched = va is not None and vb is not None and va.dim() == vb.dim() == 3 and args.get("offs") is None
+        node.meta["graphquant_skip"] = "torch._grouped_mm: only x (T, K) with w (E, K, N) and offs is quantized" + (
+            "; x (E, C, K) with w (E, K, N) is torch.bmm's product, which is quantized (a matmul site) spelled torch.bmm(x, w) or x @ w"
+            if batched else ""
+        )
         return
     if args.get("bias") is not None or args.get("out_dtype") not in (None, va.dtype):
         node.meta["graphquant_skip"] = "torch._grouped_mm with bias or out_dtype is not quantized"

@@ -528,11 +528,11 @@ class Planner:
         """
         batch, m, k = site.x_sizes
         _, n, _ = site.w_sizes
-        shapes = ((batch * m, k), (batch * n, k), (batch * m, n))
+        shapes = shown = ((batch * m, k), (batch * n, k), (batch * m, n))
         if site.module_type == "grouped_linear":  # the op pads every group's rows, and grad_output's columns
             shapes = ((GROUP_ROWS, k), (GROUP_ROWS, k), (GROUP_ROWS, GROUP_ROWS))
         made = {(tensor, direction) for gemm, *operands in GEMMS if gemm in runs for tensor, direction in operands}
-        for index, (role_type, quantizer, shape) in enumerate(zip(TENSOR_TYPES[site.module_type], quantizers, shapes)):
+        for index, (role_type, quantizer, shape, told) in enumerate(zip(TENSOR_TYPES[site.module_type], quantizers, shapes, shown)):
             directions = [d for d in (ROWWISE, COLUMNWISE) if (index, d) in made]
             for direction in directions:
                 try:
@@ -550,17 +550,19 @@ class Planner:
                         f"every such linear (this one: {site.name!r})"
                     ) from None
                 except ValueError:
-                    # Once more on this call's sizes, so that the message names them; int() also
-                    # keeps the failing graph to these sizes alone.
+                    # Once more on this call's sizes, so that the message names them (a grouped
+                    # site's as the model has them, not as the op pads them, where they fail the
+                    # same way); int() also keeps the failing graph to these sizes alone.
                     try:
-                        self._check_tiling(quantizer, direction, int(batch), (int(shape[0]), int(shape[1])))
+                        for sizes in (told, shape):
+                            self._check_tiling(quantizer, direction, int(batch), (int(sizes[0]), int(sizes[1])))
                     except ValueError as error:
                         rows = int(shape[0])
                         tokens = site.module_type == "linear" and int(batch) == 1 and role_type != "weight" and self.tiles(
                             quantizer, direction, 1, (-(-rows // 128) * 128, int(shape[1]))
                         )
                         remedy = (
-                            f"Its {rows} row{'s are' if rows != 1 else ' is'} this call's tokens, which the model's other linears take too: give the "
+                            f"Its {rows} row{'s are' if rows != 1 else ' is'} this call's tokens: give the "
                             "model a token count that tiles (pad the batch), or have the recipe's factory return "
                             "IdentityQuantizer() for the input and grad_output roles of every linear they reach"
                             if tokens else

@@ -14,7 +14,9 @@ passes/expert_weights.py found reading a frozen expert stack (its stored tensors
 placeholders too, read from its FrozenExperts at each call). An einsum's equation becomes the layout
 find_gemms worked out for it. A grouped site's tokens gathered by indexing for it alone (x =
 source[index], a 1-D integer index of a 2-D source: an MoE layer's tokens sorted by expert) are read
-through that index by the site (its ``rows``), and the gather goes; nothing else in the graph changes.
+through that index by the site (its ``rows``), and the gather goes, where no node between the two
+may write source, index or a tensor sharing their storage (passes/writes.py); else the site reads
+the gathered copy. Nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from graphquant.ops.frozen import STORED_PARTS as FROZEN_PARTS
 from graphquant.ops.site import Site
 from graphquant.passes.find_gemms import ADDMM, EINSUM, FROZEN, GROUPED, LINEAR, TENSOR_TYPES, GemmSite, addmm_operands, body_of
 from graphquant.passes.plan import FORWARD_GEMMS, Plan, PlanError, empty_dims
+from graphquant.passes.writes import write_between
 from graphquant.quantizers import ROWWISE, IdentityQuantizer
 from graphquant.recipes import GEMM_NAMES
 from graphquant.roles import QuantizerRole
@@ -261,7 +264,11 @@ def _body_state(body: fx.GraphModule, call: fx.Node, outer_state: Callable[[obje
 def _tokens_gather(x: object) -> Optional[fx.Node]:
     """The node x = source[index] where a grouped site alone reads it, a 1-D integer index of a
     2-D source (an MoE layer's tokens sorted by expert): the site reads source through the index
-    instead, so that no copy of the tokens is written first; else None."""
+    instead, so that no copy of the tokens is written first; else None.
+
+    The site reads them where it stands, not where the gather stood: where a node between may
+    write source or index (Dynamo's graph keeps in-place ops: h.mul_(0.5), h[i] = v, a write to a
+    view of h), the gather's copy is what holds the values the model gathered."""
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.getitem and len(x.users) == 1):
         return None
     source, index = x.args
@@ -269,7 +276,10 @@ def _tokens_gather(x: object) -> Optional[fx.Node]:
     if not all(isinstance(v, torch.Tensor) for v in values):
         return None
     source_value, index_value = values
-    return x if source_value.dim() == 2 and index_value.dim() == 1 and index_value.dtype in (torch.int32, torch.int64) else None
+    if not (source_value.dim() == 2 and index_value.dim() == 1 and index_value.dtype in (torch.int32, torch.int64)):
+        return None
+    (site,) = x.users
+    return x if write_between(x, site, (source, index)) is None else None
 
 
 def _arguments(node: fx.Node, site: GemmSite) -> tuple[tuple, dict]:

@@ -774,13 +774,40 @@ def test_stochastic_rounding_draws_per_seed_and_step():
 
 
 def test_other_grouped_mm_forms_are_skipped_with_a_reason():
+    """The 3-D x 3-D form (tokens bucketed per expert to a capacity) is torch.bmm's product, which
+    is quantized spelled so: the reason says it, and the warning that nothing was quantized
+    names what was found and skipped, where it said no GEMM was found."""
     a = torch.randn(E, 32, K, dtype=torch.bfloat16)
     b = torch.randn(E, K, N, dtype=torch.bfloat16)
     compiled = graphquant.compile(lambda a, b: torch._grouped_mm(a, b), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="found no GEMM"):
+    with pytest.warns(UserWarning, match=r"found no GEMM it quantizes .*Not quantized: .*_grouped_mm\(l_a_, l_b_\) \(torch._grouped_mm: only"):
         compiled(a, b)
     [(_, reason)] = compiled.graphquant.plan.skipped
-    assert "only x (T, K) with w (E, K, N) and offs" in reason
+    assert "only x (T, K) with w (E, K, N) and offs" in reason and "torch.bmm(x, w) or x @ w" in reason
+    torch._dynamo.reset()
+    bmm = graphquant.compile(lambda a, b: torch.bmm(a, b), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    bmm(a, b)
+    assert [g.module_type for g in bmm.graphquant.plan.gemms] == ["matmul"]
+
+
+def test_a_hidden_size_no_block_tiles_is_named_with_the_models_tokens():
+    """K = 72 tiles no MXFP8 block: the error named "the 128x72 tensor", the op's padded layout,
+    where the model passed 45 tokens."""
+    class OddK(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 72, N).bfloat16())
+
+        def forward(self, x):
+            return torch._grouped_mm(x, self.w, offs=torch.tensor([10, 10, 30, 45], dtype=torch.int32))
+
+    compiled = graphquant.compile(OddK(), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(PlanError) as error:
+        compiled(torch.randn(45, 72).bfloat16())
+    assert str(error.value).startswith(
+        "grouped_linear.0#0 (grouped_linear) input: mxfp8(fp8_dtype=e4m3): the rowwise representation has 1x32 blocks, "
+        "so dim 1 of the 45x72 tensor must be a multiple of 32 (got 72)"
+    ), error.value
 
 
 @pytest.mark.parametrize("quantizer", [MXFP8Quantizer(), Float8CurrentScalingQuantizer("e5m2")], ids=str)
@@ -1156,6 +1183,127 @@ def test_tokens_gathered_for_a_grouped_site_alone_are_read_through_the_gather(na
     assert_same_results(run(from_end)[0], through, what="an index from the end: ")
     monkeypatch.setattr("graphquant.passes.rewrite._tokens_gather", lambda x: None)
     assert_same_results(run(copy.deepcopy(layer))[0], through, what="the copied tokens: ")
+
+
+# What a model writes between gathering its tokens (tokens = h[tok]) and their grouped GEMM: h or
+# tok in place, by each spelling Dynamo keeps in the graph, or h through a view of it.
+WRITES_AFTER_THE_GATHER = {
+    "none": lambda h, tok: None,
+    "h.mul_": lambda h, tok: h.mul_(0.5),
+    "h[i] = v": lambda h, tok: h.__setitem__(tok[:8], 0.0),
+    "h.index_put_": lambda h, tok: h.index_put_((tok[:8],), h.new_zeros(8, h.shape[1])),
+    "h.copy_": lambda h, tok: h.copy_(h.flip(0)),
+    "out=h": lambda h, tok: torch.mul(h, 2, out=h),
+    "a view of h": lambda h, tok: h.view(4, -1, h.shape[1])[1:].mul_(3),
+    "tok.zero_": lambda h, tok: tok.zero_(),
+}
+
+
+class WrittenAfterGather(torch.nn.Module):
+    """The tokens h[tok] of a grouped GEMM, and then, before it, h or tok written (WRITES_AFTER_THE_GATHER)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = WRITES_AFTER_THE_GATHER[write]
+        self.w = torch.nn.Parameter((torch.randn(4, DIM, 64, generator=torch.Generator().manual_seed(0)) / 8).bfloat16())
+        self.register_buffer("offs", torch.tensor([16, 16, 40, 64], dtype=torch.int32))
+
+    def forward(self, h, tok):
+        tok = tok.clone()
+        tokens = h[tok]
+        self.write(h, tok)
+        return torch._grouped_mm(tokens, self.w, offs=self.offs)
+
+
+def _written_after_gather_runs(write, backend, training, tmp_path):
+    """(eager's output, the compiled one's, its rewritten graph's code) of WrittenAfterGather, high precision."""
+    model = WrittenAfterGather(write)
+    h, tok = torch.randn(64, DIM, generator=torch.Generator().manual_seed(1)).bfloat16(), torch.randperm(64)
+    with torch.no_grad():
+        expected = model(h.clone(), tok)
+    compiled = graphquant.compile(model, CustomRecipe(factories.high_precision_factory), backend=backend, fullgraph=True, dump_dir=str(tmp_path))
+    with torch.set_grad_enabled(training), pytest.warns(UserWarning, match="quantizes no GEMM"):
+        actual = compiled(h.clone(), tok)
+    if training:
+        actual.float().sum().backward()
+        assert torch.isfinite(model.w.grad).all()
+    return expected, actual.detach(), (tmp_path / "graph_000_rewritten.py").read_text()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["no_grad", "training"])
+@pytest.mark.parametrize("write", sorted(WRITES_AFTER_THE_GATHER))
+def test_a_gather_whose_source_or_index_is_written_before_the_grouped_gemm_keeps_its_copy(write, training, tmp_path):
+    """The site read h[tok] where it stood, after the model wrote h or tok in place (the graph
+    Dynamo hands graphquant keeps in-place ops): eager's gathered values were lost, even in high
+    precision. Now the gather is folded into the site only where nothing between writes h, tok
+    or a view of them; otherwise the site reads the gathered copy, so the output is eager's
+    bit for bit. A training step's forward too."""
+    expected, actual, rewritten = _written_after_gather_runs(write, "aot_eager", training, tmp_path)
+    assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+    [call] = [line for line in rewritten.splitlines() if "quantized_grouped_mm(" in line]
+    assert (", rows = " in call) == (write == "none"), call  # folded only where nothing writes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["h.mul_", "none"])
+def test_a_gather_whose_source_is_written_before_the_grouped_gemm_keeps_its_copy_under_inductor(write, tmp_path):
+    expected, actual, _ = _written_after_gather_runs(write, "inductor", False, tmp_path)
+    assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+
+
+class TopTwoLayer(torch.nn.Module):
+    """An MoE layer routing each token to two experts, whose tokens sorted by expert are gathered
+    by indexing (x[order // 2]: read through the gather) for two chained grouped GEMMs."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(DIM, 4, bias=False, dtype=torch.bfloat16)
+        self.up = torch.nn.Parameter((torch.randn(4, DIM, 64, generator=generator) / 8).bfloat16())
+        self.down = torch.nn.Parameter((torch.randn(4, 64, DIM, generator=generator) / 8).bfloat16())
+
+    def forward(self, x):
+        gate, expert = self.router(x).float().softmax(-1).topk(2, -1)
+        order = expert.reshape(-1).argsort(stable=True)
+        offs = torch.bincount(expert.reshape(-1), minlength=4).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(F.silu(torch._grouped_mm(x[order // 2], self.up, offs=offs)), self.down, offs=offs)
+        return torch.zeros_like(x).index_add(0, order // 2, y * gate.reshape(-1)[order, None].to(y.dtype))
+
+
+def _empty_batch_step(name, backend, tmp_path):
+    """(eager's training step on 0 tokens, graphquant's under recipe ``name``, its rewritten graphs' code)."""
+    model, x = TopTwoLayer(), torch.zeros(0, DIM, dtype=torch.bfloat16)
+    compiled_model = copy.deepcopy(model)
+    compiled = graphquant.compile(compiled_model, RECIPES[name](), backend=backend, dump_dir=str(tmp_path))
+    actual = forward_backward(compiled, compiled_model, x)
+    reasons = {g.reason for plan in compiled.graphquant.plans for g in plan.gemms}
+    assert reasons == {"in high precision: it is empty (m = 0), nothing to quantize"}, reasons
+    rewritten = "".join(path.read_text() for path in sorted(tmp_path.glob("graph_*_rewritten.py")))  # bincount breaks the graph
+    return forward_backward(model, model, x), actual, rewritten
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4_block_scaling"])
+def test_a_training_step_of_no_tokens_gathered_by_indexing_gives_eagers_results(name, tmp_path):
+    """0 tokens (a rank or micro-batch that routed none) gathered by indexing: the site read its
+    rows through the gather composed with the padded training layout, whose rows indexed the empty
+    gather (an IndexError naming nothing under aot_eager). Now the step keeps its products in high
+    precision for that call (README), with eager's output and gradients."""
+    expected, actual, rewritten = _empty_batch_step(name, "aot_eager", tmp_path)
+    assert rewritten.count(", rows = ") == 1, rewritten  # the first GEMM reads its tokens through the gather
+    _assert_same_bits(actual, expected)
+
+
+@pytest.mark.slow
+def test_a_training_step_of_no_tokens_gathered_by_indexing_gives_eagers_results_under_inductor(tmp_path):
+    expected, actual, _ = _empty_batch_step("mxfp8", "inductor", tmp_path)
+    _assert_same_bits(actual, expected)
+
+
+def _assert_same_bits(actual, expected):
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    for key, e in expected.items():
+        a = actual[key]
+        assert a.dtype == e.dtype and torch.equal(a, e), f"{key}: {a.shape}/{a.dtype} vs {e.shape}/{e.dtype}"
 
 
 def test_a_frozen_expert_stack_plans_no_wgrad():

@@ -154,8 +154,9 @@ def quantize_grouped(
     same x, for its columnwise representation; scale: a delayed-scaling child's current scales
     (``_slot_scales``)."""
 
-    # x's row for each padded row: the layout's gather, composed with the model's where given.
-    through = layout.gather if rows is None else torch.where(layout.source >= 0, rows[layout.source.clamp_min(0)], -1)
+    # x's row for each padded row: the layout's gather, composed with the model's where given. The
+    # layout's zero rows (source -1) index the -1 put after rows, which an empty rows has too.
+    through = layout.gather if rows is None else torch.cat((rows, rows.new_full((1,), -1)))[layout.source]
 
     def quantize(source: torch.Tensor, made: Quantizer, wanted: tuple[str, ...]) -> dict[str, Operand]:
         if wanted == (ROWWISE,) and backends.grouped_rowwise_traced(made):
