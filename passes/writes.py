@@ -35,6 +35,13 @@ _IN_PLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS
 # torch.distributed's collectives write their tensor in place under plain names (all_reduce).
 _KNOWN_MODULES = ("torch", "graphquant", "operator", "_operator", "builtins", "math")
 _UNKNOWN_MODULES = ("torch.distributed",)
+# Torch functions that write an argument other than their first under a plain name: an
+# embedding's max_norm renormalizes the weight's rows, a training batch norm (instance norm with
+# running stats) updates its running statistics. They count as writing whatever they are given.
+_WRITING_OTHERS = frozenset({
+    torch.nn.functional.embedding, torch.embedding, torch.nn.functional.batch_norm, torch.batch_norm,
+    torch.nn.functional.instance_norm, torch.instance_norm,
+})
 
 
 def written_operands(node: fx.Node) -> Optional[list[object]]:
@@ -42,7 +49,7 @@ def written_operands(node: fx.Node) -> Optional[list[object]]:
     it may write any tensor it is given."""
     if node.op in ("placeholder", "get_attr", "output"):
         return []
-    if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator):
+    if node.op == "call_module" or isinstance(node.target, torch._ops.HigherOrderOperator) or node.target in _WRITING_OTHERS:
         return None
     args, kwargs = node.args, node.kwargs
     written = [kwargs["out"]] if "out" in kwargs else []
@@ -67,8 +74,9 @@ def write_between(first: fx.Node, last: fx.Node, read: Iterable[fx.Node]) -> Opt
     node = first.next
     while node is not last:
         written = written_operands(node)
-        operands = node.all_input_nodes if written is None else [a for a in tree_flatten(written)[0] if isinstance(a, fx.Node)]
-        for operand in operands:
+        if written is None:  # its writes are not known: it may write what it holds, given or not
+            return node
+        for operand in (a for a in tree_flatten(written)[0] if isinstance(a, fx.Node)):
             known = _storages(operand)
             if known is None or storages is None or known & storages:  # unknown: it may alias what is read
                 return node

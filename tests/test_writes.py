@@ -32,6 +32,8 @@ WRITES = {
     "h.data.mul_": lambda h, tok, other: h.data.mul_(2),
     "tok.add_": lambda h, tok, other: tok.add_(0),
     "an opaque call given h": lambda h, tok, other: opaque(h),
+    "F.embedding(max_norm=...) of h": lambda h, tok, other: F.embedding(tok, h, max_norm=0.1),
+    "F.batch_norm(training=True) of h's rows": lambda h, tok, other: F.batch_norm(other, h[0], h[1], training=True),
     "none": lambda h, tok, other: (other.mul_(2), other.index_put_((tok,), h * 2), torch.add(h, 1, out=other), h.add(1)),
 }
 
