@@ -13,7 +13,7 @@ import re
 import threading
 import types
 import weakref
-from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, NoReturn, Optional, Sequence, Union
 
 import torch
 from torch import fx
@@ -53,6 +53,17 @@ MODES = (None, "training", "inference")
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
+class _PlanOrigin(NamedTuple):
+    """Where a plan came from: whether its graph trains, the number of the forward call that
+    compiled it, the code Dynamo traced it from, and each module's largest call number among its
+    sites (the offsets a later graph of that call counts on from: GraphquantBackend._counting_on)."""
+
+    training: bool
+    call: int
+    code: Optional[types.CodeType]
+    largest_calls: dict[str, int]
+
+
 class GraphquantBackend:
     """A torch.compile backend: find GEMMs, plan, rewrite, then hand the graph to ``inner``.
 
@@ -84,10 +95,7 @@ class GraphquantBackend:
         self.inductor_options = inductor_options or {}
         self.root = root
         self.plans: list[Plan] = []
-        # Whether each of ``plans`` is a training graph's, and the number of the call that compiled it.
-        self.plan_origins: list[tuple[bool, int]] = []
-        # The code of each of ``plans``' frames, and each module's largest call number among its sites.
-        self.plan_calls: list[tuple[Optional[types.CodeType], dict[str, int]]] = []
+        self.plan_origins: list[_PlanOrigin] = []  # each of ``plans``'
         # Frame.offsets as each code was first compiled for its modules (_counting_on), by code and Frame.modules.
         self.call_offsets: dict[tuple[types.CodeType, tuple], tuple[tuple[str, int], ...]] = {}
         self.training_call = False  # whether the latest call runs training graphs (the forward's entry sets it)
@@ -122,8 +130,8 @@ class GraphquantBackend:
             raise RuntimeError("torch.compile gave graphquant no graph: the model ran eagerly, unquantized (its first call warned why)")
         if not self.plans:
             raise RuntimeError("nothing compiled yet: run the model once (or use graphquant.explain)")
-        alike = [(plan, call) for plan, (training, call) in zip(self.plans, self.plan_origins) if training == self.training_call]
-        alike = alike or [(plan, call) for plan, (_, call) in zip(self.plans, self.plan_origins)]
+        alike = [(plan, origin.call) for plan, origin in zip(self.plans, self.plan_origins) if origin.training == self.training_call]
+        alike = alike or [(plan, origin.call) for plan, origin in zip(self.plans, self.plan_origins)]
         latest = [plan for plan, call in alike if call == alike[-1][1]]
         return latest[0] if len(latest) == 1 else Plan.combine(latest)
 
@@ -167,7 +175,7 @@ class GraphquantBackend:
                 + (f". Not quantized: {listed}" if skipped else "")
             )
         self.planner.warn_of_unmatched_names(Plan.combine(self.plans))
-        self.run_state.warn_of_unclaimed(self.plans, any(training for training, _ in self.plan_origins))
+        self.run_state.warn_of_unclaimed(self.plans, any(origin.training for origin in self.plan_origins))
         self._warn_of_unreduced_amaxes()
         if self.root is not None:
             self._warn_of_unplanned_linears()
@@ -313,7 +321,7 @@ class GraphquantBackend:
         projection's weight; a module whose own forward breaks, called twice) names its sites as
         the first compile did, so both calls quantize through one slot, the second weight with the
         first's scale history."""
-        taken = {g.site for plan, (_, call) in zip(self.plans, self.plan_origins) if call == self.calls for g in plan.gemms}
+        taken = {g.site for plan, origin in zip(self.plans, self.plan_origins) if origin.call == self.calls for g in plan.gemms}
         repeated = [label for label in stateful if label in taken]
         if repeated:
             user_stack.warn(
@@ -426,8 +434,7 @@ class GraphquantBackend:
         # Recorded once the graph is compiled: Dynamo abandons a trace whose compile asks it to
         # restart (Python scalars made tensors under dynamic shapes), and traces the frame again.
         self.plans.append(plan)
-        self.plan_origins.append((training, self.calls))
-        self.plan_calls.append((code, calls))
+        self.plan_origins.append(_PlanOrigin(training, self.calls, code, calls))
         if not providers:  # nothing to add at each call: no frame of ours on the call's path
             return compiled
         stochastic = "rng" in keys
@@ -560,9 +567,9 @@ class GraphquantBackend:
         key = (code, frame.modules)
         if key not in self.call_offsets:
             offsets: dict[str, int] = {}
-            for (earlier, calls), (_, call) in zip(self.plan_calls, self.plan_origins):
-                if call == self.calls and earlier is not code:
-                    for name, largest in calls.items():
+            for origin in self.plan_origins:
+                if origin.call == self.calls and origin.code is not code:
+                    for name, largest in origin.largest_calls.items():
                         offsets[name] = max(offsets.get(name, 0), largest + 1)
             self.call_offsets[key] = tuple(offsets.items())
         return dataclasses.replace(frame, offsets=self.call_offsets[key])
