@@ -54,7 +54,20 @@ constexpr int K_MULTIPLE = 128;  // the K mixed_gemm takes: a whole number of st
 template <int TOKENS>
 constexpr int step_of = TOKENS == 256 ? 64 : 128;
 constexpr int PRODUCERS = 128, CONSUMERS = 256, THREADS = PRODUCERS + CONSUMERS;  // a warpgroup copying, two multiplying
-constexpr int SMEM_BUDGET = 220 * 1024;  // of the 227 KB a CTA may have, with the base's alignment
+constexpr int SMEM_BUDGET = 220 * 1024;  // of the 227 KB an SM's CTAs may have, with the bases' alignment
+
+// Registers a thread of the copying warpgroup and of a multiplying one keeps (setmaxnreg) where an SM
+// holds CTAS CTAs: the CTA's share of the 64K register file, 384 threads at launch, moved to the
+// consumers. Two CTAs an SM fit where the tile is 16 tokens (its accumulator 8 registers), so that
+// one CTA's decoding hides the other's latencies: one CTA an SM leaves 2 warps a scheduler, mostly
+// waiting. The K split stays chosen for one CTA an SM: a split's partial sums cost more than the
+// second CTA gains (benchmarks/NOTES.md, decode_gemm.py).
+template <int CTAS>
+struct Registers {
+  static constexpr int producer = CTAS == 1 ? 40 : 24;
+  static constexpr int consumer = CTAS == 1 ? 232 : 104;
+  static_assert(128 * producer + 256 * consumer <= 65536 / CTAS / 384 / 8 * 8 * 384, "setmaxnreg asks for more than launch gives");
+};
 
 // Bytes a weight row has per step (codes, block scales), the K one block scale covers, and how its
 // scales lie, as each format's representation stores them: MXFP8's block-major, (k / 32, n), a
@@ -70,14 +83,15 @@ struct Weight {
   static constexpr int scale_row = row_major_scales ? 16 : scale_bytes;  // a stage's bytes of scales a weight row
 };
 
-template <int F, int TOKENS>
+template <int F, int TOKENS, int CTAS>
 struct Stage {
   static constexpr int step = step_of<TOKENS>;
   static constexpr int x_bytes = TOKENS * step * 2;  // [atoms][TOKENS][64] bf16, 1024-byte aligned atoms
   static constexpr int w_bytes = ROWS * Weight<F, step>::code_bytes;
   static constexpr int s_bytes = ROWS * Weight<F, step>::scale_row;
   static constexpr int bytes = (x_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
-  static constexpr int count = SMEM_BUDGET / bytes < 8 ? SMEM_BUDGET / bytes : 8;
+  static constexpr int budget = SMEM_BUDGET / CTAS;
+  static constexpr int count = budget / bytes < 8 ? budget / bytes : 8;
   static constexpr int smem = count * (bytes + 16) + 1024;  // + two barriers a stage, + the base's alignment to 1024
 };
 
@@ -278,12 +292,12 @@ __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, cons
 // on its own: no CTA barrier in the K loop, so that one's products run while the other decodes and
 // moves its operand (each leaves the tensor pipe empty between steps: see the loop), and each marks
 // a stage ``empty`` once its wgmmas that read it retired.
-template <int F, int TOKENS>
-__global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap x_map,
-                                                               const __grid_constant__ CUtensorMap w_map,
-                                                               const __grid_constant__ CUtensorMap s_map) {
+template <int F, int TOKENS, int CTAS>
+__global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap x_map,
+                                                                  const __grid_constant__ CUtensorMap w_map,
+                                                                  const __grid_constant__ CUtensorMap s_map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  using S = Stage<F, TOKENS>;
+  using S = Stage<F, TOKENS, CTAS>;
   constexpr int STEP = S::step, ATOMS = STEP / ATOM, SLICES = STEP / 16;
   using W = Weight<F, STEP>;
   constexpr int STAGES = S::count;
@@ -307,7 +321,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
   __syncthreads();
 
   if (tid < PRODUCERS) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Registers<CTAS>::producer) : "memory");
     if (tid == 0) {
       for (int j = 0; j < count; ++j) {
         const int s = j % STAGES;
@@ -324,7 +338,7 @@ __global__ void __launch_bounds__(THREADS, 1) mixed_gemm_kernel(const Args args,
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Registers<CTAS>::consumer) : "memory");
 
   const int consumer = tid - PRODUCERS;
   const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
@@ -467,11 +481,11 @@ void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char*
 
 int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
 
-template <int F, int TOKENS>
+template <int F, int TOKENS, int CTAS>
 void launch(const Args& args, dim3 grid, cudaStream_t stream) {
-  using S = Stage<F, TOKENS>;
+  using S = Stage<F, TOKENS, CTAS>;
   using W = Weight<F, S::step>;
-  opt_in_shared_memory(reinterpret_cast<const void*>(mixed_gemm_kernel<F, TOKENS>), S::smem, "graphquant.mixed_gemm");
+  opt_in_shared_memory(reinterpret_cast<const void*>(mixed_gemm_kernel<F, TOKENS, CTAS>), S::smem, "graphquant.mixed_gemm");
   const CUtensorMap x_map = tensor_map("graphquant.mixed_gemm", args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
                                        CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap w_map = tensor_map("graphquant.mixed_gemm", args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
@@ -481,18 +495,18 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
                                              ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
                                 : tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
                                              W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
-  mixed_gemm_kernel<F, TOKENS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
+  mixed_gemm_kernel<F, TOKENS, CTAS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
   check_launch("mixed_gemm");
 }
 
 template <int F>
 void launch_tokens(int64_t tokens, const Args& args, dim3 grid, cudaStream_t stream) {
   switch (tokens) {
-    case 16: return launch<F, 16>(args, grid, stream);
-    case 32: return launch<F, 32>(args, grid, stream);
-    case 64: return launch<F, 64>(args, grid, stream);
-    case 128: return launch<F, 128>(args, grid, stream);
-    default: return launch<F, 256>(args, grid, stream);
+    case 16: return launch<F, 16, 2>(args, grid, stream);  // two CTAs an SM (Registers); 32 tokens spill at 104 registers
+    case 32: return launch<F, 32, 1>(args, grid, stream);
+    case 64: return launch<F, 64, 1>(args, grid, stream);
+    case 128: return launch<F, 128, 1>(args, grid, stream);
+    default: return launch<F, 256, 1>(args, grid, stream);
   }
 }
 
