@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.passes.find_gemms import body_of, target_name
+from graphquant.passes.find_gemms import body_of, target_name, traced_number
 
 _MATMULS = (torch.matmul, operator.matmul)
 # Products attention is also spelled with, which are not folded, and why.
@@ -141,7 +141,7 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
             return reason
     for node in after:
         if _is_dropout(node):
-            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            p = traced_number(node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5))
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if not isinstance(p, (int, float)) or not isinstance(training, bool):
                 return f"dropout p={p!r}, training={training!r} not constant"
@@ -153,7 +153,7 @@ def _take(step: fx.Node, chain: _Chain, q: torch.Tensor) -> Optional[str]:
     """Record one step's argument in ``chain``, or say why sdpa cannot take it."""
     kind = _step(step)
     if kind == "scale":
-        other = _other(step)
+        other = traced_number(_other(step))
         if not isinstance(other, (int, float)) or isinstance(other, bool) or other == 0:
             what = f"the tensor {other.name}" if isinstance(other, fx.Node) else repr(other)
             return f"the scores are scaled by {what}, not a nonzero constant"

@@ -184,6 +184,20 @@ def test_without_fp8_dpa_the_eager_spelling_keeps_its_matmul_sites():
     assert {g.module_type for g in with_dpa.gemms} == {"linear", "dpa"}
 
 
+def test_a_scale_attribute_traced_as_a_symbol_folds():
+    """Under dynamic=True Dynamo traces ``* self.scaling`` (a float attribute, as transformers'
+    eager attention multiplies by) as a symbol: the chain stayed two matmul sites, "scaled by the
+    tensor item", in high precision; it folds with the number, guarded."""
+    x, mask = _inputs()
+    model = _seeded("eager")
+    compiled = graphquant.compile(model, RECIPE, backend="aot_eager", dynamic=True)
+    compiled(x, mask).sum().backward()
+    plan = compiled.graphquant.plan
+    assert {g.module_type for g in plan.gemms} == {"linear", "dpa"} and not plan.skipped
+    sdpa = graphquant.explain(_seeded("sdpa"), RECIPE, x, mask)
+    assert _rows(plan) == _rows(sdpa)
+
+
 class DropoutAttention(Attention):
     def _cast_back(self, probs, q):
         if self.spelling == "gpt2":
