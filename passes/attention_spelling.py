@@ -145,7 +145,7 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
             return reason
     for node in after:
         if _is_dropout(node):
-            p = traced_number(node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5))
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if not isinstance(p, (int, float)) or not isinstance(training, bool):
                 return f"dropout p={p!r}, training={training!r} not constant"
