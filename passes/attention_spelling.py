@@ -9,7 +9,8 @@ carrying the meta of the chain's last product (so it keeps its owner)::
 
     s = q @ k.transpose(-2, -1)        torch.matmul, operator.matmul or Tensor.matmul
     s = s * c   or   s = s / c         optional, c a Python number: scale=c or 1/c (else 1.0)
-    s = s + mask                       optional, a fixed float mask of q's dtype: attn_mask=mask
+    s = s + mask                       optional, a fixed float mask of q's dtype, float32 or the
+                                       products' (autocast's): attn_mask=mask
       or s.masked_fill(m, -inf)        optional, m a bool mask: attn_mask=~m
       or torch.where(m, s, -inf)       optional, m a bool mask: attn_mask=m (torch.where(m, -inf, s): ~m;
                                        s.where(m, -inf): m)
@@ -21,9 +22,11 @@ carrying the meta of the chain's last product (so it keeps its owner)::
 
 A softmax between two matmuls that is not of this form is left as it is (its matmuls stay
 matmul sites) and carries ``"graphquant_skip"`` saying why, for the plan's "not quantized" list.
-Grouped-query attention spelled with repeat_kv (k and v expanded to the query heads before the
-products) folds as multi-head attention over the repeated k and v: the same attention, but it
-quantizes and keeps the repeated copies.
+Under autocast q, k and v may differ in dtype (a float32 rotary table times a bfloat16
+projection): autocast runs both products in its dtype, as it runs sdpa, and the chain folds where
+they compute in one. Grouped-query attention spelled with repeat_kv (k and v expanded to the
+query heads before the products) folds as multi-head attention over the repeated k and v: the
+same attention, but it quantizes and keeps the repeated copies.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from graphquant.passes.find_gemms import body_of, target_name
+from graphquant.passes.find_gemms import body_of, target_name, traced_number
 
 _MATMULS = (torch.matmul, operator.matmul)
 # Products attention is also spelled with, which are not folded, and why.
@@ -127,8 +130,9 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         return f"q {tuple(qv.shape)}, k {tuple(kv.shape)}, v {tuple(vv.shape)} do not share batch and heads"
     if tuple(values["out"].shape) != (*qv.shape[:3], vv.shape[3]):
         return f"the output is {tuple(values['out'].shape)}: the mask broadcasts q {tuple(qv.shape)} up"
-    if not (qv.dtype == kv.dtype == vv.dtype == values["out"].dtype):
-        return f"q, k, v and the output are {qv.dtype}, {kv.dtype}, {vv.dtype}, {values['out'].dtype}; attention keeps one dtype"
+    computes = _value(scores).dtype
+    if computes != values["out"].dtype:
+        return f"the products compute in {computes} and {values['out'].dtype}; attention computes in one dtype"
     dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
     if dim not in (-1, 3):
         return f"softmax over dim {dim}, not the last"
@@ -136,7 +140,7 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
         return f"softmax in {softmax.kwargs['dtype']}"
     chain = _Chain([scores, *steps, softmax, *after, out], q, k, v)
     for step in steps:
-        reason = _take(step, chain, qv)
+        reason = _take(step, chain, (qv.dtype, computes, torch.float32))
         if reason:
             return reason
     for node in after:
@@ -149,19 +153,21 @@ def _match(softmax: fx.Node) -> Union[_Chain, str, None]:
     return chain
 
 
-def _take(step: fx.Node, chain: _Chain, q: torch.Tensor) -> Optional[str]:
-    """Record one step's argument in ``chain``, or say why sdpa cannot take it."""
+def _take(step: fx.Node, chain: _Chain, mask_dtypes: tuple[torch.dtype, ...]) -> Optional[str]:
+    """Record one step's argument in ``chain``, or say why sdpa cannot take it (``mask_dtypes``:
+    an additive mask's, as sdpa takes one: the query's, float32, or the products' under autocast,
+    which casts it)."""
     kind = _step(step)
     if kind == "scale":
-        other = _other(step)
+        other = traced_number(_other(step))
         if not isinstance(other, (int, float)) or isinstance(other, bool) or other == 0:
             what = f"the tensor {other.name}" if isinstance(other, fx.Node) else repr(other)
             return f"the scores are scaled by {what}, not a nonzero constant"
         chain.scale = float(other) if step.target in _MULTIPLIES else 1.0 / other
     elif kind == "mask" and step.target in _ADDS:
         mask = _other(step)
-        if _value(mask) is None or _value(mask).dtype != q.dtype or _value(mask).requires_grad:
-            return "the additive mask is not a fixed tensor of the query's dtype"
+        if _value(mask) is None or _value(mask).dtype not in mask_dtypes or _value(mask).requires_grad:
+            return "the additive mask is not a fixed tensor of the query's dtype, float32 or the products' dtype"
         chain.mask = mask
     elif kind == "mask":
         # masked_fill(m, -inf) keeps the scores where m is False; s.where(m, -inf) and

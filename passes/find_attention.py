@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphquant import user_stack
-from graphquant.passes.find_gemms import Frame, FunctionalNumbers, body_of, gradient_reaching, inside_transforms, nodes_and_bodies, owner_of
+from graphquant.passes.find_gemms import (
+    Frame, FunctionalNumbers, body_of, gradient_reaching, inside_transforms, nodes_and_bodies, owner_of, traced_number,
+)
 from graphquant.passes.plan import EMPTY_PRODUCT, PlanError
 from graphquant.quantizers import COLUMNWISE, ROWWISE
 from graphquant.roles import HINTS, QuantizerRole
@@ -200,7 +202,7 @@ def _site(node: fx.Node, name: str, call: int, reached: bool):
         return "attention operand shapes unknown"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"attention of {q.dim()}-D query, {k.dim()}-D key, {v.dim()}-D value: FP8 attention takes (batch, heads, length, dim)"
-    dropout = args["dropout_p"]
+    dropout = traced_number(args["dropout_p"])
     if not isinstance(dropout, (int, float)) or dropout != 0:
         # A folded matmul-softmax-matmul (passes.attention_spelling) says what its dropout was.
         written = node.meta.get("graphquant_dropout", f"F.scaled_dot_product_attention(..., dropout_p={dropout!r})")

@@ -549,6 +549,16 @@ def _value(node: object) -> Optional[torch.Tensor]:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
+def traced_number(arg: object) -> object:
+    """``arg`` as the Python number it is where Dynamo traced a model's number as a symbol (a float
+    attribute under dynamic=True, as transformers' scaling and attention_dropout): read as a
+    constant, guarded on, so that another value recompiles; any other argument as it is."""
+    value = _value(arg)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    return int(value) if isinstance(value, torch.SymInt) else arg
+
+
 def _torchao_operand(a: fx.Node, b: fx.Node) -> Optional[str]:
     """Why a product of a torchao tensor subclass (a weight torchao.quantization.quantize_ made an
     Int8Tensor or Float8Tensor) is no site: the subclass runs torchao's own quantized product,

@@ -763,3 +763,30 @@ def test_attention_inside_torch_vmap_runs_in_high_precision_and_is_listed():
     [(what, why)] = compiled.graphquant.plan.skipped
     assert "scaled_dot_product_attention(" in what and why.startswith("inside torch.func's vmap")
     assert {g.module_type for g in compiled.graphquant.plan.gemms} == {"linear"}
+
+
+class _AttributeAttention(torch.nn.Module):
+    """Attention whose dropout and scale are float attributes, as transformers' are
+    (``dropout_p=self.attention_dropout`` while training, ``scale=self.scaling``)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.scaling = p, 32**-0.5
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, scale=self.scaling)
+
+
+def test_float_attributes_traced_as_symbols_are_their_numbers():
+    """Under dynamic=True Dynamo traces a model's float attributes as symbols: a transformers
+    model training with attention dropout 0.0 was refused as "dropout_p=item_3". The check reads
+    the number, guarded, so that another dropout recompiles and is refused naming it."""
+    model = _AttributeAttention(0.0)
+    compiled = graphquant.compile(model, CustomRecipe(current_dpa_factory, fp8_dpa=True), backend="aot_eager", dynamic=True)
+    q = torch.randn(2, 2, 32, 32, requires_grad=True)
+    compiled(q, q, q).sum().backward()
+    assert {g.site for g in compiled.graphquant.plan.gemms} == {"dpa#0"}
+    assert torch.isfinite(q.grad).all()
+    model.p = 0.1
+    with pytest.raises(PlanError, match=r"dropout_p=0.1\) under fp8_dpa"):
+        compiled(q, q, q)

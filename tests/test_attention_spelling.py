@@ -2,6 +2,7 @@
 dpa site like F.scaled_dot_product_attention, where the spelling is exactly attention; anything
 else, and everything without fp8_dpa, keeps its two matmul sites."""
 
+import contextlib
 import math
 
 import pytest
@@ -24,14 +25,17 @@ class Attention(torch.nn.Module):
     probabilities back with .type, "llama_reference" with .type_as), Meta's Llama reference code
     ("llama_meta": the scores cast with .float(), the softmax in float32, .type_as back), or
     "masked_fill" (a scale divided out, the bool mask filled with -inf, Tensor.softmax, the @
-    operator; "where" and "where_fill_first" fill it with torch.where); the others are
-    near-matches that are not attention as sdpa computes it."""
+    operator; "where" and "where_fill_first" fill it with torch.where); "rotary" and "sdpa_rotary"
+    are "eager" and "sdpa" with q and k multiplied by a float32 table first, as transformers'
+    rotary embedding multiplies them; the others are near-matches that are not attention as sdpa
+    computes it."""
 
     def __init__(self, spelling: str):
         super().__init__()
         self.spelling, self.scaling = spelling, DIM**-0.5
         self.qkv = torch.nn.Linear(HEADS * DIM, 3 * HEADS * DIM, bias=False)
         self.temperature = torch.nn.Parameter(torch.tensor(self.scaling))
+        self.register_buffer("table", torch.rand(LENGTH, DIM) + 0.5)
 
     def _cast_back(self, probs, q):
         if self.spelling == "gpt2":
@@ -41,7 +45,9 @@ class Attention(torch.nn.Module):
     def forward(self, x, mask):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
-        if self.spelling in ("sdpa", "sdpa_bool"):
+        if self.spelling.endswith("rotary"):
+            q, k = q * self.table, k * self.table
+        if self.spelling in ("sdpa", "sdpa_bool", "sdpa_rotary"):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         if self.spelling in ("masked_fill", "where", "where_fill_first", "where_method"):
             scores = (q @ k.transpose(-1, -2)) / DIM**0.5
@@ -119,15 +125,31 @@ def test_spelling_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
     """transformers' eager spelling (matmul, * scaling, + mask, softmax in float32 and back,
     dropout 0, matmul), and one with / and masked_fill, plan and train as the same module written
     with sdpa: one dpa site named after its owner (here the compiled module itself)."""
+    _check_bit_for_bit(spelling, sdpa, contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("spelling, sdpa", [("eager", "sdpa"), ("rotary", "sdpa_rotary")])
+def test_spelling_under_autocast_is_the_sdpa_site_bit_for_bit(spelling, sdpa):
+    """float32 weights under torch.autocast(bfloat16), as mixed-precision training runs them: q, k
+    and v come out of the projection in bfloat16 beside the float32 mask, or q and k in float32
+    beside a bfloat16 v where a float32 table multiplies them (transformers' Llama), and autocast
+    runs both products in bfloat16. Such a chain stayed two matmul sites ("the additive mask is not
+    a fixed tensor of the query's dtype", "attention keeps one dtype"), which sdpa under autocast
+    is not."""
+    _check_bit_for_bit(spelling, sdpa, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+
+
+def _check_bit_for_bit(spelling, sdpa, context):
     x, mask = _inputs(bool_mask=sdpa == "sdpa_bool")
     plans, results = {}, {}
     for name in (spelling, sdpa):
         model = _seeded(name)
-        plans[name] = graphquant.explain(model, RECIPE, x, mask)
-        compiled = graphquant.compile(model, RECIPE, backend="aot_eager")
-        xs = x.clone().requires_grad_()
-        out = compiled(xs, mask)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+        with context():
+            plans[name] = graphquant.explain(model, RECIPE, x, mask)
+            compiled = graphquant.compile(model, RECIPE, backend="aot_eager")
+            xs = x.clone().requires_grad_()
+            out = compiled(xs, mask)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype))
         results[name] = (out, xs.grad, model.qkv.weight.grad)
     assert _rows(plans[spelling]) == _rows(plans[sdpa])
     assert {g.site for g in plans[spelling].gemms if g.module_type == "dpa"} == {"dpa#0"}
@@ -182,6 +204,20 @@ def test_without_fp8_dpa_the_eager_spelling_keeps_its_matmul_sites():
     assert "dpa" not in {g.module_type for g in plan.gemms}
     assert len({g.site for g in plan.gemms if g.module_type == "matmul"}) == 2
     assert {g.module_type for g in with_dpa.gemms} == {"linear", "dpa"}
+
+
+def test_a_scale_attribute_traced_as_a_symbol_folds():
+    """Under dynamic=True Dynamo traces ``* self.scaling`` (a float attribute, as transformers'
+    eager attention multiplies by) as a symbol: the chain stayed two matmul sites, "scaled by the
+    tensor item", in high precision; it folds with the number, guarded."""
+    x, mask = _inputs()
+    model = _seeded("eager")
+    compiled = graphquant.compile(model, RECIPE, backend="aot_eager", dynamic=True)
+    compiled(x, mask).sum().backward()
+    plan = compiled.graphquant.plan
+    assert {g.module_type for g in plan.gemms} == {"linear", "dpa"} and not plan.skipped
+    sdpa = graphquant.explain(_seeded("sdpa"), RECIPE, x, mask)
+    assert _rows(plan) == _rows(sdpa)
 
 
 class DropoutAttention(Attention):
