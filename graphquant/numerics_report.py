@@ -75,6 +75,14 @@ class NumericsReport:
         return json.dumps({"gemms": gemms}, indent=2)
 
 
+def _loss_fn_advice(output: Any) -> str:
+    """The loss_fn to suggest: the model's own loss where it returns one (a transformers model given labels)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return "loss_fn=lambda output: output.loss, its own loss"
+    return "loss_fn=... that makes it a scalar"
+
+
 def numerics(
     model: Any,
     recipe: CustomRecipe,
@@ -101,7 +109,7 @@ def numerics(
     with torch.enable_grad(), recording(recorder):
         compiled, output = run_once(model, recipe, example_inputs, compile_kwargs, example_kwargs)
         if loss_fn is None and not isinstance(output, torch.Tensor):
-            raise TypeError(f"the model returned a {type(output).__name__}; pass loss_fn=... that makes it a scalar")
+            raise TypeError(f"the model returned a {type(output).__name__}; pass {_loss_fn_advice(output)}")
         loss = loss_fn(output) if loss_fn is not None else output.sum()
         parameters = model.parameters() if isinstance(model, torch.nn.Module) else ()
         leaves = [t for t in (*parameters, *example_inputs) if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -158,6 +158,22 @@ def test_delayed_scaling_first_step_uses_scale_one():
     assert compiled.graphquant.run_state.delayed[role][0].item() == pytest.approx(448.0 / x.abs().max().item(), rel=1e-6)
 
 
+def test_gradients_under_e5m2s_smallest_reach_each_layer_one_step_later_than_the_one_above():
+    """TE's rule read through a stack: a first step's gradient below E5M2's smallest subnormal
+    (2^-16) at scale 1 flushes to zero, so the layer below sees a zero gradient, records amax 0 and
+    keeps scale 1 for another step (README: delayed scaling's first steps). fc2's weight gradient
+    appears at the second step, fc1's, one GEMM further from the loss, at the third."""
+    model = models.seeded(models.MLP())
+    compiled = graphquant.compile(model, recipes.delayed_scaling(amax_history_len=4), backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    nonzero = []
+    for _ in range(3):
+        model.zero_grad()
+        (compiled(x).sum() * 1e-9).backward()
+        nonzero.append(tuple(bool(layer.weight.grad.any()) for layer in (model.fc1, model.fc2)))
+    assert nonzero == [(False, False), (False, True), (True, True)]
+
+
 def test_a_module_called_twice_updates_its_slots_once_a_step():
     """fc runs twice a step: both calls quantize each slot with the step's one scale, and the
     slot takes one history entry a step, the larger amax, as TE's (each call had rolled it, so

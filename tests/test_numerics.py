@@ -3,6 +3,7 @@
 import contextlib
 import json
 import math
+import types
 import warnings
 
 import pytest
@@ -154,6 +155,16 @@ def test_loss_fn_gradients_and_the_recorder_are_left_as_they_were():
     assert len(report.gemms) == 5
     assert all(p.grad is None for p in model.parameters())
     assert not recording.listening()
+
+
+def test_an_output_that_carries_its_loss_is_named_in_the_loss_fn_advice():
+    class WithLoss(MLP):  # a transformers model given labels returns its loss beside the logits
+        def forward(self, x):
+            y = super().forward(x)
+            return types.SimpleNamespace(loss=y.pow(2).mean(), logits=y)
+
+    with pytest.raises(TypeError, match=r"loss_fn=lambda output: output\.loss"):
+        graphquant.numerics(WithLoss(), zoo.recipe("tensorwise"), torch.randn(32, 64))
 
 
 def test_recording_observes_the_computation_without_changing_it():
