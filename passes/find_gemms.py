@@ -587,7 +587,8 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
         layout = einsum_layout(node.args[0], tuple(va.shape), tuple(vb.shape))
         if layout is None:
             return f"einsum {node.args[0]!r} is not a single (batched) matrix product"
-        return layout.x_shape, layout.w_shape, layout.x_shape[0] != 1, layout
+        x_sizes, w_sizes, _ = layout.shapes(va.shape, vb.shape)
+        return x_sizes, w_sizes, layout.batch_dims > 0, layout
     if va.dim() < 2 or vb.dim() < 2:
         return "a 1-D operand (matrix-vector product)"
     k = va.shape[-1]

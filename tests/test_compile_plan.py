@@ -133,6 +133,25 @@ def test_recompile_reuses_the_plan(dynamic):
     assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
 
 
+def test_einsum_products_stay_sites_under_dynamic_shapes():
+    """A sequence length that changes makes Dynamo's sizes symbolic (as it does by itself at the
+    second length): an einsum's products are sites there too, computing the reference's numbers,
+    not products left in high precision as "not a single (batched) matrix product"."""
+    model = models.seeded(models.Attention(kind="einsum"))
+    ref_model = copy.deepcopy(model)
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tape.backend, dynamic=True, fullgraph=True)
+    reference = Reference(ref_model, recipes.mxfp8_block_scaling(), tape=tape)
+    for seq in (32, 64):
+        tape.clear()
+        actual = forward_backward(compiled, model, x3(seq=seq))
+        expected = forward_backward(reference, ref_model, x3(seq=seq))
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"seq {seq}: ")
+    assert not compiled.graphquant.plan.skipped
+    assert {name for name, _, _ in sites_of(compiled.graphquant.plan)} >= {"matmul.0", "matmul.1"}
+
+
 def test_the_plan_is_that_of_the_latest_graph_of_the_last_calls_kind():
     """A training call after a no_grad evaluation runs the training graph compiled first: ``plan``
     showed the evaluation's, compiled last, with fprop alone."""

@@ -101,11 +101,11 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, r
 def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
     (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""
-    batch, m, k = layout.x_shape
+    (batch, m, k), _, y_shape = layout.shapes(a.shape, b.shape)
     x = a.permute(layout.a_perm).reshape(batch * m, k)
     w = b.permute(layout.b_perm).reshape(-1, k)
     y = _product(x, w, batch, site, states, rng)
-    return y.reshape(layout.y_shape).permute(layout.out_perm)
+    return y.reshape(y_shape).permute(layout.out_perm)
 
 
 def _product(
