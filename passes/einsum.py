@@ -7,6 +7,7 @@ to graphquant.ops.functional.quantized_einsum, which applies it.
 from __future__ import annotations
 
 import math
+import string
 from typing import NamedTuple, Optional, Sequence
 
 
@@ -41,16 +42,21 @@ class EinsumLayout(NamedTuple):
 
 
 def einsum_layout(equation: str, a_shape: tuple, b_shape: tuple) -> Optional[EinsumLayout]:
-    """The layout, or None when the equation is not a plain batched product (ellipsis, traces,
-    a letter summed out of one operand alone, repeated letters). A symbolic size is compared as
-    a symbol: the test becomes a guard of the compiled graph."""
+    """The layout, or None when the equation is not a plain batched product (traces, a letter
+    summed out of one operand alone, repeated letters). A symbolic size is compared as a symbol:
+    the test becomes a guard of the compiled graph."""
     equation = equation.replace(" ", "")
-    if "->" not in equation or "." in equation:
-        return None
-    inputs, out = equation.split("->")
+    inputs, _, out = equation.partition("->")
     if inputs.count(",") != 1:
         return None
     a, b = inputs.split(",")
+    if "->" not in equation:  # torch's implicit output: the letters that occur once, in alphabetical order
+        once = sorted(c for c in set(a + b) if c != "." and (a + b).count(c) == 1)
+        out = ("..." if "..." in inputs else "") + "".join(once)
+    spelled = _without_ellipsis(a, b, out, len(a_shape), len(b_shape))
+    if spelled is None:
+        return None
+    a, b, out = spelled
     if any(len(set(s)) != len(s) for s in (a, b, out)) or len(a) != len(a_shape) or len(b) != len(b_shape):
         return None
     batch = [c for c in out if c in a and c in b]
@@ -71,3 +77,18 @@ def einsum_layout(equation: str, a_shape: tuple, b_shape: tuple) -> Optional[Ein
         n_dims=len(n),
         out_perm=tuple(y_letters.index(c) for c in out),
     )
+
+
+def _without_ellipsis(a: str, b: str, out: str, a_dims: int, b_dims: int) -> Optional[tuple[str, str, str]]:
+    """(a, b, out) with each ``...`` spelled as letters of its own, its dims aligned from the
+    right across the operands as torch broadcasts them; None where an ellipsis is malformed or the
+    output drops one (which sums its dims)."""
+    terms = (a, b, out)
+    if any(t.replace("...", "").count(".") or t.count("...") > 1 for t in terms) or ("..." in out) != ("..." in a + b):
+        return None
+    spans = [dims - (len(t) - 3) if "..." in t else 0 for t, dims in ((a, a_dims), (b, b_dims))]
+    if min(spans) < 0:
+        return None
+    width = max(spans)
+    free = [c for c in string.ascii_letters if c not in a + b + out][:width]
+    return tuple(t.replace("...", "".join(free[width - span :])) for t, span in zip(terms, (*spans, width)))

@@ -152,6 +152,32 @@ def test_einsum_products_stay_sites_under_dynamic_shapes():
     assert {name for name, _, _ in sites_of(compiled.graphquant.plan)} >= {"matmul.0", "matmul.1"}
 
 
+@pytest.mark.parametrize("equation", ["...qd,...kd->...qk", "...id,...jd", "bh...d,bhkd->bh...k"])
+def test_einsums_with_an_ellipsis_or_an_implicit_output_are_the_products_they_spell(equation):
+    """torch.einsum's ellipsis and its implicit output (the letters that occur once, in alphabetical
+    order) spell the same batched product as ``q @ k.transpose(-2, -1)``: a site computing its bits."""
+
+    class Scores(torch.nn.Module):
+        def __init__(self, spelled):
+            super().__init__()
+            self.spelled = spelled
+
+        def forward(self, q, k):
+            return self.spelled(q, k)
+
+    q, k = (torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    results = []
+    for spelled in (lambda q, k: torch.einsum(equation, q, k), lambda q, k: q @ k.transpose(-2, -1)):
+        compiled = graphquant.compile(Scores(spelled), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+        leaves = (q.clone().requires_grad_(), k.clone().requires_grad_())
+        out = compiled(*leaves)
+        out.square().sum().backward()
+        assert sites_of(compiled.graphquant.plan) == [("matmul.0", 0, "matmul")] and not compiled.graphquant.plan.skipped
+        results.append((out, *(leaf.grad for leaf in leaves)))
+    for einsum_result, matmul_result in zip(*results):
+        torch.testing.assert_close(einsum_result, matmul_result, rtol=0, atol=0)
+
+
 def test_the_plan_is_that_of_the_latest_graph_of_the_last_calls_kind():
     """A training call after a no_grad evaluation runs the training graph compiled first: ``plan``
     showed the evaluation's, compiled last, with fprop alone."""
