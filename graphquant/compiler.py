@@ -736,11 +736,16 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
 
 def _described(node: fx.Node, frame: Frame) -> str:
     """A node of the plan's "not quantized" list as a reader finds it: its owner as
-    named_modules() spells it ("the model" for its own code), and the call ("layers.0.attn:
-    softmax = softmax(mul, dim=-1)")."""
+    named_modules() spells it ("the model" for its own code), and the call, a parameter by its
+    name in the model, not Dynamo's ("layers.0.attn: softmax = softmax(mul, dim=-1)", "stem:
+    conv2d = conv2d(l_x_, stem.weight, stem.bias, ...)")."""
     owner = owner_of(node, frame)[0] or "the model"
-    arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
-    arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
+    weights = dict(frame.weights)
+
+    def shown(value: object) -> str:
+        return weights.get(value.name, (value.name,))[0] if isinstance(value, fx.Node) else repr(value)
+
+    arguments = [shown(a) for a in node.args] + [f"{key}={shown(value)}" for key, value in node.kwargs.items()]
     return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"
 
 

@@ -754,6 +754,7 @@ def test_convolutions_are_listed_as_left_in_high_precision(conv):
     assert {g.site for g in plan.gemms} == {"fc#0"}
     [(what, why)] = plan.skipped
     assert "stem" in what and why.startswith("a convolution (nn.Conv1d") and "runs in high precision" in why, (what, why)
+    assert "(l_x_, stem.weight, stem.bias" in what, f"the call's parameters as named_parameters() spells them: {what}"
 
 
 _OTHER_SPELLINGS = {
