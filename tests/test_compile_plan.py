@@ -1187,14 +1187,15 @@ def test_zoo_recipes_give_a_matmul_the_formats_of_a_linear(name):
     assert formats["matmul.0#0"] == formats["q#0"] and len(formats["q#0"]) == 3, formats
 
 
+@pytest.mark.parametrize("shape, dynamic", [((0, 64), False), ((2, 0, 64), True)])  # symbolic: rows 0 * s0
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
-def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
+def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe, shape, dynamic):
     make = {"rowwise": lambda: zoo.recipe("rowwise"), "mxfp8": recipes.mxfp8_block_scaling, "nvfp4": recipes.nvfp4_block_scaling}
     linear = torch.nn.Linear(64, 128)
-    compiled = graphquant.compile(linear, make[recipe](), backend="aot_eager")
-    y = compiled(torch.zeros(0, 64))
+    compiled = graphquant.compile(linear, make[recipe](), backend="aot_eager", dynamic=dynamic)
+    y = compiled(torch.zeros(shape))
     y.sum().backward()
-    assert y.shape == (0, 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
+    assert y.shape == (*shape[:-1], 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
     assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
 
 
