@@ -1199,6 +1199,25 @@ def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe, sh
     assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
 
 
+@pytest.mark.parametrize("features", [(0, 128), (64, 0)], ids=["k=0", "n=0"])
+def test_a_linear_of_no_input_or_no_output_features_computes_what_torch_does(features):
+    """An nn.Linear(0, n) (its output the bias alone) or nn.Linear(k, 0) (an empty output) is an
+    empty product the plan keeps in high precision; it failed inside the compile, reshaping 0
+    elements to (-1, 0)."""
+    linear = torch.nn.Linear(*features)
+    torch.nn.init.normal_(linear.bias)
+    reference = copy.deepcopy(linear)
+    compiled = graphquant.compile(linear, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    x = torch.randn(2, 32, features[0], requires_grad=True)
+    y, expected = compiled(x), reference(x.detach().clone().requires_grad_())
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    for name, p in linear.named_parameters():
+        torch.testing.assert_close(p.grad, getattr(reference, name).grad, rtol=0, atol=0)
+    assert {g.reason.split(" (")[0] for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty"}
+
+
 class TwiceCalled(torch.nn.Module):
     """One module called on two shapes in a forward: both calls share its roles."""
 
