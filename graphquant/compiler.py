@@ -29,7 +29,7 @@ from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
     GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
-    VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers, written_at,
+    VIEWS_AND_CASTS, number_module_calls, site_weight, target_name, without_compile_wrappers, written_at,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -360,6 +360,7 @@ class GraphquantBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
+        number_module_calls(gm)
         captured = gm.code if self.dump_dir else ""
         drop_frozen_weight_stand_ins(gm)
         self._note_read_parameters(gm, example_inputs)

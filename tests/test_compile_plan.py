@@ -1326,6 +1326,23 @@ def test_an_nn_linear_subclass_names_only_its_own_weights_product_after_itself()
         assert torch.equal(y, main + torch.nn.functional.linear(torch.nn.functional.linear(x, fc.lora_a), fc.lora_b))
 
 
+def test_a_module_reached_through_get_submodule_is_named_as_named_modules_spells_it():
+    """Dynamo's path of such a module is "getattr(L['self'].blocks, '1')": its product was named
+    "getattr(L.self.blocks, '1').linear.0", a functional product of no module, not "blocks.1"."""
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+        def forward(self, x):
+            return self.blocks[1](self.get_submodule("blocks.1")(self.blocks[0](x)))
+
+    plan = graphquant.explain(models.seeded(Blocks()), recipes.mxfp8_block_scaling(), x3())
+    # Dynamo counts calls per path, both blocks.1's from 0: they were one site label.
+    assert sites_of(plan) == [("blocks.0", 0, "linear"), ("blocks.1", 0, "linear"), ("blocks.1", 1, "linear")]
+
+
 MODULE_OF_A_FUNCTION = models.seeded(models.MLP())  # a global the compiled function below calls
 
 
