@@ -619,9 +619,22 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
         n = vb.shape[-1] if w_is_transposed else vb.shape[0]
         return (1, math.prod(va.shape[:-1]), k), (1, n, k), False, None
     if tuple(va.shape[:-2]) != tuple(vb.shape[:-2]):
-        return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast"
+        return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast: {_unbroadcast(va.shape, vb.shape)}"
     batch = math.prod(va.shape[:-2])
     return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True, None
+
+
+def _unbroadcast(a_shape: Sequence, b_shape: Sequence) -> str:
+    """How to write a matmul whose batch dims broadcast as a site: the einsum that spells it where
+    no dim broadcasts from size 1 (an operand lacks the other's leading batch dims: per-head
+    weights), else one batch shape."""
+    batch = max(len(a_shape), len(b_shape)) - 2
+    letters = "abcdefgh"[:batch]
+    a_batch, b_batch = a_shape[:-2], b_shape[:-2]
+    if batch > len(letters) or any(x != y for x, y in zip(reversed(a_batch), reversed(b_batch))):
+        return "expand the operands to one batch shape, which graphquant quantizes"
+    equation = f"{letters[batch - len(a_batch):]}mk,{letters[batch - len(b_batch):]}kn->{letters}mn"
+    return f"expand the operands to one batch shape, or spell the product as a two-operand torch.einsum ({equation!r}), which graphquant quantizes"
 
 
 # A frame's local and the subscripts that pick a module out of it: L['self'], L['fn'], L['args'][0]

@@ -797,6 +797,30 @@ def test_products_of_functions_with_no_site_are_listed_with_what_to_write(spelli
     assert what.startswith("block: ") and why.startswith(f"{spelling} "), (what, why)
 
 
+def test_a_matmul_of_broadcast_batch_dims_is_listed_with_the_einsum_that_quantizes_it():
+    """Per-head weights (heads, dim, out) against (batch, heads, seq, dim) activations: torch.matmul
+    broadcasts the batch dims, which is no site; the plan said only "batch dims (2, 4) and (4,)
+    broadcast". It says what to write, and that einsum is a site."""
+
+    class PerHead(torch.nn.Module):
+        def __init__(self, spelled):
+            super().__init__()
+            self.w, self.spelled = torch.nn.Parameter(torch.randn(4, 64, 128)), spelled
+
+        def forward(self, x):
+            return self.spelled(x, self.w)
+
+    x = torch.randn(2, 4, 32, 64)
+    plan = graphquant.explain(PerHead(torch.matmul), recipes.mxfp8_block_scaling(), x)
+    [(what, why)] = plan.skipped
+    assert why == (
+        "batch dims (2, 4) and (4,) broadcast: expand the operands to one batch shape, or spell the product as a "
+        "two-operand torch.einsum ('abmk,bkn->abmn'), which graphquant quantizes"
+    ), why
+    plan = graphquant.explain(PerHead(lambda x, w: torch.einsum("bhsd,hde->bhse", x, w)), recipes.mxfp8_block_scaling(), x)
+    assert sites_of(plan) == [("matmul.0", 0, "matmul")] and not plan.skipped
+
+
 def test_linalg_matmul_is_a_site_as_matmul_is():
     """torch.linalg.matmul is torch.matmul: a linear site with a transposed parameter, a matmul of
     activations otherwise (it ran in high precision, unlisted)."""
