@@ -29,7 +29,7 @@ from graphquant.passes.opaque_calls import mark_opaque_products
 from graphquant.passes.positional_operands import make_operands_positional
 from graphquant.passes.find_gemms import (
     GROUPED, LINEAR, UNQUANTIZED_LINEAR, Frame, find_gemms, fqn_from_stack_path, nodes_and_bodies, owner_of, parameter_path, root_local,
-    VIEWS_AND_CASTS, site_weight, target_name, without_compile_wrappers, written_at,
+    VIEWS_AND_CASTS, number_module_calls, site_weight, target_name, without_compile_wrappers, written_at,
 )
 from graphquant.passes.gemms_sharing_x import merge_gemms_sharing_x
 from graphquant import distributed, user_stack
@@ -360,6 +360,7 @@ class GraphquantBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = copy_dynamo_graph(gm)
+        number_module_calls(gm)
         captured = gm.code if self.dump_dir else ""
         drop_frozen_weight_stand_ins(gm)
         self._note_read_parameters(gm, example_inputs)
@@ -736,11 +737,16 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
 
 def _described(node: fx.Node, frame: Frame) -> str:
     """A node of the plan's "not quantized" list as a reader finds it: its owner as
-    named_modules() spells it ("the model" for its own code), and the call ("layers.0.attn:
-    softmax = softmax(mul, dim=-1)")."""
+    named_modules() spells it ("the model" for its own code), and the call, a parameter by its
+    name in the model, not Dynamo's ("layers.0.attn: softmax = softmax(mul, dim=-1)", "stem:
+    conv2d = conv2d(l_x_, stem.weight, stem.bias, ...)")."""
     owner = owner_of(node, frame)[0] or "the model"
-    arguments = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
-    arguments += [f"{key}={value.name if isinstance(value, fx.Node) else repr(value)}" for key, value in node.kwargs.items()]
+    weights = dict(frame.weights)
+
+    def shown(value: object) -> str:
+        return weights.get(value.name, (value.name,))[0] if isinstance(value, fx.Node) else repr(value)
+
+    arguments = [shown(a) for a in node.args] + [f"{key}={shown(value)}" for key, value in node.kwargs.items()]
     return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"
 
 

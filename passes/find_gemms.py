@@ -301,6 +301,29 @@ def nodes_and_bodies(gm: fx.GraphModule) -> list[fx.Node]:
     return [node for module in gm.modules() if isinstance(module, fx.GraphModule) for node in module.graph.nodes]
 
 
+def number_module_calls(gm: fx.GraphModule) -> None:
+    """Number a module's calls per path as Dynamo does, with the paths that name one place
+    counted as one: Dynamo counts "L['self'].blocks.1" and get_submodule's "getattr(L['self'].blocks,
+    '1')" apart, each from 0, which gave two calls of blocks.1 one call index, so one site label.
+    Calls through one spelling keep Dynamo's numbers."""
+    stacks = [node for node in nodes_and_bodies(gm) if node.meta.get("nn_module_stack")]
+    spellings = collections.defaultdict(set)
+    for node in stacks:
+        for key, (path, _) in node.meta["nn_module_stack"].items():
+            spellings[str(key).split("@")[0], _attributes(path)].add(path)
+    numbers: dict[tuple[object, str], str] = {}
+    calls: collections.Counter = collections.Counter()
+    for node in stacks:
+        stack = {}
+        for key, (path, kind) in node.meta["nn_module_stack"].items():
+            place = (str(key).split("@")[0], _attributes(path))
+            if len(spellings[place]) > 1 and (key, path) not in numbers:
+                numbers[key, path] = f"{place[0]}@{calls[place]}" if calls[place] else place[0]
+                calls[place] += 1
+            stack[numbers.get((key, path), key)] = (path, kind)
+        node.meta["nn_module_stack"] = stack  # a new dict: Dynamo's graph shares the old one
+
+
 def body_of(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.GraphModule]:
     """The subgraph a higher-order op calls on its other arguments, for the ops whose GEMMs are
     sites like any other (torch.utils.checkpoint's tag_activation_checkpoint); else None."""
@@ -597,7 +620,8 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
         layout = einsum_layout(node.args[0], tuple(va.shape), tuple(vb.shape))
         if layout is None:
             return f"einsum {node.args[0]!r} is not a single (batched) matrix product"
-        return layout.x_shape, layout.w_shape, layout.x_shape[0] != 1, layout
+        x_sizes, w_sizes, _ = layout.shapes(va.shape, vb.shape)
+        return x_sizes, w_sizes, layout.batch_dims > 0, layout
     if va.dim() < 2 or vb.dim() < 2:
         return "a 1-D operand (matrix-vector product)"
     k = va.shape[-1]
@@ -605,9 +629,22 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
         n = vb.shape[-1] if w_is_transposed else vb.shape[0]
         return (1, math.prod(va.shape[:-1]), k), (1, n, k), False, None
     if tuple(va.shape[:-2]) != tuple(vb.shape[:-2]):
-        return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast"
+        return f"batch dims {tuple(va.shape[:-2])} and {tuple(vb.shape[:-2])} broadcast: {_unbroadcast(va.shape, vb.shape)}"
     batch = math.prod(va.shape[:-2])
     return (batch, va.shape[-2], k), (batch, vb.shape[-1], k), True, None
+
+
+def _unbroadcast(a_shape: Sequence, b_shape: Sequence) -> str:
+    """How to write a matmul whose batch dims broadcast as a site: the einsum that spells it where
+    no dim broadcasts from size 1 (an operand lacks the other's leading batch dims: per-head
+    weights), else one batch shape."""
+    batch = max(len(a_shape), len(b_shape)) - 2
+    letters = "abcdefgh"[:batch]
+    a_batch, b_batch = a_shape[:-2], b_shape[:-2]
+    if batch > len(letters) or any(x != y for x, y in zip(reversed(a_batch), reversed(b_batch))):
+        return "expand the operands to one batch shape, which graphquant quantizes"
+    equation = f"{letters[batch - len(a_batch):]}mk,{letters[batch - len(b_batch):]}kn->{letters}mn"
+    return f"expand the operands to one batch shape, or spell the product as a two-operand torch.einsum ({equation!r}), which graphquant quantizes"
 
 
 # A frame's local and the subscripts that pick a module out of it: L['self'], L['fn'], L['args'][0]
@@ -618,10 +655,21 @@ def _shapes(node: fx.Node, form: str, a: fx.Node, b: fx.Node, w_is_transposed: b
 _ROOT_PREFIX = re.compile(r"^L\['[^']*'\](?:\[(?:\d+|'[^']*')\])*(?:\.__self__)?\.?")
 
 
+_GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
+
+
+def _attributes(path: str) -> str:
+    """``path`` with each ``getattr(X, 'name')`` (a module that get_submodule returned) as X.name."""
+    while _GETATTR.search(path):
+        path = _GETATTR.sub(r"\1.\2", path)
+    return path
+
+
 def fqn_from_stack_path(path: str) -> str:
-    """Dynamo's module path ("L['self'].layers[0].fc1", "L['self'].layers.0.fc1" or "L['args'][0].layers.0.fc1")
-    as named_modules spells it; a global module's ("G['model'].fc1") after its variable's name."""
-    path = _ROOT_PREFIX.sub("", path)
+    """Dynamo's module path ("L['self'].layers[0].fc1", "L['self'].layers.0.fc1", "L['args'][0].layers.0.fc1"
+    or "getattr(L['self'].layers, '0')") as named_modules spells it; a global module's ("G['model'].fc1")
+    after its variable's name."""
+    path = _ROOT_PREFIX.sub("", _attributes(path))
     path = re.sub(r"^G\['([^']*)'\]", r"\1", path)  # a global module a compiled function calls: its variable's name
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
@@ -636,7 +684,7 @@ def without_compile_wrappers(name: str) -> str:
 
 def root_local(path: str) -> Optional[str]:
     """The frame's local a Dynamo path starts from ("L['self']", "L['args'][0]"), or None."""
-    match = _ROOT_PREFIX.match(path)
+    match = _ROOT_PREFIX.match(_attributes(path))
     return match.group(0).rstrip(".") if match else None
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 from tabulate import tabulate
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
 from graphquant import recipes, user_stack
 from graphquant.formats import groups
@@ -64,7 +64,8 @@ def empty_dims(site: GemmSite) -> list[str]:
     """The names of the site's product dims that are 0 this call (m: no rows), whose product the
     plan keeps in high precision with nothing to quantize and whose frozen weight no call reads."""
     _, m, k = site.x_sizes
-    return [name for name, size in (("m", m), ("n", site.w_sizes[1]), ("k", k)) if isinstance(size, int) and size == 0]
+    # Known without a guard: a symbolic size that is 0 at every size (0 * s0, no rows whatever the batch) is empty too.
+    return [name for name, size in (("m", m), ("n", site.w_sizes[1]), ("k", k)) if statically_known_true(size == 0)]
 
 
 class PlanError(ValueError):

@@ -133,6 +133,51 @@ def test_recompile_reuses_the_plan(dynamic):
     assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
 
 
+def test_einsum_products_stay_sites_under_dynamic_shapes():
+    """A sequence length that changes makes Dynamo's sizes symbolic (as it does by itself at the
+    second length): an einsum's products are sites there too, computing the reference's numbers,
+    not products left in high precision as "not a single (batched) matrix product"."""
+    model = models.seeded(models.Attention(kind="einsum"))
+    ref_model = copy.deepcopy(model)
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tape.backend, dynamic=True, fullgraph=True)
+    reference = Reference(ref_model, recipes.mxfp8_block_scaling(), tape=tape)
+    for seq in (32, 64):
+        tape.clear()
+        actual = forward_backward(compiled, model, x3(seq=seq))
+        expected = forward_backward(reference, ref_model, x3(seq=seq))
+        tape.assert_all_taken()
+        assert_same_results(actual, expected, what=f"seq {seq}: ")
+    assert not compiled.graphquant.plan.skipped
+    assert {name for name, _, _ in sites_of(compiled.graphquant.plan)} >= {"matmul.0", "matmul.1"}
+
+
+@pytest.mark.parametrize("equation", ["...qd,...kd->...qk", "...id,...jd", "bh...d,bhkd->bh...k"])
+def test_einsums_with_an_ellipsis_or_an_implicit_output_are_the_products_they_spell(equation):
+    """torch.einsum's ellipsis and its implicit output (the letters that occur once, in alphabetical
+    order) spell the same batched product as ``q @ k.transpose(-2, -1)``: a site computing its bits."""
+
+    class Scores(torch.nn.Module):
+        def __init__(self, spelled):
+            super().__init__()
+            self.spelled = spelled
+
+        def forward(self, q, k):
+            return self.spelled(q, k)
+
+    q, k = (torch.randn(2, 2, 32, 64, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    results = []
+    for spelled in (lambda q, k: torch.einsum(equation, q, k), lambda q, k: q @ k.transpose(-2, -1)):
+        compiled = graphquant.compile(Scores(spelled), recipes.mxfp8_block_scaling(), backend="aot_eager", fullgraph=True)
+        leaves = (q.clone().requires_grad_(), k.clone().requires_grad_())
+        out = compiled(*leaves)
+        out.square().sum().backward()
+        assert sites_of(compiled.graphquant.plan) == [("matmul.0", 0, "matmul")] and not compiled.graphquant.plan.skipped
+        results.append((out, *(leaf.grad for leaf in leaves)))
+    for einsum_result, matmul_result in zip(*results):
+        torch.testing.assert_close(einsum_result, matmul_result, rtol=0, atol=0)
+
+
 def test_the_plan_is_that_of_the_latest_graph_of_the_last_calls_kind():
     """A training call after a no_grad evaluation runs the training graph compiled first: ``plan``
     showed the evaluation's, compiled last, with fprop alone."""
@@ -709,6 +754,7 @@ def test_convolutions_are_listed_as_left_in_high_precision(conv):
     assert {g.site for g in plan.gemms} == {"fc#0"}
     [(what, why)] = plan.skipped
     assert "stem" in what and why.startswith("a convolution (nn.Conv1d") and "runs in high precision" in why, (what, why)
+    assert "(l_x_, stem.weight, stem.bias" in what, f"the call's parameters as named_parameters() spells them: {what}"
 
 
 _OTHER_SPELLINGS = {
@@ -749,6 +795,30 @@ def test_products_of_functions_with_no_site_are_listed_with_what_to_write(spelli
     plan = graphquant.explain(Checkpointed(), recipes.current_scaling(), x3())
     [(what, why)] = plan.skipped
     assert what.startswith("block: ") and why.startswith(f"{spelling} "), (what, why)
+
+
+def test_a_matmul_of_broadcast_batch_dims_is_listed_with_the_einsum_that_quantizes_it():
+    """Per-head weights (heads, dim, out) against (batch, heads, seq, dim) activations: torch.matmul
+    broadcasts the batch dims, which is no site; the plan said only "batch dims (2, 4) and (4,)
+    broadcast". It says what to write, and that einsum is a site."""
+
+    class PerHead(torch.nn.Module):
+        def __init__(self, spelled):
+            super().__init__()
+            self.w, self.spelled = torch.nn.Parameter(torch.randn(4, 64, 128)), spelled
+
+        def forward(self, x):
+            return self.spelled(x, self.w)
+
+    x = torch.randn(2, 4, 32, 64)
+    plan = graphquant.explain(PerHead(torch.matmul), recipes.mxfp8_block_scaling(), x)
+    [(what, why)] = plan.skipped
+    assert why == (
+        "batch dims (2, 4) and (4,) broadcast: expand the operands to one batch shape, or spell the product as a "
+        "two-operand torch.einsum ('abmk,bkn->abmn'), which graphquant quantizes"
+    ), why
+    plan = graphquant.explain(PerHead(lambda x, w: torch.einsum("bhsd,hde->bhse", x, w)), recipes.mxfp8_block_scaling(), x)
+    assert sites_of(plan) == [("matmul.0", 0, "matmul")] and not plan.skipped
 
 
 def test_linalg_matmul_is_a_site_as_matmul_is():
@@ -1141,15 +1211,35 @@ def test_zoo_recipes_give_a_matmul_the_formats_of_a_linear(name):
     assert formats["matmul.0#0"] == formats["q#0"] and len(formats["q#0"]) == 3, formats
 
 
+@pytest.mark.parametrize("shape, dynamic", [((0, 64), False), ((2, 0, 64), True)])  # symbolic: rows 0 * s0
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
-def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe):
+def test_an_empty_batch_runs_its_gemms_in_high_precision_and_says_why(recipe, shape, dynamic):
     make = {"rowwise": lambda: zoo.recipe("rowwise"), "mxfp8": recipes.mxfp8_block_scaling, "nvfp4": recipes.nvfp4_block_scaling}
     linear = torch.nn.Linear(64, 128)
-    compiled = graphquant.compile(linear, make[recipe](), backend="aot_eager")
-    y = compiled(torch.zeros(0, 64))
+    compiled = graphquant.compile(linear, make[recipe](), backend="aot_eager", dynamic=dynamic)
+    y = compiled(torch.zeros(shape))
     y.sum().backward()
-    assert y.shape == (0, 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
+    assert y.shape == (*shape[:-1], 128) and torch.equal(linear.weight.grad, torch.zeros(128, 64))
     assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (m = 0), nothing to quantize"}
+
+
+@pytest.mark.parametrize("features", [(0, 128), (64, 0)], ids=["k=0", "n=0"])
+def test_a_linear_of_no_input_or_no_output_features_computes_what_torch_does(features):
+    """An nn.Linear(0, n) (its output the bias alone) or nn.Linear(k, 0) (an empty output) is an
+    empty product the plan keeps in high precision; it failed inside the compile, reshaping 0
+    elements to (-1, 0)."""
+    linear = torch.nn.Linear(*features)
+    torch.nn.init.normal_(linear.bias)
+    reference = copy.deepcopy(linear)
+    compiled = graphquant.compile(linear, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    x = torch.randn(2, 32, features[0], requires_grad=True)
+    y, expected = compiled(x), reference(x.detach().clone().requires_grad_())
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    for name, p in linear.named_parameters():
+        torch.testing.assert_close(p.grad, getattr(reference, name).grad, rtol=0, atol=0)
+    assert {g.reason.split(" (")[0] for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty"}
 
 
 class TwiceCalled(torch.nn.Module):
@@ -1258,6 +1348,23 @@ def test_an_nn_linear_subclass_names_only_its_own_weights_product_after_itself()
     main = torch.nn.functional.linear(mxfp8(x).rowwise.dequantize(), mxfp8(fc.weight.detach()).rowwise.dequantize(), fc.bias)
     with torch.no_grad():
         assert torch.equal(y, main + torch.nn.functional.linear(torch.nn.functional.linear(x, fc.lora_a), fc.lora_b))
+
+
+def test_a_module_reached_through_get_submodule_is_named_as_named_modules_spells_it():
+    """Dynamo's path of such a module is "getattr(L['self'].blocks, '1')": its product was named
+    "getattr(L.self.blocks, '1').linear.0", a functional product of no module, not "blocks.1"."""
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+        def forward(self, x):
+            return self.blocks[1](self.get_submodule("blocks.1")(self.blocks[0](x)))
+
+    plan = graphquant.explain(models.seeded(Blocks()), recipes.mxfp8_block_scaling(), x3())
+    # Dynamo counts calls per path, both blocks.1's from 0: they were one site label.
+    assert sites_of(plan) == [("blocks.0", 0, "linear"), ("blocks.1", 0, "linear"), ("blocks.1", 1, "linear")]
 
 
 MODULE_OF_A_FUNCTION = models.seeded(models.MLP())  # a global the compiled function below calls

@@ -30,7 +30,7 @@ def quantized_linear(x, w, bias=None, *, site: Site, states=NO_STATES, rng=None)
     if site.inference:
         (y,) = quantized_linears_sharing_x(x, (w,), (bias,), sites=(site,), states=(states,), rng=rng)
         return y
-    y = _product(x.reshape(-1, x.shape[-1]), w, 1, site, states, rng, bias)
+    y = _product(x.flatten(0, -2), w, 1, site, states, rng, bias)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -43,7 +43,7 @@ def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], 
     (passes/gemms_sharing_x.py: x's format keeps no state there)."""
     for w, b, site in zip(weights, biases, sites):
         _same_dtype(site, input=x.dtype, weight=w.dtype, bias=_dtype(b))
-    ys = inference_products(x.reshape(-1, x.shape[-1]), weights, biases, sites, states, rng)
+    ys = inference_products(x.flatten(0, -2), weights, biases, sites, states, rng)
     return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights))
 
 
@@ -69,7 +69,7 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
         _same_dtype(site, input=x.dtype, weight=dtype, bias=_dtype(b))
     if math.prod(x.shape[:-1]) == 0:  # no rows: nothing reads the stored codes (which no high-precision format could)
         return tuple(x.new_empty((*x.shape[:-1], s[0])) for s in shapes)
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.flatten(0, -2)
     ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
     return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label, b) for y, s, site, b in zip(ys, shapes, sites, biases))
@@ -79,12 +79,11 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
 def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
     """a @ b (matmul, mm, bmm) with a as input and b as other (or weight, where b is a
     Parameter: a linear site); b is quantized as b^T (n, k)."""
-    k = a.shape[-1]
     if b.dim() == 2:
-        y = _product(a.reshape(-1, k), b.t(), 1, site, states, rng)
+        y = _product(a.flatten(0, -2), b.t(), 1, site, states, rng)
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
-    y = _product(a.reshape(-1, k), b.transpose(-1, -2).reshape(-1, k), math.prod(batch_shape), site, states, rng)
+    y = _product(a.flatten(0, -2), b.transpose(-1, -2).flatten(0, -2), math.prod(batch_shape), site, states, rng)
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
 
@@ -101,11 +100,11 @@ def quantized_addmm(c, a, b, *, beta=1, alpha=1, site: Site, states=NO_STATES, r
 def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
     (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""
-    batch, m, k = layout.x_shape
+    (batch, m, k), (_, n, _), y_shape = layout.shapes(a.shape, b.shape)
     x = a.permute(layout.a_perm).reshape(batch * m, k)
-    w = b.permute(layout.b_perm).reshape(-1, k)
+    w = b.permute(layout.b_perm).reshape(batch * n, k)
     y = _product(x, w, batch, site, states, rng)
-    return y.reshape(layout.y_shape).permute(layout.out_perm)
+    return y.reshape(y_shape).permute(layout.out_perm)
 
 
 def _product(

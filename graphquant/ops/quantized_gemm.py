@@ -74,7 +74,7 @@ class QuantizedGemm(torch.autograd.Function):
             return (*(_refused(dy, shape, site) if need else None for need, shape in zip(ctx.needs_input_grad, ctx.shapes)), *(None,) * 6)
         g_quantizer = site.quantizers[2]
         x, w = ctx.originals
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = dy.flatten(0, -2)
         g_state = site.slot_state(2, g_delayed, rng)
         # Where the columnwise copy is the rowwise bits transposed, an op makes it from them:
         # traced together, Inductor wrote both copies in one kernel while grad_output's inputs (a
@@ -90,13 +90,13 @@ class QuantizedGemm(torch.autograd.Function):
         # dgrad's output (as large, for a down projection) is allocated.
         if need_dw:
             dw = gemm(gq[COLUMNWISE], x_col, batch, ctx.dtypes[1], *site.runs("wgrad"))
-            dw = dw.reshape(-1, x_col.shape[1])
+            dw = dw.flatten(0, -2)
             recording.record(site, "wgrad", batch, dy2d, gq[COLUMNWISE], x, x_col, None, dw)
         if need_dx:
             if w_later is not None:
                 w_col = weight_columnwise(w_later, site.quantizers[1], site.slot_state(1, None, rng))
             dx = gemm(gq[ROWWISE], w_col, batch, ctx.dtypes[0], *site.runs("dgrad"))
-            dx = dx.reshape(-1, w_col.shape[1])
+            dx = dx.flatten(0, -2)
             recording.record(site, "dgrad", batch, dy2d, gq[ROWWISE], w, w_col, None, dx)
         return dx, dw, dbias, None, None, None, None, None, None
 
