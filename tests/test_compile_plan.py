@@ -121,16 +121,21 @@ def test_recompile_reuses_the_plan(dynamic):
     compiled = graphquant.compile(model, CustomRecipe(factory), backend=tape.backend, dynamic=dynamic, fullgraph=True)
     reference = Reference(ref_model, CustomRecipe(CountingFactory()), tape=tape)
     for batch in (2, 4):
-        tape.clear()
-        actual = forward_backward(compiled, model, x3(batch=batch))
-        expected = forward_backward(reference, ref_model, x3(batch=batch))
-        tape.assert_all_taken()
-        assert_same_results(actual, expected, what=f"batch {batch}: ")
+        _assert_step_is_the_reference(compiled, model, reference, ref_model, tape, x3(batch=batch), f"batch {batch}: ")
     with torch.no_grad():
         compiled(x3(batch=4))
     # fc1, fc2: 3 roles each
     assert len(factory.roles) == 6 == len(set(factory.roles)) == reference.factory_calls
     assert {role for role, _ in compiled.graphquant.plan.slots} == set(reference.quantizers)
+
+
+def _assert_step_is_the_reference(compiled, model, reference, ref_model, tape, x, what):
+    """One forward and backward of the compiled model computes the reference's numbers, every GEMM on the tape taken."""
+    tape.clear()
+    actual = forward_backward(compiled, model, x)
+    expected = forward_backward(reference, ref_model, x)
+    tape.assert_all_taken()
+    assert_same_results(actual, expected, what=what)
 
 
 def test_einsum_products_stay_sites_under_dynamic_shapes():
@@ -143,11 +148,7 @@ def test_einsum_products_stay_sites_under_dynamic_shapes():
     compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tape.backend, dynamic=True, fullgraph=True)
     reference = Reference(ref_model, recipes.mxfp8_block_scaling(), tape=tape)
     for seq in (32, 64):
-        tape.clear()
-        actual = forward_backward(compiled, model, x3(seq=seq))
-        expected = forward_backward(reference, ref_model, x3(seq=seq))
-        tape.assert_all_taken()
-        assert_same_results(actual, expected, what=f"seq {seq}: ")
+        _assert_step_is_the_reference(compiled, model, reference, ref_model, tape, x3(seq=seq), f"seq {seq}: ")
     assert not compiled.graphquant.plan.skipped
     assert {name for name, _, _ in sites_of(compiled.graphquant.plan)} >= {"matmul.0", "matmul.1"}
 
