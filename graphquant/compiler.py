@@ -387,7 +387,7 @@ class GraphquantBackend:
         calls = _largest_calls(gm, frame)
         self._note_weights_read_otherwise(gm, example_inputs)  # once every call the plan lists as not quantized is marked
         self.unquantized_linears.update(n.meta[UNQUANTIZED_LINEAR] for n in nodes_and_bodies(gm) if UNQUANTIZED_LINEAR in n.meta)
-        skipped = [(_described(n, frame), n.meta["graphquant_skip"]) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
+        skipped = [(_described(n, frame), _in_model_names(n.meta["graphquant_skip"], frame)) for n in nodes_and_bodies(gm) if "graphquant_skip" in n.meta]
         device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         training = self.mode != "inference" and torch.is_grad_enabled()
         plan = self.planner.plan(sites, device, training=training, skipped=skipped, attention=attention)
@@ -735,16 +735,22 @@ def _recomputed(stateful: list[str]) -> RuntimeError:
     )
 
 
+def _in_model_names(reason: str, frame: Frame) -> str:
+    """A pass's reason with each parameter Dynamo named by its source ("the tensor
+    l_self_parameters_temperature_") as the model names it ("the tensor temperature")."""
+    weights = dict(frame.weights)
+    return re.sub(r"\w+", lambda word: weights.get(word[0], (word[0],))[0], reason)
+
+
 def _described(node: fx.Node, frame: Frame) -> str:
     """A node of the plan's "not quantized" list as a reader finds it: its owner as
     named_modules() spells it ("the model" for its own code), and the call, a parameter by its
     name in the model, not Dynamo's ("layers.0.attn: softmax = softmax(mul, dim=-1)", "stem:
     conv2d = conv2d(l_x_, stem.weight, stem.bias, ...)")."""
     owner = owner_of(node, frame)[0] or "the model"
-    weights = dict(frame.weights)
 
     def shown(value: object) -> str:
-        return weights.get(value.name, (value.name,))[0] if isinstance(value, fx.Node) else repr(value)
+        return _in_model_names(value.name, frame) if isinstance(value, fx.Node) else repr(value)
 
     arguments = [shown(a) for a in node.args] + [f"{key}={shown(value)}" for key, value in node.kwargs.items()]
     return f"{owner}: {node.name} = {target_name(node)}({', '.join(arguments)})"

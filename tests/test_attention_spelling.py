@@ -160,7 +160,7 @@ def _check_bit_for_bit(spelling, sdpa, context):
 
 @pytest.mark.parametrize("spelling, reason", [
     ("other_dim", "softmax over dim 1, not the last"),
-    ("tensor_scale", "the scores are scaled by the tensor l_self_parameters_temperature_, not a nonzero constant"),
+    ("tensor_scale", "the scores are scaled by the tensor temperature, not a nonzero constant"),  # said l_self_parameters_temperature_
     ("scores_twice", "scores_2 has 2 users"),
     ("probs_twice", "probs_1 has 2 users"),
     ("soft_cap", "(tanh) between the products is no step attention takes (scale, mask, cast)"),
