@@ -61,11 +61,12 @@ def gemms_run(site: GemmSite, training: bool) -> frozenset[str]:
 
 
 def empty_dims(site: GemmSite) -> list[str]:
-    """The names of the site's product dims that are 0 this call (m: no rows), whose product the
-    plan keeps in high precision with nothing to quantize and whose frozen weight no call reads."""
-    _, m, k = site.x_sizes
+    """The names of the site's product dims that are 0 this call (m: no rows; batch: a batched
+    product of no matrices), whose product the plan keeps in high precision with nothing to
+    quantize and whose frozen weight no call reads."""
+    batch, m, k = site.x_sizes
     # Known without a guard: a symbolic size that is 0 at every size (0 * s0, no rows whatever the batch) is empty too.
-    return [name for name, size in (("m", m), ("n", site.w_sizes[1]), ("k", k)) if statically_known_true(size == 0)]
+    return [name for name, size in (("batch", batch), ("m", m), ("n", site.w_sizes[1]), ("k", k)) if statically_known_true(size == 0)]
 
 
 class PlanError(ValueError):

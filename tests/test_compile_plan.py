@@ -1243,6 +1243,22 @@ def test_a_linear_of_no_input_or_no_output_features_computes_what_torch_does(fea
     assert {g.reason.split(" (")[0] for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty"}
 
 
+@pytest.mark.parametrize("spelling", ["bmm", "einsum"])
+def test_a_batched_product_of_no_matrices_computes_what_torch_does(spelling):
+    """A bmm or einsum over an empty batch is an empty product the plan keeps in high precision;
+    it failed inside the compile, dividing the operand's rows by its batch of 0."""
+    def product(a, b):
+        return torch.bmm(a, b) if spelling == "bmm" else torch.einsum("bmk,bkn->bmn", a, b)
+
+    a, b = torch.randn(0, 32, 64, requires_grad=True), torch.randn(0, 64, 128, requires_grad=True)
+    compiled = graphquant.compile(product, recipes.mxfp8_block_scaling(), backend="aot_eager")
+    y = compiled(a, b)
+    torch.testing.assert_close(y, product(a, b), rtol=0, atol=0)
+    y.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    assert {g.reason for g in compiled.graphquant.plan.gemms} == {"in high precision: it is empty (batch = 0), nothing to quantize"}
+
+
 class TwiceCalled(torch.nn.Module):
     """One module called on two shapes in a forward: both calls share its roles."""
 

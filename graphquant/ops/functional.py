@@ -83,6 +83,8 @@ def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
         y = _product(a.flatten(0, -2), b.t(), 1, site, states, rng)
         return y.reshape(*a.shape[:-1], b.shape[-1])
     batch_shape = a.shape[:-2]
+    if math.prod(batch_shape) == 0:  # no matrices: nothing to quantize, and no rows a matrix to split the operands by
+        return torch.matmul(a, b)
     y = _product(a.flatten(0, -2), b.transpose(-1, -2).flatten(0, -2), math.prod(batch_shape), site, states, rng)
     return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
 
@@ -101,6 +103,8 @@ def quantized_einsum(layout, a, b, *, site: Site, states=NO_STATES, rng=None):
     """A two-operand einsum that is one batched product, quantized like quantized_matmul; ``layout``
     (graphquant.passes.einsum.EinsumLayout, as find_gemms worked it out) says how it is one."""
     (batch, m, k), (_, n, _), y_shape = layout.shapes(a.shape, b.shape)
+    if batch == 0:  # as quantized_matmul's
+        return torch.einsum(layout.equation, a, b)
     x = a.permute(layout.a_perm).reshape(batch * m, k)
     w = b.permute(layout.b_perm).reshape(batch * n, k)
     y = _product(x, w, batch, site, states, rng)
