@@ -639,10 +639,10 @@ def _unbroadcast(a_shape: Sequence, b_shape: Sequence) -> str:
     no dim broadcasts from size 1 (an operand lacks the other's leading batch dims: per-head
     weights), else one batch shape."""
     batch = max(len(a_shape), len(b_shape)) - 2
-    letters = "abcdefgh"[:batch]
     a_batch, b_batch = a_shape[:-2], b_shape[:-2]
-    if batch > len(letters) or any(x != y for x, y in zip(reversed(a_batch), reversed(b_batch))):
+    if batch > 8 or any(x != y for x, y in zip(reversed(a_batch), reversed(b_batch))):
         return "expand the operands to one batch shape, which graphquant quantizes"
+    letters = "abcdefgh"[:batch]
     equation = f"{letters[batch - len(a_batch):]}mk,{letters[batch - len(b_batch):]}kn->{letters}mn"
     return f"expand the operands to one batch shape, or spell the product as a two-operand torch.einsum ({equation!r}), which graphquant quantizes"
 

@@ -122,13 +122,13 @@ def _schema_writes(op: object, args: tuple, kwargs: dict) -> list[object]:
     written = []
     for overload in overloads:
         positional = [a for a in overload._schema.arguments if not a.kwarg_only]
-        for index, argument in enumerate(overload._schema.arguments):
+        for argument in overload._schema.arguments:
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             if argument.name in kwargs:
                 written.append(kwargs[argument.name])
-            elif not argument.kwarg_only and positional.index(argument) < len(args):
-                written.append(args[positional.index(argument)])
+            elif not argument.kwarg_only and (place := positional.index(argument)) < len(args):
+                written.append(args[place])
     return written
 
 

@@ -82,11 +82,11 @@ def quantized_matmul(a, b, *, site: Site, states=NO_STATES, rng=None):
     if b.dim() == 2:
         y = _product(a.flatten(0, -2), b.t(), 1, site, states, rng)
         return y.reshape(*a.shape[:-1], b.shape[-1])
-    batch_shape = a.shape[:-2]
-    if math.prod(batch_shape) == 0:  # no matrices: nothing to quantize, and no rows a matrix to split the operands by
+    batch = math.prod(a.shape[:-2])
+    if batch == 0:  # no matrices: nothing to quantize, and no rows a matrix to split the operands by
         return torch.matmul(a, b)
-    y = _product(a.flatten(0, -2), b.transpose(-1, -2).flatten(0, -2), math.prod(batch_shape), site, states, rng)
-    return y.reshape(*batch_shape, a.shape[-2], b.shape[-1])
+    y = _product(a.flatten(0, -2), b.transpose(-1, -2).flatten(0, -2), batch, site, states, rng)
+    return y.reshape(*a.shape[:-2], a.shape[-2], b.shape[-1])
 
 
 @autocast.operands_cast
