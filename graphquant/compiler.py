@@ -536,7 +536,8 @@ class GraphquantBackend:
                 if held:
                     modules[local] = held[0]
                     _guard_identity(source)
-        own = next((modules[local] for local in (*_SELF_LOCALS, *dict(owners)) if local in modules), "")
+        (first, _), *stacked = owners
+        own = next((modules[local] for local in (first, *_WRAPPED_SELF_LOCALS, *dict(stacked)) if local in modules), "")
         names_of: dict[int, list[str]] = collections.defaultdict(list)
         for name, module in named.items():
             names_of[id(module)].append(name)
@@ -777,23 +778,41 @@ def _raising(error: Exception) -> Callable:
     return run
 
 
-# The locals through which a frame's own module arrives: a module's forward, and where a wrapper passes it.
-_SELF = "L['self']"
-_SELF_LOCALS = (_SELF, "L['fn']", "L['args'][0]")
+# The locals through which a wrapper passes a frame's own module (HuggingFace's decorators).
+_WRAPPED_SELF_LOCALS = ("L['fn']", "L['args'][0]")
+
+
+def _self_name() -> str:
+    """The name of the compiling frame's first parameter, through which a method holds its own
+    module whatever it calls it (``def forward(s, x)``); for code resumed after a graph break, the
+    resumed method's, which the resumed frame keeps as its local. "self" where there is none."""
+    code = _compiling_code()
+    code = code and _resumed_code(code)
+    return code.co_varnames[0] if code is not None and code.co_argcount else "self"
+
+
+def _resumed_code(code: types.CodeType) -> types.CodeType:
+    """The method's code that ``code`` resumes after a graph break (Dynamo keeps it for the
+    resume functions it generates); ``code`` itself where it resumes none."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+
+    resumed = ContinueExecutionCache.generated_code_metadata.get(code)
+    return code if resumed is None else resumed.code
 
 
 def _own_module_locals() -> list[tuple[str, Any]]:
     """The locals (with their sources) through which the frame Dynamo is compiling holds the module
-    whose code it runs: L['self'], and in code resumed after a graph break inside an expression
-    (``return self.merge(attend(q, k, v))``), the module of each bound method left on the stack
-    (L['___stack0'].__self__), whose code the frame goes on to run."""
+    whose code it runs: its first parameter (L['self']), and in code resumed after a graph break
+    inside an expression (``return self.merge(attend(q, k, v))``), the module of each bound method
+    left on the stack (L['___stack0'].__self__), whose code the frame goes on to run."""
     from torch._dynamo.source import AttrSource, LocalSource
 
     stacked = [
         name for name, value in _frame_locals().items()
         if re.fullmatch(r"___stack\d+", name) and isinstance(getattr(value, "__self__", None), torch.nn.Module)
     ]
-    return [(_SELF, LocalSource("self")), *((f"L['{name}'].__self__", AttrSource(LocalSource(name), "__self__")) for name in stacked)]
+    first = _self_name()
+    return [(f"L['{first}']", LocalSource(first)), *((f"L['{name}'].__self__", AttrSource(LocalSource(name), "__self__")) for name in stacked)]
 
 
 def _largest_calls(gm: fx.GraphModule, frame: Frame) -> dict[str, int]:
@@ -824,15 +843,12 @@ def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:
     code = _compiling_code()
     if root is None or code is None:
         return ""
-    resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", code.co_name)
-    function, line = (resumed[1], int(resumed[2])) if resumed else (code.co_name, code.co_firstlineno)
+    method = _resumed_code(code)
+    resumed = re.fullmatch(r"torch_dynamo_resume_in_\w+_at_(\d+)", code.co_name)
+    function, line = method.co_name, int(resumed[1]) if resumed else code.co_firstlineno
 
     def runs_it(module: torch.nn.Module) -> bool:
-        own = getattr(inspect.unwrap(getattr(type(module), function, None) or (lambda: None)), "__code__", None)
-        if resumed is None or own is None or own.co_filename != code.co_filename:
-            return own is code
-        lines = [line for *_, line in own.co_lines() if line is not None]
-        return min(lines) <= line <= max(lines)
+        return getattr(inspect.unwrap(getattr(type(module), function, None) or (lambda: None)), "__code__", None) is method
 
     runners = [module for module in root.modules() if runs_it(module)]
     if len(runners) < 2:

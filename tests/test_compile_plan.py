@@ -1121,13 +1121,25 @@ class ScoresThenABreak(torch.nn.Module):
         return scores.softmax(-1)
 
 
-def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_instance():
+class ScoresAroundABreak(torch.nn.Module):
+    """Scores on both sides of a graph break, in a method that calls its module ``s``: the frame
+    before the break holds the module as L['s'], and so does the code resumed after it."""
+
+    def forward(s, x):
+        scores = x @ x.transpose(-1, -2)
+        torch._dynamo.graph_break()
+        return scores.softmax(-1) @ x if s.training else scores
+
+
+@pytest.mark.parametrize("kind, products", [(ScoresThenABreak, 1), (ScoresAroundABreak, 2)])
+def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_instance(kind, products):
     """Its frame lifts no parameter to name it by: the module itself names its products and
-    guards its graph, so each instance keeps its own delayed-scaling slots and trains."""
+    guards its graph, so each instance keeps its own delayed-scaling slots and trains, whatever
+    its method calls its first parameter."""
     class TwoScores(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.first, self.second = ScoresThenABreak(), ScoresThenABreak()
+            self.first, self.second = kind(), kind()
 
         def forward(self, x):
             return self.second(self.first(x))
@@ -1136,7 +1148,7 @@ def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_
     for _ in range(2):
         compiled(x3(dim=32).requires_grad_()).square().mean().backward()
     sites = sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms})
-    assert sites == ["first.matmul.0#0", "second.matmul.0#0"]
+    assert sites == [f"{module}.matmul.{i}#0" for module in ("first", "second") for i in range(products)]
     assert {str(role) for role in compiled.graphquant.run_state.delayed} >= {
         "module_type=matmul|tensor_type=input|name=first.matmul.0", "module_type=matmul|tensor_type=input|name=second.matmul.0"}
 
