@@ -356,6 +356,10 @@ class GraphquantBackend:
         except (PlanError, MixedDtypesError) as error:
             refusal = error
         self.refusals.append(str(refusal))
+        if self.dump_dir:
+            from graphquant.dump import dump_refusal
+
+            dump_refusal(self.dump_dir, gm.code, refusal)
         return _raising(refusal)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -950,8 +954,8 @@ def compile(
     seed: the stochastic-rounding seed, an int64; with the same seed, runs are bit for bit reproducible. The
         step advances at each call of a graph whose GEMMs round stochastically (an inference call
         draws nothing and leaves it), so a forward that graph breaks splits into two steps.
-    dump_dir: write each captured graph, its rewritten form and its plan there (default: the
-        environment variable GRAPHQUANT_DUMP, if set).
+    dump_dir: write each captured graph, its rewritten form and its plan there, or where its plan is
+        refused, the refusal (default: the environment variable GRAPHQUANT_DUMP, if set).
     compile_mode, options: torch.compile's ``mode`` and ``options``, for the Inductor backend
         (e.g. compile_mode="reduce-overhead" for CUDA graphs).
     disable=True (torch.compile's switch, as in ``disable=not args.compile``) returns ``model``

@@ -175,6 +175,15 @@ class TestDumps(expecttest.TestCase):
             plans = [json.load(open(os.path.join(tmp, f"graph_{i:03d}_plan.json"))) for i in range(2)]
             self.assertEqual([p["gemms"][0]["site"] for p in plans], ["fc1#0", "qkv#0"])
 
+    def test_a_refused_plan_dumps_its_captured_graph_and_the_refusal(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            compiled = graphquant.compile(MLP(), graphquant.recipes.mxfp8_block_scaling(), backend="eager", dump_dir=tmp, dynamic=False)
+            with self.assertRaisesRegex(graphquant.PlanError, "dim 0 of the 30x64 tensor must be a multiple of 32") as refused:
+                compiled(torch.randn(30, 64, requires_grad=True))  # MXFP8's columnwise blocks need whole 32s of tokens
+            self.assertEqual(sorted(os.listdir(tmp)), ["graph_000_captured.py", "graph_000_refused.txt"])
+            self.assertEqual(open(os.path.join(tmp, "graph_000_refused.txt")).read(), f"PlanError: {refused.exception}\n")
+            self.assertEqual(open(os.path.join(tmp, "graph_000_captured.py")).read().count("torch._C._nn.linear("), 2)
+
     def test_dumps_are_deterministic_and_free_of_addresses(self):
         first = dump(MLP(), zoo.recipe("mxfp8_fwd_nvfp4_bwd"), torch.randn(32, 64), dynamic=False)
         torch._dynamo.reset()
