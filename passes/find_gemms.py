@@ -382,7 +382,7 @@ def _find(
                 node.meta[UNQUANTIZED_LINEAR] = owner  # the module's own product, listed unquantized: no other code reads its weight
             continue
         x_sizes, w_sizes, batched, einsum = shapes
-        is_linear = form == LINEAR or (form in (MATMUL, ADDMM) and not batched and b in parameters)
+        is_linear = form == LINEAR or (form in (MATMUL, ADDMM, EINSUM) and not batched and b in parameters)
         backward = _requires_grad(node) and node in reaching  # not under no_grad, nor cut off by detach (a teacher)
         if is_linear and module_is_linear and frame.multiplies_own_weight(b, owner):
             name = owner

@@ -5,9 +5,10 @@ It uses only graphquant.quantizers (the reference numerics of every format), gra
 graphquant.passes.plan or graphquant.compiler. It re-derives, from the design document alone:
 
 - which calls are GEMMs and their roles (design "Roles in a plain PyTorch graph"): F.linear,
-  and matmul / mm / addmm with a 2-D Parameter as right operand, are ``linear``
-  (input, weight, grad_output); matmul / mm / bmm / addmm / baddbmm / einsum between
-  activations are ``matmul`` (input, other, grad_output). The right operand b of a matmul is
+  matmul / mm / addmm with a 2-D Parameter as right operand, and an einsum of no batch letters
+  with a Parameter as its second operand, are ``linear`` (input, weight, grad_output); matmul /
+  mm / bmm / addmm / baddbmm / einsum between activations are ``matmul`` (input, other,
+  grad_output). The right operand b of a matmul is
   quantized as w = b^T, an (n, k) matrix, so both operands are reduced over their last dim;
 - names: the owner's ``named_modules()`` name; a GEMM that is not an nn.Linear's own gets
   ``<owner>.<linear|matmul>.<i>``, i counted per owner call; a module called twice keeps one
@@ -466,6 +467,7 @@ def _einsum_layout(equation: str, a_shape, b_shape):
     return dict(
         a_perm=[a.index(c) for c in batch + ms + ks],
         b_perm=[b.index(c) for c in batch + ns + ks],
+        batched=bool(batch),
         g=math.prod(size[c] for c in batch),
         m=math.prod(size[c] for c in ms),
         n=math.prod(size[c] for c in ns),
@@ -621,7 +623,8 @@ class Reference:
                 return NotImplemented
             x = a.permute(layout["a_perm"]).reshape(layout["g"] * layout["m"], layout["k"])
             w = b.permute(layout["b_perm"]).reshape(layout["g"] * layout["n"], layout["k"])
-            y = RefGemm.apply(x, w, None, self._site("matmul", layout["g"]))
+            kind = "linear" if isinstance(b, nn.Parameter) and not layout["batched"] else "matmul"
+            y = RefGemm.apply(x, w, None, self._site(kind, layout["g"]))
             return y.reshape(layout["y_shape"]).permute(layout["out_perm"])
         return NotImplemented
 

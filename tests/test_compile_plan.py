@@ -370,6 +370,33 @@ def test_matmul_with_a_parameter_or_its_transpose_is_a_linear():
     assert sites_of(compiled.graphquant.plan) == [*linears, ("block.matmul.0", 0, M)]
 
 
+def test_an_einsum_with_a_parameter_second_and_no_batch_letter_is_a_linear():
+    """einsum("bsd,fd->bsf", x, W) is F.linear(x, W), and einsum("bsd,dhe->bshe", x, W) a linear of
+    (h e, d) weight rows: both linears (input, weight, grad_output), as design.md's roles make a
+    product with a parameter operand, where they were matmuls (input, other); per-expert weights
+    (a batch letter) and a parameter first stay matmuls. Each computes the reference's numbers."""
+
+    class Einsums(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = torch.nn.Parameter(torch.randn(64, 64) / 8)  # (f, d)
+            self.heads = torch.nn.Parameter(torch.randn(64, 2, 32) / 8)  # (d, h, e)
+            self.experts = torch.nn.Parameter(torch.randn(2, 64, 64) / 8)  # (x, d, f): one a batch row
+
+        def forward(self, x):  # (b, s, d)
+            h = torch.einsum("bsd,fd->bsf", x, self.out) + torch.einsum("bsd,dhe->bshe", x, self.heads).flatten(2)
+            return torch.einsum("xsd,xdf->xsf", h, self.experts) + torch.einsum("fd,bsd->bsf", self.out, h)
+
+    model = models.seeded(Einsums())
+    ref_model = copy.deepcopy(model)
+    tape = GemmTape()
+    compiled = graphquant.compile(model, recipes.mxfp8_block_scaling(), backend=tape.backend, fullgraph=True)
+    reference = Reference(ref_model, recipes.mxfp8_block_scaling(), tape=tape)
+    _assert_step_is_the_reference(compiled, model, reference, ref_model, tape, x3(), "")
+    L, M = "linear", "matmul"
+    assert sites_of(compiled.graphquant.plan) == [("linear.0", 0, L), ("linear.1", 0, L), ("matmul.0", 0, M), ("matmul.1", 0, M)]
+
+
 def test_addmm_of_a_bias_and_a_transposed_parameter_is_a_linear_with_its_bias():
     """torch.addmm(b, x, W.T) (and Tensor.addmm) is F.linear(x, W, b): a linear site, whose
     weight takes the weight role's format (NVFP4's 16x16 tiles), where it was a matmul whose
