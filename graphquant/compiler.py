@@ -787,12 +787,22 @@ _WRAPPED_SELF_LOCALS = ("L['fn']", "L['args'][0]")
 
 
 def _self_name() -> str:
-    """The name of the compiling frame's first parameter, through which a method holds its own
-    module whatever it calls it (``def forward(s, x)``); for code resumed after a graph break, the
-    resumed method's, which the resumed frame keeps as its local. "self" where there is none."""
+    """The local through which the compiling frame's method holds its own module: its first
+    parameter, whatever the method calls it (``def forward(s, x)``; in code resumed after a graph
+    break, the resumed method's, which the resumed frame keeps as its local). "self" where the
+    frame runs no method of that parameter's class: a function's module argument
+    (transformers' ``eager_attention_forward(module, ...)``) is not the function's owner."""
     code = _compiling_code()
-    code = code and _resumed_code(code)
-    return code.co_varnames[0] if code is not None and code.co_argcount else "self"
+    method = code and _resumed_code(code)
+    if method is None or not method.co_argcount:
+        return "self"
+    first = method.co_varnames[0]
+    return first if _method_code(_frame_locals().get(first), method.co_name) is method else "self"
+
+
+def _method_code(module: object, name: str) -> Optional[types.CodeType]:
+    """The code of the method ``name`` of ``module``'s class, under its decorators; None where it has none."""
+    return getattr(inspect.unwrap(getattr(type(module), name, None) or (lambda: None)), "__code__", None)
 
 
 def _resumed_code(code: types.CodeType) -> types.CodeType:
@@ -851,10 +861,7 @@ def _code_several_modules_run(root: Optional[torch.nn.Module]) -> str:
     resumed = re.fullmatch(r"torch_dynamo_resume_in_\w+_at_(\d+)", code.co_name)
     function, line = method.co_name, int(resumed[1]) if resumed else code.co_firstlineno
 
-    def runs_it(module: torch.nn.Module) -> bool:
-        return getattr(inspect.unwrap(getattr(type(module), function, None) or (lambda: None)), "__code__", None) is method
-
-    runners = [module for module in root.modules() if runs_it(module)]
+    runners = [module for module in root.modules() if _method_code(module, function) is method]
     if len(runners) < 2:
         return ""
     return f"{type(runners[0]).__name__}.{function} at {os.path.basename(code.co_filename)}:{line}, which {len(runners)} modules of the model run"

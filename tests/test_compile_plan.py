@@ -1180,6 +1180,30 @@ def test_a_module_of_no_parameters_compiled_on_its_own_is_named_and_guarded_per_
         "module_type=matmul|tensor_type=input|name=first.matmul.0", "module_type=matmul|tensor_type=input|name=second.matmul.0"}
 
 
+def _scores_of(module, x):
+    """A function of a module argument that breaks its graph (transformers' eager_attention_forward
+    takes its attention module so): compiled as a frame of its own."""
+    scores = x @ x.transpose(-1, -2) * module.scale
+    torch._dynamo.graph_break()
+    return scores.softmax(-1) @ x
+
+
+def test_a_functions_module_argument_is_not_its_owner():
+    """Only a method's first parameter is the module whose code the frame runs: a function called
+    with each layer's module stays one graph for every layer, its products named as no module's,
+    not compiled again for each module it is given."""
+    class Layer(torch.nn.Module):
+        scale = 0.125
+
+        def forward(self, x):
+            return _scores_of(self, x)
+
+    compiled = graphquant.compile(models.Wrapped(torch.nn.Sequential(Layer(), Layer(), Layer())), recipes.mxfp8_block_scaling(), backend="aot_eager")
+    compiled(x3(dim=32))
+    assert sorted({g.site for plan in compiled.graphquant.plans for g in plan.gemms}) == ["matmul.0#0", "matmul.1#0"]
+    assert len(compiled.graphquant.plans) == 2
+
+
 class RotaryLinear(torch.nn.Module):
     """A rotary embedding's angles, frequencies times positions (an outer product: a matmul whose
     reduction is 1 long, as transformers' Llama computes them), then a linear."""
