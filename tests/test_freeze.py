@@ -446,6 +446,34 @@ def test_a_frozen_checkpoint_that_saves_a_tied_weight_once_loads():
     assert skeleton.lm_head.weight is skeleton.embed.weight
 
 
+def test_a_module_registered_under_several_names_is_frozen_in_each_place():
+    """A block shared by several places (nn.ModuleList([block] * n), as a universal transformer
+    repeats one layer) or a linear under a second attribute holds its weight under several names,
+    but no other module reads it: freeze kept such linears in high precision as weights "tied to
+    layers.1.mlp.fc1.weight, which needs it". One FrozenLinear now takes every place of its
+    linear, computing the unfrozen bits, and its checkpoint loads."""
+    def shared():
+        model = models.seeded(models.MLPStack(n_layers=1)).to(torch.bfloat16)
+        model.layers.append(model.layers[0])
+        model.layers[0].mlp.again = model.layers[0].mlp.fc2
+        return model
+
+    model = shared()
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphquant.freeze(compiled)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.layers[0].mlp.again is model.layers[1].mlp.fc2
+    with torch.no_grad():
+        assert torch.equal(compiled(x3()), expected)
+    reloaded = graphquant.freeze(inference_model(shared(), FAMILIES["mxfp8"]()), state_dict=model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(reloaded(x3()), expected)
+
+
 @pytest.mark.parametrize("family", ["rowwise", "nvfp4"])
 def test_a_frozen_model_called_on_no_rows_gives_an_empty_output(family):
     """An empty call keeps its product in high precision, which reads none of the weight: its plan
