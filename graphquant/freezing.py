@@ -352,6 +352,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     stand_ins: dict[tuple, torch.Tensor] = {}
     for frozen in (m for m in root.modules() if isinstance(m, FrozenExperts)):
         root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
+    if (linears or stacks) and not stored_before:  # its first freeze
+        root.register_load_state_dict_pre_hook(_refusing_before_loading)
     if not linears and not stacks and not stored_before:
         user_stack.warn(f"graphquant.freeze found no nn.Linear{' it can store' if kept else ''} and no expert stack read by "
                         f"torch._grouped_mm in {type(root).__name__}: nothing was frozen")
@@ -525,9 +527,7 @@ def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.
     ``state`` into ``root``. A checkpoint a frozen linear refuses is refused before anything is
     replaced, and a load that fails otherwise puts the linears and the stacks' parameters back:
     either way the model stays as it was (not frozen on empty memory)."""
-    refusals = [refusal for name, _, module in linears if (refusal := module.refusal(state, f"{name}."))]
-    if refusals:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(refusals))
+    _refuse(root, state, "", [(name, module) for name, _, module in linears])
     taken: list[tuple[nn.Module, str, nn.Parameter, str]] = []
     try:
         for _, linear, module in linears:
@@ -546,6 +546,21 @@ def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.
             owner.register_parameter(parameter_name, parameter)
         raise
     return stacks
+
+
+def _refuse(root: nn.Module, state: Mapping[str, Any], prefix: str, stored: list[tuple[str, StoredWeight]]) -> None:
+    """Raise, naming every refusal, where a stored weight of ``stored`` refuses its entries in
+    ``state`` (``root``'s, under ``prefix``)."""
+    refusals = [refusal for name, module in stored if (refusal := module.refusal(state, f"{prefix}{name}."))]
+    if refusals:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(refusals))
+
+
+def _refusing_before_loading(root: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    """A frozen model's load_state_dict pre-hook: a checkpoint that a stored weight refuses is
+    refused before any tensor is copied (torch would have loaded the modules before it, an
+    embedding and norms, and left the model a mix of two checkpoints)."""
+    _refuse(root, state, prefix, [(name, m) for name, m in root.named_modules() if isinstance(m, StoredWeight)])
 
 
 def _take_place(root: nn.Module, frozen: FrozenExperts) -> FrozenExperts:

@@ -315,6 +315,20 @@ def test_a_checkpoint_of_another_recipe_or_shape_is_refused(tmp_path):
         graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=mlp().state_dict())
 
 
+def test_a_checkpoint_a_frozen_model_refuses_changes_nothing_in_it():
+    """load_state_dict of a plain (high-precision) checkpoint into a frozen model is refused by its
+    stored weights, but torch had copied the tensors of the modules before them (the embedding,
+    the norms) already: a server that caught the error kept serving that mix. The refusal comes
+    before any tensor is copied now."""
+    model = models.seeded(models.TinyLM()).to(torch.bfloat16)
+    compiled = graphquant.freeze(inference_model(model, FAMILIES["tensorwise"]()))
+    before = {name: t.clone() for name, t in compiled.state_dict().items()}
+    plain = {"_orig_mod." + name: t for name, t in models.seeded(models.TinyLM(), seed=1).to(torch.bfloat16).state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"layers.0.mlp.down_proj is frozen as fp8_current.*holds a high-precision"):
+        compiled.load_state_dict(plain)
+    assert all(torch.equal(t, before[name]) for name, t in compiled.state_dict().items())
+
+
 @pytest.mark.parametrize("given, said", [("frozen.pt", "str 'frozen.pt'"), ([1, 2], r"list \[1, 2\]"), (42, "int 42")])
 def test_a_state_dict_that_is_no_mapping_is_refused_saying_what_it_takes(given, said):
     """A checkpoint's path (or anything else) failed in dict()'s conversion, naming nothing."""
