@@ -309,7 +309,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
                         f"{type(state_dict).__name__} {reprlib.repr(state_dict)}")
     root = backend.root
     amax_group = distributed.group_name(backend.planner.recipe.amax_reduction_group)
-    tied = _tied_parameters(root)
+    shared = _shared_parameters(root)
+    tied = {key: names for key, (names, holders) in shared.items() if holders > 1}  # other modules need these
     if state_dict is not None:
         _check_no_meta_buffer_is_left(root)
     linears, kept = [], []
@@ -324,7 +325,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is not None:
         state = {key: _ordinary(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
-        _with_tied_entries(state, tied)
+        _with_tied_entries(state, [names for names, _ in shared.values()])
         if _holds_stored_weights(state):  # a frozen model's: a high-precision weight in it is one that model kept
             kept += [(name, "the frozen checkpoint holds its high-precision weight, as the frozen model kept it")
                      for name, _ in linears if f"{name}.weight" in state]
@@ -342,7 +343,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if state_dict is None:
         expert_stacks = _expert_stacks(root, backend, tied)
         for name, linear, quantizer in frozen:
-            root.set_submodule(name, FrozenLinear.quantized(name, linear, quantizer, amax_group))
+            _put(root, linear, FrozenLinear.quantized(name, linear, quantizer, amax_group))
         stacks = [_take_place(root, FrozenExperts.quantized(*stack, amax_group)) for stack in expert_stacks]
     else:
         stacks = _loaded(root, state, [(name, linear, FrozenLinear.unfilled(name, linear, quantizer)) for name, linear, quantizer in frozen])
@@ -351,6 +352,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     stand_ins: dict[tuple, torch.Tensor] = {}
     for frozen in (m for m in root.modules() if isinstance(m, FrozenExperts)):
         root.get_submodule(_owner(frozen.name)).register_buffer(frozen.parameter, frozen.stand_in(stand_ins), persistent=False)
+    if (linears or stacks) and not stored_before:  # its first freeze
+        root.register_load_state_dict_pre_hook(_refusing_before_loading)
     if not linears and not stacks and not stored_before:
         user_stack.warn(f"graphquant.freeze found no nn.Linear{' it can store' if kept else ''} and no expert stack read by "
                         f"torch._grouped_mm in {type(root).__name__}: nothing was frozen")
@@ -524,13 +527,11 @@ def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.
     ``state`` into ``root``. A checkpoint a frozen linear refuses is refused before anything is
     replaced, and a load that fails otherwise puts the linears and the stacks' parameters back:
     either way the model stays as it was (not frozen on empty memory)."""
-    refusals = [refusal for name, _, module in linears if (refusal := module.refusal(state, f"{name}."))]
-    if refusals:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(refusals))
+    _refuse(root, state, "", [(name, module) for name, _, module in linears])
     taken: list[tuple[nn.Module, str, nn.Parameter, str]] = []
     try:
-        for name, _, module in linears:
-            root.set_submodule(name, module)
+        for _, linear, module in linears:
+            _put(root, linear, module)
         stacks = []
         for name, saved in _saved_stacks(state):
             parameter = _parameter_of(root, name, saved)
@@ -538,13 +539,28 @@ def _loaded(root: nn.Module, state: dict[str, Any], linears: list[tuple[str, nn.
             taken.append((root.get_submodule(_owner(name)), saved["parameter"], parameter, name.rpartition(".")[2]))
         root.load_state_dict(state, assign=any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())))
     except Exception:
-        for name, linear, _ in linears:
-            root.set_submodule(name, linear)
+        for _, linear, module in linears:
+            _put(root, module, linear)
         for owner, parameter_name, parameter, added in taken:
             delattr(owner, added)
             owner.register_parameter(parameter_name, parameter)
         raise
     return stacks
+
+
+def _refuse(root: nn.Module, state: Mapping[str, Any], prefix: str, stored: list[tuple[str, StoredWeight]]) -> None:
+    """Raise, naming every refusal, where a stored weight of ``stored`` refuses its entries in
+    ``state`` (``root``'s, under ``prefix``)."""
+    refusals = [refusal for name, module in stored if (refusal := module.refusal(state, f"{prefix}{name}."))]
+    if refusals:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(refusals))
+
+
+def _refusing_before_loading(root: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    """A frozen model's load_state_dict pre-hook: a checkpoint that a stored weight refuses is
+    refused before any tensor is copied (torch would have loaded the modules before it, an
+    embedding and norms, and left the model a mix of two checkpoints)."""
+    _refuse(root, state, prefix, [(name, m) for name, m in root.named_modules() if isinstance(m, StoredWeight)])
 
 
 def _take_place(root: nn.Module, frozen: FrozenExperts) -> FrozenExperts:
@@ -622,20 +638,34 @@ def _check_freezable(name: str, quantizer: Quantizer) -> None:
         )
 
 
-def _with_tied_entries(state: dict[str, Any], tied: dict[int, list[str]]) -> None:
-    """Give each tied parameter that ``state`` lacks the entry of one it shares, in place:
-    transformers' save_pretrained and safetensors save a tied weight once (an LM head tied to the
-    embedding), and that checkpoint loads."""
-    for names in tied.values():
+def _with_tied_entries(state: dict[str, Any], shared: list[list[str]]) -> None:
+    """Give each name of a shared parameter (``shared``: each one's names) that ``state`` lacks the
+    entry of another, in place: transformers' save_pretrained and safetensors save a tied weight
+    once (an LM head tied to the embedding), and that checkpoint loads."""
+    for names in shared:
         present = next((state[name] for name in names if name in state), None)
         if present is not None:
             for name in names:
                 state.setdefault(name, present)
 
 
-def _tied_parameters(root: nn.Module) -> dict[int, list[str]]:
-    """id of each parameter shared by several names -> those names."""
-    names: dict[int, list[str]] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {key: value for key, value in names.items() if len(value) > 1}
+def _shared_parameters(root: nn.Module) -> dict[int, tuple[list[str], int]]:
+    """id of each parameter under several names -> (those names, how many modules hold it). One
+    module holds it where the module is registered under several names (nn.ModuleList([block] *
+    n)): that shares it with no other module, and freeze puts one FrozenLinear in each place (_put)."""
+    shared: dict[int, tuple[list[str], set[int]]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                names, holders = shared.setdefault(id(p), ([], set()))
+                names.append(".".join(n for n in (module_name, name) if n))
+                holders.add(id(module))
+    return {key: (names, len(holders)) for key, (names, holders) in shared.items() if len(names) > 1}
+
+
+def _put(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` in every place of ``old`` in ``root``: a module registered under several names
+    is one module."""
+    for name, module in list(root.named_modules(remove_duplicate=False)):
+        if module is old:
+            root.set_submodule(name, new)

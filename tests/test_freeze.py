@@ -315,6 +315,20 @@ def test_a_checkpoint_of_another_recipe_or_shape_is_refused(tmp_path):
         graphquant.freeze(inference_model(mlp(), FAMILIES["tensorwise"]()), state_dict=mlp().state_dict())
 
 
+def test_a_checkpoint_a_frozen_model_refuses_changes_nothing_in_it():
+    """load_state_dict of a plain (high-precision) checkpoint into a frozen model is refused by its
+    stored weights, but torch had copied the tensors of the modules before them (the embedding,
+    the norms) already: a server that caught the error kept serving that mix. The refusal comes
+    before any tensor is copied now."""
+    model = models.seeded(models.TinyLM()).to(torch.bfloat16)
+    compiled = graphquant.freeze(inference_model(model, FAMILIES["tensorwise"]()))
+    before = {name: t.clone() for name, t in compiled.state_dict().items()}
+    plain = {"_orig_mod." + name: t for name, t in models.seeded(models.TinyLM(), seed=1).to(torch.bfloat16).state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"layers.0.mlp.down_proj is frozen as fp8_current.*holds a high-precision"):
+        compiled.load_state_dict(plain)
+    assert all(torch.equal(t, before[name]) for name, t in compiled.state_dict().items())
+
+
 @pytest.mark.parametrize("given, said", [("frozen.pt", "str 'frozen.pt'"), ([1, 2], r"list \[1, 2\]"), (42, "int 42")])
 def test_a_state_dict_that_is_no_mapping_is_refused_saying_what_it_takes(given, said):
     """A checkpoint's path (or anything else) failed in dict()'s conversion, naming nothing."""
@@ -444,6 +458,34 @@ def test_a_frozen_checkpoint_that_saves_a_tied_weight_once_loads():
         with torch.no_grad():
             assert torch.equal(reloaded(ids), expected)
     assert skeleton.lm_head.weight is skeleton.embed.weight
+
+
+def test_a_module_registered_under_several_names_is_frozen_in_each_place():
+    """A block shared by several places (nn.ModuleList([block] * n), as a universal transformer
+    repeats one layer) or a linear under a second attribute holds its weight under several names,
+    but no other module reads it: freeze kept such linears in high precision as weights "tied to
+    layers.1.mlp.fc1.weight, which needs it". One FrozenLinear now takes every place of its
+    linear, computing the unfrozen bits, and its checkpoint loads."""
+    def shared():
+        model = models.seeded(models.MLPStack(n_layers=1)).to(torch.bfloat16)
+        model.layers.append(model.layers[0])
+        model.layers[0].mlp.again = model.layers[0].mlp.fc2
+        return model
+
+    model = shared()
+    compiled = inference_model(model, FAMILIES["mxfp8"]())
+    with torch.no_grad():
+        expected = compiled(x3())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphquant.freeze(compiled)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.layers[0].mlp.again is model.layers[1].mlp.fc2
+    with torch.no_grad():
+        assert torch.equal(compiled(x3()), expected)
+    reloaded = graphquant.freeze(inference_model(shared(), FAMILIES["mxfp8"]()), state_dict=model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(reloaded(x3()), expected)
 
 
 @pytest.mark.parametrize("family", ["rowwise", "nvfp4"])
