@@ -136,7 +136,7 @@ class RunState:
     def starting_afresh(self, keys: list, forward: set[str]) -> tuple[list[str], list[str]]:
         """Of a graph's state ``keys``: the ``forward`` delayed-scaling slots it starts with no history,
         and (after a load) the slots that the loaded state has no entry for."""
-        known = {str(role) for role in self.delayed} | set(self.waiting)
+        known = set(self._live()) | set(self.waiting)  # the step a graph before this one took too
         fresh = [key for key in keys if key in forward and key not in known]
         unloaded = [key for key in keys if isinstance(key, str) and key not in known] if self.loaded else []
         return fresh, unloaded

@@ -406,8 +406,9 @@ class _GroupParts:
     Whole blocks of the site's formats suffice for values. Stochastic rounding's draws also
     depend on the shape, so a site with it takes the op's padded layout (graphquant.ops.grouped):
     groups of whole OP_GROUP_ROWS, the last group of tokens running on to the layout's end (room
-    for T rows in E groups each padded by up to OP_GROUP_ROWS - 1, in whole OP_GROUP_ROWS), and
-    grad_output's N columns as many as W's padded rows."""
+    for T rows in the groups that can hold one, at most min(T, E) and at least one, each padded by
+    up to OP_GROUP_ROWS - 1, in whole OP_GROUP_ROWS), and grad_output's N columns as many as W's
+    padded rows."""
 
     token_rows: list[int]
     weight_rows: int
@@ -419,7 +420,7 @@ class _GroupParts:
             block = site.row_block()
             return _GroupParts([_whole(m, block) for m in sizes], _whole(n, block), n)
         token_rows = [_whole(m, OP_GROUP_ROWS) for m in sizes]
-        layout_rows = _whole(sum(sizes) + len(sizes) * (OP_GROUP_ROWS - 1), OP_GROUP_ROWS)
+        layout_rows = _whole(sum(sizes) + max(min(sum(sizes), len(sizes)), 1) * (OP_GROUP_ROWS - 1), OP_GROUP_ROWS)
         token_rows[-1] = layout_rows - sum(token_rows[:-1])
         return _GroupParts(token_rows, _whole(n, OP_GROUP_ROWS), _whole(n, OP_GROUP_ROWS))
 

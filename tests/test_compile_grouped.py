@@ -718,6 +718,14 @@ def test_vectorised_grouped_quantize_equals_per_group_reference(name, direction)
             assert_same_numbers(g, w, part)
 
 
+@pytest.mark.parametrize("sizes", [(0, 0, 0, 1), (0, 0, 1, 1)], ids=["one_row", "two_rows"])
+def test_stochastic_rounding_of_fewer_tokens_than_experts_matches_per_group_reference(sizes):
+    """Fewer rows than experts pad only the groups they can fill, so the last group's part of the
+    layout, which its draws depend on, is shorter than E blocks."""
+    model, x = Model(sizes), inputs(sum(sizes))
+    run_against_reference(RECIPES["nvfp4_block_scaling"](), model, x)
+
+
 def test_padding_places_groups_at_block_starts_without_reading_offsets():
     layout = groups.padding(offsets(), T, 32, groups.padded_bound(T, E, 32))
     assert layout.padded_rows == 256  # 124 rows + 4 groups * 31, rounded up to 32

@@ -12,6 +12,7 @@ import warnings
 import models
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import fresh_dynamo  # noqa: F401  (autouse)
 
 import graphquant
@@ -356,3 +357,39 @@ def test_a_state_whose_scales_were_computed_for_another_format_is_refused():
         after.graphquant.load_state_dict(state)
     assert same_state(after.graphquant.state_dict(), fresh)
 
+
+
+class RoutedByBincount(torch.nn.Module):
+    """fc1, then an MoE-style routing count (torch.bincount, whose output shape depends on the
+    data: Dynamo breaks the graph there), then fc2: two graphs, each of which draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = models.MLP()
+
+    def forward(self, x):
+        h = F.gelu(self.mlp.fc1(x))
+        counts = torch.bincount(h.argmax(-1).flatten(), minlength=h.shape[-1])
+        return self.mlp.fc2(h) + counts.sum() * 0
+
+
+def test_a_resumed_run_of_several_graphs_that_draw_continues_without_saying_it_starts_afresh():
+    """The stochastic-rounding step loaded before the first call is taken by the first graph that
+    draws; the graph after the break, which draws from the same step, said it started the step
+    afresh (so the run would not continue bit for bit) while it continued it."""
+    model = models.seeded(RoutedByBincount(), 0)
+    compiled, optimizer = start(model, "nvfp4_stochastic_rounding")
+    train(compiled, optimizer, range(2))
+    weights, state = {k: v.clone() for k, v in model.state_dict().items()}, compiled.graphquant.state_dict()
+    expected = train(compiled, optimizer, range(2, 4))
+
+    resumed_model = RoutedByBincount()
+    resumed_model.load_state_dict(weights)
+    resumed, _ = start(resumed_model, "nvfp4_stochastic_rounding")
+    resumed.graphquant.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(resumed, torch.optim.SGD(resumed_model.parameters(), lr=0.0), range(2, 3))  # the loss alone is compared
+    assert len(resumed.graphquant.plans) == 2
+    assert not [w for w in caught if "afresh" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(losses, expected[:1])
