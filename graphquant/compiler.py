@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from graphquant.passes.attention_spelling import fold_attention
 from graphquant.passes.linear_spelling import fold_linears
-from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, expert_weights, mark_frozen_stacks
+from graphquant.passes.expert_weights import ExpertWeight, FrozenStack, UnfreezableStack, expert_weights, mark_frozen_stacks
 from graphquant.passes.find_attention import find_attention, leave_attention_in_high_precision
 from graphquant.passes import matrix_products
 from graphquant.passes.opaque_calls import mark_opaque_products
@@ -114,7 +114,7 @@ class GraphquantBackend:
         self.eager_products_checked = mode == "inference" or not _graphs_are_one_autograd_node(inner)
         self.read_parameters: set[str] = set()  # the names of the model's parameters some compiled graph reads
         # How the graphs so far read each expert stack, or why it cannot be frozen (graphquant.freeze).
-        self.expert_weights: dict[str, Union[ExpertWeight, str]] = {}
+        self.expert_weights: dict[str, Union[ExpertWeight, UnfreezableStack]] = {}
         # graphquant's compile of each module forward a generate runs through (compile sets it for a
         # model that generates): what a call of the model runs where a generate has put a forward in.
         self.module_forwards: dict[torch.nn.Module, Callable] = {}
@@ -473,8 +473,10 @@ class GraphquantBackend:
         names = {id(p): name for name, p in self.root.named_parameters()}
         for name, read in expert_weights(gm, example_inputs, names).items():
             before = self.expert_weights.setdefault(name, read)
-            if before != read and not isinstance(before, str):
-                self.expert_weights[name] = read if isinstance(read, str) else f"read by {before.site} and {read.site}"
+            if before != read:
+                sites = tuple(sorted({*before.sites, *read.sites}))
+                why = next((r.why for r in (before, read) if isinstance(r, UnfreezableStack)), f"read by {' and '.join(sites)}")
+                self.expert_weights[name] = UnfreezableStack(sites, why)
 
     def _frozen_stacks(self) -> dict[int, FrozenStack]:
         """The id of each stand-in that graphquant.freeze put in an expert stack's place -> the stack."""

@@ -26,7 +26,7 @@ from graphquant.ops.frozen import STORED_PARTS as PARTS  # importing it register
 from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
 from graphquant.ops.library import quantizer_of
-from graphquant.passes.expert_weights import ExpertWeight, FrozenStack
+from graphquant.passes.expert_weights import FrozenStack, UnfreezableStack
 from graphquant.passes.plan import EMPTY_PRODUCT
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
@@ -355,8 +355,8 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
     if (linears or stacks) and not stored_before:  # its first freeze
         root.register_load_state_dict_pre_hook(_refusing_before_loading)
     if not linears and not stacks and not stored_before:
-        user_stack.warn(f"graphquant.freeze found no nn.Linear{' it can store' if kept else ''} and no expert stack read by "
-                        f"torch._grouped_mm in {type(root).__name__}: nothing was frozen")
+        found = "nothing it can store" if kept or backend.expert_weights else "no nn.Linear and no expert stack read by torch._grouped_mm"
+        user_stack.warn(f"graphquant.freeze found {found} in {type(root).__name__}: nothing was frozen")
     if kept:
         user_stack.warn(
             f"graphquant.freeze keeps {len(kept)} nn.Linear module(s) as they are "
@@ -431,8 +431,8 @@ def _warn_of_sites_left(backend: GraphquantBackend, linears: set[str]) -> None:
             f"this model are neither ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}: a transformers Conv1D, or "
             "F.linear of a parameter) and keep their high-precision weights, quantized at each call"
         )
-    read = {weight.site for weight in backend.expert_weights.values() if isinstance(weight, ExpertWeight)}
-    unread = sorted(sites("grouped_linear") - read)
+    told = {site for read in backend.expert_weights.values() for site in read.sites}  # stored, or left with its reason
+    unread = sorted(sites("grouped_linear") - told)
     if unread:
         user_stack.warn(
             f"graphquant.freeze stores an expert stack that a grouped GEMM reads as a parameter or its transpose; "
@@ -454,8 +454,8 @@ def _expert_stacks(root: nn.Module, backend: GraphquantBackend, tied: dict[int, 
     for name, read in sorted(backend.expert_weights.items()):
         if name not in parameters or _is_tied(name, tied, parameters[name]):
             continue
-        if isinstance(read, str):
-            user_stack.warn(f"graphquant.freeze leaves the expert stack {name} with its high-precision values: it is {read}")
+        if isinstance(read, UnfreezableStack):
+            user_stack.warn(f"graphquant.freeze leaves the expert stack {name} with its high-precision values: it is {read.why}")
             continue
         quantizer = backend.planner.quantizer(QuantizerRole("grouped_linear", "weight", read.site))
         _check_freezable(name, quantizer)

@@ -31,6 +31,19 @@ class ExpertWeight:
     site: str
     transposed: bool
 
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return (self.site,)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnfreezableStack:
+    """Why graphquant.freeze cannot store a parameter read as an expert stack, and the grouped
+    sites that read it (told of once, with this reason)."""
+
+    sites: tuple[str, ...]
+    why: str
+
 
 @dataclasses.dataclass(frozen=True)
 class FrozenStack:
@@ -88,7 +101,7 @@ def _grouped_reads(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list
     return reads
 
 
-def expert_weights(gm: fx.GraphModule, example_inputs: Sequence[object], names: dict[int, str]) -> dict[str, Union[ExpertWeight, str]]:
+def expert_weights(gm: fx.GraphModule, example_inputs: Sequence[object], names: dict[int, str]) -> dict[str, Union[ExpertWeight, UnfreezableStack]]:
     """Each parameter (``names``: id -> qualified name) that a grouped site of ``gm`` reads as its
     expert stack: how, or why it cannot be frozen (read elsewhere too, or by two sites)."""
     reads: dict[fx.Node, list[tuple[fx.Node, ExpertWeight]]] = {}
@@ -97,7 +110,11 @@ def expert_weights(gm: fx.GraphModule, example_inputs: Sequence[object], names: 
         if id(value) in names:
             parameters[placeholder] = names[id(value)]
             reads.setdefault(placeholder, []).append((node, ExpertWeight(site.name, transposed)))
-    return {parameters[placeholder]: _unfreezable(placeholder, sites) or sites[0][1] for placeholder, sites in reads.items()}
+    found = {}
+    for placeholder, sites in reads.items():
+        why = _unfreezable(placeholder, sites)
+        found[parameters[placeholder]] = UnfreezableStack(tuple(sorted({read.site for _, read in sites})), why) if why else sites[0][1]
+    return found
 
 
 def _unfreezable(placeholder: fx.Node, sites: list[tuple[fx.Node, ExpertWeight]]) -> str:

@@ -6,6 +6,8 @@ every groupable recipe family, quantize no stack in its graph, round-trip throug
 checkpoint, and refuse what it cannot freeze with an error or a warning that says why.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,6 +182,35 @@ def test_freeze_leaves_a_stack_it_cannot_store_with_a_warning():
     with pytest.warns(UserWarning, match=r"leaves the expert stack down with its high-precision values: it is also read by mean at test_freeze_experts.py:\d+, "):
         graphquant.freeze(compiled)
     assert [name for name, _ in model.named_parameters()] == ["down"]
+    with torch.no_grad():
+        assert torch.equal(compiled(tokens(), OFFS), per_call)
+
+
+def test_a_stack_two_sites_read_is_left_for_that_reason_alone():
+    """One stack read by two grouped GEMMs is left with its high-precision values, saying so; it
+    was said twice more, wrongly: as sites that read their stack "otherwise" (a slice, a cast),
+    and as no expert stack read by torch._grouped_mm at all."""
+
+    class TwoPasses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, K, K, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) / 8)
+
+        def forward(self, x, offs):
+            return torch._grouped_mm(torch.relu(torch._grouped_mm(x, self.w, offs=offs)), self.w, offs=offs)
+
+    compiled = inference_model(TwoPasses(), FAMILIES["rowwise"]())
+    with torch.no_grad():
+        per_call = compiled(tokens(), OFFS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphquant.freeze(compiled)
+    said = [str(w.message) for w in caught]
+    assert said == [
+        "graphquant.freeze leaves the expert stack w with its high-precision values: it is read by grouped_linear.0 (as stored) and "
+        "grouped_linear.1 (as stored)",
+        "graphquant.freeze found nothing it can store in TwoPasses: nothing was frozen",
+    ], said
     with torch.no_grad():
         assert torch.equal(compiled(tokens(), OFFS), per_call)
 
