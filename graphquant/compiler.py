@@ -1013,6 +1013,9 @@ def compile(
         compiled.__dict__["__deepcopy__"] = functools.partial(_deep_copy, model, gq_backend, twin)
         compiled.__dict__["__reduce_ex__"] = _not_pickled
         compiled.__dict__["__prepare_scriptable__"] = functools.partial(_not_scripted, name)
+        from graphquant.freezing import pointing_to_freeze  # which imports this module
+
+        compiled.register_load_state_dict_pre_hook(pointing_to_freeze)
         watch_methods(compiled, model, "forward and generate" if generates else "forward", attention=recipe.fp8_dpa)
         if generates:
             forwards = {

@@ -563,6 +563,20 @@ def _refusing_before_loading(root: nn.Module, state: Mapping[str, Any], prefix: 
     _refuse(root, state, prefix, [(name, m) for name, m in root.named_modules() if isinstance(m, StoredWeight)])
 
 
+def pointing_to_freeze(compiled: nn.Module, state: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    """A graphquant model's load_state_dict pre-hook: a frozen model's checkpoint loads into it
+    only through graphquant.freeze while it holds no stored weight (torch would list the stored
+    weights' entries as unexpected and its weights as missing, naming no way to load them)."""
+    if _holds_stored_weights(state) and not any(isinstance(m, StoredWeight) for m in compiled.modules()):
+        stored = next(key for key in state if key.endswith("._extra_state")).removesuffix("._extra_state").removeprefix("_orig_mod.")
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(compiled._orig_mod).__name__}: this is a frozen model's checkpoint ({stored} "
+            "and others are stored quantized, with no high-precision weight), which an unfrozen model cannot load: "
+            "load it with graphquant.freeze(compiled, state_dict=checkpoint), compiled by graphquant.compile(model, "
+            "recipe, mode='inference') under the recipe it was frozen with"
+        )
+
+
 def _take_place(root: nn.Module, frozen: FrozenExperts) -> FrozenExperts:
     """Put ``frozen`` beside the parameter it stores and drop the parameter (its stand-in comes later)."""
     owner = root.get_submodule(_owner(frozen.name))

@@ -329,6 +329,24 @@ def test_a_checkpoint_a_frozen_model_refuses_changes_nothing_in_it():
     assert all(torch.equal(t, before[name]) for name, t in compiled.state_dict().items())
 
 
+def test_a_frozen_checkpoint_loaded_into_an_unfrozen_model_says_to_load_it_through_freeze():
+    """torch listed the stored weights' entries as unexpected and the weights as missing, naming
+    no way to load them; the model is left as it was, and freeze(state_dict=...) loads them."""
+    frozen = graphquant.freeze(inference_model(models.seeded(models.TinyLM()).to(torch.bfloat16), FAMILIES["tensorwise"]()))
+    compiled = inference_model(models.seeded(models.TinyLM(), seed=1).to(torch.bfloat16), FAMILIES["tensorwise"]())
+    before = {name: t.clone() for name, t in compiled.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"for TinyLM: this is a frozen model's checkpoint \(layers.0.attn.q_proj and others .*"
+                                           r"load it with graphquant.freeze\(compiled, state_dict=checkpoint\)"):
+        compiled.load_state_dict(frozen.state_dict())
+    assert all(torch.equal(t, before[name]) for name, t in compiled.state_dict().items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied head kept, as in the frozen model
+        graphquant.freeze(compiled, state_dict=frozen.state_dict())
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), frozen(ids))
+
+
 @pytest.mark.parametrize("given, said", [("frozen.pt", "str 'frozen.pt'"), ([1, 2], r"list \[1, 2\]"), (42, "int 42")])
 def test_a_state_dict_that_is_no_mapping_is_refused_saying_what_it_takes(given, said):
     """A checkpoint's path (or anything else) failed in dict()'s conversion, naming nothing."""
