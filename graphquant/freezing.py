@@ -27,6 +27,7 @@ from graphquant.ops.grouped import frozen_expert_stack, stored_stack_layout
 from graphquant.ops.inference import frozen_weight
 from graphquant.ops.library import quantizer_of
 from graphquant.passes.expert_weights import FrozenStack, UnfreezableStack
+from graphquant.passes.find_gemms import without_compile_wrappers
 from graphquant.passes.plan import EMPTY_PRODUCT
 from graphquant.quantizers import ROWWISE, IdentityQuantizer, QuantizeContext, Quantizer
 from graphquant.roles import QuantizerRole
@@ -326,7 +327,7 @@ def freeze(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]] = 
         state = {key: _ordinary(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
         torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "_orig_mod.")
         _with_tied_entries(state, [names for names, _ in shared.values()])
-        if _holds_stored_weights(state):  # a frozen model's: a high-precision weight in it is one that model kept
+        if _stored_weight(state) is not None:  # a frozen model's: a high-precision weight in it is one that model kept
             kept += [(name, "the frozen checkpoint holds its high-precision weight, as the frozen model kept it")
                      for name, _ in linears if f"{name}.weight" in state]
             linears = [(name, m) for name, m in linears if f"{name}.weight" not in state]
@@ -495,10 +496,15 @@ def described(saved: Any) -> Optional[dict[str, Any]]:
         return None
 
 
-def _holds_stored_weights(state: Mapping[str, Any]) -> bool:
-    """Whether ``state`` is a frozen model's checkpoint: it holds some stored weight's extra state."""
-    descriptions = (described(value) for key, value in state.items() if key.rpartition(".")[2] == "_extra_state")
-    return any(isinstance(description, dict) and "format" in description for description in descriptions)
+def _stored_weight(state: Mapping[str, Any]) -> Optional[str]:
+    """The name of the first stored weight whose extra state ``state`` holds (a frozen model's
+    checkpoint holds some), or None."""
+    for key, value in state.items():
+        name, _, entry = key.rpartition(".")
+        description = described(value) if entry == "_extra_state" else None
+        if isinstance(description, dict) and "format" in description:
+            return name
+    return None
 
 
 def _saved_stacks(state: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
@@ -567,8 +573,9 @@ def pointing_to_freeze(compiled: nn.Module, state: Mapping[str, Any], prefix: st
     """A graphquant model's load_state_dict pre-hook: a frozen model's checkpoint loads into it
     only through graphquant.freeze while it holds no stored weight (torch would list the stored
     weights' entries as unexpected and its weights as missing, naming no way to load them)."""
-    if _holds_stored_weights(state) and not any(isinstance(m, StoredWeight) for m in compiled.modules()):
-        stored = next(key for key in state if key.endswith("._extra_state")).removesuffix("._extra_state").removeprefix("_orig_mod.")
+    stored = _stored_weight(state)
+    if stored is not None and not any(isinstance(m, StoredWeight) for m in compiled.modules()):
+        stored = without_compile_wrappers(stored)
         raise RuntimeError(
             f"Error(s) in loading state_dict for {type(compiled._orig_mod).__name__}: this is a frozen model's checkpoint ({stored} "
             "and others are stored quantized, with no high-precision weight), which an unfrozen model cannot load: "
