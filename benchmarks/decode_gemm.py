@@ -93,7 +93,7 @@ def main() -> None:
                 if plan.backend.native not in backends.DECODE_GEMMS:
                     key = f"plan {name}: {plan.backend}"
                     if planned_mixed:
-                        fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name)
+                        fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name, stored_weight=True)
                     else:
                         fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
                     weight_bytes[key] = nbytes(b.data, b.scale, b.amax)

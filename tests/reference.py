@@ -780,15 +780,18 @@ def emulated_stand_in(rows: list[int]) -> Callable:
     return stand_in
 
 
-def mixed_input_stand_in(rows: list[int]) -> Callable:
+def mixed_input_stand_in(rows: list[int], stored: Optional[list[bool]] = None) -> Callable:
     """A stand-in, on this CPU, for the mixed-input GEMM's ``multiply(values, a_amax, b, out_dtype,
-    bias)``: the kernel's numerics (x's values put back in K order, fp32 sums, NVFP4's alpha, the
-    bias, one rounding), each call's rows of A added to ``rows``."""
+    bias, stored_weight=...)``: the kernel's numerics (x's values put back in K order, fp32 sums,
+    NVFP4's alpha, the bias, one rounding), each call's rows of A added to ``rows`` and whether it
+    was told B is stored to ``stored``."""
     from graphquant.formats import nvfp4
     from graphquant.kernels import mixed_input
 
-    def stand_in(values, a_amax, b, out_dtype, bias=None):
+    def stand_in(values, a_amax, b, out_dtype, bias=None, stored_weight=False):
         rows.append(values.shape[0])
+        if stored is not None:
+            stored.append(stored_weight)
         family = b.quantizer.gemm_input(b.direction).family
         k = values.shape[1]
         where = mixed_input.atoms_permuted(torch.arange(k).reshape(1, k), family)[0]  # the source K of each position

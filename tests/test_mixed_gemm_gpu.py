@@ -70,3 +70,102 @@ def test_mixed_gemm_runs_on_each_device_of_the_process(name):
     for device in ("cuda:1", "cuda:0"):
         out = mixed_input.gemm(*_operands(name, 100, 1024, 1024, device), torch.float32)
         assert out.device == torch.device(device) and torch.equal(out.cpu(), first.cpu()), device
+
+
+def _x_values(x: torch.Tensor, q):
+    """x's values and (NVFP4) global amax as a frozen model's graph makes them: the amax by torch
+    ops, the values by graphquant::mixed_input_operand's kernel, a dependent launch."""
+    from graphquant.kernels import triton_mixed_operand
+
+    amax = mixed_input.x_amax(x, q)
+    return triton_mixed_operand.values(x, amax, q), amax
+
+
+@needs_sm90
+@pytest.mark.parametrize("m", [16, 100], ids=["16 rows, two CTAs an SM", "100 rows"])
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_dependent_launches_read_what_the_kernels_before_them_left(name, m):
+    """Every mixed-input GEMM is a dependent launch that copies a stored weight's first steps before
+    the kernel before it has finished, and lets the kernel after it start once that kernel has: a
+    chain as a frozen layer runs it, behind a spinning kernel (x's values made, two GEMMs reading
+    them, the second with its K split; the first's output made into values for a third), eagerly
+    and in CUDA graph replays on a new x each: each output is the one made a kernel at a time (a
+    GEMM that read x early would give the last replay's product, or a partly written one's)."""
+    q = QUANTIZERS[name]
+    torch.manual_seed(0)
+    weights = [q(w.cuda().to(torch.bfloat16), rowwise=True, columnwise=False).get(ROWWISE) for w in (torch.randn(4096, 1024) / 32, torch.randn(1024, 4096) / 64)]
+    x = torch.empty(m, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain(synchronized: bool):
+        def then(y):
+            if synchronized:
+                torch.cuda.synchronize()
+            return y
+
+        values, amax = then(_x_values(x, q))
+        first = then(mixed_input.multiply(values, amax, weights[0], torch.bfloat16, stored_weight=True))
+        beside = then(mixed_input.multiply(values, amax, weights[0], torch.float32, splits=4, stored_weight=True))
+        after = then(mixed_input.multiply(*then(_x_values(first, q)), weights[1], torch.float32, stored_weight=True))
+        return first, beside, after
+
+    def step():
+        torch.cuda._sleep(1 << 20)
+        return chain(synchronized=False)
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    new_xs = [torch.randn(m, 1024, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(6)]
+    for new_x in new_xs[:2]:
+        x.copy_(new_x)
+        expected = chain(synchronized=True)
+        for out, want in zip(step(), expected, strict=True):
+            assert torch.equal(out, want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for new_x in new_xs[2:]:
+        x.copy_(new_x)
+        graph.replay()
+        for out, want in zip(outs, chain(synchronized=True), strict=True):
+            assert torch.equal(out, want)
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_a_weight_quantized_by_the_kernel_before_is_read_as_it_left_it(name):
+    """A weight not stored (quantized at each call, as a model not frozen runs it) may be written by
+    the kernel just before the GEMM, here the small quantize whose dependents may start as soon as it
+    begins: the GEMM reads it only after that kernel has finished, so each replay multiplies the
+    weight of that replay."""
+    q = QUANTIZERS[name]
+    torch.manual_seed(0)
+    values, amax = _x_values(torch.randn(16, 1024, device="cuda").to(torch.bfloat16), q)
+    w = torch.empty(256, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.cuda._sleep(1 << 20)
+        return mixed_input.multiply(values, amax, q(w, rowwise=True, columnwise=False).get(ROWWISE), torch.float32)
+
+    def alone(new_w):
+        wq = q(new_w, rowwise=True, columnwise=False).get(ROWWISE)
+        torch.cuda.synchronize()
+        return mixed_input.multiply(values, amax, wq, torch.float32)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(4):
+        new_w = torch.randn(256, 1024, device="cuda", generator=generator).to(torch.bfloat16)
+        w.copy_(new_w)
+        graph.replay()
+        assert torch.equal(out, alone(new_w))

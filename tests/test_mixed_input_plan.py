@@ -129,6 +129,29 @@ def test_a_frozen_model_runs_its_rows_on_it(hopper, monkeypatch, recipe, m):
     assert rows == [m, m]
 
 
+@pytest.mark.parametrize("from_x", [True, False], ids=["values from x", "values from x's representation"])
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
+def test_only_a_frozen_models_gemms_are_told_their_weights_are_stored(hopper, monkeypatch, recipe, from_x):
+    """A frozen model's weights are written by no kernel of its graph, so its GEMMs may copy their
+    first steps before the kernel before them has finished (mixed_gemm.cu's dependent launch); a
+    model that quantizes its weights at each call must not let them (the quantize may be that
+    kernel), whichever way x's values are made."""
+    stored = []
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([], stored))
+    monkeypatch.setattr(mixed_input, "values_from_x", lambda q: from_x)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.GELU(), torch.nn.Linear(384, 256)).to(torch.bfloat16)
+    x = torch.randn(100, 256, dtype=torch.bfloat16)
+    for freeze in (False, True):
+        compiled = graphquant.compile(copy.deepcopy(model), recipe(), mode="inference", backend="aot_eager", dynamic=False)
+        if freeze:
+            graphquant.freeze(compiled)
+        with torch.no_grad():
+            compiled(x)
+        torch._dynamo.reset()
+    assert stored == [False, False, True, True]
+
+
 @pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
 def test_a_frozen_models_x_values_are_made_from_x_by_one_op(hopper, monkeypatch, recipe):
     """Each linear's x goes to graphquant::mixed_input_operand whole (mixed_input.operand_of_x on

@@ -81,8 +81,8 @@ def runs(monkeypatch):
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         return at_site(site, lambda: dispatch(a, b, batch, out_dtype, backend, site, bias))
 
-    def mixed_input_gemm(values, a_amax, b, out_dtype, site, bias=None):
-        return at_site(site, lambda: mixed_dispatch(values, a_amax, b, out_dtype, site, bias))
+    def mixed_input_gemm(values, a_amax, b, out_dtype, site, bias=None, stored_weight=False):
+        return at_site(site, lambda: mixed_dispatch(values, a_amax, b, out_dtype, site, bias, stored_weight))
 
     def record(what):
         assert current[-1] not in ran, f"{current[-1]} ran twice"
@@ -100,9 +100,9 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
-    def mixed_run(values, a_amax, b, out_dtype, bias=None):
+    def mixed_run(values, a_amax, b, out_dtype, bias=None, stored_weight=False):
         record(GemmBackend(mixed_input.BACKEND))
-        return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, b, out_dtype, bias)
+        return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, b, out_dtype, bias, stored_weight=stored_weight)
 
     def block_run(a, b, out_dtype, bias=None):
         record(GemmBackend(block_scaled.BACKEND))

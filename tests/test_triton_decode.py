@@ -350,7 +350,7 @@ def test_decode_kernels_assemble_for_sm89_as_launches_that_follow_the_last():
     assemble for it; the launch asks for dependent ones from sm_90 on, and never in the
     interpreter."""
     pytest.importorskip("triton")
-    from graphquant.kernels import devices, triton_decode
+    from graphquant.kernels import devices, triton_launch
 
     for kernel in _decode_variants(89, dependent=False):
         assert "griddepcontrol" not in kernel.asm["ptx"] and kernel.asm["cubin"]
@@ -358,8 +358,8 @@ def test_decode_kernels_assemble_for_sm89_as_launches_that_follow_the_last():
     for capability, expected in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
         devices._of.cache_clear()
         with unittest.mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
-            assert triton_decode._dependent_launch(cuda) == {"DEPENDENT": expected, "launch_pdl": expected}
-            assert not triton_decode._dependent_launch(cpu)["DEPENDENT"]
+            assert triton_launch.dependent_launch(cuda) == {"DEPENDENT": expected, "launch_pdl": expected}
+            assert not triton_launch.dependent_launch(cpu)["DEPENDENT"]
 
 
 def _fma_kernel_compiled(pointers: dict, runtime: dict, operand: int, divisor: float, block_k: int, capability: int = 90, **constants):

@@ -21,6 +21,11 @@
 // a bf16 pair (permuted), so x's values are stored with each 64-wide atom permuted to match
 // (graphquant.kernels.mixed_input.operand writes them so).
 //
+// A programmatic dependent launch: a CTA starts while the kernel before it (x's values' producer, or
+// the GEMM before, reading the same x) finishes, and copies what that kernel cannot be writing, a
+// stored weight's first steps, before it waits for it; it lets the kernel after it start once it
+// has waited.
+//
 // CUDA only, sm_90a only (wgmma): the CPU emulation of the kernels (tests/emulation) does not build it.
 #include <torch/extension.h>
 
@@ -243,6 +248,7 @@ struct Args {
   const void* bias;
   int64_t w_stride, s_stride, x_stride;  // bytes, bytes, elements
   int m, n, k, steps_per_split, out_kind, bias_kind;
+  bool stored_weight;  // no kernel of the graph writes w: its first steps are copied before the wait
 };
 
 // The product's factor: (a_amax / divisor) * (w_amax / divisor), each step rounded once, as
@@ -323,22 +329,37 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   if (tid < PRODUCERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Registers<CTAS>::producer) : "memory");
     if (tid == 0) {
-      for (int j = 0; j < count; ++j) {
-        const int s = j % STAGES;
-        if (j >= STAGES) barrier_wait(empty + 8 * s, (j / STAGES - 1) & 1);
-        const uint32_t stage = base + s * S::bytes, bar = full + 8 * s;
+      auto load_weight = [&](int j) {  // step j's codes and block scales, and the stage's whole count of bytes
+        const uint32_t stage = base + (j % STAGES) * S::bytes, bar = full + 8 * (j % STAGES);
         const int k0 = (first + j) * STEP;
         expect_bytes(bar, S::x_bytes + S::w_bytes + S::s_bytes);
-#pragma unroll
-        for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), x_map, k0 + a * ATOM, m0, bar);
         tma_load(stage + S::x_bytes, w_map, k0 / STEP * W::code_bytes, n0, bar);
         if constexpr (W::row_major_scales) tma_load(stage + S::x_bytes + S::w_bytes, s_map, k0 / W::block / 16 * 16, n0, bar);
         else tma_load(stage + S::x_bytes + S::w_bytes, s_map, n0, k0 / W::block, bar);
+      };
+      auto load_x = [&](int j) {
+        const uint32_t stage = base + (j % STAGES) * S::bytes, bar = full + 8 * (j % STAGES);
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), x_map, (first + j) * STEP + a * ATOM, m0, bar);
+      };
+      // A dependent launch (launch): a stored weight's first steps are copied while the kernel
+      // before this one finishes; x, and everything else, after it. Then the kernel after this one
+      // may start (another GEMM, copying its own weight's first steps).
+      const int ahead = args.stored_weight ? min(count, STAGES) : 0;
+      for (int j = 0; j < ahead; ++j) load_weight(j);
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+      for (int j = 0; j < ahead; ++j) load_x(j);
+      for (int j = ahead; j < count; ++j) {
+        if (j >= STAGES) barrier_wait(empty + 8 * (j % STAGES), (j / STAGES - 1) & 1);
+        load_weight(j);
+        load_x(j);
       }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Registers<CTAS>::consumer) : "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // before alpha's amax is read or out written
 
   const int consumer = tid - PRODUCERS;
   const int lane = consumer % 32, warp = (consumer % 128) / 32, warpgroup = consumer / 128;
@@ -495,7 +516,19 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
                                              ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
                                 : tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
                                              W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
-  mixed_gemm_kernel<F, TOKENS, CTAS><<<grid, THREADS, S::smem, stream>>>(args, x_map, w_map, s_map);
+  // A programmatic dependent launch: it starts while the kernel before it finishes (the kernel
+  // waits for it before it reads what that kernel writes).
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = dependent_launch() ? 1 : 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = S::smem;
+  config.stream = stream;
+  config.attrs = &dependent;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, mixed_gemm_kernel<F, TOKENS, CTAS>, args, x_map, w_map, s_map);
   check_launch("mixed_gemm");
 }
 
@@ -513,7 +546,7 @@ void launch_tokens(int64_t tokens, const Args& args, dim3 grid, cudaStream_t str
 at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
                       const std::optional<at::Tensor>& a_amax, const std::optional<at::Tensor>& w_amax, double divisor,
                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                      int64_t tokens, int64_t splits) {
+                      int64_t tokens, int64_t splits, bool stored_weight) {
   check_device(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
@@ -571,7 +604,8 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
             static_cast<int>(k),
             static_cast<int>(per_split),
             kind(out_dtype),
-            bias ? kind(bias->scalar_type()) : BF16};
+            bias ? kind(bias->scalar_type()) : BF16,
+            stored_weight};
   const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   auto stream = at::cuda::getCurrentCUDAStream();
   format == MXFP8 ? launch_tokens<MXFP8>(tokens, args, grid, stream) : launch_tokens<NVFP4>(tokens, args, grid, stream);
@@ -592,7 +626,8 @@ void register_mixed_gemm(pybind11::module_& m) {
         "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
         "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
         "each, optional) and bias (n bf16 or float16, optional) before one rounding "
-        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs)",
+        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs); "
+        "stored_weight: no kernel writes w and its scales (a frozen model's), so their first steps are copied while the kernel before finishes",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amax"), pybind11::arg("divisor"),
-        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"));
+        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("stored_weight"));
 }

@@ -29,8 +29,6 @@
 #include "params.h"
 #if defined(__CUDACC__)
 #include <cooperative_groups.h>
-#include <cstdlib>
-#include <string>
 
 #include "launch.cuh"
 #endif
@@ -178,16 +176,6 @@ __global__ void __launch_bounds__(kSmallThreads) small_rowwise_kernel(const Smal
     cluster.sync();
     Program::encode(p, s.global, cta, tid, held);
   }
-}
-
-// GRAPHQUANT_DEPENDENT_LAUNCH=0 (read once a process, as triton_decode reads it) makes every launch
-// wait for the kernel before it: to measure what the dependent launches gain.
-inline bool dependent_launch() {
-  static const bool on = [] {
-    const char* value = std::getenv("GRAPHQUANT_DEPENDENT_LAUNCH");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return on;
 }
 
 // NVFP4 as one cluster of p.ctas CTAs; MXFP8, which exchanges nothing, as plain CTAs. Either is

@@ -683,18 +683,19 @@ def gemm(
 
 
 def mixed_input_gemm(
-    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor] = None
+    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype, site: str,
+    bias: Optional[torch.Tensor] = None, stored_weight: bool = False,
 ) -> torch.Tensor:
     """(m, n) = A @ B^T (+ bias) on the mixed-input GEMM the plan chose for the GEMM ``site``
     names, A given as its values in the kernel's order (``mixed_input.operand_of_x`` or
-    ``mixed_input.operand``) and NVFP4's global amax."""
+    ``mixed_input.operand``) and NVFP4's global amax; B a frozen weight where ``stored_weight``."""
     _check_bias(b, 1, site, bias)
     if not MIXED_INPUT_GEMM.available(values.device):
         raise GemmMismatch(
             f"{site}: its plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an sm_90 GPU; "
             f"this call runs on {values.device}; the plan was made for another device"
         )
-    return mixed_input.multiply(values, a_amax, b, out_dtype, bias)
+    return mixed_input.multiply(values, a_amax, b, out_dtype, bias, stored_weight=stored_weight)
 
 
 def gemms_sharing_a(

@@ -120,9 +120,11 @@ def a_amax(a: Representation) -> Optional[torch.Tensor]:
 
 def multiply(
     values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0,
+    bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0, stored_weight: bool = False,
 ) -> torch.Tensor:
-    """out (m, n) = A @ B^T (+ bias), A given as ``operand(A)`` and its ``a_amax``; as ``gemm``."""
+    """out (m, n) = A @ B^T (+ bias), A given as ``operand(A)`` and its ``a_amax``; as ``gemm``.
+    ``stored_weight``: no kernel writes B (a frozen model's weight), so the kernel, a dependent
+    launch, copies its first steps before the kernel before it has finished (mixed_gemm.cu)."""
     family = _family(b)
     if family not in FORMATS:
         raise ValueError(f"{BACKEND} multiplies MXFP8 or NVFP4 weights, not {b.quantizer}")
@@ -139,4 +141,4 @@ def multiply(
     amaxes = (a_amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
     m = values.shape[0]
     tokens = tokens or next(t for t in TOKENS if t >= m or t == TOKENS[-1])
-    return ext.mixed_gemm(values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits)
+    return ext.mixed_gemm(values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits, stored_weight)

@@ -59,13 +59,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from graphquant.formats import fp8, nvfp4
 from graphquant.formats.groups import FEW_TOKENS_AN_EXPERT, GroupPadding
@@ -74,7 +72,7 @@ from graphquant.kernels.triton_dequantize import (
     e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
 )
 from graphquant.kernels.triton_grouped_gemm import pad_rows_alone
-from graphquant.kernels.triton_launch import ceil_div, launch
+from graphquant.kernels.triton_launch import ceil_div, dependent_launch, launch, wait_for_the_kernel_before
 from graphquant.kernels.triton_scales import fp8_codes, fp8_scale, reciprocal
 from graphquant.quantizers import ROWWISE, GemmInput, Quantizer, Representation, gemm_dims, reduced_extent
 
@@ -570,29 +568,6 @@ def _block_codes_kernel(x_ptr, codes_ptr, scale_ptr, rows, K, x_stride, RULE: tl
     tl.store(scale_ptr + block.to(tl.int64) * rows + row, reciprocal(scale), mask=block < tl.cdiv(K, 128))
 
 
-# GRAPHQUANT_DEPENDENT_LAUNCH=0 (read once a process, as the CUDA extension's small quantize reads
-# it) makes every launch wait for the kernel before it: to measure what the dependent launches gain.
-DEPENDENT_LAUNCH = os.environ.get("GRAPHQUANT_DEPENDENT_LAUNCH") != "0"
-
-
-def _dependent_launch(device: torch.device) -> dict:
-    """The kernels' DEPENDENT and the launch's launch_pdl for a launch on ``device``: dependent
-    launches where asked (DEPENDENT_LAUNCH) on a GPU that has them (griddepcontrol, which PTX has
-    from sm_90 on: for an sm_89 GPU, which the decode GEMM also serves, the kernels would not
-    assemble with it); not in Triton's interpreter, which runs no PTX and each launch after the
-    last."""
-    dependent = DEPENDENT_LAUNCH and not triton.knobs.runtime.interpret and (devices.capability(device) or (0, 0)) >= (9, 0)
-    return {"DEPENDENT": dependent, "launch_pdl": dependent}
-
-
-@triton.jit
-def _wait_for_the_kernel_before(DEPENDENT: tl.constexpr):
-    """The prologue of a dependent launch (module docstring), before a program's first load or
-    store."""
-    if DEPENDENT:
-        gdc_wait()
-
-
 @triton.jit
 def _factored(
     total, n, m, N, M, a_factor_ptr, b_factor_ptr, A_FACTOR: tl.constexpr, A_DIVISOR: tl.constexpr, B_FACTOR: tl.constexpr,
@@ -943,7 +918,7 @@ def _decode_kernel(
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    _wait_for_the_kernel_before(DEPENDENT)
+    wait_for_the_kernel_before(DEPENDENT)
     a_scale = _a_scale(a_factor_ptr, m, M, A_FACTOR, A_RULE)
     total = _tile_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
@@ -1001,7 +976,7 @@ def _fma_kernel(
         )
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     m = tl.program_id(2) + tl.zeros((1, 1, 1), tl.int32)
-    _wait_for_the_kernel_before(DEPENDENT)
+    wait_for_the_kernel_before(DEPENDENT)
     total = _fma_row_sums(
         a_ptr, a_scale_ptr, a_stride, a_scale_row_stride, a_scale_col_stride, b_ptr, b_scale_ptr, b_stride, b_scale_row_stride,
         b_scale_col_stride, n, m, N, M, K, tl.program_id(1) * k_chunks * CHUNK, k_chunks, CHUNK, OPERAND, ASM, WHOLE_TILES,
@@ -1281,7 +1256,7 @@ def gemm(
             B_FORMAT=_ELEMENT_FORMATS.get(b.data.dtype, ""), ASM=asm, WHOLE_TILES=whole_tiles,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, A_RULE=rule, A_VALUES=a_first,
             ONE_DOT=a_first and config.one_dot,
-            num_warps=config.warps, num_stages=config.stages, **_dependent_launch(a.data.device),
+            num_warps=config.warps, num_stages=config.stages, **dependent_launch(a.data.device),
         )
     return out
 
@@ -1365,7 +1340,7 @@ def _launch_fma(
         _fma_kernel, grid, *a_args, *b_args, *ends, arrivals, m, n, k, k_chunks, K_CHUNK, OPERAND=b_layout.operand,
         **factors, SPLIT=grid[1] > 1, ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=whole_tiles, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, STAGES=config.stages, **later,
-        num_warps=config.warps, num_stages=config.stages, **_dependent_launch(a_args[0].device),
+        num_warps=config.warps, num_stages=config.stages, **dependent_launch(a_args[0].device),
     )
 
 
@@ -1457,7 +1432,7 @@ def _launch_autotuned(
         A_SCALE_ROWS=max(a_layout.scale_block[0], 1), B_SCALE_ROWS=max(b_layout.scale_block[0], 1),
         **_factors(a_layout, b_layout), SPLIT=split, PROMOTE_EVERY=fp8.PROMOTED_PRODUCTS, MX=0, A_FORMAT="", B_FORMAT="",
         ASM=not triton.knobs.runtime.interpret, WHOLE_TILES=False, BLOCK_M=ONE_TILE_ROWS, A_RULE=rule,
-        **_dependent_launch(a_args[0].device), **later,
+        **dependent_launch(a_args[0].device), **later,
     )
 
 

@@ -9,18 +9,24 @@ call signature (every argument that is not a tensor or a TMA descriptor, by valu
 dtype and alignment; each descriptor's dtype, block and layout), remembers the compiled kernel,
 its grid and its arguments in order, and afterwards hands the call's tensors and descriptors
 straight to the compiled kernel's launcher. Triton's interpreter, and
-launch hooks (a profiler's), get Triton's own path.
+launch hooks (a profiler's), get Triton's own path. ``dependent_launch`` says where a kernel is
+launched dependent on the kernel before it (Hopper's programmatic dependent launch).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+from graphquant.kernels import devices
 
 try:  # Gluon's TMA descriptors (Triton 3.6): handed over per call like tensors
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -112,3 +118,26 @@ def _first(kernel: Any, grid: Grid, args: tuple, kwargs: dict) -> _Launch:
     )
     values = tuple(None if isinstance(value, PER_CALL) else value for value in named.values())
     return _Launch(compiled.run, compiled.function, compiled.packed_metadata, (*shape, 1, 1)[:3], values, tensors)
+
+
+# GRAPHQUANT_DEPENDENT_LAUNCH=0 (read once a process, as the CUDA extension's launches read it)
+# makes every launch wait for the kernel before it: to measure what the dependent launches gain.
+DEPENDENT_LAUNCH = os.environ.get("GRAPHQUANT_DEPENDENT_LAUNCH") != "0"
+
+
+def dependent_launch(device: torch.device) -> dict:
+    """A kernel's DEPENDENT and its launch's launch_pdl for a launch on ``device``: a programmatic
+    dependent launch (it starts while the kernel before it finishes, and waits for it:
+    ``wait_for_the_kernel_before``) where asked (DEPENDENT_LAUNCH) on a GPU that has them
+    (griddepcontrol, which PTX has from sm_90 on: for an sm_89 GPU, which the decode GEMM also
+    serves, the kernels would not assemble with it); not in Triton's interpreter, which runs no PTX
+    and each launch after the last."""
+    dependent = DEPENDENT_LAUNCH and not triton.knobs.runtime.interpret and (devices.capability(device) or (0, 0)) >= (9, 0)
+    return {"DEPENDENT": dependent, "launch_pdl": dependent}
+
+
+@triton.jit
+def wait_for_the_kernel_before(DEPENDENT: tl.constexpr):
+    """The prologue of a dependent launch, before a program's first load or store."""
+    if DEPENDENT:
+        gdc_wait()

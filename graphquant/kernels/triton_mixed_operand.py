@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from graphquant.formats import fp8, nvfp4
 from graphquant.kernels import mixed_input
-from graphquant.kernels.triton_launch import ceil_div, launch
+from graphquant.kernels.triton_launch import ceil_div, dependent_launch, launch, wait_for_the_kernel_before
 from graphquant.kernels.triton_dequantize import e8m0_value
 from graphquant.kernels.triton_scales import e8m0_biased, e8m0_multiplier, fp8_codes
 from graphquant.quantizers import ROWWISE, Quantizer
@@ -85,7 +86,11 @@ def _nvfp4_values(blocks, amax):
 def _values_kernel(
     x_ptr, amax_ptr, out_ptr, M, K, stride,
     FORMAT: tl.constexpr, SIZES: tl.constexpr, ORDER: tl.constexpr, BLOCK_M: tl.constexpr, ATOMS: tl.constexpr, ATOM: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    wait_for_the_kernel_before(DEPENDENT)
+    if DEPENDENT:  # the GEMM after it may start: it copies its stored weight's first steps meanwhile (mixed_gemm.cu)
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * ATOMS * ATOM + tl.arange(0, ATOMS * ATOM)
     inside = (rows < M)[:, None]
@@ -113,5 +118,6 @@ def values(x: torch.Tensor, amax: Optional[torch.Tensor], quantizer: Quantizer) 
     launch(
         _values_kernel, (ceil_div(m, _BLOCK_M), k // (_ATOMS * mixed_input.ATOM)), x, amax, out, m, k, x.stride(0),
         FORMAT=mixed_input.FORMATS[family], SIZES=sizes, ORDER=order, BLOCK_M=_BLOCK_M, ATOMS=_ATOMS, ATOM=mixed_input.ATOM, num_warps=4,
+        **dependent_launch(x.device),
     )
     return out

@@ -70,7 +70,7 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
     if math.prod(x.shape[:-1]) == 0:  # no rows: nothing reads the stored codes (which no high-precision format could)
         return tuple(x.new_empty((*x.shape[:-1], s[0])) for s in shapes)
     x2d = x.flatten(0, -2)
-    ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1])) for w, s, site in zip(weights, shapes, sites)]
+    ws = [Operand(list(w), site.quantizers[1].child(ROWWISE).spec, ROWWISE, (s[0], s[1]), stored=True) for w, s, site in zip(weights, shapes, sites)]
     ys = quantized_weights_product(x2d, ws, dtype, biases, sites, states, rng)
     return tuple(refuse_backward(x, y.reshape(*x.shape[:-1], s[0]), site.label, b) for y, s, site, b in zip(ys, shapes, sites, biases))
 

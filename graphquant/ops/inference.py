@@ -115,7 +115,7 @@ def _mixed_input_products(
     amax = mixed_input.x_amax(x2d, x_quantizer)
     values = torch.ops.graphquant.mixed_input_operand(x2d, amax, x_quantizer.spec)
     return [
-        torch.ops.graphquant.mixed_input_gemm(values, amax, w.tensors, w.spec, w.direction, w.shape, out_dtype, label, bias)
+        torch.ops.graphquant.mixed_input_gemm(values, amax, w.tensors, w.spec, w.direction, w.shape, out_dtype, label, bias, w.stored)
         for w, label, bias in zip(ws, labels, biases, strict=True)
     ]
 

@@ -191,16 +191,18 @@ def mixed_input_gemm(
     out_dtype: torch.dtype,
     site: str,
     bias: Optional[torch.Tensor] = None,
+    stored_weight: bool = False,
 ) -> torch.Tensor:
     """(1, m, n) = A @ B^T (+ bias) on the mixed-input GEMM, which the plan chose for the GEMM
     ``site`` names (graphquant.kernels.mixed_input): A given as its bf16 values in the kernel's
     order (graphquant::mixed_input_operand, or mixed_input.operand of its representation) and,
-    for NVFP4, its global amax."""
-    return backends.mixed_input_gemm(values, a_amax, unflatten(b, b_spec, b_direction, b_shape, out_dtype), out_dtype, site, bias).unsqueeze(0)
+    for NVFP4, its global amax; ``stored_weight``: B is a frozen weight, which no kernel writes."""
+    rep = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
+    return backends.mixed_input_gemm(values, a_amax, rep, out_dtype, site, bias, stored_weight).unsqueeze(0)
 
 
 @registry.fake("mixed_input_gemm")
-def _(values, a_amax, b, b_spec, b_direction, b_shape, out_dtype, site, bias=None):
+def _(values, a_amax, b, b_spec, b_direction, b_shape, out_dtype, site, bias=None, stored_weight=False):
     return values.new_empty((1, values.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
 
 

@@ -16,12 +16,14 @@ from graphquant.ops.library import unflatten
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """One direction of one quantized tensor as the ops carry it."""
+    """One direction of one quantized tensor as the ops carry it; ``stored``: a frozen weight's
+    (graphquant.freeze), which no kernel of the graph writes."""
 
     tensors: list[torch.Tensor]
     spec: str
     direction: str
     shape: tuple[int, int]
+    stored: bool = False
 
 
 def gemm(
@@ -48,7 +50,7 @@ def _mixed_input_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, site: str,
     which Inductor compiles with the graph's other pointwise work."""
     rep = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
     return torch.ops.graphquant.mixed_input_gemm(
-        mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, b.shape, out_dtype, site, bias
+        mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, b.shape, out_dtype, site, bias, b.stored
     )
 
 
