@@ -8,7 +8,9 @@ On the CPU the kernel runs under Triton's interpreter in a process of its own, a
 """
 
 import json
+import re
 
+import ptxas
 import pytest
 import torch
 import triton_interpreter
@@ -83,6 +85,27 @@ def test_values_are_the_references_bit_for_bit_interpreted(interpreted, name, dt
 @pytest.mark.parametrize("name, dtype, case", PARAMS)
 def test_values_are_the_references_bit_for_bit_on_gpu(name, dtype, case):
     assert _kernel_is_the_reference(name, dtype, case, "cuda")
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_as_a_dependent_launch_the_kernel_waits_before_it_reads_x_and_lets_the_gemm_start_after(name):
+    """Compiled for Hopper as a dependent launch (on any machine with Triton), each program waits
+    for the kernel before it (griddepcontrol.wait) before any load or store, then lets the
+    mixed-input GEMM after it start (launch_dependents): nothing is read before x is written."""
+    pytest.importorskip("triton")
+    from graphquant.kernels import triton_mixed_operand
+
+    sizes, order = mixed_input.DIGITS[name]
+    kernel = ptxas.compiled_for(
+        triton_mixed_operand._values_kernel, {"x_ptr": "*bf16", "amax_ptr": "*fp32", "out_ptr": "*bf16"}, {"M": 16, "K": 4096, "stride": 4096},
+        dict(FORMAT=mixed_input.FORMATS[name], SIZES=sizes, ORDER=order, BLOCK_M=triton_mixed_operand._BLOCK_M, ATOMS=triton_mixed_operand._ATOMS,
+             ATOM=mixed_input.ATOM, DEPENDENT=True),
+        num_warps=4, num_stages=1,
+    )
+    ptx = kernel.asm["ptx"]
+    wait, launch = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    memory = re.search(r"\b(ld\.global|st\.global|atom\.|red\.)", ptx[:wait])
+    assert memory is None and wait < launch, ptx[:wait][-400:]
 
 
 def test_the_op_is_the_values_of_x_quantized_in_the_kernels_order():
