@@ -768,6 +768,20 @@ def cuda_graph_replays(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, scale
         yield scale, replayed
 
 
+def cuda_graph_of(step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step()`` captured in a CUDA graph after one call on a side stream (a capture's warm-up),
+    and what the captured call returned: the tensors each replay writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def emulated_stand_in(rows: list[int]) -> Callable:
     """A stand-in, on this CPU, for the decode GEMM's ``gemm(a, b, out_dtype, bias)``: the emulated
     product, each call's rows of A added to ``rows``."""

@@ -7,6 +7,7 @@ tests/test_mixed_input_plan.py)."""
 
 import pytest
 import torch
+from reference import cuda_graph_of
 
 from graphquant.formats import fp8
 from graphquant.kernels import mixed_input, native
@@ -119,14 +120,7 @@ def test_dependent_launches_read_what_the_kernels_before_them_left(name, m):
         expected = chain(synchronized=True)
         for out, want in zip(step(), expected, strict=True):
             assert torch.equal(out, want)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = cuda_graph_of(step)
     for new_x in new_xs[2:]:
         x.copy_(new_x)
         graph.replay()
@@ -155,14 +149,7 @@ def test_a_weight_quantized_by_the_kernel_before_is_read_as_it_left_it(name):
         torch.cuda.synchronize()
         return mixed_input.multiply(values, amax, wq, torch.float32)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = cuda_graph_of(step)
     generator = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(4):
         new_w = torch.randn(256, 1024, device="cuda", generator=generator).to(torch.bfloat16)

@@ -16,6 +16,7 @@ import ptxas
 import pytest
 import torch
 import triton_interpreter
+from reference import cuda_graph_of
 
 from graphquant.formats import fp8
 from graphquant.kernels import backends
@@ -289,14 +290,7 @@ def test_a_dependent_launch_reads_a_as_the_kernel_before_it_left_it(name, m):
     for new_x in new_xs[:2]:
         x.copy_(new_x)
         assert torch.equal(step(), alone(new_x))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = cuda_graph_of(step)
     for new_x in new_xs[2:]:
         x.copy_(new_x)
         graph.replay()
