@@ -1,7 +1,7 @@
 """Microseconds and weight GB/s of the decode GEMM beside bf16 F.linear, torch._scaled_mm and,
 for MXFP8 and NVFP4, the emulated GEMM (the weight dequantized on every call, then bf16).
 
-    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"] [--weights 14336x4096,28672x4096] [--pairs]
+    python benchmarks/decode_gemm.py [--rows 1,16,128,2048] [--formats "fp8 tensorwise,nvfp4"] [--weights 14336x4096,28672x4096] [--pairs] [--copies N]
 
 For each weight N x K of a Llama-3-8B FFN (or of --weights: 28672x4096 is its gate and up
 projections as one weight) and each row count M (each format up to the decode
@@ -15,7 +15,7 @@ for the FP8 formats the GEMM that quantizes the bf16 activation itself
 quantize costs. Each function is replayed from a CUDA graph of CALLS calls, so the times are the
 GPU's, not the host's launch overhead; those calls read one weight, so a weight that fits the L2
 (50 MB on Hopper: 4096x4096 in bf16) is read from it after the first, faster than a model's
-layers read theirs. GB/s counts the weight's bytes (codes and scales) once: at
+layers read theirs, unless ``--copies N`` has them read N copies of it in turn. GB/s counts the weight's bytes (codes and scales) once: at
 decode row counts reading the weight is the whole cost, and H200 reads about 4.8 TB/s at best;
 from a few hundred rows on the products set the pace instead. --pairs: each weight also as two
 that read one activation (a SwiGLU's gate and up projections), "x2" rows: bf16 F.linear twice,
@@ -26,7 +26,9 @@ and for the FP8 formats (MXFP8 and NVFP4 at one row) two decode GEMM launches ag
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,10 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="the formats timed beside bf16 and torch._scaled_mm")
     parser.add_argument("--weights", default=",".join(f"{n}x{k}" for n, k in WEIGHTS), help="weight shapes N x K, comma-separated")
     parser.add_argument("--pairs", action="store_true", help="each weight also as two that read one activation: two launches against one")
+    parser.add_argument(
+        "--copies", type=int, default=1,
+        help="each weight in this many copies, the replayed calls reading them in turn: from the HBM, not the L2, where they add up to more than it holds",
+    )
     args = parser.parse_args()
     pairs = args.pairs
     weights = [tuple(int(d) for d in shape.split("x")) for shape in args.weights.split(",")]
@@ -70,57 +76,8 @@ def main() -> None:
     for n, k in weights:
         for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-            fns = {"bf16 F.linear": lambda: F.linear(x, w)}
-            weight_bytes = {"bf16 F.linear": nbytes(w)}
-            if pairs:
-                w2 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-                fns["bf16 F.linear x2"] = lambda: (F.linear(x, w), F.linear(x, w2))
-                weight_bytes["bf16 F.linear x2"] = 2 * nbytes(w)
-            ra = Float8RowwiseQuantizer()(x, columnwise=False).get(ROWWISE)
-            rb = Float8RowwiseQuantizer()(w, columnwise=False).get(ROWWISE)
-            args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
-            fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
-            weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
-            for name, (qa, qb) in formats.items():
-                a = qa(x, columnwise=False).get(ROWWISE)
-                b = qb(w, columnwise=False).get(ROWWISE)
-                plan = backends.select(qa, ROWWISE, qb, ROWWISE, x.device, (m, n, k), 1, fast_accumulation=True)
-                mixed = qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device)
-                # x's values for the mixed-input GEMM made beforehand, as a graph makes them before the GEMM
-                values, amax = (mixed_input.operand(a), mixed_input.a_amax(a)) if mixed else (None, None)
-                planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
-                if plan.backend.native not in backends.DECODE_GEMMS:
-                    key = f"plan {name}: {plan.backend}"
-                    if planned_mixed:
-                        fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name, stored_weight=True)
-                    else:
-                        fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
-                    weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
-                if mixed and not planned_mixed:
-                    fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, b, torch.bfloat16)
-                    weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
-                if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
-                    continue
-                fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
-                weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
-                if not triton_decode.quantize_on_load_refusal(qa):
-                    on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
-                    fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
-                    weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
-                if pairs and triton_decode.shares_launch(qb.gemm_input(ROWWISE).family, m):
-                    fns.update(_paired(name, x, w, qa, qb, weight_bytes))
-                if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
-                    fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
-                    weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
-                    alternatives = {}
-                    if m == 1:  # the default there is the FMA units'
-                        alternatives["tensor cores"] = TENSOR_CORES
-                    if name == "mxfp8" and m <= 16:
-                        alternatives["block sums"] = BLOCK_SUMS
-                    for label, config in alternatives.items():
-                        fns[f"decode {name} ({label})"] = lambda a=a, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
-                        weight_bytes[f"decode {name} ({label})"] = weight_bytes[f"decode {name}"]
+            built = [_functions(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, formats, pairs) for _ in range(args.copies)]
+            fns, weight_bytes = {name: _cycling([each[name] for each, _ in built]) for name in built[0][0]}, built[0][1]
             replays, failed = {}, {}
             for name, fn in fns.items():
                 try:
@@ -138,6 +95,71 @@ def main() -> None:
                 rows.append([f"{n}x{k}", m, name, f"{us:.1f}", f"{weight_bytes[name] / us / 1e3:.0f}", f"{speedup:.2f}", ""])
                 print(*rows[-1][:-1], sep="  ", flush=True)  # as it goes, should the run be cut short
     print(tabulate(rows, headers=["N x K", "M", "GEMM", "us", "weight GB/s", "speedup vs bf16", "note"]))
+
+
+def _functions(x: torch.Tensor, w: torch.Tensor, formats: dict, pairs: bool) -> tuple[dict, dict]:
+    """Each GEMM timed of x and weight w (bf16, then each format's, on each backend there is):
+    the functions by name, and the weight bytes each reads."""
+    m, k = x.shape
+    n = w.shape[0]
+    fns = {"bf16 F.linear": lambda: F.linear(x, w)}
+    weight_bytes = {"bf16 F.linear": nbytes(w)}
+    if pairs:
+        w2 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        fns["bf16 F.linear x2"] = lambda: (F.linear(x, w), F.linear(x, w2))
+        weight_bytes["bf16 F.linear x2"] = 2 * nbytes(w)
+    ra = Float8RowwiseQuantizer()(x, columnwise=False).get(ROWWISE)
+    rb = Float8RowwiseQuantizer()(w, columnwise=False).get(ROWWISE)
+    args, kwargs = scaled_mm.arguments(scaled_mm.ROWWISE_SCALED, ra, rb, torch.bfloat16)
+    fns["torch._scaled_mm fp8 rowwise"] = lambda args=args, kwargs=kwargs: torch._scaled_mm(*args, **kwargs)
+    weight_bytes["torch._scaled_mm fp8 rowwise"] = nbytes(rb.data, rb.scale)
+    for name, (qa, qb) in formats.items():
+        a = qa(x, columnwise=False).get(ROWWISE)
+        b = qb(w, columnwise=False).get(ROWWISE)
+        plan = backends.select(qa, ROWWISE, qb, ROWWISE, x.device, (m, n, k), 1, fast_accumulation=True)
+        mixed = qb.gemm_input(ROWWISE).family in mixed_input.FORMATS and mixed_input.extension_runs(x.device)
+        # x's values for the mixed-input GEMM made beforehand, as a graph makes them before the GEMM
+        values, amax = (mixed_input.operand(a), mixed_input.a_amax(a)) if mixed else (None, None)
+        planned_mixed = plan.backend.native is backends.MIXED_INPUT_GEMM  # then its "plan" row times it
+        if plan.backend.native not in backends.DECODE_GEMMS:
+            key = f"plan {name}: {plan.backend}"
+            if planned_mixed:
+                fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name, stored_weight=True)
+            else:
+                fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
+            weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
+        if mixed and not planned_mixed:
+            fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, b, torch.bfloat16)
+            weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
+        if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
+            continue
+        fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+        weight_bytes[f"decode {name}"] = nbytes(b.data, b.scale, b.amax)
+        if not triton_decode.quantize_on_load_refusal(qa):
+            on_load = triton_decode.QuantizedOnLoad(x, triton_decode.amaxes(x, qa), qa)
+            fns[f"decode {name}, quantizing A"] = lambda a=on_load, b=b: triton_decode.gemm(a, b, torch.bfloat16)
+            weight_bytes[f"decode {name}, quantizing A"] = weight_bytes[f"decode {name}"]
+        if pairs and triton_decode.shares_launch(qb.gemm_input(ROWWISE).family, m):
+            fns.update(_paired(name, x, w, qa, qb, weight_bytes))
+        if "fp8_" not in qb.gemm_input(ROWWISE).family:  # dequantized: the emulation ran them before
+            fns[f"emulated {name}"] = lambda a=a, b=b: backends.gemm(a, b, 1, torch.bfloat16, EMULATION, name)
+            weight_bytes[f"emulated {name}"] = weight_bytes[f"decode {name}"]
+            alternatives = {}
+            if m == 1:  # the default there is the FMA units'
+                alternatives["tensor cores"] = TENSOR_CORES
+            if name == "mxfp8" and m <= 16:
+                alternatives["block sums"] = BLOCK_SUMS
+            for label, config in alternatives.items():
+                fns[f"decode {name} ({label})"] = lambda a=a, b=b, config=config: triton_decode.gemm(a, b, torch.bfloat16, None, config)
+                weight_bytes[f"decode {name} ({label})"] = weight_bytes[f"decode {name}"]
+    return fns, weight_bytes
+
+
+def _cycling(fns: list) -> Callable[[], object]:
+    """A function whose successive calls call each of ``fns`` in turn, so that a CUDA graph of
+    them reads each copy's weight in turn."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
 
 
 def _paired(name: str, x: torch.Tensor, w: torch.Tensor, qa, qb, weight_bytes: dict) -> dict:
