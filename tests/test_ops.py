@@ -53,6 +53,37 @@ def test_quantize_op(quantizer, rowwise, columnwise, dbias, device):
         assert torch.equal(out[-1], x.float().sum(0).to(x.dtype))
 
 
+def test_a_fake_quantize_works_a_layout_out_once_a_shape(monkeypatch):
+    """Tracing runs a quantize op's fake at every call; the reference behind it (hundreds of fake
+    tensor ops, most of graphquant's part of a first call) runs once a spec, direction and shape, so
+    eight layers of one shape trace it as often as one does; a symbolic shape works it out each time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from graphquant.ops import library
+
+    calls, reference = [], native.reference_quantize
+
+    def counting(quantizer, x, direction, ctx):
+        calls.append(isinstance(x, FakeTensor))
+        return reference(quantizer, x, direction, ctx)
+
+    monkeypatch.setattr(native, "reference_quantize", counting)
+
+    def traced(layers: int, dynamic: bool = False) -> int:
+        calls.clear()
+        library._LAYOUTS.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)])
+        compiled = graphquant.compile(model, graphquant.recipes.mxfp8_block_scaling(), backend="aot_eager", dynamic=dynamic)
+        compiled(torch.randn(32, 64)).sum().backward()
+        torch._dynamo.reset()
+        return sum(calls)
+
+    one, eight = traced(1), traced(8)
+    assert 0 < one == eight
+    assert traced(8, dynamic=True) > eight
+
+
 class _NoKernels:
     """An extension that takes CPU tensors and must not be asked to quantize."""
 

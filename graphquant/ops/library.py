@@ -71,12 +71,33 @@ def distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[to
     return out
 
 
+# The (shape, dtype) of each tensor of a representation, by its spec, direction, x's shape and
+# dtype and the scale's: a fake runs the reference (a few hundred fake tensor ops) once a key, not at
+# every traced call of a model's many layers of one shape, which took most of graphquant's part of
+# a first call.
+_LAYOUTS: dict[tuple, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
+
+
+def _representation_like(x: torch.Tensor, spec: str, direction: str, scale: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """Empty tensors shaped as the reference's representation of ``x`` in ``spec``'s ``direction``
+    (its layout kept where every size is known; a symbolic one is worked out at each call)."""
+    sizes = [*x.shape, *(() if scale is None else scale.shape)]
+    key = None
+    if all(isinstance(size, int) for size in sizes):
+        key = (spec, direction, tuple(x.shape), x.dtype, None if scale is None else (tuple(scale.shape), scale.dtype))
+    layout = _LAYOUTS.get(key) if key is not None else None
+    if layout is None:
+        rep = native.reference_quantize(quantizer_of(spec), x, direction, QuantizeContext(scale=scale))
+        layout = tuple((tuple(t.shape), t.dtype) for t in rep.tensors())
+        if key is not None:
+            _LAYOUTS[key] = layout
+    return [x.new_empty(shape, dtype=dtype) for shape, dtype in layout]
+
+
 @registry.fake("quantize")
 def _(x, spec, rowwise, columnwise, scale, rng, rng_stream, dbias=False, amax_group=None):
-    quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
     directions = [d for d, wanted in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if wanted]
-    tensors = [t for d in directions for t in native.reference_quantize(quantizer, x, d, ctx).tensors()]
-    return [t.new_empty(t.shape) for t in tensors] + ([x.new_empty(x.shape[1:])] if dbias else [])
+    return [t for d in directions for t in _representation_like(x, spec, d, scale)] + ([x.new_empty(x.shape[1:])] if dbias else [])
 
 
 @registry.op("transposed", tags=(torch.Tag.flexible_layout,))
@@ -239,7 +260,7 @@ def block_codes(x: torch.Tensor, spec: str) -> list[torch.Tensor]:
 
 @registry.fake("block_codes")
 def _(x, spec):
-    return [t.new_empty(t.shape) for t in native.reference_quantize(quantizer_of(spec), x, ROWWISE, QuantizeContext()).tensors()]
+    return _representation_like(x, spec, ROWWISE)
 
 
 if backends.triton_decode is not None:
