@@ -38,7 +38,7 @@ from graphquant.kernels import backends, native
 from graphquant.kernels import grouped as grouped_kernels
 from graphquant.ops import recording, registry
 from graphquant.ops.frozen import refuse_backward
-from graphquant.ops.library import distinct_contiguous, quantizer_of, unflatten
+from graphquant.ops.library import distinct_contiguous, kept_layout, layout_key, quantizer_of, unflatten
 from graphquant.ops.operands import Operand, save_columnwise, saved_columnwise
 from graphquant.ops.quantize import hybrid_directions, update_delayed_scaling
 from graphquant.ops.site import Site
@@ -76,11 +76,16 @@ def _(x, row_group, bounds, source, runs, spec, rowwise, columnwise, rng, rng_st
     quantizer = quantizer_of(spec)
     padded = x if source is None else x.new_empty((source.shape[0], x.shape[1]))
     wanted = [d for d, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if want]
-    reps = [quantizer.child(d).quantize_groups(padded, row_group, bounds.shape[0] - 1, d, QuantizeContext(scale=scale)) for d in wanted]
-    tensors = [t for rep in reps for t in rep.tensors()]
-    if take_columnwise_amax:
-        tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, bounds.shape[0] - 1))
-    return [t.new_empty(t.shape) for t in tensors]
+
+    def made() -> list[torch.Tensor]:
+        reps = [quantizer.child(d).quantize_groups(padded, row_group, bounds.shape[0] - 1, d, QuantizeContext(scale=scale)) for d in wanted]
+        tensors = [t for rep in reps for t in rep.tensors()]
+        if take_columnwise_amax:
+            tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, bounds.shape[0] - 1))
+        return tensors
+
+    key = ("grouped_quantize", spec, tuple(wanted), take_columnwise_amax, *map(layout_key, (padded, row_group, bounds, scale)))
+    return kept_layout(key, x, made)
 
 
 @registry.op("grouped_dequantize")

@@ -8,9 +8,10 @@ the autograd formula of a GEMM.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from graphquant.kernels import backends, mixed_input, native
 from graphquant.ops import registry
@@ -71,27 +72,35 @@ def distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[to
     return out
 
 
-# The (shape, dtype) of each tensor of a representation, by its spec, direction, x's shape and
-# dtype and the scale's: a fake runs the reference (a few hundred fake tensor ops) once a key, not at
-# every traced call of a model's many layers of one shape, which took most of graphquant's part of
-# a first call.
+# The (shape, dtype) of each tensor a fake returns, by what those depend on (the op, the format, the
+# shapes and dtypes of its inputs): a fake that runs the reference (a few hundred fake tensor ops)
+# runs it once a key, not at every traced call of a model's many layers of one shape, which took
+# most of graphquant's part of a first call.
 _LAYOUTS: dict[tuple, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
 
 
-def _representation_like(x: torch.Tensor, spec: str, direction: str, scale: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """Empty tensors shaped as the reference's representation of ``x`` in ``spec``'s ``direction``
-    (its layout kept where every size is known; a symbolic one is worked out at each call)."""
-    sizes = [*x.shape, *(() if scale is None else scale.shape)]
-    key = None
-    if all(isinstance(size, int) for size in sizes):
-        key = (spec, direction, tuple(x.shape), x.dtype, None if scale is None else (tuple(scale.shape), scale.dtype))
-    layout = _LAYOUTS.get(key) if key is not None else None
+def kept_layout(key: tuple, x: torch.Tensor, make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Empty tensors on x's device shaped as the tensors ``make()`` returns, made once a ``key``
+    whose sizes are all known (a symbolic size: at each call)."""
+    known = not any(isinstance(v, torch.SymInt) for v in pytree.tree_leaves(key))
+    layout = _LAYOUTS.get(key) if known else None
     if layout is None:
-        rep = native.reference_quantize(quantizer_of(spec), x, direction, QuantizeContext(scale=scale))
-        layout = tuple((tuple(t.shape), t.dtype) for t in rep.tensors())
-        if key is not None:
+        layout = tuple((tuple(t.shape), t.dtype) for t in make())
+        if known:
             _LAYOUTS[key] = layout
     return [x.new_empty(shape, dtype=dtype) for shape, dtype in layout]
+
+
+def layout_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What a fake's outputs may take of an input tensor for kept_layout's key: its shape and dtype."""
+    return None if t is None else (tuple(t.shape), t.dtype)
+
+
+def _representation_like(x: torch.Tensor, spec: str, direction: str, scale: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """Empty tensors shaped as the reference's representation of ``x`` in ``spec``'s ``direction``."""
+    ctx = QuantizeContext(scale=scale)
+    key = ("quantize", spec, direction, layout_key(x), layout_key(scale))
+    return kept_layout(key, x, lambda: native.reference_quantize(quantizer_of(spec), x, direction, ctx).tensors())
 
 
 @registry.fake("quantize")
