@@ -84,7 +84,7 @@ def _(x, row_group, bounds, source, runs, spec, rowwise, columnwise, rng, rng_st
             tensors.append(quantizer.child(COLUMNWISE).grouped_columnwise_amax(padded, row_group, bounds.shape[0] - 1))
         return tensors
 
-    key = ("grouped_quantize", spec, tuple(wanted), take_columnwise_amax, *map(layout_key, (padded, row_group, bounds, scale)))
+    key = ("grouped_quantize", quantizer, tuple(wanted), take_columnwise_amax, *map(layout_key, (padded, row_group, bounds, scale)))
     return kept_layout(key, x, made)
 
 

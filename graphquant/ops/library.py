@@ -72,23 +72,32 @@ def distinct_contiguous(tensors: list[torch.Tensor], x: torch.Tensor) -> list[to
     return out
 
 
-# The (shape, dtype) of each tensor a fake returns, by what those depend on (the op, the format, the
-# shapes and dtypes of its inputs): a fake that runs the reference (a few hundred fake tensor ops)
-# runs it once a key, not at every traced call of a model's many layers of one shape, which took
-# most of graphquant's part of a first call.
+# The (shape, dtype) of each tensor a fake returns, by what those depend on (the op, the quantizer,
+# the shapes and dtypes of its inputs): a fake that runs the reference (a few hundred fake tensor
+# ops) runs it once a key, not at every traced call of a model's many layers of one shape, which
+# took most of graphquant's part of a first call. The quantizer, not its spec: a format defined
+# again under its name has the same spec, and its reference is run (and checked) anew.
 _LAYOUTS: dict[tuple, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
 
 
 def kept_layout(key: tuple, x: torch.Tensor, make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """Empty tensors on x's device shaped as the tensors ``make()`` returns, made once a ``key``
     whose sizes are all known (a symbolic size: at each call)."""
-    known = not any(isinstance(v, torch.SymInt) for v in pytree.tree_leaves(key))
+    known = not any(isinstance(v, torch.SymInt) for v in pytree.tree_leaves(key)) and _hashable(key)
     layout = _LAYOUTS.get(key) if known else None
     if layout is None:
         layout = tuple((tuple(t.shape), t.dtype) for t in make())
         if known:
             _LAYOUTS[key] = layout
     return [x.new_empty(shape, dtype=dtype) for shape, dtype in layout]
+
+
+def _hashable(key: tuple) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 def layout_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -98,9 +107,9 @@ def layout_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
 
 def _representation_like(x: torch.Tensor, spec: str, direction: str, scale: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Empty tensors shaped as the reference's representation of ``x`` in ``spec``'s ``direction``."""
-    ctx = QuantizeContext(scale=scale)
-    key = ("quantize", spec, direction, layout_key(x), layout_key(scale))
-    return kept_layout(key, x, lambda: native.reference_quantize(quantizer_of(spec), x, direction, ctx).tensors())
+    quantizer, ctx = quantizer_of(spec), QuantizeContext(scale=scale)
+    key = ("quantize", quantizer, direction, layout_key(x), layout_key(scale))
+    return kept_layout(key, x, lambda: native.reference_quantize(quantizer, x, direction, ctx).tensors())
 
 
 @registry.fake("quantize")
