@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from graphquant.kernels import backends, mixed_input, native
 from graphquant.ops import registry
@@ -82,22 +81,16 @@ _LAYOUTS: dict[tuple, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
 
 def kept_layout(key: tuple, x: torch.Tensor, make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
     """Empty tensors on x's device shaped as the tensors ``make()`` returns, made once a ``key``
-    whose sizes are all known (a symbolic size: at each call)."""
-    known = not any(isinstance(v, torch.SymInt) for v in pytree.tree_leaves(key)) and _hashable(key)
-    layout = _LAYOUTS.get(key) if known else None
+    (one that cannot be hashed, as a symbolic size cannot: at each call)."""
+    try:
+        layout = _LAYOUTS.get(key)
+    except TypeError:
+        layout, key = None, None
     if layout is None:
         layout = tuple((tuple(t.shape), t.dtype) for t in make())
-        if known:
+        if key is not None:
             _LAYOUTS[key] = layout
     return [x.new_empty(shape, dtype=dtype) for shape, dtype in layout]
-
-
-def _hashable(key: tuple) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
 
 
 def layout_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
