@@ -32,19 +32,18 @@ def _capabilities_asked_afresh():
 
 
 @pytest.fixture(autouse=True)
-def _decode_counters_left_zero():
-    """Every decode GEMM launch on a stream that runs eagerly (CPU, a CUDA device's default stream)
-    leaves its K split's arrival counters at zero (triton_decode._arrivals): a count left over
-    would make the next split launch on that stream add partial sums not yet written, in whichever
-    test runs next: this names the test that left them so."""
+def _split_counters_left_zero():
+    """Every K-split GEMM launch (the decode GEMM's, the mixed-input GEMM's) on a stream that runs
+    eagerly (CPU, a CUDA device's default stream) leaves its arrival counters at zero
+    (graphquant.kernels.arrival_counters): a count left over would make the next split launch on
+    that stream add partial sums not yet written, in whichever test runs next: this names the test
+    that left them so."""
     yield
-    from graphquant.kernels import backends
+    from graphquant.kernels import arrival_counters
 
-    if backends.triton_decode is None:
-        return
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    left = [(key, counters) for key, counters in backends.triton_decode._ARRIVALS.items() if key[1] in (None, 0) and bool(counters.any())]
+    left = [(key, counters) for key, counters in arrival_counters.COUNTERS.items() if key[1] in (None, 0) and bool(counters.any())]
     for _, counters in left:
         counters.zero_()  # so that this test alone is reported, not every one after it
-    assert not left, f"decode GEMM launches left arrival counters non-zero on {[key for key, _ in left]}: the next K-split launch there adds partial sums not yet written"
+    assert not left, f"K-split GEMM launches left arrival counters non-zero on {[key for key, _ in left]}: the next K-split launch there adds partial sums not yet written"

@@ -20,7 +20,7 @@ from reference import cuda_graph_replays, fresh_dynamo, hopper_on_cpu  # noqa: F
 
 import graphquant
 from graphquant import recipes, zoo
-from graphquant.kernels import backends, mixed_input
+from graphquant.kernels import arrival_counters, backends, mixed_input
 from graphquant.quantizers import (
     ROWWISE, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer,
 )
@@ -185,7 +185,7 @@ def _interpreted_results() -> dict:
     results["splits as described"] = [[*(_splits(n, m, k) for n in rows), _splits(sum(rows), m, k)] for m, rows, k in SHAPES] == [
         [4, 4, 2], [3, 2, 1], [1, 1, 1], [2, 4, 4, 2], [1, 1, 1, 1],
     ]
-    results["counters"] = all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
+    results["counters"] = all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
     backends.capability = lambda device: (9, 0)
     for name, recipe in RECIPES.items():
         # gate and up: 128 x 2048 each, K split 4 ways alone and 2 ways as a pair
@@ -431,7 +431,7 @@ def test_a_llama_layers_gemms_of_one_x_in_one_launch_are_one_gemm_over_their_wei
             expected = _stacked(quantizing(x), stacked, list(rows), torch.bfloat16, biases)
             assert all(torch.equal(r, e) for r, e in zip(replayed, expected, strict=True)), f"{m} rows, inputs times {scale}"
     torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -464,7 +464,7 @@ def test_mxfp8_gemms_of_one_row_in_one_launch_are_one_gemm_over_their_weights_on
         expected = _stacked(a, stacked, rows, torch.bfloat16, biases, _one_row_config(stacked))
         assert all(torch.equal(r, e) for r, e in zip(replayed, expected, strict=True)), f"inputs times {scale}"
     torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
 
 
 @pytest.mark.gpu

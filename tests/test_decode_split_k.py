@@ -15,6 +15,7 @@ import torch
 import triton_interpreter
 from reference import cuda_graph_replays
 
+from graphquant.kernels import arrival_counters
 from graphquant.quantizers import ROWWISE, Float8CurrentScalingQuantizer, Float8RowwiseQuantizer, MXFP8Quantizer
 
 PAIRS = {"tensorwise": Float8CurrentScalingQuantizer("e4m3"), "rowwise": Float8RowwiseQuantizer()}
@@ -75,13 +76,13 @@ def _interpreted_results() -> dict:
     a, b = mx(x, columnwise=False).get(ROWWISE), mx(w, columnwise=False).get(ROWWISE)
     first, again = (triton_decode.gemm(a, b, torch.float32, config=fma) for _ in range(2))
     results["again | mxfp8 fma"] = torch.equal(first, again)
-    counters = list(triton_decode._ARRIVALS.values())
+    counters = list(arrival_counters.COUNTERS.values())
     results["counters"] = len(counters) == 1 and all(int(c.count_nonzero()) == 0 for c in counters)
     # a launch needing more counters than there are gets a larger buffer; the old one is kept
     # (a CUDA graph may hold its address)
     old = counters[0]
-    grown = triton_decode._arrivals(torch.device("cpu"), old.numel() + 1)
-    results["grown"] = grown.numel() > old.numel() and int(grown.count_nonzero()) == 0 and triton_decode._RETIRED_ARRIVALS[-1] is old
+    grown = arrival_counters.zeroed(torch.device("cpu"), old.numel() + 1)
+    results["grown"] = grown.numel() > old.numel() and int(grown.count_nonzero()) == 0 and arrival_counters.RETIRED[-1] is old
     return results
 
 
@@ -139,7 +140,7 @@ def test_split_k_replays_from_a_cuda_graph_and_runs_on_two_streams_at_once():
                 outs[i].append(triton_decode.gemm(a[i], b, torch.bfloat16))
     torch.cuda.synchronize()
     assert all(torch.equal(out, expected[i]) for i in range(2) for out in outs[i])
-    assert all(int(c.count_nonzero()) == 0 for c in triton_decode._ARRIVALS.values())
+    assert all(int(c.count_nonzero()) == 0 for c in arrival_counters.COUNTERS.values())
 
 
 if __name__ == "__main__":  # the interpreted cases, as the fixture ``interpreted`` runs them

@@ -243,6 +243,7 @@ struct Args {
   const __nv_bfloat16* x;
   void* out;
   float* partial;  // (splits, m, n) fp32 where K is split, else null
+  int* arrivals;   // where K is split, a counter an output tile, zero (graphquant.kernels.arrival_counters)
   const float *a_amax, *w_amax;  // NVFP4's global amaxes (alpha's), or null: no alpha
   float divisor;
   const void* bias;
@@ -257,23 +258,14 @@ __device__ __forceinline__ float alpha_of(const Args& args) {
   return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*args.w_amax, args.divisor));
 }
 
-// alpha * sum (+ bias), rounded once to the output's dtype (alpha 1 where there is none: exact).
-__device__ __forceinline__ void finish(const Args& args, int64_t index, int row, float sum, float alpha) {
-  float v = sum * alpha;
-  if (args.bias != nullptr) v += bias_value(args.bias, args.bias_kind, row);
-  if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
-  else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
-  else store_value(static_cast<float*>(args.out) + index, v);
-}
-
-// What finish applies, read once a thread: alpha, and the bias of each of the thread's two rows.
+// What store_sums applies, read once a thread: alpha, and the bias of each of the thread's two rows.
 struct Scaling {
   bool has_alpha = false, has_bias = false;
   float alpha = 1.f, bias[2] = {0.f, 0.f};
 };
 
 // A thread's sums of the wgmma's accumulator (sum 4j + 2h + b: token 8j + 2t + b of the tile, row
-// rows[h]), finished as finish does, into out (m, n) row-major.
+// rows[h]), times alpha plus the bias where ``scaling`` has them, into out (m, n) row-major.
 template <typename Out, int N>
 __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, const Args& args, int m0, int t, const int (&rows)[2],
                                            const Scaling& scaling) {
@@ -290,6 +282,44 @@ __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, cons
         if (token < args.m && rows[h] < args.n) store_value(out + static_cast<int64_t>(token) * args.n + rows[h], v);
       }
     }
+  }
+}
+
+// Whether this CTA is the last of its output tile's K splits to arrive, each split's partial sums
+// stored and fenced before it counts itself (one counter a tile; the last sets it back to zero for
+// the next launch on the stream).
+__device__ __forceinline__ bool last_to_arrive(const Args& args, int consumer) {
+  __shared__ int last;
+  __threadfence();
+  asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");  // the copying warpgroup has left
+  if (consumer == 0) {
+    int* counter = args.arrivals + blockIdx.y * gridDim.x + blockIdx.x;
+    last = atomicAdd(counter, 1) == static_cast<int>(gridDim.z) - 1;
+    if (last) *counter = 0;
+  }
+  asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
+  if (last) __threadfence();
+  return last;
+}
+
+// The tile of the last CTA of its K splits to arrive: every split's partial sums added in split
+// order (the same bits whichever CTA arrives last), then alpha, the bias and the one rounding;
+// read past L1, which holds nothing of the other CTAs' writes. Once a tile, so a plain loop over
+// its elements (consecutive threads, consecutive rows of out).
+__device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, int consumer) {
+  const int64_t plane = static_cast<int64_t>(args.m) * args.n;
+  const float alpha = args.a_amax != nullptr ? alpha_of(args) : 1.f;
+  for (int i = consumer; i < tokens * ROWS; i += CONSUMERS) {
+    const int token = m0 + i / ROWS, row = n0 + i % ROWS;
+    if (token >= args.m || row >= args.n) continue;
+    const int64_t index = static_cast<int64_t>(token) * args.n + row;
+    float sum = __ldcg(args.partial + index);
+    for (int s = 1; s < static_cast<int>(gridDim.z); ++s) sum += __ldcg(args.partial + s * plane + index);
+    float v = sum * alpha;
+    if (args.bias != nullptr) v += bias_value(args.bias, args.bias_kind, row);
+    if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
+    else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
+    else store_value(static_cast<float*>(args.out) + index, v);
   }
 }
 
@@ -450,8 +480,9 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   // branch an element made the unrolled code far larger than the instruction cache, and the
   // epilogue, not the K loop, took most of the kernel's time.
   const int rows[2] = {n0 + r0, n0 + r0 + 8};
-  if (args.partial != nullptr) {
+  if (args.partial != nullptr) {  // K split: the last of the tile's CTAs finishes it, in this launch
     store_sums(acc, args.partial + static_cast<int64_t>(blockIdx.z) * args.m * args.n, args, m0, t, rows, Scaling{});
+    if (last_to_arrive(args, consumer)) finish_split_tile(args, m0, n0, TOKENS, consumer);
     return;
   }
   Scaling scaling;
@@ -464,17 +495,6 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   else if (args.out_kind == F16) store_sums(acc, static_cast<__half*>(args.out), args, m0, t, rows, scaling);
   else store_sums(acc, static_cast<float*>(args.out), args, m0, t, rows, scaling);
 #endif
-}
-
-// The K split's partial sums added in split order, then alpha, the bias and the one rounding.
-__global__ void mixed_reduce_kernel(const Args args, int splits) {
-  const int64_t total = static_cast<int64_t>(args.m) * args.n;
-  const float alpha = args.a_amax != nullptr ? alpha_of(args) : 1.f;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float sum = args.partial[i];
-    for (int s = 1; s < splits; ++s) sum += args.partial[s * total + i];
-    finish(args, i, static_cast<int>(i % args.n), sum, alpha);
-  }
 }
 
 }  // namespace
@@ -546,7 +566,7 @@ void launch_tokens(int64_t tokens, const Args& args, dim3 grid, cudaStream_t str
 at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
                       const std::optional<at::Tensor>& a_amax, const std::optional<at::Tensor>& w_amax, double divisor,
                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                      int64_t tokens, int64_t splits, bool stored_weight) {
+                      int64_t tokens, int64_t splits, const at::Tensor& arrivals, bool stored_weight) {
   check_device(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
@@ -586,12 +606,19 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t per_split = split.steps_per_split;
   splits = split.splits;
   at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
+  if (splits > 1) {
+    partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
+    TORCH_CHECK(arrivals.scalar_type() == at::kInt && arrivals.device() == w.device() && arrivals.is_contiguous() &&
+                    arrivals.numel() >= row_tiles * token_tiles,
+                "graphquant.mixed_gemm: a K split of ", row_tiles * token_tiles, " output tiles takes as many zero int32 arrival counters "
+                "on w's device (graphquant.kernels.arrival_counters), got ", arrivals.scalar_type(), " ", arrivals.sizes());
+  }
   Args args{static_cast<const uint8_t*>(w.data_ptr()),
             static_cast<const uint8_t*>(w_scale.data_ptr()),
             static_cast<const __nv_bfloat16*>(x.data_ptr()),
             out.data_ptr(),
             splits > 1 ? partial.data_ptr<float>() : nullptr,
+            splits > 1 ? arrivals.data_ptr<int>() : nullptr,
             a_amax ? a_amax->data_ptr<float>() : nullptr,
             w_amax ? w_amax->data_ptr<float>() : nullptr,
             static_cast<float>(divisor),
@@ -609,12 +636,6 @@ at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   auto stream = at::cuda::getCurrentCUDAStream();
   format == MXFP8 ? launch_tokens<MXFP8>(tokens, args, grid, stream) : launch_tokens<NVFP4>(tokens, args, grid, stream);
-  if (splits > 1) {
-    const int64_t total = m * n;
-    const auto blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
-    mixed_reduce_kernel<<<blocks, 256, 0, stream>>>(args, static_cast<int>(splits));
-    check_launch("mixed_gemm's reduce");
-  }
   return out;
 }
 
@@ -626,8 +647,9 @@ void register_mixed_gemm(pybind11::module_& m) {
         "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
         "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
         "each, optional) and bias (n bf16 or float16, optional) before one rounding "
-        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs); "
+        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs), the last CTA of an output tile adding its splits' sums in order; arrivals: "
+        "zero int32 counters, one an output tile (128 rows of w by tokens rows of x), which a split launch leaves zero; "
         "stored_weight: no kernel writes w and its scales (a frozen model's), so their first steps are copied while the kernel before finishes",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amax"), pybind11::arg("divisor"),
-        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("stored_weight"));
+        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("arrivals"), pybind11::arg("stored_weight"));
 }

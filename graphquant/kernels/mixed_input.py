@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from graphquant.formats import fp8, mxfp8, nvfp4
-from graphquant.kernels import native
+from graphquant.kernels import arrival_counters, native
 from graphquant.kernels.native import has_sm90_kernel
 from graphquant.quantizers import ROWWISE, QuantizeContext, Quantizer, Representation
 from graphquant.quantizers.descriptions import KernelEncoding
@@ -37,6 +37,7 @@ ROWS = {"mxfp8": (2, 1024), "nvfp4": (2, 1024)}
 # The rows of A a CTA may multiply: a small tile where m is small, since its wgmmas are shorter and
 # x's bf16 values fill less of each stage (a 16-token tile ran 1.2x faster than a 64-token one at 16 rows).
 TOKENS = (16, 32, 64, 128, 256)
+WEIGHT_ROWS = 128  # of an output tile, a CTA's (mixed_gemm.cu's ROWS): a K split counts arrivals one a tile
 ATOM = 64  # the K whose order the kernel permutes as one piece (DIGITS)
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
@@ -139,6 +140,9 @@ def multiply(
         padded = torch.empty(rows, -(-cols // 16) * 16, dtype=torch.uint8, device=w_scale.device)
         w_scale = padded[:, :cols].copy_(w_scale)
     amaxes = (a_amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
-    m = values.shape[0]
+    m, n = values.shape[0], b.data.shape[0]
     tokens = tokens or next(t for t in TOKENS if t >= m or t == TOKENS[-1])
-    return ext.mixed_gemm(values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits, stored_weight)
+    arrivals = arrival_counters.zeroed(values.device, -(-n // WEIGHT_ROWS) * -(-m // tokens))
+    return ext.mixed_gemm(
+        values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits, arrivals, stored_weight
+    )

@@ -56,7 +56,6 @@ bit for bit, without the quantize kernels a graph would run before them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 from typing import NamedTuple, Optional, Sequence
@@ -67,7 +66,7 @@ import triton.language as tl
 
 from graphquant.formats import fp8, nvfp4
 from graphquant.formats.groups import FEW_TOKENS_AN_EXPERT, GroupPadding
-from graphquant.kernels import devices
+from graphquant.kernels import arrival_counters, devices
 from graphquant.kernels.triton_dequantize import (
     e2m1_block_dot, e2m1_block_values, e2m1_pairs, e4m3_bf16_word_values, e4m3_word_values, e8m0_value,
 )
@@ -1160,49 +1159,6 @@ def split_k(n: int, k: int, device: torch.device, tiles_per_sm: int = 2, block_n
     return max(1, min(wanted, ceil_div(k, K_CHUNK)))
 
 
-# Each K-split launch's arrival counters (_write), a zero int32 a tile, per device and stream:
-# launches on one stream run one after another and share them (each leaves them zero), launches on
-# two streams may overlap and count apart. Never freed, grown by replacement: a CUDA graph keeps the
-# address it captured.
-_ARRIVALS: dict[tuple, torch.Tensor] = {}
-_RETIRED_ARRIVALS: list[torch.Tensor] = []
-_LEAST_ARRIVALS = 4096
-
-
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` arrival counters, zero, for a launch on the current stream of ``device``."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    counters = _ARRIVALS.get((device, stream))
-    if counters is None or counters.numel() < tiles:
-        if counters is not None:
-            _RETIRED_ARRIVALS.append(counters)
-        counters = _ARRIVALS[device, stream] = _zeros_outside_graph_pools(max(triton.next_power_of_2(tiles), _LEAST_ARRIVALS), device)
-    return counters
-
-
-def _zeros_outside_graph_pools(size: int, device: torch.device) -> torch.Tensor:
-    """``size`` int32 zeros that no CUDA graph's memory pool owns. While a graph tree warms up or
-    records, the allocations of its thread (or stream) come from the graph's pool, which the tree
-    may give to other tensors between replays: the counters are made by another thread, on a
-    stream of its own. While the current stream is captured they are made in the capture instead
-    (that graph's pool keeps them as long as the library does, and its replays zero them first)."""
-    if device.type != "cuda":
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    with torch.cuda.device(device):
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(size, dtype=torch.int32, device=device)
-
-    def make() -> torch.Tensor:
-        side = torch.cuda.Stream(device)
-        with torch.cuda.stream(side):
-            zeros = torch.zeros(size, dtype=torch.int32, device=device)
-        side.synchronize()
-        return zeros
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        return thread.submit(make).result()
-
-
 def gemm(
     a: Representation | QuantizedOnLoad, b: Representation, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     config: Optional[DecodeConfig] = None,
@@ -1224,7 +1180,7 @@ def gemm(
     out = arrivals = ends[2]  # no counters where K is not split
     if splits > 1:
         block_n = config.block_n if config else min(tile[0] for tile in AUTOTUNED_TILES)
-        arrivals = _arrivals(out.device, ceil_div(n, block_n) * row_tiles)
+        arrivals = arrival_counters.zeroed(out.device, ceil_div(n, block_n) * row_tiles)
     factors = _factors(a_layout, b_layout)
     # NVFP4's codes, and MXFP8's as values (on the tensor cores or the FMA units), are read as
     # 64-bit words (strides in words), decoded by inline PTX except in Triton's interpreter,
@@ -1299,7 +1255,7 @@ def gemms_sharing_a(
     splits, k_chunks = _k_split(sum(rows), k, a.data.device, None, row_tiles)
     ends = [_ends(bias, torch.empty((m, n), dtype=out_dtype, device=a.data.device), splits) for bias, n in zip(biases, rows)]
     least_block_n = min(tile[0] for tile in AUTOTUNED_TILES)
-    arrivals = _arrivals(a.data.device, _tiles(rows, least_block_n) * row_tiles)
+    arrivals = arrival_counters.zeroed(a.data.device, _tiles(rows, least_block_n) * row_tiles)
     _launch_autotuned(
         lambda meta: (_tiles(rows, meta["BLOCK_N"]), splits, row_tiles), a_layout, a_args, operands[0][0],
         (*operands[0][1], *ends[0]), arrivals, m, rows[0], k, k_chunks, splits > 1, rule,
@@ -1320,7 +1276,7 @@ def _one_row_shared(
     splits, k_chunks = _k_split(sum(rows), k, device, config, 1)
     ends = [_ends(bias, torch.empty((1, n), dtype=out_dtype, device=device), splits) for bias, n in zip(biases, rows)]
     tiles = _tiles(rows, config.block_n)
-    arrivals = _arrivals(device, tiles) if splits > 1 else ends[0][2]
+    arrivals = arrival_counters.zeroed(device, tiles) if splits > 1 else ends[0][2]
     whole_tiles = k % (k_chunks * K_CHUNK) == 0 and all(n % config.block_n == 0 for n in rows)
     b_args = [_in_words(args) for _, args in operands]
     _launch_fma(
@@ -1567,7 +1523,7 @@ def experts_gemm(a: Representation, b: Representation, tokens: GroupPadding, n: 
         config = _ONE_ROW[b_layout.operand]
         splits, k_chunks = _k_split(n, k, out.device, config, count)
         *_, partial = _ends(None, out, splits)
-        arrivals = _arrivals(out.device, ceil_div(n, config.block_n) * count) if splits > 1 else out
+        arrivals = arrival_counters.zeroed(out.device, ceil_div(n, config.block_n) * count) if splits > 1 else out
         launch(
             _expert_rows_kernel, (ceil_div(n, config.block_n), splits, count), *operands, out, partial, arrivals, tokens.position,
             tokens.row_group, per_group, n, padded_rows, stack_rows, count, k, k_chunks, K_CHUNK, **common, SPLIT=splits > 1,
