@@ -9,7 +9,8 @@
 //
 // Numerics: the emulation's. Every decoded value (E4M3 code times its E8M0 power of two, E2M1 code
 // times its E4M3 block scale) is one correctly rounded bf16 product, exact where it is a bf16
-// number, as graphquant.kernels.emulation's values are; the sums are fp32 (the tensor cores'
+// number, as graphquant.kernels.emulation's values are (NVFP4's held 2^-26 times, exactly: the sums
+// are multiplied back, NVFP4_SUM_UNIT); the sums are fp32 (the tensor cores'
 // order, and a K split's partial sums added in split order, so repeated calls give the same bits);
 // alpha (NVFP4's global factors, each amax / divisor rounded once, their product rounded once, made
 // here from the operands' amaxes) and the bias are applied to the fp32 sum before its one rounding.
@@ -221,7 +222,14 @@ __device__ __forceinline__ uint32_t e2m1_bits(uint32_t word) {
 }
 
 constexpr uint32_t E4M3_BIAS = 0x7B807B80u;  // 2^120 twice
-constexpr uint32_t E2M1_BIAS = 0x7E807E80u;  // 2^126 twice
+
+// NVFP4's decoded weight values are 2^-26 times the format's: an E2M1 pair (2^-126 times the codes)
+// times its scale pair times 2^100 in one multiply, not two (E2M1 times E4M3 has at most six
+// significant bits, so the product is exact, and 2^-26 keeps it and every sum far from bf16's and
+// fp32's ends); the sums are multiplied back by 2^26, exactly, before alpha.
+constexpr float NVFP4_SUM_UNIT = 0x1p26f;
+template <int F>
+constexpr float sum_unit = F == NVFP4 ? NVFP4_SUM_UNIT : 1.f;
 
 // An E8M0 scale as a bf16 pair (2^-127 is bf16's subnormal 0x0040; 255 is NaN).
 __device__ __forceinline__ uint32_t e8m0_pair(uint32_t e) {
@@ -229,10 +237,12 @@ __device__ __forceinline__ uint32_t e8m0_pair(uint32_t e) {
   return bits | (bits << 16);
 }
 
+// An NVFP4 block's E4M3 scale times 2^100 (2^126 / NVFP4_SUM_UNIT) as a bf16 pair: exact, at most
+// 448 * 2^100.
 __device__ __forceinline__ uint32_t e4m3_scale_pair(uint8_t code) {
   __nv_fp8_e4m3 scale;
   scale.__x = code;
-  const __nv_bfloat16 value = __float2bfloat16_rn(static_cast<float>(scale));
+  const __nv_bfloat16 value = __float2bfloat16_rn(static_cast<float>(scale) * 0x1p100f);
   const uint32_t bits = *reinterpret_cast<const uint16_t*>(&value);
   return bits | (bits << 16);
 }
@@ -258,14 +268,16 @@ __device__ __forceinline__ float alpha_of(const Args& args) {
   return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*args.w_amax, args.divisor));
 }
 
-// What store_sums applies, read once a thread: alpha, and the bias of each of the thread's two rows.
+// What store_sums applies, read once a thread: the format's sum unit, alpha, and the bias of each
+// of the thread's two rows.
 struct Scaling {
   bool has_alpha = false, has_bias = false;
-  float alpha = 1.f, bias[2] = {0.f, 0.f};
+  float unit = 1.f, alpha = 1.f, bias[2] = {0.f, 0.f};
 };
 
 // A thread's sums of the wgmma's accumulator (sum 4j + 2h + b: token 8j + 2t + b of the tile, row
-// rows[h]), times alpha plus the bias where ``scaling`` has them, into out (m, n) row-major.
+// rows[h]), times the unit, then alpha and plus the bias where ``scaling`` has them, into out (m, n)
+// row-major.
 template <typename Out, int N>
 __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, const Args& args, int m0, int t, const int (&rows)[2],
                                            const Scaling& scaling) {
@@ -276,7 +288,7 @@ __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, cons
       const int token = m0 + 8 * j + 2 * t + b;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float v = acc[4 * j + 2 * h + b];
+        float v = acc[4 * j + 2 * h + b] * scaling.unit;
         v = scaling.has_alpha ? v * scaling.alpha : v;
         v = scaling.has_bias ? v + scaling.bias[h] : v;
         if (token < args.m && rows[h] < args.n) store_value(out + static_cast<int64_t>(token) * args.n + rows[h], v);
@@ -303,10 +315,10 @@ __device__ __forceinline__ bool last_to_arrive(const Args& args, int consumer) {
 }
 
 // The tile of the last CTA of its K splits to arrive: every split's partial sums added in split
-// order (the same bits whichever CTA arrives last), then alpha, the bias and the one rounding;
+// order (the same bits whichever CTA arrives last), then the sum unit, alpha, the bias and the one rounding;
 // read past L1, which holds nothing of the other CTAs' writes. Once a tile, so a plain loop over
 // its elements (consecutive threads, consecutive rows of out).
-__device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, int consumer) {
+__device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, float unit, int consumer) {
   const int64_t plane = static_cast<int64_t>(args.m) * args.n;
   const float alpha = args.a_amax != nullptr ? alpha_of(args) : 1.f;
   for (int i = consumer; i < tokens * ROWS; i += CONSUMERS) {
@@ -315,7 +327,7 @@ __device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, 
     const int64_t index = static_cast<int64_t>(token) * args.n + row;
     float sum = __ldcg(args.partial + index);
     for (int s = 1; s < static_cast<int>(gridDim.z); ++s) sum += __ldcg(args.partial + s * plane + index);
-    float v = sum * alpha;
+    float v = sum * unit * alpha;
     if (args.bias != nullptr) v += bias_value(args.bias, args.bias_kind, row);
     if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
     else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
@@ -429,10 +441,10 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
           const uint32_t words[2] = {q.x, q.y};
 #pragma unroll
           for (int w = 0; w < 2; ++w) {  // codes p and p + 4 of word w: slice p, columns 2t, 2t + 1 (+ 8 for w = 1)
-            a[4 * c + 0][2 * w + h] = bf16_product(bf16_product(e2m1_bits<0>(words[w]), E2M1_BIAS), scale);
-            a[4 * c + 1][2 * w + h] = bf16_product(bf16_product(e2m1_bits<1>(words[w]), E2M1_BIAS), scale);
-            a[4 * c + 2][2 * w + h] = bf16_product(bf16_product(e2m1_bits<2>(words[w]), E2M1_BIAS), scale);
-            a[4 * c + 3][2 * w + h] = bf16_product(bf16_product(e2m1_bits<3>(words[w]), E2M1_BIAS), scale);
+            a[4 * c + 0][2 * w + h] = bf16_product(e2m1_bits<0>(words[w]), scale);
+            a[4 * c + 1][2 * w + h] = bf16_product(e2m1_bits<1>(words[w]), scale);
+            a[4 * c + 2][2 * w + h] = bf16_product(e2m1_bits<2>(words[w]), scale);
+            a[4 * c + 3][2 * w + h] = bf16_product(e2m1_bits<3>(words[w]), scale);
           }
         }
       }
@@ -482,10 +494,11 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   const int rows[2] = {n0 + r0, n0 + r0 + 8};
   if (args.partial != nullptr) {  // K split: the last of the tile's CTAs finishes it, in this launch
     store_sums(acc, args.partial + static_cast<int64_t>(blockIdx.z) * args.m * args.n, args, m0, t, rows, Scaling{});
-    if (last_to_arrive(args, consumer)) finish_split_tile(args, m0, n0, TOKENS, consumer);
+    if (last_to_arrive(args, consumer)) finish_split_tile(args, m0, n0, TOKENS, sum_unit<F>, consumer);
     return;
   }
   Scaling scaling;
+  scaling.unit = sum_unit<F>;
   scaling.has_alpha = args.a_amax != nullptr;
   scaling.alpha = scaling.has_alpha ? alpha_of(args) : 1.f;
   scaling.has_bias = args.bias != nullptr;
