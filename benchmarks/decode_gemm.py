@@ -124,12 +124,12 @@ def _functions(x: torch.Tensor, w: torch.Tensor, formats: dict, pairs: bool) -> 
         if plan.backend.native not in backends.DECODE_GEMMS:
             key = f"plan {name}: {plan.backend}"
             if planned_mixed:
-                fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, b, torch.bfloat16, name, stored_weight=True)
+                fns[key] = lambda v=values, amax=amax, b=b: backends.mixed_input_gemm(v, amax, [b], torch.bfloat16, [name], [None], stored_weight=True)[0]
             else:
                 fns[key] = lambda a=a, b=b, backend=plan.backend: backends.gemm(a, b, 1, torch.bfloat16, backend, name)
             weight_bytes[key] = nbytes(b.data, b.scale, b.amax)
         if mixed and not planned_mixed:
-            fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, b, torch.bfloat16)
+            fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, [b], torch.bfloat16)[0]
             weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
         if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
             continue

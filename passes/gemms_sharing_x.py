@@ -2,20 +2,22 @@
 
 A SwiGLU's gate and up projections read one activation, as an attention layer's q, k and v
 projections do. At decode sizes each GEMM's time is mostly its weight's bytes plus the ramp and
-tail of its launch; one launch of the decode GEMM whose grid covers all their weights pays the
-latter once, and splits K for their rows together, as one GEMM over the weights stacked
-(graphquant.kernels.triton_decode.gemms_sharing_a: its outputs are that GEMM's bits). The pass
-makes that choice where the plan's choices allow it, so the graph (and its dump) carries it; frozen
-and per-call models make it alike, so they compute the same bits.
+tail of its launch; one launch whose grid covers all their weights pays the latter once, and
+splits K for their rows together: the decode GEMM's (graphquant.kernels.triton_decode.gemms_sharing_a,
+the bits of one GEMM over the weights stacked) or the mixed-input GEMM's
+(graphquant::mixed_input_gemms, the same: K split for all their tiles together). The pass makes that choice where
+the plan's choices allow it, so the graph (and its dump) carries it; frozen and per-call models
+make it alike, so they compute the same bits.
 
 Expects: a rewritten inference graph (passes/rewrite.py): frozen linears as calls of
 graphquant.ops.functional.quantized_frozen_linear, the others as calls of quantized_linear with
 its inference formula (``site.inference``).
 Guarantees: calls of one of the two that read the same x node, whose plan runs fprop on the same
-decode GEMM backend, x's format keeping no state (no delayed scaling, no stochastic rounding: x
-quantized once gives each the codes it would make), their weights of one format whose family the
-kernel runs in a shared launch at x's rows (triton_decode.shares_launch) and one dtype, become, up to
-triton_decode.SHARED_LAUNCH at a time in graph order, one call of
+backend, one that shares launches (``_shared_launch``: the decode GEMM for weight families it
+shares at x's rows, triton_decode.shares_launch; the mixed-input GEMM where x's values are made
+from x), x's format keeping no state (no delayed scaling, no stochastic rounding: x quantized once
+gives each the codes it would make), their weights of one format and one dtype, become, up to the
+backend's most a launch at a time in graph order, one call of
 functional.quantized_frozen_linears_sharing_x or quantized_linears_sharing_x whose ``sites`` name
 them all (a graph dump prints them); each one's output is an item of that call's. Every other
 node stays as it was.
@@ -29,7 +31,7 @@ from typing import Optional
 
 from torch import fx
 
-from graphquant.kernels import backends
+from graphquant.kernels import backends, mixed_input
 from graphquant.ops import functional
 from graphquant.ops.library import quantizer_of
 from graphquant.quantizers import ROWWISE
@@ -46,8 +48,7 @@ def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
         if key is not None:
             groups.setdefault(key, []).append(node)
     merged = False
-    for nodes in groups.values():  # any group means the decode GEMM (and Triton) is there
-        launch = backends.triton_decode.SHARED_LAUNCH
+    for (launch, *_), nodes in groups.items():
         for start in range(0, len(nodes) - 1, launch):
             shared = nodes[start : start + launch]
             if all(order[arg] < order[shared[0]] for later in shared[1:] for arg in later.all_input_nodes):
@@ -59,22 +60,35 @@ def merge_gemms_sharing_x(gm: fx.GraphModule) -> None:
 
 
 def _sharing_key(node: fx.Node) -> Optional[tuple]:
-    """What calls that may share a launch have in common, or None where ``node`` shares none."""
+    """What calls that may share a launch have in common, the most GEMMs a launch runs first, or
+    None where ``node`` shares none."""
     if node.op != "call_function" or node.target not in (functional.quantized_frozen_linear, functional.quantized_linear):
         return None
-    triton_decode = backends.triton_decode
     site = node.kwargs["site"]
     x_quantizer = site.quantizers[0]
-    decode = triton_decode is not None and site.fprop.name in (triton_decode.BACKEND, triton_decode.QUANTIZING_BACKEND)
     frozen = node.target is functional.quantized_frozen_linear
-    if not decode or not (frozen or site.inference) or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
+    if not (frozen or site.inference) or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
         return None
     weight_spec = site.quantizers[1].child(ROWWISE).spec
-    if not triton_decode.shares_launch(quantizer_of(weight_spec).gemm_input(ROWWISE).family, _rows(node.args[0])):
-        return None
+    launch = _shared_launch(site, quantizer_of(weight_spec).gemm_input(ROWWISE).family, _rows(node.args[0]))
     # a frozen linear's call names its weight's dtype; a linear's weight is a node with its value
     dtype = node.args[3] if frozen else getattr(node.args[1].meta.get("example_value"), "dtype", None)
-    return None if dtype is None else (node.target, node.args[0], site.fprop, site.input, weight_spec, dtype, site.amax_group)
+    if launch < 2 or dtype is None:
+        return None
+    return (launch, node.target, node.args[0], site.fprop, site.input, weight_spec, dtype, site.amax_group)
+
+
+def _shared_launch(site, family: str, rows: Optional[int]) -> int:
+    """The most GEMMs that read one x the kernel the plan chose for ``site``'s fprop runs in a
+    launch at x's ``rows``, for a weight of ``family``: the decode GEMM's where it shares launches
+    for that family at those rows; the mixed-input GEMM's where x's values are made from x by one
+    op (quantized_weights_product hands them over once); else one."""
+    triton_decode = backends.triton_decode
+    if triton_decode is not None and site.fprop.name in (triton_decode.BACKEND, triton_decode.QUANTIZING_BACKEND):
+        return triton_decode.SHARED_LAUNCH if triton_decode.shares_launch(family, rows) else 1
+    if site.fprop.name == mixed_input.BACKEND and mixed_input.values_from_x(site.quantizers[0].child(ROWWISE)):
+        return mixed_input.SHARED_LAUNCH
+    return 1
 
 
 def _rows(x: fx.Node) -> Optional[int]:

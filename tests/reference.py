@@ -794,29 +794,34 @@ def emulated_stand_in(rows: list[int]) -> Callable:
     return stand_in
 
 
-def mixed_input_stand_in(rows: list[int], stored: Optional[list[bool]] = None) -> Callable:
-    """A stand-in, on this CPU, for the mixed-input GEMM's ``multiply(values, a_amax, b, out_dtype,
-    bias, stored_weight=...)``: the kernel's numerics (x's values put back in K order, fp32 sums,
-    NVFP4's alpha, the bias, one rounding), each call's rows of A added to ``rows`` and whether it
-    was told B is stored to ``stored``."""
+def mixed_input_stand_in(rows: list[int], stored: Optional[list[bool]] = None, launches: Optional[list[int]] = None) -> Callable:
+    """A stand-in, on this CPU, for the mixed-input GEMM's ``multiply(values, a_amax, bs, out_dtype,
+    biases, stored_weight=...)``: the kernel's numerics (x's values put back in K order, fp32 sums,
+    NVFP4's alpha, the bias, one rounding) for each B, each launch's rows of A added to ``rows``,
+    whether it was told its B's are stored to ``stored`` and how many B's it multiplies to
+    ``launches``."""
     from graphquant.formats import nvfp4
     from graphquant.kernels import mixed_input
 
-    def stand_in(values, a_amax, b, out_dtype, bias=None, stored_weight=False):
-        rows.append(values.shape[0])
-        if stored is not None:
-            stored.append(stored_weight)
-        family = b.quantizer.gemm_input(b.direction).family
-        k = values.shape[1]
-        where = mixed_input.atoms_permuted(torch.arange(k).reshape(1, k), family)[0]  # the source K of each position
-        x = torch.empty_like(values)
-        x[:, where] = values
+    def product(x, a_amax, b, out_dtype, bias):
         product = x.float() @ b.quantizer.emulated_values(b).float().t()
         if a_amax is not None:
             product = product * (nvfp4.global_decode(a_amax) * nvfp4.global_decode(b.amax))
         if bias is not None:
             product = product + bias.float()
         return product.to(out_dtype)
+
+    def stand_in(values, a_amax, bs, out_dtype, biases=None, stored_weight=False):
+        rows.append(values.shape[0])
+        for record, value in ((stored, stored_weight), (launches, len(bs))):
+            if record is not None:
+                record.append(value)
+        family = bs[0].quantizer.gemm_input(bs[0].direction).family
+        k = values.shape[1]
+        where = mixed_input.atoms_permuted(torch.arange(k).reshape(1, k), family)[0]  # the source K of each position
+        x = torch.empty_like(values)
+        x[:, where] = values
+        return [product(x, a_amax, b, out_dtype, bias) for b, bias in zip(bs, biases or [None] * len(bs), strict=True)]
 
     return stand_in
 

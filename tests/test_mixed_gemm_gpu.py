@@ -61,6 +61,34 @@ def test_mixed_gemm_writes_bf16_and_repeats_its_bits(name):
 
 
 @needs_sm90
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["whole K", "K in 3", "K split for the SMs"])
+@pytest.mark.parametrize("m", [1, 16, 100])
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_gemms_reading_one_x_in_one_launch(name, m, splits):
+    """Three weights that read one x (q, k and v scaled down, the last a partial tile), each with
+    its own bias (bf16, none, float16) and, for NVFP4, its own global amax, in one launch: at a K
+    split given, each output is its GEMM's alone bit for bit (a CTA's sums do not depend on the
+    tiles beside it); split for the SMs (for all their tiles together), each is within the float64
+    reference's bound."""
+    torch.manual_seed(0)
+    q = QUANTIZERS[name]
+    x = (torch.randn(m, 1024) * 8).cuda()
+    a = q(x, rowwise=True, columnwise=False).get(ROWWISE)
+    bs = [q((torch.randn(n, 1024) / scale).cuda().to(torch.bfloat16), rowwise=True, columnwise=False).get(ROWWISE) for n, scale in ((512, 8), (128, 64), (200, 2))]
+    biases = [(torch.randn(512) * 4).cuda().to(torch.bfloat16), None, (torch.randn(200) * 4).cuda().to(torch.float16)]
+    values, amax = mixed_input.operand(a), mixed_input.a_amax(a)
+    outs = mixed_input.multiply(values, amax, bs, torch.float32, biases, splits=splits)
+    for out, b, bias in zip(outs, bs, biases, strict=True):
+        assert out.shape == (m, b.data.shape[0]) and out.dtype == torch.float32
+        if splits:
+            assert torch.equal(out, mixed_input.multiply(values, amax, [b], torch.float32, [bias], splits=splits)[0])
+        left, right = a.gemm_operand(torch.float64), b.gemm_operand(torch.float64)
+        ref = left @ right.t() + (0 if bias is None else bias.double())
+        bound = fp8.accumulation_bound(left, right.t(), fp8.FP32) + 4 * U * (left.abs() @ right.abs().t()) + ref.abs() * 2 * U
+        assert ((out.double() - ref).abs() - bound).max().item() <= 0
+
+
+@needs_sm90
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_mixed_gemm_runs_on_each_device_of_the_process(name):
@@ -89,7 +117,7 @@ def test_dependent_launches_read_what_the_kernels_before_them_left(name, m):
     """Every mixed-input GEMM is a dependent launch that copies a stored weight's first steps before
     the kernel before it has finished, and lets the kernel after it start once that kernel has: a
     chain as a frozen layer runs it, behind a spinning kernel (x's values made, two GEMMs reading
-    them, the second with its K split; the first's output made into values for a third), eagerly
+    them, the second with its K split, in a launch of two; the first's output made into values for a third), eagerly
     and in CUDA graph replays on a new x each: each output is the one made a kernel at a time (a
     GEMM that read x early would give the last replay's product, or a partly written one's)."""
     q = QUANTIZERS[name]
@@ -104,10 +132,10 @@ def test_dependent_launches_read_what_the_kernels_before_them_left(name, m):
             return y
 
         values, amax = then(_x_values(x, q))
-        first = then(mixed_input.multiply(values, amax, weights[0], torch.bfloat16, stored_weight=True))
-        beside = then(mixed_input.multiply(values, amax, weights[0], torch.float32, splits=4, stored_weight=True))
-        after = then(mixed_input.multiply(*then(_x_values(first, q)), weights[1], torch.float32, stored_weight=True))
-        return first, beside, after
+        (first,) = then(mixed_input.multiply(values, amax, weights[:1], torch.bfloat16, stored_weight=True))
+        beside, shared = then(mixed_input.multiply(values, amax, weights[:1] * 2, torch.float32, splits=4, stored_weight=True))
+        (after,) = then(mixed_input.multiply(*then(_x_values(first, q)), weights[1:], torch.float32, stored_weight=True))
+        return first, beside, shared, after
 
     def step():
         torch.cuda._sleep(1 << 20)
@@ -142,12 +170,12 @@ def test_a_weight_quantized_by_the_kernel_before_is_read_as_it_left_it(name):
 
     def step():
         torch.cuda._sleep(1 << 20)
-        return mixed_input.multiply(values, amax, q(w, rowwise=True, columnwise=False).get(ROWWISE), torch.float32)
+        return mixed_input.multiply(values, amax, [q(w, rowwise=True, columnwise=False).get(ROWWISE)], torch.float32)[0]
 
     def alone(new_w):
         wq = q(new_w, rowwise=True, columnwise=False).get(ROWWISE)
         torch.cuda.synchronize()
-        return mixed_input.multiply(values, amax, wq, torch.float32)
+        return mixed_input.multiply(values, amax, [wq], torch.float32)[0]
 
     graph, out = cuda_graph_of(step)
     generator = torch.Generator(device="cuda").manual_seed(1)

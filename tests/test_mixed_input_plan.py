@@ -201,3 +201,59 @@ def test_under_inductor_a_swiglus_gate_and_up_share_one_values_op(hopper, monkey
             assert made == [(100, 256), (100, 384)], made
     if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
         assert torch.equal(outputs["inductor"], outputs["aot_eager"])
+
+
+class Projections(torch.nn.Module):
+    """Four linears with biases that read one x (of 128 to 384 rows each), their outputs side by side."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.projections = torch.nn.ModuleList(torch.nn.Linear(dim, n) for n in (256, 128, 384, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([projection(x) for projection in self.projections], dim=-1)
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "per call"])
+@pytest.mark.parametrize("recipe", [recipes.mxfp8_block_scaling, recipes.nvfp4_block_scaling], ids=lambda r: r.__name__)
+def test_linears_that_read_one_x_share_a_launch_up_to_three(hopper, monkeypatch, recipe, frozen):
+    """Four linears that read one x, frozen or quantizing their weights at each call: the first
+    three in one launch (one call, naming their three sites), the fourth in its own, each output
+    with its own bias in its place: the model's output is the one it gives a launch each, bit for
+    bit (the stand-in's numerics are each product's alone; on the GPU, at a K split given, so are
+    the kernel's: tests/test_mixed_gemm_gpu.py)."""
+    launches, outputs = [], []
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([], launches=launches))
+    torch.manual_seed(0)
+    model = Projections(256).to(torch.bfloat16)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    for shared_launch in (mixed_input.SHARED_LAUNCH, 1):
+        monkeypatch.setattr(mixed_input, "SHARED_LAUNCH", shared_launch)
+        compiled = graphquant.compile(copy.deepcopy(model), recipe(), mode="inference", backend="aot_eager", dynamic=False)
+        if frozen:
+            graphquant.freeze(compiled)
+        with torch.no_grad():
+            outputs.append(compiled(x))
+        torch._dynamo.reset()
+    assert launches == [3, 1, 1, 1, 1, 1]
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_one_launch_refuses_what_it_cannot_run():
+    """More weights than SHARED_LAUNCH, weights of two formats, or a bias short of one a weight:
+    refused before any kernel, naming what it runs."""
+    mx, nv = MXFP8Quantizer(), NVFP4Quantizer()
+    x = mx(torch.randn(16, 128), columnwise=False).get(ROWWISE)
+    values = mixed_input.operand(x)
+
+    def weights(quantizer, count):
+        return [quantizer(torch.randn(128, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE) for _ in range(count)]
+
+    refused = {
+        "runs 1 to 3 weights": (weights(mx, 4), None),
+        "all of one format": (weights(mx, 1) + weights(nv, 1), None),
+        "each with its bias or None": (weights(mx, 2), [None]),
+    }
+    for message, (bs, biases) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            mixed_input.multiply(values, None, bs, torch.bfloat16, biases)

@@ -20,6 +20,7 @@ from graphquant import recipes, zoo
 from graphquant.kernels import backends, block_scaled, emulation, mixed_input, scaled_mm
 from graphquant.kernels.backends import GemmBackend, GemmMismatch
 from graphquant.ops.functional import quantized_linear
+from graphquant.ops.library import SITES_SEPARATOR
 from graphquant.ops.site import Site
 from graphquant.quantizers import Float8CurrentScalingQuantizer
 from graphquant.roles import QuantizerRole
@@ -81,12 +82,13 @@ def runs(monkeypatch):
     def gemm(a, b, batch, out_dtype, backend, site, bias=None):
         return at_site(site, lambda: dispatch(a, b, batch, out_dtype, backend, site, bias))
 
-    def mixed_input_gemm(values, a_amax, b, out_dtype, site, bias=None, stored_weight=False):
-        return at_site(site, lambda: mixed_dispatch(values, a_amax, b, out_dtype, site, bias, stored_weight))
+    def mixed_input_gemm(values, a_amax, bs, out_dtype, sites, biases, stored_weight=False):
+        return at_site(SITES_SEPARATOR.join(sites), lambda: mixed_dispatch(values, a_amax, bs, out_dtype, sites, biases, stored_weight))
 
     def record(what):
-        assert current[-1] not in ran, f"{current[-1]} ran twice"
-        ran[current[-1]] = what
+        for site in current[-1].split(SITES_SEPARATOR):  # a call of GEMMs sharing x names them all
+            assert site not in ran, f"{site} ran twice"
+            ran[site] = what
 
     def native_run(backend, a, b, out_dtype, bias=None):
         record(backend)
@@ -100,9 +102,9 @@ def runs(monkeypatch):
         a = a.quantizer(a.data, columnwise=False).rowwise if on_load else a  # what the kernel would quantize it to
         return emulated(a, b, 1, out_dtype, bias)[0]
 
-    def mixed_run(values, a_amax, b, out_dtype, bias=None, stored_weight=False):
+    def mixed_run(values, a_amax, bs, out_dtype, biases=None, stored_weight=False):
         record(GemmBackend(mixed_input.BACKEND))
-        return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, b, out_dtype, bias, stored_weight=stored_weight)
+        return (mixed if values.is_cuda else mixed_input_stand_in([]))(values, a_amax, bs, out_dtype, biases, stored_weight=stored_weight)
 
     def block_run(a, b, out_dtype, bias=None):
         record(GemmBackend(block_scaled.BACKEND))

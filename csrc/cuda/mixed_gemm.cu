@@ -54,6 +54,7 @@ constexpr int MXFP8 = 0, NVFP4 = 1;
 constexpr int ROWS = 128;     // weight rows a CTA: two warpgroups of 64
 constexpr int ATOM = 64;      // K of one 128-byte swizzle atom row of bf16
 constexpr int K_MULTIPLE = 128;  // the K mixed_gemm takes: a whole number of steps of either size
+constexpr int GEMMS = 3;  // the most GEMMs reading one x a launch runs (graphquant.kernels.mixed_input.SHARED_LAUNCH)
 
 // K a pipeline step: two 64-wide swizzle atoms of x, one for tiles of 256 tokens (whose x, in bf16,
 // fills the shared memory four times as fast as the weight's codes).
@@ -247,25 +248,38 @@ __device__ __forceinline__ uint32_t e4m3_scale_pair(uint8_t code) {
   return bits | (bits << 16);
 }
 
-struct Args {
-  const uint8_t* w;
-  const uint8_t* w_scale;
-  const __nv_bfloat16* x;
+// One GEMM of a launch: what its tiles write. A launch runs one to GEMMS of them, all reading x
+// (a layer's q, k and v projections, or its gate and up): their row tiles lie one product after
+// another along the grid's y, so one launch's ramp and tail, and one K split, serve them all.
+struct Product {
   void* out;
   float* partial;  // (splits, m, n) fp32 where K is split, else null
-  int* arrivals;   // where K is split, a counter an output tile, zero (graphquant.kernels.arrival_counters)
-  const float *a_amax, *w_amax;  // NVFP4's global amaxes (alpha's), or null: no alpha
-  float divisor;
+  const float* w_amax;  // NVFP4's global amax of the weight (alpha's), or null: no alpha
   const void* bias;
-  int64_t w_stride, s_stride, x_stride;  // bytes, bytes, elements
-  int m, n, k, steps_per_split, out_kind, bias_kind;
-  bool stored_weight;  // no kernel of the graph writes w: its first steps are copied before the wait
+  int n, bias_kind;
+  int first_tile;  // its first row tile along the grid's y
+};
+
+struct Args {
+  Product products[GEMMS];
+  int gemms;
+  int* arrivals;  // where K is split, a counter an output tile, zero (graphquant.kernels.arrival_counters)
+  const float* a_amax;  // x's NVFP4 global amax (alpha's), or null
+  float divisor;
+  int m, k, steps_per_split, out_kind;
+  bool stored_weight;  // no kernel of the graph writes the weights: their first steps are copied before the wait
+};
+
+// x's tensor map, and each product's weight codes' and block scales' (TMA reads a map where it lies
+// in the kernel's parameters).
+struct Maps {
+  CUtensorMap x, w[GEMMS], s[GEMMS];
 };
 
 // The product's factor: (a_amax / divisor) * (w_amax / divisor), each step rounded once, as
 // graphquant.formats.nvfp4.global_decode and the emulated GEMM's alpha make it.
-__device__ __forceinline__ float alpha_of(const Args& args) {
-  return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*args.w_amax, args.divisor));
+__device__ __forceinline__ float alpha_of(const Args& args, const Product& product) {
+  return __fmul_rn(__fdiv_rn(*args.a_amax, args.divisor), __fdiv_rn(*product.w_amax, args.divisor));
 }
 
 // What store_sums applies, read once a thread: the format's sum unit, alpha, and the bias of each
@@ -279,7 +293,7 @@ struct Scaling {
 // rows[h]), times the unit, then alpha and plus the bias where ``scaling`` has them, into out (m, n)
 // row-major.
 template <typename Out, int N>
-__device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, const Args& args, int m0, int t, const int (&rows)[2],
+__device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, int m, int n, int m0, int t, const int (&rows)[2],
                                            const Scaling& scaling) {
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
@@ -291,7 +305,7 @@ __device__ __forceinline__ void store_sums(const float (&acc)[N], Out* out, cons
         float v = acc[4 * j + 2 * h + b] * scaling.unit;
         v = scaling.has_alpha ? v * scaling.alpha : v;
         v = scaling.has_bias ? v + scaling.bias[h] : v;
-        if (token < args.m && rows[h] < args.n) store_value(out + static_cast<int64_t>(token) * args.n + rows[h], v);
+        if (token < m && rows[h] < n) store_value(out + static_cast<int64_t>(token) * n + rows[h], v);
       }
     }
   }
@@ -318,20 +332,21 @@ __device__ __forceinline__ bool last_to_arrive(const Args& args, int consumer) {
 // order (the same bits whichever CTA arrives last), then the sum unit, alpha, the bias and the one rounding;
 // read past L1, which holds nothing of the other CTAs' writes. Once a tile, so a plain loop over
 // its elements (consecutive threads, consecutive rows of out).
-__device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, float unit, int consumer) {
-  const int64_t plane = static_cast<int64_t>(args.m) * args.n;
-  const float alpha = args.a_amax != nullptr ? alpha_of(args) : 1.f;
+__device__ void finish_split_tile(const Args& args, const Product& product, int m0, int n0, int tokens, float unit, int consumer) {
+  const int n = product.n;
+  const int64_t plane = static_cast<int64_t>(args.m) * n;
+  const float alpha = args.a_amax != nullptr ? alpha_of(args, product) : 1.f;
   for (int i = consumer; i < tokens * ROWS; i += CONSUMERS) {
     const int token = m0 + i / ROWS, row = n0 + i % ROWS;
-    if (token >= args.m || row >= args.n) continue;
-    const int64_t index = static_cast<int64_t>(token) * args.n + row;
-    float sum = __ldcg(args.partial + index);
-    for (int s = 1; s < static_cast<int>(gridDim.z); ++s) sum += __ldcg(args.partial + s * plane + index);
+    if (token >= args.m || row >= n) continue;
+    const int64_t index = static_cast<int64_t>(token) * n + row;
+    float sum = __ldcg(product.partial + index);
+    for (int s = 1; s < static_cast<int>(gridDim.z); ++s) sum += __ldcg(product.partial + s * plane + index);
     float v = sum * unit * alpha;
-    if (args.bias != nullptr) v += bias_value(args.bias, args.bias_kind, row);
-    if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(args.out) + index, v);
-    else if (args.out_kind == F16) store_value(static_cast<__half*>(args.out) + index, v);
-    else store_value(static_cast<float*>(args.out) + index, v);
+    if (product.bias != nullptr) v += bias_value(product.bias, product.bias_kind, row);
+    if (args.out_kind == BF16) store_value(static_cast<__nv_bfloat16*>(product.out) + index, v);
+    else if (args.out_kind == F16) store_value(static_cast<__half*>(product.out) + index, v);
+    else store_value(static_cast<float*>(product.out) + index, v);
   }
 }
 
@@ -341,9 +356,7 @@ __device__ void finish_split_tile(const Args& args, int m0, int n0, int tokens, 
 // moves its operand (each leaves the tensor pipe empty between steps: see the loop), and each marks
 // a stage ``empty`` once its wgmmas that read it retired.
 template <int F, int TOKENS, int CTAS>
-__global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args args, const __grid_constant__ CUtensorMap x_map,
-                                                                  const __grid_constant__ CUtensorMap w_map,
-                                                                  const __grid_constant__ CUtensorMap s_map) {
+__global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const __grid_constant__ Args args, const __grid_constant__ Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
   using S = Stage<F, TOKENS, CTAS>;
   constexpr int STEP = S::step, ATOMS = STEP / ATOM, SLICES = STEP / 16;
@@ -356,7 +369,11 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   const uint32_t full = base + STAGES * S::bytes, empty = full + 8 * STAGES;  // a barrier a stage each
 
   const int tid = threadIdx.x;
-  const int n0 = blockIdx.y * ROWS, m0 = blockIdx.x * TOKENS;  // a weight tile's CTAs run together: it is read from memory once
+  int which = 0;  // the product this CTA's row tile is one of
+#pragma unroll
+  for (int i = 1; i < GEMMS; ++i) which += i < args.gemms && static_cast<int>(blockIdx.y) >= args.products[i].first_tile;
+  const Product& product = args.products[which];
+  const int n0 = (blockIdx.y - product.first_tile) * ROWS, m0 = blockIdx.x * TOKENS;  // a weight tile's CTAs run together: it is read from memory once
   const int first = blockIdx.z * args.steps_per_split;
   const int count = min(args.steps_per_split, args.k / STEP - first);
   if (tid == 0) {
@@ -375,14 +392,14 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
         const uint32_t stage = base + (j % STAGES) * S::bytes, bar = full + 8 * (j % STAGES);
         const int k0 = (first + j) * STEP;
         expect_bytes(bar, S::x_bytes + S::w_bytes + S::s_bytes);
-        tma_load(stage + S::x_bytes, w_map, k0 / STEP * W::code_bytes, n0, bar);
-        if constexpr (W::row_major_scales) tma_load(stage + S::x_bytes + S::w_bytes, s_map, k0 / W::block / 16 * 16, n0, bar);
-        else tma_load(stage + S::x_bytes + S::w_bytes, s_map, n0, k0 / W::block, bar);
+        tma_load(stage + S::x_bytes, maps.w[which], k0 / STEP * W::code_bytes, n0, bar);
+        if constexpr (W::row_major_scales) tma_load(stage + S::x_bytes + S::w_bytes, maps.s[which], k0 / W::block / 16 * 16, n0, bar);
+        else tma_load(stage + S::x_bytes + S::w_bytes, maps.s[which], n0, k0 / W::block, bar);
       };
       auto load_x = [&](int j) {
         const uint32_t stage = base + (j % STAGES) * S::bytes, bar = full + 8 * (j % STAGES);
 #pragma unroll
-        for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), x_map, (first + j) * STEP + a * ATOM, m0, bar);
+        for (int a = 0; a < ATOMS; ++a) tma_load(stage + a * (TOKENS * 128), maps.x, (first + j) * STEP + a * ATOM, m0, bar);
       };
       // A dependent launch (launch): a stored weight's first steps are copied while the kernel
       // before this one finishes; x, and everything else, after it. Then the kernel after this one
@@ -492,21 +509,22 @@ __global__ void __launch_bounds__(THREADS, CTAS) mixed_gemm_kernel(const Args ar
   // branch an element made the unrolled code far larger than the instruction cache, and the
   // epilogue, not the K loop, took most of the kernel's time.
   const int rows[2] = {n0 + r0, n0 + r0 + 8};
-  if (args.partial != nullptr) {  // K split: the last of the tile's CTAs finishes it, in this launch
-    store_sums(acc, args.partial + static_cast<int64_t>(blockIdx.z) * args.m * args.n, args, m0, t, rows, Scaling{});
-    if (last_to_arrive(args, consumer)) finish_split_tile(args, m0, n0, TOKENS, sum_unit<F>, consumer);
+  const int n = product.n;
+  if (product.partial != nullptr) {  // K split: the last of the tile's CTAs finishes it, in this launch
+    store_sums(acc, product.partial + static_cast<int64_t>(blockIdx.z) * args.m * n, args.m, n, m0, t, rows, Scaling{});
+    if (last_to_arrive(args, consumer)) finish_split_tile(args, product, m0, n0, TOKENS, sum_unit<F>, consumer);
     return;
   }
   Scaling scaling;
   scaling.unit = sum_unit<F>;
   scaling.has_alpha = args.a_amax != nullptr;
-  scaling.alpha = scaling.has_alpha ? alpha_of(args) : 1.f;
-  scaling.has_bias = args.bias != nullptr;
+  scaling.alpha = scaling.has_alpha ? alpha_of(args, product) : 1.f;
+  scaling.has_bias = product.bias != nullptr;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < args.n ? bias_value(args.bias, args.bias_kind, rows[h]) : 0.f;
-  if (args.out_kind == BF16) store_sums(acc, static_cast<__nv_bfloat16*>(args.out), args, m0, t, rows, scaling);
-  else if (args.out_kind == F16) store_sums(acc, static_cast<__half*>(args.out), args, m0, t, rows, scaling);
-  else store_sums(acc, static_cast<float*>(args.out), args, m0, t, rows, scaling);
+  for (int h = 0; h < 2; ++h) scaling.bias[h] = scaling.has_bias && rows[h] < n ? bias_value(product.bias, product.bias_kind, rows[h]) : 0.f;
+  if (args.out_kind == BF16) store_sums(acc, static_cast<__nv_bfloat16*>(product.out), args.m, n, m0, t, rows, scaling);
+  else if (args.out_kind == F16) store_sums(acc, static_cast<__half*>(product.out), args.m, n, m0, t, rows, scaling);
+  else store_sums(acc, static_cast<float*>(product.out), args.m, n, m0, t, rows, scaling);
 #endif
 }
 
@@ -535,20 +553,29 @@ void check_codes(const at::Tensor& codes, int64_t format, int64_t k, const char*
 
 int64_t scale_blocks(int64_t format, int64_t k) { return format == MXFP8 ? k / 32 : k / 16; }
 
+// A weight of the launch as its tensor maps read it: codes (n, k or k / 2 bytes) and block scales.
+struct WeightBytes {
+  const void *codes, *scales;
+  int64_t n, stride, scale_stride;  // rows, and each operand's bytes a row
+};
+
 template <int F, int TOKENS, int CTAS>
-void launch(const Args& args, dim3 grid, cudaStream_t stream) {
+void launch(const Args& args, const at::Tensor& x, const std::vector<WeightBytes>& weights, dim3 grid, cudaStream_t stream) {
   using S = Stage<F, TOKENS, CTAS>;
   using W = Weight<F, S::step>;
-  opt_in_shared_memory(reinterpret_cast<const void*>(mixed_gemm_kernel<F, TOKENS, CTAS>), S::smem, "graphquant.mixed_gemm");
-  const CUtensorMap x_map = tensor_map("graphquant.mixed_gemm", args.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, args.x_stride * 2, TOKENS, ATOM,
-                                       CU_TENSOR_MAP_SWIZZLE_128B);
-  const CUtensorMap w_map = tensor_map("graphquant.mixed_gemm", args.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, F == MXFP8 ? args.k : args.k / 2, args.w_stride,
-                                       ROWS, W::code_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const CUtensorMap s_map = W::row_major_scales
-                                ? tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k / W::block, args.s_stride,
-                                             ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
-                                : tensor_map("graphquant.mixed_gemm", args.w_scale, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.k / W::block, args.n, args.s_stride,
-                                             W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const char* what = "graphquant.mixed_gemm";
+  opt_in_shared_memory(reinterpret_cast<const void*>(mixed_gemm_kernel<F, TOKENS, CTAS>), S::smem, what);
+  Maps maps = {};
+  maps.x = tensor_map(what, x.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.m, args.k, x.stride(0) * 2, TOKENS, ATOM, CU_TENSOR_MAP_SWIZZLE_128B);
+  const int64_t blocks = args.k / W::block;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const WeightBytes& w = weights[i];
+    maps.w[i] = tensor_map(what, w.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w.n, F == MXFP8 ? args.k : args.k / 2, w.stride, ROWS, W::code_bytes,
+                           CU_TENSOR_MAP_SWIZZLE_NONE);
+    maps.s[i] = W::row_major_scales
+                    ? tensor_map(what, w.scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w.n, blocks, w.scale_stride, ROWS, W::scale_row, CU_TENSOR_MAP_SWIZZLE_NONE)
+                    : tensor_map(what, w.scales, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, blocks, w.n, w.scale_stride, W::scale_row, ROWS, CU_TENSOR_MAP_SWIZZLE_NONE);
+  }
   // A programmatic dependent launch: it starts while the kernel before it finishes (the kernel
   // waits for it before it reads what that kernel writes).
   cudaLaunchAttribute dependent;
@@ -561,108 +588,138 @@ void launch(const Args& args, dim3 grid, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &dependent;
   config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, mixed_gemm_kernel<F, TOKENS, CTAS>, args, x_map, w_map, s_map);
+  cudaLaunchKernelEx(&config, mixed_gemm_kernel<F, TOKENS, CTAS>, args, maps);
   check_launch("mixed_gemm");
 }
 
 template <int F>
-void launch_tokens(int64_t tokens, const Args& args, dim3 grid, cudaStream_t stream) {
+void launch_tokens(int64_t tokens, const Args& args, const at::Tensor& x, const std::vector<WeightBytes>& weights, dim3 grid, cudaStream_t stream) {
   switch (tokens) {
-    case 16: return launch<F, 16, 2>(args, grid, stream);  // two CTAs an SM (Registers); 32 tokens spill at 104 registers
-    case 32: return launch<F, 32, 1>(args, grid, stream);
-    case 64: return launch<F, 64, 1>(args, grid, stream);
-    case 128: return launch<F, 128, 1>(args, grid, stream);
-    default: return launch<F, 256, 1>(args, grid, stream);
+    case 16: return launch<F, 16, 2>(args, x, weights, grid, stream);  // two CTAs an SM (Registers); 32 tokens spill at 104 registers
+    case 32: return launch<F, 32, 1>(args, x, weights, grid, stream);
+    case 64: return launch<F, 64, 1>(args, x, weights, grid, stream);
+    case 128: return launch<F, 128, 1>(args, x, weights, grid, stream);
+    default: return launch<F, 256, 1>(args, x, weights, grid, stream);
   }
 }
 
-at::Tensor mixed_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, int64_t format,
-                      const std::optional<at::Tensor>& a_amax, const std::optional<at::Tensor>& w_amax, double divisor,
-                      const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                      int64_t tokens, int64_t splits, const at::Tensor& arrivals, bool stored_weight) {
-  check_device(w, "w");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.device() == w.device(),
-              "graphquant.mixed_gemm: x must be bf16 values (m, k), rows 16-byte aligned, on w's device, got ", x.scalar_type(), " ",
-              x.sizes(), " strides ", x.strides());
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  check_codes(w, format, k, "w");
+// Weight ``i`` of a launch (codes, scales, NVFP4's amax, bias) as the kernel reads it, ``n`` rows of
+// ``k``.
+void check_weight(const at::Tensor& w, const at::Tensor& w_scale, int64_t format, int64_t k, const std::optional<at::Tensor>& w_amax,
+                  const std::optional<at::Tensor>& bias, const at::Tensor& x, size_t i) {
+  const std::string name = "weight " + std::to_string(i);
+  check_codes(w, format, k, name.c_str());
+  const int64_t n = w.size(0);
   const bool row_major_scales = format == NVFP4;  // Weight::row_major_scales
   const int64_t scale_rows = row_major_scales ? n : scale_blocks(format, k), scale_cols = row_major_scales ? scale_blocks(format, k) : n;
   TORCH_CHECK(w_scale.dim() == 2 && w_scale.element_size() == 1 && w_scale.size(0) == scale_rows && w_scale.size(1) == scale_cols &&
                   w_scale.stride(1) == 1 && w_scale.stride(0) % 16 == 0 && reinterpret_cast<uintptr_t>(w_scale.data_ptr()) % 16 == 0 &&
-                  w_scale.device() == w.device(),
-              "graphquant.mixed_gemm: w's ", format_name(format), " scales must lie ", row_major_scales ? "row-major" : "block-major", ", (",
-              scale_rows, ", ", scale_cols, ") bytes with rows 16-byte aligned, got ", w_scale.scalar_type(), " ", w_scale.sizes(), " strides ",
-              w_scale.strides());
-  TORCH_CHECK(x.numel() < (int64_t{1} << 31) && w.numel() < (int64_t{1} << 31),
-              "graphquant.mixed_gemm takes operands of fewer than 2^31 elements, got x ", x.sizes(), " and w ", w.sizes());
+                  w_scale.device() == x.device(),
+              "graphquant.mixed_gemm: ", name, "'s ", format_name(format), " scales must lie ", row_major_scales ? "row-major" : "block-major", ", (",
+              scale_rows, ", ", scale_cols, ") bytes with rows 16-byte aligned on x's device, got ", w_scale.scalar_type(), " ", w_scale.sizes(),
+              " strides ", w_scale.strides());
+  TORCH_CHECK(w.device() == x.device() && w.numel() < (int64_t{1} << 31),
+              "graphquant.mixed_gemm: ", name, " must lie on x's device and have fewer than 2^31 elements, got ", w.sizes(), " on ", w.device());
+  TORCH_CHECK(!w_amax || ((w_amax->scalar_type() == at::kFloat && w_amax->numel() == 1 && w_amax->device() == x.device())),
+              "graphquant.mixed_gemm: ", name, "'s amax must be one float32 on x's device");
+  TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
+                        bias->is_contiguous() && bias->device() == x.device()),
+              "graphquant.mixed_gemm: ", name, "'s bias must be ", n, " contiguous bfloat16 or float16 values on x's device");
+}
+
+std::vector<at::Tensor> mixed_gemm(const at::Tensor& x, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& w_scales, int64_t format,
+                                   const std::optional<at::Tensor>& a_amax, const std::vector<std::optional<at::Tensor>>& w_amaxes, double divisor,
+                                   const std::vector<std::optional<at::Tensor>>& biases, at::ScalarType out_dtype, int64_t tokens, int64_t splits,
+                                   const at::Tensor& arrivals, bool stored_weight) {
+  const size_t gemms = ws.size();
+  TORCH_CHECK(gemms >= 1 && gemms <= GEMMS && w_scales.size() == gemms && w_amaxes.size() == gemms && biases.size() == gemms,
+              "graphquant.mixed_gemm runs 1 to ", GEMMS, " weights that read one x a launch, each with its scales, amax (or None) and bias (or None); got ",
+              gemms, " weights, ", w_scales.size(), " scales, ", w_amaxes.size(), " amaxes and ", biases.size(), " biases");
+  check_device(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.numel() < (int64_t{1} << 31),
+              "graphquant.mixed_gemm: x must be bf16 values (m, k) of fewer than 2^31 elements, rows 16-byte aligned, got ", x.scalar_type(), " ",
+              x.sizes(), " strides ", x.strides());
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "graphquant.mixed_gemm writes bfloat16, float16 or float32, not ", out_dtype);
-  TORCH_CHECK(a_amax.has_value() == w_amax.has_value(), "graphquant.mixed_gemm takes both operands' amaxes or neither");
-  for (const auto* amax : {&a_amax, &w_amax}) {
-    TORCH_CHECK(!*amax || ((*amax)->scalar_type() == at::kFloat && (*amax)->numel() == 1 && (*amax)->device() == w.device()),
-                "graphquant.mixed_gemm: an amax must be one float32 on w's device");
-  }
-  TORCH_CHECK(!bias || ((bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kHalf) && bias->numel() == n &&
-                        bias->is_contiguous() && bias->device() == w.device()),
-              "graphquant.mixed_gemm: the bias must be ", n, " contiguous bfloat16 or float16 values on w's device");
+  TORCH_CHECK(!a_amax || (a_amax->scalar_type() == at::kFloat && a_amax->numel() == 1 && a_amax->device() == x.device()),
+              "graphquant.mixed_gemm: x's amax must be one float32 on x's device");
   TORCH_CHECK(tokens == 16 || tokens == 32 || tokens == 64 || tokens == 128 || tokens == 256,
               "graphquant.mixed_gemm multiplies tiles of 16, 32, 64, 128 or 256 rows of x, not ", tokens);
-  const c10::cuda::CUDAGuard guard(w.device());
-  auto out = at::empty({m, n}, w.options().dtype(out_dtype));
-  if (m == 0 || n == 0) return out;
+  for (size_t i = 0; i < gemms; ++i) {
+    check_weight(ws[i], w_scales[i], format, k, w_amaxes[i], biases[i], x, i);
+    TORCH_CHECK(w_amaxes[i].has_value() == a_amax.has_value(), "graphquant.mixed_gemm takes x's and every weight's amax, or none");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> outs;
+  int64_t row_tiles = 0;
+  for (const auto& w : ws) {
+    outs.push_back(at::empty({m, w.size(0)}, x.options().dtype(out_dtype)));
+    row_tiles += (w.size(0) + ROWS - 1) / ROWS;
+  }
+  if (m == 0 || row_tiles == 0) return outs;
   const int64_t steps = k / (tokens == 256 ? step_of<256> : step_of<128>);
-  const int64_t row_tiles = (n + ROWS - 1) / ROWS, token_tiles = (m + tokens - 1) / tokens;
-  const int sms = at::cuda::getDeviceProperties(w.get_device())->multiProcessorCount;
+  const int64_t token_tiles = (m + tokens - 1) / tokens;
+  const int sms = at::cuda::getDeviceProperties(x.get_device())->multiProcessorCount;
   const KSplit split = k_split(splits, row_tiles * token_tiles, steps, sms, 4);
-  const int64_t per_split = split.steps_per_split;
   splits = split.splits;
   at::Tensor partial;
   if (splits > 1) {
-    partial = at::empty({splits, m, n}, w.options().dtype(at::kFloat));
-    TORCH_CHECK(arrivals.scalar_type() == at::kInt && arrivals.device() == w.device() && arrivals.is_contiguous() &&
+    int64_t columns = 0;
+    for (const auto& out : outs) columns += out.size(1);
+    partial = at::empty({splits * m * columns}, x.options().dtype(at::kFloat));
+    TORCH_CHECK(arrivals.scalar_type() == at::kInt && arrivals.device() == x.device() && arrivals.is_contiguous() &&
                     arrivals.numel() >= row_tiles * token_tiles,
                 "graphquant.mixed_gemm: a K split of ", row_tiles * token_tiles, " output tiles takes as many zero int32 arrival counters "
-                "on w's device (graphquant.kernels.arrival_counters), got ", arrivals.scalar_type(), " ", arrivals.sizes());
+                "on x's device (graphquant.kernels.arrival_counters), got ", arrivals.scalar_type(), " ", arrivals.sizes());
   }
-  Args args{static_cast<const uint8_t*>(w.data_ptr()),
-            static_cast<const uint8_t*>(w_scale.data_ptr()),
-            static_cast<const __nv_bfloat16*>(x.data_ptr()),
-            out.data_ptr(),
-            splits > 1 ? partial.data_ptr<float>() : nullptr,
-            splits > 1 ? arrivals.data_ptr<int>() : nullptr,
-            a_amax ? a_amax->data_ptr<float>() : nullptr,
-            w_amax ? w_amax->data_ptr<float>() : nullptr,
-            static_cast<float>(divisor),
-            bias ? bias->data_ptr() : nullptr,
-            w.stride(0),
-            w_scale.stride(0),
-            x.stride(0),
-            static_cast<int>(m),
-            static_cast<int>(n),
-            static_cast<int>(k),
-            static_cast<int>(per_split),
-            kind(out_dtype),
-            bias ? kind(bias->scalar_type()) : BF16,
-            stored_weight};
+  Args args = {};
+  std::vector<WeightBytes> weights;
+  int first_tile = 0;
+  int64_t partial_offset = 0;
+  for (size_t i = 0; i < gemms; ++i) {
+    const int64_t n = ws[i].size(0);
+    Product& product = args.products[i];
+    product.out = outs[i].data_ptr();
+    product.partial = splits > 1 ? partial.data_ptr<float>() + partial_offset : nullptr;
+    product.w_amax = w_amaxes[i] ? w_amaxes[i]->data_ptr<float>() : nullptr;
+    product.bias = biases[i] ? biases[i]->data_ptr() : nullptr;
+    product.n = static_cast<int>(n);
+    product.bias_kind = biases[i] ? kind(biases[i]->scalar_type()) : BF16;
+    product.first_tile = first_tile;
+    first_tile += static_cast<int>((n + ROWS - 1) / ROWS);
+    partial_offset += splits * m * n;
+    weights.push_back({ws[i].data_ptr(), w_scales[i].data_ptr(), n, ws[i].stride(0), w_scales[i].stride(0)});
+  }
+  args.gemms = static_cast<int>(gemms);
+  args.arrivals = splits > 1 ? arrivals.data_ptr<int>() : nullptr;
+  args.a_amax = a_amax ? a_amax->data_ptr<float>() : nullptr;
+  args.divisor = static_cast<float>(divisor);
+  args.m = static_cast<int>(m);
+  args.k = static_cast<int>(k);
+  args.steps_per_split = static_cast<int>(split.steps_per_split);
+  args.out_kind = kind(out_dtype);
+  args.stored_weight = stored_weight;
   const dim3 grid(static_cast<unsigned>(token_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(splits));
   auto stream = at::cuda::getCurrentCUDAStream();
-  format == MXFP8 ? launch_tokens<MXFP8>(tokens, args, grid, stream) : launch_tokens<NVFP4>(tokens, args, grid, stream);
-  return out;
+  format == MXFP8 ? launch_tokens<MXFP8>(tokens, args, x, weights, grid, stream) : launch_tokens<NVFP4>(tokens, args, x, weights, grid, stream);
+  return outs;
 }
 
 }  // namespace gq
 
 void register_mixed_gemm(pybind11::module_& m) {
   m.def("mixed_gemm", &gq::mixed_gemm,
-        "out (m, n) = alpha * (x @ w^T) + bias for x's bf16 values (m, k), each 64-wide atom permuted as the kernel reads it (graphquant.kernels.mixed_input.operand), and an MXFP8 (format 0) or NVFP4 "
-        "(1) weight w (n, k) (codes; block scales as the formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums (a K "
-        "split's added in order), alpha = (a_amax / divisor) * (w_amax / divisor) (NVFP4's global factors: one float32 "
-        "each, optional) and bias (n bf16 or float16, optional) before one rounding "
-        "to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's split (0: chosen for the SMs), the last CTA of an output tile adding its splits' sums in order; arrivals: "
-        "zero int32 counters, one an output tile (128 rows of w by tokens rows of x), which a split launch leaves zero; "
-        "stored_weight: no kernel writes w and its scales (a frozen model's), so their first steps are copied while the kernel before finishes",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("w_scale"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amax"), pybind11::arg("divisor"),
-        pybind11::arg("bias"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"), pybind11::arg("arrivals"), pybind11::arg("stored_weight"));
+        "[out_i (m, n_i) = alpha_i * (x @ w_i^T) + bias_i] for 1 to 3 weights that read one x, in one launch: x's bf16 values (m, k), each 64-wide atom permuted "
+        "as the kernel reads it (graphquant.kernels.mixed_input.operand), and MXFP8 (format 0) or NVFP4 (1) weights w_i (n_i, k) (codes; block scales as the "
+        "formats store them: MXFP8's block-major, (k / 32, n), NVFP4's row-major, (n, k / 16)) decoded in registers on sm_90's bf16 tensor cores: fp32 sums "
+        "(a K split's added in order), alpha_i = (a_amax / divisor) * (w_amax_i / divisor) (NVFP4's global factors: one float32 each, or None) and bias_i "
+        "(n_i bf16 or float16, or None) before one rounding to out_dtype; tokens: the rows of x a CTA multiplies (16, 32, 64, 128 or 256); splits: K's "
+        "split (0: chosen for the SMs and all the weights' row tiles), the last CTA of an output tile adding its splits' sums in order; arrivals: zero "
+        "int32 counters, one an output tile (128 rows of a weight by tokens rows of x), which a split launch leaves zero; stored_weight: no kernel "
+        "writes the weights and their scales (a frozen model's), so their first steps are copied while the kernel before finishes",
+        pybind11::arg("x"), pybind11::arg("ws"), pybind11::arg("w_scales"), pybind11::arg("format"), pybind11::arg("a_amax"), pybind11::arg("w_amaxes"),
+        pybind11::arg("divisor"), pybind11::arg("biases"), pybind11::arg("out_dtype"), pybind11::arg("tokens"), pybind11::arg("splits"),
+        pybind11::arg("arrivals"), pybind11::arg("stored_weight"));
 }

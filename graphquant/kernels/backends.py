@@ -683,19 +683,21 @@ def gemm(
 
 
 def mixed_input_gemm(
-    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype, site: str,
-    bias: Optional[torch.Tensor] = None, stored_weight: bool = False,
-) -> torch.Tensor:
-    """(m, n) = A @ B^T (+ bias) on the mixed-input GEMM the plan chose for the GEMM ``site``
-    names, A given as its values in the kernel's order (``mixed_input.operand_of_x`` or
-    ``mixed_input.operand``) and NVFP4's global amax; B a frozen weight where ``stored_weight``."""
-    _check_bias(b, 1, site, bias)
+    values: torch.Tensor, a_amax: Optional[torch.Tensor], bs: Sequence[Representation], out_dtype: torch.dtype, sites: Sequence[str],
+    biases: Sequence[Optional[torch.Tensor]], stored_weight: bool = False,
+) -> list[torch.Tensor]:
+    """[(m, n_i) = A @ B_i^T (+ bias_i)] on the mixed-input GEMM the plan chose for the GEMMs
+    ``sites`` names, one launch for all (weights that read one x: passes/gemms_sharing_x.py), A
+    given as its values in the kernel's order (``mixed_input.operand_of_x`` or
+    ``mixed_input.operand``) and NVFP4's global amax; the B's frozen weights where ``stored_weight``."""
+    for b, site, bias in zip(bs, sites, biases, strict=True):
+        _check_bias(b, 1, site, bias)
     if not MIXED_INPUT_GEMM.available(values.device):
         raise GemmMismatch(
-            f"{site}: its plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an sm_90 GPU; "
+            f"{', '.join(sites)}: {'its' if len(sites) == 1 else 'their'} plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an sm_90 GPU; "
             f"this call runs on {values.device}; the plan was made for another device"
         )
-    return mixed_input.multiply(values, a_amax, b, out_dtype, bias, stored_weight=stored_weight)
+    return mixed_input.multiply(values, a_amax, bs, out_dtype, biases, stored_weight=stored_weight)
 
 
 def gemms_sharing_a(

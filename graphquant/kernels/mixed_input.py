@@ -4,7 +4,7 @@ Hopper has no tensor core for either format, so the emulation dequantizes the wh
 bf16 at every call and multiplies it by cuBLAS, and Triton's decode GEMM waits for its own
 decoding before each product. graphquant._C.mixed_gemm (csrc/cuda/mixed_gemm.cu) decodes the next
 K step of each warpgroup's weight rows while this step's wgmmas run, reading the weight once, as
-stored; x's values come in bf16, in the order the kernel reads (graphquant::mixed_input_gemm):
+stored; x's values come in bf16, in the order the kernel reads (graphquant::mixed_input_gemms):
 in inference made from x by one op (``operand_of_x``, graphquant::mixed_input_operand), else from
 x's representation by torch ops (``operand``).
 The numerics are the emulation's (graphquant.kernels.emulation): exact bf16 values, fp32 sums,
@@ -14,7 +14,7 @@ nothing for it), the bias before the one rounding.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,6 +38,9 @@ ROWS = {"mxfp8": (2, 1024), "nvfp4": (2, 1024)}
 # x's bf16 values fill less of each stage (a 16-token tile ran 1.2x faster than a 64-token one at 16 rows).
 TOKENS = (16, 32, 64, 128, 256)
 WEIGHT_ROWS = 128  # of an output tile, a CTA's (mixed_gemm.cu's ROWS): a K split counts arrivals one a tile
+# The most GEMMs reading one x a launch runs (mixed_gemm.cu's GEMMS): a layer's q, k and v, or its
+# gate and up (passes/gemms_sharing_x.py).
+SHARED_LAUNCH = 3
 ATOM = 64  # the K whose order the kernel permutes as one piece (DIGITS)
 # The rowwise encodings of x whose values one op makes from x (graphquant::mixed_input_operand; on
 # CUDA one kernel, triton_mixed_operand): MXFP8's E4M3 in 1x32 blocks, NVFP4's E2M1 in 1x16 blocks
@@ -110,7 +113,8 @@ def gemm(
     the fewest that hold m, up to 256); ``splits``: K's split (0: the extension's choice for the SMs)."""
     if _family(a) != _family(b):
         raise ValueError(f"{BACKEND} multiplies MXFP8 by MXFP8 or NVFP4 by NVFP4, not {_family(a)} by {_family(b)}")
-    return multiply(operand(a), a_amax(a), b, out_dtype, bias, tokens, splits)
+    (out,) = multiply(operand(a), a_amax(a), [b], out_dtype, [bias], tokens, splits)
+    return out
 
 
 def a_amax(a: Representation) -> Optional[torch.Tensor]:
@@ -120,29 +124,40 @@ def a_amax(a: Representation) -> Optional[torch.Tensor]:
 
 
 def multiply(
-    values: torch.Tensor, a_amax: Optional[torch.Tensor], b: Representation, out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None, tokens: int = 0, splits: int = 0, stored_weight: bool = False,
-) -> torch.Tensor:
-    """out (m, n) = A @ B^T (+ bias), A given as ``operand(A)`` and its ``a_amax``; as ``gemm``.
-    ``stored_weight``: no kernel writes B (a frozen model's weight), so the kernel, a dependent
-    launch, copies its first steps before the kernel before it has finished (mixed_gemm.cu)."""
-    family = _family(b)
+    values: torch.Tensor, a_amax: Optional[torch.Tensor], bs: Sequence[Representation], out_dtype: torch.dtype,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None, tokens: int = 0, splits: int = 0, stored_weight: bool = False,
+) -> list[torch.Tensor]:
+    """[(m, n_i) = A @ B_i^T (+ bias_i)] for one to SHARED_LAUNCH weights of one format, in one
+    launch; A given as ``operand(A)`` and its ``a_amax``; as ``gemm``. The launch lays their row
+    tiles side by side and splits K for all of them together (``splits``), so each product has the
+    bits of one GEMM over the B's stacked. ``stored_weight``: no kernel writes
+    the B's (a frozen model's weights), so the kernel, a dependent launch, copies their first steps
+    before the kernel before it has finished (mixed_gemm.cu)."""
+    biases = [None] * len(bs) if biases is None else list(biases)
+    if not 1 <= len(bs) <= SHARED_LAUNCH or len(biases) != len(bs):
+        raise ValueError(f"{BACKEND} runs 1 to {SHARED_LAUNCH} weights that read one A a launch, each with its bias or None; got {len(bs)} and {len(biases)} biases")
+    family = _family(bs[0]) if len({_family(b) for b in bs}) == 1 else None
     if family not in FORMATS:
-        raise ValueError(f"{BACKEND} multiplies MXFP8 or NVFP4 weights, not {b.quantizer}")
+        raise ValueError(f"{BACKEND} multiplies MXFP8 or NVFP4 weights, all of one format, not {[str(b.quantizer) for b in bs]}")
     if (a_amax is None) != (family != "nvfp4"):
-        raise ValueError(f"{BACKEND}: NVFP4 products take A's global amax, MXFP8 products none; got {b.quantizer} and a_amax {a_amax}")
-    ext = native.extension_for(b.data.device)
-    # The kernel copies a block's scales as each format's representation lays them (MXFP8's
-    # block-major, NVFP4's row-major), by TMA, whose rows must be 16-byte aligned.
+        raise ValueError(f"{BACKEND}: NVFP4 products take A's global amax, MXFP8 products none; got {bs[0].quantizer} and a_amax {a_amax}")
+    ext = native.extension_for(bs[0].data.device)
+    m = values.shape[0]
+    tokens = tokens or next(t for t in TOKENS if t >= m or t == TOKENS[-1])
+    tiles = sum(-(-b.data.shape[0] // WEIGHT_ROWS) for b in bs) * -(-m // tokens)
+    return ext.mixed_gemm(
+        values, [_bytes(b.data) for b in bs], [_scale_bytes(b, family) for b in bs], FORMATS[family],
+        None if a_amax is None else a_amax.float(), [b.amax.float() if family == "nvfp4" else None for b in bs], nvfp4.GLOBAL_DIVISOR,
+        biases, out_dtype, tokens, splits, arrival_counters.zeroed(values.device, tiles), stored_weight,
+    )
+
+
+def _scale_bytes(b: Representation, family: str) -> torch.Tensor:
+    """B's block scales as the kernel copies them: as each format's representation lays them
+    (MXFP8's block-major, NVFP4's row-major), by TMA, whose rows must be 16-byte aligned."""
     w_scale = _bytes(b.scale).t() if family == "mxfp8" else _bytes(b.scale)
     if w_scale.stride(1) != 1 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:
         rows, cols = w_scale.shape
         padded = torch.empty(rows, -(-cols // 16) * 16, dtype=torch.uint8, device=w_scale.device)
         w_scale = padded[:, :cols].copy_(w_scale)
-    amaxes = (a_amax.float(), b.amax.float()) if family == "nvfp4" else (None, None)
-    m, n = values.shape[0], b.data.shape[0]
-    tokens = tokens or next(t for t in TOKENS if t >= m or t == TOKENS[-1])
-    arrivals = arrival_counters.zeroed(values.device, -(-n // WEIGHT_ROWS) * -(-m // tokens))
-    return ext.mixed_gemm(
-        values, _bytes(b.data), w_scale, FORMATS[family], *amaxes, nvfp4.GLOBAL_DIVISOR, bias, out_dtype, tokens, splits, arrivals, stored_weight
-    )
+    return w_scale

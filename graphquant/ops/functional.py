@@ -39,8 +39,8 @@ def quantized_linears_sharing_x(x, weights, biases, *, sites: tuple[Site, ...], 
     """quantized_linear's inference formula for linears that read one x (a SwiGLU's gate and up
     projections), each with its weight (quantized from its value at this call), bias, site and
     slot states (``states``: one tuple each), their weights of one dtype; a tuple of their
-    outputs. Several run their GEMMs in one launch of the decode GEMM, x quantized once
-    (passes/gemms_sharing_x.py: x's format keeps no state there)."""
+    outputs. Several run their GEMMs in one launch of the decode or mixed-input GEMM, x quantized
+    once (passes/gemms_sharing_x.py: x's format keeps no state there)."""
     for w, b, site in zip(weights, biases, sites):
         _same_dtype(site, input=x.dtype, weight=w.dtype, bias=_dtype(b))
     ys = inference_products(x.flatten(0, -2), weights, biases, sites, states, rng)
@@ -58,7 +58,7 @@ def quantized_frozen_linears_sharing_x(x, weights, shapes, dtype, biases, *, sit
     """quantized_frozen_linear of FrozenLinears that read one x (a SwiGLU's gate and up
     projections), each with its stored weight, logical shape, bias and site (their weights of one
     format and ``dtype``); a tuple of their outputs. Several run their GEMMs in one launch of the
-    decode GEMM, x quantized once (passes/gemms_sharing_x.py: x's format keeps no state there, so
+    decode or mixed-input GEMM, x quantized once (passes/gemms_sharing_x.py: x's format keeps no state there, so
     ``states`` and ``rng`` are the first site's)."""
     cast = autocast.dtype_for(x)
     if cast is not None:  # x, the biases and the output in autocast's dtype; the weights stay as stored

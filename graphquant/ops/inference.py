@@ -23,7 +23,7 @@ def inference_products(
     """[(1, m, n) = x2d @ w^T (+ bias)] for each weight of ``ws`` (of one dtype) with its bias,
     site and slot states, x and the weights quantized rowwise only, x once
     (quantized_weights_product: several weights that read one x run in one launch of the decode
-    GEMM, passes/gemms_sharing_x.py).
+    or mixed-input GEMM, passes/gemms_sharing_x.py).
 
     Each weight is quantized from its value at this call, never kept from an earlier one: PyTorch
     has no cheap sign that a tensor's memory was written (writes through ``.data`` move no version
@@ -59,9 +59,9 @@ def quantized_weights_product(
     """[(1, m, n) = x2d @ w^T (+ bias)] for each weight of ``ws`` with its bias and site, x
     quantized rowwise here, once, and each w already the rowwise operand of a weight of dtype
     ``w_dtype`` (made at this call, or stored by graphquant.freeze): one GEMM op for one weight;
-    for several, which the graph runs in one launch of the decode GEMM (passes/gemms_sharing_x.py,
-    x's format stateless there: ``states`` and ``rng`` are the first site's), one op for all
-    (graphquant::gemms_sharing_a, gemms_quantizing_a). Where the plan chose a GEMM that quantizes
+    for several, which the graph runs in one launch of the decode or mixed-input GEMM
+    (passes/gemms_sharing_x.py, x's format stateless there: ``states`` and ``rng`` are the first
+    site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a, mixed_input_gemms). Where the plan chose a GEMM that quantizes
     x itself, the graph takes the amaxes of x's rows alone where it needs them (a reduction
     Inductor fuses into x's producer) and hands x over in high precision, or (1x128 blocks)
     quantizes x by that GEMM's kernel in an op of its own; for the mixed-input GEMM, x's values are
@@ -110,14 +110,16 @@ def _products(
 def _mixed_input_products(
     x2d: torch.Tensor, x_quantizer: Quantizer, ws: Sequence[Operand], out_dtype: torch.dtype, labels: list[str], biases: list[Optional[torch.Tensor]]
 ) -> list[torch.Tensor]:
-    """x times each weight on the mixed-input GEMM, x's values made from x by one op
-    (graphquant::mixed_input_operand), with NVFP4's global amax taken beside x's producer."""
+    """x times each weight on the mixed-input GEMM, in one launch (graphquant::mixed_input_gemms),
+    x's values made from x by one op (graphquant::mixed_input_operand), with NVFP4's global amax
+    taken beside x's producer."""
     amax = mixed_input.x_amax(x2d, x_quantizer)
     values = torch.ops.graphquant.mixed_input_operand(x2d, amax, x_quantizer.spec)
-    return [
-        torch.ops.graphquant.mixed_input_gemm(values, amax, w.tensors, w.spec, w.direction, w.shape, out_dtype, label, bias, w.stored)
-        for w, label, bias in zip(ws, labels, biases, strict=True)
-    ]
+    tensors, spec, shapes = _weights(ws)
+    (stored,) = {w.stored for w in ws}
+    return torch.ops.graphquant.mixed_input_gemms(
+        values, amax, tensors, spec, ROWWISE, shapes, out_dtype, SITES_SEPARATOR.join(labels), biases, stored
+    )
 
 
 def _weights(ws: Sequence[Operand]) -> tuple[list[torch.Tensor], str, list[int]]:

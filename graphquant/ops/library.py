@@ -212,30 +212,33 @@ def _(x, amax, x_spec, b, b_spec, b_direction, b_shape, out_dtype, backend, site
     return x.new_empty((1, x.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
 
 
-@registry.op("mixed_input_gemm")
-def mixed_input_gemm(
+@registry.op("mixed_input_gemms")
+def mixed_input_gemms(
     values: torch.Tensor,
     a_amax: Optional[torch.Tensor],
     b: list[torch.Tensor],
     b_spec: str,
     b_direction: str,
-    b_shape: Sequence[int],
+    b_shapes: Sequence[int],
     out_dtype: torch.dtype,
-    site: str,
-    bias: Optional[torch.Tensor] = None,
+    sites: str,
+    biases: list[Optional[torch.Tensor]],
     stored_weight: bool = False,
-) -> torch.Tensor:
-    """(1, m, n) = A @ B^T (+ bias) on the mixed-input GEMM, which the plan chose for the GEMM
-    ``site`` names (graphquant.kernels.mixed_input): A given as its bf16 values in the kernel's
-    order (graphquant::mixed_input_operand, or mixed_input.operand of its representation) and,
-    for NVFP4, its global amax; ``stored_weight``: B is a frozen weight, which no kernel writes."""
-    rep = unflatten(b, b_spec, b_direction, b_shape, out_dtype)
-    return backends.mixed_input_gemm(values, a_amax, rep, out_dtype, site, bias, stored_weight).unsqueeze(0)
+) -> list[torch.Tensor]:
+    """[(1, m, n_i) = A @ B_i^T (+ bias_i)] on the mixed-input GEMM, which the plan chose for the
+    GEMMs ``sites`` names (graphquant.kernels.mixed_input), one launch for all: A given as its
+    bf16 values in the kernel's order (graphquant::mixed_input_operand, or mixed_input.operand of
+    its representation) and, for NVFP4, its global amax; the B's in the format ``b_spec`` and
+    direction ``b_direction``, flattened as graphquant::gemms_sharing_a's; ``stored_weight``: the
+    B's are frozen weights, which no kernel writes."""
+    bs = _weights(b, b_spec, b_shapes, out_dtype, b_direction)
+    outs = backends.mixed_input_gemm(values, a_amax, bs, out_dtype, sites.split(SITES_SEPARATOR), biases, stored_weight)
+    return [out.unsqueeze(0) for out in outs]
 
 
-@registry.fake("mixed_input_gemm")
-def _(values, a_amax, b, b_spec, b_direction, b_shape, out_dtype, site, bias=None, stored_weight=False):
-    return values.new_empty((1, values.shape[0], output_rows(b_direction, b_shape, 1)), dtype=out_dtype)
+@registry.fake("mixed_input_gemms")
+def _(values, a_amax, b, b_spec, b_direction, b_shapes, out_dtype, sites, biases, stored_weight=False):
+    return [values.new_empty((1, values.shape[0], output_rows(b_direction, b_shapes[2 * i : 2 * i + 2], 1)), dtype=out_dtype) for i in range(len(b_shapes) // 2)]
 
 
 @registry.op("mixed_input_operand")
@@ -345,9 +348,9 @@ def _(x, amax, x_spec, b, b_spec, b_shapes, out_dtype, backend, sites, biases):
     return [x.new_empty((1, x.shape[0], n), dtype=out_dtype) for n in b_shapes[::2]]
 
 
-def _weights(b: list[torch.Tensor], spec: str, shapes: Sequence[int], dtype: torch.dtype) -> list[Representation]:
-    """The rowwise Representations of several B's in the format ``spec``, given as their tensors
-    in turn (as many each) and their logical shapes flattened."""
+def _weights(b: list[torch.Tensor], spec: str, shapes: Sequence[int], dtype: torch.dtype, direction: str = ROWWISE) -> list[Representation]:
+    """The Representations (rowwise, or ``direction``) of several B's in the format ``spec``, given
+    as their tensors in turn (as many each) and their logical shapes flattened."""
     count = len(shapes) // 2
     each = len(b) // count
-    return [unflatten(b[i * each : (i + 1) * each], spec, ROWWISE, shapes[2 * i : 2 * i + 2], dtype) for i in range(count)]
+    return [unflatten(b[i * each : (i + 1) * each], spec, direction, shapes[2 * i : 2 * i + 2], dtype) for i in range(count)]

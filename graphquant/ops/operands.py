@@ -46,12 +46,13 @@ def gemm(
 
 
 def _mixed_input_gemm(a: Operand, b: Operand, out_dtype: torch.dtype, site: str, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """graphquant::mixed_input_gemm, A's values in the kernel's order made here in torch ops,
-    which Inductor compiles with the graph's other pointwise work."""
+    """graphquant::mixed_input_gemms of one B, A's values in the kernel's order made here in torch
+    ops, which Inductor compiles with the graph's other pointwise work."""
     rep = unflatten(a.tensors, a.spec, a.direction, a.shape, out_dtype)
-    return torch.ops.graphquant.mixed_input_gemm(
-        mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, b.shape, out_dtype, site, bias, b.stored
+    (out,) = torch.ops.graphquant.mixed_input_gemms(
+        mixed_input.operand(rep), mixed_input.a_amax(rep), b.tensors, b.spec, b.direction, list(b.shape), out_dtype, site, [bias], b.stored
     )
+    return out
 
 
 def save_columnwise(ctx, x_col: Optional[Operand], w_col: Optional[Operand], *others: Optional[torch.Tensor]) -> None:
