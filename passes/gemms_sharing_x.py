@@ -70,7 +70,7 @@ def _sharing_key(node: fx.Node) -> Optional[tuple]:
     if not (frozen or site.inference) or node.kwargs["states"][0] is not None or x_quantizer.stochastic or x_quantizer.keeps_state:
         return None
     weight_spec = site.quantizers[1].child(ROWWISE).spec
-    launch = _shared_launch(site, quantizer_of(weight_spec).gemm_input(ROWWISE).family, _rows(node.args[0]))
+    launch = _shared_launch(site, weight_spec, _rows(node.args[0]))
     # a frozen linear's call names its weight's dtype; a linear's weight is a node with its value
     dtype = node.args[3] if frozen else getattr(node.args[1].meta.get("example_value"), "dtype", None)
     if launch < 2 or dtype is None:
@@ -78,13 +78,14 @@ def _sharing_key(node: fx.Node) -> Optional[tuple]:
     return (launch, node.target, node.args[0], site.fprop, site.input, weight_spec, dtype, site.amax_group)
 
 
-def _shared_launch(site, family: str, rows: Optional[int]) -> int:
+def _shared_launch(site, weight_spec: str, rows: Optional[int]) -> int:
     """The most GEMMs that read one x the kernel the plan chose for ``site``'s fprop runs in a
-    launch at x's ``rows``, for a weight of ``family``: the decode GEMM's where it shares launches
-    for that family at those rows; the mixed-input GEMM's where x's values are made from x by one
-    op (quantized_weights_product hands them over once); else one."""
+    launch at x's ``rows``, for a weight in the format ``weight_spec``: the decode GEMM's where it
+    shares launches for the weight's family at those rows; the mixed-input GEMM's where x's values
+    are made from x by one op (quantized_weights_product hands them over once); else one."""
     triton_decode = backends.triton_decode
     if triton_decode is not None and site.fprop.name in (triton_decode.BACKEND, triton_decode.QUANTIZING_BACKEND):
+        family = quantizer_of(weight_spec).gemm_input(ROWWISE).family
         return triton_decode.SHARED_LAUNCH if triton_decode.shares_launch(family, rows) else 1
     if site.fprop.name == mixed_input.BACKEND and mixed_input.values_from_x(site.quantizers[0].child(ROWWISE)):
         return mixed_input.SHARED_LAUNCH
