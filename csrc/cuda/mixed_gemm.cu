@@ -570,6 +570,7 @@ void launch(const Args& args, const at::Tensor& x, const std::vector<WeightBytes
   const int64_t blocks = args.k / W::block;
   for (size_t i = 0; i < weights.size(); ++i) {
     const WeightBytes& w = weights[i];
+    if (w.n == 0) continue;  // no tile reads it (a map cannot describe no rows)
     maps.w[i] = tensor_map(what, w.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w.n, F == MXFP8 ? args.k : args.k / 2, w.stride, ROWS, W::code_bytes,
                            CU_TENSOR_MAP_SWIZZLE_NONE);
     maps.s[i] = W::row_major_scales
