@@ -20,7 +20,8 @@ decode row counts reading the weight is the whole cost, and H200 reads about 4.8
 from a few hundred rows on the products set the pace instead. --pairs: each weight also as two
 that read one activation (a SwiGLU's gate and up projections), "x2" rows: bf16 F.linear twice,
 and for the FP8 formats (MXFP8 and NVFP4 at one row) two decode GEMM launches against one
-(triton_decode.gemms_sharing_a), their speedup against bf16's two.
+(triton_decode.gemms_sharing_a), for MXFP8 and NVFP4 two launches of the mixed-input GEMM against
+one (mixed_input.multiply of both), their speedup against bf16's two.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ def _functions(x: torch.Tensor, w: torch.Tensor, formats: dict, pairs: bool) -> 
         if mixed and not planned_mixed:
             fns[f"wgmma mixed-input {name}"] = lambda v=values, amax=amax, b=b: mixed_input.multiply(v, amax, [b], torch.bfloat16)[0]
             weight_bytes[f"wgmma mixed-input {name}"] = nbytes(b.data, b.scale, b.amax)
+        if pairs and mixed:  # a second weight read with x: two launches of the mixed-input GEMM against one
+            b2 = qb(torch.randn_like(w) / 64, columnwise=False).get(ROWWISE)
+            for label, fn in (
+                ("two launches", lambda v=values, amax=amax, b=b, b2=b2: [mixed_input.multiply(v, amax, [one], torch.bfloat16) for one in (b, b2)]),
+                ("one launch", lambda v=values, amax=amax, b=b, b2=b2: mixed_input.multiply(v, amax, [b, b2], torch.bfloat16)),
+            ):
+                fns[f"wgmma mixed-input {name} x2, {label}"] = fn
+                weight_bytes[f"wgmma mixed-input {name} x2, {label}"] = 2 * nbytes(b.data, b.scale, b.amax)
         if m > triton_decode.MAX_ROWS[(qa.gemm_input(ROWWISE).family, qb.gemm_input(ROWWISE).family)]:
             continue
         fns[f"decode {name}"] = lambda a=a, b=b: triton_decode.gemm(a, b, torch.bfloat16)
