@@ -257,3 +257,18 @@ def test_one_launch_refuses_what_it_cannot_run():
     for message, (bs, biases) in refused.items():
         with pytest.raises(ValueError, match=message):
             mixed_input.multiply(values, None, bs, torch.bfloat16, biases)
+
+
+def test_the_shared_op_passes_opcheck(hopper, monkeypatch):
+    """graphquant::mixed_input_gemms (the kernel stood in for on this CPU): its fake's outputs, one
+    a weight, match the op's, and it registers no autograd of its own."""
+    monkeypatch.setattr(mixed_input, "multiply", mixed_input_stand_in([]))
+    quantizer = NVFP4Quantizer()
+    x = quantizer(torch.randn(16, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE)
+    ws = [quantizer(torch.randn(rows, 128).to(torch.bfloat16), columnwise=False).get(ROWWISE) for rows in (64, 32)]
+    args = (
+        mixed_input.operand(x), mixed_input.a_amax(x), [t for w in ws for t in w.tensors()], quantizer.spec, ROWWISE, [64, 128, 32, 128],
+        torch.bfloat16, "fc1#0 fprop, fc3#0 fprop", [None, torch.randn(32).to(torch.bfloat16)],
+    )
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.graphquant.mixed_input_gemms.default, args, test_utils=utils)
