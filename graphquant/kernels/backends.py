@@ -693,9 +693,10 @@ def mixed_input_gemm(
     for b, site, bias in zip(bs, sites, biases, strict=True):
         _check_bias(b, 1, site, bias)
     if not MIXED_INPUT_GEMM.available(values.device):
+        whose = "its" if len(sites) == 1 else "their"
         raise GemmMismatch(
-            f"{', '.join(sites)}: {'its' if len(sites) == 1 else 'their'} plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an sm_90 GPU; "
-            f"this call runs on {values.device}; the plan was made for another device"
+            f"{', '.join(sites)}: {whose} plan chose {mixed_input.BACKEND}, which needs graphquant's extension built for sm_90a and an "
+            f"sm_90 GPU; this call runs on {values.device}; the plan was made for another device"
         )
     return mixed_input.multiply(values, a_amax, bs, out_dtype, biases, stored_weight=stored_weight)
 

@@ -61,8 +61,8 @@ def quantized_weights_product(
     ``w_dtype`` (made at this call, or stored by graphquant.freeze): one GEMM op for one weight;
     for several, which the graph runs in one launch of the decode or mixed-input GEMM
     (passes/gemms_sharing_x.py, x's format stateless there: ``states`` and ``rng`` are the first
-    site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a, mixed_input_gemms). Where the plan chose a GEMM that quantizes
-    x itself, the graph takes the amaxes of x's rows alone where it needs them (a reduction
+    site's), one op for all (graphquant::gemms_sharing_a, gemms_quantizing_a, mixed_input_gemms).
+    Where the plan chose a GEMM that quantizes x itself, the graph takes the amaxes of x's rows alone where it needs them (a reduction
     Inductor fuses into x's producer) and hands x over in high precision, or (1x128 blocks)
     quantizes x by that GEMM's kernel in an op of its own; for the mixed-input GEMM, x's values are
     made from x by an op of their own."""

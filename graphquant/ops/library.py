@@ -238,7 +238,8 @@ def mixed_input_gemms(
 
 @registry.fake("mixed_input_gemms")
 def _(values, a_amax, b, b_spec, b_direction, b_shapes, out_dtype, sites, biases, stored_weight=False):
-    return [values.new_empty((1, values.shape[0], output_rows(b_direction, b_shapes[2 * i : 2 * i + 2], 1)), dtype=out_dtype) for i in range(len(b_shapes) // 2)]
+    rows = [output_rows(b_direction, b_shapes[i : i + 2], 1) for i in range(0, len(b_shapes), 2)]
+    return [values.new_empty((1, values.shape[0], n), dtype=out_dtype) for n in rows]
 
 
 @registry.op("mixed_input_operand")
