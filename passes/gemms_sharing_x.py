@@ -3,11 +3,11 @@
 A SwiGLU's gate and up projections read one activation, as an attention layer's q, k and v
 projections do. At decode sizes each GEMM's time is mostly its weight's bytes plus the ramp and
 tail of its launch; one launch whose grid covers all their weights pays the latter once, and
-splits K for their rows together: the decode GEMM's (graphquant.kernels.triton_decode.gemms_sharing_a,
-the bits of one GEMM over the weights stacked) or the mixed-input GEMM's
-(graphquant::mixed_input_gemms, the same: K split for all their tiles together). The pass makes that choice where
-the plan's choices allow it, so the graph (and its dump) carries it; frozen and per-call models
-make it alike, so they compute the same bits.
+splits K for their rows together, so that its outputs are the bits of one GEMM over the weights
+stacked: the decode GEMM's (graphquant.kernels.triton_decode.gemms_sharing_a) or the mixed-input
+GEMM's (graphquant::mixed_input_gemms). The pass makes that choice where the plan's choices allow
+it, so the graph (and its dump) carries it; frozen and per-call models make it alike, so they
+compute the same bits.
 
 Expects: a rewritten inference graph (passes/rewrite.py): frozen linears as calls of
 graphquant.ops.functional.quantized_frozen_linear, the others as calls of quantized_linear with
